@@ -1,0 +1,13 @@
+"""kvblock: user-space block storage for LLM KV caches."""
+
+from kvblock.devices import Device, create_file
+from kvblock.errors import KVBlockError
+from kvblock.io import IOBatch, engine_report, io_engine, open_engine
+from kvblock.memory import BufferPool, HostBuffer, aligned_empty
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KVBlockError", "Device", "create_file", "IOBatch", "open_engine", "io_engine",
+    "engine_report", "BufferPool", "HostBuffer", "aligned_empty", "__version__",
+]

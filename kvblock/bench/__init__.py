@@ -1,0 +1,1 @@
+"""Benchmarks that run through kvblock's own engines (see perf/ for fio comparisons)."""

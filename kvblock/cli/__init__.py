@@ -1,0 +1,1 @@
+"""The ``kvblock`` admin command."""

@@ -1,0 +1,151 @@
+"""``kvblock``: the operator's command for kvblock devices and stores.
+
+Every subcommand takes ``--json`` for scripts.  Errors print one line on
+stderr and exit with a code that names the kind of failure (see EXIT_CODES).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from kvblock import errors
+from kvblock.cli.units import SIZE
+
+# Exit codes: one per kind of failure, stable for scripts.  Order matters: the
+# first matching class wins, so subclasses come before their bases.
+EXIT_CODES: list[tuple[type, int]] = [
+    (errors.DeviceNotFoundError, 3),
+    (errors.DevicePermissionError, 4),
+    (errors.DeviceBusyError, 5),
+    (errors.UnsupportedDeviceError, 6),
+    (errors.DeviceTooSmallError, 7),
+    (errors.AlignmentError, 8),
+    (errors.ConfigError, 8),
+    (errors.IOFailedError, 9),
+    (errors.EngineUnavailableError, 10),
+    (errors.NativeLibraryError, 10),
+    (errors.DeviceError, 9),
+    (errors.KVBlockError, 1),
+]
+EXIT_INTERRUPTED = 130
+
+
+def exit_code_for(exc: BaseException) -> int:
+    for cls, code in EXIT_CODES:
+        if isinstance(exc, cls):
+            return code
+    return 1
+
+
+class KVBlockGroup(click.Group):
+    """Turns kvblock errors and Ctrl-C into one-line messages and exit codes."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except errors.KVBlockError as e:
+            click.echo(f"kvblock: error: {e}", err=True)
+            sys.exit(exit_code_for(e))
+        except KeyboardInterrupt:
+            click.echo("kvblock: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+
+
+@click.group(cls=KVBlockGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvblock")
+def cli():
+    """kvblock: KV-cache block storage on raw NVMe devices and files."""
+
+
+def _emit(obj: dict, as_json: bool, title: str) -> None:
+    if as_json:
+        click.echo(json.dumps(obj, indent=None, sort_keys=False))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_header=False)
+    for key, value in obj.items():
+        table.add_row(str(key), str(value))
+    Console().print(table)
+
+
+@cli.command()
+@click.argument("target")
+@click.option("--workload", type=click.Choice(["read", "write", "randread", "randwrite"]),
+              default="read", show_default=True, help="I/O pattern (fio's names).")
+@click.option("--bs", type=SIZE, default="1M", show_default=True, help="Bytes per I/O.")
+@click.option("--qd", type=click.IntRange(1, 4096), default=32, show_default=True,
+              help="I/Os in flight.")
+@click.option("--size", type=SIZE, default=None,
+              help="Bytes of the target to use (creates a file TARGET of this size if absent).")
+@click.option("--seconds", type=click.FloatRange(0.01), default=5.0, show_default=True)
+@click.option("--engine", type=click.Choice(["uring", "threads"]), default=None,
+              help="I/O engine (default: KVBLOCK_IO_ENGINE, else the best available).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def bench(target, workload, bs, qd, size, seconds, engine, as_json):
+    """Measure raw I/O on TARGET (a block device or file) through kvblock's engine.
+
+    Write workloads overwrite TARGET's contents.
+    """
+    from kvblock.bench.raw import as_dict, run_raw
+
+    result = _with_progress(
+        lambda progress: run_raw(target, workload, bs, qd, seconds, size, engine, progress),
+        f"{workload} {bs}B qd{qd}", seconds, quiet=as_json)
+    _emit(as_dict(result), as_json, f"kvblock bench {target}")
+
+
+def _with_progress(fn, label, total, *, quiet):
+    if quiet or not sys.stderr.isatty():
+        return fn(None)
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        return fn(lambda done, _total: bar.update(task, completed=done))
+
+
+@cli.command()
+@click.option("--path", default=".kvblock/selfcheck.img", show_default=True,
+              help="Scratch file (or device, with --yes) the check writes to.")
+@click.option("--size", type=SIZE, default="256M", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def selfcheck(path, size, as_json):
+    """Write random data through every I/O engine, read it back, compare, time it."""
+    from kvblock.bench.selfcheck import run_selfcheck
+
+    _emit(run_selfcheck(path, size), as_json, "kvblock selfcheck")
+
+
+@cli.command()
+@click.option("--path", default=".kvblock/demo.img", show_default=True,
+              help="Backing file of the embedded store (created on first use).")
+@click.option("--size", type=SIZE, default="512M", show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def demo(path, size, as_json):
+    """Run the main job on the embedded default target.
+
+    Today this is the I/O self-check (every engine writes, reads back and
+    compares) plus 1 MiB sequential and 64 KiB random read bandwidth.
+    """
+    from kvblock.bench.raw import as_dict, run_raw
+    from kvblock.bench.selfcheck import run_selfcheck
+
+    report = run_selfcheck(path, size)
+    for workload, bs in (("read", 1 << 20), ("randread", 64 << 10)):
+        r = as_dict(run_raw(path, workload, bs, 32, 2.0))
+        report[f"{workload} {bs >> 10} KiB qd32"] = (
+            f"{r['gib_per_s']:.2f} GiB/s, {r['iops']:.0f} IOPS, p99 {r['p99_us']:.0f} us")
+    _emit(report, as_json, "kvblock demo")
+
+
+def main(argv=None):
+    cli.main(args=argv, prog_name="kvblock")
+
+
+if __name__ == "__main__":
+    main()

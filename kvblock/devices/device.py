@@ -1,0 +1,283 @@
+"""Open a block device or regular file for direct I/O and probe what it is.
+
+Probing uses the kernel's own answers: BLKGETSIZE64 / BLKSSZGET / BLKPBSZGET
+ioctls and the queue attributes in sysfs for block devices, fstat and the
+filesystem for files.  Opening is exclusive by default (O_EXCL on block
+devices, which the kernel refuses while the device is mounted or opened
+exclusively by anyone else; an advisory flock on files) so two stores never
+write one device.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvblock.errors import (
+    AlignmentError,
+    DeviceBusyError,
+    DeviceError,
+    DeviceNotFoundError,
+    DevicePermissionError,
+    DeviceTooSmallError,
+    IOFailedError,
+    UnsupportedDeviceError,
+    strerror,
+)
+
+BLKGETSIZE64 = 0x80081272
+BLKSSZGET = 0x1268
+BLKPBSZGET = 0x127B
+BLKDISCARD = 0x1277
+# Files are addressed at 4 KiB: every filesystem block device kvblock meets has
+# a logical block size <= 4096, and 4 KiB is what GPUDirect Storage needs.
+FILE_BLOCK_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    path: str
+    kind: str                  # "block" or "file"
+    capacity: int              # bytes usable
+    logical_block_size: int    # alignment of offsets, lengths and buffers
+    physical_block_size: int
+    discard: bool              # TRIM/punch-hole supported
+    rotational: bool
+    model: str
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def create_file(path: str | os.PathLike, size: int) -> Path:
+    """Create (or grow) a pre-sized backing file of ``size`` bytes.
+
+    Space is reserved with posix_fallocate so later writes cannot fail with
+    ENOSPC half-way through a run.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise DeviceError(f"{path}: cannot reserve {size} bytes: {strerror(e.errno)}; "
+                                      "free space or choose a smaller size", path, e.errno) from e
+                os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    return path
+
+
+class Device:
+    """An open device.  ``fd`` is opened with O_DIRECT (and O_EXCL / flock).
+
+    Parameters
+    ----------
+    path : block device or regular file.
+    writable : open read-write (default) or read-only.
+    exclusive : refuse if another opener holds it exclusively (default True).
+    min_size : raise :class:`DeviceTooSmallError` below this many bytes.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, writable: bool = True,
+                 exclusive: bool = True, min_size: int = 0):
+        self.path = os.fspath(path)
+        self.writable = writable
+        self.fd = -1
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise DeviceNotFoundError(
+                f"{self.path}: no such device or file; check the path "
+                "(create a backing file with kvblock.devices.create_file or `truncate -s`)",
+                self.path, errno.ENOENT) from None
+        except PermissionError:
+            raise DevicePermissionError(
+                f"{self.path}: permission denied while looking it up; run as root or "
+                "grant access to the path", self.path, errno.EACCES) from None
+        if stat.S_ISBLK(st.st_mode):
+            self.kind = "block"
+        elif stat.S_ISREG(st.st_mode):
+            self.kind = "file"
+        else:
+            raise UnsupportedDeviceError(
+                f"{self.path}: not a block device or regular file "
+                f"({_describe_mode(st.st_mode)}); pass a raw device such as /dev/nvme0n1 "
+                "or a pre-sized file", self.path, errno.ENODEV)
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_DIRECT | os.O_CLOEXEC
+        if exclusive and self.kind == "block":
+            flags |= os.O_EXCL
+        try:
+            self.fd = os.open(self.path, flags)
+        except PermissionError:
+            raise DevicePermissionError(
+                f"{self.path}: permission denied opening for {'read-write' if writable else 'read'}"
+                "; run as root (raw devices) or add your user to the device's group",
+                self.path, errno.EACCES) from None
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                raise DeviceBusyError(
+                    f"{self.path}: device is busy (mounted, or opened exclusively by another "
+                    "store or program); unmount it or stop the other user", self.path,
+                    e.errno) from None
+            if e.errno == errno.EINVAL:
+                raise UnsupportedDeviceError(
+                    f"{self.path}: the filesystem refuses O_DIRECT; put the file on ext4/xfs "
+                    "or use a raw or loop device", self.path, e.errno) from None
+            raise DeviceError(f"{self.path}: cannot open: {strerror(e.errno)}",
+                              self.path, e.errno) from None
+        try:
+            if exclusive and self.kind == "file":
+                try:
+                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    raise DeviceBusyError(
+                        f"{self.path}: file is locked by another kvblock store; stop the "
+                        "other process or open it read-only", self.path, errno.EBUSY) from None
+            self.info = self._probe(st)
+            if self.info.capacity < min_size:
+                raise DeviceTooSmallError(
+                    f"{self.path}: {self.info.capacity} bytes, need at least {min_size}; "
+                    "use a larger device or grow the file", self.path, errno.ENOSPC)
+        except BaseException:
+            os.close(self.fd)
+            self.fd = -1
+            raise
+
+    # --- probing ---------------------------------------------------------------
+    def _probe(self, st: os.stat_result) -> DeviceInfo:
+        if self.kind == "block":
+            capacity = struct.unpack("Q", fcntl.ioctl(self.fd, BLKGETSIZE64, b"\0" * 8))[0]
+            lbs = struct.unpack("i", fcntl.ioctl(self.fd, BLKSSZGET, b"\0" * 4))[0]
+            pbs = struct.unpack("I", fcntl.ioctl(self.fd, BLKPBSZGET, b"\0" * 4))[0]
+            queue = _sysfs_queue(st.st_rdev)
+            discard = _read_int(queue / "discard_max_bytes") > 0 if queue else False
+            rotational = _read_int(queue / "rotational") == 1 if queue else False
+            model = ""
+            if queue:  # NVMe/SCSI model string, or the backing file of a loop device
+                model = (_read_str(queue.parent / "device" / "model")
+                         or _read_str(queue.parent / "loop" / "backing_file"))
+            return DeviceInfo(self.path, "block", capacity, lbs, pbs, discard, rotational, model)
+        capacity = st.st_size // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE
+        return DeviceInfo(self.path, "file", capacity, FILE_BLOCK_SIZE,
+                          max(FILE_BLOCK_SIZE, st.st_blksize), True, False, "file")
+
+    @property
+    def capacity(self) -> int:
+        return self.info.capacity
+
+    @property
+    def block_size(self) -> int:
+        return self.info.logical_block_size
+
+    # --- checks ----------------------------------------------------------------
+    def check_range(self, offset: int, length: int) -> None:
+        """Raise :class:`AlignmentError` / :class:`IOFailedError` for a request
+        this device cannot serve with O_DIRECT."""
+        bs = self.block_size
+        if offset % bs or length % bs:
+            raise AlignmentError(
+                f"{self.path}: offset {offset} / length {length} not aligned to the "
+                f"{bs}-byte logical block size; round to multiples of {bs}")
+        if offset < 0 or offset + length > self.capacity:
+            raise IOFailedError(
+                f"{self.path}: range [{offset}, {offset + length}) is outside the device "
+                f"(capacity {self.capacity} bytes)", self.path, errno.EINVAL, offset, length)
+
+    # --- maintenance -----------------------------------------------------------
+    def flush(self) -> None:
+        """Make written data durable (fdatasync: flushes the device write cache)."""
+        try:
+            os.fdatasync(self.fd)
+        except OSError as e:
+            raise IOFailedError(f"{self.path}: flush failed: {strerror(e.errno)}",
+                                self.path, e.errno) from None
+
+    def discard(self, offset: int, length: int) -> bool:
+        """Tell the device a range is free (TRIM / punch hole).  Returns False
+        when the device does not support it; the range is then left as is."""
+        self.check_range(offset, length)
+        if not self.info.discard or length == 0:
+            return False
+        try:
+            if self.kind == "block":
+                fcntl.ioctl(self.fd, BLKDISCARD, struct.pack("QQ", offset, length))
+            else:
+                _punch_hole(self.fd, offset, length)
+        except OSError as e:
+            if e.errno in (errno.EOPNOTSUPP, errno.ENOTTY, errno.EINVAL):
+                return False
+            raise IOFailedError(f"{self.path}: discard of [{offset}, {offset + length}) "
+                                f"failed: {strerror(e.errno)}", self.path, e.errno,
+                                offset, length) from None
+        return True
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
+
+    def __enter__(self) -> "Device":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{self.info.capacity} bytes"
+        return f"Device({self.path!r}, {self.kind}, {state})"
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+    if libc.fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE,
+                      ctypes.c_long(offset), ctypes.c_long(length)) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+
+
+def _sysfs_queue(rdev: int) -> Path | None:
+    base = Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}").resolve()
+    for candidate in (base / "queue", base.parent / "queue"):  # partitions use the parent's
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _read_int(path: Path) -> int:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return 0
+
+
+def _read_str(path: Path) -> str:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return ""
+
+
+def _describe_mode(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "an unsupported file type"

@@ -1,0 +1,88 @@
+"""The kvblock exception vocabulary.
+
+Every error kvblock raises on purpose derives from :class:`KVBlockError`, so a
+caller can catch the package's failures with one ``except``.  Subclasses name
+the kind of failure; messages name the device, the offset and the fix.
+
+A cache *miss* is not an error: lookups return counts, reads of absent keys
+return ``False``/``None``.  Exceptions are for bad input, broken devices and
+stores that cannot be served.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+import os
+
+
+class KVBlockError(Exception):
+    """Root of every error kvblock raises on purpose."""
+
+
+# --- configuration -----------------------------------------------------------
+class ConfigError(KVBlockError, ValueError):
+    """A setting or argument has a value kvblock cannot use."""
+
+
+# --- devices -----------------------------------------------------------------
+class DeviceError(KVBlockError, OSError):
+    """A device (block device or backing file) cannot be used as asked."""
+
+    def __init__(self, message: str, path: str | os.PathLike | None = None,
+                 errno: int | None = None):
+        OSError.__init__(self, errno if errno is not None else 0, message)
+        self.path = os.fspath(path) if path is not None else None
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DeviceNotFoundError(DeviceError, FileNotFoundError):
+    """The device path does not exist."""
+
+
+class DevicePermissionError(DeviceError, PermissionError):
+    """The process may not open the device (usually: not root)."""
+
+
+class UnsupportedDeviceError(DeviceError):
+    """The path is neither a block device nor a regular file."""
+
+
+class DeviceTooSmallError(DeviceError):
+    """The device has fewer bytes than the store or request needs."""
+
+
+class DeviceBusyError(DeviceError):
+    """Another process (or store) holds the device exclusively, or it is mounted."""
+
+
+class AlignmentError(KVBlockError, ValueError):
+    """An offset or length is not a multiple of the device's block size."""
+
+
+class IOFailedError(DeviceError):
+    """An I/O failed or transferred fewer bytes than asked (EIO, EINVAL, short read)."""
+
+    def __init__(self, message: str, path: str | None = None, errno: int | None = None,
+                 offset: int | None = None, length: int | None = None,
+                 failed: int = 1):
+        super().__init__(message, path, errno)
+        self.offset = offset
+        self.length = length
+        self.failed = failed
+
+
+class EngineUnavailableError(KVBlockError, RuntimeError):
+    """The requested I/O engine cannot run on this machine (e.g. io_uring disabled)."""
+
+
+class NativeLibraryError(KVBlockError, ImportError):
+    """The native core (libkvblock_io.so) is missing or does not match this package."""
+
+
+def strerror(code: int) -> str:
+    """``'EIO (Input/output error)'`` for an errno value."""
+    code = abs(int(code))
+    return f"{_errno.errorcode.get(code, str(code))} ({os.strerror(code)})"

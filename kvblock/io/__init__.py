@@ -1,0 +1,67 @@
+"""I/O engines: batched direct I/O into host memory.
+
+``uring`` (io_uring through the native core) is chosen when the kernel allows
+it, ``threads`` (pread/pwrite workers) otherwise.  ``KVBLOCK_IO_ENGINE=uring|
+threads|auto`` overrides the choice; :func:`io_engine` reports it.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from typing import Sequence
+
+from kvblock.errors import ConfigError, EngineUnavailableError
+from kvblock.io.batch import IOBatch
+from kvblock.io.engine import OP_READ, OP_WRITE, IOEngine, IOResult
+
+ENGINES = ("uring", "threads")
+
+__all__ = ["IOBatch", "IOEngine", "IOResult", "OP_READ", "OP_WRITE", "ENGINES",
+           "io_engine", "engine_report", "open_engine"]
+
+
+@lru_cache(maxsize=1)
+def _uring_probe() -> tuple[bool, str]:
+    from kvblock.io.uring import probe
+
+    return probe()
+
+
+def _requested(kind: str | None) -> str:
+    kind = (kind or os.environ.get("KVBLOCK_IO_ENGINE") or "auto").strip().lower()
+    if kind not in ENGINES + ("auto",):
+        raise ConfigError(f"unknown I/O engine {kind!r} (KVBLOCK_IO_ENGINE); choose one of "
+                          "uring, threads, auto")
+    return kind
+
+
+def engine_report(kind: str | None = None) -> dict:
+    """Which engine :func:`open_engine` picks here, and why."""
+    kind = _requested(kind)
+    ok, reason = _uring_probe()
+    if kind == "threads":
+        return {"engine": "threads", "reason": "requested (KVBLOCK_IO_ENGINE=threads)"}
+    if kind == "uring" and not ok:
+        raise EngineUnavailableError(f"KVBLOCK_IO_ENGINE=uring but {reason}; "
+                                     "unset it to fall back to the threads engine")
+    if ok:
+        return {"engine": "uring", "reason": "requested" if kind == "uring" else reason}
+    return {"engine": "threads", "reason": f"fallback: {reason}"}
+
+
+def io_engine(kind: str | None = None) -> str:
+    """Name of the engine in use on this machine: ``"uring"`` or ``"threads"``."""
+    return engine_report(kind)["engine"]
+
+
+def open_engine(devices: Sequence, kind: str | None = None, **kwargs) -> IOEngine:
+    """An engine over ``devices`` (a sequence of :class:`kvblock.devices.Device`)."""
+    name = io_engine(kind)
+    if name == "uring":
+        from kvblock.io.uring import UringEngine
+
+        return UringEngine(devices, **kwargs)
+    from kvblock.io.threads import ThreadEngine
+
+    return ThreadEngine(devices, **kwargs)

@@ -1,0 +1,196 @@
+"""What every I/O engine does around its native call: validate a batch
+(vectorised), route unaligned host buffers through aligned staging memory,
+split oversized requests, and turn per-I/O results into one clear exception.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from kvblock.devices import Device
+from kvblock.errors import AlignmentError, ConfigError, IOFailedError, strerror
+from kvblock.io.batch import DEFAULT_MAX_IO, IOBatch
+from kvblock.memory.aligned import HostBuffer
+
+OP_READ, OP_WRITE = 0, 1
+_OP_NAME = {OP_READ: "read", OP_WRITE: "write"}
+
+
+@dataclass
+class IOResult:
+    """Outcome of a batch: bytes per I/O and, when asked for, latency per I/O."""
+
+    nbytes: int
+    latency_ns: np.ndarray | None = None
+
+
+class IOEngine:
+    """Base class; subclasses implement :meth:`_run`.
+
+    An engine serves a fixed device table: device index ``i`` in a batch means
+    ``devices[i]``.  Methods may be called from several threads at once.
+    """
+
+    name = "base"
+
+    def __init__(self, devices: Sequence[Device], *, queue_depth: int = 32,
+                 max_io: int = DEFAULT_MAX_IO):
+        if queue_depth < 1:
+            raise ConfigError(f"queue_depth must be >= 1, got {queue_depth}")
+        self.devices = list(devices)
+        self.queue_depth = int(queue_depth)
+        self.max_io = int(max_io)
+        self.fds = np.array([d.fd for d in self.devices], dtype=np.int32)
+        self._block = np.array([d.block_size for d in self.devices], dtype=np.uint64)
+        self._capacity = np.array([d.capacity for d in self.devices], dtype=np.uint64)
+        self._local = threading.local()
+        self.closed = False
+
+    # --- public ------------------------------------------------------------------
+    def read(self, batch: IOBatch, *, qd: int | None = None, latency: bool = False) -> IOResult:
+        """Read every entry of ``batch`` into its host buffer; raise on any failure."""
+        return self.submit(OP_READ, batch, qd=qd, latency=latency)
+
+    def write(self, batch: IOBatch, *, qd: int | None = None, latency: bool = False) -> IOResult:
+        """Write every entry of ``batch`` from its host buffer; raise on any failure."""
+        return self.submit(OP_WRITE, batch, qd=qd, latency=latency)
+
+    def read_into(self, dev: int, offset: int, buffer) -> None:
+        """Read ``len(buffer)`` bytes at ``offset`` into any writable buffer."""
+        view = _as_bytes(buffer, writable=True)
+        self.read(IOBatch.single(_address(view), dev, offset, view.size))
+
+    def write_from(self, dev: int, offset: int, buffer) -> None:
+        """Write the bytes of any buffer at ``offset``."""
+        view = _as_bytes(buffer, writable=False)
+        self.write(IOBatch.single(_address(view), dev, offset, view.size))
+
+    def flush(self) -> None:
+        for d in self.devices:
+            d.flush()
+
+    def submit(self, op: int, batch: IOBatch, *, qd: int | None = None,
+               latency: bool = False) -> IOResult:
+        if self.closed:
+            raise ConfigError(f"{self.name} engine is closed")
+        n = len(batch)
+        if n == 0:
+            return IOResult(0, np.empty(0, np.int64) if latency else None)
+        self._validate(batch)
+        run, parent = batch.split(self.max_io)
+        staged = self._stage(op, run)
+        m = len(run)
+        results = np.empty(m, dtype=np.int64)
+        lat = np.empty(m, dtype=np.int64) if latency else None
+        self._run(op, run if staged is None else staged[0], min(qd or self.queue_depth, m),
+                  results, lat)
+        bad = results != run.lens.astype(np.int64)
+        if bad.any():
+            self._raise(op, run, results, bad)
+        if staged is not None and op == OP_READ:
+            staged[1]()
+        return IOResult(batch.nbytes, lat)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # --- for subclasses ----------------------------------------------------------------
+    def _run(self, op: int, batch: IOBatch, qd: int, results: np.ndarray,
+             latency: np.ndarray | None) -> None:
+        raise NotImplementedError
+
+    # --- helpers -----------------------------------------------------------------------
+    def _path(self, dev: int) -> str:
+        return self.devices[dev].path if 0 <= dev < len(self.devices) else f"<device #{dev}>"
+
+    def _validate(self, b: IOBatch) -> None:
+        if (b.devs >= len(self.devices)).any():
+            dev = int(b.devs[b.devs >= len(self.devices)][0])
+            raise ConfigError(f"device index {dev} out of range: this engine has "
+                              f"{len(self.devices)} device(s)")
+        bs = self._block[b.devs]
+        misaligned = (b.offsets % bs != 0) | (b.lens % bs != 0) | (b.lens == 0)
+        if misaligned.any():
+            i = int(np.argmax(misaligned))
+            dev = int(b.devs[i])
+            raise AlignmentError(
+                f"{self._path(dev)}: offset {int(b.offsets[i])} / length {int(b.lens[i])} is not "
+                f"a non-zero multiple of the {int(bs[i])}-byte logical block size; round "
+                f"offsets and lengths to {int(bs[i])} bytes")
+        beyond = b.offsets + b.lens > self._capacity[b.devs]
+        if beyond.any():
+            i = int(np.argmax(beyond))
+            dev = int(b.devs[i])
+            raise IOFailedError(
+                f"{self._path(dev)}: range [{int(b.offsets[i])}, {int(b.offsets[i] + b.lens[i])}) "
+                f"ends past the device's {int(self._capacity[dev])} bytes", self._path(dev), 22,
+                int(b.offsets[i]), int(b.lens[i]))
+
+    def _stage(self, op: int, b: IOBatch):
+        """Route entries whose host address is not block-aligned through aligned
+        staging memory (slow path: one memmove per such entry).  Returns None
+        when every address is aligned, else (staged batch, copy-back callable)."""
+        unaligned = np.nonzero(b.addrs % self._block[b.devs] != 0)[0]
+        if unaligned.size == 0:
+            return None
+        sizes = b.lens[unaligned]
+        total = int(sizes.sum())
+        staging = getattr(self._local, "staging", None)
+        if staging is None or staging.nbytes < total:
+            if staging is not None:
+                staging.close()
+            staging = self._local.staging = HostBuffer(total, register=False)
+        homes = (np.cumsum(sizes) - sizes + np.uint64(staging.address)).astype(np.uint64)
+        addrs = b.addrs.copy()
+        addrs[unaligned] = homes
+        pairs = list(zip(b.addrs[unaligned].tolist(), homes.tolist(), sizes.tolist()))
+        if op == OP_WRITE:
+            for user, home, size in pairs:
+                ctypes.memmove(home, user, size)
+
+        def copy_back():
+            for user, home, size in pairs:
+                ctypes.memmove(user, home, size)
+
+        return IOBatch(addrs, b.devs, b.offsets, b.lens), copy_back
+
+    def _raise(self, op: int, b: IOBatch, results: np.ndarray, bad: np.ndarray):
+        i = int(np.argmax(bad))
+        dev, off, length, res = int(b.devs[i]), int(b.offsets[i]), int(b.lens[i]), int(results[i])
+        path = self._path(dev)
+        count = int(bad.sum())
+        more = f" ({count} of {len(b)} I/Os failed)" if count > 1 else ""
+        if res < 0:
+            raise IOFailedError(
+                f"{_OP_NAME[op]} of {length} bytes at offset {off} on {path} failed: "
+                f"{strerror(-res)}{more}", path, -res, off, length, count)
+        raise IOFailedError(
+            f"short {_OP_NAME[op]} at offset {off} on {path}: {res} of {length} bytes "
+            f"(end of device, or the device shrank){more}", path, 5, off, length, count)
+
+
+def _as_bytes(buffer, *, writable: bool) -> np.ndarray:
+    try:
+        arr = np.frombuffer(buffer, dtype=np.uint8) if not isinstance(buffer, np.ndarray) else buffer
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or not arr.flags.c_contiguous:
+        raise ConfigError("buffer must be a C-contiguous numpy array or writable bytes-like object")
+    if writable and not arr.flags.writeable:
+        raise ConfigError("read target buffer is read-only")
+    return arr.reshape(-1).view(np.uint8)
+
+
+def _address(arr: np.ndarray) -> int:
+    return int(arr.ctypes.data)

@@ -1,0 +1,78 @@
+"""cffi (ABI mode) binding of the native core built from native/ by CMake.
+
+The declarations below mirror native/kvblock_io.h; ``kvb_abi_version`` guards
+against a stale library left over from an older build.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+from cffi import FFI
+
+from kvblock.errors import NativeLibraryError
+
+ABI_VERSION = 1
+LIB_NAME = "libkvblock_io.so"
+
+CDEF = """
+typedef struct kvb_ring kvb_ring;
+kvb_ring *kvb_ring_create(unsigned entries, int *err);
+void kvb_ring_destroy(kvb_ring *ring);
+int kvb_ring_set_files(kvb_ring *ring, const int *fds, unsigned n);
+int kvb_ring_set_buffers(kvb_ring *ring, const uint64_t *addrs, const uint64_t *lens, unsigned n);
+int64_t kvb_ring_run(kvb_ring *ring, int op, uint64_t n, const uint64_t *addrs,
+                     const uint32_t *devs, const uint64_t *offsets, const uint64_t *lens,
+                     unsigned qd, int64_t *results, int64_t *latency_ns);
+int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *devs,
+                    const int *fds, unsigned nfds, const uint64_t *offsets,
+                    const uint64_t *lens, int64_t *results, int64_t *latency_ns,
+                    uint64_t *cursor);
+int kvb_abi_version(void);
+"""
+
+ffi = FFI()
+ffi.cdef(CDEF)
+
+
+def _candidates() -> list[Path]:
+    env = os.environ.get("KVBLOCK_NATIVE_LIB")
+    found = [Path(env)] if env else []
+    here = Path(__file__).resolve().parent.parent  # the kvblock package
+    found.append(here / "_native" / LIB_NAME)
+    # Editable installs put the built library in site-packages, not next to the source.
+    found += [Path(p) / "kvblock" / "_native" / LIB_NAME for p in sys.path if p]
+    return found
+
+
+@lru_cache(maxsize=1)
+def lib():
+    """The loaded native library (raises :class:`NativeLibraryError`)."""
+    tried = []
+    for path in _candidates():
+        if path.is_file():
+            try:
+                handle = ffi.dlopen(str(path))
+            except OSError as e:
+                tried.append(f"{path} ({e})")
+                continue
+            version = handle.kvb_abi_version()
+            if version != ABI_VERSION:
+                raise NativeLibraryError(
+                    f"{path}: native ABI version {version}, this package needs {ABI_VERSION}; "
+                    "rebuild with `pip install -e .` (or `make install`)")
+            return handle
+        tried.append(str(path))
+    raise NativeLibraryError(
+        f"{LIB_NAME} not found (looked in: {', '.join(tried[:4])}); build it with "
+        "`pip install -e .` (needs cmake and liburing-dev), or set KVBLOCK_NATIVE_LIB")
+
+
+def ptr(ctype: str, array):
+    """A cffi pointer to a contiguous numpy array's data (or NULL for None)."""
+    if array is None:
+        return ffi.NULL
+    return ffi.cast(ctype, array.ctypes.data)

@@ -1,0 +1,37 @@
+"""Fallback engine for machines where io_uring cannot be used (seccomp,
+io_uring_disabled, old kernels): ``qd`` worker threads run pread/pwrite with
+O_DIRECT in C, claiming I/Os from a shared cursor; no Python per I/O."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from kvblock.io import native
+from kvblock.io.batch import IOBatch
+from kvblock.io.engine import IOEngine
+
+
+class ThreadEngine(IOEngine):
+    name = "threads"
+
+    def __init__(self, devices, **kwargs):
+        super().__init__(devices, **kwargs)
+        native.lib()  # fail early, with a clear error, if the library is missing
+        self._pool = ThreadPoolExecutor(max_workers=self.queue_depth,
+                                        thread_name_prefix="kvblock-io")
+
+    def _run(self, op, batch: IOBatch, qd, results, latency) -> None:
+        lib, p = native.lib(), native.ptr
+        cursor = native.ffi.new("uint64_t *", 0)
+        args = (op, len(batch), p("uint64_t *", batch.addrs), p("uint32_t *", batch.devs),
+                p("int *", self.fds), len(self.fds), p("uint64_t *", batch.offsets),
+                p("uint64_t *", batch.lens), p("int64_t *", results), p("int64_t *", latency),
+                cursor)
+        workers = [self._pool.submit(lib.kvb_pio_run, *args) for _ in range(min(qd, len(batch)))]
+        for w in workers:
+            w.result()
+
+    def close(self) -> None:
+        if not self.closed:
+            super().close()
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,79 @@
+"""A pool of equal-sized page-aligned buffers cut from one pre-faulted arena.
+
+Used as staging memory wherever a caller's buffer is not aligned for O_DIRECT,
+and as the I/O buffers of benchmarks and the store.  One arena means one
+fixed-buffer registration with io_uring.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+import numpy as np
+
+from kvblock.errors import ConfigError, KVBlockError
+from kvblock.memory.aligned import PAGE_SIZE, HostBuffer, round_up
+
+
+class PoolExhaustedError(KVBlockError, TimeoutError):
+    """No buffer became free within the timeout."""
+
+
+class BufferPool:
+    """``count`` buffers of ``buffer_bytes`` (rounded up to a page) each."""
+
+    def __init__(self, buffer_bytes: int, count: int):
+        if buffer_bytes <= 0 or count <= 0:
+            raise ConfigError(
+                f"BufferPool needs positive buffer_bytes and count, got {buffer_bytes} x {count}")
+        self.buffer_bytes = round_up(int(buffer_bytes), PAGE_SIZE)
+        self.count = int(count)
+        self.arena = HostBuffer(self.buffer_bytes * self.count)
+        self._free = list(range(self.count - 1, -1, -1))
+        self._cond = threading.Condition()
+
+    def address_of(self, index: int) -> int:
+        return self.arena.address + index * self.buffer_bytes
+
+    def view(self, index: int, nbytes: int | None = None) -> np.ndarray:
+        start = index * self.buffer_bytes
+        return self.arena.array[start:start + (nbytes or self.buffer_bytes)]
+
+    def acquire(self, timeout: float | None = None) -> int:
+        """Take a free buffer index, waiting up to ``timeout`` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout=timeout):
+                raise PoolExhaustedError(
+                    f"all {self.count} buffers of {self.buffer_bytes} bytes are in use; "
+                    "release buffers or create a larger pool")
+            return self._free.pop()
+
+    def release(self, index: int) -> None:
+        with self._cond:
+            self._free.append(index)
+            self._cond.notify()
+
+    @contextlib.contextmanager
+    def buffer(self, timeout: float | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """``with pool.buffer() as (index, view):`` — released on exit."""
+        index = self.acquire(timeout)
+        try:
+            yield index, self.view(index)
+        finally:
+            self.release(index)
+
+    @property
+    def free(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+    def close(self) -> None:
+        self.arena.close()
+
+    def __enter__(self) -> "BufferPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

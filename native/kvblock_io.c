@@ -1,0 +1,245 @@
+/* kvblock native I/O core; see kvblock_io.h for the contract. */
+#define _GNU_SOURCE
+#include "kvblock_io.h"
+
+#include <errno.h>
+#include <liburing.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define KVB_ABI_VERSION 1
+#define KVB_MAX_BUFS 64
+
+struct kvb_ring {
+    struct io_uring ring;
+    unsigned entries;
+    int fixed_files;          /* 1 when the device table is registered */
+    unsigned nfds;
+    int *fds;                 /* device table (plain fds when not fixed) */
+    unsigned nbufs;
+    uint64_t buf_start[KVB_MAX_BUFS];
+    uint64_t buf_end[KVB_MAX_BUFS];
+};
+
+static inline int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+int kvb_abi_version(void) { return KVB_ABI_VERSION; }
+
+kvb_ring *kvb_ring_create(unsigned entries, int *err)
+{
+    kvb_ring *r = calloc(1, sizeof(*r));
+    if (!r) {
+        *err = -ENOMEM;
+        return NULL;
+    }
+    struct io_uring_params p;
+    memset(&p, 0, sizeof(p));
+    /* COOP_TASKRUN avoids IPIs for completions; older kernels refuse it. */
+    p.flags = IORING_SETUP_COOP_TASKRUN;
+    int ret = io_uring_queue_init_params(entries, &r->ring, &p);
+    if (ret == -EINVAL) {
+        memset(&p, 0, sizeof(p));
+        ret = io_uring_queue_init_params(entries, &r->ring, &p);
+    }
+    if (ret < 0) {
+        free(r);
+        *err = ret;
+        return NULL;
+    }
+    r->entries = p.sq_entries;
+    *err = 0;
+    return r;
+}
+
+void kvb_ring_destroy(kvb_ring *r)
+{
+    if (!r)
+        return;
+    io_uring_queue_exit(&r->ring);
+    free(r->fds);
+    free(r);
+}
+
+int kvb_ring_set_files(kvb_ring *r, const int *fds, unsigned n)
+{
+    if (r->fixed_files) {
+        io_uring_unregister_files(&r->ring);
+        r->fixed_files = 0;
+    }
+    free(r->fds);
+    r->fds = NULL;
+    r->nfds = 0;
+    if (n == 0)
+        return 0;
+    r->fds = malloc(sizeof(int) * n);
+    if (!r->fds)
+        return -ENOMEM;
+    memcpy(r->fds, fds, sizeof(int) * n);
+    r->nfds = n;
+    int ret = io_uring_register_files(&r->ring, fds, n);
+    if (ret == 0)
+        r->fixed_files = 1;
+    return ret;
+}
+
+int kvb_ring_set_buffers(kvb_ring *r, const uint64_t *addrs, const uint64_t *lens,
+                         unsigned n)
+{
+    if (r->nbufs) {
+        io_uring_unregister_buffers(&r->ring);
+        r->nbufs = 0;
+    }
+    if (n == 0)
+        return 0;
+    if (n > KVB_MAX_BUFS)
+        return -E2BIG;
+    struct iovec iov[KVB_MAX_BUFS];
+    for (unsigned i = 0; i < n; i++) {
+        iov[i].iov_base = (void *)(uintptr_t)addrs[i];
+        iov[i].iov_len = lens[i];
+    }
+    int ret = io_uring_register_buffers(&r->ring, iov, n);
+    if (ret < 0)
+        return ret;
+    for (unsigned i = 0; i < n; i++) {
+        r->buf_start[i] = addrs[i];
+        r->buf_end[i] = addrs[i] + lens[i];
+    }
+    r->nbufs = n;
+    return 0;
+}
+
+/* Index of the registered region holding [addr, addr+len), or -1. */
+static inline int find_buf(const kvb_ring *r, uint64_t addr, uint64_t len)
+{
+    for (unsigned i = 0; i < r->nbufs; i++)
+        if (addr >= r->buf_start[i] && addr + len <= r->buf_end[i])
+            return (int)i;
+    return -1;
+}
+
+static void prep_one(kvb_ring *r, struct io_uring_sqe *sqe, int op, uint64_t addr,
+                     uint32_t dev, uint64_t off, uint64_t len)
+{
+    int fd = r->fixed_files ? (int)dev : r->fds[dev];
+    int bi = find_buf(r, addr, len);
+    void *buf = (void *)(uintptr_t)addr;
+    if (bi >= 0) {
+        if (op == KVB_OP_READ)
+            io_uring_prep_read_fixed(sqe, fd, buf, (unsigned)len, off, bi);
+        else
+            io_uring_prep_write_fixed(sqe, fd, buf, (unsigned)len, off, bi);
+    } else {
+        if (op == KVB_OP_READ)
+            io_uring_prep_read(sqe, fd, buf, (unsigned)len, off);
+        else
+            io_uring_prep_write(sqe, fd, buf, (unsigned)len, off);
+    }
+    if (r->fixed_files)
+        sqe->flags |= IOSQE_FIXED_FILE;
+}
+
+int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
+                     const uint32_t *devs, const uint64_t *offsets,
+                     const uint64_t *lens, unsigned qd, int64_t *results,
+                     int64_t *latency_ns)
+{
+    if (qd == 0 || qd > r->entries)
+        qd = r->entries;
+    for (uint64_t i = 0; i < n; i++) {
+        if (devs[i] >= r->nfds)
+            return -EBADF;
+    }
+    uint64_t next = 0, done = 0;
+    unsigned inflight = 0;
+    int64_t failed = 0;
+    struct io_uring_cqe *cqes[256];
+
+    while (done < n) {
+        /* Fill the queue up to qd. */
+        unsigned queued = 0;
+        while (next < n && inflight + queued < qd) {
+            struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
+            if (!sqe)
+                break;
+            prep_one(r, sqe, op, addrs[next], devs[next], offsets[next], lens[next]);
+            io_uring_sqe_set_data64(sqe, next);
+            if (latency_ns)
+                latency_ns[next] = now_ns();
+            next++;
+            queued++;
+        }
+        int ret = io_uring_submit_and_wait(&r->ring, 1);
+        if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
+            /* Ring broke: drain what we can, fail the rest. */
+            for (uint64_t i = next; i < n; i++)
+                results[i] = -ECANCELED;
+            return ret;
+        }
+        inflight += queued;
+        unsigned got = io_uring_peek_batch_cqe(&r->ring, cqes, 256);
+        int64_t t = latency_ns && got ? now_ns() : 0;
+        for (unsigned k = 0; k < got; k++) {
+            uint64_t i = io_uring_cqe_get_data64(cqes[k]);
+            results[i] = cqes[k]->res;
+            if (cqes[k]->res < 0)
+                failed++;
+            if (latency_ns)
+                latency_ns[i] = t - latency_ns[i];
+        }
+        io_uring_cq_advance(&r->ring, got);
+        inflight -= got;
+        done += got;
+    }
+    return failed;
+}
+
+int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *devs,
+                    const int *fds, unsigned nfds, const uint64_t *offsets,
+                    const uint64_t *lens, int64_t *results, int64_t *latency_ns,
+                    uint64_t *cursor)
+{
+    int64_t failed = 0;
+    for (;;) {
+        uint64_t i = __atomic_fetch_add(cursor, 1, __ATOMIC_RELAXED);
+        if (i >= n)
+            break;
+        if (devs[i] >= nfds) {
+            results[i] = -EBADF;
+            failed++;
+            continue;
+        }
+        int64_t t0 = latency_ns ? now_ns() : 0;
+        int fd = fds[devs[i]];
+        char *buf = (char *)(uintptr_t)addrs[i];
+        uint64_t left = lens[i], off = offsets[i], total = 0;
+        int64_t res = 0;
+        while (left > 0) {
+            ssize_t got = op == KVB_OP_READ ? pread(fd, buf + total, left, off + total)
+                                            : pwrite(fd, buf + total, left, off + total);
+            if (got < 0) {
+                if (errno == EINTR)
+                    continue;
+                res = -errno;
+                break;
+            }
+            if (got == 0)
+                break; /* end of device: short transfer */
+            total += (uint64_t)got;
+            left -= (uint64_t)got;
+        }
+        results[i] = res < 0 ? res : (int64_t)total;
+        if (res < 0)
+            failed++;
+        if (latency_ns)
+            latency_ns[i] = now_ns() - t0;
+    }
+    return failed;
+}

@@ -1,0 +1,62 @@
+/*
+ * kvblock native I/O core: batched direct I/O over io_uring, with a
+ * pread/pwrite worker fallback.  The whole public surface is this header;
+ * kvblock/io/native.py declares exactly these symbols to cffi (ABI mode).
+ *
+ * A batch is four parallel arrays of n entries (buffer address, device index,
+ * byte offset, length).  One call submits the whole batch, keeps at most `qd`
+ * I/Os in flight (refilling as completions arrive) and reaps completions in C.
+ * Per-I/O outcome goes to results[i]: bytes transferred (>= 0) or -errno.
+ * Callers compare results with lengths to find short transfers.
+ *
+ * Threading: a kvb_ring is used by one thread at a time (kvblock keeps one
+ * ring per thread).  kvb_pio_run may be called from many threads at once on
+ * the same batch; they share work through the atomic cursor.
+ */
+#ifndef KVBLOCK_IO_H
+#define KVBLOCK_IO_H
+
+#include <stdint.h>
+#include <stddef.h>
+
+#define KVB_OP_READ 0
+#define KVB_OP_WRITE 1
+
+typedef struct kvb_ring kvb_ring;
+
+/* Create a ring with `entries` submission slots.  Returns NULL and sets *err
+ * to a negative errno when io_uring is unavailable (ENOSYS, EPERM, ...). */
+kvb_ring *kvb_ring_create(unsigned entries, int *err);
+void kvb_ring_destroy(kvb_ring *ring);
+
+/* Register the device table; afterwards device index i means fds[i].  Falls
+ * back to plain fds (returns the negative errno, ring still usable) when the
+ * kernel refuses fixed files. */
+int kvb_ring_set_files(kvb_ring *ring, const int *fds, unsigned n);
+
+/* Register host memory regions for fixed-buffer I/O.  An I/O whose buffer lies
+ * wholly inside a registered region uses READ_FIXED/WRITE_FIXED.  Returns 0 or
+ * the negative errno (ring still usable with unregistered buffers). */
+int kvb_ring_set_buffers(kvb_ring *ring, const uint64_t *addrs,
+                         const uint64_t *lens, unsigned n);
+
+/* Run a batch to completion.  latency_ns may be NULL.  Returns the number of
+ * I/Os whose result is negative, or a negative errno when the ring itself
+ * failed (then results of unfinished I/Os are -ECANCELED). */
+int64_t kvb_ring_run(kvb_ring *ring, int op, uint64_t n, const uint64_t *addrs,
+                     const uint32_t *devs, const uint64_t *offsets,
+                     const uint64_t *lens, unsigned qd, int64_t *results,
+                     int64_t *latency_ns);
+
+/* Fallback engine body: claim I/Os from *cursor until the batch is done and
+ * run each with pread/pwrite (looping over partial transfers).  Returns the
+ * number of failed I/Os this caller ran. */
+int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs,
+                    const uint32_t *devs, const int *fds, unsigned nfds,
+                    const uint64_t *offsets, const uint64_t *lens,
+                    int64_t *results, int64_t *latency_ns, uint64_t *cursor);
+
+/* Version of this ABI; bumped on any signature change. */
+int kvb_abi_version(void);
+
+#endif

@@ -1,0 +1,59 @@
+"""Fixtures: real targets for direct I/O.
+
+``target`` is parametrised over a loop device (root only; skipped with the
+reason otherwise) and a plain pre-sized file, so every I/O test runs on both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+
+from tests.support import loopdev
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def loop_device(request):
+    """Factory: ``loop_device(size)`` -> /dev/loopN, detached after the test."""
+    ok, why = loopdev.can_make_loop_devices()
+    if not ok:
+        pytest.skip(why)
+    stack = contextlib.ExitStack()
+    request.addfinalizer(stack.close)
+    return lambda size=64 * MIB: stack.enter_context(loopdev.loop_device(size))
+
+
+@pytest.fixture
+def file_target(tmp_path):
+    """Factory: ``file_target(size)`` -> path of a pre-sized file on disk."""
+    count = iter(range(1_000_000))
+
+    def make(size=64 * MIB, name=None):
+        path = tmp_path / (name or f"target{next(count)}.img")
+        with open(path, "wb") as f:
+            f.truncate(size)
+        return str(path)
+
+    return make
+
+
+@pytest.fixture(params=["loop", "file"])
+def target(request, tmp_path):
+    """Factory returning a fresh target path of the parametrised kind."""
+    if request.param == "loop":
+        return request.getfixturevalue("loop_device")
+    return request.getfixturevalue("file_target")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_leaked_loop_devices():
+    yield
+    if os.geteuid() == 0:
+        leaked = loopdev.attached_to(loopdev.backing_dir())
+        for dev in leaked:
+            loopdev.detach(dev)
+        assert not leaked, f"tests left loop devices attached: {leaked}"

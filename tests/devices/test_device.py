@@ -1,0 +1,162 @@
+"""Opening and probing devices, and the errors for every kind of bad target."""
+
+import errno
+import os
+import socket
+import subprocess
+
+import pytest
+
+from kvblock.devices import Device, create_file
+from kvblock.errors import (
+    AlignmentError,
+    DeviceBusyError,
+    DeviceError,
+    DeviceNotFoundError,
+    DevicePermissionError,
+    DeviceTooSmallError,
+    IOFailedError,
+    KVBlockError,
+    UnsupportedDeviceError,
+)
+
+MIB = 1 << 20
+
+
+def test_probe_loop_device(loop_device):
+    dev_path = loop_device(32 * MIB)
+    with Device(dev_path) as dev:
+        assert dev.kind == "block"
+        assert dev.capacity == 32 * MIB
+        assert dev.block_size in (512, 4096)
+        assert dev.info.physical_block_size >= dev.block_size
+        assert dev.info.model.startswith("/dev/shm/") or dev.info.model  # loop backing file
+        assert isinstance(dev.info.discard, bool)
+
+
+def test_probe_file(file_target):
+    path = file_target(10 * MIB + 100)  # a partial last block is not usable
+    with Device(path) as dev:
+        assert dev.kind == "file"
+        assert dev.capacity == 10 * MIB
+        assert dev.block_size == 4096
+        assert dev.info.discard
+
+
+def test_create_file_reserves_space(tmp_path):
+    path = create_file(tmp_path / "sub" / "store.img", 8 * MIB)
+    assert os.path.getsize(path) == 8 * MIB
+    assert os.stat(path).st_blocks * 512 >= 8 * MIB  # allocated, not sparse
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "nope.img"
+    with pytest.raises(DeviceNotFoundError) as exc:
+        Device(missing)
+    assert str(missing) in str(exc.value) and "no such device" in str(exc.value)
+    assert isinstance(exc.value, KVBlockError) and exc.value.errno == errno.ENOENT
+
+
+def test_directory_is_unsupported(tmp_path):
+    with pytest.raises(UnsupportedDeviceError, match="not a block device or regular file.*directory"):
+        Device(tmp_path)
+
+
+def test_char_device_and_socket_are_unsupported(tmp_path):
+    with pytest.raises(UnsupportedDeviceError, match="character device"):
+        Device("/dev/null")
+    sock_path = tmp_path / "s.sock"
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(sock_path))
+    try:
+        with pytest.raises(UnsupportedDeviceError, match="socket"):
+            Device(sock_path)
+    finally:
+        s.close()
+
+
+def test_too_small(file_target):
+    path = file_target(1 * MIB)
+    with pytest.raises(DeviceTooSmallError, match=r"1048576 bytes, need at least 2097152"):
+        Device(path, min_size=2 * MIB)
+
+
+def test_permission_denied_for_non_root(file_target):
+    path = file_target(1 * MIB)
+    os.chmod(path, 0o400)
+    if os.geteuid() == 0:
+        # root ignores mode bits: check as an unprivileged user in a child process
+        code = ("import sys\nfrom kvblock.devices import Device\n"
+                "from kvblock.errors import DevicePermissionError\n"
+                "try:\n    Device(sys.argv[1])\nexcept DevicePermissionError as e:\n"
+                "    print('denied:', e)\n")
+        os.chmod(os.path.dirname(path), 0o755)
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                              _python(), "-c", code, path], capture_output=True, text=True)
+        assert "denied:" in out.stdout and "run as root" in out.stdout, out.stderr
+    else:
+        with pytest.raises(DevicePermissionError, match="run as root"):
+            Device(path)
+
+
+def _python():
+    import sys
+
+    return sys.executable
+
+
+def test_exclusive_file_lock(file_target):
+    path = file_target(1 * MIB)
+    with Device(path):
+        with pytest.raises(DeviceBusyError, match="locked by another kvblock store"):
+            Device(path)
+    with Device(path):  # released on close
+        pass
+
+
+def test_exclusive_block_device(loop_device):
+    dev_path = loop_device(8 * MIB)
+    with Device(dev_path):
+        with pytest.raises(DeviceBusyError, match="busy"):
+            Device(dev_path)
+
+
+def test_mounted_block_device_is_busy(loop_device, tmp_path):
+    dev_path = loop_device(32 * MIB)
+    subprocess.run(["mkfs.ext4", "-q", "-F", dev_path], check=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", dev_path, str(mnt)], check=True)
+    try:
+        with pytest.raises(DeviceBusyError, match="mounted"):
+            Device(dev_path)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_check_range(file_target):
+    with Device(file_target(1 * MIB)) as dev:
+        dev.check_range(0, 4096)
+        with pytest.raises(AlignmentError, match="4096-byte logical block size"):
+            dev.check_range(100, 4096)
+        with pytest.raises(AlignmentError):
+            dev.check_range(0, 1000)
+        with pytest.raises(IOFailedError, match="outside the device"):
+            dev.check_range(MIB, 4096)
+
+
+def test_discard_zeroes_file_range(file_target):
+    path = file_target(1 * MIB)
+    with open(path, "r+b") as f:
+        f.write(b"\xab" * MIB)
+    with Device(path) as dev:
+        assert dev.discard(0, 65536)
+    with open(path, "rb") as f:
+        assert f.read(65536) == b"\0" * 65536
+        assert f.read(4096) == b"\xab" * 4096
+
+
+def test_errors_are_oserrors_too(tmp_path):
+    with pytest.raises(OSError):
+        Device(tmp_path / "missing")
+    assert issubclass(DeviceError, KVBlockError)

@@ -1,0 +1,82 @@
+"""Engine choice: io_uring when the kernel allows it, the thread engine when a
+seccomp profile forbids io_uring_setup, and KVBLOCK_IO_ENGINE to override."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import kvblock
+from kvblock.errors import ConfigError, EngineUnavailableError
+from tests.support import seccomp
+
+CHILD = r"""
+import json, sys
+from tests.support.seccomp import block_io_uring
+block_io_uring()
+import numpy as np
+import kvblock
+from kvblock import Device, HostBuffer, IOBatch, open_engine
+out = {"report": kvblock.engine_report()}
+try:
+    with Device(sys.argv[1]) as dev, open_engine([dev]) as eng, HostBuffer(65536) as a, \
+            HostBuffer(65536) as b:
+        a.array[:] = np.arange(65536) % 251
+        eng.write(IOBatch.single(a.address, 0, 0, 65536))
+        eng.read(IOBatch.single(b.address, 0, 0, 65536))
+        out["engine"] = eng.name
+        out["equal"] = bool((a.array == b.array).all())
+except kvblock.KVBlockError as e:
+    out["error"] = type(e).__name__ + ": " + str(e)
+print(json.dumps(out))
+"""
+
+
+def _child(path, **env):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", CHILD, path], capture_output=True, text=True,
+                         cwd=root, env={**os.environ, **env}, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_auto_selects_uring_here():
+    report = kvblock.engine_report("auto")
+    assert report["engine"] in ("uring", "threads")
+    if report["engine"] == "threads":
+        assert report["reason"].startswith("fallback: io_uring_setup failed")
+
+
+@pytest.mark.skipif(not seccomp.supported(), reason="seccomp filter written for Linux x86_64/arm64")
+def test_seccomp_blocked_io_uring_falls_back_to_threads(file_target):
+    out = _child(file_target(1 << 20), KVBLOCK_IO_ENGINE="auto")
+    assert out["report"]["engine"] == "threads"
+    assert out["report"]["reason"] == "fallback: io_uring_setup failed: ENOSYS (Function not implemented)"
+    assert out["engine"] == "threads" and out["equal"] is True
+
+
+@pytest.mark.skipif(not seccomp.supported(), reason="seccomp filter written for Linux x86_64/arm64")
+def test_forcing_uring_when_blocked_is_a_clear_error(file_target):
+    res = subprocess.run(
+        [sys.executable, "-c", "from tests.support.seccomp import block_io_uring\n"
+         "block_io_uring()\nimport kvblock\nkvblock.io_engine()"],
+        capture_output=True, text=True, env={**os.environ, "KVBLOCK_IO_ENGINE": "uring"},
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert res.returncode != 0
+    assert "EngineUnavailableError: KVBLOCK_IO_ENGINE=uring but io_uring_setup failed: ENOSYS" \
+        in res.stderr
+
+
+def test_env_override(monkeypatch):
+    monkeypatch.setenv("KVBLOCK_IO_ENGINE", "threads")
+    assert kvblock.io_engine() == "threads"
+    assert "requested" in kvblock.engine_report()["reason"]
+    monkeypatch.setenv("KVBLOCK_IO_ENGINE", "spdk")
+    with pytest.raises(ConfigError, match="unknown I/O engine 'spdk'.*uring, threads, auto"):
+        kvblock.io_engine()
+
+
+def test_unavailable_error_is_kvblock_error():
+    assert issubclass(EngineUnavailableError, kvblock.KVBlockError)

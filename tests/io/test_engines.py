@@ -1,0 +1,167 @@
+"""Every engine: bytes written come back identical, across devices, batch shapes
+and threads; bad requests raise typed errors naming device, offset, length."""
+
+import errno
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvblock.devices import Device
+from kvblock.errors import AlignmentError, ConfigError, IOFailedError
+from kvblock.io import ENGINES, IOBatch, open_engine
+from kvblock.io.uring import probe
+from kvblock.memory import HostBuffer
+
+MIB = 1 << 20
+
+
+@pytest.fixture(params=ENGINES)
+def engine_name(request):
+    if request.param == "uring" and not probe()[0]:
+        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
+    return request.param
+
+
+def _random(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_scattered_batch_round_trip(engine_name, target):
+    path = target(16 * MIB)
+    with Device(path) as dev, open_engine([dev], engine_name, queue_depth=8) as eng:
+        rng = np.random.default_rng(1)
+        n, io = 300, 16384
+        slots = rng.permutation(16 * MIB // io)[:n]
+        offsets = slots.astype(np.uint64) * io
+        with HostBuffer(n * io) as src, HostBuffer(n * io) as dst:
+            src.array[:] = _random(n * io)
+            addrs = np.arange(n, dtype=np.uint64) * io
+            res = eng.write(IOBatch(addrs + src.address, 0, offsets, io), latency=True)
+            assert res.nbytes == n * io and res.latency_ns.shape == (n,)
+            assert (res.latency_ns > 0).all()
+            eng.flush()
+            # read back in a different order than written
+            order = rng.permutation(n)
+            eng.read(IOBatch(addrs[order] + dst.address, 0, offsets[order], io))
+            assert np.array_equal(dst.array, src.array)
+    # and what is on the medium is what we wrote (independent reader)
+    with open(path, "rb") as f:
+        f.seek(int(offsets[5]))
+        assert f.read(io) == src_bytes_at(5, io)
+
+
+def src_bytes_at(i, io):
+    return _random(300 * io)[i * io:(i + 1) * io].tobytes()
+
+
+def test_two_devices_in_one_batch(engine_name, target):
+    paths = [target(4 * MIB), target(4 * MIB)]
+    with Device(paths[0]) as d0, Device(paths[1]) as d1, \
+            open_engine([d0, d1], engine_name) as eng, HostBuffer(2 * MIB) as src, \
+            HostBuffer(2 * MIB) as dst:
+        src.array[:] = _random(2 * MIB, 2)
+        addrs = np.array([0, MIB], dtype=np.uint64)
+        eng.write(IOBatch(addrs + src.address, [0, 1], [MIB, 2 * MIB], MIB))
+        eng.read(IOBatch(addrs + dst.address, [1, 0], [2 * MIB, MIB], MIB))
+        assert np.array_equal(dst.array[:MIB], src.array[MIB:])
+        assert np.array_equal(dst.array[MIB:], src.array[:MIB])
+
+
+def test_large_io_is_split_and_correct(engine_name, file_target):
+    with Device(file_target(32 * MIB)) as dev, \
+            open_engine([dev], engine_name, max_io=MIB) as eng, \
+            HostBuffer(20 * MIB + 4096) as src, HostBuffer(20 * MIB + 4096) as dst:
+        src.array[:] = _random(src.nbytes, 3)
+        eng.write(IOBatch.single(src.address, 0, 4096, src.nbytes))
+        eng.read(IOBatch.single(dst.address, 0, 4096, dst.nbytes))
+        assert np.array_equal(src.array, dst.array)
+
+
+def test_unaligned_user_buffers_are_staged(engine_name, target):
+    with Device(target(4 * MIB)) as dev, open_engine([dev], engine_name) as eng:
+        raw = bytearray(3 * 65536 + 7)
+        payload = memoryview(raw)[7:7 + 3 * 65536]
+        payload[:] = _random(3 * 65536, 4).tobytes()
+        eng.write_from(0, 65536, payload)
+        back = np.zeros(3 * 65536 + 3, dtype=np.uint8)[3:]  # misaligned numpy view
+        assert back.ctypes.data % 4096 != 0
+        eng.read_into(0, 65536, back)
+        assert back.tobytes() == bytes(payload)
+
+
+def test_concurrent_threads_share_one_engine(engine_name, target):
+    with Device(target(16 * MIB)) as dev, open_engine([dev], engine_name, queue_depth=4) as eng:
+        errors = []
+
+        def worker(k):
+            try:
+                with HostBuffer(MIB) as src, HostBuffer(MIB) as dst:
+                    for rep in range(5):
+                        src.array[:] = _random(MIB, k * 10 + rep)
+                        off = (k * 4 + rep % 4) * MIB
+                        eng.write(IOBatch.contiguous(src.address, 0, off, MIB, 65536))
+                        eng.read(IOBatch.contiguous(dst.address, 0, off, MIB, 65536))
+                        assert np.array_equal(src.array, dst.array)
+            except Exception as e:  # surfaced below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+
+
+def test_misaligned_offset_or_length(engine_name, file_target):
+    with Device(file_target(MIB)) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(8192) as buf:
+        with pytest.raises(AlignmentError, match=r"offset 100 / length 4096.*4096-byte"):
+            eng.read(IOBatch.single(buf.address, 0, 100, 4096))
+        with pytest.raises(AlignmentError, match=r"length 1000"):
+            eng.read(IOBatch.single(buf.address, 0, 0, 1000))
+        with pytest.raises(AlignmentError):
+            eng.read(IOBatch.single(buf.address, 0, 0, 0))
+
+
+def test_out_of_range_and_bad_device_index(engine_name, file_target):
+    path = file_target(MIB)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(8192) as buf:
+        with pytest.raises(IOFailedError, match=rf"{path}: range \[1044480, 1052672\)") as exc:
+            eng.read(IOBatch.single(buf.address, 0, MIB - 4096, 8192))
+        assert exc.value.offset == MIB - 4096 and exc.value.length == 8192
+        with pytest.raises(ConfigError, match="device index 3 out of range"):
+            eng.read(IOBatch.single(buf.address, 3, 0, 4096))
+
+
+def test_short_read_is_reported(engine_name, file_target):
+    path = file_target(MIB)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(65536) as buf:
+        os.truncate(path, 8192)  # the file shrinks under the open device
+        with pytest.raises(IOFailedError, match=rf"short read at offset 4096 on {path}: "
+                                               r"4096 of 65536 bytes") as exc:
+            eng.read(IOBatch.single(buf.address, 0, 4096, 65536))
+        assert exc.value.path == path and exc.value.length == 65536
+
+
+def test_native_reports_per_io_errno(engine_name, file_target):
+    """A kernel error (EBADF: writing a device opened read-only) comes back per
+    I/O from C and becomes one error naming device, offset and length."""
+    path = file_target(MIB)
+    with Device(path, writable=False) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(2 * 4096) as buf:
+        with pytest.raises(IOFailedError, match=rf"write of 4096 bytes at offset 8192 on {path} "
+                                               r"failed: EBADF.*\(2 of 2 I/Os failed\)") as exc:
+            eng.write(IOBatch(np.array([buf.address, buf.address + 4096]), 0, [8192, 12288], 4096))
+        assert exc.value.errno == errno.EBADF
+        assert (exc.value.offset, exc.value.length, exc.value.failed) == (8192, 4096, 2)
+
+
+def test_closed_engine_refuses(engine_name, file_target):
+    with Device(file_target(MIB)) as dev:
+        eng = open_engine([dev], engine_name)
+        eng.close()
+        with pytest.raises(ConfigError, match="closed"):
+            eng.read(IOBatch.single(0, 0, 0, 4096))

@@ -1,0 +1,67 @@
+import threading
+
+import numpy as np
+import pytest
+
+from kvblock.errors import ConfigError
+from kvblock.memory import PAGE_SIZE, BufferPool, HostBuffer, aligned_empty
+from kvblock.memory import registry
+from kvblock.memory.pool import PoolExhaustedError
+
+
+def test_host_buffer_is_aligned_and_registered():
+    with HostBuffer(10_000) as buf:
+        assert buf.address % PAGE_SIZE == 0
+        assert buf.array.size == 10_000
+        _, regions = registry.snapshot()
+        assert (buf.address, 3 * PAGE_SIZE) in regions
+    _, regions = registry.snapshot()
+    assert all(addr != buf.address for addr, _ in regions)
+
+
+def test_numpy_and_torch_views_share_memory():
+    torch = pytest.importorskip("torch")
+    with HostBuffer(4 * PAGE_SIZE) as buf:
+        f = buf.numpy(np.float32, shape=(4, PAGE_SIZE // 4))
+        t = buf.torch(torch.float32, shape=(4, PAGE_SIZE // 4))
+        f[1, 3] = 2.5
+        assert t[1, 3].item() == 2.5
+        t[2, 0] = -1.0
+        assert f[2, 0] == -1.0
+        assert t.data_ptr() == buf.address
+        del f, t
+
+
+def test_aligned_empty():
+    a = aligned_empty((3, 1000), np.float16)
+    assert a.ctypes.data % PAGE_SIZE == 0
+    assert a.shape == (3, 1000) and a.dtype == np.float16
+    a[:] = 1
+    assert a.sum() == 3000
+
+
+def test_bad_size():
+    with pytest.raises(ConfigError):
+        HostBuffer(0)
+    with pytest.raises(ConfigError):
+        BufferPool(4096, 0)
+
+
+def test_pool_acquire_release_and_exhaustion():
+    with BufferPool(5000, 2) as pool:
+        assert pool.buffer_bytes == 2 * PAGE_SIZE
+        a = pool.acquire()
+        b = pool.acquire()
+        assert {a, b} == {0, 1}
+        assert pool.address_of(1) - pool.address_of(0) == pool.buffer_bytes
+        assert pool.address_of(a) % PAGE_SIZE == 0
+        with pytest.raises(PoolExhaustedError, match="all 2 buffers"):
+            pool.acquire(timeout=0.01)
+        threading.Timer(0.05, pool.release, args=(a,)).start()
+        assert pool.acquire(timeout=2) == a
+        pool.release(a)
+        pool.release(b)
+        with pool.buffer() as (idx, view):
+            view[:] = 7
+            assert view.size == pool.buffer_bytes
+        assert pool.free == 2
