@@ -86,3 +86,37 @@ def strerror(code: int) -> str:
     """``'EIO (Input/output error)'`` for an errno value."""
     code = abs(int(code))
     return f"{_errno.errorcode.get(code, str(code))} ({os.strerror(code)})"
+
+
+# --- stores --------------------------------------------------------------------
+class FormatError(KVBlockError):
+    """On-device metadata is missing, corrupt or of another kind."""
+
+    def __init__(self, message: str, path: str | None = None, offset: int | None = None):
+        super().__init__(message)
+        self.path = path
+        self.offset = offset
+
+
+class NotAStoreError(FormatError):
+    """No valid kvblock superblock on the device (never formatted, or both copies corrupt)."""
+
+
+class UnsupportedVersionError(FormatError):
+    """The store was written by a kvblock with another on-device format version."""
+
+
+class GeometryMismatchError(FormatError):
+    """The store was formatted for another KV geometry or model fingerprint."""
+
+
+class MissingDeviceError(FormatError):
+    """A device of a multi-device store is absent, or a device belongs to another store."""
+
+
+class StoreFullError(KVBlockError):
+    """No space can be reclaimed: every region holds pinned runs, or the run is too large."""
+
+
+class StoreClosedError(KVBlockError):
+    """The store was closed (or crashed under fault injection); reopen it."""

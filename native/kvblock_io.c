@@ -62,6 +62,13 @@ void kvb_ring_destroy(kvb_ring *r)
 {
     if (!r)
         return;
+    /* Drop the ring's file references now: ring teardown is asynchronous in
+     * the kernel, and a lingering reference would keep the device's O_EXCL
+     * claim (or a file's flock) alive after the store has closed. */
+    if (r->fixed_files)
+        io_uring_unregister_files(&r->ring);
+    if (r->nbufs)
+        io_uring_unregister_buffers(&r->ring);
     io_uring_queue_exit(&r->ring);
     free(r->fds);
     free(r);

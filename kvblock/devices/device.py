@@ -223,6 +223,10 @@ class Device:
 
     def close(self) -> None:
         if self.fd >= 0:
+            if self.kind == "file":
+                # Release the lock explicitly: an io_uring that registered this
+                # fd may hold the open file (and so the lock) a moment longer.
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = -1
 

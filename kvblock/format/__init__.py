@@ -1,0 +1,7 @@
+"""On-device structures: superblock, journal records, checkpoints.
+
+Every structure is fixed little-endian with a checksum; each module pins its
+byte layout in a golden test.  Bump FORMAT_VERSION on any layout change.
+"""
+
+FORMAT_VERSION = 1

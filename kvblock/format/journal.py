@@ -1,0 +1,157 @@
+"""Metadata journal records.
+
+The journal is an append-only area on device 0.  Each commit writes one or
+more records and pads to the next journal block (4 KiB); records carry
+consecutive sequence numbers, so replay stops at the first record that is
+torn, corrupt, or older than the checkpoint (a stale record left from before
+the journal was restarted).  Records also carry the journal's epoch (the
+generation of the checkpoint it follows): records left on the medium by an
+earlier epoch, even with a matching sequence number, are never replayed.
+
+Record layout (little-endian; bump FORMAT_VERSION when changing it)::
+
+    0   I  magic 0x4A42564B ("KVBJ")   8   I  payload bytes
+    4   H  type                        12  I  0
+    6   H  0                           16  Q  epoch
+                                       24  Q  sequence
+                                       32  Q  xxh64(header with this field 0 + payload)
+    40  payload, zero-padded to a multiple of 8
+
+Payloads:
+    PUT_RUN (1):  Q run_id, I region, I region generation, Q byte offset in region,
+                  I blocks, I ranges, then blocks x 16-byte keys, ranges x Q checksums
+    DROP_RUN (2): Q run_id
+    RECLAIM (3):  I region, I new generation
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvblock.format.checksum import meta_checksum
+
+MAGIC = 0x4A42564B
+BLOCK = 4096
+KEY_BYTES = 16
+
+PUT_RUN, DROP_RUN, RECLAIM = 1, 2, 3
+
+_HEADER = struct.Struct("<IHHIIQQQ")
+_PUT = struct.Struct("<QIIQII")
+_DROP = struct.Struct("<Q")
+_RECLAIM = struct.Struct("<II")
+assert _HEADER.size == 40
+
+
+@dataclass(frozen=True)
+class PutRun:
+    run_id: int
+    region: int
+    generation: int
+    offset: int
+    keys: bytes          # nblocks * 16 bytes, in token order
+    checksums: tuple     # one per (layer, head group) range
+
+    @property
+    def nblocks(self) -> int:
+        return len(self.keys) // KEY_BYTES
+
+
+@dataclass(frozen=True)
+class DropRun:
+    run_id: int
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    region: int
+    generation: int
+
+
+Record = PutRun | DropRun | Reclaim
+
+
+def _payload(rec: Record) -> tuple[int, bytes]:
+    if isinstance(rec, PutRun):
+        sums = np.asarray(rec.checksums, dtype="<u8").tobytes()
+        return PUT_RUN, _PUT.pack(rec.run_id, rec.region, rec.generation, rec.offset,
+                                  rec.nblocks, len(rec.checksums)) + rec.keys + sums
+    if isinstance(rec, DropRun):
+        return DROP_RUN, _DROP.pack(rec.run_id)
+    if isinstance(rec, Reclaim):
+        return RECLAIM, _RECLAIM.pack(rec.region, rec.generation)
+    raise TypeError(f"not a journal record: {rec!r}")
+
+
+def encode_record(rec: Record, seq: int, epoch: int) -> bytes:
+    kind, payload = _payload(rec)
+    payload += bytes(-len(payload) % 8)
+    header = _HEADER.pack(MAGIC, kind, 0, len(payload), 0, epoch, seq, 0)
+    crc = meta_checksum(header + payload)
+    return _HEADER.pack(MAGIC, kind, 0, len(payload), 0, epoch, seq, crc) + payload
+
+
+def encode_commit(records: list[Record], first_seq: int, epoch: int) -> bytes:
+    """The bytes of one commit: records with consecutive sequence numbers,
+    zero-padded to a whole number of journal blocks."""
+    data = b"".join(encode_record(r, first_seq + i, epoch) for i, r in enumerate(records))
+    return data + bytes(-len(data) % BLOCK)
+
+
+def _decode_payload(kind: int, payload: bytes) -> Record | None:
+    if kind == PUT_RUN and len(payload) >= _PUT.size:
+        run_id, region, gen, offset, nblocks, ranges = _PUT.unpack_from(payload)
+        end = _PUT.size + nblocks * KEY_BYTES + ranges * 8
+        if nblocks == 0 or ranges == 0 or end > len(payload):
+            return None
+        keys = payload[_PUT.size:_PUT.size + nblocks * KEY_BYTES]
+        sums = np.frombuffer(payload, dtype="<u8", count=ranges,
+                             offset=_PUT.size + nblocks * KEY_BYTES)
+        return PutRun(run_id, region, gen, offset, keys, tuple(int(x) for x in sums))
+    if kind == DROP_RUN and len(payload) >= _DROP.size:
+        return DropRun(*_DROP.unpack_from(payload))
+    if kind == RECLAIM and len(payload) >= _RECLAIM.size:
+        return Reclaim(*_RECLAIM.unpack_from(payload))
+    return None
+
+
+def scan(data: bytes | memoryview, expected_seq: int,
+         epoch: int) -> tuple[list[Record], int, int]:
+    """Parse journal bytes from their start.
+
+    Returns (records, end offset rounded to a block, next sequence number).
+    Stops at the first position that holds no valid record with the expected
+    sequence; zero padding after a commit is skipped to the next block.
+    """
+    data = memoryview(data)
+    pos, seq, records, end = 0, expected_seq, [], 0
+    while pos + _HEADER.size <= len(data):
+        magic, kind, _, length, _, repoch, rseq, crc = _HEADER.unpack_from(data, pos)
+        if magic != MAGIC:
+            nxt = (pos // BLOCK + 1) * BLOCK
+            if pos % BLOCK == 0 or not _is_zero(data[pos:nxt]):
+                break  # a block that starts without a record: end of the log
+            pos = nxt
+            continue
+        stop = pos + _HEADER.size + length
+        if repoch != epoch or rseq != seq or length % 8 or stop > len(data):
+            break
+        header = _HEADER.pack(MAGIC, kind, 0, length, 0, repoch, rseq, 0)
+        payload = bytes(data[pos + _HEADER.size:stop])
+        if meta_checksum(header + payload) != crc:
+            break
+        rec = _decode_payload(kind, payload)
+        if rec is None:
+            break
+        records.append(rec)
+        seq += 1
+        pos = stop
+        end = -(-pos // BLOCK) * BLOCK
+    return records, end, seq
+
+
+def _is_zero(view) -> bool:
+    return not any(bytes(view))

@@ -1,0 +1,146 @@
+"""The superblock: what a device holds, written twice at the start of every device.
+
+Layout (4096 bytes, little-endian; bump FORMAT_VERSION when changing it)::
+
+    0    8s  magic "KVBLKSB\\0"        120  Q  created (ns since epoch)
+    8    I   format version            128  I  num_layers
+    12   I   header bytes (4096)       132  I  num_kv_heads
+    16   16s store uuid                136  I  head_dim
+    32   16s device uuid               140  I  block_tokens
+    48   H   device index              144  I  head_groups
+    50   H   device count              148  B  dtype code, B kv_parts, H 0
+    52   I   alignment                 152  32s model fingerprint
+    56   Q   device bytes used         184  Q  superblock sequence
+    64   Q   region size               192  32 x 16s device uuids
+    72   I   regions on this device    704  ... zero
+    76   I   flags (bit 0: clean)      4088 Q  xxh64 of bytes [0, 4088)
+    80   Q   data offset
+    88   Q   journal offset   96 Q journal bytes   (device 0 only)
+    104  Q   checkpoint offset 112 Q checkpoint slot bytes (device 0 only)
+
+Copy A sits at byte 0, copy B at byte 4096.  A reader takes the valid copy
+with the highest sequence; both invalid means "not a kvblock device".
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field, replace
+
+from kvblock.errors import NotAStoreError, UnsupportedVersionError
+from kvblock.format import FORMAT_VERSION
+from kvblock.format.checksum import meta_checksum
+from kvblock.layout.geometry import DTYPE_BY_CODE, DTYPES, Geometry
+
+MAGIC = b"KVBLKSB\0"
+SIZE = 4096
+COPY_OFFSETS = (0, 4096)
+MAX_DEVICES = 32
+FLAG_CLEAN = 1
+
+_HEAD = struct.Struct("<8sII16s16sHHIQQIIQQQQQQIIIIIBBH32sQ")
+_UUIDS = struct.Struct("<" + "16s" * MAX_DEVICES)
+_UUIDS_AT = 192
+_CRC = struct.Struct("<Q")
+_CRC_AT = SIZE - 8
+assert _HEAD.size == 192
+
+
+@dataclass(frozen=True)
+class Superblock:
+    store_uuid: bytes
+    device_uuid: bytes
+    device_index: int
+    device_count: int
+    alignment: int
+    device_bytes: int
+    region_size: int
+    region_count: int
+    data_offset: int
+    geometry: Geometry
+    fingerprint: bytes
+    journal_offset: int = 0
+    journal_bytes: int = 0
+    checkpoint_offset: int = 0
+    checkpoint_bytes: int = 0
+    flags: int = 0
+    created_ns: int = 0
+    sequence: int = 1
+    device_uuids: tuple = field(default_factory=tuple)
+    version: int = FORMAT_VERSION
+
+    @property
+    def clean(self) -> bool:
+        return bool(self.flags & FLAG_CLEAN)
+
+    def with_(self, **changes) -> "Superblock":
+        return replace(self, **changes)
+
+    def encode(self) -> bytes:
+        g = self.geometry
+        buf = bytearray(SIZE)
+        _HEAD.pack_into(
+            buf, 0, MAGIC, self.version, SIZE, self.store_uuid, self.device_uuid,
+            self.device_index, self.device_count, self.alignment, self.device_bytes,
+            self.region_size, self.region_count, self.flags, self.data_offset,
+            self.journal_offset, self.journal_bytes, self.checkpoint_offset,
+            self.checkpoint_bytes, self.created_ns, g.num_layers, g.num_kv_heads, g.head_dim,
+            g.block_tokens, g.head_groups, DTYPES[g.dtype][0], g.kv_parts, 0,
+            self.fingerprint, self.sequence)
+        uuids = list(self.device_uuids) + [bytes(16)] * (MAX_DEVICES - len(self.device_uuids))
+        _UUIDS.pack_into(buf, _UUIDS_AT, *uuids)
+        _CRC.pack_into(buf, _CRC_AT, meta_checksum(bytes(buf[:_CRC_AT])))
+        return bytes(buf)
+
+    @classmethod
+    def decode(cls, data: bytes, path: str = "?", offset: int = 0) -> "Superblock":
+        """Parse one copy; raises NotAStoreError / UnsupportedVersionError."""
+        data = bytes(data[:SIZE])
+        if len(data) < SIZE or data[:8] != MAGIC:
+            raise NotAStoreError(f"{path}: no kvblock superblock at offset {offset} "
+                                 "(not formatted, or overwritten)", path, offset)
+        if _CRC.unpack_from(data, _CRC_AT)[0] != meta_checksum(data[:_CRC_AT]):
+            raise NotAStoreError(f"{path}: superblock at offset {offset} fails its checksum "
+                                 "(corrupt)", path, offset)
+        f = _HEAD.unpack_from(data, 0)
+        version = f[1]
+        if version != FORMAT_VERSION:
+            raise UnsupportedVersionError(
+                f"{path}: on-device format version {version}, this kvblock reads version "
+                f"{FORMAT_VERSION}; use a matching kvblock release or reformat", path, offset)
+        dtype = DTYPE_BY_CODE.get(f[23])
+        if dtype is None:
+            raise NotAStoreError(f"{path}: superblock at offset {offset} names unknown dtype "
+                                 f"code {f[23]}", path, offset)
+        try:
+            geometry = Geometry(num_layers=f[18], num_kv_heads=f[19], head_dim=f[20],
+                                block_tokens=f[21], head_groups=f[22], dtype=dtype,
+                                kv_parts=f[24])
+        except Exception as e:  # a checksummed but nonsensical block: treat as foreign
+            raise NotAStoreError(f"{path}: superblock at offset {offset} has an invalid "
+                                 f"geometry ({e})", path, offset) from None
+        count = f[6]
+        if not 1 <= count <= MAX_DEVICES or f[5] >= count:
+            raise NotAStoreError(f"{path}: superblock at offset {offset} has device "
+                                 f"{f[5]} of {count}", path, offset)
+        uuids = _UUIDS.unpack_from(data, _UUIDS_AT)[:count]
+        return cls(store_uuid=f[3], device_uuid=f[4], device_index=f[5], device_count=count,
+                   alignment=f[7], device_bytes=f[8], region_size=f[9], region_count=f[10],
+                   flags=f[11], data_offset=f[12], journal_offset=f[13], journal_bytes=f[14],
+                   checkpoint_offset=f[15], checkpoint_bytes=f[16], created_ns=f[17],
+                   geometry=geometry, fingerprint=f[26], sequence=f[27],
+                   device_uuids=tuple(uuids), version=version)
+
+
+def pick(copies: list[bytes], path: str) -> Superblock:
+    """The newest valid copy; the error of the first copy when none is valid."""
+    valid, errors = [], []
+    for data, offset in zip(copies, COPY_OFFSETS):
+        try:
+            valid.append(Superblock.decode(data, path, offset))
+        except (NotAStoreError, UnsupportedVersionError) as e:
+            errors.append(e)
+    if valid:
+        return max(valid, key=lambda sb: sb.sequence)
+    version_errors = [e for e in errors if isinstance(e, UnsupportedVersionError)]
+    raise version_errors[0] if version_errors else errors[0]

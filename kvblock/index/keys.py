@@ -1,0 +1,47 @@
+"""Block keys: 16 bytes each.
+
+Engines pass their own block hashes (bytes of any length, or ints); kvblock
+maps them to 16 bytes (as-is when already 16 bytes, else xxh3-128).  It can
+also compute chained prefix keys from token ids: key_i = xxh3_128(key_{i-1} ||
+tokens of block i as int32 LE || salt), so a key names its whole prefix and a
+salt (model, tenant, TP rank) keeps namespaces apart.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+import xxhash
+
+from kvblock.errors import ConfigError
+
+KEY_BYTES = 16
+
+
+def normalize_key(key) -> bytes:
+    if isinstance(key, (bytes, bytearray, memoryview)):
+        key = bytes(key)
+        return key if len(key) == KEY_BYTES else xxhash.xxh3_128_digest(key)
+    if isinstance(key, (int, np.integer)):
+        return (int(key) & ((1 << 128) - 1)).to_bytes(KEY_BYTES, "little")
+    if isinstance(key, str):
+        return xxhash.xxh3_128_digest(key.encode())
+    raise ConfigError(f"block keys must be bytes, str or int, got {type(key).__name__}")
+
+
+def normalize_keys(keys: Iterable) -> list[bytes]:
+    return [normalize_key(k) for k in keys]
+
+
+def chain_keys(token_ids: Sequence[int], block_tokens: int, salt: bytes | str = b"",
+               parent: bytes = b"") -> list[bytes]:
+    """Keys of the full blocks of ``token_ids`` (a partial last block has none)."""
+    if isinstance(salt, str):
+        salt = salt.encode()
+    tokens = np.asarray(token_ids, dtype="<i4")
+    keys, prev = [], parent
+    for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        prev = xxhash.xxh3_128_digest(prev + tokens[start:start + block_tokens].tobytes() + salt)
+        keys.append(prev)
+    return keys

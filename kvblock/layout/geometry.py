@@ -1,0 +1,139 @@
+"""KV geometry and where each (layer, head group) of a run lives.
+
+A run of N blocks is stored as ``layers x head_groups`` ranges, each one
+contiguous and aligned, each holding that layer's K/V for that group's heads
+for all N blocks in token order::
+
+    run = [layer][head_group][block][kv][token][head_in_group][dim]
+
+so restoring layer ``l`` on rank ``g`` is one read per run, and reading the
+first k blocks of that range is one shorter read.  Ranges are padded to the
+store's alignment (>= 4 KiB, what GPUDirect Storage needs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+
+from kvblock.errors import ConfigError
+
+# On-device dtype codes (part of the format: never renumber).
+DTYPES: dict[str, tuple[int, int]] = {  # name -> (code, itemsize)
+    "float16": (1, 2), "bfloat16": (2, 2), "float32": (3, 4), "float8_e4m3fn": (4, 1),
+    "float8_e5m2": (5, 1), "int8": (6, 1), "uint8": (7, 1),
+}
+DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The shape of one block of KV and how the store cuts it.
+
+    ``kv_parts`` is 2 for K and V, 1 for MLA's latent; ``head_groups`` is the
+    tensor-parallel degree the layout is cut for (``num_kv_heads`` must divide
+    by it).
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bfloat16"
+    block_tokens: int = 16
+    kv_parts: int = 2
+    head_groups: int = 1
+
+    def __post_init__(self):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "head_groups"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value >= 1 << 31:
+                raise ConfigError(f"geometry: {name} must be a positive integer, got {value!r}")
+        if self.kv_parts not in (1, 2):
+            raise ConfigError(f"geometry: kv_parts must be 2 (K and V) or 1 (MLA latent), "
+                              f"got {self.kv_parts!r}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"geometry: unknown dtype {self.dtype!r}; choose one of "
+                              f"{', '.join(DTYPES)}")
+        if self.num_kv_heads % self.head_groups:
+            raise ConfigError(f"geometry: {self.num_kv_heads} kv heads do not split into "
+                              f"{self.head_groups} head groups; choose a divisor")
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_kv_heads // self.head_groups
+
+    @property
+    def group_block_bytes(self) -> int:
+        """Bytes of one block for one layer and one head group."""
+        return self.kv_parts * self.block_tokens * self.heads_per_group * self.head_dim * self.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block over every layer and head."""
+        return self.group_block_bytes * self.num_layers * self.head_groups
+
+    @property
+    def ranges(self) -> int:
+        return self.num_layers * self.head_groups
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return (f"{self.num_layers} layers x {self.num_kv_heads} kv heads x {self.head_dim} "
+                f"{self.dtype}, kv_parts={self.kv_parts}, {self.block_tokens} tokens/block, "
+                f"{self.head_groups} head group(s)")
+
+
+def model_fingerprint(model: str | bytes | None) -> bytes:
+    """32-byte fingerprint of a model identity (name, revision, salt...)."""
+    if model is None:
+        return bytes(32)
+    data = model.encode() if isinstance(model, str) else bytes(model)
+    return hashlib.sha256(data).digest()
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Byte offsets of a run of ``nblocks`` blocks, relative to the run's start."""
+
+    geometry: Geometry
+    nblocks: int
+    alignment: int
+
+    @property
+    def range_bytes(self) -> int:
+        """Bytes reserved per (layer, group) range, padded to the alignment."""
+        return round_up(self.nblocks * self.geometry.group_block_bytes, self.alignment)
+
+    @property
+    def run_bytes(self) -> int:
+        return self.range_bytes * self.geometry.ranges
+
+    def range_index(self, layer: int, group: int) -> int:
+        return layer * self.geometry.head_groups + group
+
+    def range_offset(self, layer: int, group: int) -> int:
+        return self.range_index(layer, group) * self.range_bytes
+
+    def prefix_bytes(self, blocks: int) -> int:
+        """Payload bytes of the first ``blocks`` blocks of one range."""
+        return blocks * self.geometry.group_block_bytes
+
+    def prefix_read_bytes(self, blocks: int) -> int:
+        """The aligned read that covers the first ``blocks`` blocks of a range."""
+        return min(round_up(self.prefix_bytes(blocks), self.alignment), self.range_bytes)
+
+    @staticmethod
+    def max_blocks(geometry: Geometry, alignment: int, space: int) -> int:
+        """Most blocks a run can hold within ``space`` bytes."""
+        per_range = space // geometry.ranges // alignment * alignment
+        return per_range // geometry.group_block_bytes

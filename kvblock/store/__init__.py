@@ -1,0 +1,5 @@
+"""The KV block store: format, open, put/lookup/get, eviction, recovery."""
+
+from kvblock.store.store import KVStore
+
+__all__ = ["KVStore"]

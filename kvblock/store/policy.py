@@ -1,0 +1,36 @@
+"""Admission control: which offered runs are worth writing to flash.
+
+``admit_after=1`` writes everything; ``admit_after=2`` writes a run only the
+second time its first key is offered (one-hit prefixes never cost flash
+endurance).  The offer counts live in a bounded LRU table.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from kvblock.errors import ConfigError
+
+
+class Admission:
+    def __init__(self, admit_after: int = 1, table_size: int = 1 << 16):
+        if admit_after < 1:
+            raise ConfigError(f"admit_after must be >= 1, got {admit_after}")
+        self.admit_after = admit_after
+        self.table_size = table_size
+        self._offers: OrderedDict[bytes, int] = OrderedDict()
+
+    def admit(self, key: bytes) -> bool:
+        if self.admit_after == 1:
+            return True
+        count = self._offers.pop(key, 0) + 1
+        if count >= self.admit_after:
+            return True
+        self._offers[key] = count
+        if len(self._offers) > self.table_size:
+            self._offers.popitem(last=False)
+        return False
+
+
+EVICTION_POLICIES = ("fifo", "lru")
+VERIFY_MODES = ("always", "never")

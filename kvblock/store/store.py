@@ -1,0 +1,880 @@
+"""KVStore: runs of KV blocks on one or more devices, crash-consistent.
+
+On-device map (device 0; other devices hold only the superblocks and data)::
+
+    [superblock A][superblock B][checkpoint slot 0][checkpoint slot 1][journal][regions...]
+
+Invariants (enforced where named):
+- Data before metadata: a run's bytes are written and flushed before the
+  journal record that publishes it (``_commit`` flushes every data device
+  before writing the journal), and the run becomes visible in the index only
+  after that record is durable (the PUT's apply callback runs after the flush).
+- Removal may happen early, addition never: DROP/RECLAIM take runs out of the
+  index before their record is durable, which after a crash can only make
+  the cache smaller, never wrong.
+- Reused space: a region is written again only after its RECLAIM record (with
+  the region's new generation) is durable, and data checksums are seeded with
+  the run id, so bytes of a reclaimed run never verify as another run's.
+- Readers pin the regions they read; the eviction policy never picks a pinned
+  region, so a block is never reclaimed under a reader.
+- Every open replays the journal and then writes a new checkpoint, which starts
+  a new journal epoch: records of an earlier epoch left on the medium are
+  never replayed (see format/journal.py).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+import xxhash
+
+from kvblock.alloc.regions import FREE, OPEN, SEALED, RegionTable
+from kvblock.devices import Device
+from kvblock.errors import (
+    ConfigError,
+    DeviceTooSmallError,
+    FormatError,
+    GeometryMismatchError,
+    KVBlockError,
+    MissingDeviceError,
+    NotAStoreError,
+    StoreClosedError,
+    StoreFullError,
+)
+from kvblock.format import checkpoint as cpfmt
+from kvblock.format import journal as jfmt
+from kvblock.format import superblock as sbfmt
+from kvblock.format.checksum import data_checksum
+from kvblock.index import KeyIndex, Run, normalize_keys
+from kvblock.io import IOBatch, open_engine
+from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
+from kvblock.memory import HostBuffer
+from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
+from kvblock.store.storeio import StoreIO
+
+MIB = 1 << 20
+RECLAIMING = 3  # region state while its RECLAIM record is being committed
+
+
+def _epoch(store_uuid: bytes, generation: int) -> int:
+    """Journal epoch: unique per (store, checkpoint generation)."""
+    return xxhash.xxh64_intdigest(store_uuid + generation.to_bytes(8, "little"))
+
+
+def _open_devices(devices, min_size=0) -> list[Device]:
+    out = []
+    try:
+        for d in devices:
+            out.append(d if isinstance(d, Device) else Device(d, min_size=min_size))
+    except BaseException:
+        for d in out:
+            d.close()
+        raise
+    return out
+
+
+class KVStore:
+    """A KV block store.  Create with :meth:`format`, reopen with :meth:`open`.
+
+    Parameters (both constructors)
+    ------------------------------
+    verify : "always" (check data checksums on every read) or "never".
+    eviction : "lru" (least recently used region, fewer hits first) or "fifo".
+    admit_after : write a run to flash only at its N-th offer (1 = always).
+    engine : I/O engine name ("uring", "threads"); default: best available.
+    queue_depth : I/Os in flight per batch.
+    """
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def format(cls, devices: Sequence, geometry: Geometry, *, model=None,
+               region_size: int | None = None, journal_bytes: int | None = None,
+               force: bool = False, **options) -> "KVStore":
+        """Write a new, empty store over ``devices`` and open it.
+
+        Refuses a device that already holds a kvblock store unless ``force``.
+        The superblocks are written last, after the old ones are wiped, so an
+        interrupted format leaves no valid superblock.
+        """
+        if not devices:
+            raise ConfigError("format needs at least one device")
+        if len(devices) > sbfmt.MAX_DEVICES:
+            raise ConfigError(f"a store spans at most {sbfmt.MAX_DEVICES} devices")
+        devs = _open_devices(devices)
+        try:
+            io = StoreIO(devs, open_engine(devs, options.get("engine"),
+                                           queue_depth=options.get("queue_depth", 32)))
+            if not force:
+                for i, d in enumerate(devs):
+                    existing = _try_superblock(io, i)
+                    if existing is not None:
+                        raise FormatError(
+                            f"{d.path} already holds kvblock store "
+                            f"{uuid.UUID(bytes=existing.store_uuid)} "
+                            f"({existing.geometry.describe()}); pass force=True to overwrite",
+                            d.path, 0)
+            plan = _plan(devs, geometry, region_size, journal_bytes)
+            store_uuid = uuid.uuid4().bytes
+            dev_uuids = tuple(uuid.uuid4().bytes for _ in devs)
+            zeros = bytes(2 * sbfmt.SIZE)
+            for i in range(len(devs)):
+                io.write_bytes(i, 0, zeros)         # wipe old superblocks first
+            io.flush()
+            first = cpfmt.Checkpoint(
+                generation=1, journal_seq=1, next_run_id=1, ranges=geometry.ranges,
+                regions=np.zeros(plan["region_count"], dtype=cpfmt.REGION_DTYPE),
+                runs=np.zeros(0, dtype=cpfmt.RUN_DTYPE), keys=np.zeros((0, 16), np.uint8),
+                checksums=np.zeros((0, geometry.ranges), np.uint64))
+            io.write_bytes(0, plan["checkpoint_offset"], first.encode())
+            io.write_bytes(0, plan["checkpoint_offset"] + plan["checkpoint_bytes"],
+                           bytes(cpfmt.HEADER_BYTES))
+            io.write_bytes(0, plan["journal_offset"], bytes(jfmt.BLOCK))
+            io.flush()
+            now = time.time_ns()
+            for i, d in enumerate(devs):
+                sb = sbfmt.Superblock(
+                    store_uuid=store_uuid, device_uuid=dev_uuids[i], device_index=i,
+                    device_count=len(devs), alignment=plan["alignment"],
+                    device_bytes=d.capacity, region_size=plan["region_size"],
+                    region_count=plan["regions_per_device"][i],
+                    data_offset=plan["data_offsets"][i], geometry=geometry,
+                    fingerprint=model_fingerprint(model), created_ns=now,
+                    device_uuids=dev_uuids,
+                    **({"journal_offset": plan["journal_offset"],
+                        "journal_bytes": plan["journal_bytes"],
+                        "checkpoint_offset": plan["checkpoint_offset"],
+                        "checkpoint_bytes": plan["checkpoint_bytes"]} if i == 0 else {}))
+                data = sb.encode()
+                io.write_bytes(i, sbfmt.COPY_OFFSETS[0], data)
+                io.flush([i])
+                io.write_bytes(i, sbfmt.COPY_OFFSETS[1], data)
+                io.flush([i])
+            io.engine.close()
+        except BaseException:
+            for d in devs:
+                if not any(d is x for x in devices):
+                    d.close()
+            raise
+        return cls._open_devs(devs, geometry=geometry, model=model, **options)
+
+    @classmethod
+    def open(cls, devices: Sequence, *, geometry: Geometry | None = None, model=None,
+             **options) -> "KVStore":
+        """Open an existing store (devices in any order) and recover its state.
+
+        ``geometry`` / ``model``, when given, must match what the store was
+        formatted with (:class:`GeometryMismatchError` otherwise).
+        """
+        if not devices:
+            raise ConfigError("open needs the store's device(s)")
+        return cls._open_devs(_open_devices(devices), geometry=geometry, model=model, **options)
+
+    @classmethod
+    def _open_devs(cls, devs, **kw) -> "KVStore":
+        store = cls.__new__(cls)
+        try:
+            store._init(devs, **kw)
+        except BaseException:
+            for d in devs:
+                d.close()
+            raise
+        return store
+
+    def _init(self, devs, *, geometry=None, model=None, verify="always", eviction="lru",
+              admit_after=1, engine=None, queue_depth=32, storeio_factory=None):
+        if verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+        self.verify, self.eviction = verify, eviction
+        self.admission = Admission(admit_after)
+        self._lock = threading.RLock()
+        self._commit_lock = threading.Lock()
+        self._pending: list = []
+        self._pending_lock = threading.Lock()
+        self._local = threading.local()
+        self.counters: Counter = Counter()
+        self.closed = True
+        t0 = time.perf_counter()
+        self._io_options = (engine, queue_depth, storeio_factory or StoreIO)
+        self.io = self._make_io(devs)
+        self._read_superblocks(devs, geometry, model)
+        self._recover()
+        self.closed = False
+        self.counters["recovery_seconds_x1e6"] = int((time.perf_counter() - t0) * 1e6)
+
+    def _make_io(self, devs) -> StoreIO:
+        engine, queue_depth, factory = self._io_options
+        return factory(devs, open_engine(devs, engine, queue_depth=queue_depth))
+
+    def _read_superblocks(self, devs, geometry, model):
+        sbs = []
+        for i, d in enumerate(devs):
+            sb = _try_superblock(self.io, i, raise_errors=True)
+            sbs.append(sb)
+        first = sbs[0]
+        for d, sb in zip(devs, sbs):
+            if sb.store_uuid != first.store_uuid:
+                raise MissingDeviceError(
+                    f"{d.path} belongs to store {uuid.UUID(bytes=sb.store_uuid)}, not "
+                    f"{uuid.UUID(bytes=first.store_uuid)} (from {devs[0].path}); pass the "
+                    "devices of one store", d.path, 0)
+        by_index = {}
+        for d, sb in zip(devs, sbs):
+            if sb.device_index in by_index:
+                raise MissingDeviceError(f"{d.path} and {by_index[sb.device_index][0].path} are "
+                                         f"both device {sb.device_index} of the store", d.path, 0)
+            if sb.device_uuids[sb.device_index] != sb.device_uuid:
+                raise MissingDeviceError(f"{d.path}: device uuid does not match the store's "
+                                         "device table (superblock from another format?)",
+                                         d.path, 0)
+            by_index[sb.device_index] = (d, sb)
+        missing = [i for i in range(first.device_count) if i not in by_index]
+        if missing:
+            names = ", ".join(f"#{i} (uuid {uuid.UUID(bytes=first.device_uuids[i])})"
+                              for i in missing)
+            raise MissingDeviceError(
+                f"store {uuid.UUID(bytes=first.store_uuid)} has {first.device_count} devices; "
+                f"missing {names}; pass every device of the store", devs[0].path, 0)
+        ordered = [by_index[i] for i in range(first.device_count)]
+        # Put the engine's device table in store order (device index i == engine index i).
+        if [d for d, _ in ordered] != list(devs):
+            self.io.engine.close()
+            devs = [d for d, _ in ordered]
+            self.io = self._make_io(devs)
+        self.sb = ordered[0][1]
+        self.superblocks = [sb for _, sb in ordered]
+        self.geometry = self.sb.geometry
+        if geometry is not None and geometry != self.geometry:
+            raise GeometryMismatchError(
+                f"{devs[0].path}: store was formatted for {self.geometry.describe()}, "
+                f"asked for {geometry.describe()}; open with the store's geometry or "
+                "format a new store", devs[0].path, 0)
+        if model is not None and model_fingerprint(model) != self.sb.fingerprint:
+            raise GeometryMismatchError(
+                f"{devs[0].path}: store was formatted for another model fingerprint than "
+                f"{model!r}; its KV cannot serve this model", devs[0].path, 0)
+        self.alignment = self.sb.alignment
+        counts = [sb.region_count for sb in self.superblocks]
+        ndev = len(self.superblocks)
+        per_dev = min(counts)  # striping uses the same number of regions per device
+        self.regions = RegionTable(per_dev * ndev, self.sb.region_size, ndev,
+                                   [sb.data_offset for sb in self.superblocks])
+        self.max_run_blocks = RunLayout.max_blocks(self.geometry, self.alignment,
+                                                   self.sb.region_size)
+
+    # ------------------------------------------------------------------ recovery
+    def _recover(self):
+        sb = self.sb
+        slots = []
+        for slot in (0, 1):
+            off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
+            head = cpfmt.decode_header(self.io.read_bytes(0, off, cpfmt.HEADER_BYTES))
+            if head is not None:
+                slots.append((head.generation, slot, head))
+        cp = None
+        for _, slot, head in sorted(slots, reverse=True):
+            off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
+            if cpfmt.HEADER_BYTES + head.payload_bytes > sb.checkpoint_bytes:
+                continue
+            payload = self.io.read_bytes(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
+            cp = cpfmt.decode_payload(head, payload)
+            if cp is not None and cp.ranges == self.geometry.ranges and \
+                    len(cp.regions) == self.regions.count:
+                self._cp_slot = slot
+                break
+            cp = None
+        if cp is None:
+            raise NotAStoreError(
+                f"{self.io.devices[0].path}: no valid checkpoint in either slot (metadata "
+                "corrupt); the cached KV cannot be trusted: reformat the store",
+                self.io.devices[0].path, sb.checkpoint_offset)
+        self.index = KeyIndex()
+        self._load_checkpoint(cp)
+        journal = self.io.read_bytes(0, sb.journal_offset, sb.journal_bytes)
+        records, end, next_seq = jfmt.scan(journal, cp.journal_seq,
+                                           _epoch(sb.store_uuid, cp.generation))
+        for rec in records:
+            self._replay(rec)
+        self.counters["replayed_records"] = len(records)
+        self._generation = cp.generation
+        self._seq = next_seq
+        self._jhead = end
+        self.clean_at_open = not records
+        self._finish_layout()
+        self._write_checkpoint()  # new epoch: stale journal records are dead from here on
+
+    def _load_checkpoint(self, cp: cpfmt.Checkpoint):
+        self.regions.generation[:] = cp.regions["generation"]
+        self.regions.seal_seq[:] = cp.regions["seal_seq"]
+        self.regions.next_seal = int(cp.regions["seal_seq"].max(initial=0)) + 1
+        self._next_run_id = cp.next_run_id
+        key_at = 0
+        now = time.time()
+        keys = cp.keys.tobytes()
+        for i, row in enumerate(cp.runs):
+            n = int(row["nblocks"])
+            run = Run(int(row["run_id"]), int(row["region"]), int(row["generation"]),
+                      int(row["offset"]), keys[key_at * 16:(key_at + n) * 16],
+                      cp.checksums[i].copy(), created=now)
+            key_at += n
+            self._add_run(run)
+
+    def _replay(self, rec):
+        if isinstance(rec, jfmt.PutRun):
+            if rec.region >= self.regions.count or \
+                    rec.generation != int(self.regions.generation[rec.region]) or \
+                    len(rec.checksums) != self.geometry.ranges:
+                return  # stale or foreign: its space was reclaimed since
+            self._add_run(Run(rec.run_id, rec.region, rec.generation, rec.offset, rec.keys,
+                              np.array(rec.checksums, dtype=np.uint64), created=time.time()))
+            self._next_run_id = max(self._next_run_id, rec.run_id + 1)
+        elif isinstance(rec, jfmt.DropRun):
+            run = self.index.runs.get(rec.run_id)
+            if run is not None:
+                self._remove_run(run)
+        elif isinstance(rec, jfmt.Reclaim):
+            if rec.region < self.regions.count:
+                for run in [r for r in self.index.runs.values() if r.region == rec.region]:
+                    self._remove_run(run)
+                self.regions.generation[rec.region] = rec.generation
+
+    def _add_run(self, run: Run):
+        self.index.add(run)
+        r = run.region
+        self.regions.live[r] += 1
+        end = run.offset + self.layout(run.nblocks).run_bytes
+        self.regions.fill[r] = max(int(self.regions.fill[r]), end)
+
+    def _remove_run(self, run: Run):
+        self.index.remove(run)
+        self.regions.live[run.region] -= 1
+
+    def _finish_layout(self):
+        """After recovery: regions holding runs are sealed, the rest are free."""
+        regions = self.regions
+        regions.free.clear()
+        regions.open = None
+        for r in range(regions.count):
+            if regions.live[r] > 0:
+                regions.state[r] = SEALED
+                if regions.seal_seq[r] == 0:
+                    regions.seal_seq[r] = regions.next_seal
+                    regions.next_seal += 1
+            else:
+                regions.state[r] = FREE
+                regions.fill[r] = 0
+                regions.free.append(r)
+
+    # ------------------------------------------------------------------ metadata writes
+    def _commit(self, records: list, apply=None) -> None:
+        """Make ``records`` durable (group commit), then run ``apply``.
+
+        Whoever takes the commit lock writes every pending record in one
+        journal write: flush data devices, write the journal, flush device 0.
+        Never call with ``self._lock`` held (the leader needs it to apply).
+        """
+        done = threading.Event()
+        entry = [records, apply, done, None]
+        with self._pending_lock:
+            self._pending.append(entry)
+        with self._commit_lock:
+            if not done.is_set():
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                try:
+                    self._write_journal([r for e in batch for r in e[0]])
+                except BaseException as e:
+                    for item in batch:
+                        item[3] = e
+                        item[2].set()
+                    self._fail(e)
+                    raise
+                for item in batch:
+                    if item[1] is not None:
+                        with self._lock:
+                            item[1]()
+                    item[2].set()
+                if self._jhead > self.sb.journal_bytes // 2:
+                    try:
+                        self._write_checkpoint()
+                    except BaseException as e:
+                        self._fail(e)
+                        raise
+        if entry[3] is not None:
+            raise StoreClosedError(f"metadata commit failed: {entry[3]}") from entry[3]
+
+    def _write_journal(self, records):
+        data = jfmt.encode_commit(records, self._seq, _epoch(self.sb.store_uuid,
+                                                             self._generation))
+        if self._jhead + len(data) > self.sb.journal_bytes:
+            self._write_checkpoint()
+            data = jfmt.encode_commit(records, self._seq,
+                                      _epoch(self.sb.store_uuid, self._generation))
+            if len(data) > self.sb.journal_bytes:
+                raise StoreFullError(f"a commit of {len(data)} bytes exceeds the "
+                                     f"{self.sb.journal_bytes}-byte journal")
+        self.io.flush()  # data before the records that publish it
+        self.io.write_bytes(0, self.sb.journal_offset + self._jhead, data)
+        self.io.flush([0])
+        self._jhead += len(data)
+        self._seq += len(records)
+        self.counters["commits"] += 1
+        self.counters["journal_bytes"] += len(data)
+
+    def _write_checkpoint(self):
+        """Snapshot the index into the other slot; the journal restarts empty."""
+        with self._lock:
+            runs = list(self.index.runs.values())
+            run_rows = np.zeros(len(runs), dtype=cpfmt.RUN_DTYPE)
+            for i, run in enumerate(runs):
+                run_rows[i] = (run.run_id, run.region, run.generation, run.offset,
+                               run.nblocks, 0)
+            keys = np.frombuffer(b"".join(r.keys for r in runs), dtype=np.uint8).reshape(-1, 16)
+            sums = (np.stack([r.checksums for r in runs]) if runs
+                    else np.zeros((0, self.geometry.ranges), np.uint64))
+            regions = np.zeros(self.regions.count, dtype=cpfmt.REGION_DTYPE)
+            regions["generation"] = self.regions.generation
+            regions["seal_seq"] = self.regions.seal_seq
+            cp = cpfmt.Checkpoint(self._generation + 1, self._seq, self._next_run_id,
+                                  self.geometry.ranges, regions, run_rows, keys, sums)
+        data = cp.encode()
+        if len(data) > self.sb.checkpoint_bytes:
+            raise StoreFullError(f"checkpoint of {len(data)} bytes exceeds its "
+                                 f"{self.sb.checkpoint_bytes}-byte slot")
+        slot = 1 - getattr(self, "_cp_slot", 1)
+        self.io.flush()
+        self.io.write_bytes(0, self.sb.checkpoint_offset + slot * self.sb.checkpoint_bytes, data)
+        self.io.flush([0])
+        self._cp_slot = slot
+        self._generation = cp.generation
+        self._jhead = 0
+        self.counters["checkpoints"] += 1
+
+    def checkpoint(self) -> None:
+        """Write a checkpoint now (also done when the journal is half full, and on close)."""
+        self._check_open()
+        with self._commit_lock:
+            self._write_checkpoint()
+
+    def _fail(self, exc):
+        """A metadata write failed: the in-memory state may be ahead of the
+        medium, so the store stops serving; reopen to recover."""
+        self.closed = True
+
+    # ------------------------------------------------------------------ layout helpers
+    def layout(self, nblocks: int) -> RunLayout:
+        return RunLayout(self.geometry, nblocks, self.alignment)
+
+    def _check_open(self):
+        if self.closed:
+            raise StoreClosedError("store is closed; reopen it with KVStore.open(devices)")
+
+    def _staging(self, nbytes: int) -> HostBuffer:
+        buf = getattr(self._local, "staging", None)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.close()
+            buf = self._local.staging = HostBuffer(round_up(nbytes, 1 << 20))
+        return buf
+
+    # ------------------------------------------------------------------ public API
+    def put_run(self, keys: Sequence, data) -> int:
+        """Store a run of consecutive blocks.
+
+        ``data`` holds the blocks' bytes in the store's layout order: an array
+        (any dtype) of ``len(keys) * geometry.block_bytes`` bytes shaped or
+        viewable as ``(num_layers, head_groups, len(keys), group_block_bytes)``.
+        Returns the number of blocks written (0 when admission declined the
+        run).  Runs longer than a region are split into several runs.
+        """
+        self._check_open()
+        keys = normalize_keys(keys)
+        n = len(keys)
+        g = self.geometry
+        arr = np.asarray(data)
+        if arr.nbytes != n * g.block_bytes:
+            raise ConfigError(f"put_run: {n} keys need {n * g.block_bytes} bytes of KV "
+                              f"({g.describe()}), got {arr.nbytes}")
+        if n == 0:
+            return 0
+        blocks = np.ascontiguousarray(arr).view(np.uint8).reshape(
+            g.num_layers, g.head_groups, n, g.group_block_bytes)
+        if self.index.prefix_length(keys) == n:
+            self.counters["put_duplicate_runs"] += 1
+            return n
+        if not self.admission.admit(keys[0]):
+            self.counters["admission_rejected_runs"] += 1
+            return 0
+        written = 0
+        step = self.max_run_blocks
+        if step < 1:
+            raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
+                                 f"{self.sb.region_size}-byte region")
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            written += self._put_one(keys[start:stop], blocks[:, :, start:stop])
+        return written
+
+    def _put_one(self, keys: list[bytes], blocks: np.ndarray) -> int:
+        n = len(keys)
+        lay = self.layout(n)
+        g = self.geometry
+        region, offset = self._allocate(lay.run_bytes)
+        try:
+            with self._lock:
+                run_id = self._next_run_id
+                self._next_run_id += 1
+            buf = self._staging(lay.run_bytes)
+            ranges = buf.array[:lay.run_bytes].reshape(g.ranges, lay.range_bytes)
+            payload = lay.prefix_bytes(n)
+            ranges[:, :payload] = blocks.reshape(g.ranges, payload)
+            ranges[:, payload:] = 0
+            sums = np.array([data_checksum(ranges[i], run_id) for i in range(g.ranges)],
+                            dtype=np.uint64)
+            dev, dev_off = self.regions.address(region, offset)
+            self.io.write(IOBatch.single(buf.address, dev, dev_off, lay.run_bytes))
+            gen = int(self.regions.generation[region])
+            run = Run(run_id, region, gen, offset, b"".join(keys), sums, created=time.time())
+
+            def publish():
+                self._add_run(run)
+                self.regions.last_access[region] = time.time()
+
+            self._commit([jfmt.PutRun(run_id, region, gen, offset, run.keys,
+                                      tuple(int(s) for s in sums))], publish)
+        finally:
+            with self._lock:
+                self.regions.pins[region] -= 1
+        self.counters["put_runs"] += 1
+        self.counters["put_blocks"] += n
+        self.counters["bytes_written"] += lay.run_bytes
+        return n
+
+    def _allocate(self, nbytes: int) -> tuple[int, int]:
+        """Space for a run, reclaiming regions by policy when none is free.
+        The region comes back pinned (a writer in flight)."""
+        while True:
+            with self._lock:
+                got = self.regions.allocate(nbytes, time.time())
+                if got is not None:
+                    self.regions.pins[got[0]] += 1
+                    return got
+                victim = self.regions.victim(self.eviction)
+                if victim is None:
+                    raise StoreFullError(
+                        f"store is full and every region holds pinned runs "
+                        f"({self.regions.count} regions of {self.sb.region_size} bytes); "
+                        "release pins or add capacity")
+                self._begin_reclaim(victim)
+            self._finish_reclaim(victim)
+
+    def _begin_reclaim(self, region: int) -> None:
+        """(under self._lock) take the region's runs out of the index."""
+        dropped = [r for r in self.index.runs.values() if r.region == region]
+        for run in dropped:
+            self._remove_run(run)
+        self.regions.state[region] = RECLAIMING
+        if self.regions.open == region:
+            self.regions.open = None
+        self.counters["evicted_regions"] += 1
+        self.counters["evicted_runs"] += len(dropped)
+        self.counters["evicted_blocks"] += sum(r.nblocks for r in dropped)
+
+    def _finish_reclaim(self, region: int) -> None:
+        new_gen = (int(self.regions.generation[region]) + 1) & 0xFFFFFFFF
+        self._commit([jfmt.Reclaim(region, new_gen)])
+        dev, off = self.regions.address(region)
+        if self.io.discard(dev, off, self.regions.size):
+            self.counters["discards"] += 1
+        with self._lock:
+            self.regions.release(region)
+
+    def lookup(self, keys: Sequence) -> int:
+        """Number of leading ``keys`` stored (longest stored prefix)."""
+        self._check_open()
+        n = self.index.prefix_length(normalize_keys(keys))
+        self.counters["lookups"] += 1
+        self.counters["lookup_hit_blocks"] += n
+        return n
+
+    def contains(self, key) -> bool:
+        return self.lookup([key]) == 1
+
+    def _segments(self, keys: list[bytes]) -> list[tuple[Run, int, int, int]]:
+        """(run, first position, count, first output block) for the stored
+        prefix of ``keys``; pins the runs' regions.  Under self._lock."""
+        segs = []
+        for i, k in enumerate(keys):
+            hit = self.index.locate(k)
+            if hit is None:
+                break
+            run, pos = hit
+            if segs and segs[-1][0] is run and segs[-1][1] + segs[-1][2] == pos:
+                r, p, c, o = segs[-1]
+                segs[-1] = (r, p, c + 1, o)
+            else:
+                segs.append((run, pos, 1, i))
+        now = time.time()
+        for run, _, _, _ in segs:
+            run.pins += 1
+            run.hits += 1
+            self.regions.pins[run.region] += 1
+            self.regions.last_access[run.region] = now
+            self.regions.hits[run.region] += 1
+        return segs
+
+    def _unpin(self, segs):
+        with self._lock:
+            for run, _, _, _ in segs:
+                run.pins -= 1
+                self.regions.pins[run.region] -= 1
+
+    def get_run(self, keys: Sequence, out) -> int:
+        """Read the stored prefix of ``keys`` into ``out``.
+
+        ``out`` is a writable array of ``len(keys) * geometry.block_bytes``
+        bytes, laid out like ``put_run``'s data.  Returns the number of leading
+        blocks read; blocks after a miss (or a checksum failure, which drops
+        the bad run) are left untouched.
+        """
+        self._check_open()
+        keys = normalize_keys(keys)
+        g = self.geometry
+        n = len(keys)
+        out_arr = np.asarray(out)
+        if out_arr.nbytes != n * g.block_bytes or not out_arr.flags.writeable:
+            raise ConfigError(f"get_run: out must be a writable array of {n * g.block_bytes} "
+                              f"bytes for {n} blocks, got {out_arr.nbytes}")
+        dst = out_arr.reshape(-1).view(np.uint8).reshape(g.num_layers, g.head_groups, n,
+                                                         g.group_block_bytes)
+        return self._read(keys, dst, None)
+
+    def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:
+        """Read one (layer, head group) of the stored prefix of ``keys``:
+        ``out`` holds ``len(keys) * group_block_bytes`` bytes (blocks in order).
+        One read per run; returns the number of leading blocks read."""
+        self._check_open()
+        g = self.geometry
+        if not (0 <= layer < g.num_layers and 0 <= group < g.head_groups):
+            raise ConfigError(f"read_range: layer {layer} / group {group} outside "
+                              f"{g.num_layers} layers x {g.head_groups} groups")
+        keys = normalize_keys(keys)
+        out_arr = np.asarray(out)
+        if out_arr.nbytes != len(keys) * g.group_block_bytes or not out_arr.flags.writeable:
+            raise ConfigError(f"read_range: out must be a writable array of "
+                              f"{len(keys) * g.group_block_bytes} bytes")
+        dst = out_arr.reshape(-1).view(np.uint8).reshape(1, 1, len(keys), g.group_block_bytes)
+        return self._read(keys, dst, (layer, group))
+
+    def _read(self, keys, dst, only) -> int:
+        g = self.geometry
+        with self._lock:
+            segs = self._segments(keys)
+        if not segs:
+            self.counters["miss_gets"] += 1
+            return 0
+        try:
+            done = 0
+            for run, pos, count, out_at in segs:
+                if not self._read_segment(run, pos, count, dst[:, :, out_at:out_at + count], only):
+                    break
+                done += count
+        finally:
+            self._unpin(segs)
+        self.counters["get_blocks"] += done
+        self.counters["get_bytes"] += done * (g.group_block_bytes if only else g.block_bytes)
+        return done
+
+    def _read_segment(self, run: Run, pos: int, count: int, dst: np.ndarray, only) -> bool:
+        g = self.geometry
+        lay = self.layout(run.nblocks)
+        verify = self.verify == "always"
+        # Verification needs whole ranges; otherwise read just the prefix we need.
+        span = lay.range_bytes if verify else lay.prefix_read_bytes(pos + count)
+        idx = [lay.range_index(*only)] if only else list(range(g.ranges))
+        buf = self._staging(span * len(idx))
+        dev, base = self.regions.address(run.region, run.offset)
+        offsets = np.array(idx, dtype=np.uint64) * np.uint64(lay.range_bytes) + np.uint64(base)
+        addrs = np.arange(len(idx), dtype=np.uint64) * np.uint64(span) + np.uint64(buf.address)
+        self.io.read(IOBatch(addrs, dev, offsets, span))
+        view = buf.array[:span * len(idx)].reshape(len(idx), span)
+        if verify:
+            for j, r in enumerate(idx):
+                if data_checksum(view[j], run.run_id) != int(run.checksums[r]):
+                    self._checksum_failure(run, r)
+                    return False
+        gbb = g.group_block_bytes
+        blocks = view[:, pos * gbb:(pos + count) * gbb]
+        dst[...] = blocks.reshape(dst.shape)
+        self.counters["bytes_read"] += span * len(idx)
+        return True
+
+    def _checksum_failure(self, run: Run, range_index: int) -> None:
+        self.counters["checksum_failures"] += 1
+        dev, off = self.regions.address(run.region, run.offset)
+        self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id, range_index)
+        self._drop_runs([run])
+
+    def _drop_runs(self, runs: list[Run]) -> None:
+        with self._lock:
+            runs = [r for r in runs if r.run_id in self.index.runs]
+            for run in runs:
+                self._remove_run(run)
+        if runs:
+            self._commit([jfmt.DropRun(r.run_id) for r in runs])
+            self._release_empty_regions({r.region for r in runs})
+
+    def _release_empty_regions(self, candidates) -> None:
+        for region in candidates:
+            with self._lock:
+                if not (self.regions.live[region] == 0 and self.regions.pins[region] == 0
+                        and self.regions.state[region] == SEALED):
+                    continue
+                self.regions.state[region] = RECLAIMING
+            self._finish_reclaim(region)
+
+    def delete(self, keys: Sequence) -> int:
+        """Remove the runs holding any of ``keys``; returns the number of blocks removed."""
+        self._check_open()
+        with self._lock:
+            runs = {}
+            for k in normalize_keys(keys):
+                hit = self.index.locate(k)
+                if hit is not None:
+                    runs[hit[0].run_id] = hit[0]
+        self._drop_runs(list(runs.values()))
+        self.counters["deleted_runs"] += len(runs)
+        return sum(r.nblocks for r in runs.values())
+
+    def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
+        """Reclaim sealed regions by policy until ``nbytes`` are free (or all
+        unpinned ones with ``all=True``).  Returns regions reclaimed."""
+        self._check_open()
+        reclaimed = 0
+        while True:
+            with self._lock:
+                free_bytes = len(self.regions.free) * self.regions.size
+                if not all and (nbytes is None or free_bytes >= nbytes):
+                    break
+                if self.regions.open is not None:
+                    self.regions.seal(self.regions.open)
+                victim = self.regions.victim(self.eviction)
+                if victim is None:
+                    break
+                self._begin_reclaim(victim)
+            self._finish_reclaim(victim)
+            reclaimed += 1
+        return reclaimed
+
+    def stats(self) -> dict:
+        """Counters and gauges (bytes, blocks, regions, hits, checksum failures...)."""
+        with self._lock:
+            r = self.regions
+            return {
+                "uuid": str(uuid.UUID(bytes=self.sb.store_uuid)),
+                "devices": [d.path for d in self.io.devices],
+                "geometry": self.geometry.as_dict(),
+                "engine": self.io.engine.name,
+                "capacity_bytes": r.count * r.size,
+                "used_bytes": r.used_bytes,
+                "regions": r.count,
+                "regions_free": len(r.free),
+                "regions_sealed": int((r.state == SEALED).sum()),
+                "runs": len(self.index.runs),
+                "blocks": len(self.index),
+                "checkpoint_generation": self._generation,
+                **{k: int(v) for k, v in sorted(self.counters.items())},
+            }
+
+    def close(self) -> None:
+        """Clean shutdown: write a checkpoint (fast next open) and close devices."""
+        if self.closed:
+            if getattr(self, "io", None) is not None:
+                self._release_devices()
+            return
+        try:
+            with self._commit_lock:
+                self._write_checkpoint()
+        finally:
+            self.closed = True
+            self._release_devices()
+
+    def _release_devices(self):
+        buf = getattr(self._local, "staging", None)
+        if buf is not None:
+            buf.close()
+            self._local.staging = None
+        if self.io is not None:
+            self.io.close()
+            self.io = None
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"{len(self.index)} blocks"
+        return f"KVStore({self.sb.geometry.describe()}, {state})"
+
+
+# ---------------------------------------------------------------------- format planning
+def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
+    path = io.devices[dev].path
+    copies = [io.read_bytes(dev, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]
+    try:
+        return sbfmt.pick(copies, path)
+    except KVBlockError:
+        if raise_errors:
+            raise
+        return None
+
+
+def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) -> dict:
+    """Where everything goes on each device."""
+    alignment = max(4096, max(d.block_size for d in devs))
+    sb_end = round_up(2 * sbfmt.SIZE, alignment)
+    total = sum(d.capacity for d in devs)
+    min_run = geometry.ranges * round_up(geometry.group_block_bytes, alignment)
+    if region_size is None:
+        region_size = min(256 * MIB, max(MIB, total // 16 // MIB * MIB), )
+        region_size = max(region_size, round_up(min_run, MIB))
+    if region_size % alignment or region_size < min_run:
+        raise ConfigError(f"region_size {region_size} must be a multiple of {alignment} and "
+                          f"hold at least one block ({min_run} bytes for {geometry.describe()})")
+    if journal_bytes is None:
+        journal_bytes = min(64 * MIB, max(MIB, total // 128))
+    journal_bytes = round_up(journal_bytes, alignment)
+    # Checkpoint slots must hold the largest possible index: every run at least
+    # one aligned range per (layer, group), every block at least block_bytes.
+    max_runs = total // min_run + 1
+    max_keys = total // geometry.block_bytes + 1
+    max_regions = total // region_size + 1
+    cp_bytes = round_up(cpfmt.HEADER_BYTES + max_regions * cpfmt.REGION_DTYPE.itemsize
+                        + max_runs * (cpfmt.RUN_DTYPE.itemsize + 8 * geometry.ranges)
+                        + max_keys * 16, alignment)
+    cp_off = sb_end
+    j_off = cp_off + 2 * cp_bytes
+    data0 = round_up(j_off + journal_bytes, MIB if alignment <= MIB else alignment)
+    data_offsets = [data0] + [round_up(sb_end, MIB if alignment <= MIB else alignment)] * (len(devs) - 1)
+    per_dev = [max(0, (d.capacity - off) // region_size) for d, off in zip(devs, data_offsets)]
+    if min(per_dev) < 1 or sum(per_dev) < 2:
+        need = data0 + 2 * region_size
+        raise DeviceTooSmallError(
+            f"{devs[0].path}: {devs[0].capacity} bytes cannot hold metadata "
+            f"({data0} bytes) and two {region_size}-byte regions (need about {need}); "
+            "use a larger device or a smaller region_size", devs[0].path)
+    return {"alignment": alignment, "region_size": region_size, "journal_offset": j_off,
+            "journal_bytes": journal_bytes, "checkpoint_offset": cp_off,
+            "checkpoint_bytes": cp_bytes, "data_offsets": data_offsets,
+            "regions_per_device": per_dev, "region_count": min(per_dev) * len(devs)}
+
+
+__all__ = ["KVStore"]

@@ -1,0 +1,50 @@
+"""The store's only path to its devices.
+
+Everything the store reads, writes, flushes or discards goes through one
+:class:`StoreIO`, so tests can substitute a fault-injecting one
+(tests/support/faults.py) and crash the store at any I/O.
+"""
+
+from __future__ import annotations
+
+from kvblock.io import IOBatch, IOEngine
+from kvblock.memory import HostBuffer
+from kvblock.memory.aligned import round_up
+
+
+class StoreIO:
+    def __init__(self, devices, engine: IOEngine):
+        self.devices = list(devices)
+        self.engine = engine
+
+    def read(self, batch: IOBatch) -> None:
+        self.engine.read(batch)
+
+    def write(self, batch: IOBatch) -> None:
+        self.engine.write(batch)
+
+    def flush(self, devs=None) -> None:
+        for i in (range(len(self.devices)) if devs is None else devs):
+            self.devices[i].flush()
+
+    def discard(self, dev: int, offset: int, length: int) -> bool:
+        return self.devices[dev].discard(offset, length)
+
+    # --- small metadata transfers ---------------------------------------------------------
+    def write_bytes(self, dev: int, offset: int, data: bytes) -> None:
+        size = round_up(len(data), self.devices[dev].block_size)
+        with HostBuffer(size, register=False) as buf:
+            buf.array[:len(data)] = memoryview(data).cast("B")
+            buf.array[len(data):] = 0
+            self.write(IOBatch.single(buf.address, dev, offset, size))
+
+    def read_bytes(self, dev: int, offset: int, length: int) -> bytes:
+        size = round_up(length, self.devices[dev].block_size)
+        with HostBuffer(size, register=False) as buf:
+            self.read(IOBatch.single(buf.address, dev, offset, size))
+            return buf.array[:length].tobytes()
+
+    def close(self) -> None:
+        self.engine.close()
+        for d in self.devices:
+            d.close()
