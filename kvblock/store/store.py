@@ -106,6 +106,7 @@ class KVStore:
         if len(devices) > sbfmt.MAX_DEVICES:
             raise ConfigError(f"a store spans at most {sbfmt.MAX_DEVICES} devices")
         devs = _open_devices(devices)
+        io = None
         try:
             io = StoreIO(devs, open_engine(devs, options.get("engine"),
                                            queue_depth=options.get("queue_depth", 32)))
@@ -156,6 +157,8 @@ class KVStore:
                 io.flush([i])
             io.engine.close()
         except BaseException:
+            if io is not None:
+                io.engine.close()
             for d in devs:
                 if not any(d is x for x in devices):
                     d.close()

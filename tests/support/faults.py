@@ -1,0 +1,126 @@
+"""Fault injection for the store: crash at the N-th write/flush.
+
+:class:`CrashPlan` counts every write batch, flush and discard the store
+issues (through :class:`kvblock.store.storeio.StoreIO`, the store's only path
+to its devices).  At the planned I/O the "machine dies":
+
+- ``torn=True``: the dying write lands only partly (first half of its entries,
+  or first half of a single entry's bytes);
+- ``lose_unflushed=True``: every write since the device's last flush is
+  rolled back (the drive's volatile cache was lost);
+- ``lose_unflushed="random"``: each unflushed write is independently kept or
+  lost (seeded): a drive that reorders writes in its cache, which is what
+  catches a metadata record made durable before the data it publishes;
+- every later I/O raises :class:`SimulatedCrash`, so nothing more reaches the
+  medium.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvblock.io import IOBatch
+from kvblock.memory import HostBuffer
+from kvblock.store.storeio import StoreIO
+
+
+class SimulatedCrash(Exception):
+    """The fault plan's crash point was reached (not a kvblock error on purpose)."""
+
+
+@dataclass
+class CrashPlan:
+    crash_at: int | None = None       # 1-based index of the I/O that dies; None = never
+    torn: bool = False
+    lose_unflushed: bool | str = False
+    seed: int = 0
+    ops: int = 0
+    crashed: bool = False
+    undo: list = field(default_factory=list)   # (dev, offset, old bytes) since last flush
+
+    def factory(self):
+        plan = self
+
+        def make(devices, engine):
+            return CrashingIO(devices, engine, plan)
+
+        return make
+
+
+class CrashingIO(StoreIO):
+    def __init__(self, devices, engine, plan: CrashPlan):
+        super().__init__(devices, engine)
+        self.plan = plan
+
+    def _dead(self):
+        if self.plan.crashed:
+            raise SimulatedCrash("I/O after the crash point")
+
+    def _tick(self) -> bool:
+        """Count one I/O; True when this one is the crash point."""
+        self._dead()
+        self.plan.ops += 1
+        return self.plan.crash_at is not None and self.plan.ops >= self.plan.crash_at
+
+    def _save_undo(self, batch: IOBatch):
+        if not self.plan.lose_unflushed:
+            return
+        for dev, off, length in zip(batch.devs.tolist(), batch.offsets.tolist(),
+                                    batch.lens.tolist()):
+            with HostBuffer(length, register=False) as old:
+                super().read(IOBatch.single(old.address, dev, off, length))
+                self.plan.undo.append((dev, off, old.array.tobytes()))
+
+    def _crash(self):
+        plan = self.plan
+        plan.crashed = True
+        undo = plan.undo
+        if plan.lose_unflushed == "random":
+            keep = np.random.default_rng(plan.seed).random(len(undo)) < 0.5
+            undo = [u for u, k in zip(undo, keep) if not k]
+        for dev, off, old in reversed(undo):
+            with HostBuffer(len(old), register=False) as buf:
+                buf.array[:] = np.frombuffer(old, np.uint8)
+                super().write(IOBatch.single(buf.address, dev, off, len(old)))
+        plan.undo.clear()
+        raise SimulatedCrash(f"crash at I/O #{plan.ops}")
+
+    def read(self, batch):
+        self._dead()
+        super().read(batch)
+
+    def write(self, batch):
+        dying = self._tick()
+        self._save_undo(batch)
+        if dying:
+            if self.plan.torn:
+                super().write(_torn(batch))
+            self._crash()
+        super().write(batch)
+
+    def flush(self, devs=None):
+        if self._tick():
+            self._crash()
+        super().flush(devs)
+        flushed = set(range(len(self.devices)) if devs is None else devs)
+        self.plan.undo = [u for u in self.plan.undo if u[0] not in flushed]
+
+    def discard(self, dev, offset, length):
+        dying = self._tick()
+        if dying:
+            self._crash()
+        return super().discard(dev, offset, length)
+
+
+def _torn(batch: IOBatch) -> IOBatch:
+    """The part of a write that reached the medium before power went."""
+    if len(batch) > 1:
+        keep = len(batch) // 2
+        return IOBatch(batch.addrs[:keep], batch.devs[:keep], batch.offsets[:keep],
+                       batch.lens[:keep])
+    half = int(batch.lens[0]) // 2 // 4096 * 4096
+    if half == 0:
+        return IOBatch(batch.addrs[:0], batch.devs[:0], batch.offsets[:0], batch.lens[:0])
+    return IOBatch(batch.addrs, batch.devs, batch.offsets, np.array([half], np.uint64))
