@@ -58,6 +58,13 @@ from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
 from kvblock.store.storeio import StoreIO
 
 MIB = 1 << 20
+# Counters every store reports (stats(), Prometheus), zero until something happens.
+COUNTERS = (
+    "put_runs", "put_blocks", "put_duplicate_runs", "admission_rejected_runs", "bytes_written",
+    "lookups", "lookup_hit_blocks", "get_blocks", "get_bytes", "miss_gets", "bytes_read",
+    "checksum_failures", "deleted_runs", "evicted_regions", "evicted_runs", "evicted_blocks",
+    "discards", "commits", "journal_bytes", "checkpoints", "replayed_records", "recovery_us",
+)
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
 
 
@@ -201,7 +208,7 @@ class KVStore:
         self._pending: list = []
         self._pending_lock = threading.Lock()
         self._local = threading.local()
-        self.counters: Counter = Counter()
+        self.counters: Counter = Counter({name: 0 for name in COUNTERS})
         self.closed = True
         t0 = time.perf_counter()
         self._io_options = (engine, queue_depth, storeio_factory or StoreIO)
@@ -209,7 +216,7 @@ class KVStore:
         self._read_superblocks(devs, geometry, model)
         self._recover()
         self.closed = False
-        self.counters["recovery_seconds_x1e6"] = int((time.perf_counter() - t0) * 1e6)
+        self.counters["recovery_us"] = int((time.perf_counter() - t0) * 1e6)
 
     def _make_io(self, devs) -> StoreIO:
         engine, queue_depth, factory = self._io_options

@@ -1,0 +1,372 @@
+"""KVStore behaviour: round trips, prefix lookups, per-range reads, deletes,
+eviction and admission, pins, multi-device striping, and every typed error."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from kvblock import Geometry, KVStore, chain_keys, create_file
+from kvblock.errors import (
+    ConfigError,
+    DeviceTooSmallError,
+    FormatError,
+    GeometryMismatchError,
+    KVBlockError,
+    MissingDeviceError,
+    NotAStoreError,
+    StoreClosedError,
+    StoreFullError,
+    UnsupportedVersionError,
+)
+from kvblock.format import superblock as sbfmt
+from kvblock.format.checksum import meta_checksum
+from tests.store.workload import GEOM, REGION, run_data, run_keys
+
+MIB = 1 << 20
+SHAPE = lambda n: (GEOM.num_layers, GEOM.head_groups, n, GEOM.group_block_bytes)  # noqa: E731
+
+
+@pytest.fixture
+def store_path(tmp_path):
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    return path
+
+
+def _format(paths, **kw):
+    kw.setdefault("region_size", REGION)
+    return KVStore.format([str(p) for p in paths], GEOM, **kw)
+
+
+def test_round_trip_and_reopen(target):
+    path = target(16 * MIB)
+    keys = run_keys(1, 5)
+    data = run_data(keys)
+    with _format([path], model="llama-test") as store:
+        assert store.put_run(keys, data) == 5
+        out = np.zeros_like(data)
+        assert store.get_run(keys, out) == 5
+        assert np.array_equal(out, data)
+    with KVStore.open([path], geometry=GEOM, model="llama-test") as store:
+        assert store.lookup(keys) == 5
+        out = np.zeros_like(data)
+        assert store.get_run(keys, out) == 5 and np.array_equal(out, data)
+        assert store.clean_at_open
+
+
+def test_longest_prefix_and_partial_get(store_path):
+    tokens = np.arange(16 * 6)
+    keys = chain_keys(tokens, GEOM.block_tokens, salt="model-a")
+    data = run_data(keys)
+    with _format([store_path]) as store:
+        store.put_run(keys[:4], data.reshape(SHAPE(6))[:, :, :4].copy())
+        other = chain_keys(np.r_[tokens[:32], tokens[32:] + 1], GEOM.block_tokens, salt="model-a")
+        assert other[:2] == keys[:2] and other[2] != keys[2]
+        assert store.lookup(keys) == 4
+        assert store.lookup(other) == 2
+        assert store.lookup(chain_keys(tokens, GEOM.block_tokens, salt="model-b")) == 0
+        out = np.full(6 * GEOM.block_bytes, 7, np.uint8)
+        assert store.get_run(keys, out) == 4
+        assert np.array_equal(out.reshape(SHAPE(6))[:, :, :4], data.reshape(SHAPE(6))[:, :, :4])
+        assert (out.reshape(SHAPE(6))[:, :, 4:] == 7).all()  # untouched after the miss
+
+
+def test_get_across_runs_and_mid_run_start(store_path):
+    a, b = run_keys(1, 3), run_keys(2, 4)
+    with _format([store_path]) as store:
+        store.put_run(a, run_data(a))
+        store.put_run(b, run_data(b))
+        keys = a[1:] + b  # starts in the middle of run a, continues into run b
+        want = np.concatenate([run_data(a).reshape(SHAPE(3))[:, :, 1:],
+                               run_data(b).reshape(SHAPE(4))], axis=2)
+        out = np.zeros(len(keys) * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 6
+        assert np.array_equal(out.reshape(SHAPE(6)), want)
+
+
+@pytest.mark.parametrize("verify", ["always", "never"])
+def test_read_range_is_one_layer_and_group(store_path, verify):
+    keys = run_keys(3, 4)
+    data = run_data(keys).reshape(SHAPE(4))
+    with _format([store_path], verify=verify) as store:
+        store.put_run(keys, data)
+        for layer in range(GEOM.num_layers):
+            for group in range(GEOM.head_groups):
+                out = np.zeros(3 * GEOM.group_block_bytes, np.uint8)
+                assert store.read_range(keys[:3], layer, group, out) == 3
+                assert np.array_equal(out.reshape(3, -1), data[layer, group, :3])
+        with pytest.raises(ConfigError, match="layer 2 / group 0 outside 2 layers"):
+            store.read_range(keys, 2, 0, np.zeros(4 * GEOM.group_block_bytes, np.uint8))
+
+
+def test_delete_and_reclaim_empty_region(store_path):
+    keys = run_keys(4, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+        assert store.delete([keys[1]]) == 2
+        assert store.lookup(keys) == 0
+        assert store.delete([keys[0]]) == 0
+    with KVStore.open([store_path]) as store:
+        assert store.lookup(keys) == 0
+
+
+def test_put_of_stored_run_is_not_rewritten(store_path):
+    keys = run_keys(5, 3)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+        written = store.counters["bytes_written"]
+        assert store.put_run(keys, run_data(keys)) == 3
+        assert store.counters["bytes_written"] == written
+        assert store.counters["put_duplicate_runs"] == 1
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+def test_full_store_evicts_instead_of_failing(tmp_path, policy):
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path], eviction=policy) as store:
+        regions = store.regions.count
+        hot = run_keys(0, 4)
+        store.put_run(hot, run_data(hot))
+        for i in range(1, 80):
+            keys = run_keys(i, 4)
+            assert store.put_run(keys, run_data(keys)) == 4
+            if policy == "lru":  # keep reading the first run: LRU keeps its region
+                assert store.get_run(hot, np.zeros(4 * GEOM.block_bytes, np.uint8)) == 4
+        stats = store.stats()
+        assert stats["evicted_regions"] >= regions
+        assert stats["regions"] == regions
+        newest = run_keys(79, 4)
+        assert store.lookup(newest) == 4
+        survivors = sum(store.lookup(run_keys(i, 4)) == 4 for i in range(1, 80))
+        assert survivors < 79 and stats["evicted_runs"] == 80 - survivors - (
+            store.lookup(hot) == 4)
+        # fifo drops the oldest region (the hot run's); lru keeps it while it is read
+        assert store.lookup(hot) == (4 if policy == "lru" else 0)
+
+
+def test_pinned_regions_are_never_reclaimed(tmp_path):
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path]) as store:
+        keys = run_keys(0, 4)
+        store.put_run(keys, run_data(keys))
+        # Pin the run as a reader in flight would, then fill the store over it.
+        with store._lock:
+            segs = store._segments(store_keys(keys))
+        try:
+            for i in range(1, 60):
+                k = run_keys(i, 4)
+                store.put_run(k, run_data(k))
+            assert store.lookup(keys) == 4
+            out = np.zeros(4 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(keys, out) == 4 and np.array_equal(out, run_data(keys))
+        finally:
+            store._unpin(segs)
+
+
+def store_keys(keys):
+    from kvblock.index import normalize_keys
+
+    return normalize_keys(keys)
+
+
+def test_everything_pinned_is_store_full(tmp_path):
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path]) as store:
+        store.regions.pins[:] = 1
+        store.regions.state[:] = 2
+        store.regions.free.clear()
+        store.regions.open = None
+        with pytest.raises(StoreFullError, match="every region holds pinned runs"):
+            store.put_run(run_keys(1, 1), run_data(run_keys(1, 1)))
+        store.regions.pins[:] = 0
+
+
+def test_admission_second_offer(store_path):
+    keys = run_keys(6, 2)
+    with _format([store_path], admit_after=2) as store:
+        assert store.put_run(keys, run_data(keys)) == 0
+        assert store.lookup(keys) == 0
+        assert store.put_run(keys, run_data(keys)) == 2
+        assert store.lookup(keys) == 2
+        assert store.stats()["admission_rejected_runs"] == 1
+
+
+def test_checksum_mismatch_is_a_miss_and_drops_the_run(store_path):
+    keys = run_keys(7, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+        run = next(iter(store.index.runs.values()))
+        dev, off = store.regions.address(run.region, run.offset)
+    with open(store_path, "r+b") as f:  # flip one byte of the data on the medium
+        f.seek(off + 100)
+        byte = f.read(1)
+        f.seek(off + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with KVStore.open([store_path]) as store:
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 0
+        assert (out == 0).all()
+        assert store.stats()["checksum_failures"] == 1
+        assert store.lookup(keys) == 0
+    with KVStore.open([store_path]) as store:
+        assert store.lookup(keys) == 0  # the drop is durable
+
+
+def test_multi_device_striping(tmp_path):
+    paths = [tmp_path / f"d{i}.img" for i in range(3)]
+    for p in paths:
+        create_file(p, 4 * MIB)
+    with _format(paths) as store:
+        devs = set()
+        for i in range(30):
+            keys = run_keys(i, 4)
+            store.put_run(keys, run_data(keys))
+        for run in store.index.runs.values():
+            devs.add(store.regions.device_of(run.region))
+        assert devs == {0, 1, 2}
+    # any order of the devices opens the store
+    with KVStore.open([str(p) for p in reversed(paths)]) as store:
+        for i in range(30):
+            keys = run_keys(i, 4)
+            if store.lookup(keys):
+                out = np.zeros(4 * GEOM.block_bytes, np.uint8)
+                assert store.get_run(keys, out) == 4 and np.array_equal(out, run_data(keys))
+    with pytest.raises(MissingDeviceError, match=r"has 3 devices; missing #1"):
+        KVStore.open([str(paths[0]), str(paths[2])])
+    other = tmp_path / "other.img"
+    create_file(other, 4 * MIB)
+    _format([other]).close()
+    with pytest.raises(MissingDeviceError, match="belongs to store"):
+        KVStore.open([str(paths[0]), str(other), str(paths[2])])
+
+
+def test_open_errors(store_path, tmp_path):
+    _format([store_path], model="model-a").close()
+    with pytest.raises(GeometryMismatchError, match="formatted for 2 layers.*asked for 3 layers"):
+        KVStore.open([store_path], geometry=Geometry(3, 2, 32, "float16", 16, 2, 2))
+    with pytest.raises(GeometryMismatchError, match="another model fingerprint"):
+        KVStore.open([store_path], model="model-b")
+    with pytest.raises(FormatError, match="already holds kvblock store .* force=True"):
+        _format([store_path])
+    blank = tmp_path / "blank.img"
+    create_file(blank, 8 * MIB)
+    with pytest.raises(NotAStoreError, match="no kvblock superblock at offset 0"):
+        KVStore.open([blank])
+    with pytest.raises(DeviceTooSmallError, match="cannot hold metadata"):
+        tiny = tmp_path / "tiny.img"
+        create_file(tiny, 1 * MIB)
+        _format([tiny])
+    with pytest.raises(ConfigError, match="verify must be one of"):
+        KVStore.open([store_path], verify="sometimes")
+    _format([store_path], force=True).close()  # force overwrites
+
+
+def _rewrite_superblocks(path, mutate):
+    with open(path, "r+b") as f:
+        for off in sbfmt.COPY_OFFSETS:
+            f.seek(off)
+            buf = bytearray(f.read(sbfmt.SIZE))
+            mutate(buf)
+            f.seek(off)
+            f.write(buf)
+
+
+def test_unknown_version_and_corrupt_superblocks(store_path):
+    _format([store_path]).close()
+
+    def bump_version(buf):
+        buf[8:12] = (99).to_bytes(4, "little")
+        buf[4088:4096] = meta_checksum(bytes(buf[:4088])).to_bytes(8, "little")
+
+    _rewrite_superblocks(store_path, bump_version)
+    with pytest.raises(UnsupportedVersionError, match="format version 99, this kvblock reads"):
+        KVStore.open([store_path])
+    _format([store_path], force=True).close()
+    with open(store_path, "r+b") as f:  # one corrupt copy: the other one serves
+        f.seek(200)
+        f.write(b"\xff" * 8)
+    with KVStore.open([store_path]) as store:
+        assert store.lookup([b"x"]) == 0
+    _rewrite_superblocks(store_path, lambda buf: buf.__setitem__(slice(300, 308), b"\xee" * 8))
+    with pytest.raises(NotAStoreError, match="fails its checksum"):
+        KVStore.open([store_path])
+
+
+def test_closed_store_refuses(store_path):
+    store = _format([store_path])
+    store.close()
+    store.close()  # idempotent
+    with pytest.raises(StoreClosedError, match="reopen"):
+        store.lookup([b"k"])
+    assert issubclass(StoreClosedError, KVBlockError)
+
+
+def test_bad_put_arguments(store_path):
+    with _format([store_path]) as store:
+        with pytest.raises(ConfigError, match="2 keys need 16384 bytes"):
+            store.put_run([b"a", b"b"], np.zeros(100, np.uint8))
+        with pytest.raises(ConfigError, match="block keys must be bytes, str or int"):
+            store.put_run([1.5], np.zeros(GEOM.block_bytes, np.uint8))
+        with pytest.raises(ConfigError, match="writable array of 8192 bytes"):
+            store.get_run([b"a"], np.zeros(10, np.uint8))
+
+
+def test_concurrent_writers_and_readers(tmp_path):
+    path = tmp_path / "mt.img"
+    create_file(path, 16 * MIB)
+    errors = []
+    with _format([path]) as store:
+        def worker(w):
+            try:
+                for i in range(15):
+                    keys = run_keys(w * 100 + i, 1 + i % 3)
+                    store.put_run(keys, run_data(keys))
+                    out = np.zeros(len(keys) * GEOM.block_bytes, np.uint8)
+                    got = store.get_run(keys, out)
+                    assert got == len(keys) and np.array_equal(out, run_data(keys))
+            except Exception as e:  # reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert store.stats()["commits"] <= 4 * 15 + 5
+    with KVStore.open([path]) as store:
+        assert store.stats()["runs"] == 60
+
+
+def test_recovery_replays_journal_without_checkpoint(store_path):
+    store = _format([store_path])
+    for i in range(5):
+        keys = run_keys(i, 2)
+        store.put_run(keys, run_data(keys))
+    store._release_devices()  # "killed": no clean shutdown, no checkpoint
+    with KVStore.open([store_path]) as store:
+        assert not store.clean_at_open
+        assert store.counters["replayed_records"] == 5
+        for i in range(5):
+            assert store.lookup(run_keys(i, 2)) == 2
+
+
+def test_stats_fields(store_path):
+    with _format([store_path]) as store:
+        keys = run_keys(1, 2)
+        store.put_run(keys, run_data(keys))
+        store.get_run(keys, np.zeros(2 * GEOM.block_bytes, np.uint8))
+        s = store.stats()
+    for field in ("capacity_bytes", "used_bytes", "regions", "regions_free", "runs", "blocks",
+                  "put_blocks", "get_blocks", "bytes_written", "bytes_read", "commits",
+                  "checksum_failures", "evicted_regions", "engine", "uuid"):
+        assert field in s, field
+    assert s["blocks"] == 2 and s["get_blocks"] == 2 and s["put_blocks"] == 2
+    assert os.path.basename(s["devices"][0]) == "store.img"
