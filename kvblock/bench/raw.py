@@ -18,6 +18,10 @@ from kvblock.errors import ConfigError
 from kvblock.io import OP_READ, OP_WRITE, IOBatch, open_engine
 from kvblock.memory import HostBuffer
 
+# Seconds of I/O per batch handed to the engine, and a cap on its entries.
+BATCH_SECONDS = 0.25
+MAX_BATCH = 1 << 18
+
 WORKLOADS = {"read": (OP_READ, False), "write": (OP_WRITE, False),
              "randread": (OP_READ, True), "randwrite": (OP_WRITE, True)}
 
@@ -63,10 +67,14 @@ def run_raw(target: str, workload: str, bs: int, qd: int, seconds: float,
         with HostBuffer(bs * qd) as buf, open_engine([dev], engine, queue_depth=qd) as eng:
             if op == OP_WRITE:
                 buf.array[:] = rng.integers(0, 256, buf.nbytes, dtype=np.uint8)
-            # A batch long enough that the drain at its end is a small fraction.
-            n = max(qd * 64, 256)
-            addrs = (np.arange(n, dtype=np.uint64) % np.uint64(qd)) * np.uint64(bs) \
+            # Batches are sized by time: each holds about BATCH_SECONDS of I/O at
+            # the rate measured so far (the first one a few queues' worth), so
+            # the drain at the end of a batch and the Python work between
+            # batches are a small fraction whatever the device's speed, and
+            # the last batch ends close to the deadline, as fio's runs do.
+            addrs = (np.arange(MAX_BATCH, dtype=np.uint64) % np.uint64(qd)) * np.uint64(bs) \
                 + np.uint64(buf.address)
+            n = qd * 4
             cursor = 0
             lat_parts, done, total = [], 0, 0
             start = time.perf_counter()
@@ -78,7 +86,7 @@ def run_raw(target: str, workload: str, bs: int, qd: int, seconds: float,
                     offsets = ((np.arange(cursor, cursor + n, dtype=np.uint64)
                                 % np.uint64(slots)) * np.uint64(bs))
                     cursor = (cursor + n) % slots
-                res = eng.submit(op, IOBatch(addrs, 0, offsets, bs), qd=qd, latency=True)
+                res = eng.submit(op, IOBatch(addrs[:n], 0, offsets, bs), qd=qd, latency=True)
                 lat_parts.append(res.latency_ns)
                 done += n
                 total += res.nbytes
@@ -87,6 +95,8 @@ def run_raw(target: str, workload: str, bs: int, qd: int, seconds: float,
                     progress(min(now - start, seconds), seconds)
                 if now >= deadline:
                     break
+                rate = done / (now - start)
+                n = int(min(max(rate * min(BATCH_SECONDS, deadline - now), 2 * qd), MAX_BATCH))
             elapsed = time.perf_counter() - start
             name = eng.name
     lat = np.concatenate(lat_parts) / 1000.0

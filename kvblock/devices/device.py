@@ -86,10 +86,14 @@ class Device:
     writable : open read-write (default) or read-only.
     exclusive : refuse if another opener holds it exclusively (default True).
     min_size : raise :class:`DeviceTooSmallError` below this many bytes.
+    busy_timeout : seconds to keep retrying an exclusive open that finds the
+        device busy.  A process that was just killed releases its claim only
+        when the kernel finishes tearing down its io_uring, a moment later;
+        a restarted server should not fail on that.
     """
 
     def __init__(self, path: str | os.PathLike, *, writable: bool = True,
-                 exclusive: bool = True, min_size: int = 0):
+                 exclusive: bool = True, min_size: int = 0, busy_timeout: float = 1.0):
         self.path = os.fspath(path)
         self.writable = writable
         self.fd = -1
@@ -117,7 +121,7 @@ class Device:
         if exclusive and self.kind == "block":
             flags |= os.O_EXCL
         try:
-            self.fd = os.open(self.path, flags)
+            self.fd = _retry_busy(lambda: os.open(self.path, flags), busy_timeout)
         except PermissionError:
             raise DevicePermissionError(
                 f"{self.path}: permission denied opening for {'read-write' if writable else 'read'}"
@@ -138,7 +142,8 @@ class Device:
         try:
             if exclusive and self.kind == "file":
                 try:
-                    fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    _retry_busy(lambda: fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
+                                busy_timeout)
                 except BlockingIOError:
                     raise DeviceBusyError(
                         f"{self.path}: file is locked by another kvblock store; stop the "
@@ -243,6 +248,20 @@ class Device:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.info.capacity} bytes"
         return f"Device({self.path!r}, {self.kind}, {state})"
+
+
+def _retry_busy(attempt, timeout: float):
+    """Run ``attempt`` until it stops failing with EBUSY/EWOULDBLOCK or time is up."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return attempt()
+        except OSError as e:
+            if e.errno not in (errno.EBUSY, errno.EWOULDBLOCK) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _punch_hole(fd: int, offset: int, length: int) -> None:

@@ -3,6 +3,7 @@ registered with each ring, a whole batch run in one native call."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -44,6 +45,7 @@ class _Ring:
             raise EngineUnavailableError(f"io_uring_setup failed: {strerror(-err[0])}; "
                                          "use KVBLOCK_IO_ENGINE=threads")
         self._fds = engine.fds  # kept alive for the C side's copy
+        self.pid = os.getpid()  # rings are not shared with forked children
         self.fixed_files = lib.kvb_ring_set_files(
             self.handle, native.ptr("int *", engine.fds), len(engine.fds)) == 0
         self.buffers_version = -1
@@ -84,7 +86,9 @@ class UringEngine(IOEngine):
 
     def _ring(self) -> _Ring:
         ring = getattr(self._local, "ring", None)
-        if ring is None:
+        if ring is None or ring.pid != os.getpid():
+            # First use on this thread, or a forked child: the parent's ring
+            # (single-issuer) is not this process's to submit to.
             ring = self._local.ring = _Ring(self)
             with self._rings_lock:
                 self._rings.append(ring)
