@@ -76,6 +76,8 @@ class RegionTable:
 
     def release(self, region: int) -> None:
         """A region is empty again (after reclaim): bump its generation."""
+        if self.state[region] == FREE:
+            raise ValueError(f"region {region} released twice")
         if self.open == region:
             self.open = None
         self.state[region] = FREE

@@ -75,8 +75,10 @@ def _emit(obj: dict, as_json: bool, title: str) -> None:
 
 @cli.command()
 @click.argument("target")
-@click.option("--workload", type=click.Choice(["read", "write", "randread", "randwrite"]),
-              default="read", show_default=True, help="I/O pattern (fio's names).")
+@click.option("--workload",
+              type=click.Choice(["read", "write", "randread", "randwrite", "save", "restore"]),
+              default="read", show_default=True,
+              help="Raw I/O pattern (fio's names), or save/restore runs through the store.")
 @click.option("--bs", type=SIZE, default="1M", show_default=True, help="Bytes per I/O.")
 @click.option("--qd", type=click.IntRange(1, 4096), default=32, show_default=True,
               help="I/Os in flight.")
@@ -85,12 +87,39 @@ def _emit(obj: dict, as_json: bool, title: str) -> None:
 @click.option("--seconds", type=click.FloatRange(0.01), default=5.0, show_default=True)
 @click.option("--engine", type=click.Choice(["uring", "threads"]), default=None,
               help="I/O engine (default: KVBLOCK_IO_ENGINE, else the best available).")
+@click.option("--layers", type=click.IntRange(1), default=32, show_default=True,
+              help="save/restore: model layers.")
+@click.option("--kv-heads", type=click.IntRange(1), default=8, show_default=True)
+@click.option("--head-dim", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--block-tokens", type=click.IntRange(1), default=16, show_default=True)
+@click.option("--head-groups", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--run-blocks", type=click.IntRange(1), default=32, show_default=True,
+              help="save/restore: blocks per run.")
+@click.option("--jobs", type=click.IntRange(1), default=4, show_default=True,
+              help="restore: concurrent readers.")
+@click.option("--verify", type=click.Choice(["always", "never"]), default="always",
+              show_default=True, help="restore: check data checksums.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def bench(target, workload, bs, qd, size, seconds, engine, as_json):
-    """Measure raw I/O on TARGET (a block device or file) through kvblock's engine.
+def bench(target, workload, bs, qd, size, seconds, engine, layers, kv_heads, head_dim, dtype,
+          block_tokens, head_groups, run_blocks, jobs, verify, as_json):
+    """Measure I/O on TARGET (a block device or file) through kvblock.
 
-    Write workloads overwrite TARGET's contents.
+    Raw workloads run the I/O engine alone; save/restore format TARGET as a
+    store and move runs of KV blocks.  Write, save and restore workloads
+    overwrite TARGET's contents.
     """
+    if workload in ("save", "restore"):
+        from kvblock.bench.store_bench import run_store_bench
+        from kvblock.layout import Geometry
+
+        geometry = Geometry(layers, kv_heads, head_dim, dtype, block_tokens, 2, head_groups)
+        result = _with_progress(
+            lambda progress: run_store_bench(target, workload, geometry, run_blocks, seconds,
+                                             size, engine, verify, jobs, qd, progress),
+            f"{workload} {run_blocks} blocks/run", seconds, quiet=as_json)
+        _emit(result, as_json, f"kvblock bench {target}")
+        return
     from kvblock.bench.raw import as_dict, run_raw
 
     result = _with_progress(

@@ -129,7 +129,7 @@ def scan(data: bytes | memoryview, expected_seq: int,
     data = memoryview(data)
     pos, seq, records, end = 0, expected_seq, [], 0
     while pos + _HEADER.size <= len(data):
-        magic, kind, _, length, _, repoch, rseq, crc = _HEADER.unpack_from(data, pos)
+        magic, kind, res16, length, res32, repoch, rseq, crc = _HEADER.unpack_from(data, pos)
         if magic != MAGIC:
             nxt = (pos // BLOCK + 1) * BLOCK
             if pos % BLOCK == 0 or not _is_zero(data[pos:nxt]):
@@ -137,7 +137,7 @@ def scan(data: bytes | memoryview, expected_seq: int,
             pos = nxt
             continue
         stop = pos + _HEADER.size + length
-        if repoch != epoch or rseq != seq or length % 8 or stop > len(data):
+        if repoch != epoch or rseq != seq or length % 8 or stop > len(data) or res16 or res32:
             break
         header = _HEADER.pack(MAGIC, kind, 0, length, 0, repoch, rseq, 0)
         payload = bytes(data[pos + _HEADER.size:stop])
@@ -154,4 +154,4 @@ def scan(data: bytes | memoryview, expected_seq: int,
 
 
 def _is_zero(view) -> bool:
-    return not any(bytes(view))
+    return bytes(view) == bytes(len(view))

@@ -142,5 +142,7 @@ def pick(copies: list[bytes], path: str) -> Superblock:
             errors.append(e)
     if valid:
         return max(valid, key=lambda sb: sb.sequence)
+    if not errors:
+        raise NotAStoreError(f"{path}: no superblock copies to read", path, 0)
     version_errors = [e for e in errors if isinstance(e, UnsupportedVersionError)]
     raise version_errors[0] if version_errors else errors[0]

@@ -14,6 +14,7 @@ store's alignment (>= 4 KiB, what GPUDirect Storage needs).
 from __future__ import annotations
 
 import hashlib
+import operator
 from dataclasses import asdict, dataclass
 
 from kvblock.errors import ConfigError
@@ -48,10 +49,21 @@ class Geometry:
     head_groups: int = 1
 
     def __post_init__(self):
-        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "head_groups"):
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "head_groups",
+                     "kv_parts"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1 or value >= 1 << 31:
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                number = operator.index(value)  # ints and numpy ints; not floats or bools
+            except TypeError:
+                raise ConfigError(f"geometry: {name} must be an integer, got {value!r}") from None
+            if number < 1 or number >= 1 << 31:
                 raise ConfigError(f"geometry: {name} must be a positive integer, got {value!r}")
+            object.__setattr__(self, name, int(number))
+        if not isinstance(self.dtype, str):
+            raise ConfigError(f"geometry: dtype must be a name such as 'bfloat16', got "
+                              f"{self.dtype!r}")
         if self.kv_parts not in (1, 2):
             raise ConfigError(f"geometry: kv_parts must be 2 (K and V) or 1 (MLA latent), "
                               f"got {self.kv_parts!r}")

@@ -292,7 +292,7 @@ class KVStore:
             off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
             if cpfmt.HEADER_BYTES + head.payload_bytes > sb.checkpoint_bytes:
                 continue
-            payload = self.io.read_bytes(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
+            payload = self.io.read_array(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
             cp = cpfmt.decode_payload(head, payload)
             if cp is not None and cp.ranges == self.geometry.ranges and \
                     len(cp.regions) == self.regions.count:
@@ -306,11 +306,20 @@ class KVStore:
                 self.io.devices[0].path, sb.checkpoint_offset)
         self.index = KeyIndex()
         self._load_checkpoint(cp)
-        journal = self.io.read_bytes(0, sb.journal_offset, sb.journal_bytes)
+        journal = self.io.read_array(0, sb.journal_offset, sb.journal_bytes)
         records, end, next_seq = jfmt.scan(journal, cp.journal_seq,
                                            _epoch(sb.store_uuid, cp.generation))
+        puts: list[Run] = []
         for rec in records:
+            if isinstance(rec, jfmt.PutRun):
+                run = self._replayed_run(rec)
+                if run is not None:
+                    puts.append(run)
+                continue
+            self._index_runs(puts)  # batches of PUTs are indexed in one call
+            puts = []
             self._replay(rec)
+        self._index_runs(puts)
         self.counters["replayed_records"] = len(records)
         self._generation = cp.generation
         self._seq = next_seq
@@ -327,24 +336,31 @@ class KVStore:
         key_at = 0
         now = time.time()
         keys = cp.keys.tobytes()
-        for i, row in enumerate(cp.runs):
-            n = int(row["nblocks"])
-            run = Run(int(row["run_id"]), int(row["region"]), int(row["generation"]),
-                      int(row["offset"]), keys[key_at * 16:(key_at + n) * 16],
-                      cp.checksums[i].copy(), created=now)
+        runs = []
+        for i, row in enumerate(cp.runs.tolist()):
+            run_id, region, gen, offset, n, _ = row
+            runs.append(Run(run_id, region, gen, offset, keys[key_at * 16:(key_at + n) * 16],
+                            cp.checksums[i], created=now))
             key_at += n
-            self._add_run(run)
+        self._index_runs(runs)
+
+    def _index_runs(self, runs: list[Run]):
+        self.index.add_many(runs)
+        for run in runs:
+            self._account_run(run)
+
+    def _replayed_run(self, rec: jfmt.PutRun) -> Run | None:
+        if rec.region >= self.regions.count or \
+                rec.generation != int(self.regions.generation[rec.region]) or \
+                len(rec.checksums) != self.geometry.ranges:
+            return None  # stale or foreign: its space was reclaimed since
+        self._next_run_id = max(self._next_run_id, rec.run_id + 1)
+        return Run(rec.run_id, rec.region, rec.generation, rec.offset, rec.keys,
+                   np.array(rec.checksums, dtype=np.uint64), created=time.time())
 
     def _replay(self, rec):
-        if isinstance(rec, jfmt.PutRun):
-            if rec.region >= self.regions.count or \
-                    rec.generation != int(self.regions.generation[rec.region]) or \
-                    len(rec.checksums) != self.geometry.ranges:
-                return  # stale or foreign: its space was reclaimed since
-            self._add_run(Run(rec.run_id, rec.region, rec.generation, rec.offset, rec.keys,
-                              np.array(rec.checksums, dtype=np.uint64), created=time.time()))
-            self._next_run_id = max(self._next_run_id, rec.run_id + 1)
-        elif isinstance(rec, jfmt.DropRun):
+        """Apply a DROP or RECLAIM record (PUTs go through _replayed_run)."""
+        if isinstance(rec, jfmt.DropRun):
             run = self.index.runs.get(rec.run_id)
             if run is not None:
                 self._remove_run(run)
@@ -356,6 +372,9 @@ class KVStore:
 
     def _add_run(self, run: Run):
         self.index.add(run)
+        self._account_run(run)
+
+    def _account_run(self, run: Run):
         r = run.region
         self.regions.live[r] += 1
         end = run.offset + self.layout(run.nblocks).run_bytes
@@ -540,15 +559,21 @@ class KVStore:
             with self._lock:
                 run_id = self._next_run_id
                 self._next_run_id += 1
-            buf = self._staging(lay.run_bytes)
-            ranges = buf.array[:lay.run_bytes].reshape(g.ranges, lay.range_bytes)
             payload = lay.prefix_bytes(n)
-            ranges[:, :payload] = blocks.reshape(g.ranges, payload)
-            ranges[:, payload:] = 0
+            if payload == lay.range_bytes and blocks.flags.c_contiguous and \
+                    blocks.ctypes.data % self.alignment == 0:
+                # The caller's array already is the on-device image: no copy.
+                ranges, address = blocks.reshape(g.ranges, payload), blocks.ctypes.data
+            else:
+                buf = self._staging(lay.run_bytes)
+                ranges = buf.array[:lay.run_bytes].reshape(g.ranges, lay.range_bytes)
+                ranges[:, :payload] = blocks.reshape(g.ranges, payload)
+                ranges[:, payload:] = 0
+                address = buf.address
             sums = np.array([data_checksum(ranges[i], run_id) for i in range(g.ranges)],
                             dtype=np.uint64)
             dev, dev_off = self.regions.address(region, offset)
-            self.io.write(IOBatch.single(buf.address, dev, dev_off, lay.run_bytes))
+            self.io.write(IOBatch.single(address, dev, dev_off, lay.run_bytes))
             gen = int(self.regions.generation[region])
             run = Run(run_id, region, gen, offset, b"".join(keys), sums, created=time.time())
 
@@ -619,17 +644,7 @@ class KVStore:
     def _segments(self, keys: list[bytes]) -> list[tuple[Run, int, int, int]]:
         """(run, first position, count, first output block) for the stored
         prefix of ``keys``; pins the runs' regions.  Under self._lock."""
-        segs = []
-        for i, k in enumerate(keys):
-            hit = self.index.locate(k)
-            if hit is None:
-                break
-            run, pos = hit
-            if segs and segs[-1][0] is run and segs[-1][1] + segs[-1][2] == pos:
-                r, p, c, o = segs[-1]
-                segs[-1] = (r, p, c + 1, o)
-            else:
-                segs.append((run, pos, 1, i))
+        segs = self.index.segments(keys)
         now = time.time()
         for run, _, _, _ in segs:
             run.pins += 1
@@ -650,8 +665,8 @@ class KVStore:
 
         ``out`` is a writable array of ``len(keys) * geometry.block_bytes``
         bytes, laid out like ``put_run``'s data.  Returns the number of leading
-        blocks read; blocks after a miss (or a checksum failure, which drops
-        the bad run) are left untouched.
+        blocks read and verified; the contents of ``out`` past them are
+        unspecified (a miss, or a checksum failure, which drops the bad run).
         """
         self._check_open()
         keys = normalize_keys(keys)
@@ -705,6 +720,10 @@ class KVStore:
         g = self.geometry
         lay = self.layout(run.nblocks)
         verify = self.verify == "always"
+        if only is None and pos == 0 and count == run.nblocks and dst.flags.c_contiguous \
+                and lay.range_bytes == lay.prefix_bytes(count) \
+                and dst.ctypes.data % self.alignment == 0:
+            return self._read_run_direct(run, lay, dst, verify)
         # Verification needs whole ranges; otherwise read just the prefix we need.
         span = lay.range_bytes if verify else lay.prefix_read_bytes(pos + count)
         idx = [lay.range_index(*only)] if only else list(range(g.ranges))
@@ -723,6 +742,20 @@ class KVStore:
         blocks = view[:, pos * gbb:(pos + count) * gbb]
         dst[...] = blocks.reshape(dst.shape)
         self.counters["bytes_read"] += span * len(idx)
+        return True
+
+    def _read_run_direct(self, run: Run, lay: RunLayout, dst: np.ndarray, verify: bool) -> bool:
+        """A whole, unpadded run into an aligned, contiguous destination: the
+        destination already is the on-device image, so read straight into it."""
+        dev, base = self.regions.address(run.region, run.offset)
+        self.io.read(IOBatch.single(dst.ctypes.data, dev, base, lay.run_bytes))
+        if verify:
+            view = dst.reshape(self.geometry.ranges, lay.range_bytes)
+            for r in range(self.geometry.ranges):
+                if data_checksum(view[r], run.run_id) != int(run.checksums[r]):
+                    self._checksum_failure(run, r)
+                    return False
+        self.counters["bytes_read"] += lay.run_bytes
         return True
 
     def _checksum_failure(self, run: Run, range_index: int) -> None:

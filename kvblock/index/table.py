@@ -1,0 +1,146 @@
+"""A compact hash table from 16-byte keys to int64 values, in numpy.
+
+Open addressing with linear probing over three parallel arrays (key low
+half, key high half, value), so an indexed block costs about 24 / load-factor
+bytes instead of the ~150 bytes of a dict of bytes objects, and every
+operation works on a whole batch of keys at once (a run's keys, a request's
+prefix, a checkpoint's million keys) without a Python loop per key.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+EMPTY, TOMBSTONE = -1, -2
+_MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing spreads structured keys
+MAX_LOAD = 0.6
+
+
+def split_keys(keys: bytes | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(low, high) uint64 halves of concatenated 16-byte keys."""
+    words = np.frombuffer(keys, dtype="<u8") if isinstance(keys, (bytes, bytearray)) \
+        else np.ascontiguousarray(keys).view("<u8").reshape(-1)
+    words = words.reshape(-1, 2)
+    return words[:, 0], words[:, 1]
+
+
+class KeyTable:
+    def __init__(self, capacity: int = 1024):
+        cap = 1 << max(4, int(capacity - 1).bit_length())
+        self._alloc(cap)
+        self.live = 0
+
+    def _alloc(self, cap: int):
+        self.cap = cap
+        self.mask = np.uint64(cap - 1)
+        self.shift = np.uint64(64 - (cap.bit_length() - 1))
+        self.lo = np.zeros(cap, dtype=np.uint64)
+        self.hi = np.zeros(cap, dtype=np.uint64)
+        self.val = np.full(cap, EMPTY, dtype=np.int64)
+        self.used = 0  # live + tombstones
+        self._claim = np.full(cap, -1, dtype=np.int32)  # scratch for _insert_new
+
+    def __len__(self) -> int:
+        return self.live
+
+    @property
+    def nbytes(self) -> int:
+        return self.lo.nbytes + self.hi.nbytes + self.val.nbytes + self._claim.nbytes
+
+    def _home(self, lo, hi):
+        with np.errstate(over="ignore"):
+            return ((lo ^ (hi * _MIX)) * _MIX) >> self.shift
+
+    def find(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Slot of each key, or -1 where absent."""
+        n = lo.size
+        slots = np.full(n, -1, dtype=np.int64)
+        idx = self._home(lo, hi)
+        todo = np.arange(n)
+        while todo.size:
+            v = self.val[idx]
+            hit = (v >= 0) & (self.lo[idx] == lo[todo]) & (self.hi[idx] == hi[todo])
+            slots[todo[hit]] = idx[hit].astype(np.int64)
+            go_on = ~hit & (v != EMPTY)
+            todo, idx = todo[go_on], (idx[go_on] + np.uint64(1)) & self.mask
+        return slots
+
+    def get(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """Value of each key, or -1 where absent."""
+        slots = self.find(lo, hi)
+        out = np.full(lo.size, -1, dtype=np.int64)
+        present = slots >= 0
+        out[present] = self.val[slots[present]]
+        return out
+
+    def put(self, lo: np.ndarray, hi: np.ndarray, values: np.ndarray) -> None:
+        """Insert or overwrite; a key repeated in the batch keeps its last value."""
+        if lo.size == 0:
+            return
+        values = np.asarray(values, dtype=np.int64)
+        if lo.size > 1 and _has_equal_neighbours(np.sort(lo)):
+            # a key repeated in the batch: its last occurrence wins
+            order = np.lexsort((np.arange(lo.size), hi, lo))
+            slo, shi = lo[order], hi[order]
+            last = np.ones(lo.size, dtype=bool)
+            last[:-1] = (slo[1:] != slo[:-1]) | (shi[1:] != shi[:-1])
+            if not last.all():
+                keep = np.sort(order[last])
+                lo, hi, values = lo[keep], hi[keep], values[keep]
+        slots = self.find(lo, hi)
+        present = slots >= 0
+        self.val[slots[present]] = values[present]
+        new = ~present
+        if not new.any():
+            return
+        lo, hi, values = lo[new], hi[new], values[new]
+        if (self.used + lo.size) > MAX_LOAD * self.cap:
+            self._grow(self.live + lo.size)
+        self._insert_new(lo, hi, values)
+
+    def _insert_new(self, lo, hi, values):
+        idx = self._home(lo, hi)
+        todo = np.arange(lo.size)
+        while todo.size:
+            free = self.val[idx] < 0
+            # Among keys aiming at the same free slot one takes it (scatter:
+            # the last write to a slot of the scratch array wins), the rest
+            # probe on.
+            cand = np.nonzero(free)[0]
+            target = idx[cand].astype(np.int64)
+            cand = cand.astype(np.int32)
+            self._claim[target] = cand
+            win = cand[self._claim[target] == cand]
+            self._claim[target] = -1
+            slots, who = idx[win].astype(np.int64), todo[win]
+            self.used += int((self.val[slots] == EMPTY).sum())
+            self.lo[slots], self.hi[slots], self.val[slots] = lo[who], hi[who], values[who]
+            self.live += win.size
+            rest = np.ones(todo.size, dtype=bool)
+            rest[win] = False
+            todo, idx = todo[rest], (idx[rest] + np.uint64(1)) & self.mask
+
+    def remove(self, lo: np.ndarray, hi: np.ndarray, expect: np.ndarray | None = None) -> int:
+        """Delete keys (only where the value equals ``expect``, when given)."""
+        slots = self.find(lo, hi)
+        ok = slots >= 0
+        if expect is not None:
+            ok &= self.val[np.where(ok, slots, 0)] == np.asarray(expect, dtype=np.int64)
+        gone = np.unique(slots[ok])
+        self.val[gone] = TOMBSTONE
+        self.live -= gone.size
+        return int(gone.size)
+
+    def _grow(self, need: int):
+        live = self.val >= 0
+        lo, hi, val = self.lo[live], self.hi[live], self.val[live]
+        cap = self.cap
+        while need > MAX_LOAD * cap:
+            cap *= 2
+        self._alloc(cap)
+        self.live = 0
+        self._insert_new(lo, hi, val)
+
+
+def _has_equal_neighbours(sorted_values: np.ndarray) -> bool:
+    return bool((sorted_values[1:] == sorted_values[:-1]).any())

@@ -1,0 +1,349 @@
+"""Journal records: pinned byte layout, commits, and scan() replay rules."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import xxhash
+
+from kvblock.format import journal as j
+from kvblock.format.journal import (BLOCK, DROP_RUN, MAGIC, PUT_RUN, RECLAIM, DropRun, PutRun,
+                                    Reclaim, encode_commit, encode_record, scan)
+
+EPOCH = 0xA1B2_C3D4_E5F6_0718
+KEYS3 = bytes(range(48))  # three 16-byte keys
+PUT = PutRun(run_id=0x1122334455, region=7, generation=3, offset=0x20_0000,
+             keys=KEYS3, checksums=(1, 0xFFFF_FFFF_FFFF_FFFF, 0x0123_4567_89AB_CDEF))
+DROP = DropRun(run_id=0x1122334455)
+RECL = Reclaim(region=7, generation=4)
+
+# xxh64 hex digests of encode_record(rec, seq=42, epoch=EPOCH).
+# If these change, bump FORMAT_VERSION (kvblock/format/__init__.py).
+GOLDEN = {
+    "put": "84bbfed7558e88af",
+    "drop": "c95dd783707597fa",
+    "reclaim": "91e7fcafb7a72147",
+}
+
+
+def header(b: bytes, at: int = 0):
+    return struct.unpack_from("<IHHIIQQQ", b, at)
+
+
+def crc_of(rec: bytes) -> int:
+    return xxhash.xxh64_intdigest(rec[:32] + bytes(8) + rec[40:])
+
+
+def put(run_id, nblocks=2, ranges=3, region=1, generation=0, offset=0):
+    keys = b"".join(struct.pack("<QQ", run_id, i) for i in range(nblocks))
+    return PutRun(run_id, region, generation, offset, keys,
+                  tuple(run_id * 1000 + r for r in range(ranges)))
+
+
+# ------------------------------------------------------------------ golden layout
+def test_golden_put_run():
+    b = encode_record(PUT, 42, EPOCH)
+    payload_len = 32 + 48 + 24
+    assert len(b) == 40 + payload_len
+    assert b[0:4] == b"KVBJ"
+    assert struct.unpack_from("<I", b, 0)[0] == MAGIC == 0x4A42564B
+    assert struct.unpack_from("<H", b, 4)[0] == PUT_RUN == 1
+    assert b[6:8] == b"\0\0"
+    assert struct.unpack_from("<I", b, 8)[0] == payload_len
+    assert b[12:16] == bytes(4)
+    assert struct.unpack_from("<Q", b, 16)[0] == EPOCH
+    assert struct.unpack_from("<Q", b, 24)[0] == 42
+    assert struct.unpack_from("<Q", b, 32)[0] == crc_of(b)
+    # payload: Q run_id, I region, I generation, Q offset, I blocks, I ranges, keys, sums
+    assert struct.unpack_from("<QIIQII", b, 40) == (0x1122334455, 7, 3, 0x20_0000, 3, 3)
+    assert b[72:120] == KEYS3
+    assert struct.unpack_from("<3Q", b, 120) == PUT.checksums
+    assert xxhash.xxh64_hexdigest(b) == GOLDEN["put"]
+
+
+def test_golden_drop_run():
+    b = encode_record(DROP, 42, EPOCH)
+    assert len(b) == 48
+    assert header(b) == (MAGIC, DROP_RUN, 0, 8, 0, EPOCH, 42, crc_of(b))
+    assert DROP_RUN == 2
+    assert struct.unpack_from("<Q", b, 40)[0] == 0x1122334455
+    assert xxhash.xxh64_hexdigest(b) == GOLDEN["drop"]
+
+
+def test_golden_reclaim():
+    b = encode_record(RECL, 42, EPOCH)
+    assert len(b) == 48
+    assert header(b) == (MAGIC, RECLAIM, 0, 8, 0, EPOCH, 42, crc_of(b))
+    assert RECLAIM == 3
+    assert struct.unpack_from("<II", b, 40) == (7, 4)
+    assert xxhash.xxh64_hexdigest(b) == GOLDEN["reclaim"]
+
+
+def test_records_are_8_byte_aligned():
+    for n in range(1, 5):
+        for r in range(1, 4):
+            b = encode_record(put(9, nblocks=n, ranges=r), 1, 1)
+            assert len(b) % 8 == 0
+            assert struct.unpack_from("<I", b, 8)[0] == len(b) - 40
+
+
+def test_encode_rejects_non_records():
+    with pytest.raises(TypeError):
+        encode_record(object(), 1, 1)
+
+
+# ------------------------------------------------------------------ commits
+def test_encode_commit_pads_to_block():
+    c = encode_commit([PUT, DROP, RECL], 10, EPOCH)
+    assert len(c) == BLOCK == 4096
+    used = 144 + 48 + 48
+    assert c[:used] == (encode_record(PUT, 10, EPOCH) + encode_record(DROP, 11, EPOCH)
+                        + encode_record(RECL, 12, EPOCH))
+    assert c[used:] == bytes(4096 - used)
+
+
+def test_encode_commit_spanning_blocks():
+    big = put(5, nblocks=300, ranges=4)  # 40 + 32 + 4800 + 32 bytes
+    c = encode_commit([big], 1, EPOCH)
+    assert len(c) == 8192
+    recs, end, nxt = scan(c, 1, EPOCH)
+    assert recs == [big] and end == 8192 and nxt == 2
+
+
+def test_encode_commit_exact_block_needs_no_padding():
+    # a DropRun is 48 bytes; a PutRun with n keys and r sums is 72 + 16n + 8r bytes.
+    # 4096 = 72 + 16*n + 8*r  ->  n = 250, r = 3
+    rec = put(1, nblocks=250, ranges=3)
+    c = encode_commit([rec], 1, EPOCH)
+    assert len(c) == 4096
+    assert c == encode_record(rec, 1, EPOCH)
+
+
+# ------------------------------------------------------------------ scan
+def journal_of(commits, first_seq=1, epoch=EPOCH, tail=8192):
+    """Back-to-back commits, followed by `tail` zero bytes; returns (data, commit ends)."""
+    out, ends, seq = b"", [], first_seq
+    for recs in commits:
+        out += encode_commit(recs, seq, epoch)
+        seq += len(recs)
+        ends.append(len(out))
+    return out + bytes(tail), ends
+
+
+COMMITS = [
+    [put(1), put(2)],
+    [DropRun(1), Reclaim(1, 1)],
+    [put(3, nblocks=300, ranges=4)],     # spans two blocks
+    [put(4), DropRun(2), put(5)],
+]
+
+
+def test_scan_round_trip_back_to_back():
+    data, ends = journal_of(COMMITS, first_seq=100)
+    recs, end, nxt = scan(data, 100, EPOCH)
+    flat = [r for c in COMMITS for r in c]
+    assert recs == flat
+    assert end == ends[-1]
+    assert nxt == 100 + len(flat)
+    # the same through a memoryview and a bytearray
+    assert scan(memoryview(data), 100, EPOCH) == (recs, end, nxt)
+    assert scan(bytearray(data), 100, EPOCH) == (recs, end, nxt)
+
+
+def test_scan_empty_and_zero_journal():
+    assert scan(b"", 5, EPOCH) == ([], 0, 5)
+    assert scan(bytes(1 << 16), 5, EPOCH) == ([], 0, 5)
+
+
+def test_scan_without_trailing_zeros():
+    data, ends = journal_of(COMMITS, tail=0)
+    recs, end, _ = scan(data, 1, EPOCH)
+    assert len(recs) == 8 and end == ends[-1] == len(data)
+
+
+@pytest.mark.parametrize("where", ["magic", "seq", "epoch", "crc", "payload", "length"])
+def test_scan_stops_at_corrupt_first_record_of_second_commit(where):
+    data, ends = journal_of(COMMITS)
+    at = ends[0]  # the second commit's first record starts here
+    field = {"magic": 0, "seq": 24, "epoch": 16, "crc": 32, "payload": 44, "length": 8}[where]
+    bad = bytearray(data)
+    bad[at + field] ^= 0x10
+    recs, end, nxt = scan(bytes(bad), 1, EPOCH)
+    assert recs == COMMITS[0]
+    assert end == ends[0] == 4096
+    assert nxt == 1 + len(COMMITS[0])
+
+
+@pytest.mark.parametrize("cut", [1, 8, 24, 39, 40])
+def test_scan_stops_at_torn_second_commit(cut):
+    data, ends = journal_of(COMMITS)
+    # the second commit was torn: only its first `cut` bytes reached the medium
+    torn = data[:ends[0] + cut] + bytes(len(data) - ends[0] - cut)
+    recs, end, nxt = scan(torn, 1, EPOCH)
+    assert recs == COMMITS[0]
+    assert end == ends[0]
+    assert nxt == 3
+
+
+def test_scan_truncated_inside_second_commit():
+    data, ends = journal_of(COMMITS)
+    for n in (ends[0] + 20, ends[0] + 47):
+        recs, end, _ = scan(data[:n], 1, EPOCH)
+        assert recs == COMMITS[0] and end == ends[0]
+
+
+def test_scan_torn_later_record_keeps_earlier_records_of_that_commit():
+    # records are replayed one by one: a commit torn after its first record still
+    # yields that record (each record is self-contained), but nothing after the tear
+    data, ends = journal_of(COMMITS)
+    at = ends[0] + 48  # second record of the second commit
+    bad = bytearray(data)
+    bad[at + 40] ^= 1
+    recs, end, nxt = scan(bytes(bad), 1, EPOCH)
+    assert recs == COMMITS[0] + COMMITS[1][:1]
+    assert end == ends[1] == 8192
+    assert nxt == 4
+
+
+def test_scan_torn_second_block_of_multi_block_commit():
+    data, ends = journal_of(COMMITS)
+    # COMMITS[2] spans [ends[1], ends[2]) = two blocks; lose its second block
+    torn = data[:ends[1] + 4096] + bytes(len(data) - ends[1] - 4096)
+    recs, end, _ = scan(torn, 1, EPOCH)
+    assert recs == COMMITS[0] + COMMITS[1]
+    assert end == ends[1]
+
+
+def test_scan_ignores_stale_epoch_even_with_matching_sequence():
+    old_epoch = EPOCH ^ 0xFFFF
+    data, ends = journal_of(COMMITS[:1])
+    # a stale commit from an earlier epoch, with exactly the sequence we expect next
+    stale = encode_commit([put(99), DropRun(98)], 3, old_epoch)
+    journal = data[:ends[0]] + stale + bytes(4096)
+    recs, end, nxt = scan(journal, 1, EPOCH)
+    assert recs == COMMITS[0]
+    assert end == ends[0]
+    assert nxt == 3
+    # the very first record in the wrong epoch: nothing at all
+    assert scan(stale, 3, EPOCH) == ([], 0, 3)
+    # while in its own epoch it would replay
+    assert scan(stale, 3, old_epoch)[0] == [put(99), DropRun(98)]
+
+
+def test_scan_stops_at_unexpected_sequence():
+    data, ends = journal_of(COMMITS[:1])            # seqs 1, 2
+    skip = encode_commit([DropRun(7)], 4, EPOCH)     # 3 expected, 4 found
+    recs, end, nxt = scan(data[:ends[0]] + skip, 1, EPOCH)
+    assert recs == COMMITS[0] and end == ends[0] and nxt == 3
+    back = encode_commit([DropRun(7)], 2, EPOCH)     # an older (stale) sequence
+    recs, end, nxt = scan(data[:ends[0]] + back, 1, EPOCH)
+    assert recs == COMMITS[0] and end == ends[0] and nxt == 3
+    # starting from the wrong expected sequence: nothing
+    assert scan(data, 2, EPOCH) == ([], 0, 2)
+    assert scan(data, 0, EPOCH) == ([], 0, 0)
+
+
+def test_scan_skips_zero_padding_inside_a_block():
+    data, ends = journal_of(COMMITS[:2])
+    # padding after commit 1 occupies [used, 4096): all zero, skipped
+    used = 2 * len(encode_record(put(1), 1, EPOCH))
+    assert data[used:ends[0]] == bytes(ends[0] - used)
+    recs, _, _ = scan(data, 1, EPOCH)
+    assert recs == COMMITS[0] + COMMITS[1]
+
+
+def test_scan_padding_that_is_not_zero_ends_the_log():
+    data, ends = journal_of(COMMITS[:2])
+    bad = bytearray(data)
+    bad[ends[0] - 100] = 0x01  # garbage in commit 1's padding
+    recs, end, _ = scan(bytes(bad), 1, EPOCH)
+    assert recs == COMMITS[0] and end == ends[0]
+
+
+def test_scan_block_starting_without_record_ends_the_log():
+    data, ends = journal_of(COMMITS[:1])
+    # an empty block, then a perfectly valid next commit: the log ended at the gap
+    gap = data[:ends[0]] + bytes(4096) + encode_commit([DropRun(1)], 3, EPOCH)
+    recs, end, nxt = scan(gap, 1, EPOCH)
+    assert recs == COMMITS[0] and end == ends[0] and nxt == 3
+
+
+def test_scan_rejects_corrupt_payload():
+    rec = encode_record(put(1, nblocks=2, ranges=2), 1, EPOCH)
+    for at in range(40, len(rec)):
+        bad = bytearray(rec)
+        bad[at] ^= 0x04
+        assert scan(bytes(bad) + bytes(4096), 1, EPOCH) == ([], 0, 1), at
+
+
+def test_scan_rejects_every_covered_header_byte_corruption():
+    rec = encode_record(DropRun(3), 1, EPOCH)
+    for at in [*range(0, 6), *range(8, 12), *range(16, 40)]:
+        bad = bytearray(rec)
+        bad[at] ^= 0x20
+        assert scan(bytes(bad), 1, EPOCH)[0] == [], at
+
+
+def test_scan_rejects_corruption_of_reserved_header_bytes():
+    rec = encode_record(DropRun(3), 1, EPOCH)
+    accepted = []
+    for at in [6, 7, 12, 13, 14, 15]:
+        bad = bytearray(rec)
+        bad[at] ^= 0x20
+        if scan(bytes(bad), 1, EPOCH)[0]:
+            accepted.append(at)
+    assert accepted == []
+
+
+def _rechecksummed(kind: int, payload: bytes, seq=1, epoch=EPOCH) -> bytes:
+    head = struct.pack("<IHHIIQQQ", MAGIC, kind, 0, len(payload), 0, epoch, seq, 0)
+    crc = xxhash.xxh64_intdigest(head + payload)
+    return struct.pack("<IHHIIQQQ", MAGIC, kind, 0, len(payload), 0, epoch, seq, crc) + payload
+
+
+@pytest.mark.parametrize("kind,payload", [
+    (9, bytes(8)),                                                # unknown type
+    (PUT_RUN, bytes(8)),                                          # too short for a PutRun
+    (PUT_RUN, struct.pack("<QIIQII", 1, 0, 0, 0, 0, 1) + bytes(8)),   # zero blocks
+    (PUT_RUN, struct.pack("<QIIQII", 1, 0, 0, 0, 1, 0) + bytes(16)),  # zero ranges
+    (PUT_RUN, struct.pack("<QIIQII", 1, 0, 0, 0, 5, 1) + bytes(16)),  # keys past the end
+    (PUT_RUN, struct.pack("<QIIQII", 1, 0, 0, 0, 1, 9) + bytes(24)),  # sums past the end
+    (PUT_RUN, struct.pack("<QIIQII", 1, 0, 0, 0, 0xFFFFFFFF, 0xFFFFFFFF)),
+    (DROP_RUN, b""),                                              # empty payload
+    (RECLAIM, b""),
+])
+def test_scan_rejects_well_checksummed_malformed_records(kind, payload):
+    data = encode_commit([DropRun(1)], 1, EPOCH)
+    rec = _rechecksummed(kind, payload, seq=2)
+    journal = data[:48] + rec + bytes(4096)
+    recs, end, nxt = scan(journal, 1, EPOCH)
+    assert recs == [DropRun(1)] and end == 4096 and nxt == 2
+
+
+def test_scan_rejects_length_not_multiple_of_8_and_past_end():
+    good = _rechecksummed(DROP_RUN, struct.pack("<Q", 5) + b"\0\0\0\0")  # 12-byte payload
+    assert scan(good + bytes(4096), 1, EPOCH) == ([], 0, 1)
+    rec = encode_record(DropRun(5), 1, EPOCH)
+    assert scan(rec[:47], 1, EPOCH) == ([], 0, 1)
+    assert scan(rec, 1, EPOCH) == ([DropRun(5)], 4096, 2)
+
+
+def test_scan_end_is_rounded_to_block():
+    rec = encode_record(DropRun(5), 1, EPOCH)
+    # the journal area is only 48 bytes long: end still rounds up to a block
+    assert scan(rec, 1, EPOCH) == ([DropRun(5)], 4096, 2)
+    data, ends = journal_of([[DropRun(5)], [DropRun(6)]])
+    assert scan(data, 1, EPOCH)[1] == 8192 == ends[1]
+
+
+def test_record_at_end_of_block_followed_by_next_commit():
+    # commit 1 ends 8 bytes before the block end: the 40-byte header read at that
+    # position straddles into the next block, and must still be treated as padding
+    # 4096 - 8 = 72 + 16n + 8r  ->  n = 250, r = 2
+    rec = put(1, nblocks=250, ranges=2)
+    first = encode_commit([rec], 1, EPOCH)
+    assert len(first) == 4096 and first[-8:] == bytes(8)
+    data = first + encode_commit([DropRun(1)], 2, EPOCH)
+    assert scan(data, 1, EPOCH) == ([rec, DropRun(1)], 8192, 3)
+    assert j.KEY_BYTES == 16

@@ -1,0 +1,237 @@
+"""Block keys (normalize_key, chain_keys) and the in-memory KeyIndex."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvblock.errors import ConfigError
+from kvblock.index import KEY_BYTES, KeyIndex, Run, chain_keys, normalize_key, normalize_keys
+from kvblock.index.index import POS_BITS
+
+
+# ------------------------------------------------------------------ normalize_key
+def test_sixteen_bytes_pass_through():
+    k = bytes(range(16))
+    assert KEY_BYTES == 16
+    assert normalize_key(k) == k
+    assert normalize_key(bytearray(k)) == k
+    assert normalize_key(memoryview(k)) == k
+    assert type(normalize_key(bytearray(k))) is bytes
+
+
+@pytest.mark.parametrize("n", [0, 1, 8, 15, 17, 32, 64])
+def test_other_lengths_are_hashed(n):
+    k = bytes(range(n))
+    out = normalize_key(k)
+    assert len(out) == 16
+    assert out == xxhash.xxh3_128_digest(k)
+    assert out != k[:16]
+    assert normalize_key(bytearray(k)) == out
+
+
+def test_ints():
+    assert normalize_key(0) == bytes(16)
+    assert normalize_key(1) == b"\x01" + bytes(15)
+    assert normalize_key(0x0102) == b"\x02\x01" + bytes(14)
+    assert normalize_key((1 << 128) - 1) == b"\xff" * 16
+    assert normalize_key(-1) == b"\xff" * 16            # two's complement, 128 bits
+    assert normalize_key(-2) == b"\xfe" + b"\xff" * 15
+    assert normalize_key(np.uint64(7)) == normalize_key(7)
+    assert normalize_key(np.int32(-5)) == normalize_key(-5)
+    # 64-bit hashes (Python hash(), vLLM int hashes) stay distinct
+    assert normalize_key(hash("a")) != normalize_key(hash("b"))
+    assert len({normalize_key(i) for i in range(-500, 500)}) == 1000
+
+
+def test_str():
+    assert normalize_key("abc") == xxhash.xxh3_128_digest(b"abc")
+    assert normalize_key("abc") != normalize_key("abd")
+    assert normalize_key("é") == xxhash.xxh3_128_digest("é".encode())
+    assert len(normalize_key("")) == 16
+
+
+@pytest.mark.parametrize("bad", [1.5, None, [1, 2], (1,), {"a": 1}, object()])
+def test_bad_type_is_config_error(bad):
+    with pytest.raises(ConfigError) as ei:
+        normalize_key(bad)
+    assert type(bad).__name__ in str(ei.value)
+    assert "bytes, str or int" in str(ei.value)
+
+
+def test_normalize_keys():
+    ks = [bytes(16), b"x", 3, "s"]
+    assert normalize_keys(ks) == [normalize_key(k) for k in ks]
+    assert normalize_keys(iter(ks)) == normalize_keys(ks)
+    assert normalize_keys([]) == []
+    with pytest.raises(ConfigError):
+        normalize_keys([b"ok", 2.0])
+
+
+# ------------------------------------------------------------------ chain_keys
+TOKENS = list(range(1000, 1100))
+
+
+def test_chain_keys_count_and_partial_block():
+    assert len(chain_keys(TOKENS, 16)) == 100 // 16 == 6
+    assert len(chain_keys(TOKENS[:96], 16)) == 6
+    assert len(chain_keys(TOKENS[:95], 16)) == 5
+    assert chain_keys(TOKENS[:15], 16) == []
+    assert chain_keys([], 16) == []
+    assert all(len(k) == 16 for k in chain_keys(TOKENS, 16))
+
+
+def test_chain_keys_definition():
+    keys = chain_keys(TOKENS[:32], 16, salt=b"s")
+    k0 = xxhash.xxh3_128_digest(np.asarray(TOKENS[:16], "<i4").tobytes() + b"s")
+    k1 = xxhash.xxh3_128_digest(k0 + np.asarray(TOKENS[16:32], "<i4").tobytes() + b"s")
+    assert keys == [k0, k1]
+
+
+def test_chain_keys_deterministic():
+    assert chain_keys(TOKENS, 16) == chain_keys(list(TOKENS), 16)
+    assert chain_keys(TOKENS, 16) == chain_keys(np.array(TOKENS, dtype=np.int64), 16)
+    assert chain_keys(TOKENS, 16) == chain_keys(tuple(TOKENS), 16)
+
+
+def test_chain_keys_salt_and_parent():
+    plain = chain_keys(TOKENS, 16)
+    salted = chain_keys(TOKENS, 16, salt=b"tenant-a")
+    other = chain_keys(TOKENS, 16, salt="tenant-b")
+    assert len(set(plain) | set(salted) | set(other)) == 3 * len(plain)
+    assert chain_keys(TOKENS, 16, salt="tenant-a") == salted   # str salt == its utf-8 bytes
+    assert chain_keys(TOKENS, 16, salt="") == plain
+    parent = bytes(range(16))
+    child = chain_keys(TOKENS, 16, parent=parent)
+    assert set(child).isdisjoint(plain)
+    # a continuation computed from the last key of a prefix equals the full chain
+    assert chain_keys(TOKENS[32:], 16, parent=plain[1]) == plain[2:]
+
+
+def test_chain_keys_name_their_whole_prefix():
+    a = chain_keys(TOKENS, 16)
+    changed = list(TOKENS)
+    changed[3] += 1  # one token in the first block
+    b = chain_keys(changed, 16)
+    assert all(x != y for x, y in zip(a, b))
+    changed = list(TOKENS)
+    changed[40] += 1  # a token in block 2
+    c = chain_keys(changed, 16)
+    assert c[:2] == a[:2] and all(x != y for x, y in zip(a[2:], c[2:]))
+
+
+def test_chain_keys_block_size_matters():
+    assert chain_keys(TOKENS, 16)[0] != chain_keys(TOKENS, 32)[0]
+    assert chain_keys(TOKENS, 1) == chain_keys(TOKENS, 1)
+    assert len(chain_keys(TOKENS, 1)) == 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, (1 << 31) - 1), max_size=200), st.integers(1, 40),
+       st.integers(0, 200), st.binary(max_size=8))
+def test_chain_keys_prefix_property(tokens, bt, cut, salt):
+    full = chain_keys(tokens, bt, salt=salt)
+    assert len(full) == len(tokens) // bt
+    prefix = chain_keys(tokens[:cut], bt, salt=salt)
+    assert prefix == full[:len(prefix)]
+    assert len(prefix) == min(cut, len(tokens)) // bt
+
+
+# ------------------------------------------------------------------ KeyIndex
+def k(i: int) -> bytes:
+    return normalize_key(i)
+
+
+def run(run_id, keys, region=0) -> Run:
+    return Run(run_id, region, 0, 0, b"".join(k(i) for i in keys),
+               np.zeros(3, dtype=np.uint64))
+
+
+def test_run_properties():
+    r = run(5, [10, 11, 12])
+    assert r.nblocks == 3
+    assert r.key(0) == k(10) and r.key(2) == k(12)
+    assert r.key(3) == b""
+
+
+def test_add_and_locate():
+    idx = KeyIndex()
+    assert len(idx) == 0
+    a = run(1, [10, 11, 12])
+    idx.add(a)
+    assert len(idx) == 3
+    assert idx.runs == {1: a}
+    got = idx.locate(k(11))
+    assert got is not None and got[0] is a and got[1] == 1
+    assert idx.locate(k(10)) == (a, 0)
+    assert idx.locate(k(12)) == (a, 2)
+    assert idx.locate(k(13)) is None
+    assert k(10) in idx and k(13) not in idx
+
+
+def test_prefix_length():
+    idx = KeyIndex()
+    idx.add(run(1, [10, 11, 12]))
+    idx.add(run(2, [20, 21]))
+    assert idx.prefix_length([k(10), k(11), k(12), k(13)]) == 3
+    assert idx.prefix_length([k(10), k(20), k(11)]) == 3  # across runs
+    assert idx.prefix_length([k(99), k(10)]) == 0           # stops at the first miss
+    assert idx.prefix_length([k(10), k(99), k(11)]) == 1
+    assert idx.prefix_length([]) == 0
+
+
+def test_remove():
+    idx = KeyIndex()
+    a, b = run(1, [10, 11]), run(2, [20])
+    idx.add(a)
+    idx.add(b)
+    idx.remove(a)
+    assert len(idx) == 1
+    assert idx.runs == {2: b}
+    assert idx.locate(k(10)) is None and idx.locate(k(11)) is None
+    assert idx.locate(k(20)) == (b, 0)
+    idx.remove(a)  # removing twice is harmless
+    assert len(idx) == 1
+
+
+def test_remove_keeps_keys_repointed_to_a_newer_run():
+    idx = KeyIndex()
+    old = run(1, [10, 11, 12])
+    idx.add(old)
+    new = run(2, [11, 12, 13])  # re-stores 11 and 12
+    idx.add(new)
+    assert idx.locate(k(11)) == (new, 0)
+    assert idx.locate(k(10)) == (old, 0)
+    idx.remove(old)
+    assert idx.locate(k(10)) is None
+    assert idx.locate(k(11)) == (new, 0)
+    assert idx.locate(k(12)) == (new, 1)
+    assert idx.locate(k(13)) == (new, 2)
+    assert len(idx) == 3
+    assert idx.runs == {2: new}
+
+
+def test_remove_keeps_key_repointed_to_another_position():
+    # the same key re-stored by a newer run at the *same position*: still not deleted
+    idx = KeyIndex()
+    old, new = run(1, [10, 11]), run(2, [10, 11])
+    idx.add(old)
+    idx.add(new)
+    idx.remove(old)
+    assert idx.locate(k(10)) == (new, 0) and idx.locate(k(11)) == (new, 1)
+    idx.remove(new)
+    assert len(idx) == 0 and idx.runs == {}
+
+
+def test_large_run_ids_and_positions_do_not_collide():
+    idx = KeyIndex()
+    a = run((1 << 38) + 1, [1, 2])
+    b = run(1 << 38, [3])
+    idx.add(a)
+    idx.add(b)
+    assert idx.locate(k(2)) == (a, 1)
+    assert idx.locate(k(3)) == (b, 0)
+    assert POS_BITS == 24
