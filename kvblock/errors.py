@@ -120,3 +120,12 @@ class StoreFullError(KVBlockError):
 
 class StoreClosedError(KVBlockError):
     """The store was closed (or crashed under fault injection); reopen it."""
+
+
+class ReadOnlyStoreError(KVBlockError):
+    """A store opened read-only (e.g. by `kvblock info`) was asked to change."""
+
+
+class UnsafeTargetError(KVBlockError):
+    """format refused a device that holds a filesystem, partition table, RAID/LVM
+    member or another kvblock store (pass --force to overwrite it)."""

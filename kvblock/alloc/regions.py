@@ -10,6 +10,7 @@ the open region and a FIFO of free regions.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
@@ -26,6 +27,7 @@ class RegionTable:
         self.data_offsets = list(data_offsets)
         self.generation = np.zeros(region_count, dtype=np.uint32)
         self.seal_seq = np.zeros(region_count, dtype=np.uint64)
+        self.sealed_at = np.zeros(region_count, dtype=np.uint32)  # seconds since epoch
         self.state = np.zeros(region_count, dtype=np.uint8)
         self.fill = np.zeros(region_count, dtype=np.uint64)     # bytes appended
         self.live = np.zeros(region_count, dtype=np.int64)      # live runs
@@ -67,11 +69,12 @@ class RegionTable:
         self.fill[r] = offset + nbytes
         return r, offset
 
-    def seal(self, region: int) -> None:
+    def seal(self, region: int, now: float | None = None) -> None:
         if self.open == region:
             self.open = None
         self.state[region] = SEALED
         self.seal_seq[region] = self.next_seal
+        self.sealed_at[region] = int(time.time() if now is None else now)
         self.next_seal += 1
 
     def release(self, region: int) -> None:
@@ -83,6 +86,8 @@ class RegionTable:
         self.state[region] = FREE
         self.fill[region] = 0
         self.live[region] = 0
+        self.seal_seq[region] = 0
+        self.sealed_at[region] = 0
         self.generation[region] += 1
         self.free.append(region)
 

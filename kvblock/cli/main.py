@@ -28,6 +28,14 @@ EXIT_CODES: list[tuple[type, int]] = [
     (errors.EngineUnavailableError, 10),
     (errors.NativeLibraryError, 10),
     (errors.DeviceError, 9),
+    (errors.NotAStoreError, 11),
+    (errors.UnsupportedVersionError, 12),
+    (errors.GeometryMismatchError, 13),
+    (errors.MissingDeviceError, 14),
+    (errors.FormatError, 11),
+    (errors.StoreFullError, 15),
+    (errors.UnsafeTargetError, 16),
+    (errors.ReadOnlyStoreError, 17),
     (errors.KVBlockError, 1),
 ]
 EXIT_INTERRUPTED = 130
@@ -176,5 +184,4 @@ def main(argv=None):
     cli.main(args=argv, prog_name="kvblock")
 
 
-if __name__ == "__main__":
-    main()
+from kvblock.cli import admin  # noqa: E402,F401  (registers the admin subcommands)

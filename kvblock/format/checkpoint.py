@@ -15,7 +15,7 @@ Layout (little-endian; bump FORMAT_VERSION when changing it)::
     24  Q  next journal sequence   72  Q xxh64 of payload
     32  Q  next run id             4088 Q xxh64 of bytes [0, 4088)
     payload (from byte 4096)
-    regions   region count x {I generation, I 0, Q seal sequence}
+    regions   region count x {I generation, I sealed at (s since epoch), Q seal sequence}
     runs      run count x {Q run id, I region, I generation, Q offset, I blocks, I 0}
     keys      key count x 16 bytes (runs' keys in run order)
     checksums run count x ranges x Q
@@ -36,7 +36,7 @@ HEADER_BYTES = 4096
 _HEAD = struct.Struct("<8sIIQQQQQIIQQ")
 _CRC_AT = HEADER_BYTES - 8
 
-REGION_DTYPE = np.dtype([("generation", "<u4"), ("pad", "<u4"), ("seal_seq", "<u8")])
+REGION_DTYPE = np.dtype([("generation", "<u4"), ("sealed_at", "<u4"), ("seal_seq", "<u8")])
 RUN_DTYPE = np.dtype([("run_id", "<u8"), ("region", "<u4"), ("generation", "<u4"),
                       ("offset", "<u8"), ("nblocks", "<u4"), ("pad", "<u4")])
 assert REGION_DTYPE.itemsize == 16 and RUN_DTYPE.itemsize == 32

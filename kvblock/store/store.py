@@ -43,6 +43,7 @@ from kvblock.errors import (
     KVBlockError,
     MissingDeviceError,
     NotAStoreError,
+    ReadOnlyStoreError,
     StoreClosedError,
     StoreFullError,
 )
@@ -73,11 +74,12 @@ def _epoch(store_uuid: bytes, generation: int) -> int:
     return xxhash.xxh64_intdigest(store_uuid + generation.to_bytes(8, "little"))
 
 
-def _open_devices(devices, min_size=0) -> list[Device]:
+def _open_devices(devices, readonly=False) -> list[Device]:
     out = []
     try:
         for d in devices:
-            out.append(d if isinstance(d, Device) else Device(d, min_size=min_size))
+            out.append(d if isinstance(d, Device) else
+                       Device(d, writable=not readonly, exclusive=not readonly))
     except BaseException:
         for d in out:
             d.close()
@@ -115,8 +117,9 @@ class KVStore:
         devs = _open_devices(devices)
         io = None
         try:
-            io = StoreIO(devs, open_engine(devs, options.get("engine"),
-                                           queue_depth=options.get("queue_depth", 32)))
+            io = options.get("storeio_factory", StoreIO)(
+                devs, open_engine(devs, options.get("engine"),
+                                  queue_depth=options.get("queue_depth", 32)))
             if not force:
                 for i, d in enumerate(devs):
                     existing = _try_superblock(io, i)
@@ -174,15 +177,18 @@ class KVStore:
 
     @classmethod
     def open(cls, devices: Sequence, *, geometry: Geometry | None = None, model=None,
-             **options) -> "KVStore":
+             readonly: bool = False, **options) -> "KVStore":
         """Open an existing store (devices in any order) and recover its state.
 
         ``geometry`` / ``model``, when given, must match what the store was
         formatted with (:class:`GeometryMismatchError` otherwise).
+        ``readonly=True`` opens without exclusive access and never writes
+        (for inspection while another process may own the store).
         """
         if not devices:
             raise ConfigError("open needs the store's device(s)")
-        return cls._open_devs(_open_devices(devices), geometry=geometry, model=model, **options)
+        return cls._open_devs(_open_devices(devices, readonly), geometry=geometry, model=model,
+                              readonly=readonly, **options)
 
     @classmethod
     def _open_devs(cls, devs, **kw) -> "KVStore":
@@ -196,12 +202,14 @@ class KVStore:
         return store
 
     def _init(self, devs, *, geometry=None, model=None, verify="always", eviction="lru",
-              admit_after=1, engine=None, queue_depth=32, storeio_factory=None):
+              admit_after=1, engine=None, queue_depth=32, storeio_factory=None,
+              readonly=False):
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
         self.verify, self.eviction = verify, eviction
+        self.readonly = readonly
         self.admission = Admission(admit_after)
         self._lock = threading.RLock()
         self._commit_lock = threading.Lock()
@@ -326,11 +334,13 @@ class KVStore:
         self._jhead = end
         self.clean_at_open = not records
         self._finish_layout()
-        self._write_checkpoint()  # new epoch: stale journal records are dead from here on
+        if not self.readonly:
+            self._write_checkpoint()  # new epoch: stale journal records are dead from here on
 
     def _load_checkpoint(self, cp: cpfmt.Checkpoint):
         self.regions.generation[:] = cp.regions["generation"]
         self.regions.seal_seq[:] = cp.regions["seal_seq"]
+        self.regions.sealed_at[:] = cp.regions["sealed_at"]
         self.regions.next_seal = int(cp.regions["seal_seq"].max(initial=0)) + 1
         self._next_run_id = cp.next_run_id
         key_at = 0
@@ -392,8 +402,9 @@ class KVStore:
         for r in range(regions.count):
             if regions.live[r] > 0:
                 regions.state[r] = SEALED
-                if regions.seal_seq[r] == 0:
+                if regions.seal_seq[r] == 0:  # sealed after the last checkpoint
                     regions.seal_seq[r] = regions.next_seal
+                    regions.sealed_at[r] = int(time.time())
                     regions.next_seal += 1
             else:
                 regions.state[r] = FREE
@@ -470,6 +481,7 @@ class KVStore:
             regions = np.zeros(self.regions.count, dtype=cpfmt.REGION_DTYPE)
             regions["generation"] = self.regions.generation
             regions["seal_seq"] = self.regions.seal_seq
+            regions["sealed_at"] = self.regions.sealed_at
             cp = cpfmt.Checkpoint(self._generation + 1, self._seq, self._next_run_id,
                                   self.geometry.ranges, regions, run_rows, keys, sums)
         data = cp.encode()
@@ -487,7 +499,7 @@ class KVStore:
 
     def checkpoint(self) -> None:
         """Write a checkpoint now (also done when the journal is half full, and on close)."""
-        self._check_open()
+        self._check_open(writing=True)
         with self._commit_lock:
             self._write_checkpoint()
 
@@ -500,9 +512,12 @@ class KVStore:
     def layout(self, nblocks: int) -> RunLayout:
         return RunLayout(self.geometry, nblocks, self.alignment)
 
-    def _check_open(self):
+    def _check_open(self, writing: bool = False):
         if self.closed:
             raise StoreClosedError("store is closed; reopen it with KVStore.open(devices)")
+        if writing and self.readonly:
+            raise ReadOnlyStoreError(f"{self.io.devices[0].path}: store is open read-only; "
+                                     "open it without readonly=True to change it")
 
     def _staging(self, nbytes: int) -> HostBuffer:
         buf = getattr(self._local, "staging", None)
@@ -522,7 +537,7 @@ class KVStore:
         Returns the number of blocks written (0 when admission declined the
         run).  Runs longer than a region are split into several runs.
         """
-        self._check_open()
+        self._check_open(writing=True)
         keys = normalize_keys(keys)
         n = len(keys)
         g = self.geometry
@@ -769,7 +784,7 @@ class KVStore:
             runs = [r for r in runs if r.run_id in self.index.runs]
             for run in runs:
                 self._remove_run(run)
-        if runs:
+        if runs and not self.readonly:
             self._commit([jfmt.DropRun(r.run_id) for r in runs])
             self._release_empty_regions({r.region for r in runs})
 
@@ -784,7 +799,7 @@ class KVStore:
 
     def delete(self, keys: Sequence) -> int:
         """Remove the runs holding any of ``keys``; returns the number of blocks removed."""
-        self._check_open()
+        self._check_open(writing=True)
         with self._lock:
             runs = {}
             for k in normalize_keys(keys):
@@ -798,7 +813,7 @@ class KVStore:
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim sealed regions by policy until ``nbytes`` are free (or all
         unpinned ones with ``all=True``).  Returns regions reclaimed."""
-        self._check_open()
+        self._check_open(writing=True)
         reclaimed = 0
         while True:
             with self._lock:
@@ -814,6 +829,34 @@ class KVStore:
             self._finish_reclaim(victim)
             reclaimed += 1
         return reclaimed
+
+    def evict_older_than(self, cutoff: float) -> int:
+        """Reclaim unpinned regions sealed before ``cutoff`` (seconds since the
+        epoch).  Returns regions reclaimed."""
+        self._check_open(writing=True)
+        with self._lock:
+            old = [int(r) for r in np.nonzero((self.regions.state == SEALED)
+                                              & (self.regions.pins == 0)
+                                              & (self.regions.sealed_at < cutoff))[0]]
+            for region in old:
+                self._begin_reclaim(region)
+        for region in old:
+            self._finish_reclaim(region)
+        return len(old)
+
+    def trim_free(self) -> tuple[int, int]:
+        """Discard every free region.  Returns (regions discarded, free regions);
+        0 discarded when the device does not support discard."""
+        self._check_open(writing=True)
+        with self._lock:
+            free = list(self.regions.free)
+        done = 0
+        for region in free:
+            dev, off = self.regions.address(region)
+            if self.io.discard(dev, off, self.regions.size):
+                done += 1
+        self.counters["discards"] += done
+        return done, len(free)
 
     def stats(self) -> dict:
         """Counters and gauges (bytes, blocks, regions, hits, checksum failures...)."""
@@ -842,8 +885,9 @@ class KVStore:
                 self._release_devices()
             return
         try:
-            with self._commit_lock:
-                self._write_checkpoint()
+            if not self.readonly:
+                with self._commit_lock:
+                    self._write_checkpoint()
         finally:
             self.closed = True
             self._release_devices()

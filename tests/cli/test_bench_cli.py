@@ -41,7 +41,7 @@ def test_bench_creates_file_with_size(tmp_path):
 
 
 def test_bench_missing_target_exit_code(tmp_path):
-    res = subprocess.run([sys.executable, "-m", "kvblock.cli.main", "bench",
+    res = subprocess.run([sys.executable, "-m", "kvblock", "bench",
                           str(tmp_path / "missing.img"), "--seconds", "0.1"],
                          capture_output=True, text=True)
     assert res.returncode == 3

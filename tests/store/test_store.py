@@ -383,3 +383,26 @@ def test_stats_fields(store_path):
         assert field in s, field
     assert s["blocks"] == 2 and s["get_blocks"] == 2 and s["put_blocks"] == 2
     assert os.path.basename(s["devices"][0]) == "store.img"
+
+
+def test_readonly_open_never_writes(store_path):
+    keys = run_keys(1, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+    with KVStore.open([store_path], readonly=True) as ro:
+        assert ro.lookup(keys) == 2
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert ro.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+        from kvblock.errors import ReadOnlyStoreError
+
+        with pytest.raises(ReadOnlyStoreError, match="read-only"):
+            ro.put_run(run_keys(2, 1), run_data(run_keys(2, 1)))
+        with pytest.raises(ReadOnlyStoreError):
+            ro.delete(keys)
+        # a read-only open does not take the device exclusively
+        with KVStore.open([store_path]) as rw:
+            assert rw.lookup(keys) == 2
+    snapshot = store_path.read_bytes()
+    with KVStore.open([store_path], readonly=True) as ro:
+        ro.lookup(keys)
+    assert store_path.read_bytes() == snapshot

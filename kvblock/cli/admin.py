@@ -1,0 +1,293 @@
+"""Admin subcommands for stores on raw devices: format, info, ls, fsck, stats,
+evict, trim.  Safe by default: format refuses anything that holds data."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+
+import click
+
+from kvblock.cli.main import SIZE, _emit, cli
+from kvblock.errors import UnsafeTargetError
+
+DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _store(devices, readonly=True, model=None):
+    from kvblock.store import KVStore
+
+    return KVStore.open(list(devices), readonly=readonly, model=model)
+
+
+def _is_file(path) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+@cli.command()
+@click.argument("devices", nargs=-1, required=True)
+@click.option("--layers", type=click.IntRange(1), required=True, help="Model layers.")
+@click.option("--kv-heads", type=click.IntRange(1), required=True, help="KV heads per layer.")
+@click.option("--head-dim", type=click.IntRange(1), required=True)
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--block-tokens", type=click.IntRange(1), required=True, help="Tokens per block.")
+@click.option("--head-groups", type=click.IntRange(1), default=1, show_default=True,
+              help="Tensor-parallel degree the layout is cut for.")
+@click.option("--kv-parts", type=click.IntRange(1, 2), default=2, show_default=True,
+              help="2 for K and V, 1 for MLA latent.")
+@click.option("--model", default=None, help="Model identity; the store refuses other models.")
+@click.option("--region-size", type=SIZE, default=None, help="Allocation region size.")
+@click.option("--force", is_flag=True, help="Overwrite filesystems, partition tables or stores.")
+@click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
+@click.option("--json", "as_json", is_flag=True)
+def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups, kv_parts,
+           model, region_size, force, yes, as_json):
+    """Format DEVICES as one kvblock store (ALL DATA ON THEM IS LOST).
+
+    Refuses, unless --force, a device that is mounted or in use, carries a
+    filesystem, partition table or RAID/LVM signature, or already holds a
+    kvblock store.  Block devices need --yes (or a confirmation at the prompt).
+    """
+    from kvblock.devices import Device
+    from kvblock.layout import Geometry
+    from kvblock.store import KVStore
+    from kvblock.store.store import _try_superblock
+    from kvblock.cli.probe import describe, signatures
+    from kvblock.io import open_engine
+    from kvblock.store.storeio import StoreIO
+
+    geometry = Geometry(layers, kv_heads, head_dim, dtype, block_tokens, kv_parts, head_groups)
+    opened = []
+    try:
+        for path in devices:
+            dev = Device(path, busy_timeout=0.2)  # O_EXCL: refuses mounted/in-use devices
+            opened.append(dev)
+        if not force:
+            io = StoreIO(opened, open_engine(opened))
+            try:
+                for i, dev in enumerate(opened):
+                    found = signatures(dev.path)
+                    if found:
+                        raise UnsafeTargetError(
+                            f"{dev.path} holds {describe(found)}; refusing to format it "
+                            "(wipe it with wipefs, or pass --force to overwrite)")
+                    sb = _try_superblock(io, i)
+                    if sb is not None:
+                        raise UnsafeTargetError(
+                            f"{dev.path} already holds kvblock store "
+                            f"{uuid.UUID(bytes=sb.store_uuid)} ({sb.geometry.describe()}); "
+                            "pass --force to overwrite it")
+            finally:
+                io.engine.close()
+        total = sum(d.capacity for d in opened)
+        plan = (f"format {len(opened)} device(s) ({', '.join(d.path for d in opened)}; "
+                f"{total / 2**30:.2f} GiB) as a kvblock store for {geometry.describe()}"
+                + (f", model {model!r}" if model else ""))
+        if not as_json:
+            click.echo(plan, err=True)
+        needs_yes = any(d.kind == "block" for d in opened)
+        if needs_yes and not yes:
+            if not sys.stdin.isatty():
+                raise click.UsageError("formatting block devices needs --yes "
+                                       "(no terminal to confirm on)")
+            click.confirm("All data on these devices will be lost. Continue?", abort=True)
+        store = KVStore.format(opened, geometry, model=model, region_size=region_size,
+                               force=True)
+        with store:
+            info = _info(store)
+    finally:
+        for d in opened:
+            d.close()
+    _emit(info, as_json, "kvblock store formatted")
+
+
+def _info(store) -> dict:
+    s = store.stats()
+    sb = store.sb
+    return {
+        "uuid": s["uuid"], "format_version": sb.version,
+        "devices": ", ".join(f"#{i} {d.path} ({d.info.kind}, {d.capacity} bytes)"
+                             for i, d in enumerate(store.io.devices)),
+        "geometry": store.geometry.describe(), "block_bytes": store.geometry.block_bytes,
+        "model_fingerprint": sb.fingerprint.hex()[:16], "alignment": sb.alignment,
+        "region_size": sb.region_size, "regions": s["regions"],
+        "regions_free": s["regions_free"], "regions_sealed": s["regions_sealed"],
+        "capacity_bytes": s["capacity_bytes"], "used_bytes": s["used_bytes"],
+        "runs": s["runs"], "blocks": s["blocks"],
+        "state": "clean" if store.clean_at_open else
+                 f"dirty ({s['replayed_records']} journal records replayed)",
+        "checkpoint_generation": s["checkpoint_generation"],
+        "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(sb.created_ns / 1e9)),
+    }
+
+
+@cli.command()
+@click.argument("devices", nargs=-1, required=True)
+@click.option("--model", default=None, help="Check the store serves this model.")
+@click.option("--json", "as_json", is_flag=True)
+def info(devices, model, as_json):
+    """Superblock, geometry, devices, capacity, usage and clean/dirty state (read-only)."""
+    with _store(devices, model=model) as store:
+        _emit(_info(store), as_json, f"kvblock store {devices[0]}")
+
+
+@cli.command()
+@click.argument("devices", nargs=-1, required=True)
+@click.option("--limit", type=click.IntRange(0), default=50, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def ls(devices, limit, as_json):
+    """List runs: blocks, bytes, where they live, age of their region (read-only)."""
+    import json as _json
+
+    now = time.time()
+    rows = []
+    with _store(devices) as store:
+        runs = sorted(store.index.runs.values(), key=lambda r: r.run_id)
+        for run in runs[:limit]:
+            dev, off = store.regions.address(run.region, run.offset)
+            sealed = int(store.regions.sealed_at[run.region])
+            rows.append({"run": run.run_id, "blocks": run.nblocks,
+                         "bytes": store.layout(run.nblocks).run_bytes,
+                         "device": store.io.devices[dev].path, "offset": off,
+                         "region": run.region,
+                         "age_s": round(now - sealed) if sealed else None,
+                         "hits": run.hits, "pinned": run.pins > 0,
+                         "first_key": run.key(0).hex()})
+        total = len(runs)
+    if as_json:
+        click.echo(_json.dumps({"runs": rows, "total_runs": total}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{total} run(s) in {devices[0]}" + (f" (first {limit})"
+                                                              if total > limit else ""))
+    for col in ("run", "blocks", "bytes", "device", "offset", "region", "age_s", "hits",
+                "pinned", "first_key"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*(str(row[c]) if row[c] is not None else "-" for c in row))
+    Console().print(table)
+
+
+@cli.command()
+@click.argument("devices", nargs=-1, required=True)
+@click.option("--repair", is_flag=True, help="Drop what is inconsistent; rewrite bad copies.")
+@click.option("--deep", is_flag=True, help="Also verify every data checksum.")
+@click.option("--json", "as_json", is_flag=True)
+def fsck(devices, repair, deep, as_json):
+    """Check superblocks, checkpoints, journal, index vs allocation (and data with --deep).
+
+    Exit 0 clean, 1 problems found (repaired with --repair), 2 store unusable.
+    """
+    from kvblock.errors import FormatError
+    from kvblock.store.fsck import fsck as run_fsck
+
+    try:
+        store = _store(devices, readonly=not repair)
+    except FormatError as e:
+        _emit({"status": "unusable", "problems": [str(e)]}, as_json, "kvblock fsck")
+        sys.exit(2)
+    with store:
+        if deep and not as_json and sys.stderr.isatty():
+            from rich.progress import Progress
+
+            with Progress(transient=True) as bar:
+                task = bar.add_task("verifying data", total=len(store.index.runs))
+                report = run_fsck(store, repair=repair, deep=deep,
+                                  progress=lambda done, total: bar.update(task, completed=done))
+        else:
+            report = run_fsck(store, repair=repair, deep=deep)
+    out = report.as_dict()
+    if as_json:
+        _emit(out, True, "")
+    else:
+        click.echo(f"kvblock fsck {devices[0]}: {report.status}; {report.runs_checked} runs"
+                   + (f", {report.bytes_verified} bytes verified" if deep else ""))
+        for p in report.problems:
+            click.echo(f"  problem: {p}")
+        for r in report.repaired:
+            click.echo(f"  repaired: {r}")
+    sys.exit(0 if report.status == "clean" else 1)
+
+
+@cli.command()
+@click.argument("devices", nargs=-1, required=True)
+@click.option("--prometheus", "port", type=click.IntRange(1, 65535), default=None,
+              help="Serve the store's metrics on this port (Ctrl-C to stop).")
+@click.option("--interval", type=click.FloatRange(0.1), default=5.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def stats(devices, port, interval, as_json):
+    """Counters and gauges of the store (read-only); --prometheus PORT serves them."""
+    from kvblock.metrics import StoreCollector
+
+    with _store(devices) as store:
+        if port is None:
+            s = store.stats()
+            s.pop("geometry", None)
+            s["devices"] = ", ".join(s["devices"])
+            _emit(s, as_json, f"kvblock stats {devices[0]}")
+            return
+        from prometheus_client import start_http_server
+        from prometheus_client.core import REGISTRY
+
+        REGISTRY.register(StoreCollector(store))
+        start_http_server(port)
+        click.echo(f"serving metrics of {devices[0]} on :{port}/metrics (Ctrl-C to stop)",
+                   err=True)
+        while True:
+            time.sleep(interval)
+
+
+def _duration(text: str) -> float:
+    text = text.strip().lower()
+    try:
+        if text[-1] in DURATION_UNITS:
+            return float(text[:-1]) * DURATION_UNITS[text[-1]]
+        return float(text)
+    except (ValueError, IndexError):
+        raise click.BadParameter(f"{text!r} is not a duration; use e.g. 90s, 30m, 12h, 7d") \
+            from None
+
+
+@cli.command()
+@click.argument("devices", nargs=-1, required=True)
+@click.option("--bytes", "nbytes", type=SIZE, default=None, help="Free at least this much.")
+@click.option("--older-than", default=None, help="Reclaim regions sealed longer ago (30m, 7d).")
+@click.option("--all", "everything", is_flag=True, help="Reclaim every unpinned region.")
+@click.option("--json", "as_json", is_flag=True)
+def evict(devices, nbytes, older_than, everything, as_json):
+    """Reclaim regions by the store's policy (exactly one of --bytes, --older-than, --all)."""
+    chosen = [x for x in (nbytes, older_than, everything or None) if x is not None]
+    if len(chosen) != 1:
+        raise click.UsageError("give exactly one of --bytes, --older-than, --all")
+    with _store(devices, readonly=False) as store:
+        before = store.stats()
+        if older_than is not None:
+            cutoff = time.time() - _duration(older_than)
+            reclaimed = store.evict_older_than(cutoff)
+        else:
+            reclaimed = store.evict(nbytes, all=everything)
+        after = store.stats()
+    _emit({"regions_reclaimed": reclaimed, "runs_evicted": before["runs"] - after["runs"],
+           "blocks_evicted": before["blocks"] - after["blocks"],
+           "free_bytes": after["regions_free"] * after["capacity_bytes"] // after["regions"]},
+          as_json, "kvblock evict")
+
+
+@cli.command()
+@click.argument("devices", nargs=-1, required=True)
+@click.option("--json", "as_json", is_flag=True)
+def trim(devices, as_json):
+    """Discard (TRIM) every free region so the drive can reuse its flash."""
+    with _store(devices, readonly=False) as store:
+        done, regions = store.trim_free()
+    _emit({"regions_trimmed": done, "free_regions": regions,
+           "supported": done > 0 or regions == 0}, as_json, "kvblock trim")

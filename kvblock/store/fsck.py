@@ -1,0 +1,140 @@
+"""Consistency check (and repair) of a store: superblock copies, checkpoints,
+journal, index against allocation, and (deep) every data checksum."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvblock.errors import KVBlockError
+from kvblock.format import checkpoint as cpfmt
+from kvblock.format import superblock as sbfmt
+from kvblock.format.checksum import data_checksum
+from kvblock.io import IOBatch
+from kvblock.memory import HostBuffer
+
+
+@dataclass
+class FsckReport:
+    problems: list[str] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+    dropped_runs: int = 0
+    dropped_blocks: int = 0
+    runs_checked: int = 0
+    bytes_verified: int = 0
+    info: dict = field(default_factory=dict)
+
+    @property
+    def status(self) -> str:
+        if not self.problems:
+            return "clean"
+        return "repaired" if self.repaired else "problems"
+
+    def as_dict(self) -> dict:
+        return {"status": self.status, "problems": self.problems, "repaired": self.repaired,
+                "dropped_runs": self.dropped_runs, "dropped_blocks": self.dropped_blocks,
+                "runs_checked": self.runs_checked, "bytes_verified": self.bytes_verified,
+                **self.info}
+
+
+def check_superblocks(store, report: FsckReport, repair: bool) -> None:
+    io = store.io
+    for i, dev in enumerate(io.devices):
+        copies = [io.read_bytes(i, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]
+        good = store.superblocks[i]
+        for data, off in zip(copies, sbfmt.COPY_OFFSETS):
+            try:
+                sb = sbfmt.Superblock.decode(data, dev.path, off)
+                ok = sb == good
+            except KVBlockError as e:
+                ok, why = False, str(e)
+            else:
+                why = f"{dev.path}: superblock copy at offset {off} is older than the other"
+            if ok:
+                continue
+            report.problems.append(why)
+            if repair:
+                io.write_bytes(i, off, good.encode())
+                io.flush([i])
+                report.repaired.append(f"{dev.path}: rewrote superblock copy at offset {off}")
+
+
+def check_checkpoints(store, report: FsckReport) -> None:
+    sb = store.sb
+    valid = []
+    for slot in (0, 1):
+        off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
+        head = cpfmt.decode_header(store.io.read_bytes(0, off, cpfmt.HEADER_BYTES))
+        valid.append(head.generation if head else None)
+    report.info["checkpoint_slots"] = valid
+    report.info["journal_records_replayed"] = store.counters["replayed_records"]
+
+
+def check_allocation(store, report: FsckReport) -> list:
+    """Runs that do not fit their region, overlap, or name a stale generation."""
+    bad = []
+    by_region: dict[int, list] = {}
+    for run in store.index.runs.values():
+        size = store.layout(run.nblocks).run_bytes
+        if run.region >= store.regions.count or run.offset + size > store.regions.size:
+            report.problems.append(f"run {run.run_id}: [{run.offset}, {run.offset + size}) "
+                                   f"outside region {run.region}")
+            bad.append(run)
+            continue
+        if run.generation != int(store.regions.generation[run.region]):
+            report.problems.append(f"run {run.run_id}: generation {run.generation}, region "
+                                   f"{run.region} is at {int(store.regions.generation[run.region])}")
+            bad.append(run)
+            continue
+        by_region.setdefault(run.region, []).append((run.offset, size, run))
+    for region, runs in by_region.items():
+        runs.sort(key=lambda r: r[0])
+        for (off_a, size_a, a), (off_b, _, b) in zip(runs, runs[1:]):
+            if off_a + size_a > off_b:
+                report.problems.append(f"runs {a.run_id} and {b.run_id} overlap in region {region}")
+                bad.append(b)
+    return bad
+
+
+def check_data(store, report: FsckReport, progress=None) -> list:
+    """Read every run and verify every range checksum."""
+    bad = []
+    runs = list(store.index.runs.values())
+    total = len(runs)
+    for k, run in enumerate(runs):
+        lay = store.layout(run.nblocks)
+        dev, base = store.regions.address(run.region, run.offset)
+        with HostBuffer(lay.run_bytes, register=False) as buf:
+            store.io.read(IOBatch.single(buf.address, dev, base, lay.run_bytes))
+            ranges = buf.array.reshape(store.geometry.ranges, lay.range_bytes)
+            for r in range(store.geometry.ranges):
+                if data_checksum(ranges[r], run.run_id) != int(run.checksums[r]):
+                    report.problems.append(
+                        f"run {run.run_id}: checksum mismatch in range {r} at "
+                        f"{store.io.devices[dev].path} offset {base + r * lay.range_bytes}")
+                    bad.append(run)
+                    break
+        report.bytes_verified += lay.run_bytes
+        if progress:
+            progress(k + 1, total)
+    return bad
+
+
+def fsck(store, *, repair: bool = False, deep: bool = False, progress=None) -> FsckReport:
+    """Check an open store (open it writable to repair)."""
+    report = FsckReport()
+    check_superblocks(store, report, repair)
+    check_checkpoints(store, report)
+    bad = check_allocation(store, report)
+    report.runs_checked = len(store.index.runs)
+    if deep:
+        bad += check_data(store, report, progress)
+    unique = {r.run_id: r for r in bad}
+    if repair and unique:
+        store._drop_runs(list(unique.values()))
+        report.dropped_runs = len(unique)
+        report.dropped_blocks = int(np.sum([r.nblocks for r in unique.values()]))
+        report.repaired.append(f"dropped {len(unique)} inconsistent run(s), "
+                               f"{report.dropped_blocks} block(s)")
+    return report

@@ -1,0 +1,292 @@
+"""The admin CLI on real loop devices: safe by default, one-line errors with
+distinct exit codes, and the device left as it was on every refusal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore
+from tests.store.workload import run_data, run_keys
+
+GEOM_ARGS = ["--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--dtype", "float16",
+             "--block-tokens", "16", "--head-groups", "2"]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def kvb(*args, user=None, timeout=60):
+    cmd = [sys.executable, "-m", "kvblock", *map(str, args)]
+    if user:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
+
+
+def one_line_error(res, code, *fragments):
+    assert res.returncode == code, (res.returncode, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1].startswith("kvblock: error: "), res.stderr
+    for f in fragments:
+        assert f in lines[-1], (f, lines[-1])
+
+
+def head(path, n=1 << 20):
+    with open(path, "rb") as f:
+        return f.read(n)
+
+
+def formatted(path):
+    res = kvb("format", path, *GEOM_ARGS, "--yes", "--region-size", "256K", "--json")
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+def test_format_info_ls_fsck_on_loop_device(loop_device):
+    dev = loop_device(16 << 20)
+    info = formatted(dev)
+    assert info["geometry"].startswith("2 layers x 2 kv heads x 32 float16")
+    with KVStore.open([dev]) as store:
+        for i in range(3):
+            store.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
+    res = kvb("info", dev, "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["runs"] == 3 and out["blocks"] == 6 and out["state"] == "clean"
+    assert out["uuid"] == info["uuid"]
+    res = kvb("ls", dev, "--json", "--limit", "2")
+    rows = json.loads(res.stdout)
+    assert rows["total_runs"] == 3 and len(rows["runs"]) == 2
+    assert rows["runs"][0]["blocks"] == 2 and rows["runs"][0]["device"] == dev
+    res = kvb("fsck", dev, "--deep", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["status"] == "clean", res.stdout
+    for human in (kvb("info", dev), kvb("ls", dev)):
+        assert human.returncode == 0 and "error" not in human.stderr
+
+
+def test_format_refuses_ext4(loop_device):
+    dev = loop_device(32 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "precious", dev], check=True)
+    before = head(dev)
+    res = kvb("format", dev, *GEOM_ARGS, "--yes")
+    one_line_error(res, 16, dev, "a filesystem (ext4 labelled 'precious')", "--force")
+    assert head(dev) == before
+
+
+def test_format_refuses_partition_table(loop_device):
+    dev = loop_device(32 << 20)
+    subprocess.run(["sfdisk", "-q", dev], input="label: gpt\n,,L\n", text=True, check=True,
+                   capture_output=True)
+    res = kvb("format", dev, *GEOM_ARGS, "--yes")
+    one_line_error(res, 16, "partition table (gpt)")
+
+
+def test_format_refuses_mounted_device(loop_device, tmp_path):
+    dev = loop_device(32 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", dev, str(mnt)], check=True)
+    try:
+        res = kvb("format", dev, *GEOM_ARGS, "--yes", "--force")
+        one_line_error(res, 5, dev, "busy", "unmount")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_format_refuses_existing_store_and_block_device_needs_yes(loop_device):
+    dev = loop_device(16 << 20)
+    res = kvb("format", dev, *GEOM_ARGS)
+    assert res.returncode == 2 and "needs --yes" in res.stderr
+    assert head(dev, 8192) == bytes(8192)
+    uuid = formatted(dev)["uuid"]
+    before = head(dev)
+    res = kvb("format", dev, *GEOM_ARGS, "--yes")
+    one_line_error(res, 16, f"already holds kvblock store {uuid}", "2 layers x 2 kv heads")
+    assert head(dev) == before
+    res = kvb("format", dev, *GEOM_ARGS, "--yes", "--force", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["uuid"] != uuid
+
+
+def test_missing_device_and_not_a_device(tmp_path):
+    for cmd in ("info", "ls", "fsck", "stats", "trim"):
+        one_line_error(kvb(cmd, tmp_path / "missing.img"), 3, "no such device")
+    one_line_error(kvb("info", "/dev/null"), 6, "not a block device or regular file")
+    one_line_error(kvb("format", tmp_path, *GEOM_ARGS), 6, "directory")
+
+
+def test_not_root(loop_device):
+    dev = loop_device(16 << 20)
+    formatted(dev)
+    for cmd in ("info", "fsck"):
+        one_line_error(kvb(cmd, dev, user=65534), 4, dev, "run as root")
+
+
+def test_not_a_store_and_corrupt_superblock(loop_device, file_target):
+    blank = file_target(16 << 20)
+    one_line_error(kvb("info", blank), 11, "no kvblock superblock")
+    res = kvb("fsck", blank, "--json")
+    assert res.returncode == 2 and json.loads(res.stdout)["status"] == "unusable"
+    dev = loop_device(16 << 20)
+    formatted(dev)
+    with open(dev, "r+b") as f:
+        for off in (200, 4096 + 200):
+            f.seek(off)
+            f.write(b"\xff" * 16)
+    one_line_error(kvb("info", dev), 11, "fails its checksum")
+    assert kvb("fsck", dev).returncode == 2
+
+
+def test_model_mismatch(file_target):
+    path = file_target(16 << 20)
+    res = kvb("format", path, *GEOM_ARGS, "--model", "llama-a", "--json")
+    assert res.returncode == 0
+    one_line_error(kvb("info", path, "--model", "llama-b"), 13, "another model fingerprint")
+    assert kvb("info", path, "--model", "llama-a").returncode == 0
+
+
+def test_fsck_finds_and_repairs_corrupt_data(file_target):
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    with KVStore.open([path]) as store:
+        for i in range(4):
+            store.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
+        run = next(iter(store.index.runs.values()))
+        _, off = store.regions.address(run.region, run.offset)
+    with open(path, "r+b") as f:
+        f.seek(off + 10)
+        f.write(b"\x00\x11\x22")
+    res = kvb("fsck", path)  # shallow: data not read
+    assert res.returncode == 0
+    res = kvb("fsck", path, "--deep", "--json")
+    out = json.loads(res.stdout)
+    assert res.returncode == 1 and out["status"] == "problems"
+    assert any("checksum mismatch" in p for p in out["problems"])
+    res = kvb("fsck", path, "--deep", "--repair", "--json")
+    out = json.loads(res.stdout)
+    assert res.returncode == 1 and out["status"] == "repaired" and out["dropped_runs"] == 1
+    assert out["dropped_blocks"] == 2
+    res = kvb("fsck", path, "--deep")
+    assert res.returncode == 0 and "clean; 3 runs" in res.stdout
+
+
+def test_fsck_repairs_a_bad_superblock_copy(file_target):
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    with open(path, "r+b") as f:
+        f.seek(4096 + 300)
+        f.write(b"\x01\x02")
+    res = kvb("fsck", path)
+    assert res.returncode == 1 and "superblock at offset 4096 fails its checksum" in res.stdout
+    res = kvb("fsck", path, "--repair")
+    assert res.returncode == 1 and "rewrote superblock copy at offset 4096" in res.stdout
+    assert kvb("fsck", path).returncode == 0
+
+
+def test_evict_and_trim(file_target):
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS, "--region-size", "256K")
+    with KVStore.open([path]) as store:
+        for i in range(40):
+            store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+        sealed = store.stats()["regions_sealed"]
+    assert sealed >= 2
+    res = kvb("evict", path, "--older-than", "1h", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["regions_reclaimed"] == 0
+    res = kvb("evict", path, "--older-than", "0s", "--json")
+    assert json.loads(res.stdout)["regions_reclaimed"] >= 1
+    res = kvb("evict", path, "--all", "--json")
+    assert res.returncode == 0
+    out = json.loads(kvb("info", path, "--json").stdout)
+    assert out["runs"] == 0
+    res = kvb("trim", path, "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["regions_trimmed"] > 0
+    res = kvb("evict", path)
+    assert res.returncode == 2 and "exactly one of" in res.stderr
+    res = kvb("evict", path, "--older-than", "soon")
+    assert res.returncode == 2 and "not a duration" in res.stderr
+
+
+def test_stats_prometheus_and_ctrl_c(file_target):
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    port = 19000 + os.getpid() % 1000
+    proc = subprocess.Popen([sys.executable, "-m", "kvblock", "stats", path,
+                             "--prometheus", str(port)], cwd=ROOT, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        body = ""
+        for _ in range(100):
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                              timeout=2).read().decode()
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert "kvblock_store_capacity_bytes{store=" in body
+        assert "kvblock_store_checksum_failures_total" in body
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130 and "interrupted" in err
+
+
+def test_ctrl_c_during_bench(file_target):
+    path = file_target(64 << 20)
+    proc = subprocess.Popen([sys.executable, "-m", "kvblock", "bench", path,
+                             "--workload", "randread", "--seconds", "30", "--json"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "kvblock: interrupted"
+
+
+def test_help_texts():
+    res = kvb("--help")
+    for cmd in ("format", "info", "ls", "fsck", "stats", "evict", "trim", "bench", "demo"):
+        assert cmd in res.stdout
+    for cmd in ("format", "info", "ls", "fsck", "stats", "evict", "trim", "bench", "demo"):
+        res = kvb(cmd, "--help")
+        assert res.returncode == 0 and "Usage: kvblock " + cmd in res.stdout
+
+
+def test_interrupted_format_leaves_no_half_valid_superblock(file_target):
+    """Crash format at every I/O: the device holds the old store untouched, no
+    valid superblock, or a complete, empty new store; never a mix."""
+    from kvblock import Geometry
+    from kvblock.errors import NotAStoreError
+    from tests.support.faults import CrashPlan, SimulatedCrash
+
+    geom = Geometry(2, 2, 32, "float16", 16, 2, 2)
+    path = file_target(16 << 20)
+    counting = CrashPlan()
+    KVStore.format([path], geom, storeio_factory=counting.factory()).close()
+    total = counting.ops
+    assert total >= 5
+    outcomes = set()
+    for n in range(1, total + 1):
+        with open(path, "r+b") as f:  # a device that held an older store
+            f.truncate(0)
+            f.truncate(16 << 20)
+        KVStore.format([path], geom).close()
+        old_uuid = KVStore.open([path], readonly=True).stats()["uuid"]
+        plan = CrashPlan(crash_at=n, torn=True)
+        with pytest.raises(SimulatedCrash):
+            KVStore.format([path], geom, force=True, storeio_factory=plan.factory()).close()
+        try:
+            with KVStore.open([path]) as store:
+                s = store.stats()
+                assert s["blocks"] == 0
+                outcomes.add("old store" if s["uuid"] == old_uuid else "new store")
+        except NotAStoreError:
+            outcomes.add("no store")
+    assert outcomes == {"old store", "new store", "no store"}
