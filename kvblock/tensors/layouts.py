@@ -1,0 +1,200 @@
+"""Adapters from engines' KV cache layouts to per-layer page views.
+
+``layer_views(layer)`` returns, for each KV part (K and V, or MLA's single
+latent), a view of shape ``(num_pages, block_tokens, heads, head_dim)`` into
+the engine's own memory (no copy), so that ``view[page_ids]`` gathers pages
+and ``view[page_ids] = x`` scatters them.
+"""
+
+from __future__ import annotations
+
+from kvblock.errors import ConfigError
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _permute(x, order):
+    return x.permute(*order) if _is_torch(x) else x.transpose(order)
+
+
+def _split_tokens(x, page_tokens):
+    """(tokens, ...) -> (tokens // page_tokens, page_tokens, ...)."""
+    tokens = x.shape[0]
+    if tokens % page_tokens:
+        raise ConfigError(f"cache holds {tokens} token slots, not a multiple of the "
+                          f"{page_tokens}-token page")
+    return x.reshape(tokens // page_tokens, page_tokens, *x.shape[1:])
+
+
+class CacheLayout:
+    """Base: subclasses implement ``layer_views`` and set ``num_layers``,
+    ``kv_parts``, ``block_tokens``, ``heads`` and ``head_dim``."""
+
+    num_layers: int
+    kv_parts: int
+    block_tokens: int
+    heads: int
+    head_dim: int
+
+    def layer_views(self, layer: int) -> list:
+        raise NotImplementedError
+
+    def sample(self):
+        """One of the cache's arrays (for dtype and device)."""
+        return self.layer_views(0)[0]
+
+    def check(self, geometry, heads: int | None = None) -> None:
+        """Raise ConfigError unless this cache fits ``geometry`` (``heads``: the
+        heads this cache holds, fewer than the geometry's under tensor parallelism)."""
+        want = (geometry.num_layers, geometry.kv_parts, geometry.block_tokens,
+                heads or geometry.num_kv_heads, geometry.head_dim)
+        have = (self.num_layers, self.kv_parts, self.block_tokens, self.heads, self.head_dim)
+        if want != have:
+            names = ("layers", "kv_parts", "block_tokens", "heads", "head_dim")
+            diff = ", ".join(f"{n} {h} (store: {w})" for n, h, w in zip(names, have, want)
+                             if h != w)
+            raise ConfigError(f"cache layout does not match the store's geometry: {diff}")
+        x = self.sample()
+        itemsize = x.element_size() if hasattr(x, "element_size") else x.itemsize
+        if itemsize != geometry.itemsize:
+            raise ConfigError(f"cache elements are {itemsize} bytes, the store's {geometry.dtype} "
+                              f"are {geometry.itemsize}")
+
+
+class VLLMLayout(CacheLayout):
+    """vLLM's paged KV cache: one tensor per layer of shape
+    ``(2, num_blocks, block_size, num_kv_heads, head_size)`` ("NHD"),
+    ``(2, num_blocks, num_kv_heads, block_size, head_size)`` ("HND"), or
+    ``(num_blocks, block_size, head_size)`` for MLA."""
+
+    def __init__(self, kv_caches: list, order: str = "NHD", mla: bool = False):
+        if order not in ("NHD", "HND"):
+            raise ConfigError(f"vLLM cache order must be NHD or HND, got {order!r}")
+        self.caches, self.order, self.mla = list(kv_caches), order, mla
+        shape = tuple(self.caches[0].shape)
+        self.num_layers = len(self.caches)
+        if mla:
+            if len(shape) != 3:
+                raise ConfigError(f"vLLM MLA cache must be (blocks, block_size, dim), got {shape}")
+            self.kv_parts, self.block_tokens, self.heads, self.head_dim = 1, shape[1], 1, shape[2]
+        else:
+            if len(shape) != 5 or shape[0] != 2:
+                raise ConfigError(f"vLLM cache must be (2, blocks, ...) with 5 dims, got {shape}")
+            self.kv_parts, self.head_dim = 2, shape[4]
+            self.block_tokens, self.heads = (shape[2], shape[3]) if order == "NHD" \
+                else (shape[3], shape[2])
+
+    def layer_views(self, layer):
+        c = self.caches[layer]
+        if self.mla:
+            return [c.reshape(c.shape[0], c.shape[1], 1, c.shape[2])]
+        if self.order == "HND":
+            c = _permute(c, (0, 1, 3, 2, 4))
+        return [c[0], c[1]]
+
+
+class SGLangHostLayout(CacheLayout):
+    """SGLang's host KV pool: ``layer_first (2, L, size, H, D)``, ``page_first
+    (2, size, L, H, D)``, ``page_first_direct (2, pages, L, page_size, H, D)``;
+    MLA pools drop the leading 2 (``(L, size, 1, D)`` / ``(size, L, 1, D)`` /
+    ``(pages, L, page_size, 1, D)``)."""
+
+    LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+
+    def __init__(self, kv_buffer, layout: str, page_size: int, mla: bool = False):
+        if layout not in self.LAYOUTS:
+            raise ConfigError(f"SGLang layout must be one of {self.LAYOUTS}, got {layout!r}")
+        self.buf, self.layout, self.block_tokens, self.mla = kv_buffer, layout, page_size, mla
+        parts = [kv_buffer] if mla else [kv_buffer[0], kv_buffer[1]]
+        self.parts = parts
+        shape = tuple(parts[0].shape)
+        self.kv_parts = len(parts)
+        self.num_layers = shape[1] if layout != "layer_first" else shape[0]
+        self.heads, self.head_dim = shape[-2], shape[-1]
+
+    def layer_views(self, layer):
+        views = []
+        for p in self.parts:
+            if self.layout == "layer_first":
+                views.append(_split_tokens(p[layer], self.block_tokens))
+            elif self.layout == "page_first":
+                views.append(_split_tokens(p[:, layer], self.block_tokens))
+            else:
+                views.append(p[:, layer])
+        return views
+
+
+class HFDynamicLayout(CacheLayout):
+    """A Hugging Face ``DynamicCache`` (batch 1): per layer K and V tensors of
+    shape ``(1, heads, tokens, head_dim)``; pages are consecutive
+    ``block_tokens`` token spans (page i = tokens [i*T, (i+1)*T))."""
+
+    def __init__(self, keys: list, values: list, block_tokens: int):
+        self.keys, self.values, self.block_tokens = list(keys), list(values), block_tokens
+        b, self.heads, tokens, self.head_dim = self.keys[0].shape
+        if b != 1:
+            raise ConfigError(f"HFDynamicLayout holds batch 1, got batch {b}")
+        self.num_layers, self.kv_parts = len(self.keys), 2
+        self.tokens = tokens
+
+    @classmethod
+    def from_cache(cls, cache, block_tokens: int) -> "HFDynamicLayout":
+        return cls([layer.keys for layer in cache.layers],
+                   [layer.values for layer in cache.layers], block_tokens)
+
+    @classmethod
+    def empty(cls, num_layers, heads, tokens, head_dim, block_tokens, dtype, device="cpu"):
+        import torch
+
+        make = lambda: torch.zeros(1, heads, tokens, head_dim, dtype=dtype, device=device)  # noqa: E731
+        return cls([make() for _ in range(num_layers)], [make() for _ in range(num_layers)],
+                   block_tokens)
+
+    def layer_views(self, layer):
+        out = []
+        for t in (self.keys[layer], self.values[layer]):
+            full = self.tokens // self.block_tokens * self.block_tokens
+            x = t[0, :, :full].permute(1, 0, 2)                  # (tokens, heads, dim)
+            out.append(x.reshape(full // self.block_tokens, self.block_tokens, self.heads,
+                                 self.head_dim) if x.is_contiguous() else
+                       _StridedPages(t, self.block_tokens, full))
+        return out
+
+    def to_cache(self):
+        """A DynamicCache holding these tensors (for model.forward)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            cache.update(k, v, layer)
+        return cache
+
+
+class _StridedPages:
+    """Pages of a (1, heads, tokens, dim) tensor: reshaping its (tokens, heads,
+    dim) permutation into pages needs a copy, so index it explicitly instead."""
+
+    def __init__(self, t, block_tokens, full):
+        self.t, self.bt = t, block_tokens
+        self.shape = (full // block_tokens, block_tokens, t.shape[1], t.shape[3])
+        self.dtype = t.dtype
+
+    def element_size(self):
+        return self.t.element_size()
+
+    def _tokens(self, ids):
+        import torch
+
+        ids = torch.as_tensor(ids, dtype=torch.long, device=self.t.device)
+        return (ids[:, None] * self.bt + torch.arange(self.bt, device=self.t.device)).reshape(-1)
+
+    def __getitem__(self, ids):
+        tok = self._tokens(ids)
+        x = self.t[0][:, tok]                                   # (heads, n*bt, dim)
+        return x.permute(1, 0, 2).reshape(len(tok) // self.bt, self.bt, *self.shape[2:])
+
+    def __setitem__(self, ids, value):
+        tok = self._tokens(ids)
+        self.t[0][:, tok] = value.reshape(len(tok), *self.shape[2:]).permute(1, 0, 2)

@@ -1,0 +1,332 @@
+"""Save pages of an engine's KV cache as a run; load a stored prefix back,
+layer by layer, into any tensor-parallel slice.
+
+Save gathers every layer's pages into one aligned buffer in the store's order
+``[layer][group][block][kv][token][head][dim]`` (one vectorised copy per layer
+and KV part) and writes it as one run.  Load is a two-stage pipeline: a reader
+thread issues, per layer, one batch holding that layer's range(s) of every run
+of the prefix; a scatter thread verifies checksums and copies the pages into
+the cache.  ``LoadHandle.wait_layer(l)`` returns as soon as layer l is in
+place, while later layers are still being read.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+
+from kvblock.errors import ConfigError, KVBlockError
+from kvblock.format.checksum import data_checksum
+from kvblock.index import normalize_keys
+from kvblock.io import IOBatch
+from kvblock.memory import HostBuffer
+from kvblock.tensors.layouts import CacheLayout, _is_torch
+
+_NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _torch_int(itemsize):
+    import torch
+
+    return {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[itemsize]
+
+
+def _raw(x, itemsize):
+    """Reinterpret elements as same-size integers (bytes move, values don't matter)."""
+    if _is_torch(x):
+        return x.view(_torch_int(itemsize))
+    return x.view(_NP_INT[itemsize])
+
+
+def _ids_for(view, page_ids):
+    if _is_torch(view) or hasattr(view, "t"):
+        import torch
+
+        device = view.device if _is_torch(view) else view.t.device
+        return torch.as_tensor(np.asarray(page_ids, dtype=np.int64), device=device)
+    return np.asarray(page_ids, dtype=np.int64)
+
+
+def _copy_into(dst_np: np.ndarray, src) -> None:
+    """dst (a numpy view of host staging) <- src (numpy or torch, any device)."""
+    if _is_torch(src):
+        import torch
+
+        torch.from_numpy(dst_np).copy_(src)
+    else:
+        dst_np[...] = src
+
+
+def _as_like(host_np: np.ndarray, like):
+    """A host staging array as the cache's array type (torch: shares memory)."""
+    if _is_torch(like) or hasattr(like, "t"):
+        import torch
+
+        t = torch.from_numpy(host_np)
+        device = like.device if _is_torch(like) else like.t.device
+        return t if device.type == "cpu" else t.to(device, non_blocking=False)
+    return host_np
+
+
+def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
+    """Store the cache pages ``page_ids`` (one per key, in token order) as a run.
+
+    Returns the blocks written (0 when admission declines).  The cache must
+    hold every head (save from an unsharded cache, or from rank 0 of a store
+    with one head group per rank).
+    """
+    g = store.geometry
+    layout.check(g)
+    keys = normalize_keys(keys)
+    n = len(keys)
+    if len(page_ids) != n:
+        raise ConfigError(f"save: {n} keys but {len(page_ids)} page ids")
+    if n == 0:
+        return 0
+    itemsize = g.itemsize
+    G, Hg, BS, D, kv = g.head_groups, g.heads_per_group, g.block_tokens, g.head_dim, g.kv_parts
+    with HostBuffer(n * g.block_bytes, register=False) as buf:
+        staged = buf.array.view(_NP_INT[itemsize]).reshape(g.num_layers, G, n, kv, BS, Hg, D)
+        for layer in range(g.num_layers):
+            for k, view in enumerate(layout.layer_views(layer)):
+                pages = _raw(view[_ids_for(view, page_ids)], itemsize)      # (n, BS, H, D)
+                pages = pages.reshape(n, BS, G, Hg, D)
+                pages = pages.permute(2, 0, 1, 3, 4) if _is_torch(pages) \
+                    else pages.transpose(2, 0, 1, 3, 4)
+                _copy_into(staged[layer, :, :, k], pages)
+        return store.put_run(keys, buf.array)
+
+
+class LoadHandle:
+    """A load in flight.  ``blocks`` is the number of leading pages loaded
+    (final after :meth:`wait`); ``wait_layer(l)`` blocks until layer l is in
+    the cache."""
+
+    def __init__(self, num_layers: int, blocks: int):
+        self.blocks = blocks
+        self.num_layers = num_layers
+        self._events = [threading.Event() for _ in range(num_layers)]
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self.layer_ready_at = [0.0] * num_layers
+        self.started_at = time.perf_counter()
+        self.bytes_read = 0
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> int:
+        """Wait for one layer; returns the pages valid so far (may still shrink
+        if a later layer fails its checksum: use :meth:`wait` for the final count)."""
+        if not self._events[layer].wait(timeout):
+            raise TimeoutError(f"layer {layer} not loaded within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.blocks
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"load not finished within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self.blocks
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _fail(self, exc):
+        self._error = exc
+        for e in self._events:
+            e.set()
+        self._done.set()
+
+
+def _tp_plan(g, tp_rank: int, tp_size: int):
+    """(first store group, group count, head offset, heads) a rank reads."""
+    if not 0 <= tp_rank < tp_size:
+        raise ConfigError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
+    if g.num_kv_heads % tp_size:
+        raise ConfigError(f"{g.num_kv_heads} kv heads do not split over tp_size {tp_size}")
+    heads = g.num_kv_heads // tp_size
+    G = g.head_groups
+    if tp_size % G == 0:          # as many or more ranks than groups: part of one group
+        per = tp_size // G
+        return tp_rank // per, 1, (tp_rank % per) * heads, heads
+    if G % tp_size == 0:          # fewer ranks: several adjacent groups, one read
+        per = G // tp_size
+        return tp_rank * per, per, 0, heads
+    raise ConfigError(f"store cut for {G} head groups cannot serve tp_size {tp_size}; "
+                      "use a multiple or divisor of it")
+
+
+def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
+                tp_size: int = 1, background: bool = True) -> LoadHandle:
+    """Load the stored prefix of ``keys`` into cache pages ``page_ids``, layer
+    by layer, for rank ``tp_rank`` of ``tp_size`` (the cache holds that rank's
+    heads).  Returns at once with a :class:`LoadHandle` (``background=False``
+    loads before returning)."""
+    store._check_open()
+    g = store.geometry
+    g0, ng, h0, heads = _tp_plan(g, tp_rank, tp_size)
+    layout.check(g, heads=heads)
+    keys = normalize_keys(keys)
+    if len(page_ids) < len(keys):
+        raise ConfigError(f"load: {len(keys)} keys but only {len(page_ids)} page ids")
+    with store._lock:
+        segs = store._segments(keys)
+    n = sum(c for _, _, c, _ in segs)
+    handle = LoadHandle(g.num_layers, n)
+    if not segs:
+        for e in handle._events:
+            e.set()
+        handle._done.set()
+        return handle
+    job = _LoadJob(store, layout, segs, page_ids, g0, ng, h0, heads, handle)
+    if background:
+        job.start()
+    else:
+        job.run_inline()
+        handle.wait()
+    return handle
+
+
+class _LoadJob:
+    def __init__(self, store, layout, segs, page_ids, g0, ng, h0, heads, handle):
+        self.store, self.layout, self.segs, self.handle = store, layout, segs, handle
+        self.page_ids = np.asarray(page_ids, dtype=np.int64)
+        self.g0, self.ng, self.h0, self.heads = g0, ng, h0, heads
+        g = store.geometry
+        self.verify = store.verify == "always"
+        # Per segment: where its layer-l bytes come from and land in staging.
+        self.reads = []
+        at = 0
+        for run, pos, count, out_at in segs:
+            lay = store.layout(run.nblocks)
+            if self.verify or ng > 1:
+                length = ng * lay.range_bytes
+            else:
+                length = lay.prefix_read_bytes(pos + count)
+            self.reads.append((run, lay, pos, count, out_at, at, length))
+            at += length
+        self.staging_bytes = at
+        self.bad_runs = []
+        self.q: queue.Queue = queue.Queue()      # layers read, in order
+        self.free: queue.Queue = queue.Queue()   # staging buffers not in use (two)
+        self.num_layers = g.num_layers
+
+    def start(self):
+        threading.Thread(target=self._reader, name="kvblock-load-read", daemon=True).start()
+        threading.Thread(target=self._scatter, name="kvblock-load-scatter", daemon=True).start()
+
+    def run_inline(self):
+        t = threading.Thread(target=self._reader, daemon=True)
+        t.start()
+        self._scatter()
+        t.join()
+
+    def _reader(self):
+        store = self.store
+        bufs = [HostBuffer(self.staging_bytes, register=False) for _ in range(2)]
+        for b in bufs:
+            self.free.put(b)
+        try:
+            for layer in range(self.num_layers):
+                buf = self.free.get()  # returned by the scatter stage when it is done with it
+                addrs, offs, lens, devs = [], [], [], []
+                for run, lay, pos, count, out_at, at, length in self.reads:
+                    dev, base = store.regions.address(run.region, run.offset)
+                    addrs.append(buf.address + at)
+                    offs.append(base + lay.range_offset(layer, self.g0))
+                    lens.append(length)
+                    devs.append(dev)
+                store.io.read(IOBatch(np.array(addrs, np.uint64), np.array(devs, np.uint32),
+                                      np.array(offs, np.uint64), np.array(lens, np.uint64)))
+                self.handle.bytes_read += int(sum(lens))
+                self.q.put((layer, buf))
+            self.q.put(None)
+        except BaseException as e:  # surfaced through the handle
+            self.q.put(e)
+        finally:
+            self._bufs = bufs
+
+    def _scatter(self):
+        store, g, handle = self.store, self.store.geometry, self.handle
+        itemsize, gbb = g.itemsize, g.group_block_bytes
+        kv, BS, Hg, D = g.kv_parts, g.block_tokens, g.heads_per_group, g.head_dim
+        try:
+            while True:
+                item = self.q.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                layer, buf = item
+                views = self.layout.layer_views(layer)
+                for run, lay, pos, count, out_at, at, length in self.reads:
+                    if out_at >= handle.blocks:
+                        break
+                    data = buf.array[at:at + length]
+                    if self.verify:
+                        ranges = data.reshape(self.ng, lay.range_bytes)
+                        for j in range(self.ng):
+                            r = lay.range_index(layer, self.g0 + j)
+                            if data_checksum(ranges[j], run.run_id) != int(run.checksums[r]):
+                                self._checksum_failure(run, r, out_at)
+                                break
+                        if out_at >= handle.blocks:
+                            break
+                    span = lay.range_bytes if self.ng > 1 else None
+                    if span is None:
+                        pages = data[pos * gbb:(pos + count) * gbb]
+                        pages = pages.view(_NP_INT[itemsize]).reshape(1, count, kv, BS, Hg, D)
+                    else:
+                        pages = data.reshape(self.ng, span)[:, pos * gbb:(pos + count) * gbb]
+                        pages = pages.view(_NP_INT[itemsize]).reshape(self.ng, count, kv, BS,
+                                                                      Hg, D)
+                    # (groups, n, kv, BS, Hg, D) -> per part (n, BS, groups*Hg, D), then the
+                    # rank's slice of heads.
+                    pages = pages.transpose(2, 1, 3, 0, 4, 5).reshape(
+                        kv, count, BS, self.ng * Hg, D)[..., self.h0:self.h0 + self.heads, :]
+                    ids = self.page_ids[out_at:out_at + count]
+                    for k, view in enumerate(views):
+                        src = _as_like(np.ascontiguousarray(pages[k]), view)
+                        _raw_assign(view, _ids_for(view, ids), src, itemsize)
+                self.free.put(buf)
+                handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
+                handle._events[layer].set()
+            store.counters["get_blocks"] += handle.blocks
+        except BaseException as e:  # surfaced by wait()/wait_layer()
+            error = e
+        else:
+            error = None
+        store._unpin(self.segs)
+        if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup
+            try:
+                store._drop_runs(self.bad_runs)
+            except KVBlockError as e:
+                error = error or e
+        if error is not None:
+            handle._fail(error)
+        else:
+            handle._done.set()
+
+    def _checksum_failure(self, run, range_index, out_at):
+        store = self.store
+        store.counters["checksum_failures"] += 1
+        dev, off = store.regions.address(run.region, run.offset)
+        store.last_checksum_failure = (store.io.devices[dev].path, off, run.run_id, range_index)
+        self.bad_runs.append(run)
+        self.handle.blocks = min(self.handle.blocks, out_at)
+
+
+def _raw_assign(view, ids, src, itemsize):
+    """view[ids] = src, moving raw element bits."""
+    if _is_torch(view):
+        _raw(view, itemsize)[ids] = src
+    elif hasattr(view, "t"):  # strided HF pages
+        raw_t = view.t.view(_torch_int(itemsize))
+        from kvblock.tensors.layouts import _StridedPages
+
+        _StridedPages(raw_t, view.bt, view.shape[0] * view.bt)[ids] = src
+    else:
+        _raw(view, itemsize)[ids] = src

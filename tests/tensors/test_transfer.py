@@ -1,0 +1,203 @@
+"""KV tensors through the store in engines' layouts: bytes identical after a
+round trip, any tensor-parallel slice, layer-wise loads that overlap I/O."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from kvblock import Geometry, KVStore, create_file  # noqa: E402
+from kvblock.errors import ConfigError  # noqa: E402
+from kvblock.tensors import (  # noqa: E402
+    HFDynamicLayout,
+    SGLangHostLayout,
+    VLLMLayout,
+    load_blocks,
+    save_blocks,
+)
+
+L, H, D, BS = 3, 8, 16, 16
+
+
+def geom(kv_parts=2, groups=1, heads=H):
+    return Geometry(L, heads, D, "bfloat16", BS, kv_parts, groups)
+
+
+@pytest.fixture
+def path(tmp_path):
+    p = tmp_path / "kv.img"
+    create_file(p, 64 << 20)
+    return str(p)
+
+
+def _store(path, g, **kw):
+    return KVStore.format([path], g, region_size=1 << 20, force=True, **kw)
+
+
+def rand(*shape):
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_vllm_round_trip(path, order):
+    nb = 12
+    shape = (2, nb, BS, H, D) if order == "NHD" else (2, nb, H, BS, D)
+    src = [rand(*shape) for _ in range(L)]
+    keys = [f"k{i}".encode() for i in range(5)]
+    src_pages, dst_pages = [3, 7, 1, 0, 9], [2, 4, 6, 8, 10]
+    with _store(path, geom()) as store:
+        assert save_blocks(store, keys, VLLMLayout(src, order), src_pages) == 5
+        dst = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(store, keys + [b"missing"], VLLMLayout(dst, order), dst_pages + [11])
+        assert h.wait() == 5
+    for layer in range(L):
+        a = src[layer][:, src_pages]
+        b = dst[layer][:, dst_pages]
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+        assert not dst[layer][:, 11].any()  # the miss stays untouched
+
+
+def test_vllm_mla_and_numpy_cache(path):
+    g = Geometry(L, 1, 32, "float16", BS, kv_parts=1)
+    src = [np.random.default_rng(i).standard_normal((6, BS, 32)).astype(np.float16)
+           for i in range(L)]
+    dst = [np.zeros_like(s) for s in src]
+    keys = [b"m0", b"m1", b"m2"]
+    with _store(path, g) as store:
+        save_blocks(store, keys, VLLMLayout(src, mla=True), [5, 0, 2])
+        assert load_blocks(store, keys, VLLMLayout(dst, mla=True), [1, 2, 3]).wait() == 3
+    for layer in range(L):
+        assert np.array_equal(src[layer][[5, 0, 2]], dst[layer][[1, 2, 3]])
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+@pytest.mark.parametrize("mla", [False, True])
+def test_sglang_host_layouts(path, layout, mla):
+    pages, heads = 6, (1 if mla else H)
+    g = geom(kv_parts=1 if mla else 2, heads=heads)
+    lead = () if mla else (2,)
+    shape = {"layer_first": (*lead, L, pages * BS, heads, D),
+             "page_first": (*lead, pages * BS, L, heads, D),
+             "page_first_direct": (*lead, pages, L, BS, heads, D)}[layout]
+    src, dst = rand(*shape), torch.zeros(shape, dtype=torch.bfloat16)
+    keys = [b"s0", b"s1", b"s2", b"s3"]
+    with _store(path, g) as store:
+        save_blocks(store, keys, SGLangHostLayout(src, layout, BS, mla=mla), [0, 2, 4, 5])
+        h = load_blocks(store, keys, SGLangHostLayout(dst, layout, BS, mla=mla), [5, 4, 3, 1])
+        assert h.wait() == 4
+    sv = SGLangHostLayout(src, layout, BS, mla=mla)
+    dv = SGLangHostLayout(dst, layout, BS, mla=mla)
+    for layer in range(L):
+        for a, b in zip(sv.layer_views(layer), dv.layer_views(layer)):
+            assert torch.equal(a[[0, 2, 4, 5]].view(torch.int16),
+                               b[[5, 4, 3, 1]].view(torch.int16))
+
+
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_every_tp_degree_from_one_store(path, groups):
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    keys = [b"t0", b"t1", b"t2"]
+    with _store(path, geom(groups=groups)) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1, 2])
+        for tp in (1, 2, 4, 8):
+            per = H // tp
+            for rank in range(tp):
+                dst = [torch.zeros(2, 4, BS, per, D, dtype=torch.bfloat16) for _ in range(L)]
+                h = load_blocks(store, keys, VLLMLayout(dst), [3, 2, 1], tp_rank=rank,
+                                tp_size=tp)
+                assert h.wait() == 3
+                for layer in range(L):
+                    want = src[layer][:, [0, 1, 2], :, rank * per:(rank + 1) * per]
+                    assert torch.equal(dst[layer][:, [3, 2, 1]].view(torch.int16),
+                                       want.view(torch.int16)), (tp, rank, layer)
+
+
+def test_tp_reads_only_its_ranges(path):
+    """A rank of a store cut for its TP degree reads 1/G of the bytes."""
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    keys = [b"r0", b"r1", b"r2", b"r3"]
+    with _store(path, geom(groups=4), verify="never") as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1, 2, 3])
+        full = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h_all = load_blocks(store, keys, VLLMLayout(full), [0, 1, 2, 3])
+        h_all.wait()
+        part = [torch.zeros(2, 4, BS, H // 4, D, dtype=torch.bfloat16) for _ in range(L)]
+        h_one = load_blocks(store, keys, VLLMLayout(part), [0, 1, 2, 3], tp_rank=1, tp_size=4)
+        h_one.wait()
+        assert h_one.bytes_read * 4 == h_all.bytes_read
+
+
+def test_layout_mismatch_is_a_clear_error(path):
+    with _store(path, geom()) as store:
+        bad = [rand(2, 4, BS, H, D * 2) for _ in range(L)]
+        with pytest.raises(ConfigError, match=r"head_dim 32 \(store: 16\)"):
+            save_blocks(store, [b"x"], VLLMLayout(bad), [0])
+        with pytest.raises(ConfigError, match="8 kv heads do not split over tp_size 3"):
+            load_blocks(store, [b"x"], VLLMLayout(bad), [0], tp_rank=0, tp_size=3)
+        with pytest.raises(ConfigError, match="tp_rank 4 outside tp_size 4"):
+            load_blocks(store, [b"x"], VLLMLayout(bad), [0], tp_rank=4, tp_size=4)
+
+
+def test_layerwise_load_overlaps_io(path):
+    """With a slow device, layer 0 is usable long before the last layer is read."""
+    from kvblock.store.storeio import StoreIO
+
+    class SlowIO(StoreIO):
+        def read(self, batch):
+            time.sleep(0.05)
+            super().read(batch)
+
+    g = Geometry(8, H, D, "bfloat16", BS)
+    src = [rand(2, 4, BS, H, D) for _ in range(8)]
+    keys = [b"o0", b"o1", b"o2", b"o3"]
+    with KVStore.format([path], g, region_size=1 << 20, force=True) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1, 2, 3])
+    with KVStore.open([path], storeio_factory=SlowIO) as store:
+        dst = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(8)]
+        h = load_blocks(store, keys, VLLMLayout(dst), [0, 1, 2, 3])
+        assert h.wait_layer(0) == 4
+        assert not h.done()
+        assert torch.equal(dst[0][:, :4].view(torch.int16), src[0][:, :4].view(torch.int16))
+        assert not dst[7].any()  # the last layer is still on its way
+        assert h.wait() == 4
+        assert h.layer_ready_at[0] * 4 < h.layer_ready_at[7]
+        assert torch.equal(dst[7].view(torch.int16), src[7].view(torch.int16))
+
+
+def test_checksum_failure_during_load_shrinks_the_prefix(path):
+    src = [rand(2, 6, BS, H, D) for _ in range(L)]
+    a, b = [b"a0", b"a1"], [b"b0", b"b1"]
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1])
+        save_blocks(store, b, VLLMLayout(src), [2, 3])
+        run_b = [r for r in store.index.runs.values() if r.nblocks == 2][-1]
+        _, off = store.regions.address(run_b.region, run_b.offset)
+    with open(path, "r+b") as f:  # corrupt the last layer of run b
+        lay_off = off + (L - 1) * store.layout(2).range_bytes + 64
+        f.seek(lay_off)
+        f.write(b"\xde\xad")
+    with KVStore.open([path]) as store:
+        dst = [torch.zeros(2, 6, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(store, a + b, VLLMLayout(dst), [0, 1, 2, 3])
+        assert h.wait() == 2
+        assert store.counters["checksum_failures"] == 1
+        assert store.lookup(a + b) == 2
+
+
+def test_hf_dynamic_cache_round_trip(path):
+    g = Geometry(L, 2, D, "float32", BS)
+    tokens = 3 * BS + 5   # a partial last block is not stored
+    src = HFDynamicLayout([torch.randn(1, 2, tokens, D) for _ in range(L)],
+                          [torch.randn(1, 2, tokens, D) for _ in range(L)], BS)
+    keys = [b"h0", b"h1", b"h2"]
+    with _store(path, g) as store:
+        save_blocks(store, keys, src, [0, 1, 2])
+        dst = HFDynamicLayout.empty(L, 2, 3 * BS, D, BS, torch.float32)
+        assert load_blocks(store, keys, dst, [0, 1, 2]).wait() == 3
+    for layer in range(L):
+        assert torch.equal(dst.keys[layer], src.keys[layer][:, :, :3 * BS])
+        assert torch.equal(dst.values[layer], src.values[layer][:, :, :3 * BS])
