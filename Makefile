@@ -38,7 +38,7 @@ $(PY):
 $(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.c native/*.h) | sysdeps $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,demo]'
 	@touch $(STAMP)
 
 install: $(STAMP)

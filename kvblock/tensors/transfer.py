@@ -23,7 +23,7 @@ from kvblock.format.checksum import data_checksum
 from kvblock.index import normalize_keys
 from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
-from kvblock.tensors.layouts import CacheLayout, _is_torch
+from kvblock.tensors.layouts import CacheLayout, _is_torch, _StridedPages
 
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -42,7 +42,7 @@ def _raw(x, itemsize):
 
 
 def _ids_for(view, page_ids):
-    if _is_torch(view) or hasattr(view, "t"):
+    if _is_torch(view) or isinstance(view, _StridedPages):
         import torch
 
         device = view.device if _is_torch(view) else view.t.device
@@ -62,7 +62,7 @@ def _copy_into(dst_np: np.ndarray, src) -> None:
 
 def _as_like(host_np: np.ndarray, like):
     """A host staging array as the cache's array type (torch: shares memory)."""
-    if _is_torch(like) or hasattr(like, "t"):
+    if _is_torch(like) or isinstance(like, _StridedPages):
         import torch
 
         t = torch.from_numpy(host_np)
@@ -319,14 +319,28 @@ class _LoadJob:
         self.handle.blocks = min(self.handle.blocks, out_at)
 
 
+def _consecutive(ids) -> slice | None:
+    """ids as a slice when they are consecutive (a plain copy beats index_put)."""
+    arr = np.asarray(ids.cpu() if _is_torch(ids) else ids)
+    if arr.size and (arr.size == 1 or bool(np.all(np.diff(arr) == 1))):
+        return slice(int(arr[0]), int(arr[0]) + arr.size)
+    return None
+
+
 def _raw_assign(view, ids, src, itemsize):
     """view[ids] = src, moving raw element bits."""
+    run = _consecutive(ids)
+    if run is not None and isinstance(view, _StridedPages):  # HF: one strided slice copy
+        t = view.t.view(_torch_int(itemsize))[0]
+        tokens = slice(run.start * view.bt, run.stop * view.bt)
+        t[:, tokens] = src.reshape(-1, *view.shape[2:]).permute(1, 0, 2)
+        return
+    if run is not None:
+        ids = run
     if _is_torch(view):
         _raw(view, itemsize)[ids] = src
-    elif hasattr(view, "t"):  # strided HF pages
+    elif isinstance(view, _StridedPages):
         raw_t = view.t.view(_torch_int(itemsize))
-        from kvblock.tensors.layouts import _StridedPages
-
         _StridedPages(raw_t, view.bt, view.shape[0] * view.bt)[ids] = src
     else:
         _raw(view, itemsize)[ids] = src

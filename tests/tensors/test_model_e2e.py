@@ -46,3 +46,48 @@ def test_restored_prefix_gives_identical_logits(tmp_path):
     assert got["restored_blocks"] == 3
     assert got["tokens"] == want_tokens
     assert torch.equal(got["logits"], want_logits)
+
+
+def test_streaming_cache_consumes_layers_while_loading(tmp_path):
+    """The model runs on a cache whose layers arrive one by one from a slowed
+    device: same logits as recomputing, and layer 0 was consumed before the
+    last layer had been read."""
+    import time
+
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.store.storeio import StoreIO
+    from kvblock.tensors import load_blocks
+
+    class SlowIO(StoreIO):
+        def read(self, batch):
+            time.sleep(0.05)
+            super().read(batch)
+
+    m = model()
+    ids = prompt()
+    keys = chain_keys(ids[0].tolist(), BLOCK, salt="tiny-llama")
+    path = tmp_path / "kv.img"
+    create_file(path, 32 << 20)
+    cache = prefill(m, ids[:, :3 * BLOCK])
+    with KVStore.format([str(path)], geometry(m), region_size=1 << 20) as store:
+        save_blocks(store, keys, HFDynamicLayout.from_cache(cache, BLOCK), [0, 1, 2])
+    want_logits, want_tokens = continue_from(m, prefill(m, ids[:, :3 * BLOCK]), ids, 3 * BLOCK)
+    consumed = {}
+    def mark(i):
+        def hook(module, args):
+            consumed.setdefault(i, time.perf_counter())
+        return hook
+
+    for i, layer in enumerate(m.model.layers):
+        layer.register_forward_pre_hook(mark(i))
+    with KVStore.open([str(path)], storeio_factory=SlowIO) as store:
+        cfg = m.config
+        layout = HFDynamicLayout.empty(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                       3 * BLOCK, cfg.hidden_size // cfg.num_attention_heads,
+                                       BLOCK, torch.float32)
+        handle = load_blocks(store, keys, layout, [0, 1, 2])
+        logits, tokens = continue_from(m, streaming_cache(handle, layout), ids, 3 * BLOCK)
+        assert handle.wait() == 3
+    assert tokens == want_tokens and torch.equal(logits, want_logits)
+    last_layer_read = handle.started_at + handle.layer_ready_at[-1]
+    assert consumed[1] < last_layer_read  # layer 0 computed on restored KV before the last layer landed

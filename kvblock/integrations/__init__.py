@@ -1,0 +1,1 @@
+"""Adapters that plug kvblock into serving engines and model libraries."""
