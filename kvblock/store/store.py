@@ -57,6 +57,7 @@ from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, roun
 from kvblock.memory import HostBuffer
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
 from kvblock.store.storeio import StoreIO
+from kvblock.tiers import HostTier
 
 MIB = 1 << 20
 # Counters every store reports (stats(), Prometheus), zero until something happens.
@@ -65,6 +66,7 @@ COUNTERS = (
     "lookups", "lookup_hit_blocks", "get_blocks", "get_bytes", "miss_gets", "bytes_read",
     "checksum_failures", "deleted_runs", "evicted_regions", "evicted_runs", "evicted_blocks",
     "discards", "commits", "journal_bytes", "checkpoints", "replayed_records", "recovery_us",
+    "host_hit_blocks", "device_hit_blocks",
 )
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
 
@@ -203,13 +205,14 @@ class KVStore:
 
     def _init(self, devs, *, geometry=None, model=None, verify="always", eviction="lru",
               admit_after=1, engine=None, queue_depth=32, storeio_factory=None,
-              readonly=False):
+              readonly=False, host_cache_bytes=0):
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if eviction not in EVICTION_POLICIES:
             raise ConfigError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
         self.verify, self.eviction = verify, eviction
         self.readonly = readonly
+        self.host = None
         self.admission = Admission(admit_after)
         self._lock = threading.RLock()
         self._commit_lock = threading.Lock()
@@ -223,6 +226,8 @@ class KVStore:
         self.io = self._make_io(devs)
         self._read_superblocks(devs, geometry, model)
         self._recover()
+        self.host = HostTier(host_cache_bytes, self.geometry.block_bytes) \
+            if host_cache_bytes else None
         self.closed = False
         self.counters["recovery_us"] = int((time.perf_counter() - t0) * 1e6)
 
@@ -596,11 +601,16 @@ class KVStore:
                 self._add_run(run)
                 self.regions.last_access[region] = time.time()
 
+            host_blocks = blocks if self.host is not None else None
+
             self._commit([jfmt.PutRun(run_id, region, gen, offset, run.keys,
                                       tuple(int(s) for s in sums))], publish)
         finally:
             with self._lock:
                 self.regions.pins[region] -= 1
+        if host_blocks is not None:
+            for k in range(n):
+                self.host.put(keys[k], host_blocks[:, :, k])
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += n
         self.counters["bytes_written"] += lay.run_bytes
@@ -646,9 +656,17 @@ class KVStore:
             self.regions.release(region)
 
     def lookup(self, keys: Sequence) -> int:
-        """Number of leading ``keys`` stored (longest stored prefix)."""
+        """Number of leading ``keys`` stored (longest stored prefix, in the
+        host tier or on the device)."""
         self._check_open()
-        n = self.index.prefix_length(normalize_keys(keys))
+        keys = normalize_keys(keys)
+        if self.host is None:
+            n = self.index.prefix_length(keys)
+        else:
+            on_device = self.index.lookup(keys) >= 0
+            n = 0
+            while n < len(keys) and (on_device[n] or keys[n] in self.host):
+                n += 1
         self.counters["lookups"] += 1
         self.counters["lookup_hit_blocks"] += n
         return n
@@ -693,7 +711,34 @@ class KVStore:
                               f"bytes for {n} blocks, got {out_arr.nbytes}")
         dst = out_arr.reshape(-1).view(np.uint8).reshape(g.num_layers, g.head_groups, n,
                                                          g.group_block_bytes)
-        return self._read(keys, dst, None)
+        if self.host is None:
+            return self._read(keys, dst, None)
+        return self._read_tiered(keys, dst)
+
+    def _read_tiered(self, keys, dst) -> int:
+        """Blocks in the host tier are copied from DRAM, stretches of the others
+        read from the device; blocks read from the device then enter the tier
+        (after the copies, so they cannot push out blocks about to be read)."""
+        n = len(keys)
+        in_host = [k in self.host for k in keys]
+        done, fetched = 0, []
+        while done < n:
+            if in_host[done] and self.host.read_into(keys[done], dst[:, :, done]):
+                self.counters["host_hit_blocks"] += 1
+                done += 1
+                continue
+            end = done + 1
+            while end < n and not in_host[end]:
+                end += 1
+            got = self._read(keys[done:end], dst[:, :, done:end], None)
+            fetched.extend(range(done, done + got))
+            self.counters["device_hit_blocks"] += got
+            done += got
+            if done < end:
+                break
+        for k in fetched:
+            self.host.put(keys[k], dst[:, :, k])
+        return done
 
     def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:
         """Read one (layer, head group) of the stored prefix of ``keys``:
@@ -807,6 +852,10 @@ class KVStore:
                 if hit is not None:
                     runs[hit[0].run_id] = hit[0]
         self._drop_runs(list(runs.values()))
+        if self.host is not None:
+            for run in runs.values():
+                for k in range(run.nblocks):
+                    self.host.discard(run.key(k))
         self.counters["deleted_runs"] += len(runs)
         return sum(r.nblocks for r in runs.values())
 
@@ -876,6 +925,7 @@ class KVStore:
                 "blocks": len(self.index),
                 "checkpoint_generation": self._generation,
                 **{k: int(v) for k, v in sorted(self.counters.items())},
+                **(self.host.stats() if self.host is not None else {}),
             }
 
     def close(self) -> None:
@@ -893,6 +943,9 @@ class KVStore:
             self._release_devices()
 
     def _release_devices(self):
+        if getattr(self, "host", None) is not None:
+            self.host.close()
+            self.host = None
         buf = getattr(self._local, "staging", None)
         if buf is not None:
             buf.close()

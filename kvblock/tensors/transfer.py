@@ -172,16 +172,21 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
     keys = normalize_keys(keys)
     if len(page_ids) < len(keys):
         raise ConfigError(f"load: {len(keys)} keys but only {len(page_ids)} page ids")
+    page_ids = np.asarray(page_ids, dtype=np.int64)
+    base = 0
+    if store.host is not None:  # the hot head of the prefix comes from DRAM, now
+        base = _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads)
+        keys, page_ids = keys[base:], page_ids[base:]
     with store._lock:
         segs = store._segments(keys)
     n = sum(c for _, _, c, _ in segs)
-    handle = LoadHandle(g.num_layers, n)
+    handle = LoadHandle(g.num_layers, base + n)
     if not segs:
         for e in handle._events:
             e.set()
         handle._done.set()
         return handle
-    job = _LoadJob(store, layout, segs, page_ids, g0, ng, h0, heads, handle)
+    job = _LoadJob(store, layout, segs, page_ids, g0, ng, h0, heads, handle, base)
     if background:
         job.start()
     else:
@@ -191,8 +196,9 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
 
 
 class _LoadJob:
-    def __init__(self, store, layout, segs, page_ids, g0, ng, h0, heads, handle):
+    def __init__(self, store, layout, segs, page_ids, g0, ng, h0, heads, handle, base=0):
         self.store, self.layout, self.segs, self.handle = store, layout, segs, handle
+        self.base = base  # blocks before these segments (served from the host tier)
         self.page_ids = np.asarray(page_ids, dtype=np.int64)
         self.g0, self.ng, self.h0, self.heads = g0, ng, h0, heads
         g = store.geometry
@@ -263,7 +269,7 @@ class _LoadJob:
                 layer, buf = item
                 views = self.layout.layer_views(layer)
                 for run, lay, pos, count, out_at, at, length in self.reads:
-                    if out_at >= handle.blocks:
+                    if self.base + out_at >= handle.blocks:
                         break
                     data = buf.array[at:at + length]
                     if self.verify:
@@ -273,7 +279,7 @@ class _LoadJob:
                             if data_checksum(ranges[j], run.run_id) != int(run.checksums[r]):
                                 self._checksum_failure(run, r, out_at)
                                 break
-                        if out_at >= handle.blocks:
+                        if self.base + out_at >= handle.blocks:
                             break
                     span = lay.range_bytes if self.ng > 1 else None
                     if span is None:
@@ -283,14 +289,8 @@ class _LoadJob:
                         pages = data.reshape(self.ng, span)[:, pos * gbb:(pos + count) * gbb]
                         pages = pages.view(_NP_INT[itemsize]).reshape(self.ng, count, kv, BS,
                                                                       Hg, D)
-                    # (groups, n, kv, BS, Hg, D) -> per part (n, BS, groups*Hg, D), then the
-                    # rank's slice of heads.
-                    pages = pages.transpose(2, 1, 3, 0, 4, 5).reshape(
-                        kv, count, BS, self.ng * Hg, D)[..., self.h0:self.h0 + self.heads, :]
-                    ids = self.page_ids[out_at:out_at + count]
-                    for k, view in enumerate(views):
-                        src = _as_like(np.ascontiguousarray(pages[k]), view)
-                        _raw_assign(view, _ids_for(view, ids), src, itemsize)
+                    _scatter_pages(views, pages, self.page_ids[out_at:out_at + count],
+                                   self.h0, self.heads, itemsize)
                 self.free.put(buf)
                 handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
                 handle._events[layer].set()
@@ -316,7 +316,7 @@ class _LoadJob:
         dev, off = store.regions.address(run.region, run.offset)
         store.last_checksum_failure = (store.io.devices[dev].path, off, run.run_id, range_index)
         self.bad_runs.append(run)
-        self.handle.blocks = min(self.handle.blocks, out_at)
+        self.handle.blocks = min(self.handle.blocks, self.base + out_at)
 
 
 def _consecutive(ids) -> slice | None:
@@ -325,6 +325,39 @@ def _consecutive(ids) -> slice | None:
     if arr.size and (arr.size == 1 or bool(np.all(np.diff(arr) == 1))):
         return slice(int(arr[0]), int(arr[0]) + arr.size)
     return None
+
+
+def _scatter_pages(views, pages, ids, h0, heads, itemsize):
+    """pages (groups, n, kv, BS, Hg, D) raw ints -> the cache: per KV part
+    (n, BS, groups*Hg, D), then the rank's slice of heads."""
+    ng, count, kv, bs, hg, d = pages.shape
+    pages = pages.transpose(2, 1, 3, 0, 4, 5).reshape(kv, count, bs, ng * hg, d)
+    pages = pages[..., h0:h0 + heads, :]
+    for k, view in enumerate(views):
+        src = _as_like(np.ascontiguousarray(pages[k]), view)
+        _raw_assign(view, _ids_for(view, ids), src, itemsize)
+
+
+def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
+    """Scatter the leading blocks that sit in the host tier; returns how many."""
+    g = store.geometry
+    blocks = []
+    for key in keys:
+        block = store.host.get(key)
+        if block is None:
+            break
+        blocks.append(block)
+    if not blocks:
+        return 0
+    n = len(blocks)
+    data = np.stack(blocks).view(_NP_INT[g.itemsize]).reshape(
+        n, g.num_layers, g.head_groups, g.kv_parts, g.block_tokens, g.heads_per_group,
+        g.head_dim)
+    for layer in range(g.num_layers):
+        pages = data[:, layer, g0:g0 + ng].transpose(1, 0, 2, 3, 4, 5)  # (ng, n, kv, BS, Hg, D)
+        _scatter_pages(layout.layer_views(layer), pages, page_ids[:n], h0, heads, g.itemsize)
+    store.counters["host_hit_blocks"] += n
+    return n
 
 
 def _raw_assign(view, ids, src, itemsize):

@@ -1,0 +1,124 @@
+"""Host-memory (DRAM) tier: hot blocks stay in memory, cold ones only on flash.
+
+Blocks live in fixed slots of one page-aligned, pre-faulted arena (pinned with
+CUDA when a GPU is present, so host-to-device copies can be asynchronous).
+Replacement is segmented LRU, which is frequency-aware: a new block enters
+the *probation* segment; a hit promotes it to the *protected* segment (80% of
+the slots); eviction takes probation's least recent block first, so blocks
+seen once never push out blocks that are read again and again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from kvblock.errors import ConfigError
+from kvblock.memory import HostBuffer
+
+PROTECTED_SHARE = 0.8
+
+
+class HostTier:
+    def __init__(self, capacity_bytes: int, block_bytes: int):
+        self.slots = int(capacity_bytes // block_bytes)
+        if self.slots < 2:
+            raise ConfigError(f"host cache of {capacity_bytes} bytes holds fewer than two "
+                              f"{block_bytes}-byte blocks; give it more memory or none")
+        self.block_bytes = block_bytes
+        self.arena = HostBuffer(self.slots * block_bytes)
+        self.pinned = _pin(self.arena)
+        self.blocks = self.arena.array.reshape(self.slots, block_bytes)
+        self.free = list(range(self.slots - 1, -1, -1))
+        self.probation: OrderedDict[bytes, int] = OrderedDict()
+        self.protected: OrderedDict[bytes, int] = OrderedDict()
+        self.protected_max = int(self.slots * PROTECTED_SHARE)
+        self.lock = threading.Lock()
+        self.hits = self.misses = self.inserts = self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self.probation) + len(self.protected)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self.probation or key in self.protected
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        """A copy of the block's bytes (counts a hit), or None."""
+        with self.lock:
+            block = self._lookup_locked(key)
+            return None if block is None else block.copy()
+
+    def read_into(self, key: bytes, out: np.ndarray) -> bool:
+        with self.lock:
+            block = self._lookup_locked(key)
+            if block is None:
+                return False
+            out[...] = block.reshape(out.shape)
+            return True
+
+    def _lookup_locked(self, key):
+        slot = self.protected.get(key)
+        if slot is not None:
+            self.protected.move_to_end(key)
+        else:
+            slot = self.probation.pop(key, None)
+            if slot is None:
+                self.misses += 1
+                return None
+            self._protect(key, slot)
+        self.hits += 1
+        return self.blocks[slot]
+
+    def _protect(self, key, slot):
+        self.protected[key] = slot
+        while len(self.protected) > self.protected_max:  # demote the coldest protected
+            old, old_slot = self.protected.popitem(last=False)
+            self.probation[old] = old_slot
+
+    def put(self, key: bytes, block: np.ndarray) -> None:
+        """Insert (or refresh) a block; evicts by policy when full."""
+        with self.lock:
+            if key in self.protected or key in self.probation:
+                return
+            if not self.free:
+                victim_seg = self.probation if self.probation else self.protected
+                _, slot = victim_seg.popitem(last=False)
+                self.free.append(slot)
+                self.evictions += 1
+            slot = self.free.pop()
+            self.blocks[slot] = block.reshape(-1).view(np.uint8)
+            self.probation[key] = slot
+            self.inserts += 1
+
+    def discard(self, key: bytes) -> None:
+        with self.lock:
+            slot = self.probation.pop(key, None)
+            if slot is None:
+                slot = self.protected.pop(key, None)
+            if slot is not None:
+                self.free.append(slot)
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"host_blocks": len(self), "host_capacity_blocks": self.slots,
+                    "host_tier_hits": self.hits, "host_tier_misses": self.misses,
+                    "host_inserts": self.inserts, "host_evictions": self.evictions,
+                    "host_pinned": self.pinned}
+
+    def close(self) -> None:
+        self.arena.close()
+
+
+def _pin(buf: HostBuffer) -> bool:
+    """Page-lock the arena with CUDA when a GPU is present (faster, async H2D)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
+        err = torch.cuda.cudart().cudaHostRegister(buf.address, buf.nbytes, 0)
+        return int(err) == 0
+    except Exception:  # no torch / no CUDA runtime: plain pageable memory
+        return False

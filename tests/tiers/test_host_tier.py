@@ -1,0 +1,96 @@
+"""The DRAM tier: frequency-aware replacement, and a store that serves hot
+blocks from memory and the rest from the device, byte-identical."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore, create_file
+from kvblock.errors import ConfigError
+from kvblock.tiers import HostTier
+from tests.store.workload import GEOM, REGION, run_data, run_keys
+
+
+def block(i, size=4096):
+    return np.full(size, i % 251, np.uint8)
+
+
+def test_one_hit_blocks_do_not_push_out_hot_ones():
+    tier = HostTier(10 * 4096, 4096)
+    hot = [f"hot{i}".encode() for i in range(5)]
+    for k in hot:
+        tier.put(k, block(1))
+        assert tier.get(k) is not None      # second touch: protected
+    for i in range(100):                    # a scan of one-hit blocks
+        tier.put(f"scan{i}".encode(), block(i))
+    assert all(k in tier for k in hot)
+    assert len(tier) == 10
+    s = tier.stats()
+    assert s["host_evictions"] == 95 and s["host_tier_hits"] == 5
+
+
+def test_lru_within_segments_and_discard():
+    tier = HostTier(4 * 4096, 4096)
+    for i in range(4):
+        tier.put(bytes([i]) * 16, block(i))
+    tier.put(b"x" * 16, block(9))           # evicts the oldest probation block
+    assert bytes([0]) * 16 not in tier and b"x" * 16 in tier
+    out = np.zeros(4096, np.uint8)
+    assert tier.read_into(b"x" * 16, out) and (out == 9).all()
+    tier.discard(b"x" * 16)
+    assert b"x" * 16 not in tier and not tier.read_into(b"x" * 16, out)
+    with pytest.raises(ConfigError, match="fewer than two"):
+        HostTier(4096, 4096)
+
+
+def test_store_serves_from_both_tiers(tmp_path):
+    path = tmp_path / "s.img"
+    create_file(path, 16 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    with KVStore.open([str(path)], host_cache_bytes=6 * GEOM.block_bytes) as store:
+        a, b = run_keys(1, 4), run_keys(2, 4)
+        store.put_run(a, run_data(a))
+        store.put_run(b, run_data(b))        # the tier holds 6 of these 8 blocks
+        keys = a + b
+        assert store.lookup(keys) == 8
+        out = np.zeros(8 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 8
+        want = np.concatenate([run_data(a).reshape(2, 2, 4, -1), run_data(b).reshape(2, 2, 4, -1)],
+                              axis=2)
+        assert np.array_equal(out.reshape(2, 2, 8, -1), want)
+        s = store.stats()
+        assert s["host_hit_blocks"] > 0 and s["device_hit_blocks"] > 0
+        assert s["host_hit_blocks"] + s["device_hit_blocks"] == 8
+        # a block only in DRAM still counts as stored after its run is evicted from flash
+        store.delete(a[:1])
+        assert store.lookup(a) == 0
+
+
+def test_layerwise_load_takes_hot_head_from_dram(tmp_path):
+    torch = pytest.importorskip("torch")
+    from kvblock import Geometry
+    from kvblock.index import normalize_key
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    g = Geometry(3, 4, 16, "bfloat16", 16)
+    path = tmp_path / "t.img"
+    create_file(path, 32 << 20)
+    src = [torch.randn(2, 8, 16, 4, 16).to(torch.bfloat16) for _ in range(3)]
+    keys = [f"b{i}".encode() for i in range(6)]
+    with KVStore.format([str(path)], g, region_size=1 << 20,
+                        host_cache_bytes=3 * g.block_bytes) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1, 2, 3, 4, 5])
+        # Plant marked copies of blocks 0-2 in DRAM: a load must take them from there.
+        for k in range(6):
+            store.host.discard(normalize_key(keys[k]))
+        for k in range(3):
+            store.host.put(normalize_key(keys[k]), np.zeros(g.block_bytes, np.uint8))
+        dst = [torch.ones(2, 8, 16, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
+        h = load_blocks(store, keys, VLLMLayout(dst), [0, 1, 2, 3, 4, 5])
+        assert h.wait() == 6
+        assert store.counters["host_hit_blocks"] == 3
+    for layer in range(3):
+        assert not dst[layer][:, :3].any()              # from DRAM
+        assert torch.equal(dst[layer][:, 3:6].view(torch.int16),
+                           src[layer][:, 3:6].view(torch.int16))  # from the device
