@@ -9,9 +9,13 @@
  * Per-I/O outcome goes to results[i]: bytes transferred (>= 0) or -errno.
  * Callers compare results with lengths to find short transfers.
  *
- * Threading: a kvb_ring is used by one thread at a time (kvblock keeps one
- * ring per thread).  kvb_pio_run may be called from many threads at once on
- * the same batch; they share work through the atomic cursor.
+ * Threading: a kvb_ring belongs to the thread that created it (kvblock keeps
+ * one ring per thread): where the kernel allows, it is created with
+ * IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, and then running
+ * or registering from another thread (or a forked child) fails with -EEXIST.
+ * kvb_ring_destroy may be called from any thread.  kvb_pio_run may be called
+ * from many threads at once on the same batch; they share work through the
+ * atomic cursor.
  */
 #ifndef KVBLOCK_IO_H
 #define KVBLOCK_IO_H

@@ -1,0 +1,137 @@
+"""Shared by perf/vs_fio.py and perf/test_raw_io.py: loop-device targets over
+files filled with real data, fio runs parsed from its JSON, cache dropping.
+
+Every loop device is attached with ``losetup -f --show --direct-io=on`` and
+detached in a ``finally`` (together with any other loop device that ended up
+on the same backing file, so an interrupt between attach and bookkeeping
+cannot leak one); backing files are removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+GIB = 1 << 30
+SHM = Path("/dev/shm")
+# The repository's scratch folder (git-ignored): a file on the real disk.
+DISK_DIR = Path(__file__).resolve().parent.parent / ".kvblock" / "perf"
+PREFIX = "kvblock-vsfio-"
+
+
+def prerequisites() -> tuple[bool, str]:
+    """(ok, reason): can this process make loop devices and run fio?"""
+    if os.geteuid() != 0:
+        return False, "needs root (losetup for loop devices, drop_caches)"
+    for tool in ("fio", "losetup"):
+        if shutil.which(tool) is None:
+            pkg = "fio" if tool == "fio" else "util-linux"
+            return False, f"{tool} not installed (apt-get install {pkg})"
+    return True, ""
+
+
+def drop_caches() -> None:
+    """Write back and drop the page cache so reads reach the device."""
+    os.sync()
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+
+
+def _losetup(*args: str, check=True) -> subprocess.CompletedProcess:
+    return subprocess.run(["losetup", *args], capture_output=True, text=True, check=check)
+
+
+def attached_to(path: Path | str) -> list[str]:
+    """Loop devices whose backing file is ``path``."""
+    out = _losetup("-j", str(path), check=False).stdout
+    return [line.split(":", 1)[0] for line in out.splitlines() if line.strip()]
+
+
+def detach(dev: str) -> None:
+    # udev may still hold the device for a moment after fio or kvblock closed it.
+    for _ in range(40):
+        if _losetup("-d", dev, check=False).returncode == 0:
+            return
+        time.sleep(0.05)
+    _losetup("-d", dev)
+
+
+def direct_io_enabled(dev: str) -> bool | None:
+    p = Path("/sys/block") / Path(dev).name / "loop" / "dio"
+    try:
+        return p.read_text().strip() == "1"
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def loop_target(directory: Path, size: int, *, fill: bool = True) -> Iterator[str]:
+    """A loop device (direct I/O on) over a fresh ``size``-byte file in
+    ``directory`` holding real written data; detached and removed on exit."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(prefix=PREFIX, suffix=".img", dir=directory)
+    path = Path(name)
+    try:
+        os.ftruncate(fd, size)
+        os.close(fd)
+        fd = -1
+        dev = _losetup("-f", "--show", "--direct-io=on", str(path)).stdout.strip()
+        if fill:
+            fill_device(dev, size)
+        yield dev
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        try:
+            for dev in attached_to(path):
+                detach(dev)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+
+def fill_device(dev: str, size: int) -> None:
+    """Write every byte once (sequential, fresh random buffers), so reads of
+    the backing file are real reads, not holes or unwritten extents."""
+    subprocess.run(["fio", "--name=fill", f"--filename={dev}", "--ioengine=io_uring",
+                    "--direct=1", "--rw=write", "--bs=1M", "--iodepth=32", f"--size={size}",
+                    "--refill_buffers", "--end_fsync=1", "--output-format=json"],
+                   check=True, capture_output=True, text=True)
+
+
+def run_fio(dev: str, rw: str, bs: int, qd: int, *, size: int, seconds: float | None = None,
+            io_size: int | None = None, extra: tuple[str, ...] = ()) -> dict:
+    """One fio job (io_uring, O_DIRECT, fio's other defaults) on ``dev``.
+
+    Time-based when ``seconds`` is given, else it moves ``io_size`` bytes;
+    ``extra`` options (e.g. ``--fixedbufs``) go last.
+    Returns gib_s, iops, and total (submit-to-completion) latency p50/p99 in
+    microseconds, the span kvblock's latencies cover too.
+    """
+    cmd = ["fio", "--name=vsfio", f"--filename={dev}", "--ioengine=io_uring", "--direct=1",
+           f"--rw={rw}", f"--bs={bs}", f"--iodepth={qd}", f"--size={size}",
+           "--norandommap", "--lat_percentiles=1",
+           "--output-format=json"]
+    if seconds is not None:
+        cmd += ["--time_based", f"--runtime={max(1, round(seconds * 1000))}ms"]
+    if io_size is not None:
+        cmd += [f"--io_size={io_size}"]
+    cmd += list(extra)
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    # fio may print warnings before the JSON document.
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    side = job["write" if "write" in rw else "read"]
+    if job.get("error"):
+        raise RuntimeError(f"fio {rw} on {dev} failed: error {job['error']}")
+    lat = side.get("lat_ns", {}).get("percentile") or side["clat_ns"]["percentile"]
+    return {"gib_s": side["bw_bytes"] / GIB, "iops": side["iops"],
+            "p50_us": lat["50.000000"] / 1000.0, "p99_us": lat["99.000000"] / 1000.0,
+            "seconds": side["runtime"] / 1000.0, "bytes": side["io_bytes"]}

@@ -1,0 +1,101 @@
+"""pytest-benchmark (group "raw-io"): kvblock reads vs fio on a /dev/shm loop device.
+
+    .venv/bin/python -m pytest perf/ --benchmark-only        # or: make bench
+
+Each benchmark round reads a fixed amount (IO_BYTES) through kvblock's engine
+in one batch, at QD 32; before every round (pedantic ``setup``) fio moves the
+same amount with the same pattern on the same device, so the two alternate.
+``extra_info`` records fio's median GiB/s, kvblock's (from the benchmark's
+median time), their ratio and both p99 latencies.  Timings on a shared machine
+are noisy; perf/vs_fio.py is the longer side-by-side comparison.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fio_support as fs  # noqa: E402
+
+MIB = 1 << 20
+DEVICE_BYTES = 512 * MIB  # the /dev/shm backing file (fits a small VM)
+IO_BYTES = 2 << 30        # moved per round: several passes over the device
+QD = 32
+ROUNDS = 5
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(scope="module")
+def shm_loop():
+    ok, why = fs.prerequisites()
+    if not ok:
+        pytest.skip(f"kvblock-vs-fio benchmarks: {why}")
+    if not fs.SHM.is_dir():
+        pytest.skip("kvblock-vs-fio benchmarks: /dev/shm is missing")
+    from kvblock.io import io_engine
+
+    if io_engine() != "uring":
+        pytest.skip("kvblock-vs-fio benchmarks: io_uring unavailable here (fio would run "
+                    "io_uring, kvblock its threads fallback)")
+    with fs.loop_target(fs.SHM, DEVICE_BYTES) as dev:
+        yield dev
+
+
+def _offsets(workload: str, bs: int) -> np.ndarray:
+    n = IO_BYTES // bs
+    slots = DEVICE_BYTES // bs
+    if workload == "randread":
+        idx = np.random.default_rng(0).integers(0, slots, n, dtype=np.uint64)
+    else:
+        idx = np.arange(n, dtype=np.uint64) % np.uint64(slots)
+    return idx * np.uint64(bs)
+
+
+@pytest.mark.parametrize("workload,bs", [("read", 1 * MIB), ("randread", 64 << 10)],
+                         ids=["read-1M-qd32", "randread-64K-qd32"])
+def test_raw_read_vs_fio(benchmark, shm_loop, workload, bs):
+    from kvblock.devices import Device
+    from kvblock.io import IOBatch, open_engine
+    from kvblock.memory import HostBuffer
+
+    benchmark.group = "raw-io"
+    fio_runs: list[dict] = []
+    last: dict = {}
+
+    def run_fio_first():
+        fio_runs.append(fs.run_fio(shm_loop, workload, bs, QD, size=DEVICE_BYTES,
+                                   io_size=IO_BYTES))
+
+    with Device(shm_loop, writable=False, exclusive=False) as dev, \
+            HostBuffer(bs * QD) as buf, open_engine([dev], queue_depth=QD) as eng:
+        offsets = _offsets(workload, bs)
+        addrs = (np.arange(offsets.size, dtype=np.uint64) % np.uint64(QD)) * np.uint64(bs) \
+            + np.uint64(buf.address)
+        batch = IOBatch(addrs, 0, offsets, bs)
+
+        def kvblock_read():
+            last["latency_ns"] = eng.read(batch, qd=QD, latency=True).latency_ns
+
+        benchmark.pedantic(kvblock_read, setup=run_fio_first, rounds=ROUNDS, iterations=1,
+                           warmup_rounds=1)
+
+    fio_gib_s = statistics.median(r["gib_s"] for r in fio_runs)
+    kvblock_gib_s = IO_BYTES / benchmark.stats.stats.median / 2**30
+    benchmark.extra_info.update({
+        "workload": workload, "bs": bs, "qd": QD, "device": f"loop over /dev/shm, "
+        f"{DEVICE_BYTES // MIB} MiB", "io_bytes": IO_BYTES, "engine": eng.name,
+        "fio_gib_s": round(fio_gib_s, 4),
+        "kvblock_gib_s": round(kvblock_gib_s, 4),
+        "ratio": round(kvblock_gib_s / fio_gib_s, 4),
+        "fio_p99_us": round(statistics.median(r["p99_us"] for r in fio_runs), 1),
+        "kvblock_p99_us": round(float(np.percentile(last["latency_ns"], 99)) / 1000, 1),
+        "fio_runs_gib_s": [round(r["gib_s"], 4) for r in fio_runs],
+    })
+    assert kvblock_gib_s > 0 and fio_gib_s > 0
