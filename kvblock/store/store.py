@@ -907,6 +907,15 @@ class KVStore:
         self.counters["discards"] += done
         return done, len(free)
 
+    def _kvikio_reader(self):
+        """The store's kvikio file handles (created on first GPU load)."""
+        reader = getattr(self, "_kvikio", None)
+        if reader is None:
+            from kvblock.io.gpu import KvikioReader
+
+            reader = self._kvikio = KvikioReader([d.path for d in self.io.devices])
+        return reader
+
     def stats(self) -> dict:
         """Counters and gauges (bytes, blocks, regions, hits, checksum failures...)."""
         with self._lock:
@@ -926,6 +935,8 @@ class KVStore:
                 "checkpoint_generation": self._generation,
                 **{k: int(v) for k, v in sorted(self.counters.items())},
                 **(self.host.stats() if self.host is not None else {}),
+                **({"gpu_path": self._gpu_path, "gpu_path_reason": self._gpu_path_reason}
+                   if getattr(self, "_gpu_path", None) else {}),
             }
 
     def close(self) -> None:
@@ -943,6 +954,9 @@ class KVStore:
             self._release_devices()
 
     def _release_devices(self):
+        if getattr(self, "_kvikio", None) is not None:
+            self._kvikio.close()
+            self._kvikio = None
         if getattr(self, "host", None) is not None:
             self.host.close()
             self.host = None

@@ -186,7 +186,14 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
             e.set()
         handle._done.set()
         return handle
-    job = _LoadJob(store, layout, segs, page_ids, g0, ng, h0, heads, handle, base)
+    job_class = _LoadJob
+    sample = layout.sample()
+    if _is_torch(sample) and sample.is_cuda:
+        from kvblock.io.gpu import gpu_path
+
+        if gpu_path(store) == "kvikio":
+            job_class = _KvikioLoadJob
+    job = job_class(store, layout, segs, page_ids, g0, ng, h0, heads, handle, base)
     if background:
         job.start()
     else:
@@ -331,6 +338,12 @@ def _scatter_pages(views, pages, ids, h0, heads, itemsize):
     """pages (groups, n, kv, BS, Hg, D) raw ints -> the cache: per KV part
     (n, BS, groups*Hg, D), then the rank's slice of heads."""
     ng, count, kv, bs, hg, d = pages.shape
+    if _is_torch(pages):  # device staging (GPU path): stays on the device
+        pages = pages.permute(2, 1, 3, 0, 4, 5).reshape(kv, count, bs, ng * hg, d)
+        pages = pages[..., h0:h0 + heads, :]
+        for k, view in enumerate(views):
+            _raw_assign(view, _ids_for(view, ids), pages[k].contiguous(), itemsize)
+        return
     pages = pages.transpose(2, 1, 3, 0, 4, 5).reshape(kv, count, bs, ng * hg, d)
     pages = pages[..., h0:h0 + heads, :]
     for k, view in enumerate(views):
@@ -377,3 +390,62 @@ def _raw_assign(view, ids, src, itemsize):
         _StridedPages(raw_t, view.bt, view.shape[0] * view.bt)[ids] = src
     else:
         _raw(view, itemsize)[ids] = src
+
+
+class _KvikioLoadJob(_LoadJob):
+    """GPU path: each layer's ranges are read by kvikio straight into a device
+    staging buffer and scattered on the device (no host copy, no checksum:
+    chosen only with verify="never", see kvblock.io.gpu.gpu_path)."""
+
+    def _reader(self):
+        import torch
+
+        store = self.store
+        reader = store._kvikio_reader()
+        device = self.layout.sample().device
+        bufs = [_DeviceStaging(torch.empty(self.staging_bytes, dtype=torch.uint8, device=device))
+                for _ in range(2)]
+        for b in bufs:
+            self.free.put(b)
+        try:
+            for layer in range(self.num_layers):
+                buf = self.free.get()
+                futures = []
+                for run, lay, pos, count, out_at, at, length in self.reads:
+                    dev, base = store.regions.address(run.region, run.offset)
+                    futures.append(reader.read(dev, base + lay.range_offset(layer, self.g0),
+                                               buf.array[at:at + length], length))
+                for f, (_, _, _, _, _, _, length) in zip(futures, self.reads):
+                    got = f.get()
+                    if got != length:
+                        raise IOError(f"kvikio read {got} of {length} bytes")
+                self.handle.bytes_read += int(sum(r[-1] for r in self.reads))
+                self.q.put((layer, buf))
+            self.q.put(None)
+        except BaseException as e:  # surfaced through the handle
+            self.q.put(e)
+
+
+class _DeviceStaging:
+    """A CUDA staging tensor shaped like HostBuffer for the scatter stage: its
+    ``array`` slices give torch views that the scatter reinterprets in place."""
+
+    def __init__(self, tensor):
+        self.array = _TorchBytes(tensor)
+
+
+class _TorchBytes:
+    def __init__(self, t):
+        self.t = t
+
+    def __getitem__(self, sl):
+        return _TorchBytes(self.t[sl])
+
+    def reshape(self, *shape):
+        return _TorchBytes(self.t.reshape(*shape))
+
+    def view(self, np_dtype):
+        import torch
+
+        return self.t.view({1: torch.int8, 2: torch.int16, 4: torch.int32,
+                            8: torch.int64}[np.dtype(np_dtype).itemsize])

@@ -1,0 +1,109 @@
+"""GPU data path: reads straight into CUDA memory with KvikIO (cuFile GDS where
+the platform supports it, KvikIO's POSIX compat path otherwise).
+
+KvikIO needs libcuda.so even for host buffers, so it is imported only here,
+lazily, and only when a CUDA tensor is the destination.  ``gpu_path(store)``
+decides once per store between "kvikio" (read into device memory) and "host"
+(io_uring into host memory, then one host-to-device copy per layer) by timing
+both on the store's own data, unless KVBLOCK_GPU_PATH says which.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from kvblock.errors import ConfigError, EngineUnavailableError
+
+GPU_PATHS = ("kvikio", "host")
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+class KvikioReader:
+    """One kvikio.CuFile per store device, read-only."""
+
+    def __init__(self, paths):
+        try:
+            import kvikio
+        except ImportError as e:
+            raise EngineUnavailableError(f"kvikio is not installed ({e}); pip install "
+                                         "kvikio-cu12 (or cu13), or use KVBLOCK_GPU_PATH=host")
+        self.kvikio = kvikio
+        self.files = [kvikio.CuFile(p, "r") for p in paths]
+
+    @property
+    def mode(self) -> str:
+        try:
+            compat = self.kvikio.defaults.is_compat_mode_preferred()
+        except AttributeError:  # older kvikio
+            compat = bool(self.kvikio.defaults.compat_mode())
+        return "posix-compat" if compat else "gds"
+
+    def read(self, dev: int, offset: int, dst, nbytes: int):
+        """Start reading ``nbytes`` at ``offset`` of device ``dev`` into the CUDA
+        buffer ``dst`` (anything with __cuda_array_interface__); returns a future."""
+        return self.files[dev].pread(dst, nbytes, offset)
+
+    def close(self):
+        for f in self.files:
+            f.close()
+
+
+def gpu_path(store, sample_bytes: int = 64 << 20) -> str:
+    """"kvikio" or "host" for loads into CUDA memory from this store (cached)."""
+    chosen = getattr(store, "_gpu_path", None)
+    if chosen:
+        return chosen
+    forced = os.environ.get("KVBLOCK_GPU_PATH", "").strip().lower()
+    if forced:
+        if forced not in GPU_PATHS:
+            raise ConfigError(f"KVBLOCK_GPU_PATH must be one of {GPU_PATHS}, got {forced!r}")
+        store._gpu_path, store._gpu_path_reason = forced, "KVBLOCK_GPU_PATH"
+        return forced
+    if store.verify == "always":
+        # Checksums are computed on the host: reading into host memory first is
+        # the only way to verify before the bytes reach the model.
+        store._gpu_path, store._gpu_path_reason = "host", "verify=always checks on the host"
+        return "host"
+    try:
+        reader = store._kvikio_reader()
+    except Exception as e:  # no kvikio / no driver: host path
+        store._gpu_path, store._gpu_path_reason = "host", f"kvikio unavailable: {e}"
+        return "host"
+    kv_s, host_s = _time_paths(store, reader, sample_bytes)
+    store._gpu_path = "kvikio" if kv_s <= host_s else "host"
+    store._gpu_path_reason = (f"measured: kvikio ({reader.mode}) {sample_bytes / kv_s / 2**30:.2f}"
+                              f" GiB/s, io_uring+copy {sample_bytes / host_s / 2**30:.2f} GiB/s")
+    return store._gpu_path
+
+
+def _time_paths(store, reader, nbytes):
+    import torch
+
+    from kvblock.io import IOBatch
+    from kvblock.memory import HostBuffer
+
+    dev, off = store.regions.address(0)
+    nbytes = min(nbytes, store.regions.size) // 4096 * 4096
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    reader.read(dev, off, dst, nbytes).get()          # warm-up
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    reader.read(dev, off, dst, nbytes).get()
+    torch.cuda.synchronize()
+    kv_s = time.perf_counter() - t
+    with HostBuffer(nbytes) as host:
+        pinned = torch.from_numpy(host.array)
+        t = time.perf_counter()
+        store.io.read(IOBatch.contiguous(host.address, dev, off, nbytes, 8 << 20))
+        dst.copy_(pinned)
+        torch.cuda.synchronize()
+        host_s = time.perf_counter() - t
+    return kv_s, host_s

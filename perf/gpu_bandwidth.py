@@ -1,0 +1,83 @@
+#!/usr/bin/env python3
+"""kvblock layer-wise load into GPU memory vs kvikio's raw pread of the same bytes.
+
+    python perf/gpu_bandwidth.py [--path /dev/shm/kvblock-gpu.img] [--tokens 8192]
+
+Prints GiB/s for: kvikio pread of the whole store data area into HBM (the
+reference), kvblock load_blocks into a CUDA vLLM-layout cache through each GPU
+path, and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from kvblock import Geometry, KVStore, create_file
+from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--path", default="/dev/shm/kvblock-gpu.img")
+    ap.add_argument("--tokens", type=int, default=8192)
+    args = ap.parse_args()
+    g = Geometry(32, 8, 128, "bfloat16", 16)
+    blocks = args.tokens // 16
+    size = blocks * g.block_bytes * 2 + (512 << 20)
+    if os.path.exists(args.path):
+        os.unlink(args.path)
+    create_file(args.path, size)
+    src = [torch.randn(2, blocks, 16, 8, 128).to(torch.bfloat16) for _ in range(g.num_layers)]
+    keys = [f"b{i}".encode() for i in range(blocks)]
+    results = {}
+    try:
+        with KVStore.format([args.path], g, verify="never", force=True) as store:
+            save_blocks(store, keys, VLLMLayout(src), list(range(blocks)))
+            nbytes = blocks * g.block_bytes
+            dst = [torch.zeros(2, blocks, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(g.num_layers)]
+            reader = store._kvikio_reader()
+            raw = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            dev, off = store.regions.address(0)
+            reader.read(dev, off, raw, min(nbytes, store.regions.size)).get()
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            done = 0
+            for region in range(store.regions.count):
+                if done >= nbytes:
+                    break
+                dev, off = store.regions.address(region)
+                n = min(store.regions.size, nbytes - done)
+                reader.read(dev, off, raw[done:done + n], n).get()
+                done += n
+            torch.cuda.synchronize()
+            results["kvikio_raw_gib_s"] = round(nbytes / (time.perf_counter() - t) / 2**30, 2)
+            results["kvikio_mode"] = reader.mode
+            for path in ("kvikio", "host"):
+                os.environ["KVBLOCK_GPU_PATH"] = path
+                store._gpu_path = None
+                t = time.perf_counter()
+                h = load_blocks(store, keys, VLLMLayout(dst), list(range(blocks)))
+                h.wait()
+                torch.cuda.synchronize()
+                s = time.perf_counter() - t
+                results[f"kvblock_{path}_gib_s"] = round(nbytes / s / 2**30, 2)
+                results[f"kvblock_{path}_first_layer_ms"] = round(h.layer_ready_at[0] * 1e3, 2)
+                results[f"ratio_{path}_vs_kvikio_raw"] = round(
+                    results[f"kvblock_{path}_gib_s"] / results["kvikio_raw_gib_s"], 3)
+            ok = all(torch.equal(dst[0][:, :blocks].cpu().view(torch.int16),
+                                 src[0].view(torch.int16)) for _ in [0])
+            results["bytes_identical"] = ok
+            results["kv_bytes"] = nbytes
+    finally:
+        os.unlink(args.path)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
