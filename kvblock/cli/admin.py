@@ -291,3 +291,58 @@ def trim(devices, as_json):
         done, regions = store.trim_free()
     _emit({"regions_trimmed": done, "free_regions": regions,
            "supported": done > 0 or regions == 0}, as_json, "kvblock trim")
+
+
+@cli.command()
+@click.option("--model-layers", "layers", type=click.IntRange(1), required=True)
+@click.option("--kv-heads", type=click.IntRange(1), required=True)
+@click.option("--head-dim", type=click.IntRange(1), required=True)
+@click.option("--dtype", default="bfloat16", show_default=True)
+@click.option("--kv-parts", type=click.IntRange(1, 2), default=2, show_default=True,
+              help="2 for K and V, 1 for MLA.")
+@click.option("--tokens", type=click.IntRange(1), required=True, help="Context per request.")
+@click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
+              help="Requests restoring at the same time.")
+@click.option("--sessions", type=click.IntRange(1), default=None,
+              help="Contexts kept in the store (default: --concurrency).")
+@click.option("--devices", type=click.IntRange(1), default=1, show_default=True)
+@click.option("--device-gbps", type=click.FloatRange(min=0, min_open=True), required=True,
+              help="Read bandwidth of one device, GB/s.")
+@click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
+              help="Tensor-parallel degree.")
+@click.option("--prefill-tokens-per-s", type=click.FloatRange(min=0, min_open=True),
+              default=None, help="Measured prefill throughput (for the recompute time).")
+@click.option("--model-params", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Active parameters (e.g. 35e9), to estimate recompute from FLOPs.")
+@click.option("--gpu-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Peak dense TFLOP/s of one GPU (with --model-params).")
+@click.option("--mfu", type=click.FloatRange(0.01, 1.0), default=0.4, show_default=True)
+@click.option("--json", "as_json", is_flag=True)
+def plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, sessions, devices,
+         device_gbps, tp, prefill_tokens_per_s, model_params, gpu_tflops, mfu, as_json):
+    """KV bytes per token, store capacity, restore time per request and the
+    break-even against recompute, for a deployment larger than this machine."""
+    from kvblock.plan import plan as make_plan
+
+    p = make_plan(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                  kv_parts=kv_parts, tokens=tokens, concurrency=concurrency, devices=devices,
+                  device_gbps=device_gbps, tp=tp, sessions=sessions,
+                  prefill_tokens_per_s=prefill_tokens_per_s, model_params=model_params,
+                  gpu_tflops=gpu_tflops, mfu=mfu)
+    out = p.as_dict()
+    if not as_json:
+        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        out = {"KV per token": f"{p.kv_bytes_per_token} bytes",
+               "KV per request": gib(p.kv_bytes_per_request),
+               "KV per TP rank": gib(p.kv_bytes_per_rank),
+               "store capacity": gib(p.store_capacity_bytes),
+               "per device": gib(p.store_capacity_per_device_bytes),
+               "array bandwidth": f"{p.array_gbps:.1f} GB/s",
+               "restore, one request": f"{p.restore_s_single:.3f} s",
+               f"restore, {concurrency} at once": f"{p.restore_s_concurrent:.3f} s each",
+               "recompute": f"{p.recompute_s:.2f} s" if p.recompute_s else
+               "(give --prefill-tokens-per-s or --model-params and --gpu-tflops)",
+               "speed-up": f"{p.speedup_single:.1f}x" if p.speedup_single else "-",
+               "break-even array bandwidth": f"{p.break_even_array_gbps:.2f} GB/s"
+               if p.break_even_array_gbps else "-"}
+    _emit(out, as_json, "kvblock plan")

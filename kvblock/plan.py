@@ -1,0 +1,72 @@
+"""Deployment arithmetic (``kvblock plan``): KV bytes, store capacity, restore
+time and the break-even against recomputing the prefix.
+
+Units: bytes; device bandwidth in GB/s (10^9 bytes/s, as drives are rated);
+prefill throughput in tokens/s.  Recompute time is either given as measured
+prefill throughput, or estimated as 2 x params x tokens FLOPs at a model FLOP
+utilisation of the GPUs' peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvblock.errors import ConfigError
+from kvblock.layout.geometry import DTYPES
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Plan:
+    kv_bytes_per_token: int
+    kv_bytes_per_request: int
+    kv_bytes_per_rank: int
+    store_capacity_bytes: int
+    store_capacity_per_device_bytes: int
+    array_gbps: float
+    restore_s_single: float            # one request alone on the array
+    restore_s_concurrent: float        # every concurrent request restoring at once
+    recompute_s: float | None
+    speedup_single: float | None
+    break_even_array_gbps: float | None  # array bandwidth at which restore == recompute
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
+         kv_parts: int = 2, tokens: int, concurrency: int = 1, devices: int = 1,
+         device_gbps: float, tp: int = 1, sessions: int | None = None,
+         prefill_tokens_per_s: float | None = None, model_params: float | None = None,
+         gpu_tflops: float | None = None, gpus: int | None = None, mfu: float = 0.4) -> Plan:
+    """``sessions``: contexts kept in the store (default: ``concurrency``)."""
+    for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                        ("tokens", tokens), ("concurrency", concurrency), ("devices", devices),
+                        ("tp", tp)):
+        if value < 1:
+            raise ConfigError(f"plan: {name} must be >= 1, got {value}")
+    if device_gbps <= 0:
+        raise ConfigError(f"plan: device_gbps must be > 0, got {device_gbps}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"plan: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    per_token = kv_parts * layers * kv_heads * head_dim * DTYPES[dtype][1]
+    per_request = per_token * tokens
+    capacity = per_request * (sessions or concurrency)
+    array_gbps = devices * device_gbps
+    restore_single = per_request / (array_gbps * GB)
+    restore_concurrent = restore_single * concurrency
+    recompute = None
+    if prefill_tokens_per_s:
+        recompute = tokens / prefill_tokens_per_s
+    elif model_params and gpu_tflops:
+        flops = 2.0 * model_params * tokens
+        recompute = flops / ((gpus or tp) * gpu_tflops * 1e12 * mfu)
+    return Plan(
+        kv_bytes_per_token=per_token, kv_bytes_per_request=per_request,
+        kv_bytes_per_rank=per_request // tp, store_capacity_bytes=capacity,
+        store_capacity_per_device_bytes=-(-capacity // devices), array_gbps=array_gbps,
+        restore_s_single=restore_single, restore_s_concurrent=restore_concurrent,
+        recompute_s=recompute,
+        speedup_single=(recompute / restore_single) if recompute else None,
+        break_even_array_gbps=(per_request / recompute / GB) if recompute else None)

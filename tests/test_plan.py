@@ -1,0 +1,66 @@
+"""kvblock plan's arithmetic against hand-computed cases."""
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from kvblock.cli.main import cli
+from kvblock.errors import ConfigError
+from kvblock.plan import plan
+
+
+def test_large_model_tp8_on_an_eight_drive_array():
+    # 62 layers x 8 kv heads x 128 x bf16, K and V: 2*62*8*128*2 = 253,952 B/token
+    p = plan(layers=62, kv_heads=8, head_dim=128, dtype="bfloat16", tokens=32768,
+             concurrency=16, devices=8, device_gbps=6.0, tp=8, sessions=1000)
+    assert p.kv_bytes_per_token == 253_952
+    assert p.kv_bytes_per_request == 253_952 * 32768 == 8_321_499_136
+    assert p.kv_bytes_per_rank == 8_321_499_136 // 8
+    assert p.store_capacity_bytes == 8_321_499_136_000
+    assert p.store_capacity_per_device_bytes == 1_040_187_392_000
+    assert p.array_gbps == 48.0
+    assert p.restore_s_single == pytest.approx(8.321499136 / 48.0)      # 0.1734 s
+    assert p.restore_s_concurrent == pytest.approx(16 * 8.321499136 / 48.0)
+    assert p.recompute_s is None and p.break_even_array_gbps is None
+
+
+def test_recompute_from_measured_prefill_and_from_flops():
+    p = plan(layers=32, kv_heads=8, head_dim=128, tokens=10_000, device_gbps=2.0,
+             prefill_tokens_per_s=5_000)
+    # 2*32*8*128*2 = 131,072 B/token -> 1,310,720,000 B; restore 0.65536 s; recompute 2 s
+    assert p.kv_bytes_per_request == 1_310_720_000
+    assert p.restore_s_single == pytest.approx(0.65536)
+    assert p.recompute_s == pytest.approx(2.0)
+    assert p.speedup_single == pytest.approx(2.0 / 0.65536)
+    assert p.break_even_array_gbps == pytest.approx(0.65536)   # 1.31072 GB / 2 s
+    q = plan(layers=32, kv_heads=8, head_dim=128, tokens=10_000, device_gbps=2.0,
+             model_params=8e9, gpu_tflops=1000, gpus=1, mfu=0.5)
+    # 2 * 8e9 * 1e4 = 1.6e14 FLOP at 5e14 FLOP/s = 0.32 s
+    assert q.recompute_s == pytest.approx(0.32)
+
+
+def test_mla_and_fp8():
+    p = plan(layers=61, kv_heads=1, head_dim=576, dtype="float8_e4m3fn", kv_parts=1,
+             tokens=1000, device_gbps=1.0)
+    assert p.kv_bytes_per_token == 61 * 576
+
+
+def test_bad_input():
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        plan(layers=1, kv_heads=1, head_dim=1, dtype="fp7", tokens=1, device_gbps=1)
+    with pytest.raises(ConfigError, match="tokens must be >= 1"):
+        plan(layers=1, kv_heads=1, head_dim=1, tokens=0, device_gbps=1)
+
+
+def test_cli_plan_json_and_table():
+    args = ["plan", "--model-layers", "62", "--kv-heads", "8", "--head-dim", "128",
+            "--tokens", "32768", "--concurrency", "16", "--devices", "8", "--device-gbps", "6",
+            "--tp", "8", "--prefill-tokens-per-s", "2000"]
+    res = CliRunner().invoke(cli, args + ["--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["kv_bytes_per_token"] == 253_952
+    assert out["recompute_s"] == pytest.approx(16.384)
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0 and "break-even array bandwidth" in res.output
