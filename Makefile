@@ -49,8 +49,12 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvblock demo
 
+# The benchmark suite (needs root for loop devices and fio); writes
+# .benchmarks/latest.json, then docs/BENCH.md and PNG plots under docs/bench/.
 bench: $(STAMP)
-	$(PY) -m pytest perf/ --benchmark-only $(PYTEST_ARGS)
+	mkdir -p .benchmarks
+	$(PY) -m pytest perf/ --benchmark-only --benchmark-json=.benchmarks/latest.json $(PYTEST_ARGS)
+	$(VENV)/bin/kvblock report .benchmarks/latest.json --out docs/bench --markdown docs/BENCH.md
 
 clean:
 	rm -rf build .pytest_cache .hypothesis .benchmarks

@@ -3,7 +3,7 @@
     .venv/bin/python -m pytest perf/ --benchmark-only        # or: make bench
 
 Each benchmark round reads a fixed amount (IO_BYTES) through kvblock's engine
-in one batch, at QD 32; before every round (pedantic ``setup``) fio moves the
+in one batch, at the case's queue depth; before every round (pedantic ``setup``) fio moves the
 same amount with the same pattern on the same device, so the two alternate.
 ``extra_info`` records fio's median GiB/s, kvblock's (from the benchmark's
 median time), their ratio and both p99 latencies.  Timings on a shared machine
@@ -26,7 +26,7 @@ import fio_support as fs  # noqa: E402
 MIB = 1 << 20
 DEVICE_BYTES = 512 * MIB  # the /dev/shm backing file (fits a small VM)
 IO_BYTES = 2 << 30        # moved per round: several passes over the device
-QD = 32
+
 ROUNDS = 5
 
 pytestmark = pytest.mark.root
@@ -58,9 +58,13 @@ def _offsets(workload: str, bs: int) -> np.ndarray:
     return idx * np.uint64(bs)
 
 
-@pytest.mark.parametrize("workload,bs", [("read", 1 * MIB), ("randread", 64 << 10)],
-                         ids=["read-1M-qd32", "randread-64K-qd32"])
-def test_raw_read_vs_fio(benchmark, shm_loop, workload, bs):
+CASES = [("read", 64 << 10, 32), ("read", 256 << 10, 32), ("read", 1 * MIB, 32),
+         ("randread", 64 << 10, 1), ("randread", 64 << 10, 8), ("randread", 64 << 10, 32)]
+
+
+@pytest.mark.parametrize("workload,bs,qd", CASES,
+                         ids=[f"{w}-{b >> 10}K-qd{q}" for w, b, q in CASES])
+def test_raw_read_vs_fio(benchmark, shm_loop, workload, bs, qd):
     from kvblock.devices import Device
     from kvblock.io import IOBatch, open_engine
     from kvblock.memory import HostBuffer
@@ -70,26 +74,37 @@ def test_raw_read_vs_fio(benchmark, shm_loop, workload, bs):
     last: dict = {}
 
     def run_fio_first():
-        fio_runs.append(fs.run_fio(shm_loop, workload, bs, QD, size=DEVICE_BYTES,
+        fio_runs.append(fs.run_fio(shm_loop, workload, bs, qd, size=DEVICE_BYTES,
                                    io_size=IO_BYTES))
 
     with Device(shm_loop, writable=False, exclusive=False) as dev, \
-            HostBuffer(bs * QD) as buf, open_engine([dev], queue_depth=QD) as eng:
+            HostBuffer(bs * qd) as buf, open_engine([dev], queue_depth=qd) as eng:
         offsets = _offsets(workload, bs)
-        addrs = (np.arange(offsets.size, dtype=np.uint64) % np.uint64(QD)) * np.uint64(bs) \
+        addrs = (np.arange(offsets.size, dtype=np.uint64) % np.uint64(qd)) * np.uint64(bs) \
             + np.uint64(buf.address)
         batch = IOBatch(addrs, 0, offsets, bs)
 
         def kvblock_read():
-            last["latency_ns"] = eng.read(batch, qd=QD, latency=True).latency_ns
+            last["latency_ns"] = eng.read(batch, qd=qd, latency=True).latency_ns
 
         benchmark.pedantic(kvblock_read, setup=run_fio_first, rounds=ROUNDS, iterations=1,
                            warmup_rounds=1)
 
     fio_gib_s = statistics.median(r["gib_s"] for r in fio_runs)
     kvblock_gib_s = IO_BYTES / benchmark.stats.stats.median / 2**30
+    if workload == "read":
+        figure, x = "Sequential read vs I/O size (QD 32, loop over /dev/shm)", bs // 1024
+        xlabel = "I/O size (KiB)"
+    else:
+        figure, x, xlabel = "64 KiB random read vs queue depth (loop over /dev/shm)", qd, "QD"
+    benchmark.extra_info["points"] = [
+        {"figure": figure, "series": "kvblock", "x": x, "y": round(kvblock_gib_s, 4),
+         "xlabel": xlabel, "ylabel": "GiB/s"},
+        {"figure": figure, "series": "fio", "x": x, "y": round(fio_gib_s, 4),
+         "xlabel": xlabel, "ylabel": "GiB/s"}]
     benchmark.extra_info.update({
-        "workload": workload, "bs": bs, "qd": QD, "device": f"loop over /dev/shm, "
+        "reference": "fio ioengine=io_uring direct=1, same device, alternating rounds",
+        "workload": workload, "bs": bs, "qd": qd, "device": f"loop over /dev/shm, "
         f"{DEVICE_BYTES // MIB} MiB", "io_bytes": IO_BYTES, "engine": eng.name,
         "fio_gib_s": round(fio_gib_s, 4),
         "kvblock_gib_s": round(kvblock_gib_s, 4),

@@ -346,3 +346,19 @@ def plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, sessi
                "break-even array bandwidth": f"{p.break_even_array_gbps:.2f} GB/s"
                if p.break_even_array_gbps else "-"}
     _emit(out, as_json, "kvblock plan")
+
+
+@cli.command()
+@click.argument("bench_json")
+@click.option("--out", default="docs/bench", show_default=True, help="Folder for the PNG plots.")
+@click.option("--markdown", "md_path", default=None, help="Also write the markdown here.")
+def report(bench_json, out, md_path):
+    """Turn pytest-benchmark JSON (make bench) into a markdown table and PNG plots."""
+    from kvblock.report import report as make_report
+
+    md, pngs = make_report(bench_json, out)
+    if md_path:
+        with open(md_path, "w") as f:
+            f.write(md)
+    click.echo(md)
+    click.echo(f"{len(pngs)} plot(s) in {out}", err=True)

@@ -1,0 +1,110 @@
+"""``kvblock report BENCH.json``: pytest-benchmark JSON -> a markdown table and
+PNG plots.
+
+Every benchmark's ``extra_info`` may carry:
+- ``ratio`` and ``reference`` (what it was compared with, e.g. fio), shown in
+  the table;
+- ``points``: a list of ``{"figure", "series", "x", "y", "xlabel", "ylabel"}``;
+  points sharing a figure become one PNG with one line per series (kvblock vs
+  fio, restore vs recompute, one line per eviction policy...).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from kvblock.errors import ConfigError
+
+
+def load(path: str | Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file; write one with "
+                          "`pytest perf/ --benchmark-only --benchmark-json BENCH.json`") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict) or "benchmarks" not in data:
+        raise ConfigError(f"{path}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
+    return data
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def table(data: dict) -> str:
+    rows = ["| group | benchmark | median s | ratio | reference | details |",
+            "|---|---|---|---|---|---|"]
+    for b in data["benchmarks"]:
+        info = dict(b.get("extra_info") or {})
+        info.pop("points", None)
+        ratio = info.pop("ratio", "")
+        ref = info.pop("reference", "")
+        details = ", ".join(f"{k}={_fmt(v)}" for k, v in info.items()
+                            if not isinstance(v, (list, dict)))
+        rows.append(f"| {b.get('group') or ''} | {b['name']} | {b['stats']['median']:.4g} | "
+                    f"{_fmt(ratio)} | {ref} | {details} |")
+    machine = data.get("machine_info", {})
+    head = (f"Benchmarks from {data.get('datetime', '?')} on {machine.get('node', '?')} "
+            f"({machine.get('cpu', {}).get('brand_raw', machine.get('processor', '?'))}).\n\n")
+    return head + "\n".join(rows) + "\n"
+
+
+def figures(data: dict) -> dict:
+    figs: dict = defaultdict(lambda: {"series": defaultdict(list), "xlabel": "", "ylabel": ""})
+    for b in data["benchmarks"]:
+        for p in (b.get("extra_info") or {}).get("points", []):
+            f = figs[p["figure"]]
+            f["series"][p["series"]].append((p["x"], p["y"]))
+            f["xlabel"] = p.get("xlabel", f["xlabel"])
+            f["ylabel"] = p.get("ylabel", f["ylabel"])
+    return figs
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:80]
+
+
+def plot(figs: dict, outdir: Path, dpi: int = 80) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    outdir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, f in figs.items():
+        fig, ax = plt.subplots(figsize=(6, 3.6))
+        for series, pts in sorted(f["series"].items()):
+            pts = sorted(pts)
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=series)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(f["xlabel"])
+        ax.set_ylabel(f["ylabel"])
+        xs = [x for pts in f["series"].values() for x, _ in pts]
+        if xs and min(xs) > 0 and max(xs) / min(xs) >= 16:
+            ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = outdir / f"{slug(name)}.png"
+        fig.savefig(path, dpi=dpi)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def report(path: str, outdir: str | Path = "docs/bench") -> tuple[str, list[Path]]:
+    data = load(path)
+    outdir = Path(outdir)
+    pngs = plot(figures(data), outdir)
+    md = table(data)
+    if pngs:
+        md += "\n" + "\n".join(f"![{p.stem}]({p.as_posix()})" for p in pngs) + "\n"
+    return md, pngs

@@ -1,0 +1,5 @@
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # perf helpers (fio_support...)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.support, kvblock

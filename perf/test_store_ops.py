@@ -1,0 +1,135 @@
+"""pytest-benchmark: index and metadata paths, and cache behaviour on a real trace.
+
+Groups: "lookup" (longest-prefix lookups per second), "small-gets" (one-block
+get_run latency), "recovery" (reopen time vs indexed blocks), "trace-replay"
+(hit ratio vs capacity per eviction policy on ../shared/traces).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvblock import Geometry, KVStore, create_file  # noqa: E402
+
+SMALL = Geometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=16)
+TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+@pytest.fixture
+def shm_dir(tmp_path):
+    d = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else tmp_path
+    return d
+
+
+def _filled(path, blocks, run_blocks=64):
+    create_file(path, blocks * SMALL.block_bytes * 5 // 4 + (256 << 20))
+    store = KVStore.format([str(path)], SMALL, region_size=64 << 20, force=True)
+    data = np.zeros(run_blocks * SMALL.block_bytes, np.uint8)
+    for i in range(blocks // run_blocks):
+        store.put_run([(i * run_blocks + j).to_bytes(16, "little") for j in range(run_blocks)],
+                      data)
+    return store
+
+
+def test_lookup_prefix(benchmark, shm_dir):
+    benchmark.group = "lookup"
+    path = shm_dir / f"kvb-bench-lookup-{os.getpid()}.img"
+    try:
+        store = _filled(path, 100_000)
+        rng = np.random.default_rng(0)
+        starts = rng.integers(0, 100_000 - 512, 64)
+        requests = [[int(s + j).to_bytes(16, "little") for j in range(512)] for s in starts]
+        i = [0]
+
+        def lookup():
+            store.lookup(requests[i[0] % len(requests)])
+            i[0] += 1
+
+        benchmark(lookup)
+        benchmark.extra_info.update({"keys_per_lookup": 512, "indexed_blocks": 100_000,
+                                     "keys_per_s": round(512 / benchmark.stats.stats.mean)})
+        store.close()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_small_random_gets(benchmark, shm_dir):
+    benchmark.group = "small-gets"
+    path = shm_dir / f"kvb-bench-gets-{os.getpid()}.img"
+    try:
+        store = _filled(path, 50_000)
+        rng = np.random.default_rng(1)
+        out = np.zeros(SMALL.block_bytes, np.uint8)
+        keys = [int(k).to_bytes(16, "little") for k in rng.integers(0, 49_984, 4096)]
+        i = [0]
+
+        def get():
+            assert store.get_run([keys[i[0] % len(keys)]], out) == 1
+            i[0] += 1
+
+        benchmark(get)
+        benchmark.extra_info.update({"block_bytes": SMALL.block_bytes, "verify": store.verify,
+                                     "gets_per_s": round(1 / benchmark.stats.stats.mean)})
+        store.close()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("blocks", [100_000, 300_000, 1_000_000])
+def test_recovery_vs_indexed_blocks(benchmark, shm_dir, blocks):
+    """Reopen after SIGKILL (perf/recovery.py does the fill and the kill)."""
+    benchmark.group = "recovery"
+    path = shm_dir / f"kvb-bench-recovery-{os.getpid()}.img"
+    out = {}
+
+    def reopen():
+        res = subprocess.run([sys.executable, str(ROOT / "perf" / "recovery.py"), "--blocks",
+                              str(blocks), "--path", str(path)], capture_output=True, text=True,
+                             check=True)
+        import json
+
+        out.update(json.loads(res.stdout))
+
+    benchmark.pedantic(reopen, rounds=1, iterations=1)
+    benchmark.extra_info.update({
+        "blocks": blocks, "reopen_seconds": out["reopen_seconds"],
+        "index_bytes_per_block": out["index_bytes_per_block"],
+        "points": [{"figure": "Reopen after SIGKILL vs indexed blocks", "series": "kvblock",
+                    "x": blocks, "y": out["reopen_seconds"], "xlabel": "indexed blocks",
+                    "ylabel": "seconds"}]})
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"trace not found at {TRACE}")
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+@pytest.mark.parametrize("capacity_mib", [32, 64, 128])
+def test_trace_replay(benchmark, shm_dir, policy, capacity_mib):
+    import replay_trace as rt
+
+    benchmark.group = "trace-replay"
+    requests = rt.load(str(TRACE), 3000)
+    result = {}
+
+    def replay():
+        result.update(rt.replay(requests, capacity_mib << 20, policy, 1, str(shm_dir)))
+
+    benchmark.pedantic(replay, rounds=1, iterations=1)
+    ideal = rt.ideal(requests)
+    benchmark.extra_info.update({
+        **result, "ideal_hit_ratio": round(ideal, 4), "requests": len(requests),
+        "reference": "ideal (infinite capacity) hit ratio",
+        "ratio": round(result["hit_ratio"] / ideal, 4),
+        "points": [{"figure": "Trace replay: hit ratio vs capacity (first 3000 requests)",
+                    "series": policy, "x": capacity_mib, "y": result["hit_ratio"],
+                    "xlabel": "store capacity (MiB)", "ylabel": "block hit ratio"},
+                   {"figure": "Trace replay: hit ratio vs capacity (first 3000 requests)",
+                    "series": "ideal", "x": capacity_mib, "y": round(ideal, 4)}]})

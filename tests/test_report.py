@@ -1,0 +1,43 @@
+"""kvblock report: a pytest-benchmark JSON becomes a markdown table and PNGs."""
+
+import json
+
+from click.testing import CliRunner
+
+from kvblock.cli.main import cli
+
+BENCH = {
+    "datetime": "2026-11-30T00:00:00", "machine_info": {"node": "ci", "cpu": {"brand_raw": "x"}},
+    "benchmarks": [
+        {"group": "raw-io", "name": "test_raw[read-1M]", "stats": {"median": 0.5},
+         "extra_info": {"ratio": 1.2, "reference": "fio", "bs": 1048576, "points": [
+             {"figure": "Seq read vs I/O size", "series": "kvblock", "x": 1024, "y": 2.0,
+              "xlabel": "KiB", "ylabel": "GiB/s"},
+             {"figure": "Seq read vs I/O size", "series": "fio", "x": 1024, "y": 1.7}]}},
+        {"group": "raw-io", "name": "test_raw[read-64K]", "stats": {"median": 0.7},
+         "extra_info": {"ratio": 1.1, "reference": "fio", "points": [
+             {"figure": "Seq read vs I/O size", "series": "kvblock", "x": 64, "y": 1.5},
+             {"figure": "Seq read vs I/O size", "series": "fio", "x": 64, "y": 1.3}]}},
+    ]}
+
+
+def test_report_table_and_plots(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(BENCH))
+    out = tmp_path / "plots"
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(out), "--markdown",
+                                   str(tmp_path / "r.md")])
+    assert res.exit_code == 0, res.output
+    assert "| raw-io | test_raw[read-1M] | 0.5 | 1.2 | fio | bs=1048576 |" in res.output
+    png = out / "seq-read-vs-i-o-size.png"
+    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"![seq-read-vs-i-o-size]({png.as_posix()})" in (tmp_path / "r.md").read_text()
+
+
+def test_report_bad_input(tmp_path):
+    res = CliRunner().invoke(cli, ["report", str(tmp_path / "missing.json")])
+    assert res.exit_code == 8 and "no such file" in res.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    res = CliRunner().invoke(cli, ["report", str(bad)])
+    assert res.exit_code == 8 and "not a pytest-benchmark JSON" in res.output
