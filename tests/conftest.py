@@ -7,7 +7,6 @@ reason otherwise) and a plain pre-sized file, so every I/O test runs on both.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 
@@ -52,8 +51,7 @@ def target(request, tmp_path):
 @pytest.fixture(scope="session", autouse=True)
 def no_leaked_loop_devices():
     yield
-    if os.geteuid() == 0:
-        leaked = loopdev.attached_to(loopdev.backing_dir())
-        for dev in leaked:
-            loopdev.detach(dev)
-        assert not leaked, f"tests left loop devices attached: {leaked}"
+    leaked = loopdev.still_attached()
+    for dev in leaked:
+        loopdev.detach(dev)
+    assert not leaked, f"tests left loop devices attached: {leaked}"

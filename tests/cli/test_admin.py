@@ -38,6 +38,30 @@ def one_line_error(res, code, *fragments):
         assert f in lines[-1], (f, lines[-1])
 
 
+def _default_sigint():
+    """Ctrl-C reaches the child even when this test run itself ignores SIGINT
+    (a job started in the background by a non-interactive shell, as CI may be):
+    Python only installs its KeyboardInterrupt handler if SIGINT is not ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _wait_until_open(pid, path, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except FileNotFoundError:
+            return
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == str(path):
+                    return
+            except OSError:
+                pass
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} never opened {path}")
+
+
 def head(path, n=1 << 20):
     with open(path, "rb") as f:
         return f.read(n)
@@ -220,7 +244,7 @@ def test_stats_prometheus_and_ctrl_c(file_target):
     port = 19000 + os.getpid() % 1000
     proc = subprocess.Popen([sys.executable, "-m", "kvblock", "stats", path,
                              "--prometheus", str(port)], cwd=ROOT, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=_default_sigint)
     try:
         body = ""
         for _ in range(100):
@@ -242,8 +266,10 @@ def test_ctrl_c_during_bench(file_target):
     path = file_target(64 << 20)
     proc = subprocess.Popen([sys.executable, "-m", "kvblock", "bench", path,
                              "--workload", "randread", "--seconds", "30", "--json"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.5)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_default_sigint)
+    _wait_until_open(proc.pid, path)   # the bench is running I/O on the target
+    time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 130

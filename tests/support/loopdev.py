@@ -42,21 +42,33 @@ def backing_file(size: int, directory: Path | None = None, prefix="kvblock-test-
             os.unlink(name)
 
 
+_ATTACHED: set[str] = set()  # loop devices this process attached and has not detached
+
+
 def attach(path: Path | str) -> str:
     out = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(path)],
                          check=True, capture_output=True, text=True)
-    return out.stdout.strip()
+    dev = out.stdout.strip()
+    _ATTACHED.add(dev)
+    return dev
 
 
 def detach(dev: str) -> None:
     # Retry briefly: udev may still hold the device right after a test used it.
     for _ in range(20):
         if subprocess.run(["losetup", "-d", dev], capture_output=True).returncode == 0:
+            _ATTACHED.discard(dev)
             return
         import time
 
         time.sleep(0.05)
     subprocess.run(["losetup", "-d", dev], check=True, capture_output=True)
+    _ATTACHED.discard(dev)
+
+
+def still_attached() -> list[str]:
+    """Loop devices this process attached and never detached (the leak check)."""
+    return sorted(_ATTACHED)
 
 
 @contextlib.contextmanager
@@ -68,14 +80,3 @@ def loop_device(size: int, directory: Path | None = None) -> Iterator[str]:
             yield dev
         finally:
             detach(dev)
-
-
-def attached_to(directory: Path, prefix="kvblock-test-") -> list[str]:
-    """Loop devices whose backing file is one of ours (for the leak check)."""
-    out = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
-    found = []
-    for line in out.splitlines():
-        dev, _, rest = line.partition(":")
-        if f"{directory}/{prefix}" in rest:
-            found.append(dev)
-    return found
