@@ -362,3 +362,48 @@ def report(bench_json, out, md_path):
             f.write(md)
     click.echo(md)
     click.echo(f"{len(pngs)} plot(s) in {out}", err=True)
+
+
+@cli.command()
+@click.argument("devices", nargs=-1, required=True)
+@click.option("--socket", "socket_path", required=True,
+              help="Unix socket the rank processes connect to.")
+@click.option("--model", default=None, help="Check the store serves this model.")
+@click.option("--eviction", type=click.Choice(["lru", "fifo"]), default="lru", show_default=True)
+@click.option("--admit-after", type=click.IntRange(1), default=1, show_default=True,
+              help="Write a run to flash only at its N-th offer.")
+@click.option("--engine", type=click.Choice(["uring", "threads"]), default=None,
+              help="I/O engine (default: KVBLOCK_IO_ENGINE, else the best available).")
+@click.option("--verify", type=click.Choice(["always", "never"]), default="always",
+              show_default=True, help="Clients' default for checking data checksums.")
+@click.option("--idle-exit", type=click.FloatRange(0), default=None,
+              help="Stop (cleanly) after this many seconds without a client.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON line once listening.")
+def serve(devices, socket_path, model, eviction, admit_after, engine, verify, idle_exit,
+          as_json):
+    """Own a store's metadata and serve it to rank processes on a Unix socket.
+
+    Opens DEVICES exclusively, recovers the store and answers RemoteStore
+    clients (kvblock.store.client) on --socket: index, allocation, journal,
+    checkpoints and eviction live here, each client reads and writes the data
+    on the devices itself.  A client's pins are released when it disconnects.
+    SIGTERM or Ctrl-C stop it cleanly (checkpoint); after a crash the next
+    open recovers the store.
+    """
+    import json as _json
+
+    from kvblock.store.server import open_server, run_forever
+
+    server = open_server(list(devices), socket_path, model=model, eviction=eviction,
+                         admit_after=admit_after, engine=engine, verify=verify,
+                         idle_exit=idle_exit)
+    s = server.store.stats()
+    ready = {"socket": socket_path, "pid": os.getpid(), "uuid": s["uuid"],
+             "devices": s["devices"], "runs": s["runs"], "blocks": s["blocks"]}
+    if as_json:
+        click.echo(_json.dumps(ready))
+    click.echo(f"kvblock serve: store {s['uuid']} ({', '.join(s['devices'])}; {s['runs']} "
+               f"runs) on {socket_path}, pid {os.getpid()}", err=True)
+    status = run_forever(server)
+    click.echo(f"kvblock serve: stopped ({'store failed' if status else 'clean'})", err=True)
+    sys.exit(status)

@@ -36,6 +36,7 @@ EXIT_CODES: list[tuple[type, int]] = [
     (errors.StoreFullError, 15),
     (errors.UnsafeTargetError, 16),
     (errors.ReadOnlyStoreError, 17),
+    (errors.StoreClosedError, 18),   # includes ServerGoneError (store server gone)
     (errors.KVBlockError, 1),
 ]
 EXIT_INTERRUPTED = 130

@@ -573,38 +573,14 @@ class KVStore:
     def _put_one(self, keys: list[bytes], blocks: np.ndarray) -> int:
         n = len(keys)
         lay = self.layout(n)
-        g = self.geometry
-        region, offset = self._allocate(lay.run_bytes)
+        region, offset, run_id, gen = self._begin_put(lay.run_bytes)
         try:
-            with self._lock:
-                run_id = self._next_run_id
-                self._next_run_id += 1
-            payload = lay.prefix_bytes(n)
-            if payload == lay.range_bytes and blocks.flags.c_contiguous and \
-                    blocks.ctypes.data % self.alignment == 0:
-                # The caller's array already is the on-device image: no copy.
-                ranges, address = blocks.reshape(g.ranges, payload), blocks.ctypes.data
-            else:
-                buf = self._staging(lay.run_bytes)
-                ranges = buf.array[:lay.run_bytes].reshape(g.ranges, lay.range_bytes)
-                ranges[:, :payload] = blocks.reshape(g.ranges, payload)
-                ranges[:, payload:] = 0
-                address = buf.address
-            sums = np.array([data_checksum(ranges[i], run_id) for i in range(g.ranges)],
-                            dtype=np.uint64)
+            address, sums = self._stage_run(lay, blocks, run_id)
             dev, dev_off = self.regions.address(region, offset)
             self.io.write(IOBatch.single(address, dev, dev_off, lay.run_bytes))
-            gen = int(self.regions.generation[region])
-            run = Run(run_id, region, gen, offset, b"".join(keys), sums, created=time.time())
-
-            def publish():
-                self._add_run(run)
-                self.regions.last_access[region] = time.time()
-
             host_blocks = blocks if self.host is not None else None
-
-            self._commit([jfmt.PutRun(run_id, region, gen, offset, run.keys,
-                                      tuple(int(s) for s in sums))], publish)
+            self._publish_put(Run(run_id, region, gen, offset, b"".join(keys), sums,
+                                  created=time.time()))
         finally:
             with self._lock:
                 self.regions.pins[region] -= 1
@@ -615,6 +591,50 @@ class KVStore:
         self.counters["put_blocks"] += n
         self.counters["bytes_written"] += lay.run_bytes
         return n
+
+    # The three steps of a put, also used apart by the store server
+    # (kvblock/store/server.py), whose clients write the data themselves.
+    def _begin_put(self, run_bytes: int) -> tuple[int, int, int, int]:
+        """(region, offset, run id, region generation) for a new run; the
+        region comes back pinned (a writer in flight: the caller unpins)."""
+        region, offset = self._allocate(run_bytes)
+        with self._lock:
+            run_id = self._next_run_id
+            self._next_run_id += 1
+            gen = int(self.regions.generation[region])
+        return region, offset, run_id, gen
+
+    def _stage_run(self, lay: RunLayout, blocks: np.ndarray, run_id: int):
+        """(host address of the run's on-device image, per-range checksums).
+        ``blocks`` is (layers, groups, n, group_block_bytes); copied into the
+        thread's staging buffer unless it already is the image."""
+        g = self.geometry
+        payload = lay.prefix_bytes(lay.nblocks)
+        if payload == lay.range_bytes and blocks.flags.c_contiguous and \
+                blocks.ctypes.data % self.alignment == 0:
+            # The caller's array already is the on-device image: no copy.
+            ranges, address = blocks.reshape(g.ranges, payload), blocks.ctypes.data
+        else:
+            buf = self._staging(lay.run_bytes)
+            ranges = buf.array[:lay.run_bytes].reshape(g.ranges, lay.range_bytes)
+            ranges[:, :payload] = blocks.reshape(g.ranges, payload)
+            ranges[:, payload:] = 0
+            address = buf.address
+        sums = np.array([data_checksum(ranges[i], run_id) for i in range(g.ranges)],
+                        dtype=np.uint64)
+        return address, sums
+
+    def _publish_put(self, run: Run) -> None:
+        """Journal the run's PUT record durably (after flushing the data), then
+        index it.  The run's region must still be pinned by its writer."""
+        region = run.region
+
+        def publish():
+            self._add_run(run)
+            self.regions.last_access[region] = time.time()
+
+        self._commit([jfmt.PutRun(run.run_id, region, run.generation, run.offset, run.keys,
+                                  tuple(int(s) for s in run.checksums))], publish)
 
     def _allocate(self, nbytes: int) -> tuple[int, int]:
         """Space for a run, reclaiming regions by policy when none is free.
@@ -632,7 +652,8 @@ class KVStore:
                         f"({self.regions.count} regions of {self.sb.region_size} bytes); "
                         "release pins or add capacity")
                 self._begin_reclaim(victim)
-            self._finish_reclaim(victim)
+            # The region is written again at once: no discard (see _finish_reclaim).
+            self._finish_reclaim(victim, discard=False)
 
     def _begin_reclaim(self, region: int) -> None:
         """(under self._lock) take the region's runs out of the index."""
@@ -646,11 +667,18 @@ class KVStore:
         self.counters["evicted_runs"] += len(dropped)
         self.counters["evicted_blocks"] += sum(r.nblocks for r in dropped)
 
-    def _finish_reclaim(self, region: int) -> None:
+    def _finish_reclaim(self, region: int, discard: bool = True) -> None:
+        """Commit the region's RECLAIM record, then free it.  ``discard``:
+        TRIM it too (evict/delete: the space may stay free a while).  A region
+        reclaimed by an allocation is rewritten at once, so it is not trimmed:
+        the overwrite replaces the old data anyway, and on thin-provisioned
+        targets (loop over tmpfs or a file) a TRIM punches a hole that the
+        next writes must allocate again, which halved steady-state save
+        throughput (perf/store_vs_fio.py).  `kvblock trim` discards free regions."""
         new_gen = (int(self.regions.generation[region]) + 1) & 0xFFFFFFFF
         self._commit([jfmt.Reclaim(region, new_gen)])
         dev, off = self.regions.address(region)
-        if self.io.discard(dev, off, self.regions.size):
+        if discard and self.io.discard(dev, off, self.regions.size):
             self.counters["discards"] += 1
         with self._lock:
             self.regions.release(region)

@@ -1,0 +1,537 @@
+"""RemoteStore: a store shared by several processes through one store server.
+
+Engines that run one process per tensor-parallel rank (SGLang, LMCache) need
+one store on one device for all of them.  One process, the store server
+(``kvblock serve DEV... --socket PATH`` or
+:func:`kvblock.store.server.serve_in_background`), owns the store's metadata:
+index, allocation, journal, checkpoints, eviction, and the exclusive claim on
+the devices.  Each rank opens a :class:`RemoteStore` on the server's Unix
+socket and does its own direct I/O on the devices (opened without the
+exclusive claim) at the offsets the server hands out, so bytes never travel
+through the socket.
+
+Protocol (version 1): every message is a 4-byte big-endian length followed by
+that many bytes of UTF-8 JSON.  A request is ``{"op": NAME, ...arguments}``;
+the answer is ``{"ok": true, "result": ...}`` or ``{"ok": false, "error":
+CLASS, "message": TEXT}`` (CLASS is a :mod:`kvblock.errors` name, re-raised as
+that class here).  Keys travel as one base64 string of 16-byte keys.  One
+request at a time per connection, answered in order.
+
+A put is three requests: ``admit`` (duplicate and admission checks),
+``allocate`` (the server reserves space and holds a writer pin on its region),
+then, after this process has written and flushed the run's bytes, ``commit``
+(the server journals the PUT record durably and publishes the run).  Reads
+ask ``segments`` (the server pins the runs and answers their locations and
+checksums), read and verify locally, then ``unpin``.  Pins belong to the
+connection: when it drops (this process exits or crashes), the server
+releases them.
+
+When the server is gone (killed, crashed, stopped), every call raises
+:class:`ServerGoneError`.  The store on the device stays exactly as crash-safe
+as a KVStore killed at the same moment: reopen it (restart the server, or
+``KVStore.open``) to recover.
+"""
+
+from __future__ import annotations
+
+import base64
+import errno
+import fcntl
+import json
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+from collections import Counter
+from typing import Sequence
+
+import numpy as np
+
+from kvblock import errors
+from kvblock.devices import Device
+from kvblock.errors import ConfigError, KVBlockError, StoreClosedError, StoreFullError
+from kvblock.index import normalize_keys
+from kvblock.io import IOBatch, open_engine
+from kvblock.layout.geometry import Geometry
+from kvblock.store.policy import VERIFY_MODES
+from kvblock.store.store import COUNTERS, KVStore, _try_superblock
+from kvblock.store.storeio import StoreIO
+
+PROTOCOL = 1
+MAX_FRAME = 256 << 20
+_LEN = struct.Struct(">I")
+
+
+# ---------------------------------------------------------------------- errors
+class ServerError(KVBlockError):
+    """A store server could not be started, or failed a request in a way that
+    is not one of kvblock's own errors."""
+
+
+class ServerGoneError(ServerError, StoreClosedError, ConnectionError):
+    """The store server is not there (never started, stopped, killed or
+    crashed) or the connection to it broke.  The pins of this connection are
+    gone with it; reconnect once a server runs again."""
+
+
+# ---------------------------------------------------------------------- framing
+def encode_msg(obj) -> bytes:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise ConfigError(f"store server message of {len(data)} bytes exceeds {MAX_FRAME}; "
+                          "use fewer keys per call")
+    return _LEN.pack(len(data)) + data
+
+
+def send_msg(sock: socket.socket, obj) -> None:
+    sock.sendall(encode_msg(obj))
+
+
+def recv_msg(sock: socket.socket):
+    """The next message, or None at a clean end of stream."""
+    head = _recv_exact(sock, _LEN.size, eof_ok=True)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise ConnectionError(f"frame of {n} bytes exceeds {MAX_FRAME} (not a kvblock peer?)")
+    return json.loads(_recv_exact(sock, n))
+
+
+def _recv_exact(sock, n, eof_ok=False):
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            if eof_ok and got == 0:
+                return None
+            raise ConnectionError("connection closed in the middle of a message")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def encode_keys(keys: Sequence[bytes]) -> str:
+    return base64.b64encode(b"".join(keys)).decode("ascii")
+
+
+def decode_keys(text: str) -> list[bytes]:
+    raw = base64.b64decode(text)
+    if len(raw) % 16:
+        raise ConfigError("keys must be 16 bytes each")
+    return [raw[i:i + 16] for i in range(0, len(raw), 16)]
+
+
+def error_reply(exc: BaseException) -> dict:
+    return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+
+
+def _raise_remote(name: str, message: str):
+    cls = getattr(errors, name, None)
+    if name == "ServerGoneError":
+        cls = ServerGoneError
+    if not (isinstance(cls, type) and issubclass(cls, KVBlockError)):
+        raise ServerError(f"store server: {name}: {message}")
+    try:
+        exc = cls(message)
+    except Exception:  # noqa: BLE001  (a class with another constructor)
+        raise ServerError(f"store server: {name}: {message}") from None
+    raise exc
+
+
+# ---------------------------------------------------------------------- client
+class RemoteRun:
+    """What a reader needs of a run: where it is and its checksums (the
+    server keeps the rest)."""
+
+    __slots__ = ("run_id", "region", "generation", "offset", "nblocks", "checksums")
+
+    def __init__(self, run_id, region, generation, offset, nblocks, checksums):
+        self.run_id, self.region, self.generation = run_id, region, generation
+        self.offset, self.nblocks = offset, nblocks
+        self.checksums = np.array(checksums, dtype=np.uint64)
+
+    def __repr__(self) -> str:
+        return (f"RemoteRun(id={self.run_id}, region={self.region}, offset={self.offset}, "
+                f"blocks={self.nblocks})")
+
+
+class PinnedSegments(list):
+    """``_segments``' answer: (run, position, count, first key index) tuples,
+    pinned on the server under ``pin`` until ``_unpin``."""
+
+    pin: int | None = None
+
+
+class RemoteRegions:
+    """Region addressing (the part of the region table a reader needs)."""
+
+    def __init__(self, size: int, device_count: int, data_offsets: list[int], count: int):
+        self.size, self.device_count, self.count = size, device_count, count
+        self.data_offsets = list(data_offsets)
+
+    def device_of(self, region: int) -> int:
+        return region % self.device_count
+
+    def address(self, region: int, offset: int = 0) -> tuple[int, int]:
+        dev = region % self.device_count
+        return dev, self.data_offsets[dev] + (region // self.device_count) * self.size + offset
+
+
+class RemoteStore:
+    """A store served by a store server, with KVStore's byte API (put_run,
+    get_run, read_range, lookup, contains, delete, evict, stats, close) and
+    the internals kvblock.tensors uses, so ``save_blocks(remote, ...)`` and
+    ``load_blocks(remote, ...)`` work unchanged.
+
+    Parameters
+    ----------
+    socket_path : the server's Unix socket.
+    verify : "always" / "never" for this process's reads (default: the server's).
+    engine, queue_depth : this process's I/O engine.
+    devices : device paths in store order, when this process sees them under
+        other names than the server (default: the server's paths).
+    timeout : seconds to wait for one answer (default: no limit).
+
+    Raises :class:`ServerGoneError` when no server answers on ``socket_path``.
+    """
+
+    def __init__(self, socket_path, *, verify: str | None = None, engine=None,
+                 queue_depth: int = 32, devices: Sequence | None = None,
+                 timeout: float | None = None):
+        self.socket_path = os.fspath(socket_path)
+        self.closed = True
+        self.io = None
+        self.host = None           # no DRAM tier in a rank: its memory belongs to the engine
+        self.readonly = False
+        self._lock = threading.RLock()      # local: kvblock.tensors holds it around _segments
+        self._rpc_lock = threading.Lock()   # one request in flight on the connection
+        self._local = threading.local()
+        self._gone: str | None = None
+        self.counters: Counter = Counter({name: 0 for name in COUNTERS})
+        self._sock = _connect(self.socket_path, timeout)
+        try:
+            hello = self._call("hello", protocol=PROTOCOL, pid=os.getpid())
+            self._setup(hello, verify, engine, queue_depth, devices)
+        except BaseException:
+            self._sock.close()
+            if self.io is not None:
+                self.io.close()
+                self.io = None
+            raise
+        self.closed = False
+
+    def _setup(self, hello, verify, engine, queue_depth, devices):
+        if hello.get("protocol") != PROTOCOL:
+            raise ServerError(f"store server at {self.socket_path} speaks protocol "
+                              f"{hello.get('protocol')}, this kvblock speaks {PROTOCOL}")
+        self.server_pid = int(hello["pid"])
+        self.uuid = hello["uuid"]
+        self.geometry = Geometry(**hello["geometry"])
+        self.alignment = int(hello["alignment"])
+        self.max_run_blocks = int(hello["max_run_blocks"])
+        self.verify = verify or hello["verify"]
+        if self.verify not in VERIFY_MODES:
+            raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
+        self.regions = RemoteRegions(int(hello["region_size"]), len(hello["devices"]),
+                                     hello["data_offsets"], int(hello["region_count"]))
+        paths = list(devices) if devices is not None else hello["devices"]
+        if len(paths) != len(hello["devices"]):
+            raise ConfigError(f"the store has {len(hello['devices'])} devices, got "
+                              f"{len(paths)} paths")
+        devs = []
+        try:
+            for p in paths:  # the server holds the exclusive claim
+                devs.append(Device(p, writable=True, exclusive=False))
+            self.io = StoreIO(devs, open_engine(devs, engine, queue_depth=queue_depth))
+        except BaseException:
+            for d in devs:
+                d.close()
+            raise
+        want = uuid.UUID(hello["uuid"]).bytes
+        for i, d in enumerate(devs):  # the same store, each device in its place
+            sb = _try_superblock(self.io, i, raise_errors=True)
+            if sb.store_uuid != want or sb.device_index != i:
+                raise errors.MissingDeviceError(
+                    f"{d.path} is not device #{i} of store {hello['uuid']} served at "
+                    f"{self.socket_path}; pass devices= in the server's order", d.path, 0)
+
+    # ------------------------------------------------------------------ transport
+    def _call(self, op: str, **args):
+        with self._rpc_lock:
+            if self._gone is not None:
+                raise ServerGoneError(self._gone)
+            data = encode_msg({"op": op, **args})   # a ConfigError here sends nothing
+            try:
+                self._sock.sendall(data)
+                reply = recv_msg(self._sock)
+                if reply is None:
+                    raise ConnectionError("the server closed the connection")
+            except BaseException as e:
+                # The request may be half sent or its answer unread: the stream
+                # cannot be trusted any more, so the connection is abandoned
+                # (and the server releases its pins).
+                lost = isinstance(e, (OSError, ValueError))
+                self._gone = (f"store server at {self.socket_path} is gone ({op}: {e}); "
+                              "restart it (kvblock serve) and reconnect" if lost else
+                              f"connection to the store server at {self.socket_path} was "
+                              f"abandoned in the middle of {op} ({type(e).__name__})")
+                try:
+                    self._sock.close()
+                except OSError:
+                    pass
+                if lost:
+                    raise ServerGoneError(self._gone) from None
+                raise
+        if not reply.get("ok"):
+            _raise_remote(reply.get("error", "ServerError"), reply.get("message", ""))
+        return reply.get("result")
+
+    def _check_open(self, writing: bool = False):
+        if self.closed:
+            raise StoreClosedError("remote store is closed; connect again")
+        if self._gone is not None:
+            raise ServerGoneError(self._gone)
+
+    @property
+    def server_alive(self) -> bool:
+        return self._gone is None and not self.closed
+
+    # ------------------------------------------------------------------ byte API
+    def put_run(self, keys: Sequence, data) -> int:
+        """Store a run of consecutive blocks (see KVStore.put_run): this
+        process writes the bytes, the server publishes them."""
+        self._check_open(writing=True)
+        keys = normalize_keys(keys)
+        n = len(keys)
+        g = self.geometry
+        arr = np.asarray(data)
+        if arr.nbytes != n * g.block_bytes:
+            raise ConfigError(f"put_run: {n} keys need {n * g.block_bytes} bytes of KV "
+                              f"({g.describe()}), got {arr.nbytes}")
+        if n == 0:
+            return 0
+        blocks = np.ascontiguousarray(arr).view(np.uint8).reshape(
+            g.num_layers, g.head_groups, n, g.group_block_bytes)
+        verdict = self._call("admit", keys=encode_keys(keys))
+        if verdict == "duplicate":
+            self.counters["put_duplicate_runs"] += 1
+            return n
+        if verdict == "rejected":
+            self.counters["admission_rejected_runs"] += 1
+            return 0
+        step = self.max_run_blocks
+        if step < 1:
+            raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
+                                 f"{self.regions.size}-byte region")
+        written = 0
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            written += self._put_one(keys[start:stop], blocks[:, :, start:stop])
+        return written
+
+    def _put_one(self, keys: list[bytes], blocks: np.ndarray) -> int:
+        n = len(keys)
+        lay = self.layout(n)
+        a = self._call("allocate", nblocks=n)   # the server pins the region for us
+        sent = False
+        try:
+            address, sums = self._stage_run(lay, blocks, a["run_id"])
+            dev, dev_off = self.regions.address(a["region"], a["offset"])
+            self.io.write(IOBatch.single(address, dev, dev_off, lay.run_bytes))
+            self.io.flush([dev])                 # data before the record that publishes it
+            sent = True                          # from here the server releases the pin
+            self._call("commit", wid=a["wid"], keys=encode_keys(keys),
+                       checksums=[int(s) for s in sums])
+        except BaseException:
+            if not sent:
+                try:
+                    self._call("abort", wid=a["wid"])
+                except KVBlockError:
+                    pass  # a dead connection releases the pin anyway
+            raise
+        self.counters["put_runs"] += 1
+        self.counters["put_blocks"] += n
+        self.counters["bytes_written"] += lay.run_bytes
+        return n
+
+    def lookup(self, keys: Sequence) -> int:
+        """Number of leading ``keys`` stored."""
+        self._check_open()
+        keys = normalize_keys(keys)
+        n = int(self._call("lookup", keys=encode_keys(keys)))
+        self.counters["lookups"] += 1
+        self.counters["lookup_hit_blocks"] += n
+        return n
+
+    def contains(self, key) -> bool:
+        return self.lookup([key]) == 1
+
+    def delete(self, keys: Sequence) -> int:
+        """Remove the runs holding any of ``keys``; returns the blocks removed."""
+        self._check_open(writing=True)
+        return int(self._call("delete", keys=encode_keys(normalize_keys(keys))))
+
+    def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
+        """Reclaim unpinned regions on the server (see KVStore.evict)."""
+        self._check_open(writing=True)
+        return int(self._call("evict", nbytes=nbytes, all=bool(all)))
+
+    def checkpoint(self) -> None:
+        self._check_open(writing=True)
+        self._call("checkpoint")
+
+    def stats(self) -> dict:
+        """The server's stats (the whole store, every client), plus this
+        process's own counters under ``"client"``."""
+        self._check_open()
+        s = self._call("stats")
+        s["client"] = {k: int(v) for k, v in sorted(self.counters.items())}
+        s["client"]["engine"] = self.io.engine.name
+        return s
+
+    # Reads run here, on this process's devices, exactly as in KVStore.
+    get_run = KVStore.get_run
+    read_range = KVStore.read_range
+    _read = KVStore._read
+    _read_segment = KVStore._read_segment
+    _read_run_direct = KVStore._read_run_direct
+    _checksum_failure = KVStore._checksum_failure
+    _staging = KVStore._staging
+    _stage_run = KVStore._stage_run
+    _kvikio_reader = KVStore._kvikio_reader
+    layout = KVStore.layout
+
+    # ------------------------------------------------------- internals kvblock.tensors uses
+    def _segments(self, keys: list[bytes]) -> PinnedSegments:
+        """The stored prefix of ``keys`` as (run, position, count, first key
+        index) tuples; the server pins the runs until :meth:`_unpin`."""
+        self._check_open()
+        r = self._call("segments", keys=encode_keys(normalize_keys(keys)))
+        segs = PinnedSegments((RemoteRun(*run), pos, count, at)
+                              for run, pos, count, at in r["segs"])
+        segs.pin = r["pin"]
+        return segs
+
+    def _unpin(self, segs) -> None:
+        """Release the pins of a ``_segments`` answer.  Never raises for a
+        gone server (its pins went with it): callers unpin in cleanup paths."""
+        pin = getattr(segs, "pin", None)
+        if pin is None:
+            return
+        segs.pin = None
+        try:
+            self._call("unpin", pin=pin)
+        except ServerGoneError:
+            pass
+
+    def _drop_runs(self, runs) -> None:
+        """Runs that failed their checksum here: the server drops them."""
+        self._check_open()
+        ids = [int(r.run_id) for r in runs]
+        if ids:
+            self._call("drop_runs", run_ids=ids)
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Disconnect (the server releases this connection's pins) and close
+        this process's devices.  The store itself stays with the server."""
+        if self.closed and self.io is None:
+            return
+        self.closed = True
+        with self._rpc_lock:
+            if self._gone is None:
+                self._gone = "remote store is closed"
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+        KVStore._release_devices(self)
+
+    def __enter__(self) -> "RemoteStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("server gone" if self._gone else "connected")
+        return f"RemoteStore({self.socket_path!r}, {state})"
+
+
+def _connect(path: str, timeout: float | None) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except OSError as e:
+        sock.close()
+        why = {errno.ENOENT: "no socket there", errno.ECONNREFUSED: "nobody listening "
+               "(a stale socket of a stopped server)"}.get(e.errno, str(e))
+        raise ServerGoneError(f"no store server at {path}: {why}; start one with "
+                              f"`kvblock serve DEV... --socket {path}`") from None
+    return sock
+
+
+def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
+            start_timeout: float = 60.0, server_options: dict | None = None,
+            **client_options) -> RemoteStore:
+    """A :class:`RemoteStore` on ``socket_path``, starting a server on
+    ``devices`` first when none answers there (and ``start`` and ``devices``
+    are given).
+
+    Race handling: every rank may call this at once.  Whoever finds no server
+    takes an exclusive ``flock`` on ``<socket_path>.lock``, tries to connect
+    again (another rank may have started the server while it waited for the
+    lock) and only then starts a server process (``kvblock serve``, in its own
+    session, so it outlives the rank that started it; its output goes to
+    ``<socket_path>.log``) and waits until it accepts connections.  The lock
+    is released when the starter returns or dies, so exactly one server is
+    started by ranks sharing the lock file; beyond that, the server's
+    exclusive claim on the devices refuses a second server on the same store.
+    """
+    try:
+        return RemoteStore(socket_path, **client_options)
+    except ServerGoneError:
+        if not start or not devices:
+            raise
+    from kvblock.store.server import spawn_server
+
+    socket_path = os.fspath(socket_path)
+    lock_path = socket_path + ".lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            return RemoteStore(socket_path, **client_options)
+        except ServerGoneError:
+            pass  # still nobody: we start it
+        proc = spawn_server(devices, socket_path, timeout=start_timeout,
+                            **(server_options or {}))
+        # Reap it when it ends (it outlives us otherwise: it is in its own session).
+        threading.Thread(target=proc.wait, name="kvblock-server-reaper", daemon=True).start()
+        return RemoteStore(socket_path, **client_options)
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def wait_for_server(socket_path, timeout: float = 30.0, proc=None) -> None:
+    """Block until a server accepts connections on ``socket_path``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            _connect(os.fspath(socket_path), 1.0).close()
+            return
+        except ServerGoneError as e:
+            if proc is not None and proc.poll() is not None:
+                raise ServerError(f"store server exited with status {proc.returncode} "
+                                  f"before listening on {socket_path}") from None
+            if time.monotonic() >= deadline:
+                raise ServerError(f"no store server listening on {socket_path} after "
+                                  f"{timeout} s ({e})") from None
+            time.sleep(0.02)
+
+
+__all__ = ["RemoteStore", "ServerError", "ServerGoneError", "connect", "wait_for_server"]

@@ -1,0 +1,484 @@
+"""The store server: one process owns a store's metadata for many.
+
+``kvblock serve DEV... --socket PATH`` (or :func:`serve_in_background` /
+:func:`spawn_server` from Python) opens the store exclusively, recovers it and
+answers :class:`~kvblock.store.client.RemoteStore` clients on a Unix socket
+(protocol: see kvblock/store/client.py).  It holds the index, allocates
+space, journals every change (group commit across all clients), checkpoints
+and evicts; the clients move the data themselves.
+
+Pins are per connection: a reader pin (``segments``) or writer pin
+(``allocate``) lives until the client releases it (``unpin``, ``commit``,
+``abort``) or its connection ends, whichever comes first, so a crashed rank
+never keeps a region from being reclaimed.
+
+Crash safety is the store's own: a put is published only by its PUT record,
+which the server writes (after flushing the data devices) when the client,
+having written and flushed the run's bytes itself, asks it to commit.  A
+server killed at any moment leaves a store that ``KVStore.open`` recovers
+exactly like one whose in-process owner was killed.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from typing import Sequence
+
+import numpy as np
+
+from kvblock.errors import ConfigError, KVBlockError, StoreClosedError
+from kvblock.index import Run
+from kvblock.store.client import (
+    PROTOCOL,
+    ServerError,
+    decode_keys,
+    encode_msg,
+    error_reply,
+    recv_msg,
+    wait_for_server,
+)
+from kvblock.store.store import KVStore
+
+
+class _Session:
+    """One client connection and the pins it holds."""
+
+    def __init__(self, conn: socket.socket, sid: int):
+        self.conn, self.sid = conn, sid
+        self.pid: int | None = None
+        self.readers: dict[int, list] = {}            # pin id -> segments
+        self.writers: dict[int, tuple] = {}           # wid -> (region, run_id, offset, gen, n)
+        self.thread: threading.Thread | None = None
+
+
+class StoreServer:
+    """Serves ``store`` on the Unix socket ``socket_path``.
+
+    ``start()`` binds and accepts in a background thread; ``stop()`` drops
+    every client (releasing their pins), then closes the store (checkpoint)
+    unless ``close_store=False``.  ``idle_exit``: stop by itself after that
+    many seconds without a client.
+    """
+
+    def __init__(self, store: KVStore, socket_path, *, close_store: bool = True,
+                 idle_exit: float | None = None):
+        self.store = store
+        self.socket_path = os.fspath(socket_path)
+        self.close_store = close_store
+        self.idle_exit = idle_exit
+        self.stopped = threading.Event()
+        self.failed: BaseException | None = None
+        self._sessions: dict[int, _Session] = {}
+        self._sessions_lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._listener: socket.socket | None = None
+        self._socket_ino: int | None = None
+        self._stopping = False
+        self._stop_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self.connections_total = 0
+
+    # ------------------------------------------------------------------ lifetime
+    def start(self) -> "StoreServer":
+        self._listener = _bind(self.socket_path)
+        self._socket_ino = os.stat(self.socket_path).st_ino
+        self._thread = threading.Thread(target=self._accept_loop, name="kvblock-serve",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Disconnect every client, close the store, remove the socket."""
+        with self._stop_lock:
+            if self._stopping:
+                self.stopped.wait(timeout)
+                return
+            self._stopping = True
+        try:
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(timeout)
+            with self._sessions_lock:
+                sessions = list(self._sessions.values())
+            for s in sessions:  # their threads see the end of stream and release pins
+                try:
+                    s.conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            for s in sessions:
+                if s.thread is not None and s.thread is not threading.current_thread():
+                    s.thread.join(timeout)
+            if self.close_store:
+                self.store.close()
+        finally:
+            self._unlink_socket()
+            self.stopped.set()
+
+    def client_count(self) -> int:
+        with self._sessions_lock:
+            return len(self._sessions)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.stopped.wait(timeout)
+
+    def __enter__(self) -> "StoreServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _unlink_socket(self):
+        if self._listener is not None:
+            self._listener.close()
+        try:  # only our own socket: a newer server may have taken the path
+            if self._socket_ino is not None and \
+                    os.stat(self.socket_path).st_ino == self._socket_ino:
+                os.unlink(self.socket_path)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ connections
+    def _accept_loop(self):
+        self._listener.settimeout(0.2)
+        idle_since = time.monotonic()
+        while not self._stopping:
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                with self._sessions_lock:
+                    busy = bool(self._sessions)
+                if busy:
+                    idle_since = time.monotonic()
+                elif self.idle_exit is not None and \
+                        time.monotonic() - idle_since >= self.idle_exit:
+                    threading.Thread(target=self.stop, daemon=True).start()
+                    return
+                continue
+            except OSError:
+                if self._stopping:
+                    return
+                raise
+            conn.settimeout(None)
+            session = _Session(conn, next(self._ids))
+            with self._sessions_lock:
+                if self._stopping:
+                    conn.close()
+                    return
+                self._sessions[session.sid] = session
+                self.connections_total += 1
+            session.thread = threading.Thread(target=self._serve, args=(session,),
+                                              name=f"kvblock-serve-{session.sid}", daemon=True)
+            session.thread.start()
+
+    def _serve(self, s: _Session):
+        try:
+            while True:
+                try:
+                    req = recv_msg(s.conn)
+                except (OSError, ValueError):
+                    break
+                if req is None:
+                    break
+                try:
+                    reply = {"ok": True, "result": self._dispatch(s, req)}
+                except KVBlockError as e:
+                    reply = error_reply(e)
+                except Exception as e:  # noqa: BLE001  (answered; the server keeps serving)
+                    reply = {"ok": False, "error": "ServerError",
+                             "message": f"{type(e).__name__}: {e}"}
+                try:
+                    data = encode_msg(reply)
+                except KVBlockError as e:   # an answer too large for one frame
+                    data = encode_msg(error_reply(e))
+                try:
+                    s.conn.sendall(data)
+                except OSError:
+                    break
+                if self.store.closed and not self._stopping:
+                    # A metadata write failed: the in-memory state may be ahead of
+                    # the medium.  Stop; a restarted server recovers the store.
+                    self.failed = StoreClosedError("metadata write failed; store closed")
+                    threading.Thread(target=self.stop, daemon=True).start()
+        finally:
+            self._release(s)
+            try:
+                s.conn.close()
+            except OSError:
+                pass
+            with self._sessions_lock:
+                self._sessions.pop(s.sid, None)
+
+    def _release(self, s: _Session):
+        """The connection ended: give back every pin it held."""
+        store = self.store
+        readers, s.readers = list(s.readers.values()), {}
+        writers, s.writers = list(s.writers.values()), {}
+        for segs in readers:
+            store._unpin(segs)
+        if writers:
+            with store._lock:
+                for region, *_ in writers:
+                    store.regions.pins[region] -= 1
+
+    # ------------------------------------------------------------------ requests
+    def _dispatch(self, s: _Session, req: dict):
+        op = req.pop("op", None)
+        fn = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+        if fn is None:
+            raise ConfigError(f"store server: unknown request {op!r}")
+        if op not in ("hello", "unpin", "abort", "stats") and self.store.closed:
+            raise StoreClosedError("the server's store is closed")
+        try:
+            inspect.signature(fn).bind(s, **req)
+        except TypeError as e:
+            raise ConfigError(f"store server: bad arguments for {op!r}: {e}") from None
+        return fn(s, **req)
+
+    def _op_hello(self, s, protocol, pid=None):
+        if protocol != PROTOCOL:
+            raise ServerError(f"client speaks protocol {protocol}, server {PROTOCOL}")
+        s.pid = pid
+        st = self.store
+        return {
+            "protocol": PROTOCOL, "pid": os.getpid(),
+            "uuid": str(uuid.UUID(bytes=st.sb.store_uuid)),
+            "devices": [d.path for d in st.io.devices], "geometry": st.geometry.as_dict(),
+            "alignment": st.alignment, "region_size": st.regions.size,
+            "region_count": st.regions.count, "data_offsets": st.regions.data_offsets,
+            "max_run_blocks": st.max_run_blocks, "verify": st.verify,
+        }
+
+    def _op_lookup(self, s, keys):
+        with self.store._lock:
+            return self.store.lookup(decode_keys(keys))
+
+    def _op_segments(self, s, keys):
+        st = self.store
+        with st._lock:
+            segs = st._segments(decode_keys(keys))
+        if not segs:
+            return {"pin": None, "segs": []}
+        pin = next(self._ids)
+        s.readers[pin] = segs
+        return {"pin": pin, "segs": [
+            [[run.run_id, run.region, run.generation, run.offset, run.nblocks,
+              [int(c) for c in run.checksums]], pos, count, at]
+            for run, pos, count, at in segs]}
+
+    def _op_unpin(self, s, pin):
+        segs = s.readers.pop(pin, None)
+        if segs is not None:
+            self.store._unpin(segs)
+        return None
+
+    def _op_drop_runs(self, s, run_ids):
+        """Runs that failed a client's checksum."""
+        st = self.store
+        with st._lock:
+            runs = [st.index.runs[i] for i in run_ids if i in st.index.runs]
+        st.counters["checksum_failures"] += len(run_ids)
+        st._drop_runs(runs)
+        return len(runs)
+
+    def _op_admit(self, s, keys):
+        st = self.store
+        st._check_open(writing=True)
+        keys = decode_keys(keys)
+        with st._lock:
+            if st.index.prefix_length(keys) == len(keys):
+                st.counters["put_duplicate_runs"] += 1
+                return "duplicate"
+            if not st.admission.admit(keys[0]):
+                st.counters["admission_rejected_runs"] += 1
+                return "rejected"
+        return "ok"
+
+    def _op_allocate(self, s, nblocks):
+        st = self.store
+        st._check_open(writing=True)
+        if not isinstance(nblocks, int) or not 1 <= nblocks <= st.max_run_blocks:
+            raise ConfigError(f"allocate: {nblocks!r} blocks; a run holds 1 to "
+                              f"{st.max_run_blocks}")
+        region, offset, run_id, gen = st._begin_put(st.layout(nblocks).run_bytes)
+        wid = next(self._ids)
+        s.writers[wid] = (region, run_id, offset, gen, nblocks)
+        return {"wid": wid, "region": region, "offset": offset, "run_id": run_id,
+                "generation": gen}
+
+    def _op_commit(self, s, wid, keys, checksums):
+        st = self.store
+        w = s.writers.pop(wid, None)
+        if w is None:
+            raise ConfigError(f"commit: no allocation {wid} on this connection")
+        region, run_id, offset, gen, n = w
+        try:
+            keys = decode_keys(keys)
+            if len(keys) != n or len(checksums) != st.geometry.ranges:
+                raise ConfigError(f"commit: {len(keys)} keys and {len(checksums)} checksums "
+                                  f"for a run of {n} blocks x {st.geometry.ranges} ranges")
+            run = Run(run_id, region, gen, offset, b"".join(keys),
+                      np.array(checksums, dtype=np.uint64), created=time.time())
+            st._publish_put(run)   # flushes the data devices, journals, then indexes
+        finally:
+            with st._lock:
+                st.regions.pins[region] -= 1
+        st.counters["put_runs"] += 1
+        st.counters["put_blocks"] += n
+        st.counters["bytes_written"] += st.layout(n).run_bytes
+        return n
+
+    def _op_abort(self, s, wid):
+        w = s.writers.pop(wid, None)
+        if w is not None:
+            with self.store._lock:
+                self.store.regions.pins[w[0]] -= 1
+        return None
+
+    def _op_delete(self, s, keys):
+        return self.store.delete(decode_keys(keys))
+
+    def _op_evict(self, s, nbytes=None, all=False):
+        return self.store.evict(nbytes, all=all)
+
+    def _op_checkpoint(self, s):
+        self.store.checkpoint()
+        return None
+
+    def _op_stats(self, s):
+        st = self.store
+        out = st.stats() if not st.closed else {"closed": True}
+        with st._lock:
+            pinned = int((st.regions.pins > 0).sum())
+        with self._sessions_lock:
+            clients = len(self._sessions)
+        out.update({"server_pid": os.getpid(), "clients": clients,
+                    "connections_total": self.connections_total, "pinned_regions": pinned})
+        return out
+
+
+def _check_socket_path(path: str) -> bool:
+    """True when ``path`` holds a stale socket (nobody listening); False when
+    it is free.  Refuses a live server's socket and anything not a socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ConfigError(f"{path} exists and is not a socket; choose another --socket path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except OSError:
+        return True  # nobody listening: left by a server that died
+    finally:
+        probe.close()
+    raise ConfigError(f"a store server already listens on {path}; stop it or choose "
+                      "another --socket path")
+
+
+def _bind(path: str) -> socket.socket:
+    """Listen on ``path``; a stale socket of a dead server is replaced, a live
+    one (or anything that is not a socket) is refused.  Called with the
+    store's devices claimed, so no other server of this store races here."""
+    if _check_socket_path(path):
+        os.unlink(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = None,
+                **options) -> StoreServer:
+    """Open (and recover) the store on ``devices`` and serve it on
+    ``socket_path``.  ``options`` go to :meth:`KVStore.open` (no
+    ``host_cache_bytes``: a DRAM tier in the server would hold blocks its
+    clients cannot read)."""
+    if options.get("host_cache_bytes"):
+        raise ConfigError("a store server cannot keep a DRAM tier (its clients read the "
+                          "devices themselves); give each rank its own cache instead")
+    _check_socket_path(os.fspath(socket_path))  # fail fast, before recovery
+    store = KVStore.open(list(devices), **options)
+    try:
+        return StoreServer(store, socket_path, idle_exit=idle_exit).start()
+    except BaseException:
+        store.close()
+        raise
+
+
+def serve_in_background(devices: Sequence, socket_path, **options) -> StoreServer:
+    """Serve the store on ``devices`` from a thread of this process; returns
+    the running :class:`StoreServer` (``.stop()`` or ``with`` to end it).
+    The server dies with this process: to outlive it, use :func:`spawn_server`."""
+    return open_server(devices, socket_path, **options)
+
+
+def spawn_server(devices: Sequence, socket_path, *, timeout: float = 60.0,
+                 log_path=None, model=None, eviction=None, admit_after=None, engine=None,
+                 verify=None, idle_exit=None) -> subprocess.Popen:
+    """Start ``kvblock serve`` in its own process (and session) and wait until
+    it accepts connections.  Its output goes to ``log_path`` (default
+    ``<socket_path>.log``).  Returns the process."""
+    socket_path = os.fspath(socket_path)
+    cmd = [sys.executable, "-m", "kvblock", "serve", *map(os.fspath, devices),
+           "--socket", socket_path]
+    for flag, value in (("--model", model), ("--eviction", eviction),
+                        ("--admit-after", admit_after), ("--engine", engine),
+                        ("--verify", verify), ("--idle-exit", idle_exit)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    log_path = os.fspath(log_path) if log_path else socket_path + ".log"
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True, close_fds=True)
+    try:
+        wait_for_server(socket_path, timeout, proc)
+    except ServerError as e:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        tail = ""
+        try:
+            with open(log_path, "rb") as f:
+                tail = f.read()[-2000:].decode(errors="replace").strip()
+        except OSError:
+            pass
+        raise ServerError(f"{e}" + (f"; its log ({log_path}) ends: {tail}" if tail else "")) \
+            from None
+    return proc
+
+
+def run_forever(server: StoreServer) -> int:
+    """Serve until SIGTERM / SIGINT (clean stop: checkpoint) or a failure.
+    Returns an exit status."""
+    stop = threading.Event()
+
+    def on_signal(signum, frame):
+        stop.set()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stop.is_set() and not server.stopped.is_set():
+            stop.wait(0.2)
+    finally:
+        server.stop()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return 1 if server.failed is not None else 0
+
+
+__all__ = ["StoreServer", "open_server", "serve_in_background", "spawn_server", "run_forever"]

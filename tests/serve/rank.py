@@ -1,0 +1,155 @@
+"""A rank process for the store-server tests (run as ``python -m tests.serve.rank``).
+
+Modes:
+  mix SOCK DEV RANK NRANKS RUNS   connect (starting the server if none runs),
+                                  put runs, delete some, read its own and the
+                                  other ranks' runs, checking every byte
+  kill SOCK START                 put (and delete) runs forever, printing each
+                                  acknowledged one; exit 3 on ServerGoneError
+  stall SOCK                      pin a stored run for reading, then stop in
+                                  the middle of a put (data written, commit
+                                  not sent) and wait to be killed
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+from kvblock.index import normalize_keys
+from kvblock.store.client import RemoteStore, ServerGoneError, connect
+from tests.store.workload import GEOM, run_data, run_keys
+
+G = GEOM
+
+
+def run_index(rank: int, i: int) -> int:
+    return 1000 * (rank + 1) + i
+
+
+def nblocks(i: int) -> int:
+    return 1 + i % 4
+
+
+def deleted(i: int, runs: int) -> bool:
+    """Runs the mix workload deletes (run i-2 after putting run i, i % 5 == 4)."""
+    return i % 5 == 2 and i + 2 < runs
+
+
+def marker(rank: int) -> list[bytes]:
+    return [f"done{rank}".encode()]
+
+
+def check(store, keys, expect_all: bool) -> int:
+    """Read the stored prefix of ``keys`` both ways; every byte must match."""
+    n = store.lookup(keys)
+    if expect_all:
+        assert n == len(keys), f"{keys[0]!r}: {n}/{len(keys)} blocks stored"
+    if n == 0:
+        return 0
+    shape = (G.num_layers, G.head_groups, len(keys), G.group_block_bytes)
+    want = run_data(keys).reshape(shape)
+    out = np.zeros(len(keys) * G.block_bytes, np.uint8)
+    got = store.get_run(keys, out)
+    assert got == n or not expect_all, f"{keys[0]!r}: lookup {n}, get_run {got}"
+    assert np.array_equal(out.reshape(shape)[:, :, :got], want[:, :, :got]), \
+        f"{keys[0]!r}: wrong bytes"
+    layer, group = len(keys) % G.num_layers, 1 % G.head_groups
+    part = np.zeros(len(keys) * G.group_block_bytes, np.uint8)
+    got2 = store.read_range(keys, layer, group, part)
+    if expect_all:
+        assert got2 == len(keys)
+    assert np.array_equal(part.reshape(len(keys), -1)[:got2], want[layer, group, :got2]), \
+        f"{keys[0]!r}: wrong bytes in read_range"
+    return got
+
+
+def mix(sock, dev, rank, nranks, runs):
+    store = connect(sock, [dev])
+    print(f"server {store.server_pid}", flush=True)
+    cross = 0
+    for i in range(runs):
+        keys = run_keys(run_index(rank, i), nblocks(i))
+        assert store.put_run(keys, run_data(keys)) == len(keys)
+        print(f"put {run_index(rank, i)}", flush=True)
+        check(store, keys, expect_all=True)
+        if i % 5 == 4:
+            victim = run_keys(run_index(rank, i - 2), nblocks(i - 2))
+            assert store.delete(victim[:1]) == len(victim)
+            assert store.lookup(victim) == 0
+            print(f"del {run_index(rank, i - 2)}", flush=True)
+        for other in range(nranks):  # whatever the others have stored so far
+            if other != rank:
+                j = (i * 7 + other) % runs
+                keys = run_keys(run_index(other, j), nblocks(j))
+                cross += check(store, keys, expect_all=False) > 0
+    store.put_run(marker(rank), run_data(marker(rank)))
+    deadline = time.monotonic() + 30
+    for other in range(nranks):
+        while store.lookup(marker(other)) == 0:
+            assert time.monotonic() < deadline, f"rank {other} never finished"
+            time.sleep(0.01)
+    for other in range(nranks):  # everything every rank acknowledged, byte for byte
+        for j in range(runs):
+            keys = run_keys(run_index(other, j), nblocks(j))
+            if deleted(j, runs):
+                assert store.lookup(keys) == 0, f"deleted run {keys[0]!r} still stored"
+            else:
+                cross += check(store, keys, expect_all=True) > 0 and other != rank
+    s = store.stats()
+    assert s["pinned_regions"] <= nranks  # only other ranks' reads in flight
+    store.close()
+    print(f"cross {cross}", flush=True)
+
+
+def kill(sock, start):
+    store = RemoteStore(sock)
+    i = start
+    try:
+        while True:
+            keys = run_keys(i, nblocks(i))
+            store.put_run(keys, run_data(keys))
+            print(f"put {i}", flush=True)
+            if i % 7 == 6:
+                store.delete(run_keys(i - 3, nblocks(i - 3))[:1])
+                print(f"del {i - 3}", flush=True)
+            if i % 3 == 0:
+                check(store, run_keys(i - 1, nblocks(i - 1)), expect_all=False)
+            i += 1
+    except ServerGoneError as e:
+        assert not store.server_alive
+        print(f"gone {type(e).__name__}", flush=True)
+        sys.exit(3)
+
+
+def stall(sock):
+    store = RemoteStore(sock)
+    keys = [b"stall-read"]
+    store.put_run(keys, run_data(keys))
+    segs = store._segments(normalize_keys(keys))   # a reader pin, never released
+    assert len(segs) == 1
+    real_call = store._call
+
+    def call(op, **args):
+        if op == "commit":               # data written and flushed, record not asked for
+            print("stalled", flush=True)
+            time.sleep(3600)
+        return real_call(op, **args)
+
+    store._call = call
+    keys = run_keys(777, 3)
+    store.put_run(keys, run_data(keys))
+
+
+if __name__ == "__main__":
+    mode, args = sys.argv[1], sys.argv[2:]
+    if mode == "mix":
+        mix(args[0], args[1], int(args[2]), int(args[3]), int(args[4]))
+    elif mode == "kill":
+        kill(args[0], int(args[1]))
+    elif mode == "stall":
+        stall(args[0])
+    else:
+        raise SystemExit(f"unknown mode {mode}")

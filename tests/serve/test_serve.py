@@ -1,0 +1,265 @@
+"""Several processes, one store: a store server owns the metadata, rank
+processes (RemoteStore) do their own direct I/O on the device."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore
+from kvblock.errors import ConfigError, DeviceBusyError, StoreClosedError
+from kvblock.store.client import RemoteStore, ServerError, ServerGoneError, connect
+from kvblock.store.server import serve_in_background, spawn_server
+from tests.serve.rank import deleted, marker, nblocks, run_index
+from tests.store.workload import GEOM, REGION, Journal, check_store, run_data, run_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+MIB = 1 << 20
+KILL_ROUNDS = int(os.environ.get("KVBLOCK_SERVE_KILL_ROUNDS", "2"))
+
+
+def _rank(*args) -> subprocess.Popen:
+    # Read with _output(): communicate() with a timeout reads the raw pipe,
+    # skipping lines readline() has already buffered.
+    return subprocess.Popen([sys.executable, "-m", "tests.serve.rank", *map(str, args)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _output(p: subprocess.Popen, timeout=45) -> str:
+    """The rest of a rank's output (stdout and stderr) once it exits."""
+    out = p.stdout.read()
+    p.wait(timeout)
+    p.stdout.close()
+    return out
+
+
+def _format(dev):
+    KVStore.format([dev], GEOM, region_size=REGION, journal_bytes=256 << 10).close()
+
+
+def _wait_gone(path, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path):
+        assert time.monotonic() < deadline, f"server never removed {path}"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def sock(tmp_path):
+    return str(tmp_path / "kv.sock")
+
+
+def test_ranks_share_one_store(loop_device, sock):
+    """3 ranks start at once: exactly one starts the server (connect's race),
+    all put, delete and read their own and each other's runs; every byte is
+    checked, in the ranks and again after a clean stop and reopen."""
+    dev = loop_device(64 * MIB)
+    _format(dev)
+    nranks, runs = 3, 24
+    procs = [_rank("mix", sock, dev, r, nranks, runs) for r in range(nranks)]
+    outs = []
+    for p in procs:
+        out = _output(p)
+        assert p.returncode == 0, out
+        outs.append(out.splitlines())
+    pids = {int(lines[0].split()[1]) for lines in outs}
+    assert len(pids) == 1, f"ranks reached different servers: {pids}"
+    cross = [int(lines[-1].split()[1]) for lines in outs]
+    assert all(c >= (nranks - 1) * (runs - 4) for c in cross), cross
+    os.kill(pids.pop(), signal.SIGTERM)   # clean stop: checkpoint, socket removed
+    _wait_gone(sock)
+    log = Journal()
+    for r in range(nranks):
+        log.attempted[marker(r)[0]] = marker(r)
+        log.acked.add(marker(r)[0])
+        for j in range(runs):
+            keys = run_keys(run_index(r, j), nblocks(j))
+            log.attempted[keys[0]] = keys
+            log.acked.add(keys[0])
+            if deleted(j, runs):
+                log.deleting.add(keys[0])
+                log.deleted.add(keys[0])
+    with KVStore.open([dev]) as store:
+        assert store.clean_at_open
+        assert check_store(store, log) == sum(nblocks(j) for j in range(runs)
+                                              if not deleted(j, runs)) * nranks + nranks
+
+
+def test_server_sigkill_mid_writes(loop_device, sock):
+    """SIGKILL the server while 3 ranks write: each rank fails with
+    ServerGoneError; the store then recovers with no phantom, right bytes and
+    every acknowledged put.  KVBLOCK_SERVE_KILL_ROUNDS rounds (2), each on
+    the recovered store."""
+    dev = loop_device(128 * MIB)
+    _format(dev)
+    rng = random.Random(6)
+    log = Journal()
+    nranks = 3
+    for round_ in range(KILL_ROUNDS):
+        server = spawn_server([dev], sock, timeout=30)
+        starts = [100_000 * (round_ + 1) + 10_000 * r for r in range(nranks)]
+        ranks = [_rank("kill", sock, s) for s in starts]
+        firsts = []
+        for p in ranks:  # every rank is writing
+            firsts.append(p.stdout.readline())
+            assert firsts[-1].startswith("put "), firsts[-1] + _output(p)
+        time.sleep(rng.uniform(0.0, 0.15))
+        server.send_signal(signal.SIGKILL)
+        server.wait()
+        for p, start, first in zip(ranks, starts, firsts):
+            out = _output(p)
+            lines = [first.strip()] + out.splitlines()
+            assert p.returncode == 3 and lines[-1] == "gone ServerGoneError", out[-3000:]
+            puts = [int(x.split()[1]) for x in lines if x.startswith("put ")]
+            dels = [int(x.split()[1]) for x in lines if x.startswith("del ")]
+            last = max(puts)
+            for i in range(start, last + 2):  # the one after the last ack may have landed
+                keys = run_keys(i, nblocks(i))
+                log.attempted[keys[0]] = keys
+            for i in puts:
+                log.acked.add(run_keys(i, 1)[0])
+            for i in dels:
+                log.deleting.add(run_keys(i, 1)[0])
+                log.deleted.add(run_keys(i, 1)[0])
+            if last % 7 == 6 and last - 3 not in dels:  # its delete may have been in flight
+                log.deleting.add(run_keys(last - 3, 1)[0])
+        with KVStore.open([dev]) as store:
+            assert check_store(store, log) > 0
+            assert store.stats()["regions_free"] > 0, "eviction would hide losses"
+        with pytest.raises(ServerGoneError):
+            RemoteStore(sock)   # the dead server's socket is stale
+
+
+def test_rank_killed_mid_put_leaves_nothing_pinned(loop_device, sock):
+    dev = loop_device(64 * MIB)
+    _format(dev)
+    server = serve_in_background([dev], sock)
+    try:
+        st = server.store
+        p = _rank("stall", sock)
+        line = p.stdout.readline()
+        assert line == "stalled\n", line + (_output(p) if p.poll() is not None else "")
+        with st._lock:
+            assert st.regions.pins.sum() == 2     # its reader pin and its writer pin
+        p.kill()
+        _output(p)
+        deadline = time.monotonic() + 10
+        while True:
+            with st._lock:
+                if st.regions.pins.sum() == 0 and server.client_count() == 0:
+                    break
+            assert time.monotonic() < deadline, "pins of a dead rank were not released"
+            time.sleep(0.01)
+        with RemoteStore(sock) as r:
+            stalled = run_keys(777, 3)
+            assert r.lookup(stalled) == 0          # no phantom
+            assert r.lookup([b"stall-read"]) == 1
+            keys = run_keys(1, 2)
+            r.put_run(keys, run_data(keys))       # the server still serves
+            assert r.lookup(keys) == 2
+            s = r.stats()
+            assert s["pinned_regions"] == 0
+            assert r.evict(all=True) > 0
+            s = r.stats()
+            assert s["regions_free"] == s["regions"], "a region stayed pinned"
+            assert r.lookup([b"stall-read"]) == 0
+    finally:
+        server.stop()
+    with KVStore.open([dev]) as store:
+        assert store.lookup(run_keys(777, 3)) == 0 and not store.index.runs
+
+
+def test_save_and_load_blocks_through_remote_store(loop_device, sock):
+    torch = pytest.importorskip("torch")
+    from kvblock.layout import Geometry
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    L, H, D, BS = 3, 8, 16, 16
+    g = Geometry(L, H, D, "bfloat16", BS, 2, head_groups=2)
+    dev = loop_device(64 * MIB)
+    KVStore.format([dev], g, model="m").close()
+    gen = torch.Generator().manual_seed(0)
+    src = [torch.randn(2, 8, BS, H, D, generator=gen).to(torch.bfloat16) for _ in range(L)]
+    keys = [f"page{i}".encode() for i in range(5)]
+    src_pages, dst_pages = [4, 0, 7, 2, 5], [1, 3, 5, 7, 0]
+    with serve_in_background([dev], sock, model="m") as server, \
+            RemoteStore(sock) as saver, RemoteStore(sock) as rank0, RemoteStore(sock) as rank1:
+        assert save_blocks(saver, keys, VLLMLayout(src), src_pages) == 5
+        # a whole cache, loaded by another process's store handle
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(rank0, keys + [b"missing"], VLLMLayout(dst), dst_pages + [6])
+        assert h.wait() == 5
+        for layer in range(L):
+            assert torch.equal(src[layer][:, src_pages].view(torch.int16),
+                               dst[layer][:, dst_pages].view(torch.int16))
+            assert not dst[layer][:, 6].any()
+        # tensor parallelism: each rank reads its head group
+        for tp_rank, store in enumerate((rank0, rank1)):
+            part = [torch.zeros(2, 8, BS, H // 2, D, dtype=torch.bfloat16) for _ in range(L)]
+            h = load_blocks(store, keys, VLLMLayout(part), dst_pages, tp_rank=tp_rank,
+                            tp_size=2)
+            assert h.wait() == 5
+            heads = slice(tp_rank * H // 2, (tp_rank + 1) * H // 2)
+            for layer in range(L):
+                assert torch.equal(src[layer][:, src_pages][..., heads, :].view(torch.int16),
+                                   part[layer][:, dst_pages].view(torch.int16))
+        # a corrupt range fails its checksum in the rank: the server drops the run
+        with rank0._lock:
+            segs = rank0._segments(keys)
+        run = segs[0][0]
+        rank0._unpin(segs)
+        devno, off = rank0.regions.address(run.region, run.offset)
+        rank0.io.write_bytes(devno, off, b"\xa5" * 4096)
+        h = load_blocks(rank1, keys, VLLMLayout(dst), dst_pages)
+        assert h.wait() == 0
+        assert rank0.lookup(keys) == 0
+        st = server.store
+        assert st.counters["checksum_failures"] == 1 and rank1.counters["checksum_failures"] == 1
+        with st._lock:
+            assert st.regions.pins.sum() == 0
+
+
+def test_errors_cross_the_socket(tmp_path, sock):
+    from kvblock import create_file
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, 32 * MIB)
+    _format(path)
+    with pytest.raises(ServerGoneError, match="no store server"):
+        RemoteStore(sock)
+    with pytest.raises(ServerGoneError):
+        connect(sock)                       # no devices: nothing to start
+    with serve_in_background([path], sock) as server:
+        with pytest.raises(ConfigError, match="already listens"):
+            serve_in_background([path], sock)
+        with pytest.raises(DeviceBusyError):    # the server holds the device
+            serve_in_background([path], sock + "2")
+        r = RemoteStore(sock)
+        with pytest.raises(ConfigError, match="allocate"):
+            r._call("allocate", nblocks=10 ** 6)
+        with pytest.raises(ConfigError, match="unknown request"):
+            r._call("format")
+        keys = run_keys(0, 2)
+        r.put_run(keys, run_data(keys))
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert r.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+        assert r.put_run(keys, run_data(keys)) == 2   # duplicate
+        assert server.store.counters["put_duplicate_runs"] == 1
+    with pytest.raises(ServerGoneError):
+        r.lookup(keys)
+    assert isinstance(ServerGoneError("x"), StoreClosedError)
+    assert issubclass(ServerGoneError, ServerError)
+    r.close()
+    with pytest.raises(StoreClosedError):
+        r.lookup(keys)
+    with KVStore.open([path]) as store:
+        assert store.lookup(keys) == 2
