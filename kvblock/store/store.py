@@ -699,6 +699,19 @@ class KVStore:
         self.counters["lookup_hit_blocks"] += n
         return n
 
+    def pin(self, keys: Sequence) -> list:
+        """Protect the stored prefix of ``keys`` from eviction until
+        :meth:`unpin` (a lease held by an engine between lookup and load).
+        Returns the pin handle (the pinned stretches; ``[]`` when nothing is
+        stored)."""
+        self._check_open()
+        with self._lock:
+            return self._segments(normalize_keys(keys))
+
+    def unpin(self, pins: list) -> None:
+        """Release a handle returned by :meth:`pin`."""
+        self._unpin(pins)
+
     def contains(self, key) -> bool:
         return self.lookup([key]) == 1
 

@@ -406,3 +406,21 @@ def test_readonly_open_never_writes(store_path):
     with KVStore.open([store_path], readonly=True) as ro:
         ro.lookup(keys)
     assert store_path.read_bytes() == snapshot
+
+
+def test_public_pin_keeps_a_run_through_eviction(tmp_path):
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path]) as store:
+        keys = run_keys(0, 4)
+        store.put_run(keys, run_data(keys))
+        pins = store.pin(keys)
+        assert sum(c for _, _, c, _ in pins) == 4
+        for i in range(1, 60):
+            store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+        assert store.lookup(keys) == 4          # pinned: never reclaimed
+        store.unpin(pins)
+        for i in range(60, 120):
+            store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+        assert store.lookup(keys) == 0          # unpinned and cold: evicted
+        assert store.pin([b"missing"]) == []
