@@ -11,7 +11,7 @@ APT_PKGS := liburing-dev pkg-config cmake fio util-linux fdisk e2fsprogs
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: all demo test bench install sysdeps clean distclean
+.PHONY: all demo test bench install sysdeps engines clean distclean
 
 all: install
 
@@ -35,11 +35,24 @@ $(PY):
 
 # Reinstall when the build inputs change (the native core is built by CMake
 # through scikit-build-core during pip install).
-$(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.c native/*.h) | sysdeps $(PY)
+$(STAMP): pyproject.toml CMakeLists.txt $(wildcard native/*.c native/*.h) requirements/engines.txt | sysdeps $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
 	$(PIP) install -q -e '.[test,demo]'
+	$(MAKE) --no-print-directory engines
 	@touch $(STAMP)
+
+# The serving engines kvblock plugs into, for the integration tests against
+# their real classes: the engine wheels without their GPU stacks (--no-deps),
+# then only the light packages their imported modules need, torch kept at the
+# CPU build. pip's resolver warnings about the engines' full requirements are
+# expected.
+ENGINES := vllm==0.33.0 sglang==0.5.23 lmcache==0.5.6
+engines: | $(PY)
+	$(PIP) install -q --no-deps $(ENGINES)
+	$(PIP) install -q $(TORCH) -r requirements/engines.txt
+	$(PIP) install -q --no-deps dill apache-tvm-ffi sentencepiece compressed-tensors loguru gguf
+	$(PY) -c "import vllm.v1.kv_offload.tiering.base, sglang.srt.mem_cache.hicache_storage, lmcache.v1.storage_backend.abstract_backend"
 
 install: $(STAMP)
 

@@ -554,7 +554,9 @@ class KVStore:
             return 0
         blocks = np.ascontiguousarray(arr).view(np.uint8).reshape(
             g.num_layers, g.head_groups, n, g.group_block_bytes)
-        if self.index.prefix_length(keys) == n:
+        with self._lock:
+            stored = self.index.prefix_length(keys)
+        if stored == n:
             self.counters["put_duplicate_runs"] += 1
             return n
         if not self.admission.admit(keys[0]):
@@ -689,9 +691,11 @@ class KVStore:
         self._check_open()
         keys = normalize_keys(keys)
         if self.host is None:
-            n = self.index.prefix_length(keys)
+            with self._lock:  # the index's arrays are swapped when it grows
+                n = self.index.prefix_length(keys)
         else:
-            on_device = self.index.lookup(keys) >= 0
+            with self._lock:
+                on_device = self.index.lookup(keys) >= 0
             n = 0
             while n < len(keys) and (on_device[n] or keys[n] in self.host):
                 n += 1

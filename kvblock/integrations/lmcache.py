@@ -1,0 +1,422 @@
+"""LMCache: a kvblock store as an LMCache storage plugin.
+
+LMCache 0.5.x loads in-process storage plugins from its config; this one is
+``KVBlockStorageBackend``::
+
+    storage_plugins: ["kvblock"]
+    extra_config:
+      storage_plugin.kvblock.module_path: kvblock.integrations.lmcache
+      storage_plugin.kvblock.class_name: KVBlockStorageBackend
+      kvblock.devices: ["/dev/nvme1n1"]        # or pre-sized files, one set per worker
+
+LMCache's storage manager puts and gets whole chunks (``MemoryObj``, by
+default 256 tokens of every layer, K and V) allocated by its
+``LocalCPUBackend``; this plugin moves those buffers to and from the store.
+
+Geometry: one chunk is one kvblock block of bytes.
+    LMCache's chunk is already a byte buffer in LMCache's own layout
+    (``KV_2LTD``: ``[2, layers, tokens, hidden]``, or ``KV_MLA_FMT`` for MLA),
+    and LMCache never reads part of a chunk.  So the store is formatted with
+    the byte geometry ``Geometry(num_layers=1, num_kv_heads=1,
+    head_dim=chunk_bytes, dtype="uint8", block_tokens=1, kv_parts=1)`` and
+    each chunk is stored as its own run: one range, the chunk's bytes as they
+    are.  ``put`` writes straight from the ``MemoryObj`` and ``get`` reads
+    straight into a freshly allocated one (kvblock does direct I/O on them when
+    they are 4 KiB-aligned whole pages, as LMCache's allocator makes them;
+    otherwise through aligned staging).  A run per chunk keeps ``remove`` exact
+    (kvblock deletes whole runs).  kvblock's layer-major layout would buy
+    nothing here: the layer-wise restore is LMCache's, from CPU memory.
+
+Chunk format.
+    The full-chunk format -- shapes, dtypes and ``MemoryFormat`` -- comes from
+    LMCache's metadata at start-up (``metadata.get_shapes()``/``get_dtypes()``;
+    ``KV_MLA_FMT`` for MLA, ``KV_2LTD`` otherwise), and is part of the store's
+    fingerprint with the model name: a store written for another model or chunk
+    format is refused (``GeometryMismatchError``).  Objects of any other format
+    -- a partial last chunk (``save_unfull_chunk``), layer-wise chunks -- are
+    not stored (a miss later, never a wrong answer).  ``use_layerwise`` is
+    refused at start-up.
+
+Keys.
+    ``xxh3_128(prefix || CacheEngineKey.to_string())``: LMCache's key already
+    names the model, world size, worker, chunk hash, KV dtype and tags;
+    ``prefix`` adds the plugin's ``kvblock.namespace`` (tenant / salt).
+
+Pins.
+    ``pin``/``contains(pin=True)`` pin the chunk's run in the store until
+    ``unpin``: its region is not reclaimed meanwhile.  ``remove(key,
+    force=False)`` leaves pinned chunks alone.
+
+Writes are asynchronous: ``batched_submit_put_task`` hands the chunks to
+``kvblock.writer_threads`` threads and returns their futures; a chunk is
+visible to ``contains`` once its journal record is durable.  Reads are
+synchronous (``get_blocking``) or on the same threads (``get_non_blocking``,
+``batched_get_non_blocking``).
+
+Settings (``extra_config``)::
+
+    kvblock.devices: ["/dev/nvme1n1"]   # entries may use {worker_id} / {world_size},
+                                        # or map a worker id ("0", "1"...) to its list
+    kvblock.format: if-empty            # "never": only open; "force": format every start
+    kvblock.size: 64G                   # create missing files of this size
+    kvblock.namespace: ""               # tenant / salt mixed into every key
+    kvblock.writer_threads: 2
+    kvblock.verify: always              # also eviction, admit_after, region_size,
+                                        # engine, queue_depth
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryFormat, MemoryObj
+from lmcache.v1.storage_backend.abstract_backend import (
+    AllocatorBackendInterface,
+    StoragePluginInterface,
+)
+
+from kvblock.store import provision
+from kvblock.errors import (
+    ConfigError,
+    KVBlockError,
+)
+from kvblock.layout import Geometry
+from kvblock.store import KVStore
+
+logger = logging.getLogger(__name__)
+
+STORE_MODEL_PREFIX = "kvblock.integrations.lmcache/v1"
+KEY_DOMAIN = b"kvblock-lmcache-key-v1\0"
+FORMAT_MODES = provision.FORMAT_MODES
+OPTION_PREFIX = "kvblock."
+_STORE_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth")
+
+
+def _parse_size(value, name: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"kvblock lmcache plugin: {name} must be a size, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    from kvblock.cli.units import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ConfigError(f"kvblock lmcache plugin: {name}: {e}") from None
+
+
+def open_or_format(devices: list[str], geometry: Geometry, model: str, **kwargs) -> KVStore:
+    """kvblock.store.provision.open_or_format, with this integration's wording."""
+    return provision.open_or_format(devices, geometry, model, owner="the kvblock LMCache plugin",
+                                    force_hint='set kvblock.format: force', **kwargs)
+
+
+class ChunkFormat:
+    """The shapes, dtypes and memory format of one full LMCache chunk."""
+
+    def __init__(self, shapes, dtypes, fmt: MemoryFormat):
+        self.shapes = [torch.Size(s) for s in shapes]
+        self.dtypes = list(dtypes)
+        self.fmt = fmt
+        self.nbytes = sum(s.numel() * d.itemsize for s, d in zip(self.shapes, self.dtypes))
+
+    @classmethod
+    def from_metadata(cls, metadata, config) -> ChunkFormat:
+        if getattr(config, "use_layerwise", False):
+            raise ConfigError("kvblock lmcache plugin: use_layerwise is not supported (chunks "
+                              "are stored whole); turn it off or drop the plugin")
+        fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
+        return cls(metadata.get_shapes(), metadata.get_dtypes(), fmt)
+
+    def describe(self) -> str:
+        return json.dumps({"shapes": [list(s) for s in self.shapes],
+                           "dtypes": [str(d).removeprefix("torch.") for d in self.dtypes],
+                           "fmt": self.fmt.name}, separators=(",", ":"))
+
+    def matches(self, obj: MemoryObj) -> bool:
+        meta = obj.metadata
+        shapes = meta.shapes if meta.shapes is not None else [meta.shape]
+        dtypes = meta.dtypes if meta.dtypes is not None else [meta.dtype]
+        return (obj.get_size() == self.nbytes and meta.fmt == self.fmt
+                and [torch.Size(s) for s in shapes] == self.shapes
+                and list(dtypes) == self.dtypes)
+
+
+def _obj_bytes(obj: MemoryObj, nbytes: int) -> np.ndarray:
+    """The object's bytes as a writable uint8 numpy array (no copy)."""
+    raw = getattr(obj, "raw_tensor", None)
+    if isinstance(raw, torch.Tensor) and raw.device.type == "cpu":
+        return raw.view(torch.uint8).reshape(-1)[:nbytes].numpy()
+    return np.frombuffer(obj.byte_array, dtype=np.uint8, count=nbytes)
+
+
+class KVBlockStorageBackend(StoragePluginInterface):
+    """LMCache storage plugin over a kvblock store (see the module docstring)."""
+
+    def __init__(self, config=None, metadata=None, local_cpu_backend=None,
+                 loop: asyncio.AbstractEventLoop | None = None, dst_device: str = "cpu"):
+        super().__init__(dst_device=dst_device, config=config, metadata=metadata,
+                         local_cpu_backend=local_cpu_backend, loop=loop)
+        if config is None or metadata is None:
+            raise ConfigError("kvblock lmcache plugin: needs LMCache's config and metadata")
+        if local_cpu_backend is None:
+            raise ConfigError("kvblock lmcache plugin: needs LMCache's LocalCPUBackend (it "
+                              "runs in the worker, not the scheduler role)")
+        extra = dict(config.extra_config or {})
+
+        def opt(name, default=None):
+            return extra.get(OPTION_PREFIX + name, default)
+
+        self.devices = self._devices(opt("devices"), metadata)
+        self.chunk = ChunkFormat.from_metadata(metadata, config)
+        if not 0 < self.chunk.nbytes < 1 << 31:
+            raise ConfigError(f"kvblock lmcache plugin: a chunk of {self.chunk.nbytes} bytes "
+                              "cannot be one block (at most 2 GiB)")
+        self.chunk_tokens = int(getattr(config, "chunk_size", 0) or metadata.chunk_size)
+        self.namespace = str(opt("namespace", "") or "")
+        self.prefix = xxhash.xxh3_128_digest(
+            KEY_DOMAIN + json.dumps([self.namespace]).encode())
+        self.geometry = Geometry(num_layers=1, num_kv_heads=1, head_dim=self.chunk.nbytes,
+                                 dtype="uint8", block_tokens=1, kv_parts=1, head_groups=1)
+        threads = int(opt("writer_threads", 2))
+        if threads < 1:
+            raise ConfigError("kvblock lmcache plugin: kvblock.writer_threads must be >= 1")
+        model = f"{STORE_MODEL_PREFIX}:{metadata.model_name}:{self.chunk.describe()}"
+        options = {k: opt(k) for k in _STORE_OPTIONS if opt(k) is not None}
+        self.store = open_or_format(
+            self.devices, self.geometry, model, format=opt("format", "if-empty"),
+            size=_parse_size(opt("size"), "kvblock.size") if opt("size") else None,
+            region_size=(_parse_size(opt("region_size"), "kvblock.region_size")
+                         if opt("region_size") else None), **options)
+        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvblock-lmcache")
+        self._lock = threading.Lock()
+        self._put_tasks: set[CacheEngineKey] = set()
+        self._pins: dict[bytes, list] = {}      # kvblock key -> [pin count, pinned segments]
+        self.skipped_chunks = 0
+        logger.info("kvblock: LMCache plugin on %s (chunk %s, %d bytes)", self.devices,
+                    self.chunk.describe(), self.chunk.nbytes)
+
+    def __str__(self) -> str:
+        return "KVBlockStorageBackend"
+
+    @staticmethod
+    def _devices(spec, metadata) -> list[str]:
+        if spec is None:
+            raise ConfigError("kvblock lmcache plugin: extra_config needs kvblock.devices "
+                              "(raw devices or pre-sized files, one set per worker)")
+        if isinstance(spec, dict):
+            spec = spec.get(str(metadata.worker_id), spec.get(metadata.worker_id))
+            if spec is None:
+                raise ConfigError(f"kvblock lmcache plugin: no devices for worker "
+                                  f"{metadata.worker_id} in kvblock.devices")
+        if isinstance(spec, str):
+            spec = [spec]
+        fields = {"worker_id": metadata.worker_id, "world_size": metadata.world_size,
+                  "local_worker_id": metadata.local_worker_id}
+        try:
+            devices = [str(d).format_map(fields) for d in spec]
+        except (KeyError, ValueError, IndexError) as e:
+            raise ConfigError(f"kvblock lmcache plugin: bad device template in {spec!r}: "
+                              f"{e}") from None
+        if not devices:
+            raise ConfigError("kvblock lmcache plugin: kvblock.devices is empty")
+        return devices
+
+    def kvblock_key(self, key: CacheEngineKey) -> bytes:
+        return xxhash.xxh3_128_digest(self.prefix + key.to_string().encode())
+
+    # ------------------------------------------------------------------ lookups
+    def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        return self.pin(key) if pin else self.store.contains(self.kvblock_key(key))
+
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+        """Chunks stored as a prefix of ``keys`` (pinned when ``pin``)."""
+        n = self.store.lookup([self.kvblock_key(k) for k in keys]) if keys else 0
+        if pin:
+            for i in range(n):
+                if not self.pin(keys[i]):
+                    return i
+        return n
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
+                                     pin: bool = False) -> int:
+        return self.batched_contains(keys, pin)
+
+    def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
+        with self._lock:
+            return key in self._put_tasks
+
+    # ------------------------------------------------------------------ puts
+    def batched_submit_put_task(
+        self,
+        keys: Sequence[CacheEngineKey],
+        objs: list[MemoryObj],
+        transfer_spec: Any = None,
+        on_complete_callback: Callable[[CacheEngineKey], None] | None = None,
+    ) -> list[Future] | None:
+        """Write the chunks not stored yet, asynchronously; one future per
+        call (None when there is nothing to write)."""
+        todo = []
+        for key, obj in zip(keys, objs):
+            if not self.chunk.matches(obj):
+                self.skipped_chunks += 1
+                logger.debug("kvblock: not storing %s: its format differs from a full chunk "
+                             "(%s)", key, self.chunk.describe())
+                continue
+            with self._lock:
+                if key in self._put_tasks:
+                    continue
+                self._put_tasks.add(key)
+            if self.store.contains(self.kvblock_key(key)):
+                with self._lock:
+                    self._put_tasks.discard(key)
+                continue
+            obj.ref_count_up()          # the storage manager drops its reference on return
+            todo.append((key, obj))
+        if not todo:
+            return None
+        return [self.executor.submit(self._write, todo, on_complete_callback)]
+
+    def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj, transfer_spec: Any = None,
+                        on_complete_callback=None) -> Future | None:
+        futures = self.batched_submit_put_task([key], [obj], transfer_spec, on_complete_callback)
+        return futures[0] if futures else None
+
+    def _write(self, todo, on_complete_callback) -> int:
+        """(writer thread) one run per chunk, straight from its buffer."""
+        written = 0
+        for key, obj in todo:
+            try:
+                self.store.put_run([self.kvblock_key(key)], _obj_bytes(obj, self.chunk.nbytes))
+            except KVBlockError as e:
+                logger.error("kvblock: storing chunk %s failed: %s", key.to_string(), e)
+                continue
+            finally:
+                obj.ref_count_down()
+                with self._lock:
+                    self._put_tasks.discard(key)
+            written += 1
+            if on_complete_callback is not None:
+                try:
+                    on_complete_callback(key)
+                except Exception as e:  # noqa: BLE001 (the engine's callback: log, go on)
+                    logger.warning("kvblock: on_complete_callback failed for %s: %s",
+                                   key.to_string(), e)
+        return written
+
+    # ------------------------------------------------------------------ gets
+    def _load_prefix(self, keys: Sequence[CacheEngineKey], busy_loop: bool) -> list[MemoryObj]:
+        """Chunks of the stored prefix of ``keys``, each in a new MemoryObj."""
+        out: list[MemoryObj] = []
+        for key in keys:
+            kb = self.kvblock_key(key)
+            if not self.store.contains(kb):
+                break
+            obj = self.local_cpu_backend.allocate(self.chunk.shapes, self.chunk.dtypes,
+                                                  self.chunk.fmt, busy_loop=busy_loop)
+            if obj is None:
+                logger.warning("kvblock: no CPU memory for chunk %s", key.to_string())
+                break
+            try:
+                got = self.store.get_run([kb], _obj_bytes(obj, self.chunk.nbytes))
+            except KVBlockError as e:
+                logger.error("kvblock: reading chunk %s failed: %s", key.to_string(), e)
+                got = 0
+            if got != 1:                # evicted or removed meanwhile, or a bad checksum
+                obj.ref_count_down()
+                break
+            out.append(obj)
+        return out
+
+    def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
+        loaded = self._load_prefix([key], busy_loop=True)
+        return loaded[0] if loaded else None
+
+    def batched_get_blocking(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        loaded = self._load_prefix(keys, busy_loop=True)
+        return [*loaded, *([None] * (len(keys) - len(loaded)))]
+
+    def get_non_blocking(self, key: CacheEngineKey,
+                         location: str | None = None) -> Future | None:
+        if not self.store.contains(self.kvblock_key(key)):
+            return None
+        return self.executor.submit(lambda: next(iter(self._load_prefix([key], False)), None))
+
+    async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],
+                                       transfer_spec: Any = None) -> list[MemoryObj]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.executor, self._load_prefix, list(keys), False)
+
+    # ------------------------------------------------------------------ pins, removal
+    def pin(self, key: CacheEngineKey) -> bool:
+        """Keep the chunk's run (its region) from being reclaimed until unpin."""
+        kb = self.kvblock_key(key)
+        with self._lock:
+            entry = self._pins.get(kb)
+            if entry is not None:
+                entry[0] += 1
+                return True
+            # kvblock has no public pin yet: take the read pin its loads take.
+            segs = self.store.pin([kb])
+            if not segs:
+                return False
+            self._pins[kb] = [1, segs]
+            return True
+
+    def unpin(self, key: CacheEngineKey) -> bool:
+        kb = self.kvblock_key(key)
+        with self._lock:
+            entry = self._pins.get(kb)
+            if entry is None:
+                return self.store.contains(kb)
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self._pins[kb]
+                self.store.unpin(entry[1])
+            return True
+
+    def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        kb = self.kvblock_key(key)
+        with self._lock:
+            if kb in self._pins:
+                if not force:
+                    return False
+                self.store.unpin(self._pins.pop(kb)[1])
+        return self.store.delete([kb]) > 0
+
+    def batched_remove(self, keys: list[CacheEngineKey], force: bool = True) -> int:
+        return sum(self.remove(k, force) for k in keys)
+
+    def touch_cache(self) -> None:
+        """Recency is kept by the store itself (reads touch their regions)."""
+
+    def clear(self) -> int:
+        """Evict every chunk of the store; returns the tokens they held."""
+        blocks = self.store.stats()["blocks"]
+        self.store.evict(all=True)
+        return (blocks - self.store.stats()["blocks"]) * self.chunk_tokens
+
+    def get_allocator_backend(self) -> AllocatorBackendInterface:
+        return self.local_cpu_backend
+
+    def stats(self) -> dict:
+        return {**self.store.stats(), "skipped_chunks": self.skipped_chunks}
+
+    def close(self) -> None:
+        """Finish queued writes, release pins, checkpoint and close the store."""
+        self.executor.shutdown(wait=True)
+        with self._lock:
+            pins, self._pins = list(self._pins.values()), {}
+        for _, segs in pins:
+            self.store.unpin(segs)
+        self.store.close()

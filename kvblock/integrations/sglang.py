@@ -1,0 +1,569 @@
+"""SGLang HiCache: a kvblock store as the L3 storage backend.
+
+SGLang 0.5.23 keeps evicted KV pages in a host pool (L2) and backs them up to
+a ``HiCacheStorage`` (L3).  ``KVBlockHiCacheStorage`` is such a backend, on
+raw NVMe namespaces or pre-sized files.  SGLang loads it with its dynamic
+backend loader, which constructs ``cls(storage_config, kwargs)`` and then
+calls ``register_mem_pool_host(host_pool)``::
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvblock",
+        "module_path": "kvblock.integrations.sglang",
+        "class_name": "KVBlockHiCacheStorage", "interface_v1": 1,
+        "devices": ["/dev/nvme1n1"], "format": "if-empty"}'
+
+One SGLang page is one kvblock block.
+    The store's geometry comes from the registered host pool (layers, KV heads
+    of this rank, head dim, dtype, page size, MLA), so the store is opened --
+    or formatted, per ``format`` -- in ``register_mem_pool_host``.  A store
+    made for another geometry or another model is refused with
+    ``GeometryMismatchError``.  Blocks are kept in kvblock's layer-major
+    layout whatever the pool's layout, so a store written from a
+    ``page_first`` pool serves a ``page_first_direct`` one and back.
+
+Data path (``interface_v1: 1``, the zero-copy calls).
+    ``batch_set_v1`` copies each page once, from a view of the host pool
+    into an aligned staging buffer laid out as the run's on-device image, and
+    kvblock writes it with one direct I/O per run; ``batch_get_v1`` reads a
+    run straight into staging and copies each page once into the pool.  That
+    one copy per direction is the page-major -> layer-major transposition;
+    nothing else is copied.  Runs are cut at ``max_run_bytes`` (staging memory
+    is ``staging_buffers`` x that, allocated once).  Pages already stored are
+    not written again.  Supported pool layouts: ``page_first``,
+    ``page_first_direct`` and ``layer_first``, MHA (K and V of equal head
+    dim) and MLA.  The older ``get``/``set`` calls take SGLang's flat pages
+    (``get_data_page``/``get_dummy_flat_data_page`` order) and cost one more
+    copy.
+
+Keys.
+    An SGLang page key (a SHA-256 chain hex string) names token content only.
+    The kvblock key is ``xxh3_128(prefix || page_key)``; ``prefix`` hashes the
+    model name, ``namespace`` (tenant/salt, default empty), TP rank (MHA: each
+    rank holds its own heads; MLA pages are rank-replicated) and size, and PP
+    and attention-CP rank/size, so two models or tenants never share blocks.
+    The store itself is fingerprinted with the model name: a device formatted
+    for one model is refused for another.
+
+Devices.
+    Each SGLang rank is its own process and a kvblock store is opened
+    exclusively, so every rank needs its own device(s): ``devices`` entries may
+    contain ``{tp_rank}``, ``{pp_rank}``, ``{dp_rank}`` and ``{attn_cp_rank}``
+    (e.g. ``"/dev/disk/by-id/nvme-kv-{tp_rank}"``), or ``devices`` may map a
+    TP rank (as a string) to its list.  With MLA and tp_size > 1 SGLang writes
+    from rank 0 only while every rank looks up its own store, so hits need
+    tp_size 1 (a store shared between processes is not supported).
+
+Configuration (``--hicache-storage-backend-extra-config``, besides SGLang's own
+keys)::
+
+    {"devices": ["/dev/nvme1n1"],       # or pre-sized files; see above for TP
+     "format": "if-empty",              # "never": only open; "force": format every start
+     "size": "64G",                     # create missing files of this size
+     "namespace": "",                   # tenant / salt mixed into every key
+     "model": null,                     # override SGLang's model name
+     "max_run_bytes": "64M", "staging_buffers": 2,
+     "verify": "always", "eviction": "lru", "admit_after": 1,   # KVStore options
+     "region_size": null, "engine": null, "queue_depth": 32, "host_cache_bytes": 0}
+
+``batch_set_v1`` reports pages that admission (``admit_after``) declines as
+written: declining is the store's policy, not a failure to retry at once.
+
+``clear()`` evicts every block of the store (all namespaces); ``get_stats()``
+returns SGLang's ``StorageMetrics`` (pages and GB/s per call) when storage
+metrics are enabled; ``stats()`` returns kvblock's own counters.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+)
+
+from kvblock.store import provision
+from kvblock.errors import (
+    ConfigError,
+    KVBlockError,
+    StoreFullError,
+)
+from kvblock.layout import Geometry
+from kvblock.layout.geometry import DTYPES
+from kvblock.memory import BufferPool
+from kvblock.store import KVStore
+
+logger = logging.getLogger(__name__)
+
+# Model fingerprints of stores this backend formats start with this: a store
+# written by anything else (another integration, `kvblock demo`) is refused.
+STORE_MODEL_PREFIX = "kvblock.integrations.sglang/v1"
+KEY_DOMAIN = b"kvblock-sglang-key-v1\0"
+FORMAT_MODES = provision.FORMAT_MODES
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+DEFAULT_MAX_RUN_BYTES = 64 << 20
+DEFAULT_STAGING_BUFFERS = 2
+_STORE_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth",
+                  "host_cache_bytes")
+
+
+# ---------------------------------------------------------------------- helpers
+def _parse_size(value, name: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"kvblock sglang backend: {name} must be a size, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    from kvblock.cli.units import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ConfigError(f"kvblock sglang backend: {name}: {e}") from None
+
+
+def open_or_format(devices: list[str], geometry: Geometry, model: str, **kwargs) -> KVStore:
+    """kvblock.store.provision.open_or_format, with this integration's wording."""
+    return provision.open_or_format(devices, geometry, model, owner="the kvblock SGLang backend",
+                                    force_hint='set "format": "force" in the extra config', **kwargs)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ConfigError(f"kvblock sglang backend: KV dtype {dtype} is not one kvblock stores "
+                          f"({', '.join(DTYPES)})")
+    return name
+
+
+class PoolPages:
+    """Per-page views of an SGLang host pool's ``kv_buffer``.
+
+    ``page(p)`` is a view (no copy) of page ``p`` shaped like one kvblock
+    block: ``(layers, kv_parts, page_size, heads, head_dim)``.  Host pool
+    shapes (``sglang/srt/mem_cache/pool_host/{mha,mla}.py``, ``init_kv_buffer``)::
+
+        MHA layer_first       (2, L, size, H, D)
+        MHA page_first        (2, size, L, H, D)
+        MHA page_first_direct (2, pages, L, page_size, H, D)
+        MLA layer_first       (L, size, 1, D)
+        MLA page_first        (size, L, 1, D)
+        MLA page_first_direct (pages, L, page_size, 1, D)
+    """
+
+    def __init__(self, kv_buffer: torch.Tensor, layout: str, page_size: int, mla: bool):
+        if layout not in LAYOUTS:
+            raise ConfigError(f"kvblock sglang backend: host pool layout {layout!r} is not "
+                              f"supported; use one of {LAYOUTS}")
+        if not isinstance(kv_buffer, torch.Tensor) or kv_buffer.device.type != "cpu":
+            raise ConfigError("kvblock sglang backend: the host pool's kv_buffer must be one "
+                              "CPU tensor (pools with split K/V buffers are not supported)")
+        self.buf, self.layout, self.page_size, self.mla = kv_buffer, layout, page_size, mla
+        shape = tuple(kv_buffer.shape)
+        want_dims = (4 if mla else 5) + (layout == "page_first_direct")
+        if len(shape) != want_dims or (not mla and shape[0] != 2) or (mla and shape[-2] != 1):
+            raise ConfigError(f"kvblock sglang backend: {'MLA' if mla else 'MHA'} host pool "
+                              f"kv_buffer of shape {shape} does not fit layout {layout!r}")
+        if mla:
+            self.layers = shape[0] if layout == "layer_first" else shape[1]
+            self.kv_parts, self.heads, self.head_dim = 1, 1, shape[-1]
+        else:
+            self.layers = shape[1] if layout == "layer_first" else shape[2]
+            self.kv_parts, self.heads, self.head_dim = 2, shape[-2], shape[-1]
+        if layout == "page_first_direct":
+            if shape[-3] != page_size:
+                raise ConfigError(f"kvblock sglang backend: page_first_direct pool pages hold "
+                                  f"{shape[-3]} tokens, not the page size {page_size}")
+            self.num_pages = shape[0] if mla else shape[1]
+        else:
+            # the token axis: MHA (2, L, size..) / (2, size, ..); MLA (L, size..) / (size, ..)
+            axis = (1 if layout == "layer_first" else 0) + (0 if mla else 1)
+            self.num_pages = shape[axis] // page_size
+
+    def geometry(self) -> Geometry:
+        return Geometry(num_layers=self.layers, num_kv_heads=self.heads, head_dim=self.head_dim,
+                        dtype=_dtype_name(self.buf.dtype), block_tokens=self.page_size,
+                        kv_parts=self.kv_parts, head_groups=1)
+
+    def page(self, p: int) -> torch.Tensor:
+        b, ps = self.buf, self.page_size
+        tok = slice(p * ps, (p + 1) * ps)
+        if self.mla:
+            if self.layout == "page_first_direct":
+                v = b[p]                              # (L, ps, 1, D)
+            elif self.layout == "page_first":
+                v = b[tok].transpose(0, 1)            # (ps, L, 1, D) -> (L, ps, 1, D)
+            else:
+                v = b[:, tok]                         # (L, ps, 1, D)
+            return v.unsqueeze(1)
+        if self.layout == "page_first_direct":
+            v = b[:, p]                               # (2, L, ps, H, D)
+        elif self.layout == "page_first":
+            v = b[:, tok].permute(0, 2, 1, 3, 4)      # (2, ps, L, H, D) -> (2, L, ps, H, D)
+        else:
+            v = b[:, :, tok]                          # (2, L, ps, H, D)
+        return v.transpose(0, 1)                      # (L, 2, ps, H, D)
+
+
+# ---------------------------------------------------------------------- the backend
+class KVBlockHiCacheStorage(HiCacheStorage):
+    """SGLang HiCache L3 backend over a kvblock store (see the module docstring)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
+        self.storage_config = storage_config
+        extra = dict(storage_config.extra_config or {})
+        self.extra = extra
+        if storage_config.dcp_size > 1:
+            raise ConfigError("kvblock sglang backend: decode context parallelism "
+                              "(dcp_size > 1) is not supported")
+        self.model = str(extra.get("model") or storage_config.model_name or "")
+        self.namespace = str(extra.get("namespace") or "")
+        self.devices = self._devices(extra.get("devices"))
+        self.format = extra.get("format", "if-empty")
+        if self.format not in FORMAT_MODES:
+            raise ConfigError(f"kvblock sglang backend: format must be one of {FORMAT_MODES}, "
+                              f"got {self.format!r}")
+        self.size = _parse_size(extra["size"], "size") if extra.get("size") else None
+        self.region_size = (_parse_size(extra["region_size"], "region_size")
+                            if extra.get("region_size") else None)
+        self.max_run_bytes = _parse_size(extra.get("max_run_bytes", DEFAULT_MAX_RUN_BYTES),
+                                         "max_run_bytes")
+        self.staging_buffers = int(extra.get("staging_buffers", DEFAULT_STAGING_BUFFERS))
+        if self.max_run_bytes <= 0 or self.staging_buffers <= 0:
+            raise ConfigError("kvblock sglang backend: max_run_bytes and staging_buffers must "
+                              "be positive")
+        self.store_options = {k: extra[k] for k in _STORE_OPTIONS if extra.get(k) is not None}
+        if "host_cache_bytes" in self.store_options:
+            self.store_options["host_cache_bytes"] = _parse_size(
+                self.store_options["host_cache_bytes"], "host_cache_bytes")
+        self.prefix = self.key_prefix(storage_config, self.model, self.namespace)
+        self.store: KVStore | None = None
+        self.pages: PoolPages | None = None
+        self.staging: BufferPool | None = None
+        self.mem_pool_host = None
+        self._metrics_lock = threading.Lock()
+        self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
+                         "backup_bandwidth": []}
+
+    # ------------------------------------------------------------------ configuration
+    def _devices(self, spec) -> list[str]:
+        c = self.storage_config
+        if spec is None:
+            raise ConfigError('kvblock sglang backend: extra config needs "devices" (raw '
+                              'devices or pre-sized files, one set per rank)')
+        if isinstance(spec, dict):
+            spec = spec.get(str(c.tp_rank), spec.get(c.tp_rank))
+            if spec is None:
+                raise ConfigError(f"kvblock sglang backend: no devices for tp_rank {c.tp_rank} "
+                                  'in "devices"')
+        if isinstance(spec, str):
+            spec = [spec]
+        fields = {"tp_rank": c.tp_rank, "tp_size": c.tp_size, "pp_rank": c.pp_rank,
+                  "dp_rank": c.dp_rank, "attn_cp_rank": c.attn_cp_rank}
+        try:
+            devices = [str(d).format_map(fields) for d in spec]
+        except (KeyError, ValueError, IndexError) as e:
+            raise ConfigError(f"kvblock sglang backend: bad device template in {spec!r}: "
+                              f"{e}") from None
+        if not devices:
+            raise ConfigError('kvblock sglang backend: "devices" is empty')
+        return devices
+
+    @staticmethod
+    def key_prefix(c: HiCacheStorageConfig, model: str, namespace: str) -> bytes:
+        """16 bytes mixed into every key: model, tenant and the rank's shard."""
+        shard = {"model": model, "namespace": namespace,
+                 "tp_rank": None if c.is_mla_model else c.tp_rank, "tp_size": c.tp_size,
+                 "pp": [c.pp_rank, c.pp_size], "attn_cp": [c.attn_cp_rank, c.attn_cp_size]}
+        text = json.dumps(shard, sort_keys=True, separators=(",", ":"))
+        return xxhash.xxh3_128_digest(KEY_DOMAIN + text.encode())
+
+    def kvblock_key(self, key: str) -> bytes:
+        return xxhash.xxh3_128_digest(self.prefix + str(key).encode())
+
+    def store_model(self) -> str:
+        return f"{STORE_MODEL_PREFIX}:{self.model}"
+
+    # ------------------------------------------------------------------ pool + store
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        """Called by SGLang right after construction: the pool fixes the geometry,
+        so the store is opened (or formatted) here."""
+        super().register_mem_pool_host(mem_pool_host)
+        mla = getattr(mem_pool_host, "kv_cache_dim", None) is not None
+        v_dim = getattr(mem_pool_host, "v_head_dim", None)
+        if not mla and v_dim is not None and v_dim != getattr(mem_pool_host, "head_dim", v_dim):
+            raise ConfigError("kvblock sglang backend: K and V head dims differ "
+                              f"({mem_pool_host.head_dim} vs {v_dim}); not supported")
+        pages = PoolPages(getattr(mem_pool_host, "kv_buffer", None), mem_pool_host.layout,
+                          int(mem_pool_host.page_size), mla)
+        geometry = pages.geometry()
+        if self.store is not None:
+            if self.store.geometry != geometry:
+                raise ConfigError("kvblock sglang backend: a host pool of another geometry was "
+                                  f"registered ({geometry.describe()}, store: "
+                                  f"{self.store.geometry.describe()})")
+            self.pages = pages
+            return
+        run_blocks = max(1, self.max_run_bytes // geometry.block_bytes)
+        staging = BufferPool(run_blocks * geometry.block_bytes, self.staging_buffers)
+        try:
+            store = open_or_format(self.devices, geometry, self.store_model(),
+                                   format=self.format, size=self.size,
+                                   region_size=self.region_size, **self.store_options)
+        except BaseException:
+            staging.close()
+            raise
+        self.pages, self.staging, self.store = pages, staging, store
+        self.run_blocks = run_blocks
+        logger.info("kvblock: SGLang L3 on %s (%s, %s layout, %d pages per run)",
+                    self.devices, geometry.describe(), pages.layout, run_blocks)
+
+    def _ready(self) -> bool:
+        return self.store is not None and not self.store.closed
+
+    def _page_ids(self, keys: list[str], host_indices) -> list[int] | None:
+        ps = self.pages.page_size
+        idx = host_indices.reshape(-1) if isinstance(host_indices, torch.Tensor) \
+            else torch.as_tensor(host_indices).reshape(-1)
+        if idx.numel() != len(keys) * ps:
+            logger.error("kvblock: %d host indices for %d pages of %d tokens", idx.numel(),
+                         len(keys), ps)
+            return None
+        starts = idx[::ps].cpu()
+        if bool((starts % ps != 0).any()):
+            logger.error("kvblock: host indices are not page-aligned")
+            return None
+        ids = (starts // ps).tolist()
+        if ids and max(ids) >= self.pages.num_pages:
+            logger.error("kvblock: host page %d outside the pool's %d pages", max(ids),
+                         self.pages.num_pages)
+            return None
+        return ids
+
+    def _staged(self, view: np.ndarray, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """Staging bytes as n blocks (L, n, kv, ps, H, D) of ``dtype`` (the run's
+        on-device image: head_groups is 1, so the group axis is dropped)."""
+        g = self.store.geometry
+        t = torch.from_numpy(view[:n * g.block_bytes]).view(dtype)
+        return t.view(g.num_layers, n, g.kv_parts, g.block_tokens, g.num_kv_heads, g.head_dim)
+
+    def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:
+        """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks;
+        returns the pages handed to the store (raises on failure)."""
+        done = 0
+        for start in range(0, len(kbs), self.run_blocks):
+            keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
+            n = len(keys)
+            with self.staging.buffer() as (_, view):
+                staged = self._staged(view, n, pages.buf.dtype)
+                for i, p in enumerate(ids):
+                    staged[:, i].copy_(pages.page(p))
+                self.store.put_run(keys, view[:n * self.store.geometry.block_bytes])
+            done += n
+        return done
+
+    def _read_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:
+        """Load the stored prefix of kbs into ``pages``' pages ``page_ids``;
+        returns its length."""
+        done = 0
+        for start in range(0, len(kbs), self.run_blocks):
+            keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
+            with self.staging.buffer() as (_, view):
+                got = self.store.get_run(keys, view[:len(keys) * self.store.geometry.block_bytes])
+                staged = self._staged(view, len(keys), pages.buf.dtype)
+                for i in range(got):
+                    pages.page(ids[i]).copy_(staged[:, i])
+            done += got
+            if got < len(keys):
+                break
+        return done
+
+    def _record(self, kind: str, pages: int, seconds: float) -> None:
+        if not self.storage_config.enable_storage_metrics or not pages:
+            return
+        gb = pages * self.store.geometry.block_bytes / 1e9
+        with self._metrics_lock:
+            self._metrics[f"{kind}_pgs"].append(pages)
+            self._metrics[f"{kind}_bandwidth"].append(gb / max(seconds, 1e-9))
+
+    # ------------------------------------------------------------------ zero-copy calls
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        if not keys:
+            return []
+        if not self._ready():
+            return [False] * len(keys)
+        page_ids = self._page_ids(keys, host_indices)
+        if page_ids is None:
+            return [False] * len(keys)
+        kbs = [self.kvblock_key(k) for k in keys]
+        todo = [i for i, kb in enumerate(kbs) if not self.store.contains(kb)]
+        t0 = time.perf_counter()
+        try:
+            self._write_pages(self.pages, [kbs[i] for i in todo], [page_ids[i] for i in todo])
+        except StoreFullError as e:
+            logger.warning("kvblock: store full, %d pages not backed up: %s", len(todo), e)
+            return [False] * len(keys)
+        except KVBlockError as e:
+            logger.error("kvblock: backing up %d pages failed: %s", len(todo), e)
+            return [False] * len(keys)
+        self._record("backup", len(todo), time.perf_counter() - t0)
+        return [True] * len(keys)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        if not keys:
+            return []
+        if not self._ready():
+            return [False] * len(keys)
+        page_ids = self._page_ids(keys, host_indices)
+        if page_ids is None:
+            return [False] * len(keys)
+        t0 = time.perf_counter()
+        try:
+            got = self._read_pages(self.pages, [self.kvblock_key(k) for k in keys], page_ids)
+        except KVBlockError as e:
+            logger.error("kvblock: loading %d pages failed: %s", len(keys), e)
+            return [False] * len(keys)
+        self._record("prefetch", got, time.perf_counter() - t0)
+        return [True] * got + [False] * (len(keys) - got)
+
+    # ------------------------------------------------------------------ lookups
+    def exists(self, key: str) -> bool:
+        return self._ready() and self.store.contains(self.kvblock_key(key))
+
+    def batch_exists(self, keys: list[str],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        """Length of the leading run of stored keys."""
+        if not keys or not self._ready():
+            return 0
+        return self.store.lookup([self.kvblock_key(k) for k in keys])
+
+    # ------------------------------------------------------------------ flat-page calls
+    def _flat_shape(self) -> tuple[tuple[int, ...], int]:
+        """Shape of one flat page as the host pool produces it (``get_data_page``)
+        and the axis along which pages concatenate into a pool of that layout."""
+        p = self.pages
+        ps, L, H, D = p.page_size, p.layers, p.heads, p.head_dim
+        if p.mla:
+            return {"layer_first": ((L, ps, 1, D), 1), "page_first": ((ps, L, 1, D), 0),
+                    "page_first_direct": ((1, L, ps, 1, D), 0)}[p.layout]
+        return {"layer_first": ((2, L, ps, H, D), 2), "page_first": ((2, ps, L, H, D), 1),
+                "page_first_direct": ((2, 1, L, ps, H, D), 1)}[p.layout]
+
+    def _flat_pool(self, n: int, like: torch.Tensor | None = None) -> tuple[PoolPages, tuple]:
+        shape, axis = self._flat_shape()
+        full = list(shape)
+        full[axis] *= n
+        buf = torch.empty(full, dtype=self.pages.buf.dtype) if like is None else like
+        return PoolPages(buf.view(full), self.pages.layout, self.pages.page_size,
+                         self.pages.mla), (shape, axis)
+
+    def batch_set(self, keys: list[str], values: Any | None = None,
+                  target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> bool:
+        if not keys:
+            return True
+        if not self._ready() or values is None or len(values) != len(keys):
+            return False
+        shape, axis = self._flat_shape()
+        try:
+            pages = torch.cat([v.reshape(shape) for v in values], dim=axis)
+        except (RuntimeError, ValueError) as e:
+            logger.error("kvblock: flat pages do not fit the host pool's page shape %s: %s",
+                         shape, e)
+            return False
+        pool, _ = self._flat_pool(len(keys), pages)
+        kbs = [self.kvblock_key(k) for k in keys]
+        todo = [i for i, kb in enumerate(kbs) if not self.store.contains(kb)]
+        try:
+            self._write_pages(pool, [kbs[i] for i in todo], todo)
+        except KVBlockError as e:
+            logger.error("kvblock: storing %d flat pages failed: %s", len(keys), e)
+            return False
+        return True
+
+    def set(self, key: str, value: Any | None = None, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> bool:
+        return self.batch_set([key], [value] if value is not None else None)
+
+    def batch_get(self, keys: list[str], target_locations: Any | None = None,
+                  target_sizes: Any | None = None) -> list[torch.Tensor | None]:
+        if not keys:
+            return []
+        if not self._ready():
+            return [None] * len(keys)
+        pool, (shape, axis) = self._flat_pool(len(keys))
+        try:
+            got = self._read_pages(pool, [self.kvblock_key(k) for k in keys],
+                                   list(range(len(keys))))
+        except KVBlockError as e:
+            logger.error("kvblock: loading %d flat pages failed: %s", len(keys), e)
+            got = 0
+        out: list[torch.Tensor | None] = []
+        for i in range(len(keys)):
+            if i >= got:
+                out.append(None)
+                continue
+            page = pool.buf.narrow(axis, i * shape[axis], shape[axis]).reshape(-1)
+            target = target_locations[i] if target_locations is not None else None
+            if target is None:
+                out.append(page.clone())
+            else:
+                target.view(-1).copy_(page)
+                out.append(target)
+        return out
+
+    def get(self, key: str, target_location: Any | None = None,
+            target_sizes: Any | None = None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    # ------------------------------------------------------------------ housekeeping
+    def clear(self) -> bool:
+        """Evict every block of the store."""
+        if not self._ready():
+            return False
+        try:
+            self.store.evict(all=True)
+        except KVBlockError as e:
+            logger.error("kvblock: clear failed: %s", e)
+            return False
+        return True
+
+    def get_stats(self):
+        """SGLang's StorageMetrics for the calls since the last get_stats()."""
+        if not self.storage_config.enable_storage_metrics:
+            return None
+        from sglang.srt.observability.metrics_collector import StorageMetrics
+
+        metrics = StorageMetrics()
+        with self._metrics_lock:
+            for name, values in self._metrics.items():
+                getattr(metrics, name).extend(values)
+                values.clear()
+        return metrics
+
+    def stats(self) -> dict:
+        """kvblock's counters and gauges for this backend's store."""
+        return self.store.stats() if self.store is not None else {}
+
+    def close(self) -> None:
+        """Checkpoint and close the store (fast reopen), free staging memory."""
+        store, self.store = self.store, None
+        try:
+            if store is not None:
+                store.close()
+        finally:
+            if self.staging is not None:
+                self.staging.close()
+                self.staging = None
+
+    def __repr__(self) -> str:
+        return f"KVBlockHiCacheStorage({self.devices}, model={self.model!r}, store={self.store!r})"

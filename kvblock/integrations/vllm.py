@@ -1,0 +1,552 @@
+"""vLLM tiered KV offloading: a kvblock store as a secondary tier.
+
+vLLM 0.33's ``TieringOffloadingSpec`` keeps offloaded KV in a CPU primary
+pool (one slot of ``block_size_bytes`` per offload chunk) and cascades slots
+to secondary tiers; ``KVBlockTierManager`` is such a tier, backed by a
+kvblock store on raw NVMe namespaces or pre-sized files.  vLLM calls every
+method from its scheduler thread, so none of them does I/O: ``submit_store``
+and ``submit_load`` queue the job and return, a small pool of worker threads
+runs the kvblock reads and writes, and ``get_finished_jobs`` hands back the
+results.
+
+Geometry: a slot is one kvblock block.
+    The tier only ever moves whole slots between the primary pool and the
+    store; what a slot holds (every worker's pages of a chunk, every layer,
+    maybe padding) is vLLM's business.  So the store is formatted with the
+    byte geometry ``Geometry(num_layers=1, num_kv_heads=1,
+    head_dim=block_size_bytes, dtype="uint8", block_tokens=1, kv_parts=1)``:
+    ``block_bytes == block_size_bytes`` exactly, a run has a single
+    (layer, head group) range, and a run of N slots is on the device exactly
+    what N adjacent slots are in the pool.  vLLM sizes slots in whole pages,
+    so the range needs no padding and kvblock reads and writes it straight
+    from and into the pool.  (kvblock's layer-wise layout buys nothing here:
+    the CPU->GPU step is vLLM's, one slot at a time.)
+
+Zero copy where the pool allows it.
+    A job is cut into pieces of at most ``max_run_bytes`` (and 1/8 of a store
+    region), each stored as one kvblock run (one large write, one journal
+    record); the pieces of a job run in parallel on the workers.  A load cut
+    the same way as the store (same keys in the same order: vLLM promotes a
+    request's prefix in order) reads whole runs.  When a piece's
+    ``chunk_ids`` are ascending and adjacent, ``put_run``/``get_run`` get the
+    pool slice itself and kvblock does direct I/O on it (no copy).  Otherwise
+    (a fragmented or reused pool) the piece is gathered into, or scattered
+    from, a page-aligned staging buffer of the worker thread: one memcpy per
+    slot, still one I/O per run.  Keys already in the store, or being stored
+    by another job, are not written again.
+
+Keys and namespaces.
+    A vLLM ``OffloadKey`` (block hash + KV group index) names token content
+    only: two models see the same keys for the same prompt.  The kvblock key
+    is ``xxh3_128(prefix || offload_key)`` where ``prefix`` hashes the tier's
+    ``namespace`` (default: the served model's name) and the slot layout
+    (dtype, tokens per hash, blocks per chunk, parallel sizes, KV groups,
+    slot size), so two models -- or one model under two layouts -- never
+    share blocks, while a store can serve several namespaces in turn.
+
+Store lifecycle.
+    ``format="if-empty"`` (default) opens the store on ``devices`` and
+    formats it when they hold none (refusing block devices on which blkid
+    finds a filesystem or partition table: ``UnsafeTargetError``);
+    ``"never"`` only opens; ``"force"`` formats every start.  A store made
+    for another slot size, or by something other than this tier, is refused
+    with ``GeometryMismatchError``.  ``shutdown()`` cancels queued jobs,
+    waits for running ones and closes the store (a checkpoint: fast reopen).
+
+Lookups: HIT when the store holds the key, else RETRY while a store job for
+the key is in flight (or, briefly, while a worker holds the store's index
+lock), else MISS.  A load that finds a key evicted since its lookup
+fails for that key only (``JobResult.successful_keys`` names the others).
+
+Configuration (one entry of ``secondary_tiers``)::
+
+    {"type": "kvblock", "devices": ["/dev/nvme1n1"],     # or pre-sized files
+     "format": "if-empty", "namespace": "llama-3-8b",
+     "size": "64G",            # create missing files of this size
+     "threads": 8, "max_run_bytes": "16M", "verify": "always",
+     "eviction": "lru", "region_size": null, "engine": null, "queue_depth": 32}
+
+Register the type with :func:`register` (the ``vllm.general_plugins`` entry
+point does it in every vLLM process), or name this module in the tier config
+(``"type": "KVBlockTierManager", "module_path": "kvblock.integrations.vllm"``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+import xxhash
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+from vllm.v1.kv_offload.tiering.base import (
+    JobResult,
+    SecondaryTierManager,
+    TransferJob,
+)
+
+from kvblock.store import provision
+from kvblock.errors import (
+    ConfigError,
+    KVBlockError,
+)
+from kvblock.layout import Geometry
+from kvblock.memory import HostBuffer
+from kvblock.store import KVStore
+
+logger = logging.getLogger(__name__)
+
+TIER_TYPE = "kvblock"
+# Model fingerprint of stores this tier formats: a store written by anything
+# else (a `kvblock demo` store, another engine's) is refused at open.
+STORE_MODEL = "kvblock.integrations.vllm/v1"
+FORMAT_MODES = provision.FORMAT_MODES
+DEFAULT_MAX_RUN_BYTES = 16 << 20
+DEFAULT_THREADS = 8
+
+
+# ---------------------------------------------------------------------- helpers
+def slot_geometry(block_size_bytes: int) -> Geometry:
+    """The byte geometry whose block is one primary-pool slot."""
+    return Geometry(num_layers=1, num_kv_heads=1, head_dim=int(block_size_bytes),
+                    dtype="uint8", block_tokens=1, kv_parts=1, head_groups=1)
+
+
+def _layout_facts(offloading_spec: Any) -> dict:
+    """What in vLLM's offloading config decides the bytes of a slot (plain
+    values only: a test's mock spec contributes nothing)."""
+    config = getattr(offloading_spec, "config", None)
+    if not isinstance(config, OffloadingConfig):
+        return {}
+    p = config.parallel
+    return {
+        "dtype": config.model.dtype,
+        "tokens_per_hash": config.cache.tokens_per_hash,
+        "blocks_per_chunk": config.cache.blocks_per_chunk,
+        "parallel": [p.world_size, p.tp_size, p.pp_size, p.pcp_size, p.dcp_size],
+        "groups": [[g.group_id, g.tokens_per_block, list(g.layer_names)]
+                   for g in config.groups],
+        "replicated_layout": bool(config.replicated_layout),
+        "canonical_layout": bool(config.canonical_layout),
+        "kv_cache_layout": config.kv_cache_layout,
+    }
+
+
+def default_namespace(offloading_spec: Any) -> str:
+    config = getattr(offloading_spec, "config", None)
+    if isinstance(config, OffloadingConfig) and config.model.name:
+        return config.model.name
+    return ""
+
+
+def key_prefix(namespace: str, offloading_spec: Any, block_size_bytes: int) -> bytes:
+    """16 bytes mixed into every kvblock key of this tier."""
+    facts = dict(_layout_facts(offloading_spec), slot_bytes=int(block_size_bytes))
+    text = json.dumps([namespace, facts], sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_digest(b"kvblock-vllm-key-v1\0" + text.encode())
+
+
+def _parse_size(value, name: str) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"kvblock tier: {name} must be a size, got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    from kvblock.cli.units import parse_size
+
+    try:
+        return parse_size(value)
+    except ValueError as e:
+        raise ConfigError(f"kvblock tier: {name}: {e}") from None
+
+
+def open_tier_store(devices: list[str], geometry: Geometry, **kwargs) -> KVStore:
+    """Open (or format, per ``format``) the tier's store on ``devices``
+    (kvblock.store.provision.open_or_format, with this tier's wording)."""
+    return provision.open_or_format(devices, geometry, STORE_MODEL, owner="the kvblock tier",
+                                    force_hint='set "format": "force" in the tier config',
+                                    **kwargs)
+
+
+def _pool_array(view: memoryview, block_size: int) -> np.ndarray:
+    """(slots, block_size) uint8 array over the primary pool (no copy)."""
+    arr = np.asarray(view)
+    if not arr.flags.c_contiguous or arr.nbytes % block_size:
+        raise ConfigError(f"kvblock tier: the primary KV view must be C-contiguous whole "
+                          f"slots of {block_size} bytes (shape {view.shape}, strides "
+                          f"{view.strides})")
+    if not arr.flags.writeable:
+        raise ConfigError("kvblock tier: the primary KV view is read-only")
+    return arr.reshape(-1).view(np.uint8).reshape(arr.nbytes // block_size, block_size)
+
+
+def _adjacent(chunk_ids: np.ndarray) -> bool:
+    """Ascending, adjacent slot ids: one contiguous slice of the pool."""
+    return chunk_ids.size <= 1 or bool((np.diff(chunk_ids) == 1).all())
+
+
+class _Job:
+    __slots__ = ("meta", "load", "keys", "kbs", "chunks", "pending", "ok", "moved",
+                 "started", "ended", "reserved")
+
+    def __init__(self, meta: TransferJob, load: bool, keys: list, kbs: list[bytes],
+                 chunks: np.ndarray, reserved: list[bytes]):
+        self.meta = meta
+        self.load = load
+        self.keys = keys              # OffloadKeys this job moves (stores: minus in-flight)
+        self.kbs = kbs                # their kvblock keys
+        self.chunks = chunks          # their primary slots
+        self.pending = 0              # pieces not finished
+        self.ok = np.zeros(len(keys), dtype=bool)
+        self.moved = 0                # slots actually read or written
+        self.started = None
+        self.ended = None
+        self.reserved = reserved      # kvblock keys this store job claimed in _storing
+
+
+# ---------------------------------------------------------------------- the tier
+class KVBlockTierManager(SecondaryTierManager):
+    """A vLLM secondary tier on a kvblock store (see the module docstring)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector=None, *, devices=None, format: str = "if-empty",
+                 namespace: str | None = None, size=None, threads: int = DEFAULT_THREADS,
+                 max_run_bytes=DEFAULT_MAX_RUN_BYTES, verify: str = "always",
+                 eviction: str = "lru", region_size=None, engine: str | None = None,
+                 queue_depth: int = 32, locality: str | None = None, **unknown):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if unknown:
+            raise ConfigError(f"kvblock tier: unknown config keys {sorted(unknown)}; known: "
+                              "devices, format, namespace, size, threads, max_run_bytes, "
+                              "verify, eviction, region_size, engine, queue_depth, locality")
+        if not devices:
+            raise ConfigError('kvblock tier: "devices" must name the store\'s device(s) or '
+                              'pre-sized file(s), e.g. ["/dev/nvme1n1"]')
+        if isinstance(devices, (str, os.PathLike)):
+            devices = [devices]
+        self.devices = [os.fspath(d) for d in devices]
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ConfigError(f"kvblock tier: threads must be a positive integer, got {threads!r}")
+        self.locality = Locality(locality) if locality is not None else None
+        bs = self.block_size_bytes
+        self.namespace = default_namespace(offloading_spec) if namespace is None else str(namespace)
+        self._prefix = key_prefix(self.namespace, offloading_spec, bs)
+        self.geometry = slot_geometry(bs)
+        run_bytes = _parse_size(max_run_bytes, "max_run_bytes")
+        self._slots = _pool_array(primary_kv_view, bs)
+        try:
+            self.store = open_tier_store(
+                self.devices, self.geometry, format=format,
+                size=None if size is None else _parse_size(size, "size"),
+                region_size=None if region_size is None else _parse_size(region_size,
+                                                                          "region_size"),
+                verify=verify, eviction=eviction, engine=engine, queue_depth=queue_depth)
+        except BaseException:
+            self._slots = None      # vLLM unmaps the pool after a failed start
+            raise
+        # A run never spans regions; runs of at most 1/8 region keep the space
+        # a region cannot fit at its end small.
+        self.max_run_blocks = max(1, min(run_bytes // bs, self.store.max_run_blocks // 8))
+        self._cond = threading.Condition(threading.Lock())
+        self._loads: deque = deque()
+        self._stores: deque = deque()
+        self._finished: deque[JobResult] = deque()
+        self._inflight = 0                      # jobs submitted, result not yet queued
+        self._storing: set[bytes] = set()       # kvblock keys a store job is writing
+        self._stop = False
+        self._closed = False
+        self._staging: list[HostBuffer] = []
+        self._local = threading.local()
+        self._workers = [threading.Thread(target=self._worker, name=f"kvblock_tier_{i}",
+                                          daemon=True) for i in range(threads)]
+        for t in self._workers:
+            t.start()
+        logger.info("kvblock tier on %s: %d-byte slots, namespace %r, %d threads, runs of up "
+                    "to %d slots, %d blocks stored", self.devices, bs, self.namespace,
+                    threads, self.max_run_blocks, len(self.store.index))
+
+    # ------------------------------------------------------------ keys
+    def kvblock_key(self, key: OffloadKey) -> bytes:
+        """The 16-byte kvblock key of a vLLM key in this tier's namespace."""
+        return xxhash.xxh3_128_digest(self._prefix + bytes(key))
+
+    # ------------------------------------------------------------ scheduler-side API
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        kb = self.kvblock_key(key)
+        with self._cond:
+            if self._closed:
+                return LookupResult.MISS
+            storing = kb in self._storing
+        found = self._contains_nowait(kb)
+        if found:
+            return LookupResult.HIT
+        if found is None or storing:
+            return LookupResult.RETRY
+        return LookupResult.MISS
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        chunks = np.asarray(job_metadata.chunk_ids, dtype=np.int64).reshape(-1)
+        if len(keys) != chunks.size:
+            raise ConfigError(f"kvblock tier: store job {job_metadata.job_id} has "
+                              f"{len(keys)} keys but {chunks.size} chunk ids")
+        kbs = [self.kvblock_key(k) for k in keys]
+        with self._cond:
+            if self._closed:
+                self._finished.append(JobResult(job_metadata.job_id, False))
+                return
+            # Keys another store job is already writing are left to that job.
+            mine, seen = [], set()
+            for i, kb in enumerate(kbs):
+                if kb not in self._storing and kb not in seen:
+                    seen.add(kb)
+                    mine.append(i)
+            self._storing.update(kbs[i] for i in mine)
+            job = _Job(job_metadata, False, [keys[i] for i in mine], [kbs[i] for i in mine],
+                       chunks[mine], [kbs[i] for i in mine])
+            self._enqueue(job, self._stores)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        chunks = np.asarray(job_metadata.chunk_ids, dtype=np.int64).reshape(-1)
+        if len(keys) != chunks.size:
+            raise ConfigError(f"kvblock tier: load job {job_metadata.job_id} has "
+                              f"{len(keys)} keys but {chunks.size} chunk ids")
+        kbs = [self.kvblock_key(k) for k in keys]
+        with self._cond:
+            if self._closed:
+                self._finished.append(JobResult(job_metadata.job_id, False))
+                return
+            self._enqueue(_Job(job_metadata, True, keys, kbs, chunks, []), self._loads)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        out = []
+        while self._finished:                 # deque: appends from workers are safe
+            out.append(self._finished.popleft())
+        return out
+
+    def has_pending_work(self) -> bool:
+        return self._inflight > 0 or bool(self._finished)
+
+    def drain_jobs(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._inflight == 0)
+
+    def shutdown(self) -> None:
+        """Cancel queued pieces (their jobs fail), let running ones finish,
+        stop the workers and close the store."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._stop = True
+            cancelled = list(self._loads) + list(self._stores)
+            self._loads.clear()
+            self._stores.clear()
+            for job, _, _ in cancelled:
+                self._piece_done(job)
+            self._cond.notify_all()
+        for t in self._workers:
+            t.join()
+        for buf in self._staging:
+            buf.close()
+        self._staging.clear()
+        try:
+            self.store.close()
+        except KVBlockError:
+            logger.exception("kvblock tier: closing the store failed")
+        # vLLM's primary tier releases the view and unmaps the pool right
+        # after the secondary tiers shut down: keep no array over it.
+        self._slots = None
+
+    def stats(self) -> dict:
+        """The store's counters and gauges (``KVStore.stats()``)."""
+        return self.store.stats()
+
+    # ------------------------------------------------------------ internals
+    def _enqueue(self, job: _Job, queue: deque) -> None:
+        """(under _cond) cut the job into pieces of at most max_run_blocks."""
+        self._inflight += 1
+        n = len(job.keys)
+        if n == 0:
+            self._finish(job)
+            return
+        step = self.max_run_blocks
+        for start in range(0, n, step):
+            queue.append((job, start, min(n, start + step)))
+            job.pending += 1
+        self._cond.notify(job.pending)
+
+    def _piece_done(self, job: _Job) -> None:
+        """(under _cond)"""
+        job.pending -= 1
+        if job.pending == 0:
+            self._finish(job)
+
+    def _finish(self, job: _Job) -> None:
+        """(under _cond) publish the job's result."""
+        self._storing.difference_update(job.reserved)
+        meta = job.meta
+        success = bool(job.ok.all())
+        successful = None
+        if job.load and not success and job.ok.any():
+            successful = tuple(k for k, ok in zip(job.keys, job.ok) if ok)
+        elapsed = None
+        if job.started is not None:
+            elapsed = (job.ended or time.monotonic()) - job.started
+        self._finished.append(JobResult(
+            job_id=meta.job_id, success=success, successful_keys=successful,
+            transfer_time=elapsed,
+            transfer_bytes=job.moved * self.block_size_bytes))
+        self._inflight -= 1
+        self._cond.notify_all()
+
+    def _contains_nowait(self, kb: bytes) -> bool | None:
+        """Whether the store holds ``kb``; None when a worker holds the
+        store's lock right now (the caller answers RETRY).
+
+        KVStore.lookup reads the index without the store's lock, which races
+        with a publish that grows the index; taking the lock here (without
+        waiting: lookup() runs on vLLM's scheduler thread) avoids that.
+        """
+        store = self.store
+        lock = getattr(store, "_lock", None)
+        if lock is not None and not lock.acquire(blocking=False):
+            return None
+        try:
+            return store.contains(kb)
+        except KVBlockError:      # closed after a failed metadata write: nothing to load
+            return False
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _present(self, kbs: list[bytes]) -> np.ndarray:
+        """Per key: does the store hold it (worker threads; may wait)."""
+        store = self.store
+        lock = getattr(store, "_lock", None)
+        index = getattr(store, "index", None)
+        if lock is None or index is None:
+            return np.array([store.contains(k) for k in kbs], dtype=bool)
+        with lock:
+            return index.lookup(kbs) >= 0
+
+    def _staging_array(self, nbytes: int) -> np.ndarray:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < nbytes:
+            size = max(nbytes, self.max_run_blocks * self.block_size_bytes)
+            new = HostBuffer(size)
+            with self._cond:
+                if buf is not None:
+                    self._staging.remove(buf)
+                    buf.close()
+                self._staging.append(new)
+            buf = self._local.buf = new
+        return buf.array[:nbytes]
+
+    def _worker(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._stop or self._loads or self._stores)
+                if self._stop:
+                    return
+                job, start, stop = (self._loads or self._stores).popleft()
+                if job.started is None:
+                    job.started = time.monotonic()
+            moved = 0
+            try:
+                moved = self._run_piece(job, start, stop)
+            except Exception as e:  # a failed piece fails its keys, never the worker
+                logger.warning("kvblock tier: %s job %s, slots %d..%d failed: %s",
+                               "load" if job.load else "store", job.meta.job_id, start, stop,
+                               e, exc_info=not isinstance(e, KVBlockError))
+            with self._cond:
+                job.moved += moved
+                job.ended = time.monotonic()
+                self._piece_done(job)
+
+    def _run_piece(self, job: _Job, start: int, stop: int) -> int:
+        return (self._load_piece if job.load else self._store_piece)(job, start, stop)
+
+    def _store_piece(self, job: _Job, start: int, stop: int) -> int:
+        kbs = job.kbs[start:stop]
+        chunks = job.chunks[start:stop]
+        present = self._present(kbs)
+        todo = np.nonzero(~present)[0]
+        written = 0
+        if todo.size:
+            keys = [kbs[i] for i in todo]
+            ids = chunks[todo]
+            if _adjacent(ids):
+                data = self._slots[int(ids[0]):int(ids[0]) + ids.size]       # no copy
+            else:
+                data = self._staging_array(ids.size * self.block_size_bytes).reshape(
+                    ids.size, self.block_size_bytes)
+                np.take(self._slots, ids, axis=0, out=data)                   # gather
+            if self.store.put_run(keys, data) != len(keys):
+                raise KVBlockError("the store declined the run (admission)")
+            written = len(keys)
+        job.ok[start:stop] = True
+        return written
+
+    def _load_piece(self, job: _Job, start: int, stop: int) -> int:
+        kbs = job.kbs[start:stop]
+        ids = job.chunks[start:stop]
+        n, bs = len(kbs), self.block_size_bytes
+        direct = _adjacent(ids)
+        if direct:
+            dst = self._slots[int(ids[0]):int(ids[0]) + n]
+        else:
+            dst = self._staging_array(n * bs).reshape(n, bs)
+        ok = np.zeros(n, dtype=bool)
+        i = 0
+        while i < n:
+            got = self.store.get_run(kbs[i:], dst[i:])
+            ok[i:i + got] = True
+            i += got + 1          # skip the key that missed (evicted or corrupt)
+        if not direct:
+            slots = self._slots
+            for j in np.nonzero(ok)[0].tolist():                              # scatter
+                slots[int(ids[j])] = dst[j]
+        job.ok[start:stop] = ok
+        return int(ok.sum())
+
+    def __repr__(self) -> str:
+        return (f"KVBlockTierManager(devices={self.devices}, slot={self.block_size_bytes}, "
+                f"namespace={self.namespace!r})")
+
+
+def register() -> None:
+    """Register ``"kvblock"`` with vLLM's SecondaryTierFactory (idempotent).
+
+    Meant for the ``vllm.general_plugins`` entry point, which vLLM calls in
+    each of its processes before it builds the offloading spec.
+    """
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    try:
+        SecondaryTierFactory.register_tier(TIER_TYPE, __name__, KVBlockTierManager.__name__)
+    except ValueError:
+        pass  # already registered (plugins load once per process, tests call it again)
+
+
+__all__ = ["KVBlockTierManager", "register", "slot_geometry", "key_prefix", "open_tier_store",
+           "TIER_TYPE", "STORE_MODEL"]

@@ -1,0 +1,252 @@
+#!/usr/bin/env python3
+"""kvblock's vLLM tier vs vLLM's built-in fs tier: same data, same filesystem.
+
+Both tiers are driven exactly as vLLM 0.33's TieringOffloadingManager drives
+them (TransferJobs over a page-aligned CPU primary pool seen through a
+memoryview, results polled with get_finished_jobs), one after the other, on
+the same filesystem:
+
+- kvblock: ``KVBlockTierManager`` on a pre-sized store file;
+- fs: ``FileSystemTierManager`` (one file per slot, O_DIRECT when the
+  filesystem takes it) with its default 16 read + 16 write threads.
+
+For each location (``disk``: /var/tmp; ``shm``: /dev/shm) and slot size,
+``--rounds`` times (alternating which tier goes first), it stores ``--gib``
+GiB of slots (jobs of ``--job-slots`` slots, all submitted
+at once, then drained), drops the page cache (``echo 3 >
+/proc/sys/vm/drop_caches``; root), loads every slot back, checks the bytes
+and prints the median store and load GiB/s and the kvblock/fs ratios.
+
+    /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py                  # ~1.5 minutes
+    /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py --gib 4 --slots 256K,2M,8M
+    /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py --pattern scattered --json
+
+``--pattern adjacent`` (default) gives each job ascending adjacent slots (how
+vLLM's primary pool hands out fresh slots: kvblock's zero-copy path);
+``scattered`` gives a fragmented pool (kvblock gathers/scatters through
+staging memory).  Everything it creates is removed at the end.
+
+Note: vLLM's fs tier has a C extension (vllm.fs_io_C) that the CUDA wheel
+links against CUDA libraries; where it cannot load (a CPU-only machine) the fs
+tier runs its pure-Python I/O path, and the table says which one ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest.mock import MagicMock
+
+import numpy as np
+import torch
+from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.fs import io as fs_io
+from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+import kvblock
+from kvblock.cli.units import parse_size
+from kvblock.integrations.vllm import DEFAULT_THREADS, KVBlockTierManager
+
+GIB = 1 << 30
+PAGE = mmap.PAGESIZE
+LOCATIONS = {"disk": "/var/tmp", "shm": "/dev/shm"}
+CTX = ReqContext(req_id="bench")
+
+
+def make_spec() -> MagicMock:
+    spec = MagicMock()
+    spec.config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers",),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=0, enable_kv_cache_events=False, extra_config={},
+        engine_id="bench", model=OffloadingModelConfig(name="bench-model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False))
+    spec.blocks_per_chunk = 1
+    spec.kv_events_config = MagicMock(enable_kv_cache_events=False)
+    return spec
+
+
+def page_aligned_pool(num_slots: int, slot: int) -> torch.Tensor:
+    raw = torch.empty(num_slots * slot + PAGE, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % PAGE
+    pool = raw[shift:shift + num_slots * slot].view(num_slots, slot)
+    gen = torch.Generator().manual_seed(slot)
+    pool.view(torch.int64).copy_(torch.randint(-2**62, 2**62, (num_slots, slot // 8),
+                                               generator=gen, dtype=torch.int64))
+    return pool
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def plan_jobs(total_slots: int, pool_slots: int, job_slots: int, pattern: str, seed: int):
+    """[(keys, chunk_ids)]: every key once; slot of key i is i % pool_slots
+    (adjacent) or a fixed permutation of it (scattered)."""
+    rng = np.random.default_rng(seed)
+    perm = np.arange(pool_slots) if pattern == "adjacent" else rng.permutation(pool_slots)
+    jobs = []
+    for start in range(0, total_slots, job_slots):
+        idx = np.arange(start, min(total_slots, start + job_slots))
+        keys = [make_offload_key(int(i).to_bytes(8, "big") + seed.to_bytes(8, "big"), 0)
+                for i in idx]
+        jobs.append((keys, perm[idx % pool_slots]))
+    return jobs
+
+
+def run_jobs(tier, jobs, promotion: bool, first_id: int) -> float:
+    t0 = time.perf_counter()
+    for n, (keys, ids) in enumerate(jobs):
+        job = TransferJob(job_id=first_id + n, keys=keys, chunk_ids=ids,
+                          is_promotion=promotion, req_context=CTX)
+        (tier.submit_load if promotion else tier.submit_store)(job)
+    tier.drain_jobs()
+    elapsed = time.perf_counter() - t0
+    results = list(tier.get_finished_jobs())
+    failed = [r.job_id for r in results if not r.success]
+    if len(results) != len(jobs) or failed:
+        raise SystemExit(f"{type(tier).__name__}: {len(failed)} of {len(jobs)} "
+                         f"{'load' if promotion else 'store'} jobs failed")
+    return elapsed
+
+
+def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tensor,
+            expected: torch.Tensor, jobs, args) -> dict:
+    t0 = time.perf_counter()
+    base = Path(where) / f"kvblock-vllm-bench-{os.getpid()}"
+    base.mkdir(parents=True, exist_ok=True)
+    view = memoryview(pool.numpy())
+    evicted = 0
+    try:
+        if kind == "kvblock":
+            img = base / "kv.img"
+            # room for every slot: runs are at most 1/8 region, so at most 1/8 is lost
+            kvblock.create_file(img, total_bytes + total_bytes // 4 + (128 << 20))
+            tier = KVBlockTierManager(make_spec(), view, "kvblock", devices=[str(img)],
+                                      threads=args.threads, max_run_bytes=args.max_run_bytes)
+        else:
+            tier = FileSystemTierManager(make_spec(), view, "fs", root_dir=str(base / "fs"))
+        try:
+            setup_s = time.perf_counter() - t0
+            store_s = run_jobs(tier, jobs, False, 1)
+            if kind == "kvblock":
+                evicted = tier.stats()["evicted_blocks"]
+            pool.zero_()
+            dropped = drop_caches()
+            load_s = run_jobs(tier, jobs, True, 1_000_000)
+            ok = torch.equal(pool, expected)
+        finally:
+            tier.shutdown()
+    finally:
+        view.release()
+        shutil.rmtree(base, ignore_errors=True)
+    if evicted:
+        raise SystemExit(f"kvblock store at {where} too small: {evicted} blocks evicted")
+    if not ok:
+        raise SystemExit(f"{kind} at {where}, slot {slot}: loaded bytes differ from stored")
+    return {"tier": kind, "store_gibps": total_bytes / GIB / store_s,
+            "load_gibps": total_bytes / GIB / load_s, "store_s": store_s, "load_s": load_s,
+            "setup_s": setup_s, "total_s": time.perf_counter() - t0, "dropped_caches": dropped}
+
+
+def fmt_size(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=0.75, help="GiB stored and loaded per case")
+    ap.add_argument("--slots", default="256K,2M", help="slot sizes, comma separated")
+    ap.add_argument("--locations", default="disk,shm",
+                    help=f"comma separated, of {sorted(LOCATIONS)}")
+    ap.add_argument("--pool", default="256M", help="primary pool size (slots are reused)")
+    ap.add_argument("--job-slots", type=int, default=32, help="slots per TransferJob")
+    ap.add_argument("--pattern", choices=("adjacent", "scattered"), default="adjacent")
+    ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
+                    help="kvblock tier worker threads (default: the tier's)")
+    ap.add_argument("--max-run-bytes", default="16M", help="kvblock tier max_run_bytes")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds per case (order alternates); medians are printed")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    slots = [parse_size(s) for s in args.slots.split(",")]
+    locations = [s.strip() for s in args.locations.split(",")]
+    total = int(args.gib * GIB)
+    rows = []
+    for loc in locations:
+        where = LOCATIONS[loc]
+        for slot in slots:
+            pool_slots = max(1, min(parse_size(args.pool) // slot, total // slot))
+            n = total // slot
+            pool = page_aligned_pool(pool_slots, slot)
+            expected = pool.clone()
+            jobs = plan_jobs(n, pool_slots, args.job_slots, args.pattern, seed=slot)
+            samples = {"kvblock": [], "fs": []}
+            for rnd in range(args.rounds):
+                # alternate the order so drift and leftovers hit both tiers alike
+                for kind in (("kvblock", "fs") if rnd % 2 == 0 else ("fs", "kvblock")):
+                    samples[kind].append(measure(kind, where, slot, n * slot, pool, expected,
+                                                 jobs, args))
+                    pool.copy_(expected)
+            for kind in ("kvblock", "fs"):
+                runs = samples[kind]
+                rows.append({
+                    "tier": kind, "location": loc, "path": where, "slot": slot,
+                    "bytes": n * slot,
+                    "store_gibps": statistics.median(r["store_gibps"] for r in runs),
+                    "load_gibps": statistics.median(r["load_gibps"] for r in runs),
+                    "samples": runs,
+                    "dropped_caches": all(r["dropped_caches"] for r in runs)})
+            del pool, expected
+    fs_impl = "C (fs_io_C)" if fs_io._HAS_FSIO_C else "pure Python (fs_io_C unavailable)"
+    if args.json:
+        print(json.dumps({"rows": rows, "fs_io": fs_impl, "pattern": args.pattern,
+                          "job_slots": args.job_slots, "threads": args.threads}, indent=2))
+        return 0
+    print(f"{args.gib:g} GiB per case, median of {args.rounds} rounds, "
+          f"jobs of {args.job_slots} slots ({args.pattern}), "
+          f"kvblock threads={args.threads} max_run_bytes={args.max_run_bytes}, "
+          f"fs tier: 16+16 threads, I/O {fs_impl}")
+    if not all(r["dropped_caches"] for r in rows):
+        print("warning: could not drop the page cache (not root?): loads may hit memory")
+    head = (f"{'where':<6} {'slot':>8} | {'kvblock store':>13} {'fs store':>9} {'ratio':>6} | "
+            f"{'kvblock load':>12} {'fs load':>8} {'ratio':>6}   (GiB/s)")
+    print(head)
+    print("-" * len(head))
+    for i in range(0, len(rows), 2):
+        kv, fs = rows[i], rows[i + 1]
+        print(f"{kv['location']:<6} {fmt_size(kv['slot']):>8} | "
+              f"{kv['store_gibps']:>13.2f} {fs['store_gibps']:>9.2f} "
+              f"{kv['store_gibps'] / fs['store_gibps']:>5.2f}x | "
+              f"{kv['load_gibps']:>12.2f} {fs['load_gibps']:>8.2f} "
+              f"{kv['load_gibps'] / fs['load_gibps']:>5.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Drive KVBlockHiCacheStorage through SGLang's real host pools (run as a child
+process by test_sglang.py: ``python -m tests.integrations.sglang_real_pool_check DIR``).
+
+``sglang.srt.mem_cache.pool_host`` imports ``sglang.srt.configs``, whose
+multimodal model configs import ``torchvision`` at module level; no
+torchvision on PyPI loads beside the CPU build of torch 2.13.0.  This process
+installs a stand-in ``torchvision`` package (attributes are mocks) before
+importing SGLang, so that import chain -- which has nothing to do with KV
+pools -- succeeds; the pools, SGLang's backend factory and the pools'
+flat-page methods are SGLang's own code.  The stand-in lives only in this
+child process (transformers would otherwise see torchvision as installed).
+
+Prints one JSON line; exits non-zero on the first failed check.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import types
+import warnings
+from unittest import mock
+
+
+class _StandInTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name == "torchvision" or name.startswith("torchvision."):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = types.ModuleType(spec.name)
+        module.__path__ = []
+        module.__getattr__ = lambda attr: mock.MagicMock(name=f"{spec.name}.{attr}")
+        return module
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.append(_StandInTorchvision())
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")   # SGLang warns about CUDA-only quantization on import
+    import torch
+    from sglang.srt.mem_cache.device_pool_info import (
+        KVBufferLayout,
+        KVBuffers,
+        MHABufferInfo,
+        MLABufferInfo,
+    )
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage import StorageBackendFactory
+    from sglang.srt.observability.metrics_collector import StorageMetrics
+
+from kvblock.devices import create_file
+from tests.integrations.sglang_pools import kv_buffer_shape
+
+LAYERS, HEADS, HEAD_DIM, PAGE, DEVICE_TOKENS = 3, 2, 16, 4, 48
+MLA_LORA, MLA_ROPE = 24, 8
+DTYPE = torch.bfloat16
+
+
+def real_pool(mla: bool, layout: str):
+    """A host pool built the way SGLang's assembler builds it, on the CPU."""
+    cpu = torch.device("cpu")
+    if mla:
+        dim = MLA_LORA + MLA_ROPE
+        bufs = tuple(torch.zeros(DEVICE_TOKENS, 1, dim, dtype=DTYPE) for _ in range(LAYERS))
+        info = MLABufferInfo(
+            buffers=bufs, data_ptrs=torch.tensor([b.data_ptr() for b in bufs],
+                                                 dtype=torch.uint64),
+            layer_indices=tuple(range(LAYERS)), device_layer_num=LAYERS, page_size=PAGE,
+            kv_lora_rank=MLA_LORA, qk_rope_head_dim=MLA_ROPE, kv_cache_dim=dim, dtype=DTYPE,
+            device=cpu)
+        return MLATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                    device_capacity_tokens=DEVICE_TOKENS, start_layer=0,
+                                    end_layer=LAYERS, target_layer_num=LAYERS)
+    k = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
+    v = tuple(torch.zeros(DEVICE_TOKENS, HEADS, HEAD_DIM, dtype=DTYPE) for _ in range(LAYERS))
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
+                          layout=KVBufferLayout.NHD),
+        page_size=PAGE, head_num=HEADS, head_dim=HEAD_DIM, v_head_dim=HEAD_DIM, dtype=DTYPE,
+        device=cpu)
+    return MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=DEVICE_TOKENS, start_layer=0,
+                                end_layer=LAYERS)
+
+
+def attach(pool, mla: bool, devices, model="org/model-a", **extra):
+    """What HiCacheController.attach_storage_backend does for a dynamic backend."""
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=mla, enable_storage_metrics=True,
+        is_page_first_layout=pool.layout == "page_first", model_name=model,
+        extra_config={"backend_name": "kvblock", "module_path": "kvblock.integrations.sglang",
+                      "class_name": "KVBlockHiCacheStorage", "interface_v1": 1,
+                      "devices": devices, **extra})
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    return backend
+
+
+def fill(pool, seed):
+    g = torch.Generator().manual_seed(seed)
+    raw = pool.kv_buffer.view(torch.uint8)
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
+
+
+def pages_of(pool, indices):
+    """Each page's flat bytes through the pool's own get_data_page."""
+    ps = pool.page_size
+    return [pool.get_data_page(int(indices[i * ps]), flat=True).view(torch.uint8).clone()
+            for i in range(len(indices) // ps)]
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def run_case(mla: bool, layout: str, tmp: str, results: dict) -> None:
+    name = f"{'mla' if mla else 'mha'}-{layout}"
+    pool = real_pool(mla, layout)
+    want = kv_buffer_shape(mla, layout, LAYERS, HEADS, MLA_LORA + MLA_ROPE if mla else HEAD_DIM,
+                           PAGE, pool.page_num)
+    check(tuple(pool.kv_buffer.shape) == want,
+          f"{name}: real kv_buffer {tuple(pool.kv_buffer.shape)} != stand-in {want}")
+    check(pool.kv_buffer.is_contiguous(), f"{name}: kv_buffer not contiguous")
+    path = f"{tmp}/{name}.img"
+    create_file(path, 64 << 20)
+    backend = attach(pool, mla, [path])
+    fill(pool, 1)
+    n = 5
+    keys = [f"{name}-page-{i:02d}" for i in range(n)]
+
+    # zero-copy path, as _page_set_zero_copy / _page_get_zero_copy call it
+    src = pool.alloc(n * PAGE)
+    before = pages_of(pool, src)
+    check(all(backend.batch_set_v1(keys, src, None)), f"{name}: batch_set_v1 failed")
+    check(backend.batch_exists(keys + ["missing"], None) == n, f"{name}: batch_exists")
+    dst = pool.alloc(n * PAGE)
+    pool.kv_buffer.zero_()
+    check(backend.batch_get_v1(keys, dst, None) == [True] * n, f"{name}: batch_get_v1")
+    after = pages_of(pool, dst)
+    check(all(a.equal(b) for a, b in zip(before, after)), f"{name}: v1 bytes differ")
+
+    # flat-page path, as _generic_page_set / _generic_page_get call it
+    fill(pool, 2)
+    keys2 = [f"{name}-flat-{i:02d}" for i in range(3)]
+    idx = pool.alloc(3 * PAGE)
+    data = [pool.get_data_page(idx[i * PAGE]) for i in range(3)]
+    flat_before = [d.view(torch.uint8).clone() for d in data]
+    check(backend.batch_set(keys2, data), f"{name}: batch_set")
+    dummies = [pool.get_dummy_flat_data_page() for _ in keys2]
+    got = backend.batch_get(keys2 + ["absent"], dummies + [pool.get_dummy_flat_data_page()])
+    check(got[-1] is None, f"{name}: batch_get of a missing key")
+    pool.kv_buffer.zero_()
+    for i in range(3):
+        pool.set_from_flat_data_page(idx[i * PAGE], got[i])
+    flat_after = pages_of(pool, idx)
+    check(all(a.equal(b) for a, b in zip(flat_before, flat_after)), f"{name}: flat bytes differ")
+    check(backend.exists(keys2[0]) and not backend.exists("absent"), f"{name}: exists")
+    metrics = backend.get_stats()
+    check(isinstance(metrics, StorageMetrics) and sum(metrics.backup_pgs) == n
+          and sum(metrics.prefetch_pgs) == n, f"{name}: get_stats {metrics}")
+    backend.close()
+
+    # the store keeps kvblock's layout: a pool of the other page layout reads it
+    other = "page_first_direct" if layout == "page_first" else "page_first"
+    pool2 = real_pool(mla, other)
+    backend2 = attach(pool2, mla, [path], format="never")
+    dst2 = pool2.alloc(n * PAGE)
+    check(backend2.batch_get_v1(keys, dst2, None) == [True] * n, f"{name}: reopen get")
+    across = pages_of(pool2, dst2)
+    # a page's flat bytes differ between layouts; compare through the layout-free view
+    for a, b in zip(before, across):
+        check(_canonical(a, mla, layout).equal(_canonical(b, mla, other)),
+              f"{name}: bytes differ when read through a {other} pool")
+    backend2.close()
+    results[name] = {"pages": n, "flat_pages": 3, "kv_buffer": list(want)}
+
+
+def _canonical(flat_u8, mla, layout):
+    """A flat page (get_data_page order) as (layers, kv, tokens, heads*dim) bytes."""
+    x = flat_u8.view(DTYPE)
+    if mla:
+        D = MLA_LORA + MLA_ROPE
+        if layout == "page_first":
+            return x.view(PAGE, LAYERS, D).transpose(0, 1).contiguous().view(torch.uint8)
+        return x.view(LAYERS, PAGE, D).contiguous().view(torch.uint8)
+    if layout == "page_first":
+        return x.view(2, PAGE, LAYERS, HEADS * HEAD_DIM).permute(2, 0, 1, 3).contiguous() \
+            .view(torch.uint8)
+    return x.view(2, LAYERS, PAGE, HEADS * HEAD_DIM).transpose(0, 1).contiguous() \
+        .view(torch.uint8)
+
+
+def main() -> int:
+    tmp = sys.argv[1]
+    results: dict = {}
+    for mla in (False, True):
+        for layout in ("page_first", "page_first_direct"):
+            run_case(mla, layout, tmp, results)
+    print(json.dumps({"ok": True, "cases": results}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,296 @@
+"""kvblock as SGLang's HiCache L3 backend, driven the way SGLang 0.5.23 drives it.
+
+The backend is created by SGLang's own ``StorageBackendFactory`` from a real
+``HiCacheStorageConfig`` (``--hicache-storage-backend dynamic``), then given
+the host pool with ``register_mem_pool_host`` and called with SGLang's page
+keys and host token indices (``batch_set_v1``/``batch_get_v1``/``batch_exists``
+as ``HiCacheController`` calls them).
+
+The host pools here are ``tests.integrations.sglang_pools.HostPool``: the
+``kv_buffer`` of ``MHATokenToKVPoolHost``/``MLATokenToKVPoolHost`` with
+their exact shapes, because SGLang's pool module cannot be imported beside
+the CPU build of torch (it pulls in torchvision; see sglang_pools.py).
+``test_real_host_pools`` runs ``sglang_real_pool_check.py`` in a child
+process, where the real pool classes are built, their shapes compared with
+these and the backend driven through them (flat-page calls included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+from kvblock.errors import ConfigError, GeometryMismatchError, NotAStoreError
+from kvblock.integrations.sglang import KVBlockHiCacheStorage
+from kvblock.store import KVStore
+from tests.integrations.sglang_pools import HostPool
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAYOUTS = ("page_first", "page_first_direct", "layer_first")
+
+
+def storage_config(devices, *, model="org/model-a", mla=False, tp_rank=0, tp_size=1,
+                   metrics=False, **extra) -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(
+        tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+        attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=metrics,
+        is_page_first_layout=True, model_name=model,
+        extra_config={"backend_name": "kvblock", "module_path": "kvblock.integrations.sglang",
+                      "class_name": "KVBlockHiCacheStorage", "interface_v1": 1,
+                      "devices": devices, **extra})
+
+
+def attach(pool, devices, **kw) -> KVBlockHiCacheStorage:
+    """HiCacheController.attach_storage_backend, storage part."""
+    config = storage_config(devices, mla=hasattr(pool, "kv_cache_dim"), **kw)
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)
+    backend.on_host_pools_registered()
+    return backend
+
+
+@pytest.fixture
+def backends():
+    made = []
+    yield made
+    for b in made:
+        b.close()
+
+
+def keys_for(prefix, n):
+    # SGLang's keys are SHA-256 hex strings; any string works the same
+    return [f"{prefix}{i:060d}" for i in range(n)]
+
+
+def test_dynamic_loader_builds_a_hicache_storage(file_target, backends):
+    pool = HostPool()
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    assert isinstance(backend, HiCacheStorage) and isinstance(backend, KVBlockHiCacheStorage)
+    g = backend.store.geometry
+    assert (g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.block_tokens, g.kv_parts) == \
+        (3, 2, 16, "bfloat16", 4, 2)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_round_trip_bytes_identical(file_target, backends, mla, layout):
+    pool = HostPool(mla=mla, layout=layout, head_dim=32 if mla else 16)
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    keys = keys_for("a", 6)
+    src_pages = [3, 7, 8, 9, 15, 0]                     # scattered, like a reused pool
+    before = [pool.page_bytes(p) for p in src_pages]
+    assert backend.batch_set_v1(keys, pool.token_indices(src_pages)) == [True] * 6
+    assert backend.batch_exists(keys) == 6
+    pool.randomize(99)
+    dst_pages = [20, 21, 1, 2, 11, 5]
+    assert backend.batch_get_v1(keys, pool.token_indices(dst_pages)) == [True] * 6
+    for p, want in zip(dst_pages, before):
+        assert torch.equal(pool.page_bytes(p), want)
+    if not mla:
+        assert backend.store.geometry.kv_parts == 2
+    else:
+        assert (backend.store.geometry.kv_parts, backend.store.geometry.num_kv_heads) == (1, 1)
+
+
+def test_batch_exists_is_the_stored_prefix(file_target, backends):
+    pool = HostPool()
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    keys = keys_for("p", 8)
+    stored = keys[:3] + keys[4:6]                       # a hole at 3
+    assert all(backend.batch_set_v1(stored, pool.token_indices([0, 1, 2, 4, 5])))
+    assert backend.batch_exists(keys) == 3
+    assert backend.batch_exists(keys[4:]) == 2
+    assert backend.batch_exists(keys[3:]) == 0
+    assert backend.batch_exists([]) == 0
+    assert backend.exists(keys[0]) and not backend.exists(keys[3])
+
+
+def test_missing_keys_load_the_prefix_only(file_target, backends):
+    pool = HostPool()
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    keys = keys_for("m", 4)
+    want = [pool.page_bytes(p) for p in (0, 1)]
+    assert all(backend.batch_set_v1(keys[:2] + keys[3:], pool.token_indices([0, 1, 3])))
+    untouched = pool.page_bytes(12)
+    got = backend.batch_get_v1(keys, pool.token_indices([10, 11, 12, 13]))
+    assert got == [True, True, False, False]
+    assert torch.equal(pool.page_bytes(10), want[0]) and torch.equal(pool.page_bytes(11), want[1])
+    assert torch.equal(pool.page_bytes(12), untouched)
+    assert backend.batch_get_v1(["nowhere"], pool.token_indices([5])) == [False]
+    assert backend.get("nowhere") is None
+    assert backend.batch_get(["nowhere", keys[0]]) == [None, None]   # prefix semantics
+
+
+def test_two_models_never_share_blocks(file_target, backends):
+    path = file_target()
+    pool = HostPool()
+    a = attach(pool, [path], model="org/model-a")
+    keys = keys_for("k", 3)
+    assert all(a.batch_set_v1(keys, pool.token_indices([0, 1, 2])))
+    a.close()
+    # the device is fingerprinted with its model: another model is refused ...
+    with pytest.raises(GeometryMismatchError):
+        attach(pool, [path], model="org/model-b")
+    # ... and keys carry the model too, should two stores ever be merged
+    cfg_a, cfg_b = storage_config([path], model="org/model-a"), storage_config(
+        [path], model="org/model-b")
+    assert KVBlockHiCacheStorage(cfg_a, {}).kvblock_key(keys[0]) != \
+        KVBlockHiCacheStorage(cfg_b, {}).kvblock_key(keys[0])
+    a = attach(pool, [path], model="org/model-a")
+    backends.append(a)
+    assert a.batch_exists(keys) == 3
+
+
+def test_tenants_and_ranks_get_their_own_keys(file_target, backends):
+    path = file_target()
+    pool = HostPool()
+    tenant_a = attach(pool, [path], namespace="tenant-a")
+    keys = keys_for("t", 2)
+    assert all(tenant_a.batch_set_v1(keys, pool.token_indices([0, 1])))
+    tenant_a.close()
+    tenant_b = attach(pool, [path], namespace="tenant-b")
+    backends.append(tenant_b)
+    assert tenant_b.batch_exists(keys) == 0
+    assert tenant_b.batch_get_v1(keys, pool.token_indices([2, 3])) == [False, False]
+    key = keys[0]
+    mha = [KVBlockHiCacheStorage(storage_config([path], tp_rank=r, tp_size=2), {})
+           for r in (0, 1)]
+    mla = [KVBlockHiCacheStorage(storage_config([path], tp_rank=r, tp_size=2, mla=True), {})
+           for r in (0, 1)]
+    assert mha[0].kvblock_key(key) != mha[1].kvblock_key(key)      # each rank: its heads
+    assert mla[0].kvblock_key(key) == mla[1].kvblock_key(key)      # MLA: replicated pages
+
+
+def test_geometry_comes_from_the_pool_and_is_checked(file_target, backends):
+    path = file_target()
+    backends.append(attach(HostPool(layers=3), [path]))
+    backends.pop().close()
+    with pytest.raises(GeometryMismatchError):
+        attach(HostPool(layers=4), [path])
+    with pytest.raises(GeometryMismatchError):
+        attach(HostPool(dtype=torch.float16), [path])
+    # a store written from a page_first pool serves a page_first_direct one
+    pool = HostPool(layout="page_first_direct")
+    backend = attach(pool, [path], format="never")
+    backends.append(backend)
+    assert backend.store.geometry.num_layers == 3
+
+
+def test_format_modes_and_file_creation(file_target, tmp_path, backends):
+    pool = HostPool()
+    with pytest.raises(NotAStoreError):
+        attach(pool, [file_target()], format="never")
+    created = str(tmp_path / "new" / "kv.img")
+    backend = attach(pool, [created], size="32M")
+    assert os.path.getsize(created) == 32 << 20
+    keys = keys_for("f", 2)
+    assert all(backend.batch_set_v1(keys, pool.token_indices([0, 1])))
+    backend.close()
+    backend = attach(pool, [created], format="force")          # a fresh store every start
+    backends.append(backend)
+    assert backend.batch_exists(keys) == 0
+    with pytest.raises(ConfigError):
+        KVBlockHiCacheStorage(storage_config([created], format="sometimes"), {})
+    with pytest.raises(ConfigError):
+        KVBlockHiCacheStorage(storage_config(None), {})
+
+
+def test_per_rank_device_templates(tmp_path):
+    tmpl = str(tmp_path / "kv-{tp_rank}-of-{tp_size}.img")
+    b = KVBlockHiCacheStorage(storage_config([tmpl], tp_rank=1, tp_size=2), {})
+    assert b.devices == [str(tmp_path / "kv-1-of-2.img")]
+    b = KVBlockHiCacheStorage(storage_config({"0": ["/a"], "1": ["/b", "/c"]}, tp_rank=1,
+                                             tp_size=2), {})
+    assert b.devices == ["/b", "/c"]
+
+
+def test_survives_a_restart(file_target, backends):
+    path = file_target()
+    pool = HostPool(mla=True, layout="page_first")
+    backend = attach(pool, [path])
+    keys = keys_for("r", 5)
+    want = [pool.page_bytes(p) for p in range(5)]
+    assert all(backend.batch_set_v1(keys, pool.token_indices(range(5))))
+    backend.close()
+    fresh = HostPool(mla=True, layout="page_first", seed=5)
+    backend = attach(fresh, [path], format="never")
+    backends.append(backend)
+    assert backend.batch_exists(keys) == 5
+    assert backend.batch_get_v1(keys, fresh.token_indices(range(10, 15))) == [True] * 5
+    assert all(torch.equal(fresh.page_bytes(10 + i), want[i]) for i in range(5))
+
+
+def test_runs_are_cut_and_stored_pages_not_rewritten(file_target, backends):
+    pool = HostPool(pages=40)
+    block = 3 * 2 * 4 * 2 * 16 * 2                                  # bytes per page
+    backend = attach(pool, [file_target()], max_run_bytes=4 * block)  # 4 pages per run
+    backends.append(backend)
+    keys = keys_for("c", 10)
+    assert all(backend.batch_set_v1(keys[:3], pool.token_indices(range(3))))
+    want = [pool.page_bytes(p) for p in range(10)]
+    assert all(backend.batch_set_v1(keys, pool.token_indices(range(10))))
+    stats = backend.stats()
+    assert stats["put_blocks"] == 10 and stats["runs"] == 1 + 2   # 3, then 7 as 4 + 3
+    assert backend.batch_get_v1(keys, pool.token_indices(range(20, 30))) == [True] * 10
+    assert all(torch.equal(pool.page_bytes(20 + i), want[i]) for i in range(10))
+
+
+def test_clear_and_metrics(file_target, backends):
+    pool = HostPool()
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    keys = keys_for("x", 4)
+    assert all(backend.batch_set_v1(keys, pool.token_indices(range(4))))
+    assert backend.get_stats() is None                 # storage metrics off
+    assert backend.clear() is True
+    assert backend.batch_exists(keys) == 0
+
+
+def test_bad_calls_fail_softly_and_bad_pools_loudly(file_target, backends):
+    pool = HostPool()
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    keys = keys_for("b", 2)
+    assert backend.batch_set_v1(keys, torch.arange(1, 9)) == [False, False]   # not page-aligned
+    assert backend.batch_set_v1(keys, torch.arange(0, 4)) == [False, False]   # too few indices
+    assert backend.batch_set_v1([], torch.arange(0)) == []
+    odd = HostPool()
+    odd.layout = "page_head"
+    with pytest.raises(ConfigError):
+        attach(odd, [file_target()])
+    unborn = KVBlockHiCacheStorage(storage_config([file_target()]), {})
+    assert unborn.batch_exists(keys) == 0 and unborn.batch_get_v1(keys, torch.arange(8)) == \
+        [False, False]
+
+
+def test_store_is_a_plain_kvblock_store(file_target):
+    path = file_target()
+    pool = HostPool()
+    backend = attach(pool, [path])
+    backend.batch_set_v1(keys_for("s", 2), pool.token_indices([0, 1]))
+    backend.close()
+    with KVStore.open([path], readonly=True) as store:   # `kvblock info/fsck` can read it
+        assert store.stats()["blocks"] == 2
+
+
+def test_real_host_pools(tmp_path):
+    """SGLang's own MHA/MLA host pools (page_first and page_first_direct): shapes
+    as assumed here, v1 and flat-page round trips, a store read back through a
+    pool of the other layout, get_stats() (child process: see its docstring)."""
+    res = subprocess.run([sys.executable, "-m", "tests.integrations.sglang_real_pool_check",
+                          str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240,
+                         check=False)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["ok"] and len(summary["cases"]) == 4

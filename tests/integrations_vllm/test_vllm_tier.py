@@ -1,0 +1,612 @@
+"""kvblock as a vLLM 0.33 secondary tier, against vLLM's real base classes.
+
+Follows vLLM's own tests/v1/kv_offload/tiering/test_fs_tier.py: the primary
+pool is a page-aligned CPU tensor seen through a memoryview, jobs are
+TransferJobs, results come back from get_finished_jobs().  The store is a
+pre-sized file under tmp_path.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from unittest.mock import MagicMock
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    ReqContext,
+    ScheduleEndContext,
+    make_offload_key,
+)
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+from vllm.v1.kv_offload.tiering.manager import (
+    CPUPrimaryTierOffloadingManager,
+    TieringOffloadingManager,
+)
+
+import kvblock
+from kvblock import Geometry, KVStore
+from kvblock.errors import ConfigError, GeometryMismatchError, NotAStoreError
+from kvblock.integrations import vllm as kv_vllm
+from kvblock.integrations.vllm import KVBlockTierManager, slot_geometry
+
+PAGE = mmap.PAGESIZE
+SLOT = 64 * PAGE            # 256 KiB slots
+NUM_SLOTS = 16
+STORE_BYTES = 96 << 20
+CTX = ReqContext(req_id="test")
+
+
+def make_spec(model="test-model", tp_size=1, dtype="bfloat16") -> MagicMock:
+    spec = MagicMock()
+    spec.config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=0,
+        enable_kv_cache_events=False,
+        extra_config={},
+        engine_id="test-engine",
+        model=OffloadingModelConfig(name=model, dtype=dtype),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False),
+    )
+    spec.blocks_per_chunk = 1
+    return spec
+
+
+def key(n: int, group: int = 0):
+    return make_offload_key(n.to_bytes(8, "big"), group)
+
+
+def job(job_id, keys, chunk_ids, promotion=False) -> TransferJob:
+    return TransferJob(job_id=job_id, keys=list(keys),
+                       chunk_ids=np.array(chunk_ids, dtype=np.int64),
+                       is_promotion=promotion, req_context=CTX)
+
+
+def page_aligned_pool(num_slots=NUM_SLOTS, slot=SLOT) -> torch.Tensor:
+    """(num_slots, slot/4) float32 tensor on page-aligned memory."""
+    raw = torch.zeros(num_slots * slot + PAGE, dtype=torch.uint8)
+    shift = (-raw.data_ptr()) % PAGE
+    return raw[shift:shift + num_slots * slot].view(torch.float32).view(num_slots, slot // 4)
+
+
+def fill_random(t: torch.Tensor, rows) -> None:
+    for r in rows:
+        t[r] = torch.rand(t.shape[1], dtype=t.dtype)
+
+
+def drain(tier) -> list[JobResult]:
+    tier.drain_jobs()
+    return list(tier.get_finished_jobs())
+
+
+@pytest.fixture
+def store_file(tmp_path):
+    return str(kvblock.create_file(tmp_path / "kv.img", STORE_BYTES))
+
+
+@pytest.fixture
+def make_tier(store_file):
+    made = []
+
+    def make(pool=None, spec=None, **config):
+        pool = page_aligned_pool() if pool is None else pool
+        config.setdefault("devices", [store_file])
+        config.setdefault("threads", 4)
+        tier = KVBlockTierManager(offloading_spec=spec or make_spec(),
+                                  primary_kv_view=memoryview(pool.numpy()),
+                                  tier_type="kvblock", **config)
+        made.append(tier)
+        return tier, pool
+
+    yield make
+    for tier in made:
+        tier.shutdown()
+
+
+# --------------------------------------------------------------------------- basics
+def test_is_a_real_secondary_tier(make_tier):
+    tier, _ = make_tier()
+    assert isinstance(tier, SecondaryTierManager)
+    assert tier.block_size_bytes == SLOT
+    assert tier.geometry == slot_geometry(SLOT)
+    assert tier.geometry.block_bytes == SLOT and tier.geometry.ranges == 1
+    assert tier.store.geometry == tier.geometry
+
+
+def test_lookup_empty_tier(make_tier):
+    tier, _ = make_tier()
+    assert [tier.lookup(key(i), CTX) for i in (1, 2)] == [LookupResult.MISS] * 2
+
+
+def test_store_then_load_roundtrip(make_tier):
+    tier, pool = make_tier()
+    fill_random(pool, range(2))
+    expected = pool[:2].clone()
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    (res,) = drain(tier)
+    assert res.job_id == 1 and res.success and res.transfer_bytes == 2 * SLOT
+    assert [tier.lookup(k, CTX) for k in (key(1), key(2))] == [LookupResult.HIT] * 2
+
+    pool.zero_()
+    tier.submit_load(job(2, [key(1), key(2)], [5, 6], promotion=True))
+    (res,) = drain(tier)
+    assert res.success and res.successful_keys is None and res.transfer_bytes == 2 * SLOT
+    assert torch.equal(pool[5], expected[0]) and torch.equal(pool[6], expected[1])
+    # blocks stay in the tier after a load
+    assert [tier.lookup(k, CTX) for k in (key(1), key(2))] == [LookupResult.HIT] * 2
+
+
+PATTERNS = {
+    "adjacent": lambda n: list(range(n)),
+    "reversed": lambda n: list(range(n))[::-1],              # vLLM's LIFO free list
+    "scattered": lambda n: [(3 * i + 1) % NUM_SLOTS for i in range(n)],
+}
+
+
+@pytest.mark.parametrize("batch_size", [0, 1, 2, 5, 8])
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+def test_store_load_data_integrity(make_tier, batch_size, pattern):
+    """Bytes come back identical for any batch size, whether the slots are
+    adjacent (zero-copy path) or not (staging path), through runs of 2 slots."""
+    tier, pool = make_tier(max_run_bytes=2 * SLOT)
+    store_ids = PATTERNS[pattern](batch_size)
+    fill_random(pool, range(NUM_SLOTS))
+    expected = pool[store_ids].clone()
+    keys = [key(100 + i) for i in range(batch_size)]
+
+    tier.submit_store(job(1, keys, store_ids))
+    results = drain(tier)
+    assert [r.success for r in results] == [True]
+
+    pool.zero_()
+    load_ids = list(range(NUM_SLOTS - batch_size, NUM_SLOTS))      # other slots
+    if pattern != "adjacent":
+        load_ids = load_ids[::-1]
+    tier.submit_load(job(2, keys, load_ids, promotion=True))
+    results = drain(tier)
+    assert [r.success for r in results] == [True]
+    for i, cid in enumerate(load_ids):
+        assert torch.equal(pool[cid], expected[i]), f"slot {cid} differs after store+load"
+    untouched = sorted(set(range(NUM_SLOTS)) - set(load_ids))
+    assert not pool[untouched].any(), "a load wrote outside its slots"
+
+
+def test_zero_copy_paths_for_adjacent_slots(make_tier, monkeypatch):
+    """Adjacent ascending slots reach put_run/get_run as views of the pool."""
+    tier, pool = make_tier(region_size="16M")
+    assert tier.max_run_blocks >= 4
+    base = pool.numpy().ctypes.data
+    seen = []
+    put, get = tier.store.put_run, tier.store.get_run
+
+    def spy_put(keys, data):
+        seen.append(("put", np.asarray(data).ctypes.data))
+        return put(keys, data)
+
+    def spy_get(keys, out):
+        seen.append(("get", np.asarray(out).ctypes.data))
+        return get(keys, out)
+
+    monkeypatch.setattr(tier.store, "put_run", spy_put)
+    monkeypatch.setattr(tier.store, "get_run", spy_get)
+    fill_random(pool, range(4))
+    tier.submit_store(job(1, [key(i) for i in range(4)], [2, 3, 4, 5]))
+    assert drain(tier)[0].success
+    tier.submit_load(job(2, [key(i) for i in range(4)], [8, 9, 10, 11], promotion=True))
+    assert drain(tier)[0].success
+    assert seen == [("put", base + 2 * SLOT), ("get", base + 8 * SLOT)]
+    assert tier.stats()["put_runs"] == 1
+
+
+def test_many_concurrent_jobs(make_tier):
+    """Many jobs in flight on 4 workers: every byte lands where it should."""
+    rng = np.random.default_rng(7)
+    tier, pool = make_tier(max_run_bytes=3 * SLOT, threads=4)
+    fill_random(pool, range(NUM_SLOTS))
+    truth = {}
+    jid = 0
+    for batch in range(6):
+        ids = rng.permutation(NUM_SLOTS)[:rng.integers(1, 9)]
+        keys = [key(1000 + batch * 100 + i) for i in range(len(ids))]
+        for k, c in zip(keys, ids):
+            truth[k] = pool[int(c)].clone()
+        jid += 1
+        tier.submit_store(job(jid, keys, ids))
+    results = drain(tier)
+    assert len(results) == 6 and all(r.success for r in results)
+    pool.zero_()
+    all_keys = list(truth)
+    for start in range(0, len(all_keys), NUM_SLOTS):
+        keys = all_keys[start:start + NUM_SLOTS]
+        ids = rng.permutation(NUM_SLOTS)[:len(keys)]
+        jid += 1
+        tier.submit_load(job(jid, keys, ids, promotion=True))
+        assert [r.success for r in drain(tier)] == [True]
+        for k, c in zip(keys, ids):
+            assert torch.equal(pool[int(c)], truth[k])
+
+
+# --------------------------------------------------------------------------- misses
+def test_load_of_missing_key_fails(make_tier):
+    tier, _ = make_tier()
+    tier.submit_load(job(1, [key(99)], [0], promotion=True))
+    (res,) = drain(tier)
+    assert res.job_id == 1 and not res.success and res.successful_keys is None
+
+
+def test_partial_load_names_the_keys_it_loaded(make_tier):
+    """A job with a missing key in the middle fails, loads the others and says
+    which (JobResult.successful_keys, as vLLM's manager expects)."""
+    tier, pool = make_tier()
+    fill_random(pool, range(3))
+    expected = pool[:3].clone()
+    tier.submit_store(job(1, [key(10), key(11), key(12)], [0, 1, 2]))
+    assert drain(tier)[0].success
+    pool.zero_()
+    keys = [key(10), key(99), key(11), key(12)]
+    tier.submit_load(job(2, keys, [4, 5, 6, 7], promotion=True))
+    (res,) = drain(tier)
+    assert not res.success
+    assert set(res.successful_keys) == {key(10), key(11), key(12)}
+    assert res.transfer_bytes == 3 * SLOT
+    assert torch.equal(pool[4], expected[0])
+    assert torch.equal(pool[6], expected[1]) and torch.equal(pool[7], expected[2])
+    assert not pool[5].any()
+
+
+def test_group_index_is_part_of_the_key(make_tier):
+    tier, pool = make_tier()
+    tier.submit_store(job(1, [key(5, group=0)], [0]))
+    assert drain(tier)[0].success
+    assert tier.lookup(key(5, group=0), CTX) is LookupResult.HIT
+    assert tier.lookup(key(5, group=1), CTX) is LookupResult.MISS
+
+
+# --------------------------------------------------------------------------- in flight
+def test_lookup_while_store_in_flight(make_tier, monkeypatch):
+    """RETRY while the key's store job runs; HIT once it finished; lookups
+    and submits never wait for the I/O."""
+    tier, pool = make_tier(threads=1)
+    gate, entered = threading.Event(), threading.Event()
+    put = tier.store.put_run
+
+    def slow_put(keys, data):
+        entered.set()
+        assert gate.wait(10)
+        return put(keys, data)
+
+    monkeypatch.setattr(tier.store, "put_run", slow_put)
+    fill_random(pool, range(2))
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    assert entered.wait(10)
+    try:
+        assert tier.lookup(key(1), CTX) is LookupResult.RETRY
+        assert tier.lookup(key(3), CTX) is LookupResult.MISS
+        assert tier.has_pending_work()
+        assert list(tier.get_finished_jobs()) == []
+        # a second store of the same key leaves it to the job in flight
+        tier.submit_store(job(2, [key(2)], [1]))
+    finally:
+        gate.set()
+    results = sorted(drain(tier), key=lambda r: r.job_id)
+    assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True)]
+    assert results[1].transfer_bytes == 0
+    assert tier.lookup(key(1), CTX) is LookupResult.HIT
+    assert tier.stats()["put_blocks"] == 2
+    assert not tier.has_pending_work()
+
+
+def test_lookup_is_hit_for_stored_key_with_a_store_in_flight(make_tier, monkeypatch):
+    tier, pool = make_tier(threads=1)
+    tier.submit_store(job(1, [key(1)], [0]))
+    assert drain(tier)[0].success
+    gate, entered = threading.Event(), threading.Event()
+    put = tier.store.put_run
+
+    def slow_put(keys, data):
+        entered.set()
+        assert gate.wait(10)
+        return put(keys, data)
+
+    monkeypatch.setattr(tier.store, "put_run", slow_put)
+    tier.submit_store(job(2, [key(2)], [1]))          # occupies the only worker
+    assert entered.wait(10)
+    tier.submit_store(job(3, [key(1)], [0]))          # a re-store of key(1), queued
+    try:
+        assert tier.lookup(key(1), CTX) is LookupResult.HIT
+        assert tier.lookup(key(2), CTX) is LookupResult.RETRY
+    finally:
+        gate.set()
+    assert sorted((r.job_id, r.success) for r in drain(tier)) == [(2, True), (3, True)]
+
+
+def test_lookup_never_waits_for_the_store_lock(make_tier):
+    """While a worker holds the store's lock, lookup answers RETRY at once."""
+    tier, pool = make_tier()
+    tier.submit_store(job(1, [key(1)], [0]))
+    assert drain(tier)[0].success
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with tier.store._lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert held.wait(10)
+        assert tier.lookup(key(1), CTX) is LookupResult.RETRY
+    finally:
+        release.set()
+        t.join()
+    assert tier.lookup(key(1), CTX) is LookupResult.HIT
+
+
+def test_load_in_another_grouping_than_the_store(make_tier):
+    """Runs stored 8 slots at a time, loaded from the middle, in pieces that
+    straddle runs and into scattered slots: still the same bytes."""
+    tier, pool = make_tier(region_size="16M", max_run_bytes=8 * SLOT)
+    fill_random(pool, range(NUM_SLOTS))
+    expected = pool.clone()
+    keys = [key(200 + i) for i in range(NUM_SLOTS)]
+    tier.submit_store(job(1, keys, list(range(NUM_SLOTS))))
+    assert drain(tier)[0].success
+    pool.zero_()
+    tier.submit_load(job(2, keys[3:13], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], promotion=True))
+    scattered = [15, 13, 14, 2, 0, 1]
+    tier.submit_load(job(3, [keys[i] for i in scattered], scattered, promotion=True))
+    assert all(r.success for r in drain(tier))
+    assert torch.equal(pool, expected)
+
+
+def test_duplicate_store_writes_nothing(make_tier):
+    tier, pool = make_tier()
+    fill_random(pool, range(3))
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    assert drain(tier)[0].success
+    written = tier.stats()["bytes_written"]
+    tier.submit_store(job(2, [key(1), key(2), key(3)], [0, 1, 2]))
+    (res,) = drain(tier)
+    assert res.success and res.transfer_bytes == SLOT            # only key(3)
+    assert tier.stats()["bytes_written"] == written + SLOT
+
+
+# --------------------------------------------------------------------------- lifecycle
+def test_shutdown(make_tier):
+    """Shutdown cancels what is queued (reported as failed), stops the
+    workers, closes the store and keeps no array over the primary pool."""
+    tier, pool = make_tier(threads=2, max_run_bytes=SLOT)
+    view = tier._primary_kv_view
+    for i in range(10):
+        tier.submit_store(job(i, [key(i)], [i % 4]))
+    tier.shutdown()
+    results = list(tier.get_finished_jobs())
+    assert sorted(r.job_id for r in results) == list(range(10))
+    assert all(not t.is_alive() for t in tier._workers)
+    assert tier.store.closed
+    assert tier.lookup(key(0), CTX) is LookupResult.MISS
+    tier.submit_load(job(11, [key(0)], [0], promotion=True))
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(11, False)]
+    tier.drain_jobs()                      # returns at once
+    tier.shutdown()                        # idempotent
+    assert tier._slots is None             # vLLM's primary tier unmaps the pool next
+    view.release()
+
+
+def test_reopen_keeps_blocks(make_tier, store_file):
+    tier, pool = make_tier()
+    fill_random(pool, range(2))
+    expected = pool[:2].clone()
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    assert drain(tier)[0].success
+    tier.shutdown()
+
+    again, pool2 = make_tier(format="never")
+    assert again.lookup(key(1), CTX) is LookupResult.HIT
+    again.submit_load(job(2, [key(2), key(1)], [3, 2], promotion=True))
+    assert drain(again)[0].success
+    assert torch.equal(pool2[2], expected[0]) and torch.equal(pool2[3], expected[1])
+
+
+def test_namespaces_never_share_blocks(make_tier):
+    tier, pool = make_tier(namespace="model-a")
+    tier.submit_store(job(1, [key(1)], [0]))
+    assert drain(tier)[0].success
+    tier.shutdown()
+    other, _ = make_tier(namespace="model-b")
+    assert other.lookup(key(1), CTX) is LookupResult.MISS
+    other.shutdown()
+    # the default namespace is the served model's name; the slot layout
+    # (here: TP size) is always part of the key
+    same, _ = make_tier(namespace="model-a")
+    assert same.lookup(key(1), CTX) is LookupResult.HIT
+    same.shutdown()
+    tp2, _ = make_tier(namespace="model-a", spec=make_spec(tp_size=2))
+    assert tp2.lookup(key(1), CTX) is LookupResult.MISS
+    tp2.shutdown()
+    named, _ = make_tier(spec=make_spec(model="model-a"))
+    assert named.namespace == "model-a"
+
+
+def test_refuses_a_store_of_another_slot_size(make_tier):
+    tier, _ = make_tier()
+    tier.shutdown()
+    with pytest.raises(GeometryMismatchError):
+        make_tier(pool=page_aligned_pool(slot=2 * SLOT))
+
+
+def test_refuses_a_store_made_by_something_else(store_file, make_tier):
+    KVStore.format([store_file], slot_geometry(SLOT), model="llama-3-8b").close()
+    with pytest.raises(GeometryMismatchError):
+        make_tier()
+
+
+def test_format_modes(make_tier, store_file, tmp_path):
+    with pytest.raises(NotAStoreError):
+        make_tier(format="never")
+    tier, _ = make_tier()                       # if-empty: formats the blank file
+    tier.submit_store(job(1, [key(1)], [0]))
+    assert drain(tier)[0].success
+    tier.shutdown()
+    wiped, _ = make_tier(format="force")
+    assert wiped.lookup(key(1), CTX) is LookupResult.MISS
+    wiped.shutdown()
+    with pytest.raises(ConfigError):
+        make_tier(format="sometimes")
+    created = tmp_path / "sub" / "new.img"
+    sized, _ = make_tier(devices=[str(created)], size="64M")
+    assert created.stat().st_size == 64 << 20
+    assert sized.store.geometry.block_bytes == SLOT
+
+
+def test_bad_config_is_refused(make_tier):
+    with pytest.raises(ConfigError, match="unknown config keys"):
+        make_tier(root_dir="/tmp")
+    with pytest.raises(ConfigError, match="devices"):
+        make_tier(devices=[])
+    with pytest.raises(ValueError, match="Locality"):
+        make_tier(locality="nearby")
+
+
+def test_eviction_when_full(tmp_path):
+    """A full store evicts old runs; a load of an evicted key fails for that
+    key only, and the tier keeps serving."""
+    path = str(kvblock.create_file(tmp_path / "small.img", 16 << 20))
+    pool = page_aligned_pool()
+    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
+                              devices=[path], region_size="1M", max_run_bytes=4 * SLOT)
+    try:
+        fill_random(pool, range(NUM_SLOTS))
+        capacity = tier.store.stats()["capacity_bytes"] // SLOT
+        jid = 0
+        for start in range(0, 2 * capacity, 4):
+            jid += 1
+            tier.submit_store(job(jid, [key(start + i) for i in range(4)], [0, 1, 2, 3]))
+            tier.drain_jobs()
+        assert all(r.success for r in tier.get_finished_jobs())
+        assert tier.stats()["evicted_blocks"] > 0
+        assert tier.lookup(key(0), CTX) is LookupResult.MISS
+        last = 2 * capacity - 1
+        assert tier.lookup(key(last), CTX) is LookupResult.HIT
+        tier.submit_load(job(jid + 1, [key(0), key(last)], [8, 9], promotion=True))
+        (res,) = drain(tier)
+        assert not res.success and res.successful_keys == (key(last),)
+        assert torch.equal(pool[9], pool[3])
+    finally:
+        tier.shutdown()
+
+
+# --------------------------------------------------------------------------- factory
+def test_factory_creates_the_tier_after_register(store_file):
+    kv_vllm.register()
+    kv_vllm.register()                           # idempotent (plugins may load twice)
+    pool = page_aligned_pool()
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {"type": "kvblock", "devices": [store_file], "format": "if-empty",
+         "namespace": "factory-test", "threads": 2, "locality": "LOCAL"},
+        memoryview(pool.numpy()), make_spec())
+    try:
+        assert isinstance(tier, KVBlockTierManager)
+        assert tier.tier_type == "kvblock" and tier.namespace == "factory-test"
+        assert tier.locality is not None and tier.locality.value == "LOCAL"
+        fill_random(pool, [0])
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert drain(tier)[0].success
+    finally:
+        tier.shutdown()
+
+
+def test_factory_out_of_tree_module_path(store_file):
+    """Without register(): the tier config names the class and module."""
+    pool = page_aligned_pool()
+    tier = SecondaryTierFactory.create_secondary_tier(
+        {"type": "KVBlockTierManager", "module_path": "kvblock.integrations.vllm",
+         "devices": [store_file]},
+        memoryview(pool.numpy()), make_spec())
+    try:
+        assert isinstance(tier, KVBlockTierManager)
+    finally:
+        tier.shutdown()
+
+
+def test_slot_geometry_is_one_slot_per_block():
+    for size in (PAGE, 256 << 10, 2 << 20, 7 * PAGE):
+        g = slot_geometry(size)
+        assert g.block_bytes == size and g.group_block_bytes == size
+        assert (g.kv_parts, g.block_tokens, g.num_layers, g.dtype) == (1, 1, 1, "uint8")
+    assert slot_geometry(SLOT) == Geometry(1, 1, SLOT, "uint8", 1, 1, 1)
+
+
+# --------------------------------------------------------------------------- vLLM's manager
+def test_driven_by_vllms_tiering_manager(store_file):
+    """The real TieringOffloadingManager cascades stores to the tier, evicts
+    them from a 4-slot primary, promotes them back on lookup; the bytes the
+    GPU side would read are the bytes it wrote; shutdown releases the pool."""
+    num_slots = 4
+    pool = page_aligned_pool(num_slots).view(torch.uint8).view(num_slots, SLOT)
+    region = MagicMock()
+    region.create_kv_memoryview.return_value = memoryview(pool.numpy())
+    primary = CPUPrimaryTierOffloadingManager(num_chunks=num_slots, mmap_region=region)
+    tier = KVBlockTierManager(make_spec(), primary.get_kv_memoryview(), "kvblock",
+                              devices=[store_file])
+    manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier],
+                                       tier_poll_interval_s=0)
+
+    def step():
+        manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+
+    def settle():
+        tier.drain_jobs()
+        step()
+        step()
+
+    keys = [key(i) for i in range(8)]
+    written = {}
+    ctx = ReqContext(req_id="a")
+    manager.on_new_request(ctx)
+    for batch in (keys[:4], keys[4:]):               # the second batch evicts the first
+        out = manager.prepare_store(batch, ctx)
+        assert out is not None and list(out.keys_to_store) == batch
+        for k, c in zip(batch, out.store_spec.chunk_ids):   # "GPU -> CPU"
+            pool[int(c)] = torch.randint(0, 256, (SLOT,), dtype=torch.uint8)
+            written[k] = pool[int(c)].clone()
+        manager.complete_store(batch, ctx, success=True)
+        settle()
+    assert all(tier.lookup(k, ctx) is LookupResult.HIT for k in keys)
+    assert tier.stats()["blocks"] == 8
+    manager.on_request_finished(ctx)
+    step()
+
+    ctx2 = ReqContext(req_id="b")
+    manager.on_new_request(ctx2)
+    assert [manager.lookup(k, ctx2) for k in keys[:2]] == [LookupResult.HIT_PENDING] * 2
+    step()                                            # promotions -> submit_load
+    settle()
+    assert [manager.lookup(k, ctx2) for k in keys[:2]] == [LookupResult.HIT] * 2
+    spec = manager.prepare_load(keys[:2], ctx2)
+    for k, c in zip(keys[:2], spec.chunk_ids):        # "CPU -> GPU"
+        assert torch.equal(pool[int(c)], written[k])
+    manager.complete_load(keys[:2], ctx2)
+    manager.on_request_finished(ctx2)
+    step()
+    manager.shutdown()                                # releases the primary memoryview
+    assert tier.store.closed
+    with pytest.raises(ValueError, match="released"):
+        len(primary.get_kv_memoryview())
