@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
 import numpy as np
 
@@ -65,9 +66,18 @@ class _Ring:
         self.buffers_version = version
 
     def destroy(self) -> None:
-        if self.handle is not None:
-            native.lib().kvb_ring_destroy(self.handle)
-            self.handle = None
+        handle, self.handle = self.handle, None  # one destroyer wins (thread exit vs close)
+        if handle is not None:
+            native.lib().kvb_ring_destroy(handle)
+
+
+class _RingHolder:
+    """Thread-local owner of a thread's ring (see UringEngine._ring)."""
+
+    __slots__ = ("ring", "__weakref__")
+
+    def __init__(self, ring):
+        self.ring = ring
 
 
 class UringEngine(IOEngine):
@@ -85,15 +95,33 @@ class UringEngine(IOEngine):
         self._rings_lock = threading.Lock()
 
     def _ring(self) -> _Ring:
-        ring = getattr(self._local, "ring", None)
+        holder = getattr(self._local, "holder", None)
+        ring = holder.ring if holder is not None else None
         if ring is None or ring.pid != os.getpid():
             # First use on this thread, or a forked child: the parent's ring
             # (single-issuer) is not this process's to submit to.
-            ring = self._local.ring = _Ring(self)
+            ring = _Ring(self)
+            holder = self._local.holder = _RingHolder(ring)
+            # The ring lives as long as its thread: when the thread ends, its
+            # thread-local holder is collected and the ring (and its fds) freed,
+            # so engines used from short-lived threads (one per load) do not
+            # accumulate rings.
+            weakref.finalize(holder, self._forget, ring)
             with self._rings_lock:
                 self._rings.append(ring)
         ring.sync_buffers()
         return ring
+
+    def _forget(self, ring: _Ring) -> None:
+        ring.destroy()
+        with self._rings_lock:
+            if ring in self._rings:
+                self._rings.remove(ring)
+
+    @property
+    def live_rings(self) -> int:
+        with self._rings_lock:
+            return len(self._rings)
 
     def _run(self, op, batch: IOBatch, qd, results, latency) -> None:
         ring = self._ring()

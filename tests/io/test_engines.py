@@ -165,3 +165,24 @@ def test_closed_engine_refuses(engine_name, file_target):
         eng.close()
         with pytest.raises(ConfigError, match="closed"):
             eng.read(IOBatch.single(0, 0, 0, 4096))
+
+
+def test_rings_of_finished_threads_are_freed(file_target):
+    """One ring per thread, freed with its thread: an engine used from many
+    short-lived threads (a loader thread per load) does not leak rings or fds."""
+    import gc
+    import os
+
+    if not probe()[0]:
+        pytest.skip("io_uring unavailable")
+    with Device(file_target(MIB)) as dev, open_engine([dev], "uring") as eng, \
+            HostBuffer(4096) as buf:
+        eng.read(IOBatch.single(buf.address, 0, 0, 4096))
+        fds_before = len(os.listdir("/proc/self/fd"))
+        for _ in range(50):
+            t = threading.Thread(target=eng.read, args=(IOBatch.single(buf.address, 0, 0, 4096),))
+            t.start()
+            t.join()
+        gc.collect()
+        assert eng.live_rings == 1          # only this thread's
+        assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
