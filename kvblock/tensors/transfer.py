@@ -50,6 +50,29 @@ def _ids_for(view, page_ids):
     return np.asarray(page_ids, dtype=np.int64)
 
 
+def _host_np(view, itemsize):
+    """A numpy view (raw ints, no copy) of a page view that lives in host
+    memory (a CPU torch tensor or a numpy array), else None (GPU tensors and
+    HF's strided pages keep the torch path).  Gather and scatter copy through
+    it once, straight between the cache and staging: indexing into a fresh
+    tensor first and copying that doubled the bytes moved (and torch's
+    threaded copy contends with the model's own threads on small machines)."""
+    if isinstance(view, np.ndarray):
+        return _raw(view, itemsize)
+    if _is_torch(view) and view.device.type == "cpu" and not view.requires_grad:
+        return _raw(view, itemsize).numpy()
+    return None
+
+
+def _spans(ids: np.ndarray):
+    """[(a, b)]: ids[a:b] are consecutive page numbers, for slice copies; None
+    when an id is negative (then the indexing path keeps its semantics)."""
+    if ids.size == 0 or ids.min() < 0:
+        return None
+    cuts = (np.nonzero(np.diff(ids) != 1)[0] + 1).tolist()
+    return list(zip([0] + cuts, cuts + [ids.size]))
+
+
 def _copy_into(dst_np: np.ndarray, src) -> None:
     """dst (a numpy view of host staging) <- src (numpy or torch, any device)."""
     if _is_torch(src):
@@ -88,10 +111,20 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
         return 0
     itemsize = g.itemsize
     G, Hg, BS, D, kv = g.head_groups, g.heads_per_group, g.block_tokens, g.head_dim, g.kv_parts
+    ids = np.asarray(page_ids, dtype=np.int64)
+    spans = _spans(ids)
+    top = int(ids.max()) if ids.size else -1
     with HostBuffer(n * g.block_bytes, register=False) as buf:
         staged = buf.array.view(_NP_INT[itemsize]).reshape(g.num_layers, G, n, kv, BS, Hg, D)
         for layer in range(g.num_layers):
             for k, view in enumerate(layout.layer_views(layer)):
+                host = _host_np(view, itemsize)
+                if host is not None and spans is not None and top < host.shape[0]:
+                    for a, b in spans:  # one copy per stretch of consecutive pages
+                        src = host[ids[a]:ids[a] + b - a]                  # (b-a, BS, H, D)
+                        for gi in range(G):
+                            staged[layer, gi, a:b, k] = src[:, :, gi * Hg:(gi + 1) * Hg]
+                    continue
                 pages = _raw(view[_ids_for(view, page_ids)], itemsize)      # (n, BS, H, D)
                 pages = pages.reshape(n, BS, G, Hg, D)
                 pages = pages.permute(2, 0, 1, 3, 4) if _is_torch(pages) \
@@ -347,6 +380,14 @@ def _scatter_pages(views, pages, ids, h0, heads, itemsize):
     pages = pages.transpose(2, 1, 3, 0, 4, 5).reshape(kv, count, bs, ng * hg, d)
     pages = pages[..., h0:h0 + heads, :]
     for k, view in enumerate(views):
+        host = _host_np(view, itemsize)
+        if host is not None:  # host cache: one copy, staging -> cache
+            run = _consecutive(ids)
+            if run is not None and run.start >= 0:
+                host[run] = pages[k]
+            else:
+                host[np.asarray(ids)] = pages[k]
+            continue
         src = _as_like(np.ascontiguousarray(pages[k]), view)
         _raw_assign(view, _ids_for(view, ids), src, itemsize)
 

@@ -1,0 +1,133 @@
+"""pytest-benchmark (group "store-save-restore"): store save and restore vs
+fio sequential write / read on a /dev/shm loop device (perf/store_vs_fio.py
+is the longer, two-target version).
+
+    .venv/bin/python -m pytest perf/ --benchmark-only        # or: make bench
+
+Each benchmark round moves ROUND_RUNS runs of 32 blocks (32 layers x 8 KV
+heads x 128, bfloat16: 64 MiB per run) through the store, the loops of
+``kvblock bench --workload save|restore``: ``put_run`` of fresh keys (once
+the store is full every save reclaims a region first), or ``get_run`` of
+whole runs with checksums verified.  The engine splits each run into 8 MiB
+pieces, 8 in flight; before every round (pedantic ``setup``) fio moves the
+same bytes with ``bs=8M iodepth=8`` (rw=write / rw=read) on the same device,
+so the two alternate.  ``extra_info`` holds both GiB/s (kvblock's from the
+benchmark's median time, fio's median), their ratio and the median of the
+per-round ratios (``paired_ratio``); bars (issue 3): restore >= 0.90, save
+>= 0.85, judged on the paired ratio (``meets_bar``: recorded, not asserted,
+as timings on a shared machine are noisy).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fio_support as fs  # noqa: E402
+from store_vs_fio import BARS, io_shape  # noqa: E402
+
+MIB = 1 << 20
+DEVICE_BYTES = 1 << 30   # regions of 64 MiB: one run each
+RUN_BLOCKS = 32
+ROUND_RUNS = 8           # 512 MiB per round
+ROUNDS = 5
+
+pytestmark = pytest.mark.root
+
+
+@pytest.fixture(scope="module")
+def shm_loop():
+    ok, why = fs.prerequisites()
+    if not ok:
+        pytest.skip(f"store-vs-fio benchmarks: {why}")
+    if not fs.SHM.is_dir():
+        pytest.skip("store-vs-fio benchmarks: /dev/shm is missing")
+    from kvblock.io import io_engine
+
+    if io_engine() != "uring":
+        pytest.skip("store-vs-fio benchmarks: io_uring unavailable here (fio would run "
+                    "io_uring, kvblock its threads fallback)")
+    with fs.loop_target(fs.SHM, DEVICE_BYTES) as dev:
+        yield dev
+
+
+@pytest.mark.parametrize("workload", ["save", "restore"])
+def test_store_vs_fio(benchmark, shm_loop, workload):
+    from kvblock import Geometry, KVStore
+    from kvblock.memory import HostBuffer
+
+    benchmark.group = "store-save-restore"
+    g = Geometry(32, 8, 128, "bfloat16", 16)
+    run_bytes = RUN_BLOCKS * g.block_bytes
+    piece, _, in_flight = io_shape(run_bytes, 32, 1)
+    round_bytes = ROUND_RUNS * run_bytes
+    fio_rw = "write" if workload == "save" else "read"
+    fio_runs: list[dict] = []
+
+    def run_fio_first():
+        fs.drop_caches()
+        fio_runs.append(fs.run_fio(shm_loop, fio_rw, piece, in_flight, size=DEVICE_BYTES,
+                                   io_size=round_bytes))
+
+    # fio writes over the store between save rounds: harmless, a save only writes.
+    with KVStore.format([shm_loop], g, force=True) as store, HostBuffer(run_bytes) as src, \
+            HostBuffer(run_bytes) as out:
+        src.array[:] = np.random.default_rng(0).integers(0, 256, run_bytes, dtype=np.uint8)
+        counter = [0]
+
+        def keys(i):
+            return [f"{workload}-{i}-{j}".encode() for j in range(RUN_BLOCKS)]
+
+        if workload == "save":
+            def kvblock_round():
+                for _ in range(ROUND_RUNS):
+                    store.put_run(keys(counter[0]), src.array)
+                    counter[0] += 1
+        else:
+            stored = [keys(i) for i in range(6)]   # about half the device
+            for k in stored:
+                store.put_run(k, src.array)
+            order = np.random.default_rng(1).integers(0, len(stored), 10_000)
+
+            def kvblock_round():
+                for _ in range(ROUND_RUNS):
+                    got = store.get_run(stored[order[counter[0] % order.size]], out.array)
+                    assert got == RUN_BLOCKS
+                    counter[0] += 1
+
+        benchmark.pedantic(kvblock_round, setup=run_fio_first, rounds=ROUNDS, iterations=1,
+                           warmup_rounds=1)
+        if workload == "restore":
+            assert np.array_equal(out.array, src.array)
+        engine = store.io.engine.name
+
+    fio_gib_s = statistics.median(r["gib_s"] for r in fio_runs)
+    kvblock_gib_s = round_bytes / benchmark.stats.stats.median / 2**30
+    ratio = kvblock_gib_s / fio_gib_s
+    # Side by side: each round's kvblock time with the fio run just before it
+    # (setup also ran before the warm-up round, whose time is not kept).
+    paired = statistics.median(round_bytes / t / 2**30 / f["gib_s"] for t, f in
+                               zip(benchmark.stats.stats.data, fio_runs[-ROUNDS:]))
+    fig = "Store save / restore vs fio (64 MiB runs, loop over /dev/shm)"
+    benchmark.extra_info.update({
+        "reference": f"fio rw={fio_rw} bs={piece // MIB}M iodepth={in_flight} io_uring "
+                     "direct=1, same device, alternating rounds",
+        "workload": workload, "run_bytes": run_bytes, "io_size": piece,
+        "in_flight": in_flight, "round_bytes": round_bytes, "engine": engine,
+        "verify": "always", "device": f"loop over /dev/shm, {DEVICE_BYTES // MIB} MiB",
+        "fio_gib_s": round(fio_gib_s, 4), "kvblock_gib_s": round(kvblock_gib_s, 4),
+        "ratio": round(ratio, 4), "paired_ratio": round(paired, 4), "bar": BARS[workload],
+        "meets_bar": paired >= BARS[workload],
+        "fio_runs_gib_s": [round(r["gib_s"], 4) for r in fio_runs],
+        "points": [{"figure": fig, "series": f"kvblock {workload}", "x": run_bytes // MIB,
+                    "y": round(kvblock_gib_s, 4), "xlabel": "run (MiB)", "ylabel": "GiB/s"},
+                   {"figure": fig, "series": f"fio {fio_rw}", "x": run_bytes // MIB,
+                    "y": round(fio_gib_s, 4), "xlabel": "run (MiB)", "ylabel": "GiB/s"}],
+    })
+    assert kvblock_gib_s > 0 and fio_gib_s > 0
