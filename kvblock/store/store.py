@@ -524,12 +524,17 @@ class KVStore:
             raise ReadOnlyStoreError(f"{self.io.devices[0].path}: store is open read-only; "
                                      "open it without readonly=True to change it")
 
-    def _staging(self, nbytes: int) -> HostBuffer:
-        buf = getattr(self._local, "staging", None)
+    def _staging(self, nbytes: int, purpose: str = "staging") -> HostBuffer:
+        """This thread's aligned buffer for ``purpose`` (grown, never shrunk):
+        kept between calls because touching fresh memory is slow (and on VMs
+        that hand freed memory back, very slow).  Purposes do not share memory:
+        "staging" is put_run's, "gather" is save_blocks' source buffer."""
+        buf = getattr(self._local, purpose, None)
         if buf is None or buf.nbytes < nbytes:
             if buf is not None:
                 buf.close()
-            buf = self._local.staging = HostBuffer(round_up(nbytes, 1 << 20))
+            buf = HostBuffer(round_up(nbytes, 1 << 20))
+            setattr(self._local, purpose, buf)
         return buf
 
     # ------------------------------------------------------------------ public API
@@ -1005,10 +1010,11 @@ class KVStore:
         if getattr(self, "host", None) is not None:
             self.host.close()
             self.host = None
-        buf = getattr(self._local, "staging", None)
-        if buf is not None:
-            buf.close()
-            self._local.staging = None
+        for purpose in ("staging", "gather"):
+            buf = getattr(self._local, purpose, None)
+            if buf is not None:
+                buf.close()
+                setattr(self._local, purpose, None)
         if self.io is not None:
             self.io.close()
             self.io = None

@@ -114,23 +114,26 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
     ids = np.asarray(page_ids, dtype=np.int64)
     spans = _spans(ids)
     top = int(ids.max()) if ids.size else -1
-    with HostBuffer(n * g.block_bytes, register=False) as buf:
-        staged = buf.array.view(_NP_INT[itemsize]).reshape(g.num_layers, G, n, kv, BS, Hg, D)
-        for layer in range(g.num_layers):
-            for k, view in enumerate(layout.layer_views(layer)):
-                host = _host_np(view, itemsize)
-                if host is not None and spans is not None and top < host.shape[0]:
-                    for a, b in spans:  # one copy per stretch of consecutive pages
-                        src = host[ids[a]:ids[a] + b - a]                  # (b-a, BS, H, D)
-                        for gi in range(G):
-                            staged[layer, gi, a:b, k] = src[:, :, gi * Hg:(gi + 1) * Hg]
-                    continue
-                pages = _raw(view[_ids_for(view, page_ids)], itemsize)      # (n, BS, H, D)
-                pages = pages.reshape(n, BS, G, Hg, D)
-                pages = pages.permute(2, 0, 1, 3, 4) if _is_torch(pages) \
-                    else pages.transpose(2, 0, 1, 3, 4)
-                _copy_into(staged[layer, :, :, k], pages)
-        return store.put_run(keys, buf.array)
+    # A per-thread buffer kept by the store: a fresh one per save would be
+    # touched anew every time (slow for multi-GiB prefixes).
+    buf = store._staging(n * g.block_bytes, "gather")
+    staged = buf.array[:n * g.block_bytes].view(_NP_INT[itemsize]).reshape(
+        g.num_layers, G, n, kv, BS, Hg, D)
+    for layer in range(g.num_layers):
+        for k, view in enumerate(layout.layer_views(layer)):
+            host = _host_np(view, itemsize)
+            if host is not None and spans is not None and top < host.shape[0]:
+                for a, b in spans:  # one copy per stretch of consecutive pages
+                    src = host[ids[a]:ids[a] + b - a]                  # (b-a, BS, H, D)
+                    for gi in range(G):
+                        staged[layer, gi, a:b, k] = src[:, :, gi * Hg:(gi + 1) * Hg]
+                continue
+            pages = _raw(view[_ids_for(view, page_ids)], itemsize)      # (n, BS, H, D)
+            pages = pages.reshape(n, BS, G, Hg, D)
+            pages = pages.permute(2, 0, 1, 3, 4) if _is_torch(pages) \
+                else pages.transpose(2, 0, 1, 3, 4)
+            _copy_into(staged[layer, :, :, k], pages)
+    return store.put_run(keys, buf.array[:n * g.block_bytes])
 
 
 class LoadHandle:
