@@ -59,7 +59,7 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     from kvblock.layout import Geometry
     from kvblock.store import KVStore
     from kvblock.store.store import _try_superblock
-    from kvblock.cli.probe import describe, signatures
+    from kvblock.devices.probe import describe, signatures
     from kvblock.io import open_engine
     from kvblock.store.storeio import StoreIO
 

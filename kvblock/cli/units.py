@@ -2,19 +2,9 @@
 
 from __future__ import annotations
 
-import re
-
 import click
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    m = _SIZE.match(str(text))
-    if not m:
-        raise ValueError(f"{text!r} is not a size; use bytes or a K/M/G/T suffix, e.g. 64K or 1G")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+from kvblock.units import parse_size  # noqa: F401  (re-exported for the CLI)
 
 
 class SizeType(click.ParamType):

@@ -86,6 +86,7 @@ from lmcache.v1.storage_backend.abstract_backend import (
 )
 
 from kvblock.store import provision
+from kvblock.units import size_setting
 from kvblock.errors import (
     ConfigError,
     KVBlockError,
@@ -103,16 +104,7 @@ _STORE_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth")
 
 
 def _parse_size(value, name: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"kvblock lmcache plugin: {name} must be a size, got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    from kvblock.cli.units import parse_size
-
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise ConfigError(f"kvblock lmcache plugin: {name}: {e}") from None
+    return size_setting(value, "kvblock lmcache plugin", name)
 
 
 def open_or_format(devices: list[str], geometry: Geometry, model: str, **kwargs) -> KVStore:

@@ -91,6 +91,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvblock.store import provision
+from kvblock.units import size_setting
 from kvblock.errors import (
     ConfigError,
     KVBlockError,
@@ -117,16 +118,7 @@ _STORE_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth",
 
 # ---------------------------------------------------------------------- helpers
 def _parse_size(value, name: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"kvblock sglang backend: {name} must be a size, got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    from kvblock.cli.units import parse_size
-
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise ConfigError(f"kvblock sglang backend: {name}: {e}") from None
+    return size_setting(value, "kvblock sglang backend", name)
 
 
 def open_or_format(devices: list[str], geometry: Geometry, model: str, **kwargs) -> KVStore:

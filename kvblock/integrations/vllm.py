@@ -100,6 +100,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvblock.store import provision
+from kvblock.units import size_setting
 from kvblock.errors import (
     ConfigError,
     KVBlockError,
@@ -161,16 +162,7 @@ def key_prefix(namespace: str, offloading_spec: Any, block_size_bytes: int) -> b
 
 
 def _parse_size(value, name: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(f"kvblock tier: {name} must be a size, got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    from kvblock.cli.units import parse_size
-
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise ConfigError(f"kvblock tier: {name}: {e}") from None
+    return size_setting(value, "kvblock tier", name)
 
 
 def open_tier_store(devices: list[str], geometry: Geometry, **kwargs) -> KVStore:

@@ -307,14 +307,9 @@ class RemoteStore:
         keys = normalize_keys(keys)
         n = len(keys)
         g = self.geometry
-        arr = np.asarray(data)
-        if arr.nbytes != n * g.block_bytes:
-            raise ConfigError(f"put_run: {n} keys need {n * g.block_bytes} bytes of KV "
-                              f"({g.describe()}), got {arr.nbytes}")
+        blocks = self._blocks_view(keys, data)
         if n == 0:
             return 0
-        blocks = np.ascontiguousarray(arr).view(np.uint8).reshape(
-            g.num_layers, g.head_groups, n, g.group_block_bytes)
         verdict = self._call("admit", keys=encode_keys(keys))
         if verdict == "duplicate":
             self.counters["put_duplicate_runs"] += 1
@@ -400,6 +395,7 @@ class RemoteStore:
     _read_run_direct = KVStore._read_run_direct
     _checksum_failure = KVStore._checksum_failure
     _staging = KVStore._staging
+    _blocks_view = KVStore._blocks_view
     _stage_run = KVStore._stage_run
     _kvikio_reader = KVStore._kvikio_reader
     layout = KVStore.layout

@@ -46,7 +46,7 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
             raise
     for path in devices:
         if _is_block_device(path):
-            from kvblock.cli.probe import describe, signatures
+            from kvblock.devices.probe import describe, signatures
 
             found = signatures(path)
             if found:

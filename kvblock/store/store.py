@@ -33,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import xxhash
 
-from kvblock.alloc.regions import FREE, OPEN, SEALED, RegionTable
+from kvblock.alloc.regions import FREE, SEALED, RegionTable
 from kvblock.devices import Device
 from kvblock.errors import (
     ConfigError,
@@ -551,14 +551,9 @@ class KVStore:
         keys = normalize_keys(keys)
         n = len(keys)
         g = self.geometry
-        arr = np.asarray(data)
-        if arr.nbytes != n * g.block_bytes:
-            raise ConfigError(f"put_run: {n} keys need {n * g.block_bytes} bytes of KV "
-                              f"({g.describe()}), got {arr.nbytes}")
+        blocks = self._blocks_view(keys, data)
         if n == 0:
             return 0
-        blocks = np.ascontiguousarray(arr).view(np.uint8).reshape(
-            g.num_layers, g.head_groups, n, g.group_block_bytes)
         with self._lock:
             stored = self.index.prefix_length(keys)
         if stored == n:
@@ -576,6 +571,16 @@ class KVStore:
             stop = min(n, start + step)
             written += self._put_one(keys[start:stop], blocks[:, :, start:stop])
         return written
+
+    def _blocks_view(self, keys: list[bytes], data) -> np.ndarray:
+        """put_run's data as (layers, groups, blocks, group_block_bytes) bytes."""
+        g, n = self.geometry, len(keys)
+        arr = np.asarray(data)
+        if arr.nbytes != n * g.block_bytes:
+            raise ConfigError(f"put_run: {n} keys need {n * g.block_bytes} bytes of KV "
+                              f"({g.describe()}), got {arr.nbytes}")
+        return np.ascontiguousarray(arr).view(np.uint8).reshape(
+            g.num_layers, g.head_groups, n, g.group_block_bytes)
 
     def _put_one(self, keys: list[bytes], blocks: np.ndarray) -> int:
         n = len(keys)
