@@ -166,52 +166,31 @@ def same_cache(a, b, ids_a, ids_b) -> bool:
 
 # ---------------------------------------------------------------------- copies alone
 class _Sink:
-    """save_blocks' store without the store: put_run only notes the time."""
+    """save_blocks' store without the store: its gather buffer is the
+    preallocated (already touched) ``staging``; put_run only notes the time."""
 
-    def __init__(self, g):
+    def __init__(self, g, staging):
         self.geometry = g
+        self.staging = staging
         self.done_at = None
+
+    def _staging(self, nbytes, purpose="staging"):
+        if nbytes > self.staging.nbytes:
+            raise ValueError(f"staging of {nbytes} bytes > preallocated {self.staging.nbytes}")
+        return self.staging
 
     def put_run(self, keys, data):
         self.done_at = time.perf_counter()
         return len(keys)
 
 
-class _Prealloc:
-    """Stands in for save_blocks' HostBuffer: an already touched buffer."""
-
-    def __init__(self, buf):
-        self.buf = buf
-
-    def __call__(self, nbytes, register=True):
-        if nbytes > self.buf.nbytes:
-            raise ValueError(f"staging of {nbytes} bytes > preallocated {self.buf.nbytes}")
-        return self
-
-    @property
-    def array(self):
-        return self.buf.array
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return None
-
-
 def time_gather(g, keys, src, ids, staging) -> float:
-    """Seconds of save_blocks' gather (cache pages -> staging), nothing else:
-    its staging HostBuffer is the preallocated ``staging`` and the store a sink."""
+    """Seconds of save_blocks' gather (cache pages -> staging), nothing else."""
     from kvblock.tensors import VLLMLayout, transfer
 
-    sink = _Sink(g)
-    saved = transfer.HostBuffer
-    transfer.HostBuffer = _Prealloc(staging)
-    try:
-        t = time.perf_counter()
-        transfer.save_blocks(sink, keys, VLLMLayout(src), ids)
-    finally:
-        transfer.HostBuffer = saved
+    sink = _Sink(g, staging)
+    t = time.perf_counter()
+    transfer.save_blocks(sink, keys, VLLMLayout(src), ids)
     return sink.done_at - t
 
 
