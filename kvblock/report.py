@@ -100,11 +100,19 @@ def plot(figs: dict, outdir: Path, dpi: int = 80) -> list[Path]:
     return written
 
 
-def report(path: str, outdir: str | Path = "docs/bench") -> tuple[str, list[Path]]:
+def report(path: str, outdir: str | Path = "docs/bench",
+           relative_to: str | Path | None = None) -> tuple[str, list[Path]]:
+    """(markdown, PNG paths).  Image links are relative to ``relative_to`` (the
+    folder the markdown is written to), else as given."""
+    import os
+
     data = load(path)
     outdir = Path(outdir)
     pngs = plot(figures(data), outdir)
     md = table(data)
     if pngs:
-        md += "\n" + "\n".join(f"![{p.stem}]({p.as_posix()})" for p in pngs) + "\n"
+        base = Path(relative_to) if relative_to is not None else None
+        links = [Path(os.path.relpath(p, base)) if base is not None else p for p in pngs]
+        md += "\n" + "\n".join(f"![{p.stem}]({link.as_posix()})"
+                                for p, link in zip(pngs, links)) + "\n"
     return md, pngs

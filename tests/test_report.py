@@ -31,7 +31,8 @@ def test_report_table_and_plots(tmp_path):
     assert "| raw-io | test_raw[read-1M] | 0.5 | 1.2 | fio | bs=1048576 |" in res.output
     png = out / "seq-read-vs-i-o-size.png"
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert f"![seq-read-vs-i-o-size]({png.as_posix()})" in (tmp_path / "r.md").read_text()
+    # links are relative to the markdown file's folder
+    assert "![seq-read-vs-i-o-size](plots/seq-read-vs-i-o-size.png)" in (tmp_path / "r.md").read_text()
 
 
 def test_report_bad_input(tmp_path):

@@ -356,7 +356,9 @@ def report(bench_json, out, md_path):
     """Turn pytest-benchmark JSON (make bench) into a markdown table and PNG plots."""
     from kvblock.report import report as make_report
 
-    md, pngs = make_report(bench_json, out)
+    md, pngs = make_report(bench_json, out,
+                           relative_to=os.path.dirname(os.path.abspath(md_path)) if md_path
+                           else None)
     if md_path:
         with open(md_path, "w") as f:
             f.write(md)
