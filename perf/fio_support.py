@@ -135,3 +135,30 @@ def run_fio(dev: str, rw: str, bs: int, qd: int, *, size: int, seconds: float | 
     return {"gib_s": side["bw_bytes"] / GIB, "iops": side["iops"],
             "p50_us": lat["50.000000"] / 1000.0, "p99_us": lat["99.000000"] / 1000.0,
             "seconds": side["runtime"] / 1000.0, "bytes": side["io_bytes"]}
+
+
+def run_guarded(prog: str, body) -> int | None:
+    """Run ``body()`` so that Ctrl-C, SIGTERM and SIGHUP unwind through the
+    finally blocks that detach loop devices (SIGINT too when a shell started us
+    with it ignored), and a failing fio/losetup becomes one line on stderr.
+    Returns None on success, else the exit code (130 interrupted, 1 failed)."""
+    import signal
+    import sys
+
+    def stop(signum, _frame):
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    try:
+        body()
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; loop devices detached", file=sys.stderr)
+        return 130
+    except subprocess.CalledProcessError as e:
+        tail = (e.stderr or "").strip().splitlines()[-3:]
+        print(f"{prog}: {e.cmd[0]} exited with status {e.returncode}"
+              f"{': ' + ' / '.join(tail) if tail else ''}; loop devices detached",
+              file=sys.stderr)
+        return 1
+    return None

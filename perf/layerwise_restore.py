@@ -42,9 +42,7 @@ import collections
 import contextlib
 import json
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -375,12 +373,6 @@ def main(argv=None) -> int:
         print(f"layerwise_restore: {why}", file=sys.stderr)
         return 2
 
-    def stop(signum, _frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-
     from kvblock.memory import HostBuffer
 
     n = args.tokens // g.block_tokens
@@ -397,7 +389,7 @@ def main(argv=None) -> int:
         else src_ids
     results = []
     dirs = {"shm": fs.SHM, "disk": args.disk_dir}
-    try:
+    def body():
         with contextlib.ExitStack() as stack:
             staging = stack.enter_context(HostBuffer(n * g.block_bytes, register=False)) \
                 if "shm" in targets and not args.no_copy else None
@@ -406,15 +398,10 @@ def main(argv=None) -> int:
                 with fs.loop_target(dirs[target], args.device_bytes) as dev:
                     results.append(run_target(target, dev, g, args, src, dst, keys, src_ids,
                                               dst_ids, staging if target == "shm" else None))
-    except KeyboardInterrupt:
-        print("layerwise_restore: interrupted; loop devices detached", file=sys.stderr)
-        return 130
-    except subprocess.CalledProcessError as e:
-        tail = (e.stderr or "").strip().splitlines()[-3:]
-        print(f"layerwise_restore: {e.cmd[0]} exited with status {e.returncode}"
-              f"{': ' + ' / '.join(tail) if tail else ''}; loop devices detached",
-              file=sys.stderr)
-        return 1
+
+    rc = fs.run_guarded("layerwise_restore", body)
+    if rc is not None:
+        return rc
     log(f"done in {time.monotonic() - t0:.0f} s")
     if args.json:
         print(json.dumps(results, indent=2))

@@ -42,9 +42,7 @@ import argparse
 import json
 import math
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -202,16 +200,11 @@ def main(argv=None) -> int:
         print(f"store_vs_fio: {why}", file=sys.stderr)
         return 2
 
-    def stop(signum, _frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-
     dirs = {"shm": fs.SHM, "disk": args.disk_dir}
     results = []
     t0 = time.monotonic()
-    try:
+
+    def body():
         for target in targets:
             log(f"{target}: filling a {human(args.size)} file in {dirs[target]} ...")
             with fs.loop_target(dirs[target], args.size) as dev:
@@ -224,15 +217,10 @@ def main(argv=None) -> int:
                         f"iodepth={io_shape(args.run_bytes, args.qd, jobs)[2]}")
                     rounds = measure(dev, workload, jobs, geometry, args)
                     results.append(summarize(target, workload, jobs, rounds, args))
-    except KeyboardInterrupt:
-        print("store_vs_fio: interrupted; loop devices detached", file=sys.stderr)
-        return 130
-    except subprocess.CalledProcessError as e:
-        tail = (e.stderr or "").strip().splitlines()[-3:]
-        print(f"store_vs_fio: {e.cmd[0]} exited with status {e.returncode}"
-              f"{': ' + ' / '.join(tail) if tail else ''}; loop devices detached",
-              file=sys.stderr)
-        return 1
+
+    rc = fs.run_guarded("store_vs_fio", body)
+    if rc is not None:
+        return rc
     log(f"done in {time.monotonic() - t0:.0f} s")
     if args.json:
         print(json.dumps(results, indent=2))

@@ -23,9 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -188,18 +186,11 @@ def main(argv=None) -> int:
         print(f"vs_fio: {why}", file=sys.stderr)
         return 2
 
-    # Ctrl-C, SIGTERM and SIGHUP unwind through the finally blocks that detach
-    # the loop devices (SIGINT too when a shell started us with it ignored).
-    def stop(signum, _frame):
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-
     dirs = {"shm": fs.SHM, "disk": args.disk_dir}
     results = []
     t0 = time.monotonic()
-    try:
+
+    def body():
         for target in targets:
             log(f"{target}: filling a {human(args.size)} file in {dirs[target]} ...")
             with fs.loop_target(dirs[target], args.size) as dev:
@@ -209,15 +200,10 @@ def main(argv=None) -> int:
                     log(f"  {target} {dev}: {workload} bs={human(bs)} qd={qd}")
                     rounds = measure(dev, workload, bs, qd, args)
                     results.append(summarize(target, workload, bs, qd, rounds))
-    except KeyboardInterrupt:
-        print("vs_fio: interrupted; loop devices detached", file=sys.stderr)
-        return 130
-    except subprocess.CalledProcessError as e:
-        tail = (e.stderr or "").strip().splitlines()[-3:]
-        print(f"vs_fio: {e.cmd[0]} exited with status {e.returncode}"
-              f"{': ' + ' / '.join(tail) if tail else ''}; loop devices detached",
-              file=sys.stderr)
-        return 1
+
+    rc = fs.run_guarded("vs_fio", body)
+    if rc is not None:
+        return rc
     log(f"done in {time.monotonic() - t0:.0f} s")
     if args.json:
         print(json.dumps(results, indent=2))
