@@ -162,3 +162,33 @@ def run_guarded(prog: str, body) -> int | None:
               file=sys.stderr)
         return 1
     return None
+
+
+def benchmark_skip_reason() -> str | None:
+    """Why the side-by-side fio benchmarks cannot run here (None: they can)."""
+    ok, why = prerequisites()
+    if not ok:
+        return why
+    if not SHM.is_dir():
+        return "/dev/shm is missing"
+    from kvblock.io import io_engine
+
+    if io_engine() != "uring":
+        return ("io_uring unavailable here (fio would run io_uring, kvblock its threads "
+                "fallback)")
+    return None
+
+
+def attached_targets(targets, dirs: dict, size: int) -> Iterator[tuple[str, str]]:
+    """For each target name, fill a ``size``-byte backing file in ``dirs[name]``,
+    attach it and yield (name, loop device); detached after each."""
+    import sys
+
+    for target in targets:
+        print(f"{target}: filling a {size >> 20} MiB file in {dirs[target]} ...",
+              file=sys.stderr, flush=True)
+        with loop_target(dirs[target], size) as dev:
+            if direct_io_enabled(dev) is False:
+                print(f"  warning: {dev} runs without direct I/O on its backing file",
+                      file=sys.stderr, flush=True)
+            yield target, dev

@@ -393,11 +393,9 @@ def main(argv=None) -> int:
         with contextlib.ExitStack() as stack:
             staging = stack.enter_context(HostBuffer(n * g.block_bytes, register=False)) \
                 if "shm" in targets and not args.no_copy else None
-            for target in targets:
-                log(f"{target}: filling a {human(args.device_bytes)} file in {dirs[target]} ...")
-                with fs.loop_target(dirs[target], args.device_bytes) as dev:
-                    results.append(run_target(target, dev, g, args, src, dst, keys, src_ids,
-                                              dst_ids, staging if target == "shm" else None))
+            for target, dev in fs.attached_targets(targets, dirs, args.device_bytes):
+                results.append(run_target(target, dev, g, args, src, dst, keys, src_ids,
+                                          dst_ids, staging if target == "shm" else None))
 
     rc = fs.run_guarded("layerwise_restore", body)
     if rc is not None:

@@ -205,18 +205,14 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
 
     def body():
-        for target in targets:
-            log(f"{target}: filling a {human(args.size)} file in {dirs[target]} ...")
-            with fs.loop_target(dirs[target], args.size) as dev:
-                if fs.direct_io_enabled(dev) is False:
-                    log(f"  warning: {dev} runs without direct I/O on its backing file")
-                for workload, jobs in cases:
-                    log(f"  {target} {dev}: {workload} ({jobs} thread{'s' if jobs > 1 else ''}):"
-                        f" runs of {human(args.run_bytes)}, fio {FIO_RW[workload]} "
-                        f"bs={human(args.piece)} "
-                        f"iodepth={io_shape(args.run_bytes, args.qd, jobs)[2]}")
-                    rounds = measure(dev, workload, jobs, geometry, args)
-                    results.append(summarize(target, workload, jobs, rounds, args))
+        for target, dev in fs.attached_targets(targets, dirs, args.size):
+            for workload, jobs in cases:
+                log(f"  {target} {dev}: {workload} ({jobs} thread{'s' if jobs > 1 else ''}):"
+                    f" runs of {human(args.run_bytes)}, fio {FIO_RW[workload]} "
+                    f"bs={human(args.piece)} "
+                    f"iodepth={io_shape(args.run_bytes, args.qd, jobs)[2]}")
+                rounds = measure(dev, workload, jobs, geometry, args)
+                results.append(summarize(target, workload, jobs, rounds, args))
 
     rc = fs.run_guarded("store_vs_fio", body)
     if rc is not None:

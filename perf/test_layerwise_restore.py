@@ -45,18 +45,11 @@ pytestmark = pytest.mark.root
 
 @pytest.fixture(scope="module")
 def saved():
-    ok, why = fs.prerequisites()
-    if not ok:
+    why = fs.benchmark_skip_reason()
+    if why:
         pytest.skip(f"layer-wise restore benchmarks: {why}")
-    if not fs.SHM.is_dir():
-        pytest.skip("layer-wise restore benchmarks: /dev/shm is missing")
     pytest.importorskip("torch")
-    from kvblock.io import io_engine
     from kvblock.memory import HostBuffer
-
-    if io_engine() != "uring":
-        pytest.skip("layer-wise restore benchmarks: io_uring unavailable here (fio would run "
-                    "io_uring, kvblock its threads fallback)")
     g = lr.geometry()
     n = TOKENS // g.block_tokens
     keys = [i.to_bytes(16, "little") for i in range(1, n + 1)]

@@ -43,16 +43,9 @@ pytestmark = pytest.mark.root
 
 @pytest.fixture(scope="module")
 def shm_loop():
-    ok, why = fs.prerequisites()
-    if not ok:
+    why = fs.benchmark_skip_reason()
+    if why:
         pytest.skip(f"store-vs-fio benchmarks: {why}")
-    if not fs.SHM.is_dir():
-        pytest.skip("store-vs-fio benchmarks: /dev/shm is missing")
-    from kvblock.io import io_engine
-
-    if io_engine() != "uring":
-        pytest.skip("store-vs-fio benchmarks: io_uring unavailable here (fio would run "
-                    "io_uring, kvblock its threads fallback)")
     with fs.loop_target(fs.SHM, DEVICE_BYTES) as dev:
         yield dev
 

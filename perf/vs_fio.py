@@ -191,15 +191,11 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
 
     def body():
-        for target in targets:
-            log(f"{target}: filling a {human(args.size)} file in {dirs[target]} ...")
-            with fs.loop_target(dirs[target], args.size) as dev:
-                if fs.direct_io_enabled(dev) is False:
-                    log(f"  warning: {dev} runs without direct I/O on its backing file")
-                for workload, bs, qd in cases:
-                    log(f"  {target} {dev}: {workload} bs={human(bs)} qd={qd}")
-                    rounds = measure(dev, workload, bs, qd, args)
-                    results.append(summarize(target, workload, bs, qd, rounds))
+        for target, dev in fs.attached_targets(targets, dirs, args.size):
+            for workload, bs, qd in cases:
+                log(f"  {target} {dev}: {workload} bs={human(bs)} qd={qd}")
+                rounds = measure(dev, workload, bs, qd, args)
+                results.append(summarize(target, workload, bs, qd, rounds))
 
     rc = fs.run_guarded("vs_fio", body)
     if rc is not None:
