@@ -386,13 +386,16 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             self._metrics[f"{kind}_bandwidth"].append(gb / max(seconds, 1e-9))
 
     # ------------------------------------------------------------------ zero-copy calls
+    def _v1_pages(self, keys: list[str], host_indices: torch.Tensor):
+        """The host pages of a v1 call, or None when the call cannot be served
+        (no keys, no store yet, bad indices: logged by _page_ids)."""
+        if not keys or not self._ready():
+            return None
+        return self._page_ids(keys, host_indices)
+
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        if not keys:
-            return []
-        if not self._ready():
-            return [False] * len(keys)
-        page_ids = self._page_ids(keys, host_indices)
+        page_ids = self._v1_pages(keys, host_indices)
         if page_ids is None:
             return [False] * len(keys)
         kbs = [self.kvblock_key(k) for k in keys]
@@ -411,11 +414,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
-        if not keys:
-            return []
-        if not self._ready():
-            return [False] * len(keys)
-        page_ids = self._page_ids(keys, host_indices)
+        page_ids = self._v1_pages(keys, host_indices)
         if page_ids is None:
             return [False] * len(keys)
         t0 = time.perf_counter()

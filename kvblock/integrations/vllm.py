@@ -294,13 +294,17 @@ class KVBlockTierManager(SecondaryTierManager):
             return LookupResult.RETRY
         return LookupResult.MISS
 
-    def submit_store(self, job_metadata: TransferJob) -> None:
+    def _job_inputs(self, job_metadata: TransferJob, kind: str):
+        """(vLLM keys, pool slot ids, kvblock keys) of a transfer job."""
         keys = list(job_metadata.keys)
         chunks = np.asarray(job_metadata.chunk_ids, dtype=np.int64).reshape(-1)
         if len(keys) != chunks.size:
-            raise ConfigError(f"kvblock tier: store job {job_metadata.job_id} has "
+            raise ConfigError(f"kvblock tier: {kind} job {job_metadata.job_id} has "
                               f"{len(keys)} keys but {chunks.size} chunk ids")
-        kbs = [self.kvblock_key(k) for k in keys]
+        return keys, chunks, [self.kvblock_key(k) for k in keys]
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys, chunks, kbs = self._job_inputs(job_metadata, "store")
         with self._cond:
             if self._closed:
                 self._finished.append(JobResult(job_metadata.job_id, False))
@@ -317,12 +321,7 @@ class KVBlockTierManager(SecondaryTierManager):
             self._enqueue(job, self._stores)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        keys = list(job_metadata.keys)
-        chunks = np.asarray(job_metadata.chunk_ids, dtype=np.int64).reshape(-1)
-        if len(keys) != chunks.size:
-            raise ConfigError(f"kvblock tier: load job {job_metadata.job_id} has "
-                              f"{len(keys)} keys but {chunks.size} chunk ids")
-        kbs = [self.kvblock_key(k) for k in keys]
+        keys, chunks, kbs = self._job_inputs(job_metadata, "load")
         with self._cond:
             if self._closed:
                 self._finished.append(JobResult(job_metadata.job_id, False))
