@@ -13,3 +13,12 @@ def data_checksum(data, seed: int) -> int:
     """Checksum of a data range; seeded with the run id so that a range read
     back from reused space never verifies as another run's data."""
     return xxhash.xxh3_64_intdigest(data, seed=seed & 0xFFFFFFFFFFFFFFFF)
+
+
+def data_checksum_pieces(pieces, seed: int) -> int:
+    """data_checksum of the concatenation of ``pieces`` (xxh3's streaming
+    form: the same value, without joining them)."""
+    h = xxhash.xxh3_64(seed=seed & 0xFFFFFFFFFFFFFFFF)
+    for p in pieces:
+        h.update(p)
+    return h.intdigest()

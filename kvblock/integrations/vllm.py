@@ -22,18 +22,18 @@ Geometry: a slot is one kvblock block.
     from and into the pool.  (kvblock's layer-wise layout buys nothing here:
     the CPU->GPU step is vLLM's, one slot at a time.)
 
-Zero copy where the pool allows it.
+Zero copy.
     A job is cut into pieces of at most ``max_run_bytes`` (and 1/8 of a store
-    region), each stored as one kvblock run (one large write, one journal
-    record); the pieces of a job run in parallel on the workers.  A load cut
-    the same way as the store (same keys in the same order: vLLM promotes a
-    request's prefix in order) reads whole runs.  When a piece's
-    ``chunk_ids`` are ascending and adjacent, ``put_run``/``get_run`` get the
-    pool slice itself and kvblock does direct I/O on it (no copy).  Otherwise
-    (a fragmented or reused pool) the piece is gathered into, or scattered
-    from, a page-aligned staging buffer of the worker thread: one memcpy per
-    slot, still one I/O per run.  Keys already in the store, or being stored
-    by another job, are not written again.
+    region), each stored as one kvblock run (one journal record); the pieces
+    of a job run in parallel on the workers.  A load cut the same way as the
+    store (same keys in the same order: vLLM promotes a request's prefix in
+    order) reads whole runs.  When a piece's ``chunk_ids`` are ascending and
+    adjacent, ``put_run``/``get_run`` get the pool slice itself: one large
+    direct I/O.  Otherwise (a fragmented or reused pool) ``put_blocks`` /
+    ``get_blocks`` get the slots where they are: one direct I/O per slot
+    (slots that happen to touch are merged), checksummed piece by piece, no
+    staging copy.  Keys already in the store, or being stored by another
+    job, are not written again.
 
 Keys and namespaces.
     A vLLM ``OffloadKey`` (block hash + KV group index) names token content
@@ -106,7 +106,6 @@ from kvblock.errors import (
     KVBlockError,
 )
 from kvblock.layout import Geometry
-from kvblock.memory import HostBuffer
 from kvblock.store import KVStore
 
 logger = logging.getLogger(__name__)
@@ -262,8 +261,6 @@ class KVBlockTierManager(SecondaryTierManager):
         self._storing: set[bytes] = set()       # kvblock keys a store job is writing
         self._stop = False
         self._closed = False
-        self._staging: list[HostBuffer] = []
-        self._local = threading.local()
         self._workers = [threading.Thread(target=self._worker, name=f"kvblock_tier_{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._workers:
@@ -357,9 +354,6 @@ class KVBlockTierManager(SecondaryTierManager):
             self._cond.notify_all()
         for t in self._workers:
             t.join()
-        for buf in self._staging:
-            buf.close()
-        self._staging.clear()
         try:
             self.store.close()
         except KVBlockError:
@@ -440,19 +434,6 @@ class KVBlockTierManager(SecondaryTierManager):
         with lock:
             return index.lookup(kbs) >= 0
 
-    def _staging_array(self, nbytes: int) -> np.ndarray:
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < nbytes:
-            size = max(nbytes, self.max_run_blocks * self.block_size_bytes)
-            new = HostBuffer(size)
-            with self._cond:
-                if buf is not None:
-                    self._staging.remove(buf)
-                    buf.close()
-                self._staging.append(new)
-            buf = self._local.buf = new
-        return buf.array[:nbytes]
-
     def _worker(self) -> None:
         while True:
             with self._cond:
@@ -486,13 +467,12 @@ class KVBlockTierManager(SecondaryTierManager):
         if todo.size:
             keys = [kbs[i] for i in todo]
             ids = chunks[todo]
-            if _adjacent(ids):
-                data = self._slots[int(ids[0]):int(ids[0]) + ids.size]       # no copy
-            else:
-                data = self._staging_array(ids.size * self.block_size_bytes).reshape(
-                    ids.size, self.block_size_bytes)
-                np.take(self._slots, ids, axis=0, out=data)                   # gather
-            if self.store.put_run(keys, data) != len(keys):
+            if _adjacent(ids):                 # one slice of the pool: one write
+                got = self.store.put_run(keys, self._slots[int(ids[0]):int(ids[0]) + ids.size])
+            else:                              # scattered slots: written where they are
+                slots = self._slots
+                got = self.store.put_blocks(keys, [slots[i] for i in ids.tolist()])
+            if got != len(keys):
                 raise KVBlockError("the store declined the run (admission)")
             written = len(keys)
         job.ok[start:stop] = True
@@ -501,22 +481,20 @@ class KVBlockTierManager(SecondaryTierManager):
     def _load_piece(self, job: _Job, start: int, stop: int) -> int:
         kbs = job.kbs[start:stop]
         ids = job.chunks[start:stop]
-        n, bs = len(kbs), self.block_size_bytes
-        direct = _adjacent(ids)
-        if direct:
+        n = len(kbs)
+        if _adjacent(ids):
             dst = self._slots[int(ids[0]):int(ids[0]) + n]
+            read = self.store.get_run
         else:
-            dst = self._staging_array(n * bs).reshape(n, bs)
+            slots = self._slots
+            dst = [slots[i] for i in ids.tolist()]
+            read = self.store.get_blocks
         ok = np.zeros(n, dtype=bool)
         i = 0
         while i < n:
-            got = self.store.get_run(kbs[i:], dst[i:])
+            got = read(kbs[i:], dst[i:])
             ok[i:i + got] = True
             i += got + 1          # skip the key that missed (evicted or corrupt)
-        if not direct:
-            slots = self._slots
-            for j in np.nonzero(ok)[0].tolist():                              # scatter
-                slots[int(ids[j])] = dst[j]
         job.ok[start:stop] = ok
         return int(ok.sum())
 

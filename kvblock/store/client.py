@@ -53,10 +53,10 @@ from kvblock import errors
 from kvblock.devices import Device
 from kvblock.errors import ConfigError, KVBlockError, StoreClosedError, StoreFullError
 from kvblock.index import normalize_keys
-from kvblock.io import IOBatch, open_engine
+from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry
 from kvblock.store.policy import VERIFY_MODES
-from kvblock.store.store import COUNTERS, KVStore, _try_superblock
+from kvblock.store.store import COUNTERS, KVStore, _span, _try_superblock
 from kvblock.store.storeio import StoreIO
 
 PROTOCOL = 1
@@ -305,9 +305,13 @@ class RemoteStore:
         process writes the bytes, the server publishes them."""
         self._check_open(writing=True)
         keys = normalize_keys(keys)
+        return self._put(keys, self._blocks_view(keys, data))
+
+    put_blocks = KVStore.put_blocks
+
+    def _put(self, keys: list[bytes], blocks) -> int:
         n = len(keys)
         g = self.geometry
-        blocks = self._blocks_view(keys, data)
         if n == 0:
             return 0
         verdict = self._call("admit", keys=encode_keys(keys))
@@ -324,18 +328,18 @@ class RemoteStore:
         written = 0
         for start in range(0, n, step):
             stop = min(n, start + step)
-            written += self._put_one(keys[start:stop], blocks[:, :, start:stop])
+            written += self._put_one(keys[start:stop], _span(blocks, start, stop))
         return written
 
-    def _put_one(self, keys: list[bytes], blocks: np.ndarray) -> int:
+    def _put_one(self, keys: list[bytes], blocks) -> int:
         n = len(keys)
         lay = self.layout(n)
         a = self._call("allocate", nblocks=n)   # the server pins the region for us
         sent = False
         try:
-            address, sums = self._stage_run(lay, blocks, a["run_id"])
             dev, dev_off = self.regions.address(a["region"], a["offset"])
-            self.io.write(IOBatch.single(address, dev, dev_off, lay.run_bytes))
+            batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off)
+            self.io.write(batch)
             self.io.flush([dev])                 # data before the record that publishes it
             sent = True                          # from here the server releases the pin
             self._call("commit", wid=a["wid"], keys=encode_keys(keys),
@@ -389,10 +393,12 @@ class RemoteStore:
 
     # Reads run here, on this process's devices, exactly as in KVStore.
     get_run = KVStore.get_run
+    get_blocks = KVStore.get_blocks
     read_range = KVStore.read_range
     _read = KVStore._read
     _read_segment = KVStore._read_segment
     _read_run_direct = KVStore._read_run_direct
+    _read_run_scattered = KVStore._read_run_scattered
     _checksum_failure = KVStore._checksum_failure
     _staging = KVStore._staging
     _blocks_view = KVStore._blocks_view

@@ -56,6 +56,7 @@ from kvblock.io import IOBatch, open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
 from kvblock.memory import HostBuffer
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
+from kvblock.store.scatter import BlockList
 from kvblock.store.storeio import StoreIO
 from kvblock.tiers import HostTier
 
@@ -69,6 +70,20 @@ COUNTERS = (
     "host_hit_blocks", "device_hit_blocks",
 )
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
+
+
+def _span(blocks, start: int, stop: int):
+    """Blocks start..stop of a (layers, groups, n, bytes) array or a BlockList."""
+    return blocks.sub(start, stop) if isinstance(blocks, BlockList) else blocks[:, :, start:stop]
+
+
+def _one(blocks, k: int) -> np.ndarray:
+    """Block k as (layers, groups, bytes)."""
+    return blocks.block(k) if isinstance(blocks, BlockList) else blocks[:, :, k]
+
+
+def _range_checksums(ranges: np.ndarray, run_id: int) -> np.ndarray:
+    return np.array([data_checksum(r, run_id) for r in ranges], dtype=np.uint64)
 
 
 def _epoch(store_uuid: bytes, generation: int) -> int:
@@ -549,9 +564,27 @@ class KVStore:
         """
         self._check_open(writing=True)
         keys = normalize_keys(keys)
+        return self._put(keys, self._blocks_view(keys, data))
+
+    def put_blocks(self, keys: Sequence, blocks: Sequence) -> int:
+        """Store a run whose blocks lie in separate buffers: ``blocks[k]`` is
+        an array of ``geometry.block_bytes`` bytes, block k of the run in the
+        store's layout order (``(num_layers, head_groups, group_block_bytes)``).
+
+        Aligned blocks whose per-range pieces are multiples of the store's
+        alignment are written from where they are (no copy); others are
+        gathered through staging memory.  Otherwise as :meth:`put_run`.
+        """
+        self._check_open(writing=True)
+        keys = normalize_keys(keys)
+        return self._put(keys, BlockList.of(blocks, self.geometry, len(keys), "put_blocks",
+                                            writable=False))
+
+    def _put(self, keys: list[bytes], blocks) -> int:
+        """put_run/put_blocks after their argument checks; ``blocks`` is a
+        (layers, groups, n, group_block_bytes) array or a BlockList."""
         n = len(keys)
         g = self.geometry
-        blocks = self._blocks_view(keys, data)
         if n == 0:
             return 0
         with self._lock:
@@ -569,7 +602,7 @@ class KVStore:
                                  f"{self.sb.region_size}-byte region")
         for start in range(0, n, step):
             stop = min(n, start + step)
-            written += self._put_one(keys[start:stop], blocks[:, :, start:stop])
+            written += self._put_one(keys[start:stop], _span(blocks, start, stop))
         return written
 
     def _blocks_view(self, keys: list[bytes], data) -> np.ndarray:
@@ -587,9 +620,9 @@ class KVStore:
         lay = self.layout(n)
         region, offset, run_id, gen = self._begin_put(lay.run_bytes)
         try:
-            address, sums = self._stage_run(lay, blocks, run_id)
             dev, dev_off = self.regions.address(region, offset)
-            self.io.write(IOBatch.single(address, dev, dev_off, lay.run_bytes))
+            batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off)
+            self.io.write(batch)
             host_blocks = blocks if self.host is not None else None
             self._publish_put(Run(run_id, region, gen, offset, b"".join(keys), sums,
                                   created=time.time()))
@@ -598,7 +631,7 @@ class KVStore:
                 self.regions.pins[region] -= 1
         if host_blocks is not None:
             for k in range(n):
-                self.host.put(keys[k], host_blocks[:, :, k])
+                self.host.put(keys[k], _one(host_blocks, k))
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += n
         self.counters["bytes_written"] += lay.run_bytes
@@ -616,25 +649,33 @@ class KVStore:
             gen = int(self.regions.generation[region])
         return region, offset, run_id, gen
 
-    def _stage_run(self, lay: RunLayout, blocks: np.ndarray, run_id: int):
-        """(host address of the run's on-device image, per-range checksums).
-        ``blocks`` is (layers, groups, n, group_block_bytes); copied into the
-        thread's staging buffer unless it already is the image."""
+    def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int):
+        """(the IOBatch that writes the run's on-device image at ``dev_off``,
+        per-range checksums).  ``blocks`` is (layers, groups, n,
+        group_block_bytes) or a BlockList; copied into the thread's staging
+        buffer unless it already is the image (or aligned, unpadded pieces
+        of it)."""
         g = self.geometry
         payload = lay.prefix_bytes(lay.nblocks)
-        if payload == lay.range_bytes and blocks.flags.c_contiguous and \
+        if isinstance(blocks, BlockList):
+            if payload == lay.range_bytes and blocks.direct(self.alignment):
+                return (blocks.batch(dev, dev_off, lay.range_bytes),
+                        blocks.checksums(run_id))
+        elif payload == lay.range_bytes and blocks.flags.c_contiguous and \
                 blocks.ctypes.data % self.alignment == 0:
             # The caller's array already is the on-device image: no copy.
             ranges, address = blocks.reshape(g.ranges, payload), blocks.ctypes.data
+            return (IOBatch.single(address, dev, dev_off, lay.run_bytes),
+                    _range_checksums(ranges, run_id))
+        buf = self._staging(lay.run_bytes)
+        ranges = buf.array[:lay.run_bytes].reshape(g.ranges, lay.range_bytes)
+        if isinstance(blocks, BlockList):
+            blocks.gather_into(ranges)
         else:
-            buf = self._staging(lay.run_bytes)
-            ranges = buf.array[:lay.run_bytes].reshape(g.ranges, lay.range_bytes)
             ranges[:, :payload] = blocks.reshape(g.ranges, payload)
-            ranges[:, payload:] = 0
-            address = buf.address
-        sums = np.array([data_checksum(ranges[i], run_id) for i in range(g.ranges)],
-                        dtype=np.uint64)
-        return address, sums
+        ranges[:, payload:] = 0
+        return (IOBatch.single(buf.address, dev, dev_off, lay.run_bytes),
+                _range_checksums(ranges, run_id))
 
     def _publish_put(self, run: Run) -> None:
         """Journal the run's PUT record durably (after flushing the data), then
@@ -770,6 +811,20 @@ class KVStore:
             return self._read(keys, dst, None)
         return self._read_tiered(keys, dst)
 
+    def get_blocks(self, keys: Sequence, outs: Sequence) -> int:
+        """:meth:`get_run` into blocks that lie in separate buffers:
+        ``outs[k]`` is a writable, C-contiguous array of
+        ``geometry.block_bytes`` bytes that receives block k in the store's
+        layout order.  A whole run read into aligned blocks goes straight into
+        them (no copy).  Returns the number of leading blocks read and
+        verified; the blocks past them are unspecified."""
+        self._check_open()
+        keys = normalize_keys(keys)
+        dst = BlockList.of(outs, self.geometry, len(keys), "get_blocks", writable=True)
+        if self.host is None:
+            return self._read(keys, dst, None)
+        return self._read_tiered(keys, dst)
+
     def _read_tiered(self, keys, dst) -> int:
         """Blocks in the host tier are copied from DRAM, stretches of the others
         read from the device; blocks read from the device then enter the tier
@@ -778,21 +833,21 @@ class KVStore:
         in_host = [k in self.host for k in keys]
         done, fetched = 0, []
         while done < n:
-            if in_host[done] and self.host.read_into(keys[done], dst[:, :, done]):
+            if in_host[done] and self.host.read_into(keys[done], _one(dst, done)):
                 self.counters["host_hit_blocks"] += 1
                 done += 1
                 continue
             end = done + 1
             while end < n and not in_host[end]:
                 end += 1
-            got = self._read(keys[done:end], dst[:, :, done:end], None)
+            got = self._read(keys[done:end], _span(dst, done, end), None)
             fetched.extend(range(done, done + got))
             self.counters["device_hit_blocks"] += got
             done += got
             if done < end:
                 break
         for k in fetched:
-            self.host.put(keys[k], dst[:, :, k])
+            self.host.put(keys[k], _one(dst, k))
         return done
 
     def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:
@@ -822,7 +877,8 @@ class KVStore:
         try:
             done = 0
             for run, pos, count, out_at in segs:
-                if not self._read_segment(run, pos, count, dst[:, :, out_at:out_at + count], only):
+                if not self._read_segment(run, pos, count, _span(dst, out_at, out_at + count),
+                                          only):
                     break
                 done += count
         finally:
@@ -831,12 +887,17 @@ class KVStore:
         self.counters["get_bytes"] += done * (g.group_block_bytes if only else g.block_bytes)
         return done
 
-    def _read_segment(self, run: Run, pos: int, count: int, dst: np.ndarray, only) -> bool:
+    def _read_segment(self, run: Run, pos: int, count: int, dst, only) -> bool:
+        """Blocks pos..pos+count of ``run`` into ``dst`` ((layers, groups,
+        count, bytes) array, or a BlockList when ``only`` is None)."""
         g = self.geometry
         lay = self.layout(run.nblocks)
         verify = self.verify == "always"
-        if only is None and pos == 0 and count == run.nblocks and dst.flags.c_contiguous \
-                and lay.range_bytes == lay.prefix_bytes(count) \
+        whole = only is None and pos == 0 and count == run.nblocks \
+            and lay.range_bytes == lay.prefix_bytes(count)
+        if whole and isinstance(dst, BlockList) and dst.direct(self.alignment):
+            return self._read_run_scattered(run, lay, dst, verify)
+        if whole and not isinstance(dst, BlockList) and dst.flags.c_contiguous \
                 and dst.ctypes.data % self.alignment == 0:
             return self._read_run_direct(run, lay, dst, verify)
         # Verification needs whole ranges; otherwise read just the prefix we need.
@@ -854,8 +915,11 @@ class KVStore:
                     self._checksum_failure(run, r)
                     return False
         gbb = g.group_block_bytes
-        blocks = view[:, pos * gbb:(pos + count) * gbb]
-        dst[...] = blocks.reshape(dst.shape)
+        if isinstance(dst, BlockList):
+            dst.scatter_from(view, pos)
+        else:
+            blocks = view[:, pos * gbb:(pos + count) * gbb]
+            dst[...] = blocks.reshape(dst.shape)
         self.counters["bytes_read"] += span * len(idx)
         return True
 
@@ -870,6 +934,21 @@ class KVStore:
                 if data_checksum(view[r], run.run_id) != int(run.checksums[r]):
                     self._checksum_failure(run, r)
                     return False
+        self.counters["bytes_read"] += lay.run_bytes
+        return True
+
+    def _read_run_scattered(self, run: Run, lay: RunLayout, dst: BlockList,
+                            verify: bool) -> bool:
+        """A whole, unpadded run into aligned blocks in separate buffers: one
+        I/O per (range, block) piece, merged where pieces touch."""
+        dev, base = self.regions.address(run.region, run.offset)
+        self.io.read(dst.batch(dev, base, lay.range_bytes))
+        if verify:
+            sums = dst.checksums(run.run_id)
+            bad = np.nonzero(sums != np.asarray(run.checksums, dtype=np.uint64))[0]
+            if bad.size:
+                self._checksum_failure(run, int(bad[0]))
+                return False
         self.counters["bytes_read"] += lay.run_bytes
         return True
 

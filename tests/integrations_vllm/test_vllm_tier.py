@@ -163,7 +163,7 @@ PATTERNS = {
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 def test_store_load_data_integrity(make_tier, batch_size, pattern):
     """Bytes come back identical for any batch size, whether the slots are
-    adjacent (zero-copy path) or not (staging path), through runs of 2 slots."""
+    adjacent (one I/O per run) or not (one I/O per slot), through runs of 2 slots."""
     tier, pool = make_tier(max_run_bytes=2 * SLOT)
     store_ids = PATTERNS[pattern](batch_size)
     fill_random(pool, range(NUM_SLOTS))
@@ -212,6 +212,42 @@ def test_zero_copy_paths_for_adjacent_slots(make_tier, monkeypatch):
     assert drain(tier)[0].success
     assert seen == [("put", base + 2 * SLOT), ("get", base + 8 * SLOT)]
     assert tier.stats()["put_runs"] == 1
+
+
+def test_zero_copy_paths_for_scattered_slots(make_tier, monkeypatch):
+    """Scattered slots reach put_blocks/get_blocks as views of the pool slots
+    themselves, and the store does direct I/O on them (no staging)."""
+    tier, pool = make_tier(region_size="16M")
+    base = pool.numpy().ctypes.data
+    seen, batches = [], []
+    put, get = tier.store.put_blocks, tier.store.get_blocks
+    read, write = tier.store.io.read, tier.store.io.write
+
+    def spy(kind, fn):
+        def call(keys, blocks):
+            seen.append((kind, [np.asarray(b).ctypes.data for b in blocks]))
+            return fn(keys, blocks)
+        return call
+
+    monkeypatch.setattr(tier.store, "put_blocks", spy("put", put))
+    monkeypatch.setattr(tier.store, "get_blocks", spy("get", get))
+    monkeypatch.setattr(tier.store.io, "read", lambda b: (batches.append(b), read(b))[1])
+    monkeypatch.setattr(tier.store.io, "write", lambda b: (batches.append(b), write(b))[1])
+    fill_random(pool, range(NUM_SLOTS))
+    expected = pool[[7, 2, 5]].clone()
+    tier.submit_store(job(1, [key(i) for i in range(3)], [7, 2, 5]))
+    assert drain(tier)[0].success
+    pool.zero_()
+    tier.submit_load(job(2, [key(i) for i in range(3)], [1, 6, 3], promotion=True))
+    assert drain(tier)[0].success
+    assert seen == [("put", [base + c * SLOT for c in (7, 2, 5)]),
+                    ("get", [base + c * SLOT for c in (1, 6, 3)])]
+    assert torch.equal(pool[[1, 6, 3]], expected)
+    pool_end = base + NUM_SLOTS * SLOT
+    data_ios = [b for b in batches if b.nbytes == 3 * SLOT]
+    assert len(data_ios) == 2
+    for b in data_ios:      # every data I/O lands in the pool itself
+        assert all(base <= a < pool_end for a in b.addrs.tolist())
 
 
 def test_many_concurrent_jobs(make_tier):

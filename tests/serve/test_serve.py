@@ -228,6 +228,25 @@ def test_save_and_load_blocks_through_remote_store(loop_device, sock):
             assert st.regions.pins.sum() == 0
 
 
+def test_blocks_in_separate_buffers_through_remote_store(tmp_path, sock):
+    from kvblock import create_file
+    from tests.store.test_scatter import ALIGNED, _blocks
+
+    path = str(tmp_path / "s.img")
+    create_file(path, 16 * MIB)
+    KVStore.format([path], ALIGNED, region_size=REGION).close()
+    keys = run_keys(1, 4)
+    data = run_data(keys, ALIGNED)
+    with serve_in_background([path], sock), RemoteStore(sock) as a, RemoteStore(sock) as b:
+        src = _blocks(data, ALIGNED)
+        assert a.put_blocks(keys, src) == 4
+        dst = _blocks(np.zeros_like(data), ALIGNED)
+        assert b.get_blocks(keys, dst) == 4
+        assert all(np.array_equal(x, y) for x, y in zip(dst, src))
+        out = np.zeros_like(data)
+        assert a.get_run(keys, out) == 4 and np.array_equal(out, data)
+
+
 def test_errors_cross_the_socket(tmp_path, sock):
     from kvblock import create_file
 

@@ -1,0 +1,117 @@
+"""Blocks that live in separate buffers: ``put_blocks`` / ``get_blocks``.
+
+An engine's host pool hands kvblock the slots of a run wherever its allocator
+put them (vLLM's CPU primary pool after some churn, SGLang's page-first
+pools).  Gathering them into one staging buffer costs a memcpy per block,
+which on a fast device halves the throughput.  When every block is aligned
+and its per-range pieces are whole multiples of the store's alignment, the
+run is instead written from / read into the blocks themselves: one I/O per
+(range, block) piece, pieces that touch in memory and on the device merged
+back into one, and the range checksums computed piece by piece (xxh3's
+streaming form gives the same value as over the contiguous range).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvblock.errors import ConfigError
+from kvblock.format.checksum import data_checksum_pieces
+from kvblock.io import IOBatch
+from kvblock.layout.geometry import Geometry
+
+
+class BlockList:
+    """One uint8 ``(ranges, group_block_bytes)`` view per block (no copies)."""
+
+    __slots__ = ("arrays", "geometry")
+
+    def __init__(self, arrays: list[np.ndarray], geometry: Geometry):
+        self.arrays = arrays
+        self.geometry = geometry
+
+    @classmethod
+    def of(cls, blocks: Sequence, geometry: Geometry, n: int, what: str,
+           writable: bool) -> "BlockList":
+        """Check and view the caller's per-block arrays (``what`` names the call)."""
+        if len(blocks) != n:
+            raise ConfigError(f"{what}: {n} keys but {len(blocks)} block buffers")
+        g = geometry
+        arrays = []
+        for k, b in enumerate(blocks):
+            a = np.asarray(b)
+            if a.nbytes != g.block_bytes:
+                raise ConfigError(f"{what}: block {k} holds {a.nbytes} bytes; a block is "
+                                  f"{g.block_bytes} bytes ({g.describe()})")
+            if not a.flags.c_contiguous:
+                if writable:
+                    raise ConfigError(f"{what}: block {k} is not C-contiguous; pass "
+                                      "contiguous block buffers")
+                a = np.ascontiguousarray(a)
+            if writable and not a.flags.writeable:
+                raise ConfigError(f"{what}: block {k} is read-only")
+            arrays.append(a.reshape(-1).view(np.uint8).reshape(g.ranges, g.group_block_bytes))
+        return cls(arrays, g)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+    def sub(self, start: int, stop: int) -> "BlockList":
+        return BlockList(self.arrays[start:stop], self.geometry)
+
+    def block(self, k: int) -> np.ndarray:
+        """Block k as ``(layers, groups, group_block_bytes)`` (the host tier's form)."""
+        g = self.geometry
+        return self.arrays[k].reshape(g.num_layers, g.head_groups, g.group_block_bytes)
+
+    def addresses(self) -> np.ndarray:
+        return np.fromiter((a.ctypes.data for a in self.arrays), dtype=np.uint64,
+                           count=len(self.arrays))
+
+    def direct(self, alignment: int) -> bool:
+        """Can the blocks take direct I/O as they are?"""
+        if self.geometry.group_block_bytes % alignment:
+            return False
+        return not bool((self.addresses() % np.uint64(alignment)).any())
+
+    def gather_into(self, ranges: np.ndarray, pos: int = 0) -> None:
+        """Copy the blocks into ``ranges`` (a run image, one row per range)."""
+        gbb = self.geometry.group_block_bytes
+        for k, a in enumerate(self.arrays):
+            ranges[:, (pos + k) * gbb:(pos + k + 1) * gbb] = a
+
+    def scatter_from(self, ranges: np.ndarray, pos: int = 0) -> None:
+        """Copy blocks ``pos``.. of a run image into the blocks."""
+        gbb = self.geometry.group_block_bytes
+        for k, a in enumerate(self.arrays):
+            a[...] = ranges[:, (pos + k) * gbb:(pos + k + 1) * gbb]
+
+    def batch(self, dev: int, base: int, range_bytes: int) -> IOBatch:
+        """The run's I/O: piece (range r, block k) at device offset
+        ``base + r * range_bytes + k * gbb``; touching pieces merged."""
+        g = self.geometry
+        gbb, n = g.group_block_bytes, len(self.arrays)
+        r = np.arange(g.ranges, dtype=np.uint64)[:, None]
+        k = np.arange(n, dtype=np.uint64)[None, :]
+        addrs = (self.addresses()[None, :] + r * np.uint64(gbb)).reshape(-1)
+        offs = (np.uint64(base) + r * np.uint64(range_bytes) + k * np.uint64(gbb)).reshape(-1)
+        return coalesce(addrs, dev, offs, gbb)
+
+    def checksums(self, seed: int) -> np.ndarray:
+        """Per-range checksums of the run these blocks make (no padding)."""
+        return np.array([data_checksum_pieces([a[r] for a in self.arrays], seed)
+                         for r in range(self.geometry.ranges)], dtype=np.uint64)
+
+
+def coalesce(addrs: np.ndarray, dev: int, offsets: np.ndarray, length: int) -> IOBatch:
+    """An IOBatch of equal-length pieces, with runs of pieces that follow each
+    other both in memory and on the device merged into one I/O."""
+    step = np.uint64(length)
+    if addrs.size <= 1:
+        return IOBatch(addrs, dev, offsets, length)
+    joins = (addrs[1:] == addrs[:-1] + step) & (offsets[1:] == offsets[:-1] + step)
+    starts = np.concatenate(([0], np.nonzero(~joins)[0] + 1))
+    counts = np.diff(np.append(starts, addrs.size)).astype(np.uint64)
+    return IOBatch(addrs[starts], dev, offsets[starts], counts * step)

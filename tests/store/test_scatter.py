@@ -1,0 +1,217 @@
+"""put_blocks / get_blocks: runs whose blocks lie in separate buffers.
+
+Aligned blocks take direct I/O where they are (checked by watching the
+I/O batches); others go through staging; both store exactly what put_run
+would, and the streaming checksums catch corruption like the contiguous ones.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+
+from kvblock import Geometry, KVStore, aligned_empty
+from kvblock.errors import ConfigError
+from kvblock.format.checksum import data_checksum, data_checksum_pieces
+from kvblock.store.scatter import coalesce
+from tests.store.workload import GEOM, REGION, run_data, run_keys
+
+MIB = 1 << 20
+# 4 KiB per (layer, group) piece: aligned pieces, so blocks can take direct I/O.
+ALIGNED = Geometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16",
+                   block_tokens=16, head_groups=2)
+
+
+def _blocks(data: np.ndarray, geom: Geometry, aligned: bool = True) -> list[np.ndarray]:
+    """The run image ``data`` (layers, groups, n, bytes) cut into per-block
+    buffers in block order, each in a buffer of its own."""
+    n = data.nbytes // geom.block_bytes
+    img = data.reshape(geom.num_layers, geom.head_groups, n, geom.group_block_bytes)
+    out = []
+    for k in range(n):
+        buf = aligned_empty(geom.block_bytes + 64)
+        at = 0 if aligned else 64    # unaligned: still contiguous, off by 64 bytes
+        b = buf[at:at + geom.block_bytes]
+        b[...] = img[:, :, k].reshape(-1)
+        out.append(b)
+    return out
+
+
+def _watch(store):
+    """Record every (read|write, batch) the store issues."""
+    seen = []
+    read, write = store.io.read, store.io.write
+    store.io.read = lambda b: (seen.append(("read", b)), read(b))[1]
+    store.io.write = lambda b: (seen.append(("write", b)), write(b))[1]
+    return seen
+
+
+def _format(target, geom, **kw):
+    kw.setdefault("region_size", REGION)
+    return KVStore.format([str(target)], geom, **kw)
+
+
+def test_streaming_checksum_equals_the_contiguous_one():
+    data = np.random.default_rng(1).integers(0, 256, 3 * 4096 + 17, dtype=np.uint8)
+    pieces = [data[:4096], data[4096:4097], data[4097:9000], data[9000:]]
+    assert data_checksum_pieces(pieces, 77) == data_checksum(data, 77)
+    assert data_checksum_pieces(pieces, 77) != data_checksum(data, 78)
+    assert data_checksum_pieces([], 5) == xxhash.xxh3_64_intdigest(b"", seed=5)
+
+
+def test_coalesce_merges_pieces_that_touch_in_memory_and_on_device():
+    addrs = np.array([0, 4096, 8192, 20480, 24576], dtype=np.uint64)
+    offs = np.array([100, 4196, 9999, 12000, 16096], dtype=np.uint64)
+    b = coalesce(addrs, 0, offs, 4096)
+    assert b.addrs.tolist() == [0, 8192, 20480]
+    assert b.offsets.tolist() == [100, 9999, 12000]
+    assert b.lens.tolist() == [8192, 4096, 8192]
+
+
+def test_aligned_blocks_are_written_and_read_in_place(target):
+    keys = run_keys(1, 6)
+    data = run_data(keys, ALIGNED)
+    with _format(target(16 * MIB), ALIGNED) as store:
+        src = _blocks(data, ALIGNED)
+        seen = _watch(store)
+        assert store.put_blocks(keys, src) == 6
+        wb, = [b for k, b in seen if k == "write" and b.nbytes == 6 * ALIGNED.block_bytes]
+        # every write piece comes from one of the caller's blocks: no staging copy
+        spans = [(int(b.ctypes.data), int(b.ctypes.data) + ALIGNED.block_bytes) for b in src]
+        for a, n in zip(wb.addrs.tolist(), wb.lens.tolist()):
+            assert any(lo <= a and a + n <= hi for lo, hi in spans)
+        # contiguous read of what put_blocks wrote
+        out = np.zeros_like(data)
+        assert store.get_run(keys, out) == 6 and np.array_equal(out, data)
+        # and back into separate blocks, in place
+        dst = _blocks(np.zeros_like(data), ALIGNED)
+        seen.clear()
+        assert store.get_blocks(keys, dst) == 6
+        reads = [b for k, b in seen if k == "read"]
+        assert len(reads) == 1 and reads[0].nbytes == 6 * ALIGNED.block_bytes
+        spans = [(int(b.ctypes.data), int(b.ctypes.data) + ALIGNED.block_bytes) for b in dst]
+        for a, n in zip(reads[0].addrs.tolist(), reads[0].lens.tolist()):
+            assert any(lo <= a and a + n <= hi for lo, hi in spans)   # straight into dst
+        for k, b in enumerate(dst):
+            assert np.array_equal(b, src[k])
+
+
+def test_put_run_data_reads_into_blocks_and_partial_runs(target):
+    keys = run_keys(2, 5)
+    data = run_data(keys, ALIGNED)
+    with _format(target(16 * MIB), ALIGNED) as store:
+        assert store.put_run(keys, data) == 5
+        want = _blocks(data, ALIGNED)
+        dst = _blocks(np.zeros_like(data), ALIGNED)
+        assert store.get_blocks(keys, dst) == 5
+        assert all(np.array_equal(a, b) for a, b in zip(dst, want))
+        # a lookup that starts inside the run: whole-range read, then per-block copies
+        dst = _blocks(np.zeros_like(data), ALIGNED)[:3]
+        assert store.get_blocks(keys[2:], dst) == 3
+        assert all(np.array_equal(a, b) for a, b in zip(dst, want[2:]))
+        # missing keys end the prefix
+        assert store.get_blocks(keys[:2] + [b"nope"], dst) == 2
+
+
+@pytest.mark.parametrize("geom,aligned", [(GEOM, True), (ALIGNED, False)],
+                         ids=["unaligned-pieces", "unaligned-buffers"])
+def test_blocks_that_cannot_take_direct_io_go_through_staging(tmp_path, geom, aligned):
+    from kvblock import create_file
+
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    keys = run_keys(3, 7)
+    data = run_data(keys, geom)
+    with _format(path, geom) as store:
+        src = _blocks(data, geom, aligned)
+        assert store.put_blocks(keys, src) == 7
+        out = np.zeros_like(data)
+        assert store.get_run(keys, out) == 7 and np.array_equal(out, data)
+        dst = _blocks(np.zeros_like(data), geom, aligned)
+        assert store.get_blocks(keys, dst) == 7
+        assert all(np.array_equal(a, b) for a, b in zip(dst, src))
+    with KVStore.open([str(path)]) as store:   # durable like any put
+        dst = _blocks(np.zeros_like(data), geom, aligned)
+        assert store.get_blocks(keys, dst) == 7
+        assert all(np.array_equal(a, b) for a, b in zip(dst, src))
+
+
+def test_corrupt_piece_is_a_miss_and_drops_the_run(tmp_path):
+    from kvblock import create_file
+
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    keys = run_keys(4, 4)
+    data = run_data(keys, ALIGNED)
+    with _format(path, ALIGNED) as store:
+        store.put_blocks(keys, _blocks(data, ALIGNED))
+        run = next(iter(store.index.runs.values()))
+        _, off = store.regions.address(run.region, run.offset)
+        range_bytes = store.layout(4).range_bytes
+    with open(path, "r+b") as f:   # one byte of block 2 in the last range
+        at = off + 3 * range_bytes + 2 * ALIGNED.group_block_bytes + 5
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with KVStore.open([str(path)]) as store:
+        dst = _blocks(np.zeros_like(data), ALIGNED)
+        assert store.get_blocks(keys, dst) == 0
+        assert store.stats()["checksum_failures"] == 1
+        assert store.last_checksum_failure[3] == 3      # the range that failed
+        assert store.lookup(keys) == 0
+
+
+def test_host_tier_serves_blocks(tmp_path):
+    from kvblock import create_file
+
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    keys = run_keys(5, 3)
+    data = run_data(keys, ALIGNED)
+    with _format(path, ALIGNED, host_cache_bytes=MIB) as store:
+        src = _blocks(data, ALIGNED)
+        store.put_blocks(keys, src)
+        for _ in range(2):
+            dst = _blocks(np.zeros_like(data), ALIGNED)
+            assert store.get_blocks(keys, dst) == 3
+            assert all(np.array_equal(a, b) for a, b in zip(dst, src))
+        assert store.stats()["host_hit_blocks"] >= 3
+
+
+@pytest.fixture
+def small_store(tmp_path):
+    from kvblock import create_file
+
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    with _format(path, ALIGNED) as store:
+        yield store
+
+
+def test_bad_block_lists(small_store):
+    store = small_store
+    keys = run_keys(6, 2)
+    good = _blocks(run_data(keys, ALIGNED), ALIGNED)
+    with pytest.raises(ConfigError, match="2 keys but 1 block buffers"):
+        store.put_blocks(keys, good[:1])
+    with pytest.raises(ConfigError, match=f"block 1 holds 100 bytes; a block is "
+                                          f"{ALIGNED.block_bytes}"):
+        store.put_blocks(keys, [good[0], np.zeros(100, np.uint8)])
+    assert store.lookup(keys) == 0                      # nothing half-written
+    store.put_blocks(keys, good)
+    ro = good[1].copy()
+    ro.flags.writeable = False
+    with pytest.raises(ConfigError, match="block 1 is read-only"):
+        store.get_blocks(keys, [good[0].copy(), ro])
+    strided = np.zeros(2 * ALIGNED.block_bytes, np.uint8)[::2]
+    with pytest.raises(ConfigError, match="block 0 is not C-contiguous"):
+        store.get_blocks(keys, [strided, good[1].copy()])
+    # a non-contiguous *source* is fine: it is copied
+    keys2 = run_keys(7, 1)
+    src = np.zeros(2 * ALIGNED.block_bytes, np.uint8)
+    src[::2] = 9
+    assert store.put_blocks(keys2, [src[::2]]) == 1
+    out = aligned_empty(ALIGNED.block_bytes)
+    assert store.get_run(keys2, out) == 1 and (out == 9).all()
