@@ -56,7 +56,14 @@ from kvblock.index import normalize_keys
 from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry
 from kvblock.store.policy import VERIFY_MODES
-from kvblock.store.store import COUNTERS, KVStore, _span, _try_superblock
+from kvblock.memory.spares import SpareBuffers
+from kvblock.store.store import (
+    COUNTERS,
+    LOAD_STAGING_KEEP,
+    KVStore,
+    _span,
+    _try_superblock,
+)
 from kvblock.store.storeio import StoreIO
 
 PROTOCOL = 1
@@ -209,6 +216,7 @@ class RemoteStore:
         self._lock = threading.RLock()      # local: kvblock.tensors holds it around _segments
         self._rpc_lock = threading.Lock()   # one request in flight on the connection
         self._local = threading.local()
+        self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         self._gone: str | None = None
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
         self._sock = _connect(self.socket_path, timeout)

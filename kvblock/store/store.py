@@ -55,6 +55,7 @@ from kvblock.index import KeyIndex, Run, normalize_keys
 from kvblock.io import IOBatch, open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
 from kvblock.memory import HostBuffer
+from kvblock.memory.spares import SpareBuffers
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
 from kvblock.store.scatter import BlockList
 from kvblock.store.storeio import StoreIO
@@ -70,6 +71,11 @@ COUNTERS = (
     "host_hit_blocks", "device_hit_blocks",
 )
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
+
+
+# Staging memory that layer-wise loads (kvblock.tensors.load_blocks) leave
+# here for the next load: two buffers of one layer's bytes of a prefix each.
+LOAD_STAGING_KEEP = 512 << 20
 
 
 def _span(blocks, start: int, stop: int):
@@ -234,6 +240,7 @@ class KVStore:
         self._pending: list = []
         self._pending_lock = threading.Lock()
         self._local = threading.local()
+        self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
         self.closed = True
         t0 = time.perf_counter()
@@ -1094,6 +1101,7 @@ class KVStore:
         if getattr(self, "host", None) is not None:
             self.host.close()
             self.host = None
+        self.spares.close()
         for purpose in ("staging", "gather"):
             buf = getattr(self._local, purpose, None)
             if buf is not None:

@@ -262,6 +262,10 @@ class _LoadJob:
         self.q: queue.Queue = queue.Queue()      # layers read, in order
         self.free: queue.Queue = queue.Queue()   # staging buffers not in use (two)
         self.num_layers = g.num_layers
+        self.abort = False                       # the scatter stage failed: stop reading
+        self._bufs: list = []
+        self._stages = 2                         # reader and scatter still running
+        self._stages_lock = threading.Lock()
 
     def start(self):
         threading.Thread(target=self._reader, name="kvblock-load-read", daemon=True).start()
@@ -273,14 +277,35 @@ class _LoadJob:
         self._scatter()
         t.join()
 
+    def _stage_done(self):
+        """Called by each stage as it ends; the last one hands the staging
+        buffers back to the store for the next load."""
+        with self._stages_lock:
+            self._stages -= 1
+            last = self._stages == 0
+        if last:
+            spares = getattr(self.store, "spares", None)
+            for b in self._bufs:
+                if spares is not None and isinstance(b, HostBuffer):
+                    spares.give(b)
+            self._bufs = []
+
+    def _take_buffers(self):
+        spares = getattr(self.store, "spares", None)
+        for _ in range(2):
+            b = spares.take(self.staging_bytes) if spares is not None else \
+                HostBuffer(self.staging_bytes, register=False)
+            self._bufs.append(b)
+            self.free.put(b)
+
     def _reader(self):
         store = self.store
-        bufs = [HostBuffer(self.staging_bytes, register=False) for _ in range(2)]
-        for b in bufs:
-            self.free.put(b)
         try:
+            self._take_buffers()
             for layer in range(self.num_layers):
                 buf = self.free.get()  # returned by the scatter stage when it is done with it
+                if self.abort:
+                    break
                 addrs, offs, lens, devs = [], [], [], []
                 for run, lay, pos, count, out_at, at, length in self.reads:
                     dev, base = store.regions.address(run.region, run.offset)
@@ -296,7 +321,7 @@ class _LoadJob:
         except BaseException as e:  # surfaced through the handle
             self.q.put(e)
         finally:
-            self._bufs = bufs
+            self._stage_done()
 
     def _scatter(self):
         store, g, handle = self.store, self.store.geometry, self.handle
@@ -340,8 +365,12 @@ class _LoadJob:
             store.counters["get_blocks"] += handle.blocks
         except BaseException as e:  # surfaced by wait()/wait_layer()
             error = e
+            self.abort = True
+            for b in self._bufs:       # unblock a reader waiting for a buffer
+                self.free.put(b)
         else:
             error = None
+        self._stage_done()
         store._unpin(self.segs)
         if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup
             try:
@@ -447,13 +476,15 @@ class _KvikioLoadJob(_LoadJob):
         store = self.store
         reader = store._kvikio_reader()
         device = self.layout.sample().device
-        bufs = [_DeviceStaging(torch.empty(self.staging_bytes, dtype=torch.uint8, device=device))
-                for _ in range(2)]
-        for b in bufs:
+        self._bufs = [_DeviceStaging(torch.empty(self.staging_bytes, dtype=torch.uint8,
+                                                 device=device)) for _ in range(2)]
+        for b in self._bufs:
             self.free.put(b)
         try:
             for layer in range(self.num_layers):
                 buf = self.free.get()
+                if self.abort:
+                    break
                 futures = []
                 for run, lay, pos, count, out_at, at, length in self.reads:
                     dev, base = store.regions.address(run.region, run.offset)
@@ -468,6 +499,8 @@ class _KvikioLoadJob(_LoadJob):
             self.q.put(None)
         except BaseException as e:  # surfaced through the handle
             self.q.put(e)
+        finally:
+            self._stage_done()
 
 
 class _DeviceStaging:

@@ -201,3 +201,39 @@ def test_hf_dynamic_cache_round_trip(path):
     for layer in range(L):
         assert torch.equal(dst.keys[layer], src.keys[layer][:, :, :3 * BS])
         assert torch.equal(dst.values[layer], src.values[layer][:, :, :3 * BS])
+
+
+def test_loads_reuse_staging_memory(path, monkeypatch):
+    """A second load takes the first one's staging buffers (no fresh memory
+    to map and touch before its first layer); a failing scatter stage still
+    hands them back and stops the reader."""
+    from kvblock.memory import spares as spares_mod
+
+    made = []
+    real = spares_mod.HostBuffer
+    monkeypatch.setattr(spares_mod, "HostBuffer",
+                        lambda *a, **k: made.append(a) or real(*a, **k))
+    src = [rand(2, 6, BS, H, D) for _ in range(L)]
+    keys = [f"r{i}".encode() for i in range(4)]
+    with _store(path, geom()) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1, 2, 3])
+        for round_ in range(3):
+            dst = [torch.zeros(2, 6, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+            assert load_blocks(store, keys, VLLMLayout(dst), [5, 4, 3, 2]).wait() == 4
+            assert torch.equal(dst[2][:, [5, 4, 3, 2]].view(torch.int16),
+                               src[2][:, [0, 1, 2, 3]].view(torch.int16))
+            assert len(made) == 2, f"load {round_} allocated staging again"
+        assert store.spares.idle_bytes >= 2 * store.layout(4).range_bytes
+
+        def broken(*a, **k):
+            raise RuntimeError("scatter failed")
+        monkeypatch.setattr("kvblock.tensors.transfer._scatter_pages", broken)
+        h = load_blocks(store, keys, VLLMLayout(dst), [0, 1, 2, 3])
+        with pytest.raises(RuntimeError, match="scatter failed"):
+            h.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while store.spares.idle_bytes < 2 * store.layout(4).range_bytes:
+            assert time.monotonic() < deadline, "staging buffers never came back"
+            time.sleep(0.01)
+        assert len(made) == 2
+    assert store.spares.idle_bytes == 0      # freed with the store
