@@ -10,7 +10,11 @@ is restored:
   loop device (direct I/O) over a file in the location; layer l is usable
   once ``wait_layer(l)`` returns, so the first layer is usable after one
   read per run of that layer's range (``layer_ready_at[0]``).  Time to all
-  layers is ``layer_ready_at[-1]``.
+  layers is ``layer_ready_at[-1]``.  Two loads per round from one open
+  store: ``kvblock`` (the first after open: it maps and touches its staging
+  memory, one layer's bytes of the prefix, before layer 0 can land; this
+  row is the one held to the bar) and ``kvblock-warm`` (the next load,
+  reusing that memory, as in a serving engine).
 - vLLM 0.33's filesystem tier (``FileSystemTierManager``, 16 read threads),
   in a directory in the same location: an offloaded slot holds every layer
   of its 16 tokens, so a layer of the prefix is usable only once every slot
@@ -104,15 +108,26 @@ def vllm_spec(slot_tokens: int, layers: int) -> MagicMock:
 
 
 # ------------------------------------------------------------------ the backends
-def run_kvblock(dev: str, g, keys, src, dst, ids) -> dict:
+def run_kvblock(dev: str, g, keys, src, dst, ids) -> list[dict]:
+    """Save, then two loads from one open store: the first pays for mapping
+    its staging memory, the second reuses it (an engine's steady state)."""
+    from kvblock import KVStore
+    from kvblock.tensors import VLLMLayout, load_blocks
+
     save_s, _plan = lw.save(dev, g, keys, src, ids)
-    for t in dst:
-        t.zero_()
-    r = lw.restore(dev, g, keys, dst, ids, "always")
-    if not lw.same_cache(src, dst, ids, ids):
-        raise SystemExit("kvblock: restored KV differs from the saved KV")
-    return {"backend": "kvblock", "store_s": save_s, "first_ms": r["first_layer_ms"],
-            "all_ms": r["all_layers_ms"]}
+    rows = []
+    with KVStore.open([dev], geometry=g, verify="always") as store:
+        for name in ("kvblock", "kvblock-warm"):
+            for t in dst:
+                t.zero_()
+            fs.drop_caches()
+            handle = load_blocks(store, keys, VLLMLayout(dst), ids)
+            if handle.wait() != len(keys) or not lw.same_cache(src, dst, ids, ids):
+                raise SystemExit("kvblock: restored KV differs from the saved KV")
+            rows.append({"backend": name, "store_s": save_s,
+                         "first_ms": handle.layer_ready_at[0] * 1e3,
+                         "all_ms": handle.layer_ready_at[-1] * 1e3})
+    return rows
 
 
 def run_vllm_fs(where: Path, pool, expected, slot_tokens: int, layers: int) -> dict:
@@ -207,15 +222,17 @@ def main(argv=None) -> int:
                     order.reverse()
                 for backend in order:
                     if backend == "kvblock":
-                        r = run_kvblock(dev, g, keys, src, dst, ids)
+                        got = run_kvblock(dev, g, keys, src, dst, ids)
                     elif backend == "vllm-fs":
-                        r = run_vllm_fs(dirs[loc], pool, expected, g.block_tokens, g.num_layers)
+                        got = [run_vllm_fs(dirs[loc], pool, expected, g.block_tokens,
+                                           g.num_layers)]
                         pool.copy_(expected)
                     else:
-                        r = hicache(dirs[loc], src, g)
-                    samples.setdefault(backend, []).append(r)
-                    print(f"  {loc} round {rnd}: {backend} first {r['first_ms']:.1f} ms, "
-                          f"all {r['all_ms']:.1f} ms", file=sys.stderr, flush=True)
+                        got = [hicache(dirs[loc], src, g)]
+                    for r in got:
+                        samples.setdefault(r["backend"], []).append(r)
+                        print(f"  {loc} round {rnd}: {r['backend']} first {r['first_ms']:.1f} "
+                              f"ms, all {r['all_ms']:.1f} ms", file=sys.stderr, flush=True)
             for backend, runs in samples.items():
                 rows.append({"location": loc, "backend": backend,
                              "first_ms": statistics.median(r["first_ms"] for r in runs),
@@ -239,8 +256,8 @@ def main(argv=None) -> int:
         mine = next(r for r in rows if r["location"] == loc and r["backend"] == "kvblock")
         for r in (x for x in rows if x["location"] == loc):
             ratio = mine["first_ms"] / r["first_ms"]
-            verdict = "" if r is mine else f"{ratio:>10.3f} (bar <= {BAR:.3f}: " \
-                f"{'met' if ratio <= BAR else 'NOT met'})"
+            verdict = "" if r["backend"].startswith("kvblock") else \
+                f"{ratio:>10.3f} (bar <= {BAR:.3f}: {'met' if ratio <= BAR else 'NOT met'})"
             print(f"{loc:<6} {r['backend']:<12} {r['first_ms']:>16.1f} ms {r['all_ms']:>8.1f} ms "
                   f"{verdict}")
     return 0

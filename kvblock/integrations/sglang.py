@@ -45,18 +45,29 @@ Keys.
     for one model is refused for another.
 
 Devices.
-    Each SGLang rank is its own process and a kvblock store is opened
-    exclusively, so every rank needs its own device(s): ``devices`` entries may
+    A kvblock store is opened exclusively, so by default every SGLang rank
+    (its own process) needs its own device(s): ``devices`` entries may
     contain ``{tp_rank}``, ``{pp_rank}``, ``{dp_rank}`` and ``{attn_cp_rank}``
     (e.g. ``"/dev/disk/by-id/nvme-kv-{tp_rank}"``), or ``devices`` may map a
-    TP rank (as a string) to its list.  With MLA and tp_size > 1 SGLang writes
-    from rank 0 only while every rank looks up its own store, so hits need
-    tp_size 1 (a store shared between processes is not supported).
+    TP rank (as a string) to its list.
+
+One store for every rank: ``"server"``.
+    With ``"server": "/run/kvblock/sglang.sock"`` the ranks share one store
+    on ``devices``: a ``kvblock serve`` process owns its metadata and each
+    rank does its own direct I/O (kvblock.store.server).  The first rank to
+    find no server on the socket formats the devices (per ``format``) and
+    starts it, under a lock file beside the socket; the others connect.  An
+    operator may start it instead (``kvblock serve DEV --socket PATH``).
+    This is what MLA models with tp_size > 1 need: SGLang writes MLA pages
+    from rank 0 only while every rank reads, and MLA keys carry no TP rank,
+    so every rank hits what rank 0 wrote.  (MHA ranks keep their own keys in
+    the shared store.)  Not with ``host_cache_bytes``.
 
 Configuration (``--hicache-storage-backend-extra-config``, besides SGLang's own
 keys)::
 
     {"devices": ["/dev/nvme1n1"],       # or pre-sized files; see above for TP
+     "server": null,                    # a socket path: one store shared by every rank
      "format": "if-empty",              # "never": only open; "force": format every start
      "size": "64G",                     # create missing files of this size
      "namespace": "",                   # tenant / salt mixed into every key
@@ -94,11 +105,12 @@ from kvblock.store import provision
 from kvblock.units import size_setting
 from kvblock.errors import (
     ConfigError,
+    GeometryMismatchError,
     KVBlockError,
     StoreFullError,
 )
 from kvblock.layout import Geometry
-from kvblock.layout.geometry import DTYPES
+from kvblock.layout.geometry import DTYPES, model_fingerprint
 from kvblock.memory import BufferPool
 from kvblock.store import KVStore
 
@@ -218,6 +230,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self.model = str(extra.get("model") or storage_config.model_name or "")
         self.namespace = str(extra.get("namespace") or "")
         self.devices = self._devices(extra.get("devices"))
+        self.server = self._template(extra["server"], "server") if extra.get("server") else None
         self.format = extra.get("format", "if-empty")
         if self.format not in FORMAT_MODES:
             raise ConfigError(f"kvblock sglang backend: format must be one of {FORMAT_MODES}, "
@@ -257,16 +270,22 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                                   'in "devices"')
         if isinstance(spec, str):
             spec = [spec]
-        fields = {"tp_rank": c.tp_rank, "tp_size": c.tp_size, "pp_rank": c.pp_rank,
-                  "dp_rank": c.dp_rank, "attn_cp_rank": c.attn_cp_rank}
-        try:
-            devices = [str(d).format_map(fields) for d in spec]
-        except (KeyError, ValueError, IndexError) as e:
-            raise ConfigError(f"kvblock sglang backend: bad device template in {spec!r}: "
-                              f"{e}") from None
+        devices = [self._template(d, "device") for d in spec]
         if not devices:
             raise ConfigError('kvblock sglang backend: "devices" is empty')
         return devices
+
+    def _template(self, text, what: str) -> str:
+        """``text`` with {tp_rank}, {tp_size}, {pp_rank}, {dp_rank} and
+        {attn_cp_rank} filled in from this rank's storage config."""
+        c = self.storage_config
+        fields = {"tp_rank": c.tp_rank, "tp_size": c.tp_size, "pp_rank": c.pp_rank,
+                  "dp_rank": c.dp_rank, "attn_cp_rank": c.attn_cp_rank}
+        try:
+            return str(text).format_map(fields)
+        except (KeyError, ValueError, IndexError) as e:
+            raise ConfigError(f"kvblock sglang backend: bad {what} template {text!r}: "
+                              f"{e}") from None
 
     @staticmethod
     def key_prefix(c: HiCacheStorageConfig, model: str, namespace: str) -> bytes:
@@ -306,9 +325,12 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         run_blocks = max(1, self.max_run_bytes // geometry.block_bytes)
         staging = BufferPool(run_blocks * geometry.block_bytes, self.staging_buffers)
         try:
-            store = open_or_format(self.devices, geometry, self.store_model(),
-                                   format=self.format, size=self.size,
-                                   region_size=self.region_size, **self.store_options)
+            if self.server is not None:
+                store = self._shared_store(geometry)
+            else:
+                store = open_or_format(self.devices, geometry, self.store_model(),
+                                       format=self.format, size=self.size,
+                                       region_size=self.region_size, **self.store_options)
         except BaseException:
             staging.close()
             raise
@@ -316,6 +338,41 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self.run_blocks = run_blocks
         logger.info("kvblock: SGLang L3 on %s (%s, %s layout, %d pages per run)",
                     self.devices, geometry.describe(), pages.layout, run_blocks)
+
+    def _shared_store(self, geometry: Geometry):
+        """A RemoteStore on the ``server`` socket; the first rank to find no
+        server there formats the devices (per ``format``) and starts one."""
+        from kvblock.store.client import connect
+
+        opts = self.store_options
+        if opts.get("host_cache_bytes"):
+            raise ConfigError('kvblock sglang backend: "host_cache_bytes" cannot be used with '
+                              '"server" (ranks share the store; its server keeps no DRAM tier)')
+        model = self.store_model()
+
+        def prepare():
+            open_or_format(self.devices, geometry, model, format=self.format, size=self.size,
+                           region_size=self.region_size).close()
+
+        server_options = {k: opts[k] for k in ("eviction", "admit_after", "engine") if k in opts}
+        store = connect(self.server, self.devices, prepare=prepare,
+                        server_options=dict(server_options, model=model),
+                        verify=opts.get("verify"), engine=opts.get("engine"),
+                        queue_depth=int(opts.get("queue_depth", 32)))
+        try:
+            if store.geometry != geometry:
+                raise GeometryMismatchError(
+                    f"kvblock sglang backend: the store served on {self.server} holds "
+                    f"{store.geometry.describe()}, this rank's pool needs "
+                    f"{geometry.describe()}", self.devices[0], 0)
+            if store.fingerprint and store.fingerprint != model_fingerprint(model):
+                raise GeometryMismatchError(
+                    f"kvblock sglang backend: the store served on {self.server} was formatted "
+                    f"for another model than {model!r}", self.devices[0], 0)
+        except BaseException:
+            store.close()
+            raise
+        return store
 
     def _ready(self) -> bool:
         return self.store is not None and not self.store.closed

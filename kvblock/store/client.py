@@ -238,6 +238,7 @@ class RemoteStore:
         self.server_pid = int(hello["pid"])
         self.uuid = hello["uuid"]
         self.geometry = Geometry(**hello["geometry"])
+        self.fingerprint = bytes.fromhex(hello.get("fingerprint", ""))   # the model's
         self.alignment = int(hello["alignment"])
         self.max_run_blocks = int(hello["max_run_blocks"])
         self.verify = verify or hello["verify"]
@@ -487,10 +488,12 @@ def _connect(path: str, timeout: float | None) -> socket.socket:
 
 def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
             start_timeout: float = 60.0, server_options: dict | None = None,
-            **client_options) -> RemoteStore:
+            prepare=None, **client_options) -> RemoteStore:
     """A :class:`RemoteStore` on ``socket_path``, starting a server on
     ``devices`` first when none answers there (and ``start`` and ``devices``
-    are given).
+    are given).  ``prepare()``, when given, runs just before the server is
+    started, under the same lock (e.g. format the devices when they hold no
+    store yet: the server only opens).
 
     Race handling: every rank may call this at once.  Whoever finds no server
     takes an exclusive ``flock`` on ``<socket_path>.lock``, tries to connect
@@ -518,6 +521,8 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
             return RemoteStore(socket_path, **client_options)
         except ServerGoneError:
             pass  # still nobody: we start it
+        if prepare is not None:
+            prepare()
         proc = spawn_server(devices, socket_path, timeout=start_timeout,
                             **(server_options or {}))
         # Reap it when it ends (it outlives us otherwise: it is in its own session).

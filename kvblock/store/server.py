@@ -255,6 +255,7 @@ class StoreServer:
             "alignment": st.alignment, "region_size": st.regions.size,
             "region_count": st.regions.count, "data_offsets": st.regions.data_offsets,
             "max_run_blocks": st.max_run_blocks, "verify": st.verify,
+            "fingerprint": st.sb.fingerprint.hex(),
         }
 
     def _op_lookup(self, s, keys):

@@ -290,19 +290,20 @@ class _LoadJob:
                     spares.give(b)
             self._bufs = []
 
-    def _take_buffers(self):
+    def _add_buffer(self):
         spares = getattr(self.store, "spares", None)
-        for _ in range(2):
-            b = spares.take(self.staging_bytes) if spares is not None else \
-                HostBuffer(self.staging_bytes, register=False)
-            self._bufs.append(b)
-            self.free.put(b)
+        b = spares.take(self.staging_bytes) if spares is not None else \
+            HostBuffer(self.staging_bytes, register=False)
+        self._bufs.append(b)
+        self.free.put(b)
 
     def _reader(self):
         store = self.store
         try:
-            self._take_buffers()
+            self._add_buffer()
             for layer in range(self.num_layers):
+                if layer == 1:   # the second buffer only once layer 0 is on its way
+                    self._add_buffer()
                 buf = self.free.get()  # returned by the scatter stage when it is done with it
                 if self.abort:
                     break

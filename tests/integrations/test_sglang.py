@@ -294,3 +294,58 @@ def test_real_host_pools(tmp_path):
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["ok"] and len(summary["cases"]) == 4
+
+
+def _stop_server(store):
+    """Stop the server a backend's rank started (it lives in its own session)."""
+    import signal
+    import time
+
+    pid = store.server_pid
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_mla_ranks_share_one_store_through_a_server(tmp_path):
+    """MLA, tp_size 2: rank 0 writes (as SGLang does), rank 1 reads what it
+    wrote, from one store on one device; the first rank formats the device
+    and starts the server, the second connects to it."""
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    pools = [HostPool(mla=True, head_dim=32, seed=r) for r in range(2)]
+    ranks = []
+    try:
+        for r in range(2):
+            ranks.append(attach(pools[r], [dev], tp_rank=r, tp_size=2, server=sock,
+                                size="32M"))
+        assert ranks[0].store.server_pid == ranks[1].store.server_pid
+        keys = keys_for("mla", 5)
+        want = [pools[0].page_bytes(p) for p in range(5)]
+        assert ranks[0].batch_set_v1(keys, pools[0].token_indices(range(5))) == [True] * 5
+        assert ranks[1].batch_exists(keys) == 5
+        assert ranks[1].batch_get_v1(keys, pools[1].token_indices([9, 8, 7, 6, 5])) == [True] * 5
+        for p, w in zip([9, 8, 7, 6, 5], want):
+            assert torch.equal(pools[1].page_bytes(p), w)
+        # another model on the same server is refused, not served foreign KV
+        with pytest.raises(GeometryMismatchError, match="another model"):
+            attach(HostPool(mla=True, head_dim=32), [dev], model="org/model-b", server=sock)
+        # and a pool of another geometry too
+        with pytest.raises(GeometryMismatchError, match="this rank's pool needs"):
+            attach(HostPool(mla=True, head_dim=64), [dev], tp_rank=1, tp_size=2, server=sock)
+        with pytest.raises(ConfigError, match="host_cache_bytes"):
+            attach(HostPool(mla=True, head_dim=32), [dev], server=sock, host_cache_bytes="1M")
+    finally:
+        server = ranks[0].store if ranks else None
+        for b in ranks:
+            b.close()
+        if server is not None:
+            _stop_server(server)
+    # the server checkpointed on SIGTERM: the store opens and holds rank 0's pages
+    with KVStore.open([dev]) as store:
+        assert len(store.index) == 5
