@@ -15,10 +15,15 @@ def data_checksum(data, seed: int) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=seed & 0xFFFFFFFFFFFFFFFF)
 
 
+def data_hasher(seed: int):
+    """A streaming data_checksum: ``update()`` it with the range's bytes in
+    order, piece by piece; ``intdigest()`` equals data_checksum of them all."""
+    return xxhash.xxh3_64(seed=seed & 0xFFFFFFFFFFFFFFFF)
+
+
 def data_checksum_pieces(pieces, seed: int) -> int:
-    """data_checksum of the concatenation of ``pieces`` (xxh3's streaming
-    form: the same value, without joining them)."""
-    h = xxhash.xxh3_64(seed=seed & 0xFFFFFFFFFFFFFFFF)
+    """data_checksum of the concatenation of ``pieces`` (without joining them)."""
+    h = data_hasher(seed)
     for p in pieces:
         h.update(p)
     return h.intdigest()

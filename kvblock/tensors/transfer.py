@@ -4,14 +4,16 @@ layer by layer, into any tensor-parallel slice.
 Save gathers every layer's pages into one aligned buffer in the store's order
 ``[layer][group][block][kv][token][head][dim]`` (one vectorised copy per layer
 and KV part) and writes it as one run.  Load is a two-stage pipeline: a reader
-thread issues, per layer, one batch holding that layer's range(s) of every run
-of the prefix; a scatter thread verifies checksums and copies the pages into
-the cache.  ``LoadHandle.wait_layer(l)`` returns as soon as layer l is in
+thread reads each layer's range(s) of every run of the prefix in units of
+about 8 MiB (one I/O batch each); a scatter thread checks each unit against
+the ranges' streaming checksums and copies its pages into the cache while the
+next unit is read.  ``LoadHandle.wait_layer(l)`` returns as soon as layer l is in
 place, while later layers are still being read.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -19,7 +21,7 @@ import time
 import numpy as np
 
 from kvblock.errors import ConfigError, KVBlockError
-from kvblock.format.checksum import data_checksum
+from kvblock.format.checksum import data_hasher
 from kvblock.index import normalize_keys
 from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
@@ -238,7 +240,19 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
     return handle
 
 
+# A layer's reads are cut into units of about this many bytes: each unit is
+# one I/O batch, checked and scattered while the next one is read.  A few
+# unit buffers fit the CPU's last-level cache, so the checksum and the
+# scatter read what the read has just put there rather than DRAM, staging
+# memory does not grow with the prefix, and layer 0's first pages are in
+# place before its last ones have been read.
+UNIT_BYTES = 8 << 20
+UNIT_BUFFERS = 3
+
+
 class _LoadJob:
+    """Reader thread -> units of (layer, pages of runs) -> scatter thread."""
+
     def __init__(self, store, layout, segs, page_ids, g0, ng, h0, heads, handle, base=0):
         self.store, self.layout, self.segs, self.handle = store, layout, segs, handle
         self.base = base  # blocks before these segments (served from the host tier)
@@ -246,26 +260,67 @@ class _LoadJob:
         self.g0, self.ng, self.h0, self.heads = g0, ng, h0, heads
         g = store.geometry
         self.verify = store.verify == "always"
-        # Per segment: where its layer-l bytes come from and land in staging.
-        self.reads = []
-        at = 0
-        for run, pos, count, out_at in segs:
-            lay = store.layout(run.nblocks)
-            if self.verify or ng > 1:
-                length = ng * lay.range_bytes
-            else:
-                length = lay.prefix_read_bytes(pos + count)
-            self.reads.append((run, lay, pos, count, out_at, at, length))
-            at += length
-        self.staging_bytes = at
-        self.bad_runs = []
-        self.q: queue.Queue = queue.Queue()      # layers read, in order
-        self.free: queue.Queue = queue.Queue()   # staging buffers not in use (two)
         self.num_layers = g.num_layers
+        self._plan(segs)
+        self.bad_runs = []
+        self.q: queue.Queue = queue.Queue()      # units read, in order
+        self.free: queue.Queue = queue.Queue()   # unit buffers not in use
         self.abort = False                       # the scatter stage failed: stop reading
         self._bufs: list = []
         self._stages = 2                         # reader and scatter still running
         self._stages_lock = threading.Lock()
+
+    def _plan(self, segs):
+        """Cut every layer's reads into units (the same cut for every layer).
+
+        Per segment (a stored run's stretch of the prefix) and head group the
+        read is one extent of the run's range: all of it when verifying (the
+        checksum covers the whole range), else the aligned prefix holding the
+        pages we need.  Extents are cut at page boundaries that are also
+        alignment boundaries into pieces ``(segment, first page, end page,
+        bytes per group, last piece?, offset in the unit buffer)``; pieces are
+        packed into units of about UNIT_BYTES.
+        """
+        store, ng = self.store, self.ng
+        gbb, align = store.geometry.group_block_bytes, store.alignment
+        step = align // math.gcd(gbb, align)          # pages per aligned cut
+        k = max(step, UNIT_BYTES // (ng * gbb) // step * step)
+        self.seg_info = []
+        pieces = []
+        for si, (run, pos, count, out_at) in enumerate(segs):
+            lay = store.layout(run.nblocks)
+            extent = lay.range_bytes if self.verify else lay.prefix_read_bytes(pos + count)
+            dev, base = store.regions.address(run.region, run.offset)
+            self.seg_info.append((run, lay, pos, count, out_at, dev, base))
+            p = 0
+            while True:
+                b0, b1 = p * gbb, min(extent, (p + k) * gbb)
+                last = b1 >= extent
+                pieces.append((si, p, min(p + k, b1 // gbb, lay.nblocks), b1 - b0, last))
+                if last:
+                    break
+                p += k
+        self.units, unit, at, biggest = [], [], 0, 0
+        for si, p0, p1, nbytes, last in pieces:
+            if unit and at + ng * nbytes > UNIT_BYTES:
+                self.units.append(unit)
+                biggest = max(biggest, at)
+                unit, at = [], 0
+            unit.append((si, p0, p1, nbytes, last, at))
+            at += ng * nbytes
+        self.units.append(unit)
+        self.unit_bytes = max(biggest, at)
+
+    def _unit_reads(self, layer: int, unit):
+        """(device, device offset, buffer offset, bytes) of one unit's reads."""
+        gbb = self.store.geometry.group_block_bytes
+        out = []
+        for si, p0, _p1, nbytes, _last, at in unit:
+            _run, lay, _pos, _count, _out_at, dev, base = self.seg_info[si]
+            for j in range(self.ng):
+                out.append((dev, base + lay.range_offset(layer, self.g0 + j) + p0 * gbb,
+                            at + j * nbytes, nbytes))
+        return out
 
     def start(self):
         threading.Thread(target=self._reader, name="kvblock-load-read", daemon=True).start()
@@ -278,7 +333,7 @@ class _LoadJob:
         t.join()
 
     def _stage_done(self):
-        """Called by each stage as it ends; the last one hands the staging
+        """Called by each stage as it ends; the last one hands the unit
         buffers back to the store for the next load."""
         with self._stages_lock:
             self._stages -= 1
@@ -290,34 +345,34 @@ class _LoadJob:
                     spares.give(b)
             self._bufs = []
 
-    def _add_buffer(self):
+    def _next_buffer(self, make):
+        """A free unit buffer; a new one (``make()``) while fewer than
+        UNIT_BUFFERS exist and none is free, so a short load maps little."""
+        if self.free.empty() and len(self._bufs) < UNIT_BUFFERS:
+            b = make()
+            self._bufs.append(b)
+            return b
+        return self.free.get()  # returned by the scatter stage when it is done with it
+
+    def _host_buffer(self):
         spares = getattr(self.store, "spares", None)
-        b = spares.take(self.staging_bytes) if spares is not None else \
-            HostBuffer(self.staging_bytes, register=False)
-        self._bufs.append(b)
-        self.free.put(b)
+        if spares is not None:
+            return spares.take(self.unit_bytes)
+        return HostBuffer(self.unit_bytes, register=False)
 
     def _reader(self):
         store = self.store
         try:
-            self._add_buffer()
             for layer in range(self.num_layers):
-                if layer == 1:   # the second buffer only once layer 0 is on its way
-                    self._add_buffer()
-                buf = self.free.get()  # returned by the scatter stage when it is done with it
-                if self.abort:
-                    break
-                addrs, offs, lens, devs = [], [], [], []
-                for run, lay, pos, count, out_at, at, length in self.reads:
-                    dev, base = store.regions.address(run.region, run.offset)
-                    addrs.append(buf.address + at)
-                    offs.append(base + lay.range_offset(layer, self.g0))
-                    lens.append(length)
-                    devs.append(dev)
-                store.io.read(IOBatch(np.array(addrs, np.uint64), np.array(devs, np.uint32),
-                                      np.array(offs, np.uint64), np.array(lens, np.uint64)))
-                self.handle.bytes_read += int(sum(lens))
-                self.q.put((layer, buf))
+                for u, unit in enumerate(self.units):
+                    buf = self._next_buffer(self._host_buffer)
+                    if self.abort:
+                        return
+                    reads = self._unit_reads(layer, unit)
+                    devs, offs, ats, lens = (np.array(c, dtype=np.uint64) for c in zip(*reads))
+                    store.io.read(IOBatch(ats + np.uint64(buf.address), devs, offs, lens))
+                    self.handle.bytes_read += int(lens.sum())
+                    self.q.put((layer, u, buf))
             self.q.put(None)
         except BaseException as e:  # surfaced through the handle
             self.q.put(e)
@@ -326,8 +381,10 @@ class _LoadJob:
 
     def _scatter(self):
         store, g, handle = self.store, self.store.geometry, self.handle
-        itemsize, gbb = g.itemsize, g.group_block_bytes
+        itemsize, gbb, ng = g.itemsize, g.group_block_bytes, self.ng
         kv, BS, Hg, D = g.kv_parts, g.block_tokens, g.heads_per_group, g.head_dim
+        hashers: dict = {}
+        views = None
         try:
             while True:
                 item = self.q.get()
@@ -335,34 +392,27 @@ class _LoadJob:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                layer, buf = item
-                views = self.layout.layer_views(layer)
-                for run, lay, pos, count, out_at, at, length in self.reads:
+                layer, u, buf = item
+                if u == 0:
+                    views = self.layout.layer_views(layer)
+                for si, p0, p1, nbytes, last, at in self.units[u]:
+                    run, lay, pos, count, out_at, _dev, _base = self.seg_info[si]
                     if self.base + out_at >= handle.blocks:
-                        break
-                    data = buf.array[at:at + length]
-                    if self.verify:
-                        ranges = data.reshape(self.ng, lay.range_bytes)
-                        for j in range(self.ng):
-                            r = lay.range_index(layer, self.g0 + j)
-                            if data_checksum(ranges[j], run.run_id) != int(run.checksums[r]):
-                                self._checksum_failure(run, r, out_at)
-                                break
-                        if self.base + out_at >= handle.blocks:
-                            break
-                    span = lay.range_bytes if self.ng > 1 else None
-                    if span is None:
-                        pages = data[pos * gbb:(pos + count) * gbb]
-                        pages = pages.view(_NP_INT[itemsize]).reshape(1, count, kv, BS, Hg, D)
-                    else:
-                        pages = data.reshape(self.ng, span)[:, pos * gbb:(pos + count) * gbb]
-                        pages = pages.view(_NP_INT[itemsize]).reshape(self.ng, count, kv, BS,
-                                                                      Hg, D)
-                    _scatter_pages(views, pages, self.page_ids[out_at:out_at + count],
+                        continue       # a run that failed its checksum, or one after it
+                    data = buf.array[at:at + ng * nbytes].reshape(ng, nbytes)
+                    if self.verify and not self._check(hashers, layer, si, p0, last, data):
+                        continue
+                    a, b = max(p0, pos), min(p1, pos + count)
+                    if a >= b:
+                        continue
+                    pages = data[:, (a - p0) * gbb:(b - p0) * gbb]
+                    pages = pages.view(_NP_INT[itemsize]).reshape(ng, b - a, kv, BS, Hg, D)
+                    _scatter_pages(views, pages, self.page_ids[out_at + a - pos:out_at + b - pos],
                                    self.h0, self.heads, itemsize)
                 self.free.put(buf)
-                handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
-                handle._events[layer].set()
+                if u == len(self.units) - 1:
+                    handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
+                    handle._events[layer].set()
             store.counters["get_blocks"] += handle.blocks
         except BaseException as e:  # surfaced by wait()/wait_layer()
             error = e
@@ -382,6 +432,24 @@ class _LoadJob:
             handle._fail(error)
         else:
             handle._done.set()
+
+    def _check(self, hashers, layer, si, p0, last, data) -> bool:
+        """Feed a piece to its ranges' streaming checksums; at a range's last
+        piece compare.  False when the segment failed (its pages and those
+        after it are no longer part of the load)."""
+        run, lay, _pos, _count, out_at, _dev, _base = self.seg_info[si]
+        for j in range(self.ng):
+            h = hashers.get((si, j)) if p0 else None
+            if h is None:
+                h = hashers[(si, j)] = data_hasher(run.run_id)
+            h.update(data[j])
+            if last:
+                del hashers[(si, j)]
+                r = lay.range_index(layer, self.g0 + j)
+                if h.intdigest() != int(run.checksums[r]):
+                    self._checksum_failure(run, r, out_at)
+                    return False
+        return True
 
     def _checksum_failure(self, run, range_index, out_at):
         store = self.store
@@ -467,8 +535,8 @@ def _raw_assign(view, ids, src, itemsize):
 
 
 class _KvikioLoadJob(_LoadJob):
-    """GPU path: each layer's ranges are read by kvikio straight into a device
-    staging buffer and scattered on the device (no host copy, no checksum:
+    """GPU path: each unit's reads go through kvikio straight into a device
+    staging buffer and are scattered on the device (no host copy, no checksum:
     chosen only with verify="never", see kvblock.io.gpu.gpu_path)."""
 
     def _reader(self):
@@ -477,26 +545,23 @@ class _KvikioLoadJob(_LoadJob):
         store = self.store
         reader = store._kvikio_reader()
         device = self.layout.sample().device
-        self._bufs = [_DeviceStaging(torch.empty(self.staging_bytes, dtype=torch.uint8,
-                                                 device=device)) for _ in range(2)]
-        for b in self._bufs:
-            self.free.put(b)
+
+        def make():
+            return _DeviceStaging(torch.empty(self.unit_bytes, dtype=torch.uint8, device=device))
         try:
             for layer in range(self.num_layers):
-                buf = self.free.get()
-                if self.abort:
-                    break
-                futures = []
-                for run, lay, pos, count, out_at, at, length in self.reads:
-                    dev, base = store.regions.address(run.region, run.offset)
-                    futures.append(reader.read(dev, base + lay.range_offset(layer, self.g0),
-                                               buf.array[at:at + length], length))
-                for f, (_, _, _, _, _, _, length) in zip(futures, self.reads):
-                    got = f.get()
-                    if got != length:
-                        raise IOError(f"kvikio read {got} of {length} bytes")
-                self.handle.bytes_read += int(sum(r[-1] for r in self.reads))
-                self.q.put((layer, buf))
+                for u, unit in enumerate(self.units):
+                    buf = self._next_buffer(make)
+                    if self.abort:
+                        return
+                    futures = [(reader.read(dev, off, buf.array[at:at + n], n), n)
+                               for dev, off, at, n in self._unit_reads(layer, unit)]
+                    for f, n in futures:
+                        got = f.get()
+                        if got != n:
+                            raise IOError(f"kvikio read {got} of {n} bytes")
+                    self.handle.bytes_read += sum(n for _, n in futures)
+                    self.q.put((layer, u, buf))
             self.q.put(None)
         except BaseException as e:  # surfaced through the handle
             self.q.put(e)
