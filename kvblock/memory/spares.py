@@ -1,10 +1,10 @@
 """Host buffers kept between calls for reuse.
 
-A layer-wise load needs two staging buffers of one layer's bytes of the
-prefix (tens to hundreds of MiB).  Mapping and touching that much fresh
-memory costs milliseconds per load -- on VMs that hand freed memory back
-to the host, far more -- and it all lands before the first layer is ready.
-So finished loads give their buffers back here and the next load takes them.
+A layer-wise load stages its reads in a few buffers of several MiB.
+Mapping and touching fresh memory costs milliseconds per load -- on VMs that
+hand freed memory back to the host, far more -- and it lands before the first
+layer is ready.  So finished loads give their buffers back here and the next
+load takes them.
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ RECLAIMING = 3  # region state while its RECLAIM record is being committed
 
 
 # Staging memory that layer-wise loads (kvblock.tensors.load_blocks) leave
-# here for the next load: two buffers of one layer's bytes of a prefix each.
-LOAD_STAGING_KEEP = 512 << 20
+# here for the next load: up to 3 unit buffers of ~8 MiB per load in flight.
+LOAD_STAGING_KEEP = 128 << 20
 
 
 def _span(blocks, start: int, stop: int):
