@@ -57,6 +57,9 @@ Settings (``extra_config``)::
 
     kvblock.devices: ["/dev/nvme1n1"]   # entries may use {worker_id} / {world_size},
                                         # or map a worker id ("0", "1"...) to its list
+    kvblock.server: /run/kvblock/lm.sock  # optional: every worker shares one store on
+                                        # kvblock.devices through `kvblock serve`
+                                        # (started by the first worker to find none)
     kvblock.format: if-empty            # "never": only open; "force": format every start
     kvblock.size: 64G                   # create missing files of this size
     kvblock.namespace: ""               # tenant / salt mixed into every key
@@ -185,11 +188,18 @@ class KVBlockStorageBackend(StoragePluginInterface):
             raise ConfigError("kvblock lmcache plugin: kvblock.writer_threads must be >= 1")
         model = f"{STORE_MODEL_PREFIX}:{metadata.model_name}:{self.chunk.describe()}"
         options = {k: opt(k) for k in _STORE_OPTIONS if opt(k) is not None}
-        self.store = open_or_format(
-            self.devices, self.geometry, model, format=opt("format", "if-empty"),
-            size=_parse_size(opt("size"), "kvblock.size") if opt("size") else None,
-            region_size=(_parse_size(opt("region_size"), "kvblock.region_size")
-                         if opt("region_size") else None), **options)
+        sizes = {"size": _parse_size(opt("size"), "kvblock.size") if opt("size") else None,
+                 "region_size": (_parse_size(opt("region_size"), "kvblock.region_size")
+                                 if opt("region_size") else None)}
+        self.server = self._template(opt("server"), metadata) if opt("server") else None
+        if self.server is not None:
+            self.store = provision.open_shared(
+                self.server, self.devices, self.geometry, model,
+                format=opt("format", "if-empty"), owner="the kvblock LMCache plugin",
+                **sizes, **options)
+        else:
+            self.store = open_or_format(self.devices, self.geometry, model,
+                                        format=opt("format", "if-empty"), **sizes, **options)
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvblock-lmcache")
         self._lock = threading.Lock()
         self._put_tasks: set[CacheEngineKey] = set()
@@ -213,16 +223,20 @@ class KVBlockStorageBackend(StoragePluginInterface):
                                   f"{metadata.worker_id} in kvblock.devices")
         if isinstance(spec, str):
             spec = [spec]
-        fields = {"worker_id": metadata.worker_id, "world_size": metadata.world_size,
-                  "local_worker_id": metadata.local_worker_id}
-        try:
-            devices = [str(d).format_map(fields) for d in spec]
-        except (KeyError, ValueError, IndexError) as e:
-            raise ConfigError(f"kvblock lmcache plugin: bad device template in {spec!r}: "
-                              f"{e}") from None
+        devices = [KVBlockStorageBackend._template(d, metadata) for d in spec]
         if not devices:
             raise ConfigError("kvblock lmcache plugin: kvblock.devices is empty")
         return devices
+
+    @staticmethod
+    def _template(text, metadata) -> str:
+        """``text`` with {worker_id}, {world_size} and {local_worker_id} filled in."""
+        fields = {"worker_id": metadata.worker_id, "world_size": metadata.world_size,
+                  "local_worker_id": metadata.local_worker_id}
+        try:
+            return str(text).format_map(fields)
+        except (KeyError, ValueError, IndexError) as e:
+            raise ConfigError(f"kvblock lmcache plugin: bad template {text!r}: {e}") from None
 
     def kvblock_key(self, key: CacheEngineKey) -> bytes:
         return xxhash.xxh3_128_digest(self.prefix + key.to_string().encode())

@@ -105,12 +105,11 @@ from kvblock.store import provision
 from kvblock.units import size_setting
 from kvblock.errors import (
     ConfigError,
-    GeometryMismatchError,
     KVBlockError,
     StoreFullError,
 )
 from kvblock.layout import Geometry
-from kvblock.layout.geometry import DTYPES, model_fingerprint
+from kvblock.layout.geometry import DTYPES
 from kvblock.memory import BufferPool
 from kvblock.store import KVStore
 
@@ -326,7 +325,10 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         staging = BufferPool(run_blocks * geometry.block_bytes, self.staging_buffers)
         try:
             if self.server is not None:
-                store = self._shared_store(geometry)
+                store = provision.open_shared(
+                    self.server, self.devices, geometry, self.store_model(),
+                    format=self.format, size=self.size, region_size=self.region_size,
+                    owner="kvblock sglang backend", **self.store_options)
             else:
                 store = open_or_format(self.devices, geometry, self.store_model(),
                                        format=self.format, size=self.size,
@@ -338,41 +340,6 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self.run_blocks = run_blocks
         logger.info("kvblock: SGLang L3 on %s (%s, %s layout, %d pages per run)",
                     self.devices, geometry.describe(), pages.layout, run_blocks)
-
-    def _shared_store(self, geometry: Geometry):
-        """A RemoteStore on the ``server`` socket; the first rank to find no
-        server there formats the devices (per ``format``) and starts one."""
-        from kvblock.store.client import connect
-
-        opts = self.store_options
-        if opts.get("host_cache_bytes"):
-            raise ConfigError('kvblock sglang backend: "host_cache_bytes" cannot be used with '
-                              '"server" (ranks share the store; its server keeps no DRAM tier)')
-        model = self.store_model()
-
-        def prepare():
-            open_or_format(self.devices, geometry, model, format=self.format, size=self.size,
-                           region_size=self.region_size).close()
-
-        server_options = {k: opts[k] for k in ("eviction", "admit_after", "engine") if k in opts}
-        store = connect(self.server, self.devices, prepare=prepare,
-                        server_options=dict(server_options, model=model),
-                        verify=opts.get("verify"), engine=opts.get("engine"),
-                        queue_depth=int(opts.get("queue_depth", 32)))
-        try:
-            if store.geometry != geometry:
-                raise GeometryMismatchError(
-                    f"kvblock sglang backend: the store served on {self.server} holds "
-                    f"{store.geometry.describe()}, this rank's pool needs "
-                    f"{geometry.describe()}", self.devices[0], 0)
-            if store.fingerprint and store.fingerprint != model_fingerprint(model):
-                raise GeometryMismatchError(
-                    f"kvblock sglang backend: the store served on {self.server} was formatted "
-                    f"for another model than {model!r}", self.devices[0], 0)
-        except BaseException:
-            store.close()
-            raise
-        return store
 
     def _ready(self) -> bool:
         return self.store is not None and not self.store.closed

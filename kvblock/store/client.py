@@ -365,6 +365,16 @@ class RemoteStore:
         self.counters["bytes_written"] += lay.run_bytes
         return n
 
+    def pin(self, keys: Sequence) -> list:
+        """Protect the stored prefix of ``keys`` from eviction until
+        :meth:`unpin` (see KVStore.pin); the server holds the pin, and drops
+        it if this connection ends."""
+        return self._segments(normalize_keys(keys))
+
+    def unpin(self, pins) -> None:
+        """Release a handle returned by :meth:`pin`."""
+        self._unpin(pins)
+
     def lookup(self, keys: Sequence) -> int:
         """Number of leading ``keys`` stored."""
         self._check_open()

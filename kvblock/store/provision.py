@@ -15,8 +15,14 @@ import os
 import stat
 
 from kvblock.devices import create_file
-from kvblock.errors import ConfigError, NotAStoreError, UnsafeTargetError
+from kvblock.errors import (
+    ConfigError,
+    GeometryMismatchError,
+    NotAStoreError,
+    UnsafeTargetError,
+)
 from kvblock.layout import Geometry
+from kvblock.layout.geometry import model_fingerprint
 from kvblock.store.store import KVStore
 
 FORMAT_MODES = ("if-empty", "never", "force")
@@ -54,6 +60,50 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
                                         f"format it. Wipe it, or {force_hint}")
     logger.info("kvblock: formatting a new store on %s (%s)", devices, geometry.describe())
     return KVStore.format(devices, geometry, model=model, region_size=region_size, **options)
+
+
+# KVStore options a shared store's server takes (the rest are per client).
+_SERVER_OPTIONS = ("eviction", "admit_after", "engine")
+
+
+def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model: str, *,
+                format: str = "if-empty", size: int | None = None,
+                region_size: int | None = None, owner: str = "kvblock", **options):
+    """A RemoteStore on the store server at ``socket_path``, for processes
+    (an engine's ranks or workers) that share one store on ``devices``.  The
+    first caller to find no server there formats the devices (per
+    ``format``, as :func:`open_or_format`) and starts ``kvblock serve``,
+    under a lock file beside the socket; the others connect.  The served
+    store must have ``geometry`` and be made for ``model``."""
+    from kvblock.store.client import connect
+
+    if options.get("host_cache_bytes"):
+        raise ConfigError(f"{owner}: a DRAM tier (host_cache_bytes) cannot be used with a "
+                          "shared store server (its clients read the devices themselves)")
+
+    def prepare():
+        open_or_format(devices, geometry, model, format=format, size=size,
+                       region_size=region_size, owner=owner).close()
+
+    server_options = {k: options[k] for k in _SERVER_OPTIONS if options.get(k) is not None}
+    store = connect(socket_path, devices, prepare=prepare,
+                    server_options=dict(server_options, model=model),
+                    verify=options.get("verify"), engine=options.get("engine"),
+                    queue_depth=int(options.get("queue_depth") or 32))
+    try:
+        if store.geometry != geometry:
+            raise GeometryMismatchError(
+                f"{owner}: the store served on {socket_path} holds "
+                f"{store.geometry.describe()}, this process needs {geometry.describe()}",
+                devices[0], 0)
+        if store.fingerprint and store.fingerprint != model_fingerprint(model):
+            raise GeometryMismatchError(
+                f"{owner}: the store served on {socket_path} was formatted for another "
+                f"model than {model!r}", devices[0], 0)
+    except BaseException:
+        store.close()
+        raise
+    return store
 
 
 def _is_block_device(path: str) -> bool:

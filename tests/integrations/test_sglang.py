@@ -336,7 +336,7 @@ def test_mla_ranks_share_one_store_through_a_server(tmp_path):
         with pytest.raises(GeometryMismatchError, match="another model"):
             attach(HostPool(mla=True, head_dim=32), [dev], model="org/model-b", server=sock)
         # and a pool of another geometry too
-        with pytest.raises(GeometryMismatchError, match="this rank's pool needs"):
+        with pytest.raises(GeometryMismatchError, match="this process needs"):
             attach(HostPool(mla=True, head_dim=64), [dev], tp_rank=1, tp_size=2, server=sock)
         with pytest.raises(ConfigError, match="host_cache_bytes"):
             attach(HostPool(mla=True, head_dim=32), [dev], server=sock, host_cache_bytes="1M")
