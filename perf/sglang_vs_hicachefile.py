@@ -26,10 +26,11 @@ exactly the ``kv_buffer`` of ``MHATokenToKVPoolHost`` (bf16, ``--layout``):
   ``batch_set(keys, pages)``: one ``.tmp`` file written with ``tofile`` and
   renamed per page, no fsync); hit query = ``batch_exists`` (the base class's:
   ``exists`` per key, one ``stat``); prefetch = ``_generic_page_get``
-  (``get_dummy_flat_data_page()`` per page, ``batch_get(keys, dummies)``:
-  one buffered ``open`` + ``readinto`` per page, then
-  ``set_from_flat_data_page`` per page).  Those controller steps are timed
-  as part of HiCacheFile's store and load, since SGLang runs them for it.
+  (``get_dummy_flat_data_page()`` per page, a fresh zeroed tensor;
+  ``batch_get(keys, dummies)``: one unbuffered ``open`` + ``readinto`` into
+  the dummy per page; then ``set_from_flat_data_page`` per page).  Those
+  controller steps are timed as part of HiCacheFile's store and load, since
+  SGLang runs them for it.
   The flat-page methods come from ``SGLangHostPool`` below, a copy of
   ``MHATokenToKVPoolHost``'s (``pool_host/mha.py``) over the test suite's
   ``HostPool`` (SGLang's pool classes cannot be imported on a CPU-only
@@ -46,12 +47,12 @@ backend goes first): store ``--gib`` GiB of pages in batches of
 ``--batch-pages`` (every page has its own SGLang key: the chained SHA-256 of
 ``get_hash_str`` over distinct tokens, and its own content: each page is
 stamped with its number before its batch is stored), drop the page cache
-(root), run the hit query over every batch (timed apart, reported in --json
-only), load every batch back into zeroed pool pages, check the bytes of every
-page (exits on a mismatch) and print the median store and load GiB/s and the
-kvblock/HiCacheFile ratios next to the issue's bars (load >= 2x HiCacheFile at
-256 KiB pages, >= 1.0x at 2 MiB).  The host pool (``--pool``) may be smaller
-than the data: batches reuse its pages.
+(root), run the hit query over every batch (timed apart: on stderr and in
+--json, not in the table), load every batch back into zeroed pool pages, check
+the bytes of every page (exits on a mismatch), and print the median store and
+load GiB/s and the kvblock/HiCacheFile ratios next to the issue's bars (load
+>= 2x HiCacheFile at 256 KiB pages, >= 1.0x at 2 MiB).  The host pool
+(``--pool``) may be smaller than the data: batches reuse its pages.
 
     /tmp/venvtest/bin/python perf/sglang_vs_hicachefile.py          # ~2 minutes
     /tmp/venvtest/bin/python perf/sglang_vs_hicachefile.py --layout page_first_direct
@@ -84,19 +85,19 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))      # fio_support
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.integrations
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+import fio_support as fs
+import numpy as np
+import torch
+from sglang.srt.mem_cache.hicache_storage import (
     STORAGE_BATCH_SIZE,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
 )
-from sglang.srt.mem_cache.storage import StorageBackendFactory  # noqa: E402
-from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+from sglang.srt.mem_cache.utils import get_hash_str
 
-import fio_support as fs  # noqa: E402
-from kvblock.cli.units import parse_size  # noqa: E402
-from tests.integrations.sglang_pools import HostPool  # noqa: E402
+from kvblock.cli.units import parse_size
+from tests.integrations.sglang_pools import HostPool
 
 GIB, MIB = 1 << 30, 1 << 20
 LOCATIONS = {"disk": Path("/var/tmp"), "shm": Path("/dev/shm")}
@@ -173,12 +174,12 @@ def stamp(buf: torch.Tensor, layout: str, ps: int, pages, numbers) -> None:
             v[kv, 0, 0, 0, :4].view(torch.int64).fill_(int(n))
 
 
-def storage_config(extra: dict) -> HiCacheStorageConfig:
+def storage_config(extra: dict, layout: str) -> HiCacheStorageConfig:
     """What HiCacheController._generate_storage_config builds for TP 1."""
     return HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
-        model_name=MODEL, extra_config=extra)
+        is_mla_model=False, enable_storage_metrics=False,
+        is_page_first_layout=layout == "page_first", model_name=MODEL, extra_config=extra)
 
 
 def attach(kind: str, pool: SGLangHostPool, base: Path, dev: str, args):
@@ -191,10 +192,12 @@ def attach(kind: str, pool: SGLangHostPool, base: Path, dev: str, args):
             extra["max_run_bytes"] = args.max_run_bytes
         if args.staging_buffers:
             extra["staging_buffers"] = args.staging_buffers
-        backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra), pool)
+        backend = StorageBackendFactory.create_backend("dynamic",
+                                                       storage_config(extra, pool.layout), pool)
     else:
         extra = {"file_storage_path": str(base / "hicache")}
-        backend = StorageBackendFactory.create_backend("file", storage_config(extra), pool)
+        backend = StorageBackendFactory.create_backend("file",
+                                                       storage_config(extra, pool.layout), pool)
     backend.register_mem_pool_host(pool)
     backend.on_host_pools_registered()
     return backend
