@@ -22,14 +22,17 @@ One SGLang page is one kvblock block.
     ``page_first`` pool serves a ``page_first_direct`` one and back.
 
 Data path (``interface_v1: 1``, the zero-copy calls).
-    ``batch_set_v1`` copies each page once, from a view of the host pool
-    into an aligned staging buffer laid out as the run's on-device image, and
-    kvblock writes it with one direct I/O per run; ``batch_get_v1`` reads a
-    run straight into staging and copies each page once into the pool.  That
-    one copy per direction is the page-major -> layer-major transposition;
-    nothing else is copied.  Runs are cut at ``max_run_bytes`` (staging memory
-    is ``staging_buffers`` x that, allocated once).  Pages already stored are
-    not written again.  Supported pool layouts: ``page_first``,
+    ``batch_set_v1`` gathers the pages, layer by layer with one vectorised
+    copy per stretch of consecutive pages, from the host pool into the
+    store's aligned staging buffer laid out as the run's on-device image, and
+    kvblock writes it with one direct I/O per run (kvblock.tensors.save_blocks).
+    ``batch_get_v1`` reads each layer's ranges in units of a few MiB and
+    checks and scatters each unit into the pool while the next one is read
+    (kvblock.tensors.load_blocks).  That one copy per direction is the
+    page-major -> layer-major transposition; nothing else is copied.  Runs
+    are cut at ``max_run_bytes`` (the staging memory of the calling thread).
+    Pages already stored are not written again (one vectorised index probe
+    per call).  Supported pool layouts: ``page_first``,
     ``page_first_direct`` and ``layer_first``, MHA (K and V of equal head
     dim) and MLA.  The older ``get``/``set`` calls take SGLang's flat pages
     (``get_data_page``/``get_dummy_flat_data_page`` order) and cost one more
@@ -72,7 +75,7 @@ keys)::
      "size": "64G",                     # create missing files of this size
      "namespace": "",                   # tenant / salt mixed into every key
      "model": null,                     # override SGLang's model name
-     "max_run_bytes": "64M", "staging_buffers": 2,
+     "max_run_bytes": "64M",
      "verify": "always", "eviction": "lru", "admit_after": 1,   # KVStore options
      "region_size": null, "engine": null, "queue_depth": 32, "host_cache_bytes": 0}
 
@@ -110,7 +113,7 @@ from kvblock.errors import (
 )
 from kvblock.layout import Geometry
 from kvblock.layout.geometry import DTYPES
-from kvblock.memory import BufferPool
+from kvblock.tensors import SGLangHostLayout, load_blocks, save_blocks
 from kvblock.store import KVStore
 
 logger = logging.getLogger(__name__)
@@ -122,7 +125,6 @@ KEY_DOMAIN = b"kvblock-sglang-key-v1\0"
 FORMAT_MODES = provision.FORMAT_MODES
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 DEFAULT_MAX_RUN_BYTES = 64 << 20
-DEFAULT_STAGING_BUFFERS = 2
 _STORE_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth",
                   "host_cache_bytes")
 
@@ -190,6 +192,10 @@ class PoolPages:
             axis = (1 if layout == "layer_first" else 0) + (0 if mla else 1)
             self.num_pages = shape[axis] // page_size
 
+    def cache_layout(self) -> SGLangHostLayout:
+        """The pool as kvblock.tensors sees it (save_blocks / load_blocks)."""
+        return SGLangHostLayout(self.buf, self.layout, self.page_size, mla=self.mla)
+
     def geometry(self) -> Geometry:
         return Geometry(num_layers=self.layers, num_kv_heads=self.heads, head_dim=self.head_dim,
                         dtype=_dtype_name(self.buf.dtype), block_tokens=self.page_size,
@@ -239,10 +245,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                             if extra.get("region_size") else None)
         self.max_run_bytes = _parse_size(extra.get("max_run_bytes", DEFAULT_MAX_RUN_BYTES),
                                          "max_run_bytes")
-        self.staging_buffers = int(extra.get("staging_buffers", DEFAULT_STAGING_BUFFERS))
-        if self.max_run_bytes <= 0 or self.staging_buffers <= 0:
-            raise ConfigError("kvblock sglang backend: max_run_bytes and staging_buffers must "
-                              "be positive")
+        if self.max_run_bytes <= 0:
+            raise ConfigError("kvblock sglang backend: max_run_bytes must be positive")
         self.store_options = {k: extra[k] for k in _STORE_OPTIONS if extra.get(k) is not None}
         if "host_cache_bytes" in self.store_options:
             self.store_options["host_cache_bytes"] = _parse_size(
@@ -250,7 +254,6 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self.prefix = self.key_prefix(storage_config, self.model, self.namespace)
         self.store: KVStore | None = None
         self.pages: PoolPages | None = None
-        self.staging: BufferPool | None = None
         self.mem_pool_host = None
         self._metrics_lock = threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
@@ -322,21 +325,16 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             self.pages = pages
             return
         run_blocks = max(1, self.max_run_bytes // geometry.block_bytes)
-        staging = BufferPool(run_blocks * geometry.block_bytes, self.staging_buffers)
-        try:
-            if self.server is not None:
-                store = provision.open_shared(
-                    self.server, self.devices, geometry, self.store_model(),
-                    format=self.format, size=self.size, region_size=self.region_size,
-                    owner="kvblock sglang backend", **self.store_options)
-            else:
-                store = open_or_format(self.devices, geometry, self.store_model(),
-                                       format=self.format, size=self.size,
-                                       region_size=self.region_size, **self.store_options)
-        except BaseException:
-            staging.close()
-            raise
-        self.pages, self.staging, self.store = pages, staging, store
+        if self.server is not None:
+            store = provision.open_shared(
+                self.server, self.devices, geometry, self.store_model(),
+                format=self.format, size=self.size, region_size=self.region_size,
+                owner="kvblock sglang backend", **self.store_options)
+        else:
+            store = open_or_format(self.devices, geometry, self.store_model(),
+                                   format=self.format, size=self.size,
+                                   region_size=self.region_size, **self.store_options)
+        self.pages, self.store = pages, store
         self.run_blocks = run_blocks
         logger.info("kvblock: SGLang L3 on %s (%s, %s layout, %d pages per run)",
                     self.devices, geometry.describe(), pages.layout, run_blocks)
@@ -352,9 +350,12 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             logger.error("kvblock: %d host indices for %d pages of %d tokens", idx.numel(),
                          len(keys), ps)
             return None
-        starts = idx[::ps].cpu()
-        if bool((starts % ps != 0).any()):
-            logger.error("kvblock: host indices are not page-aligned")
+        pages = idx.cpu().reshape(len(keys), ps)
+        starts = pages[:, 0]
+        if bool((starts % ps != 0).any()) or bool((starts < 0).any()) or \
+                bool((pages != starts[:, None] + torch.arange(ps)).any()):
+            logger.error("kvblock: host indices are not whole pages (each page's %d indices "
+                         "must be consecutive from a multiple of %d)", ps, ps)
             return None
         ids = (starts // ps).tolist()
         if ids and max(ids) >= self.pages.num_pages:
@@ -363,43 +364,28 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return None
         return ids
 
-    def _staged(self, view: np.ndarray, n: int, dtype: torch.dtype) -> torch.Tensor:
-        """Staging bytes as n blocks (L, n, kv, ps, H, D) of ``dtype`` (the run's
-        on-device image: head_groups is 1, so the group axis is dropped)."""
-        g = self.store.geometry
-        t = torch.from_numpy(view[:n * g.block_bytes]).view(dtype)
-        return t.view(g.num_layers, n, g.kv_parts, g.block_tokens, g.num_kv_heads, g.head_dim)
-
     def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:
-        """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks;
-        returns the pages handed to the store (raises on failure)."""
+        """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks
+        (kvblock.tensors.save_blocks: one vectorised gather per layer into the
+        store's staging, one write per run); returns the pages handed to the
+        store (raises on failure)."""
         done = 0
+        layout = pages.cache_layout()
         for start in range(0, len(kbs), self.run_blocks):
             keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
-            n = len(keys)
-            with self.staging.buffer() as (_, view):
-                staged = self._staged(view, n, pages.buf.dtype)
-                for i, p in enumerate(ids):
-                    staged[:, i].copy_(pages.page(p))
-                self.store.put_run(keys, view[:n * self.store.geometry.block_bytes])
-            done += n
+            save_blocks(self.store, keys, layout, ids)
+            done += len(keys)
         return done
 
     def _read_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:
         """Load the stored prefix of kbs into ``pages``' pages ``page_ids``;
-        returns its length."""
-        done = 0
-        for start in range(0, len(kbs), self.run_blocks):
-            keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
-            with self.staging.buffer() as (_, view):
-                got = self.store.get_run(keys, view[:len(keys) * self.store.geometry.block_bytes])
-                staged = self._staged(view, len(keys), pages.buf.dtype)
-                for i in range(got):
-                    pages.page(ids[i]).copy_(staged[:, i])
-            done += got
-            if got < len(keys):
-                break
-        return done
+        returns its length.  kvblock.tensors.load_blocks: reads in units of
+        a few MiB, each checked and scattered into the pool while the next is
+        read."""
+        if not kbs:
+            return 0
+        return load_blocks(self.store, kbs, pages.cache_layout(), page_ids,
+                           background=False).wait()
 
     def _record(self, kind: str, pages: int, seconds: float) -> None:
         if not self.storage_config.enable_storage_metrics or not pages:
@@ -423,7 +409,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         if page_ids is None:
             return [False] * len(keys)
         kbs = [self.kvblock_key(k) for k in keys]
-        todo = [i for i, kb in enumerate(kbs) if not self.store.contains(kb)]
+        todo = np.nonzero(~self.store.present(kbs))[0].tolist()
         t0 = time.perf_counter()
         try:
             self._write_pages(self.pages, [kbs[i] for i in todo], [page_ids[i] for i in todo])
@@ -497,7 +483,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return False
         pool, _ = self._flat_pool(len(keys), pages)
         kbs = [self.kvblock_key(k) for k in keys]
-        todo = [i for i, kb in enumerate(kbs) if not self.store.contains(kb)]
+        todo = np.nonzero(~self.store.present(kbs))[0].tolist()
         try:
             self._write_pages(pool, [kbs[i] for i in todo], todo)
         except KVBlockError as e:
@@ -570,15 +556,10 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         return self.store.stats() if self.store is not None else {}
 
     def close(self) -> None:
-        """Checkpoint and close the store (fast reopen), free staging memory."""
+        """Checkpoint and close the store (fast reopen)."""
         store, self.store = self.store, None
-        try:
-            if store is not None:
-                store.close()
-        finally:
-            if self.staging is not None:
-                self.staging.close()
-                self.staging = None
+        if store is not None:
+            store.close()
 
     def __repr__(self) -> str:
         return f"KVBlockHiCacheStorage({self.devices}, model={self.model!r}, store={self.store!r})"

@@ -387,6 +387,14 @@ class RemoteStore:
     def contains(self, key) -> bool:
         return self.lookup([key]) == 1
 
+    def present(self, keys: Sequence) -> np.ndarray:
+        """Per key: is it stored?  (KVStore.present, one request.)"""
+        self._check_open()
+        keys = normalize_keys(keys)
+        if not keys:
+            return np.zeros(0, dtype=bool)
+        return np.array(self._call("present", keys=encode_keys(keys)), dtype=bool)
+
     def delete(self, keys: Sequence) -> int:
         """Remove the runs holding any of ``keys``; returns the blocks removed."""
         self._check_open(writing=True)

@@ -262,6 +262,9 @@ class StoreServer:
         with self.store._lock:
             return self.store.lookup(decode_keys(keys))
 
+    def _op_present(self, s, keys):
+        return self.store.present(decode_keys(keys)).tolist()
+
     def _op_segments(self, s, keys):
         st = self.store
         with st._lock:

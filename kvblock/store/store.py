@@ -761,6 +761,18 @@ class KVStore:
         self.counters["lookup_hit_blocks"] += n
         return n
 
+    def present(self, keys: Sequence) -> np.ndarray:
+        """Per key: is it stored (on the device or in the host tier)?  One
+        vectorised index probe; not counted as a lookup (writers use it to
+        skip blocks already stored)."""
+        self._check_open()
+        keys = normalize_keys(keys)
+        with self._lock:
+            found = self.index.lookup(keys) >= 0
+        if self.host is not None:
+            found = found | np.array([k in self.host for k in keys], dtype=bool)
+        return found
+
     def pin(self, keys: Sequence) -> list:
         """Protect the stored prefix of ``keys`` from eviction until
         :meth:`unpin` (a lease held by an engine between lookup and load).

@@ -242,6 +242,8 @@ def test_runs_are_cut_and_stored_pages_not_rewritten(file_target, backends):
     assert all(backend.batch_set_v1(keys, pool.token_indices(range(10))))
     stats = backend.stats()
     assert stats["put_blocks"] == 10 and stats["runs"] == 1 + 2   # 3, then 7 as 4 + 3
+    # skipping stored pages is not a lookup: the hit counters stay the engine's
+    assert stats["lookups"] == 0 and stats["lookup_hit_blocks"] == 0
     assert backend.batch_get_v1(keys, pool.token_indices(range(20, 30))) == [True] * 10
     assert all(torch.equal(pool.page_bytes(20 + i), want[i]) for i in range(10))
 
@@ -264,6 +266,10 @@ def test_bad_calls_fail_softly_and_bad_pools_loudly(file_target, backends):
     keys = keys_for("b", 2)
     assert backend.batch_set_v1(keys, torch.arange(1, 9)) == [False, False]   # not page-aligned
     assert backend.batch_set_v1(keys, torch.arange(0, 4)) == [False, False]   # too few indices
+    gappy = torch.tensor([0, 1, 2, 3, 4, 6, 5, 7])                            # not whole pages
+    assert backend.batch_set_v1(keys, gappy) == [False, False]
+    assert backend.batch_set_v1(keys, torch.arange(-4, 4)) == [False, False]  # negative
+    assert backend.store.lookup([backend.kvblock_key(k) for k in keys]) == 0  # nothing written
     assert backend.batch_set_v1([], torch.arange(0)) == []
     odd = HostPool()
     odd.layout = "page_head"

@@ -245,6 +245,10 @@ def test_blocks_in_separate_buffers_through_remote_store(tmp_path, sock):
         assert all(np.array_equal(x, y) for x, y in zip(dst, src))
         out = np.zeros_like(data)
         assert a.get_run(keys, out) == 4 and np.array_equal(out, data)
+        assert b.present([keys[0], b"nope", keys[3]]).tolist() == [True, False, True]
+        pins = b.pin(keys)
+        assert len(pins) == 1
+        b.unpin(pins)
 
 
 def test_errors_cross_the_socket(tmp_path, sock):

@@ -215,3 +215,18 @@ def test_bad_block_lists(small_store):
     assert store.put_blocks(keys2, [src[::2]]) == 1
     out = aligned_empty(ALIGNED.block_bytes)
     assert store.get_run(keys2, out) == 1 and (out == 9).all()
+
+
+def test_present_is_per_key_and_not_a_lookup(tmp_path):
+    from kvblock import create_file
+
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    keys = run_keys(8, 3)
+    with _format(path, ALIGNED, host_cache_bytes=MIB) as store:
+        store.put_run(keys[1:], run_data(keys[1:], ALIGNED))
+        assert store.present(keys).tolist() == [False, True, True]
+        assert store.present([]).tolist() == []
+        assert store.stats()["lookups"] == 0
+        store.delete(keys[1:2])                 # deletes whole runs
+        assert store.present(keys).tolist() == [False, False, False]
