@@ -354,6 +354,38 @@ class _LoadJob:
             return b
         return self.free.get()  # returned by the scatter stage when it is done with it
 
+    def _spare_buffer(self, make):
+        """Another unit buffer if one is free or may be made now, else None."""
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            pass
+        if len(self._bufs) < UNIT_BUFFERS:
+            b = make()
+            self._bufs.append(b)
+            return b
+        return None
+
+    def _batches(self, make):
+        """(layer, unit, buffer) lists to read together, in order.  The first
+        unit goes alone (layer 0's first pages land soonest); after it, the
+        next units join a batch while buffers are free (up to UNIT_BUFFERS - 1,
+        leaving one to the scatter stage), so a device that needs I/Os in
+        flight gets them while the scatter keeps up."""
+        todo = [(layer, u) for layer in range(self.num_layers) for u in range(len(self.units))]
+        i = 0
+        while i < len(todo):
+            batch = [(*todo[i], self._next_buffer(make))]
+            while i > 0 and len(batch) < UNIT_BUFFERS - 1 and i + len(batch) < len(todo):
+                extra = self._spare_buffer(make)
+                if extra is None:
+                    break
+                batch.append((*todo[i + len(batch)], extra))
+            if self.abort:
+                return
+            yield batch
+            i += len(batch)
+
     def _host_buffer(self):
         spares = getattr(self.store, "spares", None)
         if spares is not None:
@@ -363,16 +395,19 @@ class _LoadJob:
     def _reader(self):
         store = self.store
         try:
-            for layer in range(self.num_layers):
-                for u, unit in enumerate(self.units):
-                    buf = self._next_buffer(self._host_buffer)
-                    if self.abort:
-                        return
-                    reads = self._unit_reads(layer, unit)
-                    devs, offs, ats, lens = (np.array(c, dtype=np.uint64) for c in zip(*reads))
-                    store.io.read(IOBatch(ats + np.uint64(buf.address), devs, offs, lens))
-                    self.handle.bytes_read += int(lens.sum())
-                    self.q.put((layer, u, buf))
+            for batch in self._batches(self._host_buffer):
+                cols = [[], [], [], []]
+                for layer, u, buf in batch:
+                    for dev, off, at, n in self._unit_reads(layer, self.units[u]):
+                        cols[0].append(dev)
+                        cols[1].append(off)
+                        cols[2].append(buf.address + at)
+                        cols[3].append(n)
+                devs, offs, addrs, lens = (np.array(c, dtype=np.uint64) for c in cols)
+                store.io.read(IOBatch(addrs, devs, offs, lens))
+                self.handle.bytes_read += int(lens.sum())
+                for item in batch:
+                    self.q.put(item)
             self.q.put(None)
         except BaseException as e:  # surfaced through the handle
             self.q.put(e)
@@ -549,19 +584,17 @@ class _KvikioLoadJob(_LoadJob):
         def make():
             return _DeviceStaging(torch.empty(self.unit_bytes, dtype=torch.uint8, device=device))
         try:
-            for layer in range(self.num_layers):
-                for u, unit in enumerate(self.units):
-                    buf = self._next_buffer(make)
-                    if self.abort:
-                        return
-                    futures = [(reader.read(dev, off, buf.array[at:at + n], n), n)
-                               for dev, off, at, n in self._unit_reads(layer, unit)]
-                    for f, n in futures:
-                        got = f.get()
-                        if got != n:
-                            raise IOError(f"kvikio read {got} of {n} bytes")
-                    self.handle.bytes_read += sum(n for _, n in futures)
-                    self.q.put((layer, u, buf))
+            for batch in self._batches(make):
+                futures = [(reader.read(dev, off, buf.array[at:at + n], n), n)
+                           for layer, u, buf in batch
+                           for dev, off, at, n in self._unit_reads(layer, self.units[u])]
+                for f, n in futures:
+                    got = f.get()
+                    if got != n:
+                        raise IOError(f"kvikio read {got} of {n} bytes")
+                self.handle.bytes_read += sum(n for _, n in futures)
+                for item in batch:
+                    self.q.put(item)
             self.q.put(None)
         except BaseException as e:  # surfaced through the handle
             self.q.put(e)
