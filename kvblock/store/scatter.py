@@ -105,13 +105,15 @@ class BlockList:
                          for r in range(self.geometry.ranges)], dtype=np.uint64)
 
 
-def coalesce(addrs: np.ndarray, dev: int, offsets: np.ndarray, length: int) -> IOBatch:
-    """An IOBatch of equal-length pieces, with runs of pieces that follow each
-    other both in memory and on the device merged into one I/O."""
-    step = np.uint64(length)
-    if addrs.size <= 1:
-        return IOBatch(addrs, dev, offsets, length)
-    joins = (addrs[1:] == addrs[:-1] + step) & (offsets[1:] == offsets[:-1] + step)
+def coalesce(addrs: np.ndarray, devs, offsets: np.ndarray, lens) -> IOBatch:
+    """An IOBatch of the pieces, with runs of pieces that follow each other
+    both in memory and on one device merged into one I/O."""
+    b = IOBatch(addrs, devs, offsets, lens)
+    if len(b) <= 1:
+        return b
+    ends = b.addrs[:-1] + b.lens[:-1]
+    joins = (b.addrs[1:] == ends) & (b.offsets[1:] == b.offsets[:-1] + b.lens[:-1]) & \
+        (b.devs[1:] == b.devs[:-1])
     starts = np.concatenate(([0], np.nonzero(~joins)[0] + 1))
-    counts = np.diff(np.append(starts, addrs.size)).astype(np.uint64)
-    return IOBatch(addrs[starts], dev, offsets[starts], counts * step)
+    return IOBatch(b.addrs[starts], b.devs[starts], b.offsets[starts],
+                   np.add.reduceat(b.lens, starts))

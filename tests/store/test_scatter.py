@@ -67,6 +67,11 @@ def test_coalesce_merges_pieces_that_touch_in_memory_and_on_device():
     assert b.addrs.tolist() == [0, 8192, 20480]
     assert b.offsets.tolist() == [100, 9999, 12000]
     assert b.lens.tolist() == [8192, 4096, 8192]
+    # pieces of any length; a device change breaks a run
+    b = coalesce(np.array([0, 100, 300, 400], dtype=np.uint64), np.array([0, 0, 0, 1]),
+                 np.array([0, 100, 300, 400], dtype=np.uint64), np.array([100, 200, 100, 50]))
+    assert b.addrs.tolist() == [0, 400] and b.lens.tolist() == [400, 50]
+    assert b.devs.tolist() == [0, 1]
 
 
 def test_aligned_blocks_are_written_and_read_in_place(target):
