@@ -41,7 +41,14 @@ class IOBatch:
 
     @classmethod
     def single(cls, address: int, dev: int, offset: int, length: int) -> "IOBatch":
-        return cls(np.array([address]), np.array([dev]), np.array([offset]), np.array([length]))
+        # Built field by field: __post_init__'s conversions cost more than the
+        # I/O itself for a small read.
+        b = object.__new__(cls)
+        b.addrs = np.array([address], dtype=np.uint64)
+        b.devs = np.array([dev], dtype=np.uint32)
+        b.offsets = np.array([offset], dtype=np.uint64)
+        b.lens = np.array([length], dtype=np.uint64)
+        return b
 
     @classmethod
     def contiguous(cls, address: int, dev: int, offset: int, length: int,
@@ -57,9 +64,9 @@ class IOBatch:
         Returns the new batch and, when anything was cut, ``parent``: for each
         piece the index of the entry it came from (None when nothing was cut).
         """
-        pieces = ((self.lens + np.uint64(max_io - 1)) // np.uint64(max_io)).astype(np.int64)
-        if len(self) == 0 or pieces.max() <= 1:
+        if len(self) == 0 or self.lens.max() <= max_io:
             return self, None
+        pieces = ((self.lens + np.uint64(max_io - 1)) // np.uint64(max_io)).astype(np.int64)
         parent = np.repeat(np.arange(len(self)), pieces)
         first = np.cumsum(pieces) - pieces
         within = (np.arange(parent.size) - first[parent]).astype(np.uint64) * np.uint64(max_io)

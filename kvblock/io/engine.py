@@ -48,6 +48,10 @@ class IOEngine:
         self.fds = np.array([d.fd for d in self.devices], dtype=np.int32)
         self._block = np.array([d.block_size for d in self.devices], dtype=np.uint64)
         self._capacity = np.array([d.capacity for d in self.devices], dtype=np.uint64)
+        # The same as plain ints: one-I/O batches (small gets, metadata) are
+        # checked without numpy, whose per-call cost dominated them.
+        self._block_int = [int(d.block_size) for d in self.devices]
+        self._capacity_int = [int(d.capacity) for d in self.devices]
         self._local = threading.local()
         self.closed = False
 
@@ -89,9 +93,13 @@ class IOEngine:
         lat = np.empty(m, dtype=np.int64) if latency else None
         self._run(op, run if staged is None else staged[0], min(qd or self.queue_depth, m),
                   results, lat)
-        bad = results != run.lens.astype(np.int64)
-        if bad.any():
-            self._raise(op, run, results, bad)
+        if m == 1:
+            if results.item() != run.lens.item():
+                self._raise(op, run, results, results != run.lens.astype(np.int64))
+        else:
+            bad = results != run.lens.astype(np.int64)
+            if bad.any():
+                self._raise(op, run, results, bad)
         if staged is not None and op == OP_READ:
             staged[1]()
         return IOResult(batch.nbytes, lat)
@@ -115,32 +123,49 @@ class IOEngine:
         return self.devices[dev].path if 0 <= dev < len(self.devices) else f"<device #{dev}>"
 
     def _validate(self, b: IOBatch) -> None:
+        if len(b) == 1:
+            dev, off, length = b.devs.item(), b.offsets.item(), b.lens.item()
+            if dev >= len(self.devices):
+                self._bad_device(dev)
+            bs = self._block_int[dev]
+            if off % bs or length % bs or length == 0:
+                self._misaligned(dev, off, length)
+            if off + length > self._capacity_int[dev]:
+                self._beyond(dev, off, length)
+            return
         if (b.devs >= len(self.devices)).any():
-            dev = int(b.devs[b.devs >= len(self.devices)][0])
-            raise ConfigError(f"device index {dev} out of range: this engine has "
-                              f"{len(self.devices)} device(s)")
+            self._bad_device(int(b.devs[b.devs >= len(self.devices)][0]))
         bs = self._block[b.devs]
         misaligned = (b.offsets % bs != 0) | (b.lens % bs != 0) | (b.lens == 0)
         if misaligned.any():
             i = int(np.argmax(misaligned))
-            dev = int(b.devs[i])
-            raise AlignmentError(
-                f"{self._path(dev)}: offset {int(b.offsets[i])} / length {int(b.lens[i])} is not "
-                f"a non-zero multiple of the {int(bs[i])}-byte logical block size; round "
-                f"offsets and lengths to {int(bs[i])} bytes")
+            self._misaligned(int(b.devs[i]), int(b.offsets[i]), int(b.lens[i]))
         beyond = b.offsets + b.lens > self._capacity[b.devs]
         if beyond.any():
             i = int(np.argmax(beyond))
-            dev = int(b.devs[i])
-            raise IOFailedError(
-                f"{self._path(dev)}: range [{int(b.offsets[i])}, {int(b.offsets[i] + b.lens[i])}) "
-                f"ends past the device's {int(self._capacity[dev])} bytes", self._path(dev), 22,
-                int(b.offsets[i]), int(b.lens[i]))
+            self._beyond(int(b.devs[i]), int(b.offsets[i]), int(b.lens[i]))
+
+    def _bad_device(self, dev: int):
+        raise ConfigError(f"device index {dev} out of range: this engine has "
+                          f"{len(self.devices)} device(s)")
+
+    def _misaligned(self, dev: int, off: int, length: int):
+        bs = self._block_int[dev]
+        raise AlignmentError(
+            f"{self._path(dev)}: offset {off} / length {length} is not a non-zero multiple "
+            f"of the {bs}-byte logical block size; round offsets and lengths to {bs} bytes")
+
+    def _beyond(self, dev: int, off: int, length: int):
+        raise IOFailedError(
+            f"{self._path(dev)}: range [{off}, {off + length}) ends past the device's "
+            f"{self._capacity_int[dev]} bytes", self._path(dev), 22, off, length)
 
     def _stage(self, op: int, b: IOBatch):
         """Route entries whose host address is not block-aligned through aligned
         staging memory (slow path: one memmove per such entry).  Returns None
         when every address is aligned, else (staged batch, copy-back callable)."""
+        if len(b) == 1 and b.addrs.item() % self._block_int[b.devs.item()] == 0:
+            return None
         unaligned = np.nonzero(b.addrs % self._block[b.devs] != 0)[0]
         if unaligned.size == 0:
             return None

@@ -72,7 +72,17 @@ def lib():
 
 
 def ptr(ctype: str, array):
-    """A cffi pointer to a contiguous numpy array's data (or NULL for None)."""
+    """A cffi pointer to a contiguous numpy array's data (or NULL for None).
+    ``ctype`` is a pointer type ("uint64_t *"); the array is passed as a
+    buffer of that element type (ffi.from_buffer: no ctypes round trip)."""
     if array is None:
         return ffi.NULL
-    return ffi.cast(ctype, array.ctypes.data)
+    return ffi.from_buffer(_ARRAY_TYPES.get(ctype) or _array_type(ctype), array)
+
+
+_ARRAY_TYPES: dict[str, str] = {}
+
+
+def _array_type(ctype: str) -> str:
+    _ARRAY_TYPES[ctype] = ctype.replace("*", "[]").replace(" []", "[]")
+    return _ARRAY_TYPES[ctype]

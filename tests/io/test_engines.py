@@ -136,6 +136,26 @@ def test_out_of_range_and_bad_device_index(engine_name, file_target):
             eng.read(IOBatch.single(buf.address, 3, 0, 4096))
 
 
+def test_bad_entry_of_a_batch_is_named(engine_name, file_target):
+    """Batches of several I/Os take the vectorised checks (one I/O takes a
+    scalar fast path): the first bad entry is the one named."""
+    path = file_target(MIB)
+
+    def second(dev, off, length):
+        return IOBatch(np.array([buf.address] * 2), np.array([0, dev]), np.array([0, off]),
+                       np.array([4096, length]))
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(8192) as buf:
+        with pytest.raises(AlignmentError, match=r"offset 100 / length 4096.*4096-byte"):
+            eng.read(second(0, 100, 4096))
+        with pytest.raises(AlignmentError, match=r"offset 0 / length 0 "):
+            eng.read(second(0, 0, 0))
+        with pytest.raises(IOFailedError, match=rf"{path}: range \[1044480, 1052672\)") as exc:
+            eng.read(second(0, MIB - 4096, 8192))
+        assert exc.value.offset == MIB - 4096 and exc.value.length == 8192
+        with pytest.raises(ConfigError, match="device index 2 out of range"):
+            eng.read(second(2, 0, 4096))
+
+
 def test_short_read_is_reported(engine_name, file_target):
     path = file_target(MIB)
     with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(65536) as buf:
