@@ -27,6 +27,9 @@ class ThreadEngine(IOEngine):
                 p("int *", self.fds), len(self.fds), p("uint64_t *", batch.offsets),
                 p("uint64_t *", batch.lens), p("int64_t *", results), p("int64_t *", latency),
                 cursor)
+        if min(qd, len(batch)) == 1:   # one worker: this thread (no hand-off to the pool)
+            lib.kvb_pio_run(*args)
+            return
         workers = [self._pool.submit(lib.kvb_pio_run, *args) for _ in range(min(qd, len(batch)))]
         for w in workers:
             w.result()
