@@ -23,8 +23,8 @@ and prints the median store and load GiB/s and the kvblock/fs ratios.
 
 ``--pattern adjacent`` (default) gives each job ascending adjacent slots (how
 vLLM's primary pool hands out fresh slots: kvblock's zero-copy path);
-``scattered`` gives a fragmented pool (kvblock gathers/scatters through
-staging memory).  Everything it creates is removed at the end.
+``scattered`` gives a fragmented pool (kvblock reads and writes each slot
+where it is: put_blocks/get_blocks).  Everything it creates is removed at the end.
 
 Note: vLLM's fs tier has a C extension (vllm.fs_io_C) that the CUDA wheel
 links against CUDA libraries; where it cannot load (a CPU-only machine) the fs
@@ -148,7 +148,8 @@ def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tens
             # room for every slot: runs are at most 1/8 region, so at most 1/8 is lost
             kvblock.create_file(img, total_bytes + total_bytes // 4 + (128 << 20))
             tier = KVBlockTierManager(make_spec(), view, "kvblock", devices=[str(img)],
-                                      threads=args.threads, max_run_bytes=args.max_run_bytes)
+                                      threads=args.threads, max_run_bytes=args.max_run_bytes,
+                                      verify=args.verify)
         else:
             tier = FileSystemTierManager(make_spec(), view, "fs", root_dir=str(base / "fs"))
         try:
@@ -190,6 +191,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                     help="kvblock tier worker threads (default: the tier's)")
     ap.add_argument("--max-run-bytes", default="16M", help="kvblock tier max_run_bytes")
+    ap.add_argument("--verify", choices=("always", "never"), default="always",
+                    help="kvblock tier verify (the fs tier checks nothing)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds per case (order alternates); medians are printed")
     ap.add_argument("--json", action="store_true")
@@ -226,11 +229,13 @@ def main(argv=None) -> int:
     fs_impl = "C (fs_io_C)" if fs_io._HAS_FSIO_C else "pure Python (fs_io_C unavailable)"
     if args.json:
         print(json.dumps({"rows": rows, "fs_io": fs_impl, "pattern": args.pattern,
+                          "verify": args.verify,
                           "job_slots": args.job_slots, "threads": args.threads}, indent=2))
         return 0
     print(f"{args.gib:g} GiB per case, median of {args.rounds} rounds, "
           f"jobs of {args.job_slots} slots ({args.pattern}), "
-          f"kvblock threads={args.threads} max_run_bytes={args.max_run_bytes}, "
+          f"kvblock threads={args.threads} max_run_bytes={args.max_run_bytes} "
+          f"verify={args.verify}, "
           f"fs tier: 16+16 threads, I/O {fs_impl}")
     if not all(r["dropped_caches"] for r in rows):
         print("warning: could not drop the page cache (not root?): loads may hit memory")
