@@ -1,0 +1,44 @@
+"""The side-by-side comparison scripts in perf/ run end to end (tiny sizes).
+
+Each script checks the bytes every backend loads against what was stored and
+exits non-zero on a mismatch, a failed job or a leaked loop device; here they
+run on a few MiB so that a change that breaks one is caught by the suite,
+not at the next benchmark run.  Timings are not looked at.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "perf"))
+
+import fio_support  # noqa: E402
+
+SKIP = fio_support.benchmark_skip_reason()
+pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"perf scripts cannot run: {SKIP}")
+
+CASES = {
+    "vllm_tier_vs_fs.py": ["--gib", "0.02", "--rounds", "1", "--slots", "256K",
+                           "--locations", "shm", "--pool", "8M", "--pattern", "scattered"],
+    "sglang_vs_hicachefile.py": ["--gib", "0.02", "--rounds", "1", "--pages", "256K",
+                                 "--locations", "shm", "--pool", "8M"],
+    "first_layer_vs_peers.py": ["--tokens", "512", "--rounds", "1", "--locations", "shm",
+                                "--layers", "4"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_comparison_script_runs(script):
+    p = subprocess.run([sys.executable, str(ROOT / "perf" / script), *CASES[script], "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{script} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    out = json.loads(p.stdout[p.stdout.index("{"):])
+    assert out["rows"], out
+    backends = {r.get("tier") or r.get("backend") for r in out["rows"]}
+    assert len(backends) >= 2, backends        # kvblock and at least one peer
