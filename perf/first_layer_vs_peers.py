@@ -49,7 +49,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from unittest.mock import MagicMock
 
 import numpy as np
 
@@ -81,32 +80,6 @@ def slot_pool(src: list, pages: int):
     return pool.view(pages, slot)
 
 
-def vllm_spec(slot_tokens: int, layers: int) -> MagicMock:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    spec = MagicMock()
-    spec.config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=slot_tokens,
-                                      layer_names=tuple(f"l{i}" for i in range(layers)),
-                                      group_id=0),),
-        worker_kv_bytes_per_block=0, enable_kv_cache_events=False, extra_config={},
-        engine_id="bench", model=OffloadingModelConfig(name="bench-model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=slot_tokens, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=False))
-    spec.blocks_per_chunk = 1
-    spec.kv_events_config = MagicMock(enable_kv_cache_events=False)
-    return spec
-
-
 # ------------------------------------------------------------------ the backends
 def run_kvblock(dev: str, g, keys, src, dst, ids) -> list[dict]:
     """Save, then two loads from one open store: the first pays for mapping
@@ -135,6 +108,7 @@ def run_vllm_fs(where: Path, pool, expected, slot_tokens: int, layers: int) -> d
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
     from vllm.v1.kv_offload.tiering.base import TransferJob
     from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+    from vllm_tier_vs_fs import make_spec
 
     n = pool.shape[0]
     keys = [make_offload_key(i.to_bytes(8, "big") + b"ttfl-bench", 0) for i in range(n)]
@@ -142,8 +116,8 @@ def run_vllm_fs(where: Path, pool, expected, slot_tokens: int, layers: int) -> d
     base = Path(tempfile.mkdtemp(prefix="kvblock-ttfl-fs-", dir=where))
     view = memoryview(pool.numpy())
     try:
-        tier = FileSystemTierManager(vllm_spec(slot_tokens, layers), view, "fs",
-                                     root_dir=str(base))
+        spec = make_spec(slot_tokens, tuple(f"l{i}" for i in range(layers)))
+        tier = FileSystemTierManager(spec, view, "fs", root_dir=str(base))
         try:
             def run(job_id, promotion):
                 t = time.perf_counter()

@@ -68,14 +68,16 @@ LOCATIONS = {"disk": "/var/tmp", "shm": "/dev/shm"}
 CTX = ReqContext(req_id="bench")
 
 
-def make_spec() -> MagicMock:
+def make_spec(tokens: int = 16, layer_names: tuple = ("layers",)) -> MagicMock:
+    """The offloading spec a tier gets (what vLLM's TieringOffloadingSpec
+    passes): one KV group of ``tokens``-token blocks, one block per chunk."""
     spec = MagicMock()
     spec.config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("layers",),
+        groups=(OffloadingGroupConfig(tokens_per_block=tokens, layer_names=layer_names,
                                       group_id=0),),
         worker_kv_bytes_per_block=0, enable_kv_cache_events=False, extra_config={},
         engine_id="bench", model=OffloadingModelConfig(name="bench-model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        cache=OffloadingCacheConfig(tokens_per_hash=tokens, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
             data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
