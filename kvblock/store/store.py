@@ -550,7 +550,8 @@ class KVStore:
         """This thread's aligned buffer for ``purpose`` (grown, never shrunk):
         kept between calls because touching fresh memory is slow (and on VMs
         that hand freed memory back, very slow).  Purposes do not share memory:
-        "staging" is put_run's, "gather" is save_blocks' source buffer."""
+        "staging" is put_run's, "gather" is save_blocks' source buffer, "pages"
+        the SGLang backend's read buffer."""
         buf = getattr(self._local, purpose, None)
         if buf is None or buf.nbytes < nbytes:
             if buf is not None:
@@ -1114,7 +1115,7 @@ class KVStore:
             self.host.close()
             self.host = None
         self.spares.close()
-        for purpose in ("staging", "gather"):
+        for purpose in ("staging", "gather", "pages"):
             buf = getattr(self._local, purpose, None)
             if buf is not None:
                 buf.close()
