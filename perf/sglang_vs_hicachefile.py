@@ -399,8 +399,10 @@ def main(argv=None) -> int:
             ap.error(f"--gib {args.gib} holds no {page}-byte page")
         pool_pages = max(min(args.batch_pages, n), min(parse_size(args.pool) // page, n))
         cases.append((page, ps, n, pool_pages))
-    # the loop device holds one case's pages at most, plus room for regions and metadata
-    dev_bytes = (max(n * page for page, _, n, _ in cases) * 3 // 2 + 256 * MIB) // MIB * MIB
+    # the loop device holds one case's pages, plus room for metadata and for the
+    # tail a region cannot fit a whole run in (regions are capacity/16 on small
+    # devices, runs up to max_run_bytes: up to half a region can go unused)
+    dev_bytes = (max(n * page for page, _, n, _ in cases) * 2 + 256 * MIB) // MIB * MIB
     rows, pools = [], {}
     t_start = time.monotonic()
 
