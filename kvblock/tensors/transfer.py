@@ -224,13 +224,7 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
             e.set()
         handle._done.set()
         return handle
-    job_class = _LoadJob
-    sample = layout.sample()
-    if _is_torch(sample) and sample.is_cuda:
-        from kvblock.io.gpu import gpu_path
-
-        if gpu_path(store) == "kvikio":
-            job_class = _KvikioLoadJob
+    job_class = _job_class(store, layout)
     job = job_class(store, layout, segs, page_ids, g0, ng, h0, heads, handle, base)
     if background:
         job.start()
@@ -248,6 +242,18 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
 # place before its last ones have been read.
 UNIT_BYTES = 8 << 20
 UNIT_BUFFERS = 3
+
+
+def _job_class(store, layout):
+    """_KvikioLoadJob for a CUDA cache when kvikio is the store's GPU path,
+    else _LoadJob (host staging)."""
+    sample = layout.sample()
+    if _is_torch(sample) and sample.is_cuda:
+        from kvblock.io.gpu import gpu_path
+
+        if gpu_path(store) == "kvikio":
+            return _KvikioLoadJob
+    return _LoadJob
 
 
 class _LoadJob:
@@ -585,7 +591,7 @@ class _KvikioLoadJob(_LoadJob):
             return _DeviceStaging(torch.empty(self.unit_bytes, dtype=torch.uint8, device=device))
         try:
             for batch in self._batches(make):
-                futures = [(reader.read(dev, off, buf.array[at:at + n], n), n)
+                futures = [(reader.read(dev, off, buf.array[at:at + n].t, n), n)
                            for layer, u, buf in batch
                            for dev, off, at, n in self._unit_reads(layer, self.units[u])]
                 for f, n in futures:

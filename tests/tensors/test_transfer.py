@@ -303,3 +303,66 @@ def test_corrupt_middle_piece_ends_the_prefix_at_its_run(path, monkeypatch, unit
         for layer in range(L):
             assert torch.equal(dst[layer][:, :4].view(torch.int16),
                                src[layer][:, :4].view(torch.int16))
+
+
+class _FakeFuture:
+    def __init__(self, n):
+        self.n = n
+
+    def get(self):
+        return self.n
+
+
+class _PreadReader:
+    """Stands in for kvblock.io.gpu.KvikioReader on a CPU machine: reads with
+    pread into the tensor it is handed (kvikio gets a CUDA tensor there)."""
+
+    def __init__(self, paths):
+        import os
+
+        self.fds = [os.open(p, os.O_RDONLY) for p in paths]
+        self.calls = 0
+
+    def read(self, dev, offset, dst, nbytes):
+        import os
+
+        assert isinstance(dst, torch.Tensor) and dst.numel() == nbytes   # not a wrapper
+        self.calls += 1
+        got = os.preadv(self.fds[dev], [dst.numpy()], offset)
+        return _FakeFuture(got)
+
+    def close(self):
+        import os
+
+        for fd in self.fds:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("unit_bytes", [4096, 8 << 20], ids=["1page", "8M"])
+def test_kvikio_job_orchestration_on_cpu(path, monkeypatch, unit_bytes):
+    """The GPU job (device staging, reads through kvikio, scatter on the
+    device) driven on the CPU: a pread stand-in for kvikio, CPU tensors for
+    the device.  Same bytes as the host path, any unit size, any TP rank."""
+    from kvblock.tensors import transfer
+
+    monkeypatch.setattr(transfer, "UNIT_BYTES", unit_bytes)
+    monkeypatch.setattr(transfer, "_job_class", lambda store, layout: transfer._KvikioLoadJob)
+    src = [rand(2, 12, BS, H, D) for _ in range(L)]
+    keys = [f"k{i}".encode() for i in range(9)]
+    with _store(path, geom(groups=2), verify="never") as store:
+        save_blocks(store, keys[:4], VLLMLayout(src), [0, 1, 2, 3])
+        save_blocks(store, keys[4:], VLLMLayout(src), [4, 5, 6, 7, 8])
+        reader = _PreadReader([path])
+        monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
+        for tp, rank in ((1, 0), (2, 1)):
+            per = H // tp
+            dst = [torch.zeros(2, 12, BS, per, D, dtype=torch.bfloat16) for _ in range(L)]
+            h = load_blocks(store, keys[1:], VLLMLayout(dst), list(range(11, 3, -1)),
+                            tp_rank=rank, tp_size=tp)
+            assert h.wait(timeout=30) == 8
+            for layer in range(L):
+                want = src[layer][:, 1:9, :, rank * per:(rank + 1) * per]
+                assert torch.equal(dst[layer][:, list(range(11, 3, -1))].view(torch.int16),
+                                   want.view(torch.int16)), (tp, layer)
+        assert reader.calls > 0
+        reader.close()
