@@ -38,6 +38,17 @@ Data path (``interface_v1: 1``, the zero-copy calls).
     (``get_data_page``/``get_dummy_flat_data_page`` order) and cost one more
     copy.
 
+Hybrid models (``*_v2`` calls).
+    SGLang's hybrid controller moves the KV pool and extra host pools (Mamba
+    or SWA state, ...) with ``batch_set_v2``/``batch_get_v2``/``batch_exists_v2``.
+    KV pages take the v1 path above; a page of an extra pool is stored as the
+    pool's own flat page (``get_data_page(i, flat=True)`` /
+    ``set_from_flat_data_page``), padded to whole kvblock blocks, under keys
+    derived from the page key and the pool name.  ``batch_exists_v2`` cuts
+    the KV prefix by each pool's hit policy (``ALL_PAGES``: every page of the
+    prefix; ``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages);
+    ``BLOCK_GROUPS`` pools are not supported (they report no hits).
+
 Keys.
     An SGLang page key (a SHA-256 chain hex string) names token content only.
     The kvblock key is ``xxh3_128(prefix || page_key)``; ``prefix`` hashes the
@@ -102,6 +113,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
 )
 
 from kvblock.store import provision
@@ -219,6 +234,11 @@ class PoolPages:
         else:
             v = b[:, :, tok]                          # (2, L, ps, H, D)
         return v.transpose(0, 1)                      # (L, 2, ps, H, D)
+
+
+def _pool_key(name) -> str:
+    """A pool name (PoolName or str) as the plain string SGLang keys results by."""
+    return name.value if isinstance(name, PoolName) else str(name)
 
 
 # ---------------------------------------------------------------------- the backend
@@ -448,6 +468,145 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         self._record("prefetch", got, time.perf_counter() - t0)
         return [True] * got + [False] * (len(keys) - got)
+
+    # ------------------------------------------------------------------ v2: hybrid models
+    # Hybrid models (Mamba/SWA state, DSA indexer...) keep extra host pools
+    # beside the KV pool; SGLang's hybrid controller moves them with the *_v2
+    # calls.  KV pages go the v1 way.  An extra pool's page is opaque bytes
+    # (the pool's own flat page: get_data_page / set_from_flat_data_page, as
+    # SGLang's generic path uses), stored padded to whole kvblock blocks under
+    # keys derived from the page key and the pool name.
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        if _pool_key(host_pool_name) == PoolName.KV.value and self.store is None:
+            self.register_mem_pool_host(host_pool)
+
+    def _pool(self, name):
+        pools = getattr(self, "registered_pools", {}) or {}
+        for k, pool in pools.items():
+            if _pool_key(k) == _pool_key(name):
+                return pool
+        raise ConfigError(f"kvblock sglang backend: no host pool {_pool_key(name)!r} was "
+                          "registered (register_mem_host_pool_v2)")
+
+    def _page_blocks(self, pool) -> tuple[int, int]:
+        """(bytes of one flat page of ``pool``, kvblock blocks that hold it)."""
+        nbytes = pool.get_dummy_flat_data_page().numel() * \
+            pool.get_dummy_flat_data_page().element_size()
+        bb = self.store.geometry.block_bytes
+        return nbytes, -(-nbytes // bb)
+
+    def _pool_keys(self, name, keys: list[str], nb: int) -> list[bytes]:
+        tag = _pool_key(name)
+        return [self.kvblock_key(f"{k}\0{tag}\0{i}") for k in keys for i in range(nb)]
+
+    def _pool_present(self, name, keys: list[str]) -> np.ndarray:
+        """Per page key: are all blocks of its ``name`` pool page stored?"""
+        if not keys:
+            return np.zeros(0, dtype=bool)
+        _, nb = self._page_blocks(self._pool(name))
+        found = self.store.present(self._pool_keys(name, keys, nb))
+        return found.reshape(len(keys), nb).all(axis=1)
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        """The usable prefix: KV pages stored from the start, cut where an
+        extra pool lacks what its hit policy needs (ALL_PAGES: every page of
+        the prefix; TRAILING_PAGES: the last len(transfer.keys) pages)."""
+        kv = self.batch_exists(keys)
+        hits: dict[str, int] = {PoolName.KV.value: kv} if kv else {}
+        restorable = set(range(1, kv + 1))
+        for t in pool_transfers or []:
+            if not restorable:
+                break
+            name = _pool_key(t.name)
+            try:
+                have = self._pool_present(t.name, keys[:kv])
+            except KVBlockError as e:
+                logger.error("kvblock: looking up pool %s failed: %s", name, e)
+                have = np.zeros(kv, dtype=bool)
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                missing = np.nonzero(~have)[0]
+                boundary = int(missing[0]) if missing.size else kv
+                ok = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                ok = {n for n in range(1, kv + 1) if have[max(0, n - trailing):n].all()}
+                boundary = max(ok, default=0)
+            else:
+                logger.error("kvblock: hit policy %s of pool %s is not supported; the pool "
+                             "reports no hits", t.hit_policy, name)
+                continue
+            if boundary:
+                hits[name] = boundary
+            restorable &= ok
+        final = sorted(restorable)
+        return PoolTransferResult(final[-1] if final else 0, hits, final)
+
+    def _v2(self, transfers: list[PoolTransfer], load: bool) -> dict[str, list[bool]]:
+        out: dict[str, list[bool]] = {}
+        for t in transfers:
+            name = _pool_key(t.name)
+            keys = list(t.keys or [])
+            if not keys:
+                out[name] = []
+                continue
+            if name == PoolName.KV.value:
+                call = self.batch_get_v1 if load else self.batch_set_v1
+                out[name] = call(keys, t.host_indices)
+                continue
+            try:
+                out[name] = self._pool_io(t, keys, load)
+            except KVBlockError as e:
+                logger.error("kvblock: %s of %d %s pages failed: %s",
+                             "loading" if load else "storing", len(keys), name, e)
+                out[name] = [False] * len(keys)
+        return out
+
+    def _pool_io(self, t: PoolTransfer, keys: list[str], load: bool) -> list[bool]:
+        """One extra pool's pages to or from the store: one run per call."""
+        if not self._ready():
+            return [False] * len(keys)
+        pool = self._pool(t.name)
+        ps = int(getattr(pool, "page_size", 1) or 1)
+        idx = t.host_indices.reshape(-1) if t.host_indices is not None else None
+        if idx is None or idx.numel() != len(keys) * ps:
+            logger.error("kvblock: %s host indices for %d %s pages of %d slots",
+                         None if idx is None else idx.numel(), len(keys), _pool_key(t.name), ps)
+            return [False] * len(keys)
+        offsets = idx[::ps].tolist()
+        nbytes, nb = self._page_blocks(pool)
+        bb = self.store.geometry.block_bytes
+        todo = list(range(len(keys)))
+        if not load:
+            todo = np.nonzero(~self._pool_present(t.name, keys))[0].tolist()
+            if not todo:
+                return [True] * len(keys)
+        kbs = self._pool_keys(t.name, [keys[i] for i in todo], nb)
+        buf = self.store._staging(len(kbs) * bb, "pages").array[:len(kbs) * bb]
+        pages = buf.reshape(len(todo), nb * bb)
+        if not load:
+            for j, i in enumerate(todo):
+                page = pool.get_data_page(offsets[i], flat=True)
+                pages[j, :nbytes] = page.contiguous().view(torch.uint8).reshape(-1).numpy()
+                pages[j, nbytes:] = 0
+            self.store.put_run(kbs, buf)
+            return [True] * len(keys)
+        got = self.store.get_run(kbs, buf) // nb
+        for j in range(got):
+            dummy = pool.get_dummy_flat_data_page()
+            dummy.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(pages[j, :nbytes]))
+            pool.set_from_flat_data_page(offsets[j], dummy)
+        return [True] * got + [False] * (len(keys) - got)
+
+    def batch_get_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._v2(transfers, load=True)
+
+    def batch_set_v2(self, transfers: list[PoolTransfer],
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        return self._v2(transfers, load=False)
 
     # ------------------------------------------------------------------ lookups
     def exists(self, key: str) -> bool:

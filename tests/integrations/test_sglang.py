@@ -355,3 +355,81 @@ def test_mla_ranks_share_one_store_through_a_server(tmp_path):
     # the server checkpointed on SIGTERM: the store opens and holds rank 0's pages
     with KVStore.open([dev]) as store:
         assert len(store.index) == 5
+
+
+class StatePool:
+    """An extra host pool of a hybrid model (Mamba state, SWA...), reduced to
+    the flat-page interface SGLang's storage path uses: one state slot per
+    page (page_size 1), ``get_data_page(i, flat=True)`` /
+    ``get_dummy_flat_data_page()`` / ``set_from_flat_data_page(i, data)``."""
+
+    page_size = 1
+
+    def __init__(self, slots=8, state_bytes=12000, seed=0):   # not a multiple of a block
+        g = torch.Generator().manual_seed(seed)
+        self.buf = torch.randint(-2**15, 2**15 - 1, (slots, state_bytes // 2),
+                                 dtype=torch.int16, generator=g)
+
+    def get_data_page(self, index, flat=True):
+        return self.buf[index].flatten()
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros(self.buf.shape[1], dtype=self.buf.dtype)
+
+    def set_from_flat_data_page(self, index, data):
+        self.buf[index] = data.reshape(self.buf.shape[1:])
+
+
+def test_hybrid_v2_calls_store_kv_and_state_pools(file_target, backends):
+    """The *_v2 calls of SGLang's hybrid controller: KV pages through the v1
+    path, an extra state pool's pages as opaque bytes; batch_exists_v2 cuts
+    the prefix by each pool's hit policy; bytes come back identical."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    pool = HostPool(pages=24)
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    states = StatePool(seed=1)
+    backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
+    keys = keys_for("h", 5)
+    kv_pages = [3, 4, 5, 6, 7]
+    want_kv = [pool.page_bytes(p) for p in kv_pages]
+    want_state = states.buf[[6, 7]].clone()
+    # state kept for the last two pages only (a Mamba-style trailing window)
+    res = backend.batch_set_v2([
+        PoolTransfer(name=PoolName.KV, keys=keys, host_indices=pool.token_indices(kv_pages)),
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[3:], host_indices=torch.tensor([6, 7]))])
+    assert res == {"kv": [True] * 5, "mamba": [True, True]}
+
+    def exists(policy, trailing_keys):
+        return backend.batch_exists_v2(keys, [PoolTransfer(
+            name=PoolName.MAMBA, keys=trailing_keys, hit_policy=policy)])
+    r = exists(PoolHitPolicy.TRAILING_PAGES, keys[3:])
+    assert (r.kv_hit_pages, r.extra_pool_hit_pages) == (5, {"kv": 5, "mamba": 5})
+    assert r.restorable_prefix_pages == [5]             # the only prefix whose last 2 states exist
+    r = exists(PoolHitPolicy.ALL_PAGES, keys)
+    assert r.kv_hit_pages == 0 and r.extra_pool_hit_pages == {"kv": 5}   # page 0 has no state
+    assert backend.batch_exists_v2(keys).kv_hit_pages == 5               # KV alone
+
+    pool.randomize(7)
+    fresh = StatePool(seed=2)
+    backend.registered_pools[PoolName.MAMBA] = fresh
+    out = backend.batch_get_v2([
+        PoolTransfer(name=PoolName.KV, keys=keys, host_indices=pool.token_indices(range(10, 15))),
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[3:], host_indices=torch.tensor([0, 1]))])
+    assert out == {"kv": [True] * 5, "mamba": [True, True]}
+    assert all(torch.equal(pool.page_bytes(10 + i), want_kv[i]) for i in range(5))
+    assert torch.equal(fresh.buf[[0, 1]], want_state)
+    # a state page never stored: a miss for that pool, nothing else touched
+    out = backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[:1],
+                                             host_indices=torch.tensor([2]))])
+    assert out == {"mamba": [False]}
+    # storing again writes nothing new; a pool nobody registered is an error, softly
+    before = backend.stats()["put_blocks"]
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[3:],
+                                              host_indices=torch.tensor([0, 1]))]) == \
+        {"mamba": [True, True]}
+    assert backend.stats()["put_blocks"] == before
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, keys=keys[:1],
+                                              host_indices=torch.tensor([0]))]) == \
+        {"swa": [False]}
