@@ -26,11 +26,12 @@ from kvblock.layout.geometry import Geometry
 class BlockList:
     """One uint8 ``(ranges, group_block_bytes)`` view per block (no copies)."""
 
-    __slots__ = ("arrays", "geometry")
+    __slots__ = ("arrays", "geometry", "_addrs")
 
-    def __init__(self, arrays: list[np.ndarray], geometry: Geometry):
+    def __init__(self, arrays: list[np.ndarray], geometry: Geometry, addrs=None):
         self.arrays = arrays
         self.geometry = geometry
+        self._addrs = addrs          # uint64 host addresses, computed once
 
     @classmethod
     def of(cls, blocks: Sequence, geometry: Geometry, n: int, what: str,
@@ -40,7 +41,13 @@ class BlockList:
             raise ConfigError(f"{what}: {n} keys but {len(blocks)} block buffers")
         g = geometry
         arrays = []
+        shape = (g.ranges, g.group_block_bytes)
         for k, b in enumerate(blocks):
+            if type(b) is np.ndarray and b.dtype == np.uint8 and b.ndim == 1 and \
+                    b.size == g.block_bytes and b.flags.c_contiguous and \
+                    (b.flags.writeable or not writable):
+                arrays.append(b.reshape(shape))          # a pool slot as it is: no checks left
+                continue
             a = np.asarray(b)
             if a.nbytes != g.block_bytes:
                 raise ConfigError(f"{what}: block {k} holds {a.nbytes} bytes; a block is "
@@ -59,7 +66,8 @@ class BlockList:
         return len(self.arrays)
 
     def sub(self, start: int, stop: int) -> "BlockList":
-        return BlockList(self.arrays[start:stop], self.geometry)
+        addrs = None if self._addrs is None else self._addrs[start:stop]
+        return BlockList(self.arrays[start:stop], self.geometry, addrs)
 
     def block(self, k: int) -> np.ndarray:
         """Block k as ``(layers, groups, group_block_bytes)`` (the host tier's form)."""
@@ -67,8 +75,10 @@ class BlockList:
         return self.arrays[k].reshape(g.num_layers, g.head_groups, g.group_block_bytes)
 
     def addresses(self) -> np.ndarray:
-        return np.fromiter((a.ctypes.data for a in self.arrays), dtype=np.uint64,
-                           count=len(self.arrays))
+        if self._addrs is None:
+            self._addrs = np.fromiter((a.__array_interface__["data"][0] for a in self.arrays),
+                                      dtype=np.uint64, count=len(self.arrays))
+        return self._addrs
 
     def direct(self, alignment: int) -> bool:
         """Can the blocks take direct I/O as they are?"""
