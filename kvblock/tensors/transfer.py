@@ -351,28 +351,28 @@ class _LoadJob:
                     spares.give(b)
             self._bufs = []
 
-    def _next_buffer(self, make):
-        """A free unit buffer; a new one (``make()``) while fewer than
+    def _next_buffer(self):
+        """A free unit buffer; a new one (``_new_buffer()``) while fewer than
         UNIT_BUFFERS exist and none is free, so a short load maps little."""
         if self.free.empty() and len(self._bufs) < UNIT_BUFFERS:
-            b = make()
+            b = self._new_buffer()
             self._bufs.append(b)
             return b
         return self.free.get()  # returned by the scatter stage when it is done with it
 
-    def _spare_buffer(self, make):
+    def _spare_buffer(self):
         """Another unit buffer if one is free or may be made now, else None."""
         try:
             return self.free.get_nowait()
         except queue.Empty:
             pass
         if len(self._bufs) < UNIT_BUFFERS:
-            b = make()
+            b = self._new_buffer()
             self._bufs.append(b)
             return b
         return None
 
-    def _batches(self, make):
+    def _batches(self):
         """(layer, unit, buffer) lists to read together, in order.  The first
         unit goes alone (layer 0's first pages land soonest); after it, the
         next units join a batch while buffers are free (up to UNIT_BUFFERS - 1,
@@ -381,9 +381,9 @@ class _LoadJob:
         todo = [(layer, u) for layer in range(self.num_layers) for u in range(len(self.units))]
         i = 0
         while i < len(todo):
-            batch = [(*todo[i], self._next_buffer(make))]
+            batch = [(*todo[i], self._next_buffer())]
             while i > 0 and len(batch) < UNIT_BUFFERS - 1 and i + len(batch) < len(todo):
-                extra = self._spare_buffer(make)
+                extra = self._spare_buffer()
                 if extra is None:
                     break
                 batch.append((*todo[i + len(batch)], extra))
@@ -392,26 +392,30 @@ class _LoadJob:
             yield batch
             i += len(batch)
 
-    def _host_buffer(self):
+    def _new_buffer(self):
+        """A unit buffer: host memory, from the store's spares when it keeps any."""
         spares = getattr(self.store, "spares", None)
         if spares is not None:
             return spares.take(self.unit_bytes)
         return HostBuffer(self.unit_bytes, register=False)
 
+    def _read_batch(self, batch) -> int:
+        """Read a batch of (layer, unit, buffer) as one I/O batch; returns bytes."""
+        cols = [[], [], [], []]
+        for layer, u, buf in batch:
+            for dev, off, at, n in self._unit_reads(layer, self.units[u]):
+                cols[0].append(dev)
+                cols[1].append(off)
+                cols[2].append(buf.address + at)
+                cols[3].append(n)
+        devs, offs, addrs, lens = (np.array(c, dtype=np.uint64) for c in cols)
+        self.store.io.read(IOBatch(addrs, devs, offs, lens))
+        return int(lens.sum())
+
     def _reader(self):
-        store = self.store
         try:
-            for batch in self._batches(self._host_buffer):
-                cols = [[], [], [], []]
-                for layer, u, buf in batch:
-                    for dev, off, at, n in self._unit_reads(layer, self.units[u]):
-                        cols[0].append(dev)
-                        cols[1].append(off)
-                        cols[2].append(buf.address + at)
-                        cols[3].append(n)
-                devs, offs, addrs, lens = (np.array(c, dtype=np.uint64) for c in cols)
-                store.io.read(IOBatch(addrs, devs, offs, lens))
-                self.handle.bytes_read += int(lens.sum())
+            for batch in self._batches():
+                self.handle.bytes_read += self._read_batch(batch)
                 for item in batch:
                     self.q.put(item)
             self.q.put(None)
@@ -580,32 +584,22 @@ class _KvikioLoadJob(_LoadJob):
     staging buffer and are scattered on the device (no host copy, no checksum:
     chosen only with verify="never", see kvblock.io.gpu.gpu_path)."""
 
-    def _reader(self):
+    def _new_buffer(self):
         import torch
 
-        store = self.store
-        reader = store._kvikio_reader()
         device = self.layout.sample().device
+        return _DeviceStaging(torch.empty(self.unit_bytes, dtype=torch.uint8, device=device))
 
-        def make():
-            return _DeviceStaging(torch.empty(self.unit_bytes, dtype=torch.uint8, device=device))
-        try:
-            for batch in self._batches(make):
-                futures = [(reader.read(dev, off, buf.array[at:at + n].t, n), n)
-                           for layer, u, buf in batch
-                           for dev, off, at, n in self._unit_reads(layer, self.units[u])]
-                for f, n in futures:
-                    got = f.get()
-                    if got != n:
-                        raise IOError(f"kvikio read {got} of {n} bytes")
-                self.handle.bytes_read += sum(n for _, n in futures)
-                for item in batch:
-                    self.q.put(item)
-            self.q.put(None)
-        except BaseException as e:  # surfaced through the handle
-            self.q.put(e)
-        finally:
-            self._stage_done()
+    def _read_batch(self, batch) -> int:
+        reader = self.store._kvikio_reader()
+        futures = [(reader.read(dev, off, buf.array[at:at + n].t, n), n)
+                   for layer, u, buf in batch
+                   for dev, off, at, n in self._unit_reads(layer, self.units[u])]
+        for f, n in futures:
+            got = f.get()
+            if got != n:
+                raise IOError(f"kvikio read {got} of {n} bytes")
+        return sum(n for _, n in futures)
 
 
 class _DeviceStaging:
