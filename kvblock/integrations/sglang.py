@@ -492,8 +492,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     def _page_blocks(self, pool) -> tuple[int, int]:
         """(bytes of one flat page of ``pool``, kvblock blocks that hold it)."""
-        nbytes = pool.get_dummy_flat_data_page().numel() * \
-            pool.get_dummy_flat_data_page().element_size()
+        page = pool.get_dummy_flat_data_page()
+        nbytes = page.numel() * page.element_size()
         bb = self.store.geometry.block_bytes
         return nbytes, -(-nbytes // bb)
 
@@ -594,10 +594,10 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             self.store.put_run(kbs, buf)
             return [True] * len(keys)
         got = self.store.get_run(kbs, buf) // nb
+        page = pool.get_dummy_flat_data_page()      # the pool copies from it: one will do
         for j in range(got):
-            dummy = pool.get_dummy_flat_data_page()
-            dummy.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(pages[j, :nbytes]))
-            pool.set_from_flat_data_page(offsets[j], dummy)
+            page.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(pages[j, :nbytes]))
+            pool.set_from_flat_data_page(offsets[j], page)
         return [True] * got + [False] * (len(keys) - got)
 
     def batch_get_v2(self, transfers: list[PoolTransfer],

@@ -424,16 +424,6 @@ class KVBlockTierManager(SecondaryTierManager):
             if lock is not None:
                 lock.release()
 
-    def _present(self, kbs: list[bytes]) -> np.ndarray:
-        """Per key: does the store hold it (worker threads; may wait)."""
-        store = self.store
-        lock = getattr(store, "_lock", None)
-        index = getattr(store, "index", None)
-        if lock is None or index is None:
-            return np.array([store.contains(k) for k in kbs], dtype=bool)
-        with lock:
-            return index.lookup(kbs) >= 0
-
     def _worker(self) -> None:
         while True:
             with self._cond:
@@ -461,7 +451,7 @@ class KVBlockTierManager(SecondaryTierManager):
     def _store_piece(self, job: _Job, start: int, stop: int) -> int:
         kbs = job.kbs[start:stop]
         chunks = job.chunks[start:stop]
-        present = self._present(kbs)
+        present = self.store.present(kbs)
         todo = np.nonzero(~present)[0]
         written = 0
         if todo.size:
