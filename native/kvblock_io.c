@@ -3,14 +3,16 @@
 #include "kvblock_io.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <liburing.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
 
-#define KVB_ABI_VERSION 1
+#define KVB_ABI_VERSION 2
 #define KVB_MAX_BUFS 64
+#define KVB_COPY_MAX_THREADS 16
 
 struct kvb_ring {
     struct io_uring ring;
@@ -260,4 +262,52 @@ int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *d
             latency_ns[i] = now_ns() - t0;
     }
     return failed;
+}
+
+struct copy_part {
+    uint64_t n, m, len;
+    const uint64_t *dst, *src;
+    int64_t dst_step, src_step;
+};
+
+static void *copy_part_run(void *arg)
+{
+    const struct copy_part *p = arg;
+    for (uint64_t i = 0; i < p->n; i++) {
+        char *d = (char *)(uintptr_t)p->dst[i];
+        const char *s = (const char *)(uintptr_t)p->src[i];
+        for (uint64_t j = 0; j < p->m; j++)
+            memcpy(d + (int64_t)j * p->dst_step, s + (int64_t)j * p->src_step, p->len);
+    }
+    return NULL;
+}
+
+void kvb_copy_rows(uint64_t n, const uint64_t *dst, const uint64_t *src,
+                   uint64_t m, int64_t dst_step, int64_t src_step, uint64_t len,
+                   unsigned threads)
+{
+    if (threads > KVB_COPY_MAX_THREADS)
+        threads = KVB_COPY_MAX_THREADS;
+    if (threads > n)
+        threads = (unsigned)n;
+    if (threads < 1)
+        threads = 1;
+    struct copy_part parts[KVB_COPY_MAX_THREADS];
+    pthread_t tids[KVB_COPY_MAX_THREADS];
+    int started[KVB_COPY_MAX_THREADS] = {0};
+    for (unsigned t = 0; t < threads; t++) {
+        uint64_t a = n * t / threads, b = n * (t + 1) / threads;
+        parts[t] = (struct copy_part){b - a, m, len, dst + a, src + a, dst_step, src_step};
+    }
+    /* Parts 1.. on helper threads, part 0 here; a part whose thread cannot
+     * be started runs here too. */
+    for (unsigned t = 1; t < threads; t++)
+        started[t] = pthread_create(&tids[t], NULL, copy_part_run, &parts[t]) == 0;
+    copy_part_run(&parts[0]);
+    for (unsigned t = 1; t < threads; t++) {
+        if (started[t])
+            pthread_join(tids[t], NULL);
+        else
+            copy_part_run(&parts[t]);
+    }
 }

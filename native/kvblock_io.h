@@ -60,6 +60,19 @@ int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs,
                     const uint64_t *offsets, const uint64_t *lens,
                     int64_t *results, int64_t *latency_ns, uint64_t *cursor);
 
+/* Copy rows between two strided memory layouts (the gather and scatter of
+ * KV pages between an engine's paged cache and kvblock's staging):
+ *   for i < n, j < m:  memcpy(dst[i] + j * dst_step, src[i] + j * src_step, len)
+ * dst and src hold one absolute address per outer item (e.g. per page, in
+ * page-id order); m rows of len bytes follow each at the given byte steps.
+ * The n items are split over `threads` threads (the caller's and up to 15
+ * started for this call: one core's memcpy does not saturate memory
+ * bandwidth).  Regions must not overlap.  Called without the GIL (cffi drops
+ * it), so a copy in one Python thread also overlaps I/O issued from another. */
+void kvb_copy_rows(uint64_t n, const uint64_t *dst, const uint64_t *src,
+                   uint64_t m, int64_t dst_step, int64_t src_step, uint64_t len,
+                   unsigned threads);
+
 /* Version of this ABI; bumped on any signature change. */
 int kvb_abi_version(void);
 

@@ -15,7 +15,7 @@ from cffi import FFI
 
 from kvblock.errors import NativeLibraryError
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 LIB_NAME = "libkvblock_io.so"
 
 CDEF = """
@@ -31,6 +31,9 @@ int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *d
                     const int *fds, unsigned nfds, const uint64_t *offsets,
                     const uint64_t *lens, int64_t *results, int64_t *latency_ns,
                     uint64_t *cursor);
+void kvb_copy_rows(uint64_t n, const uint64_t *dst, const uint64_t *src,
+                   uint64_t m, int64_t dst_step, int64_t src_step, uint64_t len,
+                   unsigned threads);
 int kvb_abi_version(void);
 """
 
