@@ -46,8 +46,10 @@ Hybrid models (``*_v2`` calls).
     ``set_from_flat_data_page``), padded to whole kvblock blocks, under keys
     derived from the page key and the pool name.  ``batch_exists_v2`` cuts
     the KV prefix by each pool's hit policy (``ALL_PAGES``: every page of the
-    prefix; ``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages);
-    ``BLOCK_GROUPS`` pools are not supported (they report no hits).
+    prefix; ``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages).  A
+    ``BLOCK_GROUPS`` pool does not cut it: its hit is the KV pages that its
+    leading complete key groups cover (SGLang's docstring semantics; no
+    SGLang 0.5.23 backend or caller uses that policy yet).
 
 Keys.
     An SGLang page key (a SHA-256 chain hex string) names token content only.
@@ -513,7 +515,10 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
         """The usable prefix: KV pages stored from the start, cut where an
         extra pool lacks what its hit policy needs (ALL_PAGES: every page of
-        the prefix; TRAILING_PAGES: the last len(transfer.keys) pages)."""
+        the prefix; TRAILING_PAGES: the last len(transfer.keys) pages).  A
+        BLOCK_GROUPS pool never cuts it: it reports, as its own hit, the KV
+        pages covered by its leading complete key groups (``group_pages`` of
+        its keys per group, ``block_pages`` KV pages per group)."""
         kv = self.batch_exists(keys)
         hits: dict[str, int] = {PoolName.KV.value: kv} if kv else {}
         restorable = set(range(1, kv + 1))
@@ -521,6 +526,11 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             if not restorable:
                 break
             name = _pool_key(t.name)
+            if t.hit_policy == PoolHitPolicy.BLOCK_GROUPS:
+                covered = self._block_groups_hit(t, kv)
+                if covered:
+                    hits[name] = covered
+                continue
             try:
                 have = self._pool_present(t.name, keys[:kv])
             except KVBlockError as e:
@@ -543,6 +553,29 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             restorable &= ok
         final = sorted(restorable)
         return PoolTransferResult(final[-1] if final else 0, hits, final)
+
+    def _block_groups_hit(self, t: PoolTransfer, kv: int) -> int:
+        """KV pages (at most ``kv``) covered by the leading groups of
+        ``t.keys`` whose every key is stored; 0 when the transfer does not
+        give its group geometry."""
+        name = _pool_key(t.name)
+        per_group, block = int(t.group_pages or 0), int(t.block_pages or 0)
+        if per_group <= 0 or block <= 0:
+            logger.error("kvblock: BLOCK_GROUPS pool %s without group_pages/block_pages "
+                         "(%s/%s); the pool reports no hits", name, t.group_pages,
+                         t.block_pages)
+            return 0
+        groups = len(t.keys or []) // per_group
+        if not groups or not kv:
+            return 0
+        try:
+            have = self._pool_present(t.name, list(t.keys[:groups * per_group]))
+        except KVBlockError as e:
+            logger.error("kvblock: looking up pool %s failed: %s", name, e)
+            return 0
+        whole = have.reshape(groups, per_group).all(axis=1)
+        lead = int(np.argmin(whole)) if not whole.all() else groups
+        return min(kv, lead * block)
 
     def _v2(self, transfers: list[PoolTransfer], load: bool) -> dict[str, list[bool]]:
         out: dict[str, list[bool]] = {}

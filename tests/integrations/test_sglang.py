@@ -411,6 +411,22 @@ def test_hybrid_v2_calls_store_kv_and_state_pools(file_target, backends):
     assert r.kv_hit_pages == 0 and r.extra_pool_hit_pages == {"kv": 5}   # page 0 has no state
     assert backend.batch_exists_v2(keys).kv_hit_pages == 5               # KV alone
 
+    # BLOCK_GROUPS: groups of 2 pool keys, each covering 2 KV pages; the pool's
+    # own hit is what its leading complete groups cover, the KV hit is not cut
+    def groups(group_keys, group_pages=2, block_pages=2):
+        return backend.batch_exists_v2(keys, [PoolTransfer(
+            name=PoolName.MAMBA, keys=group_keys, hit_policy=PoolHitPolicy.BLOCK_GROUPS,
+            group_pages=group_pages, block_pages=block_pages)])
+    r = groups(keys[3:])                              # one whole group, both stored
+    assert (r.kv_hit_pages, r.extra_pool_hit_pages) == (5, {"kv": 5, "mamba": 2})
+    assert r.restorable_prefix_pages == [1, 2, 3, 4, 5]
+    r = groups(keys[3:] + keys[3:], block_pages=4)     # two groups: 8 pages, capped at the KV's 5
+    assert r.extra_pool_hit_pages == {"kv": 5, "mamba": 5}
+    r = groups(keys[2:4] + keys[3:])                   # first group lacks page 2's state
+    assert (r.kv_hit_pages, r.extra_pool_hit_pages) == (5, {"kv": 5})
+    assert groups(keys[3:4]).extra_pool_hit_pages == {"kv": 5}   # no complete group
+    assert groups(keys[3:], group_pages=0).extra_pool_hit_pages == {"kv": 5}  # no geometry
+
     pool.randomize(7)
     fresh = StatePool(seed=2)
     backend.registered_pools[PoolName.MAMBA] = fresh
