@@ -81,8 +81,19 @@ def test_dynamic_loader_builds_a_hicache_storage(file_target, backends):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
-def test_round_trip_bytes_identical(file_target, backends, mla, layout):
-    pool = HostPool(mla=mla, layout=layout, head_dim=32 if mla else 16)
+@pytest.mark.parametrize("wide", [False, True], ids=["rows64", "rows512"])
+def test_round_trip_bytes_identical(file_target, backends, monkeypatch, mla, layout, wide):
+    """Runs come back with one native copy per run (kvblock.tensors.pagecopy),
+    except page_first pools with short token rows (2 heads x 16 dims: 64
+    bytes between layers), which are copied page by page."""
+    from kvblock.integrations import sglang as backend_mod
+
+    native = []
+    real = backend_mod.copy_pages
+    monkeypatch.setattr(backend_mod, "copy_pages",
+                        lambda *a, **k: native.append(real(*a, **k)) or native[-1])
+    head_dim = (256 if mla else 128) if wide else (32 if mla else 16)
+    pool = HostPool(mla=mla, layout=layout, head_dim=head_dim)
     backend = attach(pool, [file_target()])
     backends.append(backend)
     keys = keys_for("a", 6)
@@ -95,6 +106,7 @@ def test_round_trip_bytes_identical(file_target, backends, mla, layout):
     assert backend.batch_get_v1(keys, pool.token_indices(dst_pages)) == [True] * 6
     for p, want in zip(dst_pages, before):
         assert torch.equal(pool.page_bytes(p), want)
+    assert native and all(native) == (wide or layout != "page_first")
     if not mla:
         assert backend.store.geometry.kv_parts == 2
     else:
