@@ -9,10 +9,14 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #define KVB_ABI_VERSION 2
 #define KVB_MAX_BUFS 64
 #define KVB_COPY_MAX_THREADS 16
+#define KVB_NT_MIN_ROW 1024 /* rows at least this long are streamed */
 
 struct kvb_ring {
     struct io_uring ring;
@@ -270,6 +274,34 @@ struct copy_part {
     int64_t dst_step, src_step;
 };
 
+/* Copy a row with non-temporal stores where the destination allows: KV
+ * pages copied here are not read again soon (the model reads them layers
+ * later; staging goes to the device), so writing around the cache saves the
+ * read-for-ownership of every destination line.  glibc's memcpy switches to
+ * such stores only for copies of several MiB; rows here are KiBs. */
+static inline void copy_row(char *d, const char *s, uint64_t len)
+{
+#if defined(__SSE2__)
+    if (len >= KVB_NT_MIN_ROW && ((uintptr_t)d & 15) == 0) {
+        uint64_t i = 0;
+        for (; i + 64 <= len; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), a);
+            _mm_stream_si128((__m128i *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(d + i + 48), e);
+        }
+        if (i < len)
+            memcpy(d + i, s + i, len - i);
+        return;
+    }
+#endif
+    memcpy(d, s, len);
+}
+
 static void *copy_part_run(void *arg)
 {
     const struct copy_part *p = arg;
@@ -277,8 +309,11 @@ static void *copy_part_run(void *arg)
         char *d = (char *)(uintptr_t)p->dst[i];
         const char *s = (const char *)(uintptr_t)p->src[i];
         for (uint64_t j = 0; j < p->m; j++)
-            memcpy(d + (int64_t)j * p->dst_step, s + (int64_t)j * p->src_step, p->len);
+            copy_row(d + (int64_t)j * p->dst_step, s + (int64_t)j * p->src_step, p->len);
     }
+#if defined(__SSE2__)
+    _mm_sfence(); /* the streamed stores are visible before the copy returns */
+#endif
     return NULL;
 }
 

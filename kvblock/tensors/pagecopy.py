@@ -4,10 +4,13 @@ addressed from the page ids with numpy, the copy itself without the GIL.
 
 On the gather side ``cache[ids]`` first builds a fresh array (fresh memory
 is slow to touch on small VMs) that then has to be copied again into
-staging; a row copy moves each byte once, whatever the page order.  Measured
-on the 2-core dev VM, 2048 random 32 KiB pages: gather 3.8 GiB/s with numpy,
-10.5 on one native thread, 14 on two; scatter 9.7 with numpy (a plain fancy
-assignment), 10.5 native.
+staging; a row copy moves each byte once, whatever the page order, and
+rows of 1 KiB or more are written with non-temporal stores (no
+read-for-ownership of destination lines nobody reads soon).  Measured on
+the 2-core dev VM, 2048 random 32 KiB pages (/tmp-style microbenchmark,
+medians of 7): gather 3.8 GiB/s with numpy (cache[ids] then a copy), 9.7 on
+one native thread with memcpy, 12.7 with streamed stores; scatter 9.7 with
+numpy (a fancy assignment), 10.3 with memcpy, 16 with streamed stores.
 """
 
 from __future__ import annotations

@@ -128,3 +128,19 @@ def test_copy_split_over_threads_matches_numpy(monkeypatch, threads):
     want[ids] = src
     assert copy_pages(cache, src, dst_ids=ids, threads=threads)
     assert np.array_equal(cache, want)
+
+
+@pytest.mark.parametrize("shift", [0, 1], ids=["aligned", "dst-off-by-2-bytes"])
+def test_streamed_rows_with_tails_and_unaligned_destinations(shift):
+    """Long rows are written with non-temporal stores when the destination is
+    16-byte aligned (else memcpy); a row whose length is not a multiple of
+    64 bytes ends with an ordinary copy.  Same bytes either way."""
+    flat = np.zeros(40 * 4 * 518 + 8, np.int16)
+    cache = flat[shift:shift + 40 * 4 * 518].reshape(40, 4, 518)   # rows of 4144 bytes
+    src = pages(13, 4, 518)
+    ids = RNG.permutation(40)[:13]
+    want = cache.copy()
+    want[ids] = src
+    assert copy_pages(cache, src, dst_ids=ids)
+    assert np.array_equal(cache, want)
+    assert not flat[:shift].any() and not flat[shift + cache.size:].any()   # nothing around
