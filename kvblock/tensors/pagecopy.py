@@ -7,7 +7,7 @@ is slow to touch on small VMs) that then has to be copied again into
 staging; a row copy moves each byte once, whatever the page order, and
 rows of 1 KiB or more are written with non-temporal stores (no
 read-for-ownership of destination lines nobody reads soon).  Measured on
-the 2-core dev VM, 2048 random 32 KiB pages (/tmp-style microbenchmark,
+the 2-core dev VM, 2048 random 32 KiB pages (a microbenchmark,
 medians of 7): gather 3.8 GiB/s with numpy (cache[ids] then a copy), 9.7 on
 one native thread with memcpy, 12.7 with streamed stores; scatter 9.7 with
 numpy (a fancy assignment), 10.3 with memcpy, 16 with streamed stores.
