@@ -55,15 +55,23 @@ def _ids_for(view, page_ids):
 
 def _host_np(view, itemsize):
     """A numpy view (raw ints, no copy) of a page view that lives in host
-    memory (a CPU torch tensor or a numpy array), else None (GPU tensors and
-    HF's strided pages keep the torch path).  Gather and scatter copy through
-    it once, straight between the cache and staging: indexing into a fresh
-    tensor first and copying that doubled the bytes moved (and torch's
-    threaded copy contends with the model's own threads on small machines)."""
+    memory (a CPU torch tensor, a numpy array, or HF's strided pages of a
+    CPU tensor), else None (GPU tensors keep the torch path).  Gather and
+    scatter copy through it once, straight between the cache and staging:
+    indexing into a fresh tensor first and copying that doubled the bytes
+    moved (and torch's threaded copy contends with the model's own threads on
+    small machines)."""
     if isinstance(view, np.ndarray):
         return _raw(view, itemsize)
     if _is_torch(view) and view.device.type == "cpu" and not view.requires_grad:
         return _raw(view, itemsize).numpy()
+    if isinstance(view, _StridedPages) and view.t.device.type == "cpu" and \
+            not view.t.requires_grad:
+        hd = _raw(view.t[0], itemsize).numpy()             # (heads, tokens, dim)
+        pages, bt, heads, dim = view.shape
+        s_h, s_t, s_d = hd.strides
+        return np.lib.stride_tricks.as_strided(             # (pages, bt, heads, dim)
+            hd, shape=(pages, bt, heads, dim), strides=(bt * s_t, s_t, s_h, s_d))
     return None
 
 

@@ -189,19 +189,33 @@ def test_checksum_failure_during_load_shrinks_the_prefix(path):
         assert store.lookup(a + b) == 2
 
 
-def test_hf_dynamic_cache_round_trip(path):
-    g = Geometry(L, 2, D, "float32", BS)
+@pytest.mark.parametrize("dim", [D, 64], ids=["rows64", "rows256"])
+def test_hf_dynamic_cache_round_trip(path, monkeypatch, dim):
+    """HF caches are (1, heads, tokens, dim): a page is a token span of every
+    head.  Rows of 256 bytes (dim 64, fp32) move with native row copies,
+    shorter ones through numpy; the same bytes either way."""
+    from kvblock.tensors import transfer
+
+    native = []
+    real = transfer.copy_pages
+    monkeypatch.setattr(transfer, "copy_pages",
+                        lambda *a, **k: native.append(real(*a, **k)) or native[-1])
+    g = Geometry(L, 2, dim, "float32", BS)
     tokens = 3 * BS + 5   # a partial last block is not stored
-    src = HFDynamicLayout([torch.randn(1, 2, tokens, D) for _ in range(L)],
-                          [torch.randn(1, 2, tokens, D) for _ in range(L)], BS)
+    src = HFDynamicLayout([torch.randn(1, 2, tokens, dim) for _ in range(L)],
+                          [torch.randn(1, 2, tokens, dim) for _ in range(L)], BS)
     keys = [b"h0", b"h1", b"h2"]
     with _store(path, g) as store:
         save_blocks(store, keys, src, [0, 1, 2])
-        dst = HFDynamicLayout.empty(L, 2, 3 * BS, D, BS, torch.float32)
-        assert load_blocks(store, keys, dst, [0, 1, 2]).wait() == 3
+        dst = HFDynamicLayout.empty(L, 2, 3 * BS + 7, dim, BS, torch.float32)
+        assert load_blocks(store, keys, dst, [2, 0, 1]).wait() == 3
+    assert native and all(native) == (dim == 64)
     for layer in range(L):
-        assert torch.equal(dst.keys[layer], src.keys[layer][:, :, :3 * BS])
-        assert torch.equal(dst.values[layer], src.values[layer][:, :, :3 * BS])
+        for d, s_ in ((dst.keys[layer], src.keys[layer]), (dst.values[layer], src.values[layer])):
+            for page, src_page in ((2, 0), (0, 1), (1, 2)):
+                assert torch.equal(d[:, :, page * BS:(page + 1) * BS],
+                                   s_[:, :, src_page * BS:(src_page + 1) * BS])
+            assert not d[:, :, 3 * BS:].any()     # the tail past the pages is untouched
 
 
 def test_loads_reuse_staging_memory(path, monkeypatch):
