@@ -22,10 +22,11 @@ rounds with:
   all layers (bar: >= 0.90x fio);
 - on the /dev/shm target, the copies alone on the CPU: save_blocks' gather of
   the cache pages into its staging buffer (the store write replaced by a
-  sink), and the scatter of loaded layers into the cache (the loader's
-  ``_scatter_pages``, fed run by run like the loader does), single-threaded,
-  against the device bandwidth measured there (the fio sequential read
-  above).  Bar: >= 2x.
+  sink; on up to two threads, as save_blocks runs it), and the scatter of
+  loaded layers into the cache (the loader's ``_scatter_pages``, fed run by
+  run like the loader does, on one thread as the loader runs it), against
+  the device bandwidth measured there (the fio sequential read above).
+  Bar: >= 2x.
 
     .venv/bin/python perf/layerwise_restore.py                  # ~2 minutes, needs root
     .venv/bin/python perf/layerwise_restore.py --tokens 4096 --targets shm --json
@@ -311,7 +312,8 @@ def print_report(results: list[dict], args, g) -> None:
     copies = [r for r in results if "copy" in r]
     if copies:
         print()
-        print("paged-layout copies alone (CPU, one thread) vs the /dev/shm loop device's "
+        print("paged-layout copies alone (CPU; gather on up to 2 threads as save_blocks, "
+              "scatter on 1 as the loader) vs the /dev/shm loop device's "
               "bandwidth (fio read, above)")
         head = ("copy", "GiB/s", "device GiB/s", "copy/device", "paired", "bar")
         rows = []

@@ -151,7 +151,7 @@ def test_gather_scatter(benchmark, saved, copy):
     fio_gib_s = statistics.median(f["gib_s"] for _, f in kept)
     copy_gib_s = statistics.median(gib)
     paired = statistics.median(x / f["gib_s"] for x, (_, f) in zip(gib, kept))
-    fig = "Paged-layout copies (CPU, one thread) vs device bandwidth (loop over /dev/shm)"
+    fig = "Paged-layout copies (as save/load run them) vs device bandwidth (loop over /dev/shm)"
     benchmark.extra_info.update({
         **_common(ctx), "copy": copy,
         "reference": "device bandwidth: fio sequential read at the restore's I/O size, "
