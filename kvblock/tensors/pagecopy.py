@@ -96,6 +96,8 @@ def copy_pages(dst: np.ndarray, src: np.ndarray, dst_ids=None, src_ids=None, *,
     count = dst_at.size
     parts = min(COPY_THREADS if threads is None else max(1, threads), count,
                 max(1, count * m * row // SPLIT_BYTES))
+    if parts > 1 and dst_ids is not None and np.unique(dst_ids).size < n:
+        parts = 1   # a page written twice: in order, the last write wins (as numpy's)
     lib.kvb_copy_rows(count, ptr("uint64_t *", dst_at), ptr("uint64_t *", src_at),
                       m, steps[0], steps[1], row, parts)
     return True

@@ -144,3 +144,16 @@ def test_streamed_rows_with_tails_and_unaligned_destinations(shift):
     assert copy_pages(cache, src, dst_ids=ids)
     assert np.array_equal(cache, want)
     assert not flat[:shift].any() and not flat[shift + cache.size:].any()   # nothing around
+
+
+def test_repeated_destination_pages_keep_numpy_order(monkeypatch):
+    """A destination page named twice ends up with the later source page, as
+    with numpy, even when the copy would be split over threads."""
+    monkeypatch.setattr(pagecopy, "SPLIT_BYTES", 4096)
+    cache = np.zeros((8, 16, 4, 64), np.int16)
+    src = pages(6, 16, 4, 64)
+    ids = np.array([1, 5, 2, 5, 7, 5])
+    want = cache.copy()
+    want[ids] = src
+    assert copy_pages(cache, src, dst_ids=ids, threads=4)
+    assert np.array_equal(cache, want) and np.array_equal(cache[5], src[5])
