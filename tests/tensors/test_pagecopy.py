@@ -149,6 +149,16 @@ def test_streamed_rows_with_tails_and_unaligned_destinations(shift):
 def test_repeated_destination_pages_keep_numpy_order(monkeypatch):
     """A destination page named twice ends up with the later source page, as
     with numpy, even when the copy would be split over threads."""
+    class Spy:                         # records how many threads each copy used
+        def __init__(self, real):
+            self.real, self.threads = real, []
+
+        def kvb_copy_rows(self, *args):
+            self.threads.append(args[-1])
+            return self.real.kvb_copy_rows(*args)
+
+    spy = Spy(pagecopy._lib())
+    monkeypatch.setattr(pagecopy, "_lib", lambda: spy)
     monkeypatch.setattr(pagecopy, "SPLIT_BYTES", 4096)
     cache = np.zeros((8, 16, 4, 64), np.int16)
     src = pages(6, 16, 4, 64)
@@ -157,3 +167,5 @@ def test_repeated_destination_pages_keep_numpy_order(monkeypatch):
     want[ids] = src
     assert copy_pages(cache, src, dst_ids=ids, threads=4)
     assert np.array_equal(cache, want) and np.array_equal(cache[5], src[5])
+    assert copy_pages(cache, src, dst_ids=np.array([1, 5, 2, 0, 7, 6]), threads=4)
+    assert spy.threads == [1, 4]      # split only where no page is written twice
