@@ -530,8 +530,9 @@ def _scatter_pages(views, pages, ids, h0, heads, itemsize, threads=1):
     """pages (groups, n, kv, BS, Hg, D) raw ints -> the cache: per KV part
     (n, BS, groups*Hg, D), then the rank's slice of heads.  One copy thread
     by default: in the load pipeline a second one competes with the reads
-    for the cores (2-core VM, /dev/shm loop: restore 3.5-3.8 vs 5.0-5.4 GiB/s
-    with memcpy rows; with streamed rows, paired 0.745 vs 0.736 of fio)."""
+    for the cores (2-core VM, /dev/shm loop, 4 rounds: restore medians 3.75
+    vs 4.95 GiB/s with memcpy rows; with streamed rows, paired 0.745 vs 0.736
+    of fio)."""
     ng, count, kv, bs, hg, d = pages.shape
     if _is_torch(pages):  # device staging (GPU path): stays on the device
         pages = pages.permute(2, 1, 3, 0, 4, 5).reshape(kv, count, bs, ng * hg, d)
