@@ -28,7 +28,7 @@ Data path (``interface_v1: 1``, the zero-copy calls).
     kvblock writes it with one direct I/O per run (kvblock.tensors.save_blocks).
     ``batch_get_v1`` reads each run straight into the thread's staging
     buffer (one read, its I/Os in flight together) and copies its pages into
-    the pool in one native pass.  That one copy per direction is the
+    the pool in one pass.  That one copy per direction is the
     page-major -> layer-major transposition; nothing else is copied.  Runs
     are cut at ``max_run_bytes`` (the staging memory of the calling thread).
     Pages already stored are not written again (one vectorised index probe
@@ -169,8 +169,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class PoolPages:
     """Per-page views of an SGLang host pool's ``kv_buffer``.
 
-    ``page(p)`` is a view (no copy) of page ``p`` shaped like one kvblock
-    block: ``(layers, kv_parts, page_size, heads, head_dim)``.  Host pool
+    ``paged_raw()[p]`` is a view (no copy) of page ``p`` shaped like one
+    kvblock block: ``(layers, kv_parts, page_size, heads, head_dim)``.  Host pool
     shapes (``sglang/srt/mem_cache/pool_host/{mha,mla}.py``, ``init_kv_buffer``)::
 
         MHA layer_first       (2, L, size, H, D)
@@ -219,58 +219,23 @@ class PoolPages:
                         dtype=_dtype_name(self.buf.dtype), block_tokens=self.page_size,
                         kv_parts=self.kv_parts, head_groups=1)
 
-    def paged_raw(self) -> np.ndarray | None:
+    def paged_raw(self) -> np.ndarray:
         """The whole pool as one numpy view (raw same-size ints, no copy)
         indexed by page: ``(pages, layers, kv_parts, page_size, heads,
-        head_dim)``, for copies of many pages at once; None when the buffer
-        has no numpy view (a dtype without a same-size int)."""
-        b = self.buf
-        raw = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(
-            b.element_size())
-        if raw is None or b.requires_grad:
-            return None
+        head_dim)``, for copies of many pages at once."""
+        b = self.buf.detach()
+        raw = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[b.element_size()]
         x = b.view(raw).numpy()
         P, ps = self.num_pages, self.page_size
         if self.mla:
             x = x[None]                                # MLA: kv_parts = 1 in front
         if self.layout == "page_first_direct":         # (kv, P, L, ps, H, D)
-            v = x.transpose(1, 2, 0, 3, 4, 5)
-        elif self.layout == "page_first":              # (kv, size, L, H, D)
-            v = x[:, :P * ps].reshape(x.shape[0], P, ps, *x.shape[2:]) \
+            return x.transpose(1, 2, 0, 3, 4, 5)
+        if self.layout == "page_first":                # (kv, size, L, H, D)
+            return x[:, :P * ps].reshape(x.shape[0], P, ps, *x.shape[2:]) \
                 .transpose(1, 3, 0, 2, 4, 5)
-        else:                                          # (kv, L, size, H, D)
-            v = x[:, :, :P * ps].reshape(x.shape[0], x.shape[1], P, ps, *x.shape[3:]) \
-                .transpose(2, 1, 0, 3, 4, 5)
-        return v
-
-    def page(self, p: int) -> torch.Tensor:
-        b, ps = self.buf, self.page_size
-        tok = slice(p * ps, (p + 1) * ps)
-        if self.mla:
-            if self.layout == "page_first_direct":
-                v = b[p]                              # (L, ps, 1, D)
-            elif self.layout == "page_first":
-                v = b[tok].transpose(0, 1)            # (ps, L, 1, D) -> (L, ps, 1, D)
-            else:
-                v = b[:, tok]                         # (L, ps, 1, D)
-            return v.unsqueeze(1)
-        if self.layout == "page_first_direct":
-            v = b[:, p]                               # (2, L, ps, H, D)
-        elif self.layout == "page_first":
-            v = b[:, tok].permute(0, 2, 1, 3, 4)      # (2, ps, L, H, D) -> (2, L, ps, H, D)
-        else:
-            v = b[:, :, tok]                          # (2, L, ps, H, D)
-        return v.transpose(0, 1)                      # (L, 2, ps, H, D)
-
-
-def _copy_run(paged, staged: np.ndarray, shape, ids) -> bool:
-    """The first ``len(ids)`` blocks of a run staged as ``shape`` (layers,
-    blocks, ...) into pool pages ``ids`` of ``paged`` (PoolPages.paged_raw)
-    with one native copy; False when that does not apply (then copy per page)."""
-    if paged is None:
-        return False
-    src = staged.view(paged.dtype).reshape(shape)[:, :len(ids)].transpose(1, 0, 2, 3, 4, 5)
-    return copy_pages(paged, src, dst_ids=np.asarray(ids, dtype=np.int64))
+        return x[:, :, :P * ps].reshape(x.shape[0], x.shape[1], P, ps, *x.shape[3:]) \
+            .transpose(2, 1, 0, 3, 4, 5)               # (kv, L, size, H, D)
 
 
 def _pool_key(name) -> str:
@@ -438,8 +403,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         """Load the stored prefix of kbs into ``pages``' pages ``page_ids``;
         returns its length.  Per run of at most run_blocks: one read of the
         whole run (its I/Os in flight together) into this thread's staging
-        buffer, then one native copy of its pages into the pool (page by page
-        where the pool's rows are too short for it).  Measured on /dev/shm,
+        buffer, then one native copy of its pages into the pool (numpy's
+        indexing where the pool's rows are too short for it).  Measured on /dev/shm,
         256 KiB pages: 113 -> 59 ms of copying per 0.5 GiB.  (SGLang prefetches
         whole pages, so the layer-wise pipeline of load_blocks buys nothing
         here, and its smaller reads measured slower: perf/sglang_vs_hicachefile.py.)"""
@@ -451,11 +416,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             n = len(keys)
             view = self.store._staging(n * g.block_bytes, "pages").array[:n * g.block_bytes]
             got = self.store.get_run(keys, view)
-            shape = (g.num_layers, n, g.kv_parts, g.block_tokens, g.num_kv_heads, g.head_dim)
-            if got and not _copy_run(paged, view, shape, ids[:got]):
-                staged = torch.from_numpy(view).view(pages.buf.dtype).view(*shape)
-                for i in range(got):
-                    pages.page(ids[i]).copy_(staged[:, i])
+            if got:
+                src = view.view(paged.dtype).reshape(
+                    g.num_layers, n, g.kv_parts, g.block_tokens, g.num_kv_heads,
+                    g.head_dim)[:, :got].transpose(1, 0, 2, 3, 4, 5)
+                dst = np.asarray(ids[:got], dtype=np.int64)
+                if not copy_pages(paged, src, dst_ids=dst):
+                    paged[dst] = src              # rows too short for it: numpy's indexing
             done += got
             if got < n:
                 break

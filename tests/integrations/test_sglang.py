@@ -85,7 +85,7 @@ def test_dynamic_loader_builds_a_hicache_storage(file_target, backends):
 def test_round_trip_bytes_identical(file_target, backends, monkeypatch, mla, layout, wide):
     """Runs come back with one native copy per run (kvblock.tensors.pagecopy),
     except page_first pools with short token rows (2 heads x 16 dims: 64
-    bytes between layers), which are copied page by page."""
+    bytes between layers), which go through numpy's indexing."""
     from kvblock.integrations import sglang as backend_mod
 
     native = []
