@@ -2,8 +2,8 @@
 layer by layer, into any tensor-parallel slice.
 
 Save gathers every layer's pages into one aligned buffer in the store's order
-``[layer][group][block][kv][token][head][dim]`` (one vectorised copy per layer
-and KV part) and writes it as one run.  Load is a two-stage pipeline: a reader
+``[layer][group][block][kv][token][head][dim]`` (one native row copy per layer
+and KV part, kvblock.tensors.pagecopy) and writes it as one run.  Load is a two-stage pipeline: a reader
 thread reads each layer's range(s) of every run of the prefix in units of
 about 8 MiB (one I/O batch each); a scatter thread checks each unit against
 the ranges' streaming checksums and copies its pages into the cache while the
