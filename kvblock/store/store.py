@@ -219,6 +219,11 @@ class KVStore:
         try:
             store._init(devs, **kw)
         except BaseException:
+            # The engine first: its rings hold registered references to the
+            # devices, which would keep a raw device's O_EXCL claim alive.
+            io = getattr(store, "io", None)
+            if io is not None:
+                io.engine.close()
             for d in devs:
                 d.close()
             raise

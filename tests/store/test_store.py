@@ -281,6 +281,22 @@ def test_open_errors(store_path, tmp_path):
     _format([store_path], force=True).close()  # force overwrites
 
 
+def test_failed_open_lets_go_of_the_device(target):
+    """A failed open closes the I/O engine too: its rings hold registered
+    references to the devices, and on a raw device those kept the O_EXCL claim
+    (the vLLM tier's open-or-format of a blank device failed as "busy")."""
+    import gc
+
+    path = target(8 * MIB)
+    gc.disable()     # the claim must go with the open, not with a later collection
+    try:
+        with pytest.raises(NotAStoreError):
+            KVStore.open([path])
+        _format([path]).close()
+    finally:
+        gc.enable()
+
+
 def _rewrite_superblocks(path, mutate):
     with open(path, "r+b") as f:
         for off in sbfmt.COPY_OFFSETS:
