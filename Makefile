@@ -7,7 +7,7 @@ PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.kvblock-installed
-APT_PKGS := liburing-dev pkg-config cmake fio util-linux fdisk e2fsprogs
+APT_PKGS := liburing-dev libxxhash-dev pkg-config cmake fio util-linux fdisk e2fsprogs
 TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 

@@ -9,11 +9,13 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <xxhash.h>
+#include <xxh_x86dispatch.h> /* XXH3 calls go to libxxhash's AVX2/AVX-512 dispatch */
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
 
-#define KVB_ABI_VERSION 2
+#define KVB_ABI_VERSION 3
 #define KVB_MAX_BUFS 64
 #define KVB_COPY_MAX_THREADS 16
 #define KVB_NT_MIN_ROW 1024 /* rows at least this long are streamed */
@@ -170,10 +172,148 @@ static void prep_one(kvb_ring *r, struct io_uring_sqe *sqe, int op, uint64_t add
         sqe->flags |= IOSQE_FIXED_FILE;
 }
 
+
+/* ------------------------------------------------------------------ hashing
+ * A batch read with a hasher gets each stream's XXH3-64 computed while its
+ * pieces are still in cache: whoever sees the next piece (in batch order)
+ * complete hashes it, instead of one pass over cold memory after the batch.
+ * Streams are numbered 0, 1, ... in batch order, so one XXH3 state follows
+ * the cursor. */
+#define KVB_PENDING INT64_MIN
+
+struct kvb_hasher {
+    pthread_mutex_t lock;     /* held by the thread that moves the cursor */
+    uint64_t n, cursor;
+    const uint64_t *addrs, *lens;
+    const uint32_t *streams;
+    uint32_t nstreams;
+    const uint64_t *seeds;
+    const int64_t *results;   /* NULL: every piece is in memory already */
+    uint64_t *digests;
+    uint8_t *failed;          /* per stream: a piece of it did not fully arrive */
+    XXH3_state_t *state;
+};
+
+kvb_hasher *kvb_hasher_create(uint64_t n, const uint64_t *addrs, const uint64_t *lens,
+                              const uint32_t *streams, uint32_t nstreams,
+                              const uint64_t *seeds, int64_t *results, uint64_t *digests,
+                              int *err)
+{
+    /* Streams must start at 0 and step by at most one from piece to piece. */
+    if (n == 0 || nstreams == 0 || streams[0] != 0 || streams[n - 1] != nstreams - 1) {
+        *err = -EINVAL;
+        return NULL;
+    }
+    for (uint64_t i = 1; i < n; i++) {
+        if (streams[i] != streams[i - 1] && streams[i] != streams[i - 1] + 1) {
+            *err = -EINVAL;
+            return NULL;
+        }
+    }
+    kvb_hasher *h = calloc(1, sizeof(*h));
+    uint8_t *failed = calloc(nstreams, 1);
+    XXH3_state_t *state = XXH3_createState();
+    if (!h || !failed || !state) {
+        free(h);
+        free(failed);
+        XXH3_freeState(state);
+        *err = -ENOMEM;
+        return NULL;
+    }
+    pthread_mutex_init(&h->lock, NULL);
+    h->n = n;
+    h->addrs = addrs;
+    h->lens = lens;
+    h->streams = streams;
+    h->nstreams = nstreams;
+    h->seeds = seeds;
+    h->results = results;
+    h->digests = digests;
+    h->failed = failed;
+    h->state = state;
+    if (results)
+        for (uint64_t i = 0; i < n; i++)
+            results[i] = KVB_PENDING;
+    XXH3_64bits_reset_withSeed(state, seeds[0]);
+    *err = 0;
+    return h;
+}
+
+static inline int piece_arrived(const kvb_hasher *h, uint64_t i)
+{
+    return !h->results || __atomic_load_n(&h->results[i], __ATOMIC_ACQUIRE) != KVB_PENDING;
+}
+
+/* (lock held) hash pieces from the cursor on while they have arrived. */
+static void hash_ready(kvb_hasher *h)
+{
+    while (h->cursor < h->n && piece_arrived(h, h->cursor)) {
+        uint64_t i = h->cursor;
+        uint32_t s = h->streams[i];
+        if (i > 0 && s != h->streams[i - 1]) {
+            h->digests[s - 1] = XXH3_64bits_digest(h->state);
+            XXH3_64bits_reset_withSeed(h->state, h->seeds[s]);
+        }
+        if (h->results && h->results[i] != (int64_t)h->lens[i])
+            h->failed[s] = 1;
+        else if (!h->failed[s])
+            XXH3_64bits_update(h->state, (const void *)(uintptr_t)h->addrs[i], h->lens[i]);
+        h->cursor = i + 1;
+    }
+}
+
+/* Called after a piece completes: hash what is ready, unless another thread
+ * is at it (it picks up this piece too, or the next caller or finish does). */
+static void hasher_advance(kvb_hasher *h)
+{
+    if (!h)
+        return;
+    while (pthread_mutex_trylock(&h->lock) == 0) {
+        hash_ready(h);
+        pthread_mutex_unlock(&h->lock);
+        if (h->cursor >= h->n || !piece_arrived(h, h->cursor))
+            return;
+    }
+}
+
+int64_t kvb_hasher_finish(kvb_hasher *h)
+{
+    pthread_mutex_lock(&h->lock);
+    hash_ready(h);
+    int64_t failed = 0;
+    if (h->cursor < h->n) {
+        failed = -EAGAIN; /* a piece never completed: the batch did not run */
+    } else {
+        h->digests[h->nstreams - 1] = XXH3_64bits_digest(h->state);
+        for (uint32_t s = 0; s < h->nstreams; s++) {
+            if (h->failed[s]) {
+                h->digests[s] = 0;
+                failed++;
+            }
+        }
+    }
+    pthread_mutex_unlock(&h->lock);
+    pthread_mutex_destroy(&h->lock);
+    XXH3_freeState(h->state);
+    free(h->failed);
+    free(h);
+    return failed;
+}
+
+int64_t kvb_hash_pieces(uint64_t n, const uint64_t *addrs, const uint64_t *lens,
+                        const uint32_t *streams, uint32_t nstreams, const uint64_t *seeds,
+                        uint64_t *digests)
+{
+    int err;
+    kvb_hasher *h = kvb_hasher_create(n, addrs, lens, streams, nstreams, seeds, NULL,
+                                      digests, &err);
+    return h ? kvb_hasher_finish(h) : err;
+}
+
 int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
                      const uint32_t *devs, const uint64_t *offsets,
                      const uint64_t *lens, unsigned qd, int64_t *results,
-                     int64_t *latency_ns)
+                     int64_t *latency_ns, kvb_hasher *h)
 {
     if (qd == 0 || qd > r->entries)
         qd = r->entries;
@@ -212,7 +352,7 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
         int64_t t = latency_ns && got ? now_ns() : 0;
         for (unsigned k = 0; k < got; k++) {
             uint64_t i = io_uring_cqe_get_data64(cqes[k]);
-            results[i] = cqes[k]->res;
+            __atomic_store_n(&results[i], (int64_t)cqes[k]->res, __ATOMIC_RELEASE);
             if (cqes[k]->res < 0)
                 failed++;
             if (latency_ns)
@@ -221,6 +361,8 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
         io_uring_cq_advance(&r->ring, got);
         inflight -= got;
         done += got;
+        if (got)
+            hasher_advance(h);
     }
     return failed;
 }
@@ -228,7 +370,7 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
 int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                     const int *fds, unsigned nfds, const uint64_t *offsets,
                     const uint64_t *lens, int64_t *results, int64_t *latency_ns,
-                    uint64_t *cursor)
+                    uint64_t *cursor, kvb_hasher *h)
 {
     int64_t failed = 0;
     for (;;) {
@@ -236,8 +378,9 @@ int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *d
         if (i >= n)
             break;
         if (devs[i] >= nfds) {
-            results[i] = -EBADF;
+            __atomic_store_n(&results[i], (int64_t)-EBADF, __ATOMIC_RELEASE);
             failed++;
+            hasher_advance(h);
             continue;
         }
         int64_t t0 = latency_ns ? now_ns() : 0;
@@ -259,11 +402,12 @@ int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *d
             total += (uint64_t)got;
             left -= (uint64_t)got;
         }
-        results[i] = res < 0 ? res : (int64_t)total;
-        if (res < 0)
-            failed++;
         if (latency_ns)
             latency_ns[i] = now_ns() - t0;
+        __atomic_store_n(&results[i], res < 0 ? res : (int64_t)total, __ATOMIC_RELEASE);
+        if (res < 0)
+            failed++;
+        hasher_advance(h);
     }
     return failed;
 }

@@ -27,6 +27,7 @@
 #define KVB_OP_WRITE 1
 
 typedef struct kvb_ring kvb_ring;
+typedef struct kvb_hasher kvb_hasher;
 
 /* Create a ring with `entries` submission slots.  Returns NULL and sets *err
  * to a negative errno when io_uring is unavailable (ENOSYS, EPERM, ...). */
@@ -46,19 +47,51 @@ int kvb_ring_set_buffers(kvb_ring *ring, const uint64_t *addrs,
 
 /* Run a batch to completion.  latency_ns may be NULL.  Returns the number of
  * I/Os whose result is negative, or a negative errno when the ring itself
- * failed (then results of unfinished I/Os are -ECANCELED). */
+ * failed (then results of unfinished I/Os are -ECANCELED).  With a hasher
+ * (NULL: none), completed reads are hashed as they land (below). */
 int64_t kvb_ring_run(kvb_ring *ring, int op, uint64_t n, const uint64_t *addrs,
                      const uint32_t *devs, const uint64_t *offsets,
                      const uint64_t *lens, unsigned qd, int64_t *results,
-                     int64_t *latency_ns);
+                     int64_t *latency_ns, kvb_hasher *hasher);
 
 /* Fallback engine body: claim I/Os from *cursor until the batch is done and
  * run each with pread/pwrite (looping over partial transfers).  Returns the
- * number of failed I/Os this caller ran. */
+ * number of failed I/Os this caller ran.  Every caller on one batch passes
+ * the same hasher (or NULL). */
 int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs,
                     const uint32_t *devs, const int *fds, unsigned nfds,
                     const uint64_t *offsets, const uint64_t *lens,
-                    int64_t *results, int64_t *latency_ns, uint64_t *cursor);
+                    int64_t *results, int64_t *latency_ns, uint64_t *cursor,
+                    kvb_hasher *hasher);
+
+/* Checksums of a read batch, computed while the bytes are still in cache.
+ * Piece i (addrs[i], lens[i]: the batch's host buffers) belongs to stream
+ * streams[i]; streams are numbered 0..nstreams-1 in batch order (each piece's
+ * stream equals or is one more than the one before), and a stream's pieces
+ * are its bytes in order.  digests[s] becomes XXH3-64 (seed seeds[s]) of
+ * stream s, the same value as xxhash's xxh3_64 of those bytes.
+ *
+ * kvb_hasher_create sets every results[i] to "pending" (INT64_MIN); the run
+ * that gets the hasher then hashes piece after piece, in batch order, as each
+ * one completes and all before it have, on whichever thread sees it first
+ * (the one that reaps it, for a ring).  The arrays must outlive the hasher.
+ * Returns NULL and sets *err (-EINVAL for bad streams, -ENOMEM).
+ *
+ * kvb_hasher_finish hashes what is left, writes the last digest and frees
+ * the hasher.  Returns the number of streams with a piece that failed or came
+ * back short (their digests are 0), or -EAGAIN when a piece never completed
+ * (the run itself failed).  Call it exactly once, after every run is over. */
+kvb_hasher *kvb_hasher_create(uint64_t n, const uint64_t *addrs, const uint64_t *lens,
+                              const uint32_t *streams, uint32_t nstreams,
+                              const uint64_t *seeds, int64_t *results, uint64_t *digests,
+                              int *err);
+int64_t kvb_hasher_finish(kvb_hasher *hasher);
+
+/* The same digests for bytes already in memory (no results to wait for).
+ * Returns 0, or -EINVAL / -ENOMEM. */
+int64_t kvb_hash_pieces(uint64_t n, const uint64_t *addrs, const uint64_t *lens,
+                        const uint32_t *streams, uint32_t nstreams, const uint64_t *seeds,
+                        uint64_t *digests);
 
 /* Copy rows between two strided memory layouts (the gather and scatter of
  * KV pages between an engine's paged cache and kvblock's staging):

@@ -14,10 +14,17 @@ import numpy as np
 
 from kvblock.devices import Device
 from kvblock.errors import AlignmentError, ConfigError, IOFailedError, strerror
+from kvblock.format.checksum import data_seed
+from kvblock.io import native
 from kvblock.io.batch import DEFAULT_MAX_IO, IOBatch
 from kvblock.memory.aligned import HostBuffer
 
 OP_READ, OP_WRITE = 0, 1
+# read_hashed cuts reads into pieces this long and hashes each as it lands.
+# Of 256 KiB..2 MiB, 512 KiB loaded fastest (vLLM tier, 2 MiB slots, /dev/shm
+# loop device, 2-core VM): 4.65 GiB/s on 1 thread and 7.36 on 8, against 3.41
+# and 6.38 hashing after 8 MiB reads, and 4.33 / 7.09 not hashing at all.
+HASH_PIECE = 512 << 10
 _OP_NAME = {OP_READ: "read", OP_WRITE: "write"}
 
 
@@ -37,6 +44,9 @@ class IOEngine:
     """
 
     name = "base"
+    # read_hashed hashes pieces as they complete (True) or the whole batch
+    # after it (False: engines whose completions do not arrive in one thread).
+    hashes_as_reads_land = True
 
     def __init__(self, devices: Sequence[Device], *, queue_depth: int = 32,
                  max_io: int = DEFAULT_MAX_IO):
@@ -78,21 +88,63 @@ class IOEngine:
         for d in self.devices:
             d.flush()
 
+    def read_hashed(self, batch: IOBatch, streams, seeds, *,
+                    qd: int | None = None) -> np.ndarray:
+        """:meth:`read`, and return the XXH3-64 checksum of each stream's bytes.
+
+        Entry i of ``batch`` belongs to stream ``streams[i]``; streams are
+        numbered 0, 1, ... in batch order (each entry's stream equals or is
+        one more than the one before) and a stream's entries are its bytes in
+        order.  ``seeds[s]`` seeds stream s.  The result (uint64, one per
+        stream) equals ``format.checksum.data_checksum`` of each stream's
+        bytes.  The reads are cut into ``HASH_PIECE`` pieces and each piece is
+        hashed as soon as it (and every piece before it) has landed, so the
+        hashing overlaps the reads still in flight instead of following the
+        batch (engines with ``hashes_as_reads_land`` False hash afterwards).
+        """
+        streams = np.ascontiguousarray(streams, dtype=np.uint32).reshape(-1)
+        if not isinstance(seeds, np.ndarray):
+            seeds = [data_seed(int(s)) for s in seeds]
+        seeds = np.ascontiguousarray(seeds, dtype=np.uint64).reshape(-1)
+        if streams.size != len(batch):
+            raise ConfigError(f"read_hashed: {streams.size} stream indices for "
+                              f"{len(batch)} I/Os")
+        steps = np.diff(streams.astype(np.int64))
+        if len(batch) and (streams[0] != 0 or int(streams[-1]) + 1 != seeds.size
+                           or (steps < 0).any() or (steps > 1).any()):
+            raise ConfigError("read_hashed: streams must count 0, 1, ... in batch order "
+                              f"with one seed each ({seeds.size} seeds)")
+        digests = np.zeros(seeds.size, dtype=np.uint64)
+        self.submit(OP_READ, batch, qd=qd, hashing=(streams, seeds, digests))
+        return digests
+
     def submit(self, op: int, batch: IOBatch, *, qd: int | None = None,
-               latency: bool = False) -> IOResult:
+               latency: bool = False, hashing=None) -> IOResult:
         if self.closed:
             raise ConfigError(f"{self.name} engine is closed")
         n = len(batch)
         if n == 0:
             return IOResult(0, np.empty(0, np.int64) if latency else None)
         self._validate(batch)
-        run, parent = batch.split(self.max_io)
+        inline = hashing is not None and self.hashes_as_reads_land
+        max_io = min(self.max_io, HASH_PIECE) if inline else self.max_io
+        run, parent = batch.split(max_io)
         staged = self._stage(op, run)
         m = len(run)
         results = np.empty(m, dtype=np.int64)
         lat = np.empty(m, dtype=np.int64) if latency else None
-        self._run(op, run if staged is None else staged[0], min(qd or self.queue_depth, m),
-                  results, lat)
+        hasher = None
+        if inline and staged is None:
+            streams, seeds, digests = hashing
+            hasher = native.Hasher(run.addrs, run.lens,
+                                   streams if parent is None else streams[parent],
+                                   seeds, results, digests)
+        try:
+            self._run(op, run if staged is None else staged[0], min(qd or self.queue_depth, m),
+                      results, lat, hasher)
+        finally:
+            if hasher is not None:
+                hasher.finish()
         if m == 1:
             if results.item() != run.lens.item():
                 self._raise(op, run, results, results != run.lens.astype(np.int64))
@@ -102,6 +154,8 @@ class IOEngine:
                 self._raise(op, run, results, bad)
         if staged is not None and op == OP_READ:
             staged[1]()
+        if hashing is not None and hasher is None:   # the bytes are in place: hash them now
+            native.hash_pieces(batch.addrs, batch.lens, *hashing)
         return IOResult(batch.nbytes, lat)
 
     def close(self) -> None:
@@ -115,7 +169,9 @@ class IOEngine:
 
     # --- for subclasses ----------------------------------------------------------------
     def _run(self, op: int, batch: IOBatch, qd: int, results: np.ndarray,
-             latency: np.ndarray | None) -> None:
+             latency: np.ndarray | None, hasher) -> None:
+        """Run ``batch``; ``hasher`` (a native.Hasher or None) goes to the
+        native call, which hashes reads as they complete."""
         raise NotImplementedError
 
     # --- helpers -----------------------------------------------------------------------

@@ -15,22 +15,31 @@ from cffi import FFI
 
 from kvblock.errors import NativeLibraryError
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 LIB_NAME = "libkvblock_io.so"
 
 CDEF = """
 typedef struct kvb_ring kvb_ring;
+typedef struct kvb_hasher kvb_hasher;
 kvb_ring *kvb_ring_create(unsigned entries, int *err);
 void kvb_ring_destroy(kvb_ring *ring);
 int kvb_ring_set_files(kvb_ring *ring, const int *fds, unsigned n);
 int kvb_ring_set_buffers(kvb_ring *ring, const uint64_t *addrs, const uint64_t *lens, unsigned n);
 int64_t kvb_ring_run(kvb_ring *ring, int op, uint64_t n, const uint64_t *addrs,
                      const uint32_t *devs, const uint64_t *offsets, const uint64_t *lens,
-                     unsigned qd, int64_t *results, int64_t *latency_ns);
+                     unsigned qd, int64_t *results, int64_t *latency_ns, kvb_hasher *hasher);
 int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                     const int *fds, unsigned nfds, const uint64_t *offsets,
                     const uint64_t *lens, int64_t *results, int64_t *latency_ns,
-                    uint64_t *cursor);
+                    uint64_t *cursor, kvb_hasher *hasher);
+kvb_hasher *kvb_hasher_create(uint64_t n, const uint64_t *addrs, const uint64_t *lens,
+                              const uint32_t *streams, uint32_t nstreams,
+                              const uint64_t *seeds, int64_t *results, uint64_t *digests,
+                              int *err);
+int64_t kvb_hasher_finish(kvb_hasher *hasher);
+int64_t kvb_hash_pieces(uint64_t n, const uint64_t *addrs, const uint64_t *lens,
+                        const uint32_t *streams, uint32_t nstreams, const uint64_t *seeds,
+                        uint64_t *digests);
 void kvb_copy_rows(uint64_t n, const uint64_t *dst, const uint64_t *src,
                    uint64_t m, int64_t dst_step, int64_t src_step, uint64_t len,
                    unsigned threads);
@@ -89,3 +98,36 @@ _ARRAY_TYPES: dict[str, str] = {}
 def _array_type(ctype: str) -> str:
     _ARRAY_TYPES[ctype] = ctype.replace("*", "[]").replace(" []", "[]")
     return _ARRAY_TYPES[ctype]
+
+
+class Hasher:
+    """A native kvb_hasher over numpy arrays it keeps alive until finish():
+    a batch run given ``handle`` fills ``digests`` as its reads land (see
+    native/kvblock_io.h)."""
+
+    __slots__ = ("handle", "_keep")
+
+    def __init__(self, addrs, lens, streams, seeds, results, digests):
+        err = ffi.new("int *")
+        self._keep = (addrs, lens, streams, seeds, results, digests)
+        self.handle = lib().kvb_hasher_create(
+            len(addrs), ptr("uint64_t *", addrs), ptr("uint64_t *", lens),
+            ptr("uint32_t *", streams), len(seeds), ptr("uint64_t *", seeds),
+            ptr("int64_t *", results), ptr("uint64_t *", digests), err)
+        if self.handle == ffi.NULL:
+            raise ValueError(f"kvb_hasher_create: {os.strerror(-err[0])}")
+
+    def finish(self) -> int:
+        """Hash what is left and free the native hasher (once)."""
+        handle, self.handle = self.handle, ffi.NULL
+        return lib().kvb_hasher_finish(handle) if handle != ffi.NULL else 0
+
+
+def hash_pieces(addrs, lens, streams, seeds, digests) -> None:
+    """digests[s] = XXH3-64 (seed seeds[s]) of stream s's pieces, which are
+    in memory already (same numbering rules as Hasher)."""
+    ret = lib().kvb_hash_pieces(len(addrs), ptr("uint64_t *", addrs), ptr("uint64_t *", lens),
+                                ptr("uint32_t *", streams), len(seeds), ptr("uint64_t *", seeds),
+                                ptr("uint64_t *", digests))
+    if ret < 0:
+        raise ValueError(f"kvb_hash_pieces: {os.strerror(-ret)}")

@@ -123,13 +123,14 @@ class UringEngine(IOEngine):
         with self._rings_lock:
             return len(self._rings)
 
-    def _run(self, op, batch: IOBatch, qd, results, latency) -> None:
+    def _run(self, op, batch: IOBatch, qd, results, latency, hasher) -> None:
         ring = self._ring()
         p = native.ptr
         ret = native.lib().kvb_ring_run(
             ring.handle, op, len(batch), p("uint64_t *", batch.addrs), p("uint32_t *", batch.devs),
             p("uint64_t *", batch.offsets), p("uint64_t *", batch.lens), qd,
-            p("int64_t *", results), p("int64_t *", latency))
+            p("int64_t *", results), p("int64_t *", latency),
+            native.ffi.NULL if hasher is None else hasher.handle)
         if ret < 0:
             raise IOFailedError(f"io_uring failed while running a batch of {len(batch)} I/Os: "
                                 f"{strerror(-ret)}", None, -ret)

@@ -426,6 +426,7 @@ class RemoteStore:
     _read_segment = KVStore._read_segment
     _read_run_direct = KVStore._read_run_direct
     _read_run_scattered = KVStore._read_run_scattered
+    _verified = KVStore._verified
     _checksum_failure = KVStore._checksum_failure
     _staging = KVStore._staging
     _blocks_view = KVStore._blocks_view

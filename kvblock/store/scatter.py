@@ -101,13 +101,24 @@ class BlockList:
     def batch(self, dev: int, base: int, range_bytes: int) -> IOBatch:
         """The run's I/O: piece (range r, block k) at device offset
         ``base + r * range_bytes + k * gbb``; touching pieces merged."""
+        return self._batch(dev, base, range_bytes, by_range=False)
+
+    def read_batch(self, dev: int, base: int, range_bytes: int) -> tuple[IOBatch, np.ndarray]:
+        """:meth:`batch` with pieces merged only within a range, and each
+        I/O's range index: the streams whose checksums
+        ``IOEngine.read_hashed`` computes."""
+        b = self._batch(dev, base, range_bytes, by_range=True)
+        return b, (b.offsets - np.uint64(base)) // np.uint64(range_bytes)
+
+    def _batch(self, dev: int, base: int, range_bytes: int, by_range: bool) -> IOBatch:
         g = self.geometry
         gbb, n = g.group_block_bytes, len(self.arrays)
         r = np.arange(g.ranges, dtype=np.uint64)[:, None]
         k = np.arange(n, dtype=np.uint64)[None, :]
         addrs = (self.addresses()[None, :] + r * np.uint64(gbb)).reshape(-1)
         offs = (np.uint64(base) + r * np.uint64(range_bytes) + k * np.uint64(gbb)).reshape(-1)
-        return coalesce(addrs, dev, offs, gbb)
+        ranges = np.broadcast_to(r, (g.ranges, n)).reshape(-1)
+        return coalesce(addrs, dev, offs, gbb, ranges if by_range else None)
 
     def checksums(self, seed: int) -> np.ndarray:
         """Per-range checksums of the run these blocks make (no padding)."""
@@ -115,15 +126,19 @@ class BlockList:
                          for r in range(self.geometry.ranges)], dtype=np.uint64)
 
 
-def coalesce(addrs: np.ndarray, devs, offsets: np.ndarray, lens) -> IOBatch:
+def coalesce(addrs: np.ndarray, devs, offsets: np.ndarray, lens,
+             groups: np.ndarray | None = None) -> IOBatch:
     """An IOBatch of the pieces, with runs of pieces that follow each other
-    both in memory and on one device merged into one I/O."""
+    both in memory and on one device (and share their ``groups`` entry, when
+    given) merged into one I/O."""
     b = IOBatch(addrs, devs, offsets, lens)
     if len(b) <= 1:
         return b
     ends = b.addrs[:-1] + b.lens[:-1]
     joins = (b.addrs[1:] == ends) & (b.offsets[1:] == b.offsets[:-1] + b.lens[:-1]) & \
         (b.devs[1:] == b.devs[:-1])
+    if groups is not None:
+        joins &= groups[1:] == groups[:-1]
     starts = np.concatenate(([0], np.nonzero(~joins)[0] + 1))
     return IOBatch(b.addrs[starts], b.devs[starts], b.offsets[starts],
                    np.add.reduceat(b.lens, starts))

@@ -50,7 +50,7 @@ from kvblock.errors import (
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import journal as jfmt
 from kvblock.format import superblock as sbfmt
-from kvblock.format.checksum import data_checksum
+from kvblock.format.checksum import data_checksum, data_seed
 from kvblock.index import KeyIndex, Run, normalize_keys
 from kvblock.io import IOBatch, open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
@@ -86,6 +86,11 @@ def _span(blocks, start: int, stop: int):
 def _one(blocks, k: int) -> np.ndarray:
     """Block k as (layers, groups, bytes)."""
     return blocks.block(k) if isinstance(blocks, BlockList) else blocks[:, :, k]
+
+
+def _seed(run) -> np.uint64:
+    """A run's checksum seed as read_hashed takes it (data_checksum's)."""
+    return np.uint64(data_seed(run.run_id))
 
 
 def _range_checksums(ranges: np.ndarray, run_id: int) -> np.ndarray:
@@ -932,13 +937,14 @@ class KVStore:
         dev, base = self.regions.address(run.region, run.offset)
         offsets = np.array(idx, dtype=np.uint64) * np.uint64(lay.range_bytes) + np.uint64(base)
         addrs = np.arange(len(idx), dtype=np.uint64) * np.uint64(span) + np.uint64(buf.address)
-        self.io.read(IOBatch(addrs, dev, offsets, span))
-        view = buf.array[:span * len(idx)].reshape(len(idx), span)
+        batch = IOBatch(addrs, dev, offsets, span)
         if verify:
-            for j, r in enumerate(idx):
-                if data_checksum(view[j], run.run_id) != int(run.checksums[r]):
-                    self._checksum_failure(run, r)
-                    return False
+            sums = self.io.read_hashed(batch, np.arange(len(idx)), np.full(len(idx), _seed(run)))
+            if not self._verified(run, sums, np.asarray(run.checksums, np.uint64)[idx], idx):
+                return False
+        else:
+            self.io.read(batch)
+        view = buf.array[:span * len(idx)].reshape(len(idx), span)
         gbb = g.group_block_bytes
         if isinstance(dst, BlockList):
             dst.scatter_from(view, pos)
@@ -952,13 +958,15 @@ class KVStore:
         """A whole, unpadded run into an aligned, contiguous destination: the
         destination already is the on-device image, so read straight into it."""
         dev, base = self.regions.address(run.region, run.offset)
-        self.io.read(IOBatch.single(dst.ctypes.data, dev, base, lay.run_bytes))
-        if verify:
-            view = dst.reshape(self.geometry.ranges, lay.range_bytes)
-            for r in range(self.geometry.ranges):
-                if data_checksum(view[r], run.run_id) != int(run.checksums[r]):
-                    self._checksum_failure(run, r)
-                    return False
+        if verify:   # one I/O per range, each range its own checksum stream
+            nr, rb = self.geometry.ranges, lay.range_bytes
+            at = np.arange(nr, dtype=np.uint64) * np.uint64(rb)
+            batch = IOBatch(at + np.uint64(dst.ctypes.data), dev, at + np.uint64(base), rb)
+            sums = self.io.read_hashed(batch, np.arange(nr), np.full(nr, _seed(run)))
+            if not self._verified(run, sums, np.asarray(run.checksums, np.uint64)):
+                return False
+        else:
+            self.io.read(IOBatch.single(dst.ctypes.data, dev, base, lay.run_bytes))
         self.counters["bytes_read"] += lay.run_bytes
         return True
 
@@ -967,14 +975,24 @@ class KVStore:
         """A whole, unpadded run into aligned blocks in separate buffers: one
         I/O per (range, block) piece, merged where pieces touch."""
         dev, base = self.regions.address(run.region, run.offset)
-        self.io.read(dst.batch(dev, base, lay.range_bytes))
         if verify:
-            sums = dst.checksums(run.run_id)
-            bad = np.nonzero(sums != np.asarray(run.checksums, dtype=np.uint64))[0]
-            if bad.size:
-                self._checksum_failure(run, int(bad[0]))
+            batch, streams = dst.read_batch(dev, base, lay.range_bytes)
+            sums = self.io.read_hashed(batch, streams,
+                                       np.full(self.geometry.ranges, _seed(run)))
+            if not self._verified(run, sums, np.asarray(run.checksums, np.uint64)):
                 return False
+        else:
+            self.io.read(dst.batch(dev, base, lay.range_bytes))
         self.counters["bytes_read"] += lay.run_bytes
+        return True
+
+    def _verified(self, run: Run, sums: np.ndarray, want: np.ndarray, idx=None) -> bool:
+        """Compare a read's checksums with the run's; on a mismatch record the
+        failure (the first bad range) and say False."""
+        bad = np.nonzero(sums != want)[0]
+        if bad.size:
+            self._checksum_failure(run, int(bad[0]) if idx is None else idx[int(bad[0])])
+            return False
         return True
 
     def _checksum_failure(self, run: Run, range_index: int) -> None:

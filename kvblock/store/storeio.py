@@ -20,6 +20,10 @@ class StoreIO:
     def read(self, batch: IOBatch) -> None:
         self.engine.read(batch)
 
+    def read_hashed(self, batch: IOBatch, streams, seeds):
+        """Read, and return each stream's data checksum (IOEngine.read_hashed)."""
+        return self.engine.read_hashed(batch, streams, seeds)
+
     def write(self, batch: IOBatch) -> None:
         self.engine.write(batch)
 

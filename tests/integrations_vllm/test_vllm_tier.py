@@ -222,6 +222,7 @@ def test_zero_copy_paths_for_scattered_slots(make_tier, monkeypatch):
     seen, batches = [], []
     put, get = tier.store.put_blocks, tier.store.get_blocks
     read, write = tier.store.io.read, tier.store.io.write
+    hashed = tier.store.io.read_hashed
 
     def spy(kind, fn):
         def call(keys, blocks):
@@ -232,6 +233,8 @@ def test_zero_copy_paths_for_scattered_slots(make_tier, monkeypatch):
     monkeypatch.setattr(tier.store, "put_blocks", spy("put", put))
     monkeypatch.setattr(tier.store, "get_blocks", spy("get", get))
     monkeypatch.setattr(tier.store.io, "read", lambda b: (batches.append(b), read(b))[1])
+    monkeypatch.setattr(tier.store.io, "read_hashed",
+                        lambda b, s, d: (batches.append(b), hashed(b, s, d))[1])
     monkeypatch.setattr(tier.store.io, "write", lambda b: (batches.append(b), write(b))[1])
     fill_random(pool, range(NUM_SLOTS))
     expected = pool[[7, 2, 5]].clone()

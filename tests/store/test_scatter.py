@@ -41,8 +41,9 @@ def _blocks(data: np.ndarray, geom: Geometry, aligned: bool = True) -> list[np.n
 def _watch(store):
     """Record every (read|write, batch) the store issues."""
     seen = []
-    read, write = store.io.read, store.io.write
+    read, write, hashed = store.io.read, store.io.write, store.io.read_hashed
     store.io.read = lambda b: (seen.append(("read", b)), read(b))[1]
+    store.io.read_hashed = lambda b, s, d: (seen.append(("read", b)), hashed(b, s, d))[1]
     store.io.write = lambda b: (seen.append(("write", b)), write(b))[1]
     return seen
 

@@ -91,6 +91,10 @@ class CrashingIO(StoreIO):
         self._dead()
         super().read(batch)
 
+    def read_hashed(self, batch, streams, seeds):
+        self._dead()
+        return super().read_hashed(batch, streams, seeds)
+
     def write(self, batch):
         dying = self._tick()
         self._save_undo(batch)

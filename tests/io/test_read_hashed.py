@@ -1,0 +1,173 @@
+"""read_hashed: a read that returns each stream's data checksum, computed in C
+as the pieces land.  The digests must equal format.checksum.data_checksum of
+the bytes read, for every engine, batch shape and staging path; bad stream
+numbering and failed reads raise typed errors."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvblock.devices import Device
+from kvblock.errors import ConfigError, IOFailedError
+from kvblock.format.checksum import data_checksum
+from kvblock.io import ENGINES, IOBatch, engine as engine_mod, native, open_engine
+from kvblock.io.uring import probe
+from kvblock.memory import HostBuffer
+
+MIB = 1 << 20
+BLOCK = 4096
+
+
+@pytest.fixture(params=ENGINES)
+def engine_name(request):
+    if request.param == "uring" and not probe()[0]:
+        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
+    return request.param
+
+
+def _fill(path, data: np.ndarray) -> None:
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+
+
+def _expected(data, offsets, lens, streams, seeds):
+    """data_checksum of each stream's bytes, gathered in batch order."""
+    out = []
+    for s, seed in enumerate(seeds):
+        parts = [data[o:o + n] for o, n, t in zip(offsets, lens, streams) if t == s]
+        out.append(data_checksum(np.concatenate(parts), seed))
+    return out
+
+
+def test_digests_equal_data_checksum_across_pieces_and_streams(engine_name, target):
+    """Streams longer than a hash piece, shorter than a block-aligned piece,
+    several I/Os per stream, reads in an order unlike the device's."""
+    path = target(32 * MIB)
+    data = np.random.default_rng(7).integers(0, 256, 32 * MIB, dtype=np.uint8)
+    _fill(path, data)
+    lens = [3 * MIB + 8 * BLOCK, BLOCK, 2 * BLOCK, 5 * MIB, 7 * BLOCK, MIB]
+    offsets = [20 * MIB, 0, 9 * MIB, 4 * MIB, 31 * MIB, 12 * MIB]
+    streams = [0, 1, 1, 2, 2, 3]
+    seeds = [1, 2**64 - 1, 0, 12345678901234567]
+    with Device(path) as dev, open_engine([dev], engine_name, queue_depth=8) as eng, \
+            HostBuffer(sum(lens)) as buf:
+        addrs = np.cumsum([0] + lens[:-1]).astype(np.uint64) + np.uint64(buf.address)
+        got = eng.read_hashed(IOBatch(addrs, 0, offsets, lens), streams, seeds)
+        assert got.dtype == np.uint64
+        assert [int(x) for x in got] == _expected(data, offsets, lens, streams, seeds)
+        at = 0
+        for o, n in zip(offsets, lens):    # and the bytes are where the batch put them
+            assert np.array_equal(buf.array[at:at + n], data[o:o + n])
+            at += n
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(1, 200), st.booleans()), min_size=1, max_size=12),
+       st.integers(0, 2**64 - 1))
+def test_any_stream_layout_hashes_like_xxhash(file_target, pieces, seed):
+    """Random piece lengths (in blocks), each piece continuing its stream or
+    starting the next one."""
+    path = file_target(8 * MIB, name="hashed.img")
+    data = np.random.default_rng(seed % 1000).integers(0, 256, 8 * MIB, dtype=np.uint8)
+    _fill(path, data)
+    lens = [n * BLOCK for n, _ in pieces]
+    streams, s = [], 0
+    for k, (_, new) in enumerate(pieces):
+        s += 1 if (new and k) else 0
+        streams.append(s)
+    seeds = [(seed + i) % 2**64 for i in range(s + 1)]
+    offsets = [(k * 997 * BLOCK) % (8 * MIB - n) // BLOCK * BLOCK for k, n in enumerate(lens)]
+    with Device(path, exclusive=False) as dev, open_engine([dev]) as eng, \
+            HostBuffer(sum(lens)) as buf:
+        addrs = np.cumsum([0] + lens[:-1]).astype(np.uint64) + np.uint64(buf.address)
+        got = eng.read_hashed(IOBatch(addrs, 0, offsets, lens), streams, seeds)
+    assert [int(x) for x in got] == _expected(data, offsets, lens, streams, seeds)
+
+
+def test_unaligned_host_buffer_is_staged_and_still_hashed(engine_name, file_target):
+    path = file_target(4 * MIB)
+    data = np.random.default_rng(9).integers(0, 256, 4 * MIB, dtype=np.uint8)
+    _fill(path, data)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(2 * MIB + BLOCK) as buf:
+        addr = buf.address + 512             # not block aligned: goes through staging
+        got = eng.read_hashed(IOBatch.single(addr, 0, MIB, MIB), [0], [99])
+        assert int(got[0]) == data_checksum(data[MIB:2 * MIB], 99)
+        assert np.array_equal(buf.array[512:512 + MIB], data[MIB:2 * MIB])
+
+
+def test_pieces_are_hashed_as_they_land_on_the_ring(monkeypatch, file_target):
+    """On io_uring the read is cut into HASH_PIECE pieces and the digests come
+    from the native hasher handed to the run (not from a pass afterwards)."""
+    if not probe()[0]:
+        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
+    path = file_target(8 * MIB)
+    data = np.random.default_rng(5).integers(0, 256, 8 * MIB, dtype=np.uint8)
+    _fill(path, data)
+    seen = []
+    monkeypatch.setattr(native, "hash_pieces", lambda *a: pytest.fail("hashed afterwards"))
+    with Device(path) as dev, open_engine([dev], "uring") as eng, HostBuffer(6 * MIB) as buf:
+        run = type(eng)._run
+
+        def spy(self, op, batch, qd, results, latency, hasher):
+            seen.append((len(batch), int(batch.lens.max()), hasher is not None))
+            return run(self, op, batch, qd, results, latency, hasher)
+
+        monkeypatch.setattr(type(eng), "_run", spy)
+        got = eng.read_hashed(IOBatch.single(buf.address, 0, MIB, 6 * MIB), [0], [4])
+    assert int(got[0]) == data_checksum(data[MIB:7 * MIB], 4)
+    assert seen == [(6 * MIB // engine_mod.HASH_PIECE, engine_mod.HASH_PIECE, True)]
+
+
+@pytest.mark.parametrize("n, streams, seeds, why", [
+    (2, [1, 1], [0, 0], "must count 0, 1"),
+    (2, [0, 2], [0, 0, 0], "must count 0, 1"),
+    (3, [0, 1, 0], [0, 0], "must count 0, 1"),
+    (2, [0, 0], [0, 0], "one seed each"),
+    (2, [0], [0], "1 stream indices for 2 I/Os"),
+])
+def test_bad_stream_numbering_is_a_config_error(file_target, n, streams, seeds, why):
+    with Device(file_target(MIB)) as dev, open_engine([dev]) as eng, HostBuffer(MIB) as buf:
+        at = np.arange(n, dtype=np.uint64) * np.uint64(BLOCK)
+        with pytest.raises(ConfigError, match=why):
+            eng.read_hashed(IOBatch(at + np.uint64(buf.address), 0, at, BLOCK), streams, seeds)
+
+
+def test_failed_read_raises_and_frees_the_hasher(engine_name, file_target):
+    """A piece past the end of the device fails the batch with the usual
+    typed error; the engine stays usable (the native hasher was finished)."""
+    path = file_target(2 * MIB)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(2 * MIB) as buf:
+        batch = IOBatch(np.array([0, MIB], np.uint64) + np.uint64(buf.address), 0,
+                        [0, 2 * MIB], MIB)
+        with pytest.raises(IOFailedError, match="ends past the device"):
+            eng.read_hashed(batch, [0, 1], [0, 0])
+        ok = eng.read_hashed(IOBatch.single(buf.address, 0, 0, MIB), [0], [0])
+        assert int(ok[0]) == data_checksum(np.zeros(MIB, np.uint8), 0)
+
+
+def test_native_hasher_rejects_bad_streams_and_reports_unfinished_pieces():
+    buf = np.arange(3 * BLOCK, dtype=np.uint64).view(np.uint8)[:3 * BLOCK].copy()
+    addrs = np.array([buf.ctypes.data + i * BLOCK for i in range(3)], np.uint64)
+    lens = np.full(3, BLOCK, np.uint64)
+    seeds = np.array([5, 6], np.uint64)
+    digests = np.zeros(2, np.uint64)
+    native.hash_pieces(addrs, lens, np.array([0, 0, 1], np.uint32), seeds, digests)
+    assert int(digests[0]) == data_checksum(buf[:2 * BLOCK], 5)
+    assert int(digests[1]) == data_checksum(buf[2 * BLOCK:], 6)
+    with pytest.raises(ValueError, match="Invalid argument"):
+        native.hash_pieces(addrs, lens, np.array([0, 2, 2], np.uint32), seeds, digests)
+    # a run that never completed piece 1: finish says so instead of a digest
+    results = np.zeros(3, np.int64)
+    h = native.Hasher(addrs, lens, np.array([0, 0, 1], np.uint32), seeds, results, digests)
+    assert (results == np.iinfo(np.int64).min).all()      # every piece pending
+    results[0] = BLOCK
+    assert h.finish() == -11                                # -EAGAIN
+    # pieces that came back short mark their stream failed (digest 0)
+    results = np.zeros(3, np.int64)
+    h = native.Hasher(addrs, lens, np.array([0, 0, 1], np.uint32), seeds, results, digests)
+    results[:] = [BLOCK, 100, BLOCK]
+    assert h.finish() == 1
+    assert int(digests[0]) == 0 and int(digests[1]) == data_checksum(buf[2 * BLOCK:], 6)
