@@ -23,7 +23,9 @@ restore, one writer for save).  So the device sees I/Os of the piece size,
 and fio runs with ``bs`` = that piece size and ``iodepth`` = readers x pieces
 in flight (one fio job, io_uring, direct=1).  fio keeps that many I/Os in
 flight all the time; kvblock drains between runs (checksums, commits), which
-is part of what is measured.
+is part of what is measured.  A restore with checksums verified reads in
+512 KiB pieces instead (``IOEngine.read_hashed`` hashes each as it lands,
+up to ``--qd`` in flight per reader); fio keeps the large pieces.
 
     .venv/bin/python perf/store_vs_fio.py                  # ~2.5 minutes, needs root
     .venv/bin/python perf/store_vs_fio.py --targets shm --rounds 3 --json
