@@ -6,7 +6,10 @@ them (TransferJobs over a page-aligned CPU primary pool seen through a
 memoryview, results polled with get_finished_jobs), one after the other, on
 the same filesystem:
 
-- kvblock: ``KVBlockTierManager`` on a pre-sized store file;
+- kvblock: ``KVBlockTierManager`` on a pre-sized store file in the same
+  directory (``--kvblock-target file``, the default: kvblock's embedded
+  target), or on a loop device (direct I/O on) over such a file
+  (``--kvblock-target loop``; needs root);
 - fs: ``FileSystemTierManager`` (one file per slot, O_DIRECT when the
   filesystem takes it) with its default 16 read + 16 write threads.
 
@@ -17,7 +20,7 @@ at once, then drained), drops the page cache (``echo 3 >
 /proc/sys/vm/drop_caches``; root), loads every slot back, checks the bytes
 and prints the median store and load GiB/s and the kvblock/fs ratios.
 
-    /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py                  # ~1.5 minutes
+    /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py                  # ~1.5 minutes, root
     /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py --gib 4 --slots 256K,2M,8M
     /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py --pattern scattered --json
 
@@ -25,6 +28,10 @@ and prints the median store and load GiB/s and the kvblock/fs ratios.
 vLLM's primary pool hands out fresh slots: kvblock's zero-copy path);
 ``scattered`` gives a fragmented pool (kvblock reads and writes each slot
 where it is: put_blocks/get_blocks).  Everything it creates is removed at the end.
+
+On /dev/shm the two targets differ: io_uring hands reads of a tmpfs file to
+its kernel workers, which copy on both cores, while a loop device copies in
+one worker of the loop driver.
 
 Note: vLLM's fs tier has a C extension (vllm.fs_io_C) that the CUDA wheel
 links against CUDA libraries; where it cannot load (a CPU-only machine) the fs
@@ -34,6 +41,7 @@ tier runs its pure-Python I/O path, and the table says which one ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import mmap
 import os
@@ -61,6 +69,9 @@ from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
 import kvblock
 from kvblock.cli.units import parse_size
 from kvblock.integrations.vllm import DEFAULT_THREADS, KVBlockTierManager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # fio_support
+import fio_support as fs  # noqa: E402
 
 GIB = 1 << 30
 PAGE = mmap.PAGESIZE
@@ -143,28 +154,24 @@ def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tens
     base = Path(where) / f"kvblock-vllm-bench-{os.getpid()}"
     base.mkdir(parents=True, exist_ok=True)
     view = memoryview(pool.numpy())
-    evicted = 0
     try:
+        target = contextlib.nullcontext(None)
         if kind == "kvblock":
-            img = base / "kv.img"
             # room for every slot: runs are at most 1/8 region, so at most 1/8 is lost
-            kvblock.create_file(img, total_bytes + total_bytes // 4 + (128 << 20))
-            tier = KVBlockTierManager(make_spec(), view, "kvblock", devices=[str(img)],
-                                      threads=args.threads, max_run_bytes=args.max_run_bytes,
-                                      verify=args.verify)
-        else:
-            tier = FileSystemTierManager(make_spec(), view, "fs", root_dir=str(base / "fs"))
-        try:
-            setup_s = time.perf_counter() - t0
-            store_s = run_jobs(tier, jobs, False, 1)
+            size = total_bytes + total_bytes // 4 + (128 << 20)
+            if args.kvblock_target == "loop":
+                target = fs.loop_target(base, size, fill=False)
+            else:
+                target = contextlib.nullcontext(str(kvblock.create_file(base / "kv.img", size)))
+        with target as dev:
             if kind == "kvblock":
-                evicted = tier.stats()["evicted_blocks"]
-            pool.zero_()
-            dropped = drop_caches()
-            load_s = run_jobs(tier, jobs, True, 1_000_000)
-            ok = torch.equal(pool, expected)
-        finally:
-            tier.shutdown()
+                tier = KVBlockTierManager(make_spec(), view, "kvblock", devices=[dev],
+                                          threads=args.threads,
+                                          max_run_bytes=args.max_run_bytes, verify=args.verify)
+            else:
+                tier = FileSystemTierManager(make_spec(), view, "fs", root_dir=str(base / "fs"))
+            store_s, load_s, evicted, dropped, ok = _store_and_load(kind, tier, pool, expected,
+                                                                    jobs)
     finally:
         view.release()
         shutil.rmtree(base, ignore_errors=True)
@@ -174,7 +181,24 @@ def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tens
         raise SystemExit(f"{kind} at {where}, slot {slot}: loaded bytes differ from stored")
     return {"tier": kind, "store_gibps": total_bytes / GIB / store_s,
             "load_gibps": total_bytes / GIB / load_s, "store_s": store_s, "load_s": load_s,
-            "setup_s": setup_s, "total_s": time.perf_counter() - t0, "dropped_caches": dropped}
+            "total_s": time.perf_counter() - t0, "dropped_caches": dropped}
+
+
+def _store_and_load(kind, tier, pool, expected, jobs):
+    """Store every slot, drop the page cache, load them back: (store s, load s,
+    blocks kvblock evicted, page cache dropped?, bytes identical?)."""
+    evicted = 0
+    try:
+        store_s = run_jobs(tier, jobs, False, 1)
+        if kind == "kvblock":
+            evicted = tier.stats()["evicted_blocks"]
+        pool.zero_()
+        dropped = drop_caches()
+        load_s = run_jobs(tier, jobs, True, 1_000_000)
+        ok = torch.equal(pool, expected)
+    finally:
+        tier.shutdown()
+    return store_s, load_s, evicted, dropped, ok
 
 
 def fmt_size(n: int) -> str:
@@ -193,12 +217,18 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                     help="kvblock tier worker threads (default: the tier's)")
     ap.add_argument("--max-run-bytes", default="16M", help="kvblock tier max_run_bytes")
+    ap.add_argument("--kvblock-target", choices=("file", "loop"), default="file",
+                    help="kvblock's store: a file in the location (default) or a loop "
+                         "device over one (root)")
     ap.add_argument("--verify", choices=("always", "never"), default="always",
                     help="kvblock tier verify (the fs tier checks nothing)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds per case (order alternates); medians are printed")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.kvblock_target == "loop" and os.geteuid() != 0:
+        ap.error("--kvblock-target loop needs root (losetup); run as root or pass "
+                 "--kvblock-target file")
     slots = [parse_size(s) for s in args.slots.split(",")]
     locations = [s.strip() for s in args.locations.split(",")]
     total = int(args.gib * GIB)
@@ -231,13 +261,13 @@ def main(argv=None) -> int:
     fs_impl = "C (fs_io_C)" if fs_io._HAS_FSIO_C else "pure Python (fs_io_C unavailable)"
     if args.json:
         print(json.dumps({"rows": rows, "fs_io": fs_impl, "pattern": args.pattern,
-                          "verify": args.verify,
+                          "verify": args.verify, "kvblock_target": args.kvblock_target,
                           "job_slots": args.job_slots, "threads": args.threads}, indent=2))
         return 0
     print(f"{args.gib:g} GiB per case, median of {args.rounds} rounds, "
           f"jobs of {args.job_slots} slots ({args.pattern}), "
-          f"kvblock threads={args.threads} max_run_bytes={args.max_run_bytes} "
-          f"verify={args.verify}, "
+          f"kvblock on a {args.kvblock_target} threads={args.threads} "
+          f"max_run_bytes={args.max_run_bytes} verify={args.verify}, "
           f"fs tier: 16+16 threads, I/O {fs_impl}")
     if not all(r["dropped_caches"] for r in rows):
         print("warning: could not drop the page cache (not root?): loads may hit memory")
