@@ -21,9 +21,10 @@ from kvblock.memory.aligned import HostBuffer
 
 OP_READ, OP_WRITE = 0, 1
 # read_hashed cuts reads into pieces this long and hashes each as it lands.
-# Of 256 KiB..2 MiB, 512 KiB loaded fastest (vLLM tier, 2 MiB slots, /dev/shm
-# loop device, 2-core VM): 4.65 GiB/s on 1 thread and 7.36 on 8, against 3.41
-# and 6.38 hashing after 8 MiB reads, and 4.33 / 7.09 not hashing at all.
+# perf/verified_reads.py --target loop --pieces 256K,512K,1M,2M (2 MiB vLLM
+# slots, /dev/shm loop device, 2-core VM): 256 KiB to 2 MiB within noise of
+# each other (1 thread 3.06-3.42 GiB/s, 8 threads 5.75-6.15), all above
+# hashing after the read (2.79 / 5.77); 512 KiB was best with 8 threads.
 HASH_PIECE = 512 << 10
 _OP_NAME = {OP_READ: "read", OP_WRITE: "write"}
 

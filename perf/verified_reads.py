@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""What verifying checksums costs a load, and what hashing as reads land buys.
+
+Stores ``--gib`` GiB of ``--slot`` slots through kvblock's vLLM tier (the
+way perf/vllm_tier_vs_fs.py drives it), then loads them back ``--rounds``
+times in each of three modes, alternating the modes within every round:
+
+- ``as-they-land``: checksums verified, the engine reads in 512 KiB pieces
+  and the C core hashes each piece once it and those before it have arrived
+  (``IOEngine.read_hashed``, the default);
+- ``after-read``: checksums verified, the whole read first, then the hash
+  (how kvblock verified before; the engine's ``hashes_as_reads_land`` off);
+- ``unverified``: ``verify="never"``.
+
+The page cache is dropped before every load and every load's bytes are
+compared with what was stored.  Prints the median GiB/s of each mode.
+
+    /tmp/venvtest/bin/python perf/verified_reads.py --target loop --threads 1
+    /tmp/venvtest/bin/python perf/verified_reads.py --where /var/tmp --threads 8
+    /tmp/venvtest/bin/python perf/verified_reads.py --target loop --pieces 256K,512K,1M,2M
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fio_support as fs  # noqa: E402
+import vllm_tier_vs_fs as vt  # noqa: E402
+
+import kvblock  # noqa: E402
+from kvblock.cli.units import parse_size  # noqa: E402
+from kvblock.integrations.vllm import KVBlockTierManager  # noqa: E402
+from kvblock.io import engine as engine_mod  # noqa: E402
+
+GIB = 1 << 30
+
+
+def modes(pieces: list[int]) -> dict:
+    """mode name -> (verify, hash as reads land, hash piece bytes)."""
+    out = {}
+    for p in pieces:
+        name = "as-they-land" + (f" {p >> 10}K" if len(pieces) > 1 else "")
+        out[name] = ("always", True, p)
+    out["after-read"] = ("always", False, engine_mod.HASH_PIECE)
+    out["unverified"] = ("never", True, engine_mod.HASH_PIECE)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--where", default="/dev/shm", help="directory of the store file")
+    ap.add_argument("--target", choices=("file", "loop"), default="file",
+                    help="the store file itself, or a loop device over it (root)")
+    ap.add_argument("--slot", default="2M", help="slot size")
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=8, help="tier worker threads")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--pieces", default=f"{engine_mod.HASH_PIECE >> 10}K",
+                    help="hash piece sizes to try for as-they-land, comma separated")
+    args = ap.parse_args(argv)
+    mode_table = modes([parse_size(p) for p in args.pieces.split(",")])
+    if args.target == "loop" and os.geteuid() != 0:
+        ap.error("--target loop needs root (losetup)")
+    slot, total = parse_size(args.slot), int(args.gib * GIB)
+    pool_slots, n = max(1, min((256 << 20) // slot, total // slot)), total // slot
+    pool = vt.page_aligned_pool(pool_slots, slot)
+    expected = pool.clone()
+    jobs = vt.plan_jobs(n, pool_slots, 32, "adjacent", seed=slot)
+    base = Path(args.where) / f"kvblock-verified-reads-{os.getpid()}"
+    base.mkdir(parents=True, exist_ok=True)
+    size = n * slot + n * slot // 4 + (128 << 20)
+    view = memoryview(pool.numpy())
+    samples = {m: [] for m in mode_table}
+    try:
+        target = (fs.loop_target(base, size, fill=False) if args.target == "loop"
+                  else contextlib.nullcontext(str(kvblock.create_file(base / "kv.img", size))))
+        with target as dev:
+            tier = KVBlockTierManager(vt.make_spec(), view, "kvblock", devices=[dev],
+                                      threads=args.threads)
+            try:
+                vt.run_jobs(tier, jobs, False, 1)
+                engine = tier.store.io.engine
+                job_id = 1_000_000
+                for _ in range(args.rounds):
+                    for mode, (verify, as_they_land, piece) in mode_table.items():
+                        tier.store.verify = verify
+                        engine.hashes_as_reads_land = as_they_land
+                        engine_mod.HASH_PIECE = piece
+                        pool.zero_()
+                        vt.drop_caches()
+                        elapsed = vt.run_jobs(tier, jobs, True, job_id)
+                        job_id += len(jobs)
+                        if not torch.equal(pool, expected):
+                            raise SystemExit(f"{mode}: loaded bytes differ from stored")
+                        samples[mode].append(n * slot / GIB / elapsed)
+                engine_name = engine.name
+            finally:
+                tier.shutdown()
+    finally:
+        view.release()
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"{args.gib:g} GiB of {args.slot} slots on a {args.target} in {args.where}, "
+          f"{args.threads} tier threads, engine {engine_name}, median of {args.rounds} "
+          "alternating rounds (GiB/s)")
+    for mode, xs in samples.items():
+        print(f"  {mode:<18} {statistics.median(xs):6.2f}   "
+              f"[{', '.join(f'{x:.2f}' for x in xs)}]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
