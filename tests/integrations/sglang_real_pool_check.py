@@ -47,10 +47,17 @@ with warnings.catch_warnings():
     from sglang.srt.mem_cache.device_pool_info import (
         KVBufferLayout,
         KVBuffers,
+        MambaStateBufferInfo,
         MHABufferInfo,
         MLABufferInfo,
     )
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.hicache_storage import (
+        HiCacheStorageConfig,
+        PoolHitPolicy,
+        PoolName,
+        PoolTransfer,
+    )
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
     from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -187,6 +194,88 @@ def run_case(mla: bool, layout: str, tmp: str, results: dict) -> None:
     results[name] = {"pages": n, "flat_pages": 3, "kv_buffer": list(want)}
 
 
+MAMBA_SLOTS = 6
+
+
+def real_mamba_pool(seed: int):
+    """SGLang's Mamba state host pool (a hybrid model's extra pool), on the
+    CPU, its state slots filled with random bytes through its own flat pages."""
+    cpu_layers = 2
+    info = MambaStateBufferInfo(
+        temporal=torch.zeros(cpu_layers, MAMBA_SLOTS, 4, 8, dtype=torch.float32),
+        conv=(torch.zeros(cpu_layers, MAMBA_SLOTS, 3, 16, dtype=DTYPE),))
+    pool = MambaPoolHost(info, 2.0, 0, device_capacity=MAMBA_SLOTS, pin_memory=False,
+                         device="cpu", layout="page_first")
+    g = torch.Generator().manual_seed(seed)
+    like = pool.get_dummy_flat_data_page()
+    for slot in range(pool.size):
+        pool.set_from_flat_data_page(slot, torch.randint(0, 256, like.shape, dtype=torch.uint8,
+                                                         generator=g).view(like.dtype))
+    return pool
+
+
+def run_hybrid_case(tmp: str, results: dict) -> None:
+    """The *_v2 calls of SGLang's hybrid controller with SGLang's own pools:
+    the KV pool (MHA, page_first) and a MambaPoolHost registered beside it;
+    state kept for the trailing pages only, as a Mamba model does."""
+    pool = real_pool(False, "page_first")
+    mamba = real_mamba_pool(3)
+    check(mamba.page_size == 1, f"MambaPoolHost page_size {mamba.page_size}")
+    path = f"{tmp}/hybrid.img"
+    create_file(path, 64 << 20)
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+        model_name="org/hybrid", extra_config={
+            "backend_name": "kvblock", "module_path": "kvblock.integrations.sglang",
+            "class_name": "KVBlockHiCacheStorage", "interface_v1": 1, "devices": [path]})
+    backend = StorageBackendFactory.create_backend("dynamic", config, pool)
+    backend.register_mem_pool_host(pool)                       # the anchor pool
+    backend.register_mem_host_pool_v2(pool, PoolName.KV)      # the host pool group entries
+    backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    backend.on_host_pools_registered()
+    fill(pool, 4)
+    n = 5
+    keys = [f"hybrid-page-{i:02d}" for i in range(n)]
+    kv_idx = pool.alloc(n * PAGE)
+    want_kv = pages_of(pool, kv_idx)
+    slots = torch.tensor([1, 4])
+    want_state = [mamba.get_data_page(int(i), flat=True).clone() for i in slots]
+    res = backend.batch_set_v2([
+        PoolTransfer(name=PoolName.KV, keys=keys, host_indices=kv_idx),
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[3:], host_indices=slots)])
+    check(res == {"kv": [True] * n, "mamba": [True, True]}, f"hybrid: batch_set_v2 {res}")
+    hit = backend.batch_exists_v2(keys, [PoolTransfer(
+        name=PoolName.MAMBA, keys=keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    check(hit.kv_hit_pages == n and hit.restorable_prefix_pages == [n],
+          f"hybrid: batch_exists_v2 {hit}")
+    hit = backend.batch_exists_v2(keys, [PoolTransfer(
+        name=PoolName.MAMBA, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)])
+    check(hit.kv_hit_pages == 0, f"hybrid: page 0 has no state, yet {hit}")
+
+    fresh = real_mamba_pool(5)                 # another process's pools, other contents
+    check(not any(fresh.get_data_page(i, flat=True).equal(w)
+                  for i, w in zip((0, 5), want_state)), "hybrid: fresh pool already holds it")
+    backend.register_mem_host_pool_v2(fresh, PoolName.MAMBA)
+    pool.kv_buffer.zero_()
+    dst_idx = pool.alloc(n * PAGE)
+    out = backend.batch_get_v2([
+        PoolTransfer(name=PoolName.KV, keys=keys, host_indices=dst_idx),
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[3:], host_indices=torch.tensor([0, 5]))])
+    check(out == {"kv": [True] * n, "mamba": [True, True]}, f"hybrid: batch_get_v2 {out}")
+    check(all(a.equal(b) for a, b in zip(want_kv, pages_of(pool, dst_idx))),
+          "hybrid: KV bytes differ")
+    got_state = [fresh.get_data_page(i, flat=True) for i in (0, 5)]
+    check(all(a.equal(b) for a, b in zip(want_state, got_state)), "hybrid: Mamba state differs")
+    out = backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[:1],
+                                             host_indices=torch.tensor([2]))])
+    check(out == {"mamba": [False]}, f"hybrid: a state never stored loaded: {out}")
+    backend.close()
+    results["hybrid-mamba"] = {"pages": n, "state_pages": 2,
+                               "state_page_bytes": int(want_state[0].numel()
+                                                       * want_state[0].element_size())}
+
+
 def _canonical(flat_u8, mla, layout):
     """A flat page (get_data_page order) as (layers, kv, tokens, heads*dim) bytes."""
     x = flat_u8.view(DTYPE)
@@ -208,6 +297,7 @@ def main() -> int:
     for mla in (False, True):
         for layout in ("page_first", "page_first_direct"):
             run_case(mla, layout, tmp, results)
+    run_hybrid_case(tmp, results)
     print(json.dumps({"ok": True, "cases": results}))
     return 0
 
