@@ -216,10 +216,13 @@ def real_mamba_pool(seed: int):
 
 def run_hybrid_case(tmp: str, results: dict) -> None:
     """The *_v2 calls of SGLang's hybrid controller with SGLang's own pools:
-    the KV pool (MHA, page_first) and a MambaPoolHost registered beside it;
-    state kept for the trailing pages only, as a Mamba model does."""
+    the KV pool (MHA, page_first), a MambaPoolHost and a sliding-window KV
+    pool (an MHA host pool of PAGE-token pages, as SGLang's assembler builds
+    for SWA layers) registered beside it; state and window KV kept for the
+    trailing pages only, as such models do."""
     pool = real_pool(False, "page_first")
     mamba = real_mamba_pool(3)
+    swa = real_pool(False, "page_first")
     check(mamba.page_size == 1, f"MambaPoolHost page_size {mamba.page_size}")
     path = f"{tmp}/hybrid.img"
     create_file(path, 64 << 20)
@@ -233,20 +236,27 @@ def run_hybrid_case(tmp: str, results: dict) -> None:
     backend.register_mem_pool_host(pool)                       # the anchor pool
     backend.register_mem_host_pool_v2(pool, PoolName.KV)      # the host pool group entries
     backend.register_mem_host_pool_v2(mamba, PoolName.MAMBA)
+    backend.register_mem_host_pool_v2(swa, PoolName.SWA)
     backend.on_host_pools_registered()
     fill(pool, 4)
+    fill(swa, 6)
     n = 5
     keys = [f"hybrid-page-{i:02d}" for i in range(n)]
     kv_idx = pool.alloc(n * PAGE)
     want_kv = pages_of(pool, kv_idx)
     slots = torch.tensor([1, 4])
     want_state = [mamba.get_data_page(int(i), flat=True).clone() for i in slots]
+    swa_idx = swa.alloc(2 * PAGE)
+    want_swa = pages_of(swa, swa_idx)
     res = backend.batch_set_v2([
         PoolTransfer(name=PoolName.KV, keys=keys, host_indices=kv_idx),
-        PoolTransfer(name=PoolName.MAMBA, keys=keys[3:], host_indices=slots)])
-    check(res == {"kv": [True] * n, "mamba": [True, True]}, f"hybrid: batch_set_v2 {res}")
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[3:], host_indices=slots),
+        PoolTransfer(name=PoolName.SWA, keys=keys[3:], host_indices=swa_idx)])
+    check(res == {"kv": [True] * n, "mamba": [True, True], "swa": [True, True]},
+          f"hybrid: batch_set_v2 {res}")
     hit = backend.batch_exists_v2(keys, [PoolTransfer(
-        name=PoolName.MAMBA, keys=keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+        name=PoolName.MAMBA, keys=keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES),
+        PoolTransfer(name=PoolName.SWA, keys=keys[3:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
     check(hit.kv_hit_pages == n and hit.restorable_prefix_pages == [n],
           f"hybrid: batch_exists_v2 {hit}")
     hit = backend.batch_exists_v2(keys, [PoolTransfer(
@@ -258,20 +268,26 @@ def run_hybrid_case(tmp: str, results: dict) -> None:
                   for i, w in zip((0, 5), want_state)), "hybrid: fresh pool already holds it")
     backend.register_mem_host_pool_v2(fresh, PoolName.MAMBA)
     pool.kv_buffer.zero_()
+    swa.kv_buffer.zero_()
     dst_idx = pool.alloc(n * PAGE)
+    swa_dst = swa.alloc(2 * PAGE)
     out = backend.batch_get_v2([
         PoolTransfer(name=PoolName.KV, keys=keys, host_indices=dst_idx),
-        PoolTransfer(name=PoolName.MAMBA, keys=keys[3:], host_indices=torch.tensor([0, 5]))])
-    check(out == {"kv": [True] * n, "mamba": [True, True]}, f"hybrid: batch_get_v2 {out}")
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[3:], host_indices=torch.tensor([0, 5])),
+        PoolTransfer(name=PoolName.SWA, keys=keys[3:], host_indices=swa_dst)])
+    check(out == {"kv": [True] * n, "mamba": [True, True], "swa": [True, True]},
+          f"hybrid: batch_get_v2 {out}")
     check(all(a.equal(b) for a, b in zip(want_kv, pages_of(pool, dst_idx))),
           "hybrid: KV bytes differ")
+    check(all(a.equal(b) for a, b in zip(want_swa, pages_of(swa, swa_dst))),
+          "hybrid: sliding-window KV bytes differ")
     got_state = [fresh.get_data_page(i, flat=True) for i in (0, 5)]
     check(all(a.equal(b) for a, b in zip(want_state, got_state)), "hybrid: Mamba state differs")
     out = backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[:1],
                                              host_indices=torch.tensor([2]))])
     check(out == {"mamba": [False]}, f"hybrid: a state never stored loaded: {out}")
     backend.close()
-    results["hybrid-mamba"] = {"pages": n, "state_pages": 2,
+    results["hybrid"] = {"pages": n, "state_pages": 2, "swa_pages": 2,
                                "state_page_bytes": int(want_state[0].numel()
                                                        * want_state[0].element_size())}
 

@@ -306,15 +306,15 @@ def test_real_host_pools(tmp_path):
     """SGLang's own MHA/MLA host pools (page_first and page_first_direct): shapes
     as assumed here, v1 and flat-page round trips, a store read back through a
     pool of the other layout, get_stats(); and the hybrid *_v2 calls over an
-    MHA pool with SGLang's MambaPoolHost beside it (child process: see its
-    docstring)."""
+    MHA pool with SGLang's MambaPoolHost and a sliding-window KV pool beside
+    it (child process: see its docstring)."""
     res = subprocess.run([sys.executable, "-m", "tests.integrations.sglang_real_pool_check",
                           str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=240,
                          check=False)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["ok"] and len(summary["cases"]) == 5
-    assert summary["cases"]["hybrid-mamba"]["state_pages"] == 2
+    assert summary["cases"]["hybrid"]["state_pages"] == summary["cases"]["hybrid"]["swa_pages"] == 2
 
 
 def _stop_server(store):
