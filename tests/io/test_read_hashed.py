@@ -120,6 +120,26 @@ def test_pieces_are_hashed_as_they_land_on_the_ring(monkeypatch, file_target):
     assert seen == [(6 * MIB // engine_mod.HASH_PIECE, engine_mod.HASH_PIECE, True)]
 
 
+def test_worker_threads_can_hash_as_pieces_land(file_target):
+    """The threads engine hashes after the read by default; with hashing as
+    pieces land its C workers take turns at the in-order cursor (and finish
+    picks up what none of them got to): the digests are the same."""
+    path = file_target(16 * MIB)
+    data = np.random.default_rng(11).integers(0, 256, 16 * MIB, dtype=np.uint8)
+    _fill(path, data)
+    lens = [5 * MIB, 3 * MIB + BLOCK, 7 * MIB]
+    offsets = [8 * MIB, 0, 4 * BLOCK]
+    streams, seeds = [0, 0, 1], [21, 22]
+    with Device(path) as dev, open_engine([dev], "threads", queue_depth=8) as eng, \
+            HostBuffer(sum(lens)) as buf:
+        assert eng.hashes_as_reads_land is False
+        eng.hashes_as_reads_land = True
+        addrs = np.cumsum([0] + lens[:-1]).astype(np.uint64) + np.uint64(buf.address)
+        for _ in range(5):                     # the workers race differently each time
+            got = eng.read_hashed(IOBatch(addrs, 0, offsets, lens), streams, seeds)
+            assert [int(x) for x in got] == _expected(data, offsets, lens, streams, seeds)
+
+
 @pytest.mark.parametrize("n, streams, seeds, why", [
     (2, [1, 1], [0, 0], "must count 0, 1"),
     (2, [0, 2], [0, 0, 0], "must count 0, 1"),
