@@ -60,11 +60,14 @@ FIO_RW = {"save": "write", "restore": "read"}
 TARGETS = ("shm", "disk")
 
 
-def io_shape(run_bytes: int, qd: int, readers: int) -> tuple[int, int, int]:
-    """(piece size, pieces per run, I/Os in flight) of one run moved by the engine."""
+def io_shape(run_bytes: int, qd: int, readers: int,
+             hashed: bool = False) -> tuple[int, int, int]:
+    """(piece size, pieces per run, I/Os in flight) of one run moved by the
+    engine; ``hashed``: a read with checksums verified (read_hashed's pieces)."""
     from kvblock.io.batch import DEFAULT_MAX_IO
+    from kvblock.io.engine import HASH_PIECE
 
-    piece = min(run_bytes, DEFAULT_MAX_IO)
+    piece = min(run_bytes, HASH_PIECE if hashed else DEFAULT_MAX_IO)
     pieces = math.ceil(run_bytes / piece)
     return piece, pieces, readers * min(qd, pieces)
 
@@ -103,10 +106,13 @@ def summarize(target: str, workload: str, jobs: int, rounds: list[dict], args) -
     ratio = kvb / fio if fio else 0.0
     paired = statistics.median(r["kvblock"]["gib_s"] / r["fio"]["gib_s"] for r in rounds)
     bar = BARS[workload]
+    kvb_shape = io_shape(args.run_bytes, args.qd, jobs,
+                         hashed=workload == "restore" and args.verify == "always")
     return {
         "target": target, "workload": workload,
         "fio_rw": FIO_RW[workload], "run_bytes": rounds[0]["kvblock"]["run_bytes"],
         "io_size": args.piece, "in_flight": io_shape(args.run_bytes, args.qd, jobs)[2],
+        "kvblock_io_size": kvb_shape[0], "kvblock_in_flight": kvb_shape[2],
         "jobs": jobs, "qd": args.qd,
         "verify": args.verify if workload == "restore" else "-",
         "fio_gib_s": round(fio, 4), "kvblock_gib_s": round(kvb, 4),
@@ -136,7 +142,8 @@ def print_table(results: list[dict], args, geometry) -> None:
     print(f"store save/restore vs fio: medians of {args.rounds} alternating rounds, "
           f"{args.seconds:g} s each, {human(args.size)} loop devices; runs of "
           f"{args.run_blocks} blocks ({geometry.describe()}) = {human(args.run_bytes)} per "
-          f"run, one contiguous I/O split into {human(args.piece)} pieces; kvblock engine "
+          f"run, one contiguous I/O split into {human(args.piece)} pieces (verified "
+          f"restores: {human(io_shape(args.run_bytes, args.qd, 1, True)[0])}); kvblock engine "
           f"{results[0]['engine']}, qd {args.qd}; fio io_uring "
           f"direct=1 bs={human(args.piece)}"
           f"{' ' + ' '.join(args.fio_args) if args.fio_args else ''}")

@@ -113,6 +113,9 @@ def test_store_vs_fio(benchmark, shm_loop, workload):
                      "direct=1, same device, alternating rounds",
         "workload": workload, "run_bytes": run_bytes, "io_size": piece,
         "in_flight": in_flight, "round_bytes": round_bytes, "engine": engine,
+        # kvblock's own I/O shape: verified reads go in read_hashed's pieces
+        "kvblock_io_size": io_shape(run_bytes, 32, 1, hashed=workload == "restore")[0],
+        "kvblock_in_flight": io_shape(run_bytes, 32, 1, hashed=workload == "restore")[2],
         "verify": "always", "device": f"loop over /dev/shm, {DEVICE_BYTES // MIB} MiB",
         "fio_gib_s": round(fio_gib_s, 4), "kvblock_gib_s": round(kvblock_gib_s, 4),
         "ratio": round(ratio, 4), "paired_ratio": round(paired, 4), "bar": BARS[workload],

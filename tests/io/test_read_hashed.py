@@ -140,6 +140,23 @@ def test_worker_threads_can_hash_as_pieces_land(file_target):
             assert [int(x) for x in got] == _expected(data, offsets, lens, streams, seeds)
 
 
+def test_a_read_of_one_piece_or_less_is_hashed_after_it(monkeypatch, engine_name, file_target):
+    """Nothing to overlap in a read of at most HASH_PIECE bytes: no native
+    hasher (it cost small gets ~25 us each), the same digests."""
+    path = file_target(MIB)
+    data = np.random.default_rng(13).integers(0, 256, MIB, dtype=np.uint8)
+    _fill(path, data)
+    monkeypatch.setattr(native, "Hasher", lambda *a: pytest.fail("native hasher for a small read"))
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(MIB) as buf:
+        got = eng.read_hashed(IOBatch.single(buf.address, 0, 8 * BLOCK, BLOCK), [0], [3])
+        assert int(got[0]) == data_checksum(data[8 * BLOCK:9 * BLOCK], 3)
+        at = np.array([0, BLOCK], np.uint64)
+        got = eng.read_hashed(IOBatch(at + np.uint64(buf.address), 0, at + np.uint64(BLOCK),
+                                      BLOCK), [0, 1], [4, 5])
+        assert [int(x) for x in got] == [data_checksum(data[BLOCK:2 * BLOCK], 4),
+                                         data_checksum(data[2 * BLOCK:3 * BLOCK], 5)]
+
+
 @pytest.mark.parametrize("n, streams, seeds, why", [
     (2, [1, 1], [0, 0], "must count 0, 1"),
     (2, [0, 2], [0, 0, 0], "must count 0, 1"),
