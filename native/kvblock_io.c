@@ -172,13 +172,12 @@ static void prep_one(kvb_ring *r, struct io_uring_sqe *sqe, int op, uint64_t add
         sqe->flags |= IOSQE_FIXED_FILE;
 }
 
-
 /* ------------------------------------------------------------------ hashing
- * A batch read with a hasher gets each stream's XXH3-64 computed while its
- * pieces are still in cache: whoever sees the next piece (in batch order)
- * complete hashes it, instead of one pass over cold memory after the batch.
- * Streams are numbered 0, 1, ... in batch order, so one XXH3 state follows
- * the cursor. */
+ * A batch read with a hasher gets each stream's XXH3-64 computed as its
+ * pieces land: whoever sees the next piece (in batch order) complete hashes
+ * it, so the hashing overlaps the reads still in flight instead of following
+ * the whole batch.  Streams are numbered 0, 1, ... in batch order, so one
+ * XXH3 state follows the cursor. */
 #define KVB_PENDING INT64_MIN
 
 struct kvb_hasher {
@@ -258,7 +257,7 @@ static void hash_ready(kvb_hasher *h)
             h->failed[s] = 1;
         else if (!h->failed[s])
             XXH3_64bits_update(h->state, (const void *)(uintptr_t)h->addrs[i], h->lens[i]);
-        h->cursor = i + 1;
+        __atomic_store_n(&h->cursor, i + 1, __ATOMIC_RELAXED);
     }
 }
 
@@ -271,7 +270,8 @@ static void hasher_advance(kvb_hasher *h)
     while (pthread_mutex_trylock(&h->lock) == 0) {
         hash_ready(h);
         pthread_mutex_unlock(&h->lock);
-        if (h->cursor >= h->n || !piece_arrived(h, h->cursor))
+        uint64_t next = __atomic_load_n(&h->cursor, __ATOMIC_RELAXED);
+        if (next >= h->n || !piece_arrived(h, next))
             return;
     }
 }

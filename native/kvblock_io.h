@@ -64,7 +64,7 @@ int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs,
                     int64_t *results, int64_t *latency_ns, uint64_t *cursor,
                     kvb_hasher *hasher);
 
-/* Checksums of a read batch, computed while the bytes are still in cache.
+/* Checksums of a read batch, computed as its pieces land (overlapping the rest).
  * Piece i (addrs[i], lens[i]: the batch's host buffers) belongs to stream
  * streams[i]; streams are numbered 0..nstreams-1 in batch order (each piece's
  * stream equals or is one more than the one before), and a stream's pieces

@@ -101,7 +101,8 @@ class IOEngine:
         bytes.  The reads are cut into ``HASH_PIECE`` pieces and each piece is
         hashed as soon as it (and every piece before it) has landed, so the
         hashing overlaps the reads still in flight instead of following the
-        batch (engines with ``hashes_as_reads_land`` False hash afterwards).
+        batch.  Reads of at most HASH_PIECE bytes in all, and engines with
+        ``hashes_as_reads_land`` False, hash after the read instead.
         """
         streams = np.ascontiguousarray(streams, dtype=np.uint32).reshape(-1)
         if not isinstance(seeds, np.ndarray):
