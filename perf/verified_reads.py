@@ -12,6 +12,9 @@ times in each of three modes, alternating the modes within every round:
   (how kvblock verified before; the engine's ``hashes_as_reads_land`` off);
 - ``unverified``: ``verify="never"``.
 
+With ``KVBLOCK_IO_ENGINE=threads`` the first mode makes that engine's C
+workers take turns at the in-order hash cursor (not its default).
+
 The page cache is dropped before every load and every load's bytes are
 compared with what was stored.  Prints the median GiB/s of each mode.
 
