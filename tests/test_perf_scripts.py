@@ -42,3 +42,27 @@ def test_comparison_script_runs(script):
     assert out["rows"], out
     backends = {r.get("tier") or r.get("backend") for r in out["rows"]}
     assert len(backends) >= 2, backends        # kvblock and at least one peer
+
+
+def test_vllm_comparison_runs_on_a_loop_device():
+    """--kvblock-target loop: the store on a loop device over a file beside
+    the fs tier's directory (detached again: the script fails on a leak)."""
+    args = [*CASES["vllm_tier_vs_fs.py"], "--kvblock-target", "loop", "--pattern", "adjacent"]
+    p = subprocess.run([sys.executable, str(ROOT / "perf" / "vllm_tier_vs_fs.py"), *args,
+                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    out = json.loads(p.stdout[p.stdout.index("{"):])
+    assert out["kvblock_target"] == "loop" and {r["tier"] for r in out["rows"]} == {"kvblock", "fs"}
+    attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert "kvblock-vllm-bench" not in attached, attached
+
+
+def test_verified_reads_script_runs():
+    """perf/verified_reads.py loads in its three modes and checks the bytes."""
+    p = subprocess.run([sys.executable, str(ROOT / "perf" / "verified_reads.py"), "--gib", "0.02",
+                        "--slot", "256K", "--rounds", "1", "--threads", "2", "--target", "loop",
+                        "--pieces", "256K,512K"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    for mode in ("as-they-land 256K", "as-they-land 512K", "after-read", "unverified"):
+        assert mode in p.stdout, p.stdout
