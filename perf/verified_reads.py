@@ -26,7 +26,6 @@ compared with what was stored.  Prints the median GiB/s of each mode.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import statistics
@@ -36,10 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fio_support as fs  # noqa: E402
 import vllm_tier_vs_fs as vt  # noqa: E402
 
-import kvblock  # noqa: E402
 from kvblock.cli.units import parse_size  # noqa: E402
 from kvblock.integrations.vllm import KVBlockTierManager  # noqa: E402
 from kvblock.io import engine as engine_mod  # noqa: E402
@@ -80,13 +77,10 @@ def main(argv=None) -> int:
     jobs = vt.plan_jobs(n, pool_slots, 32, "adjacent", seed=slot)
     base = Path(args.where) / f"kvblock-verified-reads-{os.getpid()}"
     base.mkdir(parents=True, exist_ok=True)
-    size = n * slot + n * slot // 4 + (128 << 20)
     view = memoryview(pool.numpy())
     samples = {m: [] for m in mode_table}
     try:
-        target = (fs.loop_target(base, size, fill=False) if args.target == "loop"
-                  else contextlib.nullcontext(str(kvblock.create_file(base / "kv.img", size))))
-        with target as dev:
+        with vt.store_target(args.target, base, n * slot) as dev:
             tier = KVBlockTierManager(vt.make_spec(), view, "kvblock", devices=[dev],
                                       threads=args.threads)
             try:

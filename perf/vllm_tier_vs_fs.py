@@ -155,14 +155,8 @@ def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tens
     base.mkdir(parents=True, exist_ok=True)
     view = memoryview(pool.numpy())
     try:
-        target = contextlib.nullcontext(None)
-        if kind == "kvblock":
-            # room for every slot: runs are at most 1/8 region, so at most 1/8 is lost
-            size = total_bytes + total_bytes // 4 + (128 << 20)
-            if args.kvblock_target == "loop":
-                target = fs.loop_target(base, size, fill=False)
-            else:
-                target = contextlib.nullcontext(str(kvblock.create_file(base / "kv.img", size)))
+        target = (store_target(args.kvblock_target, base, total_bytes) if kind == "kvblock"
+                  else contextlib.nullcontext(None))
         with target as dev:
             if kind == "kvblock":
                 tier = KVBlockTierManager(make_spec(), view, "kvblock", devices=[dev],
@@ -182,6 +176,17 @@ def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tens
     return {"tier": kind, "store_gibps": total_bytes / GIB / store_s,
             "load_gibps": total_bytes / GIB / load_s, "store_s": store_s, "load_s": load_s,
             "total_s": time.perf_counter() - t0, "dropped_caches": dropped}
+
+
+def store_target(kind: str, base: Path, total_bytes: int):
+    """Context manager yielding the device path of a kvblock tier store with
+    room for ``total_bytes`` of slots in directory ``base``: a pre-sized file
+    (``kind`` "file") or a loop device over one ("loop", detached on exit)."""
+    # runs are at most 1/8 region, so at most 1/8 is lost; plus metadata
+    size = total_bytes + total_bytes // 4 + (128 << 20)
+    if kind == "loop":
+        return fs.loop_target(base, size, fill=False)
+    return contextlib.nullcontext(str(kvblock.create_file(base / "kv.img", size)))
 
 
 def _store_and_load(kind, tier, pool, expected, jobs):
