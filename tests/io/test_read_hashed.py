@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from kvblock.devices import Device
 from kvblock.errors import ConfigError, IOFailedError
 from kvblock.format.checksum import data_checksum
-from kvblock.io import ENGINES, IOBatch, engine as engine_mod, native, open_engine
+from kvblock.io import ENGINES, IOBatch, native, open_engine
+from kvblock.io import engine as engine_mod
 from kvblock.io.uring import probe
 from kvblock.memory import HostBuffer
 
