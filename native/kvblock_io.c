@@ -7,6 +7,8 @@
 #include <liburing.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -15,7 +17,7 @@
 #include <emmintrin.h>
 #endif
 
-#define KVB_ABI_VERSION 3
+#define KVB_ABI_VERSION 4
 #define KVB_MAX_BUFS 64
 #define KVB_COPY_MAX_THREADS 16
 #define KVB_NT_MIN_ROW 1024 /* rows at least this long are streamed */
@@ -243,16 +245,24 @@ static inline int piece_arrived(const kvb_hasher *h, uint64_t i)
     return !h->results || __atomic_load_n(&h->results[i], __ATOMIC_ACQUIRE) != KVB_PENDING;
 }
 
+/* (lock held) Piece i is next at the cursor: on a new stream, close the
+ * previous stream's digest and start this one's.  Returns piece i's stream. */
+static inline uint32_t hasher_enter(kvb_hasher *h, uint64_t i)
+{
+    uint32_t s = h->streams[i];
+    if (i > 0 && s != h->streams[i - 1]) {
+        h->digests[s - 1] = XXH3_64bits_digest(h->state);
+        XXH3_64bits_reset_withSeed(h->state, h->seeds[s]);
+    }
+    return s;
+}
+
 /* (lock held) hash pieces from the cursor on while they have arrived. */
 static void hash_ready(kvb_hasher *h)
 {
     while (h->cursor < h->n && piece_arrived(h, h->cursor)) {
         uint64_t i = h->cursor;
-        uint32_t s = h->streams[i];
-        if (i > 0 && s != h->streams[i - 1]) {
-            h->digests[s - 1] = XXH3_64bits_digest(h->state);
-            XXH3_64bits_reset_withSeed(h->state, h->seeds[s]);
-        }
+        uint32_t s = hasher_enter(h, i);
         if (h->results && h->results[i] != (int64_t)h->lens[i])
             h->failed[s] = 1;
         else if (!h->failed[s])
@@ -410,6 +420,79 @@ int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *d
         hasher_advance(h);
     }
     return failed;
+}
+
+/* ------------------------------------------------------------ mapped reads
+ * A store file on tmpfs has its bytes in RAM already: a copy out of a shared
+ * mapping of it costs less than the kernel's read path (which copies page by
+ * page, on io_uring's worker threads), and each chunk is hashed right after
+ * it is copied, while it is still in cache. */
+#define KVB_MEM_CHUNK (64u << 10)
+
+int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
+                     const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
+                     const uint64_t *offsets, const uint64_t *lens, int64_t *results,
+                     int64_t *latency_ns, kvb_hasher *h)
+{
+    if (h) {
+        pthread_mutex_lock(&h->lock);
+        if (h->cursor != 0 || h->n != n) {
+            pthread_mutex_unlock(&h->lock);
+            return -EINVAL;
+        }
+    }
+    int64_t failed = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        int64_t t0 = latency_ns ? now_ns() : 0;
+        uint32_t d = devs[i];
+        uint32_t s = h ? hasher_enter(h, i) : 0;
+        int64_t res;
+        if (d >= nbases || bases[d] == 0 || offsets[i] > sizes[d] ||
+            lens[i] > sizes[d] - offsets[i]) {
+            res = -EINVAL;
+        } else {
+            char *dst = (char *)(uintptr_t)addrs[i];
+            const char *src = (const char *)(uintptr_t)(bases[d] + offsets[i]);
+            for (uint64_t done = 0; done < lens[i]; done += KVB_MEM_CHUNK) {
+                uint64_t len = lens[i] - done < KVB_MEM_CHUNK ? lens[i] - done : KVB_MEM_CHUNK;
+                memcpy(dst + done, src + done, len);
+                /* Hash the copy (what the caller gets), not the mapping: a
+                 * concurrent writer cannot make the two differ. */
+                if (h && !h->failed[s])
+                    XXH3_64bits_update(h->state, dst + done, len);
+            }
+            res = (int64_t)lens[i];
+        }
+        if (latency_ns)
+            latency_ns[i] = now_ns() - t0;
+        __atomic_store_n(&results[i], res, __ATOMIC_RELEASE);
+        if (res < 0) {
+            failed++;
+            if (h)
+                h->failed[s] = 1;
+        }
+        if (h)
+            __atomic_store_n(&h->cursor, i + 1, __ATOMIC_RELAXED);
+    }
+    if (h)
+        pthread_mutex_unlock(&h->lock);
+    return failed;
+}
+
+int kvb_mem_prefault(uint64_t addr, uint64_t len)
+{
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22 /* Linux 5.14 */
+#endif
+    return madvise((void *)(uintptr_t)addr, len, MADV_POPULATE_READ) == 0 ? 0 : -errno;
+}
+
+int64_t kvb_fs_type(int fd)
+{
+    struct statfs st;
+    if (fstatfs(fd, &st) != 0)
+        return -errno;
+    return (int64_t)(uint64_t)st.f_type;
 }
 
 struct copy_part {

@@ -106,6 +106,27 @@ void kvb_copy_rows(uint64_t n, const uint64_t *dst, const uint64_t *src,
                    uint64_t m, int64_t dst_step, int64_t src_step, uint64_t len,
                    unsigned threads);
 
+/* Reads out of memory-mapped device files.  bases[d] / sizes[d]: the
+ * address and length of device d's shared mapping (0: not mapped).  Entry i
+ * copies lens[i] bytes at offsets[i] of device devs[i] to addrs[i] (any
+ * alignment); results[i] is lens[i], or -EINVAL for an unmapped device or a
+ * range past the mapping.  With a hasher (fresh, created for exactly these n
+ * entries), each 64 KiB chunk is hashed right after it is copied, in batch
+ * order, on this thread.  Returns the number of failed entries, or -EINVAL
+ * when the hasher is not fresh or is for another batch. */
+int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
+                     const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
+                     const uint64_t *offsets, const uint64_t *lens, int64_t *results,
+                     int64_t *latency_ns, kvb_hasher *hasher);
+
+/* Map the pages of [addr, addr + len) of a shared mapping into this process
+ * now (madvise MADV_POPULATE_READ), so that later copies out of it do not
+ * fault.  Returns 0 or a negative errno (-EINVAL before Linux 5.14). */
+int kvb_mem_prefault(uint64_t addr, uint64_t len);
+
+/* fstatfs(fd)'s f_type (TMPFS_MAGIC, ...), or a negative errno. */
+int64_t kvb_fs_type(int fd);
+
 /* Version of this ABI; bumped on any signature change. */
 int kvb_abi_version(void);
 

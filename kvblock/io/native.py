@@ -15,7 +15,7 @@ from cffi import FFI
 
 from kvblock.errors import NativeLibraryError
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 LIB_NAME = "libkvblock_io.so"
 
 CDEF = """
@@ -43,6 +43,12 @@ int64_t kvb_hash_pieces(uint64_t n, const uint64_t *addrs, const uint64_t *lens,
 void kvb_copy_rows(uint64_t n, const uint64_t *dst, const uint64_t *src,
                    uint64_t m, int64_t dst_step, int64_t src_step, uint64_t len,
                    unsigned threads);
+int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
+                     const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
+                     const uint64_t *offsets, const uint64_t *lens, int64_t *results,
+                     int64_t *latency_ns, kvb_hasher *hasher);
+int kvb_mem_prefault(uint64_t addr, uint64_t len);
+int64_t kvb_fs_type(int fd);
 int kvb_abi_version(void);
 """
 
