@@ -1,12 +1,16 @@
 """Fixtures: real targets for direct I/O.
 
 ``target`` is parametrised over a loop device (root only; skipped with the
-reason otherwise) and a plain pre-sized file, so every I/O test runs on both.
+reason otherwise), a plain pre-sized file and a fully allocated file on tmpfs
+(read through a shared mapping), so every I/O test runs on all three.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -40,11 +44,27 @@ def file_target(tmp_path):
     return make
 
 
-@pytest.fixture(params=["loop", "file"])
+@pytest.fixture
+def shm_target(request):
+    """Factory: ``shm_target(size)`` -> path of a fully allocated file on tmpfs
+    (/dev/shm): engines read it through a shared mapping (kvblock/io/mapped.py)."""
+    from kvblock.devices import create_file
+
+    base = Path(tempfile.mkdtemp(prefix="kvblock-test-", dir=loopdev.SHM))
+    request.addfinalizer(lambda: shutil.rmtree(base, ignore_errors=True))
+    count = iter(range(1_000_000))
+    return lambda size=64 * MIB, name=None: str(
+        create_file(base / (name or f"target{next(count)}.img"), size))
+
+
+@pytest.fixture(params=["loop", "file", "shm"])
 def target(request, tmp_path):
-    """Factory returning a fresh target path of the parametrised kind."""
+    """Factory returning a fresh target path of the parametrised kind: a loop
+    device, a sparse file on disk, or a pre-sized file on tmpfs."""
     if request.param == "loop":
         return request.getfixturevalue("loop_device")
+    if request.param == "shm":
+        return request.getfixturevalue("shm_target")
     return request.getfixturevalue("file_target")
 
 

@@ -17,6 +17,7 @@ from kvblock.errors import AlignmentError, ConfigError, IOFailedError, strerror
 from kvblock.format.checksum import data_seed
 from kvblock.io import native
 from kvblock.io.batch import DEFAULT_MAX_IO, IOBatch
+from kvblock.io.mapped import MappedDevices
 from kvblock.memory.aligned import HostBuffer
 
 OP_READ, OP_WRITE = 0, 1
@@ -50,7 +51,7 @@ class IOEngine:
     hashes_as_reads_land = True
 
     def __init__(self, devices: Sequence[Device], *, queue_depth: int = 32,
-                 max_io: int = DEFAULT_MAX_IO):
+                 max_io: int = DEFAULT_MAX_IO, mapped_reads: bool | None = None):
         if queue_depth < 1:
             raise ConfigError(f"queue_depth must be >= 1, got {queue_depth}")
         self.devices = list(devices)
@@ -65,6 +66,10 @@ class IOEngine:
         self._capacity_int = [int(d.capacity) for d in self.devices]
         self._local = threading.local()
         self.closed = False
+        # Store files on tmpfs are read through shared mappings (kvblock/io/mapped.py).
+        self._maps = MappedDevices.open(self.devices, mapped_reads)
+        self._map_users = 0
+        self._map_idle = threading.Condition()
 
     # --- public ------------------------------------------------------------------
     def read(self, batch: IOBatch, *, qd: int | None = None, latency: bool = False) -> IOResult:
@@ -84,6 +89,11 @@ class IOEngine:
         """Write the bytes of any buffer at ``offset``."""
         view = _as_bytes(buffer, writable=False)
         self.write(IOBatch.single(_address(view), dev, offset, view.size))
+
+    def mapped(self, dev: int) -> bool:
+        """Whether reads of device ``dev`` are copies out of a shared mapping
+        (a fully allocated store file on tmpfs; see kvblock/io/mapped.py)."""
+        return self._maps is not None and self._maps.mapped(dev)
 
     def flush(self) -> None:
         for d in self.devices:
@@ -138,6 +148,8 @@ class IOEngine:
         if n == 0:
             return IOResult(0, np.empty(0, np.int64) if latency else None)
         self._validate(batch)
+        if op == OP_READ and self._maps is not None and self._maps.covers(batch.devs):
+            return self._read_mapped(batch, latency, hashing)
         inline = hashing is not None and self.hashes_as_reads_land
         max_io = min(self.max_io, HASH_PIECE) if inline else self.max_io
         run, parent = batch.split(max_io)
@@ -170,8 +182,51 @@ class IOEngine:
             native.hash_pieces(batch.addrs, batch.lens, *hashing)
         return IOResult(batch.nbytes, lat)
 
+    def _read_mapped(self, batch: IOBatch, latency: bool, hashing) -> IOResult:
+        """Copy the batch out of the devices' mappings (hashing each chunk as
+        it is copied, when asked to), on this thread."""
+        n = len(batch)
+        results = np.empty(n, dtype=np.int64)
+        lat = np.empty(n, dtype=np.int64) if latency else None
+        p = native.ptr
+        with self._map_idle:
+            if self._maps is None:
+                raise ConfigError(f"{self.name} engine is closed")
+            self._map_users += 1
+        hasher = None
+        try:
+            if hashing is not None:
+                hasher = native.Hasher(batch.addrs, batch.lens, *hashing[:2], results,
+                                       hashing[2])
+            maps = self._maps
+            ret = native.lib().kvb_mem_read(
+                n, p("uint64_t *", batch.addrs), p("uint32_t *", batch.devs),
+                p("uint64_t *", maps.bases), p("uint64_t *", maps.sizes), len(maps.bases),
+                p("uint64_t *", batch.offsets), p("uint64_t *", batch.lens),
+                p("int64_t *", results), p("int64_t *", lat),
+                native.ffi.NULL if hasher is None else hasher.handle)
+            if ret < 0:
+                raise ConfigError(f"kvb_mem_read: {strerror(-ret)}")
+        finally:
+            if hasher is not None:
+                hasher.finish()
+            with self._map_idle:
+                self._map_users -= 1
+                if not self._map_users:
+                    self._map_idle.notify_all()
+        bad = results != batch.lens.astype(np.int64)
+        if bad.any():
+            self._raise(OP_READ, batch, results, bad)
+        return IOResult(batch.nbytes, lat)
+
     def close(self) -> None:
         self.closed = True
+        with self._map_idle:   # unmap once no read is copying out of the mappings
+            while self._map_users:
+                self._map_idle.wait()
+            maps, self._maps = self._maps, None
+        if maps is not None:
+            maps.close()
 
     def __enter__(self):
         return self

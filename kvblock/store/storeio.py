@@ -32,6 +32,11 @@ class StoreIO:
             self.devices[i].flush()
 
     def discard(self, dev: int, offset: int, length: int) -> bool:
+        # A device read through a shared mapping keeps every byte allocated:
+        # a read of a punched hole would have to allocate on tmpfs, and fail
+        # with SIGBUS when it is full (kvblock/io/mapped.py).
+        if self.engine.mapped(dev):
+            return False
         return self.devices[dev].discard(offset, length)
 
     # --- small metadata transfers ---------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -30,8 +31,11 @@ MIB = 1 << 20
 SHAPE = lambda n: (GEOM.num_layers, GEOM.head_groups, n, GEOM.group_block_bytes)  # noqa: E731
 
 
-@pytest.fixture
-def store_path(tmp_path):
+@pytest.fixture(params=["disk", "shm"])
+def store_path(request, tmp_path):
+    """A pre-sized store file on disk, or on tmpfs (read through a mapping)."""
+    if request.param == "shm":
+        return Path(request.getfixturevalue("shm_target")(8 * MIB, "store.img"))
     path = tmp_path / "store.img"
     create_file(path, 8 * MIB)
     return path

@@ -1,0 +1,227 @@
+"""Reads through shared mappings of store files on tmpfs (kvblock/io/mapped.py):
+which devices qualify, bytes and digests equal to what a kernel read gives,
+coherence with writes, errors, a close that waits for readers, prefaulting,
+and a store that never punches holes in a mapped device."""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore, create_file
+from kvblock.devices import Device
+from kvblock.errors import ConfigError, IOFailedError
+from kvblock.format.checksum import data_checksum
+from kvblock.io import ENGINES, IOBatch, native, open_engine
+from kvblock.io.mapped import TMPFS_MAGIC, MappedDevices, mappable
+from kvblock.io.uring import probe
+from kvblock.memory import HostBuffer
+from tests.store.workload import GEOM, REGION, run_data, run_keys
+
+MIB = 1 << 20
+BLOCK = 4096
+
+
+@pytest.fixture(params=ENGINES)
+def engine_name(request):
+    if request.param == "uring" and not probe()[0]:
+        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
+    return request.param
+
+
+def _fs_type(path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return native.lib().kvb_fs_type(fd)
+    finally:
+        os.close(fd)
+
+
+def _filled(path, size, seed=0) -> np.ndarray:
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    return data
+
+
+def test_dev_shm_is_tmpfs():
+    """The suite's tmpfs targets live in /dev/shm: it must be tmpfs for the
+    mapped-read tests to mean anything."""
+    assert _fs_type("/dev/shm") == TMPFS_MAGIC
+
+
+def test_which_devices_are_mapped(shm_target, file_target, loop_device, tmp_path, monkeypatch):
+    shm = shm_target(8 * MIB)
+    sparse = os.path.join(os.path.dirname(shm), "sparse.img")
+    with open(sparse, "wb") as f:
+        f.truncate(8 * MIB)
+    on_disk = str(create_file(tmp_path / "disk.img", 8 * MIB))
+    assert _fs_type(on_disk) != TMPFS_MAGIC
+    loop = loop_device(8 * MIB)     # a block device, even when its file is on tmpfs
+    devs = [Device(p) for p in (shm, sparse, on_disk, loop)]
+    try:
+        assert [mappable(d) for d in devs] == [
+            None, "not fully allocated (sparse)", "not on tmpfs", "not a file"]
+        with open_engine(devs) as eng:
+            assert [eng.mapped(i) for i in range(4)] == [True, False, False, False]
+        with open_engine(devs, mapped_reads=False) as eng:
+            assert not eng.mapped(0)
+        monkeypatch.setenv("KVBLOCK_MAPPED_READS", "never")
+        with open_engine(devs[:1]) as eng:
+            assert not eng.mapped(0)
+        monkeypatch.setenv("KVBLOCK_MAPPED_READS", "sometimes")
+        with pytest.raises(ConfigError, match="KVBLOCK_MAPPED_READS"):
+            open_engine(devs[:1])
+    finally:
+        for d in devs:
+            d.close()
+
+
+def test_reads_equal_the_bytes_and_see_later_writes(engine_name, shm_target):
+    path = shm_target(16 * MIB)
+    data = _filled(path, 16 * MIB)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng:
+        assert eng.mapped(0)
+        rng = np.random.default_rng(3)
+        offsets = rng.permutation(16 * MIB // BLOCK)[:200].astype(np.uint64) * BLOCK
+        lens = rng.integers(1, 8, 200).astype(np.uint64) * BLOCK
+        lens = np.minimum(lens, np.uint64(16 * MIB) - offsets)
+        out = np.zeros(int(lens.sum()) + 1, np.uint8)   # +1: unaligned addresses below
+        homes = np.cumsum(lens) - lens + np.uint64(out.ctypes.data + 1)
+        res = eng.read(IOBatch(homes, 0, offsets, lens), latency=True)
+        assert res.nbytes == int(lens.sum()) and (res.latency_ns >= 0).all()
+        at = 1
+        for o, n in zip(offsets.tolist(), lens.tolist()):
+            assert np.array_equal(out[at:at + n], data[o:o + n])
+            at += n
+        # a write through the engine is what the next mapped read returns
+        with HostBuffer(MIB) as src, HostBuffer(MIB) as dst:
+            src.array[:] = 0xA5
+            eng.write(IOBatch.single(src.address, 0, 5 * MIB, MIB))
+            eng.read(IOBatch.single(dst.address, 0, 5 * MIB, MIB))
+            assert (dst.array == 0xA5).all()
+
+
+def test_hashed_reads_equal_data_checksum(engine_name, shm_target):
+    path = shm_target(32 * MIB)
+    data = _filled(path, 32 * MIB, seed=5)
+    lens = [3 * MIB + 8 * BLOCK, BLOCK, 2 * BLOCK, 5 * MIB, 7 * BLOCK, MIB]
+    offsets = [20 * MIB, 0, 9 * MIB, 4 * MIB, 31 * MIB, 12 * MIB]
+    streams = [0, 1, 1, 2, 2, 3]
+    seeds = [1, 2**64 - 1, 0, 12345678901234567]
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(sum(lens)) as buf:
+        addrs = np.cumsum([0] + lens[:-1]).astype(np.uint64) + np.uint64(buf.address)
+        got = eng.read_hashed(IOBatch(addrs, 0, offsets, lens), streams, seeds)
+        want = [data_checksum(np.concatenate([data[o:o + n] for o, n, t in
+                                              zip(offsets, lens, streams) if t == s]), seed)
+                for s, seed in enumerate(seeds)]
+        assert [int(x) for x in got] == want
+
+
+def test_native_mem_read_refuses_unmapped_devices_and_ranges(shm_target):
+    """kvb_mem_read's own checks (the engine validates before it gets there):
+    an unmapped device or a range past the mapping is -EINVAL, and a hashed
+    stream with such a piece gets digest 0."""
+    path = shm_target(4 * MIB)
+    data = _filled(path, 4 * MIB, seed=9)
+    with Device(path) as dev:
+        maps = MappedDevices([dev])
+        try:
+            bases = np.array([maps.bases[0], 0], np.uint64)
+            sizes = np.array([maps.sizes[0], 0], np.uint64)
+            out = np.zeros(3 * BLOCK, np.uint8)
+            addrs = np.arange(3, dtype=np.uint64) * BLOCK + np.uint64(out.ctypes.data)
+            devs = np.array([0, 1, 0], np.uint32)
+            offs = np.array([BLOCK, 0, 4 * MIB], np.uint64)
+            lens = np.full(3, BLOCK, np.uint64)
+            results = np.empty(3, np.int64)
+            streams = np.array([0, 1, 2], np.uint32)
+            seeds = np.array([1, 2, 3], np.uint64)
+            digests = np.ones(3, np.uint64)
+            hasher = native.Hasher(addrs, lens, streams, seeds, results, digests)
+            p = native.ptr
+            failed = native.lib().kvb_mem_read(
+                3, p("uint64_t *", addrs), p("uint32_t *", devs), p("uint64_t *", bases),
+                p("uint64_t *", sizes), 2, p("uint64_t *", offs), p("uint64_t *", lens),
+                p("int64_t *", results), native.ffi.NULL, hasher.handle)
+            assert hasher.finish() == 2
+            assert failed == 2
+            assert results.tolist() == [BLOCK, -22, -22]
+            assert np.array_equal(out[:BLOCK], data[BLOCK:2 * BLOCK])
+            assert int(digests[0]) == data_checksum(data[BLOCK:2 * BLOCK], 1)
+            assert digests[1:].tolist() == [0, 0]
+        finally:
+            maps.close()
+
+
+def test_out_of_range_read_is_a_typed_error(shm_target):
+    path = shm_target(4 * MIB)
+    with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(2 * BLOCK) as buf:
+        with pytest.raises(IOFailedError, match="past the device"):
+            eng.read(IOBatch.single(buf.address, 0, 4 * MIB - BLOCK, 2 * BLOCK))
+
+
+def test_close_waits_for_readers_then_refuses(shm_target):
+    path = shm_target(64 * MIB)
+    _filled(path, 64 * MIB)
+    errors, reads, done = [], [], threading.Event()
+    with Device(path) as dev, HostBuffer(64 * MIB) as buf:
+        eng = open_engine([dev])
+
+        def reader():
+            try:
+                while not done.is_set():
+                    eng.read(IOBatch.contiguous(buf.address, 0, 0, 64 * MIB, 8 * MIB))
+                    reads.append(1)
+            except ConfigError as e:      # the engine closed between two reads
+                errors.append(e)
+            finally:
+                done.set()
+
+        t = threading.Thread(target=reader)
+        t.start()
+        while not reads and t.is_alive():
+            time.sleep(0.001)
+        eng.close()      # reads run back to back: one is copying now; unmapping under it crashes
+        t.join(10)
+        assert not t.is_alive()
+        assert all("closed" in str(e) for e in errors)
+        with pytest.raises(ConfigError, match="closed"):
+            eng.read(IOBatch.single(buf.address, 0, 0, BLOCK))
+
+
+def test_prefaulted_mapping_reads_without_page_faults(shm_target):
+    path = shm_target(64 * MIB)
+    data = _filled(path, 64 * MIB, seed=2)
+    with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(64 * MIB) as buf:
+        buf.array[:] = 0                       # the destination's pages exist already
+        assert eng._maps.wait_prefaulted(30)
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        eng.read(IOBatch.contiguous(buf.address, 0, 0, 64 * MIB, 8 * MIB))
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        assert np.array_equal(buf.array, data)
+        assert faults < 64 * MIB // BLOCK // 16, faults   # 16384 pages unmapped
+
+
+def test_store_on_tmpfs_keeps_evicted_space_allocated(shm_target):
+    """Evicting from a store whose device is mapped does not punch holes (a
+    read of a hole on a full tmpfs would be SIGBUS); the space is reused."""
+    path = shm_target(8 * MIB, "store.img")
+    allocated = os.stat(path).st_blocks
+    with KVStore.format([path], GEOM, region_size=REGION) as store:
+        assert store.io.engine.mapped(0)
+        keys = run_keys(1, 2)
+        store.put_run(keys, run_data(keys))
+        store.evict(all=True)
+        assert store.stats()["discards"] == 0
+        assert os.stat(path).st_blocks == allocated
+        keys = run_keys(2, 3)
+        store.put_run(keys, run_data(keys))
+        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
