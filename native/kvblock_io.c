@@ -422,6 +422,40 @@ int64_t kvb_pio_run(int op, uint64_t n, const uint64_t *addrs, const uint32_t *d
     return failed;
 }
 
+struct copy_part {
+    uint64_t n, m, len;
+    const uint64_t *dst, *src;
+    int64_t dst_step, src_step;
+};
+
+/* Copy a row with non-temporal stores where the destination allows: KV
+ * pages copied here are not read again soon (the model reads them layers
+ * later; staging goes to the device), so writing around the cache saves the
+ * read-for-ownership of every destination line.  glibc's memcpy switches to
+ * such stores only for copies of several MiB; rows here are KiBs. */
+static inline void copy_row(char *d, const char *s, uint64_t len)
+{
+#if defined(__SSE2__)
+    if (len >= KVB_NT_MIN_ROW && ((uintptr_t)d & 15) == 0) {
+        uint64_t i = 0;
+        for (; i + 64 <= len; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), a);
+            _mm_stream_si128((__m128i *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(d + i + 48), e);
+        }
+        if (i < len)
+            memcpy(d + i, s + i, len - i);
+        return;
+    }
+#endif
+    memcpy(d, s, len);
+}
+
 /* ------------------------------------------------------------ mapped reads
  * A store file on tmpfs has its bytes in RAM already: a copy out of a shared
  * mapping of it costs less than the kernel's read path (which copies page by
@@ -455,12 +489,19 @@ int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
             const char *src = (const char *)(uintptr_t)(bases[d] + offsets[i]);
             for (uint64_t done = 0; done < lens[i]; done += KVB_MEM_CHUNK) {
                 uint64_t len = lens[i] - done < KVB_MEM_CHUNK ? lens[i] - done : KVB_MEM_CHUNK;
-                memcpy(dst + done, src + done, len);
-                /* Hash the copy (what the caller gets), not the mapping: a
-                 * concurrent writer cannot make the two differ. */
+                copy_row(dst + done, src + done, len);
+                /* The copy streamed around the cache, so hash the source
+                 * chunk it just loaded (in L1/L2 now): 2-core VM, 1 GiB,
+                 * 2 threads, 18.5-20.3 GiB/s against 13.4-13.9 for memcpy
+                 * and a hash of the copy.  The store pins a region while it
+                 * is read, so nothing rewrites the source in between; a
+                 * stray writer could only turn a good copy into a miss. */
                 if (h && !h->failed[s])
-                    XXH3_64bits_update(h->state, dst + done, len);
+                    XXH3_64bits_update(h->state, src + done, len);
             }
+#if defined(__SSE2__)
+            _mm_sfence(); /* streamed stores visible before the result is */
+#endif
             res = (int64_t)lens[i];
         }
         if (latency_ns)
@@ -493,40 +534,6 @@ int64_t kvb_fs_type(int fd)
     if (fstatfs(fd, &st) != 0)
         return -errno;
     return (int64_t)(uint64_t)st.f_type;
-}
-
-struct copy_part {
-    uint64_t n, m, len;
-    const uint64_t *dst, *src;
-    int64_t dst_step, src_step;
-};
-
-/* Copy a row with non-temporal stores where the destination allows: KV
- * pages copied here are not read again soon (the model reads them layers
- * later; staging goes to the device), so writing around the cache saves the
- * read-for-ownership of every destination line.  glibc's memcpy switches to
- * such stores only for copies of several MiB; rows here are KiBs. */
-static inline void copy_row(char *d, const char *s, uint64_t len)
-{
-#if defined(__SSE2__)
-    if (len >= KVB_NT_MIN_ROW && ((uintptr_t)d & 15) == 0) {
-        uint64_t i = 0;
-        for (; i + 64 <= len; i += 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-            _mm_stream_si128((__m128i *)(d + i), a);
-            _mm_stream_si128((__m128i *)(d + i + 16), b);
-            _mm_stream_si128((__m128i *)(d + i + 32), c);
-            _mm_stream_si128((__m128i *)(d + i + 48), e);
-        }
-        if (i < len)
-            memcpy(d + i, s + i, len - i);
-        return;
-    }
-#endif
-    memcpy(d, s, len);
 }
 
 static void *copy_part_run(void *arg)

@@ -110,9 +110,12 @@ void kvb_copy_rows(uint64_t n, const uint64_t *dst, const uint64_t *src,
  * address and length of device d's shared mapping (0: not mapped).  Entry i
  * copies lens[i] bytes at offsets[i] of device devs[i] to addrs[i] (any
  * alignment); results[i] is lens[i], or -EINVAL for an unmapped device or a
- * range past the mapping.  With a hasher (fresh, created for exactly these n
- * entries), each 64 KiB chunk is hashed right after it is copied, in batch
- * order, on this thread.  Returns the number of failed entries, or -EINVAL
+ * range past the mapping.  Copies stream around the cache (non-temporal
+ * stores) where the destination is 16-byte aligned.  With a hasher (fresh,
+ * created for exactly these n entries), each 64 KiB chunk of the mapping is
+ * hashed right after it is copied (while the loads left it in cache), in
+ * batch order, on this thread; the caller keeps the source from being
+ * rewritten meanwhile (the store pins regions it reads).  Returns the number of failed entries, or -EINVAL
  * when the hasher is not fresh or is for another batch. */
 int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                      const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
