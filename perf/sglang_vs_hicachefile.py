@@ -14,7 +14,8 @@ exactly the ``kv_buffer`` of ``MHATokenToKVPoolHost`` (bf16, ``--layout``):
   host_indices, extra_info)``, hit query = ``batch_exists(keys,
   extra_info)``, prefetch = ``batch_get_v1(keys, host_indices,
   extra_info)``.  The store lives on a loop device (direct I/O on) over a
-  file in the location, formatted for each measurement (``"format":
+  file in the location (``--kvblock-target file``: a pre-sized store file
+  there, kvblock's embedded target), formatted for each measurement (``"format":
   "force"``); other settings are the backend's defaults (verify "always",
   max_run_bytes 64M, 2 staging buffers) unless ``--max-run-bytes`` /
   ``--staging-buffers`` say otherwise.
@@ -96,6 +97,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from sglang.srt.mem_cache.storage import StorageBackendFactory
 from sglang.srt.mem_cache.utils import get_hash_str
 
+import kvblock
 from kvblock.cli.units import parse_size
 from tests.integrations.sglang_pools import HostPool
 
@@ -180,6 +182,14 @@ def storage_config(extra: dict, layout: str) -> HiCacheStorageConfig:
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False,
         is_page_first_layout=layout == "page_first", model_name=MODEL, extra_config=extra)
+
+
+def store_files(locations, size: int):
+    """For each location, a fresh pre-sized store file there: yields
+    (location, path); the file is removed after its cases."""
+    for loc in locations:
+        with tempfile.TemporaryDirectory(prefix="kvblock-sglang-", dir=LOCATIONS[loc]) as d:
+            yield loc, str(kvblock.create_file(Path(d) / "kv.img", size))
 
 
 def attach(kind: str, pool: SGLangHostPool, base: Path, dev: str, args):
@@ -369,6 +379,10 @@ def main(argv=None) -> int:
                     help="kvblock extra_config max_run_bytes (default: the backend's, 64M)")
     ap.add_argument("--staging-buffers", type=int, default=None,
                     help="kvblock extra_config staging_buffers (default: the backend's, 2)")
+    ap.add_argument("--kvblock-target", choices=("loop", "file"), default="loop",
+                    help="kvblock's store: a loop device over a file in the location "
+                         "(default: the issue's method) or a pre-sized store file there "
+                         "(kvblock's embedded target; on /dev/shm read through a mapping)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds per case (order alternates); medians are printed")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -407,7 +421,9 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
 
     def body():
-        for loc, dev in fs.attached_targets(locations, LOCATIONS, dev_bytes):
+        targets = (fs.attached_targets(locations, LOCATIONS, dev_bytes)
+                   if args.kvblock_target == "loop" else store_files(locations, dev_bytes))
+        for loc, dev in targets:
             for page, ps, n, pool_pages in cases:
                 if page not in pools:
                     pool = SGLangHostPool(layout=args.layout, layers=args.layers,
@@ -464,14 +480,15 @@ def main(argv=None) -> int:
     settings = {"layout": args.layout, "pattern": args.pattern, "batch_pages": args.batch_pages,
                 "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
                 "dtype": "bfloat16", "pool": args.pool, "rounds": args.rounds, "gib": args.gib,
-                "max_run_bytes": args.max_run_bytes, "staging_buffers": args.staging_buffers}
+                "max_run_bytes": args.max_run_bytes, "staging_buffers": args.staging_buffers,
+                "kvblock_target": args.kvblock_target}
     if args.json:
         print(json.dumps({"rows": rows, "settings": settings}, indent=2))
         return 1 if args.check and missed else 0
     print(f"{args.gib:g} GiB per case, median of {args.rounds} rounds, {args.layout} host pool "
           f"({args.layers} layers x {args.heads} heads x {args.head_dim}, bf16), batches of "
           f"{args.batch_pages} pages ({args.pattern}); kvblock: batch_set_v1/batch_get_v1 on a "
-          f"loop device, max_run_bytes={args.max_run_bytes or '64M'}; HiCacheFile: "
+          f"{'loop device' if args.kvblock_target == 'loop' else 'store file'}, max_run_bytes={args.max_run_bytes or '64M'}; HiCacheFile: "
           f"batch_set/batch_get of flat pages, one file per page")
     head = (f"{'where':<5} {'page':>7} | {'kvblock store':>13} {'HiCacheFile store':>17} "
             f"{'ratio':>6} | {'kvblock load':>12} {'HiCacheFile load':>16} {'ratio':>6} "

@@ -66,3 +66,16 @@ def test_verified_reads_script_runs():
     assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
     for mode in ("as-they-land 256K", "as-they-land 512K", "after-read", "unverified"):
         assert mode in p.stdout, p.stdout
+
+
+def test_sglang_comparison_runs_on_a_store_file():
+    """--kvblock-target file: the store is a pre-sized file in /dev/shm (read
+    through a mapping), removed afterwards."""
+    args = [*CASES["sglang_vs_hicachefile.py"], "--kvblock-target", "file"]
+    p = subprocess.run([sys.executable, str(ROOT / "perf" / "sglang_vs_hicachefile.py"), *args,
+                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    out = json.loads(p.stdout[p.stdout.index("{"):])
+    assert out["settings"]["kvblock_target"] == "file"
+    assert {r["backend"] for r in out["rows"]} == {"kvblock", "file"}
+    assert not list(Path("/dev/shm").glob("kvblock-sglang-*"))
