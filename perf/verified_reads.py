@@ -13,7 +13,10 @@ times in each of three modes, alternating the modes within every round:
 - ``unverified``: ``verify="never"``.
 
 With ``KVBLOCK_IO_ENGINE=threads`` the first mode makes that engine's C
-workers take turns at the in-order hash cursor (not its default).
+workers take turns at the in-order hash cursor (not its default).  A store
+file on tmpfs (the default ``--where /dev/shm``) is read through a shared
+mapping, which hashes each chunk as it copies it whatever the mode says;
+``KVBLOCK_MAPPED_READS=never`` measures the engine's own reads there.
 
 The page cache is dropped before every load and every load's bytes are
 compared with what was stored.  Prints the median GiB/s of each mode.

@@ -29,9 +29,11 @@ vLLM's primary pool hands out fresh slots: kvblock's zero-copy path);
 ``scattered`` gives a fragmented pool (kvblock reads and writes each slot
 where it is: put_blocks/get_blocks).  Everything it creates is removed at the end.
 
-On /dev/shm the two targets differ: io_uring hands reads of a tmpfs file to
-its kernel workers, which copy on both cores, while a loop device copies in
-one worker of the loop driver.
+On /dev/shm the two targets differ: kvblock reads a store file on tmpfs
+through a shared mapping (a copy and a hash per 64 KiB chunk in user space,
+kvblock/io/mapped.py; ``KVBLOCK_MAPPED_READS=never`` reads it through
+io_uring, whose kernel workers copy on both cores), while a loop device
+copies in one worker of the loop driver.
 
 Note: vLLM's fs tier has a C extension (vllm.fs_io_C) that the CUDA wheel
 links against CUDA libraries; where it cannot load (a CPU-only machine) the fs
