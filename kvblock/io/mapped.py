@@ -17,9 +17,10 @@ store does not punch holes in mapped devices (:meth:`MappedDevices.mapped`).
 
 A page's first copy out of a fresh mapping takes a page fault; after the page
 cache was dropped the kernel stops mapping neighbouring pages with it, and a
-first read ran at 1.3 GiB/s (a C sketch on the 2-core VM, 1 GiB, against 8.4 once mapped).  So a
-low-priority thread maps every page in ahead of use (MADV_POPULATE_READ, about
-0.15-0.26 s per GiB of store, once per open); reads meanwhile fault as usual.
+first read ran at 1.3 GiB/s (a C sketch on the 2-core VM, 1 GiB, against 8.4
+once mapped).  So a low-priority thread maps every page in ahead of use
+(MADV_POPULATE_READ, about 0.15-0.26 s per GiB of store, once per open);
+reads meanwhile fault as usual.
 """
 
 from __future__ import annotations
