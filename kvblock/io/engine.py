@@ -148,7 +148,8 @@ class IOEngine:
         if n == 0:
             return IOResult(0, np.empty(0, np.int64) if latency else None)
         self._validate(batch)
-        if op == OP_READ and self._maps is not None and self._maps.covers(batch.devs):
+        maps = self._maps     # once: close() may drop it meanwhile (_read_mapped then refuses)
+        if op == OP_READ and maps is not None and maps.covers(batch.devs):
             return self._read_mapped(batch, latency, hashing)
         inline = hashing is not None and self.hashes_as_reads_land
         max_io = min(self.max_io, HASH_PIECE) if inline else self.max_io

@@ -1102,6 +1102,9 @@ class KVStore:
                 "devices": [d.path for d in self.io.devices],
                 "geometry": self.geometry.as_dict(),
                 "engine": self.io.engine.name,
+                # devices read through shared mappings (store files on tmpfs)
+                "mapped_reads": [d.path for i, d in enumerate(self.io.devices)
+                                 if self.io.engine.mapped(i)],
                 "capacity_bytes": r.count * r.size,
                 "used_bytes": r.used_bytes,
                 "regions": r.count,
