@@ -10,18 +10,11 @@ import pytest
 
 from kvblock.devices import Device
 from kvblock.errors import AlignmentError, ConfigError, IOFailedError
-from kvblock.io import ENGINES, IOBatch, open_engine
+from kvblock.io import IOBatch, open_engine
 from kvblock.io.uring import probe
 from kvblock.memory import HostBuffer
 
 MIB = 1 << 20
-
-
-@pytest.fixture(params=ENGINES)
-def engine_name(request):
-    if request.param == "uring" and not probe()[0]:
-        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
-    return request.param
 
 
 def _random(n, seed=0):

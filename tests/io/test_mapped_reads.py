@@ -17,21 +17,13 @@ from kvblock import KVStore, create_file
 from kvblock.devices import Device
 from kvblock.errors import ConfigError, IOFailedError
 from kvblock.format.checksum import data_checksum
-from kvblock.io import ENGINES, IOBatch, native, open_engine
+from kvblock.io import IOBatch, native, open_engine
 from kvblock.io.mapped import TMPFS_MAGIC, MappedDevices, mappable
-from kvblock.io.uring import probe
 from kvblock.memory import HostBuffer
 from tests.store.workload import GEOM, REGION, run_data, run_keys
 
 MIB = 1 << 20
 BLOCK = 4096
-
-
-@pytest.fixture(params=ENGINES)
-def engine_name(request):
-    if request.param == "uring" and not probe()[0]:
-        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
-    return request.param
 
 
 def _fs_type(path) -> int:

@@ -11,20 +11,13 @@ from hypothesis import strategies as st
 from kvblock.devices import Device
 from kvblock.errors import ConfigError, IOFailedError
 from kvblock.format.checksum import data_checksum
-from kvblock.io import ENGINES, IOBatch, native, open_engine
+from kvblock.io import IOBatch, native, open_engine
 from kvblock.io import engine as engine_mod
 from kvblock.io.uring import probe
 from kvblock.memory import HostBuffer
 
 MIB = 1 << 20
 BLOCK = 4096
-
-
-@pytest.fixture(params=ENGINES)
-def engine_name(request):
-    if request.param == "uring" and not probe()[0]:
-        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
-    return request.param
 
 
 def _fill(path, data: np.ndarray) -> None:
