@@ -2,8 +2,8 @@
 
 A store file on tmpfs (/dev/shm, a RAM-backed scratch mount) has no device
 to DMA from: every read is a kernel copy out of the page cache, 4 KiB page by
-page, which io_uring hands to its worker threads because tmpfs reads cannot
-be issued without blocking.  A copy out of a shared mapping of the same file
+page, which io_uring runs on its worker threads (kernel threads, not the
+submitting one).  A copy out of a shared mapping of the same file
 reads the same RAM for less CPU, and kvb_mem_read hashes each 64 KiB chunk
 right after copying it, while it is in cache.  Writes keep going through the
 engine (the kernel's write path reports ENOSPC as an error; a store through a
@@ -19,7 +19,7 @@ A page's first copy out of a fresh mapping takes a page fault; after the page
 cache was dropped the kernel stops mapping neighbouring pages with it, and a
 first read ran at 1.3 GiB/s (a C sketch on the 2-core VM, 1 GiB, against 8.4
 once mapped).  So a low-priority thread maps every page in ahead of use
-(MADV_POPULATE_READ, about 0.15-0.26 s per GiB of store, once per open);
+(MADV_POPULATE_READ, 0.14-0.27 s per GiB of store in a C sketch, once per open);
 reads meanwhile fault as usual.
 """
 
