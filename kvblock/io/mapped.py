@@ -18,9 +18,12 @@ store does not punch holes in mapped devices (:meth:`MappedDevices.mapped`).
 A page's first copy out of a fresh mapping takes a page fault; after the page
 cache was dropped the kernel stops mapping neighbouring pages with it, and a
 first read ran at 1.3 GiB/s (a C sketch on the 2-core VM, 1 GiB, against 8.4
-once mapped).  So a low-priority thread maps every page in ahead of use
-(MADV_POPULATE_READ, 0.14-0.27 s per GiB of store in a C sketch, once per open);
-reads meanwhile fault as usual.
+once mapped).  So every page is mapped in ahead of use (MADV_POPULATE_READ,
+0.14-0.27 s per GiB in a C sketch, once per open): before the engine is
+returned for up to PREFAULT_INLINE bytes, else by a low-priority thread, and
+until it is done reads take the engine's own path.  (Reads through a mapping
+still being faulted in made reopening a 1M-block store on tmpfs 0.66 s
+instead of 0.53, perf/test_store_ops.py; with the thread as well, 0.73.)
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from kvblock.errors import ConfigError
 from kvblock.io import native
 
 TMPFS_MAGIC = 0x01021994
-PREFAULT_STEP = 64 << 20   # one madvise call: ~10-20 ms, then a stop check
+PREFAULT_STEP = 8 << 20    # one madvise call (~1-2 ms of mmap_lock), then a stop check
+PREFAULT_INLINE = 256 << 20  # mappings up to this size are mapped in before open returns
 _SETTING = "KVBLOCK_MAPPED_READS"
 
 
@@ -91,25 +95,34 @@ class MappedDevices:
         self._all = not self.reasons
         self._any = len(self.reasons) < n
         self._stop = threading.Event()
+        self._ready = threading.Event()   # every page mapped in: reads may use the mappings
         self._prefaulter = None
         if self._any:
             spans = [(int(b), int(z)) for b, z in zip(self.bases, self.sizes) if b]
-            self._prefaulter = threading.Thread(target=self._prefault, args=(spans,),
-                                                name="kvblock-prefault", daemon=True)
-            self._prefaulter.start()
+            if sum(z for _, z in spans) <= PREFAULT_INLINE:
+                self._prefault(spans)
+            else:
+                self._prefaulter = threading.Thread(target=self._prefault, args=(spans, True),
+                                                    name="kvblock-prefault", daemon=True)
+                self._prefaulter.start()
 
-    def _prefault(self, spans) -> None:
-        try:   # yield the cores to the store's own work
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-        except OSError:
-            pass
+    def _prefault(self, spans, background: bool = False) -> None:
+        if background:
+            try:   # yield the cores to the store's own work
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+            except OSError:
+                pass
         lib = native.lib()
         for base, size in spans:
             for off in range(0, size, PREFAULT_STEP):
                 if self._stop.is_set():
                     return
                 if lib.kvb_mem_prefault(base + off, min(PREFAULT_STEP, size - off)) < 0:
-                    return   # an old kernel (EINVAL): pages fault in on first read
+                    break   # an old kernel (EINVAL): pages fault in on first read
+            else:
+                continue
+            break
+        self._ready.set()
 
     def wait_prefaulted(self, timeout: float | None = None) -> bool:
         """Block until every mapped page is mapped in (or ``timeout``)."""
@@ -134,7 +147,10 @@ class MappedDevices:
         return bool(self.bases[dev])
 
     def covers(self, devs: np.ndarray) -> bool:
-        """Every entry of a batch (its device indices) is on a mapped device."""
+        """Every entry of a batch (its device indices) is on a mapped device,
+        and the mappings are ready (until then reads take the engine's path)."""
+        if not self._ready.is_set():
+            return False
         if self._all:
             return True
         if devs.size == 1:

@@ -221,3 +221,36 @@ def test_store_on_tmpfs_keeps_evicted_space_allocated(shm_target):
         store.put_run(keys, run_data(keys))
         out = np.zeros(3 * GEOM.block_bytes, np.uint8)
         assert store.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
+
+
+def test_large_mapping_is_used_once_mapped_in(shm_target, monkeypatch):
+    """Above PREFAULT_INLINE a thread maps the pages in; reads take the
+    engine's own path until it is done, then the mapping."""
+    import kvblock.io.engine as engine_mod
+    import kvblock.io.mapped as mapped_mod
+
+    go = threading.Event()
+    prefault = mapped_mod.MappedDevices._prefault
+
+    def held(self, spans, background=False):
+        assert background
+        go.wait(30)
+        prefault(self, spans, background)
+
+    monkeypatch.setattr(mapped_mod, "PREFAULT_INLINE", MIB)
+    monkeypatch.setattr(mapped_mod.MappedDevices, "_prefault", held)
+    mapped_calls = []
+    read_mapped = engine_mod.IOEngine._read_mapped
+    monkeypatch.setattr(engine_mod.IOEngine, "_read_mapped",
+                        lambda self, *a: mapped_calls.append(1) or read_mapped(self, *a))
+    path = shm_target(8 * MIB)
+    data = _filled(path, 8 * MIB, seed=4)
+    with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(8 * MIB) as buf:
+        assert eng.mapped(0)
+        eng.read(IOBatch.contiguous(buf.address, 0, 0, 8 * MIB, MIB))
+        assert np.array_equal(buf.array, data) and not mapped_calls
+        go.set()
+        assert eng._maps.wait_prefaulted(30)
+        buf.array[:] = 0
+        eng.read(IOBatch.contiguous(buf.address, 0, 0, 8 * MIB, MIB))
+        assert np.array_equal(buf.array, data) and mapped_calls
