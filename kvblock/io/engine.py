@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -51,7 +52,8 @@ class IOEngine:
     hashes_as_reads_land = True
 
     def __init__(self, devices: Sequence[Device], *, queue_depth: int = 32,
-                 max_io: int = DEFAULT_MAX_IO, mapped_reads: bool | None = None):
+                 max_io: int = DEFAULT_MAX_IO, mapped_reads: bool | None = None,
+                 defer_mapped_reads: bool = False):
         if queue_depth < 1:
             raise ConfigError(f"queue_depth must be >= 1, got {queue_depth}")
         self.devices = list(devices)
@@ -66,8 +68,10 @@ class IOEngine:
         self._capacity_int = [int(d.capacity) for d in self.devices]
         self._local = threading.local()
         self.closed = False
-        # Store files on tmpfs are read through shared mappings (kvblock/io/mapped.py).
-        self._maps = MappedDevices.open(self.devices, mapped_reads)
+        # Store files on tmpfs are read through shared mappings (kvblock/io/mapped.py),
+        # from now or from start_mapped_reads() on.
+        self._maps = MappedDevices.open(self.devices, mapped_reads,
+                                        start=not defer_mapped_reads)
         self._map_users = 0
         self._map_idle = threading.Condition()
 
@@ -94,6 +98,13 @@ class IOEngine:
         """Whether reads of device ``dev`` are copies out of a shared mapping
         (a fully allocated store file on tmpfs; see kvblock/io/mapped.py)."""
         return self._maps is not None and self._maps.mapped(dev)
+
+    def start_mapped_reads(self, background: bool | None = None) -> None:
+        """For an engine opened with ``defer_mapped_reads``: map the pages in
+        and read through the mappings from then on (see MappedDevices.start)."""
+        maps = self._maps
+        if maps is not None:
+            maps.start(background)
 
     def flush(self) -> None:
         for d in self.devices:
@@ -149,8 +160,11 @@ class IOEngine:
             return IOResult(0, np.empty(0, np.int64) if latency else None)
         self._validate(batch)
         maps = self._maps     # once: close() may drop it meanwhile (_read_mapped then refuses)
-        if op == OP_READ and maps is not None and maps.covers(batch.devs):
-            return self._read_mapped(batch, latency, hashing)
+        if maps is not None:
+            if op == OP_READ and maps.covers(batch.devs):
+                return self._read_mapped(batch, latency, hashing)
+            if op == OP_WRITE:
+                maps.last_write = time.monotonic()   # the prefault waits for a gap
         inline = hashing is not None and self.hashes_as_reads_land
         max_io = min(self.max_io, HASH_PIECE) if inline else self.max_io
         run, parent = batch.split(max_io)

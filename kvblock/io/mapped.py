@@ -18,12 +18,19 @@ store does not punch holes in mapped devices (:meth:`MappedDevices.mapped`).
 A page's first copy out of a fresh mapping takes a page fault; after the page
 cache was dropped the kernel stops mapping neighbouring pages with it, and a
 first read ran at 1.3 GiB/s (a C sketch on the 2-core VM, 1 GiB, against 8.4
-once mapped).  So every page is mapped in ahead of use (MADV_POPULATE_READ,
-0.14-0.27 s per GiB in a C sketch, once per open): before the engine is
-returned for up to PREFAULT_INLINE bytes, else by a low-priority thread, and
-until it is done reads take the engine's own path.  (Reads through a mapping
-still being faulted in made reopening a 1M-block store on tmpfs 0.66 s
-instead of 0.53, perf/test_store_ops.py; with the thread as well, 0.73.)
+once mapped).  So every page is mapped in ahead of use (MADV_POPULATE_READ:
+0.15-0.36 s per GiB in C sketches, once per open), and until that is done
+reads take the engine's own path.  When is a trade-off, measured on the
+2-core VM:
+
+- a fresh store (``KVStore.format``) maps in before it returns: format is
+  provisioning, and a store's first loads come right after its first saves;
+- a reopened store starts only after its recovery (a prefault beside it
+  slowed reopening a 100K-block store from 0.064-0.076 s to 0.103-0.138,
+  perf/test_store_ops.py), at once up to PREFAULT_INLINE bytes, else on a
+  low-priority thread that waits for gaps between the engine's writes: each
+  populate step holds the process's mmap_lock, which every allocation needs
+  too, and beside a vLLM tier's stores it halved them.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 
 import numpy as np
 
@@ -38,8 +46,9 @@ from kvblock.errors import ConfigError
 from kvblock.io import native
 
 TMPFS_MAGIC = 0x01021994
-PREFAULT_STEP = 8 << 20    # one madvise call (~1-2 ms of mmap_lock), then a stop check
-PREFAULT_INLINE = 256 << 20  # mappings up to this size are mapped in before open returns
+PREFAULT_STEP = 64 << 20   # one madvise call (~10-20 ms), then a stop check
+PREFAULT_INLINE = 64 << 20  # mapped in on the spot (~10-17 ms); larger ones in the background
+PREFAULT_PAUSE = 0.02      # s: the background prefault waits while writes are this recent
 _SETTING = "KVBLOCK_MAPPED_READS"
 
 
@@ -76,7 +85,7 @@ class MappedDevices:
     ``sizes[d]`` its length, as kvb_mem_read takes them.
     """
 
-    def __init__(self, devices):
+    def __init__(self, devices, start: bool = True):
         n = len(devices)
         self.bases = np.zeros(n, dtype=np.uint64)
         self.sizes = np.zeros(n, dtype=np.uint64)
@@ -97,14 +106,27 @@ class MappedDevices:
         self._stop = threading.Event()
         self._ready = threading.Event()   # every page mapped in: reads may use the mappings
         self._prefaulter = None
-        if self._any:
-            spans = [(int(b), int(z)) for b, z in zip(self.bases, self.sizes) if b]
-            if sum(z for _, z in spans) <= PREFAULT_INLINE:
-                self._prefault(spans)
-            else:
-                self._prefaulter = threading.Thread(target=self._prefault, args=(spans, True),
-                                                    name="kvblock-prefault", daemon=True)
-                self._prefaulter.start()
+        self._started = False
+        self.last_write = 0.0     # monotonic time of the engine's latest write
+        if start:
+            self.start()
+
+    def start(self, background: bool | None = None) -> None:
+        """Map every page in (once), then let reads use the mappings: on this
+        thread for up to PREFAULT_INLINE bytes, else (or with ``background``)
+        on a low-priority thread."""
+        if self._started or not self._any:
+            return
+        self._started = True
+        spans = [(int(b), int(z)) for b, z in zip(self.bases, self.sizes) if b]
+        if background is None:
+            background = sum(z for _, z in spans) > PREFAULT_INLINE
+        if not background:
+            self._prefault(spans)
+            return
+        self._prefaulter = threading.Thread(target=self._prefault, args=(spans, True),
+                                            name="kvblock-prefault", daemon=True)
+        self._prefaulter.start()
 
     def _prefault(self, spans, background: bool = False) -> None:
         if background:
@@ -115,6 +137,12 @@ class MappedDevices:
         lib = native.lib()
         for base, size in spans:
             for off in range(0, size, PREFAULT_STEP):
+                # A populate step holds the process's mmap_lock: beside writes
+                # (every allocation needs it too) it halved a vLLM tier's
+                # stores to a tmpfs file; so it runs in the gaps between them.
+                while background and time.monotonic() - self.last_write < PREFAULT_PAUSE:
+                    if self._stop.wait(PREFAULT_PAUSE):
+                        return
                 if self._stop.is_set():
                     return
                 if lib.kvb_mem_prefault(base + off, min(PREFAULT_STEP, size - off)) < 0:
@@ -132,12 +160,14 @@ class MappedDevices:
         return True
 
     @classmethod
-    def open(cls, devices, choice: bool | None = None) -> "MappedDevices | None":
+    def open(cls, devices, choice: bool | None = None,
+             start: bool = True) -> "MappedDevices | None":
         """Mappings of ``devices`` that qualify, or None when none does (or
-        mapped reads are turned off)."""
+        mapped reads are turned off).  ``start``: map the pages in now (else
+        :meth:`start` does, and reads take the engine's path until then)."""
         if not mapped_reads_wanted(choice):
             return None
-        maps = cls(devices)
+        maps = cls(devices, start=start)
         if not maps._any:
             maps.close()
             return None

@@ -145,8 +145,8 @@ class KVStore:
         devs = _open_devices(devices)
         io = None
         try:
-            io = options.get("storeio_factory", StoreIO)(
-                devs, open_engine(devs, options.get("engine"),
+            io = options.get("storeio_factory", StoreIO)(   # writes only: nothing to map
+                devs, open_engine(devs, options.get("engine"), mapped_reads=False,
                                   queue_depth=options.get("queue_depth", 32)))
             if not force:
                 for i, d in enumerate(devs):
@@ -201,7 +201,9 @@ class KVStore:
                 if not any(d is x for x in devices):
                     d.close()
             raise
-        return cls._open_devs(devs, geometry=geometry, model=model, **options)
+        # A fresh store maps a tmpfs file's pages in before it returns (kvblock/io/mapped.py)
+        return cls._open_devs(devs, geometry=geometry, model=model, _prefault_now=True,
+                              **options)
 
     @classmethod
     def open(cls, devices: Sequence, *, geometry: Geometry | None = None, model=None,
@@ -236,7 +238,7 @@ class KVStore:
 
     def _init(self, devs, *, geometry=None, model=None, verify="always", eviction="lru",
               admit_after=1, engine=None, queue_depth=32, storeio_factory=None,
-              readonly=False, host_cache_bytes=0):
+              readonly=False, host_cache_bytes=0, _prefault_now=False):
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if eviction not in EVICTION_POLICIES:
@@ -262,10 +264,15 @@ class KVStore:
             if host_cache_bytes else None
         self.closed = False
         self.counters["recovery_us"] = int((time.perf_counter() - t0) * 1e6)
+        # Only now: mapping a tmpfs store's pages in beside the recovery slowed
+        # it.  A reopened store maps them in the background (recovery time is
+        # what a restart waits for); a fresh one at once (format provisions).
+        self.io.engine.start_mapped_reads(background=False if _prefault_now else None)
 
     def _make_io(self, devs) -> StoreIO:
         engine, queue_depth, factory = self._io_options
-        return factory(devs, open_engine(devs, engine, queue_depth=queue_depth))
+        return factory(devs, open_engine(devs, engine, queue_depth=queue_depth,
+                                         defer_mapped_reads=True))
 
     def _read_superblocks(self, devs, geometry, model):
         sbs = []

@@ -254,3 +254,60 @@ def test_large_mapping_is_used_once_mapped_in(shm_target, monkeypatch):
         buf.array[:] = 0
         eng.read(IOBatch.contiguous(buf.address, 0, 0, 8 * MIB, MIB))
         assert np.array_equal(buf.array, data) and mapped_calls
+
+
+def test_store_maps_its_pages_in_only_after_recovery(shm_target, monkeypatch):
+    """Recovery reads go through the engine, and the pages are mapped in
+    after it (a prefault beside the recovery slowed reopening)."""
+    path = shm_target(8 * MIB, "store.img")
+    keys = run_keys(3, 2)
+    with KVStore.format([path], GEOM, region_size=REGION) as store:
+        store.put_run(keys, run_data(keys))
+    seen = []
+    recover = KVStore._recover
+
+    def spy(self):
+        seen.append((self.io.engine.mapped(0), self.io.engine._maps._started))
+        recover(self)
+
+    monkeypatch.setattr(KVStore, "_recover", spy)
+    with KVStore.open([path]) as store:
+        assert seen == [(True, False)]
+        assert store.io.engine._maps.wait_prefaulted(30)
+        assert store.io.engine._maps.covers(np.zeros(1, np.uint32))
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+
+
+def test_fresh_store_maps_in_at_once_reopened_one_in_the_background(shm_target, monkeypatch):
+    import kvblock.io.mapped as mapped_mod
+
+    monkeypatch.setattr(mapped_mod, "PREFAULT_INLINE", MIB)   # the 8 MiB file is "large"
+    path = shm_target(8 * MIB, "store.img")
+    with KVStore.format([path], GEOM, region_size=REGION) as store:
+        maps = store.io.engine._maps
+        assert maps._ready.is_set() and maps._prefaulter is None
+    with KVStore.open([path]) as store:
+        maps = store.io.engine._maps
+        assert maps._prefaulter is not None
+        assert maps.wait_prefaulted(30) and maps._ready.is_set()
+
+
+def test_background_prefault_waits_for_a_gap_in_writes(shm_target, monkeypatch):
+    """The populate steps hold the process's mmap_lock; they run only once
+    the engine has not written for PREFAULT_PAUSE."""
+    import kvblock.io.mapped as mapped_mod
+
+    monkeypatch.setattr(mapped_mod, "PREFAULT_PAUSE", 0.2)
+    path = shm_target(8 * MIB)
+    with Device(path) as dev, open_engine([dev], defer_mapped_reads=True) as eng, \
+            HostBuffer(MIB) as buf:
+        maps = eng._maps
+        eng.write(IOBatch.single(buf.address, 0, 0, MIB))
+        maps.start(background=True)
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:     # keep writing: the prefault must wait
+            eng.write(IOBatch.single(buf.address, 0, 0, MIB))
+            assert not maps._ready.is_set()
+            time.sleep(0.01)
+        assert maps.wait_prefaulted(30) and maps._ready.is_set()
