@@ -19,6 +19,11 @@ GiB of slots (jobs of ``--job-slots`` slots, all submitted
 at once, then drained), drops the page cache (``echo 3 >
 /proc/sys/vm/drop_caches``; root), loads every slot back, checks the bytes
 and prints the median store and load GiB/s and the kvblock/fs ratios.
+Then fio reads the same amount, one slot per read with 32 in flight, from a
+fresh file in the location (or a loop device over one, with ``--kvblock-target
+loop``), page cache dropped: how fast the device itself reads, the ceiling of
+any tier on it that reads through the kernel (``--no-fio`` skips it).  Both
+tiers' loads are printed relative to it.
 
     /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py                  # ~1.5 minutes, root
     /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py --gib 4 --slots 256K,2M,8M
@@ -180,6 +185,27 @@ def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tens
             "total_s": time.perf_counter() - t0, "dropped_caches": dropped}
 
 
+def fio_read_gibps(kind: str, where: str, slot: int, total_bytes: int) -> float:
+    """How fast the device under kvblock's store reads: fio (io_uring,
+    O_DIRECT, reads of ``slot`` bytes, 32 in flight) over ``total_bytes`` of a
+    fresh file in ``where`` (``kind`` "file"), or of a loop device over one
+    ("loop"), with the page cache dropped first."""
+    base = Path(where) / f"kvblock-vllm-bench-fio-{os.getpid()}"
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        if kind == "loop":
+            target = fs.loop_target(base, total_bytes)            # filled by fio
+        else:
+            path = base / "fio.img"
+            fs.run_fio(str(path), "write", 8 << 20, 8, size=total_bytes)   # lay it out
+            target = contextlib.nullcontext(str(path))
+        with target as dev:
+            drop_caches()
+            return fs.run_fio(dev, "read", slot, 32, size=total_bytes)["gib_s"]
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def store_target(kind: str, base: Path, total_bytes: int):
     """Context manager yielding the device path of a kvblock tier store with
     room for ``total_bytes`` of slots in directory ``base``: a pre-sized file
@@ -231,8 +257,11 @@ def main(argv=None) -> int:
                     help="kvblock tier verify (the fs tier checks nothing)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds per case (order alternates); medians are printed")
+    ap.add_argument("--no-fio", action="store_true",
+                    help="skip fio's read of the same device (the load column's ceiling)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    use_fio = not args.no_fio and shutil.which("fio") is not None
     if args.kvblock_target == "loop" and os.geteuid() != 0:
         ap.error("--kvblock-target loop needs root (losetup); run as root or pass "
                  "--kvblock-target file")
@@ -255,11 +284,12 @@ def main(argv=None) -> int:
                     samples[kind].append(measure(kind, where, slot, n * slot, pool, expected,
                                                  jobs, args))
                     pool.copy_(expected)
+            fio = fio_read_gibps(args.kvblock_target, where, slot, n * slot) if use_fio else None
             for kind in ("kvblock", "fs"):
                 runs = samples[kind]
                 rows.append({
                     "tier": kind, "location": loc, "path": where, "slot": slot,
-                    "bytes": n * slot,
+                    "bytes": n * slot, "fio_read_gibps": fio,
                     "store_gibps": statistics.median(r["store_gibps"] for r in runs),
                     "load_gibps": statistics.median(r["load_gibps"] for r in runs),
                     "samples": runs,
@@ -278,17 +308,27 @@ def main(argv=None) -> int:
           f"fs tier: 16+16 threads, I/O {fs_impl}")
     if not all(r["dropped_caches"] for r in rows):
         print("warning: could not drop the page cache (not root?): loads may hit memory")
+    if use_fio:
+        print(f"fio: reads of one slot, 32 in flight, O_DIRECT, of the {args.kvblock_target} "
+              "kvblock's store sits on (the device's own read speed)")
     head = (f"{'where':<6} {'slot':>8} | {'kvblock store':>13} {'fs store':>9} {'ratio':>6} | "
-            f"{'kvblock load':>12} {'fs load':>8} {'ratio':>6}   (GiB/s)")
+            f"{'kvblock load':>12} {'fs load':>8} {'ratio':>6}"
+            + (f" | {'fio read':>8} {'kv/fio':>6} {'fs/fio':>6}" if use_fio else "")
+            + "   (GiB/s)")
     print(head)
     print("-" * len(head))
     for i in range(0, len(rows), 2):
-        kv, fs = rows[i], rows[i + 1]
-        print(f"{kv['location']:<6} {fmt_size(kv['slot']):>8} | "
-              f"{kv['store_gibps']:>13.2f} {fs['store_gibps']:>9.2f} "
-              f"{kv['store_gibps'] / fs['store_gibps']:>5.2f}x | "
-              f"{kv['load_gibps']:>12.2f} {fs['load_gibps']:>8.2f} "
-              f"{kv['load_gibps'] / fs['load_gibps']:>5.2f}x")
+        kv, fs_row = rows[i], rows[i + 1]
+        line = (f"{kv['location']:<6} {fmt_size(kv['slot']):>8} | "
+                f"{kv['store_gibps']:>13.2f} {fs_row['store_gibps']:>9.2f} "
+                f"{kv['store_gibps'] / fs_row['store_gibps']:>5.2f}x | "
+                f"{kv['load_gibps']:>12.2f} {fs_row['load_gibps']:>8.2f} "
+                f"{kv['load_gibps'] / fs_row['load_gibps']:>5.2f}x")
+        if use_fio:
+            fio = kv["fio_read_gibps"]
+            line += (f" | {fio:>8.2f} {kv['load_gibps'] / fio:>5.2f}x "
+                     f"{fs_row['load_gibps'] / fio:>5.2f}x")
+        print(line)
     return 0
 
 
