@@ -289,8 +289,14 @@ def trim(devices, as_json):
     """Discard (TRIM) every free region so the drive can reuse its flash."""
     with _store(devices, readonly=False) as store:
         done, regions = store.trim_free()
-    _emit({"regions_trimmed": done, "free_regions": regions,
-           "supported": done > 0 or regions == 0}, as_json, "kvblock trim")
+        mapped = store.stats()["mapped_reads"]
+    out = {"regions_trimmed": done, "free_regions": regions,
+           "supported": done > 0 or regions == 0}
+    if mapped and not done and regions:
+        out["note"] = (f"{', '.join(mapped)}: a store file on tmpfs read through a mapping keeps "
+                       "its space allocated; run KVBLOCK_MAPPED_READS=never kvblock trim ... "
+                       "to release it (later opens then read it through the engine)")
+    _emit(out, as_json, "kvblock trim")
 
 
 @cli.command()

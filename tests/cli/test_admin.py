@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 
 from kvblock import KVStore
@@ -315,3 +316,27 @@ def test_interrupted_format_leaves_no_half_valid_superblock(file_target):
         except NotAStoreError:
             outcomes.add("no store")
     assert outcomes == {"old store", "new store", "no store"}
+
+
+def test_trim_of_a_mapped_tmpfs_store_says_how_to_release_it(shm_target, monkeypatch):
+    path = shm_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS, "--region-size", "256K")
+    with KVStore.open([path]) as store:
+        for i in range(8):
+            store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+    assert kvb("evict", path, "--all", "--json").returncode == 0
+    allocated = os.stat(path).st_blocks
+    out = json.loads(kvb("trim", path, "--json").stdout)
+    assert out["regions_trimmed"] == 0 and "KVBLOCK_MAPPED_READS=never" in out["note"]
+    assert os.stat(path).st_blocks == allocated
+    monkeypatch.setenv("KVBLOCK_MAPPED_READS", "never")
+    out = json.loads(kvb("trim", path, "--json").stdout)
+    assert out["regions_trimmed"] > 0 and "note" not in out
+    assert os.stat(path).st_blocks < allocated
+    monkeypatch.delenv("KVBLOCK_MAPPED_READS")
+    with KVStore.open([path]) as store:           # sparse now: read through the engine
+        assert not store.io.engine.mapped(0) and store.stats()["mapped_reads"] == []
+        keys = run_keys(99, 4)
+        store.put_run(keys, run_data(keys))
+        got = np.zeros(4 * store.geometry.block_bytes, np.uint8)
+        assert store.get_run(keys, got) == 4 and np.array_equal(got, run_data(keys))
