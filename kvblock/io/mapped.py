@@ -28,9 +28,9 @@ reads take the engine's own path.  When is a trade-off, measured on the
 - a reopened store starts only after its recovery (a prefault beside it
   slowed reopening a 100K-block store from 0.064-0.076 s to 0.103-0.138,
   perf/test_store_ops.py), at once up to PREFAULT_INLINE bytes, else on a
-  low-priority thread that waits for gaps between the engine's writes: each
-  populate step holds the process's mmap_lock, which every allocation needs
-  too, and beside a vLLM tier's stores it halved them.
+  low-priority thread that waits for gaps between the engine's writes: beside
+  a vLLM tier's stores it halved them (likely because each populate step
+  holds the process's mmap_lock, which mmap and brk need too).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ from kvblock.errors import ConfigError
 from kvblock.io import native
 
 TMPFS_MAGIC = 0x01021994
-PREFAULT_STEP = 64 << 20   # one madvise call (~10-20 ms), then a stop check
-PREFAULT_INLINE = 64 << 20  # mapped in on the spot (~10-17 ms); larger ones in the background
+PREFAULT_STEP = 64 << 20   # one madvise call (~10-25 ms), then a stop check
+PREFAULT_INLINE = 64 << 20  # mapped in on the spot (~10-25 ms); larger ones in the background
 PREFAULT_PAUSE = 0.02      # s: the background prefault waits while writes are this recent
 _SETTING = "KVBLOCK_MAPPED_READS"
 
@@ -137,9 +137,9 @@ class MappedDevices:
         lib = native.lib()
         for base, size in spans:
             for off in range(0, size, PREFAULT_STEP):
-                # A populate step holds the process's mmap_lock: beside writes
-                # (every allocation needs it too) it halved a vLLM tier's
-                # stores to a tmpfs file; so it runs in the gaps between them.
+                # Beside a vLLM tier's stores to a tmpfs file a prefault halved
+                # them (likely: a populate step holds the process's mmap_lock,
+                # which mmap and brk need too), so it runs between writes.
                 while background and time.monotonic() - self.last_write < PREFAULT_PAUSE:
                     if self._stop.wait(PREFAULT_PAUSE):
                         return
