@@ -95,8 +95,9 @@ class IOEngine:
         self.write(IOBatch.single(_address(view), dev, offset, view.size))
 
     def mapped(self, dev: int) -> bool:
-        """Whether reads of device ``dev`` are copies out of a shared mapping
-        (a fully allocated store file on tmpfs; see kvblock/io/mapped.py)."""
+        """Whether device ``dev`` is mapped (a fully allocated store file on
+        tmpfs): its reads are copies out of the mapping once its pages are
+        mapped in (see kvblock/io/mapped.py)."""
         return self._maps is not None and self._maps.mapped(dev)
 
     def start_mapped_reads(self, background: bool | None = None) -> None:
