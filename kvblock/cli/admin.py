@@ -108,13 +108,33 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     _emit(info, as_json, "kvblock store formatted")
 
 
+def _reads(store) -> tuple[str, list[str]]:
+    """How each device is read ("mapped" or the engine's name), and hints for
+    devices a faster path exists for."""
+    from kvblock.io.mapped import loop_over_tmpfs
+
+    engine, hints, ways = store.io.engine, [], []
+    for i, d in enumerate(store.io.devices):
+        ways.append(f"#{i} " + ("mapped (tmpfs file)" if engine.mapped(i) else
+                                f"{engine.name}, direct I/O"))
+        backing = loop_over_tmpfs(d)
+        if backing is not None:
+            hints.append(f"{d.path} is a loop device over {backing} on tmpfs: the loop "
+                         f"driver copies every read on one kernel worker; give kvblock "
+                         f"{backing} itself to read it through a mapping")
+    return ", ".join(ways), hints
+
+
 def _info(store) -> dict:
     s = store.stats()
     sb = store.sb
+    reads, hints = _reads(store)
     return {
         "uuid": s["uuid"], "format_version": sb.version,
         "devices": ", ".join(f"#{i} {d.path} ({d.info.kind}, {d.capacity} bytes)"
                              for i, d in enumerate(store.io.devices)),
+        "reads": reads,
+        **({"hint": "; ".join(hints)} if hints else {}),
         "geometry": store.geometry.describe(), "block_bytes": store.geometry.block_bytes,
         "model_fingerprint": sb.fingerprint.hex()[:16], "alignment": sb.alignment,
         "region_size": sb.region_size, "regions": s["regions"],

@@ -16,6 +16,7 @@ import pytest
 
 from kvblock import KVStore
 from tests.store.workload import run_data, run_keys
+from tests.support import loopdev
 
 GEOM_ARGS = ["--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--dtype", "float16",
              "--block-tokens", "16", "--head-groups", "2"]
@@ -85,6 +86,9 @@ def test_format_info_ls_fsck_on_loop_device(loop_device):
     out = json.loads(res.stdout)
     assert out["runs"] == 3 and out["blocks"] == 6 and out["state"] == "clean"
     assert out["uuid"] == info["uuid"]
+    assert out["reads"].startswith("#0 ") and out["reads"].endswith(", direct I/O"), out
+    backing = loopdev.backing_of(dev)       # a file in /dev/shm: info says to use it instead
+    assert out["hint"].startswith(f"{dev} is a loop device over {backing} on tmpfs"), out
     res = kvb("ls", dev, "--json", "--limit", "2")
     rows = json.loads(res.stdout)
     assert rows["total_runs"] == 3 and len(rows["runs"]) == 2
@@ -324,6 +328,8 @@ def test_trim_of_a_mapped_tmpfs_store_says_how_to_release_it(shm_target, monkeyp
     with KVStore.open([path]) as store:
         for i in range(8):
             store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+    info = json.loads(kvb("info", path, "--json").stdout)
+    assert info["reads"] == "#0 mapped (tmpfs file)" and "hint" not in info, info
     assert kvb("evict", path, "--all", "--json").returncode == 0
     allocated = os.stat(path).st_blocks
     out = json.loads(kvb("trim", path, "--json").stdout)

@@ -5,6 +5,7 @@ and a store that never punches holes in a mapped device."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import threading
@@ -18,9 +19,10 @@ from kvblock.devices import Device
 from kvblock.errors import ConfigError, IOFailedError
 from kvblock.format.checksum import data_checksum
 from kvblock.io import IOBatch, native, open_engine
-from kvblock.io.mapped import TMPFS_MAGIC, MappedDevices, mappable
+from kvblock.io.mapped import TMPFS_MAGIC, MappedDevices, loop_over_tmpfs, mappable
 from kvblock.memory import HostBuffer
 from tests.store.workload import GEOM, REGION, run_data, run_keys
+from tests.support import loopdev
 
 MIB = 1 << 20
 BLOCK = 4096
@@ -47,7 +49,8 @@ def test_dev_shm_is_tmpfs():
     assert _fs_type("/dev/shm") == TMPFS_MAGIC
 
 
-def test_which_devices_are_mapped(shm_target, file_target, loop_device, tmp_path, monkeypatch):
+def test_which_devices_are_mapped(shm_target, file_target, loop_device, tmp_path, monkeypatch,
+                                  caplog):
     shm = shm_target(8 * MIB)
     sparse = os.path.join(os.path.dirname(shm), "sparse.img")
     with open(sparse, "wb") as f:
@@ -55,12 +58,26 @@ def test_which_devices_are_mapped(shm_target, file_target, loop_device, tmp_path
     on_disk = str(create_file(tmp_path / "disk.img", 8 * MIB))
     assert _fs_type(on_disk) != TMPFS_MAGIC
     loop = loop_device(8 * MIB)     # a block device, even when its file is on tmpfs
-    devs = [Device(p) for p in (shm, sparse, on_disk, loop)]
-    try:
-        assert [mappable(d) for d in devs] == [
-            None, "not fully allocated (sparse)", "not on tmpfs", "not a file"]
-        with open_engine(devs) as eng:
-            assert [eng.mapped(i) for i in range(4)] == [True, False, False, False]
+    over = loopdev.backing_of(loop)
+    assert _fs_type(over) == TMPFS_MAGIC
+    with contextlib.ExitStack() as stack:
+        disk_loop = stack.enter_context(loopdev.loop_device(8 * MIB, tmp_path))
+        devs = [stack.enter_context(Device(p)) for p in (shm, sparse, on_disk, loop, disk_loop)]
+        reasons = [mappable(d) for d in devs]
+        assert reasons[:3] == [None, "not fully allocated (sparse)", "not on tmpfs"]
+        # a loop device over a tmpfs file names the file to give kvblock instead
+        assert reasons[3].startswith(f"a loop device over {over} on tmpfs: give kvblock that "
+                                     "file instead")
+        assert reasons[4] == "not a file"
+        assert [loop_over_tmpfs(d) for d in devs] == [None, None, None, over, None]
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvblock"), open_engine(devs) as eng:
+            assert [eng.mapped(i) for i in range(5)] == [True, False, False, False, False]
+        assert [r.getMessage() for r in caplog.records] == [f"kvblock: {loop} is {reasons[3]}"]
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvblock"), open_engine(devs[3:4]):
+            pass
+        assert not caplog.records          # said once per process
         with open_engine(devs, mapped_reads=False) as eng:
             assert not eng.mapped(0)
         monkeypatch.setenv("KVBLOCK_MAPPED_READS", "never")
@@ -69,9 +86,6 @@ def test_which_devices_are_mapped(shm_target, file_target, loop_device, tmp_path
         monkeypatch.setenv("KVBLOCK_MAPPED_READS", "sometimes")
         with pytest.raises(ConfigError, match="KVBLOCK_MAPPED_READS"):
             open_engine(devs[:1])
-    finally:
-        for d in devs:
-            d.close()
 
 
 def test_reads_equal_the_bytes_and_see_later_writes(engine_name, shm_target):

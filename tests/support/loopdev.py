@@ -66,6 +66,11 @@ def detach(dev: str) -> None:
     _ATTACHED.discard(dev)
 
 
+def backing_of(dev: str) -> str:
+    """The backing file the loop device ``dev`` is attached to."""
+    return (Path("/sys/block") / Path(dev).name / "loop" / "backing_file").read_text().strip()
+
+
 def still_attached() -> list[str]:
     """Loop devices this process attached and never detached (the leak check)."""
     return sorted(_ATTACHED)
