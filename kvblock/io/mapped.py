@@ -13,6 +13,10 @@ A device is mapped only when it is a regular file on tmpfs whose every byte
 is allocated (a pre-sized store file: ``create_file`` reserves it with
 posix_fallocate), so a read through the mapping never has to allocate. The
 store does not punch holes in mapped devices (:meth:`MappedDevices.mapped`).
+A file cut shorter under a running store is the one thing a mapping turns
+from an error into a crash: a read past the new end is a SIGBUS, where pread
+returned a short read.  The store's flock keeps other kvblock processes off
+its files; nothing else may truncate them while they are open.
 ``KVBLOCK_MAPPED_READS=never`` turns this off.
 
 A page's first copy out of a fresh mapping takes a page fault; after the page
