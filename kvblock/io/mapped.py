@@ -56,7 +56,7 @@ PREFAULT_INLINE = 64 << 20  # mapped in on the spot (~10-25 ms); larger ones in 
 PREFAULT_PAUSE = 0.02      # s: the background prefault waits while writes are this recent
 _SETTING = "KVBLOCK_MAPPED_READS"
 logger = logging.getLogger("kvblock")
-_warned: set[tuple[str, str]] = set()   # (device, reason) the loop warning was given for
+_warned: set[tuple[str, str]] = set()   # (device, reason) the loop advice was logged for
 
 
 def mapped_reads_wanted(choice: bool | None = None) -> bool:
@@ -131,9 +131,11 @@ class MappedDevices:
             why = mappable(dev)
             if why is not None:
                 self.reasons[d] = why
+                # Advice, not a fault (test rigs and benchmarks do this on
+                # purpose), so INFO; `kvblock info` shows it as a hint.
                 if why.startswith("a loop device") and (dev.path, why) not in _warned:
                     _warned.add((dev.path, why))      # once per process, not per engine
-                    logger.warning("kvblock: %s is %s", dev.path, why)
+                    logger.info("kvblock: %s is %s", dev.path, why)
                 continue
             m = mmap.mmap(dev.fd, int(dev.capacity), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             view = np.frombuffer(m, dtype=np.uint8)

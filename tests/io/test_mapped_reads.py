@@ -71,11 +71,11 @@ def test_which_devices_are_mapped(shm_target, file_target, loop_device, tmp_path
         assert reasons[4] == "not a file"
         assert [loop_over_tmpfs(d) for d in devs] == [None, None, None, over, None]
         caplog.clear()
-        with caplog.at_level("WARNING", logger="kvblock"), open_engine(devs) as eng:
+        with caplog.at_level("INFO", logger="kvblock"), open_engine(devs) as eng:
             assert [eng.mapped(i) for i in range(5)] == [True, False, False, False, False]
         assert [r.getMessage() for r in caplog.records] == [f"kvblock: {loop} is {reasons[3]}"]
         caplog.clear()
-        with caplog.at_level("WARNING", logger="kvblock"), open_engine(devs[3:4]):
+        with caplog.at_level("INFO", logger="kvblock"), open_engine(devs[3:4]):
             pass
         assert not caplog.records          # said once per process
         with open_engine(devs, mapped_reads=False) as eng:
