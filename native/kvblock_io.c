@@ -17,7 +17,7 @@
 #include <emmintrin.h>
 #endif
 
-#define KVB_ABI_VERSION 4
+#define KVB_ABI_VERSION 5
 #define KVB_MAX_BUFS 64
 #define KVB_COPY_MAX_THREADS 16
 #define KVB_NT_MIN_ROW 1024 /* rows at least this long are streamed */
@@ -463,10 +463,13 @@ static inline void copy_row(char *d, const char *s, uint64_t len)
  * it is copied, while it is still in cache. */
 #define KVB_MEM_CHUNK (64u << 10)
 
-int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
-                     const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
-                     const uint64_t *offsets, const uint64_t *lens, int64_t *results,
-                     int64_t *latency_ns, kvb_hasher *h)
+/* Copy entries between host buffers and device mappings: out of them
+ * (to_map 0; hashing each chunk of the source with h) or into them
+ * (to_map 1; h must be NULL). */
+static int64_t mem_copy(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
+                        const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
+                        const uint64_t *offsets, const uint64_t *lens, int64_t *results,
+                        int64_t *latency_ns, kvb_hasher *h, int to_map)
 {
     if (h) {
         pthread_mutex_lock(&h->lock);
@@ -485,8 +488,10 @@ int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
             lens[i] > sizes[d] - offsets[i]) {
             res = -EINVAL;
         } else {
-            char *dst = (char *)(uintptr_t)addrs[i];
-            const char *src = (const char *)(uintptr_t)(bases[d] + offsets[i]);
+            char *mapped = (char *)(uintptr_t)(bases[d] + offsets[i]);
+            char *host = (char *)(uintptr_t)addrs[i];
+            char *dst = to_map ? mapped : host;
+            const char *src = to_map ? host : mapped;
             for (uint64_t done = 0; done < lens[i]; done += KVB_MEM_CHUNK) {
                 uint64_t len = lens[i] - done < KVB_MEM_CHUNK ? lens[i] - done : KVB_MEM_CHUNK;
                 copy_row(dst + done, src + done, len);
@@ -500,7 +505,10 @@ int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                     XXH3_64bits_update(h->state, src + done, len);
             }
 #if defined(__SSE2__)
-            _mm_sfence(); /* streamed stores visible before the result is */
+            /* streamed stores visible before the result is (and, into a
+             * mapping, before anything this thread writes next: the journal
+             * record that publishes them) */
+            _mm_sfence();
 #endif
             res = (int64_t)lens[i];
         }
@@ -518,6 +526,24 @@ int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
     if (h)
         pthread_mutex_unlock(&h->lock);
     return failed;
+}
+
+int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
+                     const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
+                     const uint64_t *offsets, const uint64_t *lens, int64_t *results,
+                     int64_t *latency_ns, kvb_hasher *h)
+{
+    return mem_copy(n, addrs, devs, bases, sizes, nbases, offsets, lens, results, latency_ns,
+                    h, 0);
+}
+
+int64_t kvb_mem_write(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
+                      const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
+                      const uint64_t *offsets, const uint64_t *lens, int64_t *results,
+                      int64_t *latency_ns)
+{
+    return mem_copy(n, addrs, devs, bases, sizes, nbases, offsets, lens, results, latency_ns,
+                    NULL, 1);
 }
 
 int kvb_mem_prefault(uint64_t addr, uint64_t len)

@@ -115,6 +115,7 @@ def _reads(store) -> tuple[str, list[str]]:
 
     engine, hints, ways = store.io.engine, [], []
     for i, d in enumerate(store.io.devices):
+        # (info opens read-only: a store opened to write maps its writes too)
         ways.append(f"#{i} " + ("mapped (tmpfs file)" if engine.mapped(i) else
                                 f"{engine.name}, direct I/O"))
         backing = loop_over_tmpfs(d)

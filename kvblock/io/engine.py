@@ -53,7 +53,7 @@ class IOEngine:
 
     def __init__(self, devices: Sequence[Device], *, queue_depth: int = 32,
                  max_io: int = DEFAULT_MAX_IO, mapped_reads: bool | None = None,
-                 defer_mapped_reads: bool = False):
+                 defer_mapped_reads: bool = False, mapped_writes: bool = True):
         if queue_depth < 1:
             raise ConfigError(f"queue_depth must be >= 1, got {queue_depth}")
         self.devices = list(devices)
@@ -68,10 +68,11 @@ class IOEngine:
         self._capacity_int = [int(d.capacity) for d in self.devices]
         self._local = threading.local()
         self.closed = False
-        # Store files on tmpfs are read through shared mappings (kvblock/io/mapped.py),
-        # from now or from start_mapped_reads() on.
+        # Store files on tmpfs are read (and, with mapped_writes, written) through
+        # shared mappings (kvblock/io/mapped.py), from now or from
+        # start_mapped_reads() on.
         self._maps = MappedDevices.open(self.devices, mapped_reads,
-                                        start=not defer_mapped_reads)
+                                        start=not defer_mapped_reads, writes=mapped_writes)
         self._map_users = 0
         self._map_idle = threading.Condition()
 
@@ -97,8 +98,14 @@ class IOEngine:
     def mapped(self, dev: int) -> bool:
         """Whether device ``dev`` is mapped (a fully allocated store file on
         tmpfs): its reads are copies out of the mapping once its pages are
-        mapped in (see kvblock/io/mapped.py)."""
+        mapped in, and so are its writes when :meth:`mapped_for_writes` (see
+        kvblock/io/mapped.py)."""
         return self._maps is not None and self._maps.mapped(dev)
+
+    def mapped_for_writes(self, dev: int) -> bool:
+        """Whether writes to device ``dev`` copy into its mapping (once mapped in)."""
+        maps = self._maps
+        return maps is not None and bool(maps.writable[dev])
 
     def start_mapped_reads(self, background: bool | None = None) -> None:
         """For an engine opened with ``defer_mapped_reads``: map the pages in
@@ -160,10 +167,10 @@ class IOEngine:
         if n == 0:
             return IOResult(0, np.empty(0, np.int64) if latency else None)
         self._validate(batch)
-        maps = self._maps     # once: close() may drop it meanwhile (_read_mapped then refuses)
+        maps = self._maps     # once: close() may drop it meanwhile (_copy_mapped then refuses)
         if maps is not None:
-            if op == OP_READ and maps.covers(batch.devs):
-                return self._read_mapped(batch, latency, hashing)
+            if maps.covers(batch.devs, writing=op == OP_WRITE):
+                return self._copy_mapped(op, batch, latency, hashing)
             if op == OP_WRITE:
                 maps.last_write = time.monotonic()   # the prefault waits for a gap
         inline = hashing is not None and self.hashes_as_reads_land
@@ -198,9 +205,9 @@ class IOEngine:
             native.hash_pieces(batch.addrs, batch.lens, *hashing)
         return IOResult(batch.nbytes, lat)
 
-    def _read_mapped(self, batch: IOBatch, latency: bool, hashing) -> IOResult:
+    def _copy_mapped(self, op: int, batch: IOBatch, latency: bool, hashing) -> IOResult:
         """Copy the batch out of the devices' mappings (hashing each chunk as
-        it is copied, when asked to), on this thread."""
+        it is copied, when asked to), or into them, on this thread."""
         n = len(batch)
         results = np.empty(n, dtype=np.int64)
         lat = np.empty(n, dtype=np.int64) if latency else None
@@ -215,14 +222,17 @@ class IOEngine:
                 hasher = native.Hasher(batch.addrs, batch.lens, *hashing[:2], results,
                                        hashing[2])
             maps = self._maps
-            ret = native.lib().kvb_mem_read(
-                n, p("uint64_t *", batch.addrs), p("uint32_t *", batch.devs),
-                p("uint64_t *", maps.bases), p("uint64_t *", maps.sizes), len(maps.bases),
-                p("uint64_t *", batch.offsets), p("uint64_t *", batch.lens),
-                p("int64_t *", results), p("int64_t *", lat),
-                native.ffi.NULL if hasher is None else hasher.handle)
+            args = (n, p("uint64_t *", batch.addrs), p("uint32_t *", batch.devs),
+                    p("uint64_t *", maps.bases), p("uint64_t *", maps.sizes), len(maps.bases),
+                    p("uint64_t *", batch.offsets), p("uint64_t *", batch.lens),
+                    p("int64_t *", results), p("int64_t *", lat))
+            if op == OP_WRITE:
+                ret = native.lib().kvb_mem_write(*args)
+            else:
+                ret = native.lib().kvb_mem_read(
+                    *args, native.ffi.NULL if hasher is None else hasher.handle)
             if ret < 0:
-                raise ConfigError(f"kvb_mem_read: {strerror(-ret)}")
+                raise ConfigError(f"kvb_mem_{_OP_NAME[op]}: {strerror(-ret)}")
         finally:
             if hasher is not None:
                 hasher.finish()
@@ -232,7 +242,7 @@ class IOEngine:
                     self._map_idle.notify_all()
         bad = results != batch.lens.astype(np.int64)
         if bad.any():
-            self._raise(OP_READ, batch, results, bad)
+            self._raise(op, batch, results, bad)
         return IOResult(batch.nbytes, lat)
 
     def close(self) -> None:

@@ -254,7 +254,11 @@ class RemoteStore:
         try:
             for p in paths:  # the server holds the exclusive claim
                 devs.append(Device(p, writable=True, exclusive=False))
-            self.io = StoreIO(devs, open_engine(devs, engine, queue_depth=queue_depth))
+            # Writes go through the kernel: the server may have punched holes
+            # (a server with mapped reads off trims), and a write into a hole
+            # through a mapping of a full tmpfs would be a SIGBUS, not ENOSPC.
+            self.io = StoreIO(devs, open_engine(devs, engine, queue_depth=queue_depth,
+                                                mapped_writes=False))
         except BaseException:
             for d in devs:
                 d.close()

@@ -1109,9 +1109,11 @@ class KVStore:
                 "devices": [d.path for d in self.io.devices],
                 "geometry": self.geometry.as_dict(),
                 "engine": self.io.engine.name,
-                # devices read through shared mappings (store files on tmpfs)
+                # devices read (and written) through shared mappings (store files on tmpfs)
                 "mapped_reads": [d.path for i, d in enumerate(self.io.devices)
                                  if self.io.engine.mapped(i)],
+                "mapped_writes": [d.path for i, d in enumerate(self.io.devices)
+                                  if self.io.engine.mapped_for_writes(i)],
                 "capacity_bytes": r.count * r.size,
                 "used_bytes": r.used_bytes,
                 "regions": r.count,

@@ -113,6 +113,103 @@ def test_reads_equal_the_bytes_and_see_later_writes(engine_name, shm_target):
             assert (dst.array == 0xA5).all()
 
 
+def _pread(path, offset, n) -> np.ndarray:
+    """The file's bytes as the kernel's read path sees them (no mapping)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return np.frombuffer(os.pread(fd, n, offset), np.uint8)
+    finally:
+        os.close(fd)
+
+
+def test_writes_copy_into_the_mapping(engine_name, shm_target, monkeypatch):
+    """Writes to a writable mapped device are copies into the mapping, from
+    any source alignment; the kernel's read path sees exactly those bytes."""
+    import kvblock.io.engine as engine_mod
+
+    copies = []
+    copy_mapped = engine_mod.IOEngine._copy_mapped
+    monkeypatch.setattr(engine_mod.IOEngine, "_copy_mapped",
+                        lambda self, op, *a: copies.append(op) or copy_mapped(self, op, *a))
+    path = shm_target(16 * MIB)
+    before = _filled(path, 16 * MIB, seed=6)
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, 3 * MIB + 1, dtype=np.uint8)
+    offsets = np.array([0, 5 * MIB, 16 * MIB - 4 * BLOCK, 9 * MIB + BLOCK], np.uint64)
+    lens = np.array([MIB, MIB + 8 * BLOCK, 4 * BLOCK, MIB - 12 * BLOCK], np.uint64)
+    homes = np.cumsum(lens) - lens + np.uint64(src.ctypes.data + 1)   # unaligned sources
+    with Device(path) as dev, open_engine([dev], engine_name) as eng:
+        assert eng.mapped(0) and eng.mapped_for_writes(0)
+        res = eng.write(IOBatch(homes, 0, offsets, lens), latency=True)
+        assert res.nbytes == int(lens.sum()) and (res.latency_ns >= 0).all()
+        assert copies == [engine_mod.OP_WRITE]
+    want, at = before.copy(), 1
+    for o, n in zip(offsets.tolist(), lens.tolist()):
+        want[o:o + n] = src[at:at + n]
+        at += n
+    assert np.array_equal(_pread(path, 0, 16 * MIB), want)
+
+
+def test_writes_take_the_engine_path_when_asked_or_read_only(shm_target, monkeypatch):
+    """mapped_writes=False (store-server clients) and read-only devices map
+    for reads only; their writes, if any, go through the kernel."""
+    import kvblock.io.engine as engine_mod
+
+    copies = []
+    copy_mapped = engine_mod.IOEngine._copy_mapped
+    monkeypatch.setattr(engine_mod.IOEngine, "_copy_mapped",
+                        lambda self, op, *a: copies.append(op) or copy_mapped(self, op, *a))
+    path = shm_target(8 * MIB)
+    _filled(path, 8 * MIB, seed=8)
+    with Device(path) as dev, open_engine([dev], mapped_writes=False) as eng, \
+            HostBuffer(MIB) as buf:
+        assert eng.mapped(0) and not eng.mapped_for_writes(0)
+        buf.array[:] = 0x3C
+        eng.write(IOBatch.single(buf.address, 0, 2 * MIB, MIB))
+        assert copies == []
+        buf.array[:] = 0
+        eng.read(IOBatch.single(buf.address, 0, 2 * MIB, MIB))     # mapped read
+        assert copies == [engine_mod.OP_READ] and (buf.array == 0x3C).all()
+    assert (_pread(path, 2 * MIB, MIB) == 0x3C).all()
+    with Device(path, writable=False) as dev, open_engine([dev]) as eng:
+        assert eng.mapped(0) and not eng.mapped_for_writes(0)
+
+
+def test_native_mem_write_refuses_unmapped_devices_and_ranges(shm_target):
+    path = shm_target(4 * MIB)
+    data = _filled(path, 4 * MIB, seed=10)
+    with Device(path) as dev:
+        maps = MappedDevices([dev])
+        try:
+            bases = np.array([maps.bases[0], 0], np.uint64)
+            sizes = np.array([maps.sizes[0], 0], np.uint64)
+            src = np.full(3 * BLOCK, 0x5A, np.uint8)
+            addrs = np.arange(3, dtype=np.uint64) * BLOCK + np.uint64(src.ctypes.data)
+            devs = np.array([0, 1, 0], np.uint32)
+            offs = np.array([BLOCK, 0, 4 * MIB], np.uint64)
+            lens = np.full(3, BLOCK, np.uint64)
+            results = np.empty(3, np.int64)
+            p = native.ptr
+            failed = native.lib().kvb_mem_write(
+                3, p("uint64_t *", addrs), p("uint32_t *", devs), p("uint64_t *", bases),
+                p("uint64_t *", sizes), 2, p("uint64_t *", offs), p("uint64_t *", lens),
+                p("int64_t *", results), native.ffi.NULL)
+            assert failed == 2 and results.tolist() == [BLOCK, -22, -22]
+        finally:
+            maps.close()
+    want = data.copy()
+    want[BLOCK:2 * BLOCK] = 0x5A
+    assert np.array_equal(_pread(path, 0, 4 * MIB), want)
+
+
+def test_out_of_range_write_is_a_typed_error(shm_target):
+    path = shm_target(4 * MIB)
+    with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(2 * BLOCK) as buf:
+        assert eng.mapped_for_writes(0)
+        with pytest.raises(IOFailedError, match="past the device"):
+            eng.write(IOBatch.single(buf.address, 0, 4 * MIB - BLOCK, 2 * BLOCK))
+
+
 def test_hashed_reads_equal_data_checksum(engine_name, shm_target):
     path = shm_target(32 * MIB)
     data = _filled(path, 32 * MIB, seed=5)
@@ -225,7 +322,7 @@ def test_store_on_tmpfs_keeps_evicted_space_allocated(shm_target):
     allocated = os.stat(path).st_blocks
     with KVStore.format([path], GEOM, region_size=REGION) as store:
         assert store.io.engine.mapped(0)
-        assert store.stats()["mapped_reads"] == [path]
+        assert store.stats()["mapped_reads"] == store.stats()["mapped_writes"] == [path]
         keys = run_keys(1, 2)
         store.put_run(keys, run_data(keys))
         store.evict(all=True)
@@ -254,20 +351,24 @@ def test_large_mapping_is_used_once_mapped_in(shm_target, monkeypatch):
     monkeypatch.setattr(mapped_mod, "PREFAULT_INLINE", MIB)
     monkeypatch.setattr(mapped_mod.MappedDevices, "_prefault", held)
     mapped_calls = []
-    read_mapped = engine_mod.IOEngine._read_mapped
-    monkeypatch.setattr(engine_mod.IOEngine, "_read_mapped",
-                        lambda self, *a: mapped_calls.append(1) or read_mapped(self, *a))
+    copy_mapped = engine_mod.IOEngine._copy_mapped
+    monkeypatch.setattr(engine_mod.IOEngine, "_copy_mapped",
+                        lambda self, op, *a: mapped_calls.append(op) or copy_mapped(self, op, *a))
     path = shm_target(8 * MIB)
     data = _filled(path, 8 * MIB, seed=4)
     with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(8 * MIB) as buf:
         assert eng.mapped(0)
         eng.read(IOBatch.contiguous(buf.address, 0, 0, 8 * MIB, MIB))
         assert np.array_equal(buf.array, data) and not mapped_calls
+        eng.write(IOBatch.single(buf.address, 0, 0, MIB))       # the engine's path too
+        assert not mapped_calls
         go.set()
         assert eng._maps.wait_prefaulted(30)
         buf.array[:] = 0
         eng.read(IOBatch.contiguous(buf.address, 0, 0, 8 * MIB, MIB))
-        assert np.array_equal(buf.array, data) and mapped_calls
+        assert np.array_equal(buf.array, data) and mapped_calls == [engine_mod.OP_READ]
+        eng.write(IOBatch.single(buf.address, 0, 0, MIB))
+        assert mapped_calls == [engine_mod.OP_READ, engine_mod.OP_WRITE]
 
 
 def test_store_maps_its_pages_in_only_after_recovery(shm_target, monkeypatch):

@@ -251,6 +251,26 @@ def test_blocks_in_separate_buffers_through_remote_store(tmp_path, sock):
         b.unpin(pins)
 
 
+def test_ranks_on_a_tmpfs_store_file_write_through_the_kernel(shm_target, sock):
+    """A store file on tmpfs: ranks read it through a mapping, but write
+    through the kernel (the server may have punched holes a mapped write would
+    fault on); the server's own writes (metadata) may use its mapping."""
+    path = shm_target(16 * MIB)
+    _format(path)
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as a, \
+            RemoteStore(sock) as b:
+        eng = a.io.engine
+        assert eng.mapped(0) and not eng.mapped_for_writes(0)
+        assert server.store.io.engine.mapped_for_writes(0)
+        for i in range(6):
+            keys = run_keys(i, 1 + i % 3)
+            assert a.put_run(keys, run_data(keys)) == len(keys)
+        for i in range(6):
+            keys = run_keys(i, 1 + i % 3)
+            out = np.zeros(len(keys) * GEOM.block_bytes, np.uint8)
+            assert b.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
+
+
 def test_errors_cross_the_socket(tmp_path, sock):
     from kvblock import create_file
 

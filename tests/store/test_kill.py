@@ -12,16 +12,25 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvblock import KVStore, create_file
+from kvblock.io.mapped import PREFAULT_INLINE
 from tests.store.workload import GEOM, REGION, Journal, check_store, run_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = int(os.environ.get("KVBLOCK_KILL_ROUNDS", "40"))
 
 
-def test_sigkill_at_random_moments(tmp_path):
-    path = tmp_path / "kill.img"
-    create_file(path, 96 << 20)   # large enough that nothing is evicted (checked below)
+@pytest.mark.parametrize("where", ["disk", "shm"])
+def test_sigkill_at_random_moments(tmp_path, shm_target, where):
+    """``shm``: a store file on tmpfs, written through a mapping (small enough
+    to be mapped in before the first put)."""
+    if where == "shm":
+        path = Path(shm_target(PREFAULT_INLINE, "kill.img"))
+    else:
+        path = tmp_path / "kill.img"
+        create_file(path, 96 << 20)   # large enough that nothing is evicted (checked below)
     KVStore.format([str(path)], GEOM, region_size=REGION, journal_bytes=256 << 10).close()
     rng = random.Random(1234)
     log = Journal()
@@ -54,6 +63,7 @@ def test_sigkill_at_random_moments(tmp_path):
             log.deleting.add(run_keys(last - 3, 1)[0])  # its delete may have been in flight
         next_run = last + 2
         with KVStore.open([str(path)]) as store:
+            assert store.io.engine.mapped_for_writes(0) == (where == "shm")
             assert check_store(store, log) > 0
             assert store.stats()["regions_free"] > 0, "store filled up: eviction would hide losses"
     assert next_run > ROUNDS
