@@ -302,7 +302,9 @@ def test_close_waits_for_readers_then_refuses(shm_target):
         buf.close()
 
 
-def test_prefaulted_mapping_reads_without_page_faults(shm_target):
+def test_prefaulted_mapping_copies_without_page_faults(shm_target):
+    """Pages mapped in once serve reads and writes: no fault per page (the
+    pages of a tmpfs mapping are mapped writable on the read prefault)."""
     path = shm_target(64 * MIB)
     data = _filled(path, 64 * MIB, seed=2)
     with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(64 * MIB) as buf:
@@ -313,6 +315,12 @@ def test_prefaulted_mapping_reads_without_page_faults(shm_target):
         faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
         assert np.array_equal(buf.array, data)
         assert faults < 64 * MIB // BLOCK // 16, faults   # 16384 pages unmapped
+        buf.array[:] = 0x77
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        eng.write(IOBatch.contiguous(buf.address, 0, 0, 64 * MIB, 8 * MIB))
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+        assert faults < 64 * MIB // BLOCK // 16, faults
+    assert (_pread(path, 0, 64 * MIB) == 0x77).all()
 
 
 def test_store_on_tmpfs_keeps_evicted_space_allocated(shm_target):
