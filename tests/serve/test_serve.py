@@ -53,9 +53,34 @@ def _wait_gone(path, timeout=20.0):
         time.sleep(0.02)
 
 
+def _kill_servers_of(path: str) -> list[int]:
+    """SIGKILL every process whose command line names ``path`` (a store
+    server a rank started on the test's socket); their pids."""
+    killed = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if path.encode() in cmdline:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+            except ProcessLookupError:
+                pass
+    return killed
+
+
 @pytest.fixture
 def sock(tmp_path):
-    return str(tmp_path / "kv.sock")
+    """The test's socket path; a server still serving it when the test ends
+    (one that failed before stopping it) is killed, so it cannot keep a
+    loop device attached or the cores busy."""
+    path = str(tmp_path / "kv.sock")
+    yield path
+    _kill_servers_of(path)
 
 
 def test_ranks_share_one_store(loop_device, sock):
@@ -306,3 +331,14 @@ def test_errors_cross_the_socket(tmp_path, sock):
         r.lookup(keys)
     with KVStore.open([path]) as store:
         assert store.lookup(keys) == 2
+
+
+def test_leftover_servers_are_killed_at_teardown(sock):
+    """The sock fixture's cleanup: a process naming the socket is killed."""
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", sock])
+    try:
+        assert _kill_servers_of(sock) == [p.pid]
+        assert p.wait(10) == -signal.SIGKILL
+    finally:
+        p.kill()
+        p.wait()
