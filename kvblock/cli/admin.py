@@ -316,7 +316,8 @@ def trim(devices, as_json):
     if mapped and not done and regions:
         out["note"] = (f"{', '.join(mapped)}: a store file on tmpfs read through a mapping keeps "
                        "its space allocated; run KVBLOCK_MAPPED_READS=never kvblock trim ... "
-                       "to release it (later opens then read it through the engine)")
+                       "to release it (later opens then read and write it through the engine, "
+                       "until fallocate -l SIZE FILE allocates it again)")
     _emit(out, as_json, "kvblock trim")
 
 

@@ -346,3 +346,8 @@ def test_trim_of_a_mapped_tmpfs_store_says_how_to_release_it(shm_target, monkeyp
         store.put_run(keys, run_data(keys))
         got = np.zeros(4 * store.geometry.block_bytes, np.uint8)
         assert store.get_run(keys, got) == 4 and np.array_equal(got, run_data(keys))
+    # allocated again (what the note says to run), the next open maps it
+    subprocess.run(["fallocate", "-l", str(os.stat(path).st_size), path], check=True)
+    with KVStore.open([path]) as store:
+        assert store.io.engine.mapped_for_writes(0)
+        assert store.get_run(keys, got) == 4 and np.array_equal(got, run_data(keys))
