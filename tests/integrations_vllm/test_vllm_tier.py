@@ -95,8 +95,12 @@ def drain(tier) -> list[JobResult]:
     return list(tier.get_finished_jobs())
 
 
-@pytest.fixture
-def store_file(tmp_path):
+@pytest.fixture(params=["disk", "shm"])
+def store_file(request, tmp_path):
+    """A pre-sized store file on disk, or on tmpfs (read and written through
+    a shared mapping: kvblock/io/mapped.py)."""
+    if request.param == "shm":
+        return request.getfixturevalue("shm_target")(STORE_BYTES, "kv.img")
     return str(kvblock.create_file(tmp_path / "kv.img", STORE_BYTES))
 
 
@@ -524,10 +528,13 @@ def test_bad_config_is_refused(make_tier):
         make_tier(locality="nearby")
 
 
-def test_eviction_when_full(tmp_path):
+@pytest.mark.parametrize("where", ["disk", "shm"])
+def test_eviction_when_full(tmp_path, shm_target, where):
     """A full store evicts old runs; a load of an evicted key fails for that
-    key only, and the tier keeps serving."""
-    path = str(kvblock.create_file(tmp_path / "small.img", 16 << 20))
+    key only, and the tier keeps serving (on tmpfs: reclaimed regions are
+    rewritten through the mapping)."""
+    path = (shm_target(16 << 20, "small.img") if where == "shm" else
+            str(kvblock.create_file(tmp_path / "small.img", 16 << 20)))
     pool = page_aligned_pool()
     tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
                               devices=[path], region_size="1M", max_run_bytes=4 * SLOT)
@@ -541,6 +548,7 @@ def test_eviction_when_full(tmp_path):
             tier.drain_jobs()
         assert all(r.success for r in tier.get_finished_jobs())
         assert tier.stats()["evicted_blocks"] > 0
+        assert tier.store.io.engine.mapped_for_writes(0) == (where == "shm")
         assert tier.lookup(key(0), CTX) is LookupResult.MISS
         last = 2 * capacity - 1
         assert tier.lookup(key(last), CTX) is LookupResult.HIT
