@@ -57,6 +57,13 @@ def shm_target(request):
         create_file(base / (name or f"target{next(count)}.img"), size))
 
 
+@pytest.fixture(params=["file", "shm"])
+def store_target(request):
+    """Factory of store files of the parametrised kind: a file on disk, or a
+    pre-sized file on tmpfs (read and written through a shared mapping)."""
+    return request.getfixturevalue("shm_target" if request.param == "shm" else "file_target")
+
+
 @pytest.fixture(params=["loop", "file", "shm"])
 def target(request, tmp_path):
     """Factory returning a fresh target path of the parametrised kind: a loop

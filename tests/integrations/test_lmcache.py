@@ -121,8 +121,8 @@ def test_plugin_loader_builds_the_backend(file_target, engines):
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
-def test_put_get_round_trip_bytes_identical(file_target, engines, mla):
-    e = Engine([file_target()], mla=mla)
+def test_put_get_round_trip_bytes_identical(store_target, engines, mla):
+    e = Engine([store_target()], mla=mla)
     engines.append(e)
     keys = [e.key(h) for h in (11, 12, 13)]
     want = e.put(keys, [e.chunk() for _ in keys])
@@ -187,8 +187,8 @@ def test_pin_unpin_remove(file_target, engines):
     assert not e.plugin.contains(e.key(23))
 
 
-def test_chunks_survive_a_restart(file_target, engines):
-    path = file_target()
+def test_chunks_survive_a_restart(store_target, engines):
+    path = store_target()
     e = Engine([path])
     keys = [e.key(h) for h in (31, 32)]
     want = e.put(keys, [e.chunk(), e.chunk()])

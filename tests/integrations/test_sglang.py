@@ -82,7 +82,7 @@ def test_dynamic_loader_builds_a_hicache_storage(file_target, backends):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 @pytest.mark.parametrize("wide", [False, True], ids=["rows64", "rows512"])
-def test_round_trip_bytes_identical(file_target, backends, monkeypatch, mla, layout, wide):
+def test_round_trip_bytes_identical(store_target, backends, monkeypatch, mla, layout, wide):
     """Runs come back with one native copy per run (kvblock.tensors.pagecopy),
     except page_first pools with short token rows (2 heads x 16 dims: 64
     bytes between layers), which go through numpy's indexing."""
@@ -94,7 +94,7 @@ def test_round_trip_bytes_identical(file_target, backends, monkeypatch, mla, lay
                         lambda *a, **k: native.append(real(*a, **k)) or native[-1])
     head_dim = (256 if mla else 128) if wide else (32 if mla else 16)
     pool = HostPool(mla=mla, layout=layout, head_dim=head_dim)
-    backend = attach(pool, [file_target()])
+    backend = attach(pool, [store_target()])
     backends.append(backend)
     keys = keys_for("a", 6)
     src_pages = [3, 7, 8, 9, 15, 0]                     # scattered, like a reused pool
@@ -227,8 +227,8 @@ def test_per_rank_device_templates(tmp_path):
     assert b.devices == ["/b", "/c"]
 
 
-def test_survives_a_restart(file_target, backends):
-    path = file_target()
+def test_survives_a_restart(store_target, backends):
+    path = store_target()
     pool = HostPool(mla=True, layout="page_first")
     backend = attach(pool, [path])
     keys = keys_for("r", 5)
@@ -395,14 +395,14 @@ class StatePool:
         self.buf[index] = data.reshape(self.buf.shape[1:])
 
 
-def test_hybrid_v2_calls_store_kv_and_state_pools(file_target, backends):
+def test_hybrid_v2_calls_store_kv_and_state_pools(store_target, backends):
     """The *_v2 calls of SGLang's hybrid controller: KV pages through the v1
     path, an extra state pool's pages as opaque bytes; batch_exists_v2 cuts
     the prefix by each pool's hit policy; bytes come back identical."""
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
     pool = HostPool(pages=24)
-    backend = attach(pool, [file_target()])
+    backend = attach(pool, [store_target()])
     backends.append(backend)
     states = StatePool(seed=1)
     backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
