@@ -464,8 +464,8 @@ static inline void copy_row(char *d, const char *s, uint64_t len)
 #define KVB_MEM_CHUNK (64u << 10)
 
 /* Copy entries between host buffers and device mappings: out of them
- * (to_map 0; hashing each chunk of the source with h) or into them
- * (to_map 1; h must be NULL). */
+ * (to_map 0) or into them (to_map 1), hashing each chunk of the source (the
+ * mapping, or the host buffer) right after it is copied when h is given. */
 static int64_t mem_copy(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                         const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
                         const uint64_t *offsets, const uint64_t *lens, int64_t *results,
@@ -540,10 +540,10 @@ int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
 int64_t kvb_mem_write(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                       const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
                       const uint64_t *offsets, const uint64_t *lens, int64_t *results,
-                      int64_t *latency_ns)
+                      int64_t *latency_ns, kvb_hasher *h)
 {
     return mem_copy(n, addrs, devs, bases, sizes, nbases, offsets, lens, results, latency_ns,
-                    NULL, 1);
+                    h, 1);
 }
 
 int kvb_mem_prefault(uint64_t addr, uint64_t len)

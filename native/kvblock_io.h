@@ -124,13 +124,15 @@ int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
 
 /* kvb_mem_read's other direction: entry i copies lens[i] bytes from addrs[i]
  * into device devs[i]'s shared mapping at offsets[i] (streamed stores,
- * fenced before each result is set), same checks and results, no hashing.
- * Only for mappings whose every page is allocated: a hole would be filled
- * on the fault, and a full filesystem turns that into a SIGBUS. */
+ * fenced before each result is set), same checks and results; with a
+ * hasher, each 64 KiB chunk of the source is hashed right after it is
+ * copied, as kvb_mem_read does.  Only for mappings whose every page is
+ * allocated: a hole would be filled on the fault, and a full filesystem
+ * turns that into a SIGBUS. */
 int64_t kvb_mem_write(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                       const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
                       const uint64_t *offsets, const uint64_t *lens, int64_t *results,
-                      int64_t *latency_ns);
+                      int64_t *latency_ns, kvb_hasher *hasher);
 
 /* Map the pages of [addr, addr + len) of a shared mapping into this process
  * now (madvise MADV_POPULATE_READ), so that later copies out of it do not

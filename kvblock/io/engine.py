@@ -39,6 +39,28 @@ class IOResult:
     latency_ns: np.ndarray | None = None
 
 
+def _hash_streams(what: str, batch: IOBatch, streams, seeds):
+    """read_hashed/write_hashed's stream indices and seeds as the native
+    hasher takes them, checked, and zeroed digests: (streams, seeds, digests)."""
+    streams = np.ascontiguousarray(streams, dtype=np.uint32).reshape(-1)
+    if not isinstance(seeds, np.ndarray):
+        seeds = [data_seed(int(s)) for s in seeds]
+    seeds = np.ascontiguousarray(seeds, dtype=np.uint64).reshape(-1)
+    n = len(batch)
+    if streams.size != n:
+        raise ConfigError(f"{what}: {streams.size} stream indices for {n} I/Os")
+    if n == 1:
+        numbered = streams.item() == 0 and seeds.size == 1
+    else:
+        steps = np.diff(streams.astype(np.int64))
+        numbered = (streams[0] == 0 and int(streams[-1]) + 1 == seeds.size
+                    and not (steps < 0).any() and not (steps > 1).any())
+    if n and not numbered:
+        raise ConfigError(f"{what}: streams must count 0, 1, ... in batch order "
+                          f"with one seed each ({seeds.size} seeds)")
+    return streams, seeds, np.zeros(seeds.size, dtype=np.uint64)
+
+
 class IOEngine:
     """Base class; subclasses implement :meth:`_run`.
 
@@ -133,23 +155,8 @@ class IOEngine:
         batch.  Reads of at most HASH_PIECE bytes in all, and engines with
         ``hashes_as_reads_land`` False, hash after the read instead.
         """
-        streams = np.ascontiguousarray(streams, dtype=np.uint32).reshape(-1)
-        if not isinstance(seeds, np.ndarray):
-            seeds = [data_seed(int(s)) for s in seeds]
-        seeds = np.ascontiguousarray(seeds, dtype=np.uint64).reshape(-1)
+        streams, seeds, digests = _hash_streams("read_hashed", batch, streams, seeds)
         n = len(batch)
-        if streams.size != n:
-            raise ConfigError(f"read_hashed: {streams.size} stream indices for {n} I/Os")
-        if n == 1:
-            numbered = streams.item() == 0 and seeds.size == 1
-        else:
-            steps = np.diff(streams.astype(np.int64))
-            numbered = (streams[0] == 0 and int(streams[-1]) + 1 == seeds.size
-                        and not (steps < 0).any() and not (steps > 1).any())
-        if n and not numbered:
-            raise ConfigError("read_hashed: streams must count 0, 1, ... in batch order "
-                              f"with one seed each ({seeds.size} seeds)")
-        digests = np.zeros(seeds.size, dtype=np.uint64)
         if n and (batch.lens.item() if n == 1 else batch.nbytes) <= HASH_PIECE:
             # At most one piece's worth: nothing to overlap, and a small read
             # (a 4 KiB get) would pay more for the native hasher than the hash.
@@ -157,6 +164,16 @@ class IOEngine:
             native.hash_pieces(batch.addrs, batch.lens, streams, seeds, digests)
             return digests
         self.submit(OP_READ, batch, qd=qd, hashing=(streams, seeds, digests))
+        return digests
+
+    def write_hashed(self, batch: IOBatch, streams, seeds, *,
+                     qd: int | None = None) -> np.ndarray:
+        """:meth:`write`, and return the XXH3-64 checksum of each stream's
+        bytes (streams and seeds as in :meth:`read_hashed`).  A copy into a
+        mapped device hashes each chunk of the source right after copying
+        it; elsewhere the sources are hashed, then written."""
+        streams, seeds, digests = _hash_streams("write_hashed", batch, streams, seeds)
+        self.submit(OP_WRITE, batch, qd=qd, hashing=(streams, seeds, digests))
         return digests
 
     def submit(self, op: int, batch: IOBatch, *, qd: int | None = None,
@@ -173,6 +190,9 @@ class IOEngine:
                 return self._copy_mapped(op, batch, latency, hashing)
             if op == OP_WRITE:
                 maps.last_write = time.monotonic()   # the prefault waits for a gap
+        if op == OP_WRITE and hashing is not None:   # the sources, before they are written
+            native.hash_pieces(batch.addrs, batch.lens, *hashing)
+            hashing = None
         inline = hashing is not None and self.hashes_as_reads_land
         max_io = min(self.max_io, HASH_PIECE) if inline else self.max_io
         run, parent = batch.split(max_io)
@@ -226,11 +246,8 @@ class IOEngine:
                     p("uint64_t *", maps.bases), p("uint64_t *", maps.sizes), len(maps.bases),
                     p("uint64_t *", batch.offsets), p("uint64_t *", batch.lens),
                     p("int64_t *", results), p("int64_t *", lat))
-            if op == OP_WRITE:
-                ret = native.lib().kvb_mem_write(*args)
-            else:
-                ret = native.lib().kvb_mem_read(
-                    *args, native.ffi.NULL if hasher is None else hasher.handle)
+            copy = native.lib().kvb_mem_write if op == OP_WRITE else native.lib().kvb_mem_read
+            ret = copy(*args, native.ffi.NULL if hasher is None else hasher.handle)
             if ret < 0:
                 raise ConfigError(f"kvb_mem_{_OP_NAME[op]}: {strerror(-ret)}")
         finally:

@@ -50,7 +50,7 @@ int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
 int64_t kvb_mem_write(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                       const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
                       const uint64_t *offsets, const uint64_t *lens, int64_t *results,
-                      int64_t *latency_ns);
+                      int64_t *latency_ns, kvb_hasher *hasher);
 int kvb_mem_prefault(uint64_t addr, uint64_t len);
 int64_t kvb_fs_type(int fd);
 int kvb_abi_version(void);

@@ -352,7 +352,7 @@ class RemoteStore:
         try:
             dev, dev_off = self.regions.address(a["region"], a["offset"])
             batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off)
-            self.io.write(batch)
+            sums = self._write_run(batch, sums, a["run_id"])
             self.io.flush([dev])                 # data before the record that publishes it
             sent = True                          # from here the server releases the pin
             self._call("commit", wid=a["wid"], keys=encode_keys(keys),
@@ -435,6 +435,7 @@ class RemoteStore:
     _staging = KVStore._staging
     _blocks_view = KVStore._blocks_view
     _stage_run = KVStore._stage_run
+    _write_run = KVStore._write_run
     _kvikio_reader = KVStore._kvikio_reader
     layout = KVStore.layout
 

@@ -647,7 +647,7 @@ class KVStore:
         try:
             dev, dev_off = self.regions.address(region, offset)
             batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off)
-            self.io.write(batch)
+            sums = self._write_run(batch, sums, run_id)
             host_blocks = blocks if self.host is not None else None
             self._publish_put(Run(run_id, region, gen, offset, b"".join(keys), sums,
                                   created=time.time()))
@@ -676,10 +676,11 @@ class KVStore:
 
     def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int):
         """(the IOBatch that writes the run's on-device image at ``dev_off``,
-        per-range checksums).  ``blocks`` is (layers, groups, n,
-        group_block_bytes) or a BlockList; copied into the thread's staging
-        buffer unless it already is the image (or aligned, unpadded pieces
-        of it)."""
+        per-range checksums, or None when the batch has one entry per range
+        that :meth:`_write_run` hashes as it writes).  ``blocks`` is
+        (layers, groups, n, group_block_bytes) or a BlockList; copied into
+        the thread's staging buffer unless it already is the image (or
+        aligned, unpadded pieces of it)."""
         g = self.geometry
         payload = lay.prefix_bytes(lay.nblocks)
         if isinstance(blocks, BlockList):
@@ -689,9 +690,15 @@ class KVStore:
         elif payload == lay.range_bytes and blocks.flags.c_contiguous and \
                 blocks.ctypes.data % self.alignment == 0:
             # The caller's array already is the on-device image: no copy.
-            ranges, address = blocks.reshape(g.ranges, payload), blocks.ctypes.data
+            address = blocks.ctypes.data
+            if self.io.engine.mapped_for_writes(dev):
+                # Copied into a mapping, each range is hashed right after it
+                # is copied (in cache) instead of in a pass of its own.
+                at = np.arange(g.ranges, dtype=np.uint64) * np.uint64(payload)
+                return IOBatch(at + np.uint64(address), dev, at + np.uint64(dev_off),
+                               np.full(g.ranges, payload, np.uint64)), None
             return (IOBatch.single(address, dev, dev_off, lay.run_bytes),
-                    _range_checksums(ranges, run_id))
+                    _range_checksums(blocks.reshape(g.ranges, payload), run_id))
         buf = self._staging(lay.run_bytes)
         ranges = buf.array[:lay.run_bytes].reshape(g.ranges, lay.range_bytes)
         if isinstance(blocks, BlockList):
@@ -701,6 +708,14 @@ class KVStore:
         ranges[:, payload:] = 0
         return (IOBatch.single(buf.address, dev, dev_off, lay.run_bytes),
                 _range_checksums(ranges, run_id))
+
+    def _write_run(self, batch: IOBatch, sums, run_id: int) -> np.ndarray:
+        """Write a staged run; its per-range checksums (``sums``, or, when
+        _stage_run left them to the write, those the write computed)."""
+        if sums is not None:
+            self.io.write(batch)
+            return sums
+        return self.io.write_hashed(batch, np.arange(len(batch)), [run_id] * len(batch))
 
     def _publish_put(self, run: Run) -> None:
         """Journal the run's PUT record durably (after flushing the data), then

@@ -27,6 +27,10 @@ class StoreIO:
     def write(self, batch: IOBatch) -> None:
         self.engine.write(batch)
 
+    def write_hashed(self, batch: IOBatch, streams, seeds):
+        """Write, and return each stream's data checksum (IOEngine.write_hashed)."""
+        return self.engine.write_hashed(batch, streams, seeds)
+
     def flush(self, devs=None) -> None:
         for i in (range(len(self.devices)) if devs is None else devs):
             self.devices[i].flush()

@@ -189,17 +189,58 @@ def test_native_mem_write_refuses_unmapped_devices_and_ranges(shm_target):
             offs = np.array([BLOCK, 0, 4 * MIB], np.uint64)
             lens = np.full(3, BLOCK, np.uint64)
             results = np.empty(3, np.int64)
+            streams = np.array([0, 1, 2], np.uint32)
+            seeds = np.array([4, 5, 6], np.uint64)
+            digests = np.ones(3, np.uint64)
+            hasher = native.Hasher(addrs, lens, streams, seeds, results, digests)
             p = native.ptr
             failed = native.lib().kvb_mem_write(
                 3, p("uint64_t *", addrs), p("uint32_t *", devs), p("uint64_t *", bases),
                 p("uint64_t *", sizes), 2, p("uint64_t *", offs), p("uint64_t *", lens),
-                p("int64_t *", results), native.ffi.NULL)
+                p("int64_t *", results), native.ffi.NULL, hasher.handle)
+            assert hasher.finish() == 2
             assert failed == 2 and results.tolist() == [BLOCK, -22, -22]
+            assert int(digests[0]) == data_checksum(src[:BLOCK], 4)   # the source's bytes
+            assert digests[1:].tolist() == [0, 0]
         finally:
             maps.close()
     want = data.copy()
     want[BLOCK:2 * BLOCK] = 0x5A
     assert np.array_equal(_pread(path, 0, 4 * MIB), want)
+
+
+@pytest.mark.parametrize("where", ["shm", "disk"])
+def test_hashed_writes_return_the_sources_checksums(engine_name, shm_target, file_target,
+                                                    where, monkeypatch):
+    """write_hashed: each stream's digest equals data_checksum of its source
+    bytes, and the bytes land; into a mapping the copy hashes as it goes
+    (one native call), elsewhere the sources are hashed, then written."""
+    import kvblock.io.engine as engine_mod
+
+    copies = []
+    copy_mapped = engine_mod.IOEngine._copy_mapped
+    monkeypatch.setattr(engine_mod.IOEngine, "_copy_mapped",
+                        lambda self, op, *a: copies.append(op) or copy_mapped(self, op, *a))
+    path = shm_target(16 * MIB) if where == "shm" else file_target(16 * MIB)
+    rng = np.random.default_rng(11)
+    lens = [3 * MIB + 8 * BLOCK, BLOCK, 2 * BLOCK, 2 * MIB, 7 * BLOCK]
+    offsets = [8 * MIB, 0, 4 * MIB, MIB, 15 * MIB]
+    streams = [0, 1, 1, 2, 2]
+    seeds = [7, 2**64 - 1, 12345]
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(sum(lens)) as src:
+        src.array[:] = rng.integers(0, 256, src.array.size, dtype=np.uint8)
+        addrs = np.cumsum([0] + lens[:-1]).astype(np.uint64) + np.uint64(src.address)
+        got = eng.write_hashed(IOBatch(addrs, 0, offsets, lens), streams, seeds)
+        pieces = np.split(src.array, np.cumsum(lens)[:-1])
+        want = [data_checksum(np.concatenate([x for x, t in zip(pieces, streams) if t == s]),
+                              seed) for s, seed in enumerate(seeds)]
+        assert [int(x) for x in got] == want
+        assert copies == ([engine_mod.OP_WRITE] if where == "shm" else [])
+        for o, x in zip(offsets, pieces):
+            assert np.array_equal(_pread(path, o, x.size), x)
+        with pytest.raises(ConfigError, match="write_hashed: streams must count"):
+            eng.write_hashed(IOBatch(addrs, 0, offsets, lens), [0, 2, 2, 2, 2], seeds)
 
 
 def test_out_of_range_write_is_a_typed_error(shm_target):

@@ -62,12 +62,27 @@ def test_round_trip_and_reopen(target):
         assert store.clean_at_open
 
 
-def test_aligned_unpadded_run_is_written_and_read_in_place(store_path):
+def test_aligned_unpadded_run_is_written_and_read_in_place(store_path, monkeypatch):
+    """The zero-copy path; into a mapped tmpfs file, each range is hashed as
+    it is copied (write_hashed), and the checksums are the usual ones."""
+    from kvblock.format.checksum import data_checksum
+    from kvblock.store.storeio import StoreIO
+
+    hashed = []
+    write_hashed = StoreIO.write_hashed
+    monkeypatch.setattr(StoreIO, "write_hashed",
+                        lambda self, *a: hashed.append(1) or write_hashed(self, *a))
     keys = run_keys(9, 4)  # 4 blocks x 2 KiB per range: no padding, the zero-copy path
     data = aligned_empty(4 * GEOM.block_bytes)
     data[:] = run_data(keys)
     with _format([store_path]) as store:
         store.put_run(keys, data)
+        on_tmpfs = str(store_path).startswith("/dev/shm/")
+        assert store.io.engine.mapped_for_writes(0) == on_tmpfs
+        assert len(hashed) == on_tmpfs
+        (run,) = store.index.runs.values()
+        ranges = data.reshape(GEOM.ranges, -1)
+        assert run.checksums.tolist() == [data_checksum(r, run.run_id) for r in ranges]
         out = aligned_empty(4 * GEOM.block_bytes)
         assert store.get_run(keys, out) == 4 and np.array_equal(out, data)
     with KVStore.open([store_path]) as store:

@@ -104,6 +104,16 @@ class CrashingIO(StoreIO):
             self._crash()
         super().write(batch)
 
+    def write_hashed(self, batch, streams, seeds):
+        """Hash the sources, then :meth:`write` (one counted, crashable I/O)."""
+        from kvblock.io.engine import _hash_streams
+        from kvblock.io import native
+
+        streams, seeds, digests = _hash_streams("write_hashed", batch, streams, seeds)
+        native.hash_pieces(batch.addrs, batch.lens, streams, seeds, digests)
+        self.write(batch)
+        return digests
+
     def flush(self, devs=None):
         if self._tick():
             self._crash()
