@@ -43,6 +43,18 @@ def _filled(path, size, seed=0) -> np.ndarray:
     return data
 
 
+@pytest.fixture
+def mapped_copies(monkeypatch):
+    """The ops (OP_READ / OP_WRITE) of every batch copied through a mapping."""
+    import kvblock.io.engine as engine_mod
+
+    ops = []
+    copy_mapped = engine_mod.IOEngine._copy_mapped
+    monkeypatch.setattr(engine_mod.IOEngine, "_copy_mapped",
+                        lambda self, op, *a: ops.append(op) or copy_mapped(self, op, *a))
+    return ops
+
+
 def test_dev_shm_is_tmpfs():
     """The suite's tmpfs targets live in /dev/shm: it must be tmpfs for the
     mapped-read tests to mean anything."""
@@ -122,15 +134,12 @@ def _pread(path, offset, n) -> np.ndarray:
         os.close(fd)
 
 
-def test_writes_copy_into_the_mapping(engine_name, shm_target, monkeypatch):
+def test_writes_copy_into_the_mapping(engine_name, shm_target, mapped_copies):
     """Writes to a writable mapped device are copies into the mapping, from
     any source alignment; the kernel's read path sees exactly those bytes."""
     import kvblock.io.engine as engine_mod
 
-    copies = []
-    copy_mapped = engine_mod.IOEngine._copy_mapped
-    monkeypatch.setattr(engine_mod.IOEngine, "_copy_mapped",
-                        lambda self, op, *a: copies.append(op) or copy_mapped(self, op, *a))
+    copies = mapped_copies
     path = shm_target(16 * MIB)
     before = _filled(path, 16 * MIB, seed=6)
     rng = np.random.default_rng(7)
@@ -150,15 +159,12 @@ def test_writes_copy_into_the_mapping(engine_name, shm_target, monkeypatch):
     assert np.array_equal(_pread(path, 0, 16 * MIB), want)
 
 
-def test_writes_take_the_engine_path_when_asked_or_read_only(shm_target, monkeypatch):
+def test_writes_take_the_engine_path_when_asked_or_read_only(shm_target, mapped_copies):
     """mapped_writes=False (store-server clients) and read-only devices map
     for reads only; their writes, if any, go through the kernel."""
     import kvblock.io.engine as engine_mod
 
-    copies = []
-    copy_mapped = engine_mod.IOEngine._copy_mapped
-    monkeypatch.setattr(engine_mod.IOEngine, "_copy_mapped",
-                        lambda self, op, *a: copies.append(op) or copy_mapped(self, op, *a))
+    copies = mapped_copies
     path = shm_target(8 * MIB)
     _filled(path, 8 * MIB, seed=8)
     with Device(path) as dev, open_engine([dev], mapped_writes=False) as eng, \
@@ -175,52 +181,15 @@ def test_writes_take_the_engine_path_when_asked_or_read_only(shm_target, monkeyp
         assert eng.mapped(0) and not eng.mapped_for_writes(0)
 
 
-def test_native_mem_write_refuses_unmapped_devices_and_ranges(shm_target):
-    path = shm_target(4 * MIB)
-    data = _filled(path, 4 * MIB, seed=10)
-    with Device(path) as dev:
-        maps = MappedDevices([dev])
-        try:
-            bases = np.array([maps.bases[0], 0], np.uint64)
-            sizes = np.array([maps.sizes[0], 0], np.uint64)
-            src = np.full(3 * BLOCK, 0x5A, np.uint8)
-            addrs = np.arange(3, dtype=np.uint64) * BLOCK + np.uint64(src.ctypes.data)
-            devs = np.array([0, 1, 0], np.uint32)
-            offs = np.array([BLOCK, 0, 4 * MIB], np.uint64)
-            lens = np.full(3, BLOCK, np.uint64)
-            results = np.empty(3, np.int64)
-            streams = np.array([0, 1, 2], np.uint32)
-            seeds = np.array([4, 5, 6], np.uint64)
-            digests = np.ones(3, np.uint64)
-            hasher = native.Hasher(addrs, lens, streams, seeds, results, digests)
-            p = native.ptr
-            failed = native.lib().kvb_mem_write(
-                3, p("uint64_t *", addrs), p("uint32_t *", devs), p("uint64_t *", bases),
-                p("uint64_t *", sizes), 2, p("uint64_t *", offs), p("uint64_t *", lens),
-                p("int64_t *", results), native.ffi.NULL, hasher.handle)
-            assert hasher.finish() == 2
-            assert failed == 2 and results.tolist() == [BLOCK, -22, -22]
-            assert int(digests[0]) == data_checksum(src[:BLOCK], 4)   # the source's bytes
-            assert digests[1:].tolist() == [0, 0]
-        finally:
-            maps.close()
-    want = data.copy()
-    want[BLOCK:2 * BLOCK] = 0x5A
-    assert np.array_equal(_pread(path, 0, 4 * MIB), want)
-
-
 @pytest.mark.parametrize("where", ["shm", "disk"])
 def test_hashed_writes_return_the_sources_checksums(engine_name, shm_target, file_target,
-                                                    where, monkeypatch):
+                                                    where, mapped_copies):
     """write_hashed: each stream's digest equals data_checksum of its source
     bytes, and the bytes land; into a mapping the copy hashes as it goes
     (one native call), elsewhere the sources are hashed, then written."""
     import kvblock.io.engine as engine_mod
 
-    copies = []
-    copy_mapped = engine_mod.IOEngine._copy_mapped
-    monkeypatch.setattr(engine_mod.IOEngine, "_copy_mapped",
-                        lambda self, op, *a: copies.append(op) or copy_mapped(self, op, *a))
+    copies = mapped_copies
     path = shm_target(16 * MIB) if where == "shm" else file_target(16 * MIB)
     rng = np.random.default_rng(11)
     lens = [3 * MIB + 8 * BLOCK, BLOCK, 2 * BLOCK, 2 * MIB, 7 * BLOCK]
@@ -268,19 +237,21 @@ def test_hashed_reads_equal_data_checksum(engine_name, shm_target):
         assert [int(x) for x in got] == want
 
 
-def test_native_mem_read_refuses_unmapped_devices_and_ranges(shm_target):
-    """kvb_mem_read's own checks (the engine validates before it gets there):
-    an unmapped device or a range past the mapping is -EINVAL, and a hashed
-    stream with such a piece gets digest 0."""
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_native_mem_copies_refuse_unmapped_devices_and_ranges(shm_target, op):
+    """kvb_mem_read/kvb_mem_write's own checks (the engine validates before
+    it gets there): an unmapped device or a range past the mapping is
+    -EINVAL, and a hashed stream with such a piece gets digest 0; the good
+    entry copies, and its digest is that of the source's bytes."""
     path = shm_target(4 * MIB)
     data = _filled(path, 4 * MIB, seed=9)
+    host = np.full(3 * BLOCK, 0x5A, np.uint8) if op == "write" else np.zeros(3 * BLOCK, np.uint8)
     with Device(path) as dev:
         maps = MappedDevices([dev])
         try:
             bases = np.array([maps.bases[0], 0], np.uint64)
             sizes = np.array([maps.sizes[0], 0], np.uint64)
-            out = np.zeros(3 * BLOCK, np.uint8)
-            addrs = np.arange(3, dtype=np.uint64) * BLOCK + np.uint64(out.ctypes.data)
+            addrs = np.arange(3, dtype=np.uint64) * BLOCK + np.uint64(host.ctypes.data)
             devs = np.array([0, 1, 0], np.uint32)
             offs = np.array([BLOCK, 0, 4 * MIB], np.uint64)
             lens = np.full(3, BLOCK, np.uint64)
@@ -290,18 +261,22 @@ def test_native_mem_read_refuses_unmapped_devices_and_ranges(shm_target):
             digests = np.ones(3, np.uint64)
             hasher = native.Hasher(addrs, lens, streams, seeds, results, digests)
             p = native.ptr
-            failed = native.lib().kvb_mem_read(
+            failed = getattr(native.lib(), f"kvb_mem_{op}")(
                 3, p("uint64_t *", addrs), p("uint32_t *", devs), p("uint64_t *", bases),
                 p("uint64_t *", sizes), 2, p("uint64_t *", offs), p("uint64_t *", lens),
                 p("int64_t *", results), native.ffi.NULL, hasher.handle)
             assert hasher.finish() == 2
             assert failed == 2
             assert results.tolist() == [BLOCK, -22, -22]
-            assert np.array_equal(out[:BLOCK], data[BLOCK:2 * BLOCK])
-            assert int(digests[0]) == data_checksum(data[BLOCK:2 * BLOCK], 1)
             assert digests[1:].tolist() == [0, 0]
         finally:
             maps.close()
+    want = data.copy()
+    if op == "write":
+        want[BLOCK:2 * BLOCK] = 0x5A
+    assert np.array_equal(host[:BLOCK], want[BLOCK:2 * BLOCK])
+    assert int(digests[0]) == data_checksum(want[BLOCK:2 * BLOCK], 1)
+    assert np.array_equal(_pread(path, 0, 4 * MIB), want)
 
 
 def test_out_of_range_read_is_a_typed_error(shm_target):
@@ -383,7 +358,7 @@ def test_store_on_tmpfs_keeps_evicted_space_allocated(shm_target):
         assert store.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
 
 
-def test_large_mapping_is_used_once_mapped_in(shm_target, monkeypatch):
+def test_large_mapping_is_used_once_mapped_in(shm_target, monkeypatch, mapped_copies):
     """Above PREFAULT_INLINE a thread maps the pages in; reads take the
     engine's own path until it is done, then the mapping."""
     import kvblock.io.engine as engine_mod
@@ -399,10 +374,7 @@ def test_large_mapping_is_used_once_mapped_in(shm_target, monkeypatch):
 
     monkeypatch.setattr(mapped_mod, "PREFAULT_INLINE", MIB)
     monkeypatch.setattr(mapped_mod.MappedDevices, "_prefault", held)
-    mapped_calls = []
-    copy_mapped = engine_mod.IOEngine._copy_mapped
-    monkeypatch.setattr(engine_mod.IOEngine, "_copy_mapped",
-                        lambda self, op, *a: mapped_calls.append(op) or copy_mapped(self, op, *a))
+    mapped_calls = mapped_copies
     path = shm_target(8 * MIB)
     data = _filled(path, 8 * MIB, seed=4)
     with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(8 * MIB) as buf:
