@@ -337,6 +337,12 @@ def test_leftover_servers_are_killed_at_teardown(sock):
     """The sock fixture's cleanup: a process naming the socket is killed."""
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", sock])
     try:
+        # Popen returns once the exec began; /proc shows the new command
+        # line only once the exec has set it up (empty until then).
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{p.pid}/cmdline").read_bytes():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         assert _kill_servers_of(sock) == [p.pid]
         assert p.wait(10) == -signal.SIGKILL
     finally:
