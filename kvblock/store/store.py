@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -91,6 +91,12 @@ def _one(blocks, k: int) -> np.ndarray:
 def _seed(run) -> np.uint64:
     """A run's checksum seed as read_hashed takes it (data_checksum's)."""
     return np.uint64(data_seed(run.run_id))
+
+
+class Streams(NamedTuple):
+    """_stage_run's answer when the write is to hash the run: each I/O's range."""
+
+    of_ios: np.ndarray
 
 
 def _range_checksums(ranges: np.ndarray, run_id: int) -> np.ndarray:
@@ -676,27 +682,32 @@ class KVStore:
 
     def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int):
         """(the IOBatch that writes the run's on-device image at ``dev_off``,
-        per-range checksums, or None when the batch has one entry per range
-        that :meth:`_write_run` hashes as it writes).  ``blocks`` is
-        (layers, groups, n, group_block_bytes) or a BlockList; copied into
-        the thread's staging buffer unless it already is the image (or
-        aligned, unpadded pieces of it)."""
+        its per-range checksums, or instead the range index of each I/O when
+        :meth:`_write_run` is to hash the ranges as it writes them).
+        ``blocks`` is (layers, groups, n, group_block_bytes) or a BlockList;
+        copied into the thread's staging buffer unless it already is the
+        image (or aligned, unpadded pieces of it)."""
         g = self.geometry
         payload = lay.prefix_bytes(lay.nblocks)
+        # Copied into a mapping, each range is hashed right after it is
+        # copied (in cache) instead of in a pass of its own.
+        as_written = self.io.engine.mapped_for_writes(dev)
         if isinstance(blocks, BlockList):
             if payload == lay.range_bytes and blocks.direct(self.alignment):
+                if as_written:
+                    batch, streams = blocks.read_batch(dev, dev_off, lay.range_bytes)
+                    return batch, Streams(streams)
                 return (blocks.batch(dev, dev_off, lay.range_bytes),
                         blocks.checksums(run_id))
         elif payload == lay.range_bytes and blocks.flags.c_contiguous and \
                 blocks.ctypes.data % self.alignment == 0:
             # The caller's array already is the on-device image: no copy.
             address = blocks.ctypes.data
-            if self.io.engine.mapped_for_writes(dev):
-                # Copied into a mapping, each range is hashed right after it
-                # is copied (in cache) instead of in a pass of its own.
+            if as_written:
                 at = np.arange(g.ranges, dtype=np.uint64) * np.uint64(payload)
-                return IOBatch(at + np.uint64(address), dev, at + np.uint64(dev_off),
-                               np.full(g.ranges, payload, np.uint64)), None
+                return (IOBatch(at + np.uint64(address), dev, at + np.uint64(dev_off),
+                                np.full(g.ranges, payload, np.uint64)),
+                        Streams(np.arange(g.ranges)))
             return (IOBatch.single(address, dev, dev_off, lay.run_bytes),
                     _range_checksums(blocks.reshape(g.ranges, payload), run_id))
         buf = self._staging(lay.run_bytes)
@@ -712,10 +723,10 @@ class KVStore:
     def _write_run(self, batch: IOBatch, sums, run_id: int) -> np.ndarray:
         """Write a staged run; its per-range checksums (``sums``, or, when
         _stage_run left them to the write, those the write computed)."""
-        if sums is not None:
+        if not isinstance(sums, Streams):
             self.io.write(batch)
             return sums
-        return self.io.write_hashed(batch, np.arange(len(batch)), [run_id] * len(batch))
+        return self.io.write_hashed(batch, sums.of_ios, [run_id] * self.geometry.ranges)
 
     def _publish_put(self, run: Run) -> None:
         """Journal the run's PUT record durably (after flushing the data), then

@@ -226,7 +226,7 @@ def test_zero_copy_paths_for_scattered_slots(make_tier, monkeypatch):
     seen, batches = [], []
     put, get = tier.store.put_blocks, tier.store.get_blocks
     read, write = tier.store.io.read, tier.store.io.write
-    hashed = tier.store.io.read_hashed
+    hashed, write_hashed = tier.store.io.read_hashed, tier.store.io.write_hashed
 
     def spy(kind, fn):
         def call(keys, blocks):
@@ -240,6 +240,8 @@ def test_zero_copy_paths_for_scattered_slots(make_tier, monkeypatch):
     monkeypatch.setattr(tier.store.io, "read_hashed",
                         lambda b, s, d: (batches.append(b), hashed(b, s, d))[1])
     monkeypatch.setattr(tier.store.io, "write", lambda b: (batches.append(b), write(b))[1])
+    monkeypatch.setattr(tier.store.io, "write_hashed",     # into a mapped tmpfs file
+                        lambda b, s, d: (batches.append(b), write_hashed(b, s, d))[1])
     fill_random(pool, range(NUM_SLOTS))
     expected = pool[[7, 2, 5]].clone()
     tier.submit_store(job(1, [key(i) for i in range(3)], [7, 2, 5]))

@@ -42,9 +42,11 @@ def _watch(store):
     """Record every (read|write, batch) the store issues."""
     seen = []
     read, write, hashed = store.io.read, store.io.write, store.io.read_hashed
+    write_hashed = store.io.write_hashed        # writes into a mapped tmpfs file
     store.io.read = lambda b: (seen.append(("read", b)), read(b))[1]
     store.io.read_hashed = lambda b, s, d: (seen.append(("read", b)), hashed(b, s, d))[1]
     store.io.write = lambda b: (seen.append(("write", b)), write(b))[1]
+    store.io.write_hashed = lambda b, s, d: (seen.append(("write", b)), write_hashed(b, s, d))[1]
     return seen
 
 
