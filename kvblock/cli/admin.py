@@ -111,18 +111,16 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
 def _reads(store) -> tuple[str, list[str]]:
     """How each device is read ("mapped" or the engine's name), and hints for
     devices a faster path exists for."""
-    from kvblock.io.mapped import loop_over_tmpfs
+    from kvblock.io.mapped import loop_advice
 
     engine, hints, ways = store.io.engine, [], []
     for i, d in enumerate(store.io.devices):
         # (info opens read-only: a store opened to write maps its writes too)
         ways.append(f"#{i} " + ("mapped (tmpfs file)" if engine.mapped(i) else
                                 f"{engine.name}, direct I/O"))
-        backing = loop_over_tmpfs(d)
-        if backing is not None:
-            hints.append(f"{d.path} is a loop device over {backing} on tmpfs: the loop "
-                         f"driver copies every read on one kernel worker; give kvblock "
-                         f"{backing} itself to read it through a mapping")
+        advice = loop_advice(d)
+        if advice is not None:
+            hints.append(f"{d.path} is {advice}")     # the words the store logs
     return ", ".join(ways), hints
 
 

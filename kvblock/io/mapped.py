@@ -101,15 +101,20 @@ def loop_over_tmpfs(device) -> str | None:
         os.close(fd)
 
 
+def loop_advice(device) -> str | None:
+    """For a loop device over a tmpfs file: what to give kvblock instead."""
+    backing = loop_over_tmpfs(device)
+    if backing is None:
+        return None
+    return (f"a loop device over {backing} on tmpfs: give kvblock that file instead to "
+            "read it through a mapping (the loop driver copies every read on one kernel "
+            "worker)")
+
+
 def mappable(device) -> str | None:
     """Why ``device`` cannot be read through a mapping, or None when it can."""
     if device.kind != "file":
-        backing = loop_over_tmpfs(device)
-        if backing is not None:
-            return (f"a loop device over {backing} on tmpfs: give kvblock that file "
-                    "instead to read it through a mapping (the loop driver copies every "
-                    "read on one kernel worker)")
-        return "not a file"
+        return loop_advice(device) or "not a file"
     fs_type = native.lib().kvb_fs_type(device.fd)
     if fs_type < 0:
         return f"fstatfs failed ({os.strerror(-fs_type)})"
@@ -121,7 +126,8 @@ def mappable(device) -> str | None:
 
 
 class MappedDevices:
-    """Read-only shared mappings of the engine's devices that qualify.
+    """Shared mappings of the engine's devices that qualify (writable where
+    the device was opened to write and writes are wanted).
 
     ``bases[d]`` is device d's mapping address (0: not mapped) and
     ``sizes[d]`` its length, as kvb_mem_read takes them.
