@@ -103,10 +103,10 @@ class BlockList:
         ``base + r * range_bytes + k * gbb``; touching pieces merged."""
         return self._batch(dev, base, range_bytes, by_range=False)
 
-    def read_batch(self, dev: int, base: int, range_bytes: int) -> tuple[IOBatch, np.ndarray]:
+    def hashed_batch(self, dev: int, base: int, range_bytes: int) -> tuple[IOBatch, np.ndarray]:
         """:meth:`batch` with pieces merged only within a range, and each
         I/O's range index: the streams whose checksums
-        ``IOEngine.read_hashed`` computes."""
+        ``IOEngine.read_hashed`` / ``write_hashed`` compute."""
         b = self._batch(dev, base, range_bytes, by_range=True)
         return b, (b.offsets - np.uint64(base)) // np.uint64(range_bytes)
 

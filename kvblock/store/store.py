@@ -695,7 +695,7 @@ class KVStore:
         if isinstance(blocks, BlockList):
             if payload == lay.range_bytes and blocks.direct(self.alignment):
                 if as_written:
-                    batch, streams = blocks.read_batch(dev, dev_off, lay.range_bytes)
+                    batch, streams = blocks.hashed_batch(dev, dev_off, lay.range_bytes)
                     return batch, Streams(streams)
                 return (blocks.batch(dev, dev_off, lay.range_bytes),
                         blocks.checksums(run_id))
@@ -1009,7 +1009,7 @@ class KVStore:
         I/O per (range, block) piece, merged where pieces touch."""
         dev, base = self.regions.address(run.region, run.offset)
         if verify:
-            batch, streams = dst.read_batch(dev, base, lay.range_bytes)
+            batch, streams = dst.hashed_batch(dev, base, lay.range_bytes)
             sums = self.io.read_hashed(batch, streams,
                                        np.full(self.geometry.ranges, _seed(run)))
             if not self._verified(run, sums, np.asarray(run.checksums, np.uint64)):
