@@ -456,11 +456,11 @@ static inline void copy_row(char *d, const char *s, uint64_t len)
     memcpy(d, s, len);
 }
 
-/* ------------------------------------------------------------ mapped reads
- * A store file on tmpfs has its bytes in RAM already: a copy out of a shared
- * mapping of it costs less than the kernel's read path (which copies page by
- * page, on io_uring's worker threads), and each chunk is hashed right after
- * it is copied, while it is still in cache. */
+/* ------------------------------------------------- mapped reads and writes
+ * A store file on tmpfs has its bytes in RAM already: a copy out of (or
+ * into) a shared mapping of it costs less than the kernel's path (which
+ * copies page by page, on io_uring's worker threads), and each chunk is
+ * hashed right after it is copied, while it is still in cache. */
 #define KVB_MEM_CHUNK (64u << 10)
 
 /* Copy entries between host buffers and device mappings: out of them
@@ -498,9 +498,10 @@ static int64_t mem_copy(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                 /* The copy streamed around the cache, so hash the source
                  * chunk it just loaded (in L1/L2 now): 2-core VM, 1 GiB,
                  * 2 threads, 18.5-20.3 GiB/s against 13.4-13.9 for memcpy
-                 * and a hash of the copy.  The store pins a region while it
-                 * is read, so nothing rewrites the source in between; a
-                 * stray writer could only turn a good copy into a miss. */
+                 * and a hash of the copy.  Nothing rewrites the source in
+                 * between: the store pins a region while it is read, and a
+                 * write's source is the caller's, untouched until it returns
+                 * (a stray writer could only turn a good read into a miss). */
                 if (h && !h->failed[s])
                     XXH3_64bits_update(h->state, src + done, len);
             }

@@ -115,8 +115,9 @@ void kvb_copy_rows(uint64_t n, const uint64_t *dst, const uint64_t *src,
  * created for exactly these n entries), each 64 KiB chunk of the mapping is
  * hashed right after it is copied (while the loads left it in cache), in
  * batch order, on this thread; the caller keeps the source from being
- * rewritten meanwhile (the store pins regions it reads).  Returns the number of failed entries, or -EINVAL
- * when the hasher is not fresh or is for another batch. */
+ * rewritten meanwhile (the store pins regions it reads).  Returns the number
+ * of failed entries, or -EINVAL when the hasher is not fresh or is for
+ * another batch. */
 int64_t kvb_mem_read(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                      const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
                      const uint64_t *offsets, const uint64_t *lens, int64_t *results,
