@@ -80,7 +80,7 @@ def mapped_reads_wanted(choice: bool | None = None) -> bool:
 def loop_over_tmpfs(device) -> str | None:
     """The backing file of ``device`` when it is a loop device over a file on
     tmpfs, else None.  Every read of such a device is a copy the loop driver
-    makes on its one kernel worker (fio read one at 5.5-7.1 GiB/s on the
+    makes on its one kernel worker (fio read one at 4.6-7.1 GiB/s on the
     2-core VM, where kvblock's vLLM tier loaded a tmpfs store file through a
     mapping at 12.5-14.3): the file itself is the faster device to give."""
     if device.kind != "block":
