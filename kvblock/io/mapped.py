@@ -82,7 +82,7 @@ def loop_over_tmpfs(device) -> str | None:
     tmpfs, else None.  Every read of such a device is a copy the loop driver
     makes on its one kernel worker (fio read one at 4.6-7.1 GiB/s on the
     2-core VM, where kvblock's vLLM tier loaded a tmpfs store file through a
-    mapping at 12.5-14.3): the file itself is the faster device to give."""
+    mapping at 11.2-14.3 with 2 MiB slots): the file itself is the faster device to give."""
     if device.kind != "block":
         return None
     try:
