@@ -2,7 +2,7 @@
 
 ``target`` is parametrised over a loop device (root only; skipped with the
 reason otherwise), a plain pre-sized file and a fully allocated file on tmpfs
-(read through a shared mapping), so every I/O test runs on all three.
+(read and written through a shared mapping), so every I/O test runs on all three.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def file_target(tmp_path):
 @pytest.fixture
 def shm_target(request):
     """Factory: ``shm_target(size)`` -> path of a fully allocated file on tmpfs
-    (/dev/shm): engines read it through a shared mapping (kvblock/io/mapped.py)."""
+    (/dev/shm): engines read and write it through a shared mapping (kvblock/io/mapped.py)."""
     from kvblock.devices import create_file
 
     base = Path(tempfile.mkdtemp(prefix="kvblock-test-", dir=loopdev.SHM))

@@ -14,10 +14,10 @@ from kvblock.io.engine import IOEngine
 class ThreadEngine(IOEngine):
     name = "threads"
     # Workers would take turns at the one in-order hash cursor.  2-core VM,
-    # KVBLOCK_IO_ENGINE=threads perf/verified_reads.py (before mapped reads of
-    # tmpfs files; now add KVBLOCK_MAPPED_READS=never) (2 MiB vLLM slots, store
-    # file in /dev/shm, 8 tier threads): 4.66 GiB/s that way, 6.55 hashing
-    # after the read, 8.57 unverified.
+    # KVBLOCK_IO_ENGINE=threads perf/verified_reads.py (2 MiB vLLM slots, store
+    # file in /dev/shm, 8 tier threads; measured before tmpfs files were mapped,
+    # so add KVBLOCK_MAPPED_READS=never to repeat it): 4.66 GiB/s that way,
+    # 6.55 hashing after the read, 8.57 unverified.
     hashes_as_reads_land = False
 
     def __init__(self, devices, **kwargs):
