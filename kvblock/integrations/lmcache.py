@@ -10,8 +10,9 @@ LMCache 0.5.x loads in-process storage plugins from its config; this one is
       kvblock.devices: ["/dev/nvme1n1"]        # or pre-sized files, one set per worker
 
 LMCache's storage manager puts and gets whole chunks (``MemoryObj``, by
-default 256 tokens of every layer, K and V) allocated by its
-``LocalCPUBackend``; this plugin moves those buffers to and from the store.
+default 256 tokens of every layer, K and V; one layer of them in layer-wise
+mode) allocated by its ``LocalCPUBackend``; this plugin moves those buffers to
+and from the store.
 
 Geometry: one chunk is one kvblock block of bytes.
     LMCache's chunk is already a byte buffer in LMCache's own layout
@@ -21,11 +22,12 @@ Geometry: one chunk is one kvblock block of bytes.
     head_dim=chunk_bytes, dtype="uint8", block_tokens=1, kv_parts=1)`` and
     each chunk is stored as its own run: one range, the chunk's bytes as they
     are.  ``put`` writes straight from the ``MemoryObj`` and ``get`` reads
-    straight into a freshly allocated one (kvblock does direct I/O on them when
+    straight into freshly allocated ones, one store read for all the chunks of
+    a batched get (kvblock does direct I/O on them when
     they are 4 KiB-aligned whole pages, as LMCache's allocator makes them;
     otherwise through aligned staging).  A run per chunk keeps ``remove`` exact
     (kvblock deletes whole runs).  kvblock's layer-major layout would buy
-    nothing here: the layer-wise restore is LMCache's, from CPU memory.
+    nothing here: LMCache never asks for part of an object.
 
 Chunk format.
     The full-chunk format -- shapes, dtypes and ``MemoryFormat`` -- comes from
@@ -33,9 +35,23 @@ Chunk format.
     ``KV_MLA_FMT`` for MLA, ``KV_2LTD`` otherwise), and is part of the store's
     fingerprint with the model name: a store written for another model or chunk
     format is refused (``GeometryMismatchError``).  Objects of any other format
-    -- a partial last chunk (``save_unfull_chunk``), layer-wise chunks -- are
-    not stored (a miss later, never a wrong answer).  ``use_layerwise`` is
-    refused at start-up.
+    -- a partial last chunk (``save_unfull_chunk``) -- are not stored (a miss
+    later, never a wrong answer).
+
+Layer-wise mode (``use_layerwise: true``).
+    LMCache's cache engine then stores each layer of a chunk as its own object
+    under its own key (``LayerCacheEngineKey``: the chunk's key and the layer
+    id), one ``batched_put`` per layer as the layer leaves the GPU, and loads
+    them back one layer at a time (``layerwise_batched_get`` calls
+    ``batched_get_non_blocking`` with one layer's keys of every chunk).  The
+    plugin then stores layer objects instead of chunks: ``[tokens, 2,
+    hidden]`` ``KV_T2D`` (``[2, tokens, hidden]`` ``KV_2TD`` with
+    ``enable_blending``; ``[tokens, hidden]`` ``KV_MLA_FMT`` for MLA), each
+    its own run, as above.  A layer-wise store and a whole-chunk store have
+    different fingerprints: switching the mode on a store is refused like a
+    change of model (format it again with ``kvblock.format: force``).
+    Layer 0 is found only while all its chunk's layers are (``_whole_chunk``):
+    LMCache checks layer 0 alone before it loads a chunk layer by layer.
 
 Keys.
     ``xxh3_128(prefix || CacheEngineKey.to_string())``: LMCache's key already
@@ -117,7 +133,8 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str, **kwargs)
 
 
 class ChunkFormat:
-    """The shapes, dtypes and memory format of one full LMCache chunk."""
+    """The shapes, dtypes and memory format of the objects the plugin stores:
+    one full LMCache chunk, or with ``use_layerwise`` one layer of one."""
 
     def __init__(self, shapes, dtypes, fmt: MemoryFormat):
         self.shapes = [torch.Size(s) for s in shapes]
@@ -128,10 +145,28 @@ class ChunkFormat:
     @classmethod
     def from_metadata(cls, metadata, config) -> ChunkFormat:
         if getattr(config, "use_layerwise", False):
-            raise ConfigError("kvblock lmcache plugin: use_layerwise is not supported (chunks "
-                              "are stored whole); turn it off or drop the plugin")
+            return cls.layer_of(metadata, config)
         fmt = MemoryFormat.KV_MLA_FMT if metadata.use_mla else MemoryFormat.KV_2LTD
         return cls(metadata.get_shapes(), metadata.get_dtypes(), fmt)
+
+    @classmethod
+    def layer_of(cls, metadata, config) -> ChunkFormat:
+        """One layer of a full chunk, as LMCache's layer-wise GPU connectors
+        shape it (``get_shape(chunk_size)``) in the format its cache engine
+        picks: ``[tokens, hidden]`` ``KV_MLA_FMT`` for MLA, ``[2, tokens,
+        hidden]`` ``KV_2TD`` with ``enable_blending`` (the vLLM buffer
+        connector), ``[tokens, 2, hidden]`` ``KV_T2D`` otherwise; hidden is
+        KV heads x head size.  Layer objects of any other shape are skipped."""
+        _layers, _kv, _tokens, heads, head_size = metadata.kv_shape
+        tokens = metadata.chunk_size
+        hidden = heads * head_size
+        if metadata.use_mla:
+            shape, fmt = (tokens, hidden), MemoryFormat.KV_MLA_FMT
+        elif getattr(config, "enable_blending", False):
+            shape, fmt = (2, tokens, hidden), MemoryFormat.KV_2TD
+        else:
+            shape, fmt = (tokens, 2, hidden), MemoryFormat.KV_T2D
+        return cls([shape], [metadata.kv_dtype], fmt)
 
     def describe(self) -> str:
         return json.dumps({"shapes": [list(s) for s in self.shapes],
@@ -178,6 +213,8 @@ class KVBlockStorageBackend(StoragePluginInterface):
             raise ConfigError(f"kvblock lmcache plugin: a chunk of {self.chunk.nbytes} bytes "
                               "cannot be one block (at most 2 GiB)")
         self.chunk_tokens = int(getattr(config, "chunk_size", 0) or metadata.chunk_size)
+        self.layerwise = bool(getattr(config, "use_layerwise", False))
+        self.objects_per_chunk = int(metadata.kv_shape[0]) if self.layerwise else 1
         self.namespace = str(opt("namespace", "") or "")
         self.prefix = xxhash.xxh3_128_digest(
             KEY_DOMAIN + json.dumps([self.namespace]).encode())
@@ -243,7 +280,19 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
+        if self.layerwise and getattr(key, "layer_id", None) == 0 \
+                and not self._whole_chunk(key):
+            return False
         return self.pin(key) if pin else self.store.contains(self.kvblock_key(key))
+
+    def _whole_chunk(self, layer0_key) -> bool:
+        """Layer-wise mode: is every layer of this chunk stored?  LMCache's
+        store_layer and retrieve_layer ask only for layer 0; were another layer
+        gone (evicted, removed), retrieve_layer would count the chunk as loaded
+        and hand its connector a short layer.  So layer 0 is found only with
+        all its chunk's layers; and store_layer then writes the missing ones."""
+        keys = layer0_key.split_layers(self.objects_per_chunk)
+        return self.store.lookup([self.kvblock_key(k) for k in keys]) == len(keys)
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """Chunks stored as a prefix of ``keys`` (pinned when ``pin``)."""
@@ -322,27 +371,29 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     # ------------------------------------------------------------------ gets
     def _load_prefix(self, keys: Sequence[CacheEngineKey], busy_loop: bool) -> list[MemoryObj]:
-        """Chunks of the stored prefix of ``keys``, each in a new MemoryObj."""
-        out: list[MemoryObj] = []
-        for key in keys:
-            kb = self.kvblock_key(key)
-            if not self.store.contains(kb):
-                break
+        """Objects of the stored prefix of ``keys``, each in a new MemoryObj,
+        read in one call of the store."""
+        kbs = [self.kvblock_key(k) for k in keys]
+        stored = self.store.lookup(kbs) if kbs else 0
+        objs: list[MemoryObj] = []
+        for key in keys[:stored]:
             obj = self.local_cpu_backend.allocate(self.chunk.shapes, self.chunk.dtypes,
                                                   self.chunk.fmt, busy_loop=busy_loop)
             if obj is None:
                 logger.warning("kvblock: no CPU memory for chunk %s", key.to_string())
                 break
-            try:
-                got = self.store.get_run([kb], _obj_bytes(obj, self.chunk.nbytes))
-            except KVBlockError as e:
-                logger.error("kvblock: reading chunk %s failed: %s", key.to_string(), e)
-                got = 0
-            if got != 1:                # evicted or removed meanwhile, or a bad checksum
-                obj.ref_count_down()
-                break
-            out.append(obj)
-        return out
+            objs.append(obj)
+        if not objs:
+            return []
+        try:
+            got = self.store.get_blocks(kbs[:len(objs)],
+                                        [_obj_bytes(o, self.chunk.nbytes) for o in objs])
+        except KVBlockError as e:
+            logger.error("kvblock: reading chunk %s failed: %s", keys[0].to_string(), e)
+            got = 0
+        for obj in objs[got:]:          # evicted or removed meanwhile, or a bad checksum
+            obj.ref_count_down()
+        return objs[:got]
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:
         loaded = self._load_prefix([key], busy_loop=True)
@@ -407,10 +458,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
         """Recency is kept by the store itself (reads touch their regions)."""
 
     def clear(self) -> int:
-        """Evict every chunk of the store; returns the tokens they held."""
+        """Evict everything in the store; returns the tokens it held (a layer
+        object holds 1/layers of its chunk's tokens)."""
         blocks = self.store.stats()["blocks"]
         self.store.evict(all=True)
-        return (blocks - self.store.stats()["blocks"]) * self.chunk_tokens
+        return (blocks - self.store.stats()["blocks"]) * self.chunk_tokens // self.objects_per_chunk
 
     def get_allocator_backend(self) -> AllocatorBackendInterface:
         return self.local_cpu_backend

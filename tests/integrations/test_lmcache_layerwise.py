@@ -1,0 +1,276 @@
+"""kvblock as LMCache's storage plugin in layer-wise mode (``use_layerwise``),
+driven by LMCache's own cache engine.
+
+``LMCacheEngine.store_layer`` / ``retrieve_layer`` / ``lookup`` run as LMCache
+runs them (its token database, storage manager and plugin loader); only the
+GPU connector is a stand-in that copies the layers of a CPU tensor where
+LMCache's layer-wise vLLM connector would copy paged GPU memory, with the same
+generator protocol and the same object shapes (``get_shape``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.cache_engine import LMCacheEngine
+from lmcache.v1.config import LMCacheEngineConfig
+from lmcache.v1.event_manager import EventManager
+from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemLayerwiseGPUConnector
+from lmcache.v1.memory_management import MemoryFormat
+from lmcache.v1.metadata import LMCacheMetadata
+from lmcache.v1.storage_backend.storage_manager import StorageManager
+from lmcache.v1.token_database import ChunkedTokenDatabase
+
+from kvblock.errors import GeometryMismatchError
+from kvblock.integrations.lmcache import KVBlockStorageBackend
+
+CHUNK = 16
+LAYERS = 4
+HEADS, HEAD_SIZE = 4, 32
+MODEL = "org/layerwise-model"
+
+
+def make_config(devices, *, layerwise=True, blending=False, **extra):
+    return LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05,
+        use_layerwise=layerwise, enable_blending=blending, storage_plugins=["kvblock"],
+        extra_config={"storage_plugin.kvblock.module_path": "kvblock.integrations.lmcache",
+                      "storage_plugin.kvblock.class_name": "KVBlockStorageBackend",
+                      "kvblock.devices": devices, **extra})
+
+
+def make_metadata(mla=False):
+    shape = (LAYERS, 1, CHUNK, 1, HEAD_SIZE) if mla else (LAYERS, 2, CHUNK, HEADS, HEAD_SIZE)
+    return LMCacheMetadata(model_name=MODEL, world_size=1, local_world_size=1, worker_id=0,
+                           local_worker_id=0, kv_dtype=torch.bfloat16, kv_shape=shape,
+                           use_mla=mla, chunk_size=CHUNK)
+
+
+class CPULayerwiseConnector(VLLMPagedMemLayerwiseGPUConnector):
+    """LMCache's layer-wise vLLM connector with the model's KV in a CPU tensor
+    ``kv[layer, token]`` (``[tokens, 2, hidden]`` a layer; ``[tokens,
+    hidden]`` for MLA) instead of paged GPU memory.  Same generators: one
+    yield per layer and one more (store), a send per layer and two more
+    yields (load)."""
+
+    def __init__(self, kv: torch.Tensor, mla: bool):      # not super(): it needs CUDA
+        self.kv, self.use_mla = kv, mla
+        self.num_layers, self.hidden_dim_size = kv.shape[0], kv.shape[-1]
+
+    def get_shape(self, num_tokens: int) -> torch.Size:
+        if self.use_mla:
+            return torch.Size([num_tokens, self.hidden_dim_size])
+        return torch.Size([num_tokens, 2, self.hidden_dim_size])
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kwargs):
+        for layer in range(self.num_layers):
+            for start, end, obj in zip(starts, ends, memory_objs[layer]):
+                obj.tensor.copy_(self.kv[layer, start:end])
+            yield
+        yield
+
+    def batched_to_gpu(self, starts, ends, **kwargs):
+        for layer in range(self.num_layers):
+            objs = yield
+            assert len(objs) == len(starts), "a layer came back short"
+            for start, end, obj in zip(starts, ends, objs):
+                self.kv[layer, start:end].copy_(obj.tensor)
+        yield
+        yield
+
+
+class Engine:
+    """An LMCacheEngine in layer-wise mode over a kvblock store, its model's KV
+    in CPU memory: ``tokens`` tokens of random KV."""
+
+    def __init__(self, devices, *, mla=False, tokens=5 * CHUNK, seed=0, **extra):
+        self.metadata = make_metadata(mla)
+        self.config = make_config(devices, **extra)
+        hidden = HEAD_SIZE if mla else HEADS * HEAD_SIZE
+        shape = (LAYERS, tokens, hidden) if mla else (LAYERS, tokens, 2, hidden)
+        g = torch.Generator().manual_seed(seed)
+        self.want = torch.randn(shape, generator=g).to(torch.bfloat16)
+        self.connector = CPULayerwiseConnector(self.want.clone(), mla)
+        self.engine = LMCacheEngine(self.config, self.metadata,
+                                    ChunkedTokenDatabase(self.config, self.metadata),
+                                    self.connector, lambda *a: None, lambda *a: None)
+        self.engine.post_init()
+        self.plugin = self.engine.storage_manager.storage_backends.get("kvblock")
+        assert isinstance(self.plugin, KVBlockStorageBackend), \
+            f"LMCache did not load the plugin: {list(self.engine.storage_manager.storage_backends)}"
+        self.tokens = torch.arange(tokens)
+
+    def store(self, tokens=None) -> None:
+        """The cache engine's layer-wise store, then wait for the plugin's writes."""
+        tokens = self.tokens if tokens is None else tokens
+        want = self.plugin.stats()["blocks"] + LAYERS * (len(tokens) // CHUNK)
+        for _ in self.engine.store_layer(tokens):
+            pass
+        deadline = time.monotonic() + 30
+        while self.plugin.stats()["blocks"] < want:
+            assert time.monotonic() < deadline, "writes did not finish"
+            time.sleep(0.01)
+
+    def retrieve(self, tokens=None) -> torch.Tensor:
+        """The cache engine's layer-wise retrieve into zeroed KV; its token mask."""
+        self.connector.kv.zero_()
+        *_, mask = self.engine.retrieve_layer(self.tokens if tokens is None else tokens)
+        return mask
+
+    def chunk_key(self, i: int) -> CacheEngineKey:
+        db = self.engine.token_database
+        return [key for _, _, key in db.process_tokens(tokens=self.tokens)][i]
+
+    def close(self) -> None:
+        manager = self.engine.storage_manager
+        self.engine.close()
+        if not manager.thread.is_alive():
+            manager.loop.close()          # StorageManager.close() leaves it open
+
+
+@pytest.fixture
+def engines():
+    made = []
+    yield made
+    for e in made:
+        e.close()
+
+
+@pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
+def test_store_layer_then_retrieve_layer_bytes_identical(store_target, engines, mla):
+    e = Engine([store_target()], mla=mla)
+    engines.append(e)
+    e.store()
+    fmt = MemoryFormat.KV_MLA_FMT if mla else MemoryFormat.KV_T2D
+    assert e.plugin.chunk.fmt == fmt
+    assert e.plugin.stats()["blocks"] == 5 * LAYERS      # one object per layer and chunk
+    assert e.plugin.stats()["skipped_chunks"] == 0
+    assert e.engine.lookup(e.tokens, lookup_id="req-1", pin=True) == len(e.tokens)
+    assert len(e.plugin._pins) == 5 * LAYERS              # lookup pinned every layer
+    reads = e.plugin.store.stats()["get_blocks"]
+    mask = e.retrieve()
+    assert bool(mask.all()) and torch.equal(e.connector.kv, e.want)
+    assert e.plugin.store.stats()["get_blocks"] - reads == 5 * LAYERS   # from the store
+    e.engine.lookup_unpin("req-1")
+    assert not e.plugin._pins
+    # a longer prompt: its stored prefix is found and loaded, the rest is not
+    longer = torch.arange(7 * CHUNK)
+    assert e.engine.lookup(longer) == 5 * CHUNK
+    e.connector.kv.zero_()
+    *_, mask = e.engine.retrieve_layer(longer)
+    assert int(mask.sum()) == 5 * CHUNK and torch.equal(e.connector.kv, e.want)
+
+
+def test_layers_survive_a_restart(store_target, engines):
+    path = store_target()
+    e = Engine([path], seed=1)
+    e.store()
+    e.close()
+    e = Engine([path], seed=1, **{"kvblock.format": "never"})
+    engines.append(e)
+    e.connector.kv.zero_()
+    mask = e.retrieve()
+    assert bool(mask.all()) and torch.equal(e.connector.kv, e.want)
+
+
+def test_a_missing_layer_ends_the_prefix(file_target, engines):
+    """A chunk one of whose layers is gone (evicted, removed) is a miss from
+    there on: lookup stops before it, retrieve_layer (which asks for layer 0
+    only) loads just the chunks before it, and the next store_layer writes
+    the missing layer again."""
+    e = Engine([file_target()], tokens=3 * CHUNK, seed=2)
+    engines.append(e)
+    e.store()
+    layer_key = e.chunk_key(1).split_layers(LAYERS)[2]
+    assert e.plugin.remove(layer_key)
+    assert e.engine.lookup(e.tokens) == CHUNK
+    assert not e.plugin.contains(e.chunk_key(1).split_layers(LAYERS)[0])
+    mask = e.retrieve()
+    assert int(mask.sum()) == CHUNK and bool(mask[:CHUNK].all())
+    assert torch.equal(e.connector.kv[:, :CHUNK], e.want[:, :CHUNK])
+    assert not e.connector.kv[:, CHUNK:].any()
+    e.connector.kv.copy_(e.want)
+    blocks = e.plugin.stats()["blocks"]
+    for _ in e.engine.store_layer(e.tokens):
+        pass
+    deadline = time.monotonic() + 30
+    while not e.plugin.contains(layer_key):
+        assert time.monotonic() < deadline, "the missing layer was not written again"
+        time.sleep(0.01)
+    assert e.plugin.stats()["blocks"] == blocks + 1       # just that layer
+    assert e.engine.lookup(e.tokens) == 3 * CHUNK
+    mask = e.retrieve()
+    assert bool(mask.all()) and torch.equal(e.connector.kv, e.want)
+
+
+def test_layerwise_and_whole_chunk_stores_are_told_apart(file_target, engines):
+    """A store written in one mode is refused in the other (LMCache's loader
+    logs and drops a plugin that fails: build it directly to see why)."""
+    path = file_target()
+    e = Engine([path])
+    e.store()
+    e.close()
+    manager = StorageManager(make_config([path], layerwise=False), make_metadata(),
+                             EventManager())
+    try:
+        assert "kvblock" not in manager.storage_backends
+        with pytest.raises(GeometryMismatchError):
+            KVBlockStorageBackend(config=make_config([path], layerwise=False),
+                                  metadata=make_metadata(),
+                                  local_cpu_backend=manager.storage_backends["LocalCPUBackend"],
+                                  loop=manager.loop)
+    finally:
+        manager.close()
+        manager.loop.close()
+
+
+def test_blending_layer_objects_through_the_storage_manager(file_target):
+    """With ``enable_blending`` LMCache's layer objects are ``[2, tokens,
+    hidden]`` ``KV_2TD`` (its buffer connector): put as the cache engine puts
+    them (``batched_allocate`` of every layer, a ``batched_put`` per layer)
+    and loaded with ``layerwise_batched_get``; an object of another format is
+    skipped, not stored."""
+    config = make_config([file_target()], blending=True)
+    manager = StorageManager(config, make_metadata(), EventManager())
+    try:
+        plugin = manager.storage_backends["kvblock"]
+        assert plugin.chunk.fmt == MemoryFormat.KV_2TD
+        shape = torch.Size([2, CHUNK, HEADS * HEAD_SIZE])
+        chunks = [CacheEngineKey(MODEL, 1, 0, h, torch.bfloat16) for h in (71, 72)]
+        keys = [c.split_layers(LAYERS) for c in chunks]           # [chunk][layer]
+        objs = [manager.batched_allocate(shape, torch.bfloat16, batch_size=LAYERS,
+                                         fmt=MemoryFormat.KV_2TD) for _ in chunks]
+        want = {}
+        g = torch.Generator().manual_seed(3)
+        for c in range(len(chunks)):
+            for layer, obj in enumerate(objs[c]):
+                obj.tensor.copy_(torch.randn(shape, generator=g).to(torch.bfloat16))
+                want[keys[c][layer]] = obj.tensor.clone()
+        for layer in range(LAYERS):
+            manager.batched_put([keys[c][layer] for c in range(len(chunks))],
+                                [objs[c][layer] for c in range(len(chunks))])
+        deadline = time.monotonic() + 30
+        while plugin.stats()["blocks"] < len(want):
+            assert time.monotonic() < deadline, "writes did not finish"
+            time.sleep(0.01)
+        layer_major = [[keys[c][layer] for c in range(len(chunks))] for layer in range(LAYERS)]
+        for layer, task in enumerate(manager.layerwise_batched_get(layer_major,
+                                                                   location="kvblock")):
+            got = task.result(timeout=30)
+            assert len(got) == len(chunks)
+            for key, obj in zip(layer_major[layer], got):
+                assert obj.get_memory_format() == MemoryFormat.KV_2TD
+                assert torch.equal(obj.tensor, want[key])
+                obj.ref_count_down()
+        wrong = manager.batched_allocate(torch.Size([CHUNK, 2, HEADS * HEAD_SIZE]),
+                                         torch.bfloat16, batch_size=1,
+                                         fmt=MemoryFormat.KV_T2D)
+        other = CacheEngineKey(MODEL, 1, 0, 73, torch.bfloat16).split_layers(LAYERS)[0]
+        manager.batched_put([other], wrong)
+        assert not plugin.contains(other) and plugin.stats()["skipped_chunks"] == 1
+    finally:
+        manager.close()
+        manager.loop.close()
