@@ -1,13 +1,16 @@
 """pytest-benchmark: index and metadata paths, and cache behaviour on a real trace.
 
 Groups: "lookup" (longest-prefix lookups per second), "small-gets" (one-block
-get_run latency), "recovery" (reopen time vs indexed blocks), "trace-replay"
+get_run latency), "gets-across-runs-file|loop" (one get of 32 blocks stored as
+32 runs vs as one run), "recovery" (reopen time vs indexed blocks), "trace-replay"
 (hit ratio vs capacity per eviction policy on ../shared/traces).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +22,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvblock import Geometry, KVStore, create_file  # noqa: E402
+from kvblock.memory import aligned_empty  # noqa: E402
+
+import fio_support  # noqa: E402  (perf/, on sys.path through perf/conftest.py)
 
 SMALL = Geometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_tokens=16)
 TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -82,6 +88,55 @@ def test_small_random_gets(benchmark, shm_dir):
         store.close()
     finally:
         path.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("target", ["file", "loop"])
+@pytest.mark.parametrize("stored_as", ["32 runs", "one run"])
+def test_get_across_runs(benchmark, shm_dir, stored_as, target):
+    """One get_blocks of 32 blocks of 1 MiB into aligned buffers, the blocks
+    stored one run each (how the LMCache plugin stores chunks, and layer
+    objects in layer-wise mode) or as one run: what a run costs a read
+    beyond its bytes.  On a store file in /dev/shm (read through its mapping)
+    and on a loop device over one (root)."""
+    benchmark.group = f"gets-across-runs-{target}"
+    if target == "loop" and os.geteuid() != 0:
+        pytest.skip("a loop device needs root")
+    n, block = 32, 1 << 20
+    geo = Geometry(num_layers=1, num_kv_heads=1, head_dim=block, dtype="uint8", block_tokens=1,
+                   kv_parts=1)
+    base = shm_dir / f"kvb-bench-runs-{os.getpid()}"
+    if target == "loop":
+        dev_cm = fio_support.loop_target(base, 256 << 20, fill=False)
+    else:
+        base.mkdir()
+        dev_cm = contextlib.nullcontext(str(create_file(base / "kv.img", 256 << 20)))
+    try:
+        with dev_cm as dev:
+            store = KVStore.format([dev], geo, force=True)
+            data = np.random.default_rng(2).integers(0, 256, (n, block), dtype=np.uint8)
+            keys = [i.to_bytes(16, "little") for i in range(n)]
+            if stored_as == "one run":
+                store.put_run(keys, data)
+            else:
+                for key, row in zip(keys, data):
+                    store.put_run([key], row)
+            outs = list(aligned_empty((n, block)))
+            for o in outs:
+                o[:] = 0                       # touched before the timed phase
+
+            def get():
+                assert store.get_blocks(keys, outs) == n
+
+            benchmark.pedantic(get, rounds=30, warmup_rounds=2)
+            assert all(np.array_equal(o, d) for o, d in zip(outs, data))
+            store.close()
+        benchmark.extra_info.update({
+            "blocks": n, "block_bytes": block, "runs": n if stored_as == "32 runs" else 1,
+            "device": "loop over /dev/shm" if target == "loop" else "file in /dev/shm",
+            "verify": "always",
+            "gib_s": round(n * block / benchmark.stats.stats.median / 2**30, 2)})
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.parametrize("blocks", [100_000, 300_000, 1_000_000])

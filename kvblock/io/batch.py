@@ -51,6 +51,16 @@ class IOBatch:
         return b
 
     @classmethod
+    def concat(cls, batches: list["IOBatch"]) -> "IOBatch":
+        """One batch of the entries of ``batches``, in order."""
+        b = object.__new__(cls)
+        b.addrs = np.concatenate([x.addrs for x in batches])
+        b.devs = np.concatenate([x.devs for x in batches])
+        b.offsets = np.concatenate([x.offsets for x in batches])
+        b.lens = np.concatenate([x.lens for x in batches])
+        return b
+
+    @classmethod
     def contiguous(cls, address: int, dev: int, offset: int, length: int,
                    io_size: int) -> "IOBatch":
         """One device range and one host range cut into ``io_size`` pieces."""

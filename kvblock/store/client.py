@@ -428,8 +428,8 @@ class RemoteStore:
     read_range = KVStore.read_range
     _read = KVStore._read
     _read_segment = KVStore._read_segment
-    _read_run_direct = KVStore._read_run_direct
-    _read_run_scattered = KVStore._read_run_scattered
+    _straight_into = KVStore._straight_into
+    _read_whole_runs = KVStore._read_whole_runs
     _verified = KVStore._verified
     _checksum_failure = KVStore._checksum_failure
     _staging = KVStore._staging

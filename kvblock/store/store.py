@@ -938,31 +938,59 @@ class KVStore:
             self.counters["miss_gets"] += 1
             return 0
         try:
-            done = 0
-            for run, pos, count, out_at in segs:
+            done, i = 0, 0
+            while i < len(segs):
+                # Consecutive whole runs that go straight into place are read
+                # in one engine call: their I/O is in flight together, and the
+                # per-run cost is a few numpy ops instead of a call each.
+                whole = []
+                while i + len(whole) < len(segs):
+                    run, pos, count, out_at = segs[i + len(whole)]
+                    part = _span(dst, out_at, out_at + count)
+                    if not self._straight_into(run, pos, count, part, only):
+                        break
+                    whole.append((run, part))
+                if whole:
+                    got = self._read_whole_runs(whole)
+                    done += sum(run.nblocks for run, _ in whole[:got])
+                    if got < len(whole):
+                        break
+                    i += len(whole)
+                    continue
+                run, pos, count, out_at = segs[i]
                 if not self._read_segment(run, pos, count, _span(dst, out_at, out_at + count),
                                           only):
                     break
                 done += count
+                i += 1
         finally:
             self._unpin(segs)
         self.counters["get_blocks"] += done
         self.counters["get_bytes"] += done * (g.group_block_bytes if only else g.block_bytes)
         return done
 
+    def _straight_into(self, run: Run, pos: int, count: int, part, only) -> bool:
+        """Can blocks pos..pos+count of ``run`` be read straight into ``part``
+        (no staging)?  When they are the whole, unpadded run and ``part`` is
+        an aligned contiguous array (then it is the run's on-device image) or
+        aligned blocks in separate buffers."""
+        if only is not None or pos != 0 or count != run.nblocks:
+            return False
+        lay = self.layout(run.nblocks)
+        if lay.range_bytes != lay.prefix_bytes(count):
+            return False
+        if isinstance(part, BlockList):
+            return part.direct(self.alignment)
+        return part.flags.c_contiguous and part.ctypes.data % self.alignment == 0
+
     def _read_segment(self, run: Run, pos: int, count: int, dst, only) -> bool:
         """Blocks pos..pos+count of ``run`` into ``dst`` ((layers, groups,
         count, bytes) array, or a BlockList when ``only`` is None)."""
+        if self._straight_into(run, pos, count, dst, only):
+            return self._read_whole_runs([(run, dst)]) == 1
         g = self.geometry
         lay = self.layout(run.nblocks)
         verify = self.verify == "always"
-        whole = only is None and pos == 0 and count == run.nblocks \
-            and lay.range_bytes == lay.prefix_bytes(count)
-        if whole and isinstance(dst, BlockList) and dst.direct(self.alignment):
-            return self._read_run_scattered(run, lay, dst, verify)
-        if whole and not isinstance(dst, BlockList) and dst.flags.c_contiguous \
-                and dst.ctypes.data % self.alignment == 0:
-            return self._read_run_direct(run, lay, dst, verify)
         # Verification needs whole ranges; otherwise read just the prefix we need.
         span = lay.range_bytes if verify else lay.prefix_read_bytes(pos + count)
         idx = [lay.range_index(*only)] if only else list(range(g.ranges))
@@ -987,37 +1015,45 @@ class KVStore:
         self.counters["bytes_read"] += span * len(idx)
         return True
 
-    def _read_run_direct(self, run: Run, lay: RunLayout, dst: np.ndarray, verify: bool) -> bool:
-        """A whole, unpadded run into an aligned, contiguous destination: the
-        destination already is the on-device image, so read straight into it."""
-        dev, base = self.regions.address(run.region, run.offset)
-        if verify:   # one I/O per range, each range its own checksum stream
-            nr, rb = self.geometry.ranges, lay.range_bytes
-            at = np.arange(nr, dtype=np.uint64) * np.uint64(rb)
-            batch = IOBatch(at + np.uint64(dst.ctypes.data), dev, at + np.uint64(base), rb)
-            sums = self.io.read_hashed(batch, np.arange(nr), np.full(nr, _seed(run)))
-            if not self._verified(run, sums, np.asarray(run.checksums, np.uint64)):
-                return False
+    def _read_whole_runs(self, parts: list) -> int:
+        """Whole runs straight into place (``parts``: (run, destination) pairs
+        that passed :meth:`_straight_into`), all in one engine call; with
+        verification each range is its own checksum stream.  Returns how many
+        leading runs were read and verified (a bad run is dropped)."""
+        verify = self.verify == "always"
+        nr = self.geometry.ranges
+        batches, streams, seeds, lays = [], [], [], []
+        for k, (run, part) in enumerate(parts):
+            lay = self.layout(run.nblocks)
+            dev, base = self.regions.address(run.region, run.offset)
+            if isinstance(part, BlockList):   # one I/O per (range, block), merged where they touch
+                if verify:
+                    batch, ranges = part.hashed_batch(dev, base, lay.range_bytes)
+                else:
+                    batch = part.batch(dev, base, lay.range_bytes)
+            elif verify:                      # the run's image: one I/O per range
+                at = np.arange(nr, dtype=np.uint64) * np.uint64(lay.range_bytes)
+                batch = IOBatch(at + np.uint64(part.ctypes.data), dev, at + np.uint64(base),
+                                lay.range_bytes)
+                ranges = np.arange(nr)
+            else:
+                batch = IOBatch.single(part.ctypes.data, dev, base, lay.run_bytes)
+            batches.append(batch)
+            lays.append(lay)
+            if verify:
+                streams.append(ranges + k * nr)
+                seeds.append(np.full(nr, _seed(run)))
+        batch = batches[0] if len(batches) == 1 else IOBatch.concat(batches)
+        if not verify:
+            self.io.read(batch)
         else:
-            self.io.read(IOBatch.single(dst.ctypes.data, dev, base, lay.run_bytes))
-        self.counters["bytes_read"] += lay.run_bytes
-        return True
-
-    def _read_run_scattered(self, run: Run, lay: RunLayout, dst: BlockList,
-                            verify: bool) -> bool:
-        """A whole, unpadded run into aligned blocks in separate buffers: one
-        I/O per (range, block) piece, merged where pieces touch."""
-        dev, base = self.regions.address(run.region, run.offset)
-        if verify:
-            batch, streams = dst.hashed_batch(dev, base, lay.range_bytes)
-            sums = self.io.read_hashed(batch, streams,
-                                       np.full(self.geometry.ranges, _seed(run)))
-            if not self._verified(run, sums, np.asarray(run.checksums, np.uint64)):
-                return False
-        else:
-            self.io.read(dst.batch(dev, base, lay.range_bytes))
-        self.counters["bytes_read"] += lay.run_bytes
-        return True
+            sums = self.io.read_hashed(batch, np.concatenate(streams), np.concatenate(seeds))
+        for k, (run, _) in enumerate(parts):
+            if verify and not self._verified(run, sums[k * nr:(k + 1) * nr],
+                                             np.asarray(run.checksums, np.uint64)):
+                return k
+            self.counters["bytes_read"] += lays[k].run_bytes
+        return len(parts)
 
     def _verified(self, run: Run, sums: np.ndarray, want: np.ndarray, idx=None) -> bool:
         """Compare a read's checksums with the run's; on a mismatch record the

@@ -14,6 +14,7 @@ import xxhash
 from kvblock import Geometry, KVStore, aligned_empty
 from kvblock.errors import ConfigError
 from kvblock.format.checksum import data_checksum, data_checksum_pieces
+from kvblock.index import normalize_keys
 from kvblock.store.scatter import coalesce
 from tests.store.workload import GEOM, REGION, run_data, run_keys
 
@@ -238,3 +239,98 @@ def test_present_is_per_key_and_not_a_lookup(tmp_path):
         assert store.stats()["lookups"] == 0
         store.delete(keys[1:2])                 # deletes whole runs
         assert store.present(keys).tolist() == [False, False, False]
+
+
+def _runs(store, geom, sizes, first=10):
+    """One put_blocks per size (each its own run); (keys, block buffers)."""
+    keys, blocks = [], []
+    for i, n in enumerate(sizes):
+        k = run_keys(first + i, n)
+        b = _blocks(run_data(k, geom), geom)
+        assert store.put_blocks(k, b) == n
+        keys += k
+        blocks += b
+    return keys, blocks
+
+
+@pytest.mark.parametrize("verify", ["always", "never"])
+def test_a_get_across_whole_runs_is_one_engine_call(target, verify):
+    """Whole runs that go straight into the caller's buffers are read with one
+    engine call (their I/O in flight together); a get that starts inside a
+    run stages that run, then reads the rest together."""
+    with _format(target(16 * MIB), ALIGNED, verify=verify) as store:
+        keys, want = _runs(store, ALIGNED, [3, 1, 2, 2, 1])
+        assert len(store.index.runs) == 5
+        seen = _watch(store)
+        dst = _blocks(np.zeros(9 * ALIGNED.block_bytes, np.uint8), ALIGNED)
+        assert store.get_blocks(keys, dst) == 9
+        assert all(np.array_equal(a, b) for a, b in zip(dst, want))
+        reads = [b for k, b in seen if k == "read"]
+        assert len(reads) == 1 and reads[0].nbytes == 9 * ALIGNED.block_bytes
+        seen.clear()
+        dst = _blocks(np.zeros(8 * ALIGNED.block_bytes, np.uint8), ALIGNED)
+        assert store.get_blocks(keys[1:], dst) == 8
+        assert all(np.array_equal(a, b) for a, b in zip(dst, want[1:]))
+        reads = [b for k, b in seen if k == "read"]
+        assert len(reads) == 2 and reads[1].nbytes == 6 * ALIGNED.block_bytes
+
+
+def test_a_get_across_runs_into_one_buffer_is_one_engine_call(target):
+    """get_run into an aligned buffer with one range per block: each whole
+    run's part of the buffer is its on-device image, read in place, all runs
+    in one call."""
+    geom = Geometry(num_layers=1, num_kv_heads=1, head_dim=2048, dtype="float16",
+                    block_tokens=1, kv_parts=1)          # 4 KiB blocks, one range
+    with _format(target(16 * MIB), geom) as store:
+        keys, want = _runs(store, geom, [2, 1, 3])
+        seen = _watch(store)
+        out = aligned_empty(6 * geom.block_bytes)
+        out[:] = 0
+        assert store.get_run(keys, out) == 6
+        assert np.array_equal(out, np.concatenate(want))
+        reads = [b for k, b in seen if k == "read"]
+        assert len(reads) == 1 and reads[0].addrs.min() == out.ctypes.data
+
+
+def test_a_bad_run_in_a_combined_read_ends_the_prefix_there(tmp_path):
+    """Runs read together are verified in order: a get returns the blocks
+    before the bad run, drops that run, and leaves the runs after it whole."""
+    from kvblock import create_file
+
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    with _format(path, ALIGNED) as store:
+        keys, want = _runs(store, ALIGNED, [2, 1, 2, 3])
+        bad = store.index.segments(normalize_keys(keys[3:5]))[0][0]   # the third run
+        _, off = store.regions.address(bad.region, bad.offset)
+    with open(path, "r+b") as f:
+        f.seek(off + 100)
+        byte = f.read(1)
+        f.seek(off + 100)
+        f.write(bytes([byte[0] ^ 0x80]))
+    with KVStore.open([str(path)]) as store:
+        dst = _blocks(np.zeros(8 * ALIGNED.block_bytes, np.uint8), ALIGNED)
+        assert store.get_blocks(keys, dst) == 3
+        assert all(np.array_equal(a, b) for a, b in zip(dst[:3], want[:3]))
+        assert store.stats()["checksum_failures"] == 1
+        assert store.last_checksum_failure[2] == bad.run_id
+        assert store.lookup(keys) == 3
+        dst = _blocks(np.zeros(3 * ALIGNED.block_bytes, np.uint8), ALIGNED)
+        assert store.get_blocks(keys[5:], dst) == 3
+        assert all(np.array_equal(a, b) for a, b in zip(dst, want[5:]))
+
+
+def test_a_combined_read_spans_devices(tmp_path):
+    from kvblock import create_file
+
+    paths = [create_file(tmp_path / f"d{i}.img", 8 * MIB) for i in range(2)]
+    with KVStore.format([str(p) for p in paths], ALIGNED, region_size=REGION) as store:
+        keys, want = _runs(store, ALIGNED, [8] * 12)
+        devs = {store.regions.address(r.region, r.offset)[0] for r in store.index.runs.values()}
+        assert devs == {0, 1}
+        seen = _watch(store)
+        dst = _blocks(np.zeros(len(keys) * ALIGNED.block_bytes, np.uint8), ALIGNED)
+        assert store.get_blocks(keys, dst) == len(keys)
+        assert all(np.array_equal(a, b) for a, b in zip(dst, want))
+        reads = [b for k, b in seen if k == "read"]
+        assert len(reads) == 1 and set(reads[0].devs.tolist()) == {0, 1}
