@@ -937,6 +937,8 @@ class KVStore:
         if not segs:
             self.counters["miss_gets"] += 1
             return 0
+        if isinstance(dst, BlockList):
+            dst.addresses()          # once: the per-run views below slice it
         try:
             done, i = 0, 0
             while i < len(segs):
@@ -1017,43 +1019,45 @@ class KVStore:
 
     def _read_whole_runs(self, parts: list) -> int:
         """Whole runs straight into place (``parts``: (run, destination) pairs
-        that passed :meth:`_straight_into`), all in one engine call; with
-        verification each range is its own checksum stream.  Returns how many
-        leading runs were read and verified (a bad run is dropped)."""
+        that passed :meth:`_straight_into`, all BlockLists or all arrays), in
+        one engine call; with verification each range is its own checksum
+        stream.  Returns how many leading runs were read and verified (a bad
+        run is dropped).  Built with numpy over all the runs at once."""
         verify = self.verify == "always"
         nr = self.geometry.ranges
-        batches, streams, seeds, lays = [], [], [], []
-        for k, (run, part) in enumerate(parts):
-            lay = self.layout(run.nblocks)
-            dev, base = self.regions.address(run.region, run.offset)
-            if isinstance(part, BlockList):   # one I/O per (range, block), merged where they touch
-                if verify:
-                    batch, ranges = part.hashed_batch(dev, base, lay.range_bytes)
-                else:
-                    batch = part.batch(dev, base, lay.range_bytes)
-            elif verify:                      # the run's image: one I/O per range
-                at = np.arange(nr, dtype=np.uint64) * np.uint64(lay.range_bytes)
-                batch = IOBatch(at + np.uint64(part.ctypes.data), dev, at + np.uint64(base),
-                                lay.range_bytes)
-                ranges = np.arange(nr)
+        runs = [run for run, _ in parts]
+        where = [self.regions.address(run.region, run.offset) for run in runs]
+        devs = np.array([d for d, _ in where], dtype=np.uint32)
+        bases = np.array([b for _, b in where], dtype=np.uint64)
+        lays = [self.layout(run.nblocks) for run in runs]
+        range_bytes = np.array([lay.range_bytes for lay in lays], dtype=np.uint64)
+        if isinstance(parts[0][1], BlockList):   # one I/O per (range, block), merged where they touch
+            blocks = parts[0][1] if len(parts) == 1 else BlockList.joined([p for _, p in parts])
+            batch, streams = blocks.runs_batch([run.nblocks for run in runs], devs, bases,
+                                               range_bytes, by_range=verify)
+        else:                                    # each part is its run's image
+            addrs = np.array([part.ctypes.data for _, part in parts], dtype=np.uint64)
+            if verify:                           # one I/O per range
+                j = np.repeat(np.arange(len(parts)), nr)
+                r = np.tile(np.arange(nr, dtype=np.uint64), len(parts))
+                batch = IOBatch(addrs[j] + r * range_bytes[j], devs[j],
+                                bases[j] + r * range_bytes[j], range_bytes[j])
+                streams = np.arange(len(parts) * nr)
             else:
-                batch = IOBatch.single(part.ctypes.data, dev, base, lay.run_bytes)
-            batches.append(batch)
-            lays.append(lay)
-            if verify:
-                streams.append(ranges + k * nr)
-                seeds.append(np.full(nr, _seed(run)))
-        batch = batches[0] if len(batches) == 1 else IOBatch.concat(batches)
+                batch = IOBatch(addrs, devs, bases, [lay.run_bytes for lay in lays])
         if not verify:
             self.io.read(batch)
+            good = len(parts)
         else:
-            sums = self.io.read_hashed(batch, np.concatenate(streams), np.concatenate(seeds))
-        for k, (run, _) in enumerate(parts):
-            if verify and not self._verified(run, sums[k * nr:(k + 1) * nr],
-                                             np.asarray(run.checksums, np.uint64)):
-                return k
-            self.counters["bytes_read"] += lays[k].run_bytes
-        return len(parts)
+            seeds = np.repeat(np.array([_seed(run) for run in runs], dtype=np.uint64), nr)
+            sums = self.io.read_hashed(batch, streams, seeds)
+            want = np.array([c for run in runs for c in run.checksums], dtype=np.uint64)
+            bad = np.nonzero(sums != want)[0]
+            good = int(bad[0]) // nr if bad.size else len(parts)
+            if bad.size:
+                self._checksum_failure(runs[good], int(bad[0]) % nr)
+        self.counters["bytes_read"] += sum(lay.run_bytes for lay in lays[:good])
+        return good
 
     def _verified(self, run: Run, sums: np.ndarray, want: np.ndarray, idx=None) -> bool:
         """Compare a read's checksums with the run's; on a mismatch record the

@@ -15,7 +15,8 @@ from kvblock import Geometry, KVStore, aligned_empty
 from kvblock.errors import ConfigError
 from kvblock.format.checksum import data_checksum, data_checksum_pieces
 from kvblock.index import normalize_keys
-from kvblock.store.scatter import coalesce
+from kvblock.io import IOBatch
+from kvblock.store.scatter import BlockList, coalesce
 from tests.store.workload import GEOM, REGION, run_data, run_keys
 
 MIB = 1 << 20
@@ -334,3 +335,26 @@ def test_a_combined_read_spans_devices(tmp_path):
         assert all(np.array_equal(a, b) for a, b in zip(dst, want))
         reads = [b for k, b in seen if k == "read"]
         assert len(reads) == 1 and set(reads[0].devs.tolist()) == {0, 1}
+
+
+def test_runs_batch_is_the_runs_batches_end_to_end():
+    """BlockList.runs_batch over several runs equals each run's hashed_batch,
+    concatenated, streams numbered on (run j's range r: j * ranges + r); and
+    merges nothing across runs or ranges when hashing."""
+    buf = aligned_empty(12 * ALIGNED.block_bytes)
+    blocks = BlockList.of([buf[i * ALIGNED.block_bytes:(i + 1) * ALIGNED.block_bytes]
+                           for i in (0, 1, 2, 5, 6, 9, 10, 11, 3)], ALIGNED, 9, "t", True)
+    counts, devs = [3, 2, 4], [0, 1, 0]
+    bases, rbs = [1 << 20, 0, 4 << 20], [3 * 4096, 2 * 4096, 4 * 4096]
+    got, streams = blocks.runs_batch(counts, devs, bases, rbs)
+    want, want_streams, first = [], [], 0
+    for j, n in enumerate(counts):
+        b, s = blocks.sub(first, first + n).hashed_batch(devs[j], bases[j], rbs[j])
+        want.append(b)
+        want_streams.append(s.astype(np.int64) + j * ALIGNED.ranges)
+        first += n
+    cat = IOBatch.concat(want)
+    for field in ("addrs", "devs", "offsets", "lens"):
+        assert np.array_equal(getattr(got, field), getattr(cat, field)), field
+    assert np.array_equal(streams, np.concatenate(want_streams))
+    assert got.nbytes == 9 * ALIGNED.block_bytes
