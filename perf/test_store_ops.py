@@ -2,7 +2,8 @@
 
 Groups: "lookup" (longest-prefix lookups per second), "small-gets" (one-block
 get_run latency), "gets-across-runs-file|loop" (one get of 32 blocks stored as
-32 runs vs as one run), "recovery" (reopen time vs indexed blocks), "trace-replay"
+32 runs vs as one run), "puts-of-many-runs-disk|shm" (32 one-block runs with
+a put_run each vs one put_runs), "recovery" (reopen time vs indexed blocks), "trace-replay"
 (hit ratio vs capacity per eviction policy on ../shared/traces).
 """
 
@@ -135,6 +136,45 @@ def test_get_across_runs(benchmark, shm_dir, stored_as, target):
             "device": "loop over /dev/shm" if target == "loop" else "file in /dev/shm",
             "verify": "always",
             "gib_s": round(n * block / benchmark.stats.stats.median / 2**30, 2)})
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("where", ["disk", "shm"])
+@pytest.mark.parametrize("how", ["put_run each", "put_runs"])
+def test_puts_of_many_runs(benchmark, tmp_path, where, how):
+    """32 runs of one 1 MiB block (the LMCache plugin's chunks), stored with
+    a put_run each (a journal commit each: data flush, journal write,
+    journal flush) or with one put_runs (one commit).  Store file in
+    /var/tmp (the VM's disk) or /dev/shm."""
+    benchmark.group = f"puts-of-many-runs-{where}"
+    n, block = 32, 1 << 20
+    geo = Geometry(num_layers=1, num_kv_heads=1, head_dim=block, dtype="uint8", block_tokens=1,
+                   kv_parts=1)
+    base = Path("/var/tmp" if where == "disk" else "/dev/shm") / f"kvb-bench-puts-{os.getpid()}"
+    base.mkdir()
+    try:
+        path = create_file(base / "kv.img", 512 << 20)
+        store = KVStore.format([str(path)], geo, force=True)
+        data = aligned_empty((n, block))
+        data[:] = np.random.default_rng(3).integers(0, 256, (n, block), dtype=np.uint8)
+        rounds = iter(range(1_000_000))
+
+        def put():
+            r = next(rounds)
+            keys = [(r * n + i).to_bytes(16, "little") for i in range(n)]
+            if how == "put_runs":
+                assert store.put_runs([([k], row) for k, row in zip(keys, data)]) == [1] * n
+            else:
+                for k, row in zip(keys, data):
+                    assert store.put_run([k], row) == 1
+
+        benchmark.pedantic(put, rounds=20, warmup_rounds=1)
+        benchmark.extra_info.update({
+            "runs": n, "block_bytes": block, "commits": store.counters["commits"],
+            "device": f"file in {base.parent}",
+            "gib_s": round(n * block / benchmark.stats.stats.median / 2**30, 2)})
+        store.close()
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -321,6 +321,11 @@ class RemoteStore:
         return self._put(keys, self._blocks_view(keys, data))
 
     put_blocks = KVStore.put_blocks
+    put_runs = KVStore.put_runs
+
+    def _put_many(self, items: list) -> list[int]:
+        """put_runs here: each run is published by its own call to the server."""
+        return [self._put(keys, blocks) for keys, blocks in items]
 
     def _put(self, keys: list[bytes], blocks) -> int:
         n = len(keys)
@@ -434,6 +439,7 @@ class RemoteStore:
     _checksum_failure = KVStore._checksum_failure
     _staging = KVStore._staging
     _blocks_view = KVStore._blocks_view
+    _is_image = KVStore._is_image
     _stage_run = KVStore._stage_run
     _write_run = KVStore._write_run
     _kvikio_reader = KVStore._kvikio_reader

@@ -611,30 +611,128 @@ class KVStore:
         return self._put(keys, BlockList.of(blocks, self.geometry, len(keys), "put_blocks",
                                             writable=False))
 
+    def put_runs(self, runs: Sequence) -> list[int]:
+        """Store several runs: ``runs`` holds ``(keys, data)`` pairs, each as
+        :meth:`put_run` takes it.  The runs' data are written one run after
+        another and published together, with one journal commit (one flush
+        of the data devices and one of the journal) for up to a quarter of
+        the journal or of the store's regions at a time, instead of one per
+        run: a crash keeps all or none of such a group, and so does an error
+        raised while one is written (the groups before it stay).  Returns the
+        blocks written for each run, as put_run would.  Every argument is
+        checked before anything is written."""
+        self._check_open(writing=True)
+        items = []
+        for keys, data in runs:
+            keys = normalize_keys(keys)
+            items.append((keys, self._blocks_view(keys, data)))
+        return self._put_many(items)
+
     def _put(self, keys: list[bytes], blocks) -> int:
         """put_run/put_blocks after their argument checks; ``blocks`` is a
         (layers, groups, n, group_block_bytes) array or a BlockList."""
-        n = len(keys)
+        return self._put_many([(keys, blocks)])[0]
+
+    def _put_many(self, items: list) -> list[int]:
+        """put_runs after its argument checks: (keys, blocks) pairs.  One run
+        alone is published piece by piece (pieces of at most a region)."""
         g = self.geometry
-        if n == 0:
-            return 0
-        with self._lock:
-            stored = self.index.prefix_length(keys)
-        if stored == n:
-            self.counters["put_duplicate_runs"] += 1
-            return n
-        if not self.admission.admit(keys[0]):
-            self.counters["admission_rejected_runs"] += 1
-            return 0
-        written = 0
-        step = self.max_run_blocks
-        if step < 1:
-            raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
-                                 f"{self.sb.region_size}-byte region")
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            written += self._put_one(keys[start:stop], _span(blocks, start, stop))
-        return written
+        out = [0] * len(items)
+        pieces = []                   # (item, keys, blocks) of at most a region each
+        with self._lock:              # one index probe for every item's keys
+            found = self.index.lookup([k for keys, _ in items for k in keys]) >= 0
+        at = 0
+        for i, (keys, blocks) in enumerate(items):
+            n = len(keys)
+            at += n
+            if n == 0:
+                continue
+            if found[at - n:at].all():
+                self.counters["put_duplicate_runs"] += 1
+                out[i] = n
+                continue
+            if not self.admission.admit(keys[0]):
+                self.counters["admission_rejected_runs"] += 1
+                continue
+            step = self.max_run_blocks
+            if step < 1:
+                raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
+                                     f"{self.sb.region_size}-byte region")
+            for start in range(0, n, step):
+                stop = min(n, start + step)
+                pieces.append((i, keys[start:stop], _span(blocks, start, stop)))
+        if len(items) == 1:
+            for i, keys, blocks in pieces:
+                out[i] += self._put_one(keys, blocks)
+            return out
+        # Group the pieces: each group's regions stay pinned until its commit,
+        # so a group may fill at most a quarter of the regions (the rest can
+        # be reclaimed for it; one more for a partly filled open region), and
+        # its commit record at most a quarter of the journal.
+        max_bytes = max(1, self.regions.count // 4 - 1) * self.sb.region_size
+        max_record = self.sb.journal_bytes // 4
+        groups, nbytes, record = [[]], 0, 0
+        for piece in pieces:
+            size = self.layout(len(piece[1])).run_bytes
+            entry = len(piece[1]) * 16 + g.ranges * 8 + 64
+            if groups[-1] and (nbytes + size > max_bytes or record + entry > max_record):
+                groups.append([])
+                nbytes, record = 0, 0
+            groups[-1].append(piece)
+            nbytes += size
+            record += entry
+        for group in groups:
+            if group:
+                for i, n in self._put_group(group):
+                    out[i] += n
+        return out
+
+    def _put_group(self, pieces: list) -> list[tuple[int, int]]:
+        """Write each piece as a run, then publish them all with one commit.
+        Pieces whose buffers already are their on-device image (no staging)
+        are written together in one engine call after the others; a staged
+        piece is written at once (the staging buffer is reused).  Returns
+        (item, blocks) per piece."""
+        written, deferred = [], []      # deferred: (run index, batch, sums or Streams)
+        try:
+            for i, keys, blocks in pieces:
+                if self._is_image(self.layout(len(keys)), blocks):
+                    run, batch, sums = self._write_piece(keys, blocks, defer=True)
+                    deferred.append((len(written), batch, sums))
+                else:
+                    run = self._write_piece(keys, blocks)
+                written.append((i, keys, blocks, run))
+            if deferred:
+                for k, sums in self._write_runs_together(
+                        [(batch, sums, written[k][3].run_id) for k, batch, sums in deferred]):
+                    written[deferred[k][0]][3].checksums = sums
+            self._publish_puts([run for _, _, _, run in written])
+        finally:
+            with self._lock:
+                for _, _, _, run in written:
+                    self.regions.pins[run.region] -= 1
+        for _, keys, blocks, run in written:
+            self._count_put(keys, blocks, run)
+        return [(i, len(keys)) for i, keys, _, _ in written]
+
+    def _write_runs_together(self, staged: list) -> list[tuple[int, np.ndarray]]:
+        """Write (batch, sums or Streams, run id) triples in one engine call
+        each for the runs whose checksums are known and for those the write
+        hashes (a mapped device).  Returns (index, checksums) of the latter."""
+        known = [b for b, sums, _ in staged if not isinstance(sums, Streams)]
+        if known:
+            self.io.write(known[0] if len(known) == 1 else IOBatch.concat(known))
+        hashed = [(k, b, sums, run_id) for k, (b, sums, run_id) in enumerate(staged)
+                  if isinstance(sums, Streams)]
+        if not hashed:
+            return []
+        nr = self.geometry.ranges
+        batch = IOBatch.concat([b for _, b, _, _ in hashed])
+        streams = np.concatenate([np.asarray(sums.of_ios, np.int64) + j * nr
+                                  for j, (_, _, sums, _) in enumerate(hashed)])
+        seeds = np.repeat(np.array([run_id for *_, run_id in hashed], dtype=np.uint64), nr)
+        digests = self.io.write_hashed(batch, streams, seeds)
+        return [(k, digests[j * nr:(j + 1) * nr]) for j, (k, *_) in enumerate(hashed)]
 
     def _blocks_view(self, keys: list[bytes], data) -> np.ndarray:
         """put_run's data as (layers, groups, blocks, group_block_bytes) bytes."""
@@ -646,27 +744,45 @@ class KVStore:
         return np.ascontiguousarray(arr).view(np.uint8).reshape(
             g.num_layers, g.head_groups, n, g.group_block_bytes)
 
-    def _put_one(self, keys: list[bytes], blocks: np.ndarray) -> int:
-        n = len(keys)
-        lay = self.layout(n)
+    def _put_one(self, keys: list[bytes], blocks) -> int:
+        run = self._write_piece(keys, blocks)
+        try:
+            self._publish_put(run)
+        finally:
+            with self._lock:
+                self.regions.pins[run.region] -= 1
+        self._count_put(keys, blocks, run)
+        return len(keys)
+
+    def _write_piece(self, keys: list[bytes], blocks, defer: bool = False):
+        """Allocate a run's space and write its data: the Run, not yet
+        published, its region still pinned (the caller publishes, then
+        unpins).  ``defer``: leave the write to the caller, and return (Run
+        without checksums when the write is to compute them, its IOBatch,
+        its checksums or Streams)."""
+        lay = self.layout(len(keys))
         region, offset, run_id, gen = self._begin_put(lay.run_bytes)
         try:
             dev, dev_off = self.regions.address(region, offset)
             batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off)
-            sums = self._write_run(batch, sums, run_id)
-            host_blocks = blocks if self.host is not None else None
-            self._publish_put(Run(run_id, region, gen, offset, b"".join(keys), sums,
-                                  created=time.time()))
-        finally:
+            if not defer:
+                sums = self._write_run(batch, sums, run_id)
+        except BaseException:
             with self._lock:
                 self.regions.pins[region] -= 1
-        if host_blocks is not None:
-            for k in range(n):
-                self.host.put(keys[k], _one(host_blocks, k))
+            raise
+        run = Run(run_id, region, gen, offset, b"".join(keys),
+                  None if isinstance(sums, Streams) else sums, created=time.time())
+        return (run, batch, sums) if defer else run
+
+    def _count_put(self, keys: list[bytes], blocks, run: Run) -> None:
+        """A published run: its blocks enter the host tier; the counters."""
+        if self.host is not None:
+            for k in range(len(keys)):
+                self.host.put(keys[k], _one(blocks, k))
         self.counters["put_runs"] += 1
-        self.counters["put_blocks"] += n
-        self.counters["bytes_written"] += lay.run_bytes
-        return n
+        self.counters["put_blocks"] += len(keys)
+        self.counters["bytes_written"] += self.layout(len(keys)).run_bytes
 
     # The three steps of a put, also used apart by the store server
     # (kvblock/store/server.py), whose clients write the data themselves.
@@ -680,6 +796,15 @@ class KVStore:
             gen = int(self.regions.generation[region])
         return region, offset, run_id, gen
 
+    def _is_image(self, lay: RunLayout, blocks) -> bool:
+        """Are ``blocks`` already the run's on-device image (or aligned,
+        unpadded pieces of it), so that writing them needs no staging copy?"""
+        if lay.prefix_bytes(lay.nblocks) != lay.range_bytes:
+            return False
+        if isinstance(blocks, BlockList):
+            return blocks.direct(self.alignment)
+        return blocks.flags.c_contiguous and blocks.ctypes.data % self.alignment == 0
+
     def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int):
         """(the IOBatch that writes the run's on-device image at ``dev_off``,
         its per-range checksums, or instead the range index of each I/O when
@@ -692,15 +817,13 @@ class KVStore:
         # Copied into a mapping, each range is hashed right after it is
         # copied (in cache) instead of in a pass of its own.
         as_written = self.io.engine.mapped_for_writes(dev)
-        if isinstance(blocks, BlockList):
-            if payload == lay.range_bytes and blocks.direct(self.alignment):
+        if self._is_image(lay, blocks):
+            if isinstance(blocks, BlockList):
                 if as_written:
                     batch, streams = blocks.hashed_batch(dev, dev_off, lay.range_bytes)
                     return batch, Streams(streams)
                 return (blocks.batch(dev, dev_off, lay.range_bytes),
                         blocks.checksums(run_id))
-        elif payload == lay.range_bytes and blocks.flags.c_contiguous and \
-                blocks.ctypes.data % self.alignment == 0:
             # The caller's array already is the on-device image: no copy.
             address = blocks.ctypes.data
             if as_written:
@@ -731,14 +854,20 @@ class KVStore:
     def _publish_put(self, run: Run) -> None:
         """Journal the run's PUT record durably (after flushing the data), then
         index it.  The run's region must still be pinned by its writer."""
-        region = run.region
+        self._publish_puts([run])
 
+    def _publish_puts(self, runs: list[Run]) -> None:
+        """:meth:`_publish_put` for several runs, in one commit."""
         def publish():
-            self._add_run(run)
-            self.regions.last_access[region] = time.time()
+            now = time.time()
+            self.index.add_many(runs)
+            for run in runs:
+                self._account_run(run)
+                self.regions.last_access[run.region] = now
 
-        self._commit([jfmt.PutRun(run.run_id, region, run.generation, run.offset, run.keys,
-                                  tuple(int(s) for s in run.checksums))], publish)
+        self._commit([jfmt.PutRun(run.run_id, run.region, run.generation, run.offset,
+                                  run.keys, tuple(int(s) for s in run.checksums))
+                      for run in runs], publish)
 
     def _allocate(self, nbytes: int) -> tuple[int, int]:
         """Space for a run, reclaiming regions by policy when none is free.
@@ -1031,7 +1160,7 @@ class KVStore:
         bases = np.array([b for _, b in where], dtype=np.uint64)
         lays = [self.layout(run.nblocks) for run in runs]
         range_bytes = np.array([lay.range_bytes for lay in lays], dtype=np.uint64)
-        if isinstance(parts[0][1], BlockList):   # one I/O per (range, block), merged where they touch
+        if isinstance(parts[0][1], BlockList):   # an I/O per (range, block), merged if they touch
             blocks = parts[0][1] if len(parts) == 1 else BlockList.joined([p for _, p in parts])
             batch, streams = blocks.runs_batch([run.nblocks for run in runs], devs, bases,
                                                range_bytes, by_range=verify)

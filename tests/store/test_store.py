@@ -25,6 +25,7 @@ from kvblock.errors import (
 )
 from kvblock.format import superblock as sbfmt
 from kvblock.format.checksum import meta_checksum
+from kvblock.index import normalize_keys
 from tests.store.workload import GEOM, REGION, run_data, run_keys
 
 MIB = 1 << 20
@@ -154,6 +155,72 @@ def test_put_of_stored_run_is_not_rewritten(store_path):
         assert store.put_run(keys, run_data(keys)) == 3
         assert store.counters["bytes_written"] == written
         assert store.counters["put_duplicate_runs"] == 1
+
+
+def test_put_runs_publishes_several_runs_with_one_commit(store_path, monkeypatch):
+    """put_runs: each (keys, data) pair becomes its own run, written and then
+    published together: one journal commit for all of them; runs from
+    buffers that already are their on-device image are written with one
+    engine call; a run already stored counts whole and is not written again;
+    a run longer than a region is cut into pieces like put_run's."""
+    long_keys = run_keys(20, REGION // GEOM.block_bytes + 3)     # more than a region
+    runs = [run_keys(i, 2 + 2 * (i % 2)) for i in range(10, 14)] + [long_keys]
+
+    def image(keys):             # aligned, unpadded (2 or 4 blocks): written in place
+        out = aligned_empty(len(keys) * GEOM.block_bytes)
+        out[:] = run_data(keys)
+        return out
+
+    with _format([store_path]) as store:
+        store.put_run(runs[2], run_data(runs[2]))
+        commits, written = store.counters["commits"], store.counters["bytes_written"]
+        together = []
+        spy = store._write_runs_together
+        monkeypatch.setattr(store, "_write_runs_together",
+                            lambda staged: (together.append(len(staged)), spy(staged))[1])
+        got = store.put_runs([(keys, image(keys) if k < 4 else run_data(keys))
+                              for k, keys in enumerate(runs)])
+        assert together == [3]                # runs 0, 1 and 3; the long one is staged
+        assert got == [len(keys) for keys in runs]
+        assert store.counters["commits"] == commits + 1
+        assert store.counters["put_duplicate_runs"] == 1
+        assert store.counters["put_runs"] == 1 + 3 + 2          # the long run in two pieces
+        assert store.counters["bytes_written"] > written
+        assert store.put_runs([]) == []
+    with KVStore.open([store_path]) as store:
+        for keys in runs:
+            out = np.zeros(len(keys) * GEOM.block_bytes, np.uint8)
+            assert store.get_run(keys, out) == len(keys)
+            assert np.array_equal(out, run_data(keys))
+        firsts = normalize_keys([keys[0] for keys in runs[:4]])
+        assert len({store.index.segments([k])[0][0].run_id for k in firsts}) == 4
+
+
+def test_put_runs_checks_every_argument_before_writing(store_path):
+    good = run_keys(30, 2)
+    with _format([store_path]) as store:
+        with pytest.raises(ConfigError, match="2 keys need 16384 bytes"):
+            store.put_runs([(good, run_data(good)), ([b"a", b"b"], np.zeros(100, np.uint8))])
+        assert store.lookup(good) == 0 and store.counters["bytes_written"] == 0
+
+
+def test_put_runs_groups_stay_within_the_store(tmp_path):
+    """More runs than a quarter of the store's regions: published in several
+    commits, so that a group's pinned regions never fill the store, and the
+    store evicts older runs for later groups as put_run would."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    per_region = REGION // GEOM.block_bytes
+    runs = [run_keys(40 + i, per_region) for i in range(24)]        # a region each
+    with _format([path]) as store:
+        regions = store.regions.count
+        got = store.put_runs([(keys, run_data(keys)) for keys in runs])
+        assert got == [per_region] * len(runs)
+        assert store.counters["commits"] >= len(runs) // max(1, regions // 4)
+        assert store.counters["evicted_runs"] > 0
+        last = runs[-1]
+        out = np.zeros(len(last) * GEOM.block_bytes, np.uint8)
+        assert store.get_run(last, out) == len(last) and np.array_equal(out, run_data(last))
 
 
 @pytest.mark.parametrize("policy", ["fifo", "lru"])

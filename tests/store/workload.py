@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from kvblock import Geometry, KVStore
+from kvblock import Geometry, KVStore, aligned_empty
 from kvblock.index import normalize_keys
 
 GEOM = Geometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16,
@@ -39,21 +39,41 @@ class Journal:
     deleted: set = field(default_factory=set)          # ... and returned
 
 
-def workload(store: KVStore, log: Journal, runs: int = 12, evicting: bool = False) -> None:
-    for i in range(runs):
-        keys = run_keys(i, 1 + i % 4)
-        log.attempted[keys[0]] = keys
-        store.put_run(keys, run_data(keys))
-        log.acked.add(keys[0])
-        if i % 5 == 4:
-            victim = run_keys(i - 2, 1 + (i - 2) % 4)
-            log.deleting.add(victim[0])
-            store.delete(victim[:1])
-            log.deleted.add(victim[0])
-        if i % 6 == 5:
-            check_store(store, log, evicting=evicting, live=True)
-        if i == 7:
-            store.checkpoint()
+def workload(store: KVStore, log: Journal, runs: int = 12, evicting: bool = False,
+             batched: bool = False) -> None:
+    """Puts of runs of 1-4 blocks, with deletes, checks and a checkpoint
+    between them; ``batched``: the runs go three at a time through put_runs."""
+    group = 3 if batched else 1
+    for first in range(0, runs, group):
+        todo = [run_keys(i, 1 + i % 4) for i in range(first, min(runs, first + group))]
+        for keys in todo:
+            log.attempted[keys[0]] = keys
+        if batched:       # from aligned buffers: runs of 2 and 4 blocks are written in place
+            store.put_runs([(keys, _aligned(run_data(keys))) for keys in todo])
+        else:
+            store.put_run(todo[0], run_data(todo[0]))
+        for keys in todo:
+            log.acked.add(keys[0])
+        for i in range(first, first + len(todo)):
+            _between_puts(store, log, i, evicting)
+
+
+def _aligned(data: np.ndarray) -> np.ndarray:
+    out = aligned_empty(data.nbytes)
+    out[:] = data
+    return out
+
+
+def _between_puts(store: KVStore, log: Journal, i: int, evicting: bool) -> None:
+    if i % 5 == 4:
+        victim = run_keys(i - 2, 1 + (i - 2) % 4)
+        log.deleting.add(victim[0])
+        store.delete(victim[:1])
+        log.deleted.add(victim[0])
+    if i % 6 == 5:
+        check_store(store, log, evicting=evicting, live=True)
+    if i == 7:
+        store.checkpoint()
 
 
 def check_store(store: KVStore, log: Journal, *, evicting: bool = False,
