@@ -21,7 +21,8 @@ Geometry: one chunk is one kvblock block of bytes.
     the byte geometry ``Geometry(num_layers=1, num_kv_heads=1,
     head_dim=chunk_bytes, dtype="uint8", block_tokens=1, kv_parts=1)`` and
     each chunk is stored as its own run: one range, the chunk's bytes as they
-    are.  ``put`` writes straight from the ``MemoryObj`` and ``get`` reads
+    are; the chunks of one put are published with one journal commit.
+    ``put`` writes straight from the ``MemoryObj`` and ``get`` reads
     straight into freshly allocated ones, one store read for all the chunks of
     a batched get (kvblock does direct I/O on them when
     they are 4 KiB-aligned whole pages, as LMCache's allocator makes them;
@@ -348,26 +349,31 @@ class KVBlockStorageBackend(StoragePluginInterface):
         return futures[0] if futures else None
 
     def _write(self, todo, on_complete_callback) -> int:
-        """(writer thread) one run per chunk, straight from its buffer."""
-        written = 0
-        for key, obj in todo:
-            try:
-                self.store.put_run([self.kvblock_key(key)], _obj_bytes(obj, self.chunk.nbytes))
-            except KVBlockError as e:
-                logger.error("kvblock: storing chunk %s failed: %s", key.to_string(), e)
-                continue
-            finally:
+        """(writer thread) one run per chunk, straight from its buffer; the
+        runs of one call published together (put_runs: one journal commit)."""
+        try:
+            got = self.store.put_runs([([self.kvblock_key(key)],
+                                        _obj_bytes(obj, self.chunk.nbytes))
+                                       for key, obj in todo])
+        except KVBlockError as e:
+            logger.error("kvblock: storing %d chunks (%s...) failed: %s", len(todo),
+                         todo[0][0].to_string(), e)
+            got = None
+        finally:
+            for key, obj in todo:
                 obj.ref_count_down()
                 with self._lock:
                     self._put_tasks.discard(key)
-            written += 1
-            if on_complete_callback is not None:
+        if got is None:
+            return 0
+        if on_complete_callback is not None:
+            for key, _ in todo:
                 try:
                     on_complete_callback(key)
                 except Exception as e:  # noqa: BLE001 (the engine's callback: log, go on)
                     logger.warning("kvblock: on_complete_callback failed for %s: %s",
                                    key.to_string(), e)
-        return written
+        return sum(got)
 
     # ------------------------------------------------------------------ gets
     def _load_prefix(self, keys: Sequence[CacheEngineKey], busy_loop: bool) -> list[MemoryObj]:
