@@ -6,8 +6,10 @@ split oversized requests, and turn per-I/O results into one clear exception.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -29,6 +31,12 @@ OP_READ, OP_WRITE = 0, 1
 # hashing after the read (2.79 / 5.77); 512 KiB was best with 8 threads.
 HASH_PIECE = 512 << 10
 _OP_NAME = {OP_READ: "read", OP_WRITE: "write"}
+# A copy into or out of a mapped store file (kvblock/io/mapped.py) of at least
+# COPY_SPLIT_BYTES is shared by up to COPY_THREADS threads (the caller and
+# helpers that are idle at the time): one thread copies and hashes at about
+# 10 GiB/s, two at 18-20 on the 2-core VM (native/kvblock_io.c, mem_copy).
+COPY_THREADS = max(1, min(os.cpu_count() or 1, 4))
+COPY_SPLIT_BYTES = 8 << 20
 
 
 @dataclass
@@ -97,6 +105,7 @@ class IOEngine:
                                         start=not defer_mapped_reads, writes=mapped_writes)
         self._map_users = 0
         self._map_idle = threading.Condition()
+        self._copiers = None         # helper threads of large mapped copies, made on first use
 
     # --- public ------------------------------------------------------------------
     def read(self, batch: IOBatch, *, qd: int | None = None, latency: bool = False) -> IOResult:
@@ -227,32 +236,39 @@ class IOEngine:
 
     def _copy_mapped(self, op: int, batch: IOBatch, latency: bool, hashing) -> IOResult:
         """Copy the batch out of the devices' mappings (hashing each chunk as
-        it is copied, when asked to), or into them, on this thread."""
+        it is copied, when asked to), or into them: on this thread, and for
+        a large batch also on helper threads, each taking whole streams."""
         n = len(batch)
         results = np.empty(n, dtype=np.int64)
         lat = np.empty(n, dtype=np.int64) if latency else None
-        p = native.ptr
         with self._map_idle:
             if self._maps is None:
                 raise ConfigError(f"{self.name} engine is closed")
             self._map_users += 1
-        hasher = None
+        helpers = 0
         try:
-            if hashing is not None:
-                hasher = native.Hasher(batch.addrs, batch.lens, *hashing[:2], results,
-                                       hashing[2])
-            maps = self._maps
-            args = (n, p("uint64_t *", batch.addrs), p("uint32_t *", batch.devs),
-                    p("uint64_t *", maps.bases), p("uint64_t *", maps.sizes), len(maps.bases),
-                    p("uint64_t *", batch.offsets), p("uint64_t *", batch.lens),
-                    p("int64_t *", results), p("int64_t *", lat))
-            copy = native.lib().kvb_mem_write if op == OP_WRITE else native.lib().kvb_mem_read
-            ret = copy(*args, native.ffi.NULL if hasher is None else hasher.handle)
-            if ret < 0:
-                raise ConfigError(f"kvb_mem_{_OP_NAME[op]}: {strerror(-ret)}")
+            # helpers busy with other callers' copies are not waited for
+            if COPY_THREADS > 1 and n > 1 and batch.nbytes >= COPY_SPLIT_BYTES:
+                pool, slots = self._copiers_pool()
+                while helpers < COPY_THREADS - 1 and slots.acquire(blocking=False):
+                    helpers += 1
+            cuts = self._copy_cuts(batch, hashing, helpers + 1)
+            for _ in range(helpers - (len(cuts) - 2)):
+                slots.release()                          # slots the cuts did not use
+            helpers = len(cuts) - 2
+            if not helpers:
+                self._copy_part(op, batch, 0, n, results, lat, hashing)
+            else:
+                parts = [pool.submit(self._copy_part, op, batch, a, b, results, lat, hashing)
+                         for a, b in zip(cuts[1:-1], cuts[2:])]
+                try:
+                    self._copy_part(op, batch, 0, cuts[1], results, lat, hashing)
+                finally:
+                    for part in parts:
+                        part.result()    # (raises the first helper's error)
         finally:
-            if hasher is not None:
-                hasher.finish()
+            for _ in range(helpers):
+                slots.release()
             with self._map_idle:
                 self._map_users -= 1
                 if not self._map_users:
@@ -262,12 +278,73 @@ class IOEngine:
             self._raise(op, batch, results, bad)
         return IOResult(batch.nbytes, lat)
 
+    @staticmethod
+    def _copy_cuts(batch: IOBatch, hashing, threads: int) -> list[int]:
+        """Where to cut a mapped copy between ``threads`` threads: [0, ...,
+        n], cut between entries (between streams, when hashing: a stream is
+        hashed in order) near equal shares of the bytes; fewer parts where
+        there are fewer places to cut."""
+        n = len(batch)
+        if threads < 2 or n < 2:
+            return [0, n]
+        if hashing is None:
+            allowed = np.arange(1, n)
+        else:
+            streams = hashing[0]
+            allowed = np.nonzero(streams[1:] != streams[:-1])[0] + 1
+            if allowed.size == 0:
+                return [0, n]
+        ends = np.cumsum(batch.lens)                  # bytes before entry i+1
+        before = ends[allowed - 1].astype(np.float64)
+        share = float(ends[-1]) / threads
+        cuts = {int(allowed[np.abs(before - share * k).argmin()]) for k in range(1, threads)}
+        return [0, *sorted(cuts), n]
+
+    def _copy_part(self, op: int, batch: IOBatch, a: int, b: int, results, lat,
+                   hashing) -> None:
+        """kvb_mem_read/_write of entries a..b (their own streams, renumbered
+        from 0, when hashing)."""
+        p = native.ptr
+        hasher = None
+        try:
+            if hashing is not None:
+                streams, seeds, digests = hashing
+                s0, s1 = int(streams[a]), int(streams[b - 1]) + 1
+                hasher = native.Hasher(batch.addrs[a:b], batch.lens[a:b],
+                                       streams[a:b] - np.uint32(s0), seeds[s0:s1],
+                                       results[a:b], digests[s0:s1])
+            maps = self._maps
+            args = (b - a, p("uint64_t *", batch.addrs[a:b]), p("uint32_t *", batch.devs[a:b]),
+                    p("uint64_t *", maps.bases), p("uint64_t *", maps.sizes), len(maps.bases),
+                    p("uint64_t *", batch.offsets[a:b]), p("uint64_t *", batch.lens[a:b]),
+                    p("int64_t *", results[a:b]),
+                    p("int64_t *", None if lat is None else lat[a:b]))
+            copy = native.lib().kvb_mem_write if op == OP_WRITE else native.lib().kvb_mem_read
+            ret = copy(*args, native.ffi.NULL if hasher is None else hasher.handle)
+            if ret < 0:
+                raise ConfigError(f"kvb_mem_{_OP_NAME[op]}: {strerror(-ret)}")
+        finally:
+            if hasher is not None:
+                hasher.finish()
+
+    def _copiers_pool(self) -> tuple[ThreadPoolExecutor, threading.Semaphore]:
+        """The helper threads of large mapped copies, and a slot per helper."""
+        with self._map_idle:
+            if self._copiers is None:
+                self._copiers = (ThreadPoolExecutor(COPY_THREADS - 1,
+                                                    thread_name_prefix=f"kvblock-{self.name}-copy"),
+                                 threading.Semaphore(COPY_THREADS - 1))
+            return self._copiers
+
     def close(self) -> None:
         self.closed = True
         with self._map_idle:   # unmap once no read is copying out of the mappings
             while self._map_users:
                 self._map_idle.wait()
             maps, self._maps = self._maps, None
+            copiers, self._copiers = self._copiers, None
+        if copiers is not None:
+            copiers[0].shutdown(wait=True)
         if maps is not None:
             maps.close()
 

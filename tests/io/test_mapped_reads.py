@@ -447,3 +447,93 @@ def test_background_prefault_waits_for_a_gap_in_writes(shm_target, monkeypatch):
             assert not maps._ready.is_set()
             time.sleep(0.01)
         assert maps.wait_prefaulted(30) and maps._ready.is_set()
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("hashed", [False, True], ids=["plain", "hashed"])
+def test_large_mapped_copies_are_shared_between_threads(shm_target, monkeypatch, threads,
+                                                       hashed):
+    """A mapped copy of at least COPY_SPLIT_BYTES is cut between entries
+    (between streams when hashing) and copied by the caller and idle helper
+    threads: the bytes and every stream's digest are those of one thread;
+    a batch of one stream is not cut."""
+    import kvblock.io.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "COPY_THREADS", threads)
+    monkeypatch.setattr(engine_mod, "COPY_SPLIT_BYTES", MIB)
+    path = shm_target(32 * MIB)
+    data = _filled(path, 32 * MIB, seed=8)
+    lens = [3 * MIB, BLOCK, 2 * BLOCK, 5 * MIB, 7 * BLOCK, MIB, 2 * MIB, BLOCK]
+    offsets = [20 * MIB, 0, 9 * MIB, 4 * MIB, 31 * MIB, 12 * MIB, 14 * MIB, 30 * MIB]
+    streams = [0, 1, 1, 2, 2, 3, 4, 4]
+    seeds = [1, 2**64 - 1, 0, 12345678901234567, 99]
+    parts = []
+    copy_part = engine_mod.IOEngine._copy_part
+    monkeypatch.setattr(engine_mod.IOEngine, "_copy_part",
+                        lambda self, op, batch, a, b, *rest: (
+                            parts.append((a, b, threading.current_thread().name)),
+                            copy_part(self, op, batch, a, b, *rest))[1])
+    with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(sum(lens)) as buf:
+        addrs = np.cumsum([0] + lens[:-1]).astype(np.uint64) + np.uint64(buf.address)
+        batch = IOBatch(addrs, 0, offsets, lens)
+        if hashed:
+            got = eng.read_hashed(batch, streams, seeds)
+            want = [data_checksum(np.concatenate([data[o:o + n] for o, n, t in
+                                                  zip(offsets, lens, streams) if t == s]), seed)
+                    for s, seed in enumerate(seeds)]
+            assert [int(x) for x in got] == want
+        else:
+            eng.read(batch)
+        at = 0
+        for o, n in zip(offsets, lens):
+            assert np.array_equal(buf.array[at:at + n], data[o:o + n])
+            at += n
+        assert len(parts) == threads
+        assert sorted((a, b) for a, b, _ in parts)[0][0] == 0          # the parts tile the batch
+        assert sum(b - a for a, b, _ in parts) == len(lens)
+        assert [name for a, _, name in parts if a == 0] == ["MainThread"]
+        assert any(name != "MainThread" for *_, name in parts)
+        cuts = sorted(a for a, _, _ in parts)
+        if hashed:      # never inside a stream
+            assert all(streams[c] != streams[c - 1] for c in cuts[1:])
+        # writes: the same bytes back into other places, shared the same way
+        parts.clear()
+        back = [int(o) for o in np.cumsum([16 * MIB] + lens[:-1])]     # one after another
+        eng.write(IOBatch(addrs, 0, back, lens))
+        assert len(parts) == threads
+        at = 0
+        for o, n in zip(back, lens):
+            assert np.array_equal(_pread(path, o, n), buf.array[at:at + n])
+            at += n
+        # one stream: one thread
+        parts.clear()
+        eng.read_hashed(batch, [0] * len(lens), [5])
+        assert len(parts) == 1
+
+
+def test_busy_copy_helpers_are_not_waited_for(shm_target, monkeypatch):
+    """With every helper slot taken by another caller, a large copy runs
+    whole on the calling thread."""
+    import kvblock.io.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "COPY_THREADS", 2)
+    monkeypatch.setattr(engine_mod, "COPY_SPLIT_BYTES", MIB)
+    path = shm_target(16 * MIB)
+    data = _filled(path, 16 * MIB, seed=9)
+    with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(8 * MIB) as buf:
+        _, slots = eng._copiers_pool()
+        assert slots.acquire(blocking=False)            # another caller holds the helper
+        try:
+            parts = []
+            copy_part = engine_mod.IOEngine._copy_part
+            monkeypatch.setattr(engine_mod.IOEngine, "_copy_part",
+                                lambda self, op, batch, a, b, *rest: (
+                                    parts.append((a, b)),
+                                    copy_part(self, op, batch, a, b, *rest))[1])
+            addrs = np.array([buf.address, buf.address + 4 * MIB], dtype=np.uint64)
+            eng.read(IOBatch(addrs, 0, [0, 8 * MIB], 4 * MIB))
+            assert parts == [(0, 2)]
+            assert np.array_equal(buf.array[:4 * MIB], data[:4 * MIB])
+            assert np.array_equal(buf.array[4 * MIB:], data[8 * MIB:12 * MIB])
+        finally:
+            slots.release()
