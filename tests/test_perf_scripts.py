@@ -30,6 +30,8 @@ CASES = {
                                  "--locations", "shm", "--pool", "8M"],
     "first_layer_vs_peers.py": ["--tokens", "512", "--rounds", "1", "--locations", "shm",
                                 "--layers", "4"],
+    "lmcache_vs_localdisk.py": ["--gib", "0.02", "--rounds", "1", "--shapes", "2M",
+                                "--locations", "shm"],
 }
 
 
