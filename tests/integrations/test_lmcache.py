@@ -103,14 +103,6 @@ def obj_bytes(obj) -> bytes:
     return bytes(obj.raw_tensor.view(torch.uint8)[:obj.get_size()].numpy())
 
 
-@pytest.fixture
-def engines():
-    made = []
-    yield made
-    for e in made:
-        e.close()
-
-
 def test_plugin_loader_builds_the_backend(file_target, engines):
     e = Engine([file_target()])
     engines.append(e)

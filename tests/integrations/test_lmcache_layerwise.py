@@ -131,14 +131,6 @@ class Engine:
             manager.loop.close()          # StorageManager.close() leaves it open
 
 
-@pytest.fixture
-def engines():
-    made = []
-    yield made
-    for e in made:
-        e.close()
-
-
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
 def test_store_layer_then_retrieve_layer_bytes_identical(store_target, engines, mla):
     e = Engine([store_target()], mla=mla)

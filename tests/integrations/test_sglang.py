@@ -56,14 +56,6 @@ def attach(pool, devices, **kw) -> KVBlockHiCacheStorage:
     return backend
 
 
-@pytest.fixture
-def backends():
-    made = []
-    yield made
-    for b in made:
-        b.close()
-
-
 def keys_for(prefix, n):
     # SGLang's keys are SHA-256 hex strings; any string works the same
     return [f"{prefix}{i:060d}" for i in range(n)]
