@@ -37,12 +37,16 @@ def prerequisites() -> tuple[bool, str]:
     return True, ""
 
 
-def drop_caches() -> None:
-    """Write back and drop the page cache so reads reach the device."""
+def drop_caches() -> bool:
+    """Write back and drop the page cache so reads reach the device; False
+    when it could not be dropped (not root)."""
     os.sync()
-    with contextlib.suppress(OSError):
+    try:
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")
+        return True
+    except OSError:
+        return False
 
 
 def _losetup(*args: str, check=True) -> subprocess.CompletedProcess:

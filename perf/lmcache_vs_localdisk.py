@@ -44,21 +44,14 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 import kvblock
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # fio_support
+import fio_support  # noqa: E402
+
 GIB = 1 << 30
 TOKENS = 256
 LOCATIONS = {"disk": "/var/tmp", "shm": "/dev/shm"}
 SHAPES = {"2M": (16, 1, 128), "32M": (32, 8, 128)}     # layers, KV heads, head size
 MODEL = "bench/lmcache-model"
-
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def metadata(shape) -> LMCacheMetadata:
@@ -121,7 +114,7 @@ def measure(kind: str, where: str, shape, total: int, batch: int, seed: int) -> 
                 raise SystemExit(f"{name}: puts did not finish")
             time.sleep(0.001)
         put_s = time.perf_counter() - t0
-        dropped = drop_caches()
+        dropped = fio_support.drop_caches()
         t0 = time.perf_counter()
         got = []
         for i in range(0, n, batch):
