@@ -78,3 +78,8 @@ def _crash_everywhere(tmp_path, mode, evicting, batched):
                     group = [log.attempted[f] for f in firsts[g:g + 3] if f not in log.deleting]
                     kept = {store.lookup(keys) == len(keys) for keys in group}
                     assert len(kept) <= 1, f"crash at {n}: put_runs published in part"
+            # and the recovered store keeps working
+            store.put_run([b"after-crash"], run_data([b"after-crash"]))
+            assert store.lookup([b"after-crash"]) == 1
+        with KVStore.open([path]) as store:
+            assert store.lookup([b"after-crash"]) == 1
