@@ -22,10 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = int(os.environ.get("KVBLOCK_KILL_ROUNDS", "40"))
 
 
+@pytest.mark.parametrize("how", ["put_run", "put_runs"])
 @pytest.mark.parametrize("where", ["disk", "shm"])
-def test_sigkill_at_random_moments(tmp_path, shm_target, where):
+def test_sigkill_at_random_moments(tmp_path, shm_target, where, how):
     """``shm``: a store file on tmpfs, written through a mapping (small enough
-    to be mapped in before the first put)."""
+    to be mapped in before the first put).  ``put_runs``: three runs a call,
+    published in order by one commit: of the call in flight, a leading part
+    (all, some or none of it) may have landed, each run whole."""
+    group = 3 if how == "put_runs" else 1
     if where == "shm":
         path = Path(shm_target(PREFAULT_INLINE, "kill.img"))
     else:
@@ -37,7 +41,8 @@ def test_sigkill_at_random_moments(tmp_path, shm_target, where):
     next_run = 0
     for round_ in range(ROUNDS):
         proc = subprocess.Popen([sys.executable, "-m", "tests.store.kill_writer", str(path),
-                                 str(next_run)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                                 str(next_run), how], cwd=ROOT, stdout=subprocess.PIPE,
+                                text=True)
         # Wait for the writer to start writing, then kill it a random moment later.
         first = proc.stdout.readline()
         assert first.startswith("put "), first
@@ -47,11 +52,12 @@ def test_sigkill_at_random_moments(tmp_path, shm_target, where):
         out, _ = proc.communicate()
         lines += out.splitlines()
         started = next_run
-        acked_puts = [int(x.split()[1]) for x in lines if x.startswith("put ")]
+        acked_puts = [int(n) for x in lines if x.startswith("put ") for n in x.split()[1:]]
         acked_dels = [int(x.split()[1]) for x in lines if x.startswith("del ")]
         last = max(acked_puts)
-        # the run after the last acknowledged one may or may not have landed
-        for i in range(started, last + 2):
+        # the call after the last acknowledged one may or may not have landed
+        in_flight = [run_keys(i, 1 + i % 4) for i in range(last + 1, last + 1 + group)]
+        for i in range(started, last + 1 + group):
             keys = run_keys(i, 1 + i % 4)
             log.attempted[keys[0]] = keys
         for i in acked_puts:
@@ -59,11 +65,15 @@ def test_sigkill_at_random_moments(tmp_path, shm_target, where):
         for i in acked_dels:
             log.deleted.add(run_keys(i, 1)[0])
             log.deleting.add(run_keys(i, 1)[0])
-        if last % 7 == 6 and last not in [d + 3 for d in acked_dels]:
-            log.deleting.add(run_keys(last - 3, 1)[0])  # its delete may have been in flight
-        next_run = last + 2
+        for i in range(last + 1 - group, last + 1):     # deletes after the last call's puts
+            if i % 7 == 6 and i - 3 not in acked_dels:
+                log.deleting.add(run_keys(i - 3, 1)[0])  # may have been in flight
+        next_run = last + 1 + group
         with KVStore.open([str(path)]) as store:
             assert store.io.engine.mapped_for_writes(0) == (where == "shm")
             assert check_store(store, log) > 0
             assert store.stats()["regions_free"] > 0, "store filled up: eviction would hide losses"
+            landed = [store.lookup(keys) == len(keys) for keys in in_flight]
+            assert landed == sorted(landed, reverse=True), \
+                f"round {round_}: the call in flight landed out of order: {landed}"
     assert next_run > ROUNDS
