@@ -617,10 +617,12 @@ class KVStore:
         another and published together, with one journal commit (one flush
         of the data devices and one of the journal) for up to a quarter of
         the journal or of the store's regions at a time, instead of one per
-        run: a crash keeps all or none of such a group, and so does an error
-        raised while one is written (the groups before it stay).  Returns the
-        blocks written for each run, as put_run would.  Every argument is
-        checked before anything is written."""
+        run.  The commit's records go in run order, each checksummed: a crash
+        while it is written may keep a leading part of the group's runs, each
+        whole, never a run whose data did not land.  An error raised while a
+        group is written publishes none of it (the groups before it stay).
+        Returns the blocks written for each run, as put_run would.  Every
+        argument is checked before anything is written."""
         self._check_open(writing=True)
         items = []
         for keys, data in runs:
