@@ -1109,12 +1109,7 @@ class KVStore:
         aligned blocks in separate buffers."""
         if only is not None or pos != 0 or count != run.nblocks:
             return False
-        lay = self.layout(run.nblocks)
-        if lay.range_bytes != lay.prefix_bytes(count):
-            return False
-        if isinstance(part, BlockList):
-            return part.direct(self.alignment)
-        return part.flags.c_contiguous and part.ctypes.data % self.alignment == 0
+        return self._is_image(self.layout(run.nblocks), part)
 
     def _read_segment(self, run: Run, pos: int, count: int, dst, only) -> bool:
         """Blocks pos..pos+count of ``run`` into ``dst`` ((layers, groups,
