@@ -57,6 +57,9 @@ Keys.
     model name, ``namespace`` (tenant/salt, default empty), TP rank (MHA: each
     rank holds its own heads; MLA pages are rank-replicated) and size, and PP
     and attention-CP rank/size, so two models or tenants never share blocks.
+    Mamba state pages (hybrid models) are TP-sharded even beside MLA KV
+    (SGLang has every rank back them up), so their keys always carry the TP
+    rank.
     The store itself is fingerprinted with the model name: a device formatted
     for one model is refused for another.
 
@@ -77,7 +80,11 @@ One store for every rank: ``"server"``.
     This is what MLA models with tp_size > 1 need: SGLang writes MLA pages
     from rank 0 only while every rank reads, and MLA keys carry no TP rank,
     so every rank hits what rank 0 wrote.  (MHA ranks keep their own keys in
-    the shared store.)  Not with ``host_cache_bytes``.
+    the shared store.)  Not with ``host_cache_bytes``.  An MLA model with
+    tp_size > 1 and no ``server`` is refused: the ranks that do not write
+    would never hit, and SGLang takes the smallest hit of all ranks.  With
+    DP attention ``tp_rank`` counts within the attention group, so per-rank
+    device templates need ``{dp_rank}`` too.
 
 Configuration (``--hicache-storage-backend-extra-config``, besides SGLang's own
 keys)::
@@ -273,7 +280,15 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         if "host_cache_bytes" in self.store_options:
             self.store_options["host_cache_bytes"] = _parse_size(
                 self.store_options["host_cache_bytes"], "host_cache_bytes")
+        if storage_config.is_mla_model and storage_config.tp_size > 1 and not self.server:
+            raise ConfigError(
+                f"kvblock sglang backend: an MLA model at tp_size {storage_config.tp_size} "
+                "needs one store for every rank: SGLang writes MLA pages from one rank only, "
+                "so a rank's own store would never hit. Add \"server\": \"/run/kvblock/"
+                "sglang.sock\" (one device set, shared through a store server)")
         self.prefix = self.key_prefix(storage_config, self.model, self.namespace)
+        self.rank_prefix = self.key_prefix(storage_config, self.model, self.namespace,
+                                           per_rank=True)
         self.store: KVStore | None = None
         self.pages: PoolPages | None = None
         self.mem_pool_host = None
@@ -312,10 +327,14 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                               f"{e}") from None
 
     @staticmethod
-    def key_prefix(c: HiCacheStorageConfig, model: str, namespace: str) -> bytes:
-        """16 bytes mixed into every key: model, tenant and the rank's shard."""
+    def key_prefix(c: HiCacheStorageConfig, model: str, namespace: str, *,
+                   per_rank: bool = False) -> bytes:
+        """16 bytes mixed into every key: model, tenant and the rank's shard
+        (MLA pages leave the TP rank out unless ``per_rank``: they are the
+        same on every rank)."""
+        shared = c.is_mla_model and not per_rank
         shard = {"model": model, "namespace": namespace,
-                 "tp_rank": None if c.is_mla_model else c.tp_rank, "tp_size": c.tp_size,
+                 "tp_rank": None if shared else c.tp_rank, "tp_size": c.tp_size,
                  "pp": [c.pp_rank, c.pp_size], "attn_cp": [c.attn_cp_rank, c.attn_cp_size]}
         text = json.dumps(shard, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_digest(KEY_DOMAIN + text.encode())
@@ -506,8 +525,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         return nbytes, -(-nbytes // bb)
 
     def _pool_keys(self, name, keys: list[str], nb: int) -> list[bytes]:
+        """The nb block keys of each page of pool ``name``.  Mamba state is
+        TP-sharded whatever the KV pool is (SGLang backs it up on every rank,
+        and HiCacheFile keys it per rank too), so its keys name the rank."""
         tag = _pool_key(name)
-        return [self.kvblock_key(f"{k}\0{tag}\0{i}") for k in keys for i in range(nb)]
+        prefix = self.rank_prefix if tag == PoolName.MAMBA.value else self.prefix
+        return [xxhash.xxh3_128_digest(prefix + f"{k}\0{tag}\0{i}".encode())
+                for k in keys for i in range(nb)]
 
     def _pool_present(self, name, keys: list[str]) -> np.ndarray:
         """Per page key: are all blocks of its ``name`` pool page stored?"""
@@ -604,7 +628,10 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         return out
 
     def _pool_io(self, t: PoolTransfer, keys: list[str], load: bool) -> list[bool]:
-        """One extra pool's pages to or from the store: one run per call."""
+        """One extra pool's pages to or from the store: one run per call.  A
+        page's bytes lie in its own blocks (put_blocks/get_blocks, one buffer
+        a block), so any subset or grouping of pages reads back what was
+        written; a run buffer would spread each page across the run's layers."""
         if not self._ready():
             return [False] * len(keys)
         pool = self._pool(t.name)
@@ -625,14 +652,15 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         kbs = self._pool_keys(t.name, [keys[i] for i in todo], nb)
         buf = self.store._staging(len(kbs) * bb, "pages").array[:len(kbs) * bb]
         pages = buf.reshape(len(todo), nb * bb)
+        blocks = list(buf.reshape(len(kbs), bb))
         if not load:
             for j, i in enumerate(todo):
                 page = pool.get_data_page(offsets[i], flat=True)
                 pages[j, :nbytes] = page.contiguous().view(torch.uint8).reshape(-1).numpy()
                 pages[j, nbytes:] = 0
-            self.store.put_run(kbs, buf)
+            self.store.put_blocks(kbs, blocks)
             return [True] * len(keys)
-        got = self.store.get_run(kbs, buf) // nb
+        got = self.store.get_blocks(kbs, blocks) // nb
         page = pool.get_dummy_flat_data_page()      # the pool copies from it: one will do
         for j in range(got):
             page.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(pages[j, :nbytes]))

@@ -170,10 +170,16 @@ def test_tenants_and_ranks_get_their_own_keys(file_target, backends):
     key = keys[0]
     mha = [KVBlockHiCacheStorage(storage_config([path], tp_rank=r, tp_size=2), {})
            for r in (0, 1)]
-    mla = [KVBlockHiCacheStorage(storage_config([path], tp_rank=r, tp_size=2, mla=True), {})
+    mla = [KVBlockHiCacheStorage(storage_config([path], tp_rank=r, tp_size=2, mla=True,
+                                                server=str(path) + ".sock"), {})
            for r in (0, 1)]
     assert mha[0].kvblock_key(key) != mha[1].kvblock_key(key)      # each rank: its heads
     assert mla[0].kvblock_key(key) == mla[1].kvblock_key(key)      # MLA: replicated pages
+    # Mamba state is TP-sharded even beside MLA KV; other extra pools follow the KV
+    from sglang.srt.mem_cache.hicache_storage import PoolName
+    assert mla[0]._pool_keys(PoolName.MAMBA, [key], 2) != mla[1]._pool_keys(PoolName.MAMBA, [key], 2)
+    assert mla[0]._pool_keys(PoolName.SWA, [key], 2) == mla[1]._pool_keys(PoolName.SWA, [key], 2)
+    assert mha[0]._pool_keys(PoolName.SWA, [key], 2) != mha[1]._pool_keys(PoolName.SWA, [key], 2)
 
 
 def test_geometry_comes_from_the_pool_and_is_checked(file_target, backends):
@@ -353,15 +359,44 @@ def test_mla_ranks_share_one_store_through_a_server(tmp_path):
             attach(HostPool(mla=True, head_dim=64), [dev], tp_rank=1, tp_size=2, server=sock)
         with pytest.raises(ConfigError, match="host_cache_bytes"):
             attach(HostPool(mla=True, head_dim=32), [dev], server=sock, host_cache_bytes="1M")
+
+        # Mamba state is TP-sharded beside MLA KV: SGLang has every rank back
+        # up its own shard, so each rank must get its own back, not rank 0's
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+        mamba = [StatePool(seed=10 + r) for r in range(2)]
+        for r in range(2):
+            ranks[r].register_mem_host_pool_v2(mamba[r], PoolName.MAMBA)
+        want_state = [m.buf[0].clone() for m in mamba]
+        for r in range(2):
+            assert ranks[r].batch_set_v2([PoolTransfer(
+                name=PoolName.MAMBA, keys=keys[:1], host_indices=torch.tensor([0]))]) == \
+                {"mamba": [True]}
+        for r in range(2):
+            assert ranks[r].batch_get_v2([PoolTransfer(
+                name=PoolName.MAMBA, keys=keys[:1], host_indices=torch.tensor([3]))]) == \
+                {"mamba": [True]}
+            assert torch.equal(mamba[r].buf[3], want_state[r])
+        state_blocks = ranks[0]._page_blocks(mamba[0])[1]
     finally:
         server = ranks[0].store if ranks else None
         for b in ranks:
             b.close()
         if server is not None:
             _stop_server(server)
-    # the server checkpointed on SIGTERM: the store opens and holds rank 0's pages
+    # the server checkpointed on SIGTERM: the store opens and holds rank 0's
+    # pages and each rank's state page
     with KVStore.open([dev]) as store:
-        assert len(store.index) == 5
+        assert len(store.index) == 5 + 2 * state_blocks
+
+
+def test_mla_ranks_without_a_server_are_refused(file_target):
+    """SGLang writes MLA pages from one rank only: ranks with stores of their
+    own would never hit (and SGLang takes the smallest hit of all ranks)."""
+    pool = HostPool(mla=True, head_dim=32)
+    with pytest.raises(ConfigError, match='needs one store for every rank.*"server"'):
+        attach(pool, [file_target()], tp_rank=1, tp_size=2)
+    backend = attach(pool, [file_target()], tp_rank=0, tp_size=1)   # one rank: fine
+    backend.close()
 
 
 class StatePool:
@@ -456,3 +491,37 @@ def test_hybrid_v2_calls_store_kv_and_state_pools(store_target, backends):
     assert backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, keys=keys[:1],
                                               host_indices=torch.tensor([0]))]) == \
         {"swa": [False]}
+
+
+def test_hybrid_state_pages_read_back_in_any_grouping(store_target, backends):
+    """An extra pool's page is its own blocks: pages stored in one call load
+    alone, as a trailing window, or beside pages stored by another call, the
+    way SGLang's hybrid controller regroups them (windows, prefetch batches,
+    backups that write only the new pages)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    pool = HostPool(pages=24)                  # several layers: a run spans them
+    backend = attach(pool, [store_target()])
+    backends.append(backend)
+    states = StatePool(slots=12, seed=1)
+    backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
+    want = states.buf.clone()
+    keys = keys_for("g", 5)
+
+    def put(ks, slots):
+        return backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=ks,
+                                                  host_indices=torch.tensor(slots))])["mamba"]
+
+    def get(ks, slots):
+        return backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=ks,
+                                                  host_indices=torch.tensor(slots))])["mamba"]
+
+    assert put(keys[:3], [0, 1, 2]) == [True] * 3
+    assert put(keys[2:5], [2, 3, 4]) == [True] * 3      # page 2 stored already: not rewritten
+    states.buf.zero_()
+    assert get(keys[1:3], [5, 6]) == [True, True]        # a trailing window of the first call
+    assert torch.equal(states.buf[5], want[1]) and torch.equal(states.buf[6], want[2])
+    assert get(keys[2:3], [7]) == [True]                 # one page alone
+    assert torch.equal(states.buf[7], want[2])
+    assert get(keys[1:5], [8, 9, 10, 11]) == [True] * 4  # across both calls
+    assert torch.equal(states.buf[8:12], want[1:5])
