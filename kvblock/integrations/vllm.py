@@ -56,7 +56,9 @@ Store lifecycle.
 Lookups: HIT when the store holds the key, else RETRY while a store job for
 the key is in flight (or, briefly, while a worker holds the store's index
 lock), else MISS.  A load that finds a key evicted since its lookup
-fails for that key only (``JobResult.successful_keys`` names the others).
+fails for that key only (``JobResult.successful_keys`` names the others);
+so does one whose run cannot be read (EIO): the store drops that run, so
+the next lookup misses instead of vLLM promoting it again every step.
 
 Configuration (one entry of ``secondary_tiers``)::
 
@@ -103,6 +105,7 @@ from kvblock.store import provision
 from kvblock.units import size_setting
 from kvblock.errors import (
     ConfigError,
+    IOFailedError,
     KVBlockError,
 )
 from kvblock.layout import Geometry
@@ -480,11 +483,21 @@ class KVBlockTierManager(SecondaryTierManager):
             dst = [slots[i] for i in ids.tolist()]
             read = self.store.get_blocks
         ok = np.zeros(n, dtype=bool)
-        i = 0
+        i, errors = 0, 0
         while i < n:
-            got = read(kbs[i:], dst[i:])
+            try:
+                got = read(kbs[i:], dst[i:])
+            except IOFailedError as e:
+                # The store dropped the run it could not read (a miss from
+                # now on, so vLLM stops promoting it): read again up to it.
+                # An engine failure that reached no device dropped nothing.
+                errors += 1
+                if e.path is None or errors > n:
+                    raise
+                logger.warning("kvblock tier: load job %s: %s", job.meta.job_id, e)
+                continue
             ok[i:i + got] = True
-            i += got + 1          # skip the key that missed (evicted or corrupt)
+            i += got + 1          # skip the key that missed (evicted, corrupt, unreadable)
         job.ok[start:stop] = ok
         return int(ok.sum())
 

@@ -437,6 +437,7 @@ class RemoteStore:
     _read_whole_runs = KVStore._read_whole_runs
     _verified = KVStore._verified
     _checksum_failure = KVStore._checksum_failure
+    _read_failed = KVStore._read_failed
     _staging = KVStore._staging
     _blocks_view = KVStore._blocks_view
     _is_image = KVStore._is_image

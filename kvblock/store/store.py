@@ -24,6 +24,7 @@ Invariants (enforced where named):
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -40,6 +41,7 @@ from kvblock.errors import (
     DeviceTooSmallError,
     FormatError,
     GeometryMismatchError,
+    IOFailedError,
     KVBlockError,
     MissingDeviceError,
     NotAStoreError,
@@ -68,9 +70,10 @@ COUNTERS = (
     "lookups", "lookup_hit_blocks", "get_blocks", "get_bytes", "miss_gets", "bytes_read",
     "checksum_failures", "deleted_runs", "evicted_regions", "evicted_runs", "evicted_blocks",
     "discards", "commits", "journal_bytes", "checkpoints", "replayed_records", "recovery_us",
-    "host_hit_blocks", "device_hit_blocks",
+    "host_hit_blocks", "device_hit_blocks", "read_errors",
 )
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
+logger = logging.getLogger(__name__)
 
 
 # Staging memory that layer-wise loads (kvblock.tensors.load_blocks) leave
@@ -1084,16 +1087,24 @@ class KVStore:
                         break
                     whole.append((run, part))
                 if whole:
-                    got = self._read_whole_runs(whole)
+                    try:
+                        got = self._read_whole_runs(whole)
+                    except IOFailedError as e:
+                        self._read_failed(e, [run for run, _ in whole])
+                        raise
                     done += sum(run.nblocks for run, _ in whole[:got])
                     if got < len(whole):
                         break
                     i += len(whole)
                     continue
                 run, pos, count, out_at = segs[i]
-                if not self._read_segment(run, pos, count, _span(dst, out_at, out_at + count),
-                                          only):
-                    break
+                try:
+                    if not self._read_segment(run, pos, count,
+                                              _span(dst, out_at, out_at + count), only):
+                        break
+                except IOFailedError as e:
+                    self._read_failed(e, [run])
+                    raise
                 done += count
                 i += 1
         finally:
@@ -1199,6 +1210,35 @@ class KVStore:
         dev, off = self.regions.address(run.region, run.offset)
         self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id, range_index)
         self._drop_runs([run])
+
+    def _read_failed(self, error: IOFailedError, runs: list[Run]) -> None:
+        """A device read for ``runs`` failed (EIO, a short read...): drop the
+        run the failed I/O was in (every one of ``runs`` when several I/Os
+        failed or the error gives no offset), as a checksum failure does.
+        Kept, it would stay a hit that no read can return, and engines retry
+        hits (vLLM's tiering manager would promote it every step).  The
+        caller still raises ``error``.  An engine failure that reached no
+        device (no path) drops nothing."""
+        self.counters["read_errors"] += 1
+        if error.path is None:
+            return
+        hit = runs
+        if error.offset is not None and error.failed <= 1:
+            end = error.offset + max(int(error.length or 0), 1)
+            hit = []
+            for run in runs:
+                dev, base = self.regions.address(run.region, run.offset)
+                if (self.io.devices[dev].path == error.path
+                        and base < end and error.offset < base + self.layout(run.nblocks).run_bytes):
+                    hit.append(run)
+            hit = hit or runs
+        self.last_read_error = (error.path, error.offset, [r.run_id for r in hit])
+        logger.warning("kvblock: %s; dropping %d run(s) that read it (%d blocks)", error,
+                       len(hit), sum(r.nblocks for r in hit))
+        try:
+            self._drop_runs(hit)
+        except KVBlockError as e:    # the read error is what the caller hears
+            logger.warning("kvblock: dropping runs after a read error failed: %s", e)
 
     def _drop_runs(self, runs: list[Run]) -> None:
         with self._lock:

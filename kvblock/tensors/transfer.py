@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from kvblock.errors import ConfigError, KVBlockError
+from kvblock.errors import ConfigError, IOFailedError, KVBlockError
 from kvblock.format.checksum import data_hasher
 from kvblock.index import normalize_keys
 from kvblock.io import IOBatch
@@ -481,6 +481,8 @@ class _LoadJob:
             error = None
         self._stage_done()
         store._unpin(self.segs)
+        if isinstance(error, IOFailedError):   # an unreadable run is gone too
+            store._read_failed(error, [seg[0] for seg in self.segs])
         if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup
             try:
                 store._drop_runs(self.bad_runs)

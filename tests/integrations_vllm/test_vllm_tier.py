@@ -315,6 +315,36 @@ def test_partial_load_names_the_keys_it_loaded(make_tier):
     assert not pool[5].any()
 
 
+def test_unreadable_run_fails_its_keys_and_becomes_a_miss(make_tier):
+    """EIO on one stored run: the load fails for that run's keys only, the
+    others load, and the keys that failed miss from then on, so vLLM's
+    manager does not promote them again every step."""
+    from tests.support.faults import BadSectors
+
+    tier, pool = make_tier()
+    fill_random(pool, range(6))
+    expected = pool[:6].clone()
+    keys = [key(40 + i) for i in range(6)]
+    for j in range(3):                                  # three runs of 2 slots
+        tier.submit_store(job(1 + j, keys[2 * j:2 * j + 2], [2 * j, 2 * j + 1]))
+    assert all(r.success for r in drain(tier))
+    store = tier.store
+    run = store.index.runs[store.index.segments([tier.kvblock_key(keys[2])])[0][0].run_id]
+    bad = BadSectors()
+    bad.add(*store.regions.address(run.region, run.offset), 4096)
+    bad.install(store)
+    pool.zero_()
+    tier.submit_load(job(9, keys, range(8, 14), promotion=True))   # pieces span runs
+    (res,) = drain(tier)
+    assert not res.success and bad.reads_failed >= 1      # pieces that met it, concurrently
+    assert set(res.successful_keys) == {keys[0], keys[1], keys[4], keys[5]}
+    for i in (0, 1, 4, 5):
+        assert torch.equal(pool[8 + i], expected[i])
+    assert [tier.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 2 + \
+        [LookupResult.MISS] * 2 + [LookupResult.HIT] * 2
+    assert tier.stats()["read_errors"] == bad.reads_failed
+
+
 def test_group_index_is_part_of_the_key(make_tier):
     tier, pool = make_tier()
     tier.submit_store(job(1, [key(5, group=0)], [0]))

@@ -16,6 +16,7 @@ from kvblock.errors import (
     DeviceTooSmallError,
     FormatError,
     GeometryMismatchError,
+    IOFailedError,
     KVBlockError,
     MissingDeviceError,
     NotAStoreError,
@@ -316,6 +317,58 @@ def test_checksum_mismatch_is_a_miss_and_drops_the_run(store_path):
         assert store.lookup(keys) == 0
     with KVStore.open([store_path]) as store:
         assert store.lookup(keys) == 0  # the drop is durable
+
+
+@pytest.mark.parametrize("verify", ["always", "never"])
+@pytest.mark.parametrize("into", ["image", "staged"])
+def test_unreadable_run_raises_and_is_dropped(store_path, verify, into):
+    """A read that fails (EIO on the run's sectors) raises IOFailedError and
+    drops the run it was reading, as a checksum failure does: kept, it would
+    stay a hit no read can return, which engines retry.  The other runs of
+    the same call stay; the drop is durable."""
+    from tests.support.faults import BadSectors
+
+    runs = [run_keys(20 + i, 2) for i in range(3)]
+    with _format([store_path]) as store:
+        for keys in runs:
+            store.put_run(keys, run_data(keys))
+    bad = BadSectors()
+    with KVStore.open([store_path], verify=verify, storeio_factory=bad.factory()) as store:
+        run = store.index.runs[next(iter(store.index.segments(normalize_keys(runs[1]))))[0].run_id]
+        dev, off = store.regions.address(run.region, run.offset)
+        bad.add(dev, off + 4096, 4096)               # one sector inside run 1
+        keys = [k for r in runs for k in r]
+        # "image": an aligned buffer, the runs read straight into it in one
+        # engine call; "staged": every run through staging memory
+        out = (aligned_empty(6 * GEOM.block_bytes) if into == "image"
+               else np.zeros(6 * GEOM.block_bytes + 1, np.uint8)[1:])
+        with pytest.raises(IOFailedError, match="EIO") as e:
+            store.get_run(keys, out)
+        assert e.value.path == str(store_path) and bad.reads_failed == 1
+        assert store.stats()["read_errors"] == 1
+        assert store.last_read_error[2] == [run.run_id]
+        assert store.lookup(runs[1]) == 0            # a miss now, not a hit to retry
+        assert store.lookup(keys) == 2
+        for keys in (runs[0], runs[2]):
+            got = np.zeros(2 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
+    with KVStore.open([store_path]) as store:
+        assert store.lookup(runs[1]) == 0 and store.lookup(runs[2]) == 2
+
+
+def test_engine_failure_without_a_device_drops_nothing(store_path, monkeypatch):
+    """An engine failure that reached no device (no path: the ring itself
+    failed) says nothing about the data: it is raised, the run stays."""
+    keys = run_keys(30, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+
+        def ring_failed(*a, **k):
+            raise IOFailedError("io_uring failed while running a batch: ENOMEM", None, 12)
+        monkeypatch.setattr(store.io, "read_hashed", ring_failed)
+        with pytest.raises(IOFailedError, match="ENOMEM"):
+            store.get_run(keys, np.zeros(2 * GEOM.block_bytes, np.uint8))
+        assert store.stats()["read_errors"] == 1 and store.lookup(keys) == 2
 
 
 def test_multi_device_striping(tmp_path):

@@ -1,4 +1,5 @@
-"""Fault injection for the store: crash at the N-th write/flush.
+"""Fault injection for the store: crash at the N-th write/flush, or sectors
+that fail every read (:class:`BadSectors`).
 
 :class:`CrashPlan` counts every write batch, flush and discard the store
 issues (through :class:`kvblock.store.storeio.StoreIO`, the store's only path
@@ -17,10 +18,12 @@ to its devices).  At the planned I/O the "machine dies":
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvblock.errors import IOFailedError
 from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
 from kvblock.store.storeio import StoreIO
@@ -138,3 +141,53 @@ def _torn(batch: IOBatch) -> IOBatch:
     if half == 0:
         return IOBatch(batch.addrs[:0], batch.devs[:0], batch.offsets[:0], batch.lens[:0])
     return IOBatch(batch.addrs, batch.devs, batch.offsets, np.array([half], np.uint64))
+
+
+class BadSectors:
+    """Device ranges that fail every read with EIO, as a drive's unreadable
+    sectors do.  A read batch that touches one raises what the engine raises
+    then: :class:`IOFailedError` naming the path, errno, offset and length
+    of the first failed I/O and how many failed.  Writes are untouched (a
+    drive remaps a sector it can write)."""
+
+    def __init__(self):
+        self.ranges: list[tuple[int, int, int]] = []   # (device index, start, end)
+        self.reads_failed = 0
+
+    def add(self, dev: int, offset: int, length: int) -> None:
+        self.ranges.append((dev, offset, offset + length))
+
+    def factory(self):
+        return lambda devices, engine: BadSectorIO(devices, engine, self)
+
+    def install(self, store) -> None:
+        """Put the bad sectors under an open store (its I/O path is swapped)."""
+        store.io = BadSectorIO(store.io.devices, store.io.engine, self)
+
+
+class BadSectorIO(StoreIO):
+    def __init__(self, devices, engine, bad: BadSectors):
+        super().__init__(devices, engine)
+        self.bad = bad
+
+    def _check(self, batch: IOBatch) -> None:
+        ends = batch.offsets + batch.lens
+        failed = np.zeros(len(batch), dtype=bool)
+        for dev, start, end in self.bad.ranges:
+            failed |= (batch.devs == dev) & (batch.offsets < end) & (ends > start)
+        if failed.any():
+            i = int(np.argmax(failed))
+            path = self.devices[int(batch.devs[i])].path
+            off, length = int(batch.offsets[i]), int(batch.lens[i])
+            self.bad.reads_failed += 1
+            raise IOFailedError(f"read of {length} bytes at offset {off} on {path} failed: "
+                                "EIO (Input/output error)", path, errno.EIO, off, length,
+                                int(failed.sum()))
+
+    def read(self, batch):
+        self._check(batch)
+        super().read(batch)
+
+    def read_hashed(self, batch, streams, seeds):
+        self._check(batch)
+        return super().read_hashed(batch, streams, seeds)

@@ -319,6 +319,37 @@ def test_corrupt_middle_piece_ends_the_prefix_at_its_run(path, monkeypatch, unit
                                src[layer][:, :4].view(torch.int16))
 
 
+def test_unreadable_run_fails_the_load_and_is_dropped(path):
+    """EIO on run b's layer-1 range: the load raises IOFailedError and run b
+    is dropped, so the next lookup stops before it and the next load
+    returns run a instead of failing again."""
+    from kvblock.errors import IOFailedError
+    from tests.support.faults import BadSectors
+
+    src = [rand(2, 12, BS, H, D) for _ in range(L)]
+    a, b, c = ([f"{x}{i}".encode() for i in range(4)] for x in "abc")
+    with _store(path, geom()) as store:
+        for i, keys in enumerate((a, b, c)):
+            save_blocks(store, keys, VLLMLayout(src), list(range(4 * i, 4 * i + 4)))
+    with KVStore.open([path]) as store:
+        run_b = store.index.runs[max(r.run_id for r in store.index.runs.values()
+                                     if r.keys.startswith(normalize_keys(b)[0]))]
+        dev, off = store.regions.address(run_b.region, run_b.offset)
+        bad = BadSectors()
+        bad.add(dev, off + store.layout(4).range_offset(1, 0), 4096)
+        bad.install(store)
+        dst = [torch.zeros(2, 12, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(IOFailedError, match="EIO"):
+            load_blocks(store, a + b + c, VLLMLayout(dst), list(range(12))).wait()
+        assert store.counters["read_errors"] == 1 and bad.reads_failed == 1
+        assert store.lookup(a + b + c) == 4 and store.lookup(c) == 4
+        dst = [torch.zeros(2, 12, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, a + b + c, VLLMLayout(dst), list(range(12))).wait() == 4
+        for layer in range(L):
+            assert torch.equal(dst[layer][:, :4].view(torch.int16),
+                               src[layer][:, :4].view(torch.int16))
+
+
 class _FakeFuture:
     def __init__(self, n):
         self.n = n
