@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import weakref
 
 import numpy as np
 
@@ -94,6 +95,10 @@ class HostBuffer:
         self._lock = threading.Lock()
         if register:
             registry.add(self.address, size)
+            # A buffer dropped without close() (a thread's staging buffer when
+            # the thread ends) must leave the registry too: a stale region
+            # makes every later ring's fixed-buffer registration fail.
+            self._unregister = weakref.finalize(self, registry.remove, self.address)
 
     def numpy(self, dtype=np.uint8, shape=None, offset: int = 0) -> np.ndarray:
         """A typed numpy view (no copy) starting ``offset`` bytes in."""
@@ -117,7 +122,7 @@ class HostBuffer:
             if self._mm is None:
                 return
             if self._registered:
-                registry.remove(self.address)
+                self._unregister()     # once: a later buffer may get this address
             self.array = None
             try:
                 self._mm.close()

@@ -19,6 +19,39 @@ def test_host_buffer_is_aligned_and_registered():
     assert all(addr != buf.address for addr, _ in regions)
 
 
+def test_a_buffer_dropped_without_close_leaves_the_registry():
+    """A thread's staging buffer is dropped, not closed, when the thread
+    ends: its region must leave the registry (a stale one makes later rings'
+    fixed-buffer registration fail), and a later close() of a buffer must
+    not remove another buffer's region at a reused address."""
+    import gc
+
+    local = threading.local()
+    seen = []
+
+    def worker():
+        local.buf = HostBuffer(1 << 20)
+        seen.append(local.buf.address)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    del t
+    gc.collect()
+    _, regions = registry.snapshot()
+    assert all(addr != seen[0] for addr, _ in regions)
+
+    a = HostBuffer(1 << 20)
+    a.close()
+    b = HostBuffer(1 << 20)              # may be mapped where a was
+    a.close()                            # closing again does nothing
+    del a
+    gc.collect()
+    _, regions = registry.snapshot()
+    assert (b.address, 1 << 20) in regions
+    b.close()
+
+
 def test_numpy_and_torch_views_share_memory():
     torch = pytest.importorskip("torch")
     with HostBuffer(4 * PAGE_SIZE) as buf:
