@@ -38,11 +38,22 @@ Zero copy.
 Keys and namespaces.
     A vLLM ``OffloadKey`` (block hash + KV group index) names token content
     only: two models see the same keys for the same prompt.  The kvblock key
-    is ``xxh3_128(prefix || offload_key)`` where ``prefix`` hashes the tier's
-    ``namespace`` (default: the served model's name) and the slot layout
-    (dtype, tokens per hash, blocks per chunk, parallel sizes, KV groups,
-    slot size), so two models -- or one model under two layouts -- never
-    share blocks, while a store can serve several namespaces in turn.
+    is ``xxh3_128(prefix || offload_key)`` where ``prefix`` hashes the served
+    model's name (``model`` overrides it), the tier's ``namespace`` (a
+    tenant or salt, default empty) and the slot layout (dtype, tokens per
+    hash, blocks per chunk, parallel sizes, KV groups, slot size), so two
+    models, two tenants, or one model under two layouts never share blocks,
+    while a store can serve several of them in turn.
+
+Data-parallel replicas.
+    Every replica (engine) builds its own tier from the same config.  The
+    store's devices are opened exclusively, so either give each replica its
+    own: ``{dp_rank}`` in ``devices`` (and ``server``) is the replica's
+    index, e.g. ``"/dev/disk/by-id/nvme-kv-{dp_rank}"``; or share one store
+    with ``"server": "/run/kvblock/vllm.sock"``: the first replica formats
+    the devices (per ``format``) and starts a ``kvblock serve`` process that
+    owns the metadata, and every replica does its own direct I/O.  Replicas
+    of one model then hit what any of them stored.
 
 Store lifecycle.
     ``format="if-empty"`` (default) opens the store on ``devices`` and
@@ -54,8 +65,8 @@ Store lifecycle.
     waits for running ones and closes the store (a checkpoint: fast reopen).
 
 Lookups: HIT when the store holds the key, else RETRY while a store job for
-the key is in flight (or, briefly, while a worker holds the store's index
-lock), else MISS.  A load that finds a key evicted since its lookup
+the key is in flight (or while a worker has held the store's index lock for
+over a millisecond), else MISS.  A load that finds a key evicted since its lookup
 fails for that key only (``JobResult.successful_keys`` names the others);
 so does one whose run cannot be read (EIO): the store drops that run, so
 the next lookup misses instead of vLLM promoting it again every step.
@@ -63,7 +74,9 @@ the next lookup misses instead of vLLM promoting it again every step.
 Configuration (one entry of ``secondary_tiers``)::
 
     {"type": "kvblock", "devices": ["/dev/nvme1n1"],     # or pre-sized files
-     "format": "if-empty", "namespace": "llama-3-8b",
+     "format": "if-empty", "namespace": "",  # tenant / salt mixed into every key
+     "model": null,            # override the served model's name in the keys
+     "server": null,           # a socket path: one store for every DP replica
      "size": "64G",            # create missing files of this size
      "threads": 8, "max_run_bytes": "16M", "verify": "always",
      "eviction": "lru", "region_size": null, "engine": null, "queue_depth": 32}
@@ -105,6 +118,7 @@ from kvblock.store import provision
 from kvblock.units import size_setting
 from kvblock.errors import (
     ConfigError,
+    DeviceBusyError,
     IOFailedError,
     KVBlockError,
 )
@@ -120,6 +134,11 @@ STORE_MODEL = "kvblock.integrations.vllm/v1"
 FORMAT_MODES = provision.FORMAT_MODES
 DEFAULT_MAX_RUN_BYTES = 16 << 20
 DEFAULT_THREADS = 8
+# How long lookup() waits for the store's index lock before it answers
+# RETRY.  Workers hold the lock for microseconds, but a thread switch can
+# leave it held for a while; without a wait a busy tier answered RETRY to
+# over half of its lookups (each one defers a request by a step).
+LOOKUP_LOCK_WAIT_S = 0.001
 
 
 # ---------------------------------------------------------------------- helpers
@@ -149,18 +168,38 @@ def _layout_facts(offloading_spec: Any) -> dict:
     }
 
 
-def default_namespace(offloading_spec: Any) -> str:
+def default_model(offloading_spec: Any) -> str:
+    """The served model's name from vLLM's offloading config ("" if none)."""
     config = getattr(offloading_spec, "config", None)
     if isinstance(config, OffloadingConfig) and config.model.name:
         return config.model.name
     return ""
 
 
-def key_prefix(namespace: str, offloading_spec: Any, block_size_bytes: int) -> bytes:
-    """16 bytes mixed into every kvblock key of this tier."""
+def key_prefix(model: str, namespace: str, offloading_spec: Any,
+               block_size_bytes: int) -> bytes:
+    """16 bytes mixed into every kvblock key of this tier: the model, the
+    namespace (tenant) and the slot layout."""
     facts = dict(_layout_facts(offloading_spec), slot_bytes=int(block_size_bytes))
-    text = json.dumps([namespace, facts], sort_keys=True, separators=(",", ":"))
-    return xxhash.xxh3_128_digest(b"kvblock-vllm-key-v1\0" + text.encode())
+    text = json.dumps([model, namespace, facts], sort_keys=True, separators=(",", ":"))
+    return xxhash.xxh3_128_digest(b"kvblock-vllm-key-v2\0" + text.encode())
+
+
+def _dp_fields(offloading_spec: Any) -> dict:
+    config = getattr(offloading_spec, "config", None)
+    if isinstance(config, OffloadingConfig):
+        p = config.parallel
+        return {"dp_rank": p.data_parallel_index, "dp_size": p.data_parallel_size}
+    return {"dp_rank": 0, "dp_size": 1}
+
+
+def _fill(text: str, fields: dict, what: str) -> str:
+    """``text`` with {dp_rank} and {dp_size} filled in."""
+    try:
+        return str(text).format_map(fields)
+    except (KeyError, ValueError, IndexError) as e:
+        raise ConfigError(f"kvblock tier: bad {what} template {text!r}: {e} (known: "
+                          f"{', '.join('{' + k + '}' for k in fields)})") from None
 
 
 def _parse_size(value, name: str) -> int:
@@ -219,33 +258,38 @@ class KVBlockTierManager(SecondaryTierManager):
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector=None, *, devices=None, format: str = "if-empty",
-                 namespace: str | None = None, size=None, threads: int = DEFAULT_THREADS,
+                 namespace: str | None = None, model: str | None = None,
+                 server: str | None = None, size=None, threads: int = DEFAULT_THREADS,
                  max_run_bytes=DEFAULT_MAX_RUN_BYTES, verify: str = "always",
                  eviction: str = "lru", region_size=None, engine: str | None = None,
                  queue_depth: int = 32, locality: str | None = None, **unknown):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if unknown:
             raise ConfigError(f"kvblock tier: unknown config keys {sorted(unknown)}; known: "
-                              "devices, format, namespace, size, threads, max_run_bytes, "
-                              "verify, eviction, region_size, engine, queue_depth, locality")
+                              "devices, format, namespace, model, server, size, threads, "
+                              "max_run_bytes, verify, eviction, region_size, engine, "
+                              "queue_depth, locality")
         if not devices:
             raise ConfigError('kvblock tier: "devices" must name the store\'s device(s) or '
                               'pre-sized file(s), e.g. ["/dev/nvme1n1"]')
         if isinstance(devices, (str, os.PathLike)):
             devices = [devices]
-        self.devices = [os.fspath(d) for d in devices]
+        dp = _dp_fields(offloading_spec)
+        self.devices = [_fill(os.fspath(d), dp, "device") for d in devices]
+        self.server = _fill(os.fspath(server), dp, "server") if server else None
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"kvblock tier: threads must be a positive integer, got {threads!r}")
         self.locality = Locality(locality) if locality is not None else None
         bs = self.block_size_bytes
-        self.namespace = default_namespace(offloading_spec) if namespace is None else str(namespace)
-        self._prefix = key_prefix(self.namespace, offloading_spec, bs)
+        self.model = default_model(offloading_spec) if model is None else str(model)
+        self.namespace = "" if namespace is None else str(namespace)
+        self._prefix = key_prefix(self.model, self.namespace, offloading_spec, bs)
         self.geometry = slot_geometry(bs)
         run_bytes = _parse_size(max_run_bytes, "max_run_bytes")
         self._slots = _pool_array(primary_kv_view, bs)
         try:
-            self.store = open_tier_store(
-                self.devices, self.geometry, format=format,
+            self.store = self._open_store(
+                dp["dp_size"], format=format,
                 size=None if size is None else _parse_size(size, "size"),
                 region_size=None if region_size is None else _parse_size(region_size,
                                                                           "region_size"),
@@ -268,9 +312,24 @@ class KVBlockTierManager(SecondaryTierManager):
                                           daemon=True) for i in range(threads)]
         for t in self._workers:
             t.start()
-        logger.info("kvblock tier on %s: %d-byte slots, namespace %r, %d threads, runs of up "
-                    "to %d slots, %d blocks stored", self.devices, bs, self.namespace,
-                    threads, self.max_run_blocks, len(self.store.index))
+        logger.info("kvblock tier on %s%s: %d-byte slots, model %r, namespace %r, %d threads, "
+                    "runs of up to %d slots", self.devices,
+                    f" (server {self.server})" if self.server else "", bs, self.model,
+                    self.namespace, threads, self.max_run_blocks)
+
+    def _open_store(self, dp_size: int, **options):
+        if self.server is not None:
+            return provision.open_shared(self.server, self.devices, self.geometry, STORE_MODEL,
+                                         owner="the kvblock tier", **options)
+        try:
+            return open_tier_store(self.devices, self.geometry, **options)
+        except DeviceBusyError as e:
+            if dp_size <= 1:
+                raise
+            raise DeviceBusyError(
+                f"{e}. vLLM runs {dp_size} data-parallel replicas, each with its own tier: "
+                'give each its own devices ("{dp_rank}" in the paths) or share one store '
+                '("server": "/run/kvblock/vllm.sock")', e.path, e.errno) from e
 
     # ------------------------------------------------------------ keys
     def kvblock_key(self, key: OffloadKey) -> bytes:
@@ -408,16 +467,16 @@ class KVBlockTierManager(SecondaryTierManager):
         self._cond.notify_all()
 
     def _contains_nowait(self, kb: bytes) -> bool | None:
-        """Whether the store holds ``kb``; None when a worker holds the
-        store's lock right now (the caller answers RETRY).
+        """Whether the store holds ``kb``; None when a worker has held the
+        store's lock for LOOKUP_LOCK_WAIT_S (the caller answers RETRY).
 
-        KVStore.lookup reads the index without the store's lock, which races
-        with a publish that grows the index; taking the lock here (without
-        waiting: lookup() runs on vLLM's scheduler thread) avoids that.
+        The index's arrays are swapped when it grows, so it is probed under
+        the store's lock; lookup() runs on vLLM's scheduler thread, so the
+        wait for it is bounded.
         """
         store = self.store
         lock = getattr(store, "_lock", None)
-        if lock is not None and not lock.acquire(blocking=False):
+        if lock is not None and not lock.acquire(timeout=LOOKUP_LOCK_WAIT_S):
             return None
         try:
             return store.contains(kb)
@@ -503,7 +562,7 @@ class KVBlockTierManager(SecondaryTierManager):
 
     def __repr__(self) -> str:
         return (f"KVBlockTierManager(devices={self.devices}, slot={self.block_size_bytes}, "
-                f"namespace={self.namespace!r})")
+                f"model={self.model!r}, namespace={self.namespace!r})")
 
 
 def register() -> None:

@@ -48,7 +48,8 @@ STORE_BYTES = 96 << 20
 CTX = ReqContext(req_id="test")
 
 
-def make_spec(model="test-model", tp_size=1, dtype="bfloat16") -> MagicMock:
+def make_spec(model="test-model", tp_size=1, dtype="bfloat16", dp_index=0,
+              dp_size=1) -> MagicMock:
     spec = MagicMock()
     spec.config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
@@ -61,7 +62,8 @@ def make_spec(model="test-model", tp_size=1, dtype="bfloat16") -> MagicMock:
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=tp_size, tp_size=tp_size, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            data_parallel_index=dp_index, data_parallel_size=dp_size,
+            data_parallel_rank_local=None,
             is_parallelism_agnostic=False),
     )
     spec.blocks_per_chunk = 1
@@ -500,24 +502,106 @@ def test_reopen_keeps_blocks(make_tier, store_file):
     assert torch.equal(pool2[2], expected[0]) and torch.equal(pool2[3], expected[1])
 
 
-def test_namespaces_never_share_blocks(make_tier):
-    tier, pool = make_tier(namespace="model-a")
+def test_models_and_namespaces_never_share_blocks(make_tier):
+    tier, pool = make_tier(namespace="tenant-a")
     tier.submit_store(job(1, [key(1)], [0]))
     assert drain(tier)[0].success
     tier.shutdown()
-    other, _ = make_tier(namespace="model-b")
+    other, _ = make_tier(namespace="tenant-b")
     assert other.lookup(key(1), CTX) is LookupResult.MISS
     other.shutdown()
-    # the default namespace is the served model's name; the slot layout
-    # (here: TP size) is always part of the key
-    same, _ = make_tier(namespace="model-a")
+    # the served model's name is always part of the key, beside the
+    # namespace; so is the slot layout (here: TP size)
+    model_b, _ = make_tier(namespace="tenant-a", spec=make_spec(model="model-b"))
+    assert model_b.lookup(key(1), CTX) is LookupResult.MISS
+    model_b.shutdown()
+    same, _ = make_tier(namespace="tenant-a")
     assert same.lookup(key(1), CTX) is LookupResult.HIT
     same.shutdown()
-    tp2, _ = make_tier(namespace="model-a", spec=make_spec(tp_size=2))
+    tp2, _ = make_tier(namespace="tenant-a", spec=make_spec(tp_size=2))
     assert tp2.lookup(key(1), CTX) is LookupResult.MISS
     tp2.shutdown()
+    # "model" names the model in the keys instead of vLLM's name for it
+    renamed, _ = make_tier(namespace="tenant-a", model="test-model",
+                           spec=make_spec(model="served-as"))
+    assert renamed.lookup(key(1), CTX) is LookupResult.HIT
+    assert (renamed.model, renamed.namespace) == ("test-model", "tenant-a")
+    renamed.shutdown()
     named, _ = make_tier(spec=make_spec(model="model-a"))
-    assert named.namespace == "model-a"
+    assert (named.model, named.namespace) == ("model-a", "")
+
+
+def test_data_parallel_replicas_get_their_own_devices(tmp_path):
+    """Every DP replica builds a tier from the same config: {dp_rank} in the
+    paths gives each its own store; one plain path is refused for the second
+    replica with an error that names both ways out."""
+    from kvblock.errors import DeviceBusyError
+
+    pools, tiers = [], []
+    try:
+        for dp in range(2):
+            pools.append(page_aligned_pool(4))
+            tiers.append(KVBlockTierManager(
+                make_spec(dp_index=dp, dp_size=2), memoryview(pools[-1].numpy()), "kvblock",
+                devices=[str(tmp_path / "kv-{dp_rank}.img")], size="64M", threads=1))
+        assert [t.devices for t in tiers] == [[str(tmp_path / f"kv-{dp}.img")]
+                                              for dp in range(2)]
+        shared = [str(tmp_path / "shared.img")]
+        tiers.append(KVBlockTierManager(make_spec(dp_size=2), memoryview(pools[0].numpy()),
+                                        "kvblock", devices=shared, size="64M", threads=1))
+        with pytest.raises(DeviceBusyError, match=r'2 data-parallel.*\{dp_rank\}.*"server"'):
+            KVBlockTierManager(make_spec(dp_index=1, dp_size=2), memoryview(pools[1].numpy()),
+                               "kvblock", devices=shared, size="64M", threads=1)
+        with pytest.raises(ConfigError, match="bad device template"):
+            KVBlockTierManager(make_spec(), memoryview(pools[1].numpy()), "kvblock",
+                               devices=[str(tmp_path / "kv-{rank}.img")], size="64M")
+    finally:
+        for t in tiers:
+            t.shutdown()
+
+
+def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path):
+    """"server": the first replica formats the store and starts the server,
+    the second connects; what one stores the other finds and loads, byte
+    for byte, each doing its own direct I/O."""
+    import os
+    import signal
+    import time
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    pools = [page_aligned_pool(8) for _ in range(2)]
+    tiers = []
+    try:
+        for dp in range(2):
+            tiers.append(KVBlockTierManager(
+                make_spec(dp_index=dp, dp_size=2), memoryview(pools[dp].numpy()), "kvblock",
+                devices=[dev], server=sock, size="64M", threads=2))
+        assert tiers[0].store.server_pid == tiers[1].store.server_pid
+        fill_random(pools[0], range(4))
+        keys = [key(70 + i) for i in range(4)]
+        tiers[0].submit_store(job(1, keys[:3], [0, 1, 2]))
+        tiers[0].submit_store(job(2, keys[3:], [3]))
+        assert all(r.success for r in drain(tiers[0]))
+        assert [tiers[1].lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 4
+        tiers[1].submit_load(job(3, keys, [7, 5, 6, 4], promotion=True))   # scattered
+        assert drain(tiers[1])[0].success
+        for i, slot in enumerate([7, 5, 6, 4]):
+            assert torch.equal(pools[1][slot], pools[0][i])
+    finally:
+        pid = tiers[0].store.server_pid if tiers else None
+        for t in tiers:
+            t.shutdown()
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                try:
+                    os.kill(pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(0.05)
+            else:
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_refuses_a_store_of_another_slot_size(make_tier):
