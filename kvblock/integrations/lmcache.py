@@ -54,15 +54,28 @@ Layer-wise mode (``use_layerwise: true``).
     Layer 0 is found only while all its chunk's layers are (``_whole_chunk``):
     LMCache checks layer 0 alone before it loads a chunk layer by layer.
 
+Blending (``enable_blending: true``).
+    CacheBlend's connector needs each object's ``cached_positions`` (the
+    token positions its KV was computed at) back with the object.  The block
+    then holds the object's bytes, a count and the positions (int64,
+    ``chunk_size`` of them; count -1: none were set), and objects go
+    through aligned staging memory.  Such a store has its own fingerprint.
+
 Keys.
-    ``xxh3_128(prefix || CacheEngineKey.to_string())``: LMCache's key already
-    names the model, world size, worker, chunk hash, KV dtype and tags;
-    ``prefix`` adds the plugin's ``kvblock.namespace`` (tenant / salt).
+    ``xxh3_128(prefix || fields)``: the fields of LMCache's key -- model,
+    world size, worker, chunk hash, KV dtype, tags in order, layer -- as a
+    JSON list (``to_string()`` joins them with "@" and "%" unescaped, so
+    two tag sets could spell one string); ``prefix`` adds the plugin's
+    ``kvblock.namespace`` (tenant / salt).
 
 Pins.
     ``pin``/``contains(pin=True)`` pin the chunk's run in the store until
     ``unpin``: its region is not reclaimed meanwhile.  ``remove(key,
-    force=False)`` leaves pinned chunks alone.
+    force=False)`` leaves pinned chunks alone.  The pins an async lookup
+    takes (``batched_async_contains(lookup_id, keys, pin=True)``) are
+    released by the load LMCache then starts for that lookup
+    (``batched_get_non_blocking``), as LocalDiskBackend does: LMCache never
+    unpins them otherwise.
 
 Writes are asynchronous: ``batched_submit_put_task`` hands the chunks to
 ``kvblock.writer_threads`` threads and returns their futures; a chunk is
@@ -112,12 +125,13 @@ from kvblock.errors import (
     KVBlockError,
 )
 from kvblock.layout import Geometry
+from kvblock.memory import aligned_empty
 from kvblock.store import KVStore
 
 logger = logging.getLogger(__name__)
 
 STORE_MODEL_PREFIX = "kvblock.integrations.lmcache/v1"
-KEY_DOMAIN = b"kvblock-lmcache-key-v1\0"
+KEY_DOMAIN = b"kvblock-lmcache-key-v2\0"
 FORMAT_MODES = provision.FORMAT_MODES
 OPTION_PREFIX = "kvblock."
 _STORE_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth")
@@ -219,12 +233,17 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self.namespace = str(opt("namespace", "") or "")
         self.prefix = xxhash.xxh3_128_digest(
             KEY_DOMAIN + json.dumps([self.namespace]).encode())
-        self.geometry = Geometry(num_layers=1, num_kv_heads=1, head_dim=self.chunk.nbytes,
+        # enable_blending: each block also keeps the object's cached_positions
+        self.positions = self.chunk_tokens if getattr(config, "enable_blending", False) else 0
+        self.block_bytes = self.chunk.nbytes + (8 * (1 + self.positions) if self.positions else 0)
+        self.geometry = Geometry(num_layers=1, num_kv_heads=1, head_dim=self.block_bytes,
                                  dtype="uint8", block_tokens=1, kv_parts=1, head_groups=1)
         threads = int(opt("writer_threads", 2))
         if threads < 1:
             raise ConfigError("kvblock lmcache plugin: kvblock.writer_threads must be >= 1")
         model = f"{STORE_MODEL_PREFIX}:{metadata.model_name}:{self.chunk.describe()}"
+        if self.positions:
+            model += f":positions={self.positions}"
         options = {k: opt(k) for k in _STORE_OPTIONS if opt(k) is not None}
         sizes = {"size": _parse_size(opt("size"), "kvblock.size") if opt("size") else None,
                  "region_size": (_parse_size(opt("region_size"), "kvblock.region_size")
@@ -242,6 +261,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self._lock = threading.Lock()
         self._put_tasks: set[CacheEngineKey] = set()
         self._pins: dict[bytes, list] = {}      # kvblock key -> [pin count, pinned segments]
+        self._lookup_pins: dict[str, list] = {}  # async lookup id -> keys it pinned
         self.skipped_chunks = 0
         logger.info("kvblock: LMCache plugin on %s (chunk %s, %d bytes)", self.devices,
                     self.chunk.describe(), self.chunk.nbytes)
@@ -277,7 +297,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
             raise ConfigError(f"kvblock lmcache plugin: bad template {text!r}: {e}") from None
 
     def kvblock_key(self, key: CacheEngineKey) -> bytes:
-        return xxhash.xxh3_128_digest(self.prefix + key.to_string().encode())
+        fields = [key.model_name, key.world_size, key.worker_id, key.chunk_hash_hex,
+                  str(key.dtype).removeprefix("torch."),
+                  [[k, v] for k, v in (key.tags or ())], getattr(key, "layer_id", None)]
+        text = json.dumps(fields, separators=(",", ":"), default=str)
+        return xxhash.xxh3_128_digest(self.prefix + text.encode())
 
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -306,7 +330,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
                                      pin: bool = False) -> int:
-        return self.batched_contains(keys, pin)
+        n = self.batched_contains(keys, pin)
+        if pin and n:
+            with self._lock:
+                self._lookup_pins.setdefault(lookup_id, []).extend(keys[:n])
+        return n
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -324,7 +352,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         call (None when there is nothing to write)."""
         todo = []
         for key, obj in zip(keys, objs):
-            if not self.chunk.matches(obj):
+            if not self.chunk.matches(obj) or not self._positions_fit(obj):
                 self.skipped_chunks += 1
                 logger.debug("kvblock: not storing %s: its format differs from a full chunk "
                              "(%s)", key, self.chunk.describe())
@@ -348,13 +376,34 @@ class KVBlockStorageBackend(StoragePluginInterface):
         futures = self.batched_submit_put_task([key], [obj], transfer_spec, on_complete_callback)
         return futures[0] if futures else None
 
+    def _positions_fit(self, obj: MemoryObj) -> bool:
+        pos = obj.metadata.cached_positions
+        return not self.positions or pos is None or pos.numel() <= self.positions
+
+    def _blocks_of(self, objs: list[MemoryObj]) -> list[np.ndarray]:
+        """The block each object is stored as: its own buffer, or with
+        positions an aligned staging copy of its bytes, count and positions."""
+        n = self.chunk.nbytes
+        if not self.positions:
+            return [_obj_bytes(obj, n) for obj in objs]
+        staging = aligned_empty(len(objs) * self.block_bytes).reshape(len(objs), -1)
+        for row, obj in zip(staging, objs):
+            row[:n] = _obj_bytes(obj, n)
+            tail = row[n:].view(np.int64)
+            pos = obj.metadata.cached_positions
+            tail[:] = 0
+            tail[0] = -1 if pos is None else pos.numel()
+            if pos is not None:
+                tail[1:1 + pos.numel()] = pos.reshape(-1).to(torch.int64).cpu().numpy()
+        return list(staging)
+
     def _write(self, todo, on_complete_callback) -> int:
         """(writer thread) one run per chunk, straight from its buffer; the
         runs of one call published together (put_runs: one journal commit)."""
         try:
-            got = self.store.put_runs([([self.kvblock_key(key)],
-                                        _obj_bytes(obj, self.chunk.nbytes))
-                                       for key, obj in todo])
+            blocks = self._blocks_of([obj for _, obj in todo])
+            got = self.store.put_runs([([self.kvblock_key(key)], block)
+                                       for (key, _), block in zip(todo, blocks)])
         except KVBlockError as e:
             logger.error("kvblock: storing %d chunks (%s...) failed: %s", len(todo),
                          todo[0][0].to_string(), e)
@@ -367,7 +416,9 @@ class KVBlockStorageBackend(StoragePluginInterface):
         if got is None:
             return 0
         if on_complete_callback is not None:
-            for key, _ in todo:
+            for (key, _), n in zip(todo, got):
+                if not n:               # declined (admission): not persisted
+                    continue
                 try:
                     on_complete_callback(key)
                 except Exception as e:  # noqa: BLE001 (the engine's callback: log, go on)
@@ -391,12 +442,21 @@ class KVBlockStorageBackend(StoragePluginInterface):
             objs.append(obj)
         if not objs:
             return []
+        n = self.chunk.nbytes
+        blocks = ([_obj_bytes(o, n) for o in objs] if not self.positions
+                  else list(aligned_empty(len(objs) * self.block_bytes).reshape(len(objs), -1)))
         try:
-            got = self.store.get_blocks(kbs[:len(objs)],
-                                        [_obj_bytes(o, self.chunk.nbytes) for o in objs])
+            got = self.store.get_blocks(kbs[:len(objs)], blocks)
         except KVBlockError as e:
             logger.error("kvblock: reading chunk %s failed: %s", keys[0].to_string(), e)
             got = 0
+        if self.positions:             # the bytes into the objects, positions beside
+            for obj, row in zip(objs[:got], blocks):
+                _obj_bytes(obj, n)[:] = row[:n]
+                tail = row[n:].view(np.int64)
+                count = int(tail[0])
+                obj.metadata.cached_positions = (
+                    None if count < 0 else torch.from_numpy(tail[1:1 + count].copy()))
         for obj in objs[got:]:          # evicted or removed meanwhile, or a bad checksum
             obj.ref_count_down()
         return objs[:got]
@@ -418,7 +478,28 @@ class KVBlockStorageBackend(StoragePluginInterface):
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],
                                        transfer_spec: Any = None) -> list[MemoryObj]:
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.executor, self._load_prefix, list(keys), False)
+        try:
+            objs = await loop.run_in_executor(self.executor, self._load_prefix, list(keys),
+                                              False)
+            if self.layerwise and len(objs) < len(keys):
+                # One layer of every chunk: LMCache's layer-wise connectors zip
+                # what comes back with the chunks, so a short list would leave
+                # that layer's stale KV in place with its tokens counted as
+                # loaded.  Fail the load instead (LocalCPUBackend raises too).
+                for obj in objs:
+                    obj.ref_count_down()
+                raise KVBlockError(
+                    f"kvblock lmcache plugin: {len(keys) - len(objs)} of {len(keys)} layer "
+                    f"objects (from {keys[len(objs)].to_string()}) were evicted, unreadable "
+                    "or out of CPU memory since the lookup")
+            return objs
+        finally:
+            # The load of an async lookup ends its pins (LMCache unpins the
+            # objects it gets, never the backend's keys).
+            with self._lock:
+                pinned = self._lookup_pins.pop(lookup_id, [])
+            for key in pinned:
+                self.unpin(key)
 
     # ------------------------------------------------------------------ pins, removal
     def pin(self, key: CacheEngineKey) -> bool:
@@ -481,6 +562,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self.executor.shutdown(wait=True)
         with self._lock:
             pins, self._pins = list(self._pins.values()), {}
+            self._lookup_pins.clear()
         for _, segs in pins:
             self.store.unpin(segs)
         self.store.close()

@@ -31,9 +31,9 @@ KV_SHAPE = (4, 2, CHUNK, 4, 32)
 MLA_SHAPE = (4, 1, CHUNK, 1, 64)
 
 
-def make_config(devices, **extra):
+def make_config(devices, lmcache_options=None, **extra):
     return LMCacheEngineConfig.from_defaults(
-        chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05,
+        **(lmcache_options or {}), chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05,
         storage_plugins=["kvblock"],
         extra_config={"storage_plugin.kvblock.module_path": "kvblock.integrations.lmcache",
                       "storage_plugin.kvblock.class_name": "KVBlockStorageBackend",
@@ -52,10 +52,11 @@ class Engine:
     """LMCache's storage side, as its cache engine builds it."""
 
     def __init__(self, devices, *, model="org/model-a", mla=False, worker_id=0, world_size=1,
-                 **extra):
+                 async_lookup_server=None, lmcache_options=None, **extra):
         self.metadata = make_metadata(model, mla, worker_id, world_size)
-        self.manager = StorageManager(make_config(devices, **extra), self.metadata,
-                                      EventManager())
+        self.manager = StorageManager(make_config(devices, lmcache_options, **extra),
+                                      self.metadata,
+                                      EventManager(), async_lookup_server=async_lookup_server)
         self.plugin = self.manager.storage_backends.get("kvblock")
         assert isinstance(self.plugin, KVBlockStorageBackend), \
             f"LMCache did not load the plugin: {list(self.manager.storage_backends)}"
@@ -177,6 +178,103 @@ def test_pin_unpin_remove(file_target, engines):
     e.put([e.key(23)], [e.chunk()])
     assert e.manager.clear() == CHUNK                            # one chunk's tokens
     assert not e.plugin.contains(e.key(23))
+
+
+def test_async_lookup_pins_end_with_its_load(file_target, engines):
+    """LMCache's async loading (vLLM's async lookup client always pins):
+    ``async_lookup_and_prefetch`` pins the hits in ``batched_async_contains``
+    and loads them with ``batched_get_non_blocking``; LMCache then unpins
+    the objects it got, never the backend's keys.  The load ends the
+    lookup's pins, so lookups cannot pin the store full (every region
+    pinned, every put refused)."""
+    from lmcache.v1.event_manager import EventType
+
+    class LookupServer:                 # LMCacheAsyncLookupServer's reply channel
+        def __init__(self):
+            self.replies = {}
+
+        def send_response_to_scheduler(self, lookup_id, hits):
+            self.replies[lookup_id] = hits
+
+    server = LookupServer()
+    e = Engine([file_target(4 << 20)], async_lookup_server=server,
+               lmcache_options={"enable_async_loading": True},
+               **{"kvblock.region_size": "64K"})   # 2 chunks a region, 32 regions
+    engines.append(e)
+    regions = e.plugin.store.stats()["regions"]
+    stored = []
+    for h in range(1, 3 * regions):
+        e.put([e.key(h)], [e.chunk()])
+    stored = [k for k in (e.key(h) for h in range(1, 3 * regions)) if e.plugin.contains(k)]
+    assert len(stored) >= regions
+    for i, key in enumerate(stored):                 # one request per chunk
+        lookup_id = f"req{i}"
+        asyncio.run_coroutine_threadsafe(
+            e.manager.async_lookup_and_prefetch(lookup_id, [key], [0, CHUNK], None, True),
+            e.manager.loop).result(30)
+        deadline = time.monotonic() + 30
+        while lookup_id not in server.replies:
+            assert time.monotonic() < deadline, "the lookup never answered"
+            time.sleep(0.01)
+        assert server.replies[lookup_id] == CHUNK
+        future = e.manager.event_manager.pop_event(EventType.LOADING, lookup_id)
+        for tier in future.result():                 # the cache engine's retrieve
+            for _, obj in tier:
+                if obj.is_pinned:
+                    obj.unpin()
+                obj.ref_count_down()
+    assert e.plugin._pins == {} and not (e.plugin.store.regions.pins > 0).any()
+    new = [e.key(1000 + h) for h in range(8)]       # the store still takes puts
+    for key in new:
+        e.put([key], [e.chunk()])
+    assert all(e.plugin.contains(k) for k in new)
+    # a pinned lookup whose load is for another lookup keeps its pins
+    assert asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_async_contains("a", new[:2], pin=True), e.manager.loop).result(30) == 2
+    got = asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_get_non_blocking("b", new[:1]), e.manager.loop).result(30)
+    for obj in got:
+        obj.ref_count_down()
+    assert len(e.plugin._pins) == 2
+    got = asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_get_non_blocking("a", new[:2]), e.manager.loop).result(30)
+    for obj in got:
+        obj.ref_count_down()
+    assert e.plugin._pins == {}
+
+
+def test_keys_of_different_tags_never_collide(file_target, engines):
+    """LMCache's to_string() joins tags with "@" and "%" unescaped: these two
+    keys differ in LMCache but spell one string.  They must not share a
+    block (one tenant would be served another's chunk)."""
+    e = Engine([file_target()])
+    engines.append(e)
+    a = CacheEngineKey(e.model, 1, 0, 51, torch.bfloat16,
+                       request_configs={"lmcache.tag.user": "alice@tenant%b"})
+    b = CacheEngineKey(e.model, 1, 0, 51, torch.bfloat16,
+                       request_configs={"lmcache.tag.user": "alice", "lmcache.tag.tenant": "b"})
+    assert a != b and a.to_string() == b.to_string()
+    e.put([a], [e.chunk()])
+    assert e.plugin.contains(a) and not e.plugin.contains(b)
+    assert e.plugin.get_blocking(b) is None
+
+
+def test_completion_callback_only_for_stored_chunks(file_target, engines):
+    """on_complete_callback means "persisted": not called for a chunk that
+    admission declined."""
+    e = Engine([file_target()], **{"kvblock.admit_after": 2})
+    engines.append(e)
+    done = []
+    keys = [e.key(h) for h in (61, 62)]
+    objs = [e.chunk(), e.chunk()]
+    futures = e.plugin.batched_submit_put_task(keys, objs, on_complete_callback=done.append)
+    assert [f.result(30) for f in futures] == [0]               # first offers: declined
+    assert done == [] and not any(e.plugin.contains(k) for k in keys)
+    futures = e.plugin.batched_submit_put_task(keys, objs, on_complete_callback=done.append)
+    assert [f.result(30) for f in futures] == [2]               # second offers: stored
+    assert done == keys and all(e.plugin.contains(k) for k in keys)
+    for obj in objs:
+        obj.ref_count_down()
 
 
 def test_chunks_survive_a_restart(store_target, engines):

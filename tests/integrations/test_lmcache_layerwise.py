@@ -198,6 +198,34 @@ def test_a_missing_layer_ends_the_prefix(file_target, engines):
     assert bool(mask.all()) and torch.equal(e.connector.kv, e.want)
 
 
+def test_a_layer_lost_after_the_lookup_fails_the_load(file_target, engines):
+    """retrieve_layer checks layer 0 of each chunk, then loads a layer of
+    every chunk per call; LMCache's connectors zip what comes back with the
+    chunks.  A layer lost in between (evicted) must fail that load, not come
+    back short: a short list would leave the layer's stale KV in place with
+    its tokens counted as loaded."""
+    from kvblock.errors import KVBlockError
+
+    e = Engine([file_target()], tokens=3 * CHUNK, seed=4)
+    engines.append(e)
+    e.store()
+    layers = [e.chunk_key(c).split_layers(LAYERS) for c in range(3)]
+    assert all(e.plugin.contains(chunk[0]) for chunk in layers)   # the lookup's check
+    assert e.plugin.remove(layers[0][2])                         # then evicted
+    manager = e.engine.storage_manager
+    layer_major = [[chunk[layer] for chunk in layers] for layer in range(LAYERS)]
+    for layer, task in enumerate(manager.layerwise_batched_get(layer_major,
+                                                               location="kvblock")):
+        if layer == 2:
+            with pytest.raises(KVBlockError, match="3 of 3 layer objects"):
+                task.result(timeout=30)
+            continue
+        got = task.result(timeout=30)
+        assert len(got) == 3
+        for obj in got:
+            obj.ref_count_down()
+
+
 def test_layerwise_and_whole_chunk_stores_are_told_apart(file_target, engines):
     """A store written in one mode is refused in the other (LMCache's loader
     logs and drops a plugin that fails: build it directly to see why)."""
@@ -235,12 +263,17 @@ def test_blending_layer_objects_through_the_storage_manager(file_target):
         keys = [c.split_layers(LAYERS) for c in chunks]           # [chunk][layer]
         objs = [manager.batched_allocate(shape, torch.bfloat16, batch_size=LAYERS,
                                          fmt=MemoryFormat.KV_2TD) for _ in chunks]
-        want = {}
+        want, positions = {}, {}
         g = torch.Generator().manual_seed(3)
         for c in range(len(chunks)):
             for layer, obj in enumerate(objs[c]):
                 obj.tensor.copy_(torch.randn(shape, generator=g).to(torch.bfloat16))
                 want[keys[c][layer]] = obj.tensor.clone()
+                # the token positions the KV was computed at, which CacheBlend's
+                # buffer connector reads back (chunk 1: none were set)
+                obj.metadata.cached_positions = (
+                    torch.arange(100 * c, 100 * c + CHUNK) if c == 0 else None)
+                positions[keys[c][layer]] = obj.metadata.cached_positions
         for layer in range(LAYERS):
             manager.batched_put([keys[c][layer] for c in range(len(chunks))],
                                 [objs[c][layer] for c in range(len(chunks))])
@@ -256,6 +289,10 @@ def test_blending_layer_objects_through_the_storage_manager(file_target):
             for key, obj in zip(layer_major[layer], got):
                 assert obj.get_memory_format() == MemoryFormat.KV_2TD
                 assert torch.equal(obj.tensor, want[key])
+                if positions[key] is None:
+                    assert obj.metadata.cached_positions is None
+                else:
+                    assert torch.equal(obj.metadata.cached_positions, positions[key])
                 obj.ref_count_down()
         wrong = manager.batched_allocate(torch.Size([CHUNK, 2, HEADS * HEAD_SIZE]),
                                          torch.bfloat16, batch_size=1,
