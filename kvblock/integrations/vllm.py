@@ -353,6 +353,24 @@ class KVBlockTierManager(SecondaryTierManager):
             return LookupResult.RETRY
         return LookupResult.MISS
 
+    def touch(self, keys, req_context: ReqContext) -> None:
+        """vLLM marks chunks it is about to use: their regions count as just
+        read for LRU eviction.  A hint: skipped when the store's lock stays
+        busy (lookup's bounded wait) or the store is shared through a server."""
+        store = self.store
+        touch = getattr(store, "touch", None)
+        lock = getattr(store, "_lock", None)
+        if touch is None or self._closed or lock is None:
+            return
+        if not lock.acquire(timeout=LOOKUP_LOCK_WAIT_S):
+            return
+        try:
+            touch([self.kvblock_key(k) for k in keys])
+        except KVBlockError:
+            pass
+        finally:
+            lock.release()
+
     def _job_inputs(self, job_metadata: TransferJob, kind: str):
         """(vLLM keys, pool slot ids, kvblock keys) of a transfer job."""
         keys = list(job_metadata.keys)

@@ -54,6 +54,7 @@ from kvblock.format import journal as jfmt
 from kvblock.format import superblock as sbfmt
 from kvblock.format.checksum import data_checksum, data_seed
 from kvblock.index import KeyIndex, Run, normalize_keys
+from kvblock.index.index import POS_BITS
 from kvblock.io import IOBatch, open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
 from kvblock.memory import HostBuffer
@@ -966,6 +967,22 @@ class KVStore:
 
     def contains(self, key) -> bool:
         return self.lookup([key]) == 1
+
+    def touch(self, keys: Sequence) -> int:
+        """Mark the regions of the runs holding ``keys`` as just used, as a
+        read would, so that LRU eviction keeps them longer; nothing is read
+        (an engine's hint that it is about to use them).  Returns how many
+        of ``keys`` are stored (on the device)."""
+        self._check_open()
+        keys = normalize_keys(keys)
+        with self._lock:
+            packed = self.index.lookup(keys)
+            found = packed[packed >= 0]
+            runs = np.unique(found >> POS_BITS)
+            regions = [self.index.runs[int(r)].region for r in runs.tolist()]
+            if regions:
+                self.regions.last_access[regions] = time.time()
+        return int(found.size)
 
     def _segments(self, keys: list[bytes]) -> list[tuple[Run, int, int, int]]:
         """(run, first position, count, first output block) for the stored

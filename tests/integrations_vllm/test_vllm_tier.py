@@ -347,6 +347,29 @@ def test_unreadable_run_fails_its_keys_and_becomes_a_miss(make_tier):
     assert tier.stats()["read_errors"] == bad.reads_failed
 
 
+def test_touch_keeps_touched_chunks_when_the_store_evicts(tmp_path):
+    """vLLM touches the chunks it is about to use: with LRU eviction they
+    outlive chunks stored after them that nobody touched."""
+    pool = page_aligned_pool(4)
+    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
+                              devices=[str(tmp_path / "kv.img")], size="16M",
+                              region_size="1M", threads=1)
+    try:
+        fill_random(pool, range(4))
+        hot = [key(900 + i) for i in range(4)]
+        tier.submit_store(job(1, hot, range(4)))
+        assert drain(tier)[0].success
+        for n in range(40):                                 # 40 MiB through 16 MiB
+            tier.submit_store(job(2 + n, [key(1000 + 4 * n + i) for i in range(4)], range(4)))
+            assert drain(tier)[0].success
+            tier.touch(hot, CTX)
+        assert tier.stats()["evicted_regions"] > 0
+        assert [tier.lookup(k, CTX) for k in hot] == [LookupResult.HIT] * 4
+        assert tier.lookup(key(1000), CTX) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+
+
 def test_group_index_is_part_of_the_key(make_tier):
     tier, pool = make_tier()
     tier.submit_store(job(1, [key(5, group=0)], [0]))

@@ -249,6 +249,31 @@ def test_full_store_evicts_instead_of_failing(tmp_path, policy):
         assert store.lookup(hot) == (4 if policy == "lru" else 0)
 
 
+@pytest.mark.parametrize("touch", [True, False])
+def test_touch_keeps_a_run_under_lru_without_reading_it(tmp_path, touch):
+    """touch() is an engine's "about to use these": LRU keeps the run's
+    region as if it had been read (without touch the same writes evict
+    it), and nothing is read."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path], eviction="lru") as store:
+        hot = run_keys(0, 4)
+        store.put_run(hot, run_data(hot))
+        assert store.touch(hot[1:] + [b"absent-key"]) == 3
+        read = store.stats()["bytes_read"]
+        for i in range(1, 80):
+            keys = run_keys(i, 4)
+            assert store.put_run(keys, run_data(keys)) == 4
+            if touch:
+                assert store.touch(hot) == 4
+        assert store.stats()["bytes_read"] == read
+        assert store.stats()["evicted_regions"] >= store.regions.count
+        assert store.lookup(hot) == (4 if touch else 0)
+        if touch:
+            got = np.zeros(4 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(hot, got) == 4 and np.array_equal(got, run_data(hot))
+
+
 def test_pinned_regions_are_never_reclaimed(tmp_path):
     path = tmp_path / "small.img"
     create_file(path, 3 * MIB)
