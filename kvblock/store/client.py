@@ -44,6 +44,7 @@ import struct
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
 from typing import Sequence
 
@@ -125,7 +126,10 @@ def encode_keys(keys: Sequence[bytes]) -> str:
 
 
 def decode_keys(text: str) -> list[bytes]:
-    raw = base64.b64decode(text)
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        raise ConfigError("keys must be base64 of 16-byte keys") from None
     if len(raw) % 16:
         raise ConfigError("keys must be 16 bytes each")
     return [raw[i:i + 16] for i in range(0, len(raw), 16)]
@@ -218,6 +222,13 @@ class RemoteStore:
         self._local = threading.local()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         self._gone: str | None = None
+        # Pins this process holds (reads in flight, writes not yet committed).
+        # An abandoned connection stays open until they are released: the
+        # server drops a connection's pins when it closes, and another rank
+        # could then overwrite what a thread here is still reading or writing.
+        self._held = 0
+        self._held_lock = threading.Lock()
+        self._sock_open = True
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
         self._sock = _connect(self.socket_path, timeout)
         try:
@@ -230,6 +241,7 @@ class RemoteStore:
                 self.io = None
             raise
         self.closed = False
+        _LIVE.add(self)
 
     def _setup(self, hello, verify, engine, queue_depth, devices):
         if hello.get("protocol") != PROTOCOL:
@@ -285,22 +297,42 @@ class RemoteStore:
             except BaseException as e:
                 # The request may be half sent or its answer unread: the stream
                 # cannot be trusted any more, so the connection is abandoned
-                # (and the server releases its pins).
+                # (closed once this process's pins are released).
                 lost = isinstance(e, (OSError, ValueError))
-                self._gone = (f"store server at {self.socket_path} is gone ({op}: {e}); "
-                              "restart it (kvblock serve) and reconnect" if lost else
-                              f"connection to the store server at {self.socket_path} was "
-                              f"abandoned in the middle of {op} ({type(e).__name__})")
-                try:
-                    self._sock.close()
-                except OSError:
-                    pass
+                if isinstance(e, TimeoutError):
+                    self._gone = (f"the store server at {self.socket_path} did not answer "
+                                  f"{op} in time ({e}); this connection is abandoned: "
+                                  "connect again")
+                elif lost:
+                    self._gone = (f"store server at {self.socket_path} is gone ({op}: {e}); "
+                                  "restart it (kvblock serve) and reconnect")
+                else:
+                    self._gone = (f"connection to the store server at {self.socket_path} "
+                                  f"was abandoned in the middle of {op} ({type(e).__name__})")
+                self._close_socket_when_released()
                 if lost:
                     raise ServerGoneError(self._gone) from None
                 raise
         if not reply.get("ok"):
             _raise_remote(reply.get("error", "ServerError"), reply.get("message", ""))
         return reply.get("result")
+
+    def _hold(self, delta: int) -> None:
+        """Count pins taken (+1) and released (-1) by this process."""
+        with self._held_lock:
+            self._held += delta
+        if delta < 0 and self._gone is not None:
+            self._close_socket_when_released()
+
+    def _close_socket_when_released(self) -> None:
+        with self._held_lock:
+            if self._held > 0 or not self._sock_open:
+                return
+            self._sock_open = False
+        try:
+            self._sock.close()
+        except OSError:
+            pass
 
     def _check_open(self, writing: bool = False):
         if self.closed:
@@ -353,6 +385,7 @@ class RemoteStore:
         n = len(keys)
         lay = self.layout(n)
         a = self._call("allocate", nblocks=n)   # the server pins the region for us
+        self._hold(1)
         sent = False
         try:
             dev, dev_off = self.regions.address(a["region"], a["offset"])
@@ -369,6 +402,8 @@ class RemoteStore:
                 except KVBlockError:
                     pass  # a dead connection releases the pin anyway
             raise
+        finally:
+            self._hold(-1)
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += n
         self.counters["bytes_written"] += lay.run_bytes
@@ -455,6 +490,8 @@ class RemoteStore:
         segs = PinnedSegments((RemoteRun(*run), pos, count, at)
                               for run, pos, count, at in r["segs"])
         segs.pin = r["pin"]
+        if segs.pin is not None:
+            self._hold(1)
         return segs
 
     def _unpin(self, segs) -> None:
@@ -468,6 +505,8 @@ class RemoteStore:
             self._call("unpin", pin=pin)
         except ServerGoneError:
             pass
+        finally:
+            self._hold(-1)
 
     def _drop_runs(self, runs) -> None:
         """Runs that failed their checksum here: the server drops them."""
@@ -486,10 +525,12 @@ class RemoteStore:
         with self._rpc_lock:
             if self._gone is None:
                 self._gone = "remote store is closed"
+            self._sock_open = False
             try:
                 self._sock.close()
             except OSError:
                 pass
+        _LIVE.discard(self)
         KVStore._release_devices(self)
 
     def __enter__(self) -> "RemoteStore":
@@ -501,6 +542,27 @@ class RemoteStore:
     def __repr__(self) -> str:
         state = "closed" if self.closed else ("server gone" if self._gone else "connected")
         return f"RemoteStore({self.socket_path!r}, {state})"
+
+
+# A forked child must not use its parent's connection: replies would go to
+# whichever process reads first, and the server would keep a dead parent's
+# pins while the child lives.  The child's copy is closed and marked gone.
+_LIVE: "weakref.WeakSet[RemoteStore]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_LIVE):
+        store._gone = (f"this process was forked from the one that connected to "
+                       f"{store.socket_path}: connect again here")
+        store._sock_open = False
+        try:
+            store._sock.close()
+        except OSError:
+            pass
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _connect(path: str, timeout: float | None) -> socket.socket:

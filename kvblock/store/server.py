@@ -80,6 +80,7 @@ class StoreServer:
         self.failed: BaseException | None = None
         self._sessions: dict[int, _Session] = {}
         self._sessions_lock = threading.Lock()
+        self._last_session_end = 0.0       # monotonic time the last session ended
         self._ids = itertools.count(1)
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
@@ -156,9 +157,12 @@ class StoreServer:
             except socket.timeout:
                 with self._sessions_lock:
                     busy = bool(self._sessions)
+                    ended = self._last_session_end
                 if busy:
                     idle_since = time.monotonic()
-                elif self.idle_exit is not None and \
+                    continue
+                idle_since = max(idle_since, ended)   # a session that came and went
+                if self.idle_exit is not None and \
                         time.monotonic() - idle_since >= self.idle_exit:
                     threading.Thread(target=self.stop, daemon=True).start()
                     return
@@ -168,6 +172,7 @@ class StoreServer:
                     return
                 raise
             conn.settimeout(None)
+            idle_since = time.monotonic()
             session = _Session(conn, next(self._ids))
             with self._sessions_lock:
                 if self._stopping:
@@ -184,7 +189,7 @@ class StoreServer:
             while True:
                 try:
                     req = recv_msg(s.conn)
-                except (OSError, ValueError):
+                except Exception:  # noqa: BLE001  (a broken or hostile frame: drop the connection)
                     break
                 if req is None:
                     break
@@ -198,6 +203,7 @@ class StoreServer:
                 try:
                     data = encode_msg(reply)
                 except KVBlockError as e:   # an answer too large for one frame
+                    self._undo(s, reply.get("result"))
                     data = encode_msg(error_reply(e))
                 try:
                     s.conn.sendall(data)
@@ -216,6 +222,16 @@ class StoreServer:
                 pass
             with self._sessions_lock:
                 self._sessions.pop(s.sid, None)
+                self._last_session_end = time.monotonic()
+
+    def _undo(self, s: _Session, result) -> None:
+        """An answer that could not be sent: give back the pin it carried."""
+        if not isinstance(result, dict):
+            return
+        if result.get("pin") is not None:
+            self._op_unpin(s, result["pin"])
+        if result.get("wid") is not None:
+            self._op_abort(s, result["wid"])
 
     def _release(self, s: _Session):
         """The connection ended: give back every pin it held."""

@@ -348,3 +348,151 @@ def test_leftover_servers_are_killed_at_teardown(sock):
     finally:
         p.kill()
         p.wait()
+
+
+def _store_file(tmp_path, size=8 * MIB):
+    from kvblock import create_file
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, size)
+    _format(path)
+    return path
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_an_abandoned_connection_keeps_its_pins_until_its_io_is_done(tmp_path, sock, op):
+    """One thread's call times out (a slow server: here a slow checkpoint),
+    so the connection is abandoned; another thread of the same process is
+    in the middle of a read or write under a pin.  The pins must hold until
+    that I/O is done: were they dropped at once, another rank could evict
+    and rewrite the region under the read (wrong bytes) or have its own run
+    overwritten by the late write."""
+    import threading
+
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock) as server:
+        real_checkpoint = server.store.checkpoint
+        server.store.checkpoint = lambda: (time.sleep(1.0), real_checkpoint())[1]
+        a, b = RemoteStore(sock, timeout=0.3), RemoteStore(sock)
+        try:
+            mine = run_keys(1, 3)
+            if op == "read":
+                a.put_run(mine, run_data(mine))
+            for i in range(100, 110):                    # fill and seal the first regions
+                b.put_run(run_keys(i, 3), run_data(run_keys(i, 3)))
+            in_io, go = threading.Event(), threading.Event()
+            if op == "read":
+                real = a._segments
+
+                def pinned_then_wait(keys):
+                    segs = real(keys)
+                    in_io.set()
+                    go.wait(20)
+                    return segs
+                a._segments = pinned_then_wait
+            else:
+                real = a._stage_run
+
+                def allocated_then_wait(*args):
+                    in_io.set()
+                    go.wait(20)
+                    return real(*args)
+                a._stage_run = allocated_then_wait
+            result = {}
+
+            def work():
+                try:
+                    if op == "read":
+                        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+                        result["n"], result["out"] = a.get_run(mine, out), out
+                    else:
+                        result["n"] = a.put_run(mine, run_data(mine))
+                except Exception as e:      # noqa: BLE001
+                    result["error"] = e
+            t = threading.Thread(target=work)
+            t.start()
+            assert in_io.wait(20)
+            with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
+                a.checkpoint()
+            time.sleep(1.5)                 # the server has finished the slow request
+            assert server.client_count() == 2 and server.store.regions.pins.sum() == 1
+            b.evict(all=True)               # cannot take the pinned region
+            for i in range(200, 200 + 4 * server.store.regions.count):
+                b.put_run(run_keys(i, 3), run_data(run_keys(i, 3)))
+            go.set()
+            t.join(20)
+            if op == "read":
+                assert result["n"] == 3 and np.array_equal(result["out"], run_data(mine))
+            else:
+                assert isinstance(result["error"], ServerGoneError)
+            deadline = time.monotonic() + 10     # released: the connection closes
+            while server.client_count() > 1 or server.store.regions.pins.sum():
+                assert time.monotonic() < deadline, "the abandoned connection stayed open"
+                time.sleep(0.02)
+            got = np.zeros(3 * GEOM.block_bytes, np.uint8)
+            for i in range(200, 200 + 4 * server.store.regions.count):
+                keys = run_keys(i, 3)
+                if b.get_run(keys, got) == 3:
+                    assert np.array_equal(got, run_data(keys)), f"run {i} overwritten"
+        finally:
+            a.close()
+            b.close()
+
+
+def test_server_edge_cases(tmp_path, sock, monkeypatch):
+    """An answer too large to send gives back the pin it carried; a broken
+    frame (deep nesting, bad base64) ends or fails that request only; a
+    forked child cannot use its parent's connection."""
+    from kvblock.store import client as client_mod
+
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock) as server:
+        r = RemoteStore(sock)
+        try:
+            keys = [k for i in range(40) for k in run_keys(i, 2)]
+            for i in range(40):
+                r.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
+            monkeypatch.setattr(client_mod, "MAX_FRAME", 4096)   # both ends: one process
+            with pytest.raises(ConfigError, match="exceeds 4096"):
+                r.get_run(keys, np.zeros(len(keys) * GEOM.block_bytes, np.uint8))
+            assert server.store.regions.pins.sum() == 0
+            monkeypatch.undo()
+            with pytest.raises(ConfigError, match="base64"):
+                r._call("lookup", keys="!!!")
+            import socket as socket_mod
+            raw = socket_mod.socket(socket_mod.AF_UNIX)
+            raw.connect(sock)
+            body = b"[" * 200000
+            raw.sendall(len(body).to_bytes(4, "big") + body)
+            assert raw.recv(16) == b""                 # that connection only is closed
+            raw.close()
+            assert r.lookup(run_keys(0, 2)) == 2
+            pid = os.fork()
+            if pid == 0:                                 # the child: gone, no traffic
+                try:
+                    r.lookup(run_keys(0, 2))
+                    code = 1
+                except ServerGoneError as e:
+                    code = 0 if "forked" in str(e) else 2
+                os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert r.lookup(run_keys(0, 2)) == 2       # the parent's connection works
+        finally:
+            r.close()
+
+
+def test_idle_exit_counts_short_connections(tmp_path, sock):
+    """--idle-exit: a server used by short connections (opened and closed
+    between two of its checks) is not idle."""
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock, idle_exit=1.0)
+    try:
+        for _ in range(8):                 # 2.4 s of connections 0.3 s apart
+            with RemoteStore(sock) as r:
+                r.lookup(run_keys(0, 1))
+            time.sleep(0.3)
+        assert not server.stopped.is_set()
+        assert server.stopped.wait(10)     # then idle: it stops
+    finally:
+        server.stop()
