@@ -1330,15 +1330,25 @@ class KVStore:
         """Discard every free region.  Returns (regions discarded, free regions);
         0 discarded when the device does not support discard."""
         self._check_open(writing=True)
-        with self._lock:
-            free = list(self.regions.free)
-        done = 0
-        for region in free:
-            dev, off = self.regions.address(region)
-            if self.io.discard(dev, off, self.regions.size):
-                done += 1
+        done, seen = 0, set()
+        while True:
+            # One region at a time leaves the free list while it is discarded:
+            # a writer given it meanwhile would have its data punched away.
+            # It goes back at the end; meeting one already done ends the pass.
+            with self._lock:
+                if not self.regions.free or self.regions.free[0] in seen:
+                    break
+                region = self.regions.free.popleft()
+            try:
+                dev, off = self.regions.address(region)
+                if self.io.discard(dev, off, self.regions.size):
+                    done += 1
+            finally:
+                with self._lock:
+                    self.regions.free.append(region)
+            seen.add(region)
         self.counters["discards"] += done
-        return done, len(free)
+        return done, len(seen)
 
     def _kvikio_reader(self):
         """The store's kvikio file handles (created on first GPU load)."""

@@ -274,6 +274,28 @@ def test_touch_keeps_a_run_under_lru_without_reading_it(tmp_path, touch):
             assert store.get_run(hot, got) == 4 and np.array_equal(got, run_data(hot))
 
 
+def test_trim_never_discards_a_region_a_writer_took(tmp_path):
+    """trim_free discards free regions outside the store's lock: a put that
+    runs meanwhile must not be given a region about to be discarded (its
+    data would be punched away: zeros read back as a hit)."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(41, 2)
+    with _format([path], verify="never") as store:
+        real = store.io.discard
+        puts = []
+
+        def a_put_lands_first(dev, off, length):
+            if not puts:                    # another thread's put, mid-trim
+                puts.append(store.put_run(keys, run_data(keys)))
+            return real(dev, off, length)
+        store.io.discard = a_put_lands_first
+        done, free = store.trim_free()
+        assert puts == [2] and done == free == store.regions.count - 1
+        got = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
+
+
 def test_pinned_regions_are_never_reclaimed(tmp_path):
     path = tmp_path / "small.img"
     create_file(path, 3 * MIB)
