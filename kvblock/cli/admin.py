@@ -3,6 +3,7 @@ evict, trim.  Safe by default: format refuses anything that holds data."""
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -269,11 +270,15 @@ def _duration(text: str) -> float:
     text = text.strip().lower()
     try:
         if text[-1] in DURATION_UNITS:
-            return float(text[:-1]) * DURATION_UNITS[text[-1]]
-        return float(text)
+            seconds = float(text[:-1]) * DURATION_UNITS[text[-1]]
+        else:
+            seconds = float(text)
     except (ValueError, IndexError):
-        raise click.BadParameter(f"{text!r} is not a duration; use e.g. 90s, 30m, 12h, 7d") \
-            from None
+        seconds = math.nan
+    # a negative age would reclaim everything; nan and inf nothing
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise click.BadParameter(f"{text!r} is not a duration; use e.g. 90s, 30m, 12h, 7d")
+    return seconds
 
 
 @cli.command()

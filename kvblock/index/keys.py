@@ -31,6 +31,11 @@ def normalize_key(key) -> bytes:
 
 
 def normalize_keys(keys: Iterable) -> list[bytes]:
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        # one key where a sequence of keys belongs: iterating it would make
+        # a key of every byte or character
+        raise ConfigError(f"expected a sequence of block keys, got one {type(keys).__name__} "
+                          "key; wrap it in a list")
     return [normalize_key(k) for k in keys]
 
 

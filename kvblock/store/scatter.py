@@ -23,6 +23,27 @@ from kvblock.io import IOBatch
 from kvblock.layout.geometry import Geometry
 
 
+def as_array(x, what: str, writable: bool = False) -> np.ndarray:
+    """A caller's buffer as a numpy array: numpy arrays and anything numpy
+    takes, and CPU torch tensors of any dtype (bfloat16, which numpy has
+    not, as bytes), contiguous ones without a copy.  A buffer to read into
+    (``writable``) must be contiguous: a copy would take the bytes."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        if x.device.type != "cpu":
+            raise ConfigError(f"{what}: a {x.device.type} tensor; the byte API takes host "
+                              "memory (kvblock.tensors loads into GPU tensors)")
+        x = x.detach()
+        if not x.is_contiguous():
+            if writable:
+                raise ConfigError(f"{what}: the tensor is not contiguous; pass a contiguous "
+                                  "one (a copy would receive the bytes)")
+            x = x.contiguous()
+        return x.reshape(-1).view(torch.uint8).numpy()
+    return np.asarray(x)
+
+
 class BlockList:
     """One uint8 ``(ranges, group_block_bytes)`` view per block (no copies)."""
 
@@ -48,7 +69,7 @@ class BlockList:
                     (b.flags.writeable or not writable):
                 arrays.append(b.reshape(shape))          # a pool slot as it is: no checks left
                 continue
-            a = np.asarray(b)
+            a = as_array(b, what, writable)
             if a.nbytes != g.block_bytes:
                 raise ConfigError(f"{what}: block {k} holds {a.nbytes} bytes; a block is "
                                   f"{g.block_bytes} bytes ({g.describe()})")

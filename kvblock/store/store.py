@@ -60,7 +60,7 @@ from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, roun
 from kvblock.memory import HostBuffer
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
-from kvblock.store.scatter import BlockList
+from kvblock.store.scatter import BlockList, as_array
 from kvblock.store.storeio import StoreIO
 from kvblock.tiers import HostTier
 
@@ -85,6 +85,12 @@ LOAD_STAGING_KEEP = 128 << 20
 def _span(blocks, start: int, stop: int):
     """Blocks start..stop of a (layers, groups, n, bytes) array or a BlockList."""
     return blocks.sub(start, stop) if isinstance(blocks, BlockList) else blocks[:, :, start:stop]
+
+
+class PinHandle(list):
+    """What :meth:`KVStore.pin` returns: the pinned stretches, released once."""
+
+    released = False
 
 
 def _one(blocks, k: int) -> np.ndarray:
@@ -629,7 +635,10 @@ class KVStore:
         argument is checked before anything is written."""
         self._check_open(writing=True)
         items = []
-        for keys, data in runs:
+        for k, run in enumerate(runs):
+            if not isinstance(run, (tuple, list)) or len(run) != 2:
+                raise ConfigError(f"put_runs: run {k} must be a (keys, data) pair")
+            keys, data = run
             keys = normalize_keys(keys)
             items.append((keys, self._blocks_view(keys, data)))
         return self._put_many(items)
@@ -743,7 +752,7 @@ class KVStore:
     def _blocks_view(self, keys: list[bytes], data) -> np.ndarray:
         """put_run's data as (layers, groups, blocks, group_block_bytes) bytes."""
         g, n = self.geometry, len(keys)
-        arr = np.asarray(data)
+        arr = as_array(data, "put_run")
         if arr.nbytes != n * g.block_bytes:
             raise ConfigError(f"put_run: {n} keys need {n * g.block_bytes} bytes of KV "
                               f"({g.describe()}), got {arr.nbytes}")
@@ -959,10 +968,16 @@ class KVStore:
         stored)."""
         self._check_open()
         with self._lock:
-            return self._segments(normalize_keys(keys))
+            return PinHandle(self._segments(normalize_keys(keys)))
 
     def unpin(self, pins: list) -> None:
-        """Release a handle returned by :meth:`pin`."""
+        """Release a handle returned by :meth:`pin` (once: a second release
+        would take another lease's pin)."""
+        if not isinstance(pins, PinHandle):
+            raise ConfigError("unpin: pass the handle pin() returned")
+        if pins.released:
+            raise ConfigError("unpin: this pin handle was released already")
+        pins.released = True
         self._unpin(pins)
 
     def contains(self, key) -> bool:
@@ -1015,10 +1030,13 @@ class KVStore:
         keys = normalize_keys(keys)
         g = self.geometry
         n = len(keys)
-        out_arr = np.asarray(out)
-        if out_arr.nbytes != n * g.block_bytes or not out_arr.flags.writeable:
-            raise ConfigError(f"get_run: out must be a writable array of {n * g.block_bytes} "
-                              f"bytes for {n} blocks, got {out_arr.nbytes}")
+        out_arr = as_array(out, "get_run", writable=True)
+        if out_arr.nbytes != n * g.block_bytes or not out_arr.flags.writeable \
+                or not out_arr.flags.c_contiguous:
+            raise ConfigError(f"get_run: out must be a writable, C-contiguous array of "
+                              f"{n * g.block_bytes} bytes for {n} blocks, got {out_arr.nbytes} "
+                              f"bytes (writable: {out_arr.flags.writeable}, C-contiguous: "
+                              f"{out_arr.flags.c_contiguous})")
         dst = out_arr.reshape(-1).view(np.uint8).reshape(g.num_layers, g.head_groups, n,
                                                          g.group_block_bytes)
         if self.host is None:
@@ -1070,13 +1088,16 @@ class KVStore:
         One read per run; returns the number of leading blocks read."""
         self._check_open()
         g = self.geometry
-        if not (0 <= layer < g.num_layers and 0 <= group < g.head_groups):
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                   for x in (layer, group)) or \
+                not (0 <= layer < g.num_layers and 0 <= group < g.head_groups):
             raise ConfigError(f"read_range: layer {layer} / group {group} outside "
                               f"{g.num_layers} layers x {g.head_groups} groups")
         keys = normalize_keys(keys)
-        out_arr = np.asarray(out)
-        if out_arr.nbytes != len(keys) * g.group_block_bytes or not out_arr.flags.writeable:
-            raise ConfigError(f"read_range: out must be a writable array of "
+        out_arr = as_array(out, "read_range", writable=True)
+        if out_arr.nbytes != len(keys) * g.group_block_bytes or not out_arr.flags.writeable \
+                or not out_arr.flags.c_contiguous:
+            raise ConfigError(f"read_range: out must be a writable, C-contiguous array of "
                               f"{len(keys) * g.group_block_bytes} bytes")
         dst = out_arr.reshape(-1).view(np.uint8).reshape(1, 1, len(keys), g.group_block_bytes)
         return self._read(keys, dst, (layer, group))
@@ -1296,6 +1317,9 @@ class KVStore:
         """Reclaim sealed regions by policy until ``nbytes`` are free (or all
         unpinned ones with ``all=True``).  Returns regions reclaimed."""
         self._check_open(writing=True)
+        if nbytes is not None and (isinstance(nbytes, bool) or
+                                   not isinstance(nbytes, (int, np.integer)) or nbytes < 0):
+            raise ConfigError(f"evict: nbytes must be a byte count >= 0, got {nbytes!r}")
         reclaimed = 0
         while True:
             with self._lock:
@@ -1361,6 +1385,7 @@ class KVStore:
 
     def stats(self) -> dict:
         """Counters and gauges (bytes, blocks, regions, hits, checksum failures...)."""
+        self._check_open()
         with self._lock:
             r = self.regions
             return {

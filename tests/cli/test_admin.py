@@ -238,8 +238,9 @@ def test_evict_and_trim(file_target):
     assert res.returncode == 0 and json.loads(res.stdout)["regions_trimmed"] > 0
     res = kvb("evict", path)
     assert res.returncode == 2 and "exactly one of" in res.stderr
-    res = kvb("evict", path, "--older-than", "soon")
-    assert res.returncode == 2 and "not a duration" in res.stderr
+    for bad in ("soon", "-1h", "-inf", "nan", "inf", "1e999d"):   # a negative age: everything
+        res = kvb("evict", path, "--older-than", bad)
+        assert res.returncode == 2 and "not a duration" in res.stderr, bad
 
 
 def test_stats_prometheus_and_ctrl_c(file_target):

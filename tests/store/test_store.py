@@ -529,8 +529,72 @@ def test_bad_put_arguments(store_path):
             store.put_run([b"a", b"b"], np.zeros(100, np.uint8))
         with pytest.raises(ConfigError, match="block keys must be bytes, str or int"):
             store.put_run([1.5], np.zeros(GEOM.block_bytes, np.uint8))
-        with pytest.raises(ConfigError, match="writable array of 8192 bytes"):
+        with pytest.raises(ConfigError, match="writable, C-contiguous array of 8192 bytes"):
             store.get_run([b"a"], np.zeros(10, np.uint8))
+        with pytest.raises(ConfigError, match="a sequence of block keys"):
+            store.put_run(b"q" * 16, np.zeros(GEOM.block_bytes, np.uint8))
+        with pytest.raises(ConfigError, match="run 0 must be a"):
+            store.put_runs([([b"a"],)])
+        with pytest.raises(ConfigError, match="byte count"):
+            store.evict("10")
+        with pytest.raises(ConfigError, match="layer 0.5"):
+            store.read_range([b"a"], 0.5, 0, np.zeros(GEOM.group_block_bytes, np.uint8))
+
+
+def test_buffers_the_caller_passes(store_path):
+    """Reads never land in a copy: a non-contiguous out is refused (numpy
+    would reshape it into a copy and the read would report success with the
+    caller's buffer untouched).  CPU torch tensors work as buffers, bfloat16
+    included (numpy has no such dtype)."""
+    torch = pytest.importorskip("torch")
+    keys = run_keys(50, 2)
+    data = run_data(keys)
+    with _format([store_path]) as store:
+        store.put_run(keys, torch.from_numpy(data.copy()).view(torch.bfloat16))
+        fortran = np.zeros((2 * GEOM.block_bytes // 64, 64), np.uint8, order="F")
+        column = np.zeros((2 * GEOM.block_bytes, 2), np.uint8)[:, 0]
+        for out in (fortran, column):
+            with pytest.raises(ConfigError, match="C-contiguous"):
+                store.get_run(keys, out)
+        with pytest.raises(ConfigError, match="C-contiguous"):
+            store.read_range(keys, 0, 0, np.zeros((2 * GEOM.group_block_bytes, 2),
+                                                  np.uint8)[:, 0])
+        out = torch.zeros(data.size // 2, dtype=torch.bfloat16)
+        assert store.get_run(keys, out) == 2
+        assert np.array_equal(out.view(torch.uint8).numpy(), data)
+        with pytest.raises(ConfigError, match="not contiguous"):
+            store.get_run(keys, torch.zeros(data.size, 2, dtype=torch.uint8)[:, 0])
+        blocks = [torch.zeros(GEOM.block_bytes // 2, dtype=torch.bfloat16) for _ in keys]
+        assert store.get_blocks(keys, blocks) == 2
+        per_block = data.reshape(GEOM.ranges, 2, GEOM.group_block_bytes)  # run layout
+        for k, block in enumerate(blocks):
+            assert np.array_equal(block.view(torch.uint8).numpy(), per_block[:, k].reshape(-1))
+        scattered = torch.from_numpy(data.copy()).view(2, -1).t()     # not contiguous: copied
+        other = run_keys(51, 2)
+        assert store.put_run(other, scattered) == 2
+        got = np.zeros_like(data)
+        assert store.get_run(other, got) == 2
+        assert np.array_equal(got, scattered.contiguous().reshape(-1).numpy())
+
+
+def test_a_pin_is_released_once(store_path):
+    """unpin() twice would take another lease's pin: the second is refused."""
+    keys = run_keys(52, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+        first, second = store.pin(keys), store.pin(keys)
+        store.unpin(first)
+        with pytest.raises(ConfigError, match="released already"):
+            store.unpin(first)
+        with pytest.raises(ConfigError, match="the handle pin"):
+            store.unpin(list(second))
+        run = next(iter(store.index.runs.values()))
+        assert store.regions.pins[run.region] == 1          # the second lease holds
+        assert store.evict(all=True) == 0 and store.lookup(keys) == 2
+        store.unpin(second)
+        assert store.regions.pins[run.region] == 0
+    with pytest.raises(StoreClosedError):
+        store.stats()
 
 
 def test_concurrent_writers_and_readers(tmp_path):
