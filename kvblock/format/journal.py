@@ -153,5 +153,22 @@ def scan(data: bytes | memoryview, expected_seq: int,
     return records, end, seq
 
 
+def record_at(data: bytes | memoryview, pos: int = 0) -> tuple[int, int] | None:
+    """(epoch, sequence number) of an intact record at ``pos``, else None.
+    Recovery reads the journal's first record: its epoch says which
+    checkpoint generation last restarted the journal."""
+    data = memoryview(data)
+    if pos + _HEADER.size > len(data):
+        return None
+    magic, kind, res16, length, res32, repoch, rseq, crc = _HEADER.unpack_from(data, pos)
+    stop = pos + _HEADER.size + length
+    if magic != MAGIC or length % 8 or stop > len(data) or res16 or res32:
+        return None
+    header = _HEADER.pack(MAGIC, kind, 0, length, 0, repoch, rseq, 0)
+    if meta_checksum(header + bytes(data[pos + _HEADER.size:stop])) != crc:
+        return None
+    return repoch, rseq
+
+
 def _is_zero(view) -> bool:
     return bytes(view) == bytes(len(view))

@@ -69,6 +69,12 @@ def check_checkpoints(store, report: FsckReport) -> None:
         valid.append(head.generation if head else None)
     report.info["checkpoint_slots"] = valid
     report.info["journal_records_replayed"] = store.counters["replayed_records"]
+    if getattr(store, "stale_checkpoint", False):
+        report.problems.append(
+            f"{store.io.devices[0].path}: the newest checkpoint is unreadable and the journal "
+            "had moved on from the older one; its "
+            f"{store.counters['stale_checkpoint_runs_dropped']} runs cannot be trusted and "
+            "were dropped at open (the cache restarts empty)")
 
 
 def check_allocation(store, report: FsckReport) -> list:

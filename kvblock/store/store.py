@@ -71,7 +71,7 @@ COUNTERS = (
     "lookups", "lookup_hit_blocks", "get_blocks", "get_bytes", "miss_gets", "bytes_read",
     "checksum_failures", "deleted_runs", "evicted_regions", "evicted_runs", "evicted_blocks",
     "discards", "commits", "journal_bytes", "checkpoints", "replayed_records", "recovery_us",
-    "host_hit_blocks", "device_hit_blocks", "read_errors",
+    "host_hit_blocks", "device_hit_blocks", "read_errors", "stale_checkpoint_runs_dropped",
 )
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
 logger = logging.getLogger(__name__)
@@ -373,8 +373,29 @@ class KVStore:
                 "corrupt); the cached KV cannot be trusted: reformat the store",
                 self.io.devices[0].path, sb.checkpoint_offset)
         self.index = KeyIndex()
-        self._load_checkpoint(cp)
         journal = self.io.read_array(0, sb.journal_offset, sb.journal_bytes)
+        ahead = self._newer_epoch(journal, cp.generation)
+        self.stale_checkpoint = bool(ahead)
+        if ahead:
+            # The newest checkpoint is unreadable and its journal had begun:
+            # the older one misses what was reclaimed and rewritten since, so
+            # none of its runs can be trusted.  Start empty (a cache loses
+            # only time), in a generation past every journal epoch seen.
+            self.counters["stale_checkpoint_runs_dropped"] = len(cp.runs)
+            logger.warning("kvblock: %s: the newest checkpoint is unreadable and the journal "
+                           "moved on from the older one (generation %d); dropping its %d "
+                           "runs", self.io.devices[0].path, cp.generation, len(cp.runs))
+            self.regions.generation[:] = cp.regions["generation"]
+            self._next_run_id = cp.next_run_id + (1 << 32)   # ids never met before
+            self._generation = cp.generation + ahead
+            self._seq, self._jhead = 0, 0
+            self.counters["replayed_records"] = 0
+            self.clean_at_open = False
+            self._finish_layout()
+            if not self.readonly:
+                self._write_checkpoint()
+            return
+        self._load_checkpoint(cp)
         records, end, next_seq = jfmt.scan(journal, cp.journal_seq,
                                            _epoch(sb.store_uuid, cp.generation))
         puts: list[Run] = []
@@ -396,6 +417,20 @@ class KVStore:
         self._finish_layout()
         if not self.readonly:
             self._write_checkpoint()  # new epoch: stale journal records are dead from here on
+
+    def _newer_epoch(self, journal, generation: int) -> int:
+        """k > 0 when the journal's first record belongs to checkpoint
+        generation ``generation + k``: a newer checkpoint restarted the
+        journal (the other slot's, now unreadable).  0 otherwise -- also
+        when the newer checkpoint was torn before its journal began, which
+        leaves the older one and its journal whole."""
+        first = jfmt.record_at(journal)
+        if first is None:
+            return 0
+        for k in range(1, 4):
+            if first[0] == _epoch(self.sb.store_uuid, generation + k):
+                return k
+        return 0
 
     def _load_checkpoint(self, cp: cpfmt.Checkpoint):
         self.regions.generation[:] = cp.regions["generation"]

@@ -10,6 +10,7 @@ import pytest
 
 from kvblock import KVStore, create_file
 from kvblock.errors import KVBlockError
+from kvblock.index.keys import normalize_key
 from tests.store.workload import GEOM, REGION, Journal, check_store, workload
 
 TRIALS = 25
@@ -63,3 +64,92 @@ def test_random_flips(image, tmp_path, area):
     assert sum(outcomes.values()) == TRIALS
     if area in ("data", "journal"):
         assert outcomes["opened"] > 0, outcomes  # damage there shrinks the cache, no more
+
+
+def _history(path, journal_after: bool):
+    """Run X checkpointed (generation k), then reclaimed and its place
+    rewritten by other runs, then checkpoint k+1 (and, ``journal_after``,
+    one more run journaled in its epoch), then a crash: no clean close, so
+    no later checkpoint.  Returns (X's keys, the other runs' keys, the
+    newest slot, the superblock)."""
+    from tests.store.workload import run_data, run_keys
+
+    x = run_keys(900, 4)
+    others = []
+    store = KVStore.format([str(path)], GEOM, region_size=REGION)
+    store.put_run(x, run_data(x))
+    run = store.index.locate(normalize_key(x[0]))[0]
+    where = store.regions.address(run.region, run.offset)
+    store.checkpoint()
+    store.evict(all=True)
+    while not any(store.regions.address(r.region, r.offset) == where
+                  for r in store.index.runs.values()):
+        keys = run_keys(1000 + len(others), 1)
+        store.put_run(keys, run_data(keys))
+        others.append(keys)
+    store.checkpoint()
+    if journal_after:
+        z = run_keys(2000, 1)
+        store.put_run(z, run_data(z))
+    slot, sb = store._cp_slot, store.sb
+    store._release_devices()
+    store.closed = True
+    return x, others, slot, sb
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("where", ["header", "payload"])
+def test_an_unreadable_newest_checkpoint_never_brings_back_reclaimed_runs(tmp_path, where):
+    """The newest checkpoint slot goes bad after its journal began: the
+    older slot still reads, but its index predates regions reclaimed and
+    rewritten since.  Open must not serve those runs (with verify="never"
+    they would come back as another run's bytes): it starts empty and fsck
+    says why."""
+    from kvblock.store.fsck import fsck
+    from tests.store.workload import run_data, run_keys
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    x, others, slot, sb = _history(path, journal_after=True)
+    _flip(path, sb.checkpoint_offset + slot * sb.checkpoint_bytes
+          + (8 if where == "header" else 4096 + 100))
+    with KVStore.open([str(path)], readonly=True) as store:
+        report = fsck(store)
+        assert report.status == "problems" and "cannot be trusted" in report.problems[0]
+    with KVStore.open([str(path)], verify="never") as store:
+        assert store.stats()["stale_checkpoint_runs_dropped"] == 1      # X, long gone
+        assert store.lookup(x) == 0 and store.stats()["runs"] == 0
+        assert store.get_run(x, np.zeros(4 * GEOM.block_bytes, np.uint8)) == 0
+        fresh = run_keys(3000, 2)
+        assert store.put_run(fresh, run_data(fresh)) == 2
+    with KVStore.open([str(path)], verify="never") as store:     # and from there on, clean
+        got = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(fresh, got) == 2 and np.array_equal(got, run_data(fresh))
+        assert store.lookup(x) == 0 and store.stats()["stale_checkpoint_runs_dropped"] == 0
+
+
+def test_a_newest_checkpoint_torn_before_its_journal_began_loses_nothing(tmp_path):
+    """The same damage before the newest checkpoint's journal got a record
+    (a checkpoint torn by a crash): the older slot and its journal are
+    whole, so open replays them and keeps every run."""
+    from tests.store.workload import run_data
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    x, others, slot, sb = _history(path, journal_after=False)
+    _flip(path, sb.checkpoint_offset + slot * sb.checkpoint_bytes + 4096 + 100)
+    with KVStore.open([str(path)], verify="never") as store:
+        assert store.stats()["stale_checkpoint_runs_dropped"] == 0
+        assert store.lookup(x) == 0
+        got = np.zeros(GEOM.block_bytes, np.uint8)
+        for keys in others:
+            if store.lookup(keys):
+                assert store.get_run(keys, got) == 1 and np.array_equal(got, run_data(keys))
+        assert sum(store.lookup(k) for k in others) == store.stats()["runs"] > 0
