@@ -447,7 +447,7 @@ def serve_in_background(devices: Sequence, socket_path, **options) -> StoreServe
     return open_server(devices, socket_path, **options)
 
 
-def spawn_server(devices: Sequence, socket_path, *, timeout: float = 60.0,
+def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
                  log_path=None, model=None, eviction=None, admit_after=None, engine=None,
                  verify=None, idle_exit=None) -> subprocess.Popen:
     """Start ``kvblock serve`` in its own process (and session) and wait until
