@@ -7,7 +7,6 @@ import math
 import os
 import sys
 import time
-import uuid
 
 import click
 
@@ -59,7 +58,7 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     from kvblock.devices import Device
     from kvblock.layout import Geometry
     from kvblock.store import KVStore
-    from kvblock.store.store import _try_superblock
+    from kvblock.store.store import _store_on
     from kvblock.devices.probe import describe, signatures
     from kvblock.io import open_engine
     from kvblock.store.storeio import StoreIO
@@ -79,12 +78,10 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
                         raise UnsafeTargetError(
                             f"{dev.path} holds {describe(found)}; refusing to format it "
                             "(wipe it with wipefs, or pass --force to overwrite)")
-                    sb = _try_superblock(io, i)
-                    if sb is not None:
-                        raise UnsafeTargetError(
-                            f"{dev.path} already holds kvblock store "
-                            f"{uuid.UUID(bytes=sb.store_uuid)} ({sb.geometry.describe()}); "
-                            "pass --force to overwrite it")
+                    existing = _store_on(io, i)
+                    if existing is not None:
+                        raise UnsafeTargetError(f"{dev.path} already holds {existing}; pass "
+                                                "--force to overwrite it")
             finally:
                 io.engine.close()
         total = sum(d.capacity for d in opened)

@@ -97,6 +97,7 @@ class Device:
         self.path = os.fspath(path)
         self.writable = writable
         self.fd = -1
+        self._backing_fd = -1     # a loop device's backing file, locked beside it
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -148,6 +149,8 @@ class Device:
                     raise DeviceBusyError(
                         f"{self.path}: file is locked by another kvblock store; stop the "
                         "other process or open it read-only", self.path, errno.EBUSY) from None
+            if exclusive and self.kind == "block":
+                self._lock_loop_backing(st, busy_timeout)
             self.info = self._probe(st)
             if self.info.capacity < min_size:
                 raise DeviceTooSmallError(
@@ -156,7 +159,33 @@ class Device:
         except BaseException:
             os.close(self.fd)
             self.fd = -1
+            if self._backing_fd >= 0:
+                os.close(self._backing_fd)
+                self._backing_fd = -1
             raise
+
+    def _lock_loop_backing(self, st: os.stat_result, busy_timeout: float) -> None:
+        """A loop device's bytes are its backing file's: O_EXCL on the device
+        does not stop a store opened on the file (its flock), nor one on a
+        second loop device over the same file.  So the backing file is
+        flocked too, as a store opened on the file itself locks it."""
+        base = Path(f"/sys/dev/block/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
+        backing = _read_str(base / "loop" / "backing_file")
+        if not backing:
+            return
+        try:
+            fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return      # deleted or out of reach: nothing else can open it by name
+        try:
+            _retry_busy(lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB), busy_timeout)
+        except BlockingIOError:
+            os.close(fd)
+            raise DeviceBusyError(
+                f"{self.path}: a loop device over {backing}, which another kvblock store "
+                "has open (through the file or another loop device); stop the other "
+                "process", self.path, errno.EBUSY) from None
+        self._backing_fd = fd
 
     # --- probing ---------------------------------------------------------------
     def _probe(self, st: os.stat_result) -> DeviceInfo:
@@ -234,6 +263,10 @@ class Device:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = -1
+        if self._backing_fd >= 0:
+            fcntl.flock(self._backing_fd, fcntl.LOCK_UN)
+            os.close(self._backing_fd)
+            self._backing_fd = -1
 
     @property
     def closed(self) -> bool:

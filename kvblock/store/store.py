@@ -24,6 +24,7 @@ Invariants (enforced where named):
 
 from __future__ import annotations
 
+import errno
 import logging
 import threading
 import time
@@ -48,6 +49,7 @@ from kvblock.errors import (
     ReadOnlyStoreError,
     StoreClosedError,
     StoreFullError,
+    UnsupportedVersionError,
 )
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import journal as jfmt
@@ -166,13 +168,10 @@ class KVStore:
                                   queue_depth=options.get("queue_depth", 32)))
             if not force:
                 for i, d in enumerate(devs):
-                    existing = _try_superblock(io, i)
+                    existing = _store_on(io, i)
                     if existing is not None:
-                        raise FormatError(
-                            f"{d.path} already holds kvblock store "
-                            f"{uuid.UUID(bytes=existing.store_uuid)} "
-                            f"({existing.geometry.describe()}); pass force=True to overwrite",
-                            d.path, 0)
+                        raise FormatError(f"{d.path} already holds {existing}; pass "
+                                          "force=True to overwrite", d.path, 0)
             plan = _plan(devs, geometry, region_size, journal_bytes)
             store_uuid = uuid.uuid4().bytes
             dev_uuids = tuple(uuid.uuid4().bytes for _ in devs)
@@ -320,6 +319,14 @@ class KVStore:
                 f"store {uuid.UUID(bytes=first.store_uuid)} has {first.device_count} devices; "
                 f"missing {names}; pass every device of the store", devs[0].path, 0)
         ordered = [by_index[i] for i in range(first.device_count)]
+        for d, sb in ordered:
+            if d.capacity < sb.device_bytes:
+                # a shrunk file or device: regions past its end would fail
+                # every read (or land on someone else's space after a resize)
+                raise DeviceTooSmallError(
+                    f"{d.path}: {d.capacity} bytes, but the store was formatted on "
+                    f"{sb.device_bytes}; the device shrank (a truncated file?). Restore its "
+                    "size (truncate -s / fallocate -l), or reformat", d.path, errno.ENOSPC)
         # Put the engine's device table in store order (device index i == engine index i).
         if [d for d, _ in ordered] != list(devs):
             self.io.engine.close()
@@ -1490,6 +1497,23 @@ class KVStore:
 
 
 # ---------------------------------------------------------------------- format planning
+def _store_on(io: StoreIO, dev: int) -> str | None:
+    """The kvblock store a device already holds, in words (None: none).  A
+    store of another format version or a damaged one counts too: only
+    force overwrites them."""
+    path = io.devices[dev].path
+    copies = [io.read_bytes(dev, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]
+    try:
+        sb = sbfmt.pick(copies, path)
+    except UnsupportedVersionError as e:
+        return f"a kvblock store of another kvblock release ({e})"
+    except KVBlockError:
+        if any(c[:len(sbfmt.MAGIC)] == sbfmt.MAGIC for c in copies):
+            return "a damaged kvblock store (its superblocks do not check out; kvblock fsck)"
+        return None
+    return f"kvblock store {uuid.UUID(bytes=sb.store_uuid)} ({sb.geometry.describe()})"
+
+
 def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
     path = io.devices[dev].path
     copies = [io.read_bytes(dev, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]

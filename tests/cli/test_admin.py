@@ -108,6 +108,72 @@ def test_format_refuses_ext4(loop_device):
     assert head(dev) == before
 
 
+def _stale_fat_boot_sector(dev):
+    """A FAT16 boot sector in bytes 0..511 (ext4 leaves its first 1 KiB
+    alone): what an old filesystem leaves behind."""
+    import struct
+
+    bs = bytearray(512)
+    bs[0:3], bs[3:11] = b"\xeb\x3c\x90", b"MSDOS5.0"
+    struct.pack_into("<HBHBHHBHHHII", bs, 11, 512, 4, 1, 2, 512, 0, 0xF8, 64, 32, 64, 0, 65536)
+    bs[36], bs[38], bs[39:43] = 0x80, 0x29, b"\x12\x34\x56\x78"
+    bs[43:54], bs[54:62], bs[510:512] = b"NO NAME    ", b"FAT16   ", b"\x55\xaa"
+    with open(dev, "r+b") as f:
+        f.write(bs)
+
+
+def test_format_refuses_a_filesystem_beside_a_stale_signature(loop_device):
+    """blkid -p exits 8 ("ambivalent") when it finds more than one signature,
+    e.g. ext4 beside an old FAT boot sector.  That is data: refused by the
+    CLI and by the integrations' format "if-empty", the filesystem intact."""
+    from kvblock.errors import UnsafeTargetError
+    from kvblock.layout import Geometry
+    from kvblock.store.provision import open_or_format
+
+    dev = loop_device(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-b", "4096", "-L", "precious", dev], check=True)
+    _stale_fat_boot_sector(dev)
+    assert subprocess.run(["blkid", "-p", dev], capture_output=True).returncode == 8
+    before = head(dev)
+    res = kvb("format", dev, *GEOM_ARGS, "--yes")
+    one_line_error(res, 16, dev, "several signatures", "wipefs", "--force")
+    with pytest.raises(UnsafeTargetError, match="several signatures"):
+        open_or_format([dev], Geometry(2, 2, 32, dtype="float16"), "m")
+    assert head(dev) == before
+    fsck = subprocess.run(["e2fsck", "-n", dev], capture_output=True, text=True)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+
+
+def test_format_refuses_a_store_of_another_release(file_target):
+    """A store whose superblocks carry another format version is still a
+    store: `info` says so (exit 12), and neither `format` nor
+    KVStore.format overwrites it without force."""
+    import struct
+
+    from kvblock import Geometry, KVStore
+    from kvblock.errors import FormatError
+    from kvblock.format import superblock as sbfmt
+    from kvblock.format.checksum import meta_checksum
+
+    path = file_target(16 << 20)
+    formatted(path)
+    with open(path, "r+b") as f:
+        for off in sbfmt.COPY_OFFSETS:
+            f.seek(off)
+            sb = bytearray(f.read(4096))
+            struct.pack_into("<I", sb, 8, 2)                        # format version 2
+            struct.pack_into("<Q", sb, 4088, meta_checksum(bytes(sb[:4088])))
+            f.seek(off)
+            f.write(sb)
+    before = head(path)
+    assert kvb("info", path).returncode == 12
+    res = kvb("format", path, *GEOM_ARGS, "--yes")
+    one_line_error(res, 16, "a kvblock store of another kvblock release", "--force")
+    with pytest.raises(FormatError, match="another kvblock release"):
+        KVStore.format([path], Geometry(2, 2, 32, dtype="float16"))
+    assert head(path) == before
+
+
 def test_format_refuses_partition_table(loop_device):
     dev = loop_device(32 << 20)
     subprocess.run(["sfdisk", "-q", dev], input="label: gpt\n,,L\n", text=True, check=True,

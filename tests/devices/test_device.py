@@ -160,3 +160,53 @@ def test_errors_are_oserrors_too(tmp_path):
     with pytest.raises(OSError):
         Device(tmp_path / "missing")
     assert issubclass(DeviceError, KVBlockError)
+
+
+def test_a_loop_device_and_its_backing_file_are_one_device(loop_device):
+    """O_EXCL on /dev/loopN and flock on a file do not see each other: a
+    store opened on both paths (or on two loop devices over one file) would
+    have two writers on the same bytes.  The loop device's backing file is
+    locked beside it."""
+    dev = loop_device(16 << 20)
+    name = os.path.basename(dev)
+    with open(f"/sys/block/{name}/loop/backing_file") as f:
+        backing = f.read().strip()
+    with Device(dev):
+        with pytest.raises(DeviceBusyError, match="loop device|locked"):
+            Device(backing, busy_timeout=0.1)
+    with Device(backing):
+        with pytest.raises(DeviceBusyError, match=f"loop device over {backing}"):
+            Device(dev, busy_timeout=0.1)
+    second = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", backing],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        with Device(dev):
+            with pytest.raises(DeviceBusyError, match="another loop device"):
+                Device(second, busy_timeout=0.1)
+    finally:
+        subprocess.run(["losetup", "-d", second], check=True)
+    with Device(dev), Device(dev, writable=False, exclusive=False):
+        pass                                     # read-only peeks stay possible
+
+
+def test_a_blkid_that_cannot_tell_refuses(tmp_path, monkeypatch, file_target):
+    """The probe fails closed: blkid failing (exit 4), hanging, or finding
+    several signatures (exit 8, "ambivalent") is never "nothing found"."""
+    from kvblock.devices import probe
+    from kvblock.errors import UnsafeTargetError
+
+    path = file_target(1 << 20)
+    fake = tmp_path / "blkid"
+
+    def blkid_exits(code):
+        fake.write_text(f"#!/bin/sh\necho 'blkid: trouble' >&2\nexit {code}\n")
+        fake.chmod(0o755)
+        monkeypatch.setattr(probe.shutil, "which", lambda name: str(fake))
+    blkid_exits(2)
+    assert probe.signatures(path) == {}
+    blkid_exits(8)
+    found = probe.signatures(path)
+    assert "several signatures" in probe.describe(found)
+    blkid_exits(4)
+    with pytest.raises(UnsafeTargetError, match="blkid -p failed .exit 4: blkid: trouble"):
+        probe.signatures(path)

@@ -467,6 +467,19 @@ def test_open_errors(store_path, tmp_path):
     _format([store_path], force=True).close()  # force overwrites
 
 
+def test_a_shrunk_device_is_refused_at_open(tmp_path):
+    """A store file truncated after formatting: open says so (its regions
+    past the new end would fail every read) instead of serving part of it."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    _format([path]).close()
+    os.truncate(path, 6 * MIB)
+    with pytest.raises(DeviceTooSmallError, match="formatted on 8388608; the device shrank"):
+        KVStore.open([path])
+    os.truncate(path, 8 * MIB)
+    KVStore.open([path]).close()
+
+
 def test_failed_open_lets_go_of_the_device(target):
     """A failed open closes the I/O engine too: its rings hold registered
     references to the devices, and on a raw device those kept the O_EXCL claim
