@@ -1339,21 +1339,26 @@ class KVStore:
             self._finish_reclaim(region)
 
     def delete(self, keys: Sequence) -> int:
-        """Remove the runs holding any of ``keys``; returns the number of blocks removed."""
+        """Remove the runs holding any of ``keys`` (and their blocks from the
+        DRAM tier, with any of ``keys`` found only there); returns the number
+        of blocks removed."""
         self._check_open(writing=True)
+        keys = normalize_keys(keys)
         with self._lock:
             runs = {}
-            for k in normalize_keys(keys):
+            for k in keys:
                 hit = self.index.locate(k)
                 if hit is not None:
                     runs[hit[0].run_id] = hit[0]
         self._drop_runs(list(runs.values()))
-        if self.host is not None:
-            for run in runs.values():
-                for k in range(run.nblocks):
-                    self.host.discard(run.key(k))
+        host_only = 0
+        if self.host is not None:     # the keys asked for too: a copy may outlive its run
+            on_device = {run.key(k) for run in runs.values() for k in range(run.nblocks)}
+            for key in on_device:
+                self.host.discard(key)
+            host_only = sum(self.host.discard(key) for key in set(keys) - on_device)
         self.counters["deleted_runs"] += len(runs)
-        return sum(r.nblocks for r in runs.values())
+        return sum(r.nblocks for r in runs.values()) + host_only
 
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim sealed regions by policy until ``nbytes`` are free (or all

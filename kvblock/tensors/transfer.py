@@ -122,7 +122,7 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
         return 0
     itemsize = g.itemsize
     G, Hg, BS, D, kv = g.head_groups, g.heads_per_group, g.block_tokens, g.head_dim, g.kv_parts
-    ids = np.asarray(page_ids, dtype=np.int64)
+    ids = _check_page_ids(layout, page_ids[:n], "save")
     spans = _spans(ids)
     top = int(ids.max()) if ids.size else -1
     # A per-thread buffer kept by the store: a fresh one per save would be
@@ -149,6 +149,20 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
                 else pages.transpose(2, 0, 1, 3, 4)
             _copy_into(staged[layer, :, :, k], pages)
     return store.put_run(keys, buf.array[:n * g.block_bytes])
+
+
+def _check_page_ids(layout: CacheLayout, page_ids, what: str) -> np.ndarray:
+    """The page ids as int64, each a page of the cache (a negative id would
+    wrap around to the cache's end, one past it fail mid-copy)."""
+    ids = np.asarray(page_ids.cpu() if _is_torch(page_ids) else page_ids)
+    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ConfigError(f"{what}: page ids must be a 1-D sequence of integers")
+    ids = ids.astype(np.int64, copy=False)
+    pages = layout.layer_views(0)[0].shape[0]
+    if ids.size and (ids.min() < 0 or ids.max() >= pages):
+        bad = int(ids[(ids < 0) | (ids >= pages)][0])
+        raise ConfigError(f"{what}: page id {bad} is outside the cache's {pages} pages")
+    return ids
 
 
 class LoadHandle:
@@ -196,8 +210,15 @@ def _tp_plan(g, tp_rank: int, tp_size: int):
     """(first store group, group count, head offset, heads) a rank reads."""
     if not 0 <= tp_rank < tp_size:
         raise ConfigError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
-    if g.num_kv_heads % tp_size:
-        raise ConfigError(f"{g.num_kv_heads} kv heads do not split over tp_size {tp_size}")
+    H = g.num_kv_heads
+    if tp_size > H and tp_size % H == 0:
+        # More ranks than KV heads: engines replicate each head over
+        # tp_size / H ranks (MLA's one latent head over all of them).
+        head = tp_rank // (tp_size // H)
+        return head // g.heads_per_group, 1, head % g.heads_per_group, 1
+    if H % tp_size:
+        raise ConfigError(f"{H} kv heads do not split over tp_size {tp_size} (nor are they "
+                          "replicated over it: a multiple of the heads)")
     heads = g.num_kv_heads // tp_size
     G = g.head_groups
     if tp_size % G == 0:          # as many or more ranks than groups: part of one group
@@ -223,7 +244,7 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
     keys = normalize_keys(keys)
     if len(page_ids) < len(keys):
         raise ConfigError(f"load: {len(keys)} keys but only {len(page_ids)} page ids")
-    page_ids = np.asarray(page_ids, dtype=np.int64)
+    page_ids = _check_page_ids(layout, page_ids[:len(keys)], "load")
     base = 0
     if store.host is not None:  # the hot head of the prefix comes from DRAM, now
         base = _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads)
@@ -288,6 +309,7 @@ class _LoadJob:
         self._bufs: list = []
         self._stages = 2                         # reader and scatter still running
         self._stages_lock = threading.Lock()
+        self._reader_thread: threading.Thread | None = None
 
     def _plan(self, segs):
         """Cut every layer's reads into units (the same cut for every layer).
@@ -342,11 +364,13 @@ class _LoadJob:
         return out
 
     def start(self):
-        threading.Thread(target=self._reader, name="kvblock-load-read", daemon=True).start()
+        self._reader_thread = threading.Thread(target=self._reader, name="kvblock-load-read",
+                                               daemon=True)
+        self._reader_thread.start()
         threading.Thread(target=self._scatter, name="kvblock-load-scatter", daemon=True).start()
 
     def run_inline(self):
-        t = threading.Thread(target=self._reader, daemon=True)
+        t = self._reader_thread = threading.Thread(target=self._reader, daemon=True)
         t.start()
         self._scatter()
         t.join()
@@ -477,6 +501,10 @@ class _LoadJob:
             self.abort = True
             for b in self._bufs:       # unblock a reader waiting for a buffer
                 self.free.put(b)
+            # Its reads may still be in flight: the pins hold until they are
+            # done, and wait() raises only then (the caller may close next).
+            if self._reader_thread is not None:
+                self._reader_thread.join()
         else:
             error = None
         self._stage_done()

@@ -92,13 +92,15 @@ class HostTier:
             self.probation[key] = slot
             self.inserts += 1
 
-    def discard(self, key: bytes) -> None:
+    def discard(self, key: bytes) -> bool:
+        """Drop a block; whether it was here."""
         with self.lock:
             slot = self.probation.pop(key, None)
             if slot is None:
                 slot = self.protected.pop(key, None)
             if slot is not None:
                 self.free.append(slot)
+            return slot is not None
 
     def stats(self) -> dict:
         with self.lock:

@@ -117,6 +117,90 @@ def test_every_tp_degree_from_one_store(path, groups):
                                        want.view(torch.int16)), (tp, rank, layer)
 
 
+@pytest.mark.parametrize("groups", [1, 2, 8])
+def test_tp_beyond_the_kv_heads_replicates_them(path, groups):
+    """More TP ranks than KV heads: engines replicate each head over
+    tp_size / heads ranks, so rank r's cache holds head r // (tp / heads)."""
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    keys = [b"p0", b"p1"]
+    with _store(path, geom(groups=groups)) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1])
+        for tp in (16, 32):
+            for rank in range(tp):
+                dst = [torch.zeros(2, 4, BS, 1, D, dtype=torch.bfloat16) for _ in range(L)]
+                h = load_blocks(store, keys, VLLMLayout(dst), [2, 3], tp_rank=rank, tp_size=tp)
+                assert h.wait() == 2
+                head = rank // (tp // H)
+                for layer in range(L):
+                    want = src[layer][:, [0, 1], :, head:head + 1]
+                    assert torch.equal(dst[layer][:, [2, 3]].view(torch.int16),
+                                       want.view(torch.int16)), (tp, rank, layer)
+        with pytest.raises(ConfigError, match="do not split over tp_size 12"):
+            load_blocks(store, keys, VLLMLayout(src), [0, 1], tp_rank=0, tp_size=12)
+
+
+def test_mla_latent_is_read_by_every_tp_rank(path):
+    g = Geometry(L, 1, 32, "float16", BS, kv_parts=1)
+    src = [np.random.default_rng(i).standard_normal((4, BS, 32)).astype(np.float16)
+           for i in range(L)]
+    with _store(path, g) as store:
+        save_blocks(store, [b"l0", b"l1"], VLLMLayout(src, mla=True), [0, 3])
+        for rank in range(4):
+            dst = [np.zeros_like(x) for x in src]
+            h = load_blocks(store, [b"l0", b"l1"], VLLMLayout(dst, mla=True), [1, 2],
+                            tp_rank=rank, tp_size=4)
+            assert h.wait() == 2
+            for layer in range(L):
+                assert np.array_equal(dst[layer][[1, 2]], src[layer][[0, 3]])
+
+
+def test_page_ids_outside_the_cache_are_refused(path):
+    """A negative id would wrap to the cache's end, one past it fail in
+    the middle of a copy: both are refused up front."""
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    with _store(path, geom()) as store:
+        for ids in ([0, -1], [3, 4]):
+            with pytest.raises(ConfigError, match=f"save: page id {ids[1]} is outside"):
+                save_blocks(store, [b"x0", b"x1"], VLLMLayout(src), ids)
+        save_blocks(store, [b"x0", b"x1"], VLLMLayout(src), [0, 1])
+        with pytest.raises(ConfigError, match="load: page id 4 is outside the cache's 4"):
+            load_blocks(store, [b"x0", b"x1"], VLLMLayout(src), [2, 4])
+        with pytest.raises(ConfigError, match="integers"):
+            load_blocks(store, [b"x0", b"x1"], VLLMLayout(src), [0.5, 1.5])
+        assert store.stats()["runs"] == 1
+
+
+def test_a_failed_load_ends_its_reads_before_wait_raises(path, monkeypatch):
+    """The scatter stage fails while the reader still has reads to do:
+    wait() raises only once the reader has stopped, so no read is left in
+    flight on a region the load has unpinned (and the caller may close the
+    store at once)."""
+    import threading
+    import time
+
+    monkeypatch.setattr("kvblock.tensors.transfer.UNIT_BYTES", 4096)
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    keys = [f"f{i}".encode() for i in range(8)]
+    with _store(path, geom()) as store:
+        save_blocks(store, keys, VLLMLayout(src), list(range(8)))
+        real_read = store.io.read
+
+        def slow_read(batch):
+            time.sleep(0.02)
+            return real_read(batch)
+        monkeypatch.setattr(store.io, "read", slow_read)
+
+        def scatter_fails(*args, **kwargs):
+            raise RuntimeError("scatter failed")
+        monkeypatch.setattr("kvblock.tensors.transfer._scatter_pages", scatter_fails)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(RuntimeError, match="scatter failed"):
+            load_blocks(store, keys, VLLMLayout(dst), list(range(8))).wait()
+        assert not [t for t in threading.enumerate()
+                    if t.name == "kvblock-load-read" and t.is_alive()]
+        assert store.regions.pins.sum() == 0
+
+
 def test_tp_reads_only_its_ranges(path):
     """A rank of a store cut for its TP degree reads 1/G of the bytes."""
     src = [rand(2, 4, BS, H, D) for _ in range(L)]

@@ -94,3 +94,24 @@ def test_layerwise_load_takes_hot_head_from_dram(tmp_path):
         assert not dst[layer][:, :3].any()              # from DRAM
         assert torch.equal(dst[layer][:, 3:6].view(torch.int16),
                            src[layer][:, 3:6].view(torch.int16))  # from the device
+
+
+def test_delete_reaches_blocks_left_only_in_dram(tmp_path):
+    """A block whose run was evicted from the device lives on in the DRAM
+    tier: delete() must remove it there too (it used to stay, and a re-put
+    of the key then kept serving the deleted bytes)."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(5, 2)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=4 * GEOM.block_bytes) as store:
+        old = run_data(keys)
+        store.put_run(keys, old)
+        store.evict(all=True)                                # gone from the device
+        assert store.lookup(keys) == 2                       # still in DRAM
+        assert store.delete(keys) == 2 and store.lookup(keys) == 0
+        new = (old + 1).astype(np.uint8)
+        store.put_run(keys, new)
+        got = np.zeros_like(new)
+        assert store.get_run(keys, got) == 2 and np.array_equal(got, new)
+        assert store.delete(keys + [b"never-stored"]) == 2
