@@ -31,6 +31,7 @@ from kvblock.errors import ConfigError, GeometryMismatchError, NotAStoreError
 from kvblock.integrations.sglang import KVBlockHiCacheStorage
 from kvblock.store import KVStore
 from tests.integrations.sglang_pools import HostPool
+from tests.support.servers import stop_server
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
@@ -315,23 +316,6 @@ def test_real_host_pools(tmp_path):
     assert summary["cases"]["hybrid"]["state_pages"] == summary["cases"]["hybrid"]["swa_pages"] == 2
 
 
-def _stop_server(store):
-    """Stop the server a backend's rank started (it lives in its own session)."""
-    import signal
-    import time
-
-    pid = store.server_pid
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-
-
 def test_mla_ranks_share_one_store_through_a_server(tmp_path):
     """MLA, tp_size 2: rank 0 writes (as SGLang does), rank 1 reads what it
     wrote, from one store on one device; the first rank formats the device
@@ -382,7 +366,7 @@ def test_mla_ranks_share_one_store_through_a_server(tmp_path):
         for b in ranks:
             b.close()
         if server is not None:
-            _stop_server(server)
+            stop_server(server.server_pid)
     # the server checkpointed on SIGTERM: the store opens and holds rank 0's
     # pages and each rank's state page
     with KVStore.open([dev]) as store:

@@ -587,9 +587,7 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path):
     """"server": the first replica formats the store and starts the server,
     the second connects; what one stores the other finds and loads, byte
     for byte, each doing its own direct I/O."""
-    import os
-    import signal
-    import time
+    from tests.support.servers import stop_server
 
     dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
     pools = [page_aligned_pool(8) for _ in range(2)]
@@ -615,16 +613,7 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path):
         for t in tiers:
             t.shutdown()
         if pid is not None:
-            os.kill(pid, signal.SIGTERM)
-            deadline = time.monotonic() + 20
-            while time.monotonic() < deadline:
-                try:
-                    os.kill(pid, 0)
-                except ProcessLookupError:
-                    break
-                time.sleep(0.05)
-            else:
-                os.kill(pid, signal.SIGKILL)
+            stop_server(pid)
 
 
 def test_refuses_a_store_of_another_slot_size(make_tier):
