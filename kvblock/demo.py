@@ -117,7 +117,7 @@ def drop_page_cache(path: str) -> None:
 
 
 def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = None,
-             quiet: bool = False, yes: bool = False) -> dict:
+             quiet: bool = False, yes: bool = False, force: bool = False) -> dict:
     import torch
 
     from kvblock import KVStore, chain_keys, create_file
@@ -132,8 +132,10 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
     path = device or os.path.join(".kvblock", "demo.img")
     if device is None:
         create_file(path, max(size or 0, kv_bytes * 2 + (256 << 20)))
-    elif not yes and not os.path.isfile(device):
-        raise ConfigError(f"the demo formats {device}; pass --yes to allow it")
+    else:
+        from kvblock.store.provision import guard_overwrite
+
+        guard_overwrite(device, "the demo", force=force, yes=yes, allow_model=SALT)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     say(f"building a Llama-architecture model ({MODEL_CONFIG['num_hidden_layers']} layers, "

@@ -30,3 +30,19 @@ def test_demo_refuses_a_device_without_yes(tmp_path, loop_device):
     res = subprocess.run([sys.executable, "-m", "kvblock", "demo", "--device", dev,
                           "--tokens", "64"], cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 8 and "pass --yes" in res.stderr
+
+
+def test_demo_refuses_to_format_over_someone_elses_store(tmp_path):
+    """--device that holds a store of another model (or a filesystem) is not
+    formatted without --force; a previous demo's store needs none."""
+    from kvblock import Geometry, KVStore, create_file
+
+    path = tmp_path / "kv.img"
+    create_file(path, 64 << 20)
+    KVStore.format([str(path)], Geometry(2, 2, 64), model="an-engine").close()
+    res = subprocess.run([sys.executable, "-m", "kvblock", "demo", "--device", str(path),
+                          "--tokens", "64"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 16, res.stderr
+    assert "holds kvblock store" in res.stderr and "--force" in res.stderr
+    with KVStore.open([str(path)], model="an-engine") as store:   # untouched
+        assert store.geometry == Geometry(2, 2, 64)

@@ -15,10 +15,15 @@ import time
 import numpy as np
 
 from kvblock.devices import create_file
-from kvblock.errors import ConfigError
+from kvblock.errors import ConfigError, KVBlockError
 from kvblock.layout import Geometry
 from kvblock.memory import HostBuffer
 from kvblock.store import KVStore
+
+
+# Model fingerprint of the stores bench save/restore format: the CLI lets
+# them write over one of these without --force, over any other store not.
+BENCH_MODEL = "kvblock-bench"
 
 
 def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: int,
@@ -31,8 +36,8 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
         if not size:
             raise ConfigError(f"{target} does not exist; pass --size to create a file")
         create_file(target, size)
-    store = KVStore.format([target], geometry, force=True, engine=engine, verify=verify,
-                           queue_depth=qd)
+    store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
+                           verify=verify, queue_depth=qd)
     try:
         nbytes = run_blocks * geometry.block_bytes
         if store.layout(run_blocks).run_bytes > store.sb.region_size:
@@ -45,6 +50,14 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
         return _restore(store, src, run_blocks, seconds, jobs, progress)
     finally:
         store.close()
+
+
+class VerifyError(KVBlockError):
+    """The benchmark read back something else than it wrote."""
+
+
+def target_of(store) -> str:
+    return store.io.devices[0].path
 
 
 def _result(store, workload, run_blocks, lat, total, elapsed, jobs=1):
@@ -84,7 +97,7 @@ def _restore(store, src, run_blocks, seconds, jobs, progress):
     for keys in keysets:
         store.put_run(keys, src.array)
     outs = [HostBuffer(src.nbytes) for _ in range(jobs)]
-    lat, total = [], [0]
+    lat, total, failed = [], [0], []
     lock = threading.Lock()
     start = time.perf_counter()
     deadline = start + seconds
@@ -92,27 +105,41 @@ def _restore(store, src, run_blocks, seconds, jobs, progress):
     def reader(j):
         rng = np.random.default_rng(j)
         out = outs[j].array
-        while time.perf_counter() < deadline:
-            keys = keysets[int(rng.integers(0, runs))]
-            t = time.perf_counter()
-            got = store.get_run(keys, out)
-            dt = time.perf_counter() - t
-            if got != run_blocks:
-                raise RuntimeError(f"restore read {got} of {run_blocks} blocks")
-            with lock:
-                lat.append(dt)
-                total[0] += out.nbytes
-            if progress and j == 0:
-                progress(min(time.perf_counter() - start, seconds), seconds)
+        try:
+            while time.perf_counter() < deadline and not failed:
+                keys = keysets[int(rng.integers(0, runs))]
+                t = time.perf_counter()
+                got = store.get_run(keys, out)
+                dt = time.perf_counter() - t
+                if got != run_blocks:
+                    raise VerifyError(f"restore read {got} of {run_blocks} blocks of a run "
+                                      f"just saved on {target_of(store)} (a checksum failure "
+                                      "or an I/O error: kvblock fsck --deep)")
+                with lock:
+                    lat.append(dt)
+                    total[0] += out.nbytes
+                if progress and j == 0:
+                    progress(min(time.perf_counter() - start, seconds), seconds)
+        except BaseException as e:   # raised by the caller once every reader stopped
+            failed.append(e)
 
     threads = [threading.Thread(target=reader, args=(j,)) for j in range(jobs)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    except BaseException as e:      # Ctrl-C: the readers stop at their next read
+        failed.append(e)
+        for t in threads:
+            if t.is_alive():
+                t.join()
+        raise
+    if failed:
+        raise failed[0]
     elapsed = time.perf_counter() - start
     if not np.array_equal(outs[0].array, src.array):
-        raise RuntimeError("restored bytes differ from the saved ones")
+        raise VerifyError(f"restored bytes differ from the saved ones on {target_of(store)}")
     for o in outs:
         o.close()
     return _result(store, "restore", run_blocks, lat, total[0], elapsed, jobs)

@@ -109,15 +109,26 @@ def _emit(obj: dict, as_json: bool, title: str) -> None:
               help="restore: concurrent readers.")
 @click.option("--verify", type=click.Choice(["always", "never"]), default="always",
               show_default=True, help="restore: check data checksums.")
+@click.option("--yes", is_flag=True, help="Allow write/save/restore on a block device.")
+@click.option("--force", is_flag=True,
+              help="Write even over a filesystem, partition table or kvblock store.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def bench(target, workload, bs, qd, size, seconds, engine, layers, kv_heads, head_dim, dtype,
-          block_tokens, head_groups, run_blocks, jobs, verify, as_json):
+          block_tokens, head_groups, run_blocks, jobs, verify, yes, force, as_json):
     """Measure I/O on TARGET (a block device or file) through kvblock.
 
     Raw workloads run the I/O engine alone; save/restore format TARGET as a
     store and move runs of KV blocks.  Write, save and restore workloads
-    overwrite TARGET's contents.
+    overwrite TARGET's contents: on a block device they need --yes, and over
+    data (a filesystem, partition table, a kvblock store other than a bench
+    store) they need --force.  Read workloads write nothing.
     """
+    if workload in ("write", "randwrite", "save", "restore"):
+        from kvblock.bench.store_bench import BENCH_MODEL
+        from kvblock.store.provision import guard_overwrite
+
+        guard_overwrite(target, f"kvblock bench --workload {workload}", force=force, yes=yes,
+                        allow_model=BENCH_MODEL if workload in ("save", "restore") else False)
     if workload in ("save", "restore"):
         from kvblock.bench.store_bench import run_store_bench
         from kvblock.layout import Geometry
@@ -147,15 +158,24 @@ def _with_progress(fn, label, total, *, quiet):
         return fn(lambda done, _total: bar.update(task, completed=done))
 
 
+SELFCHECK_PATH = ".kvblock/selfcheck.img"
+
+
 @cli.command()
-@click.option("--path", default=".kvblock/selfcheck.img", show_default=True,
-              help="Scratch file (or device, with --yes) the check writes to.")
+@click.option("--path", default=SELFCHECK_PATH, show_default=True,
+              help="Scratch file (or device, with --yes) the check writes over.")
 @click.option("--size", type=SIZE, default="256M", show_default=True)
+@click.option("--yes", is_flag=True, help="Allow writing over a block device.")
+@click.option("--force", is_flag=True,
+              help="Write even over a filesystem, partition table or kvblock store.")
 @click.option("--json", "as_json", is_flag=True)
-def selfcheck(path, size, as_json):
+def selfcheck(path, size, yes, force, as_json):
     """Write random data through every I/O engine, read it back, compare, time it."""
     from kvblock.bench.selfcheck import run_selfcheck
+    from kvblock.store.provision import guard_overwrite
 
+    if path != SELFCHECK_PATH:        # the default is kvblock's own scratch file
+        guard_overwrite(path, "kvblock selfcheck", force=force, yes=yes)
     _emit(run_selfcheck(path, size), as_json, "kvblock selfcheck")
 
 
@@ -163,12 +183,15 @@ def selfcheck(path, size, as_json):
 @click.option("--tokens", type=click.IntRange(32), default=8192, show_default=True,
               help="Prompt length.")
 @click.option("--device", default=None,
-              help="Raw device or loop device to use instead of ./.kvblock/demo.img "
-                   "(it is formatted: needs --yes).")
+              help="Raw device, loop device or file to use instead of ./.kvblock/demo.img "
+                   "(it is formatted: a block device needs --yes).")
 @click.option("--size", type=SIZE, default=None, help="Size of the demo store file.")
-@click.option("--yes", is_flag=True, help="Allow formatting --device.")
+@click.option("--yes", is_flag=True, help="Allow formatting a block device as --device.")
+@click.option("--force", is_flag=True,
+              help="Format --device even over a filesystem, partition table or kvblock "
+                   "store (a previous demo's store needs no --force).")
 @click.option("--json", "as_json", is_flag=True)
-def demo(tokens, device, size, yes, as_json):
+def demo(tokens, device, size, yes, force, as_json):
     """Cold recovery vs recompute on a real transformer architecture.
 
     Prefills a long prompt with a Llama-architecture model (random weights, built
@@ -181,7 +204,7 @@ def demo(tokens, device, size, yes, as_json):
     except ImportError as e:  # torch/transformers are the demo extra
         raise errors.ConfigError(f"the demo needs torch and transformers ({e}); "
                                  "pip install 'kvblock[demo]' or run make demo") from None
-    report = run_demo(tokens, device, size, quiet=as_json, yes=yes)
+    report = run_demo(tokens, device, size, quiet=as_json, yes=yes, force=force)
     _emit(report, as_json, "kvblock demo: cold recovery vs recompute")
 
 

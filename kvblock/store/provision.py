@@ -106,6 +106,43 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
     return store
 
 
+def holds_data(path: str, allow_model=False) -> str | None:
+    """What writing over ``path`` would destroy, in words: a filesystem,
+    partition table, RAID/LVM member or several signatures (blkid -p), or a
+    kvblock store (any release; not one made for ``allow_model``).  None
+    when it holds none of these, or does not exist."""
+    from kvblock.devices.probe import describe, signatures
+    from kvblock.format import superblock as sbfmt
+    from kvblock.store.store import store_in
+
+    if not os.path.exists(path):
+        return None
+    found = signatures(path)
+    if found:
+        return describe(found)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        copies = [os.pread(fd, sbfmt.SIZE, off) for off in sbfmt.COPY_OFFSETS]
+    finally:
+        os.close(fd)
+    return store_in(copies, path, allow_model)
+
+
+def guard_overwrite(path: str, doing: str, *, force: bool = False, yes: bool = False,
+                    allow_model=False) -> None:
+    """Before ``doing`` writes over ``path``: a block device needs ``yes``
+    (ConfigError) and anything holding data needs ``force``
+    (UnsafeTargetError), as ``kvblock format`` asks."""
+    if _is_block_device(path) and not yes:
+        raise ConfigError(f"{doing} writes over the block device {path}; pass --yes to allow it")
+    if force:
+        return
+    what = holds_data(path, allow_model)
+    if what is not None:
+        raise UnsafeTargetError(f"{path} holds {what}; {doing} would overwrite it (wipe it "
+                                "with wipefs, or pass --force)")
+
+
 def _is_block_device(path: str) -> bool:
     try:
         return stat.S_ISBLK(os.stat(path).st_mode)

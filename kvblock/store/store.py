@@ -1502,12 +1502,11 @@ class KVStore:
 
 
 # ---------------------------------------------------------------------- format planning
-def _store_on(io: StoreIO, dev: int) -> str | None:
-    """The kvblock store a device already holds, in words (None: none).  A
-    store of another format version or a damaged one counts too: only
-    force overwrites them."""
-    path = io.devices[dev].path
-    copies = [io.read_bytes(dev, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]
+def store_in(copies: list[bytes], path: str, allow_model=False) -> str | None:
+    """The kvblock store that superblock ``copies`` (read at sbfmt.COPY_OFFSETS)
+    show, in words (None: none).  A store of another format version or a
+    damaged one counts too: only force overwrites them.  ``allow_model``: a
+    store formatted for this model is not counted (a tool's own scratch)."""
     try:
         sb = sbfmt.pick(copies, path)
     except UnsupportedVersionError as e:
@@ -1516,7 +1515,15 @@ def _store_on(io: StoreIO, dev: int) -> str | None:
         if any(c[:len(sbfmt.MAGIC)] == sbfmt.MAGIC for c in copies):
             return "a damaged kvblock store (its superblocks do not check out; kvblock fsck)"
         return None
+    if allow_model is not False and sb.fingerprint == model_fingerprint(allow_model):
+        return None
     return f"kvblock store {uuid.UUID(bytes=sb.store_uuid)} ({sb.geometry.describe()})"
+
+
+def _store_on(io: StoreIO, dev: int) -> str | None:
+    """store_in() of a device of ``io``."""
+    copies = [io.read_bytes(dev, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]
+    return store_in(copies, io.devices[dev].path)
 
 
 def _try_superblock(io: StoreIO, dev: int, raise_errors=False):

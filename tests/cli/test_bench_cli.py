@@ -16,7 +16,7 @@ FIELDS = {"workload", "engine", "bs", "qd", "bytes", "seconds", "gib_per_s", "io
 def test_bench_json(workload, target):
     path = target(16 << 20)
     res = CliRunner().invoke(cli, ["bench", path, "--workload", workload, "--bs", "64K",
-                                   "--qd", "8", "--seconds", "0.2", "--json"])
+                                   "--qd", "8", "--seconds", "0.2", "--yes", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     assert FIELDS <= out.keys()
@@ -59,3 +59,48 @@ def test_bench_unaligned_bs(file_target):
 def test_bad_size_argument(file_target):
     res = CliRunner().invoke(cli, ["bench", file_target(1 << 20), "--bs", "lots"])
     assert res.exit_code == 2 and "is not a size" in res.output
+
+
+def _kvb(*args):
+    return subprocess.run([sys.executable, "-m", "kvblock", *map(str, args)],
+                          capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_writing_tools_refuse_a_device_with_data(loop_device):
+    """bench's write/save/restore workloads and selfcheck write over their
+    target: a block device needs --yes, and one holding data (here ext4)
+    needs --force too, as `kvblock format` asks.  Reads write nothing."""
+    dev = loop_device(64 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "precious", dev], check=True)
+    for workload in ("write", "randwrite", "save", "restore"):
+        res = _kvb("bench", dev, "--workload", workload, "--seconds", "0.1")
+        assert res.returncode == 8 and "pass --yes" in res.stderr, (workload, res.stderr)
+        res = _kvb("bench", dev, "--workload", workload, "--seconds", "0.1", "--yes")
+        assert res.returncode == 16, (workload, res.stderr)
+        assert "a filesystem (ext4 labelled 'precious')" in res.stderr
+        assert "--force" in res.stderr
+    res = _kvb("selfcheck", "--path", dev, "--size", "8M", "--yes")
+    assert res.returncode == 16 and "a filesystem" in res.stderr
+    assert _kvb("bench", dev, "--workload", "randread", "--seconds", "0.1").returncode == 0
+    fsck = subprocess.run(["e2fsck", "-n", dev], capture_output=True, text=True)
+    assert fsck.returncode == 0, fsck.stdout + fsck.stderr
+    res = _kvb("bench", dev, "--workload", "write", "--seconds", "0.1", "--yes", "--force")
+    assert res.returncode == 0, res.stderr
+
+
+def test_bench_store_workloads_reuse_their_own_store_only(file_target):
+    """save/restore may format over a store an earlier bench made, not over
+    anyone else's (a demo's, an engine's) without --force."""
+    from kvblock import Geometry, KVStore
+
+    path = file_target(64 << 20)
+    args = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--run-blocks", "4",
+            "--seconds", "0.1", "--json"]
+    assert _kvb("bench", path, "--workload", "save", *args).returncode == 0
+    assert _kvb("bench", path, "--workload", "restore", *args).returncode == 0
+    KVStore.format([path], Geometry(2, 2, 64), model="an-engine's", force=True).close()
+    res = _kvb("bench", path, "--workload", "save", *args)
+    assert res.returncode == 16 and "already" not in res.stderr and "kvblock store" in res.stderr
+    res = _kvb("bench", path, "--workload", "write", "--seconds", "0.1")
+    assert res.returncode == 16
+    assert _kvb("bench", path, "--workload", "save", "--force", *args).returncode == 0
