@@ -258,6 +258,15 @@ class KVBlockStorageBackend(StoragePluginInterface):
             self.store = open_or_format(self.devices, self.geometry, model,
                                         format=opt("format", "if-empty"), **sizes, **options)
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvblock-lmcache")
+        # StorageManager.close() closes LocalCPUBackend, which frees the memory
+        # the queued writes read, before it closes this plugin: they must be
+        # done first (they crashed the process with SIGSEGV).
+        cpu_close = local_cpu_backend.close
+
+        def close_after_queued_writes(*args, **kwargs):
+            self.executor.shutdown(wait=True)
+            return cpu_close(*args, **kwargs)
+        local_cpu_backend.close = close_after_queued_writes
         self._lock = threading.Lock()
         self._put_tasks: set[CacheEngineKey] = set()
         self._pins: dict[bytes, list] = {}      # kvblock key -> [pin count, pinned segments]
@@ -331,10 +340,17 @@ class KVBlockStorageBackend(StoragePluginInterface):
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
                                      pin: bool = False) -> int:
         n = self.batched_contains(keys, pin)
-        if pin and n:
-            with self._lock:
-                self._lookup_pins.setdefault(lookup_id, []).extend(keys[:n])
-        return n
+        whole = n // self.objects_per_chunk * self.objects_per_chunk
+        if pin:
+            # Layer-wise, LMCache rounds the hit down to whole chunks and
+            # unpins the rest itself; rounding here first leaves it nothing
+            # to unpin, so no pin is released twice (another lookup's).
+            for key in keys[whole:n]:
+                self.unpin(key)
+            if whole:
+                with self._lock:
+                    self._lookup_pins.setdefault(lookup_id, []).extend(keys[:whole])
+        return whole
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -548,7 +564,10 @@ class KVBlockStorageBackend(StoragePluginInterface):
         """Evict everything in the store; returns the tokens it held (a layer
         object holds 1/layers of its chunk's tokens)."""
         blocks = self.store.stats()["blocks"]
-        self.store.evict(all=True)
+        if hasattr(self.store, "clear"):
+            self.store.clear()
+        else:                         # a shared store's client: no DRAM tier there
+            self.store.evict(all=True)
         return (blocks - self.store.stats()["blocks"]) * self.chunk_tokens // self.objects_per_chunk
 
     def get_allocator_backend(self) -> AllocatorBackendInterface:

@@ -767,11 +767,15 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ housekeeping
     def clear(self) -> bool:
-        """Evict every block of the store."""
+        """Forget every block of the store, DRAM tier included (SGLang clears
+        after a weight update: the same page keys would name other KV)."""
         if not self._ready():
             return False
         try:
-            self.store.evict(all=True)
+            if hasattr(self.store, "clear"):
+                self.store.clear()
+            else:                     # a shared store's client: no DRAM tier there
+                self.store.evict(all=True)
         except KVBlockError as e:
             logger.error("kvblock: clear failed: %s", e)
             return False

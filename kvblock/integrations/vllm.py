@@ -493,6 +493,11 @@ class KVBlockTierManager(SecondaryTierManager):
         wait for it is bounded.
         """
         store = self.store
+        if hasattr(store, "contains_nowait"):      # a shared store: one socket, bounded too
+            try:
+                return store.contains_nowait(kb, LOOKUP_LOCK_WAIT_S)
+            except KVBlockError:
+                return False
         lock = getattr(store, "_lock", None)
         if lock is not None and not lock.acquire(timeout=LOOKUP_LOCK_WAIT_S):
             return None

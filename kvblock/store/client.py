@@ -286,33 +286,52 @@ class RemoteStore:
     # ------------------------------------------------------------------ transport
     def _call(self, op: str, **args):
         with self._rpc_lock:
-            if self._gone is not None:
-                raise ServerGoneError(self._gone)
-            data = encode_msg({"op": op, **args})   # a ConfigError here sends nothing
-            try:
-                self._sock.sendall(data)
-                reply = recv_msg(self._sock)
-                if reply is None:
-                    raise ConnectionError("the server closed the connection")
-            except BaseException as e:
-                # The request may be half sent or its answer unread: the stream
-                # cannot be trusted any more, so the connection is abandoned
-                # (closed once this process's pins are released).
-                lost = isinstance(e, (OSError, ValueError))
-                if isinstance(e, TimeoutError):
-                    self._gone = (f"the store server at {self.socket_path} did not answer "
-                                  f"{op} in time ({e}); this connection is abandoned: "
-                                  "connect again")
-                elif lost:
-                    self._gone = (f"store server at {self.socket_path} is gone ({op}: {e}); "
-                                  "restart it (kvblock serve) and reconnect")
-                else:
-                    self._gone = (f"connection to the store server at {self.socket_path} "
-                                  f"was abandoned in the middle of {op} ({type(e).__name__})")
-                self._close_socket_when_released()
-                if lost:
-                    raise ServerGoneError(self._gone) from None
-                raise
+            return self._call_locked(op, **args)
+
+    def contains_nowait(self, key, wait: float) -> bool | None:
+        """contains(), or None when another thread's call keeps the
+        connection busy for ``wait`` seconds (a scheduler thread must not
+        queue behind a worker's commit)."""
+        self._check_open()
+        if not self._rpc_lock.acquire(timeout=wait):
+            return None
+        try:
+            n = int(self._call_locked("lookup", keys=encode_keys(normalize_keys([key]))))
+        finally:
+            self._rpc_lock.release()
+        self.counters["lookups"] += 1
+        self.counters["lookup_hit_blocks"] += n
+        return n == 1
+
+    def _call_locked(self, op: str, **args):
+        """One request and its answer (under _rpc_lock)."""
+        if self._gone is not None:
+            raise ServerGoneError(self._gone)
+        data = encode_msg({"op": op, **args})   # a ConfigError here sends nothing
+        try:
+            self._sock.sendall(data)
+            reply = recv_msg(self._sock)
+            if reply is None:
+                raise ConnectionError("the server closed the connection")
+        except BaseException as e:
+            # The request may be half sent or its answer unread: the stream
+            # cannot be trusted any more, so the connection is abandoned
+            # (closed once this process's pins are released).
+            lost = isinstance(e, (OSError, ValueError))
+            if isinstance(e, TimeoutError):
+                self._gone = (f"the store server at {self.socket_path} did not answer "
+                              f"{op} in time ({e}); this connection is abandoned: "
+                              "connect again")
+            elif lost:
+                self._gone = (f"store server at {self.socket_path} is gone ({op}: {e}); "
+                              "restart it (kvblock serve) and reconnect")
+            else:
+                self._gone = (f"connection to the store server at {self.socket_path} "
+                              f"was abandoned in the middle of {op} ({type(e).__name__})")
+            self._close_socket_when_released()
+            if lost:
+                raise ServerGoneError(self._gone) from None
+            raise
         if not reply.get("ok"):
             _raise_remote(reply.get("error", "ServerError"), reply.get("message", ""))
         return reply.get("result")

@@ -1383,6 +1383,16 @@ class KVStore:
             reclaimed += 1
         return reclaimed
 
+    def clear(self) -> int:
+        """Forget everything not pinned: every unpinned region, and the DRAM
+        tier (which evict keeps: a block there outlives its run on flash).
+        What engines mean by clearing a cache (after a weight update, the
+        same keys would name different KV).  Returns the regions reclaimed."""
+        reclaimed = self.evict(all=True)
+        if self.host is not None:
+            self.host.clear()
+        return reclaimed
+
     def evict_older_than(self, cutoff: float) -> int:
         """Reclaim unpinned regions sealed before ``cutoff`` (seconds since the
         epoch).  Returns regions reclaimed."""

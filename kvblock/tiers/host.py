@@ -92,6 +92,15 @@ class HostTier:
             self.probation[key] = slot
             self.inserts += 1
 
+    def clear(self) -> int:
+        """Drop every block; how many there were."""
+        with self.lock:
+            n = len(self.probation) + len(self.protected)
+            self.probation.clear()
+            self.protected.clear()
+            self.free = list(range(self.slots - 1, -1, -1))
+            return n
+
     def discard(self, key: bytes) -> bool:
         """Drop a block; whether it was here."""
         with self.lock:

@@ -23,6 +23,7 @@ from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from kvblock.errors import GeometryMismatchError
+from kvblock.store import KVStore
 from kvblock.integrations.lmcache import KVBlockStorageBackend
 
 CHUNK = 16
@@ -370,3 +371,43 @@ def test_workers_share_one_store_through_a_server(tmp_path, engines):
             time.sleep(0.05)
     with KVStore.open([dev]) as store:
         assert len(store.index) == 2
+
+
+CLOSE_WITH_QUEUED_PUTS = """
+import sys, time, torch
+sys.path.insert(0, {root!r})
+from tests.integrations.test_lmcache import Engine
+e = Engine([{path!r}], **{{"kvblock.writer_threads": 1}})
+real = e.plugin.store.put_runs
+def slow_put_runs(runs):
+    time.sleep(0.01)
+    return real(runs)
+e.plugin.store.put_runs = slow_put_runs
+keys = [e.key(h) for h in range(1, 41)]
+for k in keys:
+    e.manager.batched_put([k], [e.chunk()])
+queued = sum(e.plugin.exists_in_put_tasks(k) for k in keys)
+e.close()                   # LocalCPUBackend first, then the plugin
+print("queued", queued)
+"""
+
+
+def test_close_with_queued_puts_waits_for_them(file_target, tmp_path):
+    """StorageManager.close() closes LocalCPUBackend (freeing the memory the
+    plugin's queued writes read) before the plugin: the writes must be done
+    first.  They read freed memory and crashed the process (SIGSEGV), so
+    this runs in a child process.  Every queued chunk ends up stored."""
+    import os
+    import subprocess
+    import sys
+
+    path = file_target()
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", CLOSE_WITH_QUEUED_PUTS.format(root=root,
+                                                                              path=path)],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert res.returncode == 0, res.stderr[-3000:]
+    queued = int(res.stdout.split("queued")[-1])
+    assert queued > 0                  # the close did find writes in flight
+    with KVStore.open([path]) as store:
+        assert store.stats()["blocks"] == 40

@@ -226,6 +226,35 @@ def test_a_layer_lost_after_the_lookup_fails_the_load(file_target, engines):
             obj.ref_count_down()
 
 
+def test_an_async_lookup_pins_whole_chunks_only(file_target, engines):
+    """LMCache rounds a layer-wise async lookup down to whole chunks and
+    unpins the layers past that itself.  The plugin rounds first (and
+    releases those pins), so none is released twice: here another lookup's
+    pin on chunk 1's layers survives, and the load ends the lookup's pins."""
+    import asyncio
+
+    e = Engine([file_target()], tokens=2 * CHUNK, seed=5)
+    engines.append(e)
+    e.store()
+    layers = [e.chunk_key(c).split_layers(LAYERS) for c in range(2)]
+    assert e.plugin.remove(layers[1][2])                  # chunk 1: only part of it left
+    loop = e.engine.storage_manager.loop
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+    assert e.plugin.pin(layers[1][0])                     # another lookup's pin
+    assert run(e.plugin.batched_async_contains("a", layers[0] + layers[1], pin=True)) == LAYERS
+    assert e.plugin._pins[e.plugin.kvblock_key(layers[1][0])][0] == 1
+    assert set(e.plugin._pins) == {e.plugin.kvblock_key(k) for k in layers[0] + layers[1][:1]}
+    got = run(e.plugin.batched_get_non_blocking("a", layers[0]))
+    assert len(got) == LAYERS
+    for obj in got:
+        obj.ref_count_down()
+    assert set(e.plugin._pins) == {e.plugin.kvblock_key(layers[1][0])}   # the other's
+    e.plugin.unpin(layers[1][0])
+    assert e.plugin._pins == {}
+
+
 def test_layerwise_and_whole_chunk_stores_are_told_apart(file_target, engines):
     """A store written in one mode is refused in the other (LMCache's loader
     logs and drops a plugin that fails: build it directly to see why)."""

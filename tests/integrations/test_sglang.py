@@ -316,6 +316,20 @@ def test_real_host_pools(tmp_path):
     assert summary["cases"]["hybrid"]["state_pages"] == summary["cases"]["hybrid"]["swa_pages"] == 2
 
 
+def test_clear_forgets_the_dram_tier_too(file_target, backends):
+    """SGLang clears storage after a weight update; its page keys stay the
+    same, so blocks kept in the DRAM tier (host_cache_bytes) would come
+    back as hits of the old weights' KV."""
+    pool = HostPool()
+    backend = attach(pool, [file_target()], host_cache_bytes="8M")
+    backends.append(backend)
+    keys = keys_for("c", 4)
+    assert backend.batch_set_v1(keys, pool.token_indices(range(4))) == [True] * 4
+    assert backend.clear() is True
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_get_v1(keys, pool.token_indices(range(4, 8))) == [False] * 4
+
+
 def test_mla_ranks_share_one_store_through_a_server(tmp_path):
     """MLA, tp_size 2: rank 0 writes (as SGLang does), rank 1 reads what it
     wrote, from one store on one device; the first rank formats the device

@@ -496,3 +496,30 @@ def test_idle_exit_counts_short_connections(tmp_path, sock):
         assert server.stopped.wait(10)     # then idle: it stops
     finally:
         server.stop()
+
+
+def test_contains_nowait_never_queues_behind_another_call(tmp_path, sock):
+    """The vLLM tier's lookup runs on vLLM's scheduler thread: on a shared
+    store it answers None (RETRY) instead of waiting behind a worker's call
+    on the same connection."""
+    import threading
+
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock):
+        with RemoteStore(sock) as r:
+            keys = run_keys(7, 1)
+            r.put_run(keys, run_data(keys))
+            assert r.contains_nowait(keys[0], 0.001) is True
+            assert r.contains_nowait(run_keys(8, 1)[0], 0.001) is False
+            r._rpc_lock.acquire()                  # a worker's commit in flight
+            try:
+                answers = []
+                t = threading.Thread(target=lambda: answers.append(
+                    r.contains_nowait(keys[0], 0.01)))
+                t0 = time.monotonic()
+                t.start()
+                t.join(5)
+                assert answers == [None] and time.monotonic() - t0 < 1
+            finally:
+                r._rpc_lock.release()
+            assert r.contains_nowait(keys[0], 0.001) is True
