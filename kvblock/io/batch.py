@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvblock.errors import ConfigError
+
 # Linux caps one read/write at MAX_RW_COUNT (2 GiB - 4 KiB); larger requests are
 # split.  Splitting at a few MiB also lets one big range use the whole queue.
 DEFAULT_MAX_IO = 8 << 20
@@ -25,7 +27,11 @@ class IOBatch:
     def __post_init__(self):
         self.addrs = np.ascontiguousarray(self.addrs, dtype=np.uint64).reshape(-1)
         n = self.addrs.size
-        self.devs = np.ascontiguousarray(np.broadcast_to(self.devs, (n,)), dtype=np.uint32)
+        devs = np.asarray(self.devs)
+        if devs.dtype != np.uint32 and devs.size and (devs.min() < 0 or devs.max() > 0xFFFFFFFF):
+            raise ConfigError(f"IOBatch: device index {int(devs.min())}..{int(devs.max())} "
+                              "out of range")
+        self.devs = np.ascontiguousarray(np.broadcast_to(devs, (n,)), dtype=np.uint32)
         self.offsets = np.ascontiguousarray(self.offsets, dtype=np.uint64).reshape(-1)
         self.lens = np.ascontiguousarray(np.broadcast_to(self.lens, (n,)), dtype=np.uint64)
         if self.offsets.size != n:

@@ -57,13 +57,15 @@ def _hash_streams(what: str, batch: IOBatch, streams, seeds):
     n = len(batch)
     if streams.size != n:
         raise ConfigError(f"{what}: {streams.size} stream indices for {n} I/Os")
-    if n == 1:
+    if n == 0:
+        numbered = seeds.size == 0
+    elif n == 1:
         numbered = streams.item() == 0 and seeds.size == 1
     else:
         steps = np.diff(streams.astype(np.int64))
         numbered = (streams[0] == 0 and int(streams[-1]) + 1 == seeds.size
                     and not (steps < 0).any() and not (steps > 1).any())
-    if n and not numbered:
+    if not numbered:
         raise ConfigError(f"{what}: streams must count 0, 1, ... in batch order "
                           f"with one seed each ({seeds.size} seeds)")
     return streams, seeds, np.zeros(seeds.size, dtype=np.uint64)
@@ -103,7 +105,7 @@ class IOEngine:
         # start_mapped_reads() on.
         self._maps = MappedDevices.open(self.devices, mapped_reads,
                                         start=not defer_mapped_reads, writes=mapped_writes)
-        self._map_users = 0
+        self._map_users = 0            # calls copying or running I/O: close() waits for them
         self._map_idle = threading.Condition()
         self._copiers = None         # helper threads of large mapped copies, made on first use
 
@@ -189,6 +191,8 @@ class IOEngine:
                latency: bool = False, hashing=None) -> IOResult:
         if self.closed:
             raise ConfigError(f"{self.name} engine is closed")
+        if qd is not None and (isinstance(qd, bool) or int(qd) < 1):
+            raise ConfigError(f"qd must be at least 1, got {qd!r}")
         n = len(batch)
         if n == 0:
             return IOResult(0, np.empty(0, np.int64) if latency else None)
@@ -215,10 +219,18 @@ class IOEngine:
             hasher = native.Hasher(run.addrs, run.lens,
                                    streams if parent is None else streams[parent],
                                    seeds, results, digests)
+        with self._map_idle:       # close() waits for us: it frees what _run uses
+            if self.closed:
+                raise ConfigError(f"{self.name} engine is closed")
+            self._map_users += 1
         try:
             self._run(op, run if staged is None else staged[0], min(qd or self.queue_depth, m),
                       results, lat, hasher)
         finally:
+            with self._map_idle:
+                self._map_users -= 1
+                if not self._map_users:
+                    self._map_idle.notify_all()
             if hasher is not None:
                 hasher.finish()
         if m == 1:
@@ -338,7 +350,7 @@ class IOEngine:
 
     def close(self) -> None:
         self.closed = True
-        with self._map_idle:   # unmap once no read is copying out of the mappings
+        with self._map_idle:   # once no call is copying or running I/O (rings, mappings)
             while self._map_users:
                 self._map_idle.wait()
             maps, self._maps = self._maps, None

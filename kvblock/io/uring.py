@@ -9,7 +9,7 @@ import weakref
 
 import numpy as np
 
-from kvblock.errors import EngineUnavailableError, IOFailedError, strerror
+from kvblock.errors import ConfigError, EngineUnavailableError, IOFailedError, strerror
 from kvblock.io import native
 from kvblock.io.batch import IOBatch
 from kvblock.io.engine import IOEngine
@@ -125,6 +125,8 @@ class UringEngine(IOEngine):
 
     def _run(self, op, batch: IOBatch, qd, results, latency, hasher) -> None:
         ring = self._ring()
+        if ring.handle is None:   # destroyed by close(): the native call would crash
+            raise ConfigError("uring engine is closed")
         p = native.ptr
         ret = native.lib().kvb_ring_run(
             ring.handle, op, len(batch), p("uint64_t *", batch.addrs), p("uint32_t *", batch.devs),

@@ -199,3 +199,61 @@ def test_rings_of_finished_threads_are_freed(file_target):
         gc.collect()
         assert eng.live_rings == 1          # only this thread's
         assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+
+
+CLOSE_WHILE_READING = """
+import sys, threading, time, numpy as np
+from kvblock.devices import Device
+from kvblock.io import IOBatch, open_engine
+from kvblock.memory import HostBuffer
+dev = Device(sys.argv[1])
+eng = open_engine([dev], sys.argv[2], queue_depth=8, mapped_reads=False)
+buf = HostBuffer(16 << 20)
+n = 256
+b = IOBatch(np.uint64(buf.address) + np.arange(n, dtype=np.uint64) * np.uint64(65536), 0,
+            np.arange(n, dtype=np.uint64) * np.uint64(65536), 65536)
+errors, started = [], threading.Event()
+def reader():
+    try:
+        while True:
+            started.set()
+            eng.read(b)
+    except Exception as e:
+        errors.append(type(e).__name__)
+t = threading.Thread(target=reader)
+t.start()
+started.wait()
+time.sleep(float(sys.argv[3]))
+eng.close()
+t.join()
+print(errors)
+"""
+
+
+@pytest.mark.parametrize("delay", ["0.05", "0.2"])
+def test_close_waits_for_io_in_flight(engine_name, file_target, delay):
+    """close() while another thread reads through the engine: it waits for
+    the batch in flight (freeing the rings under it crashed the process),
+    and the reader's next call is refused with a typed error.  Run in a
+    child process, where a crash cannot take the test run with it."""
+    import subprocess
+    import sys
+
+    path = file_target(16 << 20)
+    res = subprocess.run([sys.executable, "-c", CLOSE_WHILE_READING, path, engine_name, delay],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "['ConfigError']"
+
+
+def test_degenerate_arguments_get_typed_errors(engine_name, file_target):
+    dev = Device(file_target(1 << 20))
+    with open_engine([dev], engine_name) as eng, HostBuffer(4096) as buf:
+        batch = IOBatch.single(buf.address, 0, 0, 4096)
+        with pytest.raises(ConfigError, match="qd must be at least 1"):
+            eng.submit(0, batch, qd=-1)
+        empty = IOBatch(np.zeros(0, np.uint64), 0, np.zeros(0, np.uint64), 0)
+        assert eng.read_hashed(empty, [], []).size == 0
+        with pytest.raises(ConfigError, match="device index"):
+            IOBatch(np.array([buf.address], np.uint64), np.array([2 ** 32]), 0, 4096)
+    dev.close()
