@@ -77,8 +77,9 @@ class RegionTable:
         self.sealed_at[region] = int(time.time() if now is None else now)
         self.next_seal += 1
 
-    def release(self, region: int) -> None:
-        """A region is empty again (after reclaim): bump its generation."""
+    def release(self, region: int, generation: int | None = None) -> None:
+        """A region is empty again (after reclaim): its generation becomes
+        ``generation`` (the one its RECLAIM record made durable), or the next."""
         if self.state[region] == FREE:
             raise ValueError(f"region {region} released twice")
         if self.open == region:
@@ -88,7 +89,10 @@ class RegionTable:
         self.live[region] = 0
         self.seal_seq[region] = 0
         self.sealed_at[region] = 0
-        self.generation[region] += 1
+        if generation is None:
+            self.generation[region] += 1
+        else:
+            self.generation[region] = generation
         self.free.append(region)
 
     # --- eviction -------------------------------------------------------------------

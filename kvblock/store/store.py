@@ -462,11 +462,13 @@ class KVStore:
             self._account_run(run)
 
     def _replayed_run(self, rec: jfmt.PutRun) -> Run | None:
+        # Its id is used even when the run is not (a run id seeds its data
+        # checksums: never hand one out twice).
+        self._next_run_id = max(self._next_run_id, rec.run_id + 1)
         if rec.region >= self.regions.count or \
                 rec.generation != int(self.regions.generation[rec.region]) or \
                 len(rec.checksums) != self.geometry.ranges:
             return None  # stale or foreign: its space was reclaimed since
-        self._next_run_id = max(self._next_run_id, rec.run_id + 1)
         return Run(rec.run_id, rec.region, rec.generation, rec.offset, rec.keys,
                    np.array(rec.checksums, dtype=np.uint64), created=time.time())
 
@@ -966,12 +968,19 @@ class KVStore:
         next writes must allocate again, which halved steady-state save
         throughput (perf/store_vs_fio.py).  `kvblock trim` discards free regions."""
         new_gen = (int(self.regions.generation[region]) + 1) & 0xFFFFFFFF
-        self._commit([jfmt.Reclaim(region, new_gen)])
+
+        def new_generation():
+            # As the record becomes durable, before any checkpoint can follow
+            # it (the commit that fills half the journal writes one at once):
+            # a checkpoint with the old generation would make replay reject
+            # every run put in the region since.
+            self.regions.generation[region] = new_gen
+        self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
         dev, off = self.regions.address(region)
         if discard and self.io.discard(dev, off, self.regions.size):
             self.counters["discards"] += 1
         with self._lock:
-            self.regions.release(region)
+            self.regions.release(region, generation=new_gen)
 
     def lookup(self, keys: Sequence) -> int:
         """Number of leading ``keys`` stored (longest stored prefix, in the

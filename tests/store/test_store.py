@@ -296,6 +296,41 @@ def test_trim_never_discards_a_region_a_writer_took(tmp_path):
         assert store.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
 
 
+def test_a_checkpoint_right_after_a_reclaim_keeps_the_puts_that_follow(tmp_path):
+    """The commit that fills half the journal writes a checkpoint at once:
+    when that commit is a region's RECLAIM, the checkpoint must carry the
+    region's new generation, or replay rejects every run put there since
+    (acknowledged puts lost after a crash)."""
+    from kvblock.format import journal as jfmt
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 * MIB)
+    _format([path], journal_bytes=64 << 10).close()
+    store = KVStore.open([path], verify="never")
+    i = 0
+    while store.regions.free or store.regions.open is not None:   # fill every region
+        store.put_run(run_keys(i, 1), run_data(run_keys(i, 1)))
+        i += 1
+        if store.regions.open is not None and int(store.regions.fill[store.regions.open]) \
+                + store.layout(1).run_bytes > REGION:
+            store.regions.seal(store.regions.open)
+    real_commit = store._commit
+
+    def commit_then_checkpoint(records, apply=None):
+        real_commit(records, apply)
+        if any(isinstance(r, jfmt.Reclaim) for r in records):
+            store._write_checkpoint()          # as when the journal passes half
+    store._commit = commit_then_checkpoint
+    keys = run_keys(5000, 1)
+    assert store.put_run(keys, run_data(keys)) == 1      # reclaims a region for it
+    assert store.counters["evicted_regions"] == 1
+    store._release_devices()                               # the process dies
+    store.closed = True
+    with KVStore.open([path], verify="never") as store:
+        got = np.zeros(GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, got) == 1 and np.array_equal(got, run_data(keys))
+
+
 def test_pinned_regions_are_never_reclaimed(tmp_path):
     path = tmp_path / "small.img"
     create_file(path, 3 * MIB)
