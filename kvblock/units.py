@@ -19,13 +19,39 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 
 
-def size_setting(value, owner: str, name: str) -> int:
-    """A size from a config (int or "64G"), as a ConfigError naming the setting."""
+def size_setting(value, owner: str, name: str, minimum: int = 1) -> int:
+    """A size from a config (int or "64G"), as a ConfigError naming the
+    setting; at least ``minimum`` bytes (a store file's size: 1 MiB, so that
+    a number typed without its unit is refused rather than made a file)."""
     if isinstance(value, bool):
         raise ConfigError(f"{owner}: {name} must be a size, got {value!r}")
     if isinstance(value, (int, np.integer)):
-        return int(value)
-    try:
-        return parse_size(value)
-    except ValueError as e:
-        raise ConfigError(f"{owner}: {name}: {e}") from None
+        size = int(value)
+    else:
+        try:
+            size = parse_size(value)
+        except ValueError as e:
+            raise ConfigError(f"{owner}: {name}: {e}") from None
+    if size < minimum:
+        raise ConfigError(f"{owner}: {name} must be at least {minimum} bytes, got {value!r}"
+                          + (" (a unit missing? e.g. 64G)" if minimum >= 1 << 20 else ""))
+    return size
+
+
+def int_setting(value, owner: str, name: str, minimum: int = 1) -> int:
+    """A whole number from a config (an int or a string of digits), at least
+    ``minimum``, as a ConfigError naming the setting (not a TypeError deep
+    inside, nor 2.7 silently made 2)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        number = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        number = int(value)
+    else:
+        raise ConfigError(f"{owner}: {name} must be a whole number, got {value!r}")
+    if number < minimum:
+        raise ConfigError(f"{owner}: {name} must be at least {minimum}, got {value!r}")
+    return number
+
+
+# Store file sizes given in engine configs: below this a unit was forgotten.
+MIN_FILE_SIZE = 1 << 20

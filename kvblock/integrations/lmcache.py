@@ -119,7 +119,7 @@ from lmcache.v1.storage_backend.abstract_backend import (
 )
 
 from kvblock.store import provision
-from kvblock.units import size_setting
+from kvblock.units import MIN_FILE_SIZE, int_setting, size_setting
 from kvblock.errors import (
     ConfigError,
     KVBlockError,
@@ -135,10 +135,12 @@ KEY_DOMAIN = b"kvblock-lmcache-key-v2\0"
 FORMAT_MODES = provision.FORMAT_MODES
 OPTION_PREFIX = "kvblock."
 _STORE_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth")
+_OPTIONS = {"devices", "server", "format", "size", "namespace", "writer_threads",
+            "region_size", *_STORE_OPTIONS}
 
 
-def _parse_size(value, name: str) -> int:
-    return size_setting(value, "kvblock lmcache plugin", name)
+def _parse_size(value, name: str, minimum: int = 1) -> int:
+    return size_setting(value, "kvblock lmcache plugin", name, minimum)
 
 
 def open_or_format(devices: list[str], geometry: Geometry, model: str, **kwargs) -> KVStore:
@@ -221,6 +223,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
         def opt(name, default=None):
             return extra.get(OPTION_PREFIX + name, default)
+        unknown = sorted(k for k in extra if k.startswith(OPTION_PREFIX)
+                         and k[len(OPTION_PREFIX):] not in _OPTIONS)
+        if unknown:
+            raise ConfigError(f"kvblock lmcache plugin: unknown settings {unknown}; known: "
+                              f"{sorted(OPTION_PREFIX + k for k in _OPTIONS)}")
 
         self.devices = self._devices(opt("devices"), metadata)
         self.chunk = ChunkFormat.from_metadata(metadata, config)
@@ -230,7 +237,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self.chunk_tokens = int(getattr(config, "chunk_size", 0) or metadata.chunk_size)
         self.layerwise = bool(getattr(config, "use_layerwise", False))
         self.objects_per_chunk = int(metadata.kv_shape[0]) if self.layerwise else 1
-        self.namespace = str(opt("namespace", "") or "")
+        self.namespace = "" if opt("namespace") is None else str(opt("namespace"))
         self.prefix = xxhash.xxh3_128_digest(
             KEY_DOMAIN + json.dumps([self.namespace]).encode())
         # enable_blending: each block also keeps the object's cached_positions
@@ -238,14 +245,18 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self.block_bytes = self.chunk.nbytes + (8 * (1 + self.positions) if self.positions else 0)
         self.geometry = Geometry(num_layers=1, num_kv_heads=1, head_dim=self.block_bytes,
                                  dtype="uint8", block_tokens=1, kv_parts=1, head_groups=1)
-        threads = int(opt("writer_threads", 2))
-        if threads < 1:
-            raise ConfigError("kvblock lmcache plugin: kvblock.writer_threads must be >= 1")
+        threads = int_setting(opt("writer_threads", 2), "kvblock lmcache plugin",
+                              "kvblock.writer_threads")
         model = f"{STORE_MODEL_PREFIX}:{metadata.model_name}:{self.chunk.describe()}"
         if self.positions:
             model += f":positions={self.positions}"
         options = {k: opt(k) for k in _STORE_OPTIONS if opt(k) is not None}
-        sizes = {"size": _parse_size(opt("size"), "kvblock.size") if opt("size") else None,
+        for key in ("queue_depth", "admit_after"):
+            if key in options:
+                options[key] = int_setting(options[key], "kvblock lmcache plugin",
+                                           OPTION_PREFIX + key)
+        sizes = {"size": (_parse_size(opt("size"), "kvblock.size", MIN_FILE_SIZE)
+                          if opt("size") is not None else None),
                  "region_size": (_parse_size(opt("region_size"), "kvblock.region_size")
                                  if opt("region_size") else None)}
         self.server = self._template(opt("server"), metadata) if opt("server") else None
@@ -302,7 +313,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
                   "local_worker_id": metadata.local_worker_id}
         try:
             return str(text).format_map(fields)
-        except (KeyError, ValueError, IndexError) as e:
+        except (KeyError, ValueError, IndexError, AttributeError, TypeError) as e:
             raise ConfigError(f"kvblock lmcache plugin: bad template {text!r}: {e}") from None
 
     def kvblock_key(self, key: CacheEngineKey) -> bytes:

@@ -129,7 +129,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvblock.store import provision
-from kvblock.units import size_setting
+from kvblock.units import MIN_FILE_SIZE, int_setting, size_setting
 from kvblock.errors import (
     ConfigError,
     KVBlockError,
@@ -152,11 +152,17 @@ LAYOUTS = ("page_first", "page_first_direct", "layer_first")
 DEFAULT_MAX_RUN_BYTES = 64 << 20
 _STORE_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth",
                   "host_cache_bytes")
+_OWN_KEYS = {"devices", "server", "format", "size", "namespace", "model", "max_run_bytes",
+             "region_size", *_STORE_OPTIONS}
+# SGLang's own keys in the same dict (the dynamic loader's, and HiCache's)
+_KNOWN_KEYS = _OWN_KEYS | {"backend_name", "module_path", "class_name", "interface_v1",
+                           "prefetch_threshold", "prefetch_timeout_base",
+                           "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys"}
 
 
 # ---------------------------------------------------------------------- helpers
-def _parse_size(value, name: str) -> int:
-    return size_setting(value, "kvblock sglang backend", name)
+def _parse_size(value, name: str, minimum: int = 1) -> int:
+    return size_setting(value, "kvblock sglang backend", name, minimum)
 
 
 def open_or_format(devices: list[str], geometry: Geometry, model: str, **kwargs) -> KVStore:
@@ -262,14 +268,19 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             raise ConfigError("kvblock sglang backend: decode context parallelism "
                               "(dcp_size > 1) is not supported")
         self.model = str(extra.get("model") or storage_config.model_name or "")
-        self.namespace = str(extra.get("namespace") or "")
+        self.namespace = "" if extra.get("namespace") is None else str(extra["namespace"])
+        unknown = sorted(set(extra) - _KNOWN_KEYS)
+        if unknown:
+            logger.warning("kvblock sglang backend: extra-config keys %s are not kvblock's "
+                           "(a misspelling? kvblock reads %s)", unknown, sorted(_OWN_KEYS))
         self.devices = self._devices(extra.get("devices"))
         self.server = self._template(extra["server"], "server") if extra.get("server") else None
         self.format = extra.get("format", "if-empty")
         if self.format not in FORMAT_MODES:
             raise ConfigError(f"kvblock sglang backend: format must be one of {FORMAT_MODES}, "
                               f"got {self.format!r}")
-        self.size = _parse_size(extra["size"], "size") if extra.get("size") else None
+        self.size = _parse_size(extra["size"], "size", MIN_FILE_SIZE) \
+            if extra.get("size") is not None else None
         self.region_size = (_parse_size(extra["region_size"], "region_size")
                             if extra.get("region_size") else None)
         self.max_run_bytes = _parse_size(extra.get("max_run_bytes", DEFAULT_MAX_RUN_BYTES),
@@ -279,7 +290,11 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self.store_options = {k: extra[k] for k in _STORE_OPTIONS if extra.get(k) is not None}
         if "host_cache_bytes" in self.store_options:
             self.store_options["host_cache_bytes"] = _parse_size(
-                self.store_options["host_cache_bytes"], "host_cache_bytes")
+                self.store_options["host_cache_bytes"], "host_cache_bytes", 0)
+        for key, least in (("queue_depth", 1), ("admit_after", 1)):
+            if key in self.store_options:
+                self.store_options[key] = int_setting(self.store_options[key],
+                                                      "kvblock sglang backend", key, least)
         if storage_config.is_mla_model and storage_config.tp_size > 1 and not self.server:
             raise ConfigError(
                 f"kvblock sglang backend: an MLA model at tp_size {storage_config.tp_size} "
@@ -322,7 +337,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                   "dp_rank": c.dp_rank, "attn_cp_rank": c.attn_cp_rank}
         try:
             return str(text).format_map(fields)
-        except (KeyError, ValueError, IndexError) as e:
+        except (KeyError, ValueError, IndexError, AttributeError, TypeError) as e:
             raise ConfigError(f"kvblock sglang backend: bad {what} template {text!r}: "
                               f"{e}") from None
 

@@ -115,7 +115,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvblock.store import provision
-from kvblock.units import size_setting
+from kvblock.units import MIN_FILE_SIZE, int_setting, size_setting
 from kvblock.errors import (
     ConfigError,
     DeviceBusyError,
@@ -197,13 +197,13 @@ def _fill(text: str, fields: dict, what: str) -> str:
     """``text`` with {dp_rank} and {dp_size} filled in."""
     try:
         return str(text).format_map(fields)
-    except (KeyError, ValueError, IndexError) as e:
+    except (KeyError, ValueError, IndexError, AttributeError, TypeError) as e:
         raise ConfigError(f"kvblock tier: bad {what} template {text!r}: {e} (known: "
                           f"{', '.join('{' + k + '}' for k in fields)})") from None
 
 
-def _parse_size(value, name: str) -> int:
-    return size_setting(value, "kvblock tier", name)
+def _parse_size(value, name: str, minimum: int = 1) -> int:
+    return size_setting(value, "kvblock tier", name, minimum)
 
 
 def open_tier_store(devices: list[str], geometry: Geometry, **kwargs) -> KVStore:
@@ -274,12 +274,21 @@ class KVBlockTierManager(SecondaryTierManager):
                               'pre-sized file(s), e.g. ["/dev/nvme1n1"]')
         if isinstance(devices, (str, os.PathLike)):
             devices = [devices]
+        if not isinstance(devices, (list, tuple)) or \
+                not all(isinstance(d, (str, os.PathLike)) for d in devices):
+            raise ConfigError('kvblock tier: "devices" must be a path or a list of paths, got '
+                              f'{devices!r}; one store per data-parallel replica: put '
+                              '"{dp_rank}" in the paths')
         dp = _dp_fields(offloading_spec)
         self.devices = [_fill(os.fspath(d), dp, "device") for d in devices]
         self.server = _fill(os.fspath(server), dp, "server") if server else None
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ConfigError(f"kvblock tier: threads must be a positive integer, got {threads!r}")
-        self.locality = Locality(locality) if locality is not None else None
+        threads = int_setting(threads, "kvblock tier", "threads")
+        queue_depth = int_setting(queue_depth, "kvblock tier", "queue_depth")
+        try:
+            self.locality = Locality(locality) if locality is not None else None
+        except ValueError:
+            raise ConfigError(f"kvblock tier: locality must be one of "
+                              f"{[x.value for x in Locality]}, got {locality!r}") from None
         bs = self.block_size_bytes
         self.model = default_model(offloading_spec) if model is None else str(model)
         self.namespace = "" if namespace is None else str(namespace)
@@ -290,7 +299,7 @@ class KVBlockTierManager(SecondaryTierManager):
         try:
             self.store = self._open_store(
                 dp["dp_size"], format=format,
-                size=None if size is None else _parse_size(size, "size"),
+                size=None if size is None else _parse_size(size, "size", MIN_FILE_SIZE),
                 region_size=None if region_size is None else _parse_size(region_size,
                                                                           "region_size"),
                 verify=verify, eviction=eviction, engine=engine, queue_depth=queue_depth)

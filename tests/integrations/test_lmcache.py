@@ -22,7 +22,7 @@ from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
 from lmcache.v1.storage_backend.storage_manager import StorageManager
 
-from kvblock.errors import GeometryMismatchError
+from kvblock.errors import ConfigError, GeometryMismatchError
 from kvblock.store import KVStore
 from kvblock.integrations.lmcache import KVBlockStorageBackend
 
@@ -411,3 +411,30 @@ def test_close_with_queued_puts_waits_for_them(file_target, tmp_path):
     assert queued > 0                  # the close did find writes in flight
     with KVStore.open([path]) as store:
         assert store.stats()["blocks"] == 40
+
+
+def test_settings_typed_by_hand(file_target, engines):
+    """Unknown kvblock.* settings (a misspelling) are refused; numbers as
+    strings parse or fail naming the setting; a tenant named 0 is its own.
+    (LMCache's loader logs a plugin's errors and runs without it, so the
+    plugin is built directly here to see them.)"""
+    path = file_target()
+    manager = StorageManager(make_config([path]), make_metadata(), EventManager())
+
+    def build(**extra):
+        return KVBlockStorageBackend(config=make_config([path], **extra),
+                                     metadata=make_metadata(),
+                                     local_cpu_backend=manager.storage_backends["LocalCPUBackend"],
+                                     loop=manager.loop)
+    try:
+        manager.storage_backends["kvblock"].close()
+        with pytest.raises(ConfigError, match=r"unknown settings \['kvblock.namepsace'\]"):
+            build(**{"kvblock.namepsace": "tenant-a"})
+        with pytest.raises(ConfigError, match="writer_threads must be a whole number"):
+            build(**{"kvblock.writer_threads": "two"})
+        plugin = build(**{"kvblock.namespace": 0, "kvblock.queue_depth": "8"})
+        assert plugin.namespace == "0"
+        plugin.close()
+    finally:
+        manager.close()
+        manager.loop.close()

@@ -523,3 +523,22 @@ def test_hybrid_state_pages_read_back_in_any_grouping(store_target, backends):
     assert torch.equal(states.buf[7], want[2])
     assert get(keys[1:5], [8, 9, 10, 11]) == [True] * 4  # across both calls
     assert torch.equal(states.buf[8:12], want[1:5])
+
+
+def test_settings_typed_by_hand(file_target, backends, caplog):
+    """A tenant named 0 is tenant "0", not the default one; numbers as
+    strings parse or fail naming the setting; a misspelled key is named in
+    a warning (the dict also holds SGLang's own keys, so it is not refused)."""
+    pool = HostPool()
+    zero = attach(pool, [file_target()], namespace=0)
+    backends.append(zero)
+    default = KVBlockHiCacheStorage(storage_config([file_target()]), {})
+    assert zero.namespace == "0" and zero.prefix != default.prefix
+    with caplog.at_level("WARNING", logger="kvblock.integrations.sglang"):
+        typo = attach(pool, [file_target()], sever="/run/kv.sock", queue_depth="8")
+    backends.append(typo)
+    assert "['sever'] are not kvblock's" in caplog.text
+    with pytest.raises(ConfigError, match="admit_after must be a whole number"):
+        attach(pool, [file_target()], admit_after="twice")
+    with pytest.raises(ConfigError, match="size must be at least"):
+        attach(pool, [file_target() + ".new"], size=64)

@@ -652,8 +652,24 @@ def test_bad_config_is_refused(make_tier):
         make_tier(root_dir="/tmp")
     with pytest.raises(ConfigError, match="devices"):
         make_tier(devices=[])
-    with pytest.raises(ValueError, match="Locality"):
+    with pytest.raises(ConfigError, match="locality must be one of"):
         make_tier(locality="nearby")
+    # settings typed by hand: a clear error naming the setting, never a
+    # silent wrong meaning (a devices map made files "0" and "1" in the cwd)
+    with pytest.raises(ConfigError, match='"devices" must be a path or a list'):
+        make_tier(devices={"0": ["/tmp/a.img"]})
+    with pytest.raises(ConfigError, match=r"size must be at least .* \(a unit missing"):
+        make_tier(devices=["/tmp/never-made.img"], size=64)
+    with pytest.raises(ConfigError, match="max_run_bytes must be at least 1"):
+        make_tier(max_run_bytes=0)
+    with pytest.raises(ConfigError, match="queue_depth must be a whole number"):
+        make_tier(queue_depth="sixteen")
+    with pytest.raises(ConfigError, match="threads must be a whole number"):
+        make_tier(threads=2.5)
+    with pytest.raises(ConfigError, match="bad device template"):
+        make_tier(devices=["/tmp/kv-{dp_rank.x}.img"])
+    tier, _ = make_tier(queue_depth="16", threads="2")     # digits as strings are fine
+    assert len(tier._workers) == 2
 
 
 @pytest.mark.parametrize("where", ["disk", "shm"])
