@@ -59,8 +59,10 @@ def test_streaming_cache_consumes_layers_while_loading(tmp_path):
     from kvblock.tensors import load_blocks
 
     class SlowIO(StoreIO):
+        # slow enough that the last layer lands well after layer 0 has been
+        # computed, also on a loaded machine (0.05 s lost that race once)
         def read(self, batch):
-            time.sleep(0.05)
+            time.sleep(0.25)
             super().read(batch)
 
     m = model()
