@@ -232,8 +232,8 @@ def test_layerwise_load_overlaps_io(path):
     from kvblock.store.storeio import StoreIO
 
     class SlowIO(StoreIO):
-        def read(self, batch):
-            time.sleep(0.05)
+        def read(self, batch):      # slow enough to hold on a loaded machine too
+            time.sleep(0.1)
             super().read(batch)
 
     g = Geometry(8, H, D, "bfloat16", BS)
