@@ -104,6 +104,7 @@ import asyncio
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -269,15 +270,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
             self.store = open_or_format(self.devices, self.geometry, model,
                                         format=opt("format", "if-empty"), **sizes, **options)
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvblock-lmcache")
-        # StorageManager.close() closes LocalCPUBackend, which frees the memory
-        # the queued writes read, before it closes this plugin: they must be
-        # done first (they crashed the process with SIGSEGV).
-        cpu_close = local_cpu_backend.close
-
-        def close_after_queued_writes(*args, **kwargs):
-            self.executor.shutdown(wait=True)
-            return cpu_close(*args, **kwargs)
-        local_cpu_backend.close = close_after_queued_writes
+        self._drain_writes_before_cpu_close(local_cpu_backend)
         self._lock = threading.Lock()
         self._put_tasks: set[CacheEngineKey] = set()
         self._pins: dict[bytes, list] = {}      # kvblock key -> [pin count, pinned segments]
@@ -288,6 +281,28 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     def __str__(self) -> str:
         return "KVBlockStorageBackend"
+
+    def _drain_writes_before_cpu_close(self, backend) -> None:
+        """StorageManager.close() closes LocalCPUBackend, which frees the
+        memory the queued writes read, before it closes this plugin: the
+        writes must be done first (they crashed the process with SIGSEGV).
+        So the backend's close first waits for them.  Only weak references:
+        a cycle backend <-> plugin would leave both to the garbage collector,
+        and LMCache's MemoryObj.__del__ then frees memory under a lock the
+        collecting thread may hold (a deadlock)."""
+        me, target = weakref.ref(self), weakref.ref(backend)
+        before = backend.__dict__.get("close")        # another plugin's hook
+        close_of_class = type(backend).close
+
+        def close_after_queued_writes(*args, **kwargs):
+            plugin = me()
+            if plugin is not None:
+                plugin.executor.shutdown(wait=True)
+            if before is not None:
+                return before(*args, **kwargs)
+            backend = target()
+            return None if backend is None else close_of_class(backend, *args, **kwargs)
+        backend.close = close_after_queued_writes
 
     @staticmethod
     def _devices(spec, metadata) -> list[str]:

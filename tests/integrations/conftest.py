@@ -1,5 +1,9 @@
 import pytest
 
+from tests.integrations.lmcache_gc import collect_lmcache_garbage, guard_lmcache_gc
+
+guard_lmcache_gc()
+
 
 @pytest.fixture
 def engines():
@@ -8,6 +12,8 @@ def engines():
     yield made
     for e in made:
         e.close()
+    made.clear()
+    collect_lmcache_garbage()
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager
 from kvblock.errors import ConfigError, GeometryMismatchError
 from kvblock.store import KVStore
 from kvblock.integrations.lmcache import KVBlockStorageBackend
+from tests.integrations.lmcache_gc import collect_lmcache_garbage
 
 CHUNK = 16
 # (layers, kv, chunk tokens, heads, head size): 2 * 4 * 16 * 4 * 32 * 2 bytes = 32 KiB a chunk
@@ -96,9 +97,12 @@ class Engine:
         return out
 
     def close(self):
-        self.manager.close()
-        if not self.manager.thread.is_alive():
-            self.manager.loop.close()      # StorageManager.close() leaves it open
+        manager, self.manager, self.plugin = self.manager, None, None
+        manager.close()
+        if not manager.thread.is_alive():
+            manager.loop.close()           # StorageManager.close() leaves it open
+        del manager
+        collect_lmcache_garbage()
 
 
 def obj_bytes(obj) -> bytes:

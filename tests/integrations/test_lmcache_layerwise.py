@@ -26,6 +26,7 @@ from lmcache.v1.token_database import ChunkedTokenDatabase
 
 from kvblock.errors import GeometryMismatchError
 from kvblock.integrations.lmcache import KVBlockStorageBackend
+from tests.integrations.lmcache_gc import collect_lmcache_garbage
 
 CHUNK = 16
 LAYERS = 4
@@ -125,10 +126,13 @@ class Engine:
         return [key for _, _, key in db.process_tokens(tokens=self.tokens)][i]
 
     def close(self) -> None:
-        manager = self.engine.storage_manager
-        self.engine.close()
+        engine, self.engine, self.plugin = self.engine, None, None
+        manager = engine.storage_manager
+        engine.close()
         if not manager.thread.is_alive():
             manager.loop.close()          # StorageManager.close() leaves it open
+        del engine, manager
+        collect_lmcache_garbage()
 
 
 @pytest.mark.parametrize("mla", [False, True], ids=["mha", "mla"])
