@@ -590,10 +590,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         """Evict everything in the store; returns the tokens it held (a layer
         object holds 1/layers of its chunk's tokens)."""
         blocks = self.store.stats()["blocks"]
-        if hasattr(self.store, "clear"):
-            self.store.clear()
-        else:                         # a shared store's client: no DRAM tier there
-            self.store.evict(all=True)
+        self.store.clear()
         return (blocks - self.store.stats()["blocks"]) * self.chunk_tokens // self.objects_per_chunk
 
     def get_allocator_backend(self) -> AllocatorBackendInterface:

@@ -787,10 +787,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         if not self._ready():
             return False
         try:
-            if hasattr(self.store, "clear"):
-                self.store.clear()
-            else:                     # a shared store's client: no DRAM tier there
-                self.store.evict(all=True)
+            self.store.clear()
         except KVBlockError as e:
             logger.error("kvblock: clear failed: %s", e)
             return False

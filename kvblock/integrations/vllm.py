@@ -366,19 +366,10 @@ class KVBlockTierManager(SecondaryTierManager):
         """vLLM marks chunks it is about to use: their regions count as just
         read for LRU eviction.  A hint: skipped when the store's lock stays
         busy (lookup's bounded wait) or the store is shared through a server."""
-        store = self.store
-        touch = getattr(store, "touch", None)
-        lock = getattr(store, "_lock", None)
-        if touch is None or self._closed or lock is None:
-            return
-        if not lock.acquire(timeout=LOOKUP_LOCK_WAIT_S):
-            return
-        try:
-            touch([self.kvblock_key(k) for k in keys])
-        except KVBlockError:
-            pass
-        finally:
-            lock.release()
+        touch = getattr(self.store, "touch", None)
+        if touch is not None and not self._closed:
+            kbs = [self.kvblock_key(k) for k in keys]
+            self._under_store_lock(lambda: touch(kbs))
 
     def _job_inputs(self, job_metadata: TransferJob, kind: str):
         """(vLLM keys, pool slot ids, kvblock keys) of a transfer job."""
@@ -507,16 +498,21 @@ class KVBlockTierManager(SecondaryTierManager):
                 return store.contains_nowait(kb, LOOKUP_LOCK_WAIT_S)
             except KVBlockError:
                 return False
-        lock = getattr(store, "_lock", None)
-        if lock is not None and not lock.acquire(timeout=LOOKUP_LOCK_WAIT_S):
+        return self._under_store_lock(lambda: store.contains(kb))
+
+    def _under_store_lock(self, fn):
+        """fn() under the store's lock, waited for at most LOOKUP_LOCK_WAIT_S
+        (the caller is vLLM's scheduler thread): None when it stays busy,
+        False when the store failed (closed after a failed metadata write)."""
+        lock = self.store._lock
+        if not lock.acquire(timeout=LOOKUP_LOCK_WAIT_S):
             return None
         try:
-            return store.contains(kb)
-        except KVBlockError:      # closed after a failed metadata write: nothing to load
+            return fn()
+        except KVBlockError:
             return False
         finally:
-            if lock is not None:
-                lock.release()
+            lock.release()
 
     def _worker(self) -> None:
         while True:

@@ -468,6 +468,10 @@ class RemoteStore:
         self._check_open(writing=True)
         return int(self._call("evict", nbytes=nbytes, all=bool(all)))
 
+    def clear(self) -> int:
+        """KVStore.clear(): every unpinned region (a rank has no DRAM tier)."""
+        return self.evict(all=True)
+
     def checkpoint(self) -> None:
         self._check_open(writing=True)
         self._call("checkpoint")
