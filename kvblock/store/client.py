@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import errno
 import fcntl
+import functools
 import json
 import os
 import socket
@@ -47,6 +48,8 @@ import uuid
 import weakref
 from collections import Counter
 from typing import Sequence
+
+import logging
 
 import numpy as np
 
@@ -68,6 +71,7 @@ from kvblock.store.store import (
 from kvblock.store.storeio import StoreIO
 
 PROTOCOL = 1
+logger = logging.getLogger("kvblock")
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 
@@ -191,6 +195,85 @@ class RemoteRegions:
         return dev, self.data_offsets[dev] + (region // self.device_count) * self.size + offset
 
 
+class _Session:
+    """One connection to the server and the pins this process holds on it
+    (reads in flight, writes not yet committed).  An abandoned session
+    stays open until they are released: the server drops a connection's
+    pins when it closes, and another rank could then overwrite what a
+    thread here is still reading or writing."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()       # one request in flight on the connection
+        self.gone: str | None = None       # why it can no longer be used
+        self.held = 0
+        self._held_lock = threading.Lock()
+        self._open = True
+
+    def hold(self, delta: int) -> None:
+        """Count pins taken (+1) and released (-1) on this session."""
+        with self._held_lock:
+            self.held += delta
+        if delta < 0 and self.gone is not None:
+            self.close_when_released()
+
+    def close_when_released(self) -> None:
+        with self._held_lock:
+            if self.held > 0:
+                return
+        self.close()
+
+    def close(self) -> None:
+        with self._held_lock:
+            if not self._open:
+                return
+            self._open = False
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+# A lost session is replaced by a thread that tries to connect every
+# RECONNECT_INTERVAL_S, doubling up to RECONNECT_MAX_INTERVAL_S while nobody
+# answers; calls meanwhile fail at once (ServerGoneError), so an engine
+# thread never waits for a server to come back.
+RECONNECT_INTERVAL_S = 0.5
+RECONNECT_MAX_INTERVAL_S = 10.0
+
+
+def _reconnect_loop(ref, stop: threading.Event) -> None:
+    delay = RECONNECT_INTERVAL_S
+    warned = None
+    while not stop.wait(delay):
+        store = ref()
+        if store is None or store.closed:
+            return
+        try:
+            try:
+                s = store._new_session()
+            except ServerGoneError:
+                if store._restart is None:
+                    raise
+                store._restart()           # nobody there: start a server (one rank does)
+                s = store._new_session()
+        except errors.GeometryMismatchError as e:   # another store now: never this one
+            store._session.gone = str(e)
+            logger.error("%s", e)
+            return
+        except (KVBlockError, OSError) as e:
+            if str(e) != warned:
+                logger.warning("kvblock: reconnecting to %s: %s (retrying)",
+                               store.socket_path, e)
+                warned = str(e)
+            delay = min(delay * 2, RECONNECT_MAX_INTERVAL_S)
+            continue
+        if store._adopt(s):
+            logger.warning("kvblock: reconnected to the store server at %s (pid %d)",
+                           store.socket_path, store.server_pid)
+        return
+
+
 class RemoteStore:
     """A store served by a store server, with KVStore's byte API (put_run,
     get_run, read_range, lookup, contains, delete, evict, stats, close) and
@@ -204,38 +287,47 @@ class RemoteStore:
     engine, queue_depth : this process's I/O engine.
     devices : device paths in store order, when this process sees them under
         other names than the server (default: the server's paths).
-    timeout : seconds to wait for one answer (default: no limit).
+    timeout : seconds to wait for one answer (default: no limit); past it
+        the connection is abandoned.
+    reconnect : when the connection is lost (the server died, or an answer
+        timed out), connect again in the background, and with
+        :func:`connect`'s ``devices`` start a new server when none answers.
+        Calls fail with ServerGoneError until then; pins and allocations of
+        the lost connection are gone with it.  Default False: the store
+        stays gone.
 
     Raises :class:`ServerGoneError` when no server answers on ``socket_path``.
     """
 
     def __init__(self, socket_path, *, verify: str | None = None, engine=None,
                  queue_depth: int = 32, devices: Sequence | None = None,
-                 timeout: float | None = None):
+                 timeout: float | None = None, reconnect: bool = False):
         self.socket_path = os.fspath(socket_path)
         self.closed = True
         self.io = None
         self.host = None           # no DRAM tier in a rank: its memory belongs to the engine
         self.readonly = False
+        self.timeout = timeout
         self._lock = threading.RLock()      # local: kvblock.tensors holds it around _segments
-        self._rpc_lock = threading.Lock()   # one request in flight on the connection
         self._local = threading.local()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
-        self._gone: str | None = None
-        # Pins this process holds (reads in flight, writes not yet committed).
-        # An abandoned connection stays open until they are released: the
-        # server drops a connection's pins when it closes, and another rank
-        # could then overwrite what a thread here is still reading or writing.
-        self._held = 0
-        self._held_lock = threading.Lock()
-        self._sock_open = True
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
-        self._sock = _connect(self.socket_path, timeout)
+        self.counters["reconnects"] = 0
+        # Reconnecting (see _reconnect_loop): a thread started when the
+        # session is lost; ``_restart`` (set by connect) starts a server.
+        self._reconnect = bool(reconnect)
+        self._restart = None
+        self._stop = threading.Event()
+        self._reconnect_lock = threading.Lock()
+        self._reconnector: threading.Thread | None = None
+        self._forked = False
+        self._session = _Session(_connect(self.socket_path, timeout))
+        self._sessions = weakref.WeakSet([self._session])   # for a forked child to close
         try:
             hello = self._call("hello", protocol=PROTOCOL, pid=os.getpid())
             self._setup(hello, verify, engine, queue_depth, devices)
         except BaseException:
-            self._sock.close()
+            self._session.close()
             if self.io is not None:
                 self.io.close()
                 self.io = None
@@ -284,84 +376,138 @@ class RemoteStore:
                     f"{self.socket_path}; pass devices= in the server's order", d.path, 0)
 
     # ------------------------------------------------------------------ transport
-    def _call(self, op: str, **args):
-        with self._rpc_lock:
-            return self._call_locked(op, **args)
+    def _current(self) -> "_Session":
+        """The session calls go to; ServerGoneError while it is lost (and,
+        with ``reconnect``, a new one is being sought)."""
+        s = self._session
+        if s.gone is not None:
+            self._start_reconnect()
+            raise ServerGoneError(s.gone)
+        return s
 
-    def contains_nowait(self, key, wait: float) -> bool | None:
+    @property
+    def _rpc_lock(self) -> threading.Lock:
+        return self._session.lock
+
+    def _call(self, op: str, **args):
+        return self._call_on(self._current(), op, **args)
+
+    def _call_on(self, s: "_Session", op: str, **args):
+        """One request on session ``s`` (a pin or an allocation is released
+        on the session that took it)."""
+        with s.lock:
+            return self._call_locked(s, op, args)
+
+    def contains_nowait(self, key, wait: float, timeout: float | None = None) -> bool | None:
         """contains(), or None when another thread's call keeps the
         connection busy for ``wait`` seconds (a scheduler thread must not
-        queue behind a worker's commit)."""
+        queue behind a worker's commit).  ``timeout`` bounds the answer's
+        wait (a hung server): past it the session is abandoned and this
+        raises ServerGoneError."""
         self._check_open()
-        if not self._rpc_lock.acquire(timeout=wait):
+        s = self._current()
+        if not s.lock.acquire(timeout=wait):
             return None
         try:
-            n = int(self._call_locked("lookup", keys=encode_keys(normalize_keys([key]))))
+            n = int(self._call_locked(s, "lookup", {"keys": encode_keys(normalize_keys([key]))},
+                                      timeout=timeout))
         finally:
-            self._rpc_lock.release()
+            s.lock.release()
         self.counters["lookups"] += 1
         self.counters["lookup_hit_blocks"] += n
         return n == 1
 
-    def _call_locked(self, op: str, **args):
-        """One request and its answer (under _rpc_lock)."""
-        if self._gone is not None:
-            raise ServerGoneError(self._gone)
+    def _call_locked(self, s: "_Session", op: str, args: dict, timeout: float | None = None):
+        """One request and its answer (under ``s.lock``)."""
+        if s.gone is not None:
+            raise ServerGoneError(s.gone)
         data = encode_msg({"op": op, **args})   # a ConfigError here sends nothing
+        limit = self.timeout if timeout is None else (
+            timeout if self.timeout is None else min(timeout, self.timeout))
         try:
-            self._sock.sendall(data)
-            reply = recv_msg(self._sock)
+            s.sock.settimeout(limit)
+            s.sock.sendall(data)
+            reply = recv_msg(s.sock)
             if reply is None:
                 raise ConnectionError("the server closed the connection")
         except BaseException as e:
             # The request may be half sent or its answer unread: the stream
             # cannot be trusted any more, so the connection is abandoned
-            # (closed once this process's pins are released).
+            # (closed once this process's pins on it are released).
             lost = isinstance(e, (OSError, ValueError))
+            again = ("a new connection is being made" if self._reconnect else
+                     "connect again")
             if isinstance(e, TimeoutError):
-                self._gone = (f"the store server at {self.socket_path} did not answer "
-                              f"{op} in time ({e}); this connection is abandoned: "
-                              "connect again")
+                s.gone = (f"the store server at {self.socket_path} did not answer "
+                          f"{op} in time ({e}); this connection is abandoned: {again}")
             elif lost:
-                self._gone = (f"store server at {self.socket_path} is gone ({op}: {e}); "
-                              "restart it (kvblock serve) and reconnect")
+                s.gone = (f"store server at {self.socket_path} is gone ({op}: {e}); " +
+                          ("reconnecting (a rank restarts the server)" if self._reconnect
+                           else "restart it (kvblock serve) and reconnect"))
             else:
-                self._gone = (f"connection to the store server at {self.socket_path} "
-                              f"was abandoned in the middle of {op} ({type(e).__name__})")
-            self._close_socket_when_released()
+                s.gone = (f"connection to the store server at {self.socket_path} "
+                          f"was abandoned in the middle of {op} ({type(e).__name__})")
+            s.close_when_released()
+            if s is self._session:
+                self._start_reconnect()
             if lost:
-                raise ServerGoneError(self._gone) from None
+                raise ServerGoneError(s.gone) from None
             raise
         if not reply.get("ok"):
             _raise_remote(reply.get("error", "ServerError"), reply.get("message", ""))
         return reply.get("result")
 
-    def _hold(self, delta: int) -> None:
-        """Count pins taken (+1) and released (-1) by this process."""
-        with self._held_lock:
-            self._held += delta
-        if delta < 0 and self._gone is not None:
-            self._close_socket_when_released()
-
-    def _close_socket_when_released(self) -> None:
-        with self._held_lock:
-            if self._held > 0 or not self._sock_open:
-                return
-            self._sock_open = False
-        try:
-            self._sock.close()
-        except OSError:
-            pass
-
     def _check_open(self, writing: bool = False):
         if self.closed:
             raise StoreClosedError("remote store is closed; connect again")
-        if self._gone is not None:
-            raise ServerGoneError(self._gone)
+        self._current()
 
     @property
     def server_alive(self) -> bool:
-        return self._gone is None and not self.closed
+        return self._session.gone is None and not self.closed
+
+    # ------------------------------------------------------------------ reconnecting
+    def _start_reconnect(self) -> None:
+        if not self._reconnect or self.closed or self._forked:
+            return
+        with self._reconnect_lock:
+            if self._reconnector is not None and self._reconnector.is_alive():
+                return
+            self._reconnector = threading.Thread(
+                target=_reconnect_loop, args=(weakref.ref(self), self._stop),
+                name="kvblock-reconnect", daemon=True)
+            self._reconnector.start()
+
+    def _new_session(self) -> "_Session":
+        """A session on the server now at the socket, which must serve this
+        store (same uuid and geometry) with this protocol."""
+        s = _Session(_connect(self.socket_path, self.timeout))
+        try:
+            hello = self._call_locked(s, "hello", {"protocol": PROTOCOL, "pid": os.getpid()})
+            if hello.get("protocol") != PROTOCOL or hello.get("uuid") != self.uuid or \
+                    Geometry(**hello["geometry"]) != self.geometry or \
+                    int(hello["region_size"]) != self.regions.size or \
+                    list(hello["data_offsets"]) != list(self.regions.data_offsets):
+                raise errors.GeometryMismatchError(
+                    f"the store server at {self.socket_path} now serves another store "
+                    f"(uuid {hello.get('uuid')}, not {self.uuid}): reopen it", self.socket_path, 0)
+        except BaseException:
+            s.close()
+            raise
+        self.server_pid = int(hello["pid"])
+        self.max_run_blocks = int(hello["max_run_blocks"])
+        return s
+
+    def _adopt(self, s: "_Session") -> bool:
+        """Make ``s`` the session calls go to (False when closed meanwhile)."""
+        with self._reconnect_lock:
+            if self.closed or self._forked:
+                s.close()
+                return False
+            self._session = s
+            self._sessions.add(s)
+        self.counters["reconnects"] += 1
+        return True
 
     # ------------------------------------------------------------------ byte API
     def put_run(self, keys: Sequence, data) -> int:
@@ -403,8 +549,9 @@ class RemoteStore:
     def _put_one(self, keys: list[bytes], blocks) -> int:
         n = len(keys)
         lay = self.layout(n)
-        a = self._call("allocate", nblocks=n)   # the server pins the region for us
-        self._hold(1)
+        s = self._current()   # the allocation, its commit or abort: one session
+        a = self._call_on(s, "allocate", nblocks=n)   # the server pins the region for us
+        s.hold(1)
         sent = False
         try:
             dev, dev_off = self.regions.address(a["region"], a["offset"])
@@ -412,17 +559,17 @@ class RemoteStore:
             sums = self._write_run(batch, sums, a["run_id"])
             self.io.flush([dev])                 # data before the record that publishes it
             sent = True                          # from here the server releases the pin
-            self._call("commit", wid=a["wid"], keys=encode_keys(keys),
-                       checksums=[int(s) for s in sums])
+            self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
+                          checksums=[int(c) for c in sums])
         except BaseException:
             if not sent:
                 try:
-                    self._call("abort", wid=a["wid"])
+                    self._call_on(s, "abort", wid=a["wid"])
                 except KVBlockError:
                     pass  # a dead connection releases the pin anyway
             raise
         finally:
-            self._hold(-1)
+            s.hold(-1)
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += n
         self.counters["bytes_written"] += lay.run_bytes
@@ -509,12 +656,13 @@ class RemoteStore:
         """The stored prefix of ``keys`` as (run, position, count, first key
         index) tuples; the server pins the runs until :meth:`_unpin`."""
         self._check_open()
-        r = self._call("segments", keys=encode_keys(normalize_keys(keys)))
+        s = self._current()
+        r = self._call_on(s, "segments", keys=encode_keys(normalize_keys(keys)))
         segs = PinnedSegments((RemoteRun(*run), pos, count, at)
                               for run, pos, count, at in r["segs"])
-        segs.pin = r["pin"]
+        segs.pin, segs.session = r["pin"], s
         if segs.pin is not None:
-            self._hold(1)
+            s.hold(1)
         return segs
 
     def _unpin(self, segs) -> None:
@@ -524,12 +672,13 @@ class RemoteStore:
         if pin is None:
             return
         segs.pin = None
+        s = segs.session   # pin ids are the session's: never another session's
         try:
-            self._call("unpin", pin=pin)
+            self._call_on(s, "unpin", pin=pin)
         except ServerGoneError:
             pass
         finally:
-            self._hold(-1)
+            s.hold(-1)
 
     def _drop_runs(self, runs) -> None:
         """Runs that failed their checksum here: the server drops them."""
@@ -544,15 +693,14 @@ class RemoteStore:
         this process's devices.  The store itself stays with the server."""
         if self.closed and self.io is None:
             return
-        self.closed = True
-        with self._rpc_lock:
-            if self._gone is None:
-                self._gone = "remote store is closed"
-            self._sock_open = False
-            try:
-                self._sock.close()
-            except OSError:
-                pass
+        with self._reconnect_lock:
+            self.closed = True
+            self._stop.set()
+            s = self._session
+        with s.lock:
+            if s.gone is None:
+                s.gone = "remote store is closed"
+            s.close()
         _LIVE.discard(self)
         KVStore._release_devices(self)
 
@@ -563,7 +711,8 @@ class RemoteStore:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self.closed else ("server gone" if self._gone else "connected")
+        state = "closed" if self.closed else (
+            "server gone" if self._session.gone else "connected")
         return f"RemoteStore({self.socket_path!r}, {state})"
 
 
@@ -575,13 +724,11 @@ _LIVE: "weakref.WeakSet[RemoteStore]" = weakref.WeakSet()
 
 def _after_fork_in_child() -> None:
     for store in list(_LIVE):
-        store._gone = (f"this process was forked from the one that connected to "
-                       f"{store.socket_path}: connect again here")
-        store._sock_open = False
-        try:
-            store._sock.close()
-        except OSError:
-            pass
+        store._forked = True
+        for s in list(store._sessions):
+            s.gone = (f"this process was forked from the one that connected to "
+                      f"{store.socket_path}: connect again here")
+            s.close()
     _LIVE.clear()
 
 
@@ -623,32 +770,67 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     ``start_timeout`` bounds the wait for the new server, which first
     recovers the store (about 0.7 s per million blocks indexed): a server
     that exits meanwhile fails the call at once with its log's tail.
+
+    With ``reconnect=True`` (a client option) and ``start``, a store whose
+    server is lost later starts a new one the same way (without
+    ``prepare``: the devices hold the store by then).
     """
+    socket_path = os.fspath(socket_path)
+    can_start = bool(start and devices)
     try:
-        return RemoteStore(socket_path, **client_options)
+        store = RemoteStore(socket_path, **client_options)
     except ServerGoneError:
-        if not start or not devices:
+        if not can_start:
             raise
+        ensure_server(socket_path, devices, start_timeout=start_timeout,
+                      server_options=server_options, prepare=prepare)
+        store = RemoteStore(socket_path, **client_options)
+    if can_start:
+        store._restart = functools.partial(ensure_server, socket_path, list(devices),
+                                           start_timeout=start_timeout,
+                                           server_options=server_options)
+    return store
+
+
+def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.0,
+                  server_options: dict | None = None, prepare=None) -> None:
+    """Start a store server on ``devices`` at ``socket_path`` unless one
+    answers there, under ``<socket_path>.lock`` (see :func:`connect`)."""
     from kvblock.store.server import spawn_server
 
     socket_path = os.fspath(socket_path)
     lock_path = socket_path + ".lock"
+    socket_dir(socket_path)
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
-            return RemoteStore(socket_path, **client_options)
+            _connect(socket_path, 5.0).close()
+            return                   # another rank started it while we waited
         except ServerGoneError:
-            pass  # still nobody: we start it
+            pass                     # still nobody: we start it
         if prepare is not None:
             prepare()
         proc = spawn_server(devices, socket_path, timeout=start_timeout,
                             **(server_options or {}))
         # Reap it when it ends (it outlives us otherwise: it is in its own session).
         threading.Thread(target=proc.wait, name="kvblock-server-reaper", daemon=True).start()
-        return RemoteStore(socket_path, **client_options)
     finally:
         os.close(fd)  # releases the lock
+
+
+def socket_dir(socket_path) -> str:
+    """The directory of a server socket, made (as ``mkdir -p``) when missing:
+    engine configs name sockets under /run/kvblock/, which a fresh host does
+    not have."""
+    path = os.path.dirname(os.path.abspath(os.fspath(socket_path)))
+    try:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot make the directory {path} for the store server socket "
+                          f"{socket_path}: {e.strerror}; create it or choose another socket "
+                          "path") from None
+    return path
 
 
 def wait_for_server(socket_path, timeout: float = 30.0, proc=None) -> None:
@@ -668,4 +850,5 @@ def wait_for_server(socket_path, timeout: float = 30.0, proc=None) -> None:
             time.sleep(0.02)
 
 
-__all__ = ["RemoteStore", "ServerError", "ServerGoneError", "connect", "wait_for_server"]
+__all__ = ["RemoteStore", "ServerError", "ServerGoneError", "connect", "ensure_server",
+           "wait_for_server"]

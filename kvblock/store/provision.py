@@ -64,6 +64,11 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
 
 # KVStore options a shared store's server takes (the rest are per client).
 _SERVER_OPTIONS = ("eviction", "admit_after", "engine")
+# An engine's ranks never wait longer than this for one answer of the store
+# server (answers take milliseconds; a commit waits for one journal flush):
+# past it the connection is abandoned and a new one is made, so a hung
+# server cannot hang an engine.
+SHARED_CALL_TIMEOUT_S = 60.0
 
 
 def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model: str, *,
@@ -74,7 +79,11 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
     first caller to find no server there formats the devices (per
     ``format``, as :func:`open_or_format`) and starts ``kvblock serve``,
     under a lock file beside the socket; the others connect.  The served
-    store must have ``geometry`` and be made for ``model``."""
+    store must have ``geometry`` and be made for ``model``.  When the
+    server is lost later (killed, crashed, hung past
+    ``SHARED_CALL_TIMEOUT_S``), each process reconnects in the background,
+    starting a new server the same way if none answers; calls fail with
+    ServerGoneError meanwhile."""
     from kvblock.store.client import connect
 
     if options.get("host_cache_bytes"):
@@ -89,7 +98,8 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
     store = connect(socket_path, devices, prepare=prepare,
                     server_options=dict(server_options, model=model),
                     verify=options.get("verify"), engine=options.get("engine"),
-                    queue_depth=int(options.get("queue_depth") or 32))
+                    queue_depth=int(options.get("queue_depth") or 32),
+                    timeout=SHARED_CALL_TIMEOUT_S, reconnect=True)
     try:
         if store.geometry != geometry:
             raise GeometryMismatchError(

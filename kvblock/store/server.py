@@ -45,6 +45,7 @@ from kvblock.store.client import (
     encode_msg,
     error_reply,
     recv_msg,
+    socket_dir,
     wait_for_server,
 )
 from kvblock.store.store import KVStore
@@ -416,6 +417,11 @@ def _bind(path: str) -> socket.socket:
     try:
         sock.bind(path)
         sock.listen(128)
+    except OSError as e:
+        sock.close()
+        raise ConfigError(f"cannot listen on {path}: {e.strerror or e}; choose another "
+                          "--socket path (at most 107 bytes, in a writable directory)") \
+            from None
     except BaseException:
         sock.close()
         raise
@@ -431,7 +437,8 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
     if options.get("host_cache_bytes"):
         raise ConfigError("a store server cannot keep a DRAM tier (its clients read the "
                           "devices themselves); give each rank its own cache instead")
-    _check_socket_path(os.fspath(socket_path))  # fail fast, before recovery
+    socket_dir(socket_path)                     # fail fast, before recovery
+    _check_socket_path(os.fspath(socket_path))
     store = KVStore.open(list(devices), **options)
     try:
         return StoreServer(store, socket_path, idle_exit=idle_exit).start()

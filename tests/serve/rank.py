@@ -130,15 +130,15 @@ def stall(sock):
     store.put_run(keys, run_data(keys))
     segs = store._segments(normalize_keys(keys))   # a reader pin, never released
     assert len(segs) == 1
-    real_call = store._call
+    real_call = store._call_on
 
-    def call(op, **args):
+    def call(session, op, **args):
         if op == "commit":               # data written and flushed, record not asked for
             print("stalled", flush=True)
             time.sleep(3600)
-        return real_call(op, **args)
+        return real_call(session, op, **args)
 
-    store._call = call
+    store._call_on = call
     keys = run_keys(777, 3)
     store.put_run(keys, run_data(keys))
 

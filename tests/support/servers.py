@@ -22,3 +22,25 @@ def stop_server(pid: int, timeout: float = 20.0) -> None:
             return
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
+
+
+def wait_reconnected(stores, old_pid: int, timeout: float = 60.0) -> int:
+    """Wait until every RemoteStore in ``stores`` is connected to a server
+    other than ``old_pid`` (the same one for all); its pid.  Each is asked
+    something meanwhile: a store finds its server gone on a call."""
+    from kvblock.store.client import ServerGoneError
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for s in stores:
+            try:
+                s.lookup([bytes(16)])
+            except ServerGoneError:
+                pass
+        pids = {s.server_pid for s in stores if s.server_alive}
+        if len(pids) == 1 and old_pid not in pids and \
+                all(s.server_alive for s in stores):
+            return pids.pop()
+        assert time.monotonic() < deadline, \
+            f"not reconnected after {timeout} s: {[repr(s) for s in stores]}"
+        time.sleep(0.05)

@@ -1,0 +1,187 @@
+"""A lost store server: RemoteStore(reconnect=True) and connect() with
+devices make a new connection in the background (starting a new server
+when none answers), calls fail at once meanwhile, and a pin of the lost
+connection can never release one of the new connection's."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore, create_file
+from kvblock.errors import ConfigError
+from kvblock.store.client import RemoteStore, ServerGoneError, connect
+from kvblock.store.server import serve_in_background
+from tests.serve.test_serve import _kill_servers_of, _store_file
+from tests.store.workload import run_data, run_keys
+from tests.support.servers import stop_server
+
+
+def _wait_alive(store, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not store.server_alive:
+        assert time.monotonic() < deadline, f"{store!r} did not reconnect"
+        time.sleep(0.02)
+
+
+def test_reconnects_to_a_restarted_server_and_keeps_pins_apart(tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    r = RemoteStore(sock, reconnect=True)
+    try:
+        a, b = run_keys(1, 2), run_keys(2, 2)
+        r.put_run(a, run_data(a))
+        old = r.pin(a)                          # a pin of the first connection
+        server.stop()
+        t0 = time.monotonic()
+        with pytest.raises(ServerGoneError, match="reconnecting"):
+            r.lookup(a)
+        with pytest.raises(ServerGoneError):
+            r.put_run(b, run_data(b))
+        assert time.monotonic() - t0 < 1.0     # failing calls do not wait for a server
+        server = serve_in_background([path], sock)
+        _wait_alive(r)
+        assert r.counters["reconnects"] == 1
+        assert r.lookup(a) == 2
+        r.put_run(b, run_data(b))               # an allocation, then a pin: the new
+        new = r.pin(a)                          # server numbers them as the old one did
+        assert new.pin == old.pin, "the test needs colliding pin ids"
+        assert server.store.regions.pins.sum() == 1
+        r.unpin(old)                            # the lost connection's: not the new one
+        assert server.store.regions.pins.sum() == 1
+        r.unpin(new)
+        assert server.store.regions.pins.sum() == 0
+        got = np.zeros_like(run_data(b))
+        assert r.get_run(b, got) == 2 and np.array_equal(got, run_data(b))
+    finally:
+        r.close()
+        server.stop()
+
+
+def test_without_reconnect_the_store_stays_gone(tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    r = RemoteStore(sock)
+    try:
+        server.stop()
+        with pytest.raises(ServerGoneError, match="restart it"):
+            r.lookup(run_keys(1, 1))
+        server = serve_in_background([path], sock)
+        time.sleep(1.0)
+        with pytest.raises(ServerGoneError):
+            r.lookup(run_keys(1, 1))
+    finally:
+        r.close()
+        server.stop()
+
+
+def test_a_killed_server_is_restarted_by_a_client(tmp_path):
+    """connect() with devices: after a SIGKILL of the server, one of the
+    clients starts a new one (under the lock file) and both reconnect; what
+    was committed is there, byte for byte."""
+    sock = str(tmp_path / "run" / "kvblock" / "kv.sock")   # the directories are made
+    path = _store_file(tmp_path)
+    stores = []
+    try:
+        for _ in range(2):
+            stores.append(connect(sock, [path], reconnect=True, timeout=30))
+        first = stores[0].server_pid
+        assert stores[1].server_pid == first
+        keys = run_keys(5, 3)
+        stores[0].put_run(keys, run_data(keys))
+        os.kill(first, signal.SIGKILL)
+        from tests.support.servers import wait_reconnected
+        pid = wait_reconnected(stores, first)
+        got = np.zeros_like(run_data(keys))
+        assert stores[1].get_run(keys, got) == 3 and np.array_equal(got, run_data(keys))
+        more = run_keys(6, 2)
+        stores[1].put_run(more, run_data(more))
+        assert stores[0].lookup(more) == 2
+    finally:
+        for s in stores:
+            s.close()
+        _kill_servers_of(sock)
+
+
+def test_a_hung_server_costs_one_bounded_wait(tmp_path):
+    """An answer that does not come within the call's timeout abandons the
+    connection (ServerGoneError), and a new one is made once the server
+    answers again."""
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    hang = threading.Event()
+    real = server._op_lookup
+
+    def slow_lookup(s, keys):
+        if hang.is_set():
+            time.sleep(1.5)
+        return real(s, keys)
+    server._op_lookup = slow_lookup
+    r = RemoteStore(sock, reconnect=True)
+    try:
+        keys = run_keys(9, 1)
+        r.put_run(keys, run_data(keys))
+        hang.set()
+        t0 = time.monotonic()
+        with pytest.raises(ServerGoneError, match="did not answer lookup in time"):
+            r.contains_nowait(keys[0], 0.001, timeout=0.2)
+        assert time.monotonic() - t0 < 1.0
+        hang.clear()
+        _wait_alive(r)
+        assert r.contains_nowait(keys[0], 0.001, timeout=0.2) is True
+    finally:
+        r.close()
+        server.stop()
+
+
+def test_a_forked_child_never_reconnects(tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock):
+        r = RemoteStore(sock, reconnect=True)
+        try:
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    for _ in range(2):
+                        try:
+                            r.lookup(run_keys(0, 1))
+                            code = 2
+                            break
+                        except ServerGoneError as e:
+                            code = 0 if "forked" in str(e) else 3
+                        time.sleep(1.0)    # a reconnect would have happened by now
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert r.lookup(run_keys(0, 1)) == 0      # the parent's connection works
+        finally:
+            r.close()
+
+
+def test_socket_directories(tmp_path):
+    """A socket in a missing directory: made; one that cannot be made or
+    bound: a ConfigError naming the path."""
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "a" / "b" / "kv.sock")
+    with serve_in_background([path], sock):
+        with RemoteStore(sock) as r:
+            assert r.lookup(run_keys(0, 1)) == 0
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match="cannot make the directory .*file"):
+        serve_in_background([path], str(blocker / "kv.sock"))
+    with pytest.raises(ConfigError, match="cannot listen on"):
+        serve_in_background([path], str(tmp_path / ("x" * 120) / "kv.sock"))
+    with KVStore.open([path]) as store:       # every refusal let the store go
+        assert store.lookup(run_keys(0, 1)) == 0
