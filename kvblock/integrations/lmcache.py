@@ -125,6 +125,7 @@ from kvblock.errors import (
     ConfigError,
     KVBlockError,
 )
+from kvblock.integrations.failures import RUNTIME_FAILURES, FailureLog
 from kvblock.layout import Geometry
 from kvblock.memory import aligned_empty
 from kvblock.store import KVStore
@@ -276,6 +277,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self._pins: dict[bytes, list] = {}      # kvblock key -> [pin count, pinned segments]
         self._lookup_pins: dict[str, list] = {}  # async lookup id -> keys it pinned
         self.skipped_chunks = 0
+        self._failed = FailureLog(logger, "kvblock lmcache plugin")
         logger.info("kvblock: LMCache plugin on %s (chunk %s, %d bytes)", self.devices,
                     self.chunk.describe(), self.chunk.nbytes)
 
@@ -340,10 +342,14 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
-        if self.layerwise and getattr(key, "layer_id", None) == 0 \
-                and not self._whole_chunk(key):
+        try:
+            if self.layerwise and getattr(key, "layer_id", None) == 0 \
+                    and not self._whole_chunk(key):
+                return False
+            return self.pin(key) if pin else self.store.contains(self.kvblock_key(key))
+        except RUNTIME_FAILURES as e:
+            self._failed("a lookup", e)
             return False
-        return self.pin(key) if pin else self.store.contains(self.kvblock_key(key))
 
     def _whole_chunk(self, layer0_key) -> bool:
         """Layer-wise mode: is every layer of this chunk stored?  LMCache's
@@ -356,7 +362,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
         """Chunks stored as a prefix of ``keys`` (pinned when ``pin``)."""
-        n = self.store.lookup([self.kvblock_key(k) for k in keys]) if keys else 0
+        try:
+            n = self.store.lookup([self.kvblock_key(k) for k in keys]) if keys else 0
+        except RUNTIME_FAILURES as e:
+            self._failed("a lookup", e)
+            return 0
         if pin:
             for i in range(n):
                 if not self.pin(keys[i]):
@@ -403,7 +413,12 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 if key in self._put_tasks:
                     continue
                 self._put_tasks.add(key)
-            if self.store.contains(self.kvblock_key(key)):
+            try:
+                stored = self.store.contains(self.kvblock_key(key))
+            except RUNTIME_FAILURES as e:   # no store now: nothing to queue writes for
+                self._failed("a put", e)
+                stored = True
+            if stored:
                 with self._lock:
                     self._put_tasks.discard(key)
                 continue
@@ -447,8 +462,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
             got = self.store.put_runs([([self.kvblock_key(key)], block)
                                        for (key, _), block in zip(todo, blocks)])
         except KVBlockError as e:
-            logger.error("kvblock: storing %d chunks (%s...) failed: %s", len(todo),
-                         todo[0][0].to_string(), e)
+            self._failed(f"storing {len(todo)} chunks ({todo[0][0].to_string()}...)", e)
             got = None
         finally:
             for key, obj in todo:
@@ -473,7 +487,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
         """Objects of the stored prefix of ``keys``, each in a new MemoryObj,
         read in one call of the store."""
         kbs = [self.kvblock_key(k) for k in keys]
-        stored = self.store.lookup(kbs) if kbs else 0
+        try:
+            stored = self.store.lookup(kbs) if kbs else 0
+        except RUNTIME_FAILURES as e:
+            self._failed("a load", e)
+            return []
         objs: list[MemoryObj] = []
         for key in keys[:stored]:
             obj = self.local_cpu_backend.allocate(self.chunk.shapes, self.chunk.dtypes,
@@ -490,7 +508,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         try:
             got = self.store.get_blocks(kbs[:len(objs)], blocks)
         except KVBlockError as e:
-            logger.error("kvblock: reading chunk %s failed: %s", keys[0].to_string(), e)
+            self._failed(f"reading chunk {keys[0].to_string()}", e)
             got = 0
         if self.positions:             # the bytes into the objects, positions beside
             for obj, row in zip(objs[:got], blocks):
@@ -513,7 +531,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     def get_non_blocking(self, key: CacheEngineKey,
                          location: str | None = None) -> Future | None:
-        if not self.store.contains(self.kvblock_key(key)):
+        try:
+            if not self.store.contains(self.kvblock_key(key)):
+                return None
+        except RUNTIME_FAILURES as e:
+            self._failed("a load", e)
             return None
         return self.executor.submit(lambda: next(iter(self._load_prefix([key], False)), None))
 
@@ -553,7 +575,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 entry[0] += 1
                 return True
             # kvblock has no public pin yet: take the read pin its loads take.
-            segs = self.store.pin([kb])
+            try:
+                segs = self.store.pin([kb])
+            except RUNTIME_FAILURES as e:
+                self._failed("a pin", e)
+                return False
             if not segs:
                 return False
             self._pins[kb] = [1, segs]
@@ -564,7 +590,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
         with self._lock:
             entry = self._pins.get(kb)
             if entry is None:
-                return self.store.contains(kb)
+                try:
+                    return self.store.contains(kb)
+                except RUNTIME_FAILURES as e:
+                    self._failed("an unpin", e)
+                    return False
             entry[0] -= 1
             if entry[0] == 0:
                 del self._pins[kb]
@@ -578,7 +608,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 if not force:
                     return False
                 self.store.unpin(self._pins.pop(kb)[1])
-        return self.store.delete([kb]) > 0
+        try:
+            return self.store.delete([kb]) > 0
+        except RUNTIME_FAILURES as e:
+            self._failed("a remove", e)
+            return False
 
     def batched_remove(self, keys: list[CacheEngineKey], force: bool = True) -> int:
         return sum(self.remove(k, force) for k in keys)
@@ -589,15 +623,26 @@ class KVBlockStorageBackend(StoragePluginInterface):
     def clear(self) -> int:
         """Evict everything in the store; returns the tokens it held (a layer
         object holds 1/layers of its chunk's tokens)."""
-        blocks = self.store.stats()["blocks"]
-        self.store.clear()
-        return (blocks - self.store.stats()["blocks"]) * self.chunk_tokens // self.objects_per_chunk
+        try:
+            blocks = self.store.stats()["blocks"]
+            self.store.clear()
+            left = self.store.stats()["blocks"]
+        except RUNTIME_FAILURES as e:
+            self._failed("clear", e)
+            return 0
+        return (blocks - left) * self.chunk_tokens // self.objects_per_chunk
 
     def get_allocator_backend(self) -> AllocatorBackendInterface:
         return self.local_cpu_backend
 
     def stats(self) -> dict:
-        return {**self.store.stats(), "skipped_chunks": self.skipped_chunks}
+        """The store's counters and gauges, with the plugin's own: chunks not
+        stored for their format, and store failures answered as misses."""
+        own = {"skipped_chunks": self.skipped_chunks, "store_failures": self._failed.count}
+        try:
+            return {**self.store.stats(), **own}
+        except RUNTIME_FAILURES as e:
+            return {**own, "store_error": str(e)}
 
     def close(self) -> None:
         """Finish queued writes, release pins, checkpoint and close the store."""

@@ -130,11 +130,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvblock.store import provision
 from kvblock.units import MIN_FILE_SIZE, int_setting, size_setting
-from kvblock.errors import (
-    ConfigError,
-    KVBlockError,
-    StoreFullError,
-)
+from kvblock.errors import ConfigError, KVBlockError
+from kvblock.integrations.failures import RUNTIME_FAILURES, FailureLog
 from kvblock.layout import Geometry
 from kvblock.layout.geometry import DTYPES
 from kvblock.tensors import SGLangHostLayout, save_blocks
@@ -262,6 +259,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         self.storage_config = storage_config
+        self._failed = FailureLog(logger, "kvblock sglang backend")
         extra = dict(storage_config.extra_config or {})
         self.extra = extra
         if storage_config.dcp_size > 1:
@@ -484,15 +482,12 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         if page_ids is None:
             return [False] * len(keys)
         kbs = [self.kvblock_key(k) for k in keys]
-        todo = np.nonzero(~self.store.present(kbs))[0].tolist()
         t0 = time.perf_counter()
         try:
+            todo = np.nonzero(~self.store.present(kbs))[0].tolist()
             self._write_pages(self.pages, [kbs[i] for i in todo], [page_ids[i] for i in todo])
-        except StoreFullError as e:
-            logger.warning("kvblock: store full, %d pages not backed up: %s", len(todo), e)
-            return [False] * len(keys)
         except KVBlockError as e:
-            logger.error("kvblock: backing up %d pages failed: %s", len(todo), e)
+            self._failed(f"backing up {len(keys)} pages", e)
             return [False] * len(keys)
         self._record("backup", len(todo), time.perf_counter() - t0)
         return [True] * len(keys)
@@ -506,7 +501,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         try:
             got = self._read_pages(self.pages, [self.kvblock_key(k) for k in keys], page_ids)
         except KVBlockError as e:
-            logger.error("kvblock: loading %d pages failed: %s", len(keys), e)
+            self._failed(f"loading {len(keys)} pages", e)
             return [False] * len(keys)
         self._record("prefetch", got, time.perf_counter() - t0)
         return [True] * got + [False] * (len(keys) - got)
@@ -579,7 +574,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             try:
                 have = self._pool_present(t.name, keys[:kv])
             except KVBlockError as e:
-                logger.error("kvblock: looking up pool %s failed: %s", name, e)
+                self._failed(f"looking up pool {name}", e)
                 have = np.zeros(kv, dtype=bool)
             if t.hit_policy == PoolHitPolicy.ALL_PAGES:
                 missing = np.nonzero(~have)[0]
@@ -616,7 +611,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         try:
             have = self._pool_present(t.name, list(t.keys[:groups * per_group]))
         except KVBlockError as e:
-            logger.error("kvblock: looking up pool %s failed: %s", name, e)
+            self._failed(f"looking up pool {name}", e)
             return 0
         whole = have.reshape(groups, per_group).all(axis=1)
         lead = int(np.argmin(whole)) if not whole.all() else groups
@@ -637,8 +632,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             try:
                 out[name] = self._pool_io(t, keys, load)
             except KVBlockError as e:
-                logger.error("kvblock: %s of %d %s pages failed: %s",
-                             "loading" if load else "storing", len(keys), name, e)
+                self._failed(f"{'loading' if load else 'storing'} {len(keys)} {name} pages", e)
                 out[name] = [False] * len(keys)
         return out
 
@@ -692,14 +686,18 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     # ------------------------------------------------------------------ lookups
     def exists(self, key: str) -> bool:
-        return self._ready() and self.store.contains(self.kvblock_key(key))
+        return self.batch_exists([key]) == 1
 
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfo | None = None) -> int:
         """Length of the leading run of stored keys."""
         if not keys or not self._ready():
             return 0
-        return self.store.lookup([self.kvblock_key(k) for k in keys])
+        try:
+            return self.store.lookup([self.kvblock_key(k) for k in keys])
+        except RUNTIME_FAILURES as e:
+            self._failed("a lookup", e)
+            return 0
 
     # ------------------------------------------------------------------ flat-page calls
     def _flat_shape(self) -> tuple[tuple[int, ...], int]:
@@ -737,11 +735,11 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return False
         pool, _ = self._flat_pool(len(keys), pages)
         kbs = [self.kvblock_key(k) for k in keys]
-        todo = np.nonzero(~self.store.present(kbs))[0].tolist()
         try:
+            todo = np.nonzero(~self.store.present(kbs))[0].tolist()
             self._write_pages(pool, [kbs[i] for i in todo], todo)
         except KVBlockError as e:
-            logger.error("kvblock: storing %d flat pages failed: %s", len(keys), e)
+            self._failed(f"storing {len(keys)} flat pages", e)
             return False
         return True
 
@@ -760,7 +758,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             got = self._read_pages(pool, [self.kvblock_key(k) for k in keys],
                                    list(range(len(keys))))
         except KVBlockError as e:
-            logger.error("kvblock: loading %d flat pages failed: %s", len(keys), e)
+            self._failed(f"loading {len(keys)} flat pages", e)
             got = 0
         out: list[torch.Tensor | None] = []
         for i in range(len(keys)):
@@ -789,7 +787,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         try:
             self.store.clear()
         except KVBlockError as e:
-            logger.error("kvblock: clear failed: %s", e)
+            self._failed("clear", e)
             return False
         return True
 
@@ -807,8 +805,15 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         return metrics
 
     def stats(self) -> dict:
-        """kvblock's counters and gauges for this backend's store."""
-        return self.store.stats() if self.store is not None else {}
+        """kvblock's counters and gauges for this backend's store, and how
+        many store failures were answered as misses."""
+        own = {"store_failures": self._failed.count}
+        if self.store is None:
+            return own
+        try:
+            return {**self.store.stats(), **own}
+        except RUNTIME_FAILURES as e:
+            return {**own, "store_error": str(e)}
 
     def close(self) -> None:
         """Checkpoint and close the store (fast reopen)."""

@@ -139,6 +139,10 @@ DEFAULT_THREADS = 8
 # leave it held for a while; without a wait a busy tier answered RETRY to
 # over half of its lookups (each one defers a request by a step).
 LOOKUP_LOCK_WAIT_S = 0.001
+# On a shared store, how long lookup() waits for the server's answer: a hung
+# server costs the scheduler one such wait, then lookups miss at once until
+# the tier has reconnected.
+LOOKUP_ANSWER_TIMEOUT_S = 1.0
 
 
 # ---------------------------------------------------------------------- helpers
@@ -495,7 +499,8 @@ class KVBlockTierManager(SecondaryTierManager):
         store = self.store
         if hasattr(store, "contains_nowait"):      # a shared store: one socket, bounded too
             try:
-                return store.contains_nowait(kb, LOOKUP_LOCK_WAIT_S)
+                return store.contains_nowait(kb, LOOKUP_LOCK_WAIT_S,
+                                             timeout=LOOKUP_ANSWER_TIMEOUT_S)
             except KVBlockError:
                 return False
         return self._under_store_lock(lambda: store.contains(kb))

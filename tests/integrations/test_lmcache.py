@@ -26,6 +26,7 @@ from kvblock.errors import ConfigError, GeometryMismatchError
 from kvblock.store import KVStore
 from kvblock.integrations.lmcache import KVBlockStorageBackend
 from tests.integrations.lmcache_gc import collect_lmcache_garbage
+from tests.support.servers import wait_reconnected
 
 CHUNK = 16
 # (layers, kv, chunk tokens, heads, head size): 2 * 4 * 16 * 4 * 32 * 2 bytes = 32 KiB a chunk
@@ -364,6 +365,27 @@ def test_workers_share_one_store_through_a_server(tmp_path, engines):
             KVBlockStorageBackend(config=make_config([dev], **shared), metadata=other,
                                   local_cpu_backend=w0.manager.storage_backends[
                                       "LocalCPUBackend"], loop=w0.manager.loop)
+        # The server dies: every call answers as a miss, at once, and nothing
+        # raises into LMCache; the workers reconnect (one restarts the
+        # server) and find what was stored before.
+        os.kill(server_pid, signal.SIGKILL)
+        later = [w0.key(h) for h in (51, 52)]
+        t0 = time.monotonic()
+        assert not w1.plugin.contains(keys[1]) and w1.plugin.batched_contains(keys[1:]) == 0
+        assert not w1.plugin.pin(keys[1]) and not w1.plugin.remove(keys[2])
+        assert w1.plugin.get_blocking(keys[1]) is None
+        assert w1.plugin.batched_get_blocking(keys[1:]) == [None, None]
+        w0.put(later, [w0.chunk() for _ in later])        # not stored, not stuck
+        assert w0.plugin.stats()["store_failures"] > 0 and "store_error" in w0.plugin.stats()
+        assert time.monotonic() - t0 < 5
+        server_pid = wait_reconnected([w0.plugin.store, w1.plugin.store], server_pid)
+        objs = w1.retrieve(keys[1:])
+        assert [obj_bytes(o) for o in objs] == want[1:]
+        for o in objs:
+            o.ref_count_down()
+        assert w1.plugin.batched_contains(later) == 0
+        w0.put(later, [w0.chunk() for _ in later])
+        assert w1.plugin.batched_contains(later) == 2
     finally:
         for e in engines:
             e.close()
@@ -374,7 +396,7 @@ def test_workers_share_one_store_through_a_server(tmp_path, engines):
             assert time.monotonic() < deadline, "server did not stop"
             time.sleep(0.05)
     with KVStore.open([dev]) as store:
-        assert len(store.index) == 2
+        assert len(store.index) == 4
 
 
 CLOSE_WITH_QUEUED_PUTS = """

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -31,7 +33,7 @@ from kvblock.errors import ConfigError, GeometryMismatchError, NotAStoreError
 from kvblock.integrations.sglang import KVBlockHiCacheStorage
 from kvblock.store import KVStore
 from tests.integrations.sglang_pools import HostPool
-from tests.support.servers import stop_server
+from tests.support.servers import stop_server, wait_reconnected
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYOUTS = ("page_first", "page_first_direct", "layer_first")
@@ -375,6 +377,26 @@ def test_mla_ranks_share_one_store_through_a_server(tmp_path):
                 {"mamba": [True]}
             assert torch.equal(mamba[r].buf[3], want_state[r])
         state_blocks = ranks[0]._page_blocks(mamba[0])[1]
+
+        # The server dies: every call answers as a miss, at once, and nothing
+        # raises into SGLang; the ranks reconnect (one restarts the server)
+        # and find what was stored before.
+        pid = ranks[0].store.server_pid
+        os.kill(pid, signal.SIGKILL)
+        later = keys_for("mla-later", 2)
+        t0 = time.monotonic()
+        assert ranks[1].batch_exists(keys) == 0 and not ranks[1].exists(keys[0])
+        assert ranks[0].batch_set_v1(later, pools[0].token_indices([5, 6])) == [False] * 2
+        assert ranks[1].batch_get_v1(keys, pools[1].token_indices(range(5))) == [False] * 5
+        assert ranks[1].batch_get(keys[:2]) == [None, None]
+        assert ranks[1].batch_exists_v2(keys).kv_hit_pages == 0
+        assert ranks[1].stats()["store_failures"] >= 4 and "store_error" in ranks[1].stats()
+        assert time.monotonic() - t0 < 5
+        wait_reconnected([r.store for r in ranks], pid)
+        assert ranks[1].batch_exists(keys) == 5
+        assert ranks[1].batch_get_v1(keys, pools[1].token_indices([4, 3, 2, 1, 0])) == [True] * 5
+        for p, w in zip([4, 3, 2, 1, 0], want):
+            assert torch.equal(pools[1].page_bytes(p), w)
     finally:
         server = ranks[0].store if ranks else None
         for b in ranks:

@@ -9,7 +9,10 @@ pre-sized file under tmp_path.
 from __future__ import annotations
 
 import mmap
+import os
+import signal
 import threading
+import time
 from unittest.mock import MagicMock
 
 import numpy as np
@@ -608,6 +611,27 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path):
         assert drain(tiers[1])[0].success
         for i, slot in enumerate([7, 5, 6, 4]):
             assert torch.equal(pools[1][slot], pools[0][i])
+
+        # The server dies: lookups miss and jobs fail, at once, and nothing
+        # raises into vLLM; the replicas reconnect (one restarts the server)
+        # and find what was stored before.
+        from tests.support.servers import wait_reconnected
+
+        pid = tiers[0].store.server_pid
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        assert tiers[1].lookup(keys[0], CTX) == LookupResult.MISS
+        tiers[0].submit_store(job(4, [key(80)], [5]))
+        assert not drain(tiers[0])[0].success
+        tiers[1].submit_load(job(5, keys[:2], [2, 3], promotion=True))
+        assert not drain(tiers[1])[0].success
+        assert time.monotonic() - t0 < 5
+        wait_reconnected([t.store for t in tiers], pid)
+        assert [tiers[1].lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 4
+        tiers[1].submit_load(job(6, keys, [0, 1, 2, 3], promotion=True))
+        assert drain(tiers[1])[0].success
+        for i in range(4):
+            assert torch.equal(pools[1][i], pools[0][i])
     finally:
         pid = tiers[0].store.server_pid if tiers else None
         for t in tiers:

@@ -1,0 +1,48 @@
+"""How the engine integrations turn store failures into misses.
+
+An engine must not crash or stall because its KV store is unavailable for a
+while: a store server gone (the ranks reconnect, restarting it), a device
+error, a store closed after a failed metadata write.  The integrations'
+calls then answer as for a miss (not found, not stored, not loaded) and log
+the failure: the first one at once, then at most one line per
+``LOG_INTERVAL_S`` saying how many more there were.  Misuse (a ConfigError
+and the like) still raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from kvblock.errors import DeviceError, ReadOnlyStoreError, StoreClosedError, StoreFullError
+from kvblock.store.client import ServerError
+
+# Failures of the store, not of the caller: an integration answers a miss.
+RUNTIME_FAILURES = (DeviceError, StoreClosedError, StoreFullError, ReadOnlyStoreError,
+                    ServerError)
+LOG_INTERVAL_S = 10.0
+
+
+class FailureLog:
+    """Rate-limited warnings for store failures turned into misses."""
+
+    def __init__(self, logger: logging.Logger, owner: str, interval: float = LOG_INTERVAL_S):
+        self.logger, self.owner, self.interval = logger, owner, interval
+        self.count = 0                 # failures so far (all of them, logged or not)
+        self._folded = 0
+        self._last = -float("inf")
+        self._lock = threading.Lock()
+
+    def __call__(self, what: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.count += 1
+            if now - self._last < self.interval:
+                self._folded += 1
+                return
+            folded, self._folded, self._last = self._folded, 0, now
+        more = f" ({folded} more store failures in the last {self.interval:g} s)" if folded \
+            else ""
+        self.logger.warning("%s: %s failed, answered as a miss: %s%s", self.owner, what,
+                            exc, more)
