@@ -62,18 +62,37 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    existed = path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        if os.fstat(fd).st_size < size:
+        st = os.fstat(fd)
+        if st.st_size < size:
+            # Refuse before reserving: a failed posix_fallocate may leave
+            # every free byte of the filesystem allocated to the file.
+            fs = os.fstatvfs(fd)
+            free = fs.f_bavail * fs.f_frsize
+            need = size - st.st_blocks * 512
+            if need > free:
+                raise DeviceError(f"{path}: cannot reserve {size} bytes: {free} bytes are free "
+                                  f"on its filesystem; free space or choose a smaller size",
+                                  path, errno.ENOSPC)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    os.ftruncate(fd, st.st_size)     # give back what was reserved
                     raise DeviceError(f"{path}: cannot reserve {size} bytes: {strerror(e.errno)}; "
                                       "free space or choose a smaller size", path, e.errno) from e
                 os.ftruncate(fd, size)
-    finally:
+    except BaseException:
         os.close(fd)
+        fd = -1
+        if not existed:
+            path.unlink(missing_ok=True)
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return path
 
 

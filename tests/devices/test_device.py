@@ -210,3 +210,55 @@ def test_a_blkid_that_cannot_tell_refuses(tmp_path, monkeypatch, file_target):
     blkid_exits(4)
     with pytest.raises(UnsafeTargetError, match="blkid -p failed .exit 4: blkid: trouble"):
         probe.signatures(path)
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A directory on an 8 MiB tmpfs (unmounted afterwards)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def _free(path) -> int:
+    fs = os.statvfs(path)
+    return fs.f_bavail * fs.f_frsize
+
+
+def test_create_file_too_big_leaves_nothing_behind(small_fs, monkeypatch):
+    """A file larger than the filesystem's free space is refused before any
+    space is reserved; when the reservation itself fails (the check passed,
+    space went meanwhile), what it took is given back and a new file is
+    removed.  An existing file keeps its size."""
+    free = _free(small_fs)
+    with pytest.raises(DeviceError, match="cannot reserve .* bytes are free") as e:
+        create_file(small_fs / "kv.img", 64 * MIB)
+    assert e.value.errno == errno.ENOSPC
+    assert not (small_fs / "kv.img").exists() and _free(small_fs) == free
+
+    real = os.fstatvfs
+    monkeypatch.setattr(os, "fstatvfs", lambda fd: _Roomy(real(fd)))
+    with pytest.raises(DeviceError, match="cannot reserve"):
+        create_file(small_fs / "kv.img", 64 * MIB)
+    assert not (small_fs / "kv.img").exists() and _free(small_fs) == free
+    create_file(small_fs / "old.img", 1 * MIB)
+    with pytest.raises(DeviceError, match="cannot reserve"):
+        create_file(small_fs / "old.img", 64 * MIB)
+    assert os.path.getsize(small_fs / "old.img") == 1 * MIB
+    assert _free(small_fs) == free - 1 * MIB
+
+
+class _Roomy:
+    """An os.statvfs_result that reports plenty of free space."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return 1 << 40 if name == "f_bavail" else getattr(self._real, name)
