@@ -37,10 +37,12 @@ def signatures(path: str) -> dict:
         raise UnsafeTargetError(
             f"{path}: blkid -p failed (exit {res.returncode}: {res.stderr.strip()}), so what "
             "the device holds is unknown; check it with wipefs, or pass --force")
+    # Only what the device itself holds: a partition reports its entry in the
+    # parent's table too (PART_ENTRY_*), which says nothing about its content.
     found = {}
     for line in res.stdout.splitlines():
         key, _, value = line.partition("=")
-        if key in ("TYPE", "PTTYPE", "USAGE", "LABEL", "UUID", "PART_ENTRY_TYPE"):
+        if key in ("TYPE", "PTTYPE", "USAGE", "LABEL", "UUID"):
             found[key] = value
     return found
 

@@ -3,9 +3,11 @@ distinct exit codes, and the device left as it was on every refusal."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -180,6 +182,50 @@ def test_format_refuses_partition_table(loop_device):
                    capture_output=True)
     res = kvb("format", dev, *GEOM_ARGS, "--yes")
     one_line_error(res, 16, "partition table (gpt)")
+
+
+def test_format_takes_an_empty_partition(loop_device):
+    """A partition never written holds no signature (blkid -p reports only
+    its entry in the disk's table): format takes it without --force, and
+    refuses it once it holds a filesystem."""
+    dev = loop_device(32 << 20)
+    subprocess.run(["sfdisk", "-q", dev], input="label: gpt\n,,L\n", text=True, check=True,
+                   capture_output=True)
+    with _partition_node(dev) as part:
+        probe = subprocess.run(["blkid", "-p", "-o", "export", part], capture_output=True,
+                               text=True)
+        assert "PART_ENTRY_TYPE" in probe.stdout and "\nTYPE=" not in probe.stdout
+        res = kvb("format", part, *GEOM_ARGS, "--yes", "--json")
+        assert res.returncode == 0, res.stderr
+        with KVStore.open([part]) as store:
+            assert 0 < store.stats()["capacity_bytes"] < 32 << 20
+        subprocess.run(["mkfs.ext4", "-q", "-F", part], check=True)
+        one_line_error(kvb("format", part, *GEOM_ARGS, "--yes"), 16, "a filesystem (ext4)")
+
+
+@contextlib.contextmanager
+def _partition_node(dev):
+    """/dev/loopNp1 of a partitioned loop device (made by hand: no udev here)."""
+    subprocess.run(["losetup", "-P", "-c", dev], check=False)   # the kernel re-reads the table
+    subprocess.run(["partx", "-u", dev], check=False, capture_output=True)
+    name = os.path.basename(dev)
+    sys_part = f"/sys/block/{name}/{name}p1/dev"
+    deadline = time.monotonic() + 5
+    while not os.path.exists(sys_part):
+        subprocess.run(["partx", "-a", dev], check=False, capture_output=True)
+        assert time.monotonic() < deadline, f"{dev}: the kernel did not add partition 1"
+        time.sleep(0.1)
+    node, made = f"/dev/{name}p1", False
+    if not os.path.exists(node):
+        major, minor = map(int, open(sys_part).read().split(":"))
+        os.mknod(node, 0o600 | stat.S_IFBLK, os.makedev(major, minor))
+        made = True
+    try:
+        yield node
+    finally:
+        subprocess.run(["partx", "-d", dev], check=False, capture_output=True)
+        if made:
+            os.unlink(node)
 
 
 def test_format_refuses_mounted_device(loop_device, tmp_path):
