@@ -68,7 +68,24 @@ def check_checkpoints(store, report: FsckReport) -> None:
         head = cpfmt.decode_header(store.io.read_bytes(0, off, cpfmt.HEADER_BYTES))
         valid.append(head.generation if head else None)
     report.info["checkpoint_slots"] = valid
+    for slot in getattr(store, "damaged_checkpoint_slots", []):
+        off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
+        report.problems.append(
+            f"{store.io.devices[0].path}: checkpoint slot {slot} at offset {off} is damaged; "
+            "the store opened from the other slot and lost nothing, but has no fallback "
+            "checkpoint until it is rewritten")
+        if not store.readonly and valid[slot] is not None:   # the open wrote a new one there
+            report.repaired.append(f"{store.io.devices[0].path}: rewrote checkpoint slot {slot}")
     report.info["journal_records_replayed"] = store.counters["replayed_records"]
+    gap = getattr(store, "journal_gap", None)
+    if gap:
+        report.problems.append(
+            f"{store.io.devices[0].path}: the journal stops at record {gap['stopped_at_seq']} "
+            f"(torn or damaged), but {gap['records_not_replayed']} intact record(s) from "
+            f"{gap['first_seq']} on follow at offset {gap['offset']}: the runs they published "
+            "are lost (a crash inside one commit leaves a few such records; more mean the "
+            "journal was damaged). The rest of the store is consistent; a writable open "
+            "(--repair) starts a new journal")
     if getattr(store, "stale_checkpoint", False):
         report.problems.append(
             f"{store.io.devices[0].path}: the newest checkpoint is unreadable and the journal "

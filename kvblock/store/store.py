@@ -356,23 +356,30 @@ class KVStore:
     # ------------------------------------------------------------------ recovery
     def _recover(self):
         sb = self.sb
+        self.journal_gap = None
+        # Slots that were written once but no longer decode (fsck reports
+        # them; the next checkpoint goes to one of them).
+        self.damaged_checkpoint_slots = []
         slots = []
         for slot in (0, 1):
             off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
-            head = cpfmt.decode_header(self.io.read_bytes(0, off, cpfmt.HEADER_BYTES))
+            raw = self.io.read_bytes(0, off, cpfmt.HEADER_BYTES)
+            head = cpfmt.decode_header(raw)
             if head is not None:
                 slots.append((head.generation, slot, head))
+            elif bytes(raw[:len(cpfmt.MAGIC)]) == cpfmt.MAGIC:
+                self.damaged_checkpoint_slots.append(slot)
         cp = None
         for _, slot, head in sorted(slots, reverse=True):
             off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
-            if cpfmt.HEADER_BYTES + head.payload_bytes > sb.checkpoint_bytes:
-                continue
-            payload = self.io.read_array(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
-            cp = cpfmt.decode_payload(head, payload)
-            if cp is not None and cp.ranges == self.geometry.ranges and \
-                    len(cp.regions) == self.regions.count:
-                self._cp_slot = slot
-                break
+            if cpfmt.HEADER_BYTES + head.payload_bytes <= sb.checkpoint_bytes:
+                payload = self.io.read_array(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
+                cp = cpfmt.decode_payload(head, payload)
+                if cp is not None and cp.ranges == self.geometry.ranges and \
+                        len(cp.regions) == self.regions.count:
+                    self._cp_slot = slot
+                    break
+            self.damaged_checkpoint_slots.append(slot)
             cp = None
         if cp is None:
             raise NotAStoreError(
@@ -417,6 +424,19 @@ class KVStore:
             self._replay(rec)
         self._index_runs(puts)
         self.counters["replayed_records"] = len(records)
+        epoch = _epoch(sb.store_uuid, cp.generation)
+        after = jfmt.records_after(journal, end, next_seq, epoch)
+        if after is not None:
+            # Replay stopped at a torn or damaged record with intact ones
+            # after it: what they published is lost (the cache is smaller,
+            # never wrong).  fsck reports it.
+            pos, first, count = after
+            self.journal_gap = {"offset": sb.journal_offset + pos, "first_seq": first,
+                                "stopped_at_seq": next_seq, "records_not_replayed": count}
+            logger.warning("kvblock: %s: the journal stops at record %d, but %d intact "
+                           "record(s) from %d on (offset %d) follow; they are not replayed",
+                           self.io.devices[0].path, next_seq, count, first,
+                           sb.journal_offset + pos)
         self._generation = cp.generation
         self._seq = next_seq
         self._jhead = end

@@ -317,6 +317,66 @@ def test_fsck_finds_and_repairs_corrupt_data(file_target):
     assert res.returncode == 0 and "clean; 3 runs" in res.stdout
 
 
+def test_fsck_reports_journal_records_past_a_damaged_one(file_target):
+    """A store left dirty (six commits in its journal), then the third
+    commit's record damaged: recovery stops there, and fsck says that
+    intact records follow (their runs are lost), until a writable open
+    starts a new journal.  A torn tail alone (the last commit) is clean."""
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    store = KVStore.open([path])
+    for i in range(6):
+        store.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
+    journal = store.sb.journal_offset
+    store._release_devices()                      # a crash: nothing checkpointed
+    # each commit is one record in its own 4 KiB journal block
+    with open(path, "r+b") as f:
+        f.seek(journal + 5 * 4096 + 48)           # the last commit: a torn tail
+        f.write(b"\xff\xff")
+    res = kvb("fsck", path, "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["journal_records_replayed"] == 5
+    with open(path, "r+b") as f:
+        f.seek(journal + 2 * 4096 + 48)
+        f.write(b"\xff\xff")
+    res = kvb("fsck", path, "--json")
+    out = json.loads(res.stdout)
+    assert res.returncode == 1 and out["journal_records_replayed"] == 2, out
+    assert any("journal stops at record" in p and "2 intact record(s)" in p
+               and f"offset {journal + 3 * 4096}" in p for p in out["problems"]), out
+    res = kvb("fsck", path, "--repair", "--json")
+    assert res.returncode == 1 and "journal stops" in res.stdout
+    res = kvb("fsck", path)
+    assert res.returncode == 0 and "clean; 2 runs" in res.stdout
+    with KVStore.open([path]) as store:
+        assert [store.lookup(run_keys(i, 2)) for i in range(6)] == [2, 2, 0, 0, 0, 0]
+
+
+def test_fsck_reports_a_damaged_checkpoint_slot(file_target):
+    """One checkpoint slot damaged: the store opens from the other, fsck
+    says so (exit 1), and --repair's writable open rewrites it."""
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    with KVStore.open([path]) as store:
+        store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+        sb = store.sb
+    slots = json.loads(kvb("fsck", path, "--json").stdout)["checkpoint_slots"]
+    older = slots.index(min(slots))
+    with open(path, "r+b") as f:
+        f.seek(sb.checkpoint_offset + older * sb.checkpoint_bytes + 64)
+        f.write(b"\xff\xff")
+    res = kvb("fsck", path, "--json")
+    out = json.loads(res.stdout)
+    assert res.returncode == 1 and out["checkpoint_slots"][older] is None
+    assert any(f"checkpoint slot {older}" in p and "damaged" in p for p in out["problems"])
+    res = kvb("fsck", path, "--repair", "--json")
+    out = json.loads(res.stdout)
+    assert res.returncode == 1 and out["status"] == "repaired", out
+    assert any(f"rewrote checkpoint slot {older}" in r for r in out["repaired"])
+    assert kvb("fsck", path).returncode == 0
+    with KVStore.open([path]) as store:
+        assert store.lookup(run_keys(1, 2)) == 2
+
+
 def test_fsck_repairs_a_bad_superblock_copy(file_target):
     path = file_target(16 << 20)
     kvb("format", path, *GEOM_ARGS)
