@@ -68,7 +68,8 @@ def check_checkpoints(store, report: FsckReport) -> None:
         head = cpfmt.decode_header(store.io.read_bytes(0, off, cpfmt.HEADER_BYTES))
         valid.append(head.generation if head else None)
     report.info["checkpoint_slots"] = valid
-    for slot in getattr(store, "damaged_checkpoint_slots", []):
+    stale = getattr(store, "stale_checkpoint", False)   # reported below, with its loss
+    for slot in [] if stale else getattr(store, "damaged_checkpoint_slots", []):
         off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
         report.problems.append(
             f"{store.io.devices[0].path}: checkpoint slot {slot} at offset {off} is damaged; "
