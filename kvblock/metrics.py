@@ -13,17 +13,27 @@ GAUGES = ("capacity_bytes", "used_bytes", "regions", "regions_free", "regions_se
 
 
 class StoreCollector:
-    def __init__(self, store):
-        self.store = store
+    """Samples ``stats()`` of a store at each scrape.  ``source`` is a
+    store (anything with ``stats()``) or a callable returning a stats dict:
+    the CLI passes one that re-reads the devices (or asks a store server),
+    so the numbers follow a store another process is using.
+    ``counters=False`` exports the gauges only: counters are a process's
+    own, and a process that just opened the devices has done nothing."""
+
+    def __init__(self, source, counters: bool = True):
+        self.source = source.stats if hasattr(source, "stats") else source
+        self.counters = counters
 
     def collect(self):
-        s = self.store.stats()
+        s = self.source()
         labels = ["store"]
         for name in GAUGES:
             g = GaugeMetricFamily(f"kvblock_store_{name}", f"kvblock store {name}",
                                   labels=labels)
             g.add_metric([s["uuid"]], s[name])
             yield g
+        if not self.counters:
+            return
         for name, value in s.items():
             if name in GAUGES or not isinstance(value, int) or isinstance(value, bool):
                 continue

@@ -6,12 +6,13 @@ from __future__ import annotations
 import math
 import os
 import sys
+import threading
 import time
 
 import click
 
 from kvblock.cli.main import SIZE, _emit, cli
-from kvblock.errors import UnsafeTargetError
+from kvblock.errors import ConfigError, UnsafeTargetError
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -236,31 +237,82 @@ def fsck(devices, repair, deep, as_json):
 
 
 @cli.command()
-@click.argument("devices", nargs=-1, required=True)
+@click.argument("devices", nargs=-1)
+@click.option("--socket", "socket_path", default=None,
+              help="Ask the store server on this socket (kvblock serve) instead: live "
+                   "counters of all its clients (puts, hits, bytes) and gauges.")
 @click.option("--prometheus", "port", type=click.IntRange(1, 65535), default=None,
               help="Serve the store's metrics on this port (Ctrl-C to stop).")
-@click.option("--interval", type=click.FloatRange(0.1), default=5.0, show_default=True)
+@click.option("--interval", type=click.FloatRange(0.1), default=5.0, show_default=True,
+              help="With --prometheus: re-read the store at most this often.")
 @click.option("--json", "as_json", is_flag=True)
-def stats(devices, port, interval, as_json):
-    """Counters and gauges of the store (read-only); --prometheus PORT serves them."""
+def stats(devices, socket_path, port, interval, as_json):
+    """Counters and gauges of the store (read-only); --prometheus PORT serves them.
+
+    From DEVICES the gauges (runs, blocks, used bytes, regions) are read from
+    the devices, so they follow a store another process is using; the
+    counters of puts and hits live in that process: give --socket to read
+    them from a store server."""
     from kvblock.metrics import StoreCollector
 
-    with _store(devices) as store:
-        if port is None:
-            s = store.stats()
-            s.pop("geometry", None)
-            s["devices"] = ", ".join(s["devices"])
-            _emit(s, as_json, f"kvblock stats {devices[0]}")
-            return
-        from prometheus_client import start_http_server
-        from prometheus_client.core import REGISTRY
+    if bool(devices) == bool(socket_path):
+        raise click.UsageError("give either DEVICES or --socket")
+    read = (lambda: _server_stats(socket_path)) if socket_path else \
+        (lambda: _device_stats(devices))
+    if port is None:
+        s = read()
+        _emit(s, as_json, f"kvblock stats {socket_path or devices[0]}")
+        return
+    from prometheus_client import start_http_server
+    from prometheus_client.core import REGISTRY
 
-        REGISTRY.register(StoreCollector(store))
+    read()                                   # fail here, not in the first scrape
+    REGISTRY.register(StoreCollector(_Cached(read, interval), counters=bool(socket_path)))
+    try:
         start_http_server(port)
-        click.echo(f"serving metrics of {devices[0]} on :{port}/metrics (Ctrl-C to stop)",
-                   err=True)
-        while True:
-            time.sleep(interval)
+    except OSError as e:
+        raise ConfigError(f"cannot serve metrics on port {port}: {e.strerror}; "
+                          "choose another --prometheus port") from None
+    click.echo(f"serving metrics of {socket_path or devices[0]} on :{port}/metrics "
+               "(Ctrl-C to stop)", err=True)
+    while True:
+        time.sleep(3600)
+
+
+def _device_stats(devices) -> dict:
+    """The store's state as on the devices now (a read-only open)."""
+    with _store(devices) as store:
+        s = store.stats()
+    s.pop("geometry", None)
+    s["devices"] = ", ".join(s["devices"])
+    return s
+
+
+def _server_stats(socket_path) -> dict:
+    from kvblock.store.client import RemoteStore
+
+    with RemoteStore(socket_path, timeout=30) as remote:
+        s = remote.stats()
+    s.pop("geometry", None)
+    s.pop("client", None)           # this short connection's own counters
+    if isinstance(s.get("devices"), list):
+        s["devices"] = ", ".join(s["devices"])
+    return s
+
+
+class _Cached:
+    """read(), called again only once ``interval`` seconds have passed."""
+
+    def __init__(self, read, interval: float):
+        self.read, self.interval = read, interval
+        self._at, self._value = -float("inf"), None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> dict:
+        with self._lock:
+            if time.monotonic() - self._at >= self.interval:
+                self._value, self._at = self.read(), time.monotonic()
+            return self._value
 
 
 def _duration(text: str) -> float:

@@ -415,28 +415,80 @@ def test_evict_and_trim(file_target):
         assert res.returncode == 2 and "not a duration" in res.stderr, bad
 
 
-def test_stats_prometheus_and_ctrl_c(file_target):
+def _scrape(port, want, timeout=30.0) -> str:
+    """/metrics of the exporter on ``port`` once it holds ``want``."""
+    deadline, body = time.monotonic() + timeout, ""
+    while time.monotonic() < deadline:
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                          timeout=2).read().decode()
+            if want in body:
+                return body
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{want!r} never appeared in:\n{body[-2000:]}")
+
+
+def _sample(body: str, name: str) -> float:
+    """The value of metric ``name`` (one sample) in a /metrics body."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+              if line.startswith(name + "{")]
+    assert len(values) == 1, body[-2000:]
+    return values[0]
+
+
+def test_stats_prometheus_follows_the_store_and_ctrl_c(file_target, tmp_path):
+    """The exporter re-reads the devices (gauges follow puts made by another
+    process); with --socket it serves the server's counters too.  A port in
+    use is one line, not a traceback; Ctrl-C exits 130."""
+    from kvblock.store.server import serve_in_background
+
     path = file_target(16 << 20)
     kvb("format", path, *GEOM_ARGS)
     port = 19000 + os.getpid() % 1000
     proc = subprocess.Popen([sys.executable, "-m", "kvblock", "stats", path,
-                             "--prometheus", str(port)], cwd=ROOT, stderr=subprocess.PIPE,
-                            text=True, preexec_fn=_default_sigint)
+                             "--prometheus", str(port), "--interval", "0.2"], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
     try:
-        body = ""
-        for _ in range(100):
-            try:
-                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                              timeout=2).read().decode()
-                break
-            except OSError:
-                time.sleep(0.1)
-        assert "kvblock_store_capacity_bytes{store=" in body
-        assert "kvblock_store_checksum_failures_total" in body
+        body = _scrape(port, "kvblock_store_runs{")
+        assert _sample(body, "kvblock_store_runs") == 0
+        assert "kvblock_store_put_runs_total" not in body   # the exporter's own: not served
+        with KVStore.open([path]) as store:      # another process's puts
+            for i in range(3):
+                store.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
+        deadline = time.monotonic() + 30
+        while _sample(body, "kvblock_store_runs") != 3:
+            assert time.monotonic() < deadline, body[-2000:]
+            time.sleep(0.2)
+            body = _scrape(port, "kvblock_store_runs{")
+        busy = kvb("stats", path, "--prometheus", str(port))
+        one_line_error(busy, 8, f"cannot serve metrics on port {port}", "another --prometheus")
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=20)
     assert proc.returncode == 130 and "interrupted" in err
+
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock) as server:
+        res = kvb("stats", "--socket", sock, "--json")
+        assert res.returncode == 0 and json.loads(res.stdout)["runs"] == 3
+        proc = subprocess.Popen([sys.executable, "-m", "kvblock", "stats", "--socket", sock,
+                                 "--prometheus", str(port), "--interval", "0.2"], cwd=ROOT,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=_default_sigint)
+        try:
+            body = _scrape(port, "kvblock_store_put_runs_total{")
+            assert _sample(body, "kvblock_store_put_runs_total") == 0
+            server.store.put_run(run_keys(9, 1), run_data(run_keys(9, 1)))
+            deadline = time.monotonic() + 30
+            while _sample(body, "kvblock_store_put_runs_total") != 1:
+                assert time.monotonic() < deadline, body[-2000:]
+                time.sleep(0.2)
+                body = _scrape(port, "kvblock_store_put_runs_total{")
+        finally:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=20)
+    assert kvb("stats", path, "--socket", sock).returncode == 2     # one or the other
 
 
 def test_ctrl_c_during_bench(file_target):
