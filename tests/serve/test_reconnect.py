@@ -13,13 +13,13 @@ import time
 import numpy as np
 import pytest
 
-from kvblock import KVStore, create_file
+from kvblock import KVStore
 from kvblock.errors import ConfigError
 from kvblock.store.client import RemoteStore, ServerGoneError, connect
 from kvblock.store.server import serve_in_background
 from tests.serve.test_serve import _kill_servers_of, _store_file
 from tests.store.workload import run_data, run_keys
-from tests.support.servers import stop_server
+from tests.support.servers import wait_reconnected
 
 
 def _wait_alive(store, timeout=20.0):
@@ -97,8 +97,7 @@ def test_a_killed_server_is_restarted_by_a_client(tmp_path):
         keys = run_keys(5, 3)
         stores[0].put_run(keys, run_data(keys))
         os.kill(first, signal.SIGKILL)
-        from tests.support.servers import wait_reconnected
-        pid = wait_reconnected(stores, first)
+        assert wait_reconnected(stores, first) != first
         got = np.zeros_like(run_data(keys))
         assert stores[1].get_run(keys, got) == 3 and np.array_equal(got, run_data(keys))
         more = run_keys(6, 2)
