@@ -56,7 +56,7 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     filesystem, partition table or RAID/LVM signature, or already holds a
     kvblock store.  Block devices need --yes (or a confirmation at the prompt).
     """
-    from kvblock.devices import Device
+    from kvblock.devices import Device, check_distinct
     from kvblock.layout import Geometry
     from kvblock.store import KVStore
     from kvblock.store.store import _store_on
@@ -65,6 +65,7 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     from kvblock.store.storeio import StoreIO
 
     geometry = Geometry(layers, kv_heads, head_dim, dtype, block_tokens, kv_parts, head_groups)
+    check_distinct(devices)
     opened = []
     try:
         for path in devices:
@@ -91,12 +92,25 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
                 + (f", model {model!r}" if model else ""))
         if not as_json:
             click.echo(plan, err=True)
+        smallest = min(d.capacity for d in opened)
+        if smallest != max(d.capacity for d in opened):
+            # regions are striped across the devices, so each holds as many
+            click.echo(f"kvblock: note: the devices differ in size; regions stripe across "
+                       f"them, so the store uses about {smallest / 2**30:.2f} GiB of each "
+                       f"({len(opened) * smallest / 2**30:.2f} GiB in all)", err=True)
         needs_yes = any(d.kind == "block" for d in opened)
         if needs_yes and not yes:
             if not sys.stdin.isatty():
                 raise click.UsageError("formatting block devices needs --yes "
                                        "(no terminal to confirm on)")
-            click.confirm("All data on these devices will be lost. Continue?", abort=True)
+            try:
+                go = click.confirm("All data on these devices will be lost. Continue?",
+                                   err=True)
+            except click.Abort:                 # Ctrl-C or end of input at the prompt
+                raise KeyboardInterrupt from None
+            if not go:
+                click.echo("kvblock: not formatted", err=True)
+                sys.exit(1)
         store = KVStore.format(opened, geometry, model=model, region_size=region_size,
                                force=True)
         with store:

@@ -6,6 +6,7 @@ stderr and exit with a code that names the kind of failure (see EXIT_CODES).
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 
@@ -40,6 +41,8 @@ EXIT_CODES: list[tuple[type, int]] = [
     (errors.KVBlockError, 1),
 ]
 EXIT_INTERRUPTED = 130
+_OS_EXIT = {errno.ENOENT: 3, errno.EACCES: 4, errno.EPERM: 4, errno.EBUSY: 5, errno.EIO: 9,
+            errno.EROFS: 17}
 
 
 def exit_code_for(exc: BaseException) -> int:
@@ -58,6 +61,10 @@ class KVBlockGroup(click.Group):
         except errors.KVBlockError as e:
             click.echo(f"kvblock: error: {e}", err=True)
             sys.exit(exit_code_for(e))
+        except OSError as e:   # one the code did not type: still one line, not a traceback
+            where = f"{e.filename}: " if e.filename else ""
+            click.echo(f"kvblock: error: {where}{e.strerror or e}", err=True)
+            sys.exit(_OS_EXIT.get(e.errno, 1))
         except KeyboardInterrupt:
             click.echo("kvblock: interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)

@@ -20,17 +20,20 @@ from pathlib import Path
 
 from kvblock.errors import (
     AlignmentError,
+    ConfigError,
     DeviceBusyError,
     DeviceError,
     DeviceNotFoundError,
     DevicePermissionError,
     DeviceTooSmallError,
     IOFailedError,
+    ReadOnlyStoreError,
     UnsupportedDeviceError,
     strerror,
 )
 
 BLKGETSIZE64 = 0x80081272
+BLKROGET = 0x125E
 BLKSSZGET = 0x1268
 BLKPBSZGET = 0x127B
 BLKDISCARD = 0x1277
@@ -96,6 +99,57 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
     return path
 
 
+def _read_only(fd: int) -> bool:
+    """Is the block device open on ``fd`` read-only (BLKROGET)?"""
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(fd, BLKROGET, buf)
+    except OSError:
+        return False
+    return struct.unpack("<i", buf)[0] != 0
+
+
+def _identity(path: str) -> tuple | None:
+    """What a path names, comparable across paths: a block device's number,
+    a file's (filesystem, inode); a loop device also names its backing file."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if stat.S_ISBLK(st.st_mode):
+        return ("block", st.st_rdev)
+    return ("file", st.st_dev, st.st_ino)
+
+
+def _backing_file(path: str) -> str | None:
+    name = os.path.basename(os.path.realpath(path))
+    try:
+        with open(f"/sys/block/{name}/loop/backing_file") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def check_distinct(paths) -> None:
+    """ConfigError when two of ``paths`` are one device: the same path or
+    device twice, or a loop device and its backing file."""
+    seen: dict[tuple, str] = {}
+    for p in map(os.fspath, paths):
+        names = [(_identity(p), p)]
+        backing = _backing_file(p)
+        if backing is not None:
+            names.append((_identity(backing), f"{p} (its backing file {backing})"))
+        for ident, what in names:
+            if ident is None:
+                continue
+            if ident in seen:
+                raise ConfigError(f"{seen[ident]} and {what} are the same device; give each "
+                                  "device once")
+        for ident, what in names:
+            if ident is not None:
+                seen.setdefault(ident, what)
+
+
 class Device:
     """An open device.  ``fd`` is opened with O_DIRECT (and O_EXCL / flock).
 
@@ -153,6 +207,10 @@ class Device:
                     f"{self.path}: device is busy (mounted, or opened exclusively by another "
                     "store or program); unmount it or stop the other user", self.path,
                     e.errno) from None
+            if e.errno == errno.EROFS:
+                raise ReadOnlyStoreError(
+                    f"{self.path}: on a read-only filesystem; open the store read-only, or "
+                    "remount the filesystem read-write") from None
             if e.errno == errno.EINVAL:
                 raise UnsupportedDeviceError(
                     f"{self.path}: the filesystem refuses O_DIRECT; put the file on ext4/xfs "
@@ -168,6 +226,12 @@ class Device:
                     raise DeviceBusyError(
                         f"{self.path}: file is locked by another kvblock store; stop the "
                         "other process or open it read-only", self.path, errno.EBUSY) from None
+            if writable and self.kind == "block" and _read_only(self.fd):
+                # The kernel opens it read-write, then fails every write (EPERM).
+                raise ReadOnlyStoreError(
+                    f"{self.path}: the device is read-only (losetup -r, blockdev --setro, or "
+                    f"write-protected); open the store read-only, or `blockdev --setrw "
+                    f"{self.path}`")
             if exclusive and self.kind == "block":
                 self._lock_loop_backing(st, busy_timeout)
             self.info = self._probe(st)

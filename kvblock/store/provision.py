@@ -10,6 +10,7 @@ util-linux's blkid finds a filesystem, partition table or RAID/LVM signature;
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -17,6 +18,7 @@ import stat
 from kvblock.devices import create_file
 from kvblock.errors import (
     ConfigError,
+    DevicePermissionError,
     GeometryMismatchError,
     NotAStoreError,
     UnsafeTargetError,
@@ -130,7 +132,12 @@ def holds_data(path: str, allow_model=False) -> str | None:
     found = signatures(path)
     if found:
         return describe(found)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except PermissionError:
+        raise DevicePermissionError(f"{path}: permission denied opening it to check what it "
+                                    "holds; run as root (raw devices) or add your user to the "
+                                    "device's group", path, errno.EACCES) from None
     try:
         copies = [os.pread(fd, sbfmt.SIZE, off) for off in sbfmt.COPY_OFFSETS]
     finally:
@@ -149,8 +156,8 @@ def guard_overwrite(path: str, doing: str, *, force: bool = False, yes: bool = F
         return
     what = holds_data(path, allow_model)
     if what is not None:
-        raise UnsafeTargetError(f"{path} holds {what}; {doing} would overwrite it (wipe it "
-                                "with wipefs, or pass --force)")
+        fix = "pass --force" if "kvblock store" in what else "wipe it with wipefs, or pass --force"
+        raise UnsafeTargetError(f"{path} holds {what}; {doing} would overwrite it ({fix})")
 
 
 def _is_block_device(path: str) -> bool:

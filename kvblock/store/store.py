@@ -36,7 +36,7 @@ import numpy as np
 import xxhash
 
 from kvblock.alloc.regions import FREE, SEALED, RegionTable
-from kvblock.devices import Device
+from kvblock.devices import Device, check_distinct
 from kvblock.errors import (
     ConfigError,
     DeviceTooSmallError,
@@ -121,6 +121,7 @@ def _epoch(store_uuid: bytes, generation: int) -> int:
 
 
 def _open_devices(devices, readonly=False) -> list[Device]:
+    check_distinct([d.path if isinstance(d, Device) else d for d in devices])
     out = []
     try:
         for d in devices:

@@ -267,6 +267,74 @@ def test_not_root(loop_device):
     formatted(dev)
     for cmd in ("info", "fsck"):
         one_line_error(kvb(cmd, dev, user=65534), 4, dev, "run as root")
+    # the overwrite guard of a write benchmark opens the device first
+    one_line_error(kvb("bench", dev, "--workload", "write", "--yes", "--seconds", "0.2",
+                       user=65534), 4, dev, "run as root")
+
+
+def test_read_only_device(loop_device):
+    """A read-only block device (losetup -r): formatting it or changing its
+    store says so (exit 17, nothing written); reading it works."""
+    dev = loop_device(16 << 20)
+    formatted(dev)
+    subprocess.run(["blockdev", "--setro", dev], check=True)
+    try:
+        before = head(dev)
+        for args in (("format", dev, *GEOM_ARGS, "--yes", "--force"), ("evict", dev, "--all"),
+                     ("trim", dev), ("fsck", dev, "--repair")):
+            one_line_error(kvb(*args), 17, dev, "read-only", "blockdev --setrw")
+        assert kvb("info", dev).returncode == 0 and kvb("fsck", dev).returncode == 0
+        assert head(dev) == before
+    finally:
+        subprocess.run(["blockdev", "--setrw", dev], check=True)
+
+
+def test_one_device_given_twice(loop_device, file_target):
+    """The same device twice, or a loop device and its backing file: one
+    line naming both, before anything is opened."""
+    path = file_target(16 << 20)
+    one_line_error(kvb("format", path, path, *GEOM_ARGS), 8, "are the same device")
+    dev = subprocess.run(["losetup", "-f", "--show", path], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    try:
+        one_line_error(kvb("format", dev, path, *GEOM_ARGS, "--yes"), 8,
+                       f"{dev} (its backing file", "are the same device")
+    finally:
+        subprocess.run(["losetup", "-d", dev], check=True)
+    assert head(path) == bytes(len(head(path)))
+
+
+def test_devices_of_different_sizes_are_named_at_format(file_target):
+    small, big = file_target(16 << 20), file_target(48 << 20)
+    res = kvb("format", small, big, *GEOM_ARGS, "--json")
+    assert res.returncode == 0, res.stderr
+    assert "differ in size" in res.stderr and "0.02 GiB of each" in res.stderr
+    assert json.loads(res.stdout)["capacity_bytes"] <= 2 * (16 << 20)
+
+
+def test_format_prompt_goes_to_the_terminal_not_stdout(loop_device):
+    """Without --yes on a terminal: the question is on stderr (stdout stays
+    JSON); "n" formats nothing (exit 1), Ctrl-D at the prompt exits 130."""
+    import pty
+
+    dev = loop_device(16 << 20)
+    for answer, code in ((b"n\n", 1), (b"\x04", 130), (b"y\n", 0)):
+        main, sub = pty.openpty()
+        try:
+            p = subprocess.Popen([sys.executable, "-m", "kvblock", "format", dev, *GEOM_ARGS,
+                                  "--json"], cwd=ROOT, stdin=sub, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE)
+            os.write(main, answer)
+            out, err = p.communicate(timeout=60)
+        finally:
+            os.close(main)
+            os.close(sub)
+        assert p.returncode == code, (answer, p.returncode, out, err)
+        assert b"Continue?" in err and b"Continue?" not in out
+        if code == 0:
+            assert json.loads(out)["runs"] == 0
+        else:
+            assert out == b"" and head(dev, 8192) == bytes(8192)
 
 
 def test_not_a_store_and_corrupt_superblock(loop_device, file_target):
