@@ -52,6 +52,10 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
         raise ConfigError(f"plan: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     per_token = kv_parts * layers * kv_heads * head_dim * DTYPES[dtype][1]
     per_request = per_token * tokens
+    # A rank holds its share of the KV heads, at least one (past tp = heads
+    # they are replicated); MLA's latent (kv_parts 1) is whole on every rank.
+    per_rank = per_request if kv_parts == 1 else \
+        per_request // kv_heads * -(-kv_heads // tp)
     capacity = per_request * (sessions or concurrency)
     array_gbps = devices * device_gbps
     restore_single = per_request / (array_gbps * GB)
@@ -64,7 +68,7 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
         recompute = flops / ((gpus or tp) * gpu_tflops * 1e12 * mfu)
     return Plan(
         kv_bytes_per_token=per_token, kv_bytes_per_request=per_request,
-        kv_bytes_per_rank=per_request // tp, store_capacity_bytes=capacity,
+        kv_bytes_per_rank=per_rank, store_capacity_bytes=capacity,
         store_capacity_per_device_bytes=-(-capacity // devices), array_gbps=array_gbps,
         restore_s_single=restore_single, restore_s_concurrent=restore_concurrent,
         recompute_s=recompute,

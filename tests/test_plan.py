@@ -25,6 +25,19 @@ def test_large_model_tp8_on_an_eight_drive_array():
     assert p.recompute_s is None and p.break_even_array_gbps is None
 
 
+def test_per_rank_bytes_past_the_head_count_and_for_mla():
+    # 8 kv heads at tp 16: each rank holds one head (replicated), 1/8 not 1/16
+    p = plan(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0, tp=16)
+    assert p.kv_bytes_per_rank == p.kv_bytes_per_request // 8
+    # 8 heads at tp 3: ranks hold 3, 3 and 2 heads; the largest share is per rank
+    p = plan(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0, tp=3)
+    assert p.kv_bytes_per_rank == p.kv_bytes_per_request // 8 * 3
+    # MLA's latent is whole on every rank
+    p = plan(layers=61, kv_heads=1, head_dim=576, kv_parts=1, tokens=1000, device_gbps=2.0,
+             tp=8)
+    assert p.kv_bytes_per_rank == p.kv_bytes_per_request
+
+
 def test_recompute_from_measured_prefill_and_from_flops():
     p = plan(layers=32, kv_heads=8, head_dim=128, tokens=10_000, device_gbps=2.0,
              prefill_tokens_per_s=5_000)
