@@ -217,16 +217,24 @@ def ls(devices, limit, as_json):
 def fsck(devices, repair, deep, as_json):
     """Check superblocks, checkpoints, journal, index vs allocation (and data with --deep).
 
-    Exit 0 clean, 1 problems found (repaired with --repair), 2 store unusable.
+    Exit 0 clean, 1 problems found (repaired with --repair); a store that
+    cannot be opened is "unusable" with the exit code of its error (11 not
+    a store or corrupt, 12 other format version, 13 geometry or model, 14 a
+    device missing, 7 device too small...).
     """
-    from kvblock.errors import FormatError
+    from kvblock.cli.main import exit_code_for
+    from kvblock.errors import DeviceTooSmallError, FormatError
     from kvblock.store.fsck import fsck as run_fsck
 
     try:
         store = _store(devices, readonly=not repair)
-    except FormatError as e:
-        _emit({"status": "unusable", "problems": [str(e)]}, as_json, "kvblock fsck")
-        sys.exit(2)
+    except (FormatError, DeviceTooSmallError) as e:   # what is there is no usable store
+        if as_json:
+            _emit({"status": "unusable", "problems": [str(e)]}, True, "")
+        else:
+            click.echo(f"kvblock fsck {devices[0]}: unusable", err=False)
+            click.echo(f"  problem: {e}")
+        sys.exit(exit_code_for(e))
     with store:
         if deep and not as_json and sys.stderr.isatty():
             from rich.progress import Progress

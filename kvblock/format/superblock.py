@@ -145,4 +145,11 @@ def pick(copies: list[bytes], path: str) -> Superblock:
     if not errors:
         raise NotAStoreError(f"{path}: no superblock copies to read", path, 0)
     version_errors = [e for e in errors if isinstance(e, UnsupportedVersionError)]
-    raise version_errors[0] if version_errors else errors[0]
+    if version_errors:
+        raise version_errors[0]
+    corrupt = [e for e in errors if "fails its checksum" in str(e)]
+    if len(corrupt) > 1:
+        raise NotAStoreError(f"{path}: every superblock copy (offsets "
+                             f"{' and '.join(str(o) for o in COPY_OFFSETS)}) fails its checksum "
+                             "(corrupt); the store cannot be opened: reformat it", path, 0)
+    raise corrupt[0] if corrupt else errors[0]

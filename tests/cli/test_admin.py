@@ -341,15 +341,23 @@ def test_not_a_store_and_corrupt_superblock(loop_device, file_target):
     blank = file_target(16 << 20)
     one_line_error(kvb("info", blank), 11, "no kvblock superblock")
     res = kvb("fsck", blank, "--json")
-    assert res.returncode == 2 and json.loads(res.stdout)["status"] == "unusable"
+    assert res.returncode == 11 and json.loads(res.stdout)["status"] == "unusable"
+    res = kvb("fsck", blank)
+    assert res.returncode == 11 and "unusable" in res.stdout and "no kvblock superblock" in \
+        res.stdout
+    other = file_target(16 << 20)
+    formatted(other)
+    res = kvb("fsck", other, blank, "--json")       # the second is not that store's
+    assert res.returncode in (11, 14) and json.loads(res.stdout)["status"] == "unusable"
     dev = loop_device(16 << 20)
     formatted(dev)
     with open(dev, "r+b") as f:
         for off in (200, 4096 + 200):
             f.seek(off)
             f.write(b"\xff" * 16)
-    one_line_error(kvb("info", dev), 11, "fails its checksum")
-    assert kvb("fsck", dev).returncode == 2
+    one_line_error(kvb("info", dev), 11, "every superblock copy (offsets 0 and 4096) fails its "
+                   "checksum")
+    assert kvb("fsck", dev).returncode == 11
 
 
 def test_model_mismatch(file_target):
