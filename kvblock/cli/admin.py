@@ -354,7 +354,7 @@ def _duration(text: str) -> float:
 
 @cli.command()
 @click.argument("devices", nargs=-1, required=True)
-@click.option("--bytes", "nbytes", type=SIZE, default=None, help="Free at least this much.")
+@click.option("--bytes", "nbytes", type=SIZE, default=None, help="Reclaim until at least this much is free.")
 @click.option("--older-than", default=None, help="Reclaim regions sealed longer ago (30m, 7d).")
 @click.option("--all", "everything", is_flag=True, help="Reclaim every unpinned region.")
 @click.option("--json", "as_json", is_flag=True)

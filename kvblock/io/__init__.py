@@ -28,10 +28,15 @@ def _uring_probe() -> tuple[bool, str]:
     return probe()
 
 
+_ALIASES = {"io_uring": "uring", "iouring": "uring", "liburing": "uring"}
+
+
 def _requested(kind: str | None) -> str:
+    source = "the engine setting" if kind else "KVBLOCK_IO_ENGINE"
     kind = (kind or os.environ.get("KVBLOCK_IO_ENGINE") or "auto").strip().lower()
+    kind = _ALIASES.get(kind, kind)
     if kind not in ENGINES + ("auto",):
-        raise ConfigError(f"unknown I/O engine {kind!r} (KVBLOCK_IO_ENGINE); choose one of "
+        raise ConfigError(f"unknown I/O engine {kind!r} ({source}); choose one of "
                           "uring, threads, auto")
     return kind
 

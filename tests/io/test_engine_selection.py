@@ -74,8 +74,20 @@ def test_env_override(monkeypatch):
     assert kvblock.io_engine() == "threads"
     assert "requested" in kvblock.engine_report()["reason"]
     monkeypatch.setenv("KVBLOCK_IO_ENGINE", "spdk")
-    with pytest.raises(ConfigError, match="unknown I/O engine 'spdk'.*uring, threads, auto"):
+    with pytest.raises(ConfigError, match="unknown I/O engine 'spdk' .KVBLOCK_IO_ENGINE.*"
+                                          "uring, threads, auto"):
         kvblock.io_engine()
+
+
+def test_engine_names_as_users_write_them(monkeypatch):
+    """io_uring is uring; a bad name from a setting names the setting, not
+    the environment variable."""
+    from kvblock.io import _requested
+
+    monkeypatch.delenv("KVBLOCK_IO_ENGINE", raising=False)
+    assert _requested("io_uring") == "uring" and _requested("IO_URING ") == "uring"
+    with pytest.raises(ConfigError, match="'spdk' .the engine setting."):
+        _requested("spdk")
 
 
 def test_unavailable_error_is_kvblock_error():
