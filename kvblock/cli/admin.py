@@ -196,7 +196,7 @@ def ls(devices, limit, as_json):
     if as_json:
         click.echo(_json.dumps({"runs": rows, "total_runs": total}))
         return
-    from rich.console import Console
+    from kvblock.cli.main import console
     from rich.table import Table
 
     table = Table(title=f"{total} run(s) in {devices[0]}" + (f" (first {limit})"
@@ -206,7 +206,7 @@ def ls(devices, limit, as_json):
         table.add_column(col)
     for row in rows:
         table.add_row(*(str(row[c]) if row[c] is not None else "-" for c in row))
-    Console().print(table)
+    console().print(table)
 
 
 @cli.command()

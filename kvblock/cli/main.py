@@ -80,13 +80,20 @@ def _emit(obj: dict, as_json: bool, title: str) -> None:
     if as_json:
         click.echo(json.dumps(obj, indent=None, sort_keys=False))
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title, show_header=False)
     for key, value in obj.items():
         table.add_row(str(key), str(value))
-    Console().print(table)
+    console().print(table)
+
+
+def console():
+    """A rich Console; piped output is not cut to 80 columns (rich's width
+    when stdout is no terminal), so paths and offsets stay whole."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=400)
 
 
 @cli.command()

@@ -99,6 +99,9 @@ def test_format_info_ls_fsck_on_loop_device(loop_device):
     assert res.returncode == 0 and json.loads(res.stdout)["status"] == "clean", res.stdout
     for human in (kvb("info", dev), kvb("ls", dev)):
         assert human.returncode == 0 and "error" not in human.stderr
+    # piped, the tables are not cut to 80 columns: offsets and hints stay whole
+    assert f" {rows['runs'][0]['offset']} " in kvb("ls", dev).stdout
+    assert backing in kvb("info", dev).stdout.replace("\n", "")
 
 
 def test_format_refuses_ext4(loop_device):
