@@ -640,6 +640,42 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path):
             stop_server(pid)
 
 
+def test_a_hung_shared_server_costs_lookup_one_bounded_wait(tmp_path):
+    """vLLM's scheduler thread calls lookup(): with the store server stopped
+    (SIGSTOP) it answers within LOOKUP_ANSWER_TIMEOUT_S (then at once), and
+    hits again once the server runs and the tier has reconnected."""
+    from kvblock.integrations.vllm import LOOKUP_ANSWER_TIMEOUT_S
+    from tests.support.servers import stop_server
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    pool = page_aligned_pool(8)
+    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock", devices=[dev],
+                              server=sock, size="64M", threads=2)
+    pid = tier.store.server_pid
+    try:
+        fill_random(pool, range(2))
+        tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+        assert all(r.success for r in drain(tier))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            assert tier.lookup(key(1), CTX) == LookupResult.MISS
+            assert time.monotonic() - t0 < LOOKUP_ANSWER_TIMEOUT_S + 1.0
+            t0 = time.monotonic()
+            assert tier.lookup(key(2), CTX) == LookupResult.MISS      # now at once
+            assert time.monotonic() - t0 < 0.5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while tier.lookup(key(1), CTX) != LookupResult.HIT:
+            assert time.monotonic() < deadline, "the tier did not reconnect"
+            time.sleep(0.05)
+        assert tier.store.server_pid == pid          # the same server, a new connection
+    finally:
+        tier.shutdown()
+        stop_server(pid)
+
+
 def test_refuses_a_store_of_another_slot_size(make_tier):
     tier, _ = make_tier()
     tier.shutdown()
