@@ -109,6 +109,39 @@ def _read_only(fd: int) -> bool:
     return struct.unpack("<i", buf)[0] != 0
 
 
+def holders(path: str, limit: int = 3) -> str:
+    """" (held by pid N: CMDLINE)" for processes other than this one that
+    have ``path`` open, read from /proc (what a busy-device message can
+    name; empty when none can be seen, e.g. without root)."""
+    ident = _identity(path)
+    if ident is None:
+        return ""
+    found = []
+    for pid in filter(str.isdigit, _listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        for fd in _listdir(f"/proc/{pid}/fd"):
+            try:
+                if _identity(f"/proc/{pid}/fd/{fd}") != ident:
+                    continue
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except OSError:
+                continue
+            found.append(f"pid {pid}: {cmd[:120]}")
+            break
+        if len(found) >= limit:
+            break
+    return f" (held by {'; '.join(found)})" if found else ""
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
 def _identity(path: str) -> tuple | None:
     """What a path names, comparable across paths: a block device's number,
     a file's (filesystem, inode); a loop device also names its backing file."""
@@ -205,8 +238,8 @@ class Device:
             if e.errno == errno.EBUSY:
                 raise DeviceBusyError(
                     f"{self.path}: device is busy (mounted, or opened exclusively by another "
-                    "store or program); unmount it or stop the other user", self.path,
-                    e.errno) from None
+                    f"store or program{holders(self.path)}); unmount it or stop the other "
+                    "user", self.path, e.errno) from None
             if e.errno == errno.EROFS:
                 raise ReadOnlyStoreError(
                     f"{self.path}: on a read-only filesystem; open the store read-only, or "
@@ -224,8 +257,9 @@ class Device:
                                 busy_timeout)
                 except BlockingIOError:
                     raise DeviceBusyError(
-                        f"{self.path}: file is locked by another kvblock store; stop the "
-                        "other process or open it read-only", self.path, errno.EBUSY) from None
+                        f"{self.path}: file is locked by another kvblock store"
+                        f"{holders(self.path)}; stop the other process or open it read-only",
+                        self.path, errno.EBUSY) from None
             if writable and self.kind == "block" and _read_only(self.fd):
                 # The kernel opens it read-write, then fails every write (EPERM).
                 raise ReadOnlyStoreError(
@@ -266,8 +300,8 @@ class Device:
             os.close(fd)
             raise DeviceBusyError(
                 f"{self.path}: a loop device over {backing}, which another kvblock store "
-                "has open (through the file or another loop device); stop the other "
-                "process", self.path, errno.EBUSY) from None
+                f"has open (through the file or another loop device{holders(backing)}); stop "
+                "the other process", self.path, errno.EBUSY) from None
         self._backing_fd = fd
 
     # --- probing ---------------------------------------------------------------

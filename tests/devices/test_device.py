@@ -114,6 +114,27 @@ def test_exclusive_file_lock(file_target):
         pass
 
 
+def test_busy_names_the_process_holding_it(file_target, loop_device):
+    """A device or file another process holds: the error names its pid and
+    command line (an auto-started `kvblock serve` outlives its engine)."""
+    import sys
+
+    path, dev = file_target(1 * MIB), loop_device(8 * MIB)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom kvblock.devices import Device\n"
+         "held = [Device(p) for p in sys.argv[1:]]\nprint('ready', flush=True)\n"
+         "time.sleep(60)", path, dev], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        for target in (path, dev):
+            with pytest.raises(DeviceBusyError, match=f"held by pid {holder.pid}: .*python"):
+                Device(target, busy_timeout=0.1)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
 def test_exclusive_block_device(loop_device):
     dev_path = loop_device(8 * MIB)
     with Device(dev_path):
