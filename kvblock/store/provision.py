@@ -44,14 +44,24 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
         for path in devices:
             if not os.path.exists(path):
                 create_file(path, size)
+            elif os.path.isfile(path) and os.path.getsize(path) != size:
+                logger.warning("kvblock: %s: %s exists with %d bytes; size %d applies to new "
+                               "files only (delete the file to make it anew)", owner, path,
+                               os.path.getsize(path), size)
     if format == "force":
         return KVStore.format(devices, geometry, model=model, region_size=region_size,
                               force=True, **options)
     try:
-        return KVStore.open(devices, geometry=geometry, model=model, **options)
+        store = KVStore.open(devices, geometry=geometry, model=model, **options)
     except NotAStoreError:
         if format == "never":
             raise
+    else:
+        if region_size is not None and store.sb.region_size != region_size:
+            logger.warning("kvblock: %s: the store on %s was formatted with regions of %d "
+                           "bytes; region_size %d applies when a store is formatted",
+                           owner, devices, store.sb.region_size, region_size)
+        return store
     for path in devices:
         if _is_block_device(path):
             from kvblock.devices.probe import describe, signatures

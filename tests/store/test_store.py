@@ -738,3 +738,23 @@ def test_public_pin_keeps_a_run_through_eviction(tmp_path):
             store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
         assert store.lookup(keys) == 0          # unpinned and cold: evicted
         assert store.pin([b"missing"]) == []
+
+
+def test_open_or_format_says_when_size_or_region_size_no_longer_apply(tmp_path, caplog):
+    """size makes missing files, region_size applies at format: given for an
+    existing file or store they are logged as not applied, not silently
+    dropped."""
+    import logging
+
+    from kvblock.store.provision import open_or_format
+
+    path = str(tmp_path / "kv.img")
+    open_or_format([path], GEOM, "m", size=8 << 20, region_size=REGION).close()
+    with caplog.at_level(logging.WARNING, logger="kvblock"):
+        open_or_format([path], GEOM, "m", size=8 << 20, region_size=REGION).close()
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="kvblock"):
+        open_or_format([path], GEOM, "m", size=16 << 20, region_size=2 * REGION).close()
+    text = caplog.text
+    assert "size 16777216 applies to new files only" in text
+    assert f"region_size {2 * REGION} applies when a store is formatted" in text
