@@ -209,6 +209,7 @@ class _Session:
         self.held = 0
         self._held_lock = threading.Lock()
         self._open = True
+        self.call_started: float | None = None   # monotonic start of the call in flight
 
     def hold(self, delta: int) -> None:
         """Count pins taken (+1) and released (-1) on this session."""
@@ -233,6 +234,17 @@ class _Session:
         except OSError:
             pass
 
+    def forget(self) -> None:
+        """close() in a forked child: the locks may be held by a thread that
+        does not exist there, so none are taken (and none are used again)."""
+        self._open = False
+        self.lock = threading.Lock()
+        self._held_lock = threading.Lock()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
 
 # A lost session is replaced by a thread that tries to connect every
 # RECONNECT_INTERVAL_S, doubling up to RECONNECT_MAX_INTERVAL_S while nobody
@@ -243,35 +255,44 @@ RECONNECT_MAX_INTERVAL_S = 10.0
 
 
 def _reconnect_loop(ref, stop: threading.Event) -> None:
-    delay = RECONNECT_INTERVAL_S
-    warned = None
+    """(thread) Replace the lost session of ``ref()``; holds the store only
+    while trying, so a store dropped without close() is still collected."""
+    delay, warned = RECONNECT_INTERVAL_S, None
     while not stop.wait(delay):
         store = ref()
         if store is None or store.closed:
             return
-        try:
-            try:
-                s = store._new_session()
-            except ServerGoneError:
-                if store._restart is None:
-                    raise
-                store._restart()           # nobody there: start a server (one rank does)
-                s = store._new_session()
-        except errors.GeometryMismatchError as e:   # another store now: never this one
-            store._session.gone = str(e)
-            logger.error("%s", e)
+        done, warned = _reconnect_once(store, warned)
+        del store
+        if done:
             return
-        except (KVBlockError, OSError) as e:
-            if str(e) != warned:
-                logger.warning("kvblock: reconnecting to %s: %s (retrying)",
-                               store.socket_path, e)
-                warned = str(e)
-            delay = min(delay * 2, RECONNECT_MAX_INTERVAL_S)
-            continue
-        if store._adopt(s):
-            logger.warning("kvblock: reconnected to the store server at %s (pid %d)",
-                           store.socket_path, store.server_pid)
-        return
+        delay = min(delay * 2, RECONNECT_MAX_INTERVAL_S)
+
+
+def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str | None]:
+    """One attempt: (finished, the last warning logged)."""
+    try:
+        try:
+            s = store._new_session()
+        except ServerGoneError:
+            if store._restart is None:
+                raise
+            store._restart()           # nobody there: start a server (one rank does)
+            s = store._new_session()
+    except errors.GeometryMismatchError as e:   # another store now: never this one
+        store._refused = str(e)
+        store._session.gone = str(e)
+        logger.error("%s", str(e))     # text only: a record must not keep the traceback
+        return True, warned
+    except (KVBlockError, OSError) as e:
+        if str(e) != warned:
+            logger.warning("kvblock: reconnecting to %s: %s (retrying)", store.socket_path,
+                           str(e))
+        return False, str(e)
+    if store._adopt(s):
+        logger.warning("kvblock: reconnected to the store server at %s (pid %d)",
+                       store.socket_path, store.server_pid)
+    return True, warned
 
 
 class RemoteStore:
@@ -321,6 +342,7 @@ class RemoteStore:
         self._reconnect_lock = threading.Lock()
         self._reconnector: threading.Thread | None = None
         self._forked = False
+        self._refused: str | None = None   # the server serves another store: no reconnect
         self._session = _Session(_connect(self.socket_path, timeout))
         self._sessions = weakref.WeakSet([self._session])   # for a forked child to close
         try:
@@ -403,10 +425,15 @@ class RemoteStore:
         connection busy for ``wait`` seconds (a scheduler thread must not
         queue behind a worker's commit).  ``timeout`` bounds the answer's
         wait (a hung server): past it the session is abandoned and this
-        raises ServerGoneError."""
+        raises ServerGoneError; and while another call has been waiting for
+        its answer longer than ``timeout``, this answers False at once."""
         self._check_open()
         s = self._current()
         if not s.lock.acquire(timeout=wait):
+            started = s.call_started
+            if timeout is not None and started is not None and \
+                    time.monotonic() - started > timeout:
+                return False     # a call stuck past the lookup's limit: the server is hung
             return None
         try:
             n = int(self._call_locked(s, "lookup", {"keys": encode_keys(normalize_keys([key]))},
@@ -424,6 +451,7 @@ class RemoteStore:
         data = encode_msg({"op": op, **args})   # a ConfigError here sends nothing
         limit = self.timeout if timeout is None else (
             timeout if self.timeout is None else min(timeout, self.timeout))
+        s.call_started = time.monotonic()
         try:
             s.sock.settimeout(limit)
             s.sock.sendall(data)
@@ -431,6 +459,7 @@ class RemoteStore:
             if reply is None:
                 raise ConnectionError("the server closed the connection")
         except BaseException as e:
+            s.call_started = None
             # The request may be half sent or its answer unread: the stream
             # cannot be trusted any more, so the connection is abandoned
             # (closed once this process's pins on it are released).
@@ -453,6 +482,7 @@ class RemoteStore:
             if lost:
                 raise ServerGoneError(s.gone) from None
             raise
+        s.call_started = None
         if not reply.get("ok"):
             _raise_remote(reply.get("error", "ServerError"), reply.get("message", ""))
         return reply.get("result")
@@ -468,9 +498,11 @@ class RemoteStore:
 
     # ------------------------------------------------------------------ reconnecting
     def _start_reconnect(self) -> None:
-        if not self._reconnect or self.closed or self._forked:
+        if not self._reconnect or self.closed or self._forked or self._refused:
             return
         with self._reconnect_lock:
+            if self._session.gone is None:      # replaced meanwhile: nothing to do
+                return
             if self._reconnector is not None and self._reconnector.is_alive():
                 return
             self._reconnector = threading.Thread(
@@ -482,6 +514,7 @@ class RemoteStore:
         """A session on the server now at the socket, which must serve this
         store (same uuid and geometry) with this protocol."""
         s = _Session(_connect(self.socket_path, self.timeout))
+        self._sessions.add(s)          # a fork from here on closes it in the child
         try:
             hello = self._call_locked(s, "hello", {"protocol": PROTOCOL, "pid": os.getpid()})
             if hello.get("protocol") != PROTOCOL or hello.get("uuid") != self.uuid or \
@@ -693,6 +726,10 @@ class RemoteStore:
         this process's devices.  The store itself stays with the server."""
         if self.closed and self.io is None:
             return
+        if self._forked:                 # its sessions are closed; its locks may be stale
+            self.closed = True
+            KVStore._release_devices(self)
+            return
         with self._reconnect_lock:
             self.closed = True
             self._stop.set()
@@ -728,7 +765,7 @@ def _after_fork_in_child() -> None:
         for s in list(store._sessions):
             s.gone = (f"this process was forked from the one that connected to "
                       f"{store.socket_path}: connect again here")
-            s.close()
+            s.forget()      # no locks here: another thread may have held them at the fork
     _LIVE.clear()
 
 
@@ -759,7 +796,7 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     store yet: the server only opens).
 
     Race handling: every rank may call this at once.  Whoever finds no server
-    takes an exclusive ``flock`` on ``<socket_path>.lock``, tries to connect
+    takes an exclusive lock (``lockf``) on ``<socket_path>.lock``, tries to connect
     again (another rank may have started the server while it waited for the
     lock) and only then starts a server process (``kvblock serve``, in its own
     session, so it outlives the rank that started it; its output goes to
@@ -796,14 +833,34 @@ def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.
                   server_options: dict | None = None, prepare=None) -> None:
     """Start a store server on ``devices`` at ``socket_path`` unless one
     answers there, under ``<socket_path>.lock`` (see :func:`connect`)."""
-    from kvblock.store.server import spawn_server
-
     socket_path = os.fspath(socket_path)
     lock_path = socket_path + ".lock"
     socket_dir(socket_path)
+    # lockf, not flock: a process forked meanwhile (from another thread) must
+    # not inherit the lock and block every later start; lockf does not tell
+    # this process's threads apart, so they take _START_LOCK first.
+    with _START_LOCK:
+        _start_locked(socket_path, lock_path, devices, start_timeout, server_options, prepare)
+
+
+_START_LOCK = threading.Lock()
+
+
+def _reset_start_lock() -> None:
+    global _START_LOCK
+    _START_LOCK = threading.Lock()    # a forked child: held by a thread it does not have
+
+
+os.register_at_fork(after_in_child=_reset_start_lock)
+
+
+def _start_locked(socket_path, lock_path, devices, start_timeout, server_options,
+                  prepare) -> None:
+    from kvblock.store.server import spawn_server
+
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        fcntl.lockf(fd, fcntl.LOCK_EX)
         try:
             _connect(socket_path, 5.0).close()
             return                   # another rank started it while we waited

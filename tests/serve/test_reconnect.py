@@ -184,3 +184,179 @@ def test_socket_directories(tmp_path):
         serve_in_background([path], str(tmp_path / ("x" * 120) / "kv.sock"))
     with KVStore.open([path]) as store:       # every refusal let the store go
         assert store.lookup(run_keys(0, 1)) == 0
+
+
+def test_one_reconnect_per_outage_and_a_refused_store_stays_refused(tmp_path):
+    """Threads calling while the session is replaced start one reconnect,
+    not one each (a second would replace the healthy new session); a server
+    that now serves another store is refused once, without new attempts."""
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    r = RemoteStore(sock, reconnect=True)
+    try:
+        stop = threading.Event()
+
+        def call():
+            while not stop.is_set():
+                try:
+                    r.lookup(run_keys(0, 1))
+                except ServerGoneError:
+                    pass
+        threads = [threading.Thread(target=call) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for cycle in range(1, 4):
+            server.stop()
+            server = serve_in_background([path], sock)
+            deadline = time.monotonic() + 20
+            while r.counters["reconnects"] < cycle or not r.server_alive:
+                assert time.monotonic() < deadline, "no reconnect"
+                time.sleep(0.01)
+            time.sleep(1.2)                # a second reconnect would have replaced it by now
+            assert r.counters["reconnects"] == cycle
+        stop.set()
+        for t in threads:
+            t.join()
+        server.stop()
+        other = str(tmp_path / "other.img")
+        import shutil
+        shutil.copy(path, other)
+        KVStore.format([other], KVStore.open([path], readonly=True).geometry, force=True).close()
+        server = serve_in_background([other], sock)      # another store on the socket
+        with pytest.raises(ServerGoneError):
+            r.lookup(run_keys(0, 1))
+        deadline = time.monotonic() + 10
+        while "now serves another store" not in repr(r._session.gone):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for _ in range(20):
+            with pytest.raises(ServerGoneError, match="now serves another store"):
+                r.lookup(run_keys(0, 1))
+            time.sleep(0.05)
+        assert not [t for t in threading.enumerate() if t.name == "kvblock-reconnect"]
+    finally:
+        r.close()
+        server.stop()
+
+
+def test_a_dropped_store_is_collected_while_reconnecting(tmp_path):
+    import gc
+    import weakref
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    r = RemoteStore(sock, reconnect=True)
+    server.stop()
+    with pytest.raises(ServerGoneError):
+        r.lookup(run_keys(0, 1))          # the reconnect thread starts, finds nobody
+    time.sleep(1.5)                       # and waits between attempts
+    ref = weakref.ref(r)
+    del r
+    deadline = time.monotonic() + 10
+    while ref() is not None:
+        gc.collect()
+        assert time.monotonic() < deadline, "the reconnect thread kept the store alive"
+        time.sleep(0.1)
+    deadline = time.monotonic() + 15
+    while [t for t in threading.enumerate() if t.name == "kvblock-reconnect"]:
+        assert time.monotonic() < deadline, "the reconnect thread never ended"
+        time.sleep(0.1)
+
+
+def test_a_lookup_does_not_wait_behind_a_stuck_call(tmp_path):
+    """contains_nowait answers None (RETRY) while another thread's call is in
+    flight, and False once that call has waited longer than its timeout (a
+    hung server), not RETRY for as long as the stuck call's own limit."""
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    real = server._op_segments
+    go = threading.Event()
+
+    def stuck_segments(s, keys):
+        go.wait(10)
+        return real(s, keys)
+    server._op_segments = stuck_segments
+    r = RemoteStore(sock, timeout=30, reconnect=True)
+    try:
+        keys = run_keys(3, 1)
+        r.put_run(keys, run_data(keys))
+        t = threading.Thread(target=lambda: r.get_run(keys, np.zeros_like(run_data(keys))))
+        t.start()
+        time.sleep(0.1)
+        assert r.contains_nowait(keys[0], 0.001, timeout=0.5) is None
+        time.sleep(0.6)
+        assert r.contains_nowait(keys[0], 0.001, timeout=0.5) is False
+        go.set()
+        t.join(10)
+        assert r.contains_nowait(keys[0], 0.001, timeout=0.5) is True
+    finally:
+        go.set()
+        r.close()
+        server.stop()
+
+
+def test_a_fork_while_locks_are_held_neither_hangs_nor_inherits_the_start_lock(tmp_path):
+    """The at-fork handler takes no lock (a thread may hold one at the fork),
+    close() in the child does not wait for a call in flight in the parent,
+    and a child forked while a server is being started does not keep
+    <socket>.lock locked."""
+    import fcntl
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock):
+        r = RemoteStore(sock, reconnect=True)
+        try:
+            s = r._session
+            with s._held_lock, s.lock:             # as if inside hold() and a call
+                pid = os.fork()
+                if pid == 0:
+                    code = 1
+                    try:
+                        try:
+                            r.lookup(run_keys(0, 1))
+                        except ServerGoneError as e:
+                            r.close()
+                            code = 0 if "forked" in str(e) else 2
+                    finally:
+                        os._exit(code)
+                deadline = time.monotonic() + 10
+                while True:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                    if done:
+                        break
+                    if time.monotonic() > deadline:
+                        os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                        raise AssertionError("the forked child hung on a lock")
+                    time.sleep(0.05)
+                assert os.waitstatus_to_exitcode(status) == 0
+            assert r.lookup(run_keys(0, 1)) == 0
+        finally:
+            r.close()
+
+    from kvblock.store.client import ensure_server
+    sock2 = str(tmp_path / "two.sock")
+    forked = []
+
+    def prepare():                               # runs under the start lock
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(20)
+            os._exit(0)
+        forked.append(pid)
+    try:
+        ensure_server(sock2, [path], prepare=prepare)
+        fd = os.open(sock2 + ".lock", os.O_RDWR)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # the child does not hold it
+        finally:
+            os.close(fd)
+    finally:
+        for pid in forked:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        _kill_servers_of(sock2)
