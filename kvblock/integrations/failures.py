@@ -6,7 +6,8 @@ error, a store closed after a failed metadata write.  The integrations'
 calls then answer as for a miss (not found, not stored, not loaded) and log
 the failure: the first one at once, then at most one line per
 ``LOG_INTERVAL_S`` saying how many more there were.  Misuse (a ConfigError
-and the like) still raises.
+and the like) raises at setup; met in a data call, that call answers a
+failure and logs an error each time.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ class FailureLog:
         self._lock = threading.Lock()
 
     def __call__(self, what: str, exc: BaseException) -> None:
+        if not isinstance(exc, RUNTIME_FAILURES):
+            # A misuse in a data call (an unregistered pool...): the caller
+            # still answers a failure (an engine must not crash on it), but
+            # it is an error of the setup, logged each time, not counted.
+            self.logger.error("%s: %s failed: %s", self.owner, what, str(exc))
+            return
         now = time.monotonic()
         with self._lock:
             self.count += 1
@@ -44,5 +51,7 @@ class FailureLog:
             folded, self._folded, self._last = self._folded, 0, now
         more = f" ({folded} more store failures in the last {self.interval:g} s)" if folded \
             else ""
+        # The text, not the exception: a kept record (a capturing or queueing
+        # handler) would keep its traceback's frames and their buffers alive.
         self.logger.warning("%s: %s failed, answered as a miss: %s%s", self.owner, what,
-                            exc, more)
+                            str(exc), more)

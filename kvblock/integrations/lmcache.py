@@ -201,6 +201,12 @@ class ChunkFormat:
                 and list(dtypes) == self.dtypes)
 
 
+def _lost(segs) -> bool:
+    """Pinned segments of a shared store whose connection is gone."""
+    session = getattr(segs, "session", None)
+    return session is not None and session.gone is not None
+
+
 def _obj_bytes(obj: MemoryObj, nbytes: int) -> np.ndarray:
     """The object's bytes as a writable uint8 numpy array (no copy)."""
     raw = getattr(obj, "raw_tensor", None)
@@ -571,6 +577,15 @@ class KVBlockStorageBackend(StoragePluginInterface):
         kb = self.kvblock_key(key)
         with self._lock:
             entry = self._pins.get(kb)
+            held = 0
+            if entry is not None and _lost(entry[1]):
+                # Taken on a shared store's connection that is gone since (the
+                # server restarted): it protects nothing.  Pin anew, keeping
+                # the count of LMCache's pins (each is unpinned once).
+                held = entry[0]
+                self._pins.pop(kb)
+                self.store.unpin(entry[1])
+                entry = None
             if entry is not None:
                 entry[0] += 1
                 return True
@@ -579,10 +594,10 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 segs = self.store.pin([kb])
             except RUNTIME_FAILURES as e:
                 self._failed("a pin", e)
+                segs = None
+            if not segs:       # earlier holders' unpins then find no entry: harmless
                 return False
-            if not segs:
-                return False
-            self._pins[kb] = [1, segs]
+            self._pins[kb] = [held + 1, segs]
             return True
 
     def unpin(self, key: CacheEngineKey) -> bool:

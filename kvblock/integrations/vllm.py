@@ -122,6 +122,7 @@ from kvblock.errors import (
     IOFailedError,
     KVBlockError,
 )
+from kvblock.integrations.failures import RUNTIME_FAILURES, FailureLog
 from kvblock.layout import Geometry
 from kvblock.store import KVStore
 
@@ -314,6 +315,7 @@ class KVBlockTierManager(SecondaryTierManager):
         # a region cannot fit at its end small.
         self.max_run_blocks = max(1, min(run_bytes // bs, self.store.max_run_blocks // 8))
         self._cond = threading.Condition(threading.Lock())
+        self._failed = FailureLog(logger, "kvblock tier")
         self._loads: deque = deque()
         self._stores: deque = deque()
         self._finished: deque[JobResult] = deque()
@@ -447,8 +449,13 @@ class KVBlockTierManager(SecondaryTierManager):
         self._slots = None
 
     def stats(self) -> dict:
-        """The store's counters and gauges (``KVStore.stats()``)."""
-        return self.store.stats()
+        """The store's counters and gauges (``KVStore.stats()``), and how
+        many store failures failed jobs' keys."""
+        own = {"store_failures": self._failed.count}
+        try:
+            return {**self.store.stats(), **own}
+        except RUNTIME_FAILURES as e:
+            return {**own, "store_error": str(e)}
 
     # ------------------------------------------------------------ internals
     def _enqueue(self, job: _Job, queue: deque) -> None:
@@ -531,10 +538,13 @@ class KVBlockTierManager(SecondaryTierManager):
             moved = 0
             try:
                 moved = self._run_piece(job, start, stop)
-            except Exception as e:  # a failed piece fails its keys, never the worker
+            except KVBlockError as e:  # a failed piece fails its keys, never the worker
+                self._failed(f"{'load' if job.load else 'store'} job {job.meta.job_id}, "
+                             f"slots {start}..{stop}", e)
+            except Exception as e:  # noqa: BLE001  (a bug: logged whole, the job fails)
                 logger.warning("kvblock tier: %s job %s, slots %d..%d failed: %s",
                                "load" if job.load else "store", job.meta.job_id, start, stop,
-                               e, exc_info=not isinstance(e, KVBlockError))
+                               e, exc_info=True)
             with self._cond:
                 job.moved += moved
                 job.ended = time.monotonic()

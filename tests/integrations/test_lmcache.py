@@ -368,17 +368,23 @@ def test_workers_share_one_store_through_a_server(tmp_path, engines):
         # The server dies: every call answers as a miss, at once, and nothing
         # raises into LMCache; the workers reconnect (one restarts the
         # server) and find what was stored before.
+        assert w1.plugin.pin(keys[1])                      # a pin the kill voids
         os.kill(server_pid, signal.SIGKILL)
         later = [w0.key(h) for h in (51, 52)]
         t0 = time.monotonic()
         assert not w1.plugin.contains(keys[1]) and w1.plugin.batched_contains(keys[1:]) == 0
-        assert not w1.plugin.pin(keys[1]) and not w1.plugin.remove(keys[2])
+        assert not w1.plugin.pin(keys[2]) and not w1.plugin.remove(keys[2])
         assert w1.plugin.get_blocking(keys[1]) is None
         assert w1.plugin.batched_get_blocking(keys[1:]) == [None, None]
         w0.put(later, [w0.chunk() for _ in later])        # not stored, not stuck
         assert w0.plugin.stats()["store_failures"] > 0 and "store_error" in w0.plugin.stats()
         assert time.monotonic() - t0 < 5
         server_pid = wait_reconnected([w0.plugin.store, w1.plugin.store], server_pid)
+        # the pin from before the kill protects nothing now: pinning again
+        # takes a real pin on the new server, and both unpins release it
+        assert w1.plugin.pin(keys[1]) and w1.plugin.stats()["pinned_regions"] == 1
+        assert w1.plugin.unpin(keys[1]) and w1.plugin.stats()["pinned_regions"] == 1
+        assert w1.plugin.unpin(keys[1]) and w1.plugin.stats()["pinned_regions"] == 0
         objs = w1.retrieve(keys[1:])
         assert [obj_bytes(o) for o in objs] == want[1:]
         for o in objs:

@@ -462,6 +462,11 @@ def test_hybrid_v2_calls_store_kv_and_state_pools(store_target, backends):
         PoolTransfer(name=PoolName.KV, keys=keys, host_indices=pool.token_indices(kv_pages)),
         PoolTransfer(name=PoolName.MAMBA, keys=keys[3:], host_indices=torch.tensor([6, 7]))])
     assert res == {"kv": [True] * 5, "mamba": [True, True]}
+    # a pool never registered: that transfer fails, as an error of the setup
+    # (logged each time), not as a store failure answered as a miss
+    assert backend.batch_set_v2([PoolTransfer(
+        name=PoolName.SWA, keys=keys[:1], host_indices=torch.tensor([0]))]) == {"swa": [False]}
+    assert backend.stats()["store_failures"] == 0
 
     def exists(policy, trailing_keys):
         return backend.batch_exists_v2(keys, [PoolTransfer(

@@ -8,6 +8,7 @@ pre-sized file under tmp_path.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import signal
@@ -586,7 +587,7 @@ def test_data_parallel_replicas_get_their_own_devices(tmp_path):
             t.shutdown()
 
 
-def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path):
+def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path, caplog):
     """"server": the first replica formats the store and starts the server,
     the second connects; what one stores the other finds and loads, byte
     for byte, each doing its own direct I/O."""
@@ -621,8 +622,13 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path):
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         assert tiers[1].lookup(keys[0], CTX) == LookupResult.MISS
-        tiers[0].submit_store(job(4, [key(80)], [5]))
-        assert not drain(tiers[0])[0].success
+        with caplog.at_level(logging.WARNING, logger="kvblock.integrations.vllm"):
+            for j in range(8):
+                tiers[0].submit_store(job(40 + j, [key(80 + j)], [5]))
+            assert not any(r.success for r in drain(tiers[0]))
+        lines = [r for r in caplog.records if "answered as a miss" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in caplog.records]   # rate-limited
+        assert tiers[0].stats()["store_failures"] >= 8 and "store_error" in tiers[0].stats()
         tiers[1].submit_load(job(5, keys[:2], [2, 3], promotion=True))
         assert not drain(tiers[1])[0].success
         assert time.monotonic() - t0 < 5
