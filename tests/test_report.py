@@ -1,6 +1,7 @@
 """kvblock report: a pytest-benchmark JSON becomes a markdown table and PNGs."""
 
 import json
+import os
 
 from click.testing import CliRunner
 
@@ -33,6 +34,16 @@ def test_report_table_and_plots(tmp_path):
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # links are relative to the markdown file's folder
     assert "![seq-read-vs-i-o-size](plots/seq-read-vs-i-o-size.png)" in (tmp_path / "r.md").read_text()
+
+
+def test_report_json(tmp_path):
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(BENCH))
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(tmp_path / "p"), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.splitlines()[0])
+    assert "| raw-io | test_raw[read-1M] |" in out["markdown"]
+    assert [os.path.basename(p) for p in out["plots"]] == ["seq-read-vs-i-o-size.png"]
 
 
 def test_report_bad_input(tmp_path):

@@ -59,7 +59,10 @@ def run_raw(target: str, workload: str, bs: int, qd: int, seconds: float,
         if bs % dev.block_size:
             raise ConfigError(f"--bs {bs} is not a multiple of {dev.path}'s "
                               f"{dev.block_size}-byte block size")
-        span = min(size or dev.capacity, dev.capacity) // bs * bs
+        if size and size > dev.capacity:
+            raise ConfigError(f"--size {size} is larger than {dev.path} ({dev.capacity} "
+                              "bytes); give at most its size, or none")
+        span = (size or dev.capacity) // bs * bs
         if span < bs:
             raise ConfigError(f"{dev.path}: {dev.capacity} bytes, smaller than one {bs}-byte I/O")
         slots = span // bs

@@ -454,8 +454,12 @@ def plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, sessi
 @click.argument("bench_json")
 @click.option("--out", default="docs/bench", show_default=True, help="Folder for the PNG plots.")
 @click.option("--markdown", "md_path", default=None, help="Also write the markdown here.")
-def report(bench_json, out, md_path):
+@click.option("--json", "as_json", is_flag=True,
+              help="Print {\"markdown\": ..., \"plots\": [paths]} instead of the markdown.")
+def report(bench_json, out, md_path, as_json):
     """Turn pytest-benchmark JSON (make bench) into a markdown table and PNG plots."""
+    import json as _json
+
     from kvblock.report import report as make_report
 
     md, pngs = make_report(bench_json, out,
@@ -464,6 +468,9 @@ def report(bench_json, out, md_path):
     if md_path:
         with open(md_path, "w") as f:
             f.write(md)
+    if as_json:
+        click.echo(_json.dumps({"markdown": md, "plots": [str(p) for p in pngs]}))
+        return
     click.echo(md)
     click.echo(f"{len(pngs)} plot(s) in {out}", err=True)
 

@@ -59,6 +59,10 @@ def test_bench_unaligned_bs(file_target):
 def test_bad_size_argument(file_target):
     res = CliRunner().invoke(cli, ["bench", file_target(1 << 20), "--bs", "lots"])
     assert res.exit_code == 2 and "is not a size" in res.output
+    # more than the target holds: said, not quietly cut to its size
+    res = CliRunner().invoke(cli, ["bench", file_target(1 << 20), "--size", "4M",
+                                   "--seconds", "0.1"])
+    assert res.exit_code == 8 and "--size 4194304 is larger than" in res.output
 
 
 def _kvb(*args):
