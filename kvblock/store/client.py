@@ -39,6 +39,7 @@ import errno
 import fcntl
 import functools
 import json
+import logging
 import os
 import socket
 import struct
@@ -48,8 +49,6 @@ import uuid
 import weakref
 from collections import Counter
 from typing import Sequence
-
-import logging
 
 import numpy as np
 
