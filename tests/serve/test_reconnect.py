@@ -22,6 +22,14 @@ from tests.store.workload import run_data, run_keys
 from tests.support.servers import wait_reconnected
 
 
+def _served(tmp_path, **client):
+    """A store file served in this process, and a client of it."""
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    return sock, path, server, RemoteStore(sock, **client)
+
+
 def _wait_alive(store, timeout=20.0):
     deadline = time.monotonic() + timeout
     while not store.server_alive:
@@ -30,10 +38,7 @@ def _wait_alive(store, timeout=20.0):
 
 
 def test_reconnects_to_a_restarted_server_and_keeps_pins_apart(tmp_path):
-    sock = str(tmp_path / "kv.sock")
-    path = _store_file(tmp_path)
-    server = serve_in_background([path], sock)
-    r = RemoteStore(sock, reconnect=True)
+    sock, path, server, r = _served(tmp_path, reconnect=True)
     try:
         a, b = run_keys(1, 2), run_keys(2, 2)
         r.put_run(a, run_data(a))
@@ -65,10 +70,7 @@ def test_reconnects_to_a_restarted_server_and_keeps_pins_apart(tmp_path):
 
 
 def test_without_reconnect_the_store_stays_gone(tmp_path):
-    sock = str(tmp_path / "kv.sock")
-    path = _store_file(tmp_path)
-    server = serve_in_background([path], sock)
-    r = RemoteStore(sock)
+    sock, path, server, r = _served(tmp_path)
     try:
         server.stop()
         with pytest.raises(ServerGoneError, match="restart it"):
@@ -190,10 +192,7 @@ def test_one_reconnect_per_outage_and_a_refused_store_stays_refused(tmp_path):
     """Threads calling while the session is replaced start one reconnect,
     not one each (a second would replace the healthy new session); a server
     that now serves another store is refused once, without new attempts."""
-    sock = str(tmp_path / "kv.sock")
-    path = _store_file(tmp_path)
-    server = serve_in_background([path], sock)
-    r = RemoteStore(sock, reconnect=True)
+    sock, path, server, r = _served(tmp_path, reconnect=True)
     try:
         stop = threading.Event()
 
@@ -244,10 +243,7 @@ def test_a_dropped_store_is_collected_while_reconnecting(tmp_path):
     import gc
     import weakref
 
-    sock = str(tmp_path / "kv.sock")
-    path = _store_file(tmp_path)
-    server = serve_in_background([path], sock)
-    r = RemoteStore(sock, reconnect=True)
+    sock, path, server, r = _served(tmp_path, reconnect=True)
     server.stop()
     with pytest.raises(ServerGoneError):
         r.lookup(run_keys(0, 1))          # the reconnect thread starts, finds nobody
