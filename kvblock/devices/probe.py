@@ -37,14 +37,30 @@ def signatures(path: str) -> dict:
         raise UnsafeTargetError(
             f"{path}: blkid -p failed (exit {res.returncode}: {res.stderr.strip()}), so what "
             "the device holds is unknown; check it with wipefs, or pass --force")
-    # Only what the device itself holds: a partition reports its entry in the
-    # parent's table too (PART_ENTRY_*), which says nothing about its content.
-    found = {}
+    # What the device itself holds.  A partition also reports its entry in
+    # the parent's table (PART_ENTRY_*): that says nothing about its content,
+    # except that system partitions hold data without a signature (a BIOS
+    # boot partition's boot loader, Microsoft's reserved space).  So an
+    # empty partition counts as empty only with a general-purpose type.
+    found, part_type = {}, None
     for line in res.stdout.splitlines():
         key, _, value = line.partition("=")
         if key in ("TYPE", "PTTYPE", "USAGE", "LABEL", "UUID"):
             found[key] = value
+        elif key == "PART_ENTRY_TYPE":
+            part_type = value.lower()
+    if not found and part_type is not None and part_type not in DATA_PARTITION_TYPES:
+        found = {"USAGE": "partition", "TYPE": f"partition type {part_type}"}
     return found
+
+
+# Partition types made for plain data: an empty one of these may be formatted.
+DATA_PARTITION_TYPES = {
+    "0x83",                                    # MBR: Linux
+    "0xda",                                    # MBR: non-filesystem data
+    "0fc63daf-8483-4772-8e79-3d69d8477de4",    # GPT: Linux filesystem data
+    "8da63339-0007-60c0-c436-083ac8230908",    # GPT: Linux reserved
+}
 
 
 def describe(found: dict) -> str:
@@ -52,6 +68,9 @@ def describe(found: dict) -> str:
     if found.get("USAGE") == "ambivalent":
         return ("several signatures (blkid's ambivalent result, e.g. a filesystem beside a "
                 "stale one; list them with wipefs)")
+    if found.get("USAGE") == "partition":
+        return (f"a system partition ({kind}; such partitions hold data without a "
+                "signature, e.g. a boot loader); check it is free")
     what = {"filesystem": "a filesystem", "raid": "a RAID/LVM member",
             "crypto": "an encrypted volume", "other": "a signature"}.get(found.get("USAGE", ""),
                                                                            "a partition table"

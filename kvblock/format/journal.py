@@ -172,38 +172,30 @@ def record_at(data: bytes | memoryview, pos: int = 0) -> tuple[int, int] | None:
 
 def records_after(data: bytes | memoryview, end: int, seq: int,
                   epoch: int) -> tuple[int, int, int] | None:
-    """Intact records of ``epoch`` numbered ``seq`` or later, past the point
-    where :func:`scan` stopped (``end``, ``seq``: what it returned):
-    (offset of the first, its sequence number, how many follow on from it),
-    or None.  Replay never reaches them.  A crash inside a commit whose
-    blocks were written out of order can leave a few; more mean the journal
-    was damaged and the runs they published are lost."""
+    """Intact records of ``epoch`` numbered ``seq`` or later anywhere past
+    the point where :func:`scan` stopped (``end``, ``seq``: what it
+    returned): (offset of the first, its sequence number, how many), or
+    None.  Replay never reaches them.  A crash inside a commit whose blocks
+    were written out of order can leave a few; more mean the journal was
+    damaged and the runs they published are lost.
+
+    Records start 8-aligned (commits start on blocks, records are whole
+    multiples of 8), so the headers are found with numpy over 8-byte words:
+    a journal of old epochs costs one pass, not a parse per record."""
     data = memoryview(data)
     start = max(0, end - BLOCK)      # the stop may lie in the last replayed block
-    for pos in (*range(start, min(end, len(data)), 8), *range(end, len(data), BLOCK)):
-        if pos + _HEADER.size > len(data):
-            break
-        magic, _, _, _, _, repoch, rseq, _ = _HEADER.unpack_from(data, pos)
-        if magic != MAGIC or repoch != epoch or rseq < seq:
-            continue
-        if record_at(data, pos) is None:
-            continue
-        return pos, rseq, _run_length(data, pos, rseq, epoch)
-    return None
-
-
-def _run_length(data: memoryview, pos: int, seq: int, epoch: int) -> int:
-    """How many consecutive records (seq, seq + 1, ...) start at ``pos``."""
-    n = 0
-    while pos + _HEADER.size <= len(data):
-        if record_at(data, pos) == (epoch, seq + n):
-            pos += _HEADER.size + _HEADER.unpack_from(data, pos)[3]
-            n += 1
-        elif pos % BLOCK:
-            pos = (pos // BLOCK + 1) * BLOCK    # padding to the next commit
-        else:
-            break
-    return n
+    n = (len(data) - start) // 8
+    if n < _HEADER.size // 8:
+        return None
+    words = np.frombuffer(data, dtype="<u8", count=n, offset=start)
+    idx = np.nonzero((words[:n - 4] & np.uint64(0xFFFFFFFF)) == np.uint64(MAGIC))[0]
+    idx = idx[(words[idx + 2] == np.uint64(epoch)) & (words[idx + 3] >= np.uint64(seq))]
+    found = [(start + 8 * int(i), int(words[i + 3])) for i in idx]
+    found = [(pos, rseq) for pos, rseq in found if record_at(data, pos) == (epoch, rseq)]
+    if not found:
+        return None
+    pos, first = found[0]
+    return pos, first, len({rseq for _, rseq in found})
 
 
 def _is_zero(view) -> bool:

@@ -204,6 +204,13 @@ def test_format_takes_an_empty_partition(loop_device):
             assert 0 < store.stats()["capacity_bytes"] < 32 << 20
         subprocess.run(["mkfs.ext4", "-q", "-F", part], check=True)
         one_line_error(kvb("format", part, *GEOM_ARGS, "--yes"), 16, "a filesystem (ext4)")
+    # a BIOS boot partition holds a boot loader without any signature: not free
+    subprocess.run(["sfdisk", "-q", dev], input="label: gpt\n,,21686148-6449-6E6F-744E-"
+                   "656564454649\n", text=True, check=True, capture_output=True)
+    with _partition_node(dev) as part:
+        subprocess.run(["wipefs", "-a", "-q", part], check=True)
+        one_line_error(kvb("format", part, *GEOM_ARGS, "--yes"), 16,
+                       "a system partition (partition type 21686148", "--force")
 
 
 @contextlib.contextmanager
@@ -430,6 +437,27 @@ def test_fsck_reports_journal_records_past_a_damaged_one(file_target):
         assert [store.lookup(run_keys(i, 2)) for i in range(6)] == [2, 2, 0, 0, 0, 0]
 
 
+def test_fsck_counts_records_lost_inside_one_long_commit(file_target):
+    """One put_runs commit of 40 records spans several journal blocks; its
+    first record damaged, the other 39 (which do not start on a block) are
+    found and counted."""
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    store = KVStore.open([path])
+    for i in range(5):
+        store.put_run(run_keys(i, 1), run_data(run_keys(i, 1)))
+    store.put_runs([(run_keys(100 + i, 1), run_data(run_keys(100 + i, 1)))
+                    for i in range(40)])
+    journal = store.sb.journal_offset
+    store._release_devices()                      # a crash: nothing checkpointed
+    with open(path, "r+b") as f:
+        f.seek(journal + 5 * 4096 + 48)           # record 6: the long commit's first
+        f.write(b"\xff\xff")
+    out = json.loads(kvb("fsck", path, "--json").stdout)
+    assert out["journal_records_replayed"] == 5
+    assert any("39 intact record(s) from 7 on" in p for p in out["problems"]), out
+
+
 def test_fsck_reports_a_damaged_checkpoint_slot(file_target):
     """One checkpoint slot damaged: the store opens from the other, fsck
     says so (exit 1), and --repair's writable open rewrites it."""
@@ -515,6 +543,29 @@ def _sample(body: str, name: str) -> float:
               if line.startswith(name + "{")]
     assert len(values) == 1, body[-2000:]
     return values[0]
+
+
+def test_stats_exporter_keeps_the_last_numbers_when_a_read_fails(capsys):
+    """The store briefly unreadable (a file moved, a server restarting):
+    scrapes get the last numbers and stderr one line, not a failed scrape
+    and a traceback each time; a first read that fails still fails."""
+    from kvblock.cli.admin import _Cached
+    from kvblock.errors import DeviceNotFoundError
+
+    answers = [{"runs": 1}, DeviceNotFoundError("x.img: gone", "x.img", 2),
+               DeviceNotFoundError("x.img: gone", "x.img", 2), {"runs": 2}]
+
+    def read():
+        a = answers.pop(0)
+        if isinstance(a, Exception):
+            raise a
+        return a
+    cached = _Cached(read, interval=0)
+    assert [cached()["runs"] for _ in range(4)] == [1, 1, 1, 2]
+    assert capsys.readouterr().err.count("x.img: gone (serving the last numbers)") == 1
+    answers.append(DeviceNotFoundError("x.img: gone", "x.img", 2))
+    with pytest.raises(DeviceNotFoundError):
+        _Cached(read, interval=0)()
 
 
 def test_stats_prometheus_follows_the_store_and_ctrl_c(file_target, tmp_path):
