@@ -60,7 +60,7 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     from kvblock.layout import Geometry
     from kvblock.store import KVStore
     from kvblock.store.store import _store_on
-    from kvblock.devices.probe import describe, signatures
+    from kvblock.devices.probe import describe, how_to_free, signatures
     from kvblock.io import open_engine
     from kvblock.store.storeio import StoreIO
 
@@ -79,7 +79,7 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
                     if found:
                         raise UnsafeTargetError(
                             f"{dev.path} holds {describe(found)}; refusing to format it "
-                            "(wipe it with wipefs, or pass --force to overwrite)")
+                            f"({how_to_free(found)} to overwrite)")
                     existing = _store_on(io, i)
                     if existing is not None:
                         raise UnsafeTargetError(f"{dev.path} already holds {existing}; pass "

@@ -63,6 +63,14 @@ DATA_PARTITION_TYPES = {
 }
 
 
+def how_to_free(found: dict) -> str:
+    """What to do about ``found`` before formatting: wipefs removes
+    signatures; a system partition has none to remove."""
+    if found.get("USAGE") == "partition":
+        return "pass --force once you know it is free"
+    return "wipe it with wipefs, or pass --force"
+
+
 def describe(found: dict) -> str:
     kind = found.get("TYPE") or found.get("PTTYPE")
     if found.get("USAGE") == "ambivalent":

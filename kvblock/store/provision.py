@@ -128,12 +128,13 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
     return store
 
 
-def holds_data(path: str, allow_model=False) -> str | None:
-    """What writing over ``path`` would destroy, in words: a filesystem,
-    partition table, RAID/LVM member or several signatures (blkid -p), or a
-    kvblock store (any release; not one made for ``allow_model``).  None
-    when it holds none of these, or does not exist."""
-    from kvblock.devices.probe import describe, signatures
+def holds_data(path: str, allow_model=False) -> tuple[str, str] | None:
+    """What writing over ``path`` would destroy, in words, and how to free
+    it: a filesystem, partition table, RAID/LVM member, system partition or
+    several signatures (blkid -p), or a kvblock store (any release; not one
+    made for ``allow_model``).  None when it holds none of these, or does
+    not exist."""
+    from kvblock.devices.probe import describe, how_to_free, signatures
     from kvblock.format import superblock as sbfmt
     from kvblock.store.store import store_in
 
@@ -141,7 +142,7 @@ def holds_data(path: str, allow_model=False) -> str | None:
         return None
     found = signatures(path)
     if found:
-        return describe(found)
+        return describe(found), how_to_free(found)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except PermissionError:
@@ -152,7 +153,8 @@ def holds_data(path: str, allow_model=False) -> str | None:
         copies = [os.pread(fd, sbfmt.SIZE, off) for off in sbfmt.COPY_OFFSETS]
     finally:
         os.close(fd)
-    return store_in(copies, path, allow_model)
+    store = store_in(copies, path, allow_model)
+    return None if store is None else (store, "pass --force")
 
 
 def guard_overwrite(path: str, doing: str, *, force: bool = False, yes: bool = False,
@@ -164,9 +166,9 @@ def guard_overwrite(path: str, doing: str, *, force: bool = False, yes: bool = F
         raise ConfigError(f"{doing} writes over the block device {path}; pass --yes to allow it")
     if force:
         return
-    what = holds_data(path, allow_model)
-    if what is not None:
-        fix = "pass --force" if "kvblock store" in what else "wipe it with wipefs, or pass --force"
+    held = holds_data(path, allow_model)
+    if held is not None:
+        what, fix = held
         raise UnsafeTargetError(f"{path} holds {what}; {doing} would overwrite it ({fix})")
 
 

@@ -105,6 +105,7 @@ def test_bench_store_workloads_reuse_their_own_store_only(file_target):
     KVStore.format([path], Geometry(2, 2, 64), model="an-engine's", force=True).close()
     res = _kvb("bench", path, "--workload", "save", *args)
     assert res.returncode == 16 and "already" not in res.stderr and "kvblock store" in res.stderr
+    assert "(pass --force)" in res.stderr and "wipefs" not in res.stderr   # wipefs knows none
     res = _kvb("bench", path, "--workload", "write", "--seconds", "0.1")
     assert res.returncode == 16
     assert _kvb("bench", path, "--workload", "save", "--force", *args).returncode == 0
