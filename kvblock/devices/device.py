@@ -154,13 +154,20 @@ def _identity(path: str) -> tuple | None:
     return ("file", st.st_dev, st.st_ino)
 
 
+def loop_backing(rdev: int) -> str | None:
+    """The backing file of the loop device numbered ``rdev``; None for any
+    other block device."""
+    backing = _read_str(Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}/loop/"
+                             "backing_file"))
+    return backing or None
+
+
 def _backing_file(path: str) -> str | None:
-    name = os.path.basename(os.path.realpath(path))
     try:
-        with open(f"/sys/block/{name}/loop/backing_file") as f:
-            return f.read().strip() or None
+        st = os.stat(path)
     except OSError:
         return None
+    return loop_backing(st.st_rdev) if stat.S_ISBLK(st.st_mode) else None
 
 
 def check_distinct(paths) -> None:
@@ -286,8 +293,7 @@ class Device:
         does not stop a store opened on the file (its flock), nor one on a
         second loop device over the same file.  So the backing file is
         flocked too, as a store opened on the file itself locks it."""
-        base = Path(f"/sys/dev/block/{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
-        backing = _read_str(base / "loop" / "backing_file")
+        backing = loop_backing(st.st_rdev)
         if not backing:
             return
         try:

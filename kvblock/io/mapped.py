@@ -85,11 +85,10 @@ def loop_over_tmpfs(device) -> str | None:
     mapping at 11.2-14.3 with 2 MiB slots): the file itself is the faster device to give."""
     if device.kind != "block":
         return None
-    try:
-        rdev = os.fstat(device.fd).st_rdev
-        with open(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}/loop/backing_file") as f:
-            backing = f.read().strip()
-    except OSError:
+    from kvblock.devices.device import loop_backing
+
+    backing = loop_backing(os.fstat(device.fd).st_rdev)
+    if backing is None:
         return None          # not a loop device
     try:
         fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC)
