@@ -19,7 +19,7 @@ from kvblock.store.client import RemoteStore, ServerGoneError, connect
 from kvblock.store.server import serve_in_background
 from tests.serve.test_serve import _kill_servers_of, _store_file
 from tests.store.workload import run_data, run_keys
-from tests.support.servers import wait_reconnected
+from tests.support.servers import exit_code_in_child, wait_reconnected
 
 
 def _served(tmp_path, **client):
@@ -149,22 +149,17 @@ def test_a_forked_child_never_reconnects(tmp_path):
     with serve_in_background([path], sock):
         r = RemoteStore(sock, reconnect=True)
         try:
-            pid = os.fork()
-            if pid == 0:
-                code = 1
-                try:
-                    for _ in range(2):
-                        try:
-                            r.lookup(run_keys(0, 1))
-                            code = 2
-                            break
-                        except ServerGoneError as e:
-                            code = 0 if "forked" in str(e) else 3
-                        time.sleep(1.0)    # a reconnect would have happened by now
-                finally:
-                    os._exit(code)
-            _, status = os.waitpid(pid, 0)
-            assert os.waitstatus_to_exitcode(status) == 0
+            def child():
+                for _ in range(2):
+                    try:
+                        r.lookup(run_keys(0, 1))
+                        return 2
+                    except ServerGoneError as e:
+                        if "forked" not in str(e):
+                            return 3
+                    time.sleep(1.0)    # a reconnect would have happened by now
+                return 0
+            assert exit_code_in_child(child) == 0
             assert r.lookup(run_keys(0, 1)) == 0      # the parent's connection works
         finally:
             r.close()
@@ -308,28 +303,14 @@ def test_a_fork_while_locks_are_held_neither_hangs_nor_inherits_the_start_lock(t
         try:
             s = r._session
             with s._held_lock, s.lock:             # as if inside hold() and a call
-                pid = os.fork()
-                if pid == 0:
-                    code = 1
+                def child():
                     try:
-                        try:
-                            r.lookup(run_keys(0, 1))
-                        except ServerGoneError as e:
-                            r.close()
-                            code = 0 if "forked" in str(e) else 2
-                    finally:
-                        os._exit(code)
-                deadline = time.monotonic() + 10
-                while True:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        break
-                    if time.monotonic() > deadline:
-                        os.kill(pid, signal.SIGKILL)
-                        os.waitpid(pid, 0)
-                        raise AssertionError("the forked child hung on a lock")
-                    time.sleep(0.05)
-                assert os.waitstatus_to_exitcode(status) == 0
+                        r.lookup(run_keys(0, 1))
+                        return 1
+                    except ServerGoneError as e:
+                        r.close()
+                        return 0 if "forked" in str(e) else 2
+                assert exit_code_in_child(child) == 0      # it hangs on a held lock
             assert r.lookup(run_keys(0, 1)) == 0
         finally:
             r.close()

@@ -20,6 +20,7 @@ from kvblock.store.client import RemoteStore, ServerError, ServerGoneError, conn
 from kvblock.store.server import serve_in_background, spawn_server
 from tests.serve.rank import deleted, marker, nblocks, run_index
 from tests.store.workload import GEOM, REGION, Journal, check_store, run_data, run_keys
+from tests.support.servers import exit_code_in_child
 
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
@@ -467,16 +468,13 @@ def test_server_edge_cases(tmp_path, sock, monkeypatch):
             assert raw.recv(16) == b""                 # that connection only is closed
             raw.close()
             assert r.lookup(run_keys(0, 2)) == 2
-            pid = os.fork()
-            if pid == 0:                                 # the child: gone, no traffic
+            def child():                                 # gone there, no traffic
                 try:
                     r.lookup(run_keys(0, 2))
-                    code = 1
+                    return 1
                 except ServerGoneError as e:
-                    code = 0 if "forked" in str(e) else 2
-                os._exit(code)
-            _, status = os.waitpid(pid, 0)
-            assert os.waitstatus_to_exitcode(status) == 0
+                    return 0 if "forked" in str(e) else 2
+            assert exit_code_in_child(child) == 0
             assert r.lookup(run_keys(0, 2)) == 2       # the parent's connection works
         finally:
             r.close()

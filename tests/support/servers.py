@@ -1,5 +1,6 @@
-"""Stopping a store server a test's ranks started (``kvblock serve`` runs in
-its own session, so it outlives the test unless stopped)."""
+"""Test helpers around store servers: stopping one a test's ranks started
+(``kvblock serve`` runs in its own session, so it outlives the test unless
+stopped), waiting for clients to reconnect, and running code in a forked child."""
 
 from __future__ import annotations
 
@@ -44,3 +45,26 @@ def wait_reconnected(stores, old_pid: int, timeout: float = 60.0) -> int:
         assert time.monotonic() < deadline, \
             f"not reconnected after {timeout} s: {[repr(s) for s in stores]}"
         time.sleep(0.05)
+
+
+def exit_code_in_child(fn, timeout: float = 10.0) -> int:
+    """Fork; the child runs ``fn()`` (its return value is the exit code; an
+    exception is 99) and exits without cleanup.  The parent waits at most
+    ``timeout`` seconds (a child hung on a lock is killed: AssertionError)."""
+    pid = os.fork()
+    if pid == 0:
+        code = 99
+        try:
+            code = fn()
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError(f"the forked child did not exit in {timeout} s")
+        time.sleep(0.02)
