@@ -232,7 +232,7 @@ def fsck(devices, repair, deep, as_json):
         if as_json:
             _emit({"status": "unusable", "problems": [str(e)]}, True, "")
         else:
-            click.echo(f"kvblock fsck {devices[0]}: unusable", err=False)
+            click.echo(f"kvblock fsck {devices[0]}: unusable")
             click.echo(f"  problem: {e}")
         sys.exit(exit_code_for(e))
     with store:
@@ -267,7 +267,7 @@ def fsck(devices, repair, deep, as_json):
               help="Serve the store's metrics on this port (Ctrl-C to stop).")
 @click.option("--interval", type=click.FloatRange(0.1), default=5.0, show_default=True,
               help="With --prometheus: re-read the store at most this often (from DEVICES "
-                   "each read is a read-only recovery: about 0.7 s per million runs).")
+                   "each read is a read-only recovery: 0.6-0.7 s for a store of 100,000 runs here).")
 @click.option("--json", "as_json", is_flag=True)
 def stats(devices, socket_path, port, interval, as_json):
     """Counters and gauges of the store (read-only); --prometheus PORT serves them.
