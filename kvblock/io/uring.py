@@ -145,3 +145,7 @@ class UringEngine(IOEngine):
             for ring in self._rings:
                 ring.destroy()
             self._rings.clear()
+        # Each thread's ring holder has a finalizer that holds this engine;
+        # a thread that lives on (an engine's main or scheduler thread) would
+        # keep the closed engine alive for good: drop every thread's holder.
+        self._local = threading.local()

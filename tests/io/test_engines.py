@@ -201,6 +201,27 @@ def test_rings_of_finished_threads_are_freed(file_target):
         assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
 
 
+def test_a_closed_engine_is_not_kept_by_a_thread_that_used_it(file_target):
+    """An engine opened and closed again and again from one long-lived thread
+    (an engine's main thread reopening a store) is freed each time: its
+    per-thread ring holder must not keep it alive."""
+    import gc
+    import weakref
+
+    if not probe()[0]:
+        pytest.skip("io_uring unavailable")
+    refs = []
+    with Device(file_target(MIB)) as dev, HostBuffer(4096) as buf:
+        for _ in range(20):
+            eng = open_engine([dev], "uring")
+            eng.read(IOBatch.single(buf.address, 0, 0, 4096))
+            eng.close()
+            refs.append(weakref.ref(eng))
+            del eng
+        gc.collect()
+        assert sum(r() is not None for r in refs) == 0
+
+
 CLOSE_WHILE_READING = """
 import sys, threading, time, numpy as np
 from kvblock.devices import Device
