@@ -60,6 +60,8 @@ TMPFS_MAGIC = 0x01021994
 PREFAULT_STEP = 64 << 20   # one madvise call (~10-25 ms), then a stop check
 PREFAULT_INLINE = 64 << 20  # mapped in on the spot (~10-25 ms); larger ones in the background
 PREFAULT_PAUSE = 0.02      # s: the background prefault waits while writes are this recent
+PREFAULT_MAX_WAIT = 0.25   # s: ... but no longer than this per step (a store written
+                           # every few ms never pauses 20 ms, and reads stay slow unmapped)
 _SETTING = "KVBLOCK_MAPPED_READS"
 logger = logging.getLogger("kvblock")
 _warned: set[tuple[str, str]] = set()   # (device, reason) the loop advice was logged for
@@ -197,7 +199,9 @@ class MappedDevices:
                 # Beside a vLLM tier's stores to a tmpfs file a prefault halved
                 # them (likely: a populate step holds the process's mmap_lock,
                 # which mmap and brk need too), so it runs between writes.
-                while background and time.monotonic() - self.last_write < PREFAULT_PAUSE:
+                waited_since = time.monotonic()
+                while background and time.monotonic() - self.last_write < PREFAULT_PAUSE \
+                        and time.monotonic() - waited_since < PREFAULT_MAX_WAIT:
                     if self._stop.wait(PREFAULT_PAUSE):
                         return
                 if self._stop.is_set():

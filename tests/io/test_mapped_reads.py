@@ -435,6 +435,7 @@ def test_background_prefault_waits_for_a_gap_in_writes(shm_target, monkeypatch):
     import kvblock.io.mapped as mapped_mod
 
     monkeypatch.setattr(mapped_mod, "PREFAULT_PAUSE", 0.2)
+    monkeypatch.setattr(mapped_mod, "PREFAULT_MAX_WAIT", 30.0)
     path = shm_target(8 * MIB)
     with Device(path) as dev, open_engine([dev], defer_mapped_reads=True) as eng, \
             HostBuffer(MIB) as buf:
@@ -447,6 +448,28 @@ def test_background_prefault_waits_for_a_gap_in_writes(shm_target, monkeypatch):
             assert not maps._ready.is_set()
             time.sleep(0.01)
         assert maps.wait_prefaulted(30) and maps._ready.is_set()
+
+
+def test_background_prefault_waits_for_a_gap_no_longer_than_its_limit(shm_target,
+                                                                      monkeypatch):
+    """Writes every few ms never leave a PREFAULT_PAUSE gap: each step
+    waits at most PREFAULT_MAX_WAIT, so the mapping comes on anyway."""
+    import kvblock.io.mapped as mapped_mod
+
+    monkeypatch.setattr(mapped_mod, "PREFAULT_PAUSE", 0.2)
+    monkeypatch.setattr(mapped_mod, "PREFAULT_MAX_WAIT", 0.1)
+    monkeypatch.setattr(mapped_mod, "PREFAULT_STEP", 2 * MIB)   # 4 steps of 8 MiB
+    path = shm_target(8 * MIB)
+    with Device(path) as dev, open_engine([dev], defer_mapped_reads=True) as eng, \
+            HostBuffer(MIB) as buf:
+        maps = eng._maps
+        eng.write(IOBatch.single(buf.address, 0, 0, MIB))
+        maps.start(background=True)
+        deadline = time.monotonic() + 10
+        while not maps._ready.is_set():        # never a 0.2 s gap in the writes
+            assert time.monotonic() < deadline, "the prefault waited for a gap for good"
+            eng.write(IOBatch.single(buf.address, 0, 0, MIB))
+            time.sleep(0.005)
 
 
 @pytest.mark.parametrize("threads", [2, 3])
