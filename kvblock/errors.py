@@ -114,6 +114,11 @@ class MissingDeviceError(FormatError):
     """A device of a multi-device store is absent, or a device belongs to another store."""
 
 
+class ProtocolMismatchError(KVBlockError):
+    """A store server and its client speak different protocol versions (two
+    kvblock releases): run one release on both sides."""
+
+
 class StoreFullError(KVBlockError):
     """No space can be reclaimed: every region holds pinned runs, or the run is too large."""
 

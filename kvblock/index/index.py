@@ -3,6 +3,13 @@
 Keys live in a :class:`~kvblock.index.table.KeyTable` (numpy open addressing)
 mapping to ``run_id << POS_BITS | position``; a run keeps its own keys as
 one bytes object (what checkpoints and the journal store).
+
+A key stored again by a newer run points there from then on: the older run's
+position is superseded.  A run counts its positions still pointed at
+(``live``); one left with none is of no use and is dropped, and a checkpoint
+writes a superseded position's key as :data:`SUPERSEDED` (16 zero bytes, a
+key no caller may use), so that deleting the newer run cannot bring the
+older copy back after a restart.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from kvblock.index.table import KeyTable, split_keys
 POS_BITS = 24                      # up to 16M blocks per run
 POS_MASK = (1 << POS_BITS) - 1
 MAX_RUN_ID = (1 << (63 - POS_BITS)) - 1  # run ids are sequential: 2^39 puts
+SUPERSEDED = bytes(KEY_BYTES)      # a superseded position's key in checkpoints
 
 
 @dataclass(eq=False)
@@ -30,6 +38,7 @@ class Run:
     pins: int = 0
     hits: int = 0
     created: float = field(default=0.0)
+    live: int = 0            # positions whose key points here (set by KeyIndex)
 
     @property
     def nblocks(self) -> int:
@@ -54,20 +63,56 @@ class KeyIndex:
     def add(self, run: Run) -> None:
         self.add_many([run])
 
-    def add_many(self, runs: list[Run]) -> None:
-        """Index runs; a key stored by several keeps the last run's position."""
+    def add_many(self, runs: list[Run]) -> list[Run]:
+        """Index runs; a key stored by several keeps the last run's position.
+        Returns the runs (indexed before, or in ``runs``) left with no
+        position pointed at: the caller drops them."""
         if not runs:
-            return
+            return []
         for run in runs:
             self.runs[run.run_id] = run
         lo, hi = split_keys(b"".join(r.keys for r in runs))
-        self.table.put(lo, hi, np.concatenate([r.packed() for r in runs]))
+        packed = np.concatenate([r.packed() for r in runs])
+        kept = (lo != 0) | (hi != 0)              # SUPERSEDED positions stay out
+        if not kept.all():
+            lo, hi, packed = lo[kept], hi[kept], packed[kept]
+        before = len(self.table)
+        overwritten = self.table.put(lo, hi, packed)
+        hit = {int(r) for r in np.unique(overwritten >> POS_BITS)}
+        if len(self.table) - before + overwritten.size == lo.size:
+            # No key twice in the batch: each run's kept positions point at it.
+            ends = np.cumsum([run.nblocks for run in runs])
+            counts = np.diff(np.r_[0, np.cumsum(kept)[ends - 1]]) if kept.size else ends
+            for run, n in zip(runs, counts.tolist()):
+                run.live = n
+        else:
+            hit.update(run.run_id for run in runs)
+        for run_id in hit:
+            run = self.runs.get(run_id)
+            if run is not None:
+                run.live = int(np.count_nonzero(self.live_positions(run)))
+        return [self.runs[i] for i in hit if i in self.runs and self.runs[i].live == 0]
+
+    def live_positions(self, run: Run) -> np.ndarray:
+        """Per position of ``run``: does its key still point there?"""
+        lo, hi = split_keys(run.keys)
+        return self.table.get(lo, hi) == run.packed()
+
+    def checkpoint_keys(self, run: Run) -> bytes:
+        """The run's keys as a checkpoint stores them: SUPERSEDED where a
+        newer run holds the key."""
+        if run.live == run.nblocks:
+            return run.keys
+        keys = np.frombuffer(run.keys, dtype=np.uint8).reshape(-1, KEY_BYTES).copy()
+        keys[~self.live_positions(run)] = 0
+        return keys.tobytes()
 
     def remove(self, run: Run) -> None:
         """Drop a run; keys since re-stored by a newer run keep pointing there."""
         self.runs.pop(run.run_id, None)
         lo, hi = split_keys(run.keys)
         self.table.remove(lo, hi, expect=run.packed())
+        run.live = 0
 
     def lookup(self, keys: list[bytes]) -> np.ndarray:
         """Packed (run id, position) per key; -1 where absent."""

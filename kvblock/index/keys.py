@@ -17,17 +17,24 @@ import xxhash
 from kvblock.errors import ConfigError
 
 KEY_BYTES = 16
+# 16 zero bytes mark a superseded position in checkpoints (kvblock/index/index.py),
+# so the key 0 (or 16 zero bytes) is stored under this stand-in instead.
+_ZERO = bytes(KEY_BYTES)
+_ZERO_STANDIN = xxhash.xxh3_128_digest(_ZERO)
 
 
 def normalize_key(key) -> bytes:
     if isinstance(key, (bytes, bytearray, memoryview)):
         key = bytes(key)
-        return key if len(key) == KEY_BYTES else xxhash.xxh3_128_digest(key)
-    if isinstance(key, (int, np.integer)):
-        return (int(key) & ((1 << 128) - 1)).to_bytes(KEY_BYTES, "little")
-    if isinstance(key, str):
+        if len(key) != KEY_BYTES:
+            return xxhash.xxh3_128_digest(key)
+    elif isinstance(key, (int, np.integer)):
+        key = (int(key) & ((1 << 128) - 1)).to_bytes(KEY_BYTES, "little")
+    elif isinstance(key, str):
         return xxhash.xxh3_128_digest(key.encode())
-    raise ConfigError(f"block keys must be bytes, str or int, got {type(key).__name__}")
+    else:
+        raise ConfigError(f"block keys must be bytes, str or int, got {type(key).__name__}")
+    return _ZERO_STANDIN if key == _ZERO else key
 
 
 def normalize_keys(keys: Iterable) -> list[bytes]:

@@ -73,10 +73,11 @@ class KeyTable:
         out[present] = self.val[slots[present]]
         return out
 
-    def put(self, lo: np.ndarray, hi: np.ndarray, values: np.ndarray) -> None:
-        """Insert or overwrite; a key repeated in the batch keeps its last value."""
+    def put(self, lo: np.ndarray, hi: np.ndarray, values: np.ndarray) -> np.ndarray:
+        """Insert or overwrite; a key repeated in the batch keeps its last value.
+        Returns the values overwritten (one per key that was present)."""
         if lo.size == 0:
-            return
+            return np.zeros(0, dtype=np.int64)
         values = np.asarray(values, dtype=np.int64)
         if lo.size > 1 and _has_equal_neighbours(np.sort(lo)):
             # a key repeated in the batch: its last occurrence wins
@@ -89,14 +90,16 @@ class KeyTable:
                 lo, hi, values = lo[keep], hi[keep], values[keep]
         slots = self.find(lo, hi)
         present = slots >= 0
+        overwritten = self.val[slots[present]]
         self.val[slots[present]] = values[present]
         new = ~present
         if not new.any():
-            return
+            return overwritten
         lo, hi, values = lo[new], hi[new], values[new]
         if (self.used + lo.size) > MAX_LOAD * self.cap:
             self._grow(self.live + lo.size)
         self._insert_new(lo, hi, values)
+        return overwritten
 
     def _insert_new(self, lo, hi, values):
         idx = self._home(lo, hi)

@@ -41,6 +41,7 @@ import functools
 import json
 import logging
 import os
+import select
 import socket
 import struct
 import threading
@@ -54,10 +55,10 @@ import numpy as np
 
 from kvblock import errors
 from kvblock.devices import Device
-from kvblock.errors import ConfigError, KVBlockError, StoreClosedError, StoreFullError
+from kvblock.errors import ConfigError, KVBlockError, StoreClosedError
 from kvblock.index import normalize_keys
 from kvblock.io import open_engine
-from kvblock.layout.geometry import Geometry
+from kvblock.layout.geometry import Geometry, model_fingerprint
 from kvblock.store.policy import VERIFY_MODES
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store.store import (
@@ -69,7 +70,7 @@ from kvblock.store.store import (
 )
 from kvblock.store.storeio import StoreIO
 
-PROTOCOL = 1
+PROTOCOL = 2   # 2: "clear", and a commit answers 0 for a put a clear overtook
 logger = logging.getLogger("kvblock")
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
@@ -233,6 +234,19 @@ class _Session:
         except OSError:
             pass
 
+    def peer_closed(self) -> bool:
+        """For a session given up on: has the server's end closed?  Then
+        the pins taken on it lapsed with it.  (One abandoned after a timeout
+        stays open from here, and its pins hold, while the server lives.)
+        Unread answers on it are discarded."""
+        try:
+            while select.select([self.sock], [], [], 0)[0]:
+                if not self.sock.recv(1 << 16):
+                    return True
+        except (OSError, ValueError):     # closed here already
+            return True
+        return False
+
     def forget(self) -> None:
         """close() in a forked child: the locks may be held by a thread that
         does not exist there, so none are taken (and none are used again)."""
@@ -278,7 +292,8 @@ def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str
                 raise
             store._restart()           # nobody there: start a server (one rank does)
             s = store._new_session()
-    except errors.GeometryMismatchError as e:   # another store now: never this one
+    except (errors.GeometryMismatchError, errors.ProtocolMismatchError) as e:
+        # another store, or another release's server: retrying cannot help
         store._refused = str(e)
         store._session.gone = str(e)
         logger.error("%s", str(e))     # text only: a record must not keep the traceback
@@ -307,6 +322,9 @@ class RemoteStore:
     engine, queue_depth : this process's I/O engine.
     devices : device paths in store order, when this process sees them under
         other names than the server (default: the server's paths).
+    geometry, model : when given, the served store must have this geometry
+        and have been formatted for this model (GeometryMismatchError
+        otherwise), as KVStore.open checks them.
     timeout : seconds to wait for one answer (default: no limit); past it
         the connection is abandoned.
     reconnect : when the connection is lost (the server died, or an answer
@@ -321,7 +339,8 @@ class RemoteStore:
 
     def __init__(self, socket_path, *, verify: str | None = None, engine=None,
                  queue_depth: int = 32, devices: Sequence | None = None,
-                 timeout: float | None = None, reconnect: bool = False):
+                 timeout: float | None = None, reconnect: bool = False,
+                 geometry: Geometry | None = None, model=None):
         self.socket_path = os.fspath(socket_path)
         self.closed = True
         self.io = None
@@ -347,6 +366,7 @@ class RemoteStore:
         try:
             hello = self._call("hello", protocol=PROTOCOL, pid=os.getpid())
             self._setup(hello, verify, engine, queue_depth, devices)
+            self._check_identity(geometry, model)
         except BaseException:
             self._session.close()
             if self.io is not None:
@@ -356,10 +376,23 @@ class RemoteStore:
         self.closed = False
         _LIVE.add(self)
 
+    def _check_identity(self, geometry, model) -> None:
+        where = f"the store served on {self.socket_path}"
+        if geometry is not None and geometry != self.geometry:
+            raise errors.GeometryMismatchError(
+                f"{where} holds {self.geometry.describe()}, this process needs "
+                f"{geometry.describe()}", self.socket_path, 0)
+        if model is not None and self.fingerprint and \
+                self.fingerprint != model_fingerprint(model):
+            raise errors.GeometryMismatchError(
+                f"{where} was formatted for another model than {model!r}; its KV cannot "
+                "serve this model", self.socket_path, 0)
+
     def _setup(self, hello, verify, engine, queue_depth, devices):
         if hello.get("protocol") != PROTOCOL:
-            raise ServerError(f"store server at {self.socket_path} speaks protocol "
-                              f"{hello.get('protocol')}, this kvblock speaks {PROTOCOL}")
+            raise errors.ProtocolMismatchError(
+                f"store server at {self.socket_path} speaks protocol {hello.get('protocol')}, "
+                f"this kvblock speaks {PROTOCOL}: run one kvblock release on both sides")
         self.server_pid = int(hello["pid"])
         self.uuid = hello["uuid"]
         self.geometry = Geometry(**hello["geometry"])
@@ -516,7 +549,12 @@ class RemoteStore:
         self._sessions.add(s)          # a fork from here on closes it in the child
         try:
             hello = self._call_locked(s, "hello", {"protocol": PROTOCOL, "pid": os.getpid()})
-            if hello.get("protocol") != PROTOCOL or hello.get("uuid") != self.uuid or \
+            if hello.get("protocol") != PROTOCOL:
+                raise errors.ProtocolMismatchError(
+                    f"the store server at {self.socket_path} now speaks protocol "
+                    f"{hello.get('protocol')}, this kvblock {PROTOCOL}: run one kvblock "
+                    "release on both sides")
+            if hello.get("uuid") != self.uuid or \
                     Geometry(**hello["geometry"]) != self.geometry or \
                     int(hello["region_size"]) != self.regions.size or \
                     list(hello["data_offsets"]) != list(self.regions.data_offsets):
@@ -551,6 +589,7 @@ class RemoteStore:
 
     put_blocks = KVStore.put_blocks
     put_runs = KVStore.put_runs
+    _check_fits = KVStore._check_fits
 
     def _put_many(self, items: list) -> list[int]:
         """put_runs here: each run is published by its own call to the server."""
@@ -558,9 +597,9 @@ class RemoteStore:
 
     def _put(self, keys: list[bytes], blocks) -> int:
         n = len(keys)
-        g = self.geometry
         if n == 0:
             return 0
+        self._check_fits(n)
         verdict = self._call("admit", keys=encode_keys(keys))
         if verdict == "duplicate":
             self.counters["put_duplicate_runs"] += 1
@@ -569,13 +608,13 @@ class RemoteStore:
             self.counters["admission_rejected_runs"] += 1
             return 0
         step = self.max_run_blocks
-        if step < 1:
-            raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
-                                 f"{self.regions.size}-byte region")
         written = 0
         for start in range(0, n, step):
             stop = min(n, start + step)
-            written += self._put_one(keys[start:stop], _span(blocks, start, stop))
+            stored = self._put_one(keys[start:stop], _span(blocks, start, stop))
+            written += stored
+            if not stored:            # a clear() overtook it: no tail without its head
+                break
         return written
 
     def _put_one(self, keys: list[bytes], blocks) -> int:
@@ -591,8 +630,8 @@ class RemoteStore:
             sums = self._write_run(batch, sums, a["run_id"])
             self.io.flush([dev])                 # data before the record that publishes it
             sent = True                          # from here the server releases the pin
-            self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
-                          checksums=[int(c) for c in sums])
+            stored = self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
+                                   checksums=[int(c) for c in sums])
         except BaseException:
             if not sent:
                 try:
@@ -602,6 +641,9 @@ class RemoteStore:
             raise
         finally:
             s.hold(-1)
+        if not stored:                           # a clear() on the server overtook it
+            self.counters["cleared_puts"] += 1
+            return 0
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += n
         self.counters["bytes_written"] += lay.run_bytes
@@ -648,8 +690,10 @@ class RemoteStore:
         return int(self._call("evict", nbytes=nbytes, all=bool(all)))
 
     def clear(self) -> int:
-        """KVStore.clear(): every unpinned region (a rank has no DRAM tier)."""
-        return self.evict(all=True)
+        """KVStore.clear() on the server: every rank's blocks are forgotten,
+        those other ranks are reading included (a rank has no DRAM tier)."""
+        self._check_open(writing=True)
+        return int(self._call("clear"))
 
     def checkpoint(self) -> None:
         self._check_open(writing=True)
@@ -697,20 +741,23 @@ class RemoteStore:
             s.hold(1)
         return segs
 
-    def _unpin(self, segs) -> None:
+    def _unpin(self, segs) -> bool:
         """Release the pins of a ``_segments`` answer.  Never raises for a
-        gone server (its pins went with it): callers unpin in cleanup paths."""
+        gone server (its pins went with it): callers unpin in cleanup paths.
+        False when the pins lapsed that way: a restarted server may have
+        given their space to other runs while this process read it."""
         pin = getattr(segs, "pin", None)
         if pin is None:
-            return
+            return True
         segs.pin = None
         s = segs.session   # pin ids are the session's: never another session's
         try:
             self._call_on(s, "unpin", pin=pin)
         except ServerGoneError:
-            pass
+            return not s.peer_closed()
         finally:
             s.hold(-1)
+        return True
 
     def _drop_runs(self, runs) -> None:
         """Runs that failed their checksum here: the server drops them."""

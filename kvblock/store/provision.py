@@ -19,12 +19,10 @@ from kvblock.devices import create_file
 from kvblock.errors import (
     ConfigError,
     DevicePermissionError,
-    GeometryMismatchError,
     NotAStoreError,
     UnsafeTargetError,
 )
 from kvblock.layout import Geometry
-from kvblock.layout.geometry import model_fingerprint
 from kvblock.store.store import KVStore
 
 FORMAT_MODES = ("if-empty", "never", "force")
@@ -111,20 +109,8 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
                     server_options=dict(server_options, model=model),
                     verify=options.get("verify"), engine=options.get("engine"),
                     queue_depth=int(options.get("queue_depth") or 32),
-                    timeout=SHARED_CALL_TIMEOUT_S, reconnect=True)
-    try:
-        if store.geometry != geometry:
-            raise GeometryMismatchError(
-                f"{owner}: the store served on {socket_path} holds "
-                f"{store.geometry.describe()}, this process needs {geometry.describe()}",
-                devices[0], 0)
-        if store.fingerprint and store.fingerprint != model_fingerprint(model):
-            raise GeometryMismatchError(
-                f"{owner}: the store served on {socket_path} was formatted for another "
-                f"model than {model!r}", devices[0], 0)
-    except BaseException:
-        store.close()
-        raise
+                    timeout=SHARED_CALL_TIMEOUT_S, reconnect=True,
+                    geometry=geometry, model=model)
     return store
 
 

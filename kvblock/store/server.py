@@ -36,7 +36,12 @@ from typing import Sequence
 
 import numpy as np
 
-from kvblock.errors import ConfigError, KVBlockError, StoreClosedError
+from kvblock.errors import (
+    ConfigError,
+    KVBlockError,
+    ProtocolMismatchError,
+    StoreClosedError,
+)
 from kvblock.index import Run
 from kvblock.store.client import (
     PROTOCOL,
@@ -242,9 +247,7 @@ class StoreServer:
         for segs in readers:
             store._unpin(segs)
         if writers:
-            with store._lock:
-                for region, *_ in writers:
-                    store.regions.pins[region] -= 1
+            store._unpin_writers([region for region, *_ in writers])
 
     # ------------------------------------------------------------------ requests
     def _dispatch(self, s: _Session, req: dict):
@@ -262,7 +265,11 @@ class StoreServer:
 
     def _op_hello(self, s, protocol, pid=None):
         if protocol != PROTOCOL:
-            raise ServerError(f"client speaks protocol {protocol}, server {PROTOCOL}")
+            raise ProtocolMismatchError(
+                f"the client speaks store protocol {protocol}, this server (pid "
+                f"{os.getpid()}) speaks {PROTOCOL}: run one kvblock release in the server "
+                "and every client (stop the server with SIGTERM and start it again from "
+                "the clients' release)")
         s.pid = pid
         st = self.store
         return {
@@ -348,10 +355,11 @@ class StoreServer:
                                   f"for a run of {n} blocks x {st.geometry.ranges} ranges")
             run = Run(run_id, region, gen, offset, b"".join(keys),
                       np.array(checksums, dtype=np.uint64), created=time.time())
-            st._publish_put(run)   # flushes the data devices, journals, then indexes
+            published = st._publish_put(run)   # flushes data, journals, then indexes
         finally:
-            with st._lock:
-                st.regions.pins[region] -= 1
+            st._unpin_writers([region])
+        if not published:
+            return 0                 # a clear() came after its allocation
         st.counters["put_runs"] += 1
         st.counters["put_blocks"] += n
         st.counters["bytes_written"] += st.layout(n).run_bytes
@@ -360,8 +368,7 @@ class StoreServer:
     def _op_abort(self, s, wid):
         w = s.writers.pop(wid, None)
         if w is not None:
-            with self.store._lock:
-                self.store.regions.pins[w[0]] -= 1
+            self.store._unpin_writers([w[0]])
         return None
 
     def _op_delete(self, s, keys):
@@ -369,6 +376,9 @@ class StoreServer:
 
     def _op_evict(self, s, nbytes=None, all=False):
         return self.store.evict(nbytes, all=all)
+
+    def _op_clear(self, s):
+        return self.store.clear()
 
     def _op_checkpoint(self, s):
         self.store.checkpoint()

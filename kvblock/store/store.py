@@ -74,8 +74,10 @@ COUNTERS = (
     "checksum_failures", "deleted_runs", "evicted_regions", "evicted_runs", "evicted_blocks",
     "discards", "commits", "journal_bytes", "checkpoints", "replayed_records", "recovery_us",
     "host_hit_blocks", "device_hit_blocks", "read_errors", "stale_checkpoint_runs_dropped",
+    "lapsed_pin_gets", "cleared_puts", "superseded_runs",
 )
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
+CLEAR_DROP_BATCH = 4096  # DROP records per journal commit when clear() drops pinned runs
 logger = logging.getLogger(__name__)
 
 
@@ -265,6 +267,7 @@ class KVStore:
         self.admission = Admission(admit_after)
         self._lock = threading.RLock()
         self._commit_lock = threading.Lock()
+        self._clear_mark = 0   # runs with lower ids were allocated before the last clear()
         self._pending: list = []
         self._pending_lock = threading.Lock()
         self._local = threading.local()
@@ -477,10 +480,17 @@ class KVStore:
             key_at += n
         self._index_runs(runs)
 
-    def _index_runs(self, runs: list[Run]):
-        self.index.add_many(runs)
+    def _index_runs(self, runs: list[Run]) -> set[int]:
+        """Index and account runs (under self._lock, or in recovery); drop
+        the runs they leave with no key (see kvblock/index/index.py).
+        Returns the regions of the runs dropped."""
+        superseded = self.index.add_many(runs)
         for run in runs:
             self._account_run(run)
+        for run in superseded:
+            self._remove_run(run)
+        self.counters["superseded_runs"] += len(superseded)
+        return {run.region for run in superseded}
 
     def _replayed_run(self, rec: jfmt.PutRun) -> Run | None:
         # Its id is used even when the run is not (a run id seeds its data
@@ -504,10 +514,6 @@ class KVStore:
                 for run in [r for r in self.index.runs.values() if r.region == rec.region]:
                     self._remove_run(run)
                 self.regions.generation[rec.region] = rec.generation
-
-    def _add_run(self, run: Run):
-        self.index.add(run)
-        self._account_run(run)
 
     def _account_run(self, run: Run):
         r = run.region
@@ -542,6 +548,8 @@ class KVStore:
 
         Whoever takes the commit lock writes every pending record in one
         journal write: flush data devices, write the journal, flush device 0.
+        ``records`` may be a function returning them, called by that leader
+        under the commit lock (what is decided there cannot race a clear()).
         Never call with ``self._lock`` held (the leader needs it to apply).
         """
         done = threading.Event()
@@ -553,7 +561,10 @@ class KVStore:
                 with self._pending_lock:
                     batch, self._pending = self._pending, []
                 try:
-                    self._write_journal([r for e in batch for r in e[0]])
+                    written = [r for e in batch
+                               for r in (e[0]() if callable(e[0]) else e[0])]
+                    if written:    # none when a clear() refused every put here
+                        self._write_journal(written)
                 except BaseException as e:
                     for item in batch:
                         item[3] = e
@@ -600,7 +611,8 @@ class KVStore:
             for i, run in enumerate(runs):
                 run_rows[i] = (run.run_id, run.region, run.generation, run.offset,
                                run.nblocks, 0)
-            keys = np.frombuffer(b"".join(r.keys for r in runs), dtype=np.uint8).reshape(-1, 16)
+            keys = np.frombuffer(b"".join(self.index.checkpoint_keys(r) for r in runs),
+                                 dtype=np.uint8).reshape(-1, 16)
             sums = (np.stack([r.checksums for r in runs]) if runs
                     else np.zeros((0, self.geometry.ranges), np.uint64))
             regions = np.zeros(self.regions.count, dtype=cpfmt.REGION_DTYPE)
@@ -731,19 +743,20 @@ class KVStore:
                 self.counters["put_duplicate_runs"] += 1
                 out[i] = n
                 continue
+            self._check_fits(n)
             if not self.admission.admit(keys[0]):
                 self.counters["admission_rejected_runs"] += 1
                 continue
             step = self.max_run_blocks
-            if step < 1:
-                raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
-                                     f"{self.sb.region_size}-byte region")
             for start in range(0, n, step):
                 stop = min(n, start + step)
                 pieces.append((i, keys[start:stop], _span(blocks, start, stop)))
         if len(items) == 1:
             for i, keys, blocks in pieces:
-                out[i] += self._put_one(keys, blocks)
+                stored = self._put_one(keys, blocks)
+                out[i] += stored
+                if not stored:        # a clear() overtook it: no tail without its head
+                    break
             return out
         # Group the pieces: each group's regions stay pinned until its commit,
         # so a group may fill at most a quarter of the regions (the rest can
@@ -786,11 +799,10 @@ class KVStore:
                 for k, sums in self._write_runs_together(
                         [(batch, sums, written[k][3].run_id) for k, batch, sums in deferred]):
                     written[deferred[k][0]][3].checksums = sums
-            self._publish_puts([run for _, _, _, run in written])
+            published = self._publish_puts([run for _, _, _, run in written])
         finally:
-            with self._lock:
-                for _, _, _, run in written:
-                    self.regions.pins[run.region] -= 1
+            self._unpin_writers([run.region for _, _, _, run in written])
+        written = [w for w in written if w[3].run_id in published]
         for _, keys, blocks, run in written:
             self._count_put(keys, blocks, run)
         return [(i, len(keys)) for i, keys, _, _ in written]
@@ -824,13 +836,33 @@ class KVStore:
         return np.ascontiguousarray(arr).view(np.uint8).reshape(
             g.num_layers, g.head_groups, n, g.group_block_bytes)
 
+    def _check_fits(self, nblocks: int) -> None:
+        """Refuse a run the store cannot hold at once: its pieces would evict
+        one another (the tail pushing out the head), leaving nothing to find."""
+        g, regions = self.geometry, self.regions
+        step = self.max_run_blocks
+        if step < 1:
+            raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
+                                 f"{regions.size}-byte region")
+        full, rest = divmod(nblocks, step)
+        need = full * self.layout(step).run_bytes + (self.layout(rest).run_bytes if rest else 0)
+        # Its first piece may go to the partly filled region: count one less.
+        room = max(1, regions.count - 1) * regions.size
+        if need > room:
+            raise StoreFullError(
+                f"a run of {nblocks} blocks ({need} bytes on the device) does not fit this "
+                f"store, which holds at most {room} bytes of one run ({regions.count} regions "
+                f"of {regions.size} bytes, less one); store a shorter prefix or give the "
+                "store more capacity")
+
     def _put_one(self, keys: list[bytes], blocks) -> int:
         run = self._write_piece(keys, blocks)
         try:
-            self._publish_put(run)
+            published = self._publish_put(run)
         finally:
-            with self._lock:
-                self.regions.pins[run.region] -= 1
+            self._unpin_writers([run.region])
+        if not published:
+            return 0
         self._count_put(keys, blocks, run)
         return len(keys)
 
@@ -848,8 +880,7 @@ class KVStore:
             if not defer:
                 sums = self._write_run(batch, sums, run_id)
         except BaseException:
-            with self._lock:
-                self.regions.pins[region] -= 1
+            self._unpin_writers([region])
             raise
         run = Run(run_id, region, gen, offset, b"".join(keys),
                   None if isinstance(sums, Streams) else sums, created=time.time())
@@ -931,23 +962,36 @@ class KVStore:
             return sums
         return self.io.write_hashed(batch, sums.of_ios, [run_id] * self.geometry.ranges)
 
-    def _publish_put(self, run: Run) -> None:
+    def _publish_put(self, run: Run) -> bool:
         """Journal the run's PUT record durably (after flushing the data), then
-        index it.  The run's region must still be pinned by its writer."""
-        self._publish_puts([run])
+        index it.  The run's region must still be pinned by its writer.
+        False when a clear() came between its allocation and now: the run
+        holds what was stored before the clear, so it is not published."""
+        return bool(self._publish_puts([run]))
 
-    def _publish_puts(self, runs: list[Run]) -> None:
-        """:meth:`_publish_put` for several runs, in one commit."""
+    def _publish_puts(self, runs: list[Run]) -> set[int]:
+        """:meth:`_publish_put` for several runs, in one commit; returns the
+        ids of the runs published."""
+        kept = []
+
+        def records():   # under the commit lock, where clear() moves its mark
+            kept.extend(r for r in runs if r.run_id >= self._clear_mark)
+            return [jfmt.PutRun(run.run_id, run.region, run.generation, run.offset,
+                                run.keys, tuple(int(s) for s in run.checksums))
+                    for run in kept]
+
+        emptied = set()
+
         def publish():
             now = time.time()
-            self.index.add_many(runs)
-            for run in runs:
-                self._account_run(run)
+            emptied.update(self._index_runs(kept))
+            for run in kept:
                 self.regions.last_access[run.region] = now
 
-        self._commit([jfmt.PutRun(run.run_id, run.region, run.generation, run.offset,
-                                  run.keys, tuple(int(s) for s in run.checksums))
-                      for run in runs], publish)
+        self._commit(records, publish)
+        self.counters["cleared_puts"] += len(runs) - len(kept)
+        self._release_unpinned(emptied)
+        return {r.run_id for r in kept}
 
     def _allocate(self, nbytes: int) -> tuple[int, int]:
         """Space for a run, reclaiming regions by policy when none is free.
@@ -1084,11 +1128,40 @@ class KVStore:
             self.regions.hits[run.region] += 1
         return segs
 
-    def _unpin(self, segs):
+    def _unpin(self, segs) -> bool:
+        """Release the pins of a ``_segments`` answer.  True: they were held
+        all along (a store server's client says False when the server that
+        pinned them went away: what was read may since have been rewritten)."""
         with self._lock:
             for run, _, _, _ in segs:
                 run.pins -= 1
                 self.regions.pins[run.region] -= 1
+        self._release_unpinned({run.region for run, _, _, _ in segs})
+        return True
+
+    def _unpin_writers(self, regions) -> None:
+        """Writers done with their runs' regions (published, refused or failed)."""
+        with self._lock:
+            for region in regions:
+                self.regions.pins[region] -= 1
+        self._release_unpinned(set(regions))
+
+    def _release_unpinned(self, regions) -> None:
+        """Free the regions among ``regions`` that lost their last pin with no
+        run left in them (deleted, cleared or dropped while being read, or a
+        put refused by a clear): eviction would find them eventually, but
+        their space counts as used until then."""
+        if self.readonly or self.closed:
+            return
+        with self._lock:
+            empty = [r for r in regions if self.regions.pins[r] == 0 and
+                     self.regions.live[r] == 0 and self.regions.state[r] == SEALED]
+        if not empty:
+            return
+        try:
+            self._release_empty_regions(empty)
+        except KVBlockError as e:    # the read or write itself went through
+            logger.warning("kvblock: freeing emptied regions %s failed: %s", empty, e)
 
     def get_run(self, keys: Sequence, out) -> int:
         """Read the stored prefix of ``keys`` into ``out``.
@@ -1217,8 +1290,14 @@ class KVStore:
                     raise
                 done += count
                 i += 1
-        finally:
+        except BaseException:
             self._unpin(segs)
+            raise
+        if not self._unpin(segs):
+            # The pins lapsed while the bytes were read: their space may have
+            # been reused meanwhile, and unverified reads would not notice.
+            self.counters["lapsed_pin_gets"] += 1
+            return 0
         self.counters["get_blocks"] += done
         self.counters["get_bytes"] += done * (g.group_block_bytes if only else g.block_bytes)
         return done
@@ -1414,11 +1493,23 @@ class KVStore:
         return reclaimed
 
     def clear(self) -> int:
-        """Forget everything not pinned: every unpinned region, and the DRAM
-        tier (which evict keeps: a block there outlives its run on flash).
-        What engines mean by clearing a cache (after a weight update, the
-        same keys would name different KV).  Returns the regions reclaimed."""
+        """Forget every stored block: what engines mean by clearing a cache
+        (after a weight update, the same keys would name different KV).
+        Unpinned regions are reclaimed; runs in regions that reads in flight
+        pin are dropped from the index at once (their space is freed when
+        the last pin goes); a put allocated before the clear is not
+        published when it commits (it returns 0); the DRAM tier is emptied
+        too (evict keeps it: a block there outlives its run on flash).
+        Returns the regions reclaimed now."""
+        self._check_open(writing=True)
+        with self._commit_lock:          # no publish decides meanwhile (_publish_puts)
+            with self._lock:
+                mark = self._clear_mark = self._next_run_id
         reclaimed = self.evict(all=True)
+        with self._lock:
+            left = [r for r in self.index.runs.values() if r.run_id < mark]
+        for at in range(0, len(left), CLEAR_DROP_BATCH):
+            self._drop_runs(left[at:at + CLEAR_DROP_BATCH])
         if self.host is not None:
             self.host.clear()
         return reclaimed

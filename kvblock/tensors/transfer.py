@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from kvblock.errors import ConfigError, IOFailedError, KVBlockError
+from kvblock.errors import ConfigError, IOFailedError, KVBlockError, StoreClosedError
 from kvblock.format.checksum import data_hasher
 from kvblock.index import normalize_keys
 from kvblock.io import IOBatch
@@ -508,7 +508,10 @@ class _LoadJob:
         else:
             error = None
         self._stage_done()
-        store._unpin(self.segs)
+        if not store._unpin(self.segs) and error is None:
+            error = StoreClosedError(
+                "the store server went away during the load: its pins lapsed, so a "
+                "restarted server may have reused the space read; treat the load as a miss")
         if isinstance(error, IOFailedError):   # an unreadable run is gone too
             store._read_failed(error, [seg[0] for seg in self.segs])
         if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup

@@ -337,3 +337,36 @@ def test_a_fork_while_locks_are_held_neither_hangs_nor_inherits_the_start_lock(t
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         _kill_servers_of(sock2)
+
+
+def test_a_server_of_another_release_is_refused_once_and_said_so(tmp_path, monkeypatch,
+                                                                   caplog):
+    """An in-place upgrade restarts the server from another release: its
+    protocol differs, so the client stops retrying at once and every call
+    says why, instead of failing as 'gone' for ever."""
+    import logging
+
+    import kvblock.store.server as server_mod
+    from kvblock.errors import ProtocolMismatchError
+
+    sock, path, server, r = _served(tmp_path, reconnect=True)
+    try:
+        server.stop()
+        monkeypatch.setattr(server_mod, "PROTOCOL", 99)
+        server = serve_in_background([path], sock)
+        with caplog.at_level(logging.ERROR, logger="kvblock"):
+            with pytest.raises(ServerGoneError):
+                r.lookup(run_keys(0, 1))
+            deadline = time.monotonic() + 10
+            while "speaks store protocol" not in repr(r._session.gone):
+                assert time.monotonic() < deadline, "the mismatch was never named"
+                time.sleep(0.05)
+        assert any("run one kvblock release" in rec.getMessage() for rec in caplog.records)
+        with pytest.raises(ServerGoneError, match="speaks store protocol 2, this server"):
+            r.lookup(run_keys(0, 1))
+        assert not [t for t in threading.enumerate() if t.name == "kvblock-reconnect"]
+        with pytest.raises(ProtocolMismatchError, match="run one kvblock release"):
+            RemoteStore(sock)
+    finally:
+        r.close()
+        server.stop()

@@ -521,3 +521,23 @@ def test_contains_nowait_never_queues_behind_another_call(tmp_path, sock):
             finally:
                 r._rpc_lock.release()
             assert r.contains_nowait(keys[0], 0.001) is True
+
+
+def test_a_client_can_require_the_served_store_geometry_and_model(tmp_path, sock):
+    from kvblock import Geometry
+    from kvblock.errors import GeometryMismatchError
+
+    path = str(tmp_path / "kv.img")
+    from kvblock import create_file
+
+    create_file(path, 8 * MIB)
+    KVStore.format([path], GEOM, model="llama-a", region_size=REGION).close()
+    with serve_in_background([path], sock):
+        other = Geometry(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16",
+                         block_tokens=16, head_groups=2)
+        with pytest.raises(GeometryMismatchError, match="this process needs"):
+            RemoteStore(sock, geometry=other)
+        with pytest.raises(GeometryMismatchError, match="another model than 'llama-b'"):
+            RemoteStore(sock, model="llama-b")
+        with RemoteStore(sock, geometry=GEOM, model="llama-a") as r:
+            assert r.geometry == GEOM

@@ -1,0 +1,164 @@
+"""A shared store's clear() while other ranks read and write, a run stored
+by two ranks at once, a put larger than the store, and a read whose pins
+lapse with a killed server."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore, create_file
+from kvblock.errors import StoreFullError
+from kvblock.store.client import RemoteStore
+from kvblock.store.server import serve_in_background, spawn_server
+from tests.store.workload import GEOM, REGION, run_data, run_keys
+from tests.support.servers import stop_server
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def store_file(tmp_path):
+    path = str(tmp_path / "kv.img")
+    create_file(path, 4 * MIB)
+    KVStore.format([path], GEOM, region_size=REGION, journal_bytes=256 << 10).close()
+    return path
+
+
+def _read(store, keys):
+    out = np.zeros(len(keys) * GEOM.block_bytes, np.uint8)
+    return out if store.get_run(keys, out) == len(keys) else None
+
+
+def _wait_in(store, method: str):
+    """Make ``store.<method>`` stop (after it ran) until released: (reached, go)."""
+    reached, go = threading.Event(), threading.Event()
+    real = getattr(store, method)
+
+    def stalled(*args, **kw):
+        out = real(*args, **kw)
+        reached.set()
+        assert go.wait(30)
+        return out
+    setattr(store, method, stalled)
+    return reached, go
+
+
+def test_clear_on_one_rank_forgets_what_other_ranks_read_and_write(store_file, tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock) as server:
+        reader, writer, admin = (RemoteStore(sock) for _ in range(3))
+        try:
+            keys, fresh = run_keys(1, 4), run_keys(2, 3)
+            admin.put_run(keys, run_data(keys))
+            pinned, unpin_go = _wait_in(reader, "_segments")   # a read in flight
+            allocated, write_go = _wait_in(writer, "_stage_run")  # a put allocated
+            result = {}
+            threads = [
+                threading.Thread(target=lambda: result.update(
+                    read=_read(reader, keys))),
+                threading.Thread(target=lambda: result.update(
+                    put=writer.put_run(fresh, run_data(fresh)))),
+            ]
+            for t in threads:
+                t.start()
+            assert pinned.wait(20) and allocated.wait(20)
+            admin.clear()
+            assert admin.lookup(keys) == 0 and server.store.stats()["runs"] == 0
+            unpin_go.set()
+            write_go.set()
+            for t in threads:
+                t.join(20)
+            # the read under its pin still got the right bytes; the put that
+            # was allocated before the clear is refused, not published
+            assert np.array_equal(result["read"], run_data(keys))
+            assert result["put"] == 0 and writer.counters["cleared_puts"] == 1
+            assert admin.lookup(fresh) == 0 and admin.lookup(keys) == 0
+            assert server.store.regions.pins.sum() == 0
+            assert admin.put_run(fresh, run_data(fresh)) == 3
+            assert np.array_equal(_read(reader, fresh), run_data(fresh))
+        finally:
+            for s in (reader, writer, admin):
+                s.close()
+    with KVStore.open([store_file]) as store:
+        assert store.lookup(keys) == 0 and store.lookup(fresh) == 3
+
+
+def test_two_ranks_storing_the_same_run_leave_one_copy(store_file, tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock) as server:
+        a, b = RemoteStore(sock), RemoteStore(sock)
+        try:
+            keys = run_keys(3, 4)
+            # both ranks were told "ok" by admit before either committed
+            admitted, go = _wait_in(b, "_put_one")
+            real_call = b._call
+
+            def admit_ok(op, **kw):
+                return "ok" if op == "admit" else real_call(op, **kw)
+            b._call = admit_ok
+            t = threading.Thread(target=lambda: b.put_run(keys, run_data(keys)))
+            t.start()
+            assert a.put_run(keys, run_data(keys)) == 4
+            assert admitted.wait(20)
+            go.set()
+            t.join(20)
+            assert server.store.stats()["runs"] == 1
+            assert a.delete(keys[:1]) == 4 and server.store.stats()["runs"] == 0
+        finally:
+            a.close()
+            b.close()
+    with KVStore.open([store_file]) as store:
+        assert store.lookup(keys) == 0
+
+
+def test_a_put_larger_than_the_shared_store_is_refused(store_file, tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock):
+        with RemoteStore(sock) as rank:
+            kept = run_keys(4, 2)
+            rank.put_run(kept, run_data(kept))
+            n = rank.regions.count * rank.regions.size // GEOM.block_bytes
+            with pytest.raises(StoreFullError, match=f"a run of {n} blocks"):
+                rank.put_run(run_keys(5, n), np.zeros(n * GEOM.block_bytes, np.uint8))
+            assert rank.lookup(kept) == 2
+
+
+def test_a_read_whose_pins_lapse_with_the_server_is_a_miss(store_file, tmp_path):
+    """A rank pins a run and stalls; the server is killed, restarted, and
+    another rank clears the store and fills it again.  Unverified, the
+    stalled read would hand over the new runs' bytes: it must be a miss."""
+    sock = str(tmp_path / "kv.sock")
+    server = spawn_server([store_file], sock)
+    stalled = None
+    try:
+        keys = run_keys(6, 4)
+        with RemoteStore(sock) as rank:
+            rank.put_run(keys, run_data(keys))
+        stalled = RemoteStore(sock, verify="never")
+        pinned, go = _wait_in(stalled, "_segments")
+        result = {}
+        t = threading.Thread(target=lambda: result.update(n=stalled.get_run(
+            keys, np.zeros(4 * GEOM.block_bytes, np.uint8))))
+        t.start()
+        assert pinned.wait(20)
+        server.send_signal(signal.SIGKILL)
+        server.wait(20)
+        server = spawn_server([store_file], sock)
+        with RemoteStore(sock) as other:
+            other.clear()
+            for i in range(100, 100 + other.regions.count * 6):
+                k = run_keys(i, 4)
+                other.put_run(k, run_data(k))
+        go.set()
+        t.join(20)
+        assert result["n"] == 0
+        assert stalled.counters["lapsed_pin_gets"] == 1
+    finally:
+        if stalled is not None:
+            stalled.close()
+        stop_server(server.pid)
+        server.wait(20)

@@ -1,0 +1,206 @@
+"""A key stored again by a newer run, clear() with reads and puts in flight,
+a put larger than the store, and regions emptied while pinned.
+
+Each case survives a restart: a clean one (close writes a checkpoint) and a
+crash (the journal is replayed), so what the store forgot stays forgotten.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore, create_file
+from kvblock.errors import StoreFullError
+from kvblock.index import normalize_keys
+from tests.store.workload import GEOM, REGION, run_data, run_keys
+
+MIB = 1 << 20
+
+
+def _store(tmp_path, size=4 * MIB) -> str:
+    path = tmp_path / "store.img"
+    create_file(path, size)
+    KVStore.format([str(path)], GEOM, region_size=REGION, journal_bytes=256 << 10).close()
+    return str(path)
+
+
+def _crash(store: KVStore) -> None:
+    """The process dies: no checkpoint, the next open replays the journal."""
+    store._release_devices()
+    store.closed = True
+
+
+def _close(store, how):
+    """A clean close (it writes a checkpoint) or a crash (the journal is replayed)."""
+    store.close() if how == "clean" else _crash(store)
+
+
+def _read(store, keys) -> np.ndarray | None:
+    out = np.zeros(len(keys) * GEOM.block_bytes, np.uint8)
+    return out if store.get_run(keys, out) == len(keys) else None
+
+
+@pytest.mark.parametrize("how", ["clean", "crash"])
+def test_a_deleted_key_stays_deleted_when_an_older_run_also_held_it(tmp_path, how):
+    """K[:3] stored, then the grown prefix K[:4]: the older run's three keys
+    now name positions of the newer run.  Deleting the newer run must not
+    let the older copy come back after a restart."""
+    path = _store(tmp_path)
+    keys = run_keys(1, 4)
+    store = KVStore.open([path])
+    store.put_run(keys[:3], run_data(keys[:3]))
+    store.put_run(keys, run_data(keys))
+    assert store.stats()["runs"] == 1                  # the older run is of no use: dropped
+    assert store.counters["superseded_runs"] == 1
+    assert store.delete(keys[:1]) == 4 and store.lookup(keys) == 0
+    _close(store, how)
+    with KVStore.open([path]) as store:
+        assert store.lookup(keys) == 0 and store.lookup(keys[:3]) == 0
+        assert store.stats()["runs"] == 0
+
+
+@pytest.mark.parametrize("how", ["clean", "crash"])
+def test_a_partly_superseded_run_keeps_its_other_keys_only(tmp_path, how):
+    """Runs A = [x, k1, k2] and B = [k1, k2, k3]: A keeps x; deleting B takes
+    k1..k3 away for good, also from A, also across a checkpoint."""
+    path = _store(tmp_path)
+    x, k1, k2, k3 = run_keys(2, 4)
+    a_data, b_data = run_data([x, k1, k2]), run_data([k1, k2, k3])
+    store = KVStore.open([path])
+    store.put_run([x, k1, k2], a_data)
+    store.put_run([k1, k2, k3], b_data)
+    assert store.stats()["runs"] == 2
+    b_view = b_data.reshape(GEOM.num_layers, GEOM.head_groups, 3, -1)
+    got = _read(store, [k1, k2, k3])                   # the newer copy
+    assert got is not None and np.array_equal(
+        got.reshape(GEOM.num_layers, GEOM.head_groups, 3, -1), b_view)
+    store.checkpoint()                                 # A is written with k1, k2 superseded
+    assert store.delete([k3]) == 3
+    store.checkpoint()
+    _close(store, how)
+    with KVStore.open([path]) as store:
+        assert store.lookup([x]) == 1
+        assert store.lookup([k1]) == 0 and store.lookup([k2]) == 0 and store.lookup([k3]) == 0
+        got = _read(store, [x])
+        a_view = a_data.reshape(GEOM.num_layers, GEOM.head_groups, 3, -1)
+        assert got is not None and np.array_equal(
+            got.reshape(GEOM.num_layers, GEOM.head_groups, 1, -1), a_view[:, :, :1])
+
+
+def test_runs_stored_twice_do_not_keep_their_space(tmp_path):
+    """Two writers racing on the same runs (as two ranks may): the losing
+    copies are dropped, and their regions come back once empty."""
+    path = _store(tmp_path)
+    with KVStore.open([path]) as store:
+        for i in range(8):
+            keys = run_keys(10 + i, 4)
+            store.put_run(keys, run_data(keys))
+        for i in range(8):   # as the second rank's put would land (present() was false)
+            keys = run_keys(10 + i, 4)
+            store._put_one(normalize_keys(keys), store._blocks_view(normalize_keys(keys),
+                                                                    run_data(keys)))
+        assert store.stats()["runs"] == 8 and store.counters["superseded_runs"] == 8
+        store.regions.seal(store.regions.open)
+        for i in range(8):
+            store.delete(run_keys(10 + i, 1))
+        assert store.stats()["runs"] == 0
+        assert int(store.regions.live.sum()) == 0
+        assert len(store.regions.free) == store.regions.count   # nothing held
+    with KVStore.open([path]) as store:
+        assert store.stats()["runs"] == 0
+
+
+@pytest.mark.parametrize("how", ["clean", "crash"])
+def test_clear_forgets_runs_that_a_read_pins(tmp_path, how):
+    """clear() with a read in flight (its pin) forgets that read's run at
+    once; the region is freed when the read lets go, not left for later."""
+    path = _store(tmp_path)
+    store = KVStore.open([path])
+    keys = run_keys(3, 4)
+    store.put_run(keys, run_data(keys))
+    other = run_keys(4, 2)
+    store.put_run(other, run_data(other))
+    pin = store.pin(keys)
+    store.clear()
+    assert store.lookup(keys) == 0 and store.lookup(other) == 0
+    assert store.stats()["runs"] == 0
+    region = pin[0][0].region
+    assert store.regions.pins[region] == 1 and region not in store.regions.free
+    store.unpin(pin)
+    assert region in store.regions.free
+    _close(store, how)
+    with KVStore.open([path]) as store:
+        assert store.lookup(keys) == 0 and store.lookup(other) == 0
+
+
+@pytest.mark.parametrize("how", ["clean", "crash"])
+def test_clear_refuses_a_put_allocated_before_it(tmp_path, how):
+    """A put whose space was allocated before clear() holds what was stored
+    before it (old weights' KV): it returns 0 and nothing of it is found."""
+    path = _store(tmp_path)
+    store = KVStore.open([path])
+    keys = run_keys(5, 3)
+    allocated, go = threading.Event(), threading.Event()
+    real = store._stage_run
+
+    def stage_then_wait(*args):
+        allocated.set()
+        assert go.wait(20)
+        return real(*args)
+    store._stage_run = stage_then_wait
+    result = {}
+    t = threading.Thread(target=lambda: result.update(n=store.put_run(keys, run_data(keys))))
+    t.start()
+    assert allocated.wait(20)
+    store.clear()
+    go.set()
+    t.join(20)
+    del store._stage_run
+    assert result["n"] == 0 and store.lookup(keys) == 0
+    assert store.counters["cleared_puts"] == 1
+    later = run_keys(6, 3)                            # puts after the clear are stored
+    assert store.put_run(later, run_data(later)) == 3
+    assert np.array_equal(_read(store, later), run_data(later))
+    _close(store, how)
+    with KVStore.open([path]) as store:
+        assert store.lookup(keys) == 0 and store.lookup(later) == 3
+
+
+def test_a_run_larger_than_the_store_is_refused_before_anything_is_evicted(tmp_path):
+    path = _store(tmp_path, 2 * MIB)
+    with KVStore.open([path]) as store:
+        kept = run_keys(7, 2)
+        store.put_run(kept, run_data(kept))
+        room = (store.regions.count - 1) * store.regions.size
+        n = room // GEOM.block_bytes + store.max_run_blocks
+        big = run_keys(8, n)
+        with pytest.raises(StoreFullError, match=f"a run of {n} blocks .* does not fit"):
+            store.put_run(big, np.zeros(n * GEOM.block_bytes, np.uint8))
+        with pytest.raises(StoreFullError, match="does not fit"):
+            store.put_runs([(kept, run_data(kept)), (big, np.zeros(n * GEOM.block_bytes,
+                                                                   np.uint8))])
+        assert store.lookup(kept) == 2 and store.counters["evicted_regions"] == 0
+        fits = run_keys(9, room // store.layout(1).run_bytes // 2)
+        assert store.put_run(fits, np.zeros(len(fits) * GEOM.block_bytes, np.uint8)) \
+            == len(fits)
+        assert store.lookup(fits) == len(fits)
+
+
+def test_a_region_emptied_while_pinned_is_freed_when_unpinned(tmp_path):
+    path = _store(tmp_path)
+    with KVStore.open([path]) as store:
+        runs = [run_keys(20 + i, 2) for i in range(4)]
+        for keys in runs:
+            store.put_run(keys, run_data(keys))
+        region = store.regions.open
+        store.regions.seal(region)
+        free_before = len(store.regions.free)
+        pin = store.pin(runs[0])
+        for keys in runs:
+            store.delete(keys)
+        assert region not in store.regions.free        # a read still holds it
+        store.unpin(pin)
+        assert region in store.regions.free and len(store.regions.free) == free_before + 1
