@@ -429,6 +429,17 @@ def test_fresh_store_maps_in_at_once_reopened_one_in_the_background(shm_target, 
         assert maps.wait_prefaulted(30) and maps._ready.is_set()
 
 
+@contextlib.contextmanager
+def _prefaulting_while_written(shm_target):
+    """An engine on an 8 MiB tmpfs file that has just written, its
+    background prefault started: (engine, its mappings, a 1 MiB buffer)."""
+    with Device(shm_target(8 * MIB)) as dev, \
+            open_engine([dev], defer_mapped_reads=True) as eng, HostBuffer(MIB) as buf:
+        eng.write(IOBatch.single(buf.address, 0, 0, MIB))
+        eng._maps.start(background=True)
+        yield eng, eng._maps, buf
+
+
 def test_background_prefault_waits_for_a_gap_in_writes(shm_target, monkeypatch):
     """The populate steps hold the process's mmap_lock; they run only once
     the engine has not written for PREFAULT_PAUSE."""
@@ -436,12 +447,7 @@ def test_background_prefault_waits_for_a_gap_in_writes(shm_target, monkeypatch):
 
     monkeypatch.setattr(mapped_mod, "PREFAULT_PAUSE", 0.2)
     monkeypatch.setattr(mapped_mod, "PREFAULT_MAX_WAIT", 30.0)
-    path = shm_target(8 * MIB)
-    with Device(path) as dev, open_engine([dev], defer_mapped_reads=True) as eng, \
-            HostBuffer(MIB) as buf:
-        maps = eng._maps
-        eng.write(IOBatch.single(buf.address, 0, 0, MIB))
-        maps.start(background=True)
+    with _prefaulting_while_written(shm_target) as (eng, maps, buf):
         deadline = time.monotonic() + 0.6
         while time.monotonic() < deadline:     # keep writing: the prefault must wait
             eng.write(IOBatch.single(buf.address, 0, 0, MIB))
@@ -459,12 +465,7 @@ def test_background_prefault_waits_for_a_gap_no_longer_than_its_limit(shm_target
     monkeypatch.setattr(mapped_mod, "PREFAULT_PAUSE", 0.2)
     monkeypatch.setattr(mapped_mod, "PREFAULT_MAX_WAIT", 0.1)
     monkeypatch.setattr(mapped_mod, "PREFAULT_STEP", 2 * MIB)   # 4 steps of 8 MiB
-    path = shm_target(8 * MIB)
-    with Device(path) as dev, open_engine([dev], defer_mapped_reads=True) as eng, \
-            HostBuffer(MIB) as buf:
-        maps = eng._maps
-        eng.write(IOBatch.single(buf.address, 0, 0, MIB))
-        maps.start(background=True)
+    with _prefaulting_while_written(shm_target) as (eng, maps, buf):
         deadline = time.monotonic() + 10
         while not maps._ready.is_set():        # never a 0.2 s gap in the writes
             assert time.monotonic() < deadline, "the prefault waited for a gap for good"
