@@ -74,38 +74,58 @@ class KeyIndex:
         lo, hi = split_keys(b"".join(r.keys for r in runs))
         packed = np.concatenate([r.packed() for r in runs])
         kept = (lo != 0) | (hi != 0)              # SUPERSEDED positions stay out
-        if not kept.all():
+        all_kept = bool(kept.all())
+        if not all_kept:
             lo, hi, packed = lo[kept], hi[kept], packed[kept]
         before = len(self.table)
         overwritten = self.table.put(lo, hi, packed)
-        hit = {int(r) for r in np.unique(overwritten >> POS_BITS)}
+        hit = set()
         if len(self.table) - before + overwritten.size == lo.size:
             # No key twice in the batch: each run's kept positions point at it.
-            ends = np.cumsum([run.nblocks for run in runs])
-            counts = np.diff(np.r_[0, np.cumsum(kept)[ends - 1]]) if kept.size else ends
-            for run, n in zip(runs, counts.tolist()):
-                run.live = n
+            if all_kept:
+                for run in runs:
+                    run.live = run.nblocks
+            else:
+                ends = np.cumsum([run.nblocks for run in runs])
+                counts = np.diff(np.r_[0, np.cumsum(kept)[ends - 1]])
+                for run, n in zip(runs, counts.tolist()):
+                    run.live = n
+            if not overwritten.size:
+                return []                         # fresh keys only: the usual put
         else:
             hit.update(run.run_id for run in runs)
-        for run_id in hit:
-            run = self.runs.get(run_id)
-            if run is not None:
-                run.live = int(np.count_nonzero(self.live_positions(run)))
-        return [self.runs[i] for i in hit if i in self.runs and self.runs[i].live == 0]
+        hit.update(int(r) for r in np.unique(overwritten >> POS_BITS))
+        hit_runs = [self.runs[i] for i in hit if i in self.runs]
+        if hit_runs:                              # one probe for all of them
+            live = self._live_positions(hit_runs)
+            sizes = np.array([run.nblocks for run in hit_runs])
+            counts = np.add.reduceat(live.astype(np.int64), np.cumsum(sizes) - sizes)
+            for run, n in zip(hit_runs, counts.tolist()):
+                run.live = n
+        return [run for run in hit_runs if run.live == 0]
 
-    def live_positions(self, run: Run) -> np.ndarray:
-        """Per position of ``run``: does its key still point there?"""
-        lo, hi = split_keys(run.keys)
-        return self.table.get(lo, hi) == run.packed()
+    def _live_positions(self, runs: list[Run]) -> np.ndarray:
+        """Per position of each of ``runs`` (concatenated): does its key
+        still point there?"""
+        lo, hi = split_keys(b"".join(run.keys for run in runs))
+        return self.table.get(lo, hi) == np.concatenate([run.packed() for run in runs])
 
-    def checkpoint_keys(self, run: Run) -> bytes:
-        """The run's keys as a checkpoint stores them: SUPERSEDED where a
-        newer run holds the key."""
-        if run.live == run.nblocks:
-            return run.keys
-        keys = np.frombuffer(run.keys, dtype=np.uint8).reshape(-1, KEY_BYTES).copy()
-        keys[~self.live_positions(run)] = 0
-        return keys.tobytes()
+    def checkpoint_keys(self, runs: list[Run]) -> np.ndarray:
+        """The runs' keys as a checkpoint stores them, (positions, 16) bytes:
+        SUPERSEDED where a newer run holds the key."""
+        keys = np.frombuffer(b"".join(run.keys for run in runs), dtype=np.uint8)
+        keys = keys.reshape(-1, KEY_BYTES)
+        partly = [k for k, run in enumerate(runs) if run.live < run.nblocks]
+        if not partly:
+            return keys
+        keys = keys.copy()
+        sizes = np.array([run.nblocks for run in runs])
+        starts = np.cumsum(sizes) - sizes
+        lens = sizes[partly]
+        within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        at = np.repeat(starts[partly], lens) + within
+        keys[at[~self._live_positions([runs[k] for k in partly])]] = 0
+        return keys
 
     def remove(self, run: Run) -> None:
         """Drop a run; keys since re-stored by a newer run keep pointing there."""

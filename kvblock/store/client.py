@@ -600,7 +600,8 @@ class RemoteStore:
         if n == 0:
             return 0
         self._check_fits(n)
-        verdict = self._call("admit", keys=encode_keys(keys))
+        answer = self._call("admit", keys=encode_keys(keys))
+        verdict, clears = answer["verdict"], answer["clears"]
         if verdict == "duplicate":
             self.counters["put_duplicate_runs"] += 1
             return n
@@ -611,13 +612,13 @@ class RemoteStore:
         written = 0
         for start in range(0, n, step):
             stop = min(n, start + step)
-            stored = self._put_one(keys[start:stop], _span(blocks, start, stop))
+            stored = self._put_one(keys[start:stop], _span(blocks, start, stop), clears)
             written += stored
-            if not stored:            # a clear() overtook it: no tail without its head
-                break
+            if not stored:            # a clear() overtook it: its earlier pieces went too
+                return 0
         return written
 
-    def _put_one(self, keys: list[bytes], blocks) -> int:
+    def _put_one(self, keys: list[bytes], blocks, clears: int) -> int:
         n = len(keys)
         lay = self.layout(n)
         s = self._current()   # the allocation, its commit or abort: one session
@@ -631,7 +632,7 @@ class RemoteStore:
             self.io.flush([dev])                 # data before the record that publishes it
             sent = True                          # from here the server releases the pin
             stored = self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
-                                   checksums=[int(c) for c in sums])
+                                   checksums=[int(c) for c in sums], clears=clears)
         except BaseException:
             if not sent:
                 try:

@@ -321,14 +321,15 @@ class StoreServer:
         st = self.store
         st._check_open(writing=True)
         keys = decode_keys(keys)
+        clears = st._clears    # the put's pieces commit only if no clear() comes first
         with st._lock:
             if st.index.prefix_length(keys) == len(keys):
                 st.counters["put_duplicate_runs"] += 1
-                return "duplicate"
+                return {"verdict": "duplicate", "clears": clears}
             if not st.admission.admit(keys[0]):
                 st.counters["admission_rejected_runs"] += 1
-                return "rejected"
-        return "ok"
+                return {"verdict": "rejected", "clears": clears}
+        return {"verdict": "ok", "clears": clears}
 
     def _op_allocate(self, s, nblocks):
         st = self.store
@@ -342,7 +343,7 @@ class StoreServer:
         return {"wid": wid, "region": region, "offset": offset, "run_id": run_id,
                 "generation": gen}
 
-    def _op_commit(self, s, wid, keys, checksums):
+    def _op_commit(self, s, wid, keys, checksums, clears=None):
         st = self.store
         w = s.writers.pop(wid, None)
         if w is None:
@@ -355,7 +356,7 @@ class StoreServer:
                                   f"for a run of {n} blocks x {st.geometry.ranges} ranges")
             run = Run(run_id, region, gen, offset, b"".join(keys),
                       np.array(checksums, dtype=np.uint64), created=time.time())
-            published = st._publish_put(run)   # flushes data, journals, then indexes
+            published = st._publish_put(run, clears)   # flushes data, journals, indexes
         finally:
             st._unpin_writers([region])
         if not published:

@@ -268,6 +268,7 @@ class KVStore:
         self._lock = threading.RLock()
         self._commit_lock = threading.Lock()
         self._clear_mark = 0   # runs with lower ids were allocated before the last clear()
+        self._clears = 0       # clear() calls: a put call that saw another count is refused
         self._pending: list = []
         self._pending_lock = threading.Lock()
         self._local = threading.local()
@@ -611,8 +612,7 @@ class KVStore:
             for i, run in enumerate(runs):
                 run_rows[i] = (run.run_id, run.region, run.generation, run.offset,
                                run.nblocks, 0)
-            keys = np.frombuffer(b"".join(self.index.checkpoint_keys(r) for r in runs),
-                                 dtype=np.uint8).reshape(-1, 16)
+            keys = self.index.checkpoint_keys(runs)
             sums = (np.stack([r.checksums for r in runs]) if runs
                     else np.zeros((0, self.geometry.ranges), np.uint64))
             regions = np.zeros(self.regions.count, dtype=cpfmt.REGION_DTYPE)
@@ -729,6 +729,7 @@ class KVStore:
         """put_runs after its argument checks: (keys, blocks) pairs.  One run
         alone is published piece by piece (pieces of at most a region)."""
         g = self.geometry
+        clears = self._clears         # a clear() from here on refuses every piece of the call
         out = [0] * len(items)
         pieces = []                   # (item, keys, blocks) of at most a region each
         with self._lock:              # one index probe for every item's keys
@@ -753,9 +754,10 @@ class KVStore:
                 pieces.append((i, keys[start:stop], _span(blocks, start, stop)))
         if len(items) == 1:
             for i, keys, blocks in pieces:
-                stored = self._put_one(keys, blocks)
+                stored = self._put_one(keys, blocks, clears)
                 out[i] += stored
-                if not stored:        # a clear() overtook it: no tail without its head
+                if not stored:        # a clear() overtook it: its earlier pieces went too
+                    out[i] = 0
                     break
             return out
         # Group the pieces: each group's regions stay pinned until its commit,
@@ -774,18 +776,23 @@ class KVStore:
             groups[-1].append(piece)
             nbytes += size
             record += entry
+        cleared = set()
         for group in groups:
             if group:
-                for i, n in self._put_group(group):
+                for i, n in self._put_group(group, clears):
                     out[i] += n
+                    if not n:
+                        cleared.add(i)
+        for i in cleared:             # a clear() overtook a piece: the item's others went too
+            out[i] = 0
         return out
 
-    def _put_group(self, pieces: list) -> list[tuple[int, int]]:
+    def _put_group(self, pieces: list, clears: int) -> list[tuple[int, int]]:
         """Write each piece as a run, then publish them all with one commit.
         Pieces whose buffers already are their on-device image (no staging)
         are written together in one engine call after the others; a staged
         piece is written at once (the staging buffer is reused).  Returns
-        (item, blocks) per piece."""
+        (item, blocks) per piece, 0 blocks for one a clear() refused."""
         written, deferred = [], []      # deferred: (run index, batch, sums or Streams)
         try:
             for i, keys, blocks in pieces:
@@ -799,13 +806,14 @@ class KVStore:
                 for k, sums in self._write_runs_together(
                         [(batch, sums, written[k][3].run_id) for k, batch, sums in deferred]):
                     written[deferred[k][0]][3].checksums = sums
-            published = self._publish_puts([run for _, _, _, run in written])
+            published = self._publish_puts([run for _, _, _, run in written], clears)
         finally:
             self._unpin_writers([run.region for _, _, _, run in written])
-        written = [w for w in written if w[3].run_id in published]
         for _, keys, blocks, run in written:
-            self._count_put(keys, blocks, run)
-        return [(i, len(keys)) for i, keys, _, _ in written]
+            if run.run_id in published:
+                self._count_put(keys, blocks, run, clears)
+        return [(i, len(keys) if run.run_id in published else 0)
+                for i, keys, _, run in written]
 
     def _write_runs_together(self, staged: list) -> list[tuple[int, np.ndarray]]:
         """Write (batch, sums or Streams, run id) triples in one engine call
@@ -855,15 +863,15 @@ class KVStore:
                 f"of {regions.size} bytes, less one); store a shorter prefix or give the "
                 "store more capacity")
 
-    def _put_one(self, keys: list[bytes], blocks) -> int:
+    def _put_one(self, keys: list[bytes], blocks, clears: int) -> int:
         run = self._write_piece(keys, blocks)
         try:
-            published = self._publish_put(run)
+            published = self._publish_put(run, clears)
         finally:
             self._unpin_writers([run.region])
         if not published:
             return 0
-        self._count_put(keys, blocks, run)
+        self._count_put(keys, blocks, run, clears)
         return len(keys)
 
     def _write_piece(self, keys: list[bytes], blocks, defer: bool = False):
@@ -886,11 +894,12 @@ class KVStore:
                   None if isinstance(sums, Streams) else sums, created=time.time())
         return (run, batch, sums) if defer else run
 
-    def _count_put(self, keys: list[bytes], blocks, run: Run) -> None:
-        """A published run: its blocks enter the host tier; the counters."""
+    def _count_put(self, keys: list[bytes], blocks, run: Run, clears: int) -> None:
+        """A published run: its blocks enter the host tier (as the newest
+        copies, unless a clear() came since the put began); the counters."""
         if self.host is not None:
             for k in range(len(keys)):
-                self.host.put(keys[k], _one(blocks, k))
+                self.host.put(keys[k], _one(blocks, k), epoch=clears, replace=True)
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += len(keys)
         self.counters["bytes_written"] += self.layout(len(keys)).run_bytes
@@ -962,20 +971,23 @@ class KVStore:
             return sums
         return self.io.write_hashed(batch, sums.of_ios, [run_id] * self.geometry.ranges)
 
-    def _publish_put(self, run: Run) -> bool:
+    def _publish_put(self, run: Run, clears: int | None = None) -> bool:
         """Journal the run's PUT record durably (after flushing the data), then
         index it.  The run's region must still be pinned by its writer.
-        False when a clear() came between its allocation and now: the run
-        holds what was stored before the clear, so it is not published."""
-        return bool(self._publish_puts([run]))
+        False when a clear() came after its allocation, or after the put
+        call began (``clears``: the clear count then): the run holds what
+        was stored before the clear (or the tail of a prefix the clear took
+        away), so it is not published."""
+        return bool(self._publish_puts([run], clears))
 
-    def _publish_puts(self, runs: list[Run]) -> set[int]:
+    def _publish_puts(self, runs: list[Run], clears: int | None = None) -> set[int]:
         """:meth:`_publish_put` for several runs, in one commit; returns the
         ids of the runs published."""
         kept = []
 
-        def records():   # under the commit lock, where clear() moves its mark
-            kept.extend(r for r in runs if r.run_id >= self._clear_mark)
+        def records():   # under the commit lock, where clear() counts and marks
+            if clears is None or clears == self._clears:
+                kept.extend(r for r in runs if r.run_id >= self._clear_mark)
             return [jfmt.PutRun(run.run_id, run.region, run.generation, run.offset,
                                 run.keys, tuple(int(s) for s in run.checksums))
                     for run in kept]
@@ -1207,6 +1219,7 @@ class KVStore:
         read from the device; blocks read from the device then enter the tier
         (after the copies, so they cannot push out blocks about to be read)."""
         n = len(keys)
+        epoch = self.host.epoch       # a clear() during the read keeps its blocks out
         in_host = [k in self.host for k in keys]
         done, fetched = 0, []
         while done < n:
@@ -1224,7 +1237,7 @@ class KVStore:
             if done < end:
                 break
         for k in fetched:
-            self.host.put(keys[k], _one(dst, k))
+            self.host.put(keys[k], _one(dst, k), epoch=epoch)
         return done
 
     def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:
@@ -1497,21 +1510,24 @@ class KVStore:
         (after a weight update, the same keys would name different KV).
         Unpinned regions are reclaimed; runs in regions that reads in flight
         pin are dropped from the index at once (their space is freed when
-        the last pin goes); a put allocated before the clear is not
-        published when it commits (it returns 0); the DRAM tier is emptied
-        too (evict keeps it: a block there outlives its run on flash).
-        Returns the regions reclaimed now."""
+        the last pin goes); a put call that began before the clear and is
+        not yet published publishes nothing, none of its pieces (it returns
+        0; pieces it published before are dropped with the rest once this
+        returns); the DRAM tier is emptied too (evict keeps it: a block
+        there outlives its run on flash), and reads and puts in flight do
+        not refill it.  Returns the regions reclaimed now."""
         self._check_open(writing=True)
         with self._commit_lock:          # no publish decides meanwhile (_publish_puts)
             with self._lock:
                 mark = self._clear_mark = self._next_run_id
+                self._clears += 1
+        if self.host is not None:        # first: reads and puts in flight see the new epoch
+            self.host.clear()
         reclaimed = self.evict(all=True)
         with self._lock:
             left = [r for r in self.index.runs.values() if r.run_id < mark]
         for at in range(0, len(left), CLEAR_DROP_BATCH):
             self._drop_runs(left[at:at + CLEAR_DROP_BATCH])
-        if self.host is not None:
-            self.host.clear()
         return reclaimed
 
     def evict_older_than(self, cutoff: float) -> int:

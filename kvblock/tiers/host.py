@@ -37,6 +37,7 @@ class HostTier:
         self.protected_max = int(self.slots * PROTECTED_SHARE)
         self.lock = threading.Lock()
         self.hits = self.misses = self.inserts = self.evictions = 0
+        self.epoch = 0   # clear() calls: an insert that began before one is dropped
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
@@ -77,10 +78,21 @@ class HostTier:
             old, old_slot = self.protected.popitem(last=False)
             self.probation[old] = old_slot
 
-    def put(self, key: bytes, block: np.ndarray) -> None:
-        """Insert (or refresh) a block; evicts by policy when full."""
+    def put(self, key: bytes, block: np.ndarray, *, epoch: int | None = None,
+            replace: bool = False) -> None:
+        """Insert a block; evicts by policy when full.  ``epoch``: the tier's
+        epoch when the caller read or wrote the block (a clear() since: not
+        inserted).  ``replace``: a newer copy of a key already here replaces
+        it (a put), else the one here stays."""
         with self.lock:
-            if key in self.protected or key in self.probation:
+            if epoch is not None and epoch != self.epoch:
+                return
+            slot = self.probation.get(key)
+            if slot is None:
+                slot = self.protected.get(key)
+            if slot is not None:
+                if replace:
+                    self.blocks[slot] = block.reshape(-1).view(np.uint8)
                 return
             if not self.free:
                 victim_seg = self.probation if self.probation else self.protected
@@ -95,6 +107,7 @@ class HostTier:
     def clear(self) -> int:
         """Drop every block; how many there were."""
         with self.lock:
+            self.epoch += 1
             n = len(self.probation) + len(self.protected)
             self.probation.clear()
             self.protected.clear()

@@ -98,7 +98,9 @@ def test_two_ranks_storing_the_same_run_leave_one_copy(store_file, tmp_path):
             real_call = b._call
 
             def admit_ok(op, **kw):
-                return "ok" if op == "admit" else real_call(op, **kw)
+                if op == "admit":
+                    return dict(real_call(op, **kw), verdict="ok")
+                return real_call(op, **kw)
             b._call = admit_ok
             t = threading.Thread(target=lambda: b.put_run(keys, run_data(keys)))
             t.start()
@@ -162,3 +164,27 @@ def test_a_read_whose_pins_lapse_with_the_server_is_a_miss(store_file, tmp_path)
             stalled.close()
         stop_server(server.pid)
         server.wait(20)
+
+
+def test_a_clear_between_the_pieces_of_a_ranks_put_refuses_the_whole_put(store_file,
+                                                                         tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock):
+        rank, admin = RemoteStore(sock), RemoteStore(sock)
+        try:
+            big = run_keys(7, rank.max_run_blocks + 3)
+            real, pieces = rank._put_one, []
+
+            def put_one(*args):
+                pieces.append(1)
+                if len(pieces) == 2:           # another rank clears between the pieces
+                    admin.clear()
+                return real(*args)
+            rank._put_one = put_one
+            assert rank.put_run(big, run_data(big)) == 0
+            del rank._put_one
+            assert rank.lookup(big) == 0 and rank.lookup(big[rank.max_run_blocks:]) == 0
+            assert rank.put_run(big, run_data(big)) == len(big)
+        finally:
+            rank.close()
+            admin.close()

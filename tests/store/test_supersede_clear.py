@@ -101,7 +101,8 @@ def test_runs_stored_twice_do_not_keep_their_space(tmp_path):
         for i in range(8):   # as the second rank's put would land (present() was false)
             keys = run_keys(10 + i, 4)
             store._put_one(normalize_keys(keys), store._blocks_view(normalize_keys(keys),
-                                                                    run_data(keys)))
+                                                                    run_data(keys)),
+                           store._clears)
         assert store.stats()["runs"] == 8 and store.counters["superseded_runs"] == 8
         store.regions.seal(store.regions.open)
         for i in range(8):
@@ -204,3 +205,100 @@ def test_a_region_emptied_while_pinned_is_freed_when_unpinned(tmp_path):
         assert region not in store.regions.free        # a read still holds it
         store.unpin(pin)
         assert region in store.regions.free and len(store.regions.free) == free_before + 1
+
+
+@pytest.mark.parametrize("how", ["put_run", "put_runs"])
+def test_a_clear_between_the_pieces_of_one_put_refuses_the_whole_put(tmp_path, how):
+    """A run longer than a region goes in pieces; a clear() after the first
+    piece took that piece away: the tail must not be published either (an
+    engine storing the head again after a weight update would read the new
+    head followed by the old tail), and the put returns 0."""
+    path = _store(tmp_path, 8 * MIB)
+    with KVStore.open([path]) as store:
+        big, small = run_keys(30, store.max_run_blocks + 5), run_keys(31, 2)
+        real, calls = store._begin_put, []
+
+        def begin_put(nbytes):
+            calls.append(nbytes)
+            if len(calls) == 2:            # another thread clears between the pieces
+                t = threading.Thread(target=store.clear)
+                t.start()
+                t.join(20)
+            return real(nbytes)
+        store._begin_put = begin_put
+        if how == "put_run":
+            got = [store.put_run(big, run_data(big))]
+        else:
+            got = store.put_runs([(big, run_data(big)), (small, run_data(small))])
+        del store._begin_put
+        assert got[0] == 0 and store.lookup(big) == 0
+        assert store.lookup(big[store.max_run_blocks:]) == 0      # no tail either
+        if how == "put_runs":                   # allocated after the clear, but the call
+            assert got[1] == 0 and store.lookup(small) == 0    # began before it
+        assert store.put_run(big, run_data(big)) == len(big)  # the next put is stored
+        assert np.array_equal(_read(store, big), run_data(big))
+
+
+def test_a_dram_tier_keeps_nothing_that_a_clear_overtook(tmp_path):
+    """With host_cache_bytes, a read in flight during clear() (it copies its
+    blocks into DRAM when done) and a put published just before it (the
+    same after its publish) must not put cleared blocks back."""
+    path = _store(tmp_path)
+    with KVStore.open([path], host_cache_bytes=MIB) as store:
+        keys, fresh = run_keys(40, 4), run_keys(41, 3)
+        store.put_run(keys, run_data(keys))
+        store.host.clear()                      # on the device only: a read fetches it
+        reading, go = threading.Event(), threading.Event()
+        real_read = store._read
+
+        def read_then_wait(*args):
+            n = real_read(*args)
+            reading.set()
+            assert go.wait(20)
+            return n
+        store._read = read_then_wait
+        result = {}
+        t = threading.Thread(target=lambda: result.update(n=_read(store, keys) is not None))
+        t.start()
+        assert reading.wait(20)
+        store.clear()
+        go.set()
+        t.join(20)
+        del store._read
+        assert result["n"] and store.lookup(keys) == 0 and len(store.host) == 0
+
+        published, go = threading.Event(), threading.Event()
+        real_publish = store._publish_put
+
+        def publish_then_wait(*args):
+            ok = real_publish(*args)
+            published.set()
+            assert go.wait(20)
+            return ok
+        store._publish_put = publish_then_wait
+        t = threading.Thread(target=lambda: result.update(put=store.put_run(
+            fresh, run_data(fresh))))
+        t.start()
+        assert published.wait(20)
+        store.clear()
+        go.set()
+        t.join(20)
+        del store._publish_put
+        assert store.lookup(fresh) == 0 and len(store.host) == 0
+
+
+def test_a_dram_tier_serves_the_newest_copy_of_a_key(tmp_path):
+    """A key stored again with other bytes (not content-addressed): the DRAM
+    tier must hand out the new copy, as the device index does."""
+    path = _store(tmp_path)
+    keys = run_keys(50, 2)
+    old, new = run_data(keys), run_data(keys) ^ 0x5A
+    with KVStore.open([path], host_cache_bytes=MIB) as store:
+        store.put_run(keys, old)
+        store.put_run(keys[:1] + run_keys(51, 1), np.concatenate([
+            new.reshape(GEOM.num_layers, GEOM.head_groups, 2, -1)[:, :, :1],
+            run_data(run_keys(51, 1)).reshape(GEOM.num_layers, GEOM.head_groups, 1, -1)],
+            axis=2))
+        got = _read(store, keys[:1])
+        want = new.reshape(GEOM.num_layers, GEOM.head_groups, 2, -1)[:, :, :1]
+        assert np.array_equal(got.reshape(want.shape), want)
