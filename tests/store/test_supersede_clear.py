@@ -38,6 +38,29 @@ def _close(store, how):
     store.close() if how == "clean" else _crash(store)
 
 
+def _clear_during(store, method: str, work):
+    """Run ``work()`` in a thread that stops right after ``store.<method>``
+    ran, clear() the store meanwhile, let it go on; what ``work()`` returned."""
+    reached, go = threading.Event(), threading.Event()
+    real = getattr(store, method)
+
+    def stalled(*args):
+        out = real(*args)
+        reached.set()
+        assert go.wait(20)
+        return out
+    setattr(store, method, stalled)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(out=work()))
+    t.start()
+    assert reached.wait(20)
+    store.clear()
+    go.set()
+    t.join(20)
+    delattr(store, method)
+    return result["out"]
+
+
 def _read(store, keys) -> np.ndarray | None:
     out = np.zeros(len(keys) * GEOM.block_bytes, np.uint8)
     return out if store.get_run(keys, out) == len(keys) else None
@@ -144,23 +167,9 @@ def test_clear_refuses_a_put_allocated_before_it(tmp_path, how):
     path = _store(tmp_path)
     store = KVStore.open([path])
     keys = run_keys(5, 3)
-    allocated, go = threading.Event(), threading.Event()
-    real = store._stage_run
-
-    def stage_then_wait(*args):
-        allocated.set()
-        assert go.wait(20)
-        return real(*args)
-    store._stage_run = stage_then_wait
-    result = {}
-    t = threading.Thread(target=lambda: result.update(n=store.put_run(keys, run_data(keys))))
-    t.start()
-    assert allocated.wait(20)
-    store.clear()
-    go.set()
-    t.join(20)
-    del store._stage_run
-    assert result["n"] == 0 and store.lookup(keys) == 0
+    # stopped once its space is allocated and its data staged, before the write
+    n = _clear_during(store, "_stage_run", lambda: store.put_run(keys, run_data(keys)))
+    assert n == 0 and store.lookup(keys) == 0
     assert store.counters["cleared_puts"] == 1
     later = run_keys(6, 3)                            # puts after the clear are stored
     assert store.put_run(later, run_data(later)) == 3
@@ -248,42 +257,9 @@ def test_a_dram_tier_keeps_nothing_that_a_clear_overtook(tmp_path):
         keys, fresh = run_keys(40, 4), run_keys(41, 3)
         store.put_run(keys, run_data(keys))
         store.host.clear()                      # on the device only: a read fetches it
-        reading, go = threading.Event(), threading.Event()
-        real_read = store._read
-
-        def read_then_wait(*args):
-            n = real_read(*args)
-            reading.set()
-            assert go.wait(20)
-            return n
-        store._read = read_then_wait
-        result = {}
-        t = threading.Thread(target=lambda: result.update(n=_read(store, keys) is not None))
-        t.start()
-        assert reading.wait(20)
-        store.clear()
-        go.set()
-        t.join(20)
-        del store._read
-        assert result["n"] and store.lookup(keys) == 0 and len(store.host) == 0
-
-        published, go = threading.Event(), threading.Event()
-        real_publish = store._publish_put
-
-        def publish_then_wait(*args):
-            ok = real_publish(*args)
-            published.set()
-            assert go.wait(20)
-            return ok
-        store._publish_put = publish_then_wait
-        t = threading.Thread(target=lambda: result.update(put=store.put_run(
-            fresh, run_data(fresh))))
-        t.start()
-        assert published.wait(20)
-        store.clear()
-        go.set()
-        t.join(20)
-        del store._publish_put
+        got = _clear_during(store, "_read", lambda: _read(store, keys))
+        assert got is not None and store.lookup(keys) == 0 and len(store.host) == 0
+        _clear_during(store, "_publish_put", lambda: store.put_run(fresh, run_data(fresh)))
         assert store.lookup(fresh) == 0 and len(store.host) == 0
 
 
