@@ -896,7 +896,9 @@ class KVStore:
 
     def _count_put(self, keys: list[bytes], blocks, run: Run, clears: int) -> None:
         """A published run: its blocks enter the host tier (as the newest
-        copies, unless a clear() came since the put began); the counters."""
+        copies, unless a clear() came since the put began: the tier's epoch
+        counts clear() calls as ``_clears`` does, clear() moving both); the
+        counters."""
         if self.host is not None:
             for k in range(len(keys)):
                 self.host.put(keys[k], _one(blocks, k), epoch=clears, replace=True)
