@@ -651,7 +651,7 @@ def test_a_hung_shared_server_costs_lookup_one_bounded_wait(tmp_path):
     (SIGSTOP) it answers within LOOKUP_ANSWER_TIMEOUT_S (then at once), and
     hits again once the server runs and the tier has reconnected."""
     from kvblock.integrations.vllm import LOOKUP_ANSWER_TIMEOUT_S
-    from tests.support.servers import stop_server
+    from tests.support.servers import stop_process, stop_server
 
     dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
     pool = page_aligned_pool(8)
@@ -662,7 +662,7 @@ def test_a_hung_shared_server_costs_lookup_one_bounded_wait(tmp_path):
         fill_random(pool, range(2))
         tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
         assert all(r.success for r in drain(tier))
-        os.kill(pid, signal.SIGSTOP)
+        stop_process(pid)
         try:
             t0 = time.monotonic()
             assert tier.lookup(key(1), CTX) == LookupResult.MISS

@@ -25,6 +25,27 @@ def stop_server(pid: int, timeout: float = 20.0) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: the signal takes effect
+    only when each of its threads next runs, and a thread busy on another
+    core may still answer a request meanwhile."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    tasks = f"/proc/{pid}/task"
+    while True:
+        states = []
+        for tid in os.listdir(tasks):
+            try:
+                with open(f"{tasks}/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass   # a thread that just ended
+        if states and all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: {states}"
+        time.sleep(0.01)
+
+
 def wait_reconnected(stores, old_pid: int, timeout: float = 60.0) -> int:
     """Wait until every RemoteStore in ``stores`` is connected to a server
     other than ``old_pid`` (the same one for all); its pid.  Each is asked
