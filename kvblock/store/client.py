@@ -70,7 +70,7 @@ from kvblock.store.store import (
 )
 from kvblock.store.storeio import StoreIO
 
-PROTOCOL = 2   # 2: "clear", and a commit answers 0 for a put a clear overtook
+PROTOCOL = 2   # 2: "clear"; admit answers the clear count, commit carries it
 logger = logging.getLogger("kvblock")
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")

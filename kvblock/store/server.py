@@ -343,7 +343,7 @@ class StoreServer:
         return {"wid": wid, "region": region, "offset": offset, "run_id": run_id,
                 "generation": gen}
 
-    def _op_commit(self, s, wid, keys, checksums, clears=None):
+    def _op_commit(self, s, wid, keys, checksums, clears):
         st = self.store
         w = s.writers.pop(wid, None)
         if w is None:
@@ -360,7 +360,7 @@ class StoreServer:
         finally:
             st._unpin_writers([region])
         if not published:
-            return 0                 # a clear() came after its allocation
+            return 0                 # a clear() came after the put began (admit)
         st.counters["put_runs"] += 1
         st.counters["put_blocks"] += n
         st.counters["bytes_written"] += st.layout(n).run_bytes

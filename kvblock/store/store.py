@@ -267,7 +267,6 @@ class KVStore:
         self.admission = Admission(admit_after)
         self._lock = threading.RLock()
         self._commit_lock = threading.Lock()
-        self._clear_mark = 0   # runs with lower ids were allocated before the last clear()
         self._clears = 0       # clear() calls: a put call that saw another count is refused
         self._pending: list = []
         self._pending_lock = threading.Lock()
@@ -973,23 +972,23 @@ class KVStore:
             return sums
         return self.io.write_hashed(batch, sums.of_ios, [run_id] * self.geometry.ranges)
 
-    def _publish_put(self, run: Run, clears: int | None = None) -> bool:
+    def _publish_put(self, run: Run, clears: int) -> bool:
         """Journal the run's PUT record durably (after flushing the data), then
         index it.  The run's region must still be pinned by its writer.
-        False when a clear() came after its allocation, or after the put
-        call began (``clears``: the clear count then): the run holds what
-        was stored before the clear (or the tail of a prefix the clear took
-        away), so it is not published."""
+        False when a clear() came after the put call began (``clears``: the
+        clear count then, taken before its space was allocated): the run
+        holds what was stored before the clear (or the tail of a prefix the
+        clear took away), so it is not published."""
         return bool(self._publish_puts([run], clears))
 
-    def _publish_puts(self, runs: list[Run], clears: int | None = None) -> set[int]:
+    def _publish_puts(self, runs: list[Run], clears: int) -> set[int]:
         """:meth:`_publish_put` for several runs, in one commit; returns the
         ids of the runs published."""
         kept = []
 
-        def records():   # under the commit lock, where clear() counts and marks
-            if clears is None or clears == self._clears:
-                kept.extend(r for r in runs if r.run_id >= self._clear_mark)
+        def records():   # under the commit lock, where clear() counts
+            if clears == self._clears:
+                kept.extend(runs)
             return [jfmt.PutRun(run.run_id, run.region, run.generation, run.offset,
                                 run.keys, tuple(int(s) for s in run.checksums))
                     for run in kept]
@@ -1521,7 +1520,7 @@ class KVStore:
         self._check_open(writing=True)
         with self._commit_lock:          # no publish decides meanwhile (_publish_puts)
             with self._lock:
-                mark = self._clear_mark = self._next_run_id
+                mark = self._next_run_id       # runs before it are dropped below
                 self._clears += 1
         if self.host is not None:        # first: reads and puts in flight see the new epoch
             self.host.clear()
