@@ -1,0 +1,151 @@
+"""The write fence: a rank's late write never lands on space a restarted
+store server has handed out again.
+
+A rank of a shared store writes a run at offsets its server allocated.  If
+that server dies, a new one recovers the store and sees the space as free
+(nothing was committed there), so a write of the old allocation that lands
+after the new server handed the space to another rank would overwrite that
+rank's committed run.  Nothing can cancel a write already in the kernel, and
+a rank stalled between allocating and writing (a stopped process, a slow
+thread) writes whenever it goes on.  So:
+
+- a rank writes (and flushes) a run holding a shared lock, and under it
+  first checks that the connection the space came from is still open;
+- whoever opens the store to own it (a server, or ``KVStore.open`` in one
+  process) takes the same lock exclusively once before it hands out space.
+  That waits for every write in flight; every later write of an older
+  connection finds its connection closed (the old owner is dead: it held
+  the devices' exclusive claim the new one now holds) and is refused.
+
+The locks are open-file-description locks (``F_OFD_SETLK``) on one byte far
+past the end of store device 0, and of ``<socket>.fence`` beside a server's
+socket: the first meets ranks that name the device by another socket path,
+the second ranks whose device node is another inode (a container's own
+/dev).  They are independent of the devices' flock claim, taken by no other
+program, and released by the kernel when a process dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import struct
+import threading
+import time
+from typing import Sequence
+
+from kvblock.errors import DeviceBusyError
+
+logger = logging.getLogger("kvblock")
+
+# The byte locked: far past any device's end, so it never meets a lock that
+# some other tool takes on the device's bytes.
+FENCE_BYTE = 1 << 62
+# How long a new owner waits for writes in flight before it gives up.  A
+# write of a whole run takes well under a second on any device; what holds
+# the lock longer is a rank stopped mid-write.
+FENCE_WAIT_S = 60.0
+FENCE_LOG_AFTER_S = 2.0
+
+_FLOCK = "hhqqi4x"     # struct flock: l_type, l_whence, l_start, l_len, l_pid
+
+
+def _ofd_lock(fd: int, kind: int, wait: bool) -> bool:
+    """Set an open-file-description lock of ``kind`` on FENCE_BYTE; False
+    when ``wait`` is off and another description holds a conflicting one."""
+    arg = struct.pack(_FLOCK, kind, os.SEEK_SET, FENCE_BYTE, 1, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, arg)
+    except OSError as e:
+        if not wait and e.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def socket_fence_path(socket_path) -> str:
+    return os.fspath(socket_path) + ".fence"
+
+
+def reopen(fd: int, flags: int) -> int:
+    """A new open file description of the file behind ``fd`` (the same
+    inode, whatever path it was opened by)."""
+    return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+
+
+class WriteFence:
+    """A rank's side: ``with fence.writing():`` around each run's write and
+    flush.  One shared lock per file for the whole process, held while any
+    thread writes (a lock belongs to its open file description, so threads
+    sharing one must not take and drop it each on their own)."""
+
+    def __init__(self, fds: Sequence[int]):
+        self._fds = list(fds)          # owned: closed by close()
+        self._writers = 0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def writing(self):
+        with self._lock:
+            if self._writers == 0:
+                for fd in self._fds:
+                    _ofd_lock(fd, fcntl.F_RDLCK, wait=True)   # waits out a new owner's check
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._writers -= 1
+                if self._writers == 0:
+                    for fd in self._fds:
+                        _ofd_lock(fd, fcntl.F_UNLCK, wait=False)
+
+    def close(self) -> None:
+        with self._lock:           # not between a writer's lock and unlock
+            fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def forget(self) -> None:
+        """In a forked child: drop this copy of the files without locking
+        (the parent's threads own the count)."""
+        self._lock = threading.Lock()
+        self._writers = 0
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+
+def fence_writers(fd: int, path: str, timeout: float | None = None) -> None:
+    """The owner's side: wait until no rank writes under an older owner's
+    allocation to the file behind ``fd`` (named ``path`` in messages).
+    Raises :class:`DeviceBusyError` after ``timeout`` (FENCE_WAIT_S) seconds."""
+    timeout = FENCE_WAIT_S if timeout is None else timeout
+    own = reopen(fd, os.O_RDWR)
+    try:
+        t0 = time.monotonic()
+        logged = False
+        while not _ofd_lock(own, fcntl.F_WRLCK, wait=False):
+            waited = time.monotonic() - t0
+            if waited >= timeout:
+                raise DeviceBusyError(
+                    f"{path}: a process still writes to this store under an allocation of "
+                    f"an earlier owner after {waited:.0f} s (a rank of a store server that "
+                    "died, stopped in the middle of a write?). Opening it now could let that "
+                    f"write land on space handed out again: find the process (`fuser -v "
+                    f"{path}`) and let it go on or kill it, then open the store again",
+                    path, errno.EBUSY)
+            if not logged and waited >= FENCE_LOG_AFTER_S:
+                logger.warning("%s: waiting for a rank's write in flight from before this "
+                               "store was opened (up to %.0f s)", path, timeout)
+                logged = True
+            time.sleep(0.01)
+        _ofd_lock(own, fcntl.F_UNLCK, wait=False)
+    finally:
+        os.close(own)
+
+
+__all__ = ["WriteFence", "fence_writers", "socket_fence_path", "FENCE_WAIT_S"]

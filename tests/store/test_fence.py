@@ -1,0 +1,113 @@
+"""The write fence's locks (kvblock/store/fence.py): a process holds its
+shared lock while any of its threads writes, a forked child's copy neither
+takes nor drops it, and a dead process's lock is gone with it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from kvblock.errors import DeviceBusyError
+from kvblock.store.fence import WriteFence, fence_writers
+
+
+@pytest.fixture
+def target(tmp_path):
+    path = str(tmp_path / "dev0")
+    with open(path, "wb") as f:
+        f.truncate(1 << 20)
+    fd = os.open(path, os.O_RDWR)
+    yield fd, path
+    os.close(fd)
+
+
+def _fenced(target) -> bool:
+    """Could an owner take the fence now (without waiting)?"""
+    try:
+        fence_writers(*target, timeout=0)
+    except DeviceBusyError:
+        return False
+    return True
+
+
+def _rank(path) -> WriteFence:
+    return WriteFence([os.open(path, os.O_RDONLY)])
+
+
+def test_held_while_any_thread_writes(target):
+    rank = _rank(target[1])
+    try:
+        assert _fenced(target)
+        inside, leave = threading.Event(), threading.Event()
+
+        def writer():
+            with rank.writing():
+                inside.set()
+                assert leave.wait(10)
+        t = threading.Thread(target=writer)
+        with rank.writing():
+            t.start()
+            assert inside.wait(10)
+        assert not _fenced(target), "the first writer's exit dropped the second's lock"
+        leave.set()
+        t.join(10)
+        assert _fenced(target)
+    finally:
+        rank.close()
+
+
+def test_the_owner_waits_then_gives_up_naming_the_device(target):
+    rank = _rank(target[1])
+    try:
+        with rank.writing():
+            with pytest.raises(DeviceBusyError, match="still writes") as e:
+                fence_writers(*target, timeout=0.2)
+            assert e.value.path == target[1] and target[1] in str(e.value)
+        fence_writers(*target, timeout=0)      # released: no wait
+    finally:
+        rank.close()
+
+
+def test_a_forked_childs_copy_leaves_the_parents_lock(target):
+    rank = _rank(target[1])
+    try:
+        with rank.writing():
+            pid = os.fork()
+            if pid == 0:
+                code = 1
+                try:
+                    rank.forget()
+                    code = 0
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0
+            assert not _fenced(target), "a child's exit dropped its parent's lock"
+        assert _fenced(target)
+    finally:
+        rank.close()
+
+
+def test_a_killed_writers_lock_goes_with_it(target):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            rank = _rank(target[1])
+            with rank.writing():
+                os.write(w, b"x")
+                signal.pause()
+        finally:
+            os._exit(1)
+    try:
+        assert os.read(r, 1) == b"x"
+        assert not _fenced(target)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+    assert _fenced(target)
