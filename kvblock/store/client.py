@@ -59,6 +59,7 @@ from kvblock.errors import ConfigError, KVBlockError, StoreClosedError
 from kvblock.index import normalize_keys
 from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, model_fingerprint
+from kvblock.store.fence import WriteFence, reopen, socket_fence_path
 from kvblock.store.policy import VERIFY_MODES
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store.store import (
@@ -247,6 +248,18 @@ class _Session:
             return True
         return False
 
+    def hung_up(self) -> bool:
+        """Has the server's end closed (its process died or dropped us)?
+        Reads nothing: another thread's answer may be waiting."""
+        try:
+            p = select.poll()
+            p.register(self.sock, select.POLLRDHUP)
+            events = p.poll(0)
+        except (OSError, ValueError):     # closed here already
+            return True
+        return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+                   for _, ev in events)
+
     def forget(self) -> None:
         """close() in a forked child: the locks may be held by a thread that
         does not exist there, so none are taken (and none are used again)."""
@@ -352,6 +365,8 @@ class RemoteStore:
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
         self.counters["reconnects"] = 0
+        self.counters["fenced_writes"] = 0    # writes refused: their server was gone
+        self._fence: WriteFence | None = None
         # Reconnecting (see _reconnect_loop): a thread started when the
         # session is lost; ``_restart`` (set by connect) starts a server.
         self._reconnect = bool(reconnect)
@@ -372,6 +387,8 @@ class RemoteStore:
             if self.io is not None:
                 self.io.close()
                 self.io = None
+            if self._fence is not None:
+                self._fence.close()
             raise
         self.closed = False
         _LIVE.add(self)
@@ -428,6 +445,7 @@ class RemoteStore:
                 raise errors.MissingDeviceError(
                     f"{d.path} is not device #{i} of store {hello['uuid']} served at "
                     f"{self.socket_path}; pass devices= in the server's order", d.path, 0)
+        self._fence = WriteFence(_fence_files(devs[0], self.socket_path))
 
     # ------------------------------------------------------------------ transport
     def _current(self) -> "_Session":
@@ -628,8 +646,15 @@ class RemoteStore:
         try:
             dev, dev_off = self.regions.address(a["region"], a["offset"])
             batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off)
-            sums = self._write_run(batch, sums, a["run_id"])
-            self.io.flush([dev])                 # data before the record that publishes it
+            with self._fence.writing():          # see kvblock/store/fence.py
+                if s.hung_up():                  # the space may be someone else's by now
+                    self.counters["fenced_writes"] += 1
+                    raise ServerGoneError(
+                        f"the store server at {self.socket_path} that allocated this run's "
+                        f"space ({self.io.devices[dev].path} at {dev_off}) is gone; the run "
+                        "was not written")
+                sums = self._write_run(batch, sums, a["run_id"])
+                self.io.flush([dev])             # data before the record that publishes it
             sent = True                          # from here the server releases the pin
             stored = self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
                                    checksums=[int(c) for c in sums], clears=clears)
@@ -776,6 +801,8 @@ class RemoteStore:
         if self._forked:                 # its sessions are closed; its locks may be stale
             self.closed = True
             KVStore._release_devices(self)
+            if self._fence is not None:
+                self._fence.forget()
             return
         with self._reconnect_lock:
             self.closed = True
@@ -787,6 +814,8 @@ class RemoteStore:
             s.close()
         _LIVE.discard(self)
         KVStore._release_devices(self)
+        if self._fence is not None:
+            self._fence.close()
 
     def __enter__(self) -> "RemoteStore":
         return self
@@ -813,10 +842,26 @@ def _after_fork_in_child() -> None:
             s.gone = (f"this process was forked from the one that connected to "
                       f"{store.socket_path}: connect again here")
             s.forget()      # no locks here: another thread may have held them at the fork
+        if store._fence is not None:
+            store._fence.forget()
     _LIVE.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _fence_files(dev0: Device, socket_path: str) -> list[int]:
+    """The files a rank's writes are fenced on (kvblock/store/fence.py):
+    store device 0 and, when its server made it, ``<socket>.fence``."""
+    fds = [reopen(dev0.fd, os.O_RDONLY)]
+    try:
+        fds.append(os.open(socket_fence_path(socket_path), os.O_RDONLY | os.O_CLOEXEC))
+    except FileNotFoundError:
+        pass
+    except BaseException:
+        os.close(fds[0])
+        raise
+    return fds
 
 
 def _connect(path: str, timeout: float | None) -> socket.socket:

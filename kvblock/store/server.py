@@ -53,6 +53,7 @@ from kvblock.store.client import (
     socket_dir,
     wait_for_server,
 )
+from kvblock.store.fence import fence_writers, socket_fence_path
 from kvblock.store.store import KVStore
 
 
@@ -97,6 +98,15 @@ class StoreServer:
 
     # ------------------------------------------------------------------ lifetime
     def start(self) -> "StoreServer":
+        # Ranks of a server that died may still write under its allocations:
+        # wait for them (the store's open did so on its device 0; this meets
+        # ranks that reach the device by another inode).
+        fence = socket_fence_path(self.socket_path)
+        fd = os.open(fence, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fence_writers(fd, fence)
+        finally:
+            os.close(fd)
         self._listener = _bind(self.socket_path)
         self._socket_ino = os.stat(self.socket_path).st_ino
         self._thread = threading.Thread(target=self._accept_loop, name="kvblock-serve",

@@ -61,6 +61,7 @@ from kvblock.io import IOBatch, open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
 from kvblock.memory import HostBuffer
 from kvblock.memory.spares import SpareBuffers
+from kvblock.store.fence import fence_writers
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
 from kvblock.store.scatter import BlockList, as_array
 from kvblock.store.storeio import StoreIO
@@ -279,6 +280,9 @@ class KVStore:
         self.io = self._make_io(devs)
         self._read_superblocks(devs, geometry, model)
         self._recover()
+        if not readonly:        # a rank of a dead server may still be writing
+            dev0 = self.io.devices[0]
+            fence_writers(dev0.fd, dev0.path)
         self.host = HostTier(host_cache_bytes, self.geometry.block_bytes) \
             if host_cache_bytes else None
         self.closed = False

@@ -1,0 +1,150 @@
+"""The write fence (kvblock/store/fence.py): a rank's write of a dead
+server's allocation never lands on space a restarted server handed out
+again, and a new owner of the store waits for writes still in flight."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore
+from kvblock.errors import DeviceBusyError
+from kvblock.store import fence as fence_mod
+from kvblock.store.client import RemoteStore, ServerGoneError
+from kvblock.store.server import serve_in_background
+from tests.serve.test_serve import _store_file
+from tests.store.workload import run_data, run_keys
+
+
+class _Stall:
+    """``obj.<method>`` stops the calling thread (after the real call when
+    ``after``, else before it) until ``go`` is set."""
+
+    def __init__(self, obj, method: str, after: bool = False):
+        self.reached, self.go = threading.Event(), threading.Event()
+        real = getattr(obj, method)
+
+        def stalled(*args, **kw):
+            out = real(*args, **kw) if after else None
+            self.reached.set()
+            assert self.go.wait(30)
+            return out if after else real(*args, **kw)
+        setattr(obj, method, stalled)
+
+
+def _in_thread(fn):
+    """Run ``fn()`` in a thread; a dict that gets its result or exception."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["out"] = fn()
+        except BaseException as e:  # noqa: BLE001  (the test looks at it)
+            box["error"] = e
+    box["thread"] = t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return box
+
+
+def _allocations(store: RemoteStore) -> list:
+    """Record the (region, offset) of every allocation ``store`` gets."""
+    seen = []
+    real = store._call_on
+
+    def call_on(s, op, **args):
+        out = real(s, op, **args)
+        if op == "allocate":
+            seen.append((out["region"], out["offset"]))
+        return out
+    store._call_on = call_on
+    return seen
+
+
+def test_a_write_of_a_dead_servers_allocation_is_refused(tmp_path):
+    """Rank A is allocated space, stalls before writing; the server stops and
+    a new one hands the same space to rank B, which commits there.  A's write
+    must not land: without the fence B reads A's bytes (verify="never")."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    a = RemoteStore(sock, verify="never")
+    b = None
+    try:
+        a_space = _allocations(a)
+        stall = _Stall(a, "_stage_run", after=True)     # staged, not yet written
+        ka, kb = run_keys(1, 2), run_keys(2, 2)
+        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
+        assert stall.reached.wait(20)
+        server.stop()
+        server = serve_in_background([path], sock)
+        b = RemoteStore(sock, verify="never")
+        b_space = _allocations(b)
+        assert b.put_run(kb, run_data(kb)) == 2
+        assert b_space == a_space, "the test needs the new server to reuse A's space"
+        stall.go.set()
+        box["thread"].join(20)
+        got = np.zeros_like(run_data(kb))
+        assert b.get_run(kb, got) == 2
+        assert np.array_equal(got, run_data(kb)), "a dead server's allocation was written over"
+        assert isinstance(box.get("error"), ServerGoneError), box
+        assert "was not written" in str(box["error"])
+        assert a.counters["fenced_writes"] == 1
+    finally:
+        a.close()
+        if b is not None:
+            b.close()
+        server.stop()
+
+
+def test_a_new_owner_waits_for_a_write_in_flight(tmp_path, monkeypatch):
+    """Rank A stops inside its write; the server stops.  Opening the store
+    waits for A (and gives up with a DeviceBusyError that names the device
+    and the way out when A takes too long); once A's write is done the
+    store opens, and A's run, never committed, is not there."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    a = RemoteStore(sock, verify="never")
+    try:
+        stall = _Stall(a, "_write_run")
+        ka = run_keys(1, 2)
+        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
+        assert stall.reached.wait(20)
+        server.stop()
+        monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 0.3)
+        with pytest.raises(DeviceBusyError, match="fuser -v") as e:
+            KVStore.open([path])
+        assert path in str(e.value)
+        monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 30.0)
+        opening = _in_thread(lambda: serve_in_background([path], sock))
+        time.sleep(0.5)
+        assert opening["thread"].is_alive(), "the store opened while a rank still wrote to it"
+        stall.go.set()
+        opening["thread"].join(20)
+        server = opening["out"]
+        box["thread"].join(20)
+        assert isinstance(box.get("error"), ServerGoneError), box   # its commit found no server
+        with RemoteStore(sock) as b:
+            assert b.lookup(ka) == 0
+    finally:
+        a.close()
+        server.stop()
+
+
+def test_a_server_waits_for_a_rank_that_fences_on_its_socket(tmp_path, monkeypatch):
+    """A rank whose device node is another inode (a container's own /dev) is
+    fenced through ``<socket>.fence``: a server starting on that socket waits
+    for its write."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    serve_in_background([path], sock).stop()         # makes <socket>.fence
+    rank = fence_mod.WriteFence([fence_mod.os.open(fence_mod.socket_fence_path(sock),
+                                                   fence_mod.os.O_RDONLY)])
+    monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 0.3)
+    try:
+        with rank.writing():
+            with pytest.raises(DeviceBusyError, match=r"kv\.sock\.fence"):
+                serve_in_background([path], sock)
+        serve_in_background([path], sock).stop()      # and with the write done it starts
+    finally:
+        rank.close()
