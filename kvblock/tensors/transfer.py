@@ -245,21 +245,20 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
     if len(page_ids) < len(keys):
         raise ConfigError(f"load: {len(keys)} keys but only {len(page_ids)} page ids")
     page_ids = _check_page_ids(layout, page_ids[:len(keys)], "load")
-    base = 0
-    if store.host is not None:  # the hot head of the prefix comes from DRAM, now
-        base = _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads)
-        keys, page_ids = keys[base:], page_ids[base:]
-    with store._lock:
-        segs = store._segments(keys)
-    n = sum(c for _, _, c, _ in segs)
-    handle = LoadHandle(g.num_layers, base + n)
+    if store.host is None:
+        with store._lock:
+            segs = store._segments(keys)
+        n = sum(c for _, _, c, _ in segs)
+    else:
+        segs, n = _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads)
+    handle = LoadHandle(g.num_layers, n)
     if not segs:
         for e in handle._events:
             e.set()
         handle._done.set()
         return handle
     job_class = _job_class(store, layout)
-    job = job_class(store, layout, segs, page_ids, g0, ng, h0, heads, handle, base)
+    job = job_class(store, layout, segs, page_ids, g0, ng, h0, heads, handle)
     if background:
         job.start()
     else:
@@ -293,9 +292,10 @@ def _job_class(store, layout):
 class _LoadJob:
     """Reader thread -> units of (layer, pages of runs) -> scatter thread."""
 
-    def __init__(self, store, layout, segs, page_ids, g0, ng, h0, heads, handle, base=0):
+    def __init__(self, store, layout, segs, page_ids, g0, ng, h0, heads, handle):
+        # segs: (run, first position, count, position in the load); the
+        # load's blocks outside them came from the DRAM tier
         self.store, self.layout, self.segs, self.handle = store, layout, segs, handle
-        self.base = base  # blocks before these segments (served from the host tier)
         self.page_ids = np.asarray(page_ids, dtype=np.int64)
         self.g0, self.ng, self.h0, self.heads = g0, ng, h0, heads
         g = store.geometry
@@ -479,7 +479,7 @@ class _LoadJob:
                     views = self.layout.layer_views(layer)
                 for si, p0, p1, nbytes, last, at in self.units[u]:
                     run, lay, pos, count, out_at, _dev, _base = self.seg_info[si]
-                    if self.base + out_at >= handle.blocks:
+                    if out_at >= handle.blocks:
                         continue       # a run that failed its checksum, or one after it
                     data = buf.array[at:at + ng * nbytes].reshape(ng, nbytes)
                     if self.verify and not self._check(hashers, layer, si, p0, last, data):
@@ -548,7 +548,7 @@ class _LoadJob:
         dev, off = store.regions.address(run.region, run.offset)
         store.last_checksum_failure = (store.io.devices[dev].path, off, run.run_id, range_index)
         self.bad_runs.append(run)
-        self.handle.blocks = min(self.handle.blocks, self.base + out_at)
+        self.handle.blocks = min(self.handle.blocks, out_at)
 
 
 def _consecutive(ids) -> slice | None:
@@ -588,6 +588,30 @@ def _scatter_pages(views, pages, ids, h0, heads, itemsize, threads=1):
             continue
         src = _as_like(np.ascontiguousarray(pages[k]), view)
         _raw_assign(view, _ids_for(view, ids), src, itemsize)
+
+
+def _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads) -> tuple[list, int]:
+    """With a DRAM tier: the prefix of ``keys`` as stretches in DRAM (scattered
+    now) and stretches on the device (pinned segments, their output positions
+    counted from the first key, for the load job); and its length."""
+    segs: list = []
+    pos = 0
+    try:
+        while pos < len(keys):
+            pos += _load_from_host(store, keys[pos:], layout, page_ids[pos:], g0, ng, h0, heads)
+            if pos == len(keys):
+                break
+            with store._lock:
+                found = store._segments(keys[pos:])
+            if not found:
+                break
+            segs += [(run, p, c, out + pos) for run, p, c, out in found]
+            pos += sum(c for _, _, c, _ in found)
+    except BaseException:
+        if segs:
+            store._unpin(segs)
+        raise
+    return segs, pos
 
 
 def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:

@@ -115,3 +115,46 @@ def test_delete_reaches_blocks_left_only_in_dram(tmp_path):
         got = np.zeros_like(new)
         assert store.get_run(keys, got) == 2 and np.array_equal(got, new)
         assert store.delete(keys + [b"never-stored"]) == 2
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_layerwise_load_goes_on_across_dram_and_device(tmp_path, corrupt):
+    """Blocks 0-3 on the device, 4-5 only in DRAM (their run was evicted),
+    6-7 on the device: load_blocks loads all 8, each from where it is (it
+    used to stop at block 4).  A corrupt run after the DRAM stretch cuts
+    the load there: the prefix before it is still whole."""
+    torch = pytest.importorskip("torch")
+    from kvblock import Geometry
+    from kvblock.index import normalize_key
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    g = Geometry(3, 4, 16, "bfloat16", 16)
+    path = tmp_path / "t.img"
+    create_file(path, 32 << 20)
+    src = [torch.randn(2, 8, 16, 4, 16).to(torch.bfloat16) for _ in range(3)]
+    keys = [f"b{i}".encode() for i in range(8)]
+    with KVStore.format([str(path)], g, region_size=1 << 20,
+                        host_cache_bytes=8 * g.block_bytes) as store:
+        save_blocks(store, keys[4:6], VLLMLayout(src), [4, 5])
+        store.evict(all=True)                        # 4-5: only in DRAM now
+        save_blocks(store, keys[:4], VLLMLayout(src), [0, 1, 2, 3])
+        save_blocks(store, keys[6:], VLLMLayout(src), [6, 7])
+        for k in keys[:4] + keys[6:]:                # these come from the device
+            store.host.discard(normalize_key(k))
+        assert store.lookup(keys) == 8
+        if corrupt:
+            run = store.index.segments([normalize_key(keys[6])])[0][0]
+            _dev, off = store.regions.address(run.region, run.offset)
+            with open(path, "r+b") as f:
+                f.seek(off)
+                f.write(b"\xff" * 4096)
+        dst = [torch.zeros(2, 8, 16, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
+        h = load_blocks(store, keys, VLLMLayout(dst), list(range(8)))
+        n = h.wait()
+        assert n == (6 if corrupt else 8)
+        assert store.counters["host_hit_blocks"] == 2
+        assert store.counters["checksum_failures"] == int(corrupt)
+        assert store.regions.pins.sum() == 0
+    for layer in range(3):
+        assert torch.equal(dst[layer][:, :n].view(torch.int16),
+                           src[layer][:, :n].view(torch.int16))
