@@ -503,9 +503,12 @@ def report(bench_json, out, md_path, as_json):
               show_default=True, help="Clients' default for checking data checksums.")
 @click.option("--idle-exit", type=click.FloatRange(0), default=None,
               help="Stop (cleanly) after this many seconds without a client.")
+@click.option("--pin-lease", type=click.FloatRange(0), default=60.0, show_default=True,
+              help="Drop a client that holds pins and sends nothing for this many seconds "
+                   "(a stopped process); clients ping while they hold pins. 0: never.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line once listening.")
 def serve(devices, socket_path, model, eviction, admit_after, engine, verify, idle_exit,
-          as_json):
+          pin_lease, as_json):
     """Own a store's metadata and serve it to rank processes on a Unix socket.
 
     Opens DEVICES exclusively, recovers the store and answers RemoteStore
@@ -521,7 +524,7 @@ def serve(devices, socket_path, model, eviction, admit_after, engine, verify, id
 
     server = open_server(list(devices), socket_path, model=model, eviction=eviction,
                          admit_after=admit_after, engine=engine, verify=verify,
-                         idle_exit=idle_exit)
+                         idle_exit=idle_exit, pin_lease=pin_lease)
     s = server.store.stats()
     ready = {"socket": socket_path, "pid": os.getpid(), "uuid": s["uuid"],
              "devices": s["devices"], "runs": s["runs"], "blocks": s["blocks"]}

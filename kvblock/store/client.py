@@ -71,7 +71,8 @@ from kvblock.store.store import (
 )
 from kvblock.store.storeio import StoreIO
 
-PROTOCOL = 2   # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 3   # 2: "clear"; admit answers the clear count, commit carries it
+#                3: pins are leased ("ping", hello's "pin_lease")
 logger = logging.getLogger("kvblock")
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
@@ -295,6 +296,25 @@ def _reconnect_loop(ref, stop: threading.Event) -> None:
         delay = min(delay * 2, RECONNECT_MAX_INTERVAL_S)
 
 
+def _heartbeat_loop(ref, stop: threading.Event) -> None:
+    """(thread) While ``ref()`` holds pins, ping its server every quarter of
+    the server's pin lease, so they are not taken for a stopped process's."""
+    while True:
+        store = ref()
+        if store is None or store.closed:
+            return
+        lease = store._pin_lease
+        del store
+        if stop.wait(lease / 4 if lease else 5.0):
+            return
+        store = ref()
+        if store is None or store.closed:
+            return
+        if store._pin_lease and store._heartbeat:
+            store._ping()
+        del store
+
+
 def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str | None]:
     """One attempt: (finished, the last warning logged)."""
     try:
@@ -367,6 +387,8 @@ class RemoteStore:
         self.counters["reconnects"] = 0
         self.counters["fenced_writes"] = 0    # writes refused: their server was gone
         self._fence: WriteFence | None = None
+        self._pin_lease: float | None = None  # the server's (hello)
+        self._heartbeat = True                # ping while holding pins (tests turn it off)
         # Reconnecting (see _reconnect_loop): a thread started when the
         # session is lost; ``_restart`` (set by connect) starts a server.
         self._reconnect = bool(reconnect)
@@ -392,6 +414,8 @@ class RemoteStore:
             raise
         self.closed = False
         _LIVE.add(self)
+        threading.Thread(target=_heartbeat_loop, args=(weakref.ref(self), self._stop),
+                         name="kvblock-heartbeat", daemon=True).start()
 
     def _check_identity(self, geometry, model) -> None:
         where = f"the store served on {self.socket_path}"
@@ -411,6 +435,7 @@ class RemoteStore:
                 f"store server at {self.socket_path} speaks protocol {hello.get('protocol')}, "
                 f"this kvblock speaks {PROTOCOL}: run one kvblock release on both sides")
         self.server_pid = int(hello["pid"])
+        self._pin_lease = hello.get("pin_lease")
         self.uuid = hello["uuid"]
         self.geometry = Geometry(**hello["geometry"])
         self.fingerprint = bytes.fromhex(hello.get("fingerprint", ""))   # the model's
@@ -537,6 +562,19 @@ class RemoteStore:
             _raise_remote(reply.get("error", "ServerError"), reply.get("message", ""))
         return reply.get("result")
 
+    def _ping(self) -> None:
+        """Tell the server this process is alive, when it holds pins and no
+        call is in flight (an answer in progress is as good)."""
+        s = self._session
+        if s.gone is not None or s.held <= 0 or not s.lock.acquire(blocking=False):
+            return
+        try:
+            self._call_locked(s, "ping", {})
+        except (KVBlockError, OSError) as e:   # the session is given up: calls say so
+            logger.debug("kvblock: ping to %s: %s", self.socket_path, e)
+        finally:
+            s.lock.release()
+
     def _check_open(self, writing: bool = False):
         if self.closed:
             raise StoreClosedError("remote store is closed; connect again")
@@ -584,6 +622,7 @@ class RemoteStore:
             raise
         self.server_pid = int(hello["pid"])
         self.max_run_blocks = int(hello["max_run_blocks"])
+        self._pin_lease = hello.get("pin_lease")
         return s
 
     def _adopt(self, s: "_Session") -> bool:

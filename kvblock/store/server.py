@@ -10,7 +10,12 @@ and evicts; the clients move the data themselves.
 Pins are per connection: a reader pin (``segments``) or writer pin
 (``allocate``) lives until the client releases it (``unpin``, ``commit``,
 ``abort``) or its connection ends, whichever comes first, so a crashed rank
-never keeps a region from being reclaimed.
+never keeps a region from being reclaimed.  They are also leased: a
+connection that holds pins and sends nothing for ``pin_lease`` seconds (a
+client pings while it holds pins; a stopped process does not) is dropped.
+Its reads in flight turn into misses on its side; before its allocations
+are given back the server waits for its writes in flight (the write fence,
+kvblock/store/fence.py), and its later writes are refused.
 
 Crash safety is the store's own: a put is published only by its PUT record,
 which the server writes (after flushing the data devices) when the client,
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 import os
 import signal
 import socket
@@ -56,6 +62,13 @@ from kvblock.store.client import (
 from kvblock.store.fence import fence_writers, socket_fence_path
 from kvblock.store.store import KVStore
 
+logger = logging.getLogger("kvblock")
+
+
+# A connection holding pins is dropped after this many seconds without a
+# request (clients ping every quarter of it while they hold pins).
+PIN_LEASE_S = 60.0
+
 
 class _Session:
     """One client connection and the pins it holds."""
@@ -66,6 +79,9 @@ class _Session:
         self.readers: dict[int, list] = {}            # pin id -> segments
         self.writers: dict[int, tuple] = {}           # wid -> (region, run_id, offset, gen, n)
         self.thread: threading.Thread | None = None
+        self.last_seen = time.monotonic()             # the last request's arrival or answer
+        self.busy = False                             # a request is being answered
+        self.dropped: str | None = None               # why the server ended the connection
 
 
 class StoreServer:
@@ -78,11 +94,15 @@ class StoreServer:
     """
 
     def __init__(self, store: KVStore, socket_path, *, close_store: bool = True,
-                 idle_exit: float | None = None):
+                 idle_exit: float | None = None, pin_lease: float | None = PIN_LEASE_S):
         self.store = store
         self.socket_path = os.fspath(socket_path)
         self.close_store = close_store
         self.idle_exit = idle_exit
+        if pin_lease is not None and pin_lease <= 0:
+            pin_lease = None
+        self.pin_lease = pin_lease
+        self.expired_sessions = 0
         self.stopped = threading.Event()
         self.failed: BaseException | None = None
         self._sessions: dict[int, _Session] = {}
@@ -99,19 +119,17 @@ class StoreServer:
     # ------------------------------------------------------------------ lifetime
     def start(self) -> "StoreServer":
         # Ranks of a server that died may still write under its allocations:
-        # wait for them (the store's open did so on its device 0; this meets
-        # ranks that reach the device by another inode).
-        fence = socket_fence_path(self.socket_path)
-        fd = os.open(fence, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fence_writers(fd, fence)
-        finally:
-            os.close(fd)
+        # wait for them (the store's open did so on its device 0; the socket's
+        # fence meets ranks that reach the device by another inode).
+        self._fence_writers()
         self._listener = _bind(self.socket_path)
         self._socket_ino = os.stat(self.socket_path).st_ino
         self._thread = threading.Thread(target=self._accept_loop, name="kvblock-serve",
                                         daemon=True)
         self._thread.start()
+        if self.pin_lease is not None:
+            threading.Thread(target=self._lease_loop, name="kvblock-serve-lease",
+                             daemon=True).start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -200,15 +218,38 @@ class StoreServer:
                                               name=f"kvblock-serve-{session.sid}", daemon=True)
             session.thread.start()
 
+    def _lease_loop(self):
+        """Drop the connections that hold pins and have gone quiet."""
+        lease = self.pin_lease
+        while not self._stopping and not self.stopped.wait(min(1.0, lease / 4)):
+            now = time.monotonic()
+            with self._sessions_lock:
+                quiet = [s for s in self._sessions.values()
+                         if (s.readers or s.writers) and not s.busy and s.dropped is None
+                         and now - s.last_seen > lease]
+            for s in quiet:
+                s.dropped = (f"it held {len(s.readers)} read and {len(s.writers)} write "
+                             f"pins and sent nothing for {now - s.last_seen:.0f} s "
+                             f"(pin lease {lease:g} s)")
+                self.expired_sessions += 1
+                logger.warning("kvblock serve: dropping the connection of pid %s: %s",
+                               s.pid, s.dropped)
+                try:
+                    s.conn.shutdown(socket.SHUT_RDWR)   # its thread releases the pins
+                except OSError:
+                    pass
+
     def _serve(self, s: _Session):
         try:
             while True:
                 try:
                     req = recv_msg(s.conn)
                 except Exception:  # noqa: BLE001  (a broken or hostile frame: drop the connection)
+                    s.dropped = s.dropped or "it sent a frame that is not a request"
                     break
                 if req is None:
                     break
+                s.busy, s.last_seen = True, time.monotonic()
                 try:
                     reply = {"ok": True, "result": self._dispatch(s, req)}
                 except KVBlockError as e:
@@ -225,6 +266,8 @@ class StoreServer:
                     s.conn.sendall(data)
                 except OSError:
                     break
+                finally:
+                    s.busy, s.last_seen = False, time.monotonic()
                 if self.store.closed and not self._stopping:
                     # A metadata write failed: the in-memory state may be ahead of
                     # the medium.  Stop; a restarted server recovers the store.
@@ -250,14 +293,35 @@ class StoreServer:
             self._op_abort(s, result["wid"])
 
     def _release(self, s: _Session):
-        """The connection ended: give back every pin it held."""
+        """The connection ended: give back every pin it held.  When the
+        server ended it, the client may still be writing under its
+        allocations: those are given back once its writes in flight are done
+        (its later ones find the connection closed and are refused)."""
         store = self.store
         readers, s.readers = list(s.readers.values()), {}
         writers, s.writers = list(s.writers.values()), {}
         for segs in readers:
             store._unpin(segs)
+        if writers and s.dropped is not None and not store.closed:
+            try:
+                self._fence_writers()
+            except KVBlockError as e:
+                logger.error("kvblock serve: the regions %s stay pinned until a restart: %s",
+                             sorted({region for region, *_ in writers}), e)
+                return
         if writers:
             store._unpin_writers([region for region, *_ in writers])
+
+    def _fence_writers(self) -> None:
+        """Wait until no rank writes under an allocation it got before now."""
+        dev0 = self.store.io.devices[0]
+        fence_writers(dev0.fd, dev0.path)
+        fence = socket_fence_path(self.socket_path)
+        fd = os.open(fence, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fence_writers(fd, fence)
+        finally:
+            os.close(fd)
 
     # ------------------------------------------------------------------ requests
     def _dispatch(self, s: _Session, req: dict):
@@ -289,8 +353,12 @@ class StoreServer:
             "alignment": st.alignment, "region_size": st.regions.size,
             "region_count": st.regions.count, "data_offsets": st.regions.data_offsets,
             "max_run_blocks": st.max_run_blocks, "verify": st.verify,
-            "fingerprint": st.sb.fingerprint.hex(),
+            "fingerprint": st.sb.fingerprint.hex(), "pin_lease": self.pin_lease,
         }
+
+    def _op_ping(self, s):
+        """A client holding pins says it is alive (see PIN_LEASE_S)."""
+        return None
 
     def _op_lookup(self, s, keys):
         with self.store._lock:
@@ -403,7 +471,8 @@ class StoreServer:
         with self._sessions_lock:
             clients = len(self._sessions)
         out.update({"server_pid": os.getpid(), "clients": clients,
-                    "connections_total": self.connections_total, "pinned_regions": pinned})
+                    "connections_total": self.connections_total, "pinned_regions": pinned,
+                    "pin_lease": self.pin_lease, "expired_sessions": self.expired_sessions})
         return out
 
 
@@ -450,7 +519,7 @@ def _bind(path: str) -> socket.socket:
 
 
 def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = None,
-                **options) -> StoreServer:
+                pin_lease: float | None = PIN_LEASE_S, **options) -> StoreServer:
     """Open (and recover) the store on ``devices`` and serve it on
     ``socket_path``.  ``options`` go to :meth:`KVStore.open` (no
     ``host_cache_bytes``: a DRAM tier in the server would hold blocks its
@@ -462,7 +531,8 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
     _check_socket_path(os.fspath(socket_path))
     store = KVStore.open(list(devices), **options)
     try:
-        return StoreServer(store, socket_path, idle_exit=idle_exit).start()
+        return StoreServer(store, socket_path, idle_exit=idle_exit,
+                           pin_lease=pin_lease).start()
     except BaseException:
         store.close()
         raise
@@ -477,7 +547,7 @@ def serve_in_background(devices: Sequence, socket_path, **options) -> StoreServe
 
 def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
                  log_path=None, model=None, eviction=None, admit_after=None, engine=None,
-                 verify=None, idle_exit=None) -> subprocess.Popen:
+                 verify=None, idle_exit=None, pin_lease=None) -> subprocess.Popen:
     """Start ``kvblock serve`` in its own process (and session) and wait until
     it accepts connections.  Its output goes to ``log_path`` (default
     ``<socket_path>.log``).  Returns the process."""
@@ -486,7 +556,8 @@ def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
            "--socket", socket_path]
     for flag, value in (("--model", model), ("--eviction", eviction),
                         ("--admit-after", admit_after), ("--engine", engine),
-                        ("--verify", verify), ("--idle-exit", idle_exit)):
+                        ("--verify", verify), ("--idle-exit", idle_exit),
+                        ("--pin-lease", pin_lease)):
         if value is not None:
             cmd += [flag, str(value)]
     log_path = os.fspath(log_path) if log_path else socket_path + ".log"

@@ -15,7 +15,7 @@ import pytest
 
 from kvblock import KVStore
 from kvblock.errors import ConfigError
-from kvblock.store.client import RemoteStore, ServerGoneError, connect
+from kvblock.store.client import PROTOCOL, RemoteStore, ServerGoneError, connect
 from kvblock.store.server import serve_in_background
 from tests.serve.test_serve import _kill_servers_of, _store_file
 from tests.store.workload import run_data, run_keys
@@ -362,7 +362,7 @@ def test_a_server_of_another_release_is_refused_once_and_said_so(tmp_path, monke
                 assert time.monotonic() < deadline, "the mismatch was never named"
                 time.sleep(0.05)
         assert any("run one kvblock release" in rec.getMessage() for rec in caplog.records)
-        with pytest.raises(ServerGoneError, match="speaks store protocol 2, this server"):
+        with pytest.raises(ServerGoneError, match=f"speaks store protocol {PROTOCOL}, this server"):
             r.lookup(run_keys(0, 1))
         assert not [t for t in threading.enumerate() if t.name == "kvblock-reconnect"]
         with pytest.raises(ProtocolMismatchError, match="run one kvblock release"):

@@ -1,0 +1,133 @@
+"""Pin leases: a store server drops the connection of a client that holds
+pins and sends nothing for ``pin_lease`` seconds (a stopped process), so
+its pins cannot fill the store; a live client pings and keeps them; the
+allocations of a dropped client are given back only once its write in
+flight is done, and its later writes are refused."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from kvblock.store.client import RemoteStore, ServerGoneError
+from kvblock.store.server import serve_in_background
+from tests.serve.test_serve import _store_file
+from tests.serve.test_write_fence import _allocations, _in_thread, _Stall
+from tests.store.workload import run_data, run_keys
+from tests.support.servers import stop_process
+
+LEASE = 0.5
+
+_PINNING_RANK = """
+import sys, time
+from kvblock.store.client import RemoteStore
+from tests.store.workload import run_keys
+store = RemoteStore(sys.argv[1])
+store.pin(run_keys(1, 2))
+print("pinned", flush=True)
+time.sleep(600)
+"""
+
+
+def _until(what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_stopped_ranks_pins_lapse_and_a_live_ranks_stay(tmp_path):
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock, pin_lease=LEASE)
+    keys = run_keys(1, 2)
+    proc = None
+    try:
+        with RemoteStore(sock) as live:
+            live.put_run(keys, run_data(keys))
+            pin = live.pin(keys)
+            time.sleep(4 * LEASE)               # idle, but its process pings
+            assert server.store.regions.pins.sum() == 1
+            got = np.zeros_like(run_data(keys))
+            assert live.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
+            live.unpin(pin)
+        assert server.store.regions.pins.sum() == 0
+        proc = subprocess.Popen([sys.executable, "-c", _PINNING_RANK, sock],
+                                stdout=subprocess.PIPE, cwd=os.getcwd())
+        assert proc.stdout.readline().strip() == b"pinned"
+        assert server.store.regions.pins.sum() == 1
+        stop_process(proc.pid)
+        _until(lambda: server.store.regions.pins.sum() == 0)
+        assert server.expired_sessions == 1
+        assert server.store.evict(all=True) == 1   # its region can go
+    finally:
+        if proc is not None:
+            proc.kill()
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.wait()
+            proc.stdout.close()
+        server.stop()
+
+
+def test_a_dropped_ranks_write_in_flight_keeps_its_space_until_done(tmp_path):
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock, pin_lease=LEASE)
+    a = RemoteStore(sock, verify="never")
+    a._heartbeat = False                        # as if its process were stopped
+    try:
+        stall = _Stall(a, "_write_run")         # inside the fence, mid-write
+        ka = run_keys(1, 2)
+        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
+        assert stall.reached.wait(20)
+        _until(lambda: server.expired_sessions == 1)
+        time.sleep(4 * LEASE)
+        assert server.store.regions.pins.sum() == 1, "a writer's space was freed mid-write"
+        stall.go.set()
+        box["thread"].join(20)
+        assert isinstance(box.get("error"), ServerGoneError), box
+        _until(lambda: server.store.regions.pins.sum() == 0)
+        with RemoteStore(sock) as b:
+            kb = run_keys(2, 2)
+            assert b.put_run(kb, run_data(kb)) == 2 and b.lookup(ka) == 0
+    finally:
+        a.close()
+        server.stop()
+
+
+def test_a_dropped_ranks_later_write_is_refused(tmp_path):
+    """Stalled between its allocation and its write past the lease: the
+    space goes to rank B, and A's write must not land on B's run."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock, pin_lease=LEASE)
+    a = RemoteStore(sock, verify="never")
+    a._heartbeat = False
+    b = RemoteStore(sock, verify="never")
+    try:
+        a_space, b_space = _allocations(a), _allocations(b)
+        stall = _Stall(a, "_stage_run", after=True)
+        ka = run_keys(1, 2)
+        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
+        assert stall.reached.wait(20)
+        _until(lambda: server.store.regions.pins.sum() == 0)
+        server.store.evict(all=True)            # its region can be written again
+        i = 2
+        while a_space[0] not in b_space:        # B writes until it reuses A's space
+            assert i < 2000, f"B never got A's space {a_space}: {b_space[-5:]}"
+            kb = run_keys(i, 2)
+            assert b.put_run(kb, run_data(kb)) == 2
+            i += 1
+        stall.go.set()
+        box["thread"].join(20)
+        got = np.zeros_like(run_data(kb))
+        assert b.get_run(kb, got) == 2
+        assert np.array_equal(got, run_data(kb)), "a dropped rank's write landed on B's run"
+        assert isinstance(box.get("error"), ServerGoneError), box
+        assert a.counters["fenced_writes"] == 1
+    finally:
+        a.close()
+        b.close()
+        server.stop()
