@@ -41,9 +41,12 @@ from kvblock.errors import DeviceBusyError
 
 logger = logging.getLogger("kvblock")
 
-# The byte locked: far past any device's end, so it never meets a lock that
-# some other tool takes on the device's bytes.
+# The bytes locked: far past any device's end, so they never meet a lock
+# that some other tool takes on the device's bytes.  Ranks hold FENCE_BYTE
+# shared while they write; an owner takes TURNSTILE_BYTE first, which stops
+# new writes from starting, so ranks that keep writing cannot starve it.
 FENCE_BYTE = 1 << 62
+TURNSTILE_BYTE = FENCE_BYTE + 1
 # How long a new owner waits for writes in flight before it gives up.  A
 # write of a whole run takes well under a second on any device; what holds
 # the lock longer is a rank stopped mid-write.
@@ -53,10 +56,10 @@ FENCE_LOG_AFTER_S = 2.0
 _FLOCK = "hhqqi4x"     # struct flock: l_type, l_whence, l_start, l_len, l_pid
 
 
-def _ofd_lock(fd: int, kind: int, wait: bool) -> bool:
-    """Set an open-file-description lock of ``kind`` on FENCE_BYTE; False
+def _ofd_lock(fd: int, kind: int, wait: bool, byte: int = FENCE_BYTE) -> bool:
+    """Set an open-file-description lock of ``kind`` on ``byte``; False
     when ``wait`` is off and another description holds a conflicting one."""
-    arg = struct.pack(_FLOCK, kind, os.SEEK_SET, FENCE_BYTE, 1, 0)
+    arg = struct.pack(_FLOCK, kind, os.SEEK_SET, byte, 1, 0)
     try:
         fcntl.fcntl(fd, fcntl.F_OFD_SETLKW if wait else fcntl.F_OFD_SETLK, arg)
     except OSError as e:
@@ -82,17 +85,36 @@ class WriteFence:
     thread writes (a lock belongs to its open file description, so threads
     sharing one must not take and drop it each on their own)."""
 
-    def __init__(self, fds: Sequence[int]):
-        self._fds = list(fds)          # owned: closed by close()
+    def __init__(self, fds: Sequence[int] = ()):
+        self._fds: list[int] = []      # owned: closed by close()
+        self._files: set = set()       # (st_dev, st_ino) of each
         self._writers = 0
         self._lock = threading.Lock()
+        for fd in fds:
+            self.add(fd)
+
+    def add(self, fd: int) -> None:
+        """Fence on the file behind ``fd`` too (this takes it over; a file
+        already fenced on is closed here)."""
+        st = os.fstat(fd)
+        with self._lock:
+            if (st.st_dev, st.st_ino) in self._files:
+                os.close(fd)
+                return
+            if self._writers:          # writes in flight hold the others' locks
+                _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
+            self._files.add((st.st_dev, st.st_ino))
+            self._fds.append(fd)
 
     @contextlib.contextmanager
     def writing(self):
+        for fd in list(self._fds):     # wait while an owner checks (not under _lock:
+            _ofd_lock(fd, fcntl.F_RDLCK, wait=True, byte=TURNSTILE_BYTE)  # writers must
+            _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=TURNSTILE_BYTE)  # leave meanwhile)
         with self._lock:
             if self._writers == 0:
                 for fd in self._fds:
-                    _ofd_lock(fd, fcntl.F_RDLCK, wait=True)   # waits out a new owner's check
+                    _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
             self._writers += 1
         try:
             yield
@@ -119,33 +141,41 @@ class WriteFence:
             os.close(fd)
 
 
-def fence_writers(fd: int, path: str, timeout: float | None = None) -> None:
-    """The owner's side: wait until no rank writes under an older owner's
-    allocation to the file behind ``fd`` (named ``path`` in messages).
-    Raises :class:`DeviceBusyError` after ``timeout`` (FENCE_WAIT_S) seconds."""
+def fence_writers(files: Sequence[tuple[int, str]], timeout: float | None = None,
+                  waiting_for: str = "a rank's write in flight from before this store "
+                                     "was opened") -> None:
+    """The owner's side: wait until no rank writes under an allocation made
+    before now to the files behind ``files`` ((fd, path for messages)
+    pairs).  Meanwhile no new write starts.  Raises
+    :class:`DeviceBusyError` after ``timeout`` (FENCE_WAIT_S) seconds."""
     timeout = FENCE_WAIT_S if timeout is None else timeout
-    own = reopen(fd, os.O_RDWR)
+    own = []
     try:
+        for fd, path in files:
+            own.append((reopen(fd, os.O_RDWR), path))
         t0 = time.monotonic()
         logged = False
-        while not _ofd_lock(own, fcntl.F_WRLCK, wait=False):
-            waited = time.monotonic() - t0
-            if waited >= timeout:
-                raise DeviceBusyError(
-                    f"{path}: a process still writes to this store under an allocation of "
-                    f"an earlier owner after {waited:.0f} s (a rank of a store server that "
-                    "died, stopped in the middle of a write?). Opening it now could let that "
-                    f"write land on space handed out again: find the process (`fuser -v "
-                    f"{path}`) and let it go on or kill it, then open the store again",
-                    path, errno.EBUSY)
-            if not logged and waited >= FENCE_LOG_AFTER_S:
-                logger.warning("%s: waiting for a rank's write in flight from before this "
-                               "store was opened (up to %.0f s)", path, timeout)
-                logged = True
-            time.sleep(0.01)
-        _ofd_lock(own, fcntl.F_UNLCK, wait=False)
+        for byte in (TURNSTILE_BYTE, FENCE_BYTE):
+            for fd, path in own:
+                while not _ofd_lock(fd, fcntl.F_WRLCK, wait=False, byte=byte):
+                    waited = time.monotonic() - t0
+                    if waited >= timeout:
+                        raise DeviceBusyError(
+                            f"{path}: a process still writes to this store under an "
+                            f"allocation made before now, after {waited:.1f} s of waiting for "
+                            f"{waiting_for} (a rank stopped in the middle of a write?). Going "
+                            "on could let that write land on space handed out again: look for "
+                            f"a stopped (state T) or hung process among those that have {path} "
+                            f"open (`ps -o pid,stat,cmd -p $(fuser {path} 2>/dev/null)`), let "
+                            "it go on or kill it, and try again", path, errno.EBUSY)
+                    if not logged and waited >= FENCE_LOG_AFTER_S:
+                        logger.warning("%s: waiting for %s (up to %.0f s)", path, waiting_for,
+                                       timeout)
+                        logged = True
+                    time.sleep(0.002)
     finally:
-        os.close(own)
+        for fd, _ in own:       # closing drops the locks it holds
+            os.close(fd)
 
 
 __all__ = ["WriteFence", "fence_writers", "socket_fence_path", "FENCE_WAIT_S"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import pytest
 
@@ -27,7 +28,7 @@ def target(tmp_path):
 def _fenced(target) -> bool:
     """Could an owner take the fence now (without waiting)?"""
     try:
-        fence_writers(*target, timeout=0)
+        fence_writers([target], timeout=0)
     except DeviceBusyError:
         return False
     return True
@@ -64,9 +65,9 @@ def test_the_owner_waits_then_gives_up_naming_the_device(target):
     try:
         with rank.writing():
             with pytest.raises(DeviceBusyError, match="still writes") as e:
-                fence_writers(*target, timeout=0.2)
+                fence_writers([target], timeout=0.2)
             assert e.value.path == target[1] and target[1] in str(e.value)
-        fence_writers(*target, timeout=0)      # released: no wait
+        fence_writers([target], timeout=0)      # released: no wait
     finally:
         rank.close()
 
@@ -111,3 +112,32 @@ def test_a_killed_writers_lock_goes_with_it(target):
         os.close(r)
         os.close(w)
     assert _fenced(target)
+
+
+def test_writers_that_never_pause_cannot_starve_an_owner(target):
+    """Threads whose writes overlap keep the process's shared lock held for
+    ever; an owner's turn stops new writes from starting, so it gets the
+    fence, and the writers go on after it."""
+    rank = _rank(target[1])
+    stop = threading.Event()
+    done = [0]
+
+    def writer():
+        while not stop.is_set():
+            with rank.writing():
+                time.sleep(0.005)
+            done[0] += 1
+    threads = [threading.Thread(target=writer) for _ in range(4)]
+    try:
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        fence_writers([target], timeout=5)
+        before = done[0]
+        time.sleep(0.2)
+        assert done[0] > before, "the writers did not go on after the owner's turn"
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+        rank.close()
