@@ -402,7 +402,15 @@ class RemoteStore:
         self._sessions = weakref.WeakSet([self._session])   # for a forked child to close
         try:
             hello = self._call("hello", protocol=PROTOCOL, pid=os.getpid())
-            self._setup(hello, verify, engine, queue_depth, devices)
+            served = _recv_fence_files(self._session.sock, self.socket_path)
+            try:
+                self._setup(hello, verify, engine, queue_depth, devices)
+            except BaseException:
+                for fd in served:
+                    os.close(fd)
+                raise
+            for fd in served:
+                self._fence.add(fd)
             self._check_identity(geometry, model)
         except BaseException:
             self._session.close()
@@ -617,9 +625,12 @@ class RemoteStore:
                 raise errors.GeometryMismatchError(
                     f"the store server at {self.socket_path} now serves another store "
                     f"(uuid {hello.get('uuid')}, not {self.uuid}): reopen it", self.socket_path, 0)
+            served = _recv_fence_files(s.sock, self.socket_path)
         except BaseException:
             s.close()
             raise
+        for fd in served:       # this server's; writes of older allocations hold them too
+            self._fence.add(fd)
         self.server_pid = int(hello["pid"])
         self.max_run_blocks = int(hello["max_run_blocks"])
         self._pin_lease = hello.get("pin_lease")
@@ -887,6 +898,21 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:
+    """The files the server fences on, which it sends right after its
+    answer to hello (kvblock/store/fence.py)."""
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 2, socket.MSG_CMSG_CLOEXEC)
+    except OSError as e:
+        raise ServerGoneError(f"store server at {socket_path} is gone (hello: {e})") from None
+    if msg != b"F" or len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        raise ServerError(f"the store server at {socket_path} did not send its fence files "
+                          "after hello: run one kvblock release on both sides")
+    return fds
 
 
 def _fence_files(dev0: Device, socket_path: str) -> list[int]:

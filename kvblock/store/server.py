@@ -59,7 +59,7 @@ from kvblock.store.client import (
     socket_dir,
     wait_for_server,
 )
-from kvblock.store.fence import fence_writers, socket_fence_path
+from kvblock.store.fence import fence_writers, reopen, socket_fence_path
 from kvblock.store.store import KVStore
 
 logger = logging.getLogger("kvblock")
@@ -68,6 +68,12 @@ logger = logging.getLogger("kvblock")
 # A connection holding pins is dropped after this many seconds without a
 # request (clients ping every quarter of it while they hold pins).
 PIN_LEASE_S = 60.0
+# Each try to give back a dropped connection's allocations waits this long
+# for its write in flight (new writes wait meanwhile); a failed try is
+# repeated after 2, 4, ... up to DROPPED_FENCE_BACKOFF_S seconds, so a rank
+# stopped mid-write stalls the others' writes for a small share of the time.
+DROPPED_FENCE_WAIT_S = 1.0
+DROPPED_FENCE_BACKOFF_S = 64.0
 
 
 class _Session:
@@ -115,21 +121,34 @@ class StoreServer:
         self._stop_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.connections_total = 0
+        self._fence_fd: int | None = None     # <socket>.fence, held open while serving
+        self._dropped_writers: list = []      # regions of dropped connections' allocations
+        self._dropped_lock = threading.Lock()
+        self._dropped_retry = (0.0, 1.0)      # (next try, backoff), monotonic seconds
+        self._halt = threading.Event()        # stop() began
+        self._lease_thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ lifetime
     def start(self) -> "StoreServer":
         # Ranks of a server that died may still write under its allocations:
         # wait for them (the store's open did so on its device 0; the socket's
         # fence meets ranks that reach the device by another inode).
-        self._fence_writers()
-        self._listener = _bind(self.socket_path)
+        fence = socket_fence_path(self.socket_path)
+        self._fence_fd = os.open(fence, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self._fence_writers()
+            self._listener = _bind(self.socket_path)
+        except BaseException:
+            os.close(self._fence_fd)
+            self._fence_fd = None
+            raise
         self._socket_ino = os.stat(self.socket_path).st_ino
         self._thread = threading.Thread(target=self._accept_loop, name="kvblock-serve",
                                         daemon=True)
         self._thread.start()
-        if self.pin_lease is not None:
-            threading.Thread(target=self._lease_loop, name="kvblock-serve-lease",
-                             daemon=True).start()
+        self._lease_thread = threading.Thread(target=self._lease_loop,
+                                              name="kvblock-serve-lease", daemon=True)
+        self._lease_thread.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -139,9 +158,13 @@ class StoreServer:
                 self.stopped.wait(timeout)
                 return
             self._stopping = True
+        self._halt.set()
         try:
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout)
+            if self._lease_thread is not None and \
+                    self._lease_thread is not threading.current_thread():
+                self._lease_thread.join(timeout)
             with self._sessions_lock:
                 sessions = list(self._sessions.values())
             for s in sessions:  # their threads see the end of stream and release pins
@@ -156,6 +179,9 @@ class StoreServer:
                 self.store.close()
         finally:
             self._unlink_socket()
+            if self._fence_fd is not None:
+                os.close(self._fence_fd)
+                self._fence_fd = None
             self.stopped.set()
 
     def client_count(self) -> int:
@@ -219,9 +245,13 @@ class StoreServer:
             session.thread.start()
 
     def _lease_loop(self):
-        """Drop the connections that hold pins and have gone quiet."""
+        """Drop the connections that hold pins and have gone quiet; give back
+        dropped connections' allocations once their writes are done."""
         lease = self.pin_lease
-        while not self._stopping and not self.stopped.wait(min(1.0, lease / 4)):
+        while not self._halt.wait(min(1.0, lease / 4) if lease else 1.0):
+            self._release_dropped_writers()
+            if lease is None:
+                continue
             now = time.monotonic()
             with self._sessions_lock:
                 quiet = [s for s in self._sessions.values()
@@ -250,6 +280,7 @@ class StoreServer:
                 if req is None:
                     break
                 s.busy, s.last_seen = True, time.monotonic()
+                op = req.get("op") if isinstance(req, dict) else None
                 try:
                     reply = {"ok": True, "result": self._dispatch(s, req)}
                 except KVBlockError as e:
@@ -264,6 +295,8 @@ class StoreServer:
                     data = encode_msg(error_reply(e))
                 try:
                     s.conn.sendall(data)
+                    if op == "hello" and reply["ok"]:
+                        self._send_fence_files(s)
                 except OSError:
                     break
                 finally:
@@ -302,26 +335,54 @@ class StoreServer:
         writers, s.writers = list(s.writers.values()), {}
         for segs in readers:
             store._unpin(segs)
-        if writers and s.dropped is not None and not store.closed:
-            try:
-                self._fence_writers()
-            except KVBlockError as e:
-                logger.error("kvblock serve: the regions %s stay pinned until a restart: %s",
-                             sorted({region for region, *_ in writers}), e)
-                return
-        if writers:
-            store._unpin_writers([region for region, *_ in writers])
+        if not writers:
+            return
+        regions = [region for region, *_ in writers]
+        if s.dropped is not None and not store.closed:
+            with self._dropped_lock:            # after the fence (_lease_loop)
+                self._dropped_writers += regions
+        else:
+            store._unpin_writers(regions)
 
-    def _fence_writers(self) -> None:
-        """Wait until no rank writes under an allocation it got before now."""
+    def _release_dropped_writers(self) -> None:
+        next_try, backoff = self._dropped_retry
+        if time.monotonic() < next_try:
+            return
+        with self._dropped_lock:
+            regions, self._dropped_writers = self._dropped_writers, []
+        if not regions:
+            return
+        if not self.store.closed:
+            try:
+                self._fence_writers(DROPPED_FENCE_WAIT_S, "the writes of dropped connections")
+            except KVBlockError as e:
+                with self._dropped_lock:
+                    self._dropped_writers += regions
+                backoff = min(2 * backoff, DROPPED_FENCE_BACKOFF_S)
+                self._dropped_retry = (time.monotonic() + backoff, backoff)
+                logger.warning("kvblock serve: regions %s stay pinned, next try in %.0f s: %s",
+                               sorted(set(regions)), backoff, e)
+                return
+        self._dropped_retry = (0.0, 1.0)
+        self.store._unpin_writers(regions)
+
+    def _fence_writers(self, timeout: float | None = None, waiting_for: str | None = None):
+        """Wait until no rank writes under an allocation made before now."""
         dev0 = self.store.io.devices[0]
-        fence_writers(dev0.fd, dev0.path)
-        fence = socket_fence_path(self.socket_path)
-        fd = os.open(fence, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        files = [(dev0.fd, dev0.path), (self._fence_fd, socket_fence_path(self.socket_path))]
+        fence_writers(files, timeout, **({"waiting_for": waiting_for} if waiting_for else {}))
+
+    def _send_fence_files(self, s: _Session) -> None:
+        """After hello: the files this server fences on, as descriptors of
+        their own (a lock belongs to its open file description), so a rank
+        locks the very inodes whatever paths it reaches them by."""
+        fds = [reopen(self.store.io.devices[0].fd, os.O_RDONLY), reopen(self._fence_fd,
+                                                                         os.O_RDONLY)]
         try:
-            fence_writers(fd, fence)
+            socket.send_fds(s.conn, [b"F"], fds)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
 
     # ------------------------------------------------------------------ requests
     def _dispatch(self, s: _Session, req: dict):

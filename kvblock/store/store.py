@@ -282,7 +282,7 @@ class KVStore:
         self._recover()
         if not readonly:        # a rank of a dead server may still be writing
             dev0 = self.io.devices[0]
-            fence_writers(dev0.fd, dev0.path)
+            fence_writers([(dev0.fd, dev0.path)])
         self.host = HostTier(host_cache_bytes, self.geometry.block_bytes) \
             if host_cache_bytes else None
         self.closed = False

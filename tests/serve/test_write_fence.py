@@ -4,6 +4,7 @@ again, and a new owner of the store waits for writes still in flight."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -113,7 +114,7 @@ def test_a_new_owner_waits_for_a_write_in_flight(tmp_path, monkeypatch):
         assert stall.reached.wait(20)
         server.stop()
         monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 0.3)
-        with pytest.raises(DeviceBusyError, match="fuser -v") as e:
+        with pytest.raises(DeviceBusyError, match=r"stopped \(state T\)") as e:
             KVStore.open([path])
         assert path in str(e.value)
         monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 30.0)
@@ -148,3 +149,39 @@ def test_a_server_waits_for_a_rank_that_fences_on_its_socket(tmp_path, monkeypat
         serve_in_background([path], sock).stop()      # and with the write done it starts
     finally:
         rank.close()
+
+
+def test_a_rank_on_another_inode_and_socket_path_is_fenced(tmp_path, loop_device,
+                                                           monkeypatch):
+    """The server sends the files it fences on with its hello: a rank that
+    reaches the store through a loop device over the server's store file (a
+    container's own device node) and the socket through a symlink (its own
+    <socket>.fence is not there) still holds the server's locks."""
+    from tests.serve.test_serve import _format
+    from tests.support.loopdev import backing_of
+
+    dev = loop_device(8 << 20)
+    store_file = backing_of(dev)
+    _format(store_file)
+    sock = str(tmp_path / "kv.sock")
+    (tmp_path / "elsewhere").mkdir()
+    alias = str(tmp_path / "elsewhere" / "kv.sock")
+    os.symlink(sock, alias)
+    server = serve_in_background([store_file], sock)
+    a = RemoteStore(alias, devices=[dev], verify="never")
+    try:
+        stall = _Stall(a, "_write_run")
+        ka = run_keys(1, 2)
+        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
+        assert stall.reached.wait(20)
+        server.stop()
+        monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 0.3)
+        with pytest.raises(DeviceBusyError):
+            serve_in_background([store_file], sock)
+        stall.go.set()
+        box["thread"].join(20)
+        assert isinstance(box.get("error"), ServerGoneError), box
+        server = serve_in_background([store_file], sock)
+    finally:
+        a.close()
+        server.stop()
