@@ -10,8 +10,8 @@ socket and does its own direct I/O on the devices (opened without the
 exclusive claim) at the offsets the server hands out, so bytes never travel
 through the socket.
 
-Protocol (version 1): every message is a 4-byte big-endian length followed by
-that many bytes of UTF-8 JSON.  A request is ``{"op": NAME, ...arguments}``;
+Protocol (version 3, PROTOCOL below): every message is a 4-byte big-endian
+length followed by that many bytes of UTF-8 JSON.  A request is ``{"op": NAME, ...arguments}``;
 the answer is ``{"ok": true, "result": ...}`` or ``{"ok": false, "error":
 CLASS, "message": TEXT}`` (CLASS is a :mod:`kvblock.errors` name, re-raised as
 that class here).  Keys travel as one base64 string of 16-byte keys.  One
@@ -24,7 +24,12 @@ then, after this process has written and flushed the run's bytes, ``commit``
 ask ``segments`` (the server pins the runs and answers their locations and
 checksums), read and verify locally, then ``unpin``.  Pins belong to the
 connection: when it drops (this process exits or crashes), the server
-releases them.
+releases them.  They are leased: while it holds pins a client sends ``ping``
+every quarter of the lease hello announced (``pin_lease``), and the server
+drops a connection that holds pins and stays quiet longer.  Right after its
+answer to ``hello`` the server sends one byte carrying two descriptors
+(SCM_RIGHTS): the files of its write fence (kvblock/store/fence.py), which
+this process locks around every write.
 
 When the server is gone (killed, crashed, stopped), every call raises
 :class:`ServerGoneError`.  The store on the device stays exactly as crash-safe
