@@ -12,7 +12,7 @@ import time
 import click
 
 from kvblock.cli.main import SIZE, _emit, cli
-from kvblock.errors import ConfigError, KVBlockError, UnsafeTargetError
+from kvblock.errors import ConfigError, DeviceBusyError, KVBlockError, UnsafeTargetError
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -367,20 +367,37 @@ def _duration(text: str) -> float:
 
 
 @cli.command()
-@click.argument("devices", nargs=-1, required=True)
+@click.argument("devices", nargs=-1)
+@click.option("--socket", "socket_path", default=None,
+              help="Ask the store server on this socket (kvblock serve) to evict, instead of "
+                   "opening DEVICES (which the server holds).")
 @click.option("--bytes", "nbytes", type=SIZE, default=None, help="Reclaim until at least this much is free.")
 @click.option("--older-than", default=None, help="Reclaim regions sealed longer ago (30m, 7d).")
 @click.option("--all", "everything", is_flag=True, help="Reclaim every unpinned region.")
 @click.option("--json", "as_json", is_flag=True)
-def evict(devices, nbytes, older_than, everything, as_json):
-    """Reclaim regions by the store's policy (exactly one of --bytes, --older-than, --all)."""
+def evict(devices, socket_path, nbytes, older_than, everything, as_json):
+    """Reclaim regions by the store's policy (exactly one of --bytes, --older-than, --all),
+    on DEVICES or through the store server on --socket."""
     chosen = [x for x in (nbytes, older_than, everything or None) if x is not None]
     if len(chosen) != 1:
         raise click.UsageError("give exactly one of --bytes, --older-than, --all")
-    with _store(devices, readonly=False) as store:
+    if bool(devices) == bool(socket_path):
+        raise click.UsageError("give either DEVICES or --socket")
+    cutoff = time.time() - _duration(older_than) if older_than is not None else None
+    if socket_path:
+        from kvblock.store.client import RemoteStore
+
+        opened = RemoteStore(socket_path, timeout=60)
+    else:
+        try:
+            opened = _store(devices, readonly=False)
+        except DeviceBusyError as e:
+            raise DeviceBusyError(
+                f"{e}; if a store server (kvblock serve) holds it, evict through it: "
+                "kvblock evict --socket PATH ...", e.path, e.errno) from None
+    with opened as store:
         before = store.stats()
-        if older_than is not None:
-            cutoff = time.time() - _duration(older_than)
+        if cutoff is not None:
             reclaimed = store.evict_older_than(cutoff)
         else:
             reclaimed = store.evict(nbytes, all=everything)

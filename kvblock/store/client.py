@@ -770,6 +770,12 @@ class RemoteStore:
         self._check_open(writing=True)
         return int(self._call("evict", nbytes=nbytes, all=bool(all)))
 
+    def evict_older_than(self, cutoff: float) -> int:
+        """Reclaim unpinned regions sealed before ``cutoff`` on the server
+        (see KVStore.evict_older_than)."""
+        self._check_open(writing=True)
+        return int(self._call("evict", older_than=float(cutoff)))
+
     def clear(self) -> int:
         """KVStore.clear() on the server: every rank's blocks are forgotten,
         those other ranks are reading included (a rank has no DRAM tier)."""

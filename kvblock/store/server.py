@@ -514,7 +514,9 @@ class StoreServer:
     def _op_delete(self, s, keys):
         return self.store.delete(decode_keys(keys))
 
-    def _op_evict(self, s, nbytes=None, all=False):
+    def _op_evict(self, s, nbytes=None, all=False, older_than=None):
+        if older_than is not None:
+            return self.store.evict_older_than(float(older_than))
         return self.store.evict(nbytes, all=all)
 
     def _op_clear(self, s):

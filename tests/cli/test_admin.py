@@ -524,6 +524,30 @@ def test_evict_and_trim(file_target):
         assert res.returncode == 2 and "not a duration" in res.stderr, bad
 
 
+def test_evict_through_a_store_server(file_target, tmp_path):
+    """While a server holds the store, `kvblock evict DEV` is refused with a
+    pointer to --socket, and --socket evicts through the server."""
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS, "--region-size", "256K")
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock) as server:
+        for i in range(40):
+            server.store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+        busy = kvb("evict", path, "--all")
+        one_line_error(busy, 5, "kvblock evict --socket PATH")
+        res = kvb("evict", "--socket", sock, "--older-than", "1h", "--json")
+        assert res.returncode == 0 and json.loads(res.stdout)["regions_reclaimed"] == 0
+        res = kvb("evict", "--socket", sock, "--older-than", "0s", "--json")
+        assert json.loads(res.stdout)["regions_reclaimed"] >= 1
+        res = kvb("evict", "--socket", sock, "--all", "--json")
+        out = json.loads(res.stdout)
+        assert res.returncode == 0 and out["blocks_evicted"] > 0
+        assert server.store.stats()["runs"] == 0
+    assert kvb("evict", path, "--socket", sock, "--all").returncode == 2   # one or the other
+
+
 def _scrape(port, want, timeout=30.0) -> str:
     """/metrics of the exporter on ``port`` once it holds ``want``."""
     deadline, body = time.monotonic() + timeout, ""
