@@ -83,37 +83,75 @@ class WriteFence:
     """A rank's side: ``with fence.writing():`` around each run's write and
     flush.  One shared lock per file for the whole process, held while any
     thread writes (a lock belongs to its open file description, so threads
-    sharing one must not take and drop it each on their own)."""
+    sharing one must not take and drop it each on their own).
 
-    def __init__(self, fds: Sequence[int] = ()):
-        self._fds: list[int] = []      # owned: closed by close()
-        self._files: set = set()       # (st_dev, st_ino) of each
+    Its files: the rank's own (``own``: store device 0 and ``<socket>.fence``
+    by the paths it was given) and those its current server sent
+    (:meth:`served`), which replace an earlier server's once no write is in
+    flight."""
+
+    def __init__(self, own: Sequence[int] = ()):
+        self._own: list[int] = []      # owned: closed by close()
+        self._served: list[int] = []
+        self._old: list[int] = []      # an earlier server's, until no write is in flight
         self._writers = 0
         self._lock = threading.Lock()
-        for fd in fds:
-            self.add(fd)
+        for fd in own:
+            self._add(self._own, fd)
 
-    def add(self, fd: int) -> None:
-        """Fence on the file behind ``fd`` too (this takes it over; a file
-        already fenced on is closed here)."""
+    def _fds(self) -> list[int]:
+        return self._own + self._served + self._old
+
+    @staticmethod
+    def _file(fd: int) -> tuple[int, int]:
         st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+
+    def _add(self, into: list, fd: int) -> None:
+        """(under _lock) ``fd`` joins ``into`` unless its file is fenced on
+        already (then it is closed)."""
+        if self._file(fd) in {self._file(o) for o in self._fds()}:
+            os.close(fd)
+            return
+        if self._writers:              # writes in flight hold the others' locks
+            _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
+        into.append(fd)
+
+    def served(self, fds: Sequence[int]) -> None:
+        """The files a (new) server fences on; this takes the descriptors over."""
         with self._lock:
-            if (st.st_dev, st.st_ino) in self._files:
+            self._old += self._served
+            self._served = []
+            mine = {self._file(fd) for fd in self._own}
+            for fd in fds:
+                f = self._file(fd)
+                same = [o for o in self._old if self._file(o) == f]
+                if f in mine or same:          # fenced on already: keep that one
+                    os.close(fd)
+                    if same:
+                        self._old.remove(same[0])
+                        self._served.append(same[0])
+                    continue
+                self._add(self._served, fd)
+            self._drop_old()
+
+    def _drop_old(self) -> None:
+        """(under _lock) An earlier server's files, once no write holds them."""
+        if self._writers == 0:
+            old, self._old = self._old, []
+            for fd in old:
                 os.close(fd)
-                return
-            if self._writers:          # writes in flight hold the others' locks
-                _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
-            self._files.add((st.st_dev, st.st_ino))
-            self._fds.append(fd)
 
     @contextlib.contextmanager
     def writing(self):
-        for fd in list(self._fds):     # wait while an owner checks (not under _lock:
+        with self._lock:
+            fds = self._fds()
+        for fd in fds:                 # wait while an owner checks (not under _lock:
             _ofd_lock(fd, fcntl.F_RDLCK, wait=True, byte=TURNSTILE_BYTE)  # writers must
             _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=TURNSTILE_BYTE)  # leave meanwhile)
         with self._lock:
             if self._writers == 0:
-                for fd in self._fds:
+                for fd in self._fds():
                     _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
             self._writers += 1
         try:
@@ -122,12 +160,14 @@ class WriteFence:
             with self._lock:
                 self._writers -= 1
                 if self._writers == 0:
-                    for fd in self._fds:
+                    for fd in self._fds():
                         _ofd_lock(fd, fcntl.F_UNLCK, wait=False)
+                    self._drop_old()
 
     def close(self) -> None:
         with self._lock:           # not between a writer's lock and unlock
-            fds, self._fds = self._fds, []
+            fds = self._fds()
+            self._own, self._served, self._old = [], [], []
         for fd in fds:
             os.close(fd)
 
@@ -136,18 +176,24 @@ class WriteFence:
         (the parent's threads own the count)."""
         self._lock = threading.Lock()
         self._writers = 0
-        fds, self._fds = self._fds, []
+        fds = self._fds()
+        self._own, self._served, self._old = [], [], []
         for fd in fds:
             os.close(fd)
 
 
 def fence_writers(files: Sequence[tuple[int, str]], timeout: float | None = None,
                   waiting_for: str = "a rank's write in flight from before this store "
-                                     "was opened") -> None:
+                                     "was opened", turnstile: bool = True) -> None:
     """The owner's side: wait until no rank writes under an allocation made
     before now to the files behind ``files`` ((fd, path for messages)
-    pairs).  Meanwhile no new write starts.  Raises
-    :class:`DeviceBusyError` after ``timeout`` (FENCE_WAIT_S) seconds."""
+    pairs).  Meanwhile no new write starts (unless ``turnstile`` is off: a
+    probe that stops nobody, and that ranks writing back to back can starve).
+    Raises :class:`DeviceBusyError` after ``timeout`` (FENCE_WAIT_S) seconds.
+
+    Each phase takes all files' locks or none: a rank may take its shared
+    locks in another order (its own paths first), and holding one file
+    while waiting for another could wait on a rank that waits on us."""
     timeout = FENCE_WAIT_S if timeout is None else timeout
     own = []
     try:
@@ -155,24 +201,33 @@ def fence_writers(files: Sequence[tuple[int, str]], timeout: float | None = None
             own.append((reopen(fd, os.O_RDWR), path))
         t0 = time.monotonic()
         logged = False
-        for byte in (TURNSTILE_BYTE, FENCE_BYTE):
-            for fd, path in own:
-                while not _ofd_lock(fd, fcntl.F_WRLCK, wait=False, byte=byte):
-                    waited = time.monotonic() - t0
-                    if waited >= timeout:
-                        raise DeviceBusyError(
-                            f"{path}: a process still writes to this store under an "
-                            f"allocation made before now, after {waited:.1f} s of waiting for "
-                            f"{waiting_for} (a rank stopped in the middle of a write?). Going "
-                            "on could let that write land on space handed out again: look for "
-                            f"a stopped (state T) or hung process among those that have {path} "
-                            f"open (`ps -o pid,stat,cmd -p $(fuser {path} 2>/dev/null)`), let "
-                            "it go on or kill it, and try again", path, errno.EBUSY)
-                    if not logged and waited >= FENCE_LOG_AFTER_S:
-                        logger.warning("%s: waiting for %s (up to %.0f s)", path, waiting_for,
-                                       timeout)
-                        logged = True
-                    time.sleep(0.002)
+        for byte in ((TURNSTILE_BYTE, FENCE_BYTE) if turnstile else (FENCE_BYTE,)):
+            while True:
+                held, busy = [], None
+                for fd, path in own:
+                    if not _ofd_lock(fd, fcntl.F_WRLCK, wait=False, byte=byte):
+                        busy = path
+                        break
+                    held.append(fd)
+                if busy is None:
+                    break
+                for fd in held:
+                    _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=byte)
+                waited = time.monotonic() - t0
+                if waited >= timeout:
+                    raise DeviceBusyError(
+                        f"{busy}: a process still writes to this store under an "
+                        f"allocation made before now, after {waited:.1f} s of waiting for "
+                        f"{waiting_for} (a rank stopped in the middle of a write?). Going "
+                        "on could let that write land on space handed out again: look for "
+                        f"a stopped (state T) or hung process among those that have {busy} "
+                        f"open (`ps -o pid,stat,cmd -p $(fuser {busy} 2>/dev/null)`), let "
+                        "it go on or kill it, and try again", busy, errno.EBUSY)
+                if not logged and waited >= FENCE_LOG_AFTER_S:
+                    logger.warning("%s: waiting for %s (up to %.0f s)", busy, waiting_for,
+                                   timeout)
+                    logged = True
+                time.sleep(0.002)
     finally:
         for fd, _ in own:       # closing drops the locks it holds
             os.close(fd)

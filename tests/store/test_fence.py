@@ -141,3 +141,75 @@ def test_writers_that_never_pause_cannot_starve_an_owner(target):
         for t in threads:
             t.join(10)
         rank.close()
+
+
+def test_an_owner_does_not_wait_on_a_rank_that_waits_on_it(tmp_path):
+    """A rank locks its own file first, then its server's; an owner locks the
+    server's first.  A rank holding its own file and waiting for the
+    server's must not meet an owner holding the server's and waiting for
+    the rank's own: the owner lets go of what it took and tries again."""
+    import kvblock.store.fence as fence_mod
+
+    paths = [str(tmp_path / name) for name in ("server-dev0", "own-dev0")]
+    for p in paths:
+        open(p, "wb").close()
+    rank = WriteFence([os.open(paths[1], os.O_RDONLY)])
+    rank.served([os.open(paths[0], os.O_RDONLY)])
+    owner_fds = [os.open(p, os.O_RDWR) for p in paths]
+    real = fence_mod._ofd_lock
+    took_own = threading.Event()
+    me = []
+
+    def slow_after_own(fd, kind, wait, byte=fence_mod.FENCE_BYTE):
+        out = real(fd, kind, wait, byte)
+        if me and threading.get_ident() == me[0] and byte == fence_mod.FENCE_BYTE \
+                and kind == fence_mod.fcntl.F_RDLCK and not took_own.is_set():
+            took_own.set()          # the rank holds its own file: now the owner runs
+            time.sleep(0.3)
+        return out
+
+    def write():
+        me.append(threading.get_ident())
+        with rank.writing():
+            pass
+    fence_mod._ofd_lock = slow_after_own
+    try:
+        t = threading.Thread(target=write)
+        t.start()
+        assert took_own.wait(10)
+        t0 = time.monotonic()
+        fence_writers([(owner_fds[0], paths[0]), (owner_fds[1], paths[1])], timeout=5)
+        assert time.monotonic() - t0 < 3, "the owner waited on a rank that waited on it"
+        t.join(10)
+        assert not t.is_alive()
+    finally:
+        fence_mod._ofd_lock = real
+        rank.close()
+        for fd in owner_fds:
+            os.close(fd)
+
+
+def test_a_new_servers_files_replace_the_last_ones_once_no_write_holds_them(tmp_path):
+    paths = [str(tmp_path / f"f{i}") for i in range(5)]
+    for p in paths:
+        open(p, "wb").close()
+
+    def opened(*idx):
+        return [os.open(paths[i], os.O_RDONLY) for i in idx]
+    rank = WriteFence(opened(0))
+    try:
+        rank.served(opened(1, 2))
+        assert len(rank._fds()) == 3
+        rank.served(opened(0, 2))          # its own file and one it holds: no new ones
+        assert len(rank._fds()) == 2
+        with rank.writing():               # a write in flight keeps the last server's
+            rank.served(opened(3, 4))
+            assert len(rank._fds()) == 4
+        assert len(rank._fds()) == 3
+        want = opened(0, 3, 4)
+        assert {WriteFence._file(fd) for fd in rank._fds()} == \
+            {WriteFence._file(fd) for fd in want}
+        for fd in want:
+            os.close(fd)
+    finally:
+        rank.close()
