@@ -10,7 +10,7 @@ socket and does its own direct I/O on the devices (opened without the
 exclusive claim) at the offsets the server hands out, so bytes never travel
 through the socket.
 
-Protocol (version 3, PROTOCOL below): every message is a 4-byte big-endian
+Protocol (version 4, PROTOCOL below): every message is a 4-byte big-endian
 length followed by that many bytes of UTF-8 JSON.  A request is ``{"op": NAME, ...arguments}``;
 the answer is ``{"ok": true, "result": ...}`` or ``{"ok": false, "error":
 CLASS, "message": TEXT}`` (CLASS is a :mod:`kvblock.errors` name, re-raised as
@@ -76,8 +76,9 @@ from kvblock.store.store import (
 )
 from kvblock.store.storeio import StoreIO
 
-PROTOCOL = 3   # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 4   # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
+#                4: the server sends its fence files after hello
 logger = logging.getLogger("kvblock")
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
@@ -303,21 +304,24 @@ def _reconnect_loop(ref, stop: threading.Event) -> None:
 
 def _heartbeat_loop(ref, stop: threading.Event) -> None:
     """(thread) While ``ref()`` holds pins, ping its server every quarter of
-    the server's pin lease, so they are not taken for a stopped process's."""
+    the server's pin lease, so they are not taken for a stopped process's.
+    It looks every eighth of the lease (at most every HEARTBEAT_TICK_S), so
+    a lease a reconnect brought counts at once."""
+    last = 0.0
     while True:
         store = ref()
         if store is None or store.closed:
             return
         lease = store._pin_lease
+        if lease and store._heartbeat and time.monotonic() - last >= lease / 4:
+            if store._ping():
+                last = time.monotonic()
         del store
-        if stop.wait(lease / 4 if lease else 5.0):
+        if stop.wait(min(HEARTBEAT_TICK_S, lease / 8) if lease else HEARTBEAT_TICK_S):
             return
-        store = ref()
-        if store is None or store.closed:
-            return
-        if store._pin_lease and store._heartbeat:
-            store._ping()
-        del store
+
+
+HEARTBEAT_TICK_S = 1.0
 
 
 def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str | None]:
@@ -414,8 +418,7 @@ class RemoteStore:
                 for fd in served:
                     os.close(fd)
                 raise
-            for fd in served:
-                self._fence.add(fd)
+            self._fence.served(served)
             self._check_identity(geometry, model)
         except BaseException:
             self._session.close()
@@ -561,6 +564,10 @@ class RemoteStore:
                 s.gone = (f"store server at {self.socket_path} is gone ({op}: {e}); " +
                           ("reconnecting (a rank restarts the server)" if self._reconnect
                            else "restart it (kvblock serve) and reconnect"))
+                if self._pin_lease and s.held > 0:
+                    s.gone += (f" (if it still runs, it dropped this connection: it held pins "
+                               f"and was quiet past the server's pin lease of "
+                               f"{self._pin_lease:g} s)")
             else:
                 s.gone = (f"connection to the store server at {self.socket_path} "
                           f"was abandoned in the middle of {op} ({type(e).__name__})")
@@ -575,18 +582,19 @@ class RemoteStore:
             _raise_remote(reply.get("error", "ServerError"), reply.get("message", ""))
         return reply.get("result")
 
-    def _ping(self) -> None:
+    def _ping(self) -> bool:
         """Tell the server this process is alive, when it holds pins and no
-        call is in flight (an answer in progress is as good)."""
+        call is in flight (an answer in progress is as good); whether it did."""
         s = self._session
         if s.gone is not None or s.held <= 0 or not s.lock.acquire(blocking=False):
-            return
+            return False
         try:
             self._call_locked(s, "ping", {})
         except (KVBlockError, OSError) as e:   # the session is given up: calls say so
             logger.debug("kvblock: ping to %s: %s", self.socket_path, e)
         finally:
             s.lock.release()
+        return True
 
     def _check_open(self, writing: bool = False):
         if self.closed:
@@ -634,8 +642,7 @@ class RemoteStore:
         except BaseException:
             s.close()
             raise
-        for fd in served:       # this server's; writes of older allocations hold them too
-            self._fence.add(fd)
+        self._fence.served(served)   # this server's (a write in flight keeps the last's)
         self.server_pid = int(hello["pid"])
         self.max_run_blocks = int(hello["max_run_blocks"])
         self._pin_lease = hello.get("pin_lease")
@@ -914,16 +921,27 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 def _recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:
     """The files the server fences on, which it sends right after its
     answer to hello (kvblock/store/fence.py)."""
+    wrong = errors.ProtocolMismatchError(
+        f"the store server at {socket_path} did not send its fence files after hello (a "
+        "server of another kvblock build?): run one kvblock release on both sides")
+    before = sock.gettimeout()
+    sock.settimeout(FENCE_FILES_WAIT_S if before is None else min(before, FENCE_FILES_WAIT_S))
     try:
         msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 2, socket.MSG_CMSG_CLOEXEC)
+    except TimeoutError:
+        raise wrong from None
     except OSError as e:
         raise ServerGoneError(f"store server at {socket_path} is gone (hello: {e})") from None
+    finally:
+        sock.settimeout(before)
     if msg != b"F" or len(fds) != 2:
         for fd in fds:
             os.close(fd)
-        raise ServerError(f"the store server at {socket_path} did not send its fence files "
-                          "after hello: run one kvblock release on both sides")
+        raise wrong
     return fds
+
+
+FENCE_FILES_WAIT_S = 10.0   # they follow the answer to hello at once
 
 
 def _fence_files(dev0: Device, socket_path: str) -> list[int]:

@@ -30,6 +30,7 @@ import inspect
 import itertools
 import logging
 import os
+import select
 import signal
 import socket
 import stat
@@ -68,10 +69,11 @@ logger = logging.getLogger("kvblock")
 # A connection holding pins is dropped after this many seconds without a
 # request (clients ping every quarter of it while they hold pins).
 PIN_LEASE_S = 60.0
-# Each try to give back a dropped connection's allocations waits this long
-# for its write in flight (new writes wait meanwhile); a failed try is
-# repeated after 2, 4, ... up to DROPPED_FENCE_BACKOFF_S seconds, so a rank
-# stopped mid-write stalls the others' writes for a small share of the time.
+# Giving back a dropped connection's allocations: every tick a probe that
+# stops nobody; when it fails, a try that waits this long for the write in
+# flight (new writes wait meanwhile), repeated after 2, 4, ... up to
+# DROPPED_FENCE_BACKOFF_S seconds, so a rank stopped mid-write stalls the
+# others' writes for a small share of the time.
 DROPPED_FENCE_WAIT_S = 1.0
 DROPPED_FENCE_BACKOFF_S = 64.0
 
@@ -258,6 +260,11 @@ class StoreServer:
                          if (s.readers or s.writers) and not s.busy and s.dropped is None
                          and now - s.last_seen > lease]
             for s in quiet:
+                try:       # a request not read yet (a starved server): it is alive
+                    if select.select([s.conn], [], [], 0)[0]:
+                        continue
+                except (OSError, ValueError):
+                    continue    # closed meanwhile: its thread releases the pins
                 s.dropped = (f"it held {len(s.readers)} read and {len(s.writers)} write "
                              f"pins and sent nothing for {now - s.last_seen:.0f} s "
                              f"(pin lease {lease:g} s)")
@@ -345,32 +352,40 @@ class StoreServer:
             store._unpin_writers(regions)
 
     def _release_dropped_writers(self) -> None:
-        next_try, backoff = self._dropped_retry
-        if time.monotonic() < next_try:
-            return
         with self._dropped_lock:
             regions, self._dropped_writers = self._dropped_writers, []
         if not regions:
             return
+        next_try, backoff = self._dropped_retry
         if not self.store.closed:
-            try:
-                self._fence_writers(DROPPED_FENCE_WAIT_S, "the writes of dropped connections")
-            except KVBlockError as e:
-                with self._dropped_lock:
-                    self._dropped_writers += regions
-                backoff = min(2 * backoff, DROPPED_FENCE_BACKOFF_S)
-                self._dropped_retry = (time.monotonic() + backoff, backoff)
-                logger.warning("kvblock serve: regions %s stay pinned, next try in %.0f s: %s",
-                               sorted(set(regions)), backoff, e)
-                return
+            try:                 # a probe that stops nobody, every tick
+                self._fence_writers(0, "the writes of dropped connections", turnstile=False)
+            except KVBlockError:
+                if time.monotonic() < next_try:
+                    with self._dropped_lock:
+                        self._dropped_writers += regions
+                    return
+                try:             # a try that holds new writes back: after a backoff
+                    self._fence_writers(DROPPED_FENCE_WAIT_S,
+                                        "the writes of dropped connections")
+                except KVBlockError as e:
+                    with self._dropped_lock:
+                        self._dropped_writers += regions
+                    backoff = min(2 * backoff, DROPPED_FENCE_BACKOFF_S)
+                    self._dropped_retry = (time.monotonic() + backoff, backoff)
+                    logger.warning("kvblock serve: regions %s stay pinned, next try in %.0f "
+                                   "s: %s", sorted(set(regions)), backoff, e)
+                    return
         self._dropped_retry = (0.0, 1.0)
         self.store._unpin_writers(regions)
 
-    def _fence_writers(self, timeout: float | None = None, waiting_for: str | None = None):
+    def _fence_writers(self, timeout: float | None = None, waiting_for: str | None = None,
+                       turnstile: bool = True):
         """Wait until no rank writes under an allocation made before now."""
         dev0 = self.store.io.devices[0]
         files = [(dev0.fd, dev0.path), (self._fence_fd, socket_fence_path(self.socket_path))]
-        fence_writers(files, timeout, **({"waiting_for": waiting_for} if waiting_for else {}))
+        fence_writers(files, timeout, turnstile=turnstile,
+                      **({"waiting_for": waiting_for} if waiting_for else {}))
 
     def _send_fence_files(self, s: _Session) -> None:
         """After hello: the files this server fences on, as descriptors of

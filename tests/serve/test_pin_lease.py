@@ -93,7 +93,7 @@ def test_a_dropped_ranks_write_in_flight_keeps_its_space_until_done(tmp_path):
             stall.go.set()
             box["thread"].join(20)
             assert isinstance(box.get("error"), ServerGoneError), box
-            _until(lambda: server.store.regions.pins.sum() == 0, timeout=30)
+            _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
             assert b.lookup(ka) == 0
     finally:
         a.close()
@@ -132,4 +132,61 @@ def test_a_dropped_ranks_later_write_is_refused(tmp_path):
     finally:
         a.close()
         b.close()
+        server.stop()
+
+
+def test_a_request_the_server_has_not_read_yet_keeps_the_pins(tmp_path, monkeypatch):
+    """A starved server reads a ping late: a connection with a request
+    waiting in its socket is alive, however long ago the last one was read."""
+    import threading
+
+    import kvblock.store.server as server_mod
+
+    delay = threading.Event()
+    real = server_mod.recv_msg
+
+    def late(conn):
+        if delay.is_set():
+            delay.clear()
+            time.sleep(4 * LEASE)      # the next request waits unread meanwhile
+        return real(conn)
+    monkeypatch.setattr(server_mod, "recv_msg", late)
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock, pin_lease=LEASE)
+    keys = run_keys(1, 2)
+    try:
+        with RemoteStore(sock) as r:
+            r._heartbeat = False
+            r.put_run(keys, run_data(keys))
+            delay.set()
+            pin = r.pin(keys)
+            assert r.lookup(keys) == 2        # read by the server 4 leases later
+            assert server.expired_sessions == 0
+            assert server.store.regions.pins.sum() == 1
+            r.unpin(pin)
+    finally:
+        server.stop()
+
+
+def test_a_shorter_lease_after_a_reconnect_is_kept_to(tmp_path):
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock)          # the default lease, 60 s
+    keys = run_keys(1, 2)
+    try:
+        with RemoteStore(sock, reconnect=True) as r:
+            r.put_run(keys, run_data(keys))
+            server.stop()
+            server = serve_in_background([path], sock, pin_lease=2 * LEASE)
+
+            def reconnected():
+                try:
+                    return r.lookup(keys) == 2 and r.counters["reconnects"] == 1
+                except ServerGoneError:
+                    return False
+            _until(reconnected, timeout=20)
+            r.pin(keys)
+            time.sleep(6 * LEASE)
+            assert server.expired_sessions == 0, "the rank pinged at the old lease's pace"
+            assert server.store.regions.pins.sum() == 1
+    finally:
         server.stop()

@@ -185,3 +185,19 @@ def test_a_rank_on_another_inode_and_socket_path_is_fenced(tmp_path, loop_device
     finally:
         a.close()
         server.stop()
+
+
+def test_a_server_that_sends_no_fence_files_is_refused(tmp_path, monkeypatch):
+    import kvblock.store.client as client_mod
+    from kvblock.errors import ProtocolMismatchError
+    from kvblock.store.server import StoreServer
+
+    monkeypatch.setattr(StoreServer, "_send_fence_files", lambda self, s: None)
+    monkeypatch.setattr(client_mod, "FENCE_FILES_WAIT_S", 0.5)
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    try:
+        with pytest.raises(ProtocolMismatchError, match="did not send its fence files"):
+            RemoteStore(sock)
+    finally:
+        server.stop()
