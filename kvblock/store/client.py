@@ -709,6 +709,8 @@ class RemoteStore:
             dev, dev_off = self.regions.address(a["region"], a["offset"])
             batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off)
             with self._fence.writing():          # see kvblock/store/fence.py
+                if self.closed:                  # close() waits only for writes under way
+                    raise StoreClosedError("remote store was closed during the put")
                 if s.hung_up():                  # the space may be someone else's by now
                     self.counters["fenced_writes"] += 1
                     raise ServerGoneError(
@@ -876,10 +878,16 @@ class RemoteStore:
             self.closed = True
             self._stop.set()
             s = self._session
+        # A write in flight in another thread: its connection (the server's
+        # pin on its space) and this process's devices stay until it is done.
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        while self._fence is not None and self._fence.writers and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
         with s.lock:
             if s.gone is None:
                 s.gone = "remote store is closed"
-            s.close()
+            s.close()                   # reads in flight: they turn into misses
         _LIVE.discard(self)
         KVStore._release_devices(self)
         if self._fence is not None:
@@ -942,6 +950,7 @@ def _recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:
 
 
 FENCE_FILES_WAIT_S = 10.0   # they follow the answer to hello at once
+CLOSE_WAIT_S = 30.0         # close() waits this long for writes in flight
 
 
 def _fence_files(dev0: Device, socket_path: str) -> list[int]:

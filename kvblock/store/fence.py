@@ -99,6 +99,11 @@ class WriteFence:
         for fd in own:
             self._add(self._own, fd)
 
+    @property
+    def writers(self) -> int:
+        """Threads writing under the fence now."""
+        return self._writers
+
     def _fds(self) -> list[int]:
         return self._own + self._served + self._old
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvblock import KVStore
-from kvblock.errors import DeviceBusyError
+from kvblock.errors import DeviceBusyError, KVBlockError
 from kvblock.store import fence as fence_mod
 from kvblock.store.client import RemoteStore, ServerGoneError
 from kvblock.store.server import serve_in_background
@@ -200,4 +200,40 @@ def test_a_server_that_sends_no_fence_files_is_refused(tmp_path, monkeypatch):
         with pytest.raises(ProtocolMismatchError, match="did not send its fence files"):
             RemoteStore(sock)
     finally:
+        server.stop()
+
+
+def test_close_waits_for_a_write_in_flight_in_another_thread(tmp_path):
+    """close() from one thread while another writes: the connection (and
+    with it the server's pin on the space) stays until the write is done,
+    so the server cannot hand that space out under it."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    a = RemoteStore(sock, verify="never")
+    try:
+        stall = _Stall(a, "_write_run")
+        ka = run_keys(1, 2)
+        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
+        assert stall.reached.wait(20)
+        closing = _in_thread(a.close)
+        time.sleep(0.5)
+        assert closing["thread"].is_alive(), "close() did not wait for the write"
+        assert server.store.regions.pins.sum() == 1, "the space was given back mid-write"
+        stall.go.set()
+        closing["thread"].join(20)
+        box["thread"].join(20)
+        assert "error" not in closing, closing
+        deadline = time.monotonic() + 10
+        while server.store.regions.pins.sum():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with RemoteStore(sock, verify="never") as b:   # the put got in before the close, or not
+            if box.get("out") == 2:
+                got = np.zeros_like(run_data(ka))
+                assert b.get_run(ka, got) == 2 and np.array_equal(got, run_data(ka))
+            else:
+                assert isinstance(box.get("error"), KVBlockError), box
+                assert b.lookup(ka) == 0
+    finally:
+        a.close()
         server.stop()
