@@ -430,6 +430,9 @@ class RemoteStore:
             raise
         self.closed = False
         _LIVE.add(self)
+        # Dropped without close(): its devices and fence files go with it.
+        self._finalizer = weakref.finalize(self, _close_dropped, self.io, self._fence,
+                                           self._sessions)
         threading.Thread(target=_heartbeat_loop, args=(weakref.ref(self), self._stop),
                          name="kvblock-heartbeat", daemon=True).start()
 
@@ -868,6 +871,9 @@ class RemoteStore:
         this process's devices.  The store itself stays with the server."""
         if self.closed and self.io is None:
             return
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
         if self._forked:                 # its sessions are closed; its locks may be stale
             self.closed = True
             KVStore._release_devices(self)
@@ -924,6 +930,16 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _close_dropped(io, fence, sessions) -> None:
+    """A RemoteStore collected without close(): no thread of it runs any more."""
+    for s in list(sessions):
+        s.close()
+    try:
+        io.close()
+    finally:
+        fence.close()
 
 
 def _recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:

@@ -237,3 +237,27 @@ def test_close_waits_for_a_write_in_flight_in_another_thread(tmp_path):
     finally:
         a.close()
         server.stop()
+
+
+def test_a_store_dropped_without_close_leaves_no_open_files(tmp_path):
+    import gc
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    try:
+        with RemoteStore(sock) as warm:         # the first client warms caches up
+            warm.put_run(run_keys(0, 1), run_data(run_keys(0, 1)))
+        gc.collect()
+        before = len(os.listdir("/proc/self/fd"))
+        for i in range(1, 4):
+            r = RemoteStore(sock)
+            r.put_run(run_keys(i, 1), run_data(run_keys(i, 1)))
+            del r
+        gc.collect()
+        deadline = time.monotonic() + 10     # its threads let go of it within a tick
+        while len(os.listdir("/proc/self/fd")) > before:
+            assert time.monotonic() < deadline, os.listdir("/proc/self/fd")
+            time.sleep(0.05)
+            gc.collect()
+    finally:
+        server.stop()
