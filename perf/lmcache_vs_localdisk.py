@@ -15,8 +15,8 @@ drops the page cache (root), gets them back (``batched_get``, ``--batch`` at
 a time), checks every byte and prints the median put and get GiB/s and the
 ratios.
 
-    /tmp/venvtest/bin/python perf/lmcache_vs_localdisk.py              # ~1 minute, root
-    /tmp/venvtest/bin/python perf/lmcache_vs_localdisk.py --gib 1 --locations disk
+    .venv/bin/python perf/lmcache_vs_localdisk.py              # ~1 minute, root
+    .venv/bin/python perf/lmcache_vs_localdisk.py --gib 1 --locations disk
 
 Chunk shapes (256 tokens, bf16): ``2M`` = 16 layers x 1 KV head x 128 (a
 small model, 2 MiB a chunk); ``32M`` = Llama-3-8B, 32 layers x 8 KV heads x

@@ -55,10 +55,10 @@ load GiB/s and the kvblock/HiCacheFile ratios next to the issue's bars (load
 >= 2x HiCacheFile at 256 KiB pages, >= 1.0x at 2 MiB).  The host pool
 (``--pool``) may be smaller than the data: batches reuse its pages.
 
-    /tmp/venvtest/bin/python perf/sglang_vs_hicachefile.py          # ~2 minutes
-    /tmp/venvtest/bin/python perf/sglang_vs_hicachefile.py --layout page_first_direct
-    /tmp/venvtest/bin/python perf/sglang_vs_hicachefile.py --gib 2 --pages 256K,2M,8M --json
-    /tmp/venvtest/bin/python perf/sglang_vs_hicachefile.py --profile 25  # cProfile kvblock loads
+    .venv/bin/python perf/sglang_vs_hicachefile.py          # ~2 minutes
+    .venv/bin/python perf/sglang_vs_hicachefile.py --layout page_first_direct
+    .venv/bin/python perf/sglang_vs_hicachefile.py --gib 2 --pages 256K,2M,8M --json
+    .venv/bin/python perf/sglang_vs_hicachefile.py --profile 25  # cProfile kvblock loads
 
 Needs root (losetup, drop_caches) and fio (fills the loop device's backing
 file).  Loop devices are always detached (also on Ctrl-C) and every file and

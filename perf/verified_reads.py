@@ -21,9 +21,9 @@ mapping, which hashes each chunk as it copies it whatever the mode says;
 The page cache is dropped before every load and every load's bytes are
 compared with what was stored.  Prints the median GiB/s of each mode.
 
-    /tmp/venvtest/bin/python perf/verified_reads.py --target loop --threads 1
-    /tmp/venvtest/bin/python perf/verified_reads.py --where /var/tmp --threads 8
-    /tmp/venvtest/bin/python perf/verified_reads.py --target loop --pieces 256K,512K,1M,2M
+    .venv/bin/python perf/verified_reads.py --target loop --threads 1
+    .venv/bin/python perf/verified_reads.py --where /var/tmp --threads 8
+    .venv/bin/python perf/verified_reads.py --target loop --pieces 256K,512K,1M,2M
 """
 
 from __future__ import annotations

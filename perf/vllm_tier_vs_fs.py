@@ -25,9 +25,9 @@ loop``), page cache dropped: how fast the device itself reads, the ceiling of
 any tier on it that reads through the kernel (``--no-fio`` skips it).  Both
 tiers' loads are printed relative to it.
 
-    /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py                  # ~1.5 minutes, root
-    /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py --gib 4 --slots 256K,2M,8M
-    /tmp/venvtest/bin/python perf/vllm_tier_vs_fs.py --pattern scattered --json
+    .venv/bin/python perf/vllm_tier_vs_fs.py                  # ~1.5 minutes, root
+    .venv/bin/python perf/vllm_tier_vs_fs.py --gib 4 --slots 256K,2M,8M
+    .venv/bin/python perf/vllm_tier_vs_fs.py --pattern scattered --json
 
 ``--pattern adjacent`` (default) gives each job ascending adjacent slots (how
 vLLM's primary pool hands out fresh slots: kvblock's zero-copy path);

@@ -81,3 +81,19 @@ def test_sglang_comparison_runs_on_a_store_file():
     assert out["settings"]["kvblock_target"] == "file"
     assert {r["backend"] for r in out["rows"]} == {"kvblock", "file"}
     assert not list(Path("/dev/shm").glob("kvblock-sglang-*"))
+
+
+def test_partial_promotions_read_windows_not_whole_runs():
+    """perf/partial_promotions.py: promoting 2 slots of each stored job reads
+    their windows and the trailer, far less than the whole ranges."""
+    args = ["--gib", "0.02", "--rounds", "1", "--job-slots", "16", "--take", "2",
+            "--where", "/dev/shm", "--target", "file", "--region-size", "64M", "--json"]
+    p = subprocess.run([sys.executable, str(ROOT / "perf" / "partial_promotions.py"), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    rows = {r["mode"]: r for r in json.loads(p.stdout[p.stdout.index("{"):])["rows"]}
+    partial = rows["kvblock"]["bytes_read_per_job"]
+    whole = rows["kvblock whole ranges"]["bytes_read_per_job"]
+    assert 0 < partial and whole >= 16 * (256 << 10)      # every slot of the job's run
+    assert partial < whole / 4
+

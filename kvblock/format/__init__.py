@@ -4,4 +4,4 @@ Every structure is fixed little-endian with a checksum; each module pins its
 byte layout in a golden test.  Bump FORMAT_VERSION on any layout change.
 """
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2   # 2: runs end in a block digest trailer (format/trailer.py)

@@ -10,7 +10,7 @@ Layout (little-endian; bump FORMAT_VERSION when changing it)::
     header block (4096 bytes)
     0   8s magic "KVBLKCP\\0"      40  Q run count
     8   I  format version          48  Q key count
-    12  I  ranges per run          56  I region count, I 0
+    12  I  checksums per run       56  I region count, I 0
     16  Q  generation (= epoch)    64  Q payload bytes
     24  Q  next journal sequence   72  Q xxh64 of payload
     32  Q  next run id             4088 Q xxh64 of bytes [0, 4088)
@@ -18,7 +18,7 @@ Layout (little-endian; bump FORMAT_VERSION when changing it)::
     regions   region count x {I generation, I sealed at (s since epoch), Q seal sequence}
     runs      run count x {Q run id, I region, I generation, Q offset, I blocks, I 0}
     keys      key count x 16 bytes (runs' keys in run order)
-    checksums run count x ranges x Q
+    checksums run count x checksums per run x Q (per range, then the trailer's)
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Checkpoint:
     regions: np.ndarray     # REGION_DTYPE
     runs: np.ndarray        # RUN_DTYPE
     keys: np.ndarray        # (key count, 16) uint8
-    checksums: np.ndarray   # (run count, ranges) uint64
+    checksums: np.ndarray   # (run count, ranges + 1) uint64
 
     def payload(self) -> bytes:
         return b"".join((self.regions.astype(REGION_DTYPE).tobytes(),

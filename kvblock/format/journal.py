@@ -19,7 +19,8 @@ Record layout (little-endian; bump FORMAT_VERSION when changing it)::
 
 Payloads:
     PUT_RUN (1):  Q run_id, I region, I region generation, Q byte offset in region,
-                  I blocks, I ranges, then blocks x 16-byte keys, ranges x Q checksums
+                  I blocks, I checksums (ranges + 1), then blocks x 16-byte keys,
+                  checksums x Q: one per range, then the block digest trailer's
     DROP_RUN (2): Q run_id
     RECLAIM (3):  I region, I new generation
 """
@@ -53,7 +54,7 @@ class PutRun:
     generation: int
     offset: int
     keys: bytes          # nblocks * 16 bytes, in token order
-    checksums: tuple     # one per (layer, head group) range
+    checksums: tuple     # one per (layer, head group) range, then the trailer's
 
     @property
     def nblocks(self) -> int:

@@ -23,6 +23,9 @@ class IOBatch:
     devs: np.ndarray     # uint32 index into the engine's device table
     offsets: np.ndarray  # uint64 byte offsets on the device
     lens: np.ndarray     # uint64 byte counts
+    # Objects whose memory entries point into (a write's small buffers), held
+    # as long as the batch is; concat() carries them over.
+    keep = None
 
     def __post_init__(self):
         self.addrs = np.ascontiguousarray(self.addrs, dtype=np.uint64).reshape(-1)
@@ -64,6 +67,9 @@ class IOBatch:
         b.devs = np.concatenate([x.devs for x in batches])
         b.offsets = np.concatenate([x.offsets for x in batches])
         b.lens = np.concatenate([x.lens for x in batches])
+        keep = [x.keep for x in batches if x.keep is not None]
+        if keep:
+            b.keep = keep
         return b
 
     @classmethod

@@ -96,6 +96,12 @@ class Geometry:
     def ranges(self) -> int:
         return self.num_layers * self.head_groups
 
+    @property
+    def run_checksums(self) -> int:
+        """Checksums the index keeps per run: one per range, then the block
+        digest trailer's (see RunLayout)."""
+        return self.ranges + 1
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -115,7 +121,10 @@ def model_fingerprint(model: str | bytes | None) -> bytes:
 
 @dataclass(frozen=True)
 class RunLayout:
-    """Byte offsets of a run of ``nblocks`` blocks, relative to the run's start."""
+    """Byte offsets of a run of ``nblocks`` blocks, relative to the run's start:
+    ``ranges`` ranges of ``range_bytes`` each (the data), then the block
+    digest trailer (kvblock/format/trailer.py), which lets a read of some
+    of the run's blocks verify just those."""
 
     geometry: Geometry
     nblocks: int
@@ -127,8 +136,19 @@ class RunLayout:
         return round_up(self.nblocks * self.geometry.group_block_bytes, self.alignment)
 
     @property
-    def run_bytes(self) -> int:
+    def data_bytes(self) -> int:
+        """The ranges: the run's data image."""
         return self.range_bytes * self.geometry.ranges
+
+    @property
+    def trailer_bytes(self) -> int:
+        """The block digest trailer, padded to the alignment."""
+        return round_up(self.geometry.ranges * self.nblocks * 8, self.alignment)
+
+    @property
+    def run_bytes(self) -> int:
+        """All the run takes on the device: data, then trailer."""
+        return self.data_bytes + self.trailer_bytes
 
     def range_index(self, layer: int, group: int) -> int:
         return layer * self.geometry.head_groups + group
@@ -148,4 +168,11 @@ class RunLayout:
     def max_blocks(geometry: Geometry, alignment: int, space: int) -> int:
         """Most blocks a run can hold within ``space`` bytes."""
         per_range = space // geometry.ranges // alignment * alignment
-        return per_range // geometry.group_block_bytes
+        lo, hi = 0, per_range // geometry.group_block_bytes   # the trailer aside
+        while lo < hi:     # run_bytes grows with the block count: bisect
+            mid = (lo + hi + 1) // 2
+            if RunLayout(geometry, mid, alignment).run_bytes <= space:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

@@ -10,7 +10,7 @@ socket and does its own direct I/O on the devices (opened without the
 exclusive claim) at the offsets the server hands out, so bytes never travel
 through the socket.
 
-Protocol (version 4, PROTOCOL below): every message is a 4-byte big-endian
+Protocol (version 5, PROTOCOL below): every message is a 4-byte big-endian
 length followed by that many bytes of UTF-8 JSON.  A request is ``{"op": NAME, ...arguments}``;
 the answer is ``{"ok": true, "result": ...}`` or ``{"ok": false, "error":
 CLASS, "message": TEXT}`` (CLASS is a :mod:`kvblock.errors` name, re-raised as
@@ -20,7 +20,9 @@ request at a time per connection, answered in order.
 A put is three requests: ``admit`` (duplicate and admission checks),
 ``allocate`` (the server reserves space and holds a writer pin on its region),
 then, after this process has written and flushed the run's bytes, ``commit``
-(the server journals the PUT record durably and publishes the run).  Reads
+(the server journals the PUT record durably and publishes the run; it
+carries the run's checksums, one per range, then its block digest
+trailer's, kvblock/format/trailer.py).  Reads
 ask ``segments`` (the server pins the runs and answers their locations and
 checksums), read and verify locally, then ``unpin``.  Pins belong to the
 connection: when it drops (this process exits or crashes), the server
@@ -76,9 +78,10 @@ from kvblock.store.store import (
 )
 from kvblock.store.storeio import StoreIO
 
-PROTOCOL = 4   # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 5   # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
+#                5: runs carry their block digest trailer's checksum (format 2)
 logger = logging.getLogger("kvblock")
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
@@ -815,6 +818,9 @@ class RemoteStore:
     _read_segment = KVStore._read_segment
     _straight_into = KVStore._straight_into
     _read_whole_runs = KVStore._read_whole_runs
+    _verified_window = KVStore._verified_window
+    _read_blocks_verified = KVStore._read_blocks_verified
+    _scatter_blocks = KVStore._scatter_blocks
     _verified = KVStore._verified
     _checksum_failure = KVStore._checksum_failure
     _read_failed = KVStore._read_failed
@@ -822,6 +828,7 @@ class RemoteStore:
     _blocks_view = KVStore._blocks_view
     _is_image = KVStore._is_image
     _stage_run = KVStore._stage_run
+    _with_trailer = KVStore._with_trailer
     _write_run = KVStore._write_run
     _kvikio_reader = KVStore._kvikio_reader
     layout = KVStore.layout

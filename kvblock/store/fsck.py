@@ -10,8 +10,9 @@ import numpy as np
 from kvblock.errors import KVBlockError
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import superblock as sbfmt
-from kvblock.format.checksum import data_checksum
-from kvblock.io import IOBatch
+from kvblock.format import trailer as trailerfmt
+from kvblock.format.checksum import data_checksum, data_seed
+from kvblock.io import IOBatch, native
 from kvblock.memory import HostBuffer
 
 
@@ -122,27 +123,55 @@ def check_allocation(store, report: FsckReport) -> list:
 
 
 def check_data(store, report: FsckReport, progress=None) -> list:
-    """Read every run and verify every range checksum."""
+    """Read every run; verify every range checksum, the block digest
+    trailer's, and each block against the trailer."""
     bad = []
     runs = list(store.index.runs.values())
     total = len(runs)
+    g = store.geometry
     for k, run in enumerate(runs):
         lay = store.layout(run.nblocks)
         dev, base = store.regions.address(run.region, run.offset)
         with HostBuffer(lay.run_bytes, register=False) as buf:
             store.io.read(IOBatch.single(buf.address, dev, base, lay.run_bytes))
-            ranges = buf.array.reshape(store.geometry.ranges, lay.range_bytes)
-            for r in range(store.geometry.ranges):
-                if data_checksum(ranges[r], run.run_id) != int(run.checksums[r]):
-                    report.problems.append(
-                        f"run {run.run_id}: checksum mismatch in range {r} at "
-                        f"{store.io.devices[dev].path} offset {base + r * lay.range_bytes}")
-                    bad.append(run)
-                    break
+            problem = _run_data_problem(run, lay, buf.array[:lay.run_bytes], buf.address)
+            if problem:
+                what, at = problem
+                report.problems.append(f"run {run.run_id}: checksum mismatch in {what} at "
+                                       f"{store.io.devices[dev].path} offset {base + at}")
+                bad.append(run)
         report.bytes_verified += lay.run_bytes
         if progress:
             progress(k + 1, total)
     return bad
+
+
+def _run_data_problem(run, lay, image: np.ndarray, address: int):
+    """(what, offset in the run) of the first bad checksum of a run's
+    on-device image (at ``address``), or None."""
+    g = lay.geometry
+    ranges = image[:lay.data_bytes].reshape(g.ranges, lay.range_bytes)
+    for r in range(g.ranges):
+        if data_checksum(ranges[r], run.run_id) != int(run.checksums[r]):
+            return f"range {r}", r * lay.range_bytes
+    trailer = image[lay.data_bytes:]
+    if trailerfmt.checksum(trailer, run.run_id) != int(run.checksums[g.ranges]):
+        return "the block digest trailer", lay.data_bytes
+    want = trailerfmt.decode(trailer, g.ranges, run.nblocks).reshape(-1)
+    gbb, n = g.group_block_bytes, want.size
+    at = (np.repeat(np.arange(g.ranges, dtype=np.uint64) * np.uint64(lay.range_bytes),
+                    run.nblocks)
+          + np.tile(np.arange(run.nblocks, dtype=np.uint64) * np.uint64(gbb), g.ranges))
+    got = np.zeros(n, dtype=np.uint64)
+    native.hash_pieces(at + np.uint64(address), np.full(n, gbb, np.uint64),
+                       np.arange(n, dtype=np.uint32),
+                       np.full(n, data_seed(run.run_id), np.uint64), got)
+    bad = np.nonzero(got != want)[0]
+    if bad.size:
+        r, b = divmod(int(bad[0]), run.nblocks)
+        return (f"the trailer's digest of block {b} of range {r}",
+                lay.data_bytes + int(bad[0]) * 8)
+    return None
 
 
 def fsck(store, *, repair: bool = False, deep: bool = False, progress=None) -> FsckReport:

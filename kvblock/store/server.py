@@ -505,9 +505,9 @@ class StoreServer:
         region, run_id, offset, gen, n = w
         try:
             keys = decode_keys(keys)
-            if len(keys) != n or len(checksums) != st.geometry.ranges:
+            if len(keys) != n or len(checksums) != st.geometry.run_checksums:
                 raise ConfigError(f"commit: {len(keys)} keys and {len(checksums)} checksums "
-                                  f"for a run of {n} blocks x {st.geometry.ranges} ranges")
+                                  f"for a run of {n} blocks x {st.geometry.ranges} ranges (and a trailer)")
             run = Run(run_id, region, gen, offset, b"".join(keys),
                       np.array(checksums, dtype=np.uint64), created=time.time())
             published = st._publish_put(run, clears)   # flushes data, journals, indexes

@@ -54,12 +54,14 @@ from kvblock.errors import (
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import journal as jfmt
 from kvblock.format import superblock as sbfmt
+from kvblock.format import trailer as trailerfmt
 from kvblock.format.checksum import data_checksum, data_seed
 from kvblock.index import KeyIndex, Run, normalize_keys
 from kvblock.index.index import POS_BITS
 from kvblock.io import IOBatch, open_engine
+from kvblock.io import native
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
-from kvblock.memory import HostBuffer
+from kvblock.memory import HostBuffer, aligned_empty
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store.fence import fence_writers
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
@@ -75,7 +77,7 @@ COUNTERS = (
     "checksum_failures", "deleted_runs", "evicted_regions", "evicted_runs", "evicted_blocks",
     "discards", "commits", "journal_bytes", "checkpoints", "replayed_records", "recovery_us",
     "host_hit_blocks", "device_hit_blocks", "read_errors", "stale_checkpoint_runs_dropped",
-    "lapsed_pin_gets", "cleared_puts", "superseded_runs",
+    "lapsed_pin_gets", "cleared_puts", "superseded_runs", "partial_verified_reads",
 )
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
 CLEAR_DROP_BATCH = 4096  # DROP records per journal commit when clear() drops pinned runs
@@ -109,13 +111,38 @@ def _seed(run) -> np.uint64:
 
 
 class Streams(NamedTuple):
-    """_stage_run's answer when the write is to hash the run: each I/O's range."""
+    """_stage_run's answer when the write is to hash the run: each I/O's
+    checksum index (its range, or ``ranges`` for the trailer)."""
 
     of_ios: np.ndarray
 
 
 def _range_checksums(ranges: np.ndarray, run_id: int) -> np.ndarray:
     return np.array([data_checksum(r, run_id) for r in ranges], dtype=np.uint64)
+
+
+def _block_digests(batch: IOBatch, lay: RunLayout, dev_off: int, run_id: int) -> np.ndarray:
+    """The (ranges, blocks) digests of a run's blocks (its trailer's), hashed
+    from the memory ``batch`` writes the run's data from (at ``dev_off``):
+    block k of range r is the gbb bytes at r * range_bytes + k * gbb."""
+    g = lay.geometry
+    gbb = np.uint64(g.group_block_bytes)
+    n = g.ranges * lay.nblocks
+    r = np.repeat(np.arange(g.ranges, dtype=np.uint64), lay.nblocks)
+    k = np.tile(np.arange(lay.nblocks, dtype=np.uint64), g.ranges)
+    want = np.uint64(dev_off) + r * np.uint64(lay.range_bytes) + k * gbb
+    order = np.argsort(batch.offsets, kind="stable")
+    offs, addrs, lens = batch.offsets[order], batch.addrs[order], batch.lens[order]
+    e = np.searchsorted(offs, want, side="right") - 1
+    # Every writer's batch holds whole blocks per entry (staged runs, images,
+    # BlockList pieces); a block across two entries would be a bug here.
+    assert (e >= 0).all() and (want + gbb <= offs[e] + lens[e]).all(), \
+        "a block's bytes span two write entries"
+    digests = np.zeros(n, dtype=np.uint64)
+    native.hash_pieces(addrs[e] + (want - offs[e]), np.full(n, gbb, np.uint64),
+                       np.arange(n, dtype=np.uint32),
+                       np.full(n, data_seed(run_id), np.uint64), digests)
+    return digests.reshape(g.ranges, lay.nblocks)
 
 
 def _epoch(store_uuid: bytes, generation: int) -> int:
@@ -184,10 +211,10 @@ class KVStore:
                 io.write_bytes(i, 0, zeros)         # wipe old superblocks first
             io.flush()
             first = cpfmt.Checkpoint(
-                generation=1, journal_seq=1, next_run_id=1, ranges=geometry.ranges,
+                generation=1, journal_seq=1, next_run_id=1, ranges=geometry.run_checksums,
                 regions=np.zeros(plan["region_count"], dtype=cpfmt.REGION_DTYPE),
                 runs=np.zeros(0, dtype=cpfmt.RUN_DTYPE), keys=np.zeros((0, 16), np.uint8),
-                checksums=np.zeros((0, geometry.ranges), np.uint64))
+                checksums=np.zeros((0, geometry.run_checksums), np.uint64))
             io.write_bytes(0, plan["checkpoint_offset"], first.encode())
             io.write_bytes(0, plan["checkpoint_offset"] + plan["checkpoint_bytes"],
                            bytes(cpfmt.HEADER_BYTES))
@@ -383,7 +410,7 @@ class KVStore:
             if cpfmt.HEADER_BYTES + head.payload_bytes <= sb.checkpoint_bytes:
                 payload = self.io.read_array(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
                 cp = cpfmt.decode_payload(head, payload)
-                if cp is not None and cp.ranges == self.geometry.ranges and \
+                if cp is not None and cp.ranges == self.geometry.run_checksums and \
                         len(cp.regions) == self.regions.count:
                     self._cp_slot = slot
                     break
@@ -502,7 +529,7 @@ class KVStore:
         self._next_run_id = max(self._next_run_id, rec.run_id + 1)
         if rec.region >= self.regions.count or \
                 rec.generation != int(self.regions.generation[rec.region]) or \
-                len(rec.checksums) != self.geometry.ranges:
+                len(rec.checksums) != self.geometry.run_checksums:
             return None  # stale or foreign: its space was reclaimed since
         return Run(rec.run_id, rec.region, rec.generation, rec.offset, rec.keys,
                    np.array(rec.checksums, dtype=np.uint64), created=time.time())
@@ -617,13 +644,13 @@ class KVStore:
                                run.nblocks, 0)
             keys = self.index.checkpoint_keys(runs)
             sums = (np.stack([r.checksums for r in runs]) if runs
-                    else np.zeros((0, self.geometry.ranges), np.uint64))
+                    else np.zeros((0, self.geometry.run_checksums), np.uint64))
             regions = np.zeros(self.regions.count, dtype=cpfmt.REGION_DTYPE)
             regions["generation"] = self.regions.generation
             regions["seal_seq"] = self.regions.seal_seq
             regions["sealed_at"] = self.regions.sealed_at
             cp = cpfmt.Checkpoint(self._generation + 1, self._seq, self._next_run_id,
-                                  self.geometry.ranges, regions, run_rows, keys, sums)
+                                  self.geometry.run_checksums, regions, run_rows, keys, sums)
         data = cp.encode()
         if len(data) > self.sb.checkpoint_bytes:
             raise StoreFullError(f"checkpoint of {len(data)} bytes exceeds its "
@@ -772,7 +799,7 @@ class KVStore:
         groups, nbytes, record = [[]], 0, 0
         for piece in pieces:
             size = self.layout(len(piece[1])).run_bytes
-            entry = len(piece[1]) * 16 + g.ranges * 8 + 64
+            entry = len(piece[1]) * 16 + g.run_checksums * 8 + 64
             if groups[-1] and (nbytes + size > max_bytes or record + entry > max_record):
                 groups.append([])
                 nbytes, record = 0, 0
@@ -829,7 +856,7 @@ class KVStore:
                   if isinstance(sums, Streams)]
         if not hashed:
             return []
-        nr = self.geometry.ranges
+        nr = self.geometry.run_checksums
         batch = IOBatch.concat([b for _, b, _, _ in hashed])
         streams = np.concatenate([np.asarray(sums.of_ios, np.int64) + j * nr
                                   for j, (_, _, sums, _) in enumerate(hashed)])
@@ -932,41 +959,70 @@ class KVStore:
 
     def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int):
         """(the IOBatch that writes the run's on-device image at ``dev_off``,
-        its per-range checksums, or instead the range index of each I/O when
-        :meth:`_write_run` is to hash the ranges as it writes them).
-        ``blocks`` is (layers, groups, n, group_block_bytes) or a BlockList;
-        copied into the thread's staging buffer unless it already is the
-        image (or aligned, unpadded pieces of it)."""
-        g = self.geometry
+        data and block digest trailer, its checksums (per range, then the
+        trailer's), or instead the checksum index of each I/O when
+        :meth:`_write_run` is to hash the ranges and the trailer as it writes
+        them).  ``blocks`` is (layers, groups, n, group_block_bytes) or a
+        BlockList; copied into the thread's staging buffer unless it already
+        is the image (or aligned, unpadded pieces of it)."""
+        g = lay.geometry
         payload = lay.prefix_bytes(lay.nblocks)
         # Copied into a mapping, each range is hashed right after it is
         # copied (in cache) instead of in a pass of its own.
         as_written = self.io.engine.mapped_for_writes(dev)
         if self._is_image(lay, blocks):
+            trailer = aligned_empty(lay.trailer_bytes)
             if isinstance(blocks, BlockList):
                 if as_written:
                     batch, streams = blocks.hashed_batch(dev, dev_off, lay.range_bytes)
-                    return batch, Streams(streams)
-                return (blocks.batch(dev, dev_off, lay.range_bytes),
-                        blocks.checksums(run_id))
+                    return self._with_trailer(lay, batch, Streams(streams), trailer, run_id,
+                                              dev, dev_off)
+                return self._with_trailer(lay, blocks.batch(dev, dev_off, lay.range_bytes),
+                                          blocks.checksums(run_id), trailer, run_id,
+                                          dev, dev_off)
             # The caller's array already is the on-device image: no copy.
             address = blocks.ctypes.data
             if as_written:
                 at = np.arange(g.ranges, dtype=np.uint64) * np.uint64(payload)
-                return (IOBatch(at + np.uint64(address), dev, at + np.uint64(dev_off),
-                                np.full(g.ranges, payload, np.uint64)),
-                        Streams(np.arange(g.ranges)))
-            return (IOBatch.single(address, dev, dev_off, lay.run_bytes),
-                    _range_checksums(blocks.reshape(g.ranges, payload), run_id))
+                return self._with_trailer(
+                    lay, IOBatch(at + np.uint64(address), dev, at + np.uint64(dev_off),
+                                 np.full(g.ranges, payload, np.uint64)),
+                    Streams(np.arange(g.ranges)), trailer, run_id, dev, dev_off)
+            return self._with_trailer(
+                lay, IOBatch.single(address, dev, dev_off, lay.data_bytes),
+                _range_checksums(blocks.reshape(g.ranges, payload), run_id), trailer,
+                run_id, dev, dev_off)
         buf = self._staging(lay.run_bytes)
-        ranges = buf.array[:lay.run_bytes].reshape(g.ranges, lay.range_bytes)
+        ranges = buf.array[:lay.data_bytes].reshape(g.ranges, lay.range_bytes)
         if isinstance(blocks, BlockList):
             blocks.gather_into(ranges)
         else:
             ranges[:, :payload] = blocks.reshape(g.ranges, payload)
         ranges[:, payload:] = 0
-        return (IOBatch.single(buf.address, dev, dev_off, lay.run_bytes),
-                _range_checksums(ranges, run_id))
+        # The trailer follows the ranges in the staging buffer: one write.
+        trailer = buf.array[lay.data_bytes:lay.run_bytes]
+        data = IOBatch.single(buf.address, dev, dev_off, lay.data_bytes)
+        trailer[:] = trailerfmt.encode(_block_digests(data, lay, dev_off, run_id),
+                                       lay.trailer_bytes)
+        sums = np.append(_range_checksums(ranges, run_id),
+                         np.uint64(trailerfmt.checksum(trailer, run_id)))
+        return IOBatch.single(buf.address, dev, dev_off, lay.run_bytes), sums
+
+    def _with_trailer(self, lay: RunLayout, batch: IOBatch, sums, trailer: np.ndarray,
+                      run_id: int, dev: int, dev_off: int):
+        """The data write ``batch`` of a run and its checksums (or Streams),
+        with the run's block digest trailer filled in ``trailer`` and its
+        write appended (the batch keeps the buffer alive)."""
+        trailer[:] = trailerfmt.encode(_block_digests(batch, lay, dev_off, run_id),
+                                       lay.trailer_bytes)
+        tail = IOBatch.single(trailer.ctypes.data, dev, dev_off + lay.data_bytes,
+                              lay.trailer_bytes)
+        out = IOBatch.concat([batch, tail])
+        out.keep = trailer
+        if isinstance(sums, Streams):
+            return out, Streams(np.append(np.asarray(sums.of_ios, np.int64), lay.geometry.ranges))
+        return out, np.append(np.asarray(sums, np.uint64),
+                              np.uint64(trailerfmt.checksum(trailer, run_id)))
 
     def _write_run(self, batch: IOBatch, sums, run_id: int) -> np.ndarray:
         """Write a staged run; its per-range checksums (``sums``, or, when
@@ -974,7 +1030,7 @@ class KVStore:
         if not isinstance(sums, Streams):
             self.io.write(batch)
             return sums
-        return self.io.write_hashed(batch, sums.of_ios, [run_id] * self.geometry.ranges)
+        return self.io.write_hashed(batch, sums.of_ios, [run_id] * self.geometry.run_checksums)
 
     def _publish_put(self, run: Run, clears: int) -> bool:
         """Journal the run's PUT record durably (after flushing the data), then
@@ -1337,9 +1393,13 @@ class KVStore:
         g = self.geometry
         lay = self.layout(run.nblocks)
         verify = self.verify == "always"
+        idx = [lay.range_index(*only)] if only else list(range(g.ranges))
+        if verify:
+            window = self._verified_window(lay, pos, count, len(idx))
+            if window is not None:
+                return self._read_blocks_verified(run, lay, pos, count, dst, idx, *window)
         # Verification needs whole ranges; otherwise read just the prefix we need.
         span = lay.range_bytes if verify else lay.prefix_read_bytes(pos + count)
-        idx = [lay.range_index(*only)] if only else list(range(g.ranges))
         buf = self._staging(span * len(idx))
         dev, base = self.regions.address(run.region, run.offset)
         offsets = np.array(idx, dtype=np.uint64) * np.uint64(lay.range_bytes) + np.uint64(base)
@@ -1352,13 +1412,70 @@ class KVStore:
         else:
             self.io.read(batch)
         view = buf.array[:span * len(idx)].reshape(len(idx), span)
-        gbb = g.group_block_bytes
-        if isinstance(dst, BlockList):
-            dst.scatter_from(view, pos)
-        else:
-            blocks = view[:, pos * gbb:(pos + count) * gbb]
-            dst[...] = blocks.reshape(dst.shape)
+        self._scatter_blocks(view, 0, pos, count, dst)
         self.counters["bytes_read"] += span * len(idx)
+        return True
+
+    def _scatter_blocks(self, view: np.ndarray, first: int, pos: int, count: int, dst) -> None:
+        """Blocks pos..pos+count out of ``view`` ((ranges read, bytes): each
+        row a range's bytes from block ``first`` on) into ``dst``."""
+        gbb = self.geometry.group_block_bytes
+        if isinstance(dst, BlockList):
+            dst.scatter_from(view, pos - first)
+        else:
+            at = (pos - first) * gbb
+            dst[...] = view[:, at:at + count * gbb].reshape(dst.shape)
+
+    def _verified_window(self, lay: RunLayout, pos: int, count: int, nranges: int):
+        """For a verified read of blocks pos..pos+count of ranges of ``lay``:
+        (first block, bytes) of the aligned window of each range to read with
+        the trailer instead of whole ranges, or None when whole ranges cost
+        about as little (the window would be most of the range)."""
+        gbb = self.geometry.group_block_bytes
+        lo = pos * gbb // self.alignment * self.alignment
+        hi = min(round_up((pos + count) * gbb, self.alignment), lay.range_bytes)
+        if (hi - lo) * nranges + lay.trailer_bytes > lay.range_bytes * nranges * 3 // 4:
+            return None
+        return lo, hi - lo
+
+    def _read_blocks_verified(self, run: Run, lay: RunLayout, pos: int, count: int, dst,
+                              idx: list, lo: int, span: int) -> bool:
+        """Blocks pos..pos+count of ``run`` (ranges ``idx``) into ``dst``,
+        verified without reading whole ranges: each range's aligned window
+        [lo, lo + span) and the run's block digest trailer in one batch; the
+        trailer against the index's checksum, each block handed out against
+        the trailer (kvblock/format/trailer.py)."""
+        g = self.geometry
+        gbb = g.group_block_bytes
+        nidx = len(idx)
+        buf = self._staging(span * nidx + lay.trailer_bytes)
+        dev, base = self.regions.address(run.region, run.offset)
+        offsets = np.append(np.array(idx, dtype=np.uint64) * np.uint64(lay.range_bytes)
+                            + np.uint64(base + lo), np.uint64(base + lay.data_bytes))
+        addrs = np.arange(nidx + 1, dtype=np.uint64) * np.uint64(span) + np.uint64(buf.address)
+        lens = np.append(np.full(nidx, span, np.uint64), np.uint64(lay.trailer_bytes))
+        self.io.read(IOBatch(addrs, dev, offsets, lens))
+        trailer = buf.array[span * nidx:span * nidx + lay.trailer_bytes]
+        if trailerfmt.checksum(trailer, run.run_id) != int(run.checksums[g.ranges]):
+            self._checksum_failure(run, g.ranges)
+            return False
+        want = trailerfmt.decode(trailer, g.ranges, run.nblocks)[idx, pos:pos + count]
+        # Block j of the i-th range read starts at i * span + (pos + j) * gbb - lo.
+        first = np.uint64(buf.address) + np.uint64(pos * gbb - lo)
+        at = (np.repeat(np.arange(nidx, dtype=np.uint64) * np.uint64(span), count)
+              + np.tile(np.arange(count, dtype=np.uint64) * np.uint64(gbb), nidx) + first)
+        got = np.zeros(nidx * count, dtype=np.uint64)
+        native.hash_pieces(at, np.full(at.size, gbb, np.uint64),
+                           np.arange(at.size, dtype=np.uint32),
+                           np.full(at.size, _seed(run), np.uint64), got)
+        bad = np.nonzero(got != want.reshape(-1))[0]
+        if bad.size:
+            self._checksum_failure(run, idx[int(bad[0]) // count])
+            return False
+        rows = buf.array[:span * nidx].reshape(nidx, span)[:, pos * gbb - lo:]
+        self._scatter_blocks(rows, pos, pos, count, dst)   # rows start at block pos
+        self.counters["bytes_read"] += span * nidx + lay.trailer_bytes
+        self.counters["partial_verified_reads"] += 1
         return True
 
     def _read_whole_runs(self, parts: list) -> int:
@@ -1388,19 +1505,19 @@ class KVStore:
                                 bases[j] + r * range_bytes[j], range_bytes[j])
                 streams = np.arange(len(parts) * nr)
             else:
-                batch = IOBatch(addrs, devs, bases, [lay.run_bytes for lay in lays])
+                batch = IOBatch(addrs, devs, bases, [lay.data_bytes for lay in lays])
         if not verify:
             self.io.read(batch)
             good = len(parts)
         else:
             seeds = np.repeat(np.array([_seed(run) for run in runs], dtype=np.uint64), nr)
             sums = self.io.read_hashed(batch, streams, seeds)
-            want = np.array([c for run in runs for c in run.checksums], dtype=np.uint64)
+            want = np.concatenate([np.asarray(run.checksums[:nr], np.uint64) for run in runs])
             bad = np.nonzero(sums != want)[0]
             good = int(bad[0]) // nr if bad.size else len(parts)
             if bad.size:
                 self._checksum_failure(runs[good], int(bad[0]) % nr)
-        self.counters["bytes_read"] += sum(lay.run_bytes for lay in lays[:good])
+        self.counters["bytes_read"] += sum(lay.data_bytes for lay in lays[:good])
         return good
 
     def _verified(self, run: Run, sums: np.ndarray, want: np.ndarray, idx=None) -> bool:
@@ -1694,7 +1811,7 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) ->
     alignment = max(4096, max(d.block_size for d in devs))
     sb_end = round_up(2 * sbfmt.SIZE, alignment)
     total = sum(d.capacity for d in devs)
-    min_run = geometry.ranges * round_up(geometry.group_block_bytes, alignment)
+    min_run = RunLayout(geometry, 1, alignment).run_bytes
     if region_size is None:
         region_size = min(256 * MIB, max(MIB, total // 16 // MIB * MIB), )
         region_size = max(region_size, round_up(min_run, MIB))
@@ -1705,12 +1822,13 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) ->
         journal_bytes = min(64 * MIB, max(MIB, total // 128))
     journal_bytes = round_up(journal_bytes, alignment)
     # Checkpoint slots must hold the largest possible index: every run at least
-    # one aligned range per (layer, group), every block at least block_bytes.
+    # one aligned range per (layer, group) and a trailer, every block at least
+    # block_bytes.
     max_runs = total // min_run + 1
     max_keys = total // geometry.block_bytes + 1
     max_regions = total // region_size + 1
     cp_bytes = round_up(cpfmt.HEADER_BYTES + max_regions * cpfmt.REGION_DTYPE.itemsize
-                        + max_runs * (cpfmt.RUN_DTYPE.itemsize + 8 * geometry.ranges)
+                        + max_runs * (cpfmt.RUN_DTYPE.itemsize + 8 * geometry.run_checksums)
                         + max_keys * 16, alignment)
     cp_off = sb_end
     j_off = cp_off + 2 * cp_bytes

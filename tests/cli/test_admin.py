@@ -157,6 +157,7 @@ def test_format_refuses_a_store_of_another_release(file_target):
 
     from kvblock import Geometry, KVStore
     from kvblock.errors import FormatError
+    from kvblock.format import FORMAT_VERSION
     from kvblock.format import superblock as sbfmt
     from kvblock.format.checksum import meta_checksum
 
@@ -166,7 +167,7 @@ def test_format_refuses_a_store_of_another_release(file_target):
         for off in sbfmt.COPY_OFFSETS:
             f.seek(off)
             sb = bytearray(f.read(4096))
-            struct.pack_into("<I", sb, 8, 2)                        # format version 2
+            struct.pack_into("<I", sb, 8, FORMAT_VERSION + 1)       # a later format
             struct.pack_into("<Q", sb, 4088, meta_checksum(bytes(sb[:4088])))
             f.seek(off)
             f.write(sb)

@@ -16,7 +16,7 @@ RANGES = 3
 
 # xxh64 hex digest of sample_checkpoint().encode() (header + payload).
 # If this changes, bump FORMAT_VERSION (kvblock/format/__init__.py).
-GOLDEN_DIGEST = "c1e0a45731831912"
+GOLDEN_DIGEST = "889d7e6259f7e685"   # format version 2
 
 
 def sample_checkpoint(ranges=RANGES, nblocks=(2, 1, 4), nregions=5) -> Checkpoint:

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvblock.errors import KVBlockError, NotAStoreError
+from kvblock.format import FORMAT_VERSION
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import journal as jfmt
 from kvblock.format import superblock as sbfmt
@@ -364,7 +365,8 @@ def test_checkpoint_consistent_header_arbitrary_payload(ranges, runs, keys, regi
     size = regions * 16 + runs * 32 + keys * 16 + runs * ranges * 8
     payload = data.draw(st.binary(min_size=size, max_size=size))
     head = bytearray(cpfmt.HEADER_BYTES)
-    struct.pack_into("<8sIIQQQQQIIQQ", head, 0, cpfmt.MAGIC, 1, ranges, 1, 1, 1, runs, keys,
+    struct.pack_into("<8sIIQQQQQIIQQ", head, 0, cpfmt.MAGIC, FORMAT_VERSION, ranges, 1, 1, 1,
+                     runs, keys,
                      regions, 0, size, xxhash.xxh64_intdigest(payload))
     h = cpfmt.decode_header(rechecksum_cp_header(head))
     assert h is not None

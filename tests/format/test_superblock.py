@@ -21,7 +21,7 @@ GEOMETRY = Geometry(num_layers=62, num_kv_heads=8, head_dim=128, dtype="bfloat16
 
 # xxh64 hex digest of the whole 4096-byte encoding of golden_superblock().
 # If this changes, bump FORMAT_VERSION (kvblock/format/__init__.py).
-GOLDEN_DIGEST = "937fe92e2564c391"
+GOLDEN_DIGEST = "2af5dc6e94c5cb7e"   # format version 2
 
 
 def golden_superblock(**changes) -> Superblock:
@@ -68,7 +68,7 @@ def test_golden_byte_layout():
     b = sb.encode()
     assert len(b) == SIZE == 4096
     assert b[0:8] == MAGIC == b"KVBLKSB\0"
-    assert u32(b, 8) == FORMAT_VERSION == 1
+    assert u32(b, 8) == FORMAT_VERSION == 2
     assert u32(b, 12) == 4096
     assert b[16:32] == STORE_UUID
     assert b[32:48] == DEV_UUIDS[1]
@@ -97,7 +97,7 @@ def test_golden_byte_layout():
     assert b[704:4088] == bytes(4088 - 704)
     assert u64(b, 4088) == xxhash.xxh64_intdigest(b[:4088])
     # the raw little-endian spelling of a couple of fields, to catch endianness slips
-    assert b[8:12] == b"\x01\x00\x00\x00"
+    assert b[8:12] == b"\x02\x00\x00\x00"
     assert b[184:192] == bytes([8, 7, 6, 5, 4, 3, 2, 1])
 
 

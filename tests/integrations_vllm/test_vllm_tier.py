@@ -259,10 +259,14 @@ def test_zero_copy_paths_for_scattered_slots(make_tier, monkeypatch):
                     ("get", [base + c * SLOT for c in (1, 6, 3)])]
     assert torch.equal(pool[[1, 6, 3]], expected)
     pool_end = base + NUM_SLOTS * SLOT
-    data_ios = [b for b in batches if b.nbytes == 3 * SLOT]
-    assert len(data_ios) == 2
-    for b in data_ios:      # every data I/O lands in the pool itself
-        assert all(base <= a < pool_end for a in b.addrs.tolist())
+    trailer = tier.store.layout(3).trailer_bytes
+    write, = [b for b in batches if b.nbytes == 3 * SLOT + trailer]
+    read, = [b for b in batches if b.nbytes == 3 * SLOT]
+    # every data I/O comes from / lands in the pool itself; the write's last
+    # I/O is the run's block digest trailer
+    assert all(base <= a < pool_end for a in write.addrs[:-1].tolist())
+    assert not base <= int(write.addrs[-1]) < pool_end and int(write.lens[-1]) == trailer
+    assert all(base <= a < pool_end for a in read.addrs.tolist())
 
 
 def test_many_concurrent_jobs(make_tier):
@@ -357,7 +361,8 @@ def test_touch_keeps_touched_chunks_when_the_store_evicts(tmp_path):
     pool = page_aligned_pool(4)
     tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
                               devices=[str(tmp_path / "kv.img")], size="16M",
-                              region_size="1M", threads=1)
+                              region_size=4 * (SLOT + 4096), threads=1)
+    # a region holds one job: 4 one-slot runs, each with its 4 KiB trailer
     try:
         fill_random(pool, range(4))
         hot = [key(900 + i) for i in range(4)]
@@ -489,7 +494,8 @@ def test_duplicate_store_writes_nothing(make_tier):
     tier.submit_store(job(2, [key(1), key(2), key(3)], [0, 1, 2]))
     (res,) = drain(tier)
     assert res.success and res.transfer_bytes == SLOT            # only key(3)
-    assert tier.stats()["bytes_written"] == written + SLOT
+    assert tier.stats()["bytes_written"] == written + tier.store.layout(1).run_bytes
+    assert tier.store.layout(1).run_bytes == SLOT + 4096          # its slot and trailer
 
 
 # --------------------------------------------------------------------------- lifecycle

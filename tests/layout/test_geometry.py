@@ -144,9 +144,15 @@ def test_range_bytes_padded_to_alignment():
     assert RunLayout(g, 35, 512).range_bytes == 4608
     big_layout = RunLayout(big(), 3, 4096)
     assert big_layout.range_bytes == 3 * 262144             # already aligned: no padding
-    assert big_layout.run_bytes == 3 * 262144 * 496
+    assert big_layout.data_bytes == 3 * 262144 * 496
+    # then the block digest trailer: 496 ranges x 3 blocks x 8 bytes, aligned
+    assert big_layout.trailer_bytes == 12288
+    assert big_layout.run_bytes == 3 * 262144 * 496 + 12288
     lay = RunLayout(g, 35, 4096)
-    assert lay.run_bytes == 8192 * 12
+    assert lay.data_bytes == 8192 * 12
+    assert lay.trailer_bytes == 4096                       # 12 x 35 x 8 = 3360 bytes
+    assert lay.run_bytes == 8192 * 12 + 4096
+    assert RunLayout(g, 35, 512).trailer_bytes == 3584
 
 
 def test_range_offsets_layer_major_then_group():
@@ -158,7 +164,7 @@ def test_range_offsets_layer_major_then_group():
     assert [lay.range_index(layer, group) for layer, group in order] == list(range(12))
     assert lay.range_offset(1, 0) == 3 * 8192
     assert lay.range_offset(0, 1) == 8192
-    assert lay.range_offset(3, 2) + lay.range_bytes == lay.run_bytes
+    assert lay.range_offset(3, 2) + lay.range_bytes == lay.data_bytes   # the trailer next
     assert all(o % 4096 == 0 for o in offsets)
 
 
@@ -191,15 +197,18 @@ def test_prefix_read_examples():
 
 def test_max_blocks_examples():
     g = small()                                  # 12 ranges, 120 bytes per block per range
-    # 12 * 4096 bytes: 4096 per range -> 34 blocks
-    assert RunLayout.max_blocks(g, 4096, 12 * 4096) == 34
+    # 13 * 4096 bytes: 4096 per range -> 34 blocks, and a page of trailer
+    assert RunLayout.max_blocks(g, 4096, 13 * 4096) == 34
+    # 12 pages: the ranges would fit, the trailer not
+    assert RunLayout.max_blocks(g, 4096, 12 * 4096) == 0
     # one byte short of 12 pages: per range rounds down to 4095 // 4096 * 4096 = 0
     assert RunLayout.max_blocks(g, 4096, 12 * 4096 - 1) == 0
     assert RunLayout.max_blocks(g, 4096, 0) == 0
     gb = big()
     assert RunLayout.max_blocks(gb, 4096, 256 * MIB) == 256 * MIB // 496 // 4096 * 4096 // 262144
     assert RunLayout.max_blocks(gb, 4096, 256 * MIB) == 2
-    assert RunLayout.max_blocks(gb, 4096, 496 * 262144 * 7) == 7
+    assert RunLayout.max_blocks(gb, 4096, 496 * 262144 * 7) == 6    # no room for a trailer
+    assert RunLayout.max_blocks(gb, 4096, 496 * 262144 * 7 + 32768) == 7
 
 
 @settings(max_examples=200, deadline=None)

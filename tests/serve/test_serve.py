@@ -277,6 +277,35 @@ def test_blocks_in_separate_buffers_through_remote_store(tmp_path, sock):
         b.unpin(pins)
 
 
+def test_a_rank_reads_a_few_blocks_of_a_long_run_by_its_trailer(tmp_path, sock):
+    """A rank's run carries its block digest trailer (written by the rank,
+    its checksum published by the server): another rank reads two blocks of
+    it without reading whole ranges, and damage there is still found."""
+    from kvblock import create_file
+    from tests.store.test_partial_verify import _blocks as run_blocks
+    from tests.store.test_partial_verify import _flip
+
+    path = str(tmp_path / "s.img")
+    create_file(path, 32 * MIB)
+    KVStore.format([path], GEOM, region_size=4 * MIB).close()
+    keys = run_keys(5, 64)
+    data = run_data(keys)
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as a, \
+            RemoteStore(sock) as b:
+        assert a.put_run(keys, data) == 64
+        lay = b.layout(64)
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert b.get_run(keys[30:32], out) == 2
+        assert np.array_equal(out, run_blocks(data, GEOM, 30, 2))
+        assert b.counters["partial_verified_reads"] == 1
+        assert b.counters["bytes_read"] < lay.data_bytes // 4
+        (run,) = server.store.index.runs.values()
+        _flip(server.store, run, lay.range_bytes + 31 * GEOM.group_block_bytes)
+        assert b.get_run(keys[30:32], out) == 0
+        assert b.counters["checksum_failures"] == 1
+        assert a.lookup(keys) == 0
+
+
 def test_ranks_on_a_tmpfs_store_file_write_through_the_kernel(shm_target, sock):
     """A store file on tmpfs: ranks read it through a mapping, but write
     through the kernel (the server may have punched holes a mapped write would

@@ -86,11 +86,15 @@ def test_aligned_blocks_are_written_and_read_in_place(target):
         src = _blocks(data, ALIGNED)
         seen = _watch(store)
         assert store.put_blocks(keys, src) == 6
-        wb, = [b for k, b in seen if k == "write" and b.nbytes == 6 * ALIGNED.block_bytes]
-        # every write piece comes from one of the caller's blocks: no staging copy
+        lay = store.layout(6)
+        wb, = [b for k, b in seen if k == "write" and b.nbytes == lay.run_bytes]
+        # every data piece comes from one of the caller's blocks: no staging
+        # copy; the last piece is the run's block digest trailer
         spans = [(int(b.ctypes.data), int(b.ctypes.data) + ALIGNED.block_bytes) for b in src]
-        for a, n in zip(wb.addrs.tolist(), wb.lens.tolist()):
+        for a, n in zip(wb.addrs[:-1].tolist(), wb.lens[:-1].tolist()):
             assert any(lo <= a and a + n <= hi for lo, hi in spans)
+        assert int(wb.lens[-1]) == lay.trailer_bytes
+        assert int(wb.offsets[-1]) == int(wb.offsets.min()) + lay.data_bytes
         # contiguous read of what put_blocks wrote
         out = np.zeros_like(data)
         assert store.get_run(keys, out) == 6 and np.array_equal(out, data)

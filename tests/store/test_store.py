@@ -67,6 +67,7 @@ def test_round_trip_and_reopen(target):
 def test_aligned_unpadded_run_is_written_and_read_in_place(store_path, monkeypatch):
     """The zero-copy path; into a mapped tmpfs file, each range is hashed as
     it is copied (write_hashed), and the checksums are the usual ones."""
+    from kvblock.format import trailer as trailerfmt
     from kvblock.format.checksum import data_checksum
     from kvblock.store.storeio import StoreIO
 
@@ -84,7 +85,13 @@ def test_aligned_unpadded_run_is_written_and_read_in_place(store_path, monkeypat
         assert len(hashed) == on_tmpfs
         (run,) = store.index.runs.values()
         ranges = data.reshape(GEOM.ranges, -1)
-        assert run.checksums.tolist() == [data_checksum(r, run.run_id) for r in ranges]
+        assert run.checksums[:-1].tolist() == [data_checksum(r, run.run_id) for r in ranges]
+        # the last checksum is the block digest trailer's: each block of each range
+        gbb = GEOM.group_block_bytes
+        digests = np.array([[data_checksum(r[k * gbb:(k + 1) * gbb], run.run_id)
+                             for k in range(4)] for r in ranges], dtype=np.uint64)
+        trailer = trailerfmt.encode(digests, store.layout(4).trailer_bytes)
+        assert int(run.checksums[-1]) == data_checksum(trailer, run.run_id)
         out = aligned_empty(4 * GEOM.block_bytes)
         assert store.get_run(keys, out) == 4 and np.array_equal(out, data)
     with KVStore.open([store_path]) as store:

@@ -1,0 +1,135 @@
+"""Reading some blocks of a long run with verification: only those blocks'
+windows and the run's block digest trailer are read, and every byte handed
+out is still checked (kvblock/format/trailer.py)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore
+from kvblock.layout.geometry import Geometry
+from kvblock.store.fsck import fsck
+from tests.store.workload import GEOM, run_data, run_keys
+
+MIB = 1 << 20
+N = 64                       # blocks in the run: 128 KiB per range
+# 4 KiB per (layer, group) block: windows start on a block boundary.
+WHOLE_PAGES = Geometry(num_layers=3, num_kv_heads=2, head_dim=64, dtype="float16",
+                       block_tokens=16, head_groups=1)
+
+
+def _store(target, geom=GEOM):
+    return KVStore.format([target(32 * MIB)], geom, region_size=4 * MIB)
+
+
+def _path(store) -> str:
+    return str(store.io.devices[0].path)
+
+
+def _flip(store, run, at: int) -> None:
+    """Flip a byte ``at`` bytes into ``run`` on its device."""
+    dev, base = store.regions.address(run.region, run.offset)
+    with open(store.io.devices[dev].path, "r+b") as f:
+        f.seek(base + at)
+        byte = f.read(1)
+        f.seek(base + at)
+        f.write(bytes([byte[0] ^ 0x5A]))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _blocks(data, geom, first, count):
+    """Blocks first..first+count of a put_run array, as get_run returns them."""
+    a = data.reshape(geom.num_layers, geom.head_groups, -1, geom.group_block_bytes)
+    return np.ascontiguousarray(a[:, :, first:first + count]).reshape(-1)
+
+
+@pytest.mark.parametrize("geom", [GEOM, WHOLE_PAGES], ids=["2k-blocks", "4k-blocks"])
+def test_a_few_blocks_of_a_long_run_read_their_windows_and_the_trailer(target, geom):
+    keys = run_keys(1, N)
+    data = run_data(keys, geom)
+    with _store(target, geom) as store:
+        assert store.put_run(keys, data) == N
+        lay = store.layout(N)
+        for first, count in [(41, 2), (0, 1), (N - 3, 3), (17, 5)]:
+            out = np.zeros(count * geom.block_bytes, np.uint8)
+            before = store.stats()["bytes_read"]
+            assert store.get_run(keys[first:first + count], out) == count
+            assert np.array_equal(out, _blocks(data, geom, first, count))
+            read = store.stats()["bytes_read"] - before
+            # each range's aligned window and the trailer: a small part of the run
+            window = -(-(first + count) * geom.group_block_bytes // 4096) * 4096 \
+                - first * geom.group_block_bytes // 4096 * 4096
+            assert read == geom.ranges * window + lay.trailer_bytes
+            assert read < lay.data_bytes // 4
+        assert store.stats()["partial_verified_reads"] == 4
+        # into separate blocks too
+        dst = [np.zeros(geom.block_bytes, np.uint8) for _ in range(2)]
+        assert store.get_blocks(keys[30:32], dst) == 2
+        for j, b in enumerate(dst):
+            assert np.array_equal(b, _blocks(data, geom, 30 + j, 1)), j
+        # a read of most of the run reads whole ranges, as before
+        out = np.zeros((N - 4) * geom.block_bytes, np.uint8)
+        before = store.stats()["bytes_read"]
+        assert store.get_run(keys[4:], out) == N - 4
+        assert np.array_equal(out, _blocks(data, geom, 4, N - 4))
+        assert store.stats()["bytes_read"] - before == lay.data_bytes
+        assert store.stats()["checksum_failures"] == 0
+
+
+def test_damage_outside_the_blocks_read_is_not_theirs_but_a_whole_read_finds_it(target):
+    keys = run_keys(2, N)
+    data = run_data(keys)
+    with _store(target) as store:
+        store.put_run(keys, data)
+        (run,) = store.index.runs.values()
+        lay = store.layout(N)
+        _flip(store, run, 3 * lay.range_bytes + 5 * GEOM.group_block_bytes + 7)  # block 5
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys[50:52], out) == 2
+        assert np.array_equal(out, _blocks(data, GEOM, 50, 2))
+        out = np.zeros(N * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 0          # the whole run: range 3 is bad
+        assert store.stats()["checksum_failures"] == 1
+        assert store.last_checksum_failure[3] == 3
+        assert store.lookup(keys) == 0                # dropped, not served again
+
+
+@pytest.mark.parametrize("where", ["block", "trailer", "trailer padding"])
+def test_damage_in_what_a_partial_read_reads_fails_it(target, where):
+    keys = run_keys(3, N)
+    data = run_data(keys)
+    with _store(target) as store:
+        path = _path(store)
+        store.put_run(keys, data)
+        (run,) = store.index.runs.values()
+        lay = store.layout(N)
+        at = {"block": 2 * lay.range_bytes + 41 * GEOM.group_block_bytes + 100,
+              "trailer": lay.data_bytes + (2 * N + 41) * 8 + 3,   # block 41's digest
+              "trailer padding": lay.run_bytes - 1}[where]
+        _flip(store, run, at)
+        out = np.full(2 * GEOM.block_bytes, 7, np.uint8)
+        assert store.get_run(keys[41:43], out) == 0
+        assert store.stats()["checksum_failures"] == 1
+        # the failure names the range (the trailer counts as range `ranges`)
+        assert store.last_checksum_failure[3] == (2 if where == "block" else GEOM.ranges)
+        assert store.lookup(keys) == 0
+    with KVStore.open([path]) as store:
+        assert store.lookup(keys) == 0                # the drop was journaled
+
+
+def test_fsck_deep_checks_the_trailer_and_each_block_against_it(target):
+    keys = run_keys(4, 8)
+    with _store(target) as store:
+        store.put_run(keys, run_data(keys))
+        (run,) = store.index.runs.values()
+        assert fsck(store, deep=True).problems == []
+        lay = store.layout(8)
+        _flip(store, run, lay.data_bytes + 8)         # block 1's digest of range 0
+        report = fsck(store, deep=True)
+        assert len(report.problems) == 1
+        assert "block digest trailer" in report.problems[0]
+        assert str(store.io.devices[0].path) in report.problems[0]
