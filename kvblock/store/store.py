@@ -1398,11 +1398,13 @@ class KVStore:
             window = self._verified_window(lay, pos, count, len(idx))
             if window is not None:
                 return self._read_blocks_verified(run, lay, pos, count, dst, idx, *window)
-        # Verification needs whole ranges; otherwise read just the prefix we need.
-        span = lay.range_bytes if verify else lay.prefix_read_bytes(pos + count)
+            lo, span = 0, lay.range_bytes         # range checksums need whole ranges
+        else:
+            lo, span = self._window(lay, pos, count)
         buf = self._staging(span * len(idx))
         dev, base = self.regions.address(run.region, run.offset)
-        offsets = np.array(idx, dtype=np.uint64) * np.uint64(lay.range_bytes) + np.uint64(base)
+        offsets = (np.array(idx, dtype=np.uint64) * np.uint64(lay.range_bytes)
+                   + np.uint64(base + lo))
         addrs = np.arange(len(idx), dtype=np.uint64) * np.uint64(span) + np.uint64(buf.address)
         batch = IOBatch(addrs, dev, offsets, span)
         if verify:
@@ -1411,8 +1413,9 @@ class KVStore:
                 return False
         else:
             self.io.read(batch)
-        view = buf.array[:span * len(idx)].reshape(len(idx), span)
-        self._scatter_blocks(view, 0, pos, count, dst)
+        gbb = g.group_block_bytes
+        rows = buf.array[:span * len(idx)].reshape(len(idx), span)[:, pos * gbb - lo:]
+        self._scatter_blocks(rows, pos, pos, count, dst)    # rows start at block pos
         self.counters["bytes_read"] += span * len(idx)
         return True
 
@@ -1426,17 +1429,22 @@ class KVStore:
             at = (pos - first) * gbb
             dst[...] = view[:, at:at + count * gbb].reshape(dst.shape)
 
-    def _verified_window(self, lay: RunLayout, pos: int, count: int, nranges: int):
-        """For a verified read of blocks pos..pos+count of ranges of ``lay``:
-        (first block, bytes) of the aligned window of each range to read with
-        the trailer instead of whole ranges, or None when whole ranges cost
-        about as little (the window would be most of the range)."""
+    def _window(self, lay: RunLayout, pos: int, count: int) -> tuple[int, int]:
+        """(offset, bytes) of the aligned part of each range of ``lay`` that
+        holds blocks pos..pos+count."""
         gbb = self.geometry.group_block_bytes
         lo = pos * gbb // self.alignment * self.alignment
-        hi = min(round_up((pos + count) * gbb, self.alignment), lay.range_bytes)
-        if (hi - lo) * nranges + lay.trailer_bytes > lay.range_bytes * nranges * 3 // 4:
+        return lo, min(round_up((pos + count) * gbb, self.alignment), lay.range_bytes) - lo
+
+    def _verified_window(self, lay: RunLayout, pos: int, count: int, nranges: int):
+        """For a verified read of blocks pos..pos+count of ranges of ``lay``:
+        :meth:`_window`, to read with the trailer instead of whole ranges, or
+        None when whole ranges cost about as little (the windows would be
+        most of them)."""
+        lo, span = self._window(lay, pos, count)
+        if span * nranges + lay.trailer_bytes > lay.range_bytes * nranges * 3 // 4:
             return None
-        return lo, hi - lo
+        return lo, span
 
     def _read_blocks_verified(self, run: Run, lay: RunLayout, pos: int, count: int, dst,
                               idx: list, lo: int, span: int) -> bool:

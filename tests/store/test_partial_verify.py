@@ -133,3 +133,21 @@ def test_fsck_deep_checks_the_trailer_and_each_block_against_it(target):
         assert len(report.problems) == 1
         assert "block digest trailer" in report.problems[0]
         assert str(store.io.devices[0].path) in report.problems[0]
+
+
+def test_an_unverified_read_of_a_few_blocks_reads_just_their_windows(target):
+    """verify="never": the aligned window of each range, not the range from
+    its start up to the blocks (nor a trailer)."""
+    keys = run_keys(5, N)
+    data = run_data(keys)
+    store = _store(target)
+    path = _path(store)
+    with store:
+        store.put_run(keys, data)
+    with KVStore.open([path], verify="never") as store:
+        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys[50:53], out) == 3
+        assert np.array_equal(out, _blocks(data, GEOM, 50, 3))
+        # blocks 50..52 of 2 KiB: bytes [100K, 106K) of each range -> [100K, 108K)
+        assert store.stats()["bytes_read"] == GEOM.ranges * 8192
+        assert store.stats()["partial_verified_reads"] == 0
