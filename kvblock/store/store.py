@@ -1456,20 +1456,27 @@ class KVStore:
         g = self.geometry
         gbb = g.group_block_bytes
         nidx = len(idx)
-        buf = self._staging(span * nidx + lay.trailer_bytes)
+        # Windows that are exactly the blocks, into an aligned contiguous
+        # destination (its rows are the ranges' blocks): read straight there.
+        straight = (lo == pos * gbb and span == count * gbb and not isinstance(dst, BlockList)
+                    and dst.flags.c_contiguous and dst.ctypes.data % self.alignment == 0)
+        buf = self._staging((0 if straight else span * nidx) + lay.trailer_bytes)
+        data_at = np.uint64(dst.ctypes.data if straight else buf.address)
+        tail = 0 if straight else span * nidx
         dev, base = self.regions.address(run.region, run.offset)
         offsets = np.append(np.array(idx, dtype=np.uint64) * np.uint64(lay.range_bytes)
                             + np.uint64(base + lo), np.uint64(base + lay.data_bytes))
-        addrs = np.arange(nidx + 1, dtype=np.uint64) * np.uint64(span) + np.uint64(buf.address)
+        addrs = np.append(np.arange(nidx, dtype=np.uint64) * np.uint64(span) + data_at,
+                          np.uint64(buf.address + tail))
         lens = np.append(np.full(nidx, span, np.uint64), np.uint64(lay.trailer_bytes))
         self.io.read(IOBatch(addrs, dev, offsets, lens))
-        trailer = buf.array[span * nidx:span * nidx + lay.trailer_bytes]
+        trailer = buf.array[tail:tail + lay.trailer_bytes]
         if trailerfmt.checksum(trailer, run.run_id) != int(run.checksums[g.ranges]):
             self._checksum_failure(run, g.ranges)
             return False
         want = trailerfmt.decode(trailer, g.ranges, run.nblocks)[idx, pos:pos + count]
         # Block j of the i-th range read starts at i * span + (pos + j) * gbb - lo.
-        first = np.uint64(buf.address) + np.uint64(pos * gbb - lo)
+        first = data_at + np.uint64(pos * gbb - lo)
         at = (np.repeat(np.arange(nidx, dtype=np.uint64) * np.uint64(span), count)
               + np.tile(np.arange(count, dtype=np.uint64) * np.uint64(gbb), nidx) + first)
         got = np.zeros(nidx * count, dtype=np.uint64)
@@ -1480,8 +1487,9 @@ class KVStore:
         if bad.size:
             self._checksum_failure(run, idx[int(bad[0]) // count])
             return False
-        rows = buf.array[:span * nidx].reshape(nidx, span)[:, pos * gbb - lo:]
-        self._scatter_blocks(rows, pos, pos, count, dst)   # rows start at block pos
+        if not straight:
+            rows = buf.array[:span * nidx].reshape(nidx, span)[:, pos * gbb - lo:]
+            self._scatter_blocks(rows, pos, pos, count, dst)   # rows start at block pos
         self.counters["bytes_read"] += span * nidx + lay.trailer_bytes
         self.counters["partial_verified_reads"] += 1
         return True

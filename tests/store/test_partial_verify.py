@@ -151,3 +151,29 @@ def test_an_unverified_read_of_a_few_blocks_reads_just_their_windows(target):
         # blocks 50..52 of 2 KiB: bytes [100K, 106K) of each range -> [100K, 108K)
         assert store.stats()["bytes_read"] == GEOM.ranges * 8192
         assert store.stats()["partial_verified_reads"] == 0
+
+
+def test_windows_that_are_exactly_the_blocks_go_straight_into_an_aligned_destination(target):
+    """8 KiB blocks, an aligned contiguous destination: the windows are read
+    into it (no staging copy) and still verified there."""
+    from kvblock.memory import aligned_empty
+
+    keys = run_keys(6, N)
+    data = run_data(keys, WHOLE_PAGES)
+    with _store(target, WHOLE_PAGES) as store:
+        store.put_run(keys, data)
+        reads = []
+        read = store.io.read
+        store.io.read = lambda b: (reads.append(b), read(b))[1]
+        out = aligned_empty(2 * WHOLE_PAGES.block_bytes)
+        assert store.get_run(keys[20:22], out) == 2
+        assert np.array_equal(out, _blocks(data, WHOLE_PAGES, 20, 2))
+        (batch,) = reads
+        lo, hi = out.ctypes.data, out.ctypes.data + out.nbytes
+        assert all(lo <= a < hi for a in batch.addrs[:-1].tolist())   # the ranges' windows
+        assert not lo <= int(batch.addrs[-1]) < hi                     # the trailer: staging
+        (run,) = store.index.runs.values()
+        lay = store.layout(N)
+        _flip(store, run, 2 * lay.range_bytes + 21 * WHOLE_PAGES.group_block_bytes + 9)
+        assert store.get_run(keys[20:22], out) == 0
+        assert store.stats()["checksum_failures"] == 1
