@@ -50,6 +50,28 @@ def _in_thread(fn):
     return box
 
 
+def _stalled_put(store: RemoteStore):
+    """Start a put of 2 blocks on ``store`` in a thread and wait until it
+    stops inside its write: (the _Stall, the thread's box, the keys)."""
+    stall = _Stall(store, "_write_run")
+    keys = run_keys(1, 2)
+    box = _in_thread(lambda: store.put_run(keys, run_data(keys)))
+    assert stall.reached.wait(20)
+    return stall, box, keys
+
+
+def _release_fenced_writer(stall, box, a: RemoteStore, b: RemoteStore, kb, why: str) -> None:
+    """Let A's stalled write go on after B stored ``kb`` where A was to
+    write: A's write is refused (fenced), and B's run reads back whole."""
+    stall.go.set()
+    box["thread"].join(20)
+    got = np.zeros_like(run_data(kb))
+    assert b.get_run(kb, got) == 2
+    assert np.array_equal(got, run_data(kb)), why
+    assert isinstance(box.get("error"), ServerGoneError), box
+    assert a.counters["fenced_writes"] == 1
+
+
 def _allocations(store: RemoteStore) -> list:
     """Record the (region, offset) of every allocation ``store`` gets."""
     seen = []
@@ -84,14 +106,8 @@ def test_a_write_of_a_dead_servers_allocation_is_refused(tmp_path):
         b_space = _allocations(b)
         assert b.put_run(kb, run_data(kb)) == 2
         assert b_space == a_space, "the test needs the new server to reuse A's space"
-        stall.go.set()
-        box["thread"].join(20)
-        got = np.zeros_like(run_data(kb))
-        assert b.get_run(kb, got) == 2
-        assert np.array_equal(got, run_data(kb)), "a dead server's allocation was written over"
-        assert isinstance(box.get("error"), ServerGoneError), box
+        _release_fenced_writer(stall, box, a, b, kb, "a dead server's allocation was written over")
         assert "was not written" in str(box["error"])
-        assert a.counters["fenced_writes"] == 1
     finally:
         a.close()
         if b is not None:
@@ -108,10 +124,7 @@ def test_a_new_owner_waits_for_a_write_in_flight(tmp_path, monkeypatch):
     server = serve_in_background([path], sock)
     a = RemoteStore(sock, verify="never")
     try:
-        stall = _Stall(a, "_write_run")
-        ka = run_keys(1, 2)
-        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
-        assert stall.reached.wait(20)
+        stall, box, ka = _stalled_put(a)
         server.stop()
         monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 0.3)
         with pytest.raises(DeviceBusyError, match=r"stopped \(state T\)") as e:
@@ -170,10 +183,7 @@ def test_a_rank_on_another_inode_and_socket_path_is_fenced(tmp_path, loop_device
     server = serve_in_background([store_file], sock)
     a = RemoteStore(alias, devices=[dev], verify="never")
     try:
-        stall = _Stall(a, "_write_run")
-        ka = run_keys(1, 2)
-        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
-        assert stall.reached.wait(20)
+        stall, box, ka = _stalled_put(a)
         server.stop()
         monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 0.3)
         with pytest.raises(DeviceBusyError):
@@ -211,10 +221,7 @@ def test_close_waits_for_a_write_in_flight_in_another_thread(tmp_path):
     server = serve_in_background([path], sock)
     a = RemoteStore(sock, verify="never")
     try:
-        stall = _Stall(a, "_write_run")
-        ka = run_keys(1, 2)
-        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
-        assert stall.reached.wait(20)
+        stall, box, ka = _stalled_put(a)
         closing = _in_thread(a.close)
         time.sleep(0.5)
         assert closing["thread"].is_alive(), "close() did not wait for the write"

@@ -67,16 +67,23 @@ def test_store_serves_from_both_tiers(tmp_path):
         assert store.lookup(a) == 0
 
 
-def test_layerwise_load_takes_hot_head_from_dram(tmp_path):
-    torch = pytest.importorskip("torch")
+def _layerwise_setup(tmp_path, torch):
+    """(geometry, a 32 MiB store file, a vLLM-layout cache of 3 layers x 8
+    blocks) for the layer-wise load tests."""
     from kvblock import Geometry
-    from kvblock.index import normalize_key
-    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
 
-    g = Geometry(3, 4, 16, "bfloat16", 16)
     path = tmp_path / "t.img"
     create_file(path, 32 << 20)
     src = [torch.randn(2, 8, 16, 4, 16).to(torch.bfloat16) for _ in range(3)]
+    return Geometry(3, 4, 16, "bfloat16", 16), path, src
+
+
+def test_layerwise_load_takes_hot_head_from_dram(tmp_path):
+    torch = pytest.importorskip("torch")
+    from kvblock.index import normalize_key
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    g, path, src = _layerwise_setup(tmp_path, torch)
     keys = [f"b{i}".encode() for i in range(6)]
     with KVStore.format([str(path)], g, region_size=1 << 20,
                         host_cache_bytes=3 * g.block_bytes) as store:
@@ -124,14 +131,10 @@ def test_layerwise_load_goes_on_across_dram_and_device(tmp_path, corrupt):
     used to stop at block 4).  A corrupt run after the DRAM stretch cuts
     the load there: the prefix before it is still whole."""
     torch = pytest.importorskip("torch")
-    from kvblock import Geometry
     from kvblock.index import normalize_key
     from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
 
-    g = Geometry(3, 4, 16, "bfloat16", 16)
-    path = tmp_path / "t.img"
-    create_file(path, 32 << 20)
-    src = [torch.randn(2, 8, 16, 4, 16).to(torch.bfloat16) for _ in range(3)]
+    g, path, src = _layerwise_setup(tmp_path, torch)
     keys = [f"b{i}".encode() for i in range(8)]
     with KVStore.format([str(path)], g, region_size=1 << 20,
                         host_cache_bytes=8 * g.block_bytes) as store:
