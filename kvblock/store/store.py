@@ -61,7 +61,7 @@ from kvblock.index.index import POS_BITS
 from kvblock.io import IOBatch, open_engine
 from kvblock.io import native
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
-from kvblock.memory import HostBuffer, aligned_empty
+from kvblock.memory import HostBuffer
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store.fence import fence_writers
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
@@ -70,6 +70,8 @@ from kvblock.store.storeio import StoreIO
 from kvblock.tiers import HostTier
 
 MIB = 1 << 20
+# A default region is a round size plus 1/TRAILER_RESERVE for runs' trailers.
+TRAILER_RESERVE = 64
 # Counters every store reports (stats(), Prometheus), zero until something happens.
 COUNTERS = (
     "put_runs", "put_blocks", "put_duplicate_runs", "admission_rejected_runs", "bytes_written",
@@ -119,6 +121,14 @@ class Streams(NamedTuple):
 
 def _range_checksums(ranges: np.ndarray, run_id: int) -> np.ndarray:
     return np.array([data_checksum(r, run_id) for r in ranges], dtype=np.uint64)
+
+
+def _small_aligned(nbytes: int, alignment: int) -> np.ndarray:
+    """An aligned scratch array for a small I/O (a trailer) from the heap: a
+    fresh mapping per put costs more than the trailer's hashing."""
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    at = -raw.ctypes.data % alignment
+    return raw[at:at + nbytes]
 
 
 def _block_digests(batch: IOBatch, lay: RunLayout, dev_off: int, run_id: int) -> np.ndarray:
@@ -971,7 +981,7 @@ class KVStore:
         # copied (in cache) instead of in a pass of its own.
         as_written = self.io.engine.mapped_for_writes(dev)
         if self._is_image(lay, blocks):
-            trailer = aligned_empty(lay.trailer_bytes)
+            trailer = _small_aligned(lay.trailer_bytes, self.alignment)
             if isinstance(blocks, BlockList):
                 if as_written:
                     batch, streams = blocks.hashed_batch(dev, dev_off, lay.range_bytes)
@@ -1831,6 +1841,11 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) ->
     if region_size is None:
         region_size = min(256 * MIB, max(MIB, total // 16 // MIB * MIB), )
         region_size = max(region_size, round_up(min_run, MIB))
+        # Room for the runs' trailers: engines cut runs at round sizes (16 or
+        # 64 MiB), which would tile a 256 MiB region exactly but for their
+        # trailers; 1/64 more lets them (1/64 of a region is also a 4 KiB
+        # trailer per 256 KiB run).
+        region_size += round_up(region_size // TRAILER_RESERVE, alignment)
     if region_size % alignment or region_size < min_run:
         raise ConfigError(f"region_size {region_size} must be a multiple of {alignment} and "
                           f"hold at least one block ({min_run} bytes for {geometry.describe()})")

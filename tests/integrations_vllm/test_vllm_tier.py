@@ -341,7 +341,9 @@ def test_unreadable_run_fails_its_keys_and_becomes_a_miss(make_tier):
     store = tier.store
     run = store.index.runs[store.index.segments([tier.kvblock_key(keys[2])])[0][0].run_id]
     bad = BadSectors()
-    bad.add(*store.regions.address(run.region, run.offset), 4096)
+    # both its slots: a piece that reads just one of them (its window and the
+    # trailer) meets the error too
+    bad.add(*store.regions.address(run.region, run.offset), 2 * SLOT)
     bad.install(store)
     pool.zero_()
     tier.submit_load(job(9, keys, range(8, 14), promotion=True))   # pieces span runs

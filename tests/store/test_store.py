@@ -765,3 +765,19 @@ def test_open_or_format_says_when_size_or_region_size_no_longer_apply(tmp_path, 
     text = caplog.text
     assert "size 16777216 applies to new files only" in text
     assert f"region_size {2 * REGION} applies when a store is formatted" in text
+
+
+def test_default_regions_have_room_for_the_trailers_of_round_runs(tmp_path):
+    """Engines cut runs at round sizes; a default region is a round size plus
+    1/64, so runs of a quarter of it still fill it, trailers and all."""
+    from kvblock.integrations.vllm import slot_geometry
+
+    g = slot_geometry(256 << 10)
+    path = tmp_path / "s.img"
+    create_file(path, 64 * MIB)
+    with KVStore.format([str(path)], g) as store:             # 64 MiB / 16: 4 MiB regions
+        assert store.sb.region_size == 4 * MIB + 64 * 1024
+        data = np.zeros(4 * g.block_bytes, np.uint8)           # 1 MiB of data a run
+        for i in range(4):
+            assert store.put_run([f"q{i}-{j}".encode() for j in range(4)], data) == 4
+        assert len({run.region for run in store.index.runs.values()}) == 1
