@@ -11,9 +11,10 @@ from kvblock.errors import KVBlockError
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import superblock as sbfmt
 from kvblock.format import trailer as trailerfmt
-from kvblock.format.checksum import data_checksum, data_seed
-from kvblock.io import IOBatch, native
+from kvblock.format.checksum import data_checksum
+from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
+from kvblock.store.store import block_digests_at
 
 
 @dataclass
@@ -158,15 +159,11 @@ def _run_data_problem(run, lay, image: np.ndarray, address: int):
     if trailerfmt.checksum(trailer, run.run_id) != int(run.checksums[g.ranges]):
         return "the block digest trailer", lay.data_bytes
     want = trailerfmt.decode(trailer, g.ranges, run.nblocks).reshape(-1)
-    gbb, n = g.group_block_bytes, want.size
+    gbb = g.group_block_bytes
     at = (np.repeat(np.arange(g.ranges, dtype=np.uint64) * np.uint64(lay.range_bytes),
                     run.nblocks)
           + np.tile(np.arange(run.nblocks, dtype=np.uint64) * np.uint64(gbb), g.ranges))
-    got = np.zeros(n, dtype=np.uint64)
-    native.hash_pieces(at + np.uint64(address), np.full(n, gbb, np.uint64),
-                       np.arange(n, dtype=np.uint32),
-                       np.full(n, data_seed(run.run_id), np.uint64), got)
-    bad = np.nonzero(got != want)[0]
+    bad = np.nonzero(block_digests_at(at + np.uint64(address), gbb, run.run_id) != want)[0]
     if bad.size:
         r, b = divmod(int(bad[0]), run.nblocks)
         return (f"the trailer's digest of block {b} of range {r}",

@@ -148,11 +148,18 @@ def _block_digests(batch: IOBatch, lay: RunLayout, dev_off: int, run_id: int) ->
     # BlockList pieces); a block across two entries would be a bug here.
     assert (e >= 0).all() and (want + gbb <= offs[e] + lens[e]).all(), \
         "a block's bytes span two write entries"
-    digests = np.zeros(n, dtype=np.uint64)
-    native.hash_pieces(addrs[e] + (want - offs[e]), np.full(n, gbb, np.uint64),
-                       np.arange(n, dtype=np.uint32),
-                       np.full(n, data_seed(run_id), np.uint64), digests)
-    return digests.reshape(g.ranges, lay.nblocks)
+    return block_digests_at(addrs[e] + (want - offs[e]), g.group_block_bytes,
+                            run_id).reshape(g.ranges, lay.nblocks)
+
+
+def block_digests_at(addrs: np.ndarray, nbytes: int, run_id: int) -> np.ndarray:
+    """data_checksum of the ``nbytes`` bytes at each address (blocks in
+    memory), in one native call."""
+    digests = np.zeros(addrs.size, dtype=np.uint64)
+    native.hash_pieces(addrs, np.full(addrs.size, nbytes, np.uint64),
+                       np.arange(addrs.size, dtype=np.uint32),
+                       np.full(addrs.size, data_seed(run_id), np.uint64), digests)
+    return digests
 
 
 def _epoch(store_uuid: bytes, generation: int) -> int:
@@ -1489,11 +1496,7 @@ class KVStore:
         first = data_at + np.uint64(pos * gbb - lo)
         at = (np.repeat(np.arange(nidx, dtype=np.uint64) * np.uint64(span), count)
               + np.tile(np.arange(count, dtype=np.uint64) * np.uint64(gbb), nidx) + first)
-        got = np.zeros(nidx * count, dtype=np.uint64)
-        native.hash_pieces(at, np.full(at.size, gbb, np.uint64),
-                           np.arange(at.size, dtype=np.uint32),
-                           np.full(at.size, _seed(run), np.uint64), got)
-        bad = np.nonzero(got != want.reshape(-1))[0]
+        bad = np.nonzero(block_digests_at(at, gbb, run.run_id) != want.reshape(-1))[0]
         if bad.size:
             self._checksum_failure(run, idx[int(bad[0]) // count])
             return False
