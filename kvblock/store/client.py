@@ -821,7 +821,7 @@ class RemoteStore:
     _window = KVStore._window
     _verified_window = KVStore._verified_window
     _read_blocks_verified = KVStore._read_blocks_verified
-    _scatter_blocks = KVStore._scatter_blocks
+    _scatter_window = KVStore._scatter_window
     _verified = KVStore._verified
     _checksum_failure = KVStore._checksum_failure
     _read_failed = KVStore._read_failed

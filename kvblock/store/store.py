@@ -1430,21 +1430,21 @@ class KVStore:
                 return False
         else:
             self.io.read(batch)
-        gbb = g.group_block_bytes
-        rows = buf.array[:span * len(idx)].reshape(len(idx), span)[:, pos * gbb - lo:]
-        self._scatter_blocks(rows, pos, pos, count, dst)    # rows start at block pos
+        self._scatter_window(buf.array, len(idx), lo, span, pos, count, dst)
         self.counters["bytes_read"] += span * len(idx)
         return True
 
-    def _scatter_blocks(self, view: np.ndarray, first: int, pos: int, count: int, dst) -> None:
-        """Blocks pos..pos+count out of ``view`` ((ranges read, bytes): each
-        row a range's bytes from block ``first`` on) into ``dst``."""
+    def _scatter_window(self, buf: np.ndarray, nranges: int, lo: int, span: int, pos: int,
+                        count: int, dst) -> None:
+        """Blocks pos..pos+count into ``dst`` out of ``buf``, which holds
+        ``nranges`` windows of ``span`` bytes, each from byte ``lo`` of its
+        range."""
         gbb = self.geometry.group_block_bytes
+        rows = buf[:span * nranges].reshape(nranges, span)[:, pos * gbb - lo:]
         if isinstance(dst, BlockList):
-            dst.scatter_from(view, pos - first)
+            dst.scatter_from(rows, 0)
         else:
-            at = (pos - first) * gbb
-            dst[...] = view[:, at:at + count * gbb].reshape(dst.shape)
+            dst[...] = rows[:, :count * gbb].reshape(dst.shape)
 
     def _window(self, lay: RunLayout, pos: int, count: int) -> tuple[int, int]:
         """(offset, bytes) of the aligned part of each range of ``lay`` that
@@ -1501,8 +1501,7 @@ class KVStore:
             self._checksum_failure(run, idx[int(bad[0]) // count])
             return False
         if not straight:
-            rows = buf.array[:span * nidx].reshape(nidx, span)[:, pos * gbb - lo:]
-            self._scatter_blocks(rows, pos, pos, count, dst)   # rows start at block pos
+            self._scatter_window(buf.array, nidx, lo, span, pos, count, dst)
         self.counters["bytes_read"] += span * nidx + lay.trailer_bytes
         self.counters["partial_verified_reads"] += 1
         return True
