@@ -85,6 +85,9 @@ PROTOCOL = 5   # 2: "clear"; admit answers the clear count, commit carries it
 logger = logging.getLogger("kvblock")
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
+HEARTBEAT_TICK_S = 1.0      # the heartbeat thread looks at least this often
+FENCE_FILES_WAIT_S = 10.0   # they follow the answer to hello at once
+CLOSE_WAIT_S = 30.0         # close() waits this long for writes in flight
 
 
 # ---------------------------------------------------------------------- errors
@@ -322,9 +325,6 @@ def _heartbeat_loop(ref, stop: threading.Event) -> None:
         del store
         if stop.wait(min(HEARTBEAT_TICK_S, lease / 8) if lease else HEARTBEAT_TICK_S):
             return
-
-
-HEARTBEAT_TICK_S = 1.0
 
 
 def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str | None]:
@@ -971,10 +971,6 @@ def _recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:
             os.close(fd)
         raise wrong
     return fds
-
-
-FENCE_FILES_WAIT_S = 10.0   # they follow the answer to hello at once
-CLOSE_WAIT_S = 30.0         # close() waits this long for writes in flight
 
 
 def _fence_files(dev0: Device, socket_path: str) -> list[int]:
