@@ -713,7 +713,7 @@ class RemoteStore:
         sent = False
         try:
             dev, dev_off = self.regions.address(a["region"], a["offset"])
-            batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off)
+            batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off, later=True)
             with self._fence.writing():          # see kvblock/store/fence.py
                 if self.closed:                  # close() waits only for writes under way
                     raise StoreClosedError("remote store was closed during the put")

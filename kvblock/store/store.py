@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import threading
 import time
 import uuid
 from collections import Counter
-from typing import NamedTuple, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -117,6 +119,50 @@ class Streams(NamedTuple):
     checksum index (its range, or ``ranges`` for the trailer)."""
 
     of_ios: np.ndarray
+
+
+class Later(NamedTuple):
+    """_stage_run's answer for a run whose checksums are computed while its
+    data is written (:meth:`KVStore._write_run`): ``digest()`` fills the
+    trailer and returns the range checksums; ``tail`` writes the trailer
+    afterwards."""
+
+    digest: Callable[[], np.ndarray]
+    tail: IOBatch
+    trailer: np.ndarray
+
+
+# A run's hashing (range checksums where the write does not compute them,
+# and the block digests of its trailer) runs on a helper thread while its data
+# is written, for runs of at least OVERLAP_HASH_BYTES; smaller runs hash
+# first and write data and trailer in one I/O (a thread handoff and a second
+# write cost more than their hashing).  Both the hashing (xxhash, native) and
+# the I/O release the GIL.  A writer that finds every helper busy (many
+# writer threads: their hashing overlaps the others' writes anyway) hashes
+# on its own thread instead of queueing.
+OVERLAP_HASH_BYTES = 4 << 20
+_HASH_THREADS = os.cpu_count() or 1
+_hashers: ThreadPoolExecutor | None = None
+_hash_slots = threading.BoundedSemaphore(_HASH_THREADS)
+_hashers_lock = threading.Lock()
+
+
+def _start_hashing(fn) -> Future | None:
+    """``fn()`` on a free helper thread, or None when all are busy."""
+    global _hashers
+    if not _hash_slots.acquire(blocking=False):
+        return None
+    try:
+        with _hashers_lock:
+            if _hashers is None:
+                _hashers = ThreadPoolExecutor(max_workers=_HASH_THREADS,
+                                              thread_name_prefix="kvblock-hash")
+        future = _hashers.submit(fn)
+    except BaseException:
+        _hash_slots.release()
+        raise
+    future.add_done_callback(lambda _: _hash_slots.release())
+    return future
 
 
 def _range_checksums(ranges: np.ndarray, run_id: int) -> np.ndarray:
@@ -931,7 +977,7 @@ class KVStore:
         region, offset, run_id, gen = self._begin_put(lay.run_bytes)
         try:
             dev, dev_off = self.regions.address(region, offset)
-            batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off)
+            batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off, later=not defer)
             if not defer:
                 sums = self._write_run(batch, sums, run_id)
         except BaseException:
@@ -974,29 +1020,37 @@ class KVStore:
             return blocks.direct(self.alignment)
         return blocks.flags.c_contiguous and blocks.ctypes.data % self.alignment == 0
 
-    def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int):
+    def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int,
+                   later: bool = False):
         """(the IOBatch that writes the run's on-device image at ``dev_off``,
         data and block digest trailer, its checksums (per range, then the
         trailer's), or instead the checksum index of each I/O when
         :meth:`_write_run` is to hash the ranges and the trailer as it writes
         them).  ``blocks`` is (layers, groups, n, group_block_bytes) or a
         BlockList; copied into the thread's staging buffer unless it already
-        is the image (or aligned, unpadded pieces of it)."""
+        is the image (or aligned, unpadded pieces of it).  ``later``: a run
+        of at least OVERLAP_HASH_BYTES is hashed by :meth:`_write_run` while
+        its data is written (the batch is then the data only, with a
+        :class:`Later`)."""
         g = lay.geometry
         payload = lay.prefix_bytes(lay.nblocks)
         # Copied into a mapping, each range is hashed right after it is
-        # copied (in cache) instead of in a pass of its own.
+        # copied (in cache) instead of in a pass of its own.  Such a write is
+        # a copy on this process's cores (shared with helper threads when
+        # large): hashing beside it measured 0.87-1.05x (perf/put_hashing.py),
+        # so it hashes first.
         as_written = self.io.engine.mapped_for_writes(dev)
+        later = later and lay.data_bytes >= OVERLAP_HASH_BYTES and not as_written
         if self._is_image(lay, blocks):
             trailer = _small_aligned(lay.trailer_bytes, self.alignment)
             if isinstance(blocks, BlockList):
                 if as_written:
                     batch, streams = blocks.hashed_batch(dev, dev_off, lay.range_bytes)
                     return self._with_trailer(lay, batch, Streams(streams), trailer, run_id,
-                                              dev, dev_off)
+                                              dev, dev_off, later)
                 return self._with_trailer(lay, blocks.batch(dev, dev_off, lay.range_bytes),
-                                          blocks.checksums(run_id), trailer, run_id,
-                                          dev, dev_off)
+                                          lambda: blocks.checksums(run_id), trailer, run_id,
+                                          dev, dev_off, later)
             # The caller's array already is the on-device image: no copy.
             address = blocks.ctypes.data
             if as_written:
@@ -1004,11 +1058,11 @@ class KVStore:
                 return self._with_trailer(
                     lay, IOBatch(at + np.uint64(address), dev, at + np.uint64(dev_off),
                                  np.full(g.ranges, payload, np.uint64)),
-                    Streams(np.arange(g.ranges)), trailer, run_id, dev, dev_off)
+                    Streams(np.arange(g.ranges)), trailer, run_id, dev, dev_off, later)
             return self._with_trailer(
                 lay, IOBatch.single(address, dev, dev_off, lay.data_bytes),
-                _range_checksums(blocks.reshape(g.ranges, payload), run_id), trailer,
-                run_id, dev, dev_off)
+                lambda: _range_checksums(blocks.reshape(g.ranges, payload), run_id), trailer,
+                run_id, dev, dev_off, later)
         buf = self._staging(lay.run_bytes)
         ranges = buf.array[:lay.data_bytes].reshape(g.ranges, lay.range_bytes)
         if isinstance(blocks, BlockList):
@@ -1016,34 +1070,62 @@ class KVStore:
         else:
             ranges[:, :payload] = blocks.reshape(g.ranges, payload)
         ranges[:, payload:] = 0
-        # The trailer follows the ranges in the staging buffer: one write.
+        # The trailer follows the ranges in the staging buffer: one write,
+        # unless the run is hashed while its data is written.
         trailer = buf.array[lay.data_bytes:lay.run_bytes]
         data = IOBatch.single(buf.address, dev, dev_off, lay.data_bytes)
-        trailer[:] = trailerfmt.encode(_block_digests(data, lay, dev_off, run_id),
-                                       lay.trailer_bytes)
-        sums = np.append(_range_checksums(ranges, run_id),
-                         np.uint64(trailerfmt.checksum(trailer, run_id)))
-        return IOBatch.single(buf.address, dev, dev_off, lay.run_bytes), sums
+        staged = self._with_trailer(lay, data, lambda: _range_checksums(ranges, run_id),
+                                    trailer, run_id, dev, dev_off, later)
+        if later:
+            return staged
+        return IOBatch.single(buf.address, dev, dev_off, lay.run_bytes), staged[1]
 
     def _with_trailer(self, lay: RunLayout, batch: IOBatch, sums, trailer: np.ndarray,
-                      run_id: int, dev: int, dev_off: int):
-        """The data write ``batch`` of a run and its checksums (or Streams),
-        with the run's block digest trailer filled in ``trailer`` and its
-        write appended (the batch keeps the buffer alive)."""
-        trailer[:] = trailerfmt.encode(_block_digests(batch, lay, dev_off, run_id),
-                                       lay.trailer_bytes)
+                      run_id: int, dev: int, dev_off: int, later: bool = False):
+        """The data write ``batch`` of a run and its checksums (``sums``:
+        Streams, or a callable computing the range checksums), with the
+        run's block digest trailer filled in ``trailer`` and its write
+        appended (the batch keeps the buffer alive); with ``later`` (not
+        for Streams), the data write and a :class:`Later` that does the
+        hashing and the trailer."""
+        def digest():
+            trailer[:] = trailerfmt.encode(_block_digests(batch, lay, dev_off, run_id),
+                                           lay.trailer_bytes)
+            return None if isinstance(sums, Streams) else sums()
+
         tail = IOBatch.single(trailer.ctypes.data, dev, dev_off + lay.data_bytes,
                               lay.trailer_bytes)
+        tail.keep = trailer
+        if later:
+            assert not isinstance(sums, Streams), "a hashed (mapped) write hashes first"
+            return batch, Later(digest, tail, trailer)
+        ranges = digest()
         out = IOBatch.concat([batch, tail])
         out.keep = trailer
         if isinstance(sums, Streams):
             return out, Streams(np.append(np.asarray(sums.of_ios, np.int64), lay.geometry.ranges))
-        return out, np.append(np.asarray(sums, np.uint64),
+        return out, np.append(np.asarray(ranges, np.uint64),
                               np.uint64(trailerfmt.checksum(trailer, run_id)))
 
     def _write_run(self, batch: IOBatch, sums, run_id: int) -> np.ndarray:
-        """Write a staged run; its per-range checksums (``sums``, or, when
-        _stage_run left them to the write, those the write computed)."""
+        """Write a staged run; its checksums (``sums``, or, when _stage_run
+        left them to the write, those the write computed: Streams; or, for
+        a Later, those a helper thread computes while the data is written,
+        the trailer written after)."""
+        if isinstance(sums, Later):
+            hashing = _start_hashing(sums.digest)
+            if hashing is None:                  # helpers busy: hash, then one write
+                ranges = sums.digest()
+                self.io.write(IOBatch.concat([batch, sums.tail]))
+            else:
+                try:
+                    self.io.write(batch)
+                finally:
+                    wait([hashing])  # it reads the run's memory: never return before it
+                ranges = hashing.result()
+                self.io.write(sums.tail)
+            return np.append(np.asarray(ranges, np.uint64),
+                             np.uint64(trailerfmt.checksum(sums.trailer, run_id)))
         if not isinstance(sums, Streams):
             self.io.write(batch)
             return sums

@@ -423,10 +423,10 @@ def test_an_abandoned_connection_keeps_its_pins_until_its_io_is_done(tmp_path, s
             else:
                 real = a._stage_run
 
-                def allocated_then_wait(*args):
+                def allocated_then_wait(*args, **kw):
                     in_io.set()
                     go.wait(20)
-                    return real(*args)
+                    return real(*args, **kw)
                 a._stage_run = allocated_then_wait
             result = {}
 

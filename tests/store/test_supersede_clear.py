@@ -44,8 +44,8 @@ def _clear_during(store, method: str, work):
     reached, go = threading.Event(), threading.Event()
     real = getattr(store, method)
 
-    def stalled(*args):
-        out = real(*args)
+    def stalled(*args, **kw):
+        out = real(*args, **kw)
         reached.set()
         assert go.wait(20)
         return out
