@@ -97,3 +97,14 @@ def test_partial_promotions_read_windows_not_whole_runs():
     assert 0 < partial and whole >= 16 * (256 << 10)      # every slot of the job's run
     assert partial < whole / 4
 
+
+
+def test_put_hashing_script_runs():
+    """perf/put_hashing.py: both ways of hashing a put, on a store file."""
+    args = ["--targets", "shm-file", "--run", "4M", "--gib", "0.01", "--rounds", "2", "--json"]
+    p = subprocess.run([sys.executable, str(ROOT / "perf" / "put_hashing.py"), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    (row,) = json.loads(p.stdout[p.stdout.index("{"):])["rows"]
+    assert row["target"] == "shm-file" and row["run_bytes"] == 4 << 20
+    assert row["while writing"] > 0 and row["before writing"] > 0
