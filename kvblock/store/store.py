@@ -153,19 +153,24 @@ _hashers_lock = threading.Lock()
 def _start_hashing(fn) -> Future | None:
     """``fn()`` on a free helper thread, or None when all are busy."""
     global _hashers
-    if not _hash_slots.acquire(blocking=False):
+    slots = _hash_slots
+    if not slots.acquire(blocking=False):
         return None
+
+    def run():
+        try:
+            return fn()
+        finally:
+            slots.release()     # before the result is set: a waiter may go on to hash again
     try:
         with _hashers_lock:
             if _hashers is None:
                 _hashers = ThreadPoolExecutor(max_workers=_HASH_THREADS,
                                               thread_name_prefix="kvblock-hash")
-        future = _hashers.submit(fn)
+        return _hashers.submit(run)
     except BaseException:
-        _hash_slots.release()
+        slots.release()
         raise
-    future.add_done_callback(lambda _: _hash_slots.release())
-    return future
 
 
 def _range_checksums(ranges: np.ndarray, run_id: int) -> np.ndarray:
@@ -912,23 +917,39 @@ class KVStore:
                 for i, keys, _, run in written]
 
     def _write_runs_together(self, staged: list) -> list[tuple[int, np.ndarray]]:
-        """Write (batch, sums or Streams, run id) triples in one engine call
-        each for the runs whose checksums are known and for those the write
-        hashes (a mapped device).  Returns (index, checksums) of the latter."""
-        known = [b for b, sums, _ in staged if not isinstance(sums, Streams)]
-        if known:
-            self.io.write(known[0] if len(known) == 1 else IOBatch.concat(known))
-        hashed = [(k, b, sums, run_id) for k, (b, sums, run_id) in enumerate(staged)
-                  if isinstance(sums, Streams)]
-        if not hashed:
-            return []
-        nr = self.geometry.run_checksums
-        batch = IOBatch.concat([b for _, b, _, _ in hashed])
-        streams = np.concatenate([np.asarray(sums.of_ios, np.int64) + j * nr
-                                  for j, (_, _, sums, _) in enumerate(hashed)])
-        seeds = np.repeat(np.array([run_id for *_, run_id in hashed], dtype=np.uint64), nr)
-        digests = self.io.write_hashed(batch, streams, seeds)
-        return [(k, digests[j * nr:(j + 1) * nr]) for j, (k, *_) in enumerate(hashed)]
+        """Write (batch, sums, Streams or Later, run id) triples in one engine
+        call each for the runs whose checksums are known or hashed on helper
+        threads meanwhile (Later: their trailers in one more call after) and
+        for those the write hashes (a mapped device).  Returns (index,
+        checksums) of the runs whose checksums were not known."""
+        later = [(k, sums, run_id, _start_hashing(sums.digest))
+                 for k, (_, sums, run_id) in enumerate(staged) if isinstance(sums, Later)]
+        out = []
+        try:
+            known = [b for b, sums, _ in staged if not isinstance(sums, Streams)]
+            if known:
+                self.io.write(known[0] if len(known) == 1 else IOBatch.concat(known))
+            hashed = [(k, b, sums, run_id) for k, (b, sums, run_id) in enumerate(staged)
+                      if isinstance(sums, Streams)]
+            if hashed:
+                nr = self.geometry.run_checksums
+                batch = IOBatch.concat([b for _, b, _, _ in hashed])
+                streams = np.concatenate([np.asarray(sums.of_ios, np.int64) + j * nr
+                                          for j, (_, _, sums, _) in enumerate(hashed)])
+                seeds = np.repeat(np.array([run_id for *_, run_id in hashed], dtype=np.uint64),
+                                  nr)
+                digests = self.io.write_hashed(batch, streams, seeds)
+                out = [(k, digests[j * nr:(j + 1) * nr]) for j, (k, *_) in enumerate(hashed)]
+        finally:
+            wait([h for *_, h in later if h is not None])   # they read the runs' memory
+        if later:
+            for k, sums, run_id, h in later:
+                ranges = sums.digest() if h is None else h.result()
+                out.append((k, np.append(np.asarray(ranges, np.uint64),
+                                         np.uint64(trailerfmt.checksum(sums.trailer, run_id)))))
+            tails = [sums.tail for _, sums, _, _ in later]
+            self.io.write(tails[0] if len(tails) == 1 else IOBatch.concat(tails))
+        return out
 
     def _blocks_view(self, keys: list[bytes], data) -> np.ndarray:
         """put_run's data as (layers, groups, blocks, group_block_bytes) bytes."""
@@ -980,14 +1001,14 @@ class KVStore:
         region, offset, run_id, gen = self._begin_put(lay.run_bytes)
         try:
             dev, dev_off = self.regions.address(region, offset)
-            batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off, later=not defer)
+            batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off, later=True)
             if not defer:
                 sums = self._write_run(batch, sums, run_id)
         except BaseException:
             self._unpin_writers([region])
             raise
         run = Run(run_id, region, gen, offset, b"".join(keys),
-                  None if isinstance(sums, Streams) else sums, created=time.time())
+                  None if isinstance(sums, (Streams, Later)) else sums, created=time.time())
         return (run, batch, sums) if defer else run
 
     def _count_put(self, keys: list[bytes], blocks, run: Run, clears: int) -> None:
@@ -1014,14 +1035,17 @@ class KVStore:
             gen = int(self.regions.generation[region])
         return region, offset, run_id, gen
 
-    def _is_image(self, lay: RunLayout, blocks) -> bool:
+    def _is_image(self, lay: RunLayout, blocks, any_address: bool = False) -> bool:
         """Are ``blocks`` already the run's on-device image (or aligned,
-        unpadded pieces of it), so that writing them needs no staging copy?"""
+        unpadded pieces of it), so that writing them needs no staging copy?
+        ``any_address``: an array for a copy into a mapped device, which
+        needs no aligned memory."""
         if lay.prefix_bytes(lay.nblocks) != lay.range_bytes:
             return False
         if isinstance(blocks, BlockList):
             return blocks.direct(self.alignment)
-        return blocks.flags.c_contiguous and blocks.ctypes.data % self.alignment == 0
+        return blocks.flags.c_contiguous and (any_address
+                                              or blocks.ctypes.data % self.alignment == 0)
 
     def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int,
                    later: bool = False):
@@ -1044,7 +1068,8 @@ class KVStore:
         # so it hashes first.
         as_written = self.io.engine.mapped_for_writes(dev)
         later = later and lay.data_bytes >= OVERLAP_HASH_BYTES and not as_written
-        if self._is_image(lay, blocks):
+        # (a copy into a mapping takes the caller's memory wherever it lies)
+        if self._is_image(lay, blocks, any_address=as_written):
             trailer = _small_aligned(lay.trailer_bytes, self.alignment)
             if isinstance(blocks, BlockList):
                 if as_written:

@@ -194,3 +194,31 @@ def test_a_writer_that_finds_every_helper_busy_hashes_itself(target, monkeypatch
         assert _run_io(store, keys, events) == [(me, "digests"),
                                                 (me, store.layout(N).run_bytes)]
     _check_stored(path, [(keys, run_data(keys))])
+
+
+def test_runs_put_together_are_hashed_while_their_data_is_written(target, monkeypatch):
+    """put_runs of runs that are their own images (LMCache's puts): one
+    write of all their data while helpers hash them, one of all their
+    trailers after; one journal commit publishes them."""
+    monkeypatch.setattr(store_mod, "OVERLAP_HASH_BYTES", 256 << 10)
+    monkeypatch.setattr(store_mod, "_hash_slots", threading.BoundedSemaphore(8))  # none busy
+    path = target(16 * MIB)
+    runs = []
+    for i in range(3):
+        keys = run_keys(20 + i, N)
+        image = aligned_empty(N * GEOM.block_bytes)
+        image[:] = run_data(keys)
+        runs.append((keys, image))
+    with KVStore.format([path], GEOM, region_size=2 * MIB) as store:
+        events = _spy(monkeypatch, store)
+        assert store.put_runs(runs) == [N] * 3
+        me = threading.current_thread().name
+        lay = store.layout(N)
+        hashers = [e[0] for e in events if e[1] == "digests"]
+        writes = [e[:2] for e in events if e[1] != "digests"]
+        if store.io.engine.mapped_for_writes(0):       # hashed first, hashed as copied
+            assert hashers == [me] * 3 and writes[0] == (me, 3 * lay.run_bytes)
+        else:
+            assert len(hashers) == 3 and all(h.startswith("kvblock-hash") for h in hashers)
+            assert writes[:2] == [(me, 3 * lay.data_bytes), (me, 3 * lay.trailer_bytes)]
+    _check_stored(path, runs)

@@ -27,6 +27,7 @@ from kvblock.errors import (
 from kvblock.format import superblock as sbfmt
 from kvblock.format.checksum import meta_checksum
 from kvblock.index import normalize_keys
+from kvblock.store.fsck import fsck
 from tests.store.workload import GEOM, REGION, run_data, run_keys
 
 MIB = 1 << 20
@@ -97,6 +98,36 @@ def test_aligned_unpadded_run_is_written_and_read_in_place(store_path, monkeypat
     with KVStore.open([store_path]) as store:
         out = aligned_empty(4 * GEOM.block_bytes)
         assert store.get_run(keys, out) == 4 and np.array_equal(out, data)
+
+
+def test_an_unaligned_array_is_copied_into_a_mapping_without_staging(store_path, monkeypatch):
+    """A mapped tmpfs file's writes are copies, which take memory wherever it
+    lies: an unaligned array goes straight in (no staging copy), hashed as
+    it is copied.  Elsewhere it is staged (direct I/O needs aligned memory)."""
+    from kvblock.store.storeio import StoreIO
+
+    hashed = []
+    write_hashed = StoreIO.write_hashed
+    monkeypatch.setattr(StoreIO, "write_hashed",
+                        lambda self, *a: hashed.append(1) or write_hashed(self, *a))
+    keys = run_keys(10, 4)
+    raw = np.empty(4 * GEOM.block_bytes + 1, np.uint8)
+    raw[1:] = run_data(keys)
+    data = raw[1:]                                    # off by one byte from alignment
+    with _format([store_path]) as store:
+        staged = []
+        staging = store._staging
+        monkeypatch.setattr(store, "_staging", lambda n, purpose="staging": (
+            staged.append(purpose), staging(n, purpose))[1])
+        on_tmpfs = store.io.engine.mapped_for_writes(0)
+        assert on_tmpfs == str(store_path).startswith("/dev/shm/")
+        assert store.put_run(keys, data) == 4
+        assert staged == ([] if on_tmpfs else ["staging"])
+        assert len(hashed) == on_tmpfs
+    with KVStore.open([store_path]) as store:
+        out = aligned_empty(4 * GEOM.block_bytes)
+        assert store.get_run(keys, out) == 4 and np.array_equal(out, run_data(keys))
+        assert fsck(store, deep=True).problems == []
 
 
 def test_longest_prefix_and_partial_get(store_path):
