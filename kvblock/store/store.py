@@ -895,10 +895,16 @@ class KVStore:
         piece is written at once (the staging buffer is reused).  Returns
         (item, blocks) per piece, 0 blocks for one a clear() refused."""
         written, deferred = [], []      # deferred: (run index, batch, sums or Streams)
+        images = [self._is_image(self.layout(len(keys)), blocks) for _, keys, blocks in pieces]
+        # The images are written in one call: hashed while it runs when it is
+        # large, however small each run is (LMCache puts 8 chunks at a time).
+        together = sum(self.layout(len(keys)).data_bytes
+                       for (_, keys, _), image in zip(pieces, images) if image)
+        later = 0 if together >= OVERLAP_HASH_BYTES else True
         try:
-            for i, keys, blocks in pieces:
-                if self._is_image(self.layout(len(keys)), blocks):
-                    run, batch, sums = self._write_piece(keys, blocks, defer=True)
+            for (i, keys, blocks), image in zip(pieces, images):
+                if image:
+                    run, batch, sums = self._write_piece(keys, blocks, defer=True, later=later)
                     deferred.append((len(written), batch, sums))
                 else:
                     run = self._write_piece(keys, blocks)
@@ -991,17 +997,18 @@ class KVStore:
         self._count_put(keys, blocks, run, clears)
         return len(keys)
 
-    def _write_piece(self, keys: list[bytes], blocks, defer: bool = False):
+    def _write_piece(self, keys: list[bytes], blocks, defer: bool = False,
+                     later: int | bool = True):
         """Allocate a run's space and write its data: the Run, not yet
         published, its region still pinned (the caller publishes, then
         unpins).  ``defer``: leave the write to the caller, and return (Run
         without checksums when the write is to compute them, its IOBatch,
-        its checksums or Streams)."""
+        its checksums, Streams or Later).  ``later``: see _stage_run."""
         lay = self.layout(len(keys))
         region, offset, run_id, gen = self._begin_put(lay.run_bytes)
         try:
             dev, dev_off = self.regions.address(region, offset)
-            batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off, later=True)
+            batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off, later=later)
             if not defer:
                 sums = self._write_run(batch, sums, run_id)
         except BaseException:
@@ -1048,7 +1055,7 @@ class KVStore:
                                               or blocks.ctypes.data % self.alignment == 0)
 
     def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int,
-                   later: bool = False):
+                   later: int | bool = False):
         """(the IOBatch that writes the run's on-device image at ``dev_off``,
         data and block digest trailer, its checksums (per range, then the
         trailer's), or instead the checksum index of each I/O when
@@ -1056,9 +1063,9 @@ class KVStore:
         them).  ``blocks`` is (layers, groups, n, group_block_bytes) or a
         BlockList; copied into the thread's staging buffer unless it already
         is the image (or aligned, unpadded pieces of it).  ``later``: a run
-        of at least OVERLAP_HASH_BYTES is hashed by :meth:`_write_run` while
-        its data is written (the batch is then the data only, with a
-        :class:`Later`)."""
+        of at least OVERLAP_HASH_BYTES (or of at least ``later`` bytes, an
+        int) is hashed by :meth:`_write_run` while its data is written (the
+        batch is then the data only, with a :class:`Later`)."""
         g = lay.geometry
         payload = lay.prefix_bytes(lay.nblocks)
         # Copied into a mapping, each range is hashed right after it is
@@ -1067,7 +1074,9 @@ class KVStore:
         # large): hashing beside it measured 0.87-1.05x (perf/put_hashing.py),
         # so it hashes first.
         as_written = self.io.engine.mapped_for_writes(dev)
-        later = later and lay.data_bytes >= OVERLAP_HASH_BYTES and not as_written
+        if later is True:
+            later = OVERLAP_HASH_BYTES
+        later = later is not False and lay.data_bytes >= later and not as_written
         # (a copy into a mapping takes the caller's memory wherever it lies)
         if self._is_image(lay, blocks, any_address=as_written):
             trailer = _small_aligned(lay.trailer_bytes, self.alignment)

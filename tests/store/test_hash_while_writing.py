@@ -196,11 +196,16 @@ def test_a_writer_that_finds_every_helper_busy_hashes_itself(target, monkeypatch
     _check_stored(path, [(keys, run_data(keys))])
 
 
-def test_runs_put_together_are_hashed_while_their_data_is_written(target, monkeypatch):
+@pytest.mark.parametrize("together_from, overlapped", [(1 * MIB, True), (2 * MIB, False)],
+                         ids=["group-large-enough", "group-too-small"])
+def test_runs_put_together_are_hashed_while_their_data_is_written(target, monkeypatch,
+                                                                 together_from, overlapped):
     """put_runs of runs that are their own images (LMCache's puts): one
     write of all their data while helpers hash them, one of all their
-    trailers after; one journal commit publishes them."""
-    monkeypatch.setattr(store_mod, "OVERLAP_HASH_BYTES", 256 << 10)
+    trailers after, when their data together (1.5 MiB here) reaches the
+    threshold, however small each run (512 KiB); else hashed first and
+    written in one call.  One journal commit publishes them."""
+    monkeypatch.setattr(store_mod, "OVERLAP_HASH_BYTES", together_from)
     monkeypatch.setattr(store_mod, "_hash_slots", threading.BoundedSemaphore(8))  # none busy
     path = target(16 * MIB)
     runs = []
@@ -216,7 +221,7 @@ def test_runs_put_together_are_hashed_while_their_data_is_written(target, monkey
         lay = store.layout(N)
         hashers = [e[0] for e in events if e[1] == "digests"]
         writes = [e[:2] for e in events if e[1] != "digests"]
-        if store.io.engine.mapped_for_writes(0):       # hashed first, hashed as copied
+        if store.io.engine.mapped_for_writes(0) or not overlapped:   # hashed first
             assert hashers == [me] * 3 and writes[0] == (me, 3 * lay.run_bytes)
         else:
             assert len(hashers) == 3 and all(h.startswith("kvblock-hash") for h in hashers)
