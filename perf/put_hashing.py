@@ -81,8 +81,8 @@ def measure(dev: str, args) -> dict:
                 finally:
                     store_mod.OVERLAP_HASH_BYTES = default
                 store.clear()
-    return {m: statistics.median(v) for m, v in speeds.items()} | {"samples": speeds,
-                                                                   "run_bytes": n * GEOM.block_bytes}
+    medians = {m: statistics.median(v) for m, v in speeds.items()}
+    return {**medians, "samples": speeds, "run_bytes": n * GEOM.block_bytes}
 
 
 def main(argv=None) -> int:

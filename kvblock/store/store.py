@@ -139,10 +139,10 @@ class Later(NamedTuple):
 # write cost more than their hashing).  Both the hashing (xxhash, native) and
 # the I/O release the GIL.  One writer, loop devices over /var/tmp and
 # /dev/shm and a file in /var/tmp (perf/put_hashing.py --overlap-from 1,
-# 2026-12-01): 256 KiB to 1 MiB runs 0.85-1.00x hashed while written, 2 and 4
-# MiB 0.96-1.10x, 8 MiB 1.10-1.20x, 32 MiB 1.25-1.44x.  A writer that finds every helper busy (many
-# writer threads: their hashing overlaps the others' writes anyway) hashes
-# on its own thread instead of queueing.
+# 2026-12-01): runs of 256 KiB to 1 MiB 0.85-1.00x hashed while written, 2
+# and 4 MiB 0.96-1.10x, 8 MiB 1.10-1.20x, 32 MiB 1.25-1.44x.  A writer that
+# finds every helper busy (many writer threads: their hashing overlaps the
+# others' writes anyway) hashes on its own thread instead of queueing.
 OVERLAP_HASH_BYTES = 4 << 20
 _HASH_THREADS = os.cpu_count() or 1
 _hashers: ThreadPoolExecutor | None = None
@@ -894,7 +894,7 @@ class KVStore:
         are written together in one engine call after the others; a staged
         piece is written at once (the staging buffer is reused).  Returns
         (item, blocks) per piece, 0 blocks for one a clear() refused."""
-        written, deferred = [], []      # deferred: (run index, batch, sums or Streams)
+        written, deferred = [], []      # deferred: (run index, batch, sums, Streams or Later)
         images = [self._is_image(self.layout(len(keys)), blocks) for _, keys, blocks in pieces]
         # The images are written in one call: hashed while it runs when it is
         # large, however small each run is (LMCache puts 8 chunks at a time).
