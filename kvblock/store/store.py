@@ -144,7 +144,7 @@ class Later(NamedTuple):
 # finds every helper busy (many writer threads: their hashing overlaps the
 # others' writes anyway) hashes on its own thread instead of queueing.
 OVERLAP_HASH_BYTES = 4 << 20
-_HASH_THREADS = os.cpu_count() or 1
+_HASH_THREADS = max(1, min(os.cpu_count() or 1, 4))   # as the copy helpers (io/engine.py)
 _hashers: ThreadPoolExecutor | None = None
 _hash_slots = threading.BoundedSemaphore(_HASH_THREADS)
 _hashers_lock = threading.Lock()
