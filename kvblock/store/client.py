@@ -831,6 +831,7 @@ class RemoteStore:
     _stage_run = KVStore._stage_run
     _with_trailer = KVStore._with_trailer
     _write_run = KVStore._write_run
+    _write_runs_together = KVStore._write_runs_together
     _kvikio_reader = KVStore._kvikio_reader
     layout = KVStore.layout
 

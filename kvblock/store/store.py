@@ -173,6 +173,12 @@ def _start_hashing(fn) -> Future | None:
         raise
 
 
+def _with_trailer_checksum(ranges, trailer: np.ndarray, run_id: int) -> np.ndarray:
+    """A run's checksums as the index keeps them: per range, then the trailer's."""
+    return np.append(np.asarray(ranges, np.uint64),
+                     np.uint64(trailerfmt.checksum(trailer, run_id)))
+
+
 def _range_checksums(ranges: np.ndarray, run_id: int) -> np.ndarray:
     return np.array([data_checksum(r, run_id) for r in ranges], dtype=np.uint64)
 
@@ -925,14 +931,18 @@ class KVStore:
     def _write_runs_together(self, staged: list) -> list[tuple[int, np.ndarray]]:
         """Write (batch, sums, Streams or Later, run id) triples in one engine
         call each for the runs whose checksums are known or hashed on helper
-        threads meanwhile (Later: their trailers in one more call after) and
-        for those the write hashes (a mapped device).  Returns (index,
-        checksums) of the runs whose checksums were not known."""
+        threads meanwhile (Later: their trailers in one more call after; a
+        Later that finds the helpers busy is hashed first, its trailer
+        written with its data) and for those the write hashes (a mapped
+        device).  Returns (index, checksums) of the runs whose checksums
+        were not known."""
         later = [(k, sums, run_id, _start_hashing(sums.digest))
                  for k, (_, sums, run_id) in enumerate(staged) if isinstance(sums, Later)]
-        out = []
+        first, out = {}, []
         try:
+            first = {k: sums.digest() for k, sums, _, h in later if h is None}
             known = [b for b, sums, _ in staged if not isinstance(sums, Streams)]
+            known += [sums.tail for k, sums, _, _ in later if k in first]
             if known:
                 self.io.write(known[0] if len(known) == 1 else IOBatch.concat(known))
             hashed = [(k, b, sums, run_id) for k, (b, sums, run_id) in enumerate(staged)
@@ -948,12 +958,11 @@ class KVStore:
                 out = [(k, digests[j * nr:(j + 1) * nr]) for j, (k, *_) in enumerate(hashed)]
         finally:
             wait([h for *_, h in later if h is not None])   # they read the runs' memory
-        if later:
-            for k, sums, run_id, h in later:
-                ranges = sums.digest() if h is None else h.result()
-                out.append((k, np.append(np.asarray(ranges, np.uint64),
-                                         np.uint64(trailerfmt.checksum(sums.trailer, run_id)))))
-            tails = [sums.tail for _, sums, _, _ in later]
+        tails = [sums.tail for k, sums, _, _ in later if k not in first]
+        for k, sums, run_id, h in later:
+            ranges = first[k] if h is None else h.result()
+            out.append((k, _with_trailer_checksum(ranges, sums.trailer, run_id)))
+        if tails:
             self.io.write(tails[0] if len(tails) == 1 else IOBatch.concat(tails))
         return out
 
@@ -1141,8 +1150,7 @@ class KVStore:
         out.keep = trailer
         if isinstance(sums, Streams):
             return out, Streams(np.append(np.asarray(sums.of_ios, np.int64), lay.geometry.ranges))
-        return out, np.append(np.asarray(ranges, np.uint64),
-                              np.uint64(trailerfmt.checksum(trailer, run_id)))
+        return out, _with_trailer_checksum(ranges, trailer, run_id)
 
     def _write_run(self, batch: IOBatch, sums, run_id: int) -> np.ndarray:
         """Write a staged run; its checksums (``sums``, or, when _stage_run
@@ -1150,19 +1158,7 @@ class KVStore:
         a Later, those a helper thread computes while the data is written,
         the trailer written after)."""
         if isinstance(sums, Later):
-            hashing = _start_hashing(sums.digest)
-            if hashing is None:                  # helpers busy: hash, then one write
-                ranges = sums.digest()
-                self.io.write(IOBatch.concat([batch, sums.tail]))
-            else:
-                try:
-                    self.io.write(batch)
-                finally:
-                    wait([hashing])  # it reads the run's memory: never return before it
-                ranges = hashing.result()
-                self.io.write(sums.tail)
-            return np.append(np.asarray(ranges, np.uint64),
-                             np.uint64(trailerfmt.checksum(sums.trailer, run_id)))
+            return self._write_runs_together([(batch, sums, run_id)])[0][1]
         if not isinstance(sums, Streams):
             self.io.write(batch)
             return sums
