@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvblock.index.keys import KEY_BYTES
-from kvblock.index.table import KeyTable, split_keys
+from kvblock.index.table import FEW_KEYS, KeyTable, split_keys
 
 POS_BITS = 24                      # up to 16M blocks per run
 POS_MASK = (1 << POS_BITS) - 1
@@ -138,11 +138,13 @@ class KeyIndex:
         """Packed (run id, position) per key; -1 where absent."""
         if not keys:
             return np.zeros(0, dtype=np.int64)
+        if len(keys) <= FEW_KEYS:
+            return np.array(self.table.get_few(keys), dtype=np.int64)
         lo, hi = split_keys(b"".join(keys))
         return self.table.get(lo, hi)
 
     def locate(self, key: bytes) -> tuple[Run, int] | None:
-        packed = int(self.lookup([key])[0])
+        packed = self.table.get_few([key])[0]
         if packed < 0:
             return None
         return self.runs[packed >> POS_BITS], packed & POS_MASK
@@ -157,6 +159,8 @@ class KeyIndex:
     def segments(self, keys: list[bytes]) -> list[tuple[Run, int, int, int]]:
         """(run, first position, count, first key index) for each stretch of
         the stored prefix of ``keys`` that is consecutive within one run."""
+        if len(keys) <= FEW_KEYS:
+            return self._few_segments(self.table.get_few(keys))
         packed = self.lookup(keys)
         n = int(packed.size if (packed >= 0).all() else np.argmin(packed >= 0))
         if n == 0:
@@ -166,3 +170,15 @@ class KeyIndex:
         counts = np.diff(np.r_[starts, n])
         return [(self.runs[int(packed[s]) >> POS_BITS], int(packed[s]) & POS_MASK, int(c), int(s))
                 for s, c in zip(starts, counts)]
+
+    def _few_segments(self, packed: list[int]) -> list[tuple[Run, int, int, int]]:
+        """segments() of a few keys' packed values, in plain Python."""
+        out, k, n = [], 0, len(packed)
+        while k < n and packed[k] >= 0:
+            first = k
+            k += 1
+            while k < n and packed[k] == packed[k - 1] + 1:
+                k += 1
+            p = packed[first]
+            out.append((self.runs[p >> POS_BITS], p & POS_MASK, k - first, first))
+        return out

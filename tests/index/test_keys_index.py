@@ -237,3 +237,58 @@ def test_large_run_ids_and_positions_do_not_collide():
     assert idx.locate(k(2)) == (a, 1)
     assert idx.locate(k(3)) == (b, 0)
     assert POS_BITS == 24
+
+
+# ------------------------------------------------------------------ few keys
+# Up to FEW_KEYS keys are looked up one by one in Python (KeyTable.get_few,
+# KeyIndex._few_segments); the answers must be those of the numpy path.
+@settings(max_examples=60, deadline=None)
+@given(stored=st.lists(st.integers(0, 400), min_size=1, max_size=300, unique=True),
+       removed=st.lists(st.integers(0, 400), max_size=100),
+       probes=st.lists(st.integers(0, 450), min_size=1, max_size=8))
+def test_few_key_lookups_answer_as_the_numpy_path(stored, removed, probes):
+    from kvblock.index.table import KeyTable, split_keys
+
+    table = KeyTable(16)        # small: it grows, and probes run through collisions
+    lo, hi = split_keys(b"".join(k(i) for i in stored))
+    table.put(lo, hi, np.arange(len(stored)))
+    gone = [i for i in removed if i in set(stored)]
+    if gone:
+        rlo, rhi = split_keys(b"".join(k(i) for i in gone))
+        table.remove(rlo, rhi)            # tombstones the probes must step over
+    keys = [k(i) for i in probes]
+    plo, phi = split_keys(b"".join(keys))
+    assert table.get_few(keys) == table.get(plo, phi).tolist()
+
+
+@settings(max_examples=60, deadline=None)
+@given(picks=st.lists(st.integers(0, 12), min_size=1, max_size=8))
+def test_few_key_segments_answer_as_the_numpy_path(picks):
+    import kvblock.index.index as index_mod
+
+    idx = KeyIndex()
+    idx.add(run(1, [0, 1, 2, 3, 4]))
+    idx.add(run(2, [5, 6, 7]))
+    idx.add(run(3, [2, 3, 8]))            # re-stores 2 and 3: run 1's are superseded
+    keys = [k(i) for i in picks]          # 9..12 are misses
+    few = idx.segments(keys)
+    saved = index_mod.FEW_KEYS
+    index_mod.FEW_KEYS = 0                # every lookup through numpy
+    try:
+        assert idx.segments(keys) == few
+        assert idx.lookup(keys).tolist() == [
+            -1 if (got := idx.locate(key)) is None else (got[0].run_id << POS_BITS) | got[1]
+            for key in keys]
+    finally:
+        index_mod.FEW_KEYS = saved
+
+
+def test_few_key_segments_split_at_run_ends_and_stop_at_a_miss():
+    idx = KeyIndex()
+    a, b = run(1, [0, 1, 2]), run(2, [3, 4])
+    idx.add(a)
+    idx.add(b)
+    assert idx.segments([k(1), k(2), k(3), k(4)]) == [(a, 1, 2, 0), (b, 0, 2, 2)]
+    assert idx.segments([k(2), k(1)]) == [(a, 2, 1, 0), (a, 1, 1, 1)]    # not consecutive
+    assert idx.segments([k(0), k(9), k(1)]) == [(a, 0, 1, 0)]            # the prefix only
+    assert idx.segments([k(9), k(0)]) == []
