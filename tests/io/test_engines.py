@@ -129,24 +129,40 @@ def test_out_of_range_and_bad_device_index(engine_name, file_target):
             eng.read(IOBatch.single(buf.address, 3, 0, 4096))
 
 
-def test_bad_entry_of_a_batch_is_named(engine_name, file_target):
-    """Batches of several I/Os take the vectorised checks (one I/O takes a
-    scalar fast path): the first bad entry is the one named."""
+@pytest.mark.parametrize("size", [2, 12], ids=["few", "many"])
+def test_bad_entry_of_a_batch_is_named(engine_name, file_target, size):
+    """Batches of up to FEW_IOS I/Os are checked with Python ints, larger ones
+    with numpy (one I/O takes a scalar fast path too): either way the first
+    bad entry of the first kind checked is the one named (device index, then
+    alignment, then the device's end)."""
+    from kvblock.io.engine import FEW_IOS
+
+    assert FEW_IOS < 12 and (size <= FEW_IOS) == (size == 2)
     path = file_target(MIB)
 
-    def second(dev, off, length):
-        return IOBatch(np.array([buf.address] * 2), np.array([0, dev]), np.array([0, off]),
-                       np.array([4096, length]))
+    def batch(*bad):
+        """``size`` good 4 KiB reads, the last ones replaced by ``bad``
+        (dev, offset, length) entries."""
+        entries = [(0, 4096 * i, 4096) for i in range(size - len(bad))] + list(bad)
+        devs, offs, lens = zip(*entries)
+        return IOBatch(np.array([buf.address] * size), np.array(devs), np.array(offs),
+                       np.array(lens))
     with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(8192) as buf:
         with pytest.raises(AlignmentError, match=r"offset 100 / length 4096.*4096-byte"):
-            eng.read(second(0, 100, 4096))
+            eng.read(batch((0, 100, 4096)))
         with pytest.raises(AlignmentError, match=r"offset 0 / length 0 "):
-            eng.read(second(0, 0, 0))
+            eng.read(batch((0, 0, 0)))
         with pytest.raises(IOFailedError, match=rf"{path}: range \[1044480, 1052672\)") as exc:
-            eng.read(second(0, MIB - 4096, 8192))
+            eng.read(batch((0, MIB - 4096, 8192)))
         assert exc.value.offset == MIB - 4096 and exc.value.length == 8192
         with pytest.raises(ConfigError, match="device index 2 out of range"):
-            eng.read(second(2, 0, 4096))
+            eng.read(batch((2, 0, 4096)))
+        # an entry past the end before a misaligned one: the misaligned one is named
+        with pytest.raises(AlignmentError, match=r"offset 8192 / length 100"):
+            eng.read(batch((0, MIB - 4096, 8192), (0, 8192, 100)))
+        # a misaligned entry before a bad device index: the device is named
+        with pytest.raises(ConfigError, match="device index 5 out of range"):
+            eng.read(batch((0, 100, 4096), (5, 0, 4096)))
 
 
 def test_short_read_is_reported(engine_name, file_target):

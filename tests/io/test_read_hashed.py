@@ -157,6 +157,10 @@ def test_a_read_of_one_piece_or_less_is_hashed_after_it(monkeypatch, engine_name
     (3, [0, 1, 0], [0, 0], "must count 0, 1"),
     (2, [0, 0], [0, 0], "one seed each"),
     (2, [0], [0], "1 stream indices for 2 I/Os"),
+    # more than FEW_IOS entries: numpy's checks instead of Python's
+    (10, [0, 1, 2, 3, 4, 5, 6, 7, 9, 9], [0] * 10, "must count 0, 1"),
+    (10, [0, 1, 2, 3, 4, 5, 6, 7, 8, 7], [0] * 9, "must count 0, 1"),
+    (10, [0] * 10, [0, 0], "one seed each"),
 ])
 def test_bad_stream_numbering_is_a_config_error(file_target, n, streams, seeds, why):
     with Device(file_target(MIB)) as dev, open_engine([dev]) as eng, HostBuffer(MIB) as buf:
