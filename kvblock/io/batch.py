@@ -60,6 +60,18 @@ class IOBatch:
         return b
 
     @classmethod
+    def listed(cls, addrs: list[int], dev: int, offsets: list[int],
+               lens: list[int]) -> "IOBatch":
+        """A batch on one device from lists of Python ints of equal length
+        (built field by field, as single())."""
+        b = object.__new__(cls)
+        b.addrs = np.array(addrs, dtype=np.uint64)
+        b.devs = np.array([dev] * len(addrs), dtype=np.uint32)
+        b.offsets = np.array(offsets, dtype=np.uint64)
+        b.lens = np.array(lens, dtype=np.uint64)
+        return b
+
+    @classmethod
     def concat(cls, batches: list["IOBatch"]) -> "IOBatch":
         """One batch of the entries of ``batches``, in order."""
         b = object.__new__(cls)

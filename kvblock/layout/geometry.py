@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import operator
 from dataclasses import asdict, dataclass
+from functools import cached_property
 
 from kvblock.errors import ConfigError
 
@@ -82,17 +83,17 @@ class Geometry:
     def heads_per_group(self) -> int:
         return self.num_kv_heads // self.head_groups
 
-    @property
+    @cached_property
     def group_block_bytes(self) -> int:
         """Bytes of one block for one layer and one head group."""
         return self.kv_parts * self.block_tokens * self.heads_per_group * self.head_dim * self.itemsize
 
-    @property
+    @cached_property
     def block_bytes(self) -> int:
         """Bytes of one block over every layer and head."""
         return self.group_block_bytes * self.num_layers * self.head_groups
 
-    @property
+    @cached_property
     def ranges(self) -> int:
         return self.num_layers * self.head_groups
 
@@ -130,22 +131,22 @@ class RunLayout:
     nblocks: int
     alignment: int
 
-    @property
+    @cached_property
     def range_bytes(self) -> int:
         """Bytes reserved per (layer, group) range, padded to the alignment."""
         return round_up(self.nblocks * self.geometry.group_block_bytes, self.alignment)
 
-    @property
+    @cached_property
     def data_bytes(self) -> int:
         """The ranges: the run's data image."""
         return self.range_bytes * self.geometry.ranges
 
-    @property
+    @cached_property
     def trailer_bytes(self) -> int:
         """The block digest trailer, padded to the alignment."""
         return round_up(self.geometry.ranges * self.nblocks * 8, self.alignment)
 
-    @property
+    @cached_property
     def run_bytes(self) -> int:
         """All the run takes on the device: data, then trailer."""
         return self.data_bytes + self.trailer_bytes

@@ -65,7 +65,7 @@ from kvblock.devices import Device
 from kvblock.errors import ConfigError, KVBlockError, StoreClosedError
 from kvblock.index import normalize_keys
 from kvblock.io import open_engine
-from kvblock.layout.geometry import Geometry, model_fingerprint
+from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint
 from kvblock.store.fence import WriteFence, reopen, socket_fence_path
 from kvblock.store.policy import VERIFY_MODES
 from kvblock.memory.spares import SpareBuffers
@@ -462,6 +462,7 @@ class RemoteStore:
         self.geometry = Geometry(**hello["geometry"])
         self.fingerprint = bytes.fromhex(hello.get("fingerprint", ""))   # the model's
         self.alignment = int(hello["alignment"])
+        self._layouts: dict[int, RunLayout] = {}   # layout()'s, by run length
         self.max_run_blocks = int(hello["max_run_blocks"])
         self.verify = verify or hello["verify"]
         if self.verify not in VERIFY_MODES:
@@ -821,6 +822,7 @@ class RemoteStore:
     _window = KVStore._window
     _verified_window = KVStore._verified_window
     _read_blocks_verified = KVStore._read_blocks_verified
+    _copy_blocks_verified = KVStore._copy_blocks_verified
     _scatter_window = KVStore._scatter_window
     _verified = KVStore._verified
     _checksum_failure = KVStore._checksum_failure

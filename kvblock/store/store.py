@@ -212,13 +212,14 @@ def _block_digests(batch: IOBatch, lay: RunLayout, dev_off: int, run_id: int) ->
                             run_id).reshape(g.ranges, lay.nblocks)
 
 
-def block_digests_at(addrs: np.ndarray, nbytes: int, run_id: int) -> np.ndarray:
+def block_digests_at(addrs, nbytes: int, run_id: int) -> np.ndarray:
     """data_checksum of the ``nbytes`` bytes at each address (blocks in
-    memory), in one native call."""
-    digests = np.zeros(addrs.size, dtype=np.uint64)
-    native.hash_pieces(addrs, np.full(addrs.size, nbytes, np.uint64),
-                       np.arange(addrs.size, dtype=np.uint32),
-                       np.full(addrs.size, data_seed(run_id), np.uint64), digests)
+    memory; an array or list of addresses), in one native call."""
+    n = len(addrs)
+    digests = np.zeros(n, dtype=np.uint64)
+    native.hash_pieces(np.asarray(addrs, dtype=np.uint64), np.full(n, nbytes, np.uint64),
+                       np.arange(n, dtype=np.uint32), np.full(n, data_seed(run_id), np.uint64),
+                       digests)
     return digests
 
 
@@ -457,6 +458,7 @@ class KVStore:
                 f"{devs[0].path}: store was formatted for another model fingerprint than "
                 f"{model!r}; its KV cannot serve this model", devs[0].path, 0)
         self.alignment = self.sb.alignment
+        self._layouts: dict[int, RunLayout] = {}   # layout()'s, by run length
         counts = [sb.region_count for sb in self.superblocks]
         ndev = len(self.superblocks)
         per_dev = min(counts)  # striping uses the same number of regions per device
@@ -754,7 +756,12 @@ class KVStore:
 
     # ------------------------------------------------------------------ layout helpers
     def layout(self, nblocks: int) -> RunLayout:
-        return RunLayout(self.geometry, nblocks, self.alignment)
+        lay = self._layouts.get(nblocks)
+        if lay is None:
+            if len(self._layouts) >= 4096:     # runs of many lengths: keep it small
+                self._layouts.clear()
+            lay = self._layouts[nblocks] = RunLayout(self.geometry, nblocks, self.alignment)
+        return lay
 
     def _check_open(self, writing: bool = False):
         if self.closed:
@@ -1593,24 +1600,27 @@ class KVStore:
         straight = (lo == pos * gbb and span == count * gbb and not isinstance(dst, BlockList)
                     and dst.flags.c_contiguous and dst.ctypes.data % self.alignment == 0)
         buf = self._staging((0 if straight else span * nidx) + lay.trailer_bytes)
-        data_at = np.uint64(dst.ctypes.data if straight else buf.address)
+        data_at = dst.ctypes.data if straight else buf.address
         tail = 0 if straight else span * nidx
         dev, base = self.regions.address(run.region, run.offset)
-        offsets = np.append(np.array(idx, dtype=np.uint64) * np.uint64(lay.range_bytes)
-                            + np.uint64(base + lo), np.uint64(base + lay.data_bytes))
-        addrs = np.append(np.arange(nidx, dtype=np.uint64) * np.uint64(span) + data_at,
-                          np.uint64(buf.address + tail))
-        lens = np.append(np.full(nidx, span, np.uint64), np.uint64(lay.trailer_bytes))
-        self.io.read(IOBatch(addrs, dev, offsets, lens))
+        # Python ints, not numpy: a promotion reads a few blocks, and numpy's
+        # per-call cost was most of this method's time.
+        rb = lay.range_bytes
+        if straight and self.io.engine.mapped(dev):
+            return self._copy_blocks_verified(run, lay, pos, count, dst, idx, dev, base, buf)
+        offsets = [base + lo + r * rb for r in idx]
+        offsets.append(base + lay.data_bytes)
+        addrs = [data_at + i * span for i in range(nidx)]
+        addrs.append(buf.address + tail)
+        self.io.read(IOBatch.listed(addrs, dev, offsets, [span] * nidx + [lay.trailer_bytes]))
         trailer = buf.array[tail:tail + lay.trailer_bytes]
         if trailerfmt.checksum(trailer, run.run_id) != int(run.checksums[g.ranges]):
             self._checksum_failure(run, g.ranges)
             return False
         want = trailerfmt.decode(trailer, g.ranges, run.nblocks)[idx, pos:pos + count]
         # Block j of the i-th range read starts at i * span + (pos + j) * gbb - lo.
-        first = data_at + np.uint64(pos * gbb - lo)
-        at = (np.repeat(np.arange(nidx, dtype=np.uint64) * np.uint64(span), count)
-              + np.tile(np.arange(count, dtype=np.uint64) * np.uint64(gbb), nidx) + first)
+        first = data_at + pos * gbb - lo
+        at = [first + i * span + j * gbb for i in range(nidx) for j in range(count)]
         bad = np.nonzero(block_digests_at(at, gbb, run.run_id) != want.reshape(-1))[0]
         if bad.size:
             self._checksum_failure(run, idx[int(bad[0]) // count])
@@ -1618,6 +1628,34 @@ class KVStore:
         if not straight:
             self._scatter_window(buf.array, nidx, lo, span, pos, count, dst)
         self.counters["bytes_read"] += span * nidx + lay.trailer_bytes
+        self.counters["partial_verified_reads"] += 1
+        return True
+
+    def _copy_blocks_verified(self, run: Run, lay: RunLayout, pos: int, count: int, dst,
+                              idx: list, dev: int, base: int, buf: HostBuffer) -> bool:
+        """_read_blocks_verified's blocks straight into ``dst`` out of a mapped
+        device: each block (and the trailer, into ``buf``) its own hashed
+        entry, so each is hashed as it is copied, while its bytes are in
+        cache, instead of read again from memory after the copy."""
+        g = self.geometry
+        gbb, rb, tb = g.group_block_bytes, lay.range_bytes, lay.trailer_bytes
+        addrs = [dst.ctypes.data + k * gbb for k in range(len(idx) * count)]
+        addrs.append(buf.address)
+        offsets = [base + r * rb + (pos + j) * gbb for r in idx for j in range(count)]
+        offsets.append(base + lay.data_bytes)
+        n = len(addrs)
+        sums = self.io.read_hashed(IOBatch.listed(addrs, dev, offsets, [gbb] * (n - 1) + [tb]),
+                                   np.arange(n), np.full(n, data_seed(run.run_id), np.uint64))
+        if int(sums[-1]) != int(run.checksums[g.ranges]):
+            self._checksum_failure(run, g.ranges)
+            return False
+        trailer = buf.array[:tb]
+        want = trailerfmt.decode(trailer, g.ranges, run.nblocks)[idx, pos:pos + count]
+        bad = np.nonzero(sums[:-1] != want.reshape(-1))[0]
+        if bad.size:
+            self._checksum_failure(run, idx[int(bad[0]) // count])
+            return False
+        self.counters["bytes_read"] += count * gbb * len(idx) + tb
         self.counters["partial_verified_reads"] += 1
         return True
 

@@ -98,24 +98,32 @@ def test_damage_outside_the_blocks_read_is_not_theirs_but_a_whole_read_finds_it(
         assert store.lookup(keys) == 0                # dropped, not served again
 
 
+@pytest.mark.parametrize("geom", [GEOM, WHOLE_PAGES], ids=["2k-blocks", "4k-blocks"])
 @pytest.mark.parametrize("where", ["block", "trailer", "trailer padding"])
-def test_damage_in_what_a_partial_read_reads_fails_it(target, where):
+def test_damage_in_what_a_partial_read_reads_fails_it(target, where, geom):
+    """Through a staging window (2 KiB blocks) and straight into place (4 KiB
+    blocks; out of a tmpfs mapping each block is hashed as it is copied)."""
+    from kvblock.memory import aligned_empty
+
     keys = run_keys(3, N)
-    data = run_data(keys)
-    with _store(target) as store:
+    data = run_data(keys, geom)
+    with _store(target, geom) as store:
         path = _path(store)
         store.put_run(keys, data)
         (run,) = store.index.runs.values()
         lay = store.layout(N)
-        at = {"block": 2 * lay.range_bytes + 41 * GEOM.group_block_bytes + 100,
-              "trailer": lay.data_bytes + (2 * N + 41) * 8 + 3,   # block 41's digest
+        at = {"block": 2 * lay.range_bytes + 42 * geom.group_block_bytes + 100,
+              "trailer": lay.data_bytes + (2 * N + 42) * 8 + 3,   # block 42's digest
               "trailer padding": lay.run_bytes - 1}[where]
+        out = aligned_empty(2 * geom.block_bytes)
+        assert store.get_run(keys[41:43], out) == 2               # intact: read, verified
+        assert np.array_equal(out, _blocks(data, geom, 41, 2))
         _flip(store, run, at)
-        out = np.full(2 * GEOM.block_bytes, 7, np.uint8)
+        out[:] = 7
         assert store.get_run(keys[41:43], out) == 0
         assert store.stats()["checksum_failures"] == 1
         # the failure names the range (the trailer counts as range `ranges`)
-        assert store.last_checksum_failure[3] == (2 if where == "block" else GEOM.ranges)
+        assert store.last_checksum_failure[3] == (2 if where == "block" else geom.ranges)
         assert store.lookup(keys) == 0
     with KVStore.open([path]) as store:
         assert store.lookup(keys) == 0                # the drop was journaled
@@ -162,16 +170,26 @@ def test_windows_that_are_exactly_the_blocks_go_straight_into_an_aligned_destina
     data = run_data(keys, WHOLE_PAGES)
     with _store(target, WHOLE_PAGES) as store:
         store.put_run(keys, data)
-        reads = []
-        read = store.io.read
+        reads, hashed = [], []
+        read, read_hashed = store.io.read, store.io.read_hashed
         store.io.read = lambda b: (reads.append(b), read(b))[1]
+        store.io.read_hashed = lambda b, *a: (hashed.append(b), read_hashed(b, *a))[1]
         out = aligned_empty(2 * WHOLE_PAGES.block_bytes)
         assert store.get_run(keys[20:22], out) == 2
         assert np.array_equal(out, _blocks(data, WHOLE_PAGES, 20, 2))
-        (batch,) = reads
+        mapped = store.io.engine.mapped(0)
+        (batch,) = hashed if mapped else reads
+        assert not (reads if mapped else hashed)
         lo, hi = out.ctypes.data, out.ctypes.data + out.nbytes
         assert all(lo <= a < hi for a in batch.addrs[:-1].tolist())   # the ranges' windows
         assert not lo <= int(batch.addrs[-1]) < hi                     # the trailer: staging
+        if mapped:
+            # copied out of a mapping: each block its own entry (hashed as it
+            # is copied), then the trailer
+            gbb = WHOLE_PAGES.group_block_bytes
+            assert len(batch) == WHOLE_PAGES.ranges * 2 + 1
+            assert batch.lens[:-1].tolist() == [gbb] * (len(batch) - 1)
+            assert batch.addrs[:-1].tolist() == [lo + k * gbb for k in range(len(batch) - 1)]
         (run,) = store.index.runs.values()
         lay = store.layout(N)
         _flip(store, run, 2 * lay.range_bytes + 21 * WHOLE_PAGES.group_block_bytes + 9)
