@@ -153,6 +153,13 @@ class KeyIndex:
         return self.locate(key) is not None
 
     def prefix_length(self, keys: list[bytes]) -> int:
+        if len(keys) <= FEW_KEYS:
+            n = 0
+            for packed in self.table.get_few(keys):
+                if packed < 0:
+                    break
+                n += 1
+            return n
         found = self.lookup(keys) >= 0
         return int(found.size if found.all() else np.argmin(found))
 

@@ -271,11 +271,12 @@ def test_few_key_segments_answer_as_the_numpy_path(picks):
     idx.add(run(2, [5, 6, 7]))
     idx.add(run(3, [2, 3, 8]))            # re-stores 2 and 3: run 1's are superseded
     keys = [k(i) for i in picks]          # 9..12 are misses
-    few = idx.segments(keys)
+    few, prefix = idx.segments(keys), idx.prefix_length(keys)
     saved = index_mod.FEW_KEYS
     index_mod.FEW_KEYS = 0                # every lookup through numpy
     try:
         assert idx.segments(keys) == few
+        assert idx.prefix_length(keys) == prefix
         assert idx.lookup(keys).tolist() == [
             -1 if (got := idx.locate(key)) is None else (got[0].run_id << POS_BITS) | got[1]
             for key in keys]
