@@ -70,25 +70,27 @@ class KeyTable:
             todo, idx = todo[go_on], (idx[go_on] + np.uint64(1)) & self.mask
         return slots
 
+    def _slot_of(self, lo: int, hi: int) -> int:
+        """find() of one key given as Python ints: its slot, or -1."""
+        val, klo, khi = self.val, self.lo, self.hi
+        mask = self.cap - 1
+        i = (((lo ^ ((hi * _MIX_INT) & _M64)) * _MIX_INT) & _M64) >> int(self.shift)
+        while True:
+            v = val.item(i)
+            if v == EMPTY:
+                return -1
+            if v >= 0 and klo.item(i) == lo and khi.item(i) == hi:
+                return i
+            i = (i + 1) & mask
+
     def get_few(self, keys: list[bytes]) -> list[int]:
         """get() for a few 16-byte keys, probed one by one with Python ints:
-        the same slots and answers as get(), without numpy's per-call cost."""
-        val, klo, khi = self.val, self.lo, self.hi
-        mask, shift = self.cap - 1, int(self.shift)
-        out = []
+        the same answers as get(), without numpy's per-call cost."""
+        val, out = self.val, []
         for key in keys:
-            lo = int.from_bytes(key[:8], "little")
-            hi = int.from_bytes(key[8:16], "little")
-            i = (((lo ^ ((hi * _MIX_INT) & _M64)) * _MIX_INT) & _M64) >> shift
-            while True:
-                v = val.item(i)
-                if v == EMPTY:
-                    out.append(-1)
-                    break
-                if v >= 0 and klo.item(i) == lo and khi.item(i) == hi:
-                    out.append(v)
-                    break
-                i = (i + 1) & mask
+            slot = self._slot_of(int.from_bytes(key[:8], "little"),
+                                 int.from_bytes(key[8:16], "little"))
+            out.append(-1 if slot < 0 else val.item(slot))
         return out
 
     def get(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -104,6 +106,8 @@ class KeyTable:
         Returns the values overwritten (one per key that was present)."""
         if lo.size == 0:
             return np.zeros(0, dtype=np.int64)
+        if lo.size <= FEW_KEYS:
+            return self._put_few(lo.tolist(), hi.tolist(), np.asarray(values).tolist())
         values = np.asarray(values, dtype=np.int64)
         if lo.size > 1 and _has_equal_neighbours(np.sort(lo)):
             # a key repeated in the batch: its last occurrence wins
@@ -126,6 +130,33 @@ class KeyTable:
             self._grow(self.live + lo.size)
         self._insert_new(lo, hi, values)
         return overwritten
+
+    def _put_few(self, los: list[int], his: list[int], vals: list[int]) -> np.ndarray:
+        """put() of a few keys given as Python ints, one by one (a put of a
+        short run); the same answers and table contents as put()."""
+        last = {key: i for i, key in enumerate(zip(los, his))}   # repeated: the last wins
+        overwritten, new = [], []
+        for i in sorted(last.values()):
+            slot = self._slot_of(los[i], his[i])
+            if slot >= 0:
+                overwritten.append(self.val.item(slot))
+                self.val[slot] = vals[i]
+            else:
+                new.append(i)
+        if new:
+            if self.used + len(new) > MAX_LOAD * self.cap:
+                self._grow(self.live + len(new))
+            val, mask, shift = self.val, self.cap - 1, int(self.shift)
+            for i in new:
+                lo, hi = los[i], his[i]
+                slot = (((lo ^ ((hi * _MIX_INT) & _M64)) * _MIX_INT) & _M64) >> shift
+                while val.item(slot) >= 0:
+                    slot = (slot + 1) & mask
+                if val.item(slot) == EMPTY:
+                    self.used += 1           # a tombstone reused was counted already
+                self.lo[slot], self.hi[slot], val[slot] = lo, hi, vals[i]
+            self.live += len(new)
+        return np.array(overwritten, dtype=np.int64)
 
     def _insert_new(self, lo, hi, values):
         idx = self._home(lo, hi)

@@ -293,3 +293,36 @@ def test_few_key_segments_split_at_run_ends_and_stop_at_a_miss():
     assert idx.segments([k(2), k(1)]) == [(a, 2, 1, 0), (a, 1, 1, 1)]    # not consecutive
     assert idx.segments([k(0), k(9), k(1)]) == [(a, 0, 1, 0)]            # the prefix only
     assert idx.segments([k(9), k(0)]) == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(),
+                              st.lists(st.integers(0, 60), min_size=1, max_size=8)),
+                    min_size=1, max_size=60))
+def test_few_key_puts_answer_as_the_numpy_path(ops):
+    """Puts of up to FEW_KEYS keys (repeats in a batch included) go one by
+    one in Python; a table fed the same puts and removes through numpy
+    answers every lookup the same and counts the same."""
+    import kvblock.index.table as table_mod
+    from kvblock.index.table import KeyTable, split_keys
+
+    few, many = KeyTable(16), KeyTable(16)
+    value = 0
+    for is_put, ids in ops:
+        lo, hi = split_keys(b"".join(k(i) for i in ids))
+        if is_put:
+            values = np.arange(value, value + len(ids))
+            value += len(ids)
+            got = few.put(lo, hi, values)
+            saved = table_mod.FEW_KEYS
+            table_mod.FEW_KEYS = 0
+            try:
+                want = many.put(lo, hi, values)
+            finally:
+                table_mod.FEW_KEYS = saved
+            assert got.dtype == want.dtype and got.tolist() == want.tolist()
+        else:
+            assert few.remove(lo, hi) == many.remove(lo, hi)
+        assert (len(few), few.used, few.cap) == (len(many), many.used, many.cap)
+    alo, ahi = split_keys(b"".join(k(i) for i in range(61)))
+    assert few.get(alo, ahi).tolist() == many.get(alo, ahi).tolist()
