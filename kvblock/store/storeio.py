@@ -7,15 +7,24 @@ Everything the store reads, writes, flushes or discards goes through one
 
 from __future__ import annotations
 
+import threading
+
 from kvblock.io import IOBatch, IOEngine
 from kvblock.memory import HostBuffer
 from kvblock.memory.aligned import round_up
+
+
+# write_bytes copies a record into a per-thread aligned buffer of this size
+# (larger writes, checkpoints, get their own): a journal commit of one put
+# mapped and unmapped a fresh buffer, ~20% of a small put's cost on tmpfs.
+META_BUFFER_BYTES = 256 << 10
 
 
 class StoreIO:
     def __init__(self, devices, engine: IOEngine):
         self.devices = list(devices)
         self.engine = engine
+        self._meta = threading.local()
 
     def read(self, batch: IOBatch) -> None:
         self.engine.read(batch)
@@ -46,10 +55,21 @@ class StoreIO:
     # --- small metadata transfers ---------------------------------------------------------
     def write_bytes(self, dev: int, offset: int, data: bytes) -> None:
         size = round_up(len(data), self.devices[dev].block_size)
-        with HostBuffer(size, register=False) as buf:
-            buf.array[:len(data)] = memoryview(data).cast("B")
-            buf.array[len(data):] = 0
-            self.write(IOBatch.single(buf.address, dev, offset, size))
+        if size > META_BUFFER_BYTES:
+            with HostBuffer(size, register=False) as buf:
+                self._write_padded(buf, dev, offset, data, size)
+            return
+        buf = getattr(self._meta, "buffer", None)
+        if buf is None:
+            buf = self._meta.buffer = HostBuffer(META_BUFFER_BYTES, register=False)
+        self._write_padded(buf, dev, offset, data, size)
+
+    def _write_padded(self, buf: HostBuffer, dev: int, offset: int, data: bytes,
+                      size: int) -> None:
+        """``data`` and zeros up to ``size`` bytes, from ``buf``, at ``offset``."""
+        buf.array[:len(data)] = memoryview(data).cast("B")
+        buf.array[len(data):size] = 0
+        self.write(IOBatch.single(buf.address, dev, offset, size))
 
     def read_bytes(self, dev: int, offset: int, length: int) -> bytes:
         size = round_up(length, self.devices[dev].block_size)
