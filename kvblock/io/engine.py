@@ -38,8 +38,10 @@ _OP_NAME = {OP_READ: "read", OP_WRITE: "write"}
 COPY_THREADS = max(1, min(os.cpu_count() or 1, 4))
 COPY_SPLIT_BYTES = 8 << 20
 # Batches of up to FEW_IOS entries are checked with Python ints instead of
-# numpy (a partial promotion reads a few blocks and a trailer).
-FEW_IOS = 8
+# numpy (a partial promotion reads a few blocks and a trailer; a whole run of
+# 16 layers is 16 entries).  Timed on the 2-core VM: _validate 3.0 against
+# 12.8 us at 8 entries, 8.4 against 12.4 at 32, 15.7 against 12.3 at 64.
+FEW_IOS = 32
 
 
 @dataclass

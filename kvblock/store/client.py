@@ -819,6 +819,7 @@ class RemoteStore:
     _read_segment = KVStore._read_segment
     _straight_into = KVStore._straight_into
     _read_whole_runs = KVStore._read_whole_runs
+    _read_few_images = KVStore._read_few_images
     _window = KVStore._window
     _verified_window = KVStore._verified_window
     _read_blocks_verified = KVStore._read_blocks_verified

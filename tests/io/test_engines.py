@@ -129,7 +129,7 @@ def test_out_of_range_and_bad_device_index(engine_name, file_target):
             eng.read(IOBatch.single(buf.address, 3, 0, 4096))
 
 
-@pytest.mark.parametrize("size", [2, 12], ids=["few", "many"])
+@pytest.mark.parametrize("size", [2, 40], ids=["few", "many"])
 def test_bad_entry_of_a_batch_is_named(engine_name, file_target, size):
     """Batches of up to FEW_IOS I/Os are checked with Python ints, larger ones
     with numpy (one I/O takes a scalar fast path too): either way the first
@@ -137,13 +137,14 @@ def test_bad_entry_of_a_batch_is_named(engine_name, file_target, size):
     alignment, then the device's end)."""
     from kvblock.io.engine import FEW_IOS
 
-    assert FEW_IOS < 12 and (size <= FEW_IOS) == (size == 2)
+    assert FEW_IOS < 40 and (size <= FEW_IOS) == (size == 2)
     path = file_target(MIB)
 
     def batch(*bad):
         """``size`` good 4 KiB reads, the last ones replaced by ``bad``
         (dev, offset, length) entries."""
         entries = [(0, 4096 * i, 4096) for i in range(size - len(bad))] + list(bad)
+        assert len(entries) == size
         devs, offs, lens = zip(*entries)
         return IOBatch(np.array([buf.address] * size), np.array(devs), np.array(offs),
                        np.array(lens))

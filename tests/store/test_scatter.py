@@ -362,3 +362,48 @@ def test_runs_batch_is_the_runs_batches_end_to_end():
         assert np.array_equal(getattr(got, field), getattr(cat, field)), field
     assert np.array_equal(streams, np.concatenate(want_streams))
     assert got.nbytes == 9 * ALIGNED.block_bytes
+
+
+@pytest.mark.parametrize("nruns", [3, 40], ids=["few-ios", "numpy"])
+def test_a_bad_run_among_images_read_together_ends_the_prefix_there(tmp_path, nruns):
+    """get_run across whole runs straight into an aligned buffer (one range
+    per run): up to FEW_IOS ranges are batched with Python ints, more with
+    numpy; either way the blocks before a bad run come back verified, the
+    bad run is dropped and named, and the runs after it stay whole."""
+    from kvblock import create_file
+    from kvblock.io.engine import FEW_IOS
+
+    assert (nruns <= FEW_IOS) == (nruns == 3)
+    geom = Geometry(num_layers=1, num_kv_heads=1, head_dim=2048, dtype="float16",
+                    block_tokens=1, kv_parts=1)          # 4 KiB blocks, one range
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    with _format(path, geom) as store:
+        keys, want = _runs(store, geom, [1] * nruns)
+        out = aligned_empty(nruns * geom.block_bytes)
+        assert store.get_run(keys, out) == nruns            # intact: all of them
+        assert np.array_equal(out, np.concatenate(want))
+        bad = store.index.segments(normalize_keys(keys[1:2]))[0][0]   # the second run
+        _, off = store.regions.address(bad.region, bad.offset)
+    with open(path, "r+b") as f:
+        f.seek(off + 100)
+        byte = f.read(1)
+        f.seek(off + 100)
+        f.write(bytes([byte[0] ^ 0x80]))
+    with KVStore.open([str(path)]) as store:
+        out[:] = 0
+        assert store.get_run(keys, out) == 1
+        assert np.array_equal(out[:geom.block_bytes], want[0])
+        assert store.stats()["checksum_failures"] == 1
+        assert store.last_checksum_failure[2:] == (bad.run_id, 0)
+        assert store.lookup(keys[1:2]) == 0                 # dropped
+        rest = aligned_empty((nruns - 2) * geom.block_bytes)
+        assert store.get_run(keys[2:], rest) == nruns - 2
+        assert np.array_equal(rest, np.concatenate(want[2:]))
+    with KVStore.open([str(path)], verify="never") as store:   # one I/O per run, unhashed
+        seen = _watch(store)
+        rest[:] = 0
+        assert store.get_run(keys[2:], rest) == nruns - 2
+        assert np.array_equal(rest, np.concatenate(want[2:]))
+        (batch,) = [b for k, b in seen if k == "read"]
+        assert len(batch) == nruns - 2
