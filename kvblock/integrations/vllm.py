@@ -314,7 +314,10 @@ class KVBlockTierManager(SecondaryTierManager):
         # A run never spans regions; runs of at most 1/8 region keep the space
         # a region cannot fit at its end small.
         self.max_run_blocks = max(1, min(run_bytes // bs, self.store.max_run_blocks // 8))
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)       # workers wait here for pieces
+        # drain_jobs waits here: a finished job wakes it, not every idle worker
+        self._drained = threading.Condition(lock)
         self._failed = FailureLog(logger, "kvblock tier")
         self._loads: deque = deque()
         self._stores: deque = deque()
@@ -421,8 +424,8 @@ class KVBlockTierManager(SecondaryTierManager):
         return self._inflight > 0 or bool(self._finished)
 
     def drain_jobs(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._inflight == 0)
+        with self._drained:
+            self._drained.wait_for(lambda: self._inflight == 0)
 
     def shutdown(self) -> None:
         """Cancel queued pieces (their jobs fail), let running ones finish,
@@ -493,7 +496,8 @@ class KVBlockTierManager(SecondaryTierManager):
             transfer_time=elapsed,
             transfer_bytes=job.moved * self.block_size_bytes))
         self._inflight -= 1
-        self._cond.notify_all()
+        if self._inflight == 0:
+            self._drained.notify_all()
 
     def _contains_nowait(self, kb: bytes) -> bool | None:
         """Whether the store holds ``kb``; None when a worker has held the
