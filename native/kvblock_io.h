@@ -93,6 +93,14 @@ int64_t kvb_hash_pieces(uint64_t n, const uint64_t *addrs, const uint64_t *lens,
                         const uint32_t *streams, uint32_t nstreams, const uint64_t *seeds,
                         uint64_t *digests);
 
+/* A run's block digests and range checksums in one pass over its blocks:
+ * block_digests[r * nblocks + k] = XXH3-64 (seed) of the block_len bytes at
+ * addrs[r * nblocks + k]; range_digests[r] = XXH3-64 (seed) of range r's
+ * blocks in order followed by pad zero bytes.  Returns 0 or -ENOMEM. */
+int64_t kvb_hash_blocks_ranges(uint64_t nranges, uint64_t nblocks, const uint64_t *addrs,
+                               uint64_t block_len, uint64_t pad, uint64_t seed,
+                               uint64_t *block_digests, uint64_t *range_digests);
+
 /* Copy rows between two strided memory layouts (the gather and scatter of
  * KV pages between an engine's paged cache and kvblock's staging):
  *   for i < n, j < m:  memcpy(dst[i] + j * dst_step, src[i] + j * src_step, len)

@@ -11,11 +11,12 @@ import sys
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
 from cffi import FFI
 
 from kvblock.errors import NativeLibraryError
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 LIB_NAME = "libkvblock_io.so"
 
 CDEF = """
@@ -40,6 +41,9 @@ int64_t kvb_hasher_finish(kvb_hasher *hasher);
 int64_t kvb_hash_pieces(uint64_t n, const uint64_t *addrs, const uint64_t *lens,
                         const uint32_t *streams, uint32_t nstreams, const uint64_t *seeds,
                         uint64_t *digests);
+int64_t kvb_hash_blocks_ranges(uint64_t nranges, uint64_t nblocks, const uint64_t *addrs,
+                               uint64_t block_len, uint64_t pad, uint64_t seed,
+                               uint64_t *block_digests, uint64_t *range_digests);
 void kvb_copy_rows(uint64_t n, const uint64_t *dst, const uint64_t *src,
                    uint64_t m, int64_t dst_step, int64_t src_step, uint64_t len,
                    unsigned threads);
@@ -131,6 +135,26 @@ class Hasher:
         """Hash what is left and free the native hasher (once)."""
         handle, self.handle = self.handle, ffi.NULL
         return lib().kvb_hasher_finish(handle) if handle != ffi.NULL else 0
+
+
+def hash_blocks_ranges(addrs, nranges: int, nblocks: int, block_len: int, pad: int,
+                       seed: int):
+    """A run's block digests ((nranges, nblocks) uint64) and range checksums
+    (nranges uint64) in one pass: ``addrs`` holds each block's address,
+    range-major; a range is its blocks in order, then ``pad`` zero bytes.
+    Each is XXH3-64 with ``seed`` (format.checksum.data_checksum's)."""
+    addrs = np.ascontiguousarray(addrs, dtype=np.uint64)
+    if addrs.size != nranges * nblocks:
+        raise ValueError(f"hash_blocks_ranges: {addrs.size} addresses for {nranges} ranges "
+                         f"x {nblocks} blocks")
+    blocks = np.zeros((nranges, nblocks), dtype=np.uint64)
+    ranges = np.zeros(nranges, dtype=np.uint64)
+    ret = lib().kvb_hash_blocks_ranges(nranges, nblocks, ptr("uint64_t *", addrs), block_len,
+                                       pad, seed, ptr("uint64_t *", blocks),
+                                       ptr("uint64_t *", ranges))
+    if ret < 0:
+        raise MemoryError(f"kvb_hash_blocks_ranges: {os.strerror(-ret)}")
+    return blocks, ranges
 
 
 def hash_pieces(addrs, lens, streams, seeds, digests) -> None:

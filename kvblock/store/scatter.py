@@ -18,7 +18,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvblock.errors import ConfigError
-from kvblock.format.checksum import data_checksum_pieces
 from kvblock.io import IOBatch
 from kvblock.layout.geometry import Geometry
 
@@ -162,11 +161,6 @@ class BlockList:
         batch, kept = merge(addrs, np.asarray(devs, dtype=np.uint32)[run], offs, gbb,
                             streams if by_range else None)
         return batch, streams[kept]
-
-    def checksums(self, seed: int) -> np.ndarray:
-        """Per-range checksums of the run these blocks make (no padding)."""
-        return np.array([data_checksum_pieces([a[r] for a in self.arrays], seed)
-                         for r in range(self.geometry.ranges)], dtype=np.uint64)
 
 
 def coalesce(addrs: np.ndarray, devs, offsets: np.ndarray, lens,

@@ -57,7 +57,7 @@ from kvblock.format import checkpoint as cpfmt
 from kvblock.format import journal as jfmt
 from kvblock.format import superblock as sbfmt
 from kvblock.format import trailer as trailerfmt
-from kvblock.format.checksum import data_checksum, data_seed
+from kvblock.format.checksum import data_seed
 from kvblock.index import KeyIndex, Run, normalize_keys
 from kvblock.index.index import POS_BITS
 from kvblock.io import IOBatch, open_engine
@@ -180,10 +180,6 @@ def _with_trailer_checksum(ranges, trailer: np.ndarray, run_id: int) -> np.ndarr
                      np.uint64(trailerfmt.checksum(trailer, run_id)))
 
 
-def _range_checksums(ranges: np.ndarray, run_id: int) -> np.ndarray:
-    return np.array([data_checksum(r, run_id) for r in ranges], dtype=np.uint64)
-
-
 def _small_aligned(nbytes: int, alignment: int) -> np.ndarray:
     """An aligned scratch array for a small I/O (a trailer) from the heap: a
     fresh mapping per put costs more than the trailer's hashing."""
@@ -194,11 +190,30 @@ def _small_aligned(nbytes: int, alignment: int) -> np.ndarray:
 
 def _block_digests(batch: IOBatch, lay: RunLayout, dev_off: int, run_id: int) -> np.ndarray:
     """The (ranges, blocks) digests of a run's blocks (its trailer's), hashed
-    from the memory ``batch`` writes the run's data from (at ``dev_off``):
-    block k of range r is the gbb bytes at r * range_bytes + k * gbb."""
+    from the memory ``batch`` writes the run's data from (at ``dev_off``)."""
+    g = lay.geometry
+    return block_digests_at(_block_addresses(batch, lay, dev_off), g.group_block_bytes,
+                            run_id).reshape(g.ranges, lay.nblocks)
+
+
+def _block_and_range_digests(batch: IOBatch, lay: RunLayout, dev_off: int,
+                             run_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """_block_digests, and the range checksums (each range's blocks, then its
+    zero padding up to range_bytes), in one pass over the blocks: 1.4-1.5x
+    the speed of a pass for each out of memory (2 to 32 blocks of 256 KiB)."""
+    g = lay.geometry
+    return native.hash_blocks_ranges(_block_addresses(batch, lay, dev_off), g.ranges,
+                                     lay.nblocks, g.group_block_bytes,
+                                     lay.range_bytes - lay.prefix_bytes(lay.nblocks),
+                                     data_seed(run_id))
+
+
+def _block_addresses(batch: IOBatch, lay: RunLayout, dev_off: int) -> np.ndarray:
+    """Where in memory each block of the run ``batch`` writes at ``dev_off``
+    lies, range-major: block k of range r is the gbb bytes at r * range_bytes
+    + k * gbb on the device."""
     g = lay.geometry
     gbb = np.uint64(g.group_block_bytes)
-    n = g.ranges * lay.nblocks
     r = np.repeat(np.arange(g.ranges, dtype=np.uint64), lay.nblocks)
     k = np.tile(np.arange(lay.nblocks, dtype=np.uint64), g.ranges)
     want = np.uint64(dev_off) + r * np.uint64(lay.range_bytes) + k * gbb
@@ -209,8 +224,7 @@ def _block_digests(batch: IOBatch, lay: RunLayout, dev_off: int, run_id: int) ->
     # BlockList pieces); a block across two entries would be a bug here.
     assert (e >= 0).all() and (want + gbb <= offs[e] + lens[e]).all(), \
         "a block's bytes span two write entries"
-    return block_digests_at(addrs[e] + (want - offs[e]), g.group_block_bytes,
-                            run_id).reshape(g.ranges, lay.nblocks)
+    return addrs[e] + (want - offs[e])
 
 
 def block_digests_at(addrs, nbytes: int, run_id: int) -> np.ndarray:
@@ -1103,8 +1117,7 @@ class KVStore:
                     return self._with_trailer(lay, batch, Streams(streams), trailer, run_id,
                                               dev, dev_off, later)
                 return self._with_trailer(lay, blocks.batch(dev, dev_off, lay.range_bytes),
-                                          lambda: blocks.checksums(run_id), trailer, run_id,
-                                          dev, dev_off, later)
+                                          None, trailer, run_id, dev, dev_off, later)
             # The caller's array already is the on-device image: no copy.
             address = blocks.ctypes.data
             if as_written:
@@ -1113,10 +1126,8 @@ class KVStore:
                     lay, IOBatch(at + np.uint64(address), dev, at + np.uint64(dev_off),
                                  np.full(g.ranges, payload, np.uint64)),
                     Streams(np.arange(g.ranges)), trailer, run_id, dev, dev_off, later)
-            return self._with_trailer(
-                lay, IOBatch.single(address, dev, dev_off, lay.data_bytes),
-                lambda: _range_checksums(blocks.reshape(g.ranges, payload), run_id), trailer,
-                run_id, dev, dev_off, later)
+            return self._with_trailer(lay, IOBatch.single(address, dev, dev_off, lay.data_bytes),
+                                      None, trailer, run_id, dev, dev_off, later)
         buf = self._staging(lay.run_bytes)
         ranges = buf.array[:lay.data_bytes].reshape(g.ranges, lay.range_bytes)
         if isinstance(blocks, BlockList):
@@ -1128,8 +1139,7 @@ class KVStore:
         # unless the run is hashed while its data is written.
         trailer = buf.array[lay.data_bytes:lay.run_bytes]
         data = IOBatch.single(buf.address, dev, dev_off, lay.data_bytes)
-        staged = self._with_trailer(lay, data, lambda: _range_checksums(ranges, run_id),
-                                    trailer, run_id, dev, dev_off, later)
+        staged = self._with_trailer(lay, data, None, trailer, run_id, dev, dev_off, later)
         if later:
             return staged
         return IOBatch.single(buf.address, dev, dev_off, lay.run_bytes), staged[1]
@@ -1137,15 +1147,18 @@ class KVStore:
     def _with_trailer(self, lay: RunLayout, batch: IOBatch, sums, trailer: np.ndarray,
                       run_id: int, dev: int, dev_off: int, later: bool = False):
         """The data write ``batch`` of a run and its checksums (``sums``:
-        Streams, or a callable computing the range checksums), with the
-        run's block digest trailer filled in ``trailer`` and its write
+        Streams, or None: hashed from the blocks with their digests), with
+        the run's block digest trailer filled in ``trailer`` and its write
         appended (the batch keeps the buffer alive); with ``later`` (not
         for Streams), the data write and a :class:`Later` that does the
         hashing and the trailer."""
         def digest():
-            trailer[:] = trailerfmt.encode(_block_digests(batch, lay, dev_off, run_id),
-                                           lay.trailer_bytes)
-            return None if isinstance(sums, Streams) else sums()
+            if isinstance(sums, Streams):
+                blocks, ranges = _block_digests(batch, lay, dev_off, run_id), None
+            else:
+                blocks, ranges = _block_and_range_digests(batch, lay, dev_off, run_id)
+            trailer[:] = trailerfmt.encode(blocks, lay.trailer_bytes)
+            return ranges
 
         tail = IOBatch.single(trailer.ctypes.data, dev, dev_off + lay.data_bytes,
                               lay.trailer_bytes)

@@ -209,3 +209,34 @@ def test_native_hasher_rejects_bad_streams_and_reports_unfinished_pieces():
     results[:] = [BLOCK, 100, BLOCK]
     assert h.finish() == 1
     assert int(digests[0]) == 0 and int(digests[1]) == data_checksum(buf[2 * BLOCK:], 6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 5), st.integers(1, 200_000), st.integers(0, 9000),
+       st.integers(0, 2**64 - 1), st.booleans())
+def test_block_digests_and_range_checksums_in_one_pass(nranges, nblocks, block_len, pad, seed,
+                                                       shuffled):
+    """native.hash_blocks_ranges (what a put hashes its blocks and ranges
+    with): each block's digest and each range's checksum (its blocks in
+    order, then ``pad`` zero bytes) equal xxhash's, for blocks anywhere in
+    memory and blocks that cross the native code's 64 KiB chunks."""
+    import xxhash
+
+    n = nranges * nblocks
+    data = np.random.default_rng(seed % 997).integers(0, 256, n * block_len, dtype=np.uint8)
+    order = np.random.default_rng(seed % 991).permutation(n) if shuffled else np.arange(n)
+    # block i (range-major) lies at slot order[i] of the buffer
+    at = [data.ctypes.data + int(order[i]) * block_len for i in range(n)]
+    block = [data[int(order[i]) * block_len:(int(order[i]) + 1) * block_len] for i in range(n)]
+    got_blocks, got_ranges = native.hash_blocks_ranges(at, nranges, nblocks, block_len, pad,
+                                                       seed)
+    assert got_blocks.shape == (nranges, nblocks)
+    assert got_blocks.reshape(-1).tolist() == [xxhash.xxh3_64_intdigest(b, seed=seed)
+                                               for b in block]
+    assert got_ranges.tolist() == [
+        xxhash.xxh3_64_intdigest(b"".join(b.tobytes() for b in block[r * nblocks:
+                                                                     (r + 1) * nblocks])
+                                 + bytes(pad), seed=seed)
+        for r in range(nranges)]
+    with pytest.raises(ValueError, match="addresses for"):
+        native.hash_blocks_ranges(at[:-1], nranges, nblocks, block_len, pad, seed)

@@ -25,15 +25,16 @@ N = 64                                   # blocks per run: 512 KiB of data
 
 
 def _spy(monkeypatch, store):
-    """Record (thread name, what) for each block digest pass and each write."""
+    """Record (thread name, what) for each digest pass (block digests, with
+    or without the range checksums) and each write."""
     events = []
-    digests = store_mod._block_digests
-
-    def hashing(*a):
-        out = digests(*a)
-        events.append((threading.current_thread().name, "digests"))
-        return out
-    monkeypatch.setattr(store_mod, "_block_digests", hashing)
+    # block digests alone (a write that hashes its ranges), or with the ranges
+    for name in ("_block_digests", "_block_and_range_digests"):
+        def hashing(*a, _real=getattr(store_mod, name)):
+            out = _real(*a)
+            events.append((threading.current_thread().name, "digests"))
+            return out
+        monkeypatch.setattr(store_mod, name, hashing)
     for name in ("write", "write_hashed"):
         real = getattr(store.io, name)
 
@@ -133,14 +134,14 @@ def test_a_failed_data_write_publishes_nothing_after_the_hashing_ended(file_targ
     path = file_target(16 * MIB)
     with KVStore.format([path], GEOM, region_size=2 * MIB) as store:
         hashing_done = threading.Event()
-        digests = store_mod._block_digests
+        digests = store_mod._block_and_range_digests
 
         def slow_hashing(*a):
             out = digests(*a)
             threading.Event().wait(0.2)          # still hashing when the write fails
             hashing_done.set()
             return out
-        monkeypatch.setattr(store_mod, "_block_digests", slow_hashing)
+        monkeypatch.setattr(store_mod, "_block_and_range_digests", slow_hashing)
         real = store.io.write
 
         def failing(batch):
