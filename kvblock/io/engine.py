@@ -175,7 +175,7 @@ class IOEngine:
         """
         streams, seeds, digests = _hash_streams("read_hashed", batch, streams, seeds)
         n = len(batch)
-        if n and (batch.lens.item() if n == 1 else batch.nbytes) <= HASH_PIECE:
+        if n and (sum(batch.lens.tolist()) if n <= FEW_IOS else batch.nbytes) <= HASH_PIECE:
             # At most one piece's worth: nothing to overlap, and a small read
             # (a 4 KiB get) would pay more for the native hasher than the hash.
             self.read(batch, qd=qd)

@@ -1612,9 +1612,13 @@ class KVStore:
         # Windows that are exactly the blocks, into an aligned contiguous
         # destination (its rows are the ranges' blocks): read straight there.
         straight = (lo == pos * gbb and span == count * gbb and not isinstance(dst, BlockList)
-                    and dst.flags.c_contiguous and dst.ctypes.data % self.alignment == 0)
+                    and dst.flags.c_contiguous)
+        if straight:
+            data_at = dst.ctypes.data
+            straight = data_at % self.alignment == 0
         buf = self._staging((0 if straight else span * nidx) + lay.trailer_bytes)
-        data_at = dst.ctypes.data if straight else buf.address
+        if not straight:
+            data_at = buf.address
         tail = 0 if straight else span * nidx
         dev, base = self.regions.address(run.region, run.offset)
         # Python ints, not numpy: a promotion reads a few blocks, and numpy's
@@ -1653,21 +1657,24 @@ class KVStore:
         cache, instead of read again from memory after the copy."""
         g = self.geometry
         gbb, rb, tb = g.group_block_bytes, lay.range_bytes, lay.trailer_bytes
-        addrs = [dst.ctypes.data + k * gbb for k in range(len(idx) * count)]
+        at = dst.ctypes.data
+        addrs = [at + k * gbb for k in range(len(idx) * count)]
         addrs.append(buf.address)
         offsets = [base + r * rb + (pos + j) * gbb for r in idx for j in range(count)]
         offsets.append(base + lay.data_bytes)
         n = len(addrs)
         sums = self.io.read_hashed(IOBatch.listed(addrs, dev, offsets, [gbb] * (n - 1) + [tb]),
-                                   np.arange(n), np.full(n, data_seed(run.run_id), np.uint64))
-        if int(sums[-1]) != int(run.checksums[g.ranges]):
+                                   np.arange(n, dtype=np.uint32),
+                                   np.full(n, data_seed(run.run_id), np.uint64)).tolist()
+        if sums[-1] != int(run.checksums[g.ranges]):
             self._checksum_failure(run, g.ranges)
             return False
-        trailer = buf.array[:tb]
-        want = trailerfmt.decode(trailer, g.ranges, run.nblocks)[idx, pos:pos + count]
-        bad = np.nonzero(sums[:-1] != want.reshape(-1))[0]
-        if bad.size:
-            self._checksum_failure(run, idx[int(bad[0]) // count])
+        digests = trailerfmt.decode(buf.array[:tb], g.ranges, run.nblocks)
+        want = (digests[:, pos:pos + count] if len(idx) == g.ranges
+                else digests[idx, pos:pos + count]).reshape(-1).tolist()
+        if sums[:-1] != want:
+            bad = next(k for k, (a, b) in enumerate(zip(sums, want)) if a != b)
+            self._checksum_failure(run, idx[bad // count])
             return False
         self.counters["bytes_read"] += count * gbb * len(idx) + tb
         self.counters["partial_verified_reads"] += 1
