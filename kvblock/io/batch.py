@@ -62,11 +62,11 @@ class IOBatch:
     @classmethod
     def listed(cls, addrs: list[int], dev: int | list[int], offsets: list[int],
                lens: list[int]) -> "IOBatch":
-        """A batch from lists of Python ints of equal length, on one device
-        or one per entry (built field by field, as single())."""
+        """A batch from lists of ints of equal length, on one device (an int)
+        or one per entry (a list), built field by field, as single()."""
         b = object.__new__(cls)
         b.addrs = np.array(addrs, dtype=np.uint64)
-        b.devs = np.array([dev] * len(addrs) if isinstance(dev, int) else dev, dtype=np.uint32)
+        b.devs = np.array(dev if isinstance(dev, list) else [dev] * len(addrs), dtype=np.uint32)
         b.offsets = np.array(offsets, dtype=np.uint64)
         b.lens = np.array(lens, dtype=np.uint64)
         return b

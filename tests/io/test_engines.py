@@ -295,3 +295,16 @@ def test_degenerate_arguments_get_typed_errors(engine_name, file_target):
         with pytest.raises(ConfigError, match="device index"):
             IOBatch(np.array([buf.address], np.uint64), np.array([2 ** 32]), 0, 4096)
     dev.close()
+
+
+def test_a_listed_batch_equals_the_batch_the_constructor_builds():
+    """IOBatch.listed (the few-I/O paths' batches) skips __post_init__'s
+    conversions: same dtypes and values, on one device (an int of any kind)
+    or one per entry."""
+    addrs, offsets, lens = [4096, 8192, 1 << 40], [0, 4096, (1 << 63) + 4096], [4096] * 3
+    for dev, devs in [(2, [2, 2, 2]), (np.int64(1), [1, 1, 1]), ([0, 1, 0], [0, 1, 0])]:
+        got, want = IOBatch.listed(addrs, dev, offsets, lens), IOBatch(addrs, devs, offsets,
+                                                                       lens)
+        for field in ("addrs", "devs", "offsets", "lens"):
+            a, b = getattr(got, field), getattr(want, field)
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist(), field
