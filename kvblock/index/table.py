@@ -74,7 +74,7 @@ class KeyTable:
         """find() of one key given as Python ints: its slot, or -1."""
         val, klo, khi = self.val, self.lo, self.hi
         mask = self.cap - 1
-        i = (((lo ^ ((hi * _MIX_INT) & _M64)) * _MIX_INT) & _M64) >> int(self.shift)
+        i = _home_of(lo, hi, int(self.shift))
         while True:
             v = val.item(i)
             if v == EMPTY:
@@ -149,7 +149,7 @@ class KeyTable:
             val, mask, shift = self.val, self.cap - 1, int(self.shift)
             for i in new:
                 lo, hi = los[i], his[i]
-                slot = (((lo ^ ((hi * _MIX_INT) & _M64)) * _MIX_INT) & _M64) >> shift
+                slot = _home_of(lo, hi, shift)
                 while val.item(slot) >= 0:
                     slot = (slot + 1) & mask
                 if val.item(slot) == EMPTY:
@@ -200,6 +200,11 @@ class KeyTable:
         self._alloc(cap)
         self.live = 0
         self._insert_new(lo, hi, val)
+
+
+def _home_of(lo: int, hi: int, shift: int) -> int:
+    """KeyTable._home of one key given as Python ints (uint64 arithmetic)."""
+    return (((lo ^ ((hi * _MIX_INT) & _M64)) * _MIX_INT) & _M64) >> shift
 
 
 def _has_equal_neighbours(sorted_values: np.ndarray) -> bool:

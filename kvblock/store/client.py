@@ -824,6 +824,7 @@ class RemoteStore:
     _verified_window = KVStore._verified_window
     _read_blocks_verified = KVStore._read_blocks_verified
     _copy_blocks_verified = KVStore._copy_blocks_verified
+    _blocks_match_trailer = KVStore._blocks_match_trailer
     _scatter_window = KVStore._scatter_window
     _verified = KVStore._verified
     _checksum_failure = KVStore._checksum_failure

@@ -180,6 +180,11 @@ def _with_trailer_checksum(ranges, trailer: np.ndarray, run_id: int) -> np.ndarr
                      np.uint64(trailerfmt.checksum(trailer, run_id)))
 
 
+def _first_difference(a: list, b: list) -> int:
+    """The first index where two lists of equal length differ (they do)."""
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
 def _small_aligned(nbytes: int, alignment: int) -> np.ndarray:
     """An aligned scratch array for a small I/O (a trailer) from the heap: a
     fresh mapping per put costs more than the trailer's hashing."""
@@ -1621,27 +1626,23 @@ class KVStore:
             data_at = buf.address
         tail = 0 if straight else span * nidx
         dev, base = self.regions.address(run.region, run.offset)
+        if straight and self.io.engine.mapped(dev):
+            return self._copy_blocks_verified(run, lay, pos, count, dst, idx, dev, base, buf)
         # Python ints, not numpy: a promotion reads a few blocks, and numpy's
         # per-call cost was most of this method's time.
         rb = lay.range_bytes
-        if straight and self.io.engine.mapped(dev):
-            return self._copy_blocks_verified(run, lay, pos, count, dst, idx, dev, base, buf)
         offsets = [base + lo + r * rb for r in idx]
         offsets.append(base + lay.data_bytes)
         addrs = [data_at + i * span for i in range(nidx)]
         addrs.append(buf.address + tail)
         self.io.read(IOBatch.listed(addrs, dev, offsets, [span] * nidx + [lay.trailer_bytes]))
         trailer = buf.array[tail:tail + lay.trailer_bytes]
-        if trailerfmt.checksum(trailer, run.run_id) != int(run.checksums[g.ranges]):
-            self._checksum_failure(run, g.ranges)
-            return False
-        want = trailerfmt.decode(trailer, g.ranges, run.nblocks)[idx, pos:pos + count]
         # Block j of the i-th range read starts at i * span + (pos + j) * gbb - lo.
         first = data_at + pos * gbb - lo
         at = [first + i * span + j * gbb for i in range(nidx) for j in range(count)]
-        bad = np.nonzero(block_digests_at(at, gbb, run.run_id) != want.reshape(-1))[0]
-        if bad.size:
-            self._checksum_failure(run, idx[int(bad[0]) // count])
+        if not self._blocks_match_trailer(run, trailer, trailerfmt.checksum(trailer, run.run_id),
+                                          idx, pos, count,
+                                          block_digests_at(at, gbb, run.run_id).tolist()):
             return False
         if not straight:
             self._scatter_window(buf.array, nidx, lo, span, pos, count, dst)
@@ -1666,18 +1667,29 @@ class KVStore:
         sums = self.io.read_hashed(IOBatch.listed(addrs, dev, offsets, [gbb] * (n - 1) + [tb]),
                                    np.arange(n, dtype=np.uint32),
                                    np.full(n, data_seed(run.run_id), np.uint64)).tolist()
-        if sums[-1] != int(run.checksums[g.ranges]):
-            self._checksum_failure(run, g.ranges)
-            return False
-        digests = trailerfmt.decode(buf.array[:tb], g.ranges, run.nblocks)
-        want = (digests[:, pos:pos + count] if len(idx) == g.ranges
-                else digests[idx, pos:pos + count]).reshape(-1).tolist()
-        if sums[:-1] != want:
-            bad = next(k for k, (a, b) in enumerate(zip(sums, want)) if a != b)
-            self._checksum_failure(run, idx[bad // count])
+        if not self._blocks_match_trailer(run, buf.array[:tb], sums[-1], idx, pos, count,
+                                          sums[:-1]):
             return False
         self.counters["bytes_read"] += count * gbb * len(idx) + tb
         self.counters["partial_verified_reads"] += 1
+        return True
+
+    def _blocks_match_trailer(self, run: Run, trailer, trailer_sum: int, idx: list, pos: int,
+                              count: int, digests: list[int]) -> bool:
+        """A partial read's check: the trailer (its bytes, and ``trailer_sum``
+        their hash) against the index's checksum, then ``digests`` (blocks
+        pos..pos+count of ranges ``idx``, range-major) against the trailer's.
+        On a mismatch, record the failure (the first bad range) and say False."""
+        g = self.geometry
+        if trailer_sum != int(run.checksums[g.ranges]):
+            self._checksum_failure(run, g.ranges)
+            return False
+        table = trailerfmt.decode(trailer, g.ranges, run.nblocks)
+        want = (table[:, pos:pos + count] if len(idx) == g.ranges
+                else table[idx, pos:pos + count]).reshape(-1).tolist()
+        if digests != want:
+            self._checksum_failure(run, idx[_first_difference(digests, want) // count])
+            return False
         return True
 
     def _read_whole_runs(self, parts: list) -> int:
@@ -1754,7 +1766,7 @@ class KVStore:
             sums = self.io.read_hashed(batch, np.arange(len(addrs)),
                                        np.array(seeds, dtype=np.uint64)).tolist()
             if sums != want:
-                bad = next(i for i, (a, b) in enumerate(zip(sums, want)) if a != b)
+                bad = _first_difference(sums, want)
                 good = bad // nr
                 self._checksum_failure(parts[good][0], bad % nr)
         self.counters["bytes_read"] += sum(self.layout(run.nblocks).data_bytes
