@@ -297,6 +297,15 @@ def test_a_get_across_runs_into_one_buffer_is_one_engine_call(target):
         assert len(reads) == 1 and reads[0].addrs.min() == out.ctypes.data
 
 
+def _flip_byte(path, at: int) -> None:
+    """Damage one byte of a store file (the store is closed)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x80]))
+
+
 def test_a_bad_run_in_a_combined_read_ends_the_prefix_there(tmp_path):
     """Runs read together are verified in order: a get returns the blocks
     before the bad run, drops that run, and leaves the runs after it whole."""
@@ -308,11 +317,7 @@ def test_a_bad_run_in_a_combined_read_ends_the_prefix_there(tmp_path):
         keys, want = _runs(store, ALIGNED, [2, 1, 2, 3])
         bad = store.index.segments(normalize_keys(keys[3:5]))[0][0]   # the third run
         _, off = store.regions.address(bad.region, bad.offset)
-    with open(path, "r+b") as f:
-        f.seek(off + 100)
-        byte = f.read(1)
-        f.seek(off + 100)
-        f.write(bytes([byte[0] ^ 0x80]))
+    _flip_byte(path, off + 100)
     with KVStore.open([str(path)]) as store:
         dst = _blocks(np.zeros(8 * ALIGNED.block_bytes, np.uint8), ALIGNED)
         assert store.get_blocks(keys, dst) == 3
@@ -385,11 +390,7 @@ def test_a_bad_run_among_images_read_together_ends_the_prefix_there(tmp_path, nr
         assert np.array_equal(out, np.concatenate(want))
         bad = store.index.segments(normalize_keys(keys[1:2]))[0][0]   # the second run
         _, off = store.regions.address(bad.region, bad.offset)
-    with open(path, "r+b") as f:
-        f.seek(off + 100)
-        byte = f.read(1)
-        f.seek(off + 100)
-        f.write(bytes([byte[0] ^ 0x80]))
+    _flip_byte(path, off + 100)
     with KVStore.open([str(path)]) as store:
         out[:] = 0
         assert store.get_run(keys, out) == 1
