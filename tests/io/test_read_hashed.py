@@ -151,6 +151,28 @@ def test_a_read_of_one_piece_or_less_is_hashed_after_it(monkeypatch, engine_name
                                          data_checksum(data[2 * BLOCK:3 * BLOCK], 5)]
 
 
+def test_a_copy_out_of_a_mapping_hashes_as_it_copies_from_mapped_hash_bytes(monkeypatch,
+                                                                           shm_target):
+    """Out of a mapped tmpfs file, a read of MAPPED_HASH_BYTES or more (below
+    HASH_PIECE) is hashed by the copy, chunk by chunk; a smaller one after it.
+    The digests are the same either way."""
+    path = shm_target(MIB)
+    data = np.random.default_rng(17).integers(0, 256, MIB, dtype=np.uint8)
+    _fill(path, data)
+    made = []
+    real = native.Hasher
+    monkeypatch.setattr(native, "Hasher", lambda *a: (made.append(1), real(*a))[1])
+    small, large = BLOCK, engine_mod.MAPPED_HASH_BYTES
+    assert small < large <= engine_mod.HASH_PIECE
+    with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(MIB) as buf:
+        assert eng.mapped(0)
+        for length, hashed_by_copy in [(small, False), (large, True)]:
+            made.clear()
+            got = eng.read_hashed(IOBatch.single(buf.address, 0, 2 * BLOCK, length), [0], [9])
+            assert int(got[0]) == data_checksum(data[2 * BLOCK:2 * BLOCK + length], 9)
+            assert bool(made) == hashed_by_copy, length
+
+
 @pytest.mark.parametrize("n, streams, seeds, why", [
     (2, [1, 1], [0, 0], "must count 0, 1"),
     (2, [0, 2], [0, 0, 0], "must count 0, 1"),
