@@ -17,7 +17,7 @@
 #include <emmintrin.h>
 #endif
 
-#define KVB_ABI_VERSION 6
+#define KVB_ABI_VERSION 7
 #define KVB_MAX_BUFS 64
 #define KVB_COPY_MAX_THREADS 16
 #define KVB_NT_MIN_ROW 1024 /* rows at least this long are streamed */
@@ -580,6 +580,23 @@ int64_t kvb_mem_write(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
 {
     return mem_copy(n, addrs, devs, bases, sizes, nbases, offsets, lens, results, latency_ns,
                     h, 1);
+}
+
+int64_t kvb_mem_copy_hashed(int to_map, uint64_t n, const uint64_t *addrs,
+                            const uint32_t *devs, const uint64_t *bases, const uint64_t *sizes,
+                            unsigned nbases, const uint64_t *offsets, const uint64_t *lens,
+                            int64_t *results, int64_t *latency_ns, const uint32_t *streams,
+                            uint32_t nstreams, const uint64_t *seeds, uint64_t *digests)
+{
+    int err;
+    kvb_hasher *h = kvb_hasher_create(n, addrs, lens, streams, nstreams, seeds,
+                                      results, digests, &err);
+    if (!h)
+        return err;
+    int64_t failed = mem_copy(n, addrs, devs, bases, sizes, nbases, offsets, lens, results,
+                              latency_ns, h, to_map);
+    kvb_hasher_finish(h);
+    return failed;
 }
 
 int kvb_mem_prefault(uint64_t addr, uint64_t len)

@@ -143,6 +143,18 @@ int64_t kvb_mem_write(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                       const uint64_t *offsets, const uint64_t *lens, int64_t *results,
                       int64_t *latency_ns, kvb_hasher *hasher);
 
+/* kvb_mem_read (to_map 0) or kvb_mem_write (to_map 1) of the batch with a
+ * hasher over its streams (kvb_hasher_create's rules), finished before it
+ * returns: digests[s] is stream s's XXH3-64 (seeds[s]), or 0 when an entry
+ * of it failed.  One call instead of three: each call from Python releases
+ * and retakes the GIL, which other threads are often waiting for.  Returns
+ * the number of failed entries, or -EINVAL (bad streams) / -ENOMEM. */
+int64_t kvb_mem_copy_hashed(int to_map, uint64_t n, const uint64_t *addrs,
+                            const uint32_t *devs, const uint64_t *bases, const uint64_t *sizes,
+                            unsigned nbases, const uint64_t *offsets, const uint64_t *lens,
+                            int64_t *results, int64_t *latency_ns, const uint32_t *streams,
+                            uint32_t nstreams, const uint64_t *seeds, uint64_t *digests);
+
 /* Map the pages of [addr, addr + len) of a shared mapping into this process
  * now (madvise MADV_POPULATE_READ), so that later copies out of it do not
  * fault.  Returns 0 or a negative errno (-EINVAL before Linux 5.14). */

@@ -42,11 +42,6 @@ COPY_SPLIT_BYTES = 8 << 20
 # 16 layers is 16 entries).  Timed on the 2-core VM: _validate 3.0 against
 # 12.8 us at 8 entries, 8.4 against 12.4 at 32, 15.7 against 12.3 at 64.
 FEW_IOS = 32
-# read_hashed hashes a copy of at least this many bytes out of a mapping as
-# it copies, even below HASH_PIECE: one 256 KiB slot and its trailer out of a
-# /dev/shm store file, 117 us against 132-142 hashed after the copy (the
-# copy's streaming stores leave nothing in cache to hash from).
-MAPPED_HASH_BYTES = 64 << 10
 
 
 @dataclass
@@ -177,15 +172,14 @@ class IOEngine:
         hashing overlaps the reads still in flight instead of following the
         batch.  Reads of at most HASH_PIECE bytes in all, and engines with
         ``hashes_as_reads_land`` False, hash after the read instead, except
-        copies of MAPPED_HASH_BYTES or more out of mapped devices, which hash
-        each chunk as they copy it, while it is in cache.
+        copies out of mapped devices, which hash each chunk as they copy it,
+        while it is in cache (one native call: _copy_part).
         """
         streams, seeds, digests = _hash_streams("read_hashed", batch, streams, seeds)
         n = len(batch)
         nbytes = sum(batch.lens.tolist()) if n <= FEW_IOS else batch.nbytes
         maps = self._maps
-        if n and nbytes <= HASH_PIECE and not (nbytes >= MAPPED_HASH_BYTES and maps is not None
-                                               and maps.covers(batch.devs)):
+        if n and nbytes <= HASH_PIECE and not (maps is not None and maps.covers(batch.devs)):
             # At most one piece's worth: nothing to overlap, and a small read
             # (a 4 KiB get) would pay more for the native hasher than the hash.
             self.read(batch, qd=qd)
@@ -333,30 +327,29 @@ class IOEngine:
 
     def _copy_part(self, op: int, batch: IOBatch, a: int, b: int, results, lat,
                    hashing) -> None:
-        """kvb_mem_read/_write of entries a..b (their own streams, renumbered
-        from 0, when hashing)."""
+        """kvb_mem_read/_write of entries a..b; when hashing, with their own
+        streams (renumbered from 0) hashed as they are copied, in the same
+        native call (kvb_mem_copy_hashed: a call releases and retakes the
+        GIL, and with other threads waiting each retake can be a thread
+        switch)."""
         p = native.ptr
-        hasher = None
-        try:
-            if hashing is not None:
-                streams, seeds, digests = hashing
-                s0, s1 = int(streams[a]), int(streams[b - 1]) + 1
-                hasher = native.Hasher(batch.addrs[a:b], batch.lens[a:b],
-                                       streams[a:b] - np.uint32(s0), seeds[s0:s1],
-                                       results[a:b], digests[s0:s1])
-            maps = self._maps
-            args = (b - a, p("uint64_t *", batch.addrs[a:b]), p("uint32_t *", batch.devs[a:b]),
-                    p("uint64_t *", maps.bases), p("uint64_t *", maps.sizes), len(maps.bases),
-                    p("uint64_t *", batch.offsets[a:b]), p("uint64_t *", batch.lens[a:b]),
-                    p("int64_t *", results[a:b]),
-                    p("int64_t *", None if lat is None else lat[a:b]))
-            copy = native.lib().kvb_mem_write if op == OP_WRITE else native.lib().kvb_mem_read
-            ret = copy(*args, native.ffi.NULL if hasher is None else hasher.handle)
-            if ret < 0:
-                raise ConfigError(f"kvb_mem_{_OP_NAME[op]}: {strerror(-ret)}")
-        finally:
-            if hasher is not None:
-                hasher.finish()
+        lib = native.lib()
+        maps = self._maps
+        args = (b - a, p("uint64_t *", batch.addrs[a:b]), p("uint32_t *", batch.devs[a:b]),
+                p("uint64_t *", maps.bases), p("uint64_t *", maps.sizes), len(maps.bases),
+                p("uint64_t *", batch.offsets[a:b]), p("uint64_t *", batch.lens[a:b]),
+                p("int64_t *", results[a:b]), p("int64_t *", None if lat is None else lat[a:b]))
+        if hashing is None:
+            copy = lib.kvb_mem_write if op == OP_WRITE else lib.kvb_mem_read
+            ret = copy(*args, native.ffi.NULL)
+        else:
+            streams, seeds, digests = hashing
+            s0, s1 = int(streams[a]), int(streams[b - 1]) + 1
+            ret = lib.kvb_mem_copy_hashed(
+                int(op == OP_WRITE), *args, p("uint32_t *", streams[a:b] - np.uint32(s0)),
+                s1 - s0, p("uint64_t *", seeds[s0:s1]), p("uint64_t *", digests[s0:s1]))
+        if ret < 0:
+            raise ConfigError(f"kvb_mem_{_OP_NAME[op]}: {strerror(-ret)}")
 
     def _copiers_pool(self) -> tuple[ThreadPoolExecutor, threading.Semaphore]:
         """The helper threads of large mapped copies, and a slot per helper."""

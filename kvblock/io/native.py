@@ -16,7 +16,7 @@ from cffi import FFI
 
 from kvblock.errors import NativeLibraryError
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 LIB_NAME = "libkvblock_io.so"
 
 CDEF = """
@@ -55,6 +55,11 @@ int64_t kvb_mem_write(uint64_t n, const uint64_t *addrs, const uint32_t *devs,
                       const uint64_t *bases, const uint64_t *sizes, unsigned nbases,
                       const uint64_t *offsets, const uint64_t *lens, int64_t *results,
                       int64_t *latency_ns, kvb_hasher *hasher);
+int64_t kvb_mem_copy_hashed(int to_map, uint64_t n, const uint64_t *addrs,
+                            const uint32_t *devs, const uint64_t *bases, const uint64_t *sizes,
+                            unsigned nbases, const uint64_t *offsets, const uint64_t *lens,
+                            int64_t *results, int64_t *latency_ns, const uint32_t *streams,
+                            uint32_t nstreams, const uint64_t *seeds, uint64_t *digests);
 int kvb_mem_prefault(uint64_t addr, uint64_t len);
 int64_t kvb_fs_type(int fd);
 int kvb_abi_version(void);

@@ -237,12 +237,14 @@ def test_hashed_reads_equal_data_checksum(engine_name, shm_target):
         assert [int(x) for x in got] == want
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["with-hasher", "copy-hashed"])
 @pytest.mark.parametrize("op", ["read", "write"])
-def test_native_mem_copies_refuse_unmapped_devices_and_ranges(shm_target, op):
+def test_native_mem_copies_refuse_unmapped_devices_and_ranges(shm_target, op, fused):
     """kvb_mem_read/kvb_mem_write's own checks (the engine validates before
-    it gets there): an unmapped device or a range past the mapping is
-    -EINVAL, and a hashed stream with such a piece gets digest 0; the good
-    entry copies, and its digest is that of the source's bytes."""
+    it gets there), with a hasher and in kvb_mem_copy_hashed: an unmapped
+    device or a range past the mapping is -EINVAL, and a hashed stream with
+    such a piece gets digest 0; the good entry copies, and its digest is
+    that of the source's bytes."""
     path = shm_target(4 * MIB)
     data = _filled(path, 4 * MIB, seed=9)
     host = np.full(3 * BLOCK, 0x5A, np.uint8) if op == "write" else np.zeros(3 * BLOCK, np.uint8)
@@ -259,13 +261,18 @@ def test_native_mem_copies_refuse_unmapped_devices_and_ranges(shm_target, op):
             streams = np.array([0, 1, 2], np.uint32)
             seeds = np.array([1, 2, 3], np.uint64)
             digests = np.ones(3, np.uint64)
-            hasher = native.Hasher(addrs, lens, streams, seeds, results, digests)
             p = native.ptr
-            failed = getattr(native.lib(), f"kvb_mem_{op}")(
-                3, p("uint64_t *", addrs), p("uint32_t *", devs), p("uint64_t *", bases),
-                p("uint64_t *", sizes), 2, p("uint64_t *", offs), p("uint64_t *", lens),
-                p("int64_t *", results), native.ffi.NULL, hasher.handle)
-            assert hasher.finish() == 2
+            args = (3, p("uint64_t *", addrs), p("uint32_t *", devs), p("uint64_t *", bases),
+                    p("uint64_t *", sizes), 2, p("uint64_t *", offs), p("uint64_t *", lens),
+                    p("int64_t *", results), native.ffi.NULL)
+            if fused:
+                failed = native.lib().kvb_mem_copy_hashed(
+                    int(op == "write"), *args, p("uint32_t *", streams), 3,
+                    p("uint64_t *", seeds), p("uint64_t *", digests))
+            else:
+                hasher = native.Hasher(addrs, lens, streams, seeds, results, digests)
+                failed = getattr(native.lib(), f"kvb_mem_{op}")(*args, hasher.handle)
+                assert hasher.finish() == 2
             assert failed == 2
             assert results.tolist() == [BLOCK, -22, -22]
             assert digests[1:].tolist() == [0, 0]
@@ -277,6 +284,31 @@ def test_native_mem_copies_refuse_unmapped_devices_and_ranges(shm_target, op):
     assert np.array_equal(host[:BLOCK], want[BLOCK:2 * BLOCK])
     assert int(digests[0]) == data_checksum(want[BLOCK:2 * BLOCK], 1)
     assert np.array_equal(_pread(path, 0, 4 * MIB), want)
+
+
+def test_copy_hashed_refuses_bad_stream_numbering(shm_target):
+    """kvb_mem_copy_hashed checks the streams as kvb_hasher_create does, and
+    then copies nothing."""
+    path = shm_target(4 * MIB)
+    _filled(path, 4 * MIB, seed=3)
+    host = np.zeros(2 * BLOCK, np.uint8)
+    with Device(path) as dev:
+        maps = MappedDevices([dev])
+        try:
+            p = native.ptr
+            results = np.zeros(2, np.int64)
+            got = native.lib().kvb_mem_copy_hashed(
+                0, 2, p("uint64_t *", np.arange(2, dtype=np.uint64) * BLOCK
+                        + np.uint64(host.ctypes.data)),
+                p("uint32_t *", np.zeros(2, np.uint32)), p("uint64_t *", maps.bases),
+                p("uint64_t *", maps.sizes), 1, p("uint64_t *", np.zeros(2, np.uint64)),
+                p("uint64_t *", np.full(2, BLOCK, np.uint64)), p("int64_t *", results),
+                native.ffi.NULL, p("uint32_t *", np.array([1, 1], np.uint32)), 2,
+                p("uint64_t *", np.zeros(2, np.uint64)), p("uint64_t *", np.zeros(2, np.uint64)))
+        finally:
+            maps.close()
+    assert got == -22
+    assert not host.any() and not results.any()
 
 
 def test_out_of_range_read_is_a_typed_error(shm_target):

@@ -151,26 +151,27 @@ def test_a_read_of_one_piece_or_less_is_hashed_after_it(monkeypatch, engine_name
                                          data_checksum(data[2 * BLOCK:3 * BLOCK], 5)]
 
 
-def test_a_copy_out_of_a_mapping_hashes_as_it_copies_from_mapped_hash_bytes(monkeypatch,
-                                                                           shm_target):
-    """Out of a mapped tmpfs file, a read of MAPPED_HASH_BYTES or more (below
-    HASH_PIECE) is hashed by the copy, chunk by chunk; a smaller one after it.
-    The digests are the same either way."""
-    path = shm_target(MIB)
+@pytest.mark.parametrize("mapped", [True, False], ids=["shm-file", "disk-file"])
+def test_a_copy_out_of_a_mapping_hashes_as_it_copies(monkeypatch, shm_target, file_target,
+                                                     mapped):
+    """Out of a mapped tmpfs file, every hashed read is hashed by the copy,
+    chunk by chunk, in the copy's native call; a small read through the
+    kernel (at most HASH_PIECE) is hashed after it.  The digests are the
+    same either way."""
+    path = (shm_target if mapped else file_target)(MIB)
     data = np.random.default_rng(17).integers(0, 256, MIB, dtype=np.uint8)
     _fill(path, data)
-    made = []
-    real = native.Hasher
-    monkeypatch.setattr(native, "Hasher", lambda *a: (made.append(1), real(*a))[1])
-    small, large = BLOCK, engine_mod.MAPPED_HASH_BYTES
-    assert small < large <= engine_mod.HASH_PIECE
+    after = []
+    real = native.hash_pieces
+    monkeypatch.setattr(native, "hash_pieces", lambda *a: (after.append(1), real(*a))[1])
     with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(MIB) as buf:
-        assert eng.mapped(0)
-        for length, hashed_by_copy in [(small, False), (large, True)]:
-            made.clear()
+        assert eng.mapped(0) == mapped
+        for length in (BLOCK, 64 << 10, engine_mod.HASH_PIECE):
+            after.clear()
             got = eng.read_hashed(IOBatch.single(buf.address, 0, 2 * BLOCK, length), [0], [9])
             assert int(got[0]) == data_checksum(data[2 * BLOCK:2 * BLOCK + length], 9)
-            assert bool(made) == hashed_by_copy, length
+            assert np.array_equal(buf.array[:length], data[2 * BLOCK:2 * BLOCK + length])
+            assert bool(after) != mapped, length
 
 
 @pytest.mark.parametrize("n, streams, seeds, why", [
