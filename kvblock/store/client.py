@@ -813,9 +813,13 @@ class RemoteStore:
 
     # Reads run here, on this process's devices, exactly as in KVStore.
     get_run = KVStore.get_run
+    get_runs = KVStore.get_runs
     get_blocks = KVStore.get_blocks
     read_range = KVStore.read_range
+    _run_out = KVStore._run_out
     _read = KVStore._read
+    _read_segs = KVStore._read_segs
+    _read_done = KVStore._read_done
     _read_segment = KVStore._read_segment
     _straight_into = KVStore._straight_into
     _read_whole_runs = KVStore._read_whole_runs
@@ -823,7 +827,10 @@ class RemoteStore:
     _window = KVStore._window
     _verified_window = KVStore._verified_window
     _read_blocks_verified = KVStore._read_blocks_verified
-    _copy_blocks_verified = KVStore._copy_blocks_verified
+    _readable_together = KVStore._readable_together
+    _read_alone = KVStore._read_alone
+    _read_whole_requests = KVStore._read_whole_requests
+    _read_blocks_together = KVStore._read_blocks_together
     _blocks_match_trailer = KVStore._blocks_match_trailer
     _scatter_window = KVStore._scatter_window
     _verified = KVStore._verified

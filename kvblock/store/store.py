@@ -32,7 +32,7 @@ import time
 import uuid
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 import xxhash
@@ -1405,20 +1405,128 @@ class KVStore:
         """
         self._check_open()
         keys = normalize_keys(keys)
-        g = self.geometry
-        n = len(keys)
-        out_arr = as_array(out, "get_run", writable=True)
-        if out_arr.nbytes != n * g.block_bytes or not out_arr.flags.writeable \
-                or not out_arr.flags.c_contiguous:
-            raise ConfigError(f"get_run: out must be a writable, C-contiguous array of "
-                              f"{n * g.block_bytes} bytes for {n} blocks, got {out_arr.nbytes} "
-                              f"bytes (writable: {out_arr.flags.writeable}, C-contiguous: "
-                              f"{out_arr.flags.c_contiguous})")
-        dst = out_arr.reshape(-1).view(np.uint8).reshape(g.num_layers, g.head_groups, n,
-                                                         g.group_block_bytes)
+        dst = self._run_out(len(keys), out, "get_run")
         if self.host is None:
             return self._read(keys, dst, None)
         return self._read_tiered(keys, dst)
+
+    def get_runs(self, requests: Sequence[tuple[Sequence, Any]]) -> list[int]:
+        """:meth:`get_run` for several ``(keys, out)`` requests in one call;
+        returns each request's count of leading blocks read and verified.
+
+        Requests for a few blocks out of a stored run (an engine promoting
+        part of what it stored as one run) are read in one engine batch and
+        checked against their runs' trailers together: one native call and
+        one pass of bookkeeping for all of them instead of one per request.
+        Other requests are read as get_run reads them.  A checksum failure
+        or a device error (EIO...) fails the request that met it (its count
+        is 0) and drops the run it hit, as get_run does (which raises the
+        device error); errors that reached no device (a closed engine) raise.
+        """
+        self._check_open()
+        targets = []
+        for keys, out in requests:
+            keys = normalize_keys(keys)
+            targets.append((keys, self._run_out(len(keys), out, "get_runs")))
+        if self.host is not None:
+            return [self._read_tiered(keys, dst) for keys, dst in targets]
+        pinned: list = []
+        counts = [0] * len(targets)
+        try:
+            with self._lock:
+                for keys, _ in targets:
+                    pinned.append(self._segments(keys))
+            together = []       # (request, the read's (run, lay, pos, count, dst, ranges))
+            whole = []          # (request, run, destination): one whole run each
+            for i, ((_, dst), segs) in enumerate(zip(targets, pinned)):
+                read = self._readable_together(segs, dst)
+                if read is not None:
+                    together.append((i, read))
+                    continue
+                if len(segs) == 1:
+                    run, pos, count, at = segs[0]
+                    part = _span(dst, at, at + count)
+                    if self._straight_into(run, pos, count, part, None):
+                        whole.append((i, run, part))
+                        continue
+                if segs:
+                    try:
+                        counts[i] = self._read_segs(segs, dst, None)
+                    except IOFailedError as e:
+                        if e.path is None:
+                            raise
+                        counts[i] = 0        # (the run it hit is dropped)
+            if together:
+                reads = [read for _, read in together]
+                try:
+                    oks = self._read_blocks_together(reads)
+                except IOFailedError as e:
+                    if e.path is None:
+                        raise
+                    oks = [self._read_alone(read) for read in reads]   # which run was it?
+                for (i, read), ok in zip(together, oks):
+                    counts[i] = read[3] if ok else 0
+            if whole:
+                self._read_whole_requests(whole, counts)
+        except BaseException:
+            for segs in pinned:
+                if segs:
+                    self._unpin(segs)
+            raise
+        for i, segs in enumerate(pinned):
+            if segs:
+                counts[i] = self._read_done(segs, counts[i], None)
+            else:
+                self.counters["miss_gets"] += 1
+        return counts
+
+    def _read_whole_requests(self, whole: list, counts: list) -> None:
+        """get_runs' requests that are one whole run each, ``whole`` holding
+        (request, run, destination): in one engine call (their I/O in flight
+        together), again past a run that fails its checksums (count 0), and
+        one by one after a device error, so that it fails only the request
+        whose run it hit (that run is dropped)."""
+        while whole:
+            try:
+                got = self._read_whole_runs([(run, part) for _, run, part in whole])
+            except IOFailedError as e:
+                if e.path is None:
+                    raise
+                for i, run, part in whole:
+                    try:
+                        counts[i] = run.nblocks if self._read_whole_runs([(run, part)]) else 0
+                    except IOFailedError as e1:
+                        if e1.path is None:
+                            raise
+                        self._read_failed(e1, [run])
+                return
+            for i, run, _ in whole[:got]:
+                counts[i] = run.nblocks
+            whole = whole[got + 1:]       # whole[got] failed its checksums: dropped, count 0
+
+    def _read_alone(self, read) -> bool:
+        """One :meth:`_read_blocks_together` item on its own; False when it
+        meets a device error (the run it hit is dropped)."""
+        try:
+            return self._read_blocks_together([read])[0]
+        except IOFailedError as e:
+            if e.path is None:
+                raise
+            self._read_failed(e, [read[0]])
+            return False
+
+    def _run_out(self, n: int, out, what: str) -> np.ndarray:
+        """``out`` of get_run (``n`` blocks) as a (layers, groups, n, bytes) view."""
+        g = self.geometry
+        out_arr = as_array(out, what, writable=True)
+        if out_arr.nbytes != n * g.block_bytes or not out_arr.flags.writeable \
+                or not out_arr.flags.c_contiguous:
+            raise ConfigError(f"{what}: out must be a writable, C-contiguous array of "
+                              f"{n * g.block_bytes} bytes for {n} blocks, got {out_arr.nbytes} "
+                              f"bytes (writable: {out_arr.flags.writeable}, C-contiguous: "
+                              f"{out_arr.flags.c_contiguous})")
+        return out_arr.reshape(-1).view(np.uint8).reshape(g.num_layers, g.head_groups, n,
+                                                          g.group_block_bytes)
 
     def get_blocks(self, keys: Sequence, outs: Sequence) -> int:
         """:meth:`get_run` into blocks that lie in separate buffers:
@@ -1481,58 +1589,70 @@ class KVStore:
         return self._read(keys, dst, (layer, group))
 
     def _read(self, keys, dst, only) -> int:
-        g = self.geometry
         with self._lock:
             segs = self._segments(keys)
         if not segs:
             self.counters["miss_gets"] += 1
             return 0
-        if isinstance(dst, BlockList):
-            dst.addresses()          # once: the per-run views below slice it
         try:
-            done, i = 0, 0
-            while i < len(segs):
-                # Consecutive whole runs that go straight into place are read
-                # in one engine call: their I/O is in flight together, and the
-                # per-run cost is a few numpy ops instead of a call each.
-                whole = []
-                while i + len(whole) < len(segs):
-                    run, pos, count, out_at = segs[i + len(whole)]
-                    part = _span(dst, out_at, out_at + count)
-                    if not self._straight_into(run, pos, count, part, only):
-                        break
-                    whole.append((run, part))
-                if whole:
-                    try:
-                        got = self._read_whole_runs(whole)
-                    except IOFailedError as e:
-                        self._read_failed(e, [run for run, _ in whole])
-                        raise
-                    done += sum(run.nblocks for run, _ in whole[:got])
-                    if got < len(whole):
-                        break
-                    i += len(whole)
-                    continue
-                run, pos, count, out_at = segs[i]
-                try:
-                    if not self._read_segment(run, pos, count,
-                                              _span(dst, out_at, out_at + count), only):
-                        break
-                except IOFailedError as e:
-                    self._read_failed(e, [run])
-                    raise
-                done += count
-                i += 1
+            done = self._read_segs(segs, dst, only)
         except BaseException:
             self._unpin(segs)
             raise
+        return self._read_done(segs, done, only)
+
+    def _read_done(self, segs, done: int, only) -> int:
+        """Unpin a read's segments and count it: ``done`` blocks, or 0 when
+        the pins lapsed meanwhile."""
         if not self._unpin(segs):
             # The pins lapsed while the bytes were read: their space may have
             # been reused meanwhile, and unverified reads would not notice.
             self.counters["lapsed_pin_gets"] += 1
             return 0
+        g = self.geometry
         self.counters["get_blocks"] += done
         self.counters["get_bytes"] += done * (g.group_block_bytes if only else g.block_bytes)
+        return done
+
+    def _read_segs(self, segs, dst, only) -> int:
+        """The pinned segments ``segs`` into ``dst``; how many leading blocks
+        were read and verified (raises on a device error, after dropping the
+        run it hit)."""
+        if isinstance(dst, BlockList):
+            dst.addresses()          # once: the per-run views below slice it
+        done, i = 0, 0
+        while i < len(segs):
+            # Consecutive whole runs that go straight into place are read
+            # in one engine call: their I/O is in flight together, and the
+            # per-run cost is a few numpy ops instead of a call each.
+            whole = []
+            while i + len(whole) < len(segs):
+                run, pos, count, out_at = segs[i + len(whole)]
+                part = _span(dst, out_at, out_at + count)
+                if not self._straight_into(run, pos, count, part, only):
+                    break
+                whole.append((run, part))
+            if whole:
+                try:
+                    got = self._read_whole_runs(whole)
+                except IOFailedError as e:
+                    self._read_failed(e, [run for run, _ in whole])
+                    raise
+                done += sum(run.nblocks for run, _ in whole[:got])
+                if got < len(whole):
+                    break
+                i += len(whole)
+                continue
+            run, pos, count, out_at = segs[i]
+            try:
+                if not self._read_segment(run, pos, count,
+                                          _span(dst, out_at, out_at + count), only):
+                    break
+            except IOFailedError as e:
+                self._read_failed(e, [run])
+                raise
+            done += count
+            i += 1
         return done
 
     def _straight_into(self, run: Run, pos: int, count: int, part, only) -> bool:
@@ -1628,7 +1748,7 @@ class KVStore:
         tail = 0 if straight else span * nidx
         dev, base = self.regions.address(run.region, run.offset)
         if straight and self.io.engine.mapped(dev):
-            return self._copy_blocks_verified(run, lay, pos, count, dst, idx, dev, base, buf)
+            return self._read_blocks_together([(run, lay, pos, count, dst, idx)])[0]
         # Python ints, not numpy: a promotion reads a few blocks, and numpy's
         # per-call cost was most of this method's time.
         rb = lay.range_bytes
@@ -1651,29 +1771,72 @@ class KVStore:
         self.counters["partial_verified_reads"] += 1
         return True
 
-    def _copy_blocks_verified(self, run: Run, lay: RunLayout, pos: int, count: int, dst,
-                              idx: list, dev: int, base: int, buf: HostBuffer) -> bool:
-        """_read_blocks_verified's blocks straight into ``dst`` out of a mapped
-        device: each block (and the trailer, into ``buf``) its own hashed
-        entry, so each is hashed as it is copied, while its bytes are in
-        cache, instead of read again from memory after the copy."""
+    def _readable_together(self, segs, dst):
+        """For get_runs: when a request's stored part is one segment that
+        :meth:`_read_blocks_together` can read, that read's item, else None.
+        That is part of a run (a whole run is read as one image, checked by
+        range checksums), verified with the trailer, straight into an aligned
+        contiguous ``dst``, each block its own I/O (aligned on the device, or
+        on a mapped device, whose copies need no alignment)."""
+        if len(segs) != 1 or self.verify != "always" or isinstance(dst, BlockList):
+            return None
+        run, pos, count, out_at = segs[0]
+        if pos == 0 and count == run.nblocks:
+            return None
         g = self.geometry
-        gbb, rb, tb = g.group_block_bytes, lay.range_bytes, lay.trailer_bytes
-        at = dst.ctypes.data
-        addrs = [at + k * gbb for k in range(len(idx) * count)]
-        addrs.append(buf.address)
-        offsets = [base + r * rb + (pos + j) * gbb for r in idx for j in range(count)]
-        offsets.append(base + lay.data_bytes)
+        lay = self.layout(run.nblocks)
+        window = self._verified_window(lay, pos, count, g.ranges)
+        gbb = g.group_block_bytes
+        if window is None or window != (pos * gbb, count * gbb):
+            return None
+        part = _span(dst, out_at, out_at + count)
+        if not part.flags.c_contiguous or part.ctypes.data % self.alignment:
+            return None
+        if gbb % self.alignment and not self.io.engine.mapped(
+                self.regions.address(run.region, run.offset)[0]):
+            return None
+        return run, lay, pos, count, part, list(range(g.ranges))
+
+    def _read_blocks_together(self, reads: list) -> list[bool]:
+        """Blocks of one or more runs straight into place, in one engine
+        batch; ``reads`` holds (run, layout, pos, count, dst, ranges) items,
+        ``dst`` a contiguous (ranges, count) array of blocks.  Each block and
+        each run's trailer (into this thread's staging buffer) is an entry
+        hashed on its own: out of a mapping as it is copied, while its bytes
+        are in cache, else as it lands.  Then each run's blocks are checked
+        against its trailer (:meth:`_blocks_match_trailer`).  Returns, per
+        item, whether its blocks are good."""
+        gbb = self.geometry.group_block_bytes
+        buf = self._staging(sum(lay.trailer_bytes for _, lay, *_ in reads))
+        addrs, devs, offsets, lens, seeds = [], [], [], [], []
+        trailer_at = buf.address
+        for run, lay, pos, count, dst, idx in reads:
+            dev, base = self.regions.address(run.region, run.offset)
+            rb, at, nb = lay.range_bytes, dst.ctypes.data, len(idx) * count
+            addrs += [at + k * gbb for k in range(nb)]
+            addrs.append(trailer_at)
+            offsets += [base + r * rb + (pos + j) * gbb for r in idx for j in range(count)]
+            offsets.append(base + lay.data_bytes)
+            lens += [gbb] * nb
+            lens.append(lay.trailer_bytes)
+            devs += [dev] * (nb + 1)
+            seeds += [data_seed(run.run_id)] * (nb + 1)
+            trailer_at += lay.trailer_bytes
         n = len(addrs)
-        sums = self.io.read_hashed(IOBatch.listed(addrs, dev, offsets, [gbb] * (n - 1) + [tb]),
+        sums = self.io.read_hashed(IOBatch.listed(addrs, devs, offsets, lens),
                                    np.arange(n, dtype=np.uint32),
-                                   np.full(n, data_seed(run.run_id), np.uint64)).tolist()
-        if not self._blocks_match_trailer(run, buf.array[:tb], sums[-1], idx, pos, count,
-                                          sums[:-1]):
-            return False
-        self.counters["bytes_read"] += count * gbb * len(idx) + tb
-        self.counters["partial_verified_reads"] += 1
-        return True
+                                   np.array(seeds, np.uint64)).tolist()
+        oks, k, t = [], 0, 0
+        for run, lay, pos, count, dst, idx in reads:
+            nb, tb = len(idx) * count, lay.trailer_bytes
+            ok = self._blocks_match_trailer(run, buf.array[t:t + tb], sums[k + nb], idx, pos,
+                                            count, sums[k:k + nb])
+            if ok:
+                self.counters["bytes_read"] += nb * gbb + tb
+                self.counters["partial_verified_reads"] += 1
+            oks.append(ok)
+            k, t = k + nb + 1, t + tb
+        return oks
 
     def _blocks_match_trailer(self, run: Run, trailer, trailer_sum: int, idx: list, pos: int,
                               count: int, digests: list[int]) -> bool:

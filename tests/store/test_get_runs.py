@@ -1,0 +1,201 @@
+"""KVStore.get_runs: several get_run requests in one call.  Requests for part
+of a stored run are read in one engine batch and checked against their
+runs' trailers together; every answer equals get_run's, and a damaged
+block or a device error fails only its own request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore
+from kvblock.errors import ConfigError, IOFailedError
+from kvblock.index import normalize_keys
+from kvblock.layout.geometry import Geometry
+from tests.store.test_partial_verify import _flip
+from tests.store.workload import GEOM, run_data, run_keys
+from tests.support.faults import BadSectors
+
+MIB = 1 << 20
+N = 32
+# One 16 KiB block per (layer, group), as the vLLM tier stores slots: a
+# window of whole blocks is exactly the blocks, read straight into place.
+SLOTS = Geometry(num_layers=1, num_kv_heads=1, head_dim=16 << 10, dtype="uint8",
+                 block_tokens=1, kv_parts=1, head_groups=1)
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    raw = np.zeros(nbytes + 4096, np.uint8)
+    shift = (-raw.ctypes.data) % 4096
+    return raw[shift:shift + nbytes]
+
+
+def _blocks(data, geom, first, count):
+    a = data.reshape(geom.num_layers, geom.head_groups, -1, geom.group_block_bytes)
+    return np.ascontiguousarray(a[:, :, first:first + count]).reshape(-1)
+
+
+@pytest.fixture
+def filled(target):
+    """A store holding runs 0..3 of N blocks (SLOTS geometry), and their data."""
+    def make(geom=SLOTS, **options):
+        store = KVStore.format([target(64 * MIB)], geom, region_size=4 * MIB, **options)
+        keys = [run_keys(i, N) for i in range(4)]
+        data = [run_data(k, geom) for k in keys]
+        for k, d in zip(keys, data):
+            assert store.put_run(k, d) == N
+        return store, keys, data
+    return make
+
+
+def _run(store, key):
+    """The stored run that holds ``key``."""
+    return store.index.segments(normalize_keys([key]))[0][0]
+
+
+def _requests(keys):
+    """(keys, [(run, first, count), ...] they hold) per request."""
+    return [
+        (keys[0][10:12], [(0, 10, 2)]),                    # part of a run
+        (keys[1][0:3], [(1, 0, 3)]),                       # its first blocks
+        (keys[2], [(2, 0, N)]),                            # a whole run
+        ([b"nobody-stored-this"], []),                     # a miss
+        (keys[3][30:] + keys[0][:2], [(3, 30, 2), (0, 0, 2)]),   # two runs
+        (keys[1][5:7] + [b"missing"] + keys[1][7:8], [(1, 5, 2)]),   # a gap ends it
+    ]
+
+
+def test_answers_as_get_run_and_reads_parts_of_runs_together(filled, monkeypatch):
+    store, keys, data = filled()
+    geom = store.geometry
+    together = []
+    real = KVStore._read_blocks_together
+    monkeypatch.setattr(KVStore, "_read_blocks_together",
+                        lambda self, reads: (together.append([r[0].run_id for r in reads]),
+                                             real(self, reads))[1])
+    with store:
+        reqs = _requests(keys)
+        outs = [_aligned(len(k) * geom.block_bytes) for k, _ in reqs]
+        before = store.stats()
+        counts = store.get_runs([(k, o) for (k, _), o in zip(reqs, outs)])
+        after = store.stats()
+        assert counts == [sum(c for _, _, c in held) for _, held in reqs]
+        for out, (_, held) in zip(outs, reqs):
+            want = [_blocks(data[r], geom, first, c) for r, first, c in held]
+            got = out[:sum(c for _, _, c in held) * geom.block_bytes]
+            assert np.array_equal(got, np.concatenate(want) if want else got)
+        # the three single-run parts in one batch, whatever else read on its own
+        run_of = {r: _run(store, keys[r][0]).run_id for r in range(4)}
+        assert [run_of[0], run_of[1], run_of[1]] in together
+        assert after["miss_gets"] - before["miss_gets"] == 1
+        assert after["get_blocks"] - before["get_blocks"] == sum(counts)
+        assert after["checksum_failures"] == 0
+        # the same answers, one get_run at a time
+        for (k, _), out, count in zip(reqs, outs, counts):
+            alone = _aligned(out.nbytes)
+            assert store.get_run(k, alone) == count
+            n = count * geom.block_bytes
+            assert np.array_equal(alone[:n], out[:n])
+
+
+@pytest.mark.parametrize("geom, verify", [(GEOM, "always"), (SLOTS, "never")],
+                         ids=["2k-blocks", "unverified"])
+def test_requests_that_cannot_go_together_read_as_get_run(filled, monkeypatch, geom, verify):
+    """Windows wider than their blocks (2 KiB blocks in 4 KiB windows), or
+    reads without verification, are read one request at a time."""
+    store, keys, data = filled(geom, verify=verify)
+    monkeypatch.setattr(KVStore, "_read_blocks_together",
+                        lambda self, reads: pytest.fail("read together"))
+    with store:
+        reqs = _requests(keys)
+        outs = [np.zeros(len(k) * geom.block_bytes, np.uint8) for k, _ in reqs]
+        counts = store.get_runs([(k, o) for (k, _), o in zip(reqs, outs)])
+        assert counts == [sum(c for _, _, c in held) for _, held in reqs]
+        for out, (k, held) in zip(outs, reqs):
+            got = out.reshape(geom.num_layers, geom.head_groups, len(k), geom.group_block_bytes)
+            at = 0
+            for r, first, c in held:
+                assert np.array_equal(np.ascontiguousarray(got[:, :, at:at + c]).reshape(-1),
+                                      _blocks(data[r], geom, first, c))
+                at += c
+
+
+@pytest.mark.parametrize("where", ["block", "trailer"])
+def test_a_damaged_block_or_trailer_fails_only_its_request(filled, where):
+    store, keys, data = filled()
+    geom = store.geometry
+    with store:
+        run = _run(store, keys[0][0])
+        lay = store.layout(N)
+        _flip(store, run, 11 * geom.group_block_bytes + 5 if where == "block"
+              else lay.data_bytes + 11 * 8)
+        outs = [_aligned(2 * geom.block_bytes) for _ in range(2)]
+        assert store.get_runs([(keys[0][10:12], outs[0]), (keys[1][3:5], outs[1])]) == [0, 2]
+        assert np.array_equal(outs[1], _blocks(data[1], geom, 3, 2))
+        assert store.stats()["checksum_failures"] == 1
+        assert store.get_run(keys[0][:1], _aligned(geom.block_bytes)) == 0   # dropped
+
+
+def test_a_device_error_fails_its_request_and_drops_the_run_it_hit(filled):
+    """EIO under one request's blocks: that request gets 0 and its run is
+    dropped (it would stay a hit that no read returns); the request read in
+    the same batch gets its blocks."""
+    store, keys, data = filled()
+    geom = store.geometry
+    with store:
+        run = _run(store, keys[2][0])
+        bad = BadSectors()
+        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes * N)
+        bad.install(store)
+        outs = [_aligned(2 * geom.block_bytes) for _ in range(3)]
+        assert store.get_runs([(keys[0][4:6], outs[0]), (keys[2][4:6], outs[1]),
+                               (keys[1][8:10], outs[2])]) == [2, 0, 2]
+        assert bad.reads_failed >= 1 and store.stats()["read_errors"] >= 1
+        assert np.array_equal(outs[0], _blocks(data[0], geom, 4, 2))
+        assert np.array_equal(outs[2], _blocks(data[1], geom, 8, 2))
+        assert [store.lookup(k) for k in keys] == [N, N, 0, N]
+        # a whole run read on its own path meets it the same way
+        run = _run(store, keys[3][0])
+        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes)
+        assert store.get_runs([(keys[3], _aligned(N * geom.block_bytes))]) == [0]
+        assert store.lookup(keys[3]) == 0
+        assert int(store.regions.pins.sum()) == 0     # nothing stays pinned
+
+
+@pytest.mark.parametrize("fault", [None, "checksum", "eio"])
+def test_whole_runs_are_read_in_one_engine_call_and_fail_alone(filled, monkeypatch, fault):
+    """Requests that are a whole run each go to the devices in one batch;
+    a run that fails its checksums or meets EIO fails its request only."""
+    store, keys, data = filled()
+    geom = store.geometry
+    calls = []
+    real = KVStore._read_whole_runs
+    monkeypatch.setattr(KVStore, "_read_whole_runs",
+                        lambda self, parts: (calls.append(len(parts)), real(self, parts))[1])
+    with store:
+        run = _run(store, keys[1][0])
+        if fault == "checksum":
+            _flip(store, run, 7 * geom.group_block_bytes)
+        elif fault == "eio":
+            bad = BadSectors()
+            bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes)
+            bad.install(store)
+        outs = [_aligned(N * geom.block_bytes) for _ in range(3)]
+        counts = store.get_runs([(keys[r], outs[r]) for r in range(3)])
+        assert calls[0] == 3
+        assert counts == ([N, N, N] if fault is None else [N, 0, N])
+        for r in range(3):
+            if counts[r]:
+                assert np.array_equal(outs[r], data[r]), r
+        assert store.lookup(keys[1]) == (N if fault is None else 0)
+        assert int(store.regions.pins.sum()) == 0
+
+
+def test_a_bad_destination_is_refused_before_anything_is_read(filled):
+    store, keys, _ = filled()
+    with store:
+        good = _aligned(2 * store.geometry.block_bytes)
+        with pytest.raises(ConfigError, match="get_runs: out must be .* 2 blocks"):
+            store.get_runs([(keys[0][:2], good), (keys[1][:2], good[:-1])])
+        assert int(store.regions.pins.sum()) == 0
+        assert store.get_runs([]) == []
