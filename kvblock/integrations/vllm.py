@@ -88,6 +88,7 @@ point does it in every vLLM process), or name this module in the tier config
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -144,6 +145,13 @@ LOOKUP_LOCK_WAIT_S = 0.001
 # server costs the scheduler one such wait, then lookups miss at once until
 # the tier has reconnected.
 LOOKUP_ANSWER_TIMEOUT_S = 1.0
+# A worker that takes a load of at most SMALL_LOAD_SLOTS adjacent slots also
+# takes the small loads queued behind it (up to max_run_blocks slots in all)
+# and reads them with one store call (KVStore.get_runs): a promotion of a
+# few slots costs more in Python and in thread switches for the GIL than
+# in copying, and workers running small loads side by side mostly take
+# turns.
+SMALL_LOAD_SLOTS = 8
 
 
 # ---------------------------------------------------------------------- helpers
@@ -536,26 +544,81 @@ class KVBlockTierManager(SecondaryTierManager):
                 self._cond.wait_for(lambda: self._stop or self._loads or self._stores)
                 if self._stop:
                     return
-                job, start, stop = (self._loads or self._stores).popleft()
-                if job.started is None:
-                    job.started = time.monotonic()
-            moved = 0
-            try:
-                moved = self._run_piece(job, start, stop)
-            except KVBlockError as e:  # a failed piece fails its keys, never the worker
-                self._failed(f"{'load' if job.load else 'store'} job {job.meta.job_id}, "
-                             f"slots {start}..{stop}", e)
-            except Exception as e:  # noqa: BLE001  (a bug: logged whole, the job fails)
-                logger.warning("kvblock tier: %s job %s, slots %d..%d failed: %s",
-                               "load" if job.load else "store", job.meta.job_id, start, stop,
-                               e, exc_info=True)
+                pieces = [(self._loads or self._stores).popleft()]
+                if self._small_load(pieces[0]):
+                    slots = pieces[0][2] - pieces[0][1]
+                    while self._loads and self._small_load(self._loads[0]):
+                        _, start, stop = self._loads[0]
+                        if slots + stop - start > self.max_run_blocks:
+                            break
+                        slots += stop - start
+                        pieces.append(self._loads.popleft())
+                now = time.monotonic()
+                for job, _, _ in pieces:
+                    if job.started is None:
+                        job.started = now
+            if len(pieces) == 1:
+                moved = [self._guarded(*pieces[0], self._run_piece)]
+            else:
+                moved = self._load_together(pieces)
             with self._cond:
-                job.moved += moved
-                job.ended = time.monotonic()
-                self._piece_done(job)
+                now = time.monotonic()
+                for (job, _, _), m in zip(pieces, moved):
+                    job.moved += m
+                    job.ended = now
+                    self._piece_done(job)
+
+    def _guarded(self, job: _Job, start: int, stop: int, run) -> int:
+        """run(job, start, stop): the slots it moved; 0 when it failed (a
+        failed piece fails its keys, never the worker)."""
+        try:
+            return run(job, start, stop)
+        except KVBlockError as e:
+            self._failed(f"{'load' if job.load else 'store'} job {job.meta.job_id}, "
+                         f"slots {start}..{stop}", e)
+        except Exception as e:  # noqa: BLE001  (a bug: logged whole, the job fails)
+            logger.warning("kvblock tier: %s job %s, slots %d..%d failed: %s",
+                           "load" if job.load else "store", job.meta.job_id, start, stop,
+                           e, exc_info=True)
+        return 0
 
     def _run_piece(self, job: _Job, start: int, stop: int) -> int:
         return (self._load_piece if job.load else self._store_piece)(job, start, stop)
+
+    def _small_load(self, piece) -> bool:
+        """(under _cond) a load of a few adjacent slots, read with others."""
+        job, start, stop = piece
+        if not job.load or stop - start > SMALL_LOAD_SLOTS:
+            return False
+        first = int(job.chunks[start])
+        return job.chunks[start:stop].tolist() == list(range(first, first + stop - start))
+
+    def _load_together(self, pieces: list) -> list[int]:
+        """Small loads (see SMALL_LOAD_SLOTS) in one store call; a piece the
+        store did not fully answer (a miss, a bad block) goes on as
+        :meth:`_load_piece` reads it, and when the call fails (a device
+        error; the store dropped the run it hit) every piece is read on its
+        own.  Returns the slots moved per piece."""
+        slots = self._slots
+        requests = []
+        for job, start, stop in pieces:
+            first = int(job.chunks[start])
+            requests.append((job.kbs[start:stop], slots[first:first + stop - start]))
+        try:
+            got = self.store.get_runs(requests)
+        except KVBlockError as e:
+            logger.warning("kvblock tier: %d loads read together: %s; reading each alone",
+                           len(pieces), e)
+            return [self._guarded(*piece, self._load_piece) for piece in pieces]
+        moved = []
+        for (job, start, stop), done in zip(pieces, got):
+            if done == stop - start:
+                job.ok[start:stop] = True
+                moved.append(done)
+            else:
+                moved.append(self._guarded(job, start, stop,
+                                           functools.partial(self._load_piece, done=done)))
+        return moved
 
     def _store_piece(self, job: _Job, start: int, stop: int) -> int:
         kbs = job.kbs[start:stop]
@@ -577,7 +640,9 @@ class KVBlockTierManager(SecondaryTierManager):
         job.ok[start:stop] = True
         return written
 
-    def _load_piece(self, job: _Job, start: int, stop: int) -> int:
+    def _load_piece(self, job: _Job, start: int, stop: int, done: int | None = None) -> int:
+        """Slots start..stop of a load job, key after key past any that miss;
+        ``done``: the first ``done`` are read already, and the next missed."""
         kbs = job.kbs[start:stop]
         ids = job.chunks[start:stop]
         n = len(kbs)
@@ -590,6 +655,9 @@ class KVBlockTierManager(SecondaryTierManager):
             read = self.store.get_blocks
         ok = np.zeros(n, dtype=bool)
         i, errors = 0, 0
+        if done is not None:
+            ok[:done] = True
+            i = done + 1
         while i < n:
             try:
                 got = read(kbs[i:], dst[i:])

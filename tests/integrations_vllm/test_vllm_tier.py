@@ -357,6 +357,60 @@ def test_unreadable_run_fails_its_keys_and_becomes_a_miss(make_tier):
     assert tier.stats()["read_errors"] == bad.reads_failed
 
 
+@pytest.mark.parametrize("fault", [None, "eio"])
+def test_small_loads_queued_together_are_read_in_one_store_call(make_tier, monkeypatch,
+                                                                fault):
+    """Small promotions queued behind one another are read with one
+    KVStore.get_runs call; each job's result is its own: a key that missed
+    fails its job only (successful_keys names the others), and with EIO
+    under one job's run, that job fails and its keys miss from then on."""
+    from tests.support.faults import BadSectors
+
+    tier, pool = make_tier(pool=page_aligned_pool(48), threads=1, region_size="32M")
+    assert tier.max_run_blocks >= 10      # every job below is one piece
+    fill_random(pool, range(16))
+    expected = pool[:16].clone()
+    keys = [key(300 + i) for i in range(16)]
+    for j, (a, b) in enumerate([(0, 10), (10, 14), (14, 16)]):    # runs of 10, 4, 2 slots
+        tier.submit_store(job(1 + j, keys[a:b], range(a, b)))
+    assert all(r.success for r in drain(tier))
+    store = tier.store
+    if fault:
+        run = store.index.segments([tier.kvblock_key(keys[14])])[0][0]
+        bad = BadSectors()
+        bad.add(*store.regions.address(run.region, run.offset), 2 * SLOT)
+        bad.install(store)
+    pool.zero_()
+    gate, calls = threading.Event(), []
+    get_run, get_runs = store.get_run, store.get_runs
+
+    def held_get_run(*a):
+        gate.wait(10)                    # the worker waits here while the rest queue
+        return get_run(*a)
+
+    monkeypatch.setattr(store, "get_run", held_get_run)
+    monkeypatch.setattr(store, "get_runs", lambda reqs: (calls.append(len(reqs)),
+                                                         get_runs(reqs))[1])
+    tier.submit_load(job(10, keys[:10], range(16, 26), promotion=True))   # not small
+    tier.submit_load(job(11, keys[11:13], [26, 27], promotion=True))
+    tier.submit_load(job(12, keys[14:16], [28, 29], promotion=True))
+    tier.submit_load(job(13, [keys[10], key(999), keys[13]], [30, 31, 32], promotion=True))
+    gate.set()
+    results = {r.job_id: r for r in drain(tier)}
+    assert calls[0] == 3
+    assert results[10].success and results[11].success
+    assert torch.equal(pool[16:26], expected[:10]) and torch.equal(pool[26:28], expected[11:13])
+    assert not results[13].success and set(results[13].successful_keys) == {keys[10], keys[13]}
+    assert torch.equal(pool[30], expected[10]) and torch.equal(pool[32], expected[13])
+    assert not pool[31].any()
+    if fault:
+        assert not results[12].success and results[12].successful_keys is None
+        assert [tier.lookup(k, CTX) for k in keys[14:16]] == [LookupResult.MISS] * 2
+        assert bad.reads_failed >= 1
+    else:
+        assert results[12].success and torch.equal(pool[28:30], expected[14:16])
+
+
 def test_touch_keeps_touched_chunks_when_the_store_evicts(tmp_path):
     """vLLM touches the chunks it is about to use: with LRU eviction they
     outlive chunks stored after them that nobody touched."""
