@@ -595,10 +595,10 @@ class KVBlockTierManager(SecondaryTierManager):
 
     def _load_together(self, pieces: list) -> list[int]:
         """Small loads (see SMALL_LOAD_SLOTS) in one store call; a piece the
-        store did not fully answer (a miss, a bad block) goes on as
-        :meth:`_load_piece` reads it, and when the call fails (a device
-        error; the store dropped the run it hit) every piece is read on its
-        own.  Returns the slots moved per piece."""
+        store did not fully answer (a miss, a bad block, EIO: get_runs
+        dropped the run) goes on as :meth:`_load_piece` reads it, and when
+        the call itself fails (an error that reached no device) every piece
+        is read on its own.  Returns the slots moved per piece."""
         slots = self._slots
         requests = []
         for job, start, stop in pieces:

@@ -1417,8 +1417,10 @@ class KVStore:
         Requests for a few blocks out of a stored run (an engine promoting
         part of what it stored as one run) are read in one engine batch and
         checked against their runs' trailers together: one native call and
-        one pass of bookkeeping for all of them instead of one per request.
-        Other requests are read as get_run reads them.  A checksum failure
+        one pass of bookkeeping for all of them instead of one per request;
+        requests for one whole run each go in one batch as well.  Other
+        requests are read as get_run reads them.  With a host tier, every
+        request is read as get_run reads it.  A checksum failure
         or a device error (EIO...) fails the request that met it (its count
         is 0) and drops the run it hit, as get_run does (which raises the
         device error); errors that reached no device (a closed engine) raise.
