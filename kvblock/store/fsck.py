@@ -129,7 +129,6 @@ def check_data(store, report: FsckReport, progress=None) -> list:
     bad = []
     runs = list(store.index.runs.values())
     total = len(runs)
-    g = store.geometry
     for k, run in enumerate(runs):
         lay = store.layout(run.nblocks)
         dev, base = store.regions.address(run.region, run.offset)
