@@ -306,6 +306,40 @@ def test_a_rank_reads_a_few_blocks_of_a_long_run_by_its_trailer(tmp_path, sock):
         assert a.lookup(keys) == 0
 
 
+@pytest.mark.parametrize("where", ["disk", "shm"])
+def test_a_rank_reads_several_requests_with_get_runs(tmp_path, shm_target, sock, where):
+    """get_runs through a server: parts of runs read together and checked
+    against their trailers, a whole run, a miss; a damaged block fails its
+    own request only, and the server drops that run for every rank."""
+    from kvblock import create_file
+    from tests.store.test_get_runs import SLOTS, _aligned
+    from tests.store.test_get_runs import _blocks as run_blocks
+    from tests.store.test_partial_verify import _flip
+
+    path = shm_target(32 * MIB) if where == "shm" else str(create_file(tmp_path / "s.img",
+                                                                       32 * MIB))
+    KVStore.format([path], SLOTS, region_size=4 * MIB).close()
+    keys = [run_keys(i, 16) for i in range(3)]
+    data = [run_data(k, SLOTS) for k in keys]
+    bb = SLOTS.block_bytes
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as a, \
+            RemoteStore(sock) as b:
+        for k, d in zip(keys, data):
+            assert a.put_run(k, d) == 16
+        outs = [_aligned(2 * bb), _aligned(3 * bb), _aligned(16 * bb), _aligned(bb)]
+        reqs = [keys[0][5:7], keys[1][0:3], keys[2], [b"never-stored"]]
+        assert b.get_runs(list(zip(reqs, outs))) == [2, 3, 16, 0]
+        assert np.array_equal(outs[0], run_blocks(data[0], SLOTS, 5, 2))
+        assert np.array_equal(outs[1], run_blocks(data[1], SLOTS, 0, 3))
+        assert np.array_equal(outs[2], data[2])
+        assert b.counters["partial_verified_reads"] == 2
+        run = min(server.store.index.runs.values(), key=lambda r: r.run_id)   # keys[0]'s
+        _flip(server.store, run, 6 * bb + 3)
+        assert b.get_runs([(keys[0][5:7], outs[0]), (keys[1][0:3], outs[1])]) == [0, 3]
+        assert b.counters["checksum_failures"] == 1
+        assert a.lookup(keys[0]) == 0 and a.lookup(keys[1]) == 16
+
+
 def test_ranks_on_a_tmpfs_store_file_write_through_the_kernel(shm_target, sock):
     """A store file on tmpfs: ranks read it through a mapping, but write
     through the kernel (the server may have punched holes a mapped write would
