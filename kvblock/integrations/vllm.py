@@ -145,19 +145,20 @@ LOOKUP_LOCK_WAIT_S = 0.001
 # server costs the scheduler one such wait, then lookups miss at once until
 # the tier has reconnected.
 LOOKUP_ANSWER_TIMEOUT_S = 1.0
-# A worker that takes a load of at most SMALL_LOAD_SLOTS adjacent slots also
-# takes the small loads queued behind it, up to LOAD_BATCH_BYTES in all (and
-# max_run_bytes), and reads them with one store call (KVStore.get_runs): a
-# promotion of a few slots costs more in Python and in thread switches for
-# the GIL than in copying, and workers running small loads side by side
-# mostly take turns.  perf/partial_promotions.py (2-slot promotions of 256
-# KiB slots, 32 queued at once) with batches of up to 16 / 4 / 2 MiB: store
-# file in /var/tmp 0.34-0.38 / 0.27-0.29 / 0.31-0.32 ms per job; loop device
-# 0.35-0.52 / 0.31-0.32 ms; /dev/shm store file 0.20-0.21 / 0.19-0.21 ms.  A
-# smaller batch leaves work for the other workers (reads in flight, hashing
-# as they land, on more than one core).
-SMALL_LOAD_SLOTS = 8
-LOAD_BATCH_BYTES = 4 << 20
+# A worker that takes a load (or a store) of at most SMALL_PIECE_SLOTS
+# adjacent slots also takes the small ones of its kind queued behind it, up
+# to BATCH_BYTES in all (and max_run_bytes), and hands them to the store in
+# one call: KVStore.get_runs for loads, put_runs (one flush, one journal
+# commit) for stores.  A promotion of a few slots costs more in Python and
+# in thread switches for the GIL than in copying, and workers running small
+# loads side by side mostly take turns.  perf/partial_promotions.py (2-slot
+# promotions of 256 KiB slots, 32 queued at once) with batches of up to 16
+# / 4 / 2 MiB: store file in /var/tmp 0.34-0.38 / 0.27-0.29 / 0.31-0.32 ms
+# per job; loop device 0.35-0.52 / 0.31-0.32 ms; /dev/shm store file
+# 0.20-0.21 / 0.19-0.21 ms.  A smaller batch leaves work for the other
+# workers (reads in flight, hashing as they land, on more than one core).
+SMALL_PIECE_SLOTS = 8
+BATCH_BYTES = 4 << 20
 
 
 # ---------------------------------------------------------------------- helpers
@@ -328,7 +329,7 @@ class KVBlockTierManager(SecondaryTierManager):
         # A run never spans regions; runs of at most 1/8 region keep the space
         # a region cannot fit at its end small.
         self.max_run_blocks = max(1, min(run_bytes // bs, self.store.max_run_blocks // 8))
-        self._load_batch_slots = max(1, min(self.max_run_blocks, LOAD_BATCH_BYTES // bs))
+        self._batch_slots = max(1, min(self.max_run_blocks, BATCH_BYTES // bs))
         lock = threading.Lock()
         self._cond = threading.Condition(lock)       # workers wait here for pieces
         # drain_jobs waits here: a finished job wakes it, not every idle worker
@@ -551,15 +552,16 @@ class KVBlockTierManager(SecondaryTierManager):
                 self._cond.wait_for(lambda: self._stop or self._loads or self._stores)
                 if self._stop:
                     return
-                pieces = [(self._loads or self._stores).popleft()]
-                if self._small_load(pieces[0]):
+                queue = self._loads or self._stores
+                pieces = [queue.popleft()]
+                if self._small(pieces[0]):
                     slots = pieces[0][2] - pieces[0][1]
-                    while self._loads and self._small_load(self._loads[0]):
-                        _, start, stop = self._loads[0]
-                        if slots + stop - start > self._load_batch_slots:
+                    while queue and self._small(queue[0]):
+                        _, start, stop = queue[0]
+                        if slots + stop - start > self._batch_slots:
                             break
                         slots += stop - start
-                        pieces.append(self._loads.popleft())
+                        pieces.append(queue.popleft())
                 now = time.monotonic()
                 for job, _, _ in pieces:
                     if job.started is None:
@@ -567,7 +569,7 @@ class KVBlockTierManager(SecondaryTierManager):
             if len(pieces) == 1:
                 moved = [self._guarded(*pieces[0], self._run_piece)]
             else:
-                moved = self._load_together(pieces)
+                moved = self._together(pieces)
             with self._cond:
                 now = time.monotonic()
                 for (job, _, _), m in zip(pieces, moved):
@@ -592,31 +594,73 @@ class KVBlockTierManager(SecondaryTierManager):
     def _run_piece(self, job: _Job, start: int, stop: int) -> int:
         return (self._load_piece if job.load else self._store_piece)(job, start, stop)
 
-    def _small_load(self, piece) -> bool:
-        """(under _cond) a load of a few adjacent slots, read with others."""
+    def _small(self, piece) -> bool:
+        """(under _cond) a load or store of a few adjacent slots, which goes
+        to the store with others of its kind."""
         job, start, stop = piece
-        if not job.load or stop - start > SMALL_LOAD_SLOTS:
+        if stop - start > SMALL_PIECE_SLOTS:
             return False
         first = int(job.chunks[start])
         return job.chunks[start:stop].tolist() == list(range(first, first + stop - start))
 
+    def _together(self, pieces: list) -> list[int]:
+        """Small pieces of one kind in one store call; when that call fails,
+        each piece on its own, which reports its own failure (a store that
+        is gone fails them all, a bad run only the pieces that read it)."""
+        try:
+            return (self._load_together if pieces[0][0].load else self._store_together)(pieces)
+        except KVBlockError as e:
+            logger.debug("kvblock tier: %d pieces together: %s; each alone", len(pieces), e)
+        except Exception as e:  # noqa: BLE001  (a bug: logged whole; each piece alone still)
+            logger.warning("kvblock tier: %d pieces together failed: %s", len(pieces), e,
+                           exc_info=True)
+        return [self._guarded(*piece, self._run_piece) for piece in pieces]
+
+    def _store_together(self, pieces: list) -> list[int]:
+        """Small stores (see SMALL_PIECE_SLOTS) in one store call (put_runs:
+        one flush and one journal commit for all of them); a piece with some
+        of its keys stored already goes alone (:meth:`_store_piece` writes
+        the rest where they are).  Returns the slots written per piece."""
+        slots = self._slots
+        present = self.store.present([kb for job, a, b in pieces for kb in job.kbs[a:b]])
+        moved = [0] * len(pieces)
+        items, owners, alone = [], [], []
+        at = 0
+        for p, (job, start, stop) in enumerate(pieces):
+            n = stop - start
+            held = int(present[at:at + n].sum())
+            at += n
+            if held == n:                          # stored already: nothing to write
+                job.ok[start:stop] = True
+            elif held:
+                alone.append(p)
+            else:
+                first = int(job.chunks[start])
+                items.append((job.kbs[start:stop], slots[first:first + n]))
+                owners.append(p)
+        for p, written in zip(owners, self.store.put_runs(items) if items else []):
+            job, start, stop = pieces[p]
+            if written == stop - start:
+                job.ok[start:stop] = True
+                moved[p] = written
+            else:
+                self._failed(f"store job {job.meta.job_id}, slots {start}..{stop}",
+                             KVBlockError("the store declined the run (admission)"))
+        for p in sorted(alone):
+            moved[p] = self._guarded(*pieces[p], self._store_piece)
+        return moved
+
     def _load_together(self, pieces: list) -> list[int]:
-        """Small loads (see SMALL_LOAD_SLOTS) in one store call; a piece the
+        """Small loads (see SMALL_PIECE_SLOTS) in one store call; a piece the
         store did not fully answer (a miss, a bad block, EIO: get_runs
-        dropped the run) goes on as :meth:`_load_piece` reads it, and when
-        the call itself fails (an error that reached no device) every piece
-        is read on its own.  Returns the slots moved per piece."""
+        dropped the run) goes on as :meth:`_load_piece` reads it.  Returns
+        the slots moved per piece."""
         slots = self._slots
         requests = []
         for job, start, stop in pieces:
             first = int(job.chunks[start])
             requests.append((job.kbs[start:stop], slots[first:first + stop - start]))
-        try:
-            got = self.store.get_runs(requests)
-        except KVBlockError as e:
-            logger.warning("kvblock tier: %d loads read together: %s; reading each alone",
-                           len(pieces), e)
-            return [self._guarded(*piece, self._load_piece) for piece in pieces]
+        got = self.store.get_runs(requests)
         moved = []
         for (job, start, stop), done in zip(pieces, got):
             if done == stop - start:

@@ -411,6 +411,86 @@ def test_small_loads_queued_together_are_read_in_one_store_call(make_tier, monke
         assert results[12].success and torch.equal(pool[28:30], expected[14:16])
 
 
+def _hold_first(store, name: str):
+    """Make the store's first ``name`` call wait until the returned event is
+    set: the tier's one worker is busy there while the test queues jobs."""
+    gate, real = threading.Event(), getattr(store, name)
+
+    def held(*a):
+        gate.wait(10)
+        return real(*a)
+
+    setattr(store, name, held)
+    return gate
+
+
+def test_small_stores_queued_together_are_written_with_one_commit(make_tier, monkeypatch):
+    """Small stores queued behind one another go to the store in one put_runs
+    call (one flush, one journal commit); a job whose keys are stored
+    already writes nothing, one with some of them stored writes the rest on
+    its own; every slot loads back byte for byte."""
+    tier, pool = make_tier(pool=page_aligned_pool(48), threads=1, region_size="32M")
+    fill_random(pool, range(24))
+    expected = pool[:24].clone()
+    keys = [key(500 + i) for i in range(24)]
+    tier.submit_store(job(1, keys[20:23], [20, 21, 22]))
+    assert drain(tier)[0].success
+    store = tier.store
+    batches = []
+    put_runs = store.put_runs
+    monkeypatch.setattr(store, "put_runs", lambda items: (batches.append(len(items)),
+                                                          put_runs(items))[1])
+    gate = _hold_first(store, "put_run")
+    tier.submit_store(job(2, keys[:10], range(10)))                       # not small: alone
+    tier.submit_store(job(3, keys[10:12], [10, 11]))
+    tier.submit_store(job(4, keys[12:15], [12, 13, 14]))
+    tier.submit_store(job(5, keys[20:22], [20, 21]))                      # stored already
+    tier.submit_store(job(6, keys[22:24], [22, 23]))                      # half stored
+    gate.set()
+    results = {r.job_id: r for r in drain(tier)}
+    assert all(r.success for r in results.values()), results
+    assert batches == [2]
+    assert results[5].transfer_bytes == 0 and results[6].transfer_bytes == SLOT
+    pool.zero_()
+    tier.submit_load(job(9, keys[:15] + keys[20:24], range(19), promotion=True))
+    assert drain(tier)[0].success
+    assert torch.equal(pool[:15], expected[:15]) and torch.equal(pool[15:19], expected[20:24])
+
+
+@pytest.mark.parametrize("kind", ["load", "store"])
+def test_pieces_whose_call_together_fails_go_alone(make_tier, monkeypatch, kind):
+    """When the call for several small pieces fails (a bug here: any
+    exception), each piece runs on its own; the worker lives on and every
+    job lands."""
+    tier, pool = make_tier(pool=page_aligned_pool(48), threads=1, region_size="32M")
+    fill_random(pool, range(16))
+    expected = pool[:16].clone()
+    keys = [key(600 + i) for i in range(16)]
+    if kind == "load":
+        tier.submit_store(job(1, keys[:10], range(10)))
+        tier.submit_store(job(2, keys[10:16], range(10, 16)))
+        assert all(r.success for r in drain(tier))
+        pool.zero_()
+    store = tier.store
+    monkeypatch.setattr(store, "get_runs" if kind == "load" else "put_runs",
+                        lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+    gate = _hold_first(store, "get_run" if kind == "load" else "put_run")
+    submit = tier.submit_load if kind == "load" else tier.submit_store
+    offset = 16 if kind == "load" else 0
+    submit(job(3, keys[:10], range(offset, offset + 10), promotion=kind == "load"))
+    for j in range(3):
+        ids = range(offset + 10 + 2 * j, offset + 12 + 2 * j)
+        submit(job(4 + j, keys[10 + 2 * j:12 + 2 * j], ids, promotion=kind == "load"))
+    gate.set()
+    results = drain(tier)
+    assert len(results) == 4 and all(r.success for r in results)
+    if kind == "store":
+        pool.zero_()
+        tier.submit_load(job(9, keys, range(16, 32), promotion=True))
+        assert drain(tier)[0].success
+    assert torch.equal(pool[16:32], expected)
+
+
 def test_touch_keeps_touched_chunks_when_the_store_evicts(tmp_path):
     """vLLM touches the chunks it is about to use: with LRU eviction they
     outlive chunks stored after them that nobody touched."""
