@@ -146,15 +146,22 @@ class KeyTable:
         if new:
             if self.used + len(new) > MAX_LOAD * self.cap:
                 self._grow(self.live + len(new))
+            # Placed as _insert_new places them (the same slots, so the same
+            # tombstones reused): in rounds, each key at a free slot claims
+            # it, the last claimant of a slot takes it, the others step on.
             val, mask, shift = self.val, self.cap - 1, int(self.shift)
-            for i in new:
-                lo, hi = los[i], his[i]
-                slot = _home_of(lo, hi, shift)
-                while val.item(slot) >= 0:
-                    slot = (slot + 1) & mask
-                if val.item(slot) == EMPTY:
-                    self.used += 1           # a tombstone reused was counted already
-                self.lo[slot], self.hi[slot], val[slot] = lo, hi, vals[i]
+            pending = [(i, _home_of(los[i], his[i], shift)) for i in new]
+            while pending:
+                claims = {slot: i for i, slot in pending if val.item(slot) < 0}
+                later = []
+                for i, slot in pending:
+                    if claims.get(slot) != i:
+                        later.append((i, (slot + 1) & mask))
+                        continue
+                    if val.item(slot) == EMPTY:
+                        self.used += 1       # a tombstone reused was counted already
+                    self.lo[slot], self.hi[slot], val[slot] = los[i], his[i], vals[i]
+                pending = later
             self.live += len(new)
         return np.array(overwritten, dtype=np.int64)
 
