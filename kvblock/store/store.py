@@ -1744,13 +1744,13 @@ class KVStore:
         if straight:
             data_at = dst.ctypes.data
             straight = data_at % self.alignment == 0
+        dev, base = self.regions.address(run.region, run.offset)
+        if straight and self.io.engine.mapped(dev):
+            return self._read_blocks_together([(run, lay, pos, count, dst, idx)])[0]
         buf = self._staging((0 if straight else span * nidx) + lay.trailer_bytes)
         if not straight:
             data_at = buf.address
         tail = 0 if straight else span * nidx
-        dev, base = self.regions.address(run.region, run.offset)
-        if straight and self.io.engine.mapped(dev):
-            return self._read_blocks_together([(run, lay, pos, count, dst, idx)])[0]
         # Python ints, not numpy: a promotion reads a few blocks, and numpy's
         # per-call cost was most of this method's time.
         rb = lay.range_bytes
