@@ -1745,7 +1745,7 @@ class KVStore:
             data_at = dst.ctypes.data
             straight = data_at % self.alignment == 0
         dev, base = self.regions.address(run.region, run.offset)
-        if straight and self.io.engine.mapped(dev):
+        if straight and gbb % self.alignment == 0 and self.io.engine.mapped(dev):
             return self._read_blocks_together([(run, lay, pos, count, dst, idx)])[0]
         buf = self._staging((0 if straight else span * nidx) + lay.trailer_bytes)
         if not straight:
@@ -1778,8 +1778,9 @@ class KVStore:
         :meth:`_read_blocks_together` can read, that read's item, else None.
         That is part of a run (a whole run is read as one image, checked by
         range checksums), verified with the trailer, straight into an aligned
-        contiguous ``dst``, each block its own I/O (aligned on the device, or
-        on a mapped device, whose copies need no alignment)."""
+        contiguous ``dst``, each block its own I/O (so blocks must be whole
+        sectors: the engine checks alignment on mapped devices too, and
+        their reads take the engine's path until the mapping is ready)."""
         if len(segs) != 1 or self.verify != "always" or isinstance(dst, BlockList):
             return None
         run, pos, count, out_at = segs[0]
@@ -1794,8 +1795,7 @@ class KVStore:
         part = _span(dst, out_at, out_at + count)
         if not part.flags.c_contiguous or part.ctypes.data % self.alignment:
             return None
-        if gbb % self.alignment and not self.io.engine.mapped(
-                self.regions.address(run.region, run.offset)[0]):
+        if gbb % self.alignment:
             return None
         return run, lay, pos, count, part, list(range(g.ranges))
 
