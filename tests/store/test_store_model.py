@@ -1,0 +1,370 @@
+"""KVStore against a model: random sequences of puts, gets, deletes,
+evictions, clears, checkpoints and reopens, each checked against a plain
+dict of what every key must read back as.
+
+The model follows the documented semantics (README "Using the store"):
+- a put whose keys are all stored already writes nothing (the stored bytes
+  stay); otherwise each piece of at most ``max_run_blocks`` keys becomes a
+  new run, and a key stored again names the newest copy;
+- ``delete(keys)`` removes the runs that hold any of the keys, with every key
+  they still name;
+- ``evict(all=True)`` forgets everything on the device; with a DRAM tier,
+  a block may live on there ("maybe": if it is read, it must read as the
+  value it had); ``clear()`` forgets everything, DRAM included;
+- a reopen keeps everything on the device (the DRAM tier starts empty).
+
+Every read is checked byte for byte: a get returns at least the prefix the
+model is sure of, and never a block the model does not know or with bytes
+other than its latest value.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule, run_state_machine_as_test)
+
+from kvblock import Geometry, KVStore, aligned_empty
+from kvblock.store.client import RemoteStore
+from kvblock.store.server import serve_in_background
+
+MIB = 1 << 20
+KEYS = [b"key-%02d" % i for i in range(20)]
+
+GEOMETRIES = {
+    # 2 KiB per (layer, group) block: partial reads go through windows of
+    # whole 4 KiB sectors and scatter from staging.
+    "2k": Geometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16,
+                   head_groups=2),
+    # 4 KiB per (layer, group) block: partial reads go straight into place,
+    # a block per I/O (get_runs) or a window per range (get_run).
+    "4k": Geometry(num_layers=2, num_kv_heads=1, head_dim=4096, dtype="uint8", block_tokens=1,
+                   kv_parts=1, head_groups=1),
+}
+
+# Examples per case (a third of them through a server, whose examples take
+# ~0.7 s each); a longer hunt: KVBLOCK_MODEL_EXAMPLES=400 with --timeout=0
+# (about 25 minutes).
+EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "40"))
+
+key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=9, unique=True)
+
+
+def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None = None,
+                 verify: str = "always"):
+    """The model of a store on ``path``; with ``sock``, the same store served
+    there and driven through a RemoteStore (this process does the I/O, a
+    server thread the metadata)."""
+    options = {"host_cache_bytes": host_blocks * geom.block_bytes} if host_blocks else {}
+    options["verify"] = verify
+
+    class StoreModel(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.store = None
+            self.server = None
+            self.sure: dict[bytes, tuple[int, np.ndarray]] = {}   # key -> (run, block)
+            self.maybe: dict[bytes, np.ndarray] = {}              # key -> block (DRAM only)
+            self.run_keys: dict[int, list] = {}                   # model run -> its keys
+            self.next_run = 0
+            self.seed = 0
+
+        @initialize()
+        def format(self):
+            # Regions of 64 KiB: runs of more than a few blocks are split
+            # into pieces, and 512 regions leave room for every example's
+            # puts (no eviction but the explicit ones).
+            store = KVStore.format([path], geom, region_size=64 << 10, force=True, **options)
+            if sock is None:
+                self.store = store
+            else:
+                store.close()
+                self._serve()
+
+        def _serve(self):
+            self.server = serve_in_background([path], sock)
+            self.store = RemoteStore(sock, verify=verify)
+
+        def teardown(self):
+            if self.store is not None:
+                self.store.close()
+            if self.server is not None:
+                self.server.stop()
+
+        # -- what the model expects ------------------------------------------
+
+        def _data(self, n: int) -> np.ndarray:
+            self.seed += 1
+            rng = np.random.default_rng(self.seed)
+            return rng.integers(0, 256, n * geom.block_bytes, dtype=np.uint8)
+
+        @staticmethod
+        def _block(data: np.ndarray, n: int, k: int) -> np.ndarray:
+            return data.reshape(geom.num_layers, geom.head_groups, n,
+                                geom.group_block_bytes)[:, :, k].copy()
+
+        def _expect_put(self, items: list) -> list[int]:
+            """Apply put_runs(items) to the model; the counts it returns."""
+            found = {k for keys, _ in items for k in keys if k in self.sure}
+            counts = []
+            for keys, data in items:
+                n = len(keys)
+                counts.append(n)
+                if sock is not None:      # a RemoteStore publishes each run on its own
+                    found = self.sure
+                if all(k in found for k in keys):
+                    continue                 # all stored already: nothing written
+                step = self.store.max_run_blocks
+                for start in range(0, n, step):
+                    run = self.next_run
+                    self.next_run += 1
+                    piece = keys[start:start + step]
+                    self.run_keys[run] = piece
+                    for j, key in enumerate(piece):
+                        self.sure[key] = (run, self._block(data, n, start + j))
+                        self.maybe.pop(key, None)
+            return counts
+
+        def _check_read(self, keys: list[bytes], got: int, block_of) -> None:
+            """A read of ``keys`` returned ``got`` leading blocks; block_of(k)
+            is block k as read, in (layers, groups, group_block_bytes)."""
+            sure = 0
+            while sure < len(keys) and keys[sure] in self.sure:
+                sure += 1
+            assert sure <= got <= len(keys), (keys, got, sure)
+            for k in range(got):
+                key = keys[k]
+                want = self.sure[key][1] if key in self.sure else self.maybe.get(key)
+                assert want is not None, f"block {k} ({key!r}) read back, never stored"
+                assert np.array_equal(block_of(k), want), f"block {k} ({key!r}) differs"
+
+        def _blocks_out(self, n: int, aligned: bool):
+            if aligned:
+                return aligned_empty(n * geom.block_bytes)
+            return np.empty(n * geom.block_bytes + 1, np.uint8)[1:]
+
+        # -- rules -----------------------------------------------------------
+
+        @rule(keys=key_lists, aligned=st.booleans())
+        def put_run(self, keys, aligned):
+            data = self._data(len(keys))
+            if aligned:
+                image = aligned_empty(data.size)
+                image[:] = data
+                data = image
+            want = self._expect_put([(keys, data)])
+            assert self.store.put_run(keys, data) == want[0]
+
+        @rule(keys=key_lists, aligned=st.booleans())
+        def put_blocks(self, keys, aligned):
+            data = self._data(len(keys))
+            blocks = []
+            for k in range(len(keys)):
+                b = self._blocks_out(1, aligned)
+                b[:] = self._block(data, len(keys), k).reshape(-1)
+                blocks.append(b)
+            want = self._expect_put([(keys, data)])
+            assert self.store.put_blocks(keys, blocks) == want[0]
+
+        @rule(runs=st.lists(key_lists, min_size=1, max_size=4))
+        def put_runs(self, runs):
+            items = []
+            for keys in runs:
+                data = self._data(len(keys))
+                image = aligned_empty(data.size)
+                image[:] = data
+                items.append((keys, image))
+            want = self._expect_put(items)
+            assert self.store.put_runs(items) == want
+
+        def _request(self, data) -> list[bytes]:
+            """Keys to read: often a stretch of a stored run (a partial read),
+            else any keys."""
+            runs = sorted({run for run, _ in self.sure.values()})
+            if runs and data.draw(st.booleans()):
+                run = data.draw(st.sampled_from(runs))
+                # A stretch of the run's keys, in its order, that it still holds
+                # (a newer run may have taken some).
+                keys, stretches = self.run_keys[run], [[]]
+                for key in keys:
+                    if self.sure.get(key, (None,))[0] == run:
+                        stretches[-1].append(key)
+                    elif stretches[-1]:
+                        stretches.append([])
+                keys = data.draw(st.sampled_from([s for s in stretches if s]))
+                a = data.draw(st.integers(0, len(keys) - 1))
+                b = data.draw(st.integers(a + 1, len(keys)))
+                extra = data.draw(st.lists(st.sampled_from(KEYS), max_size=2))
+                return list(dict.fromkeys(keys[a:b] + extra))
+            return data.draw(key_lists)
+
+        @rule(data=st.data(), aligned=st.booleans())
+        def get_run(self, data, aligned):
+            keys = self._request(data)
+            out = self._blocks_out(len(keys), aligned)
+            got = self.store.get_run(keys, out)
+            view = out.reshape(geom.num_layers, geom.head_groups, len(keys), -1)
+            self._check_read(keys, got, lambda k: view[:, :, k])
+
+        @rule(data=st.data(), aligned=st.booleans())
+        def get_blocks(self, data, aligned):
+            keys = self._request(data)
+            outs = [self._blocks_out(1, aligned) for _ in keys]
+            got = self.store.get_blocks(keys, outs)
+            shape = (geom.num_layers, geom.head_groups, geom.group_block_bytes)
+            self._check_read(keys, got, lambda k: outs[k].reshape(shape))
+
+        @rule(separate=st.booleans())
+        def get_whole_runs(self, separate):
+            """Every run still whole, one after another: one read of many
+            runs' images (one batch, numpy-built when large)."""
+            keys = [k for run, ks in sorted(self.run_keys.items())
+                    if all(self.sure.get(k, (None,))[0] == run for k in ks) for k in ks]
+            if not keys:
+                return
+            if separate:
+                outs = [self._blocks_out(1, True) for _ in keys]
+                got = self.store.get_blocks(keys, outs)
+                shape = (geom.num_layers, geom.head_groups, geom.group_block_bytes)
+                self._check_read(keys, got, lambda k: outs[k].reshape(shape))
+            else:
+                out = self._blocks_out(len(keys), True)
+                got = self.store.get_run(keys, out)
+                view = out.reshape(geom.num_layers, geom.head_groups, len(keys), -1)
+                self._check_read(keys, got, lambda k: view[:, :, k])
+            assert got == len(keys)
+
+        @rule(data=st.data())
+        def get_runs(self, data):
+            requests = []
+            for _ in range(data.draw(st.integers(1, 4))):
+                keys = self._request(data)
+                requests.append((keys, self._blocks_out(len(keys), data.draw(st.booleans()))))
+            counts = self.store.get_runs(requests)
+            assert len(counts) == len(requests)
+            for (keys, out), got in zip(requests, counts):
+                view = out.reshape(geom.num_layers, geom.head_groups, len(keys), -1)
+                self._check_read(keys, got, lambda k: view[:, :, k])
+
+        @rule(data=st.data(), layer=st.integers(0, geom.num_layers - 1),
+              group=st.integers(0, geom.head_groups - 1))
+        def read_range(self, data, layer, group):
+            keys = self._request(data)
+            out = np.empty(len(keys) * geom.group_block_bytes, np.uint8)
+            got = self.store.read_range(keys, layer, group, out)
+            rows = out.reshape(len(keys), -1)
+            # read_range never serves from DRAM: only what the device holds.
+            sure = 0
+            while sure < len(keys) and keys[sure] in self.sure:
+                sure += 1
+            assert got == sure, (keys, got, sure)
+            for k in range(got):
+                assert np.array_equal(rows[k], self.sure[keys[k]][1][layer, group])
+
+        @rule(keys=key_lists)
+        def lookup_and_present(self, keys):
+            found = self.store.present(keys)
+            n = self.store.lookup(keys)
+            for k, key in enumerate(keys):
+                if key in self.sure:
+                    assert found[k], key
+                elif key not in self.maybe:
+                    assert not found[k], key
+            assert n == (int(np.argmin(found)) if not found.all() else len(keys))
+
+        @rule(keys=key_lists)
+        def delete(self, keys):
+            runs = {self.sure[k][0] for k in keys if k in self.sure}
+            gone = [k for k, (run, _) in self.sure.items() if run in runs]
+            host_only = {k for k in keys if k in self.maybe}
+            removed = self.store.delete(keys)
+            expected = sum(len(self.run_keys[r]) for r in runs)
+            if host_blocks:   # DRAM copies of the keys asked for count, if still there
+                assert expected <= removed <= expected + len(host_only)
+            else:
+                assert removed == expected
+            for k in gone:
+                del self.sure[k]
+            for k in set(keys) | set(gone):
+                self.maybe.pop(k, None)
+
+        @rule()
+        def evict_all(self):
+            self.store.evict(all=True)
+            if host_blocks:
+                for key, (_, block) in self.sure.items():
+                    self.maybe[key] = block
+            self.sure.clear()
+
+        @rule()
+        def clear(self):
+            self.store.clear()
+            self.sure.clear()
+            self.maybe.clear()
+
+        @rule()
+        def checkpoint(self):
+            self.store.checkpoint()
+
+        @rule()
+        def reopen(self):
+            self.store.close()
+            self.store = None
+            if sock is None:
+                self.store = KVStore.open([path], geometry=geom, **options)
+            else:             # a clean stop of the server checkpoints; a new one opens
+                self.server.stop()
+                self.server = None
+                self._serve()
+            self.maybe.clear()
+
+        @precondition(lambda self: self.sure and sock is None)   # no touch through a server
+        @rule(data=st.data())
+        def touch(self, data):
+            keys = data.draw(st.lists(st.sampled_from(sorted(self.sure)), min_size=1,
+                                      unique=True))
+            assert self.store.touch(keys) == len(keys)
+
+        @invariant()
+        def counts_match(self):
+            if self.store is not None:
+                assert self.store.present(KEYS).sum() >= len(self.sure)
+
+    return StoreModel
+
+
+SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+SERVED_SETTINGS = settings(SETTINGS, max_examples=max(1, EXAMPLES // 3))
+
+
+@pytest.mark.parametrize("host_blocks", [0, 6], ids=["device", "dram-tier"])
+@pytest.mark.parametrize("geom_name", sorted(GEOMETRIES))
+def test_store_answers_as_its_model(store_target, geom_name, host_blocks):
+    path = store_target(32 * MIB)
+    run_state_machine_as_test(make_machine(path, GEOMETRIES[geom_name], host_blocks),
+                              settings=SETTINGS)
+
+
+def test_unverified_store_answers_as_its_model(store_target):
+    """Reads that check no checksum take paths of their own (whole images,
+    windows without the trailer)."""
+    path = store_target(32 * MIB)
+    run_state_machine_as_test(make_machine(path, GEOMETRIES["2k"], 0, verify="never"),
+                              settings=SETTINGS)
+
+
+@pytest.mark.parametrize("geom_name", sorted(GEOMETRIES))
+def test_served_store_answers_as_its_model(store_target, tmp_path, geom_name):
+    """The same model through a store server: puts published by the server,
+    reads done by this process at the offsets it is given, reopen = a clean
+    stop of the server and a new one."""
+    path = store_target(32 * MIB)
+    run_state_machine_as_test(make_machine(path, GEOMETRIES[geom_name], 0,
+                                           sock=str(tmp_path / "kv.sock")),
+                              settings=SERVED_SETTINGS)
