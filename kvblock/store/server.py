@@ -76,6 +76,8 @@ PIN_LEASE_S = 60.0
 # others' writes for a small share of the time.
 DROPPED_FENCE_WAIT_S = 1.0
 DROPPED_FENCE_BACKOFF_S = 64.0
+# The accept loop wakes this often to check idle_exit; stop() wakes it at once.
+ACCEPT_POLL = 0.2
 
 
 class _Session:
@@ -161,6 +163,18 @@ class StoreServer:
                 return
             self._stopping = True
         self._halt.set()
+        if self._listener is not None:
+            # A connection wakes accept() now instead of at its next timeout
+            # (ACCEPT_POLL); the accept loop sees _stopping and closes it.  Only on
+            # our own socket: a newer server may have taken the path.
+            try:
+                if os.stat(self.socket_path).st_ino != self._socket_ino:
+                    raise FileNotFoundError
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                    wake.settimeout(1.0)
+                    wake.connect(self.socket_path)
+            except OSError:
+                pass
         try:
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout)
@@ -211,7 +225,7 @@ class StoreServer:
 
     # ------------------------------------------------------------------ connections
     def _accept_loop(self):
-        self._listener.settimeout(0.2)
+        self._listener.settimeout(ACCEPT_POLL)
         idle_since = time.monotonic()
         while not self._stopping:
             try:

@@ -559,6 +559,24 @@ def test_idle_exit_counts_short_connections(tmp_path, sock):
         server.stop()
 
 
+def test_stop_wakes_the_accept_loop_instead_of_waiting_for_its_poll(tmp_path, sock,
+                                                                      monkeypatch):
+    """stop() ends the accept loop at once (a connection wakes it), not at
+    its next poll: with a poll of a minute, the loop has ended when stop()
+    returns, and the wake-up counted as no client."""
+    from kvblock.store import server as server_mod
+
+    monkeypatch.setattr(server_mod, "ACCEPT_POLL", 60.0)
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    with RemoteStore(sock) as r:
+        r.lookup(run_keys(0, 1))
+    server.stop(timeout=5)
+    assert not server._thread.is_alive()
+    assert server.connections_total == 1
+    assert not os.path.exists(sock)
+
+
 def test_contains_nowait_never_queues_behind_another_call(tmp_path, sock):
     """The vLLM tier's lookup runs on vLLM's scheduler thread: on a shared
     store it answers None (RETRY) instead of waiting behind a worker's call
