@@ -59,15 +59,22 @@ class HostPool:
         return torch.cat([torch.arange(p * ps, (p + 1) * ps, dtype=torch.int64)
                           for p in page_ids])
 
-    def page_bytes(self, page: int) -> torch.Tensor:
-        """Every byte of one page (all layers, K and V), as a copy."""
+    def _page(self, page: int) -> torch.Tensor:
+        """A view of one page (all layers, K and V) in ``kv_buffer``."""
         b, ps = self.kv_buffer, self.page_size
         tok = slice(page * ps, (page + 1) * ps)
         mla = hasattr(self, "kv_cache_dim")
         if self.layout == "page_first_direct":
-            v = b[page] if mla else b[:, page]
-        elif self.layout == "page_first":
-            v = b[tok] if mla else b[:, tok]
-        else:
-            v = b[:, tok] if mla else b[:, :, tok]
-        return v.contiguous().view(torch.uint8).clone()
+            return b[page] if mla else b[:, page]
+        if self.layout == "page_first":
+            return b[tok] if mla else b[:, tok]
+        return b[:, tok] if mla else b[:, :, tok]
+
+    def page_bytes(self, page: int) -> torch.Tensor:
+        """Every byte of one page (all layers, K and V), as a copy."""
+        return self._page(page).contiguous().view(torch.uint8).clone()
+
+    def fill_page(self, page: int, data: torch.Tensor) -> None:
+        """Write ``data`` (bytes, as page_bytes returns them) into one page."""
+        v = self._page(page)
+        v.copy_(data.view(self.dtype).view(v.shape))

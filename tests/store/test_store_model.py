@@ -8,8 +8,9 @@ The model follows the documented semantics (README "Using the store"):
   new run, and a key stored again names the newest copy;
 - ``delete(keys)`` removes the runs that hold any of the keys, with every key
   they still name;
-- ``evict(all=True)`` forgets everything on the device; with a DRAM tier,
-  a block may live on there ("maybe": if it is read, it must read as the
+- ``evict(all=True)`` forgets everything on the device but the regions
+  that pins hold (``pin``: the runs it pinned stay); with a DRAM tier, a
+  block may live on there ("maybe": if it is read, it must read as the
   value it had); ``clear()`` forgets everything, DRAM included;
 - a reopen keeps everything on the device (the DRAM tier starts empty).
 
@@ -71,6 +72,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             self.sure: dict[bytes, tuple[int, np.ndarray]] = {}   # key -> (run, block)
             self.maybe: dict[bytes, np.ndarray] = {}              # key -> block (DRAM only)
             self.run_keys: dict[int, list] = {}                   # model run -> its keys
+            self.pins: list = []                                  # (handle, model runs)
             self.next_run = 0
             self.seed = 0
 
@@ -92,6 +94,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
 
         def teardown(self):
             if self.store is not None:
+                self._unpin_all()
                 self.store.close()
             if self.server is not None:
                 self.server.stop()
@@ -293,13 +296,47 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             for k in set(keys) | set(gone):
                 self.maybe.pop(k, None)
 
+        @precondition(lambda self: len(self.pins) < 3)
+        @rule(data=st.data())
+        def pin(self, data):
+            keys = self._request(data)
+            handle = self.store.pin(keys)
+            n = 0
+            while n < len(keys) and keys[n] in self.sure:
+                n += 1
+            assert sum(count for _, _, count, _ in handle) == n
+            self.pins.append((handle, {self.sure[k][0] for k in keys[:n]}))
+
+        @precondition(lambda self: self.pins)
+        @rule(data=st.data())
+        def unpin(self, data):
+            handle, _ = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+            self.store.unpin(handle)
+
+        def _unpin_all(self):
+            while self.pins:
+                self.store.unpin(self.pins.pop()[0])
+
+        def _on_device(self, key) -> bool:
+            if host_blocks:         # present() counts DRAM copies too; touch() does not
+                return self.store.touch([key]) == 1
+            return bool(self.store.present([key])[0])
+
         @rule()
         def evict_all(self):
+            """Every unpinned region goes: the runs pinned stay, and so may
+            others that share their regions (asked of the store, then
+            checked by every later read)."""
             self.store.evict(all=True)
-            if host_blocks:
-                for key, (_, block) in self.sure.items():
-                    self.maybe[key] = block
-            self.sure.clear()
+            kept = {run for _, runs in self.pins for run in runs}
+            for key, (run, block) in list(self.sure.items()):
+                on_device = self._on_device(key)
+                if run in kept:
+                    assert on_device, f"{key!r} of a pinned run was evicted"
+                if not on_device:
+                    del self.sure[key]
+                    if host_blocks:
+                        self.maybe[key] = block
 
         @rule()
         def clear(self):
@@ -313,6 +350,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
 
         @rule()
         def reopen(self):
+            self._unpin_all()
             self.store.close()
             self.store = None
             if sock is None:
