@@ -48,9 +48,8 @@ GEOMETRIES = {
                    kv_parts=1, head_groups=1),
 }
 
-# Examples per case (a third of them through a server, whose examples take
-# ~0.7 s each); a longer hunt: KVBLOCK_MODEL_EXAMPLES=400 with --timeout=0
-# (about 25 minutes).
+# Examples per case (half of them through a server, whose examples take
+# longer); a longer hunt: KVBLOCK_MODEL_EXAMPLES=400 with --timeout=0.
 EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "40"))
 
 key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=9, unique=True)
@@ -69,10 +68,11 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             super().__init__()
             self.store = None
             self.server = None
+            self.clients: list = []        # through a server: two, self.store is one of them
             self.sure: dict[bytes, tuple[int, np.ndarray]] = {}   # key -> (run, block)
             self.maybe: dict[bytes, np.ndarray] = {}              # key -> block (DRAM only)
             self.run_keys: dict[int, list] = {}                   # model run -> its keys
-            self.pins: list = []                                  # (handle, model runs)
+            self.pins: list = []                          # (store, handle, model runs)
             self.next_run = 0
             self.seed = 0
 
@@ -89,15 +89,28 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                 self._serve()
 
         def _serve(self):
+            """A server, and two clients of it (as two ranks): what one
+            writes, the other reads at the offsets the server gives it."""
             self.server = serve_in_background([path], sock)
-            self.store = RemoteStore(sock, verify=verify)
+            self.clients = [RemoteStore(sock, verify=verify) for _ in range(2)]
+            self.store = self.clients[0]
+
+        def _close(self):
+            self._unpin_all()
+            for store in self.clients or [self.store]:
+                store.close()
+            self.store, self.clients = None, []
 
         def teardown(self):
             if self.store is not None:
-                self._unpin_all()
-                self.store.close()
+                self._close()
             if self.server is not None:
                 self.server.stop()
+
+        @precondition(lambda self: sock is not None)
+        @rule()
+        def switch_client(self):
+            self.store = self.clients[1 - self.clients.index(self.store)]
 
         # -- what the model expects ------------------------------------------
 
@@ -305,17 +318,18 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             while n < len(keys) and keys[n] in self.sure:
                 n += 1
             assert sum(count for _, _, count, _ in handle) == n
-            self.pins.append((handle, {self.sure[k][0] for k in keys[:n]}))
+            self.pins.append((self.store, handle, {self.sure[k][0] for k in keys[:n]}))
 
         @precondition(lambda self: self.pins)
         @rule(data=st.data())
         def unpin(self, data):
-            handle, _ = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
-            self.store.unpin(handle)
+            store, handle, _ = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
+            store.unpin(handle)
 
         def _unpin_all(self):
             while self.pins:
-                self.store.unpin(self.pins.pop()[0])
+                store, handle, _ = self.pins.pop()
+                store.unpin(handle)
 
         def _on_device(self, key) -> bool:
             if host_blocks:         # present() counts DRAM copies too; touch() does not
@@ -328,7 +342,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             others that share their regions (asked of the store, then
             checked by every later read)."""
             self.store.evict(all=True)
-            kept = {run for _, runs in self.pins for run in runs}
+            kept = {run for _, _, runs in self.pins for run in runs}
             for key, (run, block) in list(self.sure.items()):
                 on_device = self._on_device(key)
                 if run in kept:
@@ -350,9 +364,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
 
         @rule()
         def reopen(self):
-            self._unpin_all()
-            self.store.close()
-            self.store = None
+            self._close()
             if sock is None:
                 self.store = KVStore.open([path], geometry=geom, **options)
             else:             # a clean stop of the server checkpoints; a new one opens
@@ -378,7 +390,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
 
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-SERVED_SETTINGS = settings(SETTINGS, max_examples=max(1, EXAMPLES // 3))
+SERVED_SETTINGS = settings(SETTINGS, max_examples=max(1, EXAMPLES // 2))
 
 
 @pytest.mark.parametrize("host_blocks", [0, 6], ids=["device", "dram-tier"])
@@ -399,9 +411,10 @@ def test_unverified_store_answers_as_its_model(store_target):
 
 @pytest.mark.parametrize("geom_name", sorted(GEOMETRIES))
 def test_served_store_answers_as_its_model(store_target, tmp_path, geom_name):
-    """The same model through a store server: puts published by the server,
-    reads done by this process at the offsets it is given, reopen = a clean
-    stop of the server and a new one."""
+    """The same model through a store server and two clients of it: puts
+    published by the server, reads done by the clients at the offsets they
+    are given, each call by either client, reopen = a clean stop of the
+    server and a new one."""
     path = store_target(32 * MIB)
     run_state_machine_as_test(make_machine(path, GEOMETRIES[geom_name], 0,
                                            sock=str(tmp_path / "kv.sock")),
