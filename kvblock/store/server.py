@@ -168,13 +168,12 @@ class StoreServer:
             # (ACCEPT_POLL); the accept loop sees _stopping and closes it.  Only on
             # our own socket: a newer server may have taken the path.
             try:
-                if os.stat(self.socket_path).st_ino != self._socket_ino:
-                    raise FileNotFoundError
-                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
-                    wake.settimeout(1.0)
-                    wake.connect(self.socket_path)
+                if os.stat(self.socket_path).st_ino == self._socket_ino:
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:
+                        wake.settimeout(1.0)
+                        wake.connect(self.socket_path)
             except OSError:
-                pass
+                pass       # gone or refused: the poll ends the loop anyway
         try:
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout)
