@@ -146,12 +146,17 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                         self.maybe.pop(key, None)
             return counts
 
+        def _sure_prefix(self, keys: list[bytes]) -> int:
+            """How many leading ``keys`` the device surely holds."""
+            n = 0
+            while n < len(keys) and keys[n] in self.sure:
+                n += 1
+            return n
+
         def _check_read(self, keys: list[bytes], got: int, block_of) -> None:
             """A read of ``keys`` returned ``got`` leading blocks; block_of(k)
             is block k as read, in (layers, groups, group_block_bytes)."""
-            sure = 0
-            while sure < len(keys) and keys[sure] in self.sure:
-                sure += 1
+            sure = self._sure_prefix(keys)
             assert sure <= got <= len(keys), (keys, got, sure)
             for k in range(got):
                 key = keys[k]
@@ -274,24 +279,24 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             out = np.empty(len(keys) * geom.group_block_bytes, np.uint8)
             got = self.store.read_range(keys, layer, group, out)
             rows = out.reshape(len(keys), -1)
-            # read_range never serves from DRAM: only what the device holds.
-            sure = 0
-            while sure < len(keys) and keys[sure] in self.sure:
-                sure += 1
+            sure = self._sure_prefix(keys)    # never from DRAM: what the device holds
             assert got == sure, (keys, got, sure)
             for k in range(got):
                 assert np.array_equal(rows[k], self.sure[keys[k]][1][layer, group])
 
         @rule(keys=key_lists)
-        def lookup_and_present(self, keys):
+        def lookup(self, keys):
             found = self.store.present(keys)
-            n = self.store.lookup(keys)
-            for k, key in enumerate(keys):
+            self._check_present(keys, found)
+            assert self.store.lookup(keys) == \
+                (int(np.argmin(found)) if not found.all() else len(keys))
+
+        def _check_present(self, keys, found) -> None:
+            for key, hit in zip(keys, found.tolist()):
                 if key in self.sure:
-                    assert found[k], key
+                    assert hit, f"{key!r} is stored, present() says no"
                 elif key not in self.maybe:
-                    assert not found[k], key
-            assert n == (int(np.argmin(found)) if not found.all() else len(keys))
+                    assert not hit, f"{key!r} is not stored, present() says yes"
 
         @rule(keys=key_lists)
         def delete(self, keys):
@@ -314,9 +319,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
         def pin(self, data):
             keys = self._request(data)
             handle = self.store.pin(keys)
-            n = 0
-            while n < len(keys) and keys[n] in self.sure:
-                n += 1
+            n = self._sure_prefix(keys)
             assert sum(count for _, _, count, _ in handle) == n
             self.pins.append((self.store, handle, {self.sure[k][0] for k in keys[:n]}))
 
@@ -381,9 +384,9 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             assert self.store.touch(keys) == len(keys)
 
         @invariant()
-        def counts_match(self):
+        def every_key_present_or_not_as_modelled(self):
             if self.store is not None:
-                assert self.store.present(KEYS).sum() >= len(self.sure)
+                self._check_present(KEYS, self.store.present(KEYS))
 
     return StoreModel
 
