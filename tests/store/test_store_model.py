@@ -56,10 +56,13 @@ key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=9, unique=True)
 
 
 def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None = None,
-                 verify: str = "always"):
+                 verify: str = "always", full: bool = False):
     """The model of a store on ``path``; with ``sock``, the same store served
     there and driven through a RemoteStore (this process does the I/O, a
-    server thread the metadata)."""
+    server thread the metadata).  ``full``: ``path`` holds a few regions, so
+    puts evict: which runs went is asked of the store after each put (the
+    keys just put and the runs pinned must be there), then checked by every
+    later read."""
     options = {"host_cache_bytes": host_blocks * geom.block_bytes} if host_blocks else {}
     options["verify"] = verify
 
@@ -80,7 +83,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
         def format(self):
             # Regions of 64 KiB: runs of more than a few blocks are split
             # into pieces, and 512 regions leave room for every example's
-            # puts (no eviction but the explicit ones).
+            # puts (no eviction but the explicit ones) unless ``full``.
             store = KVStore.format([path], geom, region_size=64 << 10, force=True, **options)
             if sock is None:
                 self.store = store
@@ -180,6 +183,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                 data = image
             want = self._expect_put([(keys, data)])
             assert self.store.put_run(keys, data) == want[0]
+            self._after_put(keys)
 
         @rule(keys=key_lists, aligned=st.booleans())
         def put_blocks(self, keys, aligned):
@@ -191,6 +195,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                 blocks.append(b)
             want = self._expect_put([(keys, data)])
             assert self.store.put_blocks(keys, blocks) == want[0]
+            self._after_put(keys)
 
         @rule(runs=st.lists(key_lists, min_size=1, max_size=4))
         def put_runs(self, runs):
@@ -202,6 +207,8 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                 items.append((keys, image))
             want = self._expect_put(items)
             assert self.store.put_runs(items) == want
+            # Of several runs, a later group of the call may evict an earlier one.
+            self._after_put(runs[0] if len(runs) == 1 else [])
 
         def _request(self, data) -> list[bytes]:
             """Keys to read: often a stretch of a stored run (a partial read),
@@ -339,12 +346,17 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                 return self.store.touch([key]) == 1
             return bool(self.store.present([key])[0])
 
-        @rule()
-        def evict_all(self):
-            """Every unpinned region goes: the runs pinned stay, and so may
-            others that share their regions (asked of the store, then
-            checked by every later read)."""
-            self.store.evict(all=True)
+        def _after_put(self, keys: list[bytes]) -> None:
+            """In a full store: forget what the put evicted; ``keys`` (just
+            put) must all be there."""
+            if full:
+                self._evicted()
+                assert all(k in self.sure for k in keys), "a put evicted its own run"
+
+        def _evicted(self) -> None:
+            """Ask the store which runs an eviction took: the pinned ones must
+            stay (so may others that share their regions); the others leave
+            the model (to the DRAM tier's maybes)."""
             kept = {run for _, _, runs in self.pins for run in runs}
             for key, (run, block) in list(self.sure.items()):
                 on_device = self._on_device(key)
@@ -354,6 +366,11 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                     del self.sure[key]
                     if host_blocks:
                         self.maybe[key] = block
+
+        @rule()
+        def evict_all(self):
+            self.store.evict(all=True)
+            self._evicted()
 
         @rule()
         def clear(self):
@@ -409,6 +426,16 @@ def test_unverified_store_answers_as_its_model(store_target):
     windows without the trailer)."""
     path = store_target(32 * MIB)
     run_state_machine_as_test(make_machine(path, GEOMETRIES["2k"], 0, verify="never"),
+                              settings=SETTINGS)
+
+
+@pytest.mark.parametrize("host_blocks", [0, 6], ids=["device", "dram-tier"])
+def test_full_store_answers_as_its_model(store_target, host_blocks):
+    """A store of 16 regions, so that puts evict (least recently used
+    regions first): what went is asked of the store and checked from then
+    on; pinned runs and the keys just put stay."""
+    path = store_target(3 * MIB)
+    run_state_machine_as_test(make_machine(path, GEOMETRIES["2k"], host_blocks, full=True),
                               settings=SETTINGS)
 
 
