@@ -12,7 +12,9 @@ The model follows the documented semantics (README "Using the store"):
   that pins hold (``pin``: the runs it pinned stay); with a DRAM tier, a
   block may live on there ("maybe": if it is read, it must read as the
   value it had); ``clear()`` forgets everything, DRAM included;
-- a reopen keeps everything on the device (the DRAM tier starts empty).
+- a reopen keeps everything on the device (the DRAM tier starts empty),
+  after a clean close (from the checkpoint) or a crash (replaying the
+  journal).
 
 Every read is checked byte for byte: a get returns at least the prefix the
 model is sure of, and never a block the model does not know or with bytes
@@ -391,6 +393,18 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                 self.server.stop()
                 self.server = None
                 self._serve()
+            self.maybe.clear()
+
+        @precondition(lambda self: sock is None)
+        @rule()
+        def crash_and_reopen(self):
+            """The process dies without close(): no checkpoint is written,
+            pins and the DRAM tier die with it, and the next open replays the
+            journal.  Every call returned before, so all of it is durable."""
+            store, self.store, self.pins = self.store, None, []
+            store.closed = True
+            store._release_devices()          # what the kernel does for a dead process
+            self.store = KVStore.open([path], geometry=geom, **options)
             self.maybe.clear()
 
         @precondition(lambda self: self.sure and sock is None)   # no touch through a server
