@@ -1,7 +1,7 @@
-"""kvblock's vLLM tier against a model: random rounds of store jobs, then
-random rounds of load jobs (big and small, adjacent and scattered slots,
-several queued at once so that workers batch the small ones), checked slot
-by slot.
+"""kvblock's vLLM tier against a model: random rounds of store jobs and of
+load jobs (big and small, adjacent and scattered slots,
+several queued at once so that workers batch the small ones), with
+restarts between rounds, checked slot by slot.
 
 vLLM's keys name content (a hash of the tokens), so the model is a set of
 stored keys and each key's slot bytes follow from the key.  After a round of
@@ -47,8 +47,8 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 @st.composite
 def rounds_of_jobs(draw):
-    """A round: (is_load, [(key ids, slot ids), ...]); the jobs of a round
-    use distinct slots (stores read them, loads write them)."""
+    """A round: (is_load, restart first?, [(key ids, slot ids), ...]); the
+    jobs of a round use distinct slots (stores read them, loads write them)."""
     rounds = []
     for _ in range(draw(st.integers(1, 6))):
         free = list(range(SLOTS))
@@ -65,7 +65,7 @@ def rounds_of_jobs(draw):
                 slots = draw(st.permutations(free))[:n]
             free = [s for s in free if s not in slots]
             jobs.append((keys, slots))
-        rounds.append((draw(st.booleans()), jobs))
+        rounds.append((draw(st.booleans()), draw(st.integers(0, 4)) == 0, jobs))
     return rounds
 
 
@@ -86,14 +86,21 @@ def test_tier_answers_as_its_model(store_file, threads):
     @given(rounds=rounds_of_jobs(), max_run_slots=st.sampled_from([3, 8, 64]))
     def run(rounds, max_run_slots):
         pool = page_aligned_pool(SLOTS, SLOT)
-        tier = KVBlockTierManager(offloading_spec=make_spec(),
-                                  primary_kv_view=memoryview(pool.numpy()),
-                                  tier_type="kvblock", devices=[store_file], format="force",
-                                  threads=threads, max_run_bytes=max_run_slots * SLOT)
+
+        def start(fmt):
+            return KVBlockTierManager(offloading_spec=make_spec(),
+                                      primary_kv_view=memoryview(pool.numpy()),
+                                      tier_type="kvblock", devices=[store_file], format=fmt,
+                                      threads=threads, max_run_bytes=max_run_slots * SLOT)
+
+        tier = start("force")
         stored: set[int] = set()
         job_id = 0
         try:
-            for is_load, jobs in rounds:
+            for is_load, restart, jobs in rounds:
+                if restart:         # vLLM restarted: the store keeps what it held
+                    tier.shutdown()
+                    tier = start("if-empty")
                 pool.zero_()
                 results = {}
                 ids = {}
