@@ -1,7 +1,7 @@
 """kvblock's vLLM tier against a model: random rounds of store jobs and of
-load jobs (big and small, adjacent and scattered slots,
-several queued at once so that workers batch the small ones), with
-restarts between rounds, checked slot by slot.
+load jobs (big and small, adjacent and scattered slots, several queued at
+once so that workers batch the small ones), with restarts between rounds,
+checked slot by slot.
 
 vLLM's keys name content (a hash of the tokens), so the model is a set of
 stored keys and each key's slot bytes follow from the key.  After a round of
