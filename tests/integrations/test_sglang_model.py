@@ -1,6 +1,6 @@
 """kvblock's SGLang backend against a model: random rounds of
 ``batch_set_v1`` and ``batch_get_v1`` calls over scattered host pages, with
-``batch_exists`` and restarts between them, checked page by page.
+``batch_exists``, clears and restarts between them, checked page by page.
 
 SGLang's page keys name content (hashes of the tokens), so the model is the
 set of stored keys and each key's page bytes follow from the key.  A set
@@ -33,11 +33,12 @@ def page_for(pool: HostPool, k: int) -> torch.Tensor:
 
 @st.composite
 def calls(draw):
-    """(kind, key ids, page ids) per call: kind is "set", "get", "exists" or
-    "restart"; the pages of a call are distinct."""
+    """(kind, key ids, page ids) per call: kind is "set", "get", "exists",
+    "clear" or "restart"; the pages of a call are distinct."""
     out = []
     for _ in range(draw(st.integers(1, 12))):
-        kind = draw(st.sampled_from(["set", "set", "get", "get", "exists", "restart"]))
+        kind = draw(st.sampled_from(["set", "set", "get", "get", "exists", "clear",
+                                     "restart"]))
         n = draw(st.integers(1, 8))
         keys = draw(st.lists(st.integers(0, len(KEYS) - 1), min_size=n, max_size=n,
                              unique=True))
@@ -85,6 +86,9 @@ def test_backend_answers_as_its_model(file_target, mla, layout):
                         assert torch.equal(pool.page_bytes(p), want), (i, k, p)
                 elif kind == "exists":
                     assert backend.batch_exists(keys) == n_stored
+                elif kind == "clear":        # after a weight update
+                    assert backend.clear()
+                    stored.clear()
                 else:
                     backend.close()
                     backend = attach(pool, [path], **options)
