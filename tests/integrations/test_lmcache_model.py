@@ -4,8 +4,9 @@ chunk.
 
 LMCache's chunk keys name content (chained hashes of the tokens), so the
 model is the set of stored chunk hashes, and each chunk's bytes follow from
-its hash.  A batched get answers the stored prefix of its keys (None from
-the first miss on), as does ``batched_contains``; ``remove`` takes one
+its hash.  A batched get, blocking or on LMCache's event loop, answers the
+stored prefix of its keys (None from the first miss on), as do
+``batched_contains`` and ``batched_async_contains``; ``remove`` takes one
 chunk and says whether it was there; a pinned chunk survives a remove that
 is not forced.  One engine serves all the examples of a case, each with
 chunk hashes of its own.
@@ -13,6 +14,7 @@ chunk hashes of its own.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 
@@ -67,9 +69,15 @@ def test_plugin_answers_as_its_model(store_target, engines, mla):
                     e.put(keys, [chunk_for(e, base + i) for i in ids])
                     stored.update(ids)
                 elif op == "get":
-                    objs = e.plugin.batched_get_blocking(keys)
-                    assert [o is not None for o in objs] == \
-                        [True] * prefix + [False] * (len(ids) - prefix)
+                    if flag:         # the prefetch path, on the manager's event loop
+                        objs = asyncio.run_coroutine_threadsafe(
+                            e.plugin.batched_get_non_blocking("req", keys),
+                            e.manager.loop).result(30)
+                        assert len(objs) == prefix
+                    else:
+                        objs = e.plugin.batched_get_blocking(keys)
+                        assert [o is not None for o in objs] == \
+                            [True] * prefix + [False] * (len(ids) - prefix)
                     for i, o in zip(ids, objs[:prefix]):
                         want = chunk_for(e, base + i)
                         assert obj_bytes(o) == obj_bytes(want), i
@@ -79,6 +87,9 @@ def test_plugin_answers_as_its_model(store_target, engines, mla):
                     if flag:
                         hits, _ = e.manager.batched_contains(keys)
                         assert hits == prefix
+                        assert asyncio.run_coroutine_threadsafe(
+                            e.plugin.batched_async_contains("req", keys, pin=False),
+                            e.manager.loop).result(30) == prefix
                     else:
                         assert [e.plugin.contains(k) for k in keys] == \
                             [i in stored for i in ids]
