@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvblock import KVStore
-from kvblock.errors import ConfigError, IOFailedError
+from kvblock.errors import ConfigError
 from kvblock.index import normalize_keys
 from kvblock.layout.geometry import Geometry
 from tests.store.test_partial_verify import _flip
