@@ -31,7 +31,7 @@ SLOT = 4 * mmap.PAGESIZE          # 16 KiB slots: many jobs per example, quickly
 SLOTS = 64
 KEYS = 40
 # A longer hunt: KVBLOCK_MODEL_EXAMPLES=1000 (about 1 minute per case).
-EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "25"))
 
 
 def slot_bytes(k: int) -> torch.Tensor:

@@ -52,7 +52,7 @@ GEOMETRIES = {
 
 # Examples per case (half of them through a server, whose examples take
 # longer); a longer hunt: KVBLOCK_MODEL_EXAMPLES=400 with --timeout=0.
-EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "40"))
+EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "25"))
 
 key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=9, unique=True)
 
