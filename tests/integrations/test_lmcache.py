@@ -68,13 +68,16 @@ class Engine:
     def key(self, chunk_hash: int) -> CacheEngineKey:
         return CacheEngineKey(self.model, 1, 0, chunk_hash, torch.bfloat16)
 
-    def chunk(self, tokens=CHUNK):
-        """A chunk of random bits, allocated the way the cache engine does."""
+    def chunk(self, tokens=CHUNK, seed=None):
+        """A chunk of random bits (from ``seed``, else the next of this
+        engine's seeds), allocated the way the cache engine does."""
         shapes = self.metadata.get_shapes(tokens)
         obj = self.manager.allocate(shapes, self.metadata.get_dtypes(),
                                     fmt=self.plugin.chunk.fmt)
-        self.seed += 1
-        g = torch.Generator().manual_seed(self.seed)
+        if seed is None:
+            self.seed += 1
+            seed = self.seed
+        g = torch.Generator().manual_seed(seed)
         raw = obj.raw_tensor.view(torch.uint8)[:obj.get_size()]
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
         return obj

@@ -19,7 +19,6 @@ import itertools
 import os
 
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,16 +26,6 @@ from tests.integrations.test_lmcache import Engine, obj_bytes
 
 CHUNKS = 16                # chunk hashes per example
 EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "40"))
-
-
-def chunk_for(e: Engine, h: int):
-    """A chunk allocated as the cache engine does, its bytes derived from ``h``."""
-    obj = e.manager.allocate(e.metadata.get_shapes(16), e.metadata.get_dtypes(),
-                             fmt=e.plugin.chunk.fmt)
-    raw = obj.raw_tensor.view(torch.uint8)[:obj.get_size()]
-    g = torch.Generator().manual_seed(h)
-    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=g))
-    return obj
 
 
 ops = st.lists(st.tuples(
@@ -66,7 +55,7 @@ def test_plugin_answers_as_its_model(store_target, engines, mla):
                 while prefix < len(ids) and ids[prefix] in stored:
                     prefix += 1
                 if op == "put":
-                    e.put(keys, [chunk_for(e, base + i) for i in ids])
+                    e.put(keys, [e.chunk(seed=base + i) for i in ids])
                     stored.update(ids)
                 elif op == "get":
                     if flag:         # the prefetch path, on the manager's event loop
@@ -79,7 +68,7 @@ def test_plugin_answers_as_its_model(store_target, engines, mla):
                         assert [o is not None for o in objs] == \
                             [True] * prefix + [False] * (len(ids) - prefix)
                     for i, o in zip(ids, objs[:prefix]):
-                        want = chunk_for(e, base + i)
+                        want = e.chunk(seed=base + i)
                         assert obj_bytes(o) == obj_bytes(want), i
                         want.ref_count_down()
                         o.ref_count_down()
