@@ -48,7 +48,6 @@ from kvblock.integrations.vllm import KVBlockTierManager, slot_geometry
 PAGE = mmap.PAGESIZE
 SLOT = 64 * PAGE            # 256 KiB slots
 NUM_SLOTS = 16
-STORE_BYTES = 96 << 20
 CTX = ReqContext(req_id="test")
 
 
@@ -99,15 +98,6 @@ def fill_random(t: torch.Tensor, rows) -> None:
 def drain(tier) -> list[JobResult]:
     tier.drain_jobs()
     return list(tier.get_finished_jobs())
-
-
-@pytest.fixture(params=["disk", "shm"])
-def store_file(request, tmp_path):
-    """A pre-sized store file on disk, or on tmpfs (read and written through
-    a shared mapping: kvblock/io/mapped.py)."""
-    if request.param == "shm":
-        return request.getfixturevalue("shm_target")(STORE_BYTES, "kv.img")
-    return str(kvblock.create_file(tmp_path / "kv.img", STORE_BYTES))
 
 
 @pytest.fixture

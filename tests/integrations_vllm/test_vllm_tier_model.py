@@ -22,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm.v1.kv_offload.base import LookupResult
 
-import kvblock
 from kvblock.integrations.vllm import KVBlockTierManager
 from tests.integrations_vllm.test_vllm_tier import (CTX, drain, job, key, make_spec,
                                                      page_aligned_pool)
@@ -67,15 +66,6 @@ def rounds_of_jobs(draw):
             jobs.append((keys, slots))
         rounds.append((draw(st.booleans()), draw(st.integers(0, 4)) == 0, jobs))
     return rounds
-
-
-@pytest.fixture(params=["disk", "shm"])
-def store_file(request, tmp_path):
-    """The tier's store file: on disk, or on tmpfs (read and written through
-    a shared mapping)."""
-    if request.param == "shm":
-        return request.getfixturevalue("shm_target")(32 << 20, "kv.img")
-    return str(kvblock.create_file(tmp_path / "kv.img", 32 << 20))
 
 
 @pytest.mark.parametrize("threads", [1, 4])
