@@ -17,12 +17,20 @@ def stop_server(pid: int, timeout: float = 20.0) -> None:
         return
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if _exited(pid):
             return
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie: a server this process spawned stays one until its
+    Popen reaps it, and kill(pid, 0) still finds it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
 
 
 def stop_process(pid: int, timeout: float = 10.0) -> None:
