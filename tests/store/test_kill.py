@@ -4,11 +4,10 @@ that was not deleted or evicted since.  KVBLOCK_KILL_ROUNDS sets the count."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,10 +15,22 @@ import pytest
 
 from kvblock import KVStore, create_file
 from kvblock.io.mapped import PREFAULT_INLINE
+from tests.store.kill_writer import write_until_killed
 from tests.store.workload import GEOM, REGION, Journal, check_store, run_keys
 
-ROOT = Path(__file__).resolve().parents[2]
 ROUNDS = int(os.environ.get("KVBLOCK_KILL_ROUNDS", "40"))
+
+
+def _rest(conn) -> list[str]:
+    """What a killed writer sent before it died (the pipe's end: EOF)."""
+    lines = []
+    try:
+        while True:
+            lines.append(conn.recv_bytes().decode())
+    except EOFError:
+        return lines
+    finally:
+        conn.close()
 
 
 @pytest.mark.parametrize("how", ["put_run", "put_runs"])
@@ -39,18 +50,21 @@ def test_sigkill_at_random_moments(tmp_path, shm_target, where, how):
     rng = random.Random(1234)
     log = Journal()
     next_run = 0
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.store.kill_writer"])
     for round_ in range(ROUNDS):
-        proc = subprocess.Popen([sys.executable, "-m", "tests.store.kill_writer", str(path),
-                                 str(next_run), how], cwd=ROOT, stdout=subprocess.PIPE,
-                                text=True)
+        told, tell = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=write_until_killed, args=(str(path), next_run, how, tell))
+        proc.start()
+        tell.close()
         # Wait for the writer to start writing, then kill it a random moment later.
-        first = proc.stdout.readline()
-        assert first.startswith("put "), first
-        lines = [first]
+        lines = [told.recv_bytes().decode()]
+        assert lines[0].startswith("put "), lines[0]
         time.sleep(rng.uniform(0.0, 0.05))
-        proc.send_signal(signal.SIGKILL)
-        out, _ = proc.communicate()
-        lines += out.splitlines()
+        proc.kill()
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL, proc.exitcode
+        lines += _rest(told)
         started = next_run
         acked_puts = [int(n) for x in lines if x.startswith("put ") for n in x.split()[1:]]
         acked_dels = [int(x.split()[1]) for x in lines if x.startswith("del ")]
