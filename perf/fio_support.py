@@ -152,8 +152,7 @@ def run_guarded(prog: str, body) -> int | None:
     def stop(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         body()
     except KeyboardInterrupt:
@@ -165,6 +164,9 @@ def run_guarded(prog: str, body) -> int | None:
               f"{': ' + ' / '.join(tail) if tail else ''}; loop devices detached",
               file=sys.stderr)
         return 1
+    finally:
+        for sig, handler in old.items():     # as they were (a caller may run us in-process)
+            signal.signal(sig, handler)
     return None
 
 

@@ -4,10 +4,15 @@ Each script checks the bytes every backend loads against what was stored and
 exits non-zero on a mismatch, a failed job or a leaked loop device; here they
 run on a few MiB so that a change that breaks one is caught by the suite,
 not at the next benchmark run.  Timings are not looked at.
+
+They run in this process (their ``main(argv)``), not as commands: a fresh
+Python spends 8-10 s importing vLLM, SGLang or LMCache, which this process
+has imported once already.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -21,6 +26,27 @@ sys.path.insert(0, str(ROOT / "perf"))
 import fio_support  # noqa: E402
 
 SKIP = fio_support.benchmark_skip_reason()
+
+
+def run_script(script: str, args: list[str], capsys) -> str:
+    """Run perf/<script>'s main(args) here; its standard output.  A script
+    fails by returning non-zero or raising SystemExit with a message."""
+    spec = importlib.util.spec_from_file_location(f"perf_{Path(script).stem}",
+                                                  ROOT / "perf" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    capsys.readouterr()
+    try:
+        rc = module.main(args)
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert rc in (0, None), f"{script} failed ({rc!r}):\n{out[-2000:]}\n{err[-3000:]}"
+    return out
+
+
+def json_out(out: str) -> dict:
+    return json.loads(out[out.index("{"):])
 pytestmark = pytest.mark.skipif(SKIP is not None, reason=f"perf scripts cannot run: {SKIP}")
 
 CASES = {
@@ -36,62 +62,49 @@ CASES = {
 
 
 @pytest.mark.parametrize("script", sorted(CASES))
-def test_comparison_script_runs(script):
-    p = subprocess.run([sys.executable, str(ROOT / "perf" / script), *CASES[script], "--json"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"{script} failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
-    out = json.loads(p.stdout[p.stdout.index("{"):])
+def test_comparison_script_runs(script, capsys):
+    out = json_out(run_script(script, [*CASES[script], "--json"], capsys))
     assert out["rows"], out
     backends = {r.get("tier") or r.get("backend") for r in out["rows"]}
     assert len(backends) >= 2, backends        # kvblock and at least one peer
 
 
-def test_vllm_comparison_runs_on_a_loop_device():
+def test_vllm_comparison_runs_on_a_loop_device(capsys):
     """--kvblock-target loop: the store on a loop device over a file beside
     the fs tier's directory (detached again: the script fails on a leak)."""
     args = [*CASES["vllm_tier_vs_fs.py"], "--kvblock-target", "loop", "--pattern", "adjacent"]
-    p = subprocess.run([sys.executable, str(ROOT / "perf" / "vllm_tier_vs_fs.py"), *args,
-                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
-    out = json.loads(p.stdout[p.stdout.index("{"):])
+    out = json_out(run_script("vllm_tier_vs_fs.py", [*args, "--json"], capsys))
     assert out["kvblock_target"] == "loop" and {r["tier"] for r in out["rows"]} == {"kvblock", "fs"}
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert "kvblock-vllm-bench" not in attached, attached
 
 
-def test_verified_reads_script_runs():
+def test_verified_reads_script_runs(capsys):
     """perf/verified_reads.py loads in its three modes and checks the bytes."""
-    p = subprocess.run([sys.executable, str(ROOT / "perf" / "verified_reads.py"), "--gib", "0.02",
-                        "--slot", "256K", "--rounds", "1", "--threads", "2", "--target", "loop",
-                        "--pieces", "256K,512K"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
+    out = run_script("verified_reads.py", ["--gib", "0.02", "--slot", "256K", "--rounds", "1",
+                                           "--threads", "2", "--target", "loop",
+                                           "--pieces", "256K,512K"], capsys)
     for mode in ("as-they-land 256K", "as-they-land 512K", "after-read", "unverified"):
-        assert mode in p.stdout, p.stdout
+        assert mode in out, out
 
 
-def test_sglang_comparison_runs_on_a_store_file():
+def test_sglang_comparison_runs_on_a_store_file(capsys):
     """--kvblock-target file: the store is a pre-sized file in /dev/shm (read
     through a mapping), removed afterwards."""
     args = [*CASES["sglang_vs_hicachefile.py"], "--kvblock-target", "file"]
-    p = subprocess.run([sys.executable, str(ROOT / "perf" / "sglang_vs_hicachefile.py"), *args,
-                        "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
-    out = json.loads(p.stdout[p.stdout.index("{"):])
+    out = json_out(run_script("sglang_vs_hicachefile.py", [*args, "--json"], capsys))
     assert out["settings"]["kvblock_target"] == "file"
     assert {r["backend"] for r in out["rows"]} == {"kvblock", "file"}
     assert not list(Path("/dev/shm").glob("kvblock-sglang-*"))
 
 
-def test_partial_promotions_read_windows_not_whole_runs():
+def test_partial_promotions_read_windows_not_whole_runs(capsys):
     """perf/partial_promotions.py: promoting 2 slots of each stored job reads
     their windows and the trailer, far less than the whole ranges."""
     args = ["--gib", "0.02", "--rounds", "1", "--job-slots", "16", "--take", "2",
             "--where", "/dev/shm", "--target", "file", "--region-size", "64M", "--json"]
-    p = subprocess.run([sys.executable, str(ROOT / "perf" / "partial_promotions.py"), *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
-    rows = {r["mode"]: r for r in json.loads(p.stdout[p.stdout.index("{"):])["rows"]}
+    rows = {r["mode"]: r for r in json_out(run_script("partial_promotions.py", args,
+                                                      capsys))["rows"]}
     partial = rows["kvblock"]["bytes_read_per_job"]
     whole = rows["kvblock whole ranges"]["bytes_read_per_job"]
     assert 0 < partial and whole >= 16 * (256 << 10)      # every slot of the job's run
@@ -99,12 +112,9 @@ def test_partial_promotions_read_windows_not_whole_runs():
 
 
 
-def test_put_hashing_script_runs():
+def test_put_hashing_script_runs(capsys):
     """perf/put_hashing.py: both ways of hashing a put, on a store file."""
     args = ["--targets", "shm-file", "--run", "4M", "--gib", "0.01", "--rounds", "2", "--json"]
-    p = subprocess.run([sys.executable, str(ROOT / "perf" / "put_hashing.py"), *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, f"failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}"
-    (row,) = json.loads(p.stdout[p.stdout.index("{"):])["rows"]
+    (row,) = json_out(run_script("put_hashing.py", args, capsys))["rows"]
     assert row["target"] == "shm-file" and row["run_bytes"] == 4 << 20
     assert row["while writing"] > 0 and row["before writing"] > 0
