@@ -3,7 +3,7 @@
 
 A put computes the run's range checksums (unless a mapped write hashes the
 ranges as it copies) and the block digests of its trailer.  Runs of at least
-``OVERLAP_HASH_BYTES`` (kvblock/store/store.py) are hashed on a helper thread
+``OVERLAP_HASH_BYTES`` (kvblock/store/writes.py) are hashed on a helper thread
 while their data is written, the trailer written after; this script puts
 ``--gib`` GiB of ``--run`` runs that way and the way smaller runs are put
 (hashed first, data and trailer in one write), the two modes alternating
@@ -35,7 +35,7 @@ import kvblock  # noqa: E402
 from kvblock.cli.units import parse_size  # noqa: E402
 from kvblock.layout import Geometry  # noqa: E402
 from kvblock.memory import aligned_empty  # noqa: E402
-from kvblock.store import store as store_mod  # noqa: E402
+from kvblock.store import writes as writes_mod  # noqa: E402
 from kvblock.store.store import KVStore  # noqa: E402
 
 GIB = 1 << 30
@@ -57,7 +57,7 @@ def measure(dev: str, args) -> dict:
     else:
         data = src[1:]                     # not aligned: copied into staging
     speeds = {m: [] for m in MODES}
-    default = store_mod.OVERLAP_HASH_BYTES
+    default = writes_mod.OVERLAP_HASH_BYTES
     overlap = default if args.overlap_from is None else parse_size(args.overlap_from)
     with KVStore.format([dev], GEOM, force=True) as store:
         first = [b"check-%d" % i for i in range(n)]
@@ -68,7 +68,7 @@ def measure(dev: str, args) -> dict:
         k = 0
         for rnd in range(args.rounds):
             for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
-                store_mod.OVERLAP_HASH_BYTES = overlap if mode == MODES[0] else 1 << 62
+                writes_mod.OVERLAP_HASH_BYTES = overlap if mode == MODES[0] else 1 << 62
                 try:
                     t0 = time.perf_counter()
                     for _ in range(runs):
@@ -79,7 +79,7 @@ def measure(dev: str, args) -> dict:
                     speeds[mode].append(runs * n * GEOM.block_bytes / GIB
                                         / (time.perf_counter() - t0))
                 finally:
-                    store_mod.OVERLAP_HASH_BYTES = default
+                    writes_mod.OVERLAP_HASH_BYTES = default
                 store.clear()
     medians = {m: statistics.median(v) for m, v in speeds.items()}
     return {**medians, "samples": speeds, "run_bytes": n * GEOM.block_bytes}

@@ -87,6 +87,12 @@ def _payload(rec: Record) -> tuple[int, bytes]:
     raise TypeError(f"not a journal record: {rec!r}")
 
 
+def epoch(store_uuid: bytes, generation: int) -> int:
+    """The journal epoch of a store's checkpoint generation: unique per
+    (store, generation), so records of an earlier epoch never replay."""
+    return meta_checksum(store_uuid + generation.to_bytes(8, "little"))
+
+
 def encode_record(rec: Record, seq: int, epoch: int) -> bytes:
     kind, payload = _payload(rec)
     payload += bytes(-len(payload) % 8)

@@ -73,10 +73,12 @@ from kvblock.store.store import (
     COUNTERS,
     LOAD_STAGING_KEEP,
     KVStore,
-    _span,
     _try_superblock,
 )
+from kvblock.store.reads import RunReader
+from kvblock.store.scatter import span
 from kvblock.store.storeio import StoreIO
+from kvblock.store.writes import RunWriter
 
 PROTOCOL = 5   # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
@@ -354,7 +356,7 @@ def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str
     return True, warned
 
 
-class RemoteStore:
+class RemoteStore(RunReader, RunWriter):
     """A store served by a store server, with KVStore's byte API (put_run,
     get_run, read_range, lookup, contains, delete, evict, stats, close) and
     the internals kvblock.tensors uses, so ``save_blocks(remote, ...)`` and
@@ -380,6 +382,9 @@ class RemoteStore:
         stays gone.
 
     Raises :class:`ServerGoneError` when no server answers on ``socket_path``.
+
+    Reads and the writes of a put's data run here, on this process's devices,
+    with KVStore's own code (:class:`RunReader`, :class:`RunWriter`).
     """
 
     def __init__(self, socket_path, *, verify: str | None = None, engine=None,
@@ -667,17 +672,6 @@ class RemoteStore:
         return True
 
     # ------------------------------------------------------------------ byte API
-    def put_run(self, keys: Sequence, data) -> int:
-        """Store a run of consecutive blocks (see KVStore.put_run): this
-        process writes the bytes, the server publishes them."""
-        self._check_open(writing=True)
-        keys = normalize_keys(keys)
-        return self._put(keys, self._blocks_view(keys, data))
-
-    put_blocks = KVStore.put_blocks
-    put_runs = KVStore.put_runs
-    _check_fits = KVStore._check_fits
-
     def _put_many(self, items: list) -> list[int]:
         """put_runs here: each run is published by its own call to the server."""
         return [self._put(keys, blocks) for keys, blocks in items]
@@ -699,7 +693,7 @@ class RemoteStore:
         written = 0
         for start in range(0, n, step):
             stop = min(n, start + step)
-            stored = self._put_one(keys[start:stop], _span(blocks, start, stop), clears)
+            stored = self._put_one(keys[start:stop], span(blocks, start, stop), clears)
             written += stored
             if not stored:            # a clear() overtook it: its earlier pieces went too
                 return 0
@@ -810,41 +804,6 @@ class RemoteStore:
         s["client"] = {k: int(v) for k, v in sorted(self.counters.items())}
         s["client"]["engine"] = self.io.engine.name
         return s
-
-    # Reads run here, on this process's devices, exactly as in KVStore.
-    get_run = KVStore.get_run
-    get_runs = KVStore.get_runs
-    get_blocks = KVStore.get_blocks
-    read_range = KVStore.read_range
-    _run_out = KVStore._run_out
-    _read = KVStore._read
-    _read_segs = KVStore._read_segs
-    _read_done = KVStore._read_done
-    _read_segment = KVStore._read_segment
-    _straight_into = KVStore._straight_into
-    _read_whole_runs = KVStore._read_whole_runs
-    _read_few_images = KVStore._read_few_images
-    _window = KVStore._window
-    _verified_window = KVStore._verified_window
-    _read_blocks_verified = KVStore._read_blocks_verified
-    _readable_together = KVStore._readable_together
-    _read_alone = KVStore._read_alone
-    _read_whole_requests = KVStore._read_whole_requests
-    _read_blocks_together = KVStore._read_blocks_together
-    _blocks_match_trailer = KVStore._blocks_match_trailer
-    _scatter_window = KVStore._scatter_window
-    _verified = KVStore._verified
-    _checksum_failure = KVStore._checksum_failure
-    _read_failed = KVStore._read_failed
-    _staging = KVStore._staging
-    _blocks_view = KVStore._blocks_view
-    _is_image = KVStore._is_image
-    _stage_run = KVStore._stage_run
-    _with_trailer = KVStore._with_trailer
-    _write_run = KVStore._write_run
-    _write_runs_together = KVStore._write_runs_together
-    _kvikio_reader = KVStore._kvikio_reader
-    layout = KVStore.layout
 
     # ------------------------------------------------------- internals kvblock.tensors uses
     def _segments(self, keys: list[bytes]) -> PinnedSegments:

@@ -14,7 +14,7 @@ from kvblock.format import trailer as trailerfmt
 from kvblock.format.checksum import data_checksum
 from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
-from kvblock.store.store import block_digests_at
+from kvblock.store.digests import block_digests_at
 
 
 @dataclass

@@ -185,3 +185,13 @@ def merge(addrs: np.ndarray, devs, offsets: np.ndarray, lens,
     starts = np.concatenate(([0], np.nonzero(~joins)[0] + 1))
     return IOBatch(b.addrs[starts], b.devs[starts], b.offsets[starts],
                    np.add.reduceat(b.lens, starts)), starts
+
+
+def span(blocks, start: int, stop: int):
+    """Blocks start..stop of a (layers, groups, n, bytes) array or a BlockList."""
+    return blocks.sub(start, stop) if isinstance(blocks, BlockList) else blocks[:, :, start:stop]
+
+
+def block_at(blocks, k: int) -> np.ndarray:
+    """Block k as (layers, groups, bytes)."""
+    return blocks.block(k) if isinstance(blocks, BlockList) else blocks[:, :, k]

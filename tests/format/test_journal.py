@@ -347,3 +347,14 @@ def test_record_at_end_of_block_followed_by_next_commit():
     data = first + encode_commit([DropRun(1)], 2, EPOCH)
     assert scan(data, 1, EPOCH) == ([rec, DropRun(1)], 8192, 3)
     assert j.KEY_BYTES == 16
+
+
+def test_epoch_of_a_checkpoint_generation_is_pinned():
+    """Records carry the epoch of the checkpoint they follow: a store
+    written by an earlier version must still replay, so the value is fixed
+    (xxh64 of the store uuid and the generation, little-endian)."""
+    store_uuid = bytes(range(16))
+    assert j.epoch(store_uuid, 7) == 0xFB6BE01013F04893
+    assert j.epoch(store_uuid, 7) == xxhash.xxh64_intdigest(store_uuid + (7).to_bytes(8, "little"))
+    assert j.epoch(store_uuid, 8) != j.epoch(store_uuid, 7)
+    assert j.epoch(bytes(16), 7) != j.epoch(store_uuid, 7)

@@ -14,7 +14,7 @@ import pytest
 from kvblock import KVStore, aligned_empty, create_file
 from kvblock.errors import IOFailedError
 from kvblock.index import normalize_keys
-from kvblock.store import store as store_mod
+from kvblock.store import writes as writes_mod
 from kvblock.store.client import RemoteStore
 from kvblock.store.fsck import fsck
 from kvblock.store.server import serve_in_background
@@ -29,12 +29,12 @@ def _spy(monkeypatch, store):
     or without the range checksums) and each write."""
     events = []
     # block digests alone (a write that hashes its ranges), or with the ranges
-    for name in ("_block_digests", "_block_and_range_digests"):
-        def hashing(*a, _real=getattr(store_mod, name)):
+    for name in ("block_digests", "block_and_range_digests"):
+        def hashing(*a, _real=getattr(writes_mod, name)):
             out = _real(*a)
             events.append((threading.current_thread().name, "digests"))
             return out
-        monkeypatch.setattr(store_mod, name, hashing)
+        monkeypatch.setattr(writes_mod, name, hashing)
     for name in ("write", "write_hashed"):
         real = getattr(store.io, name)
 
@@ -78,7 +78,7 @@ def test_large_runs_are_hashed_on_a_helper_while_their_data_is_written(target, m
     blocks in separate buffers: on a loop device and a file.  A mapped tmpfs
     file's writes are copies on this process's cores: there the run is
     hashed first and written in one I/O (the copy hashing the ranges)."""
-    monkeypatch.setattr(store_mod, "OVERLAP_HASH_BYTES", 256 << 10)
+    monkeypatch.setattr(writes_mod, "OVERLAP_HASH_BYTES", 256 << 10)
     path = target(16 * MIB)
     runs = []
     with KVStore.format([path], GEOM, region_size=2 * MIB) as store:
@@ -118,7 +118,7 @@ def test_large_runs_are_hashed_on_a_helper_while_their_data_is_written(target, m
 def test_small_runs_hash_first_and_write_data_and_trailer_together(file_target, monkeypatch):
     path = file_target(16 * MIB)
     with KVStore.format([path], GEOM, region_size=2 * MIB) as store:
-        assert store.layout(N).data_bytes < store_mod.OVERLAP_HASH_BYTES
+        assert store.layout(N).data_bytes < writes_mod.OVERLAP_HASH_BYTES
         events = _spy(monkeypatch, store)
         keys = run_keys(1, N)
         assert store.put_run(keys, run_data(keys)) == N
@@ -130,18 +130,18 @@ def test_small_runs_hash_first_and_write_data_and_trailer_together(file_target, 
 
 def test_a_failed_data_write_publishes_nothing_after_the_hashing_ended(file_target,
                                                                        monkeypatch):
-    monkeypatch.setattr(store_mod, "OVERLAP_HASH_BYTES", 256 << 10)
+    monkeypatch.setattr(writes_mod, "OVERLAP_HASH_BYTES", 256 << 10)
     path = file_target(16 * MIB)
     with KVStore.format([path], GEOM, region_size=2 * MIB) as store:
         hashing_done = threading.Event()
-        digests = store_mod._block_and_range_digests
+        digests = writes_mod.block_and_range_digests
 
         def slow_hashing(*a):
             out = digests(*a)
             threading.Event().wait(0.2)          # still hashing when the write fails
             hashing_done.set()
             return out
-        monkeypatch.setattr(store_mod, "_block_and_range_digests", slow_hashing)
+        monkeypatch.setattr(writes_mod, "block_and_range_digests", slow_hashing)
         real = store.io.write
 
         def failing(batch):
@@ -159,7 +159,7 @@ def test_a_failed_data_write_publishes_nothing_after_the_hashing_ended(file_targ
 
 
 def test_a_rank_of_a_shared_store_hashes_while_it_writes(tmp_path, monkeypatch):
-    monkeypatch.setattr(store_mod, "OVERLAP_HASH_BYTES", 256 << 10)
+    monkeypatch.setattr(writes_mod, "OVERLAP_HASH_BYTES", 256 << 10)
     path = str(tmp_path / "kv.img")
     create_file(path, 16 * MIB)
     KVStore.format([path], GEOM, region_size=2 * MIB).close()
@@ -181,9 +181,9 @@ def test_a_rank_of_a_shared_store_hashes_while_it_writes(tmp_path, monkeypatch):
 def test_a_writer_that_finds_every_helper_busy_hashes_itself(target, monkeypatch):
     """Many writer threads: no queueing behind the helpers; the writer
     hashes, then writes data and trailer in one I/O."""
-    monkeypatch.setattr(store_mod, "OVERLAP_HASH_BYTES", 256 << 10)
-    monkeypatch.setattr(store_mod, "_hash_slots", threading.BoundedSemaphore(1))
-    assert store_mod._hash_slots.acquire(blocking=False)        # the one helper is taken
+    monkeypatch.setattr(writes_mod, "OVERLAP_HASH_BYTES", 256 << 10)
+    monkeypatch.setattr(writes_mod, "_hash_slots", threading.BoundedSemaphore(1))
+    assert writes_mod._hash_slots.acquire(blocking=False)        # the one helper is taken
     path = target(16 * MIB)
     with KVStore.format([path], GEOM, region_size=2 * MIB) as store:
         events = _spy(monkeypatch, store)
@@ -206,8 +206,8 @@ def test_runs_put_together_are_hashed_while_their_data_is_written(target, monkey
     trailers after, when their data together (1.5 MiB here) reaches the
     threshold, however small each run (512 KiB); else hashed first and
     written in one call.  One journal commit publishes them."""
-    monkeypatch.setattr(store_mod, "OVERLAP_HASH_BYTES", together_from)
-    monkeypatch.setattr(store_mod, "_hash_slots", threading.BoundedSemaphore(8))  # none busy
+    monkeypatch.setattr(writes_mod, "OVERLAP_HASH_BYTES", together_from)
+    monkeypatch.setattr(writes_mod, "_hash_slots", threading.BoundedSemaphore(8))  # none busy
     path = target(16 * MIB)
     runs = []
     for i in range(3):

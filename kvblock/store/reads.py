@@ -1,0 +1,628 @@
+"""Reading runs from the devices into the caller's memory, verified.
+
+The store's index says where a prefix of keys lies (``_segments``, which pins
+it, and ``_unpin``); reading it is the same code for a
+:class:`~kvblock.store.store.KVStore` and for a rank of a served store
+(:class:`~kvblock.store.client.RemoteStore`): whole runs in as few I/Os as
+the engine takes, parts of runs by their windows and the run's block digest
+trailer, every byte checked against the run's checksums unless
+``verify="never"``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+
+from kvblock.errors import ConfigError, IOFailedError, KVBlockError
+from kvblock.format import trailer as trailerfmt
+from kvblock.format.checksum import data_seed
+from kvblock.index import Run, normalize_keys
+from kvblock.io import IOBatch
+from kvblock.io.engine import FEW_IOS
+from kvblock.layout.geometry import RunLayout, round_up
+from kvblock.store.digests import block_digests_at, run_seed
+from kvblock.store.runio import RunIO
+from kvblock.store.scatter import BlockList, as_array, block_at, span
+
+logger = logging.getLogger(__name__)
+
+
+def _first_difference(a: list, b: list) -> int:
+    """The first index where two lists of equal length differ (they do)."""
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+
+
+class RunReader(RunIO):
+    """get_run, get_runs, get_blocks and read_range.  The class using it
+    provides ``_check_open``, ``_segments``, ``_unpin`` and ``_drop_runs``."""
+
+    def get_run(self, keys: Sequence, out) -> int:
+        """Read the stored prefix of ``keys`` into ``out``.
+
+        ``out`` is a writable array of ``len(keys) * geometry.block_bytes``
+        bytes, laid out like ``put_run``'s data.  Returns the number of leading
+        blocks read and verified; the contents of ``out`` past them are
+        unspecified (a miss, or a checksum failure, which drops the bad run).
+        """
+        self._check_open()
+        keys = normalize_keys(keys)
+        dst = self._run_out(len(keys), out, "get_run")
+        if self.host is None:
+            return self._read(keys, dst, None)
+        return self._read_tiered(keys, dst)
+
+    def get_runs(self, requests: Sequence[tuple[Sequence, Any]]) -> list[int]:
+        """:meth:`get_run` for several ``(keys, out)`` requests in one call;
+        returns each request's count of leading blocks read and verified.
+
+        Requests for a few blocks out of a stored run (an engine promoting
+        part of what it stored as one run) are read in one engine batch and
+        checked against their runs' trailers together: one native call and
+        one pass of bookkeeping for all of them instead of one per request;
+        requests for one whole run each go in one batch as well.  Other
+        requests are read as get_run reads them.  With a host tier, every
+        request is read as get_run reads it.  A checksum failure
+        or a device error (EIO...) fails the request that met it (its count
+        is 0) and drops the run it hit, as get_run does (which raises the
+        device error); errors that reached no device (a closed engine) raise.
+        """
+        self._check_open()
+        targets = []
+        for keys, out in requests:
+            keys = normalize_keys(keys)
+            targets.append((keys, self._run_out(len(keys), out, "get_runs")))
+        if self.host is not None:
+            return [self._read_tiered(keys, dst) for keys, dst in targets]
+        pinned: list = []
+        counts = [0] * len(targets)
+        try:
+            with self._lock:
+                for keys, _ in targets:
+                    pinned.append(self._segments(keys))
+            together = []       # (request, the read's (run, lay, pos, count, dst, ranges))
+            whole = []          # (request, run, destination): one whole run each
+            for i, ((_, dst), segs) in enumerate(zip(targets, pinned)):
+                read = self._readable_together(segs, dst)
+                if read is not None:
+                    together.append((i, read))
+                    continue
+                if len(segs) == 1:
+                    run, pos, count, at = segs[0]
+                    part = span(dst, at, at + count)
+                    if self._straight_into(run, pos, count, part, None):
+                        whole.append((i, run, part))
+                        continue
+                if segs:
+                    try:
+                        counts[i] = self._read_segs(segs, dst, None)
+                    except IOFailedError as e:
+                        if e.path is None:
+                            raise
+                        counts[i] = 0        # (the run it hit is dropped)
+            if together:
+                reads = [read for _, read in together]
+                try:
+                    oks = self._read_blocks_together(reads)
+                except IOFailedError as e:
+                    if e.path is None:
+                        raise
+                    oks = [self._read_alone(read) for read in reads]   # which run was it?
+                for (i, read), ok in zip(together, oks):
+                    counts[i] = read[3] if ok else 0
+            if whole:
+                self._read_whole_requests(whole, counts)
+        except BaseException:
+            for segs in pinned:
+                if segs:
+                    self._unpin(segs)
+            raise
+        for i, segs in enumerate(pinned):
+            if segs:
+                counts[i] = self._read_done(segs, counts[i], None)
+            else:
+                self.counters["miss_gets"] += 1
+        return counts
+
+    def _read_whole_requests(self, whole: list, counts: list) -> None:
+        """get_runs' requests that are one whole run each, ``whole`` holding
+        (request, run, destination): in one engine call (their I/O in flight
+        together), again past a run that fails its checksums (count 0), and
+        one by one after a device error, so that it fails only the request
+        whose run it hit (that run is dropped)."""
+        while whole:
+            try:
+                got = self._read_whole_runs([(run, part) for _, run, part in whole])
+            except IOFailedError as e:
+                if e.path is None:
+                    raise
+                for i, run, part in whole:
+                    try:
+                        counts[i] = run.nblocks if self._read_whole_runs([(run, part)]) else 0
+                    except IOFailedError as e1:
+                        if e1.path is None:
+                            raise
+                        self._read_failed(e1, [run])
+                return
+            for i, run, _ in whole[:got]:
+                counts[i] = run.nblocks
+            whole = whole[got + 1:]       # whole[got] failed its checksums: dropped, count 0
+
+    def _read_alone(self, read) -> bool:
+        """One :meth:`_read_blocks_together` item on its own; False when it
+        meets a device error (the run it hit is dropped)."""
+        try:
+            return self._read_blocks_together([read])[0]
+        except IOFailedError as e:
+            if e.path is None:
+                raise
+            self._read_failed(e, [read[0]])
+            return False
+
+    def _run_out(self, n: int, out, what: str) -> np.ndarray:
+        """``out`` of get_run (``n`` blocks) as a (layers, groups, n, bytes) view."""
+        g = self.geometry
+        out_arr = as_array(out, what, writable=True)
+        if out_arr.nbytes != n * g.block_bytes or not out_arr.flags.writeable \
+                or not out_arr.flags.c_contiguous:
+            raise ConfigError(f"{what}: out must be a writable, C-contiguous array of "
+                              f"{n * g.block_bytes} bytes for {n} blocks, got {out_arr.nbytes} "
+                              f"bytes (writable: {out_arr.flags.writeable}, C-contiguous: "
+                              f"{out_arr.flags.c_contiguous})")
+        return out_arr.reshape(-1).view(np.uint8).reshape(g.num_layers, g.head_groups, n,
+                                                          g.group_block_bytes)
+
+    def get_blocks(self, keys: Sequence, outs: Sequence) -> int:
+        """:meth:`get_run` into blocks that lie in separate buffers:
+        ``outs[k]`` is a writable, C-contiguous array of
+        ``geometry.block_bytes`` bytes that receives block k in the store's
+        layout order.  A whole run read into aligned blocks goes straight into
+        them (no copy).  Returns the number of leading blocks read and
+        verified; the blocks past them are unspecified."""
+        self._check_open()
+        keys = normalize_keys(keys)
+        dst = BlockList.of(outs, self.geometry, len(keys), "get_blocks", writable=True)
+        if self.host is None:
+            return self._read(keys, dst, None)
+        return self._read_tiered(keys, dst)
+
+    def _read_tiered(self, keys, dst) -> int:
+        """Blocks in the host tier are copied from DRAM, stretches of the others
+        read from the device; blocks read from the device then enter the tier
+        (after the copies, so they cannot push out blocks about to be read)."""
+        n = len(keys)
+        epoch = self.host.epoch       # a clear() during the read keeps its blocks out
+        in_host = [k in self.host for k in keys]
+        done, fetched = 0, []
+        while done < n:
+            if in_host[done] and self.host.read_into(keys[done], block_at(dst, done)):
+                self.counters["host_hit_blocks"] += 1
+                done += 1
+                continue
+            end = done + 1
+            while end < n and not in_host[end]:
+                end += 1
+            got = self._read(keys[done:end], span(dst, done, end), None)
+            fetched.extend(range(done, done + got))
+            self.counters["device_hit_blocks"] += got
+            done += got
+            if done < end:
+                break
+        for k in fetched:
+            self.host.put(keys[k], block_at(dst, k), epoch=epoch)
+        return done
+
+    def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:
+        """Read one (layer, head group) of the stored prefix of ``keys``:
+        ``out`` holds ``len(keys) * group_block_bytes`` bytes (blocks in order).
+        One read per run; returns the number of leading blocks read."""
+        self._check_open()
+        g = self.geometry
+        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+                   for x in (layer, group)) or \
+                not (0 <= layer < g.num_layers and 0 <= group < g.head_groups):
+            raise ConfigError(f"read_range: layer {layer} / group {group} outside "
+                              f"{g.num_layers} layers x {g.head_groups} groups")
+        keys = normalize_keys(keys)
+        out_arr = as_array(out, "read_range", writable=True)
+        if out_arr.nbytes != len(keys) * g.group_block_bytes or not out_arr.flags.writeable \
+                or not out_arr.flags.c_contiguous:
+            raise ConfigError(f"read_range: out must be a writable, C-contiguous array of "
+                              f"{len(keys) * g.group_block_bytes} bytes")
+        dst = out_arr.reshape(-1).view(np.uint8).reshape(1, 1, len(keys), g.group_block_bytes)
+        return self._read(keys, dst, (layer, group))
+
+    def _read(self, keys, dst, only) -> int:
+        with self._lock:
+            segs = self._segments(keys)
+        if not segs:
+            self.counters["miss_gets"] += 1
+            return 0
+        try:
+            done = self._read_segs(segs, dst, only)
+        except BaseException:
+            self._unpin(segs)
+            raise
+        return self._read_done(segs, done, only)
+
+    def _read_done(self, segs, done: int, only) -> int:
+        """Unpin a read's segments and count it: ``done`` blocks, or 0 when
+        the pins lapsed meanwhile."""
+        if not self._unpin(segs):
+            # The pins lapsed while the bytes were read: their space may have
+            # been reused meanwhile, and unverified reads would not notice.
+            self.counters["lapsed_pin_gets"] += 1
+            return 0
+        g = self.geometry
+        self.counters["get_blocks"] += done
+        self.counters["get_bytes"] += done * (g.group_block_bytes if only else g.block_bytes)
+        return done
+
+    def _read_segs(self, segs, dst, only) -> int:
+        """The pinned segments ``segs`` into ``dst``; how many leading blocks
+        were read and verified (raises on a device error, after dropping the
+        run it hit)."""
+        if isinstance(dst, BlockList):
+            dst.addresses()          # once: the per-run views below slice it
+        done, i = 0, 0
+        while i < len(segs):
+            # Consecutive whole runs that go straight into place are read
+            # in one engine call: their I/O is in flight together, and the
+            # per-run cost is a few numpy ops instead of a call each.
+            whole = []
+            while i + len(whole) < len(segs):
+                run, pos, count, out_at = segs[i + len(whole)]
+                part = span(dst, out_at, out_at + count)
+                if not self._straight_into(run, pos, count, part, only):
+                    break
+                whole.append((run, part))
+            if whole:
+                try:
+                    got = self._read_whole_runs(whole)
+                except IOFailedError as e:
+                    self._read_failed(e, [run for run, _ in whole])
+                    raise
+                done += sum(run.nblocks for run, _ in whole[:got])
+                if got < len(whole):
+                    break
+                i += len(whole)
+                continue
+            run, pos, count, out_at = segs[i]
+            try:
+                if not self._read_segment(run, pos, count,
+                                          span(dst, out_at, out_at + count), only):
+                    break
+            except IOFailedError as e:
+                self._read_failed(e, [run])
+                raise
+            done += count
+            i += 1
+        return done
+
+    def _straight_into(self, run: Run, pos: int, count: int, part, only) -> bool:
+        """Can blocks pos..pos+count of ``run`` be read straight into ``part``
+        (no staging)?  When they are the whole, unpadded run and ``part`` is
+        an aligned contiguous array (then it is the run's on-device image) or
+        aligned blocks in separate buffers."""
+        if only is not None or pos != 0 or count != run.nblocks:
+            return False
+        return self._is_image(self.layout(run.nblocks), part)
+
+    def _read_segment(self, run: Run, pos: int, count: int, dst, only) -> bool:
+        """Blocks pos..pos+count of ``run`` into ``dst`` ((layers, groups,
+        count, bytes) array, or a BlockList when ``only`` is None)."""
+        if self._straight_into(run, pos, count, dst, only):
+            return self._read_whole_runs([(run, dst)]) == 1
+        g = self.geometry
+        lay = self.layout(run.nblocks)
+        verify = self.verify == "always"
+        idx = [lay.range_index(*only)] if only else list(range(g.ranges))
+        if verify:
+            window = self._verified_window(lay, pos, count, len(idx))
+            if window is not None:
+                return self._read_blocks_verified(run, lay, pos, count, dst, idx, *window)
+            lo, span = 0, lay.range_bytes         # range checksums need whole ranges
+        else:
+            lo, span = self._window(lay, pos, count)
+        buf = self._staging(span * len(idx))
+        dev, base = self.regions.address(run.region, run.offset)
+        offsets = (np.array(idx, dtype=np.uint64) * np.uint64(lay.range_bytes)
+                   + np.uint64(base + lo))
+        addrs = np.arange(len(idx), dtype=np.uint64) * np.uint64(span) + np.uint64(buf.address)
+        batch = IOBatch(addrs, dev, offsets, span)
+        if verify:
+            sums = self.io.read_hashed(batch, np.arange(len(idx)), np.full(len(idx), run_seed(run)))
+            if not self._verified(run, sums, np.asarray(run.checksums, np.uint64)[idx], idx):
+                return False
+        else:
+            self.io.read(batch)
+        self._scatter_window(buf.array, len(idx), lo, span, pos, count, dst)
+        self.counters["bytes_read"] += span * len(idx)
+        return True
+
+    def _scatter_window(self, buf: np.ndarray, nranges: int, lo: int, span: int, pos: int,
+                        count: int, dst) -> None:
+        """Blocks pos..pos+count into ``dst`` out of ``buf``, which holds
+        ``nranges`` windows of ``span`` bytes, each from byte ``lo`` of its
+        range."""
+        gbb = self.geometry.group_block_bytes
+        rows = buf[:span * nranges].reshape(nranges, span)[:, pos * gbb - lo:]
+        if isinstance(dst, BlockList):
+            dst.scatter_from(rows, 0)
+        else:
+            dst[...] = rows[:, :count * gbb].reshape(dst.shape)
+
+    def _window(self, lay: RunLayout, pos: int, count: int) -> tuple[int, int]:
+        """(offset, bytes) of the aligned part of each range of ``lay`` that
+        holds blocks pos..pos+count."""
+        gbb = self.geometry.group_block_bytes
+        lo = pos * gbb // self.alignment * self.alignment
+        return lo, min(round_up((pos + count) * gbb, self.alignment), lay.range_bytes) - lo
+
+    def _verified_window(self, lay: RunLayout, pos: int, count: int, nranges: int):
+        """For a verified read of blocks pos..pos+count of ranges of ``lay``:
+        :meth:`_window`, to read with the trailer instead of whole ranges, or
+        None when whole ranges cost about as little (the windows would be
+        most of them)."""
+        lo, span = self._window(lay, pos, count)
+        if span * nranges + lay.trailer_bytes > lay.range_bytes * nranges * 3 // 4:
+            return None
+        return lo, span
+
+    def _read_blocks_verified(self, run: Run, lay: RunLayout, pos: int, count: int, dst,
+                              idx: list, lo: int, span: int) -> bool:
+        """Blocks pos..pos+count of ``run`` (ranges ``idx``) into ``dst``,
+        verified without reading whole ranges: each range's aligned window
+        [lo, lo + span) and the run's block digest trailer in one batch; the
+        trailer against the index's checksum, each block handed out against
+        the trailer (kvblock/format/trailer.py)."""
+        g = self.geometry
+        gbb = g.group_block_bytes
+        nidx = len(idx)
+        # Windows that are exactly the blocks, into an aligned contiguous
+        # destination (its rows are the ranges' blocks): read straight there.
+        straight = (lo == pos * gbb and span == count * gbb and not isinstance(dst, BlockList)
+                    and dst.flags.c_contiguous)
+        if straight:
+            data_at = dst.ctypes.data
+            straight = data_at % self.alignment == 0
+        dev, base = self.regions.address(run.region, run.offset)
+        if straight and gbb % self.alignment == 0 and self.io.engine.mapped(dev):
+            return self._read_blocks_together([(run, lay, pos, count, dst, idx)])[0]
+        buf = self._staging((0 if straight else span * nidx) + lay.trailer_bytes)
+        if not straight:
+            data_at = buf.address
+        tail = 0 if straight else span * nidx
+        # Python ints, not numpy: a promotion reads a few blocks, and numpy's
+        # per-call cost was most of this method's time.
+        rb = lay.range_bytes
+        offsets = [base + lo + r * rb for r in idx]
+        offsets.append(base + lay.data_bytes)
+        addrs = [data_at + i * span for i in range(nidx)]
+        addrs.append(buf.address + tail)
+        self.io.read(IOBatch.listed(addrs, dev, offsets, [span] * nidx + [lay.trailer_bytes]))
+        trailer = buf.array[tail:tail + lay.trailer_bytes]
+        # Block j of the i-th range read starts at i * span + (pos + j) * gbb - lo.
+        first = data_at + pos * gbb - lo
+        at = [first + i * span + j * gbb for i in range(nidx) for j in range(count)]
+        if not self._blocks_match_trailer(run, trailer, trailerfmt.checksum(trailer, run.run_id),
+                                          idx, pos, count,
+                                          block_digests_at(at, gbb, run.run_id).tolist()):
+            return False
+        if not straight:
+            self._scatter_window(buf.array, nidx, lo, span, pos, count, dst)
+        self.counters["bytes_read"] += span * nidx + lay.trailer_bytes
+        self.counters["partial_verified_reads"] += 1
+        return True
+
+    def _readable_together(self, segs, dst):
+        """For get_runs: when a request's stored part is one segment that
+        :meth:`_read_blocks_together` can read, that read's item, else None.
+        That is part of a run (a whole run is read as one image, checked by
+        range checksums), verified with the trailer, straight into an aligned
+        contiguous ``dst``, each block its own I/O (so blocks must be whole
+        sectors: the engine checks alignment on mapped devices too, and
+        their reads take the engine's path until the mapping is ready)."""
+        if len(segs) != 1 or self.verify != "always" or isinstance(dst, BlockList):
+            return None
+        run, pos, count, out_at = segs[0]
+        if pos == 0 and count == run.nblocks:
+            return None
+        g = self.geometry
+        lay = self.layout(run.nblocks)
+        window = self._verified_window(lay, pos, count, g.ranges)
+        gbb = g.group_block_bytes
+        if window is None or window != (pos * gbb, count * gbb):
+            return None
+        part = span(dst, out_at, out_at + count)
+        if not part.flags.c_contiguous or part.ctypes.data % self.alignment:
+            return None
+        if gbb % self.alignment:
+            return None
+        return run, lay, pos, count, part, list(range(g.ranges))
+
+    def _read_blocks_together(self, reads: list) -> list[bool]:
+        """Blocks of one or more runs straight into place, in one engine
+        batch; ``reads`` holds (run, layout, pos, count, dst, ranges) items,
+        ``dst`` a contiguous (ranges, count) array of blocks.  Each block and
+        each run's trailer (into this thread's staging buffer) is an entry
+        hashed on its own: out of a mapping as it is copied, while its bytes
+        are in cache, else as it lands.  Then each run's blocks are checked
+        against its trailer (:meth:`_blocks_match_trailer`).  Returns, per
+        item, whether its blocks are good."""
+        gbb = self.geometry.group_block_bytes
+        buf = self._staging(sum(lay.trailer_bytes for _, lay, *_ in reads))
+        addrs, devs, offsets, lens, seeds = [], [], [], [], []
+        trailer_at = buf.address
+        for run, lay, pos, count, dst, idx in reads:
+            dev, base = self.regions.address(run.region, run.offset)
+            rb, at, nb = lay.range_bytes, dst.ctypes.data, len(idx) * count
+            addrs += [at + k * gbb for k in range(nb)]
+            addrs.append(trailer_at)
+            offsets += [base + r * rb + (pos + j) * gbb for r in idx for j in range(count)]
+            offsets.append(base + lay.data_bytes)
+            lens += [gbb] * nb
+            lens.append(lay.trailer_bytes)
+            devs += [dev] * (nb + 1)
+            seeds += [data_seed(run.run_id)] * (nb + 1)
+            trailer_at += lay.trailer_bytes
+        n = len(addrs)
+        sums = self.io.read_hashed(IOBatch.listed(addrs, devs, offsets, lens),
+                                   np.arange(n, dtype=np.uint32),
+                                   np.array(seeds, np.uint64)).tolist()
+        oks, k, t = [], 0, 0
+        for run, lay, pos, count, dst, idx in reads:
+            nb, tb = len(idx) * count, lay.trailer_bytes
+            ok = self._blocks_match_trailer(run, buf.array[t:t + tb], sums[k + nb], idx, pos,
+                                            count, sums[k:k + nb])
+            if ok:
+                self.counters["bytes_read"] += nb * gbb + tb
+                self.counters["partial_verified_reads"] += 1
+            oks.append(ok)
+            k, t = k + nb + 1, t + tb
+        return oks
+
+    def _blocks_match_trailer(self, run: Run, trailer, trailer_sum: int, idx: list, pos: int,
+                              count: int, digests: list[int]) -> bool:
+        """A partial read's check: the trailer (its bytes, and ``trailer_sum``
+        their hash) against the index's checksum, then ``digests`` (blocks
+        pos..pos+count of ranges ``idx``, range-major) against the trailer's.
+        On a mismatch, record the failure (the first bad range) and say False."""
+        g = self.geometry
+        if trailer_sum != int(run.checksums[g.ranges]):
+            self._checksum_failure(run, g.ranges)
+            return False
+        table = trailerfmt.decode(trailer, g.ranges, run.nblocks)
+        want = (table[:, pos:pos + count] if len(idx) == g.ranges
+                else table[idx, pos:pos + count]).reshape(-1).tolist()
+        if digests != want:
+            self._checksum_failure(run, idx[_first_difference(digests, want) // count])
+            return False
+        return True
+
+    def _read_whole_runs(self, parts: list) -> int:
+        """Whole runs straight into place (``parts``: (run, destination) pairs
+        that passed :meth:`_straight_into`, all BlockLists or all arrays), in
+        one engine call; with verification each range is its own checksum
+        stream.  Returns how many leading runs were read and verified (a bad
+        run is dropped).  Built with numpy over all the runs at once."""
+        verify = self.verify == "always"
+        nr = self.geometry.ranges
+        runs = [run for run, _ in parts]
+        where = [self.regions.address(run.region, run.offset) for run in runs]
+        if len(parts) * nr <= FEW_IOS and not isinstance(parts[0][1], BlockList):
+            return self._read_few_images(parts, where, verify)
+        devs = np.array([d for d, _ in where], dtype=np.uint32)
+        bases = np.array([b for _, b in where], dtype=np.uint64)
+        lays = [self.layout(run.nblocks) for run in runs]
+        range_bytes = np.array([lay.range_bytes for lay in lays], dtype=np.uint64)
+        if isinstance(parts[0][1], BlockList):   # an I/O per (range, block), merged if they touch
+            blocks = parts[0][1] if len(parts) == 1 else BlockList.joined([p for _, p in parts])
+            batch, streams = blocks.runs_batch([run.nblocks for run in runs], devs, bases,
+                                               range_bytes, by_range=verify)
+        else:                                    # each part is its run's image
+            addrs = np.array([part.ctypes.data for _, part in parts], dtype=np.uint64)
+            if verify:                           # one I/O per range
+                j = np.repeat(np.arange(len(parts)), nr)
+                r = np.tile(np.arange(nr, dtype=np.uint64), len(parts))
+                batch = IOBatch(addrs[j] + r * range_bytes[j], devs[j],
+                                bases[j] + r * range_bytes[j], range_bytes[j])
+                streams = np.arange(len(parts) * nr)
+            else:
+                batch = IOBatch(addrs, devs, bases, [lay.data_bytes for lay in lays])
+        if not verify:
+            self.io.read(batch)
+            good = len(parts)
+        else:
+            seeds = np.repeat(np.array([run_seed(run) for run in runs], dtype=np.uint64), nr)
+            sums = self.io.read_hashed(batch, streams, seeds)
+            want = np.concatenate([np.asarray(run.checksums[:nr], np.uint64) for run in runs])
+            bad = np.nonzero(sums != want)[0]
+            good = int(bad[0]) // nr if bad.size else len(parts)
+            if bad.size:
+                self._checksum_failure(runs[good], int(bad[0]) % nr)
+        self.counters["bytes_read"] += sum(lay.data_bytes for lay in lays[:good])
+        return good
+
+    def _read_few_images(self, parts: list, where: list, verify: bool) -> int:
+        """_read_whole_runs of a few runs' images (at most FEW_IOS ranges in
+        all: an LMCache chunk, a run of a few layers) with Python ints
+        instead of numpy, whose per-call cost was ~70 us of a 2 MiB get."""
+        nr = self.geometry.ranges
+        addrs, devs, offsets, lens, seeds, want = [], [], [], [], [], []
+        for (run, part), (dev, base) in zip(parts, where):
+            lay = self.layout(run.nblocks)
+            at = part.ctypes.data
+            if verify:                           # one I/O (and checksum stream) per range
+                rb = lay.range_bytes
+                addrs += [at + r * rb for r in range(nr)]
+                offsets += [base + r * rb for r in range(nr)]
+                lens += [rb] * nr
+                devs += [dev] * nr
+                seeds += [data_seed(run.run_id)] * nr
+                want += np.asarray(run.checksums[:nr], dtype=np.uint64).tolist()
+            else:
+                addrs.append(at)
+                offsets.append(base)
+                lens.append(lay.data_bytes)
+                devs.append(dev)
+        batch = IOBatch.listed(addrs, devs, offsets, lens)
+        good = len(parts)
+        if not verify:
+            self.io.read(batch)
+        else:
+            sums = self.io.read_hashed(batch, np.arange(len(addrs)),
+                                       np.array(seeds, dtype=np.uint64)).tolist()
+            if sums != want:
+                bad = _first_difference(sums, want)
+                good = bad // nr
+                self._checksum_failure(parts[good][0], bad % nr)
+        self.counters["bytes_read"] += sum(self.layout(run.nblocks).data_bytes
+                                           for run, _ in parts[:good])
+        return good
+
+    def _verified(self, run: Run, sums: np.ndarray, want: np.ndarray, idx=None) -> bool:
+        """Compare a read's checksums with the run's; on a mismatch record the
+        failure (the first bad range) and say False."""
+        bad = np.nonzero(sums != want)[0]
+        if bad.size:
+            self._checksum_failure(run, int(bad[0]) if idx is None else idx[int(bad[0])])
+            return False
+        return True
+
+    def _checksum_failure(self, run: Run, range_index: int) -> None:
+        self.counters["checksum_failures"] += 1
+        dev, off = self.regions.address(run.region, run.offset)
+        self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id, range_index)
+        self._drop_runs([run])
+
+    def _read_failed(self, error: IOFailedError, runs: list[Run]) -> None:
+        """A device read for ``runs`` failed (EIO, a short read...): drop the
+        run the failed I/O was in (every one of ``runs`` when several I/Os
+        failed or the error gives no offset), as a checksum failure does.
+        Kept, it would stay a hit that no read can return, and engines retry
+        hits (vLLM's tiering manager would promote it every step).  The
+        caller still raises ``error``.  An engine failure that reached no
+        device (no path) drops nothing."""
+        self.counters["read_errors"] += 1
+        if error.path is None:
+            return
+        hit = runs
+        if error.offset is not None and error.failed <= 1:
+            end = error.offset + max(int(error.length or 0), 1)
+            hit = []
+            for run in runs:
+                dev, base = self.regions.address(run.region, run.offset)
+                if (self.io.devices[dev].path == error.path
+                        and base < end and error.offset < base + self.layout(run.nblocks).run_bytes):
+                    hit.append(run)
+            hit = hit or runs
+        self.last_read_error = (error.path, error.offset, [r.run_id for r in hit])
+        logger.warning("kvblock: %s; dropping %d run(s) that read it (%d blocks)", error,
+                       len(hit), sum(r.nblocks for r in hit))
+        try:
+            self._drop_runs(hit)
+        except KVBlockError as e:    # the read error is what the caller hears
+            logger.warning("kvblock: dropping runs after a read error failed: %s", e)

@@ -1,0 +1,187 @@
+"""Opening a store: its checkpoint, then the journal written after it.
+
+Replay takes the newest valid checkpoint, then applies the records of its
+epoch in order (a torn or foreign record ends the journal); the open then
+writes a new checkpoint, which starts a new epoch (format/journal.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from kvblock.alloc.regions import FREE, SEALED
+from kvblock.format import checkpoint as cpfmt
+from kvblock.errors import NotAStoreError
+from kvblock.format import journal as jfmt
+from kvblock.index import KeyIndex, Run
+
+logger = logging.getLogger(__name__)
+
+
+class Recovery:
+    """KVStore's recovery on open: ``_recover`` and the steps it takes."""
+
+    def _recover(self):
+        sb = self.sb
+        self.journal_gap = None
+        # Slots that were written once but no longer decode (fsck reports
+        # them; the next checkpoint goes to one of them).
+        self.damaged_checkpoint_slots = []
+        slots = []
+        for slot in (0, 1):
+            off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
+            raw = self.io.read_bytes(0, off, cpfmt.HEADER_BYTES)
+            head = cpfmt.decode_header(raw)
+            if head is not None:
+                slots.append((head.generation, slot, head))
+            elif bytes(raw[:len(cpfmt.MAGIC)]) == cpfmt.MAGIC:
+                self.damaged_checkpoint_slots.append(slot)
+        cp = None
+        for _, slot, head in sorted(slots, reverse=True):
+            off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
+            if cpfmt.HEADER_BYTES + head.payload_bytes <= sb.checkpoint_bytes:
+                payload = self.io.read_array(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
+                cp = cpfmt.decode_payload(head, payload)
+                if cp is not None and cp.ranges == self.geometry.run_checksums and \
+                        len(cp.regions) == self.regions.count:
+                    self._cp_slot = slot
+                    break
+            self.damaged_checkpoint_slots.append(slot)
+            cp = None
+        if cp is None:
+            raise NotAStoreError(
+                f"{self.io.devices[0].path}: no valid checkpoint in either slot (metadata "
+                "corrupt); the cached KV cannot be trusted: reformat the store",
+                self.io.devices[0].path, sb.checkpoint_offset)
+        self.index = KeyIndex()
+        journal = self.io.read_array(0, sb.journal_offset, sb.journal_bytes)
+        ahead = self._newer_epoch(journal, cp.generation)
+        self.stale_checkpoint = bool(ahead)
+        if ahead:
+            # The newest checkpoint is unreadable and its journal had begun:
+            # the older one misses what was reclaimed and rewritten since, so
+            # none of its runs can be trusted.  Start empty (a cache loses
+            # only time), in a generation past every journal epoch seen.
+            self.counters["stale_checkpoint_runs_dropped"] = len(cp.runs)
+            logger.warning("kvblock: %s: the newest checkpoint is unreadable and the journal "
+                           "moved on from the older one (generation %d); dropping its %d "
+                           "runs", self.io.devices[0].path, cp.generation, len(cp.runs))
+            self.regions.generation[:] = cp.regions["generation"]
+            self._next_run_id = cp.next_run_id + (1 << 32)   # ids never met before
+            self._generation = cp.generation + ahead
+            self._seq, self._jhead = 0, 0
+            self.counters["replayed_records"] = 0
+            self.clean_at_open = False
+            self._finish_layout()
+            if not self.readonly:
+                self._write_checkpoint()
+            return
+        self._load_checkpoint(cp)
+        records, end, next_seq = jfmt.scan(journal, cp.journal_seq,
+                                           jfmt.epoch(sb.store_uuid, cp.generation))
+        puts: list[Run] = []
+        for rec in records:
+            if isinstance(rec, jfmt.PutRun):
+                run = self._replayed_run(rec)
+                if run is not None:
+                    puts.append(run)
+                continue
+            self._index_runs(puts)  # batches of PUTs are indexed in one call
+            puts = []
+            self._replay(rec)
+        self._index_runs(puts)
+        self.counters["replayed_records"] = len(records)
+        epoch = jfmt.epoch(sb.store_uuid, cp.generation)
+        after = jfmt.records_after(journal, end, next_seq, epoch)
+        if after is not None:
+            # Replay stopped at a torn or damaged record with intact ones
+            # after it: what they published is lost (the cache is smaller,
+            # never wrong).  fsck reports it.
+            pos, first, count = after
+            self.journal_gap = {"offset": sb.journal_offset + pos, "first_seq": first,
+                                "stopped_at_seq": next_seq, "records_not_replayed": count}
+            logger.warning("kvblock: %s: the journal stops at record %d, but %d intact "
+                           "record(s) from %d on (offset %d) follow; they are not replayed",
+                           self.io.devices[0].path, next_seq, count, first,
+                           sb.journal_offset + pos)
+        self._generation = cp.generation
+        self._seq = next_seq
+        self._jhead = end
+        self.clean_at_open = not records
+        self._finish_layout()
+        if not self.readonly:
+            self._write_checkpoint()  # new epoch: stale journal records are dead from here on
+
+    def _newer_epoch(self, journal, generation: int) -> int:
+        """k > 0 when the journal's first record belongs to checkpoint
+        generation ``generation + k``: a newer checkpoint restarted the
+        journal (the other slot's, now unreadable).  0 otherwise -- also
+        when the newer checkpoint was torn before its journal began, which
+        leaves the older one and its journal whole."""
+        first = jfmt.record_at(journal)
+        if first is None:
+            return 0
+        for k in range(1, 4):
+            if first[0] == jfmt.epoch(self.sb.store_uuid, generation + k):
+                return k
+        return 0
+
+    def _load_checkpoint(self, cp: cpfmt.Checkpoint):
+        self.regions.generation[:] = cp.regions["generation"]
+        self.regions.seal_seq[:] = cp.regions["seal_seq"]
+        self.regions.sealed_at[:] = cp.regions["sealed_at"]
+        self.regions.next_seal = int(cp.regions["seal_seq"].max(initial=0)) + 1
+        self._next_run_id = cp.next_run_id
+        key_at = 0
+        now = time.time()
+        keys = cp.keys.tobytes()
+        runs = []
+        for i, row in enumerate(cp.runs.tolist()):
+            run_id, region, gen, offset, n, _ = row
+            runs.append(Run(run_id, region, gen, offset, keys[key_at * 16:(key_at + n) * 16],
+                            cp.checksums[i], created=now))
+            key_at += n
+        self._index_runs(runs)
+
+    def _replayed_run(self, rec: jfmt.PutRun) -> Run | None:
+        # Its id is used even when the run is not (a run id seeds its data
+        # checksums: never hand one out twice).
+        self._next_run_id = max(self._next_run_id, rec.run_id + 1)
+        if rec.region >= self.regions.count or \
+                rec.generation != int(self.regions.generation[rec.region]) or \
+                len(rec.checksums) != self.geometry.run_checksums:
+            return None  # stale or foreign: its space was reclaimed since
+        return Run(rec.run_id, rec.region, rec.generation, rec.offset, rec.keys,
+                   np.array(rec.checksums, dtype=np.uint64), created=time.time())
+
+    def _replay(self, rec):
+        """Apply a DROP or RECLAIM record (PUTs go through _replayed_run)."""
+        if isinstance(rec, jfmt.DropRun):
+            run = self.index.runs.get(rec.run_id)
+            if run is not None:
+                self._remove_run(run)
+        elif isinstance(rec, jfmt.Reclaim):
+            if rec.region < self.regions.count:
+                for run in [r for r in self.index.runs.values() if r.region == rec.region]:
+                    self._remove_run(run)
+                self.regions.generation[rec.region] = rec.generation
+
+    def _finish_layout(self):
+        """After recovery: regions holding runs are sealed, the rest are free."""
+        regions = self.regions
+        regions.free.clear()
+        regions.open = None
+        for r in range(regions.count):
+            if regions.live[r] > 0:
+                regions.state[r] = SEALED
+                if regions.seal_seq[r] == 0:  # sealed after the last checkpoint
+                    regions.seal_seq[r] = regions.next_seal
+                    regions.sealed_at[r] = int(time.time())
+                    regions.next_seal += 1
+            else:
+                regions.state[r] = FREE
+                regions.fill[r] = 0
+                regions.free.append(r)

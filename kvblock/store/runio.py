@@ -1,0 +1,65 @@
+"""What reading and writing runs on the devices needs, in both kinds of store.
+
+A :class:`~kvblock.store.store.KVStore` owns its metadata; a
+:class:`~kvblock.store.client.RemoteStore` (a rank of a served store) asks
+its server for it.  Both do their own I/O on the devices, with the same code:
+:class:`~kvblock.store.reads.RunReader` and
+:class:`~kvblock.store.writes.RunWriter` on top of this class.  A store using
+them has ``geometry``, ``alignment``, ``io`` (a StoreIO), ``counters``,
+``verify``, ``host`` (a DRAM tier or None), ``_layouts`` (a dict) and
+``_local`` (a threading.local).
+"""
+
+from __future__ import annotations
+
+from kvblock.layout.geometry import RunLayout, round_up
+from kvblock.memory import HostBuffer
+from kvblock.store.scatter import BlockList
+
+
+class RunIO:
+    """Run layouts, per-thread staging memory, whether caller memory is a
+    run's on-device image, and the kvikio handles of GPU loads."""
+
+    def layout(self, nblocks: int) -> RunLayout:
+        lay = self._layouts.get(nblocks)
+        if lay is None:
+            if len(self._layouts) >= 4096:     # runs of many lengths: keep it small
+                self._layouts.clear()
+            lay = self._layouts[nblocks] = RunLayout(self.geometry, nblocks, self.alignment)
+        return lay
+
+    def _staging(self, nbytes: int, purpose: str = "staging") -> HostBuffer:
+        """This thread's aligned buffer for ``purpose`` (grown, never shrunk):
+        kept between calls because touching fresh memory is slow (and on VMs
+        that hand freed memory back, very slow).  Purposes do not share memory:
+        "staging" is put_run's, "gather" is save_blocks' source buffer, "pages"
+        the SGLang backend's read buffer."""
+        buf = getattr(self._local, purpose, None)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.close()
+            buf = HostBuffer(round_up(nbytes, 1 << 20))
+            setattr(self._local, purpose, buf)
+        return buf
+
+    def _kvikio_reader(self):
+        """The store's kvikio file handles (created on first GPU load)."""
+        reader = getattr(self, "_kvikio", None)
+        if reader is None:
+            from kvblock.io.gpu import KvikioReader
+
+            reader = self._kvikio = KvikioReader([d.path for d in self.io.devices])
+        return reader
+
+    def _is_image(self, lay: RunLayout, blocks, any_address: bool = False) -> bool:
+        """Are ``blocks`` already the run's on-device image (or aligned,
+        unpadded pieces of it), so that writing them needs no staging copy?
+        ``any_address``: an array for a copy into a mapped device, which
+        needs no aligned memory."""
+        if lay.prefix_bytes(lay.nblocks) != lay.range_bytes:
+            return False
+        if isinstance(blocks, BlockList):
+            return blocks.direct(self.alignment)
+        return blocks.flags.c_contiguous and (any_address
+                                              or blocks.ctypes.data % self.alignment == 0)
