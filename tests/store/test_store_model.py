@@ -14,7 +14,8 @@ The model follows the documented semantics (README "Using the store"):
   value it had); ``clear()`` forgets everything, DRAM included;
 - a reopen keeps everything on the device (the DRAM tier starts empty),
   after a clean close (from the checkpoint) or a crash (replaying the
-  journal).
+  journal); through a store server, a server killed and replaced keeps
+  every put, delete and clear it answered, and only its pins lapse.
 
 Every read is checked byte for byte: a get returns at least the prefix the
 model is sure of, and never a block the model does not know or with bytes
@@ -24,6 +25,7 @@ other than its latest value.
 from __future__ import annotations
 
 import os
+import signal
 
 import numpy as np
 import pytest
@@ -33,8 +35,9 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 from kvblock import Geometry, KVStore, aligned_empty
-from kvblock.store.client import RemoteStore
+from kvblock.store.client import RemoteStore, connect
 from kvblock.store.server import serve_in_background
+from tests.support.servers import stop_server, wait_reconnected
 
 MIB = 1 << 20
 KEYS = [b"key-%02d" % i for i in range(20)]
@@ -58,13 +61,15 @@ key_lists = st.lists(st.sampled_from(KEYS), min_size=1, max_size=9, unique=True)
 
 
 def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None = None,
-                 verify: str = "always", full: bool = False):
+                 verify: str = "always", full: bool = False, server_process: bool = False):
     """The model of a store on ``path``; with ``sock``, the same store served
     there and driven through a RemoteStore (this process does the I/O, a
-    server thread the metadata).  ``full``: ``path`` holds a few regions, so
-    puts evict: which runs went is asked of the store after each put (the
-    keys just put and the runs pinned must be there), then checked by every
-    later read."""
+    server thread the metadata).  ``server_process``: the server is a
+    ``kvblock serve`` process that the clients start (``connect``, as the
+    engines' ranks do) and start again when it is gone (``reconnect``), and
+    a rule kills it.  ``full``: ``path`` holds a few regions, so puts evict:
+    which runs went is asked of the store after each put (the keys just put
+    and the runs pinned must be there), then checked by every later read."""
     options = {"host_cache_bytes": host_blocks * geom.block_bytes} if host_blocks else {}
     options["verify"] = verify
 
@@ -96,8 +101,12 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
         def _serve(self):
             """A server, and two clients of it (as two ranks): what one
             writes, the other reads at the offsets the server gives it."""
-            self.server = serve_in_background([path], sock)
-            self.clients = [RemoteStore(sock, verify=verify) for _ in range(2)]
+            if server_process:
+                self.clients = [connect(sock, [path], reconnect=True, verify=verify)
+                                for _ in range(2)]
+            else:
+                self.server = serve_in_background([path], sock)
+                self.clients = [RemoteStore(sock, verify=verify) for _ in range(2)]
             self.store = self.clients[0]
 
         def _close(self):
@@ -107,10 +116,26 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             self.store, self.clients = None, []
 
         def teardown(self):
+            pid = self.store.server_pid if server_process and self.store is not None else None
             if self.store is not None:
                 self._close()
             if self.server is not None:
                 self.server.stop()
+            if pid is not None:
+                stop_server(pid)
+
+        def _replace_server(self, sig: int) -> None:
+            """Stop (SIGTERM: it checkpoints) or kill (SIGKILL) the server
+            process; the clients start a new one, which opens the store.
+            The pins lapse with the old server: unpinning them does nothing."""
+            pid = self.store.server_pid
+            if sig == signal.SIGKILL:
+                os.kill(pid, signal.SIGKILL)
+            stop_server(pid)
+            wait_reconnected(self.clients, pid)
+            lapsed, self.pins = self.pins, []
+            for store, handle, _ in lapsed:
+                store.unpin(handle)
 
         @precondition(lambda self: sock is not None)
         @rule()
@@ -386,14 +411,25 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
 
         @rule()
         def reopen(self):
-            self._close()
+            if not server_process:
+                self._close()
             if sock is None:
                 self.store = KVStore.open([path], geometry=geom, **options)
+            elif server_process:
+                self._replace_server(signal.SIGTERM)
+                return
             else:             # a clean stop of the server checkpoints; a new one opens
                 self.server.stop()
                 self.server = None
                 self._serve()
             self.maybe.clear()
+
+        @precondition(lambda self: server_process)
+        @rule()
+        def kill_server(self):
+            """The metadata owner dies mid-run: every call it answered is
+            durable (a put is acknowledged after its journal record is)."""
+            self._replace_server(signal.SIGKILL)
 
         @precondition(lambda self: sock is None)
         @rule()
@@ -425,6 +461,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SERVED_SETTINGS = settings(SETTINGS, max_examples=max(1, EXAMPLES // 2))
+KILLED_SETTINGS = settings(SETTINGS, max_examples=max(1, EXAMPLES // 5), stateful_step_count=25)
 
 
 @pytest.mark.parametrize("host_blocks", [0, 6], ids=["device", "dram-tier"])
@@ -463,3 +500,15 @@ def test_served_store_answers_as_its_model(store_target, tmp_path, geom_name):
     run_state_machine_as_test(make_machine(path, GEOMETRIES[geom_name], 0,
                                            sock=str(tmp_path / "kv.sock")),
                               settings=SERVED_SETTINGS)
+
+
+def test_store_whose_server_is_killed_answers_as_its_model(store_target, tmp_path):
+    """Served by a ``kvblock serve`` process that the two clients started
+    (``connect(..., reconnect=True)``), which a rule SIGKILLs or stops:
+    the clients start a new one, and the store answers as before, pins
+    aside."""
+    path = store_target(32 * MIB)
+    run_state_machine_as_test(make_machine(path, GEOMETRIES["2k"], 0,
+                                           sock=str(tmp_path / "kv.sock"),
+                                           server_process=True),
+                              settings=KILLED_SETTINGS)
