@@ -127,6 +127,17 @@ class StoreClosedError(KVBlockError):
     """The store was closed (or crashed under fault injection); reopen it."""
 
 
+class ServerError(KVBlockError):
+    """A store server could not be started, or failed a request in a way that
+    is not one of kvblock's own errors."""
+
+
+class ServerGoneError(ServerError, StoreClosedError, ConnectionError):
+    """The store server is not there (never started, stopped, killed or
+    crashed) or the connection to it broke.  The pins of this connection are
+    gone with it; reconnect once a server runs again."""
+
+
 class ReadOnlyStoreError(KVBlockError):
     """A store opened read-only (e.g. by `kvblock info`) was asked to change."""
 

@@ -41,16 +41,13 @@ as a KVStore killed at the same moment: reopen it (restart the server, or
 
 from __future__ import annotations
 
-import base64
 import errno
 import fcntl
 import functools
-import json
 import logging
 import os
 import select
 import socket
-import struct
 import threading
 import time
 import uuid
@@ -62,12 +59,14 @@ import numpy as np
 
 from kvblock import errors
 from kvblock.devices import Device
-from kvblock.errors import ConfigError, KVBlockError, StoreClosedError
+from kvblock.errors import (ConfigError, KVBlockError, ServerError, ServerGoneError,
+                            StoreClosedError)
 from kvblock.index import normalize_keys
 from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint
 from kvblock.store.fence import WriteFence, reopen, socket_fence_path
 from kvblock.store.policy import VERIFY_MODES
+from kvblock.store.protocol import PROTOCOL, encode_keys, encode_msg, raise_remote, recv_msg
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store.store import (
     COUNTERS,
@@ -80,96 +79,10 @@ from kvblock.store.scatter import span
 from kvblock.store.storeio import StoreIO
 from kvblock.store.writes import RunWriter
 
-PROTOCOL = 5   # 2: "clear"; admit answers the clear count, commit carries it
-#                3: pins are leased ("ping", hello's "pin_lease")
-#                4: the server sends its fence files after hello
-#                5: runs carry their block digest trailer's checksum (format 2)
 logger = logging.getLogger("kvblock")
-MAX_FRAME = 256 << 20
-_LEN = struct.Struct(">I")
 HEARTBEAT_TICK_S = 1.0      # the heartbeat thread looks at least this often
 FENCE_FILES_WAIT_S = 10.0   # they follow the answer to hello at once
 CLOSE_WAIT_S = 30.0         # close() waits this long for writes in flight
-
-
-# ---------------------------------------------------------------------- errors
-class ServerError(KVBlockError):
-    """A store server could not be started, or failed a request in a way that
-    is not one of kvblock's own errors."""
-
-
-class ServerGoneError(ServerError, StoreClosedError, ConnectionError):
-    """The store server is not there (never started, stopped, killed or
-    crashed) or the connection to it broke.  The pins of this connection are
-    gone with it; reconnect once a server runs again."""
-
-
-# ---------------------------------------------------------------------- framing
-def encode_msg(obj) -> bytes:
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    if len(data) > MAX_FRAME:
-        raise ConfigError(f"store server message of {len(data)} bytes exceeds {MAX_FRAME}; "
-                          "use fewer keys per call")
-    return _LEN.pack(len(data)) + data
-
-
-def send_msg(sock: socket.socket, obj) -> None:
-    sock.sendall(encode_msg(obj))
-
-
-def recv_msg(sock: socket.socket):
-    """The next message, or None at a clean end of stream."""
-    head = _recv_exact(sock, _LEN.size, eof_ok=True)
-    if head is None:
-        return None
-    (n,) = _LEN.unpack(head)
-    if n > MAX_FRAME:
-        raise ConnectionError(f"frame of {n} bytes exceeds {MAX_FRAME} (not a kvblock peer?)")
-    return json.loads(_recv_exact(sock, n))
-
-
-def _recv_exact(sock, n, eof_ok=False):
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            if eof_ok and got == 0:
-                return None
-            raise ConnectionError("connection closed in the middle of a message")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def encode_keys(keys: Sequence[bytes]) -> str:
-    return base64.b64encode(b"".join(keys)).decode("ascii")
-
-
-def decode_keys(text: str) -> list[bytes]:
-    try:
-        raw = base64.b64decode(text, validate=True)
-    except (ValueError, TypeError):
-        raise ConfigError("keys must be base64 of 16-byte keys") from None
-    if len(raw) % 16:
-        raise ConfigError("keys must be 16 bytes each")
-    return [raw[i:i + 16] for i in range(0, len(raw), 16)]
-
-
-def error_reply(exc: BaseException) -> dict:
-    return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
-
-
-def _raise_remote(name: str, message: str):
-    cls = getattr(errors, name, None)
-    if name == "ServerGoneError":
-        cls = ServerGoneError
-    if not (isinstance(cls, type) and issubclass(cls, KVBlockError)):
-        raise ServerError(f"store server: {name}: {message}")
-    try:
-        exc = cls(message)
-    except Exception:  # noqa: BLE001  (a class with another constructor)
-        raise ServerError(f"store server: {name}: {message}") from None
-    raise exc
 
 
 # ---------------------------------------------------------------------- client
@@ -591,7 +504,7 @@ class RemoteStore(RunReader, RunWriter):
             raise
         s.call_started = None
         if not reply.get("ok"):
-            _raise_remote(reply.get("error", "ServerError"), reply.get("message", ""))
+            raise_remote(reply.get("error", "ServerError"), reply.get("message", ""))
         return reply.get("result")
 
     def _ping(self) -> bool:

@@ -47,20 +47,13 @@ from kvblock.errors import (
     ConfigError,
     KVBlockError,
     ProtocolMismatchError,
+    ServerError,
     StoreClosedError,
 )
 from kvblock.index import Run
-from kvblock.store.client import (
-    PROTOCOL,
-    ServerError,
-    decode_keys,
-    encode_msg,
-    error_reply,
-    recv_msg,
-    socket_dir,
-    wait_for_server,
-)
+from kvblock.store.client import socket_dir, wait_for_server
 from kvblock.store.fence import fence_writers, reopen, socket_fence_path
+from kvblock.store.protocol import PROTOCOL, decode_keys, encode_msg, error_reply, recv_msg
 from kvblock.store.store import KVStore
 
 logger = logging.getLogger("kvblock")

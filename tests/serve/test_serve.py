@@ -507,7 +507,7 @@ def test_server_edge_cases(tmp_path, sock, monkeypatch):
     """An answer too large to send gives back the pin it carried; a broken
     frame (deep nesting, bad base64) ends or fails that request only; a
     forked child cannot use its parent's connection."""
-    from kvblock.store import client as client_mod
+    from kvblock.store import protocol
 
     path = _store_file(tmp_path)
     with serve_in_background([path], sock) as server:
@@ -516,7 +516,7 @@ def test_server_edge_cases(tmp_path, sock, monkeypatch):
             keys = [k for i in range(40) for k in run_keys(i, 2)]
             for i in range(40):
                 r.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
-            monkeypatch.setattr(client_mod, "MAX_FRAME", 4096)   # both ends: one process
+            monkeypatch.setattr(protocol, "MAX_FRAME", 4096)   # both ends: one process
             with pytest.raises(ConfigError, match="exceeds 4096"):
                 r.get_run(keys, np.zeros(len(keys) * GEOM.block_bytes, np.uint8))
             assert server.store.regions.pins.sum() == 0

@@ -1,0 +1,93 @@
+"""The store server's wire protocol (kvblock/store/server.py and its clients).
+
+Messages are JSON objects in frames of a 4-byte big-endian length and the
+JSON bytes, over a Unix socket; keys travel as base64 of their 16 bytes
+each; an error travels as its class name and message and is raised again
+as kvblock's class of that name.  Client and server exchange their PROTOCOL
+in hello; either refuses another version (ProtocolMismatchError).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import struct
+from typing import Sequence
+
+from kvblock import errors
+from kvblock.errors import ConfigError, KVBlockError, ServerError
+
+PROTOCOL = 5   # 2: "clear"; admit answers the clear count, commit carries it
+#                3: pins are leased ("ping", hello's "pin_lease")
+#                4: the server sends its fence files after hello
+#                5: runs carry their block digest trailer's checksum (format 2)
+MAX_FRAME = 256 << 20
+_LEN = struct.Struct(">I")
+
+
+def encode_msg(obj) -> bytes:
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > MAX_FRAME:
+        raise ConfigError(f"store server message of {len(data)} bytes exceeds {MAX_FRAME}; "
+                          "use fewer keys per call")
+    return _LEN.pack(len(data)) + data
+
+
+def send_msg(sock: socket.socket, obj) -> None:
+    sock.sendall(encode_msg(obj))
+
+
+def recv_msg(sock: socket.socket):
+    """The next message, or None at a clean end of stream."""
+    head = _recv_exact(sock, _LEN.size, eof_ok=True)
+    if head is None:
+        return None
+    (n,) = _LEN.unpack(head)
+    if n > MAX_FRAME:
+        raise ConnectionError(f"frame of {n} bytes exceeds {MAX_FRAME} (not a kvblock peer?)")
+    return json.loads(_recv_exact(sock, n))
+
+
+def _recv_exact(sock, n, eof_ok=False):
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            if eof_ok and got == 0:
+                return None
+            raise ConnectionError("connection closed in the middle of a message")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def encode_keys(keys: Sequence[bytes]) -> str:
+    return base64.b64encode(b"".join(keys)).decode("ascii")
+
+
+def decode_keys(text: str) -> list[bytes]:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (ValueError, TypeError):
+        raise ConfigError("keys must be base64 of 16-byte keys") from None
+    if len(raw) % 16:
+        raise ConfigError("keys must be 16 bytes each")
+    return [raw[i:i + 16] for i in range(0, len(raw), 16)]
+
+
+def error_reply(exc: BaseException) -> dict:
+    return {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+
+
+def raise_remote(name: str, message: str):
+    """Raise the error a server answered with: kvblock's own class of that
+    name, else ServerError."""
+    cls = getattr(errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, KVBlockError)):
+        raise ServerError(f"store server: {name}: {message}")
+    try:
+        exc = cls(message)
+    except Exception:  # noqa: BLE001  (a class with another constructor)
+        raise ServerError(f"store server: {name}: {message}") from None
+    raise exc
