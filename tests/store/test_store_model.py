@@ -85,6 +85,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             self.pins: list = []                          # (store, handle, model runs)
             self.next_run = 0
             self.seed = 0
+            self.restarts = 0        # server processes replaced (a second each)
 
         @initialize()
         def format(self):
@@ -133,6 +134,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                 os.kill(pid, signal.SIGKILL)
             stop_server(pid)
             wait_reconnected(self.clients, pid)
+            self.restarts += 1
             lapsed, self.pins = self.pins, []
             for store, handle, _ in lapsed:
                 store.unpin(handle)
@@ -409,6 +411,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
         def checkpoint(self):
             self.store.checkpoint()
 
+        @precondition(lambda self: not server_process or self.restarts < MAX_RESTARTS)
         @rule()
         def reopen(self):
             if not server_process:
@@ -424,7 +427,7 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                 self._serve()
             self.maybe.clear()
 
-        @precondition(lambda self: server_process)
+        @precondition(lambda self: server_process and self.restarts < MAX_RESTARTS)
         @rule()
         def kill_server(self):
             """The metadata owner dies mid-run: every call it answered is
@@ -462,6 +465,9 @@ SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=40, deadline=None
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 SERVED_SETTINGS = settings(SETTINGS, max_examples=max(1, EXAMPLES // 2))
 KILLED_SETTINGS = settings(SETTINGS, max_examples=max(1, EXAMPLES // 5), stateful_step_count=25)
+# Server processes replaced per example (each takes about a second): more
+# with a longer hunt.
+MAX_RESTARTS = 3 if EXAMPLES <= 25 else 8
 
 
 @pytest.mark.parametrize("host_blocks", [0, 6], ids=["device", "dram-tier"])
