@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 from unittest import mock
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
