@@ -34,10 +34,6 @@ def encode_msg(obj) -> bytes:
     return _LEN.pack(len(data)) + data
 
 
-def send_msg(sock: socket.socket, obj) -> None:
-    sock.sendall(encode_msg(obj))
-
-
 def recv_msg(sock: socket.socket):
     """The next message, or None at a clean end of stream."""
     head = _recv_exact(sock, _LEN.size, eof_ok=True)
