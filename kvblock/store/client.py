@@ -8,46 +8,23 @@ index, allocation, journal, checkpoints, eviction, and the exclusive claim on
 the devices.  Each rank opens a :class:`RemoteStore` on the server's Unix
 socket and does its own direct I/O on the devices (opened without the
 exclusive claim) at the offsets the server hands out, so bytes never travel
-through the socket.
-
-Protocol (version 5, PROTOCOL below): every message is a 4-byte big-endian
-length followed by that many bytes of UTF-8 JSON.  A request is ``{"op": NAME, ...arguments}``;
-the answer is ``{"ok": true, "result": ...}`` or ``{"ok": false, "error":
-CLASS, "message": TEXT}`` (CLASS is a :mod:`kvblock.errors` name, re-raised as
-that class here).  Keys travel as one base64 string of 16-byte keys.  One
-request at a time per connection, answered in order.
-
-A put is three requests: ``admit`` (duplicate and admission checks),
-``allocate`` (the server reserves space and holds a writer pin on its region),
-then, after this process has written and flushed the run's bytes, ``commit``
-(the server journals the PUT record durably and publishes the run; it
-carries the run's checksums, one per range, then its block digest
-trailer's, kvblock/format/trailer.py).  Reads
-ask ``segments`` (the server pins the runs and answers their locations and
-checksums), read and verify locally, then ``unpin``.  Pins belong to the
-connection: when it drops (this process exits or crashes), the server
-releases them.  They are leased: while it holds pins a client sends ``ping``
-every quarter of the lease hello announced (``pin_lease``), and the server
-drops a connection that holds pins and stays quiet longer.  Right after its
-answer to ``hello`` the server sends one byte carrying two descriptors
-(SCM_RIGHTS): the files of its write fence (kvblock/store/fence.py), which
-this process locks around every write.
+through the socket.  The requests (a put is admit, allocate, write here,
+commit; a read is segments, read here, unpin) are described in protocol.py;
+one connection and its pins is a :class:`~kvblock.store.session.Session`;
+starting a server where none answers is launch.py's.
 
 When the server is gone (killed, crashed, stopped), every call raises
 :class:`ServerGoneError`.  The store on the device stays exactly as crash-safe
 as a KVStore killed at the same moment: reopen it (restart the server, or
-``KVStore.open``) to recover.
+``KVStore.open``) to recover.  With ``reconnect=True`` a thread here
+connects again (and starts a server, see :func:`connect`) meanwhile.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import functools
 import logging
 import os
-import select
-import socket
 import threading
 import time
 import uuid
@@ -64,24 +41,25 @@ from kvblock.errors import (ConfigError, KVBlockError, ServerError, ServerGoneEr
 from kvblock.index import normalize_keys
 from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint
-from kvblock.store.fence import WriteFence, reopen, socket_fence_path
+from kvblock.memory.spares import SpareBuffers
+from kvblock.store.fence import WriteFence
+from kvblock.store.launch import ensure_server, wait_for_server
 from kvblock.store.policy import VERIFY_MODES
 from kvblock.store.protocol import PROTOCOL, encode_keys, encode_msg, raise_remote, recv_msg
-from kvblock.memory.spares import SpareBuffers
+from kvblock.store.reads import RunReader
+from kvblock.store.scatter import span
+from kvblock.store.session import Session, fence_files, open_socket, recv_fence_files
 from kvblock.store.store import (
     COUNTERS,
     LOAD_STAGING_KEEP,
     KVStore,
     _try_superblock,
 )
-from kvblock.store.reads import RunReader
-from kvblock.store.scatter import span
 from kvblock.store.storeio import StoreIO
 from kvblock.store.writes import RunWriter
 
 logger = logging.getLogger("kvblock")
 HEARTBEAT_TICK_S = 1.0      # the heartbeat thread looks at least this often
-FENCE_FILES_WAIT_S = 10.0   # they follow the answer to hello at once
 CLOSE_WAIT_S = 30.0         # close() waits this long for writes in flight
 
 
@@ -122,82 +100,6 @@ class RemoteRegions:
     def address(self, region: int, offset: int = 0) -> tuple[int, int]:
         dev = region % self.device_count
         return dev, self.data_offsets[dev] + (region // self.device_count) * self.size + offset
-
-
-class _Session:
-    """One connection to the server and the pins this process holds on it
-    (reads in flight, writes not yet committed).  An abandoned session
-    stays open until they are released: the server drops a connection's
-    pins when it closes, and another rank could then overwrite what a
-    thread here is still reading or writing."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.lock = threading.Lock()       # one request in flight on the connection
-        self.gone: str | None = None       # why it can no longer be used
-        self.held = 0
-        self._held_lock = threading.Lock()
-        self._open = True
-        self.call_started: float | None = None   # monotonic start of the call in flight
-
-    def hold(self, delta: int) -> None:
-        """Count pins taken (+1) and released (-1) on this session."""
-        with self._held_lock:
-            self.held += delta
-        if delta < 0 and self.gone is not None:
-            self.close_when_released()
-
-    def close_when_released(self) -> None:
-        with self._held_lock:
-            if self.held > 0:
-                return
-        self.close()
-
-    def close(self) -> None:
-        with self._held_lock:
-            if not self._open:
-                return
-            self._open = False
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-
-    def peer_closed(self) -> bool:
-        """For a session given up on: has the server's end closed?  Then
-        the pins taken on it lapsed with it.  (One abandoned after a timeout
-        stays open from here, and its pins hold, while the server lives.)
-        Unread answers on it are discarded."""
-        try:
-            while select.select([self.sock], [], [], 0)[0]:
-                if not self.sock.recv(1 << 16):
-                    return True
-        except (OSError, ValueError):     # closed here already
-            return True
-        return False
-
-    def hung_up(self) -> bool:
-        """Has the server's end closed (its process died or dropped us)?
-        Reads nothing: another thread's answer may be waiting."""
-        try:
-            p = select.poll()
-            p.register(self.sock, select.POLLRDHUP)
-            events = p.poll(0)
-        except (OSError, ValueError):     # closed here already
-            return True
-        return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
-                   for _, ev in events)
-
-    def forget(self) -> None:
-        """close() in a forked child: the locks may be held by a thread that
-        does not exist there, so none are taken (and none are used again)."""
-        self._open = False
-        self.lock = threading.Lock()
-        self._held_lock = threading.Lock()
-        try:
-            self.sock.close()
-        except OSError:
-            pass
 
 
 # A lost session is replaced by a thread that tries to connect every
@@ -328,11 +230,11 @@ class RemoteStore(RunReader, RunWriter):
         self._reconnector: threading.Thread | None = None
         self._forked = False
         self._refused: str | None = None   # the server serves another store: no reconnect
-        self._session = _Session(_connect(self.socket_path, timeout))
+        self._session = Session(open_socket(self.socket_path, timeout))
         self._sessions = weakref.WeakSet([self._session])   # for a forked child to close
         try:
             hello = self._call("hello", protocol=PROTOCOL, pid=os.getpid())
-            served = _recv_fence_files(self._session.sock, self.socket_path)
+            served = recv_fence_files(self._session.sock, self.socket_path)
             try:
                 self._setup(hello, verify, engine, queue_depth, devices)
             except BaseException:
@@ -411,10 +313,10 @@ class RemoteStore(RunReader, RunWriter):
                 raise errors.MissingDeviceError(
                     f"{d.path} is not device #{i} of store {hello['uuid']} served at "
                     f"{self.socket_path}; pass devices= in the server's order", d.path, 0)
-        self._fence = WriteFence(_fence_files(devs[0], self.socket_path))
+        self._fence = WriteFence(fence_files(devs[0], self.socket_path))
 
     # ------------------------------------------------------------------ transport
-    def _current(self) -> "_Session":
+    def _current(self) -> "Session":
         """The session calls go to; ServerGoneError while it is lost (and,
         with ``reconnect``, a new one is being sought)."""
         s = self._session
@@ -430,7 +332,7 @@ class RemoteStore(RunReader, RunWriter):
     def _call(self, op: str, **args):
         return self._call_on(self._current(), op, **args)
 
-    def _call_on(self, s: "_Session", op: str, **args):
+    def _call_on(self, s: "Session", op: str, **args):
         """One request on session ``s`` (a pin or an allocation is released
         on the session that took it)."""
         with s.lock:
@@ -460,7 +362,7 @@ class RemoteStore(RunReader, RunWriter):
         self.counters["lookup_hit_blocks"] += n
         return n == 1
 
-    def _call_locked(self, s: "_Session", op: str, args: dict, timeout: float | None = None):
+    def _call_locked(self, s: "Session", op: str, args: dict, timeout: float | None = None):
         """One request and its answer (under ``s.lock``)."""
         if s.gone is not None:
             raise ServerGoneError(s.gone)
@@ -544,10 +446,10 @@ class RemoteStore(RunReader, RunWriter):
                 name="kvblock-reconnect", daemon=True)
             self._reconnector.start()
 
-    def _new_session(self) -> "_Session":
+    def _new_session(self) -> "Session":
         """A session on the server now at the socket, which must serve this
         store (same uuid and geometry) with this protocol."""
-        s = _Session(_connect(self.socket_path, self.timeout))
+        s = Session(open_socket(self.socket_path, self.timeout))
         self._sessions.add(s)          # a fork from here on closes it in the child
         try:
             hello = self._call_locked(s, "hello", {"protocol": PROTOCOL, "pid": os.getpid()})
@@ -563,7 +465,7 @@ class RemoteStore(RunReader, RunWriter):
                 raise errors.GeometryMismatchError(
                     f"the store server at {self.socket_path} now serves another store "
                     f"(uuid {hello.get('uuid')}, not {self.uuid}): reopen it", self.socket_path, 0)
-            served = _recv_fence_files(s.sock, self.socket_path)
+            served = recv_fence_files(s.sock, self.socket_path)
         except BaseException:
             s.close()
             raise
@@ -573,7 +475,7 @@ class RemoteStore(RunReader, RunWriter):
         self._pin_lease = hello.get("pin_lease")
         return s
 
-    def _adopt(self, s: "_Session") -> bool:
+    def _adopt(self, s: "Session") -> bool:
         """Make ``s`` the session calls go to (False when closed meanwhile)."""
         with self._reconnect_lock:
             if self.closed or self._forked:
@@ -834,57 +736,6 @@ def _close_dropped(io, fence, sessions) -> None:
         fence.close()
 
 
-def _recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:
-    """The files the server fences on, which it sends right after its
-    answer to hello (kvblock/store/fence.py)."""
-    wrong = errors.ProtocolMismatchError(
-        f"the store server at {socket_path} did not send its fence files after hello (a "
-        "server of another kvblock build?): run one kvblock release on both sides")
-    before = sock.gettimeout()
-    sock.settimeout(FENCE_FILES_WAIT_S if before is None else min(before, FENCE_FILES_WAIT_S))
-    try:
-        msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 2, socket.MSG_CMSG_CLOEXEC)
-    except TimeoutError:
-        raise wrong from None
-    except OSError as e:
-        raise ServerGoneError(f"store server at {socket_path} is gone (hello: {e})") from None
-    finally:
-        sock.settimeout(before)
-    if msg != b"F" or len(fds) != 2:
-        for fd in fds:
-            os.close(fd)
-        raise wrong
-    return fds
-
-
-def _fence_files(dev0: Device, socket_path: str) -> list[int]:
-    """The files a rank's writes are fenced on (kvblock/store/fence.py):
-    store device 0 and, when its server made it, ``<socket>.fence``."""
-    fds = [reopen(dev0.fd, os.O_RDONLY)]
-    try:
-        fds.append(os.open(socket_fence_path(socket_path), os.O_RDONLY | os.O_CLOEXEC))
-    except FileNotFoundError:
-        pass
-    except BaseException:
-        os.close(fds[0])
-        raise
-    return fds
-
-
-def _connect(path: str, timeout: float | None) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(path)
-    except OSError as e:
-        sock.close()
-        why = {errno.ENOENT: "no socket there", errno.ECONNREFUSED: "nobody listening "
-               "(a stale socket of a stopped server)"}.get(e.errno, str(e))
-        raise ServerGoneError(f"no store server at {path}: {why}; start one with "
-                              f"`kvblock serve DEV... --socket {path}`") from None
-    return sock
-
-
 def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
             start_timeout: float = 600.0, server_options: dict | None = None,
             prepare=None, **client_options) -> RemoteStore:
@@ -926,84 +777,6 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
                                            start_timeout=start_timeout,
                                            server_options=server_options)
     return store
-
-
-def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.0,
-                  server_options: dict | None = None, prepare=None) -> None:
-    """Start a store server on ``devices`` at ``socket_path`` unless one
-    answers there, under ``<socket_path>.lock`` (see :func:`connect`)."""
-    socket_path = os.fspath(socket_path)
-    lock_path = socket_path + ".lock"
-    socket_dir(socket_path)
-    # lockf, not flock: a process forked meanwhile (from another thread) must
-    # not inherit the lock and block every later start; lockf does not tell
-    # this process's threads apart, so they take _START_LOCK first.
-    with _START_LOCK:
-        _start_locked(socket_path, lock_path, devices, start_timeout, server_options, prepare)
-
-
-_START_LOCK = threading.Lock()
-
-
-def _reset_start_lock() -> None:
-    global _START_LOCK
-    _START_LOCK = threading.Lock()    # a forked child: held by a thread it does not have
-
-
-os.register_at_fork(after_in_child=_reset_start_lock)
-
-
-def _start_locked(socket_path, lock_path, devices, start_timeout, server_options,
-                  prepare) -> None:
-    from kvblock.store.server import spawn_server
-
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
-        try:
-            _connect(socket_path, 5.0).close()
-            return                   # another rank started it while we waited
-        except ServerGoneError:
-            pass                     # still nobody: we start it
-        if prepare is not None:
-            prepare()
-        proc = spawn_server(devices, socket_path, timeout=start_timeout,
-                            **(server_options or {}))
-        # Reap it when it ends (it outlives us otherwise: it is in its own session).
-        threading.Thread(target=proc.wait, name="kvblock-server-reaper", daemon=True).start()
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def socket_dir(socket_path) -> str:
-    """The directory of a server socket, made (as ``mkdir -p``) when missing:
-    engine configs name sockets under /run/kvblock/, which a fresh host does
-    not have."""
-    path = os.path.dirname(os.path.abspath(os.fspath(socket_path)))
-    try:
-        os.makedirs(path, mode=0o755, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot make the directory {path} for the store server socket "
-                          f"{socket_path}: {e.strerror}; create it or choose another socket "
-                          "path") from None
-    return path
-
-
-def wait_for_server(socket_path, timeout: float = 30.0, proc=None) -> None:
-    """Block until a server accepts connections on ``socket_path``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            _connect(os.fspath(socket_path), 1.0).close()
-            return
-        except ServerGoneError as e:
-            if proc is not None and proc.poll() is not None:
-                raise ServerError(f"store server exited with status {proc.returncode} "
-                                  f"before listening on {socket_path}") from None
-            if time.monotonic() >= deadline:
-                raise ServerError(f"no store server listening on {socket_path} after "
-                                  f"{timeout} s ({e})") from None
-            time.sleep(0.02)
 
 
 __all__ = ["RemoteStore", "ServerError", "ServerGoneError", "connect", "ensure_server",

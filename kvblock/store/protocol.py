@@ -5,6 +5,27 @@ JSON bytes, over a Unix socket; keys travel as base64 of their 16 bytes
 each; an error travels as its class name and message and is raised again
 as kvblock's class of that name.  Client and server exchange their PROTOCOL
 in hello; either refuses another version (ProtocolMismatchError).
+
+A request is ``{"op": NAME, ...arguments}``; the answer is ``{"ok": true,
+"result": ...}`` or ``{"ok": false, "error": CLASS, "message": TEXT}``.  One
+request at a time per connection, answered in order.
+
+- A put is three requests: ``admit`` (duplicate and admission checks),
+  ``allocate`` (the server reserves space and holds a writer pin on its
+  region), then, after the client has written and flushed the run's bytes,
+  ``commit`` (the server journals the PUT record durably and publishes the
+  run; it carries the run's checksums, one per range, then its block digest
+  trailer's, kvblock/format/trailer.py).
+- A read asks ``segments`` (the server pins the runs and answers their
+  locations and checksums), reads and verifies locally, then ``unpin``.
+- Pins belong to the connection: when it drops (the client exits or
+  crashes), the server releases them.  They are leased: while it holds pins
+  a client sends ``ping`` every quarter of the lease hello announced
+  (``pin_lease``), and the server drops a connection that holds pins and
+  stays quiet longer.
+- Right after its answer to ``hello`` the server sends one byte carrying two
+  descriptors (SCM_RIGHTS): the files of its write fence
+  (kvblock/store/fence.py), which the client locks around every write.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``kvblock serve DEV... --socket PATH`` (or :func:`serve_in_background` /
 :func:`spawn_server` from Python) opens the store exclusively, recovers it and
 answers :class:`~kvblock.store.client.RemoteStore` clients on a Unix socket
-(protocol: see kvblock/store/client.py).  It holds the index, allocates
+(protocol: see kvblock/store/protocol.py).  It holds the index, allocates
 space, journals every change (group commit across all clients), checkpoints
 and evicts; the clients move the data themselves.
 
@@ -51,7 +51,7 @@ from kvblock.errors import (
     StoreClosedError,
 )
 from kvblock.index import Run
-from kvblock.store.client import socket_dir, wait_for_server
+from kvblock.store.launch import socket_dir, wait_for_server
 from kvblock.store.fence import fence_writers, reopen, socket_fence_path
 from kvblock.store.protocol import PROTOCOL, decode_keys, encode_msg, error_reply, recv_msg
 from kvblock.store.store import KVStore

@@ -198,12 +198,12 @@ def test_a_rank_on_another_inode_and_socket_path_is_fenced(tmp_path, loop_device
 
 
 def test_a_server_that_sends_no_fence_files_is_refused(tmp_path, monkeypatch):
-    import kvblock.store.client as client_mod
+    import kvblock.store.session as session_mod
     from kvblock.errors import ProtocolMismatchError
     from kvblock.store.server import StoreServer
 
     monkeypatch.setattr(StoreServer, "_send_fence_files", lambda self, s: None)
-    monkeypatch.setattr(client_mod, "FENCE_FILES_WAIT_S", 0.5)
+    monkeypatch.setattr(session_mod, "FENCE_FILES_WAIT_S", 0.5)
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     server = serve_in_background([path], sock)
     try:

@@ -1,0 +1,97 @@
+"""Starting a store server where none answers: one rank of many does it.
+
+:func:`ensure_server` is what :func:`kvblock.store.client.connect` calls
+when nobody answers on the socket (and again, with ``reconnect``, when the
+server is lost later); :func:`wait_for_server` waits for a server process
+to listen; :func:`socket_dir` makes the socket's directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import threading
+import time
+from typing import Sequence
+
+from kvblock.errors import ConfigError, ServerError, ServerGoneError
+from kvblock.store.session import open_socket
+
+
+def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.0,
+                  server_options: dict | None = None, prepare=None) -> None:
+    """Start a store server on ``devices`` at ``socket_path`` unless one
+    answers there, under ``<socket_path>.lock`` (see
+    :func:`kvblock.store.client.connect` for how ranks race to start it)."""
+    socket_path = os.fspath(socket_path)
+    lock_path = socket_path + ".lock"
+    socket_dir(socket_path)
+    # lockf, not flock: a process forked meanwhile (from another thread) must
+    # not inherit the lock and block every later start; lockf does not tell
+    # this process's threads apart, so they take _START_LOCK first.
+    with _START_LOCK:
+        _start_locked(socket_path, lock_path, devices, start_timeout, server_options, prepare)
+
+
+_START_LOCK = threading.Lock()
+
+
+def _reset_start_lock() -> None:
+    global _START_LOCK
+    _START_LOCK = threading.Lock()    # a forked child: held by a thread it does not have
+
+
+os.register_at_fork(after_in_child=_reset_start_lock)
+
+
+def _start_locked(socket_path, lock_path, devices, start_timeout, server_options,
+                  prepare) -> None:
+    from kvblock.store.server import spawn_server
+
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX)
+        try:
+            open_socket(socket_path, 5.0).close()
+            return                   # another rank started it while we waited
+        except ServerGoneError:
+            pass                     # still nobody: we start it
+        if prepare is not None:
+            prepare()
+        proc = spawn_server(devices, socket_path, timeout=start_timeout,
+                            **(server_options or {}))
+        # Reap it when it ends (it outlives us otherwise: it is in its own session).
+        threading.Thread(target=proc.wait, name="kvblock-server-reaper", daemon=True).start()
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def socket_dir(socket_path) -> str:
+    """The directory of a server socket, made (as ``mkdir -p``) when missing:
+    engine configs name sockets under /run/kvblock/, which a fresh host does
+    not have."""
+    path = os.path.dirname(os.path.abspath(os.fspath(socket_path)))
+    try:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot make the directory {path} for the store server socket "
+                          f"{socket_path}: {e.strerror}; create it or choose another socket "
+                          "path") from None
+    return path
+
+
+def wait_for_server(socket_path, timeout: float = 30.0, proc=None) -> None:
+    """Block until a server accepts connections on ``socket_path``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            open_socket(os.fspath(socket_path), 1.0).close()
+            return
+        except ServerGoneError as e:
+            if proc is not None and proc.poll() is not None:
+                raise ServerError(f"store server exited with status {proc.returncode} "
+                                  f"before listening on {socket_path}") from None
+            if time.monotonic() >= deadline:
+                raise ServerError(f"no store server listening on {socket_path} after "
+                                  f"{timeout} s ({e})") from None
+            time.sleep(0.02)

@@ -1,0 +1,152 @@
+"""A client's connection to the store server (kvblock/store/server.py).
+
+:class:`Session` is one connected socket and the pins this process holds on
+it; :func:`open_socket` connects (or says how to start a server);
+:func:`recv_fence_files` takes the two descriptors the server sends after
+hello, and :func:`fence_files` opens this process's side of the write fence
+(kvblock/store/fence.py).  The messages themselves are in protocol.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import threading
+
+from kvblock import errors
+from kvblock.devices import Device
+from kvblock.errors import ServerGoneError
+from kvblock.store.fence import reopen, socket_fence_path
+
+FENCE_FILES_WAIT_S = 10.0   # they follow the answer to hello at once
+
+
+class Session:
+    """One connection to the server and the pins this process holds on it
+    (reads in flight, writes not yet committed).  An abandoned session
+    stays open until they are released: the server drops a connection's
+    pins when it closes, and another rank could then overwrite what a
+    thread here is still reading or writing."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.lock = threading.Lock()       # one request in flight on the connection
+        self.gone: str | None = None       # why it can no longer be used
+        self.held = 0
+        self._held_lock = threading.Lock()
+        self._open = True
+        self.call_started: float | None = None   # monotonic start of the call in flight
+
+    def hold(self, delta: int) -> None:
+        """Count pins taken (+1) and released (-1) on this session."""
+        with self._held_lock:
+            self.held += delta
+        if delta < 0 and self.gone is not None:
+            self.close_when_released()
+
+    def close_when_released(self) -> None:
+        with self._held_lock:
+            if self.held > 0:
+                return
+        self.close()
+
+    def close(self) -> None:
+        with self._held_lock:
+            if not self._open:
+                return
+            self._open = False
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+    def peer_closed(self) -> bool:
+        """For a session given up on: has the server's end closed?  Then
+        the pins taken on it lapsed with it.  (One abandoned after a timeout
+        stays open from here, and its pins hold, while the server lives.)
+        Unread answers on it are discarded."""
+        try:
+            while select.select([self.sock], [], [], 0)[0]:
+                if not self.sock.recv(1 << 16):
+                    return True
+        except (OSError, ValueError):     # closed here already
+            return True
+        return False
+
+    def hung_up(self) -> bool:
+        """Has the server's end closed (its process died or dropped us)?
+        Reads nothing: another thread's answer may be waiting."""
+        try:
+            p = select.poll()
+            p.register(self.sock, select.POLLRDHUP)
+            events = p.poll(0)
+        except (OSError, ValueError):     # closed here already
+            return True
+        return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
+                   for _, ev in events)
+
+    def forget(self) -> None:
+        """close() in a forked child: the locks may be held by a thread that
+        does not exist there, so none are taken (and none are used again)."""
+        self._open = False
+        self.lock = threading.Lock()
+        self._held_lock = threading.Lock()
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:
+    """The files the server fences on, which it sends right after its
+    answer to hello (kvblock/store/fence.py)."""
+    wrong = errors.ProtocolMismatchError(
+        f"the store server at {socket_path} did not send its fence files after hello (a "
+        "server of another kvblock build?): run one kvblock release on both sides")
+    before = sock.gettimeout()
+    sock.settimeout(FENCE_FILES_WAIT_S if before is None else min(before, FENCE_FILES_WAIT_S))
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 2, socket.MSG_CMSG_CLOEXEC)
+    except TimeoutError:
+        raise wrong from None
+    except OSError as e:
+        raise ServerGoneError(f"store server at {socket_path} is gone (hello: {e})") from None
+    finally:
+        sock.settimeout(before)
+    if msg != b"F" or len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        raise wrong
+    return fds
+
+
+def fence_files(dev0: Device, socket_path: str) -> list[int]:
+    """The files a rank's writes are fenced on (kvblock/store/fence.py):
+    store device 0 and, when its server made it, ``<socket>.fence``."""
+    fds = [reopen(dev0.fd, os.O_RDONLY)]
+    try:
+        fds.append(os.open(socket_fence_path(socket_path), os.O_RDONLY | os.O_CLOEXEC))
+    except FileNotFoundError:
+        pass
+    except BaseException:
+        os.close(fds[0])
+        raise
+    return fds
+
+
+def open_socket(path: str, timeout: float | None) -> socket.socket:
+    """A socket connected to the server at ``path``; ServerGoneError (with
+    the command that starts one) when nobody answers there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except OSError as e:
+        sock.close()
+        why = {errno.ENOENT: "no socket there", errno.ECONNREFUSED: "nobody listening "
+               "(a stale socket of a stopped server)"}.get(e.errno, str(e))
+        raise ServerGoneError(f"no store server at {path}: {why}; start one with "
+                              f"`kvblock serve DEV... --socket {path}`") from None
+    return sock
