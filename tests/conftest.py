@@ -8,6 +8,7 @@ reason otherwise), a plain pre-sized file and a fully allocated file on tmpfs
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -17,6 +18,41 @@ import pytest
 from tests.support import loopdev
 
 MIB = 1 << 20
+
+# `make test` (and so CI) sets KVBLOCK_NO_SKIPS=1: it installs every
+# dependency and runs as root on a kernel with io_uring and loop devices,
+# so there a skip (a missing module, no loop device, io_uring refused) could
+# only hide a failure, and it fails the test instead.  Tests marked ``gpu``
+# still skip on a machine without CUDA.
+NO_SKIPS = os.environ.get("KVBLOCK_NO_SKIPS") == "1"
+
+
+def _skip_is_a_failure(report, item=None) -> bool:
+    if not (NO_SKIPS and report.skipped) or hasattr(report, "wasxfail"):
+        return False
+    return item is None or item.get_closest_marker("gpu") is None
+
+
+def _fail_skip(report) -> None:
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = "failed"
+    report.longrepr = (f"skipped ({reason}), but KVBLOCK_NO_SKIPS=1 (make test) expects "
+                       "everything this test needs to be here: install it (make install) "
+                       "or run as root, or mark the test gpu if it needs CUDA")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = (yield).get_result()
+    if _skip_is_a_failure(report, item):
+        _fail_skip(report)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    report = (yield).get_result()    # a module-level importorskip, for one
+    if _skip_is_a_failure(report):
+        _fail_skip(report)
 
 
 @pytest.fixture
