@@ -55,9 +55,10 @@ class Engine:
     """LMCache's storage side, as its cache engine builds it."""
 
     def __init__(self, devices, *, model="org/model-a", mla=False, worker_id=0, world_size=1,
-                 async_lookup_server=None, lmcache_options=None, **extra):
+                 async_lookup_server=None, lmcache_options=None, config=None, **extra):
+        """``config``: an LMCacheEngineConfig to use instead of make_config's."""
         self.metadata = make_metadata(model, mla, worker_id, world_size)
-        self.manager = StorageManager(make_config(devices, lmcache_options, **extra),
+        self.manager = StorageManager(config or make_config(devices, lmcache_options, **extra),
                                       self.metadata,
                                       EventManager(), async_lookup_server=async_lookup_server)
         self.plugin = self.manager.storage_backends.get("kvblock")
