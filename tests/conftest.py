@@ -1,8 +1,9 @@
 """Fixtures: real targets for direct I/O.
 
 ``target`` is parametrised over a loop device (root only; skipped with the
-reason otherwise), a plain pre-sized file and a fully allocated file on tmpfs
-(read and written through a shared mapping), so every I/O test runs on all three.
+reason otherwise) with 512-byte or with 4 KiB sectors, a plain pre-sized file
+and a fully allocated file on tmpfs (read and written through a shared
+mapping), so every I/O test runs on all four.
 """
 
 from __future__ import annotations
@@ -57,13 +58,15 @@ def pytest_make_collect_report(collector):
 
 @pytest.fixture
 def loop_device(request):
-    """Factory: ``loop_device(size)`` -> /dev/loopN, detached after the test."""
+    """Factory: ``loop_device(size, sector_size=None)`` -> /dev/loopN, detached
+    after the test."""
     ok, why = loopdev.can_make_loop_devices()
     if not ok:
         pytest.skip(why)
     stack = contextlib.ExitStack()
     request.addfinalizer(stack.close)
-    return lambda size=64 * MIB: stack.enter_context(loopdev.loop_device(size))
+    return lambda size=64 * MIB, sector_size=None: stack.enter_context(
+        loopdev.loop_device(size, sector_size=sector_size))
 
 
 @pytest.fixture
@@ -100,12 +103,16 @@ def store_target(request):
     return request.getfixturevalue("shm_target" if request.param == "shm" else "file_target")
 
 
-@pytest.fixture(params=["loop", "file", "shm"])
+@pytest.fixture(params=["loop", "loop4k", "file", "shm"])
 def target(request, tmp_path):
     """Factory returning a fresh target path of the parametrised kind: a loop
-    device, a sparse file on disk, or a pre-sized file on tmpfs."""
+    device (512-byte sectors, or 4 KiB ones as on an NVMe namespace formatted
+    with 4 KiB LBAs), a sparse file on disk, or a pre-sized file on tmpfs."""
     if request.param == "loop":
         return request.getfixturevalue("loop_device")
+    if request.param == "loop4k":
+        make = request.getfixturevalue("loop_device")
+        return lambda size=64 * MIB: make(size, sector_size=4096)
     if request.param == "shm":
         return request.getfixturevalue("shm_target")
     return request.getfixturevalue("file_target")

@@ -119,6 +119,24 @@ def test_misaligned_offset_or_length(engine_name, file_target):
             eng.read(IOBatch.single(buf.address, 0, 0, 0))
 
 
+def test_alignment_follows_the_devices_logical_block_size(engine_name, loop_device):
+    """512-byte sectors take I/O at 512-byte offsets; on a device with 4 KiB
+    sectors (an NVMe namespace with 4 KiB LBAs) the same I/O is refused
+    before the kernel sees it (which would answer EINVAL)."""
+    with Device(loop_device(4 * MIB)) as small, Device(loop_device(4 * MIB, 4096)) as big, \
+            open_engine([small, big], engine_name) as eng, HostBuffer(8192) as buf:
+        assert (small.block_size, big.block_size) == (512, 4096)
+        buf.array[:4096] = _random(4096, 9)
+        eng.write(IOBatch.single(buf.address, 0, 512, 4096))
+        eng.read(IOBatch.single(buf.address + 4096, 0, 512, 4096))
+        assert np.array_equal(buf.array[4096:], buf.array[:4096])
+        with pytest.raises(AlignmentError, match=rf"{big.path}: offset 512 / length 4096 .*"
+                                                 r"4096-byte logical block size"):
+            eng.read(IOBatch.single(buf.address, 1, 512, 4096))
+        with pytest.raises(AlignmentError, match="length 512"):
+            eng.write(IOBatch.single(buf.address, 1, 0, 512))
+
+
 def test_out_of_range_and_bad_device_index(engine_name, file_target):
     path = file_target(MIB)
     with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(8192) as buf:

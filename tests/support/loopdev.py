@@ -45,8 +45,11 @@ def backing_file(size: int, directory: Path | None = None, prefix="kvblock-test-
 _ATTACHED: set[str] = set()  # loop devices this process attached and has not detached
 
 
-def attach(path: Path | str) -> str:
-    out = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", str(path)],
+def attach(path: Path | str, sector_size: int | None = None) -> str:
+    """``sector_size``: the device's logical block size (default 512; 4096
+    makes it look like an NVMe namespace formatted with 4 KiB LBAs)."""
+    sectors = ["--sector-size", str(sector_size)] if sector_size else []
+    out = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", *sectors, str(path)],
                          check=True, capture_output=True, text=True)
     dev = out.stdout.strip()
     _ATTACHED.add(dev)
@@ -77,10 +80,11 @@ def still_attached() -> list[str]:
 
 
 @contextlib.contextmanager
-def loop_device(size: int, directory: Path | None = None) -> Iterator[str]:
+def loop_device(size: int, directory: Path | None = None,
+                sector_size: int | None = None) -> Iterator[str]:
     """A loop device of ``size`` bytes over a fresh backing file."""
     with backing_file(size, directory) as path:
-        dev = attach(path)
+        dev = attach(path, sector_size)
         try:
             yield dev
         finally:
