@@ -81,6 +81,11 @@ Configuration (one entry of ``secondary_tiers``)::
      "threads": 8, "max_run_bytes": "16M", "verify": "always",
      "eviction": "lru", "region_size": null, "engine": null, "queue_depth": 32}
 
+Metrics: the store's gauges and counters, and the tier's configuration,
+reach vLLM's Prometheus metrics through its own tier hooks
+(``build_metric_definitions``, ``get_stats``, ``config_info``;
+kvblock/integrations/vllm_metrics.py).
+
 Register the type with :func:`register` (the ``vllm.general_plugins`` entry
 point does it in every vLLM process), or name this module in the tier config
 (``"type": "KVBlockTierManager", "module_path": "kvblock.integrations.vllm"``).
@@ -124,6 +129,7 @@ from kvblock.errors import (
     KVBlockError,
 )
 from kvblock.integrations.failures import RUNTIME_FAILURES, FailureLog
+from kvblock.integrations.vllm_metrics import StoreStats, metric_definitions
 from kvblock.layout import Geometry
 from kvblock.store import KVStore
 
@@ -159,6 +165,9 @@ LOOKUP_ANSWER_TIMEOUT_S = 1.0
 # workers (reads in flight, hashing as they land, on more than one core).
 SMALL_PIECE_SLOTS = 8
 BATCH_BYTES = 4 << 20
+# The tier's labels in vLLM's vllm:kv_offload_config_info metric.
+INFO_KEYS = ("kvblock_store", "kvblock_devices", "kvblock_server", "kvblock_slot_bytes",
+             "kvblock_model", "kvblock_namespace")
 
 
 # ---------------------------------------------------------------------- helpers
@@ -342,6 +351,7 @@ class KVBlockTierManager(SecondaryTierManager):
         self._storing: set[bytes] = set()       # kvblock keys a store job is writing
         self._stop = False
         self._closed = False
+        self._metrics = StoreStats(self.stats)  # vLLM's get_stats (vllm_metrics.py)
         self._workers = [threading.Thread(target=self._worker, name=f"kvblock_tier_{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._workers:
@@ -459,6 +469,7 @@ class KVBlockTierManager(SecondaryTierManager):
             self._cond.notify_all()
         for t in self._workers:
             t.join()
+        self._metrics.close()
         try:
             self.store.close()
         except KVBlockError:
@@ -466,6 +477,27 @@ class KVBlockTierManager(SecondaryTierManager):
         # vLLM's primary tier releases the view and unmaps the pool right
         # after the secondary tiers shut down: keep no array over it.
         self._slots = None
+
+    # ------------------------------------------------------------ vLLM's metrics
+    @classmethod
+    def build_metric_definitions(cls, tier_config: dict) -> dict:
+        return metric_definitions()
+
+    def get_stats(self):
+        """The store's gauges and counter increments since the last call
+        (from a snapshot taken off the scheduler thread), or None."""
+        return self._metrics.take()
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict) -> tuple[str, ...]:
+        return INFO_KEYS
+
+    def config_info(self) -> dict:
+        """This tier's line of ``vllm:kv_offload_config_info``."""
+        return {"kvblock_store": self.store.uuid, "kvblock_devices": ",".join(self.devices),
+                "kvblock_server": self.server or "", "kvblock_slot_bytes": str(
+                    self.block_size_bytes), "kvblock_model": self.model,
+                "kvblock_namespace": self.namespace}
 
     def stats(self) -> dict:
         """The store's counters and gauges (``KVStore.stats()``), and how

@@ -961,13 +961,18 @@ class KVStore(Recovery, RunReader, RunWriter):
         self.counters["discards"] += done
         return done, len(seen)
 
+    @property
+    def uuid(self) -> str:
+        """The store's uuid (as RemoteStore.uuid: the same store, the same text)."""
+        return str(uuid.UUID(bytes=self.sb.store_uuid))
+
     def stats(self) -> dict:
         """Counters and gauges (bytes, blocks, regions, hits, checksum failures...)."""
         self._check_open()
         with self._lock:
             r = self.regions
             return {
-                "uuid": str(uuid.UUID(bytes=self.sb.store_uuid)),
+                "uuid": self.uuid,
                 "devices": [d.path for d in self.io.devices],
                 "geometry": self.geometry.as_dict(),
                 "engine": self.io.engine.name,

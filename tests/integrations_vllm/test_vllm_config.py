@@ -12,13 +12,17 @@ through a second spec built from the same config (an engine restart).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.plugins import load_general_plugins, load_plugins_by_group
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
 from vllm.v1.kv_offload.config import (
@@ -73,7 +77,9 @@ def test_vllms_plugin_loader_finds_the_entry_point_and_it_registers_the_tier():
     assert "kvblock" in SecondaryTierFactory._registry
 
 
-def test_readmes_config_builds_the_tier_and_its_kv_survives_a_restart(tmp_path):
+def readme_config_here(tmp_path) -> KVTransferConfig:
+    """The README's config, validated by vLLM, with a store file for the
+    device and a CPU pool of SLOTS slots."""
     load_general_plugins()              # what each vLLM process does first
     config = readme_transfer_config()
     extra = config["kv_connector_extra_config"]
@@ -84,61 +90,120 @@ def test_readmes_config_builds_the_tier_and_its_kv_survives_a_restart(tmp_path):
     extra["cpu_bytes_to_use"] = SLOTS * SLOT
     transfer = KVTransferConfig(**config)          # vLLM's own validation of the flag
     assert transfer.kv_connector == "OffloadingConnector"
+    return transfer
 
-    def manager():
+
+class Engine:
+    """vLLM's scheduler side as the config builds it: the tiering manager
+    from the spec the config names, its kvblock tier, and the CPU pool as
+    (slots, SLOT) bytes, let go of before the manager unmaps it."""
+
+    def __init__(self, transfer: KVTransferConfig):
         spec = TieringOffloadingSpec(offloading_config(
             json.loads(json.dumps(transfer.kv_connector_extra_config)),
             f"kvblock-test-{uuid.uuid4().hex[:12]}"))
-        m = spec.get_manager()
-        (tier,) = m.secondary_tiers
-        assert isinstance(tier, KVBlockTierManager)
-        assert tier.devices == tier_cfg["devices"] and tier.block_size_bytes == SLOT
-        pool = np.frombuffer(m.primary_tier.get_kv_memoryview(), dtype=np.uint8)
-        return m, tier, pool.reshape(-1, SLOT)
+        self.m = spec.get_manager()
+        (self.tier,) = self.m.secondary_tiers
+        assert isinstance(self.tier, KVBlockTierManager)
+        assert self.tier.block_size_bytes == SLOT
+        # (no local: a frame vLLM's logging keeps alive would keep it exported)
+        self.pool = np.frombuffer(self.m.primary_tier.get_kv_memoryview(),
+                                  dtype=np.uint8).reshape(-1, SLOT)
 
-    def step(m):
-        m.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+    def __enter__(self) -> "Engine":
+        return self
 
-    def settle(m, tier):
-        tier.drain_jobs()
-        step(m)
-        step(m)
+    def __exit__(self, *exc) -> None:
+        self.pool = None
+        self.m.shutdown()
 
-    keys = [key(i) for i in range(4)]
-    rng = np.random.default_rng(7)
-    written = {}
-    m, tier, pool = manager()
-    try:
-        ctx = ReqContext(req_id="a")
-        m.on_new_request(ctx)
-        out = m.prepare_store(keys, ctx)
+    def step(self) -> None:
+        self.m.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+
+    def settle(self) -> None:
+        self.tier.drain_jobs()
+        self.step()
+        self.step()
+
+    def store(self, keys, seed=7) -> dict:
+        """A request's KV offloaded through the manager: {key: bytes}."""
+        rng = np.random.default_rng(seed)
+        written = {}
+        ctx = ReqContext(req_id=f"store-{seed}")
+        self.m.on_new_request(ctx)
+        out = self.m.prepare_store(keys, ctx)
         assert out is not None and list(out.keys_to_store) == keys
         for k, c in zip(keys, out.store_spec.chunk_ids):      # "GPU -> CPU"
-            pool[int(c)] = rng.integers(0, 256, SLOT, dtype=np.uint8)
-            written[k] = pool[int(c)].copy()
-        m.complete_store(keys, ctx, success=True)
-        settle(m, tier)
-        assert [tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
-        m.on_request_finished(ctx)
-        step(m)
-    finally:
-        m.shutdown()
-    assert tier.store.closed
+            self.pool[int(c)] = rng.integers(0, 256, SLOT, dtype=np.uint8)
+            written[k] = self.pool[int(c)].copy()
+        self.m.complete_store(keys, ctx, success=True)
+        self.settle()
+        assert [self.tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * len(keys)
+        self.m.on_request_finished(ctx)
+        self.step()
+        return written
 
-    m, tier, pool = manager()          # the engine restarts: an empty CPU pool
-    try:
-        pool[:] = 0
+
+def test_readmes_config_builds_the_tier_and_its_kv_survives_a_restart(tmp_path):
+    transfer = readme_config_here(tmp_path)
+    keys = [key(i) for i in range(4)]
+    with Engine(transfer) as e:
+        assert e.tier.devices == [str(tmp_path / "kv.img")]
+        written = e.store(keys)
+    assert e.tier.store.closed
+
+    with Engine(transfer) as e:          # the engine restarts: an empty CPU pool
+        e.pool[:] = 0
         ctx = ReqContext(req_id="b")
-        m.on_new_request(ctx)
-        assert [m.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 4
-        step(m)                                   # promotions: the tier loads them
-        settle(m, tier)
-        assert [m.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
-        spec = m.prepare_load(keys, ctx)
+        e.m.on_new_request(ctx)
+        assert [e.m.lookup(k, ctx) for k in keys] == [LookupResult.HIT_PENDING] * 4
+        e.step()                                   # promotions: the tier loads them
+        e.settle()
+        assert [e.m.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 4
+        spec = e.m.prepare_load(keys, ctx)
         for k, c in zip(keys, spec.chunk_ids):    # "CPU -> GPU"
-            assert np.array_equal(pool[int(c)], written[k])
-        m.complete_load(keys, ctx)
-        m.on_request_finished(ctx)
-        step(m)
-    finally:
-        m.shutdown()
+            assert np.array_equal(e.pool[int(c)], written[k])
+        e.m.complete_load(keys, ctx)
+        e.m.on_request_finished(ctx)
+        e.step()
+
+
+def test_the_tiers_store_metrics_reach_vllms_prometheus_metrics(tmp_path):
+    """The store's gauges and counters go through vLLM's own path: the spec
+    declares them (build_metric_definitions), the manager collects them
+    (get_stats) and its config info, and vLLM's OffloadPromMetrics
+    publishes them (it refuses undeclared names and wrong label counts)."""
+    transfer = readme_config_here(tmp_path)
+    registry = CollectorRegistry()
+    metric_types = {cls: functools.partial(cls, registry=registry)
+                    for cls in (Gauge, Counter, Histogram)}
+    prom = OffloadPromMetrics(SimpleNamespace(kv_transfer_config=transfer), metric_types,
+                              ["model_name", "engine"], {0: ["m", "0"]})
+    with Engine(transfer) as e:
+        def publish():
+            e.tier._metrics.refresh()          # the tier's snapshot thread, now
+            stats = e.m.get_stats()
+            stats.set_info(e.m.config_info())  # as vLLM's scheduler does once
+            prom.observe(stats.data, engine_idx=0)
+
+        def value(name, suffix=""):
+            return registry.get_sample_value(
+                name + suffix, {"model_name": "m", "engine": "0", "store": e.tier.store.uuid})
+
+        e.store([key(i) for i in range(3)])
+        publish()
+        assert value("vllm:kvblock_store_blocks") == 3
+        assert value("vllm:kvblock_store_used_bytes") == e.tier.store.stats()["used_bytes"] > 0
+        assert value("vllm:kvblock_store_capacity_bytes") >= 32 << 20
+        assert value("vllm:kvblock_store_put_blocks", "_total") == 3
+        assert value("vllm:kvblock_store_checksum_failures", "_total") == 0
+        e.store([key(i) for i in range(3, 5)], seed=8)
+        publish()                            # counters grow by what happened since
+        assert value("vllm:kvblock_store_put_blocks", "_total") == 5
+        assert value("vllm:kvblock_store_blocks") == 5
+        info = {s.labels["kvblock_store"]: s.labels for metric in registry.collect()
+                if metric.name == "vllm:kv_offload_config_info" for s in metric.samples}
+        assert info[e.tier.store.uuid]["kvblock_devices"] == str(tmp_path / "kv.img")
+        assert info[e.tier.store.uuid]["kvblock_slot_bytes"] == str(SLOT)
+    thread = e.tier._metrics._thread
+    assert thread is not None and not thread.is_alive()     # shutdown stopped it

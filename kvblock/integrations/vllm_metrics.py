@@ -1,0 +1,124 @@
+"""The vLLM tier's store metrics, through vLLM's own offloading metrics.
+
+vLLM 0.33 asks each secondary tier class, at start-up, for the metrics it
+will report (``build_metric_definitions``) and the label names of its line
+in the ``vllm:kv_offload_config_info`` metric (``config_info_keys``); its
+tiering manager then collects every tier's ``get_stats()`` each scheduler
+step, and ``config_info()`` once, and vLLM's Prometheus logger publishes
+them beside its own (with its ``model_name`` and ``engine`` labels).
+
+The kvblock tier reports its store's gauges and counters there, under the
+names ``kvblock stats --prometheus`` uses (kvblock/metrics.py) with vLLM's
+prefix: ``vllm:kvblock_store_used_bytes``, ``vllm:kvblock_store_blocks``,
+``vllm:kvblock_store_checksum_failures``, ``vllm:kvblock_store_evicted_blocks``
+..., labelled with the store's uuid.  A tier whose store is served
+(``"server"``) reports the server's store, as every replica sharing it does.
+
+``stats()`` of a served store is a request to its server, so the scheduler
+thread never makes it: a thread of the tier takes a snapshot every
+``STATS_INTERVAL_S`` and ``get_stats`` hands over what changed since the
+last one (counters as increments, gauges as values).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
+from vllm.v1.kv_offload.base import (
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingMetricMetadata,
+)
+
+from kvblock.errors import KVBlockError
+from kvblock.metrics import GAUGES
+from kvblock.store.store import COUNTERS
+
+logger = logging.getLogger("kvblock")
+
+PREFIX = "vllm:kvblock_store_"
+LABELS = ("store",)                          # the store's uuid
+TIER_COUNTERS = COUNTERS + ("store_failures",)   # the tier's own: failed jobs' store errors
+STATS_INTERVAL_S = 1.0
+
+
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    """What the tier reports (``SecondaryTierManager.build_metric_definitions``)."""
+    defs: dict[str, OffloadingMetricMetadata] = {}
+    for name in GAUGES:
+        defs[PREFIX + name] = OffloadingGaugeMetadata(
+            documentation=f"kvblock store (vLLM tier): {name.replace('_', ' ')}",
+            labelnames=LABELS)
+    for name in TIER_COUNTERS:
+        defs[PREFIX + name] = OffloadingCounterMetadata(
+            documentation=f"kvblock store (vLLM tier): {name.replace('_', ' ')}",
+            labelnames=LABELS)
+    return defs
+
+
+class StoreStats:
+    """Snapshots of ``source()`` (the tier's ``stats()``) taken by a thread
+    of their own, handed to vLLM as increments and gauge values."""
+
+    def __init__(self, source: Callable[[], dict], interval: float = STATS_INTERVAL_S):
+        self._source = source
+        self._interval = interval
+        self._lock = threading.Lock()
+        self._latest: dict | None = None   # the last snapshot not handed over yet
+        self._reported: dict[str, int] = {}  # counter values handed over, by name
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> None:
+        """Take a snapshot now (the thread's step; tests call it)."""
+        try:
+            snapshot = self._source()
+        except KVBlockError as e:   # a closed store or a gone server: nothing to report
+            logger.debug("kvblock tier: stats: %s", e)
+            return
+        with self._lock:
+            self._latest = snapshot
+
+    def take(self) -> OffloadingConnectorStats | None:
+        """What changed since the last call (None: nothing new).  Starts the
+        snapshot thread on the first call, so a tier vLLM never asks runs none."""
+        if self._thread is None and not self._stop.is_set():
+            self._thread = threading.Thread(target=self._run, name="kvblock-tier-stats",
+                                            daemon=True)
+            self._thread.start()
+        with self._lock:
+            s, self._latest = self._latest, None
+            if s is None or "uuid" not in s:
+                return None
+            stats = OffloadingConnectorStats()
+            labels = (str(s["uuid"]),)
+            for name in GAUGES:
+                if isinstance(s.get(name), int):
+                    stats.set_gauge(PREFIX + name, s[name], labels)
+            for name in TIER_COUNTERS:
+                value = s.get(name)
+                if not isinstance(value, int):
+                    continue
+                first = name not in self._reported
+                last = self._reported.get(name, 0)
+                # A counter that went down started again (a restarted server).
+                step = value - last if value >= last else value
+                self._reported[name] = value
+                if step or first:       # the first report makes every series exist
+                    stats.increase_counter(PREFIX + name, step, labels)
+            return stats
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.refresh()
+            self._stop.wait(self._interval)
