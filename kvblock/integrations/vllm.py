@@ -79,7 +79,9 @@ Configuration (one entry of ``secondary_tiers``)::
      "server": null,           # a socket path: one store for every DP replica
      "size": "64G",            # create missing files of this size
      "threads": 8, "max_run_bytes": "16M", "verify": "always",
-     "eviction": "lru", "region_size": null, "engine": null, "queue_depth": 32}
+     "eviction": "lru", "region_size": null, "engine": null, "queue_depth": 32,
+     "locality": null,         # "LOCAL" / "REMOTE": carried by KV events and info
+     "enable_kv_events": false}  # BlockStored events (with vLLM's KV events on)
 
 Metrics: the store's gauges and counters, and the tier's configuration,
 reach vLLM's Prometheus metrics through its own tier hooks
@@ -109,6 +111,7 @@ from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadKey,
     ReqContext,
     RequestOffloadingContext,
@@ -291,13 +294,14 @@ class KVBlockTierManager(SecondaryTierManager):
                  server: str | None = None, size=None, threads: int = DEFAULT_THREADS,
                  max_run_bytes=DEFAULT_MAX_RUN_BYTES, verify: str = "always",
                  eviction: str = "lru", region_size=None, engine: str | None = None,
-                 queue_depth: int = 32, locality: str | None = None, **unknown):
+                 queue_depth: int = 32, locality: str | None = None,
+                 enable_kv_events: bool = False, **unknown):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         if unknown:
             raise ConfigError(f"kvblock tier: unknown config keys {sorted(unknown)}; known: "
                               "devices, format, namespace, model, server, size, threads, "
                               "max_run_bytes, verify, eviction, region_size, engine, "
-                              "queue_depth, locality")
+                              "queue_depth, locality, enable_kv_events")
         if not devices:
             raise ConfigError('kvblock tier: "devices" must name the store\'s device(s) or '
                               'pre-sized file(s), e.g. ["/dev/nvme1n1"]')
@@ -352,6 +356,7 @@ class KVBlockTierManager(SecondaryTierManager):
         self._stop = False
         self._closed = False
         self._metrics = StoreStats(self.stats)  # vLLM's get_stats (vllm_metrics.py)
+        self._events = self._event_queue(enable_kv_events, offloading_spec, tier_type)
         self._workers = [threading.Thread(target=self._worker, name=f"kvblock_tier_{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._workers:
@@ -360,6 +365,19 @@ class KVBlockTierManager(SecondaryTierManager):
                     "runs of up to %d slots", self.devices,
                     f" (server {self.server})" if self.server else "", bs, self.model,
                     self.namespace, threads, self.max_run_blocks)
+
+    @staticmethod
+    def _event_queue(enabled, offloading_spec, tier_type: str) -> deque | None:
+        """Where KV events wait for take_events: only with ``enable_kv_events``
+        and vLLM's KV cache events on (vLLM drains take_events only then)."""
+        if not enabled:
+            return None
+        events_config = getattr(offloading_spec, "kv_events_config", None)
+        if getattr(events_config, "enable_kv_cache_events", False) is True:
+            return deque()
+        logger.warning("kvblock tier %r: enable_kv_events is set but vLLM's KV cache events "
+                       "are off (--kv-events-config); the tier emits none", tier_type)
+        return None
 
     def _open_store(self, dp_size: int, **options):
         if self.server is not None:
@@ -444,6 +462,16 @@ class KVBlockTierManager(SecondaryTierManager):
         out = []
         while self._finished:                 # deque: appends from workers are safe
             out.append(self._finished.popleft())
+        return out
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """BlockStored events of the keys store jobs put in the store (with
+        ``enable_kv_events``).  Evictions are not announced: the store does
+        not know vLLM's keys, only their hashes (as vLLM's fs tier, which
+        announces stores only)."""
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
         return out
 
     def has_pending_work(self) -> bool:
@@ -539,6 +567,10 @@ class KVBlockTierManager(SecondaryTierManager):
         elapsed = None
         if job.started is not None:
             elapsed = (job.ended or time.monotonic()) - job.started
+        if self._events is not None and not job.load and job.ok.any():
+            self._events.append(OffloadingEvent(
+                keys=[k for k, ok in zip(job.keys, job.ok) if ok], medium=self.medium,
+                removed=False, locality=self.locality))
         self._finished.append(JobResult(
             job_id=meta.job_id, success=success, successful_keys=successful,
             transfer_time=elapsed,

@@ -21,6 +21,8 @@ import pytest
 import torch
 from vllm.v1.kv_offload.base import (
     LookupResult,
+    Medium,
+    OffloadingKVEventsConfig,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
@@ -625,6 +627,42 @@ def test_duplicate_store_writes_nothing(make_tier):
 
 
 # --------------------------------------------------------------------------- lifecycle
+def events_spec(enabled: bool) -> MagicMock:
+    spec = make_spec()
+    spec.kv_events_config = OffloadingKVEventsConfig(enable_kv_cache_events=enabled,
+                                                     self_describing_kv_events=False)
+    return spec
+
+
+def test_kv_events_announce_the_keys_store_jobs_stored(make_tier):
+    tier, pool = make_tier(spec=events_spec(True), enable_kv_events=True, locality="LOCAL")
+    fill_random(pool, range(4))
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    assert all(r.success for r in drain(tier))
+    tier.submit_store(job(2, [key(2), key(3)], [1, 2]))   # key 2 is stored already
+    assert all(r.success for r in drain(tier))
+    events = list(tier.take_events())
+    assert [sorted(bytes(k) for k in e.keys) for e in events] == \
+        [sorted(bytes(k) for k in (key(1), key(2))), sorted(bytes(k) for k in (key(2), key(3)))]
+    assert all(e.medium == Medium.STORAGE and not e.removed and e.locality.value == "LOCAL"
+               for e in events)
+    assert list(tier.take_events()) == []                   # taken once
+    tier.submit_load(job(3, [key(1)], [3], promotion=True))
+    assert drain(tier)[0].success and list(tier.take_events()) == []   # loads announce nothing
+
+
+def test_kv_events_stay_off_unless_vllms_are_on(make_tier, caplog, tmp_path):
+    quiet = make_tier()                                      # not asked for
+    with caplog.at_level(logging.WARNING, logger="kvblock.integrations.vllm"):
+        off = make_tier(spec=events_spec(False), enable_kv_events=True,
+                        devices=[str(kvblock.create_file(tmp_path / "b.img", 64 << 20))])
+    assert "KV cache events are off" in caplog.text
+    for tier, pool in (quiet, off):
+        fill_random(pool, [0])
+        tier.submit_store(job(1, [key(9)], [0]))
+        assert drain(tier)[0].success and list(tier.take_events()) == []
+
+
 def test_shutdown(make_tier):
     """Shutdown cancels what is queued (reported as failed), stops the
     workers, closes the store and keeps no array over the primary pool."""
