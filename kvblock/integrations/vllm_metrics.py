@@ -45,6 +45,7 @@ PREFIX = "vllm:kvblock_store_"
 LABELS = ("store",)                          # the store's uuid
 TIER_COUNTERS = COUNTERS + ("store_failures",)   # the tier's own: failed jobs' store errors
 STATS_INTERVAL_S = 1.0
+CLOSE_WAIT_S = 5.0
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -114,9 +115,12 @@ class StoreStats:
             return stats
 
     def close(self) -> None:
+        """Stop the snapshot thread; waits a bounded time (a snapshot of a
+        served store waits on its server: a hung one must not hold up
+        shutdown, and the daemon thread ends once the store is closed)."""
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(CLOSE_WAIT_S)
 
     def _run(self) -> None:
         while not self._stop.is_set():

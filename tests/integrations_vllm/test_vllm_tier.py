@@ -757,6 +757,14 @@ def test_data_parallel_replicas_get_their_own_devices(tmp_path):
             t.shutdown()
 
 
+def assert_metrics_blocks(tiers, blocks: int) -> None:
+    """What each tier hands vLLM's metrics (get_stats) says the store holds."""
+    for t in tiers:
+        t._metrics.refresh()
+        values = t.get_stats().data["data"]
+        assert values["vllm:kvblock_store_blocks"] == {(t.config_info()["kvblock_store"],): blocks}
+
+
 def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path, caplog):
     """"server": the first replica formats the store and starts the server,
     the second connects; what one stores the other finds and loads, byte
@@ -782,6 +790,7 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path, caplo
         assert drain(tiers[1])[0].success
         for i, slot in enumerate([7, 5, 6, 4]):
             assert torch.equal(pools[1][slot], pools[0][i])
+        assert_metrics_blocks(tiers, 4)     # both report the one store (its server's numbers)
 
         # The server dies: lookups miss and jobs fail, at once, and nothing
         # raises into vLLM; the replicas reconnect (one restarts the server)
@@ -808,6 +817,7 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path, caplo
         assert drain(tiers[1])[0].success
         for i in range(4):
             assert torch.equal(pools[1][i], pools[0][i])
+        assert_metrics_blocks(tiers, 4)     # the new server's store, recovered
     finally:
         pid = tiers[0].store.server_pid if tiers else None
         for t in tiers:
