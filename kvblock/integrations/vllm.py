@@ -132,7 +132,7 @@ from kvblock.errors import (
     KVBlockError,
 )
 from kvblock.integrations.failures import RUNTIME_FAILURES, FailureLog
-from kvblock.integrations.vllm_metrics import StoreStats, metric_definitions
+from kvblock.integrations.vllm_metrics import INFO_KEYS, StoreStats, metric_definitions
 from kvblock.layout import Geometry
 from kvblock.store import KVStore
 
@@ -168,9 +168,6 @@ LOOKUP_ANSWER_TIMEOUT_S = 1.0
 # workers (reads in flight, hashing as they land, on more than one core).
 SMALL_PIECE_SLOTS = 8
 BATCH_BYTES = 4 << 20
-# The tier's labels in vLLM's vllm:kv_offload_config_info metric.
-INFO_KEYS = ("kvblock_store", "kvblock_devices", "kvblock_server", "kvblock_slot_bytes",
-             "kvblock_model", "kvblock_namespace")
 
 
 # ---------------------------------------------------------------------- helpers
@@ -522,10 +519,9 @@ class KVBlockTierManager(SecondaryTierManager):
 
     def config_info(self) -> dict:
         """This tier's line of ``vllm:kv_offload_config_info``."""
-        return {"kvblock_store": self.store.uuid, "kvblock_devices": ",".join(self.devices),
-                "kvblock_server": self.server or "", "kvblock_slot_bytes": str(
-                    self.block_size_bytes), "kvblock_model": self.model,
-                "kvblock_namespace": self.namespace}
+        values = (self.store.uuid, ",".join(self.devices), self.server or "",
+                  str(self.block_size_bytes), self.model, self.namespace)
+        return dict(zip(INFO_KEYS, values))
 
     def stats(self) -> dict:
         """The store's counters and gauges (``KVStore.stats()``), and how

@@ -44,6 +44,10 @@ logger = logging.getLogger("kvblock")
 PREFIX = "vllm:kvblock_store_"
 LABELS = ("store",)                          # the store's uuid
 TIER_COUNTERS = COUNTERS + ("store_failures",)   # the tier's own: failed jobs' store errors
+# The tier's labels in vLLM's vllm:kv_offload_config_info metric, in the
+# order of KVBlockTierManager.config_info's values.
+INFO_KEYS = ("kvblock_store", "kvblock_devices", "kvblock_server", "kvblock_slot_bytes",
+             "kvblock_model", "kvblock_namespace")
 STATS_INTERVAL_S = 1.0
 CLOSE_WAIT_S = 5.0
 
