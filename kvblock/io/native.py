@@ -79,12 +79,19 @@ def _candidates() -> list[Path]:
     return found
 
 
+def _is_file(path: Path) -> bool:
+    try:
+        return path.is_file()
+    except OSError:   # a sys.path entry this user may not search (another user's home)
+        return False
+
+
 @lru_cache(maxsize=1)
 def lib():
     """The loaded native library (raises :class:`NativeLibraryError`)."""
     tried = []
     for path in _candidates():
-        if path.is_file():
+        if _is_file(path):
             try:
                 handle = ffi.dlopen(str(path))
             except OSError as e:

@@ -92,3 +92,30 @@ def test_engine_names_as_users_write_them(monkeypatch):
 
 def test_unavailable_error_is_kvblock_error():
     assert issubclass(EngineUnavailableError, kvblock.KVBlockError)
+
+
+def test_the_native_library_is_found_past_a_path_this_user_cannot_search(monkeypatch):
+    """A sys.path entry in another user's home (stat: EACCES) is passed
+    over, not raised: an engine's worker running as its own user must still
+    find the library further on (and a missing one is NativeLibraryError)."""
+    from pathlib import Path
+
+    from kvblock.errors import NativeLibraryError
+    from kvblock.io import native
+
+    real = native._candidates()
+    found = next(p for p in real if p.is_file())
+    hidden = Path("/root/other-user/kvblock/_native") / native.LIB_NAME
+    real_is_file = Path.is_file
+
+    def is_file(self):
+        if self == hidden:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", is_file)
+    monkeypatch.setattr(native, "_candidates", lambda: [hidden, found])
+    assert native.lib.__wrapped__().kvb_abi_version() == native.ABI_VERSION
+    monkeypatch.setattr(native, "_candidates", lambda: [hidden])
+    with pytest.raises(NativeLibraryError, match="not found"):
+        native.lib.__wrapped__()
