@@ -6,6 +6,7 @@ the exclusive claim, the journal, reopen) may need root."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 
 import kvblock
+from kvblock import KVStore
+from kvblock.store.launch import wait_for_server
 
 NOBODY = 65534
 SCRIPT = Path(__file__).resolve().parents[1] / "support" / "non_root_store.py"
@@ -20,9 +23,12 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
                                 reason="needs root to hand a device to another user")
 
 
-def run_as_nobody(target: str) -> str:
-    out = subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}",
-                          "--clear-groups", sys.executable, str(SCRIPT), target],
+def as_nobody(*cmd: str) -> list[str]:
+    return ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", *cmd]
+
+
+def run_as_nobody(*args: str) -> str:
+    out = subprocess.run(as_nobody(sys.executable, str(SCRIPT), *args),
                          capture_output=True, text=True, timeout=120,
                          cwd=SCRIPT.parents[2], stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -38,16 +44,33 @@ def test_a_user_given_a_block_device_runs_a_store_on_it(loop_device, monkeypatch
     assert f"engine {engine}" in out and f"busy {dev}" in out and "reopened 5" in out
 
 
-def test_a_user_given_a_directory_runs_a_store_file_in_it(tmp_path):
+def test_a_user_given_a_directory_runs_and_serves_a_store_file_in_it(tmp_path):
     home = Path("/var/tmp") / f"kvblock-nobody-{os.getpid()}-{tmp_path.name}"
     home.mkdir(mode=0o700)
+    server = None
     try:
         os.chown(home, NOBODY, NOBODY)
         path = kvblock.create_file(home / "kv.img", 64 << 20)
         os.chown(path, NOBODY, NOBODY)
         out = run_as_nobody(str(path))
         assert f"busy {path}" in out and "reopened 5" in out
+        # `kvblock serve` as that user (as a service unit's User= would run
+        # it), and a rank of that user on its socket.
+        sock = str(home / "kv.sock")
+        log = tmp_path / "serve.log"
+        with open(log, "w") as out:
+            server = subprocess.Popen(as_nobody(sys.executable, "-m", "kvblock", "serve",
+                                                str(path), "--socket", sock),
+                                      cwd=SCRIPT.parents[2], stdin=subprocess.DEVNULL,
+                                      stdout=out, stderr=subprocess.STDOUT)
+        wait_for_server(sock, timeout=60, proc=server)
+        assert "served 7" in run_as_nobody(str(path), sock)
+        server.terminate()
+        assert server.wait(60) == 0, log.read_text()
+        with KVStore.open([str(path)]) as store:       # what the server committed
+            assert store.stats()["blocks"] == 7
     finally:
-        for p in home.iterdir():
-            p.unlink()
-        home.rmdir()
+        if server is not None and server.poll() is None:
+            server.kill()
+            server.wait()
+        shutil.rmtree(home)
