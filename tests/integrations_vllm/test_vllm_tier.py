@@ -758,8 +758,12 @@ def test_data_parallel_replicas_get_their_own_devices(tmp_path):
 
 
 def assert_metrics_blocks(tiers, blocks: int) -> None:
-    """What each tier hands vLLM's metrics (get_stats) says the store holds."""
+    """What each tier hands vLLM's metrics (get_stats) says the store holds.
+    The snapshot is taken here, and the snapshot thread is not started: its
+    request to the server could be in flight when the test kills it (a
+    lookup then answers RETRY, not the MISS the test expects)."""
     for t in tiers:
+        t._metrics.close()
         t._metrics.refresh()
         values = t.get_stats().data["data"]
         assert values["vllm:kvblock_store_blocks"] == {(t.config_info()["kvblock_store"],): blocks}

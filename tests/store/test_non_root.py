@@ -39,8 +39,12 @@ def run_as_nobody(*args: str) -> str:
 def test_a_user_given_a_block_device_runs_a_store_on_it(loop_device, monkeypatch, engine):
     monkeypatch.setenv("KVBLOCK_IO_ENGINE", engine)
     dev = loop_device(64 << 20)
+    owner = os.stat(dev)
     os.chown(dev, NOBODY, NOBODY)
-    out = run_as_nobody(dev)
+    try:
+        out = run_as_nobody(dev)
+    finally:   # the node outlives the loop device: the next test to get it must find root's
+        os.chown(dev, owner.st_uid, owner.st_gid)
     assert f"engine {engine}" in out and f"busy {dev}" in out and "reopened 5" in out
 
 
