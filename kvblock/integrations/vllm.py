@@ -255,6 +255,15 @@ def _pool_array(view: memoryview, block_size: int) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8).reshape(arr.nbytes // block_size, block_size)
 
 
+def _take_all(queue: deque) -> list:
+    """Everything queued so far, oldest first (workers append to the deque
+    while the scheduler thread takes: popleft and append are thread-safe)."""
+    out = []
+    while queue:
+        out.append(queue.popleft())
+    return out
+
+
 def _adjacent(chunk_ids: np.ndarray) -> bool:
     """Ascending, adjacent slot ids: one contiguous slice of the pool."""
     return chunk_ids.size <= 1 or bool((np.diff(chunk_ids) == 1).all())
@@ -456,20 +465,14 @@ class KVBlockTierManager(SecondaryTierManager):
             self._enqueue(_Job(job_metadata, True, keys, kbs, chunks, []), self._loads)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        out = []
-        while self._finished:                 # deque: appends from workers are safe
-            out.append(self._finished.popleft())
-        return out
+        return _take_all(self._finished)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """BlockStored events of the keys store jobs put in the store (with
         ``enable_kv_events``).  Evictions are not announced: the store does
         not know vLLM's keys, only their hashes (as vLLM's fs tier, which
         announces stores only)."""
-        out = []
-        while self._events:
-            out.append(self._events.popleft())
-        return out
+        return _take_all(self._events) if self._events is not None else []
 
     def has_pending_work(self) -> bool:
         return self._inflight > 0 or bool(self._finished)

@@ -38,7 +38,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from typing import Sequence
 
 import numpy as np
@@ -430,7 +429,7 @@ class StoreServer:
         st = self.store
         return {
             "protocol": PROTOCOL, "pid": os.getpid(),
-            "uuid": str(uuid.UUID(bytes=st.sb.store_uuid)),
+            "uuid": st.uuid,
             "devices": [d.path for d in st.io.devices], "geometry": st.geometry.as_dict(),
             "alignment": st.alignment, "region_size": st.regions.size,
             "region_count": st.regions.count, "data_offsets": st.regions.data_offsets,
