@@ -45,7 +45,14 @@ from kvblock.memory.spares import SpareBuffers
 from kvblock.store.fence import WriteFence
 from kvblock.store.launch import ensure_server, wait_for_server
 from kvblock.store.policy import VERIFY_MODES
-from kvblock.store.protocol import PROTOCOL, encode_keys, encode_msg, raise_remote, recv_msg
+from kvblock.store.protocol import (
+    PROTOCOL,
+    decode_keys,
+    encode_keys,
+    encode_msg,
+    raise_remote,
+    recv_msg,
+)
 from kvblock.store.reads import RunReader
 from kvblock.store.scatter import span
 from kvblock.store.session import Session, fence_files, open_socket, recv_fence_files
@@ -584,6 +591,13 @@ class RemoteStore(RunReader, RunWriter):
         if not keys:
             return np.zeros(0, dtype=bool)
         return np.array(self._call("present", keys=encode_keys(keys)), dtype=bool)
+
+    def removed_since(self, cursor: str | None = None) -> tuple[str, list[bytes] | None]:
+        """Keys the server's store removed since ``cursor`` (KVStore.removed_since;
+        a cursor from before a server restart answers None)."""
+        self._check_open()
+        r = self._call("removed", cursor=cursor)
+        return r["cursor"], None if r["keys"] is None else decode_keys(r["keys"])
 
     def delete(self, keys: Sequence) -> int:
         """Remove the runs holding any of ``keys``; returns the blocks removed."""

@@ -39,10 +39,11 @@ from typing import Sequence
 from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 
-PROTOCOL = 5   # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 6   # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
+#                6: "removed" (the keys the store removed since a cursor)
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

@@ -52,7 +52,14 @@ from kvblock.errors import (
 from kvblock.index import Run
 from kvblock.store.launch import socket_dir, wait_for_server
 from kvblock.store.fence import fence_writers, reopen, socket_fence_path
-from kvblock.store.protocol import PROTOCOL, decode_keys, encode_msg, error_reply, recv_msg
+from kvblock.store.protocol import (
+    PROTOCOL,
+    decode_keys,
+    encode_keys,
+    encode_msg,
+    error_reply,
+    recv_msg,
+)
 from kvblock.store.store import KVStore
 
 logger = logging.getLogger("kvblock")
@@ -447,6 +454,10 @@ class StoreServer:
 
     def _op_present(self, s, keys):
         return self.store.present(decode_keys(keys)).tolist()
+
+    def _op_removed(self, s, cursor=None):
+        cursor, keys = self.store.removed_since(cursor)
+        return {"cursor": cursor, "keys": None if keys is None else encode_keys(keys)}
 
     def _op_segments(self, s, keys):
         st = self.store

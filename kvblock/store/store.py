@@ -66,6 +66,7 @@ from kvblock.store.fence import fence_writers
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
 from kvblock.store.reads import RunReader
 from kvblock.store.recovery import Recovery
+from kvblock.store.removals import RemovalLog
 from kvblock.store.scatter import block_at, span
 from kvblock.store.storeio import StoreIO
 from kvblock.store.writes import Later, RunWriter, Streams
@@ -250,6 +251,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._local = threading.local()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
+        self.removals = RemovalLog()   # keys of runs evicted or dropped (removed_since)
         self.closed = True
         t0 = time.perf_counter()
         self._io_options = (engine, queue_depth, storeio_factory or StoreIO)
@@ -689,6 +691,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         dropped = [r for r in self.index.runs.values() if r.region == region]
         for run in dropped:
             self._remove_run(run)
+            self.removals.add(run.keys)
         self.regions.state[region] = RECLAIMING
         if self.regions.open == region:
             self.regions.open = None
@@ -840,6 +843,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             runs = [r for r in runs if r.run_id in self.index.runs]
             for run in runs:
                 self._remove_run(run)
+                self.removals.add(run.keys)
         if runs and not self.readonly:
             self._commit([jfmt.DropRun(r.run_id) for r in runs])
             self._release_empty_regions({r.region for r in runs})
@@ -874,6 +878,14 @@ class KVStore(Recovery, RunReader, RunWriter):
             host_only = sum(self.host.discard(key) for key in set(keys) - on_device)
         self.counters["deleted_runs"] += len(runs)
         return sum(r.nblocks for r in runs.values()) + host_only
+
+    def removed_since(self, cursor: str | None = None) -> tuple[str, list[bytes] | None]:
+        """Keys of the runs evicted, deleted, cleared or dropped since
+        ``cursor`` (None: from now on), and the cursor for the next call;
+        the keys are None when the log lost some of them (check the keys
+        you watch with :meth:`present`).  See kvblock/store/removals.py."""
+        self._check_open()
+        return self.removals.since(cursor)
 
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim sealed regions by policy until ``nbytes`` are free (or all

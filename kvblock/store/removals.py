@@ -1,0 +1,67 @@
+"""Which keys left the store: a bounded log for those who watch its contents.
+
+An engine that announces what a store holds (vLLM's KV cache events) must
+also announce what leaves it: runs evicted to make room, deleted, cleared,
+or dropped after a failed read.  The store logs each such run's keys here;
+a watcher asks for the keys removed since its cursor (``KVStore.removed_since``,
+over a server too).  The log keeps the last ``max_keys`` keys, in memory
+only: a watcher that fell further behind, or holds a cursor from another
+open of the store (a restarted server), is told so (``None``) and checks
+the keys it cares about with ``present()`` instead.
+
+A key in the log may be in the store again (put again since, or held by a
+newer run too): the log says a run holding it went, not that it is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+
+from kvblock.errors import ConfigError
+from kvblock.index.keys import KEY_BYTES
+
+MAX_KEYS = 1 << 16     # 1 MiB of keys: a few evicted regions' worth
+
+
+class RemovalLog:
+    def __init__(self, max_keys: int = MAX_KEYS):
+        self._keys: deque[bytes] = deque(maxlen=max_keys)
+        self._count = 0                      # keys logged since the store was opened
+        self._epoch = os.urandom(8).hex()    # this open of the store
+        self._lock = threading.Lock()
+
+    def add(self, keys: bytes) -> None:
+        """Log a removed run's keys (``Run.keys``: 16 bytes each, packed)."""
+        with self._lock:
+            for at in range(0, len(keys), KEY_BYTES):
+                self._keys.append(keys[at:at + KEY_BYTES])
+            self._count += len(keys) // KEY_BYTES
+
+    def since(self, cursor: str | None) -> tuple[str, list[bytes] | None]:
+        """(a new cursor, the keys logged after ``cursor``), oldest first.
+        ``cursor`` None starts watching: no keys.  The keys are None when
+        the log no longer holds them all, or the cursor is not from this
+        open of the store."""
+        with self._lock:
+            now = f"{self._epoch}:{self._count}"
+            if cursor is None:
+                return now, []
+            epoch, seen = _parse(cursor)
+            if epoch != self._epoch or seen > self._count:
+                return now, None
+            missed = self._count - seen
+            if missed > len(self._keys):
+                return now, None
+            keys = list(self._keys)[len(self._keys) - missed:] if missed else []
+            return now, keys
+
+
+def _parse(cursor) -> tuple[str, int]:
+    if isinstance(cursor, str):
+        epoch, sep, count = cursor.partition(":")
+        if sep and count.isdigit():
+            return epoch, int(count)
+    raise ConfigError(f"removed_since: {cursor!r} is not a cursor; pass None to start "
+                      "watching, then the cursor each call returns")

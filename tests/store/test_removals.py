@@ -1,0 +1,112 @@
+"""removed_since: the keys of runs the store evicted, deleted, cleared or
+dropped, for those who announce what it holds (the vLLM tier's KV events)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblock import KVStore, create_file
+from kvblock.errors import ConfigError
+from kvblock.index import normalize_keys
+from kvblock.store.client import RemoteStore
+from kvblock.store.removals import RemovalLog
+from kvblock.store.server import serve_in_background
+from tests.store.workload import GEOM, REGION, run_data, run_keys
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def store_file(tmp_path):
+    path = str(tmp_path / "kv.img")
+    create_file(path, 4 * MIB)
+    KVStore.format([path], GEOM, region_size=REGION, journal_bytes=256 << 10).close()
+    return path
+
+
+def _put(store, i, n=4):
+    keys = run_keys(i, n)
+    store.put_run(keys, run_data(keys))
+    return normalize_keys(keys)
+
+
+def test_the_log_answers_keys_after_a_cursor_and_none_once_it_lost_some():
+    log = RemovalLog(max_keys=4)
+    start, keys = log.since(None)
+    assert keys == []
+    log.add(b"a" * 16 + b"b" * 16)
+    mid, keys = log.since(start)
+    assert keys == [b"a" * 16, b"b" * 16]
+    assert log.since(mid)[1] == []
+    log.add(b"c" * 16 + b"d" * 16 + b"e" * 16)
+    assert log.since(mid)[1] == [b"c" * 16, b"d" * 16, b"e" * 16]
+    assert log.since(start)[1] is None                 # 5 keys since: "a" fell out
+    assert RemovalLog().since(mid)[1] is None          # another open of the store
+    for bad in ("", "abc", f"{mid}x", 7):
+        with pytest.raises(ConfigError, match="not a cursor"):
+            log.since(bad)
+
+
+def test_evicted_deleted_and_cleared_runs_are_reported(store_file):
+    store = KVStore.open([store_file])
+    try:
+        cursor, none_yet = store.removed_since()
+        assert none_yet == []
+        a, b = _put(store, 1), _put(store, 2)
+        cursor, keys = store.removed_since(cursor)
+        assert keys == []                              # puts remove nothing
+        assert store.delete([a[0]]) == 4
+        cursor, keys = store.removed_since(cursor)
+        assert keys == a
+        store.evict(all=True)
+        cursor, keys = store.removed_since(cursor)
+        assert keys == b
+        c = _put(store, 3)
+        store.clear()
+        cursor, keys = store.removed_since(cursor)
+        assert keys == c
+        assert store.removed_since(cursor)[1] == []
+    finally:
+        store.close()
+    reopened = KVStore.open([store_file])
+    try:
+        assert reopened.removed_since(cursor)[1] is None    # a cursor of the last open
+    finally:
+        reopened.close()
+
+
+def test_runs_evicted_to_make_room_are_reported(store_file):
+    """A full store reclaims the least recently used region for a put."""
+    store = KVStore.open([store_file])
+    try:
+        cursor, _ = store.removed_since()
+        stored = [_put(store, i, 8) for i in range(40)]          # 40 x 64 KiB in 4 MiB
+        _, keys = store.removed_since(cursor)
+        gone = [k for run in stored for k in run if not store.contains(k)]
+        assert store.counters["evicted_blocks"] > 0
+        assert sorted(keys) == sorted(gone) and len(keys) == store.counters["evicted_blocks"]
+    finally:
+        store.close()
+
+
+def test_a_ranks_removals_reach_another_rank_through_the_server(store_file, tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock):
+        writer, watcher = RemoteStore(sock), RemoteStore(sock)
+        try:
+            cursor, _ = watcher.removed_since()
+            a = _put(writer, 1)
+            writer.delete(a[:1])
+            cursor, keys = watcher.removed_since(cursor)
+            assert keys == a
+            with pytest.raises(ConfigError, match="not a cursor"):
+                watcher.removed_since("nonsense")
+        finally:
+            writer.close()
+            watcher.close()
+    with serve_in_background([store_file], sock):       # a restarted server
+        watcher = RemoteStore(sock)
+        try:
+            assert watcher.removed_since(cursor)[1] is None
+        finally:
+            watcher.close()
