@@ -81,12 +81,14 @@ Configuration (one entry of ``secondary_tiers``)::
      "threads": 8, "max_run_bytes": "16M", "verify": "always",
      "eviction": "lru", "region_size": null, "engine": null, "queue_depth": 32,
      "locality": null,         # "LOCAL" / "REMOTE": carried by KV events and info
-     "enable_kv_events": false}  # BlockStored events (with vLLM's KV events on)
+     "enable_kv_events": false}  # BlockStored/BlockRemoved (with vLLM's KV events on)
 
 Metrics: the store's gauges and counters, and the tier's configuration,
 reach vLLM's Prometheus metrics through its own tier hooks
 (``build_metric_definitions``, ``get_stats``, ``config_info``;
-kvblock/integrations/vllm_metrics.py).
+kvblock/integrations/vllm_metrics.py).  KV cache events: what store jobs
+put, and its removal once evicted, deleted or cleared
+(kvblock/integrations/vllm_events.py).
 
 Register the type with :func:`register` (the ``vllm.general_plugins`` entry
 point does it in every vLLM process), or name this module in the tier config
@@ -132,6 +134,7 @@ from kvblock.errors import (
     KVBlockError,
 )
 from kvblock.integrations.failures import RUNTIME_FAILURES, FailureLog
+from kvblock.integrations.vllm_events import TierEvents
 from kvblock.integrations.vllm_metrics import INFO_KEYS, StoreStats, metric_definitions
 from kvblock.layout import Geometry
 from kvblock.store import KVStore
@@ -362,7 +365,7 @@ class KVBlockTierManager(SecondaryTierManager):
         self._stop = False
         self._closed = False
         self._metrics = StoreStats(self.stats)  # vLLM's get_stats (vllm_metrics.py)
-        self._events = self._event_queue(enable_kv_events, offloading_spec, tier_type)
+        self._events = self._kv_events(enable_kv_events, offloading_spec, tier_type)
         self._workers = [threading.Thread(target=self._worker, name=f"kvblock_tier_{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._workers:
@@ -372,15 +375,14 @@ class KVBlockTierManager(SecondaryTierManager):
                     f" (server {self.server})" if self.server else "", bs, self.model,
                     self.namespace, threads, self.max_run_blocks)
 
-    @staticmethod
-    def _event_queue(enabled, offloading_spec, tier_type: str) -> deque | None:
+    def _kv_events(self, enabled, offloading_spec, tier_type: str) -> TierEvents | None:
         """Where KV events wait for take_events: only with ``enable_kv_events``
         and vLLM's KV cache events on (vLLM drains take_events only then)."""
         if not enabled:
             return None
         events_config = getattr(offloading_spec, "kv_events_config", None)
         if getattr(events_config, "enable_kv_cache_events", False) is True:
-            return deque()
+            return TierEvents(self.store, self.medium, self.locality, tier_type)
         logger.warning("kvblock tier %r: enable_kv_events is set but vLLM's KV cache events "
                        "are off (--kv-events-config); the tier emits none", tier_type)
         return None
@@ -468,11 +470,10 @@ class KVBlockTierManager(SecondaryTierManager):
         return _take_all(self._finished)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        """BlockStored events of the keys store jobs put in the store (with
-        ``enable_kv_events``).  Evictions are not announced: the store does
-        not know vLLM's keys, only their hashes (as vLLM's fs tier, which
-        announces stores only)."""
-        return _take_all(self._events) if self._events is not None else []
+        """With ``enable_kv_events``: stored events of the keys store jobs
+        put in the store, removed events once the store dropped them
+        (evicted, deleted, cleared; see vllm_events.py)."""
+        return self._events.take() if self._events is not None else []
 
     def has_pending_work(self) -> bool:
         return self._inflight > 0 or bool(self._finished)
@@ -498,6 +499,8 @@ class KVBlockTierManager(SecondaryTierManager):
         for t in self._workers:
             t.join()
         self._metrics.close()
+        if self._events is not None:
+            self._events.close()
         try:
             self.store.close()
         except KVBlockError:
@@ -566,10 +569,9 @@ class KVBlockTierManager(SecondaryTierManager):
         elapsed = None
         if job.started is not None:
             elapsed = (job.ended or time.monotonic()) - job.started
-        if self._events is not None and not job.load and job.ok.any():
-            self._events.append(OffloadingEvent(
-                keys=[k for k, ok in zip(job.keys, job.ok) if ok], medium=self.medium,
-                removed=False, locality=self.locality))
+        if self._events is not None and not job.load:
+            self._events.stored([(kb, k) for kb, k, ok in zip(job.kbs, job.keys, job.ok)
+                                 if ok])
         self._finished.append(JobResult(
             job_id=meta.job_id, success=success, successful_keys=successful,
             transfer_time=elapsed,

@@ -22,6 +22,10 @@ from types import SimpleNamespace
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from vllm.config import KVTransferConfig
+from vllm.distributed.kv_events import MEDIUM_STORAGE, BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+    OffloadingEventsTracker,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadPromMetrics
 from vllm.plugins import load_general_plugins, load_plugins_by_group
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext
@@ -51,13 +55,14 @@ def readme_transfer_config() -> dict:
     return json.loads(found[0])
 
 
-def offloading_config(extra: dict, engine_id: str) -> OffloadingConfig:
+def offloading_config(extra: dict, engine_id: str, events: bool = False) -> OffloadingConfig:
     """What vLLM derives from its engine config for one rank, one KV group
-    of 256 KiB per block (one block per chunk)."""
+    of 256 KiB per block (one block per chunk); ``events``: vLLM's KV cache
+    events on (``--kv-events-config``)."""
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
         worker_kv_bytes_per_block=SLOT,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=events,
         extra_config=extra,
         engine_id=engine_id,
         model=OffloadingModelConfig(name="meta-llama/Llama-3.1-8B-Instruct", dtype="bfloat16"),
@@ -98,10 +103,10 @@ class Engine:
     from the spec the config names, its kvblock tier, and the CPU pool as
     (slots, SLOT) bytes, let go of before the manager unmaps it."""
 
-    def __init__(self, transfer: KVTransferConfig):
-        spec = TieringOffloadingSpec(offloading_config(
+    def __init__(self, transfer: KVTransferConfig, events: bool = False):
+        self.spec = spec = TieringOffloadingSpec(offloading_config(
             json.loads(json.dumps(transfer.kv_connector_extra_config)),
-            f"kvblock-test-{uuid.uuid4().hex[:12]}"))
+            f"kvblock-test-{uuid.uuid4().hex[:12]}", events))
         self.m = spec.get_manager()
         (self.tier,) = self.m.secondary_tiers
         assert isinstance(self.tier, KVBlockTierManager)
@@ -166,6 +171,37 @@ def test_readmes_config_builds_the_tier_and_its_kv_survives_a_restart(tmp_path):
         e.m.complete_load(keys, ctx)
         e.m.on_request_finished(ctx)
         e.step()
+
+
+def test_kv_events_through_vllms_tracker_remove_the_block_hashes_they_stored(tmp_path):
+    """With vLLM's KV cache events on and the tier's ``enable_kv_events``,
+    the manager's events go through vLLM's OffloadingEventsTracker (what the
+    connector publishes): the tier's stores become BlockStored on STORAGE,
+    and once the store evicted them, BlockRemoved of the same block hashes."""
+    transfer = readme_config_here(tmp_path)
+    tier_cfg = next(t for t in transfer.kv_connector_extra_config["secondary_tiers"]
+                    if t["type"] == "kvblock")
+    tier_cfg.update(enable_kv_events=True, locality="LOCAL")
+    keys = [key(i) for i in range(3)]
+    with Engine(transfer, events=True) as e:
+        tracker = OffloadingEventsTracker(e.spec.kv_events_config)
+
+        def published(kind):
+            return [ev for ev in tracker.take_events(list(e.m.take_events()))
+                    if isinstance(ev, kind) and ev.medium == MEDIUM_STORAGE]
+
+        e.store(keys)
+        stored = published(BlockStored)
+        assert {ev.ownership for ev in stored} == {"kvblock"}
+        assert {ev.locality for ev in stored} == {"LOCAL"}
+        hashes = sorted(h for ev in stored for h in ev.block_hashes)
+        assert len(hashes) == len(keys)
+        assert published(BlockRemoved) == []
+        e.tier.store.evict(all=True)
+        e.tier._events.poll()                   # the tier's watch, now
+        removed = published(BlockRemoved)
+        assert sorted(h for ev in removed for h in ev.block_hashes) == hashes
+        assert {ev.ownership for ev in removed} == {"kvblock"}
 
 
 def test_the_tiers_store_metrics_reach_vllms_prometheus_metrics(tmp_path):

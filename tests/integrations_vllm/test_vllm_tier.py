@@ -627,8 +627,8 @@ def test_duplicate_store_writes_nothing(make_tier):
 
 
 # --------------------------------------------------------------------------- lifecycle
-def events_spec(enabled: bool) -> MagicMock:
-    spec = make_spec()
+def events_spec(enabled: bool, **spec_args) -> MagicMock:
+    spec = make_spec(**spec_args)
     spec.kv_events_config = OffloadingKVEventsConfig(enable_kv_cache_events=enabled,
                                                      self_describing_kv_events=False)
     return spec
@@ -661,6 +661,72 @@ def test_kv_events_stay_off_unless_vllms_are_on(make_tier, caplog, tmp_path):
         fill_random(pool, [0])
         tier.submit_store(job(1, [key(9)], [0]))
         assert drain(tier)[0].success and list(tier.take_events()) == []
+
+
+def _keys_of(events, removed: bool) -> list[list[bytes]]:
+    """The keys of each stored (or removed) event, in order of their keys
+    (concurrent jobs finish in any order)."""
+    return sorted(sorted(bytes(k) for k in e.keys) for e in events if e.removed == removed)
+
+
+def _store_each(tier, pool, keys, first_job=100) -> None:
+    """One store job (one run) per key, from slot 0."""
+    fill_random(pool, [0])
+    for i, k in enumerate(keys):
+        tier.submit_store(job(first_job + i, [k], [0]))
+    assert all(r.success for r in drain(tier))
+
+
+def test_kv_events_announce_the_removal_of_what_the_tier_stored(make_tier):
+    """A key the tier announced stored is announced removed once the store
+    no longer holds it (deleted, evicted), unless it is back by then; keys
+    the tier never announced are not announced removed."""
+    tier, pool = make_tier(spec=events_spec(True), enable_kv_events=True, locality="LOCAL")
+    watch = tier._events
+    ks = [key(i) for i in range(1, 6)]
+    kb = tier.kvblock_key
+    _store_each(tier, pool, ks)
+    tier.store.put_blocks([kb(key(50))], [bytes(SLOT)])       # not the tier's
+    stored = list(tier.take_events())
+    assert _keys_of(stored, False) == [[bytes(k)] for k in ks]
+    assert all(e.ownership == "kvblock" and e.removal_expected for e in stored)
+    assert watch.announced() == 5
+
+    tier.store.delete([kb(ks[0]), kb(key(50))])
+    tier.store.delete([kb(ks[1])])
+    _store_each(tier, pool, [ks[1]], first_job=200)   # back before the watch looked
+    watch.poll()
+    events = list(tier.take_events())
+    assert _keys_of(events, True) == [[bytes(ks[0])]]
+    assert _keys_of(events, False) == [[bytes(ks[1])]]
+    (gone,) = [e for e in events if e.removed]
+    assert gone.medium == Medium.STORAGE and gone.locality.value == "LOCAL"
+    assert gone.ownership == "kvblock" and gone.removal_expected
+    watch.poll()
+    assert list(tier.take_events()) == []              # announced once
+
+    # The log lost track (a long pause, a restarted server): every key checked.
+    tier.store.delete([kb(ks[2])])
+    watch._cursor = "another-open:0"
+    watch.poll()
+    assert _keys_of(tier.take_events(), True) == [[bytes(ks[2])]]
+
+    tier.store.evict(all=True)
+    watch.poll()
+    assert _keys_of(tier.take_events(), True) == \
+        [sorted(bytes(k) for k in (ks[1], ks[3], ks[4]))]
+    assert watch.announced() == 0
+    # And again: stored, then evicted by the store itself, with the thread
+    # vLLM's draining started doing the watching.
+    _store_each(tier, pool, ks[:2], first_job=300)
+    assert len(_keys_of(tier.take_events(), False)) == 2
+    tier.store.evict(all=True)
+    deadline = time.monotonic() + 10
+    removed = []
+    while not removed and time.monotonic() < deadline:
+        time.sleep(0.05)
+        removed = _keys_of(tier.take_events(), True)
+    assert removed == [sorted(bytes(k) for k in ks[:2])]
 
 
 def test_shutdown(make_tier):
@@ -822,6 +888,44 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path, caplo
         for i in range(4):
             assert torch.equal(pools[1][i], pools[0][i])
         assert_metrics_blocks(tiers, 4)     # the new server's store, recovered
+    finally:
+        pid = tiers[0].store.server_pid if tiers else None
+        for t in tiers:
+            t.shutdown()
+        if pid is not None:
+            stop_server(pid)
+
+
+def test_kv_events_announce_what_another_replica_removed_from_a_shared_store(tmp_path):
+    """Replicas sharing a store through a server: one's removals reach the
+    other's events (the server's removal log), also when the server was
+    killed and restarted meanwhile (its log is new: every key is checked)."""
+    from tests.support.servers import stop_server, wait_reconnected
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    pools = [page_aligned_pool(4) for _ in range(2)]
+    tiers = []
+    try:
+        for dp in range(2):
+            tiers.append(KVBlockTierManager(
+                events_spec(dp == 0, dp_index=dp, dp_size=2), memoryview(pools[dp].numpy()),
+                "kvblock", devices=[dev], server=sock, size="64M", threads=2,
+                enable_kv_events=dp == 0))
+        watching, other = tiers
+        a, b = key(1), key(2)
+        _store_each(watching, pools[0], [a, b])
+        assert _keys_of(watching.take_events(), False) == [[bytes(a)], [bytes(b)]]
+        other.store.delete([watching.kvblock_key(a)])
+        watching._events.poll()
+        assert _keys_of(watching.take_events(), True) == [[bytes(a)]]
+
+        pid = watching.store.server_pid
+        os.kill(pid, signal.SIGKILL)
+        wait_reconnected([t.store for t in tiers], pid)
+        other.store.delete([watching.kvblock_key(b)])
+        watching._events.poll()
+        assert _keys_of(watching.take_events(), True) == [[bytes(b)]]
+        assert watching._events.announced() == 0
     finally:
         pid = tiers[0].store.server_pid if tiers else None
         for t in tiers:

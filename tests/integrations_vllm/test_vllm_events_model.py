@@ -1,0 +1,96 @@
+"""The vLLM tier's KV events against the store they describe: random store
+jobs, deletes of runs, evictions, the removal log lost (a restarted server,
+a long pause) and the tier's watch stepping in between.
+
+Folding the events (a stored event adds its keys, a removed one takes them
+away) must give, after each step of the watch, exactly the keys the tier
+stored that the store still holds; and a removed event never names a key
+the store holds at that moment (nothing else writes while the watch steps).
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvblock.integrations.vllm import KVBlockTierManager
+from tests.integrations_vllm.test_vllm_tier import (
+    drain,
+    events_spec,
+    fill_random,
+    job,
+    key,
+    page_aligned_pool,
+)
+from tests.integrations_vllm.test_vllm_tier_model import SLOT
+
+KEYS = 24
+SLOTS = 16
+EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "25"))
+
+key_ids = st.lists(st.integers(0, KEYS - 1), min_size=1, max_size=6, unique=True)
+steps = st.lists(st.one_of(
+    st.tuples(st.just("store"), st.lists(key_ids, min_size=1, max_size=3)),
+    st.tuples(st.just("delete"), key_ids),
+    st.tuples(st.just("evict"), st.integers(0, 3)),     # regions to free (0: all)
+    st.tuples(st.just("lost"), st.none()),
+    st.tuples(st.just("watch"), st.none()),
+), min_size=1, max_size=14)
+
+
+def test_events_follow_what_the_store_holds(store_file):
+    @settings(max_examples=EXAMPLES, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(steps=steps)
+    def run(steps):
+        pool = page_aligned_pool(SLOTS, SLOT)
+        fill_random(pool, range(SLOTS))
+        tier = KVBlockTierManager(events_spec(True), memoryview(pool.numpy()), "kvblock",
+                                  devices=[store_file], format="force", threads=3,
+                                  max_run_bytes=4 * SLOT, enable_kv_events=True)
+        watch, store = tier._events, tier.store
+        watch._stop.set()        # no thread of its own: this test steps the watch
+        kb = {k: tier.kvblock_key(key(k)) for k in range(KEYS)}
+        by_key = {bytes(key(k)): k for k in range(KEYS)}
+        stored: set[int] = set()      # keys the tier stored (and announced)
+        announced: set[int] = set()   # the events, folded
+
+        def fold():
+            for ev in watch.take():
+                ks = {by_key[bytes(k)] for k in ev.keys}
+                if ev.removed:
+                    held = store.present([kb[k] for k in ks])
+                    assert not held.any(), ("a removal of a key the store holds", ks)
+                    announced.difference_update(ks)
+                else:
+                    announced.update(ks)
+
+        try:
+            job_id = 0
+            for op, arg in steps:
+                if op == "store":
+                    for ks in arg:
+                        job_id += 1
+                        tier.submit_store(job(job_id, [key(k) for k in ks], range(len(ks))))
+                    assert all(r.success for r in drain(tier))
+                    stored.update(k for ks in arg for k in ks)
+                elif op == "delete":
+                    store.delete([kb[k] for k in arg])
+                elif op == "evict":
+                    if arg:
+                        store.evict(store.stats()["regions_free"] * store.regions.size
+                                    + arg * store.regions.size)
+                    else:
+                        store.evict(all=True)
+                elif op == "lost":
+                    watch._cursor = "a-restarted-server:0"
+                watch.poll()
+                fold()
+                held = {k for k in stored if store.present([kb[k]])[0]}
+                assert announced == held, (op, arg)
+        finally:
+            tier.shutdown()
+
+    run()
