@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.config import (
     OffloadingModelConfig,
     OffloadingParallelConfig,
 )
+from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
@@ -130,8 +131,9 @@ class Engine:
         self.step()
         self.step()
 
-    def store(self, keys, seed=7) -> dict:
-        """A request's KV offloaded through the manager: {key: bytes}."""
+    def store(self, keys, seed=7, stored=True) -> dict:
+        """A request's KV offloaded through the manager: {key: bytes};
+        ``stored``: the tier holds it then."""
         rng = np.random.default_rng(seed)
         written = {}
         ctx = ReqContext(req_id=f"store-{seed}")
@@ -143,7 +145,8 @@ class Engine:
             written[k] = self.pool[int(c)].copy()
         self.m.complete_store(keys, ctx, success=True)
         self.settle()
-        assert [self.tier.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * len(keys)
+        want = LookupResult.HIT if stored else LookupResult.MISS
+        assert [self.tier.lookup(k, ctx) for k in keys] == [want] * len(keys)
         self.m.on_request_finished(ctx)
         self.step()
         return written
@@ -202,6 +205,35 @@ def test_kv_events_through_vllms_tracker_remove_the_block_hashes_they_stored(tmp
         removed = published(BlockRemoved)
         assert sorted(h for ev in removed for h in ev.block_hashes) == hashes
         assert {ev.ownership for ev in removed} == {"kvblock"}
+
+
+def test_vllms_backpressure_on_the_tier_stops_stores_after_failures(tmp_path):
+    """vLLM's per-tier "backpressure" config works on the kvblock tier: the
+    factory hands the detector to the tier, successful store jobs feed it
+    their bytes, and failed ones (the store closed under the tier) put the
+    tier under pressure, so that vLLM stops sending it stores."""
+    transfer = readme_config_here(tmp_path)
+    tier_cfg = next(t for t in transfer.kv_connector_extra_config["secondary_tiers"]
+                    if t["type"] == "kvblock")
+    tier_cfg["backpressure"] = {"backpressure_cls": "EMABackpressureDetector",
+                                "failure_threshold": 2}
+    with Engine(transfer) as e:
+        detector = e.tier.bp_detector
+        assert isinstance(detector, EMABackpressureDetector)
+        submitted = []
+        real_submit = e.tier.submit_store
+        e.tier.submit_store = lambda job: (submitted.append(job), real_submit(job))
+        for i in range(3):
+            e.store([key(10 * i), key(10 * i + 1)], seed=i)
+        assert len(submitted) == 3 and not detector.is_under_pressure()
+        assert detector._completions == 3           # each job's bytes reached it
+
+        e.tier.store.close()                         # every store job fails now
+        for i in range(3, 5):
+            e.store([key(10 * i)], seed=i, stored=False)
+        assert len(submitted) == 5 and detector.is_under_pressure()
+        e.store([key(60)], seed=6, stored=False)
+        assert len(submitted) == 5, "vLLM kept storing to a tier under pressure"
 
 
 def test_the_tiers_store_metrics_reach_vllms_prometheus_metrics(tmp_path):
