@@ -4,8 +4,8 @@ An engine that announces what a store holds (vLLM's KV cache events) must
 also announce what leaves it: runs evicted to make room, deleted, cleared,
 or dropped after a failed read.  The store logs each such run's keys here;
 a watcher asks for the keys removed since its cursor (``KVStore.removed_since``,
-over a server too).  The log keeps the last ``max_keys`` keys, in memory
-only: a watcher that fell further behind, or holds a cursor from another
+over a server too).  The log keeps the runs of the last ``max_keys`` keys
+(at least), in memory only: a watcher that fell further behind, or holds a cursor from another
 open of the store (a restarted server), is told so (``None``) and checks
 the keys it cares about with ``present()`` instead.
 
@@ -27,17 +27,23 @@ MAX_KEYS = 1 << 16     # 1 MiB of keys: a few evicted regions' worth
 
 class RemovalLog:
     def __init__(self, max_keys: int = MAX_KEYS):
-        self._keys: deque[bytes] = deque(maxlen=max_keys)
+        self._max = max_keys
+        self._runs: deque[bytes] = deque()   # removed runs' packed keys, oldest first
+        self._held = 0                       # keys in _runs
         self._count = 0                      # keys logged since the store was opened
         self._epoch = os.urandom(8).hex()    # this open of the store
         self._lock = threading.Lock()
 
     def add(self, keys: bytes) -> None:
-        """Log a removed run's keys (``Run.keys``: 16 bytes each, packed)."""
+        """Log a removed run's keys (``Run.keys``: 16 bytes each, packed);
+        one append, whatever the run's size (it runs under the store's lock)."""
+        n = len(keys) // KEY_BYTES
         with self._lock:
-            for at in range(0, len(keys), KEY_BYTES):
-                self._keys.append(keys[at:at + KEY_BYTES])
-            self._count += len(keys) // KEY_BYTES
+            self._runs.append(keys)
+            self._held += n
+            self._count += n
+            while self._held - len(self._runs[0]) // KEY_BYTES >= self._max:
+                self._held -= len(self._runs.popleft()) // KEY_BYTES
 
     def since(self, cursor: str | None) -> tuple[str, list[bytes] | None]:
         """(a new cursor, the keys logged after ``cursor``), oldest first.
@@ -52,10 +58,16 @@ class RemovalLog:
             if epoch != self._epoch or seen > self._count:
                 return now, None
             missed = self._count - seen
-            if missed > len(self._keys):
+            if missed > self._held:
                 return now, None
-            keys = list(self._keys)[len(self._keys) - missed:] if missed else []
-            return now, keys
+            blobs, got = [], 0
+            for blob in reversed(self._runs):       # the newest runs hold them
+                if got >= missed:
+                    break
+                blobs.append(blob)
+                got += len(blob) // KEY_BYTES
+        packed = b"".join(reversed(blobs))[(got - missed) * KEY_BYTES:]
+        return now, [packed[at:at + KEY_BYTES] for at in range(0, len(packed), KEY_BYTES)]
 
 
 def _parse(cursor) -> tuple[str, int]:

@@ -40,7 +40,10 @@ def test_the_log_answers_keys_after_a_cursor_and_none_once_it_lost_some():
     assert log.since(mid)[1] == []
     log.add(b"c" * 16 + b"d" * 16 + b"e" * 16)
     assert log.since(mid)[1] == [b"c" * 16, b"d" * 16, b"e" * 16]
-    assert log.since(start)[1] is None                 # 5 keys since: "a" fell out
+    assert len(log.since(start)[1]) == 5     # whole runs go: the newer ones hold 3 < 4
+    log.add(b"f" * 16)
+    assert log.since(start)[1] is None       # the first run went: 4 keys after it
+    assert log.since(mid)[1] == [bytes([c]) * 16 for c in b"cdef"]
     assert RemovalLog().since(mid)[1] is None          # another open of the store
     for bad in ("", "abc", f"{mid}x", 7):
         with pytest.raises(ConfigError, match="not a cursor"):
