@@ -11,6 +11,9 @@ the store holds at that moment (nothing else writes while the watch steps).
 from __future__ import annotations
 
 import os
+import random
+import threading
+import time
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -94,3 +97,70 @@ def test_events_follow_what_the_store_holds(store_file):
             tier.shutdown()
 
     run()
+
+
+class _SlowToAnswer:
+    """The store, with present() answers that take a while to arrive (as
+    from a busy server): the store may change before the watch acts on one."""
+
+    def __init__(self, store):
+        self._store = store
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def present(self, keys):
+        held = self._store.present(keys)
+        time.sleep(0.003)
+        return held
+
+
+def test_events_follow_the_store_while_the_watch_runs_beside_the_jobs(store_file):
+    """The watch steps in a thread of its own, as in vLLM, while store jobs
+    put keys back that deletes just removed: once all is quiet and the
+    watch took a last step, the folded events are what the store holds."""
+    pool = page_aligned_pool(SLOTS, SLOT)
+    fill_random(pool, range(SLOTS))
+    tier = KVBlockTierManager(events_spec(True), memoryview(pool.numpy()), "kvblock",
+                              devices=[store_file], format="force", threads=4,
+                              max_run_bytes=SLOT, enable_kv_events=True)
+    watch, store = tier._events, tier.store
+    watch._stop.set()
+    watch._store = _SlowToAnswer(store)      # a job may announce a key meanwhile
+    kb = {k: tier.kvblock_key(key(k)) for k in range(KEYS)}
+    by_key = {bytes(key(k)): k for k in range(KEYS)}
+    announced: set[int] = set()
+    quiet = threading.Event()
+
+    def watching():
+        while not quiet.is_set():
+            watch.poll()
+
+    rng = random.Random(5)
+    thread = threading.Thread(target=watching)
+    thread.start()
+    try:
+        job_id = 0
+        for _ in range(150):
+            ks = rng.sample(range(KEYS), 4)
+            for k in ks:
+                job_id += 1
+                tier.submit_store(job(job_id, [key(k)], [k % SLOTS]))
+            store.delete([kb[k] for k in rng.sample(range(KEYS), 3)])
+            tier.drain_jobs()
+            for ev in watch.take():
+                (announced.difference_update if ev.removed else announced.update)(
+                    by_key[bytes(k)] for k in ev.keys)
+    finally:
+        quiet.set()
+        thread.join()
+    try:
+        assert all(r.success for r in tier.get_finished_jobs())
+        watch.poll()
+        for ev in watch.take():
+            (announced.difference_update if ev.removed else announced.update)(
+                by_key[bytes(k)] for k in ev.keys)
+        held = {k for k in range(KEYS) if store.present([kb[k]])[0]}
+        assert announced == held
+    finally:
+        tier.shutdown()
