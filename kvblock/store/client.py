@@ -162,10 +162,11 @@ def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str
             store._restart()           # nobody there: start a server (one rank does)
             s = store._new_session()
     except (errors.GeometryMismatchError, errors.ProtocolMismatchError) as e:
-        # another store, or another release's server: retrying cannot help
+        # another store, or another release's server: retrying cannot help.
+        # Said first: whoever sees the session gone finds the reason logged.
+        logger.error("%s", str(e))     # text only: a record must not keep the traceback
         store._refused = str(e)
         store._session.gone = str(e)
-        logger.error("%s", str(e))     # text only: a record must not keep the traceback
         return True, warned
     except (KVBlockError, OSError) as e:
         if str(e) != warned:
