@@ -8,6 +8,7 @@ pre-sized file under tmp_path.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -835,20 +836,37 @@ def assert_metrics_blocks(tiers, blocks: int) -> None:
         assert values["vllm:kvblock_store_blocks"] == {(t.config_info()["kvblock_store"],): blocks}
 
 
+@contextlib.contextmanager
+def replicas_sharing_a_server(tmp_path, slots: int, events: bool = False):
+    """Two data-parallel replicas' tiers on one store through a server
+    (the first formats it and starts the server), and their pools; with
+    ``events`` the first has KV events on.  Shut down, the server stopped."""
+    from tests.support.servers import stop_server
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    pools = [page_aligned_pool(slots) for _ in range(2)]
+    tiers = []
+    try:
+        for dp in range(2):
+            on = events and dp == 0
+            tiers.append(KVBlockTierManager(
+                events_spec(on, dp_index=dp, dp_size=2), memoryview(pools[dp].numpy()),
+                "kvblock", devices=[dev], server=sock, size="64M", threads=2,
+                enable_kv_events=on))
+        yield tiers, pools
+    finally:
+        pid = tiers[0].store.server_pid if tiers else None
+        for t in tiers:
+            t.shutdown()
+        if pid is not None:
+            stop_server(pid)
+
+
 def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path, caplog):
     """"server": the first replica formats the store and starts the server,
     the second connects; what one stores the other finds and loads, byte
     for byte, each doing its own direct I/O."""
-    from tests.support.servers import stop_server
-
-    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
-    pools = [page_aligned_pool(8) for _ in range(2)]
-    tiers = []
-    try:
-        for dp in range(2):
-            tiers.append(KVBlockTierManager(
-                make_spec(dp_index=dp, dp_size=2), memoryview(pools[dp].numpy()), "kvblock",
-                devices=[dev], server=sock, size="64M", threads=2))
+    with replicas_sharing_a_server(tmp_path, 8) as (tiers, pools):
         assert tiers[0].store.server_pid == tiers[1].store.server_pid
         fill_random(pools[0], range(4))
         keys = [key(70 + i) for i in range(4)]
@@ -888,29 +906,15 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path, caplo
         for i in range(4):
             assert torch.equal(pools[1][i], pools[0][i])
         assert_metrics_blocks(tiers, 4)     # the new server's store, recovered
-    finally:
-        pid = tiers[0].store.server_pid if tiers else None
-        for t in tiers:
-            t.shutdown()
-        if pid is not None:
-            stop_server(pid)
 
 
 def test_kv_events_announce_what_another_replica_removed_from_a_shared_store(tmp_path):
     """Replicas sharing a store through a server: one's removals reach the
     other's events (the server's removal log), also when the server was
     killed and restarted meanwhile (its log is new: every key is checked)."""
-    from tests.support.servers import stop_server, wait_reconnected
+    from tests.support.servers import wait_reconnected
 
-    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
-    pools = [page_aligned_pool(4) for _ in range(2)]
-    tiers = []
-    try:
-        for dp in range(2):
-            tiers.append(KVBlockTierManager(
-                events_spec(dp == 0, dp_index=dp, dp_size=2), memoryview(pools[dp].numpy()),
-                "kvblock", devices=[dev], server=sock, size="64M", threads=2,
-                enable_kv_events=dp == 0))
+    with replicas_sharing_a_server(tmp_path, 4, events=True) as (tiers, pools):
         watching, other = tiers
         a, b = key(1), key(2)
         _store_each(watching, pools[0], [a, b])
@@ -926,12 +930,6 @@ def test_kv_events_announce_what_another_replica_removed_from_a_shared_store(tmp
         watching._events.poll()
         assert _keys_of(watching.take_events(), True) == [[bytes(b)]]
         assert watching._events.announced() == 0
-    finally:
-        pid = tiers[0].store.server_pid if tiers else None
-        for t in tiers:
-            t.shutdown()
-        if pid is not None:
-            stop_server(pid)
 
 
 def test_a_hung_shared_server_costs_lookup_one_bounded_wait(tmp_path):

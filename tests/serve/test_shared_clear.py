@@ -10,22 +10,17 @@ import threading
 import numpy as np
 import pytest
 
-from kvblock import KVStore, create_file
+from kvblock import KVStore
 from kvblock.errors import StoreFullError
 from kvblock.store.client import RemoteStore
 from kvblock.store.server import serve_in_background, spawn_server
-from tests.store.workload import GEOM, REGION, run_data, run_keys
+from tests.store.workload import GEOM, run_data, run_keys, small_store
 from tests.support.servers import stop_server
-
-MIB = 1 << 20
 
 
 @pytest.fixture
 def store_file(tmp_path):
-    path = str(tmp_path / "kv.img")
-    create_file(path, 4 * MIB)
-    KVStore.format([path], GEOM, region_size=REGION, journal_bytes=256 << 10).close()
-    return path
+    return small_store(tmp_path / "kv.img")
 
 
 def _read(store, keys):

@@ -5,23 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from kvblock import KVStore, create_file
+from kvblock import KVStore
 from kvblock.errors import ConfigError
 from kvblock.index import normalize_keys
 from kvblock.store.client import RemoteStore
 from kvblock.store.removals import RemovalLog
 from kvblock.store.server import serve_in_background
-from tests.store.workload import GEOM, REGION, run_data, run_keys
-
-MIB = 1 << 20
+from tests.store.workload import run_data, run_keys, small_store
 
 
 @pytest.fixture
 def store_file(tmp_path):
-    path = str(tmp_path / "kv.img")
-    create_file(path, 4 * MIB)
-    KVStore.format([path], GEOM, region_size=REGION, journal_bytes=256 << 10).close()
-    return path
+    return small_store(tmp_path / "kv.img")
 
 
 def _put(store, i, n=4):

@@ -12,19 +12,16 @@ import threading
 import numpy as np
 import pytest
 
-from kvblock import KVStore, create_file
+from kvblock import KVStore
 from kvblock.errors import StoreFullError
 from kvblock.index import normalize_keys
-from tests.store.workload import GEOM, REGION, run_data, run_keys
+from tests.store.workload import GEOM, run_data, run_keys, small_store
 
 MIB = 1 << 20
 
 
 def _store(tmp_path, size=4 * MIB) -> str:
-    path = tmp_path / "store.img"
-    create_file(path, size)
-    KVStore.format([str(path)], GEOM, region_size=REGION, journal_bytes=256 << 10).close()
-    return str(path)
+    return small_store(tmp_path / "store.img", size)
 
 
 def _crash(store: KVStore) -> None:

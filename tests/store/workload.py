@@ -11,12 +11,20 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
-from kvblock import Geometry, KVStore, aligned_empty
+from kvblock import Geometry, KVStore, aligned_empty, create_file
 from kvblock.index import normalize_keys
 
 GEOM = Geometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=16,
                 head_groups=2)   # 2 KiB per (layer, group) block, 8 KiB per block
 REGION = 256 << 10
+
+
+def small_store(path, size: int = 4 << 20) -> str:
+    """A store file of ``size`` bytes formatted at ``path`` with GEOM, regions
+    of REGION and a small journal: a few puts fill it."""
+    create_file(path, size)
+    KVStore.format([str(path)], GEOM, region_size=REGION, journal_bytes=256 << 10).close()
+    return str(path)
 
 
 def run_keys(i: int, n: int) -> list[bytes]:
