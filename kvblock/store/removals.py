@@ -11,6 +11,8 @@ the keys it cares about with ``present()`` instead.
 
 A key in the log may be in the store again (put again since, or held by a
 newer run too): the log says a run holding it went, not that it is gone.
+A position a newer run took over, which a run reopened from a checkpoint
+names as SUPERSEDED (zero bytes), is left out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 from collections import deque
 
 from kvblock.errors import ConfigError
+from kvblock.index.index import SUPERSEDED
 from kvblock.index.keys import KEY_BYTES
 
 MAX_KEYS = 1 << 16     # 1 MiB of keys: a few evicted regions' worth
@@ -67,7 +70,10 @@ class RemovalLog:
                 blobs.append(blob)
                 got += len(blob) // KEY_BYTES
         packed = b"".join(reversed(blobs))[(got - missed) * KEY_BYTES:]
-        return now, [packed[at:at + KEY_BYTES] for at in range(0, len(packed), KEY_BYTES)]
+        keys = (packed[at:at + KEY_BYTES] for at in range(0, len(packed), KEY_BYTES))
+        # A run reopened from a checkpoint names positions a newer run took
+        # over as SUPERSEDED: no key to announce.
+        return now, [k for k in keys if k != SUPERSEDED]
 
 
 def _parse(cursor) -> tuple[str, int]:

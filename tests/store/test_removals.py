@@ -108,3 +108,22 @@ def test_a_ranks_removals_reach_another_rank_through_the_server(store_file, tmp_
             assert watcher.removed_since(cursor)[1] is None
         finally:
             watcher.close()
+
+
+def test_a_position_a_newer_run_took_over_is_not_logged_after_a_reopen(store_file):
+    """A checkpoint names a run's positions that a newer run took over as
+    SUPERSEDED (zero bytes); evicting the reopened run logs its own keys."""
+    store = KVStore.open([store_file])
+    a = _put(store, 1)
+    newer = run_keys(1, 4)[1:2] + run_keys(9, 1)        # a[1] again, and a new key
+    store.put_run(newer, run_data(newer))
+    store.close()
+    store = KVStore.open([store_file])
+    try:
+        cursor, _ = store.removed_since()
+        store.evict(all=True)
+        _, keys = store.removed_since(cursor)
+        assert bytes(16) not in keys
+        assert sorted(keys) == sorted(a + normalize_keys(newer[1:]))
+    finally:
+        store.close()

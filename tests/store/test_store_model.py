@@ -35,12 +35,14 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
                                  rule, run_state_machine_as_test)
 
 from kvblock import Geometry, KVStore, aligned_empty
+from kvblock.index import normalize_keys
 from kvblock.store.client import RemoteStore, connect
 from kvblock.store.server import serve_in_background
 from tests.support.servers import stop_server, wait_reconnected
 
 MIB = 1 << 20
 KEYS = [b"key-%02d" % i for i in range(20)]
+HASHED = dict(zip(KEYS, normalize_keys(KEYS)))    # the 16-byte keys the store logs
 
 GEOMETRIES = {
     # 2 KiB per (layer, group) block: partial reads go through windows of
@@ -86,6 +88,8 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             self.next_run = 0
             self.seed = 0
             self.restarts = 0        # server processes replaced (a second each)
+            self.cursor = None       # removed_since's, and what was on the device then
+            self.sure_then: set[bytes] = set()
 
         @initialize()
         def format(self):
@@ -457,6 +461,25 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
         def every_key_present_or_not_as_modelled(self):
             if self.store is not None:
                 self._check_present(KEYS, self.store.present(KEYS))
+
+        @invariant()
+        def every_key_that_left_the_device_is_in_the_removal_log(self):
+            """removed_since names every key whose run went since the last
+            step (a key may be named and back, or held by a newer run);
+            it loses track only when the store was opened again."""
+            if self.store is None:
+                return
+            cursor, logged = self.store.removed_since(self.cursor)
+            if self.cursor is not None:
+                if logged is None:
+                    assert cursor.split(":")[0] != self.cursor.split(":")[0], \
+                        "the removal log lost keys within one open of the store"
+                else:
+                    assert set(logged) <= set(HASHED.values()), "a key never put was logged"
+                    gone = self.sure_then - set(self.sure)
+                    missing = [k for k in gone if HASHED[k] not in set(logged)]
+                    assert not missing, f"left the device, not logged: {missing}"
+            self.cursor, self.sure_then = cursor, set(self.sure)
 
     return StoreModel
 
