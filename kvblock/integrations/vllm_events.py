@@ -30,12 +30,12 @@ from collections import deque
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent, OffloadKey
 
 from kvblock.errors import KVBlockError
+from kvblock.integrations.periodic import Periodic
 
 logger = logging.getLogger("kvblock")
 
 EVENTS_INTERVAL_S = 0.5
 PRESENT_BATCH = 8192           # keys per present() call (one request to a server)
-CLOSE_WAIT_S = 5.0
 
 
 class TierEvents:
@@ -45,7 +45,6 @@ class TierEvents:
                  interval: float = EVENTS_INTERVAL_S):
         self._store = store
         self._medium, self._locality, self._ownership = medium, locality, ownership
-        self._interval = interval
         self._queue: deque[OffloadingEvent] = deque()
         self._lock = threading.Lock()          # _announced, _stamp, appends to _queue
         # kvblock key -> (vLLM key, stamp of the BlockStored that announced it)
@@ -53,8 +52,7 @@ class TierEvents:
         self._stamp = 0
         self._poll_lock = threading.Lock()
         self._cursor = self._first_cursor()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._ticker = Periodic(self.poll, interval, "kvblock-tier-events")
 
     def _first_cursor(self) -> str | None:
         """Where the removal log stands now (None: unknown, the first poll
@@ -83,10 +81,7 @@ class TierEvents:
     def take(self) -> list[OffloadingEvent]:
         """The events so far, oldest first.  Starts the removal watch on the
         first call (vLLM drains events only when its KV events are on)."""
-        if self._thread is None and not self._stop.is_set():
-            self._thread = threading.Thread(target=self._run, name="kvblock-tier-events",
-                                            daemon=True)
-            self._thread.start()
+        self._ticker.start()
         out = []
         with self._lock:
             while self._queue:
@@ -144,12 +139,5 @@ class TierEvents:
         return True
 
     def close(self) -> None:
-        """Stop the watch; waits a bounded time (a request to a hung server
-        must not hold up shutdown; the daemon thread ends with the store)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(CLOSE_WAIT_S)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.poll()
+        """Stop the watch (a bounded wait: periodic.py)."""
+        self._ticker.stop()

@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvblock.errors import KVBlockError
+from kvblock.integrations.periodic import Periodic
 from kvblock.metrics import GAUGES
 from kvblock.store.store import COUNTERS
 
@@ -49,7 +50,6 @@ TIER_COUNTERS = COUNTERS + ("store_failures",)   # the tier's own: failed jobs' 
 INFO_KEYS = ("kvblock_store", "kvblock_devices", "kvblock_server", "kvblock_slot_bytes",
              "kvblock_model", "kvblock_namespace")
 STATS_INTERVAL_S = 1.0
-CLOSE_WAIT_S = 5.0
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -72,12 +72,10 @@ class StoreStats:
 
     def __init__(self, source: Callable[[], dict], interval: float = STATS_INTERVAL_S):
         self._source = source
-        self._interval = interval
         self._lock = threading.Lock()
         self._latest: dict | None = None   # the last snapshot not handed over yet
         self._reported: dict[str, int] = {}  # counter values handed over, by name
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._ticker = Periodic(self.refresh, interval, "kvblock-tier-stats")
 
     def refresh(self) -> None:
         """Take a snapshot now (the thread's step; tests call it)."""
@@ -92,10 +90,7 @@ class StoreStats:
     def take(self) -> OffloadingConnectorStats | None:
         """What changed since the last call (None: nothing new).  Starts the
         snapshot thread on the first call, so a tier vLLM never asks runs none."""
-        if self._thread is None and not self._stop.is_set():
-            self._thread = threading.Thread(target=self._run, name="kvblock-tier-stats",
-                                            daemon=True)
-            self._thread.start()
+        self._ticker.start()
         with self._lock:
             s, self._latest = self._latest, None
             if s is None or "uuid" not in s:
@@ -119,14 +114,5 @@ class StoreStats:
             return stats
 
     def close(self) -> None:
-        """Stop the snapshot thread; waits a bounded time (a snapshot of a
-        served store waits on its server: a hung one must not hold up
-        shutdown, and the daemon thread ends once the store is closed)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(CLOSE_WAIT_S)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.refresh()
-            self._stop.wait(self._interval)
+        """Stop the snapshot thread (a bounded wait: periodic.py)."""
+        self._ticker.stop()

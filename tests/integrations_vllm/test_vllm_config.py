@@ -273,5 +273,5 @@ def test_the_tiers_store_metrics_reach_vllms_prometheus_metrics(tmp_path):
                 if metric.name == "vllm:kv_offload_config_info" for s in metric.samples}
         assert info[e.tier.store.uuid]["kvblock_devices"] == str(tmp_path / "kv.img")
         assert info[e.tier.store.uuid]["kvblock_slot_bytes"] == str(SLOT)
-    thread = e.tier._metrics._thread
+    thread = e.tier._metrics._ticker.thread
     assert thread is not None and not thread.is_alive()     # shutdown stopped it

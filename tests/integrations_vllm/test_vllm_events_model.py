@@ -54,7 +54,7 @@ def test_events_follow_what_the_store_holds(store_file):
                                   devices=[store_file], format="force", threads=3,
                                   max_run_bytes=4 * SLOT, enable_kv_events=True)
         watch, store = tier._events, tier.store
-        watch._stop.set()        # no thread of its own: this test steps the watch
+        watch._ticker.stop()        # no thread of its own: this test steps the watch
         kb = {k: tier.kvblock_key(key(k)) for k in range(KEYS)}
         by_key = {bytes(key(k)): k for k in range(KEYS)}
         stored: set[int] = set()      # keys the tier stored (and announced)
@@ -125,7 +125,7 @@ def test_events_follow_the_store_while_the_watch_runs_beside_the_jobs(store_file
                               devices=[store_file], format="force", threads=4,
                               max_run_bytes=SLOT, enable_kv_events=True)
     watch, store = tier._events, tier.store
-    watch._stop.set()
+    watch._ticker.stop()
     watch._store = _SlowToAnswer(store)      # a job may announce a key meanwhile
     kb = {k: tier.kvblock_key(key(k)) for k in range(KEYS)}
     by_key = {bytes(key(k)): k for k in range(KEYS)}
