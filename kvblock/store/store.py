@@ -364,6 +364,12 @@ class KVStore(Recovery, RunReader, RunWriter):
         self.index.remove(run)
         self.regions.live[run.region] -= 1
 
+    def _forget_run(self, run: Run):
+        """(under self._lock) a run evicted or dropped: out of the index, its
+        keys in the removal log (a superseded run's keys stay in the store)."""
+        self._remove_run(run)
+        self.removals.add(run.keys)
+
     # ------------------------------------------------------------------ metadata writes
     def _commit(self, records: list, apply=None) -> None:
         """Make ``records`` durable (group commit), then run ``apply``.
@@ -690,8 +696,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         """(under self._lock) take the region's runs out of the index."""
         dropped = [r for r in self.index.runs.values() if r.region == region]
         for run in dropped:
-            self._remove_run(run)
-            self.removals.add(run.keys)
+            self._forget_run(run)
         self.regions.state[region] = RECLAIMING
         if self.regions.open == region:
             self.regions.open = None
@@ -842,8 +847,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         with self._lock:
             runs = [r for r in runs if r.run_id in self.index.runs]
             for run in runs:
-                self._remove_run(run)
-                self.removals.add(run.keys)
+                self._forget_run(run)
         if runs and not self.readonly:
             self._commit([jfmt.DropRun(r.run_id) for r in runs])
             self._release_empty_regions({r.region for r in runs})
