@@ -17,8 +17,7 @@ exactly the ``kv_buffer`` of ``MHATokenToKVPoolHost`` (bf16, ``--layout``):
   file in the location (``--kvblock-target file``: a pre-sized store file
   there, kvblock's embedded target), formatted for each measurement (``"format":
   "force"``); other settings are the backend's defaults (verify "always",
-  max_run_bytes 64M, 2 staging buffers) unless ``--max-run-bytes`` /
-  ``--staging-buffers`` say otherwise.
+  max_run_bytes 64M) unless ``--max-run-bytes`` says otherwise.
 - HiCacheFile: ``StorageBackendFactory.create_backend("file", ...)``
   (``extra_config["file_storage_path"]`` = a fresh folder in the location).
   It implements only the v0 calls, which the controller reaches through its
@@ -200,8 +199,6 @@ def attach(kind: str, pool: SGLangHostPool, base: Path, dev: str, args):
                  "devices": [dev], "format": "force", "namespace": ""}
         if args.max_run_bytes:
             extra["max_run_bytes"] = args.max_run_bytes
-        if args.staging_buffers:
-            extra["staging_buffers"] = args.staging_buffers
         backend = StorageBackendFactory.create_backend("dynamic",
                                                        storage_config(extra, pool.layout), pool)
     else:
@@ -377,8 +374,6 @@ def main(argv=None) -> int:
                     help="host pages of a batch: ascending adjacent, or a fragmented pool")
     ap.add_argument("--max-run-bytes", default=None,
                     help="kvblock extra_config max_run_bytes (default: the backend's, 64M)")
-    ap.add_argument("--staging-buffers", type=int, default=None,
-                    help="kvblock extra_config staging_buffers (default: the backend's, 2)")
     ap.add_argument("--kvblock-target", choices=("loop", "file"), default="loop",
                     help="kvblock's store: a loop device over a file in the location "
                          "(default: the issue's method) or a pre-sized store file there "
@@ -480,7 +475,7 @@ def main(argv=None) -> int:
     settings = {"layout": args.layout, "pattern": args.pattern, "batch_pages": args.batch_pages,
                 "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
                 "dtype": "bfloat16", "pool": args.pool, "rounds": args.rounds, "gib": args.gib,
-                "max_run_bytes": args.max_run_bytes, "staging_buffers": args.staging_buffers,
+                "max_run_bytes": args.max_run_bytes,
                 "kvblock_target": args.kvblock_target}
     if args.json:
         print(json.dumps({"rows": rows, "settings": settings}, indent=2))
