@@ -77,9 +77,12 @@ def direct_io_enabled(dev: str) -> bool | None:
 
 
 @contextlib.contextmanager
-def loop_target(directory: Path, size: int, *, fill: bool = True) -> Iterator[str]:
+def loop_target(directory: Path, size: int, *, fill: bool = True,
+                write_cache: str | None = None) -> Iterator[str]:
     """A loop device (direct I/O on) over a fresh ``size``-byte file in
-    ``directory`` holding real written data; detached and removed on exit."""
+    ``directory`` holding real written data; detached and removed on exit.
+    ``write_cache`` (one of WRITE_CACHE_MODES) sets the cache mode the device
+    reports: see set_write_cache."""
     directory.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=PREFIX, suffix=".img", dir=directory)
     path = Path(name)
@@ -88,6 +91,8 @@ def loop_target(directory: Path, size: int, *, fill: bool = True) -> Iterator[st
         os.close(fd)
         fd = -1
         dev = _losetup("-f", "--show", "--direct-io=on", str(path)).stdout.strip()
+        if write_cache is not None:
+            set_write_cache(dev, write_cache)
         if fill:
             fill_device(dev, size)
         yield dev
@@ -100,6 +105,26 @@ def loop_target(directory: Path, size: int, *, fill: bool = True) -> Iterator[st
         finally:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+
+
+# The cache modes a block device reports (/sys/block/*/queue/write_cache).
+# A loop device over a file on a disk filesystem reports "write back" (a
+# volatile cache: the kernel sends it flushes, and the loop driver fsyncs its
+# backing file for each, which on this VM makes the host write to its disk);
+# over a tmpfs file it reports "write through".  A drive with power-loss
+# protection (datacenter NVMe) reports "write through", and the kernel then
+# completes flushes without sending them.  Setting "write through" on a loop
+# device over a disk file makes it report what such a drive reports: its
+# flushes stop costing, and stop making anything durable.
+WRITE_CACHE_MODES = ("write back", "write through")
+WRITE_CACHE_CHOICES = tuple(m.replace(" ", "-") for m in WRITE_CACHE_MODES)   # on a command line
+
+
+def set_write_cache(dev: str, mode: str) -> None:
+    """Make block device ``dev`` report cache mode ``mode`` (root)."""
+    if mode not in WRITE_CACHE_MODES:
+        raise ValueError(f"write cache mode {mode!r}: one of {WRITE_CACHE_MODES}")
+    Path(f"/sys/block/{Path(dev).name}/queue/write_cache").write_text(mode)
 
 
 def fill_device(dev: str, size: int) -> None:
@@ -185,7 +210,8 @@ def benchmark_skip_reason() -> str | None:
     return None
 
 
-def attached_targets(targets, dirs: dict, size: int) -> Iterator[tuple[str, str]]:
+def attached_targets(targets, dirs: dict, size: int,
+                     write_cache: str | None = None) -> Iterator[tuple[str, str]]:
     """For each target name, fill a ``size``-byte backing file in ``dirs[name]``,
     attach it and yield (name, loop device); detached after each."""
     import sys
@@ -193,7 +219,7 @@ def attached_targets(targets, dirs: dict, size: int) -> Iterator[tuple[str, str]
     for target in targets:
         print(f"{target}: filling a {size >> 20} MiB file in {dirs[target]} ...",
               file=sys.stderr, flush=True)
-        with loop_target(dirs[target], size) as dev:
+        with loop_target(dirs[target], size, write_cache=write_cache) as dev:
             if direct_io_enabled(dev) is False:
                 print(f"  warning: {dev} runs without direct I/O on its backing file",
                       file=sys.stderr, flush=True)

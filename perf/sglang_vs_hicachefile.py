@@ -65,6 +65,15 @@ folder it creates is removed.  HiCacheFile does not fsync; kvblock fdatasyncs
 before publishing a run.  The page cache is synced and dropped outside the
 timed phases, so HiCacheFile's write-back on disk is not in its store time;
 on /dev/shm (tmpfs) nothing can be dropped and HiCacheFile reads memory.
+
+``--loop-write-cache write-through`` makes the loop device report no
+volatile write cache, as a drive with power-loss protection (datacenter
+NVMe) does: the kernel then completes kvblock's flushes (it fdatasyncs a run
+before publishing it) without sending them, so stores cost what they would
+on such a drive instead of what this VM's host takes to write its cache to
+disk at every flush.  Nothing is durable that way here; the default (the
+kernel's: write-back over a disk file, write-through over /dev/shm)
+measures the flushes.  The peers never flush.
 """
 
 from __future__ import annotations
@@ -374,6 +383,11 @@ def main(argv=None) -> int:
                     help="host pages of a batch: ascending adjacent, or a fragmented pool")
     ap.add_argument("--max-run-bytes", default=None,
                     help="kvblock extra_config max_run_bytes (default: the backend's, 64M)")
+    ap.add_argument("--loop-write-cache", choices=fs.WRITE_CACHE_CHOICES, default=None,
+                    help="with the loop target: the cache mode the loop device reports "
+                         "(default: the kernel's, write-back; write-through is what a drive "
+                         "with power-loss protection reports, and makes flushes free and "
+                         "nothing durable on this machine)")
     ap.add_argument("--kvblock-target", choices=("loop", "file"), default="loop",
                     help="kvblock's store: a loop device over a file in the location "
                          "(default: the issue's method) or a pre-sized store file there "
@@ -386,6 +400,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--check", action="store_true", help="exit 1 when a load bar is missed")
     args = ap.parse_args(argv)
+    if args.loop_write_cache and args.kvblock_target != "loop":
+        ap.error("--loop-write-cache needs --kvblock-target loop")
+    args.loop_write_cache = args.loop_write_cache and args.loop_write_cache.replace("-", " ")
     page_sizes = [parse_size(s) for s in args.pages.split(",") if s.strip()]
     locations = [s.strip() for s in args.locations.split(",") if s.strip()]
     if not locations or any(loc not in LOCATIONS for loc in locations):
@@ -416,7 +433,7 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
 
     def body():
-        targets = (fs.attached_targets(locations, LOCATIONS, dev_bytes)
+        targets = (fs.attached_targets(locations, LOCATIONS, dev_bytes, args.loop_write_cache)
                    if args.kvblock_target == "loop" else store_files(locations, dev_bytes))
         for loc, dev in targets:
             for page, ps, n, pool_pages in cases:
@@ -476,14 +493,15 @@ def main(argv=None) -> int:
                 "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
                 "dtype": "bfloat16", "pool": args.pool, "rounds": args.rounds, "gib": args.gib,
                 "max_run_bytes": args.max_run_bytes,
-                "kvblock_target": args.kvblock_target}
+                "kvblock_target": args.kvblock_target, "loop_write_cache": args.loop_write_cache}
     if args.json:
         print(json.dumps({"rows": rows, "settings": settings}, indent=2))
         return 1 if args.check and missed else 0
     print(f"{args.gib:g} GiB per case, median of {args.rounds} rounds, {args.layout} host pool "
           f"({args.layers} layers x {args.heads} heads x {args.head_dim}, bf16), batches of "
           f"{args.batch_pages} pages ({args.pattern}); kvblock: batch_set_v1/batch_get_v1 on a "
-          f"{'loop device' if args.kvblock_target == 'loop' else 'store file'}, max_run_bytes={args.max_run_bytes or '64M'}; HiCacheFile: "
+          f"{'loop device' if args.kvblock_target == 'loop' else 'store file'}"
+          f"{f' ({args.loop_write_cache})' if args.loop_write_cache else ''}, max_run_bytes={args.max_run_bytes or '64M'}; HiCacheFile: "
           f"batch_set/batch_get of flat pages, one file per page")
     head = (f"{'where':<5} {'page':>7} | {'kvblock store':>13} {'HiCacheFile store':>17} "
             f"{'ratio':>6} | {'kvblock load':>12} {'HiCacheFile load':>16} {'ratio':>6} "

@@ -40,6 +40,15 @@ kvblock/io/mapped.py; ``KVBLOCK_MAPPED_READS=never`` reads it through
 io_uring, whose kernel workers copy on both cores), while a loop device
 copies in one worker of the loop driver.
 
+``--loop-write-cache write-through`` makes the loop device report no
+volatile write cache, as a drive with power-loss protection (datacenter
+NVMe) does: the kernel then completes kvblock's flushes (it fdatasyncs a run
+before publishing it) without sending them, so stores cost what they would
+on such a drive instead of what this VM's host takes to write its cache to
+disk at every flush.  Nothing is durable that way here; the default (the
+kernel's: write-back over a disk file, write-through over /dev/shm)
+measures the flushes.  The peers never flush.
+
 Note: vLLM's fs tier has a C extension (vllm.fs_io_C) that the CUDA wheel
 links against CUDA libraries; where it cannot load (a CPU-only machine) the fs
 tier runs its pure-Python I/O path, and the table says which one ran.
@@ -155,7 +164,8 @@ def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tens
     base.mkdir(parents=True, exist_ok=True)
     view = memoryview(pool.numpy())
     try:
-        target = (store_target(args.kvblock_target, base, total_bytes) if kind == "kvblock"
+        target = (store_target(args.kvblock_target, base, total_bytes, args.loop_write_cache)
+                  if kind == "kvblock"
                   else contextlib.nullcontext(None))
         with target as dev:
             if kind == "kvblock":
@@ -199,14 +209,15 @@ def fio_read_gibps(kind: str, where: str, slot: int, total_bytes: int) -> float:
         shutil.rmtree(base, ignore_errors=True)
 
 
-def store_target(kind: str, base: Path, total_bytes: int):
+def store_target(kind: str, base: Path, total_bytes: int, write_cache: str | None = None):
     """Context manager yielding the device path of a kvblock tier store with
     room for ``total_bytes`` of slots in directory ``base``: a pre-sized file
-    (``kind`` "file") or a loop device over one ("loop", detached on exit)."""
+    (``kind`` "file") or a loop device over one ("loop", detached on exit;
+    ``write_cache``: the cache mode it reports, fio_support.set_write_cache)."""
     # runs are at most 1/8 region, so at most 1/8 is lost; plus metadata
     size = total_bytes + total_bytes // 4 + (128 << 20)
     if kind == "loop":
-        return fs.loop_target(base, size, fill=False)
+        return fs.loop_target(base, size, fill=False, write_cache=write_cache)
     return contextlib.nullcontext(str(kvblock.create_file(base / "kv.img", size)))
 
 
@@ -246,6 +257,11 @@ def main(argv=None) -> int:
     ap.add_argument("--kvblock-target", choices=("file", "loop"), default="file",
                     help="kvblock's store: a file in the location (default) or a loop "
                          "device over one (root)")
+    ap.add_argument("--loop-write-cache", choices=fs.WRITE_CACHE_CHOICES, default=None,
+                    help="with --kvblock-target loop: the cache mode the loop device reports "
+                         "(default: the kernel's, write-back; write-through is what a drive "
+                         "with power-loss protection reports, and makes flushes free and "
+                         "nothing durable on this machine)")
     ap.add_argument("--verify", choices=("always", "never"), default="always",
                     help="kvblock tier verify (the fs tier checks nothing)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -255,6 +271,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     use_fio = not args.no_fio and shutil.which("fio") is not None
+    if args.loop_write_cache and args.kvblock_target != "loop":
+        ap.error("--loop-write-cache needs --kvblock-target loop")
+    args.loop_write_cache = args.loop_write_cache and args.loop_write_cache.replace("-", " ")
     if args.kvblock_target == "loop" and os.geteuid() != 0:
         ap.error("--kvblock-target loop needs root (losetup); run as root or pass "
                  "--kvblock-target file")
@@ -292,11 +311,14 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "fs_io": fs_impl, "pattern": args.pattern,
                           "verify": args.verify, "kvblock_target": args.kvblock_target,
+                          "loop_write_cache": args.loop_write_cache,
                           "job_slots": args.job_slots, "threads": args.threads}, indent=2))
         return 0
     print(f"{args.gib:g} GiB per case, median of {args.rounds} rounds, "
           f"jobs of {args.job_slots} slots ({args.pattern}), "
-          f"kvblock on a {args.kvblock_target} threads={args.threads} "
+          f"kvblock on a {args.kvblock_target}"
+          f"{f' ({args.loop_write_cache})' if args.loop_write_cache else ''} "
+          f"threads={args.threads} "
           f"max_run_bytes={args.max_run_bytes} verify={args.verify}, "
           f"fs tier: 16+16 threads, I/O {fs_impl}")
     if not all(r["dropped_caches"] for r in rows):

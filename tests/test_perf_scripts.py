@@ -69,14 +69,38 @@ def test_comparison_script_runs(script, capsys):
     assert len(backends) >= 2, backends        # kvblock and at least one peer
 
 
-def test_vllm_comparison_runs_on_a_loop_device(capsys):
+@pytest.mark.parametrize("cache", [None, "write-through"])
+def test_vllm_comparison_runs_on_a_loop_device(cache, capsys):
     """--kvblock-target loop: the store on a loop device over a file beside
-    the fs tier's directory (detached again: the script fails on a leak)."""
+    the fs tier's directory (detached again: the script fails on a leak),
+    reporting the kernel's cache mode or the one asked for."""
     args = [*CASES["vllm_tier_vs_fs.py"], "--kvblock-target", "loop", "--pattern", "adjacent"]
+    if cache:
+        args += ["--loop-write-cache", cache]
     out = json_out(run_script("vllm_tier_vs_fs.py", [*args, "--json"], capsys))
     assert out["kvblock_target"] == "loop" and {r["tier"] for r in out["rows"]} == {"kvblock", "fs"}
+    assert out["loop_write_cache"] == (cache and cache.replace("-", " "))
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert "kvblock-vllm-bench" not in attached, attached
+
+
+def test_loop_target_reports_the_write_cache_mode_asked_for():
+    """A loop device reports the cache mode asked for ("write through": what
+    a drive with power-loss protection reports); a mode the kernel does not
+    know is refused, and the device is detached either way."""
+    def reported(dev):
+        return Path(f"/sys/block/{Path(dev).name}/queue/write_cache").read_text().strip()
+
+    for mode in fio_support.WRITE_CACHE_MODES:
+        with fio_support.loop_target(fio_support.SHM, 1 << 20, fill=False,
+                                     write_cache=mode) as dev:
+            assert reported(dev) == mode
+    with pytest.raises(ValueError, match="write around"):
+        with fio_support.loop_target(fio_support.SHM, 1 << 20, fill=False,
+                                     write_cache="write around"):
+            pass
+    attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert fio_support.PREFIX not in attached, attached
 
 
 def test_verified_reads_script_runs(capsys):
