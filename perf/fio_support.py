@@ -82,16 +82,20 @@ def loop_target(directory: Path, size: int, *, fill: bool = True,
     """A loop device (direct I/O on) over a fresh ``size``-byte file in
     ``directory`` holding real written data; detached and removed on exit.
     ``write_cache`` (one of WRITE_CACHE_MODES) sets the cache mode the device
-    reports: see set_write_cache."""
+    reports (see set_write_cache), and the mode it found is set back before
+    the device is detached: the kernel keeps the setting for the loop minor,
+    so the next loop device there would report it too."""
     directory.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(prefix=PREFIX, suffix=".img", dir=directory)
     path = Path(name)
+    found = None           # (device, the cache mode it reported) once we change it
     try:
         os.ftruncate(fd, size)
         os.close(fd)
         fd = -1
         dev = _losetup("-f", "--show", "--direct-io=on", str(path)).stdout.strip()
         if write_cache is not None:
+            found = (dev, write_cache_of(dev))
             set_write_cache(dev, write_cache)
         if fill:
             fill_device(dev, size)
@@ -100,31 +104,44 @@ def loop_target(directory: Path, size: int, *, fill: bool = True,
         if fd >= 0:
             os.close(fd)
         try:
-            for dev in attached_to(path):
-                detach(dev)
+            try:
+                if found is not None:
+                    set_write_cache(*found)
+            finally:
+                for dev in attached_to(path):
+                    detach(dev)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
 
 
 # The cache modes a block device reports (/sys/block/*/queue/write_cache).
-# A loop device over a file on a disk filesystem reports "write back" (a
-# volatile cache: the kernel sends it flushes, and the loop driver fsyncs its
-# backing file for each, which on this VM makes the host write to its disk);
-# over a tmpfs file it reports "write through".  A drive with power-loss
-# protection (datacenter NVMe) reports "write through", and the kernel then
-# completes flushes without sending them.  Setting "write through" on a loop
-# device over a disk file makes it report what such a drive reports: its
-# flushes stop costing, and stop making anything durable.
+# A loop device reports "write back" (a volatile cache: the kernel sends it
+# flushes, and the loop driver fsyncs its backing file for each; over a disk
+# file on this VM that makes the host write its cache to disk).  A drive with
+# power-loss protection (datacenter NVMe) reports "write through", and the
+# kernel then completes flushes without sending them.  Setting "write
+# through" on a loop device makes it report what such a drive reports: its
+# flushes stop costing, and stop making anything durable.  The kernel keeps
+# the setting for the loop minor across detach and attach.
 WRITE_CACHE_MODES = ("write back", "write through")
 WRITE_CACHE_CHOICES = tuple(m.replace(" ", "-") for m in WRITE_CACHE_MODES)   # on a command line
+
+
+def _write_cache_file(dev: str) -> Path:
+    return Path(f"/sys/block/{Path(dev).name}/queue/write_cache")
+
+
+def write_cache_of(dev: str) -> str:
+    """The cache mode block device ``dev`` reports."""
+    return _write_cache_file(dev).read_text().strip()
 
 
 def set_write_cache(dev: str, mode: str) -> None:
     """Make block device ``dev`` report cache mode ``mode`` (root)."""
     if mode not in WRITE_CACHE_MODES:
         raise ValueError(f"write cache mode {mode!r}: one of {WRITE_CACHE_MODES}")
-    Path(f"/sys/block/{Path(dev).name}/queue/write_cache").write_text(mode)
+    _write_cache_file(dev).write_text(mode)
 
 
 def fill_device(dev: str, size: int) -> None:

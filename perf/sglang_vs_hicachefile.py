@@ -72,8 +72,7 @@ NVMe) does: the kernel then completes kvblock's flushes (it fdatasyncs a run
 before publishing it) without sending them, so stores cost what they would
 on such a drive instead of what this VM's host takes to write its cache to
 disk at every flush.  Nothing is durable that way here; the default (the
-kernel's: write-back over a disk file, write-through over /dev/shm)
-measures the flushes.  The peers never flush.
+kernel's, write-back) measures the flushes.  The peers never flush.
 """
 
 from __future__ import annotations

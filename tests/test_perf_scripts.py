@@ -12,6 +12,7 @@ has imported once already.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -86,19 +87,21 @@ def test_vllm_comparison_runs_on_a_loop_device(cache, capsys):
 
 def test_loop_target_reports_the_write_cache_mode_asked_for():
     """A loop device reports the cache mode asked for ("write through": what
-    a drive with power-loss protection reports); a mode the kernel does not
-    know is refused, and the device is detached either way."""
-    def reported(dev):
-        return Path(f"/sys/block/{Path(dev).name}/queue/write_cache").read_text().strip()
-
-    for mode in fio_support.WRITE_CACHE_MODES:
-        with fio_support.loop_target(fio_support.SHM, 1 << 20, fill=False,
-                                     write_cache=mode) as dev:
-            assert reported(dev) == mode
-    with pytest.raises(ValueError, match="write around"):
-        with fio_support.loop_target(fio_support.SHM, 1 << 20, fill=False,
-                                     write_cache="write around"):
-            pass
+    a drive with power-loss protection reports), and its minor the mode it
+    had once detached (the kernel keeps it for the next loop device there);
+    a mode the kernel does not know is refused, and the device is detached
+    either way."""
+    for mode in [*fio_support.WRITE_CACHE_MODES, "write around"]:
+        with fio_support.loop_target(fio_support.SHM, 1 << 20, fill=False) as dev:
+            before = fio_support.write_cache_of(dev)
+        refused = pytest.raises(ValueError, match=mode) if mode == "write around" \
+            else contextlib.nullcontext()
+        with refused:
+            with fio_support.loop_target(fio_support.SHM, 1 << 20, fill=False,
+                                         write_cache=mode) as same:
+                assert same == dev                     # the first free minor again
+                assert fio_support.write_cache_of(dev) == mode
+        assert fio_support.write_cache_of(dev) == before, mode
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert fio_support.PREFIX not in attached, attached
 

@@ -82,10 +82,18 @@ def still_attached() -> list[str]:
 @contextlib.contextmanager
 def loop_device(size: int, directory: Path | None = None,
                 sector_size: int | None = None) -> Iterator[str]:
-    """A loop device of ``size`` bytes over a fresh backing file."""
+    """A loop device of ``size`` bytes over a fresh backing file.  The write
+    cache mode it reports is set back to what it was before it is detached
+    (a test may change it, and the kernel keeps it for the loop minor)."""
     with backing_file(size, directory) as path:
         dev = attach(path, sector_size)
+        cache = Path("/sys/block") / Path(dev).name / "queue" / "write_cache"
+        mode = cache.read_text().strip()
         try:
             yield dev
         finally:
-            detach(dev)
+            try:
+                if cache.read_text().strip() != mode:
+                    cache.write_text(mode)
+            finally:
+                detach(dev)
