@@ -137,6 +137,22 @@ def _reads(store) -> tuple[str, list[str]]:
     return ", ".join(ways), hints
 
 
+# What a device's reported cache mode means for the store's commits (each
+# flushes the data devices, then the journal's).
+_CACHE_MODES = {
+    "write back": "write back (volatile: every commit waits for it to flush)",
+    "write through": "write through (flushes complete at once)",
+    "": "none reported",
+}
+
+
+def _write_caches(store) -> str:
+    """Each device's write cache as the kernel reports it (for a store file:
+    its filesystem's device)."""
+    return ", ".join(f"#{i} " + _CACHE_MODES.get(d.info.write_cache, d.info.write_cache)
+                     for i, d in enumerate(store.io.devices))
+
+
 def _info(store) -> dict:
     s = store.stats()
     sb = store.sb
@@ -146,6 +162,7 @@ def _info(store) -> dict:
         "devices": ", ".join(f"#{i} {d.path} ({d.info.kind}, {d.capacity} bytes)"
                              for i, d in enumerate(store.io.devices)),
         "reads": reads,
+        "write_cache": _write_caches(store),
         **({"hint": "; ".join(hints)} if hints else {}),
         "geometry": store.geometry.describe(), "block_bytes": store.geometry.block_bytes,
         "model_fingerprint": sb.fingerprint.hex()[:16], "alignment": sb.alignment,

@@ -52,6 +52,11 @@ class DeviceInfo:
     discard: bool              # TRIM/punch-hole supported
     rotational: bool
     model: str
+    # The cache mode the device (for a file: its filesystem's device) reports:
+    # "write back" (volatile: each flush waits for it), "write through" (the
+    # kernel completes flushes at once, as for a drive with power-loss
+    # protection), "" where no block device says (tmpfs).
+    write_cache: str = ""
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -323,10 +328,13 @@ class Device:
             if queue:  # NVMe/SCSI model string, or the backing file of a loop device
                 model = (_read_str(queue.parent / "device" / "model")
                          or _read_str(queue.parent / "loop" / "backing_file"))
-            return DeviceInfo(self.path, "block", capacity, lbs, pbs, discard, rotational, model)
+            return DeviceInfo(self.path, "block", capacity, lbs, pbs, discard, rotational, model,
+                              _read_str(queue / "write_cache") if queue else "")
         capacity = st.st_size // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE
+        queue = _sysfs_queue(st.st_dev) if os.major(st.st_dev) else None   # 0: tmpfs and co.
         return DeviceInfo(self.path, "file", capacity, FILE_BLOCK_SIZE,
-                          max(FILE_BLOCK_SIZE, st.st_blksize), True, False, "file")
+                          max(FILE_BLOCK_SIZE, st.st_blksize), True, False, "file",
+                          _read_str(queue / "write_cache") if queue else "")
 
     @property
     def capacity(self) -> int:
@@ -433,6 +441,7 @@ def _punch_hole(fd: int, offset: int, length: int) -> None:
 
 
 def _sysfs_queue(rdev: int) -> Path | None:
+    """The sysfs queue folder of block device ``rdev`` (None if it has none)."""
     base = Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}").resolve()
     for candidate in (base / "queue", base.parent / "queue"):  # partitions use the parent's
         if candidate.is_dir():

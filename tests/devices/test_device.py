@@ -43,6 +43,41 @@ def test_probe_file(file_target):
         assert dev.info.discard
 
 
+def _report_write_cache(dev_path, mode):
+    with open(f"/sys/block/{os.path.basename(dev_path)}/queue/write_cache", "w") as f:
+        f.write(mode)
+
+
+def test_probe_reports_the_write_cache_of_the_device_or_the_files_filesystem(
+        loop_device, tmp_path):
+    """A block device's reported cache mode; a file's is its filesystem's
+    device's (an ext4 on a loop device here); a tmpfs file has none.  (The
+    loop_device fixture sets the minor's mode back.)"""
+    dev_path = loop_device(32 * MIB)
+    for mode in ("write back", "write through", "write back"):
+        _report_write_cache(dev_path, mode)
+        with Device(dev_path) as dev:
+            assert dev.info.write_cache == mode
+    subprocess.run(["mkfs.ext4", "-q", "-F", dev_path], check=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", dev_path, str(mnt)], check=True)
+    try:
+        path = create_file(mnt / "kv.img", 4 * MIB)
+        for mode in ("write through", "write back"):
+            _report_write_cache(dev_path, mode)
+            with Device(str(path)) as dev:
+                assert dev.kind == "file" and dev.info.write_cache == mode
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+    shm = create_file(f"/dev/shm/kvblock-test-wc-{os.getpid()}.img", 4 * MIB)
+    try:
+        with Device(str(shm)) as dev:
+            assert dev.info.write_cache == ""
+    finally:
+        shm.unlink()
+
+
 def test_create_file_reserves_space(tmp_path):
     path = create_file(tmp_path / "sub" / "store.img", 8 * MIB)
     assert os.path.getsize(path) == 8 * MIB
