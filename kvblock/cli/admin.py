@@ -3,6 +3,7 @@ evict, trim.  Safe by default: format refuses anything that holds data."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -45,18 +46,23 @@ def _is_file(path) -> bool:
               help="2 for K and V, 1 for MLA latent.")
 @click.option("--model", default=None, help="Model identity; the store refuses other models.")
 @click.option("--region-size", type=SIZE, default=None, help="Allocation region size.")
+@click.option("--size", type=SIZE, default=None,
+              help="Create the store files that do not exist yet, of this size (space "
+                   "reserved up front); existing files keep theirs.")
 @click.option("--force", is_flag=True, help="Overwrite filesystems, partition tables or stores.")
 @click.option("--yes", "-y", is_flag=True, help="Do not ask for confirmation.")
 @click.option("--json", "as_json", is_flag=True)
 def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups, kv_parts,
-           model, region_size, force, yes, as_json):
+           model, region_size, size, force, yes, as_json):
     """Format DEVICES as one kvblock store (ALL DATA ON THEM IS LOST).
 
     Refuses, unless --force, a device that is mounted or in use, carries a
     filesystem, partition table or RAID/LVM signature, or already holds a
     kvblock store.  Block devices need --yes (or a confirmation at the prompt).
+    With --size, missing DEVICES are created as store files; a format that
+    fails removes the files it created.
     """
-    from kvblock.devices import Device, check_distinct
+    from kvblock.devices import Device, check_distinct, create_file
     from kvblock.layout import Geometry
     from kvblock.store import KVStore
     from kvblock.store.store import _store_on
@@ -66,8 +72,13 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
 
     geometry = Geometry(layers, kv_heads, head_dim, dtype, block_tokens, kv_parts, head_groups)
     check_distinct(devices)
-    opened = []
+    opened, created = [], []
     try:
+        if size is not None:
+            for path in devices:
+                if not os.path.lexists(path):
+                    create_file(path, size)
+                    created.append(path)
         for path in devices:
             dev = Device(path, busy_timeout=0.2)  # O_EXCL: refuses mounted/in-use devices
             opened.append(dev)
@@ -115,9 +126,13 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
                                force=True)
         with store:
             info = _info(store)
+        created = []                           # formatted: they stay
     finally:
         for d in opened:
             d.close()
+        for path in created:                   # a format that failed leaves nothing behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     _emit(info, as_json, "kvblock store formatted")
 
 

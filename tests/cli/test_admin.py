@@ -276,6 +276,31 @@ def test_format_refuses_existing_store_and_block_device_needs_yes(loop_device):
     assert res.returncode == 0 and json.loads(res.stdout)["uuid"] != uuid
 
 
+def test_format_with_size_creates_missing_store_files_only(tmp_path, file_target):
+    """--size creates a missing store file with its space reserved; an
+    existing file keeps its size; a format that fails removes the file it
+    created (and never one that was there)."""
+    new = tmp_path / "sub" / "kv.img"
+    res = kvb("format", new, *GEOM_ARGS, "--size", "24M", "--json")
+    assert res.returncode == 0, res.stderr
+    st = os.stat(new)
+    assert st.st_size == 24 << 20 and st.st_blocks * 512 >= 24 << 20     # reserved, not sparse
+    out = json.loads(kvb("info", new, "--json").stdout)
+    assert out["devices"] == f"#0 {new} (file, {24 << 20} bytes)", out
+    old = file_target(20 << 20)
+    res = kvb("format", old, *GEOM_ARGS, "--size", "64M", "--json")
+    assert res.returncode == 0, res.stderr
+    assert os.path.getsize(old) == 20 << 20
+    small = tmp_path / "small.img"
+    res = kvb("format", small, *GEOM_ARGS, "--size", "1M")
+    one_line_error(res, 7, str(small), "cannot hold metadata")
+    assert not small.exists()
+    kept = file_target(1 << 20)
+    res = kvb("format", kept, *GEOM_ARGS, "--size", "64M")
+    one_line_error(res, 7, str(kept), "cannot hold metadata")
+    assert os.path.getsize(kept) == 1 << 20
+
+
 def test_missing_device_and_not_a_device(tmp_path):
     for cmd in ("info", "ls", "fsck", "stats", "trim"):
         one_line_error(kvb(cmd, tmp_path / "missing.img"), 3, "no such device")
