@@ -221,7 +221,8 @@ class Device:
         except FileNotFoundError:
             raise DeviceNotFoundError(
                 f"{self.path}: no such device or file; check the path "
-                "(create a backing file with kvblock.devices.create_file or `truncate -s`)",
+                "(create a store file with `kvblock format FILE --size SIZE ...` or "
+                "kvblock.devices.create_file)",
                 self.path, errno.ENOENT) from None
         except PermissionError:
             raise DevicePermissionError(
