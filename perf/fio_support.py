@@ -128,6 +128,25 @@ WRITE_CACHE_MODES = ("write back", "write through")
 WRITE_CACHE_CHOICES = tuple(m.replace(" ", "-") for m in WRITE_CACHE_MODES)   # on a command line
 
 
+WRITE_CACHE_HELP = ("with the loop target: the cache mode the loop device reports (default: "
+                    "the kernel's, write-back; write-through is what a drive with power-loss "
+                    "protection reports, and makes flushes free and nothing durable here)")
+
+
+def add_write_cache_option(ap) -> None:
+    """The comparisons' --loop-write-cache option (see WRITE_CACHE_MODES)."""
+    ap.add_argument("--loop-write-cache", choices=WRITE_CACHE_CHOICES, default=None,
+                    help=WRITE_CACHE_HELP)
+
+
+def write_cache_arg(ap, args) -> str | None:
+    """--loop-write-cache as the kernel spells it (None: leave the device's);
+    refused without the loop target."""
+    if args.loop_write_cache and args.kvblock_target != "loop":
+        ap.error("--loop-write-cache needs --kvblock-target loop")
+    return args.loop_write_cache and args.loop_write_cache.replace("-", " ")
+
+
 def _write_cache_file(dev: str) -> Path:
     return Path(f"/sys/block/{Path(dev).name}/queue/write_cache")
 

@@ -66,13 +66,10 @@ before publishing a run.  The page cache is synced and dropped outside the
 timed phases, so HiCacheFile's write-back on disk is not in its store time;
 on /dev/shm (tmpfs) nothing can be dropped and HiCacheFile reads memory.
 
-``--loop-write-cache write-through`` makes the loop device report no
-volatile write cache, as a drive with power-loss protection (datacenter
-NVMe) does: the kernel then completes kvblock's flushes (it fdatasyncs a run
-before publishing it) without sending them, so stores cost what they would
-on such a drive instead of what this VM's host takes to write its cache to
-disk at every flush.  Nothing is durable that way here; the default (the
-kernel's, write-back) measures the flushes.  The peers never flush.
+``--loop-write-cache write-through`` makes the loop device report what a
+drive with power-loss protection reports, so that kvblock's flushes cost
+what they would on one (nothing; perf/fio_support.py says why).  The peers
+never flush.
 """
 
 from __future__ import annotations
@@ -382,11 +379,7 @@ def main(argv=None) -> int:
                     help="host pages of a batch: ascending adjacent, or a fragmented pool")
     ap.add_argument("--max-run-bytes", default=None,
                     help="kvblock extra_config max_run_bytes (default: the backend's, 64M)")
-    ap.add_argument("--loop-write-cache", choices=fs.WRITE_CACHE_CHOICES, default=None,
-                    help="with the loop target: the cache mode the loop device reports "
-                         "(default: the kernel's, write-back; write-through is what a drive "
-                         "with power-loss protection reports, and makes flushes free and "
-                         "nothing durable on this machine)")
+    fs.add_write_cache_option(ap)
     ap.add_argument("--kvblock-target", choices=("loop", "file"), default="loop",
                     help="kvblock's store: a loop device over a file in the location "
                          "(default: the issue's method) or a pre-sized store file there "
@@ -399,9 +392,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--check", action="store_true", help="exit 1 when a load bar is missed")
     args = ap.parse_args(argv)
-    if args.loop_write_cache and args.kvblock_target != "loop":
-        ap.error("--loop-write-cache needs --kvblock-target loop")
-    args.loop_write_cache = args.loop_write_cache and args.loop_write_cache.replace("-", " ")
+    args.loop_write_cache = fs.write_cache_arg(ap, args)
     page_sizes = [parse_size(s) for s in args.pages.split(",") if s.strip()]
     locations = [s.strip() for s in args.locations.split(",") if s.strip()]
     if not locations or any(loc not in LOCATIONS for loc in locations):

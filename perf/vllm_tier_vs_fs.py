@@ -40,13 +40,10 @@ kvblock/io/mapped.py; ``KVBLOCK_MAPPED_READS=never`` reads it through
 io_uring, whose kernel workers copy on both cores), while a loop device
 copies in one worker of the loop driver.
 
-``--loop-write-cache write-through`` makes the loop device report no
-volatile write cache, as a drive with power-loss protection (datacenter
-NVMe) does: the kernel then completes kvblock's flushes (it fdatasyncs a run
-before publishing it) without sending them, so stores cost what they would
-on such a drive instead of what this VM's host takes to write its cache to
-disk at every flush.  Nothing is durable that way here; the default (the
-kernel's, write-back) measures the flushes.  The peers never flush.
+``--loop-write-cache write-through`` makes the loop device report what a
+drive with power-loss protection reports, so that kvblock's flushes cost
+what they would on one (nothing; perf/fio_support.py says why).  The peers
+never flush.
 
 Note: vLLM's fs tier has a C extension (vllm.fs_io_C) that the CUDA wheel
 links against CUDA libraries; where it cannot load (a CPU-only machine) the fs
@@ -256,11 +253,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kvblock-target", choices=("file", "loop"), default="file",
                     help="kvblock's store: a file in the location (default) or a loop "
                          "device over one (root)")
-    ap.add_argument("--loop-write-cache", choices=fs.WRITE_CACHE_CHOICES, default=None,
-                    help="with --kvblock-target loop: the cache mode the loop device reports "
-                         "(default: the kernel's, write-back; write-through is what a drive "
-                         "with power-loss protection reports, and makes flushes free and "
-                         "nothing durable on this machine)")
+    fs.add_write_cache_option(ap)
     ap.add_argument("--verify", choices=("always", "never"), default="always",
                     help="kvblock tier verify (the fs tier checks nothing)")
     ap.add_argument("--rounds", type=int, default=3,
@@ -270,9 +263,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     use_fio = not args.no_fio and shutil.which("fio") is not None
-    if args.loop_write_cache and args.kvblock_target != "loop":
-        ap.error("--loop-write-cache needs --kvblock-target loop")
-    args.loop_write_cache = args.loop_write_cache and args.loop_write_cache.replace("-", " ")
+    args.loop_write_cache = fs.write_cache_arg(ap, args)
     if args.kvblock_target == "loop" and os.geteuid() != 0:
         ap.error("--kvblock-target loop needs root (losetup); run as root or pass "
                  "--kvblock-target file")
