@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     print(f"{len(partial)} jobs of {args.job_slots} x {args.slot} slots stored in {args.where} "
           f"(kvblock: {args.target}); {args.take} slots promoted per job, median of "
           f"{args.rounds} rounds")
-    print(f"| mode | ms per job | MiB read per job |\n|---|---|---|")
+    print("| mode | ms per job | MiB read per job |\n|---|---|---|")
     for m in MODES:
         got = read_per_job.get(m)
         print(f"| {m} | {ms[m]:.2f} | {got / (1 << 20):.2f} |" if got is not None
