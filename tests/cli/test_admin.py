@@ -89,14 +89,16 @@ def test_format_info_ls_fsck_on_loop_device(loop_device):
     assert out["runs"] == 3 and out["blocks"] == 6 and out["state"] == "clean"
     assert out["uuid"] == info["uuid"]
     assert out["reads"].startswith("#0 ") and out["reads"].endswith(", direct I/O"), out
-    # a loop device reports a volatile cache, which every commit flushes;
-    # one reporting none (a drive with power-loss protection) is said so
+    # a volatile cache (what a loop device reports), which every commit
+    # flushes, and none (a drive with power-loss protection) are told apart
     # (tests/support/loopdev.py sets the minor's mode back)
-    assert out["write_cache"] == "#0 write back (volatile: every commit waits for it to flush)"
-    with open(f"/sys/block/{os.path.basename(dev)}/queue/write_cache", "w") as f:
-        f.write("write through")
-    out = json.loads(kvb("info", dev, "--json").stdout)
-    assert out["write_cache"] == "#0 write through (flushes complete at once)", out
+    for mode, said in (("write through", "write through (flushes complete at once)"),
+                       ("write back", "write back (volatile: every commit waits for it "
+                                      "to flush)")):
+        with open(f"/sys/block/{os.path.basename(dev)}/queue/write_cache", "w") as f:
+            f.write(mode)
+        out = json.loads(kvb("info", dev, "--json").stdout)
+        assert out["write_cache"] == f"#0 {said}", out
     backing = loopdev.backing_of(dev)       # a file in /dev/shm: info says to use it instead
     assert out["hint"].startswith(f"{dev} is a loop device over {backing} on tmpfs"), out
     res = kvb("ls", dev, "--json", "--limit", "2")
