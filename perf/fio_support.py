@@ -118,9 +118,10 @@ def loop_target(directory: Path, size: int, *, fill: bool = True,
 # The cache modes a block device reports (/sys/block/*/queue/write_cache).
 # A loop device reports "write back" (a volatile cache: the kernel sends it
 # flushes, and the loop driver fsyncs its backing file for each; over a disk
-# file on this VM that makes the host write its cache to disk).  A drive with
-# power-loss protection (datacenter NVMe) reports "write through", and the
-# kernel then completes flushes without sending them.  Setting "write
+# file on this VM that makes the host write its cache to disk).  A drive without
+# a volatile cache (NVMe's VWC bit clear, as on many datacenter drives with
+# power-loss protection) reports "write through", and the kernel then
+# completes flushes without sending them.  Setting "write
 # through" on a loop device makes it report what such a drive reports: its
 # flushes stop costing, and stop making anything durable.  The kernel keeps
 # the setting for the loop minor across detach and attach.
