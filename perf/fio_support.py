@@ -130,8 +130,8 @@ WRITE_CACHE_CHOICES = tuple(m.replace(" ", "-") for m in WRITE_CACHE_MODES)   # 
 
 
 WRITE_CACHE_HELP = ("with the loop target: the cache mode the loop device reports (default: "
-                    "the kernel's, write-back; write-through is what a drive with power-loss "
-                    "protection reports, and makes flushes free and nothing durable here)")
+                    "the kernel's, write-back; write-through is what a drive without a volatile "
+                    "cache reports, and makes flushes free and nothing durable here)")
 
 
 def add_write_cache_option(ap) -> None:

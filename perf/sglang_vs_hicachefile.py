@@ -67,8 +67,9 @@ timed phases, so HiCacheFile's write-back on disk is not in its store time;
 on /dev/shm (tmpfs) nothing can be dropped and HiCacheFile reads memory.
 
 ``--loop-write-cache write-through`` makes the loop device report what a
-drive with power-loss protection reports, so that kvblock's flushes cost
-what they would on one (nothing; perf/fio_support.py says why).  The peers
+drive without a volatile write cache reports (many with power-loss
+protection), so that kvblock's flushes cost what they would on one
+(nothing; perf/fio_support.py says why).  The peers
 never flush.
 """
 

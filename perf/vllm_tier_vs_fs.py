@@ -41,8 +41,9 @@ io_uring, whose kernel workers copy on both cores), while a loop device
 copies in one worker of the loop driver.
 
 ``--loop-write-cache write-through`` makes the loop device report what a
-drive with power-loss protection reports, so that kvblock's flushes cost
-what they would on one (nothing; perf/fio_support.py says why).  The peers
+drive without a volatile write cache reports (many with power-loss
+protection), so that kvblock's flushes cost what they would on one
+(nothing; perf/fio_support.py says why).  The peers
 never flush.
 
 Note: vLLM's fs tier has a C extension (vllm.fs_io_C) that the CUDA wheel

@@ -54,8 +54,8 @@ class DeviceInfo:
     model: str
     # The cache mode the device (for a file: its filesystem's device) reports:
     # "write back" (volatile: each flush waits for it), "write through" (the
-    # kernel completes flushes at once, as for a drive with power-loss
-    # protection), "" where no block device says (tmpfs).
+    # kernel completes flushes at once, as for a drive without a volatile
+    # cache, like many with power-loss protection), "" where no block device says (tmpfs).
     write_cache: str = ""
 
     def as_dict(self) -> dict:
