@@ -522,7 +522,7 @@ class RemoteStore(RunReader, RunWriter):
                 return 0
         return written
 
-    def _put_one(self, keys: list[bytes], blocks, clears: int) -> int:
+    def _put_one(self, keys: list[bytes], blocks, clears: str) -> int:
         n = len(keys)
         lay = self.layout(n)
         s = self._current()   # the allocation, its commit or abort: one session
@@ -648,6 +648,14 @@ class RemoteStore(RunReader, RunWriter):
         if segs.pin is not None:
             s.hold(1)
         return segs
+
+    def _pins_hold(self, segs) -> bool:
+        """Do the pins of a ``_segments`` answer still hold?  Not once the
+        server's end of their connection has closed: it shuts a connection
+        down before it releases its pins (a lease drop), and a killed
+        server's pins die with it.  So what was read before a True here was
+        read under the pins."""
+        return getattr(segs, "pin", None) is None or not segs.session.hung_up()
 
     def _unpin(self, segs) -> bool:
         """Release the pins of a ``_segments`` answer.  Never raises for a

@@ -118,6 +118,10 @@ class StoreServer:
         self._sessions_lock = threading.Lock()
         self._last_session_end = 0.0       # monotonic time the last session ended
         self._ids = itertools.count(1)
+        # admit's clear ticket names this server run: the store's clear count
+        # starts at 0 on every open, so a put admitted by an earlier run (a
+        # clear may have come after it there) never matches a count here
+        self._run_tag = os.urandom(8).hex()
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
         self._stopping = False
@@ -491,7 +495,8 @@ class StoreServer:
         st = self.store
         st._check_open(writing=True)
         keys = decode_keys(keys)
-        clears = st._clears    # the put's pieces commit only if no clear() comes first
+        # the put's pieces commit only if no clear() comes first (on this run)
+        clears = f"{self._run_tag}:{st._clears}"
         with st._lock:
             if st.index.prefix_length(keys) == len(keys):
                 st.counters["put_duplicate_runs"] += 1
@@ -526,15 +531,24 @@ class StoreServer:
                                   f"for a run of {n} blocks x {st.geometry.ranges} ranges (and a trailer)")
             run = Run(run_id, region, gen, offset, b"".join(keys),
                       np.array(checksums, dtype=np.uint64), created=time.time())
-            published = st._publish_put(run, clears)   # flushes data, journals, indexes
+            # flushes data, journals, indexes; refused after a clear
+            published = st._publish_put(run, self._clear_count(clears))
         finally:
             st._unpin_writers([region])
         if not published:
-            return 0                 # a clear() came after the put began (admit)
+            return 0                 # a clear() came (or may have) after the put began (admit)
         st.counters["put_runs"] += 1
         st.counters["put_blocks"] += n
         st.counters["bytes_written"] += st.layout(n).run_bytes
         return n
+
+    def _clear_count(self, ticket) -> int:
+        """The clear count of admit's ticket; -1 (matching no count) for one
+        an earlier server run gave: a clear may have come after it there."""
+        tag, sep, count = str(ticket).partition(":")
+        if not sep or not count.isdigit():
+            raise ConfigError(f"commit: clear ticket {ticket!r} is not one admit gives")
+        return int(count) if tag == self._run_tag else -1
 
     def _op_abort(self, s, wid):
         w = s.writers.pop(wid, None)

@@ -819,6 +819,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._release_unpinned({run.region for run, _, _, _ in segs})
         return True
 
+    def _pins_hold(self, segs) -> bool:
+        """Do the pins of a ``_segments`` answer still hold?  Always in
+        one process (a store server's client: not once the server is gone)."""
+        return True
+
     def _unpin_writers(self, regions) -> None:
         """Writers done with their runs' regions (published, refused or failed)."""
         with self._lock:

@@ -289,6 +289,10 @@ def _job_class(store, layout):
     return _LoadJob
 
 
+PINS_LAPSED = ("the store server went away during the load: its pins lapsed, so a "
+               "restarted server may have reused the space read; treat the load as a miss")
+
+
 class _LoadJob:
     """Reader thread -> units of (layer, pages of runs) -> scatter thread."""
 
@@ -493,6 +497,12 @@ class _LoadJob:
                                    self.h0, self.heads, itemsize)
                 self.free.put(buf)
                 if u == len(self.units) - 1:
+                    # A layer is handed over only while the runs' pins hold:
+                    # a store server that went away may have let a new one
+                    # give their space to other runs while this layer was
+                    # read (unverified, nothing else would notice).
+                    if not store._pins_hold(self.segs):
+                        raise StoreClosedError(PINS_LAPSED)
                     handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
                     handle._events[layer].set()
             store.counters["get_blocks"] += handle.blocks
@@ -509,9 +519,7 @@ class _LoadJob:
             error = None
         self._stage_done()
         if not store._unpin(self.segs) and error is None:
-            error = StoreClosedError(
-                "the store server went away during the load: its pins lapsed, so a "
-                "restarted server may have reused the space read; treat the load as a miss")
+            error = StoreClosedError(PINS_LAPSED)
         if isinstance(error, IOFailedError):   # an unreadable run is gone too
             store._read_failed(error, [seg[0] for seg in self.segs])
         if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup

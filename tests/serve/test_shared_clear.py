@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from kvblock import KVStore
-from kvblock.errors import StoreFullError
+from kvblock.errors import StoreClosedError, StoreFullError
 from kvblock.store.client import RemoteStore
 from kvblock.store.server import serve_in_background, spawn_server
 from tests.store.workload import GEOM, run_data, run_keys, small_store
@@ -183,3 +184,134 @@ def test_a_clear_between_the_pieces_of_a_ranks_put_refuses_the_whole_put(store_f
         finally:
             rank.close()
             admin.close()
+
+
+def test_a_layer_read_after_the_pins_lapsed_is_never_handed_over(tmp_path):
+    """A layer-by-layer load (what a model streaming its prefix waits on,
+    layer by layer) stalls after layer 0; the server is killed, restarted,
+    and another rank clears the store and fills it again.  Unverified,
+    layers 1.. would hold the new runs' bytes: ``wait_layer`` must raise for
+    each of them, not only the final ``wait()``."""
+    from kvblock import Geometry, create_file
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+    from kvblock.tensors import transfer
+
+    g = Geometry(num_layers=6, num_kv_heads=2, head_dim=32, dtype="float16",
+                 block_tokens=16, head_groups=2)
+    path = str(tmp_path / "kv.img")
+    create_file(path, 8 << 20)
+    KVStore.format([path], g, region_size=512 << 10, journal_bytes=256 << 10).close()
+    sock = str(tmp_path / "kv.sock")
+    rng = np.random.default_rng(3)
+
+    def cache(fill):
+        shape = (2, 8, g.block_tokens, g.num_kv_heads, g.head_dim)
+        return [(rng.integers(1, 1 << 15, shape, dtype=np.int16) if fill
+                 else np.zeros(shape, np.int16)).view(np.float16) for _ in range(g.num_layers)]
+
+    server = spawn_server([path], sock)
+    reader = None
+    try:
+        keys, pages = run_keys(1, 4), [0, 1, 2, 3]
+        src = cache(True)
+        with RemoteStore(sock) as saver:
+            assert save_blocks(saver, keys, VLLMLayout(src), pages) == 4
+        reader = RemoteStore(sock, verify="never")
+        stalled, go = threading.Event(), threading.Event()
+        real = transfer._LoadJob._read_batch
+
+        def read_batch(job, batch):
+            if any(layer == 1 for layer, _, _ in batch):
+                stalled.set()
+                assert go.wait(30)
+            return real(job, batch)
+        dst = cache(False)
+        seen, layer0 = {}, threading.Event()
+
+        def model(h):
+            for layer in range(g.num_layers):
+                try:
+                    h.wait_layer(layer, timeout=30)
+                    seen[layer] = np.array_equal(dst[layer].view(np.int16)[:, pages],
+                                                 src[layer].view(np.int16)[:, pages])
+                except StoreClosedError:
+                    seen[layer] = "lapsed"
+                if layer == 0:
+                    layer0.set()
+        transfer._LoadJob._read_batch = read_batch
+        try:
+            h = load_blocks(reader, keys, VLLMLayout(dst), pages)
+            t = threading.Thread(target=model, args=(h,))
+            t.start()
+            assert stalled.wait(20) and layer0.wait(20)   # layer 0 was read under the pins
+            server.send_signal(signal.SIGKILL)
+            server.wait(20)
+            server = spawn_server([path], sock)
+            with RemoteStore(sock) as other:      # the new server hands the space out again
+                other.clear()
+                for i in range(100, 100 + other.regions.count * 6):
+                    k = run_keys(i, 4)
+                    other.put_run(k, rng.integers(0, 256, 4 * g.block_bytes, dtype=np.uint8))
+            go.set()
+            t.join(30)
+        finally:
+            transfer._LoadJob._read_batch = real
+        assert seen == {0: True, **{layer: "lapsed" for layer in range(1, g.num_layers)}}
+        with pytest.raises(StoreClosedError, match="pins lapsed"):
+            h.wait(10)
+    finally:
+        if reader is not None:
+            reader.close()
+        stop_server(server.pid)
+        server.wait(20)
+
+
+def test_a_put_admitted_before_a_clear_and_a_server_restart_publishes_nothing(store_file,
+                                                                             tmp_path):
+    """A rank's put is admitted, then stalls; another rank clears the store;
+    the server is killed and restarted, the rank reconnects and the put goes
+    on.  The new server's clear count starts over at 0 like the old one's
+    did at admit: the put must still be refused (it holds what was stored
+    before the clear, e.g. KV of the old weights)."""
+    from kvblock.errors import ServerGoneError
+
+    sock = str(tmp_path / "kv.sock")
+    server = spawn_server([store_file], sock)
+    rank = RemoteStore(sock, reconnect=True)
+    try:
+        keys = run_keys(1, 4)
+        admitted, go = threading.Event(), threading.Event()
+        real = rank._put_one
+
+        def put_one(*args):
+            admitted.set()
+            assert go.wait(30)
+            return real(*args)
+        rank._put_one = put_one
+        result = {}
+        t = threading.Thread(target=lambda: result.update(n=rank.put_run(keys, run_data(keys))))
+        t.start()
+        assert admitted.wait(20)
+        with RemoteStore(sock) as admin:
+            admin.clear()
+        server.send_signal(signal.SIGKILL)
+        server.wait(20)
+        server = spawn_server([store_file], sock)
+        with pytest.raises(ServerGoneError):   # the rank notices, and reconnects
+            rank.lookup(keys)
+        for _ in range(400):
+            if rank.server_alive:
+                break
+            time.sleep(0.05)
+        assert rank.server_alive
+        go.set()
+        t.join(30)
+        assert result["n"] == 0
+        assert rank.lookup(keys) == 0 and rank.counters["cleared_puts"] == 1
+        del rank._put_one
+        assert rank.put_run(keys, run_data(keys)) == 4      # a put begun now is stored
+        assert np.array_equal(_read(rank, keys), run_data(keys))
+    finally:
+        rank.close()
+        stop_server(server.pid)
+        server.wait(20)
