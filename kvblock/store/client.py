@@ -43,6 +43,7 @@ from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store.fence import WriteFence
+from kvblock.store.inflight import CLOSE_WAIT_S, InFlight
 from kvblock.store.launch import ensure_server, wait_for_server
 from kvblock.store.policy import VERIFY_MODES
 from kvblock.store.protocol import (
@@ -67,7 +68,6 @@ from kvblock.store.writes import RunWriter
 
 logger = logging.getLogger("kvblock")
 HEARTBEAT_TICK_S = 1.0      # the heartbeat thread looks at least this often
-CLOSE_WAIT_S = 30.0         # close() waits this long for writes in flight
 
 
 # ---------------------------------------------------------------------- client
@@ -221,6 +221,7 @@ class RemoteStore(RunReader, RunWriter):
         self.readonly = False
         self.timeout = timeout
         self._lock = threading.RLock()      # local: kvblock.tensors holds it around _segments
+        self._inflight = InFlight("remote store is closed; connect again")
         self._local = threading.local()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
@@ -701,6 +702,7 @@ class RemoteStore(RunReader, RunWriter):
             self.closed = True
             self._stop.set()
             s = self._session
+        self._inflight.shut()           # later calls raise StoreClosedError
         # A write in flight in another thread: its connection (the server's
         # pin on its space) and this process's devices stay until it is done.
         deadline = time.monotonic() + CLOSE_WAIT_S
@@ -712,7 +714,9 @@ class RemoteStore(RunReader, RunWriter):
                 s.gone = "remote store is closed"
             s.close()                   # reads in flight: they turn into misses
         _LIVE.discard(self)
-        KVStore._release_devices(self)
+        # ... once their I/O is done: until then the devices and buffers stay
+        if self._inflight.drained(CLOSE_WAIT_S, repr(self)):
+            KVStore._release_devices(self)
         if self._fence is not None:
             self._fence.close()
 
@@ -737,6 +741,7 @@ _LIVE: "weakref.WeakSet[RemoteStore]" = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for store in list(_LIVE):
         store._forked = True
+        store._inflight = InFlight("remote store is closed")   # its lock may be held
         for s in list(store._sessions):
             s.gone = (f"this process was forked from the one that connected to "
                       f"{store.socket_path}: connect again here")

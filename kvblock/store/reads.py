@@ -24,6 +24,7 @@ from kvblock.io import IOBatch
 from kvblock.io.engine import FEW_IOS
 from kvblock.layout.geometry import RunLayout, round_up
 from kvblock.store.digests import block_digests_at, run_seed
+from kvblock.store.inflight import in_flight
 from kvblock.store.runio import RunIO
 from kvblock.store.scatter import BlockList, as_array, block_at, span
 
@@ -39,6 +40,7 @@ class RunReader(RunIO):
     """get_run, get_runs, get_blocks and read_range.  The class using it
     provides ``_check_open``, ``_segments``, ``_unpin`` and ``_drop_runs``."""
 
+    @in_flight
     def get_run(self, keys: Sequence, out) -> int:
         """Read the stored prefix of ``keys`` into ``out``.
 
@@ -54,6 +56,7 @@ class RunReader(RunIO):
             return self._read(keys, dst, None)
         return self._read_tiered(keys, dst)
 
+    @in_flight
     def get_runs(self, requests: Sequence[tuple[Sequence, Any]]) -> list[int]:
         """:meth:`get_run` for several ``(keys, out)`` requests in one call;
         returns each request's count of leading blocks read and verified.
@@ -174,6 +177,7 @@ class RunReader(RunIO):
         return out_arr.reshape(-1).view(np.uint8).reshape(g.num_layers, g.head_groups, n,
                                                           g.group_block_bytes)
 
+    @in_flight
     def get_blocks(self, keys: Sequence, outs: Sequence) -> int:
         """:meth:`get_run` into blocks that lie in separate buffers:
         ``outs[k]`` is a writable, C-contiguous array of
@@ -214,6 +218,7 @@ class RunReader(RunIO):
             self.host.put(keys[k], block_at(dst, k), epoch=epoch)
         return done
 
+    @in_flight
     def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:
         """Read one (layer, head group) of the stored prefix of ``keys``:
         ``out`` holds ``len(keys) * group_block_bytes`` bytes (blocks in order).

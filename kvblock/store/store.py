@@ -63,6 +63,7 @@ from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, roun
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store import writes
 from kvblock.store.fence import fence_writers
+from kvblock.store.inflight import CLOSE_WAIT_S, InFlight, in_flight
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
 from kvblock.store.reads import RunReader
 from kvblock.store.recovery import Recovery
@@ -245,6 +246,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self.admission = Admission(admit_after)
         self._lock = threading.RLock()
         self._commit_lock = threading.Lock()
+        self._inflight = InFlight("store is closed; reopen it with KVStore.open(devices)")
         self._clears = 0       # clear() calls: a put call that saw another count is refused
         self._pending: list = []
         self._pending_lock = threading.Lock()
@@ -461,6 +463,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._jhead = 0
         self.counters["checkpoints"] += 1
 
+    @in_flight
     def checkpoint(self) -> None:
         """Write a checkpoint now (also done when the journal is half full, and on close)."""
         self._check_open(writing=True)
@@ -866,6 +869,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.regions.state[region] = RECLAIMING
             self._finish_reclaim(region)
 
+    @in_flight
     def delete(self, keys: Sequence) -> int:
         """Remove the runs holding any of ``keys`` (and their blocks from the
         DRAM tier, with any of ``keys`` found only there); returns the number
@@ -896,6 +900,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._check_open()
         return self.removals.since(cursor)
 
+    @in_flight
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim sealed regions by policy until ``nbytes`` are free (or all
         unpinned ones with ``all=True``).  Returns regions reclaimed."""
@@ -919,6 +924,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             reclaimed += 1
         return reclaimed
 
+    @in_flight
     def clear(self) -> int:
         """Forget every stored block: what engines mean by clearing a cache
         (after a weight update, the same keys would name different KV).
@@ -944,6 +950,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             self._drop_runs(left[at:at + CLEAR_DROP_BATCH])
         return reclaimed
 
+    @in_flight
     def evict_older_than(self, cutoff: float) -> int:
         """Reclaim unpinned regions sealed before ``cutoff`` (seconds since the
         epoch).  Returns regions reclaimed."""
@@ -958,6 +965,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             self._finish_reclaim(region)
         return len(old)
 
+    @in_flight
     def trim_free(self) -> tuple[int, int]:
         """Discard every free region.  Returns (regions discarded, free regions);
         0 discarded when the device does not support discard."""
@@ -1017,9 +1025,16 @@ class KVStore(Recovery, RunReader, RunWriter):
             }
 
     def close(self) -> None:
-        """Clean shutdown: write a checkpoint (fast next open) and close devices."""
+        """Clean shutdown: write a checkpoint (fast next open) and close
+        devices.  Calls in flight in other threads (reads, puts, loads) are
+        waited for (up to CLOSE_WAIT_S); later ones raise StoreClosedError."""
+        if getattr(self, "_inflight", None) is None:     # __init__ failed before it
+            self.closed = True
+            return
+        self._inflight.shut()
+        drained = self._inflight.drained(CLOSE_WAIT_S, repr(self))
         if self.closed:
-            if getattr(self, "io", None) is not None:
+            if drained and getattr(self, "io", None) is not None:
                 self._release_devices()
             return
         try:
@@ -1028,7 +1043,8 @@ class KVStore(Recovery, RunReader, RunWriter):
                     self._write_checkpoint()
         finally:
             self.closed = True
-            self._release_devices()
+            if drained:
+                self._release_devices()
 
     def _release_devices(self):
         if getattr(self, "_kvikio", None) is not None:

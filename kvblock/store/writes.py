@@ -21,6 +21,7 @@ from kvblock.index import normalize_keys
 from kvblock.io import IOBatch
 from kvblock.layout.geometry import RunLayout
 from kvblock.store.digests import block_and_range_digests, block_digests, with_trailer_checksum
+from kvblock.store.inflight import in_flight
 from kvblock.store.runio import RunIO
 from kvblock.store.scatter import BlockList, as_array
 
@@ -97,6 +98,7 @@ class RunWriter(RunIO):
     I/O: ``_stage_run`` builds it, ``_write_run`` writes it.  The class using
     it provides ``_put`` and ``_put_many``, which allocate and publish."""
 
+    @in_flight
     def put_run(self, keys: Sequence, data) -> int:
         """Store a run of consecutive blocks.
 
@@ -110,6 +112,7 @@ class RunWriter(RunIO):
         keys = normalize_keys(keys)
         return self._put(keys, self._blocks_view(keys, data))
 
+    @in_flight
     def put_blocks(self, keys: Sequence, blocks: Sequence) -> int:
         """Store a run whose blocks lie in separate buffers: ``blocks[k]`` is
         an array of ``geometry.block_bytes`` bytes, block k of the run in the
@@ -124,6 +127,7 @@ class RunWriter(RunIO):
         return self._put(keys, BlockList.of(blocks, self.geometry, len(keys), "put_blocks",
                                             writable=False))
 
+    @in_flight
     def put_runs(self, runs: Sequence) -> list[int]:
         """Store several runs: ``runs`` holds ``(keys, data)`` pairs, each as
         :meth:`put_run` takes it.  The runs' data are written one run after

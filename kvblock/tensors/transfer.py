@@ -237,6 +237,17 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
     by layer, for rank ``tp_rank`` of ``tp_size`` (the cache holds that rank's
     heads).  Returns at once with a :class:`LoadHandle` (``background=False``
     loads before returning)."""
+    store._inflight.enter()    # a close() waits for the load: its scatter stage leaves
+    try:
+        return _load(store, keys, layout, page_ids, tp_rank, tp_size, background)
+    except BaseException:
+        store._inflight.leave()
+        raise
+
+
+def _load(store, keys, layout, page_ids, tp_rank, tp_size, background) -> LoadHandle:
+    """load_blocks inside the store's InFlight; the load's job leaves it (on
+    the way out of its scatter stage), else the caller does when this raises."""
     store._check_open()
     g = store.geometry
     g0, ng, h0, heads = _tp_plan(g, tp_rank, tp_size)
@@ -256,6 +267,7 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
         for e in handle._events:
             e.set()
         handle._done.set()
+        store._inflight.leave()
         return handle
     job_class = _job_class(store, layout)
     job = job_class(store, layout, segs, page_ids, g0, ng, h0, heads, handle)
@@ -367,14 +379,18 @@ class _LoadJob:
                             at + j * nbytes, nbytes))
         return out
 
+    # The store's InFlight: load_blocks entered it for the scatter stage,
+    # which leaves it last thing; the reader holds it once more.
     def start(self):
         self._reader_thread = threading.Thread(target=self._reader, name="kvblock-load-read",
                                                daemon=True)
+        self.store._inflight.hold()
         self._reader_thread.start()
         threading.Thread(target=self._scatter, name="kvblock-load-scatter", daemon=True).start()
 
     def run_inline(self):
         t = self._reader_thread = threading.Thread(target=self._reader, daemon=True)
+        self.store._inflight.hold()
         t.start()
         self._scatter()
         t.join()
@@ -464,8 +480,15 @@ class _LoadJob:
             self.q.put(e)
         finally:
             self._stage_done()
+            self.store._inflight.leave()
 
     def _scatter(self):
+        try:
+            self._scatter_stage()
+        finally:
+            self.store._inflight.leave()
+
+    def _scatter_stage(self):
         store, g, handle = self.store, self.store.geometry, self.handle
         itemsize, gbb, ng = g.itemsize, g.group_block_bytes, self.ng
         kv, BS, Hg, D = g.kv_parts, g.block_tokens, g.heads_per_group, g.head_dim

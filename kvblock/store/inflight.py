@@ -1,0 +1,88 @@
+"""Calls in flight on a store's devices and buffers, so close() waits for them.
+
+A store's reads, puts and layer-by-layer loads use its I/O engine, its
+device mappings (a tmpfs store file is read through one) and its spare
+buffers; ``close()`` frees all three.  Were a call in another thread still
+using them (an engine shutting down while a load is under way), it would
+read into freed memory or through an unmapped device.  So every such call
+enters the store's :class:`InFlight` first; ``close()`` shuts the door
+(later calls raise StoreClosedError) and waits until the calls inside have
+left, then frees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from typing import Callable, Iterator
+
+from kvblock.errors import StoreClosedError
+
+logger = logging.getLogger("kvblock")
+
+CLOSE_WAIT_S = 30.0   # close() waits this long for the calls in flight
+
+
+class InFlight:
+    def __init__(self, closed_message: str):
+        self._cv = threading.Condition()
+        self._calls = 0
+        self._closing = False
+        self._closed_message = closed_message
+
+    def enter(self) -> None:
+        """A call starts (StoreClosedError once the store is closing)."""
+        with self._cv:
+            if self._closing:
+                raise StoreClosedError(self._closed_message)
+            self._calls += 1
+
+    def hold(self) -> None:
+        """One more for a call already inside (a load's second thread):
+        closing does not refuse it."""
+        with self._cv:
+            self._calls += 1
+
+    def leave(self) -> None:
+        with self._cv:
+            self._calls -= 1
+            if self._calls == 0:
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        self.enter()
+        try:
+            yield
+        finally:
+            self.leave()
+
+    def shut(self) -> None:
+        """Refuse new calls from here on."""
+        with self._cv:
+            self._closing = True
+
+    def drained(self, timeout: float | None, what: str) -> bool:
+        """Wait (up to ``timeout`` s) for the calls in flight to leave.
+        False when some are still inside then: the caller must not free what
+        they use (``what`` names the store in the warning)."""
+        with self._cv:
+            if self._cv.wait_for(lambda: self._calls == 0, timeout):
+                return True
+            left = self._calls
+        logger.warning("kvblock: %s closed with %d call(s) still using its devices after "
+                       "%.0f s; its devices and buffers are left to the garbage collector",
+                       what, left, timeout)
+        return False
+
+
+def in_flight(method: Callable) -> Callable:
+    """A store method that uses the devices or buffers: it runs inside the
+    store's InFlight (``_inflight``)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._inflight.call():
+            return method(self, *args, **kwargs)
+    return call

@@ -1,0 +1,132 @@
+"""close() while another thread reads, writes or loads: it waits for the call
+in flight to finish with the devices and buffers before it frees them, and
+calls that start later raise StoreClosedError (never an AttributeError from
+a freed engine, never a read through an unmapped device)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore
+from kvblock.errors import StoreClosedError
+from kvblock.store.client import RemoteStore
+from kvblock.store.server import serve_in_background
+from tests.store.workload import GEOM, run_data, run_keys, small_store
+
+
+def _stall(obj, method: str):
+    """Make ``obj.<method>`` stop after it ran until released: (reached, go)."""
+    reached, go = threading.Event(), threading.Event()
+    real = getattr(obj, method)
+
+    def stalled(*args, **kw):
+        out = real(*args, **kw)
+        reached.set()
+        assert go.wait(30)
+        return out
+    setattr(obj, method, stalled)
+    return reached, go
+
+
+def _close_while(store, reached, go, call):
+    """Run ``call`` in a thread until it reaches its stall, close the store
+    in another, check that close waits for it; returns what call returned."""
+    result = {}
+
+    def run():
+        try:
+            result["value"] = call()
+        except BaseException as e:    # reported below
+            result["error"] = e
+    t = threading.Thread(target=run)
+    t.start()
+    assert reached.wait(20)
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive(), "close() returned while a call was using the devices"
+    with pytest.raises(StoreClosedError):            # the door is shut meanwhile
+        store.lookup(run_keys(1, 1)) if isinstance(store, RemoteStore) else \
+            store.get_run(run_keys(1, 1), np.zeros(GEOM.block_bytes, np.uint8))
+    go.set()
+    t.join(20)
+    closer.join(20)
+    assert not closer.is_alive() and store.io is None
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+@pytest.fixture
+def store_file(tmp_path):
+    return small_store(tmp_path / "kv.img")
+
+
+def test_close_waits_for_a_read_in_another_thread(store_file):
+    store = KVStore.open([store_file])
+    keys = run_keys(1, 3)
+    store.put_run(keys, run_data(keys))
+    out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+    reached, go = _stall(store, "_segments")
+    assert _close_while(store, reached, go, lambda: store.get_run(keys, out)) == 3
+    assert np.array_equal(out, run_data(keys))
+    with pytest.raises(StoreClosedError, match="reopen"):
+        store.get_run(keys, out)
+
+
+def test_close_waits_for_a_put_in_another_thread(store_file):
+    store = KVStore.open([store_file])
+    keys = run_keys(2, 3)
+    reached, go = _stall(store, "_stage_run")
+    assert _close_while(store, reached, go, lambda: store.put_run(keys, run_data(keys))) == 3
+    with KVStore.open([store_file]) as again:      # published before the close
+        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        assert again.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
+
+
+def test_close_waits_for_a_layer_load_in_another_thread(store_file):
+    from kvblock.tensors import VLLMLayout, load_blocks
+    from kvblock.tensors import transfer
+
+    store = KVStore.open([store_file])
+    keys = run_keys(3, 4)
+    store.put_run(keys, run_data(keys))
+    shape = (2, 8, GEOM.block_tokens, GEOM.num_kv_heads, GEOM.head_dim)
+    dst = [np.zeros(shape, np.float16) for _ in range(GEOM.num_layers)]
+    reached, go = threading.Event(), threading.Event()
+    real = transfer._LoadJob._read_batch
+
+    def read_batch(job, batch):
+        reached.set()
+        assert go.wait(30)
+        return real(job, batch)
+    transfer._LoadJob._read_batch = read_batch
+    try:
+        h = _close_while(store, reached, go,
+                         lambda: load_blocks(store, keys, VLLMLayout(dst), [0, 1, 2, 3]))
+    finally:
+        transfer._LoadJob._read_batch = real
+    assert h.wait(20) == 4
+    with KVStore.open([store_file]) as again:
+        want = [np.zeros(shape, np.float16) for _ in range(GEOM.num_layers)]
+        assert load_blocks(again, keys, VLLMLayout(want), [0, 1, 2, 3]).wait(20) == 4
+    for a, b in zip(dst, want):
+        assert np.array_equal(a.view(np.int16), b.view(np.int16))
+
+
+def test_a_rank_closed_during_a_read_turns_it_into_a_miss(store_file, tmp_path):
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock):
+        rank = RemoteStore(sock)
+        keys = run_keys(4, 3)
+        rank.put_run(keys, run_data(keys))
+        reached, go = _stall(rank, "_segments")
+        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        # its connection is closed under it: the pins lapse, so the bytes are
+        # not trusted (a miss), but the read itself finishes on open devices
+        assert _close_while(rank, reached, go, lambda: rank.get_run(keys, out)) == 0
+        with pytest.raises(StoreClosedError, match="remote store is closed"):
+            rank.get_run(keys, out)
