@@ -367,7 +367,13 @@ class KVBlockStorageBackend(StoragePluginInterface):
         return self.store.lookup([self.kvblock_key(k) for k in keys]) == len(keys)
 
     def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
-        """Chunks stored as a prefix of ``keys`` (pinned when ``pin``)."""
+        """Chunks stored as a prefix of ``keys`` (pinned when ``pin``).
+
+        Layer-wise with ``pin``: only whole chunks (every layer, from layer 0)
+        count, and the pins of a partial chunk's layers are released here.
+        LMCache's lookup asks for one chunk's layers at a time and keeps the
+        pins only of a chunk found whole; those of a chunk missing a layer
+        it never releases."""
         try:
             n = self.store.lookup([self.kvblock_key(k) for k in keys]) if keys else 0
         except RUNTIME_FAILURES as e:
@@ -376,22 +382,32 @@ class KVBlockStorageBackend(StoragePluginInterface):
         if pin:
             for i in range(n):
                 if not self.pin(keys[i]):
-                    return i
+                    n = i
+                    break
+            if self.layerwise:
+                whole = self._whole_chunks(keys, n)
+                for key in keys[whole:n]:
+                    self.unpin(key)
+                n = whole
         return n
+
+    def _whole_chunks(self, keys: list[CacheEngineKey], n: int) -> int:
+        """Layer-wise: the leading ``n`` of ``keys`` rounded down to whole
+        chunks (0 unless they start at a chunk's layer 0)."""
+        if n and getattr(keys[0], "layer_id", 0) != 0:
+            return 0
+        return n // self.objects_per_chunk * self.objects_per_chunk
 
     async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
                                      pin: bool = False) -> int:
+        # Layer-wise, LMCache rounds the hit down to whole chunks and unpins
+        # the rest itself; batched_contains rounding first leaves it nothing
+        # to unpin, so no pin is released twice (another lookup's).
         n = self.batched_contains(keys, pin)
-        whole = n // self.objects_per_chunk * self.objects_per_chunk
-        if pin:
-            # Layer-wise, LMCache rounds the hit down to whole chunks and
-            # unpins the rest itself; rounding here first leaves it nothing
-            # to unpin, so no pin is released twice (another lookup's).
-            for key in keys[whole:n]:
-                self.unpin(key)
-            if whole:
-                with self._lock:
-                    self._lookup_pins.setdefault(lookup_id, []).extend(keys[:whole])
+        whole = self._whole_chunks(keys, n) if self.layerwise else n
+        if pin and whole:
+            with self._lock:
+                self._lookup_pins.setdefault(lookup_id, []).extend(keys[:whole])
         return whole
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
@@ -551,11 +567,14 @@ class KVBlockStorageBackend(StoragePluginInterface):
         try:
             objs = await loop.run_in_executor(self.executor, self._load_prefix, list(keys),
                                               False)
-            if self.layerwise and len(objs) < len(keys):
-                # One layer of every chunk: LMCache's layer-wise connectors zip
-                # what comes back with the chunks, so a short list would leave
-                # that layer's stale KV in place with its tokens counted as
-                # loaded.  Fail the load instead (LocalCPUBackend raises too).
+            if self.layerwise and transfer_spec is None and len(objs) < len(keys):
+                # One layer of every chunk (retrieve_layer): LMCache's
+                # layer-wise connectors zip what comes back with the chunks,
+                # so a short list would leave that layer's stale KV in place
+                # with its tokens counted as loaded.  Fail the load instead
+                # (LocalCPUBackend raises too).  An async prefetch (its
+                # transfer_spec carries the chunk lengths) gets the prefix:
+                # LMCache rounds it down to whole chunks and frees the rest.
                 for obj in objs:
                     obj.ref_count_down()
                 raise KVBlockError(

@@ -17,7 +17,7 @@ import torch
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.cache_engine import LMCacheEngine
 from lmcache.v1.config import LMCacheEngineConfig
-from lmcache.v1.event_manager import EventManager
+from lmcache.v1.event_manager import EventManager, EventType
 from lmcache.v1.gpu_connector.gpu_connectors import VLLMPagedMemLayerwiseGPUConnector
 from lmcache.v1.memory_management import MemoryFormat
 from lmcache.v1.metadata import LMCacheMetadata
@@ -34,10 +34,11 @@ HEADS, HEAD_SIZE = 4, 32
 MODEL = "org/layerwise-model"
 
 
-def make_config(devices, *, layerwise=True, blending=False, **extra):
+def make_config(devices, *, layerwise=True, blending=False, async_loading=False, **extra):
     return LMCacheEngineConfig.from_defaults(
         chunk_size=CHUNK, local_cpu=False, max_local_cpu_size=0.05,
         use_layerwise=layerwise, enable_blending=blending, storage_plugins=["kvblock"],
+        enable_async_loading=async_loading,
         extra_config={"storage_plugin.kvblock.module_path": "kvblock.integrations.lmcache",
                       "storage_plugin.kvblock.class_name": "KVBlockStorageBackend",
                       "kvblock.devices": devices, **extra})
@@ -256,6 +257,68 @@ def test_an_async_lookup_pins_whole_chunks_only(file_target, engines):
         obj.ref_count_down()
     assert set(e.plugin._pins) == {e.plugin.kvblock_key(layers[1][0])}   # the other's
     e.plugin.unpin(layers[1][0])
+    assert e.plugin._pins == {}
+
+
+def test_a_lookup_with_pins_releases_them_on_a_partial_chunk(file_target, engines):
+    """LMCache's layer-wise lookup asks for one chunk's layers at a time and
+    records the pins only of a chunk found whole: a chunk missing a layer
+    ends the lookup, and the pins taken on its other layers would never be
+    released (lookup_unpin does not know them).  They must not outlive the
+    lookup: nothing pinned after lookup_unpin."""
+    e = Engine([file_target()], tokens=3 * CHUNK, seed=2)
+    engines.append(e)
+    e.store()
+    assert e.plugin.remove(e.chunk_key(1).split_layers(LAYERS)[2])
+    assert e.engine.lookup(e.tokens, lookup_id="req-1", pin=True) == CHUNK
+    assert set(e.plugin._pins) == {e.plugin.kvblock_key(k)
+                                   for k in e.chunk_key(0).split_layers(LAYERS)}
+    e.engine.lookup_unpin("req-1")
+    assert e.plugin._pins == {}
+    with e.plugin.store._lock:
+        assert int(e.plugin.store.regions.pins.sum()) == 0
+
+
+def test_an_async_prefetch_that_comes_back_short_answers_the_whole_chunks(file_target,
+                                                                         engines):
+    """A layer-wise async prefetch (vLLM's async lookup): LMCache loads every
+    layer of every chunk found, rounds what came back down to whole chunks
+    itself and answers the scheduler.  A layer evicted between the lookup
+    and the load must shorten the answer, not fail the load (the scheduler
+    would get no answer and recompute everything after its timeout)."""
+    import asyncio
+
+    e = Engine([file_target()], tokens=2 * CHUNK, seed=6, async_loading=True)
+    engines.append(e)
+    e.store()
+    manager = e.engine.storage_manager
+    replies = {}
+
+    class LookupServer:
+        def send_response_to_scheduler(self, lookup_id, length):
+            replies[lookup_id] = length
+    manager.async_lookup_server = LookupServer()
+    layers = [e.chunk_key(c).split_layers(LAYERS) for c in range(2)]
+    real = e.plugin._load_prefix
+
+    def load_prefix(keys, busy_loop):
+        e.plugin.remove(layers[1][2])                  # evicted after the lookup
+        return real(keys, busy_loop)
+    e.plugin._load_prefix = load_prefix
+    asyncio.run_coroutine_threadsafe(
+        manager.async_lookup_and_prefetch("req-1", layers[0] + layers[1], [0, CHUNK, 2 * CHUNK],
+                                          None, True, keys_per_chunk=LAYERS),
+        manager.loop).result(30)
+    deadline = time.monotonic() + 30
+    while "req-1" not in replies:
+        assert time.monotonic() < deadline, "the scheduler got no answer"
+        time.sleep(0.01)
+    assert replies["req-1"] == CHUNK
+    got = manager.event_manager.pop_event(EventType.LOADING, "req-1").result()   # done
+    held = [obj for tier in got for _, obj in tier][:LAYERS]   # LMCache freed the tail
+    assert len(held) == LAYERS
+    for obj in held:
+        obj.ref_count_down()
     assert e.plugin._pins == {}
 
 
