@@ -176,6 +176,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return name
 
 
+# Host pool buffers of per-page data outside kv_buffer (SGLang 0.5.23's MXFP8
+# KV pool): such pools are refused, see register_mem_pool_host.
+SCALE_BUFFERS = ("k_scale_host", "v_scale_host")
+
+
 class PoolPages:
     """Per-page views of an SGLang host pool's ``kv_buffer``.
 
@@ -363,6 +368,17 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         """Called by SGLang right after construction: the pool fixes the geometry,
         so the store is opened (or formatted) here."""
         super().register_mem_pool_host(mem_pool_host)
+        outside = [name for name in SCALE_BUFFERS if getattr(mem_pool_host, name, None) is not None]
+        if outside:
+            # MXFP8 KV: each page's scales live beside kv_buffer.  Stored
+            # without them, a page restored into a reused host slot would be
+            # dequantised with that slot's stale scales.
+            raise ConfigError(
+                f"kvblock sglang backend: {type(mem_pool_host).__name__} keeps each page's "
+                f"scales outside kv_buffer ({', '.join(outside)}); kvblock stores kv_buffer "
+                "pages only and would restore them without their scales (SGLang's own L3 "
+                "backends refuse this pool too). Use a KV cache dtype without per-page "
+                "scales, or run without --hicache-storage-backend")
         mla = getattr(mem_pool_host, "kv_cache_dim", None) is not None
         v_dim = getattr(mem_pool_host, "v_head_dim", None)
         if not mla and v_dim is not None and v_dim != getattr(mem_pool_host, "head_dim", v_dim):

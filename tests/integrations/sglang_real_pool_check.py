@@ -307,6 +307,59 @@ def _canonical(flat_u8, mla, layout):
         .view(torch.uint8)
 
 
+def mxfp8_pool():
+    """SGLang's MXFP8 KV host pool (the class SGLang picks for an
+    interleaved-MXFP8 KV cache), built on the CPU: only its check for a
+    CUDA write-back kernel is stood in for, not the buffers it allocates."""
+    from sglang.srt.mem_cache.device_pool_info import KVScaleBuffers, KVScaleLayout
+    from sglang.srt.mem_cache.pool_host import mha as mha_mod
+    from sglang.srt.mem_cache.pool_host import mha_mxfp8
+    from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
+
+    ps, pages, u8 = 128, 2, torch.uint8
+    k = tuple(torch.zeros(pages * ps, 1, 32, dtype=u8) for _ in range(LAYERS))
+    v = tuple(torch.zeros(pages * ps, 1, 32, dtype=u8) for _ in range(LAYERS))
+    scales = [tuple(torch.zeros(pages, 1, 32, ps // 32, 1, dtype=u8) for _ in range(LAYERS))
+              for _ in "kv"]
+    ptrs = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
+                          layout=KVBufferLayout.NHD),
+        page_size=ps, head_num=1, head_dim=32, v_head_dim=32, dtype=u8,
+        device=torch.device("cpu"),
+        scales=KVScaleBuffers(k=scales[0], v=scales[1], layout=KVScaleLayout.MXFP8_INTERLEAVED))
+    cls = get_mha_host_pool_cls(info)
+    check(cls is mha_mxfp8.MHATokenToKVPoolMXFP8Host, f"SGLang picked {cls} for MXFP8 KV")
+
+    def staging(self, buffer_info, write_back_staging):
+        self.staging_page_capacity = self.staging_token_capacity = 0
+        self.staging_k_buffer = self.staging_v_buffer = None
+        self.can_use_write_back_jit = True
+    with mock.patch.object(mha_mod.MHATokenToKVPoolHost, "_init_write_back_staging_buffers",
+                           staging), \
+            mock.patch.object(mha_mxfp8, "can_use_write_back_jit_kernel", lambda **kw: True):
+        return cls(info, 2.0, 0, ps, "page_first", pin_memory=False, device="cpu",
+                   device_capacity_tokens=pages * ps, start_layer=0, end_layer=LAYERS)
+
+
+def run_refused_cases(tmp: str) -> dict:
+    """Pools whose pages kvblock cannot store whole are refused at
+    registration with a ConfigError that says why."""
+    from kvblock.errors import ConfigError
+
+    refused = {}
+    pool = mxfp8_pool()
+    check(pool.k_scale_host is not None, "the MXFP8 pool has no k_scale_host")
+    try:
+        attach(pool, False, [f"{tmp}/mxfp8.img"], size="64M")
+    except ConfigError as e:
+        check("k_scale_host" in str(e), f"MXFP8 refusal does not say why: {e}")
+        refused["mxfp8"] = str(e)
+    else:
+        raise AssertionError("an MXFP8 host pool (scales outside kv_buffer) was accepted")
+    return refused
+
+
 def main() -> int:
     tmp = sys.argv[1]
     results: dict = {}
@@ -314,7 +367,8 @@ def main() -> int:
         for layout in ("page_first", "page_first_direct"):
             run_case(mla, layout, tmp, results)
     run_hybrid_case(tmp, results)
-    print(json.dumps({"ok": True, "cases": results}))
+    refused = run_refused_cases(tmp)
+    print(json.dumps({"ok": True, "cases": results, "refused": refused}))
     return 0
 
 

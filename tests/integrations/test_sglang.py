@@ -315,6 +315,7 @@ def test_real_host_pools(tmp_path):
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["ok"] and len(summary["cases"]) == 5
+    assert "scales outside kv_buffer" in summary["refused"]["mxfp8"]
     assert summary["cases"]["hybrid"]["state_pages"] == summary["cases"]["hybrid"]["swa_pages"] == 2
 
 
