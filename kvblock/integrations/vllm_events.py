@@ -14,7 +14,10 @@ announced (a dict entry per stored slot while events are on).  A thread
 polls the store's removal log (``removed_since``) every
 ``EVENTS_INTERVAL_S`` and announces the removal of announced keys the store
 no longer holds, checked with ``present()``: a key in the log may be back
-already, put again by this replica or another sharing the store.  When the
+already, put again by this replica or another sharing the store.  Keys
+announced since the last poll are checked too, whatever the log says: a job
+is announced when its last piece is done, and an earlier piece's key may
+have been removed (and the log passed) before.  When the
 log lost keys (a long pause, a restarted server), every announced key is
 checked.  Stored events carry ``removal_expected`` and the tier type as
 ``ownership``, so vLLM's tracker keeps a chunk's payload until the
@@ -50,6 +53,11 @@ class TierEvents:
         # kvblock key -> (vLLM key, stamp of the BlockStored that announced it)
         self._announced: dict[bytes, tuple[OffloadKey, int]] = {}
         self._stamp = 0
+        # Announced since the last poll: checked once whatever the log says.
+        # A job announces its keys when its last piece is done; an earlier
+        # piece's key may have been evicted, and its removal passed by the
+        # watch (not yet announced then), before that.
+        self._fresh: set[bytes] = set()
         self._poll_lock = threading.Lock()
         self._cursor = self._first_cursor()
         self._ticker = Periodic(self.poll, interval, "kvblock-tier-events")
@@ -76,6 +84,7 @@ class TierEvents:
             for kb, key in pairs:
                 self._stamp += 1
                 self._announced[kb] = (key, self._stamp)
+                self._fresh.add(kb)
             self._queue.append(self._event([key for _, key in pairs], removed=False))
 
     def take(self) -> list[OffloadingEvent]:
@@ -105,12 +114,15 @@ class TierEvents:
             if self._cursor is None:
                 keys = None
             with self._lock:
+                fresh, self._fresh = self._fresh, set()
                 if keys is None:             # the log lost some: check every key
                     watched = {kb: stamp for kb, (_, stamp) in self._announced.items()}
                 else:
-                    watched = {kb: self._announced[kb][1] for kb in keys
+                    watched = {kb: self._announced[kb][1] for kb in (*keys, *fresh)
                                if kb in self._announced}
             if watched and not self._announce_gone(watched):
+                with self._lock:
+                    self._fresh |= fresh
                 return                       # the cursor stays: checked again next step
             self._cursor = cursor
 

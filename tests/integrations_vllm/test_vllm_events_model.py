@@ -164,3 +164,45 @@ def test_events_follow_the_store_while_the_watch_runs_beside_the_jobs(store_file
         assert announced == held
     finally:
         tier.shutdown()
+
+
+def test_a_key_removed_before_its_job_is_announced_is_announced_gone(store_file):
+    """A store job is announced when its last piece is done.  A key of an
+    earlier piece evicted in between, its removal already passed by the
+    watch (the key was not announced then), must still be announced gone
+    after its BlockStored: else a router keeps sending requests for it."""
+    pool = page_aligned_pool(SLOTS, SLOT)
+    fill_random(pool, [0, 1])
+    tier = KVBlockTierManager(events_spec(True), memoryview(pool.numpy()), "kvblock",
+                              devices=[store_file], format="force", threads=1,
+                              max_run_bytes=SLOT, enable_kv_events=True)   # a piece per slot
+    try:
+        watch, store = tier._events, tier.store
+        watch._ticker.stop()
+        first_done, go = threading.Event(), threading.Event()
+        real, pieces = store.put_run, []
+
+        def put_run(keys, data):
+            pieces.append(keys)
+            if len(pieces) == 2:          # the job's second piece waits
+                first_done.set()
+                assert go.wait(30)
+            return real(keys, data)
+        store.put_run = put_run
+        k0, k1 = key(1), key(2)
+        tier.submit_store(job(1, [k0, k1], [0, 1]))
+        assert first_done.wait(30)
+        store.evict(all=True)             # k0's run goes before the job is announced
+        watch.poll()                      # the watch passes its removal by
+        go.set()
+        assert [r.success for r in drain(tier)] == [True]
+        events = watch.take()
+        watch.poll()
+        events += watch.take()
+        stored = [bytes(k) for ev in events if not ev.removed for k in ev.keys]
+        removed = [bytes(k) for ev in events if ev.removed for k in ev.keys]
+        assert sorted(stored) == sorted([bytes(k0), bytes(k1)])
+        assert removed == [bytes(k0)] and not store.contains(tier.kvblock_key(k0))
+        assert watch.announced() == 1 and store.contains(tier.kvblock_key(k1))
+    finally:
+        tier.shutdown()
