@@ -197,7 +197,8 @@ class RunReader(RunIO):
         read from the device; blocks read from the device then enter the tier
         (after the copies, so they cannot push out blocks about to be read)."""
         n = len(keys)
-        epoch = self.host.epoch       # a clear() during the read keeps its blocks out
+        # a clear() or delete() during the read keeps its blocks out
+        epoch, discards = self.host.epoch, self.host.discards
         in_host = [k in self.host for k in keys]
         done, fetched = 0, []
         while done < n:
@@ -215,7 +216,7 @@ class RunReader(RunIO):
             if done < end:
                 break
         for k in fetched:
-            self.host.put(keys[k], block_at(dst, k), epoch=epoch)
+            self.host.put(keys[k], block_at(dst, k), epoch=epoch, discards=discards)
         return done
 
     @in_flight

@@ -577,25 +577,33 @@ class KVStore(Recovery, RunReader, RunWriter):
                 for k, sums in self._write_runs_together(
                         [(batch, sums, written[k][3].run_id) for k, batch, sums in deferred]):
                     written[deferred[k][0]][3].checksums = sums
+            discards = self._host_discards()
             published = self._publish_puts([run for _, _, _, run in written], clears)
         finally:
             self._unpin_writers([run.region for _, _, _, run in written])
         for _, keys, blocks, run in written:
             if run.run_id in published:
-                self._count_put(keys, blocks, run, clears)
+                self._count_put(keys, blocks, run, clears, discards)
         return [(i, len(keys) if run.run_id in published else 0)
                 for i, keys, _, run in written]
 
     def _put_one(self, keys: list[bytes], blocks, clears: int) -> int:
         run = self._write_piece(keys, blocks)
         try:
+            discards = self._host_discards()
             published = self._publish_put(run, clears)
         finally:
             self._unpin_writers([run.region])
         if not published:
             return 0
-        self._count_put(keys, blocks, run, clears)
+        self._count_put(keys, blocks, run, clears, discards)
         return len(keys)
+
+    def _host_discards(self) -> int | None:
+        """The host tier's discard count before a run is published: a
+        delete() from then on keeps its blocks out of the tier (it may have
+        removed the run before they got there)."""
+        return None if self.host is None else self.host.discards
 
     def _write_piece(self, keys: list[bytes], blocks, defer: bool = False,
                      later: int | bool = True):
@@ -618,14 +626,16 @@ class KVStore(Recovery, RunReader, RunWriter):
                   None if isinstance(sums, (Streams, Later)) else sums, created=time.time())
         return (run, batch, sums) if defer else run
 
-    def _count_put(self, keys: list[bytes], blocks, run: Run, clears: int) -> None:
+    def _count_put(self, keys: list[bytes], blocks, run: Run, clears: int,
+                   discards: int | None) -> None:
         """A published run: its blocks enter the host tier (as the newest
         copies, unless a clear() came since the put began: the tier's epoch
-        counts clear() calls as ``_clears`` does, clear() moving both); the
-        counters."""
+        counts clear() calls as ``_clears`` does, clear() moving both; or a
+        delete() since it was published, ``_host_discards``); the counters."""
         if self.host is not None:
             for k in range(len(keys)):
-                self.host.put(keys[k], block_at(blocks, k), epoch=clears, replace=True)
+                self.host.put(keys[k], block_at(blocks, k), epoch=clears, discards=discards,
+                              replace=True)
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += len(keys)
         self.counters["bytes_written"] += self.layout(len(keys)).run_bytes

@@ -38,6 +38,7 @@ class HostTier:
         self.lock = threading.Lock()
         self.hits = self.misses = self.inserts = self.evictions = 0
         self.epoch = 0   # clear() calls: an insert that began before one is dropped
+        self.discards = 0   # discard() calls: likewise (a delete during a read or put)
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
@@ -79,13 +80,20 @@ class HostTier:
             self.probation[old] = old_slot
 
     def put(self, key: bytes, block: np.ndarray, *, epoch: int | None = None,
-            replace: bool = False) -> None:
+            discards: int | None = None, replace: bool = False) -> None:
         """Insert a block; evicts by policy when full.  ``epoch``: the tier's
         epoch when the caller read or wrote the block (a clear() since: not
-        inserted).  ``replace``: a newer copy of a key already here replaces
-        it (a put), else the one here stays."""
+        inserted); ``discards``: likewise its ``discards`` (a discard() since,
+        of any key: not inserted, the block may be one a delete() removed
+        meanwhile; with ``replace`` the older copy here goes too).
+        ``replace``: a newer copy of a key already here replaces it (a put),
+        else the one here stays."""
         with self.lock:
             if epoch is not None and epoch != self.epoch:
+                return
+            if discards is not None and discards != self.discards:
+                if replace:
+                    self._drop_locked(key)
                 return
             slot = self.probation.get(key)
             if slot is None:
@@ -117,12 +125,16 @@ class HostTier:
     def discard(self, key: bytes) -> bool:
         """Drop a block; whether it was here."""
         with self.lock:
-            slot = self.probation.pop(key, None)
-            if slot is None:
-                slot = self.protected.pop(key, None)
-            if slot is not None:
-                self.free.append(slot)
-            return slot is not None
+            self.discards += 1
+            return self._drop_locked(key)
+
+    def _drop_locked(self, key: bytes) -> bool:
+        slot = self.probation.pop(key, None)
+        if slot is None:
+            slot = self.protected.pop(key, None)
+        if slot is not None:
+            self.free.append(slot)
+        return slot is not None
 
     def stats(self) -> dict:
         with self.lock:

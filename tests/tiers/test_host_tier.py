@@ -8,6 +8,7 @@ import pytest
 
 from kvblock import KVStore, create_file
 from kvblock.errors import ConfigError
+from kvblock.index import normalize_keys
 from kvblock.tiers import HostTier
 from tests.store.workload import GEOM, REGION, run_data, run_keys
 
@@ -122,6 +123,58 @@ def test_delete_reaches_blocks_left_only_in_dram(tmp_path):
         got = np.zeros_like(new)
         assert store.get_run(keys, got) == 2 and np.array_equal(got, new)
         assert store.delete(keys + [b"never-stored"]) == 2
+
+
+def test_a_delete_during_a_read_or_put_is_not_undone_by_the_dram_tier(tmp_path):
+    """A read that fetched blocks from the device puts them into the DRAM
+    tier afterwards, a put its blocks once it has published the run: a
+    delete() of those keys in between (another thread) must not be undone
+    by that insert, which would keep the deleted keys hits."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(6, 2)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        store.put_run(keys, run_data(keys))
+        for k in normalize_keys(keys):                   # pushed out of DRAM meanwhile
+            store.host.discard(k)
+        real_read, real_publish = store._read, store._publish_put
+
+        def read_then_deleted(*args):
+            n = real_read(*args)
+            assert store.delete(keys) == 2               # another thread, right here
+            return n
+        store._read = read_then_deleted
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+        del store._read
+        assert store.lookup(keys) == 0 and store.get_run(keys, out) == 0
+
+        def publish_then_deleted(run, clears):
+            published = real_publish(run, clears)
+            assert store.delete(keys) == 2
+            return published
+        store._publish_put = publish_then_deleted
+        assert store.put_run(keys, run_data(keys)) == 2
+        del store._publish_put
+        assert store.lookup(keys) == 0 and store.get_run(keys, out) == 0
+        # a put whose keys live on in DRAM only (their run was evicted from
+        # the device): the older copies there go as well
+        old, new = run_data(keys), (run_data(keys) + 1).astype(np.uint8)
+        store.put_run(keys, old)
+        store.evict(all=True)
+        assert all(k in store.host for k in normalize_keys(keys))
+        other = run_keys(7, 1)
+        store.put_run(other, run_data(other))
+
+        def publish_then_other_deleted(run, clears):
+            published = real_publish(run, clears)
+            store.delete(other)
+            return published
+        store._publish_put = publish_then_other_deleted
+        assert store.put_run(keys, new) == 2
+        del store._publish_put
+        assert store.get_run(keys, out) == 2 and np.array_equal(out, new)
 
 
 @pytest.mark.parametrize("corrupt", [False, True])
