@@ -45,6 +45,9 @@ _PUT = struct.Struct("<QIIQII")
 _DROP = struct.Struct("<Q")
 _RECLAIM = struct.Struct("<II")
 assert _HEADER.size == 40
+# A PUT record's bytes besides its keys and checksums, with the padding of the
+# record and of a commit holding it alone.
+PUT_RECORD_OVERHEAD = _HEADER.size + _PUT.size + 7 + BLOCK - 1
 
 
 @dataclass(frozen=True)

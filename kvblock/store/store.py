@@ -57,7 +57,8 @@ from kvblock.format import checkpoint as cpfmt
 from kvblock.format import journal as jfmt
 from kvblock.format import superblock as sbfmt
 from kvblock.index import Run, normalize_keys
-from kvblock.index.index import POS_BITS
+from kvblock.index.index import POS_BITS, POS_MASK
+from kvblock.index.keys import KEY_BYTES
 from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
 from kvblock.memory.spares import SpareBuffers
@@ -339,8 +340,14 @@ class KVStore(Recovery, RunReader, RunWriter):
         per_dev = min(counts)  # striping uses the same number of regions per device
         self.regions = RegionTable(per_dev * ndev, self.sb.region_size, ndev,
                                    [sb.data_offset for sb in self.superblocks])
-        self.max_run_blocks = RunLayout.max_blocks(self.geometry, self.alignment,
-                                                   self.sb.region_size)
+        # A run fits its region, its positions the index's packing, and its
+        # PUT record a quarter of the journal (a larger one would only fail
+        # at its commit, after its data was written).
+        record_keys = (self.sb.journal_bytes // 4 - jfmt.PUT_RECORD_OVERHEAD
+                       - 8 * self.geometry.run_checksums) // KEY_BYTES
+        self.max_run_blocks = max(1, min(RunLayout.max_blocks(self.geometry, self.alignment,
+                                                              self.sb.region_size),
+                                         POS_MASK + 1, record_keys))
 
     # ------------------------------------------------------------------ index bookkeeping
     # (recovery itself: kvblock/store/recovery.py)
@@ -1122,6 +1129,11 @@ def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
 
 def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) -> dict:
     """Where everything goes on each device."""
+    for name, value in (("region_size", region_size), ("journal_bytes", journal_bytes)):
+        if value is not None and (not isinstance(value, (int, np.integer))
+                                  or isinstance(value, bool) or value <= 0):
+            raise ConfigError(f"{name} must be a positive whole number of bytes, got {value!r} "
+                              "(e.g. 256 << 20; the CLI takes sizes like 256M)")
     alignment = max(4096, max(d.block_size for d in devs))
     sb_end = round_up(2 * sbfmt.SIZE, alignment)
     total = sum(d.capacity for d in devs)
@@ -1139,7 +1151,14 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) ->
                           f"hold at least one block ({min_run} bytes for {geometry.describe()})")
     if journal_bytes is None:
         journal_bytes = min(64 * MIB, max(MIB, total // 128))
-    journal_bytes = round_up(journal_bytes, alignment)
+    journal_bytes = round_up(int(journal_bytes), alignment)
+    # a run's PUT record may fill a quarter of the journal: one of one block, at least
+    min_journal = round_up(4 * (jfmt.PUT_RECORD_OVERHEAD + 8 * geometry.run_checksums
+                                + KEY_BYTES), alignment)
+    if journal_bytes < min_journal:
+        raise ConfigError(f"journal_bytes {journal_bytes} is too small for {geometry.describe()}: "
+                          f"it must hold at least {min_journal} bytes (the default is 1/128 "
+                          "of the devices, 1-64 MiB)")
     # Checkpoint slots must hold the largest possible index: every run at least
     # one aligned range per (layer, group) and a trailer, every block at least
     # block_bytes.

@@ -812,3 +812,53 @@ def test_default_regions_have_room_for_the_trailers_of_round_runs(tmp_path):
         for i in range(4):
             assert store.put_run([f"q{i}-{j}".encode() for j in range(4)], data) == 4
         assert len({run.region for run in store.index.runs.values()}) == 1
+
+
+@pytest.mark.parametrize("name,value", [("journal_bytes", 0), ("journal_bytes", -4096),
+                                        ("journal_bytes", 1.5), ("journal_bytes", "1M"),
+                                        ("journal_bytes", 4096), ("region_size", "1M"),
+                                        ("region_size", True)])
+def test_bad_format_sizes_are_refused_before_anything_is_written(tmp_path, name, value):
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    with pytest.raises(ConfigError, match=name):
+        KVStore.format([str(path)], GEOM, **{name: value})
+    with pytest.raises(NotAStoreError):            # nothing written: still no store
+        KVStore.open([str(path)])
+
+
+def test_a_run_is_cut_where_its_record_fits_the_journal(tmp_path):
+    """Tiny blocks and a small journal: a put of more blocks than a quarter
+    of the journal can name is cut into runs whose PUT records fit, instead
+    of failing at its commit (which closed the store)."""
+    g = Geometry(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=1)
+    path = tmp_path / "s.img"
+    create_file(path, 64 * MIB)
+    with KVStore.format([str(path)], g, region_size=4 * MIB, journal_bytes=256 << 10) as store:
+        per_record = (store.sb.journal_bytes // 4) // 16
+        assert store.max_run_blocks < per_record < 20000
+        keys = [f"t{i}".encode() for i in range(20000)]
+        data = np.random.default_rng(1).integers(0, 256, 20000 * g.block_bytes, np.uint8)
+        assert store.put_run(keys, data) == 20000
+        out = np.zeros_like(data)
+        assert store.get_run(keys, out) == 20000 and np.array_equal(out, data)
+    with KVStore.open([str(path)]) as store:
+        assert store.get_run(keys, out) == 20000 and np.array_equal(out, data)
+
+
+def test_a_run_never_holds_more_positions_than_the_index_packs(tmp_path, monkeypatch):
+    """Positions are packed beside run ids (POS_BITS); a run of more blocks
+    would name the next run's blocks.  With the limit the store sees
+    narrowed to 16 positions, puts are cut into runs of at most 16 blocks."""
+    from kvblock.store import store as store_mod
+
+    monkeypatch.setattr(store_mod, "POS_MASK", 15)
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as store:
+        assert store.max_run_blocks == 16
+        keys = run_keys(9, 20)
+        assert store.put_run(keys, run_data(keys)) == 20
+        assert sorted(run.nblocks for run in store.index.runs.values()) == [4, 16]
+        out = np.zeros(20 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 20 and np.array_equal(out, run_data(keys))
