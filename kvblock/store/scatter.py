@@ -40,6 +40,18 @@ def as_array(x, what: str, writable: bool = False) -> np.ndarray:
                                   "one (a copy would receive the bytes)")
             x = x.contiguous()
         return x.reshape(-1).view(torch.uint8).numpy()
+    if writable and not isinstance(x, np.ndarray):
+        # np.asarray would copy some buffers (bytes: a 0-d copy that takes
+        # the bytes read and drops them): read into the caller's memory only
+        try:
+            view = memoryview(x)
+        except TypeError:
+            raise ConfigError(f"{what}: cannot read into a {type(x).__name__}; pass a writable "
+                              "numpy array, CPU tensor, bytearray or memoryview") from None
+        if view.readonly:
+            raise ConfigError(f"{what}: the {type(x).__name__} to read into is read-only; pass "
+                              "a writable one (a bytearray, numpy array or tensor)")
+        return np.asarray(view)
     return np.asarray(x)
 
 

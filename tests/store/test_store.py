@@ -661,6 +661,17 @@ def test_buffers_the_caller_passes(store_path):
         got = np.zeros_like(data)
         assert store.get_run(other, got) == 2
         assert np.array_equal(got, scattered.contiguous().reshape(-1).numpy())
+        # Python buffers: read into in place, or refused (bytes would be read
+        # into a copy numpy makes, and dropped)
+        for buf in (bytearray(data.size), memoryview(bytearray(data.size))):
+            assert store.get_run(keys, buf) == 2
+            assert np.array_equal(np.frombuffer(buf, np.uint8), data)
+        with pytest.raises(ConfigError, match="bytes to read into is read-only"):
+            store.get_run(keys, bytes(data.size))
+        with pytest.raises(ConfigError, match="read-only"):
+            store.get_blocks(keys, [bytes(GEOM.block_bytes)] * 2)
+        with pytest.raises(ConfigError, match="cannot read into a int"):
+            store.get_run(keys, 5)
 
 
 def test_a_pin_is_released_once(store_path):
