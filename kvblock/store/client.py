@@ -62,6 +62,7 @@ from kvblock.store.store import (
     LOAD_STAGING_KEEP,
     KVStore,
     _try_superblock,
+    time_cutoff,
 )
 from kvblock.store.storeio import StoreIO
 from kvblock.store.writes import RunWriter
@@ -615,7 +616,7 @@ class RemoteStore(RunReader, RunWriter):
         """Reclaim unpinned regions sealed before ``cutoff`` on the server
         (see KVStore.evict_older_than)."""
         self._check_open(writing=True)
-        return int(self._call("evict", older_than=float(cutoff)))
+        return int(self._call("evict", older_than=time_cutoff(cutoff)))
 
     def clear(self) -> int:
         """KVStore.clear() on the server: every rank's blocks are forgotten,

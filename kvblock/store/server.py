@@ -26,6 +26,7 @@ exactly like one whose in-process owner was killed.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import itertools
 import logging
@@ -44,6 +45,7 @@ import numpy as np
 
 from kvblock.errors import (
     ConfigError,
+    DevicePermissionError,
     KVBlockError,
     ProtocolMismatchError,
     ServerError,
@@ -141,7 +143,14 @@ class StoreServer:
         # wait for them (the store's open did so on its device 0; the socket's
         # fence meets ranks that reach the device by another inode).
         fence = socket_fence_path(self.socket_path)
-        self._fence_fd = os.open(fence, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            self._fence_fd = os.open(fence, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except PermissionError:
+            raise DevicePermissionError(
+                f"cannot open {fence}, the write fence beside the socket {self.socket_path}: "
+                "permission denied (left by a server run as another user?); run kvblock serve "
+                "as that user, remove the file if no server of that user runs, or choose "
+                "another --socket path", fence, errno.EACCES) from None
         try:
             self._fence_writers()
             self._listener = _bind(self.socket_path)
@@ -597,8 +606,15 @@ def _check_socket_path(path: str) -> bool:
     try:
         probe.settimeout(1.0)
         probe.connect(path)
-    except OSError:
+    except (ConnectionRefusedError, FileNotFoundError):
         return True  # nobody listening: left by a server that died
+    except PermissionError:
+        # maybe a live server of another user: never unlink what cannot be probed
+        raise ConfigError(f"cannot tell whether a store server listens on {path}: "
+                          "permission denied on the socket; stop that server (or remove "
+                          "the socket if none runs), or choose another --socket path") from None
+    except OSError:
+        pass   # a timeout: a server too busy to accept at once is still a server
     finally:
         probe.close()
     raise ConfigError(f"a store server already listens on {path}; stop it or choose "

@@ -972,6 +972,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         """Reclaim unpinned regions sealed before ``cutoff`` (seconds since the
         epoch).  Returns regions reclaimed."""
         self._check_open(writing=True)
+        cutoff = time_cutoff(cutoff)
         with self._lock:
             old = [int(r) for r in np.nonzero((self.regions.state == SEALED)
                                               & (self.regions.pins == 0)
@@ -1125,6 +1126,14 @@ def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
         if raise_errors:
             raise
         return None
+
+
+def time_cutoff(value) -> float:
+    """evict_older_than's cutoff: seconds since the epoch, as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ConfigError(f"evict_older_than: the cutoff must be seconds since the epoch "
+                          f"(e.g. time.time() - 3600), got {value!r}")
+    return float(value)
 
 
 def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) -> dict:

@@ -78,3 +78,43 @@ def test_a_user_given_a_directory_runs_and_serves_a_store_file_in_it(tmp_path):
             server.kill()
             server.wait()
         shutil.rmtree(home)
+
+
+def test_a_second_server_of_another_user_on_a_live_socket_is_refused_cleanly(tmp_path):
+    """Root serves a store on a socket in a shared directory; another user
+    starts `kvblock serve` with the same --socket.  It must stop with a
+    clear, typed error (not a traceback), and root's server keeps its
+    socket."""
+    from kvblock.store.server import serve_in_background
+    from tests.store.workload import small_store
+
+    shared = Path("/var/tmp") / f"kvblock-shared-{os.getpid()}-{tmp_path.name}"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    try:
+        sock = str(shared / "kv.sock")
+        theirs = small_store(shared / "nobody.img")
+        os.chown(theirs, NOBODY, NOBODY)
+        with serve_in_background([small_store(tmp_path / "root.img")], sock):
+            inode = os.stat(sock).st_ino
+            out = subprocess.run(as_nobody(sys.executable, "-m", "kvblock", "serve", theirs,
+                                           "--socket", sock),
+                                 capture_output=True, text=True, timeout=120,
+                                 cwd=SCRIPT.parents[2], stdin=subprocess.DEVNULL)
+            said = out.stdout + out.stderr
+            assert out.returncode != 0 and "Traceback" not in said, said
+            assert "cannot tell whether a store server listens" in said, said
+            assert "permission denied" in said and "another --socket path" in said, said
+            assert os.stat(sock).st_ino == inode
+        # root's server is gone; the fence file it left beside the socket is
+        # root's: said so, with what to do
+        assert not os.path.exists(sock) and os.path.exists(sock + ".fence")
+        out = subprocess.run(as_nobody(sys.executable, "-m", "kvblock", "serve", theirs,
+                                       "--socket", sock),
+                             capture_output=True, text=True, timeout=120,
+                             cwd=SCRIPT.parents[2], stdin=subprocess.DEVNULL)
+        said = out.stdout + out.stderr
+        assert out.returncode == 4 and "Traceback" not in said, said    # DevicePermissionError
+        assert "kv.sock.fence" in said and "another user" in said, said
+    finally:
+        shutil.rmtree(shared)

@@ -873,3 +873,41 @@ def test_a_run_never_holds_more_positions_than_the_index_packs(tmp_path, monkeyp
         assert sorted(run.nblocks for run in store.index.runs.values()) == [4, 16]
         out = np.zeros(20 * GEOM.block_bytes, np.uint8)
         assert store.get_run(keys, out) == 20 and np.array_equal(out, run_data(keys))
+
+
+def test_evict_older_than_reclaims_regions_sealed_before_the_cutoff(tmp_path):
+    """Regions sealed before the cutoff are reclaimed (their runs gone), the
+    open region and later ones stay; a cutoff that is not a time is refused
+    (ConfigError), locally and through a store server."""
+    import time
+
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as store:
+        per_region = store.max_run_blocks
+        early = [run_keys(i, per_region) for i in range(2)]     # two full regions
+        for keys in early:
+            store.put_run(keys, run_data(keys))
+        time.sleep(0.05)
+        cutoff = time.time()
+        time.sleep(0.05)
+        late = run_keys(9, per_region)
+        store.put_run(late, run_data(late))        # seals the second region's successor
+        with pytest.raises(ConfigError, match="seconds since the epoch"):
+            store.evict_older_than("1h")
+        assert store.evict_older_than(0) == 0
+        reclaimed = store.evict_older_than(cutoff)
+        assert reclaimed >= 1
+        assert store.lookup(early[0]) == 0
+        assert store.lookup(late) == per_region
+        out = np.zeros(per_region * GEOM.block_bytes, np.uint8)
+        assert store.get_run(late, out) == per_region and np.array_equal(out, run_data(late))
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([str(path)], sock), RemoteStore(sock) as rank:
+        with pytest.raises(ConfigError, match="seconds since the epoch"):
+            rank.evict_older_than(None)
+        assert rank.evict_older_than(time.time() + 60) >= 1
+        assert rank.lookup(late) == 0
