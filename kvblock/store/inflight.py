@@ -59,6 +59,12 @@ class InFlight:
         finally:
             self.leave()
 
+    @property
+    def calls(self) -> int:
+        """Calls inside now."""
+        with self._cv:
+            return self._calls
+
     def shut(self) -> None:
         """Refuse new calls from here on."""
         with self._cv:

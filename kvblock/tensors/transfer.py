@@ -237,17 +237,28 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
     by layer, for rank ``tp_rank`` of ``tp_size`` (the cache holds that rank's
     heads).  Returns at once with a :class:`LoadHandle` (``background=False``
     loads before returning)."""
-    store._inflight.enter()    # a close() waits for the load: its scatter stage leaves
+    store._inflight.enter()    # a close() waits for the load: left by its job, or here
     try:
-        return _load(store, keys, layout, page_ids, tp_rank, tp_size, background)
+        handle, job = _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size)
     except BaseException:
         store._inflight.leave()
         raise
+    if job is None:            # nothing to read from the device
+        store._inflight.leave()
+        return handle
+    # From here the job leaves the InFlight (its scatter stage, last thing).
+    if background:
+        job.start()
+    else:
+        job.run_inline()
+        handle.wait()
+    return handle
 
 
-def _load(store, keys, layout, page_ids, tp_rank, tp_size, background) -> LoadHandle:
-    """load_blocks inside the store's InFlight; the load's job leaves it (on
-    the way out of its scatter stage), else the caller does when this raises."""
+def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
+    """(handle, the job that reads the device, or None when nothing is
+    stored there: the handle is done).  The runs it pins are unpinned if it
+    raises after pinning them."""
     store._check_open()
     g = store.geometry
     g0, ng, h0, heads = _tp_plan(g, tp_rank, tp_size)
@@ -256,6 +267,7 @@ def _load(store, keys, layout, page_ids, tp_rank, tp_size, background) -> LoadHa
     if len(page_ids) < len(keys):
         raise ConfigError(f"load: {len(keys)} keys but only {len(page_ids)} page ids")
     page_ids = _check_page_ids(layout, page_ids[:len(keys)], "load")
+    job_class = _job_class(store, layout)      # before pinning: it may raise
     if store.host is None:
         with store._lock:
             segs = store._segments(keys)
@@ -267,16 +279,12 @@ def _load(store, keys, layout, page_ids, tp_rank, tp_size, background) -> LoadHa
         for e in handle._events:
             e.set()
         handle._done.set()
-        store._inflight.leave()
-        return handle
-    job_class = _job_class(store, layout)
-    job = job_class(store, layout, segs, page_ids, g0, ng, h0, heads, handle)
-    if background:
-        job.start()
-    else:
-        job.run_inline()
-        handle.wait()
-    return handle
+        return handle, None
+    try:
+        return handle, job_class(store, layout, segs, page_ids, g0, ng, h0, heads, handle)
+    except BaseException:
+        store._unpin(segs)
+        raise
 
 
 # A layer's reads are cut into units of about this many bytes: each unit is

@@ -130,3 +130,45 @@ def test_a_rank_closed_during_a_read_turns_it_into_a_miss(store_file, tmp_path):
         assert _close_while(rank, reached, go, lambda: rank.get_run(keys, out)) == 0
         with pytest.raises(StoreClosedError, match="remote store is closed"):
             rank.get_run(keys, out)
+
+
+def test_failed_and_refused_loads_leave_nothing_in_flight_or_pinned(store_file, monkeypatch):
+    """A load that fails while loading inline (EIO), and loads refused once
+    their runs were pinned (their job could not be made), leave no call in
+    flight (close() does not wait for them) and no pin (the runs can go)."""
+    from kvblock.errors import ConfigError, IOFailedError
+    from kvblock.tensors import VLLMLayout, load_blocks
+    from kvblock.tensors import transfer
+    from tests.support.faults import BadSectors
+
+    store = KVStore.open([store_file])
+    keys = run_keys(5, 4)
+    store.put_run(keys, run_data(keys))
+    run = next(iter(store.index.runs.values()))
+    shape = (2, 8, GEOM.block_tokens, GEOM.num_kv_heads, GEOM.head_dim)
+    dst = [np.zeros(shape, np.float16) for _ in range(GEOM.num_layers)]
+    bad = BadSectors()
+    dev, off = store.regions.address(run.region, run.offset)
+    bad.add(dev, off + store.layout(4).range_offset(1, 0), 4096)
+    bad.install(store)
+    with pytest.raises(IOFailedError):
+        load_blocks(store, keys, VLLMLayout(dst), [0, 1, 2, 3], background=False)
+    assert store._inflight.calls == 0
+    keys = run_keys(6, 4)
+    store.put_run(keys, run_data(keys))
+
+    def refuse(*args):
+        raise ConfigError("no job for this cache")
+    for where, name in ((transfer, "_job_class"), (transfer._LoadJob, "__init__")):
+        with monkeypatch.context() as m:
+            m.setattr(where, name, refuse)
+            with pytest.raises(ConfigError, match="no job"):
+                load_blocks(store, keys, VLLMLayout(dst), [0, 1, 2, 3])
+        assert store._inflight.calls == 0
+        with store._lock:
+            assert int(store.regions.pins.sum()) == 0
+    assert store.evict(all=True) >= 1 and store.lookup(keys) == 0
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    closer.join(5)
+    assert not closer.is_alive() and store.io is None
