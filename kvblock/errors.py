@@ -138,6 +138,12 @@ class ServerGoneError(ServerError, StoreClosedError, ConnectionError):
     gone with it; reconnect once a server runs again."""
 
 
+class PartialLoadError(KVBlockError):
+    """A restore delivered fewer blocks than the caller computes with (a run
+    failed its checksum or was evicted after the lookup): recompute the
+    tokens past what was restored."""
+
+
 class ReadOnlyStoreError(KVBlockError):
     """A store opened read-only (e.g. by `kvblock info`) was asked to change."""
 

@@ -14,20 +14,39 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
+from kvblock.errors import PartialLoadError
 from kvblock.tensors import HFDynamicLayout, LoadHandle
 
 
 class _RestoringLayer(DynamicLayer):
-    def __init__(self, handle: LoadHandle, layer: int, keys, values, length: int):
+    def __init__(self, handle: LoadHandle, layer: int, keys, values, length: int,
+                 block_tokens: int):
         super().__init__()
-        self.handle, self.layer = handle, layer
+        self.handle, self.layer, self.block_tokens = handle, layer, block_tokens
         self._k, self._v, self.length = keys, values, length
-        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.restored = length          # leading tokens that come from the load
+        self._views()
         self.device = keys.device
         self.is_initialized = True
 
+    def _views(self):
+        self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
+
+    def _wait(self):
+        """This layer's restored tokens are in place, or PartialLoadError:
+        the model never attends to KV the load did not deliver (a run that
+        failed its checksum, one evicted since the lookup)."""
+        blocks = self.handle.wait_layer(self.layer)
+        need = -(-self.restored // self.block_tokens)
+        if blocks < need:
+            raise PartialLoadError(
+                f"kvblock: layer {self.layer} has {blocks} of the {need} blocks "
+                f"({self.restored} tokens) the cache was built for; a run failed its "
+                "checksum or was evicted since the lookup: recompute from token "
+                f"{blocks * self.block_tokens}")
+
     def update(self, key_states, value_states, *args, **kwargs):
-        self.handle.wait_layer(self.layer)
+        self._wait()
         n = key_states.shape[-2]
         if self.length + n > self._k.shape[-2]:      # out of spare room: grow by concatenation
             self._k = torch.cat([self._k[:, :, :self.length], key_states], dim=-2)
@@ -36,16 +55,45 @@ class _RestoringLayer(DynamicLayer):
             self._k[:, :, self.length:self.length + n] = key_states
             self._v[:, :, self.length:self.length + n] = value_states
         self.length += n
-        self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
+        self._views()
         return self.keys, self.values
+
+    # DynamicLayer's own versions of these act on ``keys``/``values`` only,
+    # which ``update`` rebuilds from ``_k``/``_v`` and ``length``.
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens "
+                             "to remove (as DynamicLayer takes it)")
+        self.length = max(0, self.length + tokens_to_remove)
+        self.restored = min(self.restored, self.length)
+        self._views()
+
+    def reset(self) -> None:
+        self.length = self.restored = 0
+        self._views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._wait()
+        self._k = self._k.repeat_interleave(repeats, dim=0)
+        self._v = self._v.repeat_interleave(repeats, dim=0)
+        self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._wait()
+        self._k, self._v = self._k[indices, ...], self._v[indices, ...]
+        self._views()
 
 
 def streaming_cache(handle: LoadHandle, layout: HFDynamicLayout,
                     length: int | None = None) -> DynamicCache:
     """A cache over ``layout``'s tensors holding ``length`` restored tokens
-    (default: all of them), filled layer by layer by ``handle``."""
+    (default: all of them), filled layer by layer by ``handle``.  A layer
+    whose restored tokens did not all arrive (a checksum failure, an
+    eviction since the lookup) raises PartialLoadError when the model
+    reaches it, instead of attending to what is not there."""
     length = layout.tokens if length is None else length
     cache = DynamicCache()
     cache.layers = [_RestoringLayer(handle, layer, layout.keys[layer], layout.values[layer],
-                                    length) for layer in range(layout.num_layers)]
+                                    length, layout.block_tokens)
+                    for layer in range(layout.num_layers)]
     return cache

@@ -93,3 +93,80 @@ def test_streaming_cache_consumes_layers_while_loading(tmp_path):
     assert tokens == want_tokens and torch.equal(logits, want_logits)
     last_layer_read = handle.started_at + handle.layer_ready_at[-1]
     assert consumed[1] < last_layer_read  # layer 0 computed on restored KV before the last layer landed
+
+
+def test_streaming_cache_refuses_a_prefix_that_did_not_all_arrive(tmp_path):
+    """A run of the prefix fails its checksum (one layer's range): the
+    model must never attend to what was not restored (zeros here): the
+    forward raises PartialLoadError naming where to recompute from."""
+    from kvblock.errors import PartialLoadError
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import load_blocks
+
+    m = model()
+    ids = prompt()
+    keys = chain_keys(ids[0].tolist(), BLOCK, salt="tiny-llama")[:3]
+    path = tmp_path / "kv.img"
+    create_file(path, 32 << 20)
+    src = HFDynamicLayout.from_cache(prefill(m, ids[:, :3 * BLOCK]), BLOCK)
+    with KVStore.format([str(path)], geometry(m), region_size=1 << 20) as store:
+        save_blocks(store, keys[:2], src, [0, 1])        # one run of blocks 0-1
+        save_blocks(store, keys[2:], src, [2])           # one of block 2
+        run = [r for r in store.index.runs.values() if r.nblocks == 1][0]
+        _, off = store.regions.address(run.region, run.offset)
+        at = off + store.layout(1).range_offset(1, 0) + 8     # its layer 1
+    with open(path, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with KVStore.open([str(path)]) as store:
+        cfg = m.config
+        layout = HFDynamicLayout.empty(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                       3 * BLOCK, cfg.hidden_size // cfg.num_attention_heads,
+                                       BLOCK, torch.float32)
+        handle = load_blocks(store, keys, layout, [0, 1, 2])
+        with pytest.raises(PartialLoadError, match=f"recompute from token {2 * BLOCK}"):
+            continue_from(m, streaming_cache(handle, layout), ids, 3 * BLOCK)
+        assert handle.wait() == 2 and store.counters["checksum_failures"] == 1
+
+
+def test_streaming_cache_crops_and_selects_like_a_dynamic_cache(tmp_path):
+    """Assisted generation crops rejected draft tokens (DynamicCache.crop);
+    beam search selects and repeats batch rows.  The streaming cache keeps
+    its own length and spare room: each must act on those, giving what a
+    plain DynamicCache gives."""
+    from transformers import DynamicCache
+
+    from kvblock import Geometry
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import load_blocks
+
+    bs, heads, dim = 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    src = HFDynamicLayout([torch.randn(1, heads, 2 * bs, dim, generator=gen)],
+                          [torch.randn(1, heads, 2 * bs, dim, generator=gen)], bs)
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    with KVStore.format([str(path)], Geometry(1, heads, dim, "float32", bs),
+                        region_size=1 << 20) as store:
+        save_blocks(store, [b"a", b"b"], src, [0, 1])
+        dst = HFDynamicLayout.empty(1, heads, 2 * bs + 8, dim, bs, torch.float32)
+        handle = load_blocks(store, [b"a", b"b"], dst, [0, 1])
+        cache = streaming_cache(handle, dst, 2 * bs)
+        ref = DynamicCache()
+        ref.update(src.keys[0].clone(), src.values[0].clone(), 0)
+        draft, new = torch.randn(1, heads, 3, dim), torch.randn(1, heads, 1, dim)
+        for c in (cache, ref):
+            c.update(draft, draft, 0)
+            c.crop(-1)                              # the last draft token rejected
+            assert c.get_seq_length() == 2 * bs + 2
+        for c in (cache, ref):
+            c.update(new, new, 0)
+        assert torch.equal(cache.layers[0].keys, ref.layers[0].keys)
+        for c in (cache, ref):
+            c.batch_repeat_interleave(2)
+            c.batch_select_indices(torch.tensor([1]))
+            c.update(new, new, 0)
+        assert torch.equal(cache.layers[0].keys, ref.layers[0].keys)
+        assert torch.equal(cache.layers[0].values, ref.layers[0].values)
