@@ -10,10 +10,13 @@ both on the store's own data, unless KVBLOCK_GPU_PATH says which.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 from kvblock.errors import ConfigError, EngineUnavailableError
+
+logger = logging.getLogger("kvblock")
 
 GPU_PATHS = ("kvikio", "host")
 
@@ -65,6 +68,15 @@ def gpu_path(store, sample_bytes: int = 64 << 20) -> str:
     if forced:
         if forced not in GPU_PATHS:
             raise ConfigError(f"KVBLOCK_GPU_PATH must be one of {GPU_PATHS}, got {forced!r}")
+        if forced == "kvikio" and store.verify == "always":
+            # kvikio reads land in GPU memory, past the host checksums: the
+            # store's promise (verify every read) wins over the override
+            logger.warning("kvblock: KVBLOCK_GPU_PATH=kvikio ignored for a store opened with "
+                           "verify='always' (checksums are computed on the host); open it "
+                           "with verify='never' to read through kvikio")
+            store._gpu_path = "host"
+            store._gpu_path_reason = "KVBLOCK_GPU_PATH=kvikio, but verify=always checks on the host"
+            return "host"
         store._gpu_path, store._gpu_path_reason = forced, "KVBLOCK_GPU_PATH"
         return forced
     if store.verify == "always":
