@@ -354,11 +354,12 @@ class IOEngine:
     def _copiers_pool(self) -> tuple[ThreadPoolExecutor, threading.Semaphore]:
         """The helper threads of large mapped copies, and a slot per helper."""
         with self._map_idle:
-            if self._copiers is None:
+            # made afresh in a forked child: the parent's helpers do not exist there
+            if self._copiers is None or self._copiers[2] != os.getpid():
                 self._copiers = (ThreadPoolExecutor(COPY_THREADS - 1,
                                                     thread_name_prefix=f"kvblock-{self.name}-copy"),
-                                 threading.Semaphore(COPY_THREADS - 1))
-            return self._copiers
+                                 threading.Semaphore(COPY_THREADS - 1), os.getpid())
+            return self._copiers[:2]
 
     def close(self) -> None:
         self.closed = True

@@ -4,6 +4,7 @@ O_DIRECT in C, claiming I/Os from a shared cursor; no Python per I/O."""
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 from kvblock.io import native
@@ -23,8 +24,10 @@ class ThreadEngine(IOEngine):
     def __init__(self, devices, **kwargs):
         super().__init__(devices, **kwargs)
         native.lib()  # fail early, with a clear error, if the library is missing
-        self._pool = ThreadPoolExecutor(max_workers=self.queue_depth,
-                                        thread_name_prefix="kvblock-io")
+        self._pool, self._pool_pid = self._new_pool(), os.getpid()
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=self.queue_depth, thread_name_prefix="kvblock-io")
 
     def _run(self, op, batch: IOBatch, qd, results, latency, hasher) -> None:
         lib, p = native.lib(), native.ptr
@@ -36,6 +39,10 @@ class ThreadEngine(IOEngine):
         if min(qd, len(batch)) == 1:   # one worker: this thread (no hand-off to the pool)
             lib.kvb_pio_run(*args)
             return
+        if self._pool_pid != os.getpid():
+            # a forked child: the parent's workers do not exist here, and a
+            # task handed to them would never run
+            self._pool, self._pool_pid = self._new_pool(), os.getpid()
         workers = [self._pool.submit(lib.kvb_pio_run, *args) for _ in range(min(qd, len(batch)))]
         for w in workers:
             w.result()

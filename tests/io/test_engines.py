@@ -326,3 +326,38 @@ def test_a_listed_batch_equals_the_batch_the_constructor_builds():
         for field in ("addrs", "devs", "offsets", "lens"):
             a, b = getattr(got, field), getattr(want, field)
             assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist(), field
+
+
+@pytest.mark.parametrize("kind", ["disk", "shm"])
+def test_an_engine_used_before_a_fork_works_in_the_child(engine_name, kind, file_target,
+                                                        shm_target):
+    """A process that used an engine forks (a DataLoader worker, a
+    multiprocessing pool): the child's reads must work, not wait forever
+    on helper threads that exist only in the parent (the threads engine's
+    workers; the helpers of large copies on a mapped tmpfs file)."""
+    path = (shm_target if kind == "shm" else file_target)(32 * MIB)
+    dev = Device(path)
+    eng = open_engine([dev], engine_name, queue_depth=4)
+    try:
+        assert eng.mapped(0) == (kind == "shm")
+        src, out = HostBuffer(16 * MIB), HostBuffer(16 * MIB)
+        src.array[:] = _random(16 * MIB, 7)
+        eng.write(IOBatch.contiguous(src.address, 0, 0, 16 * MIB, MIB))   # helpers started
+        eng.read(IOBatch.contiguous(out.address, 0, 0, 16 * MIB, MIB))
+        pid = os.fork()
+        if pid == 0:                       # the child: exit 0 only with the bytes read back
+            code = 1
+            try:
+                import signal
+                signal.alarm(20)           # a hang dies of SIGALRM
+                out.array[:] = 0
+                eng.read(IOBatch.contiguous(out.address, 0, 0, 16 * MIB, MIB))
+                code = 0 if np.array_equal(out.array, src.array) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, \
+            f"child: {'killed by signal %d' % os.WTERMSIG(status) if os.WIFSIGNALED(status) else 'exit %d' % os.WEXITSTATUS(status)}"
+    finally:
+        eng.close()
+        dev.close()
