@@ -121,9 +121,23 @@ def mappable(device) -> str | None:
         return f"fstatfs failed ({os.strerror(-fs_type)})"
     if fs_type != TMPFS_MAGIC:
         return "not on tmpfs"
-    if os.fstat(device.fd).st_blocks * 512 < device.capacity:
+    if device.capacity <= 0:
+        return "empty"
+    # A hole anywhere in it (not only too few blocks in all): a write into
+    # a hole of a full tmpfs through the mapping is a SIGBUS, not ENOSPC.
+    if os.fstat(device.fd).st_blocks * 512 < device.capacity or \
+            _first_hole(device.fd) < device.capacity:
         return "not fully allocated (sparse)"
     return None
+
+
+def _first_hole(fd: int) -> int:
+    """Offset of the file's first hole (its size when it has none)."""
+    at = os.lseek(fd, 0, os.SEEK_CUR)
+    try:
+        return os.lseek(fd, 0, os.SEEK_HOLE)
+    finally:
+        os.lseek(fd, at, os.SEEK_SET)
 
 
 class MappedDevices:

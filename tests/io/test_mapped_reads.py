@@ -593,3 +593,36 @@ def test_busy_copy_helpers_are_not_waited_for(shm_target, monkeypatch):
             assert np.array_equal(buf.array[4 * MIB:], data[8 * MIB:12 * MIB])
         finally:
             slots.release()
+
+
+def test_a_tmpfs_file_with_a_hole_or_no_bytes_is_not_mapped(tmp_path):
+    """A hole inside the capacity (counted blocks can still add up: the
+    page past the capacity counts too) is not mapped: on a full tmpfs a
+    write into it through the mapping would be a SIGBUS, not ENOSPC.  An
+    empty file is not mapped either (mmap refuses length 0)."""
+    path = f"/dev/shm/kvblock-hole-{os.getpid()}-{tmp_path.name}.img"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, 4 * 4096 + 100)                 # capacity: 4 pages
+        for page in (1, 2, 3, 4):                        # page 0 stays a hole
+            os.pwrite(fd, b"\1" * (4096 if page < 4 else 100), page * 4096)
+        os.close(fd)
+        assert os.stat(path).st_blocks * 512 >= 4 * 4096
+        dev = Device(path)
+        try:
+            assert dev.capacity == 4 * 4096
+            assert mappable(dev) == "not fully allocated (sparse)"
+        finally:
+            dev.close()
+        with open(path, "wb"):
+            pass
+        dev = Device(path)
+        try:
+            assert mappable(dev) == "empty"
+            eng = open_engine([dev], "threads")
+            assert not eng.mapped(0)
+            eng.close()
+        finally:
+            dev.close()
+    finally:
+        os.unlink(path)
