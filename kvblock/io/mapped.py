@@ -57,6 +57,7 @@ from kvblock.errors import ConfigError
 from kvblock.io import native
 
 TMPFS_MAGIC = 0x01021994
+PAGE = mmap.PAGESIZE
 PREFAULT_STEP = 64 << 20   # one madvise call (~10-25 ms), then a stop check
 PREFAULT_INLINE = 64 << 20  # mapped in on the spot (~10-25 ms); larger ones in the background
 PREFAULT_PAUSE = 0.02      # s: the background prefault waits while writes are this recent
@@ -123,21 +124,14 @@ def mappable(device) -> str | None:
         return "not on tmpfs"
     if device.capacity <= 0:
         return "empty"
-    # A hole anywhere in it (not only too few blocks in all): a write into
-    # a hole of a full tmpfs through the mapping is a SIGBUS, not ENOSPC.
-    if os.fstat(device.fd).st_blocks * 512 < device.capacity or \
-            _first_hole(device.fd) < device.capacity:
+    # Every page of the file allocated (fallocated pages count; SEEK_HOLE
+    # would call them holes): a write into a hole of a full tmpfs through
+    # the mapping is a SIGBUS, not ENOSPC.  Against the capacity alone, the
+    # page past it could make up for a hole inside.
+    st = os.fstat(device.fd)
+    if st.st_blocks * 512 < -(-st.st_size // PAGE) * PAGE:
         return "not fully allocated (sparse)"
     return None
-
-
-def _first_hole(fd: int) -> int:
-    """Offset of the file's first hole (its size when it has none)."""
-    at = os.lseek(fd, 0, os.SEEK_CUR)
-    try:
-        return os.lseek(fd, 0, os.SEEK_HOLE)
-    finally:
-        os.lseek(fd, at, os.SEEK_SET)
 
 
 class MappedDevices:
