@@ -6,6 +6,7 @@ split oversized requests, and turn per-I/O results into one clear exception.
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 import time
@@ -78,6 +79,21 @@ def _hash_streams(what: str, batch: IOBatch, streams, seeds):
     return streams, seeds, np.zeros(seeds.size, dtype=np.uint64)
 
 
+MAX_IO_LIMIT = 1 << 30     # one I/O's length travels as 32 bits in io_uring
+
+
+def _check_max_io(max_io, devices) -> int:
+    """``max_io`` (the largest single I/O; larger ones are split there) as
+    an int: whole logical blocks of every device, at most MAX_IO_LIMIT."""
+    block = math.lcm(*(int(d.block_size) for d in devices)) if devices else 512
+    if isinstance(max_io, bool) or not isinstance(max_io, (int, np.integer)) or \
+            not block <= max_io <= MAX_IO_LIMIT or max_io % block:
+        raise ConfigError(f"max_io must be a multiple of the devices' {block}-byte logical "
+                          f"blocks from {block} to {MAX_IO_LIMIT} bytes, got {max_io!r} "
+                          f"(default {DEFAULT_MAX_IO})")
+    return int(max_io)
+
+
 class IOEngine:
     """Base class; subclasses implement :meth:`_run`.
 
@@ -97,7 +113,7 @@ class IOEngine:
             raise ConfigError(f"queue_depth must be >= 1, got {queue_depth}")
         self.devices = list(devices)
         self.queue_depth = int(queue_depth)
-        self.max_io = int(max_io)
+        self.max_io = _check_max_io(max_io, self.devices)
         self.fds = np.array([d.fd for d in self.devices], dtype=np.int32)
         self._block = np.array([d.block_size for d in self.devices], dtype=np.uint64)
         self._capacity = np.array([d.capacity for d in self.devices], dtype=np.uint64)

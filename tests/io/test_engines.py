@@ -361,3 +361,20 @@ def test_an_engine_used_before_a_fork_works_in_the_child(engine_name, kind, file
     finally:
         eng.close()
         dev.close()
+
+
+@pytest.mark.parametrize("max_io", [0, -4096, 6000, 1.5, True, 2 << 30])
+def test_a_bad_max_io_is_refused_at_open(engine_name, file_target, max_io):
+    """max_io cuts large I/Os: zero or negative would cut them into nothing,
+    one that is not whole blocks at unaligned offsets (EINVAL later), one
+    over 1 GiB past what an io_uring length holds."""
+    with Device(file_target(4 * MIB)) as dev:
+        with pytest.raises(ConfigError, match="max_io must be a multiple"):
+            open_engine([dev], engine_name, max_io=max_io)
+        with open_engine([dev], engine_name, max_io=64 << 10) as eng:   # whole blocks: fine
+            buf = HostBuffer(MIB)
+            buf.array[:] = _random(MIB, 3)
+            eng.write(IOBatch.single(buf.address, 0, 0, MIB))
+            out = HostBuffer(MIB)
+            eng.read(IOBatch.single(out.address, 0, 0, MIB))
+            assert np.array_equal(out.array, buf.array)
