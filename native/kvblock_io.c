@@ -31,7 +31,13 @@ struct kvb_ring {
     unsigned nbufs;
     uint64_t buf_start[KVB_MAX_BUFS];
     uint64_t buf_end[KVB_MAX_BUFS];
+    pid_t owner;              /* the process that made it (a forked child shares it) */
+    int broken;               /* a submit failed: never used again (its SQ may hold
+                               * entries the kernel did not take) */
 };
+
+/* How long a broken ring's I/Os already taken get to complete. */
+#define KVB_BROKEN_DRAIN_NS (5LL * 1000000000LL)
 
 static inline int64_t now_ns(void)
 {
@@ -75,6 +81,7 @@ kvb_ring *kvb_ring_create(unsigned entries, int *err)
         return NULL;
     }
     r->entries = p.sq_entries;
+    r->owner = getpid();
     *err = 0;
     return r;
 }
@@ -85,11 +92,16 @@ void kvb_ring_destroy(kvb_ring *r)
         return;
     /* Drop the ring's file references now: ring teardown is asynchronous in
      * the kernel, and a lingering reference would keep the device's O_EXCL
-     * claim (or a file's flock) alive after the store has closed. */
-    if (r->fixed_files)
-        io_uring_unregister_files(&r->ring);
-    if (r->nbufs)
-        io_uring_unregister_buffers(&r->ring);
+     * claim (or a file's flock) alive after the store has closed.  Not in a
+     * forked child: the ring is the parent's too, and (on kernels that let
+     * a ring without SINGLE_ISSUER be changed from another process) its
+     * files and buffers would go from under the parent. */
+    if (r->owner == getpid()) {
+        if (r->fixed_files)
+            io_uring_unregister_files(&r->ring);
+        if (r->nbufs)
+            io_uring_unregister_buffers(&r->ring);
+    }
     io_uring_queue_exit(&r->ring);
     free(r->fds);
     free(r);
@@ -355,11 +367,40 @@ int64_t kvb_hash_blocks_ranges(uint64_t nranges, uint64_t nblocks, const uint64_
     return 0;
 }
 
+/* A broken ring: reap the completions of I/Os [done, next) prepared by this
+ * call (some may never have reached the kernel) until all came or none
+ * came for a while. */
+static void ring_drain(kvb_ring *r, uint64_t done, uint64_t next, int64_t *results,
+                       struct io_uring_cqe **cqes)
+{
+    int64_t deadline = now_ns() + KVB_BROKEN_DRAIN_NS;
+    while (done < next && now_ns() < deadline) {
+        struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
+        struct io_uring_cqe *cqe;
+        int ret = io_uring_wait_cqe_timeout(&r->ring, &cqe, &ts);
+        if (ret == -ETIME || ret == -EINTR)
+            continue;
+        if (ret < 0)
+            break;
+        unsigned got = io_uring_peek_batch_cqe(&r->ring, cqes, 256);
+        for (unsigned k = 0; k < got; k++) {
+            uint64_t i = io_uring_cqe_get_data64(cqes[k]);
+            if (i < next) {
+                __atomic_store_n(&results[i], (int64_t)cqes[k]->res, __ATOMIC_RELEASE);
+                done++;
+            }
+        }
+        io_uring_cq_advance(&r->ring, got);
+    }
+}
+
 int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
                      const uint32_t *devs, const uint64_t *offsets,
                      const uint64_t *lens, unsigned qd, int64_t *results,
                      int64_t *latency_ns, kvb_hasher *h)
 {
+    if (r->broken)
+        return -EIO;
     if (qd == 0 || qd > r->entries)
         qd = r->entries;
     for (uint64_t i = 0; i < n; i++) {
@@ -387,7 +428,11 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
         }
         int ret = io_uring_submit_and_wait(&r->ring, 1);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
-            /* Ring broke: drain what we can, fail the rest. */
+            /* The ring broke.  I/Os it took may still land in the caller's
+             * buffers: wait (a bounded time) for every one this call
+             * prepared, then retire the ring.  The rest never ran. */
+            r->broken = 1;
+            ring_drain(r, done, next, results, cqes);
             for (uint64_t i = next; i < n; i++)
                 results[i] = -ECANCELED;
             return ret;
@@ -395,18 +440,22 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
         inflight += queued;
         unsigned got = io_uring_peek_batch_cqe(&r->ring, cqes, 256);
         int64_t t = latency_ns && got ? now_ns() : 0;
+        unsigned mine = 0;
         for (unsigned k = 0; k < got; k++) {
             uint64_t i = io_uring_cqe_get_data64(cqes[k]);
+            if (i >= n)           /* not this call's (never expected): never index by it */
+                continue;
             __atomic_store_n(&results[i], (int64_t)cqes[k]->res, __ATOMIC_RELEASE);
             if (cqes[k]->res < 0)
                 failed++;
             if (latency_ns)
                 latency_ns[i] = t - latency_ns[i];
+            mine++;
         }
         io_uring_cq_advance(&r->ring, got);
-        inflight -= got;
-        done += got;
-        if (got)
+        inflight -= mine;
+        done += mine;
+        if (mine)
             hasher_advance(h);
     }
     return failed;

@@ -134,6 +134,9 @@ class UringEngine(IOEngine):
             p("int64_t *", results), p("int64_t *", latency),
             native.ffi.NULL if hasher is None else hasher.handle)
         if ret < 0:
+            # A broken ring is retired (kvb_ring_run first waited for the
+            # I/Os it had taken): this thread's next batch gets a new one.
+            self._local.holder = None
             raise IOFailedError(f"io_uring failed while running a batch of {len(batch)} I/Os: "
                                 f"{strerror(-ret)}", None, -ret)
 
