@@ -9,6 +9,8 @@ utilisation of the GPUs' peak.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass
 
 from kvblock.errors import ConfigError
@@ -46,8 +48,10 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
                         ("tp", tp)):
         if value < 1:
             raise ConfigError(f"plan: {name} must be >= 1, got {value}")
-    if device_gbps <= 0:
-        raise ConfigError(f"plan: device_gbps must be > 0, got {device_gbps}")
+    for name, value in (("device_gbps", device_gbps), ("prefill_tokens_per_s", prefill_tokens_per_s),
+                        ("model_params", model_params), ("gpu_tflops", gpu_tflops)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"plan: {name} must be a finite number > 0, got {value}")
     if dtype not in DTYPES:
         raise ConfigError(f"plan: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     per_token = kv_parts * layers * kv_heads * head_dim * DTYPES[dtype][1]

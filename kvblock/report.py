@@ -27,8 +27,20 @@ def load(path: str | Path) -> dict:
                           "`pytest perf/ --benchmark-only --benchmark-json BENCH.json`") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not JSON ({e})") from None
-    if not isinstance(data, dict) or "benchmarks" not in data:
+    if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
         raise ConfigError(f"{path}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
+    for i, b in enumerate(data["benchmarks"]):
+        b = b if isinstance(b, dict) else {}
+        stats, info = b.get("stats"), b.get("extra_info") or {}
+        if not isinstance(b.get("name"), str) or not isinstance(stats, dict) or \
+                not isinstance(stats.get("median"), (int, float)) or not isinstance(info, dict):
+            raise ConfigError(f"{path}: benchmark {i} has no name, stats.median or "
+                              "extra_info dict; not a pytest-benchmark JSON file")
+        points = info.get("points", [])
+        for p in points if isinstance(points, list) else [points]:
+            if not isinstance(p, dict) or not {"figure", "series", "x", "y"} <= p.keys():
+                raise ConfigError(f"{path}: benchmark {b['name']}: a point needs figure, "
+                                  f"series, x and y, got {p!r}")
     return data
 
 

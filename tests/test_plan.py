@@ -64,6 +64,20 @@ def test_bad_input():
         plan(layers=1, kv_heads=1, head_dim=1, dtype="fp7", tokens=1, device_gbps=1)
     with pytest.raises(ConfigError, match="tokens must be >= 1"):
         plan(layers=1, kv_heads=1, head_dim=1, tokens=0, device_gbps=1)
+    for name in ("device_gbps", "model_params", "gpu_tflops", "prefill_tokens_per_s"):
+        for value in (float("nan"), float("inf"), 0.0):
+            kw = {"device_gbps": 1.0, name: value}
+            with pytest.raises(ConfigError, match=f"{name} must be a finite number"):
+                plan(layers=1, kv_heads=1, head_dim=1, tokens=1, **kw)
+
+
+@pytest.mark.parametrize("flag", ["--device-gbps", "--model-params", "--prefill-tokens-per-s"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_cli_plan_refuses_what_is_not_a_finite_number(flag, value):
+    args = ["plan", "--model-layers", "32", "--kv-heads", "8", "--head-dim", "128",
+            "--tokens", "8192", "--device-gbps", "2", flag, value, "--json"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2 and "not a finite number" in res.output, res.output
 
 
 def test_cli_plan_json_and_table():

@@ -53,3 +53,10 @@ def test_report_bad_input(tmp_path):
     bad.write_text("{}")
     res = CliRunner().invoke(cli, ["report", str(bad)])
     assert res.exit_code == 8 and "not a pytest-benchmark JSON" in res.output
+    # shapes that used to end in a traceback (KeyError, AttributeError)
+    for data in ({"benchmarks": "x"}, {"benchmarks": [{"name": "x"}]},
+                 {"benchmarks": [{"name": "x", "stats": {"median": 1.0},
+                                  "extra_info": {"points": [{"x": 1, "y": 2}]}}]}):
+        bad.write_text(json.dumps(data))
+        res = CliRunner().invoke(cli, ["report", str(bad)])
+        assert res.exit_code == 8 and "kvblock: error:" in res.output, res.output

@@ -13,6 +13,7 @@ import time
 import click
 
 from kvblock.cli.main import SIZE, _emit, cli
+from kvblock.cli.units import FiniteFloatRange
 from kvblock.errors import ConfigError, DeviceBusyError, KVBlockError, UnsafeTargetError
 
 DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -297,7 +298,7 @@ def fsck(devices, repair, deep, as_json):
                    "counters of all its clients (puts, hits, bytes) and gauges.")
 @click.option("--prometheus", "port", type=click.IntRange(1, 65535), default=None,
               help="Serve the store's metrics on this port (Ctrl-C to stop).")
-@click.option("--interval", type=click.FloatRange(0.1), default=5.0, show_default=True,
+@click.option("--interval", type=FiniteFloatRange(0.1), default=5.0, show_default=True,
               help="With --prometheus: re-read the store at most this often (from DEVICES "
                    "each read is a read-only recovery: 0.6-0.7 s for a store of 100,000 runs here).")
 @click.option("--json", "as_json", is_flag=True)
@@ -471,17 +472,17 @@ def trim(devices, as_json):
 @click.option("--sessions", type=click.IntRange(1), default=None,
               help="Contexts kept in the store (default: --concurrency).")
 @click.option("--devices", type=click.IntRange(1), default=1, show_default=True)
-@click.option("--device-gbps", type=click.FloatRange(min=0, min_open=True), required=True,
+@click.option("--device-gbps", type=FiniteFloatRange(min=0, min_open=True), required=True,
               help="Read bandwidth of one device, GB/s.")
 @click.option("--tp", type=click.IntRange(1), default=1, show_default=True,
               help="Tensor-parallel degree.")
-@click.option("--prefill-tokens-per-s", type=click.FloatRange(min=0, min_open=True),
+@click.option("--prefill-tokens-per-s", type=FiniteFloatRange(min=0, min_open=True),
               default=None, help="Measured prefill throughput (for the recompute time).")
-@click.option("--model-params", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--model-params", type=FiniteFloatRange(min=0, min_open=True), default=None,
               help="Active parameters (e.g. 35e9), to estimate recompute from FLOPs.")
-@click.option("--gpu-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--gpu-tflops", type=FiniteFloatRange(min=0, min_open=True), default=None,
               help="Peak dense TFLOP/s of one GPU (with --model-params).")
-@click.option("--mfu", type=click.FloatRange(0.01, 1.0), default=0.4, show_default=True)
+@click.option("--mfu", type=FiniteFloatRange(0.01, 1.0), default=0.4, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, sessions, devices,
          device_gbps, tp, prefill_tokens_per_s, model_params, gpu_tflops, mfu, as_json):
@@ -550,9 +551,9 @@ def report(bench_json, out, md_path, as_json):
               help="I/O engine (default: KVBLOCK_IO_ENGINE, else the best available).")
 @click.option("--verify", type=click.Choice(["always", "never"]), default="always",
               show_default=True, help="Clients' default for checking data checksums.")
-@click.option("--idle-exit", type=click.FloatRange(0), default=None,
+@click.option("--idle-exit", type=FiniteFloatRange(0), default=None,
               help="Stop (cleanly) after this many seconds without a client.")
-@click.option("--pin-lease", type=click.FloatRange(0), default=60.0, show_default=True,
+@click.option("--pin-lease", type=FiniteFloatRange(0), default=60.0, show_default=True,
               help="Drop a client that holds pins and sends nothing for this many seconds "
                    "(a stopped process); clients ping while they hold pins. 0: never.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line once listening.")

@@ -13,7 +13,7 @@ import sys
 import click
 
 from kvblock import errors
-from kvblock.cli.units import SIZE
+from kvblock.cli.units import SIZE, FiniteFloatRange
 
 # Exit codes: one per kind of failure, stable for scripts.  Order matters: the
 # first matching class wins, so subclasses come before their bases.
@@ -78,7 +78,7 @@ def cli():
 
 def _emit(obj: dict, as_json: bool, title: str) -> None:
     if as_json:
-        click.echo(json.dumps(obj, indent=None, sort_keys=False))
+        click.echo(json.dumps(obj, indent=None, sort_keys=False, allow_nan=False))
         return
     from rich.table import Table
 
@@ -107,7 +107,7 @@ def console():
               help="I/Os in flight.")
 @click.option("--size", type=SIZE, default=None,
               help="Bytes of the target to use (creates a file TARGET of this size if absent).")
-@click.option("--seconds", type=click.FloatRange(0.01), default=5.0, show_default=True)
+@click.option("--seconds", type=FiniteFloatRange(0.01), default=5.0, show_default=True)
 @click.option("--engine", type=click.Choice(["uring", "threads"]), default=None,
               help="I/O engine (default: KVBLOCK_IO_ENGINE, else the best available).")
 @click.option("--layers", type=click.IntRange(1), default=32, show_default=True,

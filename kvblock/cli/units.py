@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 from kvblock.units import parse_size  # noqa: F401  (re-exported for the CLI)
@@ -20,3 +22,14 @@ class SizeType(click.ParamType):
 
 
 SIZE = SizeType()
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf (nan passes every
+    range check: it compares false both ways)."""
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if not math.isfinite(value):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return value
