@@ -10,6 +10,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 GAUGES = ("capacity_bytes", "used_bytes", "regions", "regions_free", "regions_sealed", "runs",
           "blocks", "checkpoint_generation")
+# A store server's own numbers (its stats add them): these go up and down.
+SERVER_GAUGES = ("clients", "pinned_regions")
+NOT_METRICS = ("server_pid",)   # an identity, not a quantity
 
 
 class StoreCollector:
@@ -27,7 +30,7 @@ class StoreCollector:
     def collect(self):
         s = self.source()
         labels = ["store"]
-        for name in GAUGES:
+        for name in GAUGES + tuple(n for n in SERVER_GAUGES if n in s):
             g = GaugeMetricFamily(f"kvblock_store_{name}", f"kvblock store {name}",
                                   labels=labels)
             g.add_metric([s["uuid"]], s[name])
@@ -35,7 +38,8 @@ class StoreCollector:
         if not self.counters:
             return
         for name, value in s.items():
-            if name in GAUGES or not isinstance(value, int) or isinstance(value, bool):
+            if name in GAUGES or name in SERVER_GAUGES or name in NOT_METRICS or \
+                    not isinstance(value, int) or isinstance(value, bool):
                 continue
             c = CounterMetricFamily(f"kvblock_store_{name}", f"kvblock store {name}",
                                     labels=labels)

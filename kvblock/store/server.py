@@ -642,6 +642,9 @@ def _bind(path: str) -> socket.socket:
     return sock
 
 
+MAX_SOCKET_PATH = 107   # sun_path is 108 bytes, its last one the terminating NUL
+
+
 def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = None,
                 pin_lease: float | None = PIN_LEASE_S, **options) -> StoreServer:
     """Open (and recover) the store on ``devices`` and serve it on
@@ -651,7 +654,12 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
     if options.get("host_cache_bytes"):
         raise ConfigError("a store server cannot keep a DRAM tier (its clients read the "
                           "devices themselves); give each rank its own cache instead")
-    socket_dir(socket_path)                     # fail fast, before recovery
+    # fail fast: before recovery writes a checkpoint, before any file is made
+    if len(os.fsencode(os.fspath(socket_path))) > MAX_SOCKET_PATH:
+        raise ConfigError(f"socket path {os.fspath(socket_path)!r} is "
+                          f"{len(os.fsencode(os.fspath(socket_path)))} bytes; a Unix socket's "
+                          f"path holds at most {MAX_SOCKET_PATH}: choose a shorter --socket path")
+    socket_dir(socket_path)
     _check_socket_path(os.fspath(socket_path))
     store = KVStore.open(list(devices), **options)
     try:

@@ -1111,14 +1111,26 @@ def store_in(copies: list[bytes], path: str, allow_model=False) -> str | None:
     return f"kvblock store {uuid.UUID(bytes=sb.store_uuid)} ({sb.geometry.describe()})"
 
 
+SUPERBLOCKS_END = max(sbfmt.COPY_OFFSETS) + sbfmt.SIZE
+
+
 def _store_on(io: StoreIO, dev: int) -> str | None:
     """store_in() of a device of ``io``."""
+    if io.devices[dev].capacity < SUPERBLOCKS_END:
+        return None                      # too small to hold even the superblocks
     copies = [io.read_bytes(dev, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]
     return store_in(copies, io.devices[dev].path)
 
 
 def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
     path = io.devices[dev].path
+    if io.devices[dev].capacity < SUPERBLOCKS_END:
+        if not raise_errors:
+            return None
+        raise DeviceTooSmallError(
+            f"{path}: {io.devices[dev].capacity} bytes cannot hold a kvblock store (its "
+            f"superblocks alone take {SUPERBLOCKS_END}): not a store; a store needs a few MiB "
+            "at least", path)
     copies = [io.read_bytes(dev, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]
     try:
         return sbfmt.pick(copies, path)

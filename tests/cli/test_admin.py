@@ -768,3 +768,56 @@ def test_trim_of_a_mapped_tmpfs_store_says_how_to_release_it(shm_target, monkeyp
     with KVStore.open([path]) as store:
         assert store.io.engine.mapped_for_writes(0)
         assert store.get_run(keys, got) == 4 and np.array_equal(got, run_data(keys))
+
+
+def test_a_device_too_small_for_superblocks_is_too_small_not_an_io_error(tmp_path):
+    """Under 8 KiB (a --size without its unit, a truncated store): format,
+    info and fsck say the device is too small (exit 7), not that a read
+    past its end failed (exit 9)."""
+    small = tmp_path / "small.img"
+    small.write_bytes(b"\0" * 1000)
+    one_line_error(kvb("format", small, *GEOM_ARGS, "--yes"), 7, "small.img")
+    one_line_error(kvb("format", tmp_path / "new.img", "--size", "64", *GEOM_ARGS), 7)
+    one_line_error(kvb("info", small), 7, "cannot hold a kvblock store")
+    store = tmp_path / "st.img"
+    assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
+    os.truncate(store, 4096)
+    res = kvb("fsck", store, "--json")
+    assert res.returncode == 7, res.stderr
+    assert json.loads(res.stdout)["status"] == "unusable"
+
+
+def test_serve_refuses_a_socket_path_too_long_before_touching_the_store(tmp_path):
+    store = tmp_path / "st.img"
+    assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
+    before = store.read_bytes()
+    sock = tmp_path / "new" / ("y" * 110 + ".sock")
+    one_line_error(kvb("serve", store, "--socket", sock), 8, "at most 107")
+    assert store.read_bytes() == before and not (tmp_path / "new").exists()
+
+
+def test_a_store_servers_numbers_are_gauges_and_its_pid_no_metric(file_target, tmp_path):
+    """clients and pinned_regions go up and down: exported as counters,
+    Prometheus would read each fall as a reset.  The server's pid is no
+    quantity at all."""
+    from kvblock.cli.admin import _server_stats
+    from kvblock.metrics import StoreCollector
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    assert kvb("format", path, *GEOM_ARGS, "--yes").returncode == 0
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock), RemoteStore(sock) as rank:
+        keys = [b"m0", b"m1"]
+        rank.put_run(keys, np.zeros(2 * rank.geometry.block_bytes, np.uint8))
+        pins = rank.pin(keys)
+        stats = _server_stats(sock)
+        families = {f.name.removeprefix("kvblock_store_"): f
+                    for f in StoreCollector(lambda: stats).collect()}
+        rank.unpin(pins)
+    assert families["clients"].type == "gauge" and families["clients"].samples[0].value >= 1
+    assert families["pinned_regions"].type == "gauge"
+    assert families["pinned_regions"].samples[0].value == 1
+    assert "server_pid" not in families
+    assert families["put_blocks"].type == "counter"
