@@ -136,6 +136,7 @@ class StoreServer:
         self._dropped_retry = (0.0, 1.0)      # (next try, backoff), monotonic seconds
         self._halt = threading.Event()        # stop() began
         self._lease_thread: threading.Thread | None = None
+        self._accept_trouble_logged = -1e9    # monotonic time of the last such warning
 
     # ------------------------------------------------------------------ lifetime
     def start(self) -> "StoreServer":
@@ -254,10 +255,16 @@ class StoreServer:
                     threading.Thread(target=self.stop, daemon=True).start()
                     return
                 continue
-            except OSError:
+            except OSError as e:
                 if self._stopping:
                     return
-                raise
+                if e.errno not in ACCEPT_RETRY_ERRNOS:
+                    raise
+                # Out of descriptors or memory for now: the accept thread
+                # must outlive it (else the server answers nobody again).
+                self._note_accept_trouble(e)
+                time.sleep(ACCEPT_RETRY_S)
+                continue
             conn.settimeout(None)
             idle_since = time.monotonic()
             session = _Session(conn, next(self._ids))
@@ -269,7 +276,22 @@ class StoreServer:
                 self.connections_total += 1
             session.thread = threading.Thread(target=self._serve, args=(session,),
                                               name=f"kvblock-serve-{session.sid}", daemon=True)
-            session.thread.start()
+            try:
+                session.thread.start()
+            except RuntimeError as e:          # no thread to be had: turn this one away
+                with self._sessions_lock:
+                    self._sessions.pop(session.sid, None)
+                conn.close()
+                self._note_accept_trouble(e)
+                time.sleep(ACCEPT_RETRY_S)
+
+    def _note_accept_trouble(self, error) -> None:
+        now = time.monotonic()
+        if now - self._accept_trouble_logged >= 10.0:
+            self._accept_trouble_logged = now
+            logger.warning("kvblock serve: cannot take a connection on %s now (%s); retrying "
+                           "(raise the open-files limit, ulimit -n, for many ranks)",
+                           self.socket_path, error)
 
     def _lease_loop(self):
         """Drop the connections that hold pins and have gone quiet; give back
@@ -320,6 +342,14 @@ class StoreServer:
                 except Exception as e:  # noqa: BLE001  (answered; the server keeps serving)
                     reply = {"ok": False, "error": "ServerError",
                              "message": f"{type(e).__name__}: {e}"}
+                fence_fds = None
+                if op == "hello" and reply["ok"]:
+                    try:             # before answering: a rank told yes gets them
+                        fence_fds = self._fence_files()
+                    except OSError as e:
+                        reply = {"ok": False, "error": "ServerError",
+                                 "message": f"the store server at {self.socket_path} cannot "
+                                            f"hand out its fence files now ({e}); try again"}
                 try:
                     data = encode_msg(reply)
                 except KVBlockError as e:   # an answer too large for one frame
@@ -327,11 +357,13 @@ class StoreServer:
                     data = encode_msg(error_reply(e))
                 try:
                     s.conn.sendall(data)
-                    if op == "hello" and reply["ok"]:
-                        self._send_fence_files(s)
+                    if fence_fds is not None:
+                        socket.send_fds(s.conn, [b"F"], fence_fds)
                 except OSError:
                     break
                 finally:
+                    for fd in fence_fds or ():
+                        os.close(fd)
                     s.busy, s.last_seen = False, time.monotonic()
                 if self.store.closed and not self._stopping:
                     # A metadata write failed: the in-memory state may be ahead of
@@ -412,17 +444,18 @@ class StoreServer:
         fence_writers(files, timeout, turnstile=turnstile,
                       **({"waiting_for": waiting_for} if waiting_for else {}))
 
-    def _send_fence_files(self, s: _Session) -> None:
-        """After hello: the files this server fences on, as descriptors of
-        their own (a lock belongs to its open file description), so a rank
-        locks the very inodes whatever paths it reaches them by."""
-        fds = [reopen(self.store.io.devices[0].fd, os.O_RDONLY), reopen(self._fence_fd,
-                                                                         os.O_RDONLY)]
+    def _fence_files(self) -> list[int]:
+        """What a rank gets right after hello: the files this server fences
+        on, as descriptors of their own (a lock belongs to its open file
+        description), so a rank locks the very inodes whatever paths it
+        reaches them by."""
+        fds = [reopen(self.store.io.devices[0].fd, os.O_RDONLY)]
         try:
-            socket.send_fds(s.conn, [b"F"], fds)
-        finally:
-            for fd in fds:
-                os.close(fd)
+            fds.append(reopen(self._fence_fd, os.O_RDONLY))
+        except BaseException:
+            os.close(fds[0])
+            raise
+        return fds
 
     # ------------------------------------------------------------------ requests
     def _dispatch(self, s: _Session, req: dict):
@@ -642,6 +675,8 @@ def _bind(path: str) -> socket.socket:
     return sock
 
 
+ACCEPT_RETRY_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+ACCEPT_RETRY_S = 0.1
 MAX_SOCKET_PATH = 107   # sun_path is 108 bytes, its last one the terminating NUL
 
 

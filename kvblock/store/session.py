@@ -115,6 +115,10 @@ def recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:
         raise ServerGoneError(f"store server at {socket_path} is gone (hello: {e})") from None
     finally:
         sock.settimeout(before)
+    if msg == b"" and not fds:
+        # the server closed the connection: stopping, or out of descriptors
+        raise ServerGoneError(f"the store server at {socket_path} closed the connection "
+                              "right after hello; try again")
     if msg != b"F" or len(fds) != 2:
         for fd in fds:
             os.close(fd)

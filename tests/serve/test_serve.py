@@ -622,3 +622,43 @@ def test_a_client_can_require_the_served_store_geometry_and_model(tmp_path, sock
             RemoteStore(sock, model="llama-b")
         with RemoteStore(sock, geometry=GEOM, model="llama-a") as r:
             assert r.geometry == GEOM
+
+
+def test_a_server_out_of_descriptors_serves_again_once_some_are_free(tmp_path):
+    """More connections than the server has descriptors for: accept fails
+    with EMFILE for a while.  The accept thread must outlive it (it used to
+    die, leaving a live process whose socket nobody answered)."""
+    import shutil
+    import socket
+
+    from kvblock.store.launch import wait_for_server
+    from tests.store.workload import small_store
+
+    assert shutil.which("prlimit"), "prlimit (util-linux) is installed by make"
+    path, sock = small_store(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    log = open(tmp_path / "serve.log", "wb")
+    server = subprocess.Popen(["prlimit", "--nofile=48:48", "--", sys.executable, "-m",
+                               "kvblock", "serve", path, "--socket", sock],
+                              stdout=log, stderr=log, cwd=ROOT, start_new_session=True)
+    try:
+        wait_for_server(sock, 30, server)
+        keys = run_keys(1, 2)
+        with RemoteStore(sock, timeout=10) as rank:
+            rank.put_run(keys, run_data(keys))
+        conns = []
+        for _ in range(64):
+            c = socket.socket(socket.AF_UNIX)
+            c.settimeout(2)
+            c.connect(sock)
+            conns.append(c)
+        time.sleep(1.0)
+        for c in conns:
+            c.close()
+        with RemoteStore(sock, timeout=20) as rank:
+            assert rank.lookup(keys) == 2
+        assert server.poll() is None
+        assert "cannot take a connection" in (tmp_path / "serve.log").read_text()
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()

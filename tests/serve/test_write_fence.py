@@ -198,17 +198,54 @@ def test_a_rank_on_another_inode_and_socket_path_is_fenced(tmp_path, loop_device
 
 
 def test_a_server_that_sends_no_fence_files_is_refused(tmp_path, monkeypatch):
+    import socket
+
     import kvblock.store.session as session_mod
     from kvblock.errors import ProtocolMismatchError
-    from kvblock.store.server import StoreServer
 
-    monkeypatch.setattr(StoreServer, "_send_fence_files", lambda self, s: None)
+    monkeypatch.setattr(socket, "send_fds", lambda *args: None)   # (the server's only use)
     monkeypatch.setattr(session_mod, "FENCE_FILES_WAIT_S", 0.5)
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     server = serve_in_background([path], sock)
     try:
         with pytest.raises(ProtocolMismatchError, match="did not send its fence files"):
             RemoteStore(sock)
+    finally:
+        server.stop()
+
+
+def test_a_server_short_of_descriptors_at_hello_is_retried_not_refused(tmp_path, monkeypatch):
+    """A server that cannot open the fence files it hands out (out of
+    descriptors), or closes the connection right after hello, is a passing
+    trouble: the rank is told so (ServerError / ServerGoneError, which a
+    reconnecting rank retries), never ProtocolMismatchError, which would
+    make it refuse that server for good."""
+    import socket
+
+    from kvblock.errors import ProtocolMismatchError, ServerError, ServerGoneError
+    from kvblock.store.server import StoreServer
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    try:
+        real = StoreServer._fence_files
+
+        def out_of_fds(self):
+            raise OSError(24, "Too many open files")
+        monkeypatch.setattr(StoreServer, "_fence_files", out_of_fds)
+        with pytest.raises(ServerError, match="cannot hand out its fence files now") as e:
+            RemoteStore(sock)
+        assert not isinstance(e.value, ProtocolMismatchError)
+        monkeypatch.setattr(StoreServer, "_fence_files", real)
+
+        def hang_up(conn, *args):
+            conn.shutdown(socket.SHUT_RDWR)
+        monkeypatch.setattr(socket, "send_fds", hang_up)
+        with pytest.raises(ServerGoneError, match="closed the connection right after hello"):
+            RemoteStore(sock)
+        monkeypatch.undo()
+        with RemoteStore(sock) as rank:                  # and then it serves again
+            assert rank.lookup([b"k"]) == 0
     finally:
         server.stop()
 
