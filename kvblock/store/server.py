@@ -35,6 +35,7 @@ import select
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -266,6 +267,14 @@ class StoreServer:
                 time.sleep(ACCEPT_RETRY_S)
                 continue
             conn.settimeout(None)
+            if self.pin_lease:
+                # An answer the client does not take (a stopped process with a
+                # full socket buffer) must not keep its session, and pins, for
+                # good: the lease loop passes busy sessions by, so a send that
+                # makes no progress for a lease ends it (its pins released).
+                secs = max(self.pin_lease, 0.001)
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                struct.pack("ll", int(secs), int(secs % 1 * 1e6)))
             idle_since = time.monotonic()
             session = _Session(conn, next(self._ids))
             with self._sessions_lock:
@@ -359,6 +368,16 @@ class StoreServer:
                     s.conn.sendall(data)
                     if fence_fds is not None:
                         socket.send_fds(s.conn, [b"F"], fence_fds)
+                except (BlockingIOError, TimeoutError):
+                    # SO_SNDTIMEO: the client took nothing for a lease (a
+                    # stopped process?).  Dropped as the lease drops a quiet
+                    # one: its allocations wait for the write fence.
+                    s.dropped = (f"it took none of an answer for {self.pin_lease:g} s "
+                                 "(pin lease)")
+                    self.expired_sessions += 1
+                    logger.warning("kvblock serve: dropping the connection of pid %s: %s",
+                                   s.pid, s.dropped)
+                    break
                 except OSError:
                     break
                 finally:

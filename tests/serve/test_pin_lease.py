@@ -19,7 +19,7 @@ from kvblock.store.server import serve_in_background
 from tests.serve.test_serve import _store_file
 from tests.serve.test_write_fence import _allocations, _in_thread, _release_fenced_writer, _Stall
 from tests.store.workload import run_data, run_keys
-from tests.support.servers import stop_process
+from tests.support.servers import stop_process, stop_server
 
 LEASE = 0.5
 
@@ -184,3 +184,50 @@ def test_a_shorter_lease_after_a_reconnect_is_kept_to(tmp_path):
             assert server.store.regions.pins.sum() == 1
     finally:
         server.stop()
+
+
+_STOPPED_WHILE_ANSWERED = """
+import os, signal, sys
+import kvblock.store.client as client
+from tests.store.workload import run_keys
+store = client.RemoteStore(sys.argv[1])
+store.pin(run_keys(1, 2))
+print("pinned", flush=True)
+real = client.recv_msg
+def stopped_then_read(sock):           # stopped right after sending its request
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return real(sock)
+client.recv_msg = stopped_then_read
+store.present([os.urandom(16) for _ in range(60000)])   # an answer larger than the buffer
+"""
+
+
+def test_a_rank_stopped_before_taking_a_large_answer_loses_its_pins(tmp_path):
+    """The lease passes by sessions whose answer is being sent; a rank
+    stopped before it read a ~360 KB answer left the server blocked in that
+    send, and its pins held as long as it stayed stopped.  A send that
+    takes nothing for a lease now ends the session like the lease does."""
+    from kvblock.store.server import spawn_server
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = spawn_server([path], sock, pin_lease=1)
+    keys = run_keys(1, 2)
+    proc = None
+    try:
+        with RemoteStore(sock) as w:
+            w.put_run(keys, run_data(keys))
+        proc = subprocess.Popen([sys.executable, "-c", _STOPPED_WHILE_ANSWERED, sock],
+                                stdout=subprocess.PIPE, cwd=os.getcwd())
+        assert proc.stdout.readline().strip() == b"pinned"
+        with RemoteStore(sock) as other:
+            _until(lambda: other.stats()["pinned_regions"] == 0, timeout=20)
+            assert other.stats()["expired_sessions"] == 1
+            assert other.evict(all=True) == 1
+    finally:
+        if proc is not None:
+            proc.kill()
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.wait()
+            proc.stdout.close()
+        stop_server(server.pid)
+        server.wait(30)
