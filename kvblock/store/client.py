@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import stat
 import threading
 import time
 import uuid
@@ -251,6 +252,7 @@ class RemoteStore(RunReader, RunWriter):
                 for fd in served:
                     os.close(fd)
                 raise
+            self._check_medium(served[0])
             self._fence.served(served)
             self._check_identity(geometry, model)
         except BaseException:
@@ -324,6 +326,17 @@ class RemoteStore(RunReader, RunWriter):
                     f"{d.path} is not device #{i} of store {hello['uuid']} served at "
                     f"{self.socket_path}; pass devices= in the server's order", d.path, 0)
         self._fence = WriteFence(fence_files(devs[0], self.socket_path))
+
+    def _check_medium(self, served_dev0: int) -> None:
+        """The server's device 0 (the descriptor it sent) is the very medium
+        this rank does its I/O on: a copy of the store's image (same uuid,
+        another file) served at the socket would take this rank's commits
+        for runs whose bytes it wrote elsewhere."""
+        if not same_medium(served_dev0, self.io.devices[0].fd):
+            raise errors.GeometryMismatchError(
+                f"the store server at {self.socket_path} serves store {self.uuid} from another "
+                f"medium than {self.io.devices[0].path} (a copy of the store?): reconnect to "
+                "the server of this medium, or reopen", self.io.devices[0].path, 0)
 
     # ------------------------------------------------------------------ transport
     def _current(self) -> "Session":
@@ -476,6 +489,12 @@ class RemoteStore(RunReader, RunWriter):
                     f"the store server at {self.socket_path} now serves another store "
                     f"(uuid {hello.get('uuid')}, not {self.uuid}): reopen it", self.socket_path, 0)
             served = recv_fence_files(s.sock, self.socket_path)
+            try:
+                self._check_medium(served[0])
+            except BaseException:
+                for fd in served:
+                    os.close(fd)
+                raise
         except BaseException:
             s.close()
             raise
@@ -739,6 +758,43 @@ class RemoteStore(RunReader, RunWriter):
 _LIVE: "weakref.WeakSet[RemoteStore]" = weakref.WeakSet()
 
 
+def same_medium(fd_a: int, fd_b: int) -> bool:
+    """Do two descriptors reach one medium (the same block device through
+    any node, the same file through any path, or a loop device and the
+    file it is over)?"""
+    return _medium_key(os.fstat(fd_a)) == _medium_key(os.fstat(fd_b))
+
+
+def _check_served_devices(store: "RemoteStore", devices) -> None:
+    """connect() was given the devices: the store served at the socket must
+    be on them (another store's server there would otherwise be used)."""
+    served = {(d.path, _medium_key(os.fstat(d.fd))) for d in store.io.devices}
+    keys = {k for _, k in served}
+    for path in devices:
+        try:
+            key = _medium_key(os.stat(os.fspath(path)))
+        except OSError:
+            key = None
+        if key not in keys or len(devices) != len(served):
+            raise errors.GeometryMismatchError(
+                f"the store server at {store.socket_path} serves store {store.uuid} on "
+                f"{', '.join(sorted(p for p, _ in served))}, not on "
+                f"{', '.join(map(os.fspath, devices))}: give each store its own socket "
+                "(e.g. a {dp_rank} in it too)", os.fspath(path), 0)
+
+
+def _medium_key(st) -> tuple:
+    if not stat.S_ISBLK(st.st_mode):
+        return ("file", st.st_dev, st.st_ino)
+    major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+    try:      # a loop device is the file it is over
+        with open(f"/sys/dev/block/{major}:{minor}/loop/backing_file") as f:
+            backing = os.stat(f.read().strip())
+        return ("file", backing.st_dev, backing.st_ino)
+    except OSError:
+        return ("blk", st.st_rdev)
+
+
 def _after_fork_in_child() -> None:
     for store in list(_LIVE):
         store._forked = True
@@ -801,6 +857,12 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
         ensure_server(socket_path, devices, start_timeout=start_timeout,
                       server_options=server_options, prepare=prepare)
         store = RemoteStore(socket_path, **client_options)
+    if devices:
+        try:
+            _check_served_devices(store, list(devices))
+        except BaseException:
+            store.close()
+            raise
     if can_start:
         store._restart = functools.partial(ensure_server, socket_path, list(devices),
                                            start_timeout=start_timeout,

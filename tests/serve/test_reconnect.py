@@ -371,3 +371,60 @@ def test_a_server_of_another_release_is_refused_once_and_said_so(tmp_path, monke
     finally:
         r.close()
         server.stop()
+
+
+def test_a_copy_of_the_store_served_at_the_socket_is_refused(tmp_path):
+    """A rank reconnects to a server of a copy of its store's image (same
+    uuid, another file): it would do its I/O on its own file and commit it
+    to the copy (acknowledged puts of other ranks dropped by false checksum
+    failures, published runs whose bytes are elsewhere).  Refused."""
+    import shutil
+
+    from kvblock.errors import GeometryMismatchError
+    from kvblock.store.server import spawn_server
+    from tests.support.servers import stop_server
+
+    path = _store_file(tmp_path)
+    copy = str(tmp_path / "copy.img")
+    shutil.copyfile(path, copy)
+    sock = str(tmp_path / "kv.sock")
+    server = spawn_server([path], sock)
+    rank = RemoteStore(sock, reconnect=True)
+    try:
+        keys = run_keys(1, 2)
+        rank.put_run(keys, run_data(keys))
+        server.send_signal(signal.SIGKILL)
+        server.wait(20)
+        server = spawn_server([copy], sock)
+        with pytest.raises(ServerGoneError):
+            rank.lookup(keys)                      # notices the outage
+        deadline = time.monotonic() + 20
+        while rank._refused is None:
+            assert time.monotonic() < deadline, "the copy's server was not refused"
+            time.sleep(0.05)
+        assert "another medium" in rank._refused
+        with pytest.raises(ServerGoneError, match="another medium"):
+            rank.lookup(keys)
+        with pytest.raises(GeometryMismatchError, match="another medium"):
+            RemoteStore(sock, devices=[path])       # nor taken at a first connect
+    finally:
+        rank.close()
+        stop_server(server.pid)
+        server.wait(20)
+
+
+def test_connect_refuses_a_server_of_other_devices(tmp_path):
+    """connect(sock, devices): the store served there must be on those
+    devices (two replicas templating only their devices would otherwise
+    share one store, and restarts would then refuse both for good)."""
+    from kvblock.errors import GeometryMismatchError
+
+    from tests.store.workload import small_store
+
+    a, b = small_store(tmp_path / "a.img"), small_store(tmp_path / "b.img")
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([a], sock):
+        with connect(sock, [a]) as rank:
+            assert rank.lookup(run_keys(0, 1)) == 0
+        with pytest.raises(GeometryMismatchError, match="not on .*b.img"):
+            connect(sock, [b])
