@@ -27,14 +27,15 @@ CLOSE_WAIT_S = 30.0   # close() waits this long for the calls in flight
 
 class InFlight:
     def __init__(self, closed_message: str):
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()          # taken bare on the hot path (cheaper)
+        self._cv = threading.Condition(self._lock)
         self._calls = 0
         self._closing = False
         self._closed_message = closed_message
 
     def enter(self) -> None:
         """A call starts (StoreClosedError once the store is closing)."""
-        with self._cv:
+        with self._lock:
             if self._closing:
                 raise StoreClosedError(self._closed_message)
             self._calls += 1
@@ -42,13 +43,13 @@ class InFlight:
     def hold(self) -> None:
         """One more for a call already inside (a load's second thread):
         closing does not refuse it."""
-        with self._cv:
+        with self._lock:
             self._calls += 1
 
     def leave(self) -> None:
-        with self._cv:
+        with self._lock:
             self._calls -= 1
-            if self._calls == 0:
+            if self._calls == 0 and self._closing:
                 self._cv.notify_all()
 
     @contextlib.contextmanager
@@ -62,12 +63,12 @@ class InFlight:
     @property
     def calls(self) -> int:
         """Calls inside now."""
-        with self._cv:
+        with self._lock:
             return self._calls
 
     def shut(self) -> None:
         """Refuse new calls from here on."""
-        with self._cv:
+        with self._lock:
             self._closing = True
 
     def drained(self, timeout: float | None, what: str) -> bool:
@@ -89,6 +90,10 @@ def in_flight(method: Callable) -> Callable:
     store's InFlight (``_inflight``)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        with self._inflight.call():
+        gate = self._inflight
+        gate.enter()
+        try:
             return method(self, *args, **kwargs)
+        finally:
+            gate.leave()
     return call
