@@ -34,6 +34,15 @@ time.sleep(600)
 """
 
 
+def _reap(proc) -> None:
+    """End a rank process that may be stopped (SIGSTOP)."""
+    if proc is not None:
+        proc.kill()
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.wait()
+        proc.stdout.close()
+
+
 def _until(what, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not what():
@@ -65,11 +74,7 @@ def test_a_stopped_ranks_pins_lapse_and_a_live_ranks_stay(tmp_path):
         assert server.expired_sessions == 1
         assert server.store.evict(all=True) == 1   # its region can go
     finally:
-        if proc is not None:
-            proc.kill()
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.wait()
-            proc.stdout.close()
+        _reap(proc)
         server.stop()
 
 
@@ -224,10 +229,6 @@ def test_a_rank_stopped_before_taking_a_large_answer_loses_its_pins(tmp_path):
             assert other.stats()["expired_sessions"] == 1
             assert other.evict(all=True) == 1
     finally:
-        if proc is not None:
-            proc.kill()
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.wait()
-            proc.stdout.close()
+        _reap(proc)
         stop_server(server.pid)
         server.wait(30)

@@ -14,21 +14,8 @@ from kvblock import KVStore
 from kvblock.errors import StoreClosedError
 from kvblock.store.client import RemoteStore
 from kvblock.store.server import serve_in_background
+from tests.serve.test_shared_clear import _wait_in
 from tests.store.workload import GEOM, run_data, run_keys, small_store
-
-
-def _stall(obj, method: str):
-    """Make ``obj.<method>`` stop after it ran until released: (reached, go)."""
-    reached, go = threading.Event(), threading.Event()
-    real = getattr(obj, method)
-
-    def stalled(*args, **kw):
-        out = real(*args, **kw)
-        reached.set()
-        assert go.wait(30)
-        return out
-    setattr(obj, method, stalled)
-    return reached, go
 
 
 def _close_while(store, reached, go, call):
@@ -70,7 +57,7 @@ def test_close_waits_for_a_read_in_another_thread(store_file):
     keys = run_keys(1, 3)
     store.put_run(keys, run_data(keys))
     out = np.zeros(3 * GEOM.block_bytes, np.uint8)
-    reached, go = _stall(store, "_segments")
+    reached, go = _wait_in(store, "_segments")
     assert _close_while(store, reached, go, lambda: store.get_run(keys, out)) == 3
     assert np.array_equal(out, run_data(keys))
     with pytest.raises(StoreClosedError, match="reopen"):
@@ -80,7 +67,7 @@ def test_close_waits_for_a_read_in_another_thread(store_file):
 def test_close_waits_for_a_put_in_another_thread(store_file):
     store = KVStore.open([store_file])
     keys = run_keys(2, 3)
-    reached, go = _stall(store, "_stage_run")
+    reached, go = _wait_in(store, "_stage_run")
     assert _close_while(store, reached, go, lambda: store.put_run(keys, run_data(keys))) == 3
     with KVStore.open([store_file]) as again:      # published before the close
         out = np.zeros(3 * GEOM.block_bytes, np.uint8)
@@ -123,7 +110,7 @@ def test_a_rank_closed_during_a_read_turns_it_into_a_miss(store_file, tmp_path):
         rank = RemoteStore(sock)
         keys = run_keys(4, 3)
         rank.put_run(keys, run_data(keys))
-        reached, go = _stall(rank, "_segments")
+        reached, go = _wait_in(rank, "_segments")
         out = np.zeros(3 * GEOM.block_bytes, np.uint8)
         # its connection is closed under it: the pins lapse, so the bytes are
         # not trusted (a miss), but the read itself finishes on open devices
