@@ -248,11 +248,11 @@ class RemoteStore(RunReader, RunWriter):
             served = recv_fence_files(self._session.sock, self.socket_path)
             try:
                 self._setup(hello, verify, engine, queue_depth, devices)
+                self._check_medium(served[0])
             except BaseException:
                 for fd in served:
                     os.close(fd)
                 raise
-            self._check_medium(served[0])
             self._fence.served(served)
             self._check_identity(geometry, model)
         except BaseException:
