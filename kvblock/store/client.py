@@ -768,19 +768,18 @@ def same_medium(fd_a: int, fd_b: int) -> bool:
 def _check_served_devices(store: "RemoteStore", devices) -> None:
     """connect() was given the devices: the store served at the socket must
     be on them (another store's server there would otherwise be used)."""
-    served = {(d.path, _medium_key(os.fstat(d.fd))) for d in store.io.devices}
-    keys = {k for _, k in served}
-    for path in devices:
+    def key(path):
         try:
-            key = _medium_key(os.stat(os.fspath(path)))
-        except OSError:
-            key = None
-        if key not in keys or len(devices) != len(served):
-            raise errors.GeometryMismatchError(
-                f"the store server at {store.socket_path} serves store {store.uuid} on "
-                f"{', '.join(sorted(p for p, _ in served))}, not on "
-                f"{', '.join(map(os.fspath, devices))}: give each store its own socket "
-                "(e.g. a {dp_rank} in it too)", os.fspath(path), 0)
+            return _medium_key(os.stat(os.fspath(path)))
+        except OSError:                  # missing: not what is served
+            return ("missing", os.fspath(path))
+    served = {_medium_key(os.fstat(d.fd)) for d in store.io.devices}
+    if {key(p) for p in devices} != served or len(devices) != len(served):
+        raise errors.GeometryMismatchError(
+            f"the store server at {store.socket_path} serves store {store.uuid} on "
+            f"{', '.join(d.path for d in store.io.devices)}, not on "
+            f"{', '.join(map(os.fspath, devices))}: give each store its own socket "
+            "(e.g. a {dp_rank} in it too)", os.fspath(devices[0]), 0)
 
 
 def _medium_key(st) -> tuple:

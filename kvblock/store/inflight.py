@@ -12,11 +12,10 @@ left, then frees.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import threading
-from typing import Callable, Iterator
+from typing import Callable
 
 from kvblock.errors import StoreClosedError
 
@@ -51,14 +50,6 @@ class InFlight:
             self._calls -= 1
             if self._calls == 0 and self._closing:
                 self._cv.notify_all()
-
-    @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
-        self.enter()
-        try:
-            yield
-        finally:
-            self.leave()
 
     @property
     def calls(self) -> int:
