@@ -96,6 +96,15 @@ def epoch(store_uuid: bytes, generation: int) -> int:
     return meta_checksum(store_uuid + generation.to_bytes(8, "little"))
 
 
+def record_bytes(rec: Record) -> int:
+    """The journal bytes a record takes (before its commit's block padding)."""
+    if isinstance(rec, PutRun):
+        payload = _PUT.size + len(rec.keys) + 8 * len(rec.checksums)
+    else:
+        payload = len(_payload(rec)[1])
+    return _HEADER.size + -(-payload // 8) * 8
+
+
 def encode_record(rec: Record, seq: int, epoch: int) -> bytes:
     kind, payload = _payload(rec)
     payload += bytes(-len(payload) % 8)

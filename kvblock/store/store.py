@@ -398,29 +398,45 @@ class KVStore(Recovery, RunReader, RunWriter):
                 with self._pending_lock:
                     batch, self._pending = self._pending, []
                 try:
-                    written = [r for e in batch
-                               for r in (e[0]() if callable(e[0]) else e[0])]
-                    if written:    # none when a clear() refused every put here
-                        self._write_journal(written)
+                    for chunk in self._journal_chunks(batch):
+                        written = [r for e in chunk for r in e[0]]
+                        if written:    # none when a clear() refused every put here
+                            self._write_journal(written)
+                        for item in chunk:
+                            if item[1] is not None:
+                                with self._lock:
+                                    item[1]()
+                            item[2].set()
+                        if self._jhead > self.sb.journal_bytes // 2:
+                            self._write_checkpoint()
                 except BaseException as e:
                     for item in batch:
-                        item[3] = e
-                        item[2].set()
+                        if not item[2].is_set():
+                            item[3] = e
+                            item[2].set()
                     self._fail(e)
                     raise
-                for item in batch:
-                    if item[1] is not None:
-                        with self._lock:
-                            item[1]()
-                    item[2].set()
-                if self._jhead > self.sb.journal_bytes // 2:
-                    try:
-                        self._write_checkpoint()
-                    except BaseException as e:
-                        self._fail(e)
-                        raise
         if entry[3] is not None:
             raise StoreClosedError(f"metadata commit failed: {entry[3]}") from entry[3]
+
+    def _journal_chunks(self, batch: list) -> list[list]:
+        """(the commit leader) the pending entries with their records
+        decided, cut into journal writes of at most half the journal each
+        (an entry's records stay together: a group of puts is published
+        whole or not at all).  Writers queued behind one leader may hold
+        more records than the journal; one commit of them all would fail."""
+        budget = self.sb.journal_bytes // 2
+        chunks, size = [[]], 0
+        for entry in batch:
+            if callable(entry[0]):
+                entry[0] = list(entry[0]())
+            need = sum(jfmt.record_bytes(r) for r in entry[0])
+            if chunks[-1] and size + need > budget:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(entry)
+            size += need
+        return chunks
 
     def _write_journal(self, records):
         data = jfmt.encode_commit(records, self._seq, jfmt.epoch(self.sb.store_uuid,

@@ -88,6 +88,13 @@ def test_records_are_8_byte_aligned():
             assert struct.unpack_from("<I", b, 8)[0] == len(b) - 40
 
 
+def test_record_bytes_is_the_encoded_length():
+    """What the commit leader sizes its journal writes by (store._journal_chunks)."""
+    for rec in [put(9, nblocks=n, ranges=r) for n in range(1, 5) for r in range(1, 4)] + \
+            [PUT, DROP, RECL]:
+        assert j.record_bytes(rec) == len(encode_record(rec, 1, EPOCH))
+
+
 def test_encode_rejects_non_records():
     with pytest.raises(TypeError):
         encode_record(object(), 1, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -855,6 +856,50 @@ def test_a_run_is_cut_where_its_record_fits_the_journal(tmp_path):
         assert store.get_run(keys, out) == 20000 and np.array_equal(out, data)
     with KVStore.open([str(path)]) as store:
         assert store.get_run(keys, out) == 20000 and np.array_equal(out, data)
+
+
+def test_puts_committed_together_are_split_where_the_journal_needs_it(tmp_path):
+    """Several writers whose runs each fill a quarter of the journal's
+    record space wait on one commit: their records together exceed the
+    journal, so the commit leader writes them in several journal writes
+    (each put's records whole) instead of failing with StoreFullError, which
+    closed the store.  Every put is acknowledged and survives a reopen."""
+    g = Geometry(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=1)
+    path = tmp_path / "s.img"
+    create_file(path, 64 * MIB)
+    writers = 6
+    with KVStore.format([str(path)], g, region_size=4 * MIB, journal_bytes=256 << 10) as store:
+        n = store.max_run_blocks
+        assert writers * n * 16 > store.sb.journal_bytes   # together: more than the journal
+        keys = [[f"w{w}-{i}".encode() for i in range(n)] for w in range(writers)]
+        rng = np.random.default_rng(2)
+        data = [rng.integers(0, 256, n * g.block_bytes, np.uint8) for _ in range(writers)]
+        stored = [None] * writers
+
+        def put(w):
+            try:
+                stored[w] = store.put_run(keys[w], data[w])
+            except BaseException as e:
+                stored[w] = e
+
+        with store._commit_lock:            # the writers queue up behind one leader
+            threads = [threading.Thread(target=put, args=(w,)) for w in range(writers)]
+            for t in threads:
+                t.start()
+            deadline = time.monotonic() + 30
+            while len(store._pending) < writers and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(store._pending) == writers
+        for t in threads:
+            t.join(30)
+        assert stored == [n] * writers
+        assert store.counters["commits"] >= 2 and not store.closed
+        out = np.zeros_like(data[0])
+        for w in range(writers):
+            assert store.get_run(keys[w], out) == n and np.array_equal(out, data[w])
+    with KVStore.open([str(path)]) as store:
+        for w in range(writers):
+            assert store.get_run(keys[w], out) == n and np.array_equal(out, data[w])
 
 
 def test_a_run_never_holds_more_positions_than_the_index_packs(tmp_path, monkeypatch):
