@@ -274,7 +274,7 @@ def _adjacent(chunk_ids: np.ndarray) -> bool:
 
 class _Job:
     __slots__ = ("meta", "load", "keys", "kbs", "chunks", "pending", "ok", "moved",
-                 "started", "ended", "reserved")
+                 "started", "ended", "reserved", "waits", "settled", "waiters", "published")
 
     def __init__(self, meta: TransferJob, load: bool, keys: list, kbs: list[bytes],
                  chunks: np.ndarray, reserved: list[bytes]):
@@ -289,6 +289,10 @@ class _Job:
         self.started = None
         self.ended = None
         self.reserved = reserved      # kvblock keys this store job claimed in _storing
+        self.waits: list = []         # (store job, index): keys left to another job
+        self.settled = False          # every piece done: ok is final
+        self.waiters: list = []       # settled jobs that wait for this one to settle
+        self.published = False
 
 
 # ---------------------------------------------------------------------- the tier
@@ -361,7 +365,8 @@ class KVBlockTierManager(SecondaryTierManager):
         self._stores: deque = deque()
         self._finished: deque[JobResult] = deque()
         self._inflight = 0                      # jobs submitted, result not yet queued
-        self._storing: set[bytes] = set()       # kvblock keys a store job is writing
+        # kvblock key -> (the store job writing it, its index there)
+        self._storing: dict[bytes, tuple[_Job, int]] = {}
         self._stop = False
         self._closed = False
         self._metrics = StoreStats(self.stats)  # vLLM's get_stats (vllm_metrics.py)
@@ -447,15 +452,19 @@ class KVBlockTierManager(SecondaryTierManager):
             if self._closed:
                 self._finished.append(JobResult(job_metadata.job_id, False))
                 return
-            # Keys another store job is already writing are left to that job.
-            mine, seen = [], set()
+            # Keys another store job is already writing are left to that job
+            # (this one succeeds only if that one wrote them).
+            mine, seen, waits = [], set(), []
             for i, kb in enumerate(kbs):
-                if kb not in self._storing and kb not in seen:
+                if kb in self._storing:
+                    waits.append(self._storing[kb])
+                elif kb not in seen:
                     seen.add(kb)
                     mine.append(i)
-            self._storing.update(kbs[i] for i in mine)
             job = _Job(job_metadata, False, [keys[i] for i in mine], [kbs[i] for i in mine],
                        chunks[mine], [kbs[i] for i in mine])
+            job.waits = waits
+            self._storing.update((kb, (job, at)) for at, kb in enumerate(job.kbs))
             self._enqueue(job, self._stores)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
@@ -559,10 +568,27 @@ class KVBlockTierManager(SecondaryTierManager):
             self._finish(job)
 
     def _finish(self, job: _Job) -> None:
-        """(under _cond) publish the job's result."""
-        self._storing.difference_update(job.reserved)
+        """(under _cond) the job's pieces are done: publish its result, once
+        the store jobs it left keys to have settled theirs (and so every job
+        waiting on this one and settled already)."""
+        for kb in job.reserved:
+            if self._storing.get(kb, (None,))[0] is job:
+                del self._storing[kb]
+        job.settled = True
+        unsettled = [owner for owner, _ in job.waits if not owner.settled]
+        for owner in unsettled:
+            owner.waiters.append(job)
+        if not unsettled:
+            self._publish(job)
+        for waiter in job.waiters:
+            if not waiter.published and all(owner.settled for owner, _ in waiter.waits):
+                self._publish(waiter)
+
+    def _publish(self, job: _Job) -> None:
+        """(under _cond) queue the job's result for get_finished_jobs."""
+        job.published = True
         meta = job.meta
-        success = bool(job.ok.all())
+        success = bool(job.ok.all()) and all(owner.ok[at] for owner, at in job.waits)
         successful = None
         if job.load and not success and job.ok.any():
             successful = tuple(k for k, ok in zip(job.keys, job.ok) if ok)

@@ -44,7 +44,7 @@ from vllm.v1.kv_offload.tiering.manager import (
 
 import kvblock
 from kvblock import Geometry, KVStore
-from kvblock.errors import ConfigError, GeometryMismatchError, NotAStoreError
+from kvblock.errors import ConfigError, GeometryMismatchError, KVBlockError, NotAStoreError
 from kvblock.integrations import vllm as kv_vllm
 from kvblock.integrations.vllm import KVBlockTierManager, slot_geometry
 
@@ -548,6 +548,47 @@ def test_lookup_while_store_in_flight(make_tier, monkeypatch):
     assert tier.lookup(key(1), CTX) is LookupResult.HIT
     assert tier.stats()["put_blocks"] == 2
     assert not tier.has_pending_work()
+
+
+def test_a_store_that_left_keys_to_a_failing_job_fails_too(make_tier, monkeypatch):
+    """Job 2 leaves key 2 to job 1, which is writing it, and writes key 3
+    itself; job 1's write then fails.  Job 2 is reported only after job 1,
+    and as failed: key 2 was never stored (vLLM would count it as offloaded
+    and never store it again)."""
+    tier, pool = make_tier(threads=2)
+    gate, entered = threading.Event(), threading.Event()
+    put = tier.store.put_run
+    first = tier.kvblock_key(key(1))
+
+    def failing_put(keys, data):
+        if keys[0] == first:
+            entered.set()
+            assert gate.wait(10)
+            raise KVBlockError("injected: the device failed")
+        return put(keys, data)
+
+    monkeypatch.setattr(tier.store, "put_run", failing_put)
+    fill_random(pool, range(3))
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    assert entered.wait(10)
+    try:
+        tier.submit_store(job(2, [key(2), key(3)], [1, 2]))
+        deadline = time.monotonic() + 10
+        while tier.lookup(key(3), CTX) is not LookupResult.HIT and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert tier.lookup(key(3), CTX) is LookupResult.HIT     # job 2's own key is in
+        time.sleep(0.05)
+        assert list(tier.get_finished_jobs()) == []           # but job 2 waits for job 1
+        assert tier.lookup(key(2), CTX) is LookupResult.RETRY
+    finally:
+        gate.set()
+    results = sorted(drain(tier), key=lambda r: r.job_id)
+    assert [(r.job_id, r.success) for r in results] == [(1, False), (2, False)]
+    assert tier.lookup(key(2), CTX) is LookupResult.MISS
+    assert not tier.has_pending_work()
+    # a later job that leaves nothing to anyone stores key 2 and succeeds
+    tier.submit_store(job(3, [key(2)], [1]))
+    assert [r.success for r in drain(tier)] == [True]
 
 
 def test_lookup_is_hit_for_stored_key_with_a_store_in_flight(make_tier, monkeypatch):
