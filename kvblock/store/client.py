@@ -77,12 +77,14 @@ class RemoteRun:
     """What a reader needs of a run: where it is and its checksums (the
     server keeps the rest)."""
 
-    __slots__ = ("run_id", "region", "generation", "offset", "nblocks", "checksums")
+    __slots__ = ("run_id", "region", "generation", "offset", "nblocks", "checksums",
+                 "session")
 
-    def __init__(self, run_id, region, generation, offset, nblocks, checksums):
+    def __init__(self, run_id, region, generation, offset, nblocks, checksums, session=None):
         self.run_id, self.region, self.generation = run_id, region, generation
         self.offset, self.nblocks = offset, nblocks
         self.checksums = np.array(checksums, dtype=np.uint64)
+        self.session = session     # the connection whose pin covers the run
 
     def __repr__(self) -> str:
         return (f"RemoteRun(id={self.run_id}, region={self.region}, offset={self.offset}, "
@@ -663,7 +665,7 @@ class RemoteStore(RunReader, RunWriter):
         self._check_open()
         s = self._current()
         r = self._call_on(s, "segments", keys=encode_keys(normalize_keys(keys)))
-        segs = PinnedSegments((RemoteRun(*run), pos, count, at)
+        segs = PinnedSegments((RemoteRun(*run, session=s), pos, count, at)
                               for run, pos, count, at in r["segs"])
         segs.pin, segs.session = r["pin"], s
         if segs.pin is not None:
@@ -677,6 +679,12 @@ class RemoteStore(RunReader, RunWriter):
         server's pins die with it.  So what was read before a True here was
         read under the pins."""
         return getattr(segs, "pin", None) is None or not segs.session.hung_up()
+
+    def _run_pin_held(self, run) -> bool:
+        """Does the pin on ``run`` still hold (see ``_pins_hold``)?  A read
+        that fails its checksums after it lapsed read space the server may
+        have given to other runs: a miss, not corruption to count and drop."""
+        return run.session is None or not run.session.hung_up()
 
     def _unpin(self, segs) -> bool:
         """Release the pins of a ``_segments`` answer.  Never raises for a

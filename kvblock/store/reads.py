@@ -38,7 +38,8 @@ def _first_difference(a: list, b: list) -> int:
 
 class RunReader(RunIO):
     """get_run, get_runs, get_blocks and read_range.  The class using it
-    provides ``_check_open``, ``_segments``, ``_unpin`` and ``_drop_runs``."""
+    provides ``_check_open``, ``_segments``, ``_unpin``, ``_run_pin_held`` and
+    ``_drop_runs``."""
 
     @in_flight
     def get_run(self, keys: Sequence, out) -> int:
@@ -599,6 +600,8 @@ class RunReader(RunIO):
         return True
 
     def _checksum_failure(self, run: Run, range_index: int) -> None:
+        if not self._run_pin_held(run):
+            return       # its space may hold other runs now; the read is a miss
         self.counters["checksum_failures"] += 1
         dev, off = self.regions.address(run.region, run.offset)
         self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id, range_index)

@@ -860,6 +860,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         one process (a store server's client: not once the server is gone)."""
         return True
 
+    def _run_pin_held(self, run) -> bool:
+        """Does the pin on ``run`` (from ``_segments``) still hold?  Always
+        in one process; see RemoteStore."""
+        return True
+
     def _unpin_writers(self, regions) -> None:
         """Writers done with their runs' regions (published, refused or failed)."""
         with self._lock:

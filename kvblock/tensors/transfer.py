@@ -583,11 +583,13 @@ class _LoadJob:
 
     def _checksum_failure(self, run, range_index, out_at):
         store = self.store
+        self.handle.blocks = min(self.handle.blocks, out_at)
+        if not store._run_pin_held(run):
+            return       # its space may hold other runs now (the load fails: PINS_LAPSED)
         store.counters["checksum_failures"] += 1
         dev, off = store.regions.address(run.region, run.offset)
         store.last_checksum_failure = (store.io.devices[dev].path, off, run.run_id, range_index)
         self.bad_runs.append(run)
-        self.handle.blocks = min(self.handle.blocks, out_at)
 
 
 def _consecutive(ids) -> slice | None:

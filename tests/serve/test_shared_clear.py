@@ -125,10 +125,13 @@ def test_a_put_larger_than_the_shared_store_is_refused(store_file, tmp_path):
             assert rank.lookup(kept) == 2
 
 
-def test_a_read_whose_pins_lapse_with_the_server_is_a_miss(store_file, tmp_path):
+@pytest.mark.parametrize("verify", ["never", "always"])
+def test_a_read_whose_pins_lapse_with_the_server_is_a_miss(store_file, tmp_path, verify):
     """A rank pins a run and stalls; the server is killed, restarted, and
     another rank clears the store and fills it again.  Unverified, the
-    stalled read would hand over the new runs' bytes: it must be a miss."""
+    stalled read would hand over the new runs' bytes: it must be a miss.
+    Verified, the new bytes fail the old run's checksums: also a miss (not
+    an error, not a checksum failure: nothing on the device is corrupt)."""
     sock = str(tmp_path / "kv.sock")
     server = spawn_server([store_file], sock)
     stalled = None
@@ -136,7 +139,7 @@ def test_a_read_whose_pins_lapse_with_the_server_is_a_miss(store_file, tmp_path)
         keys = run_keys(6, 4)
         with RemoteStore(sock) as rank:
             rank.put_run(keys, run_data(keys))
-        stalled = RemoteStore(sock, verify="never")
+        stalled = RemoteStore(sock, verify=verify)
         pinned, go = _wait_in(stalled, "_segments")
         result = {}
         t = threading.Thread(target=lambda: result.update(n=stalled.get_run(
@@ -155,6 +158,10 @@ def test_a_read_whose_pins_lapse_with_the_server_is_a_miss(store_file, tmp_path)
         t.join(20)
         assert result["n"] == 0
         assert stalled.counters["lapsed_pin_gets"] == 1
+        assert stalled.counters["checksum_failures"] == 0
+        with RemoteStore(sock) as other:      # the new runs were not dropped
+            k = run_keys(100 + other.regions.count * 6 - 1, 4)
+            assert other.lookup(k) == 4
     finally:
         if stalled is not None:
             stalled.close()
@@ -186,12 +193,14 @@ def test_a_clear_between_the_pieces_of_a_ranks_put_refuses_the_whole_put(store_f
             admin.close()
 
 
-def test_a_layer_read_after_the_pins_lapsed_is_never_handed_over(tmp_path):
+@pytest.mark.parametrize("verify", ["never", "always"])
+def test_a_layer_read_after_the_pins_lapsed_is_never_handed_over(tmp_path, verify):
     """A layer-by-layer load (what a model streaming its prefix waits on,
     layer by layer) stalls after layer 0; the server is killed, restarted,
     and another rank clears the store and fills it again.  Unverified,
     layers 1.. would hold the new runs' bytes: ``wait_layer`` must raise for
-    each of them, not only the final ``wait()``."""
+    each of them, not only the final ``wait()``.  Verified, they fail their
+    checksums: the same lapse, not corruption (nothing counted or dropped)."""
     from kvblock import Geometry, create_file
     from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
     from kvblock.tensors import transfer
@@ -216,7 +225,7 @@ def test_a_layer_read_after_the_pins_lapsed_is_never_handed_over(tmp_path):
         src = cache(True)
         with RemoteStore(sock) as saver:
             assert save_blocks(saver, keys, VLLMLayout(src), pages) == 4
-        reader = RemoteStore(sock, verify="never")
+        reader = RemoteStore(sock, verify=verify)
         stalled, go = threading.Event(), threading.Event()
         real = transfer._LoadJob._read_batch
 
@@ -259,6 +268,7 @@ def test_a_layer_read_after_the_pins_lapsed_is_never_handed_over(tmp_path):
         assert seen == {0: True, **{layer: "lapsed" for layer in range(1, g.num_layers)}}
         with pytest.raises(StoreClosedError, match="pins lapsed"):
             h.wait(10)
+        assert reader.counters["checksum_failures"] == 0
     finally:
         if reader is not None:
             reader.close()
