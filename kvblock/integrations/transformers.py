@@ -83,6 +83,14 @@ class _RestoringLayer(DynamicLayer):
         self._k, self._v = self._k[indices, ...], self._v[indices, ...]
         self._views()
 
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # Beam search's reorder after each step: the mixin's version
+        # reorders ``keys`` only, which the next update rebuilds from _k/_v.
+        self._wait()
+        beam_idx = beam_idx.to(self._k.device)
+        self._k, self._v = self._k.index_select(0, beam_idx), self._v.index_select(0, beam_idx)
+        self._views()
+
 
 def streaming_cache(handle: LoadHandle, layout: HFDynamicLayout,
                     length: int | None = None) -> DynamicCache:

@@ -170,3 +170,37 @@ def test_streaming_cache_crops_and_selects_like_a_dynamic_cache(tmp_path):
             c.update(new, new, 0)
         assert torch.equal(cache.layers[0].keys, ref.layers[0].keys)
         assert torch.equal(cache.layers[0].values, ref.layers[0].values)
+
+
+def test_streaming_cache_reorders_beams_like_a_dynamic_cache(tmp_path):
+    """Beam search reorders the cache's batch rows after each step
+    (Cache.reorder_cache): the streaming cache must keep that order in the
+    tensors it grows, as a plain DynamicCache does, not lose it at the next
+    update."""
+    from transformers import DynamicCache
+
+    from kvblock import Geometry
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import load_blocks
+
+    bs, heads, dim = 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    src = HFDynamicLayout([torch.randn(1, heads, 2 * bs, dim, generator=gen)],
+                          [torch.randn(1, heads, 2 * bs, dim, generator=gen)], bs)
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    with KVStore.format([str(path)], Geometry(1, heads, dim, "float32", bs),
+                        region_size=1 << 20) as store:
+        save_blocks(store, [b"a", b"b"], src, [0, 1])
+        dst = HFDynamicLayout.empty(1, heads, 2 * bs + 8, dim, bs, torch.float32)
+        cache = streaming_cache(load_blocks(store, [b"a", b"b"], dst, [0, 1]), dst, 2 * bs)
+        ref = DynamicCache()
+        ref.update(src.keys[0].clone(), src.values[0].clone(), 0)
+        step = torch.randn(2, heads, 1, dim, generator=gen)     # a different token per beam
+        for c in (cache, ref):
+            c.batch_repeat_interleave(2)
+            c.update(step, step, 0)
+            c.reorder_cache(torch.tensor([1, 1]))              # beam 1 wins both places
+            c.update(step, step, 0)
+        assert torch.equal(cache.layers[0].keys, ref.layers[0].keys)
+        assert torch.equal(cache.layers[0].values, ref.layers[0].values)
