@@ -72,7 +72,6 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     from kvblock.store.storeio import StoreIO
 
     geometry = Geometry(layers, kv_heads, head_dim, dtype, block_tokens, kv_parts, head_groups)
-    check_distinct(devices)
     opened, created = [], []
     try:
         if size is not None:
@@ -80,6 +79,9 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
                 if not os.path.lexists(path):
                     create_file(path, size)
                     created.append(path)
+        # After creating: a file to create named twice is then one device
+        # given twice, not one busy with "another" store at its second open.
+        check_distinct(devices)
         for path in devices:
             dev = Device(path, busy_timeout=0.2)  # O_EXCL: refuses mounted/in-use devices
             opened.append(dev)

@@ -303,6 +303,17 @@ def test_format_with_size_creates_missing_store_files_only(tmp_path, file_target
     assert os.path.getsize(kept) == 1 << 20
 
 
+def test_format_with_size_refuses_a_new_file_given_twice(tmp_path):
+    """A store file --size is to create, named twice (or by two paths), is one
+    device given twice (exit 8), as an existing one is: not a busy device
+    "locked by another kvblock store" (exit 5); nothing is left behind."""
+    new = tmp_path / "kv.img"
+    for second in (new, tmp_path / "." / "kv.img"):
+        one_line_error(kvb("format", new, second, *GEOM_ARGS, "--size", "24M"), 8,
+                       "are the same device")
+        assert not new.exists()
+
+
 def test_missing_device_and_not_a_device(tmp_path):
     for cmd in ("info", "ls", "fsck", "stats", "trim"):
         one_line_error(kvb(cmd, tmp_path / "missing.img"), 3, "no such device")
