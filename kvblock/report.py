@@ -37,7 +37,10 @@ def load(path: str | Path) -> dict:
             raise ConfigError(f"{path}: benchmark {i} has no name, stats.median or "
                               "extra_info dict; not a pytest-benchmark JSON file")
         points = info.get("points", [])
-        for p in points if isinstance(points, list) else [points]:
+        if not isinstance(points, list):    # figures() iterates it as a list
+            raise ConfigError(f"{path}: benchmark {b['name']}: points must be a list of "
+                              f"points, got {type(points).__name__}")
+        for p in points:
             if not isinstance(p, dict) or not {"figure", "series", "x", "y"} <= p.keys():
                 raise ConfigError(f"{path}: benchmark {b['name']}: a point needs figure, "
                                   f"series, x and y, got {p!r}")

@@ -56,7 +56,11 @@ def test_report_bad_input(tmp_path):
     # shapes that used to end in a traceback (KeyError, AttributeError)
     for data in ({"benchmarks": "x"}, {"benchmarks": [{"name": "x"}]},
                  {"benchmarks": [{"name": "x", "stats": {"median": 1.0},
-                                  "extra_info": {"points": [{"x": 1, "y": 2}]}}]}):
+                                  "extra_info": {"points": [{"x": 1, "y": 2}]}}]},
+                 # one point not in a list: passed the check, then a TypeError
+                 {"benchmarks": [{"name": "x", "stats": {"median": 1.0},
+                                  "extra_info": {"points": {"figure": "f", "series": "s",
+                                                            "x": 1, "y": 2}}}]}):
         bad.write_text(json.dumps(data))
         res = CliRunner().invoke(cli, ["report", str(bad)])
         assert res.exit_code == 8 and "kvblock: error:" in res.output, res.output
