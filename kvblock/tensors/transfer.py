@@ -13,6 +13,7 @@ place, while later layers are still being read.
 
 from __future__ import annotations
 
+import errno
 import math
 import queue
 import threading
@@ -710,14 +711,19 @@ class _KvikioLoadJob(_LoadJob):
 
     def _read_batch(self, batch) -> int:
         reader = self.store._kvikio_reader()
-        futures = [(reader.read(dev, off, buf.array[at:at + n].t, n), n)
+        futures = [(reader.read(dev, off, buf.array[at:at + n].t, n), dev, off, n)
                    for layer, u, buf in batch
                    for dev, off, at, n in self._unit_reads(layer, self.units[u])]
-        for f, n in futures:
+        for f, dev, off, n in futures:
             got = f.get()
             if got != n:
-                raise IOError(f"kvikio read {got} of {n} bytes")
-        return sum(n for _, n in futures)
+                # As the engine reports one: the scatter stage drops the run
+                # (store._read_failed) only for an IOFailedError with an offset.
+                path = self.store.io.devices[dev].path
+                raise IOFailedError(f"short read at offset {off} on {path}: {got} of {n} "
+                                    "bytes through kvikio (end of device, or the device "
+                                    "shrank)", path, errno.EIO, off, n)
+        return sum(n for *_, n in futures)
 
 
 class _DeviceStaging:

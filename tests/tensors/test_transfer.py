@@ -495,3 +495,44 @@ def test_kvikio_job_orchestration_on_cpu(path, monkeypatch, unit_bytes):
                                    want.view(torch.int16)), (tp, layer)
         assert reader.calls > 0
         reader.close()
+
+
+class _ShortReader(_PreadReader):
+    """A kvikio stand-in whose reads of one device range come back short."""
+
+    def __init__(self, paths, bad_start, bad_end):
+        super().__init__(paths)
+        self.bad = (bad_start, bad_end)
+
+    def read(self, dev, offset, dst, nbytes):
+        got = super().read(dev, offset, dst, nbytes).get()
+        if self.bad[0] <= offset < self.bad[1]:
+            got -= 4096
+        return _FakeFuture(got)
+
+
+def test_kvikio_short_read_fails_the_load_as_an_io_error_and_drops_the_run(path, monkeypatch):
+    """A short read through kvikio is a failed device read like the engine's:
+    IOFailedError naming the device and offset (not a bare OSError), counted,
+    and the run it was reading dropped, so the next lookup stops before it."""
+    from kvblock.errors import IOFailedError
+    from kvblock.tensors import transfer
+
+    monkeypatch.setattr(transfer, "_job_class", lambda store, layout: transfer._KvikioLoadJob)
+    src = [rand(2, 12, BS, H, D) for _ in range(L)]
+    a, b = [f"a{i}".encode() for i in range(4)], [f"b{i}".encode() for i in range(4)]
+    with _store(path, geom(), verify="never") as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+        save_blocks(store, b, VLLMLayout(src), [4, 5, 6, 7])
+        run_b = [r for r in store.index.runs.values()
+                 if r.keys.startswith(normalize_keys(b)[0])][0]
+        _, off = store.regions.address(run_b.region, run_b.offset)
+        reader = _ShortReader([path], off, off + store.layout(4).run_bytes)
+        monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
+        dst = [torch.zeros(2, 12, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(IOFailedError, match=path) as err:
+            load_blocks(store, a + b, VLLMLayout(dst), list(range(8))).wait(timeout=30)
+        assert off <= err.value.offset < off + store.layout(4).run_bytes
+        assert store.counters["read_errors"] == 1
+        assert store.lookup(a + b) == 4
+        reader.close()
