@@ -832,10 +832,12 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return {**own, "store_error": str(e)}
 
     def close(self) -> None:
-        """Checkpoint and close the store (fast reopen)."""
-        store, self.store = self.store, None
-        if store is not None:
-            store.close()
+        """Checkpoint and close the store (fast reopen).  The closed store is
+        kept: a call in flight on another thread (SGLang's prefetch or backup
+        thread) then meets StoreClosedError in its next store operation and
+        answers a miss, where self.store = None failed it with AttributeError."""
+        if self.store is not None:
+            self.store.close()
 
     def __repr__(self) -> str:
         return f"KVBlockHiCacheStorage({self.devices}, model={self.model!r}, store={self.store!r})"

@@ -570,3 +570,52 @@ def test_settings_typed_by_hand(file_target, backends, caplog):
         attach(pool, [file_target()], admit_after="twice")
     with pytest.raises(ConfigError, match="size must be at least"):
         attach(pool, [file_target() + ".new"], size=64)
+
+
+def test_close_while_a_call_is_in_flight_answers_a_miss(file_target, backends):
+    """close() on another thread while a batch is between two runs: the rest
+    of the call meets a closed store and answers a miss (logged), instead of
+    raising AttributeError out of the engine's prefetch/backup thread (the
+    backend dropped its store reference halfway through the call)."""
+    import threading
+
+    pool = HostPool(pages=40)
+    block = 3 * 2 * 4 * 2 * 16 * 2
+    backend = attach(pool, [file_target()], max_run_bytes=4 * block)  # 4 pages per run
+    backends.append(backend)
+    keys = keys_for("z", 10)
+    assert all(backend.batch_set_v1(keys[:8], pool.token_indices(range(8))))
+    store = backend.store
+    real_get_run = store.get_run
+
+    def close_meanwhile():
+        t = threading.Thread(target=backend.close)
+        t.start()
+        t.join()
+
+    def get_run_then_close(keys, out):
+        got = real_get_run(keys, out)
+        close_meanwhile()
+        return got
+
+    store.get_run = get_run_then_close
+    got = backend.batch_get_v1(keys[:8], pool.token_indices(range(20, 28)))
+    assert got in ([True] * 4 + [False] * 4, [False] * 8)
+    assert backend.batch_get_v1(keys[:8], pool.token_indices(range(20, 28))) == [False] * 8
+
+    # and a backup: close between its two runs
+    backend2 = attach(pool, [file_target()], max_run_bytes=4 * block)
+    backends.append(backend2)
+    store2 = backend2.store
+    real_put = store2.put_run
+
+    def put_run_then_close(keys, data):
+        n = real_put(keys, data)
+        t = threading.Thread(target=backend2.close)
+        t.start()
+        t.join()
+        return n
+
+    store2.put_run = put_run_then_close
+    assert backend2.batch_set_v1(keys[:8], pool.token_indices(range(8))) == [False] * 8
+    assert backend2.batch_exists(keys[:8]) == 0
