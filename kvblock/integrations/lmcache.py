@@ -435,17 +435,24 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 if key in self._put_tasks:
                     continue
                 self._put_tasks.add(key)
-            try:
-                stored = self.store.contains(self.kvblock_key(key))
-            except RUNTIME_FAILURES as e:   # no store now: nothing to queue writes for
-                self._failed("a put", e)
-                stored = True
-            if stored:
-                with self._lock:
-                    self._put_tasks.discard(key)
-                continue
-            obj.ref_count_up()          # the storage manager drops its reference on return
             todo.append((key, obj))
+        if not todo:
+            return None
+        # Chunks stored already are skipped with one uncounted probe (present),
+        # not a lookup per chunk: the store's lookup counters (its hit rate)
+        # are the engine's lookups.
+        try:
+            stored = self.store.present([self.kvblock_key(key) for key, _ in todo]).tolist()
+        except RUNTIME_FAILURES as e:   # no store now: nothing to queue writes for
+            self._failed("a put", e)
+            stored = [True] * len(todo)
+        with self._lock:
+            for (key, _), done in zip(todo, stored):
+                if done:
+                    self._put_tasks.discard(key)
+        todo = [(key, obj) for (key, obj), done in zip(todo, stored) if not done]
+        for _, obj in todo:
+            obj.ref_count_up()          # the storage manager drops its reference on return
         if not todo:
             return None
         return [self.executor.submit(self._write, todo, on_complete_callback)]

@@ -474,3 +474,20 @@ def test_settings_typed_by_hand(file_target, engines):
     finally:
         manager.close()
         manager.loop.close()
+
+
+def test_puts_do_not_count_as_lookups(file_target, engines):
+    """A put skips the chunks already stored with an uncounted probe: the
+    store's lookup counters (lookups, lookup_hit_blocks: the hit rate that
+    `kvblock stats` and the metrics report) stay the engine's lookups."""
+    e = Engine([file_target()])
+    engines.append(e)
+    keys = [e.key(h) for h in (51, 52, 53)]
+    e.put(keys[:2], [e.chunk() for _ in keys[:2]])
+    e.put(keys, [e.chunk() for _ in keys])          # two stored, one new
+    stats = e.plugin.stats()
+    assert stats["put_blocks"] == 3
+    assert (stats["lookups"], stats["lookup_hit_blocks"]) == (0, 0)
+    assert e.plugin.batched_contains(keys) == 3       # the engine's lookup counts
+    stats = e.plugin.stats()
+    assert (stats["lookups"], stats["lookup_hit_blocks"]) == (1, 3)
