@@ -517,10 +517,13 @@ class KVBlockStorageBackend(StoragePluginInterface):
         read in one call of the store."""
         kbs = [self.kvblock_key(k) for k in keys]
         try:
-            stored = self.store.lookup(kbs) if kbs else 0
+            # an uncounted probe: the engine's lookup before this load was
+            # the counted one (the store's hit rate)
+            found = self.store.present(kbs) if kbs else np.zeros(0, dtype=bool)
         except RUNTIME_FAILURES as e:
             self._failed("a load", e)
             return []
+        stored = len(kbs) if found.all() else int(np.argmin(found))
         objs: list[MemoryObj] = []
         for key in keys[:stored]:
             obj = self.local_cpu_backend.allocate(self.chunk.shapes, self.chunk.dtypes,
@@ -561,7 +564,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
     def get_non_blocking(self, key: CacheEngineKey,
                          location: str | None = None) -> Future | None:
         try:
-            if not self.store.contains(self.kvblock_key(key)):
+            if not self.store.present([self.kvblock_key(key)])[0]:   # uncounted, as above
                 return None
         except RUNTIME_FAILURES as e:
             self._failed("a load", e)

@@ -491,3 +491,26 @@ def test_puts_do_not_count_as_lookups(file_target, engines):
     assert e.plugin.batched_contains(keys) == 3       # the engine's lookup counts
     stats = e.plugin.stats()
     assert (stats["lookups"], stats["lookup_hit_blocks"]) == (1, 3)
+
+
+def test_gets_do_not_count_as_lookups(file_target, engines):
+    """A load finds its stored prefix with an uncounted probe: LMCache's
+    retrieve (a lookup, then a get) is one lookup in the store's counters,
+    not two with every hit counted twice."""
+    e = Engine([file_target()])
+    engines.append(e)
+    keys = [e.key(h) for h in (61, 62, 63)]
+    want = e.put(keys, [e.chunk() for _ in keys])
+    objs = e.retrieve(keys)                          # batched_contains, batched_get
+    assert [obj_bytes(o) for o in objs] == want
+    for o in objs:
+        o.ref_count_down()
+    got = e.plugin.get_blocking(keys[0])             # gets alone: no lookup
+    assert got is not None and obj_bytes(got) == want[0]
+    got.ref_count_down()
+    got = e.plugin.get_non_blocking(keys[1]).result(timeout=30)
+    assert got is not None and obj_bytes(got) == want[1]
+    got.ref_count_down()
+    stats = e.plugin.stats()
+    assert (stats["lookups"], stats["lookup_hit_blocks"]) == (1, 3)
+    assert stats["get_blocks"] == 5
