@@ -615,6 +615,12 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 self._pins.pop(kb)
                 self.store.unpin(entry[1])
                 entry = None
+            if entry is not None and not self._still_stored(kb):
+                # A clear() (or another rank's delete) took the chunk while
+                # pinned: the pin left over must not make it found.
+                self._pins.pop(kb)
+                self.store.unpin(entry[1])
+                return False
             if entry is not None:
                 entry[0] += 1
                 return True
@@ -628,6 +634,13 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 return False
             self._pins[kb] = [held + 1, segs]
             return True
+
+    def _still_stored(self, kb: bytes) -> bool:
+        try:
+            return bool(self.store.present([kb])[0])     # uncounted: not a lookup
+        except RUNTIME_FAILURES as e:
+            self._failed("a pin", e)
+            return False
 
     def unpin(self, key: CacheEngineKey) -> bool:
         kb = self.kvblock_key(key)

@@ -190,6 +190,24 @@ def test_pin_unpin_remove(file_target, engines):
     assert not e.plugin.contains(e.key(23))
 
 
+def test_a_pin_held_across_a_clear_does_not_make_the_chunk_found(file_target, engines):
+    """A chunk pinned, then the store cleared (LMCache's clear, or another
+    rank's on a shared store): a pinned lookup must not find it through the
+    pin left over, nor keep it pinned."""
+    e = Engine([file_target()])
+    engines.append(e)
+    key = e.key(31)
+    e.put([key], [e.chunk()])
+    assert e.plugin.contains(key, pin=True)
+    e.plugin.clear()
+    assert not e.plugin.contains(key)
+    assert e.plugin.contains(key, pin=True) is False
+    assert e.plugin.pin(key) is False
+    e.put([key], [e.chunk()])                 # stored again: pinned anew, loads back
+    assert e.plugin.contains(key, pin=True)
+    assert e.plugin.get_blocking(key) is not None
+
+
 def test_async_lookup_pins_end_with_its_load(file_target, engines):
     """LMCache's async loading (vLLM's async lookup client always pins):
     ``async_lookup_and_prefetch`` pins the hits in ``batched_async_contains``
