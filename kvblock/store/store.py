@@ -895,7 +895,13 @@ class KVStore(Recovery, RunReader, RunWriter):
             for run in runs:
                 self._forget_run(run)
         if runs and not self.readonly:
-            self._commit([jfmt.DropRun(r.run_id) for r in runs])
+            # A quarter of the journal per commit: the DROP records of a
+            # large delete (or clear, or fsck repair) could exceed a small
+            # journal, and a commit that does fails and closes the store.
+            per_commit = max(1, self.sb.journal_bytes // 4
+                             // jfmt.record_bytes(jfmt.DropRun(0)))
+            for at in range(0, len(runs), per_commit):
+                self._commit([jfmt.DropRun(r.run_id) for r in runs[at:at + per_commit]])
             self._release_empty_regions({r.region for r in runs})
 
     def _release_empty_regions(self, candidates) -> None:

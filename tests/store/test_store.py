@@ -956,3 +956,46 @@ def test_evict_older_than_reclaims_regions_sealed_before_the_cutoff(tmp_path):
             rank.evict_older_than(None)
         assert rank.evict_older_than(time.time() + 60) >= 1
         assert rank.lookup(late) == 0
+
+
+def test_deleting_more_runs_than_one_journal_write_holds_keeps_the_store_open(tmp_path):
+    """A delete() (or clear(), fsck --repair) of many runs drops them all:
+    their DROP records together may exceed a small journal.  They were one
+    commit, which failed with StoreFullError and closed the store; they are
+    committed in journal-sized parts, and the deletes survive a reopen."""
+    g = Geometry(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=1)
+    path = tmp_path / "s.img"
+    create_file(path, 64 * MIB)
+    runs = 1500                                        # 1500 DROP records: 72000 bytes
+    keys = [[f"r{i}".encode()] for i in range(runs)]
+    data = np.arange(g.block_bytes, dtype=np.uint8)
+    with KVStore.format([str(path)], g, region_size=4 * MIB, journal_bytes=64 << 10) as store:
+        assert store.put_runs([(k, data) for k in keys]) == [1] * runs
+        assert store.delete([k[0] for k in keys]) == runs
+        assert not store.closed
+        assert store.lookup(keys[0]) == 0 and store.stats()["runs"] == 0
+        assert store.put_run([b"after"], data) == 1
+    with KVStore.open([str(path)]) as store:
+        assert store.stats()["runs"] == 1 and store.lookup([b"after"]) == 1
+
+
+def test_clearing_more_pinned_runs_than_one_journal_write_holds(tmp_path):
+    """clear() drops the runs a read pins with DROP records, CLEAR_DROP_BATCH
+    per commit: more than a small journal holds (StoreFullError closed the
+    store)."""
+    g = Geometry(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=1)
+    path = tmp_path / "s.img"
+    create_file(path, 64 * MIB)
+    runs = 1500
+    keys = [[f"r{i}".encode()] for i in range(runs)]
+    data = np.arange(g.block_bytes, dtype=np.uint8)
+    with KVStore.format([str(path)], g, region_size=4 * MIB, journal_bytes=64 << 10) as store:
+        assert store.put_runs([(k, data) for k in keys]) == [1] * runs
+        pins = [store.pin(k) for k in keys]
+        store.clear()
+        assert not store.closed and store.stats()["runs"] == 0
+        for p in pins:
+            store.unpin(p)
+        assert store.put_run([b"after"], data) == 1
+    with KVStore.open([str(path)]) as store:
+        assert store.stats()["runs"] == 1 and store.lookup([b"after"]) == 1
