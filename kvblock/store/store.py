@@ -879,15 +879,23 @@ class KVStore(Recovery, RunReader, RunWriter):
         their space counts as used until then."""
         if self.readonly or self.closed:
             return
-        with self._lock:
-            empty = [r for r in regions if self.regions.pins[r] == 0 and
-                     self.regions.live[r] == 0 and self.regions.state[r] == SEALED]
-        if not empty:
+        # A call in flight: unpin() is none, and a close() meanwhile would
+        # free the engine under the reclaim.  Once closing, nothing is freed
+        # (an empty region is free again at the next open).
+        try:
+            self._inflight.enter()
+        except StoreClosedError:
             return
         try:
-            self._release_empty_regions(empty)
+            with self._lock:
+                empty = [r for r in regions if self.regions.pins[r] == 0 and
+                         self.regions.live[r] == 0 and self.regions.state[r] == SEALED]
+            if empty:
+                self._release_empty_regions(empty)
         except KVBlockError as e:    # the read or write itself went through
-            logger.warning("kvblock: freeing emptied regions %s failed: %s", empty, e)
+            logger.warning("kvblock: freeing emptied regions %s failed: %s", regions, e)
+        finally:
+            self._inflight.leave()
 
     def _drop_runs(self, runs: list[Run]) -> None:
         with self._lock:

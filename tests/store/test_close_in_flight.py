@@ -12,6 +12,7 @@ import pytest
 
 from kvblock import KVStore
 from kvblock.errors import StoreClosedError
+from kvblock.index import normalize_keys
 from kvblock.store.client import RemoteStore
 from kvblock.store.server import serve_in_background
 from tests.serve.test_shared_clear import _wait_in
@@ -159,3 +160,44 @@ def test_failed_and_refused_loads_leave_nothing_in_flight_or_pinned(store_file, 
     closer.start()
     closer.join(5)
     assert not closer.is_alive() and store.io is None
+
+
+def test_an_unpin_racing_close_frees_nothing_through_a_closed_engine(store_file):
+    """unpin() of the last pin on a region whose runs were deleted reclaims
+    the region (a journal commit, a TRIM).  unpin is no call in flight: a
+    close() in another thread meanwhile freed the engine under it, and the
+    unpin raised AttributeError ('NoneType' has no 'flush') from the freed
+    I/O.  The reclaim runs inside the store's calls in flight (close waits
+    for it) or not at all once the store is closing."""
+    store = KVStore.open([store_file])
+    n = store.max_run_blocks
+    keys = run_keys(1, n)
+    assert store.put_run(keys, run_data(keys)) == n
+    assert store.put_run(run_keys(2, 1), run_data(run_keys(2, 1))) == 1   # seals run 1's region
+    region = store.index.locate(normalize_keys(keys)[0])[0].region
+    assert store.regions.state[region] == 2                # SEALED
+    pins = store.pin(keys)
+    assert store.delete(keys) == n        # pinned: the region is freed at the unpin
+    closed = threading.Event()
+    release = store._release_empty_regions
+
+    def slow_release(regions):            # the race: close() runs while the unpin frees
+        closed.wait(3)
+        return release(regions)
+    store._release_empty_regions = slow_release
+    errors = []
+
+    def unpin():
+        try:
+            store.unpin(pins)
+        except BaseException as e:      # reported below
+            errors.append(e)
+    t = threading.Thread(target=unpin)
+    t.start()
+    store.close()
+    closed.set()
+    t.join(20)
+    assert not errors, errors
+    with KVStore.open([store_file]) as again:
+        assert again.lookup(keys) == 0 and again.lookup(run_keys(2, 1)) == 1
+        assert again.regions.state[region] == 0          # FREE
