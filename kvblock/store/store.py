@@ -757,11 +757,16 @@ class KVStore(Recovery, RunReader, RunWriter):
             # every run put in the region since.
             self.regions.generation[region] = new_gen
         self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
-        dev, off = self.regions.address(region)
-        if discard and self.io.discard(dev, off, self.regions.size):
-            self.counters["discards"] += 1
-        with self._lock:
-            self.regions.release(region, generation=new_gen)
+        try:
+            dev, off = self.regions.address(region)
+            if discard and self.io.discard(dev, off, self.regions.size):
+                self.counters["discards"] += 1
+        finally:
+            # Free even when the TRIM failed (its error is raised): the
+            # RECLAIM record is durable, and a region left RECLAIMING would
+            # be neither allocated nor reclaimed again until a reopen.
+            with self._lock:
+                self.regions.release(region, generation=new_gen)
 
     def lookup(self, keys: Sequence) -> int:
         """Number of leading ``keys`` stored (longest stored prefix, in the

@@ -999,3 +999,29 @@ def test_clearing_more_pinned_runs_than_one_journal_write_holds(tmp_path):
         assert store.put_run([b"after"], data) == 1
     with KVStore.open([str(path)]) as store:
         assert store.stats()["runs"] == 1 and store.lookup([b"after"]) == 1
+
+
+def test_a_failed_trim_still_frees_the_reclaimed_region(tmp_path):
+    """evict() commits a region's RECLAIM record, then TRIMs it: a TRIM that
+    fails (EIO) raised out of _finish_reclaim before the region went back to
+    the free list, so it stayed RECLAIMING for good: never allocated again,
+    never a victim (the store lost its capacity until reopened).  The error
+    is still raised; the region is free."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path]) as store:
+        keys = run_keys(1, 4)
+        assert store.put_run(keys, run_data(keys)) == 4
+        region = store.regions.open
+        store.regions.seal(region)
+        free = len(store.regions.free)
+
+        def failing_discard(dev, off, length):
+            raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
+                                store.io.devices[dev].path, 5, off, length)
+        store.io.discard = failing_discard
+        with pytest.raises(IOFailedError):
+            store.evict(all=True)
+        assert not store.closed
+        assert store.regions.state[region] == 0 and len(store.regions.free) == free + 1
+        assert store.lookup(keys) == 0
