@@ -87,6 +87,7 @@ COUNTERS = (
     "lapsed_pin_gets", "cleared_puts", "superseded_runs", "partial_verified_reads",
 )
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
+RECLAIM_WAIT_S = 0.1  # an allocation waiting for another thread's reclaim looks again
 CLEAR_DROP_BATCH = 4096  # DROP records per journal commit when clear() drops pinned runs
 logger = logging.getLogger(__name__)
 
@@ -246,6 +247,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self.host = None
         self.admission = Admission(admit_after)
         self._lock = threading.RLock()
+        self._reclaimed = threading.Condition(self._lock)   # a region was freed
         self._commit_lock = threading.Lock()
         self._inflight = InFlight("store is closed; reopen it with KVStore.open(devices)")
         self._clears = 0       # clear() calls: a put call that saw another count is refused
@@ -719,6 +721,13 @@ class KVStore(Recovery, RunReader, RunWriter):
                     self.regions.pins[got[0]] += 1
                     return got
                 victim = self.regions.victim(self.eviction)
+                if victim is None and (self.regions.state == RECLAIMING).any():
+                    # Another thread is freeing a region (its RECLAIM record
+                    # in flight): wait for it rather than fail.  A failed
+                    # reclaim closes the store, and the wait with it.
+                    self._check_open()
+                    self._reclaimed.wait(RECLAIM_WAIT_S)
+                    continue
                 if victim is None:
                     raise StoreFullError(
                         f"store is full and every region holds pinned runs "
@@ -767,6 +776,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             # be neither allocated nor reclaimed again until a reopen.
             with self._lock:
                 self.regions.release(region, generation=new_gen)
+                self._reclaimed.notify_all()
 
     def lookup(self, keys: Sequence) -> int:
         """Number of leading ``keys`` stored (longest stored prefix, in the

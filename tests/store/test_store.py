@@ -1025,3 +1025,49 @@ def test_a_failed_trim_still_frees_the_reclaimed_region(tmp_path):
         assert not store.closed
         assert store.regions.state[region] == 0 and len(store.regions.free) == free + 1
         assert store.lookup(keys) == 0
+
+
+def test_a_put_waits_for_a_region_another_thread_is_reclaiming(tmp_path):
+    """Two puts need space at once; the one unpinned region is being
+    reclaimed by the first (its RECLAIM record in flight).  The second found
+    no victim and failed with StoreFullError ("every region holds pinned
+    runs"), though the region being freed holds room for both runs.  It
+    waits for the reclaim instead."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path]) as store:
+        i = 0
+        while store.regions.free or store.regions.open is not None:   # fill every region
+            store.put_run(run_keys(i, 1), run_data(run_keys(i, 1)))
+            i += 1
+            if store.regions.open is not None and int(store.regions.fill[store.regions.open]) \
+                    + store.layout(1).run_bytes > REGION:
+                store.regions.seal(store.regions.open)
+        spare = int(store.regions.victim(store.eviction))
+        others = np.arange(store.regions.count) != spare
+        store.regions.pins[others] += 1          # readers hold every other region
+        results = {}
+
+        def put(name, k):
+            try:
+                results[name] = store.put_run(run_keys(k, 1), run_data(run_keys(k, 1)))
+            except BaseException as e:           # reported below
+                results[name] = e
+        first = threading.Thread(target=put, args=("first", 9000))
+        second = threading.Thread(target=put, args=("second", 9001))
+        with store._commit_lock:                 # the first's RECLAIM waits to be written
+            first.start()
+            deadline = time.monotonic() + 20
+            while store.regions.state[spare] != 3 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert store.regions.state[spare] == 3    # RECLAIMING
+            second.start()
+            second.join(0.5)
+        first.join(20)
+        second.join(20)
+        store.regions.pins[others] -= 1
+        assert results == {"first": 1, "second": 1}
+        for k in (9000, 9001):
+            got = np.zeros(GEOM.block_bytes, np.uint8)
+            assert store.get_run(run_keys(k, 1), got) == 1
+            assert np.array_equal(got, run_data(run_keys(k, 1)))
