@@ -173,6 +173,8 @@ def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str
         store._session.gone = str(e)
         return True, warned
     except (KVBlockError, OSError) as e:
+        if store.closed:               # closed meanwhile: nothing to say
+            return True, warned
         if str(e) != warned:
             logger.warning("kvblock: reconnecting to %s: %s (retrying)", store.socket_path,
                            str(e))
@@ -491,16 +493,23 @@ class RemoteStore(RunReader, RunWriter):
                     f"the store server at {self.socket_path} now serves another store "
                     f"(uuid {hello.get('uuid')}, not {self.uuid}): reopen it", self.socket_path, 0)
             served = recv_fence_files(s.sock, self.socket_path)
-            try:
-                self._check_medium(served[0])
-            except BaseException:
-                for fd in served:
-                    os.close(fd)
-                raise
+            # Under the lock close() sets ``closed`` by: a close() that came
+            # during the hello (or a server's start) came first (refused: its
+            # devices may be gone), or closes the fence files handed over here.
+            with self._reconnect_lock:
+                try:
+                    if self.closed:
+                        raise StoreClosedError("remote store was closed while it "
+                                               "reconnected")
+                    self._check_medium(served[0])
+                except BaseException:
+                    for fd in served:
+                        os.close(fd)
+                    raise
+                self._fence.served(served)   # this server's (a write in flight keeps the last's)
         except BaseException:
             s.close()
             raise
-        self._fence.served(served)   # this server's (a write in flight keeps the last's)
         self.server_pid = int(hello["pid"])
         self.max_run_blocks = int(hello["max_run_blocks"])
         self._pin_lease = hello.get("pin_lease")

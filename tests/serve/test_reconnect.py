@@ -428,3 +428,61 @@ def test_connect_refuses_a_server_of_other_devices(tmp_path):
             assert rank.lookup(run_keys(0, 1)) == 0
         with pytest.raises(GeometryMismatchError, match="not on .*b.img"):
             connect(sock, [b])
+
+
+@pytest.mark.parametrize("closed_during", ["restart", "medium check"])
+def test_a_reconnect_that_ends_after_close_leaves_no_open_files(tmp_path, monkeypatch,
+                                                                closed_during):
+    """close() while the reconnect thread starts a new server (which takes
+    as long as the store's recovery) or checks the new one's medium: the
+    thread ends quietly, and the new server's fence files, which its hello
+    hands over, do not outlive the closed store (they hold store device 0
+    open, a loop device too)."""
+    from kvblock.store import client
+
+    sock, path, server, r = _served(tmp_path, reconnect=True)
+    server.stop()
+    entered, closed, restarted = threading.Event(), threading.Event(), []
+
+    def wait_for_close():
+        entered.set()
+        assert closed.wait(20)
+
+    def restart():                        # a server that comes up after close()
+        if closed_during == "restart":
+            wait_for_close()
+        restarted.append(serve_in_background([path], sock))
+    r._restart = restart
+    same_medium = client.same_medium
+
+    def slow_same_medium(a, b):
+        same = same_medium(a, b)
+        if closed_during == "medium check":
+            entered.set()
+            closed.wait(2)                # (a close() that waits for the check: 2 s)
+        return same
+    monkeypatch.setattr(client, "same_medium", slow_same_medium)
+    try:
+        with pytest.raises(ServerGoneError):
+            r.lookup(run_keys(0, 1))      # the reconnect thread starts
+        assert entered.wait(20)
+        r.close()
+        closed.set()
+        deadline = time.monotonic() + 20
+        while [t for t in threading.enumerate() if t.name == "kvblock-reconnect"]:
+            assert time.monotonic() < deadline, "the reconnect thread never ended"
+            time.sleep(0.05)
+        assert restarted, "the test needs the server started after close()"
+        restarted.pop().stop()
+        held = []
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                held.append(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass                          # listdir's own
+        assert not [p for p in held if p in (path, sock + ".fence")], \
+            f"the closed store still holds its files open: {held}"
+    finally:
+        closed.set()
+        for s in restarted:
+            s.stop()
