@@ -434,9 +434,12 @@ class StoreServer:
             return
         next_try, backoff = self._dropped_retry
         if not self.store.closed:
+            # OSError: the fence files are opened anew, and a server out of
+            # descriptors (EMFILE, many ranks) fails that for a while; the
+            # try failed, the lease thread must go on.
             try:                 # a probe that stops nobody, every tick
                 self._fence_writers(0, "the writes of dropped connections", turnstile=False)
-            except KVBlockError:
+            except (KVBlockError, OSError):
                 if time.monotonic() < next_try:
                     with self._dropped_lock:
                         self._dropped_writers += regions
@@ -444,7 +447,7 @@ class StoreServer:
                 try:             # a try that holds new writes back: after a backoff
                     self._fence_writers(DROPPED_FENCE_WAIT_S,
                                         "the writes of dropped connections")
-                except KVBlockError as e:
+                except (KVBlockError, OSError) as e:
                     with self._dropped_lock:
                         self._dropped_writers += regions
                     backoff = min(2 * backoff, DROPPED_FENCE_BACKOFF_S)

@@ -232,3 +232,51 @@ def test_a_rank_stopped_before_taking_a_large_answer_loses_its_pins(tmp_path):
         _reap(proc)
         stop_server(server.pid)
         server.wait(30)
+
+
+def test_leases_outlive_a_server_short_of_descriptors(tmp_path, monkeypatch):
+    """Giving a dropped rank's allocation back opens the fence files anew;
+    out of descriptors for a moment (EMFILE, many ranks), that must be a
+    try that failed (later tries give it back, the leases still run), not
+    the end of the thread that runs them (its space then stayed pinned and
+    no quiet rank was ever dropped again)."""
+    import errno
+
+    from kvblock.store import fence
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock, pin_lease=LEASE)
+    a = RemoteStore(sock, verify="never")
+    a._heartbeat = False                        # as if its process were stopped
+    try:
+        short = {"left": 3}
+        reopen = fence.reopen
+
+        def out_of_descriptors(fd, flags):
+            if short["left"] > 0:
+                short["left"] -= 1
+                raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+            return reopen(fd, flags)
+        monkeypatch.setattr(fence, "reopen", out_of_descriptors)
+        stall = _Stall(a, "_stage_run", after=True)   # allocated, not writing
+        ka = run_keys(1, 2)
+        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
+        assert stall.reached.wait(20)
+        _until(lambda: server.expired_sessions == 1)
+        _until(lambda: server.store.regions.pins.sum() == 0, timeout=15)
+        assert short["left"] == 0
+        b = RemoteStore(sock)                   # and the lease still drops the quiet
+        b._heartbeat = False
+        try:
+            kb = run_keys(2, 1)
+            b.put_run(kb, run_data(kb))
+            assert b.pin(kb)
+            _until(lambda: server.expired_sessions == 2)
+        finally:
+            b.close()
+        stall.go.set()
+        box["thread"].join(20)
+        assert isinstance(box.get("error"), ServerGoneError), box
+    finally:
+        a.close()
+        server.stop()
