@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 import stat
 import threading
 import time
@@ -746,10 +747,21 @@ class RemoteStore(RunReader, RunWriter):
         while self._fence is not None and self._fence.writers and \
                 time.monotonic() < deadline:
             time.sleep(0.005)
-        with s.lock:
+        if not s.lock.acquire(timeout=CLOSE_WAIT_S):
+            # A call waits for a server that does not answer (no timeout=; the
+            # heartbeat's ping too, with no call of the caller's in flight):
+            # end the connection under it, which wakes it (ServerGoneError).
+            try:
+                s.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.lock.acquire()
+        try:
             if s.gone is None:
                 s.gone = "remote store is closed"
             s.close()                   # reads in flight: they turn into misses
+        finally:
+            s.lock.release()
         _LIVE.discard(self)
         # ... once their I/O is done: until then the devices and buffers stay
         if self._inflight.drained(CLOSE_WAIT_S, repr(self)):

@@ -486,3 +486,36 @@ def test_a_reconnect_that_ends_after_close_leaves_no_open_files(tmp_path, monkey
         closed.set()
         for s in restarted:
             s.stop()
+
+
+def test_close_does_not_hang_on_a_ping_a_hung_server_never_answers(tmp_path, monkeypatch):
+    """No timeout= and a hung server: the heartbeat's ping (sent while the
+    rank holds a pin) never gets its answer.  close(), with no call of the
+    caller's in flight, used to wait for that ping for good (an engine that
+    never exits); it ends the connection under it after CLOSE_WAIT_S."""
+    from kvblock.store import client
+
+    monkeypatch.setattr(client, "CLOSE_WAIT_S", 1.0)
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock, pin_lease=0.4)   # pings every 0.1 s
+    pinged, hung = threading.Event(), threading.Event()
+
+    def ping(s):
+        pinged.set()
+        hung.wait(60)                     # a server that hangs (stopped, deadlocked)
+    r = RemoteStore(sock)
+    try:
+        keys = run_keys(1, 2)
+        r.put_run(keys, run_data(keys))
+        r.pin(keys)
+        monkeypatch.setattr(server, "_op_ping", ping)   # from here on the server hangs
+        assert pinged.wait(10)
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("out", r.close()), daemon=True)
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), "close() waits for the hung server's answer to a ping"
+    finally:
+        hung.set()
+        r.close()
+        server.stop()
