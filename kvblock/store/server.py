@@ -317,7 +317,10 @@ class StoreServer:
                          and now - s.last_seen > lease]
             for s in quiet:
                 try:       # a request not read yet (a starved server): it is alive
-                    if select.select([s.conn], [], [], 0)[0]:
+                    # (poll: select() refuses descriptors past 1023, many ranks)
+                    p = select.poll()
+                    p.register(s.conn, select.POLLIN)
+                    if p.poll(0):
                         continue
                 except (OSError, ValueError):
                     continue    # closed meanwhile: its thread releases the pins

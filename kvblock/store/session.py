@@ -68,7 +68,9 @@ class Session:
         stays open from here, and its pins hold, while the server lives.)
         Unread answers on it are discarded."""
         try:
-            while select.select([self.sock], [], [], 0)[0]:
+            p = select.poll()       # not select(): a descriptor may be past 1023
+            p.register(self.sock, select.POLLIN)
+            while p.poll(0):
                 if not self.sock.recv(1 << 16):
                     return True
         except (OSError, ValueError):     # closed here already

@@ -280,3 +280,80 @@ def test_leases_outlive_a_server_short_of_descriptors(tmp_path, monkeypatch):
     finally:
         a.close()
         server.stop()
+
+
+def test_a_quiet_rank_is_dropped_whatever_its_descriptor_number(tmp_path):
+    """A server with many open files (ranks' connections): a connection
+    whose descriptor is past FD_SETSIZE (1024) cannot be select()ed; its
+    lease must still run (select's ValueError once kept its pins for good)."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock, pin_lease=LEASE)
+    filler = []
+    try:
+        while not filler or filler[-1] < 1100:       # the next ones are past 1024
+            filler.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        a = RemoteStore(sock)
+        a._heartbeat = False                  # as if its process were stopped
+        try:
+            ka = run_keys(1, 2)
+            a.put_run(ka, run_data(ka))
+            assert a.pin(ka)
+            assert server.store.regions.pins.sum() == 1
+            _until(lambda: server.expired_sessions == 1)
+            _until(lambda: server.store.regions.pins.sum() == 0)
+        finally:
+            a.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        server.stop()
+
+
+def test_a_read_on_an_abandoned_connection_past_descriptor_1023_is_no_miss(tmp_path):
+    """A connection abandoned after a timeout while a read holds pins on it
+    (the server lives, the pins hold): the read's bytes count.  Whether the
+    server's end closed was asked with select(), which fails past
+    descriptor 1023, and that was taken for a closed connection (a miss)."""
+    import threading
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    real_checkpoint = server.store.checkpoint
+    server.store.checkpoint = lambda: (time.sleep(1.0), real_checkpoint())[1]
+    filler = []
+    try:
+        while not filler or filler[-1] < 1100:       # the next ones are past 1024
+            filler.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
+        a = RemoteStore(sock, timeout=0.3)
+        try:
+            ka = run_keys(1, 2)
+            a.put_run(ka, run_data(ka))
+            pinned, go = threading.Event(), threading.Event()
+            real = a._segments
+
+            def pinned_then_wait(keys):
+                segs = real(keys)
+                pinned.set()
+                assert go.wait(20)
+                return segs
+            a._segments = pinned_then_wait
+            out = np.zeros(run_data(ka).nbytes, np.uint8)
+            box = _in_thread(lambda: a.get_run(ka, out))
+            assert pinned.wait(20)
+            try:
+                a.checkpoint()                  # times out: the connection is abandoned
+            except ServerGoneError:
+                pass
+            else:
+                raise AssertionError("the checkpoint did not time out")
+            go.set()
+            box["thread"].join(20)
+            assert box.get("out") == 2, box
+            assert np.array_equal(out, run_data(ka).reshape(-1).view(np.uint8))
+            assert a.counters["lapsed_pin_gets"] == 0
+        finally:
+            a.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        server.stop()
