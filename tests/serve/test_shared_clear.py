@@ -325,3 +325,32 @@ def test_a_put_admitted_before_a_clear_and_a_server_restart_publishes_nothing(st
         rank.close()
         stop_server(server.pid)
         server.wait(20)
+
+
+def test_a_rank_deleting_more_runs_than_one_journal_write_holds_keeps_the_server(tmp_path):
+    """delete() of many runs from one rank: their DROP records exceed the
+    journal, which once failed the commit and closed the shared store (the
+    server stopped for every rank); they are committed in parts."""
+    from kvblock import create_file
+    from tests.store.workload import REGION
+
+    path, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    create_file(path, 32 << 20)
+    KVStore.format([path], GEOM, region_size=REGION, journal_bytes=32 << 10).close()
+    runs = [run_keys(i, 1) for i in range(1500)]
+    with KVStore.open([path]) as st:
+        st.put_runs([(k, run_data(k)) for k in runs])
+        stored = st.stats()["runs"]
+    assert stored * 48 > 32 << 10, "the test needs more DROP records than the journal holds"
+    server = serve_in_background([path], sock)
+    try:
+        with RemoteStore(sock) as r:
+            assert r.delete([k for keys in runs for k in keys]) == stored
+            assert not server.store.closed
+            assert r.lookup(runs[-1]) == 0
+            r.put_run(runs[0], run_data(runs[0]))       # the store still serves
+            assert _read(r, runs[0]) is not None
+    finally:
+        server.stop()
+    with KVStore.open([path]) as st:                    # and the deletes are durable
+        assert st.stats()["runs"] == 1
