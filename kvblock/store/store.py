@@ -249,6 +249,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._lock = threading.RLock()
         self._reclaimed = threading.Condition(self._lock)   # a region was freed
         self._commit_lock = threading.Lock()
+        self._failure: BaseException | None = None   # the metadata write that closed it
         self._inflight = InFlight("store is closed; reopen it with KVStore.open(devices)")
         self._clears = 0       # clear() calls: a put call that saw another count is refused
         self._pending: list = []
@@ -399,6 +400,13 @@ class KVStore(Recovery, RunReader, RunWriter):
             if not done.is_set():
                 with self._pending_lock:
                     batch, self._pending = self._pending, []
+                if self._failure is not None:
+                    # A commit failed before this writer led: nothing more
+                    # goes to the journal of a failed store.
+                    for item in batch:
+                        item[3] = self._failure
+                        item[2].set()
+                    batch = []
                 try:
                     for chunk in self._journal_chunks(batch):
                         written = [r for e in chunk for r in e[0]]
@@ -417,7 +425,13 @@ class KVStore(Recovery, RunReader, RunWriter):
                             item[3] = e
                             item[2].set()
                     self._fail(e)
-                    raise
+                    if entry[3] is not None or not isinstance(e, KVBlockError):
+                        raise
+                    # The leader's own records went out in an earlier journal
+                    # write (or a checkpoint after them failed): its call
+                    # succeeded (the store is closed now).
+                    logger.warning("kvblock: a metadata commit failed, the store is "
+                                   "closed (reopen it to recover): %s", e)
         if entry[3] is not None:
             raise StoreClosedError(f"metadata commit failed: {entry[3]}") from entry[3]
 
@@ -438,7 +452,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 size = 0
             chunks[-1].append(entry)
             size += need
-        return chunks
+        return [chunk for chunk in chunks if chunk]
 
     def _write_journal(self, records):
         data = jfmt.encode_commit(records, self._seq, jfmt.epoch(self.sb.store_uuid,
@@ -498,6 +512,8 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _fail(self, exc):
         """A metadata write failed: the in-memory state may be ahead of the
         medium, so the store stops serving; reopen to recover."""
+        if self._failure is None:
+            self._failure = exc
         self.closed = True
 
     def _check_open(self, writing: bool = False):

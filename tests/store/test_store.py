@@ -902,6 +902,129 @@ def test_puts_committed_together_are_split_where_the_journal_needs_it(tmp_path):
             assert store.get_run(keys[w], out) == n and np.array_equal(out, data[w])
 
 
+def _tiny_block_store(tmp_path):
+    g = Geometry(num_layers=1, num_kv_heads=1, head_dim=16, dtype="float16", block_tokens=1)
+    path = tmp_path / "s.img"
+    create_file(path, 64 * MIB)
+    KVStore.format([str(path)], g, region_size=4 * MIB, journal_bytes=256 << 10).close()
+    return str(path), g
+
+
+def test_a_failed_journal_write_in_a_split_commit_fails_only_the_writers_after_it(tmp_path):
+    """Writers queued behind one leader need several journal writes; the
+    second fails (EIO).  The writers whose records went out before it are
+    stored and told so, the leader among them (it led, its records went in
+    the first write); the others get a typed error, and a reopen holds
+    exactly the puts that were acknowledged."""
+    path, g = _tiny_block_store(tmp_path)
+    writers = 6
+    store = KVStore.open([path])
+    n = store.max_run_blocks
+    keys = [[f"w{w}-{i}".encode() for i in range(n)] for w in range(writers)]
+    rng = np.random.default_rng(3)
+    data = [rng.integers(0, 256, n * g.block_bytes, np.uint8) for _ in range(writers)]
+    stored = [None] * writers
+    real_write, journal_writes = store.io.write_bytes, []
+
+    def write_bytes(dev, offset, buf):
+        if store.sb.journal_offset <= offset < store.sb.journal_offset + store.sb.journal_bytes:
+            journal_writes.append(offset)
+            if len(journal_writes) == 2:
+                raise IOFailedError("injected EIO", path, 5, offset, len(buf))
+        return real_write(dev, offset, buf)
+    store.io.write_bytes = write_bytes
+
+    def put(w):
+        try:
+            stored[w] = store.put_run(keys[w], data[w])
+        except BaseException as e:
+            stored[w] = e
+
+    threads = [threading.Thread(target=put, args=(w,)) for w in range(writers)]
+    real_lock, led = store._commit_lock, threading.Event()
+
+    class LeaderFirst:        # writer 0 takes the commit lock first: it leads
+        def __enter__(self):
+            if threading.current_thread() is not threads[0]:
+                led.wait(30)
+            real_lock.acquire()
+            led.set()
+
+        def __exit__(self, *exc):
+            real_lock.release()
+    store._commit_lock = LeaderFirst()
+
+    def queued(count):
+        deadline = time.monotonic() + 30
+        while len(store._pending) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(store._pending) == count
+
+    with real_lock:
+        threads[0].start()
+        assert queued(1)
+        for t in threads[1:]:
+            t.start()
+        assert queued(writers)
+    for t in threads:
+        t.join(30)
+    ok = [w for w in range(writers) if stored[w] == n]
+    failed = [w for w in range(writers) if w not in ok]
+    assert all(isinstance(stored[w], KVBlockError) for w in failed), stored
+    assert 0 in ok and 0 < len(ok) < writers and store.closed, stored
+    store.close()
+    out = np.zeros_like(data[0])
+    with KVStore.open([path]) as store:
+        for w in range(writers):
+            got = store.get_run(keys[w], out)
+            assert got == (n if w in ok else 0), (w, stored)
+            if w in ok:
+                assert np.array_equal(out, data[w])
+
+
+def test_a_writer_queued_behind_a_failed_commit_writes_nothing(tmp_path):
+    """A commit fails (EIO) and closes the store while another writer waits
+    for the commit lock: that writer must not lead a commit of its own on
+    the failed store (it gets StoreClosedError, its put is not stored)."""
+    path, g = _tiny_block_store(tmp_path)
+    store = KVStore.open([path])
+    real_write, entered, go = store.io.write_bytes, threading.Event(), threading.Event()
+
+    def write_bytes(dev, offset, buf):
+        if store.sb.journal_offset <= offset < store.sb.journal_offset + store.sb.journal_bytes:
+            if not entered.is_set():
+                entered.set()
+                assert go.wait(30)
+                raise IOFailedError("injected EIO", path, 5, offset, len(buf))
+        return real_write(dev, offset, buf)
+    store.io.write_bytes = write_bytes
+    results = {}
+
+    def put(name, k):
+        data = np.full(4 * g.block_bytes, len(name), np.uint8)
+        try:
+            results[name] = store.put_run([f"{k}{i}".encode() for i in range(4)], data)
+        except BaseException as e:
+            results[name] = e
+
+    first = threading.Thread(target=put, args=("first", "a"))
+    first.start()
+    assert entered.wait(30)
+    second = threading.Thread(target=put, args=("second", "b"))
+    second.start()
+    deadline = time.monotonic() + 30
+    while not store._pending and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store._pending                       # queued behind the failing commit
+    go.set()
+    first.join(30)
+    second.join(30)
+    assert isinstance(results["second"], StoreClosedError), results
+    store.close()
+    with KVStore.open([path]) as store:
+        assert store.lookup([f"b{i}".encode() for i in range(4)]) == 0
+
+
 def test_a_run_never_holds_more_positions_than_the_index_packs(tmp_path, monkeypatch):
     """Positions are packed beside run ids (POS_BITS); a run of more blocks
     would name the next run's blocks.  With the limit the store sees
