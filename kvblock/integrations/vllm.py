@@ -784,7 +784,9 @@ class KVBlockTierManager(SecondaryTierManager):
 
     def _load_piece(self, job: _Job, start: int, stop: int, done: int | None = None) -> int:
         """Slots start..stop of a load job, key after key past any that miss;
-        ``done``: the first ``done`` are read already, and the next missed."""
+        ``done``: the first ``done`` are read already (get_runs' count: the
+        next one missed, or a run from it on failed and was dropped, which
+        may be a later run than its own: it is read again)."""
         kbs = job.kbs[start:stop]
         ids = job.chunks[start:stop]
         n = len(kbs)
@@ -799,7 +801,7 @@ class KVBlockTierManager(SecondaryTierManager):
         i, errors = 0, 0
         if done is not None:
             ok[:done] = True
-            i = done + 1
+            i = done
         while i < n:
             try:
                 got = read(kbs[i:], dst[i:])

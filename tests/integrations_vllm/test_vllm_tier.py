@@ -417,6 +417,47 @@ def _hold_first(store, name: str):
     return gate
 
 
+def test_small_load_batched_with_others_keeps_its_keys_before_an_unreadable_run(
+        make_tier, monkeypatch):
+    """A small promotion read with others in one get_runs call, whose keys
+    span an intact run and then one under EIO: the store fails the whole
+    request (count 0), but only the unreadable run's keys may fail; the key
+    of the intact run before it loads (successful_keys names it), as when
+    the job is read on its own."""
+    from tests.support.faults import BadSectors
+
+    tier, pool = make_tier(pool=page_aligned_pool(48), threads=1, region_size="32M")
+    fill_random(pool, range(6))
+    expected = pool[:6].clone()
+    keys = [key(500 + i) for i in range(6)]
+    for j, (a, b) in enumerate([(0, 2), (2, 4), (4, 6)]):         # runs of 2 slots
+        tier.submit_store(job(1 + j, keys[a:b], range(a, b)))
+    assert all(r.success for r in drain(tier))
+    store = tier.store
+    run = store.index.segments([tier.kvblock_key(keys[4])])[0][0]
+    bad = BadSectors()
+    bad.add(*store.regions.address(run.region, run.offset), 2 * SLOT)
+    bad.install(store)
+    pool.zero_()
+    gate = _hold_first(store, "get_blocks")
+    calls = []
+    get_runs = store.get_runs
+    monkeypatch.setattr(store, "get_runs", lambda reqs: (calls.append(len(reqs)),
+                                                         get_runs(reqs))[1])
+    tier.submit_load(job(10, keys[:2], [16, 18], promotion=True))  # scattered: holds the worker
+    tier.submit_load(job(11, keys[:2], [20, 21], promotion=True))
+    tier.submit_load(job(12, keys[3:6], [24, 25, 26], promotion=True))   # intact, then EIO
+    gate.set()
+    results = {r.job_id: r for r in drain(tier)}
+    assert calls and calls[0] == 2                   # jobs 11 and 12 read together
+    assert results[10].success and results[11].success
+    assert bad.reads_failed >= 1
+    assert not results[12].success
+    assert set(results[12].successful_keys or ()) == {keys[3]}
+    assert torch.equal(pool[24], expected[3])
+    assert [tier.lookup(k, CTX) for k in keys[3:6]] == [LookupResult.HIT] + \
+        [LookupResult.MISS] * 2
+
 def test_small_stores_queued_together_are_written_with_one_commit(make_tier, monkeypatch):
     """Small stores queued behind one another go to the store in one put_runs
     call (one flush, one journal commit); a job whose keys are stored
