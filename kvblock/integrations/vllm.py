@@ -151,7 +151,11 @@ DEFAULT_THREADS = 8
 # How long lookup() waits for the store's index lock before it answers
 # RETRY.  Workers hold the lock for microseconds, but a thread switch can
 # leave it held for a while; without a wait a busy tier answered RETRY to
-# over half of its lookups (each one defers a request by a step).
+# over half of its lookups (each one defers a request by a step).  Only the
+# first lookup that finds it busy waits: vLLM's scheduler goes on looking up
+# a request's next keys after a RETRY, so a lock held long (a checkpoint's
+# snapshot, an eviction's scan) would cost it this wait per key of every
+# waiting request; the next ones try without waiting until it is free again.
 LOOKUP_LOCK_WAIT_S = 0.001
 # On a shared store, how long lookup() waits for the server's answer: a hung
 # server costs the scheduler one such wait, then lookups miss at once until
@@ -369,6 +373,9 @@ class KVBlockTierManager(SecondaryTierManager):
         self._storing: dict[bytes, tuple[_Job, int]] = {}
         self._stop = False
         self._closed = False
+        # A lookup's wait for the store's lock (or a shared store's
+        # connection) ran out, and no call has had it since: don't wait.
+        self._store_busy = False
         self._metrics = StoreStats(self.stats)  # vLLM's get_stats (vllm_metrics.py)
         self._events = self._kv_events(enable_kv_events, offloading_spec, tier_type)
         self._workers = [threading.Thread(target=self._worker, name=f"kvblock_tier_{i}",
@@ -617,19 +624,28 @@ class KVBlockTierManager(SecondaryTierManager):
         store = self.store
         if hasattr(store, "contains_nowait"):      # a shared store: one socket, bounded too
             try:
-                return store.contains_nowait(kb, LOOKUP_LOCK_WAIT_S,
-                                             timeout=LOOKUP_ANSWER_TIMEOUT_S)
+                found = store.contains_nowait(kb, self._lock_wait(),
+                                              timeout=LOOKUP_ANSWER_TIMEOUT_S)
             except KVBlockError:
                 return False
+            self._store_busy = found is None
+            return found
         return self._under_store_lock(lambda: store.contains(kb))
+
+    def _lock_wait(self) -> float:
+        """How long to wait for the store's lock: LOOKUP_LOCK_WAIT_S, or not
+        at all while an earlier wait ran out and nobody here has had it since."""
+        return 0 if self._store_busy else LOOKUP_LOCK_WAIT_S
 
     def _under_store_lock(self, fn):
         """fn() under the store's lock, waited for at most LOOKUP_LOCK_WAIT_S
-        (the caller is vLLM's scheduler thread): None when it stays busy,
+        (the caller is vLLM's scheduler thread; see _lock_wait): None when it stays busy,
         False when the store failed (closed after a failed metadata write)."""
         lock = self.store._lock
-        if not lock.acquire(timeout=LOOKUP_LOCK_WAIT_S):
+        if not lock.acquire(timeout=self._lock_wait()):
+            self._store_busy = True
             return None
+        self._store_busy = False
         try:
             return fn()
         except KVBlockError:

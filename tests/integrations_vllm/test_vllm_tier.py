@@ -679,6 +679,55 @@ def test_lookup_never_waits_for_the_store_lock(make_tier):
     assert tier.lookup(key(1), CTX) is LookupResult.HIT
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_busy_store_costs_the_scheduler_one_lock_wait_not_one_per_lookup(tmp_path, shared):
+    """vLLM's scheduler goes on looking up a request's next keys after a
+    RETRY (to start their promotions).  While a worker holds the store's
+    lock (a checkpoint's snapshot, an eviction's scan of the index) or a
+    shared store's connection, lookups answer RETRY and only the first one
+    waits for it: not LOOKUP_LOCK_WAIT_S per key of every waiting request,
+    every step.  Once it is free, lookups answer (and wait) as before."""
+    from kvblock.integrations.vllm import LOOKUP_LOCK_WAIT_S
+    from tests.support.servers import stop_server
+
+    pool = page_aligned_pool(8)
+    config = dict(devices=[str(tmp_path / "kv.img")], size="64M", threads=2)
+    if shared:
+        config["server"] = str(tmp_path / "kv.sock")
+    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock", **config)
+    pid = tier.store.server_pid if shared else None
+    try:
+        fill_random(pool, range(1))
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert drain(tier)[0].success
+        lock = tier.store._session.lock if shared else tier.store._lock
+        held, release = threading.Event(), threading.Event()
+
+        def hold():
+            with lock:
+                held.set()
+                release.wait(30)
+
+        t = threading.Thread(target=hold)
+        t.start()
+        try:
+            assert held.wait(10)
+            n = 500
+            t0 = time.monotonic()
+            answers = {tier.lookup(key(100 + i), CTX) for i in range(n)}
+            took = time.monotonic() - t0
+            assert answers == {LookupResult.RETRY}
+            assert took < n * LOOKUP_LOCK_WAIT_S / 2, f"{n} lookups took {took:.3f} s"
+        finally:
+            release.set()
+            t.join()
+        assert tier.lookup(key(1), CTX) is LookupResult.HIT
+        assert tier.lookup(key(2), CTX) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+        if pid is not None:
+            stop_server(pid)
+
 def test_load_in_another_grouping_than_the_store(make_tier):
     """Runs stored 8 slots at a time, loaded from the middle, in pieces that
     straddle runs and into scattered slots: still the same bytes."""
