@@ -56,6 +56,21 @@ class KeyIndex:
     def __init__(self):
         self.table = KeyTable()
         self.runs: dict[int, Run] = {}
+        # Kept beside ``runs`` so that a reclaim and a checkpoint do not scan
+        # every run under the store's lock (seconds at a million runs):
+        self.by_region: dict[int, dict[int, Run]] = {}   # region -> its runs by id
+        self.partly: set[int] = set()    # runs a newer run took some keys from
+
+    def runs_in(self, region: int) -> list[Run]:
+        """The indexed runs in ``region``."""
+        return list(self.by_region.get(region, {}).values())
+
+    def _set_live(self, run: Run, n: int) -> None:
+        run.live = n
+        if n < run.nblocks:
+            self.partly.add(run.run_id)
+        else:
+            self.partly.discard(run.run_id)
 
     def __len__(self) -> int:
         return len(self.table)
@@ -71,6 +86,7 @@ class KeyIndex:
             return []
         for run in runs:
             self.runs[run.run_id] = run
+            self.by_region.setdefault(run.region, {})[run.run_id] = run
         lo, hi = split_keys(b"".join(r.keys for r in runs))
         packed = np.concatenate([r.packed() for r in runs])
         kept = (lo != 0) | (hi != 0)              # SUPERSEDED positions stay out
@@ -89,7 +105,7 @@ class KeyIndex:
                 ends = np.cumsum([run.nblocks for run in runs])
                 counts = np.diff(np.r_[0, np.cumsum(kept)[ends - 1]])
                 for run, n in zip(runs, counts.tolist()):
-                    run.live = n
+                    self._set_live(run, n)
             if not overwritten.size:
                 return []                         # fresh keys only: the usual put
         else:
@@ -101,7 +117,7 @@ class KeyIndex:
             sizes = np.array([run.nblocks for run in hit_runs])
             counts = np.add.reduceat(live.astype(np.int64), np.cumsum(sizes) - sizes)
             for run, n in zip(hit_runs, counts.tolist()):
-                run.live = n
+                self._set_live(run, n)
         return [run for run in hit_runs if run.live == 0]
 
     def _live_positions(self, runs: list[Run]) -> np.ndarray:
@@ -110,26 +126,43 @@ class KeyIndex:
         lo, hi = split_keys(b"".join(run.keys for run in runs))
         return self.table.get(lo, hi) == np.concatenate([run.packed() for run in runs])
 
-    def checkpoint_keys(self, runs: list[Run]) -> np.ndarray:
-        """The runs' keys as a checkpoint stores them, (positions, 16) bytes:
-        SUPERSEDED where a newer run holds the key."""
-        keys = np.frombuffer(b"".join(run.keys for run in runs), dtype=np.uint8)
-        keys = keys.reshape(-1, KEY_BYTES)
-        partly = [k for k, run in enumerate(runs) if run.live < run.nblocks]
+    def superseded(self) -> dict[int, np.ndarray]:
+        """(under the store's lock, with the runs snapshot) per run a newer
+        run took keys from: is each of its positions' key still its own?"""
+        partly = [self.runs[i] for i in self.partly]
         if not partly:
+            return {}
+        live = self._live_positions(partly)
+        ends = np.cumsum([run.nblocks for run in partly])
+        return {run.run_id: part for run, part in zip(partly, np.split(live, ends[:-1]))}
+
+    @staticmethod
+    def checkpoint_keys(runs: list[Run], superseded: dict[int, np.ndarray]) -> np.ndarray:
+        """The runs' keys as a checkpoint stores them, (positions, 16) bytes:
+        SUPERSEDED (zero) where ``superseded`` says a newer run holds the key.
+        Reads only what never changes in a published run: no lock needed."""
+        keys = np.frombuffer(b"".join([run.keys for run in runs]), dtype=np.uint8)
+        keys = keys.reshape(-1, KEY_BYTES)
+        if not superseded:
             return keys
         keys = keys.copy()
-        sizes = np.array([run.nblocks for run in runs])
-        starts = np.cumsum(sizes) - sizes
-        lens = sizes[partly]
-        within = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-        at = np.repeat(starts[partly], lens) + within
-        keys[at[~self._live_positions([runs[k] for k in partly])]] = 0
+        at = 0
+        for run in runs:
+            live = superseded.get(run.run_id)
+            if live is not None:
+                keys[at:at + run.nblocks][~live] = 0
+            at += run.nblocks
         return keys
 
     def remove(self, run: Run) -> None:
         """Drop a run; keys since re-stored by a newer run keep pointing there."""
         self.runs.pop(run.run_id, None)
+        in_region = self.by_region.get(run.region)
+        if in_region is not None:
+            in_region.pop(run.run_id, None)
+            if not in_region:
+                del self.by_region[run.region]
+        self.partly.discard(run.run_id)
         lo, hi = split_keys(run.keys)
         self.table.remove(lo, hi, expect=run.packed())
         run.live = 0

@@ -165,7 +165,7 @@ class Recovery:
                 self._remove_run(run)
         elif isinstance(rec, jfmt.Reclaim):
             if rec.region < self.regions.count:
-                for run in [r for r in self.index.runs.values() if r.region == rec.region]:
+                for run in self.index.runs_in(rec.region):
                     self._remove_run(run)
                 self.regions.generation[rec.region] = rec.generation
 

@@ -57,7 +57,7 @@ from kvblock.format import checkpoint as cpfmt
 from kvblock.format import journal as jfmt
 from kvblock.format import superblock as sbfmt
 from kvblock.index import Run, normalize_keys
-from kvblock.index.index import POS_BITS, POS_MASK
+from kvblock.index.index import POS_BITS, POS_MASK, KeyIndex
 from kvblock.index.keys import KEY_BYTES
 from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
@@ -474,21 +474,23 @@ class KVStore(Recovery, RunReader, RunWriter):
 
     def _write_checkpoint(self):
         """Snapshot the index into the other slot; the journal restarts empty."""
-        with self._lock:
+        with self._lock:       # the snapshot; lookups and puts wait for this lock
             runs = list(self.index.runs.values())
-            run_rows = np.zeros(len(runs), dtype=cpfmt.RUN_DTYPE)
-            for i, run in enumerate(runs):
-                run_rows[i] = (run.run_id, run.region, run.generation, run.offset,
-                               run.nblocks, 0)
-            keys = self.index.checkpoint_keys(runs)
-            sums = (np.stack([r.checksums for r in runs]) if runs
-                    else np.zeros((0, self.geometry.run_checksums), np.uint64))
+            superseded = self.index.superseded()
             regions = np.zeros(self.regions.count, dtype=cpfmt.REGION_DTYPE)
             regions["generation"] = self.regions.generation
             regions["seal_seq"] = self.regions.seal_seq
             regions["sealed_at"] = self.regions.sealed_at
-            cp = cpfmt.Checkpoint(self._generation + 1, self._seq, self._next_run_id,
-                                  self.geometry.run_checksums, regions, run_rows, keys, sums)
+            header = (self._generation + 1, self._seq, self._next_run_id)
+        # The rest reads only what a published run never changes (its id,
+        # place, keys, checksums): outside the lock (a second at a million runs).
+        run_rows = np.array([(r.run_id, r.region, r.generation, r.offset, r.nblocks, 0)
+                             for r in runs], dtype=cpfmt.RUN_DTYPE)
+        keys = KeyIndex.checkpoint_keys(runs, superseded)
+        sums = (np.array([r.checksums for r in runs], dtype=np.uint64) if runs
+                else np.zeros((0, self.geometry.run_checksums), np.uint64))
+        cp = cpfmt.Checkpoint(*header, self.geometry.run_checksums, regions, run_rows,
+                              keys, sums)
         data = cp.encode()
         if len(data) > self.sb.checkpoint_bytes:
             raise StoreFullError(f"checkpoint of {len(data)} bytes exceeds its "
@@ -755,7 +757,7 @@ class KVStore(Recovery, RunReader, RunWriter):
 
     def _begin_reclaim(self, region: int) -> None:
         """(under self._lock) take the region's runs out of the index."""
-        dropped = [r for r in self.index.runs.values() if r.region == region]
+        dropped = self.index.runs_in(region)
         for run in dropped:
             self._forget_run(run)
         self.regions.state[region] = RECLAIMING

@@ -335,3 +335,39 @@ def test_few_key_puts_answer_as_the_numpy_path(ops):
         assert np.array_equal(few.hi[live], many.hi[live])
     alo, ahi = split_keys(b"".join(k(i) for i in range(61)))
     assert few.get(alo, ahi).tolist() == many.get(alo, ahi).tolist()
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "add_many", "remove"]),
+                              st.lists(st.integers(0, 40), min_size=1, max_size=6),
+                              st.integers(0, 4)), max_size=40))
+def test_region_and_superseded_bookkeeping_matches_a_scan(ops):
+    """by_region (what a reclaim drops), partly and superseded() (what a
+    checkpoint marks SUPERSEDED) agree with a scan of every run, whatever
+    adds (keys re-stored, duplicates in a batch) and removes came before;
+    checkpoint_keys zeroes exactly the positions whose key moved on."""
+    idx, next_id = KeyIndex(), 1
+    for op, keys, region in ops:
+        if op == "remove":
+            if idx.runs:
+                victims = sorted(idx.runs)[region % len(idx.runs)]
+                idx.remove(idx.runs[victims])
+            continue
+        batch = [run(next_id + j, [x + 100 * j for x in keys] if j else keys, region)
+                 for j in range(2 if op == "add_many" else 1)]
+        next_id += len(batch)
+        for dropped in idx.add_many(batch):
+            idx.remove(dropped)
+    runs = list(idx.runs.values())
+    for region in range(5):
+        assert sorted(r.run_id for r in idx.runs_in(region)) == \
+            sorted(r.run_id for r in runs if r.region == region)
+    assert idx.partly == {r.run_id for r in runs if r.live < r.nblocks}
+    expected = []
+    for r in runs:
+        for pos in range(r.nblocks):
+            got = idx.locate(r.key(pos))
+            mine = got is not None and got[0] is r and got[1] == pos
+            expected.append(r.key(pos) if mine else bytes(KEY_BYTES))
+    keys = KeyIndex.checkpoint_keys(runs, idx.superseded())
+    assert [bytes(row) for row in keys] == expected

@@ -1025,6 +1025,56 @@ def test_a_writer_queued_behind_a_failed_commit_writes_nothing(tmp_path):
         assert store.lookup([f"b{i}".encode() for i in range(4)]) == 0
 
 
+def test_a_checkpoint_builds_its_image_without_the_store_lock(tmp_path):
+    """A checkpoint snapshots the index under the store's lock, then builds
+    its rows, keys and checksums outside it: at a million runs that is a
+    second or more in which lookups and puts would all wait.  One run's
+    checksums are read through a probe that asks, from another thread,
+    whether the store's lock is free at that moment."""
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as store:
+        for i in range(8):
+            store.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
+        store.put_run(run_keys(0, 1), run_data(run_keys(0, 1)))   # supersedes a key
+        seen = []
+
+        class Probe:
+            def __init__(self, sums):
+                self.sums = sums
+
+            def __len__(self):
+                return len(self.sums)
+
+            def __array__(self, dtype=None, copy=None):
+                free = []
+
+                def try_lock():
+                    if store._lock.acquire(timeout=0):
+                        store._lock.release()
+                        free.append(True)
+                t = threading.Thread(target=try_lock)
+                t.start()
+                t.join(10)
+                seen.append(bool(free))
+                return np.asarray(self.sums, dtype=dtype)
+
+        run = next(iter(store.index.runs.values()))
+        real = run.checksums
+        run.checksums = Probe(real)
+        try:
+            store.checkpoint()
+        finally:
+            run.checksums = real
+        assert seen and all(seen), seen
+    with KVStore.open([str(path)]) as store:          # the checkpoint is whole
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        for i in range(1, 8):
+            assert store.get_run(run_keys(i, 2), out) == 2
+            assert np.array_equal(out, run_data(run_keys(i, 2)))
+        assert store.lookup(run_keys(0, 2)) == 2
+
+
 def test_a_run_never_holds_more_positions_than_the_index_packs(tmp_path, monkeypatch):
     """Positions are packed beside run ids (POS_BITS); a run of more blocks
     would name the next run's blocks.  With the limit the store sees
