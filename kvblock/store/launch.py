@@ -48,7 +48,13 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
                   prepare) -> None:
     from kvblock.store.server import spawn_server
 
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as e:
+        raise ConfigError(f"cannot open the store server's start lock {lock_path}: "
+                          f"{e.strerror}; every rank that may start the server must be able "
+                          "to open it read-write (same user, or remove it), or choose "
+                          "another socket path") from None
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)
         try:

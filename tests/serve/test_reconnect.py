@@ -184,6 +184,20 @@ def test_socket_directories(tmp_path):
         assert store.lookup(run_keys(0, 1)) == 0
 
 
+def test_a_start_lock_that_cannot_be_opened_is_a_config_error(tmp_path):
+    """connect() with devices, no server answering: the rank opens the start
+    lock <socket>.lock.  One it cannot open (here a directory; for another
+    user's 0600 file, EACCES) is a ConfigError naming it, not a raw OSError."""
+    from kvblock.store.launch import ensure_server
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    os.mkdir(sock + ".lock")
+    with pytest.raises(ConfigError, match=r"kv\.sock\.lock"):
+        ensure_server(sock, [path])
+    assert not os.path.exists(sock)                    # nothing was started
+
+
 def test_one_reconnect_per_outage_and_a_refused_store_stays_refused(tmp_path):
     """Threads calling while the session is replaced start one reconnect,
     not one each (a second would replace the healthy new session); a server
