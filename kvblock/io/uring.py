@@ -47,14 +47,18 @@ class _Ring:
                                          "use KVBLOCK_IO_ENGINE=threads")
         self._fds = engine.fds  # kept alive for the C side's copy
         self.pid = os.getpid()  # rings are not shared with forked children
+        self.thread = threading.get_ident()
         self.fixed_files = lib.kvb_ring_set_files(
             self.handle, native.ptr("int *", engine.fds), len(engine.fds)) == 0
         self.buffers_version = -1
         self.fixed_buffers = False
+        # Held by the owning thread while it uses the ring; another thread
+        # destroys the ring only when it gets it (see _retire_idle_rings).
+        self.lock = threading.Lock()
 
     def sync_buffers(self) -> None:
         version, regions = registry.snapshot()
-        if version == self.buffers_version:
+        if version == self.buffers_version or self.handle is None:
             return
         regions = [r for r in regions if r[1] <= _MAX_FIXED_BUF][:_MAX_FIXED_COUNT]
         addrs = np.array([r[0] for r in regions], dtype=np.uint64)
@@ -80,6 +84,17 @@ class _RingHolder:
         self.ring = ring
 
 
+_ENGINES: "weakref.WeakSet[UringEngine]" = weakref.WeakSet()
+
+
+def _buffer_removed() -> None:
+    for engine in list(_ENGINES):
+        engine._retire_idle_rings()
+
+
+registry.on_remove(_buffer_removed)
+
+
 class UringEngine(IOEngine):
     """Batched direct I/O over io_uring (liburing, native/kvblock_io.c)."""
 
@@ -93,10 +108,18 @@ class UringEngine(IOEngine):
         super().__init__(devices, **kwargs)
         self._rings: list[_Ring] = []
         self._rings_lock = threading.Lock()
+        _ENGINES.add(self)
 
     def _ring(self) -> _Ring:
+        """This thread's ring, its lock held (released by _release)."""
         holder = getattr(self._local, "holder", None)
         ring = holder.ring if holder is not None else None
+        if ring is not None and ring.pid == os.getpid():
+            ring.lock.acquire()
+            if ring.handle is None and not self.closed:   # retired while idle
+                ring.lock.release()
+                self._forget(ring)
+                ring = None
         if ring is None or ring.pid != os.getpid():
             # First use on this thread, or a forked child: the parent's ring
             # (single-issuer) is not this process's to submit to.
@@ -107,10 +130,41 @@ class UringEngine(IOEngine):
             # so engines used from short-lived threads (one per load) do not
             # accumulate rings.
             weakref.finalize(holder, self._forget, ring)
+            ring.lock.acquire()
             with self._rings_lock:
                 self._rings.append(ring)
         ring.sync_buffers()
         return ring
+
+    def _release(self, ring: _Ring) -> None:
+        ring.lock.release()
+        # A buffer closed while this ring ran: _retire_idle_rings found the
+        # ring busy, so drop the buffer's registration here, or an idle ring
+        # would keep its pages pinned until this thread's next batch.
+        if ring.buffers_version != registry.version and ring.lock.acquire(blocking=False):
+            try:
+                if ring.handle is not None:
+                    ring.sync_buffers()
+            finally:
+                ring.lock.release()
+
+    def _retire_idle_rings(self) -> None:
+        """A registered buffer was closed: its pages stay pinned while any
+        ring has it registered.  A single-issuer ring can only change its
+        registration from its own thread, so rings idle now are destroyed
+        (their threads get fresh ones at their next batch); busy ones
+        re-register in _release."""
+        # No blocking lock here: this may run from a finalizer (a buffer
+        # dropped unclosed) in a thread that holds _rings_lock or a ring.
+        for ring in list(self._rings):
+            if ring.pid == os.getpid() and ring.lock.acquire(blocking=False):
+                try:
+                    if ring.thread == threading.get_ident():
+                        ring.sync_buffers()     # its own thread may re-register
+                    else:
+                        ring.destroy()
+                finally:
+                    ring.lock.release()
 
     def _forget(self, ring: _Ring) -> None:
         ring.destroy()
@@ -125,14 +179,17 @@ class UringEngine(IOEngine):
 
     def _run(self, op, batch: IOBatch, qd, results, latency, hasher) -> None:
         ring = self._ring()
-        if ring.handle is None:   # destroyed by close(): the native call would crash
-            raise ConfigError("uring engine is closed")
-        p = native.ptr
-        ret = native.lib().kvb_ring_run(
-            ring.handle, op, len(batch), p("uint64_t *", batch.addrs), p("uint32_t *", batch.devs),
-            p("uint64_t *", batch.offsets), p("uint64_t *", batch.lens), qd,
-            p("int64_t *", results), p("int64_t *", latency),
-            native.ffi.NULL if hasher is None else hasher.handle)
+        try:
+            if ring.handle is None:   # destroyed by close(): the native call would crash
+                raise ConfigError("uring engine is closed")
+            p = native.ptr
+            ret = native.lib().kvb_ring_run(
+                ring.handle, op, len(batch), p("uint64_t *", batch.addrs),
+                p("uint32_t *", batch.devs), p("uint64_t *", batch.offsets),
+                p("uint64_t *", batch.lens), qd, p("int64_t *", results), p("int64_t *", latency),
+                native.ffi.NULL if hasher is None else hasher.handle)
+        finally:
+            self._release(ring)
         if ret < 0:
             # A broken ring is retired (kvb_ring_run first waited for the
             # I/Os it had taken): this thread's next batch gets a new one.
@@ -144,6 +201,7 @@ class UringEngine(IOEngine):
         if self.closed:
             return
         super().close()
+        _ENGINES.discard(self)
         with self._rings_lock:
             for ring in self._rings:
                 ring.destroy()

@@ -12,6 +12,12 @@ import threading
 _lock = threading.Lock()
 _regions: dict[int, int] = {}
 version = 0
+_on_remove: list = []   # called (no arguments) after a region leaves the list
+
+
+def on_remove(callback) -> None:
+    """Call ``callback()`` after each removal (engines release the region's pins)."""
+    _on_remove.append(callback)
 
 
 def add(address: int, nbytes: int) -> None:
@@ -24,8 +30,11 @@ def add(address: int, nbytes: int) -> None:
 def remove(address: int) -> None:
     global version
     with _lock:
-        if _regions.pop(address, None) is not None:
-            version += 1
+        if _regions.pop(address, None) is None:
+            return
+        version += 1
+    for callback in _on_remove:
+        callback()
 
 
 def snapshot() -> tuple[int, list[tuple[int, int]]]:

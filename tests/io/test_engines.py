@@ -257,6 +257,59 @@ def test_a_closed_engine_is_not_kept_by_a_thread_that_used_it(file_target):
         assert sum(r() is not None for r in refs) == 0
 
 
+
+def _pinned_bytes() -> int | None:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmPin:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def test_a_closed_buffer_is_not_left_pinned_by_idle_rings(file_target):
+    """A registered HostBuffer is pinned by every ring that registered it.
+    Closed while a thread that used it sits idle (a tier or server worker
+    between requests), its memory must be given back, not stay pinned in
+    that thread's ring until it next does I/O or the engine closes."""
+    import time
+
+    if not probe()[0]:
+        pytest.skip("io_uring unavailable")
+    if _pinned_bytes() is None:
+        pytest.skip("no VmPin in /proc/self/status")
+    size = 32 * MIB
+    with Device(file_target(MIB)) as dev, open_engine([dev], "uring") as eng:
+        buf = HostBuffer(size)
+        used, stop = threading.Event(), threading.Event()
+
+        def worker():
+            eng.read(IOBatch.single(buf.address, 0, 0, 4096))
+            used.set()
+            stop.wait(60)      # idle, as a worker between requests
+
+        t = threading.Thread(target=worker)
+        t.start()
+        try:
+            assert used.wait(30)
+            assert _pinned_bytes() >= size
+            buf.close()
+            deadline = time.monotonic() + 5   # ring teardown is asynchronous
+            while _pinned_bytes() >= size and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert _pinned_bytes() < size, "the closed buffer's pages are still pinned"
+            # the idle thread's next batch still works (on a fresh ring)
+            with HostBuffer(4096) as small:
+                done = []
+                t2 = threading.Thread(target=lambda: done.append(
+                    eng.read(IOBatch.single(small.address, 0, 0, 4096)).nbytes))
+                t2.start()
+                t2.join()
+                assert done == [4096]
+        finally:
+            stop.set()
+            t.join()
+
+
 CLOSE_WHILE_READING = """
 import sys, threading, time, numpy as np
 from kvblock.devices import Device

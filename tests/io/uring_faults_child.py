@@ -52,6 +52,7 @@ def fork_old_kernel(path: str) -> dict:
         buf.array[:] = 7
         eng.write(IOBatch.single(buf.address, 0, 0, MIB))
         ring = eng._ring()
+        eng._release(ring)      # _ring() hands the ring over locked
         out = {"fixed_files": bool(ring.fixed_files)}
         pid = os.fork()
         if pid == 0:
