@@ -714,15 +714,25 @@ class _KvikioLoadJob(_LoadJob):
         futures = [(reader.read(dev, off, buf.array[at:at + n].t, n), dev, off, n)
                    for layer, u, buf in batch
                    for dev, off, at, n in self._unit_reads(layer, self.units[u])]
+        # Every future is waited for before a failure is raised: the ones
+        # after it are still writing into the staging buffers, which the
+        # failed load frees (and unpins the runs, and lets close() go on).
+        error = None
         for f, dev, off, n in futures:
-            got = f.get()
-            if got != n:
+            try:
+                got = f.get()
+            except BaseException as e:
+                error = error or e
+                continue
+            if got != n and error is None:
                 # As the engine reports one: the scatter stage drops the run
                 # (store._read_failed) only for an IOFailedError with an offset.
                 path = self.store.io.devices[dev].path
-                raise IOFailedError(f"short read at offset {off} on {path}: {got} of {n} "
-                                    "bytes through kvikio (end of device, or the device "
-                                    "shrank)", path, errno.EIO, off, n)
+                error = IOFailedError(f"short read at offset {off} on {path}: {got} of {n} "
+                                      "bytes through kvikio (end of device, or the device "
+                                      "shrank)", path, errno.EIO, off, n)
+        if error is not None:
+            raise error
         return sum(n for *_, n in futures)
 
 

@@ -3,6 +3,7 @@ round trip, any tensor-parallel slice, layer-wise loads that overlap I/O."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -535,4 +536,69 @@ def test_kvikio_short_read_fails_the_load_as_an_io_error_and_drops_the_run(path,
         assert off <= err.value.offset < off + store.layout(4).run_bytes
         assert store.counters["read_errors"] == 1
         assert store.lookup(a + b) == 4
+        reader.close()
+
+
+class _LaggingReader(_PreadReader):
+    """A kvikio stand-in whose reads run in the background as kvikio's do:
+    reads at [bad_start, bad_end) come back short at once, the others land
+    a while later.  ``pending`` counts reads not yet finished."""
+
+    def __init__(self, paths, bad_start, bad_end):
+        super().__init__(paths)
+        self.bad = (bad_start, bad_end)
+        self.pending = 0
+        self.lock = threading.Lock()
+
+    def read(self, dev, offset, dst, nbytes):
+        if self.bad[0] <= offset < self.bad[1]:
+            return _FakeFuture(nbytes - 4096)
+        with self.lock:
+            self.pending += 1
+        done = threading.Event()
+
+        def later():
+            time.sleep(0.5)
+            super(_LaggingReader, self).read(dev, offset, dst, nbytes)
+            with self.lock:
+                self.pending -= 1
+            done.set()
+        threading.Thread(target=later, daemon=True).start()
+        return _WaitFuture(done, nbytes)
+
+
+class _WaitFuture:
+    def __init__(self, done, n):
+        self.done, self.n = done, n
+
+    def get(self):
+        self.done.wait()
+        return self.n
+
+
+def test_kvikio_failed_read_waits_for_the_batchs_other_reads(path, monkeypatch):
+    """A short kvikio read in a batch whose other reads are still in flight:
+    the load fails only once they have landed.  It raised at the first bad
+    future, so wait() returned (pins released, device staging freed, the
+    caller free to close the store) while kvikio still wrote into it."""
+    from kvblock.errors import IOFailedError
+    from kvblock.tensors import transfer
+
+    monkeypatch.setattr(transfer, "_job_class", lambda store, layout: transfer._KvikioLoadJob)
+    src = [rand(2, 12, BS, H, D) for _ in range(L)]
+    a, b = [f"a{i}".encode() for i in range(4)], [f"b{i}".encode() for i in range(4)]
+    with _store(path, geom(), verify="never") as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+        save_blocks(store, b, VLLMLayout(src), [4, 5, 6, 7])
+        run_a = [r for r in store.index.runs.values()
+                 if r.keys.startswith(normalize_keys(a)[0])][0]
+        _, off = store.regions.address(run_a.region, run_a.offset)
+        reader = _LaggingReader([path], off, off + store.layout(4).run_bytes)
+        monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
+        dst = [torch.zeros(2, 12, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(IOFailedError, match=path):
+            load_blocks(store, a + b, VLLMLayout(dst), list(range(8))).wait(timeout=30)
+        assert reader.pending == 0, "the load failed with kvikio reads still in flight"
+        assert store.regions.pins.sum() == 0
+        time.sleep(0.6)
         reader.close()
