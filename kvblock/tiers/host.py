@@ -144,6 +144,12 @@ class HostTier:
                     "host_pinned": self.pinned}
 
     def close(self) -> None:
+        if self.pinned:
+            # Unmapping does not unlock: the driver would keep the pages
+            # (the whole tier) locked, and an arena mapped there later could
+            # not be pinned.
+            _unpin(self.arena)
+            self.pinned = False
         self.arena.close()
 
 
@@ -158,3 +164,13 @@ def _pin(buf: HostBuffer) -> bool:
         return int(err) == 0
     except Exception:  # no torch / no CUDA runtime: plain pageable memory
         return False
+
+
+def _unpin(buf: HostBuffer) -> None:
+    """Undo :func:`_pin` (before the arena is unmapped)."""
+    try:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(buf.address)
+    except Exception:  # the CUDA runtime is gone (interpreter exit): nothing to undo
+        pass

@@ -214,3 +214,34 @@ def test_layerwise_load_goes_on_across_dram_and_device(tmp_path, corrupt):
     for layer in range(3):
         assert torch.equal(dst[layer][:, :n].view(torch.int16),
                            src[layer][:, :n].view(torch.int16))
+
+
+def test_close_unpins_the_arena_it_pinned(monkeypatch):
+    """With a GPU the arena is page-locked with cudaHostRegister; close()
+    must cudaHostUnregister it before unmapping.  It only unmapped: the
+    driver kept the pages locked (host_cache_bytes of memory lost to every
+    reopen of the store) and a later arena mapped at the same address could
+    not be pinned (already registered)."""
+    torch = pytest.importorskip("torch")
+
+    class FakeCudart:
+        def __init__(self):
+            self.registered = {}
+
+        def cudaHostRegister(self, address, nbytes, flags):
+            if address in self.registered:
+                return 712                   # cudaErrorHostMemoryAlreadyRegistered
+            self.registered[address] = nbytes
+            return 0
+
+        def cudaHostUnregister(self, address):
+            return 0 if self.registered.pop(address, None) is not None else 713
+
+    rt = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    tier = HostTier(8 * 4096, 4096)
+    assert tier.pinned and rt.registered == {tier.arena.address: 8 * 4096}
+    tier.close()
+    assert rt.registered == {}, "the closed arena is still page-locked"
+    tier.close()                                 # twice: nothing more to undo
