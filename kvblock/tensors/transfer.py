@@ -538,6 +538,9 @@ class _LoadJob:
                     handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
                     handle._events[layer].set()
             store.counters["get_blocks"] += handle.blocks
+            if store.host is not None:   # the rest came from DRAM (host_hit_blocks)
+                store.counters["device_hit_blocks"] += sum(
+                    max(0, min(count, handle.blocks - out_at)) for _, _, count, out_at in self.segs)
         except BaseException as e:  # surfaced by wait()/wait_layer()
             error = e
             self.abort = True
