@@ -144,7 +144,8 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
                     for gi in range(G):
                         staged[layer, gi, a:b, k] = src[:, :, gi * Hg:(gi + 1) * Hg]
                 continue
-            pages = _raw(view[_ids_for(view, page_ids)], itemsize)      # (n, BS, H, D)
+            # the checked host ids: page_ids may be a CUDA tensor (no numpy view)
+            pages = _raw(view[_ids_for(view, ids)], itemsize)           # (n, BS, H, D)
             pages = pages.reshape(n, BS, G, Hg, D)
             pages = pages.permute(2, 0, 1, 3, 4) if _is_torch(pages) \
                 else pages.transpose(2, 0, 1, 3, 4)

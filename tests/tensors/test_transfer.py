@@ -602,3 +602,33 @@ def test_kvikio_failed_read_waits_for_the_batchs_other_reads(path, monkeypatch):
         assert store.regions.pins.sum() == 0
         time.sleep(0.6)
         reader.close()
+
+
+def test_save_takes_device_page_ids_as_load_does(path, monkeypatch):
+    """Page ids as a CUDA tensor (vLLM keeps block tables on the GPU): load
+    and save check them on the host (``.cpu()``), but save's gather for a
+    cache on the device then indexed with the ids as given, through
+    numpy: a TypeError ("can't convert cuda:0 device type tensor to
+    numpy").  Simulated on the CPU: ids that refuse numpy as CUDA tensors
+    do, and the cache taken down the path a CUDA cache takes."""
+    from kvblock.tensors import transfer
+
+    class DeviceIds(torch.Tensor):
+        def __array__(self, *a, **k):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy.")
+
+        def cpu(self):
+            return self.as_subclass(torch.Tensor)
+    DeviceIds.__module__ = "torch"            # a torch tensor to kvblock
+
+    monkeypatch.setattr(transfer, "_host_np", lambda view, itemsize: None)
+    src = [rand(2, 6, BS, H, D) for _ in range(L)]
+    keys = [b"d0", b"d1", b"d2"]
+    with _store(path, geom()) as store:
+        ids = torch.tensor([4, 0, 2]).as_subclass(DeviceIds)
+        assert save_blocks(store, keys, VLLMLayout(src), ids) == 3
+        dst = [torch.zeros(2, 6, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, keys, VLLMLayout(dst), ids).wait() == 3
+    for layer in range(L):
+        assert torch.equal(dst[layer][:, [4, 0, 2]].view(torch.int16),
+                           src[layer][:, [4, 0, 2]].view(torch.int16))
