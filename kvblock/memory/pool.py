@@ -38,6 +38,10 @@ class BufferPool:
         return self.arena.address + index * self.buffer_bytes
 
     def view(self, index: int, nbytes: int | None = None) -> np.ndarray:
+        self._check_index(index)
+        if nbytes is not None and not 0 < nbytes <= self.buffer_bytes:
+            raise ConfigError(f"a view of {nbytes} bytes of a {self.buffer_bytes}-byte pool "
+                              "buffer; ask for at most one buffer")
         start = index * self.buffer_bytes
         return self.arena.array[start:start + (nbytes or self.buffer_bytes)]
 
@@ -51,9 +55,16 @@ class BufferPool:
             return self._free.pop()
 
     def release(self, index: int) -> None:
+        self._check_index(index)
         with self._cond:
+            if index in self._free:     # twice: two callers would share it
+                raise ConfigError(f"pool buffer {index} is not in use (released twice?)")
             self._free.append(index)
             self._cond.notify()
+
+    def _check_index(self, index: int) -> None:
+        if not 0 <= index < self.count:
+            raise ConfigError(f"no pool buffer {index}: the pool has {self.count}")
 
     @contextlib.contextmanager
     def buffer(self, timeout: float | None = None) -> Iterator[tuple[int, np.ndarray]]:

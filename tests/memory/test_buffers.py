@@ -98,3 +98,23 @@ def test_pool_acquire_release_and_exhaustion():
             view[:] = 7
             assert view.size == pool.buffer_bytes
         assert pool.free == 2
+
+
+def test_pool_refuses_a_double_release_and_views_outside_a_buffer():
+    """A buffer released twice would be handed to two callers at once; a
+    view past a buffer's end would reach into the next one."""
+    with BufferPool(4096, 2) as pool:
+        a = pool.acquire()
+        pool.release(a)
+        with pytest.raises(ConfigError, match="not in use"):
+            pool.release(a)
+        assert pool.free == 2
+        assert {pool.acquire(), pool.acquire()} == {0, 1}
+        with pytest.raises(ConfigError, match="buffer 2"):
+            pool.release(2)
+        with pytest.raises(ConfigError, match="buffer 5"):
+            pool.view(5)
+        with pytest.raises(ConfigError, match="8192 bytes"):
+            pool.view(0, 8192)
+        assert pool.view(1, 100).size == 100
+
