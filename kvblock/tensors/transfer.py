@@ -466,6 +466,9 @@ class _LoadJob:
             return spares.take(self.unit_bytes)
         return HostBuffer(self.unit_bytes, register=False)
 
+    def _settle(self, buf) -> None:
+        """Host staging: the scatter's copies are done when it returns."""
+
     def _read_batch(self, batch) -> int:
         """Read a batch of (layer, unit, buffer) as one I/O batch; returns bytes."""
         cols = [[], [], [], []]
@@ -528,6 +531,7 @@ class _LoadJob:
                     pages = pages.view(_NP_INT[itemsize]).reshape(ng, b - a, kv, BS, Hg, D)
                     _scatter_pages(views, pages, self.page_ids[out_at + a - pos:out_at + b - pos],
                                    self.h0, self.heads, itemsize)
+                self._settle(buf)
                 self.free.put(buf)
                 if u == len(self.units) - 1:
                     # A layer is handed over only while the runs' pins hold:
@@ -713,6 +717,13 @@ class _KvikioLoadJob(_LoadJob):
         device = self.layout.sample().device
         return _DeviceStaging(torch.empty(self.unit_bytes, dtype=torch.uint8, device=device))
 
+    def _settle(self, buf) -> None:
+        """The scatter's copies out of ``buf`` are queued on the device: wait
+        for them before the buffer goes back to the reader (kvikio's reads
+        are not ordered with the stream) and before the layer is handed over
+        (its consumer may run on another stream)."""
+        buf.settle()
+
     def _read_batch(self, batch) -> int:
         reader = self.store._kvikio_reader()
         futures = [(reader.read(dev, off, buf.array[at:at + n].t, n), dev, off, n)
@@ -746,6 +757,14 @@ class _DeviceStaging:
 
     def __init__(self, tensor):
         self.array = _TorchBytes(tensor)
+
+    def settle(self) -> None:
+        """Wait for the work queued on this thread's stream (the scatter)."""
+        t = self.array.t
+        if t.is_cuda:
+            import torch
+
+            torch.cuda.current_stream(t.device).synchronize()
 
 
 class _TorchBytes:

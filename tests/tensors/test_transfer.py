@@ -498,6 +498,66 @@ def test_kvikio_job_orchestration_on_cpu(path, monkeypatch, unit_bytes):
         reader.close()
 
 
+def test_kvikio_staging_goes_back_to_the_reader_only_once_its_scatter_settled(path,
+                                                                              monkeypatch):
+    """GPU path: the scatter's copies out of a device staging buffer are
+    queued on the stream, and kvikio's reads are not ordered with it; so a
+    buffer is read into again only after the scatter that used it settled
+    (the stream synchronized), or the next read could overwrite pages not
+    yet copied.  Recorded on the CPU: per staging buffer, reads and settles."""
+    from kvblock.tensors import transfer
+
+    monkeypatch.setattr(transfer, "UNIT_BYTES", 4096)
+    monkeypatch.setattr(transfer, "_job_class", lambda store, layout: transfer._KvikioLoadJob)
+    events, buffers = [], []
+    real_new = transfer._KvikioLoadJob._new_buffer
+
+    def new_buffer(job):
+        buf = real_new(job)
+        buffers.append(buf)
+        return buf
+    monkeypatch.setattr(transfer._KvikioLoadJob, "_new_buffer", new_buffer)
+    monkeypatch.setattr(transfer._DeviceStaging, "settle",
+                        lambda buf: events.append(("settle", buffers.index(buf))), raising=False)
+
+    def owner(t, nbytes):
+        for i, buf in enumerate(buffers):
+            base = buf.array.t.data_ptr()
+            if base <= t.data_ptr() < base + buf.array.t.numel():
+                return i, t.data_ptr() - base, t.data_ptr() - base + nbytes
+        raise AssertionError("a read outside the staging buffers")
+
+    class Recording(_PreadReader):
+        def read(self, dev, offset, dst, nbytes):
+            events.append(("read", owner(dst, nbytes)))
+            return super().read(dev, offset, dst, nbytes)
+
+    src = [rand(2, 12, BS, H, D) for _ in range(L)]
+    keys = [f"k{i}".encode() for i in range(9)]
+    with _store(path, geom(groups=2), verify="never") as store:
+        save_blocks(store, keys, VLLMLayout(src), list(range(9)))
+        reader = Recording([path])
+        monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
+        dst = [torch.zeros(2, 12, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, keys, VLLMLayout(dst), list(range(9))).wait(timeout=30) == 9
+        reader.close()
+    for layer in range(L):
+        assert torch.equal(dst[layer][:, :9].view(torch.int16), src[layer][:, :9].view(torch.int16))
+    # A read into bytes of a buffer that an earlier read filled: the buffer
+    # was reused, and its scatter must have settled in between.
+    reused = 0
+    for i, (kind, what) in enumerate(events):
+        if kind != "read":
+            continue
+        buf, lo, hi = what
+        earlier = [j for j in range(i) if events[j][0] == "read" and events[j][1][0] == buf
+                   and events[j][1][1] < hi and lo < events[j][1][2]]
+        if earlier:
+            reused += 1
+            assert ("settle", buf) in events[earlier[-1]:i], (i, events[:i + 1])
+    assert reused, "no staging buffer was reused: the test shows nothing"
+
+
 class _ShortReader(_PreadReader):
     """A kvikio stand-in whose reads of one device range come back short."""
 
