@@ -653,10 +653,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         return out
 
     def _pool_io(self, t: PoolTransfer, keys: list[str], load: bool) -> list[bool]:
-        """One extra pool's pages to or from the store: one run per call.  A
-        page's bytes lie in its own blocks (put_blocks/get_blocks, one buffer
-        a block), so any subset or grouping of pages reads back what was
-        written; a run buffer would spread each page across the run's layers."""
+        """One extra pool's pages to or from the store: one run per
+        max_run_bytes of pages (SGLang's backup hands a KV-derived pool every
+        page of the operation in one call; the thread's staging is kept, so it
+        must not grow to the largest call).  A page's bytes lie in its own
+        blocks (put_blocks/get_blocks, one buffer a block), so any subset or
+        grouping of pages reads back what was written; a run buffer would
+        spread each page across the run's layers."""
         if not self._ready():
             return [False] * len(keys)
         pool = self._pool(t.name)
@@ -674,22 +677,31 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             todo = np.nonzero(~self._pool_present(t.name, keys))[0].tolist()
             if not todo:
                 return [True] * len(keys)
-        kbs = self._pool_keys(t.name, [keys[i] for i in todo], nb)
-        buf = self.store._staging(len(kbs) * bb, "pages").array[:len(kbs) * bb]
-        pages = buf.reshape(len(todo), nb * bb)
-        blocks = list(buf.reshape(len(kbs), bb))
+        per_run = max(1, self.max_run_bytes // (nb * bb))
+        page = None if not load else pool.get_dummy_flat_data_page()  # the pool copies from it
+        got = 0
+        for start in range(0, len(todo), per_run):
+            run = todo[start:start + per_run]
+            kbs = self._pool_keys(t.name, [keys[i] for i in run], nb)
+            buf = self.store._staging(len(kbs) * bb, "pages").array[:len(kbs) * bb]
+            pages = buf.reshape(len(run), nb * bb)
+            blocks = list(buf.reshape(len(kbs), bb))
+            if not load:
+                for j, i in enumerate(run):
+                    data = pool.get_data_page(offsets[i], flat=True)
+                    pages[j, :nbytes] = data.contiguous().view(torch.uint8).reshape(-1).numpy()
+                    pages[j, nbytes:] = 0
+                self.store.put_blocks(kbs, blocks)
+                continue
+            n = self.store.get_blocks(kbs, blocks) // nb
+            for j in range(n):
+                page.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(pages[j, :nbytes]))
+                pool.set_from_flat_data_page(offsets[run[j]], page)
+            got += n
+            if n < len(run):
+                break
         if not load:
-            for j, i in enumerate(todo):
-                page = pool.get_data_page(offsets[i], flat=True)
-                pages[j, :nbytes] = page.contiguous().view(torch.uint8).reshape(-1).numpy()
-                pages[j, nbytes:] = 0
-            self.store.put_blocks(kbs, blocks)
             return [True] * len(keys)
-        got = self.store.get_blocks(kbs, blocks) // nb
-        page = pool.get_dummy_flat_data_page()      # the pool copies from it: one will do
-        for j in range(got):
-            page.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(pages[j, :nbytes]))
-            pool.set_from_flat_data_page(offsets[j], page)
         return [True] * got + [False] * (len(keys) - got)
 
     def batch_get_v2(self, transfers: list[PoolTransfer],

@@ -619,3 +619,47 @@ def test_close_while_a_call_is_in_flight_answers_a_miss(file_target, backends):
     store2.put_run = put_run_then_close
     assert backend2.batch_set_v1(keys[:8], pool.token_indices(range(8))) == [False] * 8
     assert backend2.batch_exists(keys[:8]) == 0
+
+
+def test_extra_pool_pages_are_staged_a_run_at_a_time(file_target, backends):
+    """An extra pool's call is staged max_run_bytes at a time, as KV pages
+    are.  SGLang's backup hands a KV-derived pool (a DSA indexer) every page
+    of the operation in one call (thousands for a long prompt), each padded
+    to whole KV blocks; staging that call whole grew the thread's staging
+    buffer, kept for the thread's life, to the size of the largest call."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    pool = HostPool(pages=8)
+    block = 3 * 2 * 4 * 2 * 16 * 2                    # 1536 bytes
+    backend = attach(pool, [file_target()], max_run_bytes=8 * block)
+    backends.append(backend)
+    states = StatePool(slots=200, state_bytes=3000, seed=3)   # 2 blocks a page
+    backend.register_mem_host_pool_v2(states, PoolName.INDEXER)
+    want = states.buf.clone()
+    store = backend.store
+    real_staging, asked = store._staging, []
+
+    def staging(nbytes, purpose="staging"):
+        asked.append((purpose, nbytes))
+        return real_staging(nbytes, purpose)
+
+    store._staging = staging
+    keys = keys_for("x", 200)
+    out = backend.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                             host_indices=torch.arange(200))])
+    assert out == {"indexer": [True] * 200}
+    states.buf.zero_()
+    out = backend.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                             host_indices=torch.arange(200))])
+    assert out == {"indexer": [True] * 200}
+    assert torch.equal(states.buf, want)
+    biggest = max(n for purpose, n in asked if purpose == "pages")
+    assert biggest <= 8 * block, f"staged {biggest} bytes at once, max_run_bytes {8 * block}"
+    # a miss in a later run: the pages before it load, none after it
+    states.buf.zero_()
+    missing = keys[:10] + keys_for("y", 1) + keys[11:20]
+    out = backend.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=missing,
+                                             host_indices=torch.arange(20))])
+    assert out == {"indexer": [True] * 10 + [False] * 10}
+    assert torch.equal(states.buf[:10], want[:10])
+    assert not states.buf[10:20].any()
