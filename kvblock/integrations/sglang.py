@@ -44,9 +44,11 @@ Hybrid models (``*_v2`` calls).
     KV pages take the v1 path above; a page of an extra pool is stored as the
     pool's own flat page (``get_data_page(i, flat=True)`` /
     ``set_from_flat_data_page``), padded to whole kvblock blocks, under keys
-    derived from the page key and the pool name.  ``batch_exists_v2`` cuts
-    the KV prefix by each pool's hit policy (``ALL_PAGES``: every page of the
-    prefix; ``TRAILING_PAGES``: the last ``len(transfer.keys)`` pages).  A
+    derived from the page key, the pool name and the page's format (size,
+    dtype, shape: a page stored in another format is a miss).
+    ``batch_exists_v2`` cuts the KV prefix by each pool's hit policy
+    (``ALL_PAGES``: every page of the prefix; ``TRAILING_PAGES``: the last
+    ``len(transfer.keys)`` pages).  A
     ``BLOCK_GROUPS`` pool does not cut it: its hit is the KV pages that its
     leading complete key groups cover (SGLang's docstring semantics; no
     SGLang 0.5.23 backend or caller uses that policy yet).
@@ -310,6 +312,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self.store: KVStore | None = None
         self.pages: PoolPages | None = None
         self.mem_pool_host = None
+        self._page_formats: dict[int, tuple] = {}   # id(pool) -> (pool, _page_format)
         self._metrics_lock = threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
@@ -545,26 +548,42 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     def _page_blocks(self, pool) -> tuple[int, int]:
         """(bytes of one flat page of ``pool``, kvblock blocks that hold it)."""
+        return self._page_format(pool)[:2]
+
+    def _page_format(self, pool) -> tuple[int, int, bytes]:
+        """(bytes of one flat page of ``pool``, kvblock blocks that hold it,
+        the page's format: size, dtype and shape, mixed into its keys).  The
+        padding to whole blocks hides a page's size, so a page stored in
+        another format (a restart with another --mamba-ssm-dtype, MTP draft
+        layers or slot side states added, another host layout) would load as
+        the leading bytes of the old one; keyed by format it is a miss."""
+        cached = self._page_formats.get(id(pool))
+        if cached is not None and cached[0] is pool:
+            return cached[1]
         page = pool.get_dummy_flat_data_page()
         nbytes = page.numel() * page.element_size()
-        bb = self.store.geometry.block_bytes
-        return nbytes, -(-nbytes // bb)
+        shaped = pool.get_data_page(0, flat=False)
+        tag = f"{nbytes}:{page.dtype}:{shaped.dtype}:{tuple(shaped.shape)}".encode()
+        fmt = (nbytes, -(-nbytes // self.store.geometry.block_bytes), tag)
+        self._page_formats[id(pool)] = (pool, fmt)
+        return fmt
 
-    def _pool_keys(self, name, keys: list[str], nb: int) -> list[bytes]:
-        """The nb block keys of each page of pool ``name``.  Mamba state is
-        TP-sharded whatever the KV pool is (SGLang backs it up on every rank,
-        and HiCacheFile keys it per rank too), so its keys name the rank."""
+    def _pool_keys(self, name, keys: list[str], nb: int, page_format: bytes) -> list[bytes]:
+        """The nb block keys of each page of pool ``name`` in ``page_format``
+        (_page_format).  Mamba state is TP-sharded whatever the KV pool is
+        (SGLang backs it up on every rank, and HiCacheFile keys it per rank
+        too), so its keys name the rank."""
         tag = _pool_key(name)
         prefix = self.rank_prefix if tag == PoolName.MAMBA.value else self.prefix
-        return [xxhash.xxh3_128_digest(prefix + f"{k}\0{tag}\0{i}".encode())
+        return [xxhash.xxh3_128_digest(prefix + f"{k}\0{tag}\0{i}\0".encode() + page_format)
                 for k in keys for i in range(nb)]
 
     def _pool_present(self, name, keys: list[str]) -> np.ndarray:
         """Per page key: are all blocks of its ``name`` pool page stored?"""
         if not keys:
             return np.zeros(0, dtype=bool)
-        _, nb = self._page_blocks(self._pool(name))
-        found = self.store.present(self._pool_keys(name, keys, nb))
+        _, nb, page_format = self._page_format(self._pool(name))
+        found = self.store.present(self._pool_keys(name, keys, nb, page_format))
         return found.reshape(len(keys), nb).all(axis=1)
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
@@ -670,7 +689,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                          None if idx is None else idx.numel(), len(keys), _pool_key(t.name), ps)
             return [False] * len(keys)
         offsets = idx[::ps].tolist()
-        nbytes, nb = self._page_blocks(pool)
+        nbytes, nb, page_format = self._page_format(pool)
         bb = self.store.geometry.block_bytes
         todo = list(range(len(keys)))
         if not load:
@@ -682,7 +701,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         got = 0
         for start in range(0, len(todo), per_run):
             run = todo[start:start + per_run]
-            kbs = self._pool_keys(t.name, [keys[i] for i in run], nb)
+            kbs = self._pool_keys(t.name, [keys[i] for i in run], nb, page_format)
             buf = self.store._staging(len(kbs) * bb, "pages").array[:len(kbs) * bb]
             pages = buf.reshape(len(run), nb * bb)
             blocks = list(buf.reshape(len(kbs), bb))

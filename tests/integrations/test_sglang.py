@@ -180,9 +180,11 @@ def test_tenants_and_ranks_get_their_own_keys(file_target, backends):
     assert mla[0].kvblock_key(key) == mla[1].kvblock_key(key)      # MLA: replicated pages
     # Mamba state is TP-sharded even beside MLA KV; other extra pools follow the KV
     from sglang.srt.mem_cache.hicache_storage import PoolName
-    assert mla[0]._pool_keys(PoolName.MAMBA, [key], 2) != mla[1]._pool_keys(PoolName.MAMBA, [key], 2)
-    assert mla[0]._pool_keys(PoolName.SWA, [key], 2) == mla[1]._pool_keys(PoolName.SWA, [key], 2)
-    assert mha[0]._pool_keys(PoolName.SWA, [key], 2) != mha[1]._pool_keys(PoolName.SWA, [key], 2)
+    def pool_keys(b, name):
+        return b._pool_keys(name, [key], 2, b"page-format")
+    assert pool_keys(mla[0], PoolName.MAMBA) != pool_keys(mla[1], PoolName.MAMBA)
+    assert pool_keys(mla[0], PoolName.SWA) == pool_keys(mla[1], PoolName.SWA)
+    assert pool_keys(mha[0], PoolName.SWA) != pool_keys(mha[1], PoolName.SWA)
 
 
 def test_geometry_comes_from_the_pool_and_is_checked(file_target, backends):
@@ -663,3 +665,38 @@ def test_extra_pool_pages_are_staged_a_run_at_a_time(file_target, backends):
     assert out == {"indexer": [True] * 10 + [False] * 10}
     assert torch.equal(states.buf[:10], want[:10])
     assert not states.buf[10:20].any()
+
+
+def test_extra_pool_pages_of_another_format_are_a_miss(file_target, backends):
+    """A restart with the same model but another extra-pool page format (a
+    Mamba state of another --mamba-ssm-dtype, MTP draft layers or slot side
+    states added: SGLang's MambaPoolHost refuses a stored page of another
+    size) must miss, not load the old page's leading bytes: its padding to
+    whole KV blocks hid the size, so a smaller page read back the first
+    blocks of a larger one (fp32 state bytes read as bf16)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    path = file_target()
+    pool = HostPool(pages=8)
+    backend = attach(pool, [path])
+    big = StatePool(slots=4, state_bytes=12000, seed=1)    # 8 blocks of 1536 bytes
+    backend.register_mem_host_pool_v2(big, PoolName.MAMBA)
+    keys = keys_for("f", 2)
+    assert backend.batch_set_v1(keys, pool.token_indices([0, 1])) == [True, True]
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[1:],
+                                              host_indices=torch.tensor([0]))]) == \
+        {"mamba": [True]}
+    backend.close()
+
+    backend = attach(pool, [path])                         # same model, same KV pool
+    backends.append(backend)
+    small = StatePool(slots=4, state_bytes=10000, seed=2)  # 7 blocks: half-size dtype
+    backend.register_mem_host_pool_v2(small, PoolName.MAMBA)
+    before = small.buf.clone()
+    r = backend.batch_exists_v2(keys, [PoolTransfer(
+        name=PoolName.MAMBA, keys=keys[1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert r.kv_hit_pages == 0 and r.extra_pool_hit_pages == {"kv": 2}
+    assert backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, keys=keys[1:],
+                                              host_indices=torch.tensor([2]))]) == \
+        {"mamba": [False]}
+    assert torch.equal(small.buf, before)
