@@ -726,13 +726,18 @@ class _KvikioLoadJob(_LoadJob):
 
     def _read_batch(self, batch) -> int:
         reader = self.store._kvikio_reader()
-        futures = [(reader.read(dev, off, buf.array[at:at + n].t, n), dev, off, n)
-                   for layer, u, buf in batch
-                   for dev, off, at, n in self._unit_reads(layer, self.units[u])]
-        # Every future is waited for before a failure is raised: the ones
-        # after it are still writing into the staging buffers, which the
-        # failed load frees (and unpins the runs, and lets close() go on).
-        error = None
+        # Every read started is waited for before a failure is raised (one
+        # that failed to start, or came back short): the others are still
+        # writing into the staging buffers, which the failed load frees (and
+        # unpins the runs, and lets close() go on).
+        futures, error = [], None
+        try:
+            for layer, u, buf in batch:
+                for dev, off, at, n in self._unit_reads(layer, self.units[u]):
+                    futures.append((reader.read(dev, off, buf.array[at:at + n].t, n),
+                                    dev, off, n))
+        except BaseException as e:
+            error = e
         for f, dev, off, n in futures:
             try:
                 got = f.get()

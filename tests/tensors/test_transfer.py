@@ -604,14 +604,17 @@ class _LaggingReader(_PreadReader):
     reads at [bad_start, bad_end) come back short at once, the others land
     a while later.  ``pending`` counts reads not yet finished."""
 
-    def __init__(self, paths, bad_start, bad_end):
+    def __init__(self, paths, bad_start, bad_end, fail="short"):
         super().__init__(paths)
         self.bad = (bad_start, bad_end)
+        self.fail = fail
         self.pending = 0
         self.lock = threading.Lock()
 
     def read(self, dev, offset, dst, nbytes):
         if self.bad[0] <= offset < self.bad[1]:
+            if self.fail == "raise":       # kvikio refusing to start a read
+                raise RuntimeError("kvikio: cuFileRead failed to start")
             return _FakeFuture(nbytes - 4096)
         with self.lock:
             self.pending += 1
@@ -636,11 +639,13 @@ class _WaitFuture:
         return self.n
 
 
-def test_kvikio_failed_read_waits_for_the_batchs_other_reads(path, monkeypatch):
-    """A short kvikio read in a batch whose other reads are still in flight:
-    the load fails only once they have landed.  It raised at the first bad
-    future, so wait() returned (pins released, device staging freed, the
-    caller free to close the store) while kvikio still wrote into it."""
+@pytest.mark.parametrize("fail", ["short", "raise"])
+def test_kvikio_failed_read_waits_for_the_batchs_other_reads(path, monkeypatch, fail):
+    """A short kvikio read (or one that fails to start) in a batch whose
+    other reads are still in flight: the load fails only once they have
+    landed.  It raised at the first bad one, so wait() returned (pins
+    released, device staging freed, the caller free to close the store)
+    while kvikio still wrote into it."""
     from kvblock.errors import IOFailedError
     from kvblock.tensors import transfer
 
@@ -650,13 +655,15 @@ def test_kvikio_failed_read_waits_for_the_batchs_other_reads(path, monkeypatch):
     with _store(path, geom(), verify="never") as store:
         save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
         save_blocks(store, b, VLLMLayout(src), [4, 5, 6, 7])
-        run_a = [r for r in store.index.runs.values()
-                 if r.keys.startswith(normalize_keys(a)[0])][0]
-        _, off = store.regions.address(run_a.region, run_a.offset)
-        reader = _LaggingReader([path], off, off + store.layout(4).run_bytes)
+        # (a read failing to start: run b's, after run a's reads started)
+        bad = normalize_keys(a if fail == "short" else b)[0]
+        run_bad = [r for r in store.index.runs.values() if r.keys.startswith(bad)][0]
+        _, off = store.regions.address(run_bad.region, run_bad.offset)
+        reader = _LaggingReader([path], off, off + store.layout(4).run_bytes, fail)
         monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
         dst = [torch.zeros(2, 12, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
-        with pytest.raises(IOFailedError, match=path):
+        with pytest.raises(IOFailedError if fail == "short" else RuntimeError,
+                           match=path if fail == "short" else "failed to start"):
             load_blocks(store, a + b, VLLMLayout(dst), list(range(8))).wait(timeout=30)
         assert reader.pending == 0, "the load failed with kvikio reads still in flight"
         assert store.regions.pins.sum() == 0
