@@ -273,6 +273,8 @@ class Device:
                         f"{self.path}: file is locked by another kvblock store"
                         f"{holders(self.path)}; stop the other process or open it read-only",
                         self.path, errno.EBUSY) from None
+            if exclusive and writable and self.kind == "file":
+                self._refuse_busy_loop_over(st)
             if writable and self.kind == "block" and _read_only(self.fd):
                 # The kernel opens it read-write, then fails every write (EPERM).
                 raise ReadOnlyStoreError(
@@ -315,6 +317,33 @@ class Device:
                 f"has open (through the file or another loop device{holders(backing)}); stop "
                 "the other process", self.path, errno.EBUSY) from None
         self._backing_fd = fd
+
+    def _refuse_busy_loop_over(self, st: os.stat_result) -> None:
+        """The other half of _lock_loop_backing: a file that backs a loop
+        device which is mounted or claimed (O_EXCL: a filesystem, dm/md, a
+        store on it) is in use, though nothing holds the file itself.
+        Writing it would overwrite a mounted filesystem under the kernel."""
+        for name in _listdir("/sys/block"):
+            backing = _read_str(Path("/sys/block") / name / "loop" / "backing_file")
+            if not backing:
+                continue
+            try:
+                bst = os.stat(backing)
+            except OSError:
+                continue
+            if (bst.st_dev, bst.st_ino) != (st.st_dev, st.st_ino):
+                continue
+            loop = f"/dev/{name}"
+            try:
+                os.close(os.open(loop, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC))
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    continue    # no node, no access: nothing to tell
+                raise DeviceBusyError(
+                    f"{self.path}: the backing file of {loop}, which is busy (mounted, or "
+                    f"opened exclusively by another store or program{holders(loop)}); "
+                    f"unmount it or stop the other user, then `losetup -d {loop}`",
+                    self.path, errno.EBUSY) from None
 
     # --- probing ---------------------------------------------------------------
     def _probe(self, st: os.stat_result) -> DeviceInfo:

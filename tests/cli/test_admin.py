@@ -264,6 +264,25 @@ def test_format_refuses_mounted_device(loop_device, tmp_path):
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+def test_format_refuses_the_backing_file_of_a_mounted_loop_device(loop_device, tmp_path):
+    """A loop device and its backing file are one device: the file under a
+    mounted filesystem is busy, even with --force (which overrides
+    signatures, never a mount)."""
+    dev = loop_device(32 << 20)
+    backing = loopdev.backing_of(dev)
+    subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", dev, str(mnt)], check=True)
+    try:
+        before = head(backing)
+        res = kvb("format", backing, *GEOM_ARGS, "--force")
+        one_line_error(res, 5, backing, dev, "busy", "unmount")
+        assert head(backing) == before
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
 def test_format_refuses_existing_store_and_block_device_needs_yes(loop_device):
     dev = loop_device(16 << 20)
     res = kvb("format", dev, *GEOM_ARGS)
