@@ -41,6 +41,11 @@ class RunReader(RunIO):
     provides ``_check_open``, ``_segments``, ``_unpin``, ``_run_pin_held`` and
     ``_drop_runs``."""
 
+    # Where the last failure was (README: "store.last_read_error says
+    # where"): None until one happens, so monitoring can read them any time.
+    last_read_error: tuple | None = None          # (path, offset, run ids dropped)
+    last_checksum_failure: tuple | None = None    # (path, offset, run id, range)
+
     @in_flight
     def get_run(self, keys: Sequence, out) -> int:
         """Read the stored prefix of ``keys`` into ``out``.

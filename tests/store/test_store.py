@@ -440,6 +440,22 @@ def test_checksum_mismatch_is_a_miss_and_drops_the_run(store_path):
         assert store.lookup(keys) == 0  # the drop is durable
 
 
+def test_where_the_last_failure_was_reads_none_before_any(tmp_path):
+    """README: `store.last_read_error` says where a read failed; before any
+    failure it (and last_checksum_failure) is None, not an AttributeError
+    in the monitoring code that reads it; on a store server's client too."""
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    with _format([path]) as store:
+        assert store.last_read_error is None and store.last_checksum_failure is None
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([str(path)], sock), RemoteStore(sock) as remote:
+        assert remote.last_read_error is None and remote.last_checksum_failure is None
+
+
 @pytest.mark.parametrize("verify", ["always", "never"])
 @pytest.mark.parametrize("into", ["image", "staged"])
 def test_unreadable_run_raises_and_is_dropped(store_path, verify, into):
