@@ -317,31 +317,34 @@ class Device:
                 f"has open (through the file or another loop device{holders(backing)}); stop "
                 "the other process", self.path, errno.EBUSY) from None
         self._backing_fd = fd
+        self._refuse_busy_loop_over(os.fstat(fd), st.st_rdev)   # another loop device over it
 
-    def _refuse_busy_loop_over(self, st: os.stat_result) -> None:
+    def _refuse_busy_loop_over(self, file_st: os.stat_result, rdev: int | None = None) -> None:
         """The other half of _lock_loop_backing: a file that backs a loop
         device which is mounted or claimed (O_EXCL: a filesystem, dm/md, a
-        store on it) is in use, though nothing holds the file itself.
-        Writing it would overwrite a mounted filesystem under the kernel."""
+        store on it) is in use, though nothing holds the file itself; so is
+        a second loop device over that file (``rdev``: this one, skipped).
+        Writing either would overwrite a mounted filesystem under the kernel."""
         for name in _listdir("/sys/block"):
             backing = _read_str(Path("/sys/block") / name / "loop" / "backing_file")
             if not backing:
                 continue
             try:
-                bst = os.stat(backing)
+                bst, lst = os.stat(backing), os.stat(f"/dev/{name}")
             except OSError:
-                continue
-            if (bst.st_dev, bst.st_ino) != (st.st_dev, st.st_ino):
+                continue     # no node, or the file is gone: nothing to tell
+            if (bst.st_dev, bst.st_ino) != (file_st.st_dev, file_st.st_ino) or lst.st_rdev == rdev:
                 continue
             loop = f"/dev/{name}"
             try:
                 os.close(os.open(loop, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC))
             except OSError as e:
                 if e.errno != errno.EBUSY:
-                    continue    # no node, no access: nothing to tell
+                    continue    # no access: nothing to tell
+                over = "" if rdev is None else f"a loop device over {backing}, "
                 raise DeviceBusyError(
-                    f"{self.path}: the backing file of {loop}, which is busy (mounted, or "
-                    f"opened exclusively by another store or program{holders(loop)}); "
+                    f"{self.path}: {over}the backing file of {loop}, which is busy (mounted, "
+                    f"or opened exclusively by another store or program{holders(loop)}); "
                     f"unmount it or stop the other user, then `losetup -d {loop}`",
                     self.path, errno.EBUSY) from None
 

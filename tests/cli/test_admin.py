@@ -283,6 +283,28 @@ def test_format_refuses_the_backing_file_of_a_mounted_loop_device(loop_device, t
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+def test_format_refuses_a_second_loop_device_over_a_mounted_ones_file(loop_device, tmp_path):
+    """Two loop devices over one file are one device too: the second is
+    busy while the first is mounted."""
+    dev = loop_device(32 << 20)
+    backing = loopdev.backing_of(dev)
+    subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", dev, str(mnt)], check=True)
+    try:
+        second = loopdev.attach(backing)
+        try:
+            before = head(backing)
+            res = kvb("format", second, *GEOM_ARGS, "--force", "--yes")
+            one_line_error(res, 5, second, dev, "busy", "unmount")
+            assert head(backing) == before
+        finally:
+            loopdev.detach(second)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
 def test_format_refuses_existing_store_and_block_device_needs_yes(loop_device):
     dev = loop_device(16 << 20)
     res = kvb("format", dev, *GEOM_ARGS)
