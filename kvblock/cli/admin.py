@@ -57,9 +57,11 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
            model, region_size, size, force, yes, as_json):
     """Format DEVICES as one kvblock store (ALL DATA ON THEM IS LOST).
 
-    Refuses, unless --force, a device that is mounted or in use, carries a
-    filesystem, partition table or RAID/LVM signature, or already holds a
-    kvblock store.  Block devices need --yes (or a confirmation at the prompt).
+    Refuses a device that is mounted or in use (--force or not; a loop
+    device and its backing file count as one), and, unless --force, one that
+    carries a filesystem, partition table or RAID/LVM signature, or already
+    holds a kvblock store.  Block devices need --yes (or a confirmation at
+    the prompt).
     With --size, missing DEVICES are created as store files; a format that
     fails removes the files it created.
     """
