@@ -496,9 +496,19 @@ class KVStore(Recovery, RunReader, RunWriter):
             raise StoreFullError(f"checkpoint of {len(data)} bytes exceeds its "
                                  f"{self.sb.checkpoint_bytes}-byte slot")
         slot = 1 - getattr(self, "_cp_slot", 1)
-        self.io.flush()
-        self.io.write_bytes(0, self.sb.checkpoint_offset + slot * self.sb.checkpoint_bytes, data)
-        self.io.flush([0])
+        try:
+            self.io.flush()
+            self.io.write_bytes(0, self.sb.checkpoint_offset + slot * self.sb.checkpoint_bytes,
+                                data)
+            self.io.flush([0])
+        except BaseException as e:
+            # The slot may hold the new generation now (a write or flush
+            # can fail after its bytes landed): journal records of the old
+            # epoch written after it would never replay, so acknowledged
+            # puts, deletes and clears would be undone by a crash.  Stop
+            # serving, as a failed commit does; a reopen recovers.
+            self._fail(e)
+            raise
         self._cp_slot = slot
         self._generation = cp.generation
         self._jhead = 0

@@ -1260,3 +1260,42 @@ def test_a_put_waits_for_a_region_another_thread_is_reclaiming(tmp_path):
             got = np.zeros(GEOM.block_bytes, np.uint8)
             assert store.get_run(run_keys(k, 1), got) == 1
             assert np.array_equal(got, run_data(run_keys(k, 1)))
+
+
+def test_a_checkpoint_that_fails_after_its_write_closes_the_store(tmp_path):
+    """checkpoint() whose flush fails (EIO) after the new checkpoint's bytes
+    reached the slot: the medium may hold the new generation, so journal
+    records of the old epoch written after it would never replay.  Left
+    open, the store acknowledged a clear() (and a put) that a crash then
+    undid: the cleared runs came back (stale KV after a weight update) and
+    the acknowledged put was gone.  The store closes instead (reopen to
+    recover), as a failed commit does."""
+    path = str(tmp_path / "s.img")
+    create_file(path, 16 * MIB)
+    old, new = run_keys(1, 3), run_keys(2, 2)
+    with KVStore.format([path], GEOM, region_size=REGION) as store:
+        store.put_run(old, run_data(old))
+    store = KVStore.open([path])
+    real_write, real_flush, last = store.io.write_bytes, store.io.flush, []
+    cp_end = store.sb.checkpoint_offset + 2 * store.sb.checkpoint_bytes
+
+    def write_bytes(dev, offset, buf):
+        last[:] = [store.sb.checkpoint_offset <= offset < cp_end]
+        return real_write(dev, offset, buf)
+
+    def flush(devs=None):
+        real_flush(devs)               # the checkpoint's bytes are on the medium...
+        if devs == [0] and last == [True]:
+            last.clear()
+            raise IOFailedError("injected EIO", path, 5, 0, 0)   # ...but the flush says EIO
+    store.io.write_bytes, store.io.flush = write_bytes, flush
+    with pytest.raises(IOFailedError):
+        store.checkpoint()
+    assert store.closed
+    with pytest.raises(StoreClosedError):
+        store.clear()
+    with pytest.raises(StoreClosedError):
+        store.put_run(new, run_data(new))
+    store.close()
+    with KVStore.open([path]) as store:     # the old run is there, from either epoch
+        assert store.lookup(old) == 3
