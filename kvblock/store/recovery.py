@@ -168,6 +168,12 @@ class Recovery:
                 for run in self.index.runs_in(rec.region):
                     self._remove_run(run)
                 self.regions.generation[rec.region] = rec.generation
+                # Empty again, as release() leaves it: runs put in it after
+                # this record were sealed later, not when the checkpoint's
+                # seal time says (evict_older_than and fifo/lru would take
+                # them first); _finish_layout seals it anew.
+                self.regions.seal_seq[rec.region] = 0
+                self.regions.sealed_at[rec.region] = 0
 
     def _finish_layout(self):
         """After recovery: regions holding runs are sealed, the rest are free."""

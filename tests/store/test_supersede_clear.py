@@ -275,3 +275,33 @@ def test_a_dram_tier_serves_the_newest_copy_of_a_key(tmp_path):
         got = _read(store, keys[:1])
         want = new.reshape(GEOM.num_layers, GEOM.head_groups, 2, -1)[:, :, :1]
         assert np.array_equal(got.reshape(want.shape), want)
+
+
+def test_a_region_reclaimed_after_the_checkpoint_is_not_old_after_a_replay(tmp_path):
+    """A region sealed before the checkpoint, then reclaimed and filled with
+    new runs (its RECLAIM and PUTs in the journal): after a crash the replay
+    must not give it back its old seal time (and seal order), or
+    evict_older_than(a time before the new runs) evicts them, and fifo/lru
+    take it first as if it held the oldest data."""
+    import time
+
+    path = _store(tmp_path)
+    store = KVStore.open([path])
+    n = store.max_run_blocks                   # one run fills a region
+    old = [run_keys(0, n), run_keys(1, n)]     # region 0 (sealed), region 1 (open)
+    for keys in old:
+        store.put_run(keys, run_data(keys))
+    store.checkpoint()                         # region 0 sealed, with its seal time
+    time.sleep(1.1)                            # seal times are whole seconds
+    cutoff = time.time()
+    assert store.evict_older_than(cutoff) == 1 and store.lookup(old[0]) == 0
+    time.sleep(1.1)                            # what is sealed from here on is newer
+    late = [run_keys(10 + i, n) for i in range(store.regions.count - 1)]
+    for keys in late:                          # the last one lands in region 0 again
+        assert store.put_run(keys, run_data(keys)) == n
+    assert store.lookup(old[1]) == n
+    _crash(store)
+    with KVStore.open([path]) as store:
+        assert all(store.lookup(keys) == n for keys in late)
+        store.evict_older_than(cutoff)
+        assert [store.lookup(keys) for keys in late] == [n] * len(late)
