@@ -479,8 +479,13 @@ class KVStore(Recovery, RunReader, RunWriter):
             superseded = self.index.superseded()
             regions = np.zeros(self.regions.count, dtype=cpfmt.REGION_DTYPE)
             regions["generation"] = self.regions.generation
-            regions["seal_seq"] = self.regions.seal_seq
-            regions["sealed_at"] = self.regions.sealed_at
+            # Only a sealed region's seal counts: one being reclaimed keeps
+            # its old seal until released, and runs put in it after this
+            # checkpoint would get it back at a replay (evict_older_than
+            # and fifo/lru would take them first).
+            sealed = self.regions.state == SEALED
+            regions["seal_seq"] = np.where(sealed, self.regions.seal_seq, 0)
+            regions["sealed_at"] = np.where(sealed, self.regions.sealed_at, 0)
             header = (self._generation + 1, self._seq, self._next_run_id)
         # The rest reads only what a published run never changes (its id,
         # place, keys, checksums): outside the lock (a second at a million runs).

@@ -305,3 +305,36 @@ def test_a_region_reclaimed_after_the_checkpoint_is_not_old_after_a_replay(tmp_p
         assert all(store.lookup(keys) == n for keys in late)
         store.evict_older_than(cutoff)
         assert [store.lookup(keys) for keys in late] == [n] * len(late)
+
+
+def test_a_region_reclaimed_as_a_checkpoint_is_taken_is_not_old_after_a_replay(tmp_path):
+    """The RECLAIM commit that fills half the journal writes a checkpoint at
+    once, while the region is still being reclaimed (its new generation
+    applied, its seal time not yet cleared).  Runs put in it afterwards
+    (journal) must not get that old seal time back after a crash, or
+    evict_older_than(a time before them) evicts them."""
+    import time
+
+    path = _store(tmp_path)
+    store = KVStore.open([path])
+    n = store.max_run_blocks                   # one run fills a region
+    store.put_run(run_keys(0, n), run_data(run_keys(0, n)))       # region 0
+    small = 0
+    while store._jhead < store.sb.journal_bytes // 2:             # one journal block a put
+        small += 1
+        store.put_run(run_keys(100 + small, 1), run_data(run_keys(100 + small, 1)))
+    assert store._jhead == store.sb.journal_bytes // 2
+    time.sleep(1.1)                            # seal times are whole seconds
+    cutoff = time.time()
+    time.sleep(1.1)
+    checkpoints = store.counters["checkpoints"]
+    assert store.evict_older_than(cutoff) >= 1 and store.lookup(run_keys(0, n)) == 0
+    assert store.counters["checkpoints"] == checkpoints + 1        # at region 0's RECLAIM
+    late = [run_keys(10 + i, n) for i in range(len(store.regions.free))]
+    for keys in late:                          # one of them lands in region 0 again
+        assert store.put_run(keys, run_data(keys)) == n
+    _crash(store)
+    with KVStore.open([path]) as store:
+        assert all(store.lookup(keys) == n for keys in late)
+        store.evict_older_than(cutoff)
+        assert [store.lookup(keys) for keys in late] == [n] * len(late)
