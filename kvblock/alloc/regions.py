@@ -27,7 +27,9 @@ class RegionTable:
         self.data_offsets = list(data_offsets)
         self.generation = np.zeros(region_count, dtype=np.uint32)
         self.seal_seq = np.zeros(region_count, dtype=np.uint64)
-        self.sealed_at = np.zeros(region_count, dtype=np.uint32)  # seconds since epoch
+        # seconds since the epoch; exact here, rounded up in a checkpoint
+        # (evict_older_than never takes a region sealed after its cutoff)
+        self.sealed_at = np.zeros(region_count, dtype=np.float64)
         self.state = np.zeros(region_count, dtype=np.uint8)
         self.fill = np.zeros(region_count, dtype=np.uint64)     # bytes appended
         self.live = np.zeros(region_count, dtype=np.int64)      # live runs
@@ -74,7 +76,7 @@ class RegionTable:
             self.open = None
         self.state[region] = SEALED
         self.seal_seq[region] = self.next_seal
-        self.sealed_at[region] = int(time.time() if now is None else now)
+        self.sealed_at[region] = time.time() if now is None else now
         self.next_seal += 1
 
     def release(self, region: int, generation: int | None = None) -> None:

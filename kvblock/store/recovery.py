@@ -185,7 +185,7 @@ class Recovery:
                 regions.state[r] = SEALED
                 if regions.seal_seq[r] == 0:  # sealed after the last checkpoint
                     regions.seal_seq[r] = regions.next_seal
-                    regions.sealed_at[r] = int(time.time())
+                    regions.sealed_at[r] = time.time()
                     regions.next_seal += 1
             else:
                 regions.state[r] = FREE

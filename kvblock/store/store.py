@@ -485,7 +485,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             # and fifo/lru would take them first).
             sealed = self.regions.state == SEALED
             regions["seal_seq"] = np.where(sealed, self.regions.seal_seq, 0)
-            regions["sealed_at"] = np.where(sealed, self.regions.sealed_at, 0)
+            regions["sealed_at"] = np.where(sealed, np.ceil(self.regions.sealed_at), 0)
             header = (self._generation + 1, self._seq, self._next_run_id)
         # The rest reads only what a published run never changes (its id,
         # place, keys, checksums): outside the lock (a second at a million runs).

@@ -1109,6 +1109,31 @@ def test_a_run_never_holds_more_positions_than_the_index_packs(tmp_path, monkeyp
         assert store.get_run(keys, out) == 20 and np.array_equal(out, run_data(keys))
 
 
+def test_evict_older_than_never_takes_a_region_sealed_after_the_cutoff(tmp_path):
+    """Seal times were kept in whole seconds (floor): a region sealed at
+    100.7 read as 100 and went for a cutoff of 100.5, though it holds KV
+    from after it.  Exact while the store is open; a checkpoint rounds up,
+    so after a reopen a region is at worst kept a second longer."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as store:
+        keys = run_keys(1, 1)
+        store.put_run(keys, run_data(keys))
+        region = store.index.runs_in(int(store.regions.open))[0].region
+        with store._lock:
+            store.regions.seal(region, now=100.7)
+        assert store.evict_older_than(100.5) == 0 and store.lookup(keys) == 1
+        assert store.evict_older_than(100.8) == 1 and store.lookup(keys) == 0
+        keys = run_keys(2, 1)
+        store.put_run(keys, run_data(keys))
+        region = store.index.runs_in(int(store.regions.open))[0].region
+        with store._lock:
+            store.regions.seal(region, now=200.2)
+    with KVStore.open([str(path)]) as store:
+        assert store.evict_older_than(200.5) == 0 and store.lookup(keys) == 1
+        assert store.evict_older_than(201.5) == 1 and store.lookup(keys) == 0
+
+
 def test_evict_older_than_reclaims_regions_sealed_before_the_cutoff(tmp_path):
     """Regions sealed before the cutoff are reclaimed (their runs gone), the
     open region and later ones stay; a cutoff that is not a time is refused
