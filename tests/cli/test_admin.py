@@ -264,35 +264,35 @@ def test_format_refuses_mounted_device(loop_device, tmp_path):
         subprocess.run(["umount", str(mnt)], check=True)
 
 
-def test_format_refuses_the_backing_file_of_a_mounted_loop_device(loop_device, tmp_path):
-    """A loop device and its backing file are one device: the file under a
-    mounted filesystem is busy, even with --force (which overrides
-    signatures, never a mount)."""
+@contextlib.contextmanager
+def _mounted_ext4(loop_device, tmp_path):
+    """A loop device with an ext4 mounted on it: (device, backing file)."""
     dev = loop_device(32 << 20)
-    backing = loopdev.backing_of(dev)
     subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True)
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     subprocess.run(["mount", dev, str(mnt)], check=True)
     try:
+        yield dev, loopdev.backing_of(dev)
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_format_refuses_the_backing_file_of_a_mounted_loop_device(loop_device, tmp_path):
+    """A loop device and its backing file are one device: the file under a
+    mounted filesystem is busy, even with --force (which overrides
+    signatures, never a mount)."""
+    with _mounted_ext4(loop_device, tmp_path) as (dev, backing):
         before = head(backing)
         res = kvb("format", backing, *GEOM_ARGS, "--force")
         one_line_error(res, 5, backing, dev, "busy", "unmount")
         assert head(backing) == before
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_format_refuses_a_second_loop_device_over_a_mounted_ones_file(loop_device, tmp_path):
     """Two loop devices over one file are one device too: the second is
     busy while the first is mounted."""
-    dev = loop_device(32 << 20)
-    backing = loopdev.backing_of(dev)
-    subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True)
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    subprocess.run(["mount", dev, str(mnt)], check=True)
-    try:
+    with _mounted_ext4(loop_device, tmp_path) as (dev, backing):
         second = loopdev.attach(backing)
         try:
             before = head(backing)
@@ -301,8 +301,6 @@ def test_format_refuses_a_second_loop_device_over_a_mounted_ones_file(loop_devic
             assert head(backing) == before
         finally:
             loopdev.detach(second)
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_format_refuses_existing_store_and_block_device_needs_yes(loop_device):
