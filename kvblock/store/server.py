@@ -593,6 +593,14 @@ class StoreServer:
         region, run_id, offset, gen, n = w
         try:
             keys = decode_keys(keys)
+            # Checked here, not in the journal commit: a record that fails to
+            # encode there fails the commit leader, which closes the store for
+            # every client.
+            if not isinstance(checksums, list) or not all(
+                    type(c) is int and 0 <= c < 1 << 64 for c in checksums):
+                raise ConfigError(f"commit: checksums must be a list of unsigned 64-bit "
+                                  f"integers, got {type(checksums).__name__} "
+                                  f"{str(checksums)[:80]}")
             if len(keys) != n or len(checksums) != st.geometry.run_checksums:
                 raise ConfigError(f"commit: {len(keys)} keys and {len(checksums)} checksums "
                                   f"for a run of {n} blocks x {st.geometry.ranges} ranges (and a trailer)")
