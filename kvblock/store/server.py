@@ -553,7 +553,7 @@ class StoreServer:
         """Runs that failed a client's checksum."""
         st = self.store
         with st._lock:
-            runs = [st.index.runs[i] for i in run_ids if i in st.index.runs]
+            runs = [st.index.runs[i] for i in dict.fromkeys(run_ids) if i in st.index.runs]
         st.counters["checksum_failures"] += len(run_ids)
         st._drop_runs(runs)
         return len(runs)

@@ -947,7 +947,11 @@ class KVStore(Recovery, RunReader, RunWriter):
 
     def _drop_runs(self, runs: list[Run]) -> None:
         with self._lock:
-            runs = [r for r in runs if r.run_id in self.index.runs]
+            # once each: a run named twice (a read error's runs, one per
+            # segment; a client's list) taken out twice would count its
+            # region's live runs down twice, and an emptied-looking region
+            # is reclaimed under the runs still in it
+            runs = list({r.run_id: r for r in runs if r.run_id in self.index.runs}.values())
             for run in runs:
                 self._forget_run(run)
         if runs and not self.readonly:

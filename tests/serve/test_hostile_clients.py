@@ -87,3 +87,37 @@ def test_a_commit_with_malformed_checksums_is_refused_not_fatal(store_file, sock
         finally:
             raw.close()
         _still_serves(server, sock, 1)
+
+
+def test_drop_runs_naming_a_run_twice_drops_it_once(store_file, sock):
+    """drop_runs with a run id twice (a client's duplicate, or a read
+    error's list of runs that names one run per segment) took the run out
+    twice: its region's live-run count fell once per mention, so a sealed
+    region with other live runs counted as empty and was reclaimed (trimmed)
+    under them."""
+    with serve_in_background([store_file], sock) as server:
+        st = server.store
+        r = RemoteStore(sock)
+        try:
+            for i in range(12):             # fills and seals the first region
+                r.put_run(run_keys(i, 3), run_data(run_keys(i, 3)))
+            first = st.index.locate(st.index.runs[min(st.index.runs)].key(0))[0]
+            region = first.region
+            live = int(st.regions.live[region])
+            assert st.regions.open != region and live > 1
+            raw = _raw(sock)
+            try:            # as many times as the region holds runs
+                reply = _ask(raw, op="drop_runs", run_ids=[first.run_id] * live)
+                assert reply == {"ok": True, "result": 1}, reply
+            finally:
+                raw.close()
+            in_region = [run for run in st.index.runs.values() if run.region == region]
+            assert int(st.regions.live[region]) == len(in_region) == live - 1
+            out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+            for i in range(1, 12):          # every other run reads back whole
+                keys = run_keys(i, 3)
+                assert r.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys)), i
+            assert r.get_run(run_keys(0, 3), out) == 0
+        finally:
+            r.close()
+        _still_serves(server, sock, 2)
