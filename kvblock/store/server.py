@@ -635,8 +635,12 @@ class StoreServer:
         return self.store.delete(decode_keys(keys))
 
     def _op_evict(self, s, nbytes=None, all=False, older_than=None):
+        # Typed as sent: a truthy "false" for all would evict the whole
+        # shared store; evict_older_than checks the cutoff is a number.
+        if not isinstance(all, bool):
+            raise ConfigError(f"evict: all must be true or false, got {all!r}")
         if older_than is not None:
-            return self.store.evict_older_than(float(older_than))
+            return self.store.evict_older_than(older_than)
         return self.store.evict(nbytes, all=all)
 
     def _op_clear(self, s):

@@ -121,3 +121,33 @@ def test_drop_runs_naming_a_run_twice_drops_it_once(store_file, sock):
         finally:
             r.close()
         _still_serves(server, sock, 2)
+
+
+@pytest.mark.parametrize("args", [{"all": "false"}, {"all": 0.5}, {"older_than": "1e300"},
+                                  {"older_than": "soon"}])
+def test_evict_with_arguments_of_the_wrong_type_is_refused(store_file, sock, args):
+    """evict's ``all`` was taken by truthiness and ``older_than`` through
+    float(): a client sending the string "false" (or a cutoff as a string)
+    had every unpinned region of the shared store evicted, and a cutoff that
+    is no number got an untyped ValueError back.  Both are ConfigError now,
+    and nothing is evicted."""
+    with serve_in_background([store_file], sock) as server:
+        r = RemoteStore(sock)
+        try:
+            for i in range(12):             # fills and seals the first region
+                r.put_run(run_keys(i, 3), run_data(run_keys(i, 3)))
+            raw = _raw(sock)
+            try:
+                reply = _ask(raw, op="evict", **args)
+            finally:
+                raw.close()
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            assert server.store.counters["evicted_regions"] == 0
+            out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+            for i in range(12):
+                keys = run_keys(i, 3)
+                assert r.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys)), i
+            assert r.evict(all=False) == 0 and r.evict_older_than(0) == 0
+        finally:
+            r.close()
+        _still_serves(server, sock, 3)
