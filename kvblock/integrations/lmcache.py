@@ -281,7 +281,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self._lock = threading.Lock()
         self._put_tasks: set[CacheEngineKey] = set()
         self._pins: dict[bytes, list] = {}      # kvblock key -> [pin count, pinned segments]
-        self._lookup_pins: dict[str, list] = {}  # async lookup id -> keys it pinned
+        self._lookup_pins: dict[str, list] = {}  # async lookup id -> its (key, pin entry)s
         self.skipped_chunks = 0
         self._failed = FailureLog(logger, "kvblock lmcache plugin")
         logger.info("kvblock: LMCache plugin on %s (chunk %s, %d bytes)", self.devices,
@@ -406,8 +406,15 @@ class KVBlockStorageBackend(StoragePluginInterface):
         n = self.batched_contains(keys, pin)
         whole = self._whole_chunks(keys, n) if self.layerwise else n
         if pin and whole:
+            # Each pin is kept with the entry it counts in: a forced remove
+            # (or a clear found by pin) drops the entry, and the load's
+            # release must then not take a pin of a later lookup on the key
+            # stored again.
             with self._lock:
-                self._lookup_pins.setdefault(lookup_id, []).extend(keys[:whole])
+                held = [(kb, self._pins.get(kb))
+                        for kb in (self.kvblock_key(k) for k in keys[:whole])]
+                self._lookup_pins.setdefault(lookup_id, []).extend(
+                    (kb, entry) for kb, entry in held if entry is not None)
         return whole
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
@@ -596,9 +603,9 @@ class KVBlockStorageBackend(StoragePluginInterface):
             # The load of an async lookup ends its pins (LMCache unpins the
             # objects it gets, never the backend's keys).
             with self._lock:
-                pinned = self._lookup_pins.pop(lookup_id, [])
-            for key in pinned:
-                self.unpin(key)
+                for kb, entry in self._lookup_pins.pop(lookup_id, []):
+                    if self._pins.get(kb) is entry:     # else: dropped since
+                        self._unpin_entry(kb, entry)
 
     # ------------------------------------------------------------------ pins, removal
     def pin(self, key: CacheEngineKey) -> bool:
@@ -606,7 +613,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         kb = self.kvblock_key(key)
         with self._lock:
             entry = self._pins.get(kb)
-            held = 0
+            held, lost = 0, None
             if entry is not None and _lost(entry[1]):
                 # Taken on a shared store's connection that is gone since (the
                 # server restarted): it protects nothing.  Pin anew, keeping
@@ -614,7 +621,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 held = entry[0]
                 self._pins.pop(kb)
                 self.store.unpin(entry[1])
-                entry = None
+                lost, entry = entry, None
             if entry is not None and not self._still_stored(kb):
                 # A clear() (or another rank's delete) took the chunk while
                 # pinned: the pin left over must not make it found.
@@ -632,7 +639,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 segs = None
             if not segs:       # earlier holders' unpins then find no entry: harmless
                 return False
-            self._pins[kb] = [held + 1, segs]
+            if held:           # the same entry: async lookups' pins still count in it
+                lost[:] = [held + 1, segs]
+                self._pins[kb] = lost
+            else:
+                self._pins[kb] = [1, segs]
             return True
 
     def _still_stored(self, kb: bytes) -> bool:
@@ -652,11 +663,15 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 except RUNTIME_FAILURES as e:
                     self._failed("an unpin", e)
                     return False
-            entry[0] -= 1
-            if entry[0] == 0:
-                del self._pins[kb]
-                self.store.unpin(entry[1])
+            self._unpin_entry(kb, entry)
             return True
+
+    def _unpin_entry(self, kb: bytes, entry: list) -> None:
+        """(under the lock) one pin of ``entry``, the key's, released."""
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._pins[kb]
+            self.store.unpin(entry[1])
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
         kb = self.kvblock_key(key)

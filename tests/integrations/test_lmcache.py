@@ -532,3 +532,30 @@ def test_gets_do_not_count_as_lookups(file_target, engines):
     stats = e.plugin.stats()
     assert (stats["lookups"], stats["lookup_hit_blocks"]) == (1, 3)
     assert stats["get_blocks"] == 5
+
+
+def test_a_forced_remove_ends_the_lookup_pins_on_the_key(file_target, engines):
+    """remove(key, force=True) drops every pin on the key.  The async lookup
+    that had pinned it must not, when its load ends, release the pin a later
+    lookup took on the key stored again: that one's chunk would be
+    unpinned (evictable) before its own load."""
+    e = Engine([file_target()])
+    engines.append(e)
+    key = e.key(71)
+    kb = e.plugin.kvblock_key(key)
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, e.manager.loop).result(30)
+
+    e.put([key], [e.chunk()])
+    assert run(e.plugin.batched_async_contains("a", [key], pin=True)) == 1
+    assert e.plugin.remove(key, force=True) is True
+    e.put([key], [e.chunk()])                            # stored again
+    assert run(e.plugin.batched_async_contains("b", [key], pin=True)) == 1
+    for obj in run(e.plugin.batched_get_non_blocking("a", [key])):   # a's load ends
+        obj.ref_count_down()
+    assert kb in e.plugin._pins, "lookup a released lookup b's pin"
+    assert (e.plugin.store.regions.pins > 0).any()
+    for obj in run(e.plugin.batched_get_non_blocking("b", [key])):
+        obj.ref_count_down()
+    assert e.plugin._pins == {} and not (e.plugin.store.regions.pins > 0).any()
