@@ -462,7 +462,20 @@ class KVBlockStorageBackend(StoragePluginInterface):
             obj.ref_count_up()          # the storage manager drops its reference on return
         if not todo:
             return None
-        return [self.executor.submit(self._write, todo, on_complete_callback)]
+        try:
+            return [self.executor.submit(self._write, todo, on_complete_callback)]
+        except RuntimeError:
+            # The writers are stopped: LocalCPUBackend's close (the hook
+            # above) or this plugin's ran first.  Not stored (a miss later);
+            # the references and put tasks taken above are given back.
+            logger.warning("kvblock: not storing %d chunks (%s...): the plugin is closing",
+                           len(todo), todo[0][0].to_string())
+            with self._lock:
+                for key, _ in todo:
+                    self._put_tasks.discard(key)
+            for _, obj in todo:
+                obj.ref_count_down()
+            return None
 
     def submit_put_task(self, key: CacheEngineKey, obj: MemoryObj, transfer_spec: Any = None,
                         on_complete_callback=None) -> Future | None:

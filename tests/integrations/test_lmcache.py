@@ -559,3 +559,22 @@ def test_a_forced_remove_ends_the_lookup_pins_on_the_key(file_target, engines):
     for obj in run(e.plugin.batched_get_non_blocking("b", [key])):
         obj.ref_count_down()
     assert e.plugin._pins == {} and not (e.plugin.store.regions.pins > 0).any()
+
+
+def test_a_put_after_the_writers_stopped_is_dropped_cleanly(file_target, engines):
+    """StorageManager.close() closes LocalCPUBackend first, and the plugin's
+    hook on it stops the writer threads; a put arriving then (another
+    thread's store, or close_backend("LocalCPUBackend")) is not stored.  It
+    must not raise out of LMCache's batched_put, keep a reference to the
+    chunk, nor leave the key "in put tasks" for ever."""
+    e = Engine([file_target()])
+    engines.append(e)
+    key = e.key(81)
+    obj = e.chunk()
+    refs = obj.get_ref_count()
+    e.plugin.executor.shutdown(wait=True)        # what the LocalCPUBackend close hook does
+    assert e.plugin.batched_submit_put_task([key], [obj]) is None
+    assert not e.plugin.exists_in_put_tasks(key)
+    assert obj.get_ref_count() == refs
+    assert not e.plugin.contains(key)
+    obj.ref_count_down()
