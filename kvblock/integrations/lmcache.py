@@ -201,6 +201,11 @@ class ChunkFormat:
                 and list(dtypes) == self.dtypes)
 
 
+def _run_ids(segs) -> list[int]:
+    """The runs a pin handle covers."""
+    return [seg[0].run_id for seg in segs]
+
+
 def _lost(segs) -> bool:
     """Pinned segments of a shared store whose connection is gone."""
     session = getattr(segs, "session", None)
@@ -626,45 +631,36 @@ class KVBlockStorageBackend(StoragePluginInterface):
         kb = self.kvblock_key(key)
         with self._lock:
             entry = self._pins.get(kb)
-            held, lost = 0, None
-            if entry is not None and _lost(entry[1]):
-                # Taken on a shared store's connection that is gone since (the
-                # server restarted): it protects nothing.  Pin anew, keeping
-                # the count of LMCache's pins (each is unpinned once).
-                held = entry[0]
-                self._pins.pop(kb)
-                self.store.unpin(entry[1])
-                lost, entry = entry, None
-            if entry is not None and not self._still_stored(kb):
-                # A clear() (or another rank's delete) took the chunk while
-                # pinned: the pin left over must not make it found.
-                self._pins.pop(kb)
-                self.store.unpin(entry[1])
-                return False
-            if entry is not None:
-                entry[0] += 1
-                return True
             # kvblock has no public pin yet: take the read pin its loads take.
             try:
                 segs = self.store.pin([kb])
             except RUNTIME_FAILURES as e:
                 self._failed("a pin", e)
                 segs = None
-            if not segs:       # earlier holders' unpins then find no entry: harmless
+            if not segs:
+                if entry is not None:
+                    # A clear() (or another rank's delete) took the chunk while
+                    # pinned: the pin left over must not make it found.
+                    # Earlier holders' unpins then find no entry: harmless.
+                    del self._pins[kb]
+                    self.store.unpin(entry[1])
                 return False
-            if held:           # the same entry: async lookups' pins still count in it
-                lost[:] = [held + 1, segs]
-                self._pins[kb] = lost
-            else:
+            if entry is None:
                 self._pins[kb] = [1, segs]
+            elif _lost(entry[1]) or _run_ids(segs) != _run_ids(entry[1]):
+                # The pin held protects nothing now: taken on a shared
+                # store's connection that is gone (the server restarted), or
+                # on a copy a clear() or another rank's delete took before the
+                # chunk was stored again elsewhere.  The new pin replaces it,
+                # keeping the count of LMCache's pins (each is unpinned once)
+                # and the entry (async lookups' pins count in it).
+                self.store.unpin(entry[1])
+                entry[0] += 1
+                entry[1] = segs
+            else:
+                self.store.unpin(segs)      # one store pin per key
+                entry[0] += 1
             return True
-
-    def _still_stored(self, kb: bytes) -> bool:
-        try:
-            return bool(self.store.present([kb])[0])     # uncounted: not a lookup
-        except RUNTIME_FAILURES as e:
-            self._failed("a pin", e)
-            return False
 
     def unpin(self, key: CacheEngineKey) -> bool:
         kb = self.kvblock_key(key)

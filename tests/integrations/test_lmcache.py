@@ -578,3 +578,33 @@ def test_a_put_after_the_writers_stopped_is_dropped_cleanly(file_target, engines
     assert obj.get_ref_count() == refs
     assert not e.plugin.contains(key)
     obj.ref_count_down()
+
+
+def test_a_pin_taken_again_after_a_clear_protects_the_chunk_stored_again(file_target, engines):
+    """A chunk pinned, the store cleared, the chunk stored again (in another
+    region) and pinned again while the first pin is held: the second pin
+    must protect the chunk as stored now, not only the region of the copy
+    the clear took."""
+    e = Engine([file_target()], **{"kvblock.region_size": "64K"})
+    engines.append(e)
+    key = e.key(91)
+    kb = e.plugin.kvblock_key(key)
+    store = e.plugin.store
+
+    def region_of_key():
+        handle = store.pin([kb])
+        try:
+            return handle[0][0].region
+        finally:
+            store.unpin(handle)
+
+    e.put([key], [e.chunk()])
+    assert e.plugin.pin(key)
+    first = region_of_key()
+    e.plugin.clear()
+    e.put([key], [e.chunk()])                    # stored again
+    assert region_of_key() != first
+    assert e.plugin.pin(key)
+    assert store.regions.pins[region_of_key()] > 0, "the chunk stored again is not pinned"
+    assert e.plugin.unpin(key) and e.plugin.unpin(key)
+    assert e.plugin._pins == {} and not (store.regions.pins > 0).any()
