@@ -25,6 +25,24 @@ def _store(devices, readonly=True, model=None):
     return KVStore.open(list(devices), readonly=readonly, model=model)
 
 
+def _claim(devices, writable: bool) -> list:
+    """DEVICES opened exclusively (O_EXCL / flock, as a store that writes
+    them), read-only unless ``writable``: a store in use is refused
+    (DeviceBusyError), and none can open it while they are held."""
+    from kvblock.devices import Device, check_distinct
+
+    check_distinct(devices)
+    opened = []
+    try:
+        for path in devices:
+            opened.append(Device(path, writable=writable))
+    except BaseException:
+        for d in opened:
+            d.close()
+        raise
+    return opened
+
+
 def _is_file(path) -> bool:
     import stat
 
@@ -254,6 +272,7 @@ def ls(devices, limit, as_json):
 def fsck(devices, repair, deep, as_json):
     """Check superblocks, checkpoints, journal, index vs allocation (and data with --deep).
 
+    Refuses a store another process holds (exit 5: stop its server first).
     Exit 0 clean, 1 problems found (repaired with --repair); a store that
     cannot be opened is "unusable" with the exit code of its error (11 not
     a store or corrupt, 12 other format version, 13 geometry or model, 14 a
@@ -264,7 +283,15 @@ def fsck(devices, repair, deep, as_json):
     from kvblock.store.fsck import fsck as run_fsck
 
     try:
-        store = _store(devices, readonly=not repair)
+        store = _store(_claim(devices, writable=repair), readonly=not repair)
+    except DeviceBusyError as e:
+        raise DeviceBusyError(
+            # the device's own fix ("open it read-only") is no fix here
+            f"{str(e).split('; ')[0]}; fsck checks a store no process is using (in use, "
+            "runs evicted and checkpoints rewritten during the check read as damaged): "
+            "stop the store server "
+            "(kvblock serve) or the program that holds it, then run fsck again; kvblock info "
+            "and stats read a store in use", e.path, e.errno) from None
     except (FormatError, DeviceTooSmallError) as e:   # what is there is no usable store
         if as_json:
             _emit({"status": "unusable", "problems": [str(e)]}, True, "")

@@ -491,6 +491,30 @@ def test_fsck_finds_and_repairs_corrupt_data(file_target):
     assert res.returncode == 0 and "clean; 3 runs" in res.stdout
 
 
+def test_fsck_refuses_a_store_in_use(file_target, loop_device, tmp_path):
+    """A store a server (or any process) holds changes under a check: runs
+    evicted and their regions rewritten mid-check failed their checksums
+    (--deep reported them as damaged, exit 1), a checkpoint slot being
+    rewritten read as damaged.  fsck refuses it (exit 5, naming the holder
+    and the fix), with --repair too; info and stats still read it."""
+    from kvblock.store.server import serve_in_background
+
+    for target in (file_target(16 << 20), loop_device(16 << 20)):
+        assert kvb("format", target, *GEOM_ARGS, "--yes").returncode == 0
+        sock = str(tmp_path / "kv.sock")
+        with serve_in_background([target], sock) as server:
+            for i in range(3):
+                server.store.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
+            for flags in ((), ("--deep", "--json"), ("--repair",)):
+                res = kvb("fsck", target, *flags)
+                one_line_error(res, 5, target, f"pid {os.getpid()}", "in use",
+                               "stop the store server")
+                assert res.stdout == ""
+            assert json.loads(kvb("info", target, "--json").stdout)["runs"] == 3
+        res = kvb("fsck", target, "--deep", "--json")    # stopped: checked
+        assert res.returncode == 0 and json.loads(res.stdout)["runs_checked"] == 3
+
+
 def test_fsck_reports_journal_records_past_a_damaged_one(file_target):
     """A store left dirty (six commits in its journal), then the third
     commit's record damaged: recovery stops there, and fsck says that
