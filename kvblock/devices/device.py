@@ -69,6 +69,8 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
     ENOSPC half-way through a run.
     """
     path = Path(path)
+    if not os.path.lexists(path):
+        _refuse_dev(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     existed = path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
@@ -102,6 +104,27 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
         if fd >= 0:
             os.close(fd)
     return path
+
+
+def _refuse_dev(path: Path) -> None:
+    """A path to create on /dev's own filesystem (devtmpfs: memory, where the
+    kernel puts device nodes) is a mistyped device name (/dev/nvme0n2 for
+    /dev/nvme1n1), never a place for a store file."""
+    try:
+        dev = os.stat("/dev").st_dev
+        if dev == os.stat("/").st_dev:
+            return                   # /dev is a plain folder here, not devtmpfs
+        parent = Path(os.path.abspath(path)).parent
+        while not parent.exists():   # the folder it would be made in
+            parent = parent.parent
+        if os.stat(parent).st_dev != dev:
+            return
+    except OSError:
+        return
+    raise DeviceNotFoundError(
+        f"{path}: no such device (lsblk lists the block devices); a store file is not "
+        "created on /dev, whose filesystem is memory: check the device name, or create the "
+        "file on a filesystem (e.g. /var/lib/kvblock/kv.img)", os.fspath(path), errno.ENOENT)
 
 
 def _read_only(fd: int) -> bool:

@@ -342,6 +342,30 @@ def test_format_with_size_creates_missing_store_files_only(tmp_path, file_target
     assert os.path.getsize(kept) == 1 << 20
 
 
+def test_size_never_creates_a_store_file_on_dev():
+    """A mistyped device name with --size (/dev/nvme0n2 for /dev/nvme1n1) made
+    a store file on /dev's devtmpfs, memory the kernel's device nodes live
+    in, and format, bench and selfcheck went on writing it.  It is refused
+    as the missing device it is (exit 3), and nothing is created."""
+    if os.stat("/dev").st_dev == os.stat("/").st_dev:
+        pytest.skip("/dev is no filesystem of its own here")
+    typo = f"/dev/kvblock-typo-{os.getpid()}"
+    deep = f"/dev/disk/kvblock-typo-{os.getpid()}/nvme0n1"
+    try:
+        for res in (kvb("format", typo, *GEOM_ARGS, "--size", "8M", "--json"),
+                    kvb("format", deep, *GEOM_ARGS, "--size", "8M"),
+                    kvb("bench", typo, "--size", "8M", "--seconds", "0.1", "--json"),
+                    kvb("selfcheck", "--path", typo, "--size", "8M")):
+            one_line_error(res, 3, typo if typo in res.args else deep, "no such device",
+                           "lsblk")
+            assert res.stdout == ""
+            assert not os.path.lexists(typo) and not os.path.lexists(os.path.dirname(deep))
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(typo)
+        subprocess.run(["rm", "-rf", os.path.dirname(deep)], check=False)
+
+
 def test_format_with_size_refuses_a_new_file_given_twice(tmp_path):
     """A store file --size is to create, named twice (or by two paths), is one
     device given twice (exit 8), as an existing one is: not a busy device
