@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblock.errors import KVBlockError
+from kvblock.errors import IOFailedError, KVBlockError
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import superblock as sbfmt
 from kvblock.format import trailer as trailerfmt
@@ -133,7 +133,18 @@ def check_data(store, report: FsckReport, progress=None) -> list:
         lay = store.layout(run.nblocks)
         dev, base = store.regions.address(run.region, run.offset)
         with HostBuffer(lay.run_bytes, register=False) as buf:
-            store.io.read(IOBatch.single(buf.address, dev, base, lay.run_bytes))
+            try:
+                store.io.read(IOBatch.single(buf.address, dev, base, lay.run_bytes))
+            except IOFailedError as e:
+                if e.path is None:     # the engine failed, not the device: says nothing of the run
+                    raise
+                # a bad sector is this run's problem, as a bad checksum is: the rest are checked
+                report.problems.append(f"run {run.run_id}: unreadable at "
+                                       f"{store.io.devices[dev].path} offset {base} ({e})")
+                bad.append(run)
+                if progress:
+                    progress(k + 1, total)
+                continue
             problem = _run_data_problem(run, lay, buf.array[:lay.run_bytes], buf.address)
             if problem:
                 what, at = problem

@@ -1,0 +1,45 @@
+"""fsck (kvblock/store/fsck.py) on stores with faults the CLI tests cannot make."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvblock import KVStore
+from kvblock.devices import create_file
+from kvblock.layout import Geometry
+from kvblock.store.fsck import fsck
+from tests.store.workload import run_data, run_keys
+from tests.support.faults import BadSectors
+
+MIB = 1 << 20
+GEOM = Geometry(2, 2, 32, "float16", 16, 2, 2)
+
+
+@pytest.mark.parametrize("repair", [False, True])
+def test_deep_fsck_reports_an_unreadable_run_and_checks_the_rest(tmp_path, repair):
+    """A bad sector under one run (EIO) stopped `fsck --deep` at that run
+    with an I/O error (exit 9): no report, the runs after it never checked,
+    and --repair could not drop it.  It is a problem of that run, as a
+    checksum mismatch is; the rest are verified; --repair drops it."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    runs = [run_keys(40 + i, 2) for i in range(4)]
+    with KVStore.format([str(path)], GEOM, region_size=256 << 10) as store:
+        for keys in runs:
+            store.put_run(keys, run_data(keys))
+    bad = BadSectors()
+    with KVStore.open([str(path)], readonly=not repair, storeio_factory=bad.factory()) as store:
+        ids = sorted(store.index.runs)
+        run = store.index.runs[ids[1]]
+        dev, off = store.regions.address(run.region, run.offset)
+        bad.add(dev, off + 4096, 4096)
+        report = fsck(store, deep=True, repair=repair)
+        assert report.runs_checked == 4
+        assert report.bytes_verified == 3 * store.layout(2).run_bytes
+        assert len(report.problems) == 1, report.problems
+        assert f"run {run.run_id}: unreadable" in report.problems[0]
+        assert str(path) in report.problems[0] and "EIO" in report.problems[0]
+        assert report.dropped_runs == (1 if repair else 0)
+        assert report.status == ("repaired" if repair else "problems")
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert len(store.index.runs) == (3 if repair else 4)
