@@ -43,6 +43,16 @@ def _claim(devices, writable: bool) -> list:
     return opened
 
 
+def _in_use(e: DeviceBusyError, why: str, command: str) -> DeviceBusyError:
+    """``e`` (a device another process holds) with the fix for ``command``:
+    the device's own ("open it read-only") is none for a command that needs
+    the store to itself."""
+    return DeviceBusyError(
+        f"{str(e).split('; ')[0]}; {why}: stop the store server (kvblock serve) or the "
+        f"program that holds it, then run {command} again; kvblock info and stats read a "
+        "store in use", e.path, e.errno)
+
+
 def _is_file(path) -> bool:
     import stat
 
@@ -285,13 +295,9 @@ def fsck(devices, repair, deep, as_json):
     try:
         store = _store(_claim(devices, writable=repair), readonly=not repair)
     except DeviceBusyError as e:
-        raise DeviceBusyError(
-            # the device's own fix ("open it read-only") is no fix here
-            f"{str(e).split('; ')[0]}; fsck checks a store no process is using (in use, "
-            "runs evicted and checkpoints rewritten during the check read as damaged): "
-            "stop the store server "
-            "(kvblock serve) or the program that holds it, then run fsck again; kvblock info "
-            "and stats read a store in use", e.path, e.errno) from None
+        raise _in_use(e, "fsck checks a store no process is using (in use, runs evicted and "
+                         "checkpoints rewritten during the check read as damaged)",
+                      "fsck") from None
     except (FormatError, DeviceTooSmallError) as e:   # what is there is no usable store
         if as_json:
             _emit({"status": "unusable", "problems": [str(e)]}, True, "")
@@ -477,7 +483,12 @@ def evict(devices, socket_path, nbytes, older_than, everything, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def trim(devices, as_json):
     """Discard (TRIM) every free region so the drive can reuse its flash."""
-    with _store(devices, readonly=False) as store:
+    try:
+        opened = _store(devices, readonly=False)
+    except DeviceBusyError as e:
+        raise _in_use(e, "trim discards free regions, which only the process that holds "
+                         "the store knows", "trim") from None
+    with opened as store:
         done, regions = store.trim_free()
         mapped = store.stats()["mapped_reads"]
     out = {"regions_trimmed": done, "free_regions": regions,

@@ -682,6 +682,21 @@ def test_evict_through_a_store_server(file_target, tmp_path):
     assert kvb("evict", path, "--socket", sock, "--all").returncode == 2   # one or the other
 
 
+def test_trim_of_a_served_store_says_to_stop_the_server(file_target, tmp_path):
+    """trim writes (discards) a store, so a store in use is refused; the
+    device's own advice, "open it read-only", is no way to trim: the
+    message says to stop the server that holds it."""
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    assert kvb("format", path, *GEOM_ARGS).returncode == 0
+    with serve_in_background([path], str(tmp_path / "kv.sock")):
+        res = kvb("trim", path, "--json")
+        one_line_error(res, 5, path, f"pid {os.getpid()}", "stop the store server")
+        assert "read-only" not in res.stderr and res.stdout == ""
+    assert kvb("trim", path, "--json").returncode == 0
+
+
 def _scrape(port, want, timeout=30.0) -> str:
     """/metrics of the exporter on ``port`` once it holds ``want``."""
     deadline, body = time.monotonic() + timeout, ""
