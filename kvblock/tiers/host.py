@@ -28,7 +28,12 @@ class HostTier:
             raise ConfigError(f"host cache of {capacity_bytes} bytes holds fewer than two "
                               f"{block_bytes}-byte blocks; give it more memory or none")
         self.block_bytes = block_bytes
-        self.arena = HostBuffer(self.slots * block_bytes)
+        try:
+            self.arena = HostBuffer(self.slots * block_bytes)
+        except OSError as e:   # ENOMEM: more than the machine will map
+            raise ConfigError(f"host cache of {capacity_bytes} bytes (host_cache_bytes) cannot "
+                              f"be allocated: {e.strerror or e}; give it less memory than the "
+                              "machine has free, or none") from None
         self.pinned = _pin(self.arena)
         self.blocks = self.arena.array.reshape(self.slots, block_bytes)
         self.free = list(range(self.slots - 1, -1, -1))

@@ -247,3 +247,17 @@ def test_close_unpins_the_arena_it_pinned(monkeypatch):
     tier.close()
     assert rt.registered == {}, "the closed arena is still page-locked"
     tier.close()                                 # twice: nothing more to undo
+
+
+def test_a_host_cache_larger_than_memory_is_a_config_error(tmp_path):
+    # 1 PiB: more than any address space; mmap answers ENOMEM, which used to
+    # escape as a bare OSError naming neither the setting nor the fix
+    with pytest.raises(ConfigError, match=r"host cache of 1125899906842624 bytes.*less"):
+        HostTier(1 << 50, 4096)
+    path = tmp_path / "s.img"
+    create_file(path, 16 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    with pytest.raises(ConfigError, match="host_cache_bytes"):
+        KVStore.open([str(path)], host_cache_bytes=1 << 50)
+    with KVStore.open([str(path)]) as store:     # the failed open left nothing held
+        assert store.lookup(run_keys(1, 4)) == 0
