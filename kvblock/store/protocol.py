@@ -64,7 +64,18 @@ def recv_msg(sock: socket.socket):
     (n,) = _LEN.unpack(head)
     if n > MAX_FRAME:
         raise ConnectionError(f"frame of {n} bytes exceeds {MAX_FRAME} (not a kvblock peer?)")
-    return json.loads(_recv_exact(sock, n))
+    data = _recv_exact(sock, n)
+    # A whole frame that is no message: ConfigError (the stream is intact,
+    # the peer can be answered), never None (the end of the stream).
+    try:
+        msg = json.loads(data)
+    except ValueError:
+        raise ConfigError(f"store server message of {n} bytes is not JSON (UTF-8): "
+                          "send a JSON object") from None
+    if not isinstance(msg, dict):
+        raise ConfigError(f"store server message must be a JSON object "
+                          f"{{\"op\": NAME, ...}}, got a JSON {type(msg).__name__}")
+    return msg
 
 
 def _recv_exact(sock, n, eof_ok=False):

@@ -340,6 +340,8 @@ class StoreServer:
             while True:
                 try:
                     req = recv_msg(s.conn)
+                except KVBlockError as e:   # a whole frame, not a request: answered
+                    req = e
                 except Exception:  # noqa: BLE001  (a broken or hostile frame: drop the connection)
                     s.dropped = s.dropped or "it sent a frame that is not a request"
                     break
@@ -348,6 +350,8 @@ class StoreServer:
                 s.busy, s.last_seen = True, time.monotonic()
                 op = req.get("op") if isinstance(req, dict) else None
                 try:
+                    if isinstance(req, KVBlockError):
+                        raise req
                     reply = {"ok": True, "result": self._dispatch(s, req)}
                 except KVBlockError as e:
                     reply = error_reply(e)
@@ -544,6 +548,7 @@ class StoreServer:
             for run, pos, count, at in segs]}
 
     def _op_unpin(self, s, pin):
+        _check_id("unpin", "pin", pin)
         segs = s.readers.pop(pin, None)
         if segs is not None:
             self.store._unpin(segs)
@@ -552,6 +557,11 @@ class StoreServer:
     def _op_drop_runs(self, s, run_ids):
         """Runs that failed a client's checksum."""
         st = self.store
+        if not isinstance(run_ids, list):
+            raise ConfigError(f"drop_runs: run_ids must be a list of run ids (integers), got "
+                              f"{type(run_ids).__name__} {str(run_ids)[:80]}")
+        for i in run_ids:
+            _check_id("drop_runs", "run_ids", i)
         with st._lock:
             runs = [st.index.runs[i] for i in dict.fromkeys(run_ids) if i in st.index.runs]
         st.counters["checksum_failures"] += len(run_ids)
@@ -576,7 +586,7 @@ class StoreServer:
     def _op_allocate(self, s, nblocks):
         st = self.store
         st._check_open(writing=True)
-        if not isinstance(nblocks, int) or not 1 <= nblocks <= st.max_run_blocks:
+        if type(nblocks) is not int or not 1 <= nblocks <= st.max_run_blocks:
             raise ConfigError(f"allocate: {nblocks!r} blocks; a run holds 1 to "
                               f"{st.max_run_blocks}")
         region, offset, run_id, gen = st._begin_put(st.layout(nblocks).run_bytes)
@@ -587,6 +597,7 @@ class StoreServer:
 
     def _op_commit(self, s, wid, keys, checksums, clears):
         st = self.store
+        _check_id("commit", "wid", wid)
         w = s.writers.pop(wid, None)
         if w is None:
             raise ConfigError(f"commit: no allocation {wid} on this connection")
@@ -626,6 +637,7 @@ class StoreServer:
         return int(count) if tag == self._run_tag else -1
 
     def _op_abort(self, s, wid):
+        _check_id("abort", "wid", wid)
         w = s.writers.pop(wid, None)
         if w is not None:
             self.store._unpin_writers([w[0]])
@@ -661,6 +673,14 @@ class StoreServer:
                     "connections_total": self.connections_total, "pinned_regions": pinned,
                     "pin_lease": self.pin_lease, "expired_sessions": self.expired_sessions})
         return out
+
+
+def _check_id(op: str, field: str, value) -> None:
+    """A pin, allocation or run id as the server gave it: an integer (not
+    true/false, which would pass for 1 and 0)."""
+    if type(value) is not int:
+        raise ConfigError(f"{op}: {field} must hold integer ids the server gave, got "
+                          f"{type(value).__name__} {str(value)[:80]}")
 
 
 def _check_socket_path(path: str) -> bool:

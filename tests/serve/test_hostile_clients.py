@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from kvblock import KVStore, create_file
+from kvblock.index import normalize_keys
 from kvblock.store.client import RemoteStore
 from kvblock.store.protocol import encode_keys, encode_msg, recv_msg
 from kvblock.store.server import serve_in_background
@@ -151,3 +152,65 @@ def test_evict_with_arguments_of_the_wrong_type_is_refused(store_file, sock, arg
         finally:
             r.close()
         _still_serves(server, sock, 3)
+
+
+def _frame(payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "big") + payload
+
+
+@pytest.mark.parametrize("request_, field", [
+    (b'["op", "lookup"]', "JSON object"),
+    (b'"lookup"', "JSON object"),
+    (b"null", "JSON object"),
+    (b"{not json", "JSON"),
+    (b'{"op": "drop_runs", "run_ids": 5}', "run_ids"),
+    (b'{"op": "drop_runs", "run_ids": null}', "run_ids"),
+    (b'{"op": "drop_runs", "run_ids": "111"}', "run_ids"),
+    (b'{"op": "drop_runs", "run_ids": [[1]]}', "run_ids"),
+    (b'{"op": "drop_runs", "run_ids": [true]}', "run_ids"),
+    (b'{"op": "unpin", "pin": [1]}', "pin"),
+    (b'{"op": "unpin", "pin": true}', "pin"),
+    (b'{"op": "abort", "wid": {"a": 1}}', "wid"),
+    (b'{"op": "commit", "wid": [1], "keys": "", "checksums": [], "clears": "x:0"}', "wid"),
+    (b'{"op": "allocate", "nblocks": true}', "blocks"),
+])
+def test_a_malformed_request_is_a_config_error_naming_the_field(store_file, sock, request_,
+                                                                field):
+    """A request that is no JSON object (a list, a string, null, broken
+    JSON) or an argument of the wrong type (run_ids not a list of run ids,
+    a pin or allocation id that is a list) was answered with a generic
+    ServerError ("TypeError: unhashable type", "'int' object is not
+    iterable"), null closed the connection, and ``true`` passed for id 1
+    (dropping run 1 of the shared store, releasing pin 1).  Each is a
+    ConfigError naming what was expected; the connection, its pins and the
+    store stay as they were."""
+    with serve_in_background([store_file], sock) as server:
+        st = server.store
+        r = RemoteStore(sock)
+        raw = _raw(sock)
+        try:
+            keys = run_keys(7, 3)
+            assert r.put_run(keys, run_data(keys)) == 3
+            runs = dict(st.index.runs)
+            # this connection holds pin 1 (a read) and allocation 2 (a write)
+            seg = _ask(raw, op="segments", keys=encode_keys(normalize_keys(keys)))
+            alloc = _ask(raw, op="allocate", nblocks=1)
+            assert seg["ok"] and alloc["ok"], (seg, alloc)
+            pins = int(st.regions.pins.sum())
+            raw.sendall(_frame(request_))
+            reply = recv_msg(raw)
+            assert reply is not None, "the connection was closed"
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            assert field in reply["message"], reply
+            # nothing dropped, released or allocated; the connection still serves
+            assert dict(st.index.runs) == runs and int(st.regions.pins.sum()) == pins
+            assert _ask(raw, op="unpin", pin=seg["result"]["pin"]) == {"ok": True, "result": None}
+            assert _ask(raw, op="abort", wid=alloc["result"]["wid"]) == \
+                {"ok": True, "result": None}
+            assert int(st.regions.pins.sum()) == 0
+            out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+            assert r.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
+        finally:
+            raw.close()
+            r.close()
+        _still_serves(server, sock, 4)
