@@ -138,6 +138,12 @@ class ServerGoneError(ServerError, StoreClosedError, ConnectionError):
     gone with it; reconnect once a server runs again."""
 
 
+class ServerBusyError(ServerError):
+    """The store server refused a connection: it serves as many as its
+    --max-clients allows.  Close idle clients, or restart the server with a
+    higher limit."""
+
+
 class PartialLoadError(KVBlockError):
     """A restore delivered fewer blocks than the caller computes with (a run
     failed its checksum or was evicted after the lookup): recompute the

@@ -598,9 +598,15 @@ def report(bench_json, out, md_path, as_json):
 @click.option("--pin-lease", type=FiniteFloatRange(0), default=60.0, show_default=True,
               help="Drop a client that holds pins and sends nothing for this many seconds "
                    "(a stopped process); clients ping while they hold pins. 0: never.")
+@click.option("--hello-timeout", type=FiniteFloatRange(0), default=10.0, show_default=True,
+              help="Close a connection that has not said hello this many seconds after "
+                   "connecting (clients say it at once). 0: never.")
+@click.option("--max-clients", type=click.IntRange(0), default=512, show_default=True,
+              help="Connections served at once; more are refused (ServerBusyError). "
+                   "0: no limit.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON line once listening.")
 def serve(devices, socket_path, model, eviction, admit_after, engine, verify, idle_exit,
-          pin_lease, as_json):
+          pin_lease, hello_timeout, max_clients, as_json):
     """Own a store's metadata and serve it to rank processes on a Unix socket.
 
     Opens DEVICES exclusively, recovers the store and answers RemoteStore
@@ -616,7 +622,8 @@ def serve(devices, socket_path, model, eviction, admit_after, engine, verify, id
 
     server = open_server(list(devices), socket_path, model=model, eviction=eviction,
                          admit_after=admit_after, engine=engine, verify=verify,
-                         idle_exit=idle_exit, pin_lease=pin_lease)
+                         idle_exit=idle_exit, pin_lease=pin_lease,
+                         hello_timeout=hello_timeout, max_clients=max_clients)
     s = server.store.stats()
     ready = {"socket": socket_path, "pid": os.getpid(), "uuid": s["uuid"],
              "devices": s["devices"], "runs": s["runs"], "blocks": s["blocks"]}

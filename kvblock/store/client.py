@@ -186,6 +186,14 @@ def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str
     return True, warned
 
 
+def _parting_answer(sock: socket.socket) -> dict | None:
+    """An answer the server left before it closed the connection, if any."""
+    try:
+        return recv_msg(sock)
+    except (OSError, ValueError):
+        return None
+
+
 class RemoteStore(RunReader, RunWriter):
     """A store served by a store server, with KVStore's byte API (put_run,
     get_run, read_range, lookup, contains, delete, evict, stats, close) and
@@ -400,8 +408,19 @@ class RemoteStore(RunReader, RunWriter):
         s.call_started = time.monotonic()
         try:
             s.sock.settimeout(limit)
-            s.sock.sendall(data)
-            reply = recv_msg(s.sock)
+            try:
+                s.sock.sendall(data)
+            except (BrokenPipeError, ConnectionResetError):
+                # a server that refused this connection (ServerBusyError)
+                # answered and closed before the request went out
+                s.sock.settimeout(0)
+                reply = _parting_answer(s.sock)
+                if reply is None or reply.get("ok"):
+                    raise
+                s.gone = str(reply.get("message", "the server closed the connection"))
+                s.close_when_released()
+            else:
+                reply = recv_msg(s.sock)
             if reply is None:
                 raise ConnectionError("the server closed the connection")
         except BaseException as e:

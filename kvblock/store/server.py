@@ -49,6 +49,7 @@ from kvblock.errors import (
     DevicePermissionError,
     KVBlockError,
     ProtocolMismatchError,
+    ServerBusyError,
     ServerError,
     StoreClosedError,
 )
@@ -78,6 +79,14 @@ PIN_LEASE_S = 60.0
 # others' writes for a small share of the time.
 DROPPED_FENCE_WAIT_S = 1.0
 DROPPED_FENCE_BACKOFF_S = 64.0
+# A connection must say hello within this many seconds of its accept, else
+# it is closed (a peer that says nothing must not keep a thread and a
+# descriptor for good).
+HELLO_TIMEOUT_S = 10.0
+# Connections served at once; one more is refused (ServerBusyError).  Below
+# the usual open-files limit (1024): a server out of descriptors cannot even
+# refuse, and its new clients wait unanswered.
+MAX_CLIENTS = 512
 # The accept loop wakes this often to check idle_exit; stop() wakes it at once.
 ACCEPT_POLL = 0.2
 
@@ -92,6 +101,8 @@ class _Session:
         self.writers: dict[int, tuple] = {}           # wid -> (region, run_id, offset, gen, n)
         self.thread: threading.Thread | None = None
         self.last_seen = time.monotonic()             # the last request's arrival or answer
+        self.accepted = self.last_seen
+        self.greeted = False                          # it said hello (and was answered yes)
         self.busy = False                             # a request is being answered
         self.dropped: str | None = None               # why the server ended the connection
 
@@ -106,7 +117,9 @@ class StoreServer:
     """
 
     def __init__(self, store: KVStore, socket_path, *, close_store: bool = True,
-                 idle_exit: float | None = None, pin_lease: float | None = PIN_LEASE_S):
+                 idle_exit: float | None = None, pin_lease: float | None = PIN_LEASE_S,
+                 hello_timeout: float | None = HELLO_TIMEOUT_S,
+                 max_clients: int | None = MAX_CLIENTS):
         self.store = store
         self.socket_path = os.fspath(socket_path)
         self.close_store = close_store
@@ -114,7 +127,13 @@ class StoreServer:
         if pin_lease is not None and pin_lease <= 0:
             pin_lease = None
         self.pin_lease = pin_lease
+        self.hello_timeout = hello_timeout if hello_timeout and hello_timeout > 0 else None
+        if max_clients is not None and (type(max_clients) is not int or max_clients < 0):
+            raise ConfigError(f"max_clients must be a connection count >= 1 (0 or None: no "
+                              f"limit), got {max_clients!r}")
+        self.max_clients = max_clients or None
         self.expired_sessions = 0
+        self.refused_connections = 0
         self.stopped = threading.Event()
         self.failed: BaseException | None = None
         self._sessions: dict[int, _Session] = {}
@@ -281,8 +300,13 @@ class StoreServer:
                 if self._stopping:
                     conn.close()
                     return
-                self._sessions[session.sid] = session
-                self.connections_total += 1
+                full = self.max_clients is not None and len(self._sessions) >= self.max_clients
+                if not full:
+                    self._sessions[session.sid] = session
+                    self.connections_total += 1
+            if full:
+                self._refuse(conn)
+                continue
             session.thread = threading.Thread(target=self._serve, args=(session,),
                                               name=f"kvblock-serve-{session.sid}", daemon=True)
             try:
@@ -293,6 +317,26 @@ class StoreServer:
                 conn.close()
                 self._note_accept_trouble(e)
                 time.sleep(ACCEPT_RETRY_S)
+
+    def _refuse(self, conn: socket.socket) -> None:
+        """Answer a connection past max_clients with ServerBusyError and
+        close it (the client reads the answer as hello's, also when it
+        sends its hello after the close)."""
+        self.refused_connections += 1
+        error = ServerBusyError(
+            f"the store server at {self.socket_path} (pid {os.getpid()}) serves its limit of "
+            f"{self.max_clients} connections (--max-clients) and refused this one: close "
+            "clients that are done, or restart it with a higher --max-clients")
+        if self.refused_connections == 1 or self.refused_connections % 100 == 0:
+            logger.warning("kvblock serve: %s (%d refused so far)", error,
+                           self.refused_connections)
+        try:
+            conn.setblocking(False)        # a few hundred bytes into an empty buffer
+            conn.send(encode_msg(error_reply(error)))
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _note_accept_trouble(self, error) -> None:
         now = time.monotonic()
@@ -305,9 +349,12 @@ class StoreServer:
     def _lease_loop(self):
         """Drop the connections that hold pins and have gone quiet; give back
         dropped connections' allocations once their writes are done."""
-        lease = self.pin_lease
-        while not self._halt.wait(min(1.0, lease / 4) if lease else 1.0):
+        lease, hello = self.pin_lease, self.hello_timeout
+        tick = min([1.0, *(t / 4 for t in (lease, hello) if t)])
+        while not self._halt.wait(tick):
             self._release_dropped_writers()
+            if hello is not None:
+                self._drop_silent(hello)
             if lease is None:
                 continue
             now = time.monotonic()
@@ -334,6 +381,29 @@ class StoreServer:
                     s.conn.shutdown(socket.SHUT_RDWR)   # its thread releases the pins
                 except OSError:
                     pass
+
+    def _drop_silent(self, hello: float) -> None:
+        """Close the connections that have not said hello in time."""
+        now = time.monotonic()
+        with self._sessions_lock:
+            late = [s for s in self._sessions.values()
+                    if not s.greeted and not s.busy and s.dropped is None
+                    and now - s.accepted > hello]
+        for s in late:
+            try:       # a hello not read yet (a starved server): it did say it
+                p = select.poll()
+                p.register(s.conn, select.POLLIN)
+                if p.poll(0):
+                    continue
+            except (OSError, ValueError):
+                continue    # closed meanwhile
+            s.dropped = f"it did not say hello within {hello:g} s of connecting"
+            logger.warning("kvblock serve: closing a connection to %s: %s", self.socket_path,
+                           s.dropped)
+            try:
+                s.conn.shutdown(socket.SHUT_RDWR)   # its thread releases what it holds
+            except OSError:
+                pass
 
     def _serve(self, s: _Session):
         try:
@@ -508,6 +578,7 @@ class StoreServer:
                 "and every client (stop the server with SIGTERM and start it again from "
                 "the clients' release)")
         s.pid = pid
+        s.greeted = True
         st = self.store
         return {
             "protocol": PROTOCOL, "pid": os.getpid(),
@@ -671,7 +742,8 @@ class StoreServer:
             clients = len(self._sessions)
         out.update({"server_pid": os.getpid(), "clients": clients,
                     "connections_total": self.connections_total, "pinned_regions": pinned,
-                    "pin_lease": self.pin_lease, "expired_sessions": self.expired_sessions})
+                    "pin_lease": self.pin_lease, "expired_sessions": self.expired_sessions,
+                    "refused_connections": self.refused_connections})
         return out
 
 
@@ -738,7 +810,9 @@ MAX_SOCKET_PATH = 107   # sun_path is 108 bytes, its last one the terminating NU
 
 
 def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = None,
-                pin_lease: float | None = PIN_LEASE_S, **options) -> StoreServer:
+                pin_lease: float | None = PIN_LEASE_S,
+                hello_timeout: float | None = HELLO_TIMEOUT_S,
+                max_clients: int | None = MAX_CLIENTS, **options) -> StoreServer:
     """Open (and recover) the store on ``devices`` and serve it on
     ``socket_path``.  ``options`` go to :meth:`KVStore.open` (no
     ``host_cache_bytes``: a DRAM tier in the server would hold blocks its
@@ -755,8 +829,8 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
     _check_socket_path(os.fspath(socket_path))
     store = KVStore.open(list(devices), **options)
     try:
-        return StoreServer(store, socket_path, idle_exit=idle_exit,
-                           pin_lease=pin_lease).start()
+        return StoreServer(store, socket_path, idle_exit=idle_exit, pin_lease=pin_lease,
+                           hello_timeout=hello_timeout, max_clients=max_clients).start()
     except BaseException:
         store.close()
         raise
@@ -771,7 +845,8 @@ def serve_in_background(devices: Sequence, socket_path, **options) -> StoreServe
 
 def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
                  log_path=None, model=None, eviction=None, admit_after=None, engine=None,
-                 verify=None, idle_exit=None, pin_lease=None) -> subprocess.Popen:
+                 verify=None, idle_exit=None, pin_lease=None, hello_timeout=None,
+                 max_clients=None) -> subprocess.Popen:
     """Start ``kvblock serve`` in its own process (and session) and wait until
     it accepts connections.  Its output goes to ``log_path`` (default
     ``<socket_path>.log``).  Returns the process."""
@@ -781,7 +856,8 @@ def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
     for flag, value in (("--model", model), ("--eviction", eviction),
                         ("--admit-after", admit_after), ("--engine", engine),
                         ("--verify", verify), ("--idle-exit", idle_exit),
-                        ("--pin-lease", pin_lease)):
+                        ("--pin-lease", pin_lease), ("--hello-timeout", hello_timeout),
+                        ("--max-clients", max_clients)):
         if value is not None:
             cmd += [flag, str(value)]
     log_path = os.fspath(log_path) if log_path else socket_path + ".log"

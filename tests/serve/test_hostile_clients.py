@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 import numpy as np
 import pytest
@@ -214,3 +215,75 @@ def test_a_malformed_request_is_a_config_error_naming_the_field(store_file, sock
             raw.close()
             r.close()
         _still_serves(server, sock, 4)
+
+
+def test_a_connection_that_never_says_hello_is_closed(store_file, sock):
+    """A peer that connects and says nothing (a port scanner, a hung or
+    hostile process) kept a server thread and a descriptor for good, and
+    enough of them starved the server.  It is closed once the hello wait
+    is over; a client that said hello stays connected however long it
+    keeps quiet."""
+    with serve_in_background([store_file], sock, hello_timeout=0.5) as server:
+        r = RemoteStore(sock)
+        try:
+            silent = _raw(sock)
+            silent.settimeout(10)
+            try:
+                assert silent.recv(1) == b""        # the server closed it
+            finally:
+                silent.close()
+            for _ in range(100):                    # its thread ends
+                if server.client_count() == 1:
+                    break
+                time.sleep(0.02)
+            assert r.stats()["clients"] == 1        # only r is left, and it is served
+            keys = run_keys(5, 2)
+            assert r.put_run(keys, run_data(keys)) == 2
+        finally:
+            r.close()
+        _still_serves(server, sock, 5)
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_connections_past_max_clients_are_refused_with_a_typed_error(store_file, sock,
+                                                                     monkeypatch, late):
+    """Nothing bounded the connections a server took: each one a thread and
+    a descriptor, until the process ran out and every rank hung.  Past
+    max_clients a connection is refused with ServerBusyError naming the
+    socket and the limit (also when the refusal reached the client before
+    its hello went out, ``late``); the clients connected are served, and a
+    place given back is taken again."""
+    from kvblock.errors import ServerBusyError
+    from kvblock.store import client as client_mod
+
+    with serve_in_background([store_file], sock, max_clients=2) as server:
+        a, b = RemoteStore(sock), RemoteStore(sock)
+        try:
+            if late:    # the hello goes out after the server answered and closed
+                real = client_mod.open_socket
+
+                def slow_open(path, timeout):
+                    conn = real(path, timeout)
+                    conn.settimeout(10)
+                    conn.recv(1, socket.MSG_PEEK)
+                    return conn
+                monkeypatch.setattr(client_mod, "open_socket", slow_open)
+            with pytest.raises(ServerBusyError) as e:
+                RemoteStore(sock)
+            assert sock in str(e.value) and "2" in str(e.value)
+            monkeypatch.undo()
+            keys = run_keys(6, 2)
+            assert a.put_run(keys, run_data(keys)) == 2
+            out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+            assert b.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+            b.close()
+            for _ in range(100):                     # b's place is given back
+                if server.client_count() < 2:
+                    break
+                time.sleep(0.02)
+            with RemoteStore(sock) as c:
+                assert c.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+            assert a.stats()["refused_connections"] == 1
+        finally:
+            a.close()
+            b.close()
