@@ -1066,8 +1066,18 @@ class KVStore(Recovery, RunReader, RunWriter):
                                               & (self.regions.sealed_at < cutoff))[0]]
             for region in old:
                 self._begin_reclaim(region)
+        failed = None
         for region in old:
-            self._finish_reclaim(region)
+            # Every region taken goes through: one left RECLAIMING after a
+            # failed TRIM of another would never be allocated again.
+            try:
+                self._finish_reclaim(region)
+            except KVBlockError as e:
+                if self.closed:          # its RECLAIM commit failed: nothing more goes out
+                    raise
+                failed = failed or e
+        if failed is not None:
+            raise failed
         return len(old)
 
     @in_flight

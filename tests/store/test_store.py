@@ -1241,6 +1241,35 @@ def test_a_failed_trim_still_frees_the_reclaimed_region(tmp_path):
         assert store.lookup(keys) == 0
 
 
+def test_a_failed_trim_in_evict_older_than_frees_every_region_it_took(tmp_path):
+    """evict_older_than takes every old region out of the index at once,
+    then commits and TRIMs them one by one: a TRIM that failed (EIO) on the
+    first left the others RECLAIMING for good (never allocated, never a
+    victim; a put into the full store then waited for them for ever).  The
+    error is still raised; every region taken is free."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path]) as store:
+        old = []
+        for i in range(2):
+            keys = run_keys(i, 4)
+            assert store.put_run(keys, run_data(keys)) == 4
+            old.append(store.regions.open)
+            store.regions.seal(store.regions.open)
+        free = len(store.regions.free)
+
+        def failing_discard(dev, off, length):
+            raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
+                                store.io.devices[dev].path, 5, off, length)
+        store.io.discard = failing_discard
+        with pytest.raises(IOFailedError):
+            store.evict_older_than(time.time() + 60)
+        assert not store.closed
+        assert [int(store.regions.state[r]) for r in old] == [0, 0]
+        assert len(store.regions.free) == free + 2
+        assert store.lookup(run_keys(0, 4)) == 0 and store.lookup(run_keys(1, 4)) == 0
+
+
 def test_a_put_waits_for_a_region_another_thread_is_reclaiming(tmp_path):
     """Two puts need space at once; the one unpinned region is being
     reclaimed by the first (its RECLAIM record in flight).  The second found
