@@ -1012,7 +1012,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         if nbytes is not None and (isinstance(nbytes, bool) or
                                    not isinstance(nbytes, (int, np.integer)) or nbytes < 0):
             raise ConfigError(f"evict: nbytes must be a byte count >= 0, got {nbytes!r}")
-        reclaimed = 0
+        reclaimed, failed = 0, None
         while True:
             with self._lock:
                 free_bytes = len(self.regions.free) * self.regions.size
@@ -1024,8 +1024,17 @@ class KVStore(Recovery, RunReader, RunWriter):
                 if victim is None:
                     break
                 self._begin_reclaim(victim)
-            self._finish_reclaim(victim)
+            try:
+                self._finish_reclaim(victim)
+            except KVBlockError as e:
+                # A failed TRIM (the region is free all the same) does not
+                # stop the others: clear() would leave their runs served.
+                if self.closed:
+                    raise
+                failed = failed or e
             reclaimed += 1
+        if failed is not None:
+            raise failed
         return reclaimed
 
     @in_flight
@@ -1047,11 +1056,19 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self._clears += 1
         if self.host is not None:        # first: reads and puts in flight see the new epoch
             self.host.clear()
-        reclaimed = self.evict(all=True)
+        failed = None
+        try:
+            reclaimed = self.evict(all=True)
+        except KVBlockError as e:        # a TRIM failed: every run is forgotten still
+            if self.closed:
+                raise
+            failed, reclaimed = e, 0
         with self._lock:
             left = [r for r in self.index.runs.values() if r.run_id < mark]
         for at in range(0, len(left), CLEAR_DROP_BATCH):
             self._drop_runs(left[at:at + CLEAR_DROP_BATCH])
+        if failed is not None:
+            raise failed
         return reclaimed
 
     @in_flight

@@ -1270,6 +1270,30 @@ def test_a_failed_trim_in_evict_older_than_frees_every_region_it_took(tmp_path):
         assert store.lookup(run_keys(0, 4)) == 0 and store.lookup(run_keys(1, 4)) == 0
 
 
+def test_a_failed_trim_does_not_stop_clear_forgetting_every_run(tmp_path):
+    """clear() (after a weight update) reclaims region after region: a TRIM
+    that failed (EIO) on the first raised out of evict() and clear() at
+    once, so the runs of the other regions stayed stored and were served
+    (stale KV).  Every run is forgotten; the TRIM error is raised after."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path]) as store:
+        for i in range(2):
+            keys = run_keys(i, 4)
+            assert store.put_run(keys, run_data(keys)) == 4
+            store.regions.seal(store.regions.open)
+
+        def failing_discard(dev, off, length):
+            raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
+                                store.io.devices[dev].path, 5, off, length)
+        store.io.discard = failing_discard
+        with pytest.raises(IOFailedError):
+            store.clear()
+        assert not store.closed
+        assert store.lookup(run_keys(0, 4)) == 0 and store.lookup(run_keys(1, 4)) == 0
+        assert store.stats()["runs"] == 0 and not (store.regions.state == 3).any()
+
+
 def test_a_put_waits_for_a_region_another_thread_is_reclaiming(tmp_path):
     """Two puts need space at once; the one unpinned region is being
     reclaimed by the first (its RECLAIM record in flight).  The second found
