@@ -986,7 +986,16 @@ class KVStore(Recovery, RunReader, RunWriter):
                 hit = self.index.locate(k)
                 if hit is not None:
                     runs[hit[0].run_id] = hit[0]
-        self._drop_runs(list(runs.values()))
+        failed = None
+        try:
+            self._drop_runs(list(runs.values()))
+        except KVBlockError as e:
+            # The runs are out of the index and their DROP records durable;
+            # only freeing a region emptied failed (its TRIM): the DRAM
+            # tier's copies must go all the same.
+            if self.closed:
+                raise
+            failed = e
         host_only = 0
         if self.host is not None:     # the keys asked for too: a copy may outlive its run
             on_device = {run.key(k) for run in runs.values() for k in range(run.nblocks)}
@@ -994,6 +1003,8 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.host.discard(key)
             host_only = sum(self.host.discard(key) for key in set(keys) - on_device)
         self.counters["deleted_runs"] += len(runs)
+        if failed is not None:
+            raise failed
         return sum(r.nblocks for r in runs.values()) + host_only
 
     def removed_since(self, cursor: str | None = None) -> tuple[str, list[bytes] | None]:

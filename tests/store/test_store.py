@@ -1294,6 +1294,30 @@ def test_a_failed_trim_does_not_stop_clear_forgetting_every_run(tmp_path):
         assert store.stats()["runs"] == 0 and not (store.regions.state == 3).any()
 
 
+def test_a_failed_trim_does_not_leave_deleted_blocks_in_the_dram_tier(tmp_path):
+    """delete() of the last run of a sealed region frees the region (its
+    RECLAIM, then a TRIM): a TRIM that failed (EIO) raised out of delete()
+    before the deleted keys were discarded from the DRAM tier, so the
+    blocks deleted from flash were still found and read from DRAM.  They
+    are gone from both; the TRIM error is raised after."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path], host_cache_bytes=8 * GEOM.block_bytes) as store:
+        keys = run_keys(1, 4)
+        assert store.put_run(keys, run_data(keys)) == 4
+        store.regions.seal(store.regions.open)
+
+        def failing_discard(dev, off, length):
+            raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
+                                store.io.devices[dev].path, 5, off, length)
+        store.io.discard = failing_discard
+        with pytest.raises(IOFailedError):
+            store.delete(keys)
+        assert not store.closed
+        assert store.lookup(keys) == 0
+        assert store.get_run(keys, np.zeros(4 * GEOM.block_bytes, np.uint8)) == 0
+
+
 def test_a_put_waits_for_a_region_another_thread_is_reclaiming(tmp_path):
     """Two puts need space at once; the one unpinned region is being
     reclaimed by the first (its RECLAIM record in flight).  The second found
