@@ -95,7 +95,17 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
     starting a new server the same way if none answers; calls fail with
     ServerGoneError meanwhile."""
     from kvblock.store.client import connect
+    from kvblock.store.policy import EVICTION_POLICIES, Admission
 
+    # Checked here, not only by a server this caller starts: with one
+    # already running they would be ignored, a misspelling unnoticed.
+    if format not in FORMAT_MODES:
+        raise ConfigError(f"{owner}: format must be one of {FORMAT_MODES}, got {format!r}")
+    if options.get("eviction") is not None and options["eviction"] not in EVICTION_POLICIES:
+        raise ConfigError(f"{owner}: eviction must be one of {EVICTION_POLICIES}, got "
+                          f"{options['eviction']!r}")
+    if options.get("admit_after") is not None:
+        Admission(options["admit_after"])
     if options.get("host_cache_bytes"):
         raise ConfigError(f"{owner}: a DRAM tier (host_cache_bytes) cannot be used with a "
                           "shared store server (its clients read the devices themselves)")

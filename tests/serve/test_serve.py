@@ -624,6 +624,28 @@ def test_a_client_can_require_the_served_store_geometry_and_model(tmp_path, sock
             assert r.geometry == GEOM
 
 
+def test_an_engines_bad_store_settings_are_refused_while_a_server_runs(tmp_path, sock):
+    """The engines' "server" option (provision.open_shared): a misspelt
+    format or eviction is a ConfigError naming it, as without a server,
+    also when a server already answers (it used to be ignored then: the
+    values only reach a server the caller starts)."""
+    from kvblock import create_file
+    from kvblock.store.provision import open_shared
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, 8 * MIB)
+    KVStore.format([path], GEOM, model="m", region_size=REGION).close()
+    with serve_in_background([path], sock, model="m"):
+        with pytest.raises(ConfigError, match="format must be one of"):
+            open_shared(sock, [path], GEOM, "m", format="forse")
+        with pytest.raises(ConfigError, match="eviction must be one of"):
+            open_shared(sock, [path], GEOM, "m", eviction="lfu")
+        with pytest.raises(ConfigError, match="admit_after must be >= 1"):
+            open_shared(sock, [path], GEOM, "m", admit_after=0)
+        store = open_shared(sock, [path], GEOM, "m", format="never", eviction="fifo")
+        store.close()
+
+
 def test_a_server_out_of_descriptors_serves_again_once_some_are_free(tmp_path):
     """More connections than the server has descriptors for: accept fails
     with EMFILE for a while.  The accept thread must outlive it (it used to
