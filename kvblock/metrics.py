@@ -12,6 +12,9 @@ GAUGES = ("capacity_bytes", "used_bytes", "regions", "regions_free", "regions_se
           "blocks", "checkpoint_generation")
 # A store server's own numbers (its stats add them): these go up and down.
 SERVER_GAUGES = ("clients", "pinned_regions")
+# A DRAM host tier's (present when the store has one): its blocks come and go.
+HOST_GAUGES = ("host_blocks", "host_capacity_blocks")
+OPTIONAL_GAUGES = SERVER_GAUGES + HOST_GAUGES
 NOT_METRICS = ("server_pid",)   # an identity, not a quantity
 
 
@@ -30,7 +33,7 @@ class StoreCollector:
     def collect(self):
         s = self.source()
         labels = ["store"]
-        for name in GAUGES + tuple(n for n in SERVER_GAUGES if n in s):
+        for name in GAUGES + tuple(n for n in OPTIONAL_GAUGES if n in s):
             g = GaugeMetricFamily(f"kvblock_store_{name}", f"kvblock store {name}",
                                   labels=labels)
             g.add_metric([s["uuid"]], s[name])
@@ -38,7 +41,7 @@ class StoreCollector:
         if not self.counters:
             return
         for name, value in s.items():
-            if name in GAUGES or name in SERVER_GAUGES or name in NOT_METRICS or \
+            if name in GAUGES or name in OPTIONAL_GAUGES or name in NOT_METRICS or \
                     not isinstance(value, int) or isinstance(value, bool):
                 continue
             c = CounterMetricFamily(f"kvblock_store_{name}", f"kvblock store {name}",

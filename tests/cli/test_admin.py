@@ -934,3 +934,31 @@ def test_a_store_servers_numbers_are_gauges_and_its_pid_no_metric(file_target, t
     assert families["pinned_regions"].samples[0].value == 1
     assert "server_pid" not in families
     assert families["put_blocks"].type == "counter"
+
+
+def test_a_dram_tiers_occupancy_is_a_gauge_and_counters_end_in_total(file_target):
+    """host_blocks falls when the DRAM tier evicts: as a counter Prometheus
+    reads each fall as a reset (rate() of it is nonsense).  Every value
+    that can go down is a gauge; every counter is exported as ..._total."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvblock.metrics import StoreCollector
+
+    path = file_target(16 << 20)
+    assert kvb("format", path, *GEOM_ARGS, "--yes").returncode == 0
+    with KVStore.open([path], host_cache_bytes=1 << 20) as store:
+        keys = [b"h0", b"h1"]
+        store.put_run(keys, np.zeros(2 * store.geometry.block_bytes, np.uint8))
+        families = {f.name.removeprefix("kvblock_store_"): f
+                    for f in StoreCollector(store).collect()}
+        registry = CollectorRegistry()
+        registry.register(StoreCollector(store))
+        text = generate_latest(registry).decode()
+    for name in ("host_blocks", "host_capacity_blocks"):
+        assert families[name].type == "gauge", (name, families[name].type)
+    assert families["host_capacity_blocks"].samples[0].value > 0
+    assert families["host_tier_hits"].type == "counter"
+    for line in text.splitlines():
+        if line.startswith("# TYPE ") and line.endswith(" counter"):
+            name = line.split()[2]
+            assert name.endswith("_total") and f"\n{name}{{" in text, name
