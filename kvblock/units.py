@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 import numpy as np
 
 from kvblock.errors import ConfigError
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+MAX_SIZE = (1 << 63) - 1   # off_t: no file, device or offset is larger
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 
 
@@ -16,7 +18,11 @@ def parse_size(text: str) -> int:
     m = _SIZE.match(str(text))
     if not m:
         raise ValueError(f"{text!r} is not a size; use bytes or a K/M/G/T suffix, e.g. 64K or 1G")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    # Exact (a float rounds byte counts past 2**53 and overflows on long digit strings)
+    size = int(Fraction(m.group(1)) * _UNITS[m.group(2).upper()])
+    if size > MAX_SIZE:
+        raise ValueError(f"{text!r} is too large: at most {MAX_SIZE >> 40}T")
+    return size
 
 
 def size_setting(value, owner: str, name: str, minimum: int = 1) -> int:

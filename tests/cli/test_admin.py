@@ -962,3 +962,20 @@ def test_a_dram_tiers_occupancy_is_a_gauge_and_counters_end_in_total(file_target
         if line.startswith("# TYPE ") and line.endswith(" counter"):
             name = line.split()[2]
             assert name.endswith("_total") and f"\n{name}{{" in text, name
+
+
+def test_a_size_of_too_many_digits_is_a_usage_error_and_sizes_are_exact(tmp_path):
+    """A size too long for a float (a key held down) was an OverflowError
+    traceback; a byte count past 2**53 came back rounded."""
+    from kvblock.errors import ConfigError
+    from kvblock.units import parse_size, size_setting
+
+    huge = "9" * 400
+    res = kvb("format", tmp_path / "new.img", "--size", huge, *GEOM_ARGS)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "--size" in res.stderr
+    assert not (tmp_path / "new.img").exists()
+    with pytest.raises(ConfigError, match="size"):
+        size_setting(huge + "G", "KVBlockTier", "size")
+    assert parse_size(str((1 << 60) + 1)) == (1 << 60) + 1
+    assert parse_size("1.5G") == 3 << 29 and parse_size("64KiB") == 64 << 10
