@@ -15,7 +15,7 @@ SERVER_GAUGES = ("clients", "pinned_regions")
 # A DRAM host tier's (present when the store has one): its blocks come and go.
 HOST_GAUGES = ("host_blocks", "host_capacity_blocks")
 OPTIONAL_GAUGES = SERVER_GAUGES + HOST_GAUGES
-NOT_METRICS = ("server_pid",)   # an identity, not a quantity
+NOT_METRICS = ("server_pid", "pin_lease")   # an identity and a setting, not quantities
 
 
 class StoreCollector:

@@ -912,7 +912,8 @@ def test_serve_refuses_a_socket_path_too_long_before_touching_the_store(tmp_path
 def test_a_store_servers_numbers_are_gauges_and_its_pid_no_metric(file_target, tmp_path):
     """clients and pinned_regions go up and down: exported as counters,
     Prometheus would read each fall as a reset.  The server's pid is no
-    quantity at all."""
+    quantity at all, nor is the pin lease (a setting: given as a whole
+    number of seconds it was exported as a counter)."""
     from kvblock.cli.admin import _server_stats
     from kvblock.metrics import StoreCollector
     from kvblock.store.client import RemoteStore
@@ -921,7 +922,7 @@ def test_a_store_servers_numbers_are_gauges_and_its_pid_no_metric(file_target, t
     path = file_target(16 << 20)
     assert kvb("format", path, *GEOM_ARGS, "--yes").returncode == 0
     sock = str(tmp_path / "kv.sock")
-    with serve_in_background([path], sock), RemoteStore(sock) as rank:
+    with serve_in_background([path], sock, pin_lease=30), RemoteStore(sock) as rank:
         keys = [b"m0", b"m1"]
         rank.put_run(keys, np.zeros(2 * rank.geometry.block_bytes, np.uint8))
         pins = rank.pin(keys)
@@ -932,7 +933,7 @@ def test_a_store_servers_numbers_are_gauges_and_its_pid_no_metric(file_target, t
     assert families["clients"].type == "gauge" and families["clients"].samples[0].value >= 1
     assert families["pinned_regions"].type == "gauge"
     assert families["pinned_regions"].samples[0].value == 1
-    assert "server_pid" not in families
+    assert "server_pid" not in families and "pin_lease" not in families
     assert families["put_blocks"].type == "counter"
 
 
