@@ -9,17 +9,25 @@ import time
 import numpy as np
 
 from kvblock.devices import Device, create_file
+from kvblock.errors import ConfigError, DeviceTooSmallError
 from kvblock.io import ENGINES, IOBatch, engine_report, open_engine
 from kvblock.io.uring import probe
 from kvblock.memory import HostBuffer
 
+UNIT = 1 << 20   # the check writes and reads whole MiB
+
 
 def run_selfcheck(path: str, size: int) -> dict:
+    if size < UNIT:       # refused before a scratch file too small for any later check is made
+        raise ConfigError(f"selfcheck --size {size}: the check writes whole MiB; give at least 1M")
     if not os.path.exists(path):
         create_file(path, size)
     report = {"selected_engine": engine_report()["engine"], "reason": engine_report()["reason"]}
     with Device(path) as dev:
-        span = min(size, dev.capacity) // (1 << 20) * (1 << 20)
+        if dev.capacity < UNIT:
+            raise DeviceTooSmallError(f"{path} has {dev.capacity} bytes; selfcheck writes whole "
+                                      "MiB and needs at least 1 MiB: give a larger --path", path)
+        span = min(size, dev.capacity) // UNIT * UNIT
         rng = np.random.default_rng()
         with HostBuffer(span) as src, HostBuffer(span) as dst:
             src.array[:] = rng.integers(0, 256, span, dtype=np.uint8)

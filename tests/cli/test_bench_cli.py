@@ -109,3 +109,19 @@ def test_bench_store_workloads_reuse_their_own_store_only(file_target):
     res = _kvb("bench", path, "--workload", "write", "--seconds", "0.1")
     assert res.returncode == 16
     assert _kvb("bench", path, "--workload", "save", "--force", *args).returncode == 0
+
+
+def test_selfcheck_too_small_is_said_and_leaves_no_scratch_file(tmp_path):
+    """selfcheck writes whole MiB: --size under 1M was 'buffer size must be
+    positive, got 0', and the tiny scratch file it had made stayed, so
+    every later selfcheck there (any --size) failed the same way."""
+    path = tmp_path / "scratch.img"
+    res = CliRunner().invoke(cli, ["selfcheck", "--path", str(path), "--size", "1000"])
+    assert res.exit_code == 8, res.output
+    assert "--size" in res.output and "1M" in res.output
+    assert not path.exists()
+    small = tmp_path / "small.img"
+    small.write_bytes(b"\0" * 1000)
+    res = CliRunner().invoke(cli, ["selfcheck", "--path", str(small), "--size", "8M"])
+    assert res.exit_code == 7 and str(small) in res.output, res.output
+    assert small.read_bytes() == b"\0" * 1000
