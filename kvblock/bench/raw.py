@@ -45,7 +45,21 @@ class RawBenchResult:
 def run_raw(target: str, workload: str, bs: int, qd: int, seconds: float,
             size: int | None = None, engine: str | None = None,
             progress=None) -> RawBenchResult:
-    """Run ``workload`` on ``target`` for about ``seconds`` seconds."""
+    """Run ``workload`` on ``target`` for about ``seconds`` seconds.  A
+    target file it creates (``size``) is removed again when the run fails,
+    so a refused size is not left behind to refuse the next run too."""
+    import os
+
+    created = bool(size) and not os.path.lexists(target)
+    try:
+        return _run_raw(target, workload, bs, qd, seconds, size, engine, progress)
+    except BaseException:
+        if created and os.path.lexists(target):
+            os.unlink(target)
+        raise
+
+
+def _run_raw(target, workload, bs, qd, seconds, size, engine, progress) -> RawBenchResult:
     if workload not in WORKLOADS:
         raise ConfigError(f"unknown workload {workload!r}; choose one of {', '.join(WORKLOADS)}")
     if bs <= 0 or qd <= 0 or seconds <= 0:

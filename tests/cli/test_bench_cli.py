@@ -125,3 +125,18 @@ def test_selfcheck_too_small_is_said_and_leaves_no_scratch_file(tmp_path):
     res = CliRunner().invoke(cli, ["selfcheck", "--path", str(small), "--size", "8M"])
     assert res.exit_code == 7 and str(small) in res.output, res.output
     assert small.read_bytes() == b"\0" * 1000
+
+
+def test_a_bench_target_created_too_small_is_not_left_behind(tmp_path):
+    """--size 100 (a unit forgotten) made a 100-byte TARGET, refused it as
+    '(0 bytes)' and kept it: every later bench there, --size 8M too, was
+    refused against that file."""
+    path = tmp_path / "new.img"
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "write", "--size", "100",
+                                   "--seconds", "0.1"])
+    assert res.exit_code == 8, res.output
+    assert not path.exists()
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "write", "--size", "8M",
+                                   "--seconds", "0.1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert os.path.getsize(path) == 8 << 20
