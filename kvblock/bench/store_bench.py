@@ -8,6 +8,7 @@ with ``jobs`` readers.  Buffers are aligned and touched before timing.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -36,8 +37,17 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
         if not size:
             raise ConfigError(f"{target} does not exist; pass --size to create a file")
         create_file(target, size)
-    store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
-                           verify=verify, queue_depth=qd)
+        created = True
+    else:
+        created = False
+    try:
+        store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
+                               verify=verify, queue_depth=qd)
+    except BaseException:
+        if created:     # not left behind to be refused again by the next run's --size
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target)
+        raise
     try:
         nbytes = run_blocks * geometry.block_bytes
         if store.layout(run_blocks).run_bytes > store.sb.region_size:

@@ -140,3 +140,18 @@ def test_a_bench_target_created_too_small_is_not_left_behind(tmp_path):
                                    "--seconds", "0.1", "--json"])
     assert res.exit_code == 0, res.output
     assert os.path.getsize(path) == 8 << 20
+
+
+def test_a_store_bench_target_created_too_small_is_not_left_behind(tmp_path):
+    """save/restore with a --size too small for a store: the file it made
+    stayed, and the next run there (a good --size) was refused against it."""
+    path = tmp_path / "new.img"
+    args = ["--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--block-tokens", "16",
+            "--run-blocks", "2", "--seconds", "0.1"]
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "save", "--size", "1M",
+                                   *args])
+    assert res.exit_code == 7, res.output
+    assert not path.exists()
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "save", "--size", "16M",
+                                   *args, "--json"])
+    assert res.exit_code == 0, res.output
