@@ -201,6 +201,19 @@ class ChunkFormat:
                 and list(dtypes) == self.dtypes)
 
 
+class _PutJob:
+    """One batched put queued for the writers: keys a remove() took from it
+    before it was written, and the clear() epoch it was queued in (a clear
+    since drops it all)."""
+
+    __slots__ = ("epoch", "cancelled", "writing")
+
+    def __init__(self, epoch: int):
+        self.epoch = epoch
+        self.cancelled: set = set()
+        self.writing = False
+
+
 def _run_ids(segs) -> list[int]:
     """The runs a pin handle covers."""
     return [seg[0].run_id for seg in segs]
@@ -284,7 +297,9 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvblock-lmcache")
         self._drain_writes_before_cpu_close(local_cpu_backend)
         self._lock = threading.Lock()
-        self._put_tasks: set[CacheEngineKey] = set()
+        self._written = threading.Condition(self._lock)     # a job's writing ended
+        self._put_tasks: dict[CacheEngineKey, _PutJob] = {}  # queued or being written
+        self._epoch = 0                                       # clear()s so far
         self._pins: dict[bytes, list] = {}      # kvblock key -> [pin count, pinned segments]
         self._lookup_pins: dict[str, list] = {}  # async lookup id -> its (key, pin entry)s
         self.skipped_chunks = 0
@@ -437,6 +452,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         """Write the chunks not stored yet, asynchronously; one future per
         call (None when there is nothing to write)."""
         todo = []
+        job = _PutJob(self._epoch)
         for key, obj in zip(keys, objs):
             if not self.chunk.matches(obj) or not self._positions_fit(obj):
                 self.skipped_chunks += 1
@@ -446,7 +462,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
             with self._lock:
                 if key in self._put_tasks:
                     continue
-                self._put_tasks.add(key)
+                self._put_tasks[key] = job
             todo.append((key, obj))
         if not todo:
             return None
@@ -461,14 +477,14 @@ class KVBlockStorageBackend(StoragePluginInterface):
         with self._lock:
             for (key, _), done in zip(todo, stored):
                 if done:
-                    self._put_tasks.discard(key)
+                    self._end_put_task(key, job)
         todo = [(key, obj) for (key, obj), done in zip(todo, stored) if not done]
         for _, obj in todo:
             obj.ref_count_up()          # the storage manager drops its reference on return
         if not todo:
             return None
         try:
-            return [self.executor.submit(self._write, todo, on_complete_callback)]
+            return [self.executor.submit(self._write, job, todo, on_complete_callback)]
         except RuntimeError:
             # The writers are stopped: LocalCPUBackend's close (the hook
             # above) or this plugin's ran first.  Not stored (a miss later);
@@ -477,7 +493,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
                            len(todo), todo[0][0].to_string())
             with self._lock:
                 for key, _ in todo:
-                    self._put_tasks.discard(key)
+                    self._end_put_task(key, job)
             for _, obj in todo:
                 obj.ref_count_down()
             return None
@@ -508,21 +524,41 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 tail[1:1 + pos.numel()] = pos.reshape(-1).to(torch.int64).cpu().numpy()
         return list(staging)
 
-    def _write(self, todo, on_complete_callback) -> int:
+    def _end_put_task(self, key: CacheEngineKey, job: _PutJob) -> None:
+        """(under the lock) the key's put task of ``job`` is over (a later
+        put's task on the key, queued after a remove, stays)."""
+        if self._put_tasks.get(key) is job:
+            del self._put_tasks[key]
+
+    def _write(self, job: _PutJob, todo, on_complete_callback) -> int:
         """(writer thread) one run per chunk, straight from its buffer; the
-        runs of one call published together (put_runs: one journal commit)."""
+        runs of one call published together (put_runs: one journal commit).
+        Chunks a remove() or clear() took while queued are not written."""
+        all_objs = [obj for _, obj in todo]
+        with self._lock:
+            stale = job.epoch != self._epoch
+            for key, _ in todo:
+                if stale or key in job.cancelled:
+                    self._end_put_task(key, job)
+            todo = [] if stale else [(k, o) for k, o in todo if k not in job.cancelled]
+            job.writing = bool(todo)
+        got = None
         try:
-            blocks = self._blocks_of([obj for _, obj in todo])
-            got = self.store.put_runs([([self.kvblock_key(key)], block)
-                                       for (key, _), block in zip(todo, blocks)])
+            if todo:
+                blocks = self._blocks_of([obj for _, obj in todo])
+                got = self.store.put_runs([([self.kvblock_key(key)], block)
+                                           for (key, _), block in zip(todo, blocks)])
         except KVBlockError as e:
             self._failed(f"storing {len(todo)} chunks ({todo[0][0].to_string()}...)", e)
             got = None
         finally:
-            for key, obj in todo:
+            for obj in all_objs:
                 obj.ref_count_down()
-                with self._lock:
-                    self._put_tasks.discard(key)
+            with self._lock:
+                for key, _ in todo:
+                    self._end_put_task(key, job)
+                job.writing = False
+                self._written.notify_all()
         if got is None:
             return 0
         if on_complete_callback is not None:
@@ -682,6 +718,18 @@ class KVBlockStorageBackend(StoragePluginInterface):
             del self._pins[kb]
             self.store.unpin(entry[1])
 
+    def _cancel_put(self, key: CacheEngineKey) -> bool:
+        """(under the lock) drop the key's queued put, or wait for its
+        write under way to end (one store write): the remove after it then
+        wins.  Whether a queued put was dropped."""
+        while (job := self._put_tasks.get(key)) is not None:
+            if not job.writing:
+                job.cancelled.add(key)      # the writer skips it and unrefs it
+                del self._put_tasks[key]
+                return True
+            self._written.wait()
+        return False
+
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
         kb = self.kvblock_key(key)
         with self._lock:
@@ -689,8 +737,9 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 if not force:
                     return False
                 self.store.unpin(self._pins.pop(kb)[1])
+            dropped = self._cancel_put(key)
         try:
-            return self.store.delete([kb]) > 0
+            return self.store.delete([kb]) > 0 or dropped
         except RUNTIME_FAILURES as e:
             self._failed("a remove", e)
             return False
@@ -703,7 +752,15 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     def clear(self) -> int:
         """Evict everything in the store; returns the tokens it held (a layer
-        object holds 1/layers of its chunk's tokens)."""
+        object holds 1/layers of its chunk's tokens).  Puts queued before
+        it are dropped (writes under way end first)."""
+        with self._lock:
+            self._epoch += 1
+            for key, job in list(self._put_tasks.items()):
+                if not job.writing:
+                    del self._put_tasks[key]    # its writer drops the job (epoch)
+            self._written.wait_for(lambda: not any(
+                job.writing and job.epoch < self._epoch for job in self._put_tasks.values()))
         try:
             blocks = self.store.stats()["blocks"]
             self.store.clear()

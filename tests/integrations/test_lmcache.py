@@ -608,3 +608,45 @@ def test_a_pin_taken_again_after_a_clear_protects_the_chunk_stored_again(file_ta
     assert store.regions.pins[region_of_key()] > 0, "the chunk stored again is not pinned"
     assert e.plugin.unpin(key) and e.plugin.unpin(key)
     assert e.plugin._pins == {} and not (store.regions.pins > 0).any()
+
+
+def test_remove_and_clear_win_over_puts_queued_before_them(file_target, engines):
+    """A put queued (not written yet by the writer thread) and then the key
+    removed, or the store cleared: the queued write must not land after
+    remove()/clear() returned (the key found again), nor keep a reference
+    to its chunk or leave the key "in put tasks"."""
+    import threading
+
+    e = Engine([file_target()], **{"kvblock.writer_threads": 1})
+    engines.append(e)
+    gate = threading.Event()
+    real = e.plugin.store.put_runs
+
+    def gated_put_runs(runs):
+        assert gate.wait(30)
+        return real(runs)
+    e.plugin.store.put_runs = gated_put_runs
+    keys = [e.key(h) for h in (101, 102, 103, 104)]
+    objs = [e.chunk() for _ in keys]
+    refs = [o.get_ref_count() for o in objs]
+    try:
+        futures = [e.plugin.batched_submit_put_task([k], [o])[0] for k, o in zip(keys, objs)]
+        assert all(e.plugin.exists_in_put_tasks(k) for k in keys)
+        # keys[0]'s write holds the writer (or is about to); the others are queued
+        e.plugin.remove(keys[1])
+        assert not e.plugin.exists_in_put_tasks(keys[1])
+        remover = threading.Thread(target=e.plugin.clear)
+        remover.start()
+    finally:
+        gate.set()
+    remover.join(30)
+    assert not remover.is_alive()
+    for f in futures:
+        f.result(30)
+    assert not any(e.plugin.contains(k) for k in keys)
+    assert not any(e.plugin.exists_in_put_tasks(k) for k in keys)
+    assert [o.get_ref_count() for o in objs] == refs
+    e.put([keys[1]], [objs[1]])                 # a put after them is stored
+    assert e.plugin.contains(keys[1])
+    for o in objs[:1] + objs[2:]:
+        o.ref_count_down()
