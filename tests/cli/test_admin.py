@@ -796,6 +796,28 @@ def test_stats_prometheus_follows_the_store_and_ctrl_c(file_target, tmp_path):
     assert kvb("stats", path, "--socket", sock).returncode == 2     # one or the other
 
 
+def test_stats_of_devices_shows_the_stores_state_not_zero_counters(file_target):
+    """kvblock stats DEV opens the store read-only: the puts and hits of the
+    process that wrote it are not on the devices, so it reports the gauges
+    and what its own recovery found, never this process's counters as a
+    put_runs 0 beside a store full of runs."""
+    from kvblock.store.store import COUNTERS
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    with KVStore.open([path]) as store:
+        for i in range(3):
+            store.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
+    res = kvb("stats", path, "--json")
+    assert res.returncode == 0, res.stderr
+    s = json.loads(res.stdout)
+    assert s["runs"] == 3 and s["blocks"] == 6
+    shown = sorted(set(COUNTERS) & set(s))
+    assert shown == ["recovery_us", "replayed_records", "stale_checkpoint_runs_dropped"], shown
+    text = kvb("stats", path).stdout
+    assert "put_runs" not in text and "bytes_written" not in text and "runs" in text
+
+
 def test_ctrl_c_during_bench(file_target):
     path = file_target(64 << 20)
     proc = subprocess.Popen([sys.executable, "-m", "kvblock", "bench", path,
