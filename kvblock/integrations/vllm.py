@@ -751,11 +751,20 @@ class KVBlockTierManager(SecondaryTierManager):
                 job.ok[start:stop] = True
                 moved[p] = written
             else:
-                self._failed(f"store job {job.meta.job_id}, slots {start}..{stop}",
-                             KVBlockError("the store declined the run (admission)"))
+                self._declined(job, start, stop)
         for p in sorted(alone):
             moved[p] = self._guarded(*pieces[p], self._store_piece)
         return moved
+
+    def _declined(self, job: _Job, start: int, stop: int) -> None:
+        """The store wrote none of a piece: its admission control turned
+        the run away, or a clear() came while it was written.  The store's
+        policy, not a failure: the keys fail (vLLM learns they were not
+        stored) and are counted by the store (``admission_rejected_runs``,
+        ``cleared_puts``), not as store failures."""
+        logger.debug("kvblock tier: store job %s, slots %d..%d: the store declined the run "
+                     "(admission, or a clear() overtook it); not stored", job.meta.job_id,
+                     start, stop)
 
     def _load_together(self, pieces: list) -> list[int]:
         """Small loads (see SMALL_PIECE_SLOTS) in one store call; a piece the
@@ -793,7 +802,8 @@ class KVBlockTierManager(SecondaryTierManager):
                 slots = self._slots
                 got = self.store.put_blocks(keys, [slots[i] for i in ids.tolist()])
             if got != len(keys):
-                raise KVBlockError("the store declined the run (admission)")
+                self._declined(job, start, stop)
+                return 0
             written = len(keys)
         job.ok[start:stop] = True
         return written
