@@ -437,12 +437,23 @@ class KVBlockTierManager(SecondaryTierManager):
 
     def touch(self, keys, req_context: ReqContext) -> None:
         """vLLM marks chunks it is about to use: their regions count as just
-        read for LRU eviction.  A hint: skipped when the store's lock stays
-        busy (lookup's bounded wait) or the store is shared through a server."""
-        touch = getattr(self.store, "touch", None)
-        if touch is not None and not self._closed:
-            kbs = [self.kvblock_key(k) for k in keys]
-            self._under_store_lock(lambda: touch(kbs))
+        read for LRU eviction.  A hint: skipped when the store's lock (a
+        shared store's connection) stays busy, as lookup's bounded wait."""
+        if self._closed:
+            return
+        kbs = [self.kvblock_key(k) for k in keys]
+        if not kbs:
+            return
+        store = self.store
+        if hasattr(store, "touch_nowait"):         # a shared store: one request, bounded
+            try:
+                done = store.touch_nowait(kbs, self._lock_wait(),
+                                          timeout=LOOKUP_ANSWER_TIMEOUT_S)
+            except KVBlockError:
+                return
+            self._store_busy = done is None
+            return
+        self._under_store_lock(lambda: store.touch(kbs))
 
     def _job_inputs(self, job_metadata: TransferJob, kind: str):
         """(vLLM keys, pool slot ids, kvblock keys) of a transfer job."""

@@ -381,22 +381,37 @@ class RemoteStore(RunReader, RunWriter):
         wait (a hung server): past it the session is abandoned and this
         raises ServerGoneError; and while another call has been waiting for
         its answer longer than ``timeout``, this answers False at once."""
+        n = self._call_nowait("lookup", [key], wait, timeout)
+        if n is None or n is False:
+            return n
+        self.counters["lookups"] += 1
+        self.counters["lookup_hit_blocks"] += n
+        return n == 1
+
+    def touch_nowait(self, keys: Sequence, wait: float,
+                     timeout: float | None = None) -> int | None:
+        """touch() with contains_nowait's bounds: None when the connection
+        stays busy for ``wait`` seconds, 0 (nothing touched) at once while
+        another call has waited for its answer longer than ``timeout``."""
+        n = self._call_nowait("touch", keys, wait, timeout)
+        return None if n is None else int(n)
+
+    def _call_nowait(self, op: str, keys: Sequence, wait: float, timeout: float | None):
+        """``op`` on ``keys``' answer, as an int; None when the connection
+        stays busy for ``wait`` s; False while a call is stuck past ``timeout``."""
         self._check_open()
         s = self._current()
         if not s.lock.acquire(timeout=wait):
             started = s.call_started
             if timeout is not None and started is not None and \
                     time.monotonic() - started > timeout:
-                return False     # a call stuck past the lookup's limit: the server is hung
+                return False     # a call stuck past the caller's limit: the server is hung
             return None
         try:
-            n = int(self._call_locked(s, "lookup", {"keys": encode_keys(normalize_keys([key]))},
-                                      timeout=timeout))
+            return int(self._call_locked(s, op, {"keys": encode_keys(normalize_keys(keys))},
+                                         timeout=timeout))
         finally:
             s.lock.release()
-        self.counters["lookups"] += 1
-        self.counters["lookup_hit_blocks"] += n
-        return n == 1
 
     def _call_locked(self, s: "Session", op: str, args: dict, timeout: float | None = None):
         """One request and its answer (under ``s.lock``)."""
@@ -636,6 +651,15 @@ class RemoteStore(RunReader, RunWriter):
 
     def contains(self, key) -> bool:
         return self.lookup([key]) == 1
+
+    def touch(self, keys: Sequence) -> int:
+        """Mark the runs holding ``keys`` as just used on the server, for LRU
+        eviction (KVStore.touch); returns how many of ``keys`` are stored."""
+        self._check_open()
+        keys = normalize_keys(keys)
+        if not keys:
+            return 0
+        return int(self._call("touch", keys=encode_keys(keys)))
 
     def present(self, keys: Sequence) -> np.ndarray:
         """Per key: is it stored?  (KVStore.present, one request.)"""

@@ -39,11 +39,12 @@ from typing import Sequence
 from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 
-PROTOCOL = 6   # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 7   # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
 #                6: "removed" (the keys the store removed since a cursor)
+#                7: "touch" (mark the runs holding keys as just used, for LRU)
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

@@ -601,6 +601,10 @@ class StoreServer:
     def _op_present(self, s, keys):
         return self.store.present(decode_keys(keys)).tolist()
 
+    def _op_touch(self, s, keys):
+        """An engine's hint that it is about to use ``keys`` (KVStore.touch)."""
+        return self.store.touch(decode_keys(keys))
+
     def _op_removed(self, s, cursor=None):
         cursor, keys = self.store.removed_since(cursor)
         return {"cursor": cursor, "keys": None if keys is None else encode_keys(keys)}

@@ -549,6 +549,35 @@ def test_touch_keeps_touched_chunks_when_the_store_evicts(tmp_path):
         tier.shutdown()
 
 
+def test_touch_reaches_a_shared_store_through_its_server(tmp_path, shm_target):
+    """With "server" the tier passes vLLM's touch to the store server: with
+    LRU eviction the touched chunks outlive chunks stored after them that
+    nobody touched, as on a store of its own."""
+    from tests.support.servers import stop_server
+
+    dev, sock = shm_target(8 << 20), str(tmp_path / "kv.sock")
+    pool = page_aligned_pool(4)
+    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock", devices=[dev],
+                              server=sock, region_size=4 * (SLOT + 4096), threads=1)
+    pid = tier.store.server_pid
+    try:
+        assert tier.store.regions.count < 10
+        fill_random(pool, range(4))
+        hot = [key(900 + i) for i in range(4)]
+        tier.submit_store(job(1, hot, range(4)))
+        assert drain(tier)[0].success
+        for n in range(16):                                 # 16 MiB through 8 MiB
+            tier.submit_store(job(2 + n, [key(1000 + 4 * n + i) for i in range(4)], range(4)))
+            assert drain(tier)[0].success
+            tier.touch(hot, CTX)
+        assert tier.stats()["evicted_regions"] > 0
+        assert [tier.lookup(k, CTX) for k in hot] == [LookupResult.HIT] * 4
+        assert tier.lookup(key(1000), CTX) is LookupResult.MISS
+    finally:
+        tier.shutdown()
+        stop_server(pid)
+
+
 def test_group_index_is_part_of_the_key(make_tier):
     tier, pool = make_tier()
     tier.submit_store(job(1, [key(5, group=0)], [0]))
