@@ -45,7 +45,7 @@ Hybrid models (``*_v2`` calls).
     pool's own flat page (``get_data_page(i, flat=True)`` /
     ``set_from_flat_data_page``), padded to whole kvblock blocks, under keys
     derived from the page key, the pool name and the page's format (size,
-    dtype, shape: a page stored in another format is a miss).
+    dtype, shape, host layout: a page stored in another format is a miss).
     ``batch_exists_v2`` cuts the KV prefix by each pool's hit policy
     (``ALL_PAGES``: every page of the prefix; ``TRAILING_PAGES``: the last
     ``len(transfer.keys)`` pages).  A
@@ -552,7 +552,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     def _page_format(self, pool) -> tuple[int, int, bytes]:
         """(bytes of one flat page of ``pool``, kvblock blocks that hold it,
-        the page's format: size, dtype and shape, mixed into its keys).  The
+        the page's format: size, dtype, shape and layout, mixed into its keys).  The
         padding to whole blocks hides a page's size, so a page stored in
         another format (a restart with another --mamba-ssm-dtype, MTP draft
         layers or slot side states added, another host layout) would load as
@@ -563,7 +563,11 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         page = pool.get_dummy_flat_data_page()
         nbytes = page.numel() * page.element_size()
         shaped = pool.get_data_page(0, flat=False)
-        tag = f"{nbytes}:{page.dtype}:{shaped.dtype}:{tuple(shaped.shape)}".encode()
+        # the layout too: a page's bytes are in its layout's order, and two
+        # layouts can give the same shape (page_first (2, ps, L, ..) and
+        # layer_first (2, L, ps, ..) when ps == L)
+        tag = (f"{nbytes}:{page.dtype}:{shaped.dtype}:{tuple(shaped.shape)}:"
+               f"{getattr(pool, 'layout', None)}").encode()
         fmt = (nbytes, -(-nbytes // self.store.geometry.block_bytes), tag)
         self._page_formats[id(pool)] = (pool, fmt)
         return fmt

@@ -700,3 +700,65 @@ def test_extra_pool_pages_of_another_format_are_a_miss(file_target, backends):
                                               host_indices=torch.tensor([2]))]) == \
         {"mamba": [False]}
     assert torch.equal(small.buf, before)
+
+
+class SWAPool:
+    """A sliding-window KV host pool (SGLang's MHATokenToKVPoolHost as an
+    extra pool): its flat page is the pool's own slice, in its layout's order
+    (``get_data_page``/``set_from_flat_data_page`` of pool_host/mha.py)."""
+
+    def __init__(self, layout, layers=4, page_size=4, pages=4, seed=0):
+        self.layout, self.page_size, self.layer_num = layout, page_size, layers
+        shape = ((2, pages * page_size, layers, 2, 8) if layout == "page_first"
+                 else (2, layers, pages * page_size, 2, 8))
+        g = torch.Generator().manual_seed(seed)
+        self.kv_buffer = torch.randint(-2**15, 2**15 - 1, shape, dtype=torch.int16, generator=g)
+
+    def _slice(self, index):
+        ps = self.page_size
+        return (self.kv_buffer[:, index:index + ps] if self.layout == "page_first"
+                else self.kv_buffer[:, :, index:index + ps])
+
+    def get_data_page(self, index, flat=True):
+        page = self._slice(index)
+        return page.flatten() if flat else page
+
+    def get_dummy_flat_data_page(self):
+        return torch.zeros(2 * self.layer_num * self.page_size * 2 * 8, dtype=torch.int16)
+
+    def set_from_flat_data_page(self, index, data):
+        page = self._slice(index)
+        page[...] = data.reshape(page.shape)
+
+    def layer_major(self, index):
+        """One page as (2, layers, tokens, heads, dim), whatever the layout."""
+        page = self._slice(index)
+        return page.transpose(1, 2) if self.layout == "page_first" else page
+
+
+def test_extra_pool_pages_of_another_layout_are_a_miss(file_target, backends):
+    """A KV-like extra pool (SWA) stores its flat page in its host layout's
+    order.  A restart with another --hicache-mem-layout must not read the
+    old order back as the new one: with as many tokens a page as layers,
+    page_first and layer_first pages have the same shape, and the page came
+    back transposed (wrong KV, no error)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    path = file_target()
+    pool = HostPool(pages=8, layout="page_first")
+    backend = attach(pool, [path])
+    old = SWAPool("page_first", seed=1)
+    backend.register_mem_host_pool_v2(old, PoolName.SWA)
+    keys = keys_for("w", 1)
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.SWA, keys=keys,
+                                              host_indices=torch.arange(4))]) == {"swa": [True]}
+    backend.close()
+
+    backend = attach(HostPool(pages=8, layout="layer_first"), [path])
+    backends.append(backend)
+    new = SWAPool("layer_first", seed=2)
+    backend.register_mem_host_pool_v2(new, PoolName.SWA)
+    got = backend.batch_get_v2([PoolTransfer(name=PoolName.SWA, keys=keys,
+                                             host_indices=torch.arange(4, 8))])["swa"]
+    # a miss, or the same KV: never the old bytes in the new order
+    assert got == [False] or torch.equal(new.layer_major(4), old.layer_major(0))
