@@ -965,13 +965,24 @@ class KVStore(Recovery, RunReader, RunWriter):
             self._release_empty_regions({r.region for r in runs})
 
     def _release_empty_regions(self, candidates) -> None:
+        failed = None
         for region in candidates:
             with self._lock:
                 if not (self.regions.live[region] == 0 and self.regions.pins[region] == 0
                         and self.regions.state[region] == SEALED):
                     continue
                 self.regions.state[region] = RECLAIMING
-            self._finish_reclaim(region)
+            try:
+                self._finish_reclaim(region)
+            except KVBlockError as e:
+                # A failed TRIM (the region is free all the same) does not
+                # stop the others: left sealed and empty, their space would
+                # count used and puts would evict live runs instead.
+                if self.closed:
+                    raise
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
     @in_flight
     def delete(self, keys: Sequence) -> int:

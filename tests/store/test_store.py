@@ -1318,6 +1318,35 @@ def test_a_failed_trim_does_not_leave_deleted_blocks_in_the_dram_tier(tmp_path):
         assert store.get_run(keys, np.zeros(4 * GEOM.block_bytes, np.uint8)) == 0
 
 
+def test_a_failed_trim_in_delete_frees_every_region_it_emptied(tmp_path):
+    """delete() of runs in several sealed regions frees each region it
+    empties (RECLAIM, then TRIM): a TRIM that failed (EIO) on the first
+    raised before the others were freed, so they stayed sealed and empty,
+    their space counted used, and the next puts evicted regions of live
+    runs instead.  Every emptied region is free; the TRIM error is raised
+    after."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path]) as store:
+        emptied = []
+        for i in range(2):
+            keys = run_keys(i, 4)
+            assert store.put_run(keys, run_data(keys)) == 4
+            emptied.append(store.regions.open)
+            store.regions.seal(store.regions.open)
+        free = len(store.regions.free)
+
+        def failing_discard(dev, off, length):
+            raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
+                                store.io.devices[dev].path, 5, off, length)
+        store.io.discard = failing_discard
+        with pytest.raises(IOFailedError):
+            store.delete(run_keys(0, 4) + run_keys(1, 4))
+        assert not store.closed
+        assert [int(store.regions.state[r]) for r in emptied] == [0, 0]
+        assert len(store.regions.free) == free + 2
+
+
 def test_a_put_waits_for_a_region_another_thread_is_reclaiming(tmp_path):
     """Two puts need space at once; the one unpinned region is being
     reclaimed by the first (its RECLAIM record in flight).  The second found
