@@ -18,8 +18,15 @@ def parse_size(text: str) -> int:
     m = _SIZE.match(str(text))
     if not m:
         raise ValueError(f"{text!r} is not a size; use bytes or a K/M/G/T suffix, e.g. 64K or 1G")
-    # Exact (a float rounds byte counts past 2**53 and overflows on long digit strings)
-    size = int(Fraction(m.group(1)) * _UNITS[m.group(2).upper()])
+    # Exact (a float rounds byte counts past 2**53 and overflows on long digit strings).
+    # Digits past what can matter are cut first: Python refuses to convert
+    # more than 4300 (its advice, sys.set_int_max_str_digits, is not ours).
+    whole, _, frac = m.group(1).partition(".")
+    whole = whole.lstrip("0") or "0"
+    if len(whole) > len(str(MAX_SIZE)):
+        raise ValueError(f"{text!r} is too large: at most {MAX_SIZE >> 40}T")
+    # 40 decimals: a cut fraction times a unit (<= 2**40) floors the same
+    size = int(Fraction(f"{whole}.{frac[:40] or 0}") * _UNITS[m.group(2).upper()])
     if size > MAX_SIZE:
         raise ValueError(f"{text!r} is too large: at most {MAX_SIZE >> 40}T")
     return size

@@ -1002,3 +1002,24 @@ def test_a_size_of_too_many_digits_is_a_usage_error_and_sizes_are_exact(tmp_path
         size_setting(huge + "G", "KVBlockTier", "size")
     assert parse_size(str((1 << 60) + 1)) == (1 << 60) + 1
     assert parse_size("1.5G") == 3 << 29 and parse_size("64KiB") == 64 << 10
+
+
+def test_a_size_past_pythons_digit_limit_is_refused_as_a_size(tmp_path):
+    """More than 4300 digits (a key held down longer) hit Python's int
+    conversion limit: 'Exceeds the limit (4300 digits) ... use
+    sys.set_int_max_str_digits()', advice for Python, not for the size, and
+    a long fraction of a small size was refused the same way."""
+    from kvblock.errors import ConfigError
+    from kvblock.units import parse_size, size_setting
+
+    huge = "9" * 5000
+    with pytest.raises(ValueError, match="too large") as e:
+        parse_size(huge)
+    assert "set_int_max_str_digits" not in str(e.value)
+    with pytest.raises(ConfigError, match="size.*too large"):
+        size_setting(huge + "G", "KVBlockTier", "size")
+    assert parse_size("0" * 5000 + "64K") == 64 << 10
+    assert parse_size("1." + "5" * 5000 + "K") == 1592
+    res = kvb("format", tmp_path / "new.img", "--size", huge, *GEOM_ARGS)
+    assert res.returncode == 2 and "set_int_max_str_digits" not in res.stderr, res.stderr
+    assert not (tmp_path / "new.img").exists()
