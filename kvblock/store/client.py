@@ -45,7 +45,7 @@ from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store.fence import WriteFence
-from kvblock.store.inflight import CLOSE_WAIT_S, InFlight
+from kvblock.store.inflight import CLOSE_WAIT_S, InFlight, in_flight
 from kvblock.store.launch import ensure_server, wait_for_server
 from kvblock.store.policy import VERIFY_MODES
 from kvblock.store.protocol import (
@@ -702,6 +702,7 @@ class RemoteStore(RunReader, RunWriter):
         self._check_open(writing=True)
         self._call("checkpoint")
 
+    @in_flight      # it names this process's engine: close() must not free it meanwhile
     def stats(self) -> dict:
         """The server's stats (the whole store, every client), plus this
         process's own counters under ``"client"``."""

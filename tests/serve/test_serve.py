@@ -8,6 +8,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -622,6 +623,57 @@ def test_a_client_can_require_the_served_store_geometry_and_model(tmp_path, sock
             RemoteStore(sock, model="llama-b")
         with RemoteStore(sock, geometry=GEOM, model="llama-a") as r:
             assert r.geometry == GEOM
+
+
+def test_stats_while_another_thread_closes_the_store(tmp_path, sock, monkeypatch):
+    """close() from another thread while stats() waits for its answer (a
+    metrics thread at shutdown): stats answers, and close() waits for it,
+    instead of stats failing with an AttributeError on the devices close()
+    has just released."""
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock):
+        r = RemoteStore(sock)
+        closer = threading.Thread(target=r.close)
+        waits, released = threading.Event(), threading.Event()
+        drained = r._inflight.drained
+
+        def drained_seen(timeout, what):
+            if r._inflight.calls:
+                waits.set()                  # close() waits for the call in flight
+            return drained(timeout, what)
+
+        release = KVStore._release_devices
+
+        def release_seen(store):
+            release(store)
+            released.set()                   # close() freed the devices under the call
+
+        call = r._call
+
+        def call_then_close(op, **args):
+            out = call(op, **args)
+            if op == "stats":
+                closer.start()
+                deadline = time.monotonic() + 20
+                while not (waits.is_set() or released.is_set()):
+                    assert time.monotonic() < deadline, "close() neither waited nor ended"
+                    time.sleep(0.005)
+            return out
+
+        monkeypatch.setattr(r._inflight, "drained", drained_seen)
+        monkeypatch.setattr(KVStore, "_release_devices", release_seen)
+        monkeypatch.setattr(r, "_call", call_then_close)
+        try:
+            s = r.stats()
+            assert s["client"]["engine"] and s["server_pid"] > 0
+            closer.join(20)
+            assert not closer.is_alive() and r.io is None
+            with pytest.raises(StoreClosedError):
+                r.stats()
+        finally:
+            if closer.is_alive():
+                closer.join(20)
+            r.close()
 
 
 def test_an_engines_bad_store_settings_are_refused_while_a_server_runs(tmp_path, sock):
