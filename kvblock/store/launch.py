@@ -8,6 +8,7 @@ to listen; :func:`socket_dir` makes the socket's directory.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import threading
@@ -34,6 +35,7 @@ def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.
 
 
 _START_LOCK = threading.Lock()
+START_LOCK_POLL_S = 0.1   # a rank waiting for another to start the server looks this often
 
 
 def _reset_start_lock() -> None:
@@ -56,10 +58,11 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
                           "to open it read-write (same user, or remove it), or choose "
                           "another socket path") from None
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX)
+        if not _lock_or_served(fd, socket_path, lock_path, start_timeout):
+            return                   # another rank started it while we waited
         try:
             open_socket(socket_path, 5.0).close()
-            return                   # another rank started it while we waited
+            return                   # ... and released the lock just now
         except ServerGoneError:
             pass                     # still nobody: we start it
         if prepare is not None:
@@ -70,6 +73,32 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
         threading.Thread(target=proc.wait, name="kvblock-server-reaper", daemon=True).start()
     finally:
         os.close(fd)  # releases the lock
+
+
+def _lock_or_served(fd, socket_path, lock_path, start_timeout) -> bool:
+    """Take the start lock (True), or see a server answer first (False).
+    Not a blocking lockf: a rank stopped while it holds the lock (SIGSTOP, a
+    debugger) would hang every other rank's connect() for good."""
+    deadline = time.monotonic() + start_timeout
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
+        try:
+            open_socket(socket_path, 1.0).close()
+            return False
+        except ServerGoneError:
+            pass
+        if time.monotonic() >= deadline:
+            raise ServerError(
+                f"no store server answers on {socket_path}, and the rank starting one has "
+                f"held {lock_path} for over {start_timeout:g} s (start_timeout) without it "
+                "listening: that process is stopped or stuck (find it with "
+                f"`fuser {lock_path}`); kill it, or start `kvblock serve` yourself")
+        time.sleep(START_LOCK_POLL_S)
 
 
 def socket_dir(socket_path) -> str:

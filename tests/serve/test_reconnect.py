@@ -533,3 +533,52 @@ def test_close_does_not_hang_on_a_ping_a_hung_server_never_answers(tmp_path, mon
         hung.set()
         r.close()
         server.stop()
+
+
+def test_a_start_lock_held_by_a_stopped_rank_does_not_hang_the_others(tmp_path):
+    """A rank stopped (SIGSTOP, a debugger) while it holds <socket>.lock to
+    start the server: another rank's connect() waits no longer than its
+    start_timeout and then raises ServerError naming the lock; and a server
+    that starts meanwhile (an operator's `kvblock serve`) is used at once,
+    lock or not."""
+    import subprocess
+    import sys
+
+    from kvblock.errors import ServerError
+    from kvblock.store.launch import ensure_server
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time\n"
+         f"fd = os.open({sock + '.lock'!r}, os.O_RDWR | os.O_CREAT)\n"
+         "fcntl.lockf(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        outcome = []
+
+        def start(**kw):
+            try:
+                ensure_server(sock, [path], **kw)
+                outcome.append("returned")
+            except ServerError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=start, kwargs={"start_timeout": 1.0}, daemon=True)
+        t.start()
+        t.join(15)
+        assert not t.is_alive(), "connect() hung behind a start lock held by a stopped rank"
+        assert isinstance(outcome[0], ServerError) and "kv.sock.lock" in str(outcome[0])
+        assert not os.path.exists(sock)                    # nothing was started
+
+        outcome.clear()
+        t = threading.Thread(target=start, daemon=True)    # default start_timeout
+        t.start()
+        with serve_in_background([path], sock):
+            t.join(15)
+            assert not t.is_alive() and outcome == ["returned"]
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
