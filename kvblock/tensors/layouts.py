@@ -113,6 +113,10 @@ class SGLangHostLayout(CacheLayout):
         self.kv_parts = len(parts)
         self.num_layers = shape[1] if layout != "layer_first" else shape[0]
         self.heads, self.head_dim = shape[-2], shape[-1]
+        if layout == "page_first_direct" and (len(shape) != 5 or shape[2] != page_size):
+            raise ConfigError(f"SGLang page_first_direct pool of shape {tuple(kv_buffer.shape)} "
+                              f"holds {shape[2] if len(shape) == 5 else '?'}-token pages, not "
+                              f"page_size {page_size}; pass the pool's page size")
 
     def layer_views(self, layer):
         views = []

@@ -699,3 +699,15 @@ def test_save_takes_device_page_ids_as_load_does(path, monkeypatch):
     for layer in range(L):
         assert torch.equal(dst[layer][:, [4, 0, 2]].view(torch.int16),
                            src[layer][:, [4, 0, 2]].view(torch.int16))
+
+
+def test_sglang_page_first_direct_page_size_must_match_the_pool():
+    """page_first_direct pools hold their page size in their shape: a
+    page_size that differs from it would move other token counts than the
+    store's blocks (a 1-token pool page broadcast over a 16-token block)."""
+    pool = rand(2, 6, L, 1, H, D)                 # (2, pages, L, page_size 1, H, D)
+    with pytest.raises(ConfigError, match="holds 1-token pages, not page_size 16"):
+        SGLangHostLayout(pool, "page_first_direct", BS)
+    with pytest.raises(ConfigError, match="holds 1-token pages, not page_size 16"):
+        SGLangHostLayout(rand(6, L, 1, 1, D), "page_first_direct", BS, mla=True)
+    assert SGLangHostLayout(pool, "page_first_direct", 1).block_tokens == 1
