@@ -140,6 +140,19 @@ class HFDynamicLayout(CacheLayout):
         b, self.heads, tokens, self.head_dim = self.keys[0].shape
         if b != 1:
             raise ConfigError(f"HFDynamicLayout holds batch 1, got batch {b}")
+        if len(self.values) != len(self.keys):
+            raise ConfigError(f"HFDynamicLayout: {len(self.keys)} key tensors but "
+                              f"{len(self.values)} value tensors")
+        # Every layer is cut into pages as layer 0 is: a layer of other
+        # tokens (a sliding-window layer) would be copied past its end.
+        want = tuple(self.keys[0].shape)
+        for layer, (k, v) in enumerate(zip(self.keys, self.values)):
+            for name, t in (("keys", k), ("values", v)):
+                if tuple(t.shape) != want:
+                    raise ConfigError(
+                        f"HFDynamicLayout: layer {layer} {name} have shape {tuple(t.shape)}, "
+                        f"layer 0 keys {want}; every layer must hold the same heads and "
+                        "tokens (sliding-window layers cannot be paged with the others)")
         self.num_layers, self.kv_parts = len(self.keys), 2
         self.tokens = tokens
 

@@ -711,3 +711,16 @@ def test_sglang_page_first_direct_page_size_must_match_the_pool():
     with pytest.raises(ConfigError, match="holds 1-token pages, not page_size 16"):
         SGLangHostLayout(rand(6, L, 1, 1, D), "page_first_direct", BS, mla=True)
     assert SGLangHostLayout(pool, "page_first_direct", 1).block_tokens == 1
+
+
+def test_hf_layers_of_another_shape_are_refused():
+    """Every layer's pages are cut as layer 0's: a layer holding fewer
+    tokens (a sliding-window layer of a DynamicCache) or other heads would
+    be read and written past its tensor's end, so the layout refuses it."""
+    full = [torch.zeros(1, 2, 4 * BS, D) for _ in range(2)]
+    short = torch.zeros(1, 2, BS, D)                           # one page, not four
+    with pytest.raises(ConfigError, match=r"layer 1 values have shape \(1, 2, 16, 16\)"):
+        HFDynamicLayout(full, [full[0].clone(), short], BS)
+    with pytest.raises(ConfigError, match=r"layer 1 keys have shape \(1, 1, 64, 16\)"):
+        HFDynamicLayout([full[0], torch.zeros(1, 1, 4 * BS, D)], full, BS)
+    assert HFDynamicLayout(full, [t.clone() for t in full], BS).layer_views(1)[1].shape[0] == 4
