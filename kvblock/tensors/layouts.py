@@ -74,6 +74,10 @@ class VLLMLayout(CacheLayout):
             raise ConfigError(f"vLLM cache order must be NHD or HND, got {order!r}")
         self.caches, self.order, self.mla = list(kv_caches), order, mla
         shape = tuple(self.caches[0].shape)
+        for layer, c in enumerate(self.caches):
+            if tuple(c.shape) != shape:   # page ids are checked against layer 0's
+                raise ConfigError(f"vLLM layer {layer} cache has shape {tuple(c.shape)}, layer 0 "
+                                  f"{shape}; every layer must hold as many pages of one shape")
         self.num_layers = len(self.caches)
         if mla:
             if len(shape) != 3:

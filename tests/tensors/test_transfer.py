@@ -724,3 +724,16 @@ def test_hf_layers_of_another_shape_are_refused():
     with pytest.raises(ConfigError, match=r"layer 1 keys have shape \(1, 1, 64, 16\)"):
         HFDynamicLayout([full[0], torch.zeros(1, 1, 4 * BS, D)], full, BS)
     assert HFDynamicLayout(full, [t.clone() for t in full], BS).layer_views(1)[1].shape[0] == 4
+
+
+def test_vllm_layers_of_another_shape_are_refused(path):
+    """Page ids are checked against layer 0's cache: a later layer with
+    fewer pages failed mid-load with an untyped numpy error (a broadcast
+    ValueError, an IndexError) after the earlier layers were written.  The
+    layout refuses it up front."""
+    caches = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16),
+              torch.zeros(2, 2, BS, H, D, dtype=torch.bfloat16)]
+    with pytest.raises(ConfigError, match=r"layer 1 cache has shape \(2, 2, 16, 8, 16\)"):
+        VLLMLayout(caches)
+    with pytest.raises(ConfigError, match=r"layer 1 cache has shape \(2, 16, 16\)"):
+        VLLMLayout([torch.zeros(4, BS, D), torch.zeros(2, BS, D)], mla=True)
