@@ -185,6 +185,9 @@ class LoadHandle:
     def wait_layer(self, layer: int, timeout: float | None = None) -> int:
         """Wait for one layer; returns the pages valid so far (may still shrink
         if a later layer fails its checksum: use :meth:`wait` for the final count)."""
+        if not 0 <= layer < self.num_layers:    # -1 would silently wait for the last one
+            raise ConfigError(f"wait_layer: layer {layer} is not one of the store's "
+                              f"{self.num_layers} layers (0-{self.num_layers - 1})")
         if not self._events[layer].wait(timeout):
             raise TimeoutError(f"layer {layer} not loaded within {timeout} s")
         if self._error is not None:

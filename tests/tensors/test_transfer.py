@@ -737,3 +737,15 @@ def test_vllm_layers_of_another_shape_are_refused(path):
         VLLMLayout(caches)
     with pytest.raises(ConfigError, match=r"layer 1 cache has shape \(2, 16, 16\)"):
         VLLMLayout([torch.zeros(4, BS, D), torch.zeros(2, BS, D)], mla=True)
+
+
+def test_wait_layer_outside_the_store_layers_is_a_clear_error(path):
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    with _store(path, geom()) as store:
+        save_blocks(store, [b"w0"], VLLMLayout(src), [0])
+        h = load_blocks(store, [b"w0"], VLLMLayout(src), [1])
+        for layer in (L, -1):
+            with pytest.raises(ConfigError, match=f"layer {layer} is not one of the store's "
+                                                  f"{L} layers"):
+                h.wait_layer(layer)
+        assert h.wait_layer(L - 1) == 1 and h.wait() == 1
