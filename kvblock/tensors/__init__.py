@@ -14,7 +14,7 @@ from kvblock.tensors.layouts import (
     SGLangHostLayout,
     VLLMLayout,
 )
-from kvblock.tensors.transfer import LoadHandle, load_blocks, save_blocks
+from kvblock.tensors.transfer import LoadHandle, LoadTimeoutError, load_blocks, save_blocks
 
 __all__ = ["CacheLayout", "VLLMLayout", "SGLangHostLayout", "HFDynamicLayout", "save_blocks",
-           "load_blocks", "LoadHandle"]
+           "load_blocks", "LoadHandle", "LoadTimeoutError"]

@@ -167,6 +167,11 @@ def _check_page_ids(layout: CacheLayout, page_ids, what: str) -> np.ndarray:
     return ids
 
 
+class LoadTimeoutError(KVBlockError, TimeoutError):
+    """A load (or one of its layers) was not done within the timeout given
+    to :meth:`LoadHandle.wait` / :meth:`LoadHandle.wait_layer`; it goes on."""
+
+
 class LoadHandle:
     """A load in flight.  ``blocks`` is the number of leading pages loaded
     (final after :meth:`wait`); ``wait_layer(l)`` blocks until layer l is in
@@ -189,14 +194,14 @@ class LoadHandle:
             raise ConfigError(f"wait_layer: layer {layer} is not one of the store's "
                               f"{self.num_layers} layers (0-{self.num_layers - 1})")
         if not self._events[layer].wait(timeout):
-            raise TimeoutError(f"layer {layer} not loaded within {timeout} s")
+            raise LoadTimeoutError(f"layer {layer} not loaded within {timeout} s")
         if self._error is not None:
             raise self._error
         return self.blocks
 
     def wait(self, timeout: float | None = None) -> int:
         if not self._done.wait(timeout):
-            raise TimeoutError(f"load not finished within {timeout} s")
+            raise LoadTimeoutError(f"load not finished within {timeout} s")
         if self._error is not None:
             raise self._error
         return self.blocks

@@ -749,3 +749,28 @@ def test_wait_layer_outside_the_store_layers_is_a_clear_error(path):
                                                   f"{L} layers"):
                 h.wait_layer(layer)
         assert h.wait_layer(L - 1) == 1 and h.wait() == 1
+
+
+def test_load_wait_timeouts_are_kvblock_errors(path, monkeypatch):
+    """wait()/wait_layer() past their timeout raise a KVBlockError (that is
+    also a TimeoutError): one ``except KVBlockError`` covers a load."""
+    from kvblock.errors import KVBlockError
+
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    with _store(path, geom()) as store:
+        save_blocks(store, [b"t0"], VLLMLayout(src), [0])
+        gate = threading.Event()
+        real_read = store.io.read
+
+        def gated_read(batch):
+            gate.wait(10)
+            return real_read(batch)
+        monkeypatch.setattr(store.io, "read", gated_read)
+        h = load_blocks(store, [b"t0"], VLLMLayout(src), [1])
+        with pytest.raises(KVBlockError, match="layer 0 not loaded within 0.01 s") as e:
+            h.wait_layer(0, timeout=0.01)
+        assert isinstance(e.value, TimeoutError)
+        with pytest.raises(KVBlockError, match="load not finished within 0.01 s"):
+            h.wait(timeout=0.01)
+        gate.set()
+        assert h.wait(timeout=10) == 1
