@@ -64,14 +64,21 @@ def check_superblocks(store, report: FsckReport, repair: bool) -> None:
 
 def check_checkpoints(store, report: FsckReport) -> None:
     sb = store.sb
-    valid = []
+    valid, damaged = [], list(getattr(store, "damaged_checkpoint_slots", []))
     for slot in (0, 1):
         off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
-        head = cpfmt.decode_header(store.io.read_bytes(0, off, cpfmt.HEADER_BYTES))
+        raw = store.io.read_bytes(0, off, cpfmt.HEADER_BYTES)
+        head = cpfmt.decode_header(raw)
+        # The open read only the slot it loaded: the other one (the fallback)
+        # is checked whole here.  A slot never written is all zeros.
+        if head is not None and not _checkpoint_intact(store, off, head):
+            head = None
+        if head is None and any(raw) and slot not in damaged:
+            damaged.append(slot)
         valid.append(head.generation if head else None)
     report.info["checkpoint_slots"] = valid
     stale = getattr(store, "stale_checkpoint", False)   # reported below, with its loss
-    for slot in [] if stale else getattr(store, "damaged_checkpoint_slots", []):
+    for slot in [] if stale else sorted(damaged):
         off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
         report.problems.append(
             f"{store.io.devices[0].path}: checkpoint slot {slot} at offset {off} is damaged; "
@@ -95,6 +102,17 @@ def check_checkpoints(store, report: FsckReport) -> None:
             "had moved on from the older one; its "
             f"{store.counters['stale_checkpoint_runs_dropped']} runs cannot be trusted and "
             "were dropped at open (the cache restarts empty)")
+
+
+def _checkpoint_intact(store, off: int, head) -> bool:
+    """Whether the checkpoint slot at ``off`` (its header ``head`` valid)
+    holds a checkpoint this store can load, as recovery judges one."""
+    if cpfmt.HEADER_BYTES + head.payload_bytes > store.sb.checkpoint_bytes:
+        return False
+    cp = cpfmt.decode_payload(head, store.io.read_array(0, off + cpfmt.HEADER_BYTES,
+                                                        head.payload_bytes))
+    return cp is not None and cp.ranges == store.geometry.run_checksums and \
+        len(cp.regions) == store.regions.count
 
 
 def check_allocation(store, report: FsckReport) -> list:

@@ -43,3 +43,42 @@ def test_deep_fsck_reports_an_unreadable_run_and_checks_the_rest(tmp_path, repai
         assert report.status == ("repaired" if repair else "problems")
     with KVStore.open([str(path)], readonly=True) as store:
         assert len(store.index.runs) == (3 if repair else 4)
+
+
+def _flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("where", ["payload", "magic"])
+def test_fsck_reports_damage_to_the_fallback_checkpoint_slot(tmp_path, where):
+    """The older checkpoint slot (the fallback if the newest goes bad)
+    damaged in its payload, or in its header's magic: the store opens from
+    the newest and loses nothing, but fsck said "clean" although the
+    fallback was gone (only a header checksum failure with the magic intact
+    was reported).  It is reported as the damaged slot it is."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    with KVStore.format([str(path)], GEOM, region_size=256 << 10) as store:
+        store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+        sb = store.sb
+    with KVStore.open([str(path)], readonly=True) as store:
+        older = 1 - store._cp_slot
+        assert fsck(store).status == "clean"
+    _flip(path, sb.checkpoint_offset + older * sb.checkpoint_bytes
+          + (4096 + 40 if where == "payload" else 0))
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert store.lookup(run_keys(1, 2)) == 2
+        report = fsck(store)
+        assert report.status == "problems", report.problems
+        assert len(report.problems) == 1
+        assert f"checkpoint slot {older}" in report.problems[0]
+        assert "damaged" in report.problems[0] and str(path) in report.problems[0]
+        assert report.info["checkpoint_slots"][older] is None
+    KVStore.open([str(path)]).close()              # a writable open rewrites it
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert fsck(store).status == "clean"
+        assert store.lookup(run_keys(1, 2)) == 2
