@@ -67,7 +67,12 @@ def check_checkpoints(store, report: FsckReport) -> None:
     valid, damaged = [], list(getattr(store, "damaged_checkpoint_slots", []))
     for slot in (0, 1):
         off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
-        raw = store.io.read_bytes(0, off, cpfmt.HEADER_BYTES)
+        try:
+            raw = store.io.read_bytes(0, off, cpfmt.HEADER_BYTES)
+        except IOFailedError as e:
+            if e.path is None:
+                raise
+            raw = b"\xff"        # a bad sector: damaged
         head = cpfmt.decode_header(raw)
         # The open read only the slot it loaded: the other one (the fallback)
         # is checked whole here.  A slot never written is all zeros.
@@ -109,8 +114,13 @@ def _checkpoint_intact(store, off: int, head) -> bool:
     holds a checkpoint this store can load, as recovery judges one."""
     if cpfmt.HEADER_BYTES + head.payload_bytes > store.sb.checkpoint_bytes:
         return False
-    cp = cpfmt.decode_payload(head, store.io.read_array(0, off + cpfmt.HEADER_BYTES,
-                                                        head.payload_bytes))
+    try:
+        payload = store.io.read_array(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
+    except IOFailedError as e:
+        if e.path is None:
+            raise
+        return False
+    cp = cpfmt.decode_payload(head, payload)
     return cp is not None and cp.ranges == store.geometry.run_checksums and \
         len(cp.regions) == store.regions.count
 

@@ -14,7 +14,7 @@ import numpy as np
 
 from kvblock.alloc.regions import FREE, SEALED
 from kvblock.format import checkpoint as cpfmt
-from kvblock.errors import NotAStoreError
+from kvblock.errors import IOFailedError, NotAStoreError
 from kvblock.format import journal as jfmt
 from kvblock.index import KeyIndex, Run
 
@@ -30,10 +30,13 @@ class Recovery:
         # Slots that were written once but no longer decode (fsck reports
         # them; the next checkpoint goes to one of them).
         self.damaged_checkpoint_slots = []
-        slots = []
+        slots, unreadable = [], []
         for slot in (0, 1):
             off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
-            raw = self.io.read_bytes(0, off, cpfmt.HEADER_BYTES)
+            raw = self._read_slot(off, cpfmt.HEADER_BYTES, unreadable)
+            if raw is None:     # a bad sector: damaged, the other slot may be whole
+                self.damaged_checkpoint_slots.append(slot)
+                continue
             head = cpfmt.decode_header(raw)
             if head is not None:
                 slots.append((head.generation, slot, head))
@@ -43,8 +46,9 @@ class Recovery:
         for _, slot, head in sorted(slots, reverse=True):
             off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
             if cpfmt.HEADER_BYTES + head.payload_bytes <= sb.checkpoint_bytes:
-                payload = self.io.read_array(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
-                cp = cpfmt.decode_payload(head, payload)
+                payload = self._read_slot(off + cpfmt.HEADER_BYTES, head.payload_bytes,
+                                          unreadable, array=True)
+                cp = None if payload is None else cpfmt.decode_payload(head, payload)
                 if cp is not None and cp.ranges == self.geometry.run_checksums and \
                         len(cp.regions) == self.regions.count:
                     self._cp_slot = slot
@@ -52,6 +56,8 @@ class Recovery:
             self.damaged_checkpoint_slots.append(slot)
             cp = None
         if cp is None:
+            if unreadable:      # an I/O error is no proof of corruption: never "reformat"
+                raise unreadable[0]
             raise NotAStoreError(
                 f"{self.io.devices[0].path}: no valid checkpoint in either slot (metadata "
                 "corrupt); the cached KV cannot be trusted: reformat the store",
@@ -114,6 +120,19 @@ class Recovery:
         self._finish_layout()
         if not self.readonly:
             self._write_checkpoint()  # new epoch: stale journal records are dead from here on
+
+    def _read_slot(self, off: int, length: int, unreadable: list, array: bool = False):
+        """Bytes of a checkpoint slot, or None when the device fails the read
+        (the error is appended to ``unreadable``)."""
+        try:
+            if array:
+                return self.io.read_array(0, off, length)
+            return self.io.read_bytes(0, off, length)
+        except IOFailedError as e:
+            if e.path is None:  # the engine failed, not the device: says nothing of the slot
+                raise
+            unreadable.append(e)
+            return None
 
     def _newer_epoch(self, journal, generation: int) -> int:
         """k > 0 when the journal's first record belongs to checkpoint

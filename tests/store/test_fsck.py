@@ -82,3 +82,32 @@ def test_fsck_reports_damage_to_the_fallback_checkpoint_slot(tmp_path, where):
     with KVStore.open([str(path)], readonly=True) as store:
         assert fsck(store).status == "clean"
         assert store.lookup(run_keys(1, 2)) == 2
+
+
+@pytest.mark.parametrize("which", ["older", "newest"])
+def test_an_unreadable_checkpoint_slot_is_a_damaged_one(tmp_path, which):
+    """A bad sector (EIO) under either checkpoint slot's header failed the
+    open with an I/O error: the store could not be opened (nor fsck run)
+    although the other slot was whole, which is what two slots are for.
+    The unreadable slot is now a damaged one: the store opens from the
+    other, keeps its runs, and fsck names the slot."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    with KVStore.format([str(path)], GEOM, region_size=256 << 10) as store:
+        store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+        sb = store.sb
+    with KVStore.open([str(path)], readonly=True) as store:
+        slot = store._cp_slot if which == "newest" else 1 - store._cp_slot
+    off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
+    bad = BadSectors()
+    bad.add(0, off, 4096)
+    with KVStore.open([str(path)], readonly=True, storeio_factory=bad.factory()) as store:
+        assert store.lookup(run_keys(1, 2)) == 2
+        report = fsck(store)
+        assert report.status == "problems" and len(report.problems) == 1, report.problems
+        assert f"checkpoint slot {slot} at offset {off} is damaged" in report.problems[0]
+        assert report.info["checkpoint_slots"][slot] is None
+    with KVStore.open([str(path)], storeio_factory=bad.factory()) as store:
+        assert store.lookup(run_keys(1, 2)) == 2     # a writable open rewrites the slot
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert fsck(store).status == "clean" and store.lookup(run_keys(1, 2)) == 2
