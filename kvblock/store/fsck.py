@@ -43,12 +43,15 @@ class FsckReport:
 def check_superblocks(store, report: FsckReport, repair: bool) -> None:
     io = store.io
     for i, dev in enumerate(io.devices):
-        copies = [io.read_bytes(i, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]
         good = store.superblocks[i]
-        for data, off in zip(copies, sbfmt.COPY_OFFSETS):
+        for off in sbfmt.COPY_OFFSETS:
             try:
-                sb = sbfmt.Superblock.decode(data, dev.path, off)
+                sb = sbfmt.Superblock.decode(io.read_bytes(i, off, sbfmt.SIZE), dev.path, off)
                 ok = sb == good
+            except IOFailedError as e:
+                if e.path is None:
+                    raise
+                ok, why = False, f"{dev.path}: superblock copy at offset {off} is unreadable ({e})"
             except KVBlockError as e:
                 ok, why = False, str(e)
             else:

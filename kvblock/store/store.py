@@ -46,6 +46,7 @@ from kvblock.errors import (
     DeviceTooSmallError,
     FormatError,
     GeometryMismatchError,
+    IOFailedError,
     KVBlockError,
     MissingDeviceError,
     ReadOnlyStoreError,
@@ -1267,7 +1268,16 @@ def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
             f"{path}: {io.devices[dev].capacity} bytes cannot hold a kvblock store (its "
             f"superblocks alone take {SUPERBLOCKS_END}): not a store; a store needs a few MiB "
             "at least", path)
-    copies = [io.read_bytes(dev, off, sbfmt.SIZE) for off in sbfmt.COPY_OFFSETS]
+    copies, unreadable = [], []
+    for off in sbfmt.COPY_OFFSETS:
+        try:
+            copies.append(io.read_bytes(dev, off, sbfmt.SIZE))
+        except IOFailedError as e:
+            # a bad sector under one copy: the other is there for this
+            if e.path is None or len(unreadable) + 1 == len(sbfmt.COPY_OFFSETS):
+                raise
+            unreadable.append(e)
+            copies.append(b"")
     try:
         return sbfmt.pick(copies, path)
     except KVBlockError:

@@ -111,3 +111,27 @@ def test_an_unreadable_checkpoint_slot_is_a_damaged_one(tmp_path, which):
         assert store.lookup(run_keys(1, 2)) == 2     # a writable open rewrites the slot
     with KVStore.open([str(path)], readonly=True) as store:
         assert fsck(store).status == "clean" and store.lookup(run_keys(1, 2)) == 2
+
+
+@pytest.mark.parametrize("copy", [0, 4096])
+def test_an_unreadable_superblock_copy_is_a_bad_one(tmp_path, copy):
+    """A bad sector (EIO) under one superblock copy failed every open with
+    an I/O error, though the other copy was whole.  The store opens from
+    the other copy; fsck names the unreadable one, and --repair rewrites it."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    with KVStore.format([str(path)], GEOM, region_size=256 << 10) as store:
+        store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+    bad = BadSectors()
+    bad.add(0, copy, 4096)
+    with KVStore.open([str(path)], readonly=True, storeio_factory=bad.factory()) as store:
+        assert store.lookup(run_keys(1, 2)) == 2
+        report = fsck(store)
+        assert report.status == "problems" and len(report.problems) == 1, report.problems
+        assert f"{path}: superblock copy at offset {copy} is unreadable" in report.problems[0]
+        assert "EIO" in report.problems[0]
+    with KVStore.open([str(path)], storeio_factory=bad.factory()) as store:
+        report = fsck(store, repair=True)
+        assert report.repaired == [f"{path}: rewrote superblock copy at offset {copy}"]
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert fsck(store).status == "clean" and store.lookup(run_keys(1, 2)) == 2
