@@ -386,14 +386,16 @@ class KVBlockStorageBackend(StoragePluginInterface):
         keys = layer0_key.split_layers(self.objects_per_chunk)
         return self.store.lookup([self.kvblock_key(k) for k in keys]) == len(keys)
 
-    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False) -> int:
+    def batched_contains(self, keys: list[CacheEngineKey], pin: bool = False,
+                         _held: list | None = None) -> int:
         """Chunks stored as a prefix of ``keys`` (pinned when ``pin``).
 
         Layer-wise with ``pin``: only whole chunks (every layer, from layer 0)
         count, and the pins of a partial chunk's layers are released here.
         LMCache's lookup asks for one chunk's layers at a time and keeps the
         pins only of a chunk found whole; those of a chunk missing a layer
-        it never releases."""
+        it never releases.  ``_held``: gets the (key, pin entry) of each pin
+        taken, as it is taken."""
         try:
             n = self.store.lookup([self.kvblock_key(k) for k in keys]) if keys else 0
         except RUNTIME_FAILURES as e:
@@ -401,7 +403,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
             return 0
         if pin:
             for i in range(n):
-                if not self.pin(keys[i]):
+                if not self.pin(keys[i], _held):
                     n = i
                     break
             if self.layerwise:
@@ -423,18 +425,16 @@ class KVBlockStorageBackend(StoragePluginInterface):
         # Layer-wise, LMCache rounds the hit down to whole chunks and unpins
         # the rest itself; batched_contains rounding first leaves it nothing
         # to unpin, so no pin is released twice (another lookup's).
-        n = self.batched_contains(keys, pin)
+        held: list = []
+        n = self.batched_contains(keys, pin, held)
         whole = self._whole_chunks(keys, n) if self.layerwise else n
         if pin and whole:
-            # Each pin is kept with the entry it counts in: a forced remove
-            # (or a clear found by pin) drops the entry, and the load's
-            # release must then not take a pin of a later lookup on the key
-            # stored again.
+            # Each pin is kept with the entry it counts in, taken with the
+            # pin: a forced remove (or a clear found by pin) drops the entry,
+            # even before this line, and the load's release must then not
+            # take a pin of another holder on the key stored again.
             with self._lock:
-                held = [(kb, self._pins.get(kb))
-                        for kb in (self.kvblock_key(k) for k in keys[:whole])]
-                self._lookup_pins.setdefault(lookup_id, []).extend(
-                    (kb, entry) for kb, entry in held if entry is not None)
+                self._lookup_pins.setdefault(lookup_id, []).extend(held[:whole])
         return whole
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
@@ -662,8 +662,9 @@ class KVBlockStorageBackend(StoragePluginInterface):
                         self._unpin_entry(kb, entry)
 
     # ------------------------------------------------------------------ pins, removal
-    def pin(self, key: CacheEngineKey) -> bool:
-        """Keep the chunk's run (its region) from being reclaimed until unpin."""
+    def pin(self, key: CacheEngineKey, _held: list | None = None) -> bool:
+        """Keep the chunk's run (its region) from being reclaimed until unpin.
+        ``_held``: gets (kvblock key, the pin entry this pin counts in)."""
         kb = self.kvblock_key(key)
         with self._lock:
             entry = self._pins.get(kb)
@@ -696,6 +697,8 @@ class KVBlockStorageBackend(StoragePluginInterface):
             else:
                 self.store.unpin(segs)      # one store pin per key
                 entry[0] += 1
+            if _held is not None:
+                _held.append((kb, self._pins[kb]))
             return True
 
     def unpin(self, key: CacheEngineKey) -> bool:

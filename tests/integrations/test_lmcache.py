@@ -650,3 +650,36 @@ def test_remove_and_clear_win_over_puts_queued_before_them(file_target, engines)
     assert e.plugin.contains(keys[1])
     for o in objs[:1] + objs[2:]:
         o.ref_count_down()
+
+
+def test_an_async_lookup_keeps_the_pins_it_took_not_later_ones(file_target, engines):
+    """batched_async_contains pins the hits, then records them for its load
+    to release.  A forced remove and another pin of the key stored again
+    between the two must not make this lookup's load release that other pin
+    (the other holder's chunk would be evictable under it)."""
+    e = Engine([file_target()])
+    engines.append(e)
+    key = e.key(111)
+    kb = e.plugin.kvblock_key(key)
+    real = e.plugin.pin
+    e.put([key], [e.chunk()])
+
+    def pin_then_others(k, *args):
+        pinned = real(k, *args)
+        e.plugin.pin = real                         # once
+        assert e.plugin.remove(key, force=True)    # another thread's forced remove...
+        e.put([key], [e.chunk()])                   # ... the key stored again and pinned
+        assert e.plugin.pin(key)
+        return pinned
+    e.plugin.pin = pin_then_others
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, e.manager.loop).result(30)
+
+    assert run(e.plugin.batched_async_contains("a", [key], pin=True)) == 1
+    for obj in run(e.plugin.batched_get_non_blocking("a", [key])):   # a's load ends
+        obj.ref_count_down()
+    assert kb in e.plugin._pins, "lookup a released the other holder's pin"
+    assert (e.plugin.store.regions.pins > 0).any()
+    assert e.plugin.unpin(key)
+    assert e.plugin._pins == {} and not (e.plugin.store.regions.pins > 0).any()
