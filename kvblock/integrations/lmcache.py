@@ -630,14 +630,28 @@ class KVBlockStorageBackend(StoragePluginInterface):
         except RUNTIME_FAILURES as e:
             self._failed("a load", e)
             return None
-        return self.executor.submit(lambda: next(iter(self._load_prefix([key], False)), None))
+        try:
+            return self.executor.submit(
+                lambda: next(iter(self._load_prefix([key], False)), None))
+        except RuntimeError:            # the writers are stopped (closing): a miss
+            logger.warning("kvblock: not loading %s: the plugin is closing", key.to_string())
+            return None
 
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],
                                        transfer_spec: Any = None) -> list[MemoryObj]:
         loop = asyncio.get_running_loop()
         try:
-            objs = await loop.run_in_executor(self.executor, self._load_prefix, list(keys),
-                                              False)
+            try:
+                load = loop.run_in_executor(self.executor, self._load_prefix, list(keys),
+                                            False)
+            except RuntimeError:
+                # The writers (the loads' threads) are stopped: LocalCPUBackend's
+                # close (the hook above) or this plugin's ran first, and
+                # LMCache's lookups still come.  A miss, as for puts.
+                logger.warning("kvblock: not loading %d chunks (%s...): the plugin is "
+                               "closing", len(keys), keys[0].to_string() if keys else "")
+                load = None
+            objs = [] if load is None else await load
             if self.layerwise and transfer_spec is None and len(objs) < len(keys):
                 # One layer of every chunk (retrieve_layer): LMCache's
                 # layer-wise connectors zip what comes back with the chunks,

@@ -683,3 +683,35 @@ def test_an_async_lookup_keeps_the_pins_it_took_not_later_ones(file_target, engi
     assert (e.plugin.store.regions.pins > 0).any()
     assert e.plugin.unpin(key)
     assert e.plugin._pins == {} and not (e.plugin.store.regions.pins > 0).any()
+
+
+def test_a_load_after_the_writers_stopped_answers_a_miss(file_target, engines):
+    """StorageManager.close() closes LocalCPUBackend first, and the plugin's
+    hook on it stops the writer threads the loads run on; LMCache's async
+    lookup server still runs.  A lookup then must be answered (0 tokens:
+    a miss) with its pins released, not fail inside LMCache's prefetch with
+    an untyped RuntimeError (the scheduler never answered)."""
+    class LookupServer:
+        def __init__(self):
+            self.replies = {}
+
+        def send_response_to_scheduler(self, lookup_id, hits):
+            self.replies[lookup_id] = hits
+
+    server = LookupServer()
+    e = Engine([file_target()], async_lookup_server=server,
+               lmcache_options={"enable_async_loading": True})
+    engines.append(e)
+    key = e.key(121)
+    e.put([key], [e.chunk()])
+    e.plugin.executor.shutdown(wait=True)        # what the LocalCPUBackend close hook does
+    asyncio.run_coroutine_threadsafe(
+        e.manager.async_lookup_and_prefetch("req", [key], [0, CHUNK], None, True),
+        e.manager.loop).result(30)
+    deadline = time.monotonic() + 30
+    while "req" not in server.replies:
+        assert time.monotonic() < deadline, "the lookup never answered"
+        time.sleep(0.01)
+    assert server.replies["req"] == 0
+    assert e.plugin._pins == {} and not (e.plugin.store.regions.pins > 0).any()
+    assert e.plugin.get_non_blocking(key) is None
