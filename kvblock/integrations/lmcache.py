@@ -402,14 +402,22 @@ class KVBlockStorageBackend(StoragePluginInterface):
             self._failed("a lookup", e)
             return 0
         if pin:
+            held = [] if _held is None else _held
+            first = len(held)
             for i in range(n):
-                if not self.pin(keys[i], _held):
+                if not self.pin(keys[i], held):
                     n = i
                     break
             if self.layerwise:
                 whole = self._whole_chunks(keys, n)
-                for key in keys[whole:n]:
-                    self.unpin(key)
+                with self._lock:
+                    # the pins this call took, not the keys' (a forced
+                    # remove may have dropped one, and another holder
+                    # pinned the key stored again)
+                    for kb, entry in held[first + whole:]:
+                        if self._pins.get(kb) is entry:
+                            self._unpin_entry(kb, entry)
+                del held[first + whole:]
                 n = whole
         return n
 

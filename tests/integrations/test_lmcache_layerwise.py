@@ -399,3 +399,40 @@ def test_blending_layer_objects_through_the_storage_manager(file_target):
     finally:
         manager.close()
         manager.loop.close()
+
+
+def test_a_partial_chunk_releases_only_its_own_pins(file_target, engines):
+    """A lookup with pins releases the pins it took on a partial chunk's
+    layers.  A forced remove and another pin of such a layer stored again
+    before that release must not make the lookup release the other pin."""
+    e = Engine([file_target()], tokens=2 * CHUNK, seed=3)
+    engines.append(e)
+    e.store()
+    layers0 = e.chunk_key(0).split_layers(LAYERS)
+    layers1 = e.chunk_key(1).split_layers(LAYERS)
+    assert e.plugin.remove(layers1[2])
+    kb = e.plugin.kvblock_key(layers1[0])
+    real = e.plugin.pin
+
+    def pin_then_others(key, *args):
+        pinned = real(key, *args)
+        if key == layers1[0]:
+            e.plugin.pin = real                          # once
+            assert e.plugin.remove(key, force=True)     # another thread's forced remove...
+            for _ in e.engine.store_layer(e.tokens):     # ... the layer stored again
+                pass
+            deadline = time.monotonic() + 30
+            while not all(e.plugin.store.contains(e.plugin.kvblock_key(k))
+                          and not e.plugin.exists_in_put_tasks(k) for k in layers1):
+                assert time.monotonic() < deadline, "writes did not finish"
+                time.sleep(0.01)
+            assert e.plugin.pin(key)                     # and pinned by its holder
+        return pinned
+    e.plugin.pin = pin_then_others
+    assert e.plugin.batched_contains(layers0 + layers1, pin=True) == LAYERS
+    assert kb in e.plugin._pins, "the lookup released the other holder's pin"
+    for key in layers0 + [layers1[0]]:
+        assert e.plugin.unpin(key)
+    assert e.plugin._pins == {}
+    with e.plugin.store._lock:
+        assert int(e.plugin.store.regions.pins.sum()) == 0
