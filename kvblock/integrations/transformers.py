@@ -35,8 +35,15 @@ class _RestoringLayer(DynamicLayer):
     def _wait(self):
         """This layer's restored tokens are in place, or PartialLoadError:
         the model never attends to KV the load did not deliver (a run that
-        failed its checksum, one evicted since the lookup)."""
-        blocks = self.handle.wait_layer(self.layer)
+        failed its checksum, one evicted since the lookup).  A layer reset
+        or cropped to none of them waits only for the load's writes to end:
+        its error concerns tokens no longer part of the cache."""
+        try:
+            blocks = self.handle.wait_layer(self.layer)
+        except Exception:
+            if self.restored == 0:     # a failed load has stopped writing into _k/_v
+                return
+            raise
         need = -(-self.restored // self.block_tokens)
         if blocks < need:
             raise PartialLoadError(

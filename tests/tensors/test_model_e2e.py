@@ -204,3 +204,53 @@ def test_streaming_cache_reorders_beams_like_a_dynamic_cache(tmp_path):
             c.update(step, step, 0)
         assert torch.equal(cache.layers[0].keys, ref.layers[0].keys)
         assert torch.equal(cache.layers[0].values, ref.layers[0].values)
+
+
+def test_streaming_cache_reset_after_a_failed_load_starts_afresh(tmp_path):
+    """A load that failed (EIO on a layer's range) fails the restored
+    layers; after reset() (or a crop of every restored token) the cache
+    holds nothing of the load, so a fresh generation on it must run.  Each
+    layer's update re-raised the old load error, so the cache could never
+    be used again."""
+    from kvblock import Geometry
+    from kvblock.errors import IOFailedError
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import load_blocks
+    from tests.support.faults import BadSectors
+
+    bs, heads, dim = 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    src = HFDynamicLayout([torch.randn(1, heads, 2 * bs, dim, generator=gen) for _ in range(2)],
+                          [torch.randn(1, heads, 2 * bs, dim, generator=gen) for _ in range(2)],
+                          bs)
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    with KVStore.format([str(path)], Geometry(2, heads, dim, "float32", bs),
+                        region_size=1 << 20) as store:
+        save_blocks(store, [b"a", b"b"], src, [0, 1])
+        run = next(iter(store.index.runs.values()))
+        dev, off = store.regions.address(run.region, run.offset)
+        bad = BadSectors()
+        bad.add(dev, off + store.layout(2).range_offset(1, 0), 4096)
+        bad.install(store)
+        for cut in ("reset", "crop"):
+            dst = HFDynamicLayout.empty(2, heads, 2 * bs + 8, dim, bs, torch.float32)
+            handle = load_blocks(store, [b"a", b"b"], dst, [0, 1])
+            cache = streaming_cache(handle, dst, 2 * bs)
+            with pytest.raises(IOFailedError):       # (layer 1 is never handed over)
+                cache.update(src.keys[0][:, :, :1], src.values[0][:, :, :1], 1)
+            if cut == "reset":
+                cache.reset()
+            else:
+                cache.crop(-2 * bs)
+            new = torch.randn(1, heads, 3, dim, generator=gen)
+            for layer in range(2):
+                k, v = cache.update(new, -new, layer)
+                assert torch.equal(k, new) and torch.equal(v, -new)
+            assert cache.get_seq_length() == 3
+            store.delete([b"a", b"b"])
+            save_blocks(store, [b"a", b"b"], src, [0, 1])
+            run = max(store.index.runs.values(), key=lambda r: r.run_id)
+            dev, off = store.regions.address(run.region, run.offset)
+            bad.add(dev, off + store.layout(2).range_offset(1, 0), 4096)
+
