@@ -32,6 +32,30 @@ class _RestoringLayer(DynamicLayer):
     def _views(self):
         self.keys, self.values = self._k[:, :, :self.length], self._v[:, :, :self.length]
 
+    # Read from outside (DynamicCache.__iter__, code reading ``layer.keys``),
+    # the tensors are the restored KV only once this layer has arrived.
+    @property
+    def keys(self):
+        self._wait()
+        return self._keys
+
+    @keys.setter
+    def keys(self, t):
+        self._keys = t
+
+    @property
+    def values(self):
+        self._wait()
+        return self._values
+
+    @values.setter
+    def values(self, t):
+        self._values = t
+
+    def get_seq_length(self) -> int:
+        """The restored length counts before the layer arrives (masks, positions)."""
+        return self.length
+
     def _wait(self):
         """This layer's restored tokens are in place, or PartialLoadError:
         the model never attends to KV the load did not deliver (a run that
@@ -63,7 +87,7 @@ class _RestoringLayer(DynamicLayer):
             self._v[:, :, self.length:self.length + n] = value_states
         self.length += n
         self._views()
-        return self.keys, self.values
+        return self._keys, self._values
 
     # DynamicLayer's own versions of these act on ``keys``/``values`` only,
     # which ``update`` rebuilds from ``_k``/``_v`` and ``length``.

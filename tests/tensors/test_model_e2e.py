@@ -254,3 +254,38 @@ def test_streaming_cache_reset_after_a_failed_load_starts_afresh(tmp_path):
             dev, off = store.regions.address(run.region, run.offset)
             bad.add(dev, off + store.layout(2).range_offset(1, 0), 4096)
 
+
+
+def test_streaming_cache_iterated_or_read_waits_for_its_layers(tmp_path):
+    """DynamicCache.__iter__ (and code reading ``layer.keys``) reads each
+    layer's tensors: they must be the restored KV, not what the cache held
+    before its layer arrived.  Only update() and the batch operations
+    waited, so iterating a cache whose load was in flight gave zeros."""
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import LoadHandle
+
+    bs, heads, dim = 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    src = HFDynamicLayout([torch.randn(1, heads, 2 * bs, dim, generator=gen) for _ in range(2)],
+                          [torch.randn(1, heads, 2 * bs, dim, generator=gen) for _ in range(2)],
+                          bs)
+    dst = HFDynamicLayout.empty(2, heads, 2 * bs, dim, bs, torch.float32)
+
+    class Arriving(LoadHandle):
+        """A load whose layer lands when it is waited for (in flight till then)."""
+
+        def wait_layer(self, layer, timeout=None):
+            if not self._events[layer].is_set():
+                dst.keys[layer].copy_(src.keys[layer])
+                dst.values[layer].copy_(src.values[layer])
+                self._events[layer].set()
+            return super().wait_layer(layer, timeout)
+
+    cache = streaming_cache(Arriving(2, 2), dst)
+    assert cache.get_seq_length() == 2 * bs       # known before any layer arrives
+    got = [(k.clone(), v.clone()) for k, v, _ in cache]
+    for layer, (k, v) in enumerate(got):
+        assert torch.equal(k, src.keys[layer]) and torch.equal(v, src.values[layer])
+    cache = streaming_cache(Arriving(2, 2), dst := HFDynamicLayout.empty(
+        2, heads, 2 * bs, dim, bs, torch.float32))
+    assert torch.equal(cache.layers[1].values, src.values[1])
