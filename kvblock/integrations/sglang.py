@@ -70,7 +70,10 @@ Devices.
     (its own process) needs its own device(s): ``devices`` entries may
     contain ``{tp_rank}``, ``{pp_rank}``, ``{dp_rank}`` and ``{attn_cp_rank}``
     (e.g. ``"/dev/disk/by-id/nvme-kv-{tp_rank}"``), or ``devices`` may map a
-    TP rank (as a string) to its list.
+    TP rank (as a string) to its list.  Pipeline stages share TP ranks, so
+    with pp_size > 1 the paths (a dict's too) need ``{pp_rank}``.  Two ranks
+    given the same devices: the second fails its open with
+    ``DeviceBusyError`` (after a second), which names its ranks.
 
 One store for every rank: ``"server"``.
     With ``"server": "/run/kvblock/sglang.sock"`` the ranks share one store
@@ -132,7 +135,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvblock.store import provision
 from kvblock.units import MIN_FILE_SIZE, int_setting, size_setting
-from kvblock.errors import ConfigError, KVBlockError
+from kvblock.errors import ConfigError, DeviceBusyError, KVBlockError
 from kvblock.integrations.failures import RUNTIME_FAILURES, FailureLog
 from kvblock.layout import Geometry
 from kvblock.layout.geometry import DTYPES
@@ -404,13 +407,33 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                 format=self.format, size=self.size, region_size=self.region_size,
                 owner="kvblock sglang backend", **self.store_options)
         else:
-            store = open_or_format(self.devices, geometry, self.store_model(),
-                                   format=self.format, size=self.size,
-                                   region_size=self.region_size, **self.store_options)
+            store = self._open_own(geometry)
         self.pages, self.store = pages, store
         self.run_blocks = run_blocks
         logger.info("kvblock: SGLang L3 on %s (%s, %s layout, %d pages per run)",
                     self.devices, geometry.describe(), pages.layout, run_blocks)
+
+    def _open_own(self, geometry: Geometry) -> KVStore:
+        """This rank's own store on its devices.  Every SGLang rank is a
+        process of its own: a device another rank holds is a config that
+        gave two ranks the same devices, which the error says."""
+        try:
+            return open_or_format(self.devices, geometry, self.store_model(),
+                                  format=self.format, size=self.size,
+                                  region_size=self.region_size, **self.store_options)
+        except DeviceBusyError as e:
+            c = self.storage_config
+            if c.tp_size * c.pp_size * c.attn_cp_size == 1 and not c.dp_rank:
+                raise
+            raise DeviceBusyError(
+                f"{e}. SGLang runs a process per rank (this one: tp_rank {c.tp_rank} of "
+                f"tp_size {c.tp_size}, pp_rank {c.pp_rank} of pp_size {c.pp_size}, dp_rank "
+                f"{c.dp_rank}, attn_cp_rank {c.attn_cp_rank} of attn_cp_size "
+                f"{c.attn_cp_size}), each with its own store: give each rank its own "
+                'devices ({tp_rank}, {pp_rank}, {dp_rank}, {attn_cp_rank} in the paths; a '
+                '"devices" dict is keyed by TP rank only, so its paths need the others) or '
+                'share one store ("server": "/run/kvblock/sglang.sock")',
+                e.path, e.errno) from e
 
     def _ready(self) -> bool:
         return self.store is not None and not self.store.closed

@@ -230,6 +230,34 @@ def test_per_rank_device_templates(tmp_path):
     assert b.devices == ["/b", "/c"]
 
 
+def test_ranks_given_the_same_devices_are_told_how_to_split_them(file_target, backends):
+    """A "devices" dict is keyed by TP rank only: two pipeline stages with
+    the same TP rank get the same devices, and the second stage's exclusive
+    open fails.  Its DeviceBusyError names the ranks and the way out
+    ({pp_rank} in the paths, or a server), not "stop the other process";
+    {pp_rank} in the dict's paths gives each stage its own store."""
+    import dataclasses
+
+    from kvblock.errors import DeviceBusyError
+
+    shared = file_target()
+
+    def stage(pp_rank, devices):
+        config = dataclasses.replace(storage_config(devices, size="64M"), pp_rank=pp_rank,
+                                     pp_size=2)
+        backend = KVBlockHiCacheStorage(config, {})
+        backend.register_mem_pool_host(HostPool())
+        backends.append(backend)
+        return backend
+
+    stage(0, {"0": [shared]})
+    with pytest.raises(DeviceBusyError, match=r"pp_size 2.*\{pp_rank\}.*\"server\""):
+        stage(1, {"0": [shared]})
+    split = str(os.path.join(os.path.dirname(shared), "kv-pp{pp_rank}.img"))
+    assert [stage(pp, {"0": [split]}).devices for pp in (0, 1)] == \
+        [[split.format(pp_rank=pp)] for pp in (0, 1)]
+
+
 def test_survives_a_restart(store_target, backends):
     path = store_target()
     pool = HostPool(mla=True, layout="page_first")
