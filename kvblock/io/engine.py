@@ -429,7 +429,9 @@ class IOEngine:
         if misaligned.any():
             i = int(np.argmax(misaligned))
             self._misaligned(int(b.devs[i]), int(b.offsets[i]), int(b.lens[i]))
-        beyond = b.offsets + b.lens > self._capacity[b.devs]
+        # (offsets + lens could wrap past 2**64 in uint64, hiding a range past the end)
+        capacity = self._capacity[b.devs]
+        beyond = (b.offsets > capacity) | (b.lens > capacity - np.minimum(b.offsets, capacity))
         if beyond.any():
             i = int(np.argmax(beyond))
             self._beyond(int(b.devs[i]), int(b.offsets[i]), int(b.lens[i]))

@@ -174,6 +174,12 @@ def test_bad_entry_of_a_batch_is_named(engine_name, file_target, size):
         with pytest.raises(IOFailedError, match=rf"{path}: range \[1044480, 1052672\)") as exc:
             eng.read(batch((0, MIB - 4096, 8192)))
         assert exc.value.offset == MIB - 4096 and exc.value.length == 8192
+        # offset + length past 2**64 (a length computed as a negative uint64):
+        # past the end all the same, not wrapped round to a small end
+        for off, length in [(8192, 2 ** 64 - 4096), (2 ** 64 - 4096, 8192)]:
+            with pytest.raises(IOFailedError, match=rf"{path}: range \[{off}, {off + length}\) "
+                                                    "ends past the device's 1048576 bytes"):
+                eng.read(batch((0, off, length)))
         with pytest.raises(ConfigError, match="device index 2 out of range"):
             eng.read(batch((2, 0, 4096)))
         # an entry past the end before a misaligned one: the misaligned one is named
