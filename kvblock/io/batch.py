@@ -34,12 +34,19 @@ class IOBatch:
         if devs.dtype != np.uint32 and devs.size and (devs.min() < 0 or devs.max() > 0xFFFFFFFF):
             raise ConfigError(f"IOBatch: device index {int(devs.min())}..{int(devs.max())} "
                               "out of range")
-        self.devs = np.ascontiguousarray(np.broadcast_to(devs, (n,)), dtype=np.uint32)
+        lens = np.asarray(self.lens)
+        for name, field in (("devs", devs), ("lens", lens)):
+            if field.size != 1 and field.shape != (n,):
+                raise ConfigError(f"IOBatch: {n} addresses but {field.size} {name}: give "
+                                  f"one per address, or one for all")
+        self.devs = np.ascontiguousarray(np.broadcast_to(devs.reshape(-1), (n,)),
+                                         dtype=np.uint32)
         self.offsets = np.ascontiguousarray(self.offsets, dtype=np.uint64).reshape(-1)
-        self.lens = np.ascontiguousarray(np.broadcast_to(self.lens, (n,)), dtype=np.uint64)
+        self.lens = np.ascontiguousarray(np.broadcast_to(lens.reshape(-1), (n,)),
+                                         dtype=np.uint64)
         if self.offsets.size != n:
-            raise ValueError(f"IOBatch fields differ in length: {n} addresses, "
-                             f"{self.offsets.size} offsets")
+            raise ConfigError(f"IOBatch: {n} addresses but {self.offsets.size} offsets: "
+                              "give one offset per address")
 
     def __len__(self) -> int:
         return int(self.addrs.size)

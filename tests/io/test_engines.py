@@ -374,6 +374,20 @@ def test_degenerate_arguments_get_typed_errors(engine_name, file_target):
     dev.close()
 
 
+def test_a_batch_of_fields_of_different_lengths_is_refused_by_name():
+    """Lengths and device indices are one per address (or one for all);
+    offsets one per address: anything else is a ConfigError naming the field
+    and both counts, not numpy's broadcast error."""
+    addrs = np.array([4096, 8192], np.uint64)
+    for fields, name in [((0, [0, 4096], [4096] * 3), "3 lens"),
+                         (([0, 0, 0], [0, 4096], 4096), "3 devs"),
+                         ((0, [0], 4096), "1 offsets")]:
+        with pytest.raises(ConfigError, match=rf"IOBatch: 2 addresses but {name}"):
+            IOBatch(addrs, *fields)
+    one = IOBatch(addrs, [1], [0, 4096], [4096])     # one for all, as a scalar
+    assert one.devs.tolist() == [1, 1] and one.lens.tolist() == [4096, 4096]
+
+
 def test_a_listed_batch_equals_the_batch_the_constructor_builds():
     """IOBatch.listed (the few-I/O paths' batches) skips __post_init__'s
     conversions: same dtypes and values, on one device (an int of any kind)
