@@ -93,6 +93,10 @@ class HostTier:
         meanwhile; with ``replace`` the older copy here goes too).
         ``replace``: a newer copy of a key already here replaces it (a put),
         else the one here stays."""
+        if block.nbytes != self.block_bytes:   # before a victim goes or a slot is taken
+            raise ConfigError(f"host tier: block of {block.nbytes} bytes for key "
+                              f"{key.hex()}; the tier holds {self.block_bytes}-byte blocks "
+                              "(the store's block_bytes)")
         with self.lock:
             if epoch is not None and epoch != self.epoch:
                 return

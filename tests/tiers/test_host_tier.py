@@ -45,6 +45,24 @@ def test_lru_within_segments_and_discard():
         HostTier(4096, 4096)
 
 
+def test_a_block_of_the_wrong_size_is_refused_and_costs_no_slot():
+    """A block that is not block_bytes long is a ConfigError naming both
+    sizes, raised before anything is evicted or a slot taken: the tier still
+    holds what it held and takes full-size blocks into every slot after."""
+    tier = HostTier(2 * 4096, 4096)
+    tier.put(b"a" * 16, block(1))
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="block of 100 bytes.*4096-byte blocks"):
+            tier.put(b"bad" * 5, block(2, size=100))
+        with pytest.raises(ConfigError, match="block of 100 bytes"):
+            tier.put(b"a" * 16, block(2, size=100), replace=True)
+    assert b"a" * 16 in tier and b"bad" * 5 not in tier
+    assert tier.get(b"a" * 16).tolist() == block(1).tolist()
+    for i in range(4):
+        tier.put(bytes([i]) * 16, block(i))
+    assert len(tier) == 2 and tier.stats()["host_evictions"] == 3
+
+
 def test_store_serves_from_both_tiers(tmp_path):
     path = tmp_path / "s.img"
     create_file(path, 16 << 20)
