@@ -103,7 +103,7 @@ class HostBuffer:
     def numpy(self, dtype=np.uint8, shape=None, offset: int = 0) -> np.ndarray:
         """A typed numpy view (no copy) starting ``offset`` bytes in."""
         dtype = np.dtype(dtype)
-        count = (self.nbytes - offset) // dtype.itemsize if shape is None else int(np.prod(shape))
+        count = self._view_count(dtype.itemsize, shape, offset)
         view = np.frombuffer(self._mm, dtype=dtype, count=count, offset=self._offset + offset)
         return view if shape is None else view.reshape(shape)
 
@@ -113,9 +113,19 @@ class HostBuffer:
 
         dtype = dtype or torch.uint8
         itemsize = torch.empty((), dtype=dtype).element_size()
-        count = (self.nbytes - offset) // itemsize if shape is None else int(np.prod(shape))
+        count = self._view_count(itemsize, shape, offset)
         t = torch.frombuffer(self._mm, dtype=dtype, count=count, offset=self._offset + offset)
         return t if shape is None else t.view(*shape)
+
+    def _view_count(self, itemsize: int, shape, offset: int) -> int:
+        """Items of a view starting ``offset`` bytes in (of ``shape``, else
+        to the end), checked to lie inside the buffer's nbytes."""
+        offset = int(offset)
+        count = (self.nbytes - offset) // itemsize if shape is None else int(np.prod(shape))
+        if not 0 <= offset <= self.nbytes or offset + count * itemsize > self.nbytes:
+            raise ConfigError(f"a view of {max(count, 0) * itemsize} bytes at offset {offset} "
+                              f"of a {self.nbytes}-byte buffer; keep views inside the buffer")
+        return count
 
     def close(self) -> None:
         with self._lock:

@@ -65,6 +65,26 @@ def test_numpy_and_torch_views_share_memory():
         del f, t
 
 
+def test_views_past_a_buffers_end_are_refused():
+    """A typed view must lie inside the buffer's nbytes: past them is the
+    page's padding or the mapping's huge-page slack, memory no I/O of the
+    buffer reaches (an offset past the end gave a non-empty view)."""
+    torch = pytest.importorskip("torch")
+    with HostBuffer(3 << 20) as buf:
+        for view in (buf.numpy, buf.torch):
+            dtype = torch.float32 if view == buf.torch else np.float32
+            with pytest.raises(ConfigError, match=r"offset 3149824.*3145728-byte buffer"):
+                view(dtype, offset=(3 << 20) + 4096)
+            with pytest.raises(ConfigError, match=r"4194304 bytes at offset 0.*3145728-byte"):
+                view(dtype, shape=(1 << 20,))
+            with pytest.raises(ConfigError, match=r"offset -4096"):
+                view(dtype, offset=-4096)
+            assert len(view(dtype, offset=(3 << 20) - 8)) == 2
+    with HostBuffer(100) as small:
+        with pytest.raises(ConfigError, match=r"400 bytes at offset 8 .*100-byte buffer"):
+            small.numpy(np.float32, shape=(100,), offset=8)
+
+
 def test_aligned_empty():
     a = aligned_empty((3, 1000), np.float16)
     assert a.ctypes.data % PAGE_SIZE == 0
