@@ -35,6 +35,7 @@ class BufferPool:
         self._cond = threading.Condition()
 
     def address_of(self, index: int) -> int:
+        self._check_index(index)
         return self.arena.address + index * self.buffer_bytes
 
     def view(self, index: int, nbytes: int | None = None) -> np.ndarray:

@@ -137,4 +137,9 @@ def test_pool_refuses_a_double_release_and_views_outside_a_buffer():
         with pytest.raises(ConfigError, match="8192 bytes"):
             pool.view(0, 8192)
         assert pool.view(1, 100).size == 100
+        # an address outside the arena: an I/O into it would overwrite other memory
+        for bad in (2, -1):
+            with pytest.raises(ConfigError, match=rf"no pool buffer {bad}: the pool has 2"):
+                pool.address_of(bad)
+        assert pool.address_of(1) == pool.arena.address + pool.buffer_bytes
 
