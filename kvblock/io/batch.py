@@ -17,6 +17,15 @@ from kvblock.errors import ConfigError
 DEFAULT_MAX_IO = 8 << 20
 
 
+def _out_of_range(e: OverflowError, entry: str | None = None) -> ConfigError:
+    """The ConfigError for a value that does not fit its field (numpy's
+    OverflowError names the value)."""
+    what = entry or str(e).replace("Python integer ", "").split(" out of bounds")[0]
+    return ConfigError(f"IOBatch: {what}: a value out of range; offsets, lengths and "
+                       "addresses are non-negative and below 2**64, device indices below "
+                       "2**32")
+
+
 @dataclass
 class IOBatch:
     addrs: np.ndarray    # uint64 host buffer addresses
@@ -28,6 +37,12 @@ class IOBatch:
     keep = None
 
     def __post_init__(self):
+        try:
+            self._convert()
+        except OverflowError as e:   # a negative Python int (or one past 2**64)
+            raise _out_of_range(e) from None
+
+    def _convert(self):
         self.addrs = np.ascontiguousarray(self.addrs, dtype=np.uint64).reshape(-1)
         n = self.addrs.size
         devs = np.asarray(self.devs)
@@ -60,10 +75,14 @@ class IOBatch:
         # Built field by field: __post_init__'s conversions cost more than the
         # I/O itself for a small read.
         b = object.__new__(cls)
-        b.addrs = np.array([address], dtype=np.uint64)
-        b.devs = np.array([dev], dtype=np.uint32)
-        b.offsets = np.array([offset], dtype=np.uint64)
-        b.lens = np.array([length], dtype=np.uint64)
+        try:
+            b.addrs = np.array([address], dtype=np.uint64)
+            b.devs = np.array([dev], dtype=np.uint32)
+            b.offsets = np.array([offset], dtype=np.uint64)
+            b.lens = np.array([length], dtype=np.uint64)
+        except OverflowError as e:
+            raise _out_of_range(e, f"offset {offset}, length {length}, address {address}, "
+                                f"device {dev}") from None
         return b
 
     @classmethod
@@ -72,10 +91,14 @@ class IOBatch:
         """A batch from lists of ints of equal length, on one device (an int)
         or one per entry (a list), built field by field, as single()."""
         b = object.__new__(cls)
-        b.addrs = np.array(addrs, dtype=np.uint64)
-        b.devs = np.array(dev if isinstance(dev, list) else [dev] * len(addrs), dtype=np.uint32)
-        b.offsets = np.array(offsets, dtype=np.uint64)
-        b.lens = np.array(lens, dtype=np.uint64)
+        try:
+            b.addrs = np.array(addrs, dtype=np.uint64)
+            b.devs = np.array(dev if isinstance(dev, list) else [dev] * len(addrs),
+                              dtype=np.uint32)
+            b.offsets = np.array(offsets, dtype=np.uint64)
+            b.lens = np.array(lens, dtype=np.uint64)
+        except OverflowError as e:
+            raise _out_of_range(e) from None
         return b
 
     @classmethod

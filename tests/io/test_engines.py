@@ -388,6 +388,20 @@ def test_a_batch_of_fields_of_different_lengths_is_refused_by_name():
     assert one.devs.tolist() == [1, 1] and one.lens.tolist() == [4096, 4096]
 
 
+def test_a_negative_offset_or_length_is_a_config_error(engine_name, file_target):
+    """A negative offset or length (a caller's subtraction gone wrong) does
+    not fit a uint64 field: ConfigError naming the value, not numpy's
+    OverflowError, whichever way the batch is built."""
+    with Device(file_target(MIB)) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(4096) as buf:
+        with pytest.raises(ConfigError, match="IOBatch: offset -4096, .*out of range"):
+            eng.read_into(0, -4096, buf.array)
+        with pytest.raises(ConfigError, match="IOBatch: -4096: a value out of range"):
+            IOBatch([buf.address], 0, [-4096], 4096)
+        with pytest.raises(ConfigError, match="IOBatch: -8192: a value out of range"):
+            IOBatch.listed([buf.address], 0, [0], [-8192])
+
+
 def test_a_listed_batch_equals_the_batch_the_constructor_builds():
     """IOBatch.listed (the few-I/O paths' batches) skips __post_init__'s
     conversions: same dtypes and values, on one device (an int of any kind)
