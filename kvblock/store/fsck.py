@@ -95,6 +95,15 @@ def check_checkpoints(store, report: FsckReport) -> None:
         if not store.readonly and valid[slot] is not None:   # the open wrote a new one there
             report.repaired.append(f"{store.io.devices[0].path}: rewrote checkpoint slot {slot}")
     report.info["journal_records_replayed"] = store.counters["replayed_records"]
+    path, base = store.io.devices[0].path, sb.journal_offset
+    for pos, length, e, rewritten in getattr(store, "journal_unreadable", []):
+        report.problems.append(
+            f"{path}: the journal at offset {base + pos} ({length} bytes) is unreadable ({e}): "
+            "replay stops there if it reaches it (the records from there on are lost); "
+            "a writable open (--repair) rewrites it")
+        if rewritten:
+            report.repaired.append(f"{path}: rewrote the unreadable journal at offset "
+                                   f"{base + pos} ({length} bytes)")
     gap = getattr(store, "journal_gap", None)
     if gap:
         report.problems.append(

@@ -63,7 +63,7 @@ class Recovery:
                 "corrupt); the cached KV cannot be trusted: reformat the store",
                 self.io.devices[0].path, sb.checkpoint_offset)
         self.index = KeyIndex()
-        journal = self.io.read_array(0, sb.journal_offset, sb.journal_bytes)
+        journal = self._read_journal()
         ahead = self._newer_epoch(journal, cp.generation)
         self.stale_checkpoint = bool(ahead)
         if ahead:
@@ -84,6 +84,7 @@ class Recovery:
             self._finish_layout()
             if not self.readonly:
                 self._write_checkpoint()
+                self._rewrite_unreadable_journal()
             return
         self._load_checkpoint(cp)
         records, end, next_seq = jfmt.scan(journal, cp.journal_seq,
@@ -120,6 +121,7 @@ class Recovery:
         self._finish_layout()
         if not self.readonly:
             self._write_checkpoint()  # new epoch: stale journal records are dead from here on
+            self._rewrite_unreadable_journal()
 
     def _read_slot(self, off: int, length: int, unreadable: list, array: bool = False):
         """Bytes of a checkpoint slot, or None when the device fails the read
@@ -134,6 +136,56 @@ class Recovery:
             unreadable.append(e)
             return None
 
+    def _read_journal(self):
+        """The journal's bytes.  A range the device cannot read (a bad
+        sector) reads as zeros, which ends replay there as a torn record
+        does; the ranges go to ``journal_unreadable`` (fsck reports them, a
+        writable open rewrites them)."""
+        sb = self.sb
+        # [offset in the journal, bytes, the error, rewritten]
+        self.journal_unreadable = []
+        try:
+            return self.io.read_array(0, sb.journal_offset, sb.journal_bytes)
+        except IOFailedError as e:
+            if e.path is None:  # the engine failed, not the device
+                raise
+        journal = np.zeros(sb.journal_bytes, np.uint8)
+        unit = max(jfmt.BLOCK, self.io.devices[0].block_size)
+        todo = [(0, sb.journal_bytes)]
+        while todo:             # halve what fails, down to one block
+            pos, length = todo.pop()
+            try:
+                journal[pos:pos + length] = self.io.read_array(0, sb.journal_offset + pos,
+                                                               length)
+                continue
+            except IOFailedError as e:
+                if e.path is None:
+                    raise
+                if length > unit:
+                    half = -(-length // 2 // unit) * unit
+                    todo += [(pos + half, length - half), (pos, half)]
+                    continue
+                bad = self.journal_unreadable
+                if bad and bad[-1][0] + bad[-1][1] == pos:
+                    bad[-1][1] += length
+                else:
+                    bad.append([pos, length, e, False])
+        for pos, length, e, _ in self.journal_unreadable:
+            logger.warning("kvblock: %s: %d journal bytes at offset %d are unreadable (%s); "
+                           "replay stops there", self.io.devices[0].path, length,
+                           sb.journal_offset + pos, e)
+        return journal
+
+    def _rewrite_unreadable_journal(self):
+        """(a writable open, after its checkpoint started a new epoch: every
+        record on the journal is dead) zeros over the unreadable ranges,
+        which a drive remaps, so the next open reads them again."""
+        for bad in self.journal_unreadable:
+            self.io.write_bytes(0, self.sb.journal_offset + bad[0], bytes(bad[1]))
+            bad[3] = True
+        if self.journal_unreadable:
+            self.io.flush([0])
+
     def _newer_epoch(self, journal, generation: int) -> int:
         """k > 0 when the journal's first record belongs to checkpoint
         generation ``generation + k``: a newer checkpoint restarted the
@@ -142,6 +194,12 @@ class Recovery:
         leaves the older one and its journal whole."""
         first = jfmt.record_at(journal)
         if first is None:
+            if self.journal_unreadable and self.journal_unreadable[0][0] == 0 and \
+                    self.damaged_checkpoint_slots:
+                # The first record is unreadable and so is a checkpoint:
+                # nothing tells whether the journal moved on; assume it did
+                # (as far as is checked below), the older runs are not safe.
+                return 3
             return 0
         for k in range(1, 4):
             if first[0] == jfmt.epoch(self.sb.store_uuid, generation + k):

@@ -153,3 +153,26 @@ def test_a_newest_checkpoint_torn_before_its_journal_began_loses_nothing(tmp_pat
             if store.lookup(keys):
                 assert store.get_run(keys, got) == 1 and np.array_equal(got, run_data(keys))
         assert sum(store.lookup(k) for k in others) == store.stats()["runs"] > 0
+
+
+def test_an_unreadable_newest_checkpoint_and_journal_start_drop_the_older_runs(tmp_path):
+    """The newest checkpoint slot and the journal's first block both
+    unreadable (EIO): whether the journal had moved on from the older
+    checkpoint cannot be told, so its runs (reclaimed and rewritten since)
+    are not trusted: the store opens empty rather than serving them."""
+    from kvblock.store.fsck import fsck
+    from tests.support.faults import BadSectors
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    x, others, slot, sb = _history(path, journal_after=True)
+    bad = BadSectors()
+    bad.add(0, sb.checkpoint_offset + slot * sb.checkpoint_bytes, 4096)
+    bad.add(0, sb.journal_offset, 4096)
+    with KVStore.open([str(path)], verify="never", storeio_factory=bad.factory()) as store:
+        assert store.lookup(x) == 0 and store.stats()["runs"] == 0
+        assert store.get_run(x, np.zeros(4 * GEOM.block_bytes, np.uint8)) == 0
+        report = fsck(store)
+        assert any("cannot be trusted" in p for p in report.problems), report.problems
+    with KVStore.open([str(path)], verify="never") as store:
+        assert store.lookup(x) == 0 and fsck(store).status == "clean"

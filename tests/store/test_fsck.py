@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvblock import KVStore
@@ -135,3 +136,53 @@ def test_an_unreadable_superblock_copy_is_a_bad_one(tmp_path, copy):
         assert report.repaired == [f"{path}: rewrote superblock copy at offset {copy}"]
     with KVStore.open([str(path)], readonly=True) as store:
         assert fsck(store).status == "clean" and store.lookup(run_keys(1, 2)) == 2
+
+
+def _crashed_with_three_commits(path):
+    """Runs a, b, c put in three journal commits after the open's checkpoint,
+    then a crash (no clean close): all three are in the journal only.
+    Returns (their keys, the journal offset of each commit)."""
+    create_file(path, 8 * MIB)
+    KVStore.format([str(path)], GEOM, region_size=256 << 10).close()
+    store = KVStore.open([str(path)])
+    runs, at = [run_keys(60 + i, 2) for i in range(3)], []
+    for keys in runs:
+        at.append(store.sb.journal_offset + store._jhead)
+        store.put_run(keys, run_data(keys))
+    store._release_devices()
+    store.closed = True
+    return runs, at
+
+
+@pytest.mark.parametrize("where", ["replayed", "old"])
+def test_an_unreadable_journal_block_does_not_make_the_store_unopenable(tmp_path, where):
+    """A bad sector (EIO) anywhere in the journal -- under the records a
+    replay needs, or under old records of an earlier epoch -- failed every
+    open with an I/O error (kvblock fsck exited 9, no report, no repair):
+    recovery read the whole journal in one read.  The store now opens:
+    records before the unreadable block are replayed, those from it on are
+    not (as after a torn record); fsck names the device and offset; a
+    writable open rewrites the block."""
+    path = tmp_path / "store.img"
+    runs, at = _crashed_with_three_commits(path)
+    if where == "old":       # a clean close: the three records are an old epoch's
+        KVStore.open([str(path)]).close()
+    bad = BadSectors()
+    bad.add(0, at[1], 4096)
+    with KVStore.open([str(path)], readonly=True, storeio_factory=bad.factory()) as store:
+        found = [store.lookup(keys) for keys in runs]
+        assert found == ([2, 0, 0] if where == "replayed" else [2, 2, 2])
+        report = fsck(store)
+        assert report.status == "problems", report.problems
+        assert any(f"{path}: the journal at offset {at[1]}" in p and "unreadable" in p
+                   and "EIO" in p for p in report.problems), report.problems
+    with KVStore.open([str(path)], storeio_factory=bad.factory()) as store:
+        report = fsck(store, repair=True)
+        assert report.status == "repaired", report.problems
+        assert f"{path}: rewrote the unreadable journal at offset {at[1]}" \
+            in "\n".join(report.repaired)
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert fsck(store).status == "clean"
+        assert [store.lookup(keys) for keys in runs] == found
+        got = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(runs[0], got) == 2 and np.array_equal(got, run_data(runs[0]))
