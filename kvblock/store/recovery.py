@@ -207,6 +207,24 @@ class Recovery:
         return 0
 
     def _load_checkpoint(self, cp: cpfmt.Checkpoint):
+        rows = cp.runs
+        if len(rows):    # checksums prove what was written, not that it was right
+            sizes, inv = np.unique(rows["nblocks"], return_inverse=True)
+            sizes = np.array([self.layout(max(1, int(n))).run_bytes for n in sizes],
+                             np.uint64)[inv]
+            room = np.uint64(self.regions.size)
+            bad = np.nonzero((rows["region"] >= self.regions.count) | (rows["nblocks"] == 0)
+                             | (sizes > room) | (rows["offset"] > room - sizes))[0]
+            if bad.size:
+                row = rows[int(bad[0])]
+                off = self.sb.checkpoint_offset + self._cp_slot * self.sb.checkpoint_bytes
+                raise NotAStoreError(
+                    f"{self.io.devices[0].path}: the checkpoint at offset {off} places "
+                    f"{bad.size} run(s) outside their region (run {int(row['run_id'])}: "
+                    f"region {int(row['region'])} of {self.regions.count}, offset "
+                    f"{int(row['offset'])}, {int(row['nblocks'])} blocks; regions are "
+                    f"{self.regions.size} bytes): metadata corrupt, the cached KV cannot be "
+                    "trusted: reformat the store", self.io.devices[0].path, off)
         self.regions.generation[:] = cp.regions["generation"]
         self.regions.seal_seq[:] = cp.regions["seal_seq"]
         self.regions.sealed_at[:] = cp.regions["sealed_at"]
@@ -229,7 +247,8 @@ class Recovery:
         self._next_run_id = max(self._next_run_id, rec.run_id + 1)
         if rec.region >= self.regions.count or \
                 rec.generation != int(self.regions.generation[rec.region]) or \
-                len(rec.checksums) != self.geometry.run_checksums:
+                len(rec.checksums) != self.geometry.run_checksums or \
+                rec.offset + self.layout(rec.nblocks).run_bytes > self.regions.size:
             return None  # stale or foreign: its space was reclaimed since
         return Run(rec.run_id, rec.region, rec.generation, rec.offset, rec.keys,
                    np.array(rec.checksums, dtype=np.uint64), created=time.time())

@@ -176,3 +176,59 @@ def test_an_unreadable_newest_checkpoint_and_journal_start_drop_the_older_runs(t
         assert any("cannot be trusted" in p for p in report.problems), report.problems
     with KVStore.open([str(path)], verify="never") as store:
         assert store.lookup(x) == 0 and fsck(store).status == "clean"
+
+
+@pytest.mark.parametrize("field, value", [("region", 1000), ("offset", 1 << 30)])
+def test_a_checkpoint_run_outside_its_region_is_a_typed_error(tmp_path, field, value):
+    """A checkpoint (its checksums whole: written so by a bug) naming a run
+    in a region the store does not have failed the open with a bare
+    IndexError; one past its region's end opened and sent reads outside
+    the region.  Both are a NotAStoreError naming the device and slot."""
+    from kvblock.errors import NotAStoreError
+    from kvblock.format import checkpoint as cpfmt
+    from tests.store.workload import run_data, run_keys
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as store:
+        store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+        sb, off = store.sb, None
+    with KVStore.open([str(path)], readonly=True) as store:
+        off = sb.checkpoint_offset + store._cp_slot * sb.checkpoint_bytes
+    with open(path, "r+b") as f:
+        f.seek(off)
+        raw = f.read(sb.checkpoint_bytes)
+        cp = cpfmt.decode_payload(cpfmt.decode_header(raw), raw[cpfmt.HEADER_BYTES:])
+        cp.runs[field][0] = value
+        f.seek(off)
+        f.write(cp.encode())
+    with pytest.raises(NotAStoreError, match=f"{path}.*offset {off}.*outside"):
+        KVStore.open([str(path)], readonly=True)
+
+
+def test_a_replayed_run_past_its_region_is_not_published(tmp_path):
+    """A journal PUT (checksums whole: written so by a bug) placing a run
+    past its region's end was published by replay: reads of it went
+    outside the region (into the next one's runs, or past the device).
+    It is not replayed, as a record naming a region the store lacks is not."""
+    from kvblock.format import journal as jfmt
+    from tests.store.workload import run_data, run_keys
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    keys = run_keys(1, 2)
+    store.put_run(keys, run_data(keys))
+    run = next(iter(store.index.runs.values()))
+    rec = jfmt.PutRun(run.run_id + 1, run.region, run.generation, REGION - GEOM.block_bytes,
+                      run.keys, tuple(int(c) for c in run.checksums))
+    data = jfmt.encode_commit([rec], store._seq, jfmt.epoch(store.sb.store_uuid,
+                                                            store._generation))
+    store.io.write_bytes(0, store.sb.journal_offset + store._jhead, data)
+    store._release_devices()
+    store.closed = True
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert store.stats()["runs"] == 1 and store.lookup(keys) == 2
+        assert all(r.offset + store.layout(r.nblocks).run_bytes <= REGION
+                   for r in store.index.runs.values())
