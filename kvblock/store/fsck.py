@@ -113,12 +113,17 @@ def check_checkpoints(store, report: FsckReport) -> None:
             "are lost (a crash inside one commit leaves a few such records; more mean the "
             "journal was damaged). The rest of the store is consistent; a writable open "
             "(--repair) starts a new journal")
+        if not store.readonly:      # the open wrote a checkpoint: a new journal epoch
+            report.repaired.append(f"{store.io.devices[0].path}: started a new journal")
     if getattr(store, "stale_checkpoint", False):
         report.problems.append(
             f"{store.io.devices[0].path}: the newest checkpoint is unreadable and the journal "
             "had moved on from the older one; its "
             f"{store.counters['stale_checkpoint_runs_dropped']} runs cannot be trusted and "
             "were dropped at open (the cache restarts empty)")
+        if not store.readonly:
+            report.repaired.append(f"{store.io.devices[0].path}: wrote a new checkpoint of "
+                                   "the (empty) cache")
 
 
 def _checkpoint_intact(store, off: int, head) -> bool:

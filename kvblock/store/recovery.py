@@ -40,7 +40,7 @@ class Recovery:
             head = cpfmt.decode_header(raw)
             if head is not None:
                 slots.append((head.generation, slot, head))
-            elif bytes(raw[:len(cpfmt.MAGIC)]) == cpfmt.MAGIC:
+            elif any(raw):      # written once (a slot never written is zeros)
                 self.damaged_checkpoint_slots.append(slot)
         cp = None
         for _, slot, head in sorted(slots, reverse=True):

@@ -126,6 +126,8 @@ def test_an_unreadable_newest_checkpoint_never_brings_back_reclaimed_runs(tmp_pa
     with KVStore.open([str(path)], verify="never") as store:
         assert store.stats()["stale_checkpoint_runs_dropped"] == 1      # X, long gone
         assert store.lookup(x) == 0 and store.stats()["runs"] == 0
+        # the writable open (fsck --repair's) wrote a trusted checkpoint
+        assert fsck(store, repair=True).status == "repaired"
         assert store.get_run(x, np.zeros(4 * GEOM.block_bytes, np.uint8)) == 0
         fresh = run_keys(3000, 2)
         assert store.put_run(fresh, run_data(fresh)) == 2

@@ -186,3 +186,29 @@ def test_an_unreadable_journal_block_does_not_make_the_store_unopenable(tmp_path
         assert [store.lookup(keys) for keys in runs] == found
         got = np.zeros(2 * GEOM.block_bytes, np.uint8)
         assert store.get_run(runs[0], got) == 2 and np.array_equal(got, run_data(runs[0]))
+
+
+@pytest.mark.parametrize("damage", ["fallback slot", "journal gap"])
+def test_fsck_repair_says_repaired_when_the_writable_open_repaired(tmp_path, damage):
+    """fsck --repair opens the store writable, and that open already
+    repairs: it rewrites the fallback checkpoint slot and starts a new
+    journal past a gap.  The report said "clean" for a fallback slot whose
+    magic was damaged (the open did not count it), and "problems" for a
+    journal gap, though both were gone: both are problems, repaired."""
+    path = tmp_path / "store.img"
+    runs, at = _crashed_with_three_commits(path)
+    with KVStore.open([str(path)], readonly=True) as store:
+        sb, older = store.sb, 1 - store._cp_slot
+    if damage == "fallback slot":
+        _flip(path, sb.checkpoint_offset + older * sb.checkpoint_bytes)
+    else:
+        _flip(path, at[1] + 48)          # b's record: c's follows intact
+    with KVStore.open([str(path)]) as store:
+        report = fsck(store, repair=True)
+        assert len(report.problems) == 1, report.problems
+        assert ("checkpoint slot" if damage == "fallback slot" else "the journal stops") \
+            in report.problems[0]
+        assert report.status == "repaired" and len(report.repaired) == 1, report.repaired
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert fsck(store).status == "clean"
+        assert store.lookup(runs[0]) == 2
