@@ -209,11 +209,19 @@ class Recovery:
     def _load_checkpoint(self, cp: cpfmt.Checkpoint):
         rows = cp.runs
         if len(rows):    # checksums prove what was written, not that it was right
-            sizes, inv = np.unique(rows["nblocks"], return_inverse=True)
-            sizes = np.array([self.layout(max(1, int(n))).run_bytes for n in sizes],
-                             np.uint64)[inv]
+            # each run's bytes by a table of the lengths present (a bincount,
+            # not np.unique's sort: 80 ms per million runs on the 2-core VM)
+            nblocks = rows["nblocks"].astype(np.int64)
+            longest = self.max_run_blocks
+            table = np.zeros(longest + 1, np.uint64)
+            counts = np.bincount(np.minimum(nblocks, longest), minlength=longest + 1)
+            for n in np.flatnonzero(counts[1:]) + 1:
+                table[n] = self.layout(int(n)).run_bytes
+            sizes = table[np.minimum(nblocks, longest)]
+            for i in np.flatnonzero(nblocks > longest):    # none unless corrupt
+                sizes[i] = self.layout(int(nblocks[i])).run_bytes
             room = np.uint64(self.regions.size)
-            bad = np.nonzero((rows["region"] >= self.regions.count) | (rows["nblocks"] == 0)
+            bad = np.nonzero((rows["region"] >= self.regions.count) | (nblocks == 0)
                              | (sizes > room) | (rows["offset"] > room - sizes))[0]
             if bad.size:
                 row = rows[int(bad[0])]
