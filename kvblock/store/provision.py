@@ -42,10 +42,8 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
         for path in devices:
             if not os.path.exists(path):
                 create_file(path, size)
-            elif os.path.isfile(path) and os.path.getsize(path) != size:
-                logger.warning("kvblock: %s: %s exists with %d bytes; size %d applies to new "
-                               "files only (delete the file to make it anew)", owner, path,
-                               os.path.getsize(path), size)
+            else:
+                _warn_size(path, size, owner)
     if format == "force":
         return KVStore.format(devices, geometry, model=model, region_size=region_size,
                               force=True, **options)
@@ -55,10 +53,7 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
         if format == "never":
             raise
     else:
-        if region_size is not None and store.sb.region_size != region_size:
-            logger.warning("kvblock: %s: the store on %s was formatted with regions of %d "
-                           "bytes; region_size %d applies when a store is formatted",
-                           owner, devices, store.sb.region_size, region_size)
+        _warn_region_size(devices, store.sb.region_size, region_size, owner)
         return store
     for path in devices:
         if _is_block_device(path):
@@ -70,6 +65,20 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
                                         f"format it. Wipe it, or {force_hint}")
     logger.info("kvblock: formatting a new store on %s (%s)", devices, geometry.describe())
     return KVStore.format(devices, geometry, model=model, region_size=region_size, **options)
+
+
+def _warn_size(path: str, size: int, owner: str) -> None:
+    if os.path.isfile(path) and os.path.getsize(path) != size:
+        logger.warning("kvblock: %s: %s exists with %d bytes; size %d applies to new "
+                       "files only (delete the file to make it anew)", owner, path,
+                       os.path.getsize(path), size)
+
+
+def _warn_region_size(devices, formatted: int, region_size: int | None, owner: str) -> None:
+    if region_size is not None and formatted != region_size:
+        logger.warning("kvblock: %s: the store on %s was formatted with regions of %d "
+                       "bytes; region_size %d applies when a store is formatted",
+                       owner, devices, formatted, region_size)
 
 
 # KVStore options a shared store's server takes (the rest are per client).
@@ -110,7 +119,10 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
         raise ConfigError(f"{owner}: a DRAM tier (host_cache_bytes) cannot be used with a "
                           "shared store server (its clients read the devices themselves)")
 
+    prepared = []
+
     def prepare():
+        prepared.append(True)
         open_or_format(devices, geometry, model, format=format, size=size,
                        region_size=region_size, owner=owner).close()
 
@@ -121,6 +133,13 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
                     queue_depth=int(options.get("queue_depth") or 32),
                     timeout=SHARED_CALL_TIMEOUT_S, reconnect=True,
                     geometry=geometry, model=model)
+    if not prepared:
+        # A server already served the store: size and region_size (which
+        # prepare applies, and says when they do not) were not looked at.
+        if size is not None:
+            for path in devices:
+                _warn_size(path, size, owner)
+        _warn_region_size(devices, store.regions.size, region_size, owner)
     return store
 
 

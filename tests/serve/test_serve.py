@@ -698,6 +698,30 @@ def test_an_engines_bad_store_settings_are_refused_while_a_server_runs(tmp_path,
         store.close()
 
 
+def test_an_engines_size_and_region_size_are_said_not_to_apply_to_a_running_server(
+        tmp_path, sock, caplog):
+    """open_shared with a server already serving the store: a region_size or
+    size the store was not made with is logged as not applied (as
+    open_or_format logs it), not silently dropped; matching ones are quiet."""
+    import logging
+
+    from kvblock import create_file
+    from kvblock.store.provision import open_shared
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, 8 * MIB)
+    KVStore.format([path], GEOM, model="m", region_size=REGION).close()
+    with serve_in_background([path], sock, model="m"):
+        with caplog.at_level(logging.WARNING, logger="kvblock"):
+            open_shared(sock, [path], GEOM, "m", size=8 * MIB, region_size=REGION).close()
+        assert not caplog.records
+        with caplog.at_level(logging.WARNING, logger="kvblock"):
+            open_shared(sock, [path], GEOM, "m", size=16 * MIB, region_size=2 * REGION).close()
+        text = caplog.text
+        assert "size 16777216 applies to new files only" in text
+        assert f"region_size {2 * REGION} applies when a store is formatted" in text
+
+
 def test_a_server_out_of_descriptors_serves_again_once_some_are_free(tmp_path):
     """More connections than the server has descriptors for: accept fails
     with EMFILE for a while.  The accept thread must outlive it (it used to
