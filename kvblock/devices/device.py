@@ -98,7 +98,8 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
         os.close(fd)
         fd = -1
         if not existed:
-            path.unlink(missing_ok=True)
+            # The file made: a dangling symlink's target, not the link.
+            Path(os.path.realpath(path)).unlink(missing_ok=True)
         raise
     finally:
         if fd >= 0:

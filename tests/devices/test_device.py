@@ -318,3 +318,16 @@ class _Roomy:
 
     def __getattr__(self, name):
         return 1 << 40 if name == "f_bavail" else getattr(self._real, name)
+
+
+def test_create_file_through_a_dangling_symlink_that_fails_keeps_the_link(small_fs, tmp_path):
+    """A store path that is a symlink to a file not made yet (the file goes on
+    another filesystem): a create that fails removes the file it made at the
+    link's target, not the user's link."""
+    link = tmp_path / "kv.img"
+    link.symlink_to(small_fs / "kv.img")
+    with pytest.raises(DeviceError, match="cannot reserve"):
+        create_file(link, 64 * MIB)
+    assert link.is_symlink() and os.readlink(link) == str(small_fs / "kv.img")
+    assert not (small_fs / "kv.img").exists()
+    assert create_file(link, 1 * MIB) == link and os.path.getsize(small_fs / "kv.img") == MIB
