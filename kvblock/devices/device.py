@@ -71,9 +71,19 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
     path = Path(path)
     if not os.path.lexists(path):
         _refuse_dev(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    existed = path.exists()
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        existed = path.exists()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as e:
+        # mkdir's EEXIST (exist_ok): a folder on the way is a file.
+        code = errno.ENOTDIR if isinstance(e, FileExistsError) else e.errno
+        where = f" (at {e.filename})" if e.filename and os.fspath(e.filename) != str(path) else ""
+        cls = DevicePermissionError if code in (errno.EACCES, errno.EPERM) else DeviceError
+        raise cls(f"{path}: cannot create the store file: {strerror(code)}{where}; choose "
+                  "another path (a file on a writable filesystem)"
+                  + ("; or run as a user that may write there" if cls is not DeviceError else ""),
+                  path, code) from None
     try:
         st = os.fstat(fd)
         if st.st_size < size:

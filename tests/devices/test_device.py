@@ -331,3 +331,35 @@ def test_create_file_through_a_dangling_symlink_that_fails_keeps_the_link(small_
     assert link.is_symlink() and os.readlink(link) == str(small_fs / "kv.img")
     assert not (small_fs / "kv.img").exists()
     assert create_file(link, 1 * MIB) == link and os.path.getsize(small_fs / "kv.img") == MIB
+
+
+def test_create_file_where_it_cannot_be_made_is_a_device_error(tmp_path):
+    """A store file that cannot be made (its folder is a file, the path a
+    folder, the filesystem read-only) is a DeviceError naming the path, as
+    opening a device is, not a bare OSError."""
+    (tmp_path / "plain").write_bytes(b"")
+    with pytest.raises(DeviceError, match=r"plain/kv.img: cannot create the store file: "
+                                          r"ENOTDIR.*choose another path") as e:
+        create_file(tmp_path / "plain" / "kv.img", MIB)
+    assert e.value.errno == errno.ENOTDIR and e.value.path == str(tmp_path / "plain" / "kv.img")
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(DeviceError, match=r"dir: cannot create the store file: EISDIR"):
+        create_file(tmp_path / "dir", MIB)
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        with pytest.raises(DeviceError, match=r"ro/kv.img: cannot create the store file: EROFS"):
+            create_file(ro / "kv.img", MIB)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    if os.geteuid() == 0:                    # a folder only root may enter, as nobody
+        (tmp_path / "private").mkdir(mode=0o700)
+        os.chmod(tmp_path, 0o755)
+        code = ("import os, sys\nfrom kvblock.devices import create_file\n"
+                "from kvblock.errors import DevicePermissionError\n"
+                "os.setgid(65534); os.setuid(65534)\ntry:\n    create_file(sys.argv[1], 4096)\n"
+                "except DevicePermissionError as e:\n    print('denied:', e)\n")
+        out = subprocess.run([_python(), "-c", code, str(tmp_path / "private" / "kv.img")],
+                             capture_output=True, text=True)
+        assert "denied:" in out.stdout and "EACCES" in out.stdout, out.stderr
