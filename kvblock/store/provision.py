@@ -10,6 +10,7 @@ util-linux's blkid finds a filesystem, partition table or RAID/LVM signature;
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -38,12 +39,26 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
     in error messages."""
     if format not in FORMAT_MODES:
         raise ConfigError(f"{owner}: format must be one of {FORMAT_MODES}, got {format!r}")
-    if size is not None:
-        for path in devices:
-            if not os.path.exists(path):
-                create_file(path, size)
-            else:
-                _warn_size(path, size, owner)
+    created = []
+    try:
+        if size is not None:
+            for path in devices:
+                if not os.path.exists(path):
+                    create_file(path, size)
+                    created.append(path)
+                else:
+                    _warn_size(path, size, owner)
+        return _open_or_format(devices, geometry, model, format, region_size, owner,
+                               force_hint, options)
+    except BaseException:
+        for path in created:        # a start that failed leaves no file it made behind
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        raise
+
+
+def _open_or_format(devices, geometry, model, format, region_size, owner, force_hint,
+                    options) -> KVStore:
     if format == "force":
         return KVStore.format(devices, geometry, model=model, region_size=region_size,
                               force=True, **options)

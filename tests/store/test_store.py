@@ -826,6 +826,38 @@ def test_open_or_format_says_when_size_or_region_size_no_longer_apply(tmp_path, 
     assert f"region_size {2 * REGION} applies when a store is formatted" in text
 
 
+def test_open_or_format_that_fails_removes_the_files_it_created(tmp_path):
+    """size makes the missing files; when a later step fails (the next file
+    finds no room, the format refuses) the files it made are removed, as
+    `kvblock format --size` removes them: a retry with another size would
+    otherwise keep the first file at the old size."""
+    import subprocess
+
+    from kvblock.errors import DeviceError
+    from kvblock.store.provision import open_or_format
+
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(small)], check=True)
+    try:
+        first, second = str(small / "a.img"), str(small / "b.img")
+        with pytest.raises(DeviceError, match="cannot reserve"):
+            open_or_format([first, second], GEOM, "m", size=8 << 20, region_size=REGION)
+        assert not os.path.exists(first) and not os.path.exists(second)
+        with pytest.raises(ConfigError, match="region_size"):
+            open_or_format([first], GEOM, "m", size=8 << 20, region_size=-1)
+        assert not os.path.exists(first)
+        kept = str(small / "kept.img")
+        create_file(kept, 1 << 20)          # a file it did not make stays
+        with pytest.raises(KVBlockError):
+            open_or_format([first, kept], GEOM, "m", size=4 << 20, region_size=REGION)
+        assert not os.path.exists(first) and os.path.getsize(kept) == 1 << 20
+        open_or_format([first], GEOM, "m", size=4 << 20, region_size=REGION).close()
+        assert os.path.getsize(first) == 4 << 20
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=True)
+
+
 def test_default_regions_have_room_for_the_trailers_of_round_runs(tmp_path):
     """Engines cut runs at round sizes; a default region is a round size plus
     1/64, so runs of a quarter of it still fill it, trailers and all."""
