@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import os
 import stat
 import struct
@@ -495,11 +496,19 @@ def _retry_busy(attempt, timeout: float):
             time.sleep(0.01)
 
 
-def _punch_hole(fd: int, offset: int, length: int) -> None:
+@functools.cache
+def _libc():
+    """libc through ctypes, found once (find_library runs ldconfig: a process)."""
     import ctypes
     import ctypes.util
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> None:
+    import ctypes
+
+    libc = _libc()
     FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
     if libc.fallocate(fd, FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE,
                       ctypes.c_long(offset), ctypes.c_long(length)) != 0:

@@ -212,6 +212,22 @@ def test_discard_zeroes_file_range(file_target):
         assert f.read(4096) == b"\xab" * 4096
 
 
+def test_discards_of_a_file_look_up_libc_once(file_target, monkeypatch):
+    """A file's discard punches a hole through libc's fallocate; finding
+    libc (ctypes.util.find_library runs ldconfig, a process) is done once,
+    not for every region a store reclaims."""
+    import ctypes.util
+
+    path = file_target(1 * MIB)
+    found = []
+    real = ctypes.util.find_library
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: found.append(name) or real(name))
+    with Device(path) as dev:
+        for off in range(0, 8 * 65536, 65536):
+            assert dev.discard(off, 65536)
+    assert len(found) <= 1, found
+
+
 def test_errors_are_oserrors_too(tmp_path):
     with pytest.raises(OSError):
         Device(tmp_path / "missing")
