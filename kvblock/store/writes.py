@@ -169,15 +169,24 @@ class RunWriter(RunIO):
             raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
                                  f"{regions.size}-byte region")
         full, rest = divmod(nblocks, step)
-        need = full * self.layout(step).run_bytes + (self.layout(rest).run_bytes if rest else 0)
+        piece = self.layout(step).run_bytes
+        rest_bytes = self.layout(rest).run_bytes if rest else 0
+        need = full * piece + rest_bytes
+        # Pieces never straddle regions: count the regions they fill (a
+        # region's slack past its last whole piece adds up over many).
+        per_region = regions.size // piece
+        used = -(-full // per_region)
+        if rest and (not used or (full - (used - 1) * per_region) * piece + rest_bytes
+                     > regions.size):
+            used += 1
         # Its first piece may go to the partly filled region: count one less.
-        room = max(1, regions.count - 1) * regions.size
-        if need > room:
+        room = max(1, regions.count - 1)
+        if used > room:
             raise StoreFullError(
-                f"a run of {nblocks} blocks ({need} bytes on the device) does not fit this "
-                f"store, which holds at most {room} bytes of one run ({regions.count} regions "
-                f"of {regions.size} bytes, less one); store a shorter prefix or give the "
-                "store more capacity")
+                f"a run of {nblocks} blocks ({need} bytes on the device, in {used} regions) "
+                f"does not fit this store, which holds at most {room} regions of one run "
+                f"({regions.count} regions of {regions.size} bytes, less one); store a "
+                "shorter prefix or give the store more capacity")
 
     def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int,
                    later: int | bool = False):

@@ -196,6 +196,28 @@ def test_a_run_larger_than_the_store_is_refused_before_anything_is_evicted(tmp_p
         assert store.lookup(fits) == len(fits)
 
 
+def test_a_run_that_fits_the_bytes_but_not_the_regions_is_refused(tmp_path):
+    # A run is cut into pieces of max_run_blocks, each a little smaller than
+    # a region (its padding and trailer); pieces never straddle regions, so
+    # that slack adds up: a run whose bytes fit the store's regions but whose
+    # pieces need one region more would have its tail evict its head.
+    path = _store(tmp_path, 12 * MIB)
+    with KVStore.open([path]) as store:
+        count, step = store.regions.count, store.max_run_blocks
+        piece = store.layout(step).run_bytes
+        assert store.regions.size // piece == 1 and count * piece <= (count - 1) * \
+            store.regions.size
+        n = count * step + 1                 # one piece per region, and one more
+        big = run_keys(10, n)
+        with pytest.raises(StoreFullError, match=f"a run of {n} blocks .* does not fit"):
+            store.put_run(big, np.zeros(n * GEOM.block_bytes, np.uint8))
+        assert store.lookup(big) == 0 and store.counters["evicted_regions"] == 0
+        fits = run_keys(11, (count - 1) * step)
+        assert store.put_run(fits, np.zeros(len(fits) * GEOM.block_bytes, np.uint8)) \
+            == len(fits)
+        assert store.lookup(fits) == len(fits)
+
+
 def test_a_region_emptied_while_pinned_is_freed_when_unpinned(tmp_path):
     path = _store(tmp_path)
     with KVStore.open([path]) as store:
