@@ -272,6 +272,7 @@ class Recovery:
                 for run in self.index.runs_in(rec.region):
                     self._remove_run(run)
                 self.regions.generation[rec.region] = rec.generation
+                self.regions.fill[rec.region] = 0   # the runs put after it count anew
                 # Empty again, as release() leaves it: runs put in it after
                 # this record were sealed later, not when the checkpoint's
                 # seal time says (evict_older_than and fifo/lru would take

@@ -360,3 +360,23 @@ def test_a_region_reclaimed_as_a_checkpoint_is_taken_is_not_old_after_a_replay(t
         assert all(store.lookup(keys) == n for keys in late)
         store.evict_older_than(cutoff)
         assert [store.lookup(keys) for keys in late] == [n] * len(late)
+
+
+def test_used_bytes_after_a_crash_count_a_reclaimed_region_anew(tmp_path):
+    # A region filled, reclaimed and reused with a smaller run before a crash:
+    # replay must not keep the old runs' fill (used_bytes, the gauge).
+    path = _store(tmp_path, 2 * MIB)
+    store = KVStore.open([path])
+    for i in range(3):
+        store.put_run(run_keys(i, 8), run_data(run_keys(i, 8)))
+    first = store.regions.open
+    store.evict(all=True)
+    i = 10
+    while store.regions.open != first:
+        store.put_run(run_keys(i, 8), run_data(run_keys(i, 8)))
+        i += 1
+    used = store.stats()["used_bytes"]
+    _crash(store)
+    with KVStore.open([path]) as store:
+        assert store.counters["replayed_records"] > 0
+        assert store.stats()["used_bytes"] == used
