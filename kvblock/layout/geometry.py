@@ -116,6 +116,12 @@ def model_fingerprint(model: str | bytes | None) -> bytes:
     """32-byte fingerprint of a model identity (name, revision, salt...)."""
     if model is None:
         return bytes(32)
+    if not isinstance(model, (str, bytes, bytearray, memoryview)):
+        # bytes() of an int is that many zero bytes (0 would be ""), of a
+        # tuple a TypeError: two models could share a fingerprint
+        raise ConfigError(f"model must be a name (str or bytes) such as "
+                          f"'meta-llama/Llama-3.1-8B@rev', got {type(model).__name__} {model!r}; "
+                          "join a name and a revision into one string")
     data = model.encode() if isinstance(model, str) else bytes(model)
     return hashlib.sha256(data).digest()
 

@@ -158,6 +158,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                         raise FormatError(f"{d.path} already holds {existing}; pass "
                                           "force=True to overwrite", d.path, 0)
             plan = _plan(devs, geometry, region_size, journal_bytes)
+            fingerprint = model_fingerprint(model)     # refused before any write
             store_uuid = uuid.uuid4().bytes
             dev_uuids = tuple(uuid.uuid4().bytes for _ in devs)
             zeros = bytes(2 * sbfmt.SIZE)
@@ -182,7 +183,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                     device_bytes=d.capacity, region_size=plan["region_size"],
                     region_count=plan["regions_per_device"][i],
                     data_offset=plan["data_offsets"][i], geometry=geometry,
-                    fingerprint=model_fingerprint(model), created_ns=now,
+                    fingerprint=fingerprint, created_ns=now,
                     device_uuids=dev_uuids,
                     **({"journal_offset": plan["journal_offset"],
                         "journal_bytes": plan["journal_bytes"],

@@ -241,6 +241,14 @@ def test_model_fingerprint():
     assert model_fingerprint("") != bytes(32)
 
 
+def test_model_fingerprint_refuses_what_is_not_a_name():
+    # bytes(n) of an int is n zero bytes: model 0 was model "", a large id
+    # allocated gigabytes; a (name, revision) tuple raised a bare TypeError
+    for model in (0, 3, True, 10 ** 12, ("meta-llama/Llama-3.1-8B", "rev1"), 1.5):
+        with pytest.raises(ConfigError, match="model must be a name"):
+            model_fingerprint(model)
+
+
 def test_geometry_normalises_numpy_ints_and_refuses_floats_and_bools():
     import numpy as np
 

@@ -557,6 +557,18 @@ def test_open_errors(store_path, tmp_path):
     _format([store_path], force=True).close()  # force overwrites
 
 
+def test_format_with_a_model_that_is_not_a_name_leaves_the_store_whole(tmp_path):
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(1, 2)
+    with _format([path], model="model-a") as store:
+        store.put_run(keys, run_data(keys))
+    with pytest.raises(ConfigError, match="model must be a name"):
+        _format([path], model=("model-b", "rev1"), force=True)
+    with KVStore.open([str(path)], model="model-a") as store:   # refused before any write
+        assert store.lookup(keys) == 2
+
+
 def test_a_shrunk_device_is_refused_at_open(tmp_path):
     """A store file truncated after formatting: open says so (its regions
     past the new end would fail every read) instead of serving part of it."""
