@@ -45,9 +45,14 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
     """``sessions``: contexts kept in the store (default: ``concurrency``)."""
     for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                         ("tokens", tokens), ("concurrency", concurrency), ("devices", devices),
-                        ("tp", tp)):
-        if value < 1:
+                        ("tp", tp), ("sessions", sessions), ("gpus", gpus)):
+        if value is not None and value < 1:
             raise ConfigError(f"plan: {name} must be >= 1, got {value}")
+    if kv_parts not in (1, 2):
+        raise ConfigError(f"plan: kv_parts must be 2 (K and V) or 1 (MLA latent), "
+                          f"got {kv_parts!r}")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"plan: mfu must be a fraction in (0, 1], got {mfu}")
     for name, value in (("device_gbps", device_gbps), ("prefill_tokens_per_s", prefill_tokens_per_s),
                         ("model_params", model_params), ("gpu_tflops", gpu_tflops)):
         if value is not None and not (math.isfinite(value) and value > 0):

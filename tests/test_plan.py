@@ -71,6 +71,20 @@ def test_bad_input():
                 plan(layers=1, kv_heads=1, head_dim=1, tokens=1, **kw)
 
 
+def test_bad_input_the_cli_refuses_is_refused_by_plan_too():
+    base = dict(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0,
+                model_params=8e9, gpu_tflops=1000)
+    # kv_parts 0 or mfu 0 divided by zero; 3 parts, 0 sessions or 0 gpus
+    # answered for another deployment (sessions 0 planned for --concurrency)
+    for bad, match in (({"kv_parts": 0}, "kv_parts must be 2"), ({"kv_parts": 3}, "kv_parts"),
+                       ({"mfu": 0.0}, "mfu must be"), ({"mfu": 1.5}, "mfu must be"),
+                       ({"mfu": float("nan")}, "mfu must be"),
+                       ({"sessions": 0}, "sessions must be >= 1"),
+                       ({"gpus": 0}, "gpus must be >= 1")):
+        with pytest.raises(ConfigError, match=match):
+            plan(**dict(base, **bad))
+
+
 @pytest.mark.parametrize("flag", ["--device-gbps", "--model-params", "--prefill-tokens-per-s"])
 @pytest.mark.parametrize("value", ["nan", "inf"])
 def test_cli_plan_refuses_what_is_not_a_finite_number(flag, value):
