@@ -562,8 +562,10 @@ class StoreServer:
         fn = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
         if fn is None:
             raise ConfigError(f"store server: unknown request {op!r}")
-        if op not in ("hello", "unpin", "abort", "stats") and self.store.closed:
-            raise StoreClosedError("the server's store is closed")
+        if op not in ("hello", "unpin", "abort") and self.store.closed:
+            raise StoreClosedError(f"the store server at {self.socket_path} (pid {os.getpid()}) "
+                                   "has closed its store (a metadata write failed, or it is "
+                                   "stopping): restart it (kvblock serve) and reconnect")
         try:
             inspect.signature(fn).bind(s, **req)
         except TypeError as e:
@@ -739,7 +741,7 @@ class StoreServer:
 
     def _op_stats(self, s):
         st = self.store
-        out = st.stats() if not st.closed else {"closed": True}
+        out = st.stats()     # a closed store's: StoreClosedError, as in one process
         with st._lock:
             pinned = int((st.regions.pins > 0).sum())
         with self._sessions_lock:

@@ -676,6 +676,33 @@ def test_stats_while_another_thread_closes_the_store(tmp_path, sock, monkeypatch
             r.close()
 
 
+def test_stats_of_a_servers_closed_store_is_a_typed_error(tmp_path, sock):
+    """A server whose store has closed (a metadata write failed; it is
+    stopping) answered stats with {"closed": true} and its own numbers,
+    no uuid and no gauges: every consumer of stats() broke on it, a
+    Prometheus exporter (kvblock stats --socket --prometheus) with a
+    KeyError at each scrape instead of serving the last numbers.  It is
+    StoreClosedError, as a closed KVStore's stats() is."""
+    from kvblock.cli.admin import _Cached
+    from kvblock.metrics import StoreCollector
+
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock) as server:
+        r = RemoteStore(sock)
+        try:
+            scrape = StoreCollector(_Cached(r.stats, 0.0))
+            before = {f.name: f for f in scrape.collect()}
+            assert before["kvblock_store_capacity_bytes"].samples[0].value > 0
+            server.store.close()
+            with pytest.raises(StoreClosedError, match="closed"):
+                r.stats()
+            after = {f.name: f for f in scrape.collect()}     # the last numbers
+            assert after["kvblock_store_capacity_bytes"].samples == \
+                before["kvblock_store_capacity_bytes"].samples
+        finally:
+            r.close()
+
+
 def test_an_engines_bad_store_settings_are_refused_while_a_server_runs(tmp_path, sock):
     """The engines' "server" option (provision.open_shared): a misspelt
     format or eviction is a ConfigError naming it, as without a server,
