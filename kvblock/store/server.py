@@ -104,6 +104,7 @@ class _Session:
         self.accepted = self.last_seen
         self.greeted = False                          # it said hello (and was answered yes)
         self.busy = False                             # a request is being answered
+        self.taking: float | None = None              # since when a request is being read
         self.dropped: str | None = None               # why the server ended the connection
 
 
@@ -359,9 +360,7 @@ class StoreServer:
                 continue
             now = time.monotonic()
             with self._sessions_lock:
-                quiet = [s for s in self._sessions.values()
-                         if (s.readers or s.writers) and not s.busy and s.dropped is None
-                         and now - s.last_seen > lease]
+                quiet = [s for s in self._sessions.values() if self._quiet(s, now, lease)]
             for s in quiet:
                 try:       # a request not read yet (a starved server): it is alive
                     # (poll: select() refuses descriptors past 1023, many ranks)
@@ -371,9 +370,11 @@ class StoreServer:
                         continue
                 except (OSError, ValueError):
                     continue    # closed meanwhile: its thread releases the pins
-                s.dropped = (f"it held {len(s.readers)} read and {len(s.writers)} write "
-                             f"pins and sent nothing for {now - s.last_seen:.0f} s "
-                             f"(pin lease {lease:g} s)")
+                if not self._claim(s, self._quiet, lease, (
+                        f"it held {len(s.readers)} read and {len(s.writers)} write "
+                        f"pins and sent nothing for {now - s.last_seen:.0f} s "
+                        f"(pin lease {lease:g} s)")):
+                    continue
                 self.expired_sessions += 1
                 logger.warning("kvblock serve: dropping the connection of pid %s: %s",
                                s.pid, s.dropped)
@@ -386,9 +387,7 @@ class StoreServer:
         """Close the connections that have not said hello in time."""
         now = time.monotonic()
         with self._sessions_lock:
-            late = [s for s in self._sessions.values()
-                    if not s.greeted and not s.busy and s.dropped is None
-                    and now - s.accepted > hello]
+            late = [s for s in self._sessions.values() if self._late(s, now, hello)]
         for s in late:
             try:       # a hello not read yet (a starved server): it did say it
                 p = select.poll()
@@ -397,7 +396,9 @@ class StoreServer:
                     continue
             except (OSError, ValueError):
                 continue    # closed meanwhile
-            s.dropped = f"it did not say hello within {hello:g} s of connecting"
+            if not self._claim(s, self._late, hello,
+                               f"it did not say hello within {hello:g} s of connecting"):
+                continue
             logger.warning("kvblock serve: closing a connection to %s: %s", self.socket_path,
                            s.dropped)
             try:
@@ -405,9 +406,52 @@ class StoreServer:
             except OSError:
                 pass
 
+    @staticmethod
+    def _idle(s: _Session, now: float, limit: float) -> bool:
+        """Neither answering nor reading a request (one whose frame has
+        been coming for ``limit`` seconds counts as none: a client stopped
+        in the middle of sending).  Under _sessions_lock."""
+        return not s.busy and s.dropped is None and \
+            (s.taking is None or now - s.taking > limit)
+
+    @classmethod
+    def _quiet(cls, s: _Session, now: float, lease: float) -> bool:
+        """Holding pins, it has sent nothing for a lease."""
+        return bool(s.readers or s.writers) and now - s.last_seen > lease and \
+            cls._idle(s, now, lease)
+
+    @classmethod
+    def _late(cls, s: _Session, now: float, hello: float) -> bool:
+        """It has not said hello in time."""
+        return not s.greeted and now - s.accepted > hello and cls._idle(s, now, hello)
+
+    def _claim(self, s: _Session, still, limit: float, why: str) -> bool:
+        """Mark ``s`` dropped for ``why`` if ``still`` holds: its thread may
+        have taken a request since the lease thread looked at the socket
+        (gone from its buffer then), and a request taken is answered,
+        never cut off in the middle."""
+        with self._sessions_lock:
+            if not still(s, time.monotonic(), limit):
+                return False
+            s.dropped = why
+            return True
+
     def _serve(self, s: _Session):
         try:
             while True:
+                # A request is read only once its first byte is here and
+                # it is marked taken under the lock _claim drops by: a
+                # connection being dropped takes no request, one whose
+                # request is taken is not dropped.
+                try:
+                    if not s.conn.recv(1, socket.MSG_PEEK):
+                        break
+                except OSError:
+                    break
+                with self._sessions_lock:
+                    if s.dropped is not None:
+                        break
+                    s.taking = time.monotonic()
                 try:
                     req = recv_msg(s.conn)
                 except KVBlockError as e:   # a whole frame, not a request: answered
@@ -417,7 +461,10 @@ class StoreServer:
                     break
                 if req is None:
                     break
-                s.busy, s.last_seen = True, time.monotonic()
+                with self._sessions_lock:
+                    if s.dropped is not None:     # a frame taken for too long
+                        break
+                    s.busy, s.taking, s.last_seen = True, None, time.monotonic()
                 op = req.get("op") if isinstance(req, dict) else None
                 try:
                     if isinstance(req, KVBlockError):

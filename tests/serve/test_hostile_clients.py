@@ -287,3 +287,58 @@ def test_connections_past_max_clients_are_refused_with_a_typed_error(store_file,
         finally:
             a.close()
             b.close()
+
+
+def test_a_hello_taken_while_the_hello_wait_runs_out_is_answered_not_cut_off(
+        store_file, sock, monkeypatch):
+    """A starved server (its connection thread not run for the whole hello
+    wait) checks the socket before it closes a connection that has not said
+    hello: a hello waiting there is as good as said.  But the connection's
+    thread could take the hello between that look and the lease thread's
+    look at the socket: the hello was answered yes, then the connection was
+    closed under the client (ServerGoneError from a live server).  A hello
+    taken by then is answered and the connection kept."""
+    import select as select_mod
+    import threading
+    import types
+
+    from kvblock.store import server as server_mod
+
+    looked = threading.Event()
+
+    class RacingPoll:      # the lease thread's look: the hello is taken meanwhile
+        def __init__(self):
+            self.p = select_mod.poll()
+
+        def register(self, conn, events):
+            self.p.register(conn, events)
+
+        def poll(self, timeout):
+            looked.set()
+            deadline = time.monotonic() + 5
+            while self.p.poll(0) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            return self.p.poll(0)
+
+    serve = server_mod.StoreServer._serve
+
+    def starved_serve(self, s):     # runs once the hello wait is over
+        looked.wait(5)
+        return serve(self, s)
+
+    monkeypatch.setattr(server_mod, "select",
+                        types.SimpleNamespace(poll=RacingPoll, POLLIN=select_mod.POLLIN))
+    monkeypatch.setattr(server_mod.StoreServer, "_serve", starved_serve)
+    with serve_in_background([store_file], sock, hello_timeout=0.2) as server:
+        r = RemoteStore(sock)
+        try:
+            assert looked.is_set()
+            time.sleep(0.3)                      # the lease thread's next looks
+            keys = run_keys(8, 2)
+            assert r.put_run(keys, run_data(keys)) == 2
+            out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+            assert r.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+            assert server.client_count() == 1
+        finally:
+            r.close()
+        _still_serves(server, sock, 8)
