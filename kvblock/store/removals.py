@@ -79,7 +79,9 @@ class RemovalLog:
 def _parse(cursor) -> tuple[str, int]:
     if isinstance(cursor, str):
         epoch, sep, count = cursor.partition(":")
-        if sep and count.isdigit():
+        # ASCII digits only (isdigit() takes superscripts, which int()
+        # refuses), and not past int()'s 4300: a cursor holds a key count
+        if sep and count.isascii() and count.isdigit() and len(count) <= 20:
             return epoch, int(count)
-    raise ConfigError(f"removed_since: {cursor!r} is not a cursor; pass None to start "
+    raise ConfigError(f"removed_since: {repr(cursor)[:80]} is not a cursor; pass None to start "
                       "watching, then the cursor each call returns")

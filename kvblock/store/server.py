@@ -756,8 +756,10 @@ class StoreServer:
         """The clear count of admit's ticket; -1 (matching no count) for one
         an earlier server run gave: a clear may have come after it there."""
         tag, sep, count = str(ticket).partition(":")
-        if not sep or not count.isdigit():
-            raise ConfigError(f"commit: clear ticket {ticket!r} is not one admit gives")
+        # ASCII digits only, and few: isdigit() takes digits int() refuses
+        if not sep or not (count.isascii() and count.isdigit() and len(count) <= 20):
+            raise ConfigError(f"commit: clear ticket {str(ticket)[:80]!r} is not one admit "
+                              "gives")
         return int(count) if tag == self._run_tag else -1
 
     def _op_abort(self, s, wid):

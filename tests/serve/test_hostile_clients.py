@@ -91,6 +91,32 @@ def test_a_commit_with_malformed_checksums_is_refused_not_fatal(store_file, sock
         _still_serves(server, sock, 1)
 
 
+@pytest.mark.parametrize("count", ["\u00b2", "9" * 5000])
+def test_a_commit_with_a_malformed_clear_ticket_is_a_config_error(store_file, sock, count):
+    """A clear ticket (admit's, carried back by commit) or a removed
+    cursor whose count isdigit() takes but int() refuses (a superscript
+    digit, past 4300 digits) was answered with an untyped ServerError
+    ('ValueError: invalid literal for int()'); it is a ConfigError naming
+    the ticket, with the allocation given back."""
+    with serve_in_background([store_file], sock) as server:
+        raw = _raw(sock)
+        try:
+            key = os.urandom(16)
+            admit = _ask(raw, op="admit", keys=encode_keys([key]))
+            alloc = _ask(raw, op="allocate", nblocks=1)
+            assert admit["ok"] and alloc["ok"], (admit, alloc)
+            tag = admit["result"]["clears"].partition(":")[0]
+            reply = _ask(raw, op="commit", wid=alloc["result"]["wid"], keys=encode_keys([key]),
+                         checksums=[0] * server.store.geometry.run_checksums,
+                         clears=f"{tag}:{count}")
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            assert "clear ticket" in reply["message"]
+            assert int(server.store.regions.pins.sum()) == 0 and not server.store.index.runs
+        finally:
+            raw.close()
+        _still_serves(server, sock, 9)
+
+
 def test_drop_runs_naming_a_run_twice_drops_it_once(store_file, sock):
     """drop_runs with a run id twice (a client's duplicate, or a read
     error's list of runs that names one run per segment) took the run out
@@ -174,6 +200,8 @@ def _frame(payload: bytes) -> bytes:
     (b'{"op": "abort", "wid": {"a": 1}}', "wid"),
     (b'{"op": "commit", "wid": [1], "keys": "", "checksums": [], "clears": "x:0"}', "wid"),
     (b'{"op": "allocate", "nblocks": true}', "blocks"),
+    (b'{"op": "removed", "cursor": "ab:\\u00b2"}', "cursor"),
+    (b'{"op": "removed", "cursor": "ab:' + b"9" * 5000 + b'"}', "cursor"),
 ])
 def test_a_malformed_request_is_a_config_error_naming_the_field(store_file, sock, request_,
                                                                 field):
