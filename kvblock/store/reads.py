@@ -84,7 +84,7 @@ class RunReader(RunIO):
             keys = normalize_keys(keys)
             targets.append((keys, self._run_out(len(keys), out, "get_runs")))
         if self.host is not None:
-            return [self._read_tiered(keys, dst) for keys, dst in targets]
+            return [self._read_tiered_request(keys, dst) for keys, dst in targets]
         pinned: list = []
         counts = [0] * len(targets)
         try:
@@ -134,6 +134,16 @@ class RunReader(RunIO):
             else:
                 self.counters["miss_gets"] += 1
         return counts
+
+    def _read_tiered_request(self, keys, dst) -> int:
+        """get_runs' request with a host tier: :meth:`_read_tiered`, 0 when
+        a device error fails it (the run it hit is dropped already)."""
+        try:
+            return self._read_tiered(keys, dst)
+        except IOFailedError as e:
+            if e.path is None:
+                raise
+            return 0
 
     def _read_whole_requests(self, whole: list, counts: list) -> None:
         """get_runs' requests that are one whole run each, ``whole`` holding

@@ -220,3 +220,25 @@ def test_sub_sector_blocks_whose_windows_are_exactly_them_read_back(filled):
                                    (keys[1][first:first + count], outs[1])]) == [count, count]
             assert np.array_equal(outs[0], want)
             assert np.array_equal(outs[1], _blocks(data[1], GEOM, first, count))
+
+
+def test_with_a_host_tier_a_device_error_fails_only_its_request(filled):
+    """A store with a DRAM tier reads each request as get_run does; an EIO
+    under one request still fails only that request (count 0, its run
+    dropped), never the whole call."""
+    store, keys, data = filled(host_cache_bytes=4 * MIB)
+    geom = store.geometry
+    with store:
+        store.host.clear()                 # every block read from the device
+        run = _run(store, keys[2][0])
+        bad = BadSectors()
+        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes * N)
+        bad.install(store)
+        outs = [_aligned(2 * geom.block_bytes) for _ in range(3)]
+        assert store.get_runs([(keys[0][4:6], outs[0]), (keys[2][4:6], outs[1]),
+                               (keys[1][8:10], outs[2])]) == [2, 0, 2]
+        assert np.array_equal(outs[0], _blocks(data[0], geom, 4, 2))
+        assert np.array_equal(outs[2], _blocks(data[1], geom, 8, 2))
+        assert store.stats()["read_errors"] >= 1
+        assert [store.lookup(k) for k in keys] == [N, N, 0, N]
+        assert int(store.regions.pins.sum()) == 0
