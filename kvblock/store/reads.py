@@ -80,7 +80,11 @@ class RunReader(RunIO):
         """
         self._check_open()
         targets = []
-        for keys, out in requests:
+        for k, request in enumerate(requests):
+            if not isinstance(request, (tuple, list)) or len(request) != 2:
+                raise ConfigError(f"get_runs: request {k} must be a (keys, out) pair, got "
+                                  f"{type(request).__name__}")
+            keys, out = request
             keys = normalize_keys(keys)
             targets.append((keys, self._run_out(len(keys), out, "get_runs")))
         if self.host is not None:

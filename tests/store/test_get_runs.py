@@ -201,6 +201,20 @@ def test_a_bad_destination_is_refused_before_anything_is_read(filled):
         assert store.get_runs([]) == []
 
 
+def test_a_request_that_is_not_a_keys_and_out_pair_is_a_config_error(filled):
+    """As put_runs says of its runs: a request must be a (keys, out) pair;
+    one that is not (a third item, a bare array) is a ConfigError naming
+    it, nothing pinned, not a bare unpacking error."""
+    store, keys, _ = filled()
+    with store:
+        good = _aligned(2 * store.geometry.block_bytes)
+        for bad in ([(keys[0][:2], good), (keys[1][:2], good, 0)],
+                    [(keys[0][:2], good), good]):
+            with pytest.raises(ConfigError, match=r"get_runs: request 1 must be a \(keys, out\)"):
+                store.get_runs(bad)
+        assert int(store.regions.pins.sum()) == 0
+
+
 def test_sub_sector_blocks_whose_windows_are_exactly_them_read_back(filled):
     """2 KiB blocks whose 4 KiB windows hold exactly them (an even first
     block and count) into aligned memory: the windows go straight into
