@@ -33,7 +33,9 @@ rounds with:
     .venv/bin/python perf/layerwise_restore.py --pages random   # scattered page ids
 
 Buffers and caches are allocated and touched before anything is timed; the
-page cache is dropped before every read; loop devices are always detached.
+page cache is dropped before every read; the cache is zeroed before every
+restore and compared with the saved one after it (untimed); loop devices are
+always detached.
 """
 
 from __future__ import annotations
@@ -240,7 +242,11 @@ def run_target(target: str, dev: str, g, args, src, dst, keys, src_ids, dst_ids,
                                        size=args.device_bytes, io_size=total,
                                        extra=args.fio_args)
             elif step in ("always", "never"):
+                for t in dst:              # untimed: so a restore that lands nothing fails
+                    t.zero_()
                 got[step] = restore(dev, g, keys, dst, dst_ids, step, args.qd)
+                if not same_cache(src, dst, src_ids, dst_ids):
+                    raise RuntimeError(f"restored KV differs from the saved KV (verify={step})")
             elif step == "gather":
                 got[step] = kv_bytes / time_gather(g, keys, src, src_ids, staging) / 2**30
             else:

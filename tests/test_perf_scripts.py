@@ -145,3 +145,29 @@ def test_put_hashing_script_runs(capsys):
     (row,) = json_out(run_script("put_hashing.py", args, capsys))["rows"]
     assert row["target"] == "shm-file" and row["run_bytes"] == 4 << 20
     assert row["while writing"] > 0 and row["before writing"] > 0
+
+
+def test_layerwise_restore_checks_every_timed_restore(capsys, monkeypatch):
+    """perf/layerwise_restore.py zeroes the cache before every timed restore
+    and compares it after: a restore that lands nothing in the cache (here
+    every load after the untimed first one goes to other memory) fails the
+    run instead of being timed on the bytes the first one left there."""
+    import kvblock.tensors as tensors
+    from kvblock.tensors import VLLMLayout
+
+    real, calls = tensors.load_blocks, []
+
+    def load_elsewhere(store, keys, layout, ids, **kw):
+        calls.append(len(keys))
+        if len(calls) > 1:
+            layout = VLLMLayout([c.clone() for c in layout.caches])
+        return real(store, keys, layout, ids, **kw)
+
+    monkeypatch.setattr(tensors, "load_blocks", load_elsewhere)
+    args = ["--tokens", "256", "--layers", "4", "--targets", "shm", "--rounds", "1",
+            "--region-size", "4M", "--no-copy", "--json"]
+    with pytest.raises(RuntimeError, match="differs"):
+        run_script("layerwise_restore.py", args, capsys)
+    assert len(calls) == 2                     # the first timed restore was caught
+    attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert fio_support.PREFIX not in attached, attached
