@@ -171,3 +171,45 @@ def test_layerwise_restore_checks_every_timed_restore(capsys, monkeypatch):
     assert len(calls) == 2                     # the first timed restore was caught
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert fio_support.PREFIX not in attached, attached
+
+
+def test_first_layer_is_timed_from_the_load_call(capsys, monkeypatch):
+    """perf/first_layer_vs_peers.py times kvblock's first layer from its call
+    of load_blocks, as it times the peers from their submit: a handle's own
+    clock starts only once the keys are hashed and looked up.  Here every
+    handle's clock is moved 100 s later (its layers landing when they did):
+    the times reported still reach from the call to when the layers landed."""
+    import time
+
+    import kvblock.tensors as tensors
+
+    real, landed = tensors.load_blocks, []
+
+    def late_clock(store, keys, layout, ids, **kw):
+        called = time.perf_counter()
+        handle = real(store, keys, layout, ids, **kw)
+        handle.wait()
+        landed.append((handle.started_at + handle.layer_ready_at[0] - called,
+                       handle.started_at + handle.layer_ready_at[-1] - called))
+        handle.started_at += 100.0
+        handle.layer_ready_at = [t - 100.0 for t in handle.layer_ready_at]
+        return handle
+
+    monkeypatch.setattr(tensors, "load_blocks", late_clock)
+    out = json_out(run_script("first_layer_vs_peers.py",
+                              [*CASES["first_layer_vs_peers.py"], "--json"], capsys))
+    samples = [s for r in out["rows"] if r["backend"].startswith("kvblock")
+               for s in r["samples"]]
+    assert len(samples) == len(landed) == 2, (samples, landed)
+    for s, (first, last) in zip(samples, landed):
+        assert s["first_ms"] >= first * 1e3 and s["all_ms"] >= last * 1e3, (s, first, last)
+    # perf/layerwise_restore.py: an untimed first restore, then verify always, never
+    landed.clear()
+    (row,) = json.loads(run_script("layerwise_restore.py", [
+        "--tokens", "256", "--layers", "4", "--targets", "shm", "--rounds", "1",
+        "--region-size", "4M", "--no-copy", "--json"], capsys))
+    assert len(landed) == 3, landed
+    for verify, (first, last) in zip(("always", "never"), landed[1:]):
+        got = row["restore"][verify]
+        assert got["first_layer_ms"] >= round(first * 1e3, 1) - 0.1, (verify, got, first)
+        assert got["all_layers_ms"] >= round(last * 1e3, 1) - 0.1, (verify, got, last)
