@@ -75,6 +75,9 @@ class StoreStats:
         self._lock = threading.Lock()
         self._latest: dict | None = None   # the last snapshot not handed over yet
         self._reported: dict[str, int] = {}  # counter values handed over, by name
+        # The store's uuid label, kept for snapshots of a store that could not
+        # answer (closed, its server gone): the tier's own counters go on.
+        self._labels: tuple[str] | None = None
         self._ticker = Periodic(self.refresh, interval, "kvblock-tier-stats")
 
     def refresh(self) -> None:
@@ -93,10 +96,14 @@ class StoreStats:
         self._ticker.start()
         with self._lock:
             s, self._latest = self._latest, None
-            if s is None or "uuid" not in s:
+            if s is None:
+                return None
+            if "uuid" in s:
+                self._labels = (str(s["uuid"]),)
+            elif self._labels is None:
                 return None
             stats = OffloadingConnectorStats()
-            labels = (str(s["uuid"]),)
+            labels = self._labels
             for name in GAUGES:
                 if isinstance(s.get(name), int):
                     stats.set_gauge(PREFIX + name, s[name], labels)

@@ -1041,6 +1041,29 @@ def assert_metrics_blocks(tiers, blocks: int) -> None:
         assert values["vllm:kvblock_store_blocks"] == {(t.config_info()["kvblock_store"],): blocks}
 
 
+def test_metrics_report_store_failures_while_the_store_is_unavailable(make_tier):
+    """The tier's store_failures counter reaches vLLM's metrics when the
+    store cannot answer stats() (closed after a failed metadata write, a
+    server gone): that is when jobs fail, and an alert on it must fire."""
+    tier, pool = make_tier(threads=1)
+    uuid = tier.store.uuid
+    tier._metrics.close()                       # snapshots taken here
+    tier._metrics.refresh()
+    first = tier.get_stats().data["data"]
+    assert first["vllm:kvblock_store_store_failures"] == {(uuid,): 0}
+    tier.store.close()                          # every store job fails now
+    fill_random(pool, [0])
+    for i in range(3):
+        tier.submit_store(job(i, [key(i)], [0]))
+    assert not any(r.success for r in drain(tier))
+    assert tier.stats()["store_failures"] == 3
+    tier._metrics.refresh()
+    stats = tier.get_stats()
+    assert stats is not None, "the failures were not reported"
+    assert stats.data["data"]["vllm:kvblock_store_store_failures"] == {(uuid,): 3}
+    assert "vllm:kvblock_store_blocks" not in stats.data["data"]   # no numbers to give
+
+
 @contextlib.contextmanager
 def replicas_sharing_a_server(tmp_path, slots: int, events: bool = False):
     """Two data-parallel replicas' tiers on one store through a server
