@@ -78,6 +78,7 @@ class StoreStats:
         # The store's uuid label, kept for snapshots of a store that could not
         # answer (closed, its server gone): the tier's own counters go on.
         self._labels: tuple[str] | None = None
+        self._server = None                # the store server's pid in the last snapshot
         self._ticker = Periodic(self.refresh, interval, "kvblock-tier-stats")
 
     def refresh(self) -> None:
@@ -100,6 +101,14 @@ class StoreStats:
                 return None
             if "uuid" in s:
                 self._labels = (str(s["uuid"]),)
+                server = s.get("server_pid")
+                if server != self._server:
+                    if self._server is not None:
+                        # A restarted server counts from zero: all it holds is new.
+                        for name in COUNTERS:
+                            if name in self._reported:
+                                self._reported[name] = 0
+                    self._server = server
             elif self._labels is None:
                 return None
             stats = OffloadingConnectorStats()
@@ -113,7 +122,8 @@ class StoreStats:
                     continue
                 first = name not in self._reported
                 last = self._reported.get(name, 0)
-                # A counter that went down started again (a restarted server).
+                # A counter that went down started again (a restarted server
+                # whose stats name no pid).
                 step = value - last if value >= last else value
                 self._reported[name] = value
                 if step or first:       # the first report makes every series exist

@@ -1064,6 +1064,30 @@ def test_metrics_report_store_failures_while_the_store_is_unavailable(make_tier)
     assert "vllm:kvblock_store_blocks" not in stats.data["data"]   # no numbers to give
 
 
+def test_metrics_count_a_restarted_servers_counters_from_zero():
+    """A restarted store server counts from zero again: what its counters
+    hold is all new, also when they already passed the old server's (a
+    young server killed, its successor's recovery); the tier's own counter
+    (store_failures) goes on."""
+    from kvblock.integrations.vllm_metrics import StoreStats
+
+    snapshots = iter([
+        {"uuid": "u", "server_pid": 10, "put_runs": 5, "recovery_us": 800, "store_failures": 1},
+        {"uuid": "u", "server_pid": 10, "put_runs": 6, "recovery_us": 800, "store_failures": 1},
+        {"uuid": "u", "server_pid": 11, "put_runs": 9, "recovery_us": 2500, "store_failures": 2},
+    ])
+    stats = StoreStats(lambda: next(snapshots))
+    stats.close()                               # snapshots taken here
+    reported = {}
+    for _ in range(3):
+        stats.refresh()
+        for name, values in stats.take().data["data"].items():
+            reported[name] = reported.get(name, 0) + values[("u",)]
+    assert reported["vllm:kvblock_store_put_runs"] == 6 + 9
+    assert reported["vllm:kvblock_store_recovery_us"] == 800 + 2500
+    assert reported["vllm:kvblock_store_store_failures"] == 2
+
+
 @contextlib.contextmanager
 def replicas_sharing_a_server(tmp_path, slots: int, events: bool = False):
     """Two data-parallel replicas' tiers on one store through a server
