@@ -50,6 +50,12 @@ TIER_COUNTERS = COUNTERS + ("store_failures",)   # the tier's own: failed jobs' 
 INFO_KEYS = ("kvblock_store", "kvblock_devices", "kvblock_server", "kvblock_slot_bytes",
              "kvblock_model", "kvblock_namespace")
 STATS_INTERVAL_S = 1.0
+# Counted where the reads happen: a store served to replicas counts none of
+# them (each replica reads the devices itself), so a replica reports its own
+# (its RemoteStore's stats()["client"]); they go on across a server restart.
+READ_COUNTERS = ("get_blocks", "get_bytes", "bytes_read", "miss_gets", "read_errors",
+                 "partial_verified_reads", "lapsed_pin_gets", "device_hit_blocks",
+                 "host_hit_blocks")
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -99,6 +105,9 @@ class StoreStats:
             s, self._latest = self._latest, None
             if s is None:
                 return None
+            client = s.get("client")
+            if isinstance(client, dict):
+                s = dict(s, **{n: client[n] for n in READ_COUNTERS if n in client})
             if "uuid" in s:
                 self._labels = (str(s["uuid"]),)
                 server = s.get("server_pid")
@@ -106,7 +115,8 @@ class StoreStats:
                     if self._server is not None:
                         # A restarted server counts from zero: all it holds is new.
                         for name in COUNTERS:
-                            if name in self._reported:
+                            if name in self._reported and not (
+                                    isinstance(client, dict) and name in READ_COUNTERS):
                                 self._reported[name] = 0
                     self._server = server
             elif self._labels is None:

@@ -1088,6 +1088,31 @@ def test_metrics_count_a_restarted_servers_counters_from_zero():
     assert reported["vllm:kvblock_store_store_failures"] == 2
 
 
+def test_metrics_of_a_served_store_count_this_replicas_reads():
+    """A replica of a store shared through a server reads the devices itself:
+    the server's stats never count those reads (its get_blocks, bytes_read,
+    read_errors... stay 0), the replica's own counters (stats()["client"])
+    do.  Its read counters come from there, and go on across a restart of
+    the server (the replica's counters do not start again)."""
+    from kvblock.integrations.vllm_metrics import StoreStats
+
+    def snap(pid, puts, gets, errors):
+        return {"uuid": "u", "server_pid": pid, "put_runs": puts, "get_blocks": 0,
+                "read_errors": 0, "client": {"get_blocks": gets, "read_errors": errors,
+                                             "put_runs": puts, "engine": "uring"}}
+    snapshots = iter([snap(10, 2, 5, 0), snap(10, 3, 9, 1), snap(11, 1, 12, 1)])
+    stats = StoreStats(lambda: next(snapshots))
+    stats.close()
+    reported = {}
+    for _ in range(3):
+        stats.refresh()
+        for name, values in stats.take().data["data"].items():
+            reported[name] = reported.get(name, 0) + values[("u",)]
+    assert reported["vllm:kvblock_store_get_blocks"] == 12
+    assert reported["vllm:kvblock_store_read_errors"] == 1
+    assert reported["vllm:kvblock_store_put_runs"] == 3 + 1     # the server's, restarted
+
+
 @contextlib.contextmanager
 def replicas_sharing_a_server(tmp_path, slots: int, events: bool = False):
     """Two data-parallel replicas' tiers on one store through a server
