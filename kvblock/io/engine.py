@@ -80,6 +80,7 @@ def _hash_streams(what: str, batch: IOBatch, streams, seeds):
 
 
 MAX_IO_LIMIT = 1 << 30     # one I/O's length travels as 32 bits in io_uring
+MAX_QUEUE_DEPTH = 32768    # the most entries an io_uring holds (IORING_MAX_ENTRIES)
 
 
 def _check_max_io(max_io, devices) -> int:
@@ -109,8 +110,10 @@ class IOEngine:
     def __init__(self, devices: Sequence[Device], *, queue_depth: int = 32,
                  max_io: int = DEFAULT_MAX_IO, mapped_reads: bool | None = None,
                  defer_mapped_reads: bool = False, mapped_writes: bool = True):
-        if queue_depth < 1:
-            raise ConfigError(f"queue_depth must be >= 1, got {queue_depth}")
+        if isinstance(queue_depth, bool) or not isinstance(queue_depth, (int, np.integer)) or \
+                not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+            raise ConfigError(f"queue_depth must be an integer from 1 to {MAX_QUEUE_DEPTH} "
+                              f"(I/Os in flight per batch), got {queue_depth!r} (default 32)")
         self.devices = list(devices)
         self.queue_depth = int(queue_depth)
         self.max_io = _check_max_io(max_io, self.devices)

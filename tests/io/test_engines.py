@@ -465,3 +465,18 @@ def test_a_bad_max_io_is_refused_at_open(engine_name, file_target, max_io):
             out = HostBuffer(MIB)
             eng.read(IOBatch.single(out.address, 0, 0, MIB))
             assert np.array_equal(out.array, buf.array)
+
+
+@pytest.mark.parametrize("queue_depth", [0, 40000, "32", None, 2.5, True])
+def test_a_bad_queue_depth_is_refused_at_open(engine_name, file_target, queue_depth):
+    """queue_depth above what an io_uring holds (32768 entries) failed at the
+    first I/O with EngineUnavailableError telling to switch engines; a
+    string or None raised a bare TypeError; 2.5 became 2 silently.  All are
+    a ConfigError at open naming the range."""
+    with Device(file_target(MIB)) as dev:
+        with pytest.raises(ConfigError, match=r"queue_depth must be an integer from 1 to 32768"):
+            open_engine([dev], engine_name, queue_depth=queue_depth)
+        with open_engine([dev], engine_name, queue_depth=np.int64(3)) as eng, \
+                HostBuffer(65536) as buf:
+            assert eng.queue_depth == 3
+            eng.read(IOBatch.contiguous(buf.address, 0, 0, 65536, 4096))
