@@ -221,8 +221,10 @@ class IOEngine:
                latency: bool = False, hashing=None) -> IOResult:
         if self.closed:
             raise ConfigError(f"{self.name} engine is closed")
-        if qd is not None and (isinstance(qd, bool) or int(qd) < 1):
-            raise ConfigError(f"qd must be at least 1, got {qd!r}")
+        if qd is not None and (isinstance(qd, bool) or not isinstance(qd, (int, np.integer))
+                               or qd < 1):
+            raise ConfigError(f"qd must be at least 1 (an integer: I/Os in flight for this "
+                              f"batch), got {qd!r}")
         n = len(batch)
         if n == 0:
             return IOResult(0, np.empty(0, np.int64) if latency else None)

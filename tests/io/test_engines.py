@@ -480,3 +480,15 @@ def test_a_bad_queue_depth_is_refused_at_open(engine_name, file_target, queue_de
                 HostBuffer(65536) as buf:
             assert eng.queue_depth == 3
             eng.read(IOBatch.contiguous(buf.address, 0, 0, 65536, 4096))
+
+
+@pytest.mark.parametrize("qd", [2.5, "4", 0, False])
+def test_a_bad_qd_of_one_batch_is_a_config_error(engine_name, file_target, qd):
+    """qd of one call as queue_depth: a float or a string raised a bare
+    TypeError from inside the native call (or a comparison)."""
+    with Device(file_target(MIB)) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(65536) as buf:
+        batch = IOBatch.contiguous(buf.address, 0, 0, 65536, 4096)
+        with pytest.raises(ConfigError, match=r"qd must be at least 1 \(an integer"):
+            eng.read(batch, qd=qd)
+        eng.read(batch, qd=np.int64(2))
