@@ -43,11 +43,16 @@ def _requested(kind: str | None) -> str:
 
 def engine_report(kind: str | None = None) -> dict:
     """Which engine :func:`open_engine` picks here, and why."""
+    from_setting = bool(kind)     # as _requested: an empty setting defers to the variable
     kind = _requested(kind)
     ok, reason = _uring_probe()
     if kind == "threads":
-        return {"engine": "threads", "reason": "requested (KVBLOCK_IO_ENGINE=threads)"}
+        return {"engine": "threads", "reason": "requested (the engine setting)" if from_setting
+                else "requested (KVBLOCK_IO_ENGINE=threads)"}
     if kind == "uring" and not ok:
+        if from_setting:
+            raise EngineUnavailableError(f"the engine setting 'uring' but {reason}; set it to "
+                                         "'auto' to fall back to the threads engine")
         raise EngineUnavailableError(f"KVBLOCK_IO_ENGINE=uring but {reason}; "
                                      "unset it to fall back to the threads engine")
     if ok:

@@ -119,3 +119,25 @@ def test_the_native_library_is_found_past_a_path_this_user_cannot_search(monkeyp
     monkeypatch.setattr(native, "_candidates", lambda: [hidden])
     with pytest.raises(NativeLibraryError, match="not found"):
         native.lib.__wrapped__()
+
+
+def test_a_refused_engine_setting_names_the_setting_not_the_variable(monkeypatch):
+    """engine='uring' given as an argument (a store option, an integration's
+    "engine") where io_uring is refused: the error told to unset
+    KVBLOCK_IO_ENGINE, which the user never set; threads asked for that way
+    was reported as requested by the variable."""
+    import kvblock.io as kio
+
+    monkeypatch.delenv("KVBLOCK_IO_ENGINE", raising=False)
+    monkeypatch.setattr(kio, "_uring_probe",
+                        lambda: (False, "io_uring_setup failed: ENOSYS (Function not implemented)"))
+    with pytest.raises(EngineUnavailableError) as exc:
+        kio.engine_report("uring")
+    assert "KVBLOCK_IO_ENGINE" not in str(exc.value)
+    assert "engine setting 'uring'" in str(exc.value) and "auto" in str(exc.value)
+    assert kio.engine_report("threads")["reason"] == "requested (the engine setting)"
+    monkeypatch.setenv("KVBLOCK_IO_ENGINE", "uring")
+    with pytest.raises(EngineUnavailableError, match="KVBLOCK_IO_ENGINE=uring but io_uring"):
+        kio.engine_report()
+    monkeypatch.setenv("KVBLOCK_IO_ENGINE", "threads")
+    assert kio.engine_report()["reason"] == "requested (KVBLOCK_IO_ENGINE=threads)"
