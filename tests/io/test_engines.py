@@ -492,3 +492,54 @@ def test_a_bad_qd_of_one_batch_is_a_config_error(engine_name, file_target, qd):
         with pytest.raises(ConfigError, match=r"qd must be at least 1 \(an integer"):
             eng.read(batch, qd=qd)
         eng.read(batch, qd=np.int64(2))
+
+
+def test_close_waits_for_a_ring_re_registering_buffers_in_its_thread(file_target, monkeypatch):
+    """A thread that closes a registered buffer re-registers its own ring's
+    buffers (a native call, the GIL released).  close() from another thread
+    at that moment destroyed the ring under the call (use after free); it
+    must wait for it, as it waits for batches in flight."""
+    from kvblock.io import native, uring
+
+    if not probe()[0]:
+        pytest.skip("io_uring unavailable")
+    real = native.lib()
+    entered, go = threading.Event(), threading.Event()
+    seen = {}
+
+    class Lib:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def kvb_ring_set_buffers(self, handle, *args):
+            ring = seen.get("ring")
+            if ring is not None and threading.get_ident() == ring.thread:
+                entered.set()
+                go.wait(10)
+                seen["destroyed"] = ring.handle is None
+                if ring.handle is None:      # the real call would use freed memory
+                    return -errno.EBADF
+            return real.kvb_ring_set_buffers(handle, *args)
+
+    with Device(file_target(MIB)) as dev:
+        eng = open_engine([dev], "uring")
+        monkeypatch.setattr(uring.native, "lib", lambda: Lib())
+        other = HostBuffer(MIB)
+
+        def worker():
+            with HostBuffer(4096) as buf:
+                eng.read(IOBatch.single(buf.address, 0, 0, 4096))
+                seen["ring"] = eng._local.holder.ring
+                other.close()        # re-registers this thread's (idle) ring
+
+        t = threading.Thread(target=worker)
+        t.start()
+        assert entered.wait(10)
+        closer = threading.Thread(target=eng.close)
+        closer.start()
+        closer.join(1.0)
+        go.set()
+        closer.join(10)
+        t.join(10)
+        assert seen["destroyed"] is False, "close() destroyed a ring in use by its thread"
+        assert eng.live_rings == 0
