@@ -5,6 +5,7 @@ O_DIRECT in C, claiming I/Os from a shared cursor; no Python per I/O."""
 from __future__ import annotations
 
 import os
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
 from kvblock.io import native
@@ -44,8 +45,16 @@ class ThreadEngine(IOEngine):
             # task handed to them would never run
             self._pool, self._pool_pid = self._new_pool(), os.getpid()
         workers = [self._pool.submit(lib.kvb_pio_run, *args) for _ in range(min(qd, len(batch)))]
-        for w in workers:
-            w.result()
+        try:
+            for w in workers:
+                w.result()
+        except BaseException:
+            # Interrupted (KeyboardInterrupt) while the workers run: they read
+            # into the caller's buffers, which are freed or reused once this
+            # raises.  Let them claim no more I/Os and wait for those taken.
+            cursor[0] = len(batch)
+            futures.wait(workers)
+            raise
 
     def close(self) -> None:
         if not self.closed:

@@ -543,3 +543,46 @@ def test_close_waits_for_a_ring_re_registering_buffers_in_its_thread(file_target
         t.join(10)
         assert seen["destroyed"] is False, "close() destroyed a ring in use by its thread"
         assert eng.live_rings == 0
+
+
+def test_an_interrupted_threads_read_leaves_no_io_running(file_target, monkeypatch):
+    """Ctrl-C (KeyboardInterrupt) while the threads engine waits for its
+    workers: read() raised at once and the workers went on reading into
+    the caller's buffer, which the caller frees or reuses from then on
+    (bytes landing in another read's memory).  The batch's remaining I/Os
+    are dropped and read() raises only once no worker is left in it."""
+    from concurrent.futures import Future
+
+    from kvblock.io import native
+
+    real = native.lib()
+    go = threading.Event()
+
+    class Lib:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def kvb_pio_run(self, *args):
+            go.wait(10)                  # the workers are busy when the interrupt comes
+            return real.kvb_pio_run(*args)
+
+    real_result = Future.result
+
+    def interrupted(self, timeout=None):
+        threading.Timer(0.3, go.set).start()
+        raise KeyboardInterrupt
+
+    path = file_target(4 * MIB)
+    with open(path, "r+b") as f:
+        f.write(bytes(range(256)) * (4 * MIB // 256))
+    with Device(path) as dev, HostBuffer(4 * MIB) as buf:
+        eng = open_engine([dev], "threads", queue_depth=4)
+        buf.array[:] = 0xAA
+        monkeypatch.setattr(native, "lib", lambda: Lib())
+        monkeypatch.setattr(Future, "result", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            eng.read(IOBatch.contiguous(buf.address, 0, 0, 4 * MIB, 64 << 10))
+        monkeypatch.setattr(Future, "result", real_result)
+        go.set()
+        eng.close()                      # waits for the pool's workers
+        assert (buf.array == 0xAA).all(), "I/Os of the interrupted read landed after it raised"
