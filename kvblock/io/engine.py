@@ -10,6 +10,7 @@ import math
 import os
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
@@ -308,8 +309,15 @@ class IOEngine:
                 try:
                     self._copy_part(op, batch, 0, cuts[1], results, lat, hashing)
                 finally:
-                    for part in parts:
-                        part.result()    # (raises the first helper's error)
+                    try:
+                        for part in parts:
+                            part.result()    # (raises the first helper's error)
+                    except BaseException:
+                        # Interrupted (KeyboardInterrupt) while helpers copy into
+                        # or out of the caller's buffers and the mapping: raise
+                        # once they are done, not with them still at it.
+                        futures.wait(parts)
+                        raise
         finally:
             for _ in range(helpers):
                 slots.release()

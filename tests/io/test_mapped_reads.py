@@ -626,3 +626,51 @@ def test_a_tmpfs_file_with_a_hole_or_no_bytes_is_not_mapped(tmp_path):
             dev.close()
     finally:
         os.unlink(path)
+
+
+def test_an_interrupted_large_copy_leaves_no_helper_copying(shm_target, monkeypatch):
+    """KeyboardInterrupt (Ctrl-C) while a large mapped read waits for its
+    helper threads: read() raised with the helpers still copying into the
+    caller's buffer (freed or reused by the caller from then on), and the
+    engine counted the call as done, so close() could unmap the store file
+    under them.  read() now raises only once its helpers are done."""
+    from concurrent.futures import Future
+
+    import kvblock.io.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "COPY_THREADS", 2)
+    monkeypatch.setattr(engine_mod, "COPY_SPLIT_BYTES", MIB)
+    path = shm_target(8 * MIB)
+    data = _filled(path, 8 * MIB, seed=10)
+    go, helped = threading.Event(), threading.Event()
+    copy_part = engine_mod.IOEngine._copy_part
+
+    def slow_helper(self, *args):
+        if threading.current_thread() is threading.main_thread():
+            return copy_part(self, *args)
+        go.wait(10)              # still copying when the interrupt comes
+        try:
+            return copy_part(self, *args)
+        finally:
+            helped.set()
+
+    real_result = Future.result
+
+    def interrupted(self, timeout=None):
+        threading.Timer(0.3, go.set).start()
+        raise KeyboardInterrupt
+
+    with Device(path) as dev, HostBuffer(8 * MIB) as buf:
+        eng = open_engine([dev], mapped_reads=True)
+        buf.array[:] = 0xAA
+        monkeypatch.setattr(engine_mod.IOEngine, "_copy_part", slow_helper)
+        monkeypatch.setattr(Future, "result", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            eng.read(IOBatch.contiguous(buf.address, 0, 0, 8 * MIB, MIB))
+        at_raise = buf.array.copy()
+        monkeypatch.setattr(Future, "result", real_result)
+        go.set()
+        assert helped.wait(10)
+        eng.close()
+        assert np.array_equal(buf.array, at_raise), "a helper copied after read() raised"
+        assert np.array_equal(buf.array[:MIB], data[:MIB])
