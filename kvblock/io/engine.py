@@ -277,6 +277,9 @@ class IOEngine:
             staged[1]()
         if hashing is not None and hasher is None:   # the bytes are in place: hash them now
             native.hash_pieces(batch.addrs, batch.lens, *hashing)
+        if lat is not None and parent is not None:
+            # one per I/O of the batch: its slowest piece (pieces run side by side)
+            lat = np.maximum.reduceat(lat, np.flatnonzero(np.diff(parent, prepend=-1)))
         return IOResult(batch.nbytes, lat)
 
     def _copy_mapped(self, op: int, batch: IOBatch, latency: bool, hashing) -> IOResult:
