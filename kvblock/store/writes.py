@@ -317,7 +317,15 @@ class RunWriter(RunIO):
                 digests = self.io.write_hashed(batch, streams, seeds)
                 out = [(k, digests[j * nr:(j + 1) * nr]) for j, (k, *_) in enumerate(hashed)]
         finally:
-            wait([h for *_, h in later if h is not None])   # they read the runs' memory
+            helpers = [h for *_, h in later if h is not None]   # they read the runs' memory
+            try:
+                wait(helpers)
+            except BaseException:
+                # Interrupted (KeyboardInterrupt) while they hash: raise once
+                # they are done, not with them still reading the staging
+                # buffer (which close() unmaps) or the caller's array.
+                wait(helpers)
+                raise
         tails = [sums.tail for k, sums, _, _ in later if k not in first]
         for k, sums, run_id, h in later:
             ranges = first[k] if h is None else h.result()

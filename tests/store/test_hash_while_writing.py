@@ -228,3 +228,44 @@ def test_runs_put_together_are_hashed_while_their_data_is_written(target, monkey
             assert len(hashers) == 3 and all(h.startswith("kvblock-hash") for h in hashers)
             assert writes[:2] == [(me, 3 * lay.data_bytes), (me, 3 * lay.trailer_bytes)]
     _check_stored(path, runs)
+
+
+def test_an_interrupted_put_returns_only_once_the_hashing_ended(file_target, monkeypatch):
+    """Ctrl-C while the writer waits for its hashing helper (the data written,
+    the hashing slower): the put raises KeyboardInterrupt only once the
+    helper stopped reading the run's memory (the staging buffer, which
+    close() unmaps, or the caller's array), and publishes nothing."""
+    monkeypatch.setattr(writes_mod, "OVERLAP_HASH_BYTES", 256 << 10)
+    monkeypatch.setattr(writes_mod, "_hash_slots", threading.BoundedSemaphore(8))  # none busy
+    path = file_target(16 * MIB)
+    with KVStore.format([path], GEOM, region_size=2 * MIB) as store:
+        go, hashed = threading.Event(), threading.Event()
+        digests, real_wait = writes_mod.block_and_range_digests, writes_mod.wait
+
+        def slow_hashing(*a):
+            assert go.wait(20)                   # still hashing when Ctrl-C comes
+            out = digests(*a)
+            hashed.set()
+            return out
+        waits = []
+
+        def interrupted(futures):
+            waits.append(len(futures))
+            if len(waits) == 1:
+                raise KeyboardInterrupt
+            go.set()
+            return real_wait(futures)
+        monkeypatch.setattr(writes_mod, "block_and_range_digests", slow_hashing)
+        monkeypatch.setattr(writes_mod, "wait", interrupted)
+        keys = run_keys(1, N)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                store.put_run(keys, run_data(keys))
+            assert hashed.is_set()               # the helper was done with the memory
+        finally:
+            go.set()
+        assert store.lookup(keys) == 0
+        monkeypatch.setattr(writes_mod, "block_and_range_digests", digests)
+        monkeypatch.setattr(writes_mod, "wait", real_wait)
+        assert store.put_run(keys, run_data(keys)) == N
+    _check_stored(path, [(keys, run_data(keys))])
