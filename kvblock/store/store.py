@@ -693,9 +693,14 @@ class KVStore(Recovery, RunReader, RunWriter):
         counts clear() calls as ``_clears`` does, clear() moving both; or a
         delete() since it was published, ``_host_discards``); the counters."""
         if self.host is not None:
-            for k in range(len(keys)):
-                self.host.put(keys[k], block_at(blocks, k), epoch=clears, discards=discards,
-                              replace=True)
+            # Only the keys that still name this run, under the lock that
+            # publishing takes: a newer copy published (and put in the tier)
+            # since must not be replaced by this older one.
+            with self._lock:
+                own = self.index.lookup(keys) == run.packed()
+                for k in np.flatnonzero(own).tolist():
+                    self.host.put(keys[k], block_at(blocks, k), epoch=clears,
+                                  discards=discards, replace=True)
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += len(keys)
         self.counters["bytes_written"] += self.layout(len(keys)).run_bytes

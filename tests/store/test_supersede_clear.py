@@ -380,3 +380,30 @@ def test_used_bytes_after_a_crash_count_a_reclaimed_region_anew(tmp_path):
     with KVStore.open([path]) as store:
         assert store.counters["replayed_records"] > 0
         assert store.stats()["used_bytes"] == used
+
+
+def test_a_dram_tier_serves_the_newest_copy_when_two_puts_race(tmp_path):
+    """Two writers store a key with other bytes: the second publishes (and
+    fills the DRAM tier) before the first got to fill it.  The tier must
+    hand out the copy the device index names, not the one filled last."""
+    path = _store(tmp_path)
+    keys = run_keys(52, 2)
+    old, new = run_data(keys), run_data(keys) ^ 0x5A
+    other = keys[:1] + run_keys(53, 1)
+    newer = np.concatenate([
+        new.reshape(GEOM.num_layers, GEOM.head_groups, 2, -1)[:, :, :1],
+        run_data(run_keys(53, 1)).reshape(GEOM.num_layers, GEOM.head_groups, 1, -1)], axis=2)
+    with KVStore.open([path], host_cache_bytes=MIB) as store:
+        real = store._count_put
+        calls = []
+
+        def overtaken(*args):
+            calls.append(1)
+            if len(calls) == 1:                 # the first put, published: the second overtakes
+                assert store.put_run(other, newer) == 2
+            return real(*args)
+        store._count_put = overtaken
+        assert store.put_run(keys, old) == 2
+        got = _read(store, keys[:1])
+        want = new.reshape(GEOM.num_layers, GEOM.head_groups, 2, -1)[:, :, :1]
+        assert np.array_equal(got.reshape(want.shape), want)
