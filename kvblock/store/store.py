@@ -693,14 +693,25 @@ class KVStore(Recovery, RunReader, RunWriter):
         counts clear() calls as ``_clears`` does, clear() moving both; or a
         delete() since it was published, ``_host_discards``); the counters."""
         if self.host is not None:
-            # Only the keys that still name this run, under the lock that
-            # publishing takes: a newer copy published (and put in the tier)
-            # since must not be replaced by this older one.
+            # Only the keys that still name this run: a newer copy published
+            # (and put in the tier) since must not be replaced by this older
+            # one.  Copied outside the store's lock (a long run's copies
+            # would hold lookups up), so looked at again after: a key a
+            # newer put took meanwhile leaves the tier (its reads go to the
+            # device, which has the newest copy).
+            packed = run.packed()
             with self._lock:
-                own = self.index.lookup(keys) == run.packed()
-                for k in np.flatnonzero(own).tolist():
-                    self.host.put(keys[k], block_at(blocks, k), epoch=clears,
-                                  discards=discards, replace=True)
+                mine = np.flatnonzero(self.index.lookup(keys) == packed).tolist()
+            for k in mine:
+                self.host.put(keys[k], block_at(blocks, k), epoch=clears,
+                              discards=discards, replace=True)
+            if mine:
+                with self._lock:
+                    taken = self.index.lookup([keys[k] for k in mine]) != packed
+                    if taken.any():
+                        with self.host.lock:
+                            for j in np.flatnonzero(taken).tolist():
+                                self.host._drop_locked(keys[mine[j]])
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += len(keys)
         self.counters["bytes_written"] += self.layout(len(keys)).run_bytes

@@ -407,3 +407,32 @@ def test_a_dram_tier_serves_the_newest_copy_when_two_puts_race(tmp_path):
         got = _read(store, keys[:1])
         want = new.reshape(GEOM.num_layers, GEOM.head_groups, 2, -1)[:, :, :1]
         assert np.array_equal(got.reshape(want.shape), want)
+
+
+def test_a_dram_tier_copy_overtaken_while_it_is_made_is_not_served(tmp_path):
+    """The tier copies a put's blocks outside the store's lock: a second put
+    holding one of its keys (other bytes) that publishes and fills the tier
+    while the first is copying (the first's older copy then lands over it)
+    must not leave the older copy served: the first put looks again and
+    drops it."""
+    path = _store(tmp_path)
+    keys = run_keys(54, 2)
+    old = run_data(keys)
+    other = keys[:1] + run_keys(55, 1)
+    newer = run_data(other)
+    with KVStore.open([path], host_cache_bytes=MIB) as store:
+        real = store.host.put
+        calls = []
+
+        def overtaken(key, block, **kw):
+            calls.append(key)
+            if len(calls) == 1:      # the first put's first copy: the second overtakes it
+                assert store.put_run(other, newer) == 2
+            return real(key, block, **kw)
+        store.host.put = overtaken
+        assert store.put_run(keys, old) == 2
+        store.host.put = real
+        assert store.host.stats()["host_blocks"] >= 1
+        got = _read(store, keys[:1])
+        want = newer.reshape(GEOM.num_layers, GEOM.head_groups, 2, -1)[:, :, :1]
+        assert np.array_equal(got.reshape(want.shape), want)
