@@ -20,9 +20,32 @@ DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def _store(devices, readonly=True, model=None):
+    from kvblock.errors import NotAStoreError
     from kvblock.store import KVStore
 
-    return KVStore.open(list(devices), readonly=readonly, model=model)
+    try:
+        return KVStore.open(list(devices), readonly=readonly, model=model)
+    except NotAStoreError as e:
+        raise _not_a_store(e) from None
+
+
+def _not_a_store(e):
+    """``e`` (no kvblock superblock on a device) saying what the device holds
+    instead, when blkid finds a filesystem, partition table or RAID member
+    there: "not formatted" would read as an empty device."""
+    from kvblock.devices.probe import describe, signatures
+    from kvblock.errors import NotAStoreError
+
+    if e.path is None or "no kvblock superblock" not in str(e):
+        return e
+    try:
+        found = signatures(e.path)
+    except KVBlockError:
+        return e
+    if not found:
+        return e
+    return NotAStoreError(f"{e.path}: not a kvblock store: it holds {describe(found)}; give "
+                          "the store's device, or format another one", e.path, e.offset)
 
 
 def _claim(devices, writable: bool) -> list:

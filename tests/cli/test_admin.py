@@ -123,6 +123,17 @@ def test_format_refuses_ext4(loop_device):
     assert head(dev) == before
 
 
+def test_info_of_a_filesystem_says_what_the_device_holds(file_target):
+    """A device that holds a filesystem is no store: the read-only commands
+    say what it holds, not "not formatted" (exit 11)."""
+    path = file_target(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "precious", path], check=True)
+    one_line_error(kvb("info", path), 11, path, "a filesystem (ext4 labelled 'precious')")
+    res = kvb("fsck", path, "--json")
+    assert res.returncode == 11
+    assert "a filesystem (ext4 labelled 'precious')" in json.loads(res.stdout)["problems"][0]
+
+
 def _stale_fat_boot_sector(dev):
     """A FAT16 boot sector in bytes 0..511 (ext4 leaves its first 1 KiB
     alone): what an old filesystem leaves behind."""
