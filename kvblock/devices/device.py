@@ -194,6 +194,9 @@ def _identity(path: str) -> tuple | None:
     return ("file", st.st_dev, st.st_ino)
 
 
+LOOP_MAJOR = 7      # the kernel's block major of loop devices
+
+
 def loop_backing(rdev: int) -> str | None:
     """The backing file of the loop device numbered ``rdev``; None for any
     other block device."""
@@ -319,6 +322,12 @@ class Device:
             if exclusive and self.kind == "block":
                 self._lock_loop_backing(st, busy_timeout)
             self.info = self._probe(st)
+            if (self.kind == "block" and self.info.capacity == 0
+                    and os.major(st.st_rdev) == LOOP_MAJOR and not loop_backing(st.st_rdev)):
+                raise DeviceNotFoundError(
+                    f"{self.path}: a loop device with no file attached (detached, or never "
+                    "set up); attach the store's file (losetup -f --show --direct-io=on FILE) "
+                    "and give the device it prints", self.path, errno.ENXIO)
             if self.info.capacity < min_size:
                 raise DeviceTooSmallError(
                     f"{self.path}: {self.info.capacity} bytes, need at least {min_size}; "

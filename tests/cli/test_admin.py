@@ -422,6 +422,26 @@ def test_read_only_device(loop_device):
         subprocess.run(["blockdev", "--setrw", dev], check=True)
 
 
+def test_a_detached_loop_device_is_said_detached_not_too_small():
+    """A loop device whose store file was detached (losetup -d, a reboot) is
+    0 bytes: it is a device not found (exit 3) that names the fix, not a
+    device too small for a store (exit 7: "use a larger device")."""
+    from kvblock.cli.main import exit_code_for
+    from kvblock.errors import DeviceNotFoundError
+
+    ok, why = loopdev.can_make_loop_devices()
+    if not ok:
+        pytest.skip(why)
+    with loopdev.backing_file(16 << 20) as path:
+        dev = loopdev.attach(path)
+        formatted(dev)
+        loopdev.detach(dev)
+        with pytest.raises(DeviceNotFoundError, match="no file attached") as e:
+            KVStore.open([dev], readonly=True)
+    assert dev in str(e.value) and "losetup" in str(e.value)
+    assert exit_code_for(e.value) == 3
+
+
 def test_one_device_given_twice(loop_device, file_target):
     """The same device twice, or a loop device and its backing file: one
     line naming both, before anything is opened."""
