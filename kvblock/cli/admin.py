@@ -76,6 +76,12 @@ def _in_use(e: DeviceBusyError, why: str, command: str) -> DeviceBusyError:
         "store in use", e.path, e.errno)
 
 
+def _writer_busy(e: DeviceBusyError, why: str, command: str) -> DeviceBusyError:
+    """``e`` for a command that writes the store: a store file's own fix,
+    "open it read-only", is none for it (a block device's "unmount it" is)."""
+    return _in_use(e, why, command) if "open it read-only" in str(e) else e
+
+
 def _is_file(path) -> bool:
     import stat
 
@@ -136,7 +142,10 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
         # given twice, not one busy with "another" store at its second open.
         check_distinct(devices)
         for path in devices:
-            dev = Device(path, busy_timeout=0.2)  # O_EXCL: refuses mounted/in-use devices
+            try:
+                dev = Device(path, busy_timeout=0.2)  # O_EXCL: refuses mounted/in-use devices
+            except DeviceBusyError as e:
+                raise _writer_busy(e, "format overwrites the whole store", "format") from None
             opened.append(dev)
         if not force:
             io = StoreIO(opened, open_engine(opened))
@@ -495,8 +504,9 @@ def evict(devices, socket_path, nbytes, older_than, everything, as_json):
             opened = _store(devices, readonly=False)
         except DeviceBusyError as e:
             raise DeviceBusyError(
-                f"{e}; if a store server (kvblock serve) holds it, evict through it: "
-                "kvblock evict --socket PATH ...", e.path, e.errno) from None
+                f"{str(e).split('; ')[0]}; stop the program that holds it, or if a store "
+                "server (kvblock serve) holds it, evict through it: kvblock evict --socket "
+                "PATH ...", e.path, e.errno) from None
     with opened as store:
         before = store.stats()
         if cutoff is not None:
@@ -652,10 +662,13 @@ def serve(devices, socket_path, model, eviction, admit_after, engine, verify, id
 
     from kvblock.store.server import open_server, run_forever
 
-    server = open_server(list(devices), socket_path, model=model, eviction=eviction,
-                         admit_after=admit_after, engine=engine, verify=verify,
-                         idle_exit=idle_exit, pin_lease=pin_lease,
-                         hello_timeout=hello_timeout, max_clients=max_clients)
+    try:
+        server = open_server(list(devices), socket_path, model=model, eviction=eviction,
+                             admit_after=admit_after, engine=engine, verify=verify,
+                             idle_exit=idle_exit, pin_lease=pin_lease,
+                             hello_timeout=hello_timeout, max_clients=max_clients)
+    except DeviceBusyError as e:
+        raise _writer_busy(e, "one process serves a store", "serve") from None
     s = server.store.stats()
     ready = {"socket": socket_path, "pid": os.getpid(), "uuid": s["uuid"],
              "devices": s["devices"], "runs": s["runs"], "blocks": s["blocks"]}

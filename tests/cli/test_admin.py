@@ -728,6 +728,25 @@ def test_trim_of_a_served_store_says_to_stop_the_server(file_target, tmp_path):
     assert kvb("trim", path, "--json").returncode == 0
 
 
+def test_commands_that_write_a_served_store_do_not_say_open_it_read_only(file_target,
+                                                                          tmp_path):
+    """format, serve and evict on a store file a server holds: exit 5 naming
+    the holder, without the device's "open it read-only", which none of them
+    can do."""
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    assert kvb("format", path, *GEOM_ARGS).returncode == 0
+    with serve_in_background([path], str(tmp_path / "kv.sock")):
+        for args, fix in ((("format", path, *GEOM_ARGS, "--force"), "stop the store server"),
+                          (("serve", path, "--socket", str(tmp_path / "b.sock")),
+                           "stop the store server"),
+                          (("evict", path, "--all"), "kvblock evict --socket PATH")):
+            res = kvb(*args)
+            one_line_error(res, 5, path, f"pid {os.getpid()}", fix)
+            assert "read-only" not in res.stderr, res.stderr
+
+
 def _scrape(port, want, timeout=30.0) -> str:
     """/metrics of the exporter on ``port`` once it holds ``want``."""
     deadline, body = time.monotonic() + timeout, ""
