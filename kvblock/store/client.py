@@ -316,8 +316,11 @@ class RemoteStore(RunReader, RunWriter):
                                      hello["data_offsets"], int(hello["region_count"]))
         paths = list(devices) if devices is not None else hello["devices"]
         if len(paths) != len(hello["devices"]):
-            raise ConfigError(f"the store has {len(hello['devices'])} devices, got "
-                              f"{len(paths)} paths")
+            raise errors.GeometryMismatchError(
+                f"the store server at {self.socket_path} serves store {hello['uuid']} on "
+                f"{len(hello['devices'])} device(s) ({', '.join(hello['devices'])}), not on "
+                f"{', '.join(map(str, paths))}: give each store its own socket (e.g. a "
+                "{dp_rank} in it too)", str(paths[0]) if paths else self.socket_path, 0)
         devs = []
         try:
             for p in paths:  # the server holds the exclusive claim
@@ -332,6 +335,28 @@ class RemoteStore(RunReader, RunWriter):
                 d.close()
             raise
         want = uuid.UUID(hello["uuid"]).bytes
+        if devices is not None:
+            # This process's own names of the store's devices (an engine's
+            # config: any order, as KVStore.open takes them): in store order.
+            sbs = [_try_superblock(self.io, i) for i in range(len(devs))]
+            if any(sb is None or sb.store_uuid != want for sb in sbs):
+                raise errors.GeometryMismatchError(
+                    f"the store server at {self.socket_path} serves store {hello['uuid']} on "
+                    f"{', '.join(hello['devices'])}, not on {', '.join(map(str, paths))}: "
+                    "give each store its own socket (e.g. a {dp_rank} in it too)",
+                    str(paths[0]), 0)
+            order = sorted(range(len(devs)), key=lambda i: sbs[i].device_index)
+            if order != list(range(len(devs))):
+                devs = [devs[i] for i in order]
+                self.io.engine.close()
+                self.io = None
+                try:
+                    self.io = StoreIO(devs, open_engine(devs, engine, queue_depth=queue_depth,
+                                                        mapped_writes=False))
+                except BaseException:
+                    for d in devs:
+                        d.close()
+                    raise
         for i, d in enumerate(devs):  # the same store, each device in its place
             sb = _try_superblock(self.io, i, raise_errors=True)
             if sb.store_uuid != want or sb.device_index != i:
@@ -921,6 +946,10 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     """
     socket_path = os.fspath(socket_path)
     can_start = bool(start and devices)
+    if devices and client_options.get("devices") is None:
+        # I/O on the caller's names of the devices: the server's paths may
+        # not reach them here (another mount, a relative path of its own).
+        client_options["devices"] = list(devices)
     try:
         store = RemoteStore(socket_path, **client_options)
     except ServerGoneError:

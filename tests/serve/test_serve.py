@@ -749,6 +749,35 @@ def test_an_engines_size_and_region_size_are_said_not_to_apply_to_a_running_serv
         assert f"region_size {2 * REGION} applies when a store is formatted" in text
 
 
+def test_an_engine_rank_does_its_io_on_its_own_paths_of_the_served_store(tmp_path, sock):
+    """open_shared (the engines' "server"): a rank does its I/O on the
+    devices its config names, which may be other names of the medium the
+    server serves (another mount, a by-id link, a relative path the server
+    was started with in another directory).  The rank used to open the
+    server's paths instead: missing in the rank, its start failed with
+    DeviceNotFoundError naming a path the rank's config never had."""
+    from kvblock import create_file
+    from kvblock.store.provision import open_shared
+
+    paths = [str(tmp_path / f"kv{i}.img") for i in range(2)]
+    links = [str(tmp_path / f"server-side-name{i}.img") for i in range(2)]
+    for path, link in zip(paths, links):
+        create_file(path, 8 * MIB)
+        os.symlink(path, link)
+    KVStore.format(paths, GEOM, model="m", region_size=REGION).close()
+    with serve_in_background(links, sock, model="m"):
+        for link in links:
+            os.unlink(link)              # the server's names for them: not this rank's
+        keys = run_keys(3, 2)
+        # in another order than the store's, as KVStore.open takes them
+        with open_shared(sock, paths[::-1], GEOM, "m") as rank:
+            assert [d.path for d in rank.io.devices] == paths
+            rank.put_run(keys, run_data(keys))
+            out = np.zeros_like(run_data(keys))
+            assert rank.get_run(keys, out) == 2
+            assert np.array_equal(out, run_data(keys))
+
+
 def test_a_server_out_of_descriptors_serves_again_once_some_are_free(tmp_path):
     """More connections than the server has descriptors for: accept fails
     with EMFILE for a while.  The accept thread must outlive it (it used to
