@@ -286,15 +286,20 @@ class RemoteStore(RunReader, RunWriter):
 
     def _check_identity(self, geometry, model) -> None:
         where = f"the store served on {self.socket_path}"
+        # A server outlives the ranks that started it: one left from an
+        # engine's last run keeps serving the store it was started for.
+        fix = (f" (store server pid {self.server_pid}): stop that server (kill -TERM "
+               f"{self.server_pid}) to format the devices anew, or give this process its own "
+               "socket and devices")
         if geometry is not None and geometry != self.geometry:
             raise errors.GeometryMismatchError(
                 f"{where} holds {self.geometry.describe()}, this process needs "
-                f"{geometry.describe()}", self.socket_path, 0)
+                f"{geometry.describe()}{fix}", self.socket_path, 0)
         if model is not None and self.fingerprint and \
                 self.fingerprint != model_fingerprint(model):
             raise errors.GeometryMismatchError(
                 f"{where} was formatted for another model than {model!r}; its KV cannot "
-                "serve this model", self.socket_path, 0)
+                f"serve this model{fix}", self.socket_path, 0)
 
     def _setup(self, hello, verify, engine, queue_depth, devices):
         if hello.get("protocol") != PROTOCOL:

@@ -625,6 +625,29 @@ def test_a_client_can_require_the_served_store_geometry_and_model(tmp_path, sock
             assert r.geometry == GEOM
 
 
+def test_a_served_store_of_another_geometry_or_model_names_its_server_and_the_fix(tmp_path,
+                                                                                  sock):
+    """An engine restarted with another page size or model while the store
+    server of its last run still serves the devices (a server outlives the
+    ranks that started it): the error names that server and what to do,
+    not only the two geometries (format "force" cannot apply meanwhile)."""
+    from kvblock import Geometry, create_file
+    from kvblock.errors import GeometryMismatchError
+    from kvblock.store.provision import open_shared
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, 8 * MIB)
+    KVStore.format([path], GEOM, model="m", region_size=REGION).close()
+    other = Geometry(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16",
+                     block_tokens=16, head_groups=2)
+    with serve_in_background([path], sock, model="m"):
+        for geometry, model in ((other, "m"), (GEOM, "m2")):
+            with pytest.raises(GeometryMismatchError) as e:
+                open_shared(sock, [path], geometry, model, format="force")
+            assert f"pid {os.getpid()}" in str(e.value), str(e.value)
+            assert "stop that server" in str(e.value) and "its own socket" in str(e.value)
+
+
 def test_stats_while_another_thread_closes_the_store(tmp_path, sock, monkeypatch):
     """close() from another thread while stats() waits for its answer (a
     metrics thread at shutdown): stats answers, and close() waits for it,
