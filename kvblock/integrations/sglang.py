@@ -460,17 +460,21 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return None
         return ids
 
-    def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:
+    def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int],
+                     stored: np.ndarray | None = None) -> int:
         """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks
         (kvblock.tensors.save_blocks: one vectorised gather per layer into the
         store's staging, one write per run); returns the pages handed to the
-        store (raises on failure)."""
+        store (raises on failure).  ``stored`` (one bool per key) is set run
+        by run, so after a failure it says which pages the store took."""
         done = 0
         layout = pages.cache_layout()
         for start in range(0, len(kbs), self.run_blocks):
             keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
             save_blocks(self.store, keys, layout, ids)
             done += len(keys)
+            if stored is not None:
+                stored[start:done] = True
         return done
 
     def _read_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:
@@ -526,11 +530,20 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         kbs = [self.kvblock_key(k) for k in keys]
         t0 = time.perf_counter()
         try:
-            todo = np.nonzero(~self.store.present(kbs))[0].tolist()
-            self._write_pages(self.pages, [kbs[i] for i in todo], [page_ids[i] for i in todo])
+            ok = self.store.present(kbs)
         except KVBlockError as e:
             self._failed(f"backing up {len(keys)} pages", e)
             return [False] * len(keys)
+        todo = np.nonzero(~ok)[0]
+        written = np.zeros(len(todo), dtype=bool)
+        try:
+            self._write_pages(self.pages, [kbs[i] for i in todo], [page_ids[i] for i in todo],
+                              written)
+        except KVBlockError as e:
+            # the runs before the failed one are stored: report them so
+            self._failed(f"backing up {len(keys)} pages", e)
+            ok[todo] = written
+            return ok.tolist()
         self._record("backup", len(todo), time.perf_counter() - t0)
         return [True] * len(keys)
 

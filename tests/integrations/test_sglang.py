@@ -647,7 +647,9 @@ def test_close_while_a_call_is_in_flight_answers_a_miss(file_target, backends):
         return n
 
     store2.put_run = put_run_then_close
-    assert backend2.batch_set_v1(keys[:8], pool.token_indices(range(8))) == [False] * 8
+    # the first run was stored before the close: reported stored, the rest not
+    assert backend2.batch_set_v1(keys[:8], pool.token_indices(range(8))) == \
+        [True] * 4 + [False] * 4
     assert backend2.batch_exists(keys[:8]) == 0
 
 
@@ -790,3 +792,32 @@ def test_extra_pool_pages_of_another_layout_are_a_miss(file_target, backends):
                                              host_indices=torch.arange(4, 8))])["swa"]
     # a miss, or the same KV: never the old bytes in the new order
     assert got == [False] or torch.equal(new.layer_major(4), old.layer_major(0))
+
+
+def test_a_backup_failing_part_way_reports_the_pages_it_stored(file_target, backends):
+    """A backup cut into runs (max_run_bytes) whose second run fails: the
+    pages of the first run, and pages stored before the call, are stored and
+    reported True; only the failed run's pages and those after it are False
+    (they were all reported False, pages the store holds among them)."""
+    from kvblock.errors import IOFailedError
+
+    pool = HostPool(pages=40)
+    block = 3 * 2 * 4 * 2 * 16 * 2
+    backend = attach(pool, [file_target()], max_run_bytes=4 * block)  # 4 pages per run
+    backends.append(backend)
+    keys = keys_for("p", 10)
+    assert backend.batch_set_v1([keys[9]], pool.token_indices([9])) == [True]
+    real, calls = backend.store.put_run, []
+
+    def put_run(run_keys, data):
+        calls.append(len(run_keys))
+        if len(calls) == 2:
+            raise IOFailedError("write failed", "kv.img", 5, offset=0, length=4096)
+        return real(run_keys, data)
+
+    backend.store.put_run = put_run
+    assert backend.batch_set_v1(keys, pool.token_indices(range(10))) == \
+        [True] * 4 + [False] * 5 + [True]
+    backend.store.put_run = real
+    assert calls == [4, 4]
+    assert backend.batch_exists(keys) == 4 and backend.stats()["store_failures"] == 1
