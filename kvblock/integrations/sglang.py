@@ -750,7 +750,14 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                     data = pool.get_data_page(offsets[i], flat=True)
                     pages[j, :nbytes] = data.contiguous().view(torch.uint8).reshape(-1).numpy()
                     pages[j, nbytes:] = 0
-                self.store.put_blocks(kbs, blocks)
+                try:
+                    self.store.put_blocks(kbs, blocks)
+                except KVBlockError as e:
+                    # the runs before this one are stored: report them so
+                    self._failed(f"storing {len(keys)} {_pool_key(t.name)} pages", e)
+                    ok = np.ones(len(keys), dtype=bool)
+                    ok[todo[start:]] = False
+                    return ok.tolist()
                 continue
             n = self.store.get_blocks(kbs, blocks) // nb
             for j in range(n):

@@ -821,3 +821,37 @@ def test_a_backup_failing_part_way_reports_the_pages_it_stored(file_target, back
     backend.store.put_run = real
     assert calls == [4, 4]
     assert backend.batch_exists(keys) == 4 and backend.stats()["store_failures"] == 1
+
+
+def test_an_extra_pool_backup_failing_part_way_reports_the_pages_it_stored(file_target,
+                                                                          backends):
+    """batch_set_v2 of an extra pool cut into runs whose second run fails:
+    the first run's pages are stored and reported True, the rest False
+    (SGLang counts the leading True pages as the pool's backed-up hit; it
+    was 0, every page reported False)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from kvblock.errors import IOFailedError
+
+    pool = HostPool(pages=8)
+    block = 3 * 2 * 4 * 2 * 16 * 2                    # 1536 bytes
+    backend = attach(pool, [file_target()], max_run_bytes=8 * block)
+    backends.append(backend)
+    states = StatePool(slots=20, state_bytes=3000, seed=4)    # 2 blocks a page: 4 a run
+    backend.register_mem_host_pool_v2(states, PoolName.INDEXER)
+    real, calls = backend.store.put_blocks, []
+
+    def put_blocks(keys, blocks):
+        calls.append(len(keys))
+        if len(calls) == 2:
+            raise IOFailedError("write failed", "kv.img", 5, offset=0, length=4096)
+        return real(keys, blocks)
+
+    backend.store.put_blocks = put_blocks
+    keys = keys_for("w", 10)
+    out = backend.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                             host_indices=torch.arange(10))])
+    assert out == {"indexer": [True] * 4 + [False] * 6}
+    backend.store.put_blocks = real
+    got = backend.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                             host_indices=torch.arange(10, 20))])
+    assert got == {"indexer": [True] * 4 + [False] * 6}
