@@ -464,18 +464,19 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                      stored: np.ndarray | None = None) -> int:
         """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks
         (kvblock.tensors.save_blocks: one vectorised gather per layer into the
-        store's staging, one write per run); returns the pages handed to the
-        store (raises on failure).  ``stored`` (one bool per key) is set run
-        by run, so after a failure it says which pages the store took."""
-        done = 0
+        store's staging, one write per run); returns the pages the store
+        wrote, not those admission declined (raises on failure).  ``stored``
+        (one bool per key) is set run by run, so after a failure it says
+        which pages the store took."""
+        done = written = 0
         layout = pages.cache_layout()
         for start in range(0, len(kbs), self.run_blocks):
             keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
-            save_blocks(self.store, keys, layout, ids)
+            written += save_blocks(self.store, keys, layout, ids)
             done += len(keys)
             if stored is not None:
                 stored[start:done] = True
-        return done
+        return written
 
     def _read_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:
         """Load the stored prefix of kbs into ``pages``' pages ``page_ids``;
@@ -537,14 +538,14 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         todo = np.nonzero(~ok)[0]
         written = np.zeros(len(todo), dtype=bool)
         try:
-            self._write_pages(self.pages, [kbs[i] for i in todo], [page_ids[i] for i in todo],
-                              written)
+            n = self._write_pages(self.pages, [kbs[i] for i in todo],
+                                  [page_ids[i] for i in todo], written)
         except KVBlockError as e:
             # the runs before the failed one are stored: report them so
             self._failed(f"backing up {len(keys)} pages", e)
             ok[todo] = written
             return ok.tolist()
-        self._record("backup", len(todo), time.perf_counter() - t0)
+        self._record("backup", n, time.perf_counter() - t0)
         return [True] * len(keys)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,

@@ -855,3 +855,38 @@ def test_an_extra_pool_backup_failing_part_way_reports_the_pages_it_stored(file_
     got = backend.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
                                              host_indices=torch.arange(10, 20))])
     assert got == {"indexer": [True] * 4 + [False] * 6}
+
+
+def test_backup_metrics_count_the_pages_written(file_target, backends, monkeypatch):
+    """SGLang's storage metrics (get_stats: backup_pgs, backup_bandwidth)
+    count the pages the store wrote: pages admission declines (admit_after)
+    and pages stored already are not backups (they were counted, and their
+    bytes made the backup bandwidth up)."""
+    import dataclasses
+    import types
+
+    # SGLang's metrics module imports torchvision (see sglang_pools.py): its
+    # StorageMetrics, as sglang_real_pool_check.py checks it, stands in
+    @dataclasses.dataclass
+    class StorageMetrics:
+        prefetch_pgs: list = dataclasses.field(default_factory=list)
+        backup_pgs: list = dataclasses.field(default_factory=list)
+        prefetch_bandwidth: list = dataclasses.field(default_factory=list)
+        backup_bandwidth: list = dataclasses.field(default_factory=list)
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.observability.metrics_collector",
+                        types.SimpleNamespace(StorageMetrics=StorageMetrics))
+    pool = HostPool()
+    backend = attach(pool, [file_target()], metrics=True, admit_after=2)
+    backends.append(backend)
+    keys = keys_for("m", 4)
+    assert backend.batch_set_v1(keys, pool.token_indices(range(4))) == [True] * 4
+    assert backend.batch_exists(keys) == 0                  # declined: seen once
+    assert backend.get_stats().backup_pgs == []
+    assert backend.batch_set_v1(keys, pool.token_indices(range(4))) == [True] * 4
+    assert backend.batch_exists(keys) == 4
+    assert backend.batch_set_v1(keys, pool.token_indices(range(4))) == [True] * 4
+    stats = backend.get_stats()
+    assert stats.backup_pgs == [4] and len(stats.backup_bandwidth) == 1
+    assert backend.batch_get_v1(keys, pool.token_indices(range(4, 8))) == [True] * 4
+    assert backend.get_stats().prefetch_pgs == [4]
