@@ -260,9 +260,9 @@ def test_a_connection_that_never_says_hello_is_closed(store_file, sock):
                 assert silent.recv(1) == b""        # the server closed it
             finally:
                 silent.close()
-            for _ in range(100):                    # its thread ends
-                if server.client_count() == 1:
-                    break
+            deadline = time.monotonic() + 30        # its thread ends
+            while server.client_count() != 1:
+                assert time.monotonic() < deadline, "the silent connection's session stayed"
                 time.sleep(0.02)
             assert r.stats()["clients"] == 1        # only r is left, and it is served
             keys = run_keys(5, 2)
@@ -305,9 +305,9 @@ def test_connections_past_max_clients_are_refused_with_a_typed_error(store_file,
             out = np.zeros(2 * GEOM.block_bytes, np.uint8)
             assert b.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
             b.close()
-            for _ in range(100):                     # b's place is given back
-                if server.client_count() < 2:
-                    break
+            deadline = time.monotonic() + 30         # b's place is given back
+            while server.client_count() >= 2:
+                assert time.monotonic() < deadline, "b's session stayed after its close()"
                 time.sleep(0.02)
             with RemoteStore(sock) as c:
                 assert c.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
