@@ -330,15 +330,11 @@ class RemoteStore(RunReader, RunWriter):
         try:
             for p in paths:  # the server holds the exclusive claim
                 devs.append(Device(p, writable=True, exclusive=False))
-            # Writes go through the kernel: the server may have punched holes
-            # (a server with mapped reads off trims), and a write into a hole
-            # through a mapping of a full tmpfs would be a SIGBUS, not ENOSPC.
-            self.io = StoreIO(devs, open_engine(devs, engine, queue_depth=queue_depth,
-                                                mapped_writes=False))
         except BaseException:
             for d in devs:
                 d.close()
             raise
+        self._open_io(devs, engine, queue_depth)
         want = uuid.UUID(hello["uuid"]).bytes
         if devices is not None:
             # This process's own names of the store's devices (an engine's
@@ -355,13 +351,7 @@ class RemoteStore(RunReader, RunWriter):
                 devs = [devs[i] for i in order]
                 self.io.engine.close()
                 self.io = None
-                try:
-                    self.io = StoreIO(devs, open_engine(devs, engine, queue_depth=queue_depth,
-                                                        mapped_writes=False))
-                except BaseException:
-                    for d in devs:
-                        d.close()
-                    raise
+                self._open_io(devs, engine, queue_depth)
         for i, d in enumerate(devs):  # the same store, each device in its place
             sb = _try_superblock(self.io, i, raise_errors=True)
             if sb.store_uuid != want or sb.device_index != i:
@@ -369,6 +359,19 @@ class RemoteStore(RunReader, RunWriter):
                     f"{d.path} is not device #{i} of store {hello['uuid']} served at "
                     f"{self.socket_path}; pass devices= in the server's order", d.path, 0)
         self._fence = WriteFence(fence_files(devs[0], self.socket_path))
+
+    def _open_io(self, devs, engine, queue_depth) -> None:
+        """This rank's I/O path on ``devs`` (closed if it cannot be made).
+        Writes go through the kernel: the server may have punched holes (a
+        server with mapped reads off trims), and a write into a hole through
+        a mapping of a full tmpfs would be a SIGBUS, not ENOSPC."""
+        try:
+            self.io = StoreIO(devs, open_engine(devs, engine, queue_depth=queue_depth,
+                                                mapped_writes=False))
+        except BaseException:
+            for d in devs:
+                d.close()
+            raise
 
     def _check_medium(self, served_dev0: int) -> None:
         """The server's device 0 (the descriptor it sent) is the very medium

@@ -1285,6 +1285,23 @@ def test_a_failed_trim_still_frees_the_reclaimed_region(tmp_path):
         assert store.lookup(keys) == 0
 
 
+def _two_sealed_regions_whose_trim_fails(store) -> tuple[list[int], int]:
+    """Runs 0 and 1 (4 blocks each) in two sealed regions, and every TRIM
+    failing with EIO from now on: (the two regions, free regions before)."""
+    regions = []
+    for i in range(2):
+        keys = run_keys(i, 4)
+        assert store.put_run(keys, run_data(keys)) == 4
+        regions.append(store.regions.open)
+        store.regions.seal(store.regions.open)
+
+    def failing_discard(dev, off, length):
+        raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
+                            store.io.devices[dev].path, 5, off, length)
+    store.io.discard = failing_discard
+    return regions, len(store.regions.free)
+
+
 def test_a_failed_trim_in_evict_older_than_frees_every_region_it_took(tmp_path):
     """evict_older_than takes every old region out of the index at once,
     then commits and TRIMs them one by one: a TRIM that failed (EIO) on the
@@ -1294,18 +1311,7 @@ def test_a_failed_trim_in_evict_older_than_frees_every_region_it_took(tmp_path):
     path = tmp_path / "small.img"
     create_file(path, 3 * MIB)
     with _format([path]) as store:
-        old = []
-        for i in range(2):
-            keys = run_keys(i, 4)
-            assert store.put_run(keys, run_data(keys)) == 4
-            old.append(store.regions.open)
-            store.regions.seal(store.regions.open)
-        free = len(store.regions.free)
-
-        def failing_discard(dev, off, length):
-            raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
-                                store.io.devices[dev].path, 5, off, length)
-        store.io.discard = failing_discard
+        old, free = _two_sealed_regions_whose_trim_fails(store)
         with pytest.raises(IOFailedError):
             store.evict_older_than(time.time() + 60)
         assert not store.closed
@@ -1372,18 +1378,7 @@ def test_a_failed_trim_in_delete_frees_every_region_it_emptied(tmp_path):
     path = tmp_path / "small.img"
     create_file(path, 3 * MIB)
     with _format([path]) as store:
-        emptied = []
-        for i in range(2):
-            keys = run_keys(i, 4)
-            assert store.put_run(keys, run_data(keys)) == 4
-            emptied.append(store.regions.open)
-            store.regions.seal(store.regions.open)
-        free = len(store.regions.free)
-
-        def failing_discard(dev, off, length):
-            raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
-                                store.io.devices[dev].path, 5, off, length)
-        store.io.discard = failing_discard
+        emptied, free = _two_sealed_regions_whose_trim_fails(store)
         with pytest.raises(IOFailedError):
             store.delete(run_keys(0, 4) + run_keys(1, 4))
         assert not store.closed
