@@ -707,7 +707,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                               discards=discards, replace=True)
             if mine:
                 with self._lock:
-                    taken = self.index.lookup([keys[k] for k in mine]) != packed
+                    taken = self.index.lookup([keys[k] for k in mine]) != packed[mine]
                     if taken.any():
                         with self.host.lock:
                             for j in np.flatnonzero(taken).tolist():
