@@ -1294,12 +1294,16 @@ def _two_sealed_regions_whose_trim_fails(store) -> tuple[list[int], int]:
         assert store.put_run(keys, run_data(keys)) == 4
         regions.append(store.regions.open)
         store.regions.seal(store.regions.open)
+    _fail_trims(store)
+    return regions, len(store.regions.free)
 
+
+def _fail_trims(store) -> None:
+    """Every TRIM (discard) of ``store`` fails with EIO from now on."""
     def failing_discard(dev, off, length):
         raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
                             store.io.devices[dev].path, 5, off, length)
     store.io.discard = failing_discard
-    return regions, len(store.regions.free)
 
 
 def test_a_failed_trim_in_evict_older_than_frees_every_region_it_took(tmp_path):
@@ -1328,15 +1332,7 @@ def test_a_failed_trim_does_not_stop_clear_forgetting_every_run(tmp_path):
     path = tmp_path / "small.img"
     create_file(path, 3 * MIB)
     with _format([path]) as store:
-        for i in range(2):
-            keys = run_keys(i, 4)
-            assert store.put_run(keys, run_data(keys)) == 4
-            store.regions.seal(store.regions.open)
-
-        def failing_discard(dev, off, length):
-            raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
-                                store.io.devices[dev].path, 5, off, length)
-        store.io.discard = failing_discard
+        _two_sealed_regions_whose_trim_fails(store)
         with pytest.raises(IOFailedError):
             store.clear()
         assert not store.closed
@@ -1356,11 +1352,7 @@ def test_a_failed_trim_does_not_leave_deleted_blocks_in_the_dram_tier(tmp_path):
         keys = run_keys(1, 4)
         assert store.put_run(keys, run_data(keys)) == 4
         store.regions.seal(store.regions.open)
-
-        def failing_discard(dev, off, length):
-            raise IOFailedError(f"{store.io.devices[dev].path}: discard failed: EIO",
-                                store.io.devices[dev].path, 5, off, length)
-        store.io.discard = failing_discard
+        _fail_trims(store)
         with pytest.raises(IOFailedError):
             store.delete(keys)
         assert not store.closed
