@@ -97,6 +97,7 @@ class PinnedSegments(list):
     pinned on the server under ``pin`` until ``_unpin``."""
 
     pin: int | None = None
+    released = False       # unpin() took it (a handle pin() returned is released once)
 
 
 class RemoteRegions:
@@ -670,7 +671,13 @@ class RemoteStore(RunReader, RunWriter):
         return self._segments(normalize_keys(keys))
 
     def unpin(self, pins) -> None:
-        """Release a handle returned by :meth:`pin`."""
+        """Release a handle returned by :meth:`pin` (once, as KVStore.unpin:
+        a second release is a ConfigError)."""
+        if not isinstance(pins, PinnedSegments):
+            raise ConfigError("unpin: pass the handle pin() returned")
+        if pins.released:
+            raise ConfigError("unpin: this pin handle was released already")
+        pins.released = True
         self._unpin(pins)
 
     def lookup(self, keys: Sequence) -> int:

@@ -839,3 +839,29 @@ def test_a_server_out_of_descriptors_serves_again_once_some_are_free(tmp_path):
         server.terminate()
         server.wait(30)
         log.close()
+
+
+def test_a_remote_pin_is_released_once_as_in_one_process(tmp_path, sock):
+    """RemoteStore.unpin as KVStore.unpin: a second release of one handle,
+    or something pin() did not return, is a ConfigError (it used to pass
+    silently, so an engine's double release went unnoticed on a served
+    store only); the other lease's pin holds."""
+    path = _store_file(tmp_path)
+    keys = run_keys(52, 2)
+    with serve_in_background([path], sock), RemoteStore(sock) as r:
+        r.put_run(keys, run_data(keys))
+        first, second = r.pin(keys), r.pin(keys)
+        r.unpin(first)
+        with pytest.raises(ConfigError, match="released already"):
+            r.unpin(first)
+        with pytest.raises(ConfigError, match="the handle pin"):
+            r.unpin(list(second))
+        assert r.stats()["pinned_regions"] == 1              # the second lease holds
+        assert r.evict(all=True) == 0 and r.lookup(keys) == 2
+        r.unpin(second)
+        assert r.stats()["pinned_regions"] == 0
+        empty = r.pin(run_keys(53, 1))                        # nothing stored: [] as KVStore's
+        assert empty == []
+        r.unpin(empty)
+        with pytest.raises(ConfigError, match="released already"):
+            r.unpin(empty)
