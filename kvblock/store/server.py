@@ -106,6 +106,7 @@ class _Session:
         self.busy = False                             # a request is being answered
         self.taking: float | None = None              # since when a request is being read
         self.dropped: str | None = None               # why the server ended the connection
+        self.closing = False                          # ended: its pins are being given back
 
 
 class StoreServer:
@@ -301,7 +302,10 @@ class StoreServer:
                 if self._stopping:
                     conn.close()
                     return
-                full = self.max_clients is not None and len(self._sessions) >= self.max_clients
+                # a connection that has ended (its pins being given back, its
+                # descriptor closed) no longer takes a place
+                full = self.max_clients is not None and sum(
+                    not o.closing for o in self._sessions.values()) >= self.max_clients
                 if not full:
                     self._sessions[session.sid] = session
                     self.connections_total += 1
@@ -514,11 +518,13 @@ class StoreServer:
                     self.failed = StoreClosedError("metadata write failed; store closed")
                     threading.Thread(target=self.stop, daemon=True).start()
         finally:
-            self._release(s)
-            try:
+            with self._sessions_lock:
+                s.closing = True
+            try:            # closed before its pins go: the client sees them lapse first
                 s.conn.close()
             except OSError:
                 pass
+            self._release(s)
             with self._sessions_lock:
                 self._sessions.pop(s.sid, None)
                 self._last_session_end = time.monotonic()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import numpy as np
@@ -371,3 +372,32 @@ def test_a_hello_taken_while_the_hello_wait_runs_out_is_answered_not_cut_off(
         finally:
             r.close()
         _still_serves(server, sock, 8)
+
+
+def test_a_closing_connection_does_not_count_toward_max_clients(store_file, sock):
+    """A connection whose client has gone (its pins being given back) kept
+    its place under max_clients until that cleanup was done, so a rank
+    reconnecting right after many others left was refused with
+    ServerBusyError while nobody was being served."""
+    with serve_in_background([store_file], sock, max_clients=1) as server:
+        entered, go = threading.Event(), threading.Event()
+        real = server.store._unpin
+
+        def slow_unpin(segs):          # the closing session's cleanup, held
+            entered.set()
+            go.wait(20)
+            return real(segs)
+        keys = run_keys(7, 2)
+        a = RemoteStore(sock)
+        try:
+            assert a.put_run(keys, run_data(keys)) == 2
+            a.pin(keys)
+            server.store._unpin = slow_unpin
+            a.close()
+            assert entered.wait(20), "the closed connection's pins were never released"
+            with RemoteStore(sock) as b:          # refused with ServerBusyError before
+                assert b.lookup(keys) == 2
+        finally:
+            go.set()
+            a.close()
+            del server.store._unpin
