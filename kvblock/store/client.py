@@ -121,6 +121,10 @@ class RemoteRegions:
 # thread never waits for a server to come back.
 RECONNECT_INTERVAL_S = 0.5
 RECONNECT_MAX_INTERVAL_S = 10.0
+# A server that serves another store (or speaks another protocol) is not
+# retried by the thread; a call this long after the refusal tries once more
+# (the operator may have restarted the right server meanwhile).
+REFUSED_RETRY_S = 10.0
 
 
 def _reconnect_loop(ref, stop: threading.Event) -> None:
@@ -168,11 +172,14 @@ def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str
             store._restart()           # nobody there: start a server (one rank does)
             s = store._new_session()
     except (errors.GeometryMismatchError, errors.ProtocolMismatchError) as e:
-        # another store, or another release's server: retrying cannot help.
+        # another store, or another release's server: retrying at once cannot
+        # help; a call after REFUSED_RETRY_S tries again (_start_reconnect).
         # Said first: whoever sees the session gone finds the reason logged.
-        logger.error("%s", str(e))     # text only: a record must not keep the traceback
-        store._refused = str(e)
-        store._session.gone = str(e)
+        if str(e) != store._refused:
+            logger.error("%s", str(e))     # text only: a record must not keep the traceback
+        store._refused, store._refused_at = str(e), time.monotonic()
+        store._session.gone = (f"{e} (a call tried again after {REFUSED_RETRY_S:g} s "
+                               "reconnects once the right server answers)")
         return True, warned
     except (KVBlockError, OSError) as e:
         if store.closed:               # closed meanwhile: nothing to say
@@ -182,6 +189,7 @@ def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str
                            str(e))
         return False, str(e)
     if store._adopt(s):
+        store._refused = None
         logger.warning("kvblock: reconnected to the store server at %s (pid %d)",
                        store.socket_path, store.server_pid)
     return True, warned
@@ -255,6 +263,7 @@ class RemoteStore(RunReader, RunWriter):
         self._reconnector: threading.Thread | None = None
         self._forked = False
         self._refused: str | None = None   # the server serves another store: no reconnect
+        self._refused_at = 0.0             # ... until REFUSED_RETRY_S after this
         self._session = Session(open_socket(self.socket_path, timeout))
         self._sessions = weakref.WeakSet([self._session])   # for a forked child to close
         try:
@@ -530,7 +539,9 @@ class RemoteStore(RunReader, RunWriter):
 
     # ------------------------------------------------------------------ reconnecting
     def _start_reconnect(self) -> None:
-        if not self._reconnect or self.closed or self._forked or self._refused:
+        if not self._reconnect or self.closed or self._forked:
+            return
+        if self._refused and time.monotonic() - self._refused_at < REFUSED_RETRY_S:
             return
         with self._reconnect_lock:
             if self._session.gone is None:      # replaced meanwhile: nothing to do

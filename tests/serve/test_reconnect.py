@@ -582,3 +582,42 @@ def test_a_start_lock_held_by_a_stopped_rank_does_not_hang_the_others(tmp_path):
         holder.kill()
         holder.wait()
         holder.stdout.close()
+
+
+def test_a_refused_rank_reconnects_once_its_store_is_served_again(tmp_path, monkeypatch):
+    """A rank that found another store served at its socket was refused for
+    good: after the operator restarted the server on the right store, its
+    calls kept failing until the engine was restarted.  A later call tries
+    again (at most every REFUSED_RETRY_S) and the rank serves again."""
+    from kvblock.store import client as client_mod
+    from tests.store.workload import small_store
+
+    monkeypatch.setattr(client_mod, "REFUSED_RETRY_S", 0.0, raising=False)
+    sock, path, server, r = _served(tmp_path, reconnect=True)
+    other = small_store(tmp_path / "other.img")
+    try:
+        keys = run_keys(4, 2)
+        assert r.put_run(keys, run_data(keys)) == 2
+        server.stop()
+        server = serve_in_background([other], sock)       # the wrong store, for a while
+        with pytest.raises(ServerGoneError):
+            r.lookup(keys)
+        deadline = time.monotonic() + 20
+        while r._refused is None:
+            assert time.monotonic() < deadline, "the other store was not refused"
+            time.sleep(0.02)
+        server.stop()
+        server = serve_in_background([path], sock)        # the operator's fix
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                assert r.lookup(keys) == 2
+                break
+            except ServerGoneError:
+                assert time.monotonic() < deadline, "the refused rank never reconnected"
+                time.sleep(0.05)
+        out = np.zeros_like(run_data(keys))
+        assert r.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+    finally:
+        r.close()
+        server.stop()
