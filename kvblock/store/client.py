@@ -324,6 +324,9 @@ class RemoteStore(RunReader, RunWriter):
         self.alignment = int(hello["alignment"])
         self._layouts: dict[int, RunLayout] = {}   # layout()'s, by run length
         self.max_run_blocks = int(hello["max_run_blocks"])
+        # the server's policies (they apply to every rank; None: not said)
+        self.server_eviction = hello.get("eviction")
+        self.server_admit_after = hello.get("admit_after")
         self.verify = verify or hello["verify"]
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
@@ -593,6 +596,8 @@ class RemoteStore(RunReader, RunWriter):
         self.server_pid = int(hello["pid"])
         self.max_run_blocks = int(hello["max_run_blocks"])
         self._pin_lease = hello.get("pin_lease")
+        self.server_eviction = hello.get("eviction")
+        self.server_admit_after = hello.get("admit_after")
         return s
 
     def _adopt(self, s: "Session") -> bool:

@@ -155,6 +155,16 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
             for path in devices:
                 _warn_size(path, size, owner)
         _warn_region_size(devices, store.regions.size, region_size, owner)
+    # The server's eviction and admission apply to every rank: this caller's
+    # differing ones (a server started with other settings) are said, not dropped.
+    for name, mine, theirs in (("eviction", options.get("eviction"), store.server_eviction),
+                               ("admit_after", options.get("admit_after"),
+                                store.server_admit_after)):
+        if mine is not None and theirs is not None and mine != theirs:
+            logger.warning("kvblock: %s: %s %r does not apply: the store server at %s (pid "
+                           "%d) runs with %s %r for every rank; restart it (kill -TERM %d) to "
+                           "use %r", owner, name, mine, socket_path, store.server_pid, name,
+                           theirs, store.server_pid, mine)
     return store
 
 

@@ -643,6 +643,7 @@ class StoreServer:
             "region_count": st.regions.count, "data_offsets": st.regions.data_offsets,
             "max_run_blocks": st.max_run_blocks, "verify": st.verify,
             "fingerprint": st.sb.fingerprint.hex(), "pin_lease": self.pin_lease,
+            "eviction": st.eviction, "admit_after": st.admission.admit_after,
         }
 
     def _op_ping(self, s):

@@ -772,6 +772,32 @@ def test_an_engines_size_and_region_size_are_said_not_to_apply_to_a_running_serv
         assert f"region_size {2 * REGION} applies when a store is formatted" in text
 
 
+def test_an_engines_eviction_and_admit_after_a_running_server_does_not_use_are_said(
+        tmp_path, sock, caplog):
+    """open_shared with a server already serving the store with another
+    eviction or admit_after: the engine's values do not apply (the server's
+    do), which used to pass silently; a warning names both values.  Matching
+    ones are quiet, and neither is an error."""
+    import logging
+
+    from kvblock import create_file
+    from kvblock.store.provision import open_shared
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, 8 * MIB)
+    KVStore.format([path], GEOM, model="m", region_size=REGION).close()
+    with serve_in_background([path], sock, model="m", eviction="lru", admit_after=2):
+        with caplog.at_level(logging.WARNING, logger="kvblock"):
+            open_shared(sock, [path], GEOM, "m", eviction="lru", admit_after=2).close()
+        assert not caplog.records
+        with caplog.at_level(logging.WARNING, logger="kvblock"):
+            open_shared(sock, [path], GEOM, "m", eviction="fifo", admit_after=3).close()
+        text = caplog.text
+        assert "eviction 'fifo'" in text and "'lru'" in text, text
+        assert "admit_after 3" in text and "admit_after 2" in text, text
+        assert sock in text
+
+
 def test_an_engine_rank_does_its_io_on_its_own_paths_of_the_served_store(tmp_path, sock):
     """open_shared (the engines' "server"): a rank does its I/O on the
     devices its config names, which may be other names of the medium the
