@@ -268,15 +268,18 @@ class RemoteStore(RunReader, RunWriter):
         self._sessions = weakref.WeakSet([self._session])   # for a forked child to close
         try:
             hello = self._call("hello", protocol=PROTOCOL, pid=os.getpid())
-            served = recv_fence_files(self._session.sock, self.socket_path)
+            served = recv_fence_files(self._session.sock, self.socket_path,
+                                      len(hello.get("devices") or ()))
             try:
                 self._setup(hello, verify, engine, queue_depth, devices)
-                self._check_medium(served[0])
+                self._check_medium(served)
             except BaseException:
                 for fd in served:
                     os.close(fd)
                 raise
-            self._fence.served(served)
+            for fd in served[2:]:            # devices 1..: checked, not fenced on
+                os.close(fd)
+            self._fence.served(served[:2])
             self._check_identity(geometry, model)
         except BaseException:
             self._session.close()
@@ -386,16 +389,20 @@ class RemoteStore(RunReader, RunWriter):
                 d.close()
             raise
 
-    def _check_medium(self, served_dev0: int) -> None:
-        """The server's device 0 (the descriptor it sent) is the very medium
-        this rank does its I/O on: a copy of the store's image (same uuid,
-        another file) served at the socket would take this rank's commits
-        for runs whose bytes it wrote elsewhere."""
-        if not same_medium(served_dev0, self.io.devices[0].fd):
-            raise errors.GeometryMismatchError(
-                f"the store server at {self.socket_path} serves store {self.uuid} from another "
-                f"medium than {self.io.devices[0].path} (a copy of the store?): reconnect to "
-                "the server of this medium, or reopen", self.io.devices[0].path, 0)
+    def _check_medium(self, served: list[int]) -> None:
+        """Each of the server's devices (the descriptors it sent after hello:
+        device 0, its fence file, then devices 1..) is the very medium this
+        rank does its I/O on: a copy of a device of the store (same uuid,
+        another file) served at the socket, or given to this rank, would
+        take this rank's commits for runs whose bytes it wrote elsewhere."""
+        theirs = [served[0], *served[2:]]
+        for i, dev in enumerate(self.io.devices):
+            if i >= len(theirs) or not same_medium(theirs[i], dev.fd):
+                raise errors.GeometryMismatchError(
+                    f"the store server at {self.socket_path} serves store {self.uuid} from "
+                    f"another medium than {dev.path} (its device #{i}; a copy of the "
+                    "store?): reconnect to the server of this medium, or reopen",
+                    dev.path, 0)
 
     # ------------------------------------------------------------------ transport
     def _current(self) -> "Session":
@@ -575,7 +582,7 @@ class RemoteStore(RunReader, RunWriter):
                 raise errors.GeometryMismatchError(
                     f"the store server at {self.socket_path} now serves another store "
                     f"(uuid {hello.get('uuid')}, not {self.uuid}): reopen it", self.socket_path, 0)
-            served = recv_fence_files(s.sock, self.socket_path)
+            served = recv_fence_files(s.sock, self.socket_path, self.regions.device_count)
             # Under the lock close() sets ``closed`` by: a close() that came
             # during the hello (or a server's start) came first (refused: its
             # devices may be gone), or closes the fence files handed over here.
@@ -584,12 +591,14 @@ class RemoteStore(RunReader, RunWriter):
                     if self.closed:
                         raise StoreClosedError("remote store was closed while it "
                                                "reconnected")
-                    self._check_medium(served[0])
+                    self._check_medium(served)
                 except BaseException:
                     for fd in served:
                         os.close(fd)
                     raise
-                self._fence.served(served)   # this server's (a write in flight keeps the last's)
+                for fd in served[2:]:        # devices 1..: checked, not fenced on
+                    os.close(fd)
+                self._fence.served(served[:2])   # this server's (a write in flight keeps the last's)
         except BaseException:
             s.close()
             raise

@@ -23,9 +23,11 @@ request at a time per connection, answered in order.
   a client sends ``ping`` every quarter of the lease hello announced
   (``pin_lease``), and the server drops a connection that holds pins and
   stays quiet longer.
-- Right after its answer to ``hello`` the server sends one byte carrying two
-  descriptors (SCM_RIGHTS): the files of its write fence
-  (kvblock/store/fence.py), which the client locks around every write.
+- Right after its answer to ``hello`` the server sends one byte carrying
+  descriptors (SCM_RIGHTS): the two files of its write fence
+  (kvblock/store/fence.py), which the client locks around every write (the
+  first is the store's device 0), then the store's devices 1, 2, ... in
+  store order: the client checks each is the medium it does its I/O on.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ from typing import Sequence
 from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 
-PROTOCOL = 7   # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 8   # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
 #                6: "removed" (the keys the store removed since a cursor)
 #                7: "touch" (mark the runs holding keys as just used, for LRU)
+#                8: the fence files are followed by the store's devices 1..
+#                   (each checked to be the medium the rank does its I/O on)
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

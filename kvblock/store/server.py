@@ -601,11 +601,16 @@ class StoreServer:
         on, as descriptors of their own (a lock belongs to its open file
         description), so a rank locks the very inodes whatever paths it
         reaches them by."""
-        fds = [reopen(self.store.io.devices[0].fd, os.O_RDONLY)]
+        devices = self.store.io.devices
+        fds = [reopen(devices[0].fd, os.O_RDONLY)]
         try:
             fds.append(reopen(self._fence_fd, os.O_RDONLY))
+            # then devices 1..: a rank checks each is the medium it writes
+            for d in devices[1:]:
+                fds.append(reopen(d.fd, os.O_RDONLY))
         except BaseException:
-            os.close(fds[0])
+            for fd in fds:
+                os.close(fd)
             raise
         return fds
 

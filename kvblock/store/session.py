@@ -101,16 +101,18 @@ class Session:
             pass
 
 
-def recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:
+def recv_fence_files(sock: socket.socket, socket_path: str, devices: int = 1) -> list[int]:
     """The files the server fences on, which it sends right after its
-    answer to hello (kvblock/store/fence.py)."""
+    answer to hello (kvblock/store/fence.py), then its devices 1.. of the
+    ``devices`` the store has (protocol.py)."""
+    want = 1 + max(int(devices), 1)
     wrong = errors.ProtocolMismatchError(
         f"the store server at {socket_path} did not send its fence files after hello (a "
         "server of another kvblock build?): run one kvblock release on both sides")
     before = sock.gettimeout()
     sock.settimeout(FENCE_FILES_WAIT_S if before is None else min(before, FENCE_FILES_WAIT_S))
     try:
-        msg, fds, _flags, _addr = socket.recv_fds(sock, 1, 2, socket.MSG_CMSG_CLOEXEC)
+        msg, fds, _flags, _addr = socket.recv_fds(sock, 1, want, socket.MSG_CMSG_CLOEXEC)
     except TimeoutError:
         raise wrong from None
     except OSError as e:
@@ -121,7 +123,7 @@ def recv_fence_files(sock: socket.socket, socket_path: str) -> list[int]:
         # the server closed the connection: stopping, or out of descriptors
         raise ServerGoneError(f"the store server at {socket_path} closed the connection "
                               "right after hello; try again")
-    if msg != b"F" or len(fds) != 2:
+    if msg != b"F" or len(fds) != want:
         for fd in fds:
             os.close(fd)
         raise wrong

@@ -621,3 +621,35 @@ def test_a_refused_rank_reconnects_once_its_store_is_served_again(tmp_path, monk
     finally:
         r.close()
         server.stop()
+
+
+def test_a_copy_of_any_device_of_the_served_store_is_refused(tmp_path):
+    """Only device 0 was checked to be the medium the server serves: a rank
+    given a copy of device 1 (same store uuid and device index, another
+    file) connected, and wrote its runs there while the server published
+    them for the original.  Every device is checked now."""
+    import shutil
+
+    from kvblock import create_file
+    from kvblock.errors import GeometryMismatchError
+    from tests.store.workload import GEOM, REGION
+
+    paths = [str(tmp_path / f"kv{i}.img") for i in range(2)]
+    for p in paths:
+        create_file(p, 8 << 20)
+    KVStore.format(paths, GEOM, region_size=REGION).close()
+    copy = str(tmp_path / "copy1.img")
+    shutil.copyfile(paths[1], copy)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background(paths, sock):
+        with pytest.raises(GeometryMismatchError, match="another medium than .*copy1.img"):
+            RemoteStore(sock, devices=[paths[0], copy])
+        with pytest.raises(GeometryMismatchError, match="copy1.img"):
+            connect(sock, [paths[0], copy])
+        with RemoteStore(sock, devices=paths[::-1]) as rank:    # the very media: served
+            keys = [run_keys(i, 2) for i in range(4)]           # runs on both devices
+            for k in keys:
+                rank.put_run(k, run_data(k))
+            for k in keys:
+                out = np.zeros_like(run_data(k))
+                assert rank.get_run(k, out) == 2 and np.array_equal(out, run_data(k))
