@@ -477,13 +477,20 @@ class IOEngine:
         if unaligned.size == 0:
             return None
         sizes = b.lens[unaligned]
-        total = int(sizes.sum())
+        # Each slot starts on its own device's logical block: slots are cut
+        # at the largest block among the staged entries (block sizes are
+        # powers of two, each dividing the largest; the staging buffer is
+        # page-aligned), so a 4 KiB-sector entry placed after a 512-byte one
+        # does not start 512-aligned.
+        align = np.uint64(int(self._block[b.devs[unaligned]].max()))
+        slots = (sizes + align - np.uint64(1)) // align * align
+        total = int(slots.sum())
         staging = getattr(self._local, "staging", None)
         if staging is None or staging.nbytes < total:
             if staging is not None:
                 staging.close()
             staging = self._local.staging = HostBuffer(total, register=False)
-        homes = (np.cumsum(sizes) - sizes + np.uint64(staging.address)).astype(np.uint64)
+        homes = (np.cumsum(slots) - slots + np.uint64(staging.address)).astype(np.uint64)
         addrs = b.addrs.copy()
         addrs[unaligned] = homes
         pairs = list(zip(b.addrs[unaligned].tolist(), homes.tolist(), sizes.tolist()))

@@ -137,6 +137,37 @@ def test_alignment_follows_the_devices_logical_block_size(engine_name, loop_devi
             eng.write(IOBatch.single(buf.address, 1, 0, 512))
 
 
+def test_staged_buffers_start_on_each_devices_block_in_a_mixed_batch(engine_name,
+                                                                      loop_device):
+    """Unaligned host buffers are staged; in one batch over a 512-byte-sector
+    and a 4 KiB-sector device, every staging slot starts on its own device's
+    logical block (a 4 KiB device's slot placed right after a 512-byte entry
+    was only 512-aligned: kernels that check buffer alignment against the
+    logical block refuse it with EINVAL), and the bytes still round-trip."""
+    with Device(loop_device(4 * MIB)) as small, Device(loop_device(4 * MIB, 4096)) as big, \
+            open_engine([small, big], engine_name) as eng, HostBuffer(4 * 8192) as buf:
+        seen = []
+        run = eng._run
+
+        def recording_run(op, batch, *args):
+            seen.append((batch.addrs.copy(), batch.devs.copy()))
+            return run(op, batch, *args)
+
+        eng._run = recording_run
+        buf.array[:] = _random(buf.nbytes, 10)
+        src, dst = buf.address + 8, buf.address + 2 * 8192 + 8
+        lens, devs, offs = [512, 4096, 512, 4096], [0, 1, 0, 1], [0, 0, 4096, 8192]
+        starts = np.cumsum([0] + lens[:-1]).astype(np.uint64)
+        eng.write(IOBatch(starts + np.uint64(src), devs, offs, lens))
+        eng.read(IOBatch(starts + np.uint64(dst), devs, offs, lens))
+        total = sum(lens)
+        assert np.array_equal(buf.array[2 * 8192 + 8:][:total], buf.array[8:8 + total])
+        assert len(seen) == 2
+        for addrs, devs_run in seen:
+            blocks = np.array([small.block_size, big.block_size], dtype=np.uint64)[devs_run]
+            assert (addrs % blocks == 0).all(), (addrs % 4096, devs_run)
+
+
 def test_out_of_range_and_bad_device_index(engine_name, file_target):
     path = file_target(MIB)
     with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(8192) as buf:
