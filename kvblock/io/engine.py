@@ -10,6 +10,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,17 @@ COPY_SPLIT_BYTES = 8 << 20
 # 16 layers is 16 entries).  Timed on the 2-core VM: _validate 3.0 against
 # 12.8 us at 8 entries, 8.4 against 12.4 at 32, 15.7 against 12.3 at 64.
 FEW_IOS = 32
+
+
+class _Staging:
+    """A thread's aligned staging buffer (IOEngine._stage), in a box the
+    engine can empty at close() for every thread (a thread's locals are not
+    reachable from another)."""
+
+    __slots__ = ("buffer", "__weakref__")
+
+    def __init__(self):
+        self.buffer = None
 
 
 @dataclass
@@ -135,6 +147,9 @@ class IOEngine:
         self._map_users = 0            # calls copying or running I/O: close() waits for them
         self._map_idle = threading.Condition()
         self._copiers = None         # helper threads of large mapped copies, made on first use
+        # Every thread's staging box (_stage), emptied by close(); a thread
+        # that ends drops its box with its locals.
+        self._stagings: "weakref.WeakSet[_Staging]" = weakref.WeakSet()
 
     # --- public ------------------------------------------------------------------
     def read(self, batch: IOBatch, *, qd: int | None = None, latency: bool = False) -> IOResult:
@@ -400,6 +415,11 @@ class IOEngine:
                 self._map_idle.wait()
             maps, self._maps = self._maps, None
             copiers, self._copiers = self._copiers, None
+            # Every thread's staging memory: a batch still between its _stage
+            # and its copy-back holds its own reference, so the memory goes
+            # once that batch is done.
+            for box in list(self._stagings):
+                box.buffer = None
         if copiers is not None:
             copiers[0].shutdown(wait=True)
         if maps is not None:
@@ -485,11 +505,16 @@ class IOEngine:
         align = np.uint64(int(self._block[b.devs[unaligned]].max()))
         slots = (sizes + align - np.uint64(1)) // align * align
         total = int(slots.sum())
-        staging = getattr(self._local, "staging", None)
+        box = getattr(self._local, "staging", None)
+        if box is None:
+            box = self._local.staging = _Staging()
+            with self._map_idle:
+                self._stagings.add(box)
+        staging = box.buffer
         if staging is None or staging.nbytes < total:
             if staging is not None:
                 staging.close()
-            staging = self._local.staging = HostBuffer(total, register=False)
+            staging = box.buffer = HostBuffer(total, register=False)
         homes = (np.cumsum(slots) - slots + np.uint64(staging.address)).astype(np.uint64)
         addrs = b.addrs.copy()
         addrs[unaligned] = homes
@@ -498,7 +523,9 @@ class IOEngine:
             for user, home, size in pairs:
                 ctypes.memmove(home, user, size)
 
-        def copy_back():
+        def copy_back(_staging=staging):
+            # (holds the staging buffer: close() drops the engine's reference,
+            # and the memory must outlive this batch's copies)
             for user, home, size in pairs:
                 ctypes.memmove(user, home, size)
 

@@ -168,6 +168,38 @@ def test_staged_buffers_start_on_each_devices_block_in_a_mixed_batch(engine_name
             assert (addrs % blocks == 0).all(), (addrs % 4096, devs_run)
 
 
+def test_close_releases_the_staging_buffers_of_unaligned_ios(engine_name, file_target,
+                                                             monkeypatch):
+    """The aligned staging memory an engine made for unaligned host buffers
+    (one per calling thread, as large as the largest such batch) is released
+    by close(), not kept while the closed engine is still referenced."""
+    import weakref
+
+    from kvblock.io import engine as engine_mod
+
+    made = []
+
+    class RecordedBuffer(HostBuffer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(engine_mod, "HostBuffer", RecordedBuffer)
+    with Device(file_target(4 * MIB)) as dev:
+        eng = open_engine([dev], engine_name)
+        payload = np.zeros(2 * MIB + 8, dtype=np.uint8)[8:]
+        payload[:] = _random(2 * MIB, 11)
+        eng.write_from(0, 0, payload)
+        back = np.zeros(2 * MIB + 8, dtype=np.uint8)[8:]
+        eng.read_into(0, 0, back)
+        assert np.array_equal(back, payload)
+        assert made, "the unaligned I/O was not staged"
+        eng.close()
+        held = [r() for r in made if r() is not None and not r().closed]
+        assert not held, f"{eng.name}: {len(held)} staging buffer(s) of " \
+                         f"{sum(b.nbytes for b in held)} bytes kept after close()"
+
+
 def test_out_of_range_and_bad_device_index(engine_name, file_target):
     path = file_target(MIB)
     with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(8192) as buf:
