@@ -194,8 +194,18 @@ class UringEngine(IOEngine):
             # A broken ring is retired (kvb_ring_run first waited for the
             # I/Os it had taken): this thread's next batch gets a new one.
             self._local.holder = None
-            raise IOFailedError(f"io_uring failed while running a batch of {len(batch)} I/Os: "
-                                f"{strerror(-ret)}", None, -ret)
+            # Name the first I/O that did not finish (the ring's drain filled
+            # in those it had taken; the rest are ECANCELED).
+            unfinished = np.flatnonzero(results != batch.lens.astype(np.int64))
+            i = int(unfinished[0]) if unfinished.size else 0
+            dev, off, length = int(batch.devs[i]), int(batch.offsets[i]), int(batch.lens[i])
+            path = self._path(dev)
+            raise IOFailedError(
+                f"io_uring failed while running a batch of {len(batch)} I/Os: "
+                f"{strerror(-ret)}; {unfinished.size} did not finish, the first a "
+                f"{length}-byte I/O at offset {off} on {path}. This thread gets a new ring "
+                "at its next batch; retry, or use KVBLOCK_IO_ENGINE=threads if it recurs",
+                path, -ret, off, length, max(int(unfinished.size), 1))
 
     def close(self) -> None:
         if self.closed:

@@ -34,6 +34,11 @@ def broken_ring(path: str) -> dict:
             out["first"] = "no error"
         except IOFailedError as e:
             out["first"] = f"IOFailedError {e.errno}"
+            # the error names the device, the I/O that did not finish, and the fix
+            out["named"] = {"path": e.path == path and path in str(e),
+                            "offset": e.offset is not None and f"offset {e.offset}" in str(e)
+                            and e.offset % MIB == 0 and e.length == MIB,
+                            "fix": "KVBLOCK_IO_ENGINE=threads" in str(e)}
         second.array[:] = 0
         eng.read(IOBatch.contiguous(second.address, 0, 8 * MIB, 8 * MIB, MIB))
         out["second_equal"] = bool(np.array_equal(second.array, b))
