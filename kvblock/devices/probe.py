@@ -29,8 +29,15 @@ def signatures(path: str) -> dict:
         raise UnsafeTargetError(f"{path}: blkid -p did not answer in 30 s, so what the device "
                                 "holds is unknown; check it with wipefs, or pass --force") \
             from None
-    if res.returncode == 2:      # nothing found
-        return {}
+    if res.returncode == 2:
+        # Nothing found, or (saying so on stderr) the device could not be
+        # opened or read: blkid exits 2 for both.
+        if not res.stderr.strip():
+            return {}
+        raise UnsafeTargetError(
+            f"{path}: blkid -p could not read it ({res.stderr.strip()}), so what the device "
+            "holds is unknown; check that it can be read, and what it holds with wipefs, "
+            "or pass --force")
     if res.returncode == 8:      # ambivalent: more than one signature
         return {"USAGE": "ambivalent", "TYPE": "several signatures"}
     if res.returncode != 0:

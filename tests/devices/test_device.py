@@ -262,8 +262,9 @@ def test_a_loop_device_and_its_backing_file_are_one_device(loop_device):
 
 
 def test_a_blkid_that_cannot_tell_refuses(tmp_path, monkeypatch, file_target):
-    """The probe fails closed: blkid failing (exit 4), hanging, or finding
-    several signatures (exit 8, "ambivalent") is never "nothing found"."""
+    """The probe fails closed: blkid failing (exit 4, or exit 2 with an
+    error), hanging, or finding several signatures (exit 8, "ambivalent") is
+    never "nothing found"."""
     from kvblock.devices import probe
     from kvblock.errors import UnsafeTargetError
 
@@ -274,14 +275,39 @@ def test_a_blkid_that_cannot_tell_refuses(tmp_path, monkeypatch, file_target):
         fake.write_text(f"#!/bin/sh\necho 'blkid: trouble' >&2\nexit {code}\n")
         fake.chmod(0o755)
         monkeypatch.setattr(probe.shutil, "which", lambda name: str(fake))
-    blkid_exits(2)
+    fake.write_text("#!/bin/sh\nexit 2\n")      # nothing found: exit 2, nothing said
+    fake.chmod(0o755)
+    monkeypatch.setattr(probe.shutil, "which", lambda name: str(fake))
     assert probe.signatures(path) == {}
+    blkid_exits(2)      # exit 2 with an error said: blkid could not read the device
+    with pytest.raises(UnsafeTargetError, match="blkid -p could not read it .blkid: trouble"):
+        probe.signatures(path)
     blkid_exits(8)
     found = probe.signatures(path)
     assert "several signatures" in probe.describe(found)
     blkid_exits(4)
     with pytest.raises(UnsafeTargetError, match="blkid -p failed .exit 4: blkid: trouble"):
         probe.signatures(path)
+
+
+def test_a_device_blkid_cannot_open_is_not_empty(tmp_path):
+    """blkid -p exits 2 both for "nothing found" and for a device it cannot
+    open (saying so on stderr): a device node whose driver answers ENXIO
+    was taken for an empty device, and formatting went ahead."""
+    from kvblock.devices import probe
+    from kvblock.errors import UnsafeTargetError
+
+    with open("/proc/devices") as f:
+        block = f.read().split("Block devices:")[1].split()
+    used = {int(w) for w in block if w.isdigit()}
+    major = next(m for m in range(240, 255) if m not in used)   # local/experimental
+    node = tmp_path / "nodev"
+    os.mknod(node, 0o600 | 0o060000, os.makedev(major, 7))      # S_IFBLK
+    res = subprocess.run(["blkid", "-p", str(node)], capture_output=True, text=True)
+    assert res.returncode == 2 and "No such device" in res.stderr
+    with pytest.raises(UnsafeTargetError, match=rf"{node}: blkid -p could not read it "
+                                                r".*No such device.*wipefs"):
+        probe.signatures(str(node))
 
 
 @pytest.fixture
