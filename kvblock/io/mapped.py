@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-from kvblock.errors import ConfigError
+from kvblock.errors import ConfigError, DeviceError, strerror
 from kvblock.io import native
 
 TMPFS_MAGIC = 0x01021994
@@ -149,6 +149,9 @@ class MappedDevices:
         self.writable = np.zeros(n, dtype=bool)   # writes copy into the mapping too
         self._maps: list[tuple[mmap.mmap, np.ndarray] | None] = [None] * n
         self.reasons: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._ready = threading.Event()   # every page mapped in: reads may use the mappings
+        self._prefaulter = None
         for d, dev in enumerate(devices):
             why = mappable(dev)
             if why is not None:
@@ -160,8 +163,17 @@ class MappedDevices:
                     logger.info("kvblock: %s is %s", dev.path, why)
                 continue
             writable = writes and dev.writable
-            m = mmap.mmap(dev.fd, int(dev.capacity), flags=mmap.MAP_SHARED,
-                          prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+            try:
+                m = mmap.mmap(dev.fd, int(dev.capacity), flags=mmap.MAP_SHARED,
+                              prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+            except OSError as e:
+                view = None        # (the previous device's array: an export of its map)
+                self.close()       # the devices mapped before this one
+                raise DeviceError(
+                    f"{dev.path}: mapping its {int(dev.capacity)} bytes failed: "
+                    f"{strerror(e.errno or 0)}; free address space (ulimit -v, "
+                    f"vm.max_map_count), or set {_SETTING}=never to read and write it "
+                    "through the I/O engine", dev.path, e.errno) from None
             view = np.frombuffer(m, dtype=np.uint8)
             self._maps[d] = (m, view)
             self.bases[d] = view.ctypes.data
@@ -170,9 +182,6 @@ class MappedDevices:
         self._all = not self.reasons
         self._all_writable = bool(self.writable.all())
         self._any = len(self.reasons) < n
-        self._stop = threading.Event()
-        self._ready = threading.Event()   # every page mapped in: reads may use the mappings
-        self._prefaulter = None
         self._started = False
         self.last_write = 0.0     # monotonic time of the engine's latest write
         if start:

@@ -6,6 +6,7 @@ and a store that never punches holes in a mapped device."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import resource
 import threading
@@ -210,6 +211,36 @@ def test_hashed_writes_return_the_sources_checksums(engine_name, shm_target, fil
             assert np.array_equal(_pread(path, o, x.size), x)
         with pytest.raises(ConfigError, match="write_hashed: streams must count"):
             eng.write_hashed(IOBatch(addrs, 0, offsets, lens), [0, 2, 2, 2, 2], seeds)
+
+
+def test_a_mapping_that_fails_names_the_device_and_unmaps_the_others(engine_name, shm_target,
+                                                                     monkeypatch):
+    """mmap failing for one device (ENOMEM: address space or map count
+    exhausted) was a bare OSError naming no device, and the mappings already
+    made of the devices before it stayed mapped (the engine never opened, so
+    nothing closed them).  Now: a DeviceError naming the device and the way
+    out, and no mapping left behind."""
+    import mmap as mmap_mod
+
+    from kvblock.errors import DeviceError
+
+    paths = [shm_target(4 * MIB), shm_target(4 * MIB)]
+    made, real = [], mmap_mod.mmap
+
+    def failing_mmap(fd, length, *args, **kwargs):
+        if fd != -1 and made:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        m = real(fd, length, *args, **kwargs)
+        if fd != -1:
+            made.append(m)
+        return m
+
+    with Device(paths[0]) as d0, Device(paths[1]) as d1:
+        monkeypatch.setattr(mmap_mod, "mmap", failing_mmap)
+        with pytest.raises(DeviceError, match=rf"{paths[1]}: .*ENOMEM.*KVBLOCK_MAPPED_READS=never"):
+            open_engine([d0, d1], engine_name)
+        monkeypatch.undo()
+        assert len(made) == 1 and made[0].closed
 
 
 def test_out_of_range_write_is_a_typed_error(shm_target):
