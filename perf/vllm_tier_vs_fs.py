@@ -15,10 +15,15 @@ the same filesystem:
 
 For each location (``disk``: /var/tmp; ``shm``: /dev/shm) and slot size,
 ``--rounds`` times (alternating which tier goes first), it stores ``--gib``
-GiB of slots (jobs of ``--job-slots`` slots, all submitted
-at once, then drained), drops the page cache (``echo 3 >
-/proc/sys/vm/drop_caches``; root), loads every slot back, checks the bytes
-and prints the median store and load GiB/s and the kvblock/fs ratios.
+GiB of slots, drops the page cache (``echo 3 >
+/proc/sys/vm/drop_caches``; root), loads every slot back and prints the
+median store and load GiB/s and the kvblock/fs ratios.  The primary pool
+(``--pool``) is smaller than the data, so the keys go in waves of one pool
+each (jobs of ``--job-slots`` slots, a wave's jobs all submitted at once,
+then drained); every wave stores its own bytes in the pool's slots (the
+pool's random bytes XOR a per-wave word, written in untimed), so no two keys
+hold the same bytes, and after each wave's loads every slot is checked
+(untimed) to hold the bytes of the key it was loaded for.
 Then fio reads the same amount, one slot per read with 32 in flight, from a
 fresh file in the location (or a loop device over one, with ``--kvblock-target
 loop``), page cache dropped: how fast the device itself reads, the ceiling of
@@ -127,15 +132,28 @@ drop_caches = fs.drop_caches      # (verified_reads.py takes it from here)
 def plan_jobs(total_slots: int, pool_slots: int, job_slots: int, pattern: str, seed: int):
     """[(keys, chunk_ids)]: every key once; slot of key i is i % pool_slots
     (adjacent) or a fixed permutation of it (scattered)."""
+    return [job for wave in plan_waves(total_slots, pool_slots, job_slots, pattern, seed)
+            for job in wave]
+
+
+def plan_waves(total_slots: int, pool_slots: int, job_slots: int, pattern: str, seed: int):
+    """[[(keys, chunk_ids)]]: the keys in waves of ``pool_slots`` (key i in
+    wave i // pool_slots, each slot of the pool at most once per wave, at
+    i % pool_slots (adjacent) or a fixed permutation of it (scattered)),
+    each wave in jobs of up to ``job_slots`` keys."""
     rng = np.random.default_rng(seed)
     perm = np.arange(pool_slots) if pattern == "adjacent" else rng.permutation(pool_slots)
-    jobs = []
-    for start in range(0, total_slots, job_slots):
-        idx = np.arange(start, min(total_slots, start + job_slots))
-        keys = [make_offload_key(int(i).to_bytes(8, "big") + seed.to_bytes(8, "big"), 0)
-                for i in idx]
-        jobs.append((keys, perm[idx % pool_slots]))
-    return jobs
+    waves = []
+    for first in range(0, total_slots, pool_slots):
+        end = min(total_slots, first + pool_slots)
+        jobs = []
+        for start in range(first, end, job_slots):
+            idx = np.arange(start, min(end, start + job_slots))
+            keys = [make_offload_key(int(i).to_bytes(8, "big") + seed.to_bytes(8, "big"), 0)
+                    for i in idx]
+            jobs.append((keys, perm[idx % pool_slots]))
+        waves.append(jobs)
+    return waves
 
 
 def run_jobs(tier, jobs, promotion: bool, first_id: int) -> float:
@@ -154,8 +172,59 @@ def run_jobs(tier, jobs, promotion: bool, first_id: int) -> float:
     return elapsed
 
 
+def wave_mask(wave: int) -> int:
+    """The int64 wave ``wave``'s slots hold XORed into every word of the base
+    pool: a different one per wave, so that no two keys hold the same bytes."""
+    m = ((wave + 1) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
+    return m - (1 << 64) if m >= 1 << 63 else m
+
+
+def store_waves(tier, waves, pool: torch.Tensor, base: torch.Tensor, first_id: int = 1) -> float:
+    """Store every wave, each slot holding that wave's bytes (``base`` XOR
+    its mask, written in untimed); the seconds the stores took."""
+    seconds = 0.0
+    for w, jobs in enumerate(waves):
+        torch.bitwise_xor(base.view(torch.int64), wave_mask(w), out=pool.view(torch.int64))
+        seconds += run_jobs(tier, jobs, False, first_id)
+        first_id += len(jobs)
+    return seconds
+
+
+def load_waves(tier, waves, pool: torch.Tensor, base: torch.Tensor, first_id: int,
+               who: str) -> float:
+    """Load every wave into a zeroed pool and check each slot holds the bytes
+    of the key it was loaded for (untimed); the seconds the loads took."""
+    seconds = 0.0
+    for w, jobs in enumerate(waves):
+        pool.zero_()
+        seconds += run_jobs(tier, jobs, True, first_id)
+        first_id += len(jobs)
+        check_wave(pool, base, w, len(waves), jobs, who)
+    return seconds
+
+
+def check_wave(pool, base, wave: int, waves: int, jobs, who: str) -> None:
+    ids = torch.as_tensor(np.concatenate([ids for _, ids in jobs]))
+    want = torch.bitwise_xor(base[ids].view(torch.int64), wave_mask(wave))
+    got = pool[ids].view(torch.int64)
+    if torch.equal(got, want):
+        return
+    keys = [k for ks, _ in jobs for k in ks]
+    row = int((got != want).any(dim=1).nonzero()[0])
+    slot = int(ids[row])
+    other = next((v for v in range(waves)
+                  if torch.equal(got[row], torch.bitwise_xor(base[slot].view(torch.int64),
+                                                             wave_mask(v)))), None)
+    held = ("all zero (nothing loaded)" if not got[row].any()
+            else f"the block of the key stored from it in wave {other}" if other is not None
+            else "bytes no key was stored with")
+    raise SystemExit(f"{who}: slot {slot}, loaded for key {keys[row]!r} (wave {wave}), holds "
+                     f"{held}; {int((got != want).any(dim=1).sum())} of {len(keys)} slots "
+                     "of the wave differ")
+
+
 def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tensor,
-            expected: torch.Tensor, jobs, args) -> dict:
+            contents: torch.Tensor, waves, args) -> dict:
     t0 = time.perf_counter()
     base = Path(where) / f"kvblock-vllm-bench-{os.getpid()}"
     base.mkdir(parents=True, exist_ok=True)
@@ -171,15 +240,13 @@ def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tens
                                           max_run_bytes=args.max_run_bytes, verify=args.verify)
             else:
                 tier = FileSystemTierManager(make_spec(), view, "fs", root_dir=str(base / "fs"))
-            store_s, load_s, evicted, dropped, ok = _store_and_load(kind, tier, pool, expected,
-                                                                    jobs)
+            store_s, load_s, evicted, dropped = _store_and_load(
+                kind, tier, pool, contents, waves, f"{kind} at {where}, slot {fmt_size(slot)}")
     finally:
         view.release()
         shutil.rmtree(base, ignore_errors=True)
     if evicted:
         raise SystemExit(f"kvblock store at {where} too small: {evicted} blocks evicted")
-    if not ok:
-        raise SystemExit(f"{kind} at {where}, slot {slot}: loaded bytes differ from stored")
     return {"tier": kind, "store_gibps": total_bytes / GIB / store_s,
             "load_gibps": total_bytes / GIB / load_s, "store_s": store_s, "load_s": load_s,
             "total_s": time.perf_counter() - t0, "dropped_caches": dropped}
@@ -218,21 +285,21 @@ def store_target(kind: str, base: Path, total_bytes: int, write_cache: str | Non
     return contextlib.nullcontext(str(kvblock.create_file(base / "kv.img", size)))
 
 
-def _store_and_load(kind, tier, pool, expected, jobs):
-    """Store every slot, drop the page cache, load them back: (store s, load s,
-    blocks kvblock evicted, page cache dropped?, bytes identical?)."""
+def _store_and_load(kind, tier, pool, base, waves, who):
+    """Store every slot, drop the page cache, load them back, each wave
+    checked: (store s, load s, blocks kvblock evicted, page cache dropped?)."""
     evicted = 0
     try:
-        store_s = run_jobs(tier, jobs, False, 1)
+        store_s = store_waves(tier, waves, pool, base, 1)
         if kind == "kvblock":
             evicted = tier.stats()["evicted_blocks"]
-        pool.zero_()
+        if evicted:
+            return store_s, 0.0, evicted, False
         dropped = drop_caches()
-        load_s = run_jobs(tier, jobs, True, 1_000_000)
-        ok = torch.equal(pool, expected)
+        load_s = load_waves(tier, waves, pool, base, 1_000_000, who)
     finally:
         tier.shutdown()
-    return store_s, load_s, evicted, dropped, ok
+    return store_s, load_s, evicted, dropped
 
 
 def fmt_size(n: int) -> str:
@@ -278,15 +345,14 @@ def main(argv=None) -> int:
             pool_slots = max(1, min(parse_size(args.pool) // slot, total // slot))
             n = total // slot
             pool = page_aligned_pool(pool_slots, slot)
-            expected = pool.clone()
-            jobs = plan_jobs(n, pool_slots, args.job_slots, args.pattern, seed=slot)
+            base = pool.clone()
+            waves = plan_waves(n, pool_slots, args.job_slots, args.pattern, seed=slot)
             samples = {"kvblock": [], "fs": []}
             for rnd in range(args.rounds):
                 # alternate the order so drift and leftovers hit both tiers alike
                 for kind in (("kvblock", "fs") if rnd % 2 == 0 else ("fs", "kvblock")):
-                    samples[kind].append(measure(kind, where, slot, n * slot, pool, expected,
-                                                 jobs, args))
-                    pool.copy_(expected)
+                    samples[kind].append(measure(kind, where, slot, n * slot, pool, base,
+                                                 waves, args))
             fio = fio_read_gibps(args.kvblock_target, where, slot, n * slot) if use_fio else None
             for kind in ("kvblock", "fs"):
                 runs = samples[kind]
@@ -297,7 +363,7 @@ def main(argv=None) -> int:
                     "load_gibps": statistics.median(r["load_gibps"] for r in runs),
                     "samples": runs,
                     "dropped_caches": all(r["dropped_caches"] for r in runs)})
-            del pool, expected
+            del pool, base
     fs_impl = "C (fs_io_C)" if fs_io._HAS_FSIO_C else "pure Python (fs_io_C unavailable)"
     if args.json:
         print(json.dumps({"rows": rows, "fs_io": fs_impl, "pattern": args.pattern,

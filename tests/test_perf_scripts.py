@@ -213,3 +213,53 @@ def test_first_layer_is_timed_from_the_load_call(capsys, monkeypatch):
         got = row["restore"][verify]
         assert got["first_layer_ms"] >= round(first * 1e3, 1) - 0.1, (verify, got, first)
         assert got["all_layers_ms"] >= round(last * 1e3, 1) - 0.1, (verify, got, last)
+
+
+def _load_other_key_of_the_slot(monkeypatch, pool_slots: int):
+    """Make kvblock's vLLM tier load, into each slot, the block of another
+    key stored from that same slot (a key one pool's worth of keys away):
+    the slot holds the right kind of bytes, of the wrong key."""
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from kvblock.integrations.vllm import KVBlockTierManager
+
+    real = KVBlockTierManager.submit_load
+    stored = []
+    real_store = KVBlockTierManager.submit_store
+
+    def submit_store(self, job):
+        stored.extend(job.keys)
+        return real_store(self, job)
+
+    def submit_load(self, job):
+        keys = []
+        for k in job.keys:
+            i = stored.index(k)
+            j = i + pool_slots if i + pool_slots < len(stored) else i - pool_slots
+            keys.append(stored[j])
+        return real(self, TransferJob(job_id=job.job_id, keys=keys, chunk_ids=job.chunk_ids,
+                                      is_promotion=True, req_context=job.req_context))
+
+    monkeypatch.setattr(KVBlockTierManager, "submit_store", submit_store)
+    monkeypatch.setattr(KVBlockTierManager, "submit_load", submit_load)
+
+
+@pytest.mark.parametrize("script", ["vllm_tier_vs_fs.py", "verified_reads.py"])
+def test_vllm_tier_scripts_tell_which_key_a_slot_was_loaded_from(script, capsys, monkeypatch):
+    """The vLLM tier scripts reuse a primary pool smaller than the data (key i
+    and key i + pool slots share a slot).  Every key's bytes are its own and
+    each wave of loads is checked against its keys: a tier that loads into a
+    slot the block of another key of that slot fails the run (it passed when
+    both keys held the slot's same bytes and only the last loads were checked)."""
+    _load_other_key_of_the_slot(monkeypatch, pool_slots=32)      # 8M pool of 256K slots
+    if script == "vllm_tier_vs_fs.py":
+        args = ["--gib", "0.02", "--rounds", "1", "--slots", "256K", "--locations", "shm",
+                "--pool", "8M", "--no-fio", "--json"]
+    else:
+        args = ["--gib", "0.02", "--slot", "256K", "--rounds", "1", "--threads", "2",
+                "--target", "file", "--where", "/dev/shm", "--pool", "8M"]
+    with pytest.raises(AssertionError, match=r"loaded for key .* holds the block of the key "
+                                             r"stored from it in wave \d"):
+        run_script(script, args, capsys)
+    assert not list(Path("/dev/shm").glob("kvblock-vllm-bench-*"))
+    assert not list(Path("/dev/shm").glob("kvblock-verified-reads-*"))
