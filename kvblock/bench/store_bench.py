@@ -1,9 +1,11 @@
 """Save / restore benchmark through the store (``kvblock bench --workload save|restore``).
 
 save: formats TARGET, then writes runs of ``run_blocks`` blocks for the given
-time.  restore: formats TARGET, fills about half of it with runs, then reads
-whole runs back in random order (checksums verified unless ``verify=never``)
-with ``jobs`` readers.  Buffers are aligned and touched before timing.
+time.  restore: formats TARGET, fills about half of it with runs (each run its own
+bytes), then reads whole runs back in random order (checksums verified unless
+``verify=never``) with ``jobs`` readers; afterwards every reader's last read
+is compared with the run it asked for.  Buffers are aligned and touched
+before timing.
 """
 
 from __future__ import annotations
@@ -99,14 +101,25 @@ def _save(store, src, run_blocks, seconds, progress):
     return _result(store, "save", run_blocks, lat, total, time.perf_counter() - start)
 
 
+def _run_mask(run: int) -> np.uint64:
+    """The word XORed into every 8 bytes of the source for run ``run``: no
+    two runs hold the same bytes, so a read of another run shows."""
+    return np.uint64(((run + 1) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))
+
+
 def _restore(store, src, run_blocks, seconds, jobs, progress):
     capacity_runs = store.regions.count * (store.sb.region_size //
                                            store.layout(run_blocks).run_bytes)
     runs = max(1, min(capacity_runs // 2, 256))
     keysets = [[f"restore-{i}-{j}".encode() for j in range(run_blocks)] for i in range(runs)]
-    for keys in keysets:
-        store.put_run(keys, src.array)
+    words = src.nbytes // 8                  # a block is a multiple of 8 bytes
+    with HostBuffer(src.nbytes) as stage:
+        for i, keys in enumerate(keysets):
+            np.bitwise_xor(src.numpy(np.uint64, (words,)), _run_mask(i),
+                           out=stage.numpy(np.uint64, (words,)))
+            store.put_run(keys, stage.array)
     outs = [HostBuffer(src.nbytes) for _ in range(jobs)]
+    last = [None] * jobs                     # the run each reader read last
     lat, total, failed = [], [0], []
     lock = threading.Lock()
     start = time.perf_counter()
@@ -117,7 +130,8 @@ def _restore(store, src, run_blocks, seconds, jobs, progress):
         out = outs[j].array
         try:
             while time.perf_counter() < deadline and not failed:
-                keys = keysets[int(rng.integers(0, runs))]
+                run = int(rng.integers(0, runs))
+                keys = keysets[run]
                 t = time.perf_counter()
                 got = store.get_run(keys, out)
                 dt = time.perf_counter() - t
@@ -125,6 +139,7 @@ def _restore(store, src, run_blocks, seconds, jobs, progress):
                     raise VerifyError(f"restore read {got} of {run_blocks} blocks of a run "
                                       f"just saved on {target_of(store)} (a checksum failure "
                                       "or an I/O error: kvblock fsck --deep)")
+                last[j] = run
                 with lock:
                     lat.append(dt)
                     total[0] += out.nbytes
@@ -133,23 +148,30 @@ def _restore(store, src, run_blocks, seconds, jobs, progress):
         except BaseException as e:   # raised by the caller once every reader stopped
             failed.append(e)
 
-    threads = [threading.Thread(target=reader, args=(j,)) for j in range(jobs)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    except BaseException as e:      # Ctrl-C: the readers stop at their next read
-        failed.append(e)
-        for t in threads:
-            if t.is_alive():
+        threads = [threading.Thread(target=reader, args=(j,)) for j in range(jobs)]
+        try:
+            for t in threads:
+                t.start()
+            for t in threads:
                 t.join()
-        raise
-    if failed:
-        raise failed[0]
-    elapsed = time.perf_counter() - start
-    if not np.array_equal(outs[0].array, src.array):
-        raise VerifyError(f"restored bytes differ from the saved ones on {target_of(store)}")
-    for o in outs:
-        o.close()
+        except BaseException as e:      # Ctrl-C: the readers stop at their next read
+            failed.append(e)
+            for t in threads:
+                if t.is_alive():
+                    t.join()
+            raise
+        if failed:
+            raise failed[0]
+        elapsed = time.perf_counter() - start
+        for j, run in enumerate(last):   # every reader's last read (untimed)
+            if run is None:
+                continue
+            want = np.bitwise_xor(src.numpy(np.uint64, (words,)), _run_mask(run))
+            if not np.array_equal(outs[j].numpy(np.uint64, (words,)), want):
+                raise VerifyError(f"reader {j} read back other bytes than were saved as run "
+                                  f"{run} ({keysets[run][0].decode()}...) on {target_of(store)}")
+    finally:
+        for o in outs:
+            o.close()
     return _result(store, "restore", run_blocks, lat, total[0], elapsed, jobs)

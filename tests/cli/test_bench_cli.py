@@ -155,3 +155,59 @@ def test_a_store_bench_target_created_too_small_is_not_left_behind(tmp_path):
     res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "save", "--size", "16M",
                                    *args, "--json"])
     assert res.exit_code == 0, res.output
+
+
+def _restore_with(monkeypatch, tmp_path, sabotage):
+    """bench restore (2 readers) with every read passed through
+    ``sabotage(get_run, store, keys, out, buffers)``, ``buffers`` the
+    HostBuffers the bench made, in order (the readers' last)."""
+    from kvblock import Geometry, KVStore
+    from kvblock.bench import store_bench
+
+    made = []
+
+    class Recorded(store_bench.HostBuffer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    from kvblock.store.reads import RunReader
+
+    real = RunReader.get_run                   # not an earlier call's stand-in
+    monkeypatch.setattr(store_bench, "HostBuffer", Recorded)
+    monkeypatch.setattr(KVStore, "get_run",
+                        lambda self, keys, out: sabotage(real, self, keys, out, made))
+    return store_bench.run_store_bench(str(tmp_path / "bench.img"), "restore",
+                                       Geometry(2, 2, 64), 4, 0.05, size=64 << 20, jobs=2)
+
+
+def test_bench_restore_checks_every_readers_bytes(monkeypatch, tmp_path):
+    """Reader 1's reads land other bytes than were saved (one flipped):
+    only reader 0's last buffer was compared, so the run passed."""
+    from kvblock.bench.store_bench import VerifyError
+
+    def flip_reader_1(real, store, keys, out, made):
+        got = real(store, keys, out)
+        if out.ctypes.data == made[-1].address:    # reader 1's buffer (made last)
+            out[len(out) // 2] ^= 0xFF
+        return got
+
+    with pytest.raises(VerifyError, match=r"reader 1 .*restore-\d+-0.* on .*bench\.img"):
+        _restore_with(monkeypatch, tmp_path, flip_reader_1)
+
+
+def test_bench_restore_tells_which_run_was_read(monkeypatch, tmp_path):
+    """Every read returns another run's blocks: all runs held the same
+    bytes, so the bench could not tell and passed."""
+    from kvblock.bench.store_bench import VerifyError
+
+    def other_run(real, store, keys, out, made):
+        run = int(keys[0].split(b"-")[1])
+        return real(store, [k.replace(b"restore-%d-" % run, b"restore-%d-" % (run ^ 1))
+                            for k in keys], out)
+
+    with pytest.raises(VerifyError, match=r"reader \d .*restore-\d+-0"):
+        _restore_with(monkeypatch, tmp_path, other_run)
+    res = _restore_with(monkeypatch, tmp_path, lambda real, store, keys, out, made:
+                        real(store, keys, out))
+    assert res["bytes"] > 0 and res["jobs"] == 2
