@@ -25,7 +25,9 @@ is restored:
 - SGLang 0.5.23's ``HiCacheFile`` (when perf/sglang_vs_hicachefile.py is
   present): pages hold every layer too (SGLang prefetches whole pages from
   storage into the host pool before any layer moves to the GPU), so the
-  same holds.  ``batch_get`` of every page of the prefix.
+  same holds.  ``batch_get`` of every page of the prefix, as SGLang's
+  controller reads pages for a v0 backend, in batches of 128 pages
+  (``first_usable_layer`` there; its hit query is not timed).
 
 Bar (issue 6): kvblock's time to the first layer <= 1/8 of the peer's time
 to a usable first layer.  Each location runs ``--rounds`` rounds, the order

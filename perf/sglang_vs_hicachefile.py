@@ -346,6 +346,73 @@ def measure(kind: str, loc: str, dev: str, pool: SGLangHostPool, expected: torch
             "total_s": time.perf_counter() - t0}
 
 
+# ------------------------------------------------------------------ first usable layer
+def first_usable_layer(where: Path, src: list, g) -> dict:
+    """HiCacheFile's time to a usable first layer of a prefix, for
+    perf/first_layer_vs_peers.py: ``src`` is the prefix as a vLLM NHD cache
+    (one tensor per layer, 2 x pages x block_tokens x heads x dim, bf16),
+    ``g`` its kvblock Geometry.  Every page (all layers, ``g.block_tokens``
+    tokens) goes into a ``page_first`` host pool and is stored the way
+    :func:`measure` stores it (``_generic_page_set``, batches of
+    STORAGE_BATCH_SIZE), the page cache is dropped, the pool zeroed and every
+    page prefetched (``_generic_page_get``): SGLang moves a page to the GPU
+    only once it is whole in the host pool, so the first layer is usable
+    when the last page has landed.  The hit query (``batch_exists``) is
+    not timed, as vLLM's lookup is not.  Exits when a loaded byte differs."""
+    set_env = [v for v in FILE_ENV if os.environ.get(v)]
+    if set_env:
+        raise SystemExit(f"unset {', '.join(set_env)}: they change HiCacheFile's behaviour")
+
+    class Pool(SGLangHostPool):
+        def randomize(self, seed: int) -> None:       # every byte is copied in below
+            pass
+
+    pages, ps = src[0].shape[1], g.block_tokens
+    pool = Pool(layout="page_first", layers=g.num_layers, heads=g.num_kv_heads,
+                head_dim=g.head_dim, page_size=ps, pages=pages)
+
+    def layer(buf, n):                                 # (2, tokens, heads, dim)
+        return buf[:, :, n]
+
+    def loaded_as_stored() -> bool:
+        return all(torch.equal(layer(pool.kv_buffer, n).view(torch.int16),
+                               t.view(torch.int16).reshape(2, pages * ps, *t.shape[3:]))
+                   for n, t in enumerate(src))
+
+    for n, t in enumerate(src):
+        layer(pool.kv_buffer, n).copy_(t.reshape(2, pages * ps, *t.shape[3:]))
+    plan = Plan(pages, pages, STORAGE_BATCH_SIZE, ps, "adjacent", seed=ps)
+    base = Path(tempfile.mkdtemp(prefix="kvblock-ttfl-hicache-", dir=where))
+    try:
+        backend = attach("file", pool, base, None, None)
+        store_s = 0.0
+        for keys, _, _, host in plan.batches:
+            t = time.perf_counter()
+            ok = file_backup(backend, pool, ps, keys, host)
+            store_s += time.perf_counter() - t
+            if not ok:
+                raise SystemExit(f"HiCacheFile at {where}: batch_set failed")
+        fs.drop_caches()
+        for keys, _, _, _ in plan.batches:
+            hit = backend.batch_exists(keys, HiCacheStorageExtraInfo(prefix_keys=None))
+            if hit != len(keys):
+                raise SystemExit(f"HiCacheFile at {where}: batch_exists found {hit} of "
+                                 f"{len(keys)} stored pages")
+        pool.kv_buffer.view(torch.int16).zero_()
+        t = time.perf_counter()
+        for keys, _, _, host in plan.batches:
+            got = file_prefetch(backend, pool, ps, keys, host)
+            if got != len(keys):
+                raise SystemExit(f"HiCacheFile at {where}: loaded {got} of {len(keys)} pages")
+        load_s = time.perf_counter() - t
+        if not loaded_as_stored():
+            raise SystemExit(f"HiCacheFile at {where}: restored KV differs from the saved KV")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return {"backend": "hicachefile", "store_s": store_s, "first_ms": load_s * 1e3,
+            "all_ms": load_s * 1e3}
+
+
 def fmt_size(n: int) -> str:
     return f"{n >> 20} MiB" if n >= MIB and n % MIB == 0 else f"{n >> 10} KiB"
 

@@ -263,3 +263,16 @@ def test_vllm_tier_scripts_tell_which_key_a_slot_was_loaded_from(script, capsys,
         run_script(script, args, capsys)
     assert not list(Path("/dev/shm").glob("kvblock-vllm-bench-*"))
     assert not list(Path("/dev/shm").glob("kvblock-verified-reads-*"))
+
+
+def test_first_layer_comparison_includes_hicachefile(capsys):
+    """perf/first_layer_vs_peers.py says it compares SGLang's HiCacheFile too
+    (perf/sglang_vs_hicachefile.py is here), but it looked for a driver that
+    script did not have and left HiCacheFile out without a word."""
+    out = json_out(run_script("first_layer_vs_peers.py",
+                              [*CASES["first_layer_vs_peers.py"], "--json"], capsys))
+    (row,) = [r for r in out["rows"] if r["backend"] == "hicachefile"]
+    assert row["location"] == "shm" and len(row["samples"]) == 1
+    # SGLang moves a page to the GPU only once it is whole in the host pool
+    assert row["first_ms"] == row["all_ms"] > 0
+    assert not list(Path("/dev/shm").glob("kvblock-ttfl-*"))
