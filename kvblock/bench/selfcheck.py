@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from kvblock.bench.store_bench import VerifyError
 from kvblock.devices import Device, create_file
 from kvblock.errors import ConfigError, DeviceTooSmallError
 from kvblock.io import ENGINES, IOBatch, engine_report, open_engine
@@ -48,6 +49,10 @@ def run_selfcheck(path: str, size: int) -> dict:
                                 f"{span / (t1 - t0) / 2**30:.2f} GiB/s, read at "
                                 f"{span / (t2 - t1) / 2**30:.2f} GiB/s")
                 if not ok:
-                    raise SystemExit(f"kvblock selfcheck: {name} engine read back different bytes")
+                    at = int(np.flatnonzero(src.array != dst.array)[0])
+                    raise VerifyError(f"selfcheck: the {name} engine read back other bytes than "
+                                      f"it wrote to {path}, first at offset {at}; that device "
+                                      "or engine loses data: check the kernel log (dmesg), "
+                                      f"and try another engine (KVBLOCK_IO_ENGINE)")
     report["device"] = path
     return report

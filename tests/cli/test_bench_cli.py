@@ -211,3 +211,45 @@ def test_bench_restore_tells_which_run_was_read(monkeypatch, tmp_path):
     res = _restore_with(monkeypatch, tmp_path, lambda real, store, keys, out, made:
                         real(store, keys, out))
     assert res["bytes"] > 0 and res["jobs"] == 2
+
+
+def test_selfcheck_mismatch_is_a_typed_error_naming_engine_device_and_offset(monkeypatch,
+                                                                            tmp_path):
+    """An engine that reads back other bytes made selfcheck raise SystemExit
+    (from a library function; the CLI printed it without 'kvblock: error:'
+    and with no device or offset): now a VerifyError, a KVBlockError."""
+    import ctypes
+
+    from kvblock.bench import selfcheck
+    from kvblock.bench.store_bench import VerifyError
+
+    real = selfcheck.open_engine
+
+    class Flipping:
+        def __init__(self, eng):
+            self.eng = eng
+
+        def __getattr__(self, name):
+            return getattr(self.eng, name)
+
+        def __enter__(self):
+            self.eng.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.eng.__exit__(*exc)
+
+        def read(self, batch):
+            got = self.eng.read(batch)
+            at = int(batch.addrs[0]) + 3 * 4096 + 5            # byte 12293 of the target
+            ctypes.memset(at, ctypes.c_ubyte.from_address(at).value ^ 0xFF, 1)
+            return got
+
+    monkeypatch.setattr(selfcheck, "open_engine", lambda *a, **kw: Flipping(real(*a, **kw)))
+    path = tmp_path / "scratch.img"
+    res = CliRunner().invoke(cli, ["selfcheck", "--path", str(path), "--size", "1M"])
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("kvblock: error: ")
+    assert str(path) in res.output and "offset 12293" in res.output
+    with pytest.raises(VerifyError, match="engine read back"):
+        selfcheck.run_selfcheck(str(path), 1 << 20)
