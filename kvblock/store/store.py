@@ -559,17 +559,18 @@ class KVStore(Recovery, RunReader, RunWriter):
         pieces = []                   # (item, keys, blocks) of at most a region each
         with self._lock:              # one index probe for every item's keys
             found = self.index.lookup([k for keys, _ in items for k in keys]) >= 0
-        at = 0
+        starts = np.cumsum([0] + [len(keys) for keys, _ in items]).tolist()
+        for i, (keys, _) in enumerate(items):    # every run checked before anything changes
+            if keys and not found[starts[i]:starts[i + 1]].all():
+                self._check_fits(len(keys))
         for i, (keys, blocks) in enumerate(items):
             n = len(keys)
-            at += n
             if n == 0:
                 continue
-            if found[at - n:at].all():
+            if found[starts[i]:starts[i + 1]].all():
                 self.counters["put_duplicate_runs"] += 1
                 out[i] = n
                 continue
-            self._check_fits(n)
             if not self.admission.admit(keys[0]):
                 self.counters["admission_rejected_runs"] += 1
                 continue

@@ -1461,3 +1461,19 @@ def test_a_checkpoint_that_fails_after_its_write_closes_the_store(tmp_path):
     store.close()
     with KVStore.open([path]) as store:     # the old run is there, from either epoch
         assert store.lookup(old) == 3
+
+
+def test_put_runs_refused_for_a_run_too_large_counts_no_offers(tmp_path):
+    """A put_runs call refused for a run that does not fit the store changes
+    nothing: the admission offers of the runs before it are not counted."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    small = run_keys(52, 2)
+    with _format([path], admit_after=2) as store:
+        huge = run_keys(53, store.regions.count * (REGION // GEOM.block_bytes))
+        with pytest.raises(StoreFullError, match="does not fit this store"):
+            store.put_runs([(small, run_data(small)),
+                            (huge, np.zeros(len(huge) * GEOM.block_bytes, np.uint8))])
+        assert store.counters["admission_rejected_runs"] == 0
+        assert store.put_run(small, run_data(small)) == 0      # its first offer
+        assert store.put_run(small, run_data(small)) == 2
