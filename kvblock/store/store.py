@@ -563,17 +563,23 @@ class KVStore(Recovery, RunReader, RunWriter):
         for i, (keys, _) in enumerate(items):    # every run checked before anything changes
             if keys and not found[starts[i]:starts[i + 1]].all():
                 self._check_fits(len(keys))
+        taken: set[bytes] = set()     # keys an earlier run of this call writes
         for i, (keys, blocks) in enumerate(items):
             n = len(keys)
             if n == 0:
                 continue
-            if found[starts[i]:starts[i + 1]].all():
+            # As the runs put one call after another: a run that the store
+            # or an earlier run of the call holds whole is a duplicate.
+            held = found[starts[i]:starts[i + 1]]
+            if held.all() or (taken and all(h or k in taken for k, h in zip(keys, held))):
                 self.counters["put_duplicate_runs"] += 1
                 out[i] = n
                 continue
             if not self.admission.admit(keys[0]):
                 self.counters["admission_rejected_runs"] += 1
                 continue
+            if len(items) > 1:
+                taken.update(keys)
             step = self.max_run_blocks
             for start in range(0, n, step):
                 stop = min(n, start + step)

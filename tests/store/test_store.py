@@ -1463,6 +1463,20 @@ def test_a_checkpoint_that_fails_after_its_write_closes_the_store(tmp_path):
         assert store.lookup(old) == 3
 
 
+def test_put_runs_with_the_same_keys_twice_writes_the_first_only(store_path):
+    """One put_runs call behaves like its runs put in sequence: a later run
+    whose keys an earlier run of the call holds is a duplicate (counted,
+    its blocks returned, not written), and the first run's bytes are kept."""
+    keys = run_keys(50, 3)
+    first, second = run_data(keys), run_data(run_keys(51, 3))
+    with _format([store_path]) as store:
+        assert store.put_runs([(keys, first), (keys, second)]) == [3, 3]
+        assert store.counters["put_runs"] == 1
+        assert store.counters["put_duplicate_runs"] == 1
+        out = np.zeros_like(first)
+        assert store.get_run(keys, out) == 3 and np.array_equal(out, first)
+
+
 def test_put_runs_refused_for_a_run_too_large_counts_no_offers(tmp_path):
     """A put_runs call refused for a run that does not fit the store changes
     nothing: the admission offers of the runs before it are not counted."""

@@ -180,6 +180,8 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                     for j, key in enumerate(piece):
                         self.sure[key] = (run, self._block(data, n, start + j))
                         self.maybe.pop(key, None)
+                if sock is None:          # as in calls one after another: a later
+                    found = found | set(keys)   # run of these keys is a duplicate
             return counts
 
         def _sure_prefix(self, keys: list[bytes]) -> int:
