@@ -1491,3 +1491,33 @@ def test_put_runs_refused_for_a_run_too_large_counts_no_offers(tmp_path):
         assert store.counters["admission_rejected_runs"] == 0
         assert store.put_run(small, run_data(small)) == 0      # its first offer
         assert store.put_run(small, run_data(small)) == 2
+
+
+def test_a_failed_trim_in_clears_drop_batches_does_not_stop_the_later_ones(tmp_path, monkeypatch):
+    """clear() drops the runs that reads pinned in batches of DROP records;
+    a read that let go after evict() left its region to be freed by the
+    drop, and that region's TRIM failing (EIO) raised out of the first
+    batch: the later batches' runs stayed stored and were served after the
+    clear.  Every batch is dropped; the TRIM error is raised after."""
+    import kvblock.store.store as store_mod
+    monkeypatch.setattr(store_mod, "CLEAR_DROP_BATCH", 1)
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path]) as store:
+        _two_sealed_regions_whose_trim_fails(store)
+        first = store.pin(run_keys(0, 4))
+        second = store.pin(run_keys(1, 4))
+        evict = store.evict
+
+        def evict_then_a_read_ends(**kw):
+            try:
+                return evict(**kw)
+            finally:
+                store.unpin(first)
+        store.evict = evict_then_a_read_ends
+        with pytest.raises(IOFailedError):
+            store.clear()
+        assert not store.closed
+        assert store.lookup(run_keys(0, 4)) == 0 and store.lookup(run_keys(1, 4)) == 0
+        assert store.stats()["runs"] == 0
+        store.unpin(second)
