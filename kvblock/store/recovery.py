@@ -114,6 +114,7 @@ class Recovery:
                            "record(s) from %d on (offset %d) follow; they are not replayed",
                            self.io.devices[0].path, next_seq, count, first,
                            sb.journal_offset + pos)
+            self._removals_past_gap(journal, pos, first, epoch)
         self._generation = cp.generation
         self._seq = next_seq
         self._jhead = end
@@ -122,6 +123,29 @@ class Recovery:
         if not self.readonly:
             self._write_checkpoint()  # new epoch: stale journal records are dead from here on
             self._rewrite_unreadable_journal()
+
+    def _removals_past_gap(self, journal, pos: int, first: int, epoch: int) -> None:
+        """The intact records past a journal gap publish nothing, but what
+        they show was removed is gone: a region reclaimed there (or in the
+        lost records before them, which a PUT of a newer generation of the
+        region shows) holds other bytes now than the runs indexed in it."""
+        data = memoryview(journal)
+        while True:
+            records, end, seq = jfmt.scan(data[pos:], first, epoch)
+            if not records:
+                break
+            for rec in records:
+                if isinstance(rec, jfmt.PutRun):
+                    self._next_run_id = max(self._next_run_id, rec.run_id + 1)
+                    if rec.region < self.regions.count and \
+                            rec.generation != int(self.regions.generation[rec.region]):
+                        self._replay(jfmt.Reclaim(rec.region, rec.generation))
+                else:
+                    self._replay(rec)
+            after = jfmt.records_after(journal, pos + end, seq, epoch)
+            if after is None or after[0] <= pos:
+                break
+            pos, first, _ = after
 
     def _read_slot(self, off: int, length: int, unreadable: list, array: bool = False):
         """Bytes of a checkpoint slot, or None when the device fails the read

@@ -11,7 +11,7 @@ import pytest
 from kvblock import KVStore, create_file
 from kvblock.errors import KVBlockError
 from kvblock.index.keys import normalize_key
-from tests.store.workload import GEOM, REGION, Journal, check_store, workload
+from tests.store.workload import GEOM, REGION, Journal, check_store, run_data, run_keys, workload
 
 TRIALS = 25
 
@@ -234,3 +234,38 @@ def test_a_replayed_run_past_its_region_is_not_published(tmp_path):
         assert store.stats()["runs"] == 1 and store.lookup(keys) == 2
         assert all(r.offset + store.layout(r.nblocks).run_bytes <= REGION
                    for r in store.index.runs.values())
+
+
+def test_a_region_reclaimed_in_a_journal_gap_does_not_serve_its_old_runs(tmp_path):
+    """A damaged RECLAIM record with intact records after it (a journal gap):
+    replay stopped there and kept the checkpoint's run of the reclaimed
+    region, though an intact later PUT shows the region was written again
+    (a newer generation).  With verify="never" the old run's keys read the
+    new run's bytes.  The region's old runs must not be served."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    old, new = run_keys(70, 2), run_keys(71, 2)
+    store.put_run(old, run_data(old))
+    region = store.index.segments([normalize_key(old[0])])[0][0].region
+    store.checkpoint()                       # the old run is in the checkpoint
+    reclaim_at = store.sb.journal_offset + store._jhead
+    assert store.evict(all=True) >= 1
+    store.regions.free.remove(region)        # the next put reuses the region
+    store.regions.free.appendleft(region)
+    store.put_run(new, run_data(new))
+    assert store.index.segments([normalize_key(new[0])])[0][0].region == region
+    store._release_devices()                 # a crash: no checkpoint after these
+    store.closed = True
+    with open(path, "r+b") as f:             # the RECLAIM record's payload rots
+        f.seek(reclaim_at + 40)
+        byte = f.read(1)
+        f.seek(reclaim_at + 40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with KVStore.open([str(path)], verify="never", readonly=True) as store:
+        assert store.journal_gap is not None
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        got = store.get_run(old, out)
+        assert got == 0 or np.array_equal(out, run_data(old))
+        assert store.lookup(old) == 0
