@@ -137,11 +137,14 @@ class Recovery:
             for rec in records:
                 if isinstance(rec, jfmt.PutRun):
                     self._next_run_id = max(self._next_run_id, rec.run_id + 1)
-                    if rec.region < self.regions.count and \
-                            rec.generation != int(self.regions.generation[rec.region]):
-                        self._replay(jfmt.Reclaim(rec.region, rec.generation))
-                else:
-                    self._replay(rec)
+                    rec = jfmt.Reclaim(rec.region, rec.generation)
+                # (a generation only grows: an older one past the gap names
+                # nothing newer than what is indexed, and must not go back)
+                if isinstance(rec, jfmt.Reclaim) and not (
+                        rec.region < self.regions.count and
+                        rec.generation > int(self.regions.generation[rec.region])):
+                    continue
+                self._replay(rec)
             after = jfmt.records_after(journal, pos + end, seq, epoch)
             if after is None or after[0] <= pos:
                 break
