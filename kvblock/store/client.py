@@ -622,7 +622,12 @@ class RemoteStore(RunReader, RunWriter):
 
     # ------------------------------------------------------------------ byte API
     def _put_many(self, items: list) -> list[int]:
-        """put_runs here: each run is published by its own call to the server."""
+        """put_runs here: each run is published by its own call to the server
+        (every run checked to fit first, as in one process: none is written
+        when one cannot be)."""
+        for keys, _ in items:
+            if keys:
+                self._check_fits(len(keys))
         return [self._put(keys, blocks) for keys, blocks in items]
 
     def _put(self, keys: list[bytes], blocks) -> int:

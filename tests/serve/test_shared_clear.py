@@ -125,6 +125,21 @@ def test_a_put_larger_than_the_shared_store_is_refused(store_file, tmp_path):
             assert rank.lookup(kept) == 2
 
 
+def test_put_runs_with_a_run_too_large_writes_none_of_them(store_file, tmp_path):
+    """put_runs checks every run before it writes any, on a shared store as
+    in one process: a later run too large for the store leaves the earlier
+    ones unwritten."""
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock):
+        with RemoteStore(sock) as rank:
+            first = run_keys(7, 2)
+            n = rank.regions.count * rank.regions.size // GEOM.block_bytes
+            with pytest.raises(StoreFullError, match=f"a run of {n} blocks"):
+                rank.put_runs([(first, run_data(first)),
+                               (run_keys(8, n), np.zeros(n * GEOM.block_bytes, np.uint8))])
+            assert rank.lookup(first) == 0 and rank.stats()["runs"] == 0
+
+
 @pytest.mark.parametrize("verify", ["never", "always"])
 def test_a_read_whose_pins_lapse_with_the_server_is_a_miss(store_file, tmp_path, verify):
     """A rank pins a run and stalls; the server is killed, restarted, and
