@@ -33,8 +33,8 @@ Data path (``interface_v1: 1``, the zero-copy calls).
     are cut at ``max_run_bytes`` (the staging memory of the calling thread).
     Pages already stored are not written again (one vectorised index probe
     per call).  Supported pool layouts: ``page_first``,
-    ``page_first_direct`` and ``layer_first``, MHA (K and V of equal head
-    dim) and MLA.  The older ``get``/``set`` calls take SGLang's flat pages
+    ``page_first_direct``, ``layer_first`` and ``page_unified`` (MLA; MHA with
+    one head group), MHA (K and V of equal head dim) and MLA.  The older ``get``/``set`` calls take SGLang's flat pages
     (``get_data_page``/``get_dummy_flat_data_page`` order) and cost one more
     copy.
 
@@ -202,12 +202,16 @@ class PoolPages:
     """
 
     def __init__(self, kv_buffer: torch.Tensor, layout: str, page_size: int, mla: bool):
-        if layout not in LAYOUTS:
+        if layout not in LAYOUTS + ("page_unified",):
             raise ConfigError(f"kvblock sglang backend: host pool layout {layout!r} is not "
-                              f"supported; use one of {LAYOUTS}")
+                              f"supported; use one of {LAYOUTS + ('page_unified',)} "
+                              "(--hicache-mem-layout)")
         if not isinstance(kv_buffer, torch.Tensor) or kv_buffer.device.type != "cpu":
             raise ConfigError("kvblock sglang backend: the host pool's kv_buffer must be one "
                               "CPU tensor (pools with split K/V buffers are not supported)")
+        self.host_layout = layout
+        if layout == "page_unified":
+            kv_buffer, layout = _unified_as_direct(kv_buffer, page_size, mla), "page_first_direct"
         self.buf, self.layout, self.page_size, self.mla = kv_buffer, layout, page_size, mla
         shape = tuple(kv_buffer.shape)
         want_dims = (4 if mla else 5) + (layout == "page_first_direct")
@@ -256,6 +260,31 @@ class PoolPages:
                 .transpose(1, 3, 0, 2, 4, 5)
         return x[:, :, :P * ps].reshape(x.shape[0], x.shape[1], P, ps, *x.shape[3:]) \
             .transpose(2, 1, 0, 3, 4, 5)               # (kv, L, size, H, D)
+
+
+def _unified_as_direct(kv_buffer: torch.Tensor, page_size: int, mla: bool) -> torch.Tensor:
+    """A ``page_unified`` kv_buffer (sglang/srt/mem_cache/pool_host/page_unified.py)
+    as a ``page_first_direct`` view of the same memory, no copy.  MLA pages
+    ``(pages, L, page_size, D)`` are page_first_direct's bytes without the
+    head axis; MHA pages ``(pages, head_groups, L, 2, page_size, heads, D)``
+    with one head group are kvblock's block order, K/V inside the layer, so
+    the view only moves the K/V axis to the front.  Several head groups split
+    a token's heads across the page: refused."""
+    shape = tuple(kv_buffer.shape)
+    if mla:
+        if len(shape) != 4 or shape[2] != page_size:
+            raise ConfigError(f"kvblock sglang backend: MLA page_unified kv_buffer of shape "
+                              f"{shape} is not (pages, layers, {page_size}, dim)")
+        return kv_buffer.unsqueeze(3)
+    if len(shape) != 7 or shape[3] != 2 or shape[4] != page_size:
+        raise ConfigError(f"kvblock sglang backend: MHA page_unified kv_buffer of shape {shape} "
+                          f"is not (pages, head_groups, layers, 2, {page_size}, heads, dim)")
+    if shape[1] != 1:
+        raise ConfigError(f"kvblock sglang backend: a page_unified host pool of {shape[1]} head "
+                          "groups keeps each token's heads in separate parts of the page, which "
+                          "kvblock's page copies do not gather; use one head group, or "
+                          "--hicache-mem-layout page_first / page_first_direct")
+    return kv_buffer[:, 0].permute(2, 0, 1, 3, 4, 5)
 
 
 def _pool_key(name) -> str:
@@ -411,7 +440,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self.pages, self.store = pages, store
         self.run_blocks = run_blocks
         logger.info("kvblock: SGLang L3 on %s (%s, %s layout, %d pages per run)",
-                    self.devices, geometry.describe(), pages.layout, run_blocks)
+                    self.devices, geometry.describe(), pages.host_layout, run_blocks)
 
     def _open_own(self, geometry: Geometry) -> KVStore:
         """This rank's own store on its devices.  Every SGLang rank is a
@@ -811,6 +840,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         full = list(shape)
         full[axis] *= n
         buf = torch.empty(full, dtype=self.pages.buf.dtype) if like is None else like
+        # (page_unified pools are handled as their page_first_direct view:
+        # SGLang's get_data_page has no flat page for that layout)
         return PoolPages(buf.view(full), self.pages.layout, self.pages.page_size,
                          self.pages.mla), (shape, axis)
 

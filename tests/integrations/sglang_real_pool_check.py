@@ -194,6 +194,50 @@ def run_case(mla: bool, layout: str, tmp: str, results: dict) -> None:
     results[name] = {"pages": n, "flat_pages": 3, "kv_buffer": list(want)}
 
 
+def run_unified_case(mla: bool, tmp: str, results: dict) -> None:
+    """SGLang's ``page_unified`` host layout (its own pool class): each page is
+    one block of (layer, kv, token, head, dim) bytes -- kvblock's block order.
+    The pool has no flat pages (get_data_page refuses the layout), so only the
+    zero-copy calls: a v1 round trip, and the store read back through a
+    page_first pool of the same model (the bytes compared per layer, K and V)."""
+    name = f"{'mla' if mla else 'mha'}-page_unified"
+    pool = real_pool(mla, "page_unified")
+    path = f"{tmp}/{name}.img"
+    create_file(path, 64 << 20)
+    backend = attach(pool, mla, [path])
+    fill(pool, 7)
+    n = 5
+    keys = [f"{name}-page-{i:02d}" for i in range(n)]
+    src = pool.alloc(n * PAGE)
+    ps = PAGE
+    pages = lambda p, idx: [p.kv_buffer[int(idx[i * ps]) // ps].view(torch.int16).clone()
+                            for i in range(n)]   # bits (random bf16 holds NaNs)
+    before = pages(pool, src)
+    check(all(backend.batch_set_v1(keys, src, None)), f"{name}: batch_set_v1 failed")
+    check(backend.batch_exists(keys + ["missing"], None) == n, f"{name}: batch_exists")
+    dst = pool.alloc(n * PAGE)
+    pool.kv_buffer.zero_()
+    check(backend.batch_get_v1(keys, dst, None) == [True] * n, f"{name}: batch_get_v1")
+    check(all(a.equal(b) for a, b in zip(before, pages(pool, dst))), f"{name}: v1 bytes differ")
+    backend.close()
+
+    pool2 = real_pool(mla, "page_first")
+    backend2 = attach(pool2, mla, [path], format="never")
+    dst2 = pool2.alloc(n * PAGE)
+    check(backend2.batch_get_v1(keys, dst2, None) == [True] * n, f"{name}: page_first get")
+    for i, want in enumerate(before):
+        tok = slice(int(dst2[i * ps]), int(dst2[i * ps]) + ps)
+        if mla:       # unified (L, ps, D); page_first (size, L, 1, D)
+            got = pool2.kv_buffer[tok, :, 0].transpose(0, 1)
+        else:         # unified (1, L, 2, ps, H, D); page_first (2, size, L, H, D)
+            want = want[0]
+            got = pool2.kv_buffer[:, tok].permute(2, 0, 1, 3, 4)
+        check(got.view(torch.int16).equal(want),
+              f"{name}: bytes differ when read through a page_first pool")
+    backend2.close()
+    results[name] = {"pages": n, "kv_buffer": list(pool.kv_buffer.shape)}
+
+
 MAMBA_SLOTS = 6
 
 
@@ -366,6 +410,7 @@ def main() -> int:
     for mla in (False, True):
         for layout in ("page_first", "page_first_direct"):
             run_case(mla, layout, tmp, results)
+        run_unified_case(mla, tmp, results)
     run_hybrid_case(tmp, results)
     refused = run_refused_cases(tmp)
     print(json.dumps({"ok": True, "cases": results, "refused": refused}))

@@ -336,7 +336,8 @@ def test_store_is_a_plain_kvblock_store(file_target):
 def test_real_host_pools(tmp_path):
     """SGLang's own MHA/MLA host pools (page_first and page_first_direct): shapes
     as assumed here, v1 and flat-page round trips, a store read back through a
-    pool of the other layout, get_stats(); and the hybrid *_v2 calls over an
+    pool of the other layout, get_stats(); page_unified pools (MLA and MHA,
+    v1 calls: they have no flat pages); and the hybrid *_v2 calls over an
     MHA pool with SGLang's MambaPoolHost and a sliding-window KV pool beside
     it (child process: see its docstring)."""
     res = subprocess.run([sys.executable, "-m", "tests.integrations.sglang_real_pool_check",
@@ -344,7 +345,8 @@ def test_real_host_pools(tmp_path):
                          check=False)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     summary = json.loads(res.stdout.strip().splitlines()[-1])
-    assert summary["ok"] and len(summary["cases"]) == 5
+    assert summary["ok"] and len(summary["cases"]) == 7
+    assert {"mla-page_unified", "mha-page_unified"} <= set(summary["cases"])
     assert "scales outside kv_buffer" in summary["refused"]["mxfp8"]
     assert summary["cases"]["hybrid"]["state_pages"] == summary["cases"]["hybrid"]["swa_pages"] == 2
 
@@ -890,3 +892,16 @@ def test_backup_metrics_count_the_pages_written(file_target, backends, monkeypat
     assert stats.backup_pgs == [4] and len(stats.backup_bandwidth) == 1
     assert backend.batch_get_v1(keys, pool.token_indices(range(4, 8))) == [True] * 4
     assert backend.get_stats().prefetch_pgs == [4]
+
+
+def test_page_unified_pool_of_several_head_groups_is_refused_saying_why():
+    """page_unified MHA pages of two head groups split a token's heads in two
+    parts of the page: refused, naming the head groups and the layouts to use."""
+    from kvblock.integrations.sglang import PoolPages
+
+    buf = torch.zeros(4, 2, 3, 2, 4, 1, 16, dtype=torch.bfloat16)  # (P, G, L, 2, ps, H/G, D)
+    with pytest.raises(ConfigError, match=r"2 head groups.*page_first"):
+        PoolPages(buf, "page_unified", 4, mla=False)
+    one = PoolPages(torch.zeros(4, 1, 3, 2, 4, 2, 16, dtype=torch.bfloat16), "page_unified", 4,
+                    mla=False)
+    assert (one.layers, one.heads, one.num_pages, one.host_layout) == (3, 2, 4, "page_unified")
