@@ -536,10 +536,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                 break
         return done
 
-    def _record(self, kind: str, pages: int, seconds: float) -> None:
+    def _record(self, kind: str, pages: int, seconds: float,
+                page_bytes: int | None = None) -> None:
+        """One get_stats() entry: ``pages`` moved in ``seconds`` (``page_bytes``
+        each; default a KV page, one kvblock block)."""
         if not self.storage_config.enable_storage_metrics or not pages:
             return
-        gb = pages * self.store.geometry.block_bytes / 1e9
+        gb = pages * (page_bytes or self.store.geometry.block_bytes) / 1e9
         with self._metrics_lock:
             self._metrics[f"{kind}_pgs"].append(pages)
             self._metrics[f"{kind}_bandwidth"].append(gb / max(seconds, 1e-9))
@@ -768,7 +771,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                 return [True] * len(keys)
         per_run = max(1, self.max_run_bytes // (nb * bb))
         page = None if not load else pool.get_dummy_flat_data_page()  # the pool copies from it
-        got = 0
+        got = written = 0
+        t0 = time.perf_counter()
         for start in range(0, len(todo), per_run):
             run = todo[start:start + per_run]
             kbs = self._pool_keys(t.name, [keys[i] for i in run], nb, page_format)
@@ -781,10 +785,12 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                     pages[j, :nbytes] = data.contiguous().view(torch.uint8).reshape(-1).numpy()
                     pages[j, nbytes:] = 0
                 try:
-                    self.store.put_blocks(kbs, blocks)
+                    # pages the store wrote (not those admission declined)
+                    written += self.store.put_blocks(kbs, blocks) // nb
                 except KVBlockError as e:
                     # the runs before this one are stored: report them so
                     self._failed(f"storing {len(keys)} {_pool_key(t.name)} pages", e)
+                    self._record("backup", written, time.perf_counter() - t0, nbytes)
                     ok = np.ones(len(keys), dtype=bool)
                     ok[todo[start:]] = False
                     return ok.tolist()
@@ -796,6 +802,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             got += n
             if n < len(run):
                 break
+        self._record("prefetch" if load else "backup", got if load else written,
+                     time.perf_counter() - t0, nbytes)
         if not load:
             return [True] * len(keys)
         return [True] * got + [False] * (len(keys) - got)

@@ -905,3 +905,42 @@ def test_page_unified_pool_of_several_head_groups_is_refused_saying_why():
     one = PoolPages(torch.zeros(4, 1, 3, 2, 4, 2, 16, dtype=torch.bfloat16), "page_unified", 4,
                     mla=False)
     assert (one.layers, one.heads, one.num_pages, one.host_layout) == (3, 2, 4, "page_unified")
+
+
+def test_extra_pool_pages_are_counted_in_storage_metrics(file_target, backends, monkeypatch):
+    """A hybrid model's extra pool pages (batch_set_v2 / batch_get_v2) are
+    backups and prefetches in get_stats() too, one entry per pool transfer
+    with its own page count, as SGLang's HF3FS backend counts them."""
+    import dataclasses
+    import types
+
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    @dataclasses.dataclass
+    class StorageMetrics:
+        prefetch_pgs: list = dataclasses.field(default_factory=list)
+        backup_pgs: list = dataclasses.field(default_factory=list)
+        prefetch_bandwidth: list = dataclasses.field(default_factory=list)
+        backup_bandwidth: list = dataclasses.field(default_factory=list)
+
+    monkeypatch.setitem(sys.modules, "sglang.srt.observability.metrics_collector",
+                        types.SimpleNamespace(StorageMetrics=StorageMetrics))
+    pool = HostPool(pages=12)
+    backend = attach(pool, [file_target()], metrics=True)
+    backends.append(backend)
+    states = StatePool(seed=2)
+    backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
+    keys = keys_for("xm", 3)
+    transfers = lambda kv_pages, slots: [  # noqa: E731
+        PoolTransfer(name=PoolName.KV, keys=keys, host_indices=pool.token_indices(kv_pages)),
+        PoolTransfer(name=PoolName.MAMBA, keys=keys[1:], host_indices=torch.tensor(slots))]
+    assert backend.batch_set_v2(transfers([0, 1, 2], [1, 2])) == \
+        {"kv": [True] * 3, "mamba": [True, True]}
+    stats = backend.get_stats()
+    assert sorted(stats.backup_pgs) == [2, 3] and len(stats.backup_bandwidth) == 2
+    assert backend.batch_set_v2(transfers([0, 1, 2], [1, 2]))["mamba"] == [True, True]
+    assert backend.get_stats().backup_pgs == []           # stored already: nothing written
+    assert backend.batch_get_v2(transfers([3, 4, 5], [4, 5])) == \
+        {"kv": [True] * 3, "mamba": [True, True]}
+    stats = backend.get_stats()
+    assert sorted(stats.prefetch_pgs) == [2, 3] and len(stats.prefetch_bandwidth) == 2
