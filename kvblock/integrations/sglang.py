@@ -114,6 +114,7 @@ metrics are enabled; ``stats()`` returns kvblock's own counters.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import threading
@@ -163,6 +164,18 @@ _KNOWN_KEYS = _OWN_KEYS | {"backend_name", "module_path", "class_name", "interfa
 
 
 # ---------------------------------------------------------------------- helpers
+def _misspelt(key) -> str | None:
+    """The kvblock key that ``key`` (not one kvblock or SGLang reads) is a
+    close misspelling of -- another case, '-' for '_', a letter or two off --
+    or None (another backend's or SGLang's key, passed on: only warned of)."""
+    text = str(key)
+    norm = text.lower().replace("-", "_").replace(" ", "_")
+    if norm in _OWN_KEYS:
+        return norm
+    close = difflib.get_close_matches(norm, sorted(_OWN_KEYS), n=1, cutoff=0.8)
+    return close[0] if close else None
+
+
 def _parse_size(value, name: str, minimum: int = 1) -> int:
     return size_setting(value, "kvblock sglang backend", name, minimum)
 
@@ -306,7 +319,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                               "(dcp_size > 1) is not supported")
         self.model = str(extra.get("model") or storage_config.model_name or "")
         self.namespace = "" if extra.get("namespace") is None else str(extra["namespace"])
-        unknown = sorted(set(extra) - _KNOWN_KEYS)
+        unknown = sorted(set(extra) - _KNOWN_KEYS, key=str)
+        for key in unknown:
+            meant = _misspelt(key)
+            if meant:
+                raise ConfigError(f"kvblock sglang backend: extra-config key {key!r} is not "
+                                  f"kvblock's; did you mean {meant!r}? (kvblock reads "
+                                  f"{', '.join(sorted(_OWN_KEYS))})")
         if unknown:
             logger.warning("kvblock sglang backend: extra-config keys %s are not kvblock's "
                            "(a misspelling? kvblock reads %s)", unknown, sorted(_OWN_KEYS))

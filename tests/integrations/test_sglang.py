@@ -587,17 +587,25 @@ def test_hybrid_state_pages_read_back_in_any_grouping(store_target, backends):
 
 def test_settings_typed_by_hand(file_target, backends, caplog):
     """A tenant named 0 is tenant "0", not the default one; numbers as
-    strings parse or fail naming the setting; a misspelled key is named in
-    a warning (the dict also holds SGLang's own keys, so it is not refused)."""
+    strings parse or fail naming the setting; a key that is a close
+    misspelling of one of kvblock's is refused naming both (ignored, "sever"
+    would give every rank its own store, "fromat": "force" would keep old
+    pages); another unknown key is named in a warning (the dict also holds
+    SGLang's and other backends' keys, so it is not refused)."""
     pool = HostPool()
     zero = attach(pool, [file_target()], namespace=0)
     backends.append(zero)
     default = KVBlockHiCacheStorage(storage_config([file_target()]), {})
     assert zero.namespace == "0" and zero.prefix != default.prefix
     with caplog.at_level("WARNING", logger="kvblock.integrations.sglang"):
-        typo = attach(pool, [file_target()], sever="/run/kv.sock", queue_depth="8")
-    backends.append(typo)
-    assert "['sever'] are not kvblock's" in caplog.text
+        foreign = attach(pool, [file_target()], file_storage_path="/x", queue_depth="8")
+    backends.append(foreign)
+    assert "['file_storage_path'] are not kvblock's" in caplog.text
+    for typo, meant in (("sever", "server"), ("fromat", "format"), ("Max-Run-Bytes",
+                                                                      "max_run_bytes"),
+                        ("admit_afer", "admit_after")):
+        with pytest.raises(ConfigError, match=rf"{typo!r}.*{meant!r}.*devices"):
+            KVBlockHiCacheStorage(storage_config([file_target()], **{typo: "1"}), {})
     with pytest.raises(ConfigError, match="admit_after must be a whole number"):
         attach(pool, [file_target()], admit_after="twice")
     with pytest.raises(ConfigError, match="size must be at least"):
