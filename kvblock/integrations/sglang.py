@@ -365,6 +365,9 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self.mem_pool_host = None
         self._page_formats: dict[int, tuple] = {}   # id(pool) -> (pool, _page_format)
         self._metrics_lock = threading.Lock()
+        # clear() calls so far: a backup that sees it move stops (its pages
+        # hold KV from before the clear), see _cleared_since
+        self._clears, self._clears_lock = 0, threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
 
@@ -508,19 +511,41 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return None
         return ids
 
+    def _cleared_since(self, clears: int, keys: list[bytes] | None = None) -> bool:
+        """Has a clear() begun since a backup call saw ``clears`` clear()
+        calls?  Then its later runs are not written, and ``keys`` (the run
+        just written, which the clear may have missed) are deleted: the
+        call's pages hold KV from before the clear (SGLang clears after a
+        weight update), and a run written after it would be served as a hit.
+        The store itself refuses only a run that a clear() overtakes while
+        it is written.  The pages are answered as written, as a run the
+        store refuses is (not a failure to retry)."""
+        if self._clears == clears:
+            return False
+        if keys:
+            self.store.delete(keys)
+        return True
+
     def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int],
-                     stored: np.ndarray | None = None) -> int:
+                     stored: np.ndarray | None = None, clears: int | None = None) -> int:
         """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks
         (kvblock.tensors.save_blocks: one vectorised gather per layer into the
         store's staging, one write per run); returns the pages the store
         wrote, not those admission declined (raises on failure).  ``stored``
         (one bool per key) is set run by run, so after a failure it says
-        which pages the store took."""
+        which pages the store took.  ``clears``: the clear() count when the
+        call began; a clear() after it ends the backup (_cleared_since)."""
         done = written = 0
         layout = pages.cache_layout()
+        clears = self._clears if clears is None else clears
         for start in range(0, len(kbs), self.run_blocks):
             keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
-            written += save_blocks(self.store, keys, layout, ids)
+            if self._cleared_since(clears):
+                break
+            n = save_blocks(self.store, keys, layout, ids)
+            if self._cleared_since(clears, keys):
+                break
+            written += n
             done += len(keys)
             if stored is not None:
                 stored[start:done] = True
@@ -581,6 +606,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         kbs = [self.kvblock_key(k) for k in keys]
         t0 = time.perf_counter()
+        clears = self._clears
         try:
             ok = self.store.present(kbs)
         except KVBlockError as e:
@@ -590,7 +616,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         written = np.zeros(len(todo), dtype=bool)
         try:
             n = self._write_pages(self.pages, [kbs[i] for i in todo],
-                                  [page_ids[i] for i in todo], written)
+                                  [page_ids[i] for i in todo], written, clears)
         except KVBlockError as e:
             # the runs before the failed one are stored: report them so
             self._failed(f"backing up {len(keys)} pages", e)
@@ -784,6 +810,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         nbytes, nb, page_format = self._page_format(pool)
         bb = self.store.geometry.block_bytes
         todo = list(range(len(keys)))
+        clears = self._clears
         if not load:
             todo = np.nonzero(~self._pool_present(t.name, keys))[0].tolist()
             if not todo:
@@ -804,8 +831,12 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                     pages[j, :nbytes] = data.contiguous().view(torch.uint8).reshape(-1).numpy()
                     pages[j, nbytes:] = 0
                 try:
-                    # pages the store wrote (not those admission declined)
-                    written += self.store.put_blocks(kbs, blocks) // nb
+                    if self._cleared_since(clears):
+                        break
+                    n = self.store.put_blocks(kbs, blocks) // nb
+                    if self._cleared_since(clears, kbs):
+                        break
+                    written += n          # pages the store wrote (not those admission declined)
                 except KVBlockError as e:
                     # the runs before this one are stored: report them so
                     self._failed(f"storing {len(keys)} {_pool_key(t.name)} pages", e)
@@ -888,9 +919,10 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return False
         pool, _ = self._flat_pool(len(keys), pages)
         kbs = [self.kvblock_key(k) for k in keys]
+        clears = self._clears
         try:
             todo = np.nonzero(~self.store.present(kbs))[0].tolist()
-            self._write_pages(pool, [kbs[i] for i in todo], todo)
+            self._write_pages(pool, [kbs[i] for i in todo], todo, clears=clears)
         except KVBlockError as e:
             self._failed(f"storing {len(keys)} flat pages", e)
             return False
@@ -937,6 +969,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         after a weight update: the same page keys would name other KV)."""
         if not self._ready():
             return False
+        with self._clears_lock:   # before the store's clear: see _cleared_since
+            self._clears += 1
         try:
             self.store.clear()
         except KVBlockError as e:

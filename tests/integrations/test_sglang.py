@@ -952,3 +952,55 @@ def test_extra_pool_pages_are_counted_in_storage_metrics(file_target, backends, 
         {"kv": [True] * 3, "mamba": [True, True]}
     stats = backend.get_stats()
     assert sorted(stats.prefetch_pgs) == [2, 3] and len(stats.prefetch_bandwidth) == 2
+
+
+def test_a_clear_during_a_multi_run_backup_stores_none_of_its_later_runs(file_target, backends):
+    """SGLang clears the store after a weight update: a backup cut into runs
+    (max_run_bytes) that a clear() overtakes after its first run holds KV of
+    the old weights, so none of its later runs may be stored (they were, and
+    read back as hits after the clear).  They are reported as written (like
+    pages admission declines, or a run the store itself refuses because a
+    clear overtook it): not a failure to retry."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    pool = HostPool(pages=40)
+    block = 3 * 2 * 4 * 2 * 16 * 2
+    backend = attach(pool, [file_target()], max_run_bytes=4 * block)  # 4 pages per run
+    backends.append(backend)
+    states = StatePool(seed=3)
+    backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
+    keys = keys_for("cl", 10)
+    real, calls = backend.store.put_run, []
+
+    def put_run(run_keys, data):
+        n = real(run_keys, data)
+        calls.append(len(run_keys))
+        if len(calls) == 1:
+            assert backend.clear() is True                  # between the first and second run
+        return n
+
+    backend.store.put_run = put_run
+    assert backend.batch_set_v1(keys, pool.token_indices(range(10))) == [True] * 10
+    assert calls == [4]                                     # no run after the clear
+    assert backend.store.present([backend.kvblock_key(k) for k in keys]).sum() == 0
+    backend.store.put_run = real
+    assert backend.batch_set_v1(keys, pool.token_indices(range(10))) == [True] * 10
+    assert backend.batch_exists(keys) == 10                 # a backup after it is stored
+
+    # an extra pool's pages (batch_set_v2), written a run of pages at a time
+    real_blocks, block_calls = backend.store.put_blocks, []
+
+    def put_blocks(run_keys, blocks):
+        n = real_blocks(run_keys, blocks)
+        block_calls.append(len(run_keys))
+        if len(block_calls) == 1:
+            assert backend.clear() is True
+        return n
+
+    backend.store.put_blocks = put_blocks
+    backend.max_run_bytes = 1                                # one page per run
+    skeys = keys_for("st", 3)
+    res = backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=skeys,
+                                             host_indices=torch.tensor([0, 1, 2]))])
+    assert res == {"mamba": [True] * 3} and len(block_calls) == 1
+    assert not backend._pool_present(PoolName.MAMBA, skeys).any()
