@@ -277,7 +277,7 @@ def _adjacent(chunk_ids: np.ndarray) -> bool:
 
 
 class _Job:
-    __slots__ = ("meta", "load", "keys", "kbs", "chunks", "pending", "ok", "moved",
+    __slots__ = ("meta", "load", "keys", "kbs", "chunks", "pending", "ok", "declined", "moved",
                  "started", "ended", "reserved", "waits", "settled", "waiters", "published")
 
     def __init__(self, meta: TransferJob, load: bool, keys: list, kbs: list[bytes],
@@ -289,6 +289,7 @@ class _Job:
         self.chunks = chunks          # their primary slots
         self.pending = 0              # pieces not finished
         self.ok = np.zeros(len(keys), dtype=bool)
+        self.declined = np.zeros(len(keys), dtype=bool)   # not stored: the store's policy
         self.moved = 0                # slots actually read or written
         self.started = None
         self.ended = None
@@ -606,7 +607,14 @@ class KVBlockTierManager(SecondaryTierManager):
         """(under _cond) queue the job's result for get_finished_jobs."""
         job.published = True
         meta = job.meta
-        success = bool(job.ok.all()) and all(owner.ok[at] for owner, at in job.waits)
+        # A store key the store declined (a clear() overtook it) is not a
+        # failure: vLLM's tiering manager feeds every store result with
+        # success=False to its back-pressure detector (on_store_failed), which
+        # enters pressure after a few in a row and drops the stores after
+        # them.  Such a job reports success, with only the bytes it moved.
+        done = job.ok | job.declined
+        success = bool(done.all()) and all(owner.ok[at] or owner.declined[at]
+                                           for owner, at in job.waits)
         successful = None
         if job.load and not success and job.ok.any():
             successful = tuple(k for k, ok in zip(job.keys, job.ok) if ok)
@@ -770,9 +778,11 @@ class KVBlockTierManager(SecondaryTierManager):
     def _declined(self, job: _Job, start: int, stop: int) -> None:
         """The store wrote none of a piece: its admission control turned
         the run away, or a clear() came while it was written.  The store's
-        policy, not a failure: the keys fail (vLLM learns they were not
-        stored) and are counted by the store (``admission_rejected_runs``,
-        ``cleared_puts``), not as store failures."""
+        policy, not a failure: the keys are not stored (no BlockStored
+        event; lookups miss), the job still reports success with the bytes
+        it moved (see _publish), and the store counts them
+        (``admission_rejected_runs``, ``cleared_puts``), not as store failures."""
+        job.declined[start:stop] = True
         logger.debug("kvblock tier: store job %s, slots %d..%d: the store declined the run "
                      "(admission, or a clear() overtook it); not stored", job.meta.job_id,
                      start, stop)
