@@ -181,13 +181,16 @@ def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str
         store._session.gone = (f"{e} (a call tried again after {REFUSED_RETRY_S:g} s "
                                "reconnects once the right server answers)")
         return True, warned
-    except (KVBlockError, OSError) as e:
+    except Exception as e:  # noqa: BLE001  (a malformed hello too: an attempt that failed)
         if store.closed:               # closed meanwhile: nothing to say
             return True, warned
-        if str(e) != warned:
-            logger.warning("kvblock: reconnecting to %s: %s (retrying)", store.socket_path,
-                           str(e))
-        return False, str(e)
+        # Anything else escaping would end the thread, and with it every
+        # attempt until some call happens to start a new one.
+        why = str(e) if isinstance(e, (KVBlockError, OSError)) else \
+            f"its answer to hello was not understood ({type(e).__name__}: {e})"
+        if why != warned:
+            logger.warning("kvblock: reconnecting to %s: %s (retrying)", store.socket_path, why)
+        return False, why
     if store._adopt(s):
         store._refused = None
         logger.warning("kvblock: reconnected to the store server at %s (pid %d)",

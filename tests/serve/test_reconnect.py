@@ -653,3 +653,41 @@ def test_a_copy_of_any_device_of_the_served_store_is_refused(tmp_path):
             for k in keys:
                 out = np.zeros_like(run_data(k))
                 assert rank.get_run(k, out) == 2 and np.array_equal(out, run_data(k))
+
+
+def test_a_malformed_hello_while_reconnecting_is_retried(tmp_path, monkeypatch, caplog):
+    """A server whose hello lacks a field (KeyError in the client) is a
+    failed attempt like any other: the reconnect thread says so and keeps
+    trying, so once a proper server answers the store reconnects without
+    another call starting a new thread."""
+    import logging
+
+    from kvblock.store.server import StoreServer
+
+    sock, path, server, r = _served(tmp_path, reconnect=True)
+    hellos = []
+    real_hello = StoreServer._op_hello
+
+    def bad_hello(self, s, protocol, pid=None):
+        answer = real_hello(self, s, protocol, pid)
+        hellos.append(answer.pop("region_size"))
+        return answer
+    try:
+        server.stop()
+        monkeypatch.setattr(StoreServer, "_op_hello", bad_hello)
+        server = serve_in_background([path], sock)
+        with caplog.at_level(logging.WARNING, logger="kvblock"):
+            with pytest.raises(ServerGoneError):
+                r.lookup(run_keys(0, 1))            # starts the reconnect thread
+            deadline = time.monotonic() + 10
+            while not hellos:
+                assert time.monotonic() < deadline, "no reconnect was tried"
+                time.sleep(0.02)
+            monkeypatch.setattr(StoreServer, "_op_hello", real_hello)
+            _wait_alive(r, 10)                      # no call meanwhile: the thread retried
+        assert any("reconnecting to" in rec.getMessage() and "region_size" in rec.getMessage()
+                   for rec in caplog.records)
+        assert r.lookup(run_keys(0, 1)) == 0
+    finally:
+        r.close()
+        server.stop()
