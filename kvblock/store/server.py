@@ -805,8 +805,8 @@ class StoreServer:
         out = st.stats()     # a closed store's: StoreClosedError, as in one process
         with st._lock:
             pinned = int((st.regions.pins > 0).sum())
-        with self._sessions_lock:
-            clients = len(self._sessions)
+        with self._sessions_lock:      # as max_clients counts: a closing one is served no more
+            clients = sum(not o.closing for o in self._sessions.values())
         out.update({"server_pid": os.getpid(), "clients": clients,
                     "connections_total": self.connections_total, "pinned_regions": pinned,
                     "pin_lease": self.pin_lease, "expired_sessions": self.expired_sessions,

@@ -401,3 +401,31 @@ def test_a_closing_connection_does_not_count_toward_max_clients(store_file, sock
             go.set()
             a.close()
             del server.store._unpin
+
+
+def test_stats_count_no_closing_connection_as_a_client(store_file, sock):
+    """stats()["clients"] counted a connection whose client had gone (its
+    pins being given back) as served, unlike max_clients: a monitor saw
+    more clients than the server serves, and more than --max-clients."""
+    with serve_in_background([store_file], sock, max_clients=1) as server:
+        entered, go = threading.Event(), threading.Event()
+        real = server.store._unpin
+
+        def slow_unpin(segs):          # the closing session's cleanup, held
+            entered.set()
+            go.wait(20)
+            return real(segs)
+        keys = run_keys(9, 2)
+        a = RemoteStore(sock)
+        try:
+            assert a.put_run(keys, run_data(keys)) == 2
+            a.pin(keys)
+            server.store._unpin = slow_unpin
+            a.close()
+            assert entered.wait(20), "the closed connection's pins were never released"
+            with RemoteStore(sock) as b:
+                assert b.stats()["clients"] == 1      # b; a is gone
+        finally:
+            go.set()
+            a.close()
+            del server.store._unpin
