@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from kvblock.devices import Device
-from kvblock.errors import AlignmentError, ConfigError, IOFailedError, strerror
+from kvblock.errors import AlignmentError, ConfigError, DeviceError, IOFailedError, strerror
 from kvblock.format.checksum import data_seed
 from kvblock.io import native
 from kvblock.io.batch import DEFAULT_MAX_IO, IOBatch
@@ -396,7 +396,13 @@ class IOEngine:
                 int(op == OP_WRITE), *args, p("uint32_t *", streams[a:b] - np.uint32(s0)),
                 s1 - s0, p("uint64_t *", seeds[s0:s1]), p("uint64_t *", digests[s0:s1]))
         if ret < 0:
-            raise ConfigError(f"kvb_mem_{_OP_NAME[op]}: {strerror(-ret)}")
+            # the whole call failed before copying (ENOMEM for its hasher):
+            # not an I/O of a run (IOFailedError would drop its runs)
+            path = self._path(int(batch.devs[a]))
+            raise DeviceError(
+                f"{_OP_NAME[op]} of {b - a} I/O(s) through the mapping of {path}, from offset "
+                f"{int(batch.offsets[a])}, failed before copying anything: {strerror(-ret)}",
+                path, -ret)
 
     def _copiers_pool(self) -> tuple[ThreadPoolExecutor, threading.Semaphore]:
         """The helper threads of large mapped copies, and a slot per helper."""

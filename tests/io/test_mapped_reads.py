@@ -705,3 +705,36 @@ def test_an_interrupted_large_copy_leaves_no_helper_copying(shm_target, monkeypa
         eng.close()
         assert np.array_equal(buf.array, at_raise), "a helper copied after read() raised"
         assert np.array_equal(buf.array[:MIB], data[:MIB])
+
+
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_a_mapped_copy_that_fails_as_a_whole_names_the_device_and_offset(shm_target,
+                                                                         monkeypatch, op):
+    """kvb_mem_copy_hashed failing before it copies (ENOMEM for its hasher)
+    was a ConfigError 'kvb_mem_read: Cannot allocate memory': a settings
+    error, naming no device or offset.  Now a DeviceError with the errno,
+    the device and the offset."""
+    from kvblock.errors import DeviceError
+
+    path = shm_target(4 * MIB)
+    real_lib = native.lib()
+
+    class NoMemory:
+        def __getattr__(self, name):
+            return getattr(real_lib, name)
+
+        @staticmethod
+        def kvb_mem_copy_hashed(*args):
+            return -errno.ENOMEM
+
+    with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(2 * BLOCK) as buf:
+        assert eng.mapped_for_writes(0)
+        monkeypatch.setattr(native, "lib", lambda: NoMemory())
+        batch = IOBatch(np.array([buf.address, buf.address + BLOCK], np.uint64), 0,
+                        [3 * BLOCK, 9 * BLOCK], [BLOCK, BLOCK])
+        call = eng.read_hashed if op == "read" else eng.write_hashed
+        with pytest.raises(DeviceError) as e:
+            call(batch, [0, 1], [0, 0])
+    assert not isinstance(e.value, ConfigError) and e.value.errno == errno.ENOMEM
+    assert path in str(e.value) and f"offset {3 * BLOCK}" in str(e.value)
+    assert os.strerror(errno.ENOMEM) in str(e.value)
