@@ -1,10 +1,11 @@
 """Save / restore benchmark through the store (``kvblock bench --workload save|restore``).
 
 save: formats TARGET, then writes runs of ``run_blocks`` blocks for the given
-time.  restore: formats TARGET, fills about half of it with runs (each run its own
-bytes), then reads whole runs back in random order (checksums verified unless
-``verify=never``) with ``jobs`` readers; afterwards every reader's last read
-is compared with the run it asked for.  Buffers are aligned and touched
+time (one run at least).  restore: formats TARGET, fills about half of it with
+runs (each run its own bytes), then reads whole runs back in random order
+(checksums verified unless ``verify=never``) with ``jobs`` readers, each
+reading one run at least; afterwards every reader's last read is compared
+with the run it asked for.  Buffers are aligned and touched
 before timing.
 """
 
@@ -89,7 +90,7 @@ def _result(store, workload, run_blocks, lat, total, elapsed, jobs=1):
 def _save(store, src, run_blocks, seconds, progress):
     lat, total, i = [], 0, 0
     start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while not lat or time.perf_counter() - start < seconds:   # one put at least: timed
         keys = [f"save-{i}-{j}".encode() for j in range(run_blocks)]
         t = time.perf_counter()
         store.put_run(keys, src.array)
@@ -129,7 +130,8 @@ def _restore(store, src, run_blocks, seconds, jobs, progress):
         rng = np.random.default_rng(j)
         out = outs[j].array
         try:
-            while time.perf_counter() < deadline and not failed:
+            # one read at least, so a reader that ran late still times and verifies one
+            while not failed and (last[j] is None or time.perf_counter() < deadline):
                 run = int(rng.integers(0, runs))
                 keys = keysets[run]
                 t = time.perf_counter()
