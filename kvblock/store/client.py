@@ -585,6 +585,8 @@ class RemoteStore(RunReader, RunWriter):
                 raise errors.GeometryMismatchError(
                     f"the store server at {self.socket_path} now serves another store "
                     f"(uuid {hello.get('uuid')}, not {self.uuid}): reopen it", self.socket_path, 0)
+            # read here: a malformed hello closes the connection (below)
+            server_pid, max_run_blocks = int(hello["pid"]), int(hello["max_run_blocks"])
             served = recv_fence_files(s.sock, self.socket_path, self.regions.device_count)
             # Under the lock close() sets ``closed`` by: a close() that came
             # during the hello (or a server's start) came first (refused: its
@@ -605,8 +607,7 @@ class RemoteStore(RunReader, RunWriter):
         except BaseException:
             s.close()
             raise
-        self.server_pid = int(hello["pid"])
-        self.max_run_blocks = int(hello["max_run_blocks"])
+        self.server_pid, self.max_run_blocks = server_pid, max_run_blocks
         self._pin_lease = hello.get("pin_lease")
         self.server_eviction = hello.get("eviction")
         self.server_admit_after = hello.get("admit_after")

@@ -655,7 +655,8 @@ def test_a_copy_of_any_device_of_the_served_store_is_refused(tmp_path):
                 assert rank.get_run(k, out) == 2 and np.array_equal(out, run_data(k))
 
 
-def test_a_malformed_hello_while_reconnecting_is_retried(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("field", ["region_size", "max_run_blocks"])
+def test_a_malformed_hello_while_reconnecting_is_retried(tmp_path, monkeypatch, caplog, field):
     """A server whose hello lacks a field (KeyError in the client) is a
     failed attempt like any other: the reconnect thread says so and keeps
     trying, so once a proper server answers the store reconnects without
@@ -670,7 +671,7 @@ def test_a_malformed_hello_while_reconnecting_is_retried(tmp_path, monkeypatch, 
 
     def bad_hello(self, s, protocol, pid=None):
         answer = real_hello(self, s, protocol, pid)
-        hellos.append(answer.pop("region_size"))
+        hellos.append(answer.pop(field))
         return answer
     try:
         server.stop()
@@ -685,7 +686,7 @@ def test_a_malformed_hello_while_reconnecting_is_retried(tmp_path, monkeypatch, 
                 time.sleep(0.02)
             monkeypatch.setattr(StoreServer, "_op_hello", real_hello)
             _wait_alive(r, 10)                      # no call meanwhile: the thread retried
-        assert any("reconnecting to" in rec.getMessage() and "region_size" in rec.getMessage()
+        assert any("reconnecting to" in rec.getMessage() and field in rec.getMessage()
                    for rec in caplog.records)
         assert r.lookup(run_keys(0, 1)) == 0
     finally:
