@@ -219,6 +219,9 @@ class RunReader(RunIO):
         n = len(keys)
         # a clear() or delete() during the read keeps its blocks out
         epoch, discards = self.host.epoch, self.host.discards
+        # the run each key names before the read (see the inserts below)
+        with self._lock:
+            named = self.index.lookup(keys)
         in_host = [k in self.host for k in keys]
         done, fetched = 0, []
         while done < n:
@@ -237,6 +240,19 @@ class RunReader(RunIO):
                 break
         for k in fetched:
             self.host.put(keys[k], block_at(dst, k), epoch=epoch, discards=discards)
+        if fetched:
+            # A put published a newer run of a key since the read began:
+            # the bytes read may be the older run's, and the newer copy the
+            # put gave the tier may have been pushed out before the insert
+            # above.  Looked at after the insert (a key's run only ever
+            # changes to a newer one), such keys leave the tier: their reads
+            # go to the device, which has the newest copy.
+            with self._lock:
+                moved = self.index.lookup([keys[k] for k in fetched]) != named[fetched]
+            if moved.any():
+                with self.host.lock:
+                    for j in np.flatnonzero(moved).tolist():
+                        self.host._drop_locked(keys[fetched[j]])
         return done
 
     @in_flight

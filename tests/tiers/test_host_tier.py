@@ -195,6 +195,39 @@ def test_a_delete_during_a_read_or_put_is_not_undone_by_the_dram_tier(tmp_path):
         assert store.get_run(keys, out) == 2 and np.array_equal(out, new)
 
 
+
+def test_a_read_overtaken_by_a_put_leaves_no_older_copy_in_dram(tmp_path):
+    """A read that fetched a key's old run from the device, while that run
+    was evicted and a put of new bytes for the key published (and its copy
+    in DRAM pushed out again by other blocks), must not put the old bytes
+    into the tier after it: later reads would be served the overwritten bytes from DRAM while
+    the device holds the new ones."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(8, 2)
+    old, new = run_data(keys), (run_data(keys) + 1).astype(np.uint8)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        store.put_run(keys, old)
+        for k in normalize_keys(keys):                   # pushed out of DRAM meanwhile
+            store.host.discard(k)
+        real_read = store._read
+
+        def read_then_overwritten(*args):
+            n = real_read(*args)                         # the old run's bytes
+            store.evict(all=True)                        # other threads, right here: the
+            assert store.put_run(keys, new) == 2         # run is evicted, the keys put anew
+            with store.host.lock:                        # and pushed out by other blocks
+                for k in normalize_keys(keys):
+                    store.host._drop_locked(k)
+            return n
+        store._read = read_then_overwritten
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 2 and np.array_equal(out, old)
+        del store._read
+        assert store.get_run(keys, out) == 2
+        assert np.array_equal(out, new), "the DRAM tier served the overwritten bytes"
+
 @pytest.mark.parametrize("corrupt", [False, True])
 def test_layerwise_load_goes_on_across_dram_and_device(tmp_path, corrupt):
     """Blocks 0-3 on the device, 4-5 only in DRAM (their run was evicted),
