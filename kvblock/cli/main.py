@@ -90,10 +90,13 @@ def _emit(obj: dict, as_json: bool, title: str) -> None:
 
 def console():
     """A rich Console; piped output is not cut to 80 columns (rich's width
-    when stdout is no terminal), so paths and offsets stay whole."""
+    when stdout is no terminal), so paths and offsets stay whole.  No markup
+    or emoji codes: the tables show paths and messages as they are ("[red]"
+    or ":x:" in a path is part of its name, not a style)."""
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=400)
+    plain = {"markup": False, "emoji": False}
+    return Console(**plain) if sys.stdout.isatty() else Console(width=400, **plain)
 
 
 @cli.command()

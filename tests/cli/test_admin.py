@@ -1073,3 +1073,22 @@ def test_a_size_past_pythons_digit_limit_is_refused_as_a_size(tmp_path):
     res = kvb("format", tmp_path / "new.img", "--size", huge, *GEOM_ARGS)
     assert res.returncode == 2 and "set_int_max_str_digits" not in res.stderr, res.stderr
     assert not (tmp_path / "new.img").exists()
+
+
+def test_tables_show_paths_as_given_not_as_rich_markup(tmp_path):
+    """The text tables went through rich's markup: a store file in a folder
+    named like a style ("kv[red]", "[x]") was shown as "kv/store.img",
+    a device path that does not exist, the part in brackets swallowed (and
+    ":fire:" in a name was shown as an emoji)."""
+    from click.testing import CliRunner
+
+    from kvblock.cli.main import cli
+    from tests.store.workload import small_store
+
+    path = small_store(tmp_path / "kv[red]" / "store:fire:[x].img")
+    with KVStore.open([path]) as store:
+        store.put_run(run_keys(0, 2), run_data(run_keys(0, 2)))
+    for cmd in ("info", "ls", "stats"):
+        res = CliRunner().invoke(cli, [cmd, path])
+        assert res.exit_code == 0, res.output
+        assert path in res.output, (cmd, res.output)
