@@ -45,7 +45,8 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
             for path in devices:
                 if not os.path.exists(path):
                     create_file(path, size)
-                    created.append(path)
+                    # the file made: a dangling symlink's target, not the link
+                    created.append(os.path.realpath(path))
                 else:
                     _warn_size(path, size, owner)
         return _open_or_format(devices, geometry, model, format, region_size, owner,

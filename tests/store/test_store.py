@@ -870,6 +870,23 @@ def test_open_or_format_that_fails_removes_the_files_it_created(tmp_path):
         subprocess.run(["umount", "-l", str(small)], check=True)
 
 
+def test_open_or_format_that_fails_through_a_dangling_symlink_keeps_the_link(tmp_path):
+    """A store path that is a symlink to a file not made yet: size makes the
+    file at the link's target; a start that failed then unlinked the path,
+    deleting the user's link and leaving the (space-reserved) file behind."""
+    from kvblock.store.provision import open_or_format
+
+    (tmp_path / "t").mkdir()
+    link, target = tmp_path / "kv.img", tmp_path / "t" / "kv.img"
+    link.symlink_to(target)
+    with pytest.raises(ConfigError, match="region_size"):
+        open_or_format([str(link)], GEOM, "m", size=8 << 20, region_size=-1)
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert not target.exists()
+    open_or_format([str(link)], GEOM, "m", size=8 << 20, region_size=REGION).close()
+    assert os.path.getsize(target) == 8 << 20
+
+
 def test_default_regions_have_room_for_the_trailers_of_round_runs(tmp_path):
     """Engines cut runs at round sizes; a default region is a round size plus
     1/64, so runs of a quarter of it still fill it, trailers and all."""
