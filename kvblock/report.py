@@ -93,7 +93,7 @@ def plot(figs: dict, outdir: Path, dpi: int = 80) -> list[Path]:
     import matplotlib.pyplot as plt
 
     outdir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, used = [], set()
     for name, f in figs.items():
         fig, ax = plt.subplots(figsize=(6, 3.6))
         for series, pts in sorted(f["series"].items()):
@@ -108,7 +108,15 @@ def plot(figs: dict, outdir: Path, dpi: int = 80) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()
-        path = outdir / f"{slug(name)}.png"
+        # one file per figure: names that slug alike ("Read GiB/s", "read
+        # (GiB/s)") or to nothing ("???") get a number, not one another's file
+        base = slug(str(name)) or "figure"
+        stem, n = base, 1
+        while stem in used:
+            n += 1
+            stem = f"{base}-{n}"
+        used.add(stem)
+        path = outdir / f"{stem}.png"
         fig.savefig(path, dpi=dpi)
         plt.close(fig)
         written.append(path)

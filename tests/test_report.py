@@ -64,3 +64,21 @@ def test_report_bad_input(tmp_path):
         bad.write_text(json.dumps(data))
         res = CliRunner().invoke(cli, ["report", str(bad)])
         assert res.exit_code == 8 and "kvblock: error:" in res.output, res.output
+
+
+def test_figures_whose_names_slug_alike_get_a_plot_each(tmp_path):
+    """"Read GiB/s" and "read (GiB/s)" both slug to read-gib-s: the second
+    plot was written over the first, and the markdown linked that one file
+    twice, so a figure was lost without a word."""
+    data = {"benchmarks": [{"name": "a", "stats": {"median": 1.0}, "extra_info": {"points": [
+        {"figure": "Read GiB/s", "series": "kvblock", "x": 1, "y": 2},
+        {"figure": "read (GiB/s)", "series": "fio", "x": 1, "y": 3},
+        {"figure": "???", "series": "fio", "x": 1, "y": 3}]}}]}
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(data))
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(tmp_path / "p"), "--json"])
+    assert res.exit_code == 0, res.output
+    plots = json.loads(res.output.splitlines()[0])["plots"]
+    assert len(plots) == 3 and len(set(plots)) == 3, plots
+    assert all(os.path.isfile(p) and not os.path.basename(p).startswith(".") for p in plots)
+    assert sorted(os.listdir(tmp_path / "p")) == sorted(os.path.basename(p) for p in plots)
