@@ -50,12 +50,14 @@ def run_raw(target: str, workload: str, bs: int, qd: int, seconds: float,
     so a refused size is not left behind to refuse the next run too."""
     import os
 
-    created = bool(size) and not os.path.lexists(target)
+    # (a dangling symlink is made too: the file at its target, which is what
+    # a failed run removes, keeping the link)
+    created = bool(size) and not os.path.exists(target)
     try:
         return _run_raw(target, workload, bs, qd, seconds, size, engine, progress)
     except BaseException:
-        if created and os.path.lexists(target):
-            os.unlink(target)
+        if created and os.path.exists(target):
+            os.unlink(os.path.realpath(target))
         raise
 
 

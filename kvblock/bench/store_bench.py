@@ -49,7 +49,7 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
     except BaseException:
         if created:     # not left behind to be refused again by the next run's --size
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(target)
+                os.unlink(os.path.realpath(target))   # the file made, not a symlink to it
         raise
     try:
         nbytes = run_blocks * geometry.block_bytes

@@ -281,3 +281,22 @@ def test_bench_store_with_no_operation_inside_its_seconds_still_reports(monkeypa
     res = store_bench.run_store_bench(str(tmp_path / "s.img"), "save", geometry, 4, 0,
                                       size=64 << 20)
     assert res["blocks"] >= 4 and res["bytes"] > 0
+
+
+def test_a_bench_target_made_through_a_dangling_symlink_is_removed_not_the_link(tmp_path):
+    """TARGET a symlink to a file not made yet: --size makes the file at the
+    link's target.  A run refused after that left the raw workloads' file
+    behind (the link counted as an existing target) and deleted the store
+    workloads' link, keeping their file: either way the next run found it."""
+    (tmp_path / "t").mkdir()
+    link, target = tmp_path / "kv.img", tmp_path / "t" / "kv.img"
+    link.symlink_to(target)
+    res = CliRunner().invoke(cli, ["bench", str(link), "--workload", "write", "--size", "8M",
+                                   "--bs", "1000", "--seconds", "0.1"])
+    assert res.exit_code == 8, res.output
+    assert link.is_symlink() and not target.exists()
+    res = CliRunner().invoke(cli, ["bench", str(link), "--workload", "save", "--size", "1M",
+                                   "--layers", "2", "--kv-heads", "2", "--head-dim", "32",
+                                   "--run-blocks", "2", "--seconds", "0.1"])
+    assert res.exit_code == 7, res.output
+    assert link.is_symlink() and not target.exists()
