@@ -7,10 +7,25 @@ superblock is read directly.
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
 import subprocess
 
-from kvblock.errors import ConfigError, UnsafeTargetError
+from kvblock.errors import ConfigError, DevicePermissionError, UnsafeTargetError
+
+
+def _check_readable(path: str) -> None:
+    """DevicePermissionError when this user may not open ``path`` for reading."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except PermissionError:
+        raise DevicePermissionError(f"{path}: permission denied opening it to check what it "
+                                    "holds; run as root (raw devices) or add your user to the "
+                                    "device's group", path, errno.EACCES) from None
+    except OSError:
+        return               # another failure: blkid's message says it
+    os.close(fd)
 
 
 def signatures(path: str) -> dict:
@@ -34,6 +49,7 @@ def signatures(path: str) -> dict:
         # opened or read: blkid exits 2 for both.
         if not res.stderr.strip():
             return {}
+        _check_readable(path)    # not permitted to read it: say so (run as root)
         raise UnsafeTargetError(
             f"{path}: blkid -p could not read it ({res.stderr.strip()}), so what the device "
             "holds is unknown; check that it can be read, and what it holds with wipefs, "
