@@ -25,7 +25,19 @@ GEOM_ARGS = ["--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--dtype", 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def kvb(*args, user=None, timeout=60):
+def kvb(*args, user=None, timeout=60, process=False):
+    """Run ``kvblock ARGS``: in this process through click's runner (exit
+    code, stdout and stderr as a subprocess gives them), or as a process of
+    its own for ``user`` (another uid) or ``process=True``."""
+    if not (user or process):
+        from click.testing import CliRunner
+
+        from kvblock.cli.main import cli
+
+        res = CliRunner().invoke(cli, [str(a) for a in args], prog_name="kvblock")
+        if res.exception is not None and not isinstance(res.exception, SystemExit):
+            raise res.exception
+        return subprocess.CompletedProcess(args, res.exit_code, res.stdout, res.stderr)
     cmd = [sys.executable, "-m", "kvblock", *map(str, args)]
     if user:
         cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
@@ -561,11 +573,11 @@ def test_fsck_refuses_a_store_in_use(file_target, loop_device, tmp_path):
             for i in range(3):
                 server.store.put_run(run_keys(i, 2), run_data(run_keys(i, 2)))
             for flags in ((), ("--deep", "--json"), ("--repair",)):
-                res = kvb("fsck", target, *flags)
+                res = kvb("fsck", target, *flags, process=True)
                 one_line_error(res, 5, target, f"pid {os.getpid()}", "in use",
                                "stop the store server")
                 assert res.stdout == ""
-            assert json.loads(kvb("info", target, "--json").stdout)["runs"] == 3
+            assert json.loads(kvb("info", target, "--json", process=True).stdout)["runs"] == 3
         res = kvb("fsck", target, "--deep", "--json")    # stopped: checked
         assert res.returncode == 0 and json.loads(res.stdout)["runs_checked"] == 3
 
@@ -674,6 +686,9 @@ def test_evict_and_trim(file_target):
     assert sealed >= 2
     res = kvb("evict", path, "--older-than", "1h", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["regions_reclaimed"] == 0
+    # Seal times are kept in whole seconds, rounded up (a region never reads
+    # as older than it is): "older than 0s" takes them a second later.
+    time.sleep(1.0)
     res = kvb("evict", path, "--older-than", "0s", "--json")
     assert json.loads(res.stdout)["regions_reclaimed"] >= 1
     res = kvb("evict", path, "--all", "--json")
@@ -722,7 +737,7 @@ def test_trim_of_a_served_store_says_to_stop_the_server(file_target, tmp_path):
     path = file_target(16 << 20)
     assert kvb("format", path, *GEOM_ARGS).returncode == 0
     with serve_in_background([path], str(tmp_path / "kv.sock")):
-        res = kvb("trim", path, "--json")
+        res = kvb("trim", path, "--json", process=True)
         one_line_error(res, 5, path, f"pid {os.getpid()}", "stop the store server")
         assert "read-only" not in res.stderr and res.stdout == ""
     assert kvb("trim", path, "--json").returncode == 0
@@ -742,7 +757,7 @@ def test_commands_that_write_a_served_store_do_not_say_open_it_read_only(file_ta
                           (("serve", path, "--socket", str(tmp_path / "b.sock")),
                            "stop the store server"),
                           (("evict", path, "--all"), "kvblock evict --socket PATH")):
-            res = kvb(*args)
+            res = kvb(*args, process=True)       # the holder named is this process
             one_line_error(res, 5, path, f"pid {os.getpid()}", fix)
             assert "read-only" not in res.stderr, res.stderr
 
