@@ -3,6 +3,12 @@
 The io_uring engine registers these with each ring (fixed buffers) so reads
 and writes into them skip per-I/O page pinning.  ``version`` changes on every
 update so rings know when to re-register.
+
+A buffer dropped without close() leaves the list from a finalizer, which the
+garbage collector may run at any allocation: also inside this module's own
+critical section, on the thread that holds its lock.  Such a removal is
+deferred to the end of that section (waiting for the lock there would wait
+for ever).
 """
 
 from __future__ import annotations
@@ -10,6 +16,8 @@ from __future__ import annotations
 import threading
 
 _lock = threading.Lock()
+_holder: int | None = None   # the thread inside a critical section
+_deferred: list[int] = []    # removals that came (from the GC) inside it
 _regions: dict[int, int] = {}
 version = 0
 _on_remove: list = []   # called (no arguments) after a region leaves the list
@@ -20,25 +28,62 @@ def on_remove(callback) -> None:
     _on_remove.append(callback)
 
 
+class _Section:
+    """The lock held by this thread; removals deferred meanwhile are done
+    before it is released, their callbacks after."""
+
+    def __enter__(self):
+        global _holder
+        _lock.acquire()
+        _holder = threading.get_ident()
+
+    def __exit__(self, *exc):
+        global _holder
+        removed = False
+        try:
+            while _deferred:
+                removed = _drop(_deferred.pop()) or removed
+        finally:
+            _holder = None
+            _lock.release()
+        if removed:
+            _removed()
+        return False
+
+
+def _drop(address: int) -> bool:
+    """(under the lock) take ``address`` off the list; False when not on it."""
+    global version
+    if _regions.pop(address, None) is None:
+        return False
+    version += 1
+    return True
+
+
+def _removed() -> None:
+    for callback in _on_remove:
+        callback()
+
+
 def add(address: int, nbytes: int) -> None:
     global version
-    with _lock:
+    with _Section():
         _regions[address] = nbytes
         version += 1
 
 
 def remove(address: int) -> None:
-    global version
-    with _lock:
-        if _regions.pop(address, None) is None:
-            return
-        version += 1
-    for callback in _on_remove:
-        callback()
+    if _holder == threading.get_ident():
+        _deferred.append(address)    # a finalizer run inside this thread's section
+        return
+    with _Section():
+        removed = _drop(address)
+    if removed:
+        _removed()
 
 
 def snapshot() -> tuple[int, list[tuple[int, int]]]:
     """(version, [(address, nbytes), ...]) largest regions first."""
-    with _lock:
+    with _Section():
         regions = sorted(_regions.items(), key=lambda r: -r[1])
         return version, regions

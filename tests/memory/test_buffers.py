@@ -143,3 +143,34 @@ def test_pool_refuses_a_double_release_and_views_outside_a_buffer():
                 pool.address_of(bad)
         assert pool.address_of(1) == pool.arena.address + pool.buffer_bytes
 
+
+
+def test_a_finalizer_run_inside_the_registrys_lock_does_not_deadlock(monkeypatch):
+    """A buffer dropped without close() leaves the registry from a finalizer,
+    which the garbage collector may run at any allocation: also inside the
+    registry's own critical section (snapshot()'s sort), on the thread that
+    holds its lock.  That hung a crash test for good (a plain Lock taken
+    twice by one thread); the removal now waits for the end of the section."""
+    fake_a, fake_b = 1 << 47, (1 << 47) + (1 << 30)    # never mapped: only listed
+
+    class CollectedMidway(dict):
+        def items(self):
+            registry.remove(fake_b)        # what a finalizer run by the GC here does
+            return super().items()
+
+    removals = []
+    monkeypatch.setattr(registry, "_regions", CollectedMidway(registry._regions))
+    monkeypatch.setattr(registry, "_on_remove", [lambda: removals.append(1)])
+    registry.add(fake_a, 4096)
+    registry.add(fake_b, 8192)
+    out = []
+    t = threading.Thread(target=lambda: out.append(registry.snapshot()), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "snapshot() deadlocked on a removal from inside its own section"
+    version, regions = out[0]
+    after, now = registry.snapshot()
+    assert (fake_b, 8192) not in now and (fake_a, 4096) in now
+    assert after > version and removals
+    registry.remove(fake_a)
+    assert all(addr != fake_a for addr, _ in registry.snapshot()[1])
