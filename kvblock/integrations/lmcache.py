@@ -53,6 +53,8 @@ Layer-wise mode (``use_layerwise: true``).
     change of model (format it again with ``kvblock.format: force``).
     Layer 0 is found only while all its chunk's layers are (``_whole_chunk``):
     LMCache checks layer 0 alone before it loads a chunk layer by layer.
+    ``remove`` of a chunk's own key (``LMCacheEngine.clear(tokens)``)
+    removes all its layers.
 
 Blending (``enable_blending: true``).
     CacheBlend's connector needs each object's ``cached_positions`` (the
@@ -112,7 +114,7 @@ from typing import Any
 import numpy as np
 import torch
 import xxhash
-from lmcache.utils import CacheEngineKey
+from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
 from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import (
     AllocatorBackendInterface,
@@ -756,6 +758,16 @@ class KVBlockStorageBackend(StoragePluginInterface):
         return False
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
+        if self.layerwise and not isinstance(key, LayerCacheEngineKey):
+            # A chunk's key (LMCacheEngine.clear(tokens) removes by chunk
+            # key): the chunk is stored as its layers' objects.  Unforced, a
+            # chunk with a pinned layer stays whole.
+            layers = key.split_layers(self.objects_per_chunk)
+            if not force:
+                with self._lock:
+                    if any(self.kvblock_key(k) in self._pins for k in layers):
+                        return False
+            return sum(self.remove(k, force) for k in layers) > 0
         kb = self.kvblock_key(key)
         with self._lock:
             if kb in self._pins:

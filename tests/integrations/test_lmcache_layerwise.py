@@ -436,3 +436,27 @@ def test_a_partial_chunk_releases_only_its_own_pins(file_target, engines):
     assert e.plugin._pins == {}
     with e.plugin.store._lock:
         assert int(e.plugin.store.regions.pins.sum()) == 0
+
+
+def test_clear_of_tokens_removes_their_chunks_layers(file_target, engines):
+    """LMCacheEngine.clear(tokens) removes each chunk by its chunk key
+    (storage_manager.remove(key)); layer-wise, the store holds that chunk as
+    layer objects under layer keys.  The remove must take every layer of the
+    chunk (the chunk is then a miss), not answer 'nothing removed' and leave
+    the chunk found and loadable; a remove that is not forced leaves a chunk
+    with a pinned layer whole."""
+    e = Engine([file_target()], tokens=3 * CHUNK, seed=6)
+    engines.append(e)
+    e.store()
+    assert e.engine.clear(e.tokens[:2 * CHUNK]) == 2
+    assert e.plugin.stats()["blocks"] == LAYERS                 # chunk 2's layers only
+    assert e.engine.lookup(e.tokens) == 0
+    assert not e.plugin.remove(e.chunk_key(0))                   # gone already
+    assert e.plugin.contains(e.chunk_key(2).split_layers(LAYERS)[0])
+    pinned = e.chunk_key(2).split_layers(LAYERS)[3]
+    assert e.plugin.pin(pinned)
+    assert not e.plugin.remove(e.chunk_key(2), force=False)
+    assert e.plugin.stats()["blocks"] == LAYERS
+    assert e.plugin.remove(e.chunk_key(2))                       # forced: pins or not
+    assert e.plugin.stats()["blocks"] == 0
+    assert not e.plugin.unpin(pinned)
