@@ -82,8 +82,9 @@ Pins.
 Writes are asynchronous: ``batched_submit_put_task`` hands the chunks to
 ``kvblock.writer_threads`` threads and returns their futures; a chunk is
 visible to ``contains`` once its journal record is durable.  Reads are
-synchronous (``get_blocking``) or on the same threads (``get_non_blocking``,
-``batched_get_non_blocking``).
+synchronous (``get_blocking``) or on as many threads of their own
+(``get_non_blocking``, ``batched_get_non_blocking``): a load never waits
+behind queued puts.
 
 Settings (``extra_config``)::
 
@@ -297,6 +298,8 @@ class KVBlockStorageBackend(StoragePluginInterface):
             self.store = open_or_format(self.devices, self.geometry, model,
                                         format=opt("format", "if-empty"), **sizes, **options)
         self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvblock-lmcache")
+        # loads on threads of their own: a prefetch must not queue behind puts
+        self.loader = ThreadPoolExecutor(threads, thread_name_prefix="kvblock-lmcache-load")
         self._drain_writes_before_cpu_close(local_cpu_backend)
         self._lock = threading.Lock()
         self._written = threading.Condition(self._lock)     # a job's writing ended
@@ -312,11 +315,17 @@ class KVBlockStorageBackend(StoragePluginInterface):
     def __str__(self) -> str:
         return "KVBlockStorageBackend"
 
+    def _stop_threads(self) -> None:
+        """Finish the queued writes and loads; later ones are refused (a miss)."""
+        self.executor.shutdown(wait=True)
+        self.loader.shutdown(wait=True)
+
     def _drain_writes_before_cpu_close(self, backend) -> None:
         """StorageManager.close() closes LocalCPUBackend, which frees the
         memory the queued writes read, before it closes this plugin: the
         writes must be done first (they crashed the process with SIGSEGV).
-        So the backend's close first waits for them.  Only weak references:
+        So the backend's close first waits for them (and for the loads,
+        which fill memory of its allocator).  Only weak references:
         a cycle backend <-> plugin would leave both to the garbage collector,
         and LMCache's MemoryObj.__del__ then frees memory under a lock the
         collecting thread may hold (a deadlock)."""
@@ -327,7 +336,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         def close_after_queued_writes(*args, **kwargs):
             plugin = me()
             if plugin is not None:
-                plugin.executor.shutdown(wait=True)
+                plugin._stop_threads()
             if before is not None:
                 return before(*args, **kwargs)
             backend = target()
@@ -641,9 +650,9 @@ class KVBlockStorageBackend(StoragePluginInterface):
             self._failed("a load", e)
             return None
         try:
-            return self.executor.submit(
+            return self.loader.submit(
                 lambda: next(iter(self._load_prefix([key], False)), None))
-        except RuntimeError:            # the writers are stopped (closing): a miss
+        except RuntimeError:            # the loaders are stopped (closing): a miss
             logger.warning("kvblock: not loading %s: the plugin is closing", key.to_string())
             return None
 
@@ -652,10 +661,10 @@ class KVBlockStorageBackend(StoragePluginInterface):
         loop = asyncio.get_running_loop()
         try:
             try:
-                load = loop.run_in_executor(self.executor, self._load_prefix, list(keys),
+                load = loop.run_in_executor(self.loader, self._load_prefix, list(keys),
                                             False)
             except RuntimeError:
-                # The writers (the loads' threads) are stopped: LocalCPUBackend's
+                # The loads' threads are stopped: LocalCPUBackend's
                 # close (the hook above) or this plugin's ran first, and
                 # LMCache's lookups still come.  A miss, as for puts.
                 logger.warning("kvblock: not loading %d chunks (%s...): the plugin is "
@@ -821,7 +830,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     def close(self) -> None:
         """Finish queued writes, release pins, checkpoint and close the store."""
-        self.executor.shutdown(wait=True)
+        self._stop_threads()
         with self._lock:
             pins, self._pins = list(self._pins.values()), {}
             self._lookup_pins.clear()

@@ -572,7 +572,7 @@ def test_a_put_after_the_writers_stopped_is_dropped_cleanly(file_target, engines
     key = e.key(81)
     obj = e.chunk()
     refs = obj.get_ref_count()
-    e.plugin.executor.shutdown(wait=True)        # what the LocalCPUBackend close hook does
+    e.plugin._stop_threads()                     # what the LocalCPUBackend close hook does
     assert e.plugin.batched_submit_put_task([key], [obj]) is None
     assert not e.plugin.exists_in_put_tasks(key)
     assert obj.get_ref_count() == refs
@@ -687,7 +687,7 @@ def test_an_async_lookup_keeps_the_pins_it_took_not_later_ones(file_target, engi
 
 def test_a_load_after_the_writers_stopped_answers_a_miss(file_target, engines):
     """StorageManager.close() closes LocalCPUBackend first, and the plugin's
-    hook on it stops the writer threads the loads run on; LMCache's async
+    hook on it stops the plugin's writer and load threads; LMCache's async
     lookup server still runs.  A lookup then must be answered (0 tokens:
     a miss) with its pins released, not fail inside LMCache's prefetch with
     an untyped RuntimeError (the scheduler never answered)."""
@@ -704,7 +704,7 @@ def test_a_load_after_the_writers_stopped_answers_a_miss(file_target, engines):
     engines.append(e)
     key = e.key(121)
     e.put([key], [e.chunk()])
-    e.plugin.executor.shutdown(wait=True)        # what the LocalCPUBackend close hook does
+    e.plugin._stop_threads()                     # what the LocalCPUBackend close hook does
     asyncio.run_coroutine_threadsafe(
         e.manager.async_lookup_and_prefetch("req", [key], [0, CHUNK], None, True),
         e.manager.loop).result(30)
@@ -715,3 +715,43 @@ def test_a_load_after_the_writers_stopped_answers_a_miss(file_target, engines):
     assert server.replies["req"] == 0
     assert e.plugin._pins == {} and not (e.plugin.store.regions.pins > 0).any()
     assert e.plugin.get_non_blocking(key) is None
+
+
+def test_a_load_does_not_wait_behind_queued_puts(file_target, engines):
+    """LMCache's async prefetch (batched_get_non_blocking) is on a request's
+    critical path; it must not queue behind the puts the writer threads are
+    busy with (here: one writer held inside a write)."""
+    import threading
+
+    e = Engine([file_target()], **{"kvblock.writer_threads": 1})
+    engines.append(e)
+    stored = [e.key(131), e.key(132)]
+    want = e.put(stored, [e.chunk(), e.chunk()])
+    gate, writing = threading.Event(), threading.Event()
+    real = e.plugin.store.put_runs
+
+    def held_put_runs(runs):
+        writing.set()
+        assert gate.wait(30)
+        return real(runs)
+    e.plugin.store.put_runs = held_put_runs
+    try:
+        e.manager.batched_put([e.key(133)], [e.chunk()])
+        assert writing.wait(30)
+        e.manager.batched_put([e.key(134)], [e.chunk()])        # queued behind it
+        load = asyncio.run_coroutine_threadsafe(
+            e.plugin.batched_get_non_blocking("req", stored), e.manager.loop)
+        objs = load.result(10)
+        assert [obj_bytes(o) for o in objs] == want
+        for o in objs:
+            o.ref_count_down()
+        single = e.plugin.get_non_blocking(stored[1]).result(10)
+        assert obj_bytes(single) == want[1]
+        single.ref_count_down()
+    finally:
+        gate.set()
+    deadline = time.monotonic() + 30
+    while any(e.plugin.exists_in_put_tasks(e.key(h)) for h in (133, 134)):
+        assert time.monotonic() < deadline, "writes did not finish"
+        time.sleep(0.01)
+    assert e.plugin.contains(e.key(133)) and e.plugin.contains(e.key(134))
