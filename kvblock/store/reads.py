@@ -227,6 +227,8 @@ class RunReader(RunIO):
         while done < n:
             if in_host[done] and self.host.read_into(keys[done], block_at(dst, done)):
                 self.counters["host_hit_blocks"] += 1
+                self.counters["get_blocks"] += 1      # as a device read counts it
+                self.counters["get_bytes"] += self.geometry.block_bytes
                 done += 1
                 continue
             end = done + 1

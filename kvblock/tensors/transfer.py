@@ -550,10 +550,13 @@ class _LoadJob:
                         raise StoreClosedError(PINS_LAPSED)
                     handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
                     handle._events[layer].set()
-            store.counters["get_blocks"] += handle.blocks
-            if store.host is not None:   # the rest came from DRAM (host_hit_blocks)
-                store.counters["device_hit_blocks"] += sum(
-                    max(0, min(count, handle.blocks - out_at)) for _, _, count, out_at in self.segs)
+            # The blocks read from the device; the rest came from DRAM
+            # (counted in get_blocks and host_hit_blocks as they were copied).
+            read = sum(max(0, min(count, handle.blocks - out_at))
+                       for _, _, count, out_at in self.segs)
+            store.counters["get_blocks"] += read
+            if store.host is not None:
+                store.counters["device_hit_blocks"] += read
         except BaseException as e:  # surfaced by wait()/wait_layer()
             error = e
             self.abort = True
@@ -692,6 +695,7 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
         _scatter_pages(layout.layer_views(layer), pages, page_ids[:n], h0, heads, g.itemsize,
                        threads=None)  # no reads in flight here
     store.counters["host_hit_blocks"] += n
+    store.counters["get_blocks"] += n
     return n
 
 

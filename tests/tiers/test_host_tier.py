@@ -312,3 +312,51 @@ def test_a_host_cache_larger_than_memory_is_a_config_error(tmp_path):
         KVStore.open([str(path)], host_cache_bytes=1 << 50)
     with KVStore.open([str(path)]) as store:     # the failed open left nothing held
         assert store.lookup(run_keys(1, 4)) == 0
+
+
+def test_get_blocks_counts_every_block_a_read_returned(tmp_path):
+    """get_blocks / get_bytes count the blocks a read returned, from DRAM or
+    the device (host_hit_blocks + device_hit_blocks split them): get_run
+    counted only its device blocks and a load served wholly from DRAM none,
+    while a load that read the device counted its DRAM blocks too."""
+    torch = pytest.importorskip("torch")
+    from kvblock.index import normalize_key
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    g, path, src = _layerwise_setup(tmp_path, torch)
+    keys = [f"b{i}".encode() for i in range(6)]
+    nkeys = [normalize_key(k) for k in keys]
+    with KVStore.format([str(path)], g, region_size=1 << 20,
+                        host_cache_bytes=6 * g.block_bytes) as store:
+        save_blocks(store, keys, VLLMLayout(src), list(range(6)))
+        stored = [store.host.get(k).copy() for k in nkeys]    # write-through: all in DRAM
+
+        def only_in_dram(n):       # the first n blocks in DRAM, the rest on the device only
+            for k in nkeys:
+                store.host.discard(k)
+            for k in range(n):
+                store.host.put(nkeys[k], stored[k])
+            c = store.counters
+            return c["get_blocks"], c["get_bytes"], c["host_hit_blocks"], c["device_hit_blocks"]
+
+        def since(before):
+            c = store.counters
+            now = c["get_blocks"], c["get_bytes"], c["host_hit_blocks"], c["device_hit_blocks"]
+            return tuple(a - b for a, b in zip(now, before))
+
+        dst = [torch.zeros(2, 8, 16, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
+        before = only_in_dram(3)
+        assert load_blocks(store, keys[:3], VLLMLayout(dst), [0, 1, 2]).wait() == 3
+        d = since(before)
+        assert (d[0], d[2], d[3]) == (3, 3, 0)
+        before = only_in_dram(2)
+        assert load_blocks(store, keys, VLLMLayout(dst), list(range(6))).wait() == 6
+        d = since(before)
+        assert (d[0], d[2], d[3]) == (6, 2, 4)
+        before = only_in_dram(2)
+        out = np.zeros(6 * g.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 6
+        assert since(before) == (6, 6 * g.block_bytes, 2, 4)
+    for layer in range(3):
+        assert torch.equal(dst[layer][:, :6].view(torch.int16),
+                           src[layer][:, :6].view(torch.int16))
