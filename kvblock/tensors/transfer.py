@@ -273,6 +273,7 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
     g = store.geometry
     g0, ng, h0, heads = _tp_plan(g, tp_rank, tp_size)
     layout.check(g, heads=heads)
+    _check_writable(layout)
     keys = normalize_keys(keys)
     if len(page_ids) < len(keys):
         raise ConfigError(f"load: {len(keys)} keys but only {len(page_ids)} page ids")
@@ -295,6 +296,22 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
     except BaseException:
         store._unpin(segs)
         raise
+
+
+def _check_writable(layout) -> None:
+    """A load writes every layer's pages: a read-only numpy cache is refused
+    here (numpy's plain ValueError in the scatter, after the reads, said
+    neither which cache nor what to do)."""
+    if not isinstance(layout.sample(), np.ndarray):
+        return           # torch caches: written through torch (or a numpy view of CPU memory)
+    for layer in range(layout.num_layers):
+        for view in layout.layer_views(layer):
+            if isinstance(view, np.ndarray) and not view.flags.writeable:
+                raise ConfigError(
+                    f"load: the {type(layout).__name__} cache is read-only at layer {layer} "
+                    "(a numpy array with writeable=False); a load writes its pages: pass "
+                    "writable arrays (a copy, or arr.flags.writeable = True where it owns "
+                    "its memory)")
 
 
 # A layer's reads are cut into units of about this many bytes: each unit is

@@ -774,3 +774,35 @@ def test_load_wait_timeouts_are_kvblock_errors(path, monkeypatch):
             h.wait(timeout=0.01)
         gate.set()
         assert h.wait(timeout=10) == 1
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("tiered", [False, True])
+def test_a_read_only_cache_is_refused_up_front(path, engine, tiered):
+    """A load into a read-only numpy cache is refused by load_blocks with a
+    ConfigError naming the cache and the fix, before anything is read or
+    pinned: it failed in the scatter with numpy's plain ValueError
+    ('assignment destination is read-only') out of wait(), or out of
+    load_blocks itself for blocks from the DRAM tier.  save_blocks, which
+    only reads the cache, still takes it."""
+    g = Geometry(L, H, D, "float16", BS)
+    nb = 4
+    src = [np.random.default_rng(i).standard_normal((2, nb, BS, H, D)).astype(np.float16)
+           for i in range(L)]
+    keys = [b"r0", b"r1"]
+    kw = {"host_cache_bytes": 4 * g.block_bytes} if tiered else {}
+    with _store(path, g, **kw) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1])
+        if engine == "vllm":
+            dst = [np.zeros((2, nb, BS, H, D), np.float16) for _ in range(L)]
+            dst[2].flags.writeable = False
+            layout, where = VLLMLayout(dst), "layer 2"
+        else:
+            dst = np.zeros((2, L, nb * BS, H, D), np.float16)
+            dst.flags.writeable = False
+            layout, where = SGLangHostLayout(dst, "layer_first", BS), "layer 0"
+        with pytest.raises(ConfigError, match=f"read-only.*{where}.*writeable"):
+            load_blocks(store, keys, layout, [2, 3])
+        assert store.regions.pins.sum() == 0
+        assert store.counters["get_blocks"] == 0
+        assert save_blocks(store, [b"x0"], layout, [0]) == 1
