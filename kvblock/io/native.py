@@ -6,6 +6,7 @@ against a stale library left over from an older build.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from functools import lru_cache
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from cffi import FFI
 
-from kvblock.errors import NativeLibraryError
+from kvblock.errors import ConfigError, DeviceError, NativeLibraryError
 
 ABI_VERSION = 7
 LIB_NAME = "libkvblock_io.so"
@@ -141,7 +142,7 @@ class Hasher:
             ptr("uint32_t *", streams), len(seeds), ptr("uint64_t *", seeds),
             ptr("int64_t *", results), ptr("uint64_t *", digests), err)
         if self.handle == ffi.NULL:
-            raise ValueError(f"kvb_hasher_create: {os.strerror(-err[0])}")
+            raise _hasher_error("kvb_hasher_create", len(addrs), -err[0])
 
     def finish(self) -> int:
         """Hash what is left and free the native hasher (once)."""
@@ -176,4 +177,14 @@ def hash_pieces(addrs, lens, streams, seeds, digests) -> None:
                                 ptr("uint32_t *", streams), len(seeds), ptr("uint64_t *", seeds),
                                 ptr("uint64_t *", digests))
     if ret < 0:
-        raise ValueError(f"kvb_hash_pieces: {os.strerror(-ret)}")
+        raise _hasher_error("kvb_hash_pieces", len(addrs), -ret)
+
+
+def _hasher_error(call: str, pieces: int, code: int):
+    """A native hasher that could not be made: bad stream numbering
+    (EINVAL, the caller's) is a ConfigError; no memory for it a DeviceError
+    (as a mapped copy's hasher), not an I/O of any run."""
+    text = f"{call} for a hashed read of {pieces} piece(s): {os.strerror(code)}"
+    if code == errno.EINVAL:
+        return ConfigError(text + " (stream numbers must count 0, 1, ... in piece order)")
+    return DeviceError(text, None, code)

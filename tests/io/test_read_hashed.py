@@ -263,3 +263,38 @@ def test_block_digests_and_range_checksums_in_one_pass(nranges, nblocks, block_l
         for r in range(nranges)]
     with pytest.raises(ValueError, match="addresses for"):
         native.hash_blocks_ranges(at[:-1], nranges, nblocks, block_len, pad, seed)
+
+
+def test_a_native_hasher_that_cannot_be_made_is_a_typed_error(monkeypatch, file_target):
+    """kvb_hasher_create failing (ENOMEM) raised a plain ValueError out of a
+    hashed read: not a KVBlockError, so callers that handle kvblock's errors
+    (a store read, an engine integration) did not.  It is a DeviceError
+    (errno ENOMEM) naming the read; the engine stays usable."""
+    import errno
+
+    from kvblock.errors import DeviceError
+
+    path = file_target(16 * MIB)
+    data = np.random.default_rng(17).integers(0, 256, 16 * MIB, dtype=np.uint8)
+    _fill(path, data)
+    real = native.lib()
+
+    class NoMemory:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def kvb_hasher_create(self, *args):
+            args[-1][0] = -errno.ENOMEM
+            return native.ffi.NULL
+
+    with Device(path) as dev, open_engine([dev], "threads", queue_depth=4) as eng, \
+            HostBuffer(8 * MIB) as buf:
+        eng.hashes_as_reads_land = True
+        batch = IOBatch.single(buf.address, 0, 0, 8 * MIB)
+        monkeypatch.setattr(native, "lib", lambda: NoMemory())
+        with pytest.raises(DeviceError, match="hashed read of .* Cannot allocate memory") as e:
+            eng.read_hashed(batch, [0], [7])
+        assert e.value.errno == errno.ENOMEM
+        monkeypatch.setattr(native, "lib", lambda: real)
+        got = eng.read_hashed(batch, [0], [7])
+        assert int(got[0]) == data_checksum(data[:8 * MIB], 7)
