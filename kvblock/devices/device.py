@@ -70,7 +70,7 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
     ENOSPC half-way through a run.
     """
     path = Path(path)
-    if not os.path.lexists(path):
+    if not os.path.exists(path):   # missing, or a link to a missing name
         _refuse_dev(path)
     try:
         existed = path.exists()
@@ -121,20 +121,23 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
 def _refuse_dev(path: Path) -> None:
     """A path to create on /dev's own filesystem (devtmpfs: memory, where the
     kernel puts device nodes) is a mistyped device name (/dev/nvme0n2 for
-    /dev/nvme1n1), never a place for a store file."""
+    /dev/nvme1n1), never a place for a store file.  A link to a missing
+    name is judged by where the file would be made: the link's target."""
+    real = Path(os.path.realpath(path))
     try:
         dev = os.stat("/dev").st_dev
         if dev == os.stat("/").st_dev:
             return                   # /dev is a plain folder here, not devtmpfs
-        parent = Path(os.path.abspath(path)).parent
+        parent = real.parent
         while not parent.exists():   # the folder it would be made in
             parent = parent.parent
         if os.stat(parent).st_dev != dev:
             return
     except OSError:
         return
+    via = f" (a link to {real})" if str(real) != os.path.abspath(path) else ""
     raise DeviceNotFoundError(
-        f"{path}: no such device (lsblk lists the block devices); a store file is not "
+        f"{path}{via}: no such device (lsblk lists the block devices); a store file is not "
         "created on /dev, whose filesystem is memory: check the device name, or create the "
         "file on a filesystem (e.g. /var/lib/kvblock/kv.img)", os.fspath(path), errno.ENOENT)
 

@@ -389,6 +389,33 @@ def test_size_never_creates_a_store_file_on_dev():
         subprocess.run(["rm", "-rf", os.path.dirname(deep)], check=False)
 
 
+def test_size_never_creates_a_store_file_on_dev_through_a_symlink(tmp_path):
+    """A link (e.g. a udev-style name the operator made) to a missing /dev
+    name was followed: create_file looked only at the link's own folder and
+    made the store file on /dev's devtmpfs.  It is refused as the missing
+    device it names (exit 3), and nothing is created at the target."""
+    if os.stat("/dev").st_dev == os.stat("/").st_dev:
+        pytest.skip("/dev is no filesystem of its own here")
+    target = f"/dev/kvblock-linked-typo-{os.getpid()}"
+    link = tmp_path / "nvme-kv"
+    link.symlink_to(target)
+    from kvblock import Geometry
+    from kvblock.errors import DeviceNotFoundError
+    from kvblock.store.provision import open_or_format
+
+    try:
+        for res in (kvb("bench", link, "--size", "8M", "--seconds", "0.1", "--json"),
+                    kvb("selfcheck", "--path", link, "--size", "8M")):
+            one_line_error(res, 3, str(link), target, "no such device", "lsblk")
+            assert not os.path.lexists(target)
+        with pytest.raises(DeviceNotFoundError, match="no such device"):
+            open_or_format([str(link)], Geometry(2, 2, 32), model="m", size=8 << 20)
+        assert not os.path.lexists(target) and os.path.islink(link)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(target)
+
+
 def test_format_with_size_refuses_a_new_file_given_twice(tmp_path):
     """A store file --size is to create, named twice (or by two paths), is one
     device given twice (exit 8), as an existing one is: not a busy device
