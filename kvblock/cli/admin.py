@@ -477,13 +477,27 @@ def _duration(text: str) -> float:
     return seconds
 
 
+class _Duration(click.ParamType):
+    """Seconds from 90s, 30m, 12h, 7d; parsed with the option, so a bad value's
+    message names it."""
+    name = "duration"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, float)):
+            return float(value)
+        try:
+            return _duration(value)
+        except click.BadParameter as e:
+            self.fail(e.message, param, ctx)
+
+
 @cli.command()
 @click.argument("devices", nargs=-1)
 @click.option("--socket", "socket_path", default=None,
               help="Ask the store server on this socket (kvblock serve) to evict, instead of "
                    "opening DEVICES (which the server holds).")
 @click.option("--bytes", "nbytes", type=SIZE, default=None, help="Reclaim until at least this much is free.")
-@click.option("--older-than", default=None, help="Reclaim regions sealed longer ago (30m, 7d).")
+@click.option("--older-than", type=_Duration(), default=None, help="Reclaim regions sealed longer ago (30m, 7d).")
 @click.option("--all", "everything", is_flag=True, help="Reclaim every unpinned region.")
 @click.option("--json", "as_json", is_flag=True)
 def evict(devices, socket_path, nbytes, older_than, everything, as_json):
@@ -494,7 +508,7 @@ def evict(devices, socket_path, nbytes, older_than, everything, as_json):
         raise click.UsageError("give exactly one of --bytes, --older-than, --all")
     if bool(devices) == bool(socket_path):
         raise click.UsageError("give either DEVICES or --socket")
-    cutoff = time.time() - _duration(older_than) if older_than is not None else None
+    cutoff = time.time() - older_than if older_than is not None else None
     if socket_path:
         from kvblock.store.client import RemoteStore
 

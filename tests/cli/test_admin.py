@@ -1134,3 +1134,14 @@ def test_tables_show_paths_as_given_not_as_rich_markup(tmp_path):
         res = CliRunner().invoke(cli, [cmd, path])
         assert res.exit_code == 0, res.output
         assert path in res.output, (cmd, res.output)
+
+
+def test_evict_bad_older_than_names_the_option():
+    """A bad --older-than said "Invalid value: '-5s' is not a duration"
+    without naming the option it came from (the duration was parsed after
+    click's own checks)."""
+    for bad in ("-5s", "soon"):
+        res = kvb("evict", "/nonexistent/kv.img", "--older-than", bad)
+        assert res.returncode == 2, res.stderr
+        assert "Invalid value for '--older-than'" in res.stderr and "not a duration" in \
+            res.stderr and bad in res.stderr, res.stderr
