@@ -44,7 +44,36 @@ def load(path: str | Path) -> dict:
             if not isinstance(p, dict) or not {"figure", "series", "x", "y"} <= p.keys():
                 raise ConfigError(f"{path}: benchmark {b['name']}: a point needs figure, "
                                   f"series, x and y, got {p!r}")
+            where = f"{path}: benchmark {b['name']}, figure {p['figure']!r}"
+            for field in ("figure", "series"):     # keys of figures() and plot labels
+                if not isinstance(p[field], (str, int, float)) or isinstance(p[field], bool):
+                    raise ConfigError(f"{where}: {field} must be a string or a number, "
+                                      f"got {p[field]!r}")
+            if _kind(p["x"]) is None:
+                raise ConfigError(f"{where}: x must be a number or a string, got {p['x']!r}")
+            if _kind(p["y"]) != "number":
+                raise ConfigError(f"{where}: y must be a number, got {p['y']!r}")
+    # one axis: plotted as numbers or as categories, not both
+    kinds: dict = defaultdict(dict)
+    for b in data["benchmarks"]:
+        for p in (b.get("extra_info") or {}).get("points", []):
+            kinds[p["figure"]].setdefault(_kind(p["x"]), (b["name"], p["x"]))
+    for figure, seen in kinds.items():
+        if len(seen) > 1:
+            (nb, nx), (sb, sx) = seen["number"], seen["string"]
+            raise ConfigError(f"{path}: benchmark {sb}, figure {figure!r}: its x values mix "
+                              f"numbers and strings ({nx!r} in benchmark {nb}, {sx!r} in "
+                              f"benchmark {sb}); give every point of a figure the same kind of x")
     return data
+
+
+def _kind(v) -> str | None:
+    """"number", "string" or None (what a point's x or y cannot be)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return "number"
+    return "string" if isinstance(v, str) else None
 
 
 def _fmt(v) -> str:
@@ -96,14 +125,14 @@ def plot(figs: dict, outdir: Path, dpi: int = 80) -> list[Path]:
     written, used = [], set()
     for name, f in figs.items():
         fig, ax = plt.subplots(figsize=(6, 3.6))
-        for series, pts in sorted(f["series"].items()):
+        for series, pts in sorted(f["series"].items(), key=lambda kv: str(kv[0])):
             pts = sorted(pts)
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=series)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(f["xlabel"])
         ax.set_ylabel(f["ylabel"])
         xs = [x for pts in f["series"].values() for x, _ in pts]
-        if xs and min(xs) > 0 and max(xs) / min(xs) >= 16:
+        if xs and _kind(xs[0]) == "number" and min(xs) > 0 and max(xs) / min(xs) >= 16:
             ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -82,3 +82,35 @@ def test_figures_whose_names_slug_alike_get_a_plot_each(tmp_path):
     assert len(plots) == 3 and len(set(plots)) == 3, plots
     assert all(os.path.isfile(p) and not os.path.basename(p).startswith(".") for p in plots)
     assert sorted(os.listdir(tmp_path / "p")) == sorted(os.path.basename(p) for p in plots)
+
+
+def test_points_whose_x_or_y_values_cannot_be_plotted_are_a_clear_error(tmp_path):
+    """A figure whose x values mix numbers with strings or null (or whose y
+    is no number) ended in a TypeError traceback from sorted(); it is a
+    one-line error naming the benchmark, the figure and the values.  Series
+    named by a number and a string, and a figure of string x values only
+    (categories), crashed in plot() too; they are plotted."""
+    def bench(*points):
+        return {"benchmarks": [{"name": "b", "stats": {"median": 1.0}, "extra_info": {
+            "points": [{"figure": "f", "series": s, "x": x, "y": y} for s, x, y in points]}}]}
+
+    path = tmp_path / "bench.json"
+    for data, says in ((bench(("s", 1, 2.0), ("s", "64K", 3.0)), "mix numbers and strings"),
+                       (bench(("s", 1, 2.0), ("fio", "64K", 3.0)), "mix numbers and strings"),
+                       (bench(("s", 1, 2.0), ("s", None, 3.0)), "x must be a number or a string"),
+                       (bench(("s", 1, 2.0), ("s", 1, None)), "y must be a number"),
+                       (bench(("s", 1, 2.0), ("s", 2, "fast")), "y must be a number"),
+                       (bench((4, 1, 2.0), ("fio", 2, 3.0)), None)):
+        path.write_text(json.dumps(data))
+        res = CliRunner().invoke(cli, ["report", str(path), "--out", str(tmp_path / "p"),
+                                       "--json"])
+        if says is None:             # series named by a number and by a string: both plotted
+            assert res.exit_code == 0, res.output
+            continue
+        assert res.exit_code == 8, res.output
+        assert res.output.startswith("kvblock: error:") and says in res.output, res.output
+        assert "benchmark b" in res.output and "figure 'f'" in res.output, res.output
+    # all strings (categories) keep working
+    path.write_text(json.dumps(bench(("s", "64K", 2.0), ("s", "1M", 3.0))))
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(tmp_path / "p"), "--json"])
+    assert res.exit_code == 0, res.output
