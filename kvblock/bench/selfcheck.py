@@ -3,6 +3,7 @@ scratch target, reads them back and compares; reports engine choice and speed.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -18,11 +19,25 @@ from kvblock.memory import HostBuffer
 UNIT = 1 << 20   # the check writes and reads whole MiB
 
 
-def run_selfcheck(path: str, size: int) -> dict:
+def run_selfcheck(path: str, size: int, keep_created: bool = False) -> dict:
+    """Check every engine on ``path``, a file of ``size`` bytes made if absent.
+    A file made here is removed at the end (success, failure or Ctrl-C)
+    unless ``keep_created`` (kvblock's own default scratch file)."""
     if size < UNIT:       # refused before a scratch file too small for any later check is made
         raise ConfigError(f"selfcheck --size {size}: the check writes whole MiB; give at least 1M")
-    if not os.path.exists(path):
-        create_file(path, size)
+    if os.path.exists(path):
+        return _check(path, size)
+    made = os.path.realpath(path)     # a dangling link's target is the file made
+    create_file(path, size)
+    try:
+        return _check(path, size)
+    finally:
+        if not keep_created:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(made)
+
+
+def _check(path: str, size: int) -> dict:
     report = {"selected_engine": engine_report()["engine"], "reason": engine_report()["reason"]}
     with Device(path) as dev:
         if dev.capacity < UNIT:

@@ -180,7 +180,8 @@ SELFCHECK_PATH = ".kvblock/selfcheck.img"
 
 @cli.command()
 @click.option("--path", default=SELFCHECK_PATH, show_default=True,
-              help="Scratch file (or device, with --yes) the check writes over.")
+              help="Scratch file (or device, with --yes) the check writes over; a file "
+                   "it creates there is removed afterwards (the default one is kept).")
 @click.option("--size", type=SIZE, default="256M", show_default=True)
 @click.option("--yes", is_flag=True, help="Allow writing over a block device.")
 @click.option("--force", is_flag=True,
@@ -193,7 +194,9 @@ def selfcheck(path, size, yes, force, as_json):
 
     if path != SELFCHECK_PATH:        # the default is kvblock's own scratch file
         guard_overwrite(path, "kvblock selfcheck", force=force, yes=yes)
-    _emit(run_selfcheck(path, size), as_json, "kvblock selfcheck")
+    # a scratch file made at a path given is removed; the default one is kept for the next run
+    _emit(run_selfcheck(path, size, keep_created=path == SELFCHECK_PATH), as_json,
+          "kvblock selfcheck")
 
 
 @cli.command()

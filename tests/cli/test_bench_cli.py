@@ -300,3 +300,33 @@ def test_a_bench_target_made_through_a_dangling_symlink_is_removed_not_the_link(
                                    "--run-blocks", "2", "--seconds", "0.1"])
     assert res.exit_code == 7, res.output
     assert link.is_symlink() and not target.exists()
+
+
+def test_selfcheck_removes_the_scratch_file_it_made_at_a_given_path(tmp_path, monkeypatch):
+    """`selfcheck --path NEW` made NEW (--size bytes, 256M by default) and
+    left it behind after success, failure or Ctrl-C.  A file it made at a
+    path given is removed; one there before is kept (and written over); the
+    default ./.kvblock/selfcheck.img is kvblock's own, kept for the next run."""
+    from kvblock.bench import selfcheck
+
+    new = tmp_path / "scratch.img"
+    res = CliRunner().invoke(cli, ["selfcheck", "--path", str(new), "--size", "1M", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["device"] == str(new)
+    assert not new.exists()
+    kept = tmp_path / "kept.img"
+    kept.write_bytes(b"\0" * (1 << 20))
+    res = CliRunner().invoke(cli, ["selfcheck", "--path", str(kept), "--size", "1M", "--json"])
+    assert res.exit_code == 0 and os.path.getsize(kept) == 1 << 20, res.output
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(selfcheck, "open_engine", interrupted)
+    res = CliRunner().invoke(cli, ["selfcheck", "--path", str(new), "--size", "1M"])
+    assert res.exit_code == 130 and not new.exists(), res.output
+    assert os.path.getsize(kept) == 1 << 20
+    monkeypatch.chdir(tmp_path)
+    res = CliRunner().invoke(cli, ["selfcheck", "--size", "1M"])
+    assert res.exit_code == 130, res.output
+    assert os.path.getsize(tmp_path / ".kvblock" / "selfcheck.img") == 1 << 20
