@@ -121,7 +121,8 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
     import torch
 
     from kvblock import KVStore, chain_keys, create_file
-    from kvblock.errors import ConfigError
+    from kvblock.bench.store_bench import VerifyError
+    from kvblock.errors import ConfigError, KVBlockError
     from kvblock.tensors import HFDynamicLayout, save_blocks
 
     if tokens < 2 * BLOCK:
@@ -170,10 +171,13 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
     # 3. cold restore in a fresh process
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "restore.pt")
+        # quiet (--json): its progress is not shown, but its error goes in ours
         res = subprocess.run([sys.executable, "-m", "kvblock.demo", path, str(tokens), out],
-                             stderr=None if not quiet else subprocess.DEVNULL)
+                             stderr=None if not quiet else subprocess.PIPE)
         if res.returncode != 0:
-            raise RuntimeError(f"restore process failed with exit code {res.returncode}")
+            last = (res.stderr or b"").decode(errors="replace").strip().splitlines()
+            raise KVBlockError(f"the demo's restore process failed with exit code "
+                               f"{res.returncode}" + (f": {last[-1]}" if last else ""))
         got = torch.load(out)
     identical = (got["tokens"] == want_tokens and torch.equal(got["logits"], want_logits))
     report = {
@@ -191,8 +195,8 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
         "identical_tokens_and_logits": identical,
     }
     if not identical:
-        raise RuntimeError("restored KV produced different tokens or logits than recompute: "
-                           f"{got['tokens']} vs {want_tokens}")
+        raise VerifyError(f"the demo's KV restored from {path} produced different tokens or "
+                          f"logits than recompute: {got['tokens']} vs {want_tokens}")
     return report
 
 

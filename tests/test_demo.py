@@ -46,3 +46,52 @@ def test_demo_refuses_to_format_over_someone_elses_store(tmp_path):
     assert "holds kvblock store" in res.stderr and "--force" in res.stderr
     with KVStore.open([str(path)], model="an-engine") as store:   # untouched
         assert store.geometry == Geometry(2, 2, 64)
+
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def _demo_with_child(monkeypatch, tmp_path, child):
+    """`kvblock demo --tokens 64 --json` in this process, on a tiny model,
+    with ``child(argv)`` standing in for the restore process."""
+    from click.testing import CliRunner
+
+    from kvblock import demo
+    from kvblock.cli.main import cli
+
+    monkeypatch.setattr(demo, "MODEL_CONFIG", TINY)
+    monkeypatch.setattr(demo.subprocess, "run", lambda argv, **kw: child(argv, kw))
+    monkeypatch.chdir(tmp_path)
+    return CliRunner().invoke(cli, ["demo", "--tokens", "64", "--json"])
+
+
+def test_a_failed_restore_is_a_one_line_error(monkeypatch, tmp_path):
+    """A restore process that failed, or restored KV that gave other tokens
+    or logits, raised a bare RuntimeError: a traceback, not the CLI's
+    one-line `kvblock: error:` with an exit code.  The failed child's own
+    last line of error (not shown under --json) is part of the message."""
+    import torch
+
+    def failing(argv, kw):
+        if kw.get("stderr") is subprocess.PIPE:
+            return subprocess.CompletedProcess(argv, 1, None,
+                                               b"noise\nkvblock demo: only 2 of 3 blocks found\n")
+        return subprocess.CompletedProcess(argv, 1)
+
+    res = _demo_with_child(monkeypatch, tmp_path, failing)
+    assert res.exit_code == 1, (res.exception, res.output)
+    assert res.output.startswith("kvblock: error: ") and len(res.output.splitlines()) == 1
+    assert "restore process failed with exit code 1" in res.output
+    assert "only 2 of 3 blocks found" in res.output, res.output
+
+    def different(argv, kw):
+        torch.save({"ttft": 0.1, "logits": torch.zeros(8, TINY["vocab_size"]),
+                    "tokens": [1] * 8, "blocks": 3, "bytes_read": 1, "load_s": 0.1,
+                    "first_layer_s": 0.01}, argv[-1])
+        return subprocess.CompletedProcess(argv, 0)
+
+    res = _demo_with_child(monkeypatch, tmp_path, different)
+    assert res.exit_code == 1, (res.exception, res.output)
+    assert res.output.startswith("kvblock: error: ") and len(res.output.splitlines()) == 1
+    assert "different tokens or logits" in res.output
