@@ -888,6 +888,32 @@ def test_stats_prometheus_follows_the_store_and_ctrl_c(file_target, tmp_path):
     assert kvb("stats", path, "--socket", sock).returncode == 2     # one or the other
 
 
+def test_stats_prometheus_listens_on_localhost_unless_asked(file_target, monkeypatch):
+    """--prometheus served the store's metrics (its devices, uuid, sizes) on
+    every network interface (prometheus_client's default address 0.0.0.0),
+    which neither the help nor the README said.  It listens on 127.0.0.1
+    unless --address names another, and says where."""
+    import prometheus_client
+    import prometheus_client.core
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    calls = []
+
+    def started(port, addr="0.0.0.0", **kw):
+        calls.append((port, addr))
+        raise KeyboardInterrupt          # stands for Ctrl-C once serving
+
+    monkeypatch.setattr(prometheus_client, "start_http_server", started)
+    for args, addr in (((), "127.0.0.1"), (("--address", "0.0.0.0"), "0.0.0.0"),
+                       (("--address", "::1"), "::1")):
+        monkeypatch.setattr(prometheus_client.core, "REGISTRY",
+                            prometheus_client.CollectorRegistry())
+        res = kvb("stats", path, "--prometheus", "9400", *args)
+        assert res.returncode == 130, res.stderr
+        assert calls.pop() == (9400, addr)
+
+
 def test_stats_of_devices_shows_the_stores_state_not_zero_counters(file_target):
     """kvblock stats DEV opens the store read-only: the puts and hits of the
     process that wrote it are not on the devices, so it reports the gauges
