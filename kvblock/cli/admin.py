@@ -395,11 +395,15 @@ def stats(devices, socket_path, port, address, interval, as_json):
     from prometheus_client.core import REGISTRY
 
     read()                                   # fail here, not in the first scrape
-    REGISTRY.register(StoreCollector(_Cached(read, interval), counters=bool(socket_path)))
+    collector = StoreCollector(_Cached(read, interval), counters=bool(socket_path))
+    REGISTRY.register(collector)
     host = f"[{address}]" if ":" in address else address
     try:
         start_http_server(port, addr=address)
     except OSError as e:
+        # not served: off the process's registry again (a caller that goes
+        # on, e.g. a second try on another port, would collide with it)
+        REGISTRY.unregister(collector)
         raise ConfigError(f"cannot serve metrics on port {port} of {address}: "
                           f"{e.strerror or e}; choose another --prometheus port "
                           "(or --address)") from None
