@@ -275,3 +275,23 @@ def test_the_tiers_store_metrics_reach_vllms_prometheus_metrics(tmp_path):
         assert info[e.tier.store.uuid]["kvblock_slot_bytes"] == str(SLOT)
     thread = e.tier._metrics._ticker.thread
     assert thread is not None and not thread.is_alive()     # shutdown stopped it
+
+
+def test_readmes_list_of_tier_keys_is_every_key_the_tier_takes():
+    """README's vLLM paragraph names the tier's settings (the command's JSON,
+    "model", "size", "server", then "Other keys: ..."): a key the tier takes
+    that README leaves out is one a user never learns of."""
+    import inspect
+
+    from kvblock.integrations.vllm import KVBlockTierManager
+
+    text = README.read_text()
+    para = text[text.index("**vLLM 0.33**"):text.index("**SGLang 0.5.23**")]
+    other = re.search(r"Other keys: (.*?)(?::|\.)\s", para, re.DOTALL).group(1)
+    named = set(re.findall(r"`(\w+)`", other))
+    named |= set(readme_transfer_config()["kv_connector_extra_config"]["secondary_tiers"][0])
+    named -= {"type"}
+    named |= {k for k in ("model", "size", "server") if f'"{k}"' in para}
+    takes = {name for name, p in inspect.signature(KVBlockTierManager.__init__).parameters.items()
+             if p.kind is p.KEYWORD_ONLY}
+    assert named == takes, f"README leaves out {sorted(takes - named)}, names {sorted(named - takes)}"
