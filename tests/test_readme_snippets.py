@@ -37,3 +37,27 @@ def test_engine_report_example_answers_as_its_comment_says():
     shown = eval(re.search(r"# (\{.*\})", block).group(1))   # the dict in the comment
     assert set(scope["report"]) >= set(shown)
     assert scope["report"]["engine"] in ("uring", "threads")
+
+
+def test_exit_code_list_matches_the_cli():
+    """README's "Exit codes:" sentence names each code kvblock/cli/main.py uses."""
+    from kvblock.cli.main import _OS_EXIT, EXIT_CODES, EXIT_INTERRUPTED
+
+    text = README[README.index("Exit codes: "):]
+    text = text[:text.index("\n\n")]
+    listed = {int(n) for n in re.findall(r"(\d+) [a-zA-Z]", text)}
+    used = {code for _, code in EXIT_CODES} | set(_OS_EXIT.values()) | {2, EXIT_INTERRUPTED}
+    assert listed == used
+
+
+def test_command_table_options_exist():
+    """Each option the README's `kvblock` command table shows is one the command takes."""
+    from kvblock.cli.main import cli
+
+    rows = re.findall(r"^\| `kvblock (\w+) ([^`]*)` \|", README, re.MULTILINE)
+    assert len(rows) >= 9
+    for name, usage in rows:
+        cmd = cli.commands[name]
+        opts = {o for p in cmd.params for o in getattr(p, "opts", [])}
+        for opt in re.findall(r"--[a-z][a-z-]*", usage):
+            assert opt in opts, f"README shows kvblock {name} {opt}, which it does not take"
