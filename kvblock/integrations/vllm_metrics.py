@@ -38,6 +38,7 @@ from vllm.v1.kv_offload.base import (
 from kvblock.errors import KVBlockError
 from kvblock.integrations.periodic import Periodic
 from kvblock.metrics import GAUGES
+from kvblock.store.client import READ_COUNTERS
 from kvblock.store.store import COUNTERS
 
 logger = logging.getLogger("kvblock")
@@ -53,9 +54,6 @@ STATS_INTERVAL_S = 1.0
 # Counted where the reads happen: a store served to replicas counts none of
 # them (each replica reads the devices itself), so a replica reports its own
 # (its RemoteStore's stats()["client"]); they go on across a server restart.
-READ_COUNTERS = ("get_blocks", "get_bytes", "bytes_read", "miss_gets", "read_errors",
-                 "partial_verified_reads", "lapsed_pin_gets", "device_hit_blocks",
-                 "host_hit_blocks")
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:

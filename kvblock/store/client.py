@@ -119,6 +119,11 @@ class RemoteRegions:
 # RECONNECT_INTERVAL_S, doubling up to RECONNECT_MAX_INTERVAL_S while nobody
 # answers; calls meanwhile fail at once (ServerGoneError), so an engine
 # thread never waits for a server to come back.
+# Counters of the reads a rank does on the devices itself: a store server
+# sees none of them (they are in each RemoteStore's stats()["client"]).
+READ_COUNTERS = ("get_blocks", "get_bytes", "bytes_read", "miss_gets", "read_errors",
+                 "partial_verified_reads", "lapsed_pin_gets", "device_hit_blocks",
+                 "host_hit_blocks")
 RECONNECT_INTERVAL_S = 0.5
 RECONNECT_MAX_INTERVAL_S = 10.0
 # A server that serves another store (or speaks another protocol) is not

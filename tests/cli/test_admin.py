@@ -755,6 +755,29 @@ def test_evict_through_a_store_server(file_target, tmp_path):
     assert kvb("evict", path, "--socket", sock, "--all").returncode == 2   # one or the other
 
 
+def test_stats_through_a_server_exports_no_read_counters_it_never_sees(file_target, tmp_path):
+    """Each client of a store server reads the devices itself: the server's
+    read counters stay 0 whatever was read.  `stats --socket` (and its
+    Prometheus export) leaves them out instead of reporting 0 hits."""
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock):
+        with RemoteStore(sock) as rank:
+            keys = run_keys(1, 4)
+            rank.put_run(keys, run_data(keys))
+            out = np.zeros(len(keys) * rank.geometry.block_bytes, np.uint8)
+            assert rank.get_run(keys, out) == 4
+        res = kvb("stats", "--socket", sock, "--json")
+    assert res.returncode == 0, res.stderr
+    s = json.loads(res.stdout)
+    assert s["put_runs"] == 1 and s["runs"] == 1
+    assert not {"get_blocks", "bytes_read", "host_hit_blocks"} & set(s), s
+
+
 def test_trim_of_a_served_store_says_to_stop_the_server(file_target, tmp_path):
     """trim writes (discards) a store, so a store in use is refused; the
     device's own advice, "open it read-only", is no way to trim: the
