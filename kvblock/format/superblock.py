@@ -76,6 +76,44 @@ class Superblock:
     def with_(self, **changes) -> "Superblock":
         return replace(self, **changes)
 
+    def layout_problem(self) -> str | None:
+        """What makes this superblock's layout impossible (a checksum proves
+        it was written whole, not that the writer was right), or None.  The
+        areas a store reads and writes by it must be aligned, lie within the
+        device and not overlap each other or the superblock copies."""
+        a = self.alignment
+        if a < 4096 or a & (a - 1):
+            return f"alignment {a} is not a power of two of at least 4096"
+        if self.region_size <= 0 or self.region_size % a:
+            return (f"region_size {self.region_size} is not a positive multiple of the "
+                    f"alignment {a}")
+        areas = [("the superblock copies", "", 0, COPY_OFFSETS[-1] + SIZE)]
+        if self.device_index == 0:
+            for name, off, size, least in (
+                    ("checkpoint", self.checkpoint_offset, self.checkpoint_bytes, 4096),
+                    ("journal", self.journal_offset, self.journal_bytes, 4096)):
+                if off % a or size % a or size < least:
+                    return (f"{name}_offset {off}, {name}_bytes {size}: not multiples of the "
+                            f"alignment {a} of at least {least} bytes")
+                slots = 2 if name == "checkpoint" else 1
+                areas.append((f"the {name} area", f" ({name}_offset {off}, {name}_bytes "
+                              f"{size}{' x 2 slots' if slots > 1 else ''})",
+                              off, off + slots * size))
+        if self.data_offset % a:
+            return f"data_offset {self.data_offset} is not a multiple of the alignment {a}"
+        areas.append(("the data regions", f" (data_offset {self.data_offset} + region_count "
+                      f"{self.region_count} x region_size {self.region_size})",
+                      self.data_offset, self.data_offset + self.region_count * self.region_size))
+        for i, (name, fields, start, end) in enumerate(areas):
+            if end > self.device_bytes:
+                return (f"{name}{fields} would end at byte {end}, past the device's end "
+                        f"(device_bytes {self.device_bytes})")
+            for other, ofields, ostart, oend in areas[:i]:
+                if start < oend and ostart < end:
+                    return (f"{name}{fields} [{start}, {end}) and {other}{ofields} "
+                            f"[{ostart}, {oend}) overlap")
+        return None
+
     def encode(self) -> bytes:
         g = self.geometry
         buf = bytearray(SIZE)

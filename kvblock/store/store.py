@@ -49,6 +49,7 @@ from kvblock.errors import (
     IOFailedError,
     KVBlockError,
     MissingDeviceError,
+    NotAStoreError,
     ReadOnlyStoreError,
     StoreClosedError,
     StoreFullError,
@@ -1308,7 +1309,13 @@ def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
             unreadable.append(e)
             copies.append(b"")
     try:
-        return sbfmt.pick(copies, path)
+        sb = sbfmt.pick(copies, path)
+        problem = sb.layout_problem()
+        if problem:     # checksummed, but written so by a bug (or crafted): never used
+            raise NotAStoreError(
+                f"{path}: superblock describes an impossible layout: {problem}; the metadata "
+                "is corrupt (the cached KV cannot be trusted): reformat the store", path, 0)
+        return sb
     except KVBlockError:
         if raise_errors:
             raise

@@ -269,3 +269,44 @@ def test_a_region_reclaimed_in_a_journal_gap_does_not_serve_its_old_runs(tmp_pat
         got = store.get_run(old, out)
         assert got == 0 or np.array_equal(out, run_data(old))
         assert store.lookup(old) == 0
+
+
+@pytest.mark.parametrize("field, at, fmt, value", [
+    ("alignment", 52, "<I", 0),                 # was a ZeroDivisionError
+    ("journal_bytes", 96, "<Q", 1 << 40),       # was an OSError: 1 TiB allocated for it
+    ("journal_offset", 88, "<Q", 0),            # opened; its first commit wrote over copy A
+    ("data_offset", 80, "<Q", 3 << 20),         # opened; regions ran past the device's end
+    ("region_count", 72, "<I", 1000),           # "no valid checkpoint": the wrong culprit
+])
+def test_a_superblock_with_an_impossible_layout_is_a_typed_error(tmp_path, field, at, fmt,
+                                                                  value):
+    """A superblock whose checksum is whole (written so by a bug, or crafted)
+    but whose layout cannot be (areas overlapping each other or the
+    superblocks, running past the device, alignment 0) was trusted: the open
+    failed with an untyped error, or went on to read, write and allocate by
+    it.  It is a NotAStoreError naming the device and the field, and a
+    writable open writes nothing."""
+    import struct
+
+    import xxhash
+
+    from kvblock.errors import NotAStoreError
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    with open(path, "r+b") as f:
+        for off in (0, 4096):
+            f.seek(off)
+            buf = bytearray(f.read(4096))
+            struct.pack_into(fmt, buf, at, value)
+            struct.pack_into("<Q", buf, 4088, xxhash.xxh64_intdigest(bytes(buf[:4088])))
+            f.seek(off)
+            f.write(buf)
+    before = path.read_bytes()
+    for readonly in (True, False):
+        with pytest.raises(NotAStoreError, match=f"{path}: superblock .*{field}") as ei:
+            with KVStore.open([str(path)], readonly=readonly) as store:
+                store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+        assert ei.value.path == str(path)
+    assert path.read_bytes() == before
