@@ -161,10 +161,15 @@ def check_allocation(store, report: FsckReport) -> list:
         by_region.setdefault(run.region, []).append((run.offset, size, run))
     for region, runs in by_region.items():
         runs.sort(key=lambda r: r[0])
-        for (off_a, size_a, a), (off_b, _, b) in zip(runs, runs[1:]):
+        # each run against the kept run reaching furthest (not only its
+        # neighbour: a long run may hold several short ones)
+        off_a, size_a, a = runs[0]
+        for off_b, size_b, b in runs[1:]:
             if off_a + size_a > off_b:
                 report.problems.append(f"runs {a.run_id} and {b.run_id} overlap in region {region}")
                 bad.append(b)
+            else:
+                off_a, size_a, a = off_b, size_b, b
     return bad
 
 

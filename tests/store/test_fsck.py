@@ -212,3 +212,41 @@ def test_fsck_repair_says_repaired_when_the_writable_open_repaired(tmp_path, dam
     with KVStore.open([str(path)], readonly=True) as store:
         assert fsck(store).status == "clean"
         assert store.lookup(runs[0]) == 2
+
+
+def test_fsck_finds_every_run_overlapping_a_long_one_and_repair_leaves_none(tmp_path):
+    """Runs overlapping were looked for between neighbours only (sorted by
+    offset): a long run A with two short ones B and C inside it had A/C
+    missed, so `fsck --repair` dropped B, said "repaired", and left C
+    sharing A's bytes; only a second fsck found it.  Each run is checked
+    against every run kept before it."""
+    from kvblock.format import checkpoint as cpfmt
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 * MIB)
+    a, b, c = run_keys(90, 8), run_keys(91, 1), run_keys(92, 1)
+    with KVStore.format([str(path)], GEOM, region_size=256 << 10) as store:
+        for keys in (a, b, c):
+            store.put_run(keys, run_data(keys))
+        sb, one = store.sb, store.layout(1).run_bytes
+        assert store.layout(8).run_bytes >= 2 * one + 4096
+    with KVStore.open([str(path)], readonly=True) as store:
+        off = sb.checkpoint_offset + store._cp_slot * sb.checkpoint_bytes
+    with open(path, "r+b") as f:        # B and C moved inside A (checksums whole)
+        f.seek(off)
+        raw = f.read(sb.checkpoint_bytes)
+        cp = cpfmt.decode_payload(cpfmt.decode_header(raw), raw[cpfmt.HEADER_BYTES:])
+        big = int(np.flatnonzero(cp.runs["nblocks"] == 8)[0])
+        at = int(cp.runs["offset"][big])
+        short = np.flatnonzero(cp.runs["nblocks"] == 1)
+        assert (cp.runs["region"][short] == cp.runs["region"][big]).all()
+        cp.runs["offset"][short[0]] = at + 4096
+        cp.runs["offset"][short[1]] = at + 4096 + one
+        f.seek(off)
+        f.write(cp.encode())
+    with KVStore.open([str(path)]) as store:
+        report = fsck(store, repair=True)
+        assert report.dropped_runs == 2, report.problems
+        assert sum("overlap" in p for p in report.problems) == 2, report.problems
+        assert fsck(store).status == "clean", fsck(store).problems
+        assert store.lookup(a) == 8
