@@ -276,7 +276,10 @@ class RunReader(RunIO):
             raise ConfigError(f"read_range: out must be a writable, C-contiguous array of "
                               f"{len(keys) * g.group_block_bytes} bytes")
         dst = out_arr.reshape(-1).view(np.uint8).reshape(1, 1, len(keys), g.group_block_bytes)
-        return self._read(keys, dst, (layer, group))
+        got = self._read(keys, dst, (layer, group))
+        if self.host is not None:     # from the device only: host + device hits = get_blocks
+            self.counters["device_hit_blocks"] += got
+        return got
 
     def _read(self, keys, dst, only) -> int:
         with self._lock:

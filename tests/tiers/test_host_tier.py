@@ -360,3 +360,21 @@ def test_get_blocks_counts_every_block_a_read_returned(tmp_path):
     for layer in range(3):
         assert torch.equal(dst[layer][:, :6].view(torch.int16),
                            src[layer][:, :6].view(torch.int16))
+
+
+def test_read_range_with_a_host_tier_counts_its_device_blocks(tmp_path):
+    """README: host_hit_blocks and device_hit_blocks add up to get_blocks.
+    read_range (which reads the device only) counted its blocks in
+    get_blocks but not in device_hit_blocks, so the two no longer added up."""
+    path = create_file(tmp_path / "s.img", 4 << 20)
+    keys = run_keys(1, 4)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        assert store.put_run(keys, run_data(keys)) == 4
+        out = np.zeros(4 * GEOM.group_block_bytes, np.uint8)
+        assert store.read_range(keys, 1, 0, out) == 4
+        want = run_data(keys).reshape(GEOM.num_layers, GEOM.head_groups, 4, -1)[1, 0]
+        assert np.array_equal(out, want.reshape(-1))
+        c = store.counters
+        assert c["get_blocks"] == 4
+        assert c["host_hit_blocks"] + c["device_hit_blocks"] == c["get_blocks"]
