@@ -15,14 +15,23 @@ import subprocess
 from kvblock.errors import ConfigError, DevicePermissionError, UnsafeTargetError
 
 
-def _check_readable(path: str) -> None:
-    """DevicePermissionError when this user may not open ``path`` for reading."""
+def open_to_check(path: str) -> int:
+    """``path`` opened read-only to see what it holds; DevicePermissionError
+    (run as root) when this user may not."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except PermissionError:
         raise DevicePermissionError(f"{path}: permission denied opening it to check what it "
                                     "holds; run as root (raw devices) or add your user to the "
                                     "device's group", path, errno.EACCES) from None
+
+
+def _check_readable(path: str) -> None:
+    """DevicePermissionError when this user may not open ``path`` for reading."""
+    try:
+        fd = open_to_check(path)
+    except DevicePermissionError:
+        raise
     except OSError:
         return               # another failure: blkid's message says it
     os.close(fd)

@@ -11,7 +11,6 @@ util-linux's blkid finds a filesystem, partition table or RAID/LVM signature;
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import stat
@@ -19,7 +18,6 @@ import stat
 from kvblock.devices import create_file
 from kvblock.errors import (
     ConfigError,
-    DevicePermissionError,
     NotAStoreError,
     UnsafeTargetError,
 )
@@ -175,7 +173,7 @@ def holds_data(path: str, allow_model=False) -> tuple[str, str] | None:
     several signatures (blkid -p), or a kvblock store (any release; not one
     made for ``allow_model``).  None when it holds none of these, or does
     not exist."""
-    from kvblock.devices.probe import describe, how_to_free, signatures
+    from kvblock.devices.probe import describe, how_to_free, open_to_check, signatures
     from kvblock.format import superblock as sbfmt
     from kvblock.store.store import store_in
 
@@ -184,12 +182,7 @@ def holds_data(path: str, allow_model=False) -> tuple[str, str] | None:
     found = signatures(path)
     if found:
         return describe(found), how_to_free(found)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except PermissionError:
-        raise DevicePermissionError(f"{path}: permission denied opening it to check what it "
-                                    "holds; run as root (raw devices) or add your user to the "
-                                    "device's group", path, errno.EACCES) from None
+    fd = open_to_check(path)
     try:
         copies = [os.pread(fd, sbfmt.SIZE, off) for off in sbfmt.COPY_OFFSETS]
     finally:

@@ -867,16 +867,12 @@ def test_an_extra_pool_backup_failing_part_way_reports_the_pages_it_stored(file_
     assert got == {"indexer": [True] * 4 + [False] * 6}
 
 
-def test_backup_metrics_count_the_pages_written(file_target, backends, monkeypatch):
-    """SGLang's storage metrics (get_stats: backup_pgs, backup_bandwidth)
-    count the pages the store wrote: pages admission declines (admit_after)
-    and pages stored already are not backups (they were counted, and their
-    bytes made the backup bandwidth up)."""
+def _stand_in_storage_metrics(monkeypatch) -> None:
+    """SGLang's metrics module imports torchvision (see sglang_pools.py): its
+    StorageMetrics, as sglang_real_pool_check.py checks it, stands in."""
     import dataclasses
     import types
 
-    # SGLang's metrics module imports torchvision (see sglang_pools.py): its
-    # StorageMetrics, as sglang_real_pool_check.py checks it, stands in
     @dataclasses.dataclass
     class StorageMetrics:
         prefetch_pgs: list = dataclasses.field(default_factory=list)
@@ -886,6 +882,14 @@ def test_backup_metrics_count_the_pages_written(file_target, backends, monkeypat
 
     monkeypatch.setitem(sys.modules, "sglang.srt.observability.metrics_collector",
                         types.SimpleNamespace(StorageMetrics=StorageMetrics))
+
+
+def test_backup_metrics_count_the_pages_written(file_target, backends, monkeypatch):
+    """SGLang's storage metrics (get_stats: backup_pgs, backup_bandwidth)
+    count the pages the store wrote: pages admission declines (admit_after)
+    and pages stored already are not backups (they were counted, and their
+    bytes made the backup bandwidth up)."""
+    _stand_in_storage_metrics(monkeypatch)
     pool = HostPool()
     backend = attach(pool, [file_target()], metrics=True, admit_after=2)
     backends.append(backend)
@@ -919,20 +923,9 @@ def test_extra_pool_pages_are_counted_in_storage_metrics(file_target, backends, 
     """A hybrid model's extra pool pages (batch_set_v2 / batch_get_v2) are
     backups and prefetches in get_stats() too, one entry per pool transfer
     with its own page count, as SGLang's HF3FS backend counts them."""
-    import dataclasses
-    import types
-
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
-    @dataclasses.dataclass
-    class StorageMetrics:
-        prefetch_pgs: list = dataclasses.field(default_factory=list)
-        backup_pgs: list = dataclasses.field(default_factory=list)
-        prefetch_bandwidth: list = dataclasses.field(default_factory=list)
-        backup_bandwidth: list = dataclasses.field(default_factory=list)
-
-    monkeypatch.setitem(sys.modules, "sglang.srt.observability.metrics_collector",
-                        types.SimpleNamespace(StorageMetrics=StorageMetrics))
+    _stand_in_storage_metrics(monkeypatch)
     pool = HostPool(pages=12)
     backend = attach(pool, [file_target()], metrics=True)
     backends.append(backend)

@@ -6,6 +6,7 @@ Unix socket, then check that another client is still served correctly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -374,33 +375,41 @@ def test_a_hello_taken_while_the_hello_wait_runs_out_is_answered_not_cut_off(
         _still_serves(server, sock, 8)
 
 
+@contextlib.contextmanager
+def _a_connection_closing(server, sock, keys):
+    """A client that stored and pinned ``keys`` has closed its connection,
+    and the server's cleanup of it (giving its pins back) is held until the
+    block ends; yields the keys."""
+    entered, go = threading.Event(), threading.Event()
+    real = server.store._unpin
+
+    def slow_unpin(segs):          # the closing session's cleanup, held
+        entered.set()
+        go.wait(20)
+        return real(segs)
+    a = RemoteStore(sock)
+    try:
+        assert a.put_run(keys, run_data(keys)) == 2
+        a.pin(keys)
+        server.store._unpin = slow_unpin
+        a.close()
+        assert entered.wait(20), "the closed connection's pins were never released"
+        yield keys
+    finally:
+        go.set()
+        a.close()
+        server.store.__dict__.pop("_unpin", None)
+
+
 def test_a_closing_connection_does_not_count_toward_max_clients(store_file, sock):
     """A connection whose client has gone (its pins being given back) kept
     its place under max_clients until that cleanup was done, so a rank
     reconnecting right after many others left was refused with
     ServerBusyError while nobody was being served."""
     with serve_in_background([store_file], sock, max_clients=1) as server:
-        entered, go = threading.Event(), threading.Event()
-        real = server.store._unpin
-
-        def slow_unpin(segs):          # the closing session's cleanup, held
-            entered.set()
-            go.wait(20)
-            return real(segs)
-        keys = run_keys(7, 2)
-        a = RemoteStore(sock)
-        try:
-            assert a.put_run(keys, run_data(keys)) == 2
-            a.pin(keys)
-            server.store._unpin = slow_unpin
-            a.close()
-            assert entered.wait(20), "the closed connection's pins were never released"
+        with _a_connection_closing(server, sock, run_keys(7, 2)) as keys:
             with RemoteStore(sock) as b:          # refused with ServerBusyError before
                 assert b.lookup(keys) == 2
-        finally:
-            go.set()
-            a.close()
-            del server.store._unpin
 
 
 def test_stats_count_no_closing_connection_as_a_client(store_file, sock):
@@ -408,24 +417,6 @@ def test_stats_count_no_closing_connection_as_a_client(store_file, sock):
     pins being given back) as served, unlike max_clients: a monitor saw
     more clients than the server serves, and more than --max-clients."""
     with serve_in_background([store_file], sock, max_clients=1) as server:
-        entered, go = threading.Event(), threading.Event()
-        real = server.store._unpin
-
-        def slow_unpin(segs):          # the closing session's cleanup, held
-            entered.set()
-            go.wait(20)
-            return real(segs)
-        keys = run_keys(9, 2)
-        a = RemoteStore(sock)
-        try:
-            assert a.put_run(keys, run_data(keys)) == 2
-            a.pin(keys)
-            server.store._unpin = slow_unpin
-            a.close()
-            assert entered.wait(20), "the closed connection's pins were never released"
+        with _a_connection_closing(server, sock, run_keys(9, 2)):
             with RemoteStore(sock) as b:
                 assert b.stats()["clients"] == 1      # b; a is gone
-        finally:
-            go.set()
-            a.close()
-            del server.store._unpin
