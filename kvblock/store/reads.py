@@ -645,7 +645,11 @@ class RunReader(RunIO):
         self.counters["checksum_failures"] += 1
         dev, off = self.regions.address(run.region, run.offset)
         self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id, range_index)
-        self._drop_runs([run])
+        try:
+            self._drop_runs([run])
+        except KVBlockError as e:    # the read is a miss whatever became of the drop
+            logger.warning("kvblock: dropping run %d after a checksum failure failed: %s",
+                           run.run_id, e)
 
     def _read_failed(self, error: IOFailedError, runs: list[Run]) -> None:
         """A device read for ``runs`` failed (EIO, a short read...): drop the

@@ -440,6 +440,36 @@ def test_checksum_mismatch_is_a_miss_and_drops_the_run(store_path):
         assert store.lookup(keys) == 0  # the drop is durable
 
 
+def test_a_checksum_failure_whose_drop_fails_is_still_a_miss(store_path):
+    """Reads of damaged data are a miss: when dropping the bad run fails
+    (its journal commit fails, the store closes) get_run still returns the
+    blocks it verified, as a read error's failed drop does, not the commit's
+    error."""
+    keys = run_keys(7, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+        run = next(iter(store.index.runs.values()))
+        dev, off = store.regions.address(run.region, run.offset)
+    with open(store_path, "r+b") as f:  # flip one byte of the data on the medium
+        f.seek(off + 100)
+        byte = f.read(1)
+        f.seek(off + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    store = KVStore.open([store_path])
+    try:
+        def journal_fails(records):
+            raise IOFailedError("injected EIO", str(store_path), 5, store.sb.journal_offset, 4096)
+        store._write_journal = journal_fails
+        out = aligned_empty(2 * GEOM.block_bytes)
+        assert store.get_run(keys, out) == 0
+        assert store.counters["checksum_failures"] == 1 and store.counters["read_errors"] == 0
+        assert store.closed            # the failed commit closed it, as any does
+    finally:
+        store.close()
+    with KVStore.open([store_path]) as store:   # the bad run is still refused
+        assert store.get_run(keys, aligned_empty(2 * GEOM.block_bytes)) == 0
+
+
 def test_where_the_last_failure_was_reads_none_before_any(tmp_path):
     """README: `store.last_read_error` says where a read failed; before any
     failure it (and last_checksum_failure) is None, not an AttributeError
