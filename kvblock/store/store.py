@@ -296,6 +296,23 @@ class KVStore(Recovery, RunReader, RunWriter):
                     f"{d.path} belongs to store {uuid.UUID(bytes=sb.store_uuid)}, not "
                     f"{uuid.UUID(bytes=first.store_uuid)} (from {devs[0].path}); pass the "
                     "devices of one store", d.path, 0)
+        # What the store is (read from device 0's superblock from here on)
+        # every device's superblock must say alike; one saying otherwise
+        # (a bug, or crafted) would be read and written by device 0's values.
+        ref_dev, ref = next(((d, sb) for d, sb in zip(devs, sbs) if sb.device_index == 0),
+                            (devs[0], first))
+        for d, sb in zip(devs, sbs):
+            for name in ("geometry", "fingerprint", "alignment", "region_size",
+                         "device_count"):
+                mine, theirs = getattr(sb, name), getattr(ref, name)
+                if mine != theirs:
+                    show = (lambda v: v.hex()) if name == "fingerprint" else (
+                        (lambda v: v.describe()) if name == "geometry" else str)
+                    raise NotAStoreError(
+                        f"{d.path}: superblock {name} {show(mine)} differs from device "
+                        f"{ref.device_index}'s ({ref_dev.path}: {show(theirs)}); the devices' "
+                        "superblocks disagree, the metadata is corrupt (the cached KV cannot be "
+                        "trusted): reformat the store", d.path, 0)
         by_index = {}
         for d, sb in zip(devs, sbs):
             if sb.device_index in by_index:

@@ -310,3 +310,46 @@ def test_a_superblock_with_an_impossible_layout_is_a_typed_error(tmp_path, field
                 store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
         assert ei.value.path == str(path)
     assert path.read_bytes() == before
+
+
+@pytest.mark.parametrize("field, changes", [
+    ("region_size", [(64, "<Q", 512 << 10), (72, "<I", 6)]),   # a layout valid on its own
+    ("alignment", [(52, "<I", 8192)]),
+    ("geometry", [(128, "<I", 4)]),                            # num_layers
+    ("fingerprint", [(152, "32s", b"\1" * 32)]),
+    ("device_count", [(50, "<H", 3)]),
+])
+def test_devices_whose_superblocks_disagree_on_the_store_are_a_typed_error(tmp_path, field,
+                                                                         changes):
+    """The store's geometry, region size, alignment and device count are
+    taken from device 0's superblock; another device whose (checksummed)
+    superblock says otherwise (a bug, or a crafted image) was opened and
+    read and written by device 0's values.  It is a NotAStoreError naming
+    that device and the field, and a writable open writes nothing."""
+    import struct
+
+    import xxhash
+
+    from kvblock.errors import NotAStoreError
+
+    paths = [tmp_path / "d0.img", tmp_path / "d1.img"]
+    for p in paths:
+        create_file(p, 4 << 20)
+    KVStore.format([str(p) for p in paths], GEOM, region_size=REGION).close()
+    with open(paths[1], "r+b") as f:
+        for off in (0, 4096):
+            f.seek(off)
+            buf = bytearray(f.read(4096))
+            for at, fmt, value in changes:
+                struct.pack_into(fmt, buf, at, value)
+            struct.pack_into("<Q", buf, 4088, xxhash.xxh64_intdigest(bytes(buf[:4088])))
+            f.seek(off)
+            f.write(buf)
+    before = [p.read_bytes() for p in paths]
+    for readonly in (True, False):
+        for order in (paths, paths[::-1]):
+            with pytest.raises(NotAStoreError, match=f"{paths[1]}: superblock .*{field}") as ei:
+                with KVStore.open([str(p) for p in order], readonly=readonly) as store:
+                    store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+            assert ei.value.path == str(paths[1])
+    assert [p.read_bytes() for p in paths] == before
