@@ -3,7 +3,8 @@ journal, index against allocation, and (deep) every data checksum."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import uuid
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -55,7 +56,8 @@ def check_superblocks(store, report: FsckReport, repair: bool) -> None:
             except KVBlockError as e:
                 ok, why = False, str(e)
             else:
-                why = f"{dev.path}: superblock copy at offset {off} is older than the other"
+                why = f"{dev.path}: superblock copy at offset {off} " + _how_it_differs(
+                    sb, good, [o for o in sbfmt.COPY_OFFSETS if o != off][0])
             if ok:
                 continue
             report.problems.append(why)
@@ -63,6 +65,21 @@ def check_superblocks(store, report: FsckReport, repair: bool) -> None:
                 io.write_bytes(i, off, good.encode())
                 io.flush([i])
                 report.repaired.append(f"{dev.path}: rewrote superblock copy at offset {off}")
+
+
+def _how_it_differs(sb, good, other: int) -> str:
+    """What a superblock copy that decodes but is not the one in use is."""
+    if sb.store_uuid != good.store_uuid:
+        return (f"belongs to another store ({uuid.UUID(bytes=sb.store_uuid)}, device "
+                f"{sb.device_index} of {sb.device_count}), not this one "
+                f"({uuid.UUID(bytes=good.store_uuid)})")
+    if sb.sequence < good.sequence:
+        return (f"is older than the copy at offset {other} (sequence {sb.sequence} < "
+                f"{good.sequence})")
+    names = [f.name for f in fields(sb) if getattr(sb, f.name) != getattr(good, f.name)]
+    seq = (f"both sequence {sb.sequence}" if sb.sequence == good.sequence
+           else f"sequence {sb.sequence}, the copy in use {good.sequence}")
+    return f"differs from the copy at offset {other} ({seq}) in {', '.join(names)}"
 
 
 def check_checkpoints(store, report: FsckReport) -> None:
