@@ -90,7 +90,7 @@ def decode_header(data: bytes) -> CheckpointHeader | None:
     if struct.unpack_from("<Q", data, _CRC_AT)[0] != meta_checksum(data[:_CRC_AT]):
         return None
     f = _HEAD.unpack_from(data, 0)
-    if f[1] != FORMAT_VERSION:
+    if f[1] != FORMAT_VERSION or f[9] != 0:    # the u32 at 60 is always written 0
         return None
     h = CheckpointHeader(generation=f[3], journal_seq=f[4], next_run_id=f[5], ranges=f[2],
                          run_count=f[6], key_count=f[7], region_count=f[8],

@@ -146,6 +146,10 @@ class Superblock:
             raise UnsupportedVersionError(
                 f"{path}: on-device format version {version}, this kvblock reads version "
                 f"{FORMAT_VERSION}; use a matching kvblock release or reformat", path, offset)
+        if f[2] != SIZE:
+            raise NotAStoreError(f"{path}: superblock at offset {offset} has header bytes "
+                                 f"{f[2]}, not {SIZE} (not a superblock this format writes)",
+                                 path, offset)
         dtype = DTYPE_BY_CODE.get(f[23])
         if dtype is None:
             raise NotAStoreError(f"{path}: superblock at offset {offset} names unknown dtype "

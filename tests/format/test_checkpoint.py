@@ -201,3 +201,13 @@ def test_payload_whose_run_blocks_disagree_with_key_count_returns_none():
 
 def test_header_bytes_constant():
     assert HEADER_BYTES == 4096
+
+
+def test_a_header_whose_reserved_word_is_not_zero_returns_none():
+    """The u32 after the region count (offset 60) is 0 in every checkpoint
+    this format writes (the golden layout); a header with another value there
+    is not one of them, and was decoded."""
+    buf = bytearray(sample_checkpoint().encode()[:HEADER_BYTES])
+    assert decode_header(bytes(buf)) is not None
+    struct.pack_into("<I", buf, 60, 1)
+    assert decode_header(rechecksum_header(buf)) is None

@@ -278,3 +278,15 @@ def test_pick_with_no_copies_raises_kvblock_error():
     # pick() must only raise kvblock errors, even when handed no copies at all.
     with pytest.raises(KVBlockError):
         pick([], "p")
+
+
+@pytest.mark.parametrize("value", [0, 512, 8192])
+def test_a_header_bytes_field_other_than_4096_is_not_a_store(value):
+    """Offset 12 holds the superblock's size, 4096 in every superblock this
+    format writes (the golden layout); another value was accepted."""
+    buf = bytearray(golden_superblock().encode())
+    struct.pack_into("<I", buf, 12, value)
+    with pytest.raises(NotAStoreError, match=f"/dev/q: superblock at offset 4096 .*header bytes "
+                                             f"{value}") as ei:
+        Superblock.decode(rechecksum(buf), "/dev/q", 4096)
+    assert ei.value.path == "/dev/q" and ei.value.offset == 4096
