@@ -132,6 +132,16 @@ def check_checkpoints(store, report: FsckReport) -> None:
             "(--repair) starts a new journal")
         if not store.readonly:      # the open wrote a checkpoint: a new journal epoch
             report.repaired.append(f"{store.io.devices[0].path}: started a new journal")
+    foreign = getattr(store, "journal_foreign_puts", [])
+    if foreign:
+        report.problems.append(
+            f"{store.io.devices[0].path}: the journal holds {len(foreign)} PUT record(s) this "
+            f"store cannot have written (run {foreign[0][0]}: {foreign[0][1]}): written by a bug "
+            "or damaged, they were not replayed (no run of theirs is in the store); a "
+            "writable open (--repair) starts a new journal")
+        done = f"{store.io.devices[0].path}: started a new journal"
+        if not store.readonly and done not in report.repaired:
+            report.repaired.append(done)
     if getattr(store, "stale_checkpoint", False):
         report.problems.append(
             f"{store.io.devices[0].path}: the newest checkpoint is unreadable and the journal "

@@ -27,6 +27,8 @@ class Recovery:
     def _recover(self):
         sb = self.sb
         self.journal_gap = None
+        # PUT records no writer of this store makes (fsck reports them)
+        self.journal_foreign_puts = []
         # Slots that were written once but no longer decode (fsck reports
         # them; the next checkpoint goes to one of them).
         self.damaged_checkpoint_slots = []
@@ -101,6 +103,10 @@ class Recovery:
             self._replay(rec)
         self._index_runs(puts)
         self.counters["replayed_records"] = len(records)
+        if self.journal_foreign_puts:
+            logger.warning("kvblock: %s: %d journal PUT record(s) this store cannot have "
+                           "written were not replayed (run %d: %s)", self.io.devices[0].path,
+                           len(self.journal_foreign_puts), *self.journal_foreign_puts[0])
         epoch = jfmt.epoch(sb.store_uuid, cp.generation)
         after = jfmt.records_after(journal, end, next_seq, epoch)
         if after is not None:
@@ -280,11 +286,20 @@ class Recovery:
         # Its id is used even when the run is not (a run id seeds its data
         # checksums: never hand one out twice).
         self._next_run_id = max(self._next_run_id, rec.run_id + 1)
-        if rec.region >= self.regions.count or \
-                rec.generation != int(self.regions.generation[rec.region]) or \
-                len(rec.checksums) != self.geometry.run_checksums or \
-                rec.offset + self.layout(rec.nblocks).run_bytes > self.regions.size:
-            return None  # stale or foreign: its space was reclaimed since
+        foreign = None       # what no writer of this store puts in its journal
+        if rec.region >= self.regions.count:
+            foreign = f"region {rec.region}, the store has {self.regions.count}"
+        elif len(rec.checksums) != self.geometry.run_checksums:
+            foreign = (f"{len(rec.checksums)} checksums, the store's runs have "
+                       f"{self.geometry.run_checksums}")
+        elif rec.offset + self.layout(rec.nblocks).run_bytes > self.regions.size:
+            foreign = (f"{rec.nblocks} blocks at offset {rec.offset} of region {rec.region}, "
+                       f"past its region's end ({self.regions.size} bytes)")
+        if foreign is not None:
+            self.journal_foreign_puts.append((rec.run_id, foreign))
+            return None
+        if rec.generation != int(self.regions.generation[rec.region]):
+            return None  # stale: its space was reclaimed since
         return Run(rec.run_id, rec.region, rec.generation, rec.offset, rec.keys,
                    np.array(rec.checksums, dtype=np.uint64), created=time.time())
 

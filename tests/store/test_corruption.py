@@ -353,3 +353,48 @@ def test_devices_whose_superblocks_disagree_on_the_store_are_a_typed_error(tmp_p
                     store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
             assert ei.value.path == str(paths[1])
     assert [p.read_bytes() for p in paths] == before
+
+
+@pytest.mark.parametrize("what", ["past its region's end", "checksums", "region"])
+def test_a_foreign_journal_put_is_reported_by_fsck(tmp_path, what):
+    """A journal PUT (checksums whole: written so by a bug, or crafted) that
+    this store cannot have written -- its run past its region's end, the
+    wrong number of checksums, a region the store lacks -- is not replayed;
+    it was skipped silently and fsck called the store clean.  fsck names
+    it; a writable open starts a new journal, and the store is clean."""
+    from kvblock.format import journal as jfmt
+    from kvblock.store.fsck import fsck
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    keys = run_keys(1, 2)
+    store.put_run(keys, run_data(keys))
+    run = next(iter(store.index.runs.values()))
+    sums = tuple(int(c) for c in run.checksums)
+    region, offset = run.region, run.offset
+    if what == "past its region's end":
+        offset = REGION - GEOM.block_bytes
+    elif what == "checksums":
+        sums = sums[:-1]
+    else:
+        region = store.regions.count
+    rec = jfmt.PutRun(run.run_id + 1, region, run.generation, offset, run.keys, sums)
+    data = jfmt.encode_commit([rec], store._seq, jfmt.epoch(store.sb.store_uuid,
+                                                            store._generation))
+    store.io.write_bytes(0, store.sb.journal_offset + store._jhead, data)
+    store._release_devices()
+    store.closed = True
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert store.stats()["runs"] == 1 and store.lookup(keys) == 2
+        report = fsck(store)
+        assert report.status == "problems" and len(report.problems) == 1, report.problems
+        assert report.problems[0].startswith(f"{path}: the journal holds 1 PUT record")
+        assert f"run {run.run_id + 1}" in report.problems[0] and what in report.problems[0]
+    with KVStore.open([str(path)]) as store:
+        report = fsck(store, repair=True)
+        assert report.status == "repaired"
+        assert report.repaired == [f"{path}: started a new journal"]
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert fsck(store).status == "clean" and store.lookup(keys) == 2
