@@ -223,12 +223,10 @@ class RunReader(RunIO):
         with self._lock:
             named = self.index.lookup(keys)
         in_host = [k in self.host for k in keys]
-        done, fetched = 0, []
+        done, fetched, hits = 0, [], 0
         while done < n:
             if in_host[done] and self.host.read_into(keys[done], block_at(dst, done)):
-                self.counters["host_hit_blocks"] += 1
-                self.counters["get_blocks"] += 1      # as a device read counts it
-                self.counters["get_bytes"] += self.geometry.block_bytes
+                hits += 1
                 done += 1
                 continue
             end = done + 1
@@ -240,22 +238,31 @@ class RunReader(RunIO):
             done += got
             if done < end:
                 break
+        # DRAM hits count as blocks read, as a device read counts its own
+        self.counters["host_hit_blocks"] += hits
+        self.counters["get_blocks"] += hits
+        self.counters["get_bytes"] += hits * self.geometry.block_bytes
         for k in fetched:
             self.host.put(keys[k], block_at(dst, k), epoch=epoch, discards=discards)
         if fetched:
             # A put published a newer run of a key since the read began:
             # the bytes read may be the older run's, and the newer copy the
-            # put gave the tier may have been pushed out before the insert
-            # above.  Looked at after the insert (a key's run only ever
-            # changes to a newer one), such keys leave the tier: their reads
-            # go to the device, which has the newest copy.
-            with self._lock:
-                moved = self.index.lookup([keys[k] for k in fetched]) != named[fetched]
-            if moved.any():
-                with self.host.lock:
-                    for j in np.flatnonzero(moved).tolist():
-                        self.host._drop_locked(keys[fetched[j]])
+            # put gave the tier may have been pushed out before the insert.
+            self._tier_keep_newest([keys[k] for k in fetched], named[fetched])
         return done
+
+    def _tier_keep_newest(self, keys: list[bytes], named) -> None:
+        """After copies of ``keys`` went into the DRAM tier, taken from the
+        runs ``named`` (packed run per key): the keys that name another run
+        by now leave the tier.  Looked at after the insert (a key's run only
+        ever changes to a newer one), their reads go to the device, which
+        has the newest copy."""
+        with self._lock:
+            moved = self.index.lookup(keys) != named
+        if moved.any():
+            with self.host.lock:
+                for j in np.flatnonzero(moved).tolist():
+                    self.host._drop_locked(keys[j])
 
     @in_flight
     def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:

@@ -731,12 +731,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.host.put(keys[k], block_at(blocks, k), epoch=clears,
                               discards=discards, replace=True)
             if mine:
-                with self._lock:
-                    taken = self.index.lookup([keys[k] for k in mine]) != packed[mine]
-                    if taken.any():
-                        with self.host.lock:
-                            for j in np.flatnonzero(taken).tolist():
-                                self.host._drop_locked(keys[mine[j]])
+                self._tier_keep_newest([keys[k] for k in mine], packed[mine])
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += len(keys)
         self.counters["bytes_written"] += self.layout(len(keys)).run_bytes

@@ -419,17 +419,24 @@ def test_admission_second_offer(store_path):
         assert store.stats()["admission_rejected_runs"] == 1
 
 
-def test_checksum_mismatch_is_a_miss_and_drops_the_run(store_path):
+def _one_run_with_a_flipped_byte(store_path) -> list[bytes]:
+    """A store holding one run of two blocks, one byte of its data flipped
+    on the medium; returns its keys."""
     keys = run_keys(7, 2)
     with _format([store_path]) as store:
         store.put_run(keys, run_data(keys))
         run = next(iter(store.index.runs.values()))
-        dev, off = store.regions.address(run.region, run.offset)
-    with open(store_path, "r+b") as f:  # flip one byte of the data on the medium
+        _, off = store.regions.address(run.region, run.offset)
+    with open(store_path, "r+b") as f:
         f.seek(off + 100)
         byte = f.read(1)
         f.seek(off + 100)
         f.write(bytes([byte[0] ^ 0xFF]))
+    return keys
+
+
+def test_checksum_mismatch_is_a_miss_and_drops_the_run(store_path):
+    keys = _one_run_with_a_flipped_byte(store_path)
     with KVStore.open([store_path]) as store:
         out = aligned_empty(2 * GEOM.block_bytes)  # direct-read path: no staging copy
         assert store.get_run(keys, out) == 0
@@ -445,16 +452,7 @@ def test_a_checksum_failure_whose_drop_fails_is_still_a_miss(store_path):
     (its journal commit fails, the store closes) get_run still returns the
     blocks it verified, as a read error's failed drop does, not the commit's
     error."""
-    keys = run_keys(7, 2)
-    with _format([store_path]) as store:
-        store.put_run(keys, run_data(keys))
-        run = next(iter(store.index.runs.values()))
-        dev, off = store.regions.address(run.region, run.offset)
-    with open(store_path, "r+b") as f:  # flip one byte of the data on the medium
-        f.seek(off + 100)
-        byte = f.read(1)
-        f.seek(off + 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    keys = _one_run_with_a_flipped_byte(store_path)
     store = KVStore.open([store_path])
     try:
         def journal_fails(records):
