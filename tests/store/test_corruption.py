@@ -208,12 +208,9 @@ def test_a_checkpoint_run_outside_its_region_is_a_typed_error(tmp_path, field, v
         KVStore.open([str(path)], readonly=True)
 
 
-def test_a_replayed_run_past_its_region_is_not_published(tmp_path):
-    """A journal PUT (checksums whole: written so by a bug) placing a run
-    past its region's end was published by replay: reads of it went
-    outside the region (into the next one's runs, or past the device).
-    It is not replayed, as a record naming a region the store lacks is not."""
-    from kvblock.format import journal as jfmt
+def _open_with_one_run(tmp_path):
+    """(path, the store open on it, keys, run): a 4 MiB store file holding one
+    run of two blocks."""
     from tests.store.workload import run_data, run_keys
 
     path = tmp_path / "store.img"
@@ -222,7 +219,17 @@ def test_a_replayed_run_past_its_region_is_not_published(tmp_path):
     store = KVStore.open([str(path)])
     keys = run_keys(1, 2)
     store.put_run(keys, run_data(keys))
-    run = next(iter(store.index.runs.values()))
+    return path, store, keys, next(iter(store.index.runs.values()))
+
+
+def test_a_replayed_run_past_its_region_is_not_published(tmp_path):
+    """A journal PUT (checksums whole: written so by a bug) placing a run
+    past its region's end was published by replay: reads of it went
+    outside the region (into the next one's runs, or past the device).
+    It is not replayed, as a record naming a region the store lacks is not."""
+    from kvblock.format import journal as jfmt
+
+    path, store, keys, run = _open_with_one_run(tmp_path)
     rec = jfmt.PutRun(run.run_id + 1, run.region, run.generation, REGION - GEOM.block_bytes,
                       run.keys, tuple(int(c) for c in run.checksums))
     data = jfmt.encode_commit([rec], store._seq, jfmt.epoch(store.sb.store_uuid,
@@ -365,13 +372,7 @@ def test_a_foreign_journal_put_is_reported_by_fsck(tmp_path, what):
     from kvblock.format import journal as jfmt
     from kvblock.store.fsck import fsck
 
-    path = tmp_path / "store.img"
-    create_file(path, 4 << 20)
-    KVStore.format([str(path)], GEOM, region_size=REGION).close()
-    store = KVStore.open([str(path)])
-    keys = run_keys(1, 2)
-    store.put_run(keys, run_data(keys))
-    run = next(iter(store.index.runs.values()))
+    path, store, keys, run = _open_with_one_run(tmp_path)
     sums = tuple(int(c) for c in run.checksums)
     region, offset = run.region, run.offset
     if what == "past its region's end":
