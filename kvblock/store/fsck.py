@@ -130,8 +130,6 @@ def check_checkpoints(store, report: FsckReport) -> None:
             "are lost (a crash inside one commit leaves a few such records; more mean the "
             "journal was damaged). The rest of the store is consistent; a writable open "
             "(--repair) starts a new journal")
-        if not store.readonly:      # the open wrote a checkpoint: a new journal epoch
-            report.repaired.append(f"{store.io.devices[0].path}: started a new journal")
     foreign = getattr(store, "journal_foreign_puts", [])
     if foreign:
         report.problems.append(
@@ -139,9 +137,8 @@ def check_checkpoints(store, report: FsckReport) -> None:
             f"store cannot have written (run {foreign[0][0]}: {foreign[0][1]}): written by a bug "
             "or damaged, they were not replayed (no run of theirs is in the store); a "
             "writable open (--repair) starts a new journal")
-        done = f"{store.io.devices[0].path}: started a new journal"
-        if not store.readonly and done not in report.repaired:
-            report.repaired.append(done)
+    if (gap or foreign) and not store.readonly:   # the open wrote a checkpoint: a new epoch
+        report.repaired.append(f"{store.io.devices[0].path}: started a new journal")
     if getattr(store, "stale_checkpoint", False):
         report.problems.append(
             f"{store.io.devices[0].path}: the newest checkpoint is unreadable and the journal "
