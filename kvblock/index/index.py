@@ -185,6 +185,19 @@ class KeyIndex:
     def __contains__(self, key: bytes) -> bool:
         return self.locate(key) is not None
 
+    def runs_with_prefix(self, prefix: bytes) -> list[Run]:
+        """The runs a key beginning with ``prefix`` (1 to 8 bytes) points
+        into: one vectorised pass over the table (a key's first 8 bytes are
+        its low word), not a loop over the runs."""
+        if not 1 <= len(prefix) <= 8:
+            raise ValueError(f"a key prefix is 1 to 8 bytes, got {len(prefix)}")
+        t = self.table
+        mask = np.uint64((1 << (8 * len(prefix))) - 1)
+        want = np.uint64(int.from_bytes(prefix, "little"))
+        hit = (t.val >= 0) & ((t.lo & mask) == want)
+        ids = np.unique(t.val[hit] >> POS_BITS)
+        return [self.runs[i] for i in ids.tolist()]
+
     def prefix_length(self, keys: list[bytes]) -> int:
         if len(keys) <= FEW_KEYS:
             n = 0

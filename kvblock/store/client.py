@@ -64,6 +64,7 @@ from kvblock.store.store import (
     LOAD_STAGING_KEEP,
     KVStore,
     _try_superblock,
+    check_key_prefix,
     time_cutoff,
 )
 from kvblock.store.storeio import StoreIO
@@ -760,6 +761,12 @@ class RemoteStore(RunReader, RunWriter):
         self._check_open(writing=True)
         return int(self._call("delete", keys=encode_keys(normalize_keys(keys))))
 
+    def delete_prefix(self, prefix: bytes) -> int:
+        """Remove the runs holding a key that begins with ``prefix`` (see
+        KVStore.delete_prefix), every rank's; returns the blocks removed."""
+        self._check_open(writing=True)
+        return int(self._call("delete_prefix", prefix=check_key_prefix(prefix).hex()))
+
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim unpinned regions on the server (see KVStore.evict)."""
         self._check_open(writing=True)
@@ -776,6 +783,12 @@ class RemoteStore(RunReader, RunWriter):
         those other ranks are reading included (a rank has no DRAM tier)."""
         self._check_open(writing=True)
         return int(self._call("clear"))
+
+    def clear_ticket(self) -> str:
+        """The server's KVStore.clear_ticket(): it changes with every rank's
+        clear() (and with a server restart, where a clear may have come)."""
+        self._check_open()
+        return str(self._call("clear_ticket"))
 
     def checkpoint(self) -> None:
         self._check_open(writing=True)

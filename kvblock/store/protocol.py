@@ -41,7 +41,7 @@ from typing import Sequence
 from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 
-PROTOCOL = 8   # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 9   # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
@@ -49,6 +49,7 @@ PROTOCOL = 8   # 2: "clear"; admit answers the clear count, commit carries it
 #                7: "touch" (mark the runs holding keys as just used, for LRU)
 #                8: the fence files are followed by the store's devices 1..
 #                   (each checked to be the medium the rank does its I/O on)
+#                9: "delete_prefix" (a worker's own keys), "clear_ticket"
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

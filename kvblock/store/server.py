@@ -704,12 +704,21 @@ class StoreServer:
         st._drop_runs(runs)
         return len(runs)
 
+    def _op_clear_ticket(self, s):
+        self.store._check_open()
+        return self._clear_ticket()
+
+    def _clear_ticket(self) -> str:
+        """What names the clear() calls so far, on this server run (another
+        run's ticket matches none: a clear may have come there)."""
+        return f"{self._run_tag}:{self.store._clears}"
+
     def _op_admit(self, s, keys):
         st = self.store
         st._check_open(writing=True)
         keys = decode_keys(keys)
         # the put's pieces commit only if no clear() comes first (on this run)
-        clears = f"{self._run_tag}:{st._clears}"
+        clears = self._clear_ticket()
         with st._lock:
             if st.index.prefix_length(keys) == len(keys):
                 st.counters["put_duplicate_runs"] += 1
@@ -783,6 +792,15 @@ class StoreServer:
 
     def _op_delete(self, s, keys):
         return self.store.delete(decode_keys(keys))
+
+    def _op_delete_prefix(self, s, prefix):
+        if not isinstance(prefix, str):
+            raise ConfigError(f"delete_prefix: prefix must be a hex string, got {prefix!r}")
+        try:
+            raw = bytes.fromhex(prefix)
+        except ValueError:
+            raise ConfigError(f"delete_prefix: prefix {prefix[:40]!r} is not hex") from None
+        return self.store.delete_prefix(raw)
 
     def _op_evict(self, s, nbytes=None, all=False, older_than=None):
         # Typed as sent: a truthy "false" for all would evict the whole

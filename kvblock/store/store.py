@@ -1035,9 +1035,30 @@ class KVStore(Recovery, RunReader, RunWriter):
                 hit = self.index.locate(k)
                 if hit is not None:
                     runs[hit[0].run_id] = hit[0]
+        return self._delete_runs(list(runs.values()),
+                                 lambda tier: {k for k in keys if tier.discard(k)})
+
+    @in_flight
+    def delete_prefix(self, prefix: bytes) -> int:
+        """Remove the runs holding a key that begins with ``prefix`` (1 to 8
+        bytes), and the DRAM tier's blocks whose keys do; returns the blocks
+        removed.  For callers that give each tenant or worker a key prefix
+        of its own: one of them clears its blocks of a shared store, not the
+        others' (kvblock.integrations.lmcache)."""
+        self._check_open(writing=True)
+        prefix = check_key_prefix(prefix)
+        with self._lock:
+            runs = self.index.runs_with_prefix(prefix)
+        return self._delete_runs(runs, lambda tier: tier.discard_prefix(prefix))
+
+    def _delete_runs(self, runs: list[Run], discard_asked) -> int:
+        """delete()'s work once its runs are found: drop them, then their
+        blocks from the DRAM tier, and what ``discard_asked(tier)`` drops
+        there (the keys asked for: a copy may outlive its run); returns the
+        blocks removed."""
         failed = None
         try:
-            self._drop_runs(list(runs.values()))
+            self._drop_runs(runs)
         except KVBlockError as e:
             # The runs are out of the index and their DROP records durable;
             # only freeing a region emptied failed (its TRIM): the DRAM
@@ -1046,15 +1067,15 @@ class KVStore(Recovery, RunReader, RunWriter):
                 raise
             failed = e
         host_only = 0
-        if self.host is not None:     # the keys asked for too: a copy may outlive its run
-            on_device = {run.key(k) for run in runs.values() for k in range(run.nblocks)}
+        if self.host is not None:
+            on_device = {run.key(k) for run in runs for k in range(run.nblocks)}
             for key in on_device:
                 self.host.discard(key)
-            host_only = sum(self.host.discard(key) for key in set(keys) - on_device)
+            host_only = len(discard_asked(self.host) - on_device)
         self.counters["deleted_runs"] += len(runs)
         if failed is not None:
             raise failed
-        return sum(r.nblocks for r in runs.values()) + host_only
+        return sum(r.nblocks for r in runs) + host_only
 
     def removed_since(self, cursor: str | None = None) -> tuple[str, list[bytes] | None]:
         """Keys of the runs evicted, deleted, cleared or dropped since
@@ -1135,6 +1156,14 @@ class KVStore(Recovery, RunReader, RunWriter):
         if failed is not None:
             raise failed
         return reclaimed
+
+    def clear_ticket(self) -> str:
+        """A name for the clear() calls so far: a caller writing a batch in
+        several puts compares it before each and stops once it changed (the
+        batch holds KV from before the clear; a put overtaken by a clear
+        while it is written is refused by the store itself)."""
+        self._check_open()
+        return f"{id(self):x}:{self._clears}"
 
     @in_flight
     def evict_older_than(self, cutoff: float) -> int:
@@ -1291,6 +1320,13 @@ def store_in(copies: list[bytes], path: str, allow_model=False) -> str | None:
 
 
 SUPERBLOCKS_END = max(sbfmt.COPY_OFFSETS) + sbfmt.SIZE
+
+
+def check_key_prefix(prefix) -> bytes:
+    """delete_prefix()'s argument: 1 to 8 bytes, else ConfigError."""
+    if not isinstance(prefix, (bytes, bytearray, memoryview)) or not 1 <= len(prefix) <= 8:
+        raise ConfigError(f"delete_prefix: a key prefix is 1 to 8 bytes, got {prefix!r}")
+    return bytes(prefix)
 
 
 def _store_on(io: StoreIO, dev: int) -> str | None:

@@ -137,6 +137,16 @@ class HostTier:
             self.discards += 1
             return self._drop_locked(key)
 
+    def discard_prefix(self, prefix: bytes) -> set[bytes]:
+        """Drop the blocks whose keys begin with ``prefix``; their keys."""
+        with self.lock:
+            self.discards += 1
+            keys = {k for seg in (self.probation, self.protected) for k in seg
+                    if k.startswith(prefix)}
+            for key in keys:
+                self._drop_locked(key)
+            return keys
+
     def _drop_locked(self, key: bytes) -> bool:
         slot = self.probation.pop(key, None)
         if slot is None:

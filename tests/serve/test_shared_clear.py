@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvblock import KVStore
-from kvblock.errors import StoreClosedError, StoreFullError
+from kvblock.errors import ConfigError, StoreClosedError, StoreFullError
 from kvblock.store.client import RemoteStore
 from kvblock.store.server import serve_in_background, spawn_server
 from tests.store.workload import GEOM, run_data, run_keys, small_store
@@ -369,3 +369,35 @@ def test_a_rank_deleting_more_runs_than_one_journal_write_holds_keeps_the_server
         server.stop()
     with KVStore.open([path]) as st:                    # and the deletes are durable
         assert st.stats()["runs"] == 1
+
+
+def test_delete_prefix_and_clear_ticket_through_the_server(store_file, tmp_path):
+    """A rank removes the runs of its own key prefix, the other rank's stay
+    and read back; a clear on one rank changes the ticket every rank sees
+    (SGLang's backup stops on it); a prefix that is not 1-8 bytes is a
+    ConfigError on the client, and one the server cannot decode there."""
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock):
+        a, b = RemoteStore(sock), RemoteStore(sock)
+        try:
+            mine = [b"\x07" + bytes([i]) * 15 for i in (1, 2, 3)]
+            theirs = [b"\x08" + bytes([i]) * 15 for i in (1, 2)]
+            a.put_run(mine, run_data(mine))
+            b.put_run(theirs, run_data(theirs))
+            assert a.delete_prefix(b"\x07") == 3
+            assert b.lookup(mine) == 0
+            got = _read(a, theirs)
+            assert got is not None and np.array_equal(got, run_data(theirs))
+            ticket = a.clear_ticket()
+            assert b.clear_ticket() == ticket
+            b.clear()
+            assert a.clear_ticket() != ticket and a.lookup(theirs) == 0
+            with pytest.raises(ConfigError, match="1 to 8 bytes"):
+                a.delete_prefix(b"")
+            with pytest.raises(ConfigError, match="not hex"):
+                a._call("delete_prefix", prefix="zz")
+            with pytest.raises(ConfigError, match="1 to 8 bytes"):
+                a._call("delete_prefix", prefix="00" * 9)
+        finally:
+            a.close()
+            b.close()

@@ -11,9 +11,10 @@ import threading
 
 import numpy as np
 import pytest
+import xxhash
 
 from kvblock import KVStore
-from kvblock.errors import StoreFullError
+from kvblock.errors import ConfigError, StoreFullError
 from kvblock.index import normalize_keys
 from tests.store.workload import GEOM, run_data, run_keys, small_store
 
@@ -453,3 +454,57 @@ def test_a_dram_tier_put_runs_whose_later_run_takes_a_prefix(tmp_path):
         assert np.array_equal(got.reshape(want.shape), want)
         got = _read(store, first)
         assert got is not None
+
+
+def _owned(owner: bytes, i: int, n: int) -> list[bytes]:
+    """``n`` 16-byte keys (stored as given) that begin with ``owner``."""
+    return [owner + xxhash.xxh3_128_digest(f"{i}-{j}".encode())[len(owner):]
+            for j in range(n)]
+
+
+@pytest.mark.parametrize("how", ["clean", "crash"])
+def test_delete_prefix_removes_one_owners_runs_and_no_others(tmp_path, how):
+    """Owners whose tags differ in the last byte only; a run whose second
+    key is the owner's goes whole (as delete() takes a run); a superseded
+    position of the owner's in another owner's run does not count."""
+    path = _store(tmp_path)
+    me, them = b"\x01\x02\x03\x04", b"\x01\x02\x03\x05"
+    mine = [_owned(me, i, 3) for i in range(3)]
+    theirs = [_owned(them, i, 3) for i in range(2)]
+    mixed = [_owned(them, 9, 1)[0], _owned(me, 9, 1)[0]]
+    store = KVStore.open([path])
+    for keys in mine + theirs + [mixed]:
+        assert store.put_run(keys, run_data(keys)) == len(keys)
+    assert store.delete_prefix(me) == 3 * 3 + 2
+    assert store.delete_prefix(me) == 0
+    assert [store.lookup(k) for k in mine + [mixed]] == [0, 0, 0, 0]
+    assert [_read(store, k) is not None and np.array_equal(_read(store, k), run_data(k))
+            for k in theirs] == [True, True]
+    _close(store, how)
+    with KVStore.open([path]) as store:
+        assert [store.lookup(k) for k in mine + [mixed]] == [0, 0, 0, 0]
+        assert [store.lookup(k) for k in theirs] == [3, 3]
+        assert np.array_equal(_read(store, theirs[1]), run_data(theirs[1]))
+        assert store.stats()["runs"] == 2
+
+
+@pytest.mark.parametrize("prefix", [b"", b"123456789", "0102", None])
+def test_delete_prefix_refuses_a_prefix_it_cannot_match(tmp_path, prefix):
+    path = _store(tmp_path)
+    with KVStore.open([path]) as store:
+        keys = _owned(b"1", 0, 2)
+        store.put_run(keys, run_data(keys))
+        with pytest.raises(ConfigError, match="a key prefix is 1 to 8 bytes"):
+            store.delete_prefix(prefix)
+        assert store.lookup(keys) == 2
+
+
+def test_clear_ticket_changes_with_every_clear(tmp_path):
+    with KVStore.open([_store(tmp_path)]) as store:
+        first = store.clear_ticket()
+        assert store.clear_ticket() == first
+        store.clear()
+        second = store.clear_ticket()
+        assert second != first
+        store.delete(run_keys(1, 1))
+        assert store.clear_ticket() == second

@@ -378,3 +378,23 @@ def test_read_range_with_a_host_tier_counts_its_device_blocks(tmp_path):
         c = store.counters
         assert c["get_blocks"] == 4
         assert c["host_hit_blocks"] + c["device_hit_blocks"] == c["get_blocks"]
+
+
+def test_delete_prefix_reaches_blocks_left_only_in_dram(tmp_path):
+    """delete_prefix() drops the DRAM tier's blocks of the prefix, those
+    whose runs are gone from the device too, and counts them; another
+    prefix's blocks stay there."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    mine = [b"\xaa\xbb" + bytes([i]) * 14 for i in (1, 2)]
+    theirs = [b"\xaa\xbc" + bytes([i]) * 14 for i in (1, 2)]
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        store.put_run(mine, run_data(mine))
+        store.put_run(theirs, run_data(theirs))
+        store.evict(all=True)                                # gone from the device
+        assert store.lookup(mine) == 2 and store.lookup(theirs) == 2   # in DRAM
+        assert store.delete_prefix(b"\xaa\xbb") == 2
+        assert store.lookup(mine) == 0 and store.lookup(theirs) == 2
+        got = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(theirs, got) == 2 and np.array_equal(got, run_data(theirs))
