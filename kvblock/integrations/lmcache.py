@@ -136,7 +136,11 @@ from kvblock.store import KVStore
 logger = logging.getLogger(__name__)
 
 STORE_MODEL_PREFIX = "kvblock.integrations.lmcache/v1"
-KEY_DOMAIN = b"kvblock-lmcache-key-v2\0"
+KEY_DOMAIN = b"kvblock-lmcache-key-v3\0"
+# A key's first bytes name its owner (namespace, model, worker): clear()
+# removes one worker's chunks of a store other workers or tenants share
+# (LMCache's controller asks every worker and wants equal counts back).
+OWNER_TAG_BYTES = 4
 FORMAT_MODES = provision.FORMAT_MODES
 OPTION_PREFIX = "kvblock."
 _STORE_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth")
@@ -371,11 +375,19 @@ class KVBlockStorageBackend(StoragePluginInterface):
             raise ConfigError(f"kvblock lmcache plugin: bad template {text!r}: {e}") from None
 
     def kvblock_key(self, key: CacheEngineKey) -> bytes:
+        """The owner tag of the key's namespace, model and worker, then 12
+        bytes hashing every field of the key (96 bits: no collisions)."""
         fields = [key.model_name, key.world_size, key.worker_id, key.chunk_hash_hex,
                   str(key.dtype).removeprefix("torch."),
                   [[k, v] for k, v in (key.tags or ())], getattr(key, "layer_id", None)]
         text = json.dumps(fields, separators=(",", ":"), default=str)
-        return xxhash.xxh3_128_digest(self.prefix + text.encode())
+        return (self.owner_tag(key.model_name, key.worker_id)
+                + xxhash.xxh3_128_digest(self.prefix + text.encode())[OWNER_TAG_BYTES:])
+
+    def owner_tag(self, model_name: str, worker_id: int) -> bytes:
+        """The first bytes of the keys of one worker's chunks (clear())."""
+        text = json.dumps([self.namespace, model_name, worker_id], default=str)
+        return xxhash.xxh3_64_digest(KEY_DOMAIN + b"owner\0" + text.encode())[:OWNER_TAG_BYTES]
 
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
@@ -797,9 +809,12 @@ class KVBlockStorageBackend(StoragePluginInterface):
         """Recency is kept by the store itself (reads touch their regions)."""
 
     def clear(self) -> int:
-        """Evict everything in the store; returns the tokens it held (a layer
-        object holds 1/layers of its chunk's tokens).  Puts queued before
-        it are dropped (writes under way end first)."""
+        """Remove this worker's chunks (its namespace, model and worker id:
+        on a store that other workers or tenants share theirs stay; LMCache
+        clears every worker and expects the same count from each); returns
+        the tokens they held (a layer object holds 1/layers of its chunk's
+        tokens).  Puts queued before it are dropped (writes under way end
+        first)."""
         with self._lock:
             self._epoch += 1
             for key, job in list(self._put_tasks.items()):
@@ -808,13 +823,12 @@ class KVBlockStorageBackend(StoragePluginInterface):
             self._written.wait_for(lambda: not any(
                 job.writing and job.epoch < self._epoch for job in self._put_tasks.values()))
         try:
-            blocks = self.store.stats()["blocks"]
-            self.store.clear()
-            left = self.store.stats()["blocks"]
+            blocks = self.store.delete_prefix(
+                self.owner_tag(self.metadata.model_name, self.metadata.worker_id))
         except RUNTIME_FAILURES as e:
             self._failed("clear", e)
             return 0
-        return (blocks - left) * self.chunk_tokens // self.objects_per_chunk
+        return blocks * self.chunk_tokens // self.objects_per_chunk
 
     def get_allocator_backend(self) -> AllocatorBackendInterface:
         return self.local_cpu_backend

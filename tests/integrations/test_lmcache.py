@@ -427,6 +427,50 @@ def test_workers_share_one_store_through_a_server(tmp_path, engines):
         assert len(store.index) == 4
 
 
+def test_clear_on_a_shared_store_removes_each_workers_own_chunks(tmp_path, engines):
+    """LMCache's cache controller clears every worker at once and asserts
+    they all report the same token count.  On one shared store the first
+    worker's clear removed every worker's chunks (and another tenant's)
+    and the others reported 0 ([144, 0]): the controller's clear failed.  Each worker removes its
+    own chunks now (its key prefix); another namespace's chunks stay."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.support.servers import stop_server
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    shared = {"kvblock.server": sock, "kvblock.size": "32M"}
+    workers = [Engine([dev], worker_id=w, world_size=2, **shared) for w in (0, 1)]
+    engines.extend(workers)
+    tenant = Engine([dev], worker_id=0, world_size=2,
+                    **{**shared, "kvblock.namespace": "tenant-b"})
+    engines.append(tenant)
+    server_pid = workers[0].plugin.store.server_pid
+    try:
+        def own_keys(e):     # as LMCache makes them: the worker's id in each
+            return [CacheEngineKey(e.model, 2, e.metadata.worker_id, h, torch.bfloat16)
+                    for h in (1, 2, 3)]
+        want = {id(e): e.put(own_keys(e), [e.chunk() for _ in range(3)])
+                for e in workers + [tenant]}
+        assert workers[1].plugin.batched_contains(own_keys(workers[0])) == 3
+        with ThreadPoolExecutor(2) as pool:
+            counts = list(pool.map(lambda e: e.manager.clear(locations=["kvblock"]),
+                                   workers))
+        assert counts == [3 * CHUNK, 3 * CHUNK]
+        assert [e.plugin.batched_contains(own_keys(e)) for e in workers] == [0, 0]
+        tenant_keys = own_keys(tenant)
+        objs = tenant.retrieve(tenant_keys)
+        assert [obj_bytes(o) for o in objs] == want[id(tenant)]
+        for o in objs:
+            o.ref_count_down()
+        assert tenant.plugin.clear() == 3 * CHUNK
+        assert tenant.plugin.batched_contains(tenant_keys) == 0
+    finally:
+        for e in engines:
+            e.close()
+        engines.clear()
+        stop_server(server_pid)
+
+
 CLOSE_WITH_QUEUED_PUTS = """
 import sys, time, torch
 sys.path.insert(0, {root!r})
