@@ -366,7 +366,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self._page_formats: dict[int, tuple] = {}   # id(pool) -> (pool, _page_format)
         self._metrics_lock = threading.Lock()
         # clear() calls so far: a backup that sees it move stops (its pages
-        # hold KV from before the clear), see _cleared_since
+        # hold KV from before the clear), see _clear_mark
         self._clears, self._clears_lock = 0, threading.Lock()
         self._metrics = {"prefetch_pgs": [], "backup_pgs": [], "prefetch_bandwidth": [],
                          "backup_bandwidth": []}
@@ -511,44 +511,58 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return None
         return ids
 
-    def _cleared_since(self, clears: int, keys: list[bytes] | None = None) -> bool:
-        """Has a clear() begun since a backup call saw ``clears`` clear()
-        calls?  Then its later runs are not written, and ``keys`` (the run
-        just written, which the clear may have missed) are deleted: the
-        call's pages hold KV from before the clear (SGLang clears after a
+    def _clear_mark(self) -> tuple[int, str | None]:
+        """What a backup call notes when it begins, for _cleared_since: this
+        backend's clear() calls, then the store's clear ticket (a clear by
+        another rank of a shared store, or by `kvblock clear`); None when
+        the store is away (the backup's puts fail on their own then)."""
+        clears = self._clears
+        try:
+            return clears, self.store.clear_ticket()
+        except KVBlockError:
+            return clears, None
+
+    def _cleared_since(self, mark: tuple[int, str | None],
+                       keys: list[bytes] | None = None) -> bool:
+        """Has a clear() begun since a backup call noted ``mark``
+        (_clear_mark)?  Then its later runs are not written, and ``keys``
+        (the run just written, which the clear may have missed) are deleted:
+        the call's pages hold KV from before the clear (SGLang clears after a
         weight update), and a run written after it would be served as a hit.
         The store itself refuses only a run that a clear() overtakes while
         it is written.  The pages are answered as written, as a run the
         store refuses is (not a failure to retry)."""
-        if self._clears == clears:
+        clears, ticket = mark
+        if self._clears == clears and (ticket is None or self.store.clear_ticket() == ticket):
             return False
         if keys:
             self.store.delete(keys)
         return True
 
     def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int],
-                     stored: np.ndarray | None = None, clears: int | None = None) -> int:
+                     stored: np.ndarray | None = None,
+                     clears: tuple[int, str | None] | None = None) -> int:
         """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks
         (kvblock.tensors.save_blocks: one vectorised gather per layer into the
         store's staging, one write per run); returns the pages the store
         wrote, not those admission declined (raises on failure).  ``stored``
         (one bool per key) is set run by run, so after a failure it says
-        which pages the store took.  ``clears``: the clear() count when the
+        which pages the store took.  ``clears``: the _clear_mark() when the
         call began; a clear() after it ends the backup (_cleared_since)."""
         done = written = 0
         layout = pages.cache_layout()
-        clears = self._clears if clears is None else clears
+        clears = self._clear_mark() if clears is None else clears
         for start in range(0, len(kbs), self.run_blocks):
             keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
             if self._cleared_since(clears):
                 break
             n = save_blocks(self.store, keys, layout, ids)
+            done += len(keys)
+            if stored is not None:    # before the check, which may fail (the store closed)
+                stored[start:done] = True
             if self._cleared_since(clears, keys):
                 break
             written += n
-            done += len(keys)
-            if stored is not None:
-                stored[start:done] = True
         return written
 
     def _read_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:
@@ -606,7 +620,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         kbs = [self.kvblock_key(k) for k in keys]
         t0 = time.perf_counter()
-        clears = self._clears
+        clears = self._clear_mark()
         try:
             ok = self.store.present(kbs)
         except KVBlockError as e:
@@ -810,7 +824,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         nbytes, nb, page_format = self._page_format(pool)
         bb = self.store.geometry.block_bytes
         todo = list(range(len(keys)))
-        clears = self._clears
+        clears = None if load else self._clear_mark()   # (a store call: backups only)
         if not load:
             todo = np.nonzero(~self._pool_present(t.name, keys))[0].tolist()
             if not todo:
@@ -830,19 +844,21 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                     data = pool.get_data_page(offsets[i], flat=True)
                     pages[j, :nbytes] = data.contiguous().view(torch.uint8).reshape(-1).numpy()
                     pages[j, nbytes:] = 0
+                stored = start
                 try:
                     if self._cleared_since(clears):
                         break
                     n = self.store.put_blocks(kbs, blocks) // nb
+                    stored += len(run)    # (a failure of the check below: stored all the same)
                     if self._cleared_since(clears, kbs):
                         break
                     written += n          # pages the store wrote (not those admission declined)
                 except KVBlockError as e:
-                    # the runs before this one are stored: report them so
+                    # the runs before the failure are stored: report them so
                     self._failed(f"storing {len(keys)} {_pool_key(t.name)} pages", e)
                     self._record("backup", written, time.perf_counter() - t0, nbytes)
                     ok = np.ones(len(keys), dtype=bool)
-                    ok[todo[start:]] = False
+                    ok[todo[stored:]] = False
                     return ok.tolist()
                 continue
             n = self.store.get_blocks(kbs, blocks) // nb
@@ -919,7 +935,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return False
         pool, _ = self._flat_pool(len(keys), pages)
         kbs = [self.kvblock_key(k) for k in keys]
-        clears = self._clears
+        clears = self._clear_mark()
         try:
             todo = np.nonzero(~self.store.present(kbs))[0].tolist()
             self._write_pages(pool, [kbs[i] for i in todo], todo, clears=clears)

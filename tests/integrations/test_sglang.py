@@ -442,6 +442,44 @@ def test_mla_ranks_share_one_store_through_a_server(tmp_path):
         assert len(store.index) == 5 + 2 * state_blocks
 
 
+def test_a_clear_by_another_rank_stops_a_backup_between_its_runs(tmp_path):
+    """Shared store: rank 1 clears (after a weight update) while rank 0's
+    backup is between two runs.  The backup's later runs hold KV of the old
+    weights: none may be stored (they were: rank 0 counted only its own
+    clear() calls, and the pages read back as hits after the clear)."""
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    block = 3 * 4 * 32 * 2                      # layers x page x MLA dim x bf16
+    pools = [HostPool(mla=True, head_dim=32, pages=40, seed=r) for r in range(2)]
+    ranks = []
+    try:
+        for r in range(2):
+            ranks.append(attach(pools[r], [dev], tp_rank=r, tp_size=2, server=sock,
+                                size="32M", max_run_bytes=4 * block))  # 4 pages per run
+        real, calls = ranks[0].store.put_run, []
+
+        def put_run(run_keys, data):
+            n = real(run_keys, data)
+            calls.append(len(run_keys))
+            if len(calls) == 1:
+                assert ranks[1].clear() is True         # the other rank, between two runs
+            return n
+
+        ranks[0].store.put_run = put_run
+        keys = keys_for("other-clear", 10)
+        assert ranks[0].batch_set_v1(keys, pools[0].token_indices(range(10))) == [True] * 10
+        assert calls == [4]                                 # no run after the clear
+        assert ranks[1].batch_exists(keys) == 0 and ranks[0].batch_exists(keys) == 0
+        ranks[0].store.put_run = real
+        assert ranks[0].batch_set_v1(keys, pools[0].token_indices(range(10))) == [True] * 10
+        assert ranks[1].batch_exists(keys) == 10            # a backup after it is stored
+    finally:
+        server = ranks[0].store if ranks else None
+        for b in ranks:
+            b.close()
+        if server is not None:
+            stop_server(server.server_pid)
+
+
 def test_mla_ranks_without_a_server_are_refused(file_target):
     """SGLang writes MLA pages from one rank only: ranks with stores of their
     own would never hit (and SGLang takes the smallest hit of all ranks)."""
