@@ -850,12 +850,13 @@ class RemoteStore(RunReader, RunWriter):
             s.hold(-1)
         return True
 
-    def _drop_runs(self, runs) -> None:
-        """Runs that failed their checksum here: the server drops them."""
+    def _drop_runs(self, runs, why: str = "checksum") -> None:
+        """Runs that failed their checksum (or a device read: ``why`` is
+        "read_error") here: the server drops them and counts why."""
         self._check_open()
         ids = [int(r.run_id) for r in runs]
         if ids:
-            self._call("drop_runs", run_ids=ids)
+            self._call("drop_runs", run_ids=ids, why=why)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

@@ -49,7 +49,8 @@ PROTOCOL = 9   # 2: "clear"; admit answers the clear count, commit carries it
 #                7: "touch" (mark the runs holding keys as just used, for LRU)
 #                8: the fence files are followed by the store's devices 1..
 #                   (each checked to be the medium the rank does its I/O on)
-#                9: "delete_prefix" (a worker's own keys), "clear_ticket"
+#                9: "delete_prefix" (a worker's own keys), "clear_ticket";
+#                   drop_runs says why (a checksum failure or a read error)
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

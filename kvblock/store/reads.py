@@ -12,6 +12,8 @@ trailer, every byte checked against the run's checksums unless
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from typing import Any, Sequence
 
 import numpy as np
@@ -29,6 +31,7 @@ from kvblock.store.runio import RunIO
 from kvblock.store.scatter import BlockList, as_array, block_at, span
 
 logger = logging.getLogger(__name__)
+DAMAGED_RUNS_KEPT = 1024
 
 
 def _first_difference(a: list, b: list) -> int:
@@ -39,12 +42,18 @@ def _first_difference(a: list, b: list) -> int:
 class RunReader(RunIO):
     """get_run, get_runs, get_blocks and read_range.  The class using it
     provides ``_check_open``, ``_segments``, ``_unpin``, ``_run_pin_held`` and
-    ``_drop_runs``."""
+    ``_drop_runs(runs, why=...)`` (why: "checksum" or "read_error", for a
+    store server's counters)."""
 
     # Where the last failure was (README: "store.last_read_error says
     # where"): None until one happens, so monitoring can read them any time.
     last_read_error: tuple | None = None          # (path, offset, run ids dropped)
     last_checksum_failure: tuple | None = None    # (path, offset, run id, range)
+    # Run ids found damaged lately (run ids are never reused): requests of
+    # one get_runs call, or racing reads, that meet one damaged run count
+    # and drop it once.
+    _damaged_runs: OrderedDict | None = None
+    _damaged_lock = threading.Lock()
 
     @in_flight
     def get_run(self, keys: Sequence, out) -> int:
@@ -649,11 +658,19 @@ class RunReader(RunIO):
     def _checksum_failure(self, run: Run, range_index: int) -> None:
         if not self._run_pin_held(run):
             return       # its space may hold other runs now; the read is a miss
+        with self._damaged_lock:
+            if self._damaged_runs is None:
+                self._damaged_runs = OrderedDict()
+            if run.run_id in self._damaged_runs:
+                return   # counted and dropped by the read that met it first
+            self._damaged_runs[run.run_id] = None
+            if len(self._damaged_runs) > DAMAGED_RUNS_KEPT:
+                self._damaged_runs.popitem(last=False)
         self.counters["checksum_failures"] += 1
         dev, off = self.regions.address(run.region, run.offset)
         self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id, range_index)
         try:
-            self._drop_runs([run])
+            self._drop_runs([run], why="checksum")
         except KVBlockError as e:    # the read is a miss whatever became of the drop
             logger.warning("kvblock: dropping run %d after a checksum failure failed: %s",
                            run.run_id, e)
@@ -683,6 +700,6 @@ class RunReader(RunIO):
         logger.warning("kvblock: %s; dropping %d run(s) that read it (%d blocks)", error,
                        len(hit), sum(r.nblocks for r in hit))
         try:
-            self._drop_runs(hit)
+            self._drop_runs(hit, why="read_error")
         except KVBlockError as e:    # the read error is what the caller hears
             logger.warning("kvblock: dropping runs after a read error failed: %s", e)

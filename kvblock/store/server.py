@@ -89,6 +89,8 @@ HELLO_TIMEOUT_S = 10.0
 MAX_CLIENTS = 512
 # The accept loop wakes this often to check idle_exit; stop() wakes it at once.
 ACCEPT_POLL = 0.2
+# what a client says of the runs it drops (drop_runs) -> the counter it adds to
+DROP_REASONS = {"checksum": "checksum_failures", "read_error": "read_errors"}
 
 
 class _Session:
@@ -690,17 +692,21 @@ class StoreServer:
             self.store._unpin(segs)
         return None
 
-    def _op_drop_runs(self, s, run_ids):
-        """Runs that failed a client's checksum."""
+    def _op_drop_runs(self, s, run_ids, why="checksum"):
+        """Runs that failed a client's checksum (or device read: ``why``);
+        counted once each, by the rank that dropped them first."""
         st = self.store
         if not isinstance(run_ids, list):
             raise ConfigError(f"drop_runs: run_ids must be a list of run ids (integers), got "
                               f"{type(run_ids).__name__} {str(run_ids)[:80]}")
+        if why not in DROP_REASONS:
+            raise ConfigError(f"drop_runs: why must be one of {sorted(DROP_REASONS)}, got "
+                              f"{str(why)[:80]!r}")
         for i in run_ids:
             _check_id("drop_runs", "run_ids", i)
         with st._lock:
             runs = [st.index.runs[i] for i in dict.fromkeys(run_ids) if i in st.index.runs]
-        st.counters["checksum_failures"] += len(run_ids)
+        st.counters[DROP_REASONS[why]] += len(runs)
         st._drop_runs(runs)
         return len(runs)
 

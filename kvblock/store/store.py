@@ -983,7 +983,9 @@ class KVStore(Recovery, RunReader, RunWriter):
         finally:
             self._inflight.leave()
 
-    def _drop_runs(self, runs: list[Run]) -> None:
+    def _drop_runs(self, runs: list[Run], why: str | None = None) -> None:
+        """Forget ``runs`` (journaled); ``why`` is for RemoteStore's server,
+        the reads here count their failures themselves."""
         with self._lock:
             # once each: a run named twice (a read error's runs, one per
             # segment; a client's list) taken out twice would count its

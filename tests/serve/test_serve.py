@@ -307,6 +307,33 @@ def test_a_rank_reads_a_few_blocks_of_a_long_run_by_its_trailer(tmp_path, sock):
         assert a.lookup(keys) == 0
 
 
+def test_a_ranks_device_error_counts_as_a_read_error_on_the_server(tmp_path, sock):
+    """A rank's read that fails with EIO drops the run on the server as a
+    checksum failure does, but the server counted it as one (the drop did
+    not say why): its stats showed corruption where a device failed."""
+    from kvblock import create_file
+    from kvblock.errors import IOFailedError
+    from tests.support.faults import BadSectors
+
+    path = str(tmp_path / "s.img")
+    create_file(path, 16 * MIB)
+    KVStore.format([path], GEOM, region_size=REGION).close()
+    keys = run_keys(3, 4)
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as a, \
+            RemoteStore(sock) as b:
+        assert a.put_run(keys, run_data(keys)) == 4
+        (run,) = server.store.index.runs.values()
+        bad = BadSectors()
+        bad.add(*b.regions.address(run.region, run.offset), GEOM.block_bytes)
+        bad.install(b)
+        with pytest.raises(IOFailedError, match="EIO"):
+            b.get_run(keys, np.zeros(4 * GEOM.block_bytes, np.uint8))
+        assert a.lookup(keys) == 0                          # dropped for every rank
+        assert b.counters["read_errors"] == 1 and b.counters["checksum_failures"] == 0
+        assert server.store.counters["read_errors"] == 1
+        assert server.store.counters["checksum_failures"] == 0
+
+
 @pytest.mark.parametrize("where", ["disk", "shm"])
 def test_a_rank_reads_several_requests_with_get_runs(tmp_path, shm_target, sock, where):
     """get_runs through a server: parts of runs read together and checked

@@ -256,3 +256,19 @@ def test_with_a_host_tier_a_device_error_fails_only_its_request(filled):
         assert store.stats()["read_errors"] >= 1
         assert [store.lookup(k) for k in keys] == [N, N, 0, N]
         assert int(store.regions.pins.sum()) == 0
+
+
+def test_requests_sharing_a_damaged_run_count_one_failure(filled):
+    """Two requests of one get_runs call read the same damaged run: both
+    fail, the run is dropped once and counted once (it counted once per
+    request: two failures for one damaged range)."""
+    store, keys, data = filled()
+    geom = store.geometry
+    with store:
+        run = _run(store, keys[0][0])
+        _flip(store, run, 11 * geom.group_block_bytes + 5)
+        outs = [_aligned(2 * geom.block_bytes) for _ in range(3)]
+        assert store.get_runs([(keys[0][10:12], outs[0]), (keys[0][11:13], outs[1]),
+                               (keys[1][3:5], outs[2])]) == [0, 0, 2]
+        assert store.stats()["checksum_failures"] == 1
+        assert store.counters["deleted_runs"] == 0 and store.lookup(keys[0]) == 0
