@@ -686,22 +686,23 @@ def serve(devices, socket_path, model, eviction, admit_after, engine, verify, id
     """
     import json as _json
 
-    from kvblock.store.server import open_server, run_forever
+    from kvblock.store.server import open_server, run_forever, stop_signals
 
-    try:
-        server = open_server(list(devices), socket_path, model=model, eviction=eviction,
-                             admit_after=admit_after, engine=engine, verify=verify,
-                             idle_exit=idle_exit, pin_lease=pin_lease,
-                             hello_timeout=hello_timeout, max_clients=max_clients)
-    except DeviceBusyError as e:
-        raise _writer_busy(e, "one process serves a store", "serve") from None
-    s = server.store.stats()
-    ready = {"socket": socket_path, "pid": os.getpid(), "uuid": s["uuid"],
-             "devices": s["devices"], "runs": s["runs"], "blocks": s["blocks"]}
-    if as_json:
-        click.echo(_json.dumps(ready))
-    click.echo(f"kvblock serve: store {s['uuid']} ({', '.join(s['devices'])}; {s['runs']} "
-               f"runs) on {socket_path}, pid {os.getpid()}", err=True)
-    status = run_forever(server)
+    with stop_signals() as stop:
+        try:
+            server = open_server(list(devices), socket_path, model=model, eviction=eviction,
+                                 admit_after=admit_after, engine=engine, verify=verify,
+                                 idle_exit=idle_exit, pin_lease=pin_lease,
+                                 hello_timeout=hello_timeout, max_clients=max_clients)
+        except DeviceBusyError as e:
+            raise _writer_busy(e, "one process serves a store", "serve") from None
+        s = server.store.stats()
+        ready = {"socket": socket_path, "pid": os.getpid(), "uuid": s["uuid"],
+                 "devices": s["devices"], "runs": s["runs"], "blocks": s["blocks"]}
+        if as_json:
+            click.echo(_json.dumps(ready))
+        click.echo(f"kvblock serve: store {s['uuid']} ({', '.join(s['devices'])}; "
+                   f"{s['runs']} runs) on {socket_path}, pid {os.getpid()}", err=True)
+        status = run_forever(server, stop)
     click.echo(f"kvblock serve: stopped ({'store failed' if status else 'clean'})", err=True)
     sys.exit(status)

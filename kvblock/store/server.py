@@ -26,6 +26,7 @@ exactly like one whose in-process owner was killed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import inspect
 import itertools
@@ -89,6 +90,8 @@ HELLO_TIMEOUT_S = 10.0
 MAX_CLIENTS = 512
 # The accept loop wakes this often to check idle_exit; stop() wakes it at once.
 ACCEPT_POLL = 0.2
+# spawn_server moves a longer log aside first (one older log is kept)
+LOG_KEEP_BYTES = 64 << 20
 # what a client says of the runs it drops (drop_runs) -> the counter it adds to
 DROP_REASONS = {"checksum": "checksum_failures", "read_error": "read_errors"}
 
@@ -952,6 +955,7 @@ def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
         if value is not None:
             cmd += [flag, str(value)]
     log_path = os.fspath(log_path) if log_path else socket_path + ".log"
+    _rotate_log(log_path)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                 start_new_session=True, close_fds=True)
@@ -972,9 +976,24 @@ def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
     return proc
 
 
-def run_forever(server: StoreServer) -> int:
-    """Serve until SIGTERM / SIGINT (clean stop: checkpoint) or a failure.
-    Returns an exit status."""
+def _rotate_log(path: str) -> None:
+    """A server log past LOG_KEEP_BYTES moves to ``<path>.1`` (replacing the
+    one there) before a new server appends to it: the servers started for
+    one socket over months share a log that would otherwise only grow."""
+    try:
+        if os.path.getsize(path) > LOG_KEEP_BYTES:
+            os.replace(path, path + ".1")
+    except FileNotFoundError:
+        pass
+
+
+@contextlib.contextmanager
+def stop_signals():
+    """SIGTERM / SIGINT set the event it yields, from now until the block
+    ends: enter it before open_server, whose socket accepts (what
+    spawn_server waits for) before run_forever runs; a SIGTERM in between
+    killed the server uncleanly.  One during recovery stops the server once
+    it is open."""
     stop = threading.Event()
 
     def on_signal(signum, frame):
@@ -982,13 +1001,22 @@ def run_forever(server: StoreServer) -> int:
 
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
+        yield stop
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def run_forever(server: StoreServer, stop: threading.Event) -> int:
+    """Serve until ``stop`` is set (stop_signals: SIGTERM / SIGINT; a clean
+    stop, checkpoint) or a failure.  Returns an exit status."""
+    try:
         while not stop.is_set() and not server.stopped.is_set():
             stop.wait(0.2)
     finally:
         server.stop()
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
     return 1 if server.failed is not None else 0
 
 
-__all__ = ["StoreServer", "open_server", "serve_in_background", "spawn_server", "run_forever"]
+__all__ = ["StoreServer", "open_server", "serve_in_background", "spawn_server", "run_forever",
+           "stop_signals"]

@@ -307,6 +307,46 @@ def test_a_rank_reads_a_few_blocks_of_a_long_run_by_its_trailer(tmp_path, sock):
         assert a.lookup(keys) == 0
 
 
+def test_a_sigterm_right_after_start_stops_the_server_cleanly(tmp_path, sock):
+    """spawn_server returns once the socket accepts; the serve command set
+    its SIGTERM handler only after that, so a SIGTERM then (an operator's
+    stop, a test's teardown) killed it: no checkpoint, no "stopped" line,
+    exit -15.  Every start here is stopped at once and must stop cleanly."""
+    from kvblock import create_file
+
+    path = str(tmp_path / "s.img")
+    create_file(path, 16 * MIB)
+    KVStore.format([path], GEOM, region_size=REGION).close()
+    for _ in range(5):
+        server = spawn_server([path], sock, timeout=30)
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(20) == 0
+        assert Path(sock + ".log").read_text().endswith("kvblock serve: stopped (clean)\n")
+
+
+def test_spawn_moves_a_long_log_aside(tmp_path, sock, monkeypatch):
+    """Servers auto-started for one socket append to one log: past
+    LOG_KEEP_BYTES it moves to <log>.1 (the older one replaced) before the
+    next server starts, so it does not grow without end."""
+    from kvblock import create_file
+    from kvblock.store import server as server_mod
+    from tests.support.servers import stop_server
+
+    path = str(tmp_path / "s.img")
+    create_file(path, 16 * MIB)
+    KVStore.format([path], GEOM, region_size=REGION).close()
+    log = Path(sock + ".log")
+    Path(sock + ".log.1").write_text("oldest\n")
+    log.write_text("old\n" * 1000)
+    monkeypatch.setattr(server_mod, "LOG_KEEP_BYTES", 2000)
+    for starts in (1, 2):          # the second start finds a short log: kept
+        server = spawn_server([path], sock, timeout=30)
+        stop_server(server.pid)
+        server.wait()
+        assert Path(sock + ".log.1").read_text() == "old\n" * 1000
+        assert log.read_text().count("kvblock serve: stopped (clean)") == starts, log.read_text()
+
+
 def test_a_ranks_device_error_counts_as_a_read_error_on_the_server(tmp_path, sock):
     """A rank's read that fails with EIO drops the run on the server as a
     checksum failure does, but the server counted it as one (the drop did
