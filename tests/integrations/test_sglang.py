@@ -365,6 +365,15 @@ def test_clear_forgets_the_dram_tier_too(file_target, backends):
     assert backend.batch_get_v1(keys, pool.token_indices(range(4, 8))) == [False] * 4
 
 
+def _close_ranks(ranks) -> None:
+    """Close the ranks' backends, then stop the server the first one started."""
+    server = ranks[0].store if ranks else None
+    for b in ranks:
+        b.close()
+    if server is not None:
+        stop_server(server.server_pid)
+
+
 def test_mla_ranks_share_one_store_through_a_server(tmp_path):
     """MLA, tp_size 2: rank 0 writes (as SGLang does), rank 1 reads what it
     wrote, from one store on one device; the first rank formats the device
@@ -431,11 +440,7 @@ def test_mla_ranks_share_one_store_through_a_server(tmp_path):
         for p, w in zip([4, 3, 2, 1, 0], want):
             assert torch.equal(pools[1].page_bytes(p), w)
     finally:
-        server = ranks[0].store if ranks else None
-        for b in ranks:
-            b.close()
-        if server is not None:
-            stop_server(server.server_pid)
+        _close_ranks(ranks)
     # the server checkpointed on SIGTERM: the store opens and holds rank 0's
     # pages and each rank's state page
     with KVStore.open([dev]) as store:
@@ -473,11 +478,7 @@ def test_a_clear_by_another_rank_stops_a_backup_between_its_runs(tmp_path):
         assert ranks[0].batch_set_v1(keys, pools[0].token_indices(range(10))) == [True] * 10
         assert ranks[1].batch_exists(keys) == 10            # a backup after it is stored
     finally:
-        server = ranks[0].store if ranks else None
-        for b in ranks:
-            b.close()
-        if server is not None:
-            stop_server(server.server_pid)
+        _close_ranks(ranks)
 
 
 def test_mla_ranks_without_a_server_are_refused(file_target):
