@@ -17,13 +17,21 @@ from kvblock.errors import ConfigError
 DEFAULT_MAX_IO = 8 << 20
 
 
-def _out_of_range(e: OverflowError, entry: str | None = None) -> ConfigError:
+def _out_of_range(e: OverflowError | None, entry: str | None = None) -> ConfigError:
     """The ConfigError for a value that does not fit its field (numpy's
     OverflowError names the value)."""
     what = entry or str(e).replace("Python integer ", "").split(" out of bounds")[0]
     return ConfigError(f"IOBatch: {what}: a value out of range; offsets, lengths and "
                        "addresses are non-negative and below 2**64, device indices below "
                        "2**32")
+
+
+def _unsigned(values) -> np.ndarray:
+    """``values`` as an array, ConfigError for a negative one."""
+    arr = np.asarray(values)
+    if arr.dtype.kind in "if" and arr.size and arr.min() < 0:
+        raise _out_of_range(None, str(arr.min()))
+    return arr
 
 
 @dataclass
@@ -43,20 +51,22 @@ class IOBatch:
             raise _out_of_range(e) from None
 
     def _convert(self):
-        self.addrs = np.ascontiguousarray(self.addrs, dtype=np.uint64).reshape(-1)
+        # A signed array's negative values would wrap to near 2**64 in the cast
+        # (numpy raises OverflowError for Python ints only): refuse them alike.
+        self.addrs = np.ascontiguousarray(_unsigned(self.addrs), dtype=np.uint64).reshape(-1)
         n = self.addrs.size
         devs = np.asarray(self.devs)
         if devs.dtype != np.uint32 and devs.size and (devs.min() < 0 or devs.max() > 0xFFFFFFFF):
             raise ConfigError(f"IOBatch: device index {int(devs.min())}..{int(devs.max())} "
                               "out of range")
-        lens = np.asarray(self.lens)
+        lens = _unsigned(self.lens)
         for name, field in (("devs", devs), ("lens", lens)):
             if field.size != 1 and field.shape != (n,):
                 raise ConfigError(f"IOBatch: {n} addresses but {field.size} {name}: give "
                                   f"one per address, or one for all")
         self.devs = np.ascontiguousarray(np.broadcast_to(devs.reshape(-1), (n,)),
                                          dtype=np.uint32)
-        self.offsets = np.ascontiguousarray(self.offsets, dtype=np.uint64).reshape(-1)
+        self.offsets = np.ascontiguousarray(_unsigned(self.offsets), dtype=np.uint64).reshape(-1)
         self.lens = np.ascontiguousarray(np.broadcast_to(lens.reshape(-1), (n,)),
                                          dtype=np.uint64)
         if self.offsets.size != n:

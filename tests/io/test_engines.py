@@ -465,6 +465,23 @@ def test_a_negative_offset_or_length_is_a_config_error(engine_name, file_target)
             IOBatch.listed([buf.address], 0, [0], [-8192])
 
 
+def test_a_negative_numpy_field_is_a_config_error_not_a_wrapped_uint64(engine_name,
+                                                                         shm_target):
+    """A negative value in a signed numpy array (a vectorised subtraction gone
+    wrong) is refused as a Python int is: cast to uint64 it wrapped to near
+    2**64, so a negative address on a mapped device was a copy to a kernel
+    address (the process died of SIGSEGV)."""
+    with Device(shm_target(MIB)) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(4096) as buf:
+        assert eng.mapped(0)
+        at = np.array([buf.address], np.int64)
+        for fields, value in [((at, 0, np.array([-4096]), 4096), -4096),
+                              ((at, 0, [0], np.array([-8192])), -8192),
+                              ((at - 2 * buf.address, 0, [0], 4096), -buf.address)]:
+            with pytest.raises(ConfigError, match=rf"IOBatch: {value}: a value out of range"):
+                eng.read(IOBatch(*fields))
+
+
 def test_a_listed_batch_equals_the_batch_the_constructor_builds():
     """IOBatch.listed (the few-I/O paths' batches) skips __post_init__'s
     conversions: same dtypes and values, on one device (an int of any kind)
