@@ -259,16 +259,19 @@ class Device:
         self._backing_fd = -1     # a loop device's backing file, locked beside it
         try:
             st = os.stat(self.path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError) as e:   # ENOTDIR: a file on the way
             raise DeviceNotFoundError(
                 f"{self.path}: no such device or file; check the path "
                 "(create a store file with `kvblock format FILE --size SIZE ...` or "
                 "kvblock.devices.create_file)",
-                self.path, errno.ENOENT) from None
+                self.path, e.errno) from None
         except PermissionError:
             raise DevicePermissionError(
                 f"{self.path}: permission denied while looking it up; run as root or "
                 "grant access to the path", self.path, errno.EACCES) from None
+        except OSError as e:     # ELOOP, ENAMETOOLONG, EIO...
+            raise DeviceError(f"{self.path}: cannot look it up: {strerror(e.errno)}; check "
+                              "the path", self.path, e.errno) from None
         if stat.S_ISBLK(st.st_mode):
             self.kind = "block"
         elif stat.S_ISREG(st.st_mode):

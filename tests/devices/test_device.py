@@ -92,6 +92,20 @@ def test_missing_path(tmp_path):
     assert isinstance(exc.value, KVBlockError) and exc.value.errno == errno.ENOENT
 
 
+def test_a_path_that_cannot_be_looked_up_is_a_device_error(tmp_path):
+    """A path through a file (ENOTDIR), or through a symlink loop (ELOOP):
+    a typed error naming the path, not a bare OSError from os.stat."""
+    (tmp_path / "kv.img").write_bytes(b"")
+    with pytest.raises(DeviceNotFoundError) as exc:
+        Device(tmp_path / "kv.img" / "x")
+    assert str(tmp_path / "kv.img" / "x") in str(exc.value) and "no such device" in str(exc.value)
+    assert exc.value.errno == errno.ENOTDIR
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    with pytest.raises(DeviceError, match=r"loop: cannot look it up: ELOOP") as exc:
+        Device(tmp_path / "loop")
+    assert exc.value.errno == errno.ELOOP and exc.value.path == str(tmp_path / "loop")
+
+
 def test_directory_is_unsupported(tmp_path):
     with pytest.raises(UnsupportedDeviceError, match="not a block device or regular file.*directory"):
         Device(tmp_path)
