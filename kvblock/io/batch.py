@@ -86,6 +86,8 @@ class IOBatch:
         # I/O itself for a small read.
         b = object.__new__(cls)
         try:
+            if min(address, offset, length) < 0:
+                raise OverflowError   # a numpy scalar would wrap in the cast, not raise
             b.addrs = np.array([address], dtype=np.uint64)
             b.devs = np.array([dev], dtype=np.uint32)
             b.offsets = np.array([offset], dtype=np.uint64)
@@ -100,6 +102,9 @@ class IOBatch:
                lens: list[int]) -> "IOBatch":
         """A batch from lists of ints of equal length, on one device (an int)
         or one per entry (a list), built field by field, as single()."""
+        low = min(min(field, default=0) for field in (addrs, offsets, lens))
+        if low < 0:     # a numpy scalar would wrap in the cast, not raise
+            raise _out_of_range(None, str(low))
         b = object.__new__(cls)
         try:
             b.addrs = np.array(addrs, dtype=np.uint64)

@@ -465,7 +465,7 @@ def test_a_negative_offset_or_length_is_a_config_error(engine_name, file_target)
             IOBatch.listed([buf.address], 0, [0], [-8192])
 
 
-def test_a_negative_numpy_field_is_a_config_error_not_a_wrapped_uint64(engine_name,
+def test_a_negative_numpy_value_is_a_config_error_not_a_wrapped_uint64(engine_name,
                                                                          shm_target):
     """A negative value in a signed numpy array (a vectorised subtraction gone
     wrong) is refused as a Python int is: cast to uint64 it wrapped to near
@@ -480,6 +480,11 @@ def test_a_negative_numpy_field_is_a_config_error_not_a_wrapped_uint64(engine_na
                               ((at - 2 * buf.address, 0, [0], 4096), -buf.address)]:
             with pytest.raises(ConfigError, match=rf"IOBatch: {value}: a value out of range"):
                 eng.read(IOBatch(*fields))
+        # numpy scalars (an offset taken from an array) in the few-I/O constructors
+        with pytest.raises(ConfigError, match="IOBatch: offset -4096, .*out of range"):
+            eng.read_into(0, np.int64(-4096), buf.array)
+        with pytest.raises(ConfigError, match="IOBatch: -8192: a value out of range"):
+            eng.read(IOBatch.listed([buf.address], 0, [0], [np.int64(-8192)]))
 
 
 def test_a_listed_batch_equals_the_batch_the_constructor_builds():
