@@ -87,6 +87,11 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
                   path, code) from None
     try:
         st = os.fstat(fd)
+        if stat.S_ISBLK(st.st_mode):
+            # Its st_size reads 0: fallocate and ftruncate would fail on it.
+            raise UnsupportedDeviceError(
+                f"{path}: a block device, not a file to create or grow; give it as the "
+                "device (a store uses it as it is), or choose a file path", path, errno.ENOTSUP)
         if st.st_size < size:
             # Refuse before reserving: a failed posix_fallocate may leave
             # every free byte of the filesystem allocated to the file.

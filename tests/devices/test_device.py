@@ -419,3 +419,22 @@ def test_create_file_where_it_cannot_be_made_is_a_device_error(tmp_path):
         out = subprocess.run([_python(), "-c", code, str(tmp_path / "private" / "kv.img")],
                              capture_output=True, text=True)
         assert "denied:" in out.stdout and "EACCES" in out.stdout, out.stderr
+
+
+def test_create_file_on_a_block_device_is_refused_by_name(loop_device):
+    """A block device is no file to create or grow (its st_size reads 0):
+    posix_fallocate (ENODEV) and ftruncate failed on it with a bare EINVAL
+    OSError, even for a size it has.  A typed error says to give it as it is, and
+    leaves its bytes alone."""
+    dev_path = loop_device(8 * MIB)
+    with open(dev_path, "r+b") as f:
+        f.write(b"\xab" * 4096)
+    for size in (4 * MIB, 16 * MIB):
+        with pytest.raises(UnsupportedDeviceError, match=rf"{dev_path}: a block device, not a "
+                                                         r"file.*give it as the device") as e:
+            create_file(dev_path, size)
+        assert e.value.path == dev_path
+    with open(dev_path, "rb") as f:
+        assert f.read(4096) == b"\xab" * 4096
+    with Device(dev_path) as dev:     # no fd left open on it
+        assert dev.capacity == 8 * MIB
