@@ -73,11 +73,14 @@ class VLLMLayout(CacheLayout):
         if order not in ("NHD", "HND"):
             raise ConfigError(f"vLLM cache order must be NHD or HND, got {order!r}")
         self.caches, self.order, self.mla = list(kv_caches), order, mla
-        shape = tuple(self.caches[0].shape)
+        shape, dtype = tuple(self.caches[0].shape), str(self.caches[0].dtype)
         for layer, c in enumerate(self.caches):
             if tuple(c.shape) != shape:   # page ids are checked against layer 0's
                 raise ConfigError(f"vLLM layer {layer} cache has shape {tuple(c.shape)}, layer 0 "
                                   f"{shape}; every layer must hold as many pages of one shape")
+            if str(c.dtype) != dtype:     # check() sees layer 0's element size only
+                raise ConfigError(f"vLLM layer {layer} cache has dtype {c.dtype}, layer 0 "
+                                  f"{dtype}; every layer must hold the store's dtype")
         self.num_layers = len(self.caches)
         if mla:
             if len(shape) != 3:
@@ -149,7 +152,7 @@ class HFDynamicLayout(CacheLayout):
                               f"{len(self.values)} value tensors")
         # Every layer is cut into pages as layer 0 is: a layer of other
         # tokens (a sliding-window layer) would be copied past its end.
-        want = tuple(self.keys[0].shape)
+        want, dtype = tuple(self.keys[0].shape), str(self.keys[0].dtype)
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             for name, t in (("keys", k), ("values", v)):
                 if tuple(t.shape) != want:
@@ -157,6 +160,12 @@ class HFDynamicLayout(CacheLayout):
                         f"HFDynamicLayout: layer {layer} {name} have shape {tuple(t.shape)}, "
                         f"layer 0 keys {want}; every layer must hold the same heads and "
                         "tokens (sliding-window layers cannot be paged with the others)")
+                # check() sees layer 0's keys only: another element size would
+                # be paged with their strides, past the tensor's rows
+                if str(t.dtype) != dtype:
+                    raise ConfigError(
+                        f"HFDynamicLayout: layer {layer} {name} have dtype {t.dtype}, layer 0 "
+                        f"keys {dtype}; every layer must hold the store's dtype")
         self.num_layers, self.kv_parts = len(self.keys), 2
         self.tokens = tokens
 

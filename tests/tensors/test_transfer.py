@@ -739,6 +739,28 @@ def test_vllm_layers_of_another_shape_are_refused(path):
         VLLMLayout([torch.zeros(4, BS, D), torch.zeros(2, BS, D)], mla=True)
 
 
+def test_layers_of_another_dtype_are_refused():
+    """Only layer 0's K array was checked against the store's dtype: a later
+    layer (or HF's values) of another element size was copied with layer
+    0's strides, so a load into float16 HF values of a float32 store wrote
+    past each token's row (past the tensor's end for its last head), and a
+    vLLM layer failed in the scatter with numpy's broadcast ValueError after
+    the reads.  The layouts refuse it as they refuse another shape."""
+    with pytest.raises(ConfigError, match=r"layer 1 cache has dtype torch.float16, layer 0 "
+                                          r"torch.float32"):
+        VLLMLayout([torch.zeros(2, 4, BS, H, D), torch.zeros(2, 4, BS, H, D).half(),
+                    torch.zeros(2, 4, BS, H, D)])
+    keys = [torch.zeros(1, H, 2 * BS, D) for _ in range(L)]
+    values = [torch.zeros(1, H, 2 * BS, D) for _ in range(L - 1)] + \
+        [torch.zeros(1, H, 2 * BS, D, dtype=torch.float16)]
+    with pytest.raises(ConfigError, match=rf"layer {L - 1} values have dtype torch.float16, "
+                                          r"layer 0 keys torch.float32"):
+        HFDynamicLayout(keys, values, BS)
+    with pytest.raises(ConfigError, match=r"layer 1 cache has dtype float16, layer 0 float32"):
+        VLLMLayout([np.zeros((4, BS, D), np.float32), np.zeros((4, BS, D), np.float16)],
+                   mla=True)
+
+
 def test_wait_layer_outside_the_store_layers_is_a_clear_error(path):
     src = [rand(2, 4, BS, H, D) for _ in range(L)]
     with _store(path, geom()) as store:
