@@ -290,7 +290,7 @@ class _Job:
         self.pending = 0              # pieces not finished
         self.ok = np.zeros(len(keys), dtype=bool)
         self.declined = np.zeros(len(keys), dtype=bool)   # not stored: the store's policy
-        self.moved = 0                # slots actually read or written
+        self.moved = 0                # slots read or written (a load reports those read)
         self.started = None
         self.ended = None
         self.reserved = reserved      # kvblock keys this store job claimed in _storing
@@ -611,7 +611,7 @@ class KVBlockTierManager(SecondaryTierManager):
         # failure: vLLM's tiering manager feeds every store result with
         # success=False to its back-pressure detector (on_store_failed), which
         # enters pressure after a few in a row and drops the stores after
-        # them.  Such a job reports success, with only the bytes it moved.
+        # them.  Such a job reports success.
         done = job.ok | job.declined
         success = bool(done.all()) and all(owner.ok[at] or owner.declined[at]
                                            for owner, at in job.waits)
@@ -624,10 +624,15 @@ class KVBlockTierManager(SecondaryTierManager):
         if self._events is not None and not job.load:
             self._events.stored([(kb, k) for kb, k, ok in zip(job.kbs, job.keys, job.ok)
                                  if ok])
+        # A store reports the bytes of all its keys (written, found stored,
+        # left to another job, declined), as vLLM's fs tier does and vLLM
+        # assumes without a count: its back-pressure detector divides the
+        # job's time since submit (queueing included) by them, so counting
+        # only the slots written made a job mostly stored already look slow.
+        slots = job.moved if job.load else len(meta.keys)
         self._finished.append(JobResult(
             job_id=meta.job_id, success=success, successful_keys=successful,
-            transfer_time=elapsed,
-            transfer_bytes=job.moved * self.block_size_bytes))
+            transfer_time=elapsed, transfer_bytes=slots * self.block_size_bytes))
         self._inflight -= 1
         if self._inflight == 0:
             self._drained.notify_all()
@@ -779,8 +784,8 @@ class KVBlockTierManager(SecondaryTierManager):
         """The store wrote none of a piece: its admission control turned
         the run away, or a clear() came while it was written.  The store's
         policy, not a failure: the keys are not stored (no BlockStored
-        event; lookups miss), the job still reports success with the bytes
-        it moved (see _publish), and the store counts them
+        event; lookups miss), the job still reports success (see _publish),
+        and the store counts them
         (``admission_rejected_runs``, ``cleared_puts``), not as store failures."""
         job.declined[start:stop] = True
         logger.debug("kvblock tier: store job %s, slots %d..%d: the store declined the run "

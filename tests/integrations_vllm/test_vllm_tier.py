@@ -484,7 +484,7 @@ def test_small_stores_queued_together_are_written_with_one_commit(make_tier, mon
     results = {r.job_id: r for r in drain(tier)}
     assert all(r.success for r in results.values()), results
     assert batches == [2]
-    assert results[5].transfer_bytes == 0 and results[6].transfer_bytes == SLOT
+    assert results[5].transfer_bytes == results[6].transfer_bytes == 2 * SLOT     # all keys
     pool.zero_()
     tier.submit_load(job(9, keys[:15] + keys[20:24], range(19), promotion=True))
     assert drain(tier)[0].success
@@ -614,7 +614,7 @@ def test_lookup_while_store_in_flight(make_tier, monkeypatch):
         gate.set()
     results = sorted(drain(tier), key=lambda r: r.job_id)
     assert [(r.job_id, r.success) for r in results] == [(1, True), (2, True)]
-    assert results[1].transfer_bytes == 0
+    assert results[1].transfer_bytes == SLOT         # its key, left to job 1
     assert tier.lookup(key(1), CTX) is LookupResult.HIT
     assert tier.stats()["put_blocks"] == 2
     assert not tier.has_pending_work()
@@ -667,7 +667,7 @@ def test_a_store_a_clear_overtook_fails_quietly(make_tier, monkeypatch, caplog, 
     store decline the put (it would publish what was there before the
     clear): the keys miss, and nothing is logged as an error or counted as a
     store failure: it is the store's policy, not a failure.  So the job
-    reports success with 0 bytes moved: vLLM's tiering manager calls its
+    reports success (with all its keys' bytes): vLLM's tiering manager calls its
     back-pressure detector's on_store_failed() for every store result with
     success=False (TieringOffloadingManager._update_backpressure), and the
     EMA detector of a storage tier enters pressure after failure_threshold
@@ -703,8 +703,9 @@ def test_a_store_a_clear_overtook_fails_quietly(make_tier, monkeypatch, caplog, 
         else:
             tier.submit_store(job(2, keys, [0, 1, 2]))
         results = {r.job_id: r for r in drain(tier)}
-    assert cleared and all(results[j].success and not results[j].transfer_bytes
-                           for j in results if j != 1), results
+    assert cleared and all(results[j].success for j in results), results
+    assert {j: r.transfer_bytes for j, r in results.items() if j != 1} == \
+        ({2: 2 * SLOT, 3: SLOT} if together else {2: 3 * SLOT})
     detector = EMABackpressureDetector(high_water_s=10.0, low_water_s=5.0, failure_threshold=1)
     for r in results.values():           # what the tiering manager does with a store result
         if r.success:
@@ -842,9 +843,36 @@ def test_duplicate_store_writes_nothing(make_tier):
     written = tier.stats()["bytes_written"]
     tier.submit_store(job(2, [key(1), key(2), key(3)], [0, 1, 2]))
     (res,) = drain(tier)
-    assert res.success and res.transfer_bytes == SLOT            # only key(3)
-    assert tier.stats()["bytes_written"] == written + tier.store.layout(1).run_bytes
+    assert res.success and res.transfer_bytes == 3 * SLOT        # every key of the job
+    assert tier.stats()["bytes_written"] == written + tier.store.layout(1).run_bytes  # key(3)
     assert tier.store.layout(1).run_bytes == SLOT + 4096          # its slot and trailer
+
+
+def test_a_store_job_reports_the_bytes_of_all_its_keys(make_tier):
+    """vLLM feeds a store job's transfer_bytes, with the time since it was
+    submitted (queueing included), to its EMA back-pressure detector as
+    seconds per MiB (TieringOffloadingManager._update_backpressure); without
+    it, it takes every key of the job, and its fs tier reports them all.  A
+    job whose keys are mostly stored already must not look as slow per MiB
+    as if its whole wait were spent on the one slot it wrote (vLLM would then
+    throttle the stores of new KV), nor one stored whole give no sample."""
+    from vllm.v1.kv_offload.tiering.backpressure import EMABackpressureDetector
+
+    tier, pool = make_tier()
+    fill_random(pool, range(8))
+    tier.submit_store(job(1, [key(i) for i in range(7)], range(7)))
+    assert drain(tier)[0].success
+    tier.submit_store(job(2, [key(i) for i in range(8)], range(8)))      # 7 of 8 stored
+    tier.submit_store(job(3, [key(i) for i in range(4)], range(4)))      # all stored
+    results = {r.job_id: r for r in drain(tier)}
+    assert results[2].success and results[2].transfer_bytes == 8 * SLOT
+    assert results[3].success and results[3].transfer_bytes == 4 * SLOT
+    assert tier.stats()["put_blocks"] == 8                               # key 7 written once
+    # the same 10 ms for an 8-slot job: 5 ms per MiB, not 40 (fs defaults: high 10)
+    detector = EMABackpressureDetector(**EMABackpressureDetector.default_config("fs"),
+                                       warmup_completions=1)
+    detector.on_store_completed(0.010, results[2].transfer_bytes)
+    assert not detector.is_under_pressure()
 
 
 # --------------------------------------------------------------------------- lifecycle
