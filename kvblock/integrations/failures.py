@@ -48,9 +48,11 @@ class FailureLog:
             if now - self._last < self.interval:
                 self._folded += 1
                 return
-            folded, self._folded, self._last = self._folded, 0, now
-        more = f" ({folded} more store failures in the last {self.interval:g} s)" if folded \
-            else ""
+            folded, self._folded = self._folded, 0
+            since, self._last = now - self._last, now
+        # The folded ones came since the last warning, which may be long ago.
+        more = f" ({folded} more store failures in the {since:.0f} s since the last " \
+            "warning)" if folded else ""
         # The text, not the exception: a kept record (a capturing or queueing
         # handler) would keep its traceback's frames and their buffers alive.
         self.logger.warning("%s: %s failed, answered as a miss: %s%s", self.owner, what,

@@ -1474,3 +1474,25 @@ def test_driven_by_vllms_tiering_manager(store_file):
     with pytest.raises(ValueError, match="released"):
         len(primary.get_kv_memoryview())
 
+
+
+def test_folded_store_failures_are_said_with_when_they_were(monkeypatch, caplog):
+    """The tier logs its first store failure, folds those in the next
+    LOG_INTERVAL_S, and counts them in the warning of the next failure
+    after that: which may come an hour later, and then must not say the
+    folded ones came in the last 10 s."""
+    from kvblock.errors import StoreClosedError
+    from kvblock.integrations import failures
+
+    clock = [1000.0]
+    monkeypatch.setattr(failures.time, "monotonic", lambda: clock[0])
+    log = failures.FailureLog(logging.getLogger("kvblock.test_failures"), "kvblock tier")
+    with caplog.at_level(logging.WARNING, logger="kvblock.test_failures"):
+        for at in (0.0, 1.0, 2.0, 3600.0):
+            clock[0] = 1000.0 + at
+            log("store job 1", StoreClosedError("the store is closed"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert log.count == 4 and len(lines) == 2, lines
+    assert lines[0] == "kvblock tier: store job 1 failed, answered as a miss: the store is closed"
+    assert lines[1] == ("kvblock tier: store job 1 failed, answered as a miss: the store is "
+                        "closed (2 more store failures in the 3600 s since the last warning)")
