@@ -96,7 +96,7 @@ def check_checkpoints(store, report: FsckReport) -> None:
         head = cpfmt.decode_header(raw)
         # The open read only the slot it loaded: the other one (the fallback)
         # is checked whole here.  A slot never written is all zeros.
-        if head is not None and not _checkpoint_intact(store, off, head):
+        if head is not None and store._slot_checkpoint(slot, head, []) is None:
             head = None
         if head is None and any(raw) and slot not in damaged:
             damaged.append(slot)
@@ -148,22 +148,6 @@ def check_checkpoints(store, report: FsckReport) -> None:
         if not store.readonly:
             report.repaired.append(f"{store.io.devices[0].path}: wrote a new checkpoint of "
                                    "the (empty) cache")
-
-
-def _checkpoint_intact(store, off: int, head) -> bool:
-    """Whether the checkpoint slot at ``off`` (its header ``head`` valid)
-    holds a checkpoint this store can load, as recovery judges one."""
-    if cpfmt.HEADER_BYTES + head.payload_bytes > store.sb.checkpoint_bytes:
-        return False
-    try:
-        payload = store.io.read_array(0, off + cpfmt.HEADER_BYTES, head.payload_bytes)
-    except IOFailedError as e:
-        if e.path is None:
-            raise
-        return False
-    cp = cpfmt.decode_payload(head, payload)
-    return cp is not None and cp.ranges == store.geometry.run_checksums and \
-        len(cp.regions) == store.regions.count
 
 
 def check_allocation(store, report: FsckReport) -> list:

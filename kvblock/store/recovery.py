@@ -45,18 +45,21 @@ class Recovery:
             elif any(raw):      # written once (a slot never written is zeros)
                 self.damaged_checkpoint_slots.append(slot)
         cp = None
-        for _, slot, head in sorted(slots, reverse=True):
-            off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
-            if cpfmt.HEADER_BYTES + head.payload_bytes <= sb.checkpoint_bytes:
-                payload = self._read_slot(off + cpfmt.HEADER_BYTES, head.payload_bytes,
-                                          unreadable, array=True)
-                cp = None if payload is None else cpfmt.decode_payload(head, payload)
-                if cp is not None and cp.ranges == self.geometry.run_checksums and \
-                        len(cp.regions) == self.regions.count:
-                    self._cp_slot = slot
-                    break
-            self.damaged_checkpoint_slots.append(slot)
-            cp = None
+        slots.sort(reverse=True)
+        while slots and cp is None:
+            _, slot, head = slots.pop(0)
+            cp = self._slot_checkpoint(slot, head, unreadable)
+            if cp is None:
+                self.damaged_checkpoint_slots.append(slot)
+            else:
+                self._cp_slot = slot
+        if not self.readonly:
+            # The fallback: this open writes its checkpoint there.  Judged
+            # now, by its payload too, or its damage would be overwritten
+            # unreported (a read-only open leaves it to fsck).
+            for _, slot, head in slots:
+                if self._slot_checkpoint(slot, head, []) is None:
+                    self.damaged_checkpoint_slots.append(slot)
         if cp is None:
             if unreadable:      # an I/O error is no proof of corruption: never "reformat"
                 raise unreadable[0]
@@ -155,6 +158,22 @@ class Recovery:
             if after is None or after[0] <= pos:
                 break
             pos, first, _ = after
+
+    def _slot_checkpoint(self, slot: int, head: cpfmt.CheckpointHeader,
+                         unreadable: list) -> cpfmt.Checkpoint | None:
+        """The checkpoint in ``slot`` (its header ``head`` valid), or None
+        when this store cannot load it (payload damaged or unreadable, or
+        not of this store's shape)."""
+        sb = self.sb
+        if cpfmt.HEADER_BYTES + head.payload_bytes > sb.checkpoint_bytes:
+            return None
+        off = sb.checkpoint_offset + slot * sb.checkpoint_bytes + cpfmt.HEADER_BYTES
+        payload = self._read_slot(off, head.payload_bytes, unreadable, array=True)
+        cp = None if payload is None else cpfmt.decode_payload(head, payload)
+        if cp is None or cp.ranges != self.geometry.run_checksums or \
+                len(cp.regions) != self.regions.count:
+            return None
+        return cp
 
     def _read_slot(self, off: int, length: int, unreadable: list, array: bool = False):
         """Bytes of a checkpoint slot, or None when the device fails the read

@@ -292,3 +292,28 @@ def test_fsck_finds_every_run_overlapping_a_long_one_and_repair_leaves_none(tmp_
         assert sum("overlap" in p for p in report.problems) == 2, report.problems
         assert fsck(store).status == "clean", fsck(store).problems
         assert store.lookup(a) == 8
+
+
+@pytest.mark.parametrize("where", ["payload", "magic"])
+def test_fsck_repair_reports_the_damaged_fallback_checkpoint_slot_it_rewrote(tmp_path, where):
+    """The older checkpoint slot damaged in its payload (its header whole):
+    a writable open (fsck --repair) judged the slot by its header alone, so
+    it rewrote the slot without a word and fsck said "clean"; a slot whose
+    header was damaged was reported and its rewrite named.  Both are."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    with KVStore.format([str(path)], GEOM, region_size=256 << 10) as store:
+        store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+        sb = store.sb
+    with KVStore.open([str(path)], readonly=True) as store:
+        older = 1 - store._cp_slot
+    _flip(path, sb.checkpoint_offset + older * sb.checkpoint_bytes
+          + (4096 + 40 if where == "payload" else 0))
+    with KVStore.open([str(path)]) as store:
+        assert store.lookup(run_keys(1, 2)) == 2
+        report = fsck(store, repair=True)
+        assert report.status == "repaired", report.problems
+        assert len(report.problems) == 1 and f"checkpoint slot {older}" in report.problems[0]
+        assert report.repaired == [f"{path}: rewrote checkpoint slot {older}"]
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert fsck(store).status == "clean" and store.lookup(run_keys(1, 2)) == 2
