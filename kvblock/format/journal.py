@@ -36,6 +36,7 @@ from kvblock.format.checksum import meta_checksum
 
 MAGIC = 0x4A42564B
 BLOCK = 4096
+SECTOR = 512          # what a device writes whole (damaged_at)
 KEY_BYTES = 16
 
 PUT_RUN, DROP_RUN, RECLAIM = 1, 2, 3
@@ -145,6 +146,12 @@ def scan(data: bytes | memoryview, expected_seq: int,
     Stops at the first position that holds no valid record with the expected
     sequence; zero padding after a commit is skipped to the next block.
     """
+    return scan_to(data, expected_seq, epoch)[:3]
+
+
+def scan_to(data: bytes | memoryview, expected_seq: int,
+            epoch: int) -> tuple[list[Record], int, int, int]:
+    """:func:`scan`, and the offset where it stopped (for :func:`damaged_at`)."""
     data = memoryview(data)
     pos, seq, records, end = 0, expected_seq, [], 0
     while pos + _HEADER.size <= len(data):
@@ -169,7 +176,25 @@ def scan(data: bytes | memoryview, expected_seq: int,
         seq += 1
         pos = stop
         end = -(-pos // BLOCK) * BLOCK
-    return records, end, seq
+    return records, end, seq, pos
+
+
+def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool:
+    """Whether the record where :func:`scan_to` stopped (``pos``, ``seq``)
+    was written whole and damaged since, not torn by a crash: a device
+    writes a sector whole, so a crash leaves each one old or new.  Proof is
+    a header of ``epoch`` numbered ``seq`` whose record lies in one sector,
+    or bytes other than a record or zero padding after an intact record's
+    end in its sector."""
+    data = memoryview(data)
+    sector_end = min((pos // SECTOR + 1) * SECTOR, len(data))
+    if pos + _HEADER.size > sector_end:
+        return False    # the header may cross into a sector a crash left old
+    magic, _, _, length, _, repoch, rseq, _ = _HEADER.unpack_from(data, pos)
+    if magic == MAGIC and repoch == epoch and rseq == seq:
+        return pos + _HEADER.size + length <= sector_end
+    # a sector that starts without this record may be one never written
+    return pos % SECTOR != 0 and not _is_zero(data[pos:sector_end])
 
 
 def record_at(data: bytes | memoryview, pos: int = 0) -> tuple[int, int] | None:

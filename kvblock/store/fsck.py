@@ -130,6 +130,14 @@ def check_checkpoints(store, report: FsckReport) -> None:
             "are lost (a crash inside one commit leaves a few such records; more mean the "
             "journal was damaged). The rest of the store is consistent; a writable open "
             "(--repair) starts a new journal")
+    rotten = getattr(store, "journal_damaged", None)
+    if rotten:
+        report.problems.append(
+            f"{store.io.devices[0].path}: the journal record at offset {rotten['offset']} "
+            f"(number {rotten['seq']}) is damaged, not torn by a crash: what it removed is "
+            f"unknown, so the store's {rotten['runs_dropped']} runs cannot be trusted and "
+            "were dropped at open (the cache restarts empty); a writable open (--repair) "
+            "starts a new journal")
     foreign = getattr(store, "journal_foreign_puts", [])
     if foreign:
         report.problems.append(
@@ -137,7 +145,7 @@ def check_checkpoints(store, report: FsckReport) -> None:
             f"store cannot have written (run {foreign[0][0]}: {foreign[0][1]}): written by a bug "
             "or damaged, they were not replayed (no run of theirs is in the store); a "
             "writable open (--repair) starts a new journal")
-    if (gap or foreign) and not store.readonly:   # the open wrote a checkpoint: a new epoch
+    if (gap or foreign or rotten) and not store.readonly:   # the open wrote a new epoch
         report.repaired.append(f"{store.io.devices[0].path}: started a new journal")
     if getattr(store, "stale_checkpoint", False):
         report.problems.append(

@@ -27,6 +27,7 @@ class Recovery:
     def _recover(self):
         sb = self.sb
         self.journal_gap = None
+        self.journal_damaged = None     # a record damaged, not torn (fsck reports it)
         # PUT records no writer of this store makes (fsck reports them)
         self.journal_foreign_puts = []
         # Slots that were written once but no longer decode (fsck reports
@@ -92,8 +93,8 @@ class Recovery:
                 self._rewrite_unreadable_journal()
             return
         self._load_checkpoint(cp)
-        records, end, next_seq = jfmt.scan(journal, cp.journal_seq,
-                                           jfmt.epoch(sb.store_uuid, cp.generation))
+        records, end, next_seq, stop = jfmt.scan_to(journal, cp.journal_seq,
+                                                    jfmt.epoch(sb.store_uuid, cp.generation))
         puts: list[Run] = []
         for rec in records:
             if isinstance(rec, jfmt.PutRun):
@@ -124,6 +125,10 @@ class Recovery:
                            self.io.devices[0].path, next_seq, count, first,
                            sb.journal_offset + pos)
             self._removals_past_gap(journal, pos, first, epoch)
+        elif jfmt.damaged_at(journal, stop, next_seq, epoch):
+            # Damaged as the last record: no intact record after it shows
+            # what it removed (a gap's do, _removals_past_gap)
+            self._drop_after_damage(sb.journal_offset + stop, next_seq)
         self._generation = cp.generation
         self._seq = next_seq
         self._jhead = end
@@ -132,6 +137,20 @@ class Recovery:
         if not self.readonly:
             self._write_checkpoint()  # new epoch: stale journal records are dead from here on
             self._rewrite_unreadable_journal()
+
+    def _drop_after_damage(self, offset: int, seq: int) -> None:
+        """Replay stopped at the journal's last record, written whole
+        (acknowledged) and damaged since: what it removed is unknown -- a
+        region it reclaimed may hold other bytes now (trimmed, or written by
+        puts a crash kept from committing) -- so no run is trusted (a cache
+        loses only time)."""
+        runs = list(self.index.runs.values())
+        for run in runs:
+            self._remove_run(run)
+        self.journal_damaged = {"offset": offset, "seq": seq, "runs_dropped": len(runs)}
+        logger.warning("kvblock: %s: journal record %d at offset %d is damaged; what it "
+                       "removed is unknown, so the store's %d runs are dropped",
+                       self.io.devices[0].path, seq, offset, len(runs))
 
     def _removals_past_gap(self, journal, pos: int, first: int, epoch: int) -> None:
         """The intact records past a journal gap publish nothing, but what

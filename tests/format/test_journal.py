@@ -365,3 +365,25 @@ def test_epoch_of_a_checkpoint_generation_is_pinned():
     assert j.epoch(store_uuid, 7) == xxhash.xxh64_intdigest(store_uuid + (7).to_bytes(8, "little"))
     assert j.epoch(store_uuid, 8) != j.epoch(store_uuid, 7)
     assert j.epoch(bytes(16), 7) != j.epoch(store_uuid, 7)
+
+
+def test_damaged_at_tells_a_damaged_record_from_a_torn_one():
+    """Replay stops alike at a torn record and at a damaged one; only a
+    record that a crash cannot have torn (it lies in one sector, which a
+    device writes whole) is proof of damage."""
+    data, ends = journal_of(COMMITS)
+    at = ends[0] + 48                  # the second record of the second commit
+    bad = bytearray(data)
+    bad[at + 40] ^= 1                  # its payload rots
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (nxt, stop) == (4, at) and j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    bad[at + 40] ^= 1
+    bad[at + 3] ^= 1                   # its magic rots: garbage after an intact record
+    assert j.damaged_at(bytes(bad), at, 4, EPOCH)
+    # torn: the commit's first sector written, the rest not (zeros, or stale bytes)
+    for cut in (0, 512):
+        torn = data[:ends[1] + cut] + bytes(len(data) - ends[1] - cut)
+        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        assert recs == COMMITS[0] + COMMITS[1] and not j.damaged_at(torn, stop, nxt, EPOCH)
+    recs, end, nxt, stop = j.scan_to(data, 1, EPOCH)          # the journal's end
+    assert not j.damaged_at(data, stop, nxt, EPOCH)

@@ -399,3 +399,47 @@ def test_a_foreign_journal_put_is_reported_by_fsck(tmp_path, what):
         assert report.repaired == [f"{path}: started a new journal"]
     with KVStore.open([str(path)], readonly=True) as store:
         assert fsck(store).status == "clean" and store.lookup(keys) == 2
+
+
+def test_a_damaged_last_reclaim_record_does_not_serve_the_regions_old_runs(tmp_path):
+    """A RECLAIM record that rots when it is the journal's last (the region
+    was trimmed, or written again by puts a crash kept from committing):
+    replay stopped there and, with no intact record after it, saw no gap,
+    so the region's old run stayed indexed and verify="never" served the
+    region's new bytes under its keys.  A record of this epoch and the
+    expected number lying in one journal block cannot be torn by a crash:
+    it is damage, and what it removed is unknown, so no run is trusted."""
+    from kvblock.store.fsck import fsck
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    old = run_keys(70, 2)
+    store.put_run(old, run_data(old))
+    run = store.index.segments([normalize_key(old[0])])[0][0]
+    dev, run_at = store.regions.address(run.region, run.offset)
+    store.checkpoint()                       # the old run is in the checkpoint
+    reclaim_at = store.sb.journal_offset + store._jhead
+    assert store.evict(all=True) >= 1
+    store._release_devices()                 # a crash: no checkpoint after the RECLAIM
+    store.closed = True
+    with open(path, "r+b") as f:
+        f.seek(run_at)                       # the region written again, never published
+        f.write(bytes(range(256)) * 64)
+        f.seek(reclaim_at + 40)              # the RECLAIM record's payload rots
+        byte = f.read(1)
+        f.seek(reclaim_at + 40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with KVStore.open([str(path)], verify="never", readonly=True) as store:
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        got = store.get_run(old, out)
+        assert got == 0 or np.array_equal(out, run_data(old))
+        assert store.lookup(old) == 0
+        report = fsck(store)
+        assert any(f"{path}: the journal record at offset {reclaim_at}" in p
+                   for p in report.problems), report.problems
+    with KVStore.open([str(path)]) as store:
+        assert fsck(store).repaired == [f"{path}: started a new journal"]
+    with KVStore.open([str(path)], readonly=True) as store:   # the damage is of a dead epoch
+        assert store.lookup(old) == 0 and fsck(store).status == "clean"
