@@ -983,15 +983,18 @@ class KVStore(Recovery, RunReader, RunWriter):
         finally:
             self._inflight.leave()
 
-    def _drop_runs(self, runs: list[Run], why: str | None = None) -> None:
-        """Forget ``runs`` (journaled); ``why`` is for RemoteStore's server,
-        the reads here count their failures themselves."""
+    def _drop_runs(self, runs: list[Run], why: str | None = None) -> int:
+        """Drop those of ``runs`` still indexed (journaled); returns the
+        blocks removed: their positions no newer run took (those stay
+        stored there).  ``why`` is for RemoteStore's server: the reads here
+        count their failures themselves."""
         with self._lock:
             # once each: a run named twice (a read error's runs, one per
             # segment; a client's list) taken out twice would count its
             # region's live runs down twice, and an emptied-looking region
             # is reclaimed under the runs still in it
             runs = list({r.run_id: r for r in runs if r.run_id in self.index.runs}.values())
+            removed = sum(run.live for run in runs)
             for run in runs:
                 self._forget_run(run)
         if runs and not self.readonly:
@@ -1003,6 +1006,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             for at in range(0, len(runs), per_commit):
                 self._commit([jfmt.DropRun(r.run_id) for r in runs[at:at + per_commit]])
             self._release_empty_regions({r.region for r in runs})
+        return removed
 
     def _release_empty_regions(self, candidates) -> None:
         failed = None
@@ -1058,9 +1062,9 @@ class KVStore(Recovery, RunReader, RunWriter):
         blocks from the DRAM tier, and what ``discard_asked(tier)`` drops
         there (the keys asked for: a copy may outlive its run); returns the
         blocks removed."""
-        failed = None
+        failed, removed = None, 0
         try:
-            self._drop_runs(runs)
+            removed = self._drop_runs(runs)
         except KVBlockError as e:
             # The runs are out of the index and their DROP records durable;
             # only freeing a region emptied failed (its TRIM): the DRAM
@@ -1077,7 +1081,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self.counters["deleted_runs"] += len(runs)
         if failed is not None:
             raise failed
-        return sum(r.nblocks for r in runs) + host_only
+        return removed + host_only
 
     def removed_since(self, cursor: str | None = None) -> tuple[str, list[bytes] | None]:
         """Keys of the runs evicted, deleted, cleared or dropped since

@@ -508,3 +508,32 @@ def test_clear_ticket_changes_with_every_clear(tmp_path):
         assert second != first
         store.delete(run_keys(1, 1))
         assert store.clear_ticket() == second
+
+
+@pytest.mark.parametrize("how", ["prefix", "keys"])
+def test_delete_counts_the_blocks_it_removed_not_positions_a_newer_run_holds(tmp_path, how):
+    """A run whose second key a newer (another owner's) run stored again:
+    deleting it removes one block, the other is still stored and read from
+    the newer run.  The count said 2 (the run's length), so LMCache's
+    clear() reported tokens it had not removed."""
+    me, them = b"\x01\x02\x03\x04", b"\x01\x02\x03\x05"
+    mine, theirs = _owned(me, 0, 1), _owned(them, 1, 2)
+    with KVStore.open([_store(tmp_path)]) as store:
+        store.put_run(mine + theirs[:1], run_data(mine + theirs[:1]))
+        store.put_run(theirs, run_data(theirs))          # supersedes theirs[0]
+        assert store.stats()["blocks"] == 3
+        removed = store.delete_prefix(me) if how == "prefix" else store.delete(mine)
+        assert store.stats()["blocks"] == 2 and store.lookup(theirs) == 2
+        assert removed == 1
+
+
+def test_delete_does_not_count_a_run_dropped_meanwhile(tmp_path):
+    """The runs are found under the lock and dropped after it: one another
+    call dropped in between (a delete, an eviction) is not this call's."""
+    keys = _owned(b"\x09", 0, 3)
+    with KVStore.open([_store(tmp_path)]) as store:
+        store.put_run(keys, run_data(keys))
+        found = store.index.runs_with_prefix(b"\x09")
+        assert store.delete(keys) == 3                   # the other call
+        store.index.runs_with_prefix = lambda prefix: found
+        assert store.delete_prefix(b"\x09") == 0
