@@ -64,11 +64,14 @@ Blending (``enable_blending: true``).
     through aligned staging memory.  Such a store has its own fingerprint.
 
 Keys.
-    ``xxh3_128(prefix || fields)``: the fields of LMCache's key -- model,
-    world size, worker, chunk hash, KV dtype, tags in order, layer -- as a
-    JSON list (``to_string()`` joins them with "@" and "%" unescaped, so
-    two tag sets could spell one string); ``prefix`` adds the plugin's
-    ``kvblock.namespace`` (tenant / salt).
+    A 4-byte owner tag of the plugin's ``kvblock.namespace``, the model and
+    the worker id, then 12 bytes of ``xxh3_128(prefix || fields)``: the
+    fields of LMCache's key -- model, world size, worker, chunk hash, KV
+    dtype, tags in order, layer -- as a JSON list (``to_string()`` joins
+    them with "@" and "%" unescaped, so two tag sets could spell one
+    string); ``prefix`` adds the namespace (tenant / salt).  ``clear()``
+    removes the keys of its own tag (``delete_prefix``): on a shared store
+    the other workers' and tenants' chunks stay.
 
 Pins.
     ``pin``/``contains(pin=True)`` pin the chunk's run in the store until
