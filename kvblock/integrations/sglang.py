@@ -514,7 +514,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
     def _clear_mark(self) -> tuple[int, str | None]:
         """What a backup call notes when it begins, for _cleared_since: this
         backend's clear() calls, then the store's clear ticket (a clear by
-        another rank of a shared store, or by `kvblock clear`); None when
+        another rank or client of a shared store); None when
         the store is away (the backup's puts fail on their own then)."""
         clears = self._clears
         try:
