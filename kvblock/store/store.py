@@ -983,11 +983,14 @@ class KVStore(Recovery, RunReader, RunWriter):
         finally:
             self._inflight.leave()
 
-    def _drop_runs(self, runs: list[Run], why: str | None = None) -> int:
+    def _drop_runs(self, runs: list[Run], why: str | None = None,
+                   count_as: str | None = None) -> int:
         """Drop those of ``runs`` still indexed (journaled); returns the
         blocks removed: their positions no newer run took (those stay
         stored there).  ``why`` is for RemoteStore's server: the reads here
-        count their failures themselves."""
+        count their failures themselves.  ``count_as``: the counter that
+        the runs taken out here add to (the store server's, for its ranks'
+        failures: ranks reading one run together all ask to drop it)."""
         with self._lock:
             # once each: a run named twice (a read error's runs, one per
             # segment; a client's list) taken out twice would count its
@@ -995,6 +998,8 @@ class KVStore(Recovery, RunReader, RunWriter):
             # is reclaimed under the runs still in it
             runs = list({r.run_id: r for r in runs if r.run_id in self.index.runs}.values())
             removed = sum(run.live for run in runs)
+            if count_as is not None:     # under the lock that takes them out: once each
+                self.counters[count_as] += len(runs)
             for run in runs:
                 self._forget_run(run)
         if runs and not self.readonly:

@@ -420,3 +420,47 @@ def test_stats_count_no_closing_connection_as_a_client(store_file, sock):
         with _a_connection_closing(server, sock, run_keys(9, 2)):
             with RemoteStore(sock) as b:
                 assert b.stats()["clients"] == 1      # b; a is gone
+
+
+def test_ranks_dropping_one_run_at_once_count_it_once(store_file, sock):
+    """Tensor-parallel ranks read the same runs together, so a damaged run
+    fails every rank's checksum at once and each asks drop_runs for it.
+    The server counted the runs it found before dropping them: two requests
+    that both looked before either dropped counted one failure twice."""
+    with serve_in_background([store_file], sock) as server:
+        st = server.store
+        r = RemoteStore(sock)
+        try:
+            keys = run_keys(5, 3)
+            assert r.put_run(keys, run_data(keys)) == 3
+            (run_id,) = st.index.runs
+            both_looked = threading.Barrier(2)
+            drop = st._drop_runs
+
+            def after_both_looked(*args, **kw):     # each request's drop waits for the other
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    both_looked.wait(timeout=2)
+                return drop(*args, **kw)
+
+            st._drop_runs = after_both_looked
+            replies = []
+
+            def rank():
+                raw = _raw(sock)
+                try:
+                    replies.append(_ask(raw, op="drop_runs", run_ids=[run_id]))
+                finally:
+                    raw.close()
+
+            ranks = [threading.Thread(target=rank) for _ in range(2)]
+            for t in ranks:
+                t.start()
+            for t in ranks:
+                t.join(20)
+            assert [reply["ok"] for reply in replies] == [True, True], replies
+            assert run_id not in st.index.runs
+            assert st.counters["checksum_failures"] == 1
+            assert r.stats()["checksum_failures"] == 1
+        finally:
+            r.close()
+        _still_serves(server, sock, 6)
