@@ -38,6 +38,8 @@ import socket
 import struct
 from typing import Sequence
 
+import numpy as np
+
 from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 
@@ -56,11 +58,24 @@ _LEN = struct.Struct(">I")
 
 
 def encode_msg(obj) -> bytes:
-    data = json.dumps(obj, separators=(",", ":")).encode()
+    data = json.dumps(obj, separators=(",", ":"), default=_json_scalar).encode()
     if len(data) > MAX_FRAME:
         raise ConfigError(f"store server message of {len(data)} bytes exceeds {MAX_FRAME}; "
                           "use fewer keys per call")
     return _LEN.pack(len(data)) + data
+
+
+def _json_scalar(value):
+    """A numpy scalar as the number it holds (KVStore's calls take them);
+    anything else JSON cannot carry is the caller's mistake, typed."""
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    raise ConfigError(f"a store server message cannot carry a {type(value).__name__} "
+                      f"({str(value)[:80]}); pass numbers, strings, lists or None")
 
 
 def recv_msg(sock: socket.socket):

@@ -465,6 +465,35 @@ def test_errors_cross_the_socket(tmp_path, sock):
         assert store.lookup(keys) == 2
 
 
+def test_numpy_integer_arguments_cross_the_socket_as_in_one_process(tmp_path, sock):
+    """KVStore.evict takes a numpy integer byte count (one computed from
+    stats arrays); RemoteStore.evict failed on it with an untyped TypeError
+    ("Object of type int64 is not JSON serializable") before anything was
+    sent.  Numpy scalars travel as the numbers they hold; a value no JSON
+    can carry is a ConfigError naming its type."""
+    from kvblock import create_file
+    from kvblock.store.protocol import encode_msg
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, 8 * MIB)
+    _format(path)
+    with serve_in_background([path], sock) as server:
+        r = RemoteStore(sock)
+        try:
+            for i in range(12):                 # fills and seals the first region
+                keys = run_keys(i, 3)
+                assert r.put_run(keys, run_data(keys)) == 3
+            assert r.evict(np.uint32(0)) == 0
+            assert server.store.counters["evicted_regions"] == 0
+            assert r.evict(np.int64(server.store.regions.count * REGION)) >= 1
+            assert r.lookup(run_keys(0, 3)) == 0
+            with pytest.raises(ConfigError, match="bytes"):
+                encode_msg({"op": "evict", "nbytes": b"1"})
+            assert r.stats()["clients"] == 1      # the connection still serves
+        finally:
+            r.close()
+
+
 def test_leftover_servers_are_killed_at_teardown(sock):
     """The sock fixture's cleanup: a process naming the socket is killed."""
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", sock])
