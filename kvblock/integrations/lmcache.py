@@ -395,9 +395,12 @@ class KVBlockStorageBackend(StoragePluginInterface):
     # ------------------------------------------------------------------ lookups
     def contains(self, key: CacheEngineKey, pin: bool = False) -> bool:
         try:
-            if self.layerwise and getattr(key, "layer_id", None) == 0 \
-                    and not self._whole_chunk(key):
-                return False
+            if self.layerwise and getattr(key, "layer_id", None) == 0:
+                # the lookup of the chunk's layers is the engine's counted
+                # lookup: layer 0 is not looked up (counted) a second time
+                if not self._whole_chunk(key):
+                    return False
+                return self.pin(key) if pin else True
             return self.pin(key) if pin else self.store.contains(self.kvblock_key(key))
         except RUNTIME_FAILURES as e:
             self._failed("a lookup", e)

@@ -460,3 +460,27 @@ def test_clear_of_tokens_removes_their_chunks_layers(file_target, engines):
     assert e.plugin.remove(e.chunk_key(2))                       # forced: pins or not
     assert e.plugin.stats()["blocks"] == 0
     assert not e.plugin.unpin(pinned)
+
+
+def test_a_layer_0_check_counts_one_lookup(file_target, engines):
+    """retrieve_layer checks each chunk by its layer 0 (contains), which the
+    plugin answers by looking up all the chunk's layers: that is the
+    engine's lookup, counted once in the store's hit rate (lookups,
+    lookup_hit_blocks), as LMCache's lookup of the same chunk
+    (batched_contains of its layers) counts -- not a second time for layer
+    0 alone."""
+    e = Engine([file_target()], tokens=3 * CHUNK, seed=7)
+    engines.append(e)
+    e.store()
+
+    def counted(fn):
+        before = e.plugin.stats()
+        fn()
+        after = e.plugin.stats()
+        return tuple(after[k] - before[k] for k in ("lookups", "lookup_hit_blocks"))
+    assert counted(lambda: e.engine.lookup(e.tokens)) == (3, 3 * LAYERS)
+    assert counted(lambda: e.retrieve()) == (3, 3 * LAYERS)
+    layer0 = e.chunk_key(1).split_layers(LAYERS)[0]
+    assert counted(lambda: e.plugin.contains(layer0)) == (1, LAYERS)
+    assert e.plugin.remove(e.chunk_key(1).split_layers(LAYERS)[2])
+    assert counted(lambda: e.plugin.contains(layer0)) == (1, 2)     # layers 0 and 1 found
