@@ -757,8 +757,8 @@ class KVBlockStorageBackend(StoragePluginInterface):
         with self._lock:
             entry = self._pins.get(kb)
             if entry is None:
-                try:
-                    return self.store.contains(kb)
+                try:            # uncounted: an unpin is no lookup of the engine's
+                    return bool(self.store.present([kb])[0])
                 except RUNTIME_FAILURES as e:
                     self._failed("an unpin", e)
                     return False

@@ -555,6 +555,20 @@ def test_puts_do_not_count_as_lookups(file_target, engines):
     assert (stats["lookups"], stats["lookup_hit_blocks"]) == (1, 3)
 
 
+def test_an_unpin_does_not_count_as_a_lookup(file_target, engines):
+    """An unpin of a key the plugin holds no pin on (a forced remove or a
+    clear dropped it; LMCache's lookup_unpin then still unpins each key)
+    answers whether the key is stored with an uncounted probe: it is no
+    lookup of the engine's in the store's hit rate."""
+    e = Engine([file_target()])
+    engines.append(e)
+    keys = [e.key(h) for h in (71, 72)]
+    e.put(keys[:1], [e.chunk()])
+    assert e.plugin.unpin(keys[0]) and not e.plugin.unpin(keys[1])
+    stats = e.plugin.stats()
+    assert (stats["lookups"], stats["lookup_hit_blocks"]) == (0, 0)
+
+
 def test_gets_do_not_count_as_lookups(file_target, engines):
     """A load finds its stored prefix with an uncounted probe: LMCache's
     retrieve (a lookup, then a get) is one lookup in the store's counters,
