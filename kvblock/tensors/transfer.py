@@ -287,6 +287,7 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
         segs, n = _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads)
     handle = LoadHandle(g.num_layers, n)
     if not segs:
+        _count_loaded(store, n, 0)
         for e in handle._events:
             e.set()
         handle._done.set()
@@ -567,13 +568,12 @@ class _LoadJob:
                         raise StoreClosedError(PINS_LAPSED)
                     handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
                     handle._events[layer].set()
-            # The blocks read from the device; the rest came from DRAM
-            # (counted in get_blocks and host_hit_blocks as they were copied).
+            # The blocks read from the device; the rest of those returned
+            # came from DRAM (counted only now: a run failing its checksum
+            # cuts off DRAM blocks copied after it too).
             read = sum(max(0, min(count, handle.blocks - out_at))
                        for _, _, count, out_at in self.segs)
-            store.counters["get_blocks"] += read
-            if store.host is not None:
-                store.counters["device_hit_blocks"] += read
+            _count_loaded(store, handle.blocks, read)
         except BaseException as e:  # surfaced by wait()/wait_layer()
             error = e
             self.abort = True
@@ -711,9 +711,16 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
         pages = data[:, layer, g0:g0 + ng].transpose(1, 0, 2, 3, 4, 5)  # (ng, n, kv, BS, Hg, D)
         _scatter_pages(layout.layer_views(layer), pages, page_ids[:n], h0, heads, g.itemsize,
                        threads=None)  # no reads in flight here
-    store.counters["host_hit_blocks"] += n
-    store.counters["get_blocks"] += n
     return n
+
+
+def _count_loaded(store, blocks: int, from_device: int) -> None:
+    """A load returned ``blocks``, ``from_device`` of them read from the
+    device and the rest copied from the DRAM tier."""
+    store.counters["get_blocks"] += blocks
+    if store.host is not None:
+        store.counters["host_hit_blocks"] += blocks - from_device
+        store.counters["device_hit_blocks"] += from_device
 
 
 def _raw_assign(view, ids, src, itemsize):

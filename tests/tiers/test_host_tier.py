@@ -398,3 +398,36 @@ def test_delete_prefix_reaches_blocks_left_only_in_dram(tmp_path):
         assert store.lookup(mine) == 0 and store.lookup(theirs) == 2
         got = np.zeros(2 * GEOM.block_bytes, np.uint8)
         assert store.get_run(theirs, got) == 2 and np.array_equal(got, run_data(theirs))
+
+
+def test_a_load_cut_short_by_a_checksum_failure_counts_only_what_it_returned(tmp_path):
+    """A layer-wise load of a device run then blocks only in DRAM: the run
+    fails its checksum, so the load returns 0 blocks.  The DRAM stretch
+    after it was counted in get_blocks / host_hit_blocks as soon as it was
+    copied (README: get_blocks counts the blocks reads returned)."""
+    torch = pytest.importorskip("torch")
+    from kvblock.index import normalize_key
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    g, path, src = _layerwise_setup(tmp_path, torch)
+    a, b = [b"a0", b"a1"], [b"b0", b"b1"]
+    with KVStore.format([str(path)], g, region_size=1 << 20,
+                        host_cache_bytes=6 * g.block_bytes) as store:
+        save_blocks(store, b, VLLMLayout(src), [2, 3])
+        store.evict(all=True)            # b in DRAM only (evict keeps the tier)
+        save_blocks(store, a, VLLMLayout(src), [0, 1])
+        for k in a:                      # a on the device only
+            store.host.discard(normalize_key(k))
+        run_a = store.index.locate(normalize_key(a[0]))[0]
+        _, off = store.regions.address(run_a.region, run_a.offset)
+        with open(path, "r+b") as f:     # damage run a's last layer
+            f.seek(off + (g.num_layers - 1) * store.layout(2).range_bytes + 64)
+            f.write(b"\xde\xad")
+        before = dict(store.counters)
+        dst = [torch.zeros(2, 8, 16, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
+        assert load_blocks(store, a + b, VLLMLayout(dst), [0, 1, 2, 3]).wait() == 0
+        c = store.counters
+        assert c["checksum_failures"] - before["checksum_failures"] == 1
+        assert c["get_blocks"] == before["get_blocks"]
+        assert c["host_hit_blocks"] == before["host_hit_blocks"]
+        assert c["device_hit_blocks"] == before["device_hit_blocks"]
