@@ -709,8 +709,7 @@ class StoreServer:
             _check_id("drop_runs", "run_ids", i)
         with st._lock:
             runs = [st.index.runs[i] for i in dict.fromkeys(run_ids) if i in st.index.runs]
-        # counted where they are taken out: another rank may drop them meanwhile
-        st._drop_runs(runs, count_as=DROP_REASONS[why])
+        st._drop_runs(runs, count=DROP_REASONS[why])   # counts what another rank did not drop
         return len(runs)
 
     def _op_clear_ticket(self, s):

@@ -984,13 +984,13 @@ class KVStore(Recovery, RunReader, RunWriter):
             self._inflight.leave()
 
     def _drop_runs(self, runs: list[Run], why: str | None = None,
-                   count_as: str | None = None) -> int:
+                   count: str | None = None) -> int:
         """Drop those of ``runs`` still indexed (journaled); returns the
         blocks removed: their positions no newer run took (those stay
         stored there).  ``why`` is for RemoteStore's server: the reads here
-        count their failures themselves.  ``count_as``: the counter that
-        the runs taken out here add to (the store server's, for its ranks'
-        failures: ranks reading one run together all ask to drop it)."""
+        count their failures themselves.  ``count``: a counter to add the
+        runs this call took out to (not those another call dropped since
+        the caller found them)."""
         with self._lock:
             # once each: a run named twice (a read error's runs, one per
             # segment; a client's list) taken out twice would count its
@@ -998,8 +998,8 @@ class KVStore(Recovery, RunReader, RunWriter):
             # is reclaimed under the runs still in it
             runs = list({r.run_id: r for r in runs if r.run_id in self.index.runs}.values())
             removed = sum(run.live for run in runs)
-            if count_as is not None:     # under the lock that takes them out: once each
-                self.counters[count_as] += len(runs)
+            if count is not None:
+                self.counters[count] += len(runs)
             for run in runs:
                 self._forget_run(run)
         if runs and not self.readonly:
@@ -1069,7 +1069,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         blocks removed."""
         failed, removed = None, 0
         try:
-            removed = self._drop_runs(runs)
+            removed = self._drop_runs(runs, count="deleted_runs")
         except KVBlockError as e:
             # The runs are out of the index and their DROP records durable;
             # only freeing a region emptied failed (its TRIM): the DRAM
@@ -1083,7 +1083,6 @@ class KVStore(Recovery, RunReader, RunWriter):
             for key in on_device:
                 self.host.discard(key)
             host_only = len(discard_asked(self.host) - on_device)
-        self.counters["deleted_runs"] += len(runs)
         if failed is not None:
             raise failed
         return removed + host_only

@@ -537,3 +537,16 @@ def test_delete_does_not_count_a_run_dropped_meanwhile(tmp_path):
         assert store.delete(keys) == 3                   # the other call
         store.index.runs_with_prefix = lambda prefix: found
         assert store.delete_prefix(b"\x09") == 0
+
+
+def test_deleted_runs_does_not_count_a_run_dropped_meanwhile(tmp_path):
+    """stats()["deleted_runs"] counted the runs a delete found, so a run
+    another call dropped between the lookup and the drop was counted twice."""
+    keys = _owned(b"\x0a", 0, 3)
+    with KVStore.open([_store(tmp_path)]) as store:
+        store.put_run(keys, run_data(keys))
+        found = store.index.runs_with_prefix(b"\x0a")
+        assert store.delete(keys) == 3                   # the other call
+        store.index.runs_with_prefix = lambda prefix: found
+        assert store.delete_prefix(b"\x0a") == 0
+        assert store.stats()["deleted_runs"] == 1
