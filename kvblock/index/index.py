@@ -126,6 +126,18 @@ class KeyIndex:
         lo, hi = split_keys(b"".join(run.keys for run in runs))
         return self.table.get(lo, hi) == np.concatenate([run.packed() for run in runs])
 
+    def live_keys(self, runs: list[Run]) -> list[bytes]:
+        """The keys of ``runs``' positions still pointed at (a newer run
+        holds the others)."""
+        out = [run.key(k) for run in runs if run.live == run.nblocks
+               for k in range(run.nblocks)]
+        partly = [run for run in runs if run.live < run.nblocks]
+        if partly:
+            live = self._live_positions(partly).tolist()
+            out += [key for key, held in zip((run.key(k) for run in partly
+                                              for k in range(run.nblocks)), live) if held]
+        return out
+
     def superseded(self) -> dict[int, np.ndarray]:
         """(under the store's lock, with the runs snapshot) per run a newer
         run took keys from: is each of its positions' key still its own?"""

@@ -984,13 +984,14 @@ class KVStore(Recovery, RunReader, RunWriter):
             self._inflight.leave()
 
     def _drop_runs(self, runs: list[Run], why: str | None = None,
-                   count: str | None = None) -> int:
+                   count: str | None = None, keys: set | None = None) -> int:
         """Drop those of ``runs`` still indexed (journaled); returns the
         blocks removed: their positions no newer run took (those stay
         stored there).  ``why`` is for RemoteStore's server: the reads here
         count their failures themselves.  ``count``: a counter to add the
         runs this call took out to (not those another call dropped since
-        the caller found them)."""
+        the caller found them).  ``keys``: a set to add the removed
+        positions' keys to (before anything can fail)."""
         with self._lock:
             # once each: a run named twice (a read error's runs, one per
             # segment; a client's list) taken out twice would count its
@@ -1000,6 +1001,8 @@ class KVStore(Recovery, RunReader, RunWriter):
             removed = sum(run.live for run in runs)
             if count is not None:
                 self.counters[count] += len(runs)
+            if keys is not None:
+                keys.update(self.index.live_keys(runs))
             for run in runs:
                 self._forget_run(run)
         if runs and not self.readonly:
@@ -1067,9 +1070,10 @@ class KVStore(Recovery, RunReader, RunWriter):
         blocks from the DRAM tier, and what ``discard_asked(tier)`` drops
         there (the keys asked for: a copy may outlive its run); returns the
         blocks removed."""
-        failed, removed = None, 0
+        failed, removed, on_device = None, 0, set()
         try:
-            removed = self._drop_runs(runs, count="deleted_runs")
+            removed = self._drop_runs(runs, count="deleted_runs",
+                                      keys=None if self.host is None else on_device)
         except KVBlockError as e:
             # The runs are out of the index and their DROP records durable;
             # only freeing a region emptied failed (its TRIM): the DRAM
@@ -1079,7 +1083,8 @@ class KVStore(Recovery, RunReader, RunWriter):
             failed = e
         host_only = 0
         if self.host is not None:
-            on_device = {run.key(k) for run in runs for k in range(run.nblocks)}
+            # Only the keys the runs still held: a newer run's copy of one
+            # (perhaps only in DRAM now) is another put's, not deleted here.
             for key in on_device:
                 self.host.discard(key)
             host_only = len(discard_asked(self.host) - on_device)

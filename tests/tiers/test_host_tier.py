@@ -431,3 +431,33 @@ def test_a_load_cut_short_by_a_checksum_failure_counts_only_what_it_returned(tmp
         assert c["get_blocks"] == before["get_blocks"]
         assert c["host_hit_blocks"] == before["host_hit_blocks"]
         assert c["device_hit_blocks"] == before["device_hit_blocks"]
+
+
+@pytest.mark.parametrize("how", ["prefix", "keys"])
+def test_delete_keeps_another_owners_block_a_newer_run_holds_in_dram(tmp_path, how):
+    """A run of mine whose last key another owner's newer run stored again;
+    that newer run was evicted from the device, its blocks live on in DRAM.
+    Deleting my run discarded the DRAM copies of all its keys, the other
+    owner's too: its block was gone from the store though it never asked."""
+    path = create_file(tmp_path / "s.img", 4 << 20)
+    me, them = b"\xaa\x01", b"\xaa\x02"
+    mine = [me + bytes([i]) * 14 for i in (1, 2)]
+    theirs = [them + bytes([i]) * 14 for i in (1, 2)]
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=64 * GEOM.block_bytes) as store:
+        store.put_run(mine + theirs[:1], run_data(mine + theirs[:1]))
+        region = store.index.locate(mine[0])[0].region
+        i = 0
+        while store.regions.open == region:      # my run's region sealed
+            store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+            i += 1
+        store.put_run(theirs, run_data(theirs))  # another region; supersedes theirs[0]
+        pins = store.pin(mine)                   # keeps my region on the device
+        store.evict(all=True)
+        store.unpin(pins)
+        assert store.index.locate(theirs[0]) is None and store.lookup(theirs) == 2  # DRAM
+        removed = store.delete_prefix(me) if how == "prefix" else store.delete(mine)
+        assert removed == 2
+        assert store.lookup(mine) == 0 and store.lookup(theirs) == 2
+        got = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(theirs, got) == 2 and np.array_equal(got, run_data(theirs))
