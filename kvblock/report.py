@@ -21,11 +21,12 @@ from kvblock.errors import ConfigError
 
 def load(path: str | Path) -> dict:
     try:
-        data = json.loads(Path(path).read_text())
+        # bytes: JSON's own encodings, whatever the locale's
+        data = json.loads(Path(path).read_bytes())
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such file; write one with "
                           "`pytest perf/ --benchmark-only --benchmark-json BENCH.json`") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:    # bad JSON, or bytes no text (UnicodeDecodeError)
         raise ConfigError(f"{path}: not JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
         raise ConfigError(f"{path}: not a pytest-benchmark JSON file (no 'benchmarks' list)")

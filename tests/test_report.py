@@ -66,6 +66,16 @@ def test_report_bad_input(tmp_path):
         assert res.exit_code == 8 and "kvblock: error:" in res.output, res.output
 
 
+def test_a_file_that_is_not_text_is_a_clear_error_not_a_traceback(tmp_path):
+    """A binary file (a PNG given for the JSON) is no JSON: exit 8, one line."""
+    bad = tmp_path / "plot.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    res = CliRunner().invoke(cli, ["report", str(bad), "--out", str(tmp_path / "p")])
+    assert res.exit_code == 8, (res.output, res.exception)
+    assert res.output.startswith("kvblock: error: ") and "not JSON" in res.output, res.output
+    assert not (tmp_path / "p").exists()
+
+
 def test_figures_whose_names_slug_alike_get_a_plot_each(tmp_path):
     """"Read GiB/s" and "read (GiB/s)" both slug to read-gib-s: the second
     plot was written over the first, and the markdown linked that one file
