@@ -11,6 +11,7 @@ from kvblock.errors import ConfigError
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 MAX_SIZE = (1 << 63) - 1   # off_t: no file, device or offset is larger
+_WHOLE = re.compile(r"^\s*-?[0-9]+\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
 
 
@@ -57,7 +58,7 @@ def int_setting(value, owner: str, name: str, minimum: int = 1) -> int:
     inside, nor 2.7 silently made 2)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         number = int(value)
-    elif isinstance(value, str) and value.strip().lstrip("-").isdigit():
+    elif isinstance(value, str) and _WHOLE.match(value):   # what int() takes, not isdigit()
         number = int(value)
     else:
         raise ConfigError(f"{owner}: {name} must be a whole number, got {value!r}")

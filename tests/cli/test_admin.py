@@ -1168,6 +1168,21 @@ def test_a_size_past_pythons_digit_limit_is_refused_as_a_size(tmp_path):
     assert not (tmp_path / "new.img").exists()
 
 
+def test_a_whole_number_setting_that_only_looks_numeric_is_a_config_error():
+    """int_setting judged a string by str.isdigit() after stripping every
+    leading '-': "--5" and "²" (digits to isdigit, not to int()) passed the
+    check and ended in int()'s ValueError, not a ConfigError naming the setting."""
+    from kvblock.errors import ConfigError
+    from kvblock.units import int_setting
+
+    for bad in ("--5", "²", "-", "5-"):
+        with pytest.raises(ConfigError, match="threads must be a whole number"):
+            int_setting(bad, "kvblock tier", "threads")
+    assert int_setting(" 7 ", "kvblock tier", "threads") == 7
+    with pytest.raises(ConfigError, match="at least 1, got '-3'"):
+        int_setting("-3", "kvblock tier", "threads")
+
+
 def test_tables_show_paths_as_given_not_as_rich_markup(tmp_path):
     """The text tables went through rich's markup: a store file in a folder
     named like a style ("kv[red]", "[x]") was shown as "kv/store.img",
