@@ -272,7 +272,10 @@ def info(devices, model, as_json):
 @click.option("--limit", type=click.IntRange(0), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def ls(devices, limit, as_json):
-    """List runs: blocks, bytes, where they live, age of their region (read-only)."""
+    """List runs: blocks, bytes, where they live, age of their region (read-only).
+
+    No hits or pins: they live in the process that holds the store (and are
+    not written down), so a read of the devices would show every one as 0."""
     import json as _json
 
     now = time.time()
@@ -287,7 +290,6 @@ def ls(devices, limit, as_json):
                          "device": store.io.devices[dev].path, "offset": off,
                          "region": run.region,
                          "age_s": round(now - sealed) if sealed else None,
-                         "hits": run.hits, "pinned": run.pins > 0,
                          "first_key": run.key(0).hex()})
         total = len(runs)
     if as_json:
@@ -298,8 +300,7 @@ def ls(devices, limit, as_json):
 
     table = Table(title=f"{total} run(s) in {devices[0]}" + (f" (first {limit})"
                                                               if total > limit else ""))
-    for col in ("run", "blocks", "bytes", "device", "offset", "region", "age_s", "hits",
-                "pinned", "first_key"):
+    for col in ("run", "blocks", "bytes", "device", "offset", "region", "age_s", "first_key"):
         table.add_column(col)
     for row in rows:
         table.add_row(*(str(row[c]) if row[c] is not None else "-" for c in row))

@@ -126,6 +126,29 @@ def test_format_info_ls_fsck_on_loop_device(loop_device):
     assert backing in kvb("info", dev).stdout.replace("\n", "")
 
 
+def test_ls_shows_no_hits_or_pins_it_cannot_see(file_target):
+    """ls opens the devices itself: hits and pins live in the process that
+    holds the store (and are never written down), so its "hits" and
+    "pinned" columns said 0 and false for a run that process had read three
+    times and pinned."""
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS, "--region-size", "256K")
+    keys = run_keys(0, 2)
+    with KVStore.open([path]) as store:
+        store.put_run(keys, run_data(keys))
+        out = np.empty_like(run_data(keys))
+        for _ in range(3):
+            assert store.get_run(keys, out) == 2
+        store.pin(keys)
+        res = kvb("ls", path, "--json")
+    assert res.returncode == 0, res.stderr
+    (row,) = json.loads(res.stdout)["runs"]
+    assert row["blocks"] == 2 and row["device"] == path
+    assert "hits" not in row and "pinned" not in row, row
+    header = kvb("ls", path).stdout.splitlines()[2]     # under the title and the rule
+    assert "first_key" in header and "hits" not in header and "pinned" not in header
+
+
 def test_format_refuses_ext4(loop_device):
     dev = loop_device(32 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "precious", dev], check=True)
