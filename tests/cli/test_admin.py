@@ -1007,6 +1007,19 @@ def test_help_texts():
         assert res.returncode == 0 and "Usage: kvblock " + cmd in res.stdout
 
 
+def test_the_readmes_cli_table_has_a_row_for_every_command():
+    """README's table of the kvblock command had no row for plan, report,
+    selfcheck or demo, which kvblock --help lists."""
+    from kvblock.cli.main import cli
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    table = text.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    rows = {line.split("`")[1].split()[1] for line in table.splitlines()
+            if line.startswith("| `kvblock ")}
+    assert rows == set(cli.commands), sorted(set(cli.commands) ^ rows)
+
+
 def test_interrupted_format_leaves_no_half_valid_superblock(file_target):
     """Crash format at every I/O: the device holds the old store untouched, no
     valid superblock, or a complete, empty new store; never a mix."""
