@@ -117,8 +117,11 @@ def slug(name: str) -> str:
 
 
 def plot(figs: dict, outdir: Path, dpi: int = 80) -> list[Path]:
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError as e:   # matplotlib is the report extra
+        raise ConfigError(f"plotting needs matplotlib ({e}); pip install 'kvblock[report]'") \
+            from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -76,6 +76,19 @@ def test_a_file_that_is_not_text_is_a_clear_error_not_a_traceback(tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+def test_plots_without_matplotlib_are_a_clear_error_naming_the_extra(tmp_path, monkeypatch):
+    """matplotlib is the report extra: without it, plotting ended in a
+    ModuleNotFoundError traceback instead of saying what to install."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)    # as if not installed
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(BENCH))
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(tmp_path / "p")])
+    assert res.exit_code == 8, (res.output, res.exception)
+    assert res.output.startswith("kvblock: error: ") and "kvblock[report]" in res.output
+
+
 def test_figures_whose_names_slug_alike_get_a_plot_each(tmp_path):
     """"Read GiB/s" and "read (GiB/s)" both slug to read-gib-s: the second
     plot was written over the first, and the markdown linked that one file
