@@ -440,6 +440,8 @@ def _server_stats(socket_path) -> dict:
         s = remote.stats()
     s.pop("geometry", None)
     s.pop("client", None)           # this short connection's own counters
+    if "clients" in s:              # ... and no client of the server's: it counted it
+        s["clients"] -= 1
     for name in READ_COUNTERS:      # the server does none of its clients' reads: not 0s
         s.pop(name, None)
     if isinstance(s.get("devices"), list):

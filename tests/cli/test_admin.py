@@ -1131,11 +1131,29 @@ def test_a_store_servers_numbers_are_gauges_and_its_pid_no_metric(file_target, t
         families = {f.name.removeprefix("kvblock_store_"): f
                     for f in StoreCollector(lambda: stats).collect()}
         rank.unpin(pins)
-    assert families["clients"].type == "gauge" and families["clients"].samples[0].value >= 1
+    assert families["clients"].type == "gauge" and families["clients"].samples[0].value == 1
     assert families["pinned_regions"].type == "gauge"
     assert families["pinned_regions"].samples[0].value == 1
     assert "server_pid" not in families and "pin_lease" not in families
     assert families["put_blocks"].type == "counter"
+
+
+def test_stats_through_a_server_counts_its_clients_not_itself(file_target, tmp_path):
+    """`stats --socket` asks over a connection of its own, which the server
+    counted among its clients: a server no rank used said 1 client, and
+    every Prometheus scrape of it one more than there were."""
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock):
+        res = kvb("stats", "--socket", sock, "--json")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["clients"] == 0
+        with RemoteStore(sock), RemoteStore(sock):
+            assert json.loads(kvb("stats", "--socket", sock, "--json").stdout)["clients"] == 2
 
 
 def test_a_dram_tiers_occupancy_is_a_gauge_and_counters_end_in_total(file_target):
