@@ -396,8 +396,9 @@ def stats(devices, socket_path, port, address, interval, as_json):
     from prometheus_client import start_http_server
     from prometheus_client.core import REGISTRY
 
-    read()                                   # fail here, not in the first scrape
-    collector = StoreCollector(_Cached(read, interval), counters=bool(socket_path))
+    cached = _Cached(read, interval)
+    cached()          # fail here, not in the first scrape; which serves these numbers
+    collector = StoreCollector(cached, counters=bool(socket_path))
     REGISTRY.register(collector)
     host = f"[{address}]" if ":" in address else address
     try:

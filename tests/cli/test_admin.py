@@ -962,6 +962,39 @@ def test_stats_prometheus_listens_on_localhost_unless_asked(file_target, monkeyp
         assert calls.pop() == (9400, addr)
 
 
+def test_stats_prometheus_serves_its_first_read_to_the_first_scrape(monkeypatch):
+    """The read that checks the store at start was thrown away: the first
+    scrape read the store again (a second recovery) and, the store briefly
+    unreadable then, failed with no last numbers to serve."""
+    import prometheus_client
+    import prometheus_client.core
+
+    from kvblock.cli import admin
+    from kvblock.errors import DeviceNotFoundError
+    from kvblock.metrics import GAUGES
+
+    reads, scraped = [], []
+    registry = prometheus_client.CollectorRegistry()
+
+    def read(devices):
+        reads.append(devices)
+        if len(reads) > 1:
+            raise DeviceNotFoundError("x.img: gone", "x.img", 2)
+        return {"uuid": "u", **{name: 7 for name in GAUGES}}
+
+    def serving(seconds):                # the CLI's wait once serving: scrape, then Ctrl-C
+        scraped.append(prometheus_client.generate_latest(registry).decode())
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(admin, "_device_stats", read)
+    monkeypatch.setattr(prometheus_client, "start_http_server", lambda *a, **kw: None)
+    monkeypatch.setattr(prometheus_client.core, "REGISTRY", registry)
+    monkeypatch.setattr(admin.time, "sleep", serving)
+    res = kvb("stats", "x.img", "--prometheus", "9400", "--interval", "60")
+    assert res.returncode == 130, res.stderr
+    assert len(reads) == 1 and 'kvblock_store_runs{store="u"} 7.0' in scraped[0], scraped
+
+
 def test_stats_of_devices_shows_the_stores_state_not_zero_counters(file_target):
     """kvblock stats DEV opens the store read-only: the puts and hits of the
     process that wrote it are not on the devices, so it reports the gauges
