@@ -286,7 +286,15 @@ class StoreServer:
                 if self._stopping:
                     return
                 if e.errno not in ACCEPT_RETRY_ERRNOS:
-                    raise
+                    # The listener is broken: the thread would end and leave
+                    # a server that answers nobody.  Stop as a failed store
+                    # does (`kvblock serve` exits 1; a client's reconnect
+                    # starts another server).
+                    logger.error("kvblock serve: accepting on %s failed: %s; stopping",
+                                 self.socket_path, e)
+                    self.failed = e
+                    threading.Thread(target=self.stop, daemon=True).start()
+                    return
                 # Out of descriptors or memory for now: the accept thread
                 # must outlive it (else the server answers nobody again).
                 self._note_accept_trouble(e)

@@ -464,3 +464,26 @@ def test_ranks_dropping_one_run_at_once_count_it_once(store_file, sock):
         finally:
             r.close()
         _still_serves(server, sock, 6)
+
+
+def test_a_listener_that_fails_stops_the_server_instead_of_answering_nobody(store_file, sock):
+    """An accept() error other than running out of descriptors or memory
+    ended the accept thread and left the server running, answering no one
+    (its clients' reconnects found it alive and waited forever)."""
+    import errno
+
+    class Broken:
+        def __init__(self, real):
+            self.real = real
+
+        def accept(self):
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    with serve_in_background([store_file], sock) as server:
+        server._listener = Broken(server._listener)
+        assert server.stopped.wait(10), "the server kept running without a listener"
+        assert isinstance(server.failed, OSError) and server.failed.errno == errno.EINVAL
+        assert server.store.closed
