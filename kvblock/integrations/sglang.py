@@ -545,11 +545,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks
         (kvblock.tensors.save_blocks: one vectorised gather per layer into the
         store's staging, one write per run); returns the pages the store
-        wrote, not those admission declined (raises on failure).  ``stored``
-        (one bool per key) is set run by run, so after a failure it says
-        which pages the store took.  ``clears``: the _clear_mark() when the
+        wrote, not those admission declined (raises on failure), and records
+        them as a backup (get_stats: the v1 and the flat-page calls alike).
+        ``stored`` (one bool per key) is set run by run, so after a failure
+        it says which pages the store took.  ``clears``: the _clear_mark() when the
         call began; a clear() after it ends the backup (_cleared_since)."""
         done = written = 0
+        t0 = time.perf_counter()
         layout = pages.cache_layout()
         clears = self._clear_mark() if clears is None else clears
         for start in range(0, len(kbs), self.run_blocks):
@@ -563,11 +565,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             if self._cleared_since(clears, keys):
                 break
             written += n
+        self._record("backup", written, time.perf_counter() - t0)
         return written
 
     def _read_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:
         """Load the stored prefix of kbs into ``pages``' pages ``page_ids``;
-        returns its length.  Per run of at most run_blocks: one read of the
+        returns its length, recorded as a prefetch (get_stats: the v1 and the
+        flat-page calls alike).  Per run of at most run_blocks: one read of the
         whole run (its I/Os in flight together) into this thread's staging
         buffer, then one native copy of its pages into the pool (numpy's
         indexing where the pool's rows are too short for it).  Measured on /dev/shm,
@@ -576,6 +580,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         here, and its smaller reads measured slower: perf/sglang_vs_hicachefile.py.)"""
         g = self.store.geometry
         done = 0
+        t0 = time.perf_counter()
         paged = pages.paged_raw()
         for start in range(0, len(kbs), self.run_blocks):
             keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
@@ -592,6 +597,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             done += got
             if got < n:
                 break
+        self._record("prefetch", done, time.perf_counter() - t0)
         return done
 
     def _record(self, kind: str, pages: int, seconds: float,
@@ -619,7 +625,6 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         if page_ids is None:
             return [False] * len(keys)
         kbs = [self.kvblock_key(k) for k in keys]
-        t0 = time.perf_counter()
         clears = self._clear_mark()
         try:
             ok = self.store.present(kbs)
@@ -629,14 +634,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         todo = np.nonzero(~ok)[0]
         written = np.zeros(len(todo), dtype=bool)
         try:
-            n = self._write_pages(self.pages, [kbs[i] for i in todo],
-                                  [page_ids[i] for i in todo], written, clears)
+            self._write_pages(self.pages, [kbs[i] for i in todo],
+                              [page_ids[i] for i in todo], written, clears)
         except KVBlockError as e:
             # the runs before the failed one are stored: report them so
             self._failed(f"backing up {len(keys)} pages", e)
             ok[todo] = written
             return ok.tolist()
-        self._record("backup", n, time.perf_counter() - t0)
         return [True] * len(keys)
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -644,13 +648,11 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         page_ids = self._v1_pages(keys, host_indices)
         if page_ids is None:
             return [False] * len(keys)
-        t0 = time.perf_counter()
         try:
             got = self._read_pages(self.pages, [self.kvblock_key(k) for k in keys], page_ids)
         except KVBlockError as e:
             self._failed(f"loading {len(keys)} pages", e)
             return [False] * len(keys)
-        self._record("prefetch", got, time.perf_counter() - t0)
         return [True] * got + [False] * (len(keys) - got)
 
     # ------------------------------------------------------------------ v2: hybrid models

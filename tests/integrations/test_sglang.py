@@ -986,6 +986,29 @@ def test_extra_pool_pages_are_counted_in_storage_metrics(file_target, backends, 
     assert sorted(stats.prefetch_pgs) == [2, 3] and len(stats.prefetch_bandwidth) == 2
 
 
+def test_flat_page_calls_are_counted_in_storage_metrics(file_target, backends, monkeypatch):
+    """Without "interface_v1" SGLang backs up and prefetches with the flat-page
+    calls (batch_set / batch_get): their pages are backups and prefetches in
+    get_stats() as the v1 calls' are (HF3FS counts both kinds alike)."""
+    _stand_in_storage_metrics(monkeypatch)
+    pool = HostPool()
+    backend = attach(pool, [file_target()], metrics=True)
+    backends.append(backend)
+    keys = keys_for("fm", 3)
+    flat = [pool.page_bytes(p).view(pool.dtype).reshape(-1) for p in range(3)]
+    assert backend.batch_set(keys, flat) is True
+    stats = backend.get_stats()
+    assert stats.backup_pgs == [3] and len(stats.backup_bandwidth) == 1
+    assert backend.batch_set(keys, flat) is True
+    assert backend.get_stats().backup_pgs == []           # stored already: nothing written
+    got = backend.batch_get(keys + ["fm-absent"])
+    assert got[3] is None
+    assert all(torch.equal(got[p].view(torch.uint8), pool.page_bytes(p).reshape(-1))
+               for p in range(3))
+    stats = backend.get_stats()
+    assert stats.prefetch_pgs == [3] and len(stats.prefetch_bandwidth) == 1
+
+
 def test_a_clear_during_a_multi_run_backup_stores_none_of_its_later_runs(file_target, backends):
     """SGLang clears the store after a weight update: a backup cut into runs
     (max_run_bytes) that a clear() overtakes after its first run holds KV of
