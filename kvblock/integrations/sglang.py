@@ -554,18 +554,21 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         t0 = time.perf_counter()
         layout = pages.cache_layout()
         clears = self._clear_mark() if clears is None else clears
-        for start in range(0, len(kbs), self.run_blocks):
-            keys, ids = kbs[start:start + self.run_blocks], page_ids[start:start + self.run_blocks]
-            if self._cleared_since(clears):
-                break
-            n = save_blocks(self.store, keys, layout, ids)
-            done += len(keys)
-            if stored is not None:    # before the check, which may fail (the store closed)
-                stored[start:done] = True
-            if self._cleared_since(clears, keys):
-                break
-            written += n
-        self._record("backup", written, time.perf_counter() - t0)
+        try:
+            for start in range(0, len(kbs), self.run_blocks):
+                keys = kbs[start:start + self.run_blocks]
+                ids = page_ids[start:start + self.run_blocks]
+                if self._cleared_since(clears):
+                    break
+                n = save_blocks(self.store, keys, layout, ids)
+                done += len(keys)
+                if stored is not None:    # before the check, which may fail (the store closed)
+                    stored[start:done] = True
+                if self._cleared_since(clears, keys):
+                    break
+                written += n
+        finally:    # a failed run: the runs before it were written all the same
+            self._record("backup", written, time.perf_counter() - t0)
         return written
 
     def _read_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int]) -> int:

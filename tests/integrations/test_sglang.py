@@ -872,6 +872,34 @@ def test_a_backup_failing_part_way_reports_the_pages_it_stored(file_target, back
     assert backend.batch_exists(keys) == 4 and backend.stats()["store_failures"] == 1
 
 
+def test_a_backup_failing_part_way_counts_the_pages_it_wrote_in_storage_metrics(
+        file_target, backends, monkeypatch):
+    """A backup whose second run fails wrote its first run: that run's pages
+    are a backup in get_stats() (they were left out, as if nothing had been
+    written; an extra pool's failing backup counts them)."""
+    from kvblock.errors import IOFailedError
+
+    _stand_in_storage_metrics(monkeypatch)
+    pool = HostPool(pages=40)
+    block = 3 * 2 * 4 * 2 * 16 * 2
+    backend = attach(pool, [file_target()], metrics=True, max_run_bytes=4 * block)
+    backends.append(backend)
+    keys = keys_for("pm", 10)
+    real, calls = backend.store.put_run, []
+
+    def put_run(run_keys, data):
+        calls.append(len(run_keys))
+        if len(calls) == 2:
+            raise IOFailedError("write failed", "kv.img", 5, offset=0, length=4096)
+        return real(run_keys, data)
+
+    backend.store.put_run = put_run
+    assert backend.batch_set_v1(keys, pool.token_indices(range(10))) == [True] * 4 + [False] * 6
+    backend.store.put_run = real
+    stats = backend.get_stats()
+    assert stats.backup_pgs == [4] and len(stats.backup_bandwidth) == 1
+
+
 def test_an_extra_pool_backup_failing_part_way_reports_the_pages_it_stored(file_target,
                                                                           backends):
     """batch_set_v2 of an extra pool cut into runs whose second run fails:
