@@ -384,6 +384,11 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                                   'in "devices"')
         if isinstance(spec, str):
             spec = [spec]
+        # a null or a number is no path (null became a store file named "None")
+        if not isinstance(spec, (list, tuple)) or not all(isinstance(d, str) for d in spec):
+            raise ConfigError('kvblock sglang backend: "devices" must be a path or a list of '
+                              f'paths (or a dict of them by TP rank), got {spec!r} for tp_rank '
+                              f'{c.tp_rank}, e.g. ["/dev/disk/by-id/nvme-kv-{{tp_rank}}"]')
         devices = [self._template(d, "device") for d in spec]
         if not devices:
             raise ConfigError('kvblock sglang backend: "devices" is empty')

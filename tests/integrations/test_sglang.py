@@ -651,6 +651,17 @@ def test_settings_typed_by_hand(file_target, backends, caplog):
         attach(pool, [file_target() + ".new"], size=64)
 
 
+def test_devices_that_are_not_paths_are_refused(tmp_path, monkeypatch):
+    """"devices" entries must be paths: a number was a TypeError, a null the
+    path "None" (with "size", a store file of that name was created in the
+    working directory when the pool was registered)."""
+    monkeypatch.chdir(tmp_path)
+    for devices in (5, [None], [str(tmp_path / "kv.img"), 7], {"0": [None]}, {"0": 3}):
+        with pytest.raises(ConfigError, match=r'"devices" must be a path or a list of paths'):
+            KVBlockHiCacheStorage(storage_config(devices, size="1G"), {})
+    assert not os.listdir(tmp_path)
+
+
 def test_close_while_a_call_is_in_flight_answers_a_miss(file_target, backends):
     """close() on another thread while a batch is between two runs: the rest
     of the call meets a closed store and answers a miss (logged), instead of
