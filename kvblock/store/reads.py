@@ -82,10 +82,12 @@ class RunReader(RunIO):
         one pass of bookkeeping for all of them instead of one per request;
         requests for one whole run each go in one batch as well.  Other
         requests are read as get_run reads them.  With a host tier, every
-        request is read as get_run reads it.  A checksum failure
-        or a device error (EIO...) fails the request that met it (its count
-        is 0) and drops the run it hit, as get_run does (which raises the
-        device error); errors that reached no device (a closed engine) raise.
+        request is read as get_run reads it.  A checksum failure ends the
+        count of the request that met it before the run it hit (0 when that
+        is the request's first run), a device error (EIO...) fails that
+        request (its count is 0); either drops the run it hit, as get_run
+        does (which raises the device error); errors that reached no device
+        (a closed engine) raise.
         """
         self._check_open()
         targets = []

@@ -272,3 +272,31 @@ def test_requests_sharing_a_damaged_run_count_one_failure(filled):
                                (keys[1][3:5], outs[2])]) == [0, 0, 2]
         assert store.stats()["checksum_failures"] == 1
         assert store.counters["deleted_runs"] == 0 and store.lookup(keys[0]) == 0
+
+
+def test_a_damaged_run_past_a_requests_first_run_ends_its_count_there(filled):
+    """A request over two runs whose second run is damaged: its count is the
+    first run's blocks, read and verified, as get_run's (not 0: README and
+    the docstring said a damaged block fails its request with count 0); an
+    EIO there fails the whole request (count 0).  Either way the other
+    request gets its blocks and only the run hit is dropped."""
+    store, keys, data = filled()
+    geom = store.geometry
+    with store:
+        _flip(store, _run(store, keys[0][0]), 1 * geom.group_block_bytes + 5)
+        spanning = keys[3][30:] + keys[0][:2]
+        out, other = _aligned(4 * geom.block_bytes), _aligned(2 * geom.block_bytes)
+        assert store.get_runs([(spanning, out), (keys[1][3:5], other)]) == [2, 2]
+        assert np.array_equal(out[:2 * geom.block_bytes], _blocks(data[3], geom, 30, 2))
+        assert np.array_equal(other, _blocks(data[1], geom, 3, 2))
+        assert store.stats()["checksum_failures"] == 1
+        assert [store.lookup(k) for k in keys] == [0, N, N, N]
+        bad = BadSectors()
+        run = _run(store, keys[2][0])
+        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes * N)
+        bad.install(store)
+        spanning = keys[1][30:] + keys[2][:2]
+        assert store.get_runs([(spanning, out), (keys[3][3:5], other)]) == [0, 2]
+        assert np.array_equal(other, _blocks(data[3], geom, 3, 2))
+        assert [store.lookup(k) for k in keys] == [0, N, 0, N]
+        assert int(store.regions.pins.sum()) == 0
