@@ -1439,12 +1439,16 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) ->
     data0 = round_up(j_off + journal_bytes, MIB if alignment <= MIB else alignment)
     data_offsets = [data0] + [round_up(sb_end, MIB if alignment <= MIB else alignment)] * (len(devs) - 1)
     per_dev = [max(0, (d.capacity - off) // region_size) for d, off in zip(devs, data_offsets)]
-    if min(per_dev) < 1 or sum(per_dev) < 2:
-        need = data0 + 2 * region_size
-        raise DeviceTooSmallError(
-            f"{devs[0].path}: {devs[0].capacity} bytes cannot hold metadata "
-            f"({data0} bytes) and two {region_size}-byte regions (need about {need}); "
-            "use a larger device or a smaller region_size", devs[0].path)
+    # A store needs two regions; striped, each device one (the one short is named).
+    least = 2 if len(devs) == 1 else 1
+    for i, (d, off, n) in enumerate(zip(devs, data_offsets, per_dev)):
+        if n < least:
+            raise DeviceTooSmallError(
+                f"{d.path}: {d.capacity} bytes cannot hold "
+                f"{'metadata' if i == 0 else 'its superblocks'} ({off} bytes) and "
+                f"{'two' if least == 2 else 'one'} {region_size}-byte "
+                f"region{'s' if least == 2 else ''} (need about {off + least * region_size}); "
+                "use a larger device or a smaller region_size", d.path)
     return {"alignment": alignment, "region_size": region_size, "journal_offset": j_off,
             "journal_bytes": journal_bytes, "checkpoint_offset": cp_off,
             "checkpoint_bytes": cp_bytes, "data_offsets": data_offsets,

@@ -564,6 +564,19 @@ def test_multi_device_striping(tmp_path):
         KVStore.open([str(paths[0]), str(other), str(paths[2])])
 
 
+def test_a_device_too_small_for_a_region_is_the_one_named(tmp_path):
+    """Of devices of unequal size, the one that cannot hold a region of the
+    store is named, with its own size: not device 0, which has room."""
+    big, small = tmp_path / "big.img", tmp_path / "small.img"
+    create_file(big, 64 * MIB)
+    create_file(small, 2 * MIB)
+    with pytest.raises(DeviceTooSmallError) as e:
+        _format([big, small], region_size=2 * MIB)
+    assert e.value.path == str(small)
+    assert str(e.value).startswith(f"{small}: {2 * MIB} bytes cannot hold")
+    assert str(big) not in str(e.value)
+
+
 def test_open_errors(store_path, tmp_path):
     _format([store_path], model="model-a").close()
     with pytest.raises(GeometryMismatchError, match="formatted for 2 layers.*asked for 3 layers"):
