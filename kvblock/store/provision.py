@@ -63,13 +63,23 @@ def _open_or_format(devices, geometry, model, format, region_size, owner, force_
                               force=True, **options)
     try:
         store = KVStore.open(devices, geometry=geometry, model=model, **options)
-    except NotAStoreError:
+    except NotAStoreError as e:
         if format == "never":
             raise
+        why = e
     else:
         _warn_region_size(devices, store.sb.region_size, region_size, owner)
         return store
     for path in devices:
+        # A store that did not open (a device of it blank or replaced, its
+        # superblocks damaged) is not empty: KVStore.format would refuse it
+        # too, but naming its own force=True, not the integration's setting.
+        held = store_held(path)
+        if held is not None:
+            raise UnsafeTargetError(f"{path} holds {held}, which cannot be opened on "
+                                    f"{', '.join(map(str, devices))} ({why}); {owner} will not "
+                                    f"format over it. Give every device of that store, or "
+                                    f"{force_hint}")
         if _is_block_device(path):
             from kvblock.devices.probe import describe, signatures
 
@@ -173,22 +183,30 @@ def holds_data(path: str, allow_model=False) -> tuple[str, str] | None:
     several signatures (blkid -p), or a kvblock store (any release; not one
     made for ``allow_model``).  None when it holds none of these, or does
     not exist."""
-    from kvblock.devices.probe import describe, how_to_free, open_to_check, signatures
-    from kvblock.format import superblock as sbfmt
-    from kvblock.store.store import store_in
+    from kvblock.devices.probe import describe, how_to_free, signatures
 
     if not os.path.exists(path):
         return None
     found = signatures(path)
     if found:
         return describe(found), how_to_free(found)
+    store = store_held(path, allow_model)
+    return None if store is None else (store, "pass --force")
+
+
+def store_held(path: str, allow_model=False) -> str | None:
+    """store_in() of the superblock copies on ``path`` (read without
+    claiming it)."""
+    from kvblock.devices.probe import open_to_check
+    from kvblock.format import superblock as sbfmt
+    from kvblock.store.store import store_in
+
     fd = open_to_check(path)
     try:
         copies = [os.pread(fd, sbfmt.SIZE, off) for off in sbfmt.COPY_OFFSETS]
     finally:
         os.close(fd)
-    store = store_in(copies, path, allow_model)
-    return None if store is None else (store, "pass --force")
+    return store_in(copies, path, allow_model)
 
 
 def guard_overwrite(path: str, doing: str, *, force: bool = False, yes: bool = False,

@@ -911,6 +911,39 @@ def test_open_or_format_that_fails_removes_the_files_it_created(tmp_path):
         subprocess.run(["umount", "-l", str(small)], check=True)
 
 
+def test_open_or_format_will_not_format_over_a_store_it_cannot_open(tmp_path):
+    """A striped store whose device was replaced by a blank one (or a store
+    whose superblocks are damaged) cannot be opened, and "if-empty" will not
+    format over it: the refusal names what is there, why it did not open,
+    and the integration's own setting, not KVStore.format's force=True."""
+    from kvblock.errors import UnsafeTargetError
+    from kvblock.store.provision import open_or_format
+
+    a, b = str(tmp_path / "a.img"), str(tmp_path / "b.img")
+    for p in (a, b):
+        create_file(p, 16 * MIB)
+    keys = run_keys(1, 2)
+    with _format([a, b]) as store:
+        store.put_run(keys, run_data(keys))
+    os.unlink(b)                                     # the replaced device: blank
+    for devices in ([a, b], [b, a]):
+        with pytest.raises(UnsafeTargetError) as e:
+            open_or_format(devices, GEOM, size=16 * MIB, owner="tier",
+                           force_hint="set the tier's format to force")
+        text = str(e.value)
+        assert text.startswith(f"{a} holds kvblock store "), text
+        assert f"{b}: no kvblock superblock" in text and "tier will not format" in text
+        assert text.endswith("set the tier's format to force") and "force=True" not in text
+        assert not os.path.exists(b)                 # the file it made is removed
+    single = str(tmp_path / "single.img")
+    create_file(single, 8 * MIB)
+    _format([single]).close()
+    _rewrite_superblocks(single, lambda buf: buf.__setitem__(slice(100, 104), b"\xff" * 4))
+    with pytest.raises(UnsafeTargetError, match=r"holds a damaged kvblock store.*tier will "
+                                                r"not format.*set the tier's format to force$"):
+        open_or_format([single], GEOM, owner="tier", force_hint="set the tier's format to force")
+
+
 def test_open_or_format_that_fails_through_a_dangling_symlink_keeps_the_link(tmp_path):
     """A store path that is a symlink to a file not made yet: size makes the
     file at the link's target; a start that failed then unlinked the path,
