@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from kvblock import errors
-from kvblock.devices import Device
+from kvblock.devices import Device, check_distinct
 from kvblock.errors import (ConfigError, KVBlockError, ServerError, ServerGoneError,
                             StoreClosedError)
 from kvblock.index import normalize_keys
@@ -351,6 +351,7 @@ class RemoteStore(RunReader, RunWriter):
                 f"{len(hello['devices'])} device(s) ({', '.join(hello['devices'])}), not on "
                 f"{', '.join(map(str, paths))}: give each store its own socket (e.g. a "
                 "{dp_rank} in it too)", str(paths[0]) if paths else self.socket_path, 0)
+        check_distinct(paths)     # one device twice would read as one out of place
         devs = []
         try:
             for p in paths:  # the server holds the exclusive claim
@@ -382,7 +383,8 @@ class RemoteStore(RunReader, RunWriter):
             if sb.store_uuid != want or sb.device_index != i:
                 raise errors.MissingDeviceError(
                     f"{d.path} is not device #{i} of store {hello['uuid']} served at "
-                    f"{self.socket_path}; pass devices= in the server's order", d.path, 0)
+                    f"{self.socket_path}; give each device of the store once (in any "
+                    "order)", d.path, 0)
         self._fence = WriteFence(fence_files(devs[0], self.socket_path))
 
     def _open_io(self, devs, engine, queue_depth) -> None:

@@ -655,6 +655,45 @@ def test_a_copy_of_any_device_of_the_served_store_is_refused(tmp_path):
                 assert rank.get_run(k, out) == 2 and np.array_equal(out, run_data(k))
 
 
+def test_a_rank_given_one_device_twice_is_told_so(tmp_path):
+    """A rank's devices name one device twice (the same path, or a symlink to
+    it) instead of each device of the store: refused as KVStore.open refuses
+    it, naming both names, not as a device "not in the server's order" (a
+    rank takes the devices in any order)."""
+    from kvblock import create_file
+    from kvblock.errors import MissingDeviceError
+    from tests.store.workload import GEOM, REGION
+
+    paths = [str(tmp_path / f"kv{i}.img") for i in range(2)]
+    for p in paths:
+        create_file(p, 8 << 20)
+    KVStore.format(paths, GEOM, region_size=REGION).close()
+    link = str(tmp_path / "link0.img")
+    os.symlink(paths[0], link)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background(paths, sock):
+        for devices in ([paths[0], link], [paths[1], paths[1]]):
+            want = f"{devices[0]} and {devices[1]} are the same device; give each device once"
+            with pytest.raises(ConfigError) as e:
+                RemoteStore(sock, devices=devices)
+            assert str(e.value) == want
+            with pytest.raises(ConfigError) as e:
+                connect(sock, devices, start=False)
+            assert str(e.value) == want
+        import shutil
+
+        copy = str(tmp_path / "copy0.img")              # device 0 twice, by its content
+        shutil.copyfile(paths[0], copy)
+        with pytest.raises(MissingDeviceError, match=r"copy0.img is not device #1 of store "
+                                                     r".*give each device of the store once"):
+            RemoteStore(sock, devices=[paths[0], copy])
+        with RemoteStore(sock, devices=[paths[1], link]) as rank:   # each once, any names
+            keys = run_keys(1, 2)
+            rank.put_run(keys, run_data(keys))
+            out = np.zeros_like(run_data(keys))
+            assert rank.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+
+
 @pytest.mark.parametrize("field", ["region_size", "max_run_blocks"])
 def test_a_malformed_hello_while_reconnecting_is_retried(tmp_path, monkeypatch, caplog, field):
     """A server whose hello lacks a field (KeyError in the client) is a
