@@ -447,12 +447,8 @@ class KVBlockTierManager(SecondaryTierManager):
             return
         store = self.store
         if hasattr(store, "touch_nowait"):         # a shared store: one request, bounded
-            try:
-                done = store.touch_nowait(kbs, self._lock_wait(),
-                                          timeout=LOOKUP_ANSWER_TIMEOUT_S)
-            except KVBlockError:
-                return
-            self._store_busy = done is None
+            self._shared_nowait(lambda wait: store.touch_nowait(
+                kbs, wait, timeout=LOOKUP_ANSWER_TIMEOUT_S))
             return
         self._under_store_lock(lambda: store.touch(kbs))
 
@@ -647,14 +643,24 @@ class KVBlockTierManager(SecondaryTierManager):
         """
         store = self.store
         if hasattr(store, "contains_nowait"):      # a shared store: one socket, bounded too
-            try:
-                found = store.contains_nowait(kb, self._lock_wait(),
-                                              timeout=LOOKUP_ANSWER_TIMEOUT_S)
-            except KVBlockError:
-                return False
-            self._store_busy = found is None
-            return found
+            return self._shared_nowait(lambda wait: store.contains_nowait(
+                kb, wait, timeout=LOOKUP_ANSWER_TIMEOUT_S))
         return self._under_store_lock(lambda: store.contains(kb))
+
+    def _shared_nowait(self, call):
+        """call(wait): a shared store's bounded request (contains_nowait,
+        touch_nowait), its connection waited for per _lock_wait; its answer,
+        False when the store failed.  The connection counts as busy when the
+        wait ran out (None) and also while another call on it is stuck past
+        LOOKUP_ANSWER_TIMEOUT_S (a hung server: the answer is a miss, and
+        the next calls must not wait for the connection either)."""
+        try:
+            answer = call(self._lock_wait())
+        except KVBlockError:
+            return False
+        self._store_busy = answer is None or (
+            not answer and self.store.answer_overdue(LOOKUP_ANSWER_TIMEOUT_S))
+        return answer
 
     def _lock_wait(self) -> float:
         """How long to wait for the store's lock: LOOKUP_LOCK_WAIT_S, or not

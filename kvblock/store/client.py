@@ -460,15 +460,19 @@ class RemoteStore(RunReader, RunWriter):
         n = self._call_nowait("touch", keys, wait, timeout)
         return None if n is None else int(n)
 
+    def answer_overdue(self, timeout: float) -> bool:
+        """Whether a call on the connection has waited for its answer longer
+        than ``timeout``: the ``_nowait`` calls given that timeout answer
+        False (0) at once, not their answer, until it is answered or abandoned."""
+        return self._session.overdue(timeout)
+
     def _call_nowait(self, op: str, keys: Sequence, wait: float, timeout: float | None):
         """``op`` on ``keys``' answer, as an int; None when the connection
         stays busy for ``wait`` s; False while a call is stuck past ``timeout``."""
         self._check_open()
         s = self._current()
         if not s.lock.acquire(timeout=wait):
-            started = s.call_started
-            if timeout is not None and started is not None and \
-                    time.monotonic() - started > timeout:
+            if timeout is not None and s.overdue(timeout):
                 return False     # a call stuck past the caller's limit: the server is hung
             return None
         try:

@@ -14,6 +14,7 @@ import os
 import select
 import socket
 import threading
+import time
 
 from kvblock import errors
 from kvblock.devices import Device
@@ -38,6 +39,12 @@ class Session:
         self._held_lock = threading.Lock()
         self._open = True
         self.call_started: float | None = None   # monotonic start of the call in flight
+
+    def overdue(self, timeout: float) -> bool:
+        """Whether the call in flight has waited for its answer longer than
+        ``timeout`` (a hung server)."""
+        started = self.call_started
+        return started is not None and time.monotonic() - started > timeout
 
     def hold(self, delta: int) -> None:
         """Count pins taken (+1) and released (-1) on this session."""

@@ -818,6 +818,56 @@ def test_a_busy_store_costs_the_scheduler_one_lock_wait_not_one_per_lookup(tmp_p
         if pid is not None:
             stop_server(pid)
 
+def test_a_call_stuck_on_a_shared_store_costs_lookups_one_lock_wait(tmp_path):
+    """A worker's call to a hung store server holds the connection for up to
+    its own limit (60 s).  Once it has waited past LOOKUP_ANSWER_TIMEOUT_S,
+    lookups (and touches) miss at once, as after a hung lookup of its own:
+    not LOOKUP_LOCK_WAIT_S each, for every waiting request, every step."""
+    from kvblock.integrations.vllm import LOOKUP_ANSWER_TIMEOUT_S, LOOKUP_LOCK_WAIT_S
+    from tests.support.servers import stop_server
+
+    pool = page_aligned_pool(8)
+    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
+                              devices=[str(tmp_path / "kv.img")], size="64M", threads=2,
+                              server=str(tmp_path / "kv.sock"))
+    pid = tier.store.server_pid
+    try:
+        fill_random(pool, range(1))
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert drain(tier)[0].success
+        session = tier.store._session
+        held, release = threading.Event(), threading.Event()
+
+        def stuck_call():          # a worker's call whose answer never comes
+            with session.lock:
+                session.call_started = time.monotonic() - LOOKUP_ANSWER_TIMEOUT_S - 1
+                held.set()
+                release.wait(30)
+                session.call_started = None
+
+        t = threading.Thread(target=stuck_call)
+        t.start()
+        try:
+            assert held.wait(10)
+            n = 500
+            t0 = time.monotonic()
+            answers = {tier.lookup(key(100 + i), CTX) for i in range(n)}
+            for i in range(n):
+                tier.touch([key(100 + i)], CTX)
+            took = time.monotonic() - t0
+            assert answers == {LookupResult.MISS}
+            assert took < n * LOOKUP_LOCK_WAIT_S / 2, f"{n} lookups took {took:.3f} s"
+        finally:
+            release.set()
+            t.join()
+        assert tier.lookup(key(1), CTX) is LookupResult.HIT      # and it waits again
+        assert tier.lookup(key(2), CTX) is LookupResult.MISS
+        assert tier._lock_wait() == LOOKUP_LOCK_WAIT_S
+    finally:
+        tier.shutdown()
+        stop_server(pid)
+
+
 def test_load_in_another_grouping_than_the_store(make_tier):
     """Runs stored 8 slots at a time, loaded from the middle, in pieces that
     straddle runs and into scattered slots: still the same bytes."""
