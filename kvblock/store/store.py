@@ -140,7 +140,10 @@ class KVStore(Recovery, RunReader, RunWriter):
 
         Refuses a device that already holds a kvblock store unless ``force``.
         The superblocks are written last, after the old ones are wiped, so an
-        interrupted format leaves no valid superblock.
+        interrupted format leaves no store that opens: on one device no valid
+        superblock; on several, the devices done before the interruption
+        name a store whose other devices are blank (an open refuses it, and
+        formatting it again needs ``force``).
         """
         if not devices:
             raise ConfigError("format needs at least one device")
