@@ -786,14 +786,15 @@ class KVBlockTierManager(SecondaryTierManager):
             moved[p] = self._guarded(*pieces[p], self._store_piece)
         return moved
 
-    def _declined(self, job: _Job, start: int, stop: int) -> None:
-        """The store wrote none of a piece: its admission control turned
+    def _declined(self, job: _Job, start: int, stop: int, todo=slice(None)) -> None:
+        """The store wrote none of a piece's keys ``todo`` (its offsets in
+        the piece; all by default): its admission control turned
         the run away, or a clear() came while it was written.  The store's
         policy, not a failure: the keys are not stored (no BlockStored
         event; lookups miss), the job still reports success (see _publish),
         and the store counts them
         (``admission_rejected_runs``, ``cleared_puts``), not as store failures."""
-        job.declined[start:stop] = True
+        job.declined[start:stop][todo] = True
         logger.debug("kvblock tier: store job %s, slots %d..%d: the store declined the run "
                      "(admission, or a clear() overtook it); not stored", job.meta.job_id,
                      start, stop)
@@ -824,6 +825,9 @@ class KVBlockTierManager(SecondaryTierManager):
         chunks = job.chunks[start:stop]
         present = self.store.present(kbs)
         todo = np.nonzero(~present)[0]
+        # Keys found stored are in the store (and announced) whatever
+        # becomes of the others.
+        job.ok[start:stop] = present
         written = 0
         if todo.size:
             keys = [kbs[i] for i in todo]
@@ -834,7 +838,7 @@ class KVBlockTierManager(SecondaryTierManager):
                 slots = self._slots
                 got = self.store.put_blocks(keys, [slots[i] for i in ids.tolist()])
             if got != len(keys):
-                self._declined(job, start, stop)
+                self._declined(job, start, stop, todo)
                 return 0
             written = len(keys)
         job.ok[start:stop] = True

@@ -1028,6 +1028,27 @@ def test_kv_events_announce_the_removal_of_what_the_tier_stored(make_tier):
     assert removed == [sorted(bytes(k) for k in ks[:2])]
 
 
+def test_a_declined_store_still_announces_its_keys_found_stored(make_tier):
+    """A store job whose piece holds a key stored already (by another replica
+    sharing the store, or before a restart) and one the store's admission
+    turns away: the key found stored is in the store and lookups hit it, so
+    it is announced (as it is when the job's other keys are admitted); only
+    the declined key is not."""
+    from kvblock.store.policy import Admission
+
+    tier, pool = make_tier(spec=events_spec(True), enable_kv_events=True, threads=1)
+    fill_random(pool, range(2))
+    kb = tier.kvblock_key
+    tier.store.put_blocks([kb(key(1))], [pool[0].numpy()])     # not this tier's
+    tier.store.admission = Admission(2)                        # first offers are declined
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    assert [r.success for r in drain(tier)] == [True]
+    assert tier.store.stats()["admission_rejected_runs"] == 1
+    assert [tier.lookup(k, CTX) for k in (key(1), key(2))] == \
+        [LookupResult.HIT, LookupResult.MISS]
+    assert _keys_of(tier.take_events(), False) == [[bytes(key(1))]]
+
+
 def test_shutdown(make_tier):
     """Shutdown cancels what is queued (reported as failed), stops the
     workers, closes the store and keeps no array over the primary pool."""
