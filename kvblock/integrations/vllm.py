@@ -715,8 +715,9 @@ class KVBlockTierManager(SecondaryTierManager):
                     self._piece_done(job)
 
     def _guarded(self, job: _Job, start: int, stop: int, run) -> int:
-        """run(job, start, stop): the slots it moved; 0 when it failed (a
-        failed piece fails its keys, never the worker)."""
+        """run(job, start, stop): the slots it moved.  When it failed, the
+        keys it had not marked done fail (never the worker); a load's keys
+        read before the failure stay loaded and counted."""
         try:
             return run(job, start, stop)
         except KVBlockError as e:
@@ -726,7 +727,7 @@ class KVBlockTierManager(SecondaryTierManager):
             logger.warning("kvblock tier: %s job %s, slots %d..%d failed: %s",
                            "load" if job.load else "store", job.meta.job_id, start, stop,
                            e, exc_info=True)
-        return 0
+        return int(job.ok[start:stop].sum()) if job.load else 0
 
     def _run_piece(self, job: _Job, start: int, stop: int) -> int:
         return (self._load_piece if job.load else self._store_piece)(job, start, stop)
@@ -859,7 +860,8 @@ class KVBlockTierManager(SecondaryTierManager):
             slots = self._slots
             dst = [slots[i] for i in ids.tolist()]
             read = self.store.get_blocks
-        ok = np.zeros(n, dtype=bool)
+        # job.ok's own slice: keys read stay read if a later read raises
+        ok = job.ok[start:stop]
         i, errors = 0, 0
         if done is not None:
             ok[:done] = True
@@ -878,7 +880,6 @@ class KVBlockTierManager(SecondaryTierManager):
                 continue
             ok[i:i + got] = True
             i += got + 1          # skip the key that missed (evicted, corrupt, unreadable)
-        job.ok[start:stop] = ok
         return int(ok.sum())
 
     def __repr__(self) -> str:

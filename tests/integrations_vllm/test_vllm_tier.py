@@ -458,6 +458,48 @@ def test_small_load_batched_with_others_keeps_its_keys_before_an_unreadable_run(
     assert [tier.lookup(k, CTX) for k in keys[3:6]] == [LookupResult.HIT] + \
         [LookupResult.MISS] * 2
 
+@pytest.mark.parametrize("together", [False, True])
+def test_a_load_that_fails_midway_keeps_the_keys_it_read(make_tier, monkeypatch, together):
+    """A load piece whose read fails after it has read some keys (an I/O
+    engine failure that reached no device, past a key that missed): the
+    keys read before it are in the pool, verified, so successful_keys names
+    them and transfer_bytes counts them, whether the piece was read on its
+    own or with other small loads in one get_runs call."""
+    from kvblock.errors import IOFailedError
+
+    tier, pool = make_tier(pool=page_aligned_pool(48), threads=1, region_size="32M")
+    fill_random(pool, range(4))
+    expected = pool[:4].clone()
+    keys = [key(700 + i) for i in range(4)]
+    for i, k in enumerate(keys):
+        tier.submit_store(job(1 + i, [k], [i]))
+    assert all(r.success for r in drain(tier))
+    store = tier.store
+    store.delete([tier.kvblock_key(keys[1])])
+    pool.zero_()
+    get_run, engine_down = store.get_run, tier.kvblock_key(keys[2])
+
+    def failing_get_run(kbs, out):
+        if bytes(kbs[0]) == engine_down:
+            raise IOFailedError("io engine: submit failed")   # no device: nothing dropped
+        return get_run(kbs, out)
+
+    monkeypatch.setattr(store, "get_run", failing_get_run)
+    if together:
+        gate = _hold_first(store, "get_blocks")
+        # scattered slots: read alone (get_blocks), holding the worker
+        tier.submit_load(job(10, [keys[0], keys[3]], [16, 18], promotion=True))
+        tier.submit_load(job(11, keys[:1], [30], promotion=True))
+    tier.submit_load(job(12, keys, [24, 25, 26, 27], promotion=True))
+    if together:
+        gate.set()
+    results = {r.job_id: r for r in drain(tier)}
+    res = results[12]
+    assert not res.success and set(res.successful_keys or ()) == {keys[0]}
+    assert res.transfer_bytes == SLOT
+    assert torch.equal(pool[24], expected[0])
+
+
 def test_small_stores_queued_together_are_written_with_one_commit(make_tier, monkeypatch):
     """Small stores queued behind one another go to the store in one put_runs
     call (one flush, one journal commit); a job whose keys are stored
