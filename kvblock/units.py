@@ -67,5 +67,13 @@ def int_setting(value, owner: str, name: str, minimum: int = 1) -> int:
     return number
 
 
+def flag_setting(value, owner: str, name: str) -> bool:
+    """A true/false setting from a config, as a ConfigError naming it when
+    it is anything else (the string "false" is truthy)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ConfigError(f"{owner}: {name} must be true or false, got {value!r}")
+
+
 # Store file sizes given in engine configs: below this a unit was forgotten.
 MIN_FILE_SIZE = 1 << 20

@@ -126,7 +126,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvblock.store import provision
-from kvblock.units import MIN_FILE_SIZE, int_setting, size_setting
+from kvblock.units import MIN_FILE_SIZE, flag_setting, int_setting, size_setting
 from kvblock.errors import (
     ConfigError,
     DeviceBusyError,
@@ -335,6 +335,7 @@ class KVBlockTierManager(SecondaryTierManager):
         self.server = _fill(os.fspath(server), dp, "server") if server else None
         threads = int_setting(threads, "kvblock tier", "threads")
         queue_depth = int_setting(queue_depth, "kvblock tier", "queue_depth")
+        enable_kv_events = flag_setting(enable_kv_events, "kvblock tier", "enable_kv_events")
         try:
             self.locality = Locality(locality) if locality is not None else None
         except ValueError:

@@ -1457,6 +1457,17 @@ def test_bad_config_is_refused(make_tier):
     assert len(tier._workers) == 2
 
 
+def test_enable_kv_events_must_be_true_or_false(make_tier):
+    """enable_kv_events typed by hand as a string ("false" from a YAML or a
+    shell) is refused, naming the setting: a non-empty string is truthy, so
+    "false" turned the events (and the removal watch) on."""
+    for value in ("false", "no", 0):
+        with pytest.raises(ConfigError, match="enable_kv_events must be true or false"):
+            make_tier(spec=events_spec(True), enable_kv_events=value)
+    tier, _ = make_tier(spec=events_spec(True), enable_kv_events=False)
+    assert tier._events is None
+
+
 @pytest.mark.parametrize("where", ["disk", "shm"])
 def test_eviction_when_full(tmp_path, shm_target, where):
     """A full store evicts old runs; a load of an evicted key fails for that
