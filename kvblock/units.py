@@ -67,9 +67,12 @@ def int_setting(value, owner: str, name: str, minimum: int = 1) -> int:
     return number
 
 
-def flag_setting(value, owner: str, name: str) -> bool:
-    """A true/false setting from a config, as a ConfigError naming it when
-    it is anything else (the string "false" is truthy)."""
+def flag_setting(value, owner: str, name: str, default: bool = False) -> bool:
+    """A true/false setting from a config (null: ``default``), as a
+    ConfigError naming it when it is anything else (the string "false" is
+    truthy)."""
+    if value is None:
+        return default
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise ConfigError(f"{owner}: {name} must be true or false, got {value!r}")

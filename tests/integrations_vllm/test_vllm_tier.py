@@ -1466,6 +1466,9 @@ def test_enable_kv_events_must_be_true_or_false(make_tier):
             make_tier(spec=events_spec(True), enable_kv_events=value)
     tier, _ = make_tier(spec=events_spec(True), enable_kv_events=False)
     assert tier._events is None
+    tier.shutdown()
+    tier, _ = make_tier(spec=events_spec(True), enable_kv_events=None)   # JSON null: default
+    assert tier._events is None
 
 
 @pytest.mark.parametrize("where", ["disk", "shm"])
