@@ -107,7 +107,7 @@ class _Session:
         self.thread: threading.Thread | None = None
         self.last_seen = time.monotonic()             # the last request's arrival or answer
         self.accepted = self.last_seen
-        self.greeted = False                          # it said hello (and was answered yes)
+        self.greeted = False                          # its hello was answered yes (fence files sent)
         self.busy = False                             # a request is being answered
         self.taking: float | None = None              # since when a request is being read
         self.dropped: str | None = None               # why the server ended the connection
@@ -496,6 +496,9 @@ class StoreServer:
                 if op == "hello" and reply["ok"]:
                     try:             # before answering: a rank told yes gets them
                         fence_fds = self._fence_files()
+                        # only a hello answered yes is said: one refused
+                        # stays under the hello wait
+                        s.greeted = True
                     except OSError as e:
                         reply = {"ok": False, "error": "ServerError",
                                  "message": f"the store server at {self.socket_path} cannot "
@@ -651,7 +654,6 @@ class StoreServer:
                 "and every client (stop the server with SIGTERM and start it again from "
                 "the clients' release)")
         s.pid = pid
-        s.greeted = True
         st = self.store
         return {
             "protocol": PROTOCOL, "pid": os.getpid(),

@@ -487,3 +487,39 @@ def test_a_listener_that_fails_stops_the_server_instead_of_answering_nobody(stor
         assert server.stopped.wait(10), "the server kept running without a listener"
         assert isinstance(server.failed, OSError) and server.failed.errno == errno.EINVAL
         assert server.store.closed
+
+
+def test_a_connection_whose_hello_failed_is_still_closed_by_the_hello_wait(
+        store_file, sock, monkeypatch):
+    """A hello answered no because the server could not hand out its fence
+    files (out of descriptors) marked the connection as having said hello
+    all the same: the hello wait no longer closed it, so a peer that then
+    kept quiet held a server thread and a descriptor (and a place under
+    max_clients) for good.  Only a hello answered yes counts."""
+    import errno
+
+    from kvblock.store import server as server_mod
+
+    real = server_mod.StoreServer._fence_files
+    failing = [True]
+
+    def fence_files(self):
+        if failing[0]:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(self)
+    monkeypatch.setattr(server_mod.StoreServer, "_fence_files", fence_files)
+    with serve_in_background([store_file], sock, hello_timeout=0.3) as server:
+        raw = _raw(sock)
+        try:
+            reply = _ask(raw, op="hello", protocol=server_mod.PROTOCOL, pid=os.getpid())
+            assert reply["ok"] is False and "fence files" in reply["message"], reply
+            failing[0] = False
+            raw.settimeout(10)
+            assert raw.recv(1) == b"", "the connection stayed open past the hello wait"
+        finally:
+            raw.close()
+        deadline = time.monotonic() + 30
+        while server.client_count():
+            assert time.monotonic() < deadline, "its session stayed"
+            time.sleep(0.02)
+        _still_serves(server, sock, 10)
