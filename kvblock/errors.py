@@ -140,8 +140,9 @@ class ServerGoneError(ServerError, StoreClosedError, ConnectionError):
 
 class ServerBusyError(ServerError):
     """The store server refused a connection: it serves as many as its
-    --max-clients allows.  Close idle clients, or restart the server with a
-    higher limit."""
+    --max-clients allows (close idle clients, or restart the server with a
+    higher limit), or it took none within the connect's timeout (its listen
+    backlog stayed full)."""
 
 
 class PartialLoadError(KVBlockError):

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Sequence
 
-from kvblock.errors import ConfigError, ServerError, ServerGoneError
+from kvblock.errors import ConfigError, ServerBusyError, ServerError, ServerGoneError
 from kvblock.store.session import open_socket
 
 
@@ -60,11 +60,8 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
     try:
         if not _lock_or_served(fd, socket_path, lock_path, start_timeout):
             return                   # another rank started it while we waited
-        try:
-            open_socket(socket_path, 5.0).close()
+        if _answers(socket_path, 5.0):
             return                   # ... and released the lock just now
-        except ServerGoneError:
-            pass                     # still nobody: we start it
         if prepare is not None:
             prepare()
         proc = spawn_server(devices, socket_path, timeout=start_timeout,
@@ -87,11 +84,8 @@ def _lock_or_served(fd, socket_path, lock_path, start_timeout) -> bool:
         except OSError as e:
             if e.errno not in (errno.EACCES, errno.EAGAIN):
                 raise
-        try:
-            open_socket(socket_path, 1.0).close()
+        if _answers(socket_path, 1.0):
             return False
-        except ServerGoneError:
-            pass
         if time.monotonic() >= deadline:
             raise ServerError(
                 f"no store server answers on {socket_path}, and the rank starting one has "
@@ -99,6 +93,18 @@ def _lock_or_served(fd, socket_path, lock_path, start_timeout) -> bool:
                 "listening: that process is stopped or stuck (find it with "
                 f"`fuser {lock_path}`); kill it, or start `kvblock serve` yourself")
         time.sleep(START_LOCK_POLL_S)
+
+
+def _answers(socket_path, timeout: float) -> bool:
+    """Does a server listen on ``socket_path``?  One too busy to take the
+    connection in ``timeout`` does: a second one would be refused there."""
+    try:
+        open_socket(socket_path, timeout).close()
+    except ServerBusyError:
+        return True
+    except ServerGoneError:
+        return False
+    return True
 
 
 def socket_dir(socket_path) -> str:
@@ -122,6 +128,8 @@ def wait_for_server(socket_path, timeout: float = 30.0, proc=None) -> None:
         try:
             open_socket(os.fspath(socket_path), 1.0).close()
             return
+        except ServerBusyError:
+            return               # listening, if behind on its accepts
         except ServerGoneError as e:
             if proc is not None and proc.poll() is not None:
                 raise ServerError(f"store server exited with status {proc.returncode} "

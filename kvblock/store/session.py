@@ -22,6 +22,7 @@ from kvblock.errors import ServerGoneError
 from kvblock.store.fence import reopen, socket_fence_path
 
 FENCE_FILES_WAIT_S = 10.0   # they follow the answer to hello at once
+BACKLOG_POLL_S = 0.01       # a connect finding the server's backlog full tries again this often
 
 
 class Session:
@@ -153,15 +154,27 @@ def fence_files(dev0: Device, socket_path: str) -> list[int]:
 
 def open_socket(path: str, timeout: float | None) -> socket.socket:
     """A socket connected to the server at ``path``; ServerGoneError (with
-    the command that starts one) when nobody answers there."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(timeout)
-        sock.connect(path)
-    except OSError as e:
-        sock.close()
-        why = {errno.ENOENT: "no socket there", errno.ECONNREFUSED: "nobody listening "
-               "(a stale socket of a stopped server)"}.get(e.errno, str(e))
-        raise ServerGoneError(f"no store server at {path}: {why}; start one with "
-                              f"`kvblock serve DEV... --socket {path}`") from None
-    return sock
+    the command that starts one) when nobody answers there, ServerBusyError
+    when a server there has no room in its listen backlog for ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            return sock
+        except OSError as e:
+            sock.close()
+            # A full backlog fails a connect with a timeout at once (EAGAIN),
+            # where a blocking one waits: a live server, so wait as well.
+            if e.errno != errno.EAGAIN and not isinstance(e, TimeoutError):
+                why = {errno.ENOENT: "no socket there", errno.ECONNREFUSED: "nobody listening "
+                       "(a stale socket of a stopped server)"}.get(e.errno, str(e))
+                raise ServerGoneError(f"no store server at {path}: {why}; start one with "
+                                      f"`kvblock serve DEV... --socket {path}`") from None
+            if deadline is not None and time.monotonic() >= deadline:
+                raise errors.ServerBusyError(
+                    f"the store server at {path} took no connection for {timeout:g} s (its "
+                    "listen backlog is full: it is starved or stuck); try again, or see "
+                    "its log") from None
+        time.sleep(BACKLOG_POLL_S)

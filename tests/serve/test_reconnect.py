@@ -731,3 +731,49 @@ def test_a_malformed_hello_while_reconnecting_is_retried(tmp_path, monkeypatch, 
     finally:
         r.close()
         server.stop()
+
+
+def test_a_server_too_busy_to_accept_is_not_taken_for_none(tmp_path, monkeypatch):
+    """A server whose listen backlog is full (its accept thread behind many
+    ranks connecting at once) refuses a connect with a timeout with EAGAIN
+    at once.  That was read as 'no server there': connect() took the start
+    lock and spawned a second `kvblock serve`, which refused ('already
+    listens'), and the rank failed with that ServerError instead of
+    waiting.  A connect waits out its timeout for a place in the backlog,
+    then raises ServerBusyError; nobody starts a server beside a live one."""
+    import socket
+
+    from kvblock.errors import ServerBusyError
+    from kvblock.store import server as server_mod
+    from kvblock.store.launch import ensure_server, wait_for_server
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    spawned = []
+    monkeypatch.setattr(server_mod, "spawn_server",
+                        lambda *a, **kw: spawned.append(a) or pytest.fail("spawned a server"))
+    busy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    queued = []
+    try:
+        busy.bind(sock)
+        busy.listen(0)                 # a server that accepts nobody for now
+        while True:                    # its backlog filled
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            queued.append(c)
+            c.setblocking(False)
+            try:
+                c.connect(sock)
+            except BlockingIOError:
+                break
+        start = time.monotonic()
+        with pytest.raises(ServerBusyError, match=r"kv\.sock"):
+            connect(sock, [path], timeout=0.5)
+        assert time.monotonic() - start >= 0.5        # it waited for a place
+        ensure_server(sock, [path], start_timeout=5)   # a server answers there
+        wait_for_server(sock, timeout=5)
+        assert spawned == []
+    finally:
+        for c in queued:
+            c.close()
+        busy.close()
+        os.unlink(sock)
