@@ -471,10 +471,13 @@ class RemoteStore(RunReader, RunWriter):
         stays busy for ``wait`` s; False while a call is stuck past ``timeout``."""
         self._check_open()
         s = self._current()
+
+        def stuck() -> bool:     # a call stuck past the caller's limit: the server is hung
+            return timeout is not None and s.overdue(timeout)
+        if stuck():              # no wait for the connection it holds
+            return False
         if not s.lock.acquire(timeout=wait):
-            if timeout is not None and s.overdue(timeout):
-                return False     # a call stuck past the caller's limit: the server is hung
-            return None
+            return False if stuck() else None
         try:
             return int(self._call_locked(s, op, {"keys": encode_keys(normalize_keys(keys))},
                                          timeout=timeout))

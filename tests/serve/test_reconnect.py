@@ -271,6 +271,41 @@ def test_a_dropped_store_is_collected_while_reconnecting(tmp_path):
         time.sleep(0.1)
 
 
+def test_a_lookup_behind_an_overdue_call_answers_false_at_once(tmp_path):
+    """contains_nowait / touch_nowait say they answer False (0) at once
+    while another call has waited past ``timeout`` for its answer (a hung
+    server), but they waited the whole ``wait`` for the connection first:
+    a caller with a longer wait paid it on every key."""
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    real = server._op_segments
+    go = threading.Event()
+
+    def stuck_segments(s, keys):
+        go.wait(20)
+        return real(s, keys)
+    server._op_segments = stuck_segments
+    r = RemoteStore(sock, timeout=30)
+    try:
+        keys = run_keys(3, 1)
+        r.put_run(keys, run_data(keys))
+        t = threading.Thread(target=lambda: r.get_run(keys, np.zeros_like(run_data(keys))))
+        t.start()
+        time.sleep(0.7)                     # that call is overdue for a timeout of 0.5 s
+        start = time.monotonic()
+        assert r.contains_nowait(keys[0], 3.0, timeout=0.5) is False
+        assert r.touch_nowait(keys, 3.0, timeout=0.5) == 0
+        assert time.monotonic() - start < 1.0, "it waited for the connection"
+        go.set()
+        t.join(10)
+        assert r.contains_nowait(keys[0], 3.0, timeout=0.5) is True
+    finally:
+        go.set()
+        r.close()
+        server.stop()
+
+
 def test_a_lookup_does_not_wait_behind_a_stuck_call(tmp_path):
     """contains_nowait answers None (RETRY) while another thread's call is in
     flight, and False once that call has waited longer than its timeout (a
