@@ -1098,3 +1098,60 @@ def test_a_clear_during_a_multi_run_backup_stores_none_of_its_later_runs(file_ta
                                              host_indices=torch.tensor([0, 1, 2]))])
     assert res == {"mamba": [True] * 3} and len(block_calls) == 1
     assert not backend._pool_present(PoolName.MAMBA, skeys).any()
+
+
+def test_a_load_failing_part_way_reports_the_pages_it_loaded(file_target, backends, monkeypatch):
+    """A prefetch cut into runs (max_run_bytes) whose second run meets a
+    device error: the first run's pages are in the host pool, byte for byte,
+    and reported loaded (SGLang takes the leading True pages as the hit);
+    they were all reported False, so a failing run threw away the hits
+    before it.  Likewise the flat-page batch_get and an extra pool's
+    batch_get_v2, and the loaded pages are a prefetch in get_stats()."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from kvblock.errors import IOFailedError
+
+    _stand_in_storage_metrics(monkeypatch)
+    pool = HostPool(pages=40)
+    block = 3 * 2 * 4 * 2 * 16 * 2
+    backend = attach(pool, [file_target()], metrics=True, max_run_bytes=4 * block)
+    backends.append(backend)
+    states = StatePool(slots=20, state_bytes=3000, seed=5)    # 2 blocks a page: 2 a run
+    backend.register_mem_host_pool_v2(states, PoolName.INDEXER)
+    keys = keys_for("lf", 10)
+    want = [pool.page_bytes(p) for p in range(10)]
+    assert all(backend.batch_set_v1(keys, pool.token_indices(range(10))))
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                              host_indices=torch.arange(10))]) == \
+        {"indexer": [True] * 10}
+    want_states = states.buf.clone()
+    backend.get_stats()
+
+    def failing_second(real):
+        calls = []
+
+        def call(*args):
+            calls.append(1)
+            if len(calls) == 2:
+                raise IOFailedError("read failed", "kv.img", 5, offset=0, length=4096)
+            return real(*args)
+        return call
+
+    store = backend.store
+    store.get_run = failing_second(store.get_run)
+    assert backend.batch_get_v1(keys, pool.token_indices(range(20, 30))) == \
+        [True] * 4 + [False] * 6
+    assert all(torch.equal(pool.page_bytes(20 + i), want[i]) for i in range(4))
+    assert backend.get_stats().prefetch_pgs == [4]
+
+    store.get_run = failing_second(type(store).get_run.__get__(store))
+    got = backend.batch_get(keys)
+    assert [g is not None for g in got] == [True] * 4 + [False] * 6
+    assert all(torch.equal(got[i].view(torch.uint8), want[i].reshape(-1)) for i in range(4))
+
+    store.get_blocks = failing_second(store.get_blocks)
+    states.buf.zero_()
+    out = backend.batch_get_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                             host_indices=torch.arange(10))])
+    assert out == {"indexer": [True] * 2 + [False] * 8}
+    assert torch.equal(states.buf[:2], want_states[:2])
+    assert backend.stats()["store_failures"] == 3
