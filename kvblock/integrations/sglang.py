@@ -496,6 +496,9 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     def _page_ids(self, keys: list[str], host_indices) -> list[int] | None:
         ps = self.pages.page_size
+        if host_indices is None:    # PoolTransfer.host_indices is Optional
+            logger.error("kvblock: no host indices for %d pages", len(keys))
+            return None
         idx = host_indices.reshape(-1) if isinstance(host_indices, torch.Tensor) \
             else torch.as_tensor(host_indices).reshape(-1)
         if idx.numel() != len(keys) * ps:

@@ -1155,3 +1155,23 @@ def test_a_load_failing_part_way_reports_the_pages_it_loaded(file_target, backen
     assert out == {"indexer": [True] * 2 + [False] * 8}
     assert torch.equal(states.buf[:2], want_states[:2])
     assert backend.stats()["store_failures"] == 3
+
+
+def test_kv_transfers_without_host_indices_fail_softly(file_target, backends):
+    """PoolTransfer.host_indices is Optional: a KV transfer without them (or
+    a v1 call given None) answers every page False and logs it, as an extra
+    pool's transfer does; it raised torch's untyped RuntimeError ('Could not
+    infer dtype of NoneType') out of SGLang's backup thread."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    pool = HostPool()
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    keys = keys_for("ni", 2)
+    assert backend.batch_set_v1(keys, None) == [False, False]
+    assert backend.batch_get_v1(keys, None) == [False, False]
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.KV, keys=keys)]) == \
+        {"kv": [False, False]}
+    assert backend.batch_get_v2([PoolTransfer(name=PoolName.KV, keys=keys)]) == \
+        {"kv": [False, False]}
+    assert backend.batch_exists(keys) == 0
