@@ -544,8 +544,11 @@ def evict(devices, socket_path, nbytes, older_than, everything, as_json):
         else:
             reclaimed = store.evict(nbytes, all=everything)
         after = store.stats()
-    _emit({"regions_reclaimed": reclaimed, "runs_evicted": before["runs"] - after["runs"],
-           "blocks_evicted": before["blocks"] - after["blocks"],
+    # The eviction counters, not the run count: through --socket other
+    # clients' puts between the two stats() change the count, not these.
+    _emit({"regions_reclaimed": reclaimed,
+           "runs_evicted": after["evicted_runs"] - before["evicted_runs"],
+           "blocks_evicted": after["evicted_blocks"] - before["evicted_blocks"],
            "free_bytes": after["regions_free"] * after["capacity_bytes"] // after["regions"]},
           as_json, "kvblock evict")
 

@@ -779,6 +779,37 @@ def test_evict_through_a_store_server(file_target, tmp_path):
     assert kvb("evict", path, "--socket", sock, "--all").returncode == 2   # one or the other
 
 
+def test_evict_through_a_server_counts_only_what_it_evicted(file_target, tmp_path):
+    """Another client's puts while `evict --socket` runs are not evictions:
+    runs_evicted and blocks_evicted are the runs and blocks the eviction
+    dropped, not the change in the store's run count (which those puts
+    skew, down to a negative count)."""
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS, "--region-size", "256K")
+    with serve_in_background([path], str(tmp_path / "kv.sock")) as server:
+        store = server.store
+        for i in range(40):
+            store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+        evict = store.evict
+
+        def evict_while_another_rank_puts(nbytes=None, all=False):
+            reclaimed = evict(nbytes, all=all)
+            for i in range(100, 140):        # another client's puts, before the CLI's stats()
+                store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+            return reclaimed
+
+        store.evict = evict_while_another_rank_puts
+        before = store.stats()
+        res = kvb("evict", "--socket", tmp_path / "kv.sock", "--all", "--json")
+        after = store.stats()
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["runs_evicted"] == after["evicted_runs"] - before["evicted_runs"] == 40
+    assert out["blocks_evicted"] == after["evicted_blocks"] - before["evicted_blocks"] == 160
+
+
 def test_stats_through_a_server_exports_no_read_counters_it_never_sees(file_target, tmp_path):
     """Each client of a store server reads the devices itself: the server's
     read counters stay 0 whatever was read.  `stats --socket` (and its
