@@ -566,9 +566,10 @@ def trim(devices, as_json):
     with opened as store:
         done, regions = store.trim_free()
         mapped = store.stats()["mapped_reads"]
-    out = {"regions_trimmed": done, "free_regions": regions,
-           "supported": done > 0 or regions == 0}
-    if mapped and not done and regions:
+    # Supported only if every free region went: on a striped store one
+    # device may discard while another (mapped, or without TRIM) cannot.
+    out = {"regions_trimmed": done, "free_regions": regions, "supported": done == regions}
+    if mapped and done < regions:
         out["note"] = (f"{', '.join(mapped)}: a store file on tmpfs read through a mapping keeps "
                        "its space allocated; run KVBLOCK_MAPPED_READS=never kvblock trim ... "
                        "to release it (later opens then read and write it through the engine, "

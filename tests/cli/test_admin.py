@@ -1148,6 +1148,25 @@ def test_trim_of_a_mapped_tmpfs_store_says_how_to_release_it(shm_target, monkeyp
         assert store.get_run(keys, got) == 4 and np.array_equal(got, run_data(keys))
 
 
+def test_trim_of_a_store_striped_over_a_device_that_keeps_its_space_is_not_supported(
+        file_target, shm_target):
+    """A store striped over a file on disk (holes punched) and one on tmpfs
+    read through a mapping (kept allocated): only the disk file's free
+    regions are discarded.  trim said supported (some were) and left out
+    the note saying how to release the other's."""
+    disk, shm = file_target(16 << 20), shm_target(16 << 20)
+    assert kvb("format", disk, shm, *GEOM_ARGS, "--region-size", "256K").returncode == 0
+    allocated = os.stat(shm).st_blocks
+    res = kvb("trim", disk, shm, "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert 0 < out["regions_trimmed"] < out["free_regions"], out
+    assert out["supported"] is False
+    assert shm in out["note"] and disk not in out["note"]
+    assert "KVBLOCK_MAPPED_READS=never" in out["note"]
+    assert os.stat(shm).st_blocks == allocated
+
+
 def test_a_device_too_small_for_superblocks_is_too_small_not_an_io_error(tmp_path):
     """Under 8 KiB (a --size without its unit, a truncated store): format,
     info and fsck say the device is too small (exit 7), not that a read
