@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import sys
 
 import click
@@ -62,12 +63,33 @@ class KVBlockGroup(click.Group):
             click.echo(f"kvblock: error: {e}", err=True)
             sys.exit(exit_code_for(e))
         except OSError as e:   # one the code did not type: still one line, not a traceback
+            if isinstance(e, BrokenPipeError) and _stdout_gone():
+                sys.exit(1)    # `kvblock ... | head`: the reader has what it wanted
             where = f"{e.filename}: " if e.filename else ""
             click.echo(f"kvblock: error: {where}{e.strerror or e}", err=True)
             sys.exit(_OS_EXIT.get(e.errno, 1))
         except KeyboardInterrupt:
             click.echo("kvblock: interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)
+
+
+def _stdout_gone() -> bool:
+    """True when stdout's reader has closed it (a pipe or socket polls as
+    an error then); stdout then goes to /dev/null, so the interpreter's
+    flush at exit does not fail on it again (Python's docs on SIGPIPE)."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        gone = any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+    except (OSError, ValueError):       # no file descriptor (a test's runner)
+        return False
+    if gone:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    return gone
 
 
 @click.group(cls=KVBlockGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -1348,3 +1348,22 @@ def test_evict_bad_older_than_names_the_option():
         assert res.returncode == 2, res.stderr
         assert "Invalid value for '--older-than'" in res.stderr and "not a duration" in \
             res.stderr and bad in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("fmt", [["--json"], []])
+def test_output_to_a_reader_that_went_away_is_no_error(fmt):
+    """`kvblock info --json | head -c1`: the reader closes the pipe, as
+    head does.  The JSON path said 'kvblock: error: Broken pipe' (a table
+    went quietly); either way kvblock stops without a word, exit 1, as
+    Python's docs advise (and rich does for its tables)."""
+    r, w = os.pipe()
+    os.close(r)                      # the reader is gone before kvblock writes
+    try:
+        res = subprocess.run([sys.executable, "-m", "kvblock", "plan", "--model-layers", "32",
+                              "--kv-heads", "8", "--head-dim", "128", "--tokens", "8192",
+                              "--device-gbps", "7", *fmt],
+                             stdout=w, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             stdin=subprocess.DEVNULL, timeout=60)
+    finally:
+        os.close(w)
+    assert (res.returncode, res.stderr) == (1, "")
