@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvblock.devices import Device, create_file
+from kvblock.devices import Device
+from kvblock.devices.device import new_file, remove_made
 from kvblock.errors import ConfigError
 from kvblock.io import OP_READ, OP_WRITE, IOBatch, open_engine
 from kvblock.memory import HostBuffer
@@ -52,12 +53,12 @@ def run_raw(target: str, workload: str, bs: int, qd: int, seconds: float,
 
     # (a dangling symlink is made too: the file at its target, which is what
     # a failed run removes, keeping the link)
-    created = bool(size) and not os.path.exists(target)
+    made = new_file(target, size) if size and not os.path.exists(target) else None
     try:
         return _run_raw(target, workload, bs, qd, seconds, size, engine, progress)
     except BaseException:
-        if created and os.path.exists(target):
-            os.unlink(os.path.realpath(target))
+        if made:
+            remove_made(made)
         raise
 
 
@@ -67,10 +68,6 @@ def _run_raw(target, workload, bs, qd, seconds, size, engine, progress) -> RawBe
     if bs <= 0 or qd <= 0 or seconds <= 0:
         raise ConfigError("--bs, --qd and --seconds must be positive")
     op, random = WORKLOADS[workload]
-    import os
-
-    if not os.path.exists(target) and size:
-        create_file(target, size)
     with Device(target, writable=(op == OP_WRITE), exclusive=(op == OP_WRITE)) as dev:
         if bs % dev.block_size:
             raise ConfigError(f"--bs {bs} is not a multiple of {dev.path}'s "

@@ -3,14 +3,14 @@ scratch target, reads them back and compares; reports engine choice and speed.""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
 import numpy as np
 
 from kvblock.bench.store_bench import VerifyError
-from kvblock.devices import Device, create_file
+from kvblock.devices import Device
+from kvblock.devices.device import new_file, remove_made
 from kvblock.errors import ConfigError, DeviceTooSmallError
 from kvblock.io import ENGINES, IOBatch, engine_report, open_engine
 from kvblock.io.uring import probe
@@ -27,14 +27,12 @@ def run_selfcheck(path: str, size: int, keep_created: bool = False) -> dict:
         raise ConfigError(f"selfcheck --size {size}: the check writes whole MiB; give at least 1M")
     if os.path.exists(path):
         return _check(path, size)
-    made = os.path.realpath(path)     # a dangling link's target is the file made
-    create_file(path, size)
+    made = new_file(path, size)
     try:
         return _check(path, size)
     finally:
         if not keep_created:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(made)
+            remove_made(made)
 
 
 def _check(path: str, size: int) -> dict:

@@ -11,14 +11,13 @@ before timing.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
 
 import numpy as np
 
-from kvblock.devices import create_file
+from kvblock.devices.device import new_file, remove_made
 from kvblock.errors import ConfigError, KVBlockError
 from kvblock.layout import Geometry
 from kvblock.memory import HostBuffer
@@ -36,20 +35,17 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
                     progress=None) -> dict:
     if workload not in ("save", "restore"):
         raise ConfigError(f"store workload must be save or restore, got {workload!r}")
+    made = None
     if not os.path.exists(target):
         if not size:
             raise ConfigError(f"{target} does not exist; pass --size to create a file")
-        create_file(target, size)
-        created = True
-    else:
-        created = False
+        made = new_file(target, size)
     try:
         store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
                                verify=verify, queue_depth=qd)
     except BaseException:
-        if created:     # not left behind to be refused again by the next run's --size
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.realpath(target))   # the file made, not a symlink to it
+        if made:     # not left behind to be refused again by the next run's --size
+            remove_made(made)
         raise
     try:
         nbytes = run_blocks * geometry.block_bytes

@@ -10,6 +10,7 @@ write one device.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -121,6 +122,38 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
         if fd >= 0:
             os.close(fd)
     return path
+
+
+def new_file(path: str | os.PathLike, size: int) -> list[str]:
+    """create_file at a path where nothing is yet.  Returns what it made,
+    for remove_made: the file (a dangling symlink's target, not the link),
+    then each folder made for it, innermost first."""
+    made = os.path.realpath(path)
+    folders = []
+    parent = os.path.dirname(made)
+    while not os.path.exists(parent):
+        folders.append(parent)
+        parent = os.path.dirname(parent)
+    try:
+        create_file(path, size)
+    except BaseException:
+        remove_made([made, *folders])
+        raise
+    return [made, *folders]
+
+
+def remove_made(made: list[str]) -> None:
+    """Remove what new_file made: the file, then its folders while they are
+    empty (one another program has put something in since stays)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(made[0])
+    for folder in made[1:]:
+        try:
+            os.rmdir(folder)
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return
 
 
 def _refuse_dev(path: Path) -> None:

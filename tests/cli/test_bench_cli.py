@@ -330,3 +330,28 @@ def test_selfcheck_removes_the_scratch_file_it_made_at_a_given_path(tmp_path, mo
     res = CliRunner().invoke(cli, ["selfcheck", "--size", "1M"])
     assert res.exit_code == 130, res.output
     assert os.path.getsize(tmp_path / ".kvblock" / "selfcheck.img") == 1 << 20
+
+
+@pytest.mark.parametrize("command", [
+    ["selfcheck", "--size", "1M"],
+    ["bench", "--workload", "write", "--size", "8M", "--bs", "1000", "--seconds", "0.1"],
+    ["bench", "--workload", "save", "--size", "1M", "--layers", "2", "--kv-heads", "2",
+     "--head-dim", "32", "--run-blocks", "2", "--seconds", "0.1"]])
+def test_a_scratch_file_made_in_new_folders_takes_them_with_it(tmp_path, monkeypatch, command):
+    """A target made at sub/dir/x.img (its folders made too) that is then
+    removed (a selfcheck done, a bench refused) left sub/dir/ behind."""
+    from kvblock.bench import selfcheck
+
+    if command[0] == "selfcheck":
+        monkeypatch.setattr(selfcheck, "open_engine", _interrupted)
+    (tmp_path / "sub").mkdir()
+    path = tmp_path / "sub" / "new" / "dir" / "x.img"
+    args = [command[0], *(["--path"] if command[0] == "selfcheck" else []), str(path),
+            *command[1:]]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code in (7, 8, 130), res.output
+    assert os.listdir(tmp_path / "sub") == []
+
+
+def _interrupted(*a, **kw):
+    raise KeyboardInterrupt
