@@ -3,7 +3,6 @@ evict, trim.  Safe by default: format refuses anything that holds data."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import sys
@@ -122,7 +121,8 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     With --size, missing DEVICES are created as store files; a format that
     fails removes the files it created.
     """
-    from kvblock.devices import Device, check_distinct, create_file
+    from kvblock.devices import Device, check_distinct
+    from kvblock.devices.device import new_file, remove_made
     from kvblock.layout import Geometry
     from kvblock.store import KVStore
     from kvblock.store.store import _store_on
@@ -136,8 +136,7 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
         if size is not None:
             for path in devices:
                 if not os.path.lexists(path):
-                    create_file(path, size)
-                    created.append(path)
+                    created.append(new_file(path, size))
         # After creating: a file to create named twice is then one device
         # given twice, not one busy with "another" store at its second open.
         check_distinct(devices)
@@ -195,9 +194,8 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     finally:
         for d in opened:
             d.close()
-        for path in created:                   # a format that failed leaves nothing behind
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        for made in created:                   # a format that failed leaves nothing behind
+            remove_made(made)
     _emit(info, as_json, "kvblock store formatted")
 
 

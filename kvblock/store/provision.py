@@ -10,12 +10,11 @@ util-linux's blkid finds a filesystem, partition table or RAID/LVM signature;
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import stat
 
-from kvblock.devices import create_file
+from kvblock.devices.device import new_file, remove_made
 from kvblock.errors import (
     ConfigError,
     NotAStoreError,
@@ -42,17 +41,14 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
         if size is not None:
             for path in devices:
                 if not os.path.exists(path):
-                    create_file(path, size)
-                    # the file made: a dangling symlink's target, not the link
-                    created.append(os.path.realpath(path))
+                    created.append(new_file(path, size))   # the file, the folders made
                 else:
                     _warn_size(path, size, owner)
         return _open_or_format(devices, geometry, model, format, region_size, owner,
                                force_hint, options)
     except BaseException:
-        for path in created:        # a start that failed leaves no file it made behind
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        for made in created:        # a start that failed leaves nothing it made behind
+            remove_made(made)
         raise
 
 

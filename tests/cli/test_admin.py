@@ -382,6 +382,10 @@ def test_format_with_size_creates_missing_store_files_only(tmp_path, file_target
     res = kvb("format", small, *GEOM_ARGS, "--size", "1M")
     one_line_error(res, 7, str(small), "cannot hold metadata")
     assert not small.exists()
+    small = tmp_path / "made" / "for" / "small.img"      # and the folders it made for it
+    res = kvb("format", small, *GEOM_ARGS, "--size", "1M")
+    one_line_error(res, 7, str(small), "cannot hold metadata")
+    assert not (tmp_path / "made").exists()
     kept = file_target(1 << 20)
     res = kvb("format", kept, *GEOM_ARGS, "--size", "64M")
     one_line_error(res, 7, str(kept), "cannot hold metadata")

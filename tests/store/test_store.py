@@ -957,6 +957,10 @@ def test_open_or_format_that_fails_through_a_dangling_symlink_keeps_the_link(tmp
         open_or_format([str(link)], GEOM, "m", size=8 << 20, region_size=-1)
     assert link.is_symlink() and os.readlink(link) == str(target)
     assert not target.exists()
+    folder = tmp_path / "made" / "for"                   # the folders it made go too
+    with pytest.raises(ConfigError, match="region_size"):
+        open_or_format([str(folder / "kv.img")], GEOM, "m", size=8 << 20, region_size=-1)
+    assert not (tmp_path / "made").exists()
     open_or_format([str(link)], GEOM, "m", size=8 << 20, region_size=REGION).close()
     assert os.path.getsize(target) == 8 << 20
 
