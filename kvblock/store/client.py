@@ -57,6 +57,7 @@ from kvblock.store.protocol import (
     recv_msg,
 )
 from kvblock.store.reads import RunReader
+from kvblock.store.runio import StagingBuffers
 from kvblock.store.scatter import span
 from kvblock.store.session import Session, fence_files, open_socket, recv_fence_files
 from kvblock.store.store import (
@@ -255,7 +256,7 @@ class RemoteStore(RunReader, RunWriter):
         self.timeout = timeout
         self._lock = threading.RLock()      # local: kvblock.tensors holds it around _segments
         self._inflight = InFlight("remote store is closed; connect again")
-        self._local = threading.local()
+        self._stagings = StagingBuffers()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
         self.counters["reconnects"] = 0

@@ -7,14 +7,49 @@ its server for it.  Both do their own I/O on the devices, with the same code:
 :class:`~kvblock.store.writes.RunWriter` on top of this class.  A store using
 them has ``geometry``, ``alignment``, ``io`` (a StoreIO), ``counters``,
 ``verify``, ``host`` (a DRAM tier or None), ``_layouts`` (a dict) and
-``_local`` (a threading.local).
+``_stagings`` (a :class:`StagingBuffers`).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 from kvblock.layout.geometry import RunLayout, round_up
 from kvblock.memory import HostBuffer
 from kvblock.store.scatter import BlockList
+
+
+class StagingBuffers:
+    """Each thread's aligned buffers, by purpose, kept between calls; and
+    every thread's, so that close() frees them all: a thread's locals are
+    not reachable from another, and a closed store still referenced would
+    keep a long-lived worker's buffer mapped and registered for good."""
+
+    def __init__(self):
+        self._local = threading.local()
+        self._all: "weakref.WeakSet[HostBuffer]" = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int, purpose: str) -> HostBuffer:
+        """This thread's buffer for ``purpose``, at least ``nbytes`` (grown,
+        never shrunk)."""
+        buf = getattr(self._local, purpose, None)
+        if buf is None or buf.closed or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.close()
+            buf = HostBuffer(round_up(nbytes, 1 << 20))
+            setattr(self._local, purpose, buf)
+            with self._lock:
+                self._all.add(buf)
+        return buf
+
+    def close(self) -> None:
+        """Free every thread's buffers (no call may be using them)."""
+        with self._lock:
+            bufs, self._all = list(self._all), weakref.WeakSet()
+        for buf in bufs:
+            buf.close()
 
 
 class RunIO:
@@ -35,13 +70,7 @@ class RunIO:
         that hand freed memory back, very slow).  Purposes do not share memory:
         "staging" is put_run's, "gather" is save_blocks' source buffer, "pages"
         the SGLang backend's read buffer."""
-        buf = getattr(self._local, purpose, None)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                buf.close()
-            buf = HostBuffer(round_up(nbytes, 1 << 20))
-            setattr(self._local, purpose, buf)
-        return buf
+        return self._stagings.get(nbytes, purpose)
 
     def _kvikio_reader(self):
         """The store's kvikio file handles (created on first GPU load)."""

@@ -71,6 +71,7 @@ from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
 from kvblock.store.reads import RunReader
 from kvblock.store.recovery import Recovery
 from kvblock.store.removals import RemovalLog
+from kvblock.store.runio import StagingBuffers
 from kvblock.store.scatter import block_at, span
 from kvblock.store.storeio import StoreIO
 from kvblock.store.writes import Later, RunWriter, Streams
@@ -260,7 +261,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._clears = 0       # clear() calls: a put call that saw another count is refused
         self._pending: list = []
         self._pending_lock = threading.Lock()
-        self._local = threading.local()
+        self._stagings = StagingBuffers()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         self.counters: Counter = Counter({name: 0 for name in COUNTERS})
         self.removals = RemovalLog()   # keys of runs evicted or dropped (removed_since)
@@ -1298,11 +1299,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             self.host.close()
             self.host = None
         self.spares.close()
-        for purpose in ("staging", "gather", "pages"):
-            buf = getattr(self._local, purpose, None)
-            if buf is not None:
-                buf.close()
-                setattr(self._local, purpose, None)
+        self._stagings.close()
         if self.io is not None:
             self.io.close()
             self.io = None

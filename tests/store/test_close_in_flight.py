@@ -201,3 +201,36 @@ def test_an_unpin_racing_close_frees_nothing_through_a_closed_engine(store_file)
     with KVStore.open([store_file]) as again:
         assert again.lookup(keys) == 0 and again.lookup(run_keys(2, 1)) == 1
         assert again.regions.state[region] == 0          # FREE
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["store", "remote"])
+def test_close_frees_the_staging_buffers_of_every_thread(store_file, tmp_path, remote):
+    """Puts and reads from a long-lived thread (an engine's worker pool)
+    stage in that thread's aligned buffer; close() frees it (and takes it off
+    the io_uring registry), not only the closing thread's, so a closed store
+    still referenced does not keep every worker's buffer mapped and
+    registered for good."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvblock.memory import registry
+
+    server = serve_in_background([store_file], tmp_path / "s.sock") if remote else None
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            before = {a for a, _ in registry.snapshot()[1]}
+            store = RemoteStore(tmp_path / "s.sock") if remote else KVStore.open([store_file])
+            keys = run_keys(1, 3)
+            out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+
+            def use():
+                store.put_run(keys, run_data(keys))
+                assert store.get_run(keys, out) == 3
+            pool.submit(use).result()
+            use()
+            assert len({a for a, _ in registry.snapshot()[1]} - before) == 2
+            store.close()
+            assert {a for a, _ in registry.snapshot()[1]} - before == set()
+            assert (out == run_data(keys)).all()
+    finally:
+        if server is not None:
+            server.stop()
