@@ -262,16 +262,16 @@ class IOEngine:
         results = np.empty(m, dtype=np.int64)
         lat = np.empty(m, dtype=np.int64) if latency else None
         hasher = None
-        if inline and staged is None:
-            streams, seeds, digests = hashing
-            hasher = native.Hasher(run.addrs, run.lens,
-                                   streams if parent is None else streams[parent],
-                                   seeds, results, digests)
         with self._map_idle:       # close() waits for us: it frees what _run uses
             if self.closed:
                 raise ConfigError(f"{self.name} engine is closed")
             self._map_users += 1
         try:
+            if inline and staged is None:   # only now: a refused batch would leak it
+                streams, seeds, digests = hashing
+                hasher = native.Hasher(run.addrs, run.lens,
+                                       streams if parent is None else streams[parent],
+                                       seeds, results, digests)
             self._run(op, run if staged is None else staged[0], min(qd or self.queue_depth, m),
                       results, lat, hasher)
         finally:

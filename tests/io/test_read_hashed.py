@@ -3,6 +3,8 @@ as the pieces land.  The digests must equal format.checksum.data_checksum of
 the bytes read, for every engine, batch shape and staging path; bad stream
 numbering and failed reads raise typed errors."""
 
+import threading
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -207,6 +209,40 @@ def test_failed_read_raises_and_frees_the_hasher(engine_name, file_target):
             eng.read_hashed(batch, [0, 1], [0, 0])
         ok = eng.read_hashed(IOBatch.single(buf.address, 0, 0, MIB), [0], [0])
         assert int(ok[0]) == data_checksum(np.zeros(MIB, np.uint8), 0)
+
+
+def test_a_close_racing_read_hashed_leaves_no_hasher_unfreed(monkeypatch, file_target):
+    """close() from another thread can land right after read_hashed made its
+    native hasher: either the read is refused (engine closed) or close waits
+    for it, but the hasher, native memory, is freed either way."""
+    if not probe()[0]:
+        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
+    path = file_target(8 * MIB)
+    made, closers = [], []
+
+    class CloseMeanwhile(native.Hasher):
+        __slots__ = ()
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            made.append(self)
+            closer = threading.Thread(target=eng.close)
+            closers.append(closer)
+            closer.start()
+            closer.join(0.5)              # done, unless it waits for this read
+
+    monkeypatch.setattr(native, "Hasher", CloseMeanwhile)
+    with Device(path) as dev, HostBuffer(2 * MIB) as buf:
+        eng = open_engine([dev], "uring")
+        try:
+            got = eng.read_hashed(IOBatch.single(buf.address, 0, 0, 2 * MIB), [0], [3])
+        except ConfigError as e:
+            assert "engine is closed" in str(e)
+        else:
+            assert int(got[0]) == data_checksum(np.zeros(2 * MIB, np.uint8), 3)
+        closers[0].join(20)
+    assert not closers[0].is_alive() and eng.closed
+    assert len(made) == 1 and made[0].handle == native.ffi.NULL
 
 
 def test_native_hasher_rejects_bad_streams_and_reports_unfinished_pieces():
