@@ -257,7 +257,6 @@ class IOEngine:
         inline = hashing is not None and self.hashes_as_reads_land
         max_io = min(self.max_io, HASH_PIECE) if inline else self.max_io
         run, parent = batch.split(max_io)
-        staged = self._stage(op, run)
         m = len(run)
         results = np.empty(m, dtype=np.int64)
         lat = np.empty(m, dtype=np.int64) if latency else None
@@ -267,7 +266,10 @@ class IOEngine:
                 raise ConfigError(f"{self.name} engine is closed")
             self._map_users += 1
         try:
-            if inline and staged is None:   # only now: a refused batch would leak it
+            # Staging and the hasher only now: made before, a close() in
+            # between would miss the staging and the refusal leak the hasher.
+            staged = self._stage(op, run)
+            if inline and staged is None:
                 streams, seeds, digests = hashing
                 hasher = native.Hasher(run.addrs, run.lens,
                                        streams if parent is None else streams[parent],

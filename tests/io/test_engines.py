@@ -200,6 +200,42 @@ def test_close_releases_the_staging_buffers_of_unaligned_ios(engine_name, file_t
                          f"{sum(b.nbytes for b in held)} bytes kept after close()"
 
 
+def test_a_close_racing_an_unaligned_io_leaves_no_staging_behind(engine_name, file_target,
+                                                                  monkeypatch):
+    """close() from another thread can land while an unaligned I/O makes its
+    staging buffer: either the I/O is refused (engine closed) or close waits
+    for it, but no staging buffer outlives close() in the closed engine."""
+    import weakref
+
+    from kvblock.io import engine as engine_mod
+
+    made, closers = [], []
+
+    class CloseMeanwhile(HostBuffer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+            closer = threading.Thread(target=eng.close)
+            closers.append(closer)
+            closer.start()
+            closer.join(0.5)              # done, unless it waits for this I/O
+
+    monkeypatch.setattr(engine_mod, "HostBuffer", CloseMeanwhile)
+    with Device(file_target(4 * MIB)) as dev:
+        eng = open_engine([dev], engine_name)
+        back = np.zeros(MIB + 8, dtype=np.uint8)[8:]
+        try:
+            eng.read_into(0, 0, back)
+        except ConfigError as e:
+            assert "engine is closed" in str(e)
+        else:
+            assert not back.any()
+        closers[0].join(20)
+        assert not closers[0].is_alive() and eng.closed
+        held = [r() for r in made if r() is not None and not r().closed]
+        assert len(made) == 1 and not held, f"{eng.name}: a staging buffer kept after close()"
+
+
 def test_out_of_range_and_bad_device_index(engine_name, file_target):
     path = file_target(MIB)
     with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(8192) as buf:
