@@ -11,7 +11,9 @@ Invariants (enforced where named):
   after that record is durable (the PUT's apply callback runs after the flush).
 - Removal may happen early, addition never: DROP/RECLAIM take runs out of the
   index before their record is durable, which after a crash can only make
-  the cache smaller, never wrong.
+  the cache smaller, never wrong.  A delete() or clear() that finds runs
+  gone that way returns only once their records are durable
+  (``_await_removals``): its promise is that they stay gone.
 - Reused space: a region is written again only after its RECLAIM record (with
   the region's new generation) is durable, and data checksums are seeded with
   the run id, so bytes of a reclaimed run never verify as another run's.
@@ -29,6 +31,7 @@ the devices, which a rank of a served store (client.py) runs too.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import threading
@@ -255,6 +258,13 @@ class KVStore(Recovery, RunReader, RunWriter):
         self.admission = Admission(admit_after)
         self._lock = threading.RLock()
         self._reclaimed = threading.Condition(self._lock)   # a region was freed
+        # Removals from the index whose records are not yet durable, by
+        # ticket (_removal_begins); those whose commit failed stay lost.
+        self._removal_tickets = 0
+        self._removing: set[int] = set()
+        self._removals_lost: set[int] = set()
+        self._reclaim_tickets: dict[int, int] = {}     # region -> its RECLAIM's ticket
+        self._removals_durable = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
         self._failure: BaseException | None = None   # the metadata write that closed it
         self._inflight = InFlight("store is closed; reopen it with KVStore.open(devices)")
@@ -818,6 +828,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         for run in dropped:
             self._forget_run(run)
         self.regions.state[region] = RECLAIMING
+        self._reclaim_tickets[region] = self._removal_begins()
         if self.regions.open == region:
             self.regions.open = None
         self.counters["evicted_regions"] += 1
@@ -840,7 +851,10 @@ class KVStore(Recovery, RunReader, RunWriter):
             # a checkpoint with the old generation would make replay reject
             # every run put in the region since.
             self.regions.generation[region] = new_gen
-        self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
+        with self._lock:     # none when the region held no run (_release_empty_regions)
+            ticket = self._reclaim_tickets.pop(region, None)
+        with self._removal(ticket):
+            self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
         try:
             dev, off = self.regions.address(region)
             if discard and self.io.discard(dev, off, self.regions.size):
@@ -1009,16 +1023,59 @@ class KVStore(Recovery, RunReader, RunWriter):
                 keys.update(self.index.live_keys(runs))
             for run in runs:
                 self._forget_run(run)
-        if runs and not self.readonly:
+            ticket = self._removal_begins() if runs and not self.readonly else None
+        if ticket is not None:
             # A quarter of the journal per commit: the DROP records of a
             # large delete (or clear, or fsck repair) could exceed a small
             # journal, and a commit that does fails and closes the store.
             per_commit = max(1, self.sb.journal_bytes // 4
                              // jfmt.record_bytes(jfmt.DropRun(0)))
-            for at in range(0, len(runs), per_commit):
-                self._commit([jfmt.DropRun(r.run_id) for r in runs[at:at + per_commit]])
+            with self._removal(ticket):
+                for at in range(0, len(runs), per_commit):
+                    self._commit([jfmt.DropRun(r.run_id) for r in runs[at:at + per_commit]])
             self._release_empty_regions({r.region for r in runs})
         return removed
+
+    def _removal_begins(self) -> int:
+        """(under self._lock) runs were just taken out of the index, their
+        record not yet durable: the ticket that _removal ends."""
+        ticket = self._removal_tickets
+        self._removal_tickets += 1
+        self._removing.add(ticket)
+        return ticket
+
+    @contextlib.contextmanager
+    def _removal(self, ticket: int | None):
+        """Around the commit of a removal's records: its ticket ends with
+        it, lost when the commit fails."""
+        durable = False
+        try:
+            yield
+            durable = True
+        finally:
+            if ticket is not None:
+                with self._lock:
+                    self._removing.discard(ticket)
+                    if not durable:
+                        self._removals_lost.add(ticket)
+                    self._removals_durable.notify_all()
+
+    def _await_removals(self) -> None:
+        """Return once every removal begun before now is durable.  A
+        delete() or clear() that found runs already out of the index (another
+        call's DROP or RECLAIM record in flight) must not return before that
+        record is: a crash would bring back what it returned for."""
+        with self._lock:
+            mark = self._removal_tickets
+            # A failed store commits nothing more: removals still pending
+            # (evict_older_than's regions after a failed RECLAIM) are lost.
+            self._removals_durable.wait_for(lambda: self._failure is not None or
+                                            all(t >= mark for t in self._removing))
+            lost = any(t < mark for t in self._removing | self._removals_lost)
+        if lost:
+            raise StoreClosedError(f"metadata commit failed: {self._failure}; a removal this "
+                                   "call relied on may not be durable; reopen the store "
+                                   "(KVStore.open) and repeat the call")
 
     def _release_empty_regions(self, candidates) -> None:
         failed = None
@@ -1085,6 +1142,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             if self.closed:
                 raise
             failed = e
+        self._await_removals()
         host_only = 0
         if self.host is not None:
             # Only the keys the runs still held: a newer run's copy of one
@@ -1172,6 +1230,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 if self.closed:
                     raise
                 failed = failed or e
+        self._await_removals()
         if failed is not None:
             raise failed
         return reclaimed

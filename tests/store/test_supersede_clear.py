@@ -8,15 +8,18 @@ crash (the journal is replayed), so what the store forgot stays forgotten.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
 import xxhash
 
 from kvblock import KVStore
-from kvblock.errors import ConfigError, StoreFullError
+from kvblock.alloc.regions import SEALED
+from kvblock.errors import ConfigError, StoreClosedError, StoreFullError
 from kvblock.index import normalize_keys
 from tests.store.workload import GEOM, run_data, run_keys, small_store
+from tests.support.faults import CrashPlan, SimulatedCrash
 
 MIB = 1 << 20
 
@@ -550,3 +553,87 @@ def test_deleted_runs_does_not_count_a_run_dropped_meanwhile(tmp_path):
         store.index.runs_with_prefix = lambda prefix: found
         assert store.delete_prefix(b"\x0a") == 0
         assert store.stats()["deleted_runs"] == 1
+
+
+def _removal_in_flight(store, plan, start, other):
+    """``start()`` in a thread that stops where its removal from the index
+    is made and its journal record not yet written; ``other()`` meanwhile;
+    then the process dies (the record never reaches the medium).  Returns
+    whether ``other()`` returned (a successful call) before the store
+    failed."""
+    stopped, go = threading.Event(), threading.Event()
+    real = store._commit
+
+    def commit(records, apply=None):
+        if threading.current_thread().name == "remover" and not stopped.is_set():
+            stopped.set()
+            assert go.wait(20)
+        return real(records, apply)
+    store._commit = commit
+    remover = threading.Thread(target=lambda: _swallow(start), name="remover")
+    remover.start()
+    assert stopped.wait(20)
+    done = {}
+    caller = threading.Thread(target=lambda: done.update(ok=_swallow(other)))
+    caller.start()
+    caller.join(2)               # done by now, unless it waits for the record
+    plan.crashed = True          # the process dies: no more I/O reaches the medium
+    go.set()
+    remover.join(20)
+    caller.join(20)
+    assert not caller.is_alive() and not remover.is_alive()
+    _crash(store)
+    return done["ok"]
+
+
+def _swallow(call) -> bool:
+    try:
+        call()
+    except (SimulatedCrash, StoreClosedError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("first", ["delete", "evict"])
+def test_a_delete_returns_only_once_a_removal_it_relied_on_is_durable(tmp_path, first):
+    """A run is taken out of the index before its DROP (or RECLAIM) record
+    is durable.  A delete() of its key meanwhile found nothing left to drop
+    and returned at once: a crash before the other call's record then
+    brought back the key that delete() had returned for."""
+    path = _store(tmp_path)
+    plan = CrashPlan()
+    store = KVStore.open([path], storeio_factory=plan.factory())
+    keys = run_keys(7, 3)
+    store.put_run(keys, run_data(keys))
+    start = (lambda: store.delete(keys[:1])) if first == "delete" else \
+        (lambda: store.evict(all=True))
+    returned = _removal_in_flight(store, plan, start, lambda: store.delete(keys[:1]))
+    with KVStore.open([path]) as store:
+        if returned:
+            assert store.lookup(keys) == 0, "delete() returned, yet its key came back"
+
+
+@pytest.mark.parametrize("evict", ["evict", "evict_older_than"])
+def test_clear_returns_only_once_an_eviction_in_flight_is_durable(tmp_path, evict):
+    """clear() passed over a region another call was reclaiming (its runs
+    already out of the index, its RECLAIM record not yet written) and
+    returned: a crash then brought the region's runs back after the clear
+    (KV of the old weights, served for the new ones).  evict_older_than
+    takes several regions at once: those after a failed RECLAIM never
+    become durable, and the clear must not wait for them forever."""
+    path = _store(tmp_path)
+    plan = CrashPlan()
+    store = KVStore.open([path], storeio_factory=plan.factory())
+    stored, i = [], 0
+    while (store.regions.state == SEALED).sum() < 2:
+        keys = run_keys(100 + i, 3)
+        store.put_run(keys, run_data(keys))
+        stored.append(keys)
+        i += 1
+    start = (lambda: store.evict(all=True)) if evict == "evict" else \
+        (lambda: store.evict_older_than(time.time() + 60))
+    returned = _removal_in_flight(store, plan, start, store.clear)
+    with KVStore.open([path]) as store:
+        if returned:
+            assert all(store.lookup(keys) == 0 for keys in stored), \
+                "clear() returned, yet a run came back"
