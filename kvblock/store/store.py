@@ -595,7 +595,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         for i, (keys, _) in enumerate(items):    # every run checked before anything changes
             if keys and not found[starts[i]:starts[i + 1]].all():
                 self._check_fits(len(keys))
-        taken: set[bytes] = set()     # keys an earlier run of this call writes
+        taken: dict[bytes, int] = {}  # keys an earlier run of this call writes: that run
+        repeats = {}                  # a run found whole in earlier runs: those runs
         for i, (keys, blocks) in enumerate(items):
             n = len(keys)
             if n == 0:
@@ -606,12 +607,13 @@ class KVStore(Recovery, RunReader, RunWriter):
             if held.all() or (taken and all(h or k in taken for k, h in zip(keys, held))):
                 self.counters["put_duplicate_runs"] += 1
                 out[i] = n
+                repeats[i] = {taken[k] for k, h in zip(keys, held) if not h}
                 continue
             if not self.admission.admit(keys[0]):
                 self.counters["admission_rejected_runs"] += 1
                 continue
             if len(items) > 1:
-                taken.update(keys)
+                taken.update(dict.fromkeys(keys, i))
             step = self.max_run_blocks
             for start in range(0, n, step):
                 stop = min(n, start + step)
@@ -649,6 +651,9 @@ class KVStore(Recovery, RunReader, RunWriter):
                         cleared.add(i)
         for i in cleared:             # a clear() overtook a piece: the item's others went too
             out[i] = 0
+        for i, holders in repeats.items():   # stored only as the runs holding it were
+            if holders & cleared:
+                out[i] = 0
         return out
 
     def _put_group(self, pieces: list, clears: int) -> list[tuple[int, int]]:

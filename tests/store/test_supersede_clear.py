@@ -180,6 +180,22 @@ def test_clear_refuses_a_put_allocated_before_it(tmp_path, how):
         assert store.lookup(keys) == 0 and store.lookup(later) == 3
 
 
+
+@pytest.mark.parametrize("how", ["clean", "crash"])
+def test_a_clear_refusing_a_put_runs_call_refuses_its_repeated_runs_too(tmp_path, how):
+    """put_runs counts a run that an earlier run of the call writes whole as
+    stored (a duplicate); when a clear() refused that earlier run, the
+    repeat still said all its blocks were stored, and none was."""
+    path = _store(tmp_path)
+    store = KVStore.open([path])
+    keys = run_keys(9, 3)
+    out = _clear_during(store, "_stage_run", lambda: store.put_runs(
+        [(keys, run_data(keys)), (keys[:2], run_data(keys[:2]))]))
+    assert out == [0, 0] and store.lookup(keys) == 0
+    _close(store, how)
+    with KVStore.open([path]) as store:
+        assert store.lookup(keys) == 0
+
 def test_a_run_larger_than_the_store_is_refused_before_anything_is_evicted(tmp_path):
     path = _store(tmp_path, 2 * MIB)
     with KVStore.open([path]) as store:
