@@ -5,6 +5,7 @@ connection can never release one of the new connection's."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -271,14 +272,12 @@ def test_a_dropped_store_is_collected_while_reconnecting(tmp_path):
         time.sleep(0.1)
 
 
-def test_a_lookup_behind_an_overdue_call_answers_false_at_once(tmp_path):
-    """contains_nowait / touch_nowait say they answer False (0) at once
-    while another call has waited past ``timeout`` for its answer (a hung
-    server), but they waited the whole ``wait`` for the connection first:
-    a caller with a longer wait paid it on every key."""
+@contextlib.contextmanager
+def _a_read_stuck_on_the_server(tmp_path, **client):
+    """A RemoteStore (``client`` options) whose thread's get_run of a stored
+    key waits on the server until ``go`` is set: (store, key, go, that thread)."""
     sock = str(tmp_path / "kv.sock")
-    path = _store_file(tmp_path)
-    server = serve_in_background([path], sock)
+    server = serve_in_background([_store_file(tmp_path)], sock)
     real = server._op_segments
     go = threading.Event()
 
@@ -286,57 +285,47 @@ def test_a_lookup_behind_an_overdue_call_answers_false_at_once(tmp_path):
         go.wait(20)
         return real(s, keys)
     server._op_segments = stuck_segments
-    r = RemoteStore(sock, timeout=30)
+    r = RemoteStore(sock, timeout=30, **client)
     try:
         keys = run_keys(3, 1)
         r.put_run(keys, run_data(keys))
         t = threading.Thread(target=lambda: r.get_run(keys, np.zeros_like(run_data(keys))))
         t.start()
-        time.sleep(0.7)                     # that call is overdue for a timeout of 0.5 s
-        start = time.monotonic()
-        assert r.contains_nowait(keys[0], 3.0, timeout=0.5) is False
-        assert r.touch_nowait(keys, 3.0, timeout=0.5) == 0
-        assert time.monotonic() - start < 1.0, "it waited for the connection"
-        go.set()
-        t.join(10)
-        assert r.contains_nowait(keys[0], 3.0, timeout=0.5) is True
+        yield r, keys[0], go, t
     finally:
         go.set()
         r.close()
         server.stop()
+
+
+def test_a_lookup_behind_an_overdue_call_answers_false_at_once(tmp_path):
+    """contains_nowait / touch_nowait say they answer False (0) at once
+    while another call has waited past ``timeout`` for its answer (a hung
+    server), but they waited the whole ``wait`` for the connection first:
+    a caller with a longer wait paid it on every key."""
+    with _a_read_stuck_on_the_server(tmp_path) as (r, key, go, t):
+        time.sleep(0.7)                     # that call is overdue for a timeout of 0.5 s
+        start = time.monotonic()
+        assert r.contains_nowait(key, 3.0, timeout=0.5) is False
+        assert r.touch_nowait([key], 3.0, timeout=0.5) == 0
+        assert time.monotonic() - start < 1.0, "it waited for the connection"
+        go.set()
+        t.join(10)
+        assert r.contains_nowait(key, 3.0, timeout=0.5) is True
 
 
 def test_a_lookup_does_not_wait_behind_a_stuck_call(tmp_path):
     """contains_nowait answers None (RETRY) while another thread's call is in
     flight, and False once that call has waited longer than its timeout (a
     hung server), not RETRY for as long as the stuck call's own limit."""
-    sock = str(tmp_path / "kv.sock")
-    path = _store_file(tmp_path)
-    server = serve_in_background([path], sock)
-    real = server._op_segments
-    go = threading.Event()
-
-    def stuck_segments(s, keys):
-        go.wait(10)
-        return real(s, keys)
-    server._op_segments = stuck_segments
-    r = RemoteStore(sock, timeout=30, reconnect=True)
-    try:
-        keys = run_keys(3, 1)
-        r.put_run(keys, run_data(keys))
-        t = threading.Thread(target=lambda: r.get_run(keys, np.zeros_like(run_data(keys))))
-        t.start()
+    with _a_read_stuck_on_the_server(tmp_path, reconnect=True) as (r, key, go, t):
         time.sleep(0.1)
-        assert r.contains_nowait(keys[0], 0.001, timeout=0.5) is None
+        assert r.contains_nowait(key, 0.001, timeout=0.5) is None
         time.sleep(0.6)
-        assert r.contains_nowait(keys[0], 0.001, timeout=0.5) is False
+        assert r.contains_nowait(key, 0.001, timeout=0.5) is False
         go.set()
         t.join(10)
-        assert r.contains_nowait(keys[0], 0.001, timeout=0.5) is True
-    finally:
-        go.set()
-        r.close()
-        server.stop()
+        assert r.contains_nowait(key, 0.001, timeout=0.5) is True
 
 
 def test_a_fork_while_locks_are_held_neither_hangs_nor_inherits_the_start_lock(tmp_path):
