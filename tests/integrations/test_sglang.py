@@ -854,19 +854,12 @@ def test_extra_pool_pages_of_another_layout_are_a_miss(file_target, backends):
     assert got == [False] or torch.equal(new.layer_major(4), old.layer_major(0))
 
 
-def test_a_backup_failing_part_way_reports_the_pages_it_stored(file_target, backends):
-    """A backup cut into runs (max_run_bytes) whose second run fails: the
-    pages of the first run, and pages stored before the call, are stored and
-    reported True; only the failed run's pages and those after it are False
-    (they were all reported False, pages the store holds among them)."""
+def _second_run_fails(backend) -> list[int]:
+    """The backend's store fails its second put_run (EIO); the list of the
+    runs' lengths put_run was called with.  Undo: backend.store.put_run =
+    the real one."""
     from kvblock.errors import IOFailedError
 
-    pool = HostPool(pages=40)
-    block = 3 * 2 * 4 * 2 * 16 * 2
-    backend = attach(pool, [file_target()], max_run_bytes=4 * block)  # 4 pages per run
-    backends.append(backend)
-    keys = keys_for("p", 10)
-    assert backend.batch_set_v1([keys[9]], pool.token_indices([9])) == [True]
     real, calls = backend.store.put_run, []
 
     def put_run(run_keys, data):
@@ -876,6 +869,21 @@ def test_a_backup_failing_part_way_reports_the_pages_it_stored(file_target, back
         return real(run_keys, data)
 
     backend.store.put_run = put_run
+    return calls
+
+
+def test_a_backup_failing_part_way_reports_the_pages_it_stored(file_target, backends):
+    """A backup cut into runs (max_run_bytes) whose second run fails: the
+    pages of the first run, and pages stored before the call, are stored and
+    reported True; only the failed run's pages and those after it are False
+    (they were all reported False, pages the store holds among them)."""
+    pool = HostPool(pages=40)
+    block = 3 * 2 * 4 * 2 * 16 * 2
+    backend = attach(pool, [file_target()], max_run_bytes=4 * block)  # 4 pages per run
+    backends.append(backend)
+    keys = keys_for("p", 10)
+    assert backend.batch_set_v1([keys[9]], pool.token_indices([9])) == [True]
+    real, calls = backend.store.put_run, _second_run_fails(backend)
     assert backend.batch_set_v1(keys, pool.token_indices(range(10))) == \
         [True] * 4 + [False] * 5 + [True]
     backend.store.put_run = real
@@ -888,23 +896,14 @@ def test_a_backup_failing_part_way_counts_the_pages_it_wrote_in_storage_metrics(
     """A backup whose second run fails wrote its first run: that run's pages
     are a backup in get_stats() (they were left out, as if nothing had been
     written; an extra pool's failing backup counts them)."""
-    from kvblock.errors import IOFailedError
-
     _stand_in_storage_metrics(monkeypatch)
     pool = HostPool(pages=40)
     block = 3 * 2 * 4 * 2 * 16 * 2
     backend = attach(pool, [file_target()], metrics=True, max_run_bytes=4 * block)
     backends.append(backend)
     keys = keys_for("pm", 10)
-    real, calls = backend.store.put_run, []
-
-    def put_run(run_keys, data):
-        calls.append(len(run_keys))
-        if len(calls) == 2:
-            raise IOFailedError("write failed", "kv.img", 5, offset=0, length=4096)
-        return real(run_keys, data)
-
-    backend.store.put_run = put_run
+    real = backend.store.put_run
+    _second_run_fails(backend)
     assert backend.batch_set_v1(keys, pool.token_indices(range(10))) == [True] * 4 + [False] * 6
     backend.store.put_run = real
     stats = backend.get_stats()
