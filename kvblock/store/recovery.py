@@ -132,7 +132,10 @@ class Recovery:
         self._generation = cp.generation
         self._seq = next_seq
         self._jhead = end
-        self.clean_at_open = not records
+        # a record of this epoch, replayed or not (damaged, past a gap):
+        # written after the checkpoint, so not a clean close
+        self.clean_at_open = not records and self.journal_gap is None \
+            and self.journal_damaged is None
         self._finish_layout()
         if not self.readonly:
             self._write_checkpoint()  # new epoch: stale journal records are dead from here on

@@ -443,3 +443,40 @@ def test_a_damaged_last_reclaim_record_does_not_serve_the_regions_old_runs(tmp_p
         assert fsck(store).repaired == [f"{path}: started a new journal"]
     with KVStore.open([str(path)], readonly=True) as store:   # the damage is of a dead epoch
         assert store.lookup(old) == 0 and fsck(store).status == "clean"
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["last", "gap"])
+def test_a_store_whose_first_journal_record_rotted_is_not_reported_clean(tmp_path, after):
+    """The first record after the checkpoint damaged (the last one, or with
+    intact records after it: a gap): replay applies no record, yet the store
+    was written after its checkpoint and its open dropped runs (every one,
+    or what the lost records published).  `kvblock info` said "clean", as
+    for a store closed cleanly, because the state looked only at the records
+    replayed."""
+    from kvblock.cli.admin import _info
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    a, b = run_keys(70, 2), run_keys(80, 2)
+    store.put_run(a, run_data(a))
+    store.put_run(b, run_data(b))
+    store.checkpoint()
+    drop_at = store.sb.journal_offset + store._jhead
+    assert store.delete(a) == 2                  # the first record of this epoch
+    if after:
+        assert store.delete(b) == 2              # an intact record after it
+    store._release_devices()                     # a crash: no checkpoint after them
+    store.closed = True
+    with open(path, "r+b") as f:                 # the DROP record's payload rots
+        f.seek(drop_at + 40)
+        byte = f.read(1)
+        f.seek(drop_at + 40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert store.counters["replayed_records"] == 0
+        assert (store.journal_gap is not None) == after
+        assert (store.journal_damaged is not None) == (not after)
+        assert not store.clean_at_open
+        assert _info(store)["state"] == "dirty (0 journal records replayed)"
