@@ -125,7 +125,7 @@ class Recovery:
                            self.io.devices[0].path, next_seq, count, first,
                            sb.journal_offset + pos)
             self._removals_past_gap(journal, pos, first, epoch)
-        elif jfmt.damaged_at(journal, stop, next_seq, epoch):
+        elif jfmt.damaged_at(journal, stop, next_seq, epoch) and not self._tears_anywhere():
             # Damaged as the last record: no intact record after it shows
             # what it removed (a gap's do, _removals_past_gap)
             self._drop_after_damage(sb.journal_offset + stop, next_seq)
@@ -140,6 +140,16 @@ class Recovery:
         if not self.readonly:
             self._write_checkpoint()  # new epoch: stale journal records are dead from here on
             self._rewrite_unreadable_journal()
+
+    def _tears_anywhere(self) -> bool:
+        """Whether the journal's device may have been written through a
+        mapping (a fully allocated store file on tmpfs): a process killed
+        inside that copy tears a record at any byte, so a record inside one
+        sector is no proof of damage there (jfmt.damaged_at assumes a device
+        that writes sectors whole).  Memory does not rot as media do."""
+        from kvblock.io.mapped import mappable
+
+        return mappable(self.io.devices[0]) is None
 
     def _drop_after_damage(self, offset: int, seq: int) -> None:
         """Replay stopped at the journal's last record, written whole

@@ -480,3 +480,30 @@ def test_a_store_whose_first_journal_record_rotted_is_not_reported_clean(tmp_pat
         assert (store.journal_damaged is not None) == (not after)
         assert not store.clean_at_open
         assert _info(store)["state"] == "dirty (0 journal records replayed)"
+
+
+def test_a_record_torn_inside_a_sector_of_a_mapped_store_file_is_a_tear(shm_target):
+    """A store file on tmpfs is written through a shared mapping: a process
+    killed inside the copy of a journal record tears it at any byte, also
+    inside one 512-byte sector (a device writes a sector whole; a memcpy
+    does not).  That record was never acknowledged: the journal ends there,
+    as after any crash, and no run is dropped (read as damage, every run
+    was: the cache lost to a kill -9)."""
+    path = shm_target(8 << 20)
+    KVStore.format([path], GEOM, region_size=REGION).close()
+    store = KVStore.open([path])
+    assert store.io.engine.mapped_for_writes(0)
+    old = run_keys(71, 2)
+    store.put_run(old, run_data(old))
+    store.checkpoint()
+    torn_at = store.sb.journal_offset + store._jhead
+    assert store.evict(all=True) >= 1             # its RECLAIM record: torn below
+    store._release_devices()                      # the process dies inside that write
+    store.closed = True
+    with open(path, "r+b") as f:
+        f.seek(torn_at + 40)
+        f.write(bytes(24))                        # the copy stopped part way
+    with KVStore.open([path], verify="never") as store:
+        assert store.journal_damaged is None
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(old, out) == 2 and np.array_equal(out, run_data(old))
