@@ -2,11 +2,12 @@
 
 save: formats TARGET, then writes runs of ``run_blocks`` blocks for the given
 time (one run at least).  restore: formats TARGET, fills about half of it with
-runs (each run its own bytes), then reads whole runs back in random order
-(checksums verified unless ``verify=never``) with ``jobs`` readers, each
-reading one run at least; afterwards every reader's last read is compared
-with the run it asked for.  Buffers are aligned and touched
-before timing.
+runs (256 at most; each run its own bytes), then reads whole runs back in
+random order (checksums verified unless ``verify=never``) with ``jobs``
+readers, each reading one run at least; afterwards every reader's last read
+is compared with the run it asked for.  Buffers are aligned and touched
+before timing.  An existing TARGET is formatted whole: a ``size`` other than
+its own is refused.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import numpy as np
 
+from kvblock.devices import Device
 from kvblock.devices.device import new_file, remove_made
 from kvblock.errors import ConfigError, KVBlockError
 from kvblock.layout import Geometry
@@ -40,6 +42,8 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
         if not size:
             raise ConfigError(f"{target} does not exist; pass --size to create a file")
         made = new_file(target, size)
+    elif size:
+        _check_size(target, size)
     try:
         store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
                                verify=verify, queue_depth=qd)
@@ -59,6 +63,16 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
         return _restore(store, src, run_blocks, seconds, jobs, progress)
     finally:
         store.close()
+
+
+def _check_size(target: str, size: int) -> None:
+    """A store is formatted over all of its target: a --size other than an
+    existing target's cannot be honoured, so it is refused before any write."""
+    with Device(target) as dev:
+        if size // dev.block_size * dev.block_size != dev.capacity:
+            raise ConfigError(f"--size {size} differs from {dev.path} ({dev.capacity} bytes): "
+                              "save/restore format all of an existing target; give its size, "
+                              "or none, or a new TARGET")
 
 
 class VerifyError(KVBlockError):

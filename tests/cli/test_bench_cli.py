@@ -7,6 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from kvblock.cli.main import cli
+from kvblock.units import parse_size
 
 FIELDS = {"workload", "engine", "bs", "qd", "bytes", "seconds", "gib_per_s", "iops",
           "p50_us", "p99_us"}
@@ -154,6 +155,29 @@ def test_a_store_bench_target_created_too_small_is_not_left_behind(tmp_path):
     assert not path.exists()
     res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "save", "--size", "16M",
                                    *args, "--json"])
+    assert res.exit_code == 0, res.output
+
+
+def test_a_store_bench_refuses_a_size_other_than_its_existing_targets(tmp_path):
+    """--size is the "Bytes of the target to use": on an existing target
+    save/restore ignored it and formatted the whole target (a 16M file
+    given --size 8M or 64M).  Another size is refused, the target untouched;
+    a rerun with the size that made the target still runs."""
+    path = tmp_path / "bench.img"
+    args = ["--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--run-blocks", "2",
+            "--seconds", "0.05", "--json"]
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "save", "--size", "16M",
+                                   *args])
+    assert res.exit_code == 0, res.output
+    before = path.read_bytes()
+    for size in ("8M", "64M"):
+        res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "restore",
+                                       "--size", size, *args])
+        assert res.exit_code == 8, res.output
+        assert f"--size {parse_size(size)}" in res.output and "16777216" in res.output
+        assert path.read_bytes() == before
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "restore", "--size", "16M",
+                                   *args])
     assert res.exit_code == 0, res.output
 
 
