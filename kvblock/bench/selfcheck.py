@@ -20,7 +20,8 @@ UNIT = 1 << 20   # the check writes and reads whole MiB
 
 
 def run_selfcheck(path: str, size: int, keep_created: bool = False) -> dict:
-    """Check every engine on ``path``, a file of ``size`` bytes made if absent.
+    """Check ``size`` bytes of ``path`` (a file of that size made if absent;
+    an existing one smaller is refused) with every engine.
     A file made here is removed at the end (success, failure or Ctrl-C)
     unless ``keep_created`` (kvblock's own default scratch file)."""
     if size < UNIT:       # refused before a scratch file too small for any later check is made
@@ -41,7 +42,11 @@ def _check(path: str, size: int) -> dict:
         if dev.capacity < UNIT:
             raise DeviceTooSmallError(f"{path} has {dev.capacity} bytes; selfcheck writes whole "
                                       "MiB and needs at least 1 MiB: give a larger --path", path)
-        span = min(size, dev.capacity) // UNIT * UNIT
+        if size > dev.capacity:   # checking less than asked would pass for the full check
+            raise ConfigError(f"selfcheck --size {size} is larger than {path} ({dev.capacity} "
+                              "bytes); give at most its size, or another --path (a scratch "
+                              "file made there is of --size)")
+        span = size // UNIT * UNIT
         rng = np.random.default_rng()
         with HostBuffer(span) as src, HostBuffer(span) as dst:
             src.array[:] = rng.integers(0, 256, span, dtype=np.uint8)
