@@ -854,6 +854,14 @@ class KVBlockStorageBackend(StoragePluginInterface):
         with self._lock:
             pins, self._pins = list(self._pins.values()), {}
             self._lookup_pins.clear()
-        for _, segs in pins:
-            self.store.unpin(segs)
-        self.store.close()
+        failure = None
+        try:
+            for _, segs in pins:
+                try:    # an unpin that fails (a call timing out) leaves the others to release
+                    self.store.unpin(segs)
+                except KVBlockError as e:
+                    failure = failure or e
+        finally:        # the devices, fence and heartbeat go whatever the pins did
+            self.store.close()
+        if failure is not None:
+            raise failure

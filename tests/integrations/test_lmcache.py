@@ -190,6 +190,33 @@ def test_pin_unpin_remove(file_target, engines):
     assert not e.plugin.contains(e.key(23))
 
 
+def test_close_closes_the_store_even_when_releasing_a_pin_fails(file_target, engines):
+    """close() released the plugin's pins, then closed the store; an unpin
+    that raised (a server call timing out: only ServerGoneError is quiet)
+    skipped the store's close, leaving its devices open (and, through a
+    server, its fence file and heartbeat thread).  The store is closed all
+    the same, every pin's release tried, and the failure still raised."""
+    from kvblock.errors import ServerError
+
+    e = Engine([file_target()])
+    engines.append(e)
+    keys = [e.key(h) for h in (41, 42)]
+    e.put(keys, [e.chunk(), e.chunk()])
+    assert e.plugin.pin(keys[0]) and e.plugin.pin(keys[1])
+    store, real_unpin, tried = e.plugin.store, e.plugin.store.unpin, []
+
+    def unpin_times_out(segs):
+        tried.append(segs)
+        real_unpin(segs)
+        raise ServerError("the store server did not answer unpin within 30 s")
+
+    store.unpin = unpin_times_out
+    with pytest.raises(ServerError, match="unpin"):
+        e.plugin.close()
+    assert len(tried) == 2
+    assert store.closed and store.io is None
+
+
 def test_a_pin_held_across_a_clear_does_not_make_the_chunk_found(file_target, engines):
     """A chunk pinned, then the store cleared (LMCache's clear, or another
     rank's on a shared store): a pinned lookup must not find it through the
