@@ -242,6 +242,8 @@ class KVStore(Recovery, RunReader, RunWriter):
                 io.engine.close()
             for d in devs:
                 d.close()
+            if getattr(store, "host", None) is not None:   # its arena is page-locked with CUDA
+                store.host.close()
             raise
         return store
 

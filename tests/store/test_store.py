@@ -1435,6 +1435,35 @@ def test_a_failed_trim_does_not_stop_clear_forgetting_every_run(tmp_path):
         assert store.stats()["runs"] == 0 and not (store.regions.state == 3).any()
 
 
+def test_an_open_failing_after_its_dram_tier_is_made_frees_the_tier(tmp_path, monkeypatch):
+    """An open that failed after the DRAM tier was made (here the mapped
+    reads' start) closed the engine and devices but not the tier: its
+    arena (page-locked with CUDA) stayed mapped until the garbage collector
+    found it.  The tier is closed with the rest."""
+    from kvblock.errors import IOFailedError
+    from kvblock.io.engine import IOEngine
+    from kvblock.store import store as store_mod
+
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    _format([path]).close()
+    tiers = []
+
+    class Recorded(store_mod.HostTier):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            tiers.append(self)
+
+    def fails(self, background=None):
+        raise IOFailedError("mapping the store file failed", str(path), 5)
+
+    monkeypatch.setattr(store_mod, "HostTier", Recorded)
+    monkeypatch.setattr(IOEngine, "start_mapped_reads", fails)
+    with pytest.raises(IOFailedError, match="mapping"):
+        KVStore.open([str(path)], host_cache_bytes=8 * GEOM.block_bytes)
+    assert len(tiers) == 1 and tiers[0].arena.closed
+
+
 def test_a_failed_trim_does_not_leave_deleted_blocks_in_the_dram_tier(tmp_path):
     """delete() of the last run of a sealed region frees the region (its
     RECLAIM, then a TRIM): a TRIM that failed (EIO) raised out of delete()
