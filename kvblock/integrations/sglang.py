@@ -821,6 +821,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                 out[name] = [False] * len(keys)
         return out
 
+    def _staged_pages(self, npages: int, nblocks: int, bb: int):
+        """``npages`` pages of ``nblocks`` blocks in this thread's staging
+        buffer: the pages, and the blocks' views.  A store call (inside the
+        caller's failure handling): StoreClosedError once the store closed."""
+        buf = self.store._staging(nblocks * bb, "pages").array[:nblocks * bb]
+        return buf.reshape(npages, nblocks // npages * bb), list(buf.reshape(nblocks, bb))
+
     def _pool_io(self, t: PoolTransfer, keys: list[str], load: bool) -> list[bool]:
         """One extra pool's pages to or from the store: one run per
         max_run_bytes of pages (SGLang's backup hands a KV-derived pool every
@@ -854,16 +861,15 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         for start in range(0, len(todo), per_run):
             run = todo[start:start + per_run]
             kbs = self._pool_keys(t.name, [keys[i] for i in run], nb, page_format)
-            buf = self.store._staging(len(kbs) * bb, "pages").array[:len(kbs) * bb]
-            pages = buf.reshape(len(run), nb * bb)
-            blocks = list(buf.reshape(len(kbs), bb))
             if not load:
-                for j, i in enumerate(run):
-                    data = pool.get_data_page(offsets[i], flat=True)
-                    pages[j, :nbytes] = data.contiguous().view(torch.uint8).reshape(-1).numpy()
-                    pages[j, nbytes:] = 0
                 stored = start
                 try:
+                    pages, blocks = self._staged_pages(len(run), len(kbs), bb)
+                    for j, i in enumerate(run):
+                        data = pool.get_data_page(offsets[i], flat=True)
+                        pages[j, :nbytes] = \
+                            data.contiguous().view(torch.uint8).reshape(-1).numpy()
+                        pages[j, nbytes:] = 0
                     if self._cleared_since(clears):
                         break
                     n = self.store.put_blocks(kbs, blocks) // nb
@@ -880,6 +886,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                     return ok.tolist()
                 continue
             try:
+                pages, blocks = self._staged_pages(len(run), len(kbs), bb)
                 n = self.store.get_blocks(kbs, blocks) // nb
             except KVBlockError as e:
                 # the runs before the failure are in the pool: report them so

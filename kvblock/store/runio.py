@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 
+from kvblock.errors import StoreClosedError
 from kvblock.layout.geometry import RunLayout, round_up
 from kvblock.memory import HostBuffer
 from kvblock.store.scatter import BlockList
@@ -30,23 +31,32 @@ class StagingBuffers:
         self._local = threading.local()
         self._all: "weakref.WeakSet[HostBuffer]" = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._closed = False
 
     def get(self, nbytes: int, purpose: str) -> HostBuffer:
         """This thread's buffer for ``purpose``, at least ``nbytes`` (grown,
-        never shrunk)."""
+        never shrunk).  StoreClosedError after close(): a buffer made then
+        would stay mapped for the thread's life, none freeing it."""
         buf = getattr(self._local, purpose, None)
         if buf is None or buf.closed or buf.nbytes < nbytes:
             if buf is not None:
                 buf.close()
             buf = HostBuffer(round_up(nbytes, 1 << 20))
-            setattr(self._local, purpose, buf)
             with self._lock:
-                self._all.add(buf)
+                closed = self._closed
+                if not closed:
+                    self._all.add(buf)
+            if closed:
+                buf.close()
+                raise StoreClosedError("store is closed (its staging buffers freed); reopen it")
+            setattr(self._local, purpose, buf)
         return buf
 
     def close(self) -> None:
-        """Free every thread's buffers (no call may be using them)."""
+        """Free every thread's buffers (no call may be using them); later
+        get() calls are refused."""
         with self._lock:
+            self._closed = True
             bufs, self._all = list(self._all), weakref.WeakSet()
         for buf in bufs:
             buf.close()

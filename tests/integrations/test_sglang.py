@@ -713,6 +713,36 @@ def test_close_while_a_call_is_in_flight_answers_a_miss(file_target, backends):
     assert backend2.batch_exists(keys[:8]) == 0
 
 
+def test_a_close_right_after_the_open_check_leaves_no_staging_buffer(file_target, backends):
+    """The backend takes the store's staging buffer itself: a close() between
+    its open check and that call made a new buffer for a closed store, which
+    close() had already freed them all for, so it stayed mapped (and
+    registered for io_uring) for the life of SGLang's thread.  The call
+    answers a miss, and the closed store holds no buffer."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    pool = HostPool(pages=8)
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    states = StatePool(slots=4, state_bytes=3000)
+    backend.register_mem_host_pool_v2(states, PoolName.INDEXER)
+    keys = keys_for("c", 4)
+    assert all(backend.batch_set_v1(keys, pool.token_indices(range(4))))
+    store, real_ready = backend.store, backend._ready
+
+    def ready_then_closed():
+        ok = real_ready()
+        store.close()
+        return ok
+
+    backend._ready = ready_then_closed
+    assert backend.batch_get_v1(keys, pool.token_indices(range(4, 8))) == [False] * 4
+    out = backend.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                             host_indices=torch.arange(4))])
+    assert out == {"indexer": [False] * 4}
+    assert [b for b in store._stagings._all if not b.closed] == []
+
+
 def test_extra_pool_pages_are_staged_a_run_at_a_time(file_target, backends):
     """An extra pool's call is staged max_run_bytes at a time, as KV pages
     are.  SGLang's backup hands a KV-derived pool (a DSA indexer) every page
