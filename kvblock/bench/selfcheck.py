@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from kvblock.bench.store_bench import VerifyError
-from kvblock.devices import Device
+from kvblock.devices import Device, create_file
 from kvblock.devices.device import new_file, remove_made
 from kvblock.errors import ConfigError, DeviceTooSmallError
 from kvblock.io import ENGINES, IOBatch, engine_report, open_engine
@@ -23,10 +23,13 @@ def run_selfcheck(path: str, size: int, keep_created: bool = False) -> dict:
     """Check ``size`` bytes of ``path`` (a file of that size made if absent;
     an existing one smaller is refused) with every engine.
     A file made here is removed at the end (success, failure or Ctrl-C)
-    unless ``keep_created`` (kvblock's own default scratch file)."""
+    unless ``keep_created`` (kvblock's own default scratch file, which an
+    earlier, smaller check left: it is grown to ``size``, not refused)."""
     if size < UNIT:       # refused before a scratch file too small for any later check is made
         raise ConfigError(f"selfcheck --size {size}: the check writes whole MiB; give at least 1M")
     if os.path.exists(path):
+        if keep_created and os.path.isfile(path) and os.path.getsize(path) < size:
+            create_file(path, size)
         return _check(path, size)
     made = new_file(path, size)
     try:

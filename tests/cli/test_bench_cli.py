@@ -128,18 +128,23 @@ def test_selfcheck_too_small_is_said_and_leaves_no_scratch_file(tmp_path):
     assert small.read_bytes() == b"\0" * 1000
 
 
-def test_selfcheck_refuses_a_size_larger_than_its_existing_scratch_file(tmp_path,
-                                                                       monkeypatch):
+def test_selfcheck_checks_the_size_asked_for_or_refuses(tmp_path, monkeypatch):
     """The default scratch file made by `selfcheck --size 1M` is kept; a
     later `selfcheck --size 4M` then checked 1 MiB and said "ok: wrote
-    1 MiB" as if asked for that.  A --size larger than the file there is
-    refused, as the raw bench refuses it; a smaller one checks that much."""
+    1 MiB" as if asked for that.  kvblock's own scratch file grows to the
+    size asked for; a file given with --path smaller than --size is
+    refused, as the raw bench refuses it; a smaller --size checks that much."""
     monkeypatch.chdir(tmp_path)
     assert CliRunner().invoke(cli, ["selfcheck", "--size", "1M"]).exit_code == 0
-    res = CliRunner().invoke(cli, ["selfcheck", "--size", "4M"])
+    res = CliRunner().invoke(cli, ["selfcheck", "--size", "4M", "--json"])
+    assert res.exit_code == 0 and "wrote 4 MiB" in res.output, res.output
+    assert os.path.getsize(tmp_path / ".kvblock" / "selfcheck.img") == 4 << 20
+    small = tmp_path / "small.img"
+    small.write_bytes(b"\0" * (1 << 20))
+    res = CliRunner().invoke(cli, ["selfcheck", "--path", str(small), "--size", "4M"])
     assert res.exit_code == 8, res.output
-    assert "--size 4194304 is larger than" in res.output and "selfcheck.img" in res.output
-    assert os.path.getsize(tmp_path / ".kvblock" / "selfcheck.img") == 1 << 20
+    assert "--size 4194304 is larger than" in res.output and "small.img" in res.output
+    assert os.path.getsize(small) == 1 << 20
     big = tmp_path / "big.img"
     big.write_bytes(b"\0" * (4 << 20))
     res = CliRunner().invoke(cli, ["selfcheck", "--path", str(big), "--size", "2M", "--json"])
