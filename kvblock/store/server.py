@@ -712,7 +712,7 @@ class StoreServer:
         if not isinstance(run_ids, list):
             raise ConfigError(f"drop_runs: run_ids must be a list of run ids (integers), got "
                               f"{type(run_ids).__name__} {str(run_ids)[:80]}")
-        if why not in DROP_REASONS:
+        if not isinstance(why, str) or why not in DROP_REASONS:   # a list or dict: unhashable
             raise ConfigError(f"drop_runs: why must be one of {sorted(DROP_REASONS)}, got "
                               f"{str(why)[:80]!r}")
         for i in run_ids:

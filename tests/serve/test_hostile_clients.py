@@ -197,6 +197,8 @@ def _frame(payload: bytes) -> bytes:
     (b'{"op": "drop_runs", "run_ids": "111"}', "run_ids"),
     (b'{"op": "drop_runs", "run_ids": [[1]]}', "run_ids"),
     (b'{"op": "drop_runs", "run_ids": [true]}', "run_ids"),
+    (b'{"op": "drop_runs", "run_ids": [], "why": []}', "why"),
+    (b'{"op": "drop_runs", "run_ids": [], "why": {"checksum": 1}}', "why"),
     (b'{"op": "unpin", "pin": [1]}', "pin"),
     (b'{"op": "unpin", "pin": true}', "pin"),
     (b'{"op": "abort", "wid": {"a": 1}}', "wid"),
