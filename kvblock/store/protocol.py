@@ -89,11 +89,12 @@ def recv_msg(sock: socket.socket):
     data = _recv_exact(sock, n)
     # A whole frame that is no message: ConfigError (the stream is intact,
     # the peer can be answered), never None (the end of the stream).
+    # RecursionError: JSON nested deeper than the parser goes, a whole frame too.
     try:
         msg = json.loads(data)
-    except ValueError:
-        raise ConfigError(f"store server message of {n} bytes is not JSON (UTF-8): "
-                          "send a JSON object") from None
+    except (ValueError, RecursionError):
+        raise ConfigError(f"store server message of {n} bytes is not JSON (UTF-8) or nests "
+                          "too deep: send a JSON object") from None
     if not isinstance(msg, dict):
         raise ConfigError(f"store server message must be a JSON object "
                           f"{{\"op\": NAME, ...}}, got a JSON {type(msg).__name__}")

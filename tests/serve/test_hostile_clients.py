@@ -192,6 +192,8 @@ def _frame(payload: bytes) -> bytes:
     (b'"lookup"', "JSON object"),
     (b"null", "JSON object"),
     (b"{not json", "JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "JSON"),                  # nested past the recursion limit
+    (b'{"op": "lookup", "keys": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "JSON"),
     (b'{"op": "drop_runs", "run_ids": 5}', "run_ids"),
     (b'{"op": "drop_runs", "run_ids": null}', "run_ids"),
     (b'{"op": "drop_runs", "run_ids": "111"}', "run_ids"),
