@@ -735,6 +735,9 @@ class StoreServer:
         st = self.store
         st._check_open(writing=True)
         keys = decode_keys(keys)
+        if not keys:   # no run: an empty prefix is "stored", and would count a duplicate
+            raise ConfigError("admit: keys must hold the run's keys (at least one); a put of "
+                              "no keys stores nothing and needs no admit")
         # the put's pieces commit only if no clear() comes first (on this run)
         clears = self._clear_ticket()
         with st._lock:

@@ -206,6 +206,7 @@ def _frame(payload: bytes) -> bytes:
     (b'{"op": "abort", "wid": {"a": 1}}', "wid"),
     (b'{"op": "commit", "wid": [1], "keys": "", "checksums": [], "clears": "x:0"}', "wid"),
     (b'{"op": "allocate", "nblocks": true}', "blocks"),
+    (b'{"op": "admit", "keys": ""}', "keys"),               # no keys: no run, no duplicate
     (b'{"op": "removed", "cursor": "ab:\\u00b2"}', "cursor"),
     (b'{"op": "removed", "cursor": "ab:' + b"9" * 5000 + b'"}', "cursor"),
 ])
@@ -231,7 +232,7 @@ def test_a_malformed_request_is_a_config_error_naming_the_field(store_file, sock
             seg = _ask(raw, op="segments", keys=encode_keys(normalize_keys(keys)))
             alloc = _ask(raw, op="allocate", nblocks=1)
             assert seg["ok"] and alloc["ok"], (seg, alloc)
-            pins = int(st.regions.pins.sum())
+            pins, counters = int(st.regions.pins.sum()), dict(st.counters)
             raw.sendall(_frame(request_))
             reply = recv_msg(raw)
             assert reply is not None, "the connection was closed"
@@ -239,6 +240,7 @@ def test_a_malformed_request_is_a_config_error_naming_the_field(store_file, sock
             assert field in reply["message"], reply
             # nothing dropped, released or allocated; the connection still serves
             assert dict(st.index.runs) == runs and int(st.regions.pins.sum()) == pins
+            assert dict(st.counters) == counters
             assert _ask(raw, op="unpin", pin=seg["result"]["pin"]) == {"ok": True, "result": None}
             assert _ask(raw, op="abort", wid=alloc["result"]["wid"]) == \
                 {"ok": True, "result": None}
