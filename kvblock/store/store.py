@@ -1453,7 +1453,9 @@ def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
 
 def time_cutoff(value) -> float:
     """evict_older_than's cutoff: seconds since the epoch, as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    # NaN compares false with every sealing time: it would evict nothing, silently
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or value != value:
         raise ConfigError(f"evict_older_than: the cutoff must be seconds since the epoch "
                           f"(e.g. time.time() - 3600), got {value!r}")
     return float(value)
