@@ -1458,7 +1458,12 @@ def time_cutoff(value) -> float:
             or value != value:
         raise ConfigError(f"evict_older_than: the cutoff must be seconds since the epoch "
                           f"(e.g. time.time() - 3600), got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:    # an int past any float (10 ** 400)
+        raise ConfigError(f"evict_older_than: the cutoff must be seconds since the epoch "
+                          f"(e.g. time.time() - 3600), got an integer of "
+                          f"{int(value).bit_length()} bits") from None
 
 
 def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) -> dict:

@@ -154,7 +154,8 @@ def test_drop_runs_naming_a_run_twice_drops_it_once(store_file, sock):
 
 
 @pytest.mark.parametrize("args", [{"all": "false"}, {"all": 0.5}, {"older_than": "1e300"},
-                                  {"older_than": "soon"}, {"older_than": float("nan")}])
+                                  {"older_than": "soon"}, {"older_than": float("nan")},
+                                  {"older_than": 10 ** 400}])
 def test_evict_with_arguments_of_the_wrong_type_is_refused(store_file, sock, args):
     """evict's ``all`` was taken by truthiness and ``older_than`` through
     float(): a client sending the string "false" (or a cutoff as a string)
