@@ -85,7 +85,9 @@ One store for every rank: ``"server"``.
     This is what MLA models with tp_size > 1 need: SGLang writes MLA pages
     from rank 0 only while every rank reads, and MLA keys carry no TP rank,
     so every rank hits what rank 0 wrote.  (MHA ranks keep their own keys in
-    the shared store.)  Not with ``host_cache_bytes``.  An MLA model with
+    the shared store.)  Pipeline stages holding different numbers of layers
+    cannot share one store (its geometry is one): give each stage its own,
+    ``{pp_rank}`` in ``server`` and ``devices``.  Not with ``host_cache_bytes``.  An MLA model with
     tp_size > 1 and no ``server`` is refused: the ranks that do not write
     would never hit, and SGLang takes the smallest hit of all ranks.  With
     DP attention ``tp_rank`` counts within the attention group, so per-rank
