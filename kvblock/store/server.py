@@ -649,7 +649,7 @@ class StoreServer:
     def _op_hello(self, s, protocol, pid=None):
         if protocol != PROTOCOL:
             raise ProtocolMismatchError(
-                f"the client speaks store protocol {protocol}, this server (pid "
+                f"the client speaks store protocol {str(protocol)[:40]}, this server (pid "
                 f"{os.getpid()}) speaks {PROTOCOL}: run one kvblock release in the server "
                 "and every client (stop the server with SIGTERM and start it again from "
                 "the clients' release)")
@@ -816,7 +816,8 @@ class StoreServer:
 
     def _op_delete_prefix(self, s, prefix):
         if not isinstance(prefix, str):
-            raise ConfigError(f"delete_prefix: prefix must be a hex string, got {prefix!r}")
+            raise ConfigError(f"delete_prefix: prefix must be a hex string, got "
+                              f"{type(prefix).__name__} {str(prefix)[:80]}")
         try:
             raw = bytes.fromhex(prefix)
         except ValueError:

@@ -210,6 +210,9 @@ def _frame(payload: bytes) -> bytes:
     (b'{"op": "admit", "keys": ""}', "keys"),               # no keys: no run, no duplicate
     (b'{"op": "removed", "cursor": "ab:\\u00b2"}', "cursor"),
     (b'{"op": "removed", "cursor": "ab:' + b"9" * 5000 + b'"}', "cursor"),
+    (b'{"op": "delete_prefix", "prefix": "zz"}', "not hex"),
+    (b'{"op": "delete_prefix", "prefix": ""}', "1 to 8 bytes"),
+    (b'{"op": "delete_prefix", "prefix": [' + b"1," * 50_000 + b'1]}', "hex string"),
 ])
 def test_a_malformed_request_is_a_config_error_naming_the_field(store_file, sock, request_,
                                                                 field):
@@ -239,6 +242,7 @@ def test_a_malformed_request_is_a_config_error_naming_the_field(store_file, sock
             assert reply is not None, "the connection was closed"
             assert reply["ok"] is False and reply["error"] == "ConfigError", reply
             assert field in reply["message"], reply
+            assert len(reply["message"]) < 1000, "the bad value quoted whole"
             # nothing dropped, released or allocated; the connection still serves
             assert dict(st.index.runs) == runs and int(st.regions.pins.sum()) == pins
             assert dict(st.counters) == counters
