@@ -623,10 +623,13 @@ def test_server_edge_cases(tmp_path, sock, monkeypatch):
             import socket as socket_mod
             raw = socket_mod.socket(socket_mod.AF_UNIX)
             raw.connect(sock)
-            body = b"[" * 200000
-            raw.sendall(len(body).to_bytes(4, "big") + body)
-            assert raw.recv(16) == b""                 # that connection only is closed
-            raw.close()
+            body = b"[" * 200000                       # nested past the parser: no message
+            try:
+                raw.sendall(len(body).to_bytes(4, "big") + body)
+                reply = protocol.recv_msg(raw)         # answered, that connection only
+                assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            finally:
+                raw.close()
             assert r.lookup(run_keys(0, 2)) == 2
             def child():                                 # gone there, no traffic
                 try:
