@@ -36,9 +36,6 @@ struct kvb_ring {
                                * entries the kernel did not take) */
 };
 
-/* How long a broken ring's I/Os already taken get to complete. */
-#define KVB_BROKEN_DRAIN_NS (5LL * 1000000000LL)
-
 static inline int64_t now_ns(void)
 {
     struct timespec ts;
@@ -367,21 +364,25 @@ int64_t kvb_hash_blocks_ranges(uint64_t nranges, uint64_t nblocks, const uint64_
     return 0;
 }
 
-/* A broken ring: reap the completions of I/Os [done, next) prepared by this
- * call (some may never have reached the kernel) until all came or none
- * came for a while. */
+/* A broken ring: reap the completions of the I/Os [done, next) prepared by
+ * this call that the kernel took, however long the device takes (a batch on
+ * a working ring waits as long): returning before one lands would let it
+ * write into a buffer the caller has reused.  The SQEs the kernel never
+ * consumed (the last ones prepared) never run: ECANCELED. */
 static void ring_drain(kvb_ring *r, uint64_t done, uint64_t next, int64_t *results,
                        struct io_uring_cqe **cqes)
 {
-    int64_t deadline = now_ns() + KVB_BROKEN_DRAIN_NS;
-    while (done < next && now_ns() < deadline) {
+    uint64_t taken = next - io_uring_sq_ready(&r->ring);
+    for (uint64_t i = taken; i < next; i++)
+        __atomic_store_n(&results[i], (int64_t)-ECANCELED, __ATOMIC_RELEASE);
+    while (done < taken) {
         struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
         struct io_uring_cqe *cqe;
         int ret = io_uring_wait_cqe_timeout(&r->ring, &cqe, &ts);
         if (ret == -ETIME || ret == -EINTR)
             continue;
         if (ret < 0)
-            break;
+            break;      /* the ring cannot even wait: nothing more to learn from it */
         unsigned got = io_uring_peek_batch_cqe(&r->ring, cqes, 256);
         for (unsigned k = 0; k < got; k++) {
             uint64_t i = io_uring_cqe_get_data64(cqes[k]);
@@ -399,14 +400,18 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
                      const uint64_t *lens, unsigned qd, int64_t *results,
                      int64_t *latency_ns, kvb_hasher *h)
 {
-    if (r->broken)
-        return -EIO;
+    int64_t refused = r->broken ? -EIO : 0;
+    for (uint64_t i = 0; i < n && !refused; i++) {
+        if (devs[i] >= r->nfds)
+            refused = -EBADF;
+    }
+    if (refused) {      /* nothing ran: say so for each I/O */
+        for (uint64_t i = 0; i < n; i++)
+            results[i] = -ECANCELED;
+        return refused;
+    }
     if (qd == 0 || qd > r->entries)
         qd = r->entries;
-    for (uint64_t i = 0; i < n; i++) {
-        if (devs[i] >= r->nfds)
-            return -EBADF;
-    }
     uint64_t next = 0, done = 0;
     unsigned inflight = 0;
     int64_t failed = 0;
@@ -429,8 +434,8 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
         int ret = io_uring_submit_and_wait(&r->ring, 1);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
             /* The ring broke.  I/Os it took may still land in the caller's
-             * buffers: wait (a bounded time) for every one this call
-             * prepared, then retire the ring.  The rest never ran. */
+             * buffers: wait for every one of them, then retire the ring.
+             * The rest never ran. */
             r->broken = 1;
             ring_drain(r, done, next, results, cqes);
             for (uint64_t i = next; i < n; i++)

@@ -194,10 +194,13 @@ class UringEngine(IOEngine):
             # A broken ring is retired (kvb_ring_run first waited for the
             # I/Os it had taken): this thread's next batch gets a new one.
             self._local.holder = None
-            # Name the first I/O that did not finish (the ring's drain filled
-            # in those it had taken; the rest are ECANCELED).
+            # Name the first I/O that did not finish (the ring's drain waited
+            # for those it had taken; the rest are ECANCELED).  A batch whose
+            # I/Os all completed has its bytes: nothing failed.
             unfinished = np.flatnonzero(results != batch.lens.astype(np.int64))
-            i = int(unfinished[0]) if unfinished.size else 0
+            if not unfinished.size:
+                return
+            i = int(unfinished[0])
             dev, off, length = int(batch.devs[i]), int(batch.offsets[i]), int(batch.lens[i])
             path = self._path(dev)
             raise IOFailedError(
@@ -205,7 +208,7 @@ class UringEngine(IOEngine):
                 f"{strerror(-ret)}; {unfinished.size} did not finish, the first a "
                 f"{length}-byte I/O at offset {off} on {path}. This thread gets a new ring "
                 "at its next batch; retry, or use KVBLOCK_IO_ENGINE=threads if it recurs",
-                path, -ret, off, length, max(int(unfinished.size), 1))
+                path, -ret, off, length, int(unfinished.size))
 
     def close(self) -> None:
         if self.closed:

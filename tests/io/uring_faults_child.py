@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -19,8 +20,8 @@ MIB = 1 << 20
 
 
 def broken_ring(path: str) -> dict:
-    """The first batch meets a ring that broke after taking its I/Os; the
-    next batch (another region of the file) must read its own bytes."""
+    """The first batch meets a ring that broke (how: the shim's settings);
+    the next batch (another region of the file) must read its own bytes."""
     a = np.random.default_rng(1).integers(0, 256, 8 * MIB, dtype=np.uint8)
     b = np.random.default_rng(2).integers(0, 256, 8 * MIB, dtype=np.uint8)
     with open(path, "r+b") as f:
@@ -29,16 +30,20 @@ def broken_ring(path: str) -> dict:
     out = {}
     with Device(path) as dev, open_engine([dev], "uring", queue_depth=8) as eng:
         first, second = HostBuffer(8 * MIB), HostBuffer(8 * MIB)
+        t0 = time.monotonic()
         try:
             eng.read(IOBatch.contiguous(first.address, 0, 0, 8 * MIB, MIB))
             out["first"] = "no error"
+            out["first_equal"] = bool(np.array_equal(first.array, a))
         except IOFailedError as e:
             out["first"] = f"IOFailedError {e.errno}"
+            out["failed"] = e.failed
             # the error names the device, the I/O that did not finish, and the fix
             out["named"] = {"path": e.path == path and path in str(e),
                             "offset": e.offset is not None and f"offset {e.offset}" in str(e)
                             and e.offset % MIB == 0 and e.length == MIB,
                             "fix": "KVBLOCK_IO_ENGINE=threads" in str(e)}
+        out["first_seconds"] = time.monotonic() - t0
         second.array[:] = 0
         eng.read(IOBatch.contiguous(second.address, 0, 8 * MIB, 8 * MIB, MIB))
         out["second_equal"] = bool(np.array_equal(second.array, b))
