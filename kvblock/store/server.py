@@ -364,6 +364,13 @@ class StoreServer:
                            "(raise the open-files limit, ulimit -n, for many ranks)",
                            self.socket_path, error)
 
+    def _note_expired(self, s) -> None:
+        """Count and log a connection dropped for its lease (from the lease
+        thread or the connection's own: the count is locked)."""
+        with self._sessions_lock:
+            self.expired_sessions += 1
+        logger.warning("kvblock serve: dropping the connection of pid %s: %s", s.pid, s.dropped)
+
     def _lease_loop(self):
         """Drop the connections that hold pins and have gone quiet; give back
         dropped connections' allocations once their writes are done."""
@@ -392,9 +399,7 @@ class StoreServer:
                         f"pins and sent nothing for {now - s.last_seen:.0f} s "
                         f"(pin lease {lease:g} s)")):
                     continue
-                self.expired_sessions += 1
-                logger.warning("kvblock serve: dropping the connection of pid %s: %s",
-                               s.pid, s.dropped)
+                self._note_expired(s)
                 try:
                     s.conn.shutdown(socket.SHUT_RDWR)   # its thread releases the pins
                 except OSError:
@@ -518,9 +523,7 @@ class StoreServer:
                     # one: its allocations wait for the write fence.
                     s.dropped = (f"it took none of an answer for {self.pin_lease:g} s "
                                  "(pin lease)")
-                    self.expired_sessions += 1
-                    logger.warning("kvblock serve: dropping the connection of pid %s: %s",
-                                   s.pid, s.dropped)
+                    self._note_expired(s)
                     break
                 except OSError:
                     break
