@@ -102,6 +102,16 @@ class NotAStoreError(FormatError):
     """No valid kvblock superblock on the device (never formatted, or both copies corrupt)."""
 
 
+class SuperblockConflictError(NotAStoreError):
+    """Both superblock copies of a device are valid but disagree (another
+    store's superblock written over one): which is the device's cannot be
+    told.  ``offsets`` are the two copies'."""
+
+    def __init__(self, message: str, path: str | None = None, offsets: tuple = ()):
+        super().__init__(message, path, offsets[0] if offsets else None)
+        self.offsets = tuple(offsets)
+
+
 class UnsupportedVersionError(FormatError):
     """The store was written by a kvblock with another on-device format version."""
 

@@ -19,15 +19,19 @@ Layout (4096 bytes, little-endian; bump FORMAT_VERSION when changing it)::
     104  Q   checkpoint offset 112 Q checkpoint slot bytes (device 0 only)
 
 Copy A sits at byte 0, copy B at byte 4096.  A reader takes the valid copy
-with the highest sequence; both invalid means "not a kvblock device".
+with the highest sequence; both invalid means "not a kvblock device"; both
+valid but of two stores, or different at one sequence, is refused (nothing
+on the device tells which copy is its own).
 """
 
 from __future__ import annotations
 
 import struct
+import uuid
 from dataclasses import dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 
-from kvblock.errors import NotAStoreError, UnsupportedVersionError
+from kvblock.errors import NotAStoreError, SuperblockConflictError, UnsupportedVersionError
 from kvblock.format import FORMAT_VERSION
 from kvblock.format.checksum import meta_checksum
 from kvblock.layout.geometry import DTYPE_BY_CODE, DTYPES, Geometry
@@ -174,16 +178,41 @@ class Superblock:
                    device_uuids=tuple(uuids), version=version)
 
 
+def _conflict(valid: list, path: str) -> SuperblockConflictError | None:
+    """The error for valid copies that cannot be one store's (another
+    store's written over one, or a field changed without a new sequence),
+    or None.  A lower sequence of the same store is an update cut short."""
+    (a, at), (b, bt) = valid
+    if a.store_uuid != b.store_uuid:
+        name = lambda sb: (f"store {uuid.UUID(bytes=sb.store_uuid)} (device {sb.device_index} "
+                           f"of {sb.device_count}, {sb.geometry.describe()})")
+        what = f"offset {at} names {name(a)}, offset {bt} another store, {name(b)}"
+    elif a.sequence == b.sequence and a != b:
+        names = [f.name for f in dataclass_fields(a) if getattr(a, f.name) != getattr(b, f.name)]
+        what = (f"both name store {uuid.UUID(bytes=a.store_uuid)}, sequence {a.sequence}, "
+                f"but differ in {', '.join(names)}")
+    else:
+        return None
+    return SuperblockConflictError(
+        f"{path}: the superblock copies at offsets {at} and {bt} are both valid but disagree "
+        f"({what}); which is this device's cannot be told, so it is not opened. Reformat "
+        f"the store (kvblock format --force with all its devices; its cached KV is lost)",
+        path, (at, bt))
+
+
 def pick(copies: list[bytes], path: str) -> Superblock:
-    """The newest valid copy; the error of the first copy when none is valid."""
+    """The newest valid copy; the error of the first copy when none is
+    valid; SuperblockConflictError when the valid copies disagree."""
     valid, errors = [], []
     for data, offset in zip(copies, COPY_OFFSETS):
         try:
-            valid.append(Superblock.decode(data, path, offset))
+            valid.append((Superblock.decode(data, path, offset), offset))
         except (NotAStoreError, UnsupportedVersionError) as e:
             errors.append(e)
+    if len(valid) == 2 and (conflict := _conflict(valid, path)) is not None:
+        raise conflict
     if valid:
-        return max(valid, key=lambda sb: sb.sequence)
+        return max(valid, key=lambda v: v[0].sequence)[0]
     if not errors:
         raise NotAStoreError(f"{path}: no superblock copies to read", path, 0)
     version_errors = [e for e in errors if isinstance(e, UnsupportedVersionError)]

@@ -3,8 +3,7 @@ journal, index against allocation, and (deep) every data checksum."""
 
 from __future__ import annotations
 
-import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -68,18 +67,11 @@ def check_superblocks(store, report: FsckReport, repair: bool) -> None:
 
 
 def _how_it_differs(sb, good, other: int) -> str:
-    """What a superblock copy that decodes but is not the one in use is."""
-    if sb.store_uuid != good.store_uuid:
-        return (f"belongs to another store ({uuid.UUID(bytes=sb.store_uuid)}, device "
-                f"{sb.device_index} of {sb.device_count}), not this one "
-                f"({uuid.UUID(bytes=good.store_uuid)})")
-    if sb.sequence < good.sequence:
-        return (f"is older than the copy at offset {other} (sequence {sb.sequence} < "
-                f"{good.sequence})")
-    names = [f.name for f in fields(sb) if getattr(sb, f.name) != getattr(good, f.name)]
-    seq = (f"both sequence {sb.sequence}" if sb.sequence == good.sequence
-           else f"sequence {sb.sequence}, the copy in use {good.sequence}")
-    return f"differs from the copy at offset {other} ({seq}) in {', '.join(names)}"
+    """What a superblock copy that decodes but is not the one in use is:
+    pick() refused copies of two stores or differing at one sequence, so
+    this one is the same store's, older (an update of the copies cut short)."""
+    return (f"is older than the copy at offset {other} (sequence {sb.sequence} < "
+            f"{good.sequence})")
 
 
 def check_checkpoints(store, report: FsckReport) -> None:

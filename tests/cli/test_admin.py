@@ -731,6 +731,28 @@ def test_fsck_repairs_a_bad_superblock_copy(file_target):
     assert kvb("fsck", path).returncode == 0
 
 
+@pytest.mark.parametrize("copy", [0, 4096])
+def test_fsck_calls_a_store_with_another_stores_superblock_copy_unusable(file_target, copy):
+    """Another store's superblock over one copy: fsck (and info) opened the
+    device as whichever store copy A named.  It is unusable (exit 11),
+    both offsets named, and format --force makes it a store again."""
+    path, other = file_target(16 << 20), file_target(16 << 20)
+    for p in (path, other):
+        kvb("format", p, *GEOM_ARGS)
+    with open(path, "r+b") as f:
+        f.seek(copy)
+        f.write(head(other, 8192)[copy:copy + 4096])
+    for args in ((), ("--repair",)):
+        res = kvb("fsck", path, *args)
+        assert res.returncode == 11 and "unusable" in res.stdout, (res.stdout, res.stderr)
+        assert "superblock copies at offsets 0 and 4096 are both valid but disagree" in \
+            res.stdout
+    one_line_error(kvb("info", path), 11, "another store")
+    assert kvb("format", path, *GEOM_ARGS).returncode == 16
+    assert kvb("format", path, *GEOM_ARGS, "--force").returncode == 0
+    assert kvb("fsck", path).returncode == 0
+
+
 def test_evict_and_trim(file_target):
     path = file_target(16 << 20)
     kvb("format", path, *GEOM_ARGS, "--region-size", "256K")

@@ -14,7 +14,7 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvblock.errors import KVBlockError, NotAStoreError
+from kvblock.errors import KVBlockError, NotAStoreError, SuperblockConflictError
 from kvblock.format import FORMAT_VERSION
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import journal as jfmt
@@ -158,6 +158,13 @@ def test_superblock_pick(copies):
     valid = [d for d in decoded if d is not None]
     try:
         got = sbfmt.pick(copies, "fuzz")
+    except SuperblockConflictError:
+        # two valid copies that cannot be one store's: of two stores, or
+        # different at one sequence
+        a, b = decoded
+        assert a is not None and b is not None
+        assert a.store_uuid != b.store_uuid or (a.sequence == b.sequence and a != b)
+        return
     except KVBlockError:
         assert not valid
         return

@@ -290,3 +290,20 @@ def test_a_header_bytes_field_other_than_4096_is_not_a_store(value):
                                              f"{value}") as ei:
         Superblock.decode(rechecksum(buf), "/dev/q", 4096)
     assert ei.value.path == "/dev/q" and ei.value.offset == 4096
+
+
+def test_pick_refuses_valid_copies_that_disagree():
+    """Copies of two stores, or of one differing at one sequence, are a
+    SuperblockConflictError naming both offsets (the first valid copy won)."""
+    from kvblock.errors import SuperblockConflictError
+
+    foreign = _copy(1, store_uuid=bytes(16 * [7]))
+    for copies in ([_copy(1), foreign], [foreign, _copy(1)], [_copy(2), foreign],
+                   [_copy(1), _copy(1, created_ns=5)]):
+        with pytest.raises(SuperblockConflictError) as ei:
+            pick(copies, "/dev/s")
+        assert isinstance(ei.value, NotAStoreError)
+        assert ei.value.path == "/dev/s" and ei.value.offsets == (0, 4096)
+        assert "/dev/s: the superblock copies at offsets 0 and 4096" in str(ei.value)
+    assert "differ in created_ns" in str(ei.value)
+    assert pick([_copy(1), _copy(1)], "p") == golden_superblock(sequence=1)

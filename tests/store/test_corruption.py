@@ -507,3 +507,80 @@ def test_a_record_torn_inside_a_sector_of_a_mapped_store_file_is_a_tear(shm_targ
         assert store.journal_damaged is None
         out = np.zeros(2 * GEOM.block_bytes, np.uint8)
         assert store.get_run(old, out) == 2 and np.array_equal(out, run_data(old))
+
+
+def _two_stores(tmp_path):
+    """A store with one run, and another store of the same layout for
+    another model (its superblock copies are valid on this device too)."""
+    path, other = tmp_path / "store.img", tmp_path / "other.img"
+    for p in (path, other):
+        create_file(p, 4 << 20)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as store:
+        store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+    KVStore.format([str(other)], GEOM, region_size=REGION, model="another").close()
+    return path, other
+
+
+@pytest.mark.parametrize("copy", [0, 4096])
+def test_another_stores_superblock_over_one_copy_is_refused(tmp_path, copy):
+    """Every copy a store writes has sequence 1 and the first valid one was
+    taken: another store's superblock written over copy A (dd of its first
+    MiB) opened the device as that store (its uuid, its model);
+    over copy B the device opened as its own, though nothing tells which
+    copy is right.  Two valid copies that disagree are refused, whichever
+    is foreign, with a SuperblockConflictError naming the device, both
+    offsets and the fix; nothing is written."""
+    from kvblock.errors import NotAStoreError, SuperblockConflictError
+
+    path, other = _two_stores(tmp_path)
+    with open(path, "r+b") as f:
+        f.seek(copy)
+        f.write(other.read_bytes()[copy:copy + 4096])
+    before = path.read_bytes()
+    for readonly in (True, False):
+        with pytest.raises(SuperblockConflictError) as ei:
+            KVStore.open([str(path)], readonly=readonly).close()
+        e = ei.value
+        assert isinstance(e, NotAStoreError) and e.path == str(path)
+        assert e.offsets == (0, 4096)
+        msg = str(e)
+        assert msg.startswith(f"{path}: the superblock copies at offsets 0 and 4096 ")
+        assert "another store" in msg and "kvblock format --force" in msg
+    assert path.read_bytes() == before
+
+
+def test_superblock_copies_differing_at_the_same_sequence_are_refused(tmp_path):
+    """The same store's copies with one field changed (checksums whole) and
+    the same sequence: which is right cannot be told either."""
+    import struct
+
+    import xxhash
+
+    from kvblock.errors import SuperblockConflictError
+
+    path, _ = _two_stores(tmp_path)
+    with open(path, "r+b") as f:
+        buf = bytearray(f.read(4096))
+        struct.pack_into("<Q", buf, 64, 2 * REGION)                    # region_size
+        struct.pack_into("<I", buf, 72, 1)                             # region_count
+        struct.pack_into("<Q", buf, 4088, xxhash.xxh64_intdigest(bytes(buf[:4088])))
+        f.seek(4096)
+        f.write(buf)
+    with pytest.raises(SuperblockConflictError, match="region_size") as ei:
+        KVStore.open([str(path)], readonly=True).close()
+    assert ei.value.path == str(path)
+
+
+@pytest.mark.parametrize("copy", [0, 4096])
+def test_one_damaged_superblock_copy_still_opens(tmp_path, copy):
+    """A copy failing its checksum is not a disagreement: the other is used."""
+    path, _ = _two_stores(tmp_path)
+    with open(path, "r+b") as f:
+        f.seek(copy + 300)
+        f.write(b"\xee" * 8)
+    for readonly in (True, False):
+        with KVStore.open([str(path)], readonly=readonly) as store:
+            assert store.sb.region_size == REGION
+            out = np.empty(2 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(run_keys(1, 2), out) == 2
+            assert np.array_equal(out, run_data(run_keys(1, 2)))
