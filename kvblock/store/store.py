@@ -1446,9 +1446,11 @@ def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
                 "is corrupt (the cached KV cannot be trusted): reformat the store", path, 0)
         return sb
     except KVBlockError:
-        if raise_errors:
-            raise
-        return None
+        if not raise_errors:
+            return None
+        if unreadable:  # what the unread copy holds is unknown: no proof of corruption
+            raise unreadable[0] from None
+        raise
 
 
 def time_cutoff(value) -> float:

@@ -167,6 +167,31 @@ def test_an_unreadable_superblock_copy_is_a_bad_one(tmp_path, copy):
         assert fsck(store).status == "clean" and store.lookup(run_keys(1, 2)) == 2
 
 
+@pytest.mark.parametrize("other", ["blank", "damaged"])
+def test_an_unreadable_superblock_copy_beside_an_invalid_one_is_an_io_error(tmp_path, other):
+    """Copy A unreadable (EIO) and copy B blank (a format cut short before
+    it) or damaged: the open said "no kvblock superblock at offset 0 (not
+    formatted, or overwritten)" or blamed copy B's checksum, a
+    NotAStoreError whose fix is a reformat, though nothing proved copy A
+    bad.  It is the IOFailedError of copy A (an I/O error is no proof of
+    corruption), for a read-only and a writable open alike."""
+    from kvblock.errors import IOFailedError, NotAStoreError
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    KVStore.format([str(path)], GEOM, region_size=256 << 10).close()
+    with open(path, "r+b") as f:
+        f.seek(4096 if other == "blank" else 4096 + 300)
+        f.write(bytes(4096) if other == "blank" else b"\xee" * 8)
+    bad = BadSectors()
+    bad.add(0, 0, 4096)
+    for readonly in (True, False):
+        with pytest.raises(IOFailedError) as ei:
+            KVStore.open([str(path)], readonly=readonly, storeio_factory=bad.factory()).close()
+        assert not isinstance(ei.value, NotAStoreError)
+        assert ei.value.path == str(path) and ei.value.offset == 0
+
+
 def _crashed_with_three_commits(path):
     """Runs a, b, c put in three journal commits after the open's checkpoint,
     then a crash (no clean close): all three are in the journal only.
