@@ -223,4 +223,10 @@ def pick(copies: list[bytes], path: str) -> Superblock:
         raise NotAStoreError(f"{path}: every superblock copy (offsets "
                              f"{' and '.join(str(o) for o in COPY_OFFSETS)}) fails its checksum "
                              "(corrupt); the store cannot be opened: reformat it", path, 0)
+    blank = [e.offset for e in errors if "no kvblock superblock" in str(e)]
+    if corrupt and len(blank) + 1 == len(COPY_OFFSETS):
+        blank = " and ".join(map(str, blank))
+        raise NotAStoreError(f"{corrupt[0]} and the copy at offset {blank} holds none; the "
+                             "store cannot be opened (a format cut short, or overwritten): "
+                             "reformat it (kvblock format --force)", path, corrupt[0].offset)
     raise corrupt[0] if corrupt else errors[0]

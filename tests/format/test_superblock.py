@@ -307,3 +307,21 @@ def test_pick_refuses_valid_copies_that_disagree():
         assert "/dev/s: the superblock copies at offsets 0 and 4096" in str(ei.value)
     assert "differ in created_ns" in str(ei.value)
     assert pick([_copy(1), _copy(1)], "p") == golden_superblock(sequence=1)
+
+
+@pytest.mark.parametrize("torn_at", [0, 4096])
+def test_one_damaged_copy_beside_a_blank_one_names_the_fix(torn_at):
+    """A copy failing its checksum beside one holding no superblock (a
+    format cut short inside its first write) said only "fails its checksum
+    (corrupt)": nothing to do, though the store cannot be opened.  It names
+    the damaged copy's offset, the blank one's, and the fix."""
+    torn = _copy(1)[:512] + bytes(4096 - 512)
+    copies = [torn, bytes(4096)] if torn_at == 0 else [bytes(4096), torn]
+    with pytest.raises(NotAStoreError) as ei:
+        pick(copies, "/dev/t")
+    blank = 4096 - torn_at
+    assert ei.value.path == "/dev/t" and ei.value.offset == torn_at
+    assert str(ei.value) == (
+        f"/dev/t: superblock at offset {torn_at} fails its checksum (corrupt) and the copy at "
+        f"offset {blank} holds none; the store cannot be opened (a format cut short, or "
+        "overwritten): reformat it (kvblock format --force)")
