@@ -19,8 +19,11 @@ announced since the last poll are checked too, whatever the log says: a job
 is announced when its last piece is done, and an earlier piece's key may
 have been removed (and the log passed) before.  When the
 log lost keys (a long pause, a restarted server), every announced key is
-checked.  Stored events carry ``removal_expected`` and the tier type as
-``ownership``, so vLLM's tracker keeps a chunk's payload until the
+checked.  A key is announced stored once until its removal is announced
+(vLLM asks consumers to count repeated announcements): a store job that
+finds it stored, or puts it back before the watch saw it go, announces
+nothing for it.  Stored events carry ``removal_expected`` and the tier
+type as ``ownership``, so vLLM's tracker keeps a chunk's payload until the
 removal, which then names the block hashes its store named.
 """
 
@@ -77,15 +80,22 @@ class TierEvents:
                                removal_expected=True)
 
     def stored(self, pairs: list[tuple[bytes, OffloadKey]]) -> None:
-        """A store job put these (kvblock key, vLLM key) pairs in the store."""
-        if not pairs:
-            return
+        """A store job put these (kvblock key, vLLM key) pairs in the store
+        (or found them there).  Announces only those not announced already:
+        vLLM asks consumers to count repeated announcements of a key, and its
+        removal is announced once.  An announced key still gets a new stamp,
+        so a removal the watch is about to announce (the key evicted, then
+        stored again) is not."""
+        new = []
         with self._lock:
             for kb, key in pairs:
                 self._stamp += 1
+                if kb not in self._announced:
+                    new.append(key)
                 self._announced[kb] = (key, self._stamp)
                 self._fresh.add(kb)
-            self._queue.append(self._event([key for _, key in pairs], removed=False))
+            if new:
+                self._queue.append(self._event(new, removed=False))
 
     def take(self) -> list[OffloadingEvent]:
         """The events so far, oldest first.  Starts the removal watch on the
