@@ -1219,8 +1219,6 @@ class KVStore(Recovery, RunReader, RunWriter):
             with self._lock:
                 mark = self._next_run_id       # runs before it are dropped below
                 self._clears += 1
-        if self.host is not None:        # first: reads and puts in flight see the new epoch
-            self.host.clear()
         failed = None
         try:
             reclaimed = self.evict(all=True)
@@ -1237,6 +1235,10 @@ class KVStore(Recovery, RunReader, RunWriter):
                 if self.closed:
                     raise
                 failed = failed or e
+        if self.host is not None:
+            # Last: a read that began before the runs left the index put
+            # their blocks here; reads and puts in flight see the new epoch.
+            self.host.clear()
         self._await_removals()
         if failed is not None:
             raise failed

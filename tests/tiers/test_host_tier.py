@@ -461,3 +461,27 @@ def test_delete_keeps_another_owners_block_a_newer_run_holds_in_dram(tmp_path, h
         assert store.lookup(mine) == 0 and store.lookup(theirs) == 2
         got = np.zeros(2 * GEOM.block_bytes, np.uint8)
         assert store.get_run(theirs, got) == 2 and np.array_equal(got, run_data(theirs))
+
+
+def test_a_read_while_clear_drops_the_runs_does_not_refill_dram(tmp_path):
+    """clear() empties the DRAM tier and then drops the runs from the
+    device: a read that begins in between (another thread) fetches a run
+    not yet dropped and puts its blocks into the tier.  Those blocks must
+    not outlive the clear: keys cleared stay hits otherwise, served old KV."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(9, 2)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        store.put_run(keys, run_data(keys))
+        real_evict = store.evict
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+
+        def read_then_evict(*args, **kw):
+            assert store.get_run(keys, out) == 2         # another thread, right here
+            return real_evict(*args, **kw)
+        store.evict = read_then_evict
+        store.clear()
+        del store.evict
+        assert store.lookup(keys) == 0 and store.get_run(keys, out) == 0
+        assert len(store.host) == 0 and store.stats()["host_blocks"] == 0
