@@ -63,15 +63,22 @@ class HostBuffer:
     """
 
     def __init__(self, nbytes: int, *, register: bool = True):
-        if nbytes <= 0:
-            raise ConfigError(f"buffer size must be positive, got {nbytes}")
+        # a whole number: 1.5 would silently become a 1-byte buffer
+        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) \
+                or nbytes <= 0:
+            raise ConfigError(f"buffer size must be a positive number of bytes, got {nbytes!r}")
         self.nbytes = int(nbytes)
         size = round_up(self.nbytes, PAGE_SIZE)
         huge = HUGE_PAGE_SIZE if HUGE_PAGE_SIZE and size >= HUGE_PAGE_SIZE else 0
         # Room to start on a huge-page boundary (untouched slack is only
         # address space, never memory).
-        self._mm = mmap.mmap(-1, (round_up(size, huge) + huge) if huge else size,
-                             flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._mm = mmap.mmap(-1, (round_up(size, huge) + huge) if huge else size,
+                                 flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (OSError, OverflowError) as e:   # ENOMEM; past ssize_t: OverflowError
+            raise ConfigError(f"{self.nbytes} bytes of host memory cannot be mapped: "
+                              f"{getattr(e, 'strerror', None) or e}; ask for less than the "
+                              "machine has free") from None
         self._offset = 0
         if huge:
             base = int(np.frombuffer(self._mm, dtype=np.uint8, count=1).ctypes.data)

@@ -25,9 +25,10 @@ class BufferPool:
     """``count`` buffers of ``buffer_bytes`` (rounded up to a page) each."""
 
     def __init__(self, buffer_bytes: int, count: int):
-        if buffer_bytes <= 0 or count <= 0:
-            raise ConfigError(
-                f"BufferPool needs positive buffer_bytes and count, got {buffer_bytes} x {count}")
+        if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0
+                   for n in (buffer_bytes, count)):
+            raise ConfigError(f"BufferPool needs positive whole buffer_bytes and count, got "
+                              f"{buffer_bytes!r} x {count!r}")
         self.buffer_bytes = round_up(int(buffer_bytes), PAGE_SIZE)
         self.count = int(count)
         self.arena = HostBuffer(self.buffer_bytes * self.count)

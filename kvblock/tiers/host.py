@@ -17,23 +17,25 @@ import numpy as np
 
 from kvblock.errors import ConfigError
 from kvblock.memory import HostBuffer
+from kvblock.units import size_setting
 
 PROTECTED_SHARE = 0.8
 
 
 class HostTier:
     def __init__(self, capacity_bytes: int, block_bytes: int):
-        self.slots = int(capacity_bytes // block_bytes)
+        capacity_bytes = size_setting(capacity_bytes, "host cache", "host_cache_bytes", 0)
+        self.slots = capacity_bytes // block_bytes
         if self.slots < 2:
-            raise ConfigError(f"host cache of {capacity_bytes} bytes holds fewer than two "
-                              f"{block_bytes}-byte blocks; give it more memory or none")
+            raise ConfigError(f"host cache of {capacity_bytes} bytes (host_cache_bytes) holds "
+                              f"fewer than two {block_bytes}-byte blocks; give it more memory "
+                              "or none")
         self.block_bytes = block_bytes
         try:
             self.arena = HostBuffer(self.slots * block_bytes)
-        except OSError as e:   # ENOMEM: more than the machine will map
-            raise ConfigError(f"host cache of {capacity_bytes} bytes (host_cache_bytes) cannot "
-                              f"be allocated: {e.strerror or e}; give it less memory than the "
-                              "machine has free, or none") from None
+        except ConfigError as e:   # more than the machine will map
+            raise ConfigError(f"host cache of {capacity_bytes} bytes (host_cache_bytes): {e}, "
+                              "or none") from None
         self.pinned = _pin(self.arena)
         self.blocks = self.arena.array.reshape(self.slots, block_bytes)
         self.free = list(range(self.slots - 1, -1, -1))

@@ -100,6 +100,19 @@ def test_bad_size():
         BufferPool(4096, 0)
 
 
+@pytest.mark.parametrize("size", [10 ** 20, 1 << 62, "4096", 1.5, True, None])
+def test_a_size_no_buffer_can_have_is_a_config_error(size):
+    """Past the address space (mmap: OverflowError or ENOMEM), not a whole
+    number (a TypeError, or 1.5 cut to a 1-byte buffer): a ConfigError
+    naming the size, not a bare error from deep inside."""
+    with pytest.raises(ConfigError, match=repr(size) if size != 10 ** 20 else str(size)):
+        HostBuffer(size)
+    with pytest.raises(ConfigError):
+        BufferPool(size, 2)
+    with pytest.raises(ConfigError):
+        BufferPool(4096, size)
+
+
 def test_pool_acquire_release_and_exhaustion():
     with BufferPool(5000, 2) as pool:
         assert pool.buffer_bytes == 2 * PAGE_SIZE

@@ -314,6 +314,22 @@ def test_a_host_cache_larger_than_memory_is_a_config_error(tmp_path):
         assert store.lookup(run_keys(1, 4)) == 0
 
 
+@pytest.mark.parametrize("size", [10 ** 20, float("nan"), float("inf"), -1, "lots", True])
+def test_a_host_cache_size_that_is_no_size_is_a_config_error(tmp_path, size):
+    """A host_cache_bytes past the address space (mmap: OverflowError), or
+    that is no byte count, is the ConfigError naming the setting, as a size
+    larger than memory is; the failed open leaves nothing held."""
+    with pytest.raises(ConfigError, match="host_cache_bytes"):
+        HostTier(size, 4096)
+    path = tmp_path / "s.img"
+    create_file(path, 16 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    with pytest.raises(ConfigError, match="host_cache_bytes"):
+        KVStore.open([str(path)], host_cache_bytes=size)
+    with KVStore.open([str(path)]) as store:
+        assert store.lookup(run_keys(1, 4)) == 0
+
+
 def test_get_blocks_counts_every_block_a_read_returned(tmp_path):
     """get_blocks / get_bytes count the blocks a read returned, from DRAM or
     the device (host_hit_blocks + device_hit_blocks split them): get_run
