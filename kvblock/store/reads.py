@@ -234,12 +234,14 @@ class RunReader(RunIO):
         with self._lock:
             named = self.index.lookup(keys)
         in_host = [k in self.host for k in keys]
-        done, fetched, hits = 0, [], 0
+        done, fetched, hits, raced = 0, [], 0, 0
         while done < n:
-            if in_host[done] and self.host.read_into(keys[done], block_at(dst, done)):
-                hits += 1
-                done += 1
-                continue
+            if in_host[done]:
+                if self.host.read_into(keys[done], block_at(dst, done)):
+                    hits += 1
+                    done += 1
+                    continue
+                raced += 1      # gone meanwhile: read_into counted its miss
             end = done + 1
             while end < n and not in_host[end]:
                 end += 1
@@ -249,6 +251,9 @@ class RunReader(RunIO):
             done += got
             if done < end:
                 break
+        # the tier's misses: the blocks not taken from it, and the key that
+        # ended the prefix (the tier's hits read_into counted)
+        self.host.missed(min(done + 1, n) - hits - raced)
         # DRAM hits count as blocks read, as a device read counts its own
         self.counters["host_hit_blocks"] += hits
         self.counters["get_blocks"] += hits

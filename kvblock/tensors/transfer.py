@@ -684,7 +684,9 @@ def _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads) -> tuple[list
             if not found:
                 break
             segs += [(run, p, c, out + pos) for run, p, c, out in found]
-            pos += sum(c for _, _, c, _ in found)
+            stretch = sum(c for _, _, c, _ in found)
+            store.host.missed(stretch - 1)   # the first one's miss: host.get counted it
+            pos += stretch
     except BaseException:
         if segs:
             store._unpin(segs)

@@ -67,6 +67,12 @@ class HostTier:
             out[...] = block.reshape(out.shape)
             return True
 
+    def missed(self, n: int) -> None:
+        """Count ``n`` misses: blocks a read took from the device (or found
+        nowhere) after looking for them here without get/read_into."""
+        with self.lock:
+            self.misses += n
+
     def _lookup_locked(self, key):
         slot = self.protected.get(key)
         if slot is not None:

@@ -501,3 +501,44 @@ def test_a_read_while_clear_drops_the_runs_does_not_refill_dram(tmp_path):
         del store.evict
         assert store.lookup(keys) == 0 and store.get_run(keys, out) == 0
         assert len(store.host) == 0 and store.stats()["host_blocks"] == 0
+
+
+def test_host_tier_misses_count_the_blocks_dram_did_not_have(tmp_path):
+    """host_tier_hits / host_tier_misses give the DRAM tier's hit ratio: a
+    read counts a miss for each block of its prefix it took from the device,
+    and one for the key that ended the prefix (in neither tier); get_run
+    counted none of them, a layer-wise load one per device stretch."""
+    torch = pytest.importorskip("torch")
+    from kvblock.index import normalize_key
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    g, path, src = _layerwise_setup(tmp_path, torch)
+    keys = [f"b{i}".encode() for i in range(6)]
+    nkeys = [normalize_key(k) for k in keys]
+    with KVStore.format([str(path)], g, region_size=1 << 20,
+                        host_cache_bytes=6 * g.block_bytes) as store:
+        save_blocks(store, keys, VLLMLayout(src), list(range(6)))
+
+        def in_dram_only(*which):     # these blocks in DRAM, the others on the device only
+            for k in range(6):
+                if k not in which:
+                    store.host.discard(nkeys[k])
+            s = store.host.stats()
+            return s["host_tier_hits"], s["host_tier_misses"]
+
+        def since(before):
+            s = store.host.stats()
+            return s["host_tier_hits"] - before[0], s["host_tier_misses"] - before[1]
+
+        out = np.zeros(7 * g.block_bytes, np.uint8)
+        before = in_dram_only(0, 3)
+        assert store.get_run(keys, out[:6 * g.block_bytes]) == 6
+        assert since(before) == (2, 4)
+        before = in_dram_only(0, 3)
+        assert store.get_run(keys + [b"nowhere"], out) == 6
+        assert since(before) == (2, 5)
+        dst = [torch.zeros(2, 8, 16, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
+        before, device = in_dram_only(0, 3), store.counters["device_hit_blocks"]
+        assert load_blocks(store, keys, VLLMLayout(dst), list(range(6))).wait() == 6
+        # the load reads blocks 1-5 from the device in one stretch (3 too)
+        assert since(before) == (1, 5) == (1, store.counters["device_hit_blocks"] - device)
