@@ -125,9 +125,9 @@ class Recovery:
                            self.io.devices[0].path, next_seq, count, first,
                            sb.journal_offset + pos)
             self._removals_past_gap(journal, pos, first, epoch)
-        elif jfmt.damaged_at(journal, stop, next_seq, epoch) and not self._tears_anywhere():
-            # Damaged as the last record: no intact record after it shows
-            # what it removed (a gap's do, _removals_past_gap)
+        if jfmt.damaged_at(journal, stop, next_seq, epoch) and not self._tears_anywhere():
+            # Damaged, not torn: no record shows what it removed (records
+            # after it show only their own removals, _removals_past_gap)
             self._drop_after_damage(sb.journal_offset + stop, next_seq)
         self._generation = cp.generation
         self._seq = next_seq
@@ -152,8 +152,9 @@ class Recovery:
         return mappable(self.io.devices[0]) is None
 
     def _drop_after_damage(self, offset: int, seq: int) -> None:
-        """Replay stopped at the journal's last record, written whole
-        (acknowledged) and damaged since: what it removed is unknown -- a
+        """Replay stopped at a journal record written whole (acknowledged)
+        and damaged since, the last one or with intact records after it
+        (a gap): what it removed is unknown -- a
         region it reclaimed may hold other bytes now (trimmed, or written by
         puts a crash kept from committing) -- so no run is trusted (a cache
         loses only time)."""

@@ -639,9 +639,11 @@ def test_fsck_refuses_a_store_in_use(file_target, loop_device, tmp_path):
 def test_fsck_reports_journal_records_past_a_damaged_one(file_target):
     """A store left dirty (six commits in its journal), then the third
     commit's record damaged: recovery stops there, and fsck says that
-    intact records follow (their runs are lost), until a writable open
-    starts a new journal.  A torn tail alone (the last commit's sector never
-    written: a device writes a sector whole) is clean."""
+    intact records follow (their runs are lost) and that the record is
+    damaged, not torn (what it removed is unknown: every run is dropped),
+    until a writable open starts a new journal.  A torn tail alone (the
+    last commit's sector never written: a device writes a sector whole) is
+    clean."""
     path = file_target(16 << 20)
     kvb("format", path, *GEOM_ARGS)
     store = KVStore.open([path])
@@ -663,12 +665,14 @@ def test_fsck_reports_journal_records_past_a_damaged_one(file_target):
     assert res.returncode == 1 and out["journal_records_replayed"] == 2, out
     assert any("journal stops at record" in p and "2 intact record(s)" in p
                and f"offset {journal + 3 * 4096}" in p for p in out["problems"]), out
+    assert any(f"journal record at offset {journal + 2 * 4096} (number 3) is damaged" in p
+               and "2 runs" in p for p in out["problems"]), out
     res = kvb("fsck", path, "--repair", "--json")
     assert res.returncode == 1 and "journal stops" in res.stdout
     res = kvb("fsck", path)
-    assert res.returncode == 0 and "clean; 2 runs" in res.stdout
+    assert res.returncode == 0 and "clean; 0 runs" in res.stdout
     with KVStore.open([path]) as store:
-        assert [store.lookup(run_keys(i, 2)) for i in range(6)] == [2, 2, 0, 0, 0, 0]
+        assert [store.lookup(run_keys(i, 2)) for i in range(6)] == [0] * 6
 
 
 def test_fsck_counts_records_lost_inside_one_long_commit(file_target):

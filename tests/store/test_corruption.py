@@ -449,8 +449,8 @@ def test_a_damaged_last_reclaim_record_does_not_serve_the_regions_old_runs(tmp_p
 def test_a_store_whose_first_journal_record_rotted_is_not_reported_clean(tmp_path, after):
     """The first record after the checkpoint damaged (the last one, or with
     intact records after it: a gap): replay applies no record, yet the store
-    was written after its checkpoint and its open dropped runs (every one,
-    or what the lost records published).  `kvblock info` said "clean", as
+    was written after its checkpoint and its open dropped every run (what
+    the damaged record removed is unknown).  `kvblock info` said "clean", as
     for a store closed cleanly, because the state looked only at the records
     replayed."""
     from kvblock.cli.admin import _info
@@ -477,7 +477,7 @@ def test_a_store_whose_first_journal_record_rotted_is_not_reported_clean(tmp_pat
     with KVStore.open([str(path)], readonly=True) as store:
         assert store.counters["replayed_records"] == 0
         assert (store.journal_gap is not None) == after
-        assert (store.journal_damaged is not None) == (not after)
+        assert store.journal_damaged is not None
         assert not store.clean_at_open
         assert _info(store)["state"] == "dirty (0 journal records replayed)"
 
@@ -584,3 +584,60 @@ def test_one_damaged_superblock_copy_still_opens(tmp_path, copy):
             out = np.empty(2 * GEOM.block_bytes, np.uint8)
             assert store.get_run(run_keys(1, 2), out) == 2
             assert np.array_equal(out, run_data(run_keys(1, 2)))
+
+
+def test_a_damaged_reclaim_record_with_intact_records_after_it_drops_every_run(tmp_path):
+    """A RECLAIM record damaged in its sector (media damage: a crash cannot
+    tear a record lying in one sector) with intact records after it that
+    never name its region: replay stopped there and replayed only the
+    removals the later records show, so the reclaimed region's old run
+    stayed indexed while the region held other bytes, and verify="never"
+    served them under its keys.  As when the damaged record is the last
+    one, what it removed is unknown: no run is trusted, and the open and
+    fsck say so."""
+    from kvblock.store.fsck import fsck
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    old, other, later = run_keys(70, 2), run_keys(71, 2), run_keys(72, 2)
+    store.put_run(old, run_data(old))
+    run = store.index.segments([normalize_key(old[0])])[0][0]
+    with store._lock:                        # the next runs go to another region
+        store.regions.seal(run.region)
+        store.regions.open = None
+    store.put_run(other, run_data(other))
+    assert store.index.segments([normalize_key(other[0])])[0][0].region != run.region
+    dev, run_at = store.regions.address(run.region, run.offset)
+    store.checkpoint()                       # both runs are in the checkpoint
+    reclaim_at = store.sb.journal_offset + store._jhead
+    with store._lock:                        # a RECLAIM of the old run's region only
+        store._begin_reclaim(run.region)
+    store._finish_reclaim(run.region)
+    store.put_run(later, run_data(later))    # an unrelated record after it
+    assert store.index.segments([normalize_key(later[0])])[0][0].region != run.region
+    store._release_devices()                 # a crash: no checkpoint after these
+    store.closed = True
+    with open(path, "r+b") as f:
+        f.seek(run_at)                       # the region written again, never published
+        f.write(bytes(range(256)) * 64)
+        f.seek(reclaim_at + 40)              # the RECLAIM record's payload rots
+        byte = f.read(1)
+        f.seek(reclaim_at + 40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with KVStore.open([str(path)], verify="never", readonly=True) as store:
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        got = store.get_run(old, out)
+        assert got == 0 or np.array_equal(out, run_data(old))
+        assert store.lookup(old) == 0 and store.stats()["runs"] == 0
+        assert store.journal_gap is not None and not store.clean_at_open
+        assert store.journal_damaged == {"offset": reclaim_at, "seq": store._seq,
+                                         "runs_dropped": 2}
+        report = fsck(store)
+        assert any(f"{path}: the journal record at offset {reclaim_at}" in p
+                   and "2 runs" in p for p in report.problems), report.problems
+    with KVStore.open([str(path)]) as store:
+        assert f"{path}: started a new journal" in fsck(store).repaired
+    with KVStore.open([str(path)], readonly=True) as store:   # the damage is of a dead epoch
+        assert store.lookup(old) == 0 and fsck(store).status == "clean"

@@ -255,8 +255,10 @@ def test_fsck_repair_says_repaired_when_the_writable_open_repaired(tmp_path, dam
         sb, older = store.sb, 1 - store._cp_slot
     if damage == "fallback slot":
         _flip(path, sb.checkpoint_offset + older * sb.checkpoint_bytes)
-    else:
-        _flip(path, at[1] + 48)          # b's record: c's follows intact
+    else:                                # b's commit never written: c's follows intact
+        with open(path, "r+b") as f:     # (zeros: a tear, damage would drop every run)
+            f.seek(at[1])
+            f.write(bytes(4096))
     with KVStore.open([str(path)]) as store:
         report = fsck(store, repair=True)
         assert len(report.problems) == 1, report.problems
