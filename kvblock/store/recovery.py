@@ -125,9 +125,13 @@ class Recovery:
                            self.io.devices[0].path, next_seq, count, first,
                            sb.journal_offset + pos)
             self._removals_past_gap(journal, pos, first, epoch)
-        if jfmt.damaged_at(journal, stop, next_seq, epoch) and not self._tears_anywhere():
-            # Damaged, not torn: no record shows what it removed (records
-            # after it show only their own removals, _removals_past_gap)
+        # Lost to damage (bad bytes in one sector, or unreadable bytes before
+        # intact records), not torn: no record shows what it removed
+        # (records after it show only their own, _removals_past_gap)
+        unreadable = after is not None and any(
+            at < after[0] and stop < at + length for at, length, *_ in self.journal_unreadable)
+        if unreadable or (jfmt.damaged_at(journal, stop, next_seq, epoch)
+                          and not self._tears_anywhere()):
             self._drop_after_damage(sb.journal_offset + stop, next_seq)
         self._generation = cp.generation
         self._seq = next_seq

@@ -641,3 +641,52 @@ def test_a_damaged_reclaim_record_with_intact_records_after_it_drops_every_run(t
         assert f"{path}: started a new journal" in fsck(store).repaired
     with KVStore.open([str(path)], readonly=True) as store:   # the damage is of a dead epoch
         assert store.lookup(old) == 0 and fsck(store).status == "clean"
+
+
+def test_an_unreadable_reclaim_record_with_intact_records_after_it_drops_every_run(tmp_path):
+    """A bad sector (EIO) under a RECLAIM record with intact records after
+    it: the records there were acknowledged (a crash leaves no record after
+    an unwritten one of an earlier commit) and are lost to media damage, as
+    a damaged record is.  Replay read the unreadable block as a tear and
+    kept the reclaimed region's old run, serving the region's new bytes
+    under its keys with verify="never".  No run is trusted."""
+    from kvblock.store.fsck import fsck
+    from tests.support.faults import BadSectors
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    old, other, later = run_keys(70, 2), run_keys(71, 2), run_keys(72, 2)
+    store.put_run(old, run_data(old))
+    run = store.index.segments([normalize_key(old[0])])[0][0]
+    with store._lock:                        # the next runs go to another region
+        store.regions.seal(run.region)
+        store.regions.open = None
+    store.put_run(other, run_data(other))
+    dev, run_at = store.regions.address(run.region, run.offset)
+    store.checkpoint()
+    reclaim_at = store.sb.journal_offset + store._jhead
+    with store._lock:                        # a RECLAIM of the old run's region only
+        store._begin_reclaim(run.region)
+    store._finish_reclaim(run.region)
+    store.put_run(later, run_data(later))    # an unrelated record after it
+    assert store.index.segments([normalize_key(later[0])])[0][0].region != run.region
+    store._release_devices()                 # a crash: no checkpoint after these
+    store.closed = True
+    with open(path, "r+b") as f:             # the region written again, never published
+        f.seek(run_at)
+        f.write(bytes(range(256)) * 64)
+    bad = BadSectors()
+    bad.add(0, reclaim_at, 4096)
+    with KVStore.open([str(path)], verify="never", readonly=True,
+                      storeio_factory=bad.factory()) as store:
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        got = store.get_run(old, out)
+        assert got == 0 or np.array_equal(out, run_data(old))
+        assert store.lookup(old) == 0 and store.stats()["runs"] == 0
+        assert store.journal_gap is not None
+        assert store.journal_damaged == {"offset": reclaim_at, "seq": store._seq,
+                                         "runs_dropped": 2}
+        assert any(f"{path}: the journal record at offset {reclaim_at}" in p
+                   for p in fsck(store).problems)
