@@ -165,6 +165,8 @@ class Recovery:
         runs = list(self.index.runs.values())
         for run in runs:
             self._remove_run(run)
+        # A damaged PUT's run id may have reached readers: never given again
+        self._next_run_id += 1 << 32
         self.journal_damaged = {"offset": offset, "seq": seq, "runs_dropped": len(runs)}
         logger.warning("kvblock: %s: journal record %d at offset %d is damaged; what it "
                        "removed is unknown, so the store's %d runs are dropped",

@@ -445,6 +445,36 @@ def test_a_damaged_last_reclaim_record_does_not_serve_the_regions_old_runs(tmp_p
         assert store.lookup(old) == 0 and fsck(store).status == "clean"
 
 
+def test_a_run_id_a_damaged_put_record_published_is_never_given_again(tmp_path):
+    """A PUT record damaged after it was acknowledged: its run id may have
+    reached readers (a client that later asks the server to drop that id
+    after an EIO), yet recovery, which cannot read the id, gave the next
+    put the same one.  Ids start past every id the store may have
+    published, as after a stale checkpoint."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    store.put_run(run_keys(70, 2), run_data(run_keys(70, 2)))
+    store.checkpoint()
+    put_at = store.sb.journal_offset + store._jhead
+    b = run_keys(80, 2)
+    store.put_run(b, run_data(b))                # its PUT record: the last, rotted below
+    published = store.index.segments([normalize_key(b[0])])[0][0].run_id
+    store._release_devices()                     # a crash: no checkpoint after it
+    store.closed = True
+    with open(path, "r+b") as f:
+        f.seek(put_at + 40)
+        byte = f.read(1)
+        f.seek(put_at + 40)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with KVStore.open([str(path)]) as store:
+        assert store.journal_damaged is not None and store.lookup(b) == 0
+        c = run_keys(90, 2)
+        store.put_run(c, run_data(c))
+        assert store.index.segments([normalize_key(c[0])])[0][0].run_id > published
+
+
 @pytest.mark.parametrize("after", [False, True], ids=["last", "gap"])
 def test_a_store_whose_first_journal_record_rotted_is_not_reported_clean(tmp_path, after):
     """The first record after the checkpoint damaged (the last one, or with
