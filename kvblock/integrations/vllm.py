@@ -460,6 +460,13 @@ class KVBlockTierManager(SecondaryTierManager):
         if len(keys) != chunks.size:
             raise ConfigError(f"kvblock tier: {kind} job {job_metadata.job_id} has "
                               f"{len(keys)} keys but {chunks.size} chunk ids")
+        # (a slot past the pool would shorten a slice, a negative one wrap;
+        # no pool: shut down, the job fails as closed)
+        n = None if self._slots is None else len(self._slots)
+        if n is not None and chunks.size and (chunks.min() < 0 or chunks.max() >= n):
+            bad = int(chunks[(chunks < 0) | (chunks >= n)][0])
+            raise ConfigError(f"kvblock tier: {kind} job {job_metadata.job_id} names primary "
+                              f"slot {bad}, outside the pool's {n} slots")
         return keys, chunks, [self.kvblock_key(k) for k in keys]
 
     def submit_store(self, job_metadata: TransferJob) -> None:

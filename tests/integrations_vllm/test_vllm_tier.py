@@ -298,6 +298,23 @@ def test_load_of_missing_key_fails(make_tier):
     assert res.job_id == 1 and not res.success and res.successful_keys is None
 
 
+@pytest.mark.parametrize("bad", [-1, NUM_SLOTS])
+def test_a_job_naming_a_slot_outside_the_pool_is_refused(make_tier, bad):
+    """A slot id past the pool shortened the slice a piece read into (the
+    job "succeeded" with keys never loaded), a negative one wrapped to
+    another slot (its bytes overwritten).  A typed error names the slot."""
+    tier, pool = make_tier()
+    fill_random(pool, [0, 1])
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    assert [r.success for r in drain(tier)] == [True]
+    before = pool.clone()
+    for submit in (tier.submit_load, tier.submit_store):
+        with pytest.raises(ConfigError, match=f"primary slot {bad}, outside the pool's "
+                                              f"{NUM_SLOTS} slots"):
+            submit(job(2, [key(1), key(2)], [0, bad]))
+    assert drain(tier) == [] and torch.equal(pool, before)
+
+
 def test_partial_load_names_the_keys_it_loaded(make_tier):
     """A job with a missing key in the middle fails, loads the others and says
     which (JobResult.successful_keys, as vLLM's manager expects)."""
