@@ -102,15 +102,17 @@ class RegionTable:
         """The region to reclaim next: sealed, holding no pinned runs.
 
         fifo: oldest sealed; lru: least recently read or written, ties broken
-        by fewer hits (frequency-aware).  A vectorised scan over the region
-        table, run once per region reclaimed.
+        by fewer hits (frequency-aware), then by the oldest sealed (after a
+        reopen no access is known: the seal order is the write order).  A
+        vectorised scan over the region table, run once per region reclaimed.
         """
         candidates = np.nonzero((self.state == SEALED) & (self.pins == 0))[0]
         if candidates.size == 0:
             return None
         if policy == "fifo":
             return int(candidates[np.argmin(self.seal_seq[candidates])])
-        order = np.lexsort((self.hits[candidates], self.last_access[candidates]))
+        order = np.lexsort((self.seal_seq[candidates], self.hits[candidates],
+                            self.last_access[candidates]))
         return int(candidates[order[0]])
 
     @property

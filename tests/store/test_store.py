@@ -313,6 +313,28 @@ def test_touch_keeps_a_run_under_lru_without_reading_it(tmp_path, touch):
             assert store.get_run(hot, got) == 4 and np.array_equal(got, run_data(hot))
 
 
+def test_lru_after_a_reopen_evicts_the_oldest_region_not_the_newest(tmp_path):
+    """A reopen knows no reads yet (every region's last access is unknown):
+    LRU must then take the least recently written region, as the seal order
+    says, not the lowest-numbered one (after a wrap, the newest)."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path], eviction="lru") as store:
+        n = 0
+        while store.counters["evicted_regions"] <= store.regions.count:   # wrapped
+            keys = run_keys(n, 4)
+            assert store.put_run(keys, run_data(keys)) == 4
+            n += 1
+        newest = run_keys(n - 1, 4)
+        oldest = min(store.index.runs.values(), key=lambda r: r.run_id)
+        oldest = [oldest.key(k) for k in range(oldest.nblocks)]
+    with KVStore.open([str(path)], geometry=GEOM, eviction="lru") as store:
+        assert store.lookup(newest) == 4 and store.lookup(oldest) == 4
+        assert store.evict((len(store.regions.free) + 1) * store.regions.size) == 1
+        assert store.lookup(newest) == 4
+        assert store.lookup(oldest) == 0
+
+
 def test_trim_never_discards_a_region_a_writer_took(tmp_path):
     """trim_free discards free regions outside the store's lock: a put that
     runs meanwhile must not be given a region about to be discarded (its
