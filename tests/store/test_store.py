@@ -431,6 +431,19 @@ def test_everything_pinned_is_store_full(tmp_path):
         store.regions.pins[:] = 0
 
 
+@pytest.mark.parametrize("value", ["2", 1.5, None, True])
+def test_admit_after_that_is_not_a_whole_number_is_a_config_error(tmp_path, value):
+    """Not a TypeError from a comparison (a string, None), nor 1.5 taken
+    as "the second offer" without a word."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    _format([path]).close()
+    with pytest.raises(ConfigError, match="admit_after must be a whole number"):
+        KVStore.open([str(path)], admit_after=value)
+    with KVStore.open([str(path)], admit_after=np.int64(2)) as store:   # numpy ints are fine
+        assert store.admission.admit_after == 2
+
+
 def test_admission_second_offer(store_path):
     keys = run_keys(6, 2)
     with _format([store_path], admit_after=2) as store:
