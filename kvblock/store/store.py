@@ -832,6 +832,8 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _begin_reclaim(self, region: int) -> None:
         """(under self._lock) take the region's runs out of the index."""
         dropped = self.index.runs_in(region)
+        # the positions still theirs: a newer run's copy of a key stays stored
+        blocks = sum(run.live for run in dropped)
         for run in dropped:
             self._forget_run(run)
         self.regions.state[region] = RECLAIMING
@@ -840,7 +842,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             self.regions.open = None
         self.counters["evicted_regions"] += 1
         self.counters["evicted_runs"] += len(dropped)
-        self.counters["evicted_blocks"] += sum(r.nblocks for r in dropped)
+        self.counters["evicted_blocks"] += blocks
 
     def _finish_reclaim(self, region: int, discard: bool = True) -> None:
         """Commit the region's RECLAIM record, then free it.  ``discard``:

@@ -335,6 +335,22 @@ def test_lru_after_a_reopen_evicts_the_oldest_region_not_the_newest(tmp_path):
         assert store.lookup(oldest) == 0
 
 
+def test_evicted_blocks_counts_only_the_blocks_that_left(tmp_path):
+    """A run a newer run took keys from still names them, but they stay
+    stored (in the newer run): evicting it removes only the blocks it held."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    older, newer = run_keys(1, 4), run_keys(1, 4)[2:] + run_keys(2, 1)
+    with _format([path]) as store:
+        assert store.put_run(older, run_data(older)) == 4
+        assert store.put_run(newer, run_data(newer)) == 3
+        assert store.stats()["blocks"] == 5
+        store.evict(all=True)
+        assert store.stats()["blocks"] == 0
+        assert store.stats()["evicted_runs"] == 2
+        assert store.stats()["evicted_blocks"] == 5
+
+
 def test_trim_never_discards_a_region_a_writer_took(tmp_path):
     """trim_free discards free regions outside the store's lock: a put that
     runs meanwhile must not be given a region about to be discarded (its
