@@ -96,6 +96,7 @@ class KeyIndex:
         before = len(self.table)
         overwritten = self.table.put(lo, hi, packed)
         hit = set()
+        keyless = []                              # runs of SUPERSEDED positions only
         if len(self.table) - before + overwritten.size == lo.size:
             # No key twice in the batch: each run's kept positions point at it.
             if all_kept:
@@ -106,8 +107,9 @@ class KeyIndex:
                 counts = np.diff(np.r_[0, np.cumsum(kept)[ends - 1]])
                 for run, n in zip(runs, counts.tolist()):
                     self._set_live(run, n)
+                keyless = [run for run in runs if run.live == 0]
             if not overwritten.size:
-                return []                         # fresh keys only: the usual put
+                return keyless                    # fresh keys only: the usual put
         else:
             hit.update(run.run_id for run in runs)
         hit.update(int(r) for r in np.unique(overwritten >> POS_BITS))
@@ -118,7 +120,7 @@ class KeyIndex:
             counts = np.add.reduceat(live.astype(np.int64), np.cumsum(sizes) - sizes)
             for run, n in zip(hit_runs, counts.tolist()):
                 self._set_live(run, n)
-        return [run for run in hit_runs if run.live == 0]
+        return keyless + [run for run in hit_runs if run.live == 0]
 
     def _live_positions(self, runs: list[Run]) -> np.ndarray:
         """Per position of each of ``runs`` (concatenated): does its key

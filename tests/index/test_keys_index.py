@@ -371,3 +371,15 @@ def test_region_and_superseded_bookkeeping_matches_a_scan(ops):
             expected.append(r.key(pos) if mine else bytes(KEY_BYTES))
     keys = KeyIndex.checkpoint_keys(runs, idx.superseded())
     assert [bytes(row) for row in keys] == expected
+
+
+def test_a_run_of_superseded_positions_only_is_handed_back_to_drop():
+    """A run whose every position is SUPERSEDED (zero: a raw client's commit
+    of the key 0, which the server takes as it is) holds no key: add_many
+    returns it to be dropped, as any run left with none, rather than keep
+    it indexed with nothing pointing at it (counted in stats and its
+    region, written to every checkpoint)."""
+    idx = KeyIndex()
+    zero = Run(1, 0, 0, 0, bytes(KEY_BYTES), np.zeros(3, dtype=np.uint64))
+    assert idx.add_many([zero, run(2, [10])]) == [zero]
+    assert zero.live == 0
