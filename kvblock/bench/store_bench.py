@@ -45,12 +45,20 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
     elif size:
         _check_size(target, size)
     try:
-        store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
-                               verify=verify, queue_depth=qd)
+        return _format_and_run(target, workload, geometry, run_blocks, seconds, engine, verify,
+                               jobs, qd, progress)
     except BaseException:
-        if made:     # not left behind to be refused again by the next run's --size
+        # a file made here goes again when the run fails (a refused format or
+        # --run-blocks, Ctrl-C), as the raw workloads' does
+        if made:
             remove_made(made)
         raise
+
+
+def _format_and_run(target, workload, geometry, run_blocks, seconds, engine, verify, jobs, qd,
+                    progress) -> dict:
+    store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
+                           verify=verify, queue_depth=qd)
     try:
         nbytes = run_blocks * geometry.block_bytes
         if store.layout(run_blocks).run_bytes > store.sb.region_size:

@@ -181,6 +181,29 @@ def test_a_store_bench_target_created_too_small_is_not_left_behind(tmp_path):
     assert res.exit_code == 0, res.output
 
 
+@pytest.mark.parametrize("failure", ["run too large", "ctrl-c"])
+def test_a_store_bench_target_it_made_is_removed_when_the_run_fails_after_formatting(
+        tmp_path, monkeypatch, failure):
+    """A file save/restore made was removed only when the format failed: a
+    run refused after it (too large for a region) or Ctrl-C during the run
+    left a new 16 MiB file behind, as the raw workloads do not."""
+    import kvblock.bench.store_bench as sb
+
+    path = tmp_path / "new.img"
+    blocks = "2"
+    if failure == "run too large":
+        blocks = "100000"
+    else:
+        def interrupted(*a, **k):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(sb, "_save", interrupted)
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "save", "--size", "16M",
+                                   "--layers", "2", "--kv-heads", "2", "--head-dim", "32",
+                                   "--run-blocks", blocks, "--seconds", "0.05", "--json"])
+    assert res.exit_code == (8 if failure == "run too large" else 130), res.output
+    assert not path.exists()
+
+
 def test_a_store_bench_refuses_a_size_other_than_its_existing_targets(tmp_path):
     """--size is the "Bytes of the target to use": on an existing target
     save/restore ignored it and formatted the whole target (a 16M file
