@@ -77,7 +77,9 @@ def _run_raw(target, workload, bs, qd, seconds, size, engine, progress) -> RawBe
                               "bytes); give at most its size, or none")
         span = (size or dev.capacity) // bs * bs
         if span < bs:
-            raise ConfigError(f"{dev.path}: {dev.capacity} bytes, smaller than one {bs}-byte I/O")
+            used = f"--size {size}" if size else f"{dev.capacity} bytes"
+            raise ConfigError(f"{dev.path}: {used}, smaller than one {bs}-byte I/O; give a "
+                              "smaller --bs" + (" or a larger --size" if size else ""))
         slots = span // bs
         rng = np.random.default_rng(0)
         with HostBuffer(bs * qd) as buf, open_engine([dev], engine, queue_depth=qd) as eng:

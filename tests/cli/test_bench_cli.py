@@ -57,6 +57,19 @@ def test_bench_unaligned_bs(file_target):
     assert "not a multiple of" in res.output
 
 
+def test_a_size_smaller_than_one_io_names_the_size_not_the_whole_target(file_target):
+    """--size below one --bs on a 4 MiB file was refused as "4194304 bytes,
+    smaller than one 1048576-byte I/O": the target's size, which is not."""
+    res = CliRunner().invoke(cli, ["bench", file_target(4 << 20), "--size", "64K",
+                                   "--bs", "1M", "--seconds", "0.1"])
+    assert res.exit_code == 8, res.output
+    assert "--size 65536" in res.output and "4194304 bytes, smaller" not in res.output
+    # without --size the target itself is what is too small
+    res = CliRunner().invoke(cli, ["bench", file_target(1 << 20), "--bs", "2M",
+                                   "--seconds", "0.1"])
+    assert res.exit_code == 8 and "1048576 bytes, smaller than one 2097152-byte" in res.output
+
+
 def test_bad_size_argument(file_target):
     res = CliRunner().invoke(cli, ["bench", file_target(1 << 20), "--bs", "lots"])
     assert res.exit_code == 2 and "is not a size" in res.output
