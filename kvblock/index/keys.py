@@ -51,7 +51,23 @@ def chain_keys(token_ids: Sequence[int], block_tokens: int, salt: bytes | str = 
     """Keys of the full blocks of ``token_ids`` (a partial last block has none)."""
     if isinstance(salt, str):
         salt = salt.encode()
-    tokens = np.asarray(token_ids, dtype="<i4")
+    if isinstance(block_tokens, bool) or not isinstance(block_tokens, (int, np.integer)) \
+            or block_tokens < 1:
+        raise ConfigError(f"block_tokens must be a whole number of tokens of at least 1, got "
+                          f"{block_tokens!r}")
+    try:
+        given = np.asarray(token_ids)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise ConfigError(f"token ids must be a sequence of integers: {e}") from None
+    # hashed as int32: an id past it would wrap into another id's key
+    # (two prompts, one key), a float would be cut to another id
+    if given.size and (given.dtype.kind not in "iu" or given.ndim != 1
+                       or given.min() < -(1 << 31) or given.max() >= 1 << 31):
+        raise ConfigError(f"token ids must be a flat sequence of integers in int32's range, got "
+                          f"{given.dtype} of shape {given.shape}"
+                          + (f" from {given.min()} to {given.max()}" if given.dtype.kind in "iu"
+                             else ""))
+    tokens = given.astype("<i4")
     keys, prev = [], parent
     for start in range(0, len(tokens) - block_tokens + 1, block_tokens):
         prev = xxhash.xxh3_128_digest(prev + tokens[start:start + block_tokens].tobytes() + salt)

@@ -383,3 +383,20 @@ def test_a_run_of_superseded_positions_only_is_handed_back_to_drop():
     zero = Run(1, 0, 0, 0, bytes(KEY_BYTES), np.zeros(3, dtype=np.uint64))
     assert idx.add_many([zero, run(2, [10])]) == [zero]
     assert zero.live == 0
+
+
+@pytest.mark.parametrize("tokens,block,match", [
+    (np.array([1, 2, 3, (1 << 32) + 1], dtype=np.int64), 2, "int32's range, got int64"),
+    ([1.0, 2.5, 3.0, 4.0], 2, "integers in int32's range, got float64"),
+    ([[1, 2, 3, 4]], 2, r"flat sequence .* shape \(1, 4\)"),
+    ([1, 2, 1 << 70, 4], 2, "integers"),
+    ([1, 2, 3, 4], 0, "block_tokens must be a whole number"),
+    ([1, 2, 3, 4], 1.5, "block_tokens must be a whole number"),
+])
+def test_chain_keys_refuses_token_ids_it_cannot_hash_as_given(tokens, block, match):
+    """Ids past int32 wrapped (1 and 2**32 + 1 made one key: two prompts,
+    one cached KV), floats were cut, a (1, n) batch gave no keys at all and
+    block_tokens=0 raised a bare ValueError."""
+    with pytest.raises(ConfigError, match=match):
+        chain_keys(tokens, block)
+    assert chain_keys(np.array([1, 2, 3, 4], dtype=np.int64), 2) == chain_keys([1, 2, 3, 4], 2)
