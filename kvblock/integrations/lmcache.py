@@ -71,12 +71,12 @@ Keys.
     them with "@" and "%" unescaped, so two tag sets could spell one
     string); ``prefix`` adds the namespace (tenant / salt).  ``clear()``
     removes the keys of its own tag (``delete_prefix``): on a shared store
-    the other workers' and tenants' chunks stay.
+    the other workers' and tenants' chunks stay, and so do its pinned ones.
 
 Pins.
     ``pin``/``contains(pin=True)`` pin the chunk's run in the store until
     ``unpin``: its region is not reclaimed meanwhile.  ``remove(key,
-    force=False)`` leaves pinned chunks alone.  The pins an async lookup
+    force=False)`` and ``clear()`` leave pinned chunks alone.  The pins an async lookup
     takes (``batched_async_contains(lookup_id, keys, pin=True)``) are
     released by the load LMCache then starts for that lookup
     (``batched_get_non_blocking``), as LocalDiskBackend does: LMCache never
@@ -817,10 +817,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
     def clear(self) -> int:
         """Remove this worker's chunks (its namespace, model and worker id:
         on a store that other workers or tenants share theirs stay; LMCache
-        clears every worker and expects the same count from each); returns
-        the tokens they held (a layer object holds 1/layers of its chunk's
-        tokens).  Puts queued before it are dropped (writes under way end
-        first)."""
+        clears every worker and expects the same count from each), except
+        pinned ones (as LocalCPUBackend.clear and remove(force=False));
+        returns the tokens the removed ones held (a layer object holds
+        1/layers of its chunk's tokens).  Puts queued before it are dropped
+        (writes under way end first)."""
         with self._lock:
             self._epoch += 1
             for key, job in list(self._put_tasks.items()):
@@ -828,9 +829,10 @@ class KVBlockStorageBackend(StoragePluginInterface):
                     del self._put_tasks[key]    # its writer drops the job (epoch)
             self._written.wait_for(lambda: not any(
                 job.writing and job.epoch < self._epoch for job in self._put_tasks.values()))
+            pinned = list(self._pins)   # kept, as by remove(force=False)
         try:
             blocks = self.store.delete_prefix(
-                self.owner_tag(self.metadata.model_name, self.metadata.worker_id))
+                self.owner_tag(self.metadata.model_name, self.metadata.worker_id), pinned)
         except RUNTIME_FAILURES as e:
             self._failed("clear", e)
             return 0

@@ -771,11 +771,16 @@ class RemoteStore(RunReader, RunWriter):
         self._check_open(writing=True)
         return int(self._call("delete", keys=encode_keys(normalize_keys(keys))))
 
-    def delete_prefix(self, prefix: bytes) -> int:
-        """Remove the runs holding a key that begins with ``prefix`` (see
-        KVStore.delete_prefix), every rank's; returns the blocks removed."""
+    def delete_prefix(self, prefix: bytes, keep: Sequence = ()) -> int:
+        """Remove the runs holding a key that begins with ``prefix``, except
+        those holding any of ``keep`` (see KVStore.delete_prefix), every
+        rank's; returns the blocks removed."""
         self._check_open(writing=True)
-        return int(self._call("delete_prefix", prefix=check_key_prefix(prefix).hex()))
+        args = {"prefix": check_key_prefix(prefix).hex()}
+        keep = normalize_keys(keep)
+        if keep:        # only then: a server without "keep" still answers the rest
+            args["keep"] = encode_keys(keep)
+        return int(self._call("delete_prefix", **args))
 
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim unpinned regions on the server (see KVStore.evict)."""

@@ -817,7 +817,7 @@ class StoreServer:
     def _op_delete(self, s, keys):
         return self.store.delete(decode_keys(keys))
 
-    def _op_delete_prefix(self, s, prefix):
+    def _op_delete_prefix(self, s, prefix, keep=None):
         if not isinstance(prefix, str):
             raise ConfigError(f"delete_prefix: prefix must be a hex string, got "
                               f"{type(prefix).__name__} {str(prefix)[:80]}")
@@ -825,7 +825,7 @@ class StoreServer:
             raw = bytes.fromhex(prefix)
         except ValueError:
             raise ConfigError(f"delete_prefix: prefix {prefix[:40]!r} is not hex") from None
-        return self.store.delete_prefix(raw)
+        return self.store.delete_prefix(raw, [] if keep is None else decode_keys(keep))
 
     def _op_evict(self, s, nbytes=None, all=False, older_than=None):
         # Typed as sent: a truthy "false" for all would evict the whole

@@ -1123,17 +1123,23 @@ class KVStore(Recovery, RunReader, RunWriter):
                                  lambda tier: {k for k in keys if tier.discard(k)})
 
     @in_flight
-    def delete_prefix(self, prefix: bytes) -> int:
+    def delete_prefix(self, prefix: bytes, keep: Sequence = ()) -> int:
         """Remove the runs holding a key that begins with ``prefix`` (1 to 8
         bytes), and the DRAM tier's blocks whose keys do; returns the blocks
         removed.  For callers that give each tenant or worker a key prefix
         of its own: one of them clears its blocks of a shared store, not the
-        others' (kvblock.integrations.lmcache)."""
+        others' (kvblock.integrations.lmcache).  The runs holding any of
+        ``keep`` stay (a caller's pinned keys, as an unforced remove)."""
         self._check_open(writing=True)
         prefix = check_key_prefix(prefix)
+        keep = set(normalize_keys(keep))
         with self._lock:
             runs = self.index.runs_with_prefix(prefix)
-        return self._delete_runs(runs, lambda tier: tier.discard_prefix(prefix))
+            if keep:
+                kept = {hit[0].run_id for k in keep
+                        if (hit := self.index.locate(k)) is not None}
+                runs = [r for r in runs if r.run_id not in kept]
+        return self._delete_runs(runs, lambda tier: tier.discard_prefix(prefix, keep))
 
     def _delete_runs(self, runs: list[Run], discard_asked) -> int:
         """delete()'s work once its runs are found: drop them, then their

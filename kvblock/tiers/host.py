@@ -145,12 +145,13 @@ class HostTier:
             self.discards += 1
             return self._drop_locked(key)
 
-    def discard_prefix(self, prefix: bytes) -> set[bytes]:
-        """Drop the blocks whose keys begin with ``prefix``; their keys."""
+    def discard_prefix(self, prefix: bytes, keep=frozenset()) -> set[bytes]:
+        """Drop the blocks whose keys begin with ``prefix``, except those of
+        ``keep``; their keys."""
         with self.lock:
             self.discards += 1
             keys = {k for seg in (self.probation, self.protected) for k in seg
-                    if k.startswith(prefix)}
+                    if k.startswith(prefix) and k not in keep}
             for key in keys:
                 self._drop_locked(key)
             return keys

@@ -218,15 +218,16 @@ def test_close_closes_the_store_even_when_releasing_a_pin_fails(file_target, eng
 
 
 def test_a_pin_held_across_a_clear_does_not_make_the_chunk_found(file_target, engines):
-    """A chunk pinned, then the store cleared (LMCache's clear, or another
-    rank's on a shared store): a pinned lookup must not find it through the
-    pin left over, nor keep it pinned."""
+    """A chunk pinned, then deleted by another holder of the store (a
+    delete through kvblock's API or another process on a shared store;
+    the plugin's own clear leaves pinned chunks): a pinned lookup must not
+    find it through the pin left over, nor keep it pinned."""
     e = Engine([file_target()])
     engines.append(e)
     key = e.key(31)
     e.put([key], [e.chunk()])
     assert e.plugin.contains(key, pin=True)
-    e.plugin.clear()
+    assert e.plugin.store.delete([e.plugin.kvblock_key(key)]) == 1
     assert not e.plugin.contains(key)
     assert e.plugin.contains(key, pin=True) is False
     assert e.plugin.pin(key) is False
@@ -666,10 +667,10 @@ def test_a_put_after_the_writers_stopped_is_dropped_cleanly(file_target, engines
 
 
 def test_a_pin_taken_again_after_a_clear_protects_the_chunk_stored_again(file_target, engines):
-    """A chunk pinned, the store cleared, the chunk stored again (in another
-    region) and pinned again while the first pin is held: the second pin
-    must protect the chunk as stored now, not only the region of the copy
-    the clear took."""
+    """A chunk pinned, deleted by another holder of the store, stored again
+    (in another region) and pinned again while the first pin is held: the
+    second pin must protect the chunk as stored now, not only the region of
+    the copy the delete took."""
     e = Engine([file_target()], **{"kvblock.region_size": "64K"})
     engines.append(e)
     key = e.key(91)
@@ -686,7 +687,7 @@ def test_a_pin_taken_again_after_a_clear_protects_the_chunk_stored_again(file_ta
     e.put([key], [e.chunk()])
     assert e.plugin.pin(key)
     first = region_of_key()
-    e.plugin.clear()
+    assert store.delete([kb]) == 1
     e.put([key], [e.chunk()])                    # stored again
     assert region_of_key() != first
     assert e.plugin.pin(key)
@@ -840,3 +841,52 @@ def test_a_load_does_not_wait_behind_queued_puts(file_target, engines):
         assert time.monotonic() < deadline, "writes did not finish"
         time.sleep(0.01)
     assert e.plugin.contains(e.key(133)) and e.plugin.contains(e.key(134))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "server"])
+def test_clear_leaves_pinned_chunks(tmp_path, engines, shared):
+    """LMCache's LocalCPUBackend.clear skips the objects that are pinned, as
+    remove(force=False) does.  The plugin's clear removed the chunks an
+    async lookup had pinned for its load (and counted them): the load then
+    found nothing.  Pinned chunks stay and are not counted; once unpinned, a
+    clear removes them.  Through a store server, another owner's chunks
+    stay too."""
+    from tests.support.servers import stop_server
+
+    dev = str(tmp_path / "kv.img")
+    opts = ({"kvblock.server": str(tmp_path / "kv.sock"), "kvblock.size": "32M"} if shared
+            else {"kvblock.size": "32M"})
+    e = Engine([dev], **opts)
+    engines.append(e)
+    other = Engine([dev], **opts, **{"kvblock.namespace": "tenant-b"}) if shared else None
+    if other is not None:
+        engines.append(other)
+    server_pid = e.plugin.store.server_pid if shared else None
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, e.manager.loop).result(30)
+    try:
+        keys = [e.key(h) for h in (131, 132, 133, 134)]
+        want = e.put(keys, [e.chunk() for _ in keys])
+        if other is not None:
+            other.put([other.key(131)], [other.chunk()])
+        assert run(e.plugin.batched_async_contains("req", keys[:2], pin=True)) == 2
+        assert e.plugin.pin(keys[3])
+        assert e.manager.clear(locations=["kvblock"]) == CHUNK       # keys[2] only
+        assert [e.plugin.contains(k) for k in keys] == [True, True, False, True]
+        loaded = run(e.plugin.batched_get_non_blocking("req", keys[:2]))
+        assert [obj_bytes(o) for o in loaded] == want[:2]
+        for o in loaded:
+            o.ref_count_down()
+        assert e.plugin.clear() == 2 * CHUNK                       # the lookup's, unpinned
+        assert e.plugin.contains(keys[3])
+        assert e.plugin.unpin(keys[3]) and e.plugin.clear() == CHUNK
+        assert e.plugin.batched_contains(keys) == 0
+        if other is not None:
+            assert other.plugin.contains(other.key(131))
+    finally:
+        if shared:
+            for x in engines:
+                x.close()
+            engines.clear()
+            stop_server(server_pid)
