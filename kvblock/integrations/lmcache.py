@@ -80,7 +80,11 @@ Pins.
     takes (``batched_async_contains(lookup_id, keys, pin=True)``) are
     released by the load LMCache then starts for that lookup
     (``batched_get_non_blocking``), as LocalDiskBackend does: LMCache never
-    unpins them otherwise.
+    unpins them otherwise.  When no load comes (LMCache's serializer refuses
+    one over its chunk budget, telling no backend) they are released at the
+    first lookup or put after LMCache's ``lookup_timeout_ms`` (3 s by
+    default; its scheduler recomputes the request by then); an aborted
+    request's (``cancel_request``) at once.
 
 Writes are asynchronous: ``batched_submit_put_task`` hands the chunks to
 ``kvblock.writer_threads`` threads and returns their futures; a chunk is
@@ -110,6 +114,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -313,7 +318,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self._put_tasks: dict[CacheEngineKey, _PutJob] = {}  # queued or being written
         self._epoch = 0                                       # clear()s so far
         self._pins: dict[bytes, list] = {}      # kvblock key -> [pin count, pinned segments]
-        self._lookup_pins: dict[str, list] = {}  # async lookup id -> its (key, pin entry)s
+        # async lookup id -> (deadline, its (key, pin entry)s), oldest first
+        self._lookup_pins: dict[str, tuple[float, list]] = {}
+        # LMCache's scheduler gives up on a lookup after this: recomputes
+        self._lookup_ttl = float(getattr(config, "lookup_timeout_ms", 3000) or 3000) / 1000
+        self._clock = time.monotonic
         self.skipped_chunks = 0
         self._failed = FailureLog(logger, "kvblock lmcache plugin")
         logger.info("kvblock: LMCache plugin on %s (chunk %s, %d bytes)", self.devices,
@@ -471,8 +480,38 @@ class KVBlockStorageBackend(StoragePluginInterface):
             # even before this line, and the load's release must then not
             # take a pin of another holder on the key stored again.
             with self._lock:
-                self._lookup_pins.setdefault(lookup_id, []).extend(held[:whole])
+                _, pins = self._lookup_pins.pop(lookup_id, (0, []))
+                pins.extend(held[:whole])
+                self._lookup_pins[lookup_id] = (self._clock() + self._lookup_ttl, pins)
+        self._expire_lookup_pins()
         return whole
+
+    def _release_lookup(self, lookup_id: str) -> None:
+        """(under the lock) the pins the async lookup ``lookup_id`` took."""
+        for kb, entry in self._lookup_pins.pop(lookup_id, (0, []))[1]:
+            if self._pins.get(kb) is entry:     # else: dropped since
+                self._unpin_entry(kb, entry)
+
+    def _expire_lookup_pins(self) -> None:
+        """Release the pins of async lookups whose load has not started by
+        their deadline: LMCache never starts it when its serializer refuses
+        the load (over its chunk budget) and tells the backend nothing,
+        and its scheduler has answered the request as a miss by then."""
+        now = self._clock()
+        with self._lock:
+            while self._lookup_pins:
+                lookup_id, (deadline, _) = next(iter(self._lookup_pins.items()))
+                if deadline > now:
+                    break
+                logger.warning("kvblock: releasing the pins of lookup %s: no load "
+                               "started within lookup_timeout_ms", lookup_id)
+                self._release_lookup(lookup_id)
+
+    def cancel_request(self, req_id: str) -> None:
+        """An aborted request (LMCache's StorageManager.cancel_request; its id
+        is its async lookup's): that lookup's pins end now."""
+        with self._lock:
+            self._release_lookup(req_id)
 
     def exists_in_put_tasks(self, key: CacheEngineKey) -> bool:
         with self._lock:
@@ -501,6 +540,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
                     continue
                 self._put_tasks[key] = job
             todo.append((key, obj))
+        self._expire_lookup_pins()      # regions a put may need
         if not todo:
             return None
         # Chunks stored already are skipped with one uncounted probe (present),
@@ -708,9 +748,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
             # The load of an async lookup ends its pins (LMCache unpins the
             # objects it gets, never the backend's keys).
             with self._lock:
-                for kb, entry in self._lookup_pins.pop(lookup_id, []):
-                    if self._pins.get(kb) is entry:     # else: dropped since
-                        self._unpin_entry(kb, entry)
+                self._release_lookup(lookup_id)
 
     # ------------------------------------------------------------------ pins, removal
     def pin(self, key: CacheEngineKey, _held: list | None = None) -> bool:

@@ -890,3 +890,71 @@ def test_clear_leaves_pinned_chunks(tmp_path, engines, shared):
                 x.close()
             engines.clear()
             stop_server(server_pid)
+
+
+# LMCache drops the load's coroutine unawaited when its serializer refuses it
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_pins_of_a_lookup_whose_load_never_starts_are_released(file_target, engines):
+    """An async lookup's pins end with the load LMCache starts for it.  When
+    LMCache never starts that load -- its AsyncMultiSerializer refuses a
+    load over its chunk budget (ValueError: the load's coroutine is never
+    run), or the request is aborted -- no call reaches the plugin and the
+    pins stayed for ever: their regions could never be reclaimed.  They end
+    once the scheduler has given up on the lookup (LMCache's
+    lookup_timeout_ms), at the next lookup or put, and at once with the
+    abort (StorageManager.cancel_request)."""
+    import types
+
+    from lmcache.v1.event_manager import EventStatus, EventType
+    from lmcache.v1.storage_backend.storage_manager import AsyncMultiSerializer
+
+    class LookupServer:
+        def __init__(self):
+            self.replies = {}
+
+        def send_response_to_scheduler(self, lookup_id, hits):
+            self.replies[lookup_id] = hits
+
+    server = LookupServer()
+    e = Engine([file_target()], async_lookup_server=server,
+               lmcache_options={"enable_async_loading": True})
+    engines.append(e)
+    store = e.plugin.store
+    # LMCache's budgeted serializer, with a budget of 2 chunks
+    e.manager.async_serializer = AsyncMultiSerializer(
+        types.SimpleNamespace(calculate_chunk_budget=lambda: 2), e.manager.loop)
+    keys = [e.key(h) for h in (141, 142, 143)]
+    e.put(keys, [e.chunk() for _ in keys])
+    asyncio.run_coroutine_threadsafe(
+        e.manager.async_lookup_and_prefetch("req", keys, [0, CHUNK, 2 * CHUNK, 3 * CHUNK],
+                                            None, True), e.manager.loop).result(30)
+    deadline = time.monotonic() + 30
+    while e.manager.event_manager.get_event_status(EventType.LOADING, "req") != \
+            EventStatus.DONE:
+        assert time.monotonic() < deadline, "the prefetch never ended"
+        time.sleep(0.01)
+    assert "req" not in server.replies          # refused: no load, no answer
+    assert len(e.plugin._pins) == 3             # the lookup's pins, still needed?
+    e.put([e.key(144)], [e.chunk()])            # before the deadline: kept
+    assert len(e.plugin._pins) == 3
+    now = time.monotonic()
+    e.plugin._clock = lambda: now + e.manager.config.lookup_timeout_ms / 1000 + 1
+    e.put([e.key(145)], [e.chunk()])            # past it: released
+    assert e.plugin._pins == {} and not (store.regions.pins > 0).any()
+    e.manager.event_manager.pop_event(EventType.LOADING, "req")
+    collect_lmcache_garbage()                   # the refused load, under this test's filter
+    # an aborted request's lookup: its pins end with the abort, and its load
+    # (if it comes after all) releases nothing of anyone else's
+    assert asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_async_contains("gone", keys[:2], pin=True),
+        e.manager.loop).result(30) == 2
+    assert e.plugin.pin(keys[0])                # another holder's pin
+    e.manager.cancel_request("gone")
+    assert len(e.plugin._pins) == 1
+    got = asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_get_non_blocking("gone", keys[:2]), e.manager.loop).result(30)
+    for obj in got:
+        obj.ref_count_down()
+    assert len(e.plugin._pins) == 1 and e.plugin.unpin(keys[0])
+    assert e.plugin._pins == {} and not (store.regions.pins > 0).any()
+
