@@ -761,8 +761,9 @@ class KVBlockStorageBackend(StoragePluginInterface):
             try:
                 segs = self.store.pin([kb])
             except RUNTIME_FAILURES as e:
+                # a miss; the pins held stay: the chunk is not known gone
                 self._failed("a pin", e)
-                segs = None
+                return False
             if not segs:
                 if entry is not None:
                     # A clear() (or another rank's delete) took the chunk while

@@ -958,3 +958,32 @@ def test_pins_of_a_lookup_whose_load_never_starts_are_released(file_target, engi
     assert len(e.plugin._pins) == 1 and e.plugin.unpin(keys[0])
     assert e.plugin._pins == {} and not (store.regions.pins > 0).any()
 
+
+def test_a_failed_pin_keeps_the_pins_held(file_target, engines):
+    """A pin that fails (a store server call timing out: answered as a
+    miss) dropped the key's pin entry and released its store pin, as if
+    the chunk were gone: the async lookup holding it then had its chunk
+    evictable before its load.  The held pins stay; the failure is a miss."""
+    from kvblock.errors import ServerError
+
+    e = Engine([file_target()])
+    engines.append(e)
+    key = e.key(151)
+    kb = e.plugin.kvblock_key(key)
+    store = e.plugin.store
+    e.put([key], [e.chunk()])
+    assert asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_async_contains("a", [key], pin=True), e.manager.loop).result(30) == 1
+    real = store.pin
+
+    def failing_pin(keys):
+        store.pin = real
+        raise ServerError("kvblock store server: call timed out")
+    store.pin = failing_pin
+    assert e.plugin.contains(key, pin=True) is False
+    assert kb in e.plugin._pins and (store.regions.pins > 0).any()
+    got = asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_get_non_blocking("a", [key]), e.manager.loop).result(30)
+    assert len(got) == 1
+    got[0].ref_count_down()
+    assert e.plugin._pins == {} and not (store.regions.pins > 0).any()
