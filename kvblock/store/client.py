@@ -776,11 +776,8 @@ class RemoteStore(RunReader, RunWriter):
         those holding any of ``keep`` (see KVStore.delete_prefix), every
         rank's; returns the blocks removed."""
         self._check_open(writing=True)
-        args = {"prefix": check_key_prefix(prefix).hex()}
-        keep = normalize_keys(keep)
-        if keep:        # only then: a server without "keep" still answers the rest
-            args["keep"] = encode_keys(keep)
-        return int(self._call("delete_prefix", **args))
+        return int(self._call("delete_prefix", prefix=check_key_prefix(prefix).hex(),
+                              keep=encode_keys(normalize_keys(keep))))
 
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim unpinned regions on the server (see KVStore.evict)."""

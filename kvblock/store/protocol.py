@@ -43,7 +43,7 @@ import numpy as np
 from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 
-PROTOCOL = 9   # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 10  # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
@@ -53,6 +53,7 @@ PROTOCOL = 9   # 2: "clear"; admit answers the clear count, commit carries it
 #                   (each checked to be the medium the rank does its I/O on)
 #                9: "delete_prefix" (a worker's own keys), "clear_ticket";
 #                   drop_runs says why (a checksum failure or a read error)
+#               10: delete_prefix's "keep" (the caller's pinned keys stay)
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 
