@@ -19,6 +19,10 @@ def _permute(x, order):
     return x.permute(*order) if _is_torch(x) else x.transpose(order)
 
 
+def _is_float(name: str) -> bool:
+    return name.startswith(("float", "bfloat"))
+
+
 def _split_tokens(x, page_tokens):
     """(tokens, ...) -> (tokens // page_tokens, page_tokens, ...)."""
     tokens = x.shape[0]
@@ -61,6 +65,14 @@ class CacheLayout:
         if itemsize != geometry.itemsize:
             raise ConfigError(f"cache elements are {itemsize} bytes, the store's {geometry.dtype} "
                               f"are {geometry.itemsize}")
+        # Bytes move as raw bits: another float type of the same size
+        # (float16 vs bfloat16) would be read back as garbage values.
+        # Integer caches stand for raw bytes (numpy has no bfloat16).
+        name = str(x.dtype).removeprefix("torch.")
+        if name != geometry.dtype and _is_float(name) and _is_float(geometry.dtype):
+            raise ConfigError(f"cache holds {name}, the store's KV is {geometry.dtype}: its bits "
+                              f"would be read as the other type; use a {geometry.dtype} cache "
+                              "or a store formatted for " + name)
 
 
 class VLLMLayout(CacheLayout):

@@ -828,3 +828,28 @@ def test_a_read_only_cache_is_refused_up_front(path, engine, tiered):
         assert store.regions.pins.sum() == 0
         assert store.counters["get_blocks"] == 0
         assert save_blocks(store, [b"x0"], layout, [0]) == 1
+
+
+def test_a_cache_of_another_float_dtype_is_refused(path):
+    """check() compared element sizes only: a float16 cache was saved into a
+    bfloat16 store (and a bfloat16 store loaded into a float16 cache) as raw
+    bits, so the model attended to garbage with no error.  Another float
+    dtype is refused; same-size integer caches (raw bytes, e.g. SGLang's
+    uint8 pools of fp8) still pass."""
+    g = geom()
+    half = [torch.randn(2, 4, BS, H, D).half() for _ in range(L)]
+    with _store(path, g) as store:
+        with pytest.raises(ConfigError, match=r"cache holds float16, the store's KV is bfloat16"):
+            save_blocks(store, [b"x"], VLLMLayout(half), [0])
+        assert save_blocks(store, [b"x"], VLLMLayout([rand(2, 4, BS, H, D) for _ in range(L)]),
+                           [0]) == 1
+        with pytest.raises(ConfigError, match=r"cache holds float16, the store's KV is bfloat16"):
+            load_blocks(store, [b"x"], VLLMLayout(half), [0])
+        raw = [np.zeros((2, 4, BS, H, D), np.int16) for _ in range(L)]
+        assert load_blocks(store, [b"x"], VLLMLayout(raw), [1]).wait() == 1
+        assert raw[0][:, 1].any()
+    g8 = Geometry(L, H, D, "float8_e4m3fn", BS)
+    with _store(path, g8) as store:
+        e5 = [torch.zeros(2, 4, BS, H, D, dtype=torch.float8_e5m2) for _ in range(L)]
+        with pytest.raises(ConfigError, match=r"cache holds float8_e5m2, the store's KV is float8_e4m3fn"):
+            save_blocks(store, [b"y"], VLLMLayout(e5), [0])
