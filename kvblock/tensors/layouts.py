@@ -8,6 +8,8 @@ and ``view[page_ids] = x`` scatters them.
 
 from __future__ import annotations
 
+import operator
+
 from kvblock.errors import ConfigError
 
 
@@ -21,6 +23,26 @@ def _permute(x, order):
 
 def _is_float(name: str) -> bool:
     return name.startswith(("float", "bfloat"))
+
+
+def _layers(caches, what: str) -> list:
+    caches = list(caches)
+    if not caches:
+        raise ConfigError(f"{what} has no layers: pass one cache tensor per layer")
+    return caches
+
+
+def _page_tokens(value, name: str) -> int:
+    """A page size as an int: 0 would divide by zero at the first copy."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        n = 0
+    if n < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    return n
 
 
 def _split_tokens(x, page_tokens):
@@ -84,7 +106,7 @@ class VLLMLayout(CacheLayout):
     def __init__(self, kv_caches: list, order: str = "NHD", mla: bool = False):
         if order not in ("NHD", "HND"):
             raise ConfigError(f"vLLM cache order must be NHD or HND, got {order!r}")
-        self.caches, self.order, self.mla = list(kv_caches), order, mla
+        self.caches, self.order, self.mla = _layers(kv_caches, "vLLM cache"), order, mla
         shape, dtype = tuple(self.caches[0].shape), str(self.caches[0].dtype)
         for layer, c in enumerate(self.caches):
             if tuple(c.shape) != shape:   # page ids are checked against layer 0's
@@ -125,6 +147,7 @@ class SGLangHostLayout(CacheLayout):
     def __init__(self, kv_buffer, layout: str, page_size: int, mla: bool = False):
         if layout not in self.LAYOUTS:
             raise ConfigError(f"SGLang layout must be one of {self.LAYOUTS}, got {layout!r}")
+        page_size = _page_tokens(page_size, "SGLang page_size")
         self.buf, self.layout, self.block_tokens, self.mla = kv_buffer, layout, page_size, mla
         parts = [kv_buffer] if mla else [kv_buffer[0], kv_buffer[1]]
         self.parts = parts
@@ -155,7 +178,12 @@ class HFDynamicLayout(CacheLayout):
     ``block_tokens`` token spans (page i = tokens [i*T, (i+1)*T))."""
 
     def __init__(self, keys: list, values: list, block_tokens: int):
-        self.keys, self.values, self.block_tokens = list(keys), list(values), block_tokens
+        self.keys = _layers(keys, "HFDynamicLayout")
+        self.values = list(values)
+        self.block_tokens = _page_tokens(block_tokens, "HFDynamicLayout block_tokens")
+        if len(self.keys[0].shape) != 4:
+            raise ConfigError(f"HFDynamicLayout: layer 0 keys have shape "
+                              f"{tuple(self.keys[0].shape)}, not (1, heads, tokens, head_dim)")
         b, self.heads, tokens, self.head_dim = self.keys[0].shape
         if b != 1:
             raise ConfigError(f"HFDynamicLayout holds batch 1, got batch {b}")

@@ -853,3 +853,23 @@ def test_a_cache_of_another_float_dtype_is_refused(path):
         e5 = [torch.zeros(2, 4, BS, H, D, dtype=torch.float8_e5m2) for _ in range(L)]
         with pytest.raises(ConfigError, match=r"cache holds float8_e5m2, the store's KV is float8_e4m3fn"):
             save_blocks(store, [b"y"], VLLMLayout(e5), [0])
+
+
+def test_layouts_of_no_layers_other_ranks_or_no_page_size_are_clear_errors():
+    """An empty cache list raised IndexError, HF tensors of another rank
+    ValueError (unpacking), a page size of 0 ZeroDivisionError at the first
+    copy: none of them said which cache or what to pass."""
+    with pytest.raises(ConfigError, match="vLLM cache has no layers"):
+        VLLMLayout([])
+    with pytest.raises(ConfigError, match="HFDynamicLayout has no layers"):
+        HFDynamicLayout([], [], BS)
+    with pytest.raises(ConfigError, match=r"HFDynamicLayout: layer 0 keys have shape "
+                                          r"\(8, 32, 16\), not \(1, heads, tokens, head_dim\)"):
+        HFDynamicLayout([torch.zeros(H, 2 * BS, D)], [torch.zeros(H, 2 * BS, D)], BS)
+    for bad in (0, -16, 2.0):
+        with pytest.raises(ConfigError, match=rf"block_tokens must be a positive integer, "
+                                              rf"got {bad}"):
+            HFDynamicLayout([torch.zeros(1, H, 2 * BS, D)], [torch.zeros(1, H, 2 * BS, D)], bad)
+        with pytest.raises(ConfigError, match=rf"page_size must be a positive integer, "
+                                              rf"got {bad}"):
+            SGLangHostLayout(rand(2, L, 4 * BS, H, D), "layer_first", bad)
