@@ -92,6 +92,17 @@ def _hash_streams(what: str, batch: IOBatch, streams, seeds):
     return streams, seeds, np.zeros(seeds.size, dtype=np.uint64)
 
 
+_LIVE: "weakref.WeakSet[IOEngine]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for engine in list(_LIVE):
+        engine._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 MAX_IO_LIMIT = 1 << 30     # one I/O's length travels as 32 bits in io_uring
 MAX_QUEUE_DEPTH = 32768    # the most entries an io_uring holds (IORING_MAX_ENTRIES)
 
@@ -150,6 +161,7 @@ class IOEngine:
         # Every thread's staging box (_stage), emptied by close(); a thread
         # that ends drops its box with its locals.
         self._stagings: "weakref.WeakSet[_Staging]" = weakref.WeakSet()
+        _LIVE.add(self)
 
     # --- public ------------------------------------------------------------------
     def read(self, batch: IOBatch, *, qd: int | None = None, latency: bool = False) -> IOResult:
@@ -409,12 +421,20 @@ class IOEngine:
     def _copiers_pool(self) -> tuple[ThreadPoolExecutor, threading.Semaphore]:
         """The helper threads of large mapped copies, and a slot per helper."""
         with self._map_idle:
-            # made afresh in a forked child: the parent's helpers do not exist there
-            if self._copiers is None or self._copiers[2] != os.getpid():
+            if self._copiers is None:
                 self._copiers = (ThreadPoolExecutor(COPY_THREADS - 1,
                                                     thread_name_prefix=f"kvblock-{self.name}-copy"),
-                                 threading.Semaphore(COPY_THREADS - 1), os.getpid())
-            return self._copiers[:2]
+                                 threading.Semaphore(COPY_THREADS - 1))
+            return self._copiers
+
+    def _after_fork(self) -> None:
+        """In a forked child: the calls in flight are the parent's threads',
+        which the child does not have (close() would wait for them forever),
+        and so are the helper threads; locks they held stay held.  Start
+        afresh."""
+        self._map_users = 0
+        self._map_idle = threading.Condition()
+        self._copiers = None
 
     def close(self) -> None:
         self.closed = True

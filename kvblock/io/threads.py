@@ -4,7 +4,6 @@ O_DIRECT in C, claiming I/Os from a shared cursor; no Python per I/O."""
 
 from __future__ import annotations
 
-import os
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +24,7 @@ class ThreadEngine(IOEngine):
     def __init__(self, devices, **kwargs):
         super().__init__(devices, **kwargs)
         native.lib()  # fail early, with a clear error, if the library is missing
-        self._pool, self._pool_pid = self._new_pool(), os.getpid()
+        self._pool = self._new_pool()
 
     def _new_pool(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=self.queue_depth, thread_name_prefix="kvblock-io")
@@ -40,10 +39,6 @@ class ThreadEngine(IOEngine):
         if min(qd, len(batch)) == 1:   # one worker: this thread (no hand-off to the pool)
             lib.kvb_pio_run(*args)
             return
-        if self._pool_pid != os.getpid():
-            # a forked child: the parent's workers do not exist here, and a
-            # task handed to them would never run
-            self._pool, self._pool_pid = self._new_pool(), os.getpid()
         workers = [self._pool.submit(lib.kvb_pio_run, *args) for _ in range(min(qd, len(batch)))]
         try:
             for w in workers:
@@ -55,6 +50,12 @@ class ThreadEngine(IOEngine):
             cursor[0] = len(batch)
             futures.wait(workers)
             raise
+
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        # the parent's workers do not exist here: a task handed to them
+        # would never run
+        self._pool = self._new_pool()
 
     def close(self) -> None:
         if not self.closed:

@@ -210,6 +210,14 @@ class UringEngine(IOEngine):
                 "at its next batch; retry, or use KVBLOCK_IO_ENGINE=threads if it recurs",
                 path, -ret, off, length, int(unfinished.size))
 
+    def _after_fork(self) -> None:
+        super()._after_fork()
+        # locks the parent's threads may have held at the fork (their
+        # rings are not the child's: it destroys them only at close)
+        self._rings_lock = threading.Lock()
+        for ring in self._rings:
+            ring.lock = threading.Lock()
+
     def close(self) -> None:
         if self.closed:
             return

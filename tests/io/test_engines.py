@@ -571,6 +571,48 @@ def test_an_engine_used_before_a_fork_works_in_the_child(engine_name, kind, file
         dev.close()
 
 
+def test_a_child_forked_while_a_thread_runs_io_can_close_the_engine(engine_name, file_target,
+                                                                    monkeypatch):
+    """A process forks while another of its threads has a batch in flight
+    (a DataLoader worker started beside a store's loads).  That batch is
+    the parent's: the child's close() must not wait for it (it would wait
+    forever), nor for the ring lock that thread held at the fork."""
+    with Device(file_target(4 * MIB)) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(MIB) as buf:
+        inside, go = threading.Event(), threading.Event()
+        # Hold the batch in flight: uring with its ring's lock held, threads
+        # between admission and its pread workers.
+        hook = "_release" if engine_name == "uring" else "_run"
+        real = getattr(eng, hook)
+
+        def held(*args):
+            inside.set()
+            go.wait()
+            return real(*args)
+
+        monkeypatch.setattr(eng, hook, held)
+        t = threading.Thread(target=eng.read, args=(IOBatch.single(buf.address, 0, 0, MIB),))
+        t.start()
+        try:
+            assert inside.wait(10)
+            pid = os.fork()
+            if pid == 0:                  # exit 0 once close() returned
+                code = 1
+                try:
+                    import signal
+                    signal.alarm(20)      # a hang dies of SIGALRM
+                    eng.close()
+                    code = 0
+                finally:
+                    os._exit(code)
+            _, status = os.waitpid(pid, 0)
+        finally:
+            go.set()
+            t.join()
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, \
+            f"child: {'killed by signal %d' % os.WTERMSIG(status) if os.WIFSIGNALED(status) else 'exit %d' % os.WEXITSTATUS(status)}"
+
+
 @pytest.mark.parametrize("max_io", [0, -4096, 6000, 1.5, True, 2 << 30])
 def test_a_bad_max_io_is_refused_at_open(engine_name, file_target, max_io):
     """max_io cuts large I/Os: zero or negative would cut them into nothing,
