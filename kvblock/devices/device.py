@@ -439,8 +439,12 @@ class Device:
     # --- probing ---------------------------------------------------------------
     def _probe(self, st: os.stat_result) -> DeviceInfo:
         if self.kind == "block":
-            capacity = struct.unpack("Q", fcntl.ioctl(self.fd, BLKGETSIZE64, b"\0" * 8))[0]
+            size = struct.unpack("Q", fcntl.ioctl(self.fd, BLKGETSIZE64, b"\0" * 8))[0]
             lbs = struct.unpack("i", fcntl.ioctl(self.fd, BLKSSZGET, b"\0" * 4))[0]
+            # Whole logical blocks: the size counts 512-byte sectors, and a
+            # partial last block (a 4 KiB-sector loop device over a file of
+            # odd size) can be neither read nor written.
+            capacity = size // lbs * lbs
             pbs = struct.unpack("I", fcntl.ioctl(self.fd, BLKPBSZGET, b"\0" * 4))[0]
             queue = _sysfs_queue(st.st_rdev)
             discard = _read_int(queue / "discard_max_bytes") > 0 if queue else False

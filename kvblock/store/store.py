@@ -348,7 +348,9 @@ class KVStore(Recovery, RunReader, RunWriter):
                 f"missing {names}; pass every device of the store", devs[0].path, 0)
         ordered = [by_index[i] for i in range(first.device_count)]
         for d, sb in ordered:
-            if d.capacity < sb.device_bytes:
+            # (a store formatted before capacities were whole blocks
+            # recorded a partial last block too)
+            if d.capacity < sb.device_bytes // d.block_size * d.block_size:
                 # a shrunk file or device: regions past its end would fail
                 # every read (or land on someone else's space after a resize)
                 raise DeviceTooSmallError(

@@ -438,3 +438,45 @@ def test_create_file_on_a_block_device_is_refused_by_name(loop_device):
         assert f.read(4096) == b"\xab" * 4096
     with Device(dev_path) as dev:     # no fd left open on it
         assert dev.capacity == 8 * MIB
+
+
+def test_a_block_devices_capacity_is_whole_logical_blocks(loop_device):
+    """A loop device with 4 KiB sectors over a file of 16 MiB + 512 bytes
+    reports 16 MiB + 512 bytes (BLKGETSIZE64 counts 512-byte sectors), but
+    its partial last block cannot be read or written: the capacity is the
+    whole logical blocks, as for a file, so the last block is at
+    capacity - block_size."""
+    import numpy as np
+
+    from kvblock.io import IOBatch, open_engine
+    from kvblock.memory import HostBuffer
+
+    with Device(loop_device(16 * MIB + 512, sector_size=4096)) as dev, \
+            open_engine([dev]) as eng, HostBuffer(4096) as buf:
+        assert (dev.block_size, dev.capacity) == (4096, 16 * MIB)
+        buf.array[:] = 7
+        eng.write(IOBatch.single(buf.address, 0, dev.capacity - 4096, 4096))
+        buf.array[:] = 0
+        eng.read(IOBatch.single(buf.address, 0, dev.capacity - 4096, 4096))
+        assert (buf.array == 7).all()
+
+
+def test_a_store_formatted_on_a_partial_last_block_still_opens(loop_device, monkeypatch):
+    """A store formatted before capacities were whole blocks recorded the
+    device's size with its partial last block; it is not a shrunk device."""
+    import dataclasses
+
+    from kvblock import Geometry, KVStore
+
+    geom = Geometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype="float16", block_tokens=16)
+    path = loop_device(64 * MIB + 512, sector_size=4096)
+    probe = Device._probe
+
+    def old_probe(self, st):      # the capacity as the kernel gives it
+        return dataclasses.replace(probe(self, st), capacity=64 * MIB + 512)
+
+    monkeypatch.setattr(Device, "_probe", old_probe)
+    KVStore.format([path], geom, model="m").close()
+    monkeypatch.setattr(Device, "_probe", probe)
+    with KVStore.open([path], geometry=geom, model="m") as store:
+        assert store.lookup([b"k" * 16]) == 0
