@@ -161,6 +161,9 @@ class IOEngine:
         # Every thread's staging box (_stage), emptied by close(); a thread
         # that ends drops its box with its locals.
         self._stagings: "weakref.WeakSet[_Staging]" = weakref.WeakSet()
+        # Held for the whole of close(): a second close() returns once the
+        # first is done (its caller then closes the devices' fds).
+        self._closing = threading.RLock()
         _LIVE.add(self)
 
     # --- public ------------------------------------------------------------------
@@ -434,24 +437,26 @@ class IOEngine:
         afresh."""
         self._map_users = 0
         self._map_idle = threading.Condition()
+        self._closing = threading.RLock()
         self._copiers = None
 
     def close(self) -> None:
-        self.closed = True
-        with self._map_idle:   # once no call is copying or running I/O (rings, mappings)
-            while self._map_users:
-                self._map_idle.wait()
-            maps, self._maps = self._maps, None
-            copiers, self._copiers = self._copiers, None
-            # Every thread's staging memory: a batch still between its _stage
-            # and its copy-back holds its own reference, so the memory goes
-            # once that batch is done.
-            for box in list(self._stagings):
-                box.buffer = None
-        if copiers is not None:
-            copiers[0].shutdown(wait=True)
-        if maps is not None:
-            maps.close()
+        with self._closing:
+            self.closed = True
+            with self._map_idle:   # once no call is copying or running I/O (rings, mappings)
+                while self._map_users:
+                    self._map_idle.wait()
+                maps, self._maps = self._maps, None
+                copiers, self._copiers = self._copiers, None
+                # Every thread's staging memory: a batch still between its _stage
+                # and its copy-back holds its own reference, so the memory goes
+                # once that batch is done.
+                for box in list(self._stagings):
+                    box.buffer = None
+            if copiers is not None:
+                copiers[0].shutdown(wait=True)
+            if maps is not None:
+                maps.close()
 
     def __enter__(self):
         return self

@@ -58,6 +58,7 @@ class ThreadEngine(IOEngine):
         self._pool = self._new_pool()
 
     def close(self) -> None:
-        if not self.closed:
-            super().close()
-            self._pool.shutdown(wait=True)
+        with self._closing:
+            if not self.closed:
+                super().close()
+                self._pool.shutdown(wait=True)

@@ -219,19 +219,20 @@ class UringEngine(IOEngine):
             ring.lock = threading.Lock()
 
     def close(self) -> None:
-        if self.closed:
-            return
-        super().close()
-        _ENGINES.discard(self)
-        with self._rings_lock:
-            rings, self._rings = self._rings, []
-        for ring in rings:
-            # A ring's own thread may be re-registering its buffers (a buffer
-            # closed there: _retire_idle_rings), the GIL released in the
-            # native call: destroy it once that is done, not under it.
-            with ring.lock:
-                ring.destroy()
-        # Each thread's ring holder has a finalizer that holds this engine;
-        # a thread that lives on (an engine's main or scheduler thread) would
-        # keep the closed engine alive for good: drop every thread's holder.
-        self._local = threading.local()
+        with self._closing:   # a second close() returns once this one is done
+            if self.closed:
+                return
+            super().close()
+            _ENGINES.discard(self)
+            with self._rings_lock:
+                rings, self._rings = self._rings, []
+            for ring in rings:
+                # A ring's own thread may be re-registering its buffers (a buffer
+                # closed there: _retire_idle_rings), the GIL released in the
+                # native call: destroy it once that is done, not under it.
+                with ring.lock:
+                    ring.destroy()
+            # Each thread's ring holder has a finalizer that holds this engine;
+            # a thread that lives on (an engine's main or scheduler thread) would
+            # keep the closed engine alive for good: drop every thread's holder.
+            self._local = threading.local()

@@ -460,6 +460,46 @@ def test_close_waits_for_io_in_flight(engine_name, file_target, delay):
     assert res.stdout.strip() == "['ConfigError']"
 
 
+def test_a_second_close_returns_only_once_the_io_in_flight_is_done(engine_name, file_target,
+                                                                   monkeypatch):
+    """Two threads close the engine (a store's close and an exit handler)
+    while a third has a batch in flight: the second close() returned at
+    once, and its caller closed the devices' fds under the running batch
+    (whose preads then hit whatever file took the number).  It returns
+    once the first close() is done, the batch with it."""
+    import time
+
+    with Device(file_target(4 * MIB)) as dev, HostBuffer(MIB) as buf:
+        eng = open_engine([dev], engine_name)
+        inside, go, order = threading.Event(), threading.Event(), []
+        real = eng._run
+
+        def held(*args):
+            inside.set()
+            go.wait()
+            real(*args)
+            order.append("batch done")
+
+        monkeypatch.setattr(eng, "_run", held)
+        reader = threading.Thread(target=eng.read, args=(IOBatch.single(buf.address, 0, 0, MIB),))
+        reader.start()
+        assert inside.wait(10)
+        first = threading.Thread(target=eng.close)
+        first.start()
+        while not eng.closed:         # the first close() is waiting for the batch
+            time.sleep(0.001)
+        release = threading.Timer(0.3, go.set)   # (only a close returning early beats it)
+        release.start()
+        try:
+            eng.close()
+            order.append("second close returned")
+        finally:
+            go.set()
+            for t in (release, reader, first):
+                t.join()
+        assert order == ["batch done", "second close returned"]
+
+
 def test_degenerate_arguments_get_typed_errors(engine_name, file_target):
     dev = Device(file_target(1 << 20))
     with open_engine([dev], engine_name) as eng, HostBuffer(4096) as buf:
