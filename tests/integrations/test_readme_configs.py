@@ -82,3 +82,32 @@ def test_readmes_lmcache_yaml_loads_the_plugin(file_target, engines, tmp_path):
     for o in objs:
         o.ref_count_down()
     assert e.plugin.store.stats()["blocks"] == 2
+
+
+def _readme_other_keys(start: str, end: str) -> set[str]:
+    """The `keys` of the "Other keys: ..." sentence between ``start`` and ``end``."""
+    para = README[README.index(start):README.index(end)]
+    other = re.search(r"Other (?:keys|settings): (.*?)\.\s", para, re.DOTALL)
+    assert other, f"README's paragraph from {start!r} lists no other keys"
+    return set(re.findall(r"`(?:kvblock\.)?(\w+)`", other.group(1)))
+
+
+def test_readme_names_every_key_the_sglang_backend_takes():
+    """A key the backend takes that README leaves out is one a user never
+    learns of (the vLLM tier's: test_vllm_config.py)."""
+    from kvblock.integrations.sglang import _OWN_KEYS
+
+    named = set(readme_sglang_extra_config()) | _readme_other_keys("**SGLang 0.5.23**",
+                                                                   "**LMCache 0.5.x**")
+    assert _OWN_KEYS <= named, f"README leaves out {sorted(_OWN_KEYS - named)}"
+
+
+def test_readme_names_every_setting_the_lmcache_plugin_takes():
+    from kvblock.integrations.lmcache import _OPTIONS
+
+    shown = {k.removeprefix("kvblock.") for k in readme_lmcache_yaml()["extra_config"]
+             if k.startswith("kvblock.")}
+    block = README[README.index("storage_plugins: [\"kvblock\"]"):]
+    shown |= set(re.findall(r"kvblock\.(\w+):", block[:block.index("```")]))   # commented
+    named = shown | _readme_other_keys("**LMCache 0.5.x**", "### Against the engines")
+    assert _OPTIONS <= named, f"README leaves out {sorted(_OPTIONS - named)}"
