@@ -32,7 +32,7 @@ Data path (``interface_v1: 1``, the zero-copy calls).
     page-major -> layer-major transposition; nothing else is copied.  Runs
     are cut at ``max_run_bytes`` (the staging memory of the calling thread).
     Pages already stored are not written again (one vectorised index probe
-    per call).  Supported pool layouts: ``page_first``,
+    per call) but marked as just used for LRU eviction.  Supported pool layouts: ``page_first``,
     ``page_first_direct``, ``layer_first`` and ``page_unified`` (MLA; MHA with
     one head group), MHA (K and V of equal head dim) and MLA.  The older ``get``/``set`` calls take SGLang's flat pages
     (``get_data_page``/``get_dummy_flat_data_page`` order) and cost one more
@@ -648,7 +648,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         kbs = [self.kvblock_key(k) for k in keys]
         clears = self._clear_mark()
         try:
-            ok = self.store.present(kbs)
+            ok = self._stored(kbs)
         except KVBlockError as e:
             self._failed(f"backing up {len(keys)} pages", e)
             return [False] * len(keys)
@@ -730,13 +730,25 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         return [xxhash.xxh3_128_digest(prefix + f"{k}\0{tag}\0{i}\0".encode() + page_format)
                 for k in keys for i in range(nb)]
 
-    def _pool_present(self, name, keys: list[str]) -> np.ndarray:
-        """Per page key: are all blocks of its ``name`` pool page stored?"""
+    def _pool_present(self, name, keys: list[str], backup: bool = False) -> np.ndarray:
+        """Per page key: are all blocks of its ``name`` pool page stored?
+        ``backup``: a backup's probe, which marks them used (_stored)."""
         if not keys:
             return np.zeros(0, dtype=bool)
         _, nb, page_format = self._page_format(self._pool(name))
-        found = self.store.present(self._pool_keys(name, keys, nb, page_format))
+        kbs = self._pool_keys(name, keys, nb, page_format)
+        found = self._stored(kbs) if backup else self.store.present(kbs)
         return found.reshape(len(keys), nb).all(axis=1)
+
+    def _stored(self, kbs: list[bytes]) -> np.ndarray:
+        """A backup's probe: per key, is it stored already?  Those are not
+        written again but marked as just used (touch), as HiCacheFile
+        refreshes a page set again: SGLang backs a prefix up again when it
+        computed it anew, so LRU must not evict it as one never used since."""
+        found = self.store.present(kbs)
+        if found.any():
+            self.store.touch([k for k, f in zip(kbs, found.tolist()) if f])
+        return found
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
@@ -853,7 +865,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         todo = list(range(len(keys)))
         clears = None if load else self._clear_mark()   # (a store call: backups only)
         if not load:
-            todo = np.nonzero(~self._pool_present(t.name, keys))[0].tolist()
+            todo = np.nonzero(~self._pool_present(t.name, keys, backup=True))[0].tolist()
             if not todo:
                 return [True] * len(keys)
         per_run = max(1, self.max_run_bytes // (nb * bb))
@@ -969,7 +981,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         kbs = [self.kvblock_key(k) for k in keys]
         clears = self._clear_mark()
         try:
-            todo = np.nonzero(~self.store.present(kbs))[0].tolist()
+            todo = np.nonzero(~self._stored(kbs))[0].tolist()
             self._write_pages(pool, [kbs[i] for i in todo], todo, clears=clears)
         except KVBlockError as e:
             self._failed(f"storing {len(keys)} flat pages", e)

@@ -1204,3 +1204,47 @@ def test_kv_transfers_without_host_indices_fail_softly(file_target, backends):
     assert backend.batch_get_v2([PoolTransfer(name=PoolName.KV, keys=keys)]) == \
         {"kv": [False, False]}
     assert backend.batch_exists(keys) == 0
+
+
+@pytest.mark.parametrize("call", ["v1", "flat"])
+def test_a_backup_of_stored_pages_keeps_them_under_lru(file_target, backends, call):
+    """SGLang backs a prefix up again when it was computed anew (its L3 copy
+    was not prefetched: below the prefetch threshold, or the request hit in
+    GPU/host memory). Such pages are in use, so like HiCacheFile's set of an
+    existing file the call marks them as just used: LRU eviction keeps them
+    while pages written once and never used again are evicted."""
+    pool = HostPool(head_dim=128)                       # 12 KiB pages
+    backend = attach(pool, [file_target(4 << 20)], eviction="lru", region_size="256K")
+    backends.append(backend)
+    hot = keys_for("hot", 4)
+    want = [pool.page_bytes(p) for p in (0, 1, 2, 3)]
+
+    def backup(keys, pages):
+        if call == "v1":
+            return all(backend.batch_set_v1(keys, pool.token_indices(pages)))
+        flat = PoolFlat(pool)
+        return backend.batch_set(keys, [flat.page(p) for p in pages])
+
+    assert backup(hot, [0, 1, 2, 3])
+    before = backend.store.stats()["put_blocks"]
+    for i in range(120):                                # several times the store
+        assert backup(keys_for(f"cold{i}-", 4), [4, 5, 6, 7])
+        assert backup(hot, [0, 1, 2, 3])                 # stored: not written again
+    stats = backend.store.stats()
+    assert stats["evicted_regions"] >= stats["regions"]
+    assert stats["put_blocks"] - before == 120 * 4
+    assert backend.batch_exists(hot) == 4
+    assert backend.batch_get_v1(hot, pool.token_indices([8, 9, 10, 11])) == [True] * 4
+    for p, page in zip((8, 9, 10, 11), want):
+        assert torch.equal(pool.page_bytes(p), page)
+
+
+class PoolFlat:
+    """A page_first HostPool's flat pages, as SGLang's get_data_page gives them."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def page(self, p):
+        ps = self.pool.page_size
+        return self.pool.kv_buffer[:, p * ps:(p + 1) * ps].flatten()
