@@ -63,7 +63,9 @@ Keys.
     (SGLang has every rank back them up), so their keys always carry the TP
     rank.
     The store itself is fingerprinted with the model name: a device formatted
-    for one model is refused for another.
+    for one model is refused for another.  An fp8 cache's host pool is uint8
+    for either fp8 format (SGLang tells backends no more): name the format
+    in ``namespace``, or e4m3 pages would be served to an e5m2 restart.
 
 Devices.
     A kvblock store is opened exclusively, so by default every SGLang rank
