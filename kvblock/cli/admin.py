@@ -321,7 +321,7 @@ def fsck(devices, repair, deep, as_json):
     """
     from kvblock.cli.main import exit_code_for
     from kvblock.errors import DeviceTooSmallError, FormatError
-    from kvblock.store.fsck import fsck as run_fsck
+    from kvblock.store.fsck import FsckReport, fsck as run_fsck
 
     try:
         store = _store(_claim(devices, writable=repair), readonly=not repair)
@@ -331,7 +331,7 @@ def fsck(devices, repair, deep, as_json):
                       "fsck") from None
     except (FormatError, DeviceTooSmallError) as e:   # what is there is no usable store
         if as_json:
-            _emit({"status": "unusable", "problems": [str(e)]}, True, "")
+            _emit(FsckReport(problems=[str(e)], unusable=True).as_dict(), True, "")
         else:
             click.echo(f"kvblock fsck {devices[0]}: unusable")
             click.echo(f"  problem: {e}")

@@ -25,10 +25,16 @@ class FsckReport:
     dropped_blocks: int = 0
     runs_checked: int = 0
     bytes_verified: int = 0
-    info: dict = field(default_factory=dict)
+    # filled in by check_checkpoints; present (empty) in every report, so
+    # that scripts read the same keys from an unusable store's
+    info: dict = field(default_factory=lambda: {"checkpoint_slots": [],
+                                                "journal_records_replayed": 0})
+    unusable: bool = False      # the store could not be opened: nothing was checked
 
     @property
     def status(self) -> str:
+        if self.unusable:
+            return "unusable"
         if not self.problems:
             return "clean"
         return "repaired" if self.repaired else "problems"

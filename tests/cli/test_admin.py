@@ -579,6 +579,22 @@ def test_not_a_store_and_corrupt_superblock(loop_device, file_target):
     assert kvb("fsck", dev).returncode == 11
 
 
+def test_fsck_json_of_an_unusable_store_has_the_keys_of_a_report(file_target):
+    """A script reads the same keys whatever fsck found: an unusable store's
+    report has the counts (zero) and lists (empty) of a clean one."""
+    good = file_target(16 << 20)
+    formatted(good)
+    clean = json.loads(kvb("fsck", good, "--json").stdout)
+    res = kvb("fsck", file_target(16 << 20), "--json")
+    out = json.loads(res.stdout)
+    assert res.returncode == 11 and out["status"] == "unusable"
+    assert list(out) == list(clean)
+    assert out["repaired"] == [] and out["checkpoint_slots"] == []
+    assert out["dropped_runs"] == out["dropped_blocks"] == out["runs_checked"] == 0
+    assert out["bytes_verified"] == out["journal_records_replayed"] == 0
+    assert len(out["problems"]) == 1 and "no kvblock superblock" in out["problems"][0]
+
+
 def test_model_mismatch(file_target):
     path = file_target(16 << 20)
     res = kvb("format", path, *GEOM_ARGS, "--model", "llama-a", "--json")
