@@ -190,6 +190,8 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
                                force=True)
         with store:
             info = _info(store)
+        # close() wrote one more checkpoint: the generation the device holds
+        info["checkpoint_generation"] = store._generation
         created = []                           # formatted: they stay
     finally:
         for d in opened:

@@ -595,6 +595,14 @@ def test_fsck_json_of_an_unusable_store_has_the_keys_of_a_report(file_target):
     assert len(out["problems"]) == 1 and "no kvblock superblock" in out["problems"][0]
 
 
+def test_format_prints_the_checkpoint_generation_the_device_holds(file_target):
+    path = file_target(16 << 20)
+    made = formatted(path)
+    res = kvb("info", path, "--json")
+    assert res.returncode == 0, res.stderr
+    assert made["checkpoint_generation"] == json.loads(res.stdout)["checkpoint_generation"]
+
+
 def test_model_mismatch(file_target):
     path = file_target(16 << 20)
     res = kvb("format", path, *GEOM_ARGS, "--model", "llama-a", "--json")
