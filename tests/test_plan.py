@@ -105,3 +105,22 @@ def test_cli_plan_json_and_table():
     assert out["recompute_s"] == pytest.approx(16.384)
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0 and "break-even array bandwidth" in res.output
+
+
+def test_cli_plan_table_shows_small_numbers_not_zeros():
+    """A plan of 32 tokens on a slow device: 4 MiB per request, 0.04 GB/s,
+    32 us to recompute.  The table shows each with significant digits, as
+    the JSON has them, not 0.00 GiB, 0.0 GB/s, 0.00 s or 0.0x."""
+    args = ["plan", "--model-layers", "32", "--kv-heads", "8", "--head-dim", "128",
+            "--tokens", "32", "--device-gbps", "0.04", "--prefill-tokens-per-s", "1e6"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 0, res.output
+    for shown in ("0.00391 GiB", "0.0400 GB/s", "0.105 s", "0.0000320 s", "0.000305x",
+                  "131.07 GB/s"):
+        assert shown in res.output, (shown, res.output)
+    for zero in ("0.00 GiB", "0.0 GB/s", "0.00 s", "0.0x"):
+        assert f" {zero} " not in res.output, (zero, res.output)
+    big = CliRunner().invoke(cli, ["plan", "--model-layers", "62", "--kv-heads", "8",
+                                   "--head-dim", "128", "--tokens", "32768", "--sessions",
+                                   "4096", "--device-gbps", "6"])
+    assert "31744.00 GiB" in big.output, big.output       # big ones as before

@@ -615,21 +615,30 @@ def plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, sessi
                   gpu_tflops=gpu_tflops, mfu=mfu)
     out = p.as_dict()
     if not as_json:
-        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        gib = lambda b: f"{_digits(b / 2**30, 2)} GiB"  # noqa: E731
         out = {"KV per token": f"{p.kv_bytes_per_token} bytes",
                "KV per request": gib(p.kv_bytes_per_request),
                "KV per TP rank": gib(p.kv_bytes_per_rank),
                "store capacity": gib(p.store_capacity_bytes),
                "per device": gib(p.store_capacity_per_device_bytes),
-               "array bandwidth": f"{p.array_gbps:.1f} GB/s",
-               "restore, one request": f"{p.restore_s_single:.3f} s",
-               f"restore, {concurrency} at once": f"{p.restore_s_concurrent:.3f} s each",
-               "recompute": f"{p.recompute_s:.2f} s" if p.recompute_s else
+               "array bandwidth": f"{_digits(p.array_gbps, 1)} GB/s",
+               "restore, one request": f"{_digits(p.restore_s_single, 3)} s",
+               f"restore, {concurrency} at once":
+               f"{_digits(p.restore_s_concurrent, 3)} s each",
+               "recompute": f"{_digits(p.recompute_s, 2)} s" if p.recompute_s else
                "(give --prefill-tokens-per-s or --model-params and --gpu-tflops)",
-               "speed-up": f"{p.speedup_single:.1f}x" if p.speedup_single else "-",
-               "break-even array bandwidth": f"{p.break_even_array_gbps:.2f} GB/s"
+               "speed-up": f"{_digits(p.speedup_single, 1)}x" if p.speedup_single else "-",
+               "break-even array bandwidth": f"{_digits(p.break_even_array_gbps, 2)} GB/s"
                if p.break_even_array_gbps else "-"}
     _emit(out, as_json, "kvblock plan")
+
+
+def _digits(x: float, decimals: int, significant: int = 3) -> str:
+    """``x`` with ``decimals`` decimals, more where it needs them for
+    ``significant`` digits: a small plan's 4 MiB is 0.00391 GiB, not 0.00."""
+    if x and math.isfinite(x):
+        decimals = max(decimals, significant - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:.{decimals}f}"
 
 
 @cli.command()
