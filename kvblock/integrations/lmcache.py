@@ -410,7 +410,9 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 if not self._whole_chunk(key):
                     return False
                 return self.pin(key) if pin else True
-            return self.pin(key) if pin else self.store.contains(self.kvblock_key(key))
+            # counted as a lookup either way, as batched_contains counts its keys
+            found = self.store.contains(self.kvblock_key(key))
+            return found and self.pin(key) if pin else found
         except RUNTIME_FAILURES as e:
             self._failed("a lookup", e)
             return False

@@ -583,6 +583,24 @@ def test_puts_do_not_count_as_lookups(file_target, engines):
     assert (stats["lookups"], stats["lookup_hit_blocks"]) == (1, 3)
 
 
+def test_a_pinned_lookup_of_one_key_counts_as_a_lookup(file_target, engines):
+    """contains(key, pin=True) (LMCache's StorageManager.contains with
+    pin_in_backend) is a lookup as contains(key) and batched_contains(keys,
+    pin=True) are: it counts in the store's lookups and hits."""
+    e = Engine([file_target()])
+    engines.append(e)
+    keys = [e.key(h) for h in (81, 82)]
+    e.put(keys[:1], [e.chunk()])
+    assert e.plugin.contains(keys[0], pin=True) is True
+    assert e.plugin.contains(keys[1], pin=True) is False
+    stats = e.plugin.stats()
+    assert (stats["lookups"], stats["lookup_hit_blocks"]) == (2, 1)
+    assert e.plugin.batched_contains(keys, pin=True) == 1
+    stats = e.plugin.stats()
+    assert (stats["lookups"], stats["lookup_hit_blocks"]) == (3, 2)
+    assert e.plugin.unpin(keys[0]) and e.plugin.unpin(keys[0])
+
+
 def test_an_unpin_does_not_count_as_a_lookup(file_target, engines):
     """An unpin of a key the plugin holds no pin on (a forced remove or a
     clear dropped it; LMCache's lookup_unpin then still unpins each key)
