@@ -92,10 +92,15 @@ def target_of(store) -> str:
 
 
 def _result(store, workload, run_blocks, lat, total, elapsed, jobs=1):
+    """As the raw workloads' numbers: an I/O is one run, ``bs`` its KV data
+    (as ``bytes`` and ``gib_per_s`` count it: bs x iops is the throughput);
+    ``bs_on_device`` adds the ranges' alignment and the run's digest trailer."""
     lat = np.asarray(lat) * 1e6
     return {"workload": workload, "engine": store.io.engine.name,
             "target": store.io.devices[0].path,
-            "bs": store.layout(run_blocks).run_bytes, "qd": store.io.engine.queue_depth,
+            "bs": run_blocks * store.geometry.block_bytes,
+            "bs_on_device": store.layout(run_blocks).run_bytes,
+            "qd": store.io.engine.queue_depth,
             "jobs": jobs, "bytes": total, "seconds": round(elapsed, 4),
             "gib_per_s": round(total / elapsed / 2**30, 4),
             "iops": round(len(lat) / elapsed, 1),

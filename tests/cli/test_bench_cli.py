@@ -438,3 +438,25 @@ def test_a_scratch_file_made_in_new_folders_takes_them_with_it(tmp_path, monkeyp
 
 def _interrupted(*a, **kw):
     raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("workload", ["save", "restore"])
+def test_store_bench_bs_is_the_data_of_a_run_as_bytes_and_iops_count_it(tmp_path, workload):
+    """save/restore's bs was a run's size on the device (its ranges and digest
+    trailer: 266240 bytes for a run of 262144) while bytes and gib_per_s count
+    the KV data moved: bs x iops was not the throughput.  bs is a run's data,
+    bs_on_device its size there."""
+    from kvblock.layout import Geometry
+
+    res = CliRunner().invoke(cli, ["bench", str(tmp_path / "b.img"), "--workload", workload,
+                                   "--size", "16M", "--layers", "2", "--kv-heads", "2",
+                                   "--head-dim", "32", "--run-blocks", "8", "--seconds", "0.1",
+                                   "--jobs", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    data = 8 * Geometry(2, 2, 32, "bfloat16", 16).block_bytes
+    assert out["bs"] == data and out["bytes"] % data == 0
+    assert out["bs_on_device"] > data and out["bs_on_device"] % 4096 == 0
+    runs = out["bytes"] // data
+    assert out["blocks"] == runs * 8
+    assert out["bs"] * out["iops"] == pytest.approx(out["bytes"] / out["seconds"], rel=1e-2)
