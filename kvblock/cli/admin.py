@@ -512,7 +512,8 @@ class _Duration(click.ParamType):
 @click.option("--socket", "socket_path", default=None,
               help="Ask the store server on this socket (kvblock serve) to evict, instead of "
                    "opening DEVICES (which the server holds).")
-@click.option("--bytes", "nbytes", type=SIZE, default=None, help="Reclaim until at least this much is free.")
+@click.option("--bytes", "nbytes", type=SIZE, default=None, help="Reclaim until at least this much is free, or no unpinned region is "
+                   "left (free_bytes in the output says which).")
 @click.option("--older-than", type=_Duration(), default=None, help="Reclaim regions sealed longer ago (30m, 7d).")
 @click.option("--all", "everything", is_flag=True, help="Reclaim every unpinned region.")
 @click.option("--json", "as_json", is_flag=True)

@@ -809,6 +809,33 @@ def test_evict_and_trim(file_target):
         assert res.returncode == 2 and "not a duration" in res.stderr, bad
 
 
+def test_evict_bytes_beyond_what_can_be_freed_evicts_what_it_can(file_target, tmp_path):
+    """--bytes more than can be freed (more than the store, or regions a
+    read pins) is no error: every unpinned region goes, exit 0, and
+    free_bytes says how much is free (as the README says)."""
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS, "--region-size", "256K")
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock) as server:
+        store = server.store
+        for i in range(40):
+            store.put_run(run_keys(i, 4), run_data(run_keys(i, 4)))
+        pins = store.pin(run_keys(0, 4))
+        res = kvb("evict", "--socket", sock, "--bytes", "1G", "--json")
+        out = json.loads(res.stdout)
+        assert res.returncode == 0, res.stderr
+        assert store.lookup(run_keys(0, 4)) == 4 and store.stats()["runs"] >= 1
+        assert out["runs_evicted"] == 40 - store.stats()["runs"]
+        assert out["free_bytes"] == store.stats()["capacity_bytes"] - store.regions.size
+        store.unpin(pins)
+    res = kvb("evict", path, "--bytes", "1G", "--json")      # more than the whole store
+    assert res.returncode == 0, res.stderr
+    info = json.loads(kvb("info", path, "--json").stdout)
+    assert json.loads(res.stdout)["free_bytes"] == info["capacity_bytes"] and info["runs"] == 0
+
+
 def test_evict_through_a_store_server(file_target, tmp_path):
     """While a server holds the store, `kvblock evict DEV` is refused with a
     pointer to --socket, and --socket evicts through the server."""
