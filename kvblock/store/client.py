@@ -975,7 +975,6 @@ def _medium_key(st) -> tuple:
 def _after_fork_in_child() -> None:
     for store in list(_LIVE):
         store._forked = True
-        store._inflight = InFlight("remote store is closed")   # its lock may be held
         for s in list(store._sessions):
             s.gone = (f"this process was forked from the one that connected to "
                       f"{store.socket_path}: connect again here")

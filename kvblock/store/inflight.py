@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
+import weakref
 from typing import Callable
 
 from kvblock.errors import StoreClosedError
@@ -26,11 +28,18 @@ CLOSE_WAIT_S = 30.0   # close() waits this long for the calls in flight
 
 class InFlight:
     def __init__(self, closed_message: str):
+        self._fresh()
+        self._closing = False
+        self._closed_message = closed_message
+        _LIVE.add(self)
+
+    def _fresh(self) -> None:
+        """No calls inside.  Also in a forked child: the calls counted are
+        the parent's threads', which the child does not have (close() would
+        wait for them), and a lock one of them held stays held there."""
         self._lock = threading.Lock()          # taken bare on the hot path (cheaper)
         self._cv = threading.Condition(self._lock)
         self._calls = 0
-        self._closing = False
-        self._closed_message = closed_message
 
     def enter(self) -> None:
         """A call starts (StoreClosedError once the store is closing)."""
@@ -74,6 +83,17 @@ class InFlight:
                        "%.0f s; its devices and buffers are left to the garbage collector",
                        what, left, timeout)
         return False
+
+
+_LIVE: "weakref.WeakSet[InFlight]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for gate in list(_LIVE):
+        gate._fresh()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def in_flight(method: Callable) -> Callable:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import os
 import threading
 import time
 import uuid
@@ -270,6 +271,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._commit_lock = threading.Lock()
         self._failure: BaseException | None = None   # the metadata write that closed it
         self._inflight = InFlight("store is closed; reopen it with KVStore.open(devices)")
+        self._pid = os.getpid()   # a forked child's copy leaves the metadata to the parent
         self._clears = 0       # clear() calls: a put call that saw another count is refused
         self._pending: list = []
         self._pending_lock = threading.Lock()
@@ -1361,7 +1363,10 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self._release_devices()
             return
         try:
-            if not self.readonly:
+            # Not in a forked child: the parent still writes the journal (a
+            # checkpoint here would hide its later records from recovery),
+            # and its threads may hold the locks a checkpoint takes.
+            if not self.readonly and os.getpid() == self._pid:
                 with self._commit_lock:
                     self._write_checkpoint()
         finally:

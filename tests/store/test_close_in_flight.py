@@ -234,3 +234,40 @@ def test_close_frees_the_staging_buffers_of_every_thread(store_file, tmp_path, r
     finally:
         if server is not None:
             server.stop()
+
+
+def test_a_child_forked_while_a_thread_reads_closes_the_store(store_file):
+    """A process forks while another of its threads is inside a store call
+    (a DataLoader worker started beside a load).  That call is the parent's:
+    the child's close() waited CLOSE_WAIT_S for it and then left the devices
+    and buffers unreleased; it now releases them at once.  Nor does it write
+    a checkpoint (it hung on the store lock that thread held; without one,
+    it hid the parent's later journal records from a crash recovery)."""
+    import kvblock.store.store as store_mod
+    from tests.support.servers import exit_code_in_child
+
+    store = KVStore.open([store_file])
+    keys = run_keys(1, 3)
+    store.put_run(keys, run_data(keys))
+    out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+    reached, go = _wait_in(store, "_segments")
+    t = threading.Thread(target=store.get_run, args=(keys, out))
+    t.start()
+    try:
+        assert reached.wait(20)
+
+        def child():
+            store_mod.CLOSE_WAIT_S = 0.2      # an old count would show as a failed drain
+            store.close()
+            return 0 if store.io is None else 1
+        assert exit_code_in_child(child) == 0
+    finally:
+        go.set()
+        t.join(20)
+    assert np.array_equal(out, run_data(keys))
+    later = run_keys(2, 2)
+    assert store.put_run(later, run_data(later)) == 2
+    store.closed = True                   # a crash: no checkpoint at close
+    store._release_devices()
+    with KVStore.open([store_file]) as again:
+        assert again.lookup(keys) == 3 and again.lookup(later) == 2
