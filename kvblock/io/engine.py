@@ -439,6 +439,8 @@ class IOEngine:
         self._map_idle = threading.Condition()
         self._closing = threading.RLock()
         self._copiers = None
+        if self._maps is not None:
+            self._maps._after_fork()
 
     def close(self) -> None:
         with self._closing:

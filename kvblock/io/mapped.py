@@ -152,6 +152,7 @@ class MappedDevices:
         self._stop = threading.Event()
         self._ready = threading.Event()   # every page mapped in: reads may use the mappings
         self._prefaulter = None
+        self._refault = False     # a forked child's: covers() maps the pages in afresh
         for d, dev in enumerate(devices):
             why = mappable(dev)
             if why is not None:
@@ -230,6 +231,17 @@ class MappedDevices:
             break
         self._ready.set()
 
+    def _after_fork(self) -> None:
+        """In a forked child: a prefault under way ran on a parent's thread,
+        which the child does not have, so the mappings would never be used.
+        The child's first read starts it afresh (not here: most children,
+        DataLoader workers, never read the store)."""
+        if self._prefaulter is not None and not self._ready.is_set():
+            self._prefaulter, self._started = None, False
+            self._stop = threading.Event()
+            self._refault_lock = threading.Lock()
+            self._refault = True
+
     def wait_prefaulted(self, timeout: float | None = None) -> bool:
         """Block until every mapped page is mapped in (or ``timeout``)."""
         if self._prefaulter is not None:
@@ -261,6 +273,11 @@ class MappedDevices:
         (a writable mapping, ``writing``), and the mappings are ready (until
         then reads and writes take the engine's path)."""
         if not self._ready.is_set():
+            if self._refault:
+                with self._refault_lock:
+                    if self._refault:
+                        self._refault = False
+                        self.start(background=True)
             return False
         if self._all_writable if writing else self._all:
             return True

@@ -455,6 +455,44 @@ def test_large_mapping_is_used_once_mapped_in(shm_target, monkeypatch, mapped_co
         assert mapped_calls == [engine_mod.OP_READ, engine_mod.OP_WRITE]
 
 
+def test_a_child_forked_while_the_pages_map_in_reads_through_the_mapping(shm_target,
+                                                                         monkeypatch,
+                                                                         mapped_copies):
+    """A fork while the background prefault runs: that thread is the
+    parent's, so the child's mappings never became ready and all its reads
+    took the engine's path.  The child maps the pages in afresh, then reads
+    through the mapping."""
+    import kvblock.io.mapped as mapped_mod
+    from tests.support.servers import exit_code_in_child
+
+    go = threading.Event()
+    prefault = mapped_mod.MappedDevices._prefault
+
+    def held(self, spans, background=False):
+        if os.getpid() == parent:
+            go.wait(30)
+        prefault(self, spans, background)
+
+    parent = os.getpid()
+    monkeypatch.setattr(mapped_mod, "PREFAULT_INLINE", MIB)
+    monkeypatch.setattr(mapped_mod.MappedDevices, "_prefault", held)
+    path = shm_target(8 * MIB)
+    data = _filled(path, 8 * MIB, seed=5)
+    with Device(path) as dev, open_engine([dev]) as eng, HostBuffer(8 * MIB) as buf:
+        def child():
+            eng.read(IOBatch.contiguous(buf.address, 0, 0, 8 * MIB, MIB))
+            if not eng._maps.wait_prefaulted(8):
+                return 2
+            buf.array[:] = 0
+            eng.read(IOBatch.contiguous(buf.address, 0, 0, 8 * MIB, MIB))
+            return 0 if np.array_equal(buf.array, data) and mapped_copies else 1
+        try:
+            assert exit_code_in_child(child) == 0
+        finally:
+            go.set()
+        assert eng._maps.wait_prefaulted(30)
+
+
 def test_store_maps_its_pages_in_only_after_recovery(shm_target, monkeypatch):
     """Recovery reads go through the engine, and the pages are mapped in
     after it (a prefault beside the recovery slowed reopening)."""
