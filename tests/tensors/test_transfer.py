@@ -766,7 +766,7 @@ def test_wait_layer_outside_the_store_layers_is_a_clear_error(path):
     with _store(path, geom()) as store:
         save_blocks(store, [b"w0"], VLLMLayout(src), [0])
         h = load_blocks(store, [b"w0"], VLLMLayout(src), [1])
-        for layer in (L, -1):
+        for layer in (L, -1, 0.5):
             with pytest.raises(ConfigError, match=f"layer {layer} is not one of the store's "
                                                   f"{L} layers"):
                 h.wait_layer(layer)
