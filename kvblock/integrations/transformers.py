@@ -11,10 +11,12 @@ instead of concatenated, so no layer's KV is copied to fresh memory.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from kvblock.errors import PartialLoadError
+from kvblock.errors import ConfigError, PartialLoadError
 from kvblock.tensors import HFDynamicLayout, LoadHandle
 
 
@@ -131,6 +133,13 @@ def streaming_cache(handle: LoadHandle, layout: HFDynamicLayout,
     eviction since the lookup) raises PartialLoadError when the model
     reaches it, instead of attending to what is not there."""
     length = layout.tokens if length is None else length
+    # Past the tensors, the layers would later blame the missing tokens on
+    # a checksum failure or an eviction (PartialLoadError).
+    if isinstance(length, bool) or not isinstance(length, numbers.Integral) or \
+            not 0 <= length <= layout.tokens:
+        raise ConfigError(f"streaming_cache: length {length!r} is not a token count the "
+                          f"layout holds (0 to its {layout.tokens} tokens); pass the tokens "
+                          "restored, or a layout with room for them")
     cache = DynamicCache()
     cache.layers = [_RestoringLayer(handle, layer, layout.keys[layer], layout.values[layer],
                                     length, layout.block_tokens)

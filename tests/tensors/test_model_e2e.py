@@ -289,3 +289,17 @@ def test_streaming_cache_iterated_or_read_waits_for_its_layers(tmp_path):
     cache = streaming_cache(Arriving(2, 2), dst := HFDynamicLayout.empty(
         2, heads, 2 * bs, dim, bs, torch.float32))
     assert torch.equal(cache.layers[1].values, src.values[1])
+
+
+@pytest.mark.parametrize("length", [3 * 4, -1, 1.5])
+def test_streaming_cache_of_a_length_the_layout_does_not_hold_is_a_clear_error(length):
+    """A length past the layout's tensors (or negative, or not a whole
+    count) is the caller's mistake: it raised PartialLoadError blaming a
+    checksum failure or an eviction when the model reached a layer."""
+    from kvblock.errors import ConfigError
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import LoadHandle
+
+    dst = HFDynamicLayout.empty(2, 2, 2 * 4, 8, 4, torch.float32)
+    with pytest.raises(ConfigError, match=rf"length {length!r}.* 8 tokens"):
+        streaming_cache(LoadHandle(2, 2), dst, length)
