@@ -165,6 +165,11 @@ class ReadOnlyStoreError(KVBlockError):
     """A store opened read-only (e.g. by `kvblock info`) was asked to change."""
 
 
+class ReadOnlyDeviceError(DeviceError, ReadOnlyStoreError):
+    """A device, or the filesystem of a store file, refuses writes: the
+    store opens read-only only."""
+
+
 class UnsafeTargetError(KVBlockError):
     """format refused a device that holds a filesystem, partition table, RAID/LVM
     member or another kvblock store (pass --force to overwrite it)."""

@@ -24,6 +24,7 @@ EXIT_CODES: list[tuple[type, int]] = [
     (errors.DeviceBusyError, 5),
     (errors.UnsupportedDeviceError, 6),
     (errors.DeviceTooSmallError, 7),
+    (errors.ReadOnlyDeviceError, 17),
     (errors.AlignmentError, 8),
     (errors.ConfigError, 8),
     (errors.IOFailedError, 9),

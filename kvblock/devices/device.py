@@ -29,7 +29,7 @@ from kvblock.errors import (
     DevicePermissionError,
     DeviceTooSmallError,
     IOFailedError,
-    ReadOnlyStoreError,
+    ReadOnlyDeviceError,
     UnsupportedDeviceError,
     strerror,
 )
@@ -336,9 +336,9 @@ class Device:
                     f"store or program{holders(self.path)}); unmount it or stop the other "
                     "user", self.path, e.errno) from None
             if e.errno == errno.EROFS:
-                raise ReadOnlyStoreError(
+                raise ReadOnlyDeviceError(
                     f"{self.path}: on a read-only filesystem; open the store read-only, or "
-                    "remount the filesystem read-write") from None
+                    "remount the filesystem read-write", self.path, e.errno) from None
             if e.errno == errno.EINVAL:
                 raise UnsupportedDeviceError(
                     f"{self.path}: the filesystem refuses O_DIRECT; put the file on ext4/xfs "
@@ -359,10 +359,10 @@ class Device:
                 self._refuse_busy_loop_over(st)
             if writable and self.kind == "block" and _read_only(self.fd):
                 # The kernel opens it read-write, then fails every write (EPERM).
-                raise ReadOnlyStoreError(
+                raise ReadOnlyDeviceError(
                     f"{self.path}: the device is read-only (losetup -r, blockdev --setro, or "
                     f"write-protected); open the store read-only, or `blockdev --setrw "
-                    f"{self.path}`")
+                    f"{self.path}`", self.path, errno.EROFS)
             if exclusive and self.kind == "block":
                 self._lock_loop_backing(st, busy_timeout)
             self.info = self._probe(st)

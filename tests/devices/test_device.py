@@ -480,3 +480,36 @@ def test_a_store_formatted_on_a_partial_last_block_still_opens(loop_device, monk
     monkeypatch.setattr(Device, "_probe", probe)
     with KVStore.open([path], geometry=geom, model="m") as store:
         assert store.lookup([b"k" * 16]) == 0
+
+
+def test_a_read_only_file_or_device_is_a_device_error_with_its_path(tmp_path, loop_device):
+    """Opening a store file on a read-only filesystem, or a read-only block
+    device, for writing raised a ReadOnlyStoreError with no .path or .errno
+    (every other open failure is a DeviceError, an OSError naming the
+    path); it is both now, and still read-only for the CLI (exit 17)."""
+    from kvblock.cli.main import exit_code_for
+    from kvblock.errors import ReadOnlyStoreError
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        create_file(ro / "kv.img", MIB)
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        with pytest.raises(DeviceError, match=r"ro/kv.img: on a read-only filesystem") as e:
+            Device(ro / "kv.img")
+        assert isinstance(e.value, ReadOnlyStoreError) and exit_code_for(e.value) == 17
+        assert e.value.errno == errno.EROFS and e.value.path == str(ro / "kv.img")
+        with Device(ro / "kv.img", writable=False) as dev:    # reading it works
+            assert dev.capacity == MIB
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    dev_path = loop_device(4 * MIB)
+    subprocess.run(["blockdev", "--setro", dev_path], check=True)
+    try:
+        with pytest.raises(DeviceError, match="the device is read-only") as e:
+            Device(dev_path)
+        assert isinstance(e.value, ReadOnlyStoreError) and exit_code_for(e.value) == 17
+        assert e.value.errno == errno.EROFS and e.value.path == dev_path
+    finally:
+        subprocess.run(["blockdev", "--setrw", dev_path], check=True)
