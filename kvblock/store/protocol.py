@@ -42,6 +42,7 @@ import numpy as np
 
 from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
+from kvblock.index.keys import normalize_key
 
 PROTOCOL = 10  # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
@@ -126,7 +127,9 @@ def decode_keys(text: str) -> list[bytes]:
         raise ConfigError("keys must be base64 of 16-byte keys") from None
     if len(raw) % 16:
         raise ConfigError("keys must be 16 bytes each")
-    return [raw[i:i + 16] for i in range(0, len(raw), 16)]
+    # as the clients store them: the zero key under its stand-in (a raw
+    # client's went into the index as is, where zero marks superseded keys)
+    return [normalize_key(raw[i:i + 16]) for i in range(0, len(raw), 16)]
 
 
 def error_reply(exc: BaseException) -> dict:

@@ -534,3 +534,33 @@ def test_a_connection_whose_hello_failed_is_still_closed_by_the_hello_wait(
             assert time.monotonic() < deadline, "its session stayed"
             time.sleep(0.02)
         _still_serves(server, sock, 10)
+
+
+def test_a_raw_clients_zero_key_is_the_stand_in_every_client_uses(store_file, sock):
+    """The all-zero key stands for superseded positions in checkpoints, so
+    clients store it under a stand-in (normalize_key).  A raw client's
+    admit and commit of 16 zero bytes went into the index as is: a lookup
+    of that key (by any client: it asks for the stand-in) missed the run,
+    and the checkpoint wrote its position as superseded.  The server maps
+    the key at its boundary as the clients do."""
+    zero = bytes(16)
+    with serve_in_background([store_file], sock) as server:
+        raw = _raw(sock)
+        try:
+            admit = _ask(raw, op="admit", keys=encode_keys([zero]))
+            alloc = _ask(raw, op="allocate", nblocks=1)
+            assert admit["ok"] and alloc["ok"], (admit, alloc)
+            reply = _ask(raw, op="commit", wid=alloc["result"]["wid"], keys=encode_keys([zero]),
+                         checksums=[0] * server.store.geometry.run_checksums,
+                         clears=admit["result"]["clears"])
+            assert reply["ok"] and reply["result"] == 1, reply
+            lookup = _ask(raw, op="lookup", keys=encode_keys([zero]))
+            assert lookup["result"] == 1, lookup
+        finally:
+            raw.close()
+        assert zero not in server.store.index
+        r = RemoteStore(sock)
+        try:
+            assert r.lookup([zero]) == 1 and r.lookup([0]) == 1
+        finally:
+            r.close()
