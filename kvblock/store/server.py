@@ -31,6 +31,8 @@ import errno
 import inspect
 import itertools
 import logging
+import math
+import numbers
 import os
 import select
 import signal
@@ -131,7 +133,12 @@ class StoreServer:
         self.socket_path = os.fspath(socket_path)
         self.close_store = close_store
         self.idle_exit = idle_exit
-        if pin_lease is not None and pin_lease <= 0:
+        if pin_lease is not None and (isinstance(pin_lease, bool) or
+                                      not isinstance(pin_lease, numbers.Real) or
+                                      math.isnan(pin_lease)):
+            raise ConfigError(f"pin_lease must be seconds (0, None or inf: no lease), got "
+                              f"{pin_lease!r}")
+        if pin_lease is not None and (pin_lease <= 0 or math.isinf(pin_lease)):
             pin_lease = None
         self.pin_lease = pin_lease
         self.hello_timeout = hello_timeout if hello_timeout and hello_timeout > 0 else None
@@ -306,7 +313,8 @@ class StoreServer:
                 # full socket buffer) must not keep its session, and pins, for
                 # good: the lease loop passes busy sessions by, so a send that
                 # makes no progress for a lease ends it (its pins released).
-                secs = max(self.pin_lease, 0.001)
+                # (at most what a timeval's seconds hold: a longer lease is as good)
+                secs = min(max(self.pin_lease, 0.001), float(1 << 31))
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                 struct.pack("ll", int(secs), int(secs % 1 * 1e6)))
             idle_since = time.monotonic()

@@ -357,3 +357,26 @@ def test_a_read_on_an_abandoned_connection_past_descriptor_1023_is_no_miss(tmp_p
         for fd in filler:
             os.close(fd)
         server.stop()
+
+
+def test_a_lease_of_infinity_serves_and_never_expires_and_nan_is_refused(tmp_path):
+    """pin_lease=inf (no lease, from Python) must not kill the accept thread
+    on the first connection (its send timeout was int(inf)); a lease too long
+    for the kernel's timeout is kept to as far as it goes; nan is refused."""
+    import pytest
+
+    from kvblock.errors import ConfigError
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    for lease, said in ((float("inf"), None), (1e19, 1e19)):
+        server = serve_in_background([path], sock, pin_lease=lease)
+        try:
+            with RemoteStore(sock, timeout=10) as r:
+                keys = run_keys(1, 2)
+                r.put_run(keys, run_data(keys))
+                assert r.lookup(keys) == 2
+                assert r.stats()["pin_lease"] == said
+        finally:
+            server.stop()
+    with pytest.raises(ConfigError, match="pin_lease"):
+        serve_in_background([path], sock, pin_lease=float("nan"))
+    assert not os.path.exists(sock)
