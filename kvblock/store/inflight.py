@@ -27,10 +27,13 @@ CLOSE_WAIT_S = 30.0   # close() waits this long for the calls in flight
 
 
 class InFlight:
-    def __init__(self, closed_message: str):
+    def __init__(self, closed_message: str, forked_message: str | None = None):
+        """``forked_message``: a forked child's copy refuses every call with
+        it (the parent goes on using what the copy would use)."""
         self._fresh()
         self._closing = False
         self._closed_message = closed_message
+        self._forked_message = forked_message
         _LIVE.add(self)
 
     def _fresh(self) -> None:
@@ -91,6 +94,9 @@ _LIVE: "weakref.WeakSet[InFlight]" = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for gate in list(_LIVE):
         gate._fresh()
+        if gate._forked_message is not None:
+            gate._closing = True
+            gate._closed_message = gate._forked_message
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -270,7 +270,14 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._removals_durable = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
         self._failure: BaseException | None = None   # the metadata write that closed it
-        self._inflight = InFlight("store is closed; reopen it with KVStore.open(devices)")
+        # A forked child's copy is shut: its index goes stale as the parent
+        # reclaims regions, and its journal position would overwrite the
+        # parent's records.
+        self._inflight = InFlight(
+            "store is closed; reopen it with KVStore.open(devices)",
+            forked_message=f"this process was forked from the one that opened the store (pid "
+                           f"{os.getpid()}): its copy is shut (the parent goes on writing the "
+                           "store); open it again in this process with KVStore.open(devices)")
         self._pid = os.getpid()   # a forked child's copy leaves the metadata to the parent
         self._clears = 0       # clear() calls: a put call that saw another count is refused
         self._pending: list = []

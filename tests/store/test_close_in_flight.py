@@ -271,3 +271,39 @@ def test_a_child_forked_while_a_thread_reads_closes_the_store(store_file):
     store._release_devices()
     with KVStore.open([store_file]) as again:
         assert again.lookup(keys) == 3 and again.lookup(later) == 2
+
+
+def test_a_forked_childs_copy_refuses_reads_and_writes(store_file):
+    """A child's copy of a store went on writing journal records at its
+    stale journal position (over the parent's later ones) and reading
+    through an index the parent's reclaims make stale (verify="never":
+    another run's bytes under its keys).  It refuses every call, naming
+    the fix; its close() still releases it, and the parent's store is
+    untouched."""
+    from tests.support.servers import exit_code_in_child
+
+    store = KVStore.open([store_file])
+    keys = run_keys(1, 3)
+    store.put_run(keys, run_data(keys))
+
+    def child():
+        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        refused = 0
+        for call in (lambda: store.put_run(run_keys(5, 2), run_data(run_keys(5, 2))),
+                     lambda: store.get_run(keys, out), lambda: store.delete(keys)):
+            try:
+                call()
+            except StoreClosedError as e:
+                refused += "forked" in str(e) and "KVStore.open" in str(e)
+        store.close()
+        return 0 if refused == 3 and store.io is None else 1
+
+    assert exit_code_in_child(child) == 0
+    later = run_keys(2, 2)
+    assert store.put_run(later, run_data(later)) == 2
+    out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+    assert store.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
+    store.close()
+    with KVStore.open([store_file]) as again:
+        assert again.lookup(keys) == 3 and again.lookup(later) == 2
+        assert again.lookup(run_keys(5, 2)) == 0
