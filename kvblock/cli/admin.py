@@ -272,7 +272,7 @@ def info(devices, model, as_json):
 @click.option("--limit", type=click.IntRange(0), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def ls(devices, limit, as_json):
-    """List runs: blocks, bytes, where they live, age of their region (read-only).
+    """List runs: blocks (live: still served), bytes, where, age of their region (read-only).
 
     No hits or pins: they live in the process that holds the store (and are
     not written down), so a read of the devices would show every one as 0."""
@@ -285,7 +285,9 @@ def ls(devices, limit, as_json):
         for run in runs[:limit]:
             dev, off = store.regions.address(run.region, run.offset)
             sealed = int(store.regions.sealed_at[run.region])
-            rows.append({"run": run.run_id, "blocks": run.nblocks,
+            # blocks: the run's positions (its bytes on the device); live:
+            # those whose key still points here (a newer run holds the rest)
+            rows.append({"run": run.run_id, "blocks": run.nblocks, "live": run.live,
                          "bytes": store.layout(run.nblocks).run_bytes,
                          "device": store.io.devices[dev].path, "offset": off,
                          "region": run.region,
@@ -300,7 +302,8 @@ def ls(devices, limit, as_json):
 
     table = Table(title=f"{total} run(s) in {devices[0]}" + (f" (first {limit})"
                                                               if total > limit else ""))
-    for col in ("run", "blocks", "bytes", "device", "offset", "region", "age_s", "first_key"):
+    for col in ("run", "blocks", "live", "bytes", "device", "offset", "region", "age_s",
+                "first_key"):
         table.add_column(col)
     for row in rows:
         table.add_row(*(str(row[c]) if row[c] is not None else "-" for c in row))

@@ -149,6 +149,26 @@ def test_ls_shows_no_hits_or_pins_it_cannot_see(file_target):
     assert "first_key" in header and "hits" not in header and "pinned" not in header
 
 
+def test_ls_says_how_many_of_a_runs_blocks_are_still_served(file_target):
+    """A run partly superseded by a newer one (a key stored again) showed
+    all its blocks, so ls's blocks added up to more than info's; "live"
+    says how many of them the store still serves from it."""
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS, "--region-size", "256K")
+    keys = run_keys(0, 3)
+    with KVStore.open([path]) as store:
+        store.put_run(keys, run_data(keys))
+        again = keys[2:] + run_keys(9, 1)
+        store.put_run(again, run_data(again))      # takes over keys[2]
+    res = kvb("ls", path, "--json")
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)["runs"]
+    assert [(r["blocks"], r["live"]) for r in rows] == [(3, 2), (2, 2)]
+    info = json.loads(kvb("info", path, "--json").stdout)
+    assert sum(r["live"] for r in rows) == info["blocks"] == 4
+    assert "live" in kvb("ls", path).stdout.splitlines()[2]
+
+
 def test_format_refuses_ext4(loop_device):
     dev = loop_device(32 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "precious", dev], check=True)
