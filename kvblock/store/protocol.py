@@ -129,7 +129,8 @@ def decode_keys(text: str) -> list[bytes]:
         raise ConfigError("keys must be 16 bytes each")
     # as the clients store them: the zero key under its stand-in (a raw
     # client's went into the index as is, where zero marks superseded keys)
-    return [normalize_key(raw[i:i + 16]) for i in range(0, len(raw), 16)]
+    keys = [raw[i:i + 16] for i in range(0, len(raw), 16)]
+    return [normalize_key(k) for k in keys] if bytes(16) in keys else keys
 
 
 def error_reply(exc: BaseException) -> dict:
