@@ -223,11 +223,14 @@ class RunReader(RunIO):
             return self._read(keys, dst, None)
         return self._read_tiered(keys, dst)
 
-    def _read_tiered(self, keys, dst) -> int:
+    def _read_tiered(self, keys, dst, only=None) -> int:
         """Blocks in the host tier are copied from DRAM, stretches of the others
         read from the device; blocks read from the device then enter the tier
-        (after the copies, so they cannot push out blocks about to be read)."""
+        (after the copies, so they cannot push out blocks about to be read),
+        unless ``only`` (read_range's (layer, group)) read a part of each."""
         n = len(keys)
+        g = self.geometry
+        at = 0 if only is None else (only[0] * g.head_groups + only[1]) * g.group_block_bytes
         # a clear() or delete() during the read keeps its blocks out
         epoch, discards = self.host.epoch, self.host.discards
         # the run each key names before the read (see the inserts below)
@@ -237,7 +240,7 @@ class RunReader(RunIO):
         done, fetched, hits, raced = 0, [], 0, 0
         while done < n:
             if in_host[done]:
-                if self.host.read_into(keys[done], block_at(dst, done)):
+                if self.host.read_into(keys[done], block_at(dst, done), at):
                     hits += 1
                     done += 1
                     continue
@@ -245,8 +248,9 @@ class RunReader(RunIO):
             end = done + 1
             while end < n and not in_host[end]:
                 end += 1
-            got = self._read(keys[done:end], span(dst, done, end), None)
-            fetched.extend(range(done, done + got))
+            got = self._read(keys[done:end], span(dst, done, end), only)
+            if only is None:
+                fetched.extend(range(done, done + got))
             self.counters["device_hit_blocks"] += got
             done += got
             if done < end:
@@ -257,7 +261,7 @@ class RunReader(RunIO):
         # DRAM hits count as blocks read, as a device read counts its own
         self.counters["host_hit_blocks"] += hits
         self.counters["get_blocks"] += hits
-        self.counters["get_bytes"] += hits * self.geometry.block_bytes
+        self.counters["get_bytes"] += hits * (g.group_block_bytes if only else g.block_bytes)
         for k in fetched:
             self.host.put(keys[k], block_at(dst, k), epoch=epoch, discards=discards)
         if fetched:
@@ -284,7 +288,8 @@ class RunReader(RunIO):
     def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:
         """Read one (layer, head group) of the stored prefix of ``keys``:
         ``out`` holds ``len(keys) * group_block_bytes`` bytes (blocks in order).
-        One read per run; returns the number of leading blocks read."""
+        One read per run; blocks in the host tier are copied from DRAM, as
+        get_run does; returns the number of leading blocks read."""
         self._check_open()
         g = self.geometry
         if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
@@ -299,10 +304,9 @@ class RunReader(RunIO):
             raise ConfigError(f"read_range: out must be a writable, C-contiguous array of "
                               f"{len(keys) * g.group_block_bytes} bytes")
         dst = out_arr.reshape(-1).view(np.uint8).reshape(1, 1, len(keys), g.group_block_bytes)
-        got = self._read(keys, dst, (layer, group))
-        if self.host is not None:     # from the device only: host + device hits = get_blocks
-            self.counters["device_hit_blocks"] += got
-        return got
+        if self.host is None:
+            return self._read(keys, dst, (layer, group))
+        return self._read_tiered(keys, dst, (layer, group))
 
     def _read(self, keys, dst, only) -> int:
         with self._lock:

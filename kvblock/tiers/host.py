@@ -59,12 +59,14 @@ class HostTier:
             block = self._lookup_locked(key)
             return None if block is None else block.copy()
 
-    def read_into(self, key: bytes, out: np.ndarray) -> bool:
+    def read_into(self, key: bytes, out: np.ndarray, offset: int = 0) -> bool:
+        """The block's bytes from ``offset`` on (``out.nbytes`` of them:
+        the whole block, or one layer and head group of it) into ``out``."""
         with self.lock:
             block = self._lookup_locked(key)
             if block is None:
                 return False
-            out[...] = block.reshape(out.shape)
+            out[...] = block[offset:offset + out.nbytes].reshape(out.shape)
             return True
 
     def missed(self, n: int) -> None:

@@ -380,8 +380,8 @@ def test_get_blocks_counts_every_block_a_read_returned(tmp_path):
 
 def test_read_range_with_a_host_tier_counts_its_device_blocks(tmp_path):
     """README: host_hit_blocks and device_hit_blocks add up to get_blocks.
-    read_range (which reads the device only) counted its blocks in
-    get_blocks but not in device_hit_blocks, so the two no longer added up."""
+    read_range counted its device blocks in get_blocks but not in
+    device_hit_blocks, so the two no longer added up."""
     path = create_file(tmp_path / "s.img", 4 << 20)
     keys = run_keys(1, 4)
     with KVStore.format([str(path)], GEOM, region_size=REGION,
@@ -542,3 +542,37 @@ def test_host_tier_misses_count_the_blocks_dram_did_not_have(tmp_path):
         assert load_blocks(store, keys, VLLMLayout(dst), list(range(6))).wait() == 6
         # the load reads blocks 1-5 from the device in one stretch (3 too)
         assert since(before) == (1, 5) == (1, store.counters["device_hit_blocks"] - device)
+
+
+def test_read_range_returns_blocks_left_only_in_dram(tmp_path):
+    """lookup() counts blocks whose runs were evicted from the device but
+    that the DRAM tier still holds, and get_run returns them; read_range
+    (the README reads lookup()'s prefix with it) read the device only and
+    returned 0 for them.  It takes them from DRAM now, counted as host hits,
+    and a prefix half on the device, half only in DRAM reads whole."""
+    path = create_file(tmp_path / "s.img", 4 << 20)
+    old, new = run_keys(1, 3), run_keys(2, 2)
+    g = GEOM
+    with KVStore.format([str(path)], g, region_size=REGION,
+                        host_cache_bytes=8 * g.block_bytes) as store:
+        assert store.put_run(old, run_data(old)) == 3
+        store.evict(all=True)                         # only in DRAM now
+        assert store.put_run(new, run_data(new)) == 2
+        for k in normalize_keys(new):                 # only on the device
+            assert store.host.discard(k)
+        keys = old + new
+        want = np.concatenate([run_data(old).reshape(g.num_layers, g.head_groups, 3, -1),
+                               run_data(new).reshape(g.num_layers, g.head_groups, 2, -1)],
+                              axis=2)
+        assert store.lookup(keys) == 5
+        before = dict(store.counters)
+        for layer in range(g.num_layers):
+            for group in range(g.head_groups):
+                out = np.zeros(5 * g.group_block_bytes, np.uint8)
+                assert store.read_range(keys, layer, group, out) == 5
+                assert np.array_equal(out, want[layer, group].reshape(-1))
+        c = {k: v - before.get(k, 0) for k, v in store.counters.items()}
+        reads = g.num_layers * g.head_groups
+        assert c["get_blocks"] == 5 * reads
+        assert c["get_bytes"] == 5 * reads * g.group_block_bytes
+        assert (c["host_hit_blocks"], c["device_hit_blocks"]) == (3 * reads, 2 * reads)
