@@ -1147,9 +1147,14 @@ class KVStore(Recovery, RunReader, RunWriter):
         with self._lock:
             runs = self.index.runs_with_prefix(prefix)
             if keep:
-                kept = {hit[0].run_id for k in keep
+                kept = {hit[0].run_id: hit[0] for k in keep
                         if (hit := self.index.locate(k)) is not None}
                 runs = [r for r in runs if r.run_id not in kept]
+                # The keys a kept run still names stay stored: their DRAM
+                # copies too (not those a newer run took: not kept here).
+                for r in kept.values():
+                    names = self.index.lookup([r.key(p) for p in range(r.nblocks)]) == r.packed()
+                    keep |= {r.key(p) for p in np.flatnonzero(names).tolist()}
         return self._delete_runs(runs, lambda tier: tier.discard_prefix(prefix, keep))
 
     def _delete_runs(self, runs: list[Run], discard_asked) -> int:

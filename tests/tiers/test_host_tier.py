@@ -576,3 +576,26 @@ def test_read_range_returns_blocks_left_only_in_dram(tmp_path):
         assert c["get_blocks"] == 5 * reads
         assert c["get_bytes"] == 5 * reads * g.group_block_bytes
         assert (c["host_hit_blocks"], c["device_hit_blocks"]) == (3 * reads, 2 * reads)
+
+
+def test_delete_prefix_counts_and_keeps_the_dram_copies_of_a_kept_run(tmp_path):
+    """delete_prefix(prefix, keep=...) keeps the runs holding a key of keep,
+    all their keys; with a DRAM tier it still dropped the tier's copies of
+    the kept run's other keys and counted them as removed (2 here, 0
+    without a tier), though lookup() still finds every one on the device."""
+    path = create_file(tmp_path / "s.img", 4 << 20)
+    mine = [b"\xaa\xbb" + bytes([i]) * 14 for i in (1, 2, 3)]
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        assert store.put_run(mine, run_data(mine)) == 3
+        assert store.delete_prefix(b"\xaa\xbb", keep=mine[:1]) == 0
+        assert store.lookup(mine) == 3
+        assert store.stats()["host_blocks"] == 3
+        got = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(mine, got) == 3 and np.array_equal(got, run_data(mine))
+        # A newer run took mine[2]: it is not kept, nor is its DRAM copy.
+        newer = mine[2:] + [b"\xaa\xbb" + b"\x04" * 14]
+        assert store.put_run(newer, run_data(newer)) == 2
+        assert store.delete_prefix(b"\xaa\xbb", keep=mine[:1]) == 2
+        assert store.lookup(mine) == 2 and store.lookup(newer[1:]) == 0
+        assert store.stats()["host_blocks"] == 2
