@@ -16,7 +16,8 @@ order flips every round):
   default of 4 readers, whose checksums overlap the other readers' I/O).
 
 "Same I/O size": the store moves a run as one contiguous range of
-``run_bytes`` (``--layers`` x ``--run-blocks`` blocks; 64 MiB by default)
+``run_bytes`` (``--layers`` x ``--run-blocks`` blocks; 64 MiB by default;
+a save writes the run's digest trailer, a few KiB after it, as an I/O of its own)
 and the engine splits it into pieces of ``min(run_bytes, 8 MiB)`` with up to
 ``min(qd, pieces)`` of them in flight per reader (``--jobs`` readers for
 restore, one writer for save).  So the device sees I/Os of the piece size,
@@ -201,7 +202,9 @@ def main(argv=None) -> int:
 
     geometry = Geometry(args.layers, args.kv_heads, args.head_dim, "bfloat16",
                         args.block_tokens)
-    args.run_bytes = RunLayout(geometry, args.run_blocks, 4096).run_bytes
+    # the run's data, one range on the device: its digest trailer (a few KiB
+    # after it) is an I/O of its own, which a whole-run get does not read
+    args.run_bytes = RunLayout(geometry, args.run_blocks, 4096).data_bytes
     args.piece = io_shape(args.run_bytes, args.qd, 1)[0]
     cases = [(w, j) for w in workloads for j in (args.jobs if w == "restore" else [1])]
     ok, why = fs.prerequisites()

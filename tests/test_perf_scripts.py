@@ -276,3 +276,33 @@ def test_first_layer_comparison_includes_hicachefile(capsys):
     # SGLang moves a page to the GPU only once it is whole in the host pool
     assert row["first_ms"] == row["all_ms"] > 0
     assert not list(Path("/dev/shm").glob("kvblock-ttfl-*"))
+
+
+def test_store_vs_fio_gives_fio_the_io_shape_of_the_runs_data(capsys, monkeypatch):
+    """perf/store_vs_fio.py runs fio with kvblock's I/O size and I/Os in
+    flight: a run's data moves as one range cut into <= 8 MiB pieces, its
+    digest trailer as a small I/O of its own.  Counting the trailer into the
+    range gave fio one more 8 MiB I/O in flight per run (9 for a 64 MiB run:
+    README says 8), and, below 8 MiB, an I/O size kvblock never issued."""
+    import store_vs_fio
+
+    asked = []
+    real = fio_support.run_fio
+
+    def run_fio(dev, rw, bs, qd, **kw):
+        asked.append((rw, bs, qd))
+        return real(dev, rw, bs, qd, **kw)
+
+    monkeypatch.setattr(store_vs_fio.fs, "run_fio", run_fio)
+    # 32 layers x 8 KV heads x 128, bf16, 16 tokens: 2 MiB a block
+    for run_blocks, piece, in_flight in ((4, 8 << 20, 1), (1, 2 << 20, 1)):
+        asked.clear()
+        out = run_script("store_vs_fio.py", [
+            "--targets", "shm", "--size", "256M", "--rounds", "1", "--seconds", "0.05",
+            "--workloads", "save", "--run-blocks", str(run_blocks), "--json"], capsys)
+        (row,) = json.loads(out[out.index("["):])
+        assert asked == [("write", piece, in_flight)], asked
+        assert (row["io_size"], row["in_flight"]) == (piece, in_flight), row
+        assert row["run_bytes"] == run_blocks * (2 << 20)
+    attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert fio_support.PREFIX not in attached, attached
