@@ -683,7 +683,7 @@ def report(bench_json, out, md_path, as_json):
 @click.option("--verify", type=click.Choice(["always", "never"]), default="always",
               show_default=True, help="Clients' default for checking data checksums.")
 @click.option("--idle-exit", type=FiniteFloatRange(0), default=None,
-              help="Stop (cleanly) after this many seconds without a client.")
+              help="Stop (cleanly) after this many seconds without a client. 0: never.")
 @click.option("--pin-lease", type=FiniteFloatRange(0), default=60.0, show_default=True,
               help="Drop a client that holds pins and sends nothing for this many seconds "
                    "(a stopped process); clients ping while they hold pins. 0: never.")

@@ -123,7 +123,7 @@ class StoreServer:
     ``start()`` binds and accepts in a background thread; ``stop()`` drops
     every client (releasing their pins), then closes the store (checkpoint)
     unless ``close_store=False``.  ``idle_exit``: stop by itself after that
-    many seconds without a client.
+    many seconds without a client (None or 0: never).
     """
 
     def __init__(self, store: KVStore, socket_path, *, close_store: bool = True,
@@ -133,7 +133,8 @@ class StoreServer:
         self.store = store
         self.socket_path = os.fspath(socket_path)
         self.close_store = close_store
-        self.idle_exit = idle_exit
+        # 0 is never, as for the lease and the hello wait (not: stop at the first poll)
+        self.idle_exit = idle_exit if idle_exit and idle_exit > 0 else None
         if pin_lease is not None and (isinstance(pin_lease, bool) or
                                       not isinstance(pin_lease, numbers.Real) or
                                       math.isnan(pin_lease)):

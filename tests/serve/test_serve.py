@@ -990,3 +990,25 @@ def test_a_remote_pin_is_released_once_as_in_one_process(tmp_path, sock):
         r.unpin(empty)
         with pytest.raises(ConfigError, match="released already"):
             r.unpin(empty)
+
+
+def test_idle_exit_of_zero_means_never_as_the_other_zeros_do(tmp_path, sock, monkeypatch):
+    """--idle-exit 0, like --pin-lease 0 and --hello-timeout 0, means
+    never: such a server stopped at its first poll with no client yet."""
+    from click.testing import CliRunner
+
+    from kvblock.cli.main import cli
+    from kvblock.store import server as server_mod
+
+    help_text = " ".join(CliRunner().invoke(cli, ["serve", "--help"]).output.split())
+    assert "without a client. 0: never." in help_text
+    monkeypatch.setattr(server_mod, "ACCEPT_POLL", 0.01)
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock, idle_exit=0)
+    try:
+        assert not server.stopped.wait(0.5)       # some 50 polls with no client
+        with RemoteStore(sock) as r:
+            keys = run_keys(0, 2)
+            assert r.put_run(keys, run_data(keys)) == 2
+    finally:
+        server.stop()
