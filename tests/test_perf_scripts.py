@@ -18,6 +18,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -306,3 +307,31 @@ def test_store_vs_fio_gives_fio_the_io_shape_of_the_runs_data(capsys, monkeypatc
         assert row["run_bytes"] == run_blocks * (2 << 20)
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert fio_support.PREFIX not in attached, attached
+
+
+def test_replay_trace_times_the_requests_not_the_close(tmp_path, monkeypatch):
+    """perf/replay_trace.py's requests/s covers the requests: closing the
+    store (its final checkpoint) and removing the file are not timed.  Here
+    the clock jumps 1000 s while the store closes."""
+    import replay_trace as rt
+
+    from kvblock import KVStore
+
+    now = [0.0]
+
+    def clock():
+        now[0] += 0.001
+        return now[0]
+
+    monkeypatch.setattr(rt, "time", SimpleNamespace(perf_counter=clock))
+    real_close = KVStore.close
+
+    def slow_close(self, *a, **kw):
+        now[0] += 1000.0
+        return real_close(self, *a, **kw)
+
+    monkeypatch.setattr(KVStore, "close", slow_close)
+    requests = [[1, 2, 3], [1, 2, 4], [1, 2, 3, 5]]
+    row = rt.replay(requests, 16 << 20, "fifo", 1, str(tmp_path))
+    assert row["seconds"] < 1000 and row["hit_ratio"] > 0, row
+    assert not list(tmp_path.iterdir())
