@@ -52,18 +52,19 @@ def ideal(requests) -> float:
 
 
 def replay(requests, capacity: int, policy: str, admit_after: int, directory: str) -> dict:
-    path = os.path.join(directory, "replay.img")
-    if os.path.exists(path):
-        os.unlink(path)
-    create_file(path, capacity)
-    store = KVStore.format([path], GEOM, eviction=policy, admit_after=admit_after,
-                           region_size=max(1 << 20, capacity // 64 // (1 << 20) * (1 << 20)))
-    maxlen = max(len(r) for r in requests)
-    data = np.zeros(maxlen * GEOM.block_bytes, np.uint8)
-    out = np.zeros(maxlen * GEOM.block_bytes, np.uint8)
-    hits = total = 0
-    t0 = time.perf_counter()
+    # A name of its own: the directory may be shared (/dev/shm) with other replays.
+    fd, path = tempfile.mkstemp(prefix="kvblock-replay-", suffix=".img", dir=directory)
+    os.close(fd)
+    store = None
     try:
+        create_file(path, capacity)
+        store = KVStore.format([path], GEOM, eviction=policy, admit_after=admit_after,
+                               region_size=max(1 << 20, capacity // 64 // (1 << 20) * (1 << 20)))
+        maxlen = max(len(r) for r in requests)
+        data = np.zeros(maxlen * GEOM.block_bytes, np.uint8)
+        out = np.zeros(maxlen * GEOM.block_bytes, np.uint8)
+        hits = total = 0
+        t0 = time.perf_counter()
         for ids in requests:
             n = store.lookup(ids)
             if n:
@@ -76,8 +77,11 @@ def replay(requests, capacity: int, policy: str, admit_after: int, directory: st
         elapsed = time.perf_counter() - t0     # the requests, not close's checkpoint
         s = store.stats()
     finally:
-        store.close()
-        os.unlink(path)
+        try:
+            if store is not None:
+                store.close()
+        finally:
+            os.unlink(path)
     return {"policy": policy, "admit_after": admit_after, "capacity_bytes": capacity,
             "hit_ratio": round(hits / total, 4), "bytes_written": s["bytes_written"],
             "bytes_read": s["bytes_read"], "regions_reclaimed": s["evicted_regions"],

@@ -335,3 +335,18 @@ def test_replay_trace_times_the_requests_not_the_close(tmp_path, monkeypatch):
     row = rt.replay(requests, 16 << 20, "fifo", 1, str(tmp_path))
     assert row["seconds"] < 1000 and row["hit_ratio"] > 0, row
     assert not list(tmp_path.iterdir())
+
+
+def test_replay_trace_leaves_other_files_in_its_directory_alone(tmp_path):
+    """perf/replay_trace.replay stores in a file of its own in the directory
+    it is given (perf/test_store_ops.py gives it /dev/shm itself): a
+    ``replay.img`` already there (another replay's) is neither removed nor
+    overwritten, and its own file is gone afterwards."""
+    import replay_trace as rt
+
+    other = tmp_path / "replay.img"
+    other.write_bytes(b"another replay's store")
+    row = rt.replay([[1, 2, 3], [1, 2, 4]], 16 << 20, "lru", 1, str(tmp_path))
+    assert row["hit_ratio"] > 0, row
+    assert other.read_bytes() == b"another replay's store"
+    assert list(tmp_path.iterdir()) == [other]
