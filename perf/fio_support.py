@@ -148,6 +148,22 @@ def write_cache_arg(ap, args) -> str | None:
     return args.loop_write_cache and args.loop_write_cache.replace("-", " ")
 
 
+def comma_choices(choices):
+    """An argparse ``type=`` for a comma-separated list of ``choices``: a
+    value outside them is a usage error naming the option, not a KeyError."""
+    import argparse
+
+    def parse(text: str) -> list[str]:
+        got = [s.strip() for s in text.split(",") if s.strip()]
+        bad = [s for s in got if s not in choices]
+        if bad or not got:
+            raise argparse.ArgumentTypeError(
+                f"{', '.join(map(repr, bad)) or 'none given'}: choose from "
+                f"{', '.join(sorted(choices))}")
+        return got
+    return parse
+
+
 def _write_cache_file(dev: str) -> Path:
     return Path(f"/sys/block/{Path(dev).name}/queue/write_cache")
 

@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--locations", default="disk,shm",
+    ap.add_argument("--locations", default="disk,shm", type=fs.comma_choices(LOCATIONS),
                     help=f"comma separated, of {sorted(LOCATIONS)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", action="store_true")
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     pool = slot_pool(src, pages)
     expected = pool.clone()
     hicache = hicachefile_runner()
-    locations = [s.strip() for s in args.locations.split(",")]
+    locations = args.locations
     rows = []
 
     def body():

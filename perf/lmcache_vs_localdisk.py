@@ -141,8 +141,9 @@ def measure(kind: str, where: str, shape, total: int, batch: int, seed: int) -> 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.5, help="GiB put and got per case")
-    ap.add_argument("--shapes", default="2M,32M", help=f"comma separated, of {sorted(SHAPES)}")
-    ap.add_argument("--locations", default="disk,shm",
+    ap.add_argument("--shapes", default="2M,32M", type=fio_support.comma_choices(SHAPES),
+                    help=f"comma separated, of {sorted(SHAPES)}")
+    ap.add_argument("--locations", default="disk,shm", type=fio_support.comma_choices(LOCATIONS),
                     help=f"comma separated, of {sorted(LOCATIONS)}")
     ap.add_argument("--batch", type=int, default=8, help="chunks per batched_put / batched_get")
     ap.add_argument("--rounds", type=int, default=3,
@@ -152,8 +153,8 @@ def main(argv=None) -> int:
     logging.getLogger("lmcache").setLevel(logging.WARNING)
     total = int(args.gib * GIB)
     rows = []
-    for loc in args.locations.split(","):
-        for shape_name in args.shapes.split(","):
+    for loc in args.locations:
+        for shape_name in args.shapes:
             shape = SHAPES[shape_name]
             samples = {"kvblock": [], "localdisk": []}
             for rnd in range(args.rounds):

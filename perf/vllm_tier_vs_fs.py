@@ -310,7 +310,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.75, help="GiB stored and loaded per case")
     ap.add_argument("--slots", default="256K,2M", help="slot sizes, comma separated")
-    ap.add_argument("--locations", default="disk,shm",
+    ap.add_argument("--locations", default="disk,shm", type=fs.comma_choices(LOCATIONS),
                     help=f"comma separated, of {sorted(LOCATIONS)}")
     ap.add_argument("--pool", default="256M", help="primary pool size (slots are reused)")
     ap.add_argument("--job-slots", type=int, default=32, help="slots per TransferJob")
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
         ap.error("--kvblock-target loop needs root (losetup); run as root or pass "
                  "--kvblock-target file")
     slots = [parse_size(s) for s in args.slots.split(",")]
-    locations = [s.strip() for s in args.locations.split(",")]
+    locations = args.locations
     total = int(args.gib * GIB)
     rows = []
     for loc in locations:

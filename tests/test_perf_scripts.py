@@ -30,13 +30,19 @@ import fio_support  # noqa: E402
 SKIP = fio_support.benchmark_skip_reason()
 
 
-def run_script(script: str, args: list[str], capsys) -> str:
-    """Run perf/<script>'s main(args) here; its standard output.  A script
-    fails by returning non-zero or raising SystemExit with a message."""
+def load_script(script: str):
+    """perf/<script> as a fresh module."""
     spec = importlib.util.spec_from_file_location(f"perf_{Path(script).stem}",
                                                   ROOT / "perf" / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def run_script(script: str, args: list[str], capsys) -> str:
+    """Run perf/<script>'s main(args) here; its standard output.  A script
+    fails by returning non-zero or raising SystemExit with a message."""
+    module = load_script(script)
     capsys.readouterr()
     try:
         rc = module.main(args)
@@ -350,3 +356,22 @@ def test_replay_trace_leaves_other_files_in_its_directory_alone(tmp_path):
     assert row["hit_ratio"] > 0, row
     assert other.read_bytes() == b"another replay's store"
     assert list(tmp_path.iterdir()) == [other]
+
+
+@pytest.mark.parametrize("script,option", [("first_layer_vs_peers.py", "--locations"),
+                                           ("lmcache_vs_localdisk.py", "--locations"),
+                                           ("lmcache_vs_localdisk.py", "--shapes"),
+                                           ("vllm_tier_vs_fs.py", "--locations")])
+def test_an_unknown_choice_is_a_usage_error(script, option, capsys):
+    """A --locations / --shapes value the script does not know ends in
+    argparse's usage error naming the option and its choices (it was a bare
+    KeyError traceback, in first_layer_vs_peers.py after allocating the caches)."""
+    args = list(CASES[script])
+    args[args.index(option) + 1] += ",nvme"
+    module = load_script(script)
+    with pytest.raises(SystemExit) as e:
+        module.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    choices = module.SHAPES if option == "--shapes" else module.LOCATIONS
+    assert f"argument {option}: 'nvme'" in err and all(c in err for c in choices), err
