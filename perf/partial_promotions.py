@@ -6,8 +6,8 @@ the secondary tier for a few slots of a job it stored as one run.  This
 script stores ``--gib`` GiB of ``--slot`` slots through kvblock's vLLM tier
 and through vLLM's own fs tier (jobs of ``--job-slots`` slots, as
 perf/vllm_tier_vs_fs.py drives them), then promotes ``--take`` slots from
-the middle of every job, ``--rounds`` times in three modes alternating
-within each round, the page cache dropped before each:
+the middle of every job, ``--rounds`` times in three modes, their order
+rotated round by round, the page cache dropped before each:
 
 - ``kvblock``: verified reads of those slots' aligned windows and the run's
   block digest trailer (kvblock/format/trailer.py, the default);
@@ -113,8 +113,9 @@ def main(argv=None) -> int:
                 if kv.stats()["evicted_blocks"]:
                     raise SystemExit(f"kvblock store in {args.where} too small")
                 next_id = 1_000_000
-                for _ in range(args.rounds):
-                    for mode in MODES:
+                for rnd in range(args.rounds):
+                    # rotate the order so drift and leftovers hit every mode alike
+                    for mode in MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]:
                         tier = fs if mode == "vLLM fs tier" else kv
                         before = kv.stats()["bytes_read"]
                         with whole_ranges(mode == "kvblock whole ranges"):

@@ -375,3 +375,28 @@ def test_an_unknown_choice_is_a_usage_error(script, option, capsys):
     err = capsys.readouterr().err
     choices = module.SHAPES if option == "--shapes" else module.LOCATIONS
     assert f"argument {option}: 'nvme'" in err and all(c in err for c in choices), err
+
+
+def test_partial_promotions_rotates_the_order_of_its_modes(capsys, monkeypatch):
+    """perf/partial_promotions.py's rounds do not run its three modes in the
+    same order every round (PEERS.md: "median of 3 alternating rounds"): over
+    three rounds each mode goes first once, so drift and what one mode leaves
+    in the caches do not always favour the same one."""
+    from kvblock.store.store import KVStore
+
+    module = load_script("partial_promotions.py")
+    real_promote, real_window, order = module.promote, KVStore._verified_window, []
+
+    def promote(tier, *a):
+        order.append("vLLM fs tier" if tier.__class__.__name__ == "FileSystemTierManager"
+                     else "kvblock" if KVStore._verified_window is real_window
+                     else "kvblock whole ranges")
+        return real_promote(tier, *a)
+
+    monkeypatch.setattr(module, "promote", promote)
+    capsys.readouterr()
+    assert module.main(["--gib", "0.02", "--rounds", "3", "--job-slots", "16", "--take", "2",
+                        "--where", "/dev/shm", "--target", "file", "--region-size", "64M"]) == 0
+    rounds = [order[i:i + 3] for i in range(0, len(order), 3)]
+    assert all(sorted(r) == sorted(module.MODES) for r in rounds) and len(rounds) == 3, order
+    assert {r[0] for r in rounds} == set(module.MODES), rounds
