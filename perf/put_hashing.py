@@ -7,7 +7,8 @@ ranges as it copies) and the block digests of its trailer.  Runs of at least
 while their data is written, the trailer written after; this script puts
 ``--gib`` GiB of ``--run`` runs that way and the way smaller runs are put
 (hashed first, data and trailer in one write), the two modes alternating
-round by round in one process on one store, and prints the medians and the
+round by round in one process on one store (each mode's last run of a
+round read back and compared, untimed), and prints the medians and the
 ratio.  One writer thread, as SGLang's backup thread and LMCache's puts
 write; the source is an aligned array that is the run's on-device image (no
 staging copy) or, with ``--source staged``, an unaligned one.
@@ -59,12 +60,16 @@ def measure(dev: str, args) -> dict:
     speeds = {m: [] for m in MODES}
     default = writes_mod.OVERLAP_HASH_BYTES
     overlap = default if args.overlap_from is None else parse_size(args.overlap_from)
+    out = np.zeros(n * GEOM.block_bytes, np.uint8)
+
+    def check(store, keys, how):
+        if store.get_run(keys, out) != n or not np.array_equal(out, data):
+            raise SystemExit(f"{dev}: a run put {how} read back differs from what was put")
+
     with KVStore.format([dev], GEOM, force=True) as store:
         first = [b"check-%d" % i for i in range(n)]
         assert store.put_run(first, data) == n
-        out = np.zeros(n * GEOM.block_bytes, np.uint8)
-        if store.get_run(first, out) != n or not np.array_equal(out, data):
-            raise SystemExit(f"{dev}: a run read back differs from what was put")
+        check(store, first, "the store's default way")
         k = 0
         for rnd in range(args.rounds):
             for mode in (MODES if rnd % 2 == 0 else MODES[::-1]):
@@ -80,6 +85,7 @@ def measure(dev: str, args) -> dict:
                                         / (time.perf_counter() - t0))
                 finally:
                     writes_mod.OVERLAP_HASH_BYTES = default
+                check(store, keys, f"hashed {mode}")          # untimed
                 store.clear()
     medians = {m: statistics.median(v) for m, v in speeds.items()}
     return {**medians, "samples": speeds, "run_bytes": n * GEOM.block_bytes}

@@ -400,3 +400,29 @@ def test_partial_promotions_rotates_the_order_of_its_modes(capsys, monkeypatch):
     rounds = [order[i:i + 3] for i in range(0, len(order), 3)]
     assert all(sorted(r) == sorted(module.MODES) for r in rounds) and len(rounds) == 3, order
     assert {r[0] for r in rounds} == set(module.MODES), rounds
+
+
+def test_put_hashing_reads_back_the_runs_of_both_modes(capsys, monkeypatch):
+    """perf/put_hashing.py reads back (untimed) a run put in each mode, not
+    only one put the store's default way: here every put of the second mode
+    (hashed before writing) stores zeros, and the script fails instead of
+    timing it."""
+    import numpy as np
+
+    from kvblock.store import writes
+    from kvblock.store.store import KVStore
+
+    real, spoilt = KVStore.put_run, []
+
+    def put_run(self, keys, data):
+        if writes.OVERLAP_HASH_BYTES == 1 << 62:      # the script's "before writing"
+            spoilt.append(keys[0])
+            data = np.zeros_like(data)
+        return real(self, keys, data)
+
+    monkeypatch.setattr(KVStore, "put_run", put_run)
+    args = ["--targets", "shm-file", "--run", "4M", "--gib", "0.01", "--rounds", "1", "--json"]
+    with pytest.raises(AssertionError, match="before writing"):
+        run_script("put_hashing.py", args, capsys)
+    assert spoilt
+    assert not list(Path("/dev/shm").glob("kvblock-put-*"))
