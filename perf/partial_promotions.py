@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fio_support  # noqa: E402
 import vllm_tier_vs_fs as vt  # noqa: E402
 
 from kvblock.cli.units import parse_size  # noqa: E402
@@ -97,38 +98,47 @@ def main(argv=None) -> int:
     partial = [(keys[mid:mid + args.take], ids[mid:mid + args.take]) for keys, ids in jobs
                if len(keys) >= mid + args.take]
     base = Path(args.where) / f"kvblock-partial-bench-{os.getpid()}"
-    base.mkdir(parents=True, exist_ok=True)
-    view = memoryview(pool.numpy())
     times = {m: [] for m in MODES}
     read_per_job = {}
-    try:
-        with vt.store_target(args.target, base, total_slots * slot) as dev:
-            kv = KVBlockTierManager(vt.make_spec(), view, "kvblock", devices=[dev],
-                                    max_run_bytes=args.job_slots * slot,
-                                    region_size=args.region_size)
-            fs = vt.FileSystemTierManager(vt.make_spec(), view, "fs", root_dir=str(base / "fs"))
-            try:
-                vt.run_jobs(kv, jobs, False, 1)
-                vt.run_jobs(fs, jobs, False, 1)
-                if kv.stats()["evicted_blocks"]:
-                    raise SystemExit(f"kvblock store in {args.where} too small")
-                next_id = 1_000_000
-                for rnd in range(args.rounds):
-                    # rotate the order so drift and leftovers hit every mode alike
-                    for mode in MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]:
-                        tier = fs if mode == "vLLM fs tier" else kv
-                        before = kv.stats()["bytes_read"]
-                        with whole_ranges(mode == "kvblock whole ranges"):
-                            times[mode].append(promote(tier, pool, expected, partial, next_id))
-                        next_id += len(partial)
-                        if tier is kv:
-                            read_per_job[mode] = (kv.stats()["bytes_read"] - before) / len(partial)
-            finally:
-                kv.shutdown()
-                fs.shutdown()
-    finally:
-        view.release()
-        shutil.rmtree(base, ignore_errors=True)
+
+    def body():
+        view = memoryview(pool.numpy())
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+            with vt.store_target(args.target, base, total_slots * slot) as dev:
+                kv = KVBlockTierManager(vt.make_spec(), view, "kvblock", devices=[dev],
+                                        max_run_bytes=args.job_slots * slot,
+                                        region_size=args.region_size)
+                fs = vt.FileSystemTierManager(vt.make_spec(), view, "fs",
+                                              root_dir=str(base / "fs"))
+                try:
+                    vt.run_jobs(kv, jobs, False, 1)
+                    vt.run_jobs(fs, jobs, False, 1)
+                    if kv.stats()["evicted_blocks"]:
+                        raise SystemExit(f"kvblock store in {args.where} too small")
+                    next_id = 1_000_000
+                    for rnd in range(args.rounds):
+                        # rotate the order so drift and leftovers hit every mode alike
+                        for mode in MODES[rnd % len(MODES):] + MODES[:rnd % len(MODES)]:
+                            tier = fs if mode == "vLLM fs tier" else kv
+                            before = kv.stats()["bytes_read"]
+                            with whole_ranges(mode == "kvblock whole ranges"):
+                                times[mode].append(promote(tier, pool, expected, partial,
+                                                           next_id))
+                            next_id += len(partial)
+                            if tier is kv:
+                                read_per_job[mode] = ((kv.stats()["bytes_read"] - before)
+                                                      / len(partial))
+                finally:
+                    kv.shutdown()
+                    fs.shutdown()
+        finally:
+            view.release()
+            shutil.rmtree(base, ignore_errors=True)
+
+    rc = fio_support.run_guarded("partial_promotions", body)   # detaches the loop device
+    if rc is not None:                                          # on SIGTERM / SIGHUP too
+        return rc
     ms = {m: statistics.median(t) / len(partial) * 1e3 for m, t in times.items()}
     print(f"{len(partial)} jobs of {args.job_slots} x {args.slot} slots stored in {args.where} "
           f"(kvblock: {args.target}); {args.take} slots promoted per job, median of "

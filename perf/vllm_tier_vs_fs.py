@@ -227,9 +227,9 @@ def measure(kind: str, where: str, slot: int, total_bytes: int, pool: torch.Tens
             contents: torch.Tensor, waves, args) -> dict:
     t0 = time.perf_counter()
     base = Path(where) / f"kvblock-vllm-bench-{os.getpid()}"
-    base.mkdir(parents=True, exist_ok=True)
     view = memoryview(pool.numpy())
     try:
+        base.mkdir(parents=True, exist_ok=True)
         target = (store_target(args.kvblock_target, base, total_bytes, args.loop_write_cache)
                   if kind == "kvblock"
                   else contextlib.nullcontext(None))
@@ -258,8 +258,8 @@ def fio_read_gibps(kind: str, where: str, slot: int, total_bytes: int) -> float:
     fresh file in ``where`` (``kind`` "file"), or of a loop device over one
     ("loop"), with the page cache dropped first."""
     base = Path(where) / f"kvblock-vllm-bench-fio-{os.getpid()}"
-    base.mkdir(parents=True, exist_ok=True)
     try:
+        base.mkdir(parents=True, exist_ok=True)
         if kind == "loop":
             target = fs.loop_target(base, total_bytes)            # filled by fio
         else:
@@ -339,31 +339,38 @@ def main(argv=None) -> int:
     locations = args.locations
     total = int(args.gib * GIB)
     rows = []
-    for loc in locations:
-        where = LOCATIONS[loc]
-        for slot in slots:
-            pool_slots = max(1, min(parse_size(args.pool) // slot, total // slot))
-            n = total // slot
-            pool = page_aligned_pool(pool_slots, slot)
-            base = pool.clone()
-            waves = plan_waves(n, pool_slots, args.job_slots, args.pattern, seed=slot)
-            samples = {"kvblock": [], "fs": []}
-            for rnd in range(args.rounds):
-                # alternate the order so drift and leftovers hit both tiers alike
-                for kind in (("kvblock", "fs") if rnd % 2 == 0 else ("fs", "kvblock")):
-                    samples[kind].append(measure(kind, where, slot, n * slot, pool, base,
-                                                 waves, args))
-            fio = fio_read_gibps(args.kvblock_target, where, slot, n * slot) if use_fio else None
-            for kind in ("kvblock", "fs"):
-                runs = samples[kind]
-                rows.append({
-                    "tier": kind, "location": loc, "path": where, "slot": slot,
-                    "bytes": n * slot, "fio_read_gibps": fio,
-                    "store_gibps": statistics.median(r["store_gibps"] for r in runs),
-                    "load_gibps": statistics.median(r["load_gibps"] for r in runs),
-                    "samples": runs,
-                    "dropped_caches": all(r["dropped_caches"] for r in runs)})
-            del pool, base
+
+    def body():
+        for loc in locations:
+            where = LOCATIONS[loc]
+            for slot in slots:
+                pool_slots = max(1, min(parse_size(args.pool) // slot, total // slot))
+                n = total // slot
+                pool = page_aligned_pool(pool_slots, slot)
+                base = pool.clone()
+                waves = plan_waves(n, pool_slots, args.job_slots, args.pattern, seed=slot)
+                samples = {"kvblock": [], "fs": []}
+                for rnd in range(args.rounds):
+                    # alternate the order so drift and leftovers hit both tiers alike
+                    for kind in (("kvblock", "fs") if rnd % 2 == 0 else ("fs", "kvblock")):
+                        samples[kind].append(measure(kind, where, slot, n * slot, pool, base,
+                                                     waves, args))
+                fio = (fio_read_gibps(args.kvblock_target, where, slot, n * slot) if use_fio
+                       else None)
+                for kind in ("kvblock", "fs"):
+                    runs = samples[kind]
+                    rows.append({
+                        "tier": kind, "location": loc, "path": where, "slot": slot,
+                        "bytes": n * slot, "fio_read_gibps": fio,
+                        "store_gibps": statistics.median(r["store_gibps"] for r in runs),
+                        "load_gibps": statistics.median(r["load_gibps"] for r in runs),
+                        "samples": runs,
+                        "dropped_caches": all(r["dropped_caches"] for r in runs)})
+                del pool, base
+
+    rc = fs.run_guarded("vllm_tier_vs_fs", body)      # detaches loop devices on SIGTERM
+    if rc is not None:
+        return rc
     fs_impl = "C (fs_io_C)" if fs_io._HAS_FSIO_C else "pure Python (fs_io_C unavailable)"
     if args.json:
         print(json.dumps({"rows": rows, "fs_io": fs_impl, "pattern": args.pattern,

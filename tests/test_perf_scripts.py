@@ -426,3 +426,44 @@ def test_put_hashing_reads_back_the_runs_of_both_modes(capsys, monkeypatch):
         run_script("put_hashing.py", args, capsys)
     assert spoilt
     assert not list(Path("/dev/shm").glob("kvblock-put-*"))
+
+
+_SIGTERM_DRIVER = """
+import os, signal, sys
+sys.path.insert(0, {perf!r})
+import vllm_tier_vs_fs as vt
+import {module} as script
+real = vt.run_jobs
+def run_jobs(*a):      # a SIGTERM while the store's loop device is attached
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a)
+vt.run_jobs = run_jobs
+sys.exit(script.main({args!r}))
+"""
+
+
+@pytest.mark.parametrize("script,args,left", [
+    ("vllm_tier_vs_fs", ["--gib", "0.02", "--rounds", "1", "--slots", "256K", "--locations",
+                         "shm", "--pool", "8M", "--kvblock-target", "loop", "--no-fio"],
+     "kvblock-vllm-bench-{pid}"),
+    ("partial_promotions", ["--gib", "0.02", "--rounds", "1", "--job-slots", "16",
+                            "--where", "/dev/shm", "--target", "loop", "--region-size", "64M"],
+     "kvblock-partial-bench-{pid}")])
+def test_loop_scripts_detach_their_device_on_sigterm(script, args, left):
+    """perf/vllm_tier_vs_fs.py and perf/partial_promotions.py run under
+    fio_support.run_guarded like the other loop-device scripts: a SIGTERM
+    (or SIGHUP) unwinds through the finally that detaches the loop device
+    and the script exits 130, where it died on the spot and left the device
+    attached and its backing file in /dev/shm."""
+    driver = _SIGTERM_DRIVER.format(perf=str(ROOT / "perf"), module=script, args=args)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    base = Path("/dev/shm") / left.format(pid=proc.pid)
+    leaked = [dev for f in (base.rglob("*") if base.exists() else [])
+              for dev in fio_support.attached_to(f)]
+    for dev in leaked:                      # clean up after a failing run
+        fio_support.detach(dev)
+    subprocess.run(["rm", "-rf", str(base)], check=True)
+    assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-2000:])
+    assert not leaked and not base.exists()
