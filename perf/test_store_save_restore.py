@@ -8,14 +8,16 @@ Each benchmark round moves ROUND_RUNS runs of 32 blocks (32 layers x 8 KV
 heads x 128, bfloat16: 64 MiB per run) through the store, the loops of
 ``kvblock bench --workload save|restore``: ``put_run`` of fresh keys (once
 the store is full every save reclaims a region first), or ``get_run`` of
-whole runs with checksums verified.  The engine splits each run into 8 MiB
-pieces, 8 in flight; before every round (pedantic ``setup``) fio moves the
-same bytes with ``bs=8M iodepth=8`` (rw=write / rw=read) on the same device,
-so the two alternate.  ``extra_info`` holds both GiB/s (kvblock's from the
-benchmark's median time, fio's median), their ratio and the median of the
-per-round ratios (``paired_ratio``); bars (issue 3): restore >= 0.90, save
->= 0.85, judged on the paired ratio (``meets_bar``: recorded, not asserted,
-as timings on a shared machine are noisy).
+whole runs with checksums verified (each run saved with its own bytes; each
+round's last restore is compared, untimed, with the run it asked for).  The
+engine splits each run into 8 MiB pieces, 8 in flight; before every round
+(pedantic ``setup``) fio moves the same bytes with ``bs=8M iodepth=8``
+(rw=write / rw=read) on the same device, so the two alternate.
+``extra_info`` holds both GiB/s (kvblock's from the benchmark's median time,
+fio's median), their ratio and the median of the per-round ratios
+(``paired_ratio``); bars (issue 3): restore >= 0.90, save >= 0.85, judged on
+the paired ratio (``meets_bar``: recorded, not asserted, as timings on a
+shared machine are noisy).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fio_support as fs  # noqa: E402
 from store_vs_fio import BARS, io_shape  # noqa: E402
+
+from kvblock.bench.store_bench import _run_mask  # noqa: E402
 
 MIB = 1 << 20
 DEVICE_BYTES = 1 << 30   # regions of 64 MiB: one run each
@@ -77,6 +81,21 @@ def test_store_vs_fio(benchmark, shm_loop, workload):
         def keys(i):
             return [f"{workload}-{i}-{j}".encode() for j in range(RUN_BLOCKS)]
 
+        words = run_bytes // 8
+        last = []                                  # the run the last restore asked for
+
+        def check_last():
+            """The last restore's bytes are the run it asked for (untimed)."""
+            if last:
+                want = np.bitwise_xor(src.numpy(np.uint64, (words,)), _run_mask(last[-1]))
+                assert np.array_equal(out.numpy(np.uint64, (words,)), want), \
+                    f"restore of run {last[-1]} ({stored[last[-1]][0].decode()}...) read " \
+                    "other bytes than were saved"
+
+        def setup():
+            check_last()
+            run_fio_first()
+
         if workload == "save":
             def kvblock_round():
                 for _ in range(ROUND_RUNS):
@@ -84,20 +103,25 @@ def test_store_vs_fio(benchmark, shm_loop, workload):
                     counter[0] += 1
         else:
             stored = [keys(i) for i in range(6)]   # about half the device
-            for k in stored:
-                store.put_run(k, src.array)
+            # each run its own bytes (the source XOR a per-run word), so that
+            # a get of another run's blocks shows
+            for i, k in enumerate(stored):
+                np.bitwise_xor(src.numpy(np.uint64, (words,)), _run_mask(i),
+                               out=out.numpy(np.uint64, (words,)))
+                store.put_run(k, out.array)
             order = np.random.default_rng(1).integers(0, len(stored), 10_000)
 
             def kvblock_round():
                 for _ in range(ROUND_RUNS):
-                    got = store.get_run(stored[order[counter[0] % order.size]], out.array)
+                    run = int(order[counter[0] % order.size])
+                    got = store.get_run(stored[run], out.array)
                     assert got == RUN_BLOCKS
                     counter[0] += 1
+                last[:] = [run]
 
-        benchmark.pedantic(kvblock_round, setup=run_fio_first, rounds=ROUNDS, iterations=1,
+        benchmark.pedantic(kvblock_round, setup=setup, rounds=ROUNDS, iterations=1,
                            warmup_rounds=1)
-        if workload == "restore":
-            assert np.array_equal(out.array, src.array)
+        check_last()
         engine = store.io.engine.name
 
     fio_gib_s = statistics.median(r["gib_s"] for r in fio_runs)

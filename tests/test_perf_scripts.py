@@ -467,3 +467,42 @@ def test_loop_scripts_detach_their_device_on_sigterm(script, args, left):
     subprocess.run(["rm", "-rf", str(base)], check=True)
     assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-2000:])
     assert not leaked and not base.exists()
+
+
+def test_store_save_restore_bench_checks_which_run_was_restored(monkeypatch):
+    """perf/test_store_save_restore.py's restore benchmark stores every run
+    with its own bytes and checks (untimed) each round's last restore against
+    the run it asked for: a get that lands another run's blocks fails it
+    (every run held the same bytes, so only wrong bytes on the device showed).
+    Run here in-process, shrunk to runs of 2 blocks on a 256 MiB device."""
+    from kvblock import KVStore
+
+    real = KVStore.get_run
+
+    def other_run(self, keys, out):
+        _, run, _ = keys[0].decode().split("-")          # restore-<run>-<block>
+        other = [b"restore-%d-%d" % ((int(run) + 1) % 6, j) for j in range(len(keys))]
+        return real(self, other, out)
+
+    monkeypatch.setattr(KVStore, "get_run", other_run)
+    reports = []
+
+    class Shrink:
+        def pytest_collection_finish(self, session):
+            for item in session.items:
+                monkeypatch.setattr(item.module, "DEVICE_BYTES", 256 << 20)
+                monkeypatch.setattr(item.module, "RUN_BLOCKS", 2)
+                monkeypatch.setattr(item.module, "ROUND_RUNS", 2)
+                monkeypatch.setattr(item.module, "ROUNDS", 1)
+
+        def pytest_runtest_logreport(self, report):
+            if report.failed:
+                reports.append(report.longreprtext)
+
+    rc = pytest.main([f"{ROOT / 'perf' / 'test_store_save_restore.py'}::"
+                      "test_store_vs_fio[restore]", "-q", "-p", "no:cacheprovider"],
+                     plugins=[Shrink()])
+    assert rc == pytest.ExitCode.TESTS_FAILED, reports
+    assert len(reports) == 1 and "read other bytes than were saved" in reports[0], reports
+    attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert fio_support.PREFIX not in attached, attached
