@@ -121,9 +121,21 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
         raise ConfigError(f"save: {n} keys but {len(page_ids)} page ids")
     if n == 0:
         return 0
+    ids = _check_page_ids(layout, page_ids[:n], "save")
+    # Inside the store's InFlight: close() frees the staging buffer gathered
+    # into below, so it waits for the gather (put_run is then refused).
+    store._inflight.enter()
+    try:
+        return _gather_and_put(store, keys, layout, ids)
+    finally:
+        store._inflight.leave()
+
+
+def _gather_and_put(store, keys, layout: CacheLayout, ids: np.ndarray) -> int:
+    """save_blocks' copy of the pages into staging and its put_run."""
+    g, n = store.geometry, len(keys)
     itemsize = g.itemsize
     G, Hg, BS, D, kv = g.head_groups, g.heads_per_group, g.block_tokens, g.head_dim, g.kv_parts
-    ids = _check_page_ids(layout, page_ids[:n], "save")
     spans = _spans(ids)
     top = int(ids.max()) if ids.size else -1
     # A per-thread buffer kept by the store: a fresh one per save would be

@@ -307,3 +307,25 @@ def test_a_forked_childs_copy_refuses_reads_and_writes(store_file):
     with KVStore.open([store_file]) as again:
         assert again.lookup(keys) == 3 and again.lookup(later) == 2
         assert again.lookup(run_keys(5, 2)) == 0
+
+
+def test_close_waits_for_a_save_gathering_into_its_staging(store_file):
+    """save_blocks gathers the cache pages into staging memory that close()
+    frees: close() waits for the gather, and the save is then refused (a
+    StoreClosedError, nothing stored), never copying into freed memory."""
+    from kvblock.tensors import VLLMLayout, save_blocks
+
+    store = KVStore.open([store_file])
+    keys = run_keys(5, 4)
+    shape = (2, 8, GEOM.block_tokens, GEOM.num_kv_heads, GEOM.head_dim)
+    src = [np.ones(shape, np.float16) for _ in range(GEOM.num_layers)]
+    reached, go = _wait_in(store, "_staging")       # the gather buffer handed out
+
+    def save():
+        try:
+            return save_blocks(store, keys, VLLMLayout(src), [0, 1, 2, 3])
+        except StoreClosedError:
+            return "refused"
+    assert _close_while(store, reached, go, save) == "refused"
+    with KVStore.open([store_file]) as again:
+        assert again.lookup(keys) == 0
