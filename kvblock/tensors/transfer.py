@@ -300,7 +300,9 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
         segs, n = _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads)
     handle = LoadHandle(g.num_layers, n)
     if not segs:
-        _count_loaded(store, n, 0)
+        if n == 0:       # nothing stored: a miss, as for the other reads
+            store.counters["miss_gets"] += 1
+        _count_loaded(store, n, 0, heads)
         for e in handle._events:
             e.set()
         handle._done.set()
@@ -524,7 +526,9 @@ class _LoadJob:
     def _reader(self):
         try:
             for batch in self._batches():
-                self.handle.bytes_read += self._read_batch(batch)
+                nbytes = self._read_batch(batch)
+                self.handle.bytes_read += nbytes
+                self.store.counters["bytes_read"] += nbytes
                 for item in batch:
                     self.q.put(item)
             self.q.put(None)
@@ -586,7 +590,7 @@ class _LoadJob:
             # cuts off DRAM blocks copied after it too).
             read = sum(max(0, min(count, handle.blocks - out_at))
                        for _, _, count, out_at in self.segs)
-            _count_loaded(store, handle.blocks, read)
+            _count_loaded(store, handle.blocks, read, self.heads)
         except BaseException as e:  # surfaced by wait()/wait_layer()
             error = e
             self.abort = True
@@ -729,10 +733,12 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
     return n
 
 
-def _count_loaded(store, blocks: int, from_device: int) -> None:
-    """A load returned ``blocks``, ``from_device`` of them read from the
-    device and the rest copied from the DRAM tier."""
+def _count_loaded(store, blocks: int, from_device: int, heads: int) -> None:
+    """A load returned ``blocks`` (``heads`` KV heads of each), ``from_device``
+    of them read from the device and the rest copied from the DRAM tier."""
+    g = store.geometry
     store.counters["get_blocks"] += blocks
+    store.counters["get_bytes"] += blocks * (g.block_bytes // g.num_kv_heads * heads)
     if store.host is not None:
         store.counters["host_hit_blocks"] += blocks - from_device
         store.counters["device_hit_blocks"] += from_device

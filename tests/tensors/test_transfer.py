@@ -873,3 +873,37 @@ def test_layouts_of_no_layers_other_ranks_or_no_page_size_are_clear_errors():
         with pytest.raises(ConfigError, match=rf"page_size must be a positive integer, "
                                               rf"got {bad}"):
             SGLangHostLayout(rand(2, L, 4 * BS, H, D), "layer_first", bad)
+
+
+def test_a_load_counts_its_bytes_and_misses_as_other_reads_do(path):
+    """A layer-wise load counted its blocks (get_blocks) but not their bytes
+    (get_bytes: what the read returned, bytes_read: what it read from the
+    device), nor a load that found nothing (miss_gets): stats() showed no
+    read traffic for a restore of the whole prefix."""
+    g = geom(groups=2)
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    keys = [b"c0", b"c1", b"c2", b"c3"]
+    with _store(path, g) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1, 2, 3])
+        c = store.counters
+        out = np.zeros(4 * g.block_bytes, np.uint8)
+        before = dict(c)
+        assert store.get_run(keys, out) == 4
+        get_run = {k: c[k] - before[k] for k in ("get_blocks", "get_bytes", "bytes_read")}
+        before = dict(c)
+        dst = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(store, keys, VLLMLayout(dst), [0, 1, 2, 3])
+        assert h.wait() == 4
+        assert {k: c[k] - before[k] for k in get_run} == get_run   # the same blocks, all heads
+        assert h.bytes_read == get_run["bytes_read"]
+        before = dict(c)
+        part = [torch.zeros(2, 4, BS, H // 2, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(store, keys, VLLMLayout(part), [0, 1, 2, 3], tp_rank=1, tp_size=2)
+        assert h.wait() == 4
+        assert c["get_blocks"] - before["get_blocks"] == 4
+        assert c["get_bytes"] - before["get_bytes"] == 4 * g.block_bytes // 2   # its heads
+        assert c["bytes_read"] - before["bytes_read"] == h.bytes_read > 0
+        before = dict(c)
+        assert load_blocks(store, [b"nothing"], VLLMLayout(dst), [0]).wait() == 0
+        assert c["miss_gets"] - before["miss_gets"] == 1
+        assert c["get_blocks"] == before["get_blocks"]
