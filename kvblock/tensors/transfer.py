@@ -186,8 +186,8 @@ class LoadTimeoutError(KVBlockError, TimeoutError):
 
 class LoadHandle:
     """A load in flight.  ``blocks`` is the number of leading pages loaded
-    (final after :meth:`wait`); ``wait_layer(l)`` blocks until layer l is in
-    the cache."""
+    (final after :meth:`wait`; 0 when the load failed); ``wait_layer(l)``
+    blocks until layer l is in the cache."""
 
     def __init__(self, num_layers: int, blocks: int):
         self.blocks = blocks
@@ -223,6 +223,7 @@ class LoadHandle:
         return self._done.is_set()
 
     def _fail(self, exc):
+        self.blocks = 0    # a failed load delivers nothing (its later layers never arrived)
         self._error = exc
         for e in self._events:
             e.set()

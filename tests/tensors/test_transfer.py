@@ -907,3 +907,32 @@ def test_a_load_counts_its_bytes_and_misses_as_other_reads_do(path):
         assert load_blocks(store, [b"nothing"], VLLMLayout(dst), [0]).wait() == 0
         assert c["miss_gets"] - before["miss_gets"] == 1
         assert c["get_blocks"] == before["get_blocks"]
+
+
+def test_a_failed_load_reports_no_blocks_loaded(path):
+    """EIO on run b's layer-1 range: layer 1 and those after it were never
+    loaded, yet handle.blocks still said the whole prefix was ("the number
+    of leading pages loaded, final after wait").  It is 0 once the load
+    failed, and every layer's waiter gets the typed error."""
+    from kvblock.errors import IOFailedError
+    from tests.support.faults import BadSectors
+
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a, b = ([f"{x}{i}".encode() for i in range(4)] for x in "ab")
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+        save_blocks(store, b, VLLMLayout(src), [4, 5, 6, 7])
+        run_b = store.index.locate(normalize_keys(b)[0])[0]
+        dev, off = store.regions.address(run_b.region, run_b.offset)
+        bad = BadSectors()
+        bad.add(dev, off + store.layout(4).range_offset(1, 0), 4096)
+        bad.install(store)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(store, a + b, VLLMLayout(dst), list(range(8)))
+        with pytest.raises(IOFailedError):
+            h.wait()
+        assert h.blocks == 0
+        for layer in range(L):
+            with pytest.raises(IOFailedError):
+                h.wait_layer(layer)
+        assert store.regions.pins.sum() == 0
