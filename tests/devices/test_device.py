@@ -446,8 +446,6 @@ def test_a_block_devices_capacity_is_whole_logical_blocks(loop_device):
     its partial last block cannot be read or written: the capacity is the
     whole logical blocks, as for a file, so the last block is at
     capacity - block_size."""
-    import numpy as np
-
     from kvblock.io import IOBatch, open_engine
     from kvblock.memory import HostBuffer
 
