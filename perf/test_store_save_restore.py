@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fio_support as fs  # noqa: E402
 from store_vs_fio import BARS, io_shape  # noqa: E402
 
-from kvblock.bench.store_bench import _run_mask  # noqa: E402
+from kvblock.bench.store_bench import run_mask  # noqa: E402
 
 MIB = 1 << 20
 DEVICE_BYTES = 1 << 30   # regions of 64 MiB: one run each
@@ -87,7 +87,7 @@ def test_store_vs_fio(benchmark, shm_loop, workload):
         def check_last():
             """The last restore's bytes are the run it asked for (untimed)."""
             if last:
-                want = np.bitwise_xor(src.numpy(np.uint64, (words,)), _run_mask(last[-1]))
+                want = np.bitwise_xor(src.numpy(np.uint64, (words,)), run_mask(last[-1]))
                 assert np.array_equal(out.numpy(np.uint64, (words,)), want), \
                     f"restore of run {last[-1]} ({stored[last[-1]][0].decode()}...) read " \
                     "other bytes than were saved"
@@ -106,7 +106,7 @@ def test_store_vs_fio(benchmark, shm_loop, workload):
             # each run its own bytes (the source XOR a per-run word), so that
             # a get of another run's blocks shows
             for i, k in enumerate(stored):
-                np.bitwise_xor(src.numpy(np.uint64, (words,)), _run_mask(i),
+                np.bitwise_xor(src.numpy(np.uint64, (words,)), run_mask(i),
                                out=out.numpy(np.uint64, (words,)))
                 store.put_run(k, out.array)
             order = np.random.default_rng(1).integers(0, len(stored), 10_000)

@@ -125,7 +125,7 @@ def _save(store, src, run_blocks, seconds, progress):
     return _result(store, "save", run_blocks, lat, total, time.perf_counter() - start)
 
 
-def _run_mask(run: int) -> np.uint64:
+def run_mask(run: int) -> np.uint64:
     """The word XORed into every 8 bytes of the source for run ``run``: no
     two runs hold the same bytes, so a read of another run shows."""
     return np.uint64(((run + 1) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1))
@@ -139,7 +139,7 @@ def _restore(store, src, run_blocks, seconds, jobs, progress):
     words = src.nbytes // 8                  # a block is a multiple of 8 bytes
     with HostBuffer(src.nbytes) as stage:
         for i, keys in enumerate(keysets):
-            np.bitwise_xor(src.numpy(np.uint64, (words,)), _run_mask(i),
+            np.bitwise_xor(src.numpy(np.uint64, (words,)), run_mask(i),
                            out=stage.numpy(np.uint64, (words,)))
             store.put_run(keys, stage.array)
     outs = [HostBuffer(src.nbytes) for _ in range(jobs)]
@@ -192,7 +192,7 @@ def _restore(store, src, run_blocks, seconds, jobs, progress):
         for j, run in enumerate(last):   # every reader's last read (untimed)
             if run is None:
                 continue
-            want = np.bitwise_xor(src.numpy(np.uint64, (words,)), _run_mask(run))
+            want = np.bitwise_xor(src.numpy(np.uint64, (words,)), run_mask(run))
             if not np.array_equal(outs[j].numpy(np.uint64, (words,)), want):
                 raise VerifyError(f"reader {j} read back other bytes than were saved as run "
                                   f"{run} ({keysets[run][0].decode()}...) on {target_of(store)}")
