@@ -138,7 +138,9 @@ class RunWriter(RunIO):
         while it is written may keep a leading part of the group's runs, each
         whole, never a run whose data did not land.  An error raised while a
         group is written publishes none of it (the groups before it stay).
-        Returns the blocks written for each run, as put_run would.  Every
+        A RemoteStore (a rank of a shared store) publishes each run with its
+        own commit: there an error on one run leaves the runs before it
+        published.  Returns the blocks written for each run, as put_run would.  Every
         argument is checked before anything is written."""
         self._check_open(writing=True)
         items = []
