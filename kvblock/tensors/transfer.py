@@ -433,19 +433,46 @@ class _LoadJob:
 
     # The store's InFlight: load_blocks entered it for the scatter stage,
     # which leaves it last thing; the reader holds it once more.
+    # A thread that cannot start (RuntimeError "can't start new thread"):
+    # the load fails with that error and leaves no call in flight and no
+    # pin.  (Started reader first, a scatter thread that did not start left
+    # the load's call in flight and its pins held for good.)  So the scatter
+    # stage starts first: it is what unpins and leaves, and it hears of a
+    # reader that did not start through the queue.
     def start(self):
-        self._reader_thread = threading.Thread(target=self._reader, name="kvblock-load-read",
-                                               daemon=True)
-        self.store._inflight.hold()
-        self._reader_thread.start()
-        threading.Thread(target=self._scatter, name="kvblock-load-scatter", daemon=True).start()
+        scatter = threading.Thread(target=self._scatter, name="kvblock-load-scatter",
+                                   daemon=True)
+        try:
+            scatter.start()
+        except BaseException:
+            self.store._unpin(self.segs)
+            self.store._inflight.leave()
+            raise
+        if not self._start_reader("kvblock-load-read"):
+            scatter.join()       # it fails the load, unpins and leaves
+            self.handle.wait()   # raises the reader's error
 
     def run_inline(self):
-        t = self._reader_thread = threading.Thread(target=self._reader, daemon=True)
-        self.store._inflight.hold()
-        t.start()
+        self._start_reader(None)
         self._scatter()
-        t.join()
+        if self._reader_thread is not None:
+            self._reader_thread.join()
+
+    def _start_reader(self, name) -> bool:
+        """Start the reader stage; False when its thread could not start
+        (then the error is queued for the scatter stage, which fails the load)."""
+        t = self._reader_thread = threading.Thread(target=self._reader, name=name,
+                                                   daemon=True)
+        self.store._inflight.hold()
+        try:
+            t.start()
+        except BaseException as e:
+            self._reader_thread = None   # nothing to join: no read is in flight
+            self.store._inflight.leave()
+            self._stage_done()
+            self.q.put(e)
+            return False
+        return True
 
     def _stage_done(self):
         """Called by each stage as it ends; the last one hands the unit

@@ -329,3 +329,56 @@ def test_close_waits_for_a_save_gathering_into_its_staging(store_file):
     assert _close_while(store, reached, go, save) == "refused"
     with KVStore.open([store_file]) as again:
         assert again.lookup(keys) == 0
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["store", "remote"])
+@pytest.mark.parametrize("stage,background", [("_reader", True), ("_scatter", True),
+                                              ("_reader", False)],
+                         ids=["reader", "scatter", "inline-reader"])
+def test_a_load_whose_thread_cannot_start_leaves_nothing_held(store_file, tmp_path,
+                                                              monkeypatch, remote, stage,
+                                                              background):
+    """threading.Thread.start raising ("can't start new thread": a process
+    at its thread limit) for a load's reader or scatter thread: the caller
+    hears that error, and the load leaves no call in flight (close() would
+    wait for it) and no pin (its runs could never be evicted); the next load
+    reads the right bytes."""
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    server = serve_in_background([store_file], tmp_path / "s.sock") if remote else None
+    owner = server.store if remote else None
+    try:
+        store = RemoteStore(tmp_path / "s.sock") if remote else KVStore.open([store_file])
+        owner = owner or store
+        keys = run_keys(7, 4)
+        shape = (2, 8, GEOM.block_tokens, GEOM.num_kv_heads, GEOM.head_dim)
+        rng = np.random.default_rng(7)
+        src = [rng.integers(-30000, 30000, shape, dtype=np.int16).view(np.float16)
+               for _ in range(GEOM.num_layers)]
+        assert save_blocks(store, keys, VLLMLayout(src), [0, 1, 2, 3]) == 4
+        dst = [np.zeros(shape, np.float16) for _ in range(GEOM.num_layers)]
+        start = threading.Thread.start
+
+        def refuse(thread):
+            if getattr(getattr(thread, "_target", None), "__name__", None) == stage:
+                raise RuntimeError("can't start new thread")
+            return start(thread)
+        with monkeypatch.context() as m:
+            m.setattr(threading.Thread, "start", refuse)
+            with pytest.raises(RuntimeError, match="can't start new thread"):
+                load_blocks(store, keys, VLLMLayout(dst), [0, 1, 2, 3],
+                            background=background).wait(20)
+        assert store._inflight.calls == 0
+        with owner._lock:
+            assert int(owner.regions.pins.sum()) == 0
+        h = load_blocks(store, keys, VLLMLayout(dst), [4, 5, 6, 7], background=background)
+        assert h.wait(20) == 4
+        for a, b in zip(src, dst):
+            assert np.array_equal(a.view(np.int16)[:, :4], b.view(np.int16)[:, 4:])
+        closer = threading.Thread(target=store.close)
+        closer.start()
+        closer.join(5)
+        assert not closer.is_alive() and store.io is None
+    finally:
+        if server is not None:
+            server.stop()
