@@ -864,8 +864,12 @@ class RemoteStore(RunReader, RunWriter):
 
     def _drop_runs(self, runs, why: str = "checksum") -> None:
         """Runs that failed their checksum (or a device read: ``why`` is
-        "read_error") here: the server drops them and counts why."""
-        self._check_open()
+        "read_error") here: the server drops them and counts why.  Only a
+        read in flight gets here: a close() under way (``closed`` set, the
+        connection still open while it waits for a put) lets it finish, as
+        it lets the read unpin; refused, the load that met the run failed
+        with StoreClosedError and the run stayed.  Once close() has closed
+        the connection, _call raises ServerGoneError."""
         ids = [int(r.run_id) for r in runs]
         if ids:
             self._call("drop_runs", run_ids=ids, why=why)

@@ -382,3 +382,69 @@ def test_a_load_whose_thread_cannot_start_leaves_nothing_held(store_file, tmp_pa
     finally:
         if server is not None:
             server.stop()
+
+
+def _two_runs_second_corrupt(rank, save_blocks, layout, keys):
+    """Save ``keys`` as two runs through ``rank`` and corrupt the second on
+    the device: a load of ``keys`` verifies the first and fails the second."""
+    assert save_blocks(rank, keys[:2], layout, [0, 1]) == 2
+    assert save_blocks(rank, keys[2:], layout, [2, 3]) == 2
+    with rank._lock:
+        segs = rank._segments(keys[2:])
+    run = segs[0][0]
+    rank._unpin(segs)
+    dev, off = rank.regions.address(run.region, run.offset)
+    rank.io.write_bytes(dev, off, b"\xa5" * 4096)
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
+def test_a_rank_closed_while_its_load_drops_a_corrupt_run(store_file, tmp_path, background):
+    """A rank's load meets a run that fails its checksum while another
+    thread closes the rank, its connection still open (close() waits for a
+    put in flight).  The load had unpinned its runs with the pins held, so
+    its verified prefix stands: it returns that count, and the server drops
+    the bad run, as the load's drop asks.  The drop was refused
+    (StoreClosedError: the store was closing), and the whole load failed
+    with it, though a get_run meeting the same run returns its count."""
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    sock = str(tmp_path / "kv.sock")
+    shape = (2, 8, GEOM.block_tokens, GEOM.num_kv_heads, GEOM.head_dim)
+    rng = np.random.default_rng(3)
+    src = [rng.integers(-30000, 30000, shape, dtype=np.int16).view(np.float16)
+           for _ in range(GEOM.num_layers)]
+    keys = run_keys(8, 4)
+    with serve_in_background([store_file], sock) as server:
+        rank = RemoteStore(sock)
+        _two_runs_second_corrupt(rank, save_blocks, VLLMLayout(src), keys)
+        # a put in flight: close() keeps the connection open until it is done
+        reached, go = _wait_in(rank, "_write_run")
+        later = run_keys(9, 2)
+        put = threading.Thread(target=rank.put_run, args=(later, run_data(later)))
+        put.start()
+        assert reached.wait(20)
+        closer = threading.Thread(target=rank.close)
+        drop = rank._drop_runs
+
+        def close_then_drop(runs, why="checksum"):
+            closer.start()                    # close() begins as the load drops the run
+            while not rank.closed:
+                closer.join(0.001)
+            return drop(runs, why)
+        rank._drop_runs = close_then_drop
+        dst = [np.zeros(shape, np.float16) for _ in range(GEOM.num_layers)]
+        try:
+            h = load_blocks(rank, keys, VLLMLayout(dst), [4, 5, 6, 7], background=background)
+            assert h.wait(20) == 2
+        finally:
+            go.set()
+            put.join(20)
+            if closer.ident is not None:          # started
+                closer.join(20)
+            else:
+                rank.close()
+        assert not closer.is_alive() and rank.io is None
+        for a, b in zip(src, dst):
+            assert np.array_equal(a.view(np.int16)[:, :2], b.view(np.int16)[:, 4:6])
+        assert server.store.lookup(keys) == 2              # the bad run is gone
+        assert server.store.lookup(later) == 2             # the put finished meanwhile
