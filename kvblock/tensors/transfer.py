@@ -17,6 +17,7 @@ import errno
 import math
 import queue
 import threading
+import logging
 import time
 
 import numpy as np
@@ -29,6 +30,7 @@ from kvblock.memory import HostBuffer
 from kvblock.tensors.layouts import CacheLayout, _is_torch, _StridedPages
 from kvblock.tensors.pagecopy import copy_pages
 
+logger = logging.getLogger("kvblock")
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
@@ -639,7 +641,11 @@ class _LoadJob:
             try:
                 store._drop_runs(self.bad_runs)
             except KVBlockError as e:
-                error = error or e
+                # As get_run: the load stands whatever became of the drop (what
+                # it delivered was read and verified under pins that held, and
+                # failing it lost that prefix); a later read meets the run again.
+                logger.warning("kvblock: dropping %d run(s) after a checksum failure "
+                               "failed: %s", len(self.bad_runs), e)
         if error is not None:
             handle._fail(error)
         else:

@@ -448,3 +448,37 @@ def test_a_rank_closed_while_its_load_drops_a_corrupt_run(store_file, tmp_path, 
             assert np.array_equal(a.view(np.int16)[:, :2], b.view(np.int16)[:, 4:6])
         assert server.store.lookup(keys) == 2              # the bad run is gone
         assert server.store.lookup(later) == 2             # the put finished meanwhile
+
+
+def test_a_load_keeps_its_verified_prefix_when_dropping_a_corrupt_run_fails(store_file,
+                                                                           tmp_path):
+    """The server goes away after a rank's load has unpinned its runs (the
+    pins held: what it read stands) and before its drop of the run that
+    failed its checksum.  The load returns its verified prefix, as get_run
+    does when its drop fails ("the read is a miss whatever became of the
+    drop"); the failed drop failed the whole load (ServerGoneError, 0 blocks)."""
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    sock = str(tmp_path / "kv.sock")
+    shape = (2, 8, GEOM.block_tokens, GEOM.num_kv_heads, GEOM.head_dim)
+    rng = np.random.default_rng(4)
+    src = [rng.integers(-30000, 30000, shape, dtype=np.int16).view(np.float16)
+           for _ in range(GEOM.num_layers)]
+    keys = run_keys(10, 4)
+    server = serve_in_background([store_file], sock)
+    rank = RemoteStore(sock)
+    try:
+        _two_runs_second_corrupt(rank, save_blocks, VLLMLayout(src), keys)
+        drop = rank._drop_runs
+
+        def server_gone_then_drop(runs, why="checksum"):
+            server.stop()
+            return drop(runs, why)
+        rank._drop_runs = server_gone_then_drop
+        dst = [np.zeros(shape, np.float16) for _ in range(GEOM.num_layers)]
+        assert load_blocks(rank, keys, VLLMLayout(dst), [4, 5, 6, 7]).wait(20) == 2
+        for a, b in zip(src, dst):
+            assert np.array_equal(a.view(np.int16)[:, :2], b.view(np.int16)[:, 4:6])
+    finally:
+        rank.close()
+        server.stop()
