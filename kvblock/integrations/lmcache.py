@@ -775,7 +775,8 @@ class KVBlockStorageBackend(StoragePluginInterface):
                     self.store.unpin(entry[1])
                 return False
             if entry is None:
-                self._pins[kb] = [1, segs]
+                # the key too: clear() keeps a pinned layer's whole chunk
+                self._pins[kb] = [1, segs, key]
             elif _lost(entry[1]) or _run_ids(segs) != _run_ids(entry[1]):
                 # The pin held protects nothing now: taken on a shared
                 # store's connection that is gone (the server restarted), or
@@ -859,7 +860,8 @@ class KVBlockStorageBackend(StoragePluginInterface):
         """Remove this worker's chunks (its namespace, model and worker id:
         on a store that other workers or tenants share theirs stay; LMCache
         clears every worker and expects the same count from each), except
-        pinned ones (as LocalCPUBackend.clear and remove(force=False));
+        pinned ones (as LocalCPUBackend.clear and remove(force=False);
+        layer-wise, every layer of a chunk with a pinned layer);
         returns the tokens the removed ones held (a layer object holds
         1/layers of its chunk's tokens).  Puts queued before it are dropped
         (writes under way end first)."""
@@ -871,6 +873,12 @@ class KVBlockStorageBackend(StoragePluginInterface):
             self._written.wait_for(lambda: not any(
                 job.writing and job.epoch < self._epoch for job in self._put_tasks.values()))
             pinned = list(self._pins)   # kept, as by remove(force=False)
+            if self.layerwise:
+                # A chunk is found and loads only with all its layers: a
+                # pinned layer keeps its whole chunk (as remove(chunk,
+                # force=False)), not itself alone, the chunk a miss for good.
+                pinned = list({self.kvblock_key(k): None for entry in self._pins.values()
+                               for k in entry[2].split_layers(self.objects_per_chunk)})
         try:
             blocks = self.store.delete_prefix(
                 self.owner_tag(self.metadata.model_name, self.metadata.worker_id), pinned)
@@ -899,7 +907,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
             self._lookup_pins.clear()
         failure = None
         try:
-            for _, segs in pins:
+            for _, segs, _ in pins:
                 try:    # an unpin that fails (a call timing out) leaves the others to release
                     self.store.unpin(segs)
                 except KVBlockError as e:

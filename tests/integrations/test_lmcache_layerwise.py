@@ -484,3 +484,23 @@ def test_a_layer_0_check_counts_one_lookup(file_target, engines):
     assert counted(lambda: e.plugin.contains(layer0)) == (1, LAYERS)
     assert e.plugin.remove(e.chunk_key(1).split_layers(LAYERS)[2])
     assert counted(lambda: e.plugin.contains(layer0)) == (1, 2)     # layers 0 and 1 found
+
+
+def test_clear_keeps_a_chunk_with_a_pinned_layer_whole(file_target, engines):
+    """clear() leaves pinned chunks, as remove(chunk, force=False) does.
+    Layer-wise, a chunk is found (and loads) only with all its layers: a
+    pin of one layer (contains(layer 0, pin=True) pins layer 0) must keep
+    the whole chunk, not that layer alone with the others gone -- the pinned
+    chunk would then never be found or load again."""
+    e = Engine([file_target()], tokens=2 * CHUNK, seed=8)
+    engines.append(e)
+    e.store()
+    layer0 = e.chunk_key(0).split_layers(LAYERS)[0]
+    assert e.plugin.contains(layer0, pin=True)
+    assert e.engine.clear() == CHUNK                            # chunk 1 only
+    assert e.plugin.stats()["blocks"] == LAYERS                 # chunk 0 whole
+    assert e.plugin.contains(layer0)
+    assert e.engine.lookup(e.tokens) == CHUNK
+    assert e.retrieve()[:CHUNK].all()
+    assert torch.equal(e.connector.kv[:, :CHUNK], e.want[:, :CHUNK])
+    assert e.plugin.unpin(layer0)
