@@ -164,6 +164,32 @@ def comma_choices(choices):
     return parse
 
 
+def size_text(text: str) -> str:
+    """An argparse ``type=`` for a byte size (64K, 2M, 1G): the text as
+    given, once it parses; a value that is no size is a usage error naming
+    the option, not a ValueError traceback when the script gets to it."""
+    import argparse
+
+    from kvblock.units import parse_size
+    try:
+        parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def comma_sizes(text: str) -> list[int]:
+    """An argparse ``type=`` for a comma-separated list of byte sizes: their
+    values in bytes; a bad or empty list is a usage error naming the option."""
+    import argparse
+
+    from kvblock.units import parse_size
+    got = [s.strip() for s in text.split(",") if s.strip()]
+    if not got:
+        raise argparse.ArgumentTypeError("none given: a comma-separated list of sizes")
+    return [parse_size(size_text(s)) for s in got]
+
+
 def _write_cache_file(dev: str) -> Path:
     return Path(f"/sys/block/{Path(dev).name}/queue/write_cache")
 

@@ -105,20 +105,19 @@ def measure(dev: str, args) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--targets", default=",".join(TARGETS), help=f"comma separated, of {TARGETS}")
-    p.add_argument("--run", default="32M", help="bytes per run")
+    p.add_argument("--targets", default=",".join(TARGETS), type=fs.comma_choices(TARGETS),
+                   help=f"comma separated, of {TARGETS}")
+    p.add_argument("--run", default="32M", type=fs.size_text, help="bytes per run")
     p.add_argument("--gib", type=float, default=0.25, help="GiB put per round and mode")
     p.add_argument("--source", choices=("image", "staged"), default="image")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--overlap-from", default=None,
+    p.add_argument("--overlap-from", default=None, type=fs.size_text,
                    help="the smallest run hashed while written in the first mode (default: "
                         "the store's OVERLAP_HASH_BYTES; smaller --run is then hashed first "
                         "in both modes)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    targets = [t for t in args.targets.split(",") if t]
-    if any(t not in TARGETS for t in targets):
-        p.error(f"--targets: choose from {', '.join(TARGETS)}")
+    targets = args.targets           # checked by argparse (comma_choices): a usage error
     if any(t.endswith("loop") for t in targets):
         ok, why = fs.prerequisites()
         if not ok:

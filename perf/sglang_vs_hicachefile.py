@@ -430,22 +430,22 @@ def geometry_for(page_bytes: int, args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.5, help="GiB stored and loaded per case")
-    ap.add_argument("--pages", default="256K,2M",
+    ap.add_argument("--pages", default="256K,2M", type=fs.comma_sizes,
                     help="page sizes (bytes of one SGLang page, all layers, K+V), comma separated")
-    ap.add_argument("--locations", default="disk,shm",
+    ap.add_argument("--locations", default="disk,shm", type=fs.comma_choices(LOCATIONS),
                     help=f"comma separated, of {sorted(LOCATIONS)}")
     ap.add_argument("--layout", choices=("page_first", "page_first_direct", "layer_first"),
                     default="page_first", help="host pool layout (--hicache-mem-layout)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=8, help="KV heads of the rank")
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--pool", default="256M", help="host pool size (pages are reused)")
+    ap.add_argument("--pool", default="256M", type=fs.size_text, help="host pool size (pages are reused)")
     ap.add_argument("--batch-pages", type=int, default=STORAGE_BATCH_SIZE,
                     help=f"pages per storage call (SGLang's STORAGE_BATCH_SIZE: "
                          f"{STORAGE_BATCH_SIZE})")
     ap.add_argument("--pattern", choices=("adjacent", "scattered"), default="adjacent",
                     help="host pages of a batch: ascending adjacent, or a fragmented pool")
-    ap.add_argument("--max-run-bytes", default=None,
+    ap.add_argument("--max-run-bytes", default=None, type=fs.size_text,
                     help="kvblock extra_config max_run_bytes (default: the backend's, 64M)")
     fs.add_write_cache_option(ap)
     ap.add_argument("--kvblock-target", choices=("loop", "file"), default="loop",
@@ -461,10 +461,8 @@ def main(argv=None) -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 when a load bar is missed")
     args = ap.parse_args(argv)
     args.loop_write_cache = fs.write_cache_arg(ap, args)
-    page_sizes = [parse_size(s) for s in args.pages.split(",") if s.strip()]
-    locations = [s.strip() for s in args.locations.split(",") if s.strip()]
-    if not locations or any(loc not in LOCATIONS for loc in locations):
-        ap.error(f"--locations: choose from {', '.join(LOCATIONS)}")
+    # (argparse's types check them: a bad value is a usage error, not a traceback)
+    page_sizes, locations = args.pages, args.locations
     if args.rounds < 1 or args.batch_pages < 1 or args.gib <= 0:
         ap.error("--rounds, --batch-pages and --gib must be positive")
     set_env = [v for v in FILE_ENV if os.environ.get(v)]

@@ -418,6 +418,42 @@ def test_an_unknown_choice_is_a_usage_error(script, option, capsys):
     assert f"argument {option}: 'nvme'" in err and all(c in err for c in choices), err
 
 
+@pytest.mark.parametrize("script,option,bad", [
+    ("sglang_vs_hicachefile.py", "--locations", "shm,nvme"),
+    ("sglang_vs_hicachefile.py", "--locations", ","),
+    ("sglang_vs_hicachefile.py", "--pages", "256K,2X"),
+    ("sglang_vs_hicachefile.py", "--pool", "8Q"),
+    ("sglang_vs_hicachefile.py", "--max-run-bytes", "lots"),
+    ("put_hashing.py", "--targets", "shm-file,nvme"),
+    ("put_hashing.py", "--targets", ","),
+    ("put_hashing.py", "--run", "4Q"),
+    ("put_hashing.py", "--overlap-from", "1X")])
+def test_a_bad_list_or_size_is_a_usage_error(script, option, bad, capsys):
+    """perf/sglang_vs_hicachefile.py and perf/put_hashing.py checked their
+    comma-separated lists by hand and parsed sizes after argparse: a size
+    that is none was a ValueError traceback (--overlap-from and
+    --max-run-bytes only once a loop device was attached and filled), and an
+    empty --targets printed an empty table and exited 0.  Each now ends in
+    argparse's usage error (exit 2) naming the option and the bad value."""
+    base = {"sglang_vs_hicachefile.py": CASES["sglang_vs_hicachefile.py"],
+            "put_hashing.py": ["--targets", "shm-file", "--run", "4M", "--gib", "0.01",
+                               "--rounds", "1"]}[script]
+    args = list(base)
+    if option in args:
+        args[args.index(option) + 1] = bad
+    else:
+        args += [option, bad]
+    module = load_script(script)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        module.main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    shown = [b for b in bad.split(",") if b and b not in ("shm", "shm-file", "256K")]
+    assert f"argument {option}:" in err and all(repr(b) in err for b in shown), err
+    assert not list(Path("/dev/shm").glob("kvblock-*"))
+
+
 def test_partial_promotions_rotates_the_order_of_its_modes(capsys, monkeypatch):
     """perf/partial_promotions.py's rounds do not run its three modes in the
     same order every round (PEERS.md: "median of 3 alternating rounds"): over
