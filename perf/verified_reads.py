@@ -39,6 +39,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fio_support  # noqa: E402
 import vllm_tier_vs_fs as vt  # noqa: E402
 
 from kvblock.cli.units import parse_size  # noqa: E402
@@ -81,32 +82,43 @@ def main(argv=None) -> int:
     contents = pool.clone()
     waves = vt.plan_waves(n, pool_slots, 32, "adjacent", seed=slot)
     base = Path(args.where) / f"kvblock-verified-reads-{os.getpid()}"
-    base.mkdir(parents=True, exist_ok=True)
-    view = memoryview(pool.numpy())
     samples = {m: [] for m in mode_table}
-    try:
-        with vt.store_target(args.target, base, n * slot) as dev:
-            tier = KVBlockTierManager(vt.make_spec(), view, "kvblock", devices=[dev],
-                                      threads=args.threads)
-            try:
-                vt.store_waves(tier, waves, pool, contents, 1)
-                engine = tier.store.io.engine
-                job_id = 1_000_000
-                for _ in range(args.rounds):
-                    for mode, (verify, as_they_land, piece) in mode_table.items():
-                        tier.store.verify = verify
-                        engine.hashes_as_reads_land = as_they_land
-                        engine_mod.HASH_PIECE = piece
-                        vt.drop_caches()
-                        elapsed = vt.load_waves(tier, waves, pool, contents, job_id, mode)
-                        job_id += sum(map(len, waves))
-                        samples[mode].append(n * slot / GIB / elapsed)
-                engine_name = engine.name
-            finally:
-                tier.shutdown()
-    finally:
-        view.release()
-        shutil.rmtree(base, ignore_errors=True)
+    engine_name = None
+
+    def body():
+        nonlocal engine_name
+        base.mkdir(parents=True, exist_ok=True)
+        view = memoryview(pool.numpy())
+        try:
+            with vt.store_target(args.target, base, n * slot) as dev:
+                tier = KVBlockTierManager(vt.make_spec(), view, "kvblock", devices=[dev],
+                                          threads=args.threads)
+                try:
+                    vt.store_waves(tier, waves, pool, contents, 1)
+                    engine = tier.store.io.engine
+                    job_id = 1_000_000
+                    for _ in range(args.rounds):
+                        for mode, (verify, as_they_land, piece) in mode_table.items():
+                            tier.store.verify = verify
+                            engine.hashes_as_reads_land = as_they_land
+                            engine_mod.HASH_PIECE = piece
+                            vt.drop_caches()
+                            elapsed = vt.load_waves(tier, waves, pool, contents, job_id, mode)
+                            job_id += sum(map(len, waves))
+                            samples[mode].append(n * slot / GIB / elapsed)
+                    engine_name = engine.name
+                finally:
+                    tier.shutdown()
+        finally:
+            view.release()
+            shutil.rmtree(base, ignore_errors=True)
+
+    # Under run_guarded as the other loop-device scripts: a SIGTERM or SIGHUP
+    # unwinds through the finally blocks that detach the loop device (--target
+    # loop) and remove the store's folder, where it killed the process on the spot.
+    rc = fio_support.run_guarded("verified_reads", body)
+    if rc is not None:
+        return rc
     print(f"{args.gib:g} GiB of {args.slot} slots on a {args.target} in {args.where}, "
           f"{args.threads} tier threads, engine {engine_name}, median of {args.rounds} "
           "alternating rounds (GiB/s)")

@@ -525,13 +525,16 @@ sys.exit(script.main({args!r}))
      "kvblock-vllm-bench-{pid}"),
     ("partial_promotions", ["--gib", "0.02", "--rounds", "1", "--job-slots", "16",
                             "--where", "/dev/shm", "--target", "loop", "--region-size", "64M"],
-     "kvblock-partial-bench-{pid}")])
+     "kvblock-partial-bench-{pid}"),
+    ("verified_reads", ["--gib", "0.02", "--rounds", "1", "--slot", "256K", "--pool", "8M",
+                        "--threads", "2", "--where", "/dev/shm", "--target", "loop"],
+     "kvblock-verified-reads-{pid}")])
 def test_loop_scripts_detach_their_device_on_sigterm(script, args, left):
-    """perf/vllm_tier_vs_fs.py and perf/partial_promotions.py run under
-    fio_support.run_guarded like the other loop-device scripts: a SIGTERM
-    (or SIGHUP) unwinds through the finally that detaches the loop device
-    and the script exits 130, where it died on the spot and left the device
-    attached and its backing file in /dev/shm."""
+    """perf/vllm_tier_vs_fs.py, perf/partial_promotions.py and
+    perf/verified_reads.py run under fio_support.run_guarded like the other
+    loop-device scripts: a SIGTERM (or SIGHUP) unwinds through the finally
+    that detaches the loop device and the script exits 130, where it died on
+    the spot and left the device attached and its backing file in /dev/shm."""
     driver = _SIGTERM_DRIVER.format(perf=str(ROOT / "perf"), module=script, args=args)
     proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
