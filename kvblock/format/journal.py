@@ -46,6 +46,7 @@ _PUT = struct.Struct("<QIIQII")
 _DROP = struct.Struct("<Q")
 _RECLAIM = struct.Struct("<II")
 assert _HEADER.size == 40
+HEADER_BYTES = _HEADER.size
 # A PUT record's bytes besides its keys and checksums, with the padding of the
 # record and of a commit holding it alone.
 PUT_RECORD_OVERHEAD = _HEADER.size + _PUT.size + 7 + BLOCK - 1
@@ -195,6 +196,18 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         return pos + _HEADER.size + length <= sector_end
     # a sector that starts without this record may be one never written
     return pos % SECTOR != 0 and not _is_zero(data[pos:sector_end])
+
+
+def header_at(data: bytes | memoryview, pos: int) -> tuple[int, int, int] | None:
+    """(epoch, sequence number, payload bytes) of a well-formed record
+    header at ``pos``, its payload not checked (it may be cut or
+    unreadable), else None."""
+    if pos + _HEADER.size > len(data):
+        return None
+    magic, _, res16, length, res32, repoch, rseq, _ = _HEADER.unpack_from(data, pos)
+    if magic != MAGIC or length % 8 or res16 or res32:
+        return None
+    return repoch, rseq, length
 
 
 def record_at(data: bytes | memoryview, pos: int = 0) -> tuple[int, int] | None:

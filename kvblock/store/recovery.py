@@ -130,6 +130,10 @@ class Recovery:
         # (records after it show only their own, _removals_past_gap)
         unreadable = after is not None and any(
             at < after[0] and stop < at + length for at, length, *_ in self.journal_unreadable)
+        # ... or unreadable bytes that the commit replay stopped in went on
+        # into (the last one: nothing after them says so, the block before
+        # does); read as the log's end, its records were lost unreported
+        unreadable = unreadable or self._commit_into_unreadable(journal, stop, next_seq, epoch)
         if unreadable or (jfmt.damaged_at(journal, stop, next_seq, epoch)
                           and not self._tears_anywhere()):
             self._drop_after_damage(sb.journal_offset + stop, next_seq)
@@ -144,6 +148,26 @@ class Recovery:
         if not self.readonly:
             self._write_checkpoint()  # new epoch: stale journal records are dead from here on
             self._rewrite_unreadable_journal()
+
+    def _commit_into_unreadable(self, journal, stop: int, seq: int, epoch: int) -> bool:
+        """Whether the record where replay stopped (``stop``, numbered
+        ``seq``) reaches into a range the device cannot read: its header
+        readable before the range, of ``epoch`` and numbered ``seq``, with
+        its bytes going on into the range; or its header cut by the range,
+        after an intact record's end in one sector (a commit that ends
+        there writes zero padding, and a device writes a sector whole).  A
+        crash leaves sectors old or new, not unreadable: the commit reached
+        the range and its records there are lost to damage, not torn."""
+        ahead = [at for at, _, *_ in self.journal_unreadable if at > stop]
+        if not ahead:
+            return False
+        at = min(ahead)
+        if stop + jfmt.HEADER_BYTES <= at:
+            head = jfmt.header_at(journal, stop)
+            return head is not None and head[:2] == (epoch, seq) and \
+                stop + jfmt.HEADER_BYTES + head[2] > at
+        return (stop % jfmt.SECTOR != 0 and not self._tears_anywhere()
+                and any(journal[stop:at]))
 
     def _tears_anywhere(self) -> bool:
         """Whether the journal's device may have been written through a

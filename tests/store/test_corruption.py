@@ -720,3 +720,54 @@ def test_an_unreadable_reclaim_record_with_intact_records_after_it_drops_every_r
                                          "runs_dropped": 2}
         assert any(f"{path}: the journal record at offset {reclaim_at}" in p
                    for p in fsck(store).problems)
+
+
+@pytest.mark.parametrize("what", ["drops", "puts"])
+def test_an_unreadable_block_inside_the_last_commit_is_damage_not_the_logs_end(tmp_path,
+                                                                               what):
+    """A bad sector (EIO) under the second journal block of the last commit
+    (no intact record after it): replay stopped at the record that crosses
+    into it and read the unreadable block as the log's end, a tear.  But
+    the block before it shows this epoch's commit went on into it -- the
+    record's header (``puts``: of this epoch and the expected number), or
+    bytes after the last intact record in its sector, where a commit
+    writes zero padding when it ends (``drops``: a header cut by the block
+    boundary) -- and a crash leaves sectors old or new, not unreadable:
+    the block held acknowledged records, lost to damage.  ``drops``: a
+    delete() of 100 runs (one commit of DROP records) came back in part
+    after the crash, the 15 runs whose DROPs lay in the bad block served
+    again.  As for a damaged record, what was lost is unknown: no run is
+    trusted, and the open and fsck say so."""
+    from kvblock.store.fsck import fsck
+    from tests.support.faults import BadSectors
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    if what == "drops":          # a run of every 6 stays: no region is emptied (reclaimed)
+        runs = [run_keys(100 + i, 1) for i in range(120)]
+        store.put_runs([(keys, run_data(keys)) for keys in runs])
+        runs = [keys for i, keys in enumerate(runs) if i % 6]
+    else:
+        runs = [run_keys(100 + i, 2) for i in range(40)]
+    store.checkpoint()
+    commit_at = store.sb.journal_offset + store._jhead
+    if what == "drops":          # one commit of 100 DROP records: 4800 bytes
+        assert store.delete([keys[0] for keys in runs]) == len(runs)
+    else:                        # one commit of 40 PUT records of 144 bytes
+        store.put_runs([(keys, run_data(keys)) for keys in runs])
+    assert store._jhead == 2 * 4096  # the commit is the last and takes two blocks
+    store._release_devices()     # a crash: no checkpoint after the commit
+    store.closed = True
+    bad = BadSectors()
+    bad.add(0, commit_at + 4096, 4096)
+    with KVStore.open([str(path)], readonly=True, storeio_factory=bad.factory()) as store:
+        assert store.journal_gap is None
+        if what == "drops":
+            assert sum(store.lookup(keys) for keys in runs) == 0
+        assert store.stats()["runs"] == 0
+        assert store.journal_damaged is not None and not store.clean_at_open
+        assert store.journal_damaged["offset"] < commit_at + 4096
+        assert any(f"{path}: the journal record at offset {store.journal_damaged['offset']}"
+                   in p for p in fsck(store).problems)
