@@ -309,6 +309,15 @@ class Recovery:
         leaves the older one and its journal whole."""
         first = jfmt.record_at(journal)
         if first is None:
+            # A first record that rotted (its checksum fails) still names
+            # its epoch in its header: no rot forges a 64-bit epoch hash, so
+            # one of a newer generation shows the journal moved on.
+            head = jfmt.header_at(journal, 0)
+            if head is not None and any(
+                    head[0] == jfmt.epoch(self.sb.store_uuid, generation + k)
+                    for k in range(1, 4)):
+                first = head[:2]
+        if first is None:
             if self.journal_unreadable and self.journal_unreadable[0][0] == 0 and \
                     self.damaged_checkpoint_slots:
                 # The first record is unreadable and so is a checkpoint:

@@ -771,3 +771,43 @@ def test_an_unreadable_block_inside_the_last_commit_is_damage_not_the_logs_end(t
         assert store.journal_damaged["offset"] < commit_at + 4096
         assert any(f"{path}: the journal record at offset {store.journal_damaged['offset']}"
                    in p for p in fsck(store).problems)
+
+
+def test_a_rotted_first_record_of_the_newest_checkpoints_epoch_is_not_the_older_ones(tmp_path):
+    """The newest checkpoint slot damaged, and the first journal record of
+    its epoch rotted (header whole, payload not): the older checkpoint
+    predates a region reclaimed and written again since, yet open saw no
+    newer epoch (it trusted only a record whose checksum holds) and served
+    the older checkpoint's run in that region: with verify="never", the
+    region's new bytes under its keys.  The record's header still names
+    the newer epoch (a 64-bit hash of store and generation no rot
+    forges): the journal moved on, and the older runs are dropped, as
+    when that record is unreadable."""
+    from tests.store.workload import run_data, run_keys
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    store = KVStore.format([str(path)], GEOM, region_size=REGION)
+    x = run_keys(900, 2)
+    store.put_run(x, run_data(x))
+    run = store.index.locate(normalize_key(x[0]))[0]
+    dev, run_at = store.regions.address(run.region, run.offset)
+    store.checkpoint()                       # generation k: X
+    store.evict(all=True)                    # epoch k: X's region reclaimed
+    store.checkpoint()                       # generation k+1: no X; its epoch begins
+    z = run_keys(2000, 1)
+    store.put_run(z, run_data(z))            # the first record of epoch k+1
+    slot, sb = store._cp_slot, store.sb
+    store._release_devices()                 # a crash
+    store.closed = True
+    with open(path, "r+b") as f:             # X's place written again (a put never published)
+        f.seek(run_at)
+        f.write(bytes(range(256)) * 64)
+    _flip(path, sb.checkpoint_offset + slot * sb.checkpoint_bytes + 8)   # newest slot
+    _flip(path, sb.journal_offset + 60)      # the first record's payload
+    with KVStore.open([str(path)], verify="never", readonly=True) as store:
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        got = store.get_run(x, out)
+        assert got == 0 or np.array_equal(out, run_data(x))
+        assert store.lookup(x) == 0 and store.stats()["runs"] == 0
+        assert store.stale_checkpoint
