@@ -4,19 +4,39 @@
 when nobody answers on the socket (and again, with ``reconnect``, when the
 server is lost later); :func:`wait_for_server` waits for a server process
 to listen; :func:`socket_dir` makes the socket's directory.
+
+A server that stops closes its socket first (a rank connecting then finds
+no server and starts the next one at once) but holds the devices until its
+store is closed (a checkpoint).  Meanwhile it write-locks STOPPING_BYTE of
+``<socket>.fence`` (:func:`announce_stopping`); a new server that finds the
+devices busy waits while that lock is held (:func:`wait_for_stopping_server`)
+instead of failing on a claim about to be released.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
+import struct
 import threading
 import time
 from typing import Sequence
 
 from kvblock.errors import ConfigError, ServerBusyError, ServerError, ServerGoneError
+from kvblock.store.fence import FENCE_BYTE, _FLOCK, _ofd_lock, socket_fence_path
 from kvblock.store.session import open_socket
+
+logger = logging.getLogger("kvblock")
+
+# Beside the write fence's bytes of <socket>.fence (ranks lock those, never this).
+STOPPING_BYTE = FENCE_BYTE + 2
+# How long a new server waits for a stopping one to let go of the devices:
+# its stop drains each connection for up to 10 s, then checkpoints.  (A
+# server spawn_server started is killed sooner, at its start timeout.)
+STOPPING_WAIT_S = 120.0
+STOPPING_POLL_S = 0.02
 
 
 def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.0,
@@ -138,3 +158,43 @@ def wait_for_server(socket_path, timeout: float = 30.0, proc=None) -> None:
                 raise ServerError(f"no store server listening on {socket_path} after "
                                   f"{timeout} s ({e})") from None
             time.sleep(0.02)
+
+
+def announce_stopping(fence_fd: int) -> None:
+    """(a stopping server, on its ``<socket>.fence``) Held until the
+    descriptor is closed, after the store is: see the module's notes."""
+    try:
+        _ofd_lock(fence_fd, fcntl.F_WRLCK, wait=False, byte=STOPPING_BYTE)
+    except OSError as e:       # ENOLCK: the stop goes on; a new server may then fail busy
+        logger.warning("kvblock serve: cannot mark the server stopping on its fence file: %s",
+                       e)
+
+
+def _stopping(fd: int) -> bool:
+    """Does a stopping server hold STOPPING_BYTE of the file behind ``fd``?
+    (tested, not taken: a server that begins to stop must never find it held)"""
+    arg = struct.pack(_FLOCK, fcntl.F_RDLCK, os.SEEK_SET, STOPPING_BYTE, 1, 0)
+    return struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_OFD_GETLK, arg))[0] != fcntl.F_UNLCK
+
+
+def wait_for_stopping_server(socket_path, timeout: float = STOPPING_WAIT_S) -> bool:
+    """Wait (up to ``timeout``) while a server stopping on ``socket_path``
+    still holds its devices.  False at once when none is stopping there
+    (the devices' holder is something else), True once it has let go."""
+    try:
+        fd = os.open(socket_fence_path(socket_path), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False                 # no server has served there
+    try:
+        if not _stopping(fd):
+            return False
+        logger.warning("kvblock serve: the store server stopping on %s still holds the "
+                       "devices; waiting for it (up to %g s)", socket_path, timeout)
+        deadline = time.monotonic() + timeout
+        while _stopping(fd):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(STOPPING_POLL_S)
+        return True
+    finally:
+        os.close(fd)

@@ -49,6 +49,7 @@ import numpy as np
 
 from kvblock.errors import (
     ConfigError,
+    DeviceBusyError,
     DevicePermissionError,
     KVBlockError,
     ProtocolMismatchError,
@@ -57,7 +58,12 @@ from kvblock.errors import (
     StoreClosedError,
 )
 from kvblock.index import Run
-from kvblock.store.launch import socket_dir, wait_for_server
+from kvblock.store.launch import (
+    announce_stopping,
+    socket_dir,
+    wait_for_server,
+    wait_for_stopping_server,
+)
 from kvblock.store.fence import fence_writers, reopen, socket_fence_path
 from kvblock.store.protocol import (
     PROTOCOL,
@@ -163,6 +169,7 @@ class StoreServer:
         self._socket_ino: int | None = None
         self._stopping = False
         self._stop_lock = threading.Lock()
+        self._unlink_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.connections_total = 0
         self._fence_fd: int | None = None     # <socket>.fence, held open while serving
@@ -211,6 +218,8 @@ class StoreServer:
                 return
             self._stopping = True
         self._halt.set()
+        if self.close_store and self._fence_fd is not None:
+            announce_stopping(self._fence_fd)   # a new server waits for our devices
         if self._listener is not None:
             # A connection wakes accept() now instead of at its next timeout
             # (ACCEPT_POLL); the accept loop sees _stopping and closes it.  Only on
@@ -225,6 +234,9 @@ class StoreServer:
         try:
             if self._thread is not None and self._thread is not threading.current_thread():
                 self._thread.join(timeout)
+            # Listening no more before the drain and the checkpoint: a rank
+            # connecting now finds no server and starts the next one at once.
+            self._unlink_socket()
             if self._lease_thread is not None and \
                     self._lease_thread is not threading.current_thread():
                 self._lease_thread.join(timeout)
@@ -243,7 +255,7 @@ class StoreServer:
         finally:
             self._unlink_socket()
             if self._fence_fd is not None:
-                os.close(self._fence_fd)
+                os.close(self._fence_fd)       # after the store's close: lets a new server go
                 self._fence_fd = None
             self.stopped.set()
 
@@ -261,14 +273,16 @@ class StoreServer:
         self.stop()
 
     def _unlink_socket(self):
-        if self._listener is not None:
-            self._listener.close()
-        try:  # only our own socket: a newer server may have taken the path
-            if self._socket_ino is not None and \
-                    os.stat(self.socket_path).st_ino == self._socket_ino:
-                os.unlink(self.socket_path)
-        except OSError:
-            pass
+        with self._unlink_lock:
+            if self._listener is not None:
+                self._listener.close()
+            try:  # only our own socket: a newer server may have taken the path
+                if self._socket_ino is not None and \
+                        os.stat(self.socket_path).st_ino == self._socket_ino:
+                    os.unlink(self.socket_path)
+            except OSError:
+                pass
+            self._socket_ino = None    # once: a newer server's socket may reuse the inode
 
     # ------------------------------------------------------------------ connections
     def _accept_loop(self):
@@ -322,6 +336,9 @@ class StoreServer:
             session = _Session(conn, next(self._ids))
             with self._sessions_lock:
                 if self._stopping:
+                    # no socket first: this rank then finds no server (and
+                    # starts the next one), not this stopping one again
+                    self._unlink_socket()
                     conn.close()
                     return
                 # a connection that has ended (its pins being given back, its
@@ -946,7 +963,13 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
                           f"path holds at most {MAX_SOCKET_PATH}: choose a shorter --socket path")
     socket_dir(socket_path)
     _check_socket_path(os.fspath(socket_path))
-    store = KVStore.open(list(devices), **options)
+    try:
+        store = KVStore.open(list(devices), **options)
+    except DeviceBusyError:
+        # held by the server stopping on this socket: free once its store is closed
+        if not wait_for_stopping_server(socket_path):
+            raise
+        store = KVStore.open(list(devices), **options)
     try:
         return StoreServer(store, socket_path, idle_exit=idle_exit, pin_lease=pin_lease,
                            hello_timeout=hello_timeout, max_clients=max_clients).start()

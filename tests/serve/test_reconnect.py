@@ -801,3 +801,105 @@ def test_a_server_too_busy_to_accept_is_not_taken_for_none(tmp_path, monkeypatch
             c.close()
         busy.close()
         os.unlink(sock)
+
+
+
+def _slow_close(server, seconds=3.0):
+    """Make ``server``'s store close (its checkpoint) take ``seconds``,
+    past the devices' busy_timeout; the event is set when it begins."""
+    closing = threading.Event()
+    real_close = server.store.close
+
+    def slow_close():
+        closing.set()
+        time.sleep(seconds)
+        real_close()
+
+    server.store.close = slow_close
+    return closing
+
+
+@pytest.mark.parametrize("when", ["closing", "accepted"])
+def test_a_rank_connecting_while_the_server_stops_reaches_a_new_one(tmp_path, monkeypatch,
+                                                                    when):
+    """A rank connects while the server stops (its store's close, the
+    checkpoint, is slow): its connection waits in the listen backlog
+    ("closing"), or the accept loop took it just as stop() began and closed
+    it ("accepted").  Either way connect() finds no server and starts one,
+    which gave up on the devices the stopping one still held (ServerError).
+    Now the stopping server stops listening first and the new one waits for
+    the devices while their holder is a stopping server: the rank is served
+    by the new server and reads what the old one stored."""
+    from kvblock.store import server as server_mod
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    keys = run_keys(3, 2)
+    server = serve_in_background([path], sock)
+    accepted, gate = threading.Event(), threading.Event()
+    r, stopper = None, threading.Thread(target=server.stop)
+    try:
+        with RemoteStore(sock) as first:
+            first.put_run(keys, run_data(keys))
+        closing = _slow_close(server)
+        if when == "closing":
+            stopper.start()
+            assert closing.wait(10)
+            r = connect(sock, [path], timeout=30, start_timeout=60)
+        else:
+            class HeldSession(server_mod._Session):
+                def __init__(self, *a):
+                    super().__init__(*a)
+                    accepted.set()
+                    gate.wait(30)            # the accept loop, between accept and serve
+
+            monkeypatch.setattr(server_mod, "_Session", HeldSession)
+            out = {}
+
+            def rank():
+                try:
+                    out["store"] = connect(sock, [path], timeout=30, start_timeout=60)
+                except BaseException as e:  # noqa: BLE001  (said by the assert below)
+                    out["error"] = e
+
+            t = threading.Thread(target=rank)
+            t.start()
+            assert accepted.wait(10)
+            stopper.start()
+            assert server._halt.wait(10)         # stop() began
+            gate.set()
+            t.join(90)
+            assert "error" not in out, repr(out.get("error"))
+            r = out["store"]
+        assert r.server_pid != os.getpid()       # a new server, in its own process
+        got = np.zeros_like(run_data(keys))
+        assert r.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
+        stopper.join(30)
+        assert server.stopped.is_set()
+    finally:
+        gate.set()
+        if r is not None:
+            r.close()
+        server.stop()
+        if stopper.is_alive():
+            stopper.join(30)
+        _kill_servers_of(sock)
+
+
+def test_a_store_held_by_no_stopping_server_still_fails_fast(tmp_path):
+    """Only a stopping server is waited for: a store that another process
+    (here a KVStore open in this one) holds refuses a new server on a socket
+    a server served before with DeviceBusyError, after the devices'
+    busy_timeout, not after the wait for a stopping server."""
+    from kvblock.errors import DeviceBusyError
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    serve_in_background([path], sock).stop()       # leaves kv.sock.fence behind
+    assert os.path.exists(sock + ".fence")
+    with KVStore.open([path]):
+        start = time.monotonic()
+        with pytest.raises(DeviceBusyError, match=r"kv\.img"):
+            serve_in_background([path], sock)
+        assert time.monotonic() - start < 10
+    assert not os.path.exists(sock)
