@@ -177,17 +177,32 @@ def _stopping(fd: int) -> bool:
     return struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_OFD_GETLK, arg))[0] != fcntl.F_UNLCK
 
 
-def wait_for_stopping_server(socket_path, timeout: float = STOPPING_WAIT_S) -> bool:
-    """Wait (up to ``timeout``) while a server stopping on ``socket_path``
-    still holds its devices.  False at once when none is stopping there
-    (the devices' holder is something else), True once it has let go."""
+def server_stopping(socket_path) -> bool:
+    """Is a server stopping on ``socket_path`` (its mark held) now?"""
     try:
         fd = os.open(socket_fence_path(socket_path), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return False                 # no server has served there
     try:
+        return _stopping(fd)
+    finally:
+        os.close(fd)
+
+
+def wait_for_stopping_server(socket_path, timeout: float = STOPPING_WAIT_S,
+                             was_stopping: bool = False) -> bool:
+    """Wait (up to ``timeout``) while a server stopping on ``socket_path``
+    still holds its devices.  True once it has let go; False at once when
+    none is stopping there (the devices' holder is something else) unless
+    ``was_stopping`` (:func:`server_stopping` before the open that found the
+    devices busy): that server may have let go of them since (True)."""
+    try:
+        fd = os.open(socket_fence_path(socket_path), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return was_stopping          # no server has served there (or it was removed)
+    try:
         if not _stopping(fd):
-            return False
+            return was_stopping
         logger.warning("kvblock serve: the store server stopping on %s still holds the "
                        "devices; waiting for it (up to %g s)", socket_path, timeout)
         deadline = time.monotonic() + timeout

@@ -60,6 +60,7 @@ from kvblock.errors import (
 from kvblock.index import Run
 from kvblock.store.launch import (
     announce_stopping,
+    server_stopping,
     socket_dir,
     wait_for_server,
     wait_for_stopping_server,
@@ -963,11 +964,15 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
                           f"path holds at most {MAX_SOCKET_PATH}: choose a shorter --socket path")
     socket_dir(socket_path)
     _check_socket_path(os.fspath(socket_path))
+    # Looked at before the open too: a stopping server that lets go of the
+    # devices and of its mark between our open finding them busy and the
+    # look after it would otherwise be taken for some other holder.
+    was_stopping = server_stopping(socket_path)
     try:
         store = KVStore.open(list(devices), **options)
     except DeviceBusyError:
         # held by the server stopping on this socket: free once its store is closed
-        if not wait_for_stopping_server(socket_path):
+        if not wait_for_stopping_server(socket_path, was_stopping=was_stopping):
             raise
         store = KVStore.open(list(devices), **options)
     try:

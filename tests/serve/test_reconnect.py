@@ -903,3 +903,50 @@ def test_a_store_held_by_no_stopping_server_still_fails_fast(tmp_path):
             serve_in_background([path], sock)
         assert time.monotonic() - start < 10
     assert not os.path.exists(sock)
+
+
+def test_a_server_that_ends_its_stop_just_as_the_new_one_finds_it_busy_is_waited_for(
+        tmp_path, monkeypatch):
+    """The stopping server lets go of the devices (and of its mark) just
+    after the new server's open found them busy, before the new one looks
+    for the mark: the mark was held when the new server began, so it opens
+    again rather than failing with DeviceBusyError on devices now free."""
+    from kvblock.store import server as server_mod
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    keys = run_keys(4, 2)
+    old = serve_in_background([path], sock)
+    with RemoteStore(sock) as r:
+        r.put_run(keys, run_data(keys))
+    closing = _slow_close(old, seconds=1.5)
+    stopper = threading.Thread(target=old.stop)
+    real = server_mod.KVStore
+
+    class EndsMeanwhile:
+        calls = 0
+
+        @classmethod
+        def open(cls, devices, **options):
+            cls.calls += 1
+            try:
+                return real.open(devices, **options)
+            except server_mod.DeviceBusyError:
+                assert old.stopped.wait(30)   # the old server's stop ends right here
+                raise
+
+    monkeypatch.setattr(server_mod, "KVStore", EndsMeanwhile)
+    new = None
+    try:
+        stopper.start()
+        assert closing.wait(10)
+        new = serve_in_background([path], sock)
+        assert EndsMeanwhile.calls == 2
+        got = np.zeros_like(run_data(keys))
+        with RemoteStore(sock) as r:
+            assert r.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
+    finally:
+        stopper.join(30)
+        old.stop()
+        if new is not None:
+            new.stop()
