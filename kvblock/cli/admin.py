@@ -714,7 +714,8 @@ def serve(devices, socket_path, model, eviction, admit_after, engine, verify, id
             server = open_server(list(devices), socket_path, model=model, eviction=eviction,
                                  admit_after=admit_after, engine=engine, verify=verify,
                                  idle_exit=idle_exit, pin_lease=pin_lease,
-                                 hello_timeout=hello_timeout, max_clients=max_clients)
+                                 hello_timeout=hello_timeout, max_clients=max_clients,
+                                 stop=stop)   # a signal ends a wait for a stopping server
         except DeviceBusyError as e:
             raise _writer_busy(e, "one process serves a store", "serve") from None
         s = server.store.stats()

@@ -190,12 +190,15 @@ def server_stopping(socket_path) -> bool:
 
 
 def wait_for_stopping_server(socket_path, timeout: float = STOPPING_WAIT_S,
-                             was_stopping: bool = False) -> bool:
+                             was_stopping: bool = False,
+                             stop: threading.Event | None = None) -> bool:
     """Wait (up to ``timeout``) while a server stopping on ``socket_path``
     still holds its devices.  True once it has let go; False at once when
     none is stopping there (the devices' holder is something else) unless
     ``was_stopping`` (:func:`server_stopping` before the open that found the
-    devices busy): that server may have let go of them since (True)."""
+    devices busy): that server may have let go of them since (True).
+    False as soon as ``stop`` is set (kvblock serve told to stop meanwhile:
+    SIGTERM, Ctrl-C)."""
     try:
         fd = os.open(socket_fence_path(socket_path), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -209,7 +212,10 @@ def wait_for_stopping_server(socket_path, timeout: float = STOPPING_WAIT_S,
         while _stopping(fd):
             if time.monotonic() >= deadline:
                 return False
-            time.sleep(STOPPING_POLL_S)
+            if stop is not None and stop.wait(STOPPING_POLL_S):
+                return False        # told to stop: not after up to STOPPING_WAIT_S
+            if stop is None:
+                time.sleep(STOPPING_POLL_S)
         return True
     finally:
         os.close(fd)

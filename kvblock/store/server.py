@@ -949,11 +949,14 @@ MAX_SOCKET_PATH = 107   # sun_path is 108 bytes, its last one the terminating NU
 def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = None,
                 pin_lease: float | None = PIN_LEASE_S,
                 hello_timeout: float | None = HELLO_TIMEOUT_S,
-                max_clients: int | None = MAX_CLIENTS, **options) -> StoreServer:
+                max_clients: int | None = MAX_CLIENTS, stop: threading.Event | None = None,
+                **options) -> StoreServer:
     """Open (and recover) the store on ``devices`` and serve it on
     ``socket_path``.  ``options`` go to :meth:`KVStore.open` (no
     ``host_cache_bytes``: a DRAM tier in the server would hold blocks its
-    clients cannot read)."""
+    clients cannot read).  ``stop`` (:func:`stop_signals`' event) ends the
+    wait for a server stopping on ``socket_path`` to let go of the devices
+    (DeviceBusyError)."""
     if options.get("host_cache_bytes"):
         raise ConfigError("a store server cannot keep a DRAM tier (its clients read the "
                           "devices themselves); give each rank its own cache instead")
@@ -972,7 +975,7 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
         store = KVStore.open(list(devices), **options)
     except DeviceBusyError:
         # held by the server stopping on this socket: free once its store is closed
-        if not wait_for_stopping_server(socket_path, was_stopping=was_stopping):
+        if not wait_for_stopping_server(socket_path, was_stopping=was_stopping, stop=stop):
             raise
         store = KVStore.open(list(devices), **options)
     try:
@@ -1046,7 +1049,8 @@ def stop_signals():
     ends: enter it before open_server, whose socket accepts (what
     spawn_server waits for) before run_forever runs; a SIGTERM in between
     killed the server uncleanly.  One during recovery stops the server once
-    it is open."""
+    it is open; one while open_server(stop=...) waits for a stopping
+    server's devices ends that wait (DeviceBusyError)."""
     stop = threading.Event()
 
     def on_signal(signum, frame):

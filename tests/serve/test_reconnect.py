@@ -950,3 +950,54 @@ def test_a_server_that_ends_its_stop_just_as_the_new_one_finds_it_busy_is_waited
         old.stop()
         if new is not None:
             new.stop()
+
+
+def test_a_server_waiting_for_a_stopping_one_stops_on_sigterm(tmp_path):
+    """`kvblock serve` waiting (up to 120 s) for a stopping server's
+    devices stops when it is told to (SIGTERM, Ctrl-C), not once the wait
+    is over: here the old server holds its devices until the new one
+    has exited."""
+    import subprocess
+    import sys
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    old = serve_in_background([path], sock)
+    release, closing = threading.Event(), threading.Event()
+    real_close = old.store.close
+
+    def held_close():
+        closing.set()
+        release.wait(60)
+        real_close()
+
+    old.store.close = held_close
+    stopper = threading.Thread(target=old.stop)
+    proc = None
+    try:
+        stopper.start()
+        assert closing.wait(10)
+        proc = subprocess.Popen([sys.executable, "-m", "kvblock", "serve", path, "--socket",
+                                 sock], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        seen = []
+        for line in proc.stderr:              # EOF if it exits first (said by the assert)
+            seen.append(line)
+            if "waiting for it" in line:
+                break
+        assert "waiting for it" in "".join(seen), "".join(seen)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            status = proc.wait(timeout=20)    # the old server holds on until then
+        except subprocess.TimeoutExpired:
+            pytest.fail("kvblock serve went on waiting for the devices after SIGTERM")
+        assert status != 0 and not os.path.exists(sock)   # it served nothing
+    finally:
+        release.set()
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc is not None:
+            proc.stderr.close()
+        stopper.join(30)
+        old.stop()
