@@ -337,6 +337,7 @@ class RemoteStore(RunReader, RunWriter):
         self.alignment = int(hello["alignment"])
         self._layouts: dict[int, RunLayout] = {}   # layout()'s, by run length
         self.max_run_blocks = int(hello["max_run_blocks"])
+        self.journal_bytes = int(hello["journal_bytes"])   # bounds a put_runs commit
         # the server's policies (they apply to every rank; None: not said)
         self.server_eviction = hello.get("eviction")
         self.server_admit_after = hello.get("admit_after")
@@ -642,13 +643,89 @@ class RemoteStore(RunReader, RunWriter):
 
     # ------------------------------------------------------------------ byte API
     def _put_many(self, items: list) -> list[int]:
-        """put_runs here: each run is published by its own call to the server
-        (every run checked to fit first, as in one process: none is written
-        when one cannot be)."""
+        """put_runs here: every run checked to fit and admitted before any is
+        written; then, as in one process, the pieces are written and
+        published in groups, each with one commit_runs (one journal commit:
+        an error while a group is written publishes none of it)."""
         for keys, _ in items:
             if keys:
                 self._check_fits(len(keys))
-        return [self._put(keys, blocks) for keys, blocks in items]
+        if len(items) == 1:
+            return [self._put(*items[0])]
+        out, pieces, clears = [0] * len(items), [], None
+        taken: dict[bytes, int] = {}  # keys an earlier run of this call writes: that run
+        repeats = {}                  # a run those earlier runs hold whole: them
+        for i, (keys, blocks) in enumerate(items):
+            n = len(keys)
+            if n == 0:
+                continue
+            if taken and all(k in taken for k in keys):   # as put one after another
+                self.counters["put_duplicate_runs"] += 1
+                out[i], repeats[i] = n, {taken[k] for k in keys}
+                continue
+            answer = self._call("admit", keys=encode_keys(keys))
+            # the first ticket: a clear() after it refuses every run (KVStore's too)
+            clears = clears or answer["clears"]
+            if answer["verdict"] == "duplicate":
+                self.counters["put_duplicate_runs"] += 1
+                out[i] = n
+                continue
+            if answer["verdict"] == "rejected":
+                self.counters["admission_rejected_runs"] += 1
+                continue
+            taken.update(dict.fromkeys(keys, i))
+            for start in range(0, n, self.max_run_blocks):
+                stop = min(n, start + self.max_run_blocks)
+                pieces.append((i, keys[start:stop], span(blocks, start, stop)))
+        cleared = set()
+        for group in self._groups(pieces, self.journal_bytes):
+            for i, n in self._put_group(group, clears):
+                out[i] += n
+                if not n:
+                    cleared.add(i)
+        for i in cleared:             # a clear() overtook a piece: the item's others went too
+            out[i] = 0
+        for i, holders in repeats.items():
+            if holders & cleared:
+                out[i] = 0
+        return out
+
+    def _put_group(self, pieces: list, clears: str) -> list[tuple[int, int]]:
+        """Allocate and write each piece, then publish them all with one
+        commit_runs.  Returns (item, blocks) per piece, 0 blocks for one a
+        clear() refused."""
+        s = self._current()   # the allocations, their commit or abort: one session
+        allocs, puts, sent = [], [], False
+        try:
+            for k, (_, keys, blocks) in enumerate(pieces):
+                a = self._call_on(s, "allocate", nblocks=len(keys))
+                s.hold(1)
+                allocs.append(a)
+                # the last write flushes every device the group wrote
+                last = k == len(pieces) - 1
+                sums = self._write_allocated(s, a, keys, blocks, {
+                    self.regions.device_of(x["region"]) for x in allocs} if last else None)
+                puts.append([a["wid"], encode_keys(keys), [int(c) for c in sums]])
+            sent = True                          # from here the server releases the pins
+            stored = self._call_on(s, "commit_runs", puts=puts, clears=clears)
+        except BaseException:
+            if not sent:
+                for a in allocs:
+                    try:
+                        self._call_on(s, "abort", wid=a["wid"])
+                    except KVBlockError:
+                        pass  # a dead connection releases the pins anyway
+            raise
+        finally:
+            s.hold(-len(allocs))
+        for n in stored:
+            if not n:
+                self.counters["cleared_puts"] += 1
+                continue
+            self.counters["put_runs"] += 1
+            self.counters["put_blocks"] += n
+            self.counters["bytes_written"] += self.layout(n).run_bytes
+        return [(i, int(n)) for (i, _, _), n in zip(pieces, stored)]
 
     def _put(self, keys: list[bytes], blocks) -> int:
         n = len(keys)
@@ -673,27 +750,36 @@ class RemoteStore(RunReader, RunWriter):
                 return 0
         return written
 
+    def _write_allocated(self, s: "Session", a: dict, keys: list[bytes], blocks,
+                         flush: frozenset | set | None = frozenset()) -> np.ndarray:
+        """Write a run into the space ``a`` (allocate's answer on ``s``)
+        holds; its checksums.  ``flush``: devices to flush after it (data
+        before the record that publishes it), its own added; None: none."""
+        lay = self.layout(len(keys))
+        dev, dev_off = self.regions.address(a["region"], a["offset"])
+        batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off, later=True)
+        with self._fence.writing():          # see kvblock/store/fence.py
+            if self.closed:                  # close() waits only for writes under way
+                raise StoreClosedError("remote store was closed during the put")
+            if s.hung_up():                  # the space may be someone else's by now
+                self.counters["fenced_writes"] += 1
+                raise ServerGoneError(
+                    f"the store server at {self.socket_path} that allocated this run's "
+                    f"space ({self.io.devices[dev].path} at {dev_off}) is gone; the run "
+                    "was not written")
+            sums = self._write_run(batch, sums, a["run_id"])
+            if flush is not None:
+                self.io.flush(sorted(flush | {dev}))
+            return sums
+
     def _put_one(self, keys: list[bytes], blocks, clears: str) -> int:
         n = len(keys)
-        lay = self.layout(n)
         s = self._current()   # the allocation, its commit or abort: one session
         a = self._call_on(s, "allocate", nblocks=n)   # the server pins the region for us
         s.hold(1)
         sent = False
         try:
-            dev, dev_off = self.regions.address(a["region"], a["offset"])
-            batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off, later=True)
-            with self._fence.writing():          # see kvblock/store/fence.py
-                if self.closed:                  # close() waits only for writes under way
-                    raise StoreClosedError("remote store was closed during the put")
-                if s.hung_up():                  # the space may be someone else's by now
-                    self.counters["fenced_writes"] += 1
-                    raise ServerGoneError(
-                        f"the store server at {self.socket_path} that allocated this run's "
-                        f"space ({self.io.devices[dev].path} at {dev_off}) is gone; the run "
-                        "was not written")
-                sums = self._write_run(batch, sums, a["run_id"])
-                self.io.flush([dev])             # data before the record that publishes it
+            sums = self._write_allocated(s, a, keys, blocks)
             sent = True                          # from here the server releases the pin
             stored = self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
                                    checksums=[int(c) for c in sums], clears=clears)
@@ -711,7 +797,7 @@ class RemoteStore(RunReader, RunWriter):
             return 0
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += n
-        self.counters["bytes_written"] += lay.run_bytes
+        self.counters["bytes_written"] += self.layout(n).run_bytes
         return n
 
     def pin(self, keys: Sequence) -> list:

@@ -15,7 +15,11 @@ request at a time per connection, answered in order.
   region), then, after the client has written and flushed the run's bytes,
   ``commit`` (the server journals the PUT record durably and publishes the
   run; it carries the run's checksums, one per range, then its block digest
-  trailer's, kvblock/format/trailer.py).
+  trailer's, kvblock/format/trailer.py).  ``put_runs`` allocates and
+  writes each of its runs, then publishes them all with one
+  ``commit_runs`` (``puts``: [wid, keys, checksums] each): one journal
+  commit, so all or none of them are published; every allocation named is
+  released, whatever the answer.
 - A read asks ``segments`` (the server pins the runs and answers their
   locations and checksums), reads and verifies locally, then ``unpin``.
 - Pins belong to the connection: when it drops (the client exits or
@@ -44,7 +48,7 @@ from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 from kvblock.index.keys import normalize_key
 
-PROTOCOL = 10  # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 11  # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
@@ -55,6 +59,8 @@ PROTOCOL = 10  # 2: "clear"; admit answers the clear count, commit carries it
 #                9: "delete_prefix" (a worker's own keys), "clear_ticket";
 #                   drop_runs says why (a checksum failure or a read error)
 #               10: delete_prefix's "keep" (the caller's pinned keys stay)
+#               11: "commit_runs" (put_runs: its runs in one journal commit);
+#                   hello's "journal_bytes"
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

@@ -57,6 +57,7 @@ from kvblock.errors import (
     ServerError,
     StoreClosedError,
 )
+from kvblock.format import journal as jfmt
 from kvblock.index import Run
 from kvblock.store.launch import (
     announce_stopping,
@@ -691,7 +692,8 @@ class StoreServer:
             "devices": [d.path for d in st.io.devices], "geometry": st.geometry.as_dict(),
             "alignment": st.alignment, "region_size": st.regions.size,
             "region_count": st.regions.count, "data_offsets": st.regions.data_offsets,
-            "max_run_blocks": st.max_run_blocks, "verify": st.verify,
+            "max_run_blocks": st.max_run_blocks, "journal_bytes": st.sb.journal_bytes,
+            "verify": st.verify,
             "fingerprint": st.sb.fingerprint.hex(), "pin_lease": self.pin_lease,
             "eviction": st.eviction, "admit_after": st.admission.admit_after,
         }
@@ -792,37 +794,71 @@ class StoreServer:
                 "generation": gen}
 
     def _op_commit(self, s, wid, keys, checksums, clears):
+        return self._commit_runs(s, "commit", [[wid, keys, checksums]], clears)[0]
+
+    def _op_commit_runs(self, s, puts, clears):
+        """Publish the runs of several allocations with one journal commit
+        (put_runs): all of them, or none when a clear() came after admit."""
+        if not isinstance(puts, list) or not puts or not all(
+                isinstance(p, list) and len(p) == 3 for p in puts):
+            raise ConfigError(f"commit_runs: puts must be a non-empty list of [wid, keys, "
+                              f"checksums], got {str(puts)[:80]}")
+        return self._commit_runs(s, "commit_runs", puts, clears)
+
+    def _commit_runs(self, s, op, puts, clears) -> list[int]:
         st = self.store
-        _check_id("commit", "wid", wid)
-        w = s.writers.pop(wid, None)
-        if w is None:
-            raise ConfigError(f"commit: no allocation {wid} on this connection")
-        region, run_id, offset, gen, n = w
+        # Every allocation named is given back, whatever is wrong with the
+        # request: the client counts them released once it asked.
+        taken = [(s.writers.pop(wid, None) if type(wid) is int else None, wid, keys, sums)
+                 for wid, keys, sums in puts]
         try:
-            keys = decode_keys(keys)
-            # Checked here, not in the journal commit: a record that fails to
-            # encode there fails the commit leader, which closes the store for
-            # every client.
-            if not isinstance(checksums, list) or not all(
-                    type(c) is int and 0 <= c < 1 << 64 for c in checksums):
-                raise ConfigError(f"commit: checksums must be a list of unsigned 64-bit "
-                                  f"integers, got {type(checksums).__name__} "
-                                  f"{str(checksums)[:80]}")
-            if len(keys) != n or len(checksums) != st.geometry.run_checksums:
-                raise ConfigError(f"commit: {len(keys)} keys and {len(checksums)} checksums "
-                                  f"for a run of {n} blocks x {st.geometry.ranges} ranges (and a trailer)")
-            run = Run(run_id, region, gen, offset, b"".join(keys),
-                      np.array(checksums, dtype=np.uint64), created=time.time())
+            runs = []
+            for w, wid, keys, checksums in taken:
+                _check_id(op, "wid", wid)
+                if w is None:
+                    raise ConfigError(f"{op}: no allocation {wid} on this connection")
+                runs.append(self._run_of(op, w, keys, checksums))
+            # One entry's records go in one journal write: one past the
+            # journal would fail the commit and close the store for everyone.
+            need = sum(jfmt.record_bytes(jfmt.PutRun(r.run_id, r.region, r.generation,
+                                                     r.offset, r.keys, tuple(r.checksums)))
+                       for r in runs)
+            if need > st.sb.journal_bytes // 2:
+                raise ConfigError(f"{op}: {len(runs)} runs need {need} journal bytes, more "
+                                  f"than half the {st.sb.journal_bytes}-byte journal; commit "
+                                  "fewer runs at a time")
             # flushes data, journals, indexes; refused after a clear
-            published = st._publish_put(run, self._clear_count(clears))
+            published = st._publish_puts(runs, self._clear_count(clears))
         finally:
-            st._unpin_writers([region])
-        if not published:
-            return 0                 # a clear() came (or may have) after the put began (admit)
-        st.counters["put_runs"] += 1
-        st.counters["put_blocks"] += n
-        st.counters["bytes_written"] += st.layout(n).run_bytes
-        return n
+            st._unpin_writers([w[0] for w, *_ in taken if w is not None])
+        out = []
+        for run in runs:    # none or all: a clear() refuses the whole commit
+            n = run.nblocks if run.run_id in published else 0
+            if n:
+                st.counters["put_runs"] += 1
+                st.counters["put_blocks"] += n
+                st.counters["bytes_written"] += st.layout(n).run_bytes
+            out.append(n)
+        return out
+
+    def _run_of(self, op, w, keys, checksums) -> Run:
+        """The Run an allocation ``w`` holds, with what the client sent."""
+        st = self.store
+        region, run_id, offset, gen, n = w
+        keys = decode_keys(keys)
+        # Checked here, not in the journal commit: a record that fails to
+        # encode there fails the commit leader, which closes the store for
+        # every client.
+        if not isinstance(checksums, list) or not all(
+                type(c) is int and 0 <= c < 1 << 64 for c in checksums):
+            raise ConfigError(f"{op}: checksums must be a list of unsigned 64-bit "
+                              f"integers, got {type(checksums).__name__} "
+                              f"{str(checksums)[:80]}")
+        if len(keys) != n or len(checksums) != st.geometry.run_checksums:
+            raise ConfigError(f"{op}: {len(keys)} keys and {len(checksums)} checksums "
+                              f"for a run of {n} blocks x {st.geometry.ranges} ranges (and a trailer)")
+        return Run(run_id, region, gen, offset, b"".join(keys),
+                   np.array(checksums, dtype=np.uint64), created=time.time())
 
     def _clear_count(self, ticket) -> int:
         """The clear count of admit's ticket; -1 (matching no count) for one

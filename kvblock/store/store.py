@@ -639,29 +639,12 @@ class KVStore(Recovery, RunReader, RunWriter):
                     out[i] = 0
                     break
             return out
-        # Group the pieces: each group's regions stay pinned until its commit,
-        # so a group may fill at most a quarter of the regions (the rest can
-        # be reclaimed for it; one more for a partly filled open region), and
-        # its commit record at most a quarter of the journal.
-        max_bytes = max(1, self.regions.count // 4 - 1) * self.sb.region_size
-        max_record = self.sb.journal_bytes // 4
-        groups, nbytes, record = [[]], 0, 0
-        for piece in pieces:
-            size = self.layout(len(piece[1])).run_bytes
-            entry = len(piece[1]) * 16 + g.run_checksums * 8 + 64
-            if groups[-1] and (nbytes + size > max_bytes or record + entry > max_record):
-                groups.append([])
-                nbytes, record = 0, 0
-            groups[-1].append(piece)
-            nbytes += size
-            record += entry
         cleared = set()
-        for group in groups:
-            if group:
-                for i, n in self._put_group(group, clears):
-                    out[i] += n
-                    if not n:
-                        cleared.add(i)
+        for group in self._groups(pieces, self.sb.journal_bytes):
+            for i, n in self._put_group(group, clears):
+                out[i] += n
+                if not n:
+                    cleared.add(i)
         for i in cleared:             # a clear() overtook a piece: the item's others went too
             out[i] = 0
         for i, holders in repeats.items():   # stored only as the runs holding it were

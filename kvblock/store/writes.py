@@ -152,6 +152,26 @@ class RunWriter(RunIO):
             items.append((keys, self._blocks_view(keys, data)))
         return self._put_many(items)
 
+    def _groups(self, pieces: list, journal_bytes: int) -> list[list]:
+        """put_runs' pieces (item, keys, blocks; at most a region each) in
+        groups of one commit each: a group's regions stay pinned until its
+        commit, so it may fill at most a quarter of the regions (the rest can
+        be reclaimed for it; one more for a partly filled open region), and
+        its commit record at most a quarter of the journal."""
+        max_bytes = max(1, self.regions.count // 4 - 1) * self.regions.size
+        max_record = journal_bytes // 4
+        groups, nbytes, record = [[]], 0, 0
+        for piece in pieces:
+            size = self.layout(len(piece[1])).run_bytes
+            entry = len(piece[1]) * 16 + self.geometry.run_checksums * 8 + 64
+            if groups[-1] and (nbytes + size > max_bytes or record + entry > max_record):
+                groups.append([])
+                nbytes, record = 0, 0
+            groups[-1].append(piece)
+            nbytes += size
+            record += entry
+        return [group for group in groups if group]
+
     def _blocks_view(self, keys: list[bytes], data) -> np.ndarray:
         """put_run's data as (layers, groups, blocks, group_block_bytes) bytes."""
         g, n = self.geometry, len(keys)

@@ -401,3 +401,33 @@ def test_delete_prefix_and_clear_ticket_through_the_server(store_file, tmp_path)
         finally:
             a.close()
             b.close()
+
+
+def test_put_runs_whose_third_run_fails_publishes_none_of_them(store_file, tmp_path):
+    """A shared store's put_runs publishes its runs together, as KVStore's
+    does (one commit): an error while the third run is written leaves the
+    first two unpublished too, and every allocation given back."""
+    from kvblock.errors import IOFailedError
+
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock) as server:
+        with RemoteStore(sock) as rank:
+            runs = [run_keys(20 + i, 2) for i in range(3)]
+            real, staged = rank._stage_run, []
+
+            def failing(*args, **kw):
+                staged.append(1)
+                if len(staged) == 3:
+                    raise IOFailedError("injected write error on run 3")
+                return real(*args, **kw)
+            rank._stage_run = failing
+            with pytest.raises(IOFailedError, match="injected"):
+                rank.put_runs([(k, run_data(k)) for k in runs])
+            assert len(staged) == 3
+            assert [rank.lookup(k) for k in runs] == [0, 0, 0]
+            assert server.store.stats()["runs"] == 0 and rank.counters["put_runs"] == 0
+            assert server.store.regions.pins.sum() == 0
+            rank._stage_run = real
+            assert rank.put_runs([(k, run_data(k)) for k in runs]) == [2, 2, 2]
+            assert [_read(rank, k) is not None for k in runs] == [True] * 3
+            assert server.store.counters["put_runs"] == 3
