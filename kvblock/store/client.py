@@ -652,43 +652,27 @@ class RemoteStore(RunReader, RunWriter):
                 self._check_fits(len(keys))
         if len(items) == 1:
             return [self._put(*items[0])]
-        out, pieces, clears = [0] * len(items), [], None
-        taken: dict[bytes, int] = {}  # keys an earlier run of this call writes: that run
-        repeats = {}                  # a run those earlier runs hold whole: them
-        for i, (keys, blocks) in enumerate(items):
-            n = len(keys)
-            if n == 0:
-                continue
-            if taken and all(k in taken for k in keys):   # as put one after another
-                self.counters["put_duplicate_runs"] += 1
-                out[i], repeats[i] = n, {taken[k] for k in keys}
-                continue
+        # Which keys the store holds, asked once: the server's admit sees
+        # none of this call's runs (they are published together, after
+        # every admit), so a run held whole by the store and the call's
+        # earlier runs together is found here, as KVStore finds it.
+        found = self.present([k for keys, _ in items for k in keys])
+        clears = None
+
+        def admit(keys, whole):
+            nonlocal clears
             answer = self._call("admit", keys=encode_keys(keys))
             # the first ticket: a clear() after it refuses every run (KVStore's too)
             clears = clears or answer["clears"]
             if answer["verdict"] == "duplicate":
                 self.counters["put_duplicate_runs"] += 1
-                out[i] = n
-                continue
-            if answer["verdict"] == "rejected":
+            elif answer["verdict"] == "rejected":
                 self.counters["admission_rejected_runs"] += 1
-                continue
-            taken.update(dict.fromkeys(keys, i))
-            for start in range(0, n, self.max_run_blocks):
-                stop = min(n, start + self.max_run_blocks)
-                pieces.append((i, keys[start:stop], span(blocks, start, stop)))
-        cleared = set()
-        for group in self._groups(pieces, self.journal_bytes):
-            for i, n in self._put_group(group, clears):
-                out[i] += n
-                if not n:
-                    cleared.add(i)
-        for i in cleared:             # a clear() overtook a piece: the item's others went too
-            out[i] = 0
-        for i, holders in repeats.items():
-            if holders & cleared:
-                out[i] = 0
-        return out
+            return answer["verdict"]
+        out, pieces, repeats = self._plan_puts(items, found, admit)
+        return self._put_grouped(out, pieces, repeats,
+                                 lambda group: self._put_group(group, clears),
+                                 self.journal_bytes)
 
     def _put_group(self, pieces: list, clears: str) -> list[tuple[int, int]]:
         """Allocate and write each piece, then publish them all with one

@@ -76,7 +76,7 @@ from kvblock.store.reads import RunReader
 from kvblock.store.recovery import Recovery
 from kvblock.store.removals import RemovalLog
 from kvblock.store.runio import StagingBuffers
-from kvblock.store.scatter import block_at, span
+from kvblock.store.scatter import block_at
 from kvblock.store.storeio import StoreIO
 from kvblock.store.writes import Later, RunWriter, Streams
 from kvblock.tiers import HostTier
@@ -598,39 +598,24 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _put_many(self, items: list) -> list[int]:
         """put_runs after its argument checks: (keys, blocks) pairs.  One run
         alone is published piece by piece (pieces of at most a region)."""
-        g = self.geometry
         clears = self._clears         # a clear() from here on refuses every piece of the call
-        out = [0] * len(items)
-        pieces = []                   # (item, keys, blocks) of at most a region each
         with self._lock:              # one index probe for every item's keys
             found = self.index.lookup([k for keys, _ in items for k in keys]) >= 0
-        starts = np.cumsum([0] + [len(keys) for keys, _ in items]).tolist()
-        for i, (keys, _) in enumerate(items):    # every run checked before anything changes
-            if keys and not found[starts[i]:starts[i + 1]].all():
+        at = 0
+        for keys, _ in items:         # every run checked before anything changes
+            if keys and not found[at:at + len(keys)].all():
                 self._check_fits(len(keys))
-        taken: dict[bytes, int] = {}  # keys an earlier run of this call writes: that run
-        repeats = {}                  # a run found whole in earlier runs: those runs
-        for i, (keys, blocks) in enumerate(items):
-            n = len(keys)
-            if n == 0:
-                continue
-            # As the runs put one call after another: a run that the store
-            # or an earlier run of the call holds whole is a duplicate.
-            held = found[starts[i]:starts[i + 1]]
-            if held.all() or (taken and all(h or k in taken for k, h in zip(keys, held))):
+            at += len(keys)
+
+        def admit(keys, whole):
+            if whole:
                 self.counters["put_duplicate_runs"] += 1
-                out[i] = n
-                repeats[i] = {taken[k] for k, h in zip(keys, held) if not h}
-                continue
+                return "duplicate"
             if not self.admission.admit(keys[0]):
                 self.counters["admission_rejected_runs"] += 1
-                continue
-            if len(items) > 1:
-                taken.update(dict.fromkeys(keys, i))
-            step = self.max_run_blocks
-            for start in range(0, n, step):
-                stop = min(n, start + step)
-                pieces.append((i, keys[start:stop], span(blocks, start, stop)))
+                return "rejected"
+            return "ok"
+        out, pieces, repeats = self._plan_puts(items, found, admit)
         if len(items) == 1:
             for i, keys, blocks in pieces:
                 stored = self._put_one(keys, blocks, clears)
@@ -639,18 +624,9 @@ class KVStore(Recovery, RunReader, RunWriter):
                     out[i] = 0
                     break
             return out
-        cleared = set()
-        for group in self._groups(pieces, self.sb.journal_bytes):
-            for i, n in self._put_group(group, clears):
-                out[i] += n
-                if not n:
-                    cleared.add(i)
-        for i in cleared:             # a clear() overtook a piece: the item's others went too
-            out[i] = 0
-        for i, holders in repeats.items():   # stored only as the runs holding it were
-            if holders & cleared:
-                out[i] = 0
-        return out
+        return self._put_grouped(out, pieces, repeats,
+                                 lambda group: self._put_group(group, clears),
+                                 self.sb.journal_bytes)
 
     def _put_group(self, pieces: list, clears: int) -> list[tuple[int, int]]:
         """Write each piece as a run, then publish them all with one commit.

@@ -23,7 +23,7 @@ from kvblock.layout.geometry import RunLayout
 from kvblock.store.digests import block_and_range_digests, block_digests, with_trailer_checksum
 from kvblock.store.inflight import in_flight
 from kvblock.store.runio import RunIO
-from kvblock.store.scatter import BlockList, as_array
+from kvblock.store.scatter import BlockList, as_array, span
 
 
 class Streams(NamedTuple):
@@ -138,9 +138,7 @@ class RunWriter(RunIO):
         while it is written may keep a leading part of the group's runs, each
         whole, never a run whose data did not land.  An error raised while a
         group is written publishes none of it (the groups before it stay).
-        A RemoteStore (a rank of a shared store) publishes each run with its
-        own commit: there an error on one run leaves the runs before it
-        published.  Returns the blocks written for each run, as put_run would.  Every
+        Returns the blocks written for each run, as put_run would.  Every
         argument is checked before anything is written."""
         self._check_open(writing=True)
         items = []
@@ -151,6 +149,60 @@ class RunWriter(RunIO):
             keys = normalize_keys(keys)
             items.append((keys, self._blocks_view(keys, data)))
         return self._put_many(items)
+
+    def _plan_puts(self, items: list, found: np.ndarray, admit: Callable) -> tuple:
+        """put_runs' runs (keys, blocks) as pieces to write, as if put one
+        call after another: a run that the store (``found``: per key of every
+        item, in order) and the call's earlier runs hold whole is a
+        duplicate, written by none.  ``admit(keys, whole)`` answers for the
+        others ("ok", "duplicate" or "rejected", counted there; ``whole``:
+        the store holds every key).  Returns (blocks per item, pieces (item,
+        keys, blocks) of at most ``max_run_blocks``, and per duplicate found
+        in earlier runs the items it depends on)."""
+        out, pieces = [0] * len(items), []
+        taken: dict[bytes, int] = {}  # keys an earlier run of this call writes: that run
+        repeats = {}                  # a run found whole in earlier runs: those runs
+        start = 0
+        for i, (keys, blocks) in enumerate(items):
+            n = len(keys)
+            held, start = found[start:start + n], start + n
+            if n == 0:
+                continue
+            whole = bool(held.all())
+            if not whole and taken and all(h or k in taken for k, h in zip(keys, held)):
+                self.counters["put_duplicate_runs"] += 1
+                out[i] = n
+                repeats[i] = {taken[k] for k, h in zip(keys, held) if not h}
+                continue
+            verdict = admit(keys, whole)
+            if verdict == "duplicate":
+                out[i] = n
+                continue
+            if verdict == "rejected":
+                continue
+            taken.update(dict.fromkeys(keys, i))
+            for first in range(0, n, self.max_run_blocks):
+                last = min(n, first + self.max_run_blocks)
+                pieces.append((i, keys[first:last], span(blocks, first, last)))
+        return out, pieces, repeats
+
+    def _put_grouped(self, out: list[int], pieces: list, repeats: dict,
+                     put_group: Callable, journal_bytes: int) -> list[int]:
+        """Write and publish _plan_puts' pieces in groups (``put_group``: one
+        commit each); ``out`` completed: an item a clear() overtook stored
+        nothing, nor did a duplicate of it."""
+        cleared = set()
+        for group in self._groups(pieces, journal_bytes):
+            for i, n in put_group(group):
+                out[i] += n
+                if not n:
+                    cleared.add(i)
+        for i in cleared:             # a clear() overtook a piece: the item's others went too
+            out[i] = 0
+        for i, holders in repeats.items():   # stored only as the runs holding it were
+            if holders & cleared:
+                out[i] = 0
+        return out
 
     def _groups(self, pieces: list, journal_bytes: int) -> list[list]:
         """put_runs' pieces (item, keys, blocks; at most a region each) in

@@ -431,3 +431,37 @@ def test_put_runs_whose_third_run_fails_publishes_none_of_them(store_file, tmp_p
             assert rank.put_runs([(k, run_data(k)) for k in runs]) == [2, 2, 2]
             assert [_read(rank, k) is not None for k in runs] == [True] * 3
             assert server.store.counters["put_runs"] == 3
+
+
+@pytest.mark.parametrize("served", [False, True], ids=["one process", "served"])
+def test_put_runs_skips_a_run_held_by_the_store_and_its_earlier_runs(store_file, tmp_path,
+                                                                     served):
+    """A run whose keys the store holds in part and an earlier run of the
+    same put_runs holds the rest is a duplicate, as put one call after
+    another: nothing of it is written, the stored bytes stay.  Through a
+    server, whose admit sees none of the call's runs before they are
+    published together, this was written over them."""
+    old, fresh = run_keys(1, 2), run_keys(2, 1)
+    both = [old[0], fresh[0]]
+    mixed = np.random.default_rng(5).integers(0, 256, 2 * GEOM.block_bytes, dtype=np.uint8)
+    sock = str(tmp_path / "kv.sock")
+
+    def check(store):
+        assert store.put_run(old, run_data(old)) == 2
+        assert store.put_runs([(fresh, run_data(fresh)), (both, mixed)]) == [1, 2]
+        assert store.counters["put_duplicate_runs"] == 1
+        got = _read(store, both)
+        assert got is not None
+        per_block = (GEOM.num_layers, GEOM.head_groups, -1, GEOM.group_block_bytes)
+        want = np.concatenate([run_data(old).reshape(per_block)[:, :, :1],
+                               run_data(fresh).reshape(per_block)], axis=2)
+        assert np.array_equal(got, want.reshape(-1))
+
+    if not served:
+        with KVStore.open([store_file]) as store:
+            check(store)
+        return
+    with serve_in_background([store_file], sock) as server:
+        with RemoteStore(sock) as rank:
+            check(rank)
+        assert server.store.counters["put_runs"] == 2

@@ -167,8 +167,6 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
             for keys, data in items:
                 n = len(keys)
                 counts.append(n)
-                if sock is not None:      # a RemoteStore publishes each run on its own
-                    found = self.sure
                 if all(k in found for k in keys):
                     continue                 # all stored already: nothing written
                 step = self.store.max_run_blocks
@@ -180,8 +178,9 @@ def make_machine(path: str, geom: Geometry, host_blocks: int, sock: str | None =
                     for j, key in enumerate(piece):
                         self.sure[key] = (run, self._block(data, n, start + j))
                         self.maybe.pop(key, None)
-                if sock is None:          # as in calls one after another: a later
-                    found = found | set(keys)   # run of these keys is a duplicate
+                # as in calls one after another: a later run of these keys
+                # is a duplicate (a RemoteStore's too: it publishes them together)
+                found = found | set(keys)
             return counts
 
         def _sure_prefix(self, keys: list[bytes]) -> int:
