@@ -61,7 +61,9 @@ Keys.
     and attention-CP rank/size, so two models or tenants never share blocks.
     Mamba state pages (hybrid models) are TP-sharded even beside MLA KV
     (SGLang has every rank back them up), so their keys always carry the TP
-    rank.
+    rank; so do an MHA draft model's pages (``PoolName.DRAFT``), each rank's
+    own heads: SGLang backs them up beside MLA KV from rank 0 only, so the
+    other ranks miss them rather than load rank 0's heads.
     The store itself is fingerprinted with the model name: a device formatted
     for one model is refused for another.  An fp8 cache's host pool is uint8
     for either fp8 format (SGLang tells backends no more): name the format
@@ -722,13 +724,32 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self._page_formats[id(pool)] = (pool, fmt)
         return fmt
 
+    def _rank_sharded(self, name) -> bool:
+        """Does each TP rank hold its own part of pool ``name``'s pages,
+        whatever the KV pool is?  Mamba state, and an MHA KV pool (an MHA
+        draft model's, ``PoolName.DRAFT``/``DRAFT_SWA``, beside an MLA main
+        model: each rank has its own heads; SGLang's MHATokenToKVPoolHost,
+        ``head_num`` without MLA's ``kv_cache_dim``).  SGLang 0.5.23 backs
+        such a draft pool up from TP rank 0 only (for backends other than
+        Mooncake, which keys it per rank): keyed without the rank, every
+        other rank loaded rank 0's heads as its own; keyed per rank, they
+        miss."""
+        if _pool_key(name) == PoolName.MAMBA.value:
+            return True
+        try:
+            pool = self._pool(name)
+        except ConfigError:
+            return False
+        return getattr(pool, "head_num", None) is not None and \
+            getattr(pool, "kv_cache_dim", None) is None
+
     def _pool_keys(self, name, keys: list[str], nb: int, page_format: bytes) -> list[bytes]:
         """The nb block keys of each page of pool ``name`` in ``page_format``
-        (_page_format).  Mamba state is TP-sharded whatever the KV pool is
-        (SGLang backs it up on every rank, and HiCacheFile keys it per rank
-        too), so its keys name the rank."""
+        (_page_format).  A TP-sharded pool's keys name the rank whatever the
+        KV pool is (_rank_sharded: Mamba state, which SGLang backs up on
+        every rank and HiCacheFile keys per rank too; an MHA draft pool)."""
         tag = _pool_key(name)
-        prefix = self.rank_prefix if tag == PoolName.MAMBA.value else self.prefix
+        prefix = self.rank_prefix if self._rank_sharded(name) else self.prefix
         return [xxhash.xxh3_128_digest(prefix + f"{k}\0{tag}\0{i}\0".encode() + page_format)
                 for k in keys for i in range(nb)]
 

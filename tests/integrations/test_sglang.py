@@ -514,6 +514,56 @@ class StatePool:
         self.buf[index] = data.reshape(self.buf.shape[1:])
 
 
+class MHADraftPool(StatePool):
+    """An MHA draft model's host pool beside an MLA main model (PoolName.DRAFT,
+    SGLang's MHATokenToKVPoolHost: ``head_num``, no ``kv_cache_dim``): each
+    TP rank holds its own heads of the draft's KV."""
+
+    head_num, head_dim = 2, 16
+
+
+def test_an_mha_draft_pool_beside_mla_is_not_served_another_ranks_heads(tmp_path):
+    """MLA main model at tp_size 2 with an MHA draft pool: SGLang 0.5.23 backs
+    the draft pool up from rank 0 only (HybridCacheController.should_backup:
+    rank-specific draft keys are Mooncake's alone), and every rank loads it.
+    The draft's KV is TP-sharded (each rank its own heads), so rank 1 must
+    miss, not load rank 0's heads as its own (it did: extra pools other than
+    Mamba were keyed without the TP rank beside MLA KV)."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    pools = [HostPool(mla=True, head_dim=32, seed=r) for r in range(2)]
+    drafts = [MHADraftPool(seed=20 + r) for r in range(2)]
+    ranks = []
+    try:
+        for r in range(2):
+            ranks.append(attach(pools[r], [dev], tp_rank=r, tp_size=2, server=sock,
+                                size="32M"))
+            ranks[r].register_mem_host_pool_v2(drafts[r], PoolName.DRAFT)
+        keys = keys_for("draft", 2)
+        want0 = drafts[0].buf[0].clone()
+        assert ranks[0].batch_set_v1(keys, pools[0].token_indices([0, 1])) == [True] * 2
+        assert ranks[0].batch_set_v2([PoolTransfer(
+            name=PoolName.DRAFT, keys=keys, host_indices=torch.tensor([0, 1]))]) == \
+            {"draft": [True, True]}
+        exists = [ranks[r].batch_exists_v2(keys, [PoolTransfer(
+            name=PoolName.DRAFT, keys=keys, hit_policy=PoolHitPolicy.ALL_PAGES)])
+            for r in range(2)]
+        assert exists[0].kv_hit_pages == 2
+        assert exists[1].kv_hit_pages == 0             # rank 1's heads were never stored
+        before = drafts[1].buf[5].clone()
+        assert ranks[1].batch_get_v2([PoolTransfer(
+            name=PoolName.DRAFT, keys=keys[:1], host_indices=torch.tensor([5]))]) == \
+            {"draft": [False]}
+        assert torch.equal(drafts[1].buf[5], before)   # not rank 0's heads
+        assert ranks[0].batch_get_v2([PoolTransfer(
+            name=PoolName.DRAFT, keys=keys[:1], host_indices=torch.tensor([6]))]) == \
+            {"draft": [True]}
+        assert torch.equal(drafts[0].buf[6], want0)
+    finally:
+        _close_ranks(ranks)
+
+
 def test_hybrid_v2_calls_store_kv_and_state_pools(store_target, backends):
     """The *_v2 calls of SGLang's hybrid controller: KV pages through the v1
     path, an extra state pool's pages as opaque bytes; batch_exists_v2 cuts
