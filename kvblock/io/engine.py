@@ -304,7 +304,7 @@ class IOEngine:
         else:
             bad = results != run.lens.astype(np.int64)
             if bad.any():
-                self._raise(op, run, results, bad)
+                self._raise(op, run, results, bad, parent, len(batch))
         if staged is not None and op == OP_READ:
             staged[1]()
         if hashing is not None and hasher is None:   # the bytes are in place: hash them now
@@ -566,12 +566,21 @@ class IOEngine:
 
         return IOBatch(addrs, b.devs, b.offsets, b.lens), copy_back
 
-    def _raise(self, op: int, b: IOBatch, results: np.ndarray, bad: np.ndarray):
+    def _raise(self, op: int, b: IOBatch, results: np.ndarray, bad: np.ndarray,
+               parent: np.ndarray | None = None, total: int | None = None):
+        """``parent`` (from IOBatch.split): the caller's I/O of each entry of
+        ``b``, and ``total`` the caller's count.  The error names the first
+        failed piece, but counts failed I/Os of the caller's batch: pieces of
+        one I/O are one failure (the store drops only the run an error names
+        when ``failed`` is 1)."""
         i = int(np.argmax(bad))
         dev, off, length, res = int(b.devs[i]), int(b.offsets[i]), int(b.lens[i]), int(results[i])
         path = self._path(dev)
-        count = int(bad.sum())
-        more = f" ({count} of {len(b)} I/Os failed)" if count > 1 else ""
+        if parent is None:
+            count, total = int(bad.sum()), len(b)
+        else:
+            count = int(np.unique(parent[bad]).size)
+        more = f" ({count} of {total} I/Os failed)" if count > 1 else ""
         if res < 0:
             raise IOFailedError(
                 f"{_OP_NAME[op]} of {length} bytes at offset {off} on {path} failed: "

@@ -803,3 +803,25 @@ def test_latency_is_one_per_io_of_the_batch_when_ios_are_split(engine_name, file
         for op in (eng.write, eng.read):
             lat = op(batch, latency=True).latency_ns
             assert lat.shape == (2,) and (lat > 0).all()
+
+
+def test_a_split_io_that_fails_counts_as_one_failed_io(engine_name, file_target):
+    """IOFailedError.failed and its "(N of M I/Os failed)" count the I/Os of
+    the caller's batch.  An I/O longer than max_io is run as pieces: when
+    several pieces of one I/O failed, the error counted the pieces (4 of 4
+    for one I/O), and the store's _read_failed, which drops only the run an
+    error names when failed <= 1, dropped every run of the batch instead."""
+    path = file_target(MIB)
+    with Device(path) as dev, open_engine([dev], engine_name, max_io=65536,
+                                          mapped_reads=False) as eng, \
+            HostBuffer(4 * 65536) as buf:
+        os.truncate(path, 8192)  # the file shrinks under the open device: every piece is short
+        with pytest.raises(IOFailedError) as exc:
+            eng.read(IOBatch(np.array([buf.address], np.uint64), 0, [0], 4 * 65536))
+        assert exc.value.failed == 1
+        assert "I/Os failed" not in str(exc.value)
+        # two I/Os of two pieces each, both failing: 2 of 2, not 4 of 4
+        with pytest.raises(IOFailedError, match=r"\(2 of 2 I/Os failed\)") as exc:
+            eng.read(IOBatch(np.array([buf.address, buf.address + 2 * 65536], np.uint64), 0,
+                             [0, 2 * 65536], 2 * 65536))
+        assert exc.value.failed == 2
