@@ -39,7 +39,15 @@ class KvikioReader:
             raise EngineUnavailableError(f"kvikio is not installed ({e}); pip install "
                                          "kvikio-cu12 (or cu13), or use KVBLOCK_GPU_PATH=host")
         self.kvikio = kvikio
-        self.files = [kvikio.CuFile(p, "r") for p in paths]
+        self.files = []
+        try:
+            for p in paths:
+                self.files.append(kvikio.CuFile(p, "r"))
+        except BaseException:
+            # a device kvikio cannot open: the caller never gets this reader
+            # to close, so the files opened before it are closed here
+            self.close()
+            raise
 
     @property
     def mode(self) -> str:

@@ -42,3 +42,32 @@ def test_a_bad_override_is_refused(monkeypatch):
     monkeypatch.setenv("KVBLOCK_GPU_PATH", "bogus")
     with pytest.raises(ConfigError, match="KVBLOCK_GPU_PATH must be one of"):
         gpu_path(_store("never"))
+
+
+def test_a_kvikio_reader_that_cannot_open_a_device_closes_those_it_opened(monkeypatch):
+    """KvikioReader opens one kvikio.CuFile per store device; when one
+    could not be opened (a device kvikio cannot read), the files opened
+    before it stayed open (their descriptors leaked: gpu_path then falls
+    back to the host path and the reader is never closed)."""
+    import sys
+    import types
+
+    from kvblock.io.gpu import KvikioReader
+
+    opened, closed = [], []
+
+    class CuFile:
+        def __init__(self, path, flags):
+            if path == "/dev/bad":
+                raise RuntimeError("cuFileHandleRegister failed")
+            self.path = path
+            opened.append(path)
+
+        def close(self):
+            closed.append(self.path)
+
+    monkeypatch.setitem(sys.modules, "kvikio", types.SimpleNamespace(CuFile=CuFile))
+    with pytest.raises(RuntimeError, match="cuFileHandleRegister"):
+        KvikioReader(["/dev/a", "/dev/b", "/dev/bad", "/dev/c"])
+    assert opened == ["/dev/a", "/dev/b"]
+    assert sorted(closed) == ["/dev/a", "/dev/b"]
