@@ -59,6 +59,27 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
             raise ConfigError(f"plan: {name} must be a finite number > 0, got {value}")
     if dtype not in DTYPES:
         raise ConfigError(f"plan: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    try:
+        p = _plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, devices,
+                  device_gbps, tp, sessions, prefill_tokens_per_s, model_params, gpu_tflops,
+                  gpus, mfu)
+    except (OverflowError, ZeroDivisionError):   # an int past a float; a time that is 0
+        p = None
+    # Finite, positive inputs can still overflow (1e-320 GB/s: a restore of
+    # inf s) or underflow (a restore or recompute of 0 s): --json cannot print
+    # inf (a traceback) and the table printed "inf s"; refuse them as bad input.
+    bad = p is None or not all(math.isfinite(v) for v in asdict(p).values()
+                               if isinstance(v, float)) \
+        or p.restore_s_single == 0 or p.recompute_s == 0
+    if bad:
+        raise ConfigError("plan: the numbers given are out of range (a result overflows or "
+                          "comes out 0); check their units")
+    return p
+
+
+def _plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, devices,
+          device_gbps, tp, sessions, prefill_tokens_per_s, model_params, gpu_tflops, gpus,
+          mfu) -> Plan:
     per_token = kv_parts * layers * kv_heads * head_dim * DTYPES[dtype][1]
     per_request = per_token * tokens
     # A rank holds its share of the KV heads, at least one (past tp = heads

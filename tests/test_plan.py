@@ -124,3 +124,28 @@ def test_cli_plan_table_shows_small_numbers_not_zeros():
                                    "--head-dim", "128", "--tokens", "32768", "--sessions",
                                    "4096", "--device-gbps", "6"])
     assert "31744.00 GiB" in big.output, big.output       # big ones as before
+
+
+@pytest.mark.parametrize("extra", [
+    ["--device-gbps", "1e-320"],                                   # restore time: inf
+    ["--device-gbps", "1e308", "--devices", "2"],                  # array bandwidth: inf
+    ["--device-gbps", "5", "--prefill-tokens-per-s", "1e-320"],    # recompute: inf
+    ["--device-gbps", "5", "--model-params", "1e-300", "--gpu-tflops", "1e300"],  # 0 s
+    ["--device-gbps", "5", "--tokens", "1" + "0" * 400],           # int past a float
+    ["--device-gbps", "1e300", "--prefill-tokens-per-s", "1000"],  # restore 0 s: x / 0
+])
+def test_cli_plan_refuses_numbers_whose_plan_is_out_of_range(extra):
+    """Finite, positive inputs whose arithmetic overflows (inf, or an int too
+    large for a float) or underflows (a restore or recompute of 0 s) made
+    --json fail with a ValueError/OverflowError/ZeroDivisionError traceback,
+    and the table print "inf s" and "infx" (or ask for the --model-params it
+    was given): a ConfigError (exit 8) naming the problem instead."""
+    args = ["plan", "--model-layers", "32", "--kv-heads", "8", "--head-dim", "128",
+            "--tokens", "8192", *extra]
+    for fmt in (["--json"], []):
+        res = CliRunner().invoke(cli, args + fmt)
+        assert res.exit_code == 8, (res.exit_code, res.output, res.exception)
+        assert "out of range" in res.output, res.output
+        assert "inf" not in res.output, res.output
+    with pytest.raises(ConfigError, match="out of range"):
+        plan(layers=32, kv_heads=8, head_dim=128, tokens=8192, device_gbps=1e-320)
