@@ -718,13 +718,20 @@ def serve(devices, socket_path, model, eviction, admit_after, engine, verify, id
                                  stop=stop)   # a signal ends a wait for a stopping server
         except DeviceBusyError as e:
             raise _writer_busy(e, "one process serves a store", "serve") from None
-        s = server.store.stats()
-        ready = {"socket": socket_path, "pid": os.getpid(), "uuid": s["uuid"],
-                 "devices": s["devices"], "runs": s["runs"], "blocks": s["blocks"]}
-        if as_json:
-            click.echo(_json.dumps(ready))
-        click.echo(f"kvblock serve: store {s['uuid']} ({', '.join(s['devices'])}; "
-                   f"{s['runs']} runs) on {socket_path}, pid {os.getpid()}", err=True)
+        try:
+            s = server.store.stats()
+            ready = {"socket": socket_path, "pid": os.getpid(), "uuid": s["uuid"],
+                     "devices": s["devices"], "runs": s["runs"], "blocks": s["blocks"]}
+            if as_json:
+                click.echo(_json.dumps(ready))
+            click.echo(f"kvblock serve: store {s['uuid']} ({', '.join(s['devices'])}; "
+                       f"{s['runs']} runs) on {socket_path}, pid {os.getpid()}", err=True)
+        except BaseException:
+            # (stdout full or its reader gone) the server is open: stop it,
+            # or its socket is left behind and the store never closed
+            server.stop()
+            click.echo("kvblock serve: stopped", err=True)
+            raise
         status = run_forever(server, stop)
     click.echo(f"kvblock serve: stopped ({'store failed' if status else 'clean'})", err=True)
     sys.exit(status)

@@ -1468,3 +1468,22 @@ def test_output_to_a_reader_that_went_away_is_no_error(fmt):
     finally:
         os.close(w)
     assert (res.returncode, res.stderr) == (1, "")
+
+
+def test_serve_that_cannot_print_its_ready_line_stops_the_server_it_opened(tmp_path):
+    """``kvblock serve --json`` whose stdout fails (a full device here; a
+    launcher's pipe closed early does the same) exited with the server it had
+    opened never stopped: its socket was left behind, a stale one, and the
+    store not closed (as after a crash).  It now stops the server (its
+    socket removed) before the one-line error."""
+    store = tmp_path / "st.img"
+    assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
+    sock = tmp_path / "s.sock"
+    with open("/dev/full", "w") as full:
+        res = subprocess.run([sys.executable, "-m", "kvblock", "serve", str(store), "--socket",
+                              str(sock), "--json"], stdout=full, stderr=subprocess.PIPE,
+                             text=True, cwd=ROOT, timeout=60, stdin=subprocess.DEVNULL)
+    assert res.returncode == 1, res.stderr
+    assert "kvblock: error: " in res.stderr and "No space left" in res.stderr, res.stderr
+    assert not sock.exists(), "the stopped server's socket was left behind"
+    assert "stopped" in res.stderr, res.stderr
