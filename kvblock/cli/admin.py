@@ -570,10 +570,15 @@ def trim(devices, as_json):
     with opened as store:
         done, regions = store.trim_free()
         mapped = store.stats()["mapped_reads"]
+        # No free region (a full cache store), none tried: 0 == 0 said
+        # supported on any device; say what each device would do instead.
+        would = all(d.info.discard and not store.io.engine.mapped(i)
+                    for i, d in enumerate(store.io.devices))
     # Supported only if every free region went: on a striped store one
     # device may discard while another (mapped, or without TRIM) cannot.
-    out = {"regions_trimmed": done, "free_regions": regions, "supported": done == regions}
-    if mapped and done < regions:
+    supported = done == regions if regions else would
+    out = {"regions_trimmed": done, "free_regions": regions, "supported": supported}
+    if mapped and not supported:
         out["note"] = (f"{', '.join(mapped)}: a store file on tmpfs read through a mapping keeps "
                        "its space allocated; run KVBLOCK_MAPPED_READS=never kvblock trim ... "
                        "to release it (later opens then read and write it through the engine, "

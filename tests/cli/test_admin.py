@@ -1487,3 +1487,24 @@ def test_serve_that_cannot_print_its_ready_line_stops_the_server_it_opened(tmp_p
     assert "kvblock: error: " in res.stderr and "No space left" in res.stderr, res.stderr
     assert not sock.exists(), "the stopped server's socket was left behind"
     assert "stopped" in res.stderr, res.stderr
+
+
+def test_trim_of_a_full_store_on_a_device_that_keeps_its_space_is_not_supported(shm_target):
+    """With no free region (a cache store in steady state: eviction frees
+    regions only as puts need them) trim discards none and tried none:
+    "supported" was 0 == 0, true, and the note left out, on a store file
+    on tmpfs read through a mapping, which never releases a region's
+    space.  With nothing tried, supported says what the devices would do."""
+    path = shm_target(16 << 20)
+    assert kvb("format", path, *GEOM_ARGS, "--region-size", "256K").returncode == 0
+    with KVStore.open([path]) as store:
+        i = 0
+        while store.stats()["regions_free"]:
+            store.put_run(run_keys(i, 16), run_data(run_keys(i, 16)))
+            i += 1
+    res = kvb("trim", path, "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["regions_trimmed"] == out["free_regions"] == 0, out
+    assert out["supported"] is False, out
+    assert "KVBLOCK_MAPPED_READS=never" in out["note"], out
