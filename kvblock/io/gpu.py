@@ -97,7 +97,14 @@ def gpu_path(store, sample_bytes: int = 64 << 20) -> str:
     except Exception as e:  # no kvikio / no driver: host path
         store._gpu_path, store._gpu_path_reason = "host", f"kvikio unavailable: {e}"
         return "host"
-    kv_s, host_s = _time_paths(store, reader, sample_bytes)
+    try:
+        kv_s, host_s = _time_paths(store, reader, sample_bytes)
+    except Exception as e:   # kvikio opened the devices but cannot read them (GDS refusing
+        # the file, a driver error): every load would raise it; the host path reads them
+        logger.warning("kvblock: a kvikio read of the store failed (%s); loads into CUDA "
+                       "memory take the host path", e)
+        store._gpu_path, store._gpu_path_reason = "host", f"a kvikio read failed: {e}"
+        return "host"
     store._gpu_path = "kvikio" if kv_s <= host_s else "host"
     store._gpu_path_reason = (f"measured: kvikio ({reader.mode}) {sample_bytes / kv_s / 2**30:.2f}"
                               f" GiB/s, io_uring+copy {sample_bytes / host_s / 2**30:.2f} GiB/s")

@@ -71,3 +71,23 @@ def test_a_kvikio_reader_that_cannot_open_a_device_closes_those_it_opened(monkey
         KvikioReader(["/dev/a", "/dev/b", "/dev/bad", "/dev/c"])
     assert opened == ["/dev/a", "/dev/b"]
     assert sorted(closed) == ["/dev/a", "/dev/b"]
+
+
+def test_a_kvikio_read_that_fails_while_timing_the_paths_chooses_the_host(monkeypatch, caplog):
+    """kvikio opened the devices but its first read failed (GDS refusing
+    the file, a driver error): gpu_path raised it, chose nothing, and every
+    load into CUDA memory raised it again instead of reading on the host."""
+    import kvblock.io.gpu as gpu
+
+    monkeypatch.delenv("KVBLOCK_GPU_PATH", raising=False)
+    calls = []
+
+    def failing(store, reader, nbytes):
+        calls.append(nbytes)
+        raise RuntimeError("cuFile pread failed: 5030")
+    monkeypatch.setattr(gpu, "_time_paths", failing)
+    store = SimpleNamespace(verify="never", _kvikio_reader=lambda: object())
+    with caplog.at_level(logging.WARNING, logger="kvblock"):
+        assert gpu_path(store) == "host"
+    assert "cuFile pread failed" in store._gpu_path_reason and "host path" in caplog.text
+    assert gpu_path(store) == "host" and len(calls) == 1          # chosen once, cached
