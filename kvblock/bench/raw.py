@@ -53,6 +53,9 @@ def run_raw(target: str, workload: str, bs: int, qd: int, seconds: float,
 
     # (a dangling symlink is made too: the file at its target, which is what
     # a failed run removes, keeping the link)
+    if size is not None and size <= 0:   # 0 is not "no size": refused, not the whole target
+        raise ConfigError(f"--size must be positive, got {size} (leave it out to use the "
+                          "whole target)")
     made = new_file(target, size) if size and not os.path.exists(target) else None
     try:
         return _run_raw(target, workload, bs, qd, seconds, size, engine, progress)

@@ -460,3 +460,16 @@ def test_store_bench_bs_is_the_data_of_a_run_as_bytes_and_iops_count_it(tmp_path
     runs = out["bytes"] // data
     assert out["blocks"] == runs * 8
     assert out["bs"] * out["iops"] == pytest.approx(out["bytes"] / out["seconds"], rel=1e-2)
+
+
+def test_a_size_of_zero_is_refused_not_taken_as_none(tmp_path, file_target):
+    """--size 0 was taken as no --size: on an existing target the run used
+    the whole target, on a missing one it said 'no such device or file'."""
+    res = CliRunner().invoke(cli, ["bench", file_target(1 << 20), "--size", "0",
+                                   "--seconds", "0.1"])
+    assert res.exit_code == 8 and "--size must be positive" in res.output, res.output
+    missing = tmp_path / "missing.img"
+    res = CliRunner().invoke(cli, ["bench", str(missing), "--workload", "write", "--size", "0",
+                                   "--seconds", "0.1"])
+    assert res.exit_code == 8 and "--size must be positive" in res.output, res.output
+    assert not missing.exists()
