@@ -14,10 +14,10 @@ place, while later layers are still being read.
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import queue
 import threading
-import logging
 import time
 
 import numpy as np
