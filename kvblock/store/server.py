@@ -59,6 +59,7 @@ from kvblock.errors import (
 )
 from kvblock.format import journal as jfmt
 from kvblock.index import Run
+from kvblock.store import launch
 from kvblock.store.launch import (
     announce_stopping,
     server_stopping,
@@ -1009,9 +1010,16 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
     was_stopping = server_stopping(socket_path)
     try:
         store = KVStore.open(list(devices), **options)
-    except DeviceBusyError:
+    except DeviceBusyError as e:
         # held by the server stopping on this socket: free once its store is closed
-        if not wait_for_stopping_server(socket_path, was_stopping=was_stopping, stop=stop):
+        began, limit = time.monotonic(), launch.STOPPING_WAIT_S
+        if not wait_for_stopping_server(socket_path, limit, was_stopping=was_stopping,
+                                        stop=stop):
+            if time.monotonic() - began >= limit and not (stop is not None and stop.is_set()):
+                raise DeviceBusyError(
+                    f"{e} (the store server stopping on {socket_path} still held them after "
+                    f"{limit:g} s of waiting: let its stop finish, or stop it, then start "
+                    "again)") from None
             raise
         store = KVStore.open(list(devices), **options)
     try:

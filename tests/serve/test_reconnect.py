@@ -1001,3 +1001,36 @@ def test_a_server_waiting_for_a_stopping_one_stops_on_sigterm(tmp_path):
             proc.stderr.close()
         stopper.join(30)
         old.stop()
+
+
+def test_a_server_that_waited_in_vain_for_a_stopping_one_says_so(tmp_path, monkeypatch):
+    """A new server that waited the whole STOPPING_WAIT_S for a stopping
+    server's devices failed with the open's bare DeviceBusyError ("stop
+    the other process"), not saying a stopping server was waited for."""
+    from kvblock.errors import DeviceBusyError
+    from kvblock.store import launch
+
+    monkeypatch.setattr(launch, "STOPPING_WAIT_S", 0.5)
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    old = serve_in_background([path], sock)
+    release, closing = threading.Event(), threading.Event()
+    real_close = old.store.close
+
+    def held_close():
+        closing.set()
+        release.wait(60)
+        real_close()
+
+    old.store.close = held_close
+    stopper = threading.Thread(target=old.stop)
+    try:
+        stopper.start()
+        assert closing.wait(10)
+        with pytest.raises(DeviceBusyError, match=r"still held them after 0\.5 s") as e:
+            serve_in_background([path], sock)
+        assert "kv.img" in str(e.value)
+    finally:
+        release.set()
+        stopper.join(30)
+        old.stop()
