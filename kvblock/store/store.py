@@ -778,26 +778,48 @@ class KVStore(Recovery, RunReader, RunWriter):
         The region comes back pinned (a writer in flight)."""
         while True:
             with self._lock:
+                was_open = self.regions.open
                 got = self.regions.allocate(nbytes, time.time())
+                # The open region sealed here may hold no run (all deleted,
+                # dropped or superseded while it was open): nothing else frees
+                # a region emptied before its seal, so it would stay counted
+                # as used, and allocations would evict live runs instead.
+                emptied = None
+                if was_open is not None and self.regions.open != was_open \
+                        and self.regions.live[was_open] == 0 \
+                        and self.regions.pins[was_open] == 0:
+                    emptied = was_open
                 if got is not None:
                     self.regions.pins[got[0]] += 1
-                    return got
-                victim = self.regions.victim(self.eviction)
-                if victim is None and (self.regions.state == RECLAIMING).any():
-                    # Another thread is freeing a region (its RECLAIM record
-                    # in flight): wait for it rather than fail.  A failed
-                    # reclaim closes the store, and the wait with it.
-                    self._check_open()
-                    self._reclaimed.wait(RECLAIM_WAIT_S)
-                    continue
-                if victim is None:
-                    raise StoreFullError(
-                        f"store is full and every region holds pinned runs "
-                        f"({self.regions.count} regions of {self.sb.region_size} bytes); "
-                        "release pins or add capacity")
-                self._begin_reclaim(victim)
+                    if emptied is None:
+                        return got
+                elif emptied is not None:
+                    self.regions.state[emptied] = RECLAIMING   # freed below, then taken
+                    victim = None
+                else:
+                    victim = self.regions.victim(self.eviction)
+                    if victim is None and (self.regions.state == RECLAIMING).any():
+                        # Another thread is freeing a region (its RECLAIM record
+                        # in flight): wait for it rather than fail.  A failed
+                        # reclaim closes the store, and the wait with it.
+                        self._check_open()
+                        self._reclaimed.wait(RECLAIM_WAIT_S)
+                        continue
+                    if victim is None:
+                        raise StoreFullError(
+                            f"store is full and every region holds pinned runs "
+                            f"({self.regions.count} regions of {self.sb.region_size} bytes); "
+                            "release pins or add capacity")
+                    self._begin_reclaim(victim)
+            if got is not None:
+                try:
+                    self._release_unpinned({emptied})
+                except BaseException:
+                    self._unpin_writers([got[0]])
+                    raise
+                return got
             # The region is written again at once: no discard (see _finish_reclaim).
-            self._finish_reclaim(victim, discard=False)
+            self._finish_reclaim(emptied if emptied is not None else victim, discard=False)
 
     def _begin_reclaim(self, region: int) -> None:
         """(under self._lock) take the region's runs out of the index."""

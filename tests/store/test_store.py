@@ -1696,3 +1696,28 @@ def test_a_failed_trim_in_clears_drop_batches_does_not_stop_the_later_ones(tmp_p
         assert store.lookup(run_keys(0, 4)) == 0 and store.lookup(run_keys(1, 4)) == 0
         assert store.stats()["runs"] == 0
         store.unpin(second)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+def test_the_open_region_emptied_is_freed_when_sealed_not_kept_over_live_runs(tmp_path, policy):
+    """Every run of the open region deleted, then a put that does not fit
+    there seals it: empty, it must be freed (as a sealed region emptied is),
+    not held while the allocation evicts a region of live runs, and the
+    counts must not show its dead bytes as used."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path], eviction=policy) as store:
+        runs = [run_keys(i, 25) for i in range(store.regions.count)]   # one region each
+        for keys in runs:
+            assert store.put_run(keys, run_data(keys)) == 25
+        assert not store.regions.free and store.regions.open is not None
+        assert store.delete(runs[-1][:1]) == 25            # the open region's only run
+        last = run_keys(99, 25)
+        assert store.put_run(last, run_data(last)) == 25   # seals the emptied open region
+        assert store.counters["evicted_runs"] == 0
+        for keys in runs[:-1] + [last]:
+            got = np.zeros(25 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(keys, got) == 25 and np.array_equal(got, run_data(keys))
+        stats = store.stats()
+        assert stats["used_bytes"] == sum(store.layout(25).run_bytes
+                                          for _ in range(store.regions.count))
