@@ -1188,9 +1188,16 @@ class KVStore(Recovery, RunReader, RunWriter):
                 free_bytes = len(self.regions.free) * self.regions.size
                 if not all and (nbytes is None or free_bytes >= nbytes):
                     break
+                victim = None
                 if self.regions.open is not None:
-                    self.regions.seal(self.regions.open)
-                victim = self.regions.victim(self.eviction)
+                    opened = self.regions.open
+                    self.regions.seal(opened)
+                    # Emptied while open (nothing frees it once sealed): its
+                    # space goes first, before any region of live runs.
+                    if self.regions.live[opened] == 0 and self.regions.pins[opened] == 0:
+                        victim = opened
+                if victim is None:
+                    victim = self.regions.victim(self.eviction)
                 if victim is None:
                     break
                 self._begin_reclaim(victim)

@@ -1721,3 +1721,23 @@ def test_the_open_region_emptied_is_freed_when_sealed_not_kept_over_live_runs(tm
         stats = store.stats()
         assert stats["used_bytes"] == sum(store.layout(25).run_bytes
                                           for _ in range(store.regions.count))
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+def test_evict_frees_the_open_region_it_seals_empty_before_any_live_run(tmp_path, policy):
+    """evict(nbytes) seals the open region: when its runs were all deleted
+    it is free space already, which must be freed, not left sealed and
+    empty (counted as used) while a region of live runs is evicted."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    with _format([path], eviction=policy) as store:
+        runs = [run_keys(i, 25) for i in range(store.regions.count)]   # one region each
+        for keys in runs:
+            assert store.put_run(keys, run_data(keys)) == 25
+        assert store.delete(runs[-1][:1]) == 25            # the open region's only run
+        assert store.evict(store.regions.size) == 1
+        assert store.counters["evicted_runs"] == 0
+        assert all(store.lookup(keys) == 25 for keys in runs[:-1])
+        stats = store.stats()
+        assert stats["regions_free"] == 1
+        assert stats["used_bytes"] == (store.regions.count - 1) * store.layout(25).run_bytes
