@@ -418,13 +418,20 @@ class Recovery:
         regions = self.regions
         regions.free.clear()
         regions.open = None
+        # Regions sealed after the last checkpoint are sealed in the order
+        # they were written, which their runs' ids tell (run ids grow with
+        # every put), not by region number: after a wrap the lowest-numbered
+        # region may hold the newest runs, and fifo/lru would take it first.
+        later = sorted((r for r in range(regions.count)
+                        if regions.live[r] > 0 and regions.seal_seq[r] == 0),
+                       key=lambda r: max(self.index.by_region.get(r, {0: None})))
+        for r in later:
+            regions.seal_seq[r] = regions.next_seal
+            regions.sealed_at[r] = time.time()
+            regions.next_seal += 1
         for r in range(regions.count):
             if regions.live[r] > 0:
                 regions.state[r] = SEALED
-                if regions.seal_seq[r] == 0:  # sealed after the last checkpoint
-                    regions.seal_seq[r] = regions.next_seal
-                    regions.sealed_at[r] = time.time()
-                    regions.next_seal += 1
             else:
                 regions.state[r] = FREE
                 regions.fill[r] = 0

@@ -1741,3 +1741,26 @@ def test_evict_frees_the_open_region_it_seals_empty_before_any_live_run(tmp_path
         stats = store.stats()
         assert stats["regions_free"] == 1
         assert stats["used_bytes"] == (store.regions.count - 1) * store.layout(25).run_bytes
+
+
+@pytest.mark.parametrize("policy", ["fifo", "lru"])
+def test_eviction_after_a_crash_takes_the_oldest_region_not_the_lowest_numbered(tmp_path, policy):
+    """Regions sealed after the last checkpoint get their seal order at the
+    replay: it must follow the order they were written in (their runs' ids),
+    not their numbers; after a wrap region 0 holds the newest runs, and
+    evicting it first would drop the newest runs and keep the oldest."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 * MIB)
+    store = _format([path], eviction=policy)
+    count = store.regions.count
+    runs = [run_keys(i, 25) for i in range(count + 1)]    # one region each: the last wraps
+    for keys in runs:
+        assert store.put_run(keys, run_data(keys)) == 25
+    assert store.lookup(runs[0]) == 0                      # the oldest region went
+    assert store.counters["checkpoints"] == 1              # (the format's only)
+    store._release_devices()                               # the process dies
+    store.closed = True
+    with KVStore.open([str(path)], geometry=GEOM, eviction=policy) as store:
+        assert store.evict((len(store.regions.free) + 1) * store.regions.size) == 1
+        assert store.lookup(runs[-1]) == 25                # the newest run stays
+        assert store.lookup(runs[1]) == 0                  # the oldest left goes
