@@ -97,8 +97,9 @@ class HostTier:
     def put(self, key: bytes, block: np.ndarray, *, epoch: int | None = None,
             discards: int | None = None, replace: bool = False) -> None:
         """Insert a block; evicts by policy when full.  ``epoch``: the tier's
-        epoch when the caller read or wrote the block (a clear() since: not
-        inserted); ``discards``: likewise its ``discards`` (a discard() since,
+        epoch when the caller read or wrote the block (a clear() since, or
+        one under way: not inserted; with ``replace`` the older copy here
+        goes too); ``discards``: likewise its ``discards`` (a discard() since,
         of any key: not inserted, the block may be one a delete() removed
         meanwhile; with ``replace`` the older copy here goes too).
         ``replace``: a newer copy of a key already here replaces it (a put),
@@ -109,6 +110,11 @@ class HostTier:
                               "(the store's block_bytes)")
         with self.lock:
             if epoch is not None and epoch != self.epoch:
+                # A put during a clear() (its clear count moved, this epoch
+                # not yet): not inserted, but its key's older copy here goes,
+                # or reads serve that until the clear ends.
+                if replace:
+                    self._drop_locked(key)
                 return
             if discards is not None and discards != self.discards:
                 if replace:

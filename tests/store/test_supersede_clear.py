@@ -302,6 +302,38 @@ def test_a_dram_tier_keeps_nothing_that_a_clear_overtook(tmp_path):
         assert store.lookup(fresh) == 0 and len(store.host) == 0
 
 
+def test_a_put_during_a_clear_leaves_no_older_copy_in_the_dram_tier(tmp_path):
+    """A put that begins while clear() is still dropping the device's runs
+    (the store's clear count moved, the DRAM tier's epoch not yet) is
+    published, but does not enter the tier: the key's pre-clear copy stayed
+    there, and a get_run after the put returned served the old bytes."""
+    path = _store(tmp_path)
+    keys = run_keys(45, 2)
+    old, new = run_data(keys), run_data(keys) ^ 0x5A
+    with KVStore.open([path], host_cache_bytes=MIB) as store:
+        store.put_run(keys, old)
+        assert all(k in store.host for k in normalize_keys(keys))
+        reached, go = threading.Event(), threading.Event()
+        real = store.host.clear
+
+        def held_clear():
+            reached.set()
+            assert go.wait(30)
+            return real()
+        store.host.clear = held_clear
+        t = threading.Thread(target=store.clear)
+        t.start()
+        try:
+            assert reached.wait(30)
+            assert store.put_run(keys, new) == 2
+            got = _read(store, keys)
+            assert got is not None and np.array_equal(got, new)
+        finally:
+            go.set()
+            t.join(30)
+        assert np.array_equal(_read(store, keys), new)
+
+
 def test_a_dram_tier_serves_the_newest_copy_of_a_key(tmp_path):
     """A key stored again with other bytes (not content-addressed): the DRAM
     tier must hand out the new copy, as the device index does."""
