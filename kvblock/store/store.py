@@ -611,7 +611,9 @@ class KVStore(Recovery, RunReader, RunWriter):
             if whole:
                 self.counters["put_duplicate_runs"] += 1
                 return "duplicate"
-            if not self.admission.admit(keys[0]):
+            with self._lock:          # its offer counts: two puts at once lose none
+                admitted = self.admission.admit(keys[0])
+            if not admitted:
                 self.counters["admission_rejected_runs"] += 1
                 return "rejected"
             return "ok"
