@@ -309,15 +309,18 @@ def fmt_size(n: int) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.75, help="GiB stored and loaded per case")
-    ap.add_argument("--slots", default="256K,2M", help="slot sizes, comma separated")
+    ap.add_argument("--slots", default="256K,2M", type=fs.comma_sizes,
+                    help="slot sizes, comma separated")
     ap.add_argument("--locations", default="disk,shm", type=fs.comma_choices(LOCATIONS),
                     help=f"comma separated, of {sorted(LOCATIONS)}")
-    ap.add_argument("--pool", default="256M", help="primary pool size (slots are reused)")
+    ap.add_argument("--pool", default="256M", type=fs.size_text,
+                    help="primary pool size (slots are reused)")
     ap.add_argument("--job-slots", type=int, default=32, help="slots per TransferJob")
     ap.add_argument("--pattern", choices=("adjacent", "scattered"), default="adjacent")
     ap.add_argument("--threads", type=int, default=DEFAULT_THREADS,
                     help="kvblock tier worker threads (default: the tier's)")
-    ap.add_argument("--max-run-bytes", default="16M", help="kvblock tier max_run_bytes")
+    ap.add_argument("--max-run-bytes", default="16M", type=fs.size_text,
+                    help="kvblock tier max_run_bytes")
     ap.add_argument("--kvblock-target", choices=("file", "loop"), default="file",
                     help="kvblock's store: a file in the location (default) or a loop "
                          "device over one (root)")
@@ -335,7 +338,7 @@ def main(argv=None) -> int:
     if args.kvblock_target == "loop" and os.geteuid() != 0:
         ap.error("--kvblock-target loop needs root (losetup); run as root or pass "
                  "--kvblock-target file")
-    slots = [parse_size(s) for s in args.slots.split(",")]
+    slots = args.slots      # sizes checked by argparse: a bad one is a usage error
     locations = args.locations
     total = int(args.gib * GIB)
     rows = []

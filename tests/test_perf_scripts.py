@@ -427,7 +427,11 @@ def test_an_unknown_choice_is_a_usage_error(script, option, capsys):
     ("put_hashing.py", "--targets", "shm-file,nvme"),
     ("put_hashing.py", "--targets", ","),
     ("put_hashing.py", "--run", "4Q"),
-    ("put_hashing.py", "--overlap-from", "1X")])
+    ("put_hashing.py", "--overlap-from", "1X"),
+    ("vllm_tier_vs_fs.py", "--slots", "256K,2Q"),
+    ("vllm_tier_vs_fs.py", "--slots", ","),
+    ("vllm_tier_vs_fs.py", "--pool", "8Q"),
+    ("vllm_tier_vs_fs.py", "--max-run-bytes", "lots")])
 def test_a_bad_list_or_size_is_a_usage_error(script, option, bad, capsys):
     """perf/sglang_vs_hicachefile.py and perf/put_hashing.py checked their
     comma-separated lists by hand and parsed sizes after argparse: a size
@@ -436,6 +440,7 @@ def test_a_bad_list_or_size_is_a_usage_error(script, option, bad, capsys):
     empty --targets printed an empty table and exited 0.  Each now ends in
     argparse's usage error (exit 2) naming the option and the bad value."""
     base = {"sglang_vs_hicachefile.py": CASES["sglang_vs_hicachefile.py"],
+            "vllm_tier_vs_fs.py": CASES["vllm_tier_vs_fs.py"],
             "put_hashing.py": ["--targets", "shm-file", "--run", "4M", "--gib", "0.01",
                                "--rounds", "1"]}[script]
     args = list(base)
