@@ -34,6 +34,7 @@ class InFlight:
         self._closing = False
         self._closed_message = closed_message
         self._forked_message = forked_message
+        self.forked = False      # a forked child's copy (see _after_fork_in_child)
         _LIVE.add(self)
 
     def _fresh(self) -> None:
@@ -97,6 +98,7 @@ def _after_fork_in_child() -> None:
         if gate._forked_message is not None:
             gate._closing = True
             gate._closed_message = gate._forked_message
+            gate.forked = True
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -583,6 +583,11 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _check_open(self, writing: bool = False):
         if self.closed:
             raise StoreClosedError("store is closed; reopen it with KVStore.open(devices)")
+        if self._inflight.forked:
+            # A forked child's copy refuses lookups, pins and stats too, not
+            # only the calls that use the devices: its index goes stale as
+            # the parent deletes and evicts (a lookup hit, then a refused get).
+            raise StoreClosedError(self._inflight._forked_message)
         if writing and self.readonly:
             raise ReadOnlyStoreError(f"{self.io.devices[0].path}: store is open read-only; "
                                      "open it without readonly=True to change it")

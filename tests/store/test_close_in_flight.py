@@ -309,6 +309,38 @@ def test_a_forked_childs_copy_refuses_reads_and_writes(store_file):
         assert again.lookup(run_keys(5, 2)) == 0
 
 
+def test_a_forked_childs_copy_refuses_lookups_too(store_file):
+    """README: a forked process's copy of a store is shut, "its calls raise
+    StoreClosedError".  Only the calls that use the devices did: lookup,
+    present, contains, pin, touch, stats, clear_ticket and removed_since
+    answered from the copy's index, which goes stale as the parent deletes
+    and evicts (a lookup in the child named blocks the parent had deleted,
+    then the get refused).  Every one now refuses, naming the fix."""
+    from tests.support.servers import exit_code_in_child
+
+    store = KVStore.open([store_file])
+    keys = run_keys(1, 3)
+    store.put_run(keys, run_data(keys))
+
+    def child():
+        calls = (lambda: store.lookup(keys), lambda: store.present(keys),
+                 lambda: store.contains(keys[0]), lambda: store.pin(keys),
+                 lambda: store.touch(keys), store.stats, store.clear_ticket,
+                 store.removed_since)
+        refused = 0
+        for call in calls:
+            try:
+                call()
+            except StoreClosedError as e:
+                refused += "forked" in str(e) and "KVStore.open" in str(e)
+        store.close()
+        return 0 if refused == len(calls) else 1
+
+    assert exit_code_in_child(child) == 0
+    assert store.lookup(keys) == 3                 # the parent's copy is untouched
+    store.close()
+
+
 def test_close_waits_for_a_save_gathering_into_its_staging(store_file):
     """save_blocks gathers the cache pages into staging memory that close()
     frees: close() waits for the gather, and the save is then refused (a
