@@ -61,3 +61,23 @@ def test_command_table_options_exist():
         opts = {o for p in cmd.params for o in getattr(p, "opts", [])}
         for opt in re.findall(r"--[a-z][a-z-]*", usage):
             assert opt in opts, f"README shows kvblock {name} {opt}, which it does not take"
+
+
+def test_every_environment_variable_kvblock_reads_is_in_the_readme():
+    """Each KVBLOCK_* setting the package reads (os.environ) is named in
+    README.md, and each the README names is read somewhere (the package,
+    the tests, perf/ or the Makefile): a user cannot set what is not there,
+    and a setting nobody reads any more would be set in vain."""
+    root = Path(__file__).resolve().parents[1]
+    read = set()
+    for path in (root / "kvblock").rglob("*.py"):
+        read |= set(re.findall(r"environ(?:\.get)?[(\[]\s*\"(KVBLOCK_\w+)\"", path.read_text()))
+        read |= set(re.findall(r"_SETTING = \"(KVBLOCK_\w+)\"", path.read_text()))
+    assert {"KVBLOCK_IO_ENGINE", "KVBLOCK_MAPPED_READS"} <= read
+    documented = set(re.findall(r"KVBLOCK_[A-Z_]+[A-Z]", README))
+    assert read - documented == set(), "read by kvblock/, not in README.md"
+    elsewhere = "".join(p.read_text() for d in ("kvblock", "tests", "perf")
+                        for p in (root / d).rglob("*.py") if p.name != Path(__file__).name)
+    elsewhere += (root / "Makefile").read_text()
+    assert {v for v in documented if v not in elsewhere} == set(), \
+        "named in README.md, read nowhere"
