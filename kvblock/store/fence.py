@@ -95,6 +95,7 @@ class WriteFence:
         self._served: list[int] = []
         self._old: list[int] = []      # an earlier server's, until no write is in flight
         self._writers = 0
+        self._closing = False          # close() came while a write was in flight
         self._lock = threading.Lock()
         for fd in own:
             self._add(self._own, fd)
@@ -168,11 +169,23 @@ class WriteFence:
                     for fd in self._fds():
                         _ofd_lock(fd, fcntl.F_UNLCK, wait=False)
                     self._drop_old()
+                    if self._closing:
+                        self._close_fds()
 
     def close(self) -> None:
+        """Close the files, or, while a write is in flight (a close() that
+        gave up waiting for it), once it is done: closing them drops the
+        locks it holds, and an owner would then hand its space out under it."""
         with self._lock:           # not between a writer's lock and unlock
-            fds = self._fds()
-            self._own, self._served, self._old = [], [], []
+            if self._writers:
+                self._closing = True
+                return
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        """(under _lock)"""
+        fds = self._fds()
+        self._own, self._served, self._old = [], [], []
         for fd in fds:
             os.close(fd)
 

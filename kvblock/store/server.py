@@ -587,10 +587,12 @@ class StoreServer:
             self._op_abort(s, result["wid"])
 
     def _release(self, s: _Session):
-        """The connection ended: give back every pin it held.  When the
-        server ended it, the client may still be writing under its
-        allocations: those are given back once its writes in flight are done
-        (its later ones find the connection closed and are refused)."""
+        """The connection ended: give back every pin it held.  The client
+        may still be writing under its allocations (the server ended it, or
+        the client's close() gave up waiting for a write in flight: a client
+        that ends cleanly holds none): those are given back once its writes
+        in flight are done (its later ones find the connection closed and
+        are refused)."""
         store = self.store
         readers, s.readers = list(s.readers.values()), {}
         writers, s.writers = list(s.writers.values()), {}
@@ -599,7 +601,9 @@ class StoreServer:
         if not writers:
             return
         regions = [region for region, *_ in writers]
-        if s.dropped is not None and not store.closed:
+        # Whoever ended the connection: given back at once, a write still in
+        # flight would land on the space once another rank is handed it.
+        if not store.closed:
             with self._dropped_lock:            # after the fence (_lease_loop)
                 self._dropped_writers += regions
         else:

@@ -305,3 +305,48 @@ def test_a_store_dropped_without_close_leaves_no_open_files(tmp_path):
             gc.collect()
     finally:
         server.stop()
+
+
+def test_a_write_close_gave_up_waiting_for_keeps_its_space_until_done(tmp_path, monkeypatch):
+    """close() waits CLOSE_WAIT_S for a write in flight in another thread,
+    then lets go of the connection.  The server gave the write's space back
+    at once (a connection that ends is fenced only when the server dropped
+    it) and close() closed the fence files, whose locks the write held, so
+    the late write landed on the run of a rank that got the space meanwhile
+    (B read A's bytes with verify="never").  The space stays pinned until
+    the write is done, then is given back."""
+    from kvblock.store import client as client_mod
+
+    monkeypatch.setattr(client_mod, "CLOSE_WAIT_S", 0.3)
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    a = RemoteStore(sock, verify="never")
+    b = RemoteStore(sock, verify="never")
+    try:
+        a_space, b_space = _allocations(a), _allocations(b)
+        stall, box, ka = _stalled_put(a)          # inside its write, under the fence
+        a.close()                                 # gives up on it after 0.3 s
+        time.sleep(0.2)                           # the server has seen the connection end
+        server.store.evict(all=True)
+        stored = []
+        for i in range(2, 800):                   # about twice round the store
+            if a_space[0] in b_space:
+                break
+            kb = run_keys(i, 2)
+            assert b.put_run(kb, run_data(kb)) == 2
+            stored.append(kb)
+        stall.go.set()
+        box["thread"].join(20)
+        got = np.zeros_like(run_data(stored[0]))
+        for kb in stored:                         # every B run still stored is B's bytes
+            if b.get_run(kb, got) == 2:
+                assert np.array_equal(got, run_data(kb)), \
+                    "a write close() gave up on landed on another rank's run"
+        deadline = time.monotonic() + 10          # then A's space is given back
+        while server.store.regions.pins.sum():
+            assert time.monotonic() < deadline, "A's space stayed pinned after its write"
+            time.sleep(0.02)
+    finally:
+        a.close()
+        b.close()
+        server.stop()
