@@ -125,6 +125,17 @@ class _Session:
         self.closing = False                          # ended: its pins are being given back
 
 
+def _seconds(name: str, value, none: str) -> float | None:
+    """A server time setting: seconds > 0, or None for 0, None or inf
+    (``none``); anything else (text, a bool, nan) is a ConfigError."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                              or math.isnan(value)):
+        raise ConfigError(f"{name} must be seconds (0, None or inf: {none}), got {value!r}")
+    if value is None or value <= 0 or math.isinf(value):
+        return None
+    return value
+
+
 class StoreServer:
     """Serves ``store`` on the Unix socket ``socket_path``.
 
@@ -142,16 +153,9 @@ class StoreServer:
         self.socket_path = os.fspath(socket_path)
         self.close_store = close_store
         # 0 is never, as for the lease and the hello wait (not: stop at the first poll)
-        self.idle_exit = idle_exit if idle_exit and idle_exit > 0 else None
-        if pin_lease is not None and (isinstance(pin_lease, bool) or
-                                      not isinstance(pin_lease, numbers.Real) or
-                                      math.isnan(pin_lease)):
-            raise ConfigError(f"pin_lease must be seconds (0, None or inf: no lease), got "
-                              f"{pin_lease!r}")
-        if pin_lease is not None and (pin_lease <= 0 or math.isinf(pin_lease)):
-            pin_lease = None
-        self.pin_lease = pin_lease
-        self.hello_timeout = hello_timeout if hello_timeout and hello_timeout > 0 else None
+        self.idle_exit = _seconds("idle_exit", idle_exit, "never")
+        self.pin_lease = _seconds("pin_lease", pin_lease, "no lease")
+        self.hello_timeout = _seconds("hello_timeout", hello_timeout, "no limit")
         if max_clients is not None and (type(max_clients) is not int or max_clients < 0):
             raise ConfigError(f"max_clients must be a connection count >= 1 (0 or None: no "
                               f"limit), got {max_clients!r}")

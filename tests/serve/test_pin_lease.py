@@ -380,3 +380,23 @@ def test_a_lease_of_infinity_serves_and_never_expires_and_nan_is_refused(tmp_pat
     with pytest.raises(ConfigError, match="pin_lease"):
         serve_in_background([path], sock, pin_lease=float("nan"))
     assert not os.path.exists(sock)
+
+
+def test_the_servers_other_times_are_checked_as_the_lease_is(tmp_path):
+    """idle_exit and hello_timeout from Python: text raised a bare TypeError
+    (a comparison with 0), nan meant "never" silently; both are ConfigErrors
+    naming the setting, as pin_lease's are; 0 and inf still mean never."""
+    import pytest
+
+    from kvblock.errors import ConfigError
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    for name in ("idle_exit", "hello_timeout"):
+        for bad in ("5", float("nan"), True):
+            with pytest.raises(ConfigError, match=name):
+                serve_in_background([path], sock, **{name: bad})
+            assert not os.path.exists(sock)
+    server = serve_in_background([path], sock, idle_exit=float("inf"), hello_timeout=0)
+    try:
+        assert server.idle_exit is None and server.hello_timeout is None
+    finally:
+        server.stop()
