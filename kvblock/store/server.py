@@ -547,7 +547,7 @@ class StoreServer:
                     self._undo(s, reply.get("result"))
                     data = encode_msg(error_reply(e))
                 try:
-                    s.conn.sendall(data)
+                    self._send(s, data)
                     if fence_fds is not None:
                         socket.send_fds(s.conn, [b"F"], fence_fds)
                 except (BlockingIOError, TimeoutError):
@@ -589,6 +589,20 @@ class StoreServer:
             self._op_unpin(s, result["pin"])
         if result.get("wid") is not None:
             self._op_abort(s, result["wid"])
+
+    def _send(self, s: _Session, data: bytes) -> None:
+        """sendall, except that a send making no progress for a lease
+        (SO_SNDTIMEO) ends only a connection holding pins or allocations
+        (as the lease does); one holding none waits on for its client (a
+        stopped process holds nothing up), until the server stops."""
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[s.conn.send(view):]
+            except (BlockingIOError, TimeoutError):
+                if s.readers or s.writers or self._halt.is_set():
+                    raise
+                # (SO_SNDTIMEO again: no busy loop)
 
     def _release(self, s: _Session):
         """The connection ended: give back every pin it held.  The client

@@ -400,3 +400,29 @@ def test_the_servers_other_times_are_checked_as_the_lease_is(tmp_path):
         assert server.idle_exit is None and server.hello_timeout is None
     finally:
         server.stop()
+
+
+def test_a_client_holding_no_pins_is_not_dropped_for_a_slow_read(tmp_path):
+    """The send timeout (one lease) ended any connection whose client took
+    nothing of an answer for a lease, and counted it expired, though it
+    held no pins: README says the lease drops only connections holding
+    pins.  A client holding none that reads its large answer late gets it."""
+    import socket
+
+    from kvblock.store.protocol import encode_keys, encode_msg, recv_msg
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    keys = [i.to_bytes(16, "little") for i in range(1, 200_001)]   # ~1 MB of answer
+    with serve_in_background([path], sock, pin_lease=0.3, hello_timeout=0) as server:
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            raw.settimeout(30)
+            raw.connect(sock)
+            raw.sendall(encode_msg({"op": "present", "keys": encode_keys(keys)}))
+            time.sleep(1.5)                    # five leases without reading
+            answer = recv_msg(raw)
+            assert answer is not None and answer["ok"], answer
+            assert answer["result"] == [False] * len(keys)
+            assert server.expired_sessions == 0
+        finally:
+            raw.close()
