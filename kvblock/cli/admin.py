@@ -405,7 +405,7 @@ def stats(devices, socket_path, port, address, interval, as_json):
     REGISTRY.register(collector)
     host = f"[{address}]" if ":" in address else address
     try:
-        start_http_server(port, addr=address)
+        served = start_http_server(port, addr=address)
     except OSError as e:
         # not served: off the process's registry again (a caller that goes
         # on, e.g. a second try on another port, would collide with it)
@@ -415,8 +415,18 @@ def stats(devices, socket_path, port, address, interval, as_json):
                           "(or --address)") from None
     click.echo(f"serving metrics of {socket_path or devices[0]} on http://{host}:{port}/metrics "
                "(Ctrl-C to stop)", err=True)
-    while True:
-        time.sleep(3600)
+    try:
+        while True:
+            time.sleep(3600)
+    finally:
+        # Ctrl-C stops the serving too: left running, a process that goes on
+        # (the CLI called in-process) kept the port and the registered
+        # collector (a second --prometheus: DuplicateTimeseries).
+        if isinstance(served, tuple) and served:     # (server, thread) here
+            served[0].shutdown()
+            served[0].server_close()
+            served[1].join(5)
+        REGISTRY.unregister(collector)
 
 
 # What a read-only open's own recovery found: the only counters of

@@ -1508,3 +1508,37 @@ def test_trim_of_a_full_store_on_a_device_that_keeps_its_space_is_not_supported(
     assert out["regions_trimmed"] == out["free_regions"] == 0, out
     assert out["supported"] is False, out
     assert "KVBLOCK_MAPPED_READS=never" in out["note"], out
+
+
+def test_stats_prometheus_stops_serving_on_ctrl_c(file_target, monkeypatch):
+    """Ctrl-C ended `stats --prometheus` but left its HTTP server thread
+    serving the port and its collector registered: in a process that goes
+    on (the CLI called in-process), the port stayed taken and a second
+    `stats --prometheus` failed with a DuplicateTimeseries traceback.  On
+    the way out the exporter now shuts its server and unregisters."""
+    import socket
+    import threading
+
+    import prometheus_client.core
+
+    from kvblock.cli import admin
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    registry = prometheus_client.CollectorRegistry()
+    monkeypatch.setattr(prometheus_client.core, "REGISTRY", registry)
+
+    def ctrl_c(seconds):               # the CLI's wait once serving
+        raise KeyboardInterrupt
+    monkeypatch.setattr(admin.time, "sleep", ctrl_c)
+    with socket.socket() as s:         # a free port
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for _ in range(2):                 # the second run finds the port and registry free
+        res = kvb("stats", path, "--prometheus", str(port))
+        assert res.returncode == 130, res.stderr
+        assert "serving metrics" in res.stderr
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, "still serving after Ctrl-C"
+        assert prometheus_client.generate_latest(registry) == b""
+    assert not [t for t in threading.enumerate() if "serve_forever" in t.name]
