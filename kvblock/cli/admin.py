@@ -457,7 +457,10 @@ def _server_stats(socket_path) -> dict:
     if "clients" in s:              # ... and no client of the server's: it counted it
         s["clients"] -= 1
     for name in READ_COUNTERS:      # the server does none of its clients' reads: not 0s
-        s.pop(name, None)
+        # ... but it counts the runs its clients dropped after a device
+        # error (drop_runs, as checksum_failures): a failing device shows.
+        if name != "read_errors":
+            s.pop(name, None)
     if isinstance(s.get("devices"), list):
         s["devices"] = ", ".join(s["devices"])
     return s

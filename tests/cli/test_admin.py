@@ -1542,3 +1542,43 @@ def test_stats_prometheus_stops_serving_on_ctrl_c(file_target, monkeypatch):
             assert s.connect_ex(("127.0.0.1", port)) != 0, "still serving after Ctrl-C"
         assert prometheus_client.generate_latest(registry) == b""
     assert not [t for t in threading.enumerate() if "serve_forever" in t.name]
+
+
+def test_stats_through_a_server_shows_the_read_errors_its_clients_reported(tmp_path):
+    """A rank's read that fails with EIO drops the run on the server, which
+    counts it in its read_errors (as checksum_failures for a bad checksum).
+    `stats --socket` (and its Prometheus export) left read_errors out with
+    the read counters the server never sees: a failing device showed
+    nowhere, while checksum failures did."""
+    from kvblock import create_file
+    from kvblock.cli.admin import _server_stats
+    from kvblock.errors import IOFailedError
+    from kvblock.metrics import StoreCollector
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+    from tests.store.workload import GEOM, REGION
+    from tests.support.faults import BadSectors
+
+    path = str(tmp_path / "s.img")
+    create_file(path, 16 << 20)
+    KVStore.format([path], GEOM, region_size=REGION).close()
+    sock = str(tmp_path / "kv.sock")
+    keys = run_keys(3, 4)
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as rank:
+        assert rank.put_run(keys, run_data(keys)) == 4
+        (run,) = server.store.index.runs.values()
+        bad = BadSectors()
+        bad.add(*rank.regions.address(run.region, run.offset), GEOM.block_bytes)
+        bad.install(rank)
+        with pytest.raises(IOFailedError, match="EIO"):
+            rank.get_run(keys, np.zeros(4 * GEOM.block_bytes, np.uint8))
+        assert server.store.counters["read_errors"] == 1
+        res = kvb("stats", "--socket", sock, "--json")
+        stats = _server_stats(sock)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout).get("read_errors") == 1, res.stdout
+    families = {f.name.removeprefix("kvblock_store_"): f
+                for f in StoreCollector(lambda: stats).collect()}
+    assert families["read_errors"].type == "counter"
+    assert families["read_errors"].samples[0].value == 1
+    assert "get_blocks" not in families          # the reads themselves: the ranks'
