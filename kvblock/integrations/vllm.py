@@ -59,7 +59,9 @@ Store lifecycle.
     ``format="if-empty"`` (default) opens the store on ``devices`` and
     formats it when they hold none (refusing block devices on which blkid
     finds a filesystem or partition table: ``UnsafeTargetError``);
-    ``"never"`` only opens; ``"force"`` formats every start.  A store made
+    ``"never"`` only opens; ``"force"`` formats every start (with ``server``:
+    the start that launches the server; a server still running from an
+    earlier run is used as it is, with a warning).  A store made
     for another slot size, or by something other than this tier, is refused
     with ``GeometryMismatchError``.  ``shutdown()`` cancels queued jobs,
     waits for running ones and closes the store (a checkpoint: fast reopen).

@@ -110,6 +110,21 @@ _SERVER_OPTIONS = ("eviction", "admit_after", "engine")
 SHARED_CALL_TIMEOUT_S = 60.0
 
 
+def _start_ticks(pid) -> int:
+    """When process ``pid`` ("self": this one) started, in clock ticks since boot."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+def _started_before_this_process(pid: int) -> bool:
+    """Whether process ``pid`` started before this one (True when unknown:
+    no /proc, or a server in another pid namespace)."""
+    try:
+        return _start_ticks(pid) < _start_ticks("self")
+    except (OSError, ValueError, IndexError):
+        return True
+
+
 def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model: str, *,
                 format: str = "if-empty", size: int | None = None,
                 region_size: int | None = None, owner: str = "kvblock", **options):
@@ -160,6 +175,17 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
             for path in devices:
                 _warn_size(path, size, owner)
         _warn_region_size(devices, store.regions.size, region_size, owner)
+        if format == "force" and _started_before_this_process(store.server_pid):
+            # "force" formats at every start, but only where a caller starts
+            # the server: one that outlived the last run (it does: its own
+            # session) keeps serving what it holds.  Said, not silent.  (A
+            # server younger than this process was started by a sibling
+            # (another DP replica) that formatted as this start asked.)
+            logger.warning("kvblock: %s: format \"force\" did not apply: the store server at "
+                           "%s (pid %d) already serves the store on %s, not formatted; "
+                           "stop it (kill -TERM %d) to format anew at the next start",
+                           owner, socket_path, store.server_pid, ", ".join(map(str, devices)),
+                           store.server_pid)
     # The server's eviction and admission apply to every rank: this caller's
     # differing ones (a server started with other settings) are said, not dropped.
     for name, mine, theirs in (("eviction", options.get("eviction"), store.server_eviction),

@@ -1364,6 +1364,58 @@ def test_data_parallel_replicas_share_one_store_through_a_server(tmp_path, caplo
         assert_metrics_blocks(tiers, 4)     # the new server's store, recovered
 
 
+def test_format_force_on_a_store_a_server_already_serves_says_it_did_not_format(
+        tmp_path, caplog, monkeypatch):
+    """"format": "force" formats every start, says the tier's docstring; on a
+    shared store ("server") the server outlives vLLM, and the next start
+    connects to it: nothing formats then, and that was silent (the KV stored
+    before still hits).  The tier now says so, as it does for "size"; not
+    when the server is younger than the process (a sibling DP replica
+    started it, formatting as asked)."""
+    from kvblock.store import provision
+    from tests.support.servers import stop_server
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    pool = page_aligned_pool(4)
+    tiers = []
+
+    def tier():
+        tiers.append(KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
+                                        devices=[dev], server=sock, size="64M", threads=1,
+                                        format="force"))
+        return tiers[-1]
+
+    def said_force():
+        return [r.getMessage() for r in caplog.records if '"force"' in r.getMessage()]
+
+    first = tier()
+    pid = first.store.server_pid
+    try:
+        fill_random(pool, range(1))
+        first.submit_store(job(1, [key(1)], [0]))
+        assert drain(first)[0].success
+        with caplog.at_level(logging.WARNING, logger="kvblock"):
+            sibling = tier()                   # a DP replica: the server is younger
+        assert sibling.store.server_pid == pid and said_force() == []
+        first.shutdown()
+        sibling.shutdown()                     # vLLM stops; its server runs on
+
+        ours = provision._start_ticks(pid) + 1         # vLLM started again, later
+        real = provision._start_ticks
+        monkeypatch.setattr(provision, "_start_ticks",
+                            lambda p: ours if p == "self" else real(p))
+        with caplog.at_level(logging.WARNING, logger="kvblock"):
+            again = tier()
+        assert again.store.server_pid == pid
+        assert again.lookup(key(1), CTX) is LookupResult.HIT     # not formatted
+        said = said_force()
+        assert len(said) == 1 and str(pid) in said[0] and "not formatted" in said[0], said
+    finally:
+        for t in tiers:
+            t.shutdown()
+        stop_server(pid)
+
+
 def test_kv_events_announce_what_another_replica_removed_from_a_shared_store(tmp_path):
     """Replicas sharing a store through a server: one's removals reach the
     other's events (the server's removal log), also when the server was
