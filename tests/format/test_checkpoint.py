@@ -39,6 +39,7 @@ def assert_same(a: Checkpoint, b: Checkpoint):
         (b.generation, b.journal_seq, b.next_run_id, b.ranges)
     np.testing.assert_array_equal(a.regions["generation"], b.regions["generation"])
     np.testing.assert_array_equal(a.regions["seal_seq"], b.regions["seal_seq"])
+    np.testing.assert_array_equal(a.regions["sealed_at"], b.regions["sealed_at"])
     for f in ("run_id", "region", "generation", "offset", "nblocks"):
         np.testing.assert_array_equal(a.runs[f], b.runs[f])
     np.testing.assert_array_equal(a.keys, b.keys)
@@ -83,6 +84,22 @@ def test_golden_header_layout():
     assert struct.unpack_from("<Q", payload, sums_at + 8)[0] == 0x9E3779B97F4A7C15
     assert sums_at + 9 * 8 == len(payload)
     assert xxhash.xxh64_hexdigest(b) == GOLDEN_DIGEST
+
+
+def test_golden_region_entry_pins_the_seal_time():
+    """The golden sample's regions all have sealed_at 0, so its digest and
+    field checks pinned neither the width nor the byte order of the u32 at
+    4 in each region entry (a big-endian sealed_at passed every format
+    test).  A nonzero seal time, spelled out byte by byte."""
+    cp = sample_checkpoint()
+    cp.regions["sealed_at"] = [0x01020304 + i for i in range(len(cp.regions))]
+    payload = cp.encode()[HEADER_BYTES:]
+    assert payload[0:16] == (struct.pack("<I", 10) + bytes([4, 3, 2, 1])
+                             + struct.pack("<Q", 100))
+    assert struct.unpack_from("<IIQ", payload, 16) == (11, 0x01020305, 0)
+    assert payload[:5 * 16] == b"".join(
+        struct.pack("<IIQ", 10 + i, 0x01020304 + i, 0 if i % 2 else 100 + i) for i in range(5))
+    assert_same(cp, round_trip(cp))
 
 
 def test_dtypes_are_pinned():
