@@ -22,6 +22,10 @@ Copy A sits at byte 0, copy B at byte 4096.  A reader takes the valid copy
 with the highest sequence; both invalid means "not a kvblock device"; both
 valid but of two stores, or different at one sequence, is refused (nothing
 on the device tells which copy is its own).
+
+Flag bit 0 (clean) is kept in the layout but not written by this release:
+superblocks are written only by format(); whether a store was closed
+cleanly is told by its checkpoint and journal (recovery's clean_at_open).
 """
 
 from __future__ import annotations
