@@ -694,11 +694,7 @@ class RemoteStore(RunReader, RunWriter):
             stored = self._call_on(s, "commit_runs", puts=puts, clears=clears)
         except BaseException:
             if not sent:
-                for a in allocs:
-                    try:
-                        self._call_on(s, "abort", wid=a["wid"])
-                    except KVBlockError:
-                        pass  # a dead connection releases the pins anyway
+                self._abort(s, [a["wid"] for a in allocs])
             raise
         finally:
             s.hold(-len(allocs))
@@ -733,6 +729,14 @@ class RemoteStore(RunReader, RunWriter):
             if not stored:            # a clear() overtook it: its earlier pieces went too
                 return 0
         return written
+
+    def _abort(self, s: "Session", wids: list[int]) -> None:
+        """Give back allocations on ``s`` that will not be committed."""
+        for wid in wids:
+            try:
+                self._call_on(s, "abort", wid=wid)
+            except KVBlockError:
+                pass  # a dead connection releases the pins anyway
 
     def _write_allocated(self, s: "Session", a: dict, keys: list[bytes], blocks,
                          flush: frozenset | set | None = frozenset()) -> np.ndarray:
@@ -769,10 +773,7 @@ class RemoteStore(RunReader, RunWriter):
                                    checksums=[int(c) for c in sums], clears=clears)
         except BaseException:
             if not sent:
-                try:
-                    self._call_on(s, "abort", wid=a["wid"])
-                except KVBlockError:
-                    pass  # a dead connection releases the pin anyway
+                self._abort(s, [a["wid"]])
             raise
         finally:
             s.hold(-1)

@@ -804,15 +804,19 @@ def test_a_server_too_busy_to_accept_is_not_taken_for_none(tmp_path, monkeypatch
 
 
 
-def _slow_close(server, seconds=3.0):
+def _slow_close(server, seconds=3.0, until: threading.Event | None = None):
     """Make ``server``'s store close (its checkpoint) take ``seconds``,
-    past the devices' busy_timeout; the event is set when it begins."""
+    past the devices' busy_timeout (or last ``until`` is set, 60 s at
+    most); the event is set when it begins."""
     closing = threading.Event()
     real_close = server.store.close
 
     def slow_close():
         closing.set()
-        time.sleep(seconds)
+        if until is None:
+            time.sleep(seconds)
+        else:
+            until.wait(60)
         real_close()
 
     server.store.close = slow_close
@@ -963,15 +967,8 @@ def test_a_server_waiting_for_a_stopping_one_stops_on_sigterm(tmp_path):
     sock = str(tmp_path / "kv.sock")
     path = _store_file(tmp_path)
     old = serve_in_background([path], sock)
-    release, closing = threading.Event(), threading.Event()
-    real_close = old.store.close
-
-    def held_close():
-        closing.set()
-        release.wait(60)
-        real_close()
-
-    old.store.close = held_close
+    release = threading.Event()
+    closing = _slow_close(old, until=release)
     stopper = threading.Thread(target=old.stop)
     proc = None
     try:
@@ -1014,15 +1011,8 @@ def test_a_server_that_waited_in_vain_for_a_stopping_one_says_so(tmp_path, monke
     sock = str(tmp_path / "kv.sock")
     path = _store_file(tmp_path)
     old = serve_in_background([path], sock)
-    release, closing = threading.Event(), threading.Event()
-    real_close = old.store.close
-
-    def held_close():
-        closing.set()
-        release.wait(60)
-        real_close()
-
-    old.store.close = held_close
+    release = threading.Event()
+    closing = _slow_close(old, until=release)
     stopper = threading.Thread(target=old.stop)
     try:
         stopper.start()

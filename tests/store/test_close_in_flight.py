@@ -429,6 +429,14 @@ def _two_runs_second_corrupt(rank, save_blocks, layout, keys):
     rank.io.write_bytes(dev, off, b"\xa5" * 4096)
 
 
+def _vllm_caches(seed: int):
+    """(shape, per-layer vLLM caches of random float16 bits) of 8 pages."""
+    shape = (2, 8, GEOM.block_tokens, GEOM.num_kv_heads, GEOM.head_dim)
+    rng = np.random.default_rng(seed)
+    return shape, [rng.integers(-30000, 30000, shape, dtype=np.int16).view(np.float16)
+                   for _ in range(GEOM.num_layers)]
+
+
 @pytest.mark.parametrize("background", [True, False], ids=["background", "inline"])
 def test_a_rank_closed_while_its_load_drops_a_corrupt_run(store_file, tmp_path, background):
     """A rank's load meets a run that fails its checksum while another
@@ -441,10 +449,7 @@ def test_a_rank_closed_while_its_load_drops_a_corrupt_run(store_file, tmp_path, 
     from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
 
     sock = str(tmp_path / "kv.sock")
-    shape = (2, 8, GEOM.block_tokens, GEOM.num_kv_heads, GEOM.head_dim)
-    rng = np.random.default_rng(3)
-    src = [rng.integers(-30000, 30000, shape, dtype=np.int16).view(np.float16)
-           for _ in range(GEOM.num_layers)]
+    shape, src = _vllm_caches(3)
     keys = run_keys(8, 4)
     with serve_in_background([store_file], sock) as server:
         rank = RemoteStore(sock)
@@ -492,10 +497,7 @@ def test_a_load_keeps_its_verified_prefix_when_dropping_a_corrupt_run_fails(stor
     from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
 
     sock = str(tmp_path / "kv.sock")
-    shape = (2, 8, GEOM.block_tokens, GEOM.num_kv_heads, GEOM.head_dim)
-    rng = np.random.default_rng(4)
-    src = [rng.integers(-30000, 30000, shape, dtype=np.int16).view(np.float16)
-           for _ in range(GEOM.num_layers)]
+    shape, src = _vllm_caches(4)
     keys = run_keys(10, 4)
     server = serve_in_background([store_file], sock)
     rank = RemoteStore(sock)

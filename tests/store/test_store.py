@@ -1698,6 +1698,16 @@ def test_a_failed_trim_in_clears_drop_batches_does_not_stop_the_later_ones(tmp_p
         store.unpin(second)
 
 
+def _fill_then_empty_the_open_region(store) -> list:
+    """A run of 25 blocks in every region, then the open region's deleted."""
+    runs = [run_keys(i, 25) for i in range(store.regions.count)]   # one region each
+    for keys in runs:
+        assert store.put_run(keys, run_data(keys)) == 25
+    assert not store.regions.free and store.regions.open is not None
+    assert store.delete(runs[-1][:1]) == 25            # the open region's only run
+    return runs
+
+
 @pytest.mark.parametrize("policy", ["fifo", "lru"])
 def test_the_open_region_emptied_is_freed_when_sealed_not_kept_over_live_runs(tmp_path, policy):
     """Every run of the open region deleted, then a put that does not fit
@@ -1707,11 +1717,7 @@ def test_the_open_region_emptied_is_freed_when_sealed_not_kept_over_live_runs(tm
     path = tmp_path / "small.img"
     create_file(path, 3 * MIB)
     with _format([path], eviction=policy) as store:
-        runs = [run_keys(i, 25) for i in range(store.regions.count)]   # one region each
-        for keys in runs:
-            assert store.put_run(keys, run_data(keys)) == 25
-        assert not store.regions.free and store.regions.open is not None
-        assert store.delete(runs[-1][:1]) == 25            # the open region's only run
+        runs = _fill_then_empty_the_open_region(store)
         last = run_keys(99, 25)
         assert store.put_run(last, run_data(last)) == 25   # seals the emptied open region
         assert store.counters["evicted_runs"] == 0
@@ -1731,10 +1737,7 @@ def test_evict_frees_the_open_region_it_seals_empty_before_any_live_run(tmp_path
     path = tmp_path / "small.img"
     create_file(path, 3 * MIB)
     with _format([path], eviction=policy) as store:
-        runs = [run_keys(i, 25) for i in range(store.regions.count)]   # one region each
-        for keys in runs:
-            assert store.put_run(keys, run_data(keys)) == 25
-        assert store.delete(runs[-1][:1]) == 25            # the open region's only run
+        runs = _fill_then_empty_the_open_region(store)
         assert store.evict(store.regions.size) == 1
         assert store.counters["evicted_runs"] == 0
         assert all(store.lookup(keys) == 25 for keys in runs[:-1])
