@@ -19,7 +19,7 @@ from kvblock import KVStore
 from kvblock.errors import ConfigError, DeviceBusyError, StoreClosedError
 from kvblock.store.client import RemoteStore, ServerError, ServerGoneError, connect
 from kvblock.store.server import serve_in_background, spawn_server
-from tests.serve.rank import deleted, marker, nblocks, run_index
+from tests.serve.rank import deleted, marker, nblocks, run_index, started
 from tests.store.workload import GEOM, REGION, Journal, check_store, run_data, run_keys
 from tests.support.servers import exit_code_in_child
 
@@ -28,12 +28,12 @@ MIB = 1 << 20
 KILL_ROUNDS = int(os.environ.get("KVBLOCK_SERVE_KILL_ROUNDS", "2"))
 
 
-def _rank(*args) -> subprocess.Popen:
+def _rank(*args, stdin=None) -> subprocess.Popen:
     # Read with _output(): communicate() with a timeout reads the raw pipe,
     # skipping lines readline() has already buffered.
     return subprocess.Popen([sys.executable, "-m", "tests.serve.rank", *map(str, args)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                            stdin=stdin, text=True)
 
 
 def _output(p: subprocess.Popen, timeout=45) -> str:
@@ -87,8 +87,10 @@ def sock(tmp_path):
 
 def test_ranks_share_one_store(loop_device, sock):
     """3 ranks start at once: exactly one starts the server (connect's race),
-    all put, delete and read their own and each other's runs; every byte is
-    checked, in the ranks and again after a clean stop and reopen."""
+    all put, delete and read their own and each other's runs, in step (each
+    reads the others' last runs while they write their next); every byte is
+    checked, no read fails a checksum, in the ranks and again after a clean
+    stop and reopen."""
     dev = loop_device(64 * MIB)
     _format(dev)
     nranks, runs = 3, 24
@@ -102,12 +104,17 @@ def test_ranks_share_one_store(loop_device, sock):
     assert len(pids) == 1, f"ranks reached different servers: {pids}"
     cross = [int(lines[-1].split()[1]) for lines in outs]
     assert all(c >= (nranks - 1) * (runs - 4) for c in cross), cross
+    # read while their writers went on: the other ranks' runs 0..runs-2, less the deleted
+    live = [int(lines[-2].split()[1]) for lines in outs]
+    assert live == [(nranks - 1) * sum(not deleted(j, runs) for j in range(runs - 1))] * nranks, \
+        live
     os.kill(pids.pop(), signal.SIGTERM)   # clean stop: checkpoint, socket removed
     _wait_gone(sock)
     log = Journal()
     for r in range(nranks):
-        log.attempted[marker(r)[0]] = marker(r)
-        log.acked.add(marker(r)[0])
+        for m in (marker(r), started(r)):
+            log.attempted[m[0]] = m
+            log.acked.add(m[0])
         for j in range(runs):
             keys = run_keys(run_index(r, j), nblocks(j))
             log.attempted[keys[0]] = keys
@@ -118,14 +125,37 @@ def test_ranks_share_one_store(loop_device, sock):
     with KVStore.open([dev]) as store:
         assert store.clean_at_open
         assert check_store(store, log) == sum(nblocks(j) for j in range(runs)
-                                              if not deleted(j, runs)) * nranks + nranks
+                                              if not deleted(j, runs)) * nranks + 2 * nranks
+
+
+def _check_served(sock, log) -> None:
+    """Through a server: every acknowledged run of ``log`` (not deleted)
+    reads back whole, byte for byte; nothing it deleted is found."""
+    with RemoteStore(sock) as r:
+        for first, keys in log.attempted.items():
+            n = r.lookup(keys)
+            if first in log.deleted:
+                assert n == 0, f"deleted run {first!r} served again"
+            elif first in log.acked and first not in log.deleting:
+                assert n == len(keys), f"acknowledged run {first!r}: {n}/{len(keys)} blocks"
+            if n:
+                shape = (GEOM.num_layers, GEOM.head_groups, len(keys), GEOM.group_block_bytes)
+                out = np.zeros(len(keys) * GEOM.block_bytes, np.uint8)
+                assert r.get_run(keys, out) == n
+                assert np.array_equal(out.reshape(shape)[:, :, :n],
+                                      run_data(keys).reshape(shape)[:, :, :n]), first
+        s = r.stats()
+        assert s["checksum_failures"] == 0 and s["client"]["checksum_failures"] == 0
 
 
 def test_server_sigkill_mid_writes(loop_device, sock):
-    """SIGKILL the server while 3 ranks write: each rank fails with
-    ServerGoneError; the store then recovers with no phantom, right bytes and
-    every acknowledged put.  KVBLOCK_SERVE_KILL_ROUNDS rounds (2), each on
-    the recovered store."""
+    """SIGKILL the server while 3 ranks write and read each other's runs, one
+    of them holding a put with its data written and its commit not asked
+    (so a put is surely in flight): each rank fails with ServerGoneError; the
+    store then recovers with no phantom (the held run is not there), right
+    bytes and every acknowledged put, checked in one process and through a
+    restarted server.  KVBLOCK_SERVE_KILL_ROUNDS rounds (2), each on the
+    recovered store."""
     dev = loop_device(128 * MIB)
     _format(dev)
     rng = random.Random(6)
@@ -133,18 +163,31 @@ def test_server_sigkill_mid_writes(loop_device, sock):
     nranks = 3
     for round_ in range(KILL_ROUNDS):
         server = spawn_server([dev], sock, timeout=30)
+        if round_:
+            _check_served(sock, log)    # the last round's puts, through a new server
         starts = [100_000 * (round_ + 1) + 10_000 * r for r in range(nranks)]
-        ranks = [_rank("kill", sock, s) for s in starts]
+        hold = rng.randint(3, 12)
+        ranks = [_rank("kill", sock, s, hold if r == 0 else 0,
+                       *[o for o in starts if o != s], stdin=subprocess.PIPE if r == 0 else None)
+                 for r, s in enumerate(starts)]
         firsts = []
         for p in ranks:  # every rank is writing
             firsts.append(p.stdout.readline())
             assert firsts[-1].startswith("put "), firsts[-1] + _output(p)
-        time.sleep(rng.uniform(0.0, 0.15))
+        held = [firsts[0].strip()]
+        while not held[-1].startswith("holding "):   # rank 0 stops in its put
+            held.append(ranks[0].stdout.readline().strip())
+            assert held[-1], "\n".join(held) + _output(ranks[0])
+        held_run = int(held[-1].split()[1])
+        time.sleep(rng.uniform(0.0, 0.05))
         server.send_signal(signal.SIGKILL)
         server.wait()
+        ranks[0].stdin.write("go\n")       # its write ends, its commit finds no server
+        ranks[0].stdin.close()
+        firsts[0] = "\n".join(held)
         for p, start, first in zip(ranks, starts, firsts):
             out = _output(p)
-            lines = [first.strip()] + out.splitlines()
+            lines = first.splitlines() + out.splitlines()
             assert p.returncode == 3 and lines[-1] == "gone ServerGoneError", out[-3000:]
             puts = [int(x.split()[1]) for x in lines if x.startswith("put ")]
             dels = [int(x.split()[1]) for x in lines if x.startswith("del ")]
@@ -159,11 +202,21 @@ def test_server_sigkill_mid_writes(loop_device, sock):
                 log.deleted.add(run_keys(i, 1)[0])
             if last % 7 == 6 and last - 3 not in dels:  # its delete may have been in flight
                 log.deleting.add(run_keys(last - 3, 1)[0])
+        assert held_run == starts[0] + hold and held_run - 1 in \
+            [int(x.split()[1]) for x in firsts[0].splitlines() if x.startswith("put ")]
         with KVStore.open([dev]) as store:
             assert check_store(store, log) > 0
+            assert store.lookup(run_keys(held_run, nblocks(held_run))) == 0, \
+                "a put whose commit was never sent is stored"
             assert store.stats()["regions_free"] > 0, "eviction would hide losses"
         with pytest.raises(ServerGoneError):
             RemoteStore(sock)   # the dead server's socket is stale
+    server = spawn_server([dev], sock, timeout=30)
+    try:
+        _check_served(sock, log)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(30)
 
 
 def test_rank_killed_mid_put_leaves_nothing_pinned(loop_device, sock):
