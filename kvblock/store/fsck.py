@@ -256,9 +256,10 @@ def fsck(store, *, repair: bool = False, deep: bool = False, progress=None) -> F
         bad += check_data(store, report, progress)
     unique = {r.run_id: r for r in bad}
     if repair and unique:
-        store._drop_runs(list(unique.values()))
+        # the blocks the store lost (_drop_runs' count, as delete's and
+        # eviction's): a position a newer run took over stays stored there
+        report.dropped_blocks = store._drop_runs(list(unique.values()))
         report.dropped_runs = len(unique)
-        report.dropped_blocks = int(np.sum([r.nblocks for r in unique.values()]))
         report.repaired.append(f"dropped {len(unique)} inconsistent run(s), "
                                f"{report.dropped_blocks} block(s)")
     return report

@@ -332,3 +332,29 @@ def test_fsck_repair_reports_the_damaged_fallback_checkpoint_slot_it_rewrote(tmp
         assert report.repaired == [f"{path}: rewrote checkpoint slot {older}"]
     with KVStore.open([str(path)], readonly=True) as store:
         assert fsck(store).status == "clean" and store.lookup(run_keys(1, 2)) == 2
+
+
+def test_fsck_repair_counts_the_blocks_the_store_lost_not_a_superseded_position(tmp_path):
+    """A damaged run whose position a newer run took over (its key stored
+    again): --repair said "dropped 1 run(s), 4 block(s)" and dropped_blocks 4,
+    but the store lost 3 blocks (the newer run still holds the fourth key),
+    which its stats, delete() and eviction count.  The blocks counted are
+    those the store no longer holds."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    a = run_keys(1, 4)
+    newer = a[1:2] + run_keys(2, 1)
+    with KVStore.format([str(path)], GEOM, region_size=256 << 10) as store:
+        store.put_run(a, run_data(a))
+        store.put_run(newer, run_data(newer))
+        run = next(r for r in store.index.runs.values() if r.nblocks == 4)
+        dev, off = store.regions.address(run.region, run.offset)
+    _flip(path, off + 100)
+    with KVStore.open([str(path)]) as store:
+        before = store.stats()["blocks"]
+        report = fsck(store, deep=True, repair=True)
+        lost = before - store.stats()["blocks"]
+        assert lost == 3 and store.lookup(newer) == 2
+        assert report.dropped_runs == 1, report.problems
+        assert report.dropped_blocks == lost
+        assert report.repaired == ["dropped 1 inconsistent run(s), 3 block(s)"]
