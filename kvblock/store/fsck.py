@@ -156,10 +156,11 @@ def check_checkpoints(store, report: FsckReport) -> None:
                                    "the (empty) cache")
 
 
-def check_allocation(store, report: FsckReport) -> list:
-    """Runs that do not fit their region, overlap, or name a stale generation."""
-    bad = []
-    by_region: dict[int, list] = {}
+def check_allocation(store, report: FsckReport) -> tuple[list, set]:
+    """Runs that do not fit their region or name a stale generation, and
+    the ids of the runs that overlap another (reported here; which of them
+    to drop is decided by their data: see fsck())."""
+    bad, fitting = [], []
     for run in store.index.runs.values():
         size = store.layout(run.nblocks).run_bytes
         if run.region >= store.regions.count or run.offset + size > store.regions.size:
@@ -172,26 +173,39 @@ def check_allocation(store, report: FsckReport) -> list:
                                    f"{run.region} is at {int(store.regions.generation[run.region])}")
             bad.append(run)
             continue
-        by_region.setdefault(run.region, []).append((run.offset, size, run))
-    for region, runs in by_region.items():
-        runs.sort(key=lambda r: r[0])
-        # each run against the kept run reaching furthest (not only its
-        # neighbour: a long run may hold several short ones)
-        off_a, size_a, a = runs[0]
-        for off_b, size_b, b in runs[1:]:
+        fitting.append(run)
+    overlapping = set()
+    for a, b, region in _overlaps(store, fitting):
+        report.problems.append(f"runs {a.run_id} and {b.run_id} overlap in region {region}")
+        overlapping |= {a.run_id, b.run_id}
+    return bad, overlapping
+
+
+def _overlaps(store, runs) -> list:
+    """(a, b, region): run b overlapping a, the run kept before it that
+    reaches furthest (not only its neighbour: a long run may hold several
+    short ones); b counts as dropped."""
+    by_region: dict[int, list] = {}
+    for run in runs:
+        by_region.setdefault(run.region, []).append(
+            (run.offset, store.layout(run.nblocks).run_bytes, run))
+    found = []
+    for region, placed in by_region.items():
+        placed.sort(key=lambda r: r[0])
+        off_a, size_a, a = placed[0]
+        for off_b, size_b, b in placed[1:]:
             if off_a + size_a > off_b:
-                report.problems.append(f"runs {a.run_id} and {b.run_id} overlap in region {region}")
-                bad.append(b)
+                found.append((a, b, region))
             else:
                 off_a, size_a, a = off_b, size_b, b
-    return bad
+    return found
 
 
-def check_data(store, report: FsckReport, progress=None) -> list:
-    """Read every run; verify every range checksum, the block digest
-    trailer's, and each block against the trailer."""
+def check_data(store, report: FsckReport, progress=None, runs=None) -> list:
+    """Read every run (or ``runs``); verify every range checksum, the block
+    digest trailer's, and each block against the trailer."""
     bad = []
-    runs = list(store.index.runs.values())
+    runs = list(store.index.runs.values()) if runs is None else list(runs)
     total = len(runs)
     for k, run in enumerate(runs):
         lay = store.layout(run.nblocks)
@@ -250,11 +264,25 @@ def fsck(store, *, repair: bool = False, deep: bool = False, progress=None) -> F
     report = FsckReport()
     check_superblocks(store, report, repair)
     check_checkpoints(store, report)
-    bad = check_allocation(store, report)
+    bad, overlapping = check_allocation(store, report)
     report.runs_checked = len(store.index.runs)
     if deep:
         bad += check_data(store, report, progress)
+    elif overlapping:
+        # Of two runs sharing bytes, the one written last holds them: their
+        # data tell which (dropping always the one further on kept a run
+        # whose bytes another's write had replaced, and dropped the whole
+        # one).  Counted as verified: those bytes were.
+        bad += check_data(store, report,
+                          runs=[store.index.runs[i] for i in sorted(overlapping)])
     unique = {r.run_id: r for r in bad}
+    # Overlaps left among the runs kept (both whole, or one's damage not
+    # read): the one further on goes, as the data cannot tell.
+    kept = [r for r in store.index.runs.values() if r.run_id not in unique]
+    for a, b, region in _overlaps(store, kept):
+        if b.run_id not in overlapping:       # met only now: a run it overlapped went
+            report.problems.append(f"runs {a.run_id} and {b.run_id} overlap in region {region}")
+        unique[b.run_id] = b
     if repair and unique:
         # the blocks the store lost (_drop_runs' count, as delete's and
         # eviction's): a position a newer run took over stays stored there

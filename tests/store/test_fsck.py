@@ -358,3 +358,51 @@ def test_fsck_repair_counts_the_blocks_the_store_lost_not_a_superseded_position(
         assert report.dropped_runs == 1, report.problems
         assert report.dropped_blocks == lost
         assert report.repaired == ["dropped 1 inconsistent run(s), 3 block(s)"]
+
+
+def test_fsck_repair_of_two_overlapping_runs_keeps_the_one_whose_bytes_are_there(tmp_path):
+    """Run B placed inside run A (metadata pointing B's space into A's, B's
+    bytes written there over A's tail): of two overlapping runs `fsck
+    --repair` always dropped the one further on, B, whose data is whole, and
+    kept A, whose bytes B overwrote; it said "repaired", and the next `fsck
+    --deep` found A damaged.  The overlapping runs' data are checked (without
+    --deep too): the damaged one goes, the whole one stays."""
+    from kvblock.format import checkpoint as cpfmt
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 * MIB)
+    a, b = run_keys(90, 8), run_keys(91, 1)
+    with KVStore.format([str(path)], GEOM, region_size=256 << 10) as store:
+        for keys in (a, b):
+            store.put_run(keys, run_data(keys))
+        sb, one = store.sb, store.layout(1).run_bytes
+        big = store.layout(8).run_bytes
+        assert big >= one + 4096
+        run_b = next(r for r in store.index.runs.values() if r.nblocks == 1)
+        b_at = store.regions.address(run_b.region, run_b.offset)[1]
+    with KVStore.open([str(path)], readonly=True) as store:
+        off = sb.checkpoint_offset + store._cp_slot * sb.checkpoint_bytes
+    with open(path, "r+b") as f:        # B moved over A's tail, its bytes with it
+        f.seek(off)
+        raw = f.read(sb.checkpoint_bytes)
+        cp = cpfmt.decode_payload(cpfmt.decode_header(raw), raw[cpfmt.HEADER_BYTES:])
+        i_a = int(np.flatnonzero(cp.runs["nblocks"] == 8)[0])
+        i_b = int(np.flatnonzero(cp.runs["nblocks"] == 1)[0])
+        new_b = int(cp.runs["offset"][i_a]) + big - one
+        moved = new_b - int(cp.runs["offset"][i_b])
+        cp.runs["offset"][i_b] = new_b
+        f.seek(off)
+        f.write(cp.encode())
+        f.seek(b_at)
+        data = f.read(one)
+        f.seek(b_at + moved)
+        f.write(data)
+    with KVStore.open([str(path)]) as store:
+        report = fsck(store, repair=True)
+        assert report.dropped_runs == 1, report.problems
+        assert any("overlap" in p for p in report.problems), report.problems
+        after = fsck(store, deep=True)
+        assert after.status == "clean", after.problems
+        out = np.zeros(store.geometry.block_bytes, np.uint8)
+        assert store.get_run(b, out) == 1 and np.array_equal(out, run_data(b))
+        assert store.lookup(a) == 0
