@@ -322,10 +322,10 @@ def fsck(devices, repair, deep, as_json):
     Exit 0 clean, 1 problems found (repaired with --repair); a store that
     cannot be opened is "unusable" with the exit code of its error (11 not
     a store or corrupt, 12 other format version, 13 geometry or model, 14 a
-    device missing, 7 device too small...).
+    device missing, 7 device too small, 9 an I/O error reading it...).
     """
     from kvblock.cli.main import exit_code_for
-    from kvblock.errors import DeviceTooSmallError, FormatError
+    from kvblock.errors import DeviceTooSmallError, FormatError, IOFailedError
     from kvblock.store.fsck import FsckReport, fsck as run_fsck
 
     try:
@@ -334,7 +334,9 @@ def fsck(devices, repair, deep, as_json):
         raise _in_use(e, "fsck checks a store no process is using (in use, runs evicted and "
                          "checkpoints rewritten during the check read as damaged)",
                       "fsck") from None
-    except (FormatError, DeviceTooSmallError) as e:   # what is there is no usable store
+    # what is there is no usable store (or none the device lets us read: an
+    # I/O error reading its superblocks or checkpoints)
+    except (FormatError, DeviceTooSmallError, IOFailedError) as e:
         if as_json:
             _emit(FsckReport(problems=[str(e)], unusable=True).as_dict(), True, "")
         else:

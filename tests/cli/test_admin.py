@@ -1582,3 +1582,28 @@ def test_stats_through_a_server_shows_the_read_errors_its_clients_reported(tmp_p
     assert families["read_errors"].type == "counter"
     assert families["read_errors"].samples[0].value == 1
     assert "get_blocks" not in families          # the reads themselves: the ranks'
+
+
+def test_fsck_of_a_store_whose_checkpoints_cannot_be_read_is_unusable(file_target,
+                                                                      monkeypatch):
+    """Both checkpoint slots unreadable (EIO): the open fails with the I/O
+    error, and fsck printed no report at all (--json: no JSON), only the
+    general one-line error; it is an unusable store, reported as one with
+    the I/O error's exit code (9)."""
+    from kvblock.format.superblock import pick
+    from kvblock.store import store as store_mod
+    from tests.support.faults import BadSectors
+
+    path = file_target(16 << 20)
+    formatted(path)
+    with open(path, "rb") as f:
+        sb = pick([f.read(4096), f.read(4096)], path)
+    bad = BadSectors()
+    bad.add(0, sb.checkpoint_offset, 2 * sb.checkpoint_bytes)
+    monkeypatch.setattr(store_mod, "StoreIO", bad.factory())
+    res = kvb("fsck", path, "--json")
+    out = json.loads(res.stdout)
+    assert res.returncode == 9 and out["status"] == "unusable", res.stderr
+    assert len(out["problems"]) == 1 and "EIO" in out["problems"][0]
+    res = kvb("fsck", path)
+    assert res.returncode == 9 and "unusable" in res.stdout
