@@ -599,3 +599,25 @@ def test_delete_prefix_counts_and_keeps_the_dram_copies_of_a_kept_run(tmp_path):
         assert store.delete_prefix(b"\xaa\xbb", keep=mine[:1]) == 2
         assert store.lookup(mine) == 2 and store.lookup(newer[1:]) == 0
         assert store.stats()["host_blocks"] == 2
+
+
+def test_puts_after_a_clear_enter_the_dram_tier_again(tmp_path):
+    """clear() moves the tier's epoch with the store's clear count: a put
+    that began before a clear is kept out of DRAM, and one that begins
+    after it goes in.  Were the two counts apart (the tier's epoch left
+    behind), no put after the first clear() would ever reach the tier:
+    every read served from the device, silently."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        for i in range(3):                       # before any clear, and after one and two
+            keys = run_keys(20 + i, 2)
+            assert store.put_run(keys, run_data(keys)) == 2
+            assert all(k in store.host for k in normalize_keys(keys)), i
+            before = store.stats()["host_hit_blocks"]
+            out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+            assert store.stats()["host_hit_blocks"] - before == 2, i
+            store.clear()
+            assert store.lookup(keys) == 0 and len(store.host) == 0
