@@ -621,3 +621,31 @@ def test_puts_after_a_clear_enter_the_dram_tier_again(tmp_path):
             assert store.stats()["host_hit_blocks"] - before == 2, i
             store.clear()
             assert store.lookup(keys) == 0 and len(store.host) == 0
+
+
+def test_an_insert_that_began_before_a_clear_or_discard_is_kept_out():
+    """HostTier.put's ``epoch`` and ``discards``: a block read or written
+    before a clear() or a discard() (of any key) since is not inserted, and
+    with ``replace`` the older copy of its key goes too; one taken after
+    them goes in.  (The store looks at its index as well, so only the tier
+    itself shows a guard that stopped working.)"""
+    tier = HostTier(8 * 4096, 4096)
+    old, new = b"o" * 16, b"n" * 16
+    for guard in ("clear", "discard", "discard_prefix"):
+        tier.clear()
+        tier.put(old, block(1))
+        epoch, discards = tier.epoch, tier.discards
+        if guard == "clear":
+            tier.clear()
+            tier.put(old, block(1))                      # back, by a read after the clear
+            stale = {"epoch": epoch}
+        else:
+            getattr(tier, guard)(b"zz" * 8 if guard == "discard" else b"zz")  # another key
+            stale = {"discards": discards}
+        tier.put(new, block(2), **stale)
+        assert new not in tier, guard
+        tier.put(old, block(3), replace=True, **stale)
+        assert old not in tier, guard                   # the older copy went too
+        fresh = {"epoch": tier.epoch} if guard == "clear" else {"discards": tier.discards}
+        tier.put(new, block(4), **fresh)
+        assert new in tier and tier.get(new).tolist() == block(4).tolist(), guard
