@@ -649,3 +649,21 @@ def test_an_insert_that_began_before_a_clear_or_discard_is_kept_out():
         fresh = {"epoch": tier.epoch} if guard == "clear" else {"discards": tier.discards}
         tier.put(new, block(4), **fresh)
         assert new in tier and tier.get(new).tolist() == block(4).tolist(), guard
+
+
+def test_a_tier_full_of_hot_blocks_leaves_new_ones_room_to_earn_a_second_read():
+    """The protected segment holds at most 80% of the slots (PROTECTED_SHARE):
+    once every block was read twice, the coldest of them go back to
+    probation, so a new block is not pushed out by the very next new one
+    before its own second read.  With no limit the tier kept its whole
+    hot set and gave new blocks one slot between them."""
+    tier = HostTier(10 * 4096, 4096)
+    hot = [f"hot{i}".encode() for i in range(10)]
+    for i, k in enumerate(hot):
+        tier.put(k, block(i))
+        assert tier.get(k) is not None           # read twice: protected
+    tier.put(b"new-a", block(100))
+    tier.put(b"new-b", block(101))
+    assert b"new-a" in tier and b"new-b" in tier
+    assert tier.get(b"new-a").tolist() == block(100).tolist()
+    assert [k in tier for k in hot] == [False, False] + [True] * 8   # the two coldest went
