@@ -81,7 +81,8 @@ def test_store_serves_from_both_tiers(tmp_path):
         s = store.stats()
         assert s["host_hit_blocks"] > 0 and s["device_hit_blocks"] > 0
         assert s["host_hit_blocks"] + s["device_hit_blocks"] == 8
-        # a block only in DRAM still counts as stored after its run is evicted from flash
+        # delete() reaches the DRAM copies too (a block left only in DRAM:
+        # test_delete_reaches_blocks_left_only_in_dram)
         store.delete(a[:1])
         assert store.lookup(a) == 0
 
