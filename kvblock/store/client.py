@@ -722,9 +722,15 @@ class RemoteStore(RunReader, RunWriter):
             return 0
         step = self.max_run_blocks
         written = 0
+        # Once a piece is committed, the later ones go to the same server:
+        # a server a reconnect brought between two pieces refuses them (the
+        # admit's clear ticket is another server run's), and the put would
+        # answer 0 while its earlier pieces stay published.  That server
+        # gone, the put raises ServerGoneError, as when no reconnect came yet.
+        on = [None]
         for start in range(0, n, step):
             stop = min(n, start + step)
-            stored = self._put_one(keys[start:stop], span(blocks, start, stop), clears)
+            stored = self._put_one(keys[start:stop], span(blocks, start, stop), clears, on)
             written += stored
             if not stored:            # a clear() overtook it: its earlier pieces went too
                 return 0
@@ -760,9 +766,16 @@ class RemoteStore(RunReader, RunWriter):
                 self.io.flush(sorted(flush | {dev}))
             return sums
 
-    def _put_one(self, keys: list[bytes], blocks, clears: str) -> int:
+    def _put_one(self, keys: list[bytes], blocks, clears: str, on: list | None = None) -> int:
+        """One piece of a put.  ``on[0]``: the session to put it on (the
+        earlier pieces'), or None: the current one, then set there."""
         n = len(keys)
-        s = self._current()   # the allocation, its commit or abort: one session
+        if on is None or on[0] is None:
+            s = self._current()   # the allocation, its commit or abort: one session
+            if on is not None:
+                on[0] = s
+        else:
+            s = on[0]
         a = self._call_on(s, "allocate", nblocks=n)   # the server pins the region for us
         s.hold(1)
         sent = False

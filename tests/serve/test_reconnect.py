@@ -1024,3 +1024,53 @@ def test_a_server_that_waited_in_vain_for_a_stopping_one_says_so(tmp_path, monke
         release.set()
         stopper.join(30)
         old.stop()
+
+
+def _restart_between(r, server_box, path, sock, method, at=2):
+    """Wrap ``r.<method>`` so that before its ``at``-th call the in-process
+    server is stopped, a new one started and ``r`` reconnected to it."""
+    real, calls = getattr(r, method), []
+
+    def wrapped(*args, **kw):
+        calls.append(1)
+        if len(calls) == at:
+            old_session = r._session
+            server_box[0].stop()
+            server_box[0] = serve_in_background([path], sock)
+            deadline = time.monotonic() + 20
+            while r._session is old_session or not r.server_alive:
+                with contextlib.suppress(ServerGoneError):
+                    r.lookup([bytes(16)])   # finds the old session gone, reconnects
+                assert time.monotonic() < deadline, "no reconnect"
+                time.sleep(0.02)
+        return real(*args, **kw)
+    setattr(r, method, wrapped)
+    return calls
+
+
+def test_a_restart_between_the_pieces_of_a_put_fails_it_and_says_no_lie(tmp_path):
+    """A run longer than max_run_blocks is put in pieces.  A server restart
+    (and reconnect) between two pieces made the later piece carry the old
+    server's clear ticket: refused as "cleared", the put returned 0 and
+    counted cleared_puts while its first piece stayed published.  The later
+    pieces are bound to the first one's server: the put raises
+    ServerGoneError, as a put does when its server dies between pieces with
+    no reconnect yet, and counts no clear."""
+    sock, path, server, r = _served(tmp_path, reconnect=True)
+    box = [server]
+    try:
+        step = r.max_run_blocks
+        big = run_keys(7, step + 3)
+        _restart_between(r, box, path, sock, "_put_one")
+        with pytest.raises(ServerGoneError):
+            r.put_run(big, run_data(big))
+        del r._put_one
+        assert r.counters["cleared_puts"] == 0
+        assert r.lookup(big) == step             # the first piece stays, as committed
+        assert r.put_run(big, run_data(big)) == len(big)
+        got = np.zeros_like(run_data(big))
+        assert r.get_run(big, got) == len(big) and np.array_equal(got, run_data(big))
+    finally:
+        r.close()
+        box[0].stop()
+
