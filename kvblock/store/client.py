@@ -670,15 +670,25 @@ class RemoteStore(RunReader, RunWriter):
                 self.counters["admission_rejected_runs"] += 1
             return answer["verdict"]
         out, pieces, repeats = self._plan_puts(items, found, admit)
+        # The groups after the first go to the first one's server (see _put:
+        # a reconnect between two groups would refuse the later ones as
+        # cleared while a run's pieces in the earlier ones stay published).
+        on = [None]
         return self._put_grouped(out, pieces, repeats,
-                                 lambda group: self._put_group(group, clears),
+                                 lambda group: self._put_group(group, clears, on),
                                  self.journal_bytes)
 
-    def _put_group(self, pieces: list, clears: str) -> list[tuple[int, int]]:
+    def _put_group(self, pieces: list, clears: str,
+                   on: list | None = None) -> list[tuple[int, int]]:
         """Allocate and write each piece, then publish them all with one
         commit_runs.  Returns (item, blocks) per piece, 0 blocks for one a
-        clear() refused."""
-        s = self._current()   # the allocations, their commit or abort: one session
+        clear() refused.  ``on``: as _put_one's."""
+        if on is None or on[0] is None:
+            s = self._current()   # the allocations, their commit or abort: one session
+            if on is not None:
+                on[0] = s
+        else:
+            s = on[0]
         allocs, puts, sent = [], [], False
         try:
             for k, (_, keys, blocks) in enumerate(pieces):

@@ -1074,3 +1074,31 @@ def test_a_restart_between_the_pieces_of_a_put_fails_it_and_says_no_lie(tmp_path
         r.close()
         box[0].stop()
 
+
+def test_a_restart_between_the_groups_of_put_runs_fails_it_and_says_no_lie(tmp_path):
+    """put_runs publishes its pieces in groups (one commit each); a run
+    longer than a group spans two.  A restart (and reconnect) between the
+    groups made the later group carry the old server's clear ticket: it was
+    refused, the run answered 0 and counted cleared_puts while its pieces
+    in the first group stayed published.  Bound to the server of the first
+    commit, the call raises ServerGoneError (the groups before stay, as
+    documented for an error while a group is written)."""
+    sock, path, server, r = _served(tmp_path, reconnect=True)
+    box = [server]
+    try:
+        step = r.max_run_blocks
+        per_group = len(r._groups([(0, [b""] * step, None)] * 64, r.journal_bytes)[0])
+        big, small = run_keys(8, step * (per_group + 1)), run_keys(9, 2)
+        items = [(big, run_data(big)), (small, run_data(small))]
+        _restart_between(r, box, path, sock, "_put_group")
+        with pytest.raises(ServerGoneError):
+            r.put_runs(items)
+        del r._put_group
+        assert r.counters["cleared_puts"] == 0
+        assert r.lookup(big) == step * per_group     # the first group stays, as committed
+        assert r.put_runs(items) == [len(big), len(small)]
+        got = np.zeros_like(run_data(big))
+        assert r.get_run(big, got) == len(big) and np.array_equal(got, run_data(big))
+    finally:
+        r.close()
+        box[0].stop()
