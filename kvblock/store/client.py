@@ -683,12 +683,7 @@ class RemoteStore(RunReader, RunWriter):
         """Allocate and write each piece, then publish them all with one
         commit_runs.  Returns (item, blocks) per piece, 0 blocks for one a
         clear() refused.  ``on``: as _put_one's."""
-        if on is None or on[0] is None:
-            s = self._current()   # the allocations, their commit or abort: one session
-            if on is not None:
-                on[0] = s
-        else:
-            s = on[0]
+        s = self._session_for(on)   # the allocations, their commit or abort: one session
         allocs, puts, sent = [], [], False
         try:
             for k, (_, keys, blocks) in enumerate(pieces):
@@ -776,16 +771,21 @@ class RemoteStore(RunReader, RunWriter):
                 self.io.flush(sorted(flush | {dev}))
             return sums
 
+    def _session_for(self, on: list | None) -> "Session":
+        """The session a put's piece goes to: ``on[0]`` (the earlier
+        pieces'), or, None there, the current one (then kept in ``on``)."""
+        if on is not None and on[0] is not None:
+            return on[0]
+        s = self._current()
+        if on is not None:
+            on[0] = s
+        return s
+
     def _put_one(self, keys: list[bytes], blocks, clears: str, on: list | None = None) -> int:
         """One piece of a put.  ``on[0]``: the session to put it on (the
         earlier pieces'), or None: the current one, then set there."""
         n = len(keys)
-        if on is None or on[0] is None:
-            s = self._current()   # the allocation, its commit or abort: one session
-            if on is not None:
-                on[0] = s
-        else:
-            s = on[0]
+        s = self._session_for(on)   # the allocation, its commit or abort: one session
         a = self._call_on(s, "allocate", nblocks=n)   # the server pins the region for us
         s.hold(1)
         sent = False
