@@ -263,7 +263,10 @@ class RunReader(RunIO):
         self.counters["get_blocks"] += hits
         self.counters["get_bytes"] += hits * (g.group_block_bytes if only else g.block_bytes)
         for k in fetched:
-            self.host.put(keys[k], block_at(dst, k), epoch=epoch, discards=discards)
+            # only while the key names the run read (under the tier's lock:
+            # a newer put's copy is never replaced by this one, see HostTier.put)
+            self.host.put(keys[k], block_at(dst, k), epoch=epoch, discards=discards,
+                          current=self._names(keys[k], named[k]))
         if fetched:
             # A put published a newer run of a key since the read began:
             # the bytes read may be the older run's, and the newer copy the

@@ -726,13 +726,25 @@ class KVStore(Recovery, RunReader, RunWriter):
             with self._lock:
                 mine = np.flatnonzero(self.index.lookup(keys) == packed).tolist()
             for k in mine:
+                # Asked again under the tier's lock: a newer put that
+                # published since the look above (and returned, its copy
+                # given to the tier) is not replaced by this older copy.
                 self.host.put(keys[k], block_at(blocks, k), epoch=clears,
-                              discards=discards, replace=True)
+                              discards=discards, replace=True,
+                              current=self._names(keys[k], packed[k]))
             if mine:
                 self._tier_keep_newest([keys[k] for k in mine], packed[mine])
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += len(keys)
         self.counters["bytes_written"] += self.layout(len(keys)).run_bytes
+
+    def _names(self, key: bytes, packed):
+        """For HostTier.put's ``current``: does the index still name
+        ``packed`` (a run's position) for ``key``?"""
+        def check() -> bool:
+            with self._lock:
+                return bool(self.index.lookup([key])[0] == packed)
+        return check
 
     # The three steps of a put, also used apart by the store server
     # (kvblock/store/server.py), whose clients write the data themselves.
@@ -1330,6 +1342,9 @@ class KVStore(Recovery, RunReader, RunWriter):
     def stats(self) -> dict:
         """Counters and gauges (bytes, blocks, regions, hits, checksum failures...)."""
         self._check_open()
+        # The DRAM tier's first: its lock is never taken under the store's
+        # (HostTier.put asks the store's lock under its own).
+        host = self.host.stats() if self.host is not None else {}
         with self._lock:
             r = self.regions
             return {
@@ -1351,7 +1366,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 "blocks": len(self.index),
                 "checkpoint_generation": self._generation,
                 **{k: int(v) for k, v in sorted(self.counters.items())},
-                **(self.host.stats() if self.host is not None else {}),
+                **host,
                 **({"gpu_path": self._gpu_path, "gpu_path_reason": self._gpu_path_reason}
                    if getattr(self, "_gpu_path", None) else {}),
             }

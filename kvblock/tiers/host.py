@@ -95,7 +95,7 @@ class HostTier:
             self.probation[old] = old_slot
 
     def put(self, key: bytes, block: np.ndarray, *, epoch: int | None = None,
-            discards: int | None = None, replace: bool = False) -> None:
+            discards: int | None = None, replace: bool = False, current=None) -> None:
         """Insert a block; evicts by policy when full.  ``epoch``: the tier's
         epoch when the caller read or wrote the block (a clear() since, or
         one under way: not inserted; with ``replace`` the older copy here
@@ -103,7 +103,12 @@ class HostTier:
         of any key: not inserted, the block may be one a delete() removed
         meanwhile; with ``replace`` the older copy here goes too).
         ``replace``: a newer copy of a key already here replaces it (a put),
-        else the one here stays."""
+        else the one here stays.  ``current``: a callable saying whether
+        the block is still the key's newest copy (the store's index still
+        names the run it came from), asked under this tier's lock: a newer
+        put that published after the caller last looked puts its own copy
+        here after this one (it waits for the lock), never before, so an
+        older copy cannot replace it, not even for a moment."""
         if block.nbytes != self.block_bytes:   # before a victim goes or a slot is taken
             raise ConfigError(f"host tier: block of {block.nbytes} bytes for key "
                               f"{key.hex()}; the tier holds {self.block_bytes}-byte blocks "
@@ -119,6 +124,10 @@ class HostTier:
             if discards is not None and discards != self.discards:
                 if replace:
                     self._drop_locked(key)
+                return
+            # (takes the store's lock inside this one: the store never
+            # takes this lock while holding its own)
+            if current is not None and not current():
                 return
             slot = self.probation.get(key)
             if slot is None:

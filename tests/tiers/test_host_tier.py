@@ -3,6 +3,8 @@ blocks from memory and the rest from the device, byte-identical."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -668,3 +670,49 @@ def test_a_tier_full_of_hot_blocks_leaves_new_ones_room_to_earn_a_second_read():
     assert b"new-a" in tier and b"new-b" in tier
     assert tier.get(b"new-a").tolist() == block(100).tolist()
     assert [k in tier for k in hot] == [False, False] + [True] * 8   # the two coldest went
+
+
+def test_a_put_overtaken_by_a_newer_put_never_serves_its_older_copy_from_dram(tmp_path):
+    """Two puts of a key racing (a grown prefix): the older put, which found
+    its run still naming the key and then copied its blocks into the DRAM
+    tier, must not replace the copy the newer put (published and returned
+    meanwhile) gave the tier: a read begun after the newer put returned was
+    served the older bytes from DRAM until the older put looked again."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(9, 2)
+    old, new = run_data(keys[:1]), (run_data(keys) + 1).astype(np.uint8)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        real_put, real_keep = store.host.put, store._tier_keep_newest
+        seen, newer, began = [], [], []
+
+        def in_thread(call, *args):                      # another thread, right here
+            t = threading.Thread(target=lambda: newer.append(call(*args)))
+            t.start()
+            t.join(10)
+
+        def put_overtaken(key, block, **kw):
+            if not began:                                # the older put, about to copy
+                began.append(True)
+                in_thread(store.put_run, keys, new)      # the newer one, whole
+                assert newer == [2]
+            return real_put(key, block, **kw)
+
+        def read_before_the_older_put_looks_again(keys_, named):
+            if newer and not seen and keys_ == normalize_keys(keys[:1]):
+                out = np.zeros(GEOM.block_bytes, np.uint8)
+                in_thread(lambda: (store.get_run(keys[:1], out), out.copy()))
+                seen.append(newer.pop())
+            return real_keep(keys_, named)
+        store.host.put = put_overtaken
+        store._tier_keep_newest = read_before_the_older_put_looks_again
+        assert store.put_run(keys[:1], old) == 1
+        del store.host.put, store._tier_keep_newest
+        n, got = seen[0]
+        g = GEOM
+        first = new.reshape(g.num_layers, g.head_groups, 2, g.group_block_bytes)[:, :, :1]
+        assert n == 1
+        assert np.array_equal(got, first.reshape(-1)), "DRAM served the older put's bytes"
+        out = np.zeros(GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys[:1], out) == 1 and np.array_equal(out, first.reshape(-1))
