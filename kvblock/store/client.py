@@ -642,11 +642,12 @@ class RemoteStore(RunReader, RunWriter):
         return True
 
     # ------------------------------------------------------------------ byte API
-    def _put_many(self, items: list) -> list[int]:
+    def _put_many(self, items: list, began=None) -> list[int]:
         """put_runs here: every run checked to fit and admitted before any is
         written; then, as in one process, the pieces are written and
         published in groups, each with one commit_runs (one journal commit:
-        an error while a group is written publishes none of it)."""
+        an error while a group is written publishes none of it).  (``began``:
+        unused; the server's admit names the clear count.)"""
         for keys, _ in items:
             if keys:
                 self._check_fits(len(keys))
@@ -712,7 +713,7 @@ class RemoteStore(RunReader, RunWriter):
             self.counters["bytes_written"] += self.layout(n).run_bytes
         return [(i, int(n)) for (i, _, _), n in zip(pieces, stored)]
 
-    def _put(self, keys: list[bytes], blocks) -> int:
+    def _put(self, keys: list[bytes], blocks, began=None) -> int:
         n = len(keys)
         if n == 0:
             return 0

@@ -595,15 +595,20 @@ class KVStore(Recovery, RunReader, RunWriter):
     # ------------------------------------------------------------------ puts
     # (argument checks and a run's I/O: kvblock/store/writes.py; reads:
     # kvblock/store/reads.py)
-    def _put(self, keys: list[bytes], blocks) -> int:
+    def _put(self, keys: list[bytes], blocks, began: int | None = None) -> int:
         """put_run/put_blocks after their argument checks; ``blocks`` is a
         (layers, groups, n, group_block_bytes) array or a BlockList."""
-        return self._put_many([(keys, blocks)])[0]
+        return self._put_many([(keys, blocks)], began)[0]
 
-    def _put_many(self, items: list) -> list[int]:
+    def _put_began(self) -> int:
+        return self._clears
+
+    def _put_many(self, items: list, began: int | None = None) -> list[int]:
         """put_runs after its argument checks: (keys, blocks) pairs.  One run
-        alone is published piece by piece (pieces of at most a region)."""
-        clears = self._clears         # a clear() from here on refuses every piece of the call
+        alone is published piece by piece (pieces of at most a region).
+        ``began``: the clear count when the call began (_put_began)."""
+        # a clear() from the call's start on refuses every piece of it
+        clears = self._clears if began is None else began
         with self._lock:              # one index probe for every item's keys
             found = self.index.lookup([k for keys, _ in items for k in keys]) >= 0
         at = 0

@@ -109,8 +109,9 @@ class RunWriter(RunIO):
         run).  Runs longer than a region are split into several runs.
         """
         self._check_open(writing=True)
+        began = self._put_began()
         keys = normalize_keys(keys)
-        return self._put(keys, self._blocks_view(keys, data))
+        return self._put(keys, self._blocks_view(keys, data), began)
 
     @in_flight
     def put_blocks(self, keys: Sequence, blocks: Sequence) -> int:
@@ -123,9 +124,10 @@ class RunWriter(RunIO):
         gathered through staging memory.  Otherwise as :meth:`put_run`.
         """
         self._check_open(writing=True)
+        began = self._put_began()
         keys = normalize_keys(keys)
         return self._put(keys, BlockList.of(blocks, self.geometry, len(keys), "put_blocks",
-                                            writable=False))
+                                            writable=False), began)
 
     @in_flight
     def put_runs(self, runs: Sequence) -> list[int]:
@@ -141,6 +143,7 @@ class RunWriter(RunIO):
         Returns the blocks written for each run, as put_run would.  Every
         argument is checked before anything is written."""
         self._check_open(writing=True)
+        began = self._put_began()
         items = []
         for k, run in enumerate(runs):
             if not isinstance(run, (tuple, list)) or len(run) != 2:
@@ -148,7 +151,12 @@ class RunWriter(RunIO):
             keys, data = run
             keys = normalize_keys(keys)
             items.append((keys, self._blocks_view(keys, data)))
-        return self._put_many(items)
+        return self._put_many(items, began)
+
+    def _put_began(self):
+        """What a put notes as it begins, before its argument checks (a
+        clear() from then on refuses it): passed to _put/_put_many."""
+        return None
 
     def _plan_puts(self, items: list, found: np.ndarray, admit: Callable) -> tuple:
         """put_runs' runs (keys, blocks) as pieces to write, as if put one

@@ -685,3 +685,40 @@ def test_clear_returns_only_once_an_eviction_in_flight_is_durable(tmp_path, evic
         if returned:
             assert all(store.lookup(keys) == 0 for keys in stored), \
                 "clear() returned, yet a run came back"
+
+
+@pytest.mark.parametrize("call", ["put_run", "put_blocks", "put_runs"])
+def test_a_clear_during_a_puts_argument_checks_refuses_the_put(tmp_path, call):
+    """A put that began before clear() (here: clear() runs while the put
+    checks its data) publishes nothing: its data are from before the clear.
+    The put noted the clear count only after its checks, so it was stored
+    and served after the clear returned."""
+    from kvblock.store.scatter import BlockList
+
+    path = _store(tmp_path)
+    keys = run_keys(60, 3)
+    data = run_data(keys)
+    with KVStore.open([path]) as store:
+        real_view, real_of = store._blocks_view, BlockList.of
+
+        def clearing_view(*args, **kw):
+            store.clear()
+            return real_view(*args, **kw)
+
+        def clearing_of(*args, **kw):
+            store.clear()
+            return real_of(*args, **kw)
+        store._blocks_view = clearing_view
+        per_block = data.reshape(GEOM.num_layers, GEOM.head_groups, 3, -1)
+        try:
+            if call == "put_run":
+                got = store.put_run(keys, data)
+            elif call == "put_runs":
+                got = store.put_runs([(keys, data)])[0]
+            else:
+                BlockList.of = clearing_of
+                got = store.put_blocks(keys, [np.ascontiguousarray(per_block[:, :, k])
+                                              for k in range(3)])
+        finally:
+            BlockList.of = real_of
+        assert got == 0 and store.lookup(keys) == 0
