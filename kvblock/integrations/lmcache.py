@@ -879,12 +879,15 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 # force=False)), not itself alone, the chunk a miss for good.
                 pinned = list({self.kvblock_key(k): None for entry in self._pins.values()
                                for k in entry[2].split_layers(self.objects_per_chunk)})
-        try:
-            blocks = self.store.delete_prefix(
-                self.owner_tag(self.metadata.model_name, self.metadata.worker_id), pinned)
-        except RUNTIME_FAILURES as e:
-            self._failed("clear", e)
-            return 0
+            # Still under the lock: a pin taken between the list of pinned
+            # keys and the delete would succeed on a chunk the delete then
+            # removes (its lookup's load a miss).  Pins wait for the delete.
+            try:
+                blocks = self.store.delete_prefix(
+                    self.owner_tag(self.metadata.model_name, self.metadata.worker_id), pinned)
+            except RUNTIME_FAILURES as e:
+                self._failed("clear", e)
+                return 0
         return blocks * self.chunk_tokens // self.objects_per_chunk
 
     def get_allocator_backend(self) -> AllocatorBackendInterface:

@@ -1005,3 +1005,41 @@ def test_a_failed_pin_keeps_the_pins_held(file_target, engines):
     assert len(got) == 1
     got[0].ref_count_down()
     assert e.plugin._pins == {} and not (store.regions.pins > 0).any()
+
+
+def test_a_pin_taken_while_clear_runs_keeps_its_chunk(file_target, engines):
+    """clear() leaves pinned chunks (as LocalCPUBackend.clear): it took the
+    list of pinned keys under the plugin's lock, then deleted the worker's
+    chunks after releasing it.  A pin taken in between (an async lookup on
+    LMCache's event loop while its controller clears) succeeded, and the
+    chunk it pinned was deleted anyway: the lookup's load then missed (a
+    layer-wise one fails).  A pin either comes before the clear (its chunk
+    kept) or after it (a miss), never a pin on a chunk the clear removed."""
+    import threading
+
+    e = Engine([file_target()])
+    engines.append(e)
+    key = e.key(161)
+    e.put([key], [e.chunk()])
+    store = e.plugin.store
+    real = store.delete_prefix
+    pinned = []
+
+    def delete_prefix_racing_a_pin(prefix, keep=()):
+        store.delete_prefix = real
+        other = threading.Thread(target=lambda: pinned.append(e.plugin.pin(key)))
+        other.start()
+        other.join(1)        # a pin that can run now does (bounded: it may wait)
+        return real(prefix, keep)
+    store.delete_prefix = delete_prefix_racing_a_pin
+    removed = e.plugin.clear()
+    deadline = time.monotonic() + 30
+    while not pinned:
+        assert time.monotonic() < deadline, "the pin never ended"
+        time.sleep(0.01)
+    try:
+        assert pinned == [e.plugin.contains(key)], "a pinned chunk was cleared"
+        assert removed == (0 if pinned[0] else CHUNK)
+    finally:
+        if pinned[0]:
+            e.plugin.unpin(key)
