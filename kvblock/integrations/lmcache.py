@@ -839,16 +839,21 @@ class KVBlockStorageBackend(StoragePluginInterface):
             return sum(self.remove(k, force) for k in layers) > 0
         kb = self.kvblock_key(key)
         with self._lock:
+            if kb in self._pins and not force:
+                return False
+            dropped = self._cancel_put(key)
+            # The pin check again (_cancel_put may have waited, the lock
+            # released) and the delete under the lock: a pin taken before
+            # the delete keeps the chunk, not succeeds on a chunk then removed.
             if kb in self._pins:
                 if not force:
                     return False
                 self.store.unpin(self._pins.pop(kb)[1])
-            dropped = self._cancel_put(key)
-        try:
-            return self.store.delete([kb]) > 0 or dropped
-        except RUNTIME_FAILURES as e:
-            self._failed("a remove", e)
-            return False
+            try:
+                return self.store.delete([kb]) > 0 or dropped
+            except RUNTIME_FAILURES as e:
+                self._failed("a remove", e)
+                return False
 
     def batched_remove(self, keys: list[CacheEngineKey], force: bool = True) -> int:
         return sum(self.remove(k, force) for k in keys)

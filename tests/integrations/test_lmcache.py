@@ -1043,3 +1043,38 @@ def test_a_pin_taken_while_clear_runs_keeps_its_chunk(file_target, engines):
     finally:
         if pinned[0]:
             e.plugin.unpin(key)
+
+
+def test_a_pin_taken_while_an_unforced_remove_runs_keeps_its_chunk(file_target, engines):
+    """remove(key, force=False) leaves a pinned chunk: it checked for a pin
+    under the plugin's lock, then deleted after releasing it, so a pin taken
+    in between succeeded on the chunk the delete then removed.  A pin comes
+    before the remove (kept, the remove says False) or after it (a miss)."""
+    import threading
+
+    e = Engine([file_target()])
+    engines.append(e)
+    key = e.key(171)
+    e.put([key], [e.chunk()])
+    store = e.plugin.store
+    real = store.delete
+    pinned = []
+
+    def delete_racing_a_pin(keys):
+        store.delete = real
+        other = threading.Thread(target=lambda: pinned.append(e.plugin.pin(key)))
+        other.start()
+        other.join(1)        # a pin that can run now does (bounded: it may wait)
+        return real(keys)
+    store.delete = delete_racing_a_pin
+    removed = e.plugin.remove(key, force=False)
+    deadline = time.monotonic() + 30
+    while not pinned:
+        assert time.monotonic() < deadline, "the pin never ended"
+        time.sleep(0.01)
+    try:
+        assert pinned == [e.plugin.contains(key)], "a pinned chunk was removed"
+        assert removed is not pinned[0]
+    finally:
+        if pinned[0]:
+            e.plugin.unpin(key)
