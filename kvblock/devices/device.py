@@ -392,9 +392,21 @@ class Device:
         backing = loop_backing(st.st_rdev)
         if not backing:
             return
+        # A loop device over a block device writes that device's bytes: claim
+        # it (O_EXCL), which the kernel refuses while it is mounted or held by
+        # another store, and which keeps either off it while this one is open
+        # (a flock on a device node is seen by no O_EXCL opener).
         try:
-            fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
+            flags = os.O_RDONLY | os.O_CLOEXEC
+            if stat.S_ISBLK(os.stat(backing).st_mode):
+                flags |= os.O_EXCL
+            fd = _retry_busy(lambda: os.open(backing, flags), busy_timeout)
+        except OSError as e:
+            if e.errno == errno.EBUSY:
+                raise DeviceBusyError(
+                    f"{self.path}: a loop device over {backing}, which is busy (mounted, or "
+                    f"opened exclusively by another store or program{holders(backing)}); "
+                    f"unmount it or stop the other user", self.path, e.errno) from None
             return      # deleted or out of reach: nothing else can open it by name
         try:
             _retry_busy(lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB), busy_timeout)

@@ -1,5 +1,6 @@
 """Opening and probing devices, and the errors for every kind of bad target."""
 
+import contextlib
 import errno
 import os
 import socket
@@ -273,6 +274,53 @@ def test_a_loop_device_and_its_backing_file_are_one_device(loop_device):
         subprocess.run(["losetup", "-d", second], check=True)
     with Device(dev), Device(dev, writable=False, exclusive=False):
         pass                                     # read-only peeks stay possible
+
+
+@contextlib.contextmanager
+def _loop_over(path):
+    """A loop device over ``path`` (a file or a block device), detached after."""
+    from tests.support import loopdev
+
+    upper = loopdev.attach(path)
+    try:
+        yield upper
+    finally:
+        loopdev.detach(upper)
+
+
+@contextlib.contextmanager
+def _mounted(dev, where):
+    """``dev`` with a fresh ext4 mounted at ``where``, unmounted after."""
+    subprocess.run(["mkfs.ext4", "-q", "-F", dev], check=True)
+    where.mkdir()
+    subprocess.run(["mount", dev, str(where)], check=True)
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def test_a_loop_device_over_a_busy_block_device_is_busy(loop_device, tmp_path):
+    """A loop device whose backing "file" is a block device writes that
+    device's bytes: while the block device is mounted (or a store holds it),
+    opening the loop device to write must be refused, as its own mount
+    would be; and a store on the loop device claims the block device under
+    it, so none opens on that one meanwhile."""
+    lower = loop_device(32 * MIB)
+    with _loop_over(lower) as upper:
+        with _mounted(lower, tmp_path / "mnt"):
+            with pytest.raises(DeviceBusyError, match=f"loop device over {lower}.*busy"):
+                Device(upper, busy_timeout=0.1)
+        with Device(lower):
+            with pytest.raises(DeviceBusyError, match=f"loop device over {lower}"):
+                Device(upper, busy_timeout=0.1)
+        with Device(upper):
+            with pytest.raises(DeviceBusyError):
+                Device(lower, busy_timeout=0.1)
+        with Device(upper):                  # released on close, the claim below too
+            pass
+        with Device(lower):
+            pass
 
 
 def test_a_blkid_that_cannot_tell_refuses(tmp_path, monkeypatch, file_target):
