@@ -238,6 +238,15 @@ def _identity(path: str) -> tuple | None:
 LOOP_MAJOR = 7      # the kernel's block major of loop devices
 
 
+def _same_target(a: os.stat_result, b: os.stat_result) -> bool:
+    """Whether two stats name the same bytes: a block device by its number
+    (whatever node it is reached by: the inode of a node in /dev is not the
+    device), a file by its (filesystem, inode)."""
+    if stat.S_ISBLK(a.st_mode) or stat.S_ISBLK(b.st_mode):
+        return stat.S_ISBLK(a.st_mode) and stat.S_ISBLK(b.st_mode) and a.st_rdev == b.st_rdev
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
 def loop_backing(rdev: int) -> str | None:
     """The backing file of the loop device numbered ``rdev``; None for any
     other block device."""
@@ -355,7 +364,9 @@ class Device:
                         f"{self.path}: file is locked by another kvblock store"
                         f"{holders(self.path)}; stop the other process or open it read-only",
                         self.path, errno.EBUSY) from None
-            if exclusive and writable and self.kind == "file":
+            if exclusive and writable:
+                # (a block device too: a loop device over it writes its bytes,
+                # and the kernel claims only the loop device when it is mounted)
                 self._refuse_busy_loop_over(st)
             if writable and self.kind == "block" and _read_only(self.fd):
                 # The kernel opens it read-write, then fails every write (EPERM).
@@ -424,7 +435,8 @@ class Device:
         device which is mounted or claimed (O_EXCL: a filesystem, dm/md, a
         store on it) is in use, though nothing holds the file itself; so is
         a second loop device over that file (``rdev``: this one, skipped).
-        Writing either would overwrite a mounted filesystem under the kernel."""
+        Writing either would overwrite a mounted filesystem under the kernel.
+        ``file_st`` may be a block device's: a loop device can be over one."""
         for name in _listdir("/sys/block"):
             backing = _read_str(Path("/sys/block") / name / "loop" / "backing_file")
             if not backing:
@@ -433,7 +445,7 @@ class Device:
                 bst, lst = os.stat(backing), os.stat(f"/dev/{name}")
             except OSError:
                 continue     # no node, or the file is gone: nothing to tell
-            if (bst.st_dev, bst.st_ino) != (file_st.st_dev, file_st.st_ino) or lst.st_rdev == rdev:
+            if not _same_target(bst, file_st) or lst.st_rdev == rdev:
                 continue
             loop = f"/dev/{name}"
             try:
@@ -442,8 +454,9 @@ class Device:
                 if e.errno != errno.EBUSY:
                     continue    # no access: nothing to tell
                 over = "" if rdev is None else f"a loop device over {backing}, "
+                what = "device" if stat.S_ISBLK(file_st.st_mode) else "file"
                 raise DeviceBusyError(
-                    f"{self.path}: {over}the backing file of {loop}, which is busy (mounted, "
+                    f"{self.path}: {over}the backing {what} of {loop}, which is busy (mounted, "
                     f"or opened exclusively by another store or program{holders(loop)}); "
                     f"unmount it or stop the other user, then `losetup -d {loop}`",
                     self.path, errno.EBUSY) from None

@@ -323,6 +323,21 @@ def test_a_loop_device_over_a_busy_block_device_is_busy(loop_device, tmp_path):
             pass
 
 
+def test_a_block_device_under_a_busy_loop_device_is_busy(loop_device, tmp_path):
+    """The other way round: a block device that backs a mounted loop device
+    holds that filesystem's bytes, though the kernel claims only the loop
+    device; opening it to write is refused, naming the loop device."""
+    lower = loop_device(32 * MIB)
+    with _loop_over(lower) as upper:
+        with _mounted(upper, tmp_path / "mnt"):
+            with pytest.raises(DeviceBusyError, match=f"backing device of {upper}.*busy"):
+                Device(lower, busy_timeout=0.1)
+            with Device(lower, writable=False, exclusive=False):
+                pass                             # read-only peeks stay possible
+        with Device(lower):                      # unmounted: free again
+            pass
+
+
 def test_a_blkid_that_cannot_tell_refuses(tmp_path, monkeypatch, file_target):
     """The probe fails closed: blkid failing (exit 4, or exit 2 with an
     error), hanging, or finding several signatures (exit 8, "ambivalent") is
