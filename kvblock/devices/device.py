@@ -304,6 +304,7 @@ class Device:
         self.writable = writable
         self.fd = -1
         self._backing_fd = -1     # a loop device's backing file, locked beside it
+        self._pid = os.getpid()   # the process whose flocks these are (see close)
         try:
             st = os.stat(self.path)
         except (FileNotFoundError, NotADirectoryError) as e:   # ENOTDIR: a file on the way
@@ -537,15 +538,20 @@ class Device:
         return True
 
     def close(self) -> None:
+        # A flock belongs to the open file, which a forked child shares with
+        # its parent: unlocking there would free the parent's claim while it
+        # still writes.  A child only closes its descriptors.
+        owner = os.getpid() == self._pid
         if self.fd >= 0:
-            if self.kind == "file":
+            if self.kind == "file" and owner:
                 # Release the lock explicitly: an io_uring that registered this
                 # fd may hold the open file (and so the lock) a moment longer.
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = -1
         if self._backing_fd >= 0:
-            fcntl.flock(self._backing_fd, fcntl.LOCK_UN)
+            if owner:
+                fcntl.flock(self._backing_fd, fcntl.LOCK_UN)
             os.close(self._backing_fd)
             self._backing_fd = -1
 

@@ -338,6 +338,37 @@ def test_a_block_device_under_a_busy_loop_device_is_busy(loop_device, tmp_path):
             pass
 
 
+def test_a_forked_childs_close_keeps_the_parents_claim(file_target, loop_device):
+    """A forked process shares its parent's open files, and a flock belongs
+    to the open file, not the process: a child that closes its copy of a
+    Device (README: a forked child's close() "only lets go of the copy")
+    must not unlock the parent's store file, or the backing file of its
+    loop device, for a second store to open while the parent writes."""
+    path, dev = file_target(1 * MIB), loop_device(8 * MIB)
+    from tests.support import loopdev
+
+    backing = loopdev.backing_of(dev)
+    held = [Device(path), Device(dev)]
+    try:
+        pid = os.fork()
+        if pid == 0:                                 # the child: let go of its copies
+            try:
+                for d in held:
+                    d.close()
+            finally:
+                os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        with pytest.raises(DeviceBusyError):
+            Device(path, busy_timeout=0.1)
+        with pytest.raises(DeviceBusyError):
+            Device(backing, busy_timeout=0.1)
+    finally:
+        for d in held:
+            d.close()
+    with Device(path), Device(backing):              # the parent's close releases them
+        pass
+
+
 def test_a_blkid_that_cannot_tell_refuses(tmp_path, monkeypatch, file_target):
     """The probe fails closed: blkid failing (exit 4, or exit 2 with an
     error), hanging, or finding several signatures (exit 8, "ambivalent") is
