@@ -247,6 +247,38 @@ def _same_target(a: os.stat_result, b: os.stat_result) -> bool:
     return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
+def _whole_disk(rdev: int) -> int:
+    """The number of the whole disk a partition ``rdev`` is on (sysfs: a
+    partition's folder has a ``partition`` file and sits in its disk's
+    folder); ``rdev`` itself for a whole disk."""
+    base = Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}")
+    if not (base / "partition").exists():
+        return rdev
+    try:
+        major, minor = _read_str(base.resolve().parent / "dev").split(":")
+        return os.makedev(int(major), int(minor))
+    except ValueError:
+        return rdev
+
+
+def _overlap(a: os.stat_result, b: os.stat_result) -> str | None:
+    """Whether writing ``a`` writes bytes of ``b``: "same" for the same
+    target (_same_target), "disk" when ``a`` is the whole disk ``b`` is a
+    partition of, "partition" when ``a`` is a partition of the whole disk
+    ``b``; None otherwise (two partitions of one disk do not overlap).
+    The kernel's O_EXCL links a partition and its disk, but a loop device
+    over either claims neither, so the busy checks must."""
+    if _same_target(a, b):
+        return "same"
+    if not (stat.S_ISBLK(a.st_mode) and stat.S_ISBLK(b.st_mode)):
+        return None
+    if _whole_disk(b.st_rdev) == a.st_rdev:
+        return "disk"
+    if _whole_disk(a.st_rdev) == b.st_rdev:
+        return "partition"
+    return None
+
+
 def loop_backing(rdev: int) -> str | None:
     """The backing file of the loop device numbered ``rdev``; None for any
     other block device."""
@@ -429,35 +461,46 @@ class Device:
                 f"has open (through the file or another loop device{holders(backing)}); stop "
                 "the other process", self.path, errno.EBUSY) from None
         self._backing_fd = fd
-        self._refuse_busy_loop_over(os.fstat(fd), st.st_rdev)   # another loop device over it
+        # another loop device over it (or over its whole disk or a partition)
+        self._refuse_busy_loop_over(os.fstat(fd), st.st_rdev, backing)
 
-    def _refuse_busy_loop_over(self, file_st: os.stat_result, rdev: int | None = None) -> None:
+    def _refuse_busy_loop_over(self, file_st: os.stat_result, rdev: int | None = None,
+                               name: str = "") -> None:
         """The other half of _lock_loop_backing: a file that backs a loop
         device which is mounted or claimed (O_EXCL: a filesystem, dm/md, a
         store on it) is in use, though nothing holds the file itself; so is
-        a second loop device over that file (``rdev``: this one, skipped).
+        a second loop device over that file (``rdev``: this one, skipped;
+        ``name``: the file's path, for the message).
         Writing either would overwrite a mounted filesystem under the kernel.
-        ``file_st`` may be a block device's: a loop device can be over one."""
-        for name in _listdir("/sys/block"):
-            backing = _read_str(Path("/sys/block") / name / "loop" / "backing_file")
+        ``file_st`` may be a block device's: a loop device can be over one,
+        and one over a partition of it, or over its whole disk, writes some
+        of its bytes just the same."""
+        for loop_name in _listdir("/sys/block"):
+            backing = _read_str(Path("/sys/block") / loop_name / "loop" / "backing_file")
             if not backing:
                 continue
             try:
-                bst, lst = os.stat(backing), os.stat(f"/dev/{name}")
+                bst, lst = os.stat(backing), os.stat(f"/dev/{loop_name}")
             except OSError:
                 continue     # no node, or the file is gone: nothing to tell
-            if not _same_target(bst, file_st) or lst.st_rdev == rdev:
+            if lst.st_rdev == rdev:
                 continue
-            loop = f"/dev/{name}"
+            overlap = _overlap(file_st, bst)
+            if overlap is None:
+                continue
+            loop = f"/dev/{loop_name}"
             try:
                 os.close(os.open(loop, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC))
             except OSError as e:
                 if e.errno != errno.EBUSY:
                     continue    # no access: nothing to tell
-                over = "" if rdev is None else f"a loop device over {backing}, "
+                over = "" if rdev is None else f"a loop device over {name or backing}, "
                 what = "device" if stat.S_ISBLK(file_st.st_mode) else "file"
+                part = {"same": "", "disk": f"the whole disk of {backing}, ",
+                        "partition": f"a partition of {backing}, "}[overlap]
                 raise DeviceBusyError(
-                    f"{self.path}: {over}the backing {what} of {loop}, which is busy (mounted, "
+                    f"{self.path}: {over}{part}the backing {what} of {loop}, which is busy "
+                    "(mounted, "
                     f"or opened exclusively by another store or program{holders(loop)}); "
                     f"unmount it or stop the other user, then `losetup -d {loop}`",
                     self.path, errno.EBUSY) from None

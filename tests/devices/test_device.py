@@ -4,6 +4,7 @@ import contextlib
 import errno
 import os
 import socket
+import stat
 import subprocess
 
 import pytest
@@ -335,6 +336,74 @@ def test_a_block_device_under_a_busy_loop_device_is_busy(loop_device, tmp_path):
             with Device(lower, writable=False, exclusive=False):
                 pass                             # read-only peeks stay possible
         with Device(lower):                      # unmounted: free again
+            pass
+
+
+@pytest.fixture
+def partitioned_disk(request):
+    """Factory: ``partitioned_disk(size)`` -> (/dev/loopN, /dev/loopNp1): a
+    loop device with one partition (added with BLKPG, addpart: the kernel
+    needs no partition-table parser for it), detached (its partition with
+    it) after the test."""
+    from tests.support import loopdev
+
+    ok, why = loopdev.can_make_loop_devices()
+    if not ok:
+        pytest.skip(why)
+    stack = contextlib.ExitStack()
+    request.addfinalizer(stack.close)
+
+    def make(size=32 * MIB):
+        path = stack.enter_context(loopdev.backing_file(size))
+        disk = loopdev.attach(path, partscan=True)
+        stack.callback(loopdev.detach, disk)
+        subprocess.run(["addpart", disk, "1", "2048", str(size // 512 - 4096)], check=True)
+        name = os.path.basename(disk)
+        part = f"/dev/{name}p1"
+        if not os.path.exists(part):             # no devtmpfs or udev to make the node
+            major, minor = map(int, open(f"/sys/block/{name}/{name}p1/dev").read().split(":"))
+            os.mknod(part, 0o600 | stat.S_IFBLK, os.makedev(major, minor))
+            stack.callback(os.unlink, part)      # (runs before the detach: last in, first out)
+        return disk, part
+
+    return make
+
+
+def test_a_whole_disk_under_a_busy_loop_device_over_its_partition_is_busy(
+        partitioned_disk, tmp_path):
+    """A whole disk holds its partitions' bytes: while a loop device over a
+    partition is mounted, opening the disk to write (kvblock format DISK
+    --force) would overwrite that filesystem, and so would a store on a
+    second loop device over the disk.  Both are refused, naming the busy
+    loop device; the kernel sees neither (a loop device claims nothing
+    under it, and the partition is not the disk's number)."""
+    disk, part = partitioned_disk()
+    with _loop_over(part) as upper:
+        with _mounted(upper, tmp_path / "mnt"):
+            with pytest.raises(DeviceBusyError, match=f"{part}, the backing device of {upper}"
+                                                      ".*busy"):
+                Device(disk, busy_timeout=0.1)
+            with _loop_over(disk) as other:
+                with pytest.raises(DeviceBusyError, match=f"loop device over {disk}.*{upper}"):
+                    Device(other, busy_timeout=0.1)
+            with Device(disk, writable=False, exclusive=False):
+                pass                             # read-only peeks stay possible
+        with Device(disk):                       # unmounted: free again
+            pass
+
+
+def test_a_partition_under_a_busy_loop_device_over_its_whole_disk_is_busy(
+        partitioned_disk, tmp_path):
+    """The other way round: a partition is part of its disk's bytes, so
+    while a loop device over the whole disk is mounted, opening the
+    partition to write is refused, naming the loop device."""
+    disk, part = partitioned_disk()
+    with _loop_over(disk) as upper:
+        with _mounted(upper, tmp_path / "mnt"):
+            with pytest.raises(DeviceBusyError, match=f"{disk}, the backing device of {upper}"
+                                                      ".*busy"):
+                Device(part, busy_timeout=0.1)
+        with Device(part):                       # unmounted: free again
             pass
 
 

@@ -45,10 +45,13 @@ def backing_file(size: int, directory: Path | None = None, prefix="kvblock-test-
 _ATTACHED: set[str] = set()  # loop devices this process attached and has not detached
 
 
-def attach(path: Path | str, sector_size: int | None = None) -> str:
+def attach(path: Path | str, sector_size: int | None = None, partscan: bool = False) -> str:
     """``sector_size``: the device's logical block size (default 512; 4096
-    makes it look like an NVMe namespace formatted with 4 KiB LBAs)."""
+    makes it look like an NVMe namespace formatted with 4 KiB LBAs).
+    ``partscan``: let the device have partitions (losetup -P); they go
+    when it is detached."""
     sectors = ["--sector-size", str(sector_size)] if sector_size else []
+    sectors += ["-P"] if partscan else []
     out = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", *sectors, str(path)],
                          check=True, capture_output=True, text=True)
     dev = out.stdout.strip()
