@@ -465,7 +465,8 @@ class Device:
         self._refuse_busy_loop_over(os.fstat(fd), st.st_rdev, backing)
 
     def _refuse_busy_loop_over(self, file_st: os.stat_result, rdev: int | None = None,
-                               name: str = "") -> None:
+                               name: str = "", _via: str = "", _seen: frozenset = frozenset()
+                               ) -> None:
         """The other half of _lock_loop_backing: a file that backs a loop
         device which is mounted or claimed (O_EXCL: a filesystem, dm/md, a
         store on it) is in use, though nothing holds the file itself; so is
@@ -474,7 +475,9 @@ class Device:
         Writing either would overwrite a mounted filesystem under the kernel.
         ``file_st`` may be a block device's: a loop device can be over one,
         and one over a partition of it, or over its whole disk, writes some
-        of its bytes just the same."""
+        of its bytes just the same.  Loop devices stack: one that is not busy
+        is checked in turn for busy loop devices over it (``_via``: the
+        chain so far, for the message)."""
         for loop_name in _listdir("/sys/block"):
             backing = _read_str(Path("/sys/block") / loop_name / "loop" / "backing_file")
             if not backing:
@@ -483,27 +486,34 @@ class Device:
                 bst, lst = os.stat(backing), os.stat(f"/dev/{loop_name}")
             except OSError:
                 continue     # no node, or the file is gone: nothing to tell
-            if lst.st_rdev == rdev:
+            if lst.st_rdev == rdev or lst.st_rdev in _seen:
                 continue
             overlap = _overlap(file_st, bst)
             if overlap is None:
                 continue
             loop = f"/dev/{loop_name}"
+            if _via:
+                over, what = _via + ", ", "device"
+            else:
+                over = "" if rdev is None else f"a loop device over {name or backing}, "
+                what = "device" if stat.S_ISBLK(file_st.st_mode) else "file"
+            part = {"same": "", "disk": f"the whole disk of {backing}, ",
+                    "partition": f"a partition of {backing}, "}[overlap]
+            chain = f"{over}{part}the backing {what} of {loop}"
             try:
                 os.close(os.open(loop, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC))
             except OSError as e:
                 if e.errno != errno.EBUSY:
                     continue    # no access: nothing to tell
-                over = "" if rdev is None else f"a loop device over {name or backing}, "
-                what = "device" if stat.S_ISBLK(file_st.st_mode) else "file"
-                part = {"same": "", "disk": f"the whole disk of {backing}, ",
-                        "partition": f"a partition of {backing}, "}[overlap]
                 raise DeviceBusyError(
-                    f"{self.path}: {over}{part}the backing {what} of {loop}, which is busy "
-                    "(mounted, "
+                    f"{self.path}: {chain}, which is busy (mounted, "
                     f"or opened exclusively by another store or program{holders(loop)}); "
                     f"unmount it or stop the other user, then `losetup -d {loop}`",
                     self.path, errno.EBUSY) from None
+            # Not busy itself, but a mounted loop device over it writes
+            # through it to these bytes just the same (the kernel claims
+            # only the top one).
+            self._refuse_busy_loop_over(lst, rdev, name, chain, _seen | {lst.st_rdev})
 
     # --- probing ---------------------------------------------------------------
     def _probe(self, st: os.stat_result) -> DeviceInfo:

@@ -407,6 +407,24 @@ def test_a_partition_under_a_busy_loop_device_over_its_whole_disk_is_busy(
             pass
 
 
+def test_a_file_under_a_mounted_loop_device_over_its_loop_device_is_busy(loop_device, tmp_path):
+    """Loop devices stack: a file under loop device L, under loop device U
+    which is mounted, holds that filesystem's bytes though neither it nor
+    L is claimed by anyone (a loop device claims nothing under it).
+    Opening the file to write (kvblock format FILE --force) is refused,
+    naming the mounted loop device."""
+    from tests.support import loopdev
+
+    lower = loop_device(32 * MIB)
+    backing = loopdev.backing_of(lower)
+    with _loop_over(lower) as upper:
+        with _mounted(upper, tmp_path / "mnt"):
+            with pytest.raises(DeviceBusyError, match=f"{lower}.*{upper}, which is busy"):
+                Device(backing, busy_timeout=0.1)
+        with Device(backing):                    # unmounted: free again
+            pass
+
+
 def test_a_forked_childs_close_keeps_the_parents_claim(file_target, loop_device):
     """A forked process shares its parent's open files, and a flock belongs
     to the open file, not the process: a child that closes its copy of a
