@@ -335,7 +335,9 @@ class Device:
         self.path = os.fspath(path)
         self.writable = writable
         self.fd = -1
-        self._backing_fd = -1     # a loop device's backing file, locked beside it
+        # a loop device's backing file, locked beside it (and, for a loop
+        # device over a loop device, that one's backing, down the stack)
+        self._backing_fds: list[int] = []
         self._pid = os.getpid()   # the process whose flocks these are (see close)
         try:
             st = os.stat(self.path)
@@ -423,9 +425,9 @@ class Device:
         except BaseException:
             os.close(self.fd)
             self.fd = -1
-            if self._backing_fd >= 0:
-                os.close(self._backing_fd)
-                self._backing_fd = -1
+            for fd in self._backing_fds:
+                os.close(fd)
+            self._backing_fds = []
             raise
 
     def _lock_loop_backing(self, st: os.stat_result, busy_timeout: float) -> None:
@@ -433,36 +435,45 @@ class Device:
         does not stop a store opened on the file (its flock), nor one on a
         second loop device over the same file.  So the backing file is
         flocked too, as a store opened on the file itself locks it."""
-        backing = loop_backing(st.st_rdev)
-        if not backing:
-            return
-        # A loop device over a block device writes that device's bytes: claim
-        # it (O_EXCL), which the kernel refuses while it is mounted or held by
-        # another store, and which keeps either off it while this one is open
-        # (a flock on a device node is seen by no O_EXCL opener).
-        try:
-            flags = os.O_RDONLY | os.O_CLOEXEC
-            if stat.S_ISBLK(os.stat(backing).st_mode):
-                flags |= os.O_EXCL
-            fd = _retry_busy(lambda: os.open(backing, flags), busy_timeout)
-        except OSError as e:
-            if e.errno == errno.EBUSY:
+        rdev, over, seen = st.st_rdev, "a loop device", {st.st_rdev}
+        # A loop device over a loop device writes that one's backing too: each
+        # level down the stack is claimed and checked as the first is (the
+        # kernel claims none of them for the loop devices over it).
+        while backing := loop_backing(rdev):
+            over += f" over {backing}"
+            # A loop device over a block device writes that device's bytes: claim
+            # it (O_EXCL), which the kernel refuses while it is mounted or held by
+            # another store, and which keeps either off it while this one is open
+            # (a flock on a device node is seen by no O_EXCL opener).
+            try:
+                flags = os.O_RDONLY | os.O_CLOEXEC
+                if stat.S_ISBLK(os.stat(backing).st_mode):
+                    flags |= os.O_EXCL
+                fd = _retry_busy(lambda: os.open(backing, flags), busy_timeout)
+            except OSError as e:
+                if e.errno == errno.EBUSY:
+                    raise DeviceBusyError(
+                        f"{self.path}: {over}, which is busy (mounted, or opened "
+                        f"exclusively by another store or program{holders(backing)}); "
+                        f"unmount it or stop the other user", self.path, e.errno) from None
+                return      # deleted or out of reach: nothing else can open it by name
+            try:
+                _retry_busy(lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
+                            busy_timeout)
+            except BlockingIOError:
+                os.close(fd)
                 raise DeviceBusyError(
-                    f"{self.path}: a loop device over {backing}, which is busy (mounted, or "
-                    f"opened exclusively by another store or program{holders(backing)}); "
-                    f"unmount it or stop the other user", self.path, e.errno) from None
-            return      # deleted or out of reach: nothing else can open it by name
-        try:
-            _retry_busy(lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB), busy_timeout)
-        except BlockingIOError:
-            os.close(fd)
-            raise DeviceBusyError(
-                f"{self.path}: a loop device over {backing}, which another kvblock store "
-                f"has open (through the file or another loop device{holders(backing)}); stop "
-                "the other process", self.path, errno.EBUSY) from None
-        self._backing_fd = fd
-        # another loop device over it (or over its whole disk or a partition)
-        self._refuse_busy_loop_over(os.fstat(fd), st.st_rdev, backing)
+                    f"{self.path}: {over}, which another kvblock store has open (through "
+                    f"the file or another loop device{holders(backing)}); stop the other "
+                    "process", self.path, errno.EBUSY) from None
+            self._backing_fds.append(fd)
+            bst = os.fstat(fd)
+            # another loop device over it (or over its whole disk or a partition)
+            self._refuse_busy_loop_over(bst, rdev, backing)
+            if not stat.S_ISBLK(bst.st_mode) or bst.st_rdev in seen:
+                return
+            rdev = bst.st_rdev
+            seen.add(rdev)
 
     def _refuse_busy_loop_over(self, file_st: os.stat_result, rdev: int | None = None,
                                name: str = "", _via: str = "", _seen: frozenset = frozenset()
@@ -602,11 +613,11 @@ class Device:
                 fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = -1
-        if self._backing_fd >= 0:
+        for fd in self._backing_fds:
             if owner:
-                fcntl.flock(self._backing_fd, fcntl.LOCK_UN)
-            os.close(self._backing_fd)
-            self._backing_fd = -1
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        self._backing_fds = []
 
     @property
     def closed(self) -> bool:

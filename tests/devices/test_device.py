@@ -425,6 +425,29 @@ def test_a_file_under_a_mounted_loop_device_over_its_loop_device_is_busy(loop_de
             pass
 
 
+def test_a_loop_device_over_a_loop_device_over_a_busy_device_is_busy(loop_device, tmp_path):
+    """Down a stack of loop devices: top over mid over lower (a loop device
+    over a file).  Writing top writes lower's bytes and its file's, so top
+    is refused while lower is mounted, or while a store holds the file
+    (its flock), as a loop device directly over either is."""
+    from tests.support import loopdev
+
+    lower = loop_device(32 * MIB)
+    backing = loopdev.backing_of(lower)
+    with _loop_over(lower) as mid, _loop_over(mid) as top:
+        with _mounted(lower, tmp_path / "mnt"):
+            with pytest.raises(DeviceBusyError, match=f"over {mid}.*over {lower}, which is busy"):
+                Device(top, busy_timeout=0.1)
+        with Device(backing):
+            with pytest.raises(DeviceBusyError, match=f"over {backing}, which another kvblock"):
+                Device(top, busy_timeout=0.1)
+        with Device(top):                        # free again; and it holds the stack
+            with pytest.raises(DeviceBusyError):
+                Device(backing, busy_timeout=0.1)
+        with Device(backing):                    # released on close
+            pass
+
+
 def test_a_forked_childs_close_keeps_the_parents_claim(file_target, loop_device):
     """A forked process shares its parent's open files, and a flock belongs
     to the open file, not the process: a child that closes its copy of a
