@@ -653,18 +653,20 @@ class RemoteStore(RunReader, RunWriter):
                 self._check_fits(len(keys))
         if len(items) == 1:
             return [self._put(*items[0])]
+        # The clear ticket before the present below, not the first admit's:
+        # the plan is made from present's answer, and a clear() between it
+        # and the first admit published runs planned on the keys the clear
+        # removed (a run counted stored as a duplicate of them, not stored).
+        # A clear() from here on refuses every run, as KVStore's.
+        clears = self.clear_ticket()
         # Which keys the store holds, asked once: the server's admit sees
         # none of this call's runs (they are published together, after
         # every admit), so a run held whole by the store and the call's
         # earlier runs together is found here, as KVStore finds it.
         found = self.present([k for keys, _ in items for k in keys])
-        clears = None
 
         def admit(keys, whole):
-            nonlocal clears
             answer = self._call("admit", keys=encode_keys(keys))
-            # the first ticket: a clear() after it refuses every run (KVStore's too)
-            clears = clears or answer["clears"]
             if answer["verdict"] == "duplicate":
                 self.counters["put_duplicate_runs"] += 1
             elif answer["verdict"] == "rejected":

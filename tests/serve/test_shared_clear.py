@@ -465,3 +465,34 @@ def test_put_runs_skips_a_run_held_by_the_store_and_its_earlier_runs(store_file,
         with RemoteStore(sock) as rank:
             check(rank)
         assert server.store.counters["put_runs"] == 2
+
+
+def test_a_clear_before_put_runs_first_admit_refuses_every_run(store_file, tmp_path):
+    """put_runs through a server asks which keys are stored (present) before
+    it admits its runs: a clear() by another rank right after that answer
+    came before the call's first admit, whose clear ticket is then the
+    cleared store's.  The call began before the clear, so it stores
+    nothing (as KVStore's put_runs, which notes the clear count first);
+    it published its first run and said its second, a duplicate of the
+    store's (cleared) key and of the first run, was stored whole."""
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock):
+        rank, admin = RemoteStore(sock), RemoteStore(sock)
+        try:
+            old, fresh = run_keys(30, 1), run_keys(31, 1)
+            both = [old[0], fresh[0]]
+            assert rank.put_run(old, run_data(old)) == 1
+            real = rank.present
+
+            def present(keys):
+                found = real(keys)
+                admin.clear()             # another rank clears after the answer
+                return found
+            rank.present = present
+            got = rank.put_runs([(fresh, run_data(fresh)), (both, run_data(both))])
+            del rank.present
+            assert got == [0, 0]
+            assert rank.lookup(fresh) == 0 and rank.lookup(both) == 0
+        finally:
+            rank.close()
+            admin.close()
