@@ -824,6 +824,12 @@ class StoreServer:
         (put_runs): all of them, or none when a clear() came after admit."""
         if not isinstance(puts, list) or not puts or not all(
                 isinstance(p, list) and len(p) == 3 for p in puts):
+            # The allocations its entries name are given back all the same
+            # (protocol.py: whatever the answer; the client counts them
+            # released): left, they stayed pinned while the connection lived.
+            named = [s.writers.pop(p[0], None) for p in (puts if isinstance(puts, list) else ())
+                     if isinstance(p, list) and p and type(p[0]) is int]
+            self.store._unpin_writers([w[0] for w in named if w is not None])
             raise ConfigError(f"commit_runs: puts must be a non-empty list of [wid, keys, "
                               f"checksums], got {str(puts)[:80]}")
         return self._commit_runs(s, "commit_runs", puts, clears)

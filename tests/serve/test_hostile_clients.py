@@ -119,6 +119,33 @@ def test_a_commit_with_a_malformed_clear_ticket_is_a_config_error(store_file, so
         _still_serves(server, sock, 9)
 
 
+@pytest.mark.parametrize("junk", [[1, 2], "x", None])
+def test_a_commit_runs_with_a_malformed_entry_gives_back_every_allocation(store_file, sock,
+                                                                          junk):
+    """commit_runs releases every allocation it names, whatever the answer
+    (protocol.py; the client counts them released once it asked).  One
+    entry of ``puts`` that is not [wid, keys, checksums] was refused before
+    any was taken: the well-formed entries' allocations stayed pinned for
+    as long as the connection lived (their regions never evicted)."""
+    with serve_in_background([store_file], sock) as server:
+        raw = _raw(sock)
+        try:
+            key = os.urandom(16)
+            admit = _ask(raw, op="admit", keys=encode_keys([key]))
+            alloc = _ask(raw, op="allocate", nblocks=1)
+            assert admit["ok"] and alloc["ok"], (admit, alloc)
+            good = [alloc["result"]["wid"], encode_keys([key]),
+                    [0] * server.store.geometry.run_checksums]
+            reply = _ask(raw, op="commit_runs", puts=[good, junk],
+                         clears=admit["result"]["clears"])
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            assert int(server.store.regions.pins.sum()) == 0 and not server.store.index.runs
+            assert not server.store.closed
+        finally:
+            raw.close()
+        _still_serves(server, sock, 12)
+
+
 def test_drop_runs_naming_a_run_twice_drops_it_once(store_file, sock):
     """drop_runs with a run id twice (a client's duplicate, or a read
     error's list of runs that names one run per segment) took the run out
