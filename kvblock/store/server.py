@@ -816,10 +816,12 @@ class StoreServer:
         return {"wid": wid, "region": region, "offset": offset, "run_id": run_id,
                 "generation": gen}
 
-    def _op_commit(self, s, wid, keys, checksums, clears):
+    # (Arguments default to None so that a request missing one still
+    # reaches the code that gives back the allocations it names.)
+    def _op_commit(self, s, wid=None, keys=None, checksums=None, clears=None):
         return self._commit_runs(s, "commit", [[wid, keys, checksums]], clears)[0]
 
-    def _op_commit_runs(self, s, puts, clears):
+    def _op_commit_runs(self, s, puts=None, clears=None):
         """Publish the runs of several allocations with one journal commit
         (put_runs): all of them, or none when a clear() came after admit."""
         if not isinstance(puts, list) or not puts or not all(
@@ -841,6 +843,8 @@ class StoreServer:
         taken = [(s.writers.pop(wid, None) if type(wid) is int else None, wid, keys, sums)
                  for wid, keys, sums in puts]
         try:
+            if clears is None:
+                raise ConfigError(f"{op}: clears (admit's clear ticket) is missing")
             runs = []
             for w, wid, keys, checksums in taken:
                 _check_id(op, "wid", wid)

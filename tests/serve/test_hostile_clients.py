@@ -146,6 +146,32 @@ def test_a_commit_runs_with_a_malformed_entry_gives_back_every_allocation(store_
         _still_serves(server, sock, 12)
 
 
+@pytest.mark.parametrize("op", ["commit", "commit_runs"])
+def test_a_commit_missing_an_argument_gives_back_its_allocation(store_file, sock, op):
+    """A commit (or commit_runs) without its clear ticket (or another
+    argument) was refused when its arguments were bound, before it took its
+    allocations: they stayed pinned for as long as the connection lived."""
+    with serve_in_background([store_file], sock) as server:
+        raw = _raw(sock)
+        try:
+            key = os.urandom(16)
+            assert _ask(raw, op="admit", keys=encode_keys([key]))["ok"]
+            alloc = _ask(raw, op="allocate", nblocks=1)
+            assert alloc["ok"], alloc
+            wid, sums = alloc["result"]["wid"], [0] * server.store.geometry.run_checksums
+            if op == "commit":
+                reply = _ask(raw, op="commit", wid=wid, keys=encode_keys([key]),
+                             checksums=sums)
+            else:
+                reply = _ask(raw, op="commit_runs", puts=[[wid, encode_keys([key]), sums]])
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            assert "clears" in reply["message"], reply
+            assert int(server.store.regions.pins.sum()) == 0 and not server.store.index.runs
+        finally:
+            raw.close()
+        _still_serves(server, sock, 13)
+
+
 def test_drop_runs_naming_a_run_twice_drops_it_once(store_file, sock):
     """drop_runs with a run id twice (a client's duplicate, or a read
     error's list of runs that names one run per segment) took the run out
