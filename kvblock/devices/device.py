@@ -295,24 +295,48 @@ def _backing_file(path: str) -> str | None:
     return loop_backing(st.st_rdev) if stat.S_ISBLK(st.st_mode) else None
 
 
+def _writes(path: str) -> list[tuple[os.stat_result, str]]:
+    """What writing ``path`` writes, each with its name for a message: the
+    path itself and, down a stack of loop devices, each backing."""
+    try:
+        out = [(os.stat(path), path)]
+    except OSError:
+        return []
+    chain, seen = "", set()
+    while stat.S_ISBLK(out[-1][0].st_mode) and out[-1][0].st_rdev not in seen:
+        seen.add(out[-1][0].st_rdev)
+        backing = loop_backing(out[-1][0].st_rdev)
+        if backing is None:
+            break
+        chain += f", over {backing}" if chain else f" (its backing file {backing}"
+        try:
+            out.append((os.stat(backing), f"{path}{chain})"))
+        except OSError:
+            break
+    return out
+
+
 def check_distinct(paths) -> None:
     """ConfigError when two of ``paths`` are one device: the same path or
-    device twice, or a loop device and its backing file."""
-    seen: dict[tuple, str] = {}
+    device twice, a loop device and its backing file (or the file under a
+    stack of loop devices), or a whole disk and one of its partitions
+    (either of them directly or under a loop device)."""
+    # Not only identical targets: a disk and its partition write the same
+    # bytes, and Device's O_EXCL would refuse the second as busy (exit 5),
+    # or, opened without it (a client), read one store's bytes out of place.
+    seen: list[tuple[os.stat_result, str]] = []
     for p in map(os.fspath, paths):
-        names = [(_identity(p), p)]
-        backing = _backing_file(p)
-        if backing is not None:
-            names.append((_identity(backing), f"{p} (its backing file {backing})"))
-        for ident, what in names:
-            if ident is None:
-                continue
-            if ident in seen:
-                raise ConfigError(f"{seen[ident]} and {what} are the same device; give each "
-                                  "device once")
-        for ident, what in names:
-            if ident is not None:
-                seen.setdefault(ident, what)
+        mine = _writes(p)
+        for st, what in mine:
+            for other, other_what in seen:
+                overlap = _overlap(other, st)
+                if overlap is None:
+                    continue
+                how = {"same": "are the same device",
+                       "disk": "overlap (the first is the whole disk of the second)",
+                       "partition": "overlap (the first is a partition of the second)"}[overlap]
+                raise ConfigError(f"{other_what} and {what} {how}; give each device once")
+        seen += mine
 
 
 class Device:

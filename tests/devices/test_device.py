@@ -715,3 +715,51 @@ def test_a_read_only_file_or_device_is_a_device_error_with_its_path(tmp_path, lo
         assert e.value.errno == errno.EROFS and e.value.path == dev_path
     finally:
         subprocess.run(["blockdev", "--setrw", dev_path], check=True)
+
+
+def test_a_disk_and_its_partition_given_together_are_one_device_given_twice(
+        partitioned_disk, loop_device):
+    """A store given a whole disk and its partition (or a loop device over
+    one and the other, or the file under a stack of loop devices and the
+    top one) as two devices writes the same bytes through both: that is a
+    device given twice (ConfigError, exit 8) before anything is opened,
+    not a DeviceBusyError at the second open (nor, for a client that opens
+    without O_EXCL, one store's bytes read out of place).  Two partitions
+    of one disk, and loop devices over them, do not overlap."""
+    from kvblock.devices import check_distinct
+    from kvblock.errors import ConfigError
+    from tests.support import loopdev
+
+    disk, part = partitioned_disk()
+    for pair in ((disk, part), (part, disk)):
+        with pytest.raises(ConfigError, match="give each device once"):
+            check_distinct(pair)
+    with _loop_over(part) as over_part, _loop_over(disk) as over_disk:
+        for pair in ((over_part, disk), (disk, over_part), (over_disk, part),
+                     (part, over_disk), (over_part, over_disk)):
+            with pytest.raises(ConfigError, match="give each device once"):
+                check_distinct(pair)
+    lower = loop_device(8 * MIB)
+    backing = loopdev.backing_of(lower)
+    with _loop_over(lower) as mid, _loop_over(mid) as top:
+        for pair in ((top, backing), (backing, top), (top, lower)):
+            with pytest.raises(ConfigError, match="give each device once"):
+                check_distinct(pair)
+    name = os.path.basename(disk)
+    subprocess.run(["delpart", disk, "1"], check=True)
+    subprocess.run(["addpart", disk, "1", "2048", "4096"], check=True)
+    subprocess.run(["addpart", disk, "2", "8192", "4096"], check=True)
+    second = f"/dev/{name}p2"
+    made = not os.path.exists(second)
+    if made:
+        major, minor = map(int, open(f"/sys/block/{name}/{name}p2/dev").read().split(":"))
+        os.mknod(second, 0o600 | stat.S_IFBLK, os.makedev(major, minor))
+    try:
+        check_distinct([part, second])              # two partitions: distinct
+        with _loop_over(part) as a, _loop_over(second) as b:
+            check_distinct([a, b])
+            with Device(a), Device(b):               # and both open to write
+                pass
+    finally:
+        if made:
+            os.unlink(second)
