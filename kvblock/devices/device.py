@@ -287,6 +287,13 @@ def loop_backing(rdev: int) -> str | None:
     return backing or None
 
 
+def _writes_backing(rdev: int) -> str | None:
+    """The backing file block device ``rdev`` writes: a loop device's, or,
+    for a partition of a loop device (losetup -P), its disk's (a partition
+    has no loop folder in sysfs, but its bytes are the backing file's)."""
+    return loop_backing(_whole_disk(rdev))
+
+
 def _backing_file(path: str) -> str | None:
     try:
         st = os.stat(path)
@@ -295,22 +302,26 @@ def _backing_file(path: str) -> str | None:
     return loop_backing(st.st_rdev) if stat.S_ISBLK(st.st_mode) else None
 
 
-def _writes(path: str) -> list[tuple[os.stat_result, str]]:
-    """What writing ``path`` writes, each with its name for a message: the
+def _writes(path: str) -> list[tuple[os.stat_result, str, int | None]]:
+    """What writing ``path`` writes, each with its name for a message and
+    the loop device it is reached through a partition of (None if not): the
     path itself and, down a stack of loop devices, each backing."""
     try:
-        out = [(os.stat(path), path)]
+        out = [(os.stat(path), path, None)]
     except OSError:
         return []
-    chain, seen = "", set()
+    chain, seen, via = "", set(), None
     while stat.S_ISBLK(out[-1][0].st_mode) and out[-1][0].st_rdev not in seen:
-        seen.add(out[-1][0].st_rdev)
-        backing = loop_backing(out[-1][0].st_rdev)
+        rdev = out[-1][0].st_rdev
+        seen.add(rdev)
+        backing = _writes_backing(rdev)
         if backing is None:
             break
+        if via is None and _whole_disk(rdev) != rdev:
+            via = _whole_disk(rdev)
         chain += f", over {backing}" if chain else f" (its backing file {backing}"
         try:
-            out.append((os.stat(backing), f"{path}{chain})"))
+            out.append((os.stat(backing), f"{path}{chain})", via))
         except OSError:
             break
     return out
@@ -324,11 +335,13 @@ def check_distinct(paths) -> None:
     # Not only identical targets: a disk and its partition write the same
     # bytes, and Device's O_EXCL would refuse the second as busy (exit 5),
     # or, opened without it (a client), read one store's bytes out of place.
-    seen: list[tuple[os.stat_result, str]] = []
+    seen: list[tuple[os.stat_result, str, int | None]] = []
     for p in map(os.fspath, paths):
         mine = _writes(p)
-        for st, what in mine:
-            for other, other_what in seen:
+        for st, what, via in mine:
+            for other, other_what, other_via in seen:
+                if via is not None and via == other_via:
+                    continue    # two partitions of one loop device: judged as partitions
                 overlap = _overlap(other, st)
                 if overlap is None:
                     continue
@@ -460,10 +473,20 @@ class Device:
         second loop device over the same file.  So the backing file is
         flocked too, as a store opened on the file itself locks it."""
         rdev, over, seen = st.st_rdev, "a loop device", {st.st_rdev}
+        # Partitions of a loop device (losetup -P) write its backing file too,
+        # but only part of it: a partition claims what is under its loop device
+        # shared (flock LOCK_SH; a block device checked free, not held), so two
+        # partitions of one loop device stay usable side by side, while a store
+        # on the file, or a loop device over all of it (LOCK_EX), is refused.
+        shared = False
         # A loop device over a loop device writes that one's backing too: each
         # level down the stack is claimed and checked as the first is (the
         # kernel claims none of them for the loop devices over it).
-        while backing := loop_backing(rdev):
+        while backing := _writes_backing(rdev):
+            if _whole_disk(rdev) != rdev:
+                if rdev == st.st_rdev:
+                    over = "a partition of a loop device"
+                shared = True
             over += f" over {backing}"
             # A loop device over a block device writes that device's bytes: claim
             # it (O_EXCL), which the kernel refuses while it is mounted or held by
@@ -474,6 +497,9 @@ class Device:
                 if stat.S_ISBLK(os.stat(backing).st_mode):
                     flags |= os.O_EXCL
                 fd = _retry_busy(lambda: os.open(backing, flags), busy_timeout)
+                if shared and flags & os.O_EXCL:     # checked free; held shared
+                    os.close(fd)
+                    fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:
                 if e.errno == errno.EBUSY:
                     raise DeviceBusyError(
@@ -481,9 +507,9 @@ class Device:
                         f"exclusively by another store or program{holders(backing)}); "
                         f"unmount it or stop the other user", self.path, e.errno) from None
                 return      # deleted or out of reach: nothing else can open it by name
+            lock = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
             try:
-                _retry_busy(lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
-                            busy_timeout)
+                _retry_busy(lambda: fcntl.flock(fd, lock | fcntl.LOCK_NB), busy_timeout)
             except BlockingIOError:
                 os.close(fd)
                 raise DeviceBusyError(
@@ -492,8 +518,11 @@ class Device:
                     "process", self.path, errno.EBUSY) from None
             self._backing_fds.append(fd)
             bst = os.fstat(fd)
-            # another loop device over it (or over its whole disk or a partition)
-            self._refuse_busy_loop_over(bst, rdev, backing)
+            # another loop device over it (or over its whole disk or a partition);
+            # for a partition, its own disk is the loop device to skip (the
+            # partition's claim makes that one look busy; what is over the
+            # disk was checked with the partition itself)
+            self._refuse_busy_loop_over(bst, _whole_disk(rdev), backing)
             if not stat.S_ISBLK(bst.st_mode) or bst.st_rdev in seen:
                 return
             rdev = bst.st_rdev

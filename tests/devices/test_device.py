@@ -760,6 +760,54 @@ def test_a_disk_and_its_partition_given_together_are_one_device_given_twice(
             check_distinct([a, b])
             with Device(a), Device(b):               # and both open to write
                 pass
+        with Device(part), Device(second):           # each claims the file shared
+            with pytest.raises(DeviceBusyError):
+                Device(loopdev.backing_of(disk), busy_timeout=0.1)
     finally:
         if made:
             os.unlink(second)
+
+
+def test_a_partition_of_a_loop_device_claims_the_loop_devices_backing(
+        partitioned_disk, loop_device, tmp_path):
+    """A partition of a loop device (losetup -P) writes the loop device's
+    backing file as the loop device does: opening it to write is refused
+    while a store holds that file, or while the block device under the loop
+    device is mounted; a store on the partition holds the file meanwhile;
+    and the file and the partition given together are one device given
+    twice (ConfigError)."""
+    from kvblock.devices import check_distinct
+    from kvblock.errors import ConfigError
+    from tests.support import loopdev
+
+    disk, part = partitioned_disk()
+    backing = loopdev.backing_of(disk)
+    with pytest.raises(ConfigError, match="give each device once"):
+        check_distinct([backing, part])
+    with Device(backing):
+        with pytest.raises(DeviceBusyError, match=f"over {backing}"):
+            Device(part, busy_timeout=0.1)
+    with Device(part):
+        with pytest.raises(DeviceBusyError):
+            Device(backing, busy_timeout=0.1)
+    with Device(part), Device(backing, writable=False, exclusive=False):
+        pass                                       # read-only peeks stay possible
+    lower = loop_device(32 * MIB)
+    upper = loopdev.attach(lower, partscan=True)
+    name, made = os.path.basename(upper), None
+    try:
+        subprocess.run(["addpart", upper, "1", "2048", "4096"], check=True)
+        upart = f"/dev/{name}p1"
+        if not os.path.exists(upart):
+            major, minor = map(int, open(f"/sys/block/{name}/{name}p1/dev").read().split(":"))
+            os.mknod(upart, 0o600 | stat.S_IFBLK, os.makedev(major, minor))
+            made = upart
+        with _mounted(lower, tmp_path / "mnt"):
+            with pytest.raises(DeviceBusyError, match=f"over {lower}.*busy"):
+                Device(upart, busy_timeout=0.1)
+        with Device(upart):                         # unmounted: free again
+            pass
+    finally:
+        if made:
+            os.unlink(made)
+        loopdev.detach(upper)
