@@ -51,6 +51,16 @@ def _ask(raw, **req) -> dict:
     return recv_msg(raw)
 
 
+def _admit_and_allocate(raw) -> tuple[bytes, dict, dict]:
+    """A raw client's first steps of a one-block put: (key, admit's and
+    allocate's answers)."""
+    key = os.urandom(16)
+    admit = _ask(raw, op="admit", keys=encode_keys([key]))
+    alloc = _ask(raw, op="allocate", nblocks=1)
+    assert admit["ok"] and alloc["ok"], (admit, alloc)
+    return key, admit, alloc
+
+
 def _still_serves(server, sock_path, tag: int) -> None:
     """Another client puts and reads a run back byte for byte; nothing stays pinned."""
     r = RemoteStore(sock_path)
@@ -103,10 +113,7 @@ def test_a_commit_with_a_malformed_clear_ticket_is_a_config_error(store_file, so
     with serve_in_background([store_file], sock) as server:
         raw = _raw(sock)
         try:
-            key = os.urandom(16)
-            admit = _ask(raw, op="admit", keys=encode_keys([key]))
-            alloc = _ask(raw, op="allocate", nblocks=1)
-            assert admit["ok"] and alloc["ok"], (admit, alloc)
+            key, admit, alloc = _admit_and_allocate(raw)
             tag = admit["result"]["clears"].partition(":")[0]
             reply = _ask(raw, op="commit", wid=alloc["result"]["wid"], keys=encode_keys([key]),
                          checksums=[0] * server.store.geometry.run_checksums,
@@ -130,10 +137,7 @@ def test_a_commit_runs_with_a_malformed_entry_gives_back_every_allocation(store_
     with serve_in_background([store_file], sock) as server:
         raw = _raw(sock)
         try:
-            key = os.urandom(16)
-            admit = _ask(raw, op="admit", keys=encode_keys([key]))
-            alloc = _ask(raw, op="allocate", nblocks=1)
-            assert admit["ok"] and alloc["ok"], (admit, alloc)
+            key, admit, alloc = _admit_and_allocate(raw)
             good = [alloc["result"]["wid"], encode_keys([key]),
                     [0] * server.store.geometry.run_checksums]
             reply = _ask(raw, op="commit_runs", puts=[good, junk],
@@ -154,10 +158,7 @@ def test_a_commit_missing_an_argument_gives_back_its_allocation(store_file, sock
     with serve_in_background([store_file], sock) as server:
         raw = _raw(sock)
         try:
-            key = os.urandom(16)
-            assert _ask(raw, op="admit", keys=encode_keys([key]))["ok"]
-            alloc = _ask(raw, op="allocate", nblocks=1)
-            assert alloc["ok"], alloc
+            key, _, alloc = _admit_and_allocate(raw)
             wid, sums = alloc["result"]["wid"], [0] * server.store.geometry.run_checksums
             if op == "commit":
                 reply = _ask(raw, op="commit", wid=wid, keys=encode_keys([key]),
