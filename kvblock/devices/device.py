@@ -294,14 +294,6 @@ def _writes_backing(rdev: int) -> str | None:
     return loop_backing(_whole_disk(rdev))
 
 
-def _backing_file(path: str) -> str | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return loop_backing(st.st_rdev) if stat.S_ISBLK(st.st_mode) else None
-
-
 def _writes(path: str) -> list[tuple[os.stat_result, str, int | None]]:
     """What writing ``path`` writes, each with its name for a message and
     the loop device it is reached through a partition of (None if not): the
