@@ -824,29 +824,25 @@ class StoreServer:
     def _op_commit_runs(self, s, puts=None, clears=None):
         """Publish the runs of several allocations with one journal commit
         (put_runs): all of them, or none when a clear() came after admit."""
-        if not isinstance(puts, list) or not puts or not all(
-                isinstance(p, list) and len(p) == 3 for p in puts):
-            # The allocations its entries name are given back all the same
-            # (protocol.py: whatever the answer; the client counts them
-            # released): left, they stayed pinned while the connection lived.
-            named = [s.writers.pop(p[0], None) for p in (puts if isinstance(puts, list) else ())
-                     if isinstance(p, list) and p and type(p[0]) is int]
-            self.store._unpin_writers([w[0] for w in named if w is not None])
-            raise ConfigError(f"commit_runs: puts must be a non-empty list of [wid, keys, "
-                              f"checksums], got {str(puts)[:80]}")
         return self._commit_runs(s, "commit_runs", puts, clears)
 
     def _commit_runs(self, s, op, puts, clears) -> list[int]:
         st = self.store
+        entries = puts if isinstance(puts, list) else []
         # Every allocation named is given back, whatever is wrong with the
-        # request: the client counts them released once it asked.
-        taken = [(s.writers.pop(wid, None) if type(wid) is int else None, wid, keys, sums)
-                 for wid, keys, sums in puts]
+        # request (a malformed entry's too): the client counts them released
+        # once it asked; left, they stayed pinned while the connection lived.
+        taken = [(s.writers.pop(p[0], None)
+                  if isinstance(p, list) and p and type(p[0]) is int else None, p)
+                 for p in entries]
         try:
+            if not entries or not all(isinstance(p, list) and len(p) == 3 for p in entries):
+                raise ConfigError(f"{op}: puts must be a non-empty list of [wid, keys, "
+                                  f"checksums], got {str(puts)[:80]}")
             if clears is None:
                 raise ConfigError(f"{op}: clears (admit's clear ticket) is missing")
             runs = []
-            for w, wid, keys, checksums in taken:
+            for w, (wid, keys, checksums) in taken:
                 _check_id(op, "wid", wid)
                 if w is None:
                     raise ConfigError(f"{op}: no allocation {wid} on this connection")
