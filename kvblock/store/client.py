@@ -706,14 +706,7 @@ class RemoteStore(RunReader, RunWriter):
             raise
         finally:
             s.hold(-len(allocs))
-        for n in stored:
-            if not n:
-                self.counters["cleared_puts"] += 1
-                continue
-            self.counters["put_runs"] += 1
-            self.counters["put_blocks"] += n
-            self.counters["bytes_written"] += self.layout(n).run_bytes
-        return [(i, int(n)) for (i, _, _), n in zip(pieces, stored)]
+        return [(i, self._count_committed(int(n))) for (i, _, _), n in zip(pieces, stored)]
 
     def _put(self, keys: list[bytes], blocks, began=None) -> int:
         n = len(keys)
@@ -803,7 +796,12 @@ class RemoteStore(RunReader, RunWriter):
             raise
         finally:
             s.hold(-1)
-        if not stored:                           # a clear() on the server overtook it
+        return self._count_committed(n if stored else 0)
+
+    def _count_committed(self, n: int) -> int:
+        """A piece's commit answered: ``n`` blocks published, 0 when a
+        clear() on the server overtook it; the counters; ``n``."""
+        if not n:
             self.counters["cleared_puts"] += 1
             return 0
         self.counters["put_runs"] += 1
