@@ -467,9 +467,10 @@ class Device:
         rdev, over, seen = st.st_rdev, "a loop device", {st.st_rdev}
         # Partitions of a loop device (losetup -P) write its backing file too,
         # but only part of it: a partition claims what is under its loop device
-        # shared (flock LOCK_SH; a block device checked free, not held), so two
-        # partitions of one loop device stay usable side by side, while a store
-        # on the file, or a loop device over all of it (LOCK_EX), is refused.
+        # shared (flock LOCK_SH; a block device also held with O_EXCL, see
+        # _claim_shared), so two partitions of one loop device stay usable side
+        # by side, while a store on the file, or a loop device over all of it
+        # (LOCK_EX), is refused.
         shared = False
         # A loop device over a loop device writes that one's backing too: each
         # level down the stack is claimed and checked as the first is (the
@@ -488,10 +489,10 @@ class Device:
                 flags = os.O_RDONLY | os.O_CLOEXEC
                 if stat.S_ISBLK(os.stat(backing).st_mode):
                     flags |= os.O_EXCL
-                fd = _retry_busy(lambda: os.open(backing, flags), busy_timeout)
-                if shared and flags & os.O_EXCL:     # checked free; held shared
-                    os.close(fd)
-                    fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC)
+                if shared and flags & os.O_EXCL:
+                    fd = _claim_shared(backing, busy_timeout)
+                else:
+                    fd = _retry_busy(lambda: os.open(backing, flags), busy_timeout)
             except OSError as e:
                 if e.errno == errno.EBUSY:
                     raise DeviceBusyError(
@@ -677,6 +678,40 @@ class Device:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.info.capacity} bytes"
         return f"Device({self.path!r}, {self.kind}, {state})"
+
+
+def _claim_shared(backing: str, timeout: float) -> int:
+    """Open block device ``backing`` (under a partition of a loop device) to
+    be claimed shared: held with O_EXCL, so that nothing mounts or claims it
+    while the store writes (a flock on the node is seen by no mount), unless
+    a sibling partition's store holds it already.  The kernel's claim
+    belongs to one open file, so siblings cannot share it: a sibling is
+    told from a mount by the flock every partition's store holds on the
+    node (LOCK_SH, taken by the caller).  EBUSY (an OSError) when it is
+    held by anything else past ``timeout``.  (While siblings are open, the
+    device is claimed only as long as the one that got the claim is.)"""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return os.open(backing, os.O_RDONLY | os.O_EXCL | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+        fd = os.open(backing, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return fd                 # a store holds it: a sibling's (LOCK_SH) or,
+                                      # LOCK_EX, one over all of it (refused by the caller)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)                  # no store's: mounted, or claimed by a program
+        if time.monotonic() >= deadline:
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), backing)
+        time.sleep(0.01)
 
 
 def _retry_busy(attempt, timeout: float):

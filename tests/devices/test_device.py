@@ -811,3 +811,48 @@ def test_a_partition_of_a_loop_device_claims_the_loop_devices_backing(
         if made:
             os.unlink(made)
         loopdev.detach(upper)
+
+
+def test_a_partition_of_a_loop_device_over_a_block_device_holds_that_device(
+        loop_device, tmp_path):
+    """A store on a partition of loop device U over block device L writes
+    L's bytes: L must stay claimed while the store is open, so a mount of
+    L (or any exclusive opener) is refused meanwhile, as it is for a store
+    on U itself; a second partition of U (a sibling, which writes other
+    bytes of L) still opens beside it."""
+    from tests.support import loopdev
+
+    lower = loop_device(32 * MIB)
+    subprocess.run(["mkfs.ext4", "-q", "-F", lower], check=True)
+    upper = loopdev.attach(lower, partscan=True)
+    name, made = os.path.basename(upper), []
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    try:
+        subprocess.run(["addpart", upper, "1", "2048", "4096"], check=True)
+        subprocess.run(["addpart", upper, "2", "8192", "4096"], check=True)
+        parts = []
+        for n in (1, 2):
+            p = f"/dev/{name}p{n}"
+            if not os.path.exists(p):
+                major, minor = map(int, open(f"/sys/block/{name}/{name}p{n}/dev").read().split(":"))
+                os.mknod(p, 0o600 | stat.S_IFBLK, os.makedev(major, minor))
+                made.append(p)
+            parts.append(p)
+        first = Device(parts[0])
+        try:
+            mount = subprocess.run(["mount", lower, str(mnt)], capture_output=True, text=True)
+            if mount.returncode == 0:
+                subprocess.run(["umount", str(mnt)], check=True)
+            assert mount.returncode != 0, f"{lower} mounted under a store on {parts[0]}"
+            with Device(parts[1]):                  # a sibling opens beside it
+                with pytest.raises(OSError) as e:   # and the lower device stays held
+                    os.close(os.open(lower, os.O_RDONLY | os.O_EXCL))
+                assert e.value.errno == errno.EBUSY
+        finally:
+            first.close()
+        os.close(os.open(lower, os.O_RDONLY | os.O_EXCL))   # both closed: free again
+    finally:
+        for p in made:
+            os.unlink(p)
+        loopdev.detach(upper)
