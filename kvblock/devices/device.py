@@ -503,8 +503,13 @@ class Device:
             lock = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
             try:
                 _retry_busy(lambda: fcntl.flock(fd, lock | fcntl.LOCK_NB), busy_timeout)
-            except BlockingIOError:
+            except BaseException as e:
+                # Not yet in _backing_fds, which __init__ closes on failure:
+                # a Ctrl-C in the wait (or any error) would leak it, and with
+                # it the O_EXCL claim on a block device under the loop device.
                 os.close(fd)
+                if not isinstance(e, BlockingIOError):
+                    raise
                 raise DeviceBusyError(
                     f"{self.path}: {over}, which another kvblock store has open (through "
                     f"the file or another loop device{holders(backing)}); stop the other "

@@ -856,3 +856,31 @@ def test_a_partition_of_a_loop_device_over_a_block_device_holds_that_device(
         for p in made:
             os.unlink(p)
         loopdev.detach(upper)
+
+
+def test_an_open_interrupted_while_waiting_for_the_backing_files_lock_leaks_nothing(
+        loop_device, monkeypatch):
+    """Opening a loop device whose backing file another store holds waits
+    (busy_timeout) for that file's lock; a Ctrl-C (or any error) meanwhile
+    must close the backing file it opened, not leave it open in a process
+    that lives on."""
+    from tests.support import loopdev
+
+    dev = loop_device(8 * MIB)
+    backing = loopdev.backing_of(dev)
+
+    def open_backing():
+        return sorted(fd for fd in os.listdir("/proc/self/fd")
+                      if os.path.realpath(f"/proc/self/fd/{fd}") == backing)
+
+    with Device(backing):
+        held = open_backing()
+        import time
+
+        def interrupted(_):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(time, "sleep", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            Device(dev, busy_timeout=5)
+        monkeypatch.undo()
+        assert open_backing() == held
