@@ -193,17 +193,25 @@ def _read_only(fd: int) -> bool:
 def holders(path: str, limit: int = 3) -> str:
     """" (held by pid N: CMDLINE)" for processes other than this one that
     have ``path`` open, read from /proc (what a busy-device message can
-    name; empty when none can be seen, e.g. without root)."""
+    name; empty when none can be seen, e.g. without root).  For a block
+    device, also those that have its whole disk or one of its partitions
+    open: the kernel's claim on either makes it busy."""
     ident = _identity(path)
     if ident is None:
         return ""
+    # a block device: its own number, its whole disk's, and (by their disk)
+    # its partitions'
+    disk = _whole_disk(ident[1]) if ident[0] == "block" else None
     found = []
     for pid in filter(str.isdigit, _listdir("/proc")):
         if int(pid) == os.getpid():
             continue
         for fd in _listdir(f"/proc/{pid}/fd"):
             try:
-                if _identity(f"/proc/{pid}/fd/{fd}") != ident:
+                other = _identity(f"/proc/{pid}/fd/{fd}")
+                if other != ident and not (
+                        disk is not None and other is not None and other[0] == "block"
+                        and (other[1] == disk or _whole_disk(other[1]) == ident[1])):
                     continue
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()

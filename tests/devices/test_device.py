@@ -884,3 +884,26 @@ def test_an_open_interrupted_while_waiting_for_the_backing_files_lock_leaks_noth
             Device(dev, busy_timeout=5)
         monkeypatch.undo()
         assert open_backing() == held
+
+
+def test_busy_names_the_process_holding_a_partition_or_its_disk(partitioned_disk):
+    """A whole disk is busy while a store holds one of its partitions (and
+    a partition while one holds the disk): the error names that process
+    (README: exit 5 "naming the processes that hold it"), though it has
+    the other device node open, not the one refused."""
+    import sys
+
+    disk, part = partitioned_disk()
+    for held, refused in ((part, disk), (disk, part)):
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time\nfrom kvblock.devices import Device\n"
+             "held = Device(sys.argv[1])\nprint('ready', flush=True)\ntime.sleep(60)", held],
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline() == "ready\n"
+            with pytest.raises(DeviceBusyError, match=f"held by pid {holder.pid}: .*python"):
+                Device(refused, busy_timeout=0.1)
+        finally:
+            holder.kill()
+            holder.wait()
+            holder.stdout.close()
