@@ -92,6 +92,16 @@ def _hash_streams(what: str, batch: IOBatch, streams, seeds):
     return streams, seeds, np.zeros(seeds.size, dtype=np.uint64)
 
 
+class RingBroken(Exception):
+    """Raised by an engine's _run when the engine itself failed the batch
+    (a broken io_uring: errno ``code``) leaving I/Os unfinished; submit()
+    turns it into an IOFailedError that counts the caller's I/Os."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
 _LIVE: "weakref.WeakSet[IOEngine]" = weakref.WeakSet()
 
 
@@ -289,8 +299,11 @@ class IOEngine:
                 hasher = native.Hasher(run.addrs, run.lens,
                                        streams if parent is None else streams[parent],
                                        seeds, results, digests)
-            self._run(op, run if staged is None else staged[0], min(qd or self.queue_depth, m),
-                      results, lat, hasher)
+            try:
+                self._run(op, run if staged is None else staged[0],
+                          min(qd or self.queue_depth, m), results, lat, hasher)
+            except RingBroken as e:
+                self._raise_broken(run, results, e.code, parent, n)
         finally:
             with self._map_idle:
                 self._map_users -= 1
@@ -588,6 +601,25 @@ class IOEngine:
         raise IOFailedError(
             f"short {_OP_NAME[op]} at offset {off} on {path}: {res} of {length} bytes "
             f"(end of device, or the device shrank){more}", path, 5, off, length, count)
+
+
+    def _raise_broken(self, b: IOBatch, results: np.ndarray, code: int,
+                      parent: np.ndarray | None, total: int):
+        """The IOFailedError for a batch the ring broke under (RingBroken):
+        it names the first piece that did not finish and counts the
+        caller's I/Os that did not (pieces of one I/O are one: the store
+        drops only the run an error names when ``failed`` is 1)."""
+        unfinished = np.flatnonzero(results != b.lens.astype(np.int64))
+        count = int(unfinished.size if parent is None else np.unique(parent[unfinished]).size)
+        i = int(unfinished[0])
+        dev, off, length = int(b.devs[i]), int(b.offsets[i]), int(b.lens[i])
+        path = self._path(dev)
+        raise IOFailedError(
+            f"io_uring failed while running a batch of {total} I/Os: {strerror(code)}; "
+            f"{count} of {total} I/Os did not finish, the first a {length}-byte I/O at "
+            f"offset {off} on {path}. This thread gets a new ring at its next batch; "
+            "retry, or use KVBLOCK_IO_ENGINE=threads if it recurs",
+            path, code, off, length, count) from None
 
 
 def _as_bytes(buffer, *, writable: bool) -> np.ndarray:

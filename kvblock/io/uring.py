@@ -9,10 +9,10 @@ import weakref
 
 import numpy as np
 
-from kvblock.errors import ConfigError, EngineUnavailableError, IOFailedError, strerror
+from kvblock.errors import ConfigError, EngineUnavailableError, strerror
 from kvblock.io import native
 from kvblock.io.batch import IOBatch
-from kvblock.io.engine import IOEngine
+from kvblock.io.engine import IOEngine, RingBroken
 from kvblock.memory import registry
 
 # The kernel caps each registered buffer at 1 GiB; the C side holds 64 at most.
@@ -194,21 +194,12 @@ class UringEngine(IOEngine):
             # A broken ring is retired (kvb_ring_run first waited for the
             # I/Os it had taken): this thread's next batch gets a new one.
             self._local.holder = None
-            # Name the first I/O that did not finish (the ring's drain waited
-            # for those it had taken; the rest are ECANCELED).  A batch whose
-            # I/Os all completed has its bytes: nothing failed.
-            unfinished = np.flatnonzero(results != batch.lens.astype(np.int64))
-            if not unfinished.size:
-                return
-            i = int(unfinished[0])
-            dev, off, length = int(batch.devs[i]), int(batch.offsets[i]), int(batch.lens[i])
-            path = self._path(dev)
-            raise IOFailedError(
-                f"io_uring failed while running a batch of {len(batch)} I/Os: "
-                f"{strerror(-ret)}; {unfinished.size} did not finish, the first a "
-                f"{length}-byte I/O at offset {off} on {path}. This thread gets a new ring "
-                "at its next batch; retry, or use KVBLOCK_IO_ENGINE=threads if it recurs",
-                path, -ret, off, length, int(unfinished.size))
+            # A batch whose I/Os all completed has its bytes: nothing failed.
+            # Otherwise IOEngine.submit names the first I/O that did not
+            # finish (the ring's drain waited for those it had taken; the
+            # rest are ECANCELED), counting the caller's I/Os, not pieces.
+            if (results != batch.lens.astype(np.int64)).any():
+                raise RingBroken(-ret)
 
     def _after_fork(self) -> None:
         super()._after_fork()

@@ -68,6 +68,17 @@ def test_a_broken_ring_that_took_nothing_fails_at_once(shim, tmp_path):
                    "named": {"path": True, "offset": True, "fix": True}}
 
 
+def test_a_broken_ring_counts_the_callers_ios_not_their_pieces(shim, tmp_path):
+    """Before: the broken-ring error counted the pieces the engine had cut
+    the batch into (8 for two 4 MiB reads split at 1 MiB), and a store
+    reading one run split into pieces took failed > 1 for 'several I/Os
+    failed' and dropped every run of the batch, not the one named."""
+    path = str(create_file(tmp_path / "f.img", 16 << 20))
+    out = _child(shim, "broken_ring_split", path, KVB_FAULT_SUBMIT_AT="1",
+                 KVB_FAULT_SUBMIT_NONE="1")
+    assert out == {"first": "IOFailedError 12", "failed": 2, "says": True}
+
+
 def test_a_broken_ring_waits_for_every_io_it_took(shim, tmp_path):
     """A device slow to complete what a broken ring took (6 s here): the
     call returns only once every such I/O has landed (before: it gave up

@@ -54,6 +54,24 @@ def broken_ring(path: str) -> dict:
     return out
 
 
+def broken_ring_split(path: str) -> dict:
+    """A batch of two 4 MiB reads that the engine splits into 1 MiB pieces
+    meets a ring that took none of them: the error counts the caller's I/Os
+    that did not finish (2), not the pieces (8)."""
+    out = {}
+    with Device(path) as dev, open_engine([dev], "uring", queue_depth=8, max_io=MIB) as eng:
+        buf = HostBuffer(8 * MIB)
+        try:
+            eng.read(IOBatch([buf.address, buf.address + 4 * MIB], 0, [0, 4 * MIB],
+                             4 * MIB))
+            out["first"] = "no error"
+        except IOFailedError as e:
+            out["first"] = f"IOFailedError {e.errno}"
+            out["failed"] = e.failed
+            out["says"] = "2 of 2 I/Os" in str(e)
+    return out
+
+
 def fork_old_kernel(path: str) -> dict:
     """A ring made without SINGLE_ISSUER (older kernels) is shared with a
     forked child; the child's close must leave the parent's ring working."""
@@ -77,4 +95,5 @@ def fork_old_kernel(path: str) -> dict:
 
 if __name__ == "__main__":
     case, path = sys.argv[1], sys.argv[2]
-    print(json.dumps({"broken_ring": broken_ring, "fork_old_kernel": fork_old_kernel}[case](path)))
+    print(json.dumps({"broken_ring": broken_ring, "broken_ring_split": broken_ring_split,
+                      "fork_old_kernel": fork_old_kernel}[case](path)))
