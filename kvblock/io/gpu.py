@@ -63,8 +63,16 @@ class KvikioReader:
         return self.files[dev].pread(dst, nbytes, offset)
 
     def close(self):
-        for f in self.files:
-            f.close()
+        """Close every file (once), even past one whose close raises."""
+        files, self.files = self.files, []
+        error = None
+        for f in files:
+            try:
+                f.close()
+            except Exception as e:
+                error = error or e
+        if error is not None:
+            raise error
 
 
 def gpu_path(store, sample_bytes: int = 64 << 20) -> str:
@@ -104,11 +112,26 @@ def gpu_path(store, sample_bytes: int = 64 << 20) -> str:
         logger.warning("kvblock: a kvikio read of the store failed (%s); loads into CUDA "
                        "memory take the host path", e)
         store._gpu_path, store._gpu_path_reason = "host", f"a kvikio read failed: {e}"
+        _drop_reader(store, reader)
         return "host"
     store._gpu_path = "kvikio" if kv_s <= host_s else "host"
     store._gpu_path_reason = (f"measured: kvikio ({reader.mode}) {sample_bytes / kv_s / 2**30:.2f}"
                               f" GiB/s, io_uring+copy {sample_bytes / host_s / 2**30:.2f} GiB/s")
+    if store._gpu_path == "host":
+        _drop_reader(store, reader)
     return store._gpu_path
+
+
+def _drop_reader(store, reader) -> None:
+    """Close the kvikio reader gpu_path opened to time it, once the host
+    path is chosen: no load uses it, and open it holds a file (and GDS
+    registration) per device until the store closes."""
+    if getattr(store, "_kvikio", None) is reader:
+        store._kvikio = None
+    try:
+        reader.close()
+    except Exception as e:      # the choice stands; the handles are gone either way
+        logger.warning("kvblock: closing the unused kvikio reader failed: %s", e)
 
 
 def _time_paths(store, reader, nbytes):

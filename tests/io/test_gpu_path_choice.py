@@ -91,3 +91,37 @@ def test_a_kvikio_read_that_fails_while_timing_the_paths_chooses_the_host(monkey
         assert gpu_path(store) == "host"
     assert "cuFile pread failed" in store._gpu_path_reason and "host path" in caplog.text
     assert gpu_path(store) == "host" and len(calls) == 1          # chosen once, cached
+
+
+@pytest.mark.parametrize("timing", ["fails", "host faster"])
+def test_a_kvikio_reader_the_choice_does_not_use_is_closed(monkeypatch, timing):
+    """gpu_path opened the store's kvikio reader (one CuFile per device)
+    to time it; when the host path won (kvikio's read failed, or it was
+    slower) no load ever uses that reader, yet it stayed open, holding its
+    files (and GDS registrations) until the store closed."""
+    import kvblock.io.gpu as gpu
+
+    monkeypatch.delenv("KVBLOCK_GPU_PATH", raising=False)
+
+    class Reader:
+        mode = "gds"
+        closes = 0
+
+        def close(self):
+            Reader.closes += 1
+
+    def timed(store, reader, nbytes):
+        if timing == "fails":
+            raise RuntimeError("cuFile pread failed: 5030")
+        return 2.0, 1.0                  # kvikio took twice as long
+
+    monkeypatch.setattr(gpu, "_time_paths", timed)
+    store = SimpleNamespace(verify="never", _kvikio=None)
+
+    def reader():
+        if store._kvikio is None:
+            store._kvikio = Reader()
+        return store._kvikio
+    store._kvikio_reader = reader
+    assert gpu_path(store) == "host"
+    assert Reader.closes == 1 and store._kvikio is None
