@@ -587,7 +587,7 @@ def trim(devices, as_json):
         mapped = store.stats()["mapped_reads"]
         # No free region (a full cache store), none tried: 0 == 0 said
         # supported on any device; say what each device would do instead.
-        would = all(d.info.discard and not store.io.engine.mapped(i)
+        would = all(not store.io.engine.mapped(i) and d.discard_supported()
                     for i, d in enumerate(store.io.devices))
     # Supported only if every free region went: on a striped store one
     # device may discard while another (mapped, or without TRIM) cannot.

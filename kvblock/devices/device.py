@@ -660,6 +660,23 @@ class Device:
                                 offset, length) from None
         return True
 
+    def discard_supported(self) -> bool:
+        """Whether :meth:`discard` would release space here, asked without
+        discarding anything.  A block device says so in sysfs; every file's
+        DeviceInfo says discard (punch hole), which only its filesystem can
+        confirm (ext2, vfat, older NFS refuse it): a hole is punched past
+        the file's end (KEEP_SIZE: no data there, the size kept)."""
+        if not self.info.discard:
+            return False
+        if self.kind == "block":
+            return True
+        end = -(-os.fstat(self.fd).st_size // FILE_BLOCK_SIZE) * FILE_BLOCK_SIZE
+        try:
+            _punch_hole(self.fd, end, FILE_BLOCK_SIZE)
+        except OSError:
+            return False
+        return True
+
     def close(self) -> None:
         # A flock belongs to the open file, which a forked child shares with
         # its parent: unlocking there would free the parent's claim while it

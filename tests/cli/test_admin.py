@@ -1510,6 +1510,43 @@ def test_trim_of_a_full_store_on_a_device_that_keeps_its_space_is_not_supported(
     assert "KVBLOCK_MAPPED_READS=never" in out["note"], out
 
 
+def test_trim_of_a_full_store_file_whose_filesystem_cannot_punch_holes_is_not_supported(
+        file_target, monkeypatch):
+    """A full store (no free region: nothing tried) in a file on a
+    filesystem without hole punching (ext2, vfat, older NFS: fallocate
+    says EOPNOTSUPP, here made so).  Every file's DeviceInfo says discard,
+    so trim said supported: true for any file, though a trim with free
+    regions there discards none (supported: false)."""
+    import errno
+
+    import kvblock.devices.device as device
+
+    path = file_target(16 << 20)
+    assert kvb("format", path, *GEOM_ARGS, "--region-size", "256K").returncode == 0
+
+    def no_punch(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+
+    monkeypatch.setattr(device, "_punch_hole", no_punch)
+    res = kvb("trim", path, "--json")          # free regions: tried, none discarded
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["regions_trimmed"] == 0 < out["free_regions"] and out["supported"] is False
+    with KVStore.open([path]) as store:
+        i = 0
+        while store.stats()["regions_free"]:
+            store.put_run(run_keys(i, 16), run_data(run_keys(i, 16)))
+            i += 1
+    res = kvb("trim", path, "--json")          # none free: what the file would do
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    assert out["regions_trimmed"] == out["free_regions"] == 0, out
+    assert out["supported"] is False, out
+    monkeypatch.undo()                         # a filesystem that punches holes
+    out = json.loads(kvb("trim", path, "--json").stdout)
+    assert out["free_regions"] == 0 and out["supported"] is True, out
+
+
 def test_stats_prometheus_stops_serving_on_ctrl_c(file_target, monkeypatch):
     """Ctrl-C ended `stats --prometheus` but left its HTTP server thread
     serving the port and its collector registered: in a process that goes
