@@ -63,15 +63,20 @@ class AlignmentError(KVBlockError, ValueError):
 
 
 class IOFailedError(DeviceError):
-    """An I/O failed or transferred fewer bytes than asked (EIO, EINVAL, short read)."""
+    """An I/O failed or transferred fewer bytes than asked (EIO, EINVAL, short read).
+
+    ``device_fault`` is False when the engine failed the I/Os without the
+    device answering them (a broken io_uring: ``path`` still names where
+    they were going): that says nothing about the data there."""
 
     def __init__(self, message: str, path: str | None = None, errno: int | None = None,
                  offset: int | None = None, length: int | None = None,
-                 failed: int = 1):
+                 failed: int = 1, device_fault: bool = True):
         super().__init__(message, path, errno)
         self.offset = offset
         self.length = length
         self.failed = failed
+        self.device_fault = device_fault
 
 
 class EngineUnavailableError(KVBlockError, RuntimeError):

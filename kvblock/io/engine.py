@@ -619,7 +619,7 @@ class IOEngine:
             f"{count} of {total} I/Os did not finish, the first a {length}-byte I/O at "
             f"offset {off} on {path}. This thread gets a new ring at its next batch; "
             "retry, or use KVBLOCK_IO_ENGINE=threads if it recurs",
-            path, code, off, length, count) from None
+            path, code, off, length, count, device_fault=False) from None
 
 
 def _as_bytes(buffer, *, writable: bool) -> np.ndarray:

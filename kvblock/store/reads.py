@@ -696,10 +696,11 @@ class RunReader(RunIO):
         Kept, it would stay a hit that no read can return, and engines retry
         hits (vLLM's tiering manager would promote it every step).  The
         caller still raises ``error``.  An engine failure that reached no
-        device (no path) drops nothing."""
+        device (no path, or a broken ring: ``device_fault`` False) drops
+        nothing."""
         self.counters["read_errors"] += 1
-        if error.path is None:
-            return
+        if error.path is None or not getattr(error, "device_fault", True):
+            return      # the engine failed (a broken ring): the data is as it was
         hit = runs
         if error.offset is not None and error.failed <= 1:
             end = error.offset + max(int(error.length or 0), 1)

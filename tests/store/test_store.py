@@ -587,6 +587,46 @@ def test_engine_failure_without_a_device_drops_nothing(store_path, monkeypatch):
         assert store.stats()["read_errors"] == 1 and store.lookup(keys) == 2
 
 
+def test_a_broken_ring_drops_no_run(tmp_path, monkeypatch):
+    """The io_uring itself broke under a read (submission failed: ENOMEM;
+    its I/Os cancelled, none reached the device).  The error names the
+    device and first I/O (it has a path), and the store took it for a read
+    the device failed: it dropped every run of the batch, though their
+    bytes are intact and the next read (a new ring) returns them."""
+    import errno
+
+    from kvblock.io.engine import RingBroken
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    runs = [run_keys(40 + i, 2) for i in range(2)]
+    keys = [k for r in runs for k in r]
+    with _format([path]) as store:
+        for r in runs:
+            store.put_run(r, run_data(r))
+        engine = store.io.engine
+        real = type(engine)._run
+        broke = []
+
+        def ring_breaks(op, batch, qd, results, latency, hasher):
+            if broke:
+                return real(engine, op, batch, qd, results, latency, hasher)
+            broke.append(len(batch))
+            results[:] = -errno.ECANCELED
+            raise RingBroken(errno.ENOMEM)
+        monkeypatch.setattr(engine, "_run", ring_breaks)
+        out = np.zeros(4 * GEOM.block_bytes, np.uint8)
+        with pytest.raises(IOFailedError, match="ENOMEM") as e:
+            store.get_run(keys, out)
+        assert broke and e.value.path == str(path)
+        assert store.stats()["read_errors"] == 1
+        assert store.lookup(keys) == 4                 # nothing dropped
+        assert store.get_run(keys, out) == 4
+        for r in runs:
+            got = np.zeros(2 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(r, got) == 2 and np.array_equal(got, run_data(r))
+
+
 def test_multi_device_striping(tmp_path):
     paths = [tmp_path / f"d{i}.img" for i in range(3)]
     for p in paths:
