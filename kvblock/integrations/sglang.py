@@ -142,7 +142,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvblock.store import provision
 from kvblock.units import MIN_FILE_SIZE, int_setting, size_setting
-from kvblock.errors import ConfigError, DeviceBusyError, KVBlockError
+from kvblock.errors import ConfigError, DeviceBusyError, KVBlockError, ServerGoneError
 from kvblock.integrations.failures import RUNTIME_FAILURES, FailureLog
 from kvblock.layout import Geometry
 from kvblock.layout.geometry import DTYPES
@@ -304,6 +304,17 @@ def _unified_as_direct(kv_buffer: torch.Tensor, page_size: int, mla: bool) -> to
                           "kvblock's page copies do not gather; use one head group, or "
                           "--hicache-mem-layout page_first / page_first_direct")
     return kv_buffer[:, 0].permute(2, 0, 1, 3, 4, 5)
+
+
+class _StoreRestarted(ServerGoneError):
+    """A backup met a new run of its store server (_cleared_since): the
+    run it wrote after the restart was deleted, the rest not written."""
+
+
+def _ticket_run(ticket: str | None) -> str | None:
+    """The store run a clear ticket names (``run:clears``, KVStore's and a
+    store server's alike)."""
+    return None if ticket is None else str(ticket).rpartition(":")[0]
 
 
 def _pool_key(name) -> str:
@@ -545,12 +556,25 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         weight update), and a run written after it would be served as a hit.
         The store itself refuses only a run that a clear() overtakes while
         it is written.  The pages are answered as written, as a run the
-        store refuses is (not a failure to retry)."""
+        store refuses is (not a failure to retry).  A ticket of another
+        store run (the server restarted; no clear() of this backend's)
+        stops the backup the same way but raises _StoreRestarted: a store
+        failure, whose pages not stored are answered False."""
         clears, ticket = mark
-        if self._clears == clears and (ticket is None or self.store.clear_ticket() == ticket):
+        now = None if ticket is None else self.store.clear_ticket()
+        if self._clears == clears and now == ticket:
             return False
         if keys:
             self.store.delete(keys)
+        if self._clears == clears and _ticket_run(now) != _ticket_run(ticket):
+            # Only the store's run changed: its server restarted (and this
+            # client reconnected).  A clear may have come on the old run, so
+            # the backup stops as for one, but the restart is a store
+            # failure: the pages not stored are answered so (False), as for
+            # a server that dies part way, and SGLang stops the operation.
+            raise _StoreRestarted(f"the store server restarted during the backup (clear "
+                                  f"ticket {ticket!r} -> {now!r}); its later pages are "
+                                  "not stored")
         return True
 
     def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int],
@@ -578,8 +602,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                 done += len(keys)
                 if stored is not None:    # before the check, which may fail (the store closed)
                     stored[start:done] = True
-                if self._cleared_since(clears, keys):
-                    break
+                try:
+                    if self._cleared_since(clears, keys):
+                        break
+                except _StoreRestarted:   # the run was deleted again
+                    if stored is not None:
+                        stored[start:done] = False
+                    raise
                 written += n
         finally:    # a failed run: the runs before it were written all the same
             self._record("backup", written, time.perf_counter() - t0)
@@ -911,8 +940,12 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                         break
                     n = self.store.put_blocks(kbs, blocks) // nb
                     stored += len(run)    # (a failure of the check below: stored all the same)
-                    if self._cleared_since(clears, kbs):
-                        break
+                    try:
+                        if self._cleared_since(clears, kbs):
+                            break
+                    except _StoreRestarted:   # the run was deleted again
+                        stored -= len(run)
+                        raise
                     written += n          # pages the store wrote (not those admission declined)
                 except KVBlockError as e:
                     # the runs before the failure are stored: report them so

@@ -481,6 +481,71 @@ def test_a_clear_by_another_rank_stops_a_backup_between_its_runs(tmp_path):
         _close_ranks(ranks)
 
 
+def test_a_server_restart_during_a_backup_reports_the_pages_not_stored(tmp_path):
+    """The store server restarts (and the rank reconnects) between two runs
+    of one backup.  The new server's clear ticket matches none of the old
+    one's (a clear may have come there), so the backup stops and drops the
+    run it wrote after the restart -- but it answered every page True, as
+    for a clear, though the restart is a store failure and the pages after
+    the first run are not in storage.  Answered False (as for any store
+    failure part way), SGLang stops the operation's later batches too."""
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    block = 3 * 4 * 32 * 2                      # layers x page x MLA dim x bf16
+    pool = HostPool(mla=True, head_dim=32, pages=40)
+    ranks = []
+    try:
+        ranks.append(attach(pool, [dev], server=sock, size="32M",
+                            max_run_bytes=4 * block))      # 4 pages per run
+        store = ranks[0].store
+        real, calls = store.put_run, []
+
+        def put_run(run_keys, data):
+            calls.append(len(run_keys))
+            if len(calls) == 2:                 # the server restarts between two runs
+                pid = store.server_pid
+                stop_server(pid)
+                wait_reconnected([store], pid)
+            return real(run_keys, data)
+
+        store.put_run = put_run
+        keys = keys_for("restart", 10)
+        answer = ranks[0].batch_set_v1(keys, pool.token_indices(range(10)))
+        store.put_run = real
+        assert calls == [4, 4]                              # no run after the restart
+        stored = ranks[0].batch_exists(keys)
+        assert stored == 4                                  # the run before it stays
+        assert answer == [True] * 4 + [False] * 6
+        assert ranks[0].stats()["store_failures"] >= 1
+        # a backup after it is stored whole
+        assert ranks[0].batch_set_v1(keys, pool.token_indices(range(10))) == [True] * 10
+        assert ranks[0].batch_exists(keys) == 10
+
+        # an extra pool's backup (one page per run here) alike
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+        ranks[0].register_mem_host_pool_v2(StatePool(), PoolName.MAMBA)
+        real, calls = store.put_blocks, []
+
+        def put_blocks(block_keys, blocks):
+            calls.append(1)
+            if len(calls) == 2:
+                pid = store.server_pid
+                stop_server(pid)
+                wait_reconnected([store], pid)
+            return real(block_keys, blocks)
+
+        store.put_blocks = put_blocks
+        transfer = PoolTransfer(name=PoolName.MAMBA, keys=keys[:3],
+                                host_indices=torch.tensor([0, 1, 2]))
+        answer = ranks[0].batch_set_v2([transfer])
+        store.put_blocks = real
+        assert len(calls) == 2
+        assert answer == {"mamba": [True, False, False]}
+        assert ranks[0]._pool_present(PoolName.MAMBA, keys[:3]).tolist() == \
+            [True, False, False]
+    finally:
+        _close_ranks(ranks)
+
+
 def test_mla_ranks_without_a_server_are_refused(file_target):
     """SGLang writes MLA pages from one rank only: ranks with stores of their
     own would never hit (and SGLang takes the smallest hit of all ranks)."""
