@@ -89,6 +89,14 @@ class Recovery:
             self.clean_at_open = False
             self._finish_layout()
             if not self.readonly:
+                # Into both slots (the second one over the older, stale
+                # checkpoint): this generation is past what _newer_epoch
+                # looks for, so were the slot it went to unreadable again
+                # before a later checkpoint, the older one would be trusted
+                # (its runs' places rewritten since).  Two consecutive
+                # generations leave no stale slot: either one with the
+                # journal of the other's epoch is one generation behind.
+                self._write_checkpoint()
                 self._write_checkpoint()
                 self._rewrite_unreadable_journal()
             return

@@ -180,6 +180,44 @@ def test_an_unreadable_newest_checkpoint_and_journal_start_drop_the_older_runs(t
         assert store.lookup(x) == 0 and fsck(store).status == "clean"
 
 
+
+def test_a_second_unreadable_newest_checkpoint_after_a_stale_open_still_drops_the_older_runs(
+        tmp_path):
+    """The stale-checkpoint open (newest slot and journal start unreadable)
+    writes its checkpoint generations past the older slot's (as far as it
+    assumes the journal went).  If that slot is unreadable again at a later
+    open, before another checkpoint, the journal's first record is of that
+    newer epoch: the older slot is still stale (it names X, whose place
+    holds other bytes) and must not be trusted."""
+    from tests.support.faults import BadSectors
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    x, others, slot, sb = _history(path, journal_after=True)
+    bad = BadSectors()
+    bad.add(0, sb.checkpoint_offset + slot * sb.checkpoint_bytes, 4096)
+    bad.add(0, sb.journal_offset, 4096)
+    store = KVStore.open([str(path)], verify="never", storeio_factory=bad.factory())
+    assert store.stale_checkpoint and store.lookup(x) == 0
+    checkpoints = store.stats()["checkpoints"]
+    i = 0
+    while store._jhead < sb.journal_bytes * 3 // 8:   # over the older epoch's records
+        z = run_keys(5000 + i, 1)
+        store.put_run(z, run_data(z))    # records of the new epoch
+        i += 1
+    assert store.stats()["checkpoints"] == checkpoints
+    store._release_devices()             # a crash: no further checkpoint
+    store.closed = True
+    again = BadSectors()                 # the journal block remapped; the slot bad again
+    again.add(0, sb.checkpoint_offset + slot * sb.checkpoint_bytes, 4096)
+    with KVStore.open([str(path)], verify="never", readonly=True,
+                      storeio_factory=again.factory()) as store:
+        out = np.zeros(4 * GEOM.block_bytes, np.uint8)
+        got = store.get_run(x, out)
+        assert got == 0 or np.array_equal(out, run_data(x))
+        assert store.lookup(x) == 0, "the older checkpoint's reclaimed run X is served"
+
+
 @pytest.mark.parametrize("field, value", [("region", 1000), ("offset", 1 << 30)])
 def test_a_checkpoint_run_outside_its_region_is_a_typed_error(tmp_path, field, value):
     """A checkpoint (its checksums whole: written so by a bug) naming a run
