@@ -34,6 +34,7 @@ class Recovery:
         # them; the next checkpoint goes to one of them).
         self.damaged_checkpoint_slots = []
         slots, unreadable = [], []
+        heads = {}          # slot -> its header, where one decodes
         for slot in (0, 1):
             off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
             raw = self._read_slot(off, cpfmt.HEADER_BYTES, unreadable)
@@ -42,6 +43,7 @@ class Recovery:
                 continue
             head = cpfmt.decode_header(raw)
             if head is not None:
+                heads[slot] = head
                 slots.append((head.generation, slot, head))
             elif any(raw):      # written once (a slot never written is zeros)
                 self.damaged_checkpoint_slots.append(slot)
@@ -70,7 +72,12 @@ class Recovery:
                 self.io.devices[0].path, sb.checkpoint_offset)
         self.index = KeyIndex()
         journal = self._read_journal()
-        ahead = self._newer_epoch(journal, cp.generation)
+        # A damaged slot whose header names an older generation never held
+        # a newer checkpoint: a newer epoch's journal begins only once its
+        # checkpoint (header included) is durable there.
+        newer_lost = any(s not in heads or heads[s].generation > cp.generation
+                         for s in self.damaged_checkpoint_slots)
+        ahead = self._newer_epoch(journal, cp.generation, newer_lost)
         self.stale_checkpoint = bool(ahead)
         if ahead:
             # The newest checkpoint is unreadable and its journal had begun:
@@ -309,12 +316,13 @@ class Recovery:
         if self.journal_unreadable:
             self.io.flush([0])
 
-    def _newer_epoch(self, journal, generation: int) -> int:
+    def _newer_epoch(self, journal, generation: int, newer_lost: bool = True) -> int:
         """k > 0 when the journal's first record belongs to checkpoint
         generation ``generation + k``: a newer checkpoint restarted the
         journal (the other slot's, now unreadable).  0 otherwise -- also
         when the newer checkpoint was torn before its journal began, which
-        leaves the older one and its journal whole."""
+        leaves the older one and its journal whole.  ``newer_lost``: a
+        damaged slot may have held a checkpoint newer than ``generation``."""
         first = jfmt.record_at(journal)
         if first is None:
             # A first record that rotted (its checksum fails) still names
@@ -327,7 +335,7 @@ class Recovery:
                 first = head[:2]
         if first is None:
             if self.journal_unreadable and self.journal_unreadable[0][0] == 0 and \
-                    self.damaged_checkpoint_slots:
+                    newer_lost:
                 # The first record is unreadable and so is a checkpoint:
                 # nothing tells whether the journal moved on; assume it did
                 # (as far as is checked below), the older runs are not safe.

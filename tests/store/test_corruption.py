@@ -218,6 +218,42 @@ def test_a_second_unreadable_newest_checkpoint_after_a_stale_open_still_drops_th
         assert store.lookup(x) == 0, "the older checkpoint's reclaimed run X is served"
 
 
+
+def test_an_unreadable_journal_start_and_a_damaged_older_slot_keep_the_newest_checkpoint(
+        tmp_path):
+    """The journal's first block unreadable (EIO) and the OLDER checkpoint
+    slot damaged (its header whole, naming an older generation: a torn
+    write or rot), the newest slot whole: no checkpoint newer than the one
+    loaded was ever written (a journal of a newer epoch begins only after
+    its checkpoint is durable in the damaged slot, whose header would name
+    it), so the journal cannot have moved on.  The writable open dropped
+    every run of the newest checkpoint as stale (and said the newest
+    checkpoint was unreadable), while a read-only open kept them."""
+    from tests.support.faults import BadSectors
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    store = KVStore.format([str(path)], GEOM, region_size=REGION)
+    a, b = run_keys(10, 2), run_keys(11, 2)
+    store.put_run(a, run_data(a))
+    store.checkpoint()                   # the older slot
+    store.put_run(b, run_data(b))
+    store.checkpoint()                   # the newest slot: a and b
+    newest, sb = store._cp_slot, store.sb
+    store._release_devices()             # a crash
+    store.closed = True
+    _flip(path, sb.checkpoint_offset + (1 - newest) * sb.checkpoint_bytes + 4096 + 100)
+    bad = BadSectors()
+    bad.add(0, sb.journal_offset, 4096)
+    for readonly in (True, False):
+        with KVStore.open([str(path)], readonly=readonly,
+                          storeio_factory=bad.factory()) as store:
+            assert not store.stale_checkpoint, readonly
+            assert store.lookup(a) == 2 and store.lookup(b) == 2, readonly
+            got = np.zeros(2 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(b, got) == 2 and np.array_equal(got, run_data(b))
+
+
 @pytest.mark.parametrize("field, value", [("region", 1000), ("offset", 1 << 30)])
 def test_a_checkpoint_run_outside_its_region_is_a_typed_error(tmp_path, field, value):
     """A checkpoint (its checksums whole: written so by a bug) naming a run
