@@ -83,6 +83,7 @@ def _how_it_differs(sb, good, other: int) -> str:
 def check_checkpoints(store, report: FsckReport) -> None:
     sb = store.sb
     valid, damaged = [], list(getattr(store, "damaged_checkpoint_slots", []))
+    unreadable = set()     # slots a read of failed (EIO): media damage, which no crash leaves
     for slot in (0, 1):
         off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
         try:
@@ -91,11 +92,15 @@ def check_checkpoints(store, report: FsckReport) -> None:
             if e.path is None:
                 raise
             raw = b"\xff"        # a bad sector: damaged
+            unreadable.add(slot)
         head = cpfmt.decode_header(raw)
         # The open read only the slot it loaded: the other one (the fallback)
         # is checked whole here.  A slot never written is all zeros.
-        if head is not None and store._slot_checkpoint(slot, head, []) is None:
+        failed = []
+        if head is not None and store._slot_checkpoint(slot, head, failed) is None:
             head = None
+        if failed:
+            unreadable.add(slot)
         if head is None and any(raw) and slot not in damaged:
             damaged.append(slot)
         valid.append(head.generation if head else None)
@@ -103,8 +108,13 @@ def check_checkpoints(store, report: FsckReport) -> None:
     stale = getattr(store, "stale_checkpoint", False)   # reported below, with its loss
     for slot in [] if stale else sorted(damaged):
         off = sb.checkpoint_offset + slot * sb.checkpoint_bytes
+        # A slot that reads but does not decode is what a crash inside a
+        # checkpoint write leaves (sectors old and new) as much as rot:
+        # only a read error tells media damage apart.
+        what = ("is damaged (unreadable)" if slot in unreadable else
+                "does not decode: torn by a crash while it was written, or damaged")
         report.problems.append(
-            f"{store.io.devices[0].path}: checkpoint slot {slot} at offset {off} is damaged; "
+            f"{store.io.devices[0].path}: checkpoint slot {slot} at offset {off} {what}; "
             "the store opened from the other slot and lost nothing, but has no fallback "
             "checkpoint until it is rewritten")
         if not store.readonly and valid[slot] is not None:   # the open wrote a new one there

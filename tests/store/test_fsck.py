@@ -85,6 +85,39 @@ def test_fsck_reports_damage_to_the_fallback_checkpoint_slot(tmp_path, where):
         assert store.lookup(run_keys(1, 2)) == 2
 
 
+
+def test_fsck_does_not_call_a_checkpoint_slot_torn_by_a_crash_media_damage(tmp_path):
+    """A crash inside a checkpoint write (its header landed, its payload
+    not) leaves that slot failing its checksum: an expected state after a
+    crash, which the older slot covers.  fsck called it "damaged" as it
+    does a bad sector, although a slot that reads but does not decode may
+    as well be torn (only an unreadable one is sure media damage): it says
+    so, and still reports it (the store has no fallback until it is
+    rewritten)."""
+    from tests.support.faults import CrashPlan, SimulatedCrash
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    KVStore.format([str(path)], GEOM, region_size=256 << 10).close()
+    plan = CrashPlan()
+    store = KVStore.open([str(path)], storeio_factory=plan.factory())
+    store.put_run(run_keys(1, 2), run_data(run_keys(1, 2)))
+    torn_slot = 1 - store._cp_slot
+    plan.crash_at, plan.torn = plan.ops + 2, True     # flush, then the slot's write
+    with pytest.raises(SimulatedCrash):
+        store.checkpoint()
+    store._release_devices()
+    store.closed = True
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert store.lookup(run_keys(1, 2)) == 2
+        assert store.damaged_checkpoint_slots == [torn_slot]
+        report = fsck(store)
+        assert report.status == "problems" and len(report.problems) == 1, report.problems
+        problem = report.problems[0]
+        assert f"checkpoint slot {torn_slot}" in problem and "torn by a crash" in problem
+        assert "is damaged" not in problem, problem
+
+
 @pytest.mark.parametrize("which", ["older", "newest"])
 def test_an_unreadable_checkpoint_slot_is_a_damaged_one(tmp_path, which):
     """A bad sector (EIO) under either checkpoint slot's header failed the
