@@ -341,6 +341,7 @@ class RemoteStore(RunReader, RunWriter):
         # the server's policies (they apply to every rank; None: not said)
         self.server_eviction = hello.get("eviction")
         self.server_admit_after = hello.get("admit_after")
+        self._verify_given = verify     # None: the server's, read again at a reconnect
         self.verify = verify or hello["verify"]
         if self.verify not in VERIFY_MODES:
             raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {self.verify!r}")
@@ -604,6 +605,12 @@ class RemoteStore(RunReader, RunWriter):
                     f"(uuid {hello.get('uuid')}, not {self.uuid}): reopen it", self.socket_path, 0)
             # read here: a malformed hello closes the connection (below)
             server_pid, max_run_blocks = int(hello["pid"]), int(hello["max_run_blocks"])
+            # verify=None follows the server's default: this server's, which
+            # a restart may have changed (--verify)
+            verify = self._verify_given or hello["verify"]
+            if verify not in VERIFY_MODES:
+                raise ConfigError(f"the store server at {self.socket_path} answered verify "
+                                  f"{str(verify)[:40]!r}, not one of {VERIFY_MODES}")
             served = recv_fence_files(s.sock, self.socket_path, self.regions.device_count)
             # Under the lock close() sets ``closed`` by: a close() that came
             # during the hello (or a server's start) came first (refused: its
@@ -625,6 +632,7 @@ class RemoteStore(RunReader, RunWriter):
             s.close()
             raise
         self.server_pid, self.max_run_blocks = server_pid, max_run_blocks
+        self.verify = verify
         self._pin_lease = hello.get("pin_lease")
         self.server_eviction = hello.get("eviction")
         self.server_admit_after = hello.get("admit_after")

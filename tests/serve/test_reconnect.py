@@ -1102,3 +1102,30 @@ def test_a_restart_between_the_groups_of_put_runs_fails_it_and_says_no_lie(tmp_p
     finally:
         r.close()
         box[0].stop()
+
+
+def test_a_reconnect_takes_the_new_servers_verify_default_unless_one_was_given(tmp_path):
+    """verify=None means "the server's": after a reconnect to a server
+    restarted with another --verify, the rank follows the new one (its
+    hello is read again); a verify the rank was given stays its own."""
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock, verify="always")
+    follows = RemoteStore(sock, reconnect=True)
+    own = RemoteStore(sock, reconnect=True, verify="always")
+    try:
+        assert follows.verify == own.verify == "always"
+        server.stop()
+        for r in (follows, own):
+            with pytest.raises(ServerGoneError):
+                r.lookup(run_keys(1, 1))
+        server = serve_in_background([path], sock, verify="never")
+        _wait_alive(follows)
+        _wait_alive(own)
+        assert follows.counters["reconnects"] == own.counters["reconnects"] == 1
+        assert follows.verify == "never"
+        assert own.verify == "always"
+    finally:
+        follows.close()
+        own.close()
+        server.stop()
