@@ -39,7 +39,7 @@ import numpy as np
 from kvblock import errors
 from kvblock.devices import Device, check_distinct
 from kvblock.errors import (ConfigError, KVBlockError, ServerError, ServerGoneError,
-                            StoreClosedError)
+                            StoreClosedError, StoreFullError)
 from kvblock.index import normalize_keys
 from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint
@@ -656,9 +656,6 @@ class RemoteStore(RunReader, RunWriter):
         published in groups, each with one commit_runs (one journal commit:
         an error while a group is written publishes none of it).  (``began``:
         unused; the server's admit names the clear count.)"""
-        for keys, _ in items:
-            if keys:
-                self._check_fits(len(keys))
         if len(items) == 1:
             return [self._put(*items[0])]
         # The clear ticket before the present below, not the first admit's:
@@ -672,6 +669,11 @@ class RemoteStore(RunReader, RunWriter):
         # every admit), so a run held whole by the store and the call's
         # earlier runs together is found here, as KVStore finds it.
         found = self.present([k for keys, _ in items for k in keys])
+        at = 0
+        for keys, _ in items:   # as KVStore: a run held whole is a duplicate, not written
+            if keys and not found[at:at + len(keys)].all():
+                self._check_fits(len(keys))
+            at += len(keys)
 
         def admit(keys, whole):
             answer = self._call("admit", keys=encode_keys(keys))
@@ -720,12 +722,23 @@ class RemoteStore(RunReader, RunWriter):
         n = len(keys)
         if n == 0:
             return 0
-        self._check_fits(n)
+        too_long = None
+        try:
+            self._check_fits(n)
+        except StoreFullError as e:
+            # As KVStore: a run the store holds whole (as shorter runs) is a
+            # duplicate, which admit answers; one that is not is refused
+            # before admit counts its offer.
+            if not self.present(keys).all():
+                raise
+            too_long = e
         answer = self._call("admit", keys=encode_keys(keys))
         verdict, clears = answer["verdict"], answer["clears"]
         if verdict == "duplicate":
             self.counters["put_duplicate_runs"] += 1
             return n
+        if too_long is not None:     # removed meanwhile: it would have to be written
+            raise too_long
         if verdict == "rejected":
             self.counters["admission_rejected_runs"] += 1
             return 0

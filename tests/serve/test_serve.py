@@ -1065,3 +1065,29 @@ def test_idle_exit_of_zero_means_never_as_the_other_zeros_do(tmp_path, sock, mon
             assert r.put_run(keys, run_data(keys)) == 2
     finally:
         server.stop()
+
+
+def test_a_run_stored_whole_is_a_duplicate_remotely_even_when_too_long_to_put(tmp_path,
+                                                                               sock):
+    """A run the store holds whole (stored as several shorter runs) is a
+    duplicate, however long: KVStore checks a run fits only when it would
+    be written, and so must a rank (put_run and put_runs), not refuse it
+    with StoreFullError."""
+    from tests.store.workload import small_store
+
+    path = small_store(tmp_path / "kv.img", 2 * MIB)
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as r:
+        m = r.max_run_blocks
+        chain = [f"chain-{j}".encode() for j in range(4 * m)]   # the store's 4 regions
+        for a in range(0, len(chain), m):
+            assert r.put_run(chain[a:a + m], run_data(chain[a:a + m])) == m
+        assert r.lookup(chain) == len(chain)
+        before = server.store.counters["put_duplicate_runs"]
+        assert r.put_run(chain, run_data(chain)) == len(chain)
+        head = chain[:m]
+        assert r.put_runs([(chain, run_data(chain)), (head, run_data(head))]) == \
+            [len(chain), m]
+        assert server.store.counters["put_duplicate_runs"] == before + 3
+        assert r.counters["put_duplicate_runs"] == 3
+    with KVStore.open([path]) as st:      # as in one process
+        assert st.put_run(chain, run_data(chain)) == len(chain)
