@@ -259,6 +259,8 @@ class StoreServer:
                     s.thread.join(timeout)
             if self.close_store:
                 self.store.close()
+            else:
+                self._give_back_dropped_writers(timeout)
         finally:
             self._unlink_socket()
             if self._fence_fd is not None:
@@ -656,6 +658,23 @@ class StoreServer:
                                    "s: %s", sorted(set(regions)), backoff, e)
                     return
         self._dropped_retry = (0.0, 1.0)
+        self.store._unpin_writers(regions)
+
+    def _give_back_dropped_writers(self, timeout: float) -> None:
+        """(stop, the store kept open) The lease thread has ended: the
+        allocations of the connections dropped so far (stop's own ended
+        them) go back to the store once their writes in flight are done
+        (for up to ``timeout`` seconds; else they stay pinned, said)."""
+        with self._dropped_lock:
+            regions, self._dropped_writers = self._dropped_writers, []
+        if not regions or self.store.closed:
+            return
+        try:
+            self._fence_writers(timeout, "the writes of dropped connections")
+        except (KVBlockError, OSError) as e:
+            logger.warning("kvblock serve: stopping; regions %s stay pinned in the store: %s",
+                           sorted(set(regions)), e)
+            return
         self.store._unpin_writers(regions)
 
     def _fence_writers(self, timeout: float | None = None, waiting_for: str | None = None,

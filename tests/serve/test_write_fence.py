@@ -350,3 +350,35 @@ def test_a_write_close_gave_up_waiting_for_keeps_its_space_until_done(tmp_path, 
         a.close()
         b.close()
         server.stop()
+
+
+def test_a_server_that_keeps_its_store_gives_back_the_allocations_stop_dropped(tmp_path):
+    """StoreServer(close_store=False).stop() ends every connection; one
+    that held an allocation (a put under way) leaves it to the write
+    fence, which the lease thread serves no more once stop began: the
+    store the caller keeps must get the space back (after the write in
+    flight, which the fence waits for), not keep the region pinned."""
+    from kvblock.store.server import StoreServer
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    store = KVStore.open([path])
+    server = StoreServer(store, sock, close_store=False).start()
+    r = RemoteStore(sock)
+    try:
+        stall, box, keys = _stalled_put(r)       # allocated, its write stopped
+        assert store.regions.pins.sum() == 1
+        stopper = _in_thread(lambda: server.stop(timeout=10))
+        time.sleep(0.5)
+        assert "out" not in stopper, "stop() did not wait for the write in flight"
+        stall.go.set()
+        stopper["thread"].join(20)
+        assert "error" not in stopper, stopper.get("error")
+        box["thread"].join(20)
+        assert store.regions.pins.sum() == 0, "stop() left the dropped allocation pinned"
+        assert store.lookup(keys) == 0
+    finally:
+        stall.go.set()
+        r.close()
+        server.stop()
+        store.close()
