@@ -162,11 +162,22 @@ def wait_for_server(socket_path, timeout: float = 30.0, proc=None) -> None:
 
 def announce_stopping(fence_fd: int) -> None:
     """(a stopping server, on its ``<socket>.fence``) Held until the
-    descriptor is closed, after the store is: see the module's notes."""
+    descriptor is closed (or :func:`stopped`), after the store is: see the module's notes."""
     try:
         _ofd_lock(fence_fd, fcntl.F_WRLCK, wait=False, byte=STOPPING_BYTE)
     except OSError as e:       # ENOLCK: the stop goes on; a new server may then fail busy
         logger.warning("kvblock serve: cannot mark the server stopping on its fence file: %s",
+                       e)
+
+
+def stopped(fence_fd: int) -> None:
+    """(a stopped server, its store closed) Let go of the mark before the
+    descriptor is closed: the lock is its open file description's, which a
+    child forked meanwhile shares, and would keep until it exits."""
+    try:
+        _ofd_lock(fence_fd, fcntl.F_UNLCK, wait=False, byte=STOPPING_BYTE)
+    except OSError as e:
+        logger.warning("kvblock serve: cannot clear the stopping mark on its fence file: %s",
                        e)
 
 

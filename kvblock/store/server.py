@@ -264,7 +264,11 @@ class StoreServer:
         finally:
             self._unlink_socket()
             if self._fence_fd is not None:
-                os.close(self._fence_fd)       # after the store's close: lets a new server go
+                # after the store's close: lets a new server go (unlocked first:
+                # a child forked meanwhile shares the file, and the mark)
+                if self.close_store:
+                    launch.stopped(self._fence_fd)
+                os.close(self._fence_fd)
                 self._fence_fd = None
             self.stopped.set()
 

@@ -1091,3 +1091,31 @@ def test_a_run_stored_whole_is_a_duplicate_remotely_even_when_too_long_to_put(tm
         assert r.counters["put_duplicate_runs"] == 3
     with KVStore.open([path]) as st:      # as in one process
         assert st.put_run(chain, run_data(chain)) == len(chain)
+
+
+def test_a_forked_child_does_not_keep_a_stopped_servers_stopping_mark(tmp_path, sock):
+    """A process serving in a thread forks (a worker); the child shares
+    the open <socket>.fence, and so the mark a stopping server holds on it
+    (an open-file-description lock).  Once stop() returns the mark is gone,
+    child or no child: else the next server that finds the devices busy
+    (a block device the child still has open) waits its whole
+    STOPPING_WAIT_S for a server that has stopped."""
+    from kvblock.store.launch import server_stopping
+
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    r_fd, w_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:                       # the child: holds what it inherited until told
+        try:
+            os.close(w_fd)
+            os.read(r_fd, 1)
+        finally:
+            os._exit(0)
+    os.close(r_fd)
+    try:
+        server.stop()
+        assert not server_stopping(sock), "the stopped server's mark is still held"
+    finally:
+        os.close(w_fd)
+        os.waitpid(pid, 0)
