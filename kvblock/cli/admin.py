@@ -456,8 +456,9 @@ def _server_stats(socket_path) -> dict:
         s = remote.stats()
     s.pop("geometry", None)
     s.pop("client", None)           # this short connection's own counters
-    if "clients" in s:              # ... and no client of the server's: it counted it
-        s["clients"] -= 1
+    for name in ("clients", "connections_total"):   # ... and no client of the server's:
+        if name in s:                                  # it counted it
+            s[name] -= 1
     for name in READ_COUNTERS:      # the server does none of its clients' reads: not 0s
         # ... but it counts the runs its clients dropped after a device
         # error (drop_runs, as checksum_failures): a failing device shows.

@@ -360,7 +360,6 @@ class StoreServer:
                     not o.closing for o in self._sessions.values()) >= self.max_clients
                 if not full:
                     self._sessions[session.sid] = session
-                    self.connections_total += 1
             if full:
                 self._refuse(conn)
                 continue
@@ -543,6 +542,11 @@ class StoreServer:
                         # only a hello answered yes is said: one refused
                         # stays under the hello wait
                         s.greeted = True
+                        # counted here, not at accept: a probe for a live
+                        # server (wait_for_server) or a refused hello is no
+                        # client's connection
+                        with self._sessions_lock:
+                            self.connections_total += 1
                     except OSError as e:
                         reply = {"ok": False, "error": "ServerError",
                                  "message": f"the store server at {self.socket_path} cannot "

@@ -1340,6 +1340,29 @@ def test_stats_through_a_server_counts_its_clients_not_itself(file_target, tmp_p
             assert json.loads(kvb("stats", "--socket", sock, "--json").stdout)["clients"] == 2
 
 
+def test_connections_total_counts_ranks_not_probes_or_the_stats_read(file_target, tmp_path):
+    """connections_total counted every accepted connection: a probe for a
+    live server (wait_for_server, which every rank starting a server runs)
+    and the `stats --socket` read itself, so a server one rank had used
+    said 3 (and each Prometheus scrape one more).  It counts hellos
+    answered yes; the stats read leaves its own out, as for clients."""
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.launch import wait_for_server
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock) as server:
+        wait_for_server(sock)
+        with RemoteStore(sock):
+            pass
+        res = kvb("stats", "--socket", sock, "--json")
+        assert res.returncode == 0, res.stderr
+        assert json.loads(res.stdout)["connections_total"] == 1
+        assert server.connections_total == 2      # the rank's and the stats read's
+
+
 def test_a_dram_tiers_occupancy_is_a_gauge_and_counters_end_in_total(file_target):
     """host_blocks falls when the DRAM tier evicts: as a counter Prometheus
     reads each fall as a reset (rate() of it is nonsense).  Every value
