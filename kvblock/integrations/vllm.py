@@ -85,6 +85,9 @@ Configuration (one entry of ``secondary_tiers``)::
      "locality": null,         # "LOCAL" / "REMOTE": carried by KV events and info
      "enable_kv_events": false}  # BlockStored/BlockRemoved (with vLLM's KV events on)
 
+KV events carry ``ownership="kvblock:<store uuid>"`` (the tier type, then
+the store's uuid: two kvblock tiers in one vLLM are two residencies).
+
 Metrics: the store's gauges and counters, and the tier's configuration,
 reach vLLM's Prometheus metrics through its own tier hooks
 (``build_metric_definitions``, ``get_stats``, ``config_info``;
@@ -398,10 +401,21 @@ class KVBlockTierManager(SecondaryTierManager):
             return None
         events_config = getattr(offloading_spec, "kv_events_config", None)
         if getattr(events_config, "enable_kv_cache_events", False) is True:
-            return TierEvents(self.store, self.medium, self.locality, tier_type)
+            return TierEvents(self.store, self.medium, self.locality,
+                              self.event_ownership(tier_type))
         logger.warning("kvblock tier %r: enable_kv_events is set but vLLM's KV cache events "
                        "are off (--kv-events-config); the tier emits none", tier_type)
         return None
+
+    def event_ownership(self, tier_type: str) -> str:
+        """The ``ownership`` of this tier's KV events: ``"<tier type>:<store
+        uuid>"``.  vLLM's OffloadingEventsTracker keeps a chunk's payload per
+        residency, keyed by (medium, ownership), until the last one is
+        removed; two kvblock tiers in one vLLM (two "kvblock" entries of
+        secondary_tiers) announcing one ownership would be one residency, so
+        one tier's removal would erase the other's copy.  Tiers sharing one
+        store (one server) hold one copy: the same ownership."""
+        return f"{tier_type}:{self.store.uuid}"
 
     def _open_store(self, dp_size: int, **options):
         if self.server is not None:

@@ -22,9 +22,11 @@ log lost keys (a long pause, a restarted server), every announced key is
 checked.  A key is announced stored once until its removal is announced
 (vLLM asks consumers to count repeated announcements): a store job that
 finds it stored, or puts it back before the watch saw it go, announces
-nothing for it.  Stored events carry ``removal_expected`` and the tier
-type as ``ownership``, so vLLM's tracker keeps a chunk's payload until the
-removal, which then names the block hashes its store named.
+nothing for it.  Stored events carry ``removal_expected`` and, as ``ownership``, the tier
+type and the store's uuid (``"kvblock:<uuid>"``: vLLM's tracker keys a
+chunk's residencies by medium and ownership, so two kvblock tiers in one
+vLLM must not share one), so vLLM's tracker keeps a chunk's payload until
+the removal, which then names the block hashes its store named.
 """
 
 from __future__ import annotations

@@ -195,7 +195,7 @@ def test_kv_events_through_vllms_tracker_remove_the_block_hashes_they_stored(tmp
 
         e.store(keys)
         stored = published(BlockStored)
-        assert {ev.ownership for ev in stored} == {"kvblock"}
+        assert {ev.ownership for ev in stored} == {f"kvblock:{e.tier.store.uuid}"}
         assert {ev.locality for ev in stored} == {"LOCAL"}
         hashes = sorted(h for ev in stored for h in ev.block_hashes)
         assert len(hashes) == len(keys)
@@ -204,7 +204,7 @@ def test_kv_events_through_vllms_tracker_remove_the_block_hashes_they_stored(tmp
         e.tier._events.poll()                   # the tier's watch, now
         removed = published(BlockRemoved)
         assert sorted(h for ev in removed for h in ev.block_hashes) == hashes
-        assert {ev.ownership for ev in removed} == {"kvblock"}
+        assert {ev.ownership for ev in removed} == {f"kvblock:{e.tier.store.uuid}"}
 
 
 def test_vllms_backpressure_on_the_tier_stops_stores_after_failures(tmp_path):

@@ -1051,7 +1051,8 @@ def test_kv_events_announce_the_removal_of_what_the_tier_stored(make_tier):
     tier.store.put_blocks([kb(key(50))], [bytes(SLOT)])       # not the tier's
     stored = list(tier.take_events())
     assert _keys_of(stored, False) == [[bytes(k)] for k in ks]
-    assert all(e.ownership == "kvblock" and e.removal_expected for e in stored)
+    assert all(e.ownership == f"kvblock:{tier.store.uuid}" and e.removal_expected
+               for e in stored)
     assert watch.announced() == 5
 
     tier.store.delete([kb(ks[0]), kb(key(50))])
@@ -1065,7 +1066,7 @@ def test_kv_events_announce_the_removal_of_what_the_tier_stored(make_tier):
     assert _keys_of(events, False) == []
     (gone,) = [e for e in events if e.removed]
     assert gone.medium == Medium.STORAGE and gone.locality.value == "LOCAL"
-    assert gone.ownership == "kvblock" and gone.removal_expected
+    assert gone.ownership == f"kvblock:{tier.store.uuid}" and gone.removal_expected
     watch.poll()
     assert list(tier.take_events()) == []              # announced once
 
@@ -1091,6 +1092,45 @@ def test_kv_events_announce_the_removal_of_what_the_tier_stored(make_tier):
         time.sleep(0.05)
         removed = _keys_of(tier.take_events(), True)
     assert removed == [sorted(bytes(k) for k in ks[:2])]
+
+
+def test_two_kvblock_tiers_in_one_vllm_announce_distinct_residencies(make_tier, tmp_path):
+    """vLLM's OffloadingEventsTracker keeps a chunk's payload per residency
+    (medium, ownership): two kvblock tiers (two "type": "kvblock" entries of
+    secondary_tiers, each on its own store) must not share one, or one
+    tier's removal erases the other's copy (the payload is dropped and the
+    other's later removal names no block hashes; a router hears the chunk
+    gone from storage while the other tier still holds it)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.events import (
+        OffloadingEventsTracker,
+        _OffloadEventMetadata,
+        OffloadingEventGroupSpec,
+    )
+
+    a, pool_a = make_tier(spec=events_spec(True), enable_kv_events=True)
+    b, pool_b = make_tier(spec=events_spec(True), enable_kv_events=True,
+                          devices=[str(kvblock.create_file(tmp_path / "b.img", 64 << 20))])
+    assert a.store.uuid != b.store.uuid
+    _store_each(a, pool_a, [key(1)])
+    _store_each(b, pool_b, [key(1)])
+    a.store.delete([a.kvblock_key(key(1))])
+    a._events.poll()
+    events_a, events_b = list(a.take_events()), list(b.take_events())
+    assert [e.removed for e in events_a] == [False, True]
+    assert [e.removed for e in events_b] == [False]
+    owners = {(e.medium, e.ownership) for e in events_a} | {(e.medium, e.ownership)
+                                                             for e in events_b}
+    assert len(owners) == 2, owners
+
+    tracker = OffloadingEventsTracker(OffloadingKVEventsConfig(
+        enable_kv_cache_events=True, self_describing_kv_events=True))
+    tracker._pending_event_metadata[key(1)] = _OffloadEventMetadata(
+        block_hashes=(b"h0", bytes(key(1))), parent_block_hash=None, token_ids=(1, 2),
+        block_size=16, lora_id=None, lora_name=None, extra_keys=None, group_idx=0,
+        kv_cache_spec=OffloadingEventGroupSpec(None, None), active_residencies=set())
+    list(tracker.take_events([events_a[0], events_b[0], events_a[1]]))
+    # tier b still holds the chunk: its payload stays for b's removal
+    assert key(1) in tracker._pending_event_metadata
 
 
 def test_a_declined_store_still_announces_its_keys_found_stored(make_tier):
