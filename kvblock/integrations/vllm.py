@@ -366,6 +366,11 @@ class KVBlockTierManager(SecondaryTierManager):
         # A run never spans regions; runs of at most 1/8 region keep the space
         # a region cannot fit at its end small.
         self.max_run_blocks = max(1, min(run_bytes // bs, self.store.max_run_blocks // 8))
+        if run_bytes < bs:
+            # A run holds whole slots: the value cannot take effect.
+            logger.warning("kvblock tier: max_run_bytes %d is below one slot (%d bytes): "
+                           "every run is one slot; set it to a multiple of %d bytes",
+                           run_bytes, bs, bs)
         self._batch_slots = max(1, min(self.max_run_blocks, BATCH_BYTES // bs))
         lock = threading.Lock()
         self._cond = threading.Condition(lock)       # workers wait here for pieces

@@ -1572,6 +1572,20 @@ def test_bad_config_is_refused(make_tier):
     assert len(tier._workers) == 2
 
 
+def test_max_run_bytes_below_one_slot_is_said(make_tier, caplog, tmp_path):
+    """A run holds whole slots: max_run_bytes below one slot cannot take
+    effect (runs are one slot each), which the tier says at startup rather
+    than silently running with another value than the one configured."""
+    with caplog.at_level(logging.WARNING, logger="kvblock.integrations.vllm"):
+        tier, _ = make_tier(max_run_bytes=SLOT // 2)
+    assert tier.max_run_blocks == 1
+    assert "max_run_bytes" in caplog.text and str(SLOT) in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvblock.integrations.vllm"):
+        tier, _ = make_tier(max_run_bytes=SLOT, devices=[
+            str(kvblock.create_file(tmp_path / "b.img", 64 << 20))])
+    assert tier.max_run_blocks == 1 and "max_run_bytes" not in caplog.text
+
 def test_enable_kv_events_must_be_true_or_false(make_tier):
     """enable_kv_events typed by hand as a string ("false" from a YAML or a
     shell) is refused, naming the setting: a non-empty string is truthy, so
