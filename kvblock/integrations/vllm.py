@@ -335,6 +335,9 @@ class KVBlockTierManager(SecondaryTierManager):
             raise ConfigError('kvblock tier: "devices" must be a path or a list of paths, got '
                               f'{devices!r}; one store per data-parallel replica: put '
                               '"{dp_rank}" in the paths')
+        if server is not None and not isinstance(server, (str, os.PathLike)):
+            raise ConfigError('kvblock tier: "server" must be a socket path, e.g. '
+                              f'"/run/kvblock/vllm.sock", got {server!r}')
         dp = _dp_fields(offloading_spec)
         self.devices = [_fill(os.fspath(d), dp, "device") for d in devices]
         self.server = _fill(os.fspath(server), dp, "server") if server else None

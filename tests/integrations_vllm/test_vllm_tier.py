@@ -1568,6 +1568,8 @@ def test_bad_config_is_refused(make_tier):
         make_tier(threads=2.5)
     with pytest.raises(ConfigError, match="bad device template"):
         make_tier(devices=["/tmp/kv-{dp_rank.x}.img"])
+    with pytest.raises(ConfigError, match='"server" must be a socket path'):
+        make_tier(server=["/run/kvblock/vllm.sock"])
     tier, _ = make_tier(queue_depth="16", threads="2")     # digits as strings are fine
     assert len(tier._workers) == 2
 
