@@ -311,6 +311,11 @@ class _StoreRestarted(ServerGoneError):
     run it wrote after the restart was deleted, the rest not written."""
 
 
+class _BackupCleared(Exception):
+    """A clear() overtook a backup (_cleared_since): it wrote nothing of
+    the call that the store still holds, and stopped."""
+
+
 def _ticket_run(ticket: str | None) -> str | None:
     """The store run a clear ticket names (``run:clears``, KVStore's and a
     store server's alike)."""
@@ -555,11 +560,15 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         the call's pages hold KV from before the clear (SGLang clears after a
         weight update), and a run written after it would be served as a hit.
         The store itself refuses only a run that a clear() overtakes while
-        it is written.  The pages are answered as written, as a run the
-        store refuses is (not a failure to retry).  A ticket of another
-        store run (the server restarted; no clear() of this backend's)
-        stops the backup the same way but raises _StoreRestarted: a store
-        failure, whose pages not stored are answered False."""
+        it is written.  The caller raises _BackupCleared: every page of the
+        call is answered False (the clear took those stored before it too),
+        which ends SGLang's backup of the operation (_page_backup stops at a
+        batch not stored), so its later batches, of the old weights' KV,
+        are not written under the new clear ticket either.  A ticket of
+        another store run (the server restarted; no clear() of this
+        backend's) stops the backup the same way but raises _StoreRestarted:
+        a store failure, whose pages not stored are answered False (those
+        stored before the restart stay)."""
         clears, ticket = mark
         now = None if ticket is None else self.store.clear_ticket()
         if self._clears == clears and now == ticket:
@@ -577,6 +586,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                                   "not stored")
         return True
 
+    def _answer_cleared(self, n: int) -> list[bool]:
+        """The answer to a backup call of ``n`` pages that a clear()
+        overtook (_BackupCleared): none stored."""
+        logger.info("kvblock: a clear() overtook a backup of %d pages: none of them is "
+                    "stored (answered False: SGLang stops that backup)", n)
+        return [False] * n
+
     def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int],
                      stored: np.ndarray | None = None,
                      clears: tuple[int, str | None] | None = None) -> int:
@@ -587,7 +603,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         them as a backup (get_stats: the v1 and the flat-page calls alike).
         ``stored`` (one bool per key) is set run by run, so after a failure
         it says which pages the store took.  ``clears``: the _clear_mark() when the
-        call began; a clear() after it ends the backup (_cleared_since)."""
+        call began; a clear() after it ends the backup (_cleared_since:
+        _BackupCleared)."""
         done = written = 0
         t0 = time.perf_counter()
         layout = pages.cache_layout()
@@ -597,14 +614,14 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                 keys = kbs[start:start + self.run_blocks]
                 ids = page_ids[start:start + self.run_blocks]
                 if self._cleared_since(clears):
-                    break
+                    raise _BackupCleared
                 n = save_blocks(self.store, keys, layout, ids)
                 done += len(keys)
                 if stored is not None:    # before the check, which may fail (the store closed)
                     stored[start:done] = True
                 try:
                     if self._cleared_since(clears, keys):
-                        break
+                        raise _BackupCleared
                 except _StoreRestarted:   # the run was deleted again
                     if stored is not None:
                         stored[start:done] = False
@@ -690,6 +707,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         try:
             self._write_pages(self.pages, [kbs[i] for i in todo],
                               [page_ids[i] for i in todo], written, clears)
+        except _BackupCleared:
+            return self._answer_cleared(len(keys))
         except KVBlockError as e:
             # the runs before the failed one are stored: report them so
             self._failed(f"backing up {len(keys)} pages", e)
@@ -937,16 +956,19 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                             data.contiguous().view(torch.uint8).reshape(-1).numpy()
                         pages[j, nbytes:] = 0
                     if self._cleared_since(clears):
-                        break
+                        raise _BackupCleared
                     n = self.store.put_blocks(kbs, blocks) // nb
                     stored += len(run)    # (a failure of the check below: stored all the same)
                     try:
                         if self._cleared_since(clears, kbs):
-                            break
+                            raise _BackupCleared
                     except _StoreRestarted:   # the run was deleted again
                         stored -= len(run)
                         raise
                     written += n          # pages the store wrote (not those admission declined)
+                except _BackupCleared:
+                    self._record("backup", written, time.perf_counter() - t0, nbytes)
+                    return self._answer_cleared(len(keys))
                 except KVBlockError as e:
                     # the runs before the failure are stored: report them so
                     self._failed(f"storing {len(keys)} {_pool_key(t.name)} pages", e)
@@ -1039,6 +1061,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         try:
             todo = np.nonzero(~self._stored(kbs))[0].tolist()
             self._write_pages(pool, [kbs[i] for i in todo], todo, clears=clears)
+        except _BackupCleared:
+            return all(self._answer_cleared(len(keys)))
         except KVBlockError as e:
             self._failed(f"storing {len(keys)} flat pages", e)
             return False

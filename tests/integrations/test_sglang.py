@@ -471,7 +471,7 @@ def test_a_clear_by_another_rank_stops_a_backup_between_its_runs(tmp_path):
 
         ranks[0].store.put_run = put_run
         keys = keys_for("other-clear", 10)
-        assert ranks[0].batch_set_v1(keys, pools[0].token_indices(range(10))) == [True] * 10
+        assert ranks[0].batch_set_v1(keys, pools[0].token_indices(range(10))) == [False] * 10
         assert calls == [4]                                 # no run after the clear
         assert ranks[1].batch_exists(keys) == 0 and ranks[0].batch_exists(keys) == 0
         ranks[0].store.put_run = real
@@ -1196,9 +1196,10 @@ def test_a_clear_during_a_multi_run_backup_stores_none_of_its_later_runs(file_ta
     """SGLang clears the store after a weight update: a backup cut into runs
     (max_run_bytes) that a clear() overtakes after its first run holds KV of
     the old weights, so none of its later runs may be stored (they were, and
-    read back as hits after the clear).  They are reported as written (like
-    pages admission declines, or a run the store itself refuses because a
-    clear overtook it): not a failure to retry."""
+    read back as hits after the clear).  None of the call's pages is stored
+    then (the clear took those before it), and each is answered False: they
+    were answered True, so SGLang's _page_backup went on to the operation's
+    next batch, written under the new clear ticket with the old KV."""
     from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
 
     pool = HostPool(pages=40)
@@ -1218,7 +1219,7 @@ def test_a_clear_during_a_multi_run_backup_stores_none_of_its_later_runs(file_ta
         return n
 
     backend.store.put_run = put_run
-    assert backend.batch_set_v1(keys, pool.token_indices(range(10))) == [True] * 10
+    assert backend.batch_set_v1(keys, pool.token_indices(range(10))) == [False] * 10
     assert calls == [4]                                     # no run after the clear
     assert backend.store.present([backend.kvblock_key(k) for k in keys]).sum() == 0
     backend.store.put_run = real
@@ -1240,7 +1241,7 @@ def test_a_clear_during_a_multi_run_backup_stores_none_of_its_later_runs(file_ta
     skeys = keys_for("st", 3)
     res = backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=skeys,
                                              host_indices=torch.tensor([0, 1, 2]))])
-    assert res == {"mamba": [True] * 3} and len(block_calls) == 1
+    assert res == {"mamba": [False] * 3} and len(block_calls) == 1
     assert not backend._pool_present(PoolName.MAMBA, skeys).any()
 
 
