@@ -814,43 +814,47 @@ class KVBlockStorageBackend(StoragePluginInterface):
             del self._pins[kb]
             self.store.unpin(entry[1])
 
-    def _cancel_put(self, key: CacheEngineKey) -> bool:
-        """(under the lock) drop the key's queued put, or wait for its
-        write under way to end (one store write): the remove after it then
-        wins.  Whether a queued put was dropped."""
-        while (job := self._put_tasks.get(key)) is not None:
-            if not job.writing:
-                job.cancelled.add(key)      # the writer skips it and unrefs it
-                del self._put_tasks[key]
-                return True
+    def _settle_writes(self, keys: Sequence[CacheEngineKey]) -> None:
+        """(under the lock) wait until no write of ``keys`` is under way (one
+        store write each; the lock is released meanwhile)."""
+        while any((job := self._put_tasks.get(k)) is not None and job.writing for k in keys):
             self._written.wait()
-        return False
+
+    def _drop_queued_puts(self, keys: Sequence[CacheEngineKey]) -> bool:
+        """(under the lock, after _settle_writes: no write of ``keys`` under
+        way, and none starts while the lock is held) drop the keys' queued
+        puts (the writer skips them and unrefs them).  Whether one was."""
+        dropped = False
+        for key in keys:
+            job = self._put_tasks.pop(key, None)
+            if job is not None:
+                job.cancelled.add(key)
+                dropped = True
+        return dropped
 
     def remove(self, key: CacheEngineKey, force: bool = True) -> bool:
-        if self.layerwise and not isinstance(key, LayerCacheEngineKey):
-            # A chunk's key (LMCacheEngine.clear(tokens) removes by chunk
-            # key): the chunk is stored as its layers' objects.  Unforced, a
-            # chunk with a pinned layer stays whole.
-            layers = key.split_layers(self.objects_per_chunk)
-            if not force:
-                with self._lock:
-                    if any(self.kvblock_key(k) in self._pins for k in layers):
-                        return False
-            return sum(self.remove(k, force) for k in layers) > 0
-        kb = self.kvblock_key(key)
+        # Layer-wise, a chunk's key (LMCacheEngine.clear(tokens) removes by
+        # chunk key) stands for its layers' objects: all of them go, or
+        # (unforced, a layer pinned) none -- a chunk missing a layer is
+        # never found or loaded again.
+        keys = (key.split_layers(self.objects_per_chunk)
+                if self.layerwise and not isinstance(key, LayerCacheEngineKey) else [key])
+        kbs = [self.kvblock_key(k) for k in keys]
         with self._lock:
-            if kb in self._pins and not force:
+            if not force and any(kb in self._pins for kb in kbs):
                 return False
-            dropped = self._cancel_put(key)
-            # The pin check again (_cancel_put may have waited, the lock
-            # released) and the delete under the lock: a pin taken before
-            # the delete keeps the chunk, not succeeds on a chunk then removed.
-            if kb in self._pins:
-                if not force:
-                    return False
-                self.store.unpin(self._pins.pop(kb)[1])
+            self._settle_writes(keys)
+            # From the pin check to the delete the lock is held, no wait
+            # between: a pin (of any of the keys) comes before the remove and
+            # keeps them all, its queued puts too, or after it (a miss).
+            if not force and any(kb in self._pins for kb in kbs):
+                return False
+            for kb in kbs:
+                if kb in self._pins:
+                    self.store.unpin(self._pins.pop(kb)[1])
+            dropped = self._drop_queued_puts(keys)
             try:
-                return self.store.delete([kb]) > 0 or dropped
+                return self.store.delete(kbs) > 0 or dropped
             except RUNTIME_FAILURES as e:
                 self._failed("a remove", e)
                 return False

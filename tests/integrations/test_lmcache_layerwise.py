@@ -504,3 +504,61 @@ def test_clear_keeps_a_chunk_with_a_pinned_layer_whole(file_target, engines):
     assert e.retrieve()[:CHUNK].all()
     assert torch.equal(e.connector.kv[:, :CHUNK], e.want[:, :CHUNK])
     assert e.plugin.unpin(layer0)
+
+
+def test_a_pin_taken_while_an_unforced_chunk_remove_runs_keeps_the_chunk_whole(file_target,
+                                                                              engines):
+    """remove(chunk key, force=False) checked every layer's pin under the
+    plugin's lock, then removed the layers one by one, each under the lock
+    on its own.  A pin of a later layer taken in between (an async lookup on
+    LMCache's event loop) kept that layer alone while the others went: the
+    chunk is then never found or loaded again, and LMCache's pin holds a
+    layer no load can use.  A pin comes before the remove (the chunk kept
+    whole, the remove says False) or after it (a miss, nothing pinned)."""
+    import threading
+
+    from lmcache.utils import LayerCacheEngineKey
+
+    e = Engine([file_target()], tokens=CHUNK, seed=9)
+    engines.append(e)
+    e.store()
+    chunk = e.chunk_key(0)
+    layers = chunk.split_layers(LAYERS)
+    pinned, racing = [], []
+
+    def race_a_pin():
+        """A pin of the last layer from another thread, once; it may wait."""
+        if racing:
+            return
+        other = threading.Thread(target=lambda: pinned.append(e.plugin.pin(layers[-1])))
+        racing.append(other)
+        other.start()
+        other.join(1)
+    real_remove, store = e.plugin.remove, e.plugin.store
+    real_delete = store.delete
+
+    def remove_racing_a_pin(key, force=True):
+        if isinstance(key, LayerCacheEngineKey):
+            race_a_pin()                # between the pin check and a layer's remove
+        return real_remove(key, force)
+
+    def delete_racing_a_pin(keys):
+        race_a_pin()                    # or while the delete runs
+        return real_delete(keys)
+    e.plugin.remove = remove_racing_a_pin
+    store.delete = delete_racing_a_pin
+    try:
+        removed = real_remove(chunk, force=False)
+    finally:
+        e.plugin.remove = real_remove
+        store.delete = real_delete
+    racing[0].join(30)
+    assert pinned, "the pin never ended"
+    stored = [store.contains(e.plugin.kvblock_key(k)) for k in layers]
+    try:
+        assert stored == [pinned[0]] * LAYERS, f"layers stored {stored}, pinned {pinned}"
+        assert removed is not pinned[0]
+        assert e.plugin.contains(layers[0]) is pinned[0]
+    finally:
+        if pinned[0]:
+            e.plugin.unpin(layers[-1])
