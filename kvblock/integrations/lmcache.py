@@ -113,6 +113,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import threading
 import time
 import weakref
@@ -369,8 +370,13 @@ class KVBlockStorageBackend(StoragePluginInterface):
             if spec is None:
                 raise ConfigError(f"kvblock lmcache plugin: no devices for worker "
                                   f"{metadata.worker_id} in kvblock.devices")
-        if isinstance(spec, str):
+        if isinstance(spec, (str, os.PathLike)):
             spec = [spec]
+        if (not isinstance(spec, (list, tuple))
+                or not all(isinstance(d, (str, os.PathLike)) for d in spec)):
+            raise ConfigError("kvblock lmcache plugin: kvblock.devices must be a path, a list "
+                              "of paths, or a map of worker ids to either; got "
+                              f"{spec!r} (for worker {metadata.worker_id})")
         devices = [KVBlockStorageBackend._template(d, metadata) for d in spec]
         if not devices:
             raise ConfigError("kvblock lmcache plugin: kvblock.devices is empty")

@@ -566,6 +566,29 @@ def test_settings_typed_by_hand(file_target, engines):
         manager.loop.close()
 
 
+def test_devices_of_the_wrong_type_are_a_config_error(file_target, engines):
+    """kvblock.devices is a path, a list of paths, or a map of worker ids to
+    either.  A number (a YAML slip: ``kvblock.devices: 0``, or ``"0": 1``
+    in the map) raised a bare TypeError ('int' object is not iterable) from
+    inside the plugin; it is a ConfigError naming the setting."""
+    path = file_target()
+    manager = StorageManager(make_config([path]), make_metadata(), EventManager())
+
+    def build(devices):
+        return KVBlockStorageBackend(config=make_config(devices), metadata=make_metadata(),
+                                     local_cpu_backend=manager.storage_backends["LocalCPUBackend"],
+                                     loop=manager.loop)
+    try:
+        manager.storage_backends["kvblock"].close()
+        for devices in (5, {"0": 5}, [path, 5], {"0": {"path": path}}, [[path]]):
+            with pytest.raises(ConfigError, match="kvblock.devices"):
+                build(devices)
+        build({0: path}).close()                # a map by int worker id, a path alone
+    finally:
+        manager.close()
+        manager.loop.close()
+
+
 def test_puts_do_not_count_as_lookups(file_target, engines):
     """A put skips the chunks already stored with an uncounted probe: the
     store's lookup counters (lookups, lookup_hit_blocks: the hit rate that
