@@ -55,7 +55,7 @@ def check_superblocks(store, report: FsckReport, repair: bool) -> None:
                 sb = sbfmt.Superblock.decode(io.read_bytes(i, off, sbfmt.SIZE), dev.path, off)
                 ok = sb == good
             except IOFailedError as e:
-                if e.path is None:
+                if e.path is None or not e.device_fault:
                     raise
                 ok, why = False, f"{dev.path}: superblock copy at offset {off} is unreadable ({e})"
             except KVBlockError as e:
@@ -89,7 +89,7 @@ def check_checkpoints(store, report: FsckReport) -> None:
         try:
             raw = store.io.read_bytes(0, off, cpfmt.HEADER_BYTES)
         except IOFailedError as e:
-            if e.path is None:
+            if e.path is None or not e.device_fault:
                 raise
             raw = b"\xff"        # a bad sector: damaged
             unreadable.add(slot)
@@ -224,7 +224,9 @@ def check_data(store, report: FsckReport, progress=None, runs=None) -> list:
             try:
                 store.io.read(IOBatch.single(buf.address, dev, base, lay.run_bytes))
             except IOFailedError as e:
-                if e.path is None:     # the engine failed, not the device: says nothing of the run
+                # the engine failed (no path, or a broken io_uring), not the
+                # device: says nothing of the run
+                if e.path is None or not e.device_fault:
                     raise
                 # a bad sector is this run's problem, as a bad checksum is: the rest are checked
                 report.problems.append(f"run {run.run_id}: unreadable at "

@@ -885,3 +885,51 @@ def test_a_rotted_first_record_of_the_newest_checkpoints_epoch_is_not_the_older_
         assert got == 0 or np.array_equal(out, run_data(x))
         assert store.lookup(x) == 0 and store.stats()["runs"] == 0
         assert store.stale_checkpoint
+
+
+def test_a_broken_ring_reading_the_newest_checkpoint_drops_no_run(tmp_path, monkeypatch):
+    """The io_uring itself broke under the open's read of the newest
+    checkpoint slot (its I/O cancelled, the device answered nothing: the
+    IOFailedError has a path but device_fault False).  Recovery took it for
+    an unreadable slot, fell back to the older one, found the journal of the
+    newer epoch and dropped every run as a stale checkpoint (and a writable
+    open wrote that loss into both slots), though the slot was whole and
+    the next read, on a new ring, returns it.  The open must fail with the
+    error (retryable) or keep every run; never drop them."""
+    import errno
+
+    from kvblock.errors import IOFailedError
+    from kvblock.io.engine import RingBroken
+    from kvblock.io.threads import ThreadEngine
+    from kvblock.io.uring import UringEngine
+
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    x, others, slot, sb = _history(path, journal_after=True)
+    target = sb.checkpoint_offset + slot * sb.checkpoint_bytes
+    broke = []
+
+    def breaking(real):
+        def run(self, op, batch, qd, results, latency, hasher):
+            if not broke and int(batch.offsets[0]) == target:
+                broke.append(True)
+                results[:] = -errno.ECANCELED
+                raise RingBroken(errno.ENOMEM)
+            return real(self, op, batch, qd, results, latency, hasher)
+        return run
+    for cls in (UringEngine, ThreadEngine):
+        monkeypatch.setattr(cls, "_run", breaking(cls._run))
+    try:
+        with KVStore.open([str(path)], verify="never") as store:
+            assert broke
+            assert not store.stale_checkpoint
+            assert store.stats()["runs"] == len(others) + 1 - sum(
+                store.lookup(k) == 0 for k in others)
+            z = run_keys(2000, 1)
+            assert store.lookup(z) == 1
+    except IOFailedError as e:
+        assert broke and not e.device_fault
+    monkeypatch.undo()
+    with KVStore.open([str(path)], verify="never") as store:   # a new ring: all there
+        assert not store.stale_checkpoint
+        assert store.lookup(run_keys(2000, 1)) == 1 and store.lookup(x) == 0
