@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 
 from kvblock.errors import ConfigError, EngineUnavailableError
@@ -100,6 +101,19 @@ def gpu_path(store, sample_bytes: int = 64 << 20) -> str:
         # the only way to verify before the bytes reach the model.
         store._gpu_path, store._gpu_path_reason = "host", "verify=always checks on the host"
         return "host"
+    # Measured once per store: two first loads at once would both time the
+    # one reader, and the one that found the host faster would close it
+    # (_drop_reader) under the other's kvikio load (and flip the choice).
+    with _CHOOSING:
+        chosen = getattr(store, "_gpu_path", None)
+        return chosen if chosen else _measure(store, sample_bytes)
+
+
+_CHOOSING = threading.Lock()
+
+
+def _measure(store, sample_bytes: int) -> str:
+    """gpu_path's choice by timing both paths (under _CHOOSING)."""
     try:
         reader = store._kvikio_reader()
     except Exception as e:  # no kvikio / no driver: host path

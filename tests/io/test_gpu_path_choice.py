@@ -125,3 +125,62 @@ def test_a_kvikio_reader_the_choice_does_not_use_is_closed(monkeypatch, timing):
     store._kvikio_reader = reader
     assert gpu_path(store) == "host"
     assert Reader.closes == 1 and store._kvikio is None
+
+
+def test_two_first_loads_at_once_never_close_the_reader_the_other_chose(monkeypatch):
+    """Two loads into CUDA memory begin at once on a fresh store: both time
+    the paths with the store's one kvikio reader.  The first chose kvikio
+    and its load reads through that reader; the second measured the host
+    faster, and closing the "unused" reader closed it under the first
+    load's reads (and flipped the choice)."""
+    import threading
+
+    import kvblock.io.gpu as gpu
+
+    monkeypatch.delenv("KVBLOCK_GPU_PATH", raising=False)
+
+    class Reader:
+        mode = "gds"
+        closed = False
+
+        def close(self):
+            self.closed = True
+
+    first_done, first_timing, second_timing = (threading.Event() for _ in range(3))
+
+    def timed(store, reader, nbytes):
+        if threading.current_thread().name == "second":
+            second_timing.set()
+            first_done.wait(5)
+            return 2.0, 1.0                  # noise: the host this time
+        first_timing.set()
+        second_timing.wait(1)                # (both timing at once, unless one waits)
+        return 1.0, 2.0                      # kvikio faster
+
+    monkeypatch.setattr(gpu, "_time_paths", timed)
+    store = SimpleNamespace(verify="never", _kvikio=None)
+
+    def reader():
+        if store._kvikio is None:
+            store._kvikio = Reader()
+        return store._kvikio
+    store._kvikio_reader = reader
+    chosen = {}
+
+    def first():
+        chosen["first"] = gpu_path(store)
+        chosen["reader"] = store._kvikio_reader()     # what its load reads through
+        first_done.set()
+
+    def second():
+        chosen["second"] = gpu_path(store)
+    threads = [threading.Thread(target=first, name="first"),
+               threading.Thread(target=second, name="second")]
+    threads[0].start()
+    assert first_timing.wait(5)
+    threads[1].start()
+    for t in threads:
+        t.join(10)
+    assert chosen["first"] == "kvikio"
+    assert not chosen["reader"].closed, "the reader a kvikio load uses was closed under it"
+    assert gpu_path(store) == chosen["second"] == "kvikio"     # one choice per store
