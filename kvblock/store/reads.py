@@ -41,7 +41,8 @@ def _first_difference(a: list, b: list) -> int:
 
 class RunReader(RunIO):
     """get_run, get_runs, get_blocks and read_range.  The class using it
-    provides ``_check_open``, ``_segments``, ``_unpin``, ``_run_pin_held`` and
+    provides ``_check_open``, ``_segments``, ``_unpin``, ``_run_pin_held``,
+    ``_host_hits_used`` (with a host tier) and
     ``_drop_runs(runs, why=...)`` (why: "checksum" or "read_error", for a
     store server's counters)."""
 
@@ -237,11 +238,12 @@ class RunReader(RunIO):
         with self._lock:
             named = self.index.lookup(keys)
         in_host = [k in self.host for k in keys]
-        done, fetched, hits, raced = 0, [], 0, 0
+        done, fetched, hits, raced, from_host = 0, [], 0, 0, []
         while done < n:
             if in_host[done]:
                 if self.host.read_into(keys[done], block_at(dst, done), at):
                     hits += 1
+                    from_host.append(keys[done])
                     done += 1
                     continue
                 raced += 1      # gone meanwhile: read_into counted its miss
@@ -260,6 +262,7 @@ class RunReader(RunIO):
         self.host.missed(min(done + 1, n) - hits - raced)
         # DRAM hits count as blocks read, as a device read counts its own
         self.counters["host_hit_blocks"] += hits
+        self._host_hits_used(from_host)
         self.counters["get_blocks"] += hits
         self.counters["get_bytes"] += hits * (g.group_block_bytes if only else g.block_bytes)
         for k in fetched:

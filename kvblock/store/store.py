@@ -960,6 +960,22 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.regions.last_access[regions] = time.time()
         return int(found.size)
 
+    def _host_hits_used(self, keys: list[bytes]) -> None:
+        """Blocks a read took from the DRAM tier: the runs still holding
+        them on the device count as just read (LRU), as a device read's runs
+        do (_segments); else a run read only from DRAM looks never read,
+        and LRU takes its region first."""
+        if not keys:
+            return
+        with self._lock:
+            packed = self.index.lookup(keys)
+            now = time.time()
+            for r in np.unique(packed[packed >= 0] >> POS_BITS).tolist():
+                run = self.index.runs[int(r)]
+                run.hits += 1
+                self.regions.last_access[run.region] = now
+                self.regions.hits[run.region] += 1
+
     def _segments(self, keys: list[bytes]) -> list[tuple[Run, int, int, int]]:
         """(run, first position, count, first output block) for the stored
         prefix of ``keys``; pins the runs' regions.  Under self._lock."""

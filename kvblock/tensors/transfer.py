@@ -757,6 +757,7 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
     if not blocks:
         return 0
     n = len(blocks)
+    store._host_hits_used(keys[:n])
     data = np.stack(blocks).view(_NP_INT[g.itemsize]).reshape(
         n, g.num_layers, g.head_groups, g.kv_parts, g.block_tokens, g.heads_per_group,
         g.head_dim)

@@ -716,3 +716,34 @@ def test_a_put_overtaken_by_a_newer_put_never_serves_its_older_copy_from_dram(tm
         assert np.array_equal(got, first.reshape(-1)), "DRAM served the older put's bytes"
         out = np.zeros(GEOM.block_bytes, np.uint8)
         assert store.get_run(keys[:1], out) == 1 and np.array_equal(out, first.reshape(-1))
+
+
+@pytest.mark.parametrize("reader", ["get_run", "load_blocks"])
+def test_reads_served_from_dram_keep_their_run_under_lru(tmp_path, reader):
+    """A read the DRAM tier answers is a read all the same: LRU keeps the
+    run's region on the device as it does for a store without a tier (a
+    hot run read from DRAM only used to look never read, and was the first
+    to go; once the tier dropped it too, the hot run was lost)."""
+    path = tmp_path / "small.img"
+    create_file(path, 3 << 20)
+    with KVStore.format([str(path)], GEOM, region_size=REGION, eviction="lru",
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        hot = run_keys(0, 4)
+        store.put_run(hot, run_data(hot))
+        out = np.zeros(4 * GEOM.block_bytes, np.uint8)
+
+        def read():
+            if reader == "get_run":
+                return store.get_run(hot, out)
+            torch = pytest.importorskip("torch")
+            from kvblock.tensors import VLLMLayout, load_blocks
+            cache = [torch.zeros(2, 4, 16, 2, 32, dtype=torch.float16) for _ in range(2)]
+            return load_blocks(store, hot, VLLMLayout(cache), [0, 1, 2, 3]).wait()
+        for i in range(1, 80):
+            keys = run_keys(i, 4)
+            assert store.put_run(keys, run_data(keys)) == 4
+            assert read() == 4
+        assert store.stats()["evicted_regions"] >= store.regions.count
+        assert store.stats()["host_hit_blocks"] > 0
+        with store._lock:
+            assert (store.index.lookup(normalize_keys(hot)) >= 0).all()
