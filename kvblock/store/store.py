@@ -105,9 +105,11 @@ LOAD_STAGING_KEEP = 128 << 20
 
 
 class PinHandle(list):
-    """What :meth:`KVStore.pin` returns: the pinned stretches, released once."""
+    """What :meth:`KVStore.pin` returns: the pinned stretches, released once
+    (``host_keys``: the blocks pinned in the DRAM tier, held only there)."""
 
     released = False
+    host_keys: tuple = ()
 
 
 def _open_devices(devices, readonly=False) -> list[Device]:
@@ -928,8 +930,38 @@ class KVStore(Recovery, RunReader, RunWriter):
         Returns the pin handle (the pinned stretches; ``[]`` when nothing is
         stored)."""
         self._check_open()
-        with self._lock:
-            return PinHandle(self._segments(normalize_keys(keys)))
+        keys = normalize_keys(keys)
+        if self.host is None:
+            with self._lock:
+                return PinHandle(self._segments(keys))
+        return self._pin_tiered(keys)
+
+    def _pin_tiered(self, keys: list[bytes]) -> PinHandle:
+        """pin() with a DRAM tier: the prefix lookup() counts, its stretches
+        on the device pinned there, its blocks held only in DRAM pinned in
+        the tier (else the lease would end at the first of them)."""
+        handle, host_keys, pos = PinHandle(), [], 0
+        try:
+            while pos < len(keys):
+                with self._lock:
+                    on_device = self.index.lookup(keys[pos:]) >= 0
+                    stretch = int(on_device.size if on_device.all() else np.argmin(on_device))
+                    segs = self._segments(keys[pos:pos + stretch]) if stretch else []
+                handle.extend((run, p, c, out + pos) for run, p, c, out in segs)
+                got = sum(c for _, _, c, _ in segs)
+                pos += got
+                if got < stretch or pos == len(keys):
+                    break
+                if not self.host.pin(keys[pos]):
+                    break
+                host_keys.append(keys[pos])
+                pos += 1
+        except BaseException:
+            self._unpin(handle)
+            self.host.unpin(host_keys)
+            raise
+        handle.host_keys = tuple(host_keys)
+        return handle
 
     def unpin(self, pins: list) -> None:
         """Release a handle returned by :meth:`pin` (once: a second release
@@ -940,6 +972,8 @@ class KVStore(Recovery, RunReader, RunWriter):
             raise ConfigError("unpin: this pin handle was released already")
         pins.released = True
         self._unpin(pins)
+        if pins.host_keys and self.host is not None:
+            self.host.unpin(pins.host_keys)
 
     def contains(self, key) -> bool:
         return self.lookup([key]) == 1

@@ -46,6 +46,7 @@ class HostTier:
         self.hits = self.misses = self.inserts = self.evictions = 0
         self.epoch = 0   # clear() calls: an insert that began before one is dropped
         self.discards = 0   # discard() calls: likewise (a delete during a read or put)
+        self.pins: dict[bytes, int] = {}   # keys a store pin() holds: never evicted
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
@@ -137,14 +138,45 @@ class HostTier:
                     self.blocks[slot] = block.reshape(-1).view(np.uint8)
                 return
             if not self.free:
-                victim_seg = self.probation if self.probation else self.protected
-                _, slot = victim_seg.popitem(last=False)
-                self.free.append(slot)
+                victim = self._victim_locked()
+                if victim is None:      # every block is pinned: this one stays out
+                    return
+                seg, old = victim
+                self.free.append(seg.pop(old))
                 self.evictions += 1
             slot = self.free.pop()
             self.blocks[slot] = block.reshape(-1).view(np.uint8)
             self.probation[key] = slot
             self.inserts += 1
+
+    def _victim_locked(self):
+        """(segment, key) of the block to evict: probation's least recent
+        unpinned one, else protected's; None when every block is pinned."""
+        for seg in (self.probation, self.protected):
+            for key in seg:
+                if key not in self.pins:
+                    return seg, key
+        return None
+
+    def pin(self, key: bytes) -> bool:
+        """Keep ``key``'s block from eviction until :meth:`unpin` (a
+        store pin() lease); False, and nothing pinned, when it is not here.
+        delete() and clear() still remove it."""
+        with self.lock:
+            if key not in self.probation and key not in self.protected:
+                return False
+            self.pins[key] = self.pins.get(key, 0) + 1
+            return True
+
+    def unpin(self, keys) -> None:
+        """Release :meth:`pin` of each of ``keys`` (once per pin)."""
+        with self.lock:
+            for key in keys:
+                left = self.pins.get(key, 0) - 1
+                if left > 0:
+                    self.pins[key] = left
+                else:
+                    self.pins.pop(key, None)
 
     def clear(self) -> int:
         """Drop every block; how many there were."""

@@ -747,3 +747,48 @@ def test_reads_served_from_dram_keep_their_run_under_lru(tmp_path, reader):
         assert store.stats()["host_hit_blocks"] > 0
         with store._lock:
             assert (store.index.lookup(normalize_keys(hot)) >= 0).all()
+
+
+def test_pin_holds_the_whole_prefix_lookup_reports_with_a_dram_tier(tmp_path):
+    """lookup() counts blocks the DRAM tier holds; pin() is the lease
+    between that lookup and the load, so it must hold the same prefix: the
+    device runs past a block that lives only in DRAM (pin() used to stop
+    there and return [], and evict() then took them), and that block in
+    the tier while other puts fill it."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    head, tail = run_keys(1, 1), run_keys(2, 3)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=4 * GEOM.block_bytes) as store:
+        assert store.put_run(head, run_data(head)) == 1
+        store.evict(all=True)                # head lives on only in DRAM
+        assert store.put_run(tail, run_data(tail)) == 3
+        keys = head + tail
+        assert store.lookup(keys) == 4
+        pins = store.pin(keys)
+        assert pins
+        store.evict(all=True)                # the pinned tail stays
+        for i in range(3, 10):               # one-hit puts fill the tier
+            other = run_keys(i, 2)
+            store.put_run(other, run_data(other))
+        out = np.zeros(4 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 4
+        want = np.concatenate([run_data(head).reshape(2, 2, 1, -1),
+                               run_data(tail).reshape(2, 2, 3, -1)], axis=2)
+        assert np.array_equal(out.reshape(2, 2, 4, -1), want)
+        store.unpin(pins)
+        with pytest.raises(ConfigError, match="released already"):
+            store.unpin(pins)
+        assert not store.host.pins           # released: the tier may drop head again
+
+
+def test_a_tier_whose_blocks_are_all_pinned_takes_no_new_one():
+    tier = HostTier(2 * 4096, 4096)
+    tier.put(b"a" * 16, block(1))
+    tier.put(b"b" * 16, block(2))
+    assert tier.pin(b"a" * 16) and tier.pin(b"b" * 16) and not tier.pin(b"c" * 16)
+    tier.put(b"c" * 16, block(3))
+    assert b"c" * 16 not in tier and len(tier) == 2 and tier.stats()["host_evictions"] == 0
+    tier.unpin([b"a" * 16])
+    tier.put(b"c" * 16, block(3))
+    assert b"a" * 16 not in tier and b"b" * 16 in tier and b"c" * 16 in tier
