@@ -66,8 +66,9 @@ class IOFailedError(DeviceError):
     """An I/O failed or transferred fewer bytes than asked (EIO, EINVAL, short read).
 
     ``device_fault`` is False when the engine failed the I/Os without the
-    device answering them (a broken io_uring: ``path`` still names where
-    they were going): that says nothing about the data there."""
+    device answering them (no ``path``; or a broken io_uring, whose ``path``
+    still names where they were going): that says nothing about the data
+    there, so no caller takes it for a bad sector."""
 
     def __init__(self, message: str, path: str | None = None, errno: int | None = None,
                  offset: int | None = None, length: int | None = None,
@@ -76,7 +77,7 @@ class IOFailedError(DeviceError):
         self.offset = offset
         self.length = length
         self.failed = failed
-        self.device_fault = device_fault
+        self.device_fault = device_fault and path is not None
 
 
 class EngineUnavailableError(KVBlockError, RuntimeError):

@@ -906,7 +906,7 @@ class KVBlockTierManager(SecondaryTierManager):
                 # now on, so vLLM stops promoting it): read again up to it.
                 # An engine failure that reached no device dropped nothing.
                 errors += 1
-                if e.path is None or errors > n:
+                if not e.device_fault or errors > n:
                     raise
                 logger.warning("kvblock tier: load job %s: %s", job.meta.job_id, e)
                 continue

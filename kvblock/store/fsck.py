@@ -55,7 +55,7 @@ def check_superblocks(store, report: FsckReport, repair: bool) -> None:
                 sb = sbfmt.Superblock.decode(io.read_bytes(i, off, sbfmt.SIZE), dev.path, off)
                 ok = sb == good
             except IOFailedError as e:
-                if e.path is None or not e.device_fault:
+                if not e.device_fault:
                     raise
                 ok, why = False, f"{dev.path}: superblock copy at offset {off} is unreadable ({e})"
             except KVBlockError as e:
@@ -89,7 +89,7 @@ def check_checkpoints(store, report: FsckReport) -> None:
         try:
             raw = store.io.read_bytes(0, off, cpfmt.HEADER_BYTES)
         except IOFailedError as e:
-            if e.path is None or not e.device_fault:
+            if not e.device_fault:
                 raise
             raw = b"\xff"        # a bad sector: damaged
             unreadable.add(slot)
@@ -226,7 +226,7 @@ def check_data(store, report: FsckReport, progress=None, runs=None) -> list:
             except IOFailedError as e:
                 # the engine failed (no path, or a broken io_uring), not the
                 # device: says nothing of the run
-                if e.path is None or not e.device_fault:
+                if not e.device_fault:
                     raise
                 # a bad sector is this run's problem, as a bad checksum is: the rest are checked
                 report.problems.append(f"run {run.run_id}: unreadable at "

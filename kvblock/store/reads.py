@@ -88,7 +88,7 @@ class RunReader(RunIO):
         is the request's first run), a device error (EIO...) fails that
         request (its count is 0); either drops the run it hit, as get_run
         does (which raises the device error); errors that reached no device
-        (a closed engine) raise.
+        (a closed engine, a broken io_uring: ``device_fault`` False) raise.
         """
         self._check_open()
         targets = []
@@ -124,7 +124,7 @@ class RunReader(RunIO):
                     try:
                         counts[i] = self._read_segs(segs, dst, None)
                     except IOFailedError as e:
-                        if e.path is None:
+                        if not e.device_fault:
                             raise
                         counts[i] = 0        # (the run it hit is dropped)
             if together:
@@ -132,7 +132,7 @@ class RunReader(RunIO):
                 try:
                     oks = self._read_blocks_together(reads)
                 except IOFailedError as e:
-                    if e.path is None:
+                    if not e.device_fault:
                         raise
                     oks = [self._read_alone(read) for read in reads]   # which run was it?
                 for (i, read), ok in zip(together, oks):
@@ -157,7 +157,7 @@ class RunReader(RunIO):
         try:
             return self._read_tiered(keys, dst)
         except IOFailedError as e:
-            if e.path is None:
+            if not e.device_fault:
                 raise
             return 0
 
@@ -171,13 +171,13 @@ class RunReader(RunIO):
             try:
                 got = self._read_whole_runs([(run, part) for _, run, part in whole])
             except IOFailedError as e:
-                if e.path is None:
+                if not e.device_fault:
                     raise
                 for i, run, part in whole:
                     try:
                         counts[i] = run.nblocks if self._read_whole_runs([(run, part)]) else 0
                     except IOFailedError as e1:
-                        if e1.path is None:
+                        if not e1.device_fault:
                             raise
                         self._read_failed(e1, [run])
                 return
@@ -191,7 +191,7 @@ class RunReader(RunIO):
         try:
             return self._read_blocks_together([read])[0]
         except IOFailedError as e:
-            if e.path is None:
+            if not e.device_fault:
                 raise
             self._read_failed(e, [read[0]])
             return False
@@ -702,7 +702,7 @@ class RunReader(RunIO):
         device (no path, or a broken ring: ``device_fault`` False) drops
         nothing."""
         self.counters["read_errors"] += 1
-        if error.path is None or not getattr(error, "device_fault", True):
+        if not error.device_fault:
             return      # the engine failed (a broken ring): the data is as it was
         hit = runs
         if error.offset is not None and error.failed <= 1:

@@ -265,7 +265,7 @@ class Recovery:
             # False), not the device: says nothing of the slot; taken for a
             # bad one, it could make a whole newest slot look lost (a stale
             # checkpoint: every run dropped)
-            if e.path is None or not e.device_fault:
+            if not e.device_fault:
                 raise
             unreadable.append(e)
             return None
@@ -281,7 +281,7 @@ class Recovery:
         try:
             return self.io.read_array(0, sb.journal_offset, sb.journal_bytes)
         except IOFailedError as e:
-            if e.path is None or not e.device_fault:  # the engine failed, not the device
+            if not e.device_fault:  # the engine failed, not the device
                 raise
         journal = np.zeros(sb.journal_bytes, np.uint8)
         unit = max(jfmt.BLOCK, self.io.devices[0].block_size)
@@ -293,7 +293,7 @@ class Recovery:
                                                                length)
                 continue
             except IOFailedError as e:
-                if e.path is None or not e.device_fault:
+                if not e.device_fault:
                     raise
                 if length > unit:
                     half = -(-length // 2 // unit) * unit

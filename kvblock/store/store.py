@@ -1527,8 +1527,7 @@ def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
             copies.append(io.read_bytes(dev, off, sbfmt.SIZE))
         except IOFailedError as e:
             # a bad sector under one copy: the other is there for this
-            if e.path is None or not e.device_fault or \
-                    len(unreadable) + 1 == len(sbfmt.COPY_OFFSETS):
+            if not e.device_fault or len(unreadable) + 1 == len(sbfmt.COPY_OFFSETS):
                 raise
             unreadable.append(e)
             copies.append(b"")

@@ -627,6 +627,49 @@ def test_a_broken_ring_drops_no_run(tmp_path, monkeypatch):
             assert store.get_run(r, got) == 2 and np.array_equal(got, run_data(r))
 
 
+@pytest.mark.parametrize("shape", ["whole runs", "parts of runs", "several runs"])
+def test_a_broken_ring_under_get_runs_raises_and_drops_nothing(tmp_path, monkeypatch, shape):
+    """get_runs took a broken ring's error (it has a path) for a device
+    error: the request it hit was answered 0 blocks (a miss), though the
+    data is intact and nothing failed on the device; as an engine failure
+    that reached no device it raises, and every run stays."""
+    import errno
+
+    from kvblock.io.engine import RingBroken
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    runs = [run_keys(60 + i, 4) for i in range(3)]
+    with _format([path]) as store:
+        for r in runs:
+            store.put_run(r, run_data(r))
+        requests = {"whole runs": [r for r in runs],
+                    "parts of runs": [r[:2] for r in runs],
+                    "several runs": [runs[0] + runs[1], runs[2]]}[shape]
+        outs = [np.zeros(len(r) * GEOM.block_bytes, np.uint8) for r in requests]
+        engine = store.io.engine
+        real = type(engine)._run
+        broke = []
+
+        def ring_breaks(op, batch, qd, results, latency, hasher):
+            if broke:
+                return real(engine, op, batch, qd, results, latency, hasher)
+            broke.append(len(batch))
+            results[:] = -errno.ECANCELED
+            raise RingBroken(errno.ENOMEM)
+        monkeypatch.setattr(engine, "_run", ring_breaks)
+        with pytest.raises(IOFailedError, match="ENOMEM"):
+            store.get_runs(list(zip(requests, outs)))
+        assert broke
+        assert all(store.lookup(r) == 4 for r in runs)      # nothing dropped
+        assert store.get_runs(list(zip(requests, outs))) == [len(r) for r in requests]
+        for r, out in zip(requests, outs):       # as get_run reads them (verified)
+            want = np.zeros_like(out)
+            assert store.get_run(r, want) == len(r) and np.array_equal(out, want)
+        if shape == "whole runs":
+            assert all(np.array_equal(out, run_data(r)) for r, out in zip(requests, outs))
+
+
 def test_multi_device_striping(tmp_path):
     paths = [tmp_path / f"d{i}.img" for i in range(3)]
     for p in paths:
