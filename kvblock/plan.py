@@ -57,6 +57,16 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
                         ("model_params", model_params), ("gpu_tflops", gpu_tflops)):
         if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"plan: {name} must be a finite number > 0, got {value}")
+    # The recompute time comes from one source: measured prefill, or FLOPs
+    # from both model_params and gpu_tflops.  Half of the pair, or both
+    # sources, would be ignored without a word (no recompute time, or the
+    # other one).
+    if (model_params is None) != (gpu_tflops is None):
+        raise ConfigError("plan: model_params and gpu_tflops go together (the recompute is "
+                          "estimated from both); give both, or prefill_tokens_per_s")
+    if prefill_tokens_per_s is not None and model_params is not None:
+        raise ConfigError("plan: give prefill_tokens_per_s or model_params with gpu_tflops, "
+                          "not both (each is a recompute time)")
     if dtype not in DTYPES:
         raise ConfigError(f"plan: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     try:

@@ -149,3 +149,32 @@ def test_cli_plan_refuses_numbers_whose_plan_is_out_of_range(extra):
         assert "inf" not in res.output, res.output
     with pytest.raises(ConfigError, match="out of range"):
         plan(layers=32, kv_heads=8, head_dim=128, tokens=8192, device_gbps=1e-320)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--model-params", "8e9"],                                   # no --gpu-tflops
+    ["--gpu-tflops", "900"],                                     # no --model-params
+    ["--prefill-tokens-per-s", "1e4", "--model-params", "8e9", "--gpu-tflops", "900"],
+    ["--mfu", "0.5"],                                            # no FLOPs estimate
+    ["--prefill-tokens-per-s", "1e4", "--mfu", "0.5"],
+])
+def test_cli_plan_refuses_recompute_options_it_would_ignore(extra):
+    """--model-params without --gpu-tflops (or the reverse), both ways of
+    timing the recompute at once (README: --prefill-tokens-per-s R |
+    --model-params P --gpu-tflops T), or --mfu with no FLOPs estimate were
+    accepted and silently ignored: the plan had no recompute time, or the
+    other one.  A usage error names what goes together instead."""
+    args = ["plan", "--model-layers", "32", "--kv-heads", "8", "--head-dim", "128",
+            "--tokens", "8192", "--device-gbps", "6", *extra]
+    for fmt in (["--json"], []):
+        res = CliRunner().invoke(cli, args + fmt)
+        assert res.exit_code == 2, (res.exit_code, res.output, res.exception)
+        assert "--model-params" in res.output and "--gpu-tflops" in res.output, res.output
+
+
+def test_plan_refuses_recompute_inputs_it_would_ignore():
+    base = dict(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0)
+    for extra in ({"model_params": 8e9}, {"gpu_tflops": 900.0},
+                  {"prefill_tokens_per_s": 1e4, "model_params": 8e9, "gpu_tflops": 900.0}):
+        with pytest.raises(ConfigError, match="model_params"):
+            plan(**base, **extra)

@@ -633,6 +633,20 @@ def plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, sessi
     break-even against recompute, for a deployment larger than this machine."""
     from kvblock.plan import plan as make_plan
 
+    # Options that would be ignored are refused: the recompute time comes
+    # from --prefill-tokens-per-s, or from --model-params with --gpu-tflops
+    # (at --mfu), not from half of the pair nor from both.
+    why = None
+    if (model_params is None) != (gpu_tflops is None):
+        why = "--model-params and --gpu-tflops go together"
+    elif prefill_tokens_per_s is not None and model_params is not None:
+        why = ("give --prefill-tokens-per-s or --model-params with --gpu-tflops, not both")
+    elif model_params is None and click.get_current_context().get_parameter_source("mfu") \
+            is not click.core.ParameterSource.DEFAULT:
+        why = "--mfu applies to --model-params with --gpu-tflops only"
+    if why:
+        raise click.UsageError(f"{why} (the recompute time: --prefill-tokens-per-s R, or "
+                               "--model-params P --gpu-tflops T [--mfu F])")
     p = make_plan(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                   kv_parts=kv_parts, tokens=tokens, concurrency=concurrency, devices=devices,
                   device_gbps=device_gbps, tp=tp, sessions=sessions,
