@@ -122,13 +122,19 @@ def console():
     return Console(**plain) if sys.stdout.isatty() else Console(width=400, **plain)
 
 
+# bench's options of the save/restore workloads only (the raw ones ignore them)
+STORE_BENCH_OPTIONS = ("layers", "kv_heads", "head_dim", "dtype", "block_tokens", "head_groups",
+                       "run_blocks", "jobs", "verify")
+
+
 @cli.command()
 @click.argument("target")
 @click.option("--workload",
               type=click.Choice(["read", "write", "randread", "randwrite", "save", "restore"]),
               default="read", show_default=True,
               help="Raw I/O pattern (fio's names), or save/restore runs through the store.")
-@click.option("--bs", type=SIZE, default="1M", show_default=True, help="Bytes per I/O.")
+@click.option("--bs", type=SIZE, default="1M", show_default=True,
+              help="Bytes per I/O (raw workloads; save/restore: --run-blocks).")
 @click.option("--qd", type=click.IntRange(1, 4096), default=32, show_default=True,
               help="I/Os in flight.")
 @click.option("--size", type=SIZE, default=None,
@@ -163,6 +169,19 @@ def bench(target, workload, bs, qd, size, seconds, engine, layers, kv_heads, hea
     data (a filesystem, partition table, a kvblock store other than a bench
     store) they need --force.  Read workloads write nothing.
     """
+    # An option of the other kind of workload would be ignored, and the
+    # numbers come out for another I/O size or model than asked: refused.
+    store_run = workload in ("save", "restore")
+    ctx = click.get_current_context()
+    ignored = [f"--{name.replace('_', '-')}"
+               for name in (("bs",) if store_run else STORE_BENCH_OPTIONS)
+               if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT,
+                                                         click.core.ParameterSource.DEFAULT_MAP)]
+    if ignored:
+        raise click.UsageError(
+            f"{', '.join(ignored)}: not an option of --workload {workload} "
+            + ("(an I/O of save/restore is one run: give --run-blocks)" if store_run else
+               "(the store's options are for --workload save and restore)"))
     if workload in ("write", "randwrite", "save", "restore"):
         from kvblock.bench.store_bench import BENCH_MODEL
         from kvblock.store.provision import guard_overwrite

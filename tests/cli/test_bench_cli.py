@@ -473,3 +473,27 @@ def test_a_size_of_zero_is_refused_not_taken_as_none(tmp_path, file_target):
                                    "--seconds", "0.1"])
     assert res.exit_code == 8 and "--size must be positive" in res.output, res.output
     assert not missing.exists()
+
+
+@pytest.mark.parametrize("workload,extra", [
+    ("save", ["--bs", "4M"]),                  # a run's data is --run-blocks blocks
+    ("restore", ["--bs", "64K"]),
+    ("read", ["--layers", "4"]),               # the raw workloads format no store
+    ("randread", ["--run-blocks", "8"]),
+    ("write", ["--verify", "never"]),
+    ("read", ["--jobs", "8"]),
+    ("randwrite", ["--dtype", "float16"]),
+])
+def test_bench_refuses_options_its_workload_would_ignore(file_target, workload, extra):
+    """--bs with save/restore (whose I/O is a run of --run-blocks blocks) and
+    the store options (--layers, --run-blocks, --jobs, --verify...) with a raw
+    workload were accepted and ignored: the numbers came out for another
+    I/O size or model than asked, exit 0.  A usage error names the option
+    and the workloads it applies to; the target is not touched."""
+    path = file_target(16 << 20)
+    before = os.stat(path).st_mtime_ns
+    res = CliRunner().invoke(cli, ["bench", path, "--workload", workload, *extra,
+                                   "--seconds", "0.1", "--json"])
+    assert res.exit_code == 2, (res.exit_code, res.output)
+    assert extra[0] in res.output and workload in res.output, res.output
+    assert os.stat(path).st_mtime_ns == before
