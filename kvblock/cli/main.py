@@ -6,6 +6,7 @@ stderr and exit with a code that names the kind of failure (see EXIT_CODES).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -182,29 +183,46 @@ def bench(target, workload, bs, qd, size, seconds, engine, layers, kv_heads, hea
             f"{', '.join(ignored)}: not an option of --workload {workload} "
             + ("(an I/O of save/restore is one run: give --run-blocks)" if store_run else
                "(the store's options are for --workload save and restore)"))
-    if workload in ("write", "randwrite", "save", "restore"):
+    writes = workload in ("write", "randwrite", "save", "restore")
+    if writes:
         from kvblock.bench.store_bench import BENCH_MODEL
         from kvblock.store.provision import guard_overwrite
 
         guard_overwrite(target, f"kvblock bench --workload {workload}", force=force, yes=yes,
                         allow_model=BENCH_MODEL if workload in ("save", "restore") else False)
-    if workload in ("save", "restore"):
-        from kvblock.bench.store_bench import run_store_bench
-        from kvblock.layout import Geometry
+    with _writes_over(f"bench --workload {workload} writes over the target", "bench") \
+            if writes else contextlib.nullcontext():
+        if workload in ("save", "restore"):
+            from kvblock.bench.store_bench import run_store_bench
+            from kvblock.layout import Geometry
 
-        geometry = Geometry(layers, kv_heads, head_dim, dtype, block_tokens, 2, head_groups)
-        result = _with_progress(
-            lambda progress: run_store_bench(target, workload, geometry, run_blocks, seconds,
-                                             size, engine, verify, jobs, qd, progress),
-            f"{workload} {run_blocks} blocks/run", seconds, quiet=as_json)
-        _emit(result, as_json, f"kvblock bench {target}")
-        return
-    from kvblock.bench.raw import as_dict, run_raw
+            geometry = Geometry(layers, kv_heads, head_dim, dtype, block_tokens, 2, head_groups)
+            result = _with_progress(
+                lambda progress: run_store_bench(target, workload, geometry, run_blocks,
+                                                 seconds, size, engine, verify, jobs, qd,
+                                                 progress),
+                f"{workload} {run_blocks} blocks/run", seconds, quiet=as_json)
+        else:
+            from kvblock.bench.raw import as_dict, run_raw
 
-    result = _with_progress(
-        lambda progress: run_raw(target, workload, bs, qd, seconds, size, engine, progress),
-        f"{workload} {bs}B qd{qd}", seconds, quiet=as_json)
-    _emit(as_dict(result), as_json, f"kvblock bench {target}")
+            result = as_dict(_with_progress(
+                lambda progress: run_raw(target, workload, bs, qd, seconds, size, engine,
+                                         progress),
+                f"{workload} {bs}B qd{qd}", seconds, quiet=as_json))
+    _emit(result, as_json, f"kvblock bench {target}")
+
+
+@contextlib.contextmanager
+def _writes_over(why: str, command: str):
+    """A target another process holds (a store server's file) refused with
+    the fix for a command that writes: the device's own "open it read-only"
+    is none for it."""
+    try:
+        yield
+    except errors.DeviceBusyError as e:
+        from kvblock.cli.admin import _writer_busy
+
+        raise _writer_busy(e, why, command) from None
 
 
 def _with_progress(fn, label, total, *, quiet):
@@ -237,8 +255,9 @@ def selfcheck(path, size, yes, force, as_json):
     if path != SELFCHECK_PATH:        # the default is kvblock's own scratch file
         guard_overwrite(path, "kvblock selfcheck", force=force, yes=yes)
     # a scratch file made at a path given is removed; the default one is kept for the next run
-    _emit(run_selfcheck(path, size, keep_created=path == SELFCHECK_PATH), as_json,
-          "kvblock selfcheck")
+    with _writes_over("selfcheck writes over the target", "selfcheck"):
+        report = run_selfcheck(path, size, keep_created=path == SELFCHECK_PATH)
+    _emit(report, as_json, "kvblock selfcheck")
 
 
 @cli.command()

@@ -497,3 +497,25 @@ def test_bench_refuses_options_its_workload_would_ignore(file_target, workload, 
     assert res.exit_code == 2, (res.exit_code, res.output)
     assert extra[0] in res.output and workload in res.output, res.output
     assert os.stat(path).st_mtime_ns == before
+
+
+def test_writing_tools_on_a_served_store_do_not_say_open_it_read_only(tmp_path):
+    """bench's writing workloads and selfcheck on a store file a server
+    holds were refused (exit 5) with the device's own advice, "stop the
+    other process or open it read-only": none of them can write read-only.
+    They say to stop the server that holds it, as format and trim do."""
+    from kvblock.store.server import serve_in_background
+
+    path = str(tmp_path / "kv.img")
+    res = CliRunner().invoke(cli, ["format", path, "--size", "16M", "--layers", "2",
+                                   "--kv-heads", "2", "--head-dim", "32",
+                                   "--block-tokens", "16"])
+    assert res.exit_code == 0, res.output
+    with serve_in_background([path], str(tmp_path / "kv.sock")):
+        for args in (["bench", path, "--workload", "write", "--force", "--seconds", "0.1"],
+                     ["bench", path, "--workload", "save", "--force", "--seconds", "0.1"],
+                     ["selfcheck", "--path", path, "--force", "--size", "1M"]):
+            res = _kvb(*args)
+            assert res.returncode == 5, (args, res.returncode, res.stderr)
+            assert path in res.stderr and "stop the store server" in res.stderr, res.stderr
+            assert "read-only" not in res.stderr, res.stderr
