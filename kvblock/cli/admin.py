@@ -392,6 +392,14 @@ def stats(devices, socket_path, port, address, interval, as_json):
 
     if bool(devices) == bool(socket_path):
         raise click.UsageError("give either DEVICES or --socket")
+    if port is None:
+        # they shape the exporter only: taken without it, they did nothing
+        ctx = click.get_current_context()
+        given = [f"--{name}" for name in ("interval", "address")
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} goes with --prometheus PORT (without "
+                                   "it stats prints the numbers once)")
     read = (lambda: _server_stats(socket_path)) if socket_path else \
         (lambda: _device_stats(devices))
     if port is None:

@@ -1667,3 +1667,17 @@ def test_fsck_of_a_store_whose_checkpoints_cannot_be_read_is_unusable(file_targe
     assert len(out["problems"]) == 1 and "EIO" in out["problems"][0]
     res = kvb("fsck", path)
     assert res.returncode == 9 and "unusable" in res.stdout
+
+
+@pytest.mark.parametrize("extra", [["--interval", "1"], ["--address", "0.0.0.0"]])
+def test_stats_refuses_prometheus_options_without_prometheus(file_target, extra):
+    """--interval and --address only shape the --prometheus exporter; without
+    it they were accepted and ignored (one read, printed, exit 0), so
+    `kvblock stats DEV --interval 1` looked like a refresh that never came.
+    A usage error names the option and --prometheus."""
+    path = file_target(16 << 20)
+    formatted(path)
+    res = kvb("stats", path, *extra, "--json")
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    assert extra[0] in res.stderr and "--prometheus" in res.stderr, res.stderr
+    assert res.stdout == ""
