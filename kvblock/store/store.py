@@ -1452,17 +1452,20 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self._release_devices()
 
     def _release_devices(self):
-        if getattr(self, "_kvikio", None) is not None:
-            self._kvikio.close()
-            self._kvikio = None
-        if getattr(self, "host", None) is not None:
-            self.host.close()
-            self.host = None
-        self.spares.close()
-        self._stagings.close()
-        if self.io is not None:
-            self.io.close()
-            self.io = None
+        # Each is released past one whose close raises (a kvikio close error
+        # left the devices open, their locks held: no store could open them
+        # while this process lived); the error is raised after.
+        kvikio, host, io = getattr(self, "_kvikio", None), getattr(self, "host", None), self.io
+        self._kvikio = self.host = self.io = None
+        with contextlib.ExitStack() as stack:      # closes in the reverse order of these
+            if io is not None:
+                stack.callback(io.close)
+            stack.callback(self._stagings.close)
+            stack.callback(self.spares.close)
+            if host is not None:
+                stack.callback(host.close)
+            if kvikio is not None:
+                stack.callback(kvikio.close)
 
     def __enter__(self) -> "KVStore":
         return self

@@ -3,6 +3,7 @@ eviction and admission, pins, multi-device striping, and every typed error."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -1850,3 +1851,27 @@ def test_eviction_after_a_crash_takes_the_oldest_region_not_the_lowest_numbered(
         assert store.evict((len(store.regions.free) + 1) * store.regions.size) == 1
         assert store.lookup(runs[-1]) == 25                # the newest run stays
         assert store.lookup(runs[1]) == 0                  # the oldest left goes
+
+
+def test_a_close_whose_kvikio_reader_fails_to_close_still_releases_the_devices(tmp_path):
+    """close() released the kvikio reader first, and its error (a CuFile
+    close failing) skipped the rest: the DRAM tier, the staging buffers
+    and the devices stayed open, their locks held, so no store could open
+    the file again while the process lived.  Everything is released; the
+    error is raised after."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    _format([path]).close()
+    store = KVStore.open([str(path)], host_cache_bytes=1 << 20)
+    engine = store.io.engine
+
+    class Reader:
+        def close(self):
+            raise OSError(errno.EIO, "cuFileHandleDeregister failed")
+
+    store._kvikio = Reader()
+    with pytest.raises(OSError, match="cuFileHandleDeregister"):
+        store.close()
+    assert store.closed and store.io is None and store.host is None and engine.closed
+    with KVStore.open([str(path)]) as again:      # the lock is free
+        assert again.lookup([b"x"]) == 0
