@@ -776,5 +776,6 @@ def serve(devices, socket_path, model, eviction, admit_after, engine, verify, id
             click.echo("kvblock serve: stopped", err=True)
             raise
         status = run_forever(server, stop)
-    click.echo(f"kvblock serve: stopped ({'store failed' if status else 'clean'})", err=True)
+    how = f"store failed: {server.failed}" if status else "clean"
+    click.echo(f"kvblock serve: stopped ({how})", err=True)
     sys.exit(status)

@@ -1294,6 +1294,25 @@ def test_serve_refuses_a_socket_path_too_long_before_touching_the_store(tmp_path
     assert store.read_bytes() == before and not (tmp_path / "new").exists()
 
 
+def test_serve_that_stops_on_a_failure_says_which(tmp_path, monkeypatch):
+    """A server that stopped because its store failed (a metadata write,
+    its listener) exited 1 saying only "stopped (store failed)": the
+    operator had to find the reason elsewhere.  The line names it."""
+    from kvblock.errors import StoreClosedError
+    from kvblock.store import server as server_mod
+
+    def fails(server, stop):
+        server.failed = StoreClosedError("metadata write failed; store closed")
+        server.stop()
+        return 1
+    monkeypatch.setattr(server_mod, "run_forever", fails)
+    store = tmp_path / "st.img"
+    assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
+    res = kvb("serve", store, "--socket", tmp_path / "kv.sock")
+    assert res.returncode == 1
+    assert "stopped (store failed: metadata write failed; store closed)" in res.stderr, res.stderr
+
+
 def test_a_store_servers_numbers_are_gauges_and_its_pid_no_metric(file_target, tmp_path):
     """clients and pinned_regions go up and down: exported as counters,
     Prometheus would read each fall as a reset.  The server's pid is no
