@@ -90,6 +90,16 @@ def _is_file(path) -> bool:
         return False
 
 
+def _model_name(ctx, param, value):
+    """--model: an empty name (``--model "$MODEL"`` with MODEL unset) is a
+    model of its own, which every later open naming the real one refuses
+    (exit 13): refused here instead."""
+    if value is not None and not value.strip():
+        raise click.BadParameter("is empty; name the model (e.g. meta-llama/Llama-3.1-8B@rev) "
+                                 "or leave --model out")
+    return value
+
+
 @cli.command()
 @click.argument("devices", nargs=-1, required=True)
 @click.option("--layers", type=click.IntRange(1), required=True, help="Model layers.")
@@ -101,7 +111,8 @@ def _is_file(path) -> bool:
               help="Tensor-parallel degree the layout is cut for.")
 @click.option("--kv-parts", type=click.IntRange(1, 2), default=2, show_default=True,
               help="2 for K and V, 1 for MLA latent.")
-@click.option("--model", default=None, help="Model identity; the store refuses other models.")
+@click.option("--model", default=None, callback=_model_name,
+              help="Model identity; the store refuses other models.")
 @click.option("--region-size", type=SIZE, default=None, help="Allocation region size.")
 @click.option("--size", type=SIZE, default=None,
               help="Create the store files that do not exist yet, of this size (space "
@@ -259,7 +270,8 @@ def _info(store) -> dict:
 
 @cli.command()
 @click.argument("devices", nargs=-1, required=True)
-@click.option("--model", default=None, help="Check the store serves this model.")
+@click.option("--model", default=None, callback=_model_name,
+              help="Check the store serves this model.")
 @click.option("--json", "as_json", is_flag=True)
 def info(devices, model, as_json):
     """Superblock, geometry, devices, capacity, usage and clean/dirty state (read-only)."""
@@ -717,7 +729,8 @@ def report(bench_json, out, md_path, as_json):
 @click.argument("devices", nargs=-1, required=True)
 @click.option("--socket", "socket_path", required=True,
               help="Unix socket the rank processes connect to.")
-@click.option("--model", default=None, help="Check the store serves this model.")
+@click.option("--model", default=None, callback=_model_name,
+              help="Check the store serves this model.")
 @click.option("--eviction", type=click.Choice(["lru", "fifo"]), default="lru", show_default=True)
 @click.option("--admit-after", type=click.IntRange(1), default=1, show_default=True,
               help="Write a run to flash only at its N-th offer.")

@@ -1294,6 +1294,19 @@ def test_serve_refuses_a_socket_path_too_long_before_touching_the_store(tmp_path
     assert store.read_bytes() == before and not (tmp_path / "new").exists()
 
 
+def test_an_empty_model_name_is_refused(tmp_path):
+    """`--model "$MODEL"` with MODEL unset stamped the store with the empty
+    name's fingerprint, a model of its own: every later open naming the
+    real model was refused (exit 13).  A usage error says so at once."""
+    store = tmp_path / "st.img"
+    res = kvb("format", store, "--size", "8M", *GEOM_ARGS, "--model", "")
+    assert res.returncode == 2 and "--model" in res.stderr and "is empty" in res.stderr
+    assert not store.exists()
+    assert kvb("format", store, "--size", "8M", *GEOM_ARGS, "--model", "m@1").returncode == 0
+    res = kvb("info", store, "--model", " ")
+    assert res.returncode == 2 and "is empty" in res.stderr
+
+
 def test_serve_that_stops_on_a_failure_says_which(tmp_path, monkeypatch):
     """A server that stopped because its store failed (a metadata write,
     its listener) exited 1 saying only "stopped (store failed)": the
