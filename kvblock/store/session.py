@@ -152,6 +152,21 @@ def fence_files(dev0: Device, socket_path: str) -> list[int]:
     return fds
 
 
+def _not_a_socket(path: str) -> str | None:
+    """What is at ``path`` when it exists and is no socket (a regular file,
+    a directory...), in words; None otherwise."""
+    import stat
+
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return ("a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode)
+            else "a device or pipe")
+
+
 def open_socket(path: str, timeout: float | None) -> socket.socket:
     """A socket connected to the server at ``path``; ServerGoneError (with
     the command that starts one) when nobody answers there, ServerBusyError
@@ -168,6 +183,11 @@ def open_socket(path: str, timeout: float | None) -> socket.socket:
             # A full backlog fails a connect with a timeout at once (EAGAIN),
             # where a blocking one waits: a live server, so wait as well.
             if e.errno != errno.EAGAIN and not isinstance(e, TimeoutError):
+                what = _not_a_socket(path)
+                if what:     # (connect says ECONNREFUSED): no serve would listen there
+                    raise ServerGoneError(
+                        f"no store server at {path}: it is {what}, not a socket; give the "
+                        "--socket path `kvblock serve` listens on") from None
                 why = {errno.ENOENT: "no socket there", errno.ECONNREFUSED: "nobody listening "
                        "(a stale socket of a stopped server)"}.get(e.errno, str(e))
                 raise ServerGoneError(f"no store server at {path}: {why}; start one with "

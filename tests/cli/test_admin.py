@@ -1307,6 +1307,17 @@ def test_an_empty_model_name_is_refused(tmp_path):
     assert res.returncode == 2 and "is empty" in res.stderr
 
 
+def test_stats_through_a_path_that_is_no_socket_says_so(file_target, tmp_path):
+    """--socket naming the store file (or any regular file) was answered "nobody
+    listening (a stale socket of a stopped server)": it names what is there."""
+    path = file_target(16 << 20)
+    res = kvb("stats", "--socket", path, "--json")
+    assert res.returncode == 18, res.stderr
+    assert "it is a regular file, not a socket" in res.stderr and "stale" not in res.stderr
+    res = kvb("stats", "--socket", tmp_path, "--json")
+    assert res.returncode == 18 and "it is a directory, not a socket" in res.stderr
+
+
 def test_serve_that_stops_on_a_failure_says_which(tmp_path, monkeypatch):
     """A server that stopped because its store failed (a metadata write,
     its listener) exited 1 saying only "stopped (store failed)": the
