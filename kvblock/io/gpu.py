@@ -77,10 +77,20 @@ class KvikioReader:
 
 
 def gpu_path(store, sample_bytes: int = 64 << 20) -> str:
-    """"kvikio" or "host" for loads into CUDA memory from this store (cached)."""
-    chosen = getattr(store, "_gpu_path", None)
+    """"kvikio" or "host" for loads into CUDA memory from this store (cached
+    while the store's verify stays as it was when chosen: a store server's
+    client following the server's default takes a restarted server's)."""
+    chosen = _cached(store)
     if chosen:
         return chosen
+    verify = store.verify
+    chosen = _choose(store, sample_bytes)
+    store._gpu_path_verify = verify     # (read before: a change meanwhile chooses again)
+    return chosen
+
+
+def _choose(store, sample_bytes: int) -> str:
+    """gpu_path's choice, made now (and cached on the store)."""
     forced = os.environ.get("KVBLOCK_GPU_PATH", "").strip().lower()
     if forced:
         if forced not in GPU_PATHS:
@@ -105,8 +115,25 @@ def gpu_path(store, sample_bytes: int = 64 << 20) -> str:
     # one reader, and the one that found the host faster would close it
     # (_drop_reader) under the other's kvikio load (and flip the choice).
     with _CHOOSING:
-        chosen = getattr(store, "_gpu_path", None)
+        chosen = _cached(store)
         return chosen if chosen else _measure(store, sample_bytes)
+
+
+def _cached(store) -> str | None:
+    """The store's cached choice, or None when there is none or the store's
+    verify has changed since it was made (a RemoteStore(verify=None)
+    reconnected to a server with another --verify): kvikio reads land in
+    GPU memory past the host checksums, so a kvikio choice must not outlive
+    verify="always", nor a host choice made only for verify="always"
+    outlive it."""
+    chosen = getattr(store, "_gpu_path", None)
+    if not chosen:
+        return None
+    made_for = getattr(store, "_gpu_path_verify", None)
+    if made_for is not None and made_for != store.verify:
+        store._gpu_path = None
+        return None
+    return chosen
 
 
 _CHOOSING = threading.Lock()

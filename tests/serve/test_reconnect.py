@@ -1129,3 +1129,32 @@ def test_a_reconnect_takes_the_new_servers_verify_default_unless_one_was_given(t
         follows.close()
         own.close()
         server.stop()
+
+
+def test_a_reconnect_to_a_server_that_verifies_makes_cuda_loads_verify_too(tmp_path,
+                                                                           monkeypatch):
+    """The load path into CUDA memory is chosen once per store and cached;
+    kvikio reads bypass the host checksums, so verify="always" means the
+    host path.  A rank following the server's verify default (verify=None)
+    that chose kvikio under a server with --verify never must not keep
+    reading through kvikio, unverified, after a reconnect to one with
+    --verify always."""
+    from kvblock.io.gpu import gpu_path
+
+    monkeypatch.setenv("KVBLOCK_GPU_PATH", "kvikio")
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock, verify="never")
+    follows = RemoteStore(sock, reconnect=True)
+    try:
+        assert gpu_path(follows) == "kvikio"
+        server.stop()
+        with pytest.raises(ServerGoneError):
+            follows.lookup(run_keys(1, 1))
+        server = serve_in_background([path], sock, verify="always")
+        _wait_alive(follows)
+        assert follows.verify == "always"
+        assert gpu_path(follows) == "host"
+    finally:
+        follows.close()
+        server.stop()
