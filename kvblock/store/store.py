@@ -111,6 +111,11 @@ class PinHandle(list):
     released = False
     host_keys: tuple = ()
 
+    def __bool__(self) -> bool:
+        # a prefix held only in DRAM pins no stretch, but is pinned: a caller
+        # taking an empty handle for a miss would never release it
+        return bool(len(self) or self.host_keys)
+
 
 def _open_devices(devices, readonly=False) -> list[Device]:
     check_distinct([d.path if isinstance(d, Device) else d for d in devices])

@@ -782,6 +782,25 @@ def test_pin_holds_the_whole_prefix_lookup_reports_with_a_dram_tier(tmp_path):
         assert not store.host.pins           # released: the tier may drop head again
 
 
+def test_a_pin_of_a_prefix_held_only_in_dram_is_a_pin(tmp_path):
+    """A prefix the DRAM tier alone holds pins no device stretch: its handle
+    was an empty list, which callers (the LMCache plugin: `if not segs`)
+    take for a miss and never release, leaving the blocks pinned in the
+    tier for good.  The handle is true when it pins anything."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(1, 2)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=4 * GEOM.block_bytes) as store:
+        assert store.put_run(keys, run_data(keys)) == 2
+        store.evict(all=True)                # in DRAM only
+        pins = store.pin(keys)
+        assert pins and len(pins) == 0 and pins.host_keys == tuple(normalize_keys(keys))
+        assert not store.pin(run_keys(2, 1))  # nothing stored: nothing pinned
+        store.unpin(pins)
+        assert not store.host.pins
+
+
 def test_a_tier_whose_blocks_are_all_pinned_takes_no_new_one():
     tier = HostTier(2 * 4096, 4096)
     tier.put(b"a" * 16, block(1))
