@@ -126,6 +126,9 @@ def console():
 # bench's options of the save/restore workloads only (the raw ones ignore them)
 STORE_BENCH_OPTIONS = ("layers", "kv_heads", "head_dim", "dtype", "block_tokens", "head_groups",
                        "run_blocks", "jobs", "verify")
+# restore's alone: save is one writer, and a put writes its checksums whatever
+# the reads' verify mode.
+RESTORE_ONLY_OPTIONS = ("jobs", "verify")
 
 
 @cli.command()
@@ -174,14 +177,18 @@ def bench(target, workload, bs, qd, size, seconds, engine, layers, kv_heads, hea
     # numbers come out for another I/O size or model than asked: refused.
     store_run = workload in ("save", "restore")
     ctx = click.get_current_context()
+    not_used = (("bs",) + (RESTORE_ONLY_OPTIONS if workload == "save" else ())
+                if store_run else STORE_BENCH_OPTIONS)
     ignored = [f"--{name.replace('_', '-')}"
-               for name in (("bs",) if store_run else STORE_BENCH_OPTIONS)
+               for name in not_used
                if ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT,
                                                          click.core.ParameterSource.DEFAULT_MAP)]
     if ignored:
         raise click.UsageError(
             f"{', '.join(ignored)}: not an option of --workload {workload} "
-            + ("(an I/O of save/restore is one run: give --run-blocks)" if store_run else
+            + ("(an I/O of save/restore is one run: give --run-blocks)" if "--bs" in ignored
+               else "(they are for --workload restore: save is one writer, and its puts "
+               "write checksums either way)" if store_run else
                "(the store's options are for --workload save and restore)"))
     writes = workload in ("write", "randwrite", "save", "restore")
     if writes:
