@@ -81,3 +81,23 @@ def test_every_environment_variable_kvblock_reads_is_in_the_readme():
     elsewhere += (root / "Makefile").read_text()
     assert {v for v in documented if v not in elsewhere} == set(), \
         "named in README.md, read nowhere"
+
+
+def test_stats_row_puts_interval_and_address_under_prometheus():
+    """--interval and --address shape the --prometheus exporter alone
+    (without it, kvblock stats refuses them: exit 2), but README's row showed
+    no --interval and said the device gauges are "re-read every --interval",
+    as if a plain `kvblock stats DEV --interval 1` refreshed."""
+    from click.testing import CliRunner
+
+    from kvblock.cli.main import cli
+
+    row = re.search(r"^\| `kvblock stats ([^`]*)` \| ([^\n]*)", README, re.MULTILINE)
+    usage, what = row.groups()
+    exporter = usage[usage.index("[--prometheus"):]
+    for opt in ("--interval", "--address"):
+        assert opt in exporter, f"README's stats row shows {opt} outside --prometheus"
+        res = CliRunner().invoke(cli, ["stats", "/nonexistent.img", opt, "1"])
+        assert res.exit_code == 2 and "--prometheus" in res.output, res.output
+    before = what[:what.index("Prometheus")]
+    assert "--interval" not in before, "the row ties --interval to the one-shot read"
