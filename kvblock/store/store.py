@@ -106,10 +106,12 @@ LOAD_STAGING_KEEP = 128 << 20
 
 class PinHandle(list):
     """What :meth:`KVStore.pin` returns: the pinned stretches, released once
-    (``host_keys``: the blocks pinned in the DRAM tier, held only there)."""
+    (``host_keys``: the blocks pinned in the DRAM tier, held only there;
+    ``store``: the open store whose regions it pins)."""
 
     released = False
     host_keys: tuple = ()
+    store = None
 
     def __bool__(self) -> bool:
         # a prefix held only in DRAM pins no stretch, but is pinned: a caller
@@ -938,8 +940,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         keys = normalize_keys(keys)
         if self.host is None:
             with self._lock:
-                return PinHandle(self._segments(keys))
-        return self._pin_tiered(keys)
+                handle = PinHandle(self._segments(keys))
+        else:
+            handle = self._pin_tiered(keys)
+        handle.store = self
+        return handle
 
     def _pin_tiered(self, keys: list[bytes]) -> PinHandle:
         """pin() with a DRAM tier: the prefix lookup() counts, its stretches
@@ -975,6 +980,13 @@ class KVStore(Recovery, RunReader, RunWriter):
             raise ConfigError("unpin: pass the handle pin() returned")
         if pins.released:
             raise ConfigError("unpin: this pin handle was released already")
+        if pins.store is not self:
+            # Its runs and regions are another open's: counted down here,
+            # a region's pins would go below 0, and a region whose pins are
+            # not 0 is never evicted or freed again.
+            raise ConfigError("unpin: this pin handle is from another open of the store (or "
+                              "another store); release it on the store that pin() gave it, "
+                              "a reopen ends that open's pins")
         pins.released = True
         self._unpin(pins)
         if pins.host_keys and self.host is not None:

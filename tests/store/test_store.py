@@ -899,6 +899,23 @@ def test_a_pin_is_released_once(store_path):
         store.stats()
 
 
+
+def test_a_pin_handle_of_another_open_is_refused_not_counted(store_path):
+    """A handle pin() gave before a reopen (or from another store) names
+    regions of that open: released on this one, it counted a region's pins
+    down to -1, and a region with pins other than 0 is never evicted nor
+    freed (evict(all=True) kept its runs, clear() would leave it used)."""
+    keys = run_keys(53, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+        old = store.pin(keys)
+    with KVStore.open([str(store_path)]) as store:
+        region = next(iter(store.index.runs.values())).region
+        with pytest.raises(ConfigError, match="another open of the store"):
+            store.unpin(old)
+        assert store.regions.pins[region] == 0
+        assert store.evict(all=True) == 1 and store.lookup(keys) == 0
+
 def test_concurrent_writers_and_readers(tmp_path):
     path = tmp_path / "mt.img"
     create_file(path, 16 * MIB)
