@@ -65,6 +65,7 @@ from kvblock.store.store import (
     LOAD_STAGING_KEEP,
     KVStore,
     _try_superblock,
+    check_evict,
     check_key_prefix,
     time_cutoff,
 )
@@ -898,7 +899,9 @@ class RemoteStore(RunReader, RunWriter):
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim unpinned regions on the server (see KVStore.evict)."""
         self._check_open(writing=True)
-        return int(self._call("evict", nbytes=nbytes, all=bool(all)))
+        check_evict(nbytes, all)      # bool("no") is True: the whole shared store would go
+        return int(self._call("evict", nbytes=None if nbytes is None else int(nbytes),
+                              all=bool(all)))
 
     def evict_older_than(self, cutoff: float) -> int:
         """Reclaim unpinned regions sealed before ``cutoff`` on the server

@@ -1270,9 +1270,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         """Reclaim sealed regions by policy until ``nbytes`` are free (or all
         unpinned ones with ``all=True``).  Returns regions reclaimed."""
         self._check_open(writing=True)
-        if nbytes is not None and (isinstance(nbytes, bool) or
-                                   not isinstance(nbytes, (int, np.integer)) or nbytes < 0):
-            raise ConfigError(f"evict: nbytes must be a byte count >= 0, got {nbytes!r}")
+        check_evict(nbytes, all)
         reclaimed, failed = 0, None
         while True:
             with self._lock:
@@ -1565,6 +1563,22 @@ def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
         if unreadable:  # what the unread copy holds is unknown: no proof of corruption
             raise unreadable[0] from None
         raise
+
+
+def check_evict(nbytes, all) -> None:
+    """evict()'s arguments: a byte count or all=True, else ConfigError
+    (a truthy all="no" would evict the whole store; neither argument
+    reclaimed nothing and said 0; with both, nbytes was ignored)."""
+    if nbytes is not None and (isinstance(nbytes, bool) or
+                               not isinstance(nbytes, (int, np.integer)) or nbytes < 0):
+        raise ConfigError(f"evict: nbytes must be a byte count >= 0, got {nbytes!r}")
+    if not isinstance(all, (bool, np.bool_)):
+        raise ConfigError(f"evict: all must be True or False, got {all!r}")
+    if (nbytes is None) == (not all):
+        raise ConfigError("evict: give nbytes or all=True" +
+                          (", not both" if all else
+                           " (evict(0) reclaims nothing; evict_older_than(cutoff) takes "
+                           "regions by age)"))
 
 
 def time_cutoff(value) -> float:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kvblock import KVStore, create_file
+from kvblock.errors import ConfigError
 from kvblock.index import normalize_keys
 from kvblock.store.client import RemoteStore
 from kvblock.store.protocol import encode_keys, encode_msg, recv_msg
@@ -232,7 +233,13 @@ def test_evict_with_arguments_of_the_wrong_type_is_refused(store_file, sock, arg
             for i in range(12):
                 keys = run_keys(i, 3)
                 assert r.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys)), i
-            assert r.evict(all=False) == 0 and r.evict_older_than(0) == 0
+            assert r.evict(0) == 0 and r.evict_older_than(0) == 0
+            # refused on the client too: bool("false") is True
+            with pytest.raises(ConfigError, match="all must be True or False"):
+                r.evict(all="false")
+            with pytest.raises(ConfigError, match="give nbytes or all=True"):
+                r.evict()
+            assert server.store.counters["evicted_regions"] == 0
         finally:
             r.close()
         _still_serves(server, sock, 3)

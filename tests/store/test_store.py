@@ -832,6 +832,25 @@ def test_bad_put_arguments(store_path):
             store.read_range([b"a"], 0.5, 0, np.zeros(GEOM.group_block_bytes, np.uint8))
 
 
+def test_evict_refuses_arguments_it_would_ignore(store_path):
+    """evict() with neither nbytes nor all=True reclaimed nothing and
+    returned 0, as if nothing were evictable; with both, nbytes was
+    ignored (the whole store went); all='no' (truthy) evicted everything.
+    Each is a ConfigError now, before anything is reclaimed."""
+    keys = run_keys(54, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+        store.checkpoint()          # a put's space in a sealed region
+        store.evict(0)              # nothing to free for 0 bytes: fine
+        with pytest.raises(ConfigError, match="nbytes or all=True"):
+            store.evict()
+        with pytest.raises(ConfigError, match="nbytes or all=True, not both"):
+            store.evict(store.regions.size, all=True)
+        with pytest.raises(ConfigError, match="all must be True or False"):
+            store.evict(all="no")
+        assert store.lookup(keys) == 2
+
+
 def test_buffers_the_caller_passes(store_path):
     """Reads never land in a copy: a non-contiguous out is refused (numpy
     would reshape it into a copy and the read would report success with the
