@@ -233,7 +233,11 @@ class KeyIndex:
         if n == 0:
             return []
         packed = packed[:n]
-        starts = np.nonzero(np.r_[True, np.diff(packed) != 1])[0]
+        # A stretch ends where the next position is not the next one of the
+        # same run: a run of POS_MASK + 1 blocks packs its last position one
+        # below the next run id's position 0.
+        starts = np.nonzero(np.r_[True, (np.diff(packed) != 1)
+                                  | (np.diff(packed >> POS_BITS) != 0)])[0]
         counts = np.diff(np.r_[starts, n])
         return [(self.runs[int(packed[s]) >> POS_BITS], int(packed[s]) & POS_MASK, int(c), int(s))
                 for s, c in zip(starts, counts)]
@@ -244,7 +248,7 @@ class KeyIndex:
         while k < n and packed[k] >= 0:
             first = k
             k += 1
-            while k < n and packed[k] == packed[k - 1] + 1:
+            while k < n and packed[k] == packed[k - 1] + 1 and packed[k] & POS_MASK:
                 k += 1
             p = packed[first]
             out.append((self.runs[p >> POS_BITS], p & POS_MASK, k - first, first))

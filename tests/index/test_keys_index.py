@@ -295,6 +295,27 @@ def test_few_key_segments_split_at_run_ends_and_stop_at_a_miss():
     assert idx.segments([k(9), k(0)]) == []
 
 
+@pytest.mark.parametrize("few", [True, False])
+def test_segments_never_run_on_into_the_next_run(monkeypatch, few):
+    """A run may hold POS_MASK + 1 blocks (the store's max_run_blocks
+    allows 2**24): its last position packed, plus one, is the next run
+    id's position 0, and segments() ran the two runs together into one
+    stretch of the first, longer than it (a read past its end).  Shown
+    with 2 position bits: runs of 4 blocks, ids 1 and 2."""
+    import kvblock.index.index as index_mod
+
+    monkeypatch.setattr(index_mod, "POS_BITS", 2)
+    monkeypatch.setattr(index_mod, "POS_MASK", 3)
+    if not few:
+        monkeypatch.setattr(index_mod, "FEW_KEYS", 0)
+    idx = KeyIndex()
+    a, b = run(1, [0, 1, 2, 3]), run(2, [4, 5, 6, 7])
+    idx.add_many([a, b])
+    keys = [k(i) for i in range(8)]
+    assert idx.segments(keys) == [(a, 0, 4, 0), (b, 0, 4, 4)]
+    assert idx.segments(keys[2:6]) == [(a, 2, 2, 0), (b, 0, 2, 2)]
+
+
 @settings(max_examples=80, deadline=None)
 @given(ops=st.lists(st.tuples(st.booleans(),
                               st.lists(st.integers(0, 60), min_size=1, max_size=8)),
