@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import math
+import operator
 import queue
 import threading
 import time
@@ -234,6 +235,17 @@ class LoadHandle:
 
 def _tp_plan(g, tp_rank: int, tp_size: int):
     """(first store group, group count, head offset, heads) a rank reads."""
+    # A float (2.0 from a JSON config) passed every check below, then
+    # failed as a head slice in the scatter thread, after the reads; a
+    # bool rank was taken for rank 0 or 1.
+    for name, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            operator.index(value)
+        except TypeError:
+            raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    tp_rank, tp_size = operator.index(tp_rank), operator.index(tp_size)
     if not 0 <= tp_rank < tp_size:
         raise ConfigError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
     H = g.num_kv_heads

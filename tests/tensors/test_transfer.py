@@ -171,6 +171,25 @@ def test_page_ids_outside_the_cache_are_refused(path):
         assert store.stats()["runs"] == 1
 
 
+def test_tp_rank_and_size_must_be_integers(path):
+    """tp_size=2.0 (a number read from a JSON config) passed every check,
+    pinned and read the runs, then failed in the scatter thread with numpy's
+    IndexError (a float head slice), surfaced by wait(); a bool rank was taken
+    for rank 0 or 1.  Both are refused up front, as Geometry refuses them."""
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    with _store(path, geom(groups=2)) as store:
+        save_blocks(store, [b"x0"], VLLMLayout(src), [0])
+        half = [torch.zeros(2, 4, BS, H // 2, D, dtype=torch.bfloat16) for _ in range(L)]
+        for rank, size in ((1, 2.0), (1.0, 2), (True, 2), (0, "2")):
+            with pytest.raises(ConfigError, match="must be an integer"):
+                load_blocks(store, [b"x0"], VLLMLayout(half), [1], tp_rank=rank, tp_size=size)
+        assert not any(h.any() for h in half)
+        assert load_blocks(store, [b"x0"], VLLMLayout(half), [1], tp_rank=np.int64(1),
+                           tp_size=np.int32(2)).wait() == 1
+        assert torch.equal(half[0][:, 1], src[0][:, 0, :, H // 2:])
+        assert store.regions.pins.sum() == 0
+
+
 def test_a_failed_load_ends_its_reads_before_wait_raises(path, monkeypatch):
     """The scatter stage fails while the reader still has reads to do:
     wait() raises only once the reader has stopped, so no read is left in
