@@ -205,8 +205,10 @@ class LoadHandle:
     def wait_layer(self, layer: int, timeout: float | None = None) -> int:
         """Wait for one layer; returns the pages valid so far (may still shrink
         if a later layer fails its checksum: use :meth:`wait` for the final count)."""
-        # -1 would silently wait for the last one; 2.5 index the events
-        if not isinstance(layer, (int, np.integer)) or not 0 <= layer < self.num_layers:
+        # -1 would silently wait for the last one; 2.5 index the events; a
+        # bool (an int to isinstance) wait for layer 0 or 1
+        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or \
+                not 0 <= layer < self.num_layers:
             raise ConfigError(f"wait_layer: layer {layer} is not one of the store's "
                               f"{self.num_layers} layers (0-{self.num_layers - 1})")
         if not self._events[layer].wait(timeout):
