@@ -120,11 +120,12 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
     layout.check(g)
     keys = normalize_keys(keys)
     n = len(keys)
-    if len(page_ids) != n:
-        raise ConfigError(f"save: {n} keys but {len(page_ids)} page ids")
+    ids = _page_id_array(page_ids, "save")
+    if len(ids) != n:
+        raise ConfigError(f"save: {n} keys but {len(ids)} page ids")
     if n == 0:
         return 0
-    ids = _check_page_ids(layout, page_ids[:n], "save")
+    ids = _check_page_ids(layout, ids, "save")
     # Inside the store's InFlight: close() frees the staging buffer gathered
     # into below, so it waits for the gather (put_run is then refused).
     store._inflight.enter()
@@ -168,13 +169,24 @@ def _gather_and_put(store, keys, layout: CacheLayout, ids: np.ndarray) -> int:
     return store.put_run(keys, buf.array[:n * g.block_bytes])
 
 
+def _page_id_array(page_ids, what: str) -> np.ndarray:
+    """The page ids as a 1-D int64 array (a torch tensor on any device, a
+    list, a numpy array).  Before anything takes their len(): one id or a
+    generator raised TypeError "object of type 'int' has no len()"."""
+    try:
+        ids = np.asarray(page_ids.cpu() if _is_torch(page_ids) else page_ids)
+    except (TypeError, ValueError):   # ragged lists and the like
+        ids = None
+    if ids is None or ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
+        raise ConfigError(f"{what}: page ids must be a 1-D sequence of integers (one cache "
+                          f"page per key, in token order), got {type(page_ids).__name__}")
+    return ids.astype(np.int64, copy=False)
+
+
 def _check_page_ids(layout: CacheLayout, page_ids, what: str) -> np.ndarray:
     """The page ids as int64, each a page of the cache (a negative id would
     wrap around to the cache's end, one past it fail mid-copy)."""
-    ids = np.asarray(page_ids.cpu() if _is_torch(page_ids) else page_ids)
-    if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
-        raise ConfigError(f"{what}: page ids must be a 1-D sequence of integers")
-    ids = ids.astype(np.int64, copy=False)
+    ids = _page_id_array(page_ids, what)
     pages = layout.layer_views(0)[0].shape[0]
     if ids.size and (ids.min() < 0 or ids.max() >= pages):
         bad = int(ids[(ids < 0) | (ids >= pages)][0])
@@ -305,6 +317,7 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
     layout.check(g, heads=heads)
     _check_writable(layout)
     keys = normalize_keys(keys)
+    page_ids = _page_id_array(page_ids, "load")
     if len(page_ids) < len(keys):
         raise ConfigError(f"load: {len(keys)} keys but only {len(page_ids)} page ids")
     page_ids = _check_page_ids(layout, page_ids[:len(keys)], "load")

@@ -168,6 +168,14 @@ def test_page_ids_outside_the_cache_are_refused(path):
             load_blocks(store, [b"x0", b"x1"], VLLMLayout(src), [2, 4])
         with pytest.raises(ConfigError, match="integers"):
             load_blocks(store, [b"x0", b"x1"], VLLMLayout(src), [0.5, 1.5])
+        # one id for one key, or a generator: TypeError "object of type
+        # 'int' has no len()", naming neither the argument nor what to pass
+        for ids in (2, (i for i in [2])):
+            with pytest.raises(ConfigError, match="save: page ids must be a 1-D sequence"):
+                save_blocks(store, [b"x2"], VLLMLayout(src), ids)
+        for ids in (2, (i for i in [2])):
+            with pytest.raises(ConfigError, match="load: page ids must be a 1-D sequence"):
+                load_blocks(store, [b"x0"], VLLMLayout(src), ids)
         assert store.stats()["runs"] == 1
 
 
