@@ -316,10 +316,10 @@ class _BackupCleared(Exception):
     the call that the store still holds, and stopped."""
 
 
-def _ticket_run(ticket: str | None) -> str | None:
+def _ticket_run(ticket: str) -> str:
     """The store run a clear ticket names (``run:clears``, KVStore's and a
     store server's alike)."""
-    return None if ticket is None else str(ticket).rpartition(":")[0]
+    return str(ticket).rpartition(":")[0]
 
 
 def _pool_key(name) -> str:
@@ -541,18 +541,16 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return None
         return ids
 
-    def _clear_mark(self) -> tuple[int, str | None]:
+    def _clear_mark(self) -> tuple[int, str]:
         """What a backup call notes when it begins, for _cleared_since: this
         backend's clear() calls, then the store's clear ticket (a clear by
-        another rank or client of a shared store); None when
-        the store is away (the backup's puts fail on their own then)."""
+        another rank or client of a shared store).  A store that is away
+        raises (the backup fails): noted as no ticket, a reconnect before
+        the puts let the backup run with no clear or restart seen."""
         clears = self._clears
-        try:
-            return clears, self.store.clear_ticket()
-        except KVBlockError:
-            return clears, None
+        return clears, self.store.clear_ticket()
 
-    def _cleared_since(self, mark: tuple[int, str | None],
+    def _cleared_since(self, mark: tuple[int, str],
                        keys: list[bytes] | None = None) -> bool:
         """Has a clear() begun since a backup call noted ``mark``
         (_clear_mark)?  Then its later runs are not written, and ``keys``
@@ -570,7 +568,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         a store failure, whose pages not stored are answered False (those
         stored before the restart stay)."""
         clears, ticket = mark
-        now = None if ticket is None else self.store.clear_ticket()
+        now = self.store.clear_ticket()
         if self._clears == clears and now == ticket:
             return False
         if keys:
@@ -595,7 +593,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int],
                      stored: np.ndarray | None = None,
-                     clears: tuple[int, str | None] | None = None) -> int:
+                     clears: tuple[int, str] | None = None) -> int:
         """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks
         (kvblock.tensors.save_blocks: one vectorised gather per layer into the
         store's staging, one write per run); returns the pages the store
@@ -696,8 +694,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         if page_ids is None:
             return [False] * len(keys)
         kbs = [self.kvblock_key(k) for k in keys]
-        clears = self._clear_mark()
         try:
+            clears = self._clear_mark()
             ok = self._stored(kbs)
         except KVBlockError as e:
             self._failed(f"backing up {len(keys)} pages", e)
@@ -1057,8 +1055,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return False
         pool, _ = self._flat_pool(len(keys), pages)
         kbs = [self.kvblock_key(k) for k in keys]
-        clears = self._clear_mark()
         try:
+            clears = self._clear_mark()
             todo = np.nonzero(~self._stored(kbs))[0].tolist()
             self._write_pages(pool, [kbs[i] for i in todo], todo, clears=clears)
         except _BackupCleared:

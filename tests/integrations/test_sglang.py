@@ -1192,6 +1192,33 @@ def test_flat_page_calls_are_counted_in_storage_metrics(file_target, backends, m
     assert stats.prefetch_pgs == [3] and len(stats.prefetch_bandwidth) == 1
 
 
+def test_a_backup_that_cannot_note_the_clear_ticket_stores_nothing(file_target, backends):
+    """A backup notes the store's clear ticket first; a store away then (a
+    server restarting) was noted as no ticket and the backup went on: a
+    reconnect before its puts let it write with no clear or restart seen
+    (another rank's clear meanwhile: the old weights' KV stored after it).
+    It fails instead, as a store away fails a backup, every page False."""
+    from kvblock.errors import ServerGoneError
+
+    pool = HostPool(pages=8)
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    real, calls = backend.store.clear_ticket, []
+
+    def away_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise ServerGoneError("the store server went away (test)")
+        return real()
+
+    backend.store.clear_ticket = away_once
+    keys = keys_for("away", 4)
+    assert backend.batch_set_v1(keys, pool.token_indices(range(4))) == [False] * 4
+    assert backend.batch_exists(keys) == 0 and backend.stats()["store_failures"] == 1
+    assert backend.batch_set_v1(keys, pool.token_indices(range(4))) == [True] * 4
+    assert backend.batch_exists(keys) == 4
+
+
 def test_a_clear_during_a_multi_run_backup_stores_none_of_its_later_runs(file_target, backends):
     """SGLang clears the store after a weight update: a backup cut into runs
     (max_run_bytes) that a clear() overtakes after its first run holds KV of
