@@ -198,10 +198,16 @@ def main(argv=None) -> int:
     if args.size % MIB:
         p.error("--size must be a multiple of 1 MiB")
 
+    if args.run_blocks < 1:
+        p.error("--run-blocks must be positive")
+    from kvblock.errors import ConfigError
     from kvblock.layout import Geometry, RunLayout
 
-    geometry = Geometry(args.layers, args.kv_heads, args.head_dim, "bfloat16",
-                        args.block_tokens)
+    try:      # a model size below 1: a usage error here, not a traceback
+        geometry = Geometry(args.layers, args.kv_heads, args.head_dim, "bfloat16",
+                            args.block_tokens)
+    except ConfigError as e:
+        p.error(f"--layers, --kv-heads, --head-dim, --block-tokens: {e}")
     # the run's data, one range on the device: its digest trailer (a few KiB
     # after it) is an I/O of its own, which a whole-run get does not read
     args.run_bytes = RunLayout(geometry, args.run_blocks, 4096).data_bytes

@@ -60,6 +60,9 @@ def parse_case(text: str) -> tuple[str, int, int | None]:
             f"{text!r}: use workload[:bs[:qd]] with workload one of {', '.join(CASES)}")
     bs = parse_size(parts[1]) if len(parts) > 1 else CASES[parts[0]][0]
     qd = int(parts[2]) if len(parts) > 2 else None
+    # refused here, not by fio or kvblock once a loop device is filled
+    if bs < 1 or (qd is not None and qd < 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: bs and qd must be positive")
     return parts[0], bs, qd
 
 
@@ -173,8 +176,8 @@ def main(argv=None) -> int:
     bad = [t for t in targets if t not in TARGETS]
     if bad or not targets:
         p.error(f"--targets: choose from {', '.join(TARGETS)} (got {args.targets!r})")
-    if args.rounds < 1 or args.seconds <= 0:
-        p.error("--rounds and --seconds must be positive")
+    if args.rounds < 1 or args.seconds <= 0 or args.qd < 1:
+        p.error("--rounds, --seconds and --qd must be positive")
     if args.size % MIB:
         p.error("--size must be a multiple of 1 MiB")
     cases = [(w, bs, qd or args.qd) for w, bs, qd in args.cases]

@@ -591,3 +591,33 @@ def test_store_save_restore_bench_checks_which_run_was_restored(monkeypatch):
     assert len(reports) == 1 and "read other bytes than were saved" in reports[0], reports
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert fio_support.PREFIX not in attached, attached
+
+
+@pytest.mark.parametrize("script,args", [
+    ("vs_fio.py", ["--qd", "-1"]),
+    ("vs_fio.py", ["--qd", "0"]),
+    ("vs_fio.py", ["--cases", "read:0"]),
+    ("vs_fio.py", ["--cases", "randread:4K:0"]),
+    ("store_vs_fio.py", ["--run-blocks", "0"]),
+    ("store_vs_fio.py", ["--layers", "0"]),
+    ("store_vs_fio.py", ["--block-tokens", "-3"])])
+def test_fio_comparisons_refuse_a_bad_number_before_filling_a_device(script, args, capsys,
+                                                                      monkeypatch):
+    """perf/vs_fio.py took a queue depth or block size below 1 and
+    perf/store_vs_fio.py a model or run size below 1 as given: each filled a
+    loop device first, then ended in a ConfigError or ZeroDivisionError
+    traceback (--qd -1, --run-blocks 0, --layers 0) or in fio's complaint.
+    They are argparse usage errors (exit 2) naming the option, and no loop
+    device is attached for them."""
+    module = load_script(script)
+    filled = []
+    monkeypatch.setattr(fio_support, "fill_device", lambda *a: filled.append(a))
+    base = ["--size", "64M", "--seconds", "0.2", "--rounds", "1", "--targets", "shm"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        module.main(base + args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{args[0]}" in err and "Traceback" not in err, err
+    assert not filled
+
