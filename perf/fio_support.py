@@ -248,10 +248,14 @@ def run_fio(dev: str, rw: str, bs: int, qd: int, *, size: int, seconds: float | 
 def run_guarded(prog: str, body) -> int | None:
     """Run ``body()`` so that Ctrl-C, SIGTERM and SIGHUP unwind through the
     finally blocks that detach loop devices (SIGINT too when a shell started us
-    with it ignored), and a failing fio/losetup becomes one line on stderr.
-    Returns None on success, else the exit code (130 interrupted, 1 failed)."""
+    with it ignored), and a failing fio/losetup or a ConfigError from kvblock
+    (a run larger than the store's regions) becomes one line on stderr.
+    Returns None on success, else the exit code (130 interrupted, 2 refused
+    by kvblock, 1 failed)."""
     import signal
     import sys
+
+    from kvblock.errors import ConfigError
 
     def stop(signum, _frame):
         raise KeyboardInterrupt(signal.Signals(signum).name)
@@ -262,6 +266,11 @@ def run_guarded(prog: str, body) -> int | None:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted; loop devices detached", file=sys.stderr)
         return 130
+    except ConfigError as e:
+        # what kvblock refuses once a device is there (a run larger than the
+        # store's regions): its message is the fix, not a traceback
+        print(f"{prog}: {e}; loop devices detached", file=sys.stderr)
+        return 2
     except subprocess.CalledProcessError as e:
         tail = (e.stderr or "").strip().splitlines()[-3:]
         print(f"{prog}: {e.cmd[0]} exited with status {e.returncode}"

@@ -621,3 +621,18 @@ def test_fio_comparisons_refuse_a_bad_number_before_filling_a_device(script, arg
     assert f"{args[0]}" in err and "Traceback" not in err, err
     assert not filled
 
+
+def test_store_vs_fio_reports_a_run_too_large_for_the_store_in_one_line(capsys):
+    """A --run-blocks the store's regions cannot hold is found only once the
+    store is formatted on the loop device: it was a ConfigError traceback out
+    of fio_support.run_guarded.  It is one line on stderr naming the fix,
+    exit 2, and the loop device is detached."""
+    module = load_script("store_vs_fio.py")
+    capsys.readouterr()
+    rc = module.main(["--size", "64M", "--seconds", "0.2", "--rounds", "1", "--targets", "shm",
+                      "--workloads", "save", "--run-blocks", "1000"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "exceeds" in err and "--run-blocks" in err and "Traceback" not in err, err
+    attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert fio_support.PREFIX not in attached, attached
