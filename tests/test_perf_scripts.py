@@ -636,3 +636,33 @@ def test_store_vs_fio_reports_a_run_too_large_for_the_store_in_one_line(capsys):
     assert "exceeds" in err and "--run-blocks" in err and "Traceback" not in err, err
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert fio_support.PREFIX not in attached, attached
+
+
+def test_partial_promotions_names_its_ratios_the_way_they_are_computed(capsys, monkeypatch):
+    """perf/partial_promotions.py printed "kvblock / fs tier: 2.00x" for the
+    fs tier's time per job over kvblock's (a speedup, >1 when kvblock is
+    faster), which read as kvblock taking twice the fs tier's time (the
+    README's table had the same header).  The line says which time is
+    divided by which; here kvblock is timed at 1 s, whole ranges at 3 s and
+    the fs tier at 2 s."""
+    module = load_script("partial_promotions.py")
+    real_promote = module.promote
+    fixed = {"kvblock": 1.0, "kvblock whole ranges": 3.0, "vLLM fs tier": 2.0}
+
+    def promote(tier, *a):
+        from kvblock.store.store import KVStore
+        real_promote(tier, *a)
+        mode = ("vLLM fs tier" if tier.__class__.__name__ == "FileSystemTierManager"
+                else "kvblock whole ranges" if KVStore._verified_window.__name__ == "<lambda>"
+                else "kvblock")
+        return fixed[mode]
+
+    monkeypatch.setattr(module, "promote", promote)
+    capsys.readouterr()
+    assert module.main(["--gib", "0.02", "--rounds", "1", "--job-slots", "16", "--take", "2",
+                        "--where", "/dev/shm", "--target", "file", "--region-size", "64M"]) == 0
+    out = capsys.readouterr().out
+    line = next(s for s in out.splitlines() if "fs tier" in s and "x" in s and "|" not in s)
+    assert "kvblock / fs tier: 2.00x" not in line, line
+    assert "fs tier ms / kvblock ms" in line and "2.00x" in line, line
+    assert "whole ranges ms / kvblock ms" in line and "3.00x" in line, line
