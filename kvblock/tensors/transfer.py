@@ -398,6 +398,7 @@ class _LoadJob:
         g = store.geometry
         self.verify = store.verify == "always"
         self.num_layers = g.num_layers
+        self.cuda = _cuda_device(layout)
         self._plan(segs)
         self.bad_runs = []
         self.q: queue.Queue = queue.Queue()      # units read, in order
@@ -565,7 +566,12 @@ class _LoadJob:
         return HostBuffer(self.unit_bytes, register=False)
 
     def _settle(self, buf) -> None:
-        """Host staging: the scatter's copies are done when it returns."""
+        """Host staging: the scatter's copies are done when it returns,
+        but into a CUDA cache its last copy (from the device tensor the
+        host pages went to) may still be queued on this thread's stream:
+        waited for before the layer is handed over, whose consumer may run
+        on another stream (as the kvikio path's _settle waits)."""
+        _settle_cuda(self.cuda)
 
     def _read_batch(self, batch) -> int:
         """Read a batch of (layer, unit, buffer) as one I/O batch; returns bytes."""
@@ -792,7 +798,24 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
         pages = data[:, layer, g0:g0 + ng].transpose(1, 0, 2, 3, 4, 5)  # (ng, n, kv, BS, Hg, D)
         _scatter_pages(layout.layer_views(layer), pages, page_ids[:n], h0, heads, g.itemsize,
                        threads=None)  # no reads in flight here
+    _settle_cuda(_cuda_device(layout))   # handed over at once when all of it came from here
     return n
+
+
+def _cuda_device(layout):
+    """The CUDA device of ``layout``'s cache; None for a host one."""
+    sample = layout.sample()
+    t = sample.t if isinstance(sample, _StridedPages) else sample
+    return t.device if _is_torch(t) and t.is_cuda else None
+
+
+def _settle_cuda(device) -> None:
+    """Wait for the copies queued on this thread's stream of CUDA
+    ``device`` (nothing for None: a host cache)."""
+    if device is not None:
+        import torch
+
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _count_loaded(store, blocks: int, from_device: int, heads: int) -> None:

@@ -53,3 +53,39 @@ def test_verify_always_takes_the_host_path(tmp_path, monkeypatch):
     create_file(store_path, 64 << 20)
     with KVStore.format([str(store_path)], g, verify="always") as store:
         assert gpu_path(store) == "host"
+
+
+@pytest.mark.parametrize("path_kind", ["kvikio", "host"])
+def test_a_layer_handed_over_is_in_place_for_another_stream(tmp_path, monkeypatch, path_kind):
+    """wait_layer() hands a layer over once its bytes are in the cache, for
+    a consumer on any stream: the host path's last copy (device staging to
+    the cache) was left queued on the scatter thread's stream, so a reader
+    on another stream could see the old bytes.  Read here on a side stream
+    right after each wait_layer, and from a DRAM-tier load too."""
+    if path_kind == "kvikio":
+        pytest.importorskip("kvikio")
+    monkeypatch.setenv("KVBLOCK_GPU_PATH", path_kind)
+    g = Geometry(L, H, D, "bfloat16", BS)
+    store_path = tmp_path / "kv.img"
+    create_file(store_path, 256 << 20)
+    n = 64
+    src = [torch.randn(2, n, BS, H, D).to(torch.bfloat16) for _ in range(L)]
+    keys = [f"s{i}".encode() for i in range(n)]
+    for host_cache in (0, 64 << 20):
+        with KVStore.format([str(store_path)], g, verify="never", force=True,
+                            host_cache_bytes=host_cache or None) as store:
+            save_blocks(store, keys, VLLMLayout(src), list(range(n)))
+            side = torch.cuda.Stream()
+            dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(L)]
+            h = load_blocks(store, keys, VLLMLayout(dst), list(range(n)))
+            seen = []
+            with torch.cuda.stream(side):
+                for layer in range(L):
+                    h.wait_layer(layer)
+                    seen.append(dst[layer].clone())      # on the side stream
+            side.synchronize()
+            assert h.wait() == n
+            for layer in range(L):
+                assert torch.equal(seen[layer].cpu().view(torch.int16),
+                                   src[layer].view(torch.int16)), (host_cache, layer)
