@@ -903,12 +903,12 @@ class KVBlockTierManager(SecondaryTierManager):
                 got = read(kbs[i:], dst[i:])
             except IOFailedError as e:
                 # The store dropped the run it could not read (a miss from
-                # now on, so vLLM stops promoting it): read again up to it.
+                # now on, so vLLM stops promoting it) and logged it, as
+                # get_runs does for the batched loads: read again up to it.
                 # An engine failure that reached no device dropped nothing.
                 errors += 1
                 if not e.device_fault or errors > n:
                     raise
-                logger.warning("kvblock tier: load job %s: %s", job.meta.job_id, e)
                 continue
             ok[i:i + got] = True
             i += got + 1          # skip the key that missed (evicted, corrupt, unreadable)
