@@ -906,14 +906,15 @@ class KVStore(Recovery, RunReader, RunWriter):
         host tier or on the device)."""
         self._check_open()
         keys = normalize_keys(keys)
-        if self.host is None:
+        host = self.host      # once: a close() in another thread sets it to None
+        if host is None:
             with self._lock:  # the index's arrays are swapped when it grows
                 n = self.index.prefix_length(keys)
         else:
             with self._lock:
                 on_device = self.index.lookup(keys) >= 0
             n = 0
-            while n < len(keys) and (on_device[n] or keys[n] in self.host):
+            while n < len(keys) and (on_device[n] or keys[n] in host):
                 n += 1
         self.counters["lookups"] += 1
         self.counters["lookup_hit_blocks"] += n
@@ -925,10 +926,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         skip blocks already stored)."""
         self._check_open()
         keys = normalize_keys(keys)
+        host = self.host      # once: a close() in another thread sets it to None
         with self._lock:
             found = self.index.lookup(keys) >= 0
-        if self.host is not None:
-            found = found | np.array([k in self.host for k in keys], dtype=bool)
+        if host is not None:
+            found = found | np.array([k in host for k in keys], dtype=bool)
         return found
 
     def pin(self, keys: Sequence) -> list:
@@ -938,18 +940,20 @@ class KVStore(Recovery, RunReader, RunWriter):
         stored)."""
         self._check_open()
         keys = normalize_keys(keys)
-        if self.host is None:
+        host = self.host      # once: a close() in another thread sets it to None
+        if host is None:
             with self._lock:
                 handle = PinHandle(self._segments(keys))
         else:
-            handle = self._pin_tiered(keys)
+            handle = self._pin_tiered(keys, host)
         handle.store = self
         return handle
 
-    def _pin_tiered(self, keys: list[bytes]) -> PinHandle:
-        """pin() with a DRAM tier: the prefix lookup() counts, its stretches
-        on the device pinned there, its blocks held only in DRAM pinned in
-        the tier (else the lease would end at the first of them)."""
+    def _pin_tiered(self, keys: list[bytes], host: HostTier) -> PinHandle:
+        """pin() with a DRAM tier (``host``, the store's): the prefix
+        lookup() counts, its stretches on the device pinned there, its
+        blocks held only in DRAM pinned in the tier (else the lease would
+        end at the first of them)."""
         handle, host_keys, pos = PinHandle(), [], 0
         try:
             while pos < len(keys):
@@ -962,13 +966,13 @@ class KVStore(Recovery, RunReader, RunWriter):
                 pos += got
                 if got < stretch or pos == len(keys):
                     break
-                if not self.host.pin(keys[pos]):
+                if not host.pin(keys[pos]):
                     break
                 host_keys.append(keys[pos])
                 pos += 1
         except BaseException:
             self._unpin(handle)
-            self.host.unpin(host_keys)
+            host.unpin(host_keys)
             raise
         handle.host_keys = tuple(host_keys)
         return handle
@@ -989,8 +993,9 @@ class KVStore(Recovery, RunReader, RunWriter):
                               "a reopen ends that open's pins")
         pins.released = True
         self._unpin(pins)
-        if pins.host_keys and self.host is not None:
-            self.host.unpin(pins.host_keys)
+        host = self.host      # once: a close() in another thread sets it to None
+        if pins.host_keys and host is not None:
+            host.unpin(pins.host_keys)
 
     def contains(self, key) -> bool:
         return self.lookup([key]) == 1
@@ -1412,21 +1417,26 @@ class KVStore(Recovery, RunReader, RunWriter):
     def stats(self) -> dict:
         """Counters and gauges (bytes, blocks, regions, hits, checksum failures...)."""
         self._check_open()
+        # Read once each: a close() in another thread sets them to None
+        # (stats is no call close() waits for); then it is closed, and says so.
+        tier, io = self.host, self.io
+        if io is None:
+            self._check_open()
         # The DRAM tier's first: its lock is never taken under the store's
         # (HostTier.put asks the store's lock under its own).
-        host = self.host.stats() if self.host is not None else {}
+        host = tier.stats() if tier is not None else {}
         with self._lock:
             r = self.regions
             return {
                 "uuid": self.uuid,
-                "devices": [d.path for d in self.io.devices],
+                "devices": [d.path for d in io.devices],
                 "geometry": self.geometry.as_dict(),
-                "engine": self.io.engine.name,
+                "engine": io.engine.name,
                 # devices read (and written) through shared mappings (store files on tmpfs)
-                "mapped_reads": [d.path for i, d in enumerate(self.io.devices)
-                                 if self.io.engine.mapped(i)],
-                "mapped_writes": [d.path for i, d in enumerate(self.io.devices)
-                                  if self.io.engine.mapped_for_writes(i)],
+                "mapped_reads": [d.path for i, d in enumerate(io.devices)
+                                 if io.engine.mapped(i)],
+                "mapped_writes": [d.path for i, d in enumerate(io.devices)
+                                  if io.engine.mapped_for_writes(i)],
                 "capacity_bytes": r.count * r.size,
                 "used_bytes": r.used_bytes,
                 "regions": r.count,

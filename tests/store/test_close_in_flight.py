@@ -516,3 +516,44 @@ def test_a_load_keeps_its_verified_prefix_when_dropping_a_corrupt_run_fails(stor
     finally:
         rank.close()
         server.stop()
+
+
+@pytest.mark.parametrize("call", ["lookup", "present", "pin", "stats"])
+def test_a_call_racing_close_with_a_dram_tier_raises_store_closed(store_file, monkeypatch,
+                                                                  call):
+    """lookup, present, pin and stats (no calls close() waits for) read the
+    DRAM tier (and stats the engine) after their open check: a close() in
+    another thread meanwhile set store.host (and store.io) to None, and they
+    raised TypeError / AttributeError ("argument of type 'NoneType' is not
+    iterable", "'NoneType' object has no attribute 'pin'") instead of
+    answering or raising StoreClosedError."""
+    from kvblock.tiers import HostTier
+
+    store = KVStore.open([store_file], host_cache_bytes=8 * GEOM.block_bytes)
+    closed = []
+    method = {"lookup": "__contains__", "present": "__contains__", "pin": "pin",
+              "stats": "stats"}[call]
+    original = getattr(HostTier, method)
+
+    def racing(self, *args):
+        answer = original(self, *args)
+        if not closed:             # another thread's close() lands right here
+            t = threading.Thread(target=store.close)
+            t.start()
+            t.join(20)
+            closed.append(True)
+            return True if method != "stats" else answer
+        return answer
+    monkeypatch.setattr(HostTier, method, racing)
+    keys = run_keys(7, 3)          # on no device: the tier is asked for each
+    try:
+        got = {"lookup": lambda: store.lookup(keys), "present": lambda: store.present(keys),
+               "pin": lambda: store.pin(keys), "stats": store.stats}[call]()
+    except StoreClosedError:
+        got = None
+    assert closed and store.closed and store.io is None
+    if call == "lookup":
+        assert got in (None, 0, 1, 2, 3)
+    monkeypatch.undo()
+    with KVStore.open([store_file]) as again:        # closed cleanly
+        assert again.lookup(keys) == 0
