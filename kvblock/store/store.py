@@ -97,6 +97,7 @@ RECLAIMING = 3  # region state while its RECLAIM record is being committed
 RECLAIM_WAIT_S = 0.1  # an allocation waiting for another thread's reclaim looks again
 CLEAR_DROP_BATCH = 4096  # DROP records per journal commit when clear() drops pinned runs
 logger = logging.getLogger(__name__)
+_RELEASE_LOCK = threading.Lock()   # _release_devices: a store's devices are let go once
 
 
 # Staging memory that layer-wise loads (kvblock.tensors.load_blocks) leave
@@ -1470,18 +1471,32 @@ class KVStore(Recovery, RunReader, RunWriter):
             # and its threads may hold the locks a checkpoint takes.
             if not self.readonly and os.getpid() == self._pid:
                 with self._commit_lock:
-                    self._write_checkpoint()
+                    # Another close() in another thread may have written
+                    # its checkpoint while this one waited here, and
+                    # released the engine after it: nothing more to write.
+                    # (Closed under the lock: one waiting here sees it.)
+                    if not self.closed:
+                        try:
+                            self._write_checkpoint()
+                        finally:
+                            self.closed = True
         finally:
             self.closed = True
-            if drained:
+            if drained and self.io is not None:
                 self._release_devices()
 
     def _release_devices(self):
         # Each is released past one whose close raises (a kvikio close error
         # left the devices open, their locks held: no store could open them
         # while this process lived); the error is raised after.
-        kvikio, host, io = getattr(self, "_kvikio", None), getattr(self, "host", None), self.io
-        self._kvikio = self.host = self.io = None
+        # Once, whichever of two close() calls comes here first (a device
+        # closed twice would close a descriptor number reused meanwhile).
+        # Not the store's lock: a forked child's close comes here, and a
+        # thread of the parent may have held that lock at the fork.  (One
+        # for every store, RemoteStore's too: held for a moment, at close.)
+        with _RELEASE_LOCK:
+            kvikio, host, io = getattr(self, "_kvikio", None), getattr(self, "host", None), self.io
+            self._kvikio = self.host = self.io = None
         with contextlib.ExitStack() as stack:      # closes in the reverse order of these
             if io is not None:
                 stack.callback(io.close)

@@ -557,3 +557,56 @@ def test_a_call_racing_close_with_a_dram_tier_raises_store_closed(store_file, mo
     monkeypatch.undo()
     with KVStore.open([store_file]) as again:        # closed cleanly
         assert again.lookup(keys) == 0
+
+
+def test_two_closes_at_once_write_one_checkpoint_and_raise_nothing(store_file):
+    """Two threads closing one store (an engine's shutdown and a with block,
+    say): the second passed close()'s "already closed?" check while the
+    first wrote its checkpoint, waited for the commit lock, and then wrote
+    a checkpoint of its own through the engine the first had released:
+    AttributeError ('NoneType' object has no attribute 'flush')."""
+    store = KVStore.open([store_file])
+    keys = run_keys(3, 2)
+    assert store.put_run(keys, run_data(keys)) == 2
+    lock = store._commit_lock
+    waiting = threading.Event()
+
+    class Watched:
+        """The commit lock, saying when a second thread waits for it."""
+
+        def __enter__(self):
+            if not lock.acquire(blocking=False):
+                waiting.set()
+                lock.acquire()
+            return self
+
+        def __exit__(self, *exc):
+            lock.release()
+    store._commit_lock = Watched()
+    write = store._write_checkpoint
+    errors = []
+
+    def first_checkpoint():
+        store._write_checkpoint = write          # the second close's is the plain one
+        other = threading.Thread(target=lambda: _closing(store, errors))
+        other.start()
+        assert waiting.wait(20)                  # it waits for the commit lock now
+        write()
+        first_checkpoint.other = other
+    store._write_checkpoint = first_checkpoint
+    before = store.counters["checkpoints"]
+    store.close()
+    first_checkpoint.other.join(20)
+    assert not errors, errors
+    assert store.closed and store.io is None
+    assert store.counters["checkpoints"] == before + 1
+    with KVStore.open([store_file]) as again:
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert again.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+
+
+def _closing(store, errors):
+    try:
+        store.close()
+    except BaseException as e:      # noqa: BLE001  (reported by the test)
+        errors.append(e)
