@@ -95,6 +95,7 @@ class WriteFence:
         self._served: list[int] = []
         self._old: list[int] = []      # an earlier server's, until no write is in flight
         self._writers = 0
+        self._passing = 0              # writers at the turnstile (not yet counted in _writers)
         self._closing = False          # close() came while a write was in flight
         self._lock = threading.Lock()
         for fd in own:
@@ -142,20 +143,33 @@ class WriteFence:
             self._drop_old()
 
     def _drop_old(self) -> None:
-        """(under _lock) An earlier server's files, once no write holds them."""
-        if self._writers == 0:
+        """(under _lock) An earlier server's files, once no write holds them
+        (nor a writer at the turnstile, which locks the files it saw)."""
+        if self._writers == 0 and self._passing == 0:
             old, self._old = self._old, []
             for fd in old:
                 os.close(fd)
 
     @contextlib.contextmanager
     def writing(self):
+        # A writer at the turnstile counts in _passing: close() and a new
+        # server's files leave the descriptors it took open until it has
+        # passed (closed under it, its lock call would meet a closed
+        # descriptor, EBADF, or one reopened meanwhile for another file).
         with self._lock:
             fds = self._fds()
-        for fd in fds:                 # wait while an owner checks (not under _lock:
-            _ofd_lock(fd, fcntl.F_RDLCK, wait=True, byte=TURNSTILE_BYTE)  # writers must
-            _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=TURNSTILE_BYTE)  # leave meanwhile)
+            self._passing += 1
+        try:
+            for fd in fds:             # wait while an owner checks (not under _lock:
+                _ofd_lock(fd, fcntl.F_RDLCK, wait=True, byte=TURNSTILE_BYTE)  # writers
+                _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=TURNSTILE_BYTE)  # must leave)
+        except BaseException:
+            with self._lock:
+                self._passing -= 1
+                self._settle()
+            raise
         with self._lock:
+            self._passing -= 1
             if self._writers == 0:
                 for fd in self._fds():
                     _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
@@ -168,16 +182,23 @@ class WriteFence:
                 if self._writers == 0:
                     for fd in self._fds():
                         _ofd_lock(fd, fcntl.F_UNLCK, wait=False)
-                    self._drop_old()
-                    if self._closing:
-                        self._close_fds()
+                self._settle()
+
+    def _settle(self) -> None:
+        """(under _lock) A writer left: once none writes or waits at the
+        turnstile, an earlier server's files go, and all of them when
+        close() came meanwhile."""
+        if self._writers == 0 and self._passing == 0:
+            self._drop_old()
+            if self._closing:
+                self._close_fds()
 
     def close(self) -> None:
         """Close the files, or, while a write is in flight (a close() that
         gave up waiting for it), once it is done: closing them drops the
         locks it holds, and an owner would then hand its space out under it."""
         with self._lock:           # not between a writer's lock and unlock
-            if self._writers:
+            if self._writers or self._passing:
                 self._closing = True
                 return
             self._close_fds()
@@ -193,7 +214,7 @@ class WriteFence:
         """In a forked child: drop this copy of the files without locking
         (the parent's threads own the count)."""
         self._lock = threading.Lock()
-        self._writers = 0
+        self._writers = self._passing = 0
         fds = self._fds()
         self._own, self._served, self._old = [], [], []
         for fd in fds:

@@ -213,3 +213,62 @@ def test_a_new_servers_files_replace_the_last_ones_once_no_write_holds_them(tmp_
             os.close(fd)
     finally:
         rank.close()
+
+
+def _close_in_turnstile(monkeypatch, rank, then):
+    """While a writer waits at the turnstile (its files' numbers taken, its
+    shared lock not yet), run ``then()`` once: another thread's close() or
+    a new server's files arriving."""
+    import kvblock.store.fence as fence_mod
+
+    real = fence_mod._ofd_lock
+    fired = []
+
+    def hooked(fd, kind, wait, byte=fence_mod.FENCE_BYTE):
+        if byte == fence_mod.TURNSTILE_BYTE and not fired:
+            fired.append(fd)
+            then()
+        return real(fd, kind, wait, byte)
+    monkeypatch.setattr(fence_mod, "_ofd_lock", hooked)
+    return fired
+
+
+def _is_open(fd) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def test_a_close_while_a_writer_is_at_the_turnstile_waits_for_it(target, monkeypatch):
+    """close() between a writer's look at the files and its locks on them
+    closed them under it: the writer's lock call met a closed descriptor
+    (OSError EBADF instead of the StoreClosedError its caller gives for a
+    closed store), or one reopened meanwhile for another file (a lock taken
+    and dropped on someone else's file)."""
+    rank = _rank(target[1])
+    fd = rank._own[0]
+    _close_in_turnstile(monkeypatch, rank, rank.close)
+    with rank.writing():
+        assert _is_open(fd), "close() closed the files a writer was locking"
+    assert not _is_open(fd) or WriteFence._file(fd) != WriteFence._file(target[0])
+    assert rank._fds() == []
+
+
+def test_a_new_server_while_a_writer_is_at_the_turnstile_keeps_the_last_files(tmp_path,
+                                                                                monkeypatch):
+    paths = [str(tmp_path / f"f{i}") for i in range(3)]
+    for p in paths:
+        open(p, "wb").close()
+    rank = WriteFence([os.open(paths[0], os.O_RDONLY)])
+    try:
+        rank.served([os.open(paths[1], os.O_RDONLY)])
+        old = rank._served[0]
+        _close_in_turnstile(monkeypatch, rank,
+                            lambda: rank.served([os.open(paths[2], os.O_RDONLY)]))
+        with rank.writing():
+            assert _is_open(old), "a new server's files closed the last's under a writer"
+        assert len(rank._fds()) == 2
+    finally:
+        rank.close()
