@@ -200,7 +200,8 @@ class IOEngine:
         tmpfs): its reads are copies out of the mapping once its pages are
         mapped in, and so are its writes when :meth:`mapped_for_writes` (see
         kvblock/io/mapped.py)."""
-        return self._maps is not None and self._maps.mapped(dev)
+        maps = self._maps     # once: close() in another thread may drop it meanwhile
+        return maps is not None and maps.mapped(dev)
 
     def mapped_for_writes(self, dev: int) -> bool:
         """Whether writes to device ``dev`` copy into its mapping (once mapped in)."""

@@ -776,3 +776,42 @@ def test_a_mapped_copy_that_fails_as_a_whole_names_the_device_and_offset(shm_tar
     assert not isinstance(e.value, ConfigError) and e.value.errno == errno.ENOMEM
     assert path in str(e.value) and f"offset {3 * BLOCK}" in str(e.value)
     assert os.strerror(errno.ENOMEM) in str(e.value)
+
+
+@pytest.mark.parametrize("ask", ["mapped", "mapped_for_writes", "start_mapped_reads"])
+def test_asking_whether_mapped_while_another_thread_closes_the_engine(engine_name, shm_target,
+                                                                     ask):
+    """engine.mapped() read ``_maps`` twice (``is not None``, then its
+    answer): a close() in another thread between the two, which drops it,
+    made it raise AttributeError ('NoneType' object has no attribute
+    'mapped') instead of answering."""
+    path = shm_target(4 * MIB)
+    with Device(path) as dev:
+        eng = open_engine([dev], engine_name)
+        assert eng.mapped(0)
+        state = {"maps": eng.__dict__.pop("_maps"), "armed": False}
+
+        class Racing(type(eng)):
+            @property
+            def _maps(self):
+                maps = state["maps"]
+                if state["armed"]:        # first look: another thread closes now
+                    state["armed"] = False
+                    t = threading.Thread(target=self.close)
+                    t.start()
+                    t.join(30)
+                return maps
+
+            @_maps.setter
+            def _maps(self, value):
+                state["maps"] = value
+
+        eng.__class__ = Racing
+        try:
+            state["armed"] = True
+            answer = getattr(eng, ask)(0) if ask != "start_mapped_reads" \
+                else eng.start_mapped_reads()
+            assert eng.closed and state["maps"] is None
+            assert answer in (True, False, None)
+        finally:
+            eng.close()
