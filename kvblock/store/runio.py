@@ -12,6 +12,7 @@ them has ``geometry``, ``alignment``, ``io`` (a StoreIO), ``counters``,
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 
@@ -19,6 +20,8 @@ from kvblock.errors import StoreClosedError
 from kvblock.layout.geometry import RunLayout, round_up
 from kvblock.memory import HostBuffer
 from kvblock.store.scatter import BlockList
+
+logger = logging.getLogger("kvblock")
 
 
 class StagingBuffers:
@@ -83,12 +86,33 @@ class RunIO:
         return self._stagings.get(nbytes, purpose)
 
     def _kvikio_reader(self):
-        """The store's kvikio file handles (created on first GPU load)."""
+        """The store's kvikio file handles (created on first GPU load).
+        Two first loads at once may both open one: the first published is
+        the store's (close() closes it), the other is closed here.
+        StoreClosedError once the store's devices are released."""
         reader = getattr(self, "_kvikio", None)
-        if reader is None:
-            from kvblock.io.gpu import KvikioReader
+        if reader is not None:
+            return reader
+        from kvblock.io.gpu import KvikioReader
+        from kvblock.store.store import _RELEASE_LOCK
 
-            reader = self._kvikio = KvikioReader([d.path for d in self.io.devices])
+        io = self.io
+        if io is None:
+            raise StoreClosedError("store is closed; reopen it")
+        mine = KvikioReader([d.path for d in io.devices])
+        # Published under the lock _release_devices takes the reader by:
+        # one published after it would never be closed.
+        with _RELEASE_LOCK:
+            reader = getattr(self, "_kvikio", None)
+            if reader is None and self.io is not None:
+                self._kvikio = reader = mine
+        if reader is not mine:
+            try:
+                mine.close()
+            except Exception as e:      # its handles are gone either way
+                logger.warning("kvblock: closing a spare kvikio reader failed: %s", e)
+            if reader is None:
+                raise StoreClosedError("store is closed; reopen it")
         return reader
 
     def _is_image(self, lay: RunLayout, blocks, any_address: bool = False) -> bool:

@@ -610,3 +610,46 @@ def _closing(store, errors):
         store.close()
     except BaseException as e:      # noqa: BLE001  (reported by the test)
         errors.append(e)
+
+
+def test_two_first_kvikio_loads_at_once_open_one_reader_closed_with_the_store(store_file,
+                                                                               monkeypatch):
+    """Two loads into CUDA memory through kvikio (KVBLOCK_GPU_PATH=kvikio:
+    gpu_path opens no reader) start at once on a fresh store: both found
+    no reader and each opened one (a kvikio.CuFile per device); the store
+    kept the last, and the other's files stayed open for good, close()
+    never reaching them."""
+    import sys
+    import types
+
+    opened, closed = [], []
+    both = threading.Barrier(2, timeout=2)
+
+    class CuFile:
+        def __init__(self, path, flags):
+            opened.append(self)
+            try:
+                both.wait()       # the two loads open their readers side by side
+            except threading.BrokenBarrierError:
+                pass
+
+        def close(self):
+            closed.append(self)
+
+    monkeypatch.setitem(sys.modules, "kvikio", types.SimpleNamespace(CuFile=CuFile))
+    store = KVStore.open([store_file])
+    got = []
+    try:
+        threads = [threading.Thread(target=lambda: got.append(store._kvikio_reader()))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(got) == 2 and got[0] is got[1], "two loads read through two readers"
+    finally:
+        store.close()
+    assert len(closed) == len(opened), "a kvikio reader's files were left open"
+    with pytest.raises(StoreClosedError):
+        store._kvikio_reader()
+    assert len(closed) == len(opened)
