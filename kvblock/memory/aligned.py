@@ -127,6 +127,9 @@ class HostBuffer:
     def _view_count(self, itemsize: int, shape, offset: int) -> int:
         """Items of a view starting ``offset`` bytes in (of ``shape``, else
         to the end), checked to lie inside the buffer's nbytes."""
+        if self._mm is None:
+            raise ConfigError(f"{self!r} is closed: its memory is unmapped; take a view "
+                              "before closing it, or use a new buffer")
         offset = int(offset)
         count = (self.nbytes - offset) // itemsize if shape is None else int(np.prod(shape))
         if not 0 <= offset <= self.nbytes or offset + count * itemsize > self.nbytes:

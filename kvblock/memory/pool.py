@@ -36,10 +36,12 @@ class BufferPool:
         self._cond = threading.Condition()
 
     def address_of(self, index: int) -> int:
+        self._check_open()
         self._check_index(index)
         return self.arena.address + index * self.buffer_bytes
 
     def view(self, index: int, nbytes: int | None = None) -> np.ndarray:
+        self._check_open()
         self._check_index(index)
         if nbytes is not None and not 0 < nbytes <= self.buffer_bytes:
             raise ConfigError(f"a view of {nbytes} bytes of a {self.buffer_bytes}-byte pool "
@@ -49,6 +51,7 @@ class BufferPool:
 
     def acquire(self, timeout: float | None = None) -> int:
         """Take a free buffer index, waiting up to ``timeout`` seconds."""
+        self._check_open()
         with self._cond:
             if not self._cond.wait_for(lambda: self._free, timeout=timeout):
                 raise PoolExhaustedError(
@@ -63,6 +66,13 @@ class BufferPool:
                 raise ConfigError(f"pool buffer {index} is not in use (released twice?)")
             self._free.append(index)
             self._cond.notify()
+
+    def _check_open(self) -> None:
+        # The arena is unmapped: an address in it may be another buffer's
+        # by now (mmap reuses addresses), and I/O there would land in it.
+        if self.arena.closed:
+            raise ConfigError(f"this BufferPool ({self.count} x {self.buffer_bytes} bytes) is "
+                              "closed: its memory is unmapped; make a new pool")
 
     def _check_index(self, index: int) -> None:
         if not 0 <= index < self.count:

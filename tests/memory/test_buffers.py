@@ -187,3 +187,27 @@ def test_a_finalizer_run_inside_the_registrys_lock_does_not_deadlock(monkeypatch
     assert after > version and removals
     registry.remove(fake_a)
     assert all(addr != fake_a for addr, _ in registry.snapshot()[1])
+
+
+def test_a_closed_buffer_or_pool_hands_out_no_view_or_address():
+    """After close() a HostBuffer's numpy() raised TypeError ('a bytes-like
+    object is required, not NoneType'), a BufferPool's view() TypeError
+    ('NoneType' object is not subscriptable), and its acquire() and
+    address_of() handed out the address of memory already unmapped, which
+    a buffer mapped since may occupy: I/O there lands in someone else's
+    bytes.  Each now raises a ConfigError that says it is closed."""
+    buf = HostBuffer(2 * PAGE_SIZE)
+    buf.close()
+    with pytest.raises(ConfigError, match="closed"):
+        buf.numpy()
+    pool = BufferPool(PAGE_SIZE, 2)
+    index = pool.acquire()
+    pool.close()
+    pool.close()                          # twice: nothing more
+    with pytest.raises(ConfigError, match="closed"):
+        pool.view(index)
+    with pytest.raises(ConfigError, match="closed"):
+        pool.address_of(index)
+    with pytest.raises(ConfigError, match="closed"):
+        pool.acquire(timeout=0)
+    pool.release(index)                   # giving one back after close is harmless
