@@ -100,6 +100,17 @@ logger = logging.getLogger(__name__)
 _RELEASE_LOCK = threading.Lock()   # _release_devices: a store's devices are let go once
 
 
+def _fresh_release_lock() -> None:
+    """In a forked child: a thread of the parent closing some store at the
+    fork held _RELEASE_LOCK, and held it stays there (that thread is not
+    the child's); the child's close() of its copies would wait for good."""
+    global _RELEASE_LOCK
+    _RELEASE_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_release_lock)
+
+
 # Staging memory that layer-wise loads (kvblock.tensors.load_blocks) leave
 # here for the next load: up to 3 unit buffers of ~8 MiB per load in flight.
 LOAD_STAGING_KEEP = 128 << 20
@@ -1493,7 +1504,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         # closed twice would close a descriptor number reused meanwhile).
         # Not the store's lock: a forked child's close comes here, and a
         # thread of the parent may have held that lock at the fork.  (One
-        # for every store, RemoteStore's too: held for a moment, at close.)
+        # for every store, RemoteStore's too: held for a moment, at close, and made
+        # afresh in a forked child: _fresh_release_lock.)
         with _RELEASE_LOCK:
             kvikio, host, io = getattr(self, "_kvikio", None), getattr(self, "host", None), self.io
             self._kvikio = self.host = self.io = None
