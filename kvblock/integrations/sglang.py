@@ -615,16 +615,21 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                     raise _BackupCleared
                 n = save_blocks(self.store, keys, layout, ids)
                 done += len(keys)
-                if stored is not None:    # before the check, which may fail (the store closed)
+                # stored and written before the check, which may fail (the
+                # store closed or away): the run stays stored, answered so
+                # and counted; a check that deletes it takes both back
+                written += n
+                if stored is not None:
                     stored[start:done] = True
                 try:
                     if self._cleared_since(clears, keys):
+                        written -= n
                         raise _BackupCleared
                 except _StoreRestarted:   # the run was deleted again
+                    written -= n
                     if stored is not None:
                         stored[start:done] = False
                     raise
-                written += n
         finally:    # a failed run: the runs before it were written all the same
             self._record("backup", written, time.perf_counter() - t0)
         return written
@@ -956,14 +961,17 @@ class KVBlockHiCacheStorage(HiCacheStorage):
                     if self._cleared_since(clears):
                         raise _BackupCleared
                     n = self.store.put_blocks(kbs, blocks) // nb
-                    stored += len(run)    # (a failure of the check below: stored all the same)
+                    # (a failure of the check below: stored and written all the same)
+                    stored += len(run)
+                    written += n          # pages the store wrote (not those admission declined)
                     try:
                         if self._cleared_since(clears, kbs):
+                            written -= n
                             raise _BackupCleared
                     except _StoreRestarted:   # the run was deleted again
                         stored -= len(run)
+                        written -= n
                         raise
-                    written += n          # pages the store wrote (not those admission declined)
                 except _BackupCleared:
                     self._record("backup", written, time.perf_counter() - t0, nbytes)
                     return self._answer_cleared(len(keys))

@@ -1055,6 +1055,45 @@ def test_a_backup_failing_part_way_counts_the_pages_it_wrote_in_storage_metrics(
     assert stats.backup_pgs == [4] and len(stats.backup_bandwidth) == 1
 
 
+def test_a_run_stored_before_its_clear_check_failed_is_counted_in_storage_metrics(
+        file_target, backends, monkeypatch):
+    """A run is written, then the clear ticket check after it fails (the
+    store server went away): the run's pages are stored and answered True,
+    so they are a backup in get_stats() too (they were left out: the count
+    was taken after the check, so backup_pgs said nothing was written), for
+    KV pages (batch_set_v1) and an extra pool's (batch_set_v2) alike."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+    from kvblock.errors import ServerGoneError
+
+    _stand_in_storage_metrics(monkeypatch)
+    pool = HostPool(pages=8)
+    backend = attach(pool, [file_target()], metrics=True)
+    backends.append(backend)
+    states = StatePool(seed=5)
+    backend.register_mem_host_pool_v2(states, PoolName.MAMBA)
+    real, calls = backend.store.clear_ticket, []
+
+    def away_after_the_put():
+        calls.append(1)
+        if len(calls) == 3:            # the mark, the check before the put, the one after
+            raise ServerGoneError("the store server went away (test)")
+        return real()
+
+    backend.store.clear_ticket = away_after_the_put
+    keys = keys_for("ck", 4)
+    assert backend.batch_set_v1(keys, pool.token_indices(range(4))) == [True] * 4
+    assert backend.batch_exists(keys) == 4
+    assert backend.get_stats().backup_pgs == [4]
+    calls.clear()
+    skeys = keys_for("cs", 2)
+    assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, keys=skeys,
+                                              host_indices=torch.tensor([0, 1]))]) == \
+        {"mamba": [True, True]}
+    assert backend._pool_present(PoolName.MAMBA, skeys).all()
+    assert backend.get_stats().backup_pgs == [2]
+    backend.store.clear_ticket = real
+
+
 def test_an_extra_pool_backup_failing_part_way_reports_the_pages_it_stored(file_target,
                                                                           backends):
     """batch_set_v2 of an extra pool cut into runs whose second run fails:
