@@ -560,9 +560,11 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         The store itself refuses only a run that a clear() overtakes while
         it is written.  The caller raises _BackupCleared: every page of the
         call is answered False (the clear took those stored before it too),
-        which ends SGLang's backup of the operation (_page_backup stops at a
-        batch not stored), so its later batches, of the old weights' KV,
-        are not written under the new clear ticket either.  A ticket of
+        which ends SGLang's v1 backup of the operation (_page_backup stops at
+        a batch not stored), so its later batches, of the old weights' KV,
+        are not written under the new clear ticket either (SGLang 0.5.23's
+        hybrid controller backs the KV pages up whatever batch_set_v2
+        answered: README).  A ticket of
         another store run (the server restarted; no clear() of this
         backend's) stops the backup the same way but raises _StoreRestarted:
         a store failure, whose pages not stored are answered False (those
@@ -588,7 +590,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         """The answer to a backup call of ``n`` pages that a clear()
         overtook (_BackupCleared): none stored."""
         logger.info("kvblock: a clear() overtook a backup of %d pages: none of them is "
-                    "stored (answered False: SGLang stops that backup)", n)
+                    "stored (answered False)", n)
         return [False] * n
 
     def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int],
