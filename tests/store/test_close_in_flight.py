@@ -655,34 +655,34 @@ def test_two_first_kvikio_loads_at_once_open_one_reader_closed_with_the_store(st
     assert len(closed) == len(opened)
 
 
-def test_a_child_forked_while_another_store_lets_its_devices_go_closes_its_own(store_file,
-                                                                              tmp_path):
-    """_release_devices lets a store's devices go under one lock shared by
-    every store, not the store's own, so that a forked child's close()
-    never waits on a lock a thread of the parent held at the fork.  But
-    that lock was held at the fork too when another thread was closing
-    any store at that moment, and the child's close() of its copy hung on
-    it for good."""
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_child_forked_while_another_store_closes_closes_its_copy(store_file, tmp_path,
+                                                                   remote):
+    """README: a forked child's close() "only lets go of the copy ...
+    waiting for none of the parent's calls".  _release_devices takes a
+    module-wide lock (one for every store, RemoteStore's too) that another
+    thread of the parent holds while it closes any store; a fork meanwhile
+    left it held in the child for good, and the child's close() of its
+    copy hung forever on it.  The child's copy of that lock is a fresh one."""
     import kvblock.store.store as store_mod
     from tests.support.servers import exit_code_in_child
 
-    store = KVStore.open([store_file])
-    held, go = threading.Event(), threading.Event()
-
-    def closing_another():          # caught inside _release_devices at the fork
-        with store_mod._RELEASE_LOCK:
-            held.set()
-            go.wait(20)
-    t = threading.Thread(target=closing_another)
-    t.start()
+    server = None
+    if remote:
+        sock = str(tmp_path / "kv.sock")
+        server = serve_in_background([store_file], sock)
+        store = RemoteStore(sock)
+    else:
+        store = KVStore.open([store_file])
     try:
-        assert held.wait(10)
+        with store_mod._RELEASE_LOCK:      # another store's close() in a parent's thread
 
-        def child():
-            store.close()
-            return 0 if store.io is None else 1
-        assert exit_code_in_child(child, timeout=10) == 0
+            def child():
+                store.close()
+                return 0 if store.io is None else 1
+            assert exit_code_in_child(child, timeout=10) == 0
+        assert store.lookup(run_keys(1, 1)) == 0       # the parent's copy is untouched
     finally:
-        go.set()
-        t.join(20)
         store.close()
+        if server is not None:
+            server.stop()
