@@ -998,6 +998,8 @@ class RemoteStore(RunReader, RunWriter):
         """Disconnect (the server releases this connection's pins) and close
         this process's devices.  The store itself stays with the server."""
         if self.closed and self.io is None:
+            if getattr(self, "_releasing", None) is not None:
+                KVStore._release_devices(self)     # another close() releasing: its end
             return
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:

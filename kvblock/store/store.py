@@ -1473,7 +1473,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._inflight.shut()
         drained = self._inflight.drained(CLOSE_WAIT_S, repr(self))
         if self.closed:
-            if drained and getattr(self, "io", None) is not None:
+            if drained:     # (or waits while another close() releases them)
                 self._release_devices()
             return
         try:
@@ -1493,7 +1493,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                             self.closed = True
         finally:
             self.closed = True
-            if drained and self.io is not None:
+            if drained:
                 self._release_devices()
 
     def _release_devices(self):
@@ -1506,18 +1506,35 @@ class KVStore(Recovery, RunReader, RunWriter):
         # thread of the parent may have held that lock at the fork.  (One
         # for every store, RemoteStore's too: held for a moment, at close, and made
         # afresh in a forked child: _fresh_release_lock.)
+        # A call that finds the release another call's (two close() at once)
+        # returns once that one is done: the caller may reopen the devices
+        # next (refused as busy while they are open).  Not in a forked
+        # child, whose copy a parent's thread was releasing at the fork:
+        # that thread is not there to finish.
         with _RELEASE_LOCK:
-            kvikio, host, io = getattr(self, "_kvikio", None), getattr(self, "host", None), self.io
-            self._kvikio = self.host = self.io = None
-        with contextlib.ExitStack() as stack:      # closes in the reverse order of these
-            if io is not None:
-                stack.callback(io.close)
-            stack.callback(self._stagings.close)
-            stack.callback(self.spares.close)
-            if host is not None:
-                stack.callback(host.close)
-            if kvikio is not None:
-                stack.callback(kvikio.close)
+            other = getattr(self, "_releasing", None)
+            if other is None:
+                self._releasing = mine = (os.getpid(), threading.Event())
+                kvikio, host, io = (getattr(self, "_kvikio", None), getattr(self, "host", None),
+                                    self.io)
+                self._kvikio = self.host = self.io = None
+        if other is not None:
+            pid, done = other
+            if pid == os.getpid():
+                done.wait()
+            return
+        try:
+            with contextlib.ExitStack() as stack:      # closes in the reverse order of these
+                if io is not None:
+                    stack.callback(io.close)
+                stack.callback(self._stagings.close)
+                stack.callback(self.spares.close)
+                if host is not None:
+                    stack.callback(host.close)
+                if kvikio is not None:
+                    stack.callback(kvikio.close)
+        finally:
+            mine[1].set()
 
     def __enter__(self) -> "KVStore":
         return self

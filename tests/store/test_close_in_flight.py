@@ -686,3 +686,49 @@ def test_a_child_forked_while_another_store_closes_closes_its_copy(store_file, t
         store.close()
         if server is not None:
             server.stop()
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_second_close_returns_once_the_devices_are_released(store_file, tmp_path, remote):
+    """Two close() calls at once (an engine's shutdown thread and a with
+    block): whichever took the devices to release closed them, and the
+    other returned at once, the devices (their locks) still open: a reopen
+    right after its close() returned was refused as busy.  The second now
+    returns once the first has let them go."""
+    server = None
+    if remote:
+        server = serve_in_background([store_file], tmp_path / "s.sock")
+        store = RemoteStore(tmp_path / "s.sock")
+    else:
+        store = KVStore.open([store_file])
+    io_close = store.io.close
+    closing, go, order = threading.Event(), threading.Event(), []
+
+    def slow_close():
+        closing.set()
+        assert go.wait(20)
+        io_close()
+        order.append("devices closed")
+    store.io.close = slow_close
+    try:
+        first = threading.Thread(target=store.close)
+        first.start()
+        assert closing.wait(20)             # the first close() is closing the devices
+
+        def second_close():
+            store.close()
+            order.append("second close returned")
+        second = threading.Thread(target=second_close)
+        second.start()
+        second.join(0.5)
+        go.set()
+        first.join(20)
+        second.join(20)
+        assert order == ["devices closed", "second close returned"]
+        if not remote:
+            with KVStore.open([store_file]):        # not busy
+                pass
+    finally:
+        go.set()
+        if server is not None:
+            server.stop()
