@@ -719,7 +719,10 @@ def _claim_shared(backing: str, timeout: float) -> int:
     told from a mount by the flock every partition's store holds on the
     node (LOCK_SH, taken by the caller).  EBUSY (an OSError) when it is
     held by anything else past ``timeout``.  (While siblings are open, the
-    device is claimed only as long as the one that got the claim is.)"""
+    device is claimed only as long as the one that got the claim is: once
+    it closes, a mount can take the device while the others still write.
+    A store's flock then no longer says whose the claim is, so a device
+    mounted, or held by dm/md, is refused whatever flock is held.)"""
     import time
 
     deadline = time.monotonic() + timeout
@@ -733,7 +736,8 @@ def _claim_shared(backing: str, timeout: float) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            return fd                 # a store holds it: a sibling's (LOCK_SH) or,
+            if not _claimed_by_kernel(os.fstat(fd).st_rdev):
+                return fd             # a store holds it: a sibling's (LOCK_SH) or,
                                       # LOCK_EX, one over all of it (refused by the caller)
         except BaseException:
             os.close(fd)
@@ -742,6 +746,26 @@ def _claim_shared(backing: str, timeout: float) -> int:
         if time.monotonic() >= deadline:
             raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), backing)
         time.sleep(0.01)
+
+
+def _claimed_by_kernel(rdev: int) -> bool:
+    """Whether block device ``rdev``, or a partition of it, is mounted (in
+    this mount namespace) or held by a dm/md device stacked on it (sysfs
+    holders): claims no store takes, which a store's flock must not be
+    taken to explain."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 2 and ":" in fields[2]:
+                    major, minor = map(int, fields[2].split(":"))
+                    if major and _whole_disk(os.makedev(major, minor)) == rdev:
+                        return True
+    except (OSError, ValueError):
+        pass
+    base = Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}").resolve()
+    folders = [base] + [p.parent for p in base.glob("*/partition")]
+    return any(_listdir(str(folder / "holders")) for folder in folders)
 
 
 def _retry_busy(attempt, timeout: float):
