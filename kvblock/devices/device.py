@@ -759,7 +759,9 @@ def _claimed_by_kernel(rdev: int) -> bool:
                 fields = line.split()
                 if len(fields) > 2 and ":" in fields[2]:
                     major, minor = map(int, fields[2].split(":"))
-                    if major and _whole_disk(os.makedev(major, minor)) == rdev:
+                    dev = os.makedev(major, minor)
+                    # the device itself (a partition too), or one of its partitions
+                    if major and (dev == rdev or _whole_disk(dev) == rdev):
                         return True
     except (OSError, ValueError):
         pass
