@@ -13,6 +13,7 @@ for ever).
 
 from __future__ import annotations
 
+import os
 import threading
 
 _lock = threading.Lock()
@@ -80,6 +81,25 @@ def remove(address: int) -> None:
         removed = _drop(address)
     if removed:
         _removed()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: a thread of the parent inside a section at the
+    fork (making or closing a buffer, a ring re-registering) held _lock,
+    and held it stays (that thread is not the child's): every buffer the
+    child made or closed would wait for good.  The lock is made afresh, and
+    the removals that thread had deferred are done here (the child has its
+    own copy of the list; with nobody to do them, those addresses stayed
+    on it for good)."""
+    global _lock, _holder, version
+    _lock = threading.Lock()
+    _holder = None
+    while _deferred:
+        if _regions.pop(_deferred.pop(), None) is not None:
+            version += 1
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def snapshot() -> tuple[int, list[tuple[int, int]]]:

@@ -211,3 +211,41 @@ def test_a_closed_buffer_or_pool_hands_out_no_view_or_address():
     with pytest.raises(ConfigError, match="closed"):
         pool.acquire(timeout=0)
     pool.release(index)                   # giving one back after close is harmless
+
+
+def test_a_child_forked_while_a_thread_holds_the_registry_makes_and_frees_buffers():
+    """The registry's lock is one for the process, taken by every buffer
+    made or closed and by every io_uring ring re-registering.  A child
+    forked while another thread held it (that thread making a staging
+    buffer, say) kept it held for good: the child's first HostBuffer (a
+    store it opens again, as README says to) or its close() of a copy's
+    buffers waited forever.  A removal the holder had deferred (a
+    finalizer run inside its section) must still leave the child's list."""
+    from tests.support.servers import exit_code_in_child
+
+    gone = HostBuffer(PAGE_SIZE)
+    held, go = threading.Event(), threading.Event()
+
+    def holding():                  # caught inside the registry's section at the fork
+        with registry._Section():
+            registry.remove(gone.address)       # deferred: this thread holds the section
+            held.set()
+            go.wait(20)
+    t = threading.Thread(target=holding)
+    t.start()
+    try:
+        assert held.wait(10)
+
+        def child():
+            with HostBuffer(10_000) as buf:
+                if (buf.address, 3 * PAGE_SIZE) not in registry.snapshot()[1]:
+                    return 1
+            if any(a == gone.address for a, _ in registry.snapshot()[1]):
+                return 2
+            return 0
+        assert exit_code_in_child(child, timeout=10) == 0
+    finally:
+        go.set()
+        t.join(20)
+        gone.close()
+    assert all(a != gone.address for a, _ in registry.snapshot()[1])
