@@ -13,6 +13,7 @@ them has ``geometry``, ``alignment``, ``io`` (a StoreIO), ``counters``,
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import weakref
 
@@ -35,6 +36,7 @@ class StagingBuffers:
         self._all: "weakref.WeakSet[HostBuffer]" = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
+        _LIVE.add(self)
 
     def get(self, nbytes: int, purpose: str) -> HostBuffer:
         """This thread's buffer for ``purpose``, at least ``nbytes`` (grown,
@@ -63,6 +65,21 @@ class StagingBuffers:
             bufs, self._all = list(self._all), weakref.WeakSet()
         for buf in bufs:
             buf.close()
+
+
+_LIVE: "weakref.WeakSet[StagingBuffers]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: a thread of the parent making a staging buffer at
+    the fork (a read or put) held the lock, and held it stays (that thread
+    is not the child's); the child's close() of its copy (a forked store's
+    close) would wait for good.  Each lock is made afresh."""
+    for stagings in list(_LIVE):
+        stagings._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class RunIO:

@@ -732,3 +732,45 @@ def test_a_second_close_returns_once_the_devices_are_released(store_file, tmp_pa
         go.set()
         if server is not None:
             server.stop()
+
+
+@pytest.mark.parametrize("lock", ["spares", "stagings", "host arena"])
+def test_a_child_forked_while_a_thread_holds_a_buffer_lock_closes_its_copy(store_file, lock):
+    """A forked child's close() lets go of its copy's buffers: the spare
+    load buffers, every thread's staging buffers, the DRAM tier's arena.
+    Each has a lock of its own, which a thread of the parent held at the
+    fork when it was taking or giving a spare (a layer-wise load), making
+    a staging buffer (a read) or closing the buffer; held it stays in the
+    child (that thread is not the child's), and the child's close() of its
+    copy hung on it for good."""
+    from tests.support.servers import exit_code_in_child
+
+    store = KVStore.open([store_file], host_cache_bytes=4 * GEOM.block_bytes)
+    store.spares.give(store.spares.take(1))     # one idle spare to free
+    store._staging(4096)                        # and one staging buffer
+    target = {"spares": lambda: store.spares._lock,
+              "stagings": lambda: store._stagings._lock,
+              "host arena": lambda: store.host.arena._lock}[lock]()
+    held, go = threading.Event(), threading.Event()
+
+    def holding():                  # caught holding it at the fork
+        with target:
+            held.set()
+            go.wait(20)
+    t = threading.Thread(target=holding)
+    t.start()
+    try:
+        assert held.wait(10)
+
+        def child():
+            store.close()
+            return 0 if store.io is None else 1
+        assert exit_code_in_child(child, timeout=10) == 0
+    finally:
+        go.set()
+        t.join(20)
+    keys = run_keys(1, 1)                       # the parent's store is unaffected
+    store.put_run(keys, run_data(keys))
+    out = np.zeros(GEOM.block_bytes, np.uint8)
+    assert store.get_run(keys, out) and (out == run_data(keys)).all()
+    store.close()
