@@ -62,6 +62,21 @@ _hash_slots = threading.BoundedSemaphore(_HASH_THREADS)
 _hashers_lock = threading.Lock()
 
 
+def _fresh_hashers() -> None:
+    """In a forked child: the helper pool's threads are the parent's (the
+    child has none of them, yet the pool counts them as started and idle, so
+    a run handed to it would never be hashed and its put would wait for
+    good), and so are the slots the parent's busy helpers held, and the
+    lock a thread of the parent may have held.  The child starts its own."""
+    global _hashers, _hash_slots, _hashers_lock
+    _hashers = None
+    _hash_slots = threading.BoundedSemaphore(_HASH_THREADS)
+    _hashers_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_hashers)
+
+
 def _start_hashing(fn) -> Future | None:
     """``fn()`` on a free helper thread, or None when all are busy."""
     global _hashers
