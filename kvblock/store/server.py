@@ -186,6 +186,7 @@ class StoreServer:
         self._halt = threading.Event()        # stop() began
         self._lease_thread: threading.Thread | None = None
         self._accept_trouble_logged = -1e9    # monotonic time of the last such warning
+        self._pid = os.getpid()               # a forked child's stop() lets go of its copy
 
     # ------------------------------------------------------------------ lifetime
     def start(self) -> "StoreServer":
@@ -218,7 +219,12 @@ class StoreServer:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Disconnect every client, close the store, remove the socket."""
+        """Disconnect every client, close the store, remove the socket.
+        In a process forked from the one serving, only let go of the copy
+        (see _let_go_of_copy)."""
+        if os.getpid() != self._pid:
+            self._let_go_of_copy()
+            return
         with self._stop_lock:
             if self._stopping:
                 self.stopped.wait(timeout)
@@ -270,6 +276,35 @@ class StoreServer:
                     launch.stopped(self._fence_fd)
                 os.close(self._fence_fd)
                 self._fence_fd = None
+            self.stopped.set()
+
+    def _let_go_of_copy(self) -> None:
+        """stop() in a forked child: its listener, connections and fence
+        file are the parent's open files, which the parent goes on serving
+        with.  Shutting the connections down would end the parent's clients'
+        (their calls fail), removing the socket would leave no way to reach
+        the parent's server, a stopping mark would mark the parent's; so
+        this process's descriptors are only closed (the open files stay the
+        parent's), and its store copy closed (KVStore's forked close: no
+        checkpoint).  No lock is taken: a thread of the parent may have held
+        one at the fork, and none of those threads runs here."""
+        try:
+            if self._listener is not None:
+                self._listener.close()
+            for s in list(self._sessions.values()):
+                try:
+                    s.conn.close()
+                except OSError:
+                    pass
+            if self.close_store:
+                self.store.close()
+        finally:
+            self._socket_ino = None
+            if self._fence_fd is not None:
+                os.close(self._fence_fd)
+                self._fence_fd = None
+            self._stopping = True
+            self._halt.set()
             self.stopped.set()
 
     def client_count(self) -> int:

@@ -1119,3 +1119,35 @@ def test_a_forked_child_does_not_keep_a_stopped_servers_stopping_mark(tmp_path, 
     finally:
         os.close(w_fd)
         os.waitpid(pid, 0)
+
+
+def test_a_forked_childs_stop_of_its_server_copy_leaves_the_parents_server(tmp_path, sock):
+    """A process serving in a thread forks (a worker), and the child stops
+    its copy of the server (a with block it unwinds, a cleanup hook).  That
+    copy's listener, connections and fence file are the parent's open
+    files: its stop() shut every client's connection down (their calls
+    failed: ServerGoneError), removed the parent's socket (no rank could
+    connect any more) and marked the parent's server stopping.  The child's
+    stop() only lets go of its copy, as its store's close() does."""
+    from kvblock.store.launch import server_stopping
+
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    try:
+        r = RemoteStore(sock)
+        try:
+            r.put_run(run_keys(0, 2), run_data(run_keys(0, 2)))
+
+            def child():
+                server.stop(timeout=5)
+                return 0 if server.stopped.is_set() else 1
+            assert exit_code_in_child(child, timeout=20) == 0
+            assert not server_stopping(sock)
+            assert os.path.exists(sock), "the child removed the parent's socket"
+            assert r.lookup(run_keys(0, 2)) == 2         # the parent's client is served
+            with RemoteStore(sock) as r2:                # and a new one connects
+                assert r2.lookup(run_keys(0, 2)) == 2
+        finally:
+            r.close()
+    finally:
+        server.stop()
