@@ -17,7 +17,6 @@ engine can use fixed-buffer I/O on it.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 import weakref
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from kvblock.errors import ConfigError
 from kvblock.memory import registry
+from kvblock.memory.forklocks import renew_after_fork
 
 PAGE_SIZE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels: touch pages by hand
@@ -101,7 +101,7 @@ class HostBuffer:
         self.address = int(self.array.ctypes.data)
         self._registered = register
         self._lock = threading.Lock()
-        _LIVE.add(self)
+        renew_after_fork(self)        # a forked child's close() of its copy takes it
         if register:
             registry.add(self.address, size)
             # A buffer dropped without close() (a thread's staging buffer when
@@ -166,21 +166,6 @@ class HostBuffer:
 
     def __repr__(self) -> str:
         return f"HostBuffer(address=0x{self.address:x}, nbytes={self.nbytes})"
-
-
-_LIVE: "weakref.WeakSet[HostBuffer]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """In a forked child: a thread of the parent closing a buffer at the
-    fork held its lock, and held it stays (that thread is not the child's);
-    the child's close() of its copy (a forked store's close) would wait for
-    good.  Each buffer's lock is made afresh."""
-    for buf in list(_LIVE):
-        buf._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _prefault(mm: mmap.mmap, start: int, length: int) -> None:

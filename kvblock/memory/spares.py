@@ -9,11 +9,10 @@ load takes them.
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 
 from kvblock.memory.aligned import HostBuffer, round_up
+from kvblock.memory.forklocks import renew_after_fork
 
 # Buffers are sized in these steps, so loads of slightly different prefixes
 # reuse each other's.
@@ -27,7 +26,7 @@ class SpareBuffers:
         self.keep_bytes = int(keep_bytes)
         self._idle: list[HostBuffer] = []
         self._lock = threading.Lock()
-        _LIVE.add(self)
+        renew_after_fork(self)        # a forked child's close() of its copy takes it
 
     def take(self, nbytes: int) -> HostBuffer:
         """The smallest idle buffer of at least ``nbytes``, else a new one."""
@@ -64,18 +63,3 @@ class SpareBuffers:
             idle, self._idle = self._idle, []
         for b in idle:
             b.close()
-
-
-_LIVE: "weakref.WeakSet[SpareBuffers]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """In a forked child: a thread of the parent taking or giving a spare
-    at the fork (a layer-wise load) held the lock, and held it stays (that
-    thread is not the child's); the child's close() of its copy (a forked
-    store's close) would wait for good.  Each lock is made afresh."""
-    for spares in list(_LIVE):
-        spares._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)

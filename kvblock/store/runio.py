@@ -13,13 +13,13 @@ them has ``geometry``, ``alignment``, ``io`` (a StoreIO), ``counters``,
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import weakref
 
 from kvblock.errors import StoreClosedError
 from kvblock.layout.geometry import RunLayout, round_up
 from kvblock.memory import HostBuffer
+from kvblock.memory.forklocks import renew_after_fork
 from kvblock.store.scatter import BlockList
 
 logger = logging.getLogger("kvblock")
@@ -36,7 +36,7 @@ class StagingBuffers:
         self._all: "weakref.WeakSet[HostBuffer]" = weakref.WeakSet()
         self._lock = threading.Lock()
         self._closed = False
-        _LIVE.add(self)
+        renew_after_fork(self)        # a forked child's close() of its copy takes it
 
     def get(self, nbytes: int, purpose: str) -> HostBuffer:
         """This thread's buffer for ``purpose``, at least ``nbytes`` (grown,
@@ -65,21 +65,6 @@ class StagingBuffers:
             bufs, self._all = list(self._all), weakref.WeakSet()
         for buf in bufs:
             buf.close()
-
-
-_LIVE: "weakref.WeakSet[StagingBuffers]" = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    """In a forked child: a thread of the parent making a staging buffer at
-    the fork (a read or put) held the lock, and held it stays (that thread
-    is not the child's); the child's close() of its copy (a forked store's
-    close) would wait for good.  Each lock is made afresh."""
-    for stagings in list(_LIVE):
-        stagings._lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class RunIO:
