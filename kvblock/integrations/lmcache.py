@@ -778,7 +778,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
                     # pinned: the pin left over must not make it found.
                     # Earlier holders' unpins then find no entry: harmless.
                     del self._pins[kb]
-                    self.store.unpin(entry[1])
+                    self._store_unpin(entry[1])
                 return False
             if entry is None:
                 # the key too: clear() keeps a pinned layer's whole chunk
@@ -790,11 +790,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 # chunk was stored again elsewhere.  The new pin replaces it,
                 # keeping the count of LMCache's pins (each is unpinned once)
                 # and the entry (async lookups' pins count in it).
-                self.store.unpin(entry[1])
+                self._store_unpin(entry[1])
                 entry[0] += 1
                 entry[1] = segs
             else:
-                self.store.unpin(segs)      # one store pin per key
+                self._store_unpin(segs)     # one store pin per key
                 entry[0] += 1
             if _held is not None:
                 _held.append((kb, self._pins[kb]))
@@ -818,7 +818,18 @@ class KVBlockStorageBackend(StoragePluginInterface):
         entry[0] -= 1
         if entry[0] == 0:
             del self._pins[kb]
-            self.store.unpin(entry[1])
+            self._store_unpin(entry[1])
+
+    def _store_unpin(self, segs) -> None:
+        """Release a store pin handle.  A failure (a store server's call
+        timing out; a gone server is quiet already) is a store failure,
+        logged and counted, not raised: the handle is spent either way, and
+        the callers release pins on the way out of a load (whose objects
+        must reach LMCache), of a lookup's expiry or of LMCache's unpin."""
+        try:
+            self.store.unpin(segs)
+        except RUNTIME_FAILURES as e:
+            self._failed("an unpin", e)
 
     def _settle_writes(self, keys: Sequence[CacheEngineKey]) -> None:
         """(under the lock) wait until no write of ``keys`` is under way (one
@@ -857,7 +868,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 return False
             for kb in kbs:
                 if kb in self._pins:
-                    self.store.unpin(self._pins.pop(kb)[1])
+                    self._store_unpin(self._pins.pop(kb)[1])
             dropped = self._drop_queued_puts(keys)
             try:
                 return self.store.delete(kbs) > 0 or dropped

@@ -1101,3 +1101,44 @@ def test_a_pin_taken_while_an_unforced_remove_runs_keeps_its_chunk(file_target, 
     finally:
         if pinned[0]:
             e.plugin.unpin(key)
+
+
+def test_a_failed_unpin_neither_fails_the_load_nor_keeps_the_lookups_other_pins(file_target,
+                                                                               engines):
+    """An unpin through a store server can fail (a call timing out raises
+    ServerError; only a gone server is quiet).  The load of an async lookup
+    ends the lookup's pins in its ``finally``: an unpin raising there threw
+    the objects it had loaded away (their references never given back: CPU
+    memory leaked) and failed the load into LMCache (its prefetch's done
+    callback raised, the scheduler never answered), and the lookup's other
+    pins, its list already popped, were never released.  A failed unpin is
+    a store failure: logged and counted, the load and the other pins go on."""
+    from kvblock.errors import ServerError
+
+    e = Engine([file_target()])
+    engines.append(e)
+    keys = [e.key(h) for h in (161, 162)]
+    want = e.put(keys, [e.chunk(), e.chunk()])
+    store = e.plugin.store
+    assert asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_async_contains("a", keys, pin=True), e.manager.loop).result(30) == 2
+    real = store.unpin
+
+    def unpin_times_out(segs):
+        store.unpin = real
+        real(segs)
+        raise ServerError("the store server did not answer unpin within 30 s")
+    store.unpin = unpin_times_out
+    got = asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_get_non_blocking("a", keys), e.manager.loop).result(30)
+    assert [obj_bytes(o) for o in got] == want
+    for o in got:
+        o.ref_count_down()
+    assert e.plugin._pins == {} and not (store.regions.pins > 0).any()
+    assert e.plugin.stats()["store_failures"] == 1
+    # LMCache's own unpin (lookup_unpin, batched_unpin) of a pin whose
+    # release fails: answered, not raised into the engine
+    assert e.plugin.pin(keys[0])
+    store.unpin = unpin_times_out
+    assert e.plugin.unpin(keys[0]) is True
+    assert e.plugin._pins == {} and e.plugin.stats()["store_failures"] == 2
