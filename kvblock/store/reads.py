@@ -12,6 +12,7 @@ trailer, every byte checked against the run's checksums unless
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections import OrderedDict
 from typing import Any, Sequence
@@ -721,3 +722,14 @@ class RunReader(RunIO):
             self._drop_runs(hit, why="read_error")
         except KVBlockError as e:    # the read error is what the caller hears
             logger.warning("kvblock: dropping runs after a read error failed: %s", e)
+
+
+def _fresh_damaged_lock() -> None:
+    """In a forked child: a thread of the parent recording a damaged run at
+    the fork held RunReader._damaged_lock (one for every store), and held
+    it stays there (that thread is not the child's): the child's first
+    damaged run would wait for good."""
+    RunReader._damaged_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_damaged_lock)

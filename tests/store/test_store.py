@@ -499,6 +499,36 @@ def test_checksum_mismatch_is_a_miss_and_drops_the_run(store_path):
         assert store.lookup(keys) == 0  # the drop is durable
 
 
+def test_a_child_forked_while_a_checksum_failure_is_recorded_records_its_own(store_path):
+    """Damaged runs are recorded under one lock for every store in the
+    process; a child forked while a thread of the parent held it (meeting
+    a damaged run) inherited it held for good, and the child's first read
+    of a damaged run of its own store hung."""
+    from kvblock.store.reads import RunReader
+    from tests.support.servers import exit_code_in_child
+
+    keys = _one_run_with_a_flipped_byte(store_path)
+    held, go = threading.Event(), threading.Event()
+
+    def recording():                # caught holding it at the fork
+        with RunReader._damaged_lock:
+            held.set()
+            go.wait(20)
+    t = threading.Thread(target=recording)
+    t.start()
+    try:
+        assert held.wait(10)
+
+        def child():
+            with KVStore.open([store_path]) as store:
+                out = aligned_empty(2 * GEOM.block_bytes)
+                return 0 if store.get_run(keys, out) == 0 else 1
+        assert exit_code_in_child(child, timeout=10) == 0
+    finally:
+        go.set()
+        t.join(20)
+
+
 def test_a_checksum_failure_whose_drop_fails_is_still_a_miss(store_path):
     """Reads of damaged data are a miss: when dropping the bad run fails
     (its journal commit fails, the store closes) get_run still returns the
