@@ -582,6 +582,8 @@ class StoreServer:
                         # client's connection
                         with self._sessions_lock:
                             self.connections_total += 1
+                    except KVBlockError as e:     # the store closed meanwhile
+                        reply = error_reply(e)
                     except OSError as e:
                         reply = {"ok": False, "error": "ServerError",
                                  "message": f"the store server at {self.socket_path} cannot "
@@ -733,7 +735,10 @@ class StoreServer:
         on, as descriptors of their own (a lock belongs to its open file
         description), so a rank locks the very inodes whatever paths it
         reaches them by."""
-        devices = self.store.io.devices
+        io = self.store.io   # once: a close() in another thread sets it to None
+        if io is None:       # closed since hello's answer was made
+            raise self._closed_error()
+        devices = io.devices
         fds = [reopen(devices[0].fd, os.O_RDONLY)]
         try:
             fds.append(reopen(self._fence_fd, os.O_RDONLY))
@@ -753,14 +758,17 @@ class StoreServer:
         if fn is None:
             raise ConfigError(f"store server: unknown request {op!r}")
         if op not in ("hello", "unpin", "abort") and self.store.closed:
-            raise StoreClosedError(f"the store server at {self.socket_path} (pid {os.getpid()}) "
-                                   "has closed its store (a metadata write failed, or it is "
-                                   "stopping): restart it (kvblock serve) and reconnect")
+            raise self._closed_error()
         try:
             inspect.signature(fn).bind(s, **req)
         except TypeError as e:
             raise ConfigError(f"store server: bad arguments for {op!r}: {e}") from None
         return fn(s, **req)
+
+    def _closed_error(self) -> StoreClosedError:
+        return StoreClosedError(f"the store server at {self.socket_path} (pid {os.getpid()}) "
+                                "has closed its store (a metadata write failed, or it is "
+                                "stopping): restart it (kvblock serve) and reconnect")
 
     def _op_hello(self, s, protocol, pid=None):
         if protocol != PROTOCOL:
@@ -769,12 +777,17 @@ class StoreServer:
                 f"{os.getpid()}) speaks {PROTOCOL}: run one kvblock release in the server "
                 "and every client (stop the server with SIGTERM and start it again from "
                 "the clients' release)")
-        s.pid = pid
+        # Answered on a closed store only to say the mismatch above: a
+        # closed store has no devices to describe (nor fence files to send).
         st = self.store
+        io = st.io        # once: a close() in another thread sets it to None
+        if st.closed or io is None:
+            raise self._closed_error()
+        s.pid = pid
         return {
             "protocol": PROTOCOL, "pid": os.getpid(),
             "uuid": st.uuid,
-            "devices": [d.path for d in st.io.devices], "geometry": st.geometry.as_dict(),
+            "devices": [d.path for d in io.devices], "geometry": st.geometry.as_dict(),
             "alignment": st.alignment, "region_size": st.regions.size,
             "region_count": st.regions.count, "data_offsets": st.regions.data_offsets,
             "max_run_blocks": st.max_run_blocks, "journal_bytes": st.sb.journal_bytes,

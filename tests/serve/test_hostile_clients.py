@@ -625,3 +625,25 @@ def test_a_raw_clients_zero_key_is_the_stand_in_every_client_uses(store_file, so
             assert r.lookup([zero]) == 1 and r.lookup([0]) == 1
         finally:
             r.close()
+
+
+def test_a_hello_to_a_server_whose_store_has_closed_is_a_typed_error(store_file, sock):
+    """hello is answered on a closed store (so that another release's client
+    still learns of the protocol mismatch), but its answer read the store's
+    devices, which a closed store no longer has: a rank connecting to a
+    server whose store had closed (a metadata write failed; it is stopping)
+    got an untyped ServerError ("AttributeError: 'NoneType' object has no
+    attribute 'devices'").  It is StoreClosedError, as every other request
+    gets."""
+    from kvblock.store.server import PROTOCOL
+
+    with serve_in_background([store_file], sock) as server:
+        raw = _raw(sock)
+        try:
+            server.store.close()        # as a failed metadata write does
+            # (the server stops after this answer: one request only)
+            reply = _ask(raw, op="hello", protocol=PROTOCOL, pid=os.getpid())
+            assert reply["ok"] is False and reply["error"] == "StoreClosedError", reply
+            assert "closed" in reply["message"] and sock in reply["message"], reply
+        finally:
+            raw.close()
