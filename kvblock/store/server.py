@@ -574,14 +574,15 @@ class StoreServer:
                 if op == "hello" and reply["ok"]:
                     try:             # before answering: a rank told yes gets them
                         fence_fds = self._fence_files()
+                        # counted here, not at accept: a probe for a live
+                        # server (wait_for_server) or a refused hello is no
+                        # client's connection; and once: a hello said again
+                        # is the same connection
+                        with self._sessions_lock:
+                            self.connections_total += not s.greeted
                         # only a hello answered yes is said: one refused
                         # stays under the hello wait
                         s.greeted = True
-                        # counted here, not at accept: a probe for a live
-                        # server (wait_for_server) or a refused hello is no
-                        # client's connection
-                        with self._sessions_lock:
-                            self.connections_total += 1
                     except KVBlockError as e:     # the store closed meanwhile
                         reply = error_reply(e)
                     except OSError as e:

@@ -647,3 +647,26 @@ def test_a_hello_to_a_server_whose_store_has_closed_is_a_typed_error(store_file,
             assert "closed" in reply["message"] and sock in reply["message"], reply
         finally:
             raw.close()
+
+
+def test_a_connection_saying_hello_twice_counts_once(store_file, sock):
+    """connections_total counts the connections whose hello the server
+    answered (README); a client that said hello again on its connection
+    was counted once per hello, so stats() said more connections than
+    were ever made."""
+    from kvblock.store.server import PROTOCOL
+
+    with serve_in_background([store_file], sock) as server:
+        raw = _raw(sock)
+        try:
+            for _ in range(3):
+                reply = _ask(raw, op="hello", protocol=PROTOCOL, pid=os.getpid())
+                assert reply["ok"], reply
+                _, fds, _, _ = socket.recv_fds(raw, 1, 16)
+                for fd in fds:
+                    os.close(fd)
+            assert server.connections_total == 1
+        finally:
+            raw.close()
+        _still_serves(server, sock, 14)
+        assert server.connections_total == 2
