@@ -121,6 +121,7 @@ class _Session:
         self.greeted = False                          # its hello was answered yes (fence files sent)
         self.busy = False                             # a request is being answered
         self.taking: float | None = None              # since when a request is being read
+        self.sending: float | None = None             # since when an answer is being sent
         self.dropped: str | None = None               # why the server ended the connection
         self.closing = False                          # ended: its pins are being given back
 
@@ -484,13 +485,16 @@ class StoreServer:
         with self._sessions_lock:
             late = [s for s in self._sessions.values() if self._late(s, now, hello)]
         for s in late:
-            try:       # a hello not read yet (a starved server): it did say it
-                p = select.poll()
-                p.register(s.conn, select.POLLIN)
-                if p.poll(0):
-                    continue
-            except (OSError, ValueError):
-                continue    # closed meanwhile
+            if not self._stuck(s, now, hello):
+                try:       # a hello not read yet (a starved server): it did say it
+                    p = select.poll()
+                    p.register(s.conn, select.POLLIN)
+                    if p.poll(0):
+                        continue
+                except (OSError, ValueError):
+                    continue    # closed meanwhile
+            # (one stuck sending an answer reads nothing more: a hello
+            # waiting behind it is never answered)
             if not self._claim(s, self._late, hello,
                                f"it did not say hello within {hello:g} s of connecting"):
                 continue
@@ -515,10 +519,20 @@ class StoreServer:
         return bool(s.readers or s.writers) and now - s.last_seen > lease and \
             cls._idle(s, now, lease)
 
+    @staticmethod
+    def _stuck(s: _Session, now: float, limit: float) -> bool:
+        """It has been sending one answer for ``limit`` seconds (its peer
+        takes none)."""
+        return s.dropped is None and s.sending is not None and now - s.sending > limit
+
     @classmethod
     def _late(cls, s: _Session, now: float, hello: float) -> bool:
-        """It has not said hello in time."""
-        return not s.greeted and now - s.accepted > hello and cls._idle(s, now, hello)
+        """It has not said hello in time (and is not being answered, or has
+        been sending an answer for the whole wait: a peer that sends
+        requests and takes no answer held a thread for good, as the send
+        waits on for a connection holding no pins)."""
+        return not s.greeted and now - s.accepted > hello and (
+            cls._idle(s, now, hello) or cls._stuck(s, now, hello))
 
     def _claim(self, s: _Session, still, limit: float, why: str) -> bool:
         """Mark ``s`` dropped for ``why`` if ``still`` holds: its thread may
@@ -642,15 +656,20 @@ class StoreServer:
         """sendall, except that a send making no progress for a lease
         (SO_SNDTIMEO) ends only a connection holding pins or allocations
         (as the lease does); one holding none waits on for its client (a
-        stopped process holds nothing up), until the server stops."""
+        stopped process holds nothing up), until the server stops, or
+        (one that has not said hello) the hello wait closes it."""
         view = memoryview(data)
-        while view:
-            try:
-                view = view[s.conn.send(view):]
-            except (BlockingIOError, TimeoutError):
-                if s.readers or s.writers or self._halt.is_set():
-                    raise
-                # (SO_SNDTIMEO again: no busy loop)
+        s.sending = time.monotonic()
+        try:
+            while view:
+                try:
+                    view = view[s.conn.send(view):]
+                except (BlockingIOError, TimeoutError):
+                    if s.readers or s.writers or self._halt.is_set():
+                        raise
+                    # (SO_SNDTIMEO again: no busy loop)
+        finally:
+            s.sending = None
 
     def _release(self, s: _Session):
         """The connection ended: give back every pin it held.  The client

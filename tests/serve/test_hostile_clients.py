@@ -670,3 +670,39 @@ def test_a_connection_saying_hello_twice_counts_once(store_file, sock):
             raw.close()
         _still_serves(server, sock, 14)
         assert server.connections_total == 2
+
+
+@pytest.mark.parametrize("pin_lease", [60.0, None])
+def test_a_connection_that_never_says_hello_nor_reads_its_answers_is_closed(store_file, sock,
+                                                                            pin_lease):
+    """A peer that sent requests without saying hello and took none of the
+    answers kept the server's thread blocked sending one of them: the hello
+    wait passes a connection being answered by, and the send waits on for a
+    peer that holds no pins, so the connection (a thread, a descriptor, a
+    place under max_clients) stayed for good, though README says one that
+    has not said hello in time is closed.  A connection that has not said
+    hello and has been stuck sending one answer for the hello wait is
+    closed too."""
+    with serve_in_background([store_file], sock, hello_timeout=0.5,
+                             pin_lease=pin_lease) as server:
+        raw = _raw(sock)
+        try:
+            raw.setblocking(False)
+            req, stalled = encode_msg({"op": "stats"}), None
+            deadline = time.monotonic() + 30
+            while stalled is None or time.monotonic() - stalled < 0.3:
+                assert time.monotonic() < deadline, "the server kept reading"
+                try:         # until the server's answers fill both buffers
+                    raw.send(req)
+                    stalled = None
+                except BlockingIOError:
+                    stalled = stalled or time.monotonic()
+                    time.sleep(0.01)
+            deadline = time.monotonic() + 15
+            while server.client_count():
+                assert time.monotonic() < deadline, \
+                    "a connection that never said hello stayed open, blocked in a send"
+                time.sleep(0.05)
+        finally:
+            raw.close()
+        _still_serves(server, sock, 15)
