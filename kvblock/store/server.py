@@ -803,6 +803,9 @@ class StoreServer:
         io = st.io        # once: a close() in another thread sets it to None
         if st.closed or io is None:
             raise self._closed_error()
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int) or pid < 1):
+            # kept for the log of a dropped connection: no text of any length
+            raise ConfigError(f"hello: pid must be this process's id, got {str(pid)[:40]!r}")
         s.pid = pid
         return {
             "protocol": PROTOCOL, "pid": os.getpid(),

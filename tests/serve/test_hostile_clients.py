@@ -649,6 +649,25 @@ def test_a_hello_to_a_server_whose_store_has_closed_is_a_typed_error(store_file,
             raw.close()
 
 
+@pytest.mark.parametrize("pid", ["x" * 4096, 1.5, [1], True, -1])
+def test_a_hello_whose_pid_is_no_process_id_is_refused(store_file, sock, pid):
+    """hello's pid was kept as sent and written into the server's log when
+    the connection was dropped: a string of any length (a frame's worth)
+    went to the log.  A pid is a process id or absent."""
+    from kvblock.store.server import PROTOCOL
+
+    with serve_in_background([store_file], sock):
+        raw = _raw(sock)
+        try:
+            reply = _ask(raw, op="hello", protocol=PROTOCOL, pid=pid)
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            assert "pid" in reply["message"] and len(reply["message"]) < 300, reply
+            reply = _ask(raw, op="hello", protocol=PROTOCOL, pid=os.getpid())
+            assert reply["ok"] is True, reply
+        finally:
+            raw.close()
+
+
 def test_a_connection_saying_hello_twice_counts_once(store_file, sock):
     """connections_total counts the connections whose hello the server
     answered (README); a client that said hello again on its connection
