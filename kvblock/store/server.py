@@ -1023,6 +1023,8 @@ class StoreServer:
         if not isinstance(all, bool):
             raise ConfigError(f"evict: all must be true or false, got {all!r}")
         if older_than is not None:
+            if nbytes is not None or all:     # one of them would be ignored
+                raise ConfigError("evict: give older_than, nbytes or all, one of them")
             return self.store.evict_older_than(older_than)
         return self.store.evict(nbytes, all=all)
 

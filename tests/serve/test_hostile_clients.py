@@ -668,6 +668,24 @@ def test_a_hello_whose_pid_is_no_process_id_is_refused(store_file, sock, pid):
             raw.close()
 
 
+@pytest.mark.parametrize("extra", [{"all": True}, {"nbytes": 1 << 20}])
+def test_evict_older_than_with_another_criterion_is_refused(store_file, sock, extra):
+    """evict with older_than took the age and silently ignored all=true or
+    nbytes beside it (a client asking for both got less than one of them
+    says)."""
+    with serve_in_background([store_file], sock) as server:
+        keys = run_keys(3, 1)
+        with RemoteStore(sock) as rank:
+            rank.put_run(keys, run_data(keys))
+        raw = _raw(sock)
+        try:
+            reply = _ask(raw, op="evict", older_than=time.time() + 60, **extra)
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+        finally:
+            raw.close()
+        assert server.store.lookup(keys) == 1          # nothing evicted
+
+
 def test_a_connection_saying_hello_twice_counts_once(store_file, sock):
     """connections_total counts the connections whose hello the server
     answered (README); a client that said hello again on its connection
