@@ -273,6 +273,7 @@ class RemoteStore(RunReader, RunWriter):
         self._reconnect_lock = threading.Lock()
         self._reconnector: threading.Thread | None = None
         self._forked = False
+        self._pid = os.getpid()    # a forked child's copy: see close()
         self._refused: str | None = None   # the server serves another store: no reconnect
         self._refused_at = 0.0             # ... until REFUSED_RETRY_S after this
         self._session = Session(open_socket(self.socket_path, timeout))
@@ -997,6 +998,20 @@ class RemoteStore(RunReader, RunWriter):
     def close(self) -> None:
         """Disconnect (the server releases this connection's pins) and close
         this process's devices.  The store itself stays with the server."""
+        # A forked child's copy: its sessions are closed; its locks may be
+        # stale.  By the pid too: a copy the parent was closing at the fork
+        # had left _LIVE, so the fork did not mark it, and its devices and
+        # fence files were still open (the parent's release, cut off by
+        # the fork, is the child's to finish: _release_devices).
+        if self._forked or os.getpid() != getattr(self, "_pid", os.getpid()):
+            finalizer = getattr(self, "_finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
+            self.closed = True
+            KVStore._release_devices(self)
+            if self._fence is not None:
+                self._fence.forget()
+            return
         if self.closed and self.io is None:
             if getattr(self, "_releasing", None) is not None:
                 KVStore._release_devices(self)     # another close() releasing: its end
@@ -1004,12 +1019,6 @@ class RemoteStore(RunReader, RunWriter):
         finalizer = getattr(self, "_finalizer", None)
         if finalizer is not None:
             finalizer.detach()
-        if self._forked:                 # its sessions are closed; its locks may be stale
-            self.closed = True
-            KVStore._release_devices(self)
-            if self._fence is not None:
-                self._fence.forget()
-            return
         with self._reconnect_lock:
             self.closed = True
             self._stop.set()

@@ -1510,16 +1510,25 @@ class KVStore(Recovery, RunReader, RunWriter):
         # returns once that one is done: the caller may reopen the devices
         # next (refused as busy while they are open).  Not in a forked
         # child, whose copy a parent's thread was releasing at the fork:
-        # that thread is not there to finish.
+        # that thread is not there to finish, so the child lets go of its
+        # copies of what that release had taken (kept on the mark for
+        # this; closing a copy the parent had closed before the fork does
+        # nothing).  Else the child kept its copies of the device
+        # descriptors (a block device's O_EXCL claim: the store could not
+        # be opened again while the child lived) and of the buffers.
         with _RELEASE_LOCK:
             other = getattr(self, "_releasing", None)
-            if other is None:
-                self._releasing = mine = (os.getpid(), threading.Event())
+            if other is not None and other[0] != os.getpid() and not other[1].is_set():
+                kvikio, host, io = other[2]       # a parent's release, cut off by the fork
+                other = None
+            elif other is None:
                 kvikio, host, io = (getattr(self, "_kvikio", None), getattr(self, "host", None),
                                     self.io)
+            if other is None:
+                self._releasing = mine = (os.getpid(), threading.Event(), (kvikio, host, io))
                 self._kvikio = self.host = self.io = None
         if other is not None:
-            pid, done = other
+            pid, done, _ = other
             if pid == os.getpid():
                 done.wait()
             return
@@ -1535,6 +1544,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                     stack.callback(kvikio.close)
         finally:
             mine[1].set()
+            self._releasing = mine[:2] + (None,)     # released: no need to keep them
 
     def __enter__(self) -> "KVStore":
         return self

@@ -774,3 +774,80 @@ def test_a_child_forked_while_a_thread_holds_a_buffer_lock_closes_its_copy(store
     out = np.zeros(GEOM.block_bytes, np.uint8)
     assert store.get_run(keys, out) and (out == run_data(keys)).all()
     store.close()
+
+
+def _open_fds(fds) -> list[int]:
+    """Those of ``fds`` open in this process."""
+    import os
+
+    left = []
+    for fd in fds:
+        try:
+            os.fstat(fd)
+        except OSError:
+            continue
+        left.append(fd)
+    return left
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_a_child_forked_while_the_parent_releases_the_devices_lets_go_of_its_copy(
+        store_file, tmp_path, remote):
+    """README: a forked child's close() "only lets go of the copy".  A child
+    forked while a thread of the parent was inside _release_devices (the
+    devices, buffers and DRAM arena taken off the store, the release
+    marked the parent's) found the release another's, and returned: the
+    child kept its copies of the device descriptors (on a block device the
+    O_EXCL claim: the parent's reopen refused as busy while the child
+    lives), of the staging buffers and of the DRAM tier's arena (memory
+    the parent freed stays the child's).  The child now lets go of them."""
+    import os
+
+    from tests.support.servers import exit_code_in_child
+
+    server = None
+    if remote:
+        server = serve_in_background([store_file], tmp_path / "s.sock")
+        store = RemoteStore(tmp_path / "s.sock")
+    else:
+        store = KVStore.open([store_file], host_cache_bytes=4 * GEOM.block_bytes)
+    store._staging(4096)                             # a staging buffer to free
+    staging = list(store._stagings._all)
+    # the copy's descriptors (an in-process server holds the store file too)
+    fds = [d.fd for d in store.io.devices] + (store._fence._fds() if remote else [])
+    arena = store.host.arena if store.host is not None else None
+    parent = os.getpid()
+    spares_close = store.spares.close
+    releasing, go = threading.Event(), threading.Event()
+
+    def slow_close():               # the parent's release, caught in the middle
+        if os.getpid() == parent:
+            releasing.set()
+            assert go.wait(20)
+        spares_close()
+    store.spares.close = slow_close
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    try:
+        assert releasing.wait(20)
+
+        def child():
+            store.close()
+            left = []
+            if _open_fds(fds):
+                left.append(f"descriptors {_open_fds(fds)}")
+            if any(not b.closed for b in staging):
+                left.append("staging buffers")
+            if arena is not None and not arena.closed:
+                left.append("the DRAM arena")
+            print("left open in the child:", left, flush=True)
+            return 1 if left else 0
+        assert exit_code_in_child(child, timeout=10) == 0
+    finally:
+        go.set()
+        closer.join(20)
+        if server is not None:
+            server.stop()
+    assert store.io is None and not _open_fds(fds)
+    with KVStore.open([store_file]):                  # the parent let go as well
+        pass
