@@ -15,6 +15,7 @@ import numpy as np
 
 from kvblock.errors import ConfigError, KVBlockError
 from kvblock.memory.aligned import PAGE_SIZE, HostBuffer, round_up
+from kvblock.memory.forklocks import renew_after_fork
 
 
 class PoolExhaustedError(KVBlockError, TimeoutError):
@@ -33,7 +34,11 @@ class BufferPool:
         self.count = int(count)
         self.arena = HostBuffer(self.buffer_bytes * self.count)
         self._free = list(range(self.count - 1, -1, -1))
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        # a child forked while a thread of the parent was inside acquire()
+        # or release() would find the condition held for good
+        renew_after_fork(self)
 
     def address_of(self, index: int) -> int:
         self._check_open()
