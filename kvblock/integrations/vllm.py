@@ -338,6 +338,11 @@ class KVBlockTierManager(SecondaryTierManager):
         if server is not None and not isinstance(server, (str, os.PathLike)):
             raise ConfigError('kvblock tier: "server" must be a socket path, e.g. '
                               f'"/run/kvblock/vllm.sock", got {server!r}')
+        if engine is not None and not isinstance(engine, str):
+            # (a number or a list reached the engine picker's str methods:
+            # an AttributeError out of vLLM's startup)
+            raise ConfigError('kvblock tier: "engine" must be one of "uring", "threads", '
+                              f'"auto" (or null), got {engine!r}')
         dp = _dp_fields(offloading_spec)
         self.devices = [_fill(os.fspath(d), dp, "device") for d in devices]
         self.server = _fill(os.fspath(server), dp, "server") if server else None

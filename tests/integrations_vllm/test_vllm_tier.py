@@ -1570,6 +1570,9 @@ def test_bad_config_is_refused(make_tier):
         make_tier(devices=["/tmp/kv-{dp_rank.x}.img"])
     with pytest.raises(ConfigError, match='"server" must be a socket path'):
         make_tier(server=["/run/kvblock/vllm.sock"])
+    for engine in (1, ["uring"]):     # not a name: a ConfigError, not an AttributeError
+        with pytest.raises(ConfigError, match='"engine" must be one of'):
+            make_tier(engine=engine)
     tier, _ = make_tier(queue_depth="16", threads="2")     # digits as strings are fine
     assert len(tier._workers) == 2
 
