@@ -32,6 +32,9 @@ _ALIASES = {"io_uring": "uring", "iouring": "uring", "liburing": "uring"}
 
 
 def _requested(kind: str | None) -> str:
+    if kind is not None and not isinstance(kind, str):   # (a number or list in a config)
+        raise ConfigError(f"the I/O engine must be a name (uring, threads, auto), got "
+                          f"{type(kind).__name__} {kind!r}")
     source = "the engine setting" if kind else "KVBLOCK_IO_ENGINE"
     kind = (kind or os.environ.get("KVBLOCK_IO_ENGINE") or "auto").strip().lower()
     kind = _ALIASES.get(kind, kind)

@@ -90,6 +90,18 @@ def test_engine_names_as_users_write_them(monkeypatch):
         _requested("spdk")
 
 
+@pytest.mark.parametrize("engine", [1, ["uring"], True])
+def test_an_engine_setting_that_is_no_name_is_a_config_error(engine, monkeypatch):
+    """An engine given as a number or list (a hand-typed config: SGLang's
+    or LMCache's extra config, KVStore.open(engine=...)) raised
+    AttributeError ('int' object has no attribute 'strip')."""
+    from kvblock.io import _requested
+
+    monkeypatch.delenv("KVBLOCK_IO_ENGINE", raising=False)
+    with pytest.raises(ConfigError, match="must be a name"):
+        _requested(engine)
+
+
 def test_unavailable_error_is_kvblock_error():
     assert issubclass(EngineUnavailableError, kvblock.KVBlockError)
 
