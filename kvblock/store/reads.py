@@ -251,7 +251,9 @@ class RunReader(RunIO):
             end = done + 1
             while end < n and not in_host[end]:
                 end += 1
-            got = self._read(keys[done:end], span(dst, done, end), only)
+            # A stretch stored nowhere after blocks already read ends the
+            # prefix; only a read that returns nothing at all is a miss.
+            got = self._read(keys[done:end], span(dst, done, end), only, done == 0)
             if only is None:
                 fetched.extend(range(done, done + got))
             self.counters["device_hit_blocks"] += got
@@ -315,11 +317,14 @@ class RunReader(RunIO):
             return self._read(keys, dst, (layer, group))
         return self._read_tiered(keys, dst, (layer, group))
 
-    def _read(self, keys, dst, only) -> int:
+    def _read(self, keys, dst, only, count_miss: bool = True) -> int:
+        """``count_miss``: count a read that finds nothing stored as a
+        miss (False: the caller's read returned blocks from elsewhere)."""
         with self._lock:
             segs = self._segments(keys)
         if not segs:
-            self.counters["miss_gets"] += 1
+            if count_miss:
+                self.counters["miss_gets"] += 1
             return 0
         try:
             done = self._read_segs(segs, dst, only)

@@ -811,3 +811,27 @@ def test_a_tier_whose_blocks_are_all_pinned_takes_no_new_one():
     tier.unpin([b"a" * 16])
     tier.put(b"c" * 16, block(3))
     assert b"a" * 16 not in tier and b"b" * 16 in tier and b"c" * 16 in tier
+
+
+def test_a_read_whose_prefix_came_from_dram_is_no_miss(tmp_path):
+    """miss_gets counts reads that returned nothing.  With a DRAM tier, a
+    get whose prefix came from DRAM and whose next key is stored nowhere
+    counted a miss (the device read of the rest found nothing), though it
+    returned blocks, and the same get without a tier counts none."""
+    path = create_file(tmp_path / "s.img", 4 << 20)
+    a = run_keys(1, 2)
+    for host in (8 * GEOM.block_bytes, 0):
+        with KVStore.format([str(path)], GEOM, region_size=REGION, force=True,
+                            host_cache_bytes=host) as store:
+            assert store.put_run(a, run_data(a)) == 2
+            out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+            c = store.counters
+            before = dict(c)
+            assert store.get_run(a + [b"nowhere"], out) == 2
+            assert store.get_runs([(a + [b"nowhere"], out)]) == [2]
+            part = np.zeros(3 * GEOM.group_block_bytes, np.uint8)
+            assert store.read_range(a + [b"nowhere"], 0, 0, part) == 2
+            assert c["miss_gets"] == before["miss_gets"], host
+            assert c["get_blocks"] - before["get_blocks"] == 6
+            assert store.get_run([b"nowhere"] + a, out) == 0      # a miss, in either
+            assert c["miss_gets"] - before["miss_gets"] == 1, host
