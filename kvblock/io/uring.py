@@ -211,18 +211,26 @@ class UringEngine(IOEngine):
 
     def close(self) -> None:
         with self._closing:   # a second close() returns once this one is done
-            if self.closed:
-                return
-            super().close()
-            _ENGINES.discard(self)
+            if not self.closed:
+                super().close()
+                _ENGINES.discard(self)
+            # The rings stay on the engine until each is destroyed (a second
+            # destroy does nothing): a child forked while a thread of the
+            # parent was here finds its copy closed, and destroys the copies
+            # of those left at its close(); taken off first, they were only
+            # in that thread's frame, and the child kept their descriptors
+            # (an io_uring keeps the device files it registered open: a
+            # block device's O_EXCL claim while the child lives).
             with self._rings_lock:
-                rings, self._rings = self._rings, []
+                rings = list(self._rings)
             for ring in rings:
                 # A ring's own thread may be re-registering its buffers (a buffer
                 # closed there: _retire_idle_rings), the GIL released in the
                 # native call: destroy it once that is done, not under it.
                 with ring.lock:
                     ring.destroy()
+            with self._rings_lock:
+                self._rings = [r for r in self._rings if r.handle is not None]
             # Each thread's ring holder has a finalizer that holds this engine;
             # a thread that lives on (an engine's main or scheduler thread) would
             # keep the closed engine alive for good: drop every thread's holder.

@@ -851,3 +851,65 @@ def test_a_child_forked_while_the_parent_releases_the_devices_lets_go_of_its_cop
     assert store.io is None and not _open_fds(fds)
     with KVStore.open([store_file]):                  # the parent let go as well
         pass
+
+
+def _uring_fds() -> set[int]:
+    """This process's io_uring descriptors."""
+    import os
+
+    fds = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if "io_uring" in os.readlink(f"/proc/self/fd/{name}"):
+                fds.add(int(name))
+        except OSError:
+            pass
+    return fds
+
+
+def test_a_child_forked_while_the_parent_closes_the_engine_destroys_its_rings(store_file):
+    """The release a forked child finishes (the test above) reached the
+    engine, but UringEngine.close marked the engine closed and took its
+    rings off it into the closing thread's frame before destroying them: a
+    child forked in between found its copy closed and with no rings, so its
+    close() kept its copies of the rings' descriptors.  An io_uring keeps the
+    device files it registered (the store's fixed files) open while any
+    descriptor of it lives: on a block device the parent's O_EXCL claim, so
+    the store could not be opened again while the child lived."""
+    import os
+
+    from kvblock.io.uring import UringEngine
+    from tests.support.servers import exit_code_in_child
+
+    before = _uring_fds()
+    store = KVStore.open([store_file], engine="uring")
+    engine = store.io.engine
+    assert isinstance(engine, UringEngine)
+    mine = _uring_fds() - before
+    assert mine and engine._rings                     # the open's ring
+    parent = os.getpid()
+    first = engine._rings[0]
+    destroy = first.destroy
+    destroying, go = threading.Event(), threading.Event()
+
+    def slow_destroy():             # the parent's engine close, caught in the middle
+        if os.getpid() == parent and not destroying.is_set():
+            destroying.set()
+            assert go.wait(20)
+        destroy()
+    first.destroy = slow_destroy
+    closer = threading.Thread(target=store.close)
+    closer.start()
+    try:
+        assert destroying.wait(20)
+
+        def child():
+            store.close()
+            left = sorted(mine & _uring_fds())
+            print("io_uring descriptors left open in the child:", left, flush=True)
+            return 1 if left else 0
+        assert exit_code_in_child(child, timeout=10) == 0
+    finally:
+        go.set()
+        closer.join(20)
+    assert store.io is None and not (mine & _uring_fds())
