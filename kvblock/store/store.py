@@ -118,11 +118,13 @@ LOAD_STAGING_KEEP = 128 << 20
 
 class PinHandle(list):
     """What :meth:`KVStore.pin` returns: the pinned stretches, released once
-    (``host_keys``: the blocks pinned in the DRAM tier, held only there;
+    (``host_keys``: the blocks pinned in the DRAM tier, held only there,
+    ``host_pins`` the tier's tokens for them;
     ``store``: the open store whose regions it pins)."""
 
     released = False
     host_keys: tuple = ()
+    host_pins: tuple = ()
     store = None
 
     def __bool__(self) -> bool:
@@ -966,7 +968,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         lookup() counts, its stretches on the device pinned there, its
         blocks held only in DRAM pinned in the tier (else the lease would
         end at the first of them)."""
-        handle, host_keys, pos = PinHandle(), [], 0
+        handle, host_keys, tokens, pos = PinHandle(), [], [], 0
         try:
             while pos < len(keys):
                 with self._lock:
@@ -978,15 +980,18 @@ class KVStore(Recovery, RunReader, RunWriter):
                 pos += got
                 if got < stretch or pos == len(keys):
                     break
-                if not host.pin(keys[pos]):
+                token = host.pin(keys[pos])
+                if token is None:
                     break
+                tokens.append(token)
                 host_keys.append(keys[pos])
                 pos += 1
         except BaseException:
             self._unpin(handle)
-            host.unpin(host_keys)
+            host.unpin(tokens)
             raise
         handle.host_keys = tuple(host_keys)
+        handle.host_pins = tuple(tokens)
         return handle
 
     def unpin(self, pins: list) -> None:
@@ -1006,8 +1011,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         pins.released = True
         self._unpin(pins)
         host = self.host      # once: a close() in another thread sets it to None
-        if pins.host_keys and host is not None:
-            host.unpin(pins.host_keys)
+        if pins.host_pins and host is not None:
+            host.unpin(pins.host_pins)
 
     def contains(self, key) -> bool:
         return self.lookup([key]) == 1

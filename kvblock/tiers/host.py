@@ -46,7 +46,13 @@ class HostTier:
         self.hits = self.misses = self.inserts = self.evictions = 0
         self.epoch = 0   # clear() calls: an insert that began before one is dropped
         self.discards = 0   # discard() calls: likewise (a delete during a read or put)
-        self.pins: dict[bytes, int] = {}   # keys a store pin() holds: never evicted
+        # A store pin() holds the copy it pinned, not the key: (key, the
+        # copy's insert number) -> pins; a copy some pin holds is never
+        # evicted.  A copy delete() or clear() removed is no one's: a
+        # re-put of its key is not held by the old lease.
+        self.pins: dict[tuple[bytes, int], int] = {}
+        self.born: dict[bytes, int] = {}   # key -> its copy's insert number
+        self._births = 0
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
@@ -143,10 +149,13 @@ class HostTier:
                     return
                 seg, old = victim
                 self.free.append(seg.pop(old))
+                del self.born[old]
                 self.evictions += 1
             slot = self.free.pop()
             self.blocks[slot] = block.reshape(-1).view(np.uint8)
             self.probation[key] = slot
+            self._births += 1
+            self.born[key] = self._births
             self.inserts += 1
 
     def _victim_locked(self):
@@ -154,29 +163,33 @@ class HostTier:
         unpinned one, else protected's; None when every block is pinned."""
         for seg in (self.probation, self.protected):
             for key in seg:
-                if key not in self.pins:
+                if (key, self.born[key]) not in self.pins:
                     return seg, key
         return None
 
-    def pin(self, key: bytes) -> bool:
-        """Keep ``key``'s block from eviction until :meth:`unpin` (a
-        store pin() lease); False, and nothing pinned, when it is not here.
-        delete() and clear() still remove it."""
+    def pin(self, key: bytes) -> tuple[bytes, int] | None:
+        """Keep ``key``'s block from eviction until :meth:`unpin` of the
+        token returned (a store pin() lease); None, and nothing pinned,
+        when it is not here.  delete() and clear() still remove it, and
+        the pin ends with the copy it held: a later copy of the key (a
+        re-put) is not pinned by it."""
         with self.lock:
-            if key not in self.probation and key not in self.protected:
-                return False
-            self.pins[key] = self.pins.get(key, 0) + 1
-            return True
+            born = self.born.get(key)
+            if born is None:
+                return None
+            token = (key, born)
+            self.pins[token] = self.pins.get(token, 0) + 1
+            return token
 
-    def unpin(self, keys) -> None:
-        """Release :meth:`pin` of each of ``keys`` (once per pin)."""
+    def unpin(self, tokens) -> None:
+        """Release each of ``tokens`` (:meth:`pin`'s, once per pin)."""
         with self.lock:
-            for key in keys:
-                left = self.pins.get(key, 0) - 1
+            for token in tokens:
+                left = self.pins.get(token, 0) - 1
                 if left > 0:
-                    self.pins[key] = left
+                    self.pins[token] = left
                 else:
-                    self.pins.pop(key, None)
+                    self.pins.pop(token, None)
 
     def clear(self) -> int:
         """Drop every block; how many there were."""
@@ -185,6 +198,7 @@ class HostTier:
             n = len(self.probation) + len(self.protected)
             self.probation.clear()
             self.protected.clear()
+            self.born.clear()
             self.free = list(range(self.slots - 1, -1, -1))
             return n
 
@@ -211,6 +225,7 @@ class HostTier:
             slot = self.protected.pop(key, None)
         if slot is not None:
             self.free.append(slot)
+            del self.born[key]
         return slot is not None
 
     def stats(self) -> dict:

@@ -805,10 +805,11 @@ def test_a_tier_whose_blocks_are_all_pinned_takes_no_new_one():
     tier = HostTier(2 * 4096, 4096)
     tier.put(b"a" * 16, block(1))
     tier.put(b"b" * 16, block(2))
-    assert tier.pin(b"a" * 16) and tier.pin(b"b" * 16) and not tier.pin(b"c" * 16)
+    pin_a = tier.pin(b"a" * 16)
+    assert pin_a and tier.pin(b"b" * 16) and not tier.pin(b"c" * 16)
     tier.put(b"c" * 16, block(3))
     assert b"c" * 16 not in tier and len(tier) == 2 and tier.stats()["host_evictions"] == 0
-    tier.unpin([b"a" * 16])
+    tier.unpin([pin_a])
     tier.put(b"c" * 16, block(3))
     assert b"a" * 16 not in tier and b"b" * 16 in tier and b"c" * 16 in tier
 
@@ -835,3 +836,53 @@ def test_a_read_whose_prefix_came_from_dram_is_no_miss(tmp_path):
             assert c["get_blocks"] - before["get_blocks"] == 6
             assert store.get_run([b"nowhere"] + a, out) == 0      # a miss, in either
             assert c["miss_gets"] - before["miss_gets"] == 1, host
+
+
+@pytest.mark.parametrize("how", ["discard", "clear"])
+def test_a_pin_ends_with_the_block_it_pinned(how):
+    """delete() and clear() remove a pinned block; the pin was kept by key,
+    so a later copy of that key (a re-put nobody pinned) was unevictable
+    until the old lease was released, and with every slot so held the
+    tier took no new block.  A pin holds the copy it pinned; a new pin of
+    the new copy is not released by the old handle."""
+    a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
+    tier = HostTier(2 * 4096, 4096)
+    tier.put(a, block(1))
+    old = tier.pin(a)
+    assert old
+    if how == "discard":
+        tier.discard(a)
+    else:
+        tier.clear()
+    tier.put(a, block(2))                  # a new copy: nobody's pin
+    tier.put(b, block(3))
+    tier.put(c, block(4))                  # evicts the oldest: a
+    assert a not in tier and b in tier and c in tier
+    tier.put(a, block(5))                  # b goes
+    new = tier.pin(a)
+    tier.unpin([old])                      # the old lease ends: not the new one
+    tier.put(b, block(6))
+    tier.put(b"d" * 16, block(7))
+    assert a in tier and tier.get(a).tolist() == block(5).tolist()
+    tier.unpin([new])
+    assert not tier.pins
+
+
+def test_a_store_pin_of_a_deleted_block_leaves_its_re_put_evictable(tmp_path):
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(1, 2)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=2 * GEOM.block_bytes) as store:
+        assert store.put_run(keys, run_data(keys)) == 2
+        store.evict(all=True)                # in DRAM only
+        pins = store.pin(keys)
+        assert pins.host_keys == tuple(normalize_keys(keys))
+        assert store.delete(keys) == 2
+        assert store.put_run(keys, run_data(keys)) == 2
+        for i in range(2, 5):                # other puts take the tier's slots
+            other = run_keys(i, 2)
+            store.put_run(other, run_data(other))
+        assert not any(k in store.host for k in normalize_keys(keys))
+        store.unpin(pins)
+        assert not store.host.pins
