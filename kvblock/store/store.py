@@ -318,8 +318,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         if not readonly:        # a rank of a dead server may still be writing
             dev0 = self.io.devices[0]
             fence_writers([(dev0.fd, dev0.path)])
-        self.host = HostTier(host_cache_bytes, self.geometry.block_bytes) \
-            if host_cache_bytes else None
+        self.host = HostTier(host_cache_bytes, self.geometry.block_bytes,
+                             gone=self._dram_gone) if host_cache_bytes else None
         self.closed = False
         self.counters["recovery_us"] = int((time.perf_counter() - t0) * 1e6)
         # Only now: mapping a tmpfs store's pages in beside the recovery slowed
@@ -709,6 +709,18 @@ class KVStore(Recovery, RunReader, RunWriter):
             return 0
         self._count_put(keys, blocks, run, clears, discards)
         return len(keys)
+
+    def _dram_gone(self, keys: list[bytes]) -> None:
+        """HostTier's ``gone``: blocks that left the DRAM tier.  Those the
+        device does not hold either left the store: logged for
+        removed_since (their runs were logged when they left the device,
+        while DRAM still served them, and a watcher's present() kept
+        them).  Called under the tier's lock (the store never takes that
+        lock while holding its own)."""
+        with self._lock:
+            held = self.index.lookup(keys) >= 0
+        if not held.all():
+            self.removals.add(b"".join(k for k, h in zip(keys, held.tolist()) if not h))
 
     def _host_discards(self) -> int | None:
         """The host tier's discard count before a run is published: a

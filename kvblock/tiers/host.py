@@ -23,7 +23,12 @@ PROTECTED_SHARE = 0.8
 
 
 class HostTier:
-    def __init__(self, capacity_bytes: int, block_bytes: int):
+    def __init__(self, capacity_bytes: int, block_bytes: int, gone=None):
+        """``gone``: called with the keys of blocks that leave the tier
+        (evicted, discarded, cleared), under the tier's lock: the store
+        logs those it no longer holds on the device either (its removal
+        log, ``removed_since``, logged their runs while this tier still
+        held them)."""
         capacity_bytes = size_setting(capacity_bytes, "host cache", "host_cache_bytes", 0)
         self.slots = capacity_bytes // block_bytes
         if self.slots < 2:
@@ -53,6 +58,7 @@ class HostTier:
         self.pins: dict[tuple[bytes, int], int] = {}
         self.born: dict[bytes, int] = {}   # key -> its copy's insert number
         self._births = 0
+        self._gone = gone
 
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
@@ -151,6 +157,7 @@ class HostTier:
                 self.free.append(seg.pop(old))
                 del self.born[old]
                 self.evictions += 1
+                self._report([old])
             slot = self.free.pop()
             self.blocks[slot] = block.reshape(-1).view(np.uint8)
             self.probation[key] = slot
@@ -196,10 +203,12 @@ class HostTier:
         with self.lock:
             self.epoch += 1
             n = len(self.probation) + len(self.protected)
+            keys = list(self.born)
             self.probation.clear()
             self.protected.clear()
             self.born.clear()
             self.free = list(range(self.slots - 1, -1, -1))
+            self._report(keys)
             return n
 
     def discard(self, key: bytes) -> bool:
@@ -216,17 +225,24 @@ class HostTier:
             keys = {k for seg in (self.probation, self.protected) for k in seg
                     if k.startswith(prefix) and k not in keep}
             for key in keys:
-                self._drop_locked(key)
+                self._drop_locked(key, report=False)
+            self._report(list(keys))
             return keys
 
-    def _drop_locked(self, key: bytes) -> bool:
+    def _drop_locked(self, key: bytes, report: bool = True) -> bool:
         slot = self.probation.pop(key, None)
         if slot is None:
             slot = self.protected.pop(key, None)
         if slot is not None:
             self.free.append(slot)
             del self.born[key]
+            if report:
+                self._report([key])
         return slot is not None
+
+    def _report(self, keys: list[bytes]) -> None:
+        if keys and self._gone is not None:
+            self._gone(keys)
 
     def stats(self) -> dict:
         with self.lock:

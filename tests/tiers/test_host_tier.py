@@ -886,3 +886,35 @@ def test_a_store_pin_of_a_deleted_block_leaves_its_re_put_evictable(tmp_path):
         assert not any(k in store.host for k in normalize_keys(keys))
         store.unpin(pins)
         assert not store.host.pins
+
+
+@pytest.mark.parametrize("how", ["delete", "delete_prefix", "clear", "dram_eviction"])
+def test_removed_since_reports_blocks_that_leave_the_dram_tier(tmp_path, how):
+    """A run evicted from the device is logged (removed_since) while its
+    blocks live on in DRAM, so a watcher checking present() keeps them.
+    When they then left DRAM (delete, clear, the tier's own eviction) no
+    log said so: the watcher (the vLLM tier's BlockRemoved events) never
+    heard that the store no longer held them."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(1, 2)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=4 * GEOM.block_bytes) as store:
+        assert store.put_run(keys, run_data(keys)) == 2
+        store.evict(all=True)                        # in DRAM only
+        cursor, logged = store.removed_since(None)
+        assert store.present(keys).all()             # a watcher keeps them
+        if how == "delete":
+            assert store.delete(keys) == 2
+        elif how == "delete_prefix":
+            keys = keys[:1]                          # the prefix of one of them
+            assert store.delete_prefix(normalize_keys(keys)[0][:8]) == 1
+        elif how == "clear":
+            store.clear()
+        else:
+            for i in range(2, 5):                    # other puts fill the tier
+                other = run_keys(i, 2)
+                store.put_run(other, run_data(other))
+        assert not store.present(keys).any()
+        _, logged = store.removed_since(cursor)
+        assert set(normalize_keys(keys)) <= set(logged)
