@@ -387,3 +387,27 @@ def test_damaged_at_tells_a_damaged_record_from_a_torn_one():
         assert recs == COMMITS[0] + COMMITS[1] and not j.damaged_at(torn, stop, nxt, EPOCH)
     recs, end, nxt, stop = j.scan_to(data, 1, EPOCH)          # the journal's end
     assert not j.damaged_at(data, stop, nxt, EPOCH)
+
+
+def test_golden_put_run_pins_block_and_checksum_counts_apart():
+    """The golden PUT has 3 keys and 3 checksums, so neither its digest nor
+    its field checks told the u32 block count at 24 of the payload from the
+    u32 checksum count at 28: an encoder and decoder writing them the other
+    way round passed every format test, though the records on the device
+    change.  A PUT with 2 blocks and 5 checksums, spelled out byte by byte
+    (and decoded from those bytes)."""
+    keys = bytes(range(0x40, 0x60))
+    rec = PutRun(run_id=0x0102030405060708, region=0x0A0B0C0D, generation=0x11121314,
+                 offset=0x0000_0012_3456_7000, keys=keys, checksums=(10, 11, 12, 13, 14))
+    b = encode_record(rec, 42, EPOCH)
+    payload = b[40:]
+    assert payload[0:8] == bytes([8, 7, 6, 5, 4, 3, 2, 1])            # run id
+    assert payload[8:12] == bytes([0x0D, 0x0C, 0x0B, 0x0A])           # region
+    assert payload[12:16] == bytes([0x14, 0x13, 0x12, 0x11])          # region generation
+    assert payload[16:24] == bytes([0, 0x70, 0x56, 0x34, 0x12, 0, 0, 0])  # offset (2**32+)
+    assert payload[24:28] == bytes([2, 0, 0, 0])                      # blocks
+    assert payload[28:32] == bytes([5, 0, 0, 0])                      # checksums
+    assert payload[32:64] == keys
+    assert payload[64:104] == b"".join(bytes([v]) + bytes(7) for v in range(10, 15))
+    assert len(payload) == 104
+    assert scan(b, 42, EPOCH)[0] == [rec]
