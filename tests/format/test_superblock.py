@@ -325,3 +325,24 @@ def test_one_damaged_copy_beside_a_blank_one_names_the_fix(torn_at):
         f"/dev/t: superblock at offset {torn_at} fails its checksum (corrupt) and the copy at "
         f"offset {blank} holds none; the store cannot be opened (a format cut short, or "
         "overwritten): reformat it (kvblock format --force)")
+
+
+def test_golden_geometry_fields_are_pinned_apart():
+    """The golden superblock has num_kv_heads == head_groups == 8, so
+    neither its digest nor its field checks told the u32 at 132 from the
+    u32 at 144: an encoder and decoder writing the two the other way round
+    passed every format test, though the superblock on the device changes.
+    (Its dtype code and kv_parts, alignment and header bytes are equal too.)
+    A superblock whose geometry fields all differ, spelled out byte by byte
+    (and decoded from those bytes)."""
+    g = Geometry(num_layers=5, num_kv_heads=12, head_dim=96, dtype="float32",
+                 block_tokens=32, kv_parts=1, head_groups=4)
+    sb = golden_superblock(geometry=g, alignment=8192, region_size=3 << 20)
+    b = sb.encode()
+    assert b[12:16] == bytes([0, 0x10, 0, 0])           # header bytes 4096
+    assert b[52:56] == bytes([0, 0x20, 0, 0])           # alignment 8192
+    assert b[128:148] == bytes([5, 0, 0, 0, 12, 0, 0, 0, 96, 0, 0, 0, 32, 0, 0, 0,
+                                4, 0, 0, 0])             # layers, heads, dim, tokens, groups
+    assert b[148:152] == bytes([3, 1, 0, 0])             # dtype code (float32), kv_parts, 0
+    back = Superblock.decode(b)
+    assert back == sb and back.geometry == g and back.alignment == 8192
