@@ -123,18 +123,20 @@ def encode_commit(records: list[Record], first_seq: int, epoch: int) -> bytes:
 
 
 def _decode_payload(kind: int, payload: bytes) -> Record | None:
+    # Every record is exactly its payload (all of them multiples of 8: no
+    # padding): one with more bytes is none this format writes.
     if kind == PUT_RUN and len(payload) >= _PUT.size:
         run_id, region, gen, offset, nblocks, ranges = _PUT.unpack_from(payload)
         end = _PUT.size + nblocks * KEY_BYTES + ranges * 8
-        if nblocks == 0 or ranges == 0 or end > len(payload):
+        if nblocks == 0 or ranges == 0 or end != len(payload):
             return None
         keys = payload[_PUT.size:_PUT.size + nblocks * KEY_BYTES]
         sums = np.frombuffer(payload, dtype="<u8", count=ranges,
                              offset=_PUT.size + nblocks * KEY_BYTES)
         return PutRun(run_id, region, gen, offset, keys, tuple(int(x) for x in sums))
-    if kind == DROP_RUN and len(payload) >= _DROP.size:
+    if kind == DROP_RUN and len(payload) == _DROP.size:
         return DropRun(*_DROP.unpack_from(payload))
-    if kind == RECLAIM and len(payload) >= _RECLAIM.size:
+    if kind == RECLAIM and len(payload) == _RECLAIM.size:
         return Reclaim(*_RECLAIM.unpack_from(payload))
     return None
 

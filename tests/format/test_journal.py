@@ -411,3 +411,24 @@ def test_golden_put_run_pins_block_and_checksum_counts_apart():
     assert payload[64:104] == b"".join(bytes([v]) + bytes(7) for v in range(10, 15))
     assert len(payload) == 104
     assert scan(b, 42, EPOCH)[0] == [rec]
+
+
+@pytest.mark.parametrize("kind,payload", [
+    (PUT_RUN, struct.pack("<QIIQII", 1, 0, 0, 0, 1, 1) + bytes(16) + struct.pack("<Q", 5)
+     + struct.pack("<Q", 6)),                                     # a 2nd checksum past the count
+    (PUT_RUN, struct.pack("<QIIQII", 1, 0, 0, 0, 1, 1) + bytes(16) + struct.pack("<Q", 5)
+     + bytes(16)),                                                # zeros past the checksums
+    (DROP_RUN, struct.pack("<QQ", 5, 6)),
+    (RECLAIM, struct.pack("<IIQ", 7, 4, 9)),
+], ids=["put-extra-checksum", "put-zeros", "drop", "reclaim"])
+def test_scan_rejects_records_longer_than_their_payload(kind, payload):
+    """Every record this format writes is exactly its payload (PUT: 32
+    bytes, keys and checksums; DROP and RECLAIM: 8 bytes), none needing
+    padding.  A checksummed record with more bytes than that is none of
+    them, but replayed as the record its first bytes spell: a PUT with one
+    checksum and another one after it replayed as a run of one checksum."""
+    data = encode_commit([DropRun(1)], 1, EPOCH)
+    rec = _rechecksummed(kind, payload, seq=2)
+    journal = data[:48] + rec + bytes(4096)
+    recs, end, nxt = scan(journal, 1, EPOCH)
+    assert recs == [DropRun(1)] and end == 4096 and nxt == 2
