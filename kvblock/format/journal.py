@@ -82,6 +82,11 @@ Record = PutRun | DropRun | Reclaim
 
 def _payload(rec: Record) -> tuple[int, bytes]:
     if isinstance(rec, PutRun):
+        # what replay reads back: whole keys, at least one, and a checksum
+        if not rec.keys or len(rec.keys) % KEY_BYTES or not len(rec.checksums):
+            raise ValueError(f"PutRun of run {rec.run_id}: {len(rec.keys)} key bytes (whole "
+                             f"{KEY_BYTES}-byte keys, at least one) and {len(rec.checksums)} "
+                             "checksums (at least one) cannot be journaled")
         sums = np.asarray(rec.checksums, dtype="<u8").tobytes()
         return PUT_RUN, _PUT.pack(rec.run_id, rec.region, rec.generation, rec.offset,
                                   rec.nblocks, len(rec.checksums)) + rec.keys + sums

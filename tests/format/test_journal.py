@@ -432,3 +432,19 @@ def test_scan_rejects_records_longer_than_their_payload(kind, payload):
     journal = data[:48] + rec + bytes(4096)
     recs, end, nxt = scan(journal, 1, EPOCH)
     assert recs == [DropRun(1)] and end == 4096 and nxt == 2
+
+
+@pytest.mark.parametrize("keys,sums", [(bytes(20), (1,)), (b"", (1,)), (bytes(16), ())],
+                         ids=["keys-not-whole", "no-keys", "no-checksums"])
+def test_encode_refuses_a_put_that_does_not_replay(keys, sums):
+    """A PutRun whose keys are not whole 16-byte keys, or that has no key or
+    no checksum, was encoded as a record replay refuses (its counts do not
+    match its length, or are 0), ending the log there: every later record
+    of the journal was lost at the next open.  (Before the decoder required
+    exact lengths, 20 key bytes came back as one key and a checksum made of
+    the 4 extra bytes and the padding.)  The encoder refuses it."""
+    rec = PutRun(1, 0, 0, 0, keys, sums)
+    with pytest.raises(ValueError, match="PutRun"):
+        encode_record(rec, 1, EPOCH)
+    with pytest.raises(ValueError, match="PutRun"):
+        encode_commit([DropRun(2), rec], 1, EPOCH)
