@@ -12,6 +12,7 @@ its own is refused.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -20,7 +21,7 @@ import numpy as np
 
 from kvblock.devices import Device
 from kvblock.devices.device import new_file, remove_made
-from kvblock.errors import ConfigError, KVBlockError
+from kvblock.errors import ConfigError, DeviceNotFoundError, KVBlockError
 from kvblock.layout import Geometry
 from kvblock.memory import HostBuffer
 from kvblock.store import KVStore
@@ -40,7 +41,10 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
     made = None
     if not os.path.exists(target):
         if not size:
-            raise ConfigError(f"{target} does not exist; pass --size to create a file")
+            # the path not found, as a raw workload and every other command
+            # say it (exit 3), not a bad argument
+            raise DeviceNotFoundError(f"{target}: no such device or file; pass --size to "
+                                      "create a store file there", target, errno.ENOENT)
         made = new_file(target, size)
     elif size:
         _check_size(target, size)

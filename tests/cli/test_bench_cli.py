@@ -41,13 +41,20 @@ def test_bench_creates_file_with_size(tmp_path):
     assert os.path.getsize(path) == 8 << 20
 
 
-def test_bench_missing_target_exit_code(tmp_path):
+@pytest.mark.parametrize("workload", ["read", "save", "restore"])
+def test_bench_missing_target_exit_code(tmp_path, workload):
+    """A missing target is exit 3 (README: device not found) whatever the
+    workload: save/restore said exit 8, a bad argument, for the same path."""
     res = subprocess.run([sys.executable, "-m", "kvblock", "bench",
-                          str(tmp_path / "missing.img"), "--seconds", "0.1"],
+                          str(tmp_path / "missing.img"), "--workload", workload,
+                          "--seconds", "0.1"],
                          capture_output=True, text=True)
-    assert res.returncode == 3
+    assert res.returncode == 3, res.stderr
     assert res.stderr.startswith("kvblock: error: ") and "no such device" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+    if workload != "read":          # the fix for a store workload's target
+        assert "--size" in res.stderr
+    assert not (tmp_path / "missing.img").exists()
 
 
 def test_bench_unaligned_bs(file_target):
