@@ -435,8 +435,16 @@ def stats(devices, socket_path, port, address, interval, as_json):
         raise ConfigError(f"cannot serve metrics on port {port} of {address}: "
                           f"{e.strerror or e}; choose another --prometheus port "
                           "(or --address)") from None
-    click.echo(f"serving metrics of {socket_path or devices[0]} on http://{host}:{port}/metrics "
-               "(Ctrl-C to stop)", err=True)
+    url = f"http://{host}:{port}/metrics"
+    if as_json:
+        # one JSON line once serving, as kvblock serve --json prints: --json
+        # printed nothing here, the one thing said being the line on stderr
+        import json as _json
+
+        click.echo(_json.dumps({"metrics": url, "store": socket_path or ", ".join(devices),
+                                "interval": interval, "pid": os.getpid()}))
+    click.echo(f"serving metrics of {socket_path or devices[0]} on {url} (Ctrl-C to stop)",
+               err=True)
     try:
         while True:
             time.sleep(3600)

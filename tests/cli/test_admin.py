@@ -1127,6 +1127,34 @@ def test_stats_prometheus_serves_its_first_read_to_the_first_scrape(monkeypatch)
     assert len(reads) == 1 and 'kvblock_store_runs{store="u"} 7.0' in scraped[0], scraped
 
 
+def test_stats_prometheus_json_says_where_it_serves(monkeypatch):
+    """stats --prometheus --json printed nothing on stdout: the only word
+    that it serves, and where, was the line on stderr.  As kvblock serve
+    --json, it prints one JSON line once listening."""
+    import prometheus_client
+    import prometheus_client.core
+
+    from kvblock.cli import admin
+    from kvblock.metrics import GAUGES
+
+    def serving(seconds):                # Ctrl-C once serving
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(admin, "_device_stats", lambda devices: {"uuid": "u",
+                                                                 **{n: 7 for n in GAUGES}})
+    monkeypatch.setattr(prometheus_client, "start_http_server", lambda *a, **kw: None)
+    monkeypatch.setattr(prometheus_client.core, "REGISTRY", prometheus_client.CollectorRegistry())
+    monkeypatch.setattr(admin.time, "sleep", serving)
+    res = kvb("stats", "x.img", "y.img", "--prometheus", "9400", "--address", "::1",
+              "--interval", "2", "--json")
+    assert res.returncode == 130, res.stderr
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1, res.stdout
+    assert json.loads(lines[0]) == {"metrics": "http://[::1]:9400/metrics",
+                                    "store": "x.img, y.img", "interval": 2.0,
+                                    "pid": os.getpid()}
+
+
 def test_stats_of_devices_shows_the_stores_state_not_zero_counters(file_target):
     """kvblock stats DEV opens the store read-only: the puts and hits of the
     process that wrote it are not on the devices, so it reports the gauges
