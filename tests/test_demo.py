@@ -48,6 +48,26 @@ def test_demo_refuses_to_format_over_someone_elses_store(tmp_path):
         assert store.geometry == Geometry(2, 2, 64)
 
 
+def test_demo_refuses_a_size_it_would_ignore(tmp_path, monkeypatch):
+    """--size is the size of the demo's own store file: given with --device
+    it was accepted and ignored (the device used whole, or a missing one
+    refused as not found though a size was given).  A usage error now,
+    before anything touches the device."""
+    from click.testing import CliRunner
+
+    from kvblock import demo
+    from kvblock.cli.main import cli
+
+    ran = []
+    monkeypatch.setattr(demo, "run_demo", lambda *a, **kw: ran.append(a) or {})
+    path = tmp_path / "kv.img"
+    res = CliRunner().invoke(cli, ["demo", "--device", str(path), "--size", "64M",
+                                   "--tokens", "64"])
+    assert res.exit_code == 2, res.output
+    assert "--size" in res.output and "--device" in res.output
+    assert not ran and not path.exists()
+
+
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 

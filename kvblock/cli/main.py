@@ -273,7 +273,8 @@ def selfcheck(path, size, yes, force, as_json):
 @click.option("--device", default=None,
               help="Raw device, loop device or file to use instead of ./.kvblock/demo.img "
                    "(it is formatted: a block device needs --yes).")
-@click.option("--size", type=SIZE, default=None, help="Size of the demo store file.")
+@click.option("--size", type=SIZE, default=None,
+              help="Size of the demo's own store file (not with --device).")
 @click.option("--yes", is_flag=True, help="Allow formatting a block device as --device.")
 @click.option("--force", is_flag=True,
               help="Format --device even over a filesystem, partition table or kvblock "
@@ -287,6 +288,11 @@ def demo(tokens, device, size, yes, force, as_json):
     layer by layer while the model runs and produces the first tokens.  Prints
     both times to first token and fails unless tokens and logits are identical.
     """
+    if device is not None and size is not None:
+        # --size sizes the demo's own store file: with --device it did nothing
+        raise click.UsageError("--size is the size of the demo's own store file "
+                               "(.kvblock/demo.img); --device is used as it is: leave --size "
+                               "out, or make the file first (fallocate -l SIZE FILE)")
     try:
         from kvblock.demo import run_demo
     except ImportError as e:  # torch/transformers are the demo extra
