@@ -65,10 +65,27 @@ def _claim(devices, writable: bool) -> list:
     return opened
 
 
+def _held_by_kernel(e: DeviceBusyError) -> bool:
+    """Is ``e``'s device a block device the kernel holds (mounted, or under
+    a dm/md device)?  Its own advice, "unmount it", is the fix then: no
+    store server or program is there to stop."""
+    import stat
+
+    from kvblock.devices.device import _claimed_by_kernel
+
+    try:
+        st = os.stat(e.path)
+        return stat.S_ISBLK(st.st_mode) and _claimed_by_kernel(st.st_rdev)
+    except (OSError, TypeError):
+        return False
+
+
 def _in_use(e: DeviceBusyError, why: str, command: str) -> DeviceBusyError:
     """``e`` (a device another process holds) with the fix for ``command``:
     the device's own ("open it read-only") is none for a command that needs
-    the store to itself."""
+    the store to itself.  A mounted device keeps its own ("unmount it")."""
+    if _held_by_kernel(e):
+        return e
     return DeviceBusyError(
         f"{str(e).split('; ')[0]}; {why}: stop the store server (kvblock serve) or the "
         f"program that holds it, then run {command} again; kvblock info and stats read a "
@@ -581,6 +598,8 @@ def evict(devices, socket_path, nbytes, older_than, everything, as_json):
         try:
             opened = _store(devices, readonly=False)
         except DeviceBusyError as e:
+            if _held_by_kernel(e):           # mounted: "unmount it" is the fix
+                raise
             raise DeviceBusyError(
                 f"{str(e).split('; ')[0]}; stop the program that holds it, or if a store "
                 "server (kvblock serve) holds it, evict through it: kvblock evict --socket "

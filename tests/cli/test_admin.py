@@ -344,6 +344,18 @@ def _mounted_ext4(loop_device, tmp_path):
         subprocess.run(["umount", str(mnt)], check=True)
 
 
+@pytest.mark.parametrize("command", [("fsck",), ("fsck", "--repair"), ("trim",),
+                                     ("evict", "--all")])
+def test_store_commands_on_a_mounted_device_say_to_unmount_it(loop_device, tmp_path, command):
+    """fsck, trim and evict on a mounted block device replaced the device's
+    own advice ('unmount it') with a store server's ('stop the store server
+    ... or evict through it'), though a mount is no process to stop."""
+    with _mounted_ext4(loop_device, tmp_path) as (dev, _):
+        res = kvb(*command, dev)
+        one_line_error(res, 5, dev, "busy", "unmount it")
+        assert "kvblock serve" not in res.stderr, res.stderr
+
+
 def test_format_refuses_the_backing_file_of_a_mounted_loop_device(loop_device, tmp_path):
     """A loop device and its backing file are one device: the file under a
     mounted filesystem is busy, even with --force (which overrides
