@@ -115,3 +115,27 @@ def test_a_failed_restore_is_a_one_line_error(monkeypatch, tmp_path):
     assert res.exit_code == 1, (res.exception, res.output)
     assert res.output.startswith("kvblock: error: ") and len(res.output.splitlines()) == 1
     assert "different tokens or logits" in res.output
+
+
+def test_recompute_computes_no_logits_for_the_prefix(monkeypatch, tmp_path):
+    """Time to first token by recompute is the prefill a serving engine does:
+    the KV of the prompt and the logits of its last position.  The demo's
+    prefill computed the logits of every prompt position (8K x 32000 floats,
+    1 GiB, and an LM-head matmul over all of them, 12-25% of the prefill)
+    and threw them away, which inflated the recompute time and the
+    speed-up."""
+    from kvblock import demo
+
+    rows = []
+    build = demo.build_model
+
+    def build_and_watch():
+        model = build()
+        model.lm_head.register_forward_hook(lambda m, a, out: rows.append(out.shape[-2]))
+        return model
+
+    monkeypatch.setattr(demo, "build_model", build_and_watch)
+    res = _demo_with_child(monkeypatch, tmp_path,
+                           lambda argv, kw: subprocess.CompletedProcess(argv, 1, None, b""))
+    assert "restore process failed" in res.output, res.output   # after the recompute
+    assert rows and max(rows) == 1, rows
