@@ -141,32 +141,39 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
         guard_overwrite(device, "the demo", force=force, yes=yes, allow_model=SALT)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
-    say(f"building a Llama-architecture model ({MODEL_CONFIG['num_hidden_layers']} layers, "
-        f"hidden {MODEL_CONFIG['hidden_size']}, random weights) and a {tokens}-token prompt")
-    model = build_model()
-    warm_up(model)
-    ids = make_prompt(tokens)
-    keys = chain_keys(ids[0, :prefix].tolist(), BLOCK, salt=SALT)
-
-    # 1. recompute: prefill from scratch, then the rest of the prompt -> first token.
-    # The prefill wants the prefix's KV only: the logits of its positions (8K x
-    # 32000 floats at 8K tokens) would add work that no serving engine does.
-    t0 = time.perf_counter()
-    with layer_progress(model, f"recompute: prefill {prefix} tokens", quiet), torch.no_grad():
-        cache = model(ids[:, :prefix], use_cache=True, logits_to_keep=1).cache
-    first, want_logits, want_tokens = decode(model, cache, ids, prefix)
-    ttft_recompute = first - t0
-    say(f"recompute: first token after {ttft_recompute:.2f} s")
-
-    # 2. save the prefix's KV as runs in the store
-    t0 = time.perf_counter()
+    # The store is formatted, and the prefix's run checked to fit it, before
+    # the model runs: a --device that is missing or too small is refused at
+    # once, not after the whole recompute.
     with KVStore.format([path], g, model=SALT, force=True) as store:
+        store._check_fits(prefix // BLOCK)
+        say(f"building a Llama-architecture model ({MODEL_CONFIG['num_hidden_layers']} "
+            f"layers, hidden {MODEL_CONFIG['hidden_size']}, random weights) and a "
+            f"{tokens}-token prompt")
+        model = build_model()
+        warm_up(model)
+        ids = make_prompt(tokens)
+        keys = chain_keys(ids[0, :prefix].tolist(), BLOCK, salt=SALT)
+
+        # 1. recompute: prefill from scratch, then the rest of the prompt -> first
+        # token.  The prefill wants the prefix's KV only: the logits of its
+        # positions (8K x 32000 floats at 8K tokens) would add work that no
+        # serving engine does.
+        t0 = time.perf_counter()
+        with layer_progress(model, f"recompute: prefill {prefix} tokens", quiet), \
+                torch.no_grad():
+            cache = model(ids[:, :prefix], use_cache=True, logits_to_keep=1).cache
+        first, want_logits, want_tokens = decode(model, cache, ids, prefix)
+        ttft_recompute = first - t0
+        say(f"recompute: first token after {ttft_recompute:.2f} s")
+
+        # 2. save the prefix's KV as runs in the store
+        t0 = time.perf_counter()
         layout = HFDynamicLayout.from_cache(cache, BLOCK)
         # the decode above appended tokens to the cache; save only the prefix's pages
         saved = save_blocks(store, keys, layout, list(range(len(keys))))
+        save_s = time.perf_counter() - t0
         runs = len(store.index.runs)
         engine = store.io.engine.name
-    save_s = time.perf_counter() - t0
     say(f"saved {saved} blocks ({kv_bytes / 2**20:.0f} MiB) in {runs} runs in {save_s:.2f} s")
     del cache, layout
     if os.path.isfile(path):

@@ -139,3 +139,30 @@ def test_recompute_computes_no_logits_for_the_prefix(monkeypatch, tmp_path):
                            lambda argv, kw: subprocess.CompletedProcess(argv, 1, None, b""))
     assert "restore process failed" in res.output, res.output   # after the recompute
     assert rows and max(rows) == 1, rows
+
+
+@pytest.mark.parametrize("target", ["missing", "small"])
+def test_a_device_that_cannot_hold_the_kv_is_refused_before_the_model_runs(
+        monkeypatch, tmp_path, target):
+    """A --device that does not exist, or is too small for the prefix's run,
+    was refused only when the KV was saved: after the model was built and
+    the whole prompt recomputed (15 s at the default 8K tokens on the CI
+    machine, minutes on a busy one).  The store is now formatted and the
+    run checked to fit it first."""
+    from click.testing import CliRunner
+
+    from kvblock import demo
+    from kvblock.cli.main import cli
+
+    def no_model():
+        raise AssertionError("the model was built before the store was checked")
+
+    monkeypatch.setattr(demo, "build_model", no_model)
+    path = tmp_path / "kv.img"
+    if target == "small":
+        with open(path, "wb") as f:
+            f.truncate(8 << 20)             # 31 blocks of 512 KiB do not fit
+    res = CliRunner().invoke(cli, ["demo", "--device", str(path), "--tokens", "512", "--json"])
+    assert res.exit_code != 0 and res.output.startswith("kvblock: error: "), \
+        (res.exception, res.output)
+    assert ("no such device or file" if target == "missing" else "does not fit") in res.output
