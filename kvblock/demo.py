@@ -133,8 +133,17 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
     prefix = split(tokens)
     kv_bytes = prefix // BLOCK * g.block_bytes
     path = device or os.path.join(".kvblock", "demo.img")
+    if device is not None and size is not None:
+        raise ConfigError("--size sizes the demo's own store file (./.kvblock/demo.img); "
+                          "a --device is used at its own size: drop one of them")
     if device is None:
-        create_file(path, max(size or 0, kv_bytes * 2 + (256 << 20)))
+        # The size asked for, exactly (a run that does not fit it is refused
+        # below, before the model runs); the file is the demo's own store,
+        # formatted anew, so one left bigger by an earlier demo is cut to it.
+        want = size if size is not None else kv_bytes * 2 + (256 << 20)
+        if size is not None and os.path.isfile(path) and os.path.getsize(path) > want:
+            os.truncate(path, want)
+        create_file(path, want)
     else:
         from kvblock.store.provision import guard_overwrite
 

@@ -166,3 +166,40 @@ def test_a_device_that_cannot_hold_the_kv_is_refused_before_the_model_runs(
     assert res.exit_code != 0 and res.output.startswith("kvblock: error: "), \
         (res.exception, res.output)
     assert ("no such device or file" if target == "missing" else "does not fit") in res.output
+
+
+def test_size_is_the_size_of_the_demo_store_file(monkeypatch, tmp_path):
+    """--size ("Size of the demo store file") was raised without a word to
+    twice the KV plus 256 MiB when it was smaller (--size 8M made a 287 MiB
+    file), a bigger file left by an earlier demo was kept at its size, and
+    with --device it was ignored.  The file now has the size asked for, one
+    too small for the prefix's run is refused before the model runs, and
+    --size with --device is a usage error."""
+    from click.testing import CliRunner
+
+    from kvblock import demo
+    from kvblock.cli.main import cli
+
+    built = []
+    monkeypatch.setattr(demo, "build_model", lambda: built.append(1) or 1 / 0)
+    monkeypatch.chdir(tmp_path)
+    img = tmp_path / ".kvblock" / "demo.img"
+    img.parent.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(400 << 20)               # an earlier, bigger demo's store
+
+    res = CliRunner().invoke(cli, ["demo", "--size", "40M", "--tokens", "64", "--json"])
+    assert built and img.stat().st_size == 40 << 20, (res.exception, res.output)
+
+    built.clear()
+    res = CliRunner().invoke(cli, ["demo", "--size", "8M", "--tokens", "512", "--json"])
+    assert res.exit_code != 0 and res.output.startswith("kvblock: error: "), res.output
+    assert "does not fit" in res.output and not built
+
+    dev = tmp_path / "kv.img"
+    with open(dev, "wb") as f:
+        f.truncate(64 << 20)
+    res = CliRunner().invoke(cli, ["demo", "--device", str(dev), "--size", "32M", "--json"])
+    assert res.exit_code != 0 and res.output.startswith("kvblock: error: "), res.output
+    assert "--size" in res.output and not built
+    assert dev.stat().st_size == 64 << 20

@@ -274,7 +274,8 @@ def selfcheck(path, size, yes, force, as_json):
               help="Raw device, loop device or file to use instead of ./.kvblock/demo.img "
                    "(it is formatted: a block device needs --yes).")
 @click.option("--size", type=SIZE, default=None,
-              help="Size of the demo's own store file (not with --device).")
+              help="Size of the demo's own store file (default: twice the KV plus 256 MiB; "
+                   "not with --device).")
 @click.option("--yes", is_flag=True, help="Allow formatting a block device as --device.")
 @click.option("--force", is_flag=True,
               help="Format --device even over a filesystem, partition table or kvblock "
