@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from fractions import Fraction
 
@@ -77,6 +78,30 @@ def flag_setting(value, owner: str, name: str, default: bool = False) -> bool:
         return bool(value)
     raise ConfigError(f"{owner}: {name} must be true or false, got {value!r}")
 
+
+
+def name_setting(value, owner: str, name: str, default: str = "") -> str:
+    """A name from a config (a tenant, a model), mixed into keys: a string,
+    or a whole number taken as its digits (a tenant named 0 is "0"); null:
+    ``default``.  Anything else (a list, a map, true, 1.5) is a ConfigError
+    naming the setting, not its repr made the name unsaid."""
+    if value is None:
+        return default
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return str(int(value))
+    raise ConfigError(f"{owner}: {name} must be a string (a name), got {value!r}")
+
+
+def path_setting(value, owner: str, name: str, example: str) -> str:
+    """A path from a config, as a ConfigError naming the setting when it is
+    no path (a number or a list would be made the path "123" or "['/x']")."""
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        if isinstance(path, str):
+            return path
+    raise ConfigError(f"{owner}: {name} must be a path, e.g. {example!r}, got {value!r}")
 
 # Store file sizes given in engine configs: below this a unit was forgotten.
 MIN_FILE_SIZE = 1 << 20

@@ -141,7 +141,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvblock.store import provision
-from kvblock.units import MIN_FILE_SIZE, int_setting, size_setting
+from kvblock.units import MIN_FILE_SIZE, int_setting, name_setting, path_setting, size_setting
 from kvblock.errors import ConfigError, DeviceBusyError, KVBlockError, ServerGoneError
 from kvblock.integrations.failures import RUNTIME_FAILURES, FailureLog
 from kvblock.layout import Geometry
@@ -339,8 +339,11 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         if storage_config.dcp_size > 1:
             raise ConfigError("kvblock sglang backend: decode context parallelism "
                               "(dcp_size > 1) is not supported")
-        self.model = str(extra.get("model") or storage_config.model_name or "")
-        self.namespace = "" if extra.get("namespace") is None else str(extra["namespace"])
+        # (a list or true there was its repr: another tenant or store, unsaid)
+        self.model = (name_setting(extra.get("model"), "kvblock sglang backend", "model")
+                      or str(storage_config.model_name or ""))
+        self.namespace = name_setting(extra.get("namespace"), "kvblock sglang backend",
+                                      "namespace")
         unknown = sorted(set(extra) - _KNOWN_KEYS, key=str)
         for key in unknown:
             meant = _misspelt(key)
@@ -352,7 +355,11 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             logger.warning("kvblock sglang backend: extra-config keys %s are not kvblock's "
                            "(a misspelling? kvblock reads %s)", unknown, sorted(_OWN_KEYS))
         self.devices = self._devices(extra.get("devices"))
-        self.server = self._template(extra["server"], "server") if extra.get("server") else None
+        server = extra.get("server")
+        if server is not None:
+            server = path_setting(server, "kvblock sglang backend", "server",
+                                  "/run/kvblock/sglang.sock")
+        self.server = self._template(server, "server") if server else None
         self.format = extra.get("format", "if-empty")
         if self.format not in FORMAT_MODES:
             raise ConfigError(f"kvblock sglang backend: format must be one of {FORMAT_MODES}, "

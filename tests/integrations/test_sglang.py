@@ -777,6 +777,29 @@ def test_devices_that_are_not_paths_are_refused(tmp_path, monkeypatch):
     assert not os.listdir(tmp_path)
 
 
+def test_names_and_server_that_are_not_strings_are_refused(tmp_path, monkeypatch):
+    """"server" is a socket path and "namespace"/"model" are names mixed into
+    every key: a number or a list typed there was made its repr (a socket
+    "['/run/kvblock/sglang.sock']" in the working directory, a tenant "[1]",
+    "True"), silently another store or another tenant.  A whole number stays
+    a name ("0"); anything else is a ConfigError naming the key."""
+    monkeypatch.chdir(tmp_path)
+    dev = str(tmp_path / "kv.img")
+    for key, value in (("server", 123), ("server", ["/run/kvblock/sglang.sock"]),
+                       ("server", True), ("namespace", [1]), ("namespace", True),
+                       ("namespace", 1.5), ("namespace", {"a": 1}), ("model", ["org/m"]),
+                       ("model", False), ("model", 2.0)):
+        config = storage_config([dev])
+        config.extra_config[key] = value      # (storage_config's model is SGLang's)
+        with pytest.raises(ConfigError, match=rf"kvblock sglang backend: {key} must be"):
+            KVBlockHiCacheStorage(config, {})
+    config = storage_config([dev], namespace=7)
+    config.extra_config["model"] = 3
+    named = KVBlockHiCacheStorage(config, {})
+    assert (named.namespace, named.model) == ("7", "3")
+    assert not os.listdir(tmp_path)
+
+
 def test_close_while_a_call_is_in_flight_answers_a_miss(file_target, backends):
     """close() on another thread while a batch is between two runs: the rest
     of the call meets a closed store and answers a miss (logged), instead of
