@@ -132,7 +132,7 @@ from lmcache.v1.storage_backend.abstract_backend import (
 )
 
 from kvblock.store import provision
-from kvblock.units import MIN_FILE_SIZE, int_setting, size_setting
+from kvblock.units import MIN_FILE_SIZE, int_setting, name_setting, path_setting, size_setting
 from kvblock.errors import (
     ConfigError,
     KVBlockError,
@@ -279,7 +279,9 @@ class KVBlockStorageBackend(StoragePluginInterface):
         self.chunk_tokens = int(getattr(config, "chunk_size", 0) or metadata.chunk_size)
         self.layerwise = bool(getattr(config, "use_layerwise", False))
         self.objects_per_chunk = int(metadata.kv_shape[0]) if self.layerwise else 1
-        self.namespace = "" if opt("namespace") is None else str(opt("namespace"))
+        # (a list or true there was its repr: another tenant, unsaid)
+        self.namespace = name_setting(opt("namespace"), "kvblock lmcache plugin",
+                                      "kvblock.namespace")
         self.prefix = xxhash.xxh3_128_digest(
             KEY_DOMAIN + json.dumps([self.namespace]).encode())
         # enable_blending: each block also keeps the object's cached_positions
@@ -301,7 +303,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
                           if opt("size") is not None else None),
                  "region_size": (_parse_size(opt("region_size"), "kvblock.region_size")
                                  if opt("region_size") else None)}
-        self.server = self._template(opt("server"), metadata) if opt("server") else None
+        server = opt("server")
+        if server is not None:      # (a number or a list was made the socket path "123")
+            server = path_setting(server, "kvblock lmcache plugin", "kvblock.server",
+                                  "/run/kvblock/lm.sock")
+        self.server = self._template(server, metadata) if server else None
         if self.server is not None:
             self.store = provision.open_shared(
                 self.server, self.devices, self.geometry, model,

@@ -11,6 +11,7 @@ are put and got.  All on the CPU.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -561,6 +562,35 @@ def test_settings_typed_by_hand(file_target, engines):
         plugin = build(**{"kvblock.namespace": 0, "kvblock.queue_depth": "8"})
         assert plugin.namespace == "0"
         plugin.close()
+    finally:
+        manager.close()
+        manager.loop.close()
+
+
+def test_server_and_namespace_that_are_not_strings_are_refused(file_target, engines,
+                                                              monkeypatch):
+    """kvblock.server is a socket path and kvblock.namespace a name mixed
+    into every key: a number or a list typed there was made its repr (the
+    socket "['/run/kvblock/lm.sock']", the tenant "[1]" or "True"), silently
+    another store or tenant.  A whole number stays a name; anything else is
+    a ConfigError naming the setting, before any store is opened."""
+    path = file_target()
+    manager = StorageManager(make_config([path]), make_metadata(), EventManager())
+    monkeypatch.chdir(os.path.dirname(path))
+    before = sorted(os.listdir("."))
+
+    def build(**extra):
+        return KVBlockStorageBackend(config=make_config([path], **extra), metadata=make_metadata(),
+                                     local_cpu_backend=manager.storage_backends["LocalCPUBackend"],
+                                     loop=manager.loop)
+    try:
+        manager.storage_backends["kvblock"].close()
+        for key, value in (("server", 123), ("server", ["/run/kvblock/lm.sock"]),
+                           ("server", True), ("namespace", [1]), ("namespace", True),
+                           ("namespace", 1.5)):
+            with pytest.raises(ConfigError, match=rf"kvblock lmcache plugin: kvblock.{key} must"):
+                build(**{f"kvblock.{key}": value})
+        assert sorted(os.listdir(".")) == before
     finally:
         manager.close()
         manager.loop.close()
