@@ -131,7 +131,7 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 
 from kvblock.store import provision
-from kvblock.units import MIN_FILE_SIZE, flag_setting, int_setting, size_setting
+from kvblock.units import MIN_FILE_SIZE, flag_setting, int_setting, name_setting, size_setting
 from kvblock.errors import (
     ConfigError,
     DeviceBusyError,
@@ -355,8 +355,10 @@ class KVBlockTierManager(SecondaryTierManager):
             raise ConfigError(f"kvblock tier: locality must be one of "
                               f"{[x.value for x in Locality]}, got {locality!r}") from None
         bs = self.block_size_bytes
-        self.model = default_model(offloading_spec) if model is None else str(model)
-        self.namespace = "" if namespace is None else str(namespace)
+        # (a list or true there was its repr: keys no other config names, unsaid)
+        self.model = name_setting(model, "kvblock tier", "model",
+                                  default_model(offloading_spec))
+        self.namespace = name_setting(namespace, "kvblock tier", "namespace")
         self._prefix = key_prefix(self.model, self.namespace, offloading_spec, bs)
         self.geometry = slot_geometry(bs)
         run_bytes = _parse_size(max_run_bytes, "max_run_bytes")

@@ -1577,6 +1577,19 @@ def test_bad_config_is_refused(make_tier):
     assert len(tier._workers) == 2
 
 
+def test_names_that_are_not_strings_are_refused(make_tier):
+    """"namespace" and "model" are names mixed into every key: a list, a
+    map, true or 1.5 typed there was made its repr (the tenant "[1]" or
+    "True"), silently keys no other config names.  A whole number stays a
+    name ("7"); anything else is a ConfigError naming the key."""
+    for key, value in (("namespace", [1]), ("namespace", True), ("namespace", 1.5),
+                       ("model", ["org/m"]), ("model", {"name": "m"}), ("model", False)):
+        with pytest.raises(ConfigError, match=rf"kvblock tier: {key} must be a string"):
+            make_tier(**{key: value})
+    tier, _ = make_tier(namespace=7, model=3)
+    assert (tier.namespace, tier.model) == ("7", "3")
+
+
 def test_max_run_bytes_below_one_slot_is_said(make_tier, caplog, tmp_path):
     """A run holds whole slots: max_run_bytes below one slot cannot take
     effect (runs are one slot each), which the tier says at startup rather
