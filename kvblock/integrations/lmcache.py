@@ -302,7 +302,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
         sizes = {"size": (_parse_size(opt("size"), "kvblock.size", MIN_FILE_SIZE)
                           if opt("size") is not None else None),
                  "region_size": (_parse_size(opt("region_size"), "kvblock.region_size")
-                                 if opt("region_size") else None)}
+                                 if opt("region_size") is not None else None)}
         server = opt("server")
         if server is not None:      # (a number or a list was made the socket path "123")
             server = path_setting(server, "kvblock lmcache plugin", "kvblock.server",

@@ -367,7 +367,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         self.size = _parse_size(extra["size"], "size", MIN_FILE_SIZE) \
             if extra.get("size") is not None else None
         self.region_size = (_parse_size(extra["region_size"], "region_size")
-                            if extra.get("region_size") else None)
+                            if extra.get("region_size") is not None else None)
         self.max_run_bytes = _parse_size(extra.get("max_run_bytes", DEFAULT_MAX_RUN_BYTES),
                                          "max_run_bytes")
         if self.max_run_bytes <= 0:

@@ -596,6 +596,26 @@ def test_server_and_namespace_that_are_not_strings_are_refused(file_target, engi
         manager.loop.close()
 
 
+def test_a_region_size_of_zero_is_refused_not_ignored(file_target, engines):
+    """kvblock.region_size 0 (or false) was taken for no setting, the store
+    formatted with the default regions, while "0" was refused: both are a
+    ConfigError naming the setting, as every other size of 0 is."""
+    path = file_target()
+    manager = StorageManager(make_config([path]), make_metadata(), EventManager())
+    try:
+        manager.storage_backends["kvblock"].close()
+        for value in (0, False, "0"):
+            with pytest.raises(ConfigError, match="kvblock.region_size must be"):
+                KVBlockStorageBackend(
+                    config=make_config([path], **{"kvblock.region_size": value}),
+                    metadata=make_metadata(),
+                    local_cpu_backend=manager.storage_backends["LocalCPUBackend"],
+                    loop=manager.loop)
+    finally:
+        manager.close()
+        manager.loop.close()
+
+
 def test_devices_of_the_wrong_type_are_a_config_error(file_target, engines):
     """kvblock.devices is a path, a list of paths, or a map of worker ids to
     either.  A number (a YAML slip: ``kvblock.devices: 0``, or ``"0": 1``

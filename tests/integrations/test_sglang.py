@@ -800,6 +800,16 @@ def test_names_and_server_that_are_not_strings_are_refused(tmp_path, monkeypatch
     assert not os.listdir(tmp_path)
 
 
+def test_a_region_size_of_zero_is_refused_not_ignored(tmp_path):
+    """"region_size": 0 (or false) was taken for no setting, and the store
+    formatted with the default regions, while "0" was refused: both are a
+    ConfigError naming the key, as every other size of 0 is."""
+    for value in (0, False, "0"):
+        with pytest.raises(ConfigError, match="kvblock sglang backend: region_size must be"):
+            KVBlockHiCacheStorage(storage_config([str(tmp_path / "kv.img")],
+                                                 region_size=value), {})
+
+
 def test_close_while_a_call_is_in_flight_answers_a_miss(file_target, backends):
     """close() on another thread while a batch is between two runs: the rest
     of the call meets a closed store and answers a miss (logged), instead of
