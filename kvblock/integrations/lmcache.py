@@ -265,7 +265,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
         def opt(name, default=None):
             return extra.get(OPTION_PREFIX + name, default)
-        unknown = sorted(k for k in extra if k.startswith(OPTION_PREFIX)
+        unknown = sorted(k for k in extra if isinstance(k, str) and k.startswith(OPTION_PREFIX)
                          and k[len(OPTION_PREFIX):] not in _OPTIONS)
         if unknown:
             raise ConfigError(f"kvblock lmcache plugin: unknown settings {unknown}; known: "

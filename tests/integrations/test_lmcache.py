@@ -548,8 +548,8 @@ def test_settings_typed_by_hand(file_target, engines):
     path = file_target()
     manager = StorageManager(make_config([path]), make_metadata(), EventManager())
 
-    def build(**extra):
-        return KVBlockStorageBackend(config=make_config([path], **extra),
+    def build(config=None, **extra):
+        return KVBlockStorageBackend(config=config or make_config([path], **extra),
                                      metadata=make_metadata(),
                                      local_cpu_backend=manager.storage_backends["LocalCPUBackend"],
                                      loop=manager.loop)
@@ -562,6 +562,11 @@ def test_settings_typed_by_hand(file_target, engines):
         plugin = build(**{"kvblock.namespace": 0, "kvblock.queue_depth": "8"})
         assert plugin.namespace == "0"
         plugin.close()
+        # a key that is no string (YAML's `1: x`) is not kvblock's: passed over,
+        # not an AttributeError ('int' object has no attribute 'startswith')
+        config = make_config([path])
+        config.extra_config.update({1: "x", None: "y"})
+        build(config).close()
     finally:
         manager.close()
         manager.loop.close()
