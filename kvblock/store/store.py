@@ -72,6 +72,7 @@ from kvblock.store import writes
 from kvblock.store.fence import fence_writers
 from kvblock.store.inflight import CLOSE_WAIT_S, InFlight, in_flight
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
+from kvblock.units import size_setting
 from kvblock.store.reads import RunReader
 from kvblock.store.recovery import Recovery
 from kvblock.store.removals import RemovalLog
@@ -133,6 +134,35 @@ class PinHandle(list):
         return bool(len(self) or self.host_keys)
 
 
+# KVStore.open's and format's keyword options (besides geometry, model, readonly)
+OPEN_OPTIONS = ("verify", "eviction", "admit_after", "engine", "queue_depth",
+                "host_cache_bytes", "storeio_factory")
+
+
+def _check_options(options: dict, geometry: Geometry | None = None) -> None:
+    """The options of an open, refused before anything is opened or written
+    (format checked them only when it opened the store it had made, after
+    wiping the devices' old one): unknown names, and verify, eviction,
+    admit_after and host_cache_bytes (its blocks with ``geometry``).  The
+    engine and queue_depth are checked where the engine is made, before
+    format writes."""
+    unknown = sorted(k for k in options if k not in OPEN_OPTIONS)
+    if unknown:
+        raise ConfigError(f"unknown option(s) {unknown}; a store takes "
+                          f"{', '.join(OPEN_OPTIONS[:-1])}")
+    verify, eviction = options.get("verify", "always"), options.get("eviction", "lru")
+    if verify not in VERIFY_MODES:
+        raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+    if eviction not in EVICTION_POLICIES:
+        raise ConfigError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+    Admission(options.get("admit_after", 1))
+    host = options.get("host_cache_bytes")
+    host = 0 if host is None else size_setting(host, "host cache", "host_cache_bytes", 0)
+    if host and geometry is not None and host // geometry.block_bytes < 2:
+        raise ConfigError(f"host cache of {host} bytes (host_cache_bytes) holds fewer than "
+                          f"two {geometry.block_bytes}-byte blocks; give it more memory or none")
+
+
 def _open_devices(devices, readonly=False) -> list[Device]:
     check_distinct([d.path if isinstance(d, Device) else d for d in devices])
     out = []
@@ -175,6 +205,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         """
         if not devices:
             raise ConfigError("format needs at least one device")
+        _check_options(options, geometry)      # not after the old store is wiped
         if len(devices) > sbfmt.MAX_DEVICES:
             raise ConfigError(f"a store spans at most {sbfmt.MAX_DEVICES} devices")
         devs = _open_devices(devices)
@@ -250,6 +281,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         """
         if not devices:
             raise ConfigError("open needs the store's device(s)")
+        _check_options(options, geometry)
         return cls._open_devs(_open_devices(devices, readonly), geometry=geometry, model=model,
                               readonly=readonly, **options)
 
@@ -274,10 +306,7 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _init(self, devs, *, geometry=None, model=None, verify="always", eviction="lru",
               admit_after=1, engine=None, queue_depth=32, storeio_factory=None,
               readonly=False, host_cache_bytes=0, _prefault_now=False):
-        if verify not in VERIFY_MODES:
-            raise ConfigError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
-        if eviction not in EVICTION_POLICIES:
-            raise ConfigError(f"eviction must be one of {EVICTION_POLICIES}, got {eviction!r}")
+        _check_options({"verify": verify, "eviction": eviction})
         self.verify, self.eviction = verify, eviction
         self.readonly = readonly
         self.host = None

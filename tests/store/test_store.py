@@ -775,6 +775,38 @@ def test_format_with_a_model_that_is_not_a_name_leaves_the_store_whole(tmp_path)
         assert store.lookup(keys) == 2
 
 
+def test_format_with_an_option_it_refuses_leaves_the_store_whole(tmp_path):
+    """format's open options (verify, eviction, admit_after, host_cache_bytes)
+    were checked only when the new store was opened, after the old one was
+    wiped: force=True with a typo destroyed the store and raised, and a
+    blank device was left formatted by a call that failed.  A misspelt
+    option was a TypeError after the format too.  All are refused before
+    anything is written, as a ConfigError naming the option."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(1, 2)
+    with _format([path], model="model-a") as store:
+        store.put_run(keys, run_data(keys))
+        uuid = store.uuid
+    for bad, match in (({"verify": "sometimes"}, "verify must be one of"),
+                       ({"eviction": "LRU"}, "eviction must be one of"),
+                       ({"admit_after": 0}, "admit_after must be >= 1"),
+                       ({"host_cache_bytes": -1}, "host_cache_bytes must be at least 0"),
+                       ({"host_cache_bytes": GEOM.block_bytes}, "fewer than two"),
+                       ({"verfy": "never"}, r"unknown option.*'verfy'.*verify")):
+        with pytest.raises(ConfigError, match=match):
+            _format([path], model="model-b", force=True, **bad)
+        with KVStore.open([str(path)], model="model-a") as store:   # untouched
+            assert store.uuid == uuid and store.lookup(keys) == 2
+    blank = tmp_path / "blank.img"
+    create_file(blank, 8 * MIB)
+    with pytest.raises(ConfigError, match="eviction must be one of"):
+        _format([blank], eviction="LRU")
+    assert not any(blank.read_bytes()[:1 << 16])   # nothing written
+    with pytest.raises(ConfigError, match=r"unknown option.*'verfy'"):
+        KVStore.open([str(path)], verfy="never")      # the same error as format's
+
+
 def test_a_shrunk_device_is_refused_at_open(tmp_path):
     """A store file truncated after formatting: open says so (its regions
     past the new end would fail every read) instead of serving part of it."""
