@@ -22,6 +22,7 @@ from kvblock.errors import (
 )
 from kvblock.layout import Geometry
 from kvblock.store.store import KVStore
+from kvblock.units import int_setting
 
 FORMAT_MODES = ("if-empty", "never", "force")
 logger = logging.getLogger("kvblock")
@@ -150,6 +151,9 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
                           f"{options['eviction']!r}")
     if options.get("admit_after") is not None:
         Admission(options["admit_after"])
+    # (int(... or 32) made 0 the default 32 and 2.5 a 2 unsaid, "deep" a bare ValueError)
+    queue_depth = 32 if options.get("queue_depth") is None else \
+        int_setting(options["queue_depth"], owner, "queue_depth")
     if options.get("host_cache_bytes"):
         raise ConfigError(f"{owner}: a DRAM tier (host_cache_bytes) cannot be used with a "
                           "shared store server (its clients read the devices themselves)")
@@ -165,7 +169,7 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
     store = connect(socket_path, devices, prepare=prepare,
                     server_options=dict(server_options, model=model),
                     verify=options.get("verify"), engine=options.get("engine"),
-                    queue_depth=int(options.get("queue_depth") or 32),
+                    queue_depth=queue_depth,
                     timeout=SHARED_CALL_TIMEOUT_S, reconnect=True,
                     geometry=geometry, model=model)
     if not prepared:

@@ -896,6 +896,10 @@ def test_an_engines_bad_store_settings_are_refused_while_a_server_runs(tmp_path,
             open_shared(sock, [path], GEOM, "m", eviction="lfu")
         with pytest.raises(ConfigError, match="admit_after must be >= 1"):
             open_shared(sock, [path], GEOM, "m", admit_after=0)
+        # queue_depth 0 became 32 and 2.5 became 2 unsaid, "deep" a bare ValueError
+        for depth in (0, 2.5, "deep", -1):
+            with pytest.raises(ConfigError, match="queue_depth must be"):
+                open_shared(sock, [path], GEOM, "m", queue_depth=depth)
         store = open_shared(sock, [path], GEOM, "m", format="never", eviction="fifo")
         store.close()
 
