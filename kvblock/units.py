@@ -79,7 +79,6 @@ def flag_setting(value, owner: str, name: str, default: bool = False) -> bool:
     raise ConfigError(f"{owner}: {name} must be true or false, got {value!r}")
 
 
-
 def name_setting(value, owner: str, name: str, default: str = "") -> str:
     """A name from a config (a tenant, a model), mixed into keys: a string,
     or a whole number taken as its digits (a tenant named 0 is "0"); null:
@@ -102,6 +101,7 @@ def path_setting(value, owner: str, name: str, example: str) -> str:
         if isinstance(path, str):
             return path
     raise ConfigError(f"{owner}: {name} must be a path, e.g. {example!r}, got {value!r}")
+
 
 # Store file sizes given in engine configs: below this a unit was forgotten.
 MIN_FILE_SIZE = 1 << 20

@@ -72,7 +72,6 @@ from kvblock.store import writes
 from kvblock.store.fence import fence_writers
 from kvblock.store.inflight import CLOSE_WAIT_S, InFlight, in_flight
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
-from kvblock.units import size_setting
 from kvblock.store.reads import RunReader
 from kvblock.store.recovery import Recovery
 from kvblock.store.removals import RemovalLog
@@ -81,6 +80,7 @@ from kvblock.store.scatter import block_at
 from kvblock.store.storeio import StoreIO
 from kvblock.store.writes import Later, RunWriter, Streams
 from kvblock.tiers import HostTier
+from kvblock.units import size_setting
 
 MIB = 1 << 20
 # A default region is a round size plus 1/TRAILER_RESERVE for runs' trailers.
