@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any, Sequence
 
 import numpy as np
@@ -92,6 +93,9 @@ class RunReader(RunIO):
         (a closed engine, a broken io_uring: ``device_fault`` False) raise.
         """
         self._check_open()
+        if not isinstance(requests, Iterable) or isinstance(requests, (str, bytes)):
+            raise ConfigError(f"get_runs: requests must be a sequence of (keys, out) pairs, "
+                              f"got {type(requests).__name__}")
         targets = []
         for k, request in enumerate(requests):
             if not isinstance(request, (tuple, list)) or len(request) != 2:

@@ -51,8 +51,19 @@ def as_array(x, what: str, writable: bool = False) -> np.ndarray:
         if view.readonly:
             raise ConfigError(f"{what}: the {type(x).__name__} to read into is read-only; pass "
                               "a writable one (a bytearray, numpy array or tensor)")
-        return np.asarray(view)
-    return np.asarray(x)
+        return _bytes_held(np.asarray(view), what)
+    return _bytes_held(np.asarray(x), what)
+
+
+def _bytes_held(arr: np.ndarray, what: str) -> np.ndarray:
+    """``arr``, unless its elements are Python object references (dtype
+    object, or a record holding one): those are no KV bytes to read into or
+    write from, and numpy refuses their byte view with a bare TypeError."""
+    if arr.dtype.hasobject:
+        raise ConfigError(f"{what}: an array of Python object references (dtype "
+                          f"{arr.dtype}) holds no KV bytes; pass a numeric numpy array, "
+                          "CPU tensor, bytearray or memoryview")
+    return arr
 
 
 class BlockList:
@@ -69,8 +80,13 @@ class BlockList:
     def of(cls, blocks: Sequence, geometry: Geometry, n: int, what: str,
            writable: bool) -> "BlockList":
         """Check and view the caller's per-block arrays (``what`` names the call)."""
-        if len(blocks) != n:
-            raise ConfigError(f"{what}: {n} keys but {len(blocks)} block buffers")
+        try:
+            given = len(blocks)
+        except TypeError:
+            raise ConfigError(f"{what}: blocks must be a sequence of block buffers, got "
+                              f"{type(blocks).__name__}") from None
+        if given != n:
+            raise ConfigError(f"{what}: {n} keys but {given} block buffers")
         g = geometry
         arrays = []
         shape = (g.ranges, g.group_block_bytes)

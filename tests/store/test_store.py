@@ -960,6 +960,40 @@ def test_buffers_the_caller_passes(store_path):
             store.get_run(keys, 5)
 
 
+def test_buffers_of_object_references_or_no_buffers_are_config_errors(store_path):
+    """An array of Python object references (dtype object, or a structured
+    dtype holding one) is no memory to read KV into or write it from: get_run,
+    read_range, get_blocks and get_runs failed with numpy's TypeError 'Cannot
+    change data-type for array of references', put_run too; get_blocks and
+    get_runs given None (not a sequence) failed with a TypeError about
+    len() / iteration.  Each is refused as a ConfigError naming the call."""
+    keys = run_keys(53, 2)
+    data = run_data(keys)
+    refs = np.empty(data.size // 8, dtype=object)
+    held = np.empty(data.size // 16, dtype=[("a", "u8"), ("b", object)])
+    with _format([store_path]) as store:
+        assert store.put_run(keys, data) == 2
+        for out in (refs, held):
+            with pytest.raises(ConfigError, match="get_run: .*object references"):
+                store.get_run(keys, out)
+            with pytest.raises(ConfigError, match="get_runs: .*object references"):
+                store.get_runs([(keys, out)])
+            with pytest.raises(ConfigError, match="put_run: .*object references"):
+                store.put_run(run_keys(55, 2), out)
+        with pytest.raises(ConfigError, match="read_range: .*object references"):
+            store.read_range(keys, 0, 0, np.empty(2 * GEOM.group_block_bytes // 8, object))
+        with pytest.raises(ConfigError, match="get_blocks: .*object references"):
+            store.get_blocks(keys, [np.empty(GEOM.block_bytes // 8, object)] * 2)
+        with pytest.raises(ConfigError, match="get_blocks: .*sequence of block buffers"):
+            store.get_blocks(keys, None)
+        with pytest.raises(ConfigError, match="get_runs: .*sequence of"):
+            store.get_runs(None)
+        # nothing was read into or put: the run reads back as it was put
+        out = np.zeros_like(data)
+        assert store.get_run(keys, out) == 2 and np.array_equal(out, data)
+        assert store.lookup(run_keys(55, 2)) == 0
+
+
 def test_a_pin_is_released_once(store_path):
     """unpin() twice would take another lease's pin: the second is refused."""
     keys = run_keys(52, 2)
