@@ -52,7 +52,12 @@ def as_array(x, what: str, writable: bool = False) -> np.ndarray:
             raise ConfigError(f"{what}: the {type(x).__name__} to read into is read-only; pass "
                               "a writable one (a bytearray, numpy array or tensor)")
         return _bytes_held(np.asarray(view), what)
-    return _bytes_held(np.asarray(x), what)
+    try:
+        arr = np.asarray(x)
+    except (TypeError, ValueError) as e:     # ragged lists and the like: no byte array
+        raise ConfigError(f"{what}: a {type(x).__name__} numpy cannot take as one array of "
+                          f"bytes ({e})") from None
+    return _bytes_held(arr, what)
 
 
 def _bytes_held(arr: np.ndarray, what: str) -> np.ndarray:

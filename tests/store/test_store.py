@@ -2007,3 +2007,34 @@ def test_a_close_whose_kvikio_reader_fails_to_close_still_releases_the_devices(t
     assert store.closed and store.io is None and store.host is None and engine.closed
     with KVStore.open([str(path)]) as again:      # the lock is free
         assert again.lookup([b"x"]) == 0
+
+
+def test_a_buffer_of_python_objects_is_a_config_error(store_path):
+    """An object-dtype array of a block's byte count (pointers, not KV) was
+    let through the byte count check and failed at numpy's byte view with
+    a TypeError ("Cannot change data-type for array of references"); a put
+    or get of one is the caller's mistake, said as a ConfigError, and
+    nothing is stored.  So is a ragged list numpy cannot make an array of
+    (its ValueError, not kvblock's)."""
+    objects = np.empty(GEOM.block_bytes // 8, dtype=object)
+    assert objects.nbytes == GEOM.block_bytes
+    keys = run_keys(60, 1)
+    with _format([store_path]) as store:
+        with pytest.raises(ConfigError, match="Python objects"):
+            store.put_run(keys, objects)
+        with pytest.raises(ConfigError, match="Python objects"):
+            store.put_blocks(keys, [objects])
+        with pytest.raises(ConfigError, match="Python objects"):
+            store.put_runs([(run_keys(61, 1), run_data(run_keys(61, 1))), (keys, objects)])
+        ragged = [np.zeros(GEOM.block_bytes, np.uint8), np.zeros(3, np.uint8)]
+        with pytest.raises(ConfigError, match="numpy cannot take"):   # was numpy's ValueError
+            store.put_run(run_keys(62, 2), ragged)
+        assert store.lookup(keys) == 0 and store.lookup(run_keys(61, 1)) == 0
+        data = run_data(keys)
+        assert store.put_run(keys, data) == 1
+        with pytest.raises(ConfigError, match="Python objects"):
+            store.get_run(keys, objects)
+        with pytest.raises(ConfigError, match="Python objects"):
+            store.get_blocks(keys, [objects])
+        out = np.zeros_like(data)
+        assert store.get_run(keys, out) == 1 and np.array_equal(out, data)
