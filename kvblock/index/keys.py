@@ -43,7 +43,14 @@ def normalize_keys(keys: Iterable) -> list[bytes]:
         # a key of every byte or character
         raise ConfigError(f"expected a sequence of block keys, got one {type(keys).__name__} "
                           "key; wrap it in a list")
-    return [normalize_key(k) for k in keys]
+    try:
+        each = iter(keys)
+    except TypeError:
+        # None or a number: no keys at all (a key of a wrong type inside the
+        # sequence is a ConfigError too, in normalize_key)
+        raise ConfigError(f"expected a sequence of block keys, got {type(keys).__name__}") \
+            from None
+    return [normalize_key(k) for k in each]
 
 
 def chain_keys(token_ids: Sequence[int], block_tokens: int, salt: bytes | str = b"",

@@ -2038,3 +2038,24 @@ def test_a_buffer_of_python_objects_is_a_config_error(store_path):
             store.get_blocks(keys, [objects])
         out = np.zeros_like(data)
         assert store.get_run(keys, out) == 1 and np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("keys", [None, 5, 2.5, object()])
+def test_keys_that_are_not_a_sequence_are_a_config_error(store_path, keys):
+    """Keys given as None or a number (no sequence of keys at all) failed
+    in normalize_keys' loop with an untyped TypeError ("'NoneType' object
+    is not iterable") out of put_run, put_blocks, put_runs and every call
+    that takes keys, where a key of a wrong type inside the sequence is a
+    ConfigError."""
+    data = run_data(run_keys(63, 1))
+    with _format([store_path]) as store:
+        with pytest.raises(ConfigError, match="a sequence of block keys"):
+            store.put_run(keys, data)
+        with pytest.raises(ConfigError, match="a sequence of block keys"):
+            store.put_blocks(keys, [data])
+        with pytest.raises(ConfigError, match="a sequence of block keys"):
+            store.put_runs([(run_keys(64, 1), data), (keys, data)])
+        for call in (store.lookup, store.present, store.delete):
+            with pytest.raises(ConfigError, match="a sequence of block keys"):
+                call(keys)
+        assert store.lookup(run_keys(64, 1)) == 0 and store.stats()["blocks"] == 0
