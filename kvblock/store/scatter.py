@@ -85,13 +85,16 @@ class BlockList:
     def of(cls, blocks: Sequence, geometry: Geometry, n: int, what: str,
            writable: bool) -> "BlockList":
         """Check and view the caller's per-block arrays (``what`` names the call)."""
-        try:
-            given = len(blocks)
-        except TypeError:
-            raise ConfigError(f"{what}: blocks must be a sequence of block buffers, got "
-                              f"{type(blocks).__name__}") from None
-        if given != n:
-            raise ConfigError(f"{what}: {n} keys but {given} block buffers")
+        if not hasattr(blocks, "__len__"):
+            # a generator (put_runs takes one for its runs) as its list; None
+            # or a number is no list of blocks
+            try:
+                blocks = list(blocks)
+            except TypeError:
+                raise ConfigError(f"{what}: blocks must be a sequence of block buffers, got "
+                                  f"{type(blocks).__name__}") from None
+        if len(blocks) != n:
+            raise ConfigError(f"{what}: {n} keys but {len(blocks)} block buffers")
         g = geometry
         arrays = []
         shape = (g.ranges, g.group_block_bytes)

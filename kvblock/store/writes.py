@@ -159,6 +159,11 @@ class RunWriter(RunIO):
         argument is checked before anything is written."""
         self._check_open(writing=True)
         began = self._put_began()
+        try:
+            runs = iter(runs)
+        except TypeError:
+            raise ConfigError(f"put_runs: runs must be a sequence of (keys, data) pairs, got "
+                              f"{type(runs).__name__}") from None
         items = []
         for k, run in enumerate(runs):
             if not isinstance(run, (tuple, list)) or len(run) != 2:

@@ -2059,3 +2059,31 @@ def test_keys_that_are_not_a_sequence_are_a_config_error(store_path, keys):
             with pytest.raises(ConfigError, match="a sequence of block keys"):
                 call(keys)
         assert store.lookup(run_keys(64, 1)) == 0 and store.stats()["blocks"] == 0
+
+
+def test_block_lists_and_run_lists_that_are_not_sequences(store_path):
+    """put_blocks/get_blocks with blocks=None (or a number) failed with an
+    untyped TypeError ("object of type 'NoneType' has no len()"), and so
+    did a generator of blocks, which put_runs takes for its runs; put_runs
+    with runs=None failed so too.  Non-iterables are a ConfigError now; a
+    generator of blocks is taken as its list, and the bytes read back."""
+    keys = run_keys(65, 2)
+    data = run_data(keys)
+    per_block = [np.ascontiguousarray(data.reshape(GEOM.ranges, 2, -1)[:, k]).reshape(-1)
+                 for k in range(2)]
+    with _format([store_path]) as store:
+        for blocks in (None, 5):
+            with pytest.raises(ConfigError, match="put_blocks: blocks must be"):
+                store.put_blocks(keys, blocks)
+            with pytest.raises(ConfigError, match="get_blocks: blocks must be"):
+                store.get_blocks(keys, blocks)
+        for runs in (None, 5):
+            with pytest.raises(ConfigError, match="put_runs: runs must be"):
+                store.put_runs(runs)
+        assert store.stats()["blocks"] == 0
+        assert store.put_blocks(keys, (b for b in per_block)) == 2
+        out = np.zeros_like(data)
+        assert store.get_run(keys, out) == 2 and np.array_equal(out, data)
+        got = [np.zeros(GEOM.block_bytes, np.uint8) for _ in keys]
+        assert store.get_blocks(keys, (g for g in got)) == 2
+        assert all(np.array_equal(g, b) for g, b in zip(got, per_block))
