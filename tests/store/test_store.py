@@ -2020,11 +2020,11 @@ def test_a_buffer_of_python_objects_is_a_config_error(store_path):
     assert objects.nbytes == GEOM.block_bytes
     keys = run_keys(60, 1)
     with _format([store_path]) as store:
-        with pytest.raises(ConfigError, match="Python objects"):
+        with pytest.raises(ConfigError, match="Python object"):
             store.put_run(keys, objects)
-        with pytest.raises(ConfigError, match="Python objects"):
+        with pytest.raises(ConfigError, match="Python object"):
             store.put_blocks(keys, [objects])
-        with pytest.raises(ConfigError, match="Python objects"):
+        with pytest.raises(ConfigError, match="Python object"):
             store.put_runs([(run_keys(61, 1), run_data(run_keys(61, 1))), (keys, objects)])
         ragged = [np.zeros(GEOM.block_bytes, np.uint8), np.zeros(3, np.uint8)]
         with pytest.raises(ConfigError, match="numpy cannot take"):   # was numpy's ValueError
@@ -2032,9 +2032,9 @@ def test_a_buffer_of_python_objects_is_a_config_error(store_path):
         assert store.lookup(keys) == 0 and store.lookup(run_keys(61, 1)) == 0
         data = run_data(keys)
         assert store.put_run(keys, data) == 1
-        with pytest.raises(ConfigError, match="Python objects"):
+        with pytest.raises(ConfigError, match="Python object"):
             store.get_run(keys, objects)
-        with pytest.raises(ConfigError, match="Python objects"):
+        with pytest.raises(ConfigError, match="Python object"):
             store.get_blocks(keys, [objects])
         out = np.zeros_like(data)
         assert store.get_run(keys, out) == 1 and np.array_equal(out, data)
