@@ -257,26 +257,13 @@ def test_a_child_forked_while_a_thread_takes_a_pool_buffer_uses_its_copy_of_the_
     held for good: the child's acquire() waited forever, its timeout
     unheeded (the wait for the lock is not the wait for a buffer), and so
     did its release() and free.  The child's copy gets a fresh condition."""
-    from tests.support.servers import exit_code_in_child
+    from tests.support.servers import exit_code_in_child_while_held
 
     with BufferPool(PAGE_SIZE, 2) as pool:
-        held, go = threading.Event(), threading.Event()
-
-        def holding():              # caught inside acquire()/release() at the fork
-            with pool._cond:
-                held.set()
-                go.wait(20)
-        t = threading.Thread(target=holding)
-        t.start()
-        try:
-            assert held.wait(10)
-
-            def child():
-                index = pool.acquire(timeout=1)
-                pool.release(index)
-                return 0 if pool.free == 2 else 1
-            assert exit_code_in_child(child, timeout=10) == 0
-        finally:
-            go.set()
-            t.join(20)
+        def child():
+            index = pool.acquire(timeout=1)
+            pool.release(index)
+            return 0 if pool.free == 2 else 1
+        # caught inside acquire()/release() at the fork
+        assert exit_code_in_child_while_held(pool._cond, child) == 0
         assert pool.free == 2

@@ -743,7 +743,7 @@ def test_a_child_forked_while_a_thread_holds_a_buffer_lock_closes_its_copy(store
     a staging buffer (a read) or closing the buffer; held it stays in the
     child (that thread is not the child's), and the child's close() of its
     copy hung on it for good."""
-    from tests.support.servers import exit_code_in_child
+    from tests.support.servers import exit_code_in_child_while_held
 
     store = KVStore.open([store_file], host_cache_bytes=4 * GEOM.block_bytes)
     store.spares.give(store.spares.take(1))     # one idle spare to free
@@ -751,24 +751,11 @@ def test_a_child_forked_while_a_thread_holds_a_buffer_lock_closes_its_copy(store
     target = {"spares": lambda: store.spares._lock,
               "stagings": lambda: store._stagings._lock,
               "host arena": lambda: store.host.arena._lock}[lock]()
-    held, go = threading.Event(), threading.Event()
 
-    def holding():                  # caught holding it at the fork
-        with target:
-            held.set()
-            go.wait(20)
-    t = threading.Thread(target=holding)
-    t.start()
-    try:
-        assert held.wait(10)
-
-        def child():
-            store.close()
-            return 0 if store.io is None else 1
-        assert exit_code_in_child(child, timeout=10) == 0
-    finally:
-        go.set()
-        t.join(20)
+    def child():
+        store.close()
+        return 0 if store.io is None else 1
+    assert exit_code_in_child_while_held(target, child) == 0
     keys = run_keys(1, 1)                       # the parent's store is unaffected
     store.put_run(keys, run_data(keys))
     out = np.zeros(GEOM.block_bytes, np.uint8)

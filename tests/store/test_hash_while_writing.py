@@ -277,7 +277,7 @@ def test_a_forked_child_hashes_its_large_runs(file_target, monkeypatch):
     from a parent that had used them: the pool's threads are the parent's,
     so a run handed to it was never hashed and the child's put waited for
     good.  The child's helpers are its own; the parent's go on working."""
-    from tests.support.servers import exit_code_in_child
+    from tests.support.servers import exit_code_in_child_while_held
 
     monkeypatch.setattr(writes_mod, "OVERLAP_HASH_BYTES", 256 << 10)
     path = file_target(16 * MIB)
@@ -285,25 +285,12 @@ def test_a_forked_child_hashes_its_large_runs(file_target, monkeypatch):
     with KVStore.format([path], GEOM, region_size=2 * MIB) as store:
         assert store.put_run(*runs[0]) == N          # the helpers run in the parent
         assert writes_mod._hashers is not None
-    held, go = threading.Event(), threading.Event()
-    slots = writes_mod._hash_slots
 
-    def hashing():                  # a helper busy at the fork: its slot is the parent's
-        with slots:
-            held.set()
-            go.wait(20)
-    t = threading.Thread(target=hashing)
-    t.start()
-    try:
-        assert held.wait(10)
-
-        def child():
-            with KVStore.open([path]) as store:
-                return 0 if store.put_run(*runs[1]) == N else 1
-        assert exit_code_in_child(child, timeout=20) == 0
-    finally:
-        go.set()
-        t.join(20)
+    def child():
+        with KVStore.open([path]) as store:
+            return 0 if store.put_run(*runs[1]) == N else 1
+    # a helper busy at the fork: its slot is the parent's
+    assert exit_code_in_child_while_held(writes_mod._hash_slots, child, timeout=20) == 0
     with KVStore.open([path]) as store:              # the parent's helpers still work
         assert store.put_run(*runs[2]) == N
     _check_stored(path, runs)

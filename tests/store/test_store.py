@@ -505,28 +505,15 @@ def test_a_child_forked_while_a_checksum_failure_is_recorded_records_its_own(sto
     a damaged run) inherited it held for good, and the child's first read
     of a damaged run of its own store hung."""
     from kvblock.store.reads import RunReader
-    from tests.support.servers import exit_code_in_child
+    from tests.support.servers import exit_code_in_child_while_held
 
     keys = _one_run_with_a_flipped_byte(store_path)
-    held, go = threading.Event(), threading.Event()
 
-    def recording():                # caught holding it at the fork
-        with RunReader._damaged_lock:
-            held.set()
-            go.wait(20)
-    t = threading.Thread(target=recording)
-    t.start()
-    try:
-        assert held.wait(10)
-
-        def child():
-            with KVStore.open([store_path]) as store:
-                out = aligned_empty(2 * GEOM.block_bytes)
-                return 0 if store.get_run(keys, out) == 0 else 1
-        assert exit_code_in_child(child, timeout=10) == 0
-    finally:
-        go.set()
-        t.join(20)
+    def child():
+        with KVStore.open([store_path]) as store:
+            out = aligned_empty(2 * GEOM.block_bytes)
+            return 0 if store.get_run(keys, out) == 0 else 1
+    assert exit_code_in_child_while_held(RunReader._damaged_lock, child) == 0
 
 
 def test_a_checksum_failure_whose_drop_fails_is_still_a_miss(store_path):
@@ -618,16 +605,32 @@ def test_engine_failure_without_a_device_drops_nothing(store_path, monkeypatch):
         assert store.stats()["read_errors"] == 1 and store.lookup(keys) == 2
 
 
+def _ring_breaks_once(engine, monkeypatch) -> list:
+    """The engine's next batch fails as a broken io_uring fails it (every
+    I/O cancelled, none reached the device); later ones run.  Returns the
+    list the broken batch's size is put in."""
+    import errno
+
+    from kvblock.io.engine import RingBroken
+
+    real, broke = type(engine)._run, []
+
+    def ring_breaks(op, batch, qd, results, latency, hasher):
+        if broke:
+            return real(engine, op, batch, qd, results, latency, hasher)
+        broke.append(len(batch))
+        results[:] = -errno.ECANCELED
+        raise RingBroken(errno.ENOMEM)
+    monkeypatch.setattr(engine, "_run", ring_breaks)
+    return broke
+
+
 def test_a_broken_ring_drops_no_run(tmp_path, monkeypatch):
     """The io_uring itself broke under a read (submission failed: ENOMEM;
     its I/Os cancelled, none reached the device).  The error names the
     device and first I/O (it has a path), and the store took it for a read
     the device failed: it dropped every run of the batch, though their
     bytes are intact and the next read (a new ring) returns them."""
-    import errno
-
-    from kvblock.io.engine import RingBroken
-
     path = tmp_path / "store.img"
     create_file(path, 8 * MIB)
     runs = [run_keys(40 + i, 2) for i in range(2)]
@@ -635,17 +638,7 @@ def test_a_broken_ring_drops_no_run(tmp_path, monkeypatch):
     with _format([path]) as store:
         for r in runs:
             store.put_run(r, run_data(r))
-        engine = store.io.engine
-        real = type(engine)._run
-        broke = []
-
-        def ring_breaks(op, batch, qd, results, latency, hasher):
-            if broke:
-                return real(engine, op, batch, qd, results, latency, hasher)
-            broke.append(len(batch))
-            results[:] = -errno.ECANCELED
-            raise RingBroken(errno.ENOMEM)
-        monkeypatch.setattr(engine, "_run", ring_breaks)
+        broke = _ring_breaks_once(store.io.engine, monkeypatch)
         out = np.zeros(4 * GEOM.block_bytes, np.uint8)
         with pytest.raises(IOFailedError, match="ENOMEM") as e:
             store.get_run(keys, out)
@@ -664,10 +657,6 @@ def test_a_broken_ring_under_get_runs_raises_and_drops_nothing(tmp_path, monkeyp
     error: the request it hit was answered 0 blocks (a miss), though the
     data is intact and nothing failed on the device; as an engine failure
     that reached no device it raises, and every run stays."""
-    import errno
-
-    from kvblock.io.engine import RingBroken
-
     path = tmp_path / "store.img"
     create_file(path, 8 * MIB)
     runs = [run_keys(60 + i, 4) for i in range(3)]
@@ -678,17 +667,7 @@ def test_a_broken_ring_under_get_runs_raises_and_drops_nothing(tmp_path, monkeyp
                     "parts of runs": [r[:2] for r in runs],
                     "several runs": [runs[0] + runs[1], runs[2]]}[shape]
         outs = [np.zeros(len(r) * GEOM.block_bytes, np.uint8) for r in requests]
-        engine = store.io.engine
-        real = type(engine)._run
-        broke = []
-
-        def ring_breaks(op, batch, qd, results, latency, hasher):
-            if broke:
-                return real(engine, op, batch, qd, results, latency, hasher)
-            broke.append(len(batch))
-            results[:] = -errno.ECANCELED
-            raise RingBroken(errno.ENOMEM)
-        monkeypatch.setattr(engine, "_run", ring_breaks)
+        broke = _ring_breaks_once(store.io.engine, monkeypatch)
         with pytest.raises(IOFailedError, match="ENOMEM"):
             store.get_runs(list(zip(requests, outs)))
         assert broke

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 
@@ -97,3 +98,23 @@ def exit_code_in_child(fn, timeout: float = 10.0) -> int:
             os.waitpid(pid, 0)
             raise AssertionError(f"the forked child did not exit in {timeout} s")
         time.sleep(0.02)
+
+
+def exit_code_in_child_while_held(lock, fn, timeout: float = 10.0) -> int:
+    """exit_code_in_child(fn), forked while another thread of this process
+    holds ``lock`` (any context manager): the child inherits it held by a
+    thread it does not have."""
+    held, go = threading.Event(), threading.Event()
+
+    def holding():
+        with lock:
+            held.set()
+            go.wait(20)
+    t = threading.Thread(target=holding)
+    t.start()
+    try:
+        assert held.wait(10)
+        return exit_code_in_child(fn, timeout)
+    finally:
+        go.set()
+        t.join(20)
