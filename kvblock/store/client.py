@@ -1143,7 +1143,9 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     Race handling: every rank may call this at once.  Whoever finds no server
     takes an exclusive lock (``lockf``) on ``<socket_path>.lock``, tries to connect
     again (another rank may have started the server while it waited for the
-    lock) and only then starts a server process (``kvblock serve``, in its own
+    lock), waits for a server starting there without it (one recovering
+    the store: an operator's, or one whose starter died) and only then
+    starts a server process (``kvblock serve``, in its own
     session, so it outlives the rank that started it; its output goes to
     ``<socket_path>.log``) and waits until it accepts connections.  The lock
     is released when the starter returns or dies, so exactly one server is

@@ -11,6 +11,12 @@ store is closed (a checkpoint).  Meanwhile it write-locks STOPPING_BYTE of
 ``<socket>.fence`` (:func:`announce_stopping`); a new server that finds the
 devices busy waits while that lock is held (:func:`wait_for_stopping_server`)
 instead of failing on a claim about to be released.
+
+A server starting (from before it claims the devices until it listens:
+a recovery of millions of blocks takes seconds) write-locks STARTING_BYTE
+of the same file (:func:`announce_starting`); a rank that finds no server
+answering waits for it (:func:`wait_for_starting_server`) instead of
+starting a second one, which would find the devices busy and fail.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ logger = logging.getLogger("kvblock")
 
 # Beside the write fence's bytes of <socket>.fence (ranks lock those, never this).
 STOPPING_BYTE = FENCE_BYTE + 2
+STARTING_BYTE = FENCE_BYTE + 3
 # How long a new server waits for a stopping one to let go of the devices:
 # its stop drains each connection for up to 10 s, then checkpoints.  (A
 # server spawn_server started is killed sooner, at its start timeout.)
@@ -82,10 +89,23 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
             return                   # another rank started it while we waited
         if _answers(socket_path, 5.0):
             return                   # ... and released the lock just now
+        # A server that no rank started under this lock (an operator's, or
+        # one whose starter died) may be recovering the store: a second one
+        # would find the devices busy (and prepare() would too).
+        if wait_for_starting_server(socket_path, start_timeout):
+            return
         if prepare is not None:
             prepare()
-        proc = spawn_server(devices, socket_path, timeout=start_timeout,
-                            **(server_options or {}))
+        try:
+            proc = spawn_server(devices, socket_path, timeout=start_timeout,
+                                **(server_options or {}))
+        except ServerError:
+            # Ours failed, maybe on the devices of one that began to start
+            # just after the look above (before it marked itself starting).
+            if wait_for_starting_server(socket_path, start_timeout) or \
+                    _answers(socket_path, 5.0):
+                return
+            raise
         # Reap it when it ends (it outlives us otherwise: it is in its own session).
         threading.Thread(target=proc.wait, name="kvblock-server-reaper", daemon=True).start()
     finally:
@@ -181,11 +201,78 @@ def stopped(fence_fd: int) -> None:
                        e)
 
 
-def _stopping(fd: int) -> bool:
+def _stopping(fd: int, byte: int = STOPPING_BYTE) -> bool:
     """Does a stopping server hold STOPPING_BYTE of the file behind ``fd``?
-    (tested, not taken: a server that begins to stop must never find it held)"""
-    arg = struct.pack(_FLOCK, fcntl.F_RDLCK, os.SEEK_SET, STOPPING_BYTE, 1, 0)
+    (tested, not taken: a server that begins to stop must never find it held)
+    (``byte`` STARTING_BYTE: a starting server)"""
+    arg = struct.pack(_FLOCK, fcntl.F_RDLCK, os.SEEK_SET, byte, 1, 0)
     return struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_OFD_GETLK, arg))[0] != fcntl.F_UNLCK
+
+
+def announce_starting(socket_path) -> int | None:
+    """(a server about to open its store for ``socket_path``) Mark it
+    starting until :func:`started`; the descriptor holding the mark, or
+    None when the fence file cannot be opened or locked (the server's
+    start says why, if it matters)."""
+    try:
+        fd = os.open(socket_fence_path(socket_path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o644)
+    except OSError:
+        return None
+    try:
+        _ofd_lock(fd, fcntl.F_WRLCK, wait=False, byte=STARTING_BYTE)
+    except OSError:
+        pass           # ENOLCK: ranks then start a server of their own, as before
+    return fd
+
+
+def started(fd: int | None) -> None:
+    """(a starting server, listening or failed) Let go of its mark
+    (unlocked first: a child forked meanwhile shares the description)."""
+    if fd is None:
+        return
+    try:
+        _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=STARTING_BYTE)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def server_starting(socket_path) -> bool:
+    """Is a server starting on ``socket_path`` (its mark held) now?"""
+    try:
+        fd = os.open(socket_fence_path(socket_path), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return _stopping(fd, STARTING_BYTE)
+    finally:
+        os.close(fd)
+
+
+def wait_for_starting_server(socket_path, timeout: float) -> bool:
+    """True once a server answers on ``socket_path``, waiting (up to
+    ``timeout``) while one is starting there; False at once when none
+    answers and none is starting (or one gave up starting)."""
+    deadline = time.monotonic() + timeout
+    logged = False
+    while True:
+        starting = server_starting(socket_path)   # first: it lets go once it listens
+        if _answers(socket_path, 1.0):
+            return True
+        if not starting:
+            return False
+        if time.monotonic() >= deadline:
+            raise ServerError(
+                f"a store server starting on {socket_path} (recovering its store, or waiting "
+                f"for its devices) has not listened after {timeout:g} s (start_timeout); find "
+                f"it with `fuser {socket_fence_path(socket_path)}`, or wait longer")
+        if not logged:
+            logger.info("kvblock: a store server is starting on %s; waiting for it (up to "
+                        "%g s)", socket_path, timeout)
+            logged = True
+        time.sleep(START_LOCK_POLL_S)
 
 
 def server_stopping(socket_path) -> bool:

@@ -1132,6 +1132,18 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
                           f"path holds at most {MAX_SOCKET_PATH}: choose a shorter --socket path")
     socket_dir(socket_path)
     _check_socket_path(os.fspath(socket_path))
+    # Until it listens (a recovery takes seconds at millions of blocks): a
+    # rank finding no server waits for this one instead of starting another.
+    starting = launch.announce_starting(socket_path)
+    try:
+        return _open_server(devices, socket_path, idle_exit, pin_lease, hello_timeout,
+                            max_clients, stop, options)
+    finally:
+        launch.started(starting)
+
+
+def _open_server(devices, socket_path, idle_exit, pin_lease, hello_timeout, max_clients, stop,
+                 options) -> StoreServer:
     # Looked at before the open too: a stopping server that lets go of the
     # devices and of its mark between our open finding them busy and the
     # look after it would otherwise be taken for some other holder.

@@ -1158,3 +1158,53 @@ def test_a_reconnect_to_a_server_that_verifies_makes_cuda_loads_verify_too(tmp_p
     finally:
         follows.close()
         server.stop()
+
+
+def test_a_rank_connecting_while_a_server_recovers_uses_it_and_starts_none(tmp_path):
+    """A `kvblock serve` that holds the devices but does not listen yet (a
+    long recovery: an operator's server started with the engine, or one a
+    rank started and then died): a rank's connect() used to start a second
+    server, which found the devices busy and exited, and connect() failed
+    with ServerError although a server was about to answer.  It waits for
+    the starting server (up to start_timeout), then writes and reads through
+    it."""
+    import subprocess
+    import sys
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    first = subprocess.Popen([sys.executable, "-m", "kvblock", "serve", path, "--socket", sock],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+
+    def holds_store() -> bool:
+        try:
+            return any(os.readlink(f"/proc/{first.pid}/fd/{f}") == path
+                       for f in os.listdir(f"/proc/{first.pid}/fd"))
+        except OSError:
+            return False
+
+    resume = None
+    try:
+        deadline = time.monotonic() + 30
+        while not holds_store():
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.001)
+        os.kill(first.pid, signal.SIGSTOP)          # as a recovery of millions of blocks
+        resume = threading.Timer(3.0, os.kill, (first.pid, signal.SIGCONT))
+        resume.start()
+        store = connect(sock, [path], start_timeout=30)
+        try:
+            assert store.stats()["server_pid"] == first.pid
+            keys = run_keys(1, 3)
+            assert store.put_run(keys, run_data(keys)) == 3
+            out = np.zeros_like(run_data(keys))
+            assert store.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
+        finally:
+            store.close()
+    finally:
+        if resume is not None:
+            resume.join()
+        first.terminate()
+        first.wait(30)
+        _kill_servers_of(sock)
