@@ -634,7 +634,14 @@ class StoreServer:
         finally:
             with self._sessions_lock:
                 s.closing = True
-            try:            # closed before its pins go: the client sees them lapse first
+            try:            # ended before its pins go: the client sees them lapse first
+                # (shut down, not only closed: a child forked meanwhile in this
+                # process holds a copy, which kept the connection open for the
+                # rank, its lapsed pins unseen)
+                s.conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            try:
                 s.conn.close()
             except OSError:
                 pass

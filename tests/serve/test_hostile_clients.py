@@ -686,6 +686,38 @@ def test_evict_older_than_with_another_criterion_is_refused(store_file, sock, ex
         assert server.store.lookup(keys) == 1          # nothing evicted
 
 
+def test_a_connection_the_server_drops_ends_for_its_peer_while_a_child_holds_a_copy(
+        store_file, sock):
+    """The server ends a connection it drops (here: a frame longer than any
+    request) before it gives back the connection's pins, so that the rank
+    sees the end before its pins lapse.  It only closed its descriptor: a
+    child forked meanwhile in the server's process (a worker of a program
+    serving from a thread) holds a copy of the socket, the connection
+    stayed open for the rank, and its lapsed pins went unseen.  It is shut
+    down first."""
+    import signal
+
+    from kvblock.store import protocol
+
+    with serve_in_background([store_file], sock):
+        raw = _raw(sock)
+        try:
+            assert _ask(raw, op="ping")["ok"]
+            child = os.fork()               # holds a copy of every descriptor
+            if child == 0:
+                time.sleep(20)
+                os._exit(0)
+            try:
+                raw.sendall((protocol.MAX_FRAME + 1).to_bytes(4, "big"))
+                raw.settimeout(5)
+                assert raw.recv(1) == b""         # the end, though the child lives
+            finally:
+                os.kill(child, signal.SIGKILL)
+                os.waitpid(child, 0)
+        finally:
+            raw.close()
+
+
 def test_a_connection_saying_hello_twice_counts_once(store_file, sock):
     """connections_total counts the connections whose hello the server
     answered (README); a client that said hello again on its connection
