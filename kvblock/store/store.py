@@ -319,6 +319,10 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._removing: set[int] = set()
         self._removals_lost: set[int] = set()
         self._reclaim_tickets: dict[int, int] = {}     # region -> its RECLAIM's ticket
+        # Free regions trim_free holds off the free list while it discards
+        # them: free all the same (evict counts them, an allocation waits
+        # for them rather than evict a region of live runs).
+        self._trimming: set[int] = set()
         self._removals_durable = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
         self._failure: BaseException | None = None   # the metadata write that closed it
@@ -884,6 +888,12 @@ class KVStore(Recovery, RunReader, RunWriter):
                 elif emptied is not None:
                     self.regions.state[emptied] = RECLAIMING   # freed below, then taken
                     victim = None
+                elif self._trimming:
+                    # The free region trim_free is discarding comes back
+                    # at once: wait for it rather than evict live runs.
+                    self._check_open()
+                    self._reclaimed.wait(RECLAIM_WAIT_S)
+                    continue
                 else:
                     victim = self.regions.victim(self.eviction)
                     if victim is None and (self.regions.state == RECLAIMING).any():
@@ -1337,7 +1347,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         reclaimed, failed = 0, None
         while True:
             with self._lock:
-                free_bytes = len(self.regions.free) * self.regions.size
+                free_bytes = self._free_regions() * self.regions.size
                 if not all and (nbytes is None or free_bytes >= nbytes):
                     break
                 victim = None
@@ -1456,16 +1466,23 @@ class KVStore(Recovery, RunReader, RunWriter):
                 if not self.regions.free or self.regions.free[0] in seen:
                     break
                 region = self.regions.free.popleft()
+                self._trimming.add(region)
             try:
                 dev, off = self.regions.address(region)
                 if self.io.discard(dev, off, self.regions.size):
                     done += 1
             finally:
                 with self._lock:
+                    self._trimming.discard(region)
                     self.regions.free.append(region)
+                    self._reclaimed.notify_all()
             seen.add(region)
         self.counters["discards"] += done
         return done, len(seen)
+
+    def _free_regions(self) -> int:
+        """(under self._lock) free regions, those trim_free is discarding too."""
+        return len(self.regions.free) + len(self._trimming)
 
     @property
     def uuid(self) -> str:
@@ -1498,7 +1515,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 "capacity_bytes": r.count * r.size,
                 "used_bytes": r.used_bytes,
                 "regions": r.count,
-                "regions_free": len(r.free),
+                "regions_free": self._free_regions(),
                 "regions_sealed": int((r.state == SEALED).sum()),
                 "runs": len(self.index.runs),
                 "blocks": len(self.index),

@@ -374,6 +374,55 @@ def test_trim_never_discards_a_region_a_writer_took(tmp_path):
         assert store.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
 
 
+def _fill_to_last_free_region(store):
+    """Put runs until one region is left free and the open one is sealed
+    (every other region holds live runs); returns the keys put."""
+    put, i = [], 0
+    while len(store.regions.free) > 1 or store.regions.open is None:
+        keys = run_keys(7000 + i, 4)
+        assert store.put_run(keys, run_data(keys)) == 4
+        put.append(keys)
+        i += 1
+    with store._lock:
+        store.regions.seal(store.regions.open)
+    assert len(store.regions.free) == 1 and store.counters["evicted_regions"] == 0
+    return put
+
+
+def test_trim_of_the_last_free_region_neither_hides_it_nor_evicts_for_it(tmp_path):
+    """trim_free holds a free region off the free list while it discards
+    it: meanwhile it is still free.  A put needing a new region waits for
+    it (no live run is evicted for it), evict(one region) finds it free,
+    and stats count it."""
+    path = tmp_path / "store.img"
+    create_file(path, 3 * MIB)
+    with _format([path], verify="never") as store:
+        put = _fill_to_last_free_region(store)
+        keys = run_keys(41, 4)
+        seen, results = {}, []
+        real = store.io.discard
+
+        def mid_trim(dev, off, length):
+            if seen:             # once (evict's own discards come here too)
+                return real(dev, off, length)
+            seen["busy"] = True
+            seen["evicted"] = store.evict(store.regions.size)
+            seen["free"] = store.stats()["regions_free"]
+            t = threading.Thread(target=lambda: results.append(
+                store.put_run(keys, run_data(keys))))
+            t.start()
+            t.join(0.5)          # a writer that waits for this trim is still waiting
+            seen["thread"] = t
+            return real(dev, off, length)
+        store.io.discard = mid_trim
+        trimmed = store.trim_free()
+        seen["thread"].join(10)
+        assert results == [4]
+        assert seen["evicted"] == 0 and seen["free"] == 1
+        assert store.counters["evicted_regions"] == 0 and trimmed[1] == 1
+        assert all(store.lookup(k) == 4 for k in put + [keys])
+
+
 def test_a_checkpoint_right_after_a_reclaim_keeps_the_puts_that_follow(tmp_path):
     """The commit that fills half the journal writes a checkpoint at once:
     when that commit is a region's RECLAIM, the checkpoint must carry the
