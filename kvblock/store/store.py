@@ -1356,13 +1356,17 @@ class KVStore(Recovery, RunReader, RunWriter):
                     self.regions.seal(opened)
                     # Emptied while open (nothing frees it once sealed): its
                     # space goes first, before any region of live runs.
+                    # Freed, not evicted (no run leaves the store): not in
+                    # evicted_regions, as when a put seals it or a delete
+                    # empties a sealed region (_release_empty_regions).
                     if self.regions.live[opened] == 0 and self.regions.pins[opened] == 0:
                         victim = opened
+                        self.regions.state[victim] = RECLAIMING
                 if victim is None:
                     victim = self.regions.victim(self.eviction)
-                if victim is None:
-                    break
-                self._begin_reclaim(victim)
+                    if victim is None:
+                        break
+                    self._begin_reclaim(victim)
             try:
                 self._finish_reclaim(victim)
             except KVBlockError as e:

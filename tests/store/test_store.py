@@ -1965,6 +1965,7 @@ def test_the_open_region_emptied_is_freed_when_sealed_not_kept_over_live_runs(tm
         last = run_keys(99, 25)
         assert store.put_run(last, run_data(last)) == 25   # seals the emptied open region
         assert store.counters["evicted_runs"] == 0
+        assert store.counters["evicted_regions"] == 0
         for keys in runs[:-1] + [last]:
             got = np.zeros(25 * GEOM.block_bytes, np.uint8)
             assert store.get_run(keys, got) == 25 and np.array_equal(got, run_data(keys))
@@ -1983,7 +1984,10 @@ def test_evict_frees_the_open_region_it_seals_empty_before_any_live_run(tmp_path
     with _format([path], eviction=policy) as store:
         runs = _fill_then_empty_the_open_region(store)
         assert store.evict(store.regions.size) == 1
+        # freed, not evicted: nothing left the store (as when a put seals it,
+        # or a delete empties a sealed region)
         assert store.counters["evicted_runs"] == 0
+        assert store.counters["evicted_regions"] == 0
         assert all(store.lookup(keys) == 25 for keys in runs[:-1])
         stats = store.stats()
         assert stats["regions_free"] == 1
