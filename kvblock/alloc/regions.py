@@ -117,4 +117,11 @@ class RegionTable:
 
     @property
     def used_bytes(self) -> int:
+        """Bytes appended to regions not free: dead space (runs deleted,
+        superseded or refused, space a failed put took) counts until its
+        region is reclaimed.  A region's fill is not in a checkpoint (the
+        on-device format has no field for it): an open reconstructs it as
+        the end of the region's last live run, so after a reopen the dead
+        space past that run no longer counts and the gauge can drop,
+        though the space is not usable before the region is reclaimed."""
         return int(self.fill[self.state != FREE].sum())
