@@ -895,14 +895,17 @@ class KVStore(Recovery, RunReader, RunWriter):
                     self._reclaimed.wait(RECLAIM_WAIT_S)
                     continue
                 else:
-                    victim = self.regions.victim(self.eviction)
-                    if victim is None and (self.regions.state == RECLAIMING).any():
+                    if (self.regions.state == RECLAIMING).any():
                         # Another thread is freeing a region (its RECLAIM record
-                        # in flight): wait for it rather than fail.  A failed
-                        # reclaim closes the store, and the wait with it.
+                        # in flight): wait for it rather than evict a region
+                        # of live runs too (two puts racing for the last
+                        # region would empty two, where one holds both runs),
+                        # or fail.  A failed reclaim closes the store, and
+                        # the wait with it.
                         self._check_open()
                         self._reclaimed.wait(RECLAIM_WAIT_S)
                         continue
+                    victim = self.regions.victim(self.eviction)
                     if victim is None:
                         raise StoreFullError(
                             f"store is full and every region holds pinned runs "

@@ -374,18 +374,18 @@ def test_trim_never_discards_a_region_a_writer_took(tmp_path):
         assert store.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
 
 
-def _fill_to_last_free_region(store):
-    """Put runs until one region is left free and the open one is sealed
+def _fill_to_last_free_region(store, left=1):
+    """Put runs until ``left`` regions are free and the open one is sealed
     (every other region holds live runs); returns the keys put."""
     put, i = [], 0
-    while len(store.regions.free) > 1 or store.regions.open is None:
+    while len(store.regions.free) > left or store.regions.open is None:
         keys = run_keys(7000 + i, 4)
         assert store.put_run(keys, run_data(keys)) == 4
         put.append(keys)
         i += 1
     with store._lock:
         store.regions.seal(store.regions.open)
-    assert len(store.regions.free) == 1 and store.counters["evicted_regions"] == 0
+    assert len(store.regions.free) == left and store.counters["evicted_regions"] == 0
     return put
 
 
@@ -421,6 +421,40 @@ def test_trim_of_the_last_free_region_neither_hides_it_nor_evicts_for_it(tmp_pat
         assert seen["evicted"] == 0 and seen["free"] == 1
         assert store.counters["evicted_regions"] == 0 and trimmed[1] == 1
         assert all(store.lookup(k) == 4 for k in put + [keys])
+
+
+def test_two_puts_racing_for_the_last_region_evict_one_region_not_two(tmp_path):
+    """A full store: a put evicts a region for its run, its RECLAIM record
+    in flight.  A second put meanwhile (a small run: both fit in the
+    region being freed) waits for that region rather than evict another
+    region of live runs."""
+    from kvblock.format import journal as jfmt
+
+    path = tmp_path / "store.img"
+    create_file(path, 3 * MIB)
+    with _format([path], verify="never", eviction="fifo") as store:
+        _fill_to_last_free_region(store, left=0)
+        first, second = run_keys(51, 2), run_keys(52, 2)
+        real_commit = store._commit
+        results, other = [], []
+
+        def reclaim_slowly(records, apply=None):
+            if not other and not callable(records) and \
+                    any(isinstance(r, jfmt.Reclaim) for r in records):
+                t = threading.Thread(target=lambda: results.append(
+                    store.put_run(second, run_data(second))))
+                other.append(t)
+                t.start()
+                t.join(0.5)      # it waits for this region, or evicts another
+            return real_commit(records, apply)
+        store._commit = reclaim_slowly
+        assert store.put_run(first, run_data(first)) == 2
+        other[0].join(10)
+        assert results == [2]
+        assert store.counters["evicted_regions"] == 1
+        for keys in (first, second):
+            got = np.zeros(2 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
 
 
 def test_a_checkpoint_right_after_a_reclaim_keeps_the_puts_that_follow(tmp_path):
