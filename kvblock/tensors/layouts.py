@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import operator
 
+import numpy as np
+
 from kvblock.errors import ConfigError
 
 
@@ -87,6 +89,12 @@ class CacheLayout:
         if itemsize != geometry.itemsize:
             raise ConfigError(f"cache elements are {itemsize} bytes, the store's {geometry.dtype} "
                               f"are {geometry.itemsize}")
+        # Bytes move as they lie in memory: a numpy array of the other byte
+        # order ('>f2') would store (or receive) every element byte-swapped.
+        if isinstance(x.dtype, np.dtype) and not x.dtype.isnative:
+            raise ConfigError(f"cache holds {x.dtype} elements in non-native byte order; the "
+                              f"store's {geometry.dtype} is in the machine's: pass "
+                              "arr.astype(arr.dtype.newbyteorder('='))")
         # Bytes move as raw bits: another float type of the same size
         # (float16 vs bfloat16) would be read back as garbage values.
         # Integer caches stand for raw bytes (numpy has no bfloat16).

@@ -884,6 +884,33 @@ def test_a_cache_of_another_float_dtype_is_refused(path):
             save_blocks(store, [b"y"], VLLMLayout(e5), [0])
 
 
+def test_a_cache_of_another_byte_order_is_refused(path):
+    """check() passed a numpy cache in big-endian byte order ('>f2' for a
+    float16 store; its dtype name '>f2' is no float name): save_blocks copied
+    its bytes as they lie, so the store held byte-swapped float16 and a load
+    into a native cache handed back garbage values (a load into it likewise
+    garbage).  A non-native byte order is refused, naming the fix."""
+    g = Geometry(L, H, D, "float16", BS)
+    rng = np.random.default_rng(7)
+    native = [rng.standard_normal((2, 4, BS, H, D)).astype(np.float16) for _ in range(L)]
+    swapped = [a.astype(">f2") for a in native]
+    with _store(path, g) as store:
+        with pytest.raises(ConfigError, match=r"byte order"):
+            save_blocks(store, [b"x"], VLLMLayout(swapped), [1])
+        assert store.lookup([b"x"]) == 0
+        assert save_blocks(store, [b"x"], VLLMLayout(native), [1]) == 1
+        with pytest.raises(ConfigError, match=r"byte order"):
+            load_blocks(store, [b"x"], VLLMLayout([np.zeros_like(a) for a in swapped]), [0])
+        dst = [np.zeros_like(a) for a in native]
+        assert load_blocks(store, [b"x"], VLLMLayout(dst), [0]).wait() == 1
+    for layer in range(L):   # bytes compared: the native round trip is exact
+        assert dst[layer][:, 0].tobytes() == native[layer][:, 1].tobytes()
+    bf = Geometry(L, H, D, "bfloat16", BS)   # raw-bytes integer caches too
+    with _store(path, bf) as store, pytest.raises(ConfigError, match=r"byte order"):
+        save_blocks(store, [b"y"], VLLMLayout([np.zeros((2, 4, BS, H, D), ">i2")
+                                               for _ in range(L)]), [0])
+
+
 def test_layouts_of_no_layers_other_ranks_or_no_page_size_are_clear_errors():
     """An empty cache list raised IndexError, HF tensors of another rank
     ValueError (unpacking), a page size of 0 ZeroDivisionError at the first
