@@ -151,12 +151,26 @@ class SGLangHostLayout(CacheLayout):
     ``(pages, L, page_size, 1, D)``)."""
 
     LAYOUTS = ("layer_first", "page_first", "page_first_direct")
+    _SHAPES = {"layer_first": ("(L, size, 1, D)", "(2, L, size, H, D)"),
+               "page_first": ("(size, L, 1, D)", "(2, size, L, H, D)"),
+               "page_first_direct": ("(pages, L, page_size, 1, D)",
+                                     "(2, pages, L, page_size, H, D)")}
 
     def __init__(self, kv_buffer, layout: str, page_size: int, mla: bool = False):
         if layout not in self.LAYOUTS:
             raise ConfigError(f"SGLang layout must be one of {self.LAYOUTS}, got {layout!r}")
         page_size = _page_tokens(page_size, "SGLang page_size")
         self.buf, self.layout, self.block_tokens, self.mla = kv_buffer, layout, page_size, mla
+        # A pool of another layout's rank (page_first_direct's 6 dims as
+        # page_first) would be cut into views of other dims than the pages'
+        # (pages, tokens, heads, dim): a load broadcast each block over many
+        # pool pages.  MHA pools hold K and V in front.
+        shape = tuple(kv_buffer.shape)
+        dims = (4 if mla else 5) + (layout == "page_first_direct")
+        if len(shape) != dims or (not mla and shape[0] != 2):
+            raise ConfigError(f"SGLang {'MLA' if mla else 'MHA'} pool of shape {shape} does not "
+                              f"fit layout {layout!r}: expected "
+                              f"{self._SHAPES[layout][0 if mla else 1]}")
         parts = [kv_buffer] if mla else [kv_buffer[0], kv_buffer[1]]
         self.parts = parts
         shape = tuple(parts[0].shape)

@@ -740,6 +740,37 @@ def test_sglang_page_first_direct_page_size_must_match_the_pool():
     assert SGLangHostLayout(pool, "page_first_direct", 1).block_tokens == 1
 
 
+def test_sglang_pool_of_another_layouts_rank_is_refused(path):
+    """SGLangHostLayout took a pool of any rank: a page_first_direct pool
+    (2, pages, L, page_size, H, D) passed as page_first passed check() (its
+    layers, heads and dims read from the right axes) and was cut into views
+    of 5 dims, so a load of one block broadcast it over page_size pool pages
+    (15 pages nobody named overwritten, no error) and a save failed with
+    numpy's broadcast ValueError.  A pool whose rank or leading K/V axis does
+    not fit the layout is a ConfigError naming both."""
+    g = geom()
+    pages = 4
+    src = rand(2, pages * BS, L, H, D)
+    with _store(path, g) as store:
+        assert save_blocks(store, [b"a"], SGLangHostLayout(src, "page_first", BS), [1]) == 1
+        direct = torch.zeros(2, 32, L, BS, H, D, dtype=torch.bfloat16)
+        with pytest.raises(ConfigError, match=r"shape \(2, 32, 3, 16, 8, 16\) does not fit "
+                                              r"layout 'page_first'"):
+            load_blocks(store, [b"a"], SGLangHostLayout(direct, "page_first", BS), [0])
+        assert not direct.any()        # no pool page written
+        dst = torch.zeros_like(src)
+        assert load_blocks(store, [b"a"], SGLangHostLayout(dst, "page_first", BS), [2]).wait() == 1
+    assert dst[:, 2 * BS:3 * BS].view(torch.int16).numpy().tobytes() == \
+        src[:, BS:2 * BS].view(torch.int16).numpy().tobytes()
+    assert not dst[:, :2 * BS].any() and not dst[:, 3 * BS:].any()
+    with pytest.raises(ConfigError, match=r"shape \(3, 3, 64, 8, 16\) does not fit"):
+        SGLangHostLayout(rand(3, L, 4 * BS, H, D), "layer_first", BS)   # no (K, V) pair
+    with pytest.raises(ConfigError, match=r"shape \(2, 3, 64, 1, 16\) does not fit"):
+        SGLangHostLayout(rand(2, L, 4 * BS, 1, D), "layer_first", BS, mla=True)
+    with pytest.raises(ConfigError, match=r"shape \(3, 64, 8, 16\) does not fit"):
+        SGLangHostLayout(rand(L, 4 * BS, H, D), "layer_first", BS)
+
+
 def test_hf_layers_of_another_shape_are_refused():
     """Every layer's pages are cut as layer 0's: a layer holding fewer
     tokens (a sliding-window layer of a DynamicCache) or other heads would
