@@ -1739,7 +1739,12 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) ->
                               "(e.g. 256 << 20; the CLI takes sizes like 256M)")
     alignment = max(4096, max(d.block_size for d in devs))
     sb_end = round_up(2 * sbfmt.SIZE, alignment)
-    total = sum(d.capacity for d in devs)
+    # The space the store can use: regions stripe across the devices, each
+    # holding as many as the smallest can (see per_dev below), so a larger
+    # device's surplus is never used.  Defaults and the checkpoint slots are
+    # sized for this (an index of the sum of the capacities made a small
+    # device 0 too small for its metadata, of a store that fits it).
+    total = min(d.capacity for d in devs) * len(devs)
     min_run = RunLayout(geometry, 1, alignment).run_bytes
     if region_size is None:
         region_size = min(256 * MIB, max(MIB, total // 16 // MIB * MIB), )
@@ -1761,7 +1766,7 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) ->
     if journal_bytes < min_journal:
         raise ConfigError(f"journal_bytes {journal_bytes} is too small for {geometry.describe()}: "
                           f"it must hold at least {min_journal} bytes (the default is 1/128 "
-                          "of the devices, 1-64 MiB)")
+                          "of the store's space, 1-64 MiB)")
     # Checkpoint slots must hold the largest possible index: every run at least
     # one aligned range per (layer, group) and a trailer, every block at least
     # block_bytes.

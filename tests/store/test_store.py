@@ -804,6 +804,31 @@ def test_a_device_too_small_for_a_region_is_the_one_named(tmp_path):
     assert str(big) not in str(e.value)
 
 
+def test_devices_of_unequal_size_get_metadata_for_the_space_the_store_uses(tmp_path):
+    """Regions stripe across the devices, so a store uses as many of each
+    device as the smallest holds (kvblock format says so).  Its journal and
+    checkpoint slots were sized for the sum of the devices' capacities:
+    a 16 MiB device 0 beside a 4 GiB device 1 was refused as 'cannot hold
+    metadata (81788928 bytes)', advice to use a smaller region_size that
+    cannot help, for a store of under 32 MiB; in the other order device 0
+    spent 77 MiB on metadata for it."""
+    small, big = tmp_path / "small.img", tmp_path / "big.img"
+    create_file(small, 16 * MIB)
+    with open(big, "wb") as f:       # sparse: only its superblocks are written
+        f.truncate(4 << 30)
+    for order in ([small, big], [big, small]):
+        with _format(order, force=True) as store:
+            used = store.stats()["capacity_bytes"]
+            assert 24 * MIB <= used <= 32 * MIB
+            # slots for any index of the space in use, not of 4 GiB
+            assert 2 * store.sb.checkpoint_bytes + store.sb.journal_bytes <= 4 * MIB
+            keys = run_keys(1, 3)
+            store.put_run(keys, run_data(keys))
+        with KVStore.open([str(p) for p in reversed(order)]) as store:
+            out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+            assert store.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
+
+
 def test_open_errors(store_path, tmp_path):
     _format([store_path], model="model-a").close()
     with pytest.raises(GeometryMismatchError, match="formatted for 2 layers.*asked for 3 layers"):
