@@ -27,6 +27,7 @@ from kvblock.index import Run, normalize_keys
 from kvblock.io import IOBatch
 from kvblock.io.engine import FEW_IOS
 from kvblock.layout.geometry import RunLayout, round_up
+from kvblock.memory import HostBuffer
 from kvblock.store.digests import block_digests_at, run_seed
 from kvblock.store.inflight import in_flight
 from kvblock.store.runio import RunIO
@@ -34,6 +35,9 @@ from kvblock.store.scatter import BlockList, as_array, block_at, span
 
 logger = logging.getLogger(__name__)
 DAMAGED_RUNS_KEPT = 1024
+# After a read of several runs that failed in more than one I/O, each run is
+# read again alone (to drop only the unreadable ones) in pieces of this size.
+PROBE_BYTES = 4 << 20
 
 
 def _first_difference(a: list, b: list) -> int:
@@ -702,20 +706,48 @@ class RunReader(RunIO):
             logger.warning("kvblock: dropping run %d after a checksum failure failed: %s",
                            run.run_id, e)
 
+    def _unreadable(self, runs: list[Run]) -> list[Run] | None:
+        """Of ``runs``, those whose bytes a read meets a device error in,
+        each run read alone (in pieces of at most PROBE_BYTES); None when
+        the engine failed instead (nothing can be told)."""
+        lays = [self.layout(run.nblocks) for run in runs]
+        size = min(PROBE_BYTES, max(lay.run_bytes for lay in lays))
+        hit = []
+        with HostBuffer(size, register=False) as buf:
+            for run, lay in zip(runs, lays):
+                dev, base = self.regions.address(run.region, run.offset)
+                for at in range(0, lay.run_bytes, size):
+                    try:
+                        self.io.read(IOBatch.single(buf.address, dev, base + at,
+                                                    min(size, lay.run_bytes - at)))
+                    except IOFailedError as e:
+                        if not e.device_fault:
+                            return None
+                        hit.append(run)
+                        break
+        return hit
+
     def _read_failed(self, error: IOFailedError, runs: list[Run]) -> None:
         """A device read for ``runs`` failed (EIO, a short read...): drop the
-        run the failed I/O was in (every one of ``runs`` when several I/Os
-        failed or the error gives no offset), as a checksum failure does.
-        Kept, it would stay a hit that no read can return, and engines retry
-        hits (vLLM's tiering manager would promote it every step).  The
-        caller still raises ``error``.  An engine failure that reached no
-        device (no path, or a broken ring: ``device_fault`` False) drops
-        nothing."""
+        run the failed I/O was in, as a checksum failure does; when several
+        I/Os failed (the error names the first) or it gives no offset, each
+        of ``runs`` is read again on its own and those that fail go (every
+        one of them when that cannot tell).  Kept, it would stay a hit that
+        no read can return, and engines retry hits (vLLM's tiering manager
+        would promote it every step).  The caller still raises ``error``.
+        An engine failure that reached no device (no path, or a broken
+        ring: ``device_fault`` False) drops nothing."""
         self.counters["read_errors"] += 1
         if not error.device_fault:
             return      # the engine failed (a broken ring): the data is as it was
         hit = runs
-        if error.offset is not None and error.failed <= 1:
+        if len(runs) > 1 and (error.offset is None or error.failed > 1):
+            # Runs read together (a get_blocks over a striped store: runs of
+            # every device) were all dropped, those read fine too.
+            hit = self._unreadable(runs)
+            if hit is None:
+                hit = runs
+        elif error.offset is not None and error.failed <= 1:
             end = error.offset + max(int(error.length or 0), 1)
             hit = []
             for run in runs:

@@ -346,6 +346,41 @@ def test_a_combined_read_spans_devices(tmp_path):
         assert len(reads) == 1 and set(reads[0].devs.tolist()) == {0, 1}
 
 
+def test_unreadable_runs_on_one_device_drop_only_themselves(tmp_path):
+    """get_blocks over whole runs striped across three devices, two of the
+    runs on device 1 unreadable (EIO): the read fails, and those two runs
+    are dropped.  The engine's error names the first failed I/O and counts
+    two; taken for 'cannot tell which', every run of the batch was dropped,
+    the runs on devices 0 and 2 that read fine too (the whole cache)."""
+    from kvblock import create_file
+    from kvblock.errors import IOFailedError
+    from tests.support.faults import BadSectors
+
+    paths = [create_file(tmp_path / f"d{i}.img", 8 * MIB) for i in range(3)]
+    with KVStore.format([str(p) for p in paths], ALIGNED, region_size=REGION) as store:
+        keys, want = _runs(store, ALIGNED, [8] * 12)
+        runs = sorted(store.index.runs.values(), key=lambda r: r.run_id)
+        on = {r.run_id: store.regions.address(r.region, r.offset) for r in runs}
+        assert {dev for dev, _ in on.values()} == {0, 1, 2}
+        unreadable = [r for r in runs if on[r.run_id][0] == 1][:2]
+        bad = BadSectors()
+        for r in unreadable:
+            bad.add(*on[r.run_id], 4096)
+        bad.install(store)
+        dst = [aligned_empty(ALIGNED.block_bytes) for _ in keys]
+        with pytest.raises(IOFailedError):
+            store.get_blocks(keys, dst)
+        gone = {r.run_id for r in unreadable}
+        assert {r.run_id for r in runs} - set(store.index.runs) == gone
+        for k, r in enumerate(runs):
+            held = store.lookup(keys[8 * k:8 * k + 8])
+            assert held == (0 if r.run_id in gone else 8), (r.run_id, on[r.run_id])
+            if held:
+                dst = [aligned_empty(ALIGNED.block_bytes) for _ in range(8)]
+                assert store.get_blocks(keys[8 * k:8 * k + 8], dst) == 8
+                assert all(np.array_equal(a, b) for a, b in zip(dst, want[8 * k:8 * k + 8]))
+
+
 def test_runs_batch_is_the_runs_batches_end_to_end():
     """BlockList.runs_batch over several runs equals each run's hashed_batch,
     concatenated, streams numbered on (run j's range r: j * ranges + r); and
