@@ -152,6 +152,10 @@ class StoreServer:
                  max_clients: int | None = MAX_CLIENTS):
         self.store = store
         self.socket_path = os.fspath(socket_path)
+        # The devices' paths as hello names them: absolute, taken now (a
+        # rank given no devices opens these; one working in another
+        # directory would not find a path relative to the server's).
+        self._device_paths = [os.path.abspath(d.path) for d in store.io.devices]
         self.close_store = close_store
         # 0 is never, as for the lease and the hello wait (not: stop at the first poll)
         self.idle_exit = _seconds("idle_exit", idle_exit, "never")
@@ -817,7 +821,7 @@ class StoreServer:
         return {
             "protocol": PROTOCOL, "pid": os.getpid(),
             "uuid": st.uuid,
-            "devices": [d.path for d in io.devices], "geometry": st.geometry.as_dict(),
+            "devices": list(self._device_paths), "geometry": st.geometry.as_dict(),
             "alignment": st.alignment, "region_size": st.regions.size,
             "region_count": st.regions.count, "data_offsets": st.regions.data_offsets,
             "max_run_blocks": st.max_run_blocks, "journal_bytes": st.sb.journal_bytes,

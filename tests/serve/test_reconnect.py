@@ -679,6 +679,37 @@ def test_a_copy_of_any_device_of_the_served_store_is_refused(tmp_path):
                 assert rank.get_run(k, out) == 2 and np.array_equal(out, run_data(k))
 
 
+def test_a_rank_in_another_directory_opens_the_devices_of_a_server_given_relative_paths(
+        tmp_path, monkeypatch):
+    """`kvblock serve kv0.img kv1.img` (paths relative to where it started):
+    a rank given no devices opens the server's paths, which hello sent as
+    typed, so a rank working in another directory failed with
+    'kv0.img: no such device or file' (or found another kv0.img there).
+    hello names the devices by absolute paths."""
+    from kvblock import create_file
+    from tests.store.workload import GEOM, REGION
+
+    store_dir, elsewhere = tmp_path / "store", tmp_path / "elsewhere"
+    store_dir.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(store_dir)
+    names = ["kv0.img", "kv1.img"]
+    for name in names:
+        create_file(name, 8 << 20)
+    KVStore.format(names, GEOM, region_size=REGION).close()
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background(names, sock):
+        monkeypatch.chdir(elsewhere)
+        with RemoteStore(sock) as rank:
+            assert [d.path for d in rank.io.devices] == [str(store_dir / n) for n in names]
+            keys = [run_keys(i, 2) for i in range(4)]           # runs on both devices
+            for k in keys:
+                assert rank.put_run(k, run_data(k)) == 2
+            for k in keys:
+                out = np.zeros_like(run_data(k))
+                assert rank.get_run(k, out) == 2 and np.array_equal(out, run_data(k))
+
+
 def test_a_rank_given_one_device_twice_is_told_so(tmp_path):
     """A rank's devices name one device twice (the same path, or a symlink to
     it) instead of each device of the store: refused as KVStore.open refuses
