@@ -710,6 +710,7 @@ class RunReader(RunIO):
         """Of ``runs``, those whose bytes a read meets a device error in,
         each run read alone (in pieces of at most PROBE_BYTES); None when
         the engine failed instead (nothing can be told)."""
+        runs = list({run.run_id: run for run in runs}.values())   # (one per segment)
         lays = [self.layout(run.nblocks) for run in runs]
         size = min(PROBE_BYTES, max(lay.run_bytes for lay in lays))
         hit = []
