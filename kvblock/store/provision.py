@@ -139,8 +139,9 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
     ``SHARED_CALL_TIMEOUT_S``), each process reconnects in the background,
     starting a new server the same way if none answers; calls fail with
     ServerGoneError meanwhile."""
+    from kvblock.io import _requested as engine_requested
     from kvblock.store.client import connect
-    from kvblock.store.policy import EVICTION_POLICIES, Admission
+    from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
 
     # Checked here, not only by a server this caller starts: with one
     # already running they would be ignored, a misspelling unnoticed.
@@ -151,6 +152,13 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
                           f"{options['eviction']!r}")
     if options.get("admit_after") is not None:
         Admission(options["admit_after"])
+    # (checked by the client only once connected: after prepare() had
+    # formatted the devices and a server, which outlives the caller, started)
+    if options.get("verify") is not None and options["verify"] not in VERIFY_MODES:
+        raise ConfigError(f"{owner}: verify must be one of {VERIFY_MODES}, got "
+                          f"{options['verify']!r}")
+    if options.get("engine") is not None:
+        engine_requested(options["engine"])
     # (int(... or 32) made 0 the default 32 and 2.5 a 2 unsaid, "deep" a bare ValueError)
     queue_depth = 32 if options.get("queue_depth") is None else \
         int_setting(options["queue_depth"], owner, "queue_depth")

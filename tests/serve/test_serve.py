@@ -904,6 +904,24 @@ def test_an_engines_bad_store_settings_are_refused_while_a_server_runs(tmp_path,
         store.close()
 
 
+def test_an_engines_bad_verify_or_engine_starts_no_server(tmp_path, sock):
+    """open_shared with no server yet: a misspelt verify or engine (or one
+    of another type) is a ConfigError before anything is made, as format,
+    eviction and queue_depth are.  They were checked only by the client
+    once connected: the first rank formatted (creating the store file),
+    started a kvblock serve that outlived the engine, then failed."""
+    from kvblock.store.provision import open_shared
+
+    path = str(tmp_path / "kv.img")
+    for bad in ({"verify": "sometimes"}, {"verify": 1}, {"engine": "bogus"},
+                {"engine": 1}):
+        with pytest.raises(ConfigError, match="verify must be|I/O engine"):
+            open_shared(sock, [path], GEOM, "m", size=8 * MIB, **bad)
+        assert not os.path.exists(path), f"{bad}: the store file was made"
+        assert not os.path.exists(sock), f"{bad}: a server was started"
+        assert not _kill_servers_of(sock), f"{bad}: a server was started"
+
+
 def test_an_engines_size_and_region_size_are_said_not_to_apply_to_a_running_server(
         tmp_path, sock, caplog):
     """open_shared with a server already serving the store: a region_size or
