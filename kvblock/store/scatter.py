@@ -85,9 +85,12 @@ class BlockList:
     def of(cls, blocks: Sequence, geometry: Geometry, n: int, what: str,
            writable: bool) -> "BlockList":
         """Check and view the caller's per-block arrays (``what`` names the call)."""
-        if not hasattr(blocks, "__len__"):
+        try:
+            len(blocks)
+        except TypeError:
             # a generator (put_runs takes one for its runs) as its list; None
-            # or a number is no list of blocks
+            # or a number is no list of blocks, nor a 0-dim array (it has
+            # __len__, and len() of it is numpy's TypeError)
             try:
                 blocks = list(blocks)
             except TypeError:

@@ -2155,6 +2155,21 @@ def test_keys_that_are_not_a_sequence_are_a_config_error(store_path, keys):
         assert store.lookup(run_keys(64, 1)) == 0 and store.stats()["blocks"] == 0
 
 
+def test_a_zero_dim_array_of_blocks_is_a_config_error(store_path):
+    """blocks given as a 0-dim numpy array (np.array(5), a scalar made an
+    array) has __len__ but no length: put_blocks and get_blocks failed
+    with numpy's untyped TypeError ('len() of unsized object') where None
+    or a number is a ConfigError naming the call."""
+    keys = run_keys(66, 2)
+    with _format([store_path]) as store:
+        for blocks in (np.array(5), np.array(None, dtype=object)):
+            with pytest.raises(ConfigError, match="put_blocks: blocks must be"):
+                store.put_blocks(keys, blocks)
+            with pytest.raises(ConfigError, match="get_blocks: blocks must be"):
+                store.get_blocks(keys, blocks)
+        assert store.stats()["blocks"] == 0
+
+
 def test_block_lists_and_run_lists_that_are_not_sequences(store_path):
     """put_blocks/get_blocks with blocks=None (or a number) failed with an
     untyped TypeError ("object of type 'NoneType' has no len()"), and so
