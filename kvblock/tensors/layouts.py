@@ -165,9 +165,12 @@ class SGLangHostLayout(CacheLayout):
         # page_first) would be cut into views of other dims than the pages'
         # (pages, tokens, heads, dim): a load broadcast each block over many
         # pool pages.  MHA pools hold K and V in front.
-        shape = tuple(kv_buffer.shape)
+        # (a pool without a shape, None or a list of K and V, is none either:
+        # a ConfigError, not an AttributeError)
+        shape = getattr(kv_buffer, "shape", None)
+        shape = tuple(shape) if isinstance(shape, (tuple, list)) else None  # torch.Size: a tuple
         dims = (4 if mla else 5) + (layout == "page_first_direct")
-        if len(shape) != dims or (not mla and shape[0] != 2):
+        if shape is None or len(shape) != dims or (not mla and shape[0] != 2):
             raise ConfigError(f"SGLang {'MLA' if mla else 'MHA'} pool of shape {shape} does not "
                               f"fit layout {layout!r}: expected "
                               f"{self._SHAPES[layout][0 if mla else 1]}")

@@ -740,6 +740,16 @@ def test_sglang_page_first_direct_page_size_must_match_the_pool():
     assert SGLangHostLayout(pool, "page_first_direct", 1).block_tokens == 1
 
 
+def test_sglang_pool_that_is_no_tensor_is_a_config_error():
+    """The rank check reads the pool's shape: a pool with none (None, a
+    list of K and V tensors, a bytearray) failed with an untyped
+    AttributeError ('list' object has no attribute 'shape'); it is a
+    ConfigError naming the shape expected."""
+    for pool in (None, [rand(L, 8, H, D), rand(L, 8, H, D)], bytearray(16)):
+        with pytest.raises(ConfigError, match="SGLang MHA pool .* expected"):
+            SGLangHostLayout(pool, "layer_first", BS)
+
+
 def test_sglang_pool_of_another_layouts_rank_is_refused(path):
     """SGLangHostLayout took a pool of any rank: a page_first_direct pool
     (2, pages, L, page_size, H, D) passed as page_first passed check() (its
