@@ -1236,7 +1236,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         with self._lock:
             mark = self._removal_tickets
             # A failed store commits nothing more: removals still pending
-            # (evict_older_than's regions after a failed RECLAIM) are lost.
+            # (another thread's regions after a failed RECLAIM) are lost.
             self._removals_durable.wait_for(lambda: self._failure is not None or
                                             all(t >= mark for t in self._removing))
             lost = any(t < mark for t in self._removing | self._removals_lost)
@@ -1439,25 +1439,38 @@ class KVStore(Recovery, RunReader, RunWriter):
         epoch).  Returns regions reclaimed."""
         self._check_open(writing=True)
         cutoff = time_cutoff(cutoff)
+
+        def old(r):
+            return (self.regions.state[r] == SEALED and self.regions.pins[r] == 0
+                    and self.regions.sealed_at[r] < cutoff)
         with self._lock:
-            old = [int(r) for r in np.nonzero((self.regions.state == SEALED)
-                                              & (self.regions.pins == 0)
-                                              & (self.regions.sealed_at < cutoff))[0]]
-            for region in old:
+            candidates = [int(r) for r in np.nonzero(
+                (self.regions.state == SEALED) & (self.regions.pins == 0)
+                & (self.regions.sealed_at < cutoff))[0]]
+        failed, reclaimed = None, 0
+        for region in candidates:
+            # One region at a time leaves the index and is freed, as evict()
+            # takes them: taking them all first left those not yet reached
+            # RECLAIMING for good when an exception no handler here catches
+            # (KeyboardInterrupt) cut the loop, and allocations wait while
+            # any region is RECLAIMING.  One taken meanwhile (an allocation's
+            # victim, a read's pin) is left to that call.
+            with self._lock:
+                if not old(region):
+                    continue
                 self._begin_reclaim(region)
-        failed = None
-        for region in old:
-            # Every region taken goes through: one left RECLAIMING after a
-            # failed TRIM of another would never be allocated again.
             try:
                 self._finish_reclaim(region)
             except KVBlockError as e:
-                if self.closed:          # its RECLAIM commit failed: nothing more goes out
+                # A failed TRIM (the region is free all the same) does not
+                # stop the others; a failed RECLAIM commit closed the store.
+                if self.closed:
                     raise
                 failed = failed or e
+            reclaimed += 1
         if failed is not None:
             raise failed
-        return len(old)
+        return reclaimed
 
     @in_flight
     def trim_free(self) -> tuple[int, int]:

@@ -1668,6 +1668,51 @@ def test_evict_older_than_reclaims_regions_sealed_before_the_cutoff(tmp_path):
         assert rank.lookup(late) == 0
 
 
+def test_evict_older_than_cut_by_an_interrupt_leaves_no_region_reclaiming(tmp_path, monkeypatch):
+    """evict_older_than took every old region out of the index and marked
+    it RECLAIMING at once, then freed them one by one: a KeyboardInterrupt
+    in the first one's TRIM left the others RECLAIMING for good (nothing
+    frees them until a reopen), so a put on the full store waited for a
+    reclaim nobody was doing, until close, and a delete() waited for their
+    RECLAIM records.  Regions not reached must stay as they were."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as store:
+        per_region = store.max_run_blocks
+        n = 0
+        while store.stats()["regions_free"] > 0 or n < 2:
+            keys = run_keys(n, per_region)
+            store.put_run(keys, run_data(keys))
+            n += 1
+        calls = []
+
+        def discard(dev, off, nbytes):
+            calls.append(off)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(store.io, "discard", discard)
+        with pytest.raises(KeyboardInterrupt):
+            store.evict_older_than(time.time() + 60)
+        assert len(calls) == 1
+        monkeypatch.undo()
+        from kvblock.store.store import RECLAIMING
+        assert not (store.regions.state == RECLAIMING).any(), store.regions.state
+        done = []
+
+        def put_and_delete():
+            for i in (1000, 1001):       # the freed region, then one more
+                keys = run_keys(i, per_region)
+                done.append(store.put_run(keys, run_data(keys)))
+            store.delete(run_keys(1000, per_region))
+            done.append(True)
+        t = threading.Thread(target=put_and_delete, daemon=True)
+        t.start()
+        t.join(10)
+        assert done == [per_region, per_region, True], "a put on the full store waited for a reclaim nobody does"
+        # the regions not reached still hold their runs, and a later call takes them
+        assert store.evict_older_than(time.time() + 60) >= 1
+        assert store.stats()["regions_free"] == store.regions.count - (store.regions.open is not None)
+
+
 def test_deleting_more_runs_than_one_journal_write_holds_keeps_the_store_open(tmp_path):
     """A delete() (or clear(), fsck --repair) of many runs drops them all:
     their DROP records together may exceed a small journal.  They were one
