@@ -154,8 +154,13 @@ class StoreServer:
         self.socket_path = os.fspath(socket_path)
         # The devices' paths as hello names them: absolute, taken now (a
         # rank given no devices opens these; one working in another
-        # directory would not find a path relative to the server's).
-        self._device_paths = [os.path.abspath(d.path) for d in store.io.devices]
+        # directory would not find a path relative to the server's).  The
+        # working directory goes in front and nothing is folded: abspath
+        # folds '..' by the text, which after a symlinked directory names
+        # another file than the one opened ('lnk/../kv0.img').  Absolute
+        # paths (/dev/disk/by-id/... links too) go as they were given.
+        cwd = os.getcwd()
+        self._device_paths = [os.path.join(cwd, os.fspath(d.path)) for d in store.io.devices]
         self.close_store = close_store
         # 0 is never, as for the lease and the hello wait (not: stop at the first poll)
         self.idle_exit = _seconds("idle_exit", idle_exit, "never")

@@ -710,6 +710,40 @@ def test_a_rank_in_another_directory_opens_the_devices_of_a_server_given_relativ
                 assert rank.get_run(k, out) == 2 and np.array_equal(out, run_data(k))
 
 
+def test_hello_names_a_device_path_through_a_symlinked_directory_as_the_server_opened_it(
+        tmp_path, monkeypatch):
+    """The server made its relative device paths absolute with abspath,
+    which folds '..' by the text: 'lnk/../kv0.img', lnk a symlink to a
+    directory elsewhere, is the kv0.img beside lnk's target (the file the
+    server opened), but abspath made it the kv0.img beside lnk, which is
+    not there, so a rank given no devices failed with DeviceNotFoundError
+    even in the server's own directory.  The server's working directory is
+    put in front of a relative path and the rest left to the kernel."""
+    from kvblock import create_file
+    from tests.store.workload import GEOM, REGION
+
+    data, work = tmp_path / "data", tmp_path / "work"
+    (data / "a").mkdir(parents=True)
+    work.mkdir()
+    (work / "lnk").symlink_to(data / "a")
+    monkeypatch.chdir(work)
+    names = ["lnk/../kv0.img", "lnk/../kv1.img"]
+    for name in names:
+        create_file(name, 8 << 20)
+    assert (data / "kv0.img").exists() and not (work / "kv0.img").exists()
+    KVStore.format(names, GEOM, region_size=REGION).close()
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background(names, sock), RemoteStore(sock) as rank:
+        assert [os.path.realpath(d.path) for d in rank.io.devices] == \
+            [str(data / "kv0.img"), str(data / "kv1.img")]
+        keys = [run_keys(i, 2) for i in range(4)]           # runs on both devices
+        for k in keys:
+            assert rank.put_run(k, run_data(k)) == 2
+        for k in keys:
+            out = np.zeros_like(run_data(k))
+            assert rank.get_run(k, out) == 2 and np.array_equal(out, run_data(k))
+
+
 def test_a_rank_given_one_device_twice_is_told_so(tmp_path):
     """A rank's devices name one device twice (the same path, or a symlink to
     it) instead of each device of the store: refused as KVStore.open refuses
