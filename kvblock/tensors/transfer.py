@@ -666,10 +666,12 @@ class _LoadJob:
         else:
             error = None
         self._stage_done()
+        if isinstance(error, IOFailedError):   # an unreadable run is gone too
+            # (before the unpin: _read_failed may read the runs again, each
+            # alone, to tell which one the device failed)
+            store._read_failed(error, [seg[0] for seg in self.segs])
         if not store._unpin(self.segs) and error is None:
             error = StoreClosedError(PINS_LAPSED)
-        if isinstance(error, IOFailedError):   # an unreadable run is gone too
-            store._read_failed(error, [seg[0] for seg in self.segs])
         if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup
             try:
                 store._drop_runs(self.bad_runs)
