@@ -102,6 +102,14 @@ class IOBatch:
                lens: list[int]) -> "IOBatch":
         """A batch from lists of ints of equal length, on one device (an int)
         or one per entry (a list), built field by field, as single()."""
+        n = len(addrs)
+        # (the native calls index every field up to len(addrs): a short one
+        # would be read past its end, and _validate's zip would stop there)
+        for name, field in (("devs", dev if isinstance(dev, list) else [dev] * n),
+                            ("offsets", offsets), ("lens", lens)):
+            if len(field) != n:
+                raise ConfigError(f"IOBatch: {n} addresses but {len(field)} {name}: give "
+                                  "one per address")
         low = min(min(field, default=0) for field in (addrs, offsets, lens))
         if low < 0:     # a numpy scalar would wrap in the cast, not raise
             raise _out_of_range(None, str(low))

@@ -576,6 +576,27 @@ def test_a_listed_batch_equals_the_batch_the_constructor_builds():
             assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist(), field
 
 
+def test_a_listed_batch_of_fields_of_different_lengths_is_refused(engine_name, file_target):
+    """IOBatch.listed takes lists of equal length, as the constructor does:
+    one offset (or length, or device) short, the batch kept the lists as
+    they came, _validate's zip stopped at the shortest and the native call
+    read the missing entry's offset past the end of its array, so a write
+    landed at whatever offset that memory held, reported as a success."""
+    path = file_target(MIB)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(2 * 4096) as buf:
+        buf.array[:] = 0x5A
+        two = [buf.address, buf.address + 4096]
+        for fields, name in [((0, [0], [4096, 4096]), "1 offsets"),
+                             ((0, [0, 4096], [4096]), "1 lens"),
+                             (([0], [0, 4096], [4096, 4096]), "1 devs"),
+                             ((0, [0, 4096, 8192], [4096] * 3), "3 offsets")]:
+            with pytest.raises(ConfigError, match=rf"IOBatch: 2 addresses but {name}"):
+                eng.write(IOBatch.listed(two, *fields))
+    with open(path, "rb") as f:
+        assert f.read() == bytes(MIB), "a refused batch wrote to the device"
+
+
 @pytest.mark.parametrize("kind", ["disk", "shm"])
 def test_an_engine_used_before_a_fork_works_in_the_child(engine_name, kind, file_target,
                                                         shm_target):
