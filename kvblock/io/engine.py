@@ -263,6 +263,12 @@ class IOEngine:
                latency: bool = False, hashing=None) -> IOResult:
         if self.closed:
             raise ConfigError(f"{self.name} engine is closed")
+        # (the native calls run anything but OP_READ as a write, the mapped
+        # copies anything but OP_WRITE as a read)
+        if isinstance(op, bool) or not isinstance(op, (int, np.integer)) or \
+                op not in (OP_READ, OP_WRITE):
+            raise ConfigError(f"op must be OP_READ (0) or OP_WRITE (1) (kvblock.io), "
+                              f"got {op!r}")
         if qd is not None and (isinstance(qd, bool) or not isinstance(qd, (int, np.integer))
                                or qd < 1):
             raise ConfigError(f"qd must be at least 1 (an integer: I/Os in flight for this "

@@ -513,6 +513,30 @@ def test_degenerate_arguments_get_typed_errors(engine_name, file_target):
     dev.close()
 
 
+@pytest.mark.parametrize("kind", ["disk", "shm"])
+@pytest.mark.parametrize("op", [2, -1, "read", None, 1.0])
+def test_submit_refuses_an_op_that_is_neither_read_nor_write(engine_name, kind, file_target,
+                                                             shm_target, op):
+    """submit(op, ...) takes OP_READ or OP_WRITE: any other number was run as
+    a write by the native calls (op == READ ? read : write), overwriting the
+    device with the buffer, except on a mapped device, where the engine
+    copied it as a read; a string or None failed inside the native call."""
+    from kvblock.io import OP_READ, OP_WRITE
+
+    path = (shm_target if kind == "shm" else file_target)(MIB)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(4096) as buf:
+        buf.array[:] = 0x77
+        with pytest.raises(ConfigError, match=r"op must be OP_READ \(0\) or OP_WRITE \(1\)"):
+            eng.submit(op, IOBatch.single(buf.address, 0, 0, 4096))
+        assert (buf.array == 0x77).all()
+        eng.submit(np.int64(OP_READ), IOBatch.single(buf.address, 0, 0, 4096))
+        assert not buf.array.any()
+        assert eng.submit(OP_WRITE, IOBatch(np.zeros(0, np.uint64), 0, [], 0)).nbytes == 0
+    with open(path, "rb") as f:
+        assert f.read() == bytes(MIB), "a refused op wrote to the device"
+
+
 def test_a_batch_of_fields_of_different_lengths_is_refused_by_name():
     """Lengths and device indices are one per address (or one for all);
     offsets one per address: anything else is a ConfigError naming the field
