@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import os
 import threading
 import time
@@ -69,10 +70,23 @@ class IOResult:
 def _hash_streams(what: str, batch: IOBatch, streams, seeds):
     """read_hashed/write_hashed's stream indices and seeds as the native
     hasher takes them, checked, and zeroed digests: (streams, seeds, digests)."""
-    streams = np.ascontiguousarray(streams, dtype=np.uint32).reshape(-1)
-    if not isinstance(seeds, np.ndarray):
-        seeds = [data_seed(int(s)) for s in seeds]
-    seeds = np.ascontiguousarray(seeds, dtype=np.uint64).reshape(-1)
+    try:
+        raw = np.asarray(streams)
+        if raw.size and raw.dtype.kind not in "iu":   # (a float would be cut to an int)
+            raise TypeError
+        streams = np.ascontiguousarray(raw, dtype=np.uint32).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{what}: stream indices must be integers from 0 (one per I/O), "
+                          f"got {streams!r}") from None
+    try:
+        if not isinstance(seeds, np.ndarray):
+            seeds = [data_seed(operator.index(s)) for s in seeds]
+        elif seeds.size and seeds.dtype.kind not in "iu":
+            raise TypeError
+        seeds = np.ascontiguousarray(seeds, dtype=np.uint64).reshape(-1)
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{what}: seeds must be integers (one per stream), "
+                          f"got {seeds!r}") from None
     n = len(batch)
     if streams.size != n:
         raise ConfigError(f"{what}: {streams.size} stream indices for {n} I/Os")

@@ -186,6 +186,15 @@ def test_a_copy_out_of_a_mapping_hashes_as_it_copies(monkeypatch, shm_target, fi
     (40, [*range(38), 39, 39], [0] * 40, "must count 0, 1"),
     (40, [*range(39), 37], [0] * 39, "must count 0, 1"),
     (40, [0] * 40, [0, 0], "one seed each"),
+    # not stream numbers or seeds at all: a ConfigError too, not numpy's
+    # OverflowError or int()'s ValueError (nor a float cut to an int)
+    (1, [-1], [0], "read_hashed: stream"),
+    (2, [0, 0.5], [0], "stream indices must be integers"),
+    (1, ["a"], [0], "stream indices must be integers"),
+    (1, [0], ["x"], "seeds must be integers"),
+    (1, [0], [None], "seeds must be integers"),
+    (1, [0], [1.5], "seeds must be integers"),
+    (1, [0], np.array([1.5]), "seeds must be integers"),
 ])
 def test_bad_stream_numbering_is_a_config_error(file_target, n, streams, seeds, why):
     from kvblock.io.engine import FEW_IOS
