@@ -137,6 +137,20 @@ def _seconds(name: str, value, none: str) -> float | None:
     return value
 
 
+def _absolute(path) -> str:
+    """``path`` for hello: an absolute one as given; a relative one with the
+    working directory in front, nothing folded (the kernel resolves it as
+    it did for the server).  A working directory since removed names none:
+    the path then goes as given, as it did before hello made paths absolute."""
+    path = os.fspath(path)
+    if os.path.isabs(path):
+        return path
+    try:
+        return os.path.join(os.getcwd(), path)
+    except OSError:
+        return path
+
+
 class StoreServer:
     """Serves ``store`` on the Unix socket ``socket_path``.
 
@@ -158,9 +172,9 @@ class StoreServer:
         # working directory goes in front and nothing is folded: abspath
         # folds '..' by the text, which after a symlinked directory names
         # another file than the one opened ('lnk/../kv0.img').  Absolute
-        # paths (/dev/disk/by-id/... links too) go as they were given.
-        cwd = os.getcwd()
-        self._device_paths = [os.path.join(cwd, os.fspath(d.path)) for d in store.io.devices]
+        # paths (/dev/disk/by-id/... links too) go as they were given, and
+        # ask for no working directory (one since removed has none).
+        self._device_paths = [_absolute(d.path) for d in store.io.devices]
         self.close_store = close_store
         # 0 is never, as for the lease and the hello wait (not: stop at the first poll)
         self.idle_exit = _seconds("idle_exit", idle_exit, "never")

@@ -1273,3 +1273,24 @@ def test_a_rank_connecting_while_a_server_recovers_uses_it_and_starts_none(tmp_p
         first.terminate()
         first.wait(30)
         _kill_servers_of(sock)
+
+
+def test_a_server_in_a_removed_working_directory_serves_absolute_device_paths(
+        tmp_path, monkeypatch):
+    """hello's device paths took os.getcwd() for every path, absolute ones
+    too: a server started from a working directory since removed (a
+    deploy's old release folder, a test's tmp dir) failed to start with an
+    untyped FileNotFoundError though every device path was absolute and
+    needs no working directory (abspath asked for it only for a relative
+    path).  Absolute paths go as given; a rank opens them."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    with serve_in_background([path], sock), RemoteStore(sock) as rank:
+        assert [d.path for d in rank.io.devices] == [path]
+        keys = run_keys(1, 2)
+        assert rank.put_run(keys, run_data(keys)) == 2
+        out = np.zeros_like(run_data(keys))
+        assert rank.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
