@@ -745,7 +745,15 @@ class RunReader(RunIO):
         if len(runs) > 1 and (error.offset is None or error.failed > 1):
             # Runs read together (a get_blocks over a striped store: runs of
             # every device) were all dropped, those read fine too.
-            hit = self._unreadable(runs)
+            try:
+                hit = self._unreadable(runs)
+            except KVBlockError as e:
+                # The probe itself failed (its buffer could not be mapped):
+                # nothing can be told, as when the engine fails, and the
+                # caller still raises the device's error, not this one.
+                logger.warning("kvblock: reading the runs of a failed read again "
+                               "failed: %s", e)
+                hit = None
             if hit is None:
                 hit = runs
         elif error.offset is not None and error.failed <= 1:

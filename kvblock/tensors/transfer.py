@@ -668,8 +668,14 @@ class _LoadJob:
         self._stage_done()
         if isinstance(error, IOFailedError):   # an unreadable run is gone too
             # (before the unpin: _read_failed may read the runs again, each
-            # alone, to tell which one the device failed)
-            store._read_failed(error, [seg[0] for seg in self.segs])
+            # alone, to tell which one the device failed).  Whatever befalls
+            # it, the pins go and the load fails with the device's error: an
+            # exception from here would leave both to nobody, and wait()
+            # would never return.
+            try:
+                store._read_failed(error, [seg[0] for seg in self.segs])
+            except Exception as e:
+                logger.warning("kvblock: dropping the runs of a failed load failed: %s", e)
         if not store._unpin(self.segs) and error is None:
             error = StoreClosedError(PINS_LAPSED)
         if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup

@@ -1033,3 +1033,49 @@ def test_a_failed_load_reports_no_blocks_loaded(path):
             with pytest.raises(IOFailedError):
                 h.wait_layer(layer)
         assert store.regions.pins.sum() == 0
+
+
+def test_a_load_whose_probe_of_unreadable_runs_fails_still_ends_and_unpins(path, monkeypatch):
+    """A layer-wise load meeting two failed I/Os (runs a and b unreadable in
+    layer 1) has _read_failed read each run again to tell which: that probe
+    allocates a buffer, which can fail (ConfigError: host memory cannot be
+    mapped).  Its error came out of the scatter thread, past the unpin and
+    past handle._fail: wait() never returned and the runs stayed pinned for
+    good.  The load fails with the device's error, no pin is left, and the
+    runs that could not be told apart are dropped."""
+    from kvblock.errors import IOFailedError
+    from kvblock.store import reads
+    from tests.support.faults import BadSectors
+
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a, b = ([f"{x}{i}".encode() for i in range(4)] for x in "ab")
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+        save_blocks(store, b, VLLMLayout(src), [4, 5, 6, 7])
+        bad = BadSectors()
+        for keys in (a, b):
+            run = store.index.locate(normalize_keys(keys)[0])[0]
+            dev, off = store.regions.address(run.region, run.offset)
+            bad.add(dev, off + store.layout(4).range_offset(1, 0), 4096)
+        bad.install(store)
+
+        def no_memory(*args, **kwargs):
+            raise ConfigError("4194304 bytes of host memory cannot be mapped: "
+                              "Cannot allocate memory")
+        monkeypatch.setattr(reads, "HostBuffer", no_memory)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(store, a + b, VLLMLayout(dst), list(range(8)))
+        done = []
+
+        def wait():
+            try:
+                h.wait()
+            except BaseException as e:
+                done.append(e)
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        t.join(10)
+        assert done, "the load never ended"
+        assert isinstance(done[0], IOFailedError), done[0]
+        assert store.regions.pins.sum() == 0
+        assert store.lookup(a) == 0 and store.lookup(b) == 0
