@@ -7,6 +7,7 @@ Everything the store reads, writes, flushes or discards goes through one
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from kvblock.io import IOBatch, IOEngine
@@ -89,6 +90,12 @@ class StoreIO:
         return buf.array[:length]
 
     def close(self) -> None:
-        self.engine.close()
-        for d in self.devices:
-            d.close()
+        # Each device is closed past an engine, or another device, whose
+        # close raises (the error is raised after, chained to any before
+        # it, as _release_devices does): left open, its
+        # descriptor and lock stayed while the process lived (the store's
+        # release runs once), and no store could open the device again.
+        with contextlib.ExitStack() as stack:      # closes in the reverse order
+            for d in reversed(self.devices):
+                stack.callback(d.close)
+            stack.callback(self.engine.close)       # first: its rings hold the devices

@@ -2148,6 +2148,33 @@ def test_a_close_whose_kvikio_reader_fails_to_close_still_releases_the_devices(t
         assert again.lookup([b"x"]) == 0
 
 
+def test_a_close_whose_engine_fails_to_close_still_closes_the_devices(tmp_path, monkeypatch):
+    """StoreIO.close closed the engine, then the devices: an engine whose
+    close raised (a mapping still exported: mmap's BufferError, a Ctrl-C
+    while it waits for its copy threads) left every device open, its fd
+    and lock held for as long as the process lived (no store could open the
+    file again; close() releases once, so a second close did not help),
+    and one device whose close raised left those after it open.  Every
+    device is closed; the first error is raised after."""
+    paths = [tmp_path / "a.img", tmp_path / "b.img"]
+    for p in paths:
+        create_file(p, 8 * MIB)
+    _format(paths).close()
+    store = KVStore.open([str(p) for p in paths])
+    devices, engine = list(store.io.devices), store.io.engine
+
+    def failing_close():
+        raise BufferError("cannot close exported pointers exist")
+    monkeypatch.setattr(store.io.engine, "close", failing_close)
+    with pytest.raises(BufferError):
+        store.close()
+    assert all(d.closed for d in devices), devices
+    monkeypatch.undo()
+    engine.close()
+    with KVStore.open([str(p) for p in paths]) as again:      # the locks are free
+        assert again.lookup([b"x"]) == 0
+
+
 def test_a_buffer_of_python_objects_is_a_config_error(store_path):
     """An object-dtype array of a block's byte count (pointers, not KV) was
     let through the byte count check and failed at numpy's byte view with
