@@ -682,18 +682,18 @@ class Device:
         # its parent: unlocking there would free the parent's claim while it
         # still writes.  A child only closes its descriptors.
         owner = os.getpid() == self._pid
-        if self.fd >= 0:
-            if self.kind == "file" and owner:
-                # Release the lock explicitly: an io_uring that registered this
-                # fd may hold the open file (and so the lock) a moment longer.
-                fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
-            self.fd = -1
-        for fd in self._backing_fds:
-            if owner:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-        self._backing_fds = []
+        # Taken off first: a close that raises (EIO from an NFS close) is not
+        # tried again later on the number, by then another file's; and each
+        # is closed past one that raises (the error raised after).
+        fd, self.fd = self.fd, -1
+        backing, self._backing_fds = self._backing_fds, []
+        with contextlib.ExitStack() as stack:      # closes in the reverse order
+            for b in reversed(backing):
+                stack.callback(_let_go, b, owner)
+            if fd >= 0:
+                # The lock released explicitly: an io_uring that registered
+                # this fd may hold the open file (and so the lock) a moment longer.
+                stack.callback(_let_go, fd, self.kind == "file" and owner)
 
     @property
     def closed(self) -> bool:
@@ -708,6 +708,15 @@ class Device:
     def __repr__(self) -> str:
         state = "closed" if self.closed else f"{self.info.capacity} bytes"
         return f"Device({self.path!r}, {self.kind}, {state})"
+
+
+def _let_go(fd: int, unlock: bool) -> None:
+    """Close ``fd``, releasing its flock first when ``unlock``."""
+    try:
+        if unlock:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _claim_shared(backing: str, timeout: float) -> int:

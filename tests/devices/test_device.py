@@ -950,3 +950,26 @@ def test_a_sibling_partition_does_not_open_over_a_mounted_block_device(loop_devi
         for p in made:
             os.unlink(p)
         loopdev.detach(upper)
+
+
+def test_a_close_that_fails_is_not_repeated_on_a_reused_number(tmp_path, monkeypatch):
+    """Device.close() closed its descriptor and only then forgot it: a close
+    that raised (EIO from an NFS or FUSE close) left the number recorded,
+    and a later close() closed it again, by then possibly another file's
+    descriptor.  The number is forgotten first."""
+    path = tmp_path / "dev.img"
+    create_file(path, 1 << 20)
+    dev = Device(str(path))
+    fd = dev.fd
+    real, calls = os.close, []
+
+    def failing(n):
+        calls.append(n)
+        real(n)
+        if n == fd and calls.count(fd) == 1:
+            raise OSError(errno.EIO, "close failed")
+    monkeypatch.setattr(os, "close", failing)
+    with pytest.raises(OSError, match="close failed"):
+        dev.close()
+    dev.close()                            # nothing more to close
+    assert calls.count(fd) == 1 and dev.closed
