@@ -1804,11 +1804,11 @@ def _fail_trims(store) -> None:
 
 
 def test_a_failed_trim_in_evict_older_than_frees_every_region_it_took(tmp_path):
-    """evict_older_than takes every old region out of the index at once,
-    then commits and TRIMs them one by one: a TRIM that failed (EIO) on the
-    first left the others RECLAIMING for good (never allocated, never a
-    victim; a put into the full store then waited for them for ever).  The
-    error is still raised; every region taken is free."""
+    """evict_older_than commits and TRIMs the old regions one by one: a
+    TRIM that failed (EIO) on the first left the others RECLAIMING for good
+    when they were all taken at once (never allocated, never a victim; a
+    put into the full store then waited for them for ever).  The error is
+    still raised; every region taken is free."""
     path = tmp_path / "small.img"
     create_file(path, 3 * MIB)
     with _format([path]) as store:
