@@ -171,10 +171,28 @@ def _open_devices(devices, readonly=False) -> list[Device]:
             out.append(d if isinstance(d, Device) else
                        Device(d, writable=not readonly, exclusive=not readonly))
     except BaseException:
-        for d in out:
-            d.close()
+        _close_after_failure(None, out)
         raise
     return out
+
+
+def _close_after_failure(io, devs, host=None) -> None:
+    """What a failed open or format had opened, closed: the engine first
+    (its rings hold registered references to the devices, which would keep
+    a raw device's O_EXCL claim alive), then every device, then the DRAM
+    tier (its arena page-locked with CUDA), each past one whose close
+    raises.  A close that raises is logged: the caller raises the open's
+    own error (typed: provision formats on NotAStoreError), not this one."""
+    try:
+        with contextlib.ExitStack() as stack:      # closes in the reverse order
+            if host is not None:
+                stack.callback(host.close)
+            for d in reversed(devs):
+                stack.callback(d.close)
+            if io is not None:
+                stack.callback(io.engine.close)
+    except Exception as e:
+        logger.warning("kvblock: closing what a failed open had opened failed: %s", e)
 
 
 class KVStore(Recovery, RunReader, RunWriter):
@@ -259,11 +277,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 io.flush([i])
             io.engine.close()
         except BaseException:
-            if io is not None:
-                io.engine.close()
-            for d in devs:
-                if not any(d is x for x in devices):
-                    d.close()
+            _close_after_failure(io, [d for d in devs if not any(d is x for x in devices)])
             raise
         # A fresh store maps a tmpfs file's pages in before it returns (kvblock/io/mapped.py)
         return cls._open_devs(devs, geometry=geometry, model=model, _prefault_now=True,
@@ -291,15 +305,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         try:
             store._init(devs, **kw)
         except BaseException:
-            # The engine first: its rings hold registered references to the
-            # devices, which would keep a raw device's O_EXCL claim alive.
-            io = getattr(store, "io", None)
-            if io is not None:
-                io.engine.close()
-            for d in devs:
-                d.close()
-            if getattr(store, "host", None) is not None:   # its arena is page-locked with CUDA
-                store.host.close()
+            _close_after_failure(getattr(store, "io", None), devs, getattr(store, "host", None))
             raise
         return store
 

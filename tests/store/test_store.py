@@ -2268,3 +2268,83 @@ def test_block_lists_and_run_lists_that_are_not_sequences(store_path):
         got = [np.zeros(GEOM.block_bytes, np.uint8) for _ in keys]
         assert store.get_blocks(keys, (g for g in got)) == 2
         assert all(np.array_equal(g, b) for g, b in zip(got, per_block))
+
+
+def _failing_close(obj, monkeypatch, error):
+    """``obj.close`` closes as it did, then raises ``error``."""
+    close = obj.close
+
+    def failing():
+        close()
+        raise error
+    monkeypatch.setattr(obj, "close", failing)
+
+
+def test_an_open_that_fails_closes_every_device_past_a_close_that_raises(tmp_path,
+                                                                         monkeypatch):
+    """An open that failed (here the geometry asked for is not the store's)
+    closed the engine, then each device in turn, then the DRAM tier: an
+    engine whose close raised (mmap's BufferError, a Ctrl-C) left every
+    device and the tier open, and a device whose close raised (EIO from an
+    NFS close) those after it; their locks stayed while the process lived
+    (no store could open them again), and the close's error replaced the
+    open's typed one (provision reformats on NotAStoreError).  Everything
+    is closed, and the open's own error is raised."""
+    from kvblock.store.storeio import StoreIO
+
+    paths = [tmp_path / "a.img", tmp_path / "b.img"]
+    for p in paths:
+        create_file(p, 8 * MIB)
+    _format(paths).close()
+    other = Geometry(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16",
+                     block_tokens=16)
+    for failing in ("engine", "device"):
+        made = []
+
+        def factory(devs, engine):
+            io = StoreIO(devs, engine)
+            made.append(io)
+            if failing == "engine":
+                _failing_close(engine, monkeypatch, BufferError("exported pointers exist"))
+            else:
+                _failing_close(devs[0], monkeypatch, OSError(errno.EIO, "close failed"))
+            return io
+        with pytest.raises(GeometryMismatchError):
+            KVStore.open([str(p) for p in paths], geometry=other, storeio_factory=factory)
+        devices = made[-1].devices
+        assert all(d.closed for d in devices), (failing, devices)
+        monkeypatch.undo()
+    with KVStore.open([str(p) for p in paths]) as again:      # the locks are free
+        assert again.lookup([b"x"]) == 0
+
+
+def test_an_open_that_fails_late_closes_the_dram_tier_past_a_device_close_that_raises(
+        tmp_path, monkeypatch):
+    """The DRAM tier (its arena page-locked with CUDA where there is a GPU)
+    was closed after the devices: a device whose close raised left it
+    mapped (and locked) for good."""
+    from kvblock.io.engine import IOEngine
+    from kvblock.tiers.host import HostTier
+
+    path = tmp_path / "a.img"
+    create_file(path, 8 * MIB)
+    _format([path]).close()
+    tiers, devices = [], []
+    close = HostTier.close
+    monkeypatch.setattr(HostTier, "close", lambda self: tiers.append(self) or close(self))
+
+    def cut(self, background=None):        # the last step of an open: the tier is made
+        raise KeyboardInterrupt
+    monkeypatch.setattr(IOEngine, "start_mapped_reads", cut)
+    from kvblock.store.storeio import StoreIO
+
+    def factory(devs, engine):
+        devices.extend(devs)
+        _failing_close(devs[0], monkeypatch, OSError(errno.EIO, "close failed"))
+        return StoreIO(devs, engine)
+    with pytest.raises(KeyboardInterrupt):
+        KVStore.open([str(path)], host_cache_bytes=8 * GEOM.block_bytes,
+                     storeio_factory=factory)
+    assert tiers, "the DRAM tier was left open"
+    assert all(d.closed for d in devices)
+
