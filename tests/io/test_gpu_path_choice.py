@@ -33,6 +33,17 @@ def test_the_override_and_verify(monkeypatch, caplog, forced, verify, want):
     assert ("KVBLOCK_GPU_PATH=kvikio ignored" in caplog.text) == ignored
 
 
+def _store_opening(reader_class):
+    """A stand-in store whose _kvikio_reader opens one ``reader_class`` (once)."""
+    store = SimpleNamespace(verify="never", _kvikio=None)
+
+    def reader():
+        if store._kvikio is None:
+            store._kvikio = reader_class()
+        return store._kvikio
+    store._kvikio_reader = reader
+    return store
+
 def test_verify_always_reads_on_the_host_without_an_override(monkeypatch):
     monkeypatch.delenv("KVBLOCK_GPU_PATH", raising=False)
     assert gpu_path(_store("always")) == "host"
@@ -116,13 +127,7 @@ def test_a_kvikio_reader_the_choice_does_not_use_is_closed(monkeypatch, timing):
         return 2.0, 1.0                  # kvikio took twice as long
 
     monkeypatch.setattr(gpu, "_time_paths", timed)
-    store = SimpleNamespace(verify="never", _kvikio=None)
-
-    def reader():
-        if store._kvikio is None:
-            store._kvikio = Reader()
-        return store._kvikio
-    store._kvikio_reader = reader
+    store = _store_opening(Reader)
     assert gpu_path(store) == "host"
     assert Reader.closes == 1 and store._kvikio is None
 
@@ -158,13 +163,7 @@ def test_two_first_loads_at_once_never_close_the_reader_the_other_chose(monkeypa
         return 1.0, 2.0                      # kvikio faster
 
     monkeypatch.setattr(gpu, "_time_paths", timed)
-    store = SimpleNamespace(verify="never", _kvikio=None)
-
-    def reader():
-        if store._kvikio is None:
-            store._kvikio = Reader()
-        return store._kvikio
-    store._kvikio_reader = reader
+    store = _store_opening(Reader)
     chosen = {}
 
     def first():
