@@ -44,6 +44,7 @@ def _store_opening(reader_class):
     store._kvikio_reader = reader
     return store
 
+
 def test_verify_always_reads_on_the_host_without_an_override(monkeypatch):
     monkeypatch.delenv("KVBLOCK_GPU_PATH", raising=False)
     assert gpu_path(_store("always")) == "host"

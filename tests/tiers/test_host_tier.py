@@ -3,6 +3,7 @@ blocks from memory and the rest from the device, byte-identical."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -782,18 +783,26 @@ def test_pin_holds_the_whole_prefix_lookup_reports_with_a_dram_tier(tmp_path):
         assert not store.host.pins           # released: the tier may drop head again
 
 
+@contextlib.contextmanager
+def _held_only_in_dram(tmp_path, keys, tier_blocks: int):
+    """A store whose DRAM tier (of ``tier_blocks`` blocks) alone holds the
+    run of ``keys`` (put, then evicted from the device)."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=tier_blocks * GEOM.block_bytes) as store:
+        assert store.put_run(keys, run_data(keys)) == len(keys)
+        store.evict(all=True)                # in DRAM only
+        yield store
+
+
 def test_a_pin_of_a_prefix_held_only_in_dram_is_a_pin(tmp_path):
     """A prefix the DRAM tier alone holds pins no device stretch: its handle
     was an empty list, which callers (the LMCache plugin: `if not segs`)
     take for a miss and never release, leaving the blocks pinned in the
     tier for good.  The handle is true when it pins anything."""
-    path = tmp_path / "kv.img"
-    create_file(path, 8 << 20)
     keys = run_keys(1, 2)
-    with KVStore.format([str(path)], GEOM, region_size=REGION,
-                        host_cache_bytes=4 * GEOM.block_bytes) as store:
-        assert store.put_run(keys, run_data(keys)) == 2
-        store.evict(all=True)                # in DRAM only
+    with _held_only_in_dram(tmp_path, keys, 4) as store:
         pins = store.pin(keys)
         assert pins and len(pins) == 0 and pins.host_keys == tuple(normalize_keys(keys))
         assert not store.pin(run_keys(2, 1))  # nothing stored: nothing pinned
@@ -869,13 +878,8 @@ def test_a_pin_ends_with_the_block_it_pinned(how):
 
 
 def test_a_store_pin_of_a_deleted_block_leaves_its_re_put_evictable(tmp_path):
-    path = tmp_path / "kv.img"
-    create_file(path, 8 << 20)
     keys = run_keys(1, 2)
-    with KVStore.format([str(path)], GEOM, region_size=REGION,
-                        host_cache_bytes=2 * GEOM.block_bytes) as store:
-        assert store.put_run(keys, run_data(keys)) == 2
-        store.evict(all=True)                # in DRAM only
+    with _held_only_in_dram(tmp_path, keys, 2) as store:
         pins = store.pin(keys)
         assert pins.host_keys == tuple(normalize_keys(keys))
         assert store.delete(keys) == 2
