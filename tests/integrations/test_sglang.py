@@ -810,12 +810,18 @@ def test_a_region_size_of_zero_is_refused_not_ignored(tmp_path):
                                                  region_size=value), {})
 
 
-def test_close_while_a_call_is_in_flight_answers_a_miss(file_target, backends):
+def test_close_while_a_call_is_in_flight_answers_a_miss(file_target, backends, monkeypatch):
     """close() on another thread while a batch is between two runs: the rest
     of the call meets a closed store and answers a miss (logged), instead of
     raising AttributeError out of the engine's prefetch/backup thread (the
     backend dropped its store reference halfway through the call)."""
     import threading
+
+    import kvblock.store.store as store_module
+
+    # the call waits for the close it started, so close() waits its whole
+    # wait for that call to leave: 1 s here, not 30
+    monkeypatch.setattr(store_module, "CLOSE_WAIT_S", 1.0)
 
     pool = HostPool(pages=40)
     block = 3 * 2 * 4 * 2 * 16 * 2
