@@ -10,8 +10,11 @@ the daemon thread ends once the store is closed.
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable
+
+logger = logging.getLogger("kvblock")
 
 STOP_WAIT_S = 5.0
 
@@ -34,6 +37,21 @@ class Periodic:
             self.thread.join(STOP_WAIT_S)
 
     def _run(self) -> None:
+        failing = False
         while not self.stopped.is_set():
-            self._step()
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001
+                # The steps catch the store's own errors; anything else (a
+                # bug, a failure nobody foresaw) must not end the thread, or
+                # the tier's metrics / KV events stop for the process's life.
+                # Logged whole once, then quietly while it keeps failing.
+                if failing:
+                    logger.debug("kvblock: %s: step failed again: %s", self._name, e)
+                else:
+                    logger.warning("kvblock: %s: step failed: %s; trying again every %g s",
+                                   self._name, e, self._interval, exc_info=True)
+                failing = True
+            else:
+                failing = False
             self.stopped.wait(self._interval)

@@ -1332,6 +1332,35 @@ def test_metrics_of_a_served_store_count_this_replicas_reads():
     assert reported["vllm:kvblock_store_put_runs"] == 3 + 1     # the server's, restarted
 
 
+def test_metrics_go_on_past_a_snapshot_that_raises_something_unforeseen(caplog):
+    """The snapshot thread's step catches the store's own errors; anything
+    else (a bug, an error no caller foresaw) ended the thread: vLLM got no
+    store metrics for the rest of the process's life, and nothing in the
+    log said why.  The thread logs it and takes the next snapshot."""
+    from kvblock.integrations.vllm_metrics import StoreStats
+
+    calls = []
+
+    def source():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("an unforeseen failure")
+        return {"uuid": "u", "put_runs": len(calls)}
+    stats = StoreStats(source, interval=0.01)
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvblock"):
+            assert stats.take() is None               # starts the thread
+            deadline = time.monotonic() + 5
+            got = None
+            while got is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+                got = stats.take()
+    finally:
+        stats.close()
+    assert got is not None, "the snapshot thread ended at the first exception"
+    assert "an unforeseen failure" in caplog.text
+
+
 @contextlib.contextmanager
 def replicas_sharing_a_server(tmp_path, slots: int, events: bool = False):
     """Two data-parallel replicas' tiers on one store through a server
