@@ -132,11 +132,15 @@ class TierEvents:
                 else:
                     watched = {kb: self._announced[kb][1] for kb in (*keys, *fresh)
                                if kb in self._announced}
-            if watched and not self._announce_gone(watched):
-                with self._lock:
-                    self._fresh |= fresh
-                return                       # the cursor stays: checked again next step
-            self._cursor = cursor
+            checked = False
+            try:
+                checked = not watched or self._announce_gone(watched)
+            finally:
+                if not checked:              # (an unforeseen error too: the thread goes on)
+                    with self._lock:
+                        self._fresh |= fresh
+            if checked:                      # else the cursor stays: checked again next step
+                self._cursor = cursor
 
     def _announce_gone(self, watched: dict[bytes, int]) -> bool:
         """Announce the removal of the ``watched`` keys the store does not

@@ -1039,6 +1039,39 @@ def _store_each(tier, pool, keys, first_job=100) -> None:
     assert all(r.success for r in drain(tier))
 
 
+def test_a_removal_check_that_raises_the_unforeseen_is_made_again(make_tier):
+    """The watch's removal check meeting an error that is not the store's
+    (the thread logs it and goes on: periodic.py) kept none of the keys
+    announced since the last step: a key the log did not name (its removal
+    logged before the cursor, its stored event announced after) was never
+    checked again, and vLLM kept a residency the store had dropped."""
+    tier, pool = make_tier(spec=events_spec(True), enable_kv_events=True, locality="LOCAL")
+    watch = tier._events
+    k = key(1)
+    _store_each(tier, pool, [k])
+    watch.poll()
+    assert _keys_of(tier.take_events(), False) == [[bytes(k)]]
+    tier.store.delete([tier.kvblock_key(k)])
+    # its removal is behind the cursor; only the "announced since" set names it
+    watch._cursor = tier.store.removed_since(watch._cursor)[0]
+    watch._fresh.add(bytes(tier.kvblock_key(k)))
+    real_present = tier.store.present
+    calls = []
+
+    def present_once_broken(keys):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("unforeseen")
+        return real_present(keys)
+
+    tier.store.present = present_once_broken
+    with pytest.raises(RuntimeError):
+        watch.poll()
+    watch.poll()
+    assert _keys_of(tier.take_events(), True) == [[bytes(k)]]
+    assert watch.announced() == 0
+
+
 def test_kv_events_announce_the_removal_of_what_the_tier_stored(make_tier):
     """A key the tier announced stored is announced removed once the store
     no longer holds it (deleted, evicted), unless it is back by then; keys
