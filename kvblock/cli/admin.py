@@ -543,7 +543,14 @@ class _Cached:
 
 
 def _duration(text: str) -> float:
-    text = text.strip().lower()
+    given = text
+    text = text.strip()
+    if text.endswith("M"):
+        # M is a month to systemd and a MiB to --bytes in this very command:
+        # taken for minutes, "1M" evicted all but the last minute's regions
+        raise click.BadParameter(f"{given!r} is ambiguous (M: minutes or months?); "
+                                 "use 30m for minutes, or days for months (30d)")
+    text = text.lower()
     try:
         if text[-1] in DURATION_UNITS:
             seconds = float(text[:-1]) * DURATION_UNITS[text[-1]]
@@ -578,7 +585,8 @@ class _Duration(click.ParamType):
                    "opening DEVICES (which the server holds).")
 @click.option("--bytes", "nbytes", type=SIZE, default=None, help="Reclaim until at least this much is free, or no unpinned region is "
                    "left (free_bytes in the output says which).")
-@click.option("--older-than", type=_Duration(), default=None, help="Reclaim regions sealed longer ago (30m, 7d).")
+@click.option("--older-than", type=_Duration(), default=None, help="Reclaim regions sealed longer ago: seconds, or s, m (minutes), h, d "
+                   "(90s, 30m, 12h, 7d); an upper-case M is refused (minutes or months?).")
 @click.option("--all", "everything", is_flag=True, help="Reclaim every unpinned region.")
 @click.option("--json", "as_json", is_flag=True)
 def evict(devices, socket_path, nbytes, older_than, everything, as_json):

@@ -1764,3 +1764,19 @@ def test_stats_refuses_prometheus_options_without_prometheus(file_target, extra)
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
     assert extra[0] in res.stderr and "--prometheus" in res.stderr, res.stderr
     assert res.stdout == ""
+
+
+def test_evict_older_than_capital_m_is_refused_not_taken_for_minutes():
+    """--older-than 1M was lower-cased and read as one minute: an operator
+    who meant a month (systemd's M), or a size (--bytes 1M is a MiB in the
+    same command), evicted every region sealed more than a minute ago.  An
+    upper-case M is refused with the units that say either; 1H, 7D, 90S
+    (no other meaning) are still taken."""
+    for bad in ("1M", "30M", "1.5M"):
+        res = kvb("evict", "/nonexistent/kv.img", "--older-than", bad)
+        assert res.returncode == 2, (bad, res.stdout, res.stderr)
+        assert "Invalid value for '--older-than'" in res.stderr and bad in res.stderr, res.stderr
+        assert "30m" in res.stderr and "d" in res.stderr, res.stderr
+    from kvblock.cli.admin import _duration
+
+    assert [_duration(t) for t in ("1H", "7D", "90S", "30m")] == [3600, 7 * 86400, 90, 1800]
