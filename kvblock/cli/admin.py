@@ -114,6 +114,13 @@ def _model_name(ctx, param, value):
     if value is not None and not value.strip():
         raise click.BadParameter("is empty; name the model (e.g. meta-llama/Llama-3.1-8B@rev) "
                                  "or leave --model out")
+    if value is not None:
+        try:
+            value.encode("utf-8")   # what the model fingerprint hashes
+        except UnicodeEncodeError:
+            # bytes of another locale (Latin-1) reach Python as surrogates
+            raise click.BadParameter(f"{value!r} is not valid UTF-8; give the model's name "
+                                     "in UTF-8, as the engines name it") from None
     return value
 
 

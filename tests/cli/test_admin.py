@@ -1780,3 +1780,18 @@ def test_evict_older_than_capital_m_is_refused_not_taken_for_minutes():
     from kvblock.cli.admin import _duration
 
     assert [_duration(t) for t in ("1H", "7D", "90S", "30m")] == [3600, 7 * 86400, 90, 1800]
+
+
+def test_a_model_name_that_is_not_utf8_is_a_usage_error(tmp_path):
+    """--model whose bytes are no UTF-8 (a name typed or exported in a
+    Latin-1 locale: Python hands it over with surrogates) went to the model
+    fingerprint and came out as a UnicodeEncodeError traceback, exit 1
+    (format, info, serve).  A usage error names the option."""
+    store = tmp_path / "st.img"
+    latin1 = os.fsdecode(b"caf\xe9")           # what argv holds for those bytes
+    res = kvb("format", store, "--size", "8M", *GEOM_ARGS, "--model", latin1)
+    assert res.returncode == 2 and "--model" in res.stderr and "UTF-8" in res.stderr, res.stderr
+    assert not store.exists()
+    assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
+    res = kvb("info", store, "--model", latin1)
+    assert res.returncode == 2 and "--model" in res.stderr and "UTF-8" in res.stderr, res.stderr
