@@ -452,12 +452,16 @@ def stats(devices, socket_path, port, address, interval, as_json):
     host = f"[{address}]" if ":" in address else address
     try:
         served = start_http_server(port, addr=address)
-    except OSError as e:
+    except (OSError, UnicodeError) as e:
         # not served: off the process's registry again (a caller that goes
-        # on, e.g. a second try on another port, would collide with it)
+        # on, e.g. a second try on another port, would collide with it).
+        # UnicodeError: the socket module's IDNA encoding of the host name
+        # (an empty label, "10.0..1"; one over 63 characters; no text)
         REGISTRY.unregister(collector)
+        why = ("not a host name or address" if isinstance(e, UnicodeError)
+               else e.strerror or e)
         raise ConfigError(f"cannot serve metrics on port {port} of {address}: "
-                          f"{e.strerror or e}; choose another --prometheus port "
+                          f"{why}; choose another --prometheus port "
                           "(or --address)") from None
     url = f"http://{host}:{port}/metrics"
     if as_json:

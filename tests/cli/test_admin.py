@@ -1795,3 +1795,22 @@ def test_a_model_name_that_is_not_utf8_is_a_usage_error(tmp_path):
     assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
     res = kvb("info", store, "--model", latin1)
     assert res.returncode == 2 and "--model" in res.stderr and "UTF-8" in res.stderr, res.stderr
+
+
+def test_stats_prometheus_on_a_mistyped_address_is_one_line(file_target, monkeypatch):
+    """--address 10.0..1 (a typo) or a name with a label over 63 characters
+    failed in the socket module's IDNA encoding with a UnicodeError, which
+    is no OSError: a traceback, exit 1, and the collector left registered.
+    It is the one-line "cannot serve metrics" error (exit 8) a port in use
+    gets, and a second try does not collide with the first."""
+    import prometheus_client
+    import prometheus_client.core
+
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS)
+    registry = prometheus_client.CollectorRegistry()
+    monkeypatch.setattr(prometheus_client.core, "REGISTRY", registry)
+    for address in ("10.0..1", "a" * 64 + ".example", "10.0..1"):
+        res = kvb("stats", path, "--prometheus", "9400", "--address", address)
+        one_line_error(res, 8, "cannot serve metrics on port 9400", address, "--address")
+    assert not registry._collector_to_names
