@@ -671,11 +671,8 @@ class RemoteStore(RunReader, RunWriter):
         # every admit), so a run held whole by the store and the call's
         # earlier runs together is found here, as KVStore finds it.
         found = self.present([k for keys, _ in items for k in keys])
-        at = 0
-        for keys, _ in items:   # as KVStore: a run held whole is a duplicate, not written
-            if keys and not found[at:at + len(keys)].all():
-                self._check_fits(len(keys))
-            at += len(keys)
+        # every run checked to fit before anything changes, as KVStore's
+        unchecked = self._check_runs_fit(items, found)
 
         def admit(keys, whole):
             answer = self._call("admit", keys=encode_keys(keys))
@@ -684,7 +681,7 @@ class RemoteStore(RunReader, RunWriter):
             elif answer["verdict"] == "rejected":
                 self.counters["admission_rejected_runs"] += 1
             return answer["verdict"]
-        out, pieces, repeats = self._plan_puts(items, found, admit)
+        out, pieces, repeats = self._plan_puts(items, found, admit, unchecked)
         # The groups after the first go to the first one's server (see _put:
         # a reconnect between two groups would refuse the later ones as
         # cleared while a run's pieces in the earlier ones stay published).

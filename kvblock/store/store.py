@@ -673,11 +673,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         clears = self._clears if began is None else began
         with self._lock:              # one index probe for every item's keys
             found = self.index.lookup([k for keys, _ in items for k in keys]) >= 0
-        at = 0
-        for keys, _ in items:         # every run checked before anything changes
-            if keys and not found[at:at + len(keys)].all():
-                self._check_fits(len(keys))
-            at += len(keys)
+        # every run checked before anything changes
+        unchecked = self._check_runs_fit(items, found)
 
         def admit(keys, whole):
             if whole:
@@ -689,7 +686,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.counters["admission_rejected_runs"] += 1
                 return "rejected"
             return "ok"
-        out, pieces, repeats = self._plan_puts(items, found, admit)
+        out, pieces, repeats = self._plan_puts(items, found, admit, unchecked)
         if len(items) == 1:
             for i, keys, blocks in pieces:
                 stored = self._put_one(keys, blocks, clears)

@@ -178,15 +178,37 @@ class RunWriter(RunIO):
         clear() from then on refuses it): passed to _put/_put_many."""
         return None
 
-    def _plan_puts(self, items: list, found: np.ndarray, admit: Callable) -> tuple:
+    def _check_runs_fit(self, items: list, found: np.ndarray) -> set[int]:
+        """put_runs' runs checked to fit the store (_check_fits) before any
+        offer is counted or anything written; not those whose every key the
+        store (``found``) or the call's earlier runs hold: put one call
+        after another, such a run is a duplicate (_plan_puts), however long.
+        Returns those: _plan_puts checks one when it writes it after all
+        (an earlier run holding some of its keys was declined), still
+        before anything is written (the offers admit counted stay)."""
+        later, earlier, at = set(), set(), 0
+        for i, (keys, _) in enumerate(items):
+            held = found[at:at + len(keys)]
+            at += len(keys)
+            if keys and not held.all():
+                if earlier and all(h or k in earlier for k, h in zip(keys, held.tolist())):
+                    later.add(i)
+                else:
+                    self._check_fits(len(keys))
+            earlier.update(keys)
+        return later
+
+    def _plan_puts(self, items: list, found: np.ndarray, admit: Callable,
+                   unchecked: set = frozenset()) -> tuple:
         """put_runs' runs (keys, blocks) as pieces to write, as if put one
         call after another: a run that the store (``found``: per key of every
         item, in order) and the call's earlier runs hold whole is a
         duplicate, written by none.  ``admit(keys, whole)`` answers for the
         others ("ok", "duplicate" or "rejected", counted there; ``whole``:
-        the store holds every key).  Returns (blocks per item, pieces (item,
-        keys, blocks) of at most ``max_run_blocks``, and per duplicate found
-        in earlier runs the items it depends on)."""
+        the store holds every key).  ``unchecked``: the items
+        _check_runs_fit left to be checked here if written.  Returns (blocks
+        per item, pieces (item, keys, blocks) of at most ``max_run_blocks``,
+        and per duplicate found in earlier runs the items it depends on)."""
         out, pieces = [0] * len(items), []
         taken: dict[bytes, int] = {}  # keys an earlier run of this call writes: that run
         repeats = {}                  # a run found whole in earlier runs: those runs
@@ -208,6 +230,8 @@ class RunWriter(RunIO):
                 continue
             if verdict == "rejected":
                 continue
+            if i in unchecked:        # none of it written yet: refused whole
+                self._check_fits(n)
             taken.update(dict.fromkeys(keys, i))
             for first in range(0, n, self.max_run_blocks):
                 last = min(n, first + self.max_run_blocks)

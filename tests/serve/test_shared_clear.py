@@ -467,6 +467,25 @@ def test_put_runs_skips_a_run_held_by_the_store_and_its_earlier_runs(store_file,
         assert server.store.counters["put_runs"] == 2
 
 
+def test_a_rank_counts_a_long_run_its_earlier_put_runs_runs_hold_a_duplicate(tmp_path):
+    """A run too long to put, whose blocks the call's earlier runs all hold,
+    is a duplicate through a server too, as put one call after another (a
+    rank raised StoreFullError for it, storing none of the runs)."""
+    path = small_store(tmp_path / "kv.img", 12 << 20)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as rank:
+        step = rank.max_run_blocks
+        assert rank.regions.size // rank.layout(step).run_bytes == 1
+        whole = run_keys(54, rank.regions.count * step)     # one piece per region
+        half = rank.regions.count // 2 * step
+        runs = [whole[:half], whole[half:], whole]
+        assert rank.put_runs([(k, np.zeros(len(k) * GEOM.block_bytes, np.uint8))
+                              for k in runs]) == [len(k) for k in runs]
+        assert rank.lookup(whole) == len(whole)
+        assert rank.counters["put_duplicate_runs"] == 1
+        assert server.store.counters["evicted_regions"] == 0
+
+
 def test_a_clear_before_put_runs_first_admit_refuses_every_run(store_file, tmp_path):
     """put_runs through a server asks which keys are stored (present) before
     it admits its runs: a clear() by another rank right after that answer

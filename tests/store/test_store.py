@@ -2019,6 +2019,49 @@ def test_put_runs_refused_for_a_run_too_large_counts_no_offers(tmp_path):
         assert store.put_run(small, run_data(small)) == 2
 
 
+def _halves_and_whole(store):
+    """A run of one piece per region of the store (too long to put: its
+    pieces would evict one another), and its two halves (each fits)."""
+    step = store.max_run_blocks
+    assert store.regions.size // store.layout(step).run_bytes == 1
+    whole = run_keys(54, store.regions.count * step)
+    half = store.regions.count // 2 * step
+    return whole[:half], whole[half:], whole
+
+
+def _zeros(keys):
+    return np.zeros(len(keys) * GEOM.block_bytes, np.uint8)
+
+
+def test_put_runs_counts_a_long_run_its_earlier_runs_hold_a_duplicate(tmp_path):
+    """A run too long to put, whose blocks the call's earlier runs all hold,
+    is a duplicate, as when the runs are put one call after another (the
+    call raised StoreFullError for it, storing none of the runs)."""
+    path = tmp_path / "s.img"
+    create_file(path, 12 * MIB)
+    with _format([path]) as store:
+        first, second, whole = _halves_and_whole(store)
+        assert store.put_runs([(first, _zeros(first)), (second, _zeros(second)),
+                               (whole, _zeros(whole))]) == [len(first), len(second), len(whole)]
+        assert store.lookup(whole) == len(whole)
+        assert store.counters["put_duplicate_runs"] == 1
+        assert store.counters["evicted_regions"] == 0
+
+
+def test_put_runs_refuses_a_long_run_whose_earlier_runs_admission_declined(tmp_path):
+    """Its earlier runs declined (their first offer), the long run is no
+    duplicate: it is written, so it is refused as too long, before any write."""
+    path = tmp_path / "s.img"
+    create_file(path, 12 * MIB)
+    with _format([path], admit_after=2) as store:
+        first, second, whole = _halves_and_whole(store)
+        with pytest.raises(StoreFullError, match="does not fit this store"):
+            store.put_runs([(first, _zeros(first)), (second, _zeros(second)),
+                            (whole, _zeros(whole))])
+        assert store.lookup(whole) == 0 and store.counters["put_runs"] == 0
+        assert store.counters["evicted_regions"] == 0
+
+
 def test_a_failed_trim_in_clears_drop_batches_does_not_stop_the_later_ones(tmp_path, monkeypatch):
     """clear() drops the runs that reads pinned in batches of DROP records;
     a read that let go after evict() left its region to be freed by the
