@@ -98,15 +98,19 @@ class RegionTable:
         self.free.append(region)
 
     # --- eviction -------------------------------------------------------------------
-    def victim(self, policy: str) -> int | None:
-        """The region to reclaim next: sealed, holding no pinned runs.
+    def victim(self, policy: str, sealed_before: int | None = None) -> int | None:
+        """The region to reclaim next: sealed, holding no pinned runs (and
+        with ``sealed_before``, a seal number: sealed before it).
 
         fifo: oldest sealed; lru: least recently read or written, ties broken
         by fewer hits (frequency-aware), then by the oldest sealed (after a
         reopen no access is known: the seal order is the write order).  A
         vectorised scan over the region table, run once per region reclaimed.
         """
-        candidates = np.nonzero((self.state == SEALED) & (self.pins == 0))[0]
+        eligible = (self.state == SEALED) & (self.pins == 0)
+        if sealed_before is not None:
+            eligible &= self.seal_seq < sealed_before
+        candidates = np.nonzero(eligible)[0]
         if candidates.size == 0:
             return None
         if policy == "fifo":

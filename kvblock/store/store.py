@@ -1347,17 +1347,20 @@ class KVStore(Recovery, RunReader, RunWriter):
     @in_flight
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim sealed regions by policy until ``nbytes`` are free (or all
-        unpinned ones with ``all=True``).  Returns regions reclaimed."""
+        unpinned ones with ``all=True``).  Returns regions reclaimed.  Only
+        the regions sealed when it began (the open one with them): those
+        that puts in other threads fill meanwhile are theirs (taking them
+        too, it went on as long as such puts did)."""
         self._check_open(writing=True)
         check_evict(nbytes, all)
-        reclaimed, failed = 0, None
+        reclaimed, failed, sealed_before = 0, None, None
         while True:
             with self._lock:
                 free_bytes = self._free_regions() * self.regions.size
                 if not all and (nbytes is None or free_bytes >= nbytes):
                     break
                 victim = None
-                if self.regions.open is not None:
+                if sealed_before is None and self.regions.open is not None:
                     opened = self.regions.open
                     self.regions.seal(opened)
                     # Emptied while open (nothing frees it once sealed): its
@@ -1368,8 +1371,10 @@ class KVStore(Recovery, RunReader, RunWriter):
                     if self.regions.live[opened] == 0 and self.regions.pins[opened] == 0:
                         victim = opened
                         self.regions.state[victim] = RECLAIMING
+                if sealed_before is None:
+                    sealed_before = self.regions.next_seal
                 if victim is None:
-                    victim = self.regions.victim(self.eviction)
+                    victim = self.regions.victim(self.eviction, sealed_before)
                     if victim is None:
                         break
                     self._begin_reclaim(victim)

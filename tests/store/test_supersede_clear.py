@@ -238,6 +238,44 @@ def test_a_run_that_fits_the_bytes_but_not_the_regions_is_refused(tmp_path):
         assert store.lookup(fits) == len(fits)
 
 
+@pytest.mark.parametrize("call", ["evict", "clear"])
+def test_evict_all_and_clear_end_while_puts_keep_sealing_regions(tmp_path, call):
+    """Puts from other threads keep filling regions while evict(all=True)
+    or clear() runs: it reclaims the regions sealed when it began, not
+    every region those puts seal meanwhile, which kept it going as long
+    as they did.  (Here one put of a region's worth lands after each
+    region it frees: puts as fast as the reclaims.)"""
+    path = _store(tmp_path)
+    with KVStore.open([path]) as store:
+        step = store.max_run_blocks
+        count = store.regions.count
+        for i in range(count):
+            keys = run_keys(300 + i, step)
+            store.put_run(keys, run_data(keys))
+        real, n, busy = store._finish_reclaim, [0], [False]
+
+        def finish_then_put(region, *args, **kw):
+            real(region, *args, **kw)
+            if busy[0]:
+                return                    # the put's own reclaims
+            n[0] += 1
+            if n[0] > 3 * count:
+                raise RuntimeError(f"{call} reclaimed {n[0]} regions of {count}: no end")
+            busy[0] = True
+            try:
+                keys = run_keys(1000 + n[0], step)
+                store.put_run(keys, run_data(keys))
+            finally:
+                busy[0] = False
+        store._finish_reclaim = finish_then_put
+        store.evict(all=True) if call == "evict" else store.clear()
+        assert n[0] <= count + 1
+        del store._finish_reclaim
+        late = run_keys(1000 + n[0], step)
+        assert store.lookup(late) == step       # put after it began: kept
+        assert all(store.lookup(run_keys(300 + i, step)) == 0 for i in range(count))
+
+
 def test_a_region_emptied_while_pinned_is_freed_when_unpinned(tmp_path):
     path = _store(tmp_path)
     with KVStore.open([path]) as store:
