@@ -329,6 +329,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         # them: free all the same (evict counts them, an allocation waits
         # for them rather than evict a region of live runs).
         self._trimming: set[int] = set()
+        # Regions being reclaimed that stay free once their RECLAIM record
+        # is durable (evict, evict_older_than, a region emptied), not an
+        # allocation's (it takes its region at once): evict(nbytes) counts
+        # them, as room another call is making.
+        self._freeing: set[int] = set()
         self._removals_durable = threading.Condition(self._lock)
         self._commit_lock = threading.Lock()
         self._failure: BaseException | None = None   # the metadata write that closed it
@@ -969,6 +974,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             # RECLAIM record is durable, and a region left RECLAIMING would
             # be neither allocated nor reclaimed again until a reopen.
             with self._lock:
+                self._freeing.discard(region)
                 self.regions.release(region, generation=new_gen)
                 self._reclaimed.notify_all()
 
@@ -1256,6 +1262,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                         and self.regions.state[region] == SEALED):
                     continue
                 self.regions.state[region] = RECLAIMING
+                self._freeing.add(region)
             try:
                 self._finish_reclaim(region)
             except KVBlockError as e:
@@ -1359,6 +1366,13 @@ class KVStore(Recovery, RunReader, RunWriter):
                 free_bytes = self._free_regions() * self.regions.size
                 if not all and (nbytes is None or free_bytes >= nbytes):
                     break
+                if not all and free_bytes + len(self._freeing) * self.regions.size >= nbytes:
+                    # Another call (a delete, an eviction) is freeing the
+                    # rest: wait for it rather than evict live runs too.
+                    # A failed reclaim closes the store, and the wait with it.
+                    self._check_open()
+                    self._reclaimed.wait(RECLAIM_WAIT_S)
+                    continue
                 victim = None
                 if sealed_before is None and self.regions.open is not None:
                     opened = self.regions.open
@@ -1378,6 +1392,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                     if victim is None:
                         break
                     self._begin_reclaim(victim)
+                self._freeing.add(victim)
             try:
                 self._finish_reclaim(victim)
             except KVBlockError as e:
@@ -1467,6 +1482,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 if not old(region):
                     continue
                 self._begin_reclaim(region)
+                self._freeing.add(region)
             try:
                 self._finish_reclaim(region)
             except KVBlockError as e:

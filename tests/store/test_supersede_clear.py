@@ -276,6 +276,45 @@ def test_evict_all_and_clear_end_while_puts_keep_sealing_regions(tmp_path, call)
         assert all(store.lookup(run_keys(300 + i, step)) == 0 for i in range(count))
 
 
+def test_evict_counts_a_region_another_call_is_freeing(tmp_path):
+    """A full store: a delete empties a region, its RECLAIM record in
+    flight, when evict(nbytes) asks for a region's worth: the region being
+    freed is that room.  evict waits for it rather than evicting a region
+    of live runs too."""
+    path = _store(tmp_path)
+    with KVStore.open([path]) as store:
+        step = store.max_run_blocks
+        runs = [run_keys(400 + i, step) for i in range(store.regions.count)]
+        for keys in runs:
+            store.put_run(keys, run_data(keys))
+        assert store.stats()["regions_free"] == 0
+        real_finish, real_free = store._finish_reclaim, store._free_regions
+        looked, result = threading.Event(), []
+        evictor = threading.Thread(target=lambda: result.append(
+            store.evict(store.regions.size)))
+
+        def free_regions():
+            if threading.current_thread() is evictor:
+                looked.set()              # it saw the store's free space
+            return real_free()
+
+        def finish_once_looked(*args, **kw):
+            # the delete's region is RECLAIMING: evict asks now
+            if threading.current_thread() is threading.main_thread() and not looked.is_set():
+                evictor.start()
+                assert looked.wait(20)
+            return real_finish(*args, **kw)
+        store._finish_reclaim, store._free_regions = finish_once_looked, free_regions
+        try:
+            assert store.delete(runs[0][:1]) == step
+            evictor.join(20)
+        finally:
+            del store._finish_reclaim, store._free_regions
+        assert result == [0]
+        assert store.counters["evicted_regions"] == 0
+        assert all(store.lookup(keys) == step for keys in runs[1:])
+
+
 def test_a_region_emptied_while_pinned_is_freed_when_unpinned(tmp_path):
     path = _store(tmp_path)
     with KVStore.open([path]) as store:
