@@ -45,6 +45,7 @@ reads take the engine's own path.  When is a trade-off, measured on the
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
 import os
@@ -149,6 +150,7 @@ class MappedDevices:
         self.writable = np.zeros(n, dtype=bool)   # writes copy into the mapping too
         self._maps: list[tuple[mmap.mmap, np.ndarray] | None] = [None] * n
         self.reasons: dict[int, str] = {}
+        self._paths = [dev.path for dev in devices]
         self._stop = threading.Event()
         self._ready = threading.Event()   # every page mapped in: reads may use the mappings
         self._prefaulter = None
@@ -195,9 +197,10 @@ class MappedDevices:
         if self._started or not self._any:
             return
         self._started = True
-        spans = [(int(b), int(z)) for b, z in zip(self.bases, self.sizes) if b]
+        spans = [(int(b), int(z), d) for d, (b, z) in enumerate(zip(self.bases, self.sizes))
+                 if b]
         if background is None:
-            background = sum(z for _, z in spans) > PREFAULT_INLINE
+            background = sum(z for _, z, _ in spans) > PREFAULT_INLINE
         if not background:
             self._prefault(spans)
             return
@@ -212,7 +215,7 @@ class MappedDevices:
             except OSError:
                 pass
         lib = native.lib()
-        for base, size in spans:
+        for base, size, dev in spans:
             for off in range(0, size, PREFAULT_STEP):
                 # Beside a vLLM tier's stores to a tmpfs file a prefault halved
                 # them (likely: a populate step holds the process's mmap_lock,
@@ -224,8 +227,20 @@ class MappedDevices:
                         return
                 if self._stop.is_set():
                     return
-                if lib.kvb_mem_prefault(base + off, min(PREFAULT_STEP, size - off)) < 0:
-                    break   # an old kernel (EINVAL): pages fault in on first read
+                ret = lib.kvb_mem_prefault(base + off, min(PREFAULT_STEP, size - off))
+                if ret == -errno.EINVAL:
+                    break   # an old kernel: pages fault in on first read
+                if ret < 0:
+                    # EFAULT: a page the file cannot back (cut shorter since it
+                    # was mapped, or a hole a full tmpfs cannot fill); a copy
+                    # through the mapping would be a SIGBUS there, where the
+                    # engine's path returns an error.  So the mappings stay unused.
+                    logger.warning(
+                        "kvblock: %s: mapping its pages in failed (from offset %d): %s; it is "
+                        "read and written through the I/O engine (was the file cut "
+                        "shorter, or is its tmpfs full?)", self._paths[dev], off,
+                        strerror(-ret))
+                    return
             else:
                 continue
             break

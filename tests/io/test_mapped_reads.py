@@ -815,3 +815,28 @@ def test_asking_whether_mapped_while_another_thread_closes_the_engine(engine_nam
             assert answer in (True, False, None)
         finally:
             eng.close()
+
+
+def test_a_prefault_that_fails_leaves_reads_on_the_engine_path(engine_name, shm_target,
+                                                               caplog):
+    """MADV_POPULATE_READ failing for any reason was taken as 'an old kernel:
+    pages fault in on first read', and the mappings were used.  A store
+    file cut shorter after it was mapped makes it fail with EFAULT (so does
+    a page a full tmpfs cannot back): the reads then copied past the file's
+    end, a SIGBUS that killed the process, where the engine's pread gives a
+    short read, a typed error.  Only EINVAL (a kernel without the advice)
+    means that now; any other failure keeps reads and writes on the engine's
+    path, and says so."""
+    path = shm_target(8 * MIB)
+    with Device(path) as dev, open_engine([dev], engine_name, defer_mapped_reads=True) as eng, \
+            HostBuffer(MIB) as buf:
+        assert eng.mapped(0)
+        os.truncate(path, 4 * MIB)        # what nothing may do to an open store file
+        with caplog.at_level("WARNING", logger="kvblock"):
+            eng.start_mapped_reads(background=False)
+        assert not eng._maps.covers(np.zeros(1, np.uint32))
+        assert any(path in r.getMessage() and "EFAULT" in r.getMessage()
+                   for r in caplog.records)
+        eng.read(IOBatch.single(buf.address, 0, 2 * MIB, MIB))       # still there
+        with pytest.raises(IOFailedError):
+            eng.read(IOBatch.single(buf.address, 0, 6 * MIB, MIB))   # past the new end
