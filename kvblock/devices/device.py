@@ -93,6 +93,12 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
             raise UnsupportedDeviceError(
                 f"{path}: a block device, not a file to create or grow; give it as the "
                 "device (a store uses it as it is), or choose a file path", path, errno.ENOTSUP)
+        if not stat.S_ISREG(st.st_mode):
+            # A character device or FIFO opens read-write, but neither
+            # fallocate nor ftruncate works on it (a bare EINVAL OSError).
+            raise UnsupportedDeviceError(
+                f"{path}: {_describe_mode(st.st_mode)}, not a file to create or grow; choose "
+                "a file path (or give a block device as the device)", path, errno.ENOTSUP)
         if st.st_size < size:
             # Refuse before reserving: a failed posix_fallocate may leave
             # every free byte of the filesystem allocated to the file.

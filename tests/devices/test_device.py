@@ -644,6 +644,21 @@ def test_create_file_on_a_block_device_is_refused_by_name(loop_device):
         assert dev.capacity == 8 * MIB
 
 
+def test_create_file_on_a_character_device_or_fifo_is_refused_by_name(tmp_path):
+    """Like a block device, a character device (/dev/null) or a FIFO is no
+    file to create or grow: posix_fallocate failed on it and the ftruncate
+    after it raised a bare EINVAL OSError, naming nothing.  A typed error
+    names the path and what it is."""
+    fifo = tmp_path / "kv.fifo"
+    os.mkfifo(fifo)
+    for path, what in (("/dev/null", "a character device"), (str(fifo), "a FIFO")):
+        with pytest.raises(UnsupportedDeviceError, match=rf"{path}: {what}, not a file to "
+                                                         r"create or grow") as e:
+            create_file(path, 4096)
+        assert e.value.path == path
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)        # left as it was
+
+
 def test_a_block_devices_capacity_is_whole_logical_blocks(loop_device):
     """A loop device with 4 KiB sectors over a file of 16 MiB + 512 bytes
     reports 16 MiB + 512 bytes (BLKGETSIZE64 counts 512-byte sectors), but
