@@ -70,6 +70,7 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
     Space is reserved with posix_fallocate so later writes cannot fail with
     ENOSPC half-way through a run.
     """
+    _refuse_nul(path)
     path = Path(path)
     if not os.path.exists(path):   # missing, or a link to a missing name
         _refuse_dev(path)
@@ -134,6 +135,7 @@ def new_file(path: str | os.PathLike, size: int) -> list[str]:
     """create_file at a path where nothing is yet.  Returns what it made,
     for remove_made: the file (a dangling symlink's target, not the link),
     then each folder made for it, innermost first."""
+    _refuse_nul(path)
     made = os.path.realpath(path)
     folders = []
     parent = os.path.dirname(made)
@@ -160,6 +162,18 @@ def remove_made(made: list[str]) -> None:
             continue
         except OSError:
             return
+
+
+def _refuse_nul(path) -> None:
+    """DeviceNotFoundError for a path with a NUL byte in it (a stray \\u0000
+    in a config), which names no file: os.stat and open raise a bare
+    ValueError on it.  The message shows it escaped (printed, the byte is
+    invisible)."""
+    p = os.fspath(path)
+    if ("\0" if isinstance(p, str) else b"\0") in p:
+        raise DeviceNotFoundError(
+            f"{p!r}: no such device or file: the path contains a NUL byte, which no file "
+            "name can; check the path", p, errno.ENOENT)
 
 
 def _refuse_dev(path: Path) -> None:
@@ -314,7 +328,7 @@ def _writes(path: str) -> list[tuple[os.stat_result, str, int | None]]:
     path itself and, down a stack of loop devices, each backing."""
     try:
         out = [(os.stat(path), path, None)]
-    except OSError:
+    except (OSError, ValueError):   # ValueError: a NUL byte (Device says so)
         return []
     chain, seen, via = "", set(), None
     while stat.S_ISBLK(out[-1][0].st_mode) and out[-1][0].st_rdev not in seen:
@@ -382,6 +396,7 @@ class Device:
         # device over a loop device, that one's backing, down the stack)
         self._backing_fds: list[int] = []
         self._pid = os.getpid()   # the process whose flocks these are (see close)
+        _refuse_nul(self.path)
         try:
             st = os.stat(self.path)
         except (FileNotFoundError, NotADirectoryError) as e:   # ENOTDIR: a file on the way

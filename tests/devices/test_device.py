@@ -108,6 +108,26 @@ def test_a_path_that_cannot_be_looked_up_is_a_device_error(tmp_path):
     assert exc.value.errno == errno.ELOOP and exc.value.path == str(tmp_path / "loop")
 
 
+def test_a_path_with_a_nul_byte_is_a_typed_error_naming_it(tmp_path):
+    """A device path with a NUL byte in it (a stray \\u0000 in a JSON config)
+    names no file; Device, check_distinct (the first thing KVStore.open and
+    format do), create_file and new_file raised the bare ValueError
+    ("embedded null byte") of os.stat, naming nothing.  It is a
+    DeviceNotFoundError naming the path (exit 3), and nothing is created."""
+    from kvblock import KVStore
+    from kvblock.devices import check_distinct
+    from kvblock.devices.device import new_file
+
+    bad = str(tmp_path / "kv.img\0x")
+    for call in (lambda: Device(bad), lambda: check_distinct([bad]) or Device(bad),
+                 lambda: KVStore.open([bad]), lambda: create_file(bad, MIB),
+                 lambda: new_file(bad, MIB), lambda: Device(os.fsencode(bad))):
+        with pytest.raises(DeviceNotFoundError, match=r"kv\.img\\x00x.*NUL byte") as e:
+            call()
+        assert e.value.errno == errno.ENOENT
+    assert os.listdir(tmp_path) == []
+
+
 def test_directory_is_unsupported(tmp_path):
     with pytest.raises(UnsupportedDeviceError, match="not a block device or regular file.*directory"):
         Device(tmp_path)
