@@ -355,6 +355,10 @@ def check_distinct(paths) -> None:
     # Not only identical targets: a disk and its partition write the same
     # bytes, and Device's O_EXCL would refuse the second as busy (exit 5),
     # or, opened without it (a client), read one store's bytes out of place.
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        # Iterated, a str is its characters ("/ and / are the same device").
+        raise ConfigError(f"{os.fspath(paths)!r} is a single path where a list of devices is "
+                          f"expected; give [{os.fspath(paths)!r}]")
     seen: list[tuple[os.stat_result, str, int | None]] = []
     for p in map(os.fspath, paths):
         mine = _writes(p)

@@ -164,7 +164,9 @@ def _check_options(options: dict, geometry: Geometry | None = None) -> None:
 
 
 def _open_devices(devices, readonly=False) -> list[Device]:
-    check_distinct([d.path if isinstance(d, Device) else d for d in devices])
+    # a single path (not a list): refused by check_distinct, which names it
+    check_distinct(devices if isinstance(devices, (str, bytes, os.PathLike)) else
+                   [d.path if isinstance(d, Device) else d for d in devices])
     out = []
     try:
         for d in devices:
@@ -224,6 +226,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         if not devices:
             raise ConfigError("format needs at least one device")
         _check_options(options, geometry)      # not after the old store is wiped
+        if isinstance(devices, (str, bytes, os.PathLike)):
+            check_distinct(devices)            # one path: refused by name, not counted
         if len(devices) > sbfmt.MAX_DEVICES:
             raise ConfigError(f"a store spans at most {sbfmt.MAX_DEVICES} devices")
         devs = _open_devices(devices)

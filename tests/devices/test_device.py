@@ -128,6 +128,31 @@ def test_a_path_with_a_nul_byte_is_a_typed_error_naming_it(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_one_path_given_where_a_list_of_devices_is_expected_is_named(tmp_path):
+    """KVStore.open("/dev/nvme1n1") (a path, not a list of them) went through
+    check_distinct one character at a time: "/ and / are the same device;
+    give each device once", which names no device and a wrong fix (a
+    Path or bytes: a bare TypeError).  It is a ConfigError saying to give
+    a list, before anything is opened or written."""
+    from pathlib import Path
+
+    from kvblock import KVStore
+    from kvblock.devices import check_distinct
+    from kvblock.errors import ConfigError
+    from kvblock.layout import Geometry
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, 8 * MIB)
+    geometry = Geometry(2, 2, 64, "float16", 16)
+    for single in (path, Path(path), os.fsencode(path)):
+        for call in (lambda: check_distinct(single), lambda: KVStore.open(single),
+                     lambda: KVStore.format(single, geometry)):
+            with pytest.raises(ConfigError, match=r"kv\.img.*a single path.*a list"):
+                call()
+    with open(path, "rb") as f:
+        assert f.read() == bytes(8 * MIB)         # nothing was formatted
+
+
 def test_directory_is_unsupported(tmp_path):
     with pytest.raises(UnsupportedDeviceError, match="not a block device or regular file.*directory"):
         Device(tmp_path)
