@@ -322,12 +322,12 @@ def _writes_backing(rdev: int) -> str | None:
     return loop_backing(_whole_disk(rdev))
 
 
-def _writes(path: str) -> list[tuple[os.stat_result, str, int | None]]:
-    """What writing ``path`` writes, each with its name for a message and
-    the loop device it is reached through a partition of (None if not): the
-    path itself and, down a stack of loop devices, each backing."""
+def _writes(path: str) -> list[tuple[os.stat_result, str, int | None, str]]:
+    """What writing ``path`` writes, each with its name for a message, the
+    loop device it is reached through a partition of (None if not) and its
+    own path: the path itself and, down a stack of loop devices, each backing."""
     try:
-        out = [(os.stat(path), path, None)]
+        out = [(os.stat(path), path, None, path)]
     except (OSError, ValueError):   # ValueError: a NUL byte (Device says so)
         return []
     chain, seen, via = "", set(), None
@@ -341,7 +341,7 @@ def _writes(path: str) -> list[tuple[os.stat_result, str, int | None]]:
             via = _whole_disk(rdev)
         chain += f", over {backing}" if chain else f" (its backing file {backing}"
         try:
-            out.append((os.stat(backing), f"{path}{chain})", via))
+            out.append((os.stat(backing), f"{path}{chain})", via, backing))
         except OSError:
             break
     return out
@@ -359,16 +359,26 @@ def check_distinct(paths) -> None:
         # Iterated, a str is its characters ("/ and / are the same device").
         raise ConfigError(f"{os.fspath(paths)!r} is a single path where a list of devices is "
                           f"expected; give [{os.fspath(paths)!r}]")
-    seen: list[tuple[os.stat_result, str, int | None]] = []
+    seen: list[tuple[os.stat_result, str, int | None, str, str]] = []
     for p in map(os.fspath, paths):
-        mine = _writes(p)
-        for st, what, via in mine:
-            for other, other_what, other_via in seen:
+        mine = [(*level, p) for level in _writes(p)]
+        for st, what, via, name, _ in mine:
+            for other, other_what, other_via, _, other_p in seen:
                 if via is not None and via == other_via:
                     continue    # two partitions of one loop device: judged as partitions
                 overlap = _overlap(other, st)
                 if overlap is None:
                     continue
+                if (overlap == "same" and stat.S_ISREG(st.st_mode) and name != p
+                        and other_what != other_p):
+                    # Two loop devices (or stacks) over one file: perhaps over
+                    # disjoint ranges of it (--offset/--sizelimit), which are no
+                    # "same device", but each claims the whole file.
+                    raise ConfigError(
+                        f"{other_p} and {p} are loop devices over one file, {name}: kvblock "
+                        "claims a loop device's whole backing file, whatever its --offset "
+                        "and --sizelimit, so they count as one device; give each its own "
+                        "file (or use partitions of one loop device: losetup -P)")
                 how = {"same": "are the same device",
                        "disk": "overlap (the first is the whole disk of the second)",
                        "partition": "overlap (the first is a partition of the second)"}[overlap]

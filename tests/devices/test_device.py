@@ -828,6 +828,40 @@ def test_a_disk_and_its_partition_given_together_are_one_device_given_twice(
             os.unlink(second)
 
 
+def test_loop_devices_over_disjoint_ranges_of_one_file_are_refused_for_what_they_are(
+        loop_device):
+    """Two loop devices over disjoint byte ranges of one file (losetup
+    --offset/--sizelimit) given to one store were refused as "the same
+    device; give each device once": neither is true of two devices that
+    share no byte, and no fix was named.  kvblock claims a loop device's
+    whole backing file (as a second store would be refused, busy), so they
+    are still one device to it, but the message now says why and what to do."""
+    from kvblock.devices import check_distinct
+    from kvblock.errors import ConfigError
+    from tests.support import loopdev
+
+    loop_device(MIB)                          # skips (fails, under make test) without root
+    with loopdev.backing_file(16 * MIB) as backing:
+        made = []
+        try:
+            for offset in (0, 8 * MIB):
+                made.append(subprocess.run(
+                    ["losetup", "-f", "--show", "--direct-io=on", "--offset", str(offset),
+                     "--sizelimit", str(8 * MIB), str(backing)],
+                    capture_output=True, text=True, check=True).stdout.strip())
+            with pytest.raises(ConfigError) as e:
+                check_distinct(made)
+            assert f"{made[0]} and {made[1]} are loop devices over one file, {backing}" \
+                in str(e.value) and "--offset" in str(e.value)
+            assert "same device" not in str(e.value) and "own file" in str(e.value)
+            with Device(made[0]):             # and a second store on the other: busy
+                with pytest.raises(DeviceBusyError, match=f"loop device over {backing}"):
+                    Device(made[1], busy_timeout=0.1)
+        finally:
+            for dev in made:
+                subprocess.run(["losetup", "-d", dev], check=True)
+
+
 def test_a_partition_of_a_loop_device_claims_the_loop_devices_backing(
         partitioned_disk, loop_device, tmp_path):
     """A partition of a loop device (losetup -P) writes the loop device's
