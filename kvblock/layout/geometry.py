@@ -122,7 +122,13 @@ def model_fingerprint(model: str | bytes | None) -> bytes:
         raise ConfigError(f"model must be a name (str or bytes) such as "
                           f"'meta-llama/Llama-3.1-8B@rev', got {type(model).__name__} {model!r}; "
                           "join a name and a revision into one string")
-    data = model.encode() if isinstance(model, str) else bytes(model)
+    try:
+        data = model.encode() if isinstance(model, str) else bytes(model)
+    except UnicodeEncodeError:
+        # lone surrogates: bytes of another locale (Latin-1) that Python
+        # decoded with surrogateescape (an environment variable, argv)
+        raise ConfigError(f"model {model!r} is not valid UTF-8; give the model's name in "
+                          "UTF-8, as the engines name it") from None
     return hashlib.sha256(data).digest()
 
 

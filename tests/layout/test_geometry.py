@@ -260,3 +260,12 @@ def test_geometry_normalises_numpy_ints_and_refuses_floats_and_bools():
         Geometry(True, 2, 64, "float16")
     with pytest.raises(ConfigError, match="dtype must be a name"):
         Geometry(4, 2, 64, ["float16"])
+
+
+def test_model_fingerprint_refuses_a_name_that_is_not_utf8():
+    # A name from a Latin-1 locale (an environment variable, a config read
+    # with surrogateescape) holds lone surrogates: the library refuses it as
+    # bad input (typed), as kvblock's --model does, not UnicodeEncodeError.
+    with pytest.raises(ConfigError, match="not valid UTF-8"):
+        model_fingerprint("caf\udce9-7B")
+    assert model_fingerprint("café-7B") == model_fingerprint("café-7B".encode())
