@@ -112,7 +112,7 @@ class HostBuffer:
     def numpy(self, dtype=np.uint8, shape=None, offset: int = 0) -> np.ndarray:
         """A typed numpy view (no copy) starting ``offset`` bytes in."""
         dtype = np.dtype(dtype)
-        count = self._view_count(dtype.itemsize, shape, offset)
+        count, shape = self._view_count(dtype.itemsize, shape, offset)
         view = np.frombuffer(self._mm, dtype=dtype, count=count, offset=self._offset + offset)
         return view if shape is None else view.reshape(shape)
 
@@ -122,22 +122,38 @@ class HostBuffer:
 
         dtype = dtype or torch.uint8
         itemsize = torch.empty((), dtype=dtype).element_size()
-        count = self._view_count(itemsize, shape, offset)
+        count, shape = self._view_count(itemsize, shape, offset)
         t = torch.frombuffer(self._mm, dtype=dtype, count=count, offset=self._offset + offset)
         return t if shape is None else t.view(*shape)
 
-    def _view_count(self, itemsize: int, shape, offset: int) -> int:
-        """Items of a view starting ``offset`` bytes in (of ``shape``, else
-        to the end), checked to lie inside the buffer's nbytes."""
+    def _view_count(self, itemsize: int, shape, offset: int) -> tuple[int, tuple | None]:
+        """(items, shape) of a view starting ``offset`` bytes in (of ``shape``,
+        else to the end), checked to lie inside the buffer's nbytes; a -1 in
+        ``shape`` is the dim that fills the rest of them (numpy's meaning: a
+        negative count would be read as 'to the end of the mapping', past
+        nbytes)."""
         if self._mm is None:
             raise ConfigError(f"{self!r} is closed: its memory is unmapped; take a view "
                               "before closing it, or use a new buffer")
         offset = int(offset)
-        count = (self.nbytes - offset) // itemsize if shape is None else int(np.prod(shape))
+        rest = (self.nbytes - offset) // itemsize
+        if shape is not None:
+            shape = tuple(int(n) for n in np.atleast_1d(shape))
+            known = int(np.prod([n for n in shape if n != -1]))
+            wild = shape.count(-1)
+            if wild > 1 or any(n < -1 for n in shape) or \
+                    (wild and (known == 0 or rest < 0 or rest % known)):
+                raise ConfigError(f"a view of shape {shape} at offset {offset} of a "
+                                  f"{self.nbytes}-byte buffer of {itemsize}-byte items: dims "
+                                  "must be sizes, with at most one -1 that the rest of the "
+                                  "buffer fills")
+            if wild:
+                shape = tuple(rest // known if n == -1 else n for n in shape)
+        count = rest if shape is None else int(np.prod(shape))
         if not 0 <= offset <= self.nbytes or offset + count * itemsize > self.nbytes:
             raise ConfigError(f"a view of {max(count, 0) * itemsize} bytes at offset {offset} "
                               f"of a {self.nbytes}-byte buffer; keep views inside the buffer")
-        return count
+        return count, shape
 
     def close(self) -> None:
         with self._lock:

@@ -85,6 +85,28 @@ def test_views_past_a_buffers_end_are_refused():
             small.numpy(np.float32, shape=(100,), offset=8)
 
 
+def test_a_view_shape_with_an_inferred_dim_stays_inside_the_buffer():
+    """shape=(-1, ...) made the item count negative, which np.frombuffer and
+    torch.frombuffer read as 'to the end of the mapping': a 100-byte
+    buffer's (-1,) view was 4096 bytes long (the page padding, or a huge
+    page's slack), memory no I/O of the buffer reaches.  A -1 now takes
+    what fits in the buffer's nbytes (numpy's meaning); other negative dims,
+    or a -1 the rest of the buffer does not fill, are ConfigErrors."""
+    torch = pytest.importorskip("torch")
+    with HostBuffer(100) as buf:
+        for view in (buf.numpy, buf.torch):
+            assert tuple(view(shape=(-1,)).shape) == (100,)
+            assert tuple(view(shape=(-1, 4), offset=20).shape) == (20, 4)
+            dtype = torch.int32 if view == buf.torch else np.int32
+            assert tuple(view(dtype, shape=(5, -1)).shape) == (5, 5)
+            with pytest.raises(ConfigError, match="shape"):
+                view(shape=(-1, 3))           # 100 bytes are no whole number of rows of 3
+            with pytest.raises(ConfigError, match="shape"):
+                view(shape=(-2,))
+            with pytest.raises(ConfigError, match="shape"):
+                view(shape=(-1, -1))
+
+
 def test_aligned_empty():
     a = aligned_empty((3, 1000), np.float16)
     assert a.ctypes.data % PAGE_SIZE == 0
