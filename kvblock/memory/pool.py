@@ -58,10 +58,13 @@ class BufferPool:
         """Take a free buffer index, waiting up to ``timeout`` seconds."""
         self._check_open()
         with self._cond:
-            if not self._cond.wait_for(lambda: self._free, timeout=timeout):
+            # close() wakes the wait: a buffer of the closed pool is unmapped memory
+            if not self._cond.wait_for(lambda: self._free or self.arena.closed,
+                                       timeout=timeout):
                 raise PoolExhaustedError(
                     f"all {self.count} buffers of {self.buffer_bytes} bytes are in use; "
                     "release buffers or create a larger pool")
+            self._check_open()
             return self._free.pop()
 
     def release(self, index: int) -> None:
@@ -99,6 +102,8 @@ class BufferPool:
 
     def close(self) -> None:
         self.arena.close()
+        with self._cond:
+            self._cond.notify_all()     # acquire()s waiting: the pool is closed
 
     def __enter__(self) -> "BufferPool":
         return self

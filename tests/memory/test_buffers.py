@@ -235,6 +235,36 @@ def test_a_closed_buffer_or_pool_hands_out_no_view_or_address():
     pool.release(index)                   # giving one back after close is harmless
 
 
+def test_close_wakes_a_thread_waiting_for_a_pool_buffer():
+    """close() did not wake acquire(): a thread waiting for a buffer of a
+    pool closed meanwhile waited out its whole timeout (for good with none)
+    and then raised PoolExhaustedError, or, woken by a release after the
+    close, was handed a buffer of unmapped memory.  It now raises the
+    closed pool's ConfigError at once."""
+    pool = BufferPool(PAGE_SIZE, 1)
+    held = pool.acquire()
+    got = []
+
+    def waiter():
+        try:
+            got.append(pool.acquire(timeout=10))
+        except Exception as e:   # noqa: BLE001 - what it raised is the point
+            got.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    try:
+        while not pool._cond._waiters:      # the waiter is inside acquire()'s wait
+            t.join(0.001)
+        pool.close()
+        t.join(2)
+        assert not t.is_alive()
+    finally:
+        pool.release(held)                  # (before the fix: ends the waiter)
+        t.join()
+    assert len(got) == 1 and isinstance(got[0], ConfigError) and "closed" in str(got[0])
+
+
 def test_a_child_forked_while_a_thread_holds_the_registry_makes_and_frees_buffers():
     """The registry's lock is one for the process, taken by every buffer
     made or closed and by every io_uring ring re-registering.  A child
