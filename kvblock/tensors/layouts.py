@@ -9,6 +9,7 @@ and ``view[page_ids] = x`` scatters them.
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -28,9 +29,26 @@ def _is_float(name: str) -> bool:
 
 
 def _layers(caches, what: str) -> list:
+    if isinstance(caches, Mapping):
+        # vLLM v1 hands connectors {layer name: tensor}: its keys are no layers
+        raise ConfigError(f"{what} is a {type(caches).__name__} (layer names to tensors?); "
+                          "pass one cache tensor per layer, in layer order, e.g. "
+                          "list(kv_caches.values())")
     caches = list(caches)
     if not caches:
         raise ConfigError(f"{what} has no layers: pass one cache tensor per layer")
+    return _arrays(caches, what)
+
+
+def _arrays(caches: list, what: str) -> list:
+    """``caches``, each checked to be an array (a shape and a dtype): the
+    layouts read them, and None (a DynamicCache layer the model has not
+    filled yet) failed with an AttributeError naming neither."""
+    for layer, c in enumerate(caches):
+        if not isinstance(getattr(c, "shape", None), tuple) or not hasattr(c, "dtype"):
+            raise ConfigError(f"{what} layer {layer} is {type(c).__name__}, not an array: "
+                              "pass one cache tensor per layer (a Hugging Face cache: run "
+                              "the model over the prompt first, so every layer holds KV)")
     return caches
 
 
@@ -204,7 +222,7 @@ class HFDynamicLayout(CacheLayout):
 
     def __init__(self, keys: list, values: list, block_tokens: int):
         self.keys = _layers(keys, "HFDynamicLayout")
-        self.values = list(values)
+        self.values = _arrays(list(values), "HFDynamicLayout values")
         self.block_tokens = _page_tokens(block_tokens, "HFDynamicLayout block_tokens")
         if len(self.keys[0].shape) != 4:
             raise ConfigError(f"HFDynamicLayout: layer 0 keys have shape "

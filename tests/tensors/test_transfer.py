@@ -972,6 +972,31 @@ def test_layouts_of_no_layers_other_ranks_or_no_page_size_are_clear_errors():
             SGLangHostLayout(rand(2, L, 4 * BS, H, D), "layer_first", bad)
 
 
+def test_layers_that_are_no_arrays_are_clear_errors():
+    """vLLM v1 hands its connector the KV caches as a dict (layer name ->
+    tensor): VLLMLayout took the names for layers and failed with
+    AttributeError ("'str' object has no attribute 'shape'"); a
+    DynamicCache made with a config holds layers whose keys are None until
+    the model fills them, and HFDynamicLayout.from_cache failed the same way.
+    Each is now a ConfigError that says what was given and what to pass."""
+    layer = torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"list\(kv_caches.values\(\)\)"):
+        VLLMLayout({"model.layers.0.self_attn.attn": layer})
+    with pytest.raises(ConfigError, match=r"vLLM cache layer 1 is NoneType, not an array"):
+        VLLMLayout([layer, None])
+    k = torch.zeros(1, H, 2 * BS, D, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match=r"HFDynamicLayout layer 0 is NoneType"):
+        HFDynamicLayout([None], [None], BS)
+    with pytest.raises(ConfigError, match=r"HFDynamicLayout values layer 1 is NoneType"):
+        HFDynamicLayout([k, k], [k, None], BS)
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64,
+                                      num_attention_heads=H, num_key_value_heads=H)
+    cache = transformers.DynamicCache(config=config)
+    with pytest.raises(ConfigError, match=r"HFDynamicLayout layer 0 is NoneType"):
+        HFDynamicLayout.from_cache(cache, BS)
+
+
 def test_a_load_counts_its_bytes_and_misses_as_other_reads_do(path):
     """A layer-wise load counted its blocks (get_blocks) but not their bytes
     (get_bytes: what the read returned, bytes_read: what it read from the
