@@ -123,6 +123,8 @@ class HostBuffer:
         dtype = dtype or torch.uint8
         itemsize = torch.empty((), dtype=dtype).element_size()
         count, shape = self._view_count(itemsize, shape, offset)
+        if count == 0:      # torch.frombuffer refuses a count of 0 (numpy gives the view)
+            return torch.empty(shape if shape is not None else (0,), dtype=dtype)
         t = torch.frombuffer(self._mm, dtype=dtype, count=count, offset=self._offset + offset)
         return t if shape is None else t.view(*shape)
 

@@ -107,6 +107,18 @@ def test_a_view_shape_with_an_inferred_dim_stays_inside_the_buffer():
                 view(shape=(-1, -1))
 
 
+def test_an_empty_view_at_the_buffers_end_is_one_for_torch_too():
+    """A view of no items (offset == nbytes, or a shape with a 0) lies inside
+    the buffer and numpy() gives it, but torch() raised torch.frombuffer's
+    bare ValueError ('both buffer length ... and count (0) must not be 0')."""
+    torch = pytest.importorskip("torch")
+    with HostBuffer(100) as buf:
+        assert buf.numpy(offset=100).shape == (0,)
+        assert tuple(buf.torch(offset=100).shape) == (0,)
+        assert tuple(buf.torch(torch.int32, shape=(0, 4), offset=96).shape) == (0, 4)
+        assert buf.torch(torch.int32, shape=(0, 4)).dtype == torch.int32
+
+
 def test_aligned_empty():
     a = aligned_empty((3, 1000), np.float16)
     assert a.ctypes.data % PAGE_SIZE == 0
