@@ -193,13 +193,17 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
     writes a sector whole, so a crash leaves each one old or new.  Proof is
     a header of ``epoch`` numbered ``seq`` whose record lies in one sector,
     or bytes other than a record or zero padding after an intact record's
-    end in its sector."""
+    end in its sector.  A header naming ``epoch`` is this record's even
+    where its other bytes (magic, number) rotted: within an epoch each
+    journal offset is written once, and no crash or rot forges the 64-bit
+    epoch hash (a commit's first record starts a sector, where a header
+    without its magic was taken for a sector never written)."""
     data = memoryview(data)
     sector_end = min((pos // SECTOR + 1) * SECTOR, len(data))
     if pos + _HEADER.size > sector_end:
         return False    # the header may cross into a sector a crash left old
     magic, _, _, length, _, repoch, rseq, _ = _HEADER.unpack_from(data, pos)
-    if magic == MAGIC and repoch == epoch and rseq == seq:
+    if repoch == epoch:
         return pos + _HEADER.size + length <= sector_end
     # a sector that starts without this record may be one never written
     return pos % SECTOR != 0 and not _is_zero(data[pos:sector_end])

@@ -448,3 +448,27 @@ def test_encode_refuses_a_put_that_does_not_replay(keys, sums):
         encode_record(rec, 1, EPOCH)
     with pytest.raises(ValueError, match="PutRun"):
         encode_commit([DropRun(2), rec], 1, EPOCH)
+
+
+@pytest.mark.parametrize("at", [0, 3, 4, 12, 24, 31], ids=["magic", "magic3", "type", "res32",
+                                                         "seq", "seq-high"])
+def test_a_commits_first_record_that_rots_in_its_header_is_damage_not_a_tear(at):
+    """A commit's first record starts on a journal block, so on a sector:
+    a byte of its header other than the epoch rotting (its magic, type,
+    number...) left the record taken for a tear (a sector that starts
+    without this record may be one never written), though the header
+    still names this epoch, a 64-bit hash no crash and no rot forges: the
+    sector was written as this record, whole."""
+    data, ends = journal_of(COMMITS)
+    bad = bytearray(data)
+    bad[ends[0] + at] ^= 0x10            # the second commit's first record
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == (COMMITS[0], 3, ends[0])
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # its epoch rotted: no longer tells (an older epoch's record there may
+    # be what a torn write left); a zeroed (never written) sector neither
+    bad[ends[0] + at] ^= 0x10
+    bad[ends[0] + 16] ^= 0x10
+    assert not j.damaged_at(bytes(bad), ends[0], 3, EPOCH)
+    torn = data[:ends[0]] + bytes(512) + data[ends[0] + 512:]
+    assert not j.damaged_at(torn, ends[0], 3, EPOCH)
