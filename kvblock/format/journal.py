@@ -221,6 +221,15 @@ def header_at(data: bytes | memoryview, pos: int) -> tuple[int, int, int] | None
     return repoch, rseq, length
 
 
+def epoch_field_at(data: bytes | memoryview, pos: int = 0) -> int | None:
+    """The epoch field of a record header at ``pos``, whatever its other
+    bytes hold (rot there leaves it: no rot forges a 64-bit epoch hash),
+    or None when the data ends first."""
+    if pos + _HEADER.size > len(data):
+        return None
+    return _HEADER.unpack_from(data, pos)[5]
+
+
 def record_at(data: bytes | memoryview, pos: int = 0) -> tuple[int, int] | None:
     """(epoch, sequence number) of an intact record at ``pos``, else None.
     Recovery reads the journal's first record: its epoch says which

@@ -329,14 +329,15 @@ class Recovery:
         damaged slot may have held a checkpoint newer than ``generation``."""
         first = jfmt.record_at(journal)
         if first is None:
-            # A first record that rotted (its checksum fails) still names
-            # its epoch in its header: no rot forges a 64-bit epoch hash, so
-            # one of a newer generation shows the journal moved on.
-            head = jfmt.header_at(journal, 0)
-            if head is not None and any(
-                    head[0] == jfmt.epoch(self.sb.store_uuid, generation + k)
+            # A first record that rotted (its checksum fails, or its header
+            # elsewhere: its magic) still names its epoch in its header: no
+            # rot forges a 64-bit epoch hash, so one of a newer generation
+            # shows the journal moved on.
+            named = jfmt.epoch_field_at(journal, 0)
+            if named is not None and any(
+                    named == jfmt.epoch(self.sb.store_uuid, generation + k)
                     for k in range(1, 4)):
-                first = head[:2]
+                first = (named, None)
         if first is None:
             if self.journal_unreadable and self.journal_unreadable[0][0] == 0 and \
                     newer_lost:

@@ -971,3 +971,40 @@ def test_a_last_reclaim_record_whose_header_rots_does_not_serve_the_regions_old_
         report = fsck(store)
         assert any(f"{path}: the journal record at offset {reclaim_at}" in p
                    for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize("at", [0, 12], ids=["magic", "reserved"])
+def test_a_first_record_of_the_newest_epoch_whose_header_rots_is_not_the_older_ones(tmp_path,
+                                                                                    at):
+    """As above, but the first record's header rots outside its epoch (its
+    magic, or a word always written 0): the header was no longer read, so
+    open saw no newer epoch and served the older checkpoint's run in a
+    region reclaimed and written again since (verify="never": the new
+    bytes under its keys).  The epoch field alone says which checkpoint
+    the journal follows."""
+    path = tmp_path / "store.img"
+    create_file(path, 4 << 20)
+    store = KVStore.format([str(path)], GEOM, region_size=REGION)
+    x = run_keys(900, 2)
+    store.put_run(x, run_data(x))
+    run = store.index.locate(normalize_key(x[0]))[0]
+    dev, run_at = store.regions.address(run.region, run.offset)
+    store.checkpoint()                       # generation k: X
+    store.evict(all=True)                    # epoch k: X's region reclaimed
+    store.checkpoint()                       # generation k+1: no X; its epoch begins
+    z = run_keys(2000, 1)
+    store.put_run(z, run_data(z))            # the first record of epoch k+1
+    slot, sb = store._cp_slot, store.sb
+    store._release_devices()                 # a crash
+    store.closed = True
+    with open(path, "r+b") as f:             # X's place written again (a put never published)
+        f.seek(run_at)
+        f.write(bytes(range(256)) * 64)
+    _flip(path, sb.checkpoint_offset + slot * sb.checkpoint_bytes + 8)   # newest slot
+    _flip(path, sb.journal_offset + at)      # the first record's header
+    with KVStore.open([str(path)], verify="never", readonly=True) as store:
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        got = store.get_run(x, out)
+        assert got == 0 or np.array_equal(out, run_data(x)), "wrong bytes served"
+        assert store.lookup(x) == 0 and store.stats()["runs"] == 0
+        assert store.stale_checkpoint
