@@ -15,6 +15,13 @@ EMPTY, TOMBSTONE = -1, -2
 _MIX = np.uint64(0x9E3779B97F4A7C15)  # Fibonacci hashing spreads structured keys
 _MIX_INT, _M64 = int(_MIX), (1 << 64) - 1
 MAX_LOAD = 0.6
+# A rebuild (growth, or tombstones cleared at the same size) leaves at least
+# this share of the slots free below MAX_LOAD: one that freed only the
+# keys removed since the last (live keys just under MAX_LOAD, a full store
+# evicting and putting) was due again a few inserts later, a whole-table
+# rebuild per put.  With it a rebuild's cost is at most 16 slots per key
+# inserted since.
+REBUILD_ROOM = 1 / 16
 # Up to this many keys are looked up one by one in Python (get_few): for a
 # few keys numpy's per-call cost is most of a batch lookup's time (a 2-key
 # lookup took 24 us through find(), 3 us through get_few()).
@@ -202,7 +209,7 @@ class KeyTable:
         live = self.val >= 0
         lo, hi, val = self.lo[live], self.hi[live], self.val[live]
         cap = self.cap
-        while need > MAX_LOAD * cap:
+        while need > (MAX_LOAD - REBUILD_ROOM) * cap:
             cap *= 2
         self._alloc(cap)
         self.live = 0

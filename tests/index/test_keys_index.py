@@ -421,3 +421,38 @@ def test_chain_keys_refuses_token_ids_it_cannot_hash_as_given(tokens, block, mat
     with pytest.raises(ConfigError, match=match):
         chain_keys(tokens, block)
     assert chain_keys(np.array([1, 2, 3, 4], dtype=np.int64), 2) == chain_keys([1, 2, 3, 4], 2)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_churn_near_the_load_limit_does_not_rebuild_the_table_at_every_put(batch):
+    """A full store at steady state evicts keys (tombstones) and puts as
+    many new ones.  With its live keys just under MAX_LOAD of the table,
+    every rebuild at the same capacity freed only the slots of the keys
+    removed since the last: the next few puts rebuilt the whole table again
+    (2M slots, ~150 ms under the store's lock, every other put of 32 keys).
+    A rebuild must leave room for a share of the table's slots, so that
+    its cost per key inserted stays bounded."""
+    from kvblock.index.table import MAX_LOAD, KeyTable, split_keys
+
+    table = KeyTable(1024)
+    live = int(MAX_LOAD * table.cap) - 1
+    lo, hi = split_keys(b"".join(k(i) for i in range(live)))
+    table.put(lo, hi, np.arange(live))
+    assert table.cap == 1024
+    rebuilt, grow = [], table._grow
+
+    def counting_grow(need):
+        rebuilt.append(table.cap)
+        grow(need)
+    table._grow = counting_grow
+    oldest, newest, inserted = 0, live, 0
+    for _ in range(2000 // batch):
+        rlo, rhi = split_keys(b"".join(k(i) for i in range(oldest, oldest + batch)))
+        assert table.remove(rlo, rhi) == batch
+        nlo, nhi = split_keys(b"".join(k(i) for i in range(newest, newest + batch)))
+        table.put(nlo, nhi, np.arange(newest, newest + batch))
+        oldest, newest, inserted = oldest + batch, newest + batch, inserted + batch
+    assert len(table) == live
+    assert sum(rebuilt) <= 32 * inserted, f"{len(rebuilt)} rebuilds for {inserted} keys"
+    alo, ahi = split_keys(b"".join(k(i) for i in range(oldest - 50, newest)))
+    assert table.get(alo, ahi).tolist() == [-1] * 50 + list(range(oldest, newest))
