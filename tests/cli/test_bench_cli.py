@@ -530,3 +530,41 @@ def test_writing_tools_on_a_served_store_do_not_say_open_it_read_only(tmp_path):
             assert res.returncode == 5, (args, res.returncode, res.stderr)
             assert path in res.stderr and "stop the store server" in res.stderr, res.stderr
             assert "read-only" not in res.stderr, res.stderr
+
+
+def test_selfcheck_catches_an_engine_whose_writes_are_lost(tmp_path, monkeypatch):
+    """Every engine wrote the same random bytes: the second one's writes
+    could go nowhere and its read-back still matched (the first engine's
+    bytes were on the device), reported 'ok'.  Each engine now writes bytes
+    of its own."""
+    from kvblock.bench import selfcheck
+    from kvblock.bench.store_bench import VerifyError
+
+    real = selfcheck.open_engine
+
+    class LosesWrites:
+        def __init__(self, eng):
+            self.eng = eng
+
+        def __getattr__(self, name):
+            return getattr(self.eng, name)
+
+        def __enter__(self):
+            self.eng.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.eng.__exit__(*exc)
+
+        def write(self, batch):          # the write is lost, no error
+            return None
+
+    def open_engine(devices, name, **kw):
+        eng = real(devices, name, **kw)
+        return LosesWrites(eng) if name == "threads" else eng
+
+    monkeypatch.setattr(selfcheck, "open_engine", open_engine)
+    path = tmp_path / "scratch.img"
+    with pytest.raises(VerifyError, match="threads engine"):
+        selfcheck.run_selfcheck(str(path), 1 << 20)
+    assert not path.exists()
