@@ -85,7 +85,10 @@ def _run_raw(target, workload, bs, qd, seconds, size, engine, progress) -> RawBe
                               "smaller --bs" + (" or a larger --size" if size else ""))
         slots = span // bs
         rng = np.random.default_rng(0)
-        with HostBuffer(bs * qd) as buf, open_engine([dev], engine, queue_depth=qd) as eng:
+        # mapped_reads=False: on a file on tmpfs the I/Os would be copies
+        # through its mapping, not the engine's (whose name the result gives)
+        with HostBuffer(bs * qd) as buf, open_engine([dev], engine, queue_depth=qd,
+                                                     mapped_reads=False) as eng:
             if op == OP_WRITE:
                 buf.array[:] = rng.integers(0, 256, buf.nbytes, dtype=np.uint8)
             # Batches are sized by time: each holds about BATCH_SECONDS of I/O at

@@ -594,3 +594,34 @@ def test_selfcheck_runs_every_engine_on_a_tmpfs_file_too(shm_target, monkeypatch
     report = selfcheck.run_selfcheck(shm_target(1 << 20), 1 << 20)
     assert report["uring"].startswith("ok") and report["threads"].startswith("ok")
     assert set(ran) == {"uring", "threads"}
+
+
+@pytest.mark.parametrize("workload", ["read", "write"])
+def test_raw_bench_on_a_tmpfs_file_runs_the_engine_it_names(shm_target, monkeypatch, workload):
+    """A raw workload on a file on tmpfs copied through the file's mapping
+    (kvblock/io/mapped.py): 'engine': 'uring' at tens of GiB/s, with no I/O
+    of the engine at all.  Raw workloads run the engine alone (bench's help),
+    on tmpfs too."""
+    from kvblock.io.threads import ThreadEngine
+    from kvblock.io.uring import UringEngine
+
+    ran = []
+
+    def spy(cls):
+        real_run = cls._run
+
+        def _run(self, *a, **kw):
+            ran.append(self.name)
+            return real_run(self, *a, **kw)
+        monkeypatch.setattr(cls, "_run", _run)
+
+    spy(UringEngine)
+    spy(ThreadEngine)
+    path = shm_target(4 << 20)
+    for engine in ("uring", "threads"):
+        res = CliRunner().invoke(cli, ["bench", path, "--workload", workload, "--bs", "64K",
+                                       "--qd", "4", "--seconds", "0.05", "--engine", engine,
+                                       "--json"])
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["engine"] == engine
+        assert engine in ran
