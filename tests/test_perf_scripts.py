@@ -666,3 +666,62 @@ def test_partial_promotions_names_its_ratios_the_way_they_are_computed(capsys, m
     assert "kvblock / fs tier: 2.00x" not in line, line
     assert "fs tier ms / kvblock ms" in line and "2.00x" in line, line
     assert "whole ranges ms / kvblock ms" in line and "3.00x" in line, line
+
+
+def test_layerwise_restore_bench_times_from_the_load_call(monkeypatch, tmp_path):
+    """perf/test_layerwise_restore.py (make bench: README's 'first layer 6 ms,
+    all 205 ms') took its times and GiB/s from the handle's own clock, which
+    starts only once the keys are hashed and looked up, while
+    perf/layerwise_restore.py and first_layer_vs_peers.py count from the
+    load_blocks call.  Here every handle's clock is moved 100 s later (its
+    layers landing when they did): the numbers must still reach from the call.
+    Run in-process, shrunk to 256 tokens of 4 layers in 4 MiB regions."""
+    import functools
+    import time
+
+    import layerwise_restore as lr
+
+    import kvblock.tensors as tensors
+
+    real, landed = tensors.load_blocks, []
+
+    def late_clock(store, keys, layout, ids, **kw):
+        called = time.perf_counter()
+        handle = real(store, keys, layout, ids, **kw)
+        handle.wait()
+        landed.append((handle.started_at + handle.layer_ready_at[0] - called,
+                       handle.started_at + handle.layer_ready_at[-1] - called))
+        handle.started_at += 100.0
+        handle.layer_ready_at = [t - 100.0 for t in handle.layer_ready_at]
+        return handle
+
+    monkeypatch.setattr(tensors, "load_blocks", late_clock)
+    monkeypatch.setattr(lr, "geometry", functools.partial(lr.geometry, layers=4))
+    monkeypatch.setattr(lr, "store_size", functools.partial(lr.store_size,
+                                                            region_size=4 << 20))
+    monkeypatch.setattr(lr, "save", functools.partial(lr.save, region_size=4 << 20))
+    failed = []
+
+    class Shrink:
+        def pytest_collection_finish(self, session):
+            for item in session.items:
+                monkeypatch.setattr(item.module, "TOKENS", 256)
+                monkeypatch.setattr(item.module, "ROUNDS", 1)
+
+        def pytest_runtest_logreport(self, report):
+            if report.failed:
+                failed.append(report.longreprtext)
+
+    out = tmp_path / "bench.json"
+    rc = pytest.main([f"{ROOT / 'perf' / 'test_layerwise_restore.py'}::"
+                      "test_layerwise_restore[always]", "-q", "-p", "no:cacheprovider",
+                      f"--benchmark-json={out}"], plugins=[Shrink()])
+    assert rc == pytest.ExitCode.OK, failed
+    (bench,) = json.loads(out.read_text())["benchmarks"]
+    info = bench["extra_info"]
+    first, last = landed[-1]                   # the kept round (after the warm-up)
+    assert info["first_layer_ms"] >= round(first * 1e3, 2) - 0.01, (info, first)
+    assert info["all_layers_ms"] >= round(last * 1e3, 2) - 0.01, (info, last)
+    assert info["restore_gib_s"] <= round(info["bytes_read"] / last / 2**30, 4) + 1e-4, info
+    attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
+    assert fio_support.PREFIX not in attached, attached
