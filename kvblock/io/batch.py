@@ -6,6 +6,7 @@ the engines hand the arrays to C in one call, so Python never loops per I/O.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,10 +27,40 @@ def _out_of_range(e: OverflowError | None, entry: str | None = None) -> ConfigEr
                        "2**32")
 
 
-def _unsigned(values) -> np.ndarray:
-    """``values`` as an array, ConfigError for a negative one."""
+def _not_integer(what: str) -> ConfigError:
+    return ConfigError(f"IOBatch: {what} is not an integer; addresses, device indices, "
+                       "offsets and lengths are whole numbers (cast to one, a fraction is "
+                       "dropped: use // or round to the device's blocks first)")
+
+
+def _whole(v) -> bool:
+    """Whether ``v`` is an integer, or a float of an integral value."""
+    if isinstance(v, (int, np.integer)):
+        return True
+    return isinstance(v, (float, np.floating)) and math.isfinite(v) and float(v).is_integer()
+
+
+def _integers(values, name: str) -> np.ndarray:
+    """``values`` as an array of whole numbers: ConfigError for a value that
+    is none (a fraction, cast to an integer, was dropped: an offset of
+    4096.5 read the bytes at 4096; a string was parsed) or a negative one."""
     arr = np.asarray(values)
-    if arr.dtype.kind in "if" and arr.size and arr.min() < 0:
+    if arr.dtype.kind == "f" and not isinstance(values, np.ndarray):
+        # Python ints, one of them past 2**63: numpy made them float64
+        # (rounded past 2**53); as objects they stay exact
+        arr = np.asarray(values, dtype=object)
+    kind = arr.dtype.kind
+    if arr.size and kind not in "iub":
+        if kind == "f":
+            whole = bool(np.isfinite(arr).all() and (arr == np.trunc(arr)).all())
+        else:
+            whole = all(map(_whole, arr.reshape(-1).tolist()))
+        if not whole:
+            bad = next(v for v in arr.reshape(-1).tolist() if not _whole(v))
+            raise _not_integer(f"{name} value {bad!r}")
+        if kind == "f" and arr.max() >= 2.0 ** 64:
+            raise _out_of_range(None, str(arr.max()))
+    if kind in "ifO" and arr.size and arr.min() < 0:
         raise _out_of_range(None, str(arr.min()))
     return arr
 
@@ -53,20 +84,22 @@ class IOBatch:
     def _convert(self):
         # A signed array's negative values would wrap to near 2**64 in the cast
         # (numpy raises OverflowError for Python ints only): refuse them alike.
-        self.addrs = np.ascontiguousarray(_unsigned(self.addrs), dtype=np.uint64).reshape(-1)
+        self.addrs = np.ascontiguousarray(_integers(self.addrs, "addrs"),
+                                          dtype=np.uint64).reshape(-1)
         n = self.addrs.size
-        devs = np.asarray(self.devs)
+        devs = _integers(self.devs, "devs")
         if devs.dtype != np.uint32 and devs.size and (devs.min() < 0 or devs.max() > 0xFFFFFFFF):
             raise ConfigError(f"IOBatch: device index {int(devs.min())}..{int(devs.max())} "
                               "out of range")
-        lens = _unsigned(self.lens)
+        lens = _integers(self.lens, "lens")
         for name, field in (("devs", devs), ("lens", lens)):
             if field.size != 1 and field.shape != (n,):
                 raise ConfigError(f"IOBatch: {n} addresses but {field.size} {name}: give "
                                   f"one per address, or one for all")
         self.devs = np.ascontiguousarray(np.broadcast_to(devs.reshape(-1), (n,)),
                                          dtype=np.uint32)
-        self.offsets = np.ascontiguousarray(_unsigned(self.offsets), dtype=np.uint64).reshape(-1)
+        self.offsets = np.ascontiguousarray(_integers(self.offsets, "offsets"),
+                                            dtype=np.uint64).reshape(-1)
         self.lens = np.ascontiguousarray(np.broadcast_to(lens.reshape(-1), (n,)),
                                          dtype=np.uint64)
         if self.offsets.size != n:
@@ -84,6 +117,12 @@ class IOBatch:
     def single(cls, address: int, dev: int, offset: int, length: int) -> "IOBatch":
         # Built field by field: __post_init__'s conversions cost more than the
         # I/O itself for a small read.
+        if not (type(address) is int and type(dev) is int and type(offset) is int
+                and type(length) is int):
+            for name, value in (("address", address), ("device", dev), ("offset", offset),
+                                ("length", length)):
+                if not _whole(value):
+                    raise _not_integer(f"{name} {value!r}")
         b = object.__new__(cls)
         try:
             if min(address, offset, length) < 0:
@@ -110,6 +149,11 @@ class IOBatch:
             if len(field) != n:
                 raise ConfigError(f"IOBatch: {n} addresses but {len(field)} {name}: give "
                                   "one per address")
+        for name, field in (("addrs", addrs), ("devs", dev if isinstance(dev, list) else [dev]),
+                            ("offsets", offsets), ("lens", lens)):
+            if not set(map(type, field)) <= {int} and not all(map(_whole, field)):
+                bad = next(v for v in field if not _whole(v))
+                raise _not_integer(f"{name} value {bad!r}")
         low = min(min(field, default=0) for field in (addrs, offsets, lens))
         if low < 0:     # a numpy scalar would wrap in the cast, not raise
             raise _out_of_range(None, str(low))

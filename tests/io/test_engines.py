@@ -870,3 +870,46 @@ def test_a_split_io_that_fails_counts_as_one_failed_io(engine_name, file_target)
             eng.read(IOBatch(np.array([buf.address, buf.address + 2 * 65536], np.uint64), 0,
                              [0, 2 * 65536], 2 * 65536))
         assert exc.value.failed == 2
+
+
+def test_a_fractional_offset_or_length_is_a_config_error_not_truncated(engine_name,
+                                                                        file_target):
+    """A float offset, length, address or device index (a division gone
+    wrong: ``nbytes / 2``) was cast to an integer, its fraction dropped: an
+    offset of 4096.5 read the bytes at 4096 and reported a success, where any
+    other misaligned offset is refused (a string was parsed).  Each
+    constructor now refuses a value that is no whole number with a
+    ConfigError naming the field."""
+    path = file_target(MIB)
+    with open(path, "r+b") as f:
+        f.write(bytes(range(256)) * 64)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(8192) as buf:
+        a = buf.address
+        with pytest.raises(ConfigError, match=r"IOBatch: offset 4096\.5 .*integer"):
+            eng.read_into(0, 4096.5, buf.array[:4096])
+        with pytest.raises(ConfigError, match=r"IOBatch: offsets .*integer"):
+            IOBatch([a], 0, [4096.5], 4096)
+        with pytest.raises(ConfigError, match=r"IOBatch: offsets .*integer"):
+            IOBatch([a], 0, np.array([4096.25]), 4096)
+        with pytest.raises(ConfigError, match=r"IOBatch: offsets .*integer"):
+            IOBatch([a], 0, np.array([np.nan]), 4096)
+        with pytest.raises(ConfigError, match=r"IOBatch: lens .*integer"):
+            IOBatch([a], 0, [0], 4096.9)
+        with pytest.raises(ConfigError, match=r"IOBatch: devs .*integer"):
+            IOBatch([a], 0.7, [0], 4096)
+        with pytest.raises(ConfigError, match=r"IOBatch: addrs .*integer"):
+            IOBatch([str(a)], 0, [0], 4096)
+        with pytest.raises(ConfigError, match=r"IOBatch: offsets .*integer"):
+            IOBatch.listed([a], 0, [4096.5], [4096])
+        with pytest.raises(ConfigError, match=r"IOBatch: devs .*integer"):
+            IOBatch.listed([a], [0.5], [0], [4096])
+        with pytest.raises(ConfigError, match=r"IOBatch: length 4096\.5 .*integer"):
+            IOBatch.single(a, 0, 0, 4096.5)
+        # integers of any kind still go, and floats of whole values (as before)
+        eng.read(IOBatch([a], 0, np.array([4096.0]), 4096))
+        eng.read(IOBatch.single(a, 0, 4096.0, 4096))
+        eng.read(IOBatch([np.uint64(a)], np.int32(0), np.array([4096], np.int64), 4096))
+        eng.read(IOBatch.listed([a], np.int64(0), [np.uint64(4096)], [4096]))
+        eng.read(IOBatch.single(np.uint64(a), np.int64(0), np.int64(4096), 4096))
+        assert buf.array[:4096].tobytes() == bytes(range(256)) * 16
