@@ -185,6 +185,11 @@ class IOBatch:
     def contiguous(cls, address: int, dev: int, offset: int, length: int,
                    io_size: int) -> "IOBatch":
         """One device range and one host range cut into ``io_size`` pieces."""
+        if not (isinstance(length, (int, np.integer)) and isinstance(io_size, (int, np.integer))
+                and length >= 0 and io_size > 0):
+            raise ConfigError(f"IOBatch.contiguous: a range of {length!r} bytes in pieces of "
+                              f"{io_size!r}: the length must be a whole number of bytes from "
+                              "0, the piece size one from 1")
         starts = np.arange(0, length, io_size, dtype=np.uint64)
         lens = np.minimum(np.uint64(io_size), np.uint64(length) - starts)
         return cls(starts + np.uint64(address), dev, starts + np.uint64(offset), lens)

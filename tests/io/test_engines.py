@@ -913,3 +913,14 @@ def test_a_fractional_offset_or_length_is_a_config_error_not_truncated(engine_na
         eng.read(IOBatch.listed([a], np.int64(0), [np.uint64(4096)], [4096]))
         eng.read(IOBatch.single(np.uint64(a), np.int64(0), np.int64(4096), 4096))
         assert buf.array[:4096].tobytes() == bytes(range(256)) * 16
+
+
+def test_a_contiguous_batch_of_a_bad_piece_size_or_length_is_a_config_error():
+    """IOBatch.contiguous cut a range into ``io_size`` pieces with np.arange:
+    a piece size of 0 raised ZeroDivisionError, a negative one (or a
+    negative length) numpy's OverflowError, outside kvblock's errors."""
+    for length, io_size in [(8192, 0), (8192, -4096), (-8192, 4096), (8192, 4096.5)]:
+        with pytest.raises(ConfigError, match=rf"IOBatch.contiguous: .*{length}.*{io_size}"):
+            IOBatch.contiguous(4096, 0, 0, length, io_size)
+    assert IOBatch.contiguous(4096, 0, 0, 8192, 4096).lens.tolist() == [4096, 4096]
+    assert len(IOBatch.contiguous(4096, 0, 0, 0, 4096)) == 0
