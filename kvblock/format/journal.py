@@ -202,9 +202,15 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
     sector_end = min((pos // SECTOR + 1) * SECTOR, len(data))
     if pos + _HEADER.size > sector_end:
         return False    # the header may cross into a sector a crash left old
-    magic, _, _, length, _, repoch, rseq, _ = _HEADER.unpack_from(data, pos)
+    magic, kind, res16, length, res32, repoch, rseq, _ = _HEADER.unpack_from(data, pos)
     if repoch == epoch:
-        return pos + _HEADER.size + length <= sector_end
+        # the header's sector was written as this record, whole: a header
+        # wrong in any other field is damage, wherever its record ends;
+        # only a well-formed one's record may cross into a sector left old
+        sane = magic == MAGIC and rseq == seq and not res16 and not res32 and (
+            length == 8 if kind in (DROP_RUN, RECLAIM) else
+            kind == PUT_RUN and length % 8 == 0 and length >= _PUT.size + KEY_BYTES + 8)
+        return not sane or pos + _HEADER.size + length <= sector_end
     # a sector that starts without this record may be one never written
     return pos % SECTOR != 0 and not _is_zero(data[pos:sector_end])
 

@@ -472,3 +472,42 @@ def test_a_commits_first_record_that_rots_in_its_header_is_damage_not_a_tear(at)
     assert not j.damaged_at(bytes(bad), ends[0], 3, EPOCH)
     torn = data[:ends[0]] + bytes(512) + data[ends[0] + 512:]
     assert not j.damaged_at(torn, ends[0], 3, EPOCH)
+
+
+@pytest.mark.parametrize("at", [0, 4, 8, 24], ids=["magic", "type", "length", "seq"])
+def test_a_header_of_this_epoch_that_rots_is_damage_where_its_record_crosses_a_sector(at):
+    """A header naming this epoch lies in a sector written as this record,
+    whole: a byte of it other than the epoch that is wrong (its magic,
+    type, length, number) is damage even where the record goes on into
+    the next sector.  Only a well-formed header's record crossing a sector
+    may be torn (the next sector left old by a crash).  A RECLAIM whose
+    header ends a sector after an intact PUT (a record of 472 bytes), its
+    magic rotted, was damage (garbage after an intact record in its
+    sector) until the epoch alone was trusted; then it crossed the sector
+    and was taken for a tear, so the region's old runs stayed indexed."""
+    first = put(1, nblocks=24, ranges=2)
+    assert j.record_bytes(first) == 472
+    data, ends = journal_of([[first, Reclaim(1, 1)]])
+    bad = bytearray(data)
+    bad[472 + at] ^= 0x10
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, 472)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # a commit's first record (a PUT over two sectors) rotting so too (a
+    # PUT's length rotting may leave one a PUT can have: no proof)
+    long = put(2, nblocks=40, ranges=2)
+    data, ends = journal_of([[long]])
+    if at != 8:
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+        assert (recs, nxt, stop) == ([], 1, 0)
+        assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # its header whole, the second sector left old by a crash: a tear
+    torn = data[:512] + bytes(512) + data[1024:]
+    recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+    assert (recs, stop) == ([], 0) and not j.damaged_at(torn, stop, nxt, EPOCH)
+    data, ends = journal_of([[first, Reclaim(1, 1)]])
+    torn = data[:512] + bytes(512) + data[1024:]
+    recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+    assert (recs, stop) == ([first], 472) and not j.damaged_at(torn, stop, nxt, EPOCH)
