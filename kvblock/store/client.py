@@ -249,6 +249,8 @@ class RemoteStore(RunReader, RunWriter):
                  queue_depth: int = 32, devices: Sequence | None = None,
                  timeout: float | None = None, reconnect: bool = False,
                  geometry: Geometry | None = None, model=None):
+        if isinstance(devices, (str, bytes, os.PathLike)):
+            check_distinct(devices)     # one path, not its characters: refused by name
         self.socket_path = os.fspath(socket_path)
         self.closed = True
         self.io = None
@@ -1156,6 +1158,8 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     server is lost later starts a new one the same way (without
     ``prepare``: the devices hold the store by then).
     """
+    if isinstance(devices, (str, bytes, os.PathLike)):
+        check_distinct(devices)         # one path, not its characters: refused by name
     socket_path = os.fspath(socket_path)
     can_start = bool(start and devices)
     if devices and client_options.get("devices") is None:

@@ -51,6 +51,10 @@ def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.
     """Start a store server on ``devices`` at ``socket_path`` unless one
     answers there, under ``<socket_path>.lock`` (see
     :func:`kvblock.store.client.connect` for how ranks race to start it)."""
+    if isinstance(devices, (str, bytes, os.PathLike)):
+        from kvblock.devices import check_distinct
+
+        check_distinct(devices)     # one path: refused by name (a server on its characters)
     socket_path = os.fspath(socket_path)
     lock_path = socket_path + ".lock"
     socket_dir(socket_path)

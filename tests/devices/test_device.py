@@ -153,6 +153,30 @@ def test_one_path_given_where_a_list_of_devices_is_expected_is_named(tmp_path):
         assert f.read() == bytes(8 * MIB)         # nothing was formatted
 
 
+def test_one_path_given_to_connect_where_a_list_of_devices_is_expected_is_named(tmp_path):
+    """As above, for the server's clients: connect(sock, "/dev/nvme1n1")
+    with no server there started one on the path's characters ('kvblock
+    serve / d e v ...': "/ and / are the same device; give each device
+    once", from its log), and with one there RemoteStore compared the
+    characters with the served devices.  A ConfigError naming the path,
+    before any server is started or asked."""
+    from pathlib import Path
+
+    from kvblock.errors import ConfigError
+    from kvblock.store.client import RemoteStore, connect, ensure_server
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, 8 * MIB)
+    sock = tmp_path / "s.sock"
+    for single in (path, Path(path), os.fsencode(path)):
+        for call in (lambda: connect(sock, single, start_timeout=20),
+                     lambda: RemoteStore(sock, devices=single),
+                     lambda: ensure_server(sock, single, start_timeout=20)):
+            with pytest.raises(ConfigError, match=r"kv\.img.*a single path.*a list"):
+                call()
+    assert sorted(os.listdir(tmp_path)) == ["kv.img"]       # no server was started
+
+
 def test_directory_is_unsupported(tmp_path):
     with pytest.raises(UnsupportedDeviceError, match="not a block device or regular file.*directory"):
         Device(tmp_path)
