@@ -554,6 +554,16 @@ def test_loop_scripts_detach_their_device_on_sigterm(script, args, left):
     assert not leaked and not base.exists()
 
 
+# A benchmark run in-process from a test: without xdist (make test's worker
+# processes), whose worker pytest-benchmark also tells by PYTEST_XDIST_WORKER:
+# it would disable the benchmark (and warn, an error here).
+NESTED = ("-p", "no:xdist")
+
+
+def _not_an_xdist_worker(monkeypatch):
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+
+
 def test_store_save_restore_bench_checks_which_run_was_restored(monkeypatch):
     """perf/test_store_save_restore.py's restore benchmark stores every run
     with its own bytes and checks (untimed) each round's last restore against
@@ -584,8 +594,9 @@ def test_store_save_restore_bench_checks_which_run_was_restored(monkeypatch):
             if report.failed:
                 reports.append(report.longreprtext)
 
+    _not_an_xdist_worker(monkeypatch)
     rc = pytest.main([f"{ROOT / 'perf' / 'test_store_save_restore.py'}::"
-                      "test_store_vs_fio[restore]", "-q", "-p", "no:cacheprovider"],
+                      "test_store_vs_fio[restore]", "-q", "-p", "no:cacheprovider", *NESTED],
                      plugins=[Shrink()])
     assert rc == pytest.ExitCode.TESTS_FAILED, reports
     assert len(reports) == 1 and "read other bytes than were saved" in reports[0], reports
@@ -713,8 +724,9 @@ def test_layerwise_restore_bench_times_from_the_load_call(monkeypatch, tmp_path)
                 failed.append(report.longreprtext)
 
     out = tmp_path / "bench.json"
+    _not_an_xdist_worker(monkeypatch)
     rc = pytest.main([f"{ROOT / 'perf' / 'test_layerwise_restore.py'}::"
-                      "test_layerwise_restore[always]", "-q", "-p", "no:cacheprovider",
+                      "test_layerwise_restore[always]", "-q", "-p", "no:cacheprovider", *NESTED,
                       f"--benchmark-json={out}"], plugins=[Shrink()])
     assert rc == pytest.ExitCode.OK, failed
     (bench,) = json.loads(out.read_text())["benchmarks"]
