@@ -105,23 +105,30 @@ def test_vllm_comparison_runs_on_a_loop_device(cache, capsys):
     assert "kvblock-vllm-bench" not in attached, attached
 
 
-def test_loop_target_reports_the_write_cache_mode_asked_for():
+def test_loop_target_reports_the_write_cache_mode_asked_for(monkeypatch):
     """A loop device reports the cache mode asked for ("write through": what
     a drive with power-loss protection reports), and its minor the mode it
     had once detached (the kernel keeps it for the next loop device there);
     a mode the kernel does not know is refused, and the device is detached
-    either way."""
+    either way.  The mode a minor had is the one loop_target read before
+    changing it: under make test another test file's loop devices (a second
+    process) may take the first free minor between two loop_targets here."""
+    real, found = fio_support.write_cache_of, []
+
+    def reading(dev):
+        found.append((dev, real(dev)))
+        return found[-1][1]
+    monkeypatch.setattr(fio_support, "write_cache_of", reading)
     for mode in [*fio_support.WRITE_CACHE_MODES, "write around"]:
-        with fio_support.loop_target(fio_support.SHM, 1 << 20, fill=False) as dev:
-            before = fio_support.write_cache_of(dev)
+        found.clear()
         refused = pytest.raises(ValueError, match=mode) if mode == "write around" \
             else contextlib.nullcontext()
         with refused:
             with fio_support.loop_target(fio_support.SHM, 1 << 20, fill=False,
-                                         write_cache=mode) as same:
-                assert same == dev                     # the first free minor again
-                assert fio_support.write_cache_of(dev) == mode
-        assert fio_support.write_cache_of(dev) == before, mode
+                                         write_cache=mode) as dev:
+                assert real(dev) == mode
+        (dev, before), = found
+        assert real(dev) == before, mode
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert fio_support.PREFIX not in attached, attached
 
