@@ -45,15 +45,17 @@ def backing_file(size: int, directory: Path | None = None, prefix="kvblock-test-
 _ATTACHED: set[str] = set()  # loop devices this process attached and has not detached
 
 
-def attach(path: Path | str, sector_size: int | None = None, partscan: bool = False) -> str:
+def attach(path: Path | str, sector_size: int | None = None, partscan: bool = False,
+           device: str | None = None) -> str:
     """``sector_size``: the device's logical block size (default 512; 4096
     makes it look like an NVMe namespace formatted with 4 KiB LBAs).
     ``partscan``: let the device have partitions (losetup -P); they go
-    when it is detached."""
+    when it is detached.  ``device``: this /dev/loopN (default: the first
+    free one)."""
     sectors = ["--sector-size", str(sector_size)] if sector_size else []
     sectors += ["-P"] if partscan else []
-    out = subprocess.run(["losetup", "-f", "--show", "--direct-io=on", *sectors, str(path)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run(["losetup", device or "-f", "--show", "--direct-io=on", *sectors,
+                          str(path)], check=True, capture_output=True, text=True)
     dev = out.stdout.strip()
     _ATTACHED.add(dev)
     return dev
