@@ -613,6 +613,7 @@ class _LoadJob:
         kv, BS, Hg, D = g.kv_parts, g.block_tokens, g.heads_per_group, g.head_dim
         hashers: dict = {}
         views = None
+        lapsed = False      # the pins were found lapsed before the load's end
         try:
             while True:
                 item = self.q.get()
@@ -645,15 +646,10 @@ class _LoadJob:
                     # give their space to other runs while this layer was
                     # read (unverified, nothing else would notice).
                     if not store._pins_hold(self.segs):
+                        lapsed = True
                         raise StoreClosedError(PINS_LAPSED)
                     handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
                     handle._events[layer].set()
-            # The blocks read from the device; the rest of those returned
-            # came from DRAM (counted only now: a run failing its checksum
-            # cuts off DRAM blocks copied after it too).
-            read = sum(max(0, min(count, handle.blocks - out_at))
-                       for _, _, count, out_at in self.segs)
-            _count_loaded(store, handle.blocks, read, self.heads)
         except BaseException as e:  # surfaced by wait()/wait_layer()
             error = e
             self.abort = True
@@ -676,8 +672,20 @@ class _LoadJob:
                 store._read_failed(error, [seg[0] for seg in self.segs])
             except Exception as e:
                 logger.warning("kvblock: dropping the runs of a failed load failed: %s", e)
-        if not store._unpin(self.segs) and error is None:
-            error = StoreClosedError(PINS_LAPSED)
+        if not store._unpin(self.segs) and (error is None or lapsed):
+            # As a read under pins that lapsed (RunReader._read_done): a miss,
+            # counted as such, and none of its blocks count as returned.
+            store.counters["lapsed_pin_gets"] += 1
+            if error is None:
+                error = StoreClosedError(PINS_LAPSED)
+        if error is None:
+            # Counted only once the pins were released and found to have
+            # held.  The blocks read from the device; the rest of those
+            # returned came from DRAM (a run failing its checksum cuts off
+            # DRAM blocks copied after it too).
+            read = sum(max(0, min(count, handle.blocks - out_at))
+                       for _, _, count, out_at in self.segs)
+            _count_loaded(store, handle.blocks, read, self.heads)
         if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup
             try:
                 store._drop_runs(self.bad_runs)

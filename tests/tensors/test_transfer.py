@@ -1104,3 +1104,76 @@ def test_a_load_whose_probe_of_unreadable_runs_fails_still_ends_and_unpins(path,
         assert isinstance(done[0], IOFailedError), done[0]
         assert store.regions.pins.sum() == 0
         assert store.lookup(a) == 0 and store.lookup(b) == 0
+
+
+def _served_load(tmp_path, path, monkeypatch, lapse):
+    """Save a prefix through a store server, then load it while the server
+    goes away as ``lapse(server, job)`` says; the client's counters before and
+    after, and how the load ended."""
+    from kvblock.errors import StoreClosedError
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+    from kvblock.tensors import transfer
+
+    _store(path, geom()).close()
+    sock = str(tmp_path / "kv.sock")
+    server = serve_in_background([path], sock)
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    keys = [b"p0", b"p1", b"p2", b"p3"]
+    try:
+        with RemoteStore(sock) as r:
+            save_blocks(r, keys, VLLMLayout(src), [0, 1, 2, 3])
+            lapse(server, r, monkeypatch, transfer)
+            before = dict(r.counters)
+            dst = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+            h = load_blocks(r, keys, VLLMLayout(dst), [0, 1, 2, 3])
+            with pytest.raises(StoreClosedError, match="pins lapsed"):
+                h.wait(10)
+            for layer in range(L):
+                with pytest.raises(StoreClosedError):
+                    h.wait_layer(layer, 10)
+            assert h.blocks == 0
+            after = dict(r.counters)
+    finally:
+        server.stop()
+    return before, after
+
+
+def test_a_load_whose_pins_lapse_at_their_release_counts_a_lapse_not_its_blocks(
+        tmp_path, path, monkeypatch):
+    """Every layer was handed over under pins that held, then the server went
+    away before the load released them: the load fails (PINS_LAPSED), yet its
+    blocks had already gone into get_blocks / get_bytes, and lapsed_pin_gets
+    stayed 0.  A read unpins first, then counts its blocks or the lapse
+    (README: such a read is a miss, counted in lapsed_pin_gets)."""
+    def at_the_release(server, r, monkeypatch, transfer):
+        real = r._unpin
+
+        def server_gone_first(segs):
+            server.stop()
+            return real(segs)
+        monkeypatch.setattr(r, "_unpin", server_gone_first)
+
+    before, after = _served_load(tmp_path, path, monkeypatch, at_the_release)
+    assert after["get_blocks"] == before["get_blocks"]
+    assert after["get_bytes"] == before["get_bytes"]
+    assert after["lapsed_pin_gets"] == before["lapsed_pin_gets"] + 1
+
+
+def test_a_load_whose_server_goes_away_between_layers_counts_a_lapse(
+        tmp_path, path, monkeypatch):
+    """The server goes away while layer 1 is read: layers 1 and 2 are not
+    handed over (StoreClosedError for every waiter, no blocks), and the load
+    is a lapsed read as a get_run under pins that lapsed is."""
+    def mid_load(server, r, monkeypatch, transfer):
+        real = transfer._LoadJob._read_batch
+
+        def read_batch(job, batch):
+            if batch[0][0] == 1 and batch[0][1] == 0:
+                server.stop()
+            return real(job, batch)
+        monkeypatch.setattr(transfer._LoadJob, "_read_batch", read_batch)
+
+    before, after = _served_load(tmp_path, path, monkeypatch, mid_load)
+    assert after["get_blocks"] == before["get_blocks"]
+    assert after["lapsed_pin_gets"] == before["lapsed_pin_gets"] + 1
