@@ -686,17 +686,24 @@ class RunReader(RunIO):
             return False
         return True
 
-    def _checksum_failure(self, run: Run, range_index: int) -> None:
-        if not self._run_pin_held(run):
-            return       # its space may hold other runs now; the read is a miss
+    def _first_damage(self, run: Run) -> bool:
+        """Record ``run`` as found damaged; False when a read (or a
+        layer-wise load) found it so already: that one counts and drops it."""
         with self._damaged_lock:
             if self._damaged_runs is None:
                 self._damaged_runs = OrderedDict()
             if run.run_id in self._damaged_runs:
-                return   # counted and dropped by the read that met it first
+                return False
             self._damaged_runs[run.run_id] = None
             if len(self._damaged_runs) > DAMAGED_RUNS_KEPT:
                 self._damaged_runs.popitem(last=False)
+        return True
+
+    def _checksum_failure(self, run: Run, range_index: int) -> None:
+        if not self._run_pin_held(run):
+            return       # its space may hold other runs now; the read is a miss
+        if not self._first_damage(run):
+            return       # counted and dropped by the read that met it first
         self.counters["checksum_failures"] += 1
         dev, off = self.regions.address(run.region, run.offset)
         self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id, range_index)

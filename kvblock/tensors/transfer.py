@@ -723,6 +723,8 @@ class _LoadJob:
         self.handle.blocks = min(self.handle.blocks, out_at)
         if not store._run_pin_held(run):
             return       # its space may hold other runs now (the load fails: PINS_LAPSED)
+        if not store._first_damage(run):
+            return       # counted and dropped by the read or load that met it first
         store.counters["checksum_failures"] += 1
         dev, off = store.regions.address(run.region, run.offset)
         store.last_checksum_failure = (store.io.devices[dev].path, off, run.run_id, range_index)

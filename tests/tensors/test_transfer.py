@@ -1177,3 +1177,41 @@ def test_a_load_whose_server_goes_away_between_layers_counts_a_lapse(
     before, after = _served_load(tmp_path, path, monkeypatch, mid_load)
     assert after["get_blocks"] == before["get_blocks"]
     assert after["lapsed_pin_gets"] == before["lapsed_pin_gets"] + 1
+
+
+def test_two_loads_meeting_one_damaged_run_count_it_once(path, monkeypatch):
+    """Two layer-wise loads in flight together both read run b, whose last
+    layer is corrupt: each added a checksum failure (2 for one damaged run)
+    and dropped it again.  Reads count and drop a damaged run once (the
+    store remembers the run ids it found damaged); so do loads, and a load
+    and a read alike."""
+    from kvblock.tensors import transfer
+
+    src = [rand(2, 6, BS, H, D) for _ in range(L)]
+    a, b = [b"a0", b"a1"], [b"b0", b"b1"]
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1])
+        save_blocks(store, b, VLLMLayout(src), [2, 3])
+        run_b = store.index.locate(normalize_keys(b)[0])[0]
+        _, off = store.regions.address(run_b.region, run_b.offset)
+    with open(path, "r+b") as f:  # corrupt the last layer of run b
+        f.seek(off + (L - 1) * store.layout(2).range_bytes + 64)
+        f.write(b"\xde\xad")
+    with KVStore.open([path]) as store:
+        both_pinned = threading.Barrier(2, timeout=10)
+        real, first = transfer._LoadJob._read_batch, set()
+
+        def read_batch(job, batch):
+            if id(job) not in first:       # each load's first read: both hold their pins
+                first.add(id(job))
+                both_pinned.wait()
+            return real(job, batch)
+        monkeypatch.setattr(transfer._LoadJob, "_read_batch", read_batch)
+        dsts = [[torch.zeros(2, 6, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+                for _ in range(2)]
+        handles = [load_blocks(store, a + b, VLLMLayout(d), [0, 1, 2, 3]) for d in dsts]
+        assert [h.wait(10) for h in handles] == [2, 2]
+        assert store.counters["checksum_failures"] == 1
+        assert store.lookup(a + b) == 2
+        monkeypatch.setattr(transfer._LoadJob, "_read_batch", real)
+        assert store.regions.pins.sum() == 0
