@@ -686,30 +686,45 @@ class RunReader(RunIO):
             return False
         return True
 
-    def _first_damage(self, run: Run) -> bool:
-        """Record ``run`` as found damaged; False when a read (or a
-        layer-wise load) found it so already: that one counts and drops it."""
+    def _damage_found(self, run: Run) -> tuple[bool, bool]:
+        """Record ``run`` as found damaged: (count it, drop it).  A read (or
+        a layer-wise load) that found it so already counted it and dropped it,
+        or is dropping it: (False, False); where that drop failed
+        (:meth:`_damage_not_dropped`), this one drops it: (False, True)."""
         with self._damaged_lock:
             if self._damaged_runs is None:
                 self._damaged_runs = OrderedDict()
-            if run.run_id in self._damaged_runs:
-                return False
-            self._damaged_runs[run.run_id] = None
+            dropping = self._damaged_runs.get(run.run_id)
+            if dropping is not None:
+                self._damaged_runs[run.run_id] = True
+                return False, not dropping
+            self._damaged_runs[run.run_id] = True
             if len(self._damaged_runs) > DAMAGED_RUNS_KEPT:
                 self._damaged_runs.popitem(last=False)
-        return True
+        return True, True
+
+    def _damage_not_dropped(self, run: Run) -> None:
+        """The drop of a damaged run failed: the next read that meets it
+        drops it (without counting it again)."""
+        with self._damaged_lock:
+            if self._damaged_runs is not None and run.run_id in self._damaged_runs:
+                self._damaged_runs[run.run_id] = False
 
     def _checksum_failure(self, run: Run, range_index: int) -> None:
         if not self._run_pin_held(run):
             return       # its space may hold other runs now; the read is a miss
-        if not self._first_damage(run):
-            return       # counted and dropped by the read that met it first
-        self.counters["checksum_failures"] += 1
-        dev, off = self.regions.address(run.region, run.offset)
-        self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id, range_index)
+        count, drop = self._damage_found(run)
+        if count:        # else counted by the read that met it first
+            self.counters["checksum_failures"] += 1
+            dev, off = self.regions.address(run.region, run.offset)
+            self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id,
+                                          range_index)
+        if not drop:
+            return       # dropped (or being dropped) by the read that met it first
         try:
             self._drop_runs([run], why="checksum")
         except KVBlockError as e:    # the read is a miss whatever became of the drop
+            self._damage_not_dropped(run)
             logger.warning("kvblock: dropping run %d after a checksum failure failed: %s",
                            run.run_id, e)
 

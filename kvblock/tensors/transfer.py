@@ -692,7 +692,10 @@ class _LoadJob:
             except KVBlockError as e:
                 # As get_run: the load stands whatever became of the drop (what
                 # it delivered was read and verified under pins that held, and
-                # failing it lost that prefix); a later read meets the run again.
+                # failing it lost that prefix); a later read meets the run
+                # again and drops it.
+                for run in self.bad_runs:
+                    store._damage_not_dropped(run)
                 logger.warning("kvblock: dropping %d run(s) after a checksum failure "
                                "failed: %s", len(self.bad_runs), e)
         if error is not None:
@@ -723,12 +726,14 @@ class _LoadJob:
         self.handle.blocks = min(self.handle.blocks, out_at)
         if not store._run_pin_held(run):
             return       # its space may hold other runs now (the load fails: PINS_LAPSED)
-        if not store._first_damage(run):
-            return       # counted and dropped by the read or load that met it first
-        store.counters["checksum_failures"] += 1
-        dev, off = store.regions.address(run.region, run.offset)
-        store.last_checksum_failure = (store.io.devices[dev].path, off, run.run_id, range_index)
-        self.bad_runs.append(run)
+        count, drop = store._damage_found(run)
+        if count:        # else counted by the read or load that met it first
+            store.counters["checksum_failures"] += 1
+            dev, off = store.regions.address(run.region, run.offset)
+            store.last_checksum_failure = (store.io.devices[dev].path, off, run.run_id,
+                                           range_index)
+        if drop:         # else dropped (or being dropped) by that one
+            self.bad_runs.append(run)
 
 
 def _consecutive(ids) -> slice | None:

@@ -300,3 +300,33 @@ def test_a_damaged_run_past_a_requests_first_run_ends_its_count_there(filled):
         assert np.array_equal(other, _blocks(data[3], geom, 3, 2))
         assert [store.lookup(k) for k in keys] == [0, N, 0, N]
         assert int(store.regions.pins.sum()) == 0
+
+
+def test_a_damaged_run_whose_drop_failed_is_dropped_by_the_next_read(filled):
+    """The read that met a damaged run could not drop it (a served store's
+    server gone at that moment: the drop is logged and the read is a miss).
+    The reader had still recorded the run as counted *and dropped*, so every
+    later read met it, skipped it as handled, and left it indexed: a hit no
+    read could return, for good.  The next read that meets it drops it (and
+    counts the failure no second time)."""
+    from kvblock.errors import StoreClosedError
+
+    store, keys, data = filled()
+    geom = store.geometry
+    with store:
+        run = _run(store, keys[0][0])
+        _flip(store, run, 11 * geom.group_block_bytes + 5)
+        real, calls = store._drop_runs, []
+
+        def gone_once(runs, *args, **kwargs):
+            calls.append([r.run_id for r in runs])
+            if len(calls) == 1:
+                raise StoreClosedError("the store server went away")
+            return real(runs, *args, **kwargs)
+        store._drop_runs = gone_once
+        out = _aligned(N * geom.block_bytes)
+        assert store.get_run(keys[0], out) == 0
+        assert store.lookup(keys[0]) == N                  # its drop failed: still indexed
+        assert store.get_run(keys[0], out) == 0
+        assert store.lookup(keys[0]) == 0, "the run stayed indexed, a hit no read returns"
+        assert store.stats()["checksum_failures"] == 1

@@ -1215,3 +1215,36 @@ def test_two_loads_meeting_one_damaged_run_count_it_once(path, monkeypatch):
         assert store.lookup(a + b) == 2
         monkeypatch.setattr(transfer._LoadJob, "_read_batch", real)
         assert store.regions.pins.sum() == 0
+
+
+def test_a_damaged_run_whose_drop_failed_is_dropped_by_the_next_load(path, monkeypatch):
+    """A load met a damaged run and could not drop it (the drop raised: a
+    served store's server gone at that moment); the load stands, and the
+    next load that meets the run drops it (counted once in all)."""
+    from kvblock.errors import StoreClosedError
+
+    src = [rand(2, 6, BS, H, D) for _ in range(L)]
+    a, b = [b"a0", b"a1"], [b"b0", b"b1"]
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1])
+        save_blocks(store, b, VLLMLayout(src), [2, 3])
+        run_b = store.index.locate(normalize_keys(b)[0])[0]
+        _, off = store.regions.address(run_b.region, run_b.offset)
+    with open(path, "r+b") as f:  # corrupt the last layer of run b
+        f.seek(off + (L - 1) * store.layout(2).range_bytes + 64)
+        f.write(b"\xde\xad")
+    with KVStore.open([path]) as store:
+        real, calls = store._drop_runs, []
+
+        def gone_once(runs, *args, **kwargs):
+            calls.append(runs)
+            if len(calls) == 1:
+                raise StoreClosedError("the store server went away")
+            return real(runs, *args, **kwargs)
+        monkeypatch.setattr(store, "_drop_runs", gone_once)
+        dst = [torch.zeros(2, 6, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, a + b, VLLMLayout(dst), [0, 1, 2, 3]).wait(10) == 2
+        assert store.lookup(a + b) == 4                   # its drop failed: still indexed
+        assert load_blocks(store, a + b, VLLMLayout(dst), [0, 1, 2, 3]).wait(10) == 2
+        assert store.lookup(a + b) == 2, "the run stayed indexed, a hit no load returns"
+        assert store.counters["checksum_failures"] == 1
