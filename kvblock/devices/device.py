@@ -64,11 +64,12 @@ class DeviceInfo:
         return dict(self.__dict__)
 
 
-def create_file(path: str | os.PathLike, size: int) -> Path:
+def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False) -> Path:
     """Create (or grow) a pre-sized backing file of ``size`` bytes.
 
     Space is reserved with posix_fallocate so later writes cannot fail with
     ENOSPC half-way through a run.
+    (``_exclusive``: only create it; FileExistsError when it exists (new_file).)
     """
     _refuse_nul(path)
     path = Path(path)
@@ -77,7 +78,15 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
     try:
         existed = path.exists()
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        if _exclusive:
+            # O_EXCL fails on any symlink: create the (dangling) link's target.
+            try:
+                fd = os.open(os.path.realpath(path), os.O_RDWR | os.O_CREAT | os.O_EXCL,
+                             0o600)
+            except FileExistsError:
+                raise _MadeMeanwhile() from None
+        else:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
         # mkdir's EEXIST (exist_ok): a folder on the way is a file.
         code = errno.ENOTDIR if isinstance(e, FileExistsError) else e.errno
@@ -131,10 +140,16 @@ def create_file(path: str | os.PathLike, size: int) -> Path:
     return path
 
 
-def new_file(path: str | os.PathLike, size: int) -> list[str]:
+class _MadeMeanwhile(Exception):
+    """(create_file, exclusive) the file exists: another process made it."""
+
+
+def new_file(path: str | os.PathLike, size: int) -> list[str] | None:
     """create_file at a path where nothing is yet.  Returns what it made,
     for remove_made: the file (a dangling symlink's target, not the link),
-    then each folder made for it, innermost first."""
+    then each folder made for it, innermost first; None when another
+    process made the file meanwhile (it is theirs: a store they may have
+    formatted and hold, which no failure here may remove)."""
     _refuse_nul(path)
     made = os.path.realpath(path)
     folders = []
@@ -143,16 +158,21 @@ def new_file(path: str | os.PathLike, size: int) -> list[str]:
         folders.append(parent)
         parent = os.path.dirname(parent)
     try:
-        create_file(path, size)
+        create_file(path, size, _exclusive=True)
+    except _MadeMeanwhile:
+        return None
     except BaseException:
         remove_made([made, *folders])
         raise
     return [made, *folders]
 
 
-def remove_made(made: list[str]) -> None:
+def remove_made(made: list[str] | None) -> None:
     """Remove what new_file made: the file, then its folders while they are
-    empty (one another program has put something in since stays)."""
+    empty (one another program has put something in since stays).  None
+    (new_file made nothing): nothing."""
+    if not made:
+        return
     with contextlib.suppress(FileNotFoundError):
         os.unlink(made[0])
     for folder in made[1:]:

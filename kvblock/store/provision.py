@@ -41,8 +41,11 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
     try:
         if size is not None:
             for path in devices:
-                if not os.path.exists(path):
-                    created.append(new_file(path, size))   # the file, the folders made
+                # (None: another process (a sibling rank) made it meanwhile;
+                # it is theirs, never removed here)
+                made = new_file(path, size) if not os.path.exists(path) else None
+                if made is not None:
+                    created.append(made)                 # the file, the folders made
                 else:
                     _warn_size(path, size, owner)
         return _open_or_format(devices, geometry, model, format, region_size, owner,

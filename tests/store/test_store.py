@@ -2391,3 +2391,35 @@ def test_an_open_that_fails_late_closes_the_dram_tier_past_a_device_close_that_r
     assert tiers, "the DRAM tier was left open"
     assert all(d.closed for d in devices)
 
+
+
+def test_open_or_format_losing_the_race_to_create_a_file_keeps_the_winners_store(
+        tmp_path, monkeypatch):
+    """Two processes start on one store path with size and no file there
+    yet: both see the path missing; one creates, formats and holds the
+    store, the other finds it busy (DeviceBusyError, as README promises).
+    That one did not make the file, yet removed it as made: the running
+    store's file was unlinked under it (its KV gone at the next start)."""
+    from kvblock.devices import device as devmod
+    from kvblock.errors import DeviceBusyError
+    from kvblock.store import provision
+
+    path = str(tmp_path / "kv.img")
+    real_create_file = devmod.create_file
+    winner = []
+
+    def racing_create_file(p, size, *args, **kw):    # the other process creates it first
+        if not winner:
+            real_create_file(p, size)
+            winner.append(KVStore.format([p], GEOM, model="m", region_size=REGION))
+        return real_create_file(p, size, *args, **kw)
+
+    monkeypatch.setattr(devmod, "create_file", racing_create_file)
+    try:
+        with pytest.raises(DeviceBusyError):
+            provision.open_or_format([path], GEOM, "m", size=8 << 20, region_size=REGION)
+        assert os.path.exists(path) and os.stat(path).st_ino == os.fstat(
+            winner[0].io.devices[0].fd).st_ino
+    finally:
+        for store in winner:
+            store.close()
