@@ -173,8 +173,33 @@ def remove_made(made: list[str] | None) -> None:
     (new_file made nothing): nothing."""
     if not made:
         return
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(made[0])
+    try:
+        fd = os.open(made[0], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        fd = -1
+    except OSError:
+        fd = -1                      # (unreadable: removed as before)
+    try:
+        if fd >= 0:
+            try:
+                # A store another process opened on it since (a sibling rank
+                # that found it blank and formatted it) holds its flock: the
+                # file is that store now, not ours to remove.
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                import logging
+
+                logging.getLogger("kvblock").warning(
+                    "kvblock: %s: not removed after the failure: another process holds a "
+                    "store on it", made[0])
+                return
+            except OSError:
+                pass
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(made[0])       # (under the flock: no store opens it meanwhile)
+    finally:
+        if fd >= 0:
+            os.close(fd)
     for folder in made[1:]:
         try:
             os.rmdir(folder)

@@ -2423,3 +2423,32 @@ def test_open_or_format_losing_the_race_to_create_a_file_keeps_the_winners_store
     finally:
         for store in winner:
             store.close()
+
+
+def test_open_or_format_that_fails_keeps_a_file_it_made_that_another_store_holds(
+        tmp_path, monkeypatch):
+    """One process makes the store file (size); before it opens it, another
+    starting on the same path finds the file, blank, formats it and holds
+    it.  The first then finds it busy and fails: the file it made is now
+    the other's running store, and must not be removed under it."""
+    from kvblock.errors import DeviceBusyError
+    from kvblock.store import provision
+
+    path = str(tmp_path / "kv.img")
+    real_new_file = provision.new_file
+    other = []
+
+    def new_file_then_a_sibling_starts(p, size):
+        made = real_new_file(p, size)
+        other.append(provision.open_or_format([p], GEOM, "m", region_size=REGION))
+        return made
+
+    monkeypatch.setattr(provision, "new_file", new_file_then_a_sibling_starts)
+    try:
+        with pytest.raises(DeviceBusyError):
+            provision.open_or_format([path], GEOM, "m", size=8 << 20, region_size=REGION)
+        assert os.path.exists(path) and os.stat(path).st_ino == os.fstat(
+            other[0].io.devices[0].fd).st_ino
+    finally:
+        for store in other:
+            store.close()
