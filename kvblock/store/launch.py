@@ -56,6 +56,14 @@ def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.
 
         check_distinct(devices)     # one path: refused by name (a server on its characters)
     socket_path = os.fspath(socket_path)
+    from kvblock.store.server import MAX_SOCKET_PATH
+
+    # No server can listen there: refused before prepare() formats (making
+    # the store file) and the folder is made, not by the server started.
+    if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH:
+        raise ConfigError(f"socket path {socket_path!r} is {len(os.fsencode(socket_path))} "
+                          f"bytes; a Unix socket's path holds at most {MAX_SOCKET_PATH}: "
+                          "choose a shorter socket path")
     lock_path = socket_path + ".lock"
     socket_dir(socket_path)
     # lockf, not flock: a process forked meanwhile (from another thread) must

@@ -922,6 +922,25 @@ def test_an_engines_bad_verify_or_engine_starts_no_server(tmp_path, sock):
         assert not _kill_servers_of(sock), f"{bad}: a server was started"
 
 
+def test_an_engines_socket_path_too_long_is_refused_before_anything_is_made(tmp_path):
+    """open_shared with a socket path past a Unix socket's 107 bytes: no
+    server can ever listen there, and the refusal is a ConfigError naming
+    the path before anything is made.  It came only from the server that
+    the first rank started, after that rank had made the socket folder and
+    made and formatted the store file, which stayed behind (a ServerError)."""
+    from kvblock.store.provision import open_shared
+
+    path = str(tmp_path / "kv.img")
+    folder = tmp_path / "run"
+    sock = str(folder / ("s" * (110 - len(str(folder)))) ) + ".sock"
+    assert len(sock) > 107
+    with pytest.raises(ConfigError, match="at most 107") as e:
+        open_shared(sock, [path], GEOM, "m", size=8 * MIB)
+    assert sock in str(e.value)
+    assert not os.path.exists(path), "the store file was made"
+    assert not folder.exists(), "the socket folder was made"
+
+
 def test_an_engines_size_and_region_size_are_said_not_to_apply_to_a_running_server(
         tmp_path, sock, caplog):
     """open_shared with a server already serving the store: a region_size or
