@@ -1599,6 +1599,15 @@ class KVStore(Recovery, RunReader, RunWriter):
                     # (Closed under the lock: one waiting here sees it.)
                     if not self.closed:
                         try:
+                            # The open region is sealed now, not at the
+                            # next open (no run is appended to it after a
+                            # reopen either): its seal time, which
+                            # evict_older_than goes by, is then when its
+                            # runs were last written at the latest, not
+                            # whenever the store is opened again.
+                            with self._lock:
+                                if self.regions.open is not None:
+                                    self.regions.seal(self.regions.open)
                             self._write_checkpoint()
                         finally:
                             self.closed = True

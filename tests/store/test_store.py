@@ -2452,3 +2452,27 @@ def test_open_or_format_that_fails_keeps_a_file_it_made_that_another_store_holds
     finally:
         for store in other:
             store.close()
+
+
+def test_evict_older_than_after_a_clean_close_takes_the_region_open_at_the_close(
+        tmp_path, monkeypatch):
+    """The region open at a clean close holds runs written before the close,
+    but it was sealed only at the next open, with that open's time: an
+    `evict --older-than` (which opens the store, then evicts) never took
+    it, however old its runs.  Sealed at the close, its age is the close's."""
+    import time as time_mod
+
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(1, 2)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as store:
+        assert store.put_run(keys, run_data(keys)) == 2
+        assert store.regions.open is not None
+    closed_at = time_mod.time()
+    real = time_mod.time
+    monkeypatch.setattr(time_mod, "time", lambda: real() + 100)   # reopened much later
+    with KVStore.open([str(path)]) as store:
+        monkeypatch.setattr(time_mod, "time", real)
+        assert store.lookup(keys) == 2
+        assert store.evict_older_than(closed_at - 5) == 0 and store.lookup(keys) == 2
+        assert store.evict_older_than(closed_at + 50) == 1 and store.lookup(keys) == 0
