@@ -78,7 +78,23 @@ class _RestoringLayer(DynamicLayer):
                 "checksum or was evicted since the lookup: recompute from token "
                 f"{blocks * self.block_tokens}")
 
+    def _check_fits(self, key_states, value_states):
+        """The model's new KV is of the layout's kind: another dtype would be
+        cast into the spare room (or promoted by the concatenation past it),
+        other heads or head size broadcast or fail deep in torch."""
+        for name, new, have in (("keys", key_states, self._k), ("values", value_states, self._v)):
+            if new.dim() != 4 or new.shape[:2] != have.shape[:2] or \
+                    new.shape[-1] != have.shape[-1] or new.dtype != have.dtype or \
+                    new.device != have.device:
+                raise ConfigError(
+                    f"streaming_cache: layer {self.layer}'s new {name} are "
+                    f"{tuple(new.shape)} {new.dtype} on {new.device}, the layout holds "
+                    f"(batch, heads, tokens, head_dim) {tuple(have.shape)} {have.dtype} on "
+                    f"{have.device}: the layout is not of this model's KV (build it with the "
+                    "model's KV heads, head size, dtype and device)")
+
     def update(self, key_states, value_states, *args, **kwargs):
+        self._check_fits(key_states, value_states)
         self._wait()
         n = key_states.shape[-2]
         if self.length + n > self._k.shape[-2]:      # out of spare room: grow by concatenation
@@ -125,6 +141,20 @@ class _RestoringLayer(DynamicLayer):
         self._views()
 
 
+class _StreamingCache(DynamicCache):
+    """A DynamicCache of the layout's layers only: a model of more layers
+    would get a fresh, empty layer past them (the plain cache's lazy
+    growth), attending there to none of the restored prefix."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise ConfigError(
+                f"streaming_cache: the model updates layer {layer_idx}, the layout holds "
+                f"{len(self.layers)} layers: the layout is not of this model's KV (build it "
+                "with the model's layer count)")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
 def streaming_cache(handle: LoadHandle, layout: HFDynamicLayout,
                     length: int | None = None) -> DynamicCache:
     """A cache over ``layout``'s tensors holding ``length`` restored tokens
@@ -140,7 +170,7 @@ def streaming_cache(handle: LoadHandle, layout: HFDynamicLayout,
         raise ConfigError(f"streaming_cache: length {length!r} is not a token count the "
                           f"layout holds (0 to its {layout.tokens} tokens); pass the tokens "
                           "restored, or a layout with room for them")
-    cache = DynamicCache()
+    cache = _StreamingCache()
     cache.layers = [_RestoringLayer(handle, layer, layout.keys[layer], layout.values[layer],
                                     length, layout.block_tokens)
                     for layer in range(layout.num_layers)]

@@ -303,3 +303,40 @@ def test_streaming_cache_of_a_length_the_layout_does_not_hold_is_a_clear_error(l
     dst = HFDynamicLayout.empty(2, 2, 2 * 4, 8, 4, torch.float32)
     with pytest.raises(ConfigError, match=rf"length {length!r}.* 8 tokens"):
         streaming_cache(LoadHandle(2, 2), dst, length)
+
+
+@pytest.mark.parametrize("wrong", ["layers", "dtype", "dtype_no_spare", "heads", "head_dim",
+                                   "batch"])
+def test_streaming_cache_of_another_models_layout_is_a_clear_error(wrong):
+    """A layout cut for another model (fewer layers, another dtype, other
+    KV heads or head size) ran the model into torch's own RuntimeError deep
+    in attention (a shape or dtype mismatch), or, for a dtype whose layout
+    had no spare room, was accepted: the new tokens were concatenated by
+    type promotion onto KV of the other precision.  The model's first
+    update of a layer that does not fit is refused as a ConfigError."""
+    from kvblock.errors import ConfigError
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import LoadHandle
+
+    m = model()                          # 3 layers, 2 KV heads of 16, float32
+    ids = prompt(2 * BLOCK + 3)
+    shape = dict(num_layers=3, heads=2, tokens=3 * BLOCK, head_dim=16, dtype=torch.float32)
+    if wrong == "layers":
+        shape["num_layers"] = 2
+    elif wrong == "dtype":
+        shape["dtype"] = torch.bfloat16
+    elif wrong == "dtype_no_spare":
+        shape.update(dtype=torch.bfloat16, tokens=2 * BLOCK)
+    elif wrong == "heads":
+        shape["heads"] = 4
+    elif wrong == "head_dim":
+        shape["head_dim"] = 8
+    layout = HFDynamicLayout.empty(block_tokens=BLOCK, **shape)
+    handle = LoadHandle(shape["num_layers"], 2)
+    for e in handle._events:             # the load has landed
+        e.set()
+    cache = streaming_cache(handle, layout, 2 * BLOCK)
+    if wrong == "batch":                 # two prompts on a cache restored for one
+        ids = ids.repeat(2, 1)
+    with pytest.raises(ConfigError, match="layout"):
+        continue_from(m, cache, ids, 2 * BLOCK)
