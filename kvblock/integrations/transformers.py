@@ -162,6 +162,10 @@ def streaming_cache(handle: LoadHandle, layout: HFDynamicLayout,
     whose restored tokens did not all arrive (a checksum failure, an
     eviction since the lookup) raises PartialLoadError when the model
     reaches it, instead of attending to what is not there."""
+    if not isinstance(layout, HFDynamicLayout):
+        raise ConfigError(f"streaming_cache: the layout is a {type(layout).__name__}; a "
+                          "transformers cache is built over an HFDynamicLayout's tensors "
+                          "(HFDynamicLayout.empty(...), loaded into by load_blocks)")
     length = layout.tokens if length is None else length
     # Past the tensors, the layers would later blame the missing tokens on
     # a checksum failure or an eviction (PartialLoadError).

@@ -340,3 +340,16 @@ def test_streaming_cache_of_another_models_layout_is_a_clear_error(wrong):
         ids = ids.repeat(2, 1)
     with pytest.raises(ConfigError, match="layout"):
         continue_from(m, cache, ids, 2 * BLOCK)
+
+
+def test_streaming_cache_of_another_engines_layout_is_a_clear_error():
+    """streaming_cache builds a transformers cache over an HFDynamicLayout's
+    tensors; given another layout (a vLLM one, the engine's paged cache) it
+    raised AttributeError ('VLLMLayout' object has no attribute 'tokens')."""
+    from kvblock.errors import ConfigError
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import LoadHandle, VLLMLayout
+
+    layout = VLLMLayout([torch.zeros(2, 4, BLOCK, 2, 8)], "NHD")
+    with pytest.raises(ConfigError, match="HFDynamicLayout"):
+        streaming_cache(LoadHandle(1, 1), layout, BLOCK)
