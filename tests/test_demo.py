@@ -204,3 +204,28 @@ def test_size_is_the_size_of_the_demo_store_file(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match="--size"):       # (the CLI: a usage error)
         demo.run_demo(tokens=64, device=str(dev), size=32 << 20, quiet=True)
     assert not built and dev.stat().st_size == 64 << 20
+
+
+def test_a_device_that_is_a_directory_is_a_clear_error(monkeypatch, tmp_path):
+    """--device naming a directory raised a bare IsADirectoryError from the
+    overwrite check's superblock read ("kvblock: error: Is a directory",
+    naming no path, exit code of an untyped OSError) where `kvblock format`
+    on it says what it is and what to pass.  It is now the store's own
+    refusal, a KVBlockError naming the path, before the model runs."""
+    from click.testing import CliRunner
+
+    from kvblock import demo
+    from kvblock.cli.main import cli
+    from kvblock.errors import KVBlockError
+
+    def no_model():
+        raise AssertionError("the model was built before the store was checked")
+
+    monkeypatch.setattr(demo, "build_model", no_model)
+    folder = tmp_path / "kvdir"
+    folder.mkdir()
+    with pytest.raises(KVBlockError, match="directory"):
+        demo.run_demo(tokens=64, device=str(folder), quiet=True)
+    res = CliRunner().invoke(cli, ["demo", "--device", str(folder), "--tokens", "64", "--json"])
+    assert res.output.startswith("kvblock: error: ") and str(folder) in res.output, res.output
+    assert list(folder.iterdir()) == []

@@ -224,6 +224,11 @@ def holds_data(path: str, allow_model=False) -> tuple[str, str] | None:
 
     if not os.path.exists(path):
         return None
+    if not (stat.S_ISREG(mode := os.stat(path).st_mode) or stat.S_ISBLK(mode)):
+        # A directory (or a character device...) holds no store: reading
+        # its superblock raised a bare IsADirectoryError naming no path.
+        # What writes there refuses it next, saying what it is.
+        return None
     found = signatures(path)
     if found:
         return describe(found), how_to_free(found)
