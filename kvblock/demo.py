@@ -132,7 +132,12 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
     g = geometry()
     prefix = split(tokens)
     kv_bytes = prefix // BLOCK * g.block_bytes
-    path = device or os.path.join(".kvblock", "demo.img")
+    if device is not None and not str(device):
+        # (`device or the demo's file` took it for no --device, unsized)
+        raise ConfigError("--device is empty (an unset variable?): give the raw device, "
+                          "loop device or file to use, or leave --device out for "
+                          "./.kvblock/demo.img")
+    path = device if device is not None else os.path.join(".kvblock", "demo.img")
     if device is not None and size is not None:
         raise ConfigError("--size sizes the demo's own store file (./.kvblock/demo.img); "
                           "a --device is used at its own size: drop one of them")

@@ -229,3 +229,28 @@ def test_a_device_that_is_a_directory_is_a_clear_error(monkeypatch, tmp_path):
     res = CliRunner().invoke(cli, ["demo", "--device", str(folder), "--tokens", "64", "--json"])
     assert res.output.startswith("kvblock: error: ") and str(folder) in res.output, res.output
     assert list(folder.iterdir()) == []
+
+
+def test_an_empty_device_is_refused_not_taken_for_the_demo_store(monkeypatch, tmp_path):
+    """--device '' (an unset shell variable: --device "$DEV") passed the
+    overwrite check as a device, then `device or ./.kvblock/demo.img`
+    formatted and ran on the demo's own store file, unsized (as a --device
+    is used): one too small for the prompt was refused as "does not fit",
+    a missing one as "no such device", both naming .kvblock/demo.img,
+    which the user never gave.  An empty --device is now a ConfigError,
+    and the demo's own file is left alone."""
+    from kvblock import Geometry, KVStore, create_file, demo
+    from kvblock.errors import ConfigError
+
+    def no_model():
+        raise AssertionError("the demo ran on ./.kvblock/demo.img")
+
+    monkeypatch.setattr(demo, "build_model", no_model)
+    monkeypatch.chdir(tmp_path)
+    img = tmp_path / ".kvblock" / "demo.img"
+    create_file(img, 64 << 20)
+    KVStore.format([str(img)], Geometry(2, 2, 64), model="earlier").close()
+    with pytest.raises(ConfigError, match="--device"):
+        demo.run_demo(tokens=64, device="", quiet=True)
+    with KVStore.open([str(img)], model="earlier") as store:        # untouched
+        assert store.geometry == Geometry(2, 2, 64)
