@@ -161,10 +161,13 @@ def _parse_size(value, name: str, minimum: int = 1) -> int:
     return size_setting(value, "kvblock lmcache plugin", name, minimum)
 
 
+FORCE_HINT = "set kvblock.format: force"     # (errors name the plugin's setting)
+
+
 def open_or_format(devices: list[str], geometry: Geometry, model: str, **kwargs) -> KVStore:
     """kvblock.store.provision.open_or_format, with this integration's wording."""
     return provision.open_or_format(devices, geometry, model, owner="the kvblock LMCache plugin",
-                                    force_hint='set kvblock.format: force', **kwargs)
+                                    force_hint=FORCE_HINT, **kwargs)
 
 
 class ChunkFormat:
@@ -312,7 +315,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
             self.store = provision.open_shared(
                 self.server, self.devices, self.geometry, model,
                 format=opt("format", "if-empty"), owner="the kvblock LMCache plugin",
-                **sizes, **options)
+                force_hint=FORCE_HINT, **sizes, **options)
         else:
             self.store = open_or_format(self.devices, self.geometry, model,
                                         format=opt("format", "if-empty"), **sizes, **options)

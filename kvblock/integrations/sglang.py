@@ -186,10 +186,13 @@ def _parse_size(value, name: str, minimum: int = 1) -> int:
     return size_setting(value, "kvblock sglang backend", name, minimum)
 
 
+FORCE_HINT = 'set "format": "force" in the extra config'   # (errors name the backend's setting)
+
+
 def open_or_format(devices: list[str], geometry: Geometry, model: str, **kwargs) -> KVStore:
     """kvblock.store.provision.open_or_format, with this integration's wording."""
     return provision.open_or_format(devices, geometry, model, owner="the kvblock SGLang backend",
-                                    force_hint='set "format": "force" in the extra config', **kwargs)
+                                    force_hint=FORCE_HINT, **kwargs)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -490,7 +493,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             store = provision.open_shared(
                 self.server, self.devices, geometry, self.store_model(),
                 format=self.format, size=self.size, region_size=self.region_size,
-                owner="kvblock sglang backend", **self.store_options)
+                owner="kvblock sglang backend", force_hint=FORCE_HINT, **self.store_options)
         else:
             store = self._open_own(geometry)
         self.pages, self.store = pages, store

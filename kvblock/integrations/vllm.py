@@ -247,12 +247,14 @@ def _parse_size(value, name: str, minimum: int = 1) -> int:
     return size_setting(value, "kvblock tier", name, minimum)
 
 
+FORCE_HINT = 'set "format": "force" in the tier config'   # (errors name the tier's setting)
+
+
 def open_tier_store(devices: list[str], geometry: Geometry, **kwargs) -> KVStore:
     """Open (or format, per ``format``) the tier's store on ``devices``
     (kvblock.store.provision.open_or_format, with this tier's wording)."""
     return provision.open_or_format(devices, geometry, STORE_MODEL, owner="the kvblock tier",
-                                    force_hint='set "format": "force" in the tier config',
-                                    **kwargs)
+                                    force_hint=FORCE_HINT, **kwargs)
 
 
 def _pool_array(view: memoryview, block_size: int) -> np.ndarray:
@@ -435,7 +437,8 @@ class KVBlockTierManager(SecondaryTierManager):
     def _open_store(self, dp_size: int, **options):
         if self.server is not None:
             return provision.open_shared(self.server, self.devices, self.geometry, STORE_MODEL,
-                                         owner="the kvblock tier", **options)
+                                         owner="the kvblock tier", force_hint=FORCE_HINT,
+                                         **options)
         try:
             return open_tier_store(self.devices, self.geometry, **options)
         except DeviceBusyError as e:

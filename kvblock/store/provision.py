@@ -131,12 +131,15 @@ def _started_before_this_process(pid: int) -> bool:
 
 def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model: str, *,
                 format: str = "if-empty", size: int | None = None,
-                region_size: int | None = None, owner: str = "kvblock", **options):
+                region_size: int | None = None, owner: str = "kvblock",
+                force_hint: str = 'set format to "force"', **options):
     """A RemoteStore on the store server at ``socket_path``, for processes
     (an engine's ranks or workers) that share one store on ``devices``.  The
     first caller to find no server there formats the devices (per
     ``format``, as :func:`open_or_format`) and starts ``kvblock serve``,
-    under a lock file beside the socket; the others connect.  The served
+    under a lock file beside the socket; the others connect (``owner`` and
+    ``force_hint`` name the integration and its setting in errors, as
+    there).  The served
     store must have ``geometry`` and be made for ``model``.  When the
     server is lost later (killed, crashed, hung past
     ``SHARED_CALL_TIMEOUT_S``), each process reconnects in the background,
@@ -174,7 +177,7 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
     def prepare():
         prepared.append(True)
         open_or_format(devices, geometry, model, format=format, size=size,
-                       region_size=region_size, owner=owner).close()
+                       region_size=region_size, owner=owner, force_hint=force_hint).close()
 
     server_options = {k: options[k] for k in _SERVER_OPTIONS if options.get(k) is not None}
     store = connect(socket_path, devices, prepare=prepare,

@@ -1197,3 +1197,37 @@ def test_a_failed_unpin_neither_fails_the_load_nor_keeps_the_lookups_other_pins(
     store.unpin = unpin_times_out
     assert e.plugin.unpin(keys[0]) is True
     assert e.plugin._pins == {} and e.plugin.stats()["store_failures"] == 2
+
+
+def _damaged_store_file(path):
+    """A store file whose superblocks are damaged: no store opens on it, and
+    "if-empty" will not format over it (provision.store_held names it)."""
+    from kvblock import Geometry, create_file
+    from kvblock.format import superblock as sbfmt
+
+    create_file(path, 16 << 20)
+    KVStore.format([path], Geometry(num_layers=1, num_kv_heads=1, head_dim=64,
+                                    dtype="uint8", block_tokens=1, kv_parts=1,
+                                    head_groups=1), region_size=1 << 20).close()
+    with open(path, "r+b") as f:
+        for off in sbfmt.COPY_OFFSETS:
+            f.seek(off + 100)
+            f.write(b"\xff" * 4)
+
+
+def test_a_shared_start_that_will_not_format_names_the_plugins_own_setting(tmp_path):
+    """kvblock.server on a device holding a store that cannot be opened (a
+    damaged one): the plugin will not format over it, and the refusal names
+    its own setting, as without a server (`kvblock.format: force`), not
+    open_or_format's generic 'set format to "force"'."""
+    from kvblock.errors import UnsafeTargetError
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    _damaged_store_file(dev)
+    for shared in ({}, {"kvblock.server": sock}):
+        with pytest.raises(UnsafeTargetError, match="holds a damaged kvblock store") as e:
+            KVBlockStorageBackend(config=make_config([dev], **shared),
+                                  metadata=make_metadata(), local_cpu_backend=object())
+        assert str(e.value).endswith("set kvblock.format: force"), (shared, str(e.value))
+        assert "kvblock LMCache plugin will not format" in str(e.value), str(e.value)
+    assert not os.path.exists(sock)

@@ -1469,3 +1469,29 @@ class PoolFlat:
     def page(self, p):
         ps = self.pool.page_size
         return self.pool.kv_buffer[:, p * ps:(p + 1) * ps].flatten()
+
+
+def test_a_shared_start_that_will_not_format_names_the_backends_own_setting(tmp_path):
+    """"server" on a device holding a store that cannot be opened (its
+    superblocks damaged): the backend will not format over it, and the
+    refusal names its own setting, as without a server, not
+    open_or_format's generic 'set format to "force"'."""
+    from kvblock import Geometry, create_file
+    from kvblock.errors import UnsafeTargetError
+    from kvblock.format import superblock as sbfmt
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    create_file(dev, 16 << 20)
+    KVStore.format([dev], Geometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="uint8",
+                                   block_tokens=1, kv_parts=1, head_groups=1),
+                   region_size=1 << 20).close()
+    with open(dev, "r+b") as f:
+        for off in sbfmt.COPY_OFFSETS:
+            f.seek(off + 100)
+            f.write(b"\xff" * 4)
+    for shared in ({}, {"server": sock}):
+        with pytest.raises(UnsafeTargetError, match="holds a damaged kvblock store") as e:
+            attach(HostPool(), [dev], **shared)
+        assert str(e.value).endswith('set "format": "force" in the extra config'), \
+            (shared, str(e.value))
+    assert not os.path.exists(sock)

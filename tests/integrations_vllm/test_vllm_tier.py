@@ -1832,3 +1832,28 @@ def test_folded_store_failures_are_said_with_when_they_were(monkeypatch, caplog)
     assert lines[0] == "kvblock tier: store job 1 failed, answered as a miss: the store is closed"
     assert lines[1] == ("kvblock tier: store job 1 failed, answered as a miss: the store is "
                         "closed (2 more store failures in the 3600 s since the last warning)")
+
+
+def test_a_shared_start_that_will_not_format_names_the_tiers_own_setting(tmp_path):
+    """"server" on a device holding a store that cannot be opened (its
+    superblocks damaged): the tier will not format over it, and the refusal
+    names the tier's own setting, as without a server, not open_or_format's
+    generic 'set format to "force"'."""
+    from kvblock.errors import UnsafeTargetError
+    from kvblock.format import superblock as sbfmt
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    kvblock.create_file(dev, 16 << 20)
+    KVStore.format([dev], slot_geometry(SLOT), region_size=1 << 20).close()
+    with open(dev, "r+b") as f:
+        for off in sbfmt.COPY_OFFSETS:
+            f.seek(off + 100)
+            f.write(b"\xff" * 4)
+    for shared in ({}, {"server": sock}):
+        with pytest.raises(UnsafeTargetError, match="holds a damaged kvblock store") as e:
+            KVBlockTierManager(offloading_spec=make_spec(),
+                               primary_kv_view=memoryview(page_aligned_pool().numpy()),
+                               tier_type="kvblock", devices=[dev], threads=1, **shared)
+        assert str(e.value).endswith('set "format": "force" in the tier config'), \
+            (shared, str(e.value))
+    assert not os.path.exists(sock)
