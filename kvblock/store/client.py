@@ -1137,7 +1137,9 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     ``devices`` first when none answers there (and ``start`` and ``devices``
     are given).  ``prepare()``, when given, runs just before the server is
     started, under the same lock (e.g. format the devices when they hold no
-    store yet: the server only opens).
+    store yet: the server only opens); when it returns a callable, that
+    is called, still under the lock, if no server comes up (e.g. remove a
+    store file it made).
 
     Race handling: every rank may call this at once.  Whoever finds no server
     takes an exclusive lock (``lockf``) on ``<socket_path>.lock``, tries to connect

@@ -106,8 +106,9 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
         # would find the devices busy (and prepare() would too).
         if wait_for_starting_server(socket_path, start_timeout):
             return
-        if prepare is not None:
-            prepare()
+        # prepare() may return an undo: called (still under the lock) when
+        # no server comes up, e.g. to remove the store file it made.
+        undo = prepare() if prepare is not None else None
         try:
             proc = spawn_server(devices, socket_path, timeout=start_timeout,
                                 **(server_options or {}))
@@ -117,11 +118,27 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
             if wait_for_starting_server(socket_path, start_timeout) or \
                     _answers(socket_path, 5.0):
                 return
+            _undo(undo)
+            raise
+        except Exception:
+            _undo(undo)                # (no server started: Popen failed)
             raise
         # Reap it when it ends (it outlives us otherwise: it is in its own session).
         threading.Thread(target=proc.wait, name="kvblock-server-reaper", daemon=True).start()
     finally:
         os.close(fd)  # releases the lock
+
+
+def _undo(undo) -> None:
+    """Run prepare()'s undo, if any; its failure is logged, not raised over
+    the start's own error."""
+    if not callable(undo):
+        return
+    try:
+        undo()
+    except Exception as e:
+        logger.warning("kvblock: undoing the preparation of a store server that did not "
+                       "start failed: %s", e)
 
 
 def _lock_or_served(fd, socket_path, lock_path, start_timeout) -> bool:

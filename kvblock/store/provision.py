@@ -31,13 +31,16 @@ logger = logging.getLogger("kvblock")
 def open_or_format(devices: list[str], geometry: Geometry, model: str | None = None, *,
                    format: str = "if-empty", size: int | None = None,
                    region_size: int | None = None, owner: str = "kvblock",
-                   force_hint: str = 'set format to "force"', **options) -> KVStore:
+                   force_hint: str = 'set format to "force"', made: list | None = None,
+                   **options) -> KVStore:
     """The store on ``devices``.  ``size``: create missing backing files of this
     size.  ``owner`` and ``force_hint`` name the integration and its setting
-    in error messages."""
+    in error messages.  ``made``: a list that receives what was made for
+    them (new_file's lists), for a caller whose later step may fail to
+    remove (remove_made); what a failure here made is removed here."""
     if format not in FORMAT_MODES:
         raise ConfigError(f"{owner}: format must be one of {FORMAT_MODES}, got {format!r}")
-    created = []
+    created = made if made is not None else []
     try:
         if size is not None:
             for path in devices:
@@ -51,8 +54,9 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
         return _open_or_format(devices, geometry, model, format, region_size, owner,
                                force_hint, options)
     except BaseException:
-        for made in created:        # a start that failed leaves nothing it made behind
-            remove_made(made)
+        for files in created:       # a start that failed leaves nothing it made behind
+            remove_made(files)
+        created.clear()
         raise
 
 
@@ -176,8 +180,17 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
 
     def prepare():
         prepared.append(True)
+        made = []
         open_or_format(devices, geometry, model, format=format, size=size,
-                       region_size=region_size, owner=owner, force_hint=force_hint).close()
+                       region_size=region_size, owner=owner, force_hint=force_hint,
+                       made=made).close()
+
+        def undo():
+            # (ensure_server: no server came up on them) A start that failed
+            # leaves no store file it made behind, as without a server.
+            for files in made:
+                remove_made(files)
+        return undo
 
     server_options = {k: options[k] for k in _SERVER_OPTIONS if options.get(k) is not None}
     store = connect(socket_path, devices, prepare=prepare,

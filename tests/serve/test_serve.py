@@ -941,6 +941,32 @@ def test_an_engines_socket_path_too_long_is_refused_before_anything_is_made(tmp_
     assert not folder.exists(), "the socket folder was made"
 
 
+def test_an_engines_start_whose_server_does_not_come_up_leaves_no_store_file(
+        tmp_path, sock, monkeypatch):
+    """open_shared (the engines' "server") with size: the first rank makes
+    and formats the store file (space reserved), then the kvblock serve it
+    starts exits before it listens.  The start fails (ServerError, with the
+    server's log) and removes the file it made, as a start without a server
+    does; the file stayed behind, formatted with this failed start's size
+    and region_size, which the next start then used as they were.  A file
+    that was there before is kept."""
+    from kvblock import create_file
+    from kvblock.errors import ServerError
+    from kvblock.store.provision import open_shared
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")   # the server exits at once
+    path = str(tmp_path / "store" / "kv.img")
+    with pytest.raises(ServerError, match="exited with status 1 before listening"):
+        open_shared(sock, [path], GEOM, "m", size=8 * MIB, region_size=REGION)
+    assert not os.path.exists(path), "the formatted store file stayed behind"
+    assert not os.path.exists(os.path.dirname(path)), "the folder made for it stayed behind"
+    kept = str(tmp_path / "kept.img")
+    create_file(kept, 8 * MIB)                            # blank: prepare formats it
+    with pytest.raises(ServerError, match="exited with status 1 before listening"):
+        open_shared(sock, [kept], GEOM, "m", size=8 * MIB, region_size=REGION)
+    assert os.path.getsize(kept) == 8 * MIB
+
+
 def test_an_engines_size_and_region_size_are_said_not_to_apply_to_a_running_server(
         tmp_path, sock, caplog):
     """open_shared with a server already serving the store: a region_size or
