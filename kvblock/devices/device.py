@@ -516,6 +516,14 @@ class Device:
                         f"{self.path}: file is locked by another kvblock store"
                         f"{holders(self.path)}; stop the other process or open it read-only",
                         self.path, errno.EBUSY) from None
+                # The lock may have been won from remove_made (a failed start
+                # removing the file it made, under this lock): the file opened
+                # is then no longer at the path, and a store on it would be lost.
+                if not _still_at(self.path, self.fd):
+                    raise DeviceNotFoundError(
+                        f"{self.path}: the file was removed while it was being opened (a "
+                        "store start that made it failed); try again", self.path,
+                        errno.ENOENT)
             if exclusive and writable:
                 # (a block device too: a loop device over it writes its bytes,
                 # and the kernel claims only the loop device when it is mounted)
@@ -857,6 +865,19 @@ def _claimed_by_kernel(rdev: int) -> bool:
     base = Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}").resolve()
     folders = [base] + [p.parent for p in base.glob("*/partition")]
     return any(_listdir(str(folder / "holders")) for folder in folders)
+
+
+def _still_at(path: str, fd: int) -> bool:
+    """Does ``path`` still name the file open as ``fd`` (not unlinked or
+    replaced since it was opened)?"""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:
+        return True          # cannot tell: as before
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
 
 
 def _retry_busy(attempt, timeout: float):

@@ -2476,3 +2476,44 @@ def test_evict_older_than_after_a_clean_close_takes_the_region_open_at_the_close
         assert store.lookup(keys) == 2
         assert store.evict_older_than(closed_at - 5) == 0 and store.lookup(keys) == 2
         assert store.evict_older_than(closed_at + 50) == 1 and store.lookup(keys) == 0
+
+
+def test_a_store_opening_a_made_file_as_it_is_removed_does_not_run_on_the_deleted_file(
+        tmp_path, monkeypatch):
+    """A start that fails removes the file it made under the file's flock
+    (5df4cb1), "so no store opens it meanwhile".  But a sibling starting on
+    the path may have opened the file just before, and be retrying its
+    flock: once the removal lets go, the sibling got the lock on the
+    unlinked file, formatted it and ran there, its KV gone with it (and a
+    later start makes a new file at the path, a second store on 'one'
+    path).  (Shown with format "force", whose format opens the file first;
+    "if-empty" formats after an open that finds the file blank, the same
+    way.)  A store that wins the flock on a file no longer at its path
+    does not run there."""
+    from kvblock.devices import device as devmod
+    from kvblock.devices.device import new_file, remove_made
+    from kvblock.errors import DeviceNotFoundError
+    from kvblock.store import provision
+
+    path = str(tmp_path / "kv.img")
+    made = new_file(path, 8 << 20)
+    real_retry = devmod._retry_busy
+    calls, failed_meanwhile = [], []
+
+    def the_maker_fails_between_open_and_flock(attempt, timeout):
+        calls.append(attempt)
+        if len(calls) == 2:               # the sibling's Device opened the file; its flock next
+            failed_meanwhile.append(True)
+            remove_made(made)             # the maker's failed start removes it
+        return real_retry(attempt, timeout)
+
+    monkeypatch.setattr(devmod, "_retry_busy", the_maker_fails_between_open_and_flock)
+    stores = []
+    try:
+        with pytest.raises(DeviceNotFoundError, match="removed"):
+            stores.append(provision.open_or_format([path], GEOM, "m", region_size=REGION,
+                                                   format="force"))
+    finally:
+        for store in stores:
+            store.close()
+    assert failed_meanwhile and not os.path.exists(path)
