@@ -254,12 +254,17 @@ def holds_data(path: str, allow_model=False) -> tuple[str, str] | None:
 
 def store_held(path: str, allow_model=False) -> str | None:
     """store_in() of the superblock copies on ``path`` (read without
-    claiming it)."""
+    claiming it); None when nothing is there (any more: a start that made
+    the file and failed removed it since), which the format that follows
+    then names."""
     from kvblock.devices.probe import open_to_check
     from kvblock.format import superblock as sbfmt
     from kvblock.store.store import store_in
 
-    fd = open_to_check(path)
+    try:
+        fd = open_to_check(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
     try:
         copies = [os.pread(fd, sbfmt.SIZE, off) for off in sbfmt.COPY_OFFSETS]
     finally:

@@ -2517,3 +2517,31 @@ def test_a_store_opening_a_made_file_as_it_is_removed_does_not_run_on_the_delete
         for store in stores:
             store.close()
     assert failed_meanwhile and not os.path.exists(path)
+
+
+def test_a_start_whose_blank_file_is_removed_before_it_formats_fails_typed(
+        tmp_path, monkeypatch):
+    """"if-empty": a sibling start opened the file another start made, found
+    it blank (NotAStoreError) and, before formatting, checks what the path
+    holds (store_held).  The maker's failed start removed the file in
+    between: the sibling failed with a bare FileNotFoundError from that
+    check, no kvblock error (and no word of what happened)."""
+    from kvblock.devices import device as devmod
+    from kvblock.devices.device import new_file, remove_made
+    from kvblock.errors import DeviceNotFoundError
+    from kvblock.store import provision
+
+    path = str(tmp_path / "kv.img")
+    made = new_file(path, 8 << 20)
+    real_open = provision.KVStore.open
+
+    def blank_then_the_maker_fails(*args, **kwargs):
+        try:
+            return real_open(*args, **kwargs)
+        finally:
+            remove_made(made)             # the maker's failed start removes it
+
+    monkeypatch.setattr(provision.KVStore, "open", blank_then_the_maker_fails)
+    with pytest.raises(DeviceNotFoundError):
+        provision.open_or_format([path], GEOM, "m", region_size=REGION).close()
+    assert not os.path.exists(path)
