@@ -2526,7 +2526,6 @@ def test_a_start_whose_blank_file_is_removed_before_it_formats_fails_typed(
     holds (store_held).  The maker's failed start removed the file in
     between: the sibling failed with a bare FileNotFoundError from that
     check, no kvblock error (and no word of what happened)."""
-    from kvblock.devices import device as devmod
     from kvblock.devices.device import new_file, remove_made
     from kvblock.errors import DeviceNotFoundError
     from kvblock.store import provision
