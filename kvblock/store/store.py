@@ -173,9 +173,16 @@ def _open_devices(devices, readonly=False) -> list[Device]:
             out.append(d if isinstance(d, Device) else
                        Device(d, writable=not readonly, exclusive=not readonly))
     except BaseException:
-        _close_after_failure(None, out)
+        # only what was opened here: a Device the caller passed stays the caller's
+        _close_after_failure(None, [d for d in out if not _passed(d, devices)])
         raise
     return out
+
+
+def _passed(dev, devices) -> bool:
+    """Whether ``dev`` is a Device the caller passed in ``devices`` (it
+    stays the caller's, open, when the open or format fails)."""
+    return any(dev is x for x in devices)
 
 
 def _close_after_failure(io, devs, host=None) -> None:
@@ -281,11 +288,11 @@ class KVStore(Recovery, RunReader, RunWriter):
                 io.flush([i])
             io.engine.close()
         except BaseException:
-            _close_after_failure(io, [d for d in devs if not any(d is x for x in devices)])
+            _close_after_failure(io, [d for d in devs if not _passed(d, devices)])
             raise
         # A fresh store maps a tmpfs file's pages in before it returns (kvblock/io/mapped.py)
-        return cls._open_devs(devs, geometry=geometry, model=model, _prefault_now=True,
-                              **options)
+        return cls._open_devs(devs, devices, geometry=geometry, model=model,
+                              _prefault_now=True, **options)
 
     @classmethod
     def open(cls, devices: Sequence, *, geometry: Geometry | None = None, model=None,
@@ -300,16 +307,21 @@ class KVStore(Recovery, RunReader, RunWriter):
         if not devices:
             raise ConfigError("open needs the store's device(s)")
         _check_options(options, geometry)
-        return cls._open_devs(_open_devices(devices, readonly), geometry=geometry, model=model,
-                              readonly=readonly, **options)
+        return cls._open_devs(_open_devices(devices, readonly), devices, geometry=geometry,
+                              model=model, readonly=readonly, **options)
 
     @classmethod
-    def _open_devs(cls, devs, **kw) -> "KVStore":
+    def _open_devs(cls, devs, passed=(), **kw) -> "KVStore":
+        """The store on ``devs``, which it owns once open; an open that
+        fails closes those it opened, not the Devices the caller passed
+        (``passed``: the caller's list), which stay the caller's."""
         store = cls.__new__(cls)
         try:
             store._init(devs, **kw)
         except BaseException:
-            _close_after_failure(getattr(store, "io", None), devs, getattr(store, "host", None))
+            _close_after_failure(getattr(store, "io", None),
+                                 [d for d in devs if not _passed(d, passed)],
+                                 getattr(store, "host", None))
             raise
         return store
 
