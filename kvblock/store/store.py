@@ -163,6 +163,29 @@ def _check_options(options: dict, geometry: Geometry | None = None) -> None:
                           f"two {geometry.block_bytes}-byte blocks; give it more memory or none")
 
 
+def _device_list(devices, call: str) -> list:
+    """open()'s and format()'s ``devices`` as a list (an iterator or a
+    generator is taken once, not used up by the first look), each a path
+    or a Device; else ConfigError naming what was given."""
+    if isinstance(devices, (str, bytes, os.PathLike)):
+        check_distinct(devices)          # one path: refused by name, not its characters
+    if devices is None:
+        devices = []
+    try:
+        devices = list(devices)
+    except TypeError:
+        raise ConfigError(f"{call} takes a list of devices (paths or Devices), got "
+                          f"{devices!r}") from None
+    for d in devices:
+        if not isinstance(d, (str, bytes, os.PathLike, Device)):
+            raise ConfigError(f"{call}: a device is a path or a Device, got {d!r} in "
+                              f"{devices!r}")
+    if not devices:
+        raise ConfigError("format needs at least one device" if call == "format" else
+                          "open needs the store's device(s)")
+    return devices
+
+
 def _open_devices(devices, readonly=False) -> list[Device]:
     # a single path (not a list): refused by check_distinct, which names it
     check_distinct(devices if isinstance(devices, (str, bytes, os.PathLike)) else
@@ -230,11 +253,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         name a store whose other devices are blank (an open refuses it, and
         formatting it again needs ``force``).
         """
-        if not devices:
-            raise ConfigError("format needs at least one device")
+        devices = _device_list(devices, "format")
         _check_options(options, geometry)      # not after the old store is wiped
-        if isinstance(devices, (str, bytes, os.PathLike)):
-            check_distinct(devices)            # one path: refused by name, not counted
         if len(devices) > sbfmt.MAX_DEVICES:
             raise ConfigError(f"a store spans at most {sbfmt.MAX_DEVICES} devices")
         devs = _open_devices(devices)
@@ -304,8 +324,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         ``readonly=True`` opens without exclusive access and never writes
         (for inspection while another process may own the store).
         """
-        if not devices:
-            raise ConfigError("open needs the store's device(s)")
+        devices = _device_list(devices, "open")
         _check_options(options, geometry)
         return cls._open_devs(_open_devices(devices, readonly), devices, geometry=geometry,
                               model=model, readonly=readonly, **options)

@@ -53,3 +53,35 @@ def test_a_failed_open_leaves_the_callers_devices_open(tmp_path, monkeypatch):
         KVStore.format([dev], GEOM, region_size=REGION, force=True)
     assert not dev.closed
     dev.close()
+
+
+def test_devices_given_as_an_iterable_or_with_a_bad_entry(tmp_path):
+    """open() and format() of devices given as an iterator or generator
+    (a Sequence is only the type hint) found none: check_distinct used
+    them up, and the open raised IndexError ("list index out of range"),
+    format a TypeError from len().  An entry that is no path (None from an
+    unset setting, a number) was a bare TypeError from os.fspath.  Any
+    iterable of paths or Devices is taken now; anything else is a
+    ConfigError naming it."""
+    path = tmp_path / "a.img"
+    create_file(path, 8 * MIB)
+    with KVStore.format(iter([str(path)]), GEOM, region_size=REGION) as store:
+        keys = run_keys(1, 2)
+        assert store.put_run(keys, run_data(keys)) == 2
+    with KVStore.open(p for p in [str(path)]) as store:
+        assert store.lookup(keys) == 2
+    with KVStore.open(iter([path]), readonly=True) as store:
+        assert store.lookup(keys) == 2
+    from kvblock.errors import ConfigError
+
+    for bad in ([str(path), None], [None], [3]):
+        with pytest.raises(ConfigError, match="a device is a path or a Device"):
+            KVStore.open(bad)
+        with pytest.raises(ConfigError, match="a device is a path or a Device"):
+            KVStore.format(bad, GEOM, region_size=REGION, force=True)
+    with pytest.raises(ConfigError, match="list of devices"):
+        KVStore.open(5)
+    with pytest.raises(ConfigError, match="needs"):
+        KVStore.open(iter([]))
+    with KVStore.open([str(path)]) as store:     # untouched
+        assert store.lookup(keys) == 2
