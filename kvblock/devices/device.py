@@ -450,6 +450,7 @@ class Device:
                  exclusive: bool = True, min_size: int = 0, busy_timeout: float = 1.0):
         self.path = os.fspath(path)
         self.writable = writable
+        self.exclusive = exclusive   # (a store opened to write needs its claim: KVStore.open)
         self.fd = -1
         # a loop device's backing file, locked beside it (and, for a loop
         # device over a loop device, that one's backing, down the stack)

@@ -190,6 +190,9 @@ def _open_devices(devices, readonly=False) -> list[Device]:
     # a single path (not a list): refused by check_distinct, which names it
     check_distinct(devices if isinstance(devices, (str, bytes, os.PathLike)) else
                    [d.path if isinstance(d, Device) else d for d in devices])
+    for d in devices:
+        if isinstance(d, Device):
+            _check_passed(d, readonly)
     out = []
     try:
         for d in devices:
@@ -200,6 +203,28 @@ def _open_devices(devices, readonly=False) -> list[Device]:
         _close_after_failure(None, [d for d in out if not _passed(d, devices)])
         raise
     return out
+
+
+def _check_passed(dev: Device, readonly: bool) -> None:
+    """A Device the caller opened, refused (ConfigError) before anything is
+    read or written where it cannot serve the open: closed; or, to write
+    (format, an open without readonly=True), opened read-only, or without
+    exclusive access -- the claim that keeps a second writer off the store
+    while this one holds it."""
+    if dev.closed:
+        raise ConfigError(f"{dev.path}: the Device passed is closed (a store closes the "
+                          "Devices it was given); pass its path or an open Device")
+    if readonly:
+        return
+    if not dev.writable:
+        raise ConfigError(f"{dev.path}: the Device passed was opened read-only "
+                          "(writable=False); open the store with readonly=True, or pass "
+                          "its path or a writable Device")
+    if not getattr(dev, "exclusive", True):
+        raise ConfigError(f"{dev.path}: the Device passed was opened without exclusive "
+                          "access (exclusive=False): another writer could open the store "
+                          "beside this one; pass its path or a Device opened exclusively, "
+                          "or open the store with readonly=True")
 
 
 def _passed(dev, devices) -> bool:

@@ -85,3 +85,43 @@ def test_devices_given_as_an_iterable_or_with_a_bad_entry(tmp_path):
         KVStore.open(iter([]))
     with KVStore.open([str(path)]) as store:     # untouched
         assert store.lookup(keys) == 2
+
+
+def test_a_device_passed_that_cannot_serve_the_open_is_refused(tmp_path):
+    """A Device the caller opened is taken as it is.  One opened without
+    exclusive access (exclusive=False, as a rank of a served store opens
+    its devices) let a second writer open the store beside the one that
+    holds it: both journaled and checkpointed into one store.  One opened
+    read-only failed a writable open only at its checkpoint, after the
+    recovery, as "EBADF (Bad file descriptor)", and a closed one (a store
+    closes the Devices it was given) failed likewise.  Each is a
+    ConfigError naming the device and what to pass, before anything is
+    read or written; a read-only open takes them all but a closed one."""
+    from kvblock.errors import ConfigError
+
+    path = tmp_path / "a.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(1, 2)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as writer:
+        writer.put_run(keys, run_data(keys))
+        dev = Device(str(path), exclusive=False)
+        with pytest.raises(ConfigError, match=r"a\.img.*exclusive"):
+            KVStore.open([dev])
+        with pytest.raises(ConfigError, match=r"a\.img.*exclusive"):
+            KVStore.format([dev], GEOM, region_size=REGION, force=True)
+        assert not dev.closed
+        with KVStore.open([dev], readonly=True) as ro:     # a reader beside the writer
+            assert ro.lookup(keys) == 2
+    snapshot = path.read_bytes()
+    dev = Device(str(path), writable=False)
+    with pytest.raises(ConfigError, match=r"a\.img.*read-only.*readonly=True"):
+        KVStore.open([dev])
+    with pytest.raises(ConfigError, match=r"a\.img.*read-only"):
+        KVStore.format([dev], GEOM, region_size=REGION, force=True)
+    dev.close()
+    for readonly in (False, True):
+        with pytest.raises(ConfigError, match=r"a\.img.*closed"):
+            KVStore.open([dev], readonly=readonly)
+    assert path.read_bytes() == snapshot
+    with KVStore.open([str(path)]) as store:
+        assert store.lookup(keys) == 2
