@@ -365,7 +365,13 @@ def fsck(devices, repair, deep, as_json):
     from kvblock.store.fsck import FsckReport, fsck as run_fsck
 
     try:
-        store = _store(_claim(devices, writable=repair), readonly=not repair)
+        claimed = _claim(devices, writable=repair)
+        try:
+            store = _store(claimed, readonly=not repair)
+        except BaseException:
+            for d in claimed:       # a failed open leaves the Devices passed to their owner
+                d.close()
+            raise
     except DeviceBusyError as e:
         raise _in_use(e, "fsck checks a store no process is using (in use, runs evicted and "
                          "checkpoints rewritten during the check read as damaged)",

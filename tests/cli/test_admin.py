@@ -1823,3 +1823,18 @@ def test_stats_prometheus_on_a_mistyped_address_is_one_line(file_target, monkeyp
         res = kvb("stats", path, "--prometheus", "9400", "--address", address)
         one_line_error(res, 8, "cannot serve metrics on port 9400", address, "--address")
     assert not registry._collector_to_names
+
+
+def test_fsck_of_an_unusable_store_lets_go_of_the_devices_it_claimed(file_target):
+    """fsck claims the devices itself and hands them to KVStore.open, whose
+    failure leaves a caller's Devices to the caller: fsck of a store it
+    found unusable kept them open, flocked (in a process that goes on, as
+    click's runner is: a second fsck or a format of the device was refused
+    as "locked by another kvblock store")."""
+    blank = file_target(16 << 20)
+    before = sorted(os.listdir("/proc/self/fd"))
+    for flags in ([], ["--repair"], ["--json"]):
+        res = kvb("fsck", blank, *flags)
+        assert res.returncode == 11 and "unusable" in res.stdout, (res.stdout, res.stderr)
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    assert kvb("format", blank, *GEOM_ARGS).returncode == 0
