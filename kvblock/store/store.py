@@ -418,12 +418,16 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._io_options = (engine, queue_depth, storeio_factory or StoreIO)
         self.io = self._make_io(devs)
         self._read_superblocks(devs, geometry, model)
+        # Before the recovery, which writes the open's checkpoint: the tier
+        # refuses a size of fewer than two of the store's blocks (known from
+        # the superblock) or more than the machine maps, and an option
+        # refused is refused before anything is written.
+        self.host = HostTier(host_cache_bytes, self.geometry.block_bytes,
+                             gone=self._dram_gone) if host_cache_bytes else None
         self._recover()
         if not readonly:        # a rank of a dead server may still be writing
             dev0 = self.io.devices[0]
             fence_writers([(dev0.fd, dev0.path)])
-        self.host = HostTier(host_cache_bytes, self.geometry.block_bytes,
-                             gone=self._dram_gone) if host_cache_bytes else None
         self.closed = False
         self.counters["recovery_us"] = int((time.perf_counter() - t0) * 1e6)
         # Only now: mapping a tmpfs store's pages in beside the recovery slowed

@@ -125,3 +125,28 @@ def test_a_device_passed_that_cannot_serve_the_open_is_refused(tmp_path):
     assert path.read_bytes() == snapshot
     with KVStore.open([str(path)]) as store:
         assert store.lookup(keys) == 2
+
+
+def test_a_host_cache_open_refuses_leaves_the_store_unwritten(tmp_path):
+    """README: a bad option value is a ConfigError before anything is
+    written.  host_cache_bytes holding fewer than two of the store's blocks
+    (open() knows the block size only from the superblock), or more memory
+    than the machine maps, was refused only after the recovery had written
+    the open's new checkpoint (a new journal epoch): a refused open
+    rewrote the store's metadata."""
+    from kvblock.errors import ConfigError
+
+    path = tmp_path / "a.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(1, 2)
+    store = KVStore.format([str(path)], GEOM, region_size=REGION)
+    store.put_run(keys, run_data(keys))
+    snapshot = path.read_bytes()        # a journal past the checkpoint, as a crash leaves
+    store.close()
+    path.write_bytes(snapshot)
+    for size, match in ((GEOM.block_bytes, "fewer than two"), (1 << 60, "host_cache_bytes")):
+        with pytest.raises(ConfigError, match=match):
+            KVStore.open([str(path)], host_cache_bytes=size)
+        assert path.read_bytes() == snapshot
+    with KVStore.open([str(path)]) as store:
+        assert store.lookup(keys) == 2
