@@ -414,7 +414,9 @@ def first_usable_layer(where: Path, src: list, g) -> dict:
 
 
 def fmt_size(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= MIB and n % MIB == 0 else f"{n >> 10} KiB"
+    if n >= MIB and n % MIB == 0:
+        return f"{n >> 20} MiB"
+    return f"{n >> 10} KiB" if n % 1024 == 0 else f"{n} B"
 
 
 def geometry_for(page_bytes: int, args) -> int:

@@ -303,7 +303,10 @@ def _store_and_load(kind, tier, pool, base, waves, who):
 
 
 def fmt_size(n: int) -> str:
-    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+    """A slot size as it is (1536 KiB, not "1 MiB"): MiB only when whole."""
+    if n >= 1 << 20 and n % (1 << 20) == 0:
+        return f"{n >> 20} MiB"
+    return f"{n >> 10} KiB" if n % 1024 == 0 else f"{n} B"
 
 
 def main(argv=None) -> int:

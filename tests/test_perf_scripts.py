@@ -757,3 +757,15 @@ def test_layerwise_restore_bench_times_from_the_load_call(monkeypatch, tmp_path)
     assert info["restore_gib_s"] <= round(info["bytes_read"] / last / 2**30, 4) + 1e-4, info
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert fio_support.PREFIX not in attached, attached
+
+
+@pytest.mark.parametrize("script", ["vllm_tier_vs_fs.py", "sglang_vs_hicachefile.py"])
+def test_the_tables_name_a_slot_or_page_size_as_it_is(script):
+    """The comparisons' tables name each case by its slot (page) size: a
+    1.5 MiB slot (16 tokens of a 24-layer model, 8 KV heads x 128, bf16) was
+    "1 MiB" in vllm_tier_vs_fs's table, and a page that is no whole number of
+    KiB was rounded down to KiB in sglang_vs_hicachefile's."""
+    fmt = load_script(script).fmt_size
+    assert fmt(1536 << 10) == "1536 KiB"
+    assert fmt(2 << 20) == "2 MiB" and fmt(256 << 10) == "256 KiB"
+    assert fmt(3 * 1200) == "3600 B"
