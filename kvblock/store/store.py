@@ -282,7 +282,15 @@ class KVStore(Recovery, RunReader, RunWriter):
         _check_options(options, geometry)      # not after the old store is wiped
         if len(devices) > sbfmt.MAX_DEVICES:
             raise ConfigError(f"a store spans at most {sbfmt.MAX_DEVICES} devices")
-        devs = _open_devices(devices)
+        # The DRAM tier too, before the old store is wiped: one of more
+        # memory than the machine maps is refused only when it is made.
+        host_cache_bytes = options.pop("host_cache_bytes", 0)
+        host = HostTier(host_cache_bytes, geometry.block_bytes) if host_cache_bytes else None
+        try:
+            devs = _open_devices(devices)
+        except BaseException:
+            _close_after_failure(None, [], host)
+            raise
         io = None
         try:
             io = options.get("storeio_factory", StoreIO)(   # writes only: nothing to map
@@ -333,11 +341,11 @@ class KVStore(Recovery, RunReader, RunWriter):
                 io.flush([i])
             io.engine.close()
         except BaseException:
-            _close_after_failure(io, [d for d in devs if not _passed(d, devices)])
+            _close_after_failure(io, [d for d in devs if not _passed(d, devices)], host)
             raise
         # A fresh store maps a tmpfs file's pages in before it returns (kvblock/io/mapped.py)
         return cls._open_devs(devs, devices, geometry=geometry, model=model,
-                              _prefault_now=True, **options)
+                              _prefault_now=True, _host=host, **options)
 
     @classmethod
     def open(cls, devices: Sequence, *, geometry: Geometry | None = None, model=None,
@@ -371,11 +379,15 @@ class KVStore(Recovery, RunReader, RunWriter):
 
     def _init(self, devs, *, geometry=None, model=None, verify="always", eviction="lru",
               admit_after=1, engine=None, queue_depth=32, storeio_factory=None,
-              readonly=False, host_cache_bytes=0, _prefault_now=False):
+              readonly=False, host_cache_bytes=0, _prefault_now=False, _host=None):
+        # ``_host``: the DRAM tier format made before it wrote (this store's
+        # from here on: a failed open closes it)
+        self.host = _host
+        if _host is not None:
+            _host._gone = self._dram_gone
         _check_options({"verify": verify, "eviction": eviction})
         self.verify, self.eviction = verify, eviction
         self.readonly = readonly
-        self.host = None
         self.admission = Admission(admit_after)
         self._lock = threading.RLock()
         self._reclaimed = threading.Condition(self._lock)   # a region was freed
@@ -422,8 +434,9 @@ class KVStore(Recovery, RunReader, RunWriter):
         # refuses a size of fewer than two of the store's blocks (known from
         # the superblock) or more than the machine maps, and an option
         # refused is refused before anything is written.
-        self.host = HostTier(host_cache_bytes, self.geometry.block_bytes,
-                             gone=self._dram_gone) if host_cache_bytes else None
+        if _host is None:
+            self.host = HostTier(host_cache_bytes, self.geometry.block_bytes,
+                                 gone=self._dram_gone) if host_cache_bytes else None
         self._recover()
         if not readonly:        # a rank of a dead server may still be writing
             dev0 = self.io.devices[0]

@@ -150,3 +150,25 @@ def test_a_host_cache_open_refuses_leaves_the_store_unwritten(tmp_path):
         assert path.read_bytes() == snapshot
     with KVStore.open([str(path)]) as store:
         assert store.lookup(keys) == 2
+
+
+def test_a_host_cache_format_refuses_leaves_the_old_store_whole(tmp_path):
+    """README: an unknown option or a bad value is a ConfigError before
+    anything is written (format(force=True) with a typo leaves the old store
+    whole).  A host_cache_bytes more than the machine maps was refused only
+    by the open format ends with, after the old store had been wiped and the
+    new one written: its runs were gone."""
+    from kvblock.errors import ConfigError
+
+    path = tmp_path / "a.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(1, 2)
+    with KVStore.format([str(path)], GEOM, region_size=REGION) as store:
+        store.put_run(keys, run_data(keys))
+    snapshot = path.read_bytes()
+    with pytest.raises(ConfigError, match="host_cache_bytes"):
+        KVStore.format([str(path)], GEOM, region_size=REGION, force=True,
+                       host_cache_bytes=1 << 60)
+    assert path.read_bytes() == snapshot
+    with KVStore.open([str(path)]) as store:
+        assert store.lookup(keys) == 2
