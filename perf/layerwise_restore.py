@@ -15,7 +15,10 @@ rounds with:
   prefix (a run holds at most a region's worth of blocks), each range split
   by the engine into <= 8 MiB pieces; fio runs with ``bs`` = the most common
   piece size and ``iodepth`` = the pieces of one layer (at most the queue
-  depth), and reads as many bytes as the restore;
+  depth), and reads as many bytes as the restore.  (The loader has since
+  come to read in units of about 8 MiB, at most two of them in flight
+  (kvblock/tensors/transfer.py): fio may have more I/Os in flight than it,
+  8 against 2 at 8K tokens, so the ratio errs against kvblock.);
 - restore with checksums verified (``verify="always"``) and without
   (``verify="never"``): time to the first layer (``layer_ready_at[0]``), time
   to all layers (``layer_ready_at[-1]``), both counted from the
