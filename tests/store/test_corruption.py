@@ -847,18 +847,11 @@ def test_an_unreadable_block_inside_the_last_commit_is_damage_not_the_logs_end(t
                    in p for p in fsck(store).problems)
 
 
-def test_a_rotted_first_record_of_the_newest_checkpoints_epoch_is_not_the_older_ones(tmp_path):
-    """The newest checkpoint slot damaged, and the first journal record of
-    its epoch rotted (header whole, payload not): the older checkpoint
-    predates a region reclaimed and written again since, yet open saw no
-    newer epoch (it trusted only a record whose checksum holds) and served
-    the older checkpoint's run in that region: with verify="never", the
-    region's new bytes under its keys.  The record's header still names
-    the newer epoch (a 64-bit hash of store and generation no rot
-    forges): the journal moved on, and the older runs are dropped, as
-    when that record is unreadable."""
-    from tests.store.workload import run_data, run_keys
-
+def _newest_epoch_over_a_rewritten_region(tmp_path):
+    """A store crashed in the epoch of its newest checkpoint, which followed
+    the reclaim of run X's region; X's place written again since (a put
+    never published); the newest checkpoint slot damaged.  The older
+    checkpoint still lists X.  Returns (path, X's keys, the superblock)."""
     path = tmp_path / "store.img"
     create_file(path, 4 << 20)
     store = KVStore.format([str(path)], GEOM, region_size=REGION)
@@ -874,10 +867,24 @@ def test_a_rotted_first_record_of_the_newest_checkpoints_epoch_is_not_the_older_
     slot, sb = store._cp_slot, store.sb
     store._release_devices()                 # a crash
     store.closed = True
-    with open(path, "r+b") as f:             # X's place written again (a put never published)
+    with open(path, "r+b") as f:             # X's place written again
         f.seek(run_at)
         f.write(bytes(range(256)) * 64)
     _flip(path, sb.checkpoint_offset + slot * sb.checkpoint_bytes + 8)   # newest slot
+    return path, x, sb
+
+
+def test_a_rotted_first_record_of_the_newest_checkpoints_epoch_is_not_the_older_ones(tmp_path):
+    """The newest checkpoint slot damaged, and the first journal record of
+    its epoch rotted (header whole, payload not): the older checkpoint
+    predates a region reclaimed and written again since, yet open saw no
+    newer epoch (it trusted only a record whose checksum holds) and served
+    the older checkpoint's run in that region: with verify="never", the
+    region's new bytes under its keys.  The record's header still names
+    the newer epoch (a 64-bit hash of store and generation no rot
+    forges): the journal moved on, and the older runs are dropped, as
+    when that record is unreadable."""
+    path, x, sb = _newest_epoch_over_a_rewritten_region(tmp_path)
     _flip(path, sb.journal_offset + 60)      # the first record's payload
     with KVStore.open([str(path)], verify="never", readonly=True) as store:
         out = np.zeros(2 * GEOM.block_bytes, np.uint8)
@@ -982,25 +989,7 @@ def test_a_first_record_of_the_newest_epoch_whose_header_rots_is_not_the_older_o
     region reclaimed and written again since (verify="never": the new
     bytes under its keys).  The epoch field alone says which checkpoint
     the journal follows."""
-    path = tmp_path / "store.img"
-    create_file(path, 4 << 20)
-    store = KVStore.format([str(path)], GEOM, region_size=REGION)
-    x = run_keys(900, 2)
-    store.put_run(x, run_data(x))
-    run = store.index.locate(normalize_key(x[0]))[0]
-    dev, run_at = store.regions.address(run.region, run.offset)
-    store.checkpoint()                       # generation k: X
-    store.evict(all=True)                    # epoch k: X's region reclaimed
-    store.checkpoint()                       # generation k+1: no X; its epoch begins
-    z = run_keys(2000, 1)
-    store.put_run(z, run_data(z))            # the first record of epoch k+1
-    slot, sb = store._cp_slot, store.sb
-    store._release_devices()                 # a crash
-    store.closed = True
-    with open(path, "r+b") as f:             # X's place written again (a put never published)
-        f.seek(run_at)
-        f.write(bytes(range(256)) * 64)
-    _flip(path, sb.checkpoint_offset + slot * sb.checkpoint_bytes + 8)   # newest slot
+    path, x, sb = _newest_epoch_over_a_rewritten_region(tmp_path)
     _flip(path, sb.journal_offset + at)      # the first record's header
     with KVStore.open([str(path)], verify="never", readonly=True) as store:
         out = np.zeros(2 * GEOM.block_bytes, np.uint8)

@@ -3,8 +3,6 @@ Devices the caller opened, read-only opens, reopen right after close."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from kvblock import KVStore, create_file
