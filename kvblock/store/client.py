@@ -1047,6 +1047,13 @@ class RemoteStore(RunReader, RunWriter):
         _LIVE.discard(self)
         # ... once their I/O is done: until then the devices and buffers stay
         if self._inflight.drained(CLOSE_WAIT_S, repr(self)):
+            # No I/O under any connection's pins now: the connections
+            # abandoned earlier (a call past timeout=, then a reconnect),
+            # kept open while pins were held on them, end as the last one
+            # did (their pins a caller still holds are released with them;
+            # else they stayed on the server for good with leases off).
+            for old in list(self._sessions):
+                old.close()
             KVStore._release_devices(self)
         if self._fence is not None:
             self._fence.close()

@@ -13,6 +13,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 
 from kvblock.store.client import RemoteStore, ServerGoneError
 from kvblock.store.server import serve_in_background
@@ -426,3 +427,31 @@ def test_a_client_holding_no_pins_is_not_dropped_for_a_slow_read(tmp_path):
             assert server.expired_sessions == 0
         finally:
             raw.close()
+
+
+def test_close_releases_the_pins_of_an_abandoned_connection(tmp_path):
+    """A call timed out (a slow server), so the connection holding a pin
+    the caller took was abandoned: it stays open while the pin is held
+    (I/O may be under it).  close() then closed only the connection calls
+    went to, not the abandoned one: with leases off (--pin-lease 0) its pin
+    stayed on the server for good (its region never evicted), where close()
+    says the server releases the connection's pins."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    keys = run_keys(1, 2)
+    with serve_in_background([path], sock, pin_lease=0) as server:
+        real_checkpoint = server.store.checkpoint
+        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
+        r = RemoteStore(sock, timeout=0.2, reconnect=True)
+        try:
+            r.put_run(keys, run_data(keys))
+            pin = r.pin(keys)                 # the caller never unpins
+            with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
+                r.checkpoint()
+            _until(lambda: r.counters["reconnects"] == 1)
+            assert r.lookup(keys) == 2        # the new connection serves
+        finally:
+            r.close()
+        _until(lambda: server.client_count() == 0, timeout=5.0)
+        assert server.store.regions.pins.sum() == 0
+        assert server.store.evict(all=True) == 1
+        del pin
