@@ -704,6 +704,7 @@ class RemoteStore(RunReader, RunWriter):
                 a = self._call_on(s, "allocate", nblocks=len(keys))
                 s.hold(1)
                 allocs.append(a)
+                self._check_allocated(a, len(keys))
                 # the last write flushes every device the group wrote
                 last = k == len(pieces) - 1
                 sums = self._write_allocated(s, a, keys, blocks, {
@@ -713,7 +714,7 @@ class RemoteStore(RunReader, RunWriter):
             stored = self._call_on(s, "commit_runs", puts=puts, clears=clears)
         except BaseException:
             if not sent:
-                self._abort(s, [a["wid"] for a in allocs])
+                self._abort(s, [_wid(a) for a in allocs])
             raise
         finally:
             s.hold(-len(allocs))
@@ -762,10 +763,32 @@ class RemoteStore(RunReader, RunWriter):
     def _abort(self, s: "Session", wids: list[int]) -> None:
         """Give back allocations on ``s`` that will not be committed."""
         for wid in wids:
+            if wid is None:         # an answer without one: nothing to name
+                continue
             try:
                 self._call_on(s, "abort", wid=wid)
             except KVBlockError:
                 pass  # a dead connection releases the pins anyway
+
+    def _check_allocated(self, a, nblocks: int) -> None:
+        """``a``, allocate's answer for a run of ``nblocks``, names space
+        inside one region of the store's data area, aligned: this rank
+        writes there itself, so a place a server answered wrongly (a bug,
+        another release, a stray process on the socket) would be written
+        over the superblocks, checkpoints, journal or another region's runs.
+        ServerError, before a byte is written (the caller gives it back)."""
+        regions, need = self.regions, self.layout(nblocks).run_bytes
+        if isinstance(a, dict) and all(_is_int(a.get(k)) for k in
+                                       ("wid", "region", "offset", "run_id")):
+            region, offset = a["region"], a["offset"]
+            if 0 <= region < regions.count and 0 <= offset and \
+                    offset % self.alignment == 0 and offset + need <= regions.size:
+                return
+        raise ServerError(
+            f"the store server at {self.socket_path} answered allocate for {nblocks} blocks "
+            f"({need} bytes) with {str(a)[:200]}, not an aligned place inside one of its "
+            f"{regions.count} regions of {regions.size} bytes; nothing was written (a "
+            "server of another kvblock release?)")
 
     def _write_allocated(self, s: "Session", a: dict, keys: list[bytes], blocks,
                          flush: frozenset | set | None = frozenset()) -> np.ndarray:
@@ -808,13 +831,14 @@ class RemoteStore(RunReader, RunWriter):
         s.hold(1)
         sent = False
         try:
+            self._check_allocated(a, n)
             sums = self._write_allocated(s, a, keys, blocks)
             sent = True                          # from here the server releases the pin
             stored = self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
                                    checksums=[int(c) for c in sums], clears=clears)
         except BaseException:
             if not sent:
-                self._abort(s, [a["wid"]])
+                self._abort(s, [_wid(a)])
             raise
         finally:
             s.hold(-1)
@@ -1068,6 +1092,17 @@ class RemoteStore(RunReader, RunWriter):
         state = "closed" if self.closed else (
             "server gone" if self._session.gone else "connected")
         return f"RemoteStore({self.socket_path!r}, {state})"
+
+
+def _is_int(value) -> bool:
+    """A JSON integer (not a bool, which int takes)."""
+    return type(value) is int
+
+
+def _wid(a) -> int | None:
+    """The allocation id of allocate's answer ``a``, None when it has none."""
+    wid = a.get("wid") if isinstance(a, dict) else None
+    return wid if _is_int(wid) else None
 
 
 # A forked child must not use its parent's connection: replies would go to
