@@ -965,12 +965,62 @@ class RemoteStore(RunReader, RunWriter):
         index) tuples; the server pins the runs until :meth:`_unpin`."""
         self._check_open()
         s = self._current()
-        r = self._call_on(s, "segments", keys=encode_keys(normalize_keys(keys)))
-        segs = PinnedSegments((RemoteRun(*run, session=s), pos, count, at)
-                              for run, pos, count, at in r["segs"])
+        keys = normalize_keys(keys)
+        r = self._call_on(s, "segments", keys=encode_keys(keys))
+        pin = r.get("pin") if isinstance(r, dict) else None
+        try:
+            segs = self._checked_segments(r, len(keys), s)
+        except BaseException:
+            if _is_int(pin):          # the pins the answer took: given back
+                s.hold(1)
+                segs = PinnedSegments()
+                segs.pin, segs.session = pin, s
+                self._unpin(segs)
+            raise
         segs.pin, segs.session = r["pin"], s
         if segs.pin is not None:
             s.hold(1)
+        return segs
+
+    def _checked_segments(self, r, nkeys: int, s: "Session") -> PinnedSegments:
+        """segments' answer ``r`` for ``nkeys`` keys as PinnedSegments (no
+        pin set yet), each run a place of its size inside one region of the
+        data area with its checksums, each stretch within its run and the
+        stretches the leading blocks of the request, in order.  This rank
+        reads (and verifies) where the answer says and fills the request
+        from it: a wrong answer (a bug, another release, a stray process on
+        the socket) would hand back metadata or another run's bytes as this
+        run's (unverified reads), or fail or fill past the request; refused
+        with ServerError."""
+        regions, g = self.regions, self.geometry
+        segs, at = PinnedSegments(), 0
+        try:
+            pin, answered = r["pin"], r["segs"]
+            ok = (pin is None) == (not answered) and (pin is None or _is_int(pin)) and \
+                isinstance(answered, list)
+            for seg in answered if ok else ():
+                run, pos, count, first = seg
+                run_id, region, gen, offset, nblocks, sums = run
+                ok = all(map(_is_int, (run_id, region, gen, offset, nblocks, pos, count,
+                                       first))) and isinstance(sums, list) and \
+                    len(sums) == g.run_checksums and all(map(_is_int, sums)) and \
+                    1 <= nblocks <= self.max_run_blocks and 0 <= region < regions.count and \
+                    0 <= offset and offset % self.alignment == 0 and \
+                    offset + self.layout(nblocks).run_bytes <= regions.size and \
+                    0 <= pos and 1 <= count and pos + count <= nblocks and \
+                    first == at and at + count <= nkeys
+                if not ok:
+                    break
+                at += count
+                segs.append((RemoteRun(*run, session=s), pos, count, first))
+        except (KeyError, TypeError, ValueError, OverflowError):
+            ok = False
+        if not ok:
+            raise ServerError(
+                f"the store server at {self.socket_path} answered segments for {nkeys} keys "
+                f"with {str(r)[:300]}: not runs inside its {regions.count} regions of "
+                f"{regions.size} bytes holding the leading blocks asked for; nothing was read "
+                "(a server of another kvblock release?)")
         return segs
 
     def _pins_hold(self, segs) -> bool:

@@ -105,3 +105,65 @@ def test_put_runs_refuses_an_allocation_over_the_superblock(served, monkeypatch)
         assert r.lookup(runs[0]) == 0                     # none of the group published
     finally:
         r.close()
+
+
+def _segments_moved(server, how):
+    """The server's segments, one answer altered by ``how`` (a run's place
+    or its stretch of the request)."""
+    real = server._op_segments
+    data0 = server.store.regions.data_offsets[0]
+    size, count = server.store.regions.size, server.store.regions.count
+
+    def segments(s, keys):
+        out = real(s, keys)
+        run, pos, n, at = out["segs"][0]
+        if how == "superblock":             # the run's place: device offset 0
+            run[3] = -data0 - run[1] * size
+        elif how == "past_regions":
+            run[1] = count
+        elif how == "longer_run":           # a run of another size: past its region
+            run[4] = server.store.max_run_blocks
+            run[3] = size - server.store.alignment
+        elif how == "short_checksums":
+            run[5] = run[5][:1]
+        elif how == "past_the_request":     # more blocks than were asked for
+            out["segs"][0] = [run, pos, n + 1, at]
+        elif how == "past_the_run":
+            out["segs"][0] = [run, run[4] - 1, n, at]
+        elif how == "not_a_prefix":         # a stretch that is not where the prefix is
+            out["segs"][0] = [run, pos, n - 1, at + 1]
+        elif how == "malformed":
+            out["segs"][0] = [run, pos]
+        return out
+    return segments
+
+
+@pytest.mark.parametrize("verify", ["never", "always"])
+@pytest.mark.parametrize("how", ["superblock", "past_regions", "longer_run", "short_checksums",
+                                 "past_the_request", "past_the_run", "not_a_prefix",
+                                 "malformed"])
+def test_a_segments_answer_outside_the_run_is_refused_not_read(served, monkeypatch, how,
+                                                                verify):
+    """The place a rank reads a run at, and the blocks of the request it
+    fills from it, come from the server's segments answer: read as
+    answered, a place outside the data area (or a run of another size)
+    handed back the superblock's bytes as the run's (verify="never"), a
+    stretch past the request or the run failed with IndexError / numpy's
+    ValueError or counted blocks never read."""
+    path, sock, server = served
+    keys = run_keys(1, 3)
+    with RemoteStore(sock) as w:
+        assert w.put_run(keys, run_data(keys)) == 3
+    monkeypatch.setattr(server, "_op_segments", _segments_moved(server, how))
+    r = RemoteStore(sock, verify=verify)
+    try:
+        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        with pytest.raises(ServerError, match="segments"):
+            r.get_run(keys, out)
+        # nothing of the answer was taken: the pin it carried is given back
+        assert int(server.store.regions.pins.sum()) == 0
+        monkeypatch.setattr(server, "_op_segments", type(server)._op_segments.__get__(server))
+        got = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        assert r.get_run(keys, got) == 3 and np.array_equal(got, run_data(keys))
+    finally:
+        r.close()
