@@ -385,6 +385,7 @@ class RemoteStore(RunReader, RunWriter):
                 self.io.engine.close()
                 self.io = None
                 self._open_io(devs, engine, queue_depth)
+        sbs = []
         for i, d in enumerate(devs):  # the same store, each device in its place
             sb = _try_superblock(self.io, i, raise_errors=True)
             if sb.store_uuid != want or sb.device_index != i:
@@ -392,6 +393,23 @@ class RemoteStore(RunReader, RunWriter):
                     f"{d.path} is not device #{i} of store {hello['uuid']} served at "
                     f"{self.socket_path}; give each device of the store once (in any "
                     "order)", d.path, 0)
+            sbs.append(sb)
+        # The data area every place the server answers is checked against
+        # (and this rank's I/O is aligned to) is hello's: it must be the
+        # one the superblocks lay out, as KVStore.open takes it from them.
+        mine = (sbs[0].region_size, min(sb.region_count for sb in sbs) * len(sbs),
+                [sb.data_offset for sb in sbs], sbs[0].alignment, sbs[0].geometry)
+        said = (self.regions.size, self.regions.count, self.regions.data_offsets,
+                self.alignment, self.geometry)
+        if said != mine:
+            raise errors.GeometryMismatchError(
+                f"the store server at {self.socket_path} answered hello with the layout "
+                f"region_size {said[0]}, region_count {said[1]}, data_offsets {said[2]}, "
+                f"alignment {said[3]}, but the superblocks of {', '.join(d.path for d in devs)} "
+                f"say {mine[0]}, {mine[1]}, {mine[2]}, {mine[3]}"
+                + ("" if said[4] == mine[4] else " (and another geometry)") +
+                ": a server of another kvblock release? run one release on both sides",
+                devs[0].path, 0)
         self._fence = WriteFence(fence_files(devs[0], self.socket_path))
 
     def _open_io(self, devs, engine, queue_depth) -> None:

@@ -167,3 +167,37 @@ def test_a_segments_answer_outside_the_run_is_refused_not_read(served, monkeypat
         assert r.get_run(keys, got) == 3 and np.array_equal(got, run_data(keys))
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("field", ["data_offsets", "region_count", "region_size", "alignment"])
+def test_a_hello_whose_layout_is_not_the_devices_is_refused(served, monkeypatch, field):
+    """The data area a rank checks every place against is hello's: one
+    that is not what the devices' superblocks say (the data area at the
+    superblock, more regions than the device holds, regions of another
+    size) let allocate's answers through to the store's metadata."""
+    from kvblock.errors import GeometryMismatchError
+
+    path, sock, server = served
+    real = server._op_hello
+
+    def hello(s, protocol, pid=None):
+        h = real(s, protocol, pid)
+        if field == "data_offsets":
+            h["data_offsets"] = [0]
+        elif field == "region_count":
+            h["region_count"] += 64
+        elif field == "region_size":
+            h["region_size"] *= 2
+        else:
+            h["alignment"] = 512
+        return h
+    monkeypatch.setattr(server, "_op_hello", hello)
+    before = _metadata(path, server)
+    with pytest.raises(GeometryMismatchError, match="superblock"):
+        r = RemoteStore(sock)
+        try:    # taken: a put lands where the answered layout says
+            keys = run_keys(1, 3)
+            r.put_run(keys, run_data(keys))
+        finally:
+            r.close()
+    assert _metadata(path, server) == before, "the rank wrote over the store's metadata"
