@@ -146,6 +146,8 @@ def _check_options(options: dict, geometry: Geometry | None = None) -> None:
     admit_after and host_cache_bytes (its blocks with ``geometry``).  The
     engine and queue_depth are checked where the engine is made, before
     format writes."""
+    if geometry is not None and not isinstance(geometry, Geometry):
+        _not_a_geometry(geometry)
     unknown = sorted(k for k in options if k not in OPEN_OPTIONS)
     if unknown:
         raise ConfigError(f"unknown option(s) {unknown}; a store takes "
@@ -161,6 +163,12 @@ def _check_options(options: dict, geometry: Geometry | None = None) -> None:
     if host and geometry is not None and host // geometry.block_bytes < 2:
         raise ConfigError(f"host cache of {host} bytes (host_cache_bytes) holds fewer than "
                           f"two {geometry.block_bytes}-byte blocks; give it more memory or none")
+
+
+def _not_a_geometry(geometry) -> None:
+    raise ConfigError(f"geometry must be a kvblock.Geometry, got {type(geometry).__name__} "
+                      f"{geometry!r:.80}; e.g. Geometry(num_layers=32, num_kv_heads=8, "
+                      "head_dim=128) (Geometry(**d) from a dict)")
 
 
 def _device_list(devices, call: str) -> list:
@@ -279,6 +287,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         formatting it again needs ``force``).
         """
         devices = _device_list(devices, "format")
+        if not isinstance(geometry, Geometry):     # format needs one: the store's
+            _not_a_geometry(geometry)
         _check_options(options, geometry)      # not after the old store is wiped
         if len(devices) > sbfmt.MAX_DEVICES:
             raise ConfigError(f"a store spans at most {sbfmt.MAX_DEVICES} devices")

@@ -897,6 +897,30 @@ def test_format_with_an_option_it_refuses_leaves_the_store_whole(tmp_path):
         KVStore.open([str(path)], verfy="never")      # the same error as format's
 
 
+@pytest.mark.parametrize("geometry", [None, GEOM.as_dict(), "llama-3-8b", 4])
+def test_a_geometry_that_is_no_geometry_is_a_config_error(tmp_path, geometry):
+    """format() and open(geometry=...) given something other than a
+    Geometry (its as_dict() from a config, None, a model name) raised an
+    AttributeError from deep inside ('dict' object has no attribute
+    'group_block_bytes' / 'describe'), not a ConfigError naming the
+    argument; nothing may be written either way."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    with pytest.raises(ConfigError, match="geometry must be a kvblock.Geometry"):
+        KVStore.format([str(path)], geometry, region_size=REGION)
+    with pytest.raises(ConfigError, match="geometry must be a kvblock.Geometry"):
+        KVStore.format([str(path)], geometry, region_size=REGION, host_cache_bytes=1 << 20)
+    assert not any(path.read_bytes()[:1 << 16])   # nothing written
+    keys = run_keys(1, 2)
+    with _format([path]) as store:
+        store.put_run(keys, run_data(keys))
+    if geometry is not None:                      # None: the store's own geometry
+        with pytest.raises(ConfigError, match="geometry must be a kvblock.Geometry"):
+            KVStore.open([str(path)], geometry=geometry)
+    with KVStore.open([str(path)], geometry=GEOM) as store:
+        assert store.lookup(keys) == 2
+
+
 def test_a_shrunk_device_is_refused_at_open(tmp_path):
     """A store file truncated after formatting: open says so (its regions
     past the new end would fail every read) instead of serving part of it."""
