@@ -20,6 +20,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from kvblock.errors import (
     AlignmentError,
     ConfigError,
@@ -71,6 +73,12 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
     ENOSPC half-way through a run.
     (``_exclusive``: only create it; FileExistsError when it exists (new_file).)
     """
+    # before anything is made: a float or None failed deep inside (a bare
+    # TypeError), 0 or a negative size made an empty "pre-sized" file
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+        raise ConfigError(f"create_file: size must be a whole number of bytes, at least 1 "
+                          f"(e.g. 1 << 30 for 1 GiB), got {size!r}")
+    size = int(size)
     _refuse_nul(path)
     path = Path(path)
     if not os.path.exists(path):   # missing, or a link to a missing name

@@ -7,6 +7,7 @@ import socket
 import stat
 import subprocess
 
+import numpy as np
 import pytest
 
 from kvblock.devices import Device, create_file
@@ -106,6 +107,26 @@ def test_a_path_that_cannot_be_looked_up_is_a_device_error(tmp_path):
     with pytest.raises(DeviceError, match=r"loop: cannot look it up: ELOOP") as exc:
         Device(tmp_path / "loop")
     assert exc.value.errno == errno.ELOOP and exc.value.path == str(tmp_path / "loop")
+
+
+@pytest.mark.parametrize("size", [None, "1G", 1.5, 4096.0, True, 0, -1, -MIB])
+def test_create_file_with_a_size_that_is_no_byte_count_is_a_config_error(tmp_path, size):
+    """create_file's size was used as given: None, "1G" or a float raised a
+    bare TypeError from a comparison or posix_fallocate, and 0, a negative
+    size or True made an empty (or 1-byte) "pre-sized" file and returned as
+    if it had reserved the space.  Each is a ConfigError naming the size, and
+    nothing is created (an existing file keeps its size)."""
+    from kvblock.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"create_file: size must be a whole number of bytes"):
+        create_file(tmp_path / "kv.img", size)
+    assert os.listdir(tmp_path) == []
+    old = create_file(tmp_path / "old.img", MIB)
+    with pytest.raises(ConfigError, match=r"create_file: size"):
+        create_file(old, size)
+    assert os.path.getsize(old) == MIB
+    assert create_file(tmp_path / "np.img", np.int64(MIB)) and \
+        os.path.getsize(tmp_path / "np.img") == MIB
 
 
 def test_a_path_with_a_nul_byte_is_a_typed_error_naming_it(tmp_path):
