@@ -22,6 +22,10 @@ class PoolExhaustedError(KVBlockError, TimeoutError):
     """No buffer became free within the timeout."""
 
 
+def _whole(n) -> bool:
+    return isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+
+
 class BufferPool:
     """``count`` buffers of ``buffer_bytes`` (rounded up to a page) each."""
 
@@ -42,14 +46,14 @@ class BufferPool:
 
     def address_of(self, index: int) -> int:
         self._check_open()
-        self._check_index(index)
+        index = self._check_index(index)
         return self.arena.address + index * self.buffer_bytes
 
     def view(self, index: int, nbytes: int | None = None) -> np.ndarray:
         self._check_open()
-        self._check_index(index)
-        if nbytes is not None and not 0 < nbytes <= self.buffer_bytes:
-            raise ConfigError(f"a view of {nbytes} bytes of a {self.buffer_bytes}-byte pool "
+        index = self._check_index(index)
+        if nbytes is not None and (not _whole(nbytes) or not 0 < nbytes <= self.buffer_bytes):
+            raise ConfigError(f"a view of {nbytes!r} bytes of a {self.buffer_bytes}-byte pool "
                               "buffer; ask for at most one buffer")
         start = index * self.buffer_bytes
         return self.arena.array[start:start + (nbytes or self.buffer_bytes)]
@@ -68,7 +72,7 @@ class BufferPool:
             return self._free.pop()
 
     def release(self, index: int) -> None:
-        self._check_index(index)
+        index = self._check_index(index)
         with self._cond:
             if index in self._free:     # twice: two callers would share it
                 raise ConfigError(f"pool buffer {index} is not in use (released twice?)")
@@ -82,9 +86,13 @@ class BufferPool:
             raise ConfigError(f"this BufferPool ({self.count} x {self.buffer_bytes} bytes) is "
                               "closed: its memory is unmapped; make a new pool")
 
-    def _check_index(self, index: int) -> None:
-        if not 0 <= index < self.count:
-            raise ConfigError(f"no pool buffer {index}: the pool has {self.count}")
+    def _check_index(self, index: int) -> int:
+        """``index`` as an int; a float, bool or None is no buffer (1.0
+        released went on the free list, 1.5 made an address inside one)."""
+        if not _whole(index) or not 0 <= index < self.count:
+            raise ConfigError(f"no pool buffer {index!r}: the pool has {self.count} "
+                              "(indices 0 to count - 1, as acquire() returns them)")
+        return int(index)
 
     @contextlib.contextmanager
     def buffer(self, timeout: float | None = None) -> Iterator[tuple[int, np.ndarray]]:

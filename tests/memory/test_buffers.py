@@ -192,6 +192,30 @@ def test_pool_refuses_a_double_release_and_views_outside_a_buffer():
 
 
 
+@pytest.mark.parametrize("bad", [1.0, 1.5, None, True, "1"])
+def test_a_pool_index_that_is_no_whole_number_is_refused(bad):
+    """A buffer index was only range-checked: release(1.0) put the float
+    1.0 on the free list (the next acquire() handed it out, and view() of
+    it was a bare TypeError), address_of(1.5) returned an address half a
+    buffer into buffer 1 (a float), and None or "1" raised a bare
+    TypeError.  Each is a ConfigError naming the index, and the pool's
+    free list stays as it was."""
+    with BufferPool(PAGE_SIZE, 2) as pool:
+        held = {pool.acquire(), pool.acquire()}
+        calls = [pool.release, pool.address_of, pool.view]
+        if bad is not None:                  # view(0, None): the whole buffer
+            calls.append(lambda i: pool.view(0, i))
+        for call in calls:
+            with pytest.raises(ConfigError, match=rf"{bad!r}"):
+                call(bad)
+        assert pool.free == 0
+        for i in held:
+            pool.release(i)
+        got = [pool.acquire(), pool.acquire()]
+        assert sorted(got) == [0, 1] and all(type(i) is int for i in got)
+        assert pool.address_of(np.int64(1)) == pool.arena.address + pool.buffer_bytes
+
+
 def test_a_finalizer_run_inside_the_registrys_lock_does_not_deadlock(monkeypatch):
     """A buffer dropped without close() leaves the registry from a finalizer,
     which the garbage collector may run at any allocation: also inside the
