@@ -197,7 +197,21 @@ def _prefault(mm: mmap.mmap, start: int, length: int) -> None:
 def aligned_empty(shape, dtype=np.uint8) -> np.ndarray:
     """A page-aligned, uninitialised numpy array (its memory stays mapped while
     the array or any view of it lives)."""
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape)) if np.ndim(shape) else int(shape)
+    # as numpy.empty takes them, each refused by name: a negative count was
+    # read as the whole mapping (aligned_empty(-1): 4096 bytes, silently)
+    try:
+        dtype = np.dtype(dtype)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"aligned_empty: dtype {dtype!r} is no numpy dtype ({e})") from None
+    if dtype.hasobject:
+        raise ConfigError(f"aligned_empty: dtype {dtype} holds Python objects, not bytes; "
+                          "pass a numeric dtype")
+    dims = tuple(shape) if isinstance(shape, (tuple, list, np.ndarray)) else (shape,)
+    if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
+               for n in dims):
+        raise ConfigError(f"aligned_empty: shape must be a whole number of items >= 0 or a "
+                          f"tuple of them, got {shape!r}")
+    shape = tuple(int(n) for n in dims)
+    count = int(np.prod(shape, dtype=object))
     buf = HostBuffer(max(count * dtype.itemsize, 1), register=False)
     return np.frombuffer(buf._mm, dtype=dtype, count=count, offset=buf._offset).reshape(shape)

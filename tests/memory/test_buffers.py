@@ -147,6 +147,22 @@ def test_a_size_no_buffer_can_have_is_a_config_error(size):
         BufferPool(4096, size)
 
 
+@pytest.mark.parametrize("shape,dtype", [(-1, np.uint8), ((2, -3), np.uint8), (None, np.uint8),
+                                         (1.5, np.uint8), (True, np.uint8), ((2.0, 3), np.uint8),
+                                         ("ab", np.uint8), (4, "foo"), (4, object)])
+def test_aligned_empty_refuses_a_shape_or_dtype_it_cannot_make(shape, dtype):
+    """aligned_empty(-1) returned a 4096-byte array (a negative count read
+    as 'the whole mapping'), (2, -3) a (2, 2048) one: arrays of a size
+    nobody asked for, silently; None, 1.5, True, "ab", an unknown dtype or
+    dtype object raised bare TypeErrors and ValueErrors.  Each is a
+    ConfigError naming what was given, as numpy.empty refuses them."""
+    with pytest.raises(ConfigError, match="aligned_empty"):
+        aligned_empty(shape, dtype)
+    assert aligned_empty(0).shape == (0,) and aligned_empty((2, 0), np.float32).shape == (2, 0)
+    assert aligned_empty(np.int64(5)).shape == (5,) and aligned_empty([2, 3]).shape == (2, 3)
+    assert aligned_empty(np.array([2, 3])).shape == (2, 3)
+
+
 def test_pool_acquire_release_and_exhaustion():
     with BufferPool(5000, 2) as pool:
         assert pool.buffer_bytes == 2 * PAGE_SIZE
