@@ -289,6 +289,10 @@ class KVStore(Recovery, RunReader, RunWriter):
         devices = _device_list(devices, "format")
         if not isinstance(geometry, Geometry):     # format needs one: the store's
             _not_a_geometry(geometry)
+        if not isinstance(force, bool):
+            # a setting read as text ("no", "false") would count as true and
+            # wipe the store it was to keep (as evict's all)
+            raise ConfigError(f"format: force must be True or False, got {force!r}")
         _check_options(options, geometry)      # not after the old store is wiped
         if len(devices) > sbfmt.MAX_DEVICES:
             raise ConfigError(f"a store spans at most {sbfmt.MAX_DEVICES} devices")

@@ -921,6 +921,24 @@ def test_a_geometry_that_is_no_geometry_is_a_config_error(tmp_path, geometry):
         assert store.lookup(keys) == 2
 
 
+@pytest.mark.parametrize("force", ["no", "false", 0.0, None, 1])
+def test_format_force_that_is_no_bool_is_refused_before_the_old_store_is_wiped(tmp_path,
+                                                                               force):
+    """format(force="no") (a setting read from a config as text) counted as
+    true and wiped the store on the device; force must be True or False
+    (as evict's all), checked before anything is written."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(1, 2)
+    with _format([path], model="model-a") as store:
+        store.put_run(keys, run_data(keys))
+        uuid = store.uuid
+    with pytest.raises(ConfigError, match="force must be True or False"):
+        KVStore.format([str(path)], GEOM, model="model-a", region_size=REGION, force=force)
+    with KVStore.open([str(path)], model="model-a") as store:   # untouched
+        assert store.uuid == uuid and store.lookup(keys) == 2
+
+
 def test_a_shrunk_device_is_refused_at_open(tmp_path):
     """A store file truncated after formatting: open says so (its regions
     past the new end would fail every read) instead of serving part of it."""
