@@ -146,7 +146,8 @@ def error_reply(exc: BaseException) -> dict:
 def raise_remote(name: str, message: str):
     """Raise the error a server answered with: kvblock's own class of that
     name, else ServerError."""
-    cls = getattr(errors, name, None)
+    # (a name that is no string: getattr's TypeError, not the server's error)
+    cls = getattr(errors, name, None) if isinstance(name, str) else None
     if not (isinstance(cls, type) and issubclass(cls, KVBlockError)):
         raise ServerError(f"store server: {name}: {message}")
     try:

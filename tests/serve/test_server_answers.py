@@ -201,3 +201,14 @@ def test_a_hello_whose_layout_is_not_the_devices_is_refused(served, monkeypatch,
         finally:
             r.close()
     assert _metadata(path, server) == before, "the rank wrote over the store's metadata"
+
+
+@pytest.mark.parametrize("name", [["ConfigError"], None, 7, "KVStore", "Exception"])
+def test_an_error_answer_naming_no_kvblock_error_is_a_server_error(name):
+    """An error answer whose name is no kvblock error class (not a string:
+    getattr raised TypeError; another name: anything the module holds) is
+    raised as ServerError, naming what was answered."""
+    from kvblock.store.protocol import raise_remote
+
+    with pytest.raises(ServerError, match="store server"):
+        raise_remote(name, "what the server said")
