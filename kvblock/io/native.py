@@ -91,11 +91,21 @@ def _is_file(path: Path) -> bool:
 def lib():
     """The loaded native library (raises :class:`NativeLibraryError`)."""
     tried = []
+    # A core named on purpose (another build to test) loads, or it is an
+    # error: passing over it ran the package's own core, unsaid.
+    env = os.environ.get("KVBLOCK_NATIVE_LIB")
+    chosen = (f"KVBLOCK_NATIVE_LIB={env}: {{}}; give the path of a built {LIB_NAME}, "
+              "or unset it to load the package's own") if env else None
     for path in _candidates():
+        named = chosen if env and path == Path(env) else None
+        if named and not _is_file(path):
+            raise NativeLibraryError(named.format("no such file"))
         if _is_file(path):
             try:
                 handle = ffi.dlopen(str(path))
             except OSError as e:
+                if named:
+                    raise NativeLibraryError(named.format(f"cannot be loaded ({e})")) from None
                 tried.append(f"{path} ({e})")
                 continue
             version = handle.kvb_abi_version()

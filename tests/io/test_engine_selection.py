@@ -153,3 +153,23 @@ def test_a_refused_engine_setting_names_the_setting_not_the_variable(monkeypatch
         kio.engine_report()
     monkeypatch.setenv("KVBLOCK_IO_ENGINE", "threads")
     assert kio.engine_report()["reason"] == "requested (KVBLOCK_IO_ENGINE=threads)"
+
+
+@pytest.mark.parametrize("what", ["missing", "not a library"])
+def test_a_native_lib_setting_that_cannot_be_loaded_is_an_error(what, tmp_path, monkeypatch):
+    """KVBLOCK_NATIVE_LIB names the native core to load (README: from that
+    file, before the one pip install built): a path that is not there, or a
+    file that is no library, was passed over and the package's own core
+    loaded, so a user testing another build ran the old one, unsaid."""
+    from kvblock.errors import NativeLibraryError
+    from kvblock.io import native
+
+    path = tmp_path / "libkvblock_io.so"
+    if what == "not a library":
+        path.write_bytes(b"not an ELF file\n")
+    monkeypatch.setenv("KVBLOCK_NATIVE_LIB", str(path))
+    with pytest.raises(NativeLibraryError, match="KVBLOCK_NATIVE_LIB") as exc:
+        native.lib.__wrapped__()
+    assert str(path) in str(exc.value)
+    monkeypatch.delenv("KVBLOCK_NATIVE_LIB")
+    assert native.lib.__wrapped__().kvb_abi_version() == native.ABI_VERSION
