@@ -64,6 +64,7 @@ from kvblock.store.store import (
     COUNTERS,
     LOAD_STAGING_KEEP,
     KVStore,
+    _not_a_geometry,
     _try_superblock,
     check_evict,
     check_key_prefix,
@@ -251,6 +252,10 @@ class RemoteStore(RunReader, RunWriter):
                  geometry: Geometry | None = None, model=None):
         if isinstance(devices, (str, bytes, os.PathLike)):
             check_distinct(devices)     # one path, not its characters: refused by name
+        if geometry is not None and not isinstance(geometry, Geometry):
+            # as KVStore.open: compared once connected, a dict failed as an
+            # AttributeError ('describe') after the devices were opened
+            _not_a_geometry(geometry)
         self.socket_path = os.fspath(socket_path)
         self.closed = True
         self.io = None

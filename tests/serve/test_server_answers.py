@@ -212,3 +212,22 @@ def test_an_error_answer_naming_no_kvblock_error_is_a_server_error(name):
 
     with pytest.raises(ServerError, match="store server"):
         raise_remote(name, "what the server said")
+
+
+@pytest.mark.parametrize("geometry", [GEOM.as_dict(), "llama-3-8b", (2, 2, 32)])
+def test_a_geometry_that_is_no_geometry_is_a_config_error_for_a_rank(served, geometry):
+    """RemoteStore(geometry=...) (and connect's) given something other than
+    a Geometry (its as_dict() from a config, a model name) raised an
+    AttributeError ('dict' object has no attribute 'describe') once
+    connected, where KVStore.open refuses it with a ConfigError naming the
+    argument; refused before a connection is made."""
+    from kvblock.errors import ConfigError
+    from kvblock.store.client import connect
+
+    path, sock, server = served
+    with pytest.raises(ConfigError, match="geometry must be a kvblock.Geometry"):
+        RemoteStore(sock, geometry=geometry)
+    with pytest.raises(ConfigError, match="geometry must be a kvblock.Geometry"):
+        connect(sock, geometry=geometry)
+    with RemoteStore(sock, geometry=GEOM) as r:          # a Geometry is taken
+        assert r.geometry == GEOM
