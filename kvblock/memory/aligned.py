@@ -206,7 +206,11 @@ def aligned_empty(shape, dtype=np.uint8) -> np.ndarray:
     if dtype.hasobject:
         raise ConfigError(f"aligned_empty: dtype {dtype} holds Python objects, not bytes; "
                           "pass a numeric dtype")
-    dims = tuple(shape) if isinstance(shape, (tuple, list, np.ndarray)) else (shape,)
+    # a 0-d integer array (np.array(5)) is one count, as numpy.empty takes
+    # it: iterated, it was a bare TypeError ('iteration over a 0-d array')
+    dims = tuple(shape) if isinstance(shape, (tuple, list)) or \
+        (isinstance(shape, np.ndarray) and shape.ndim) else (shape,)
+    dims = tuple(n[()] if isinstance(n, np.ndarray) and n.ndim == 0 else n for n in dims)
     if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
                for n in dims):
         raise ConfigError(f"aligned_empty: shape must be a whole number of items >= 0 or a "

@@ -163,6 +163,23 @@ def test_aligned_empty_refuses_a_shape_or_dtype_it_cannot_make(shape, dtype):
     assert aligned_empty(np.array([2, 3])).shape == (2, 3)
 
 
+@pytest.mark.parametrize("shape,want", [(np.array(5), (5,)), (np.array(0), (0,)),
+                                        ((np.array(2), 3), (2, 3)),
+                                        (np.array([np.int64(4)]), (4,))])
+def test_aligned_empty_takes_a_count_given_as_a_0d_array(shape, want):
+    """A count that is a 0-d integer array (np.array(5), what numpy
+    reductions and indexing of arrays hand back) is a shape numpy.empty
+    takes, as aligned_empty did; 77b971b's check iterated it (a bare
+    TypeError 'iteration over a 0-d array') or refused it as no whole
+    number."""
+    a = aligned_empty(shape, np.float32)
+    assert a.shape == want and a.dtype == np.float32
+    with pytest.raises(ConfigError, match="aligned_empty"):
+        aligned_empty(np.array(-1))
+    with pytest.raises(ConfigError, match="aligned_empty"):
+        aligned_empty(np.array(2.5))
+
+
 def test_pool_acquire_release_and_exhaustion():
     with BufferPool(5000, 2) as pool:
         assert pool.buffer_bytes == 2 * PAGE_SIZE
