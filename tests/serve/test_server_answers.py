@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvblock import KVStore, create_file
-from kvblock.errors import KVBlockError, ServerError
+from kvblock.errors import ServerError
 from kvblock.store.client import RemoteStore
 from kvblock.store.server import serve_in_background
 from tests.store.workload import GEOM, REGION, run_data, run_keys
