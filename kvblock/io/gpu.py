@@ -147,7 +147,7 @@ def _measure(store, sample_bytes: int) -> str:
         store._gpu_path, store._gpu_path_reason = "host", f"kvikio unavailable: {e}"
         return "host"
     try:
-        kv_s, host_s = _time_paths(store, reader, sample_bytes)
+        kv_s, host_s, timed = _time_paths(store, reader, sample_bytes)
     except Exception as e:   # kvikio opened the devices but cannot read them (GDS refusing
         # the file, a driver error): every load would raise it; the host path reads them
         logger.warning("kvblock: a kvikio read of the store failed (%s); loads into CUDA "
@@ -156,8 +156,10 @@ def _measure(store, sample_bytes: int) -> str:
         _drop_reader(store, reader)
         return "host"
     store._gpu_path = "kvikio" if kv_s <= host_s else "host"
-    store._gpu_path_reason = (f"measured: kvikio ({reader.mode}) {sample_bytes / kv_s / 2**30:.2f}"
-                              f" GiB/s, io_uring+copy {sample_bytes / host_s / 2**30:.2f} GiB/s")
+    # (of the bytes timed: at most one region, fewer than sample_bytes on
+    # a store of regions under 64 MiB)
+    store._gpu_path_reason = (f"measured: kvikio ({reader.mode}) {timed / kv_s / 2**30:.2f}"
+                              f" GiB/s, io_uring+copy {timed / host_s / 2**30:.2f} GiB/s")
     if store._gpu_path == "host":
         _drop_reader(store, reader)
     return store._gpu_path
@@ -176,6 +178,8 @@ def _drop_reader(store, reader) -> None:
 
 
 def _time_paths(store, reader, nbytes):
+    """(kvikio's seconds, the host path's seconds, the bytes each read in
+    that time): up to ``nbytes`` of the store's first region."""
     import torch
 
     from kvblock.io import IOBatch
@@ -197,4 +201,4 @@ def _time_paths(store, reader, nbytes):
         dst.copy_(pinned)
         torch.cuda.synchronize()
         host_s = time.perf_counter() - t
-    return kv_s, host_s
+    return kv_s, host_s, nbytes

@@ -125,7 +125,7 @@ def test_a_kvikio_reader_the_choice_does_not_use_is_closed(monkeypatch, timing):
     def timed(store, reader, nbytes):
         if timing == "fails":
             raise RuntimeError("cuFile pread failed: 5030")
-        return 2.0, 1.0                  # kvikio took twice as long
+        return 2.0, 1.0, nbytes          # kvikio took twice as long
 
     monkeypatch.setattr(gpu, "_time_paths", timed)
     store = _store_opening(Reader)
@@ -158,10 +158,10 @@ def test_two_first_loads_at_once_never_close_the_reader_the_other_chose(monkeypa
         if threading.current_thread().name == "second":
             second_timing.set()
             first_done.wait(5)
-            return 2.0, 1.0                  # noise: the host this time
+            return 2.0, 1.0, nbytes          # noise: the host this time
         first_timing.set()
         second_timing.wait(1)                # (both timing at once, unless one waits)
-        return 1.0, 2.0                      # kvikio faster
+        return 1.0, 2.0, nbytes              # kvikio faster
 
     monkeypatch.setattr(gpu, "_time_paths", timed)
     store = _store_opening(Reader)
@@ -184,3 +184,83 @@ def test_two_first_loads_at_once_never_close_the_reader_the_other_chose(monkeypa
     assert chosen["first"] == "kvikio"
     assert not chosen["reader"].closed, "the reader a kvikio load uses was closed under it"
     assert gpu_path(store) == chosen["second"] == "kvikio"     # one choice per store
+
+
+class _RecordingReader:
+    """Stands in for KvikioReader on a CPU machine: reads with pread into the
+    (CPU) tensor it is handed, and records (offset, bytes, clock ticks so
+    far) per read."""
+
+    mode = "gds"
+
+    def __init__(self, path, ticks):
+        import os
+
+        self.fd = os.open(path, os.O_RDONLY)
+        self.ticks = ticks
+        self.reads = []
+
+    def read(self, dev, offset, dst, nbytes):
+        import os
+
+        self.reads.append((offset, nbytes, len(self.ticks)))
+        got = os.preadv(self.fd, [dst[:nbytes].numpy()], offset)
+        return SimpleNamespace(get=lambda: got)
+
+    def close(self):
+        import os
+
+        os.close(self.fd)
+
+
+def _timing_on_cpu(monkeypatch, tmp_path, region_size):
+    """Run the real gpu_path timing (_time_paths) on the CPU: CPU tensors
+    for CUDA ones, a pread stand-in for kvikio, a clock that advances
+    1/1024 s per look.  Returns (store, reader, ticks, host reads)."""
+    torch = pytest.importorskip("torch")
+    import kvblock.io.gpu as gpu
+    from kvblock import Geometry, KVStore, create_file
+
+    monkeypatch.delenv("KVBLOCK_GPU_PATH", raising=False)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, device=None, **k: real_empty(*a, **k))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    ticks = []
+
+    def clock():
+        ticks.append(None)
+        return len(ticks) / 1024
+    monkeypatch.setattr(gpu, "time", SimpleNamespace(perf_counter=clock))
+    path = tmp_path / "kv.img"
+    create_file(path, 64 << 20)
+    store = KVStore.format([str(path)], Geometry(2, 2, 64, "bfloat16", 16),
+                           region_size=region_size, verify="never", force=True)
+    reader = _RecordingReader(str(path), ticks)
+    monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
+    host_reads = []
+    real_read = store.io.read
+
+    def host_read(batch):
+        host_reads.append((int(batch.offsets.min()), int(batch.lens.sum()), len(ticks)))
+        return real_read(batch)
+    monkeypatch.setattr(store.io, "read", host_read)
+    return store, reader, ticks, host_reads
+
+
+def test_the_measured_bandwidths_are_of_the_bytes_timed(monkeypatch, tmp_path):
+    """gpu_path reports what it measured (stats()["gpu_path_reason"]) in
+    GiB/s: it divided the 64 MiB it asks for by the time, but it reads at
+    most one region (a store under 1 GiB has regions under 64 MiB): a
+    16 MiB region's bandwidths were reported 4 times too high."""
+    store, reader, ticks, _ = _timing_on_cpu(monkeypatch, tmp_path, 4 << 20)
+    try:
+        assert gpu_path(store) == "kvikio"              # (a tie: kvikio)
+        timed = [n for _, n, at in reader.reads if at == 1]    # between ticks 1 and 2
+        assert len(timed) == 1 and timed[0] <= store.regions.size
+        gib_s = timed[0] * 1024 / 2**30
+        assert f"kvikio (gds) {gib_s:.2f} GiB/s" in store._gpu_path_reason, \
+            store._gpu_path_reason
+        assert f"io_uring+copy {gib_s:.2f} GiB/s" in store._gpu_path_reason
+    finally:
+        reader.close()
+        store.close()
