@@ -264,3 +264,35 @@ def test_the_measured_bandwidths_are_of_the_bytes_timed(monkeypatch, tmp_path):
     finally:
         reader.close()
         store.close()
+
+
+def test_the_timed_reads_are_of_bytes_no_warm_up_read_and_both_paths_are_warmed(monkeypatch,
+                                                                                 tmp_path):
+    """gpu_path warmed kvikio up with a read of the very bytes it then
+    timed: kvikio's POSIX compat path reads through the page cache, so the
+    timed read came from memory (not the device), against an io_uring read
+    with O_DIRECT that was not warmed up at all (its first read into a
+    fresh buffer): a choice biased to kvikio, whose loads then read cold
+    data.  Each timed read must be of bytes no earlier read of its path
+    touched, and the host path warmed as kvikio is."""
+    store, reader, ticks, host_reads = _timing_on_cpu(monkeypatch, tmp_path, 4 << 20)
+    try:
+        gpu_path(store)
+        assert len(ticks) == 4          # t0, kvikio's time, t0, the host's time
+
+        def check(reads, window, what):
+            timed = [(o, o + n) for o, n, at in reads if at == window]
+            before = [(o, o + n) for o, n, at in reads if at < window]
+            assert len(timed) == 1 and timed[0][1] > timed[0][0], (what, reads)
+            lo, hi = timed[0]
+            assert before, f"{what}: not warmed up before its timed read"
+            assert all(b <= lo or hi <= a for a, b in before), \
+                f"{what}: timed [{lo}, {hi}) after a warm-up read of {before}"
+            return hi - lo
+        assert check(reader.reads, 1, "kvikio") == check(host_reads, 3, "host")
+        assert reader.reads[-1][0] >= store.regions.address(0)[1]
+        assert reader.reads[-1][0] + reader.reads[-1][1] <= \
+            store.regions.address(0)[1] + store.regions.size          # region 0 only
+    finally:
+        reader.close()
+        store.close()
