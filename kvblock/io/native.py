@@ -102,7 +102,10 @@ def lib():
             raise NativeLibraryError(named.format("no such file"))
         if _is_file(path):
             try:
-                handle = ffi.dlopen(str(path))
+                # a path as the file system takes it: dlopen searches the
+                # library path for a name without a slash (KVBLOCK_NATIVE_LIB=
+                # libkvblock_io.so), never the working directory the file is in
+                handle = ffi.dlopen(str(path.absolute()))
             except OSError as e:
                 if named:
                     raise NativeLibraryError(named.format(f"cannot be loaded ({e})")) from None

@@ -173,3 +173,24 @@ def test_a_native_lib_setting_that_cannot_be_loaded_is_an_error(what, tmp_path, 
     assert str(path) in str(exc.value)
     monkeypatch.delenv("KVBLOCK_NATIVE_LIB")
     assert native.lib.__wrapped__().kvb_abi_version() == native.ABI_VERSION
+
+
+def test_a_native_lib_setting_of_a_bare_file_name_loads_that_file(tmp_path, monkeypatch):
+    """KVBLOCK_NATIVE_LIB=libkvblock_io.so (a file in the working directory,
+    named without a slash) was handed to dlopen as is, which then searches the
+    library path (LD_LIBRARY_PATH, the system's), never the working
+    directory: the file named failed as 'cannot be loaded', or another
+    libkvblock_io.so on the library path was loaded in its place, unsaid."""
+    import shutil
+
+    from kvblock.io import native
+
+    own = os.environ.get("KVBLOCK_NATIVE_LIB") or \
+        next(p for p in native._candidates() if native._is_file(p))
+    shutil.copy(own, tmp_path / native.LIB_NAME)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVBLOCK_NATIVE_LIB", native.LIB_NAME)
+    handle = native.lib.__wrapped__()
+    assert handle.kvb_abi_version() == native.ABI_VERSION
+    with open("/proc/self/maps") as f:
+        assert str(tmp_path / native.LIB_NAME) in f.read()
