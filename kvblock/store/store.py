@@ -289,10 +289,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         devices = _device_list(devices, "format")
         if not isinstance(geometry, Geometry):     # format needs one: the store's
             _not_a_geometry(geometry)
-        if not isinstance(force, bool):
+        if not isinstance(force, (bool, np.bool_)):
             # a setting read as text ("no", "false") would count as true and
-            # wipe the store it was to keep (as evict's all)
+            # wipe the store it was to keep (as evict's all: numpy's bools too)
             raise ConfigError(f"format: force must be True or False, got {force!r}")
+        force = bool(force)
         _check_options(options, geometry)      # not after the old store is wiped
         if len(devices) > sbfmt.MAX_DEVICES:
             raise ConfigError(f"a store spans at most {sbfmt.MAX_DEVICES} devices")

@@ -939,6 +939,28 @@ def test_format_force_that_is_no_bool_is_refused_before_the_old_store_is_wiped(t
         assert store.uuid == uuid and store.lookup(keys) == 2
 
 
+def test_format_takes_force_as_a_numpy_bool(tmp_path):
+    """b82a6a8 refused any force that is no Python bool, numpy's too
+    (np.True_: what a comparison or .any() of an array gives), where evict's
+    all, which it follows, takes them: format(force=np.True_) over a store was
+    a ConfigError where it had formatted, np.False_ kept the old store as
+    False does."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(1, 2)
+    with _format([path], model="model-a") as store:
+        store.put_run(keys, run_data(keys))
+        uuid = store.uuid
+    with pytest.raises(FormatError, match="force=True to overwrite"):
+        KVStore.format([str(path)], GEOM, model="model-a", region_size=REGION,
+                       force=np.False_)
+    with KVStore.open([str(path)], model="model-a") as store:   # untouched
+        assert store.uuid == uuid and store.lookup(keys) == 2
+    with KVStore.format([str(path)], GEOM, model="model-a", region_size=REGION,
+                        force=np.True_) as store:
+        assert store.uuid != uuid and store.lookup(keys) == 0
+
+
 def test_a_shrunk_device_is_refused_at_open(tmp_path):
     """A store file truncated after formatting: open says so (its regions
     past the new end would fail every read) instead of serving part of it."""
