@@ -281,18 +281,25 @@ def test_layerwise_load_overlaps_io(path):
         assert torch.equal(dst[7].view(torch.int16), src[7].view(torch.int16))
 
 
-def test_checksum_failure_during_load_shrinks_the_prefix(path):
+def _saved_with_run_b_damaged(path):
+    """A store at ``path`` holding runs a and b (two blocks each, saved
+    from one random vLLM cache), the last layer of run b corrupt on the
+    device.  Returns (the saved cache, a's keys, b's keys)."""
     src = [rand(2, 6, BS, H, D) for _ in range(L)]
     a, b = [b"a0", b"a1"], [b"b0", b"b1"]
     with _store(path, geom()) as store:
         save_blocks(store, a, VLLMLayout(src), [0, 1])
         save_blocks(store, b, VLLMLayout(src), [2, 3])
-        run_b = [r for r in store.index.runs.values() if r.nblocks == 2][-1]
+        run_b = store.index.locate(normalize_keys(b)[0])[0]
         _, off = store.regions.address(run_b.region, run_b.offset)
     with open(path, "r+b") as f:  # corrupt the last layer of run b
-        lay_off = off + (L - 1) * store.layout(2).range_bytes + 64
-        f.seek(lay_off)
+        f.seek(off + (L - 1) * store.layout(2).range_bytes + 64)
         f.write(b"\xde\xad")
+    return src, a, b
+
+
+def test_checksum_failure_during_load_shrinks_the_prefix(path):
+    src, a, b = _saved_with_run_b_damaged(path)
     with KVStore.open([path]) as store:
         dst = [torch.zeros(2, 6, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
         h = load_blocks(store, a + b, VLLMLayout(dst), [0, 1, 2, 3])
@@ -1187,16 +1194,7 @@ def test_two_loads_meeting_one_damaged_run_count_it_once(path, monkeypatch):
     and a read alike."""
     from kvblock.tensors import transfer
 
-    src = [rand(2, 6, BS, H, D) for _ in range(L)]
-    a, b = [b"a0", b"a1"], [b"b0", b"b1"]
-    with _store(path, geom()) as store:
-        save_blocks(store, a, VLLMLayout(src), [0, 1])
-        save_blocks(store, b, VLLMLayout(src), [2, 3])
-        run_b = store.index.locate(normalize_keys(b)[0])[0]
-        _, off = store.regions.address(run_b.region, run_b.offset)
-    with open(path, "r+b") as f:  # corrupt the last layer of run b
-        f.seek(off + (L - 1) * store.layout(2).range_bytes + 64)
-        f.write(b"\xde\xad")
+    src, a, b = _saved_with_run_b_damaged(path)
     with KVStore.open([path]) as store:
         both_pinned = threading.Barrier(2, timeout=10)
         real, first = transfer._LoadJob._read_batch, set()
@@ -1223,16 +1221,7 @@ def test_a_damaged_run_whose_drop_failed_is_dropped_by_the_next_load(path, monke
     next load that meets the run drops it (counted once in all)."""
     from kvblock.errors import StoreClosedError
 
-    src = [rand(2, 6, BS, H, D) for _ in range(L)]
-    a, b = [b"a0", b"a1"], [b"b0", b"b1"]
-    with _store(path, geom()) as store:
-        save_blocks(store, a, VLLMLayout(src), [0, 1])
-        save_blocks(store, b, VLLMLayout(src), [2, 3])
-        run_b = store.index.locate(normalize_keys(b)[0])[0]
-        _, off = store.regions.address(run_b.region, run_b.offset)
-    with open(path, "r+b") as f:  # corrupt the last layer of run b
-        f.seek(off + (L - 1) * store.layout(2).range_bytes + 64)
-        f.write(b"\xde\xad")
+    src, a, b = _saved_with_run_b_damaged(path)
     with KVStore.open([path]) as store:
         real, calls = store._drop_runs, []
 
