@@ -897,7 +897,13 @@ class KVStore(Recovery, RunReader, RunWriter):
             # device, which has the newest copy).
             packed = run.packed()
             with self._lock:
-                mine = np.flatnonzero(self.index.lookup(keys) == packed).tolist()
+                named = self.index.lookup(keys)
+            mine = np.flatnonzero(named == packed).tolist()
+            # Keys no run names any more: this run left the device (evicted,
+            # dropped) between its publish and here.  A copy of an older
+            # put may still be in DRAM (its run evicted before, the tier
+            # kept it): it must go, or reads get those older bytes.
+            unnamed = np.flatnonzero(named < 0).tolist()
             for k in mine:
                 # Asked again under the tier's lock: a newer put that
                 # published since the look above (and returned, its copy
@@ -905,8 +911,8 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.host.put(keys[k], block_at(blocks, k), epoch=clears,
                               discards=discards, replace=True,
                               current=self._names(keys[k], packed[k]))
-            if mine:
-                self._tier_keep_newest([keys[k] for k in mine], packed[mine])
+            if mine or unnamed:
+                self._tier_keep_newest([keys[k] for k in mine + unnamed], packed[mine + unnamed])
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += len(keys)
         self.counters["bytes_written"] += self.layout(len(keys)).run_bytes

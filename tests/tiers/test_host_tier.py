@@ -922,3 +922,31 @@ def test_removed_since_reports_blocks_that_leave_the_dram_tier(tmp_path, how):
         assert not store.present(keys).any()
         _, logged = store.removed_since(cursor)
         assert set(normalize_keys(keys)) <= set(logged)
+
+
+def test_a_put_evicted_before_it_reaches_dram_leaves_no_older_copy_there(tmp_path):
+    """A key held only in DRAM (its run evicted from the device) is put
+    anew, and the new run is evicted (another thread's evict, or a put's)
+    between its publish and the put's turn at the tier: the older copy in
+    DRAM stayed, and reads were served the overwritten bytes from it."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(8, 2)
+    old, new = run_data(keys), (run_data(keys) + 1).astype(np.uint8)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        store.put_run(keys, old)
+        store.evict(all=True)
+        assert all(k in store.host for k in normalize_keys(keys))
+        real_unpin = store._unpin_writers
+
+        def unpinned_then_evicted(regions):
+            real_unpin(regions)
+            store.evict(all=True)                        # another thread, right here
+        store._unpin_writers = unpinned_then_evicted
+        assert store.put_run(keys, new) == 2
+        del store._unpin_writers
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        n = store.get_run(keys, out)
+        assert not np.array_equal(out, old), "DRAM served the overwritten bytes"
+        assert n == 0 and store.lookup(keys) == 0
