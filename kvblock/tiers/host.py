@@ -64,7 +64,11 @@ class HostTier:
         return len(self.probation) + len(self.protected)
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self.probation or key in self.protected
+        # Under the lock: a hit moves a block from one segment to the other
+        # (pop, then insert), and a look at both between the two steps
+        # finds it in neither.
+        with self.lock:
+            return key in self.probation or key in self.protected
 
     def get(self, key: bytes) -> np.ndarray | None:
         """A copy of the block's bytes (counts a hit), or None."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -950,3 +951,35 @@ def test_a_put_evicted_before_it_reaches_dram_leaves_no_older_copy_there(tmp_pat
         n = store.get_run(keys, out)
         assert not np.array_equal(out, old), "DRAM served the overwritten bytes"
         assert n == 0 and store.lookup(keys) == 0
+
+
+@pytest.mark.parametrize("how", ["promoted", "demoted"])
+def test_a_block_moving_between_segments_is_still_held(tmp_path, how):
+    """A hit moves a block from probation to protected (and may push
+    protected's coldest back to probation): membership was asked of the two
+    segments without the tier's lock, so a lookup() or present() in
+    another thread at that moment found the block in neither, and said a
+    block held only in DRAM was not stored."""
+    keys = run_keys(10, 2)
+    with _held_only_in_dram(tmp_path, keys, 2) as store:  # protected holds 1 block
+        ks, tier = normalize_keys(keys), store.host
+        out = np.zeros(GEOM.block_bytes, np.uint8)
+        if how == "demoted":
+            assert store.get_run(keys[:1], out) == 1     # ks[0] protected, ks[1] probation
+            moving, segment = ks[0], "probation"         # ks[1]'s hit demotes ks[0]
+        else:
+            moving, segment = ks[1], "protected"
+        answers, threads = [], []
+
+        class Watched(OrderedDict):
+            def __setitem__(self, key, value):
+                if key == moving and not threads:        # it left the other segment
+                    threads.append(threading.Thread(target=lambda: answers.append(
+                        (store.lookup(keys), store.present(keys).tolist()))))
+                    threads[0].start()                   # another thread, right here
+                    threads[0].join(0.3)                 # (or it waits for the tier's lock)
+                super().__setitem__(key, value)
+        setattr(tier, segment, Watched(getattr(tier, segment)))
+        assert store.get_run(keys[1:], out) == 1          # ks[1]: a hit, promoted
+        threads[0].join(10)
+        assert answers == [(2, [True, True])]
