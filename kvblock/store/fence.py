@@ -268,7 +268,15 @@ def fence_writers(files: Sequence[tuple[int, str]], timeout: float | None = None
                     logged = True
                 time.sleep(0.002)
     finally:
-        for fd, _ in own:       # closing drops the locks it holds
+        for fd, _ in own:
+            # Unlocked, not only closed: closing drops an OFD lock only with
+            # the description's last descriptor, and a child forked meanwhile
+            # (by another thread) holds a copy for as long as it lives.
+            for byte in (TURNSTILE_BYTE, FENCE_BYTE):
+                try:
+                    _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=byte)
+                except OSError:
+                    pass
             os.close(fd)
 
 

@@ -272,3 +272,48 @@ def test_a_new_server_while_a_writer_is_at_the_turnstile_keeps_the_last_files(tm
         assert len(rank._fds()) == 2
     finally:
         rank.close()
+
+
+def test_a_child_forked_while_an_owner_holds_the_fence_keeps_no_lock(target, monkeypatch):
+    """A process forked (by another thread) while an owner holds the fence
+    shares the owner's open file descriptions.  The owner let go of its
+    locks by closing its descriptors, which drops an OFD lock only when the
+    last copy is closed: the child's copy kept the turnstile and the fence
+    locked for its whole life, and every rank's write waited (without
+    bound) for a process that does not write at all."""
+    import kvblock.store.fence as fence_mod
+
+    real = fence_mod._ofd_lock
+    r, w = os.pipe()
+    child = []
+
+    def forking(fd, kind, wait, byte=fence_mod.FENCE_BYTE):
+        out = real(fd, kind, wait, byte)
+        if out and kind == fence_mod.fcntl.F_WRLCK and byte == fence_mod.FENCE_BYTE \
+                and not child:
+            pid = os.fork()
+            if pid == 0:            # holds copies of the owner's files until told to go
+                try:
+                    os.read(r, 1)
+                finally:
+                    os._exit(0)
+            child.append(pid)
+        return out
+    monkeypatch.setattr(fence_mod, "_ofd_lock", forking)
+    try:
+        fence_writers([target], timeout=0)
+        monkeypatch.setattr(fence_mod, "_ofd_lock", real)
+        assert child, "the test needs a child forked while the owner held the fence"
+        assert _fenced(target), "a forked child kept the owner's fence locks"
+        rank = _rank(target[1])
+        try:
+            with rank.writing():       # no wait on the child
+                pass
+        finally:
+            rank.close()
+    finally:
+        os.write(w, b"x")
+        for pid in child:
+            os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
