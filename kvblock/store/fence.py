@@ -70,7 +70,7 @@ def _ofd_lock(fd: int, kind: int, wait: bool, byte: int = FENCE_BYTE) -> bool:
 
 
 def socket_fence_path(socket_path) -> str:
-    return os.fspath(socket_path) + ".fence"
+    return os.fsdecode(socket_path) + ".fence"
 
 
 def reopen(fd: int, flags: int) -> int:

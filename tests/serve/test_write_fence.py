@@ -382,3 +382,22 @@ def test_a_server_that_keeps_its_store_gives_back_the_allocations_stop_dropped(t
         r.close()
         server.stop()
         store.close()
+
+
+def test_a_socket_path_given_as_bytes_is_fenced_on(tmp_path):
+    """A socket path given as bytes (an os path as much as a str one: the
+    socket connects by it) failed on both sides as a TypeError where the
+    fence file's name was made from it (bytes + '.fence'): the server's
+    start, and a rank's connect after its hello, its devices opened."""
+    sock, path = os.fsencode(str(tmp_path / "kv.sock")), _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    try:
+        assert os.path.exists(str(tmp_path / "kv.sock.fence"))
+        with RemoteStore(sock, verify="never") as a:
+            assert len(a._fence._own) == 2, "the rank does not fence on <socket>.fence"
+            keys = run_keys(1, 2)
+            assert a.put_run(keys, run_data(keys)) == 2
+            got = np.zeros_like(run_data(keys))
+            assert a.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
+    finally:
+        server.stop()
