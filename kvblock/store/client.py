@@ -256,7 +256,7 @@ class RemoteStore(RunReader, RunWriter):
             # as KVStore.open: compared once connected, a dict failed as an
             # AttributeError ('describe') after the devices were opened
             _not_a_geometry(geometry)
-        self.socket_path = os.fspath(socket_path)
+        self.socket_path = os.fsdecode(socket_path)
         self.closed = True
         self.io = None
         self.host = None           # no DRAM tier in a rank: its memory belongs to the engine
@@ -1277,7 +1277,7 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     """
     if isinstance(devices, (str, bytes, os.PathLike)):
         check_distinct(devices)         # one path, not its characters: refused by name
-    socket_path = os.fspath(socket_path)
+    socket_path = os.fsdecode(socket_path)
     can_start = bool(start and devices)
     if devices and client_options.get("devices") is None:
         # I/O on the caller's names of the devices: the server's paths may

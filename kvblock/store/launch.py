@@ -55,7 +55,7 @@ def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.
         from kvblock.devices import check_distinct
 
         check_distinct(devices)     # one path: refused by name (a server on its characters)
-    socket_path = os.fspath(socket_path)
+    socket_path = os.fsdecode(socket_path)
     from kvblock.store.server import MAX_SOCKET_PATH
 
     # No server can listen there: refused before prepare() formats (making

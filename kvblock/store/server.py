@@ -165,7 +165,7 @@ class StoreServer:
                  hello_timeout: float | None = HELLO_TIMEOUT_S,
                  max_clients: int | None = MAX_CLIENTS):
         self.store = store
-        self.socket_path = os.fspath(socket_path)
+        self.socket_path = os.fsdecode(socket_path)
         # The devices' paths as hello names them: absolute, taken now (a
         # rank given no devices opens these; one working in another
         # directory would not find a path relative to the server's).  The

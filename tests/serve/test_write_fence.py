@@ -401,3 +401,20 @@ def test_a_socket_path_given_as_bytes_is_fenced_on(tmp_path):
             assert a.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
     finally:
         server.stop()
+
+
+def test_a_rank_given_a_bytes_socket_path_starts_its_server(tmp_path):
+    """connect(bytes_path, devices) finding no server starts one: the start
+    lock's name was made from the path (bytes + '.lock'), a TypeError."""
+    from kvblock.store.client import connect
+    from tests.support.servers import stop_server
+
+    sock, path = os.fsencode(str(tmp_path / "kv.sock")), _store_file(tmp_path)
+    rank = connect(sock, [path])
+    try:
+        keys = run_keys(1, 2)
+        assert rank.put_run(keys, run_data(keys)) == 2
+        assert os.path.exists(str(tmp_path / "kv.sock.lock"))
+    finally:
+        rank.close()
+        stop_server(rank.server_pid)
