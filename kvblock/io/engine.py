@@ -6,6 +6,7 @@ split oversized requests, and turn per-I/O results into one clear exception.
 from __future__ import annotations
 
 import ctypes
+import errno
 import math
 import operator
 import os
@@ -304,7 +305,10 @@ class IOEngine:
         max_io = min(self.max_io, HASH_PIECE) if inline else self.max_io
         run, parent = batch.split(max_io)
         m = len(run)
-        results = np.empty(m, dtype=np.int64)
+        # Each slot starts failed: a slot the native call never writes (a
+        # broken ring whose drain could not wait for every I/O it had taken)
+        # must not hold an earlier batch's lengths, read as 'done'.
+        results = np.full(m, -errno.EIO, dtype=np.int64)
         lat = np.empty(m, dtype=np.int64) if latency else None
         hasher = None
         with self._map_idle:       # close() waits for us: it frees what _run uses

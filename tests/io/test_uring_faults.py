@@ -96,3 +96,75 @@ def test_a_forked_child_leaves_the_parents_ring_alone_on_older_kernels(shim, tmp
     path = str(create_file(tmp_path / "f.img", 8 << 20))
     out = _child(shim, "fork_old_kernel", path, KVB_FAULT_OLD_KERNEL="1")
     assert out == {"fixed_files": True, "parent_read_ok": True}
+
+
+def test_a_broken_ring_slot_never_written_is_not_taken_for_a_completed_io(
+        file_target, monkeypatch):
+    """When the ring's drain cannot even wait (io_uring_wait_cqe_timeout
+    failing other than ETIME/EINTR) it stops, and the result slots of I/Os
+    the kernel took but did not complete are never written.  The engine
+    took the results array from np.empty: memory left there by an earlier
+    batch of the same size holds that batch's lengths, so those unfinished
+    I/Os read as done (before: the batch 'succeeded' with part of its buffer
+    unread, or the error undercounted the I/Os that did not finish)."""
+    import errno
+
+    import numpy as np
+
+    import kvblock.io.engine as engine_mod
+    from kvblock.devices import Device
+    from kvblock.errors import IOFailedError
+    from kvblock.io import IOBatch, native, open_engine
+    from kvblock.memory import HostBuffer
+
+    KIB64 = 64 << 10
+    path = file_target(16 << 20)
+    real = native.lib()
+
+    class DrainStopped:
+        """kvb_ring_run on a ring that broke: the first `done` I/Os
+        completed, the next ones were taken and never reaped (their slots
+        unwritten), the last `cancelled` never ran."""
+
+        def __init__(self, done, cancelled):
+            self.done, self.cancelled = done, cancelled
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def kvb_ring_run(self, handle, op, n, addrs, devs, offsets, lens, qd, results,
+                         latency, hasher):
+            for i in range(self.done):
+                results[i] = lens[i]
+            for i in range(n - self.cancelled, n):
+                results[i] = -errno.ECANCELED
+            return -errno.ENXIO
+
+    # np.empty hands back whatever memory held: here an earlier results
+    # array of the same size, every I/O of it complete (64 KiB each)
+    class LeftOver:
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        @staticmethod
+        def empty(shape, dtype=float):
+            out = np.empty(shape, dtype)
+            if np.dtype(dtype) == np.int64:
+                out.fill(KIB64)
+            return out
+
+    with Device(path) as dev, open_engine([dev], "uring", queue_depth=8) as eng, \
+            HostBuffer(8 * KIB64) as buf:
+        batch = IOBatch.contiguous(buf.address, 0, 0, 8 * KIB64, KIB64)
+        eng.read(batch)                     # a ring for this thread, a batch done
+        monkeypatch.setattr(engine_mod, "np", LeftOver())
+        for done, cancelled, failed in ((6, 0, 2), (3, 2, 5)):
+            monkeypatch.setattr(native, "lib", lambda p=DrainStopped(done, cancelled): p)
+            with pytest.raises(IOFailedError) as e:
+                eng.read(batch)
+            assert e.value.failed == failed, str(e.value)
+            assert e.value.errno == errno.ENXIO and e.value.offset == done * KIB64
+            assert not e.value.device_fault
+        monkeypatch.setattr(native, "lib", lambda: real)
+        monkeypatch.setattr(engine_mod, "np", np)
+        eng.read(batch)                     # the engine goes on with a new ring
