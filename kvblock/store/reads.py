@@ -182,12 +182,17 @@ class RunReader(RunIO):
             except IOFailedError as e:
                 if not e.device_fault:
                     raise
+                unreadable = set()   # run ids: requests sharing a run count and drop it once
                 for i, run, part in whole:
+                    if run.run_id in unreadable:
+                        counts[i] = 0        # met its device error already: dropped
+                        continue
                     try:
                         counts[i] = run.nblocks if self._read_whole_runs([(run, part)]) else 0
                     except IOFailedError as e1:
                         if not e1.device_fault:
                             raise
+                        unreadable.add(run.run_id)
                         self._read_failed(e1, [run])
                 return
             for i, run, _ in whole[:got]:

@@ -330,3 +330,30 @@ def test_a_damaged_run_whose_drop_failed_is_dropped_by_the_next_read(filled):
         assert store.get_run(keys[0], out) == 0
         assert store.lookup(keys[0]) == 0, "the run stayed indexed, a hit no read returns"
         assert store.stats()["checksum_failures"] == 1
+
+
+def test_requests_sharing_a_whole_run_that_meets_eio_count_one_read_error(filled):
+    """Two requests of one get_runs call read the same whole run, and it
+    meets EIO: each request was read again alone, each met the error, and
+    each ran the read-error handling: read_errors counted 2 for one
+    unreadable run, and the run dropped twice (as a checksum failure is
+    deduplicated, it is counted and dropped once).  Both requests fail; the
+    other request gets its run."""
+    store, keys, data = filled()
+    geom = store.geometry
+    with store:
+        run = _run(store, keys[1][0])
+        bad = BadSectors()
+        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes)
+        bad.install(store)
+        real, drops = store._drop_runs, []
+        store._drop_runs = lambda runs, *a, **k: (drops.append([r.run_id for r in runs]),
+                                                  real(runs, *a, **k))[1]
+        outs = [_aligned(N * geom.block_bytes) for _ in range(3)]
+        counts = store.get_runs([(keys[1], outs[0]), (keys[0], outs[1]), (keys[1], outs[2])])
+        assert counts == [0, N, 0]
+        assert np.array_equal(outs[1], data[0])
+        assert store.stats()["read_errors"] == 1
+        assert drops == [[run.run_id]]
+        assert [store.lookup(k) for k in keys] == [N, 0, N, N]
+        assert int(store.regions.pins.sum()) == 0
