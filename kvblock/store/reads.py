@@ -143,7 +143,9 @@ class RunReader(RunIO):
                 except IOFailedError as e:
                     if not e.device_fault:
                         raise
-                    oks = [self._read_alone(read) for read in reads]   # which run was it?
+                    unreadable: set = set()    # run ids: requests sharing one drop it once
+                    oks = [self._read_alone(read, unreadable)   # which run was it?
+                           for read in reads]
                 for (i, read), ok in zip(together, oks):
                     counts[i] = read[3] if ok else 0
             if whole:
@@ -199,14 +201,18 @@ class RunReader(RunIO):
                 counts[i] = run.nblocks
             whole = whole[got + 1:]       # whole[got] failed its checksums: dropped, count 0
 
-    def _read_alone(self, read) -> bool:
+    def _read_alone(self, read, unreadable: set) -> bool:
         """One :meth:`_read_blocks_together` item on its own; False when it
-        meets a device error (the run it hit is dropped)."""
+        meets a device error (the run it hit is dropped) or its run met one
+        already (``unreadable``, run ids: counted and dropped once)."""
+        if read[0].run_id in unreadable:
+            return False
         try:
             return self._read_blocks_together([read])[0]
         except IOFailedError as e:
             if not e.device_fault:
                 raise
+            unreadable.add(read[0].run_id)
             self._read_failed(e, [read[0]])
             return False
 

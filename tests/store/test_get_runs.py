@@ -357,3 +357,28 @@ def test_requests_sharing_a_whole_run_that_meets_eio_count_one_read_error(filled
         assert drops == [[run.run_id]]
         assert [store.lookup(k) for k in keys] == [N, 0, N, N]
         assert int(store.regions.pins.sum()) == 0
+
+
+def test_requests_for_parts_of_one_run_that_meets_eio_count_one_read_error(filled):
+    """As for whole runs: two requests for blocks of one run, read together,
+    meet EIO there; each was read again alone and each ran the read-error
+    handling (read_errors 2, the run dropped twice).  Counted and dropped
+    once; the other request gets its blocks."""
+    store, keys, data = filled()
+    geom = store.geometry
+    with store:
+        run = _run(store, keys[2][0])
+        bad = BadSectors()
+        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes * N)
+        bad.install(store)
+        real, drops = store._drop_runs, []
+        store._drop_runs = lambda runs, *a, **k: (drops.append([r.run_id for r in runs]),
+                                                  real(runs, *a, **k))[1]
+        outs = [_aligned(2 * geom.block_bytes) for _ in range(3)]
+        assert store.get_runs([(keys[2][4:6], outs[0]), (keys[0][4:6], outs[1]),
+                               (keys[2][8:10], outs[2])]) == [0, 2, 0]
+        assert np.array_equal(outs[1], _blocks(data[0], geom, 4, 2))
+        assert store.stats()["read_errors"] == 1
+        assert drops == [[run.run_id]]
+        assert [store.lookup(k) for k in keys] == [N, N, 0, N]
+        assert int(store.regions.pins.sum()) == 0
