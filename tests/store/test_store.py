@@ -2457,6 +2457,23 @@ def test_an_open_that_fails_late_closes_the_dram_tier_past_a_device_close_that_r
 
 
 
+def _refused_busy_keeping_the_others_file(path: str, others: list) -> None:
+    """A start with size on ``path`` (where the test's stand-in lets another
+    start make and hold the store first) fails busy, and the file at the
+    path is the other's store's; then ``others`` are closed."""
+    from kvblock.errors import DeviceBusyError
+    from kvblock.store import provision
+
+    try:
+        with pytest.raises(DeviceBusyError):
+            provision.open_or_format([path], GEOM, "m", size=8 << 20, region_size=REGION)
+        assert os.path.exists(path) and os.stat(path).st_ino == os.fstat(
+            others[0].io.devices[0].fd).st_ino
+    finally:
+        for store in others:
+            store.close()
+
+
 def test_open_or_format_losing_the_race_to_create_a_file_keeps_the_winners_store(
         tmp_path, monkeypatch):
     """Two processes start on one store path with size and no file there
@@ -2465,8 +2482,6 @@ def test_open_or_format_losing_the_race_to_create_a_file_keeps_the_winners_store
     That one did not make the file, yet removed it as made: the running
     store's file was unlinked under it (its KV gone at the next start)."""
     from kvblock.devices import device as devmod
-    from kvblock.errors import DeviceBusyError
-    from kvblock.store import provision
 
     path = str(tmp_path / "kv.img")
     real_create_file = devmod.create_file
@@ -2479,14 +2494,7 @@ def test_open_or_format_losing_the_race_to_create_a_file_keeps_the_winners_store
         return real_create_file(p, size, *args, **kw)
 
     monkeypatch.setattr(devmod, "create_file", racing_create_file)
-    try:
-        with pytest.raises(DeviceBusyError):
-            provision.open_or_format([path], GEOM, "m", size=8 << 20, region_size=REGION)
-        assert os.path.exists(path) and os.stat(path).st_ino == os.fstat(
-            winner[0].io.devices[0].fd).st_ino
-    finally:
-        for store in winner:
-            store.close()
+    _refused_busy_keeping_the_others_file(path, winner)
 
 
 def test_open_or_format_that_fails_keeps_a_file_it_made_that_another_store_holds(
@@ -2495,7 +2503,6 @@ def test_open_or_format_that_fails_keeps_a_file_it_made_that_another_store_holds
     starting on the same path finds the file, blank, formats it and holds
     it.  The first then finds it busy and fails: the file it made is now
     the other's running store, and must not be removed under it."""
-    from kvblock.errors import DeviceBusyError
     from kvblock.store import provision
 
     path = str(tmp_path / "kv.img")
@@ -2508,14 +2515,7 @@ def test_open_or_format_that_fails_keeps_a_file_it_made_that_another_store_holds
         return made
 
     monkeypatch.setattr(provision, "new_file", new_file_then_a_sibling_starts)
-    try:
-        with pytest.raises(DeviceBusyError):
-            provision.open_or_format([path], GEOM, "m", size=8 << 20, region_size=REGION)
-        assert os.path.exists(path) and os.stat(path).st_ino == os.fstat(
-            other[0].io.devices[0].fd).st_ino
-    finally:
-        for store in other:
-            store.close()
+    _refused_busy_keeping_the_others_file(path, other)
 
 
 def test_evict_older_than_after_a_clean_close_takes_the_region_open_at_the_close(
