@@ -303,6 +303,24 @@ def test_bench_restore_tells_which_run_was_read(monkeypatch, tmp_path):
     assert res["bytes"] > 0 and res["jobs"] == 2
 
 
+class _EngineStandIn:
+    """An I/O engine that passes everything to the real one ``eng``;
+    subclasses replace the call they break."""
+
+    def __init__(self, eng):
+        self.eng = eng
+
+    def __getattr__(self, name):
+        return getattr(self.eng, name)
+
+    def __enter__(self):
+        self.eng.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.eng.__exit__(*exc)
+
+
 def test_selfcheck_mismatch_is_a_typed_error_naming_engine_device_and_offset(monkeypatch,
                                                                             tmp_path):
     """An engine that reads back other bytes made selfcheck raise SystemExit
@@ -315,20 +333,7 @@ def test_selfcheck_mismatch_is_a_typed_error_naming_engine_device_and_offset(mon
 
     real = selfcheck.open_engine
 
-    class Flipping:
-        def __init__(self, eng):
-            self.eng = eng
-
-        def __getattr__(self, name):
-            return getattr(self.eng, name)
-
-        def __enter__(self):
-            self.eng.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.eng.__exit__(*exc)
-
+    class Flipping(_EngineStandIn):
         def read(self, batch):
             got = self.eng.read(batch)
             at = int(batch.addrs[0]) + 3 * 4096 + 5            # byte 12293 of the target
@@ -542,20 +547,7 @@ def test_selfcheck_catches_an_engine_whose_writes_are_lost(tmp_path, monkeypatch
 
     real = selfcheck.open_engine
 
-    class LosesWrites:
-        def __init__(self, eng):
-            self.eng = eng
-
-        def __getattr__(self, name):
-            return getattr(self.eng, name)
-
-        def __enter__(self):
-            self.eng.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.eng.__exit__(*exc)
-
+    class LosesWrites(_EngineStandIn):
         def write(self, batch):          # the write is lost, no error
             return None
 
