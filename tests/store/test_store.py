@@ -865,6 +865,23 @@ def test_format_with_a_model_that_is_not_a_name_leaves_the_store_whole(tmp_path)
         assert store.lookup(keys) == 2
 
 
+def _store_of_model_a(tmp_path):
+    """A store file of model "model-a" holding one run of 2 blocks:
+    (path, the run's keys, the store's uuid)."""
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(1, 2)
+    with _format([path], model="model-a") as store:
+        store.put_run(keys, run_data(keys))
+        return path, keys, store.uuid
+
+
+def _assert_untouched(path, keys, uuid) -> None:
+    """The store at ``path`` is still the one with ``uuid``, its run whole."""
+    with KVStore.open([str(path)], model="model-a") as store:
+        assert store.uuid == uuid and store.lookup(keys) == 2
+
+
 def test_format_with_an_option_it_refuses_leaves_the_store_whole(tmp_path):
     """format's open options (verify, eviction, admit_after, host_cache_bytes)
     were checked only when the new store was opened, after the old one was
@@ -872,12 +889,7 @@ def test_format_with_an_option_it_refuses_leaves_the_store_whole(tmp_path):
     blank device was left formatted by a call that failed.  A misspelt
     option was a TypeError after the format too.  All are refused before
     anything is written, as a ConfigError naming the option."""
-    path = tmp_path / "store.img"
-    create_file(path, 8 * MIB)
-    keys = run_keys(1, 2)
-    with _format([path], model="model-a") as store:
-        store.put_run(keys, run_data(keys))
-        uuid = store.uuid
+    path, keys, uuid = _store_of_model_a(tmp_path)
     for bad, match in (({"verify": "sometimes"}, "verify must be one of"),
                        ({"eviction": "LRU"}, "eviction must be one of"),
                        ({"admit_after": 0}, "admit_after must be >= 1"),
@@ -927,16 +939,10 @@ def test_format_force_that_is_no_bool_is_refused_before_the_old_store_is_wiped(t
     """format(force="no") (a setting read from a config as text) counted as
     true and wiped the store on the device; force must be True or False
     (as evict's all), checked before anything is written."""
-    path = tmp_path / "store.img"
-    create_file(path, 8 * MIB)
-    keys = run_keys(1, 2)
-    with _format([path], model="model-a") as store:
-        store.put_run(keys, run_data(keys))
-        uuid = store.uuid
+    path, keys, uuid = _store_of_model_a(tmp_path)
     with pytest.raises(ConfigError, match="force must be True or False"):
         KVStore.format([str(path)], GEOM, model="model-a", region_size=REGION, force=force)
-    with KVStore.open([str(path)], model="model-a") as store:   # untouched
-        assert store.uuid == uuid and store.lookup(keys) == 2
+    _assert_untouched(path, keys, uuid)
 
 
 def test_format_takes_force_as_a_numpy_bool(tmp_path):
@@ -945,17 +951,11 @@ def test_format_takes_force_as_a_numpy_bool(tmp_path):
     all, which it follows, takes them: format(force=np.True_) over a store was
     a ConfigError where it had formatted, np.False_ kept the old store as
     False does."""
-    path = tmp_path / "store.img"
-    create_file(path, 8 * MIB)
-    keys = run_keys(1, 2)
-    with _format([path], model="model-a") as store:
-        store.put_run(keys, run_data(keys))
-        uuid = store.uuid
+    path, keys, uuid = _store_of_model_a(tmp_path)
     with pytest.raises(FormatError, match="force=True to overwrite"):
         KVStore.format([str(path)], GEOM, model="model-a", region_size=REGION,
                        force=np.False_)
-    with KVStore.open([str(path)], model="model-a") as store:   # untouched
-        assert store.uuid == uuid and store.lookup(keys) == 2
+    _assert_untouched(path, keys, uuid)
     with KVStore.format([str(path)], GEOM, model="model-a", region_size=REGION,
                         force=np.True_) as store:
         assert store.uuid != uuid and store.lookup(keys) == 0
