@@ -201,7 +201,13 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
     data = memoryview(data)
     sector_end = min((pos // SECTOR + 1) * SECTOR, len(data))
     if pos + _HEADER.size > sector_end:
-        return False    # the header may cross into a sector a crash left old
+        # The header crosses into a sector a crash may have left old.  Its
+        # part in this sector is still proof where an intact record ends
+        # here (pos not on a sector): the sector was written whole, as the
+        # commit's next record or as its zero padding, so bytes there that
+        # no header of ``epoch`` numbered ``seq`` holds are damage.
+        return pos % SECTOR != 0 and not _header_prefix_fits(
+            bytes(data[pos:sector_end]), seq, epoch)
     magic, kind, res16, length, res32, repoch, rseq, _ = _HEADER.unpack_from(data, pos)
     if repoch == epoch:
         # the header's sector was written as this record, whole: a header
@@ -213,6 +219,28 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         return not sane or pos + _HEADER.size + length <= sector_end
     # a sector that starts without this record may be one never written
     return pos % SECTOR != 0 and not _is_zero(data[pos:sector_end])
+
+
+def _header_prefix_fits(part: bytes, seq: int, epoch: int) -> bool:
+    """Whether ``part`` (the first bytes of a header, cut at a sector's end:
+    a multiple of 8 short of the whole) is zero padding or can begin a
+    well-formed header of ``epoch`` numbered ``seq``."""
+    if part == bytes(len(part)):
+        return True
+    whole = part + bytes(_HEADER.size - len(part))
+    magic, kind, res16, length, res32, repoch, rseq, _ = _HEADER.unpack(whole)
+    fields = [magic == MAGIC]
+    if len(part) >= 8:
+        fields.append(kind in (PUT_RUN, DROP_RUN, RECLAIM) and not res16)
+    if len(part) >= 16:
+        fields.append(not res32 and (
+            length == 8 if kind in (DROP_RUN, RECLAIM) else
+            length % 8 == 0 and length >= _PUT.size + KEY_BYTES + 8))
+    if len(part) >= 24:
+        fields.append(repoch == epoch)
+    if len(part) >= 32:
+        fields.append(rseq == seq)
+    return all(fields)
 
 
 def header_at(data: bytes | memoryview, pos: int) -> tuple[int, int, int] | None:

@@ -511,3 +511,37 @@ def test_a_header_of_this_epoch_that_rots_is_damage_where_its_record_crosses_a_s
     torn = data[:512] + bytes(512) + data[1024:]
     recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
     assert (recs, stop) == ([first], 472) and not j.damaged_at(torn, stop, nxt, EPOCH)
+
+
+_FIELDS = {"magic": 0, "type": 4, "length": 8, "epoch": 16, "seq": 24}
+_ENDS = {480: (24, 3), 488: (24, 4), 496: (25, 3), 504: (25, 4)}   # first record: (blocks, ranges)
+
+
+@pytest.mark.parametrize("pos, field", [(pos, f) for pos in _ENDS for f, at in _FIELDS.items()
+                                        if at < 512 - pos])
+def test_a_header_crossing_a_sector_that_rots_in_its_first_part_is_damage(pos, field):
+    """A record ending inside a sector after an intact one: that sector was
+    written whole, as the commit's next record (or as zero padding where the
+    commit ended), so its part of the next header is that header's.  Bytes
+    there that no header of this epoch numbered next can hold are damage,
+    even where the header crosses into the next sector (which a crash may
+    have left old): they were taken for a tear, and the journal cut there."""
+    blocks, ranges = _ENDS[pos]
+    first, at = put(1, nblocks=blocks, ranges=ranges), _FIELDS[field]
+    assert j.record_bytes(first) == pos and pos + j.HEADER_BYTES > 512
+    data, ends = journal_of([[first, Reclaim(1, 1)], [put(2)]])
+    bad = bytearray(data)
+    bad[pos + at] ^= 0x10
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, pos)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # the header whole in its first sector, the next one left old: a tear
+    for old in (bytes(512), b"\xa5" * 512):
+        torn = data[:512] + old + data[1024:]
+        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
+    # the commit ended there (zero padding), the next sector of its block old
+    data, ends = journal_of([[first]])
+    torn = data[:512] + b"\xa5" * 512 + data[1024:]
+    recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+    assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
