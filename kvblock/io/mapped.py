@@ -234,12 +234,16 @@ class MappedDevices:
                     # EFAULT: a page the file cannot back (cut shorter since it
                     # was mapped, or a hole a full tmpfs cannot fill); a copy
                     # through the mapping would be a SIGBUS there, where the
-                    # engine's path returns an error.  So the mappings stay unused.
+                    # engine's path returns an error.  So the mappings go unused:
+                    # dropped, so the device is not reported mapped (stats,
+                    # `kvblock info`) and the store trims it as any other.
+                    # Nothing copies through them: _ready was never set.
                     logger.warning(
                         "kvblock: %s: mapping its pages in failed (from offset %d): %s; it is "
                         "read and written through the I/O engine (was the file cut "
                         "shorter, or is its tmpfs full?)", self._paths[dev], off,
                         strerror(-ret))
+                    self._unmap()
                     return
             else:
                 continue
@@ -305,6 +309,10 @@ class MappedDevices:
         self._stop.set()
         if self._prefaulter is not None:
             self._prefaulter.join()
+        self._unmap()
+
+    def _unmap(self) -> None:
+        """Drop every mapping (none may be in use: closed, or never ready)."""
         for d in range(len(self._maps)):
             if self._maps[d] is not None:
                 m = self._maps[d][0]

@@ -840,3 +840,36 @@ def test_a_prefault_that_fails_leaves_reads_on_the_engine_path(engine_name, shm_
         eng.read(IOBatch.single(buf.address, 0, 2 * MIB, MIB))       # still there
         with pytest.raises(IOFailedError):
             eng.read(IOBatch.single(buf.address, 0, 6 * MIB, MIB))   # past the new end
+
+
+def test_a_failed_prefault_leaves_the_device_unmapped(shm_target, monkeypatch, caplog):
+    """A prefault that fails (EFAULT: a page the file cannot back) leaves the
+    mappings unused: reads and writes take the engine's path.  The device
+    was still reported mapped (stats, ``engine.mapped``, `kvblock info`) and
+    its evictions were not trimmed, as if reads went through the mapping."""
+    import kvblock.io.mapped as mapped_mod
+
+    real = native.lib()
+
+    class FailingPrefault:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def kvb_mem_prefault(addr, length):
+            return -errno.EFAULT
+
+    monkeypatch.setattr(mapped_mod.native, "lib", lambda: FailingPrefault())
+    path = shm_target(8 * MIB, "store.img")
+    allocated = os.stat(path).st_blocks
+    with KVStore.format([path], GEOM, region_size=REGION) as store:
+        assert "mapping its pages in failed" in caplog.text
+        assert not store.io.engine.mapped(0) and not store.io.engine.mapped_for_writes(0)
+        assert store.stats()["mapped_reads"] == store.stats()["mapped_writes"] == []
+        keys = run_keys(1, 2)
+        store.put_run(keys, run_data(keys))
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+        store.evict(all=True)
+        assert store.stats()["discards"] >= 1
+        assert os.stat(path).st_blocks < allocated
