@@ -165,6 +165,9 @@ class StoreServer:
                  hello_timeout: float | None = HELLO_TIMEOUT_S,
                  max_clients: int | None = MAX_CLIENTS):
         self.store = store
+        # Its ranks read a tmpfs store file through mappings (whatever this
+        # process's KVBLOCK_MAPPED_READS): the store must not punch holes there.
+        store.io.served = True
         self.socket_path = os.fsdecode(socket_path)
         # The devices' paths as hello names them: absolute, taken now (a
         # rank given no devices opens these; one working in another

@@ -11,6 +11,7 @@ import contextlib
 import threading
 
 from kvblock.io import IOBatch, IOEngine
+from kvblock.io.mapped import mappable
 from kvblock.memory import HostBuffer
 from kvblock.memory.aligned import round_up
 
@@ -28,6 +29,7 @@ class StoreIO:
     def __init__(self, devices, engine: IOEngine):
         self.devices = list(devices)
         self.engine = engine
+        self.served = False     # a store server's: its ranks read the devices too
         self._meta = threading.local()
 
     def read(self, batch: IOBatch) -> None:
@@ -51,8 +53,10 @@ class StoreIO:
     def discard(self, dev: int, offset: int, length: int) -> bool:
         # A device read through a shared mapping keeps every byte allocated:
         # a read of a punched hole would have to allocate on tmpfs, and fail
-        # with SIGBUS when it is full (kvblock/io/mapped.py).
-        if self.engine.mapped(dev):
+        # with SIGBUS when it is full (kvblock/io/mapped.py).  A store
+        # server's ranks map the devices that qualify whatever the server's
+        # own KVBLOCK_MAPPED_READS says: it keeps those allocated too.
+        if self.engine.mapped(dev) or (self.served and mappable(self.devices[dev]) is None):
             return False
         return self.devices[dev].discard(offset, length)
 

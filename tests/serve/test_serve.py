@@ -481,6 +481,32 @@ def test_ranks_on_a_tmpfs_store_file_write_through_the_kernel(shm_target, sock):
             assert b.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
 
 
+def test_a_server_with_mapped_reads_off_keeps_a_tmpfs_store_file_allocated(shm_target, sock,
+                                                                           monkeypatch):
+    """Ranks map a fully allocated tmpfs store file whatever the server's
+    KVBLOCK_MAPPED_READS says: a server with it "never" trimmed evicted
+    regions (punched holes), which a rank's read through its mapping (a
+    reader whose pin lease ran out) faults on, a SIGBUS on a full tmpfs."""
+    path = shm_target(16 * MIB)
+    _format(path)
+    allocated = os.stat(path).st_blocks
+    monkeypatch.setenv("KVBLOCK_MAPPED_READS", "never")
+    with serve_in_background([path], sock) as server:
+        monkeypatch.delenv("KVBLOCK_MAPPED_READS")
+        with RemoteStore(sock) as a:
+            assert not server.store.io.engine.mapped(0) and a.io.engine.mapped(0)
+            keys = run_keys(1, 2)
+            assert a.put_run(keys, run_data(keys)) == 2
+            server.store.evict(all=True)
+            assert server.store.stats()["discards"] == 0
+            assert server.store.trim_free()[0] == 0
+            assert os.stat(path).st_blocks == allocated
+            keys = run_keys(2, 3)
+            assert a.put_run(keys, run_data(keys)) == 3
+            out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+            assert a.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
+
+
 def test_errors_cross_the_socket(tmp_path, sock):
     from kvblock import create_file
 
