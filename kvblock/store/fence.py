@@ -164,15 +164,26 @@ class WriteFence:
                 _ofd_lock(fd, fcntl.F_RDLCK, wait=True, byte=TURNSTILE_BYTE)  # writers
                 _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=TURNSTILE_BYTE)  # must leave)
         except BaseException:
+            # (an interrupt between a turnstile lock and its unlock) The
+            # lock stays with the description, the rank's, until dropped:
+            # every later owner would find the turnstile held and fail busy.
             with self._lock:
+                self._unlock(fds, TURNSTILE_BYTE)
                 self._passing -= 1
                 self._settle()
             raise
         with self._lock:
             self._passing -= 1
             if self._writers == 0:
-                for fd in self._fds():
-                    _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
+                try:
+                    for fd in self._fds():
+                        _ofd_lock(fd, fcntl.F_RDLCK, wait=True)
+                except BaseException:
+                    # (interrupted) No writer is counted: those taken would
+                    # never be dropped.
+                    self._unlock(self._fds(), FENCE_BYTE)
+                    self._settle()
+                    raise
             self._writers += 1
         try:
             yield
@@ -183,6 +194,16 @@ class WriteFence:
                     for fd in self._fds():
                         _ofd_lock(fd, fcntl.F_UNLCK, wait=False)
                 self._settle()
+
+    @staticmethod
+    def _unlock(fds, byte: int) -> None:
+        """(under _lock) Drop this process's lock on ``byte`` of ``fds``,
+        held or not."""
+        for fd in fds:
+            try:
+                _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=byte)
+            except OSError:
+                pass
 
     def _settle(self) -> None:
         """(under _lock) A writer left: once none writes or waits at the

@@ -317,3 +317,71 @@ def test_a_child_forked_while_an_owner_holds_the_fence_keeps_no_lock(target, mon
             os.waitpid(pid, 0)
         os.close(r)
         os.close(w)
+
+
+def test_an_interrupt_between_the_turnstile_lock_and_its_unlock_leaves_no_lock(target,
+                                                                                 monkeypatch):
+    """A KeyboardInterrupt (Ctrl-C, or any exception a signal handler raises)
+    that lands after a writer took its shared turnstile lock and before it
+    dropped it: the writer gave up, but the lock stayed with the rank's open
+    file description, so every later owner (a restarted server) found the
+    turnstile held and failed busy after FENCE_WAIT_S, for as long as the
+    rank lived."""
+    import kvblock.store.fence as fence_mod
+
+    real = fence_mod._ofd_lock
+    fired = []
+
+    def interrupted(fd, kind, wait, byte=fence_mod.FENCE_BYTE):
+        if kind == fence_mod.fcntl.F_UNLCK and byte == fence_mod.TURNSTILE_BYTE and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt       # the signal lands before the unlock runs
+        return real(fd, kind, wait, byte)
+    rank = _rank(target[1])
+    try:
+        monkeypatch.setattr(fence_mod, "_ofd_lock", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            with rank.writing():
+                pass
+        monkeypatch.setattr(fence_mod, "_ofd_lock", real)
+        assert fired
+        assert _fenced(target), "an interrupted writer left the turnstile locked"
+        with rank.writing():             # the rank writes on
+            pass
+        assert _fenced(target)
+    finally:
+        rank.close()
+
+
+def test_an_interrupt_while_a_writer_takes_the_fence_leaves_no_lock(tmp_path, monkeypatch):
+    """The same, once past the turnstile: an interrupt while the first
+    writer takes the shared fence lock on its second file left the first
+    file's lock held with no writer counted, never dropped."""
+    import kvblock.store.fence as fence_mod
+
+    paths = [str(tmp_path / f"f{i}") for i in range(2)]
+    for p in paths:
+        open(p, "wb").close()
+    owner_fds = [os.open(p, os.O_RDWR) for p in paths]
+    rank = WriteFence([os.open(p, os.O_RDONLY) for p in paths])
+    real = fence_mod._ofd_lock
+    taken = []
+
+    def interrupted(fd, kind, wait, byte=fence_mod.FENCE_BYTE):
+        if kind == fence_mod.fcntl.F_RDLCK and byte == fence_mod.FENCE_BYTE:
+            if taken:
+                raise KeyboardInterrupt   # on the second file, the first one locked
+            taken.append(fd)
+        return real(fd, kind, wait, byte)
+    try:
+        monkeypatch.setattr(fence_mod, "_ofd_lock", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            with rank.writing():
+                pass
+        monkeypatch.setattr(fence_mod, "_ofd_lock", real)
+        assert rank.writers == 0
+        fence_writers(list(zip(owner_fds, paths)), timeout=0)   # not busy
+    finally:
+        rank.close()
+        for fd in owner_fds:
+            os.close(fd)
