@@ -93,6 +93,11 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
                              0o600)
             except FileExistsError:
                 raise _MadeMeanwhile() from None
+            # Held until it has its size: another start finding the path
+            # taken meanwhile opened a file of 0 bytes and failed
+            # DeviceTooSmallError; a store's open finds this lock busy.
+            with contextlib.suppress(OSError):    # (ENOLCK: as before, unlocked)
+                fcntl.flock(fd, fcntl.LOCK_EX)
         else:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as e:
@@ -144,6 +149,9 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
         raise
     finally:
         if fd >= 0:
+            if _exclusive:     # (not only closed: a child forked meanwhile shares it)
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
     return path
 

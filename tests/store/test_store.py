@@ -2497,6 +2497,41 @@ def test_open_or_format_losing_the_race_to_create_a_file_keeps_the_winners_store
     _refused_busy_keeping_the_others_file(path, winner)
 
 
+def test_open_or_format_finding_the_file_another_start_is_still_sizing_is_busy(
+        tmp_path, monkeypatch):
+    """Two starts on one store path with size: the other one has made the
+    file (O_EXCL) and is still reserving its bytes (posix_fallocate of
+    gigabytes takes a while) when this one finds the path taken and opens
+    it.  It opened a 0-byte file and failed DeviceTooSmallError ("not a
+    store; a store needs a few MiB at least"), as if the configured size
+    were wrong, instead of busy: another start holds the file."""
+    from kvblock.devices import device as devmod
+    from kvblock.errors import DeviceBusyError
+    from kvblock.store import provision
+
+    path = str(tmp_path / "kv.img")
+    real_fallocate = os.posix_fallocate
+    sizing, go_on = threading.Event(), threading.Event()
+
+    def slow_fallocate(fd, offset, length):
+        sizing.set()
+        assert go_on.wait(10)
+        return real_fallocate(fd, offset, length)
+
+    monkeypatch.setattr(devmod.os, "posix_fallocate", slow_fallocate)
+    other = threading.Thread(target=devmod.new_file, args=(path, 8 << 20))
+    other.start()
+    try:
+        assert sizing.wait(10)
+        assert os.path.getsize(path) == 0
+        with pytest.raises(DeviceBusyError):
+            provision.open_or_format([path], GEOM, "m", size=8 << 20, region_size=REGION)
+    finally:
+        go_on.set()
+        other.join(10)
+    assert os.path.getsize(path) == 8 << 20       # the other start's file, kept
+
+
 def test_open_or_format_that_fails_keeps_a_file_it_made_that_another_store_holds(
         tmp_path, monkeypatch):
     """One process makes the store file (size); before it opens it, another
