@@ -120,8 +120,10 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
                 return
             _undo(undo)
             raise
-        except Exception:
-            _undo(undo)                # (no server started: Popen failed)
+        except BaseException:
+            # (no server started: Popen failed, or Ctrl-C, after which
+            # spawn_server killed the one it started)
+            _undo(undo)
             raise
         # Reap it when it ends (it outlives us otherwise: it is in its own session).
         threading.Thread(target=proc.wait, name="kvblock-server-reaper", daemon=True).start()

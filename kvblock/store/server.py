@@ -1246,6 +1246,14 @@ def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
             pass
         raise ServerError(f"{e}" + (f"; its log ({log_path}) ends: {tail}" if tail else "")) \
             from None
+    except BaseException:
+        # (Ctrl-C meanwhile) The start is given up: a server left to come up
+        # in its own session would serve what the caller undoes (a store
+        # file it made, removed again).
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        raise
     return proc
 
 

@@ -993,6 +993,42 @@ def test_an_engines_start_whose_server_does_not_come_up_leaves_no_store_file(
     assert os.path.getsize(kept) == 8 * MIB
 
 
+def test_an_engines_start_interrupted_while_its_server_comes_up_leaves_nothing_behind(
+        tmp_path, sock, monkeypatch):
+    """open_shared with size, Ctrl-C (KeyboardInterrupt) while spawn_server
+    waits for the server it started to listen: the undo of prepare() ran
+    for Exceptions only, so the store file made and formatted for the
+    start stayed behind (used at the next start with this one's size and
+    region_size), and the server spawned, in a session of its own, went
+    on to serve it after the start was given up."""
+    import kvblock.store.server as server_mod
+    from kvblock.store.provision import open_shared
+
+    real_popen = server_mod.subprocess.Popen
+    procs = []
+
+    def popen(*a, **kw):
+        procs.append(real_popen(*a, **kw))
+        return procs[-1]
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(server_mod.subprocess, "Popen", popen)
+    monkeypatch.setattr(server_mod, "wait_for_server", interrupted)
+    path = str(tmp_path / "store" / "kv.img")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            open_shared(sock, [path], GEOM, "m", size=8 * MIB, region_size=REGION)
+        assert len(procs) == 1
+        assert procs[0].poll() is not None, "the spawned server was left running"
+        assert not os.path.exists(path), "the formatted store file stayed behind"
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_an_engines_size_and_region_size_are_said_not_to_apply_to_a_running_server(
         tmp_path, sock, caplog):
     """open_shared with a server already serving the store: a region_size or
