@@ -40,6 +40,7 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
     remove (remove_made); what a failure here made is removed here."""
     if format not in FORMAT_MODES:
         raise ConfigError(f"{owner}: format must be one of {FORMAT_MODES}, got {format!r}")
+    devices = _device_list(devices, owner)
     created = made if made is not None else []
     try:
         if size is not None:
@@ -58,6 +59,23 @@ def open_or_format(devices: list[str], geometry: Geometry, model: str | None = N
             remove_made(files)
         created.clear()
         raise
+
+
+def _device_list(devices, owner: str) -> list:
+    """``devices`` as a list, taken once: they are gone through more than
+    once (files made, the open, the format, the served store's check), and
+    a generator (which KVStore.open and format take) was used up by the
+    first of them.  One path is refused by name, not gone through as its
+    characters."""
+    if isinstance(devices, (str, bytes, os.PathLike)):
+        from kvblock.devices import check_distinct
+
+        check_distinct(devices)
+    try:
+        return list(devices)
+    except TypeError:
+        raise ConfigError(f"{owner}: devices must be a list of paths, got {devices!r}") \
+            from None
 
 
 def _open_or_format(devices, geometry, model, format, region_size, owner, force_hint,
@@ -157,6 +175,7 @@ def open_shared(socket_path: str, devices: list[str], geometry: Geometry, model:
     # already running they would be ignored, a misspelling unnoticed.
     if format not in FORMAT_MODES:
         raise ConfigError(f"{owner}: format must be one of {FORMAT_MODES}, got {format!r}")
+    devices = _device_list(devices, owner)
     if options.get("eviction") is not None and options["eviction"] not in EVICTION_POLICIES:
         raise ConfigError(f"{owner}: eviction must be one of {EVICTION_POLICIES}, got "
                           f"{options['eviction']!r}")

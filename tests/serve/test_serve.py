@@ -1029,6 +1029,20 @@ def test_an_engines_start_interrupted_while_its_server_comes_up_leaves_nothing_b
                 proc.wait()
 
 
+def test_an_engines_devices_may_come_from_a_generator(tmp_path, sock):
+    """open_shared given its devices as a generator: connect's check that
+    the server serves them used it up before comparing, and the start
+    failed with a bare IndexError."""
+    from kvblock import create_file
+    from kvblock.store.provision import open_shared
+
+    path = str(tmp_path / "kv.img")
+    create_file(path, 8 * MIB)
+    KVStore.format([path], GEOM, model="m", region_size=REGION).close()
+    with serve_in_background([path], sock, model="m"):
+        open_shared(sock, (p for p in [path]), GEOM, "m", size=8 * MIB).close()
+
+
 def test_an_engines_size_and_region_size_are_said_not_to_apply_to_a_running_server(
         tmp_path, sock, caplog):
     """open_shared with a server already serving the store: a region_size or

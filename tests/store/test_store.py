@@ -2532,6 +2532,24 @@ def test_open_or_format_finding_the_file_another_start_is_still_sizing_is_busy(
     assert os.path.getsize(path) == 8 << 20       # the other start's file, kept
 
 
+def test_open_or_format_takes_its_devices_from_a_generator_once(tmp_path):
+    """open_or_format given its devices as a generator (KVStore.open and
+    format take any iterable): with size, making the missing files used it
+    up, and the open that followed saw no devices ("open needs the store's
+    device(s)", a ConfigError blaming the caller's config) after the files
+    had been made and removed again."""
+    from kvblock.store import provision
+
+    paths = [str(tmp_path / "a.img"), str(tmp_path / "b.img")]
+    store = provision.open_or_format((p for p in paths), GEOM, "m", size=8 << 20,
+                                     region_size=REGION)
+    try:
+        assert sorted(store.stats()["devices"]) == sorted(paths)
+    finally:
+        store.close()
+    provision.open_or_format(iter(paths), GEOM, "m", size=8 << 20).close()   # opened
+
+
 def test_open_or_format_that_fails_keeps_a_file_it_made_that_another_store_holds(
         tmp_path, monkeypatch):
     """One process makes the store file (size); before it opens it, another
