@@ -741,7 +741,15 @@ class RemoteStore(RunReader, RunWriter):
             raise
         finally:
             s.hold(-len(allocs))
-        return [(i, self._count_committed(int(n))) for (i, _, _), n in zip(pieces, stored)]
+        if not isinstance(stored, list) or len(stored) != len(pieces) or not all(
+                _is_int(n) and n in (0, len(keys)) for n, (_, keys, _) in zip(stored, pieces)):
+            # zip would cut a short answer to it: its runs left out counted
+            # as cleared, whether the server published them or not
+            raise ServerError(
+                f"the store server at {self.socket_path} answered commit_runs for "
+                f"{len(pieces)} runs with {str(stored)[:200]}, not the blocks published for "
+                "each (all or none of each run); a server of another kvblock release?")
+        return [(i, self._count_committed(n)) for (i, _, _), n in zip(pieces, stored)]
 
     def _put(self, keys: list[bytes], blocks, began=None) -> int:
         n = len(keys)

@@ -231,3 +231,21 @@ def test_a_geometry_that_is_no_geometry_is_a_config_error_for_a_rank(served, geo
         connect(sock, geometry=geometry)
     with RemoteStore(sock, geometry=GEOM) as r:          # a Geometry is taken
         assert r.geometry == GEOM
+
+
+def test_a_commit_runs_answer_shorter_than_its_runs_is_refused(served, monkeypatch):
+    """commit_runs answers the blocks published per run it names: an answer
+    with fewer entries (a buggy or older server) was cut to it by zip, and
+    put_runs answered 0 for the runs it left out, whether the server had
+    published them or not.  Refused with ServerError."""
+    path, sock, server = served
+    real = server._op_commit_runs
+
+    def commit_runs(s, puts=None, clears=None):
+        return real(s, puts, clears)[:-1]
+    monkeypatch.setattr(server, "_op_commit_runs", commit_runs)
+    with RemoteStore(sock) as r:
+        runs = [run_keys(1, 2), run_keys(2, 2)]
+        with pytest.raises(ServerError, match="commit_runs"):
+            r.put_runs([(keys, run_data(keys)) for keys in runs])
+
