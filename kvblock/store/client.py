@@ -700,12 +700,12 @@ class RemoteStore(RunReader, RunWriter):
         unchecked = self._check_runs_fit(items, found)
 
         def admit(keys, whole):
-            answer = self._call("admit", keys=encode_keys(keys))
-            if answer["verdict"] == "duplicate":
+            verdict, _ = self._admit(keys)
+            if verdict == "duplicate":
                 self.counters["put_duplicate_runs"] += 1
-            elif answer["verdict"] == "rejected":
+            elif verdict == "rejected":
                 self.counters["admission_rejected_runs"] += 1
-            return answer["verdict"]
+            return verdict
         out, pieces, repeats = self._plan_puts(items, found, admit, unchecked)
         # The groups after the first go to the first one's server (see _put:
         # a reconnect between two groups would refuse the later ones as
@@ -765,8 +765,7 @@ class RemoteStore(RunReader, RunWriter):
             if not self.present(keys).all():
                 raise
             too_long = e
-        answer = self._call("admit", keys=encode_keys(keys))
-        verdict, clears = answer["verdict"], answer["clears"]
+        verdict, clears = self._admit(keys)
         if verdict == "duplicate":
             self.counters["put_duplicate_runs"] += 1
             return n
@@ -790,6 +789,21 @@ class RemoteStore(RunReader, RunWriter):
             if not stored:            # a clear() overtook it: its earlier pieces went too
                 return 0
         return written
+
+    def _admit(self, keys: list[bytes]) -> tuple[str, str]:
+        """admit's answer for a run of ``keys``: (verdict, clear ticket).
+        Another verdict than the three admit gives (a server of another
+        release) would be taken for "ok", and the run written: refused with
+        ServerError, as a malformed answer is, before anything is allocated."""
+        answer = self._call("admit", keys=encode_keys(keys))
+        verdict = answer.get("verdict") if isinstance(answer, dict) else None
+        clears = answer.get("clears") if isinstance(answer, dict) else None
+        if verdict not in ("ok", "duplicate", "rejected") or not isinstance(clears, str):
+            raise ServerError(
+                f"the store server at {self.socket_path} answered admit with "
+                f"{str(answer)[:200]}, not a verdict (ok, duplicate or rejected) and a clear "
+                "ticket; nothing was written (a server of another kvblock release?)")
+        return verdict, clears
 
     def _abort(self, s: "Session", wids: list[int]) -> None:
         """Give back allocations on ``s`` that will not be committed."""

@@ -249,3 +249,28 @@ def test_a_commit_runs_answer_shorter_than_its_runs_is_refused(served, monkeypat
         with pytest.raises(ServerError, match="commit_runs"):
             r.put_runs([(keys, run_data(keys)) for keys in runs])
 
+
+@pytest.mark.parametrize("answer", [{"verdict": "maybe"}, {"verdict": None}, {}, "ok"])
+def test_an_admit_answer_with_no_known_verdict_is_refused(served, monkeypatch, answer):
+    """admit's verdict is "ok", "duplicate" or "rejected": another one (a
+    server of another release) was taken as "ok" and the run written; one
+    without a verdict or clear ticket failed as a KeyError.  ServerError,
+    before anything is allocated or written."""
+    path, sock, server = served
+    real = server._op_admit
+
+    def admit(s, keys):
+        out = real(s, keys)
+        return {**out, **answer} if isinstance(answer, dict) and answer else answer
+    monkeypatch.setattr(server, "_op_admit", admit)
+    with RemoteStore(sock) as r:
+        for put in ("put_run", "put_runs"):
+            keys = run_keys(1 if put == "put_run" else 2, 2)
+            with pytest.raises(ServerError, match="admit"):
+                if put == "put_run":
+                    r.put_run(keys, run_data(keys))
+                else:
+                    r.put_runs([(keys, run_data(keys)), (run_keys(3, 1), run_data(run_keys(3, 1)))])
+            assert r.lookup(keys) == 0
+        assert int(server.store.regions.pins.sum()) == 0
+
