@@ -630,6 +630,18 @@ class RemoteStore(RunReader, RunWriter):
                 raise errors.GeometryMismatchError(
                     f"the store server at {self.socket_path} now serves another store "
                     f"(uuid {hello.get('uuid')}, not {self.uuid}): reopen it", self.socket_path, 0)
+            # The layout every place it answers is checked against (and this
+            # rank's I/O aligned to, on these devices) is the first hello's,
+            # which the superblocks confirmed: this server must serve it.
+            said = (int(hello["region_count"]), int(hello["alignment"]), len(hello["devices"]))
+            mine = (self.regions.count, self.alignment, self.regions.device_count)
+            if said != mine:
+                raise errors.GeometryMismatchError(
+                    f"the store server at {self.socket_path} now answers hello with the layout "
+                    f"region_count {said[0]}, alignment {said[1]}, {said[2]} device(s), not "
+                    f"{mine[0]}, {mine[1]}, {mine[2]} as this process opened store "
+                    f"{self.uuid}: a server of another kvblock release? reopen it",
+                    self.socket_path, 0)
             # read here: a malformed hello closes the connection (below)
             server_pid, max_run_blocks = int(hello["pid"]), int(hello["max_run_blocks"])
             # verify=None follows the server's default: this server's, which

@@ -274,3 +274,28 @@ def test_an_admit_answer_with_no_known_verdict_is_refused(served, monkeypatch, a
             assert r.lookup(keys) == 0
         assert int(server.store.regions.pins.sum()) == 0
 
+
+@pytest.mark.parametrize("field", ["region_count", "alignment", "devices"])
+def test_a_reconnect_to_a_server_of_another_layout_is_refused(served, monkeypatch, field):
+    """A new session (reconnect) must serve the layout the rank checked at
+    its first hello: the rank checks every place the server answers against
+    that one (region count, alignment) and does its I/O on those devices.
+    A hello with more regions or another alignment was taken."""
+    from kvblock.errors import GeometryMismatchError
+
+    path, sock, server = served
+    real = server._op_hello
+
+    def hello(s, protocol, pid=None):
+        h = real(s, protocol, pid)
+        if field == "region_count":
+            h["region_count"] += 64
+        elif field == "alignment":
+            h["alignment"] = 512
+        else:
+            h["devices"] = h["devices"] * 2
+        return h
+    with RemoteStore(sock) as r:
+        monkeypatch.setattr(server, "_op_hello", hello)
+        with pytest.raises(GeometryMismatchError, match="another store|layout"):
+            r._new_session().close()
