@@ -718,7 +718,7 @@ class RemoteStore(RunReader, RunWriter):
             elif verdict == "rejected":
                 self.counters["admission_rejected_runs"] += 1
             return verdict
-        out, pieces, repeats = self._plan_puts(items, found, admit, unchecked)
+        out, pieces, repeats, _ = self._plan_puts(items, found, admit, unchecked)
         # The groups after the first go to the first one's server (see _put:
         # a reconnect between two groups would refuse the later ones as
         # cleared while a run's pieces in the earlier ones stay published).
@@ -816,6 +816,9 @@ class RemoteStore(RunReader, RunWriter):
                 f"{str(answer)[:200]}, not a verdict (ok, duplicate or rejected) and a clear "
                 "ticket; nothing was written (a server of another kvblock release?)")
         return verdict, clears
+
+    def _give_back_offers(self, offers: list) -> None:
+        pass        # (the server's admission counted them)
 
     def _abort(self, s: "Session", wids: list[int]) -> None:
         """Give back allocations on ``s`` that will not be committed."""

@@ -38,6 +38,26 @@ class Admission:
             self._offers.popitem(last=False)
         return False
 
+    def give_back(self, key: bytes, admitted: bool) -> None:
+        """Undo an offer :meth:`admit` counted (answered ``admitted``) for a
+        put that stored nothing: an admitted one (its count used up) lets
+        the next offer admit; a declined one counts one offer less."""
+        if self.admit_after == 1:
+            return
+        if admitted:
+            self._offers[key] = self.admit_after - 1
+            self._offers.move_to_end(key)
+            if len(self._offers) > self.table_size:
+                self._offers.popitem(last=False)
+            return
+        count = self._offers.get(key)
+        if count is None:
+            return
+        if count <= 1:
+            del self._offers[key]
+        else:
+            self._offers[key] = count - 1
+
 
 EVICTION_POLICIES = ("fifo", "lru")
 VERIFY_MODES = ("always", "never")

@@ -783,18 +783,29 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.counters["admission_rejected_runs"] += 1
                 return "rejected"
             return "ok"
-        out, pieces, repeats = self._plan_puts(items, found, admit, unchecked)
-        if len(items) == 1:
-            for i, keys, blocks in pieces:
-                stored = self._put_one(keys, blocks, clears)
-                out[i] += stored
-                if not stored:        # a clear() overtook it: its earlier pieces went too
-                    out[i] = 0
-                    break
-            return out
-        return self._put_grouped(out, pieces, repeats,
-                                 lambda group: self._put_group(group, clears),
-                                 self.sb.journal_bytes)
+        out, pieces, repeats, admitted = self._plan_puts(items, found, admit, unchecked)
+        try:
+            if len(items) == 1:
+                for i, keys, blocks in pieces:
+                    stored = self._put_one(keys, blocks, clears)
+                    out[i] += stored
+                    if not stored:    # a clear() overtook it: its earlier pieces went too
+                        out[i] = 0
+                        break
+            else:
+                out = self._put_grouped(out, pieces, repeats,
+                                        lambda group: self._put_group(group, clears),
+                                        self.sb.journal_bytes)
+        finally:          # (an error: ``out`` holds what the pieces before it stored)
+            self._give_back_unstored(items, out, admitted)
+        return out
+
+    def _give_back_offers(self, offers: list) -> None:
+        with self._lock:
+            for key, admitted in offers:
+                self.admission.give_back(key, admitted)
+                if not admitted:
+                    self.counters["admission_rejected_runs"] -= 1
 
     def _put_group(self, pieces: list, clears: int) -> list[tuple[int, int]]:
         """Write each piece as a run, then publish them all with one commit.

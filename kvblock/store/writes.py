@@ -208,35 +208,60 @@ class RunWriter(RunIO):
         the store holds every key).  ``unchecked``: the items
         _check_runs_fit left to be checked here if written.  Returns (blocks
         per item, pieces (item, keys, blocks) of at most ``max_run_blocks``,
-        and per duplicate found in earlier runs the items it depends on)."""
+        and per duplicate found in earlier runs the items it depends on, and
+        the admitted items: see _give_back_unstored).  A call refused here
+        (a late _check_fits, an admit that fails) counts no offer: those
+        admit counted are given back."""
         out, pieces = [0] * len(items), []
         taken: dict[bytes, int] = {}  # keys an earlier run of this call writes: that run
         repeats = {}                  # a run found whole in earlier runs: those runs
+        offers = []                   # (first key, admitted) of the offers admit counted
+        admitted = []                 # the items admitted (to be written)
         start = 0
-        for i, (keys, blocks) in enumerate(items):
-            n = len(keys)
-            held, start = found[start:start + n], start + n
-            if n == 0:
-                continue
-            whole = bool(held.all())
-            if not whole and taken and all(h or k in taken for k, h in zip(keys, held)):
-                self.counters["put_duplicate_runs"] += 1
-                out[i] = n
-                repeats[i] = {taken[k] for k, h in zip(keys, held) if not h}
-                continue
-            verdict = admit(keys, whole)
-            if verdict == "duplicate":
-                out[i] = n
-                continue
-            if verdict == "rejected":
-                continue
-            if i in unchecked:        # none of it written yet: refused whole
-                self._check_fits(n)
-            taken.update(dict.fromkeys(keys, i))
-            for first in range(0, n, self.max_run_blocks):
-                last = min(n, first + self.max_run_blocks)
-                pieces.append((i, keys[first:last], span(blocks, first, last)))
-        return out, pieces, repeats
+        try:
+            for i, (keys, blocks) in enumerate(items):
+                n = len(keys)
+                held, start = found[start:start + n], start + n
+                if n == 0:
+                    continue
+                whole = bool(held.all())
+                if not whole and taken and all(h or k in taken for k, h in zip(keys, held)):
+                    self.counters["put_duplicate_runs"] += 1
+                    out[i] = n
+                    repeats[i] = {taken[k] for k, h in zip(keys, held) if not h}
+                    continue
+                verdict = admit(keys, whole)
+                if verdict == "duplicate":
+                    out[i] = n
+                    continue
+                offers.append((keys[0], verdict != "rejected"))
+                if verdict == "rejected":
+                    continue
+                if i in unchecked:        # none of it written yet: refused whole
+                    self._check_fits(n)
+                admitted.append(i)
+                taken.update(dict.fromkeys(keys, i))
+                for first in range(0, n, self.max_run_blocks):
+                    last = min(n, first + self.max_run_blocks)
+                    pieces.append((i, keys[first:last], span(blocks, first, last)))
+        except BaseException:
+            self._give_back_offers(offers[::-1])    # (latest first: one key offered twice)
+            raise
+        return out, pieces, repeats, admitted
+
+    def _give_back_unstored(self, items: list, out: list[int], admitted: list[int]) -> None:
+        """The offers of ``admitted`` items that a put did not store whole
+        (``out``: blocks stored per item; a clear() overtook it, or an error
+        stopped it): given back, so that the next offer admits them, not
+        the admit_after-th one after it."""
+        back = [(items[i][0][0], True) for i in admitted if out[i] < len(items[i][0])]
+        if back:
+            self._give_back_offers(back[::-1])
+
+    def _give_back_offers(self, offers: list) -> None:
+        """Undo offers admission counted for puts that stored nothing:
+        (first key, admitted) each, latest first."""
+        raise NotImplementedError
 
     def _put_grouped(self, out: list[int], pieces: list, repeats: dict,
                      put_group: Callable, journal_bytes: int) -> list[int]:

@@ -554,6 +554,66 @@ def test_admission_second_offer(store_path):
         assert store.stats()["admission_rejected_runs"] == 1
 
 
+
+@pytest.mark.parametrize("how", ["full", "clear"])
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_admitted_put_that_stores_nothing_gives_its_offer_back(tmp_path, monkeypatch, how,
+                                                                   batched):
+    """admit_after=2: the second offer admits the run and uses up its
+    offer count.  A put so admitted that then stored nothing (StoreFullError
+    for its space, a clear() overtaking it) left the count used up, and the
+    third offer was declined again: the run took admit_after more offers.
+    The offer is given back: the next one admits."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys, other = run_keys(6, 2), run_keys(7, 1)
+
+    def put():
+        if batched:
+            return store.put_runs([(keys, run_data(keys)), (other, run_data(other))])[0]
+        return store.put_run(keys, run_data(keys))
+    with _format([path], admit_after=2) as store:
+        assert put() == 0                                   # offer 1: declined
+        if how == "full":
+            def begin_put(nbytes):
+                raise StoreFullError("every region holds pinned runs (test)")
+            monkeypatch.setattr(store, "_begin_put", begin_put)
+            with pytest.raises(StoreFullError):
+                put()                                       # offer 2: admitted, not stored
+            monkeypatch.undo()
+        else:
+            real = store._publish_puts if batched else store._publish_put
+
+            def publish(runs, clears):
+                store.clear()
+                return real(runs, clears)
+            monkeypatch.setattr(store, "_publish_puts" if batched else "_publish_put", publish)
+            assert put() == 0                               # offer 2: admitted, cleared
+            monkeypatch.undo()
+        assert store.lookup(keys) == 0
+        assert put() == 2                                   # offer 3: admitted again
+        assert store.lookup(keys) == 2
+
+
+def test_put_runs_refused_before_a_write_counts_no_offer(tmp_path):
+    """put_runs checks every argument before anything is written: a call
+    refused by the late check of a long run (StoreFullError) stored nothing,
+    yet the offers its admission counted stayed, so its runs were admitted
+    one offer early next time (and the long run, admitted then refused,
+    used its count up).  A refused call counts no offer."""
+    path = tmp_path / "s.img"
+    create_file(path, 12 * MIB)
+    with _format([path], admit_after=2) as store:
+        first, second, _ = _halves_and_whole(store)
+        whole = second + first          # offered under second's first key: admitted there
+        with pytest.raises(StoreFullError, match="does not fit this store"):
+            store.put_runs([(first, _zeros(first)), (second, _zeros(second)),
+                            (whole, _zeros(whole))])
+        assert store.counters["admission_rejected_runs"] == 0
+        assert store.put_run(first, _zeros(first)) == 0     # its first offer, declined
+        assert store.put_run(first, _zeros(first)) == len(first)
+        assert store.put_run(second, _zeros(second)) == 0
+
 def _one_run_with_a_flipped_byte(store_path) -> list[bytes]:
     """A store holding one run of two blocks, one byte of its data flipped
     on the medium; returns its keys."""
