@@ -718,14 +718,18 @@ class RemoteStore(RunReader, RunWriter):
             elif verdict == "rejected":
                 self.counters["admission_rejected_runs"] += 1
             return verdict
-        out, pieces, repeats, _ = self._plan_puts(items, found, admit, unchecked)
+        out, pieces, repeats, admitted = self._plan_puts(items, found, admit, unchecked)
         # The groups after the first go to the first one's server (see _put:
         # a reconnect between two groups would refuse the later ones as
         # cleared while a run's pieces in the earlier ones stay published).
         on = [None]
-        return self._put_grouped(out, pieces, repeats,
-                                 lambda group: self._put_group(group, clears, on),
-                                 self.journal_bytes)
+        try:
+            out = self._put_grouped(out, pieces, repeats,
+                                    lambda group: self._put_group(group, clears, on),
+                                    self.journal_bytes)
+        finally:          # (an error: ``out`` holds what the groups before it stored)
+            self._give_back_unstored(items, out, admitted)
+        return out
 
     def _put_group(self, pieces: list, clears: str,
                    on: list | None = None) -> list[tuple[int, int]]:
@@ -782,6 +786,8 @@ class RemoteStore(RunReader, RunWriter):
             self.counters["put_duplicate_runs"] += 1
             return n
         if too_long is not None:     # removed meanwhile: it would have to be written
+            # refused: the offer admit counted is given back
+            self._give_back_offers([(keys[0], verdict != "rejected")])
             raise too_long
         if verdict == "rejected":
             self.counters["admission_rejected_runs"] += 1
@@ -794,12 +800,18 @@ class RemoteStore(RunReader, RunWriter):
         # answer 0 while its earlier pieces stay published.  That server
         # gone, the put raises ServerGoneError, as when no reconnect came yet.
         on = [None]
-        for start in range(0, n, step):
-            stop = min(n, start + step)
-            stored = self._put_one(keys[start:stop], span(blocks, start, stop), clears, on)
-            written += stored
-            if not stored:            # a clear() overtook it: its earlier pieces went too
-                return 0
+        try:
+            for start in range(0, n, step):
+                stop = min(n, start + step)
+                stored = self._put_one(keys[start:stop], span(blocks, start, stop), clears,
+                                       on)
+                written += stored
+                if not stored:        # a clear() overtook it: its earlier pieces went too
+                    written = 0
+                    return 0
+        finally:          # not stored whole: the next offer admits it (see KVStore)
+            if written < n:
+                self._give_back_offers([(keys[0], True)])
         return written
 
     def _admit(self, keys: list[bytes]) -> tuple[str, str]:
@@ -818,7 +830,16 @@ class RemoteStore(RunReader, RunWriter):
         return verdict, clears
 
     def _give_back_offers(self, offers: list) -> None:
-        pass        # (the server's admission counted them)
+        """Give offers back to the server's admission, which counted them
+        (best effort: a server gone took its offer counts with it)."""
+        if not offers:
+            return
+        self.counters["admission_rejected_runs"] -= sum(not a for _, a in offers)
+        try:
+            self._call("give_back", keys=encode_keys([k for k, _ in offers]),
+                       admitted=[bool(a) for _, a in offers])
+        except KVBlockError as e:
+            logger.debug("kvblock: give_back to %s: %s", self.socket_path, e)
 
     def _abort(self, s: "Session", wids: list[int]) -> None:
         """Give back allocations on ``s`` that will not be committed."""

@@ -19,7 +19,11 @@ request at a time per connection, answered in order.
   writes each of its runs, then publishes them all with one
   ``commit_runs`` (``puts``: [wid, keys, checksums] each): one journal
   commit, so all or none of them are published; every allocation named is
-  released, whatever the answer.
+  released, whatever the answer.  A put admitted that then stores nothing
+  (no space, a write error, a clear), or a put_runs the rank refuses
+  after its admits, sends ``give_back`` (``keys``: the runs' first keys,
+  ``admitted``: admit's answer for each, ok or rejected): the server's
+  admission forgets those offers.
 - A read asks ``segments`` (the server pins the runs and answers their
   locations and checksums), reads and verifies locally, then ``unpin``.
 - Pins belong to the connection: when it drops (the client exits or
@@ -48,7 +52,7 @@ from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 from kvblock.index.keys import normalize_key
 
-PROTOCOL = 11  # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 12  # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
@@ -61,6 +65,7 @@ PROTOCOL = 11  # 2: "clear"; admit answers the clear count, commit carries it
 #               10: delete_prefix's "keep" (the caller's pinned keys stay)
 #               11: "commit_runs" (put_runs: its runs in one journal commit);
 #                   hello's "journal_bytes"
+#               12: "give_back" (offers admit counted for puts that stored nothing)
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

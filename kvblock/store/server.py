@@ -935,6 +935,20 @@ class StoreServer:
                 return {"verdict": "rejected", "clears": clears}
         return {"verdict": "ok", "clears": clears}
 
+    def _op_give_back(self, s, keys, admitted):
+        """Offers admit counted for puts that stored nothing (see
+        Admission.give_back): ``keys`` the runs' first keys, ``admitted``
+        whether admit admitted each (true) or declined it (false), latest
+        first."""
+        st = self.store
+        keys = decode_keys(keys)
+        if not isinstance(admitted, list) or len(admitted) != len(keys) or \
+                not all(type(a) is bool for a in admitted):
+            raise ConfigError(f"give_back: admitted must be a list of {len(keys)} true or "
+                              f"false, one per key, got {str(admitted)[:80]}")
+        st._give_back_offers(list(zip(keys, admitted)))
+        return None
+
     def _op_allocate(self, s, nblocks):
         st = self.store
         st._check_open(writing=True)

@@ -1294,3 +1294,54 @@ def test_a_forked_childs_stop_of_its_server_copy_leaves_the_parents_server(tmp_p
             r.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_an_admitted_put_the_server_gave_no_space_gives_its_offer_back(tmp_path, sock,
+                                                                        monkeypatch, batched):
+    """admit_after=2 on the server: the second offer admits the run (its
+    count used up there).  A rank's put so admitted that then stored
+    nothing (here the server had no space for it: StoreFullError) left the
+    count used up on the server, and the third offer was declined again.
+    The rank gives the offer back: the next one admits."""
+    from kvblock.errors import StoreFullError
+
+    path = _store_file(tmp_path)
+    keys, other = run_keys(6, 2), run_keys(7, 1)
+    with serve_in_background([path], sock, admit_after=2) as server, RemoteStore(sock) as r:
+        def put():
+            if batched:
+                return r.put_runs([(keys, run_data(keys)), (other, run_data(other))])[0]
+            return r.put_run(keys, run_data(keys))
+        assert put() == 0                                    # offer 1: declined
+
+        def allocate(s, nblocks):
+            raise StoreFullError("every region holds pinned runs (test)")
+        monkeypatch.setattr(server, "_op_allocate", allocate)
+        with pytest.raises(StoreFullError):
+            put()                                            # offer 2: admitted, not stored
+        monkeypatch.undo()
+        assert put() == 2                                    # offer 3: admitted again
+        assert r.lookup(keys) == 2
+
+
+def test_put_runs_refused_by_a_rank_before_a_write_counts_no_offer_on_the_server(tmp_path,
+                                                                                 sock):
+    """As KVStore's: a put_runs refused by the late check of a long run
+    (StoreFullError, nothing written) counts none of its offers on the
+    server, nor its declined runs in admission_rejected_runs."""
+    from kvblock.errors import StoreFullError
+    from tests.store.test_store import _halves_and_whole, _zeros
+
+    path = _store_file(tmp_path, 12 << 20)
+    with serve_in_background([path], sock, admit_after=2) as server, RemoteStore(sock) as r:
+        first, second, _ = _halves_and_whole(r)
+        whole = second + first          # offered under second's first key: admitted there
+        with pytest.raises(StoreFullError, match="does not fit this store"):
+            r.put_runs([(first, _zeros(first)), (second, _zeros(second)),
+                        (whole, _zeros(whole))])
+        assert server.store.counters["admission_rejected_runs"] == 0
+        assert r.counters["admission_rejected_runs"] == 0
+        assert r.put_run(first, _zeros(first)) == 0          # its first offer, declined
+        assert r.put_run(first, _zeros(first)) == len(first)
+        assert r.put_run(second, _zeros(second)) == 0
