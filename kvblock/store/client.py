@@ -724,6 +724,8 @@ class RemoteStore(RunReader, RunWriter):
         # cleared while a run's pieces in the earlier ones stay published).
         on = [None]
         try:
+            if repeats:     # duplicates no admit saw: the server's stats count them too
+                self._call("count_duplicates", runs=len(repeats))
             out = self._put_grouped(out, pieces, repeats,
                                     lambda group: self._put_group(group, clears, on),
                                     self.journal_bytes)

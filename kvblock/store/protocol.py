@@ -23,7 +23,9 @@ request at a time per connection, answered in order.
   (no space, a write error, a clear), or a put_runs the rank refuses
   after its admits, sends ``give_back`` (``keys``: the runs' first keys,
   ``admitted``: admit's answer for each, ok or rejected): the server's
-  admission forgets those offers.
+  admission forgets those offers.  A put_runs run that the call's earlier
+  runs hold whole is a duplicate no admit sees: ``count_duplicates``
+  (``runs``: how many) counts them in the server's stats.
 - A read asks ``segments`` (the server pins the runs and answers their
   locations and checksums), reads and verifies locally, then ``unpin``.
 - Pins belong to the connection: when it drops (the client exits or
@@ -65,7 +67,8 @@ PROTOCOL = 12  # 2: "clear"; admit answers the clear count, commit carries it
 #               10: delete_prefix's "keep" (the caller's pinned keys stay)
 #               11: "commit_runs" (put_runs: its runs in one journal commit);
 #                   hello's "journal_bytes"
-#               12: "give_back" (offers admit counted for puts that stored nothing)
+#               12: "give_back" (offers admit counted for puts that stored nothing);
+#                   "count_duplicates" (put_runs' runs its earlier runs hold)
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

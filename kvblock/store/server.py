@@ -949,6 +949,16 @@ class StoreServer:
         st._give_back_offers(list(zip(keys, admitted)))
         return None
 
+    def _op_count_duplicates(self, s, runs):
+        """put_runs' runs found whole in the call's earlier runs (duplicates
+        no admit saw): counted as KVStore counts them."""
+        if type(runs) is not int or runs < 1:
+            raise ConfigError(f"count_duplicates: runs must be a count >= 1, got "
+                              f"{str(runs)[:40]!r}")
+        with self.store._lock:
+            self.store.counters["put_duplicate_runs"] += runs
+        return None
+
     def _op_allocate(self, s, nblocks):
         st = self.store
         st._check_open(writing=True)

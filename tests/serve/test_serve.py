@@ -1345,3 +1345,16 @@ def test_put_runs_refused_by_a_rank_before_a_write_counts_no_offer_on_the_server
         assert r.put_run(first, _zeros(first)) == 0          # its first offer, declined
         assert r.put_run(first, _zeros(first)) == len(first)
         assert r.put_run(second, _zeros(second)) == 0
+
+
+def test_put_runs_duplicates_within_the_call_are_counted_by_the_server(tmp_path, sock):
+    """A run put_runs finds whole in the call's earlier runs is a duplicate
+    (as put one call after another): the rank counted it, the server's
+    put_duplicate_runs (the store's stats, every rank's) did not."""
+    path = _store_file(tmp_path)
+    keys = run_keys(8, 2)
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as r:
+        assert r.put_runs([(keys, run_data(keys)), (keys, run_data(keys))]) == [2, 2]
+        assert r.counters["put_duplicate_runs"] == 1
+        assert r.stats()["put_duplicate_runs"] == 1
+        assert server.store.counters["put_duplicate_runs"] == 1
