@@ -602,44 +602,73 @@ class KVStore(Recovery, RunReader, RunWriter):
         entry = [records, apply, done, None]
         with self._pending_lock:
             self._pending.append(entry)
-        with self._commit_lock:
-            if not done.is_set():
-                with self._pending_lock:
-                    batch, self._pending = self._pending, []
-                if self._failure is not None:
-                    # A commit failed before this writer led: nothing more
-                    # goes to the journal of a failed store.
-                    for item in batch:
-                        item[3] = self._failure
-                        item[2].set()
-                    batch = []
-                try:
-                    for chunk in self._journal_chunks(batch):
-                        written = [r for e in chunk for r in e[0]]
-                        if written:    # none when a clear() refused every put here
-                            self._write_journal(written)
-                        for item in chunk:
-                            if item[1] is not None:
-                                with self._lock:
-                                    item[1]()
-                            item[2].set()
-                        if self._jhead > self.sb.journal_bytes // 2:
-                            self._write_checkpoint()
-                except BaseException as e:
-                    for item in batch:
-                        if not item[2].is_set():
-                            item[3] = e
-                            item[2].set()
+        interrupted = None
+        while True:
+            inside = False
+            try:
+                with self._commit_lock:
+                    inside = True
+                    self._lead_commit(entry)
+                break
+            except BaseException as e:
+                if inside:
+                    raise
+                # Cut (a KeyboardInterrupt) while another writer's commit
+                # held the lock: the records are queued all the same, and the
+                # next leader would write and apply them with this caller
+                # gone (a reclaim's region left RECLAIMING, which
+                # allocations wait for without end).  See them through first
+                # (one commit's wait), then raise; cut again, fail the
+                # store, as a commit cut while it writes does, so that
+                # nothing waits for them.
+                if interrupted is not None:
                     self._fail(e)
-                    if entry[3] is not None or not isinstance(e, KVBlockError):
-                        raise
-                    # The leader's own records went out in an earlier journal
-                    # write (or a checkpoint after them failed): its call
-                    # succeeded (the store is closed now).
-                    logger.warning("kvblock: a metadata commit failed, the store is "
-                                   "closed (reopen it to recover): %s", e)
+                    raise
+                interrupted = e
         if entry[3] is not None:
             raise StoreClosedError(f"metadata commit failed: {entry[3]}") from entry[3]
+        if interrupted is not None:
+            raise interrupted   # the records are durable and applied
+
+    def _lead_commit(self, entry) -> None:
+        """(under the commit lock) write every pending record, ``entry``'s
+        among them unless an earlier leader did."""
+        done = entry[2]
+        if not done.is_set():
+            with self._pending_lock:
+                batch, self._pending = self._pending, []
+            if self._failure is not None:
+                # A commit failed before this writer led: nothing more
+                # goes to the journal of a failed store.
+                for item in batch:
+                    item[3] = self._failure
+                    item[2].set()
+                batch = []
+            try:
+                for chunk in self._journal_chunks(batch):
+                    written = [r for e in chunk for r in e[0]]
+                    if written:    # none when a clear() refused every put here
+                        self._write_journal(written)
+                    for item in chunk:
+                        if item[1] is not None:
+                            with self._lock:
+                                item[1]()
+                        item[2].set()
+                    if self._jhead > self.sb.journal_bytes // 2:
+                        self._write_checkpoint()
+            except BaseException as e:
+                for item in batch:
+                    if not item[2].is_set():
+                        item[3] = e
+                        item[2].set()
+                self._fail(e)
+                if entry[3] is not None or not isinstance(e, KVBlockError):
+                    raise
+                # The leader's own records went out in an earlier journal
+                # write (or a checkpoint after them failed): its call
+                # succeeded (the store is closed now).
+                logger.warning("kvblock: a metadata commit failed, the store is "
+                               "closed (reopen it to recover): %s", e)
 
     def _journal_chunks(self, batch: list) -> list[list]:
         """(the commit leader) the pending entries with their records
@@ -1072,8 +1101,20 @@ class KVStore(Recovery, RunReader, RunWriter):
             self.regions.generation[region] = new_gen
         with self._lock:     # none when the region held no run (_release_empty_regions)
             ticket = self._reclaim_tickets.pop(region, None)
-        with self._removal(ticket):
-            self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
+        try:
+            with self._removal(ticket):
+                self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
+        except BaseException:
+            if self._failure is None:
+                # Interrupted while it waited to commit: _commit saw the
+                # record through (durable, the generation set) before it
+                # raised; a region left RECLAIMING would be waited for by
+                # every allocation.  A failed commit closed the store.
+                with self._lock:
+                    self._freeing.discard(region)
+                    self.regions.release(region, generation=new_gen)
+                    self._reclaimed.notify_all()
+            raise
         try:
             dev, off = self.regions.address(region)
             if discard and self.io.discard(dev, off, self.regions.size):
@@ -1342,7 +1383,10 @@ class KVStore(Recovery, RunReader, RunWriter):
             if ticket is not None:
                 with self._lock:
                     self._removing.discard(ticket)
-                    if not durable:
+                    # An interrupt (KeyboardInterrupt) raised by a commit
+                    # that saw its records through leaves the store open:
+                    # only a failed commit loses them.
+                    if not durable and self._failure is not None:
                         self._removals_lost.add(ticket)
                     self._removals_durable.notify_all()
 

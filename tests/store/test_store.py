@@ -2721,3 +2721,54 @@ def test_a_start_whose_blank_file_is_removed_before_it_formats_fails_typed(
     with pytest.raises(DeviceNotFoundError):
         provision.open_or_format([path], GEOM, "m", region_size=REGION).close()
     assert not os.path.exists(path)
+
+
+class _InterruptedOnce:
+    """A commit lock whose first acquire is cut by a KeyboardInterrupt (as
+    a Ctrl-C arrives while another thread's commit holds it)."""
+
+    def __init__(self, lock):
+        self._real, self.armed = lock, True
+
+    def acquire(self, *a, **kw):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return self._real.acquire(*a, **kw)
+
+    def release(self):
+        self._real.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def test_an_interrupt_while_a_reclaim_waits_to_commit_leaves_no_region_reclaiming(tmp_path):
+    """A KeyboardInterrupt while evict's RECLAIM record waited for the commit
+    lock left its region RECLAIMING: a put needing a region and
+    evict(nbytes) then waited for it for good, and a later delete() or
+    clear() failed as if a commit had."""
+    from kvblock.store.store import RECLAIMING
+
+    path = tmp_path / "store.img"
+    create_file(path, 3 * MIB)
+    with _format([path], verify="never", eviction="fifo") as store:
+        _fill_to_last_free_region(store, left=0)
+        store._commit_lock = _InterruptedOnce(store._commit_lock)
+        with pytest.raises(KeyboardInterrupt):
+            store.evict(store.regions.size)
+        assert not (store.regions.state == RECLAIMING).any()
+        keys, results = run_keys(61, 2), []
+        t = threading.Thread(target=lambda: results.append(store.put_run(keys, run_data(keys))),
+                             daemon=True)
+        t.start()
+        t.join(10)
+        assert results == [2]
+        assert store.delete(keys) == 2
+        store.clear()
+    with KVStore.open([str(path)]) as store:
+        assert store.lookup(keys) == 0
