@@ -1212,16 +1212,20 @@ class KVStore(Recovery, RunReader, RunWriter):
         would take another lease's pin)."""
         if not isinstance(pins, PinHandle):
             raise ConfigError("unpin: pass the handle pin() returned")
-        if pins.released:
-            raise ConfigError("unpin: this pin handle was released already")
-        if pins.store is not self:
-            # Its runs and regions are another open's: counted down here,
-            # a region's pins would go below 0, and a region whose pins are
-            # not 0 is never evicted or freed again.
-            raise ConfigError("unpin: this pin handle is from another open of the store (or "
-                              "another store); release it on the store that pin() gave it, "
-                              "a reopen ends that open's pins")
-        pins.released = True
+        # Checked and marked under the lock: two threads releasing one
+        # handle at once would both find it unreleased and count its
+        # regions' pins down twice.
+        with self._lock:
+            if pins.released:
+                raise ConfigError("unpin: this pin handle was released already")
+            if pins.store is not self:
+                # Its runs and regions are another open's: counted down here,
+                # a region's pins would go below 0, and a region whose pins are
+                # not 0 is never evicted or freed again.
+                raise ConfigError("unpin: this pin handle is from another open of the store "
+                                  "(or another store); release it on the store that pin() "
+                                  "gave it, a reopen ends that open's pins")
+            pins.released = True
         self._unpin(pins)
         host = self.host      # once: a close() in another thread sets it to None
         if pins.host_pins and host is not None:

@@ -1229,6 +1229,51 @@ def test_a_pin_is_released_once(store_path):
 
 
 
+def test_one_handle_released_by_two_threads_at_once_is_released_once(tmp_path):
+    """Two threads releasing one pin handle together both passed the
+    released check before either set it: the region's pins were counted
+    down twice (another lease's pin taken, here to -1: the region never
+    evicted or freed again)."""
+    from kvblock.store.store import PinHandle
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(54, 2)
+    both = threading.Barrier(2)
+
+    class Racing(PinHandle):
+        @property
+        def store(self):          # read between the released check and its set
+            try:
+                both.wait(0.5)    # the two unpin() calls meet here, when they can
+            except threading.BrokenBarrierError:
+                pass
+            return self._store
+
+    with _format([path]) as store:
+        store.put_run(keys, run_data(keys))
+        handle = Racing(store.pin(keys))
+        handle._store = store
+        outcomes = []
+
+        def release():
+            try:
+                store.unpin(handle)
+                outcomes.append("released")
+            except ConfigError as e:
+                outcomes.append(str(e))
+
+        threads = [threading.Thread(target=release) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        region = next(iter(store.index.runs.values())).region
+        assert store.regions.pins[region] == 0
+        assert sorted(outcomes) == ["released", "unpin: this pin handle was released already"]
+        assert store.evict(all=True) == 1
+
+
 def test_a_pin_handle_of_another_open_is_refused_not_counted(store_path):
     """A handle pin() gave before a reopen (or from another store) names
     regions of that open: released on this one, it counted a region's pins
