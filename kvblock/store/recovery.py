@@ -17,6 +17,7 @@ from kvblock.format import checkpoint as cpfmt
 from kvblock.errors import IOFailedError, NotAStoreError
 from kvblock.format import journal as jfmt
 from kvblock.index import KeyIndex, Run
+from kvblock.index.index import MAX_RUN_ID
 
 logger = logging.getLogger(__name__)
 
@@ -395,10 +396,17 @@ class Recovery:
         self._index_runs(runs)
 
     def _replayed_run(self, rec: jfmt.PutRun) -> Run | None:
+        foreign = None       # what no writer of this store puts in its journal
+        if rec.run_id > MAX_RUN_ID:
+            # Indexed, its keys' positions (run_id << POS_BITS | position)
+            # would wrap past an int64, and every later put's id with it.
+            # Its id is not taken either.
+            foreign = f"run id {rec.run_id}, past the largest a store hands out ({MAX_RUN_ID})"
+            self.journal_foreign_puts.append((rec.run_id, foreign))
+            return None
         # Its id is used even when the run is not (a run id seeds its data
         # checksums: never hand one out twice).
         self._next_run_id = max(self._next_run_id, rec.run_id + 1)
-        foreign = None       # what no writer of this store puts in its journal
         if rec.region >= self.regions.count:
             foreign = f"region {rec.region}, the store has {self.regions.count}"
         elif len(rec.checksums) != self.geometry.run_checksums:

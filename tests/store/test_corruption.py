@@ -436,7 +436,7 @@ def test_devices_whose_superblocks_disagree_on_the_store_are_a_typed_error(tmp_p
     assert [p.read_bytes() for p in paths] == before
 
 
-@pytest.mark.parametrize("what", ["past its region's end", "checksums", "region"])
+@pytest.mark.parametrize("what", ["past its region's end", "checksums", "region", "run id"])
 def test_a_foreign_journal_put_is_reported_by_fsck(tmp_path, what):
     """A journal PUT (checksums whole: written so by a bug, or crafted) that
     this store cannot have written -- its run past its region's end, the
@@ -444,18 +444,24 @@ def test_a_foreign_journal_put_is_reported_by_fsck(tmp_path, what):
     it was skipped silently and fsck called the store clean.  fsck names
     it; a writable open starts a new journal, and the store is clean."""
     from kvblock.format import journal as jfmt
+    from kvblock.index.index import MAX_RUN_ID
     from kvblock.store.fsck import fsck
 
     path, store, keys, run = _open_with_one_run(tmp_path)
     sums = tuple(int(c) for c in run.checksums)
-    region, offset = run.region, run.offset
+    region, offset, run_id = run.region, run.offset, run.run_id + 1
     if what == "past its region's end":
         offset = REGION - GEOM.block_bytes
     elif what == "checksums":
         sums = sums[:-1]
+    elif what == "run id":
+        # past what the index packs (run_id << 24 | position in an int64):
+        # replayed, its keys' positions wrapped, and every later put's id
+        # with them
+        run_id = MAX_RUN_ID + 1
     else:
         region = store.regions.count
-    rec = jfmt.PutRun(run.run_id + 1, region, run.generation, offset, run.keys, sums)
+    rec = jfmt.PutRun(run_id, region, run.generation, offset, run.keys, sums)
     data = jfmt.encode_commit([rec], store._seq, jfmt.epoch(store.sb.store_uuid,
                                                             store._generation))
     store.io.write_bytes(0, store.sb.journal_offset + store._jhead, data)
@@ -466,13 +472,16 @@ def test_a_foreign_journal_put_is_reported_by_fsck(tmp_path, what):
         report = fsck(store)
         assert report.status == "problems" and len(report.problems) == 1, report.problems
         assert report.problems[0].startswith(f"{path}: the journal holds 1 PUT record")
-        assert f"run {run.run_id + 1}" in report.problems[0] and what in report.problems[0]
+        assert f"run {run_id}" in report.problems[0] and what in report.problems[0]
     with KVStore.open([str(path)]) as store:
         report = fsck(store, repair=True)
         assert report.status == "repaired"
         assert report.repaired == [f"{path}: started a new journal"]
+        more = run_keys(2, 2)
+        assert store.put_run(more, run_data(more)) == 2 and store.lookup(more) == 2
     with KVStore.open([str(path)], readonly=True) as store:
         assert fsck(store).status == "clean" and store.lookup(keys) == 2
+        assert store.lookup(more) == 2
 
 
 def test_a_damaged_last_reclaim_record_does_not_serve_the_regions_old_runs(tmp_path):
