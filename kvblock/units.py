@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import re
 from fractions import Fraction
@@ -14,6 +15,23 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 MAX_SIZE = (1 << 63) - 1   # off_t: no file, device or offset is larger
 _WHOLE = re.compile(r"^\s*-?[0-9]+\s*$")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+
+
+def is_whole(value, *, index: bool = False) -> bool:
+    """Whether ``value`` is a whole number: an int or a numpy integer, never
+    a bool (an int to isinstance: True would be taken for 1), a float (2.5
+    would be cut to 2), a string or None.  ``index``: also anything
+    ``operator.index`` takes (a 0-d integer array, a torch integer scalar),
+    still no bool."""
+    if isinstance(value, bool):
+        return False
+    if not index:
+        return isinstance(value, (int, np.integer))
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def parse_size(text: str) -> int:
@@ -38,10 +56,10 @@ def size_setting(value, owner: str, name: str, minimum: int = 1) -> int:
     """A size from a config (int or "64G"), as a ConfigError naming the
     setting; at least ``minimum`` bytes (a store file's size: 1 MiB, so that
     a number typed without its unit is refused rather than made a file)."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{owner}: {name} must be a size, got {value!r}")
-    if isinstance(value, (int, np.integer)):
+    if is_whole(value):
         size = int(value)
+    elif isinstance(value, bool):
+        raise ConfigError(f"{owner}: {name} must be a size, got {value!r}")
     else:
         try:
             size = parse_size(value)
@@ -57,7 +75,7 @@ def int_setting(value, owner: str, name: str, minimum: int = 1) -> int:
     """A whole number from a config (an int or a string of digits), at least
     ``minimum``, as a ConfigError naming the setting (not a TypeError deep
     inside, nor 2.7 silently made 2)."""
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    if is_whole(value):
         number = int(value)
     elif isinstance(value, str) and _WHOLE.match(value):   # what int() takes, not isdigit()
         number = int(value)
@@ -88,7 +106,7 @@ def name_setting(value, owner: str, name: str, default: str = "") -> str:
         return default
     if isinstance(value, str):
         return value
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+    if is_whole(value):
         return str(int(value))
     raise ConfigError(f"{owner}: {name} must be a string (a name), got {value!r}")
 

@@ -20,8 +20,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from kvblock.errors import (
     AlignmentError,
     ConfigError,
@@ -35,6 +33,7 @@ from kvblock.errors import (
     UnsupportedDeviceError,
     strerror,
 )
+from kvblock.units import is_whole
 
 BLKGETSIZE64 = 0x80081272
 BLKROGET = 0x125E
@@ -75,7 +74,7 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
     """
     # before anything is made: a float or None failed deep inside (a bare
     # TypeError), 0 or a negative size made an empty "pre-sized" file
-    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+    if not is_whole(size) or size < 1:
         raise ConfigError(f"create_file: size must be a whole number of bytes, at least 1 "
                           f"(e.g. 1 << 30 for 1 GiB), got {size!r}")
     size = int(size)

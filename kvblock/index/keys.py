@@ -15,6 +15,7 @@ import numpy as np
 import xxhash
 
 from kvblock.errors import ConfigError
+from kvblock.units import is_whole
 
 KEY_BYTES = 16
 # 16 zero bytes mark a superseded position in checkpoints (kvblock/index/index.py),
@@ -58,8 +59,7 @@ def chain_keys(token_ids: Sequence[int], block_tokens: int, salt: bytes | str = 
     """Keys of the full blocks of ``token_ids`` (a partial last block has none)."""
     if isinstance(salt, str):
         salt = salt.encode()
-    if isinstance(block_tokens, bool) or not isinstance(block_tokens, (int, np.integer)) \
-            or block_tokens < 1:
+    if not is_whole(block_tokens) or block_tokens < 1:
         raise ConfigError(f"block_tokens must be a whole number of tokens of at least 1, got "
                           f"{block_tokens!r}")
     try:

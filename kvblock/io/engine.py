@@ -27,6 +27,7 @@ from kvblock.io import native
 from kvblock.io.batch import DEFAULT_MAX_IO, IOBatch
 from kvblock.io.mapped import MappedDevices
 from kvblock.memory.aligned import HostBuffer
+from kvblock.units import is_whole
 
 OP_READ, OP_WRITE = 0, 1
 # read_hashed cuts reads into pieces this long and hashes each as it lands.
@@ -136,8 +137,7 @@ def _check_max_io(max_io, devices) -> int:
     """``max_io`` (the largest single I/O; larger ones are split there) as
     an int: whole logical blocks of every device, at most MAX_IO_LIMIT."""
     block = math.lcm(*(int(d.block_size) for d in devices)) if devices else 512
-    if isinstance(max_io, bool) or not isinstance(max_io, (int, np.integer)) or \
-            not block <= max_io <= MAX_IO_LIMIT or max_io % block:
+    if not is_whole(max_io) or not block <= max_io <= MAX_IO_LIMIT or max_io % block:
         raise ConfigError(f"max_io must be a multiple of the devices' {block}-byte logical "
                           f"blocks from {block} to {MAX_IO_LIMIT} bytes, got {max_io!r} "
                           f"(default {DEFAULT_MAX_IO})")
@@ -159,8 +159,7 @@ class IOEngine:
     def __init__(self, devices: Sequence[Device], *, queue_depth: int = 32,
                  max_io: int = DEFAULT_MAX_IO, mapped_reads: bool | None = None,
                  defer_mapped_reads: bool = False, mapped_writes: bool = True):
-        if isinstance(queue_depth, bool) or not isinstance(queue_depth, (int, np.integer)) or \
-                not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+        if not is_whole(queue_depth) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
             raise ConfigError(f"queue_depth must be an integer from 1 to {MAX_QUEUE_DEPTH} "
                               f"(I/Os in flight per batch), got {queue_depth!r} (default 32)")
         self.devices = list(devices)
@@ -280,12 +279,10 @@ class IOEngine:
             raise ConfigError(f"{self.name} engine is closed")
         # (the native calls run anything but OP_READ as a write, the mapped
         # copies anything but OP_WRITE as a read)
-        if isinstance(op, bool) or not isinstance(op, (int, np.integer)) or \
-                op not in (OP_READ, OP_WRITE):
+        if not is_whole(op) or op not in (OP_READ, OP_WRITE):
             raise ConfigError(f"op must be OP_READ (0) or OP_WRITE (1) (kvblock.io), "
                               f"got {op!r}")
-        if qd is not None and (isinstance(qd, bool) or not isinstance(qd, (int, np.integer))
-                               or qd < 1):
+        if qd is not None and (not is_whole(qd) or qd < 1):
             raise ConfigError(f"qd must be at least 1 (an integer: I/Os in flight for this "
                               f"batch), got {qd!r}")
         n = len(batch)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 
 from kvblock.errors import ConfigError
+from kvblock.units import is_whole
 
 # On-device dtype codes (part of the format: never renumber).
 DTYPES: dict[str, tuple[int, int]] = {  # name -> (code, itemsize)
@@ -53,12 +54,9 @@ class Geometry:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens", "head_groups",
                      "kv_parts"):
             value = getattr(self, name)
-            try:
-                if isinstance(value, bool):
-                    raise TypeError
-                number = operator.index(value)  # ints and numpy ints; not floats or bools
-            except TypeError:
-                raise ConfigError(f"geometry: {name} must be an integer, got {value!r}") from None
+            if not is_whole(value, index=True):  # ints and numpy ints; not floats or bools
+                raise ConfigError(f"geometry: {name} must be an integer, got {value!r}")
+            number = operator.index(value)
             if number < 1 or number >= 1 << 31:
                 raise ConfigError(f"geometry: {name} must be a positive integer, got {value!r}")
             object.__setattr__(self, name, int(number))

@@ -25,6 +25,7 @@ import numpy as np
 from kvblock.errors import ConfigError
 from kvblock.memory import registry
 from kvblock.memory.forklocks import renew_after_fork
+from kvblock.units import is_whole
 
 PAGE_SIZE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels: touch pages by hand
@@ -65,8 +66,7 @@ class HostBuffer:
 
     def __init__(self, nbytes: int, *, register: bool = True):
         # a whole number: 1.5 would silently become a 1-byte buffer
-        if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) \
-                or nbytes <= 0:
+        if not is_whole(nbytes) or nbytes <= 0:
             raise ConfigError(f"buffer size must be a positive number of bytes, got {nbytes!r}")
         self.nbytes = int(nbytes)
         size = round_up(self.nbytes, PAGE_SIZE)
@@ -211,8 +211,7 @@ def aligned_empty(shape, dtype=np.uint8) -> np.ndarray:
     dims = tuple(shape) if isinstance(shape, (tuple, list)) or \
         (isinstance(shape, np.ndarray) and shape.ndim) else (shape,)
     dims = tuple(n[()] if isinstance(n, np.ndarray) and n.ndim == 0 else n for n in dims)
-    if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0
-               for n in dims):
+    if not all(is_whole(n) and n >= 0 for n in dims):
         raise ConfigError(f"aligned_empty: shape must be a whole number of items >= 0 or a "
                           f"tuple of them, got {shape!r}")
     shape = tuple(int(n) for n in dims)

@@ -16,22 +16,18 @@ import numpy as np
 from kvblock.errors import ConfigError, KVBlockError
 from kvblock.memory.aligned import PAGE_SIZE, HostBuffer, round_up
 from kvblock.memory.forklocks import renew_after_fork
+from kvblock.units import is_whole
 
 
 class PoolExhaustedError(KVBlockError, TimeoutError):
     """No buffer became free within the timeout."""
 
 
-def _whole(n) -> bool:
-    return isinstance(n, (int, np.integer)) and not isinstance(n, bool)
-
-
 class BufferPool:
     """``count`` buffers of ``buffer_bytes`` (rounded up to a page) each."""
 
     def __init__(self, buffer_bytes: int, count: int):
-        if not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n > 0
-                   for n in (buffer_bytes, count)):
+        if not all(is_whole(n) and n > 0 for n in (buffer_bytes, count)):
             raise ConfigError(f"BufferPool needs positive whole buffer_bytes and count, got "
                               f"{buffer_bytes!r} x {count!r}")
         self.buffer_bytes = round_up(int(buffer_bytes), PAGE_SIZE)
@@ -52,7 +48,7 @@ class BufferPool:
     def view(self, index: int, nbytes: int | None = None) -> np.ndarray:
         self._check_open()
         index = self._check_index(index)
-        if nbytes is not None and (not _whole(nbytes) or not 0 < nbytes <= self.buffer_bytes):
+        if nbytes is not None and (not is_whole(nbytes) or not 0 < nbytes <= self.buffer_bytes):
             raise ConfigError(f"a view of {nbytes!r} bytes of a {self.buffer_bytes}-byte pool "
                               "buffer; ask for at most one buffer")
         start = index * self.buffer_bytes
@@ -89,7 +85,7 @@ class BufferPool:
     def _check_index(self, index: int) -> int:
         """``index`` as an int; a float, bool or None is no buffer (1.0
         released went on the free list, 1.5 made an address inside one)."""
-        if not _whole(index) or not 0 <= index < self.count:
+        if not is_whole(index) or not 0 <= index < self.count:
             raise ConfigError(f"no pool buffer {index!r}: the pool has {self.count} "
                               "(indices 0 to count - 1, as acquire() returns them)")
         return int(index)

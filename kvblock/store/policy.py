@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import numpy as np
-
 from kvblock.errors import ConfigError
+from kvblock.units import is_whole
 
 
 class Admission:
     def __init__(self, admit_after: int = 1, table_size: int = 1 << 16):
         # (a str or None would fail the comparison as a TypeError, and 1.5
         # would mean "the second offer" unsaid)
-        if isinstance(admit_after, bool) or not isinstance(admit_after, (int, np.integer)):
+        if not is_whole(admit_after):
             raise ConfigError(f"admit_after must be a whole number of offers (1: write every "
                               f"run), got {admit_after!r}")
         if admit_after < 1:

@@ -32,6 +32,7 @@ from kvblock.store.digests import block_digests_at, run_seed
 from kvblock.store.inflight import in_flight
 from kvblock.store.runio import RunIO
 from kvblock.store.scatter import BlockList, as_array, block_at, span
+from kvblock.units import is_whole
 
 logger = logging.getLogger(__name__)
 DAMAGED_RUNS_KEPT = 1024
@@ -320,8 +321,7 @@ class RunReader(RunIO):
         get_run does; returns the number of leading blocks read."""
         self._check_open()
         g = self.geometry
-        if not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-                   for x in (layer, group)) or \
+        if not (is_whole(layer) and is_whole(group)) or \
                 not (0 <= layer < g.num_layers and 0 <= group < g.head_groups):
             raise ConfigError(f"read_range: layer {layer} / group {group} outside "
                               f"{g.num_layers} layers x {g.head_groups} groups")

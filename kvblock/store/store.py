@@ -80,7 +80,7 @@ from kvblock.store.scatter import block_at
 from kvblock.store.storeio import StoreIO
 from kvblock.store.writes import Later, RunWriter, Streams
 from kvblock.tiers import HostTier
-from kvblock.units import size_setting
+from kvblock.units import is_whole, size_setting
 
 MIB = 1 << 20
 # A default region is a round size plus 1/TRAILER_RESERVE for runs' trailers.
@@ -1906,8 +1906,7 @@ def check_evict(nbytes, all) -> None:
     """evict()'s arguments: a byte count or all=True, else ConfigError
     (a truthy all="no" would evict the whole store; neither argument
     reclaimed nothing and said 0; with both, nbytes was ignored)."""
-    if nbytes is not None and (isinstance(nbytes, bool) or
-                               not isinstance(nbytes, (int, np.integer)) or nbytes < 0):
+    if nbytes is not None and (not is_whole(nbytes) or nbytes < 0):
         raise ConfigError(f"evict: nbytes must be a byte count >= 0, got {nbytes!r}")
     if not isinstance(all, (bool, np.bool_)):
         raise ConfigError(f"evict: all must be True or False, got {all!r}")
@@ -1936,8 +1935,7 @@ def time_cutoff(value) -> float:
 def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) -> dict:
     """Where everything goes on each device."""
     for name, value in (("region_size", region_size), ("journal_bytes", journal_bytes)):
-        if value is not None and (not isinstance(value, (int, np.integer))
-                                  or isinstance(value, bool) or value <= 0):
+        if value is not None and (not is_whole(value) or value <= 0):
             raise ConfigError(f"{name} must be a positive whole number of bytes, got {value!r} "
                               "(e.g. 256 << 20; the CLI takes sizes like 256M)")
     alignment = max(4096, max(d.block_size for d in devs))

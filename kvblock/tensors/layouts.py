@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from kvblock.errors import ConfigError
+from kvblock.units import is_whole
 
 
 def _is_torch(x) -> bool:
@@ -54,12 +55,7 @@ def _arrays(caches: list, what: str) -> list:
 
 def _page_tokens(value, name: str) -> int:
     """A page size as an int: 0 would divide by zero at the first copy."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
-        n = 0
+    n = operator.index(value) if is_whole(value, index=True) else 0
     if n < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return n

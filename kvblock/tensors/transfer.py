@@ -30,6 +30,7 @@ from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
 from kvblock.tensors.layouts import CacheLayout, _is_torch, _StridedPages
 from kvblock.tensors.pagecopy import copy_pages
+from kvblock.units import is_whole
 
 logger = logging.getLogger("kvblock")
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -219,8 +220,7 @@ class LoadHandle:
         if a later layer fails its checksum: use :meth:`wait` for the final count)."""
         # -1 would silently wait for the last one; 2.5 index the events; a
         # bool (an int to isinstance) wait for layer 0 or 1
-        if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool) or \
-                not 0 <= layer < self.num_layers:
+        if not is_whole(layer) or not 0 <= layer < self.num_layers:
             raise ConfigError(f"wait_layer: layer {layer} is not one of the store's "
                               f"{self.num_layers} layers (0-{self.num_layers - 1})")
         if not self._events[layer].wait(timeout):
@@ -253,12 +253,8 @@ def _tp_plan(g, tp_rank: int, tp_size: int):
     # failed as a head slice in the scatter thread, after the reads; a
     # bool rank was taken for rank 0 or 1.
     for name, value in (("tp_rank", tp_rank), ("tp_size", tp_size)):
-        try:
-            if isinstance(value, bool):
-                raise TypeError
-            operator.index(value)
-        except TypeError:
-            raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+        if not is_whole(value, index=True):
+            raise ConfigError(f"{name} must be an integer, got {value!r}")
     tp_rank, tp_size = operator.index(tp_rank), operator.index(tp_size)
     if not 0 <= tp_rank < tp_size:
         raise ConfigError(f"tp_rank {tp_rank} outside tp_size {tp_size}")

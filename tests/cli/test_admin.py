@@ -1536,6 +1536,23 @@ def test_a_whole_number_setting_that_only_looks_numeric_is_a_config_error():
         int_setting("-3", "kvblock tier", "threads")
 
 
+def test_is_whole_takes_ints_and_numpy_ints_never_bools():
+    """The one "a whole number, not a bool" check the settings, the engine,
+    the buffers and the geometry share; ``index=True`` also takes what
+    operator.index does (a 0-d integer array), still no bool."""
+    import numpy as np
+
+    from kvblock.units import is_whole
+
+    for good in (0, -3, 1 << 70, np.int8(3), np.uint64(1 << 63)):
+        assert is_whole(good) and is_whole(good, index=True), good
+    for bad in (True, False, np.True_, 2.0, np.float64(2), "3", None, np.array(5), [1]):
+        assert not is_whole(bad), bad
+    assert is_whole(np.array(5), index=True)
+    for bad in (True, np.True_, np.array(True), 2.0, "3", None, np.array([5])):
+        assert not is_whole(bad, index=True), bad
+
+
 def test_tables_show_paths_as_given_not_as_rich_markup(tmp_path):
     """The text tables went through rich's markup: a store file in a folder
     named like a style ("kv[red]", "[x]") was shown as "kv/store.img",
