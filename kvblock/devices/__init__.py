@@ -1,5 +1,11 @@
 """Devices kvblock stores on: raw block devices (NVMe, NVMe-oF, loop) or pre-sized files."""
 
-from kvblock.devices.device import Device, DeviceInfo, check_distinct, create_file
+from kvblock.devices.device import (
+    Device,
+    DeviceInfo,
+    check_distinct,
+    create_file,
+    refuse_one_path,
+)
 
-__all__ = ["Device", "DeviceInfo", "check_distinct", "create_file"]
+__all__ = ["Device", "DeviceInfo", "check_distinct", "create_file", "refuse_one_path"]

@@ -407,6 +407,15 @@ def _writes(path: str) -> list[tuple[os.stat_result, str, int | None, str]]:
     return out
 
 
+def refuse_one_path(devices) -> None:
+    """ConfigError naming it when ``devices`` is one path (str, bytes or
+    os.PathLike) where a list of devices is expected: iterated, a str is its
+    characters ("/ and / are the same device", a server on "/", "t", ...)."""
+    if isinstance(devices, (str, bytes, os.PathLike)):
+        raise ConfigError(f"{os.fspath(devices)!r} is a single path where a list of devices "
+                          f"is expected; give [{os.fspath(devices)!r}]")
+
+
 def check_distinct(paths) -> None:
     """ConfigError when two of ``paths`` are one device: the same path or
     device twice, a loop device and its backing file (or the file under a
@@ -415,10 +424,7 @@ def check_distinct(paths) -> None:
     # Not only identical targets: a disk and its partition write the same
     # bytes, and Device's O_EXCL would refuse the second as busy (exit 5),
     # or, opened without it (a client), read one store's bytes out of place.
-    if isinstance(paths, (str, bytes, os.PathLike)):
-        # Iterated, a str is its characters ("/ and / are the same device").
-        raise ConfigError(f"{os.fspath(paths)!r} is a single path where a list of devices is "
-                          f"expected; give [{os.fspath(paths)!r}]")
+    refuse_one_path(paths)
     seen: list[tuple[os.stat_result, str, int | None, str, str]] = []
     for p in map(os.fspath, paths):
         mine = [(*level, p) for level in _writes(p)]

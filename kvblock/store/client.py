@@ -37,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from kvblock import errors
-from kvblock.devices import Device, check_distinct
+from kvblock.devices import Device, check_distinct, refuse_one_path
 from kvblock.errors import (ConfigError, KVBlockError, ServerError, ServerGoneError,
                             StoreClosedError, StoreFullError)
 from kvblock.index import normalize_keys
@@ -250,8 +250,7 @@ class RemoteStore(RunReader, RunWriter):
                  queue_depth: int = 32, devices: Sequence | None = None,
                  timeout: float | None = None, reconnect: bool = False,
                  geometry: Geometry | None = None, model=None):
-        if isinstance(devices, (str, bytes, os.PathLike)):
-            check_distinct(devices)     # one path, not its characters: refused by name
+        refuse_one_path(devices)     # one path, not its characters: refused by name
         if geometry is not None and not isinstance(geometry, Geometry):
             # as KVStore.open: compared once connected, a dict failed as an
             # AttributeError ('describe') after the devices were opened
@@ -1335,8 +1334,7 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     server is lost later starts a new one the same way (without
     ``prepare``: the devices hold the store by then).
     """
-    if isinstance(devices, (str, bytes, os.PathLike)):
-        check_distinct(devices)         # one path, not its characters: refused by name
+    refuse_one_path(devices)         # one path, not its characters: refused by name
     socket_path = os.fsdecode(socket_path)
     can_start = bool(start and devices)
     if devices and client_options.get("devices") is None:

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Sequence
 
+from kvblock.devices import refuse_one_path
 from kvblock.errors import ConfigError, ServerBusyError, ServerError, ServerGoneError
 from kvblock.store.fence import FENCE_BYTE, _FLOCK, _ofd_lock, socket_fence_path
 from kvblock.store.session import open_socket
@@ -51,10 +52,7 @@ def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.
     """Start a store server on ``devices`` at ``socket_path`` unless one
     answers there, under ``<socket_path>.lock`` (see
     :func:`kvblock.store.client.connect` for how ranks race to start it)."""
-    if isinstance(devices, (str, bytes, os.PathLike)):
-        from kvblock.devices import check_distinct
-
-        check_distinct(devices)     # one path: refused by name (a server on its characters)
+    refuse_one_path(devices)     # one path: refused by name (a server on its characters)
     socket_path = os.fsdecode(socket_path)
     from kvblock.store.server import MAX_SOCKET_PATH
 

@@ -44,7 +44,7 @@ from typing import Sequence
 import numpy as np
 
 from kvblock.alloc.regions import SEALED, RegionTable
-from kvblock.devices import Device, check_distinct
+from kvblock.devices import Device, check_distinct, refuse_one_path
 from kvblock.errors import (
     ConfigError,
     DeviceTooSmallError,
@@ -175,8 +175,7 @@ def _device_list(devices, call: str) -> list:
     """open()'s and format()'s ``devices`` as a list (an iterator or a
     generator is taken once, not used up by the first look), each a path
     or a Device; else ConfigError naming what was given."""
-    if isinstance(devices, (str, bytes, os.PathLike)):
-        check_distinct(devices)          # one path: refused by name, not its characters
+    refuse_one_path(devices)          # one path: refused by name, not its characters
     if devices is None:
         devices = []
     try:
@@ -195,9 +194,8 @@ def _device_list(devices, call: str) -> list:
 
 
 def _open_devices(devices, readonly=False) -> list[Device]:
-    # a single path (not a list): refused by check_distinct, which names it
-    check_distinct(devices if isinstance(devices, (str, bytes, os.PathLike)) else
-                   [d.path if isinstance(d, Device) else d for d in devices])
+    refuse_one_path(devices)    # a single path (not a list): refused by name
+    check_distinct([d.path if isinstance(d, Device) else d for d in devices])
     for d in devices:
         if isinstance(d, Device):
             _check_passed(d, readonly)
