@@ -46,7 +46,7 @@ from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store.fence import WriteFence
 from kvblock.store.inflight import CLOSE_WAIT_S, InFlight, in_flight
-from kvblock.store.launch import ensure_server, wait_for_server
+from kvblock.store.launch import ensure_server, socket_path_str, wait_for_server
 from kvblock.store.policy import VERIFY_MODES
 from kvblock.store.protocol import (
     PROTOCOL,
@@ -255,7 +255,7 @@ class RemoteStore(RunReader, RunWriter):
             # as KVStore.open: compared once connected, a dict failed as an
             # AttributeError ('describe') after the devices were opened
             _not_a_geometry(geometry)
-        self.socket_path = os.fsdecode(socket_path)
+        self.socket_path = socket_path_str(socket_path)
         self.closed = True
         self.io = None
         self.host = None           # no DRAM tier in a rank: its memory belongs to the engine
@@ -1335,7 +1335,7 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     ``prepare``: the devices hold the store by then).
     """
     refuse_one_path(devices)         # one path, not its characters: refused by name
-    socket_path = os.fsdecode(socket_path)
+    socket_path = socket_path_str(socket_path)
     can_start = bool(start and devices)
     if devices and client_options.get("devices") is None:
         # I/O on the caller's names of the devices: the server's paths may

@@ -53,7 +53,7 @@ def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.
     answers there, under ``<socket_path>.lock`` (see
     :func:`kvblock.store.client.connect` for how ranks race to start it)."""
     refuse_one_path(devices)     # one path: refused by name (a server on its characters)
-    socket_path = os.fsdecode(socket_path)
+    socket_path = socket_path_str(socket_path)
     from kvblock.store.server import MAX_SOCKET_PATH
 
     # No server can listen there: refused before prepare() formats (making
@@ -174,6 +174,14 @@ def _answers(socket_path, timeout: float) -> bool:
     except ServerGoneError:
         return False
     return True
+
+
+def socket_path_str(socket_path) -> str:
+    """A server socket's path as every entry keeps it (connect, RemoteStore,
+    ensure_server, StoreServer): a str, bytes decoded as the file system
+    does (os.fsdecode), so that ".lock", ".log" and ".fence" join it and
+    messages name it as given."""
+    return os.fsdecode(socket_path)
 
 
 def socket_dir(socket_path) -> str:

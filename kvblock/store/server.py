@@ -64,6 +64,7 @@ from kvblock.store.launch import (
     announce_stopping,
     server_stopping,
     socket_dir,
+    socket_path_str,
     wait_for_server,
     wait_for_stopping_server,
 )
@@ -168,7 +169,7 @@ class StoreServer:
         # Its ranks read a tmpfs store file through mappings (whatever this
         # process's KVBLOCK_MAPPED_READS): the store must not punch holes there.
         store.io.served = True
-        self.socket_path = os.fsdecode(socket_path)
+        self.socket_path = socket_path_str(socket_path)
         # The devices' paths as hello names them: absolute, taken now (a
         # rank given no devices opens these; one working in another
         # directory would not find a path relative to the server's).  The
