@@ -53,6 +53,16 @@ def _run(store, key):
     return store.index.segments(normalize_keys([key]))[0][0]
 
 
+def _bad_sectors(store, key, blocks=N):
+    """EIO from now on under the first ``blocks`` blocks (default: all N)
+    of the stored run that holds ``key``: (that run, the BadSectors)."""
+    run = _run(store, key)
+    bad = BadSectors()
+    bad.add(*store.regions.address(run.region, run.offset), store.geometry.block_bytes * blocks)
+    bad.install(store)
+    return run, bad
+
+
 def _requests(keys):
     """(keys, [(run, first, count), ...] they hold) per request."""
     return [
@@ -143,10 +153,7 @@ def test_a_device_error_fails_its_request_and_drops_the_run_it_hit(filled):
     store, keys, data = filled()
     geom = store.geometry
     with store:
-        run = _run(store, keys[2][0])
-        bad = BadSectors()
-        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes * N)
-        bad.install(store)
+        _, bad = _bad_sectors(store, keys[2][0])
         outs = [_aligned(2 * geom.block_bytes) for _ in range(3)]
         assert store.get_runs([(keys[0][4:6], outs[0]), (keys[2][4:6], outs[1]),
                                (keys[1][8:10], outs[2])]) == [2, 0, 2]
@@ -173,13 +180,10 @@ def test_whole_runs_are_read_in_one_engine_call_and_fail_alone(filled, monkeypat
     monkeypatch.setattr(KVStore, "_read_whole_runs",
                         lambda self, parts: (calls.append(len(parts)), real(self, parts))[1])
     with store:
-        run = _run(store, keys[1][0])
         if fault == "checksum":
-            _flip(store, run, 7 * geom.group_block_bytes)
+            _flip(store, _run(store, keys[1][0]), 7 * geom.group_block_bytes)
         elif fault == "eio":
-            bad = BadSectors()
-            bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes)
-            bad.install(store)
+            _bad_sectors(store, keys[1][0], 1)
         outs = [_aligned(N * geom.block_bytes) for _ in range(3)]
         counts = store.get_runs([(keys[r], outs[r]) for r in range(3)])
         assert calls[0] == 3
@@ -244,10 +248,7 @@ def test_with_a_host_tier_a_device_error_fails_only_its_request(filled):
     geom = store.geometry
     with store:
         store.host.clear()                 # every block read from the device
-        run = _run(store, keys[2][0])
-        bad = BadSectors()
-        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes * N)
-        bad.install(store)
+        _bad_sectors(store, keys[2][0])
         outs = [_aligned(2 * geom.block_bytes) for _ in range(3)]
         assert store.get_runs([(keys[0][4:6], outs[0]), (keys[2][4:6], outs[1]),
                                (keys[1][8:10], outs[2])]) == [2, 0, 2]
@@ -291,10 +292,7 @@ def test_a_damaged_run_past_a_requests_first_run_ends_its_count_there(filled):
         assert np.array_equal(other, _blocks(data[1], geom, 3, 2))
         assert store.stats()["checksum_failures"] == 1
         assert [store.lookup(k) for k in keys] == [0, N, N, N]
-        bad = BadSectors()
-        run = _run(store, keys[2][0])
-        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes * N)
-        bad.install(store)
+        _bad_sectors(store, keys[2][0])
         spanning = keys[1][30:] + keys[2][:2]
         assert store.get_runs([(spanning, out), (keys[3][3:5], other)]) == [0, 2]
         assert np.array_equal(other, _blocks(data[3], geom, 3, 2))
@@ -342,10 +340,7 @@ def test_requests_sharing_a_whole_run_that_meets_eio_count_one_read_error(filled
     store, keys, data = filled()
     geom = store.geometry
     with store:
-        run = _run(store, keys[1][0])
-        bad = BadSectors()
-        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes)
-        bad.install(store)
+        run, _ = _bad_sectors(store, keys[1][0], 1)
         real, drops = store._drop_runs, []
         store._drop_runs = lambda runs, *a, **k: (drops.append([r.run_id for r in runs]),
                                                   real(runs, *a, **k))[1]
@@ -367,10 +362,7 @@ def test_requests_for_parts_of_one_run_that_meets_eio_count_one_read_error(fille
     store, keys, data = filled()
     geom = store.geometry
     with store:
-        run = _run(store, keys[2][0])
-        bad = BadSectors()
-        bad.add(*store.regions.address(run.region, run.offset), geom.block_bytes * N)
-        bad.install(store)
+        run, _ = _bad_sectors(store, keys[2][0])
         real, drops = store._drop_runs, []
         store._drop_runs = lambda runs, *a, **k: (drops.append([r.run_id for r in runs]),
                                                   real(runs, *a, **k))[1]
