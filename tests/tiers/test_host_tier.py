@@ -127,21 +127,29 @@ def test_layerwise_load_takes_hot_head_from_dram(tmp_path):
                            src[layer][:, 3:6].view(torch.int16))  # from the device
 
 
+@contextlib.contextmanager
+def _old_and_new(tmp_path, seed: int, tier_blocks: int = 8):
+    """A store over an 8 MiB file with a DRAM tier of ``tier_blocks``
+    blocks, nothing put yet; the 2 keys ``run_keys(seed, 2)`` and two
+    versions of their run's bytes: (store, keys, old, new)."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    keys = run_keys(seed, 2)
+    old, new = run_data(keys), (run_data(keys) + 1).astype(np.uint8)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=tier_blocks * GEOM.block_bytes) as store:
+        yield store, keys, old, new
+
+
 def test_delete_reaches_blocks_left_only_in_dram(tmp_path):
     """A block whose run was evicted from the device lives on in the DRAM
     tier: delete() must remove it there too (it used to stay, and a re-put
     of the key then kept serving the deleted bytes)."""
-    path = tmp_path / "kv.img"
-    create_file(path, 8 << 20)
-    keys = run_keys(5, 2)
-    with KVStore.format([str(path)], GEOM, region_size=REGION,
-                        host_cache_bytes=4 * GEOM.block_bytes) as store:
-        old = run_data(keys)
+    with _old_and_new(tmp_path, 5, tier_blocks=4) as (store, keys, old, new):
         store.put_run(keys, old)
         store.evict(all=True)                                # gone from the device
         assert store.lookup(keys) == 2                       # still in DRAM
         assert store.delete(keys) == 2 and store.lookup(keys) == 0
-        new = (old + 1).astype(np.uint8)
         store.put_run(keys, new)
         got = np.zeros_like(new)
         assert store.get_run(keys, got) == 2 and np.array_equal(got, new)
@@ -153,11 +161,7 @@ def test_a_delete_during_a_read_or_put_is_not_undone_by_the_dram_tier(tmp_path):
     tier afterwards, a put its blocks once it has published the run: a
     delete() of those keys in between (another thread) must not be undone
     by that insert, which would keep the deleted keys hits."""
-    path = tmp_path / "kv.img"
-    create_file(path, 8 << 20)
-    keys = run_keys(6, 2)
-    with KVStore.format([str(path)], GEOM, region_size=REGION,
-                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+    with _old_and_new(tmp_path, 6) as (store, keys, old, new):
         store.put_run(keys, run_data(keys))
         for k in normalize_keys(keys):                   # pushed out of DRAM meanwhile
             store.host.discard(k)
@@ -183,7 +187,6 @@ def test_a_delete_during_a_read_or_put_is_not_undone_by_the_dram_tier(tmp_path):
         assert store.lookup(keys) == 0 and store.get_run(keys, out) == 0
         # a put whose keys live on in DRAM only (their run was evicted from
         # the device): the older copies there go as well
-        old, new = run_data(keys), (run_data(keys) + 1).astype(np.uint8)
         store.put_run(keys, old)
         store.evict(all=True)
         assert all(k in store.host for k in normalize_keys(keys))
@@ -207,12 +210,7 @@ def test_a_read_overtaken_by_a_put_leaves_no_older_copy_in_dram(tmp_path):
     in DRAM pushed out again by other blocks), must not put the old bytes
     into the tier after it: later reads would be served the overwritten bytes from DRAM while
     the device holds the new ones."""
-    path = tmp_path / "kv.img"
-    create_file(path, 8 << 20)
-    keys = run_keys(8, 2)
-    old, new = run_data(keys), (run_data(keys) + 1).astype(np.uint8)
-    with KVStore.format([str(path)], GEOM, region_size=REGION,
-                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+    with _old_and_new(tmp_path, 8) as (store, keys, old, new):
         store.put_run(keys, old)
         for k in normalize_keys(keys):                   # pushed out of DRAM meanwhile
             store.host.discard(k)
@@ -680,12 +678,8 @@ def test_a_put_overtaken_by_a_newer_put_never_serves_its_older_copy_from_dram(tm
     tier, must not replace the copy the newer put (published and returned
     meanwhile) gave the tier: a read begun after the newer put returned was
     served the older bytes from DRAM until the older put looked again."""
-    path = tmp_path / "kv.img"
-    create_file(path, 8 << 20)
-    keys = run_keys(9, 2)
-    old, new = run_data(keys[:1]), (run_data(keys) + 1).astype(np.uint8)
-    with KVStore.format([str(path)], GEOM, region_size=REGION,
-                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+    with _old_and_new(tmp_path, 9) as (store, keys, _, new):
+        old = run_data(keys[:1])                         # the older put: the first block
         real_put, real_keep = store.host.put, store._tier_keep_newest
         seen, newer, began = [], [], []
 
@@ -930,12 +924,7 @@ def test_a_put_evicted_before_it_reaches_dram_leaves_no_older_copy_there(tmp_pat
     anew, and the new run is evicted (another thread's evict, or a put's)
     between its publish and the put's turn at the tier: the older copy in
     DRAM stayed, and reads were served the overwritten bytes from it."""
-    path = tmp_path / "kv.img"
-    create_file(path, 8 << 20)
-    keys = run_keys(8, 2)
-    old, new = run_data(keys), (run_data(keys) + 1).astype(np.uint8)
-    with KVStore.format([str(path)], GEOM, region_size=REGION,
-                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+    with _old_and_new(tmp_path, 8) as (store, keys, old, new):
         store.put_run(keys, old)
         store.evict(all=True)
         assert all(k in store.host for k in normalize_keys(keys))
