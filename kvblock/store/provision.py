@@ -14,7 +14,7 @@ import logging
 import os
 import stat
 
-from kvblock.devices.device import new_file, remove_made
+from kvblock.devices.device import new_file, refuse_one_path, remove_made
 from kvblock.errors import (
     ConfigError,
     NotAStoreError,
@@ -67,10 +67,7 @@ def _device_list(devices, owner: str) -> list:
     a generator (which KVStore.open and format take) was used up by the
     first of them.  One path is refused by name, not gone through as its
     characters."""
-    if isinstance(devices, (str, bytes, os.PathLike)):
-        from kvblock.devices import check_distinct
-
-        check_distinct(devices)
+    refuse_one_path(devices)
     try:
         return list(devices)
     except TypeError:
