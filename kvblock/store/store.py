@@ -1360,8 +1360,21 @@ class KVStore(Recovery, RunReader, RunWriter):
             per_commit = max(1, self.sb.journal_bytes // 4
                              // jfmt.record_bytes(jfmt.DropRun(0)))
             with self._removal(ticket):
+                interrupted = None
                 for at in range(0, len(runs), per_commit):
-                    self._commit([jfmt.DropRun(r.run_id) for r in runs[at:at + per_commit]])
+                    try:
+                        self._commit([jfmt.DropRun(r.run_id) for r in runs[at:at + per_commit]])
+                    except BaseException as e:
+                        # A KeyboardInterrupt that _commit raised once its
+                        # records were durable: the later batches' runs are
+                        # out of the index already and need theirs too (a
+                        # crash would bring them back).  A failed commit
+                        # closed the store: nothing more is written.
+                        if self._failure is not None:
+                            raise
+                        interrupted = interrupted or e
+                if interrupted is not None:
+                    raise interrupted
             self._release_empty_regions({r.region for r in runs})
         return removed
 

@@ -2817,3 +2817,27 @@ def test_an_interrupt_while_a_reclaim_waits_to_commit_leaves_no_region_reclaimin
         store.clear()
     with KVStore.open([str(path)]) as store:
         assert store.lookup(keys) == 0
+
+
+def test_an_interrupt_in_a_drop_of_several_commits_still_writes_every_batch(tmp_path):
+    """A delete whose DROP records take several commits (a quarter of the
+    journal each), cut by a KeyboardInterrupt while its first commit waited
+    for the lock, wrote that batch and stopped: the later runs, out of the
+    index already, had no record, and a crash before the next checkpoint
+    brought them back."""
+    import shutil
+
+    path = tmp_path / "store.img"
+    create_file(path, 16 * MIB)
+    runs = [run_keys(i, 1) for i in range(400)]
+    with _format([path], journal_bytes=64 << 10) as store:
+        for at in range(0, len(runs), 100):
+            store.put_runs([(k, run_data(k)) for k in runs[at:at + 100]])
+        assert sum(store.lookup(k) for k in runs) == 400
+        store._commit_lock = _InterruptedOnce(store._commit_lock)
+        with pytest.raises(KeyboardInterrupt):
+            store.delete([k[0] for k in runs])
+        # the machine dies here: no checkpoint after the delete
+        shutil.copyfile(path, tmp_path / "after-crash.img")
+    with KVStore.open([str(tmp_path / "after-crash.img")]) as store:
+        assert [k for k in runs if store.lookup(k)] == []
