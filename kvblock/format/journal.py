@@ -216,9 +216,37 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         sane = magic == MAGIC and rseq == seq and not res16 and not res32 and (
             length == 8 if kind in (DROP_RUN, RECLAIM) else
             kind == PUT_RUN and length % 8 == 0 and length >= _PUT.size + KEY_BYTES + 8)
-        return not sane or pos + _HEADER.size + length <= sector_end
+        if not sane or pos + _HEADER.size + length <= sector_end:
+            return True
+        # A PUT's length may rot to another a PUT can have, past the sector:
+        # its payload's counts give the length it was written with
+        return kind == PUT_RUN and _put_length_rotted(data, pos, length, sector_end)
     # a sector that starts without this record may be one never written
     return pos % SECTOR != 0 and not _is_zero(data[pos:sector_end])
+
+
+def _put_length_rotted(data, pos: int, length: int, sector_end: int) -> bool:
+    """Whether the PUT record at ``pos`` (a well-formed header of ``length``
+    payload bytes whose record crosses ``sector_end``) was written with
+    another length: its payload's block and checksum counts, where they lie
+    in the header's sector (written whole, as this record), give another;
+    or the record's checksum passes with the length they give (its bytes
+    all there: written whole)."""
+    counts = pos + _HEADER.size + _PUT.size
+    if counts > len(data):
+        return False
+    nblocks, ranges = struct.unpack_from("<II", data, counts - 8)
+    true = _PUT.size + nblocks * KEY_BYTES + ranges * 8
+    if true == length:
+        return False
+    if counts <= sector_end:
+        return True
+    stop = pos + _HEADER.size + true
+    if not nblocks or not ranges or stop > len(data):
+        return False
+    magic, kind, _, _, _, repoch, rseq, crc = _HEADER.unpack_from(data, pos)
+    header = _HEADER.pack(magic, kind, 0, true, 0, repoch, rseq, 0)
+    return meta_checksum(header + bytes(data[pos + _HEADER.size:stop])) == crc
 
 
 def _header_prefix_fits(part: bytes, seq: int, epoch: int) -> bool:

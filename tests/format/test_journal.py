@@ -494,15 +494,14 @@ def test_a_header_of_this_epoch_that_rots_is_damage_where_its_record_crosses_a_s
     assert (recs, nxt, stop) == ([first], 2, 472)
     assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
     # a commit's first record (a PUT over two sectors) rotting so too (a
-    # PUT's length rotting may leave one a PUT can have: no proof)
+    # PUT's length rotting to one a PUT can have: its counts tell)
     long = put(2, nblocks=40, ranges=2)
     data, ends = journal_of([[long]])
-    if at != 8:
-        bad = bytearray(data)
-        bad[at] ^= 0x10
-        recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
-        assert (recs, nxt, stop) == ([], 1, 0)
-        assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    bad = bytearray(data)
+    bad[at] ^= 0x10
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([], 1, 0)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
     # its header whole, the second sector left old by a crash: a tear
     torn = data[:512] + bytes(512) + data[1024:]
     recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
@@ -545,3 +544,39 @@ def test_a_header_crossing_a_sector_that_rots_in_its_first_part_is_damage(pos, f
     torn = data[:512] + b"\xa5" * 512 + data[1024:]
     recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
     assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
+
+
+@pytest.mark.parametrize("pos, nblocks, ranges, bit",
+                         [(0, 2, 3, 0x10), (0, 2, 3, 0x01), (472, 2, 3, 0x10),
+                          (0, 40, 2, 0x10), (464, 20, 2, 0x10)],
+                         ids=["in-sector", "in-sector-high", "header-ends-sector",
+                              "crossing", "counts-in-next-sector"])
+def test_a_put_whose_length_rots_to_another_put_length_is_damage(pos, nblocks, ranges, bit):
+    """A PUT record's length field rotting to another length a PUT can have
+    (a multiple of 8, room for a key and a checksum) that runs past its
+    sector left a well-formed header whose record seemed to cross into a
+    sector a crash may have left old: taken for a tear, the committed run
+    was lost silently (the last record) or with a gap fsck blamed on a
+    crash.  The record's true length follows from its payload's counts:
+    they disagree with a header written whole in the same sector, or the
+    record's checksum passes with the length they give."""
+    rec = put(2, nblocks=nblocks, ranges=ranges)
+    if pos:
+        first = put(1, nblocks=24, ranges={472: 2, 464: 1}[pos])
+        assert j.record_bytes(first) == pos
+        recs = [first, rec, DropRun(1)]
+    else:
+        recs = [rec, DropRun(1)]
+    data, ends = journal_of([recs, [put(3)]])
+    bad = bytearray(data)
+    bad[pos + (9 if bit == 0x10 else 10)] ^= bit      # the length, 4 KiB or 64 KiB more
+    assert j.header_at(bytes(bad), pos)[2] > j.record_bytes(rec)
+    got, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (got, stop) == (recs[:1] if pos else [], pos)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # the same PUT torn: its header's sector written, the next left old
+    for old in (bytes(512), b"\xa5" * 512):
+        torn = data[:512] + old + data[1024:]
+        got, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        if stop == pos:
+            assert not j.damaged_at(torn, stop, nxt, EPOCH)

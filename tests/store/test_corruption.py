@@ -1006,3 +1006,36 @@ def test_a_first_record_of_the_newest_epoch_whose_header_rots_is_not_the_older_o
         assert got == 0 or np.array_equal(out, run_data(x)), "wrong bytes served"
         assert store.lookup(x) == 0 and store.stats()["runs"] == 0
         assert store.stale_checkpoint
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["last", "gap"])
+def test_a_put_record_whose_length_rots_to_another_put_length_is_damage(tmp_path, after):
+    """A PUT record's length rotting to another length a PUT can have (64 KiB
+    more: past its sector) was taken for a crash tear: the committed run
+    was lost and, as the last record, fsck said the store was clean; with
+    intact records after it, fsck blamed a gap on a crash.  The record was
+    written whole (its payload's counts give its length): it is damage,
+    handled as any damaged record is, and fsck names it."""
+    from kvblock.store.fsck import fsck
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 << 20)
+    KVStore.format([str(path)], GEOM, region_size=REGION).close()
+    store = KVStore.open([str(path)])
+    a, b, c = run_keys(70, 2), run_keys(80, 2), run_keys(90, 2)
+    store.put_run(a, run_data(a))
+    store.checkpoint()
+    put_at = store.sb.journal_offset + store._jhead
+    store.put_run(b, run_data(b))                # its PUT record: rotted below
+    if after:
+        store.put_run(c, run_data(c))            # an intact record after it
+    store._release_devices()                     # a crash: no checkpoint after them
+    store.closed = True
+    _flip(path, put_at + 9)                      # its length: 64 KiB more
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert store.journal_damaged is not None, "taken for a tear"
+        assert store.journal_damaged["offset"] == put_at
+        assert (store.journal_gap is not None) == after and not store.clean_at_open
+        report = fsck(store)
+        assert any(f"{path}: the journal record at offset {put_at}" in p
+                   for p in report.problems), report.problems
