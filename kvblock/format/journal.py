@@ -220,7 +220,10 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
             return True
         # A PUT's length may rot to another a PUT can have, past the sector:
         # its payload's counts give the length it was written with
-        return kind == PUT_RUN and _put_length_rotted(data, pos, length, sector_end)
+        if kind == PUT_RUN:
+            return _put_length_rotted(data, pos, length, sector_end)
+        # a DROP's type and a RECLAIM's differ in one bit, their lengths not
+        return _whole_as(data, pos, DROP_RUN + RECLAIM - kind, length)
     # a sector that starts without this record may be one never written
     return pos % SECTOR != 0 and not _is_zero(data[pos:sector_end])
 
@@ -241,11 +244,18 @@ def _put_length_rotted(data, pos: int, length: int, sector_end: int) -> bool:
         return False
     if counts <= sector_end:
         return True
-    stop = pos + _HEADER.size + true
-    if not nblocks or not ranges or stop > len(data):
+    return nblocks > 0 and ranges > 0 and _whole_as(data, pos, PUT_RUN, true)
+
+
+def _whole_as(data, pos: int, kind: int, length: int) -> bool:
+    """Whether the record at ``pos`` passes its checksum with ``kind`` and
+    ``length`` in place of its header's: it was written whole so, and its
+    header rotted since."""
+    stop = pos + _HEADER.size + length
+    if stop > len(data):
         return False
-    magic, kind, _, _, _, repoch, rseq, crc = _HEADER.unpack_from(data, pos)
-    header = _HEADER.pack(magic, kind, 0, true, 0, repoch, rseq, 0)
+    _, _, _, _, _, repoch, rseq, crc = _HEADER.unpack_from(data, pos)
+    header = _HEADER.pack(MAGIC, kind, 0, length, 0, repoch, rseq, 0)
     return meta_checksum(header + bytes(data[pos + _HEADER.size:stop])) == crc
 
 

@@ -580,3 +580,24 @@ def test_a_put_whose_length_rots_to_another_put_length_is_damage(pos, nblocks, r
         got, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
         if stop == pos:
             assert not j.damaged_at(torn, stop, nxt, EPOCH)
+
+
+@pytest.mark.parametrize("rec", [Reclaim(1, 1), DropRun(1)], ids=["reclaim", "drop"])
+def test_a_drop_or_reclaim_whose_type_rots_into_the_other_is_damage(rec):
+    """A DROP's type and a RECLAIM's differ in one bit and both have 8
+    payload bytes: one rotting into the other leaves a well-formed header.
+    Where that header ends a sector (after a 472-byte PUT), its payload
+    lies in the next sector, so the record was taken for one a crash tore
+    there: a rotted last RECLAIM left the region's old runs indexed.  The
+    record's checksum passing with the other type proves it whole."""
+    first = put(1, nblocks=24, ranges=2)
+    data, ends = journal_of([[first, rec]])
+    bad = bytearray(data)
+    bad[472 + 4] ^= 1                        # RECLAIM (3) <-> DROP (2)
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, 472)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    for old in (bytes(512), b"\xa5" * 512):   # torn: the next sector left old
+        torn = data[:512] + old + data[1024:]
+        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        assert (recs, stop) == ([first], 472) and not j.damaged_at(torn, stop, nxt, EPOCH)
