@@ -191,8 +191,8 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
     """Whether the record where :func:`scan_to` stopped (``pos``, ``seq``)
     was written whole and damaged since, not torn by a crash: a device
     writes a sector whole, so a crash leaves each one old or new.  Proof is
-    a header of ``epoch`` numbered ``seq`` whose record lies in one sector,
-    or bytes other than a record or zero padding after an intact record's
+    a header of ``epoch`` numbered ``seq`` whose record lies in one sector
+    (or in two, the second holding the commit's next header), or bytes other than a record or zero padding after an intact record's
     end in its sector.  A header naming ``epoch`` is this record's even
     where its other bytes (magic, number) rotted: within an epoch each
     journal offset is written once, and no crash or rot forges the 64-bit
@@ -221,9 +221,18 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         # A PUT's length may rot to another a PUT can have, past the sector:
         # its payload's counts give the length it was written with
         if kind == PUT_RUN:
-            return _put_length_rotted(data, pos, length, sector_end)
+            if _put_length_rotted(data, pos, length, sector_end):
+                return True
         # a DROP's type and a RECLAIM's differ in one bit, their lengths not
-        return _whole_as(data, pos, DROP_RUN + RECLAIM - kind, length)
+        elif _whole_as(data, pos, DROP_RUN + RECLAIM - kind, length):
+            return True
+        # A record over two sectors, the commit's next header starting in
+        # the second one: that header's epoch says the second sector was
+        # written by this commit too (each offset once per epoch), so the
+        # record is whole there and its checksum failing is damage
+        end = pos + _HEADER.size + length
+        return end < sector_end + SECTOR and epoch_field_at(data, end) == epoch and \
+            end + 24 <= sector_end + SECTOR
     # a sector that starts without this record may be one never written
     return pos % SECTOR != 0 and not _is_zero(data[pos:sector_end])
 

@@ -601,3 +601,37 @@ def test_a_drop_or_reclaim_whose_type_rots_into_the_other_is_damage(rec):
         torn = data[:512] + old + data[1024:]
         recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
         assert (recs, stop) == ([first], 472) and not j.damaged_at(torn, stop, nxt, EPOCH)
+
+
+@pytest.mark.parametrize("at", [32, 40], ids=["checksum", "payload"])
+@pytest.mark.parametrize("rec", [Reclaim(1, 1), DropRun(1), put(2)], ids=["reclaim", "drop", "put"])
+def test_a_record_over_two_sectors_both_written_that_rots_is_damage(rec, at):
+    """A record crossing from one sector into the next, where the commit's
+    next record starts in that next sector: its header names this epoch (its
+    sector was written as this record) and so does the next header (the
+    second sector was written by the same commit: within an epoch each
+    journal offset is written once).  Both sectors new, the record is
+    whole: a checksum failing there is damage, not a tear.  It was taken for
+    a tear, so with the next record intact the store recorded only a gap
+    and a rotted RECLAIM's region kept its old runs indexed."""
+    first = put(1, nblocks=24, ranges=2)            # 472 bytes: rec's header ends a sector
+    data, ends = journal_of([[first, rec, DropRun(9)]])
+    nxt_at = 472 + j.record_bytes(rec)
+    assert 512 < nxt_at and nxt_at + 24 <= 1024
+    bad = bytearray(data)
+    bad[472 + at] ^= 0x10
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, 472)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # the second sector left old by a crash (zeros, or stale bytes): a tear
+    for old in (bytes(512), b"\xa5" * 512):
+        torn = data[:512] + old + data[1024:]
+        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        assert (recs, stop) == ([first], 472) and not j.damaged_at(torn, stop, nxt, EPOCH)
+    # the commit ended with it (zero padding after it): nothing shows the
+    # second sector new, a tear
+    data, ends = journal_of([[first, rec]])
+    bad = bytearray(data)
+    bad[472 + at] ^= 0x10
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, stop) == ([first], 472) and not j.damaged_at(bytes(bad), stop, nxt, EPOCH)
