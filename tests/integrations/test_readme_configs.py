@@ -111,3 +111,12 @@ def test_readme_names_every_setting_the_lmcache_plugin_takes():
     shown |= set(re.findall(r"kvblock\.(\w+):", block[:block.index("```")]))   # commented
     named = shown | _readme_other_keys("**LMCache 0.5.x**", "### Against the engines")
     assert _OPTIONS <= named, f"README leaves out {sorted(_OPTIONS - named)}"
+
+
+def test_readmes_quoted_sglang_default_run_size_is_the_backends():
+    from kvblock.integrations.sglang import DEFAULT_MAX_RUN_BYTES
+    from kvblock.units import parse_size
+
+    para = README[README.index("**SGLang 0.5.23**"):README.index("**LMCache 0.5.x**")]
+    quoted = re.search(r"`max_run_bytes` \(default (\w+)\)", para)
+    assert quoted and parse_size(quoted.group(1)) == DEFAULT_MAX_RUN_BYTES

@@ -295,3 +295,22 @@ def test_readmes_list_of_tier_keys_is_every_key_the_tier_takes():
     takes = {name for name, p in inspect.signature(KVBlockTierManager.__init__).parameters.items()
              if p.kind is p.KEYWORD_ONLY}
     assert named == takes, f"README leaves out {sorted(takes - named)}, names {sorted(named - takes)}"
+
+
+def test_readmes_quoted_tier_defaults_are_the_tiers():
+    """README's "Other keys" quote defaults ("`threads` (default 8)"): each
+    must be the one the tier takes when the key is left out."""
+    import inspect
+
+    from kvblock.integrations.vllm import KVBlockTierManager
+    from kvblock.units import parse_size
+
+    text = README.read_text()
+    para = text[text.index("**vLLM 0.33**"):text.index("**SGLang 0.5.23**")]
+    quoted = dict(re.findall(r"`(\w+)` \(default ([^;)]+)", para))
+    assert {"threads", "max_run_bytes", "verify", "eviction", "queue_depth"} <= set(quoted)
+    params = inspect.signature(KVBlockTierManager.__init__).parameters
+    for key, value in quoted.items():
+        default = params[key].default
+        assert (parse_size(value) if key == "max_run_bytes" else type(default)(value)) \
+            == default, f"README quotes {key} default {value}, the tier's is {default!r}"
