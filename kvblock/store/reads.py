@@ -57,9 +57,9 @@ class RunReader(RunIO):
     # where"): None until one happens, so monitoring can read them any time.
     last_read_error: tuple | None = None          # (path, offset, run ids dropped)
     last_checksum_failure: tuple | None = None    # (path, offset, run id, range)
-    # Run ids found damaged lately (run ids are never reused): requests of
-    # one get_runs call, or racing reads, that meet one damaged run count
-    # and drop it once.
+    # (why, run id) of runs found damaged lately, why "checksum" or
+    # "read_error" (run ids are never reused): requests of one get_runs
+    # call, or racing reads, that meet one damaged run count and drop it once.
     _damaged_runs: OrderedDict | None = None
     _damaged_lock = threading.Lock()
 
@@ -697,29 +697,32 @@ class RunReader(RunIO):
             return False
         return True
 
-    def _damage_found(self, run: Run) -> tuple[bool, bool]:
-        """Record ``run`` as found damaged: (count it, drop it).  A read (or
+    def _damage_found(self, run: Run, why: str = "checksum") -> tuple[bool, bool]:
+        """Record ``run`` as found damaged (``why``: "checksum", or
+        "read_error" for a device error): (count it, drop it).  A read (or
         a layer-wise load) that found it so already counted it and dropped it,
         or is dropping it: (False, False); where that drop failed
         (:meth:`_damage_not_dropped`), this one drops it: (False, True)."""
+        key = (why, run.run_id)
         with self._damaged_lock:
             if self._damaged_runs is None:
                 self._damaged_runs = OrderedDict()
-            dropping = self._damaged_runs.get(run.run_id)
+            dropping = self._damaged_runs.get(key)
             if dropping is not None:
-                self._damaged_runs[run.run_id] = True
+                self._damaged_runs[key] = True
                 return False, not dropping
-            self._damaged_runs[run.run_id] = True
+            self._damaged_runs[key] = True
             if len(self._damaged_runs) > DAMAGED_RUNS_KEPT:
                 self._damaged_runs.popitem(last=False)
         return True, True
 
-    def _damage_not_dropped(self, run: Run) -> None:
+    def _damage_not_dropped(self, run: Run, why: str = "checksum") -> None:
         """The drop of a damaged run failed: the next read that meets it
         drops it (without counting it again)."""
+        key = (why, run.run_id)
         with self._damaged_lock:
-            if self._damaged_runs is not None and run.run_id in self._damaged_runs:
-                self._damaged_runs[run.run_id] = False
+            if self._damaged_runs is not None and key in self._damaged_runs:
+                self._damaged_runs[key] = False
 
     def _checksum_failure(self, run: Run, range_index: int) -> None:
         if not self._run_pin_held(run):
@@ -771,8 +774,8 @@ class RunReader(RunIO):
         would promote it every step).  The caller still raises ``error``.
         An engine failure that reached no device (no path, or a broken
         ring: ``device_fault`` False) drops nothing."""
-        self.counters["read_errors"] += 1
         if not error.device_fault:
+            self.counters["read_errors"] += 1
             return      # the engine failed (a broken ring): the data is as it was
         hit = runs
         if len(runs) > 1 and (error.offset is None or error.failed > 1):
@@ -798,12 +801,22 @@ class RunReader(RunIO):
                         and base < end and error.offset < base + self.layout(run.nblocks).run_bytes):
                     hit.append(run)
             hit = hit or runs
-        self.last_read_error = (error.path, error.offset, [r.run_id for r in hit])
-        logger.warning("kvblock: %s; dropping %d run(s) that read it (%d blocks)", error,
-                       len(hit), sum(r.nblocks for r in hit))
+        # Reads in other threads that met the same unreadable run (run ids
+        # are never reused) count it and drop it once, as a checksum failure.
+        found = [(run, *self._damage_found(run, "read_error")) for run in hit]
+        drop = [run for run, _, dropping in found if dropping]
+        if not found or any(count for _, count, _ in found):   # (none: read fine again)
+            self.counters["read_errors"] += 1
+            self.last_read_error = (error.path, error.offset, [r.run_id for r in hit])
+            logger.warning("kvblock: %s; dropping %d run(s) that read it (%d blocks)", error,
+                           len(hit), sum(r.nblocks for r in hit))
+        if not drop:
+            return       # dropped (or being dropped) by the read that met it first
         try:
-            self._drop_runs(hit, why="read_error")
+            self._drop_runs(drop, why="read_error")
         except KVBlockError as e:    # the read error is what the caller hears
+            for run in drop:
+                self._damage_not_dropped(run, "read_error")
             logger.warning("kvblock: dropping runs after a read error failed: %s", e)
 
 

@@ -5,11 +5,13 @@ block or a device error fails only its own request."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from kvblock import KVStore
-from kvblock.errors import ConfigError
+from kvblock.errors import ConfigError, IOFailedError
 from kvblock.index import normalize_keys
 from kvblock.layout.geometry import Geometry
 from tests.store.test_partial_verify import _flip
@@ -373,4 +375,43 @@ def test_requests_for_parts_of_one_run_that_meets_eio_count_one_read_error(fille
         assert store.stats()["read_errors"] == 1
         assert drops == [[run.run_id]]
         assert [store.lookup(k) for k in keys] == [N, N, 0, N]
+        assert int(store.regions.pins.sum()) == 0
+
+
+def test_two_threads_meeting_one_unreadable_run_count_one_read_error(filled):
+    """Two get_run calls in two threads read the same run, and it meets
+    EIO: the read-error handling was deduplicated within one get_runs
+    call only, so each thread counted it (read_errors 2 for one unreadable
+    run) and each dropped it (as racing reads meeting one damaged run count
+    and drop it once).  Both reads raise the device's error; the run is
+    counted and dropped once."""
+    store, keys, data = filled()
+    geom = store.geometry
+    with store:
+        run, _ = _bad_sectors(store, keys[1][0], 1)
+        real_failed, both = store._read_failed, threading.Barrier(2, timeout=10)
+
+        def after_both_failed(error, runs):
+            both.wait()             # each thread met the device error
+            real_failed(error, runs)
+        store._read_failed = after_both_failed
+        real, drops = store._drop_runs, []
+        store._drop_runs = lambda runs, *a, **k: (drops.append([r.run_id for r in runs]),
+                                                  real(runs, *a, **k))[1]
+        raised = []
+
+        def read():
+            try:
+                store.get_run(keys[1], _aligned(N * geom.block_bytes))
+            except IOFailedError as e:
+                raised.append(e)
+        threads = [threading.Thread(target=read) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert len(raised) == 2
+        assert store.stats()["read_errors"] == 1
+        assert drops == [[run.run_id]]
+        assert [store.lookup(k) for k in keys] == [N, 0, N, N]
         assert int(store.regions.pins.sum()) == 0
