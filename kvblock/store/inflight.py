@@ -44,6 +44,7 @@ class InFlight:
         self._lock = threading.Lock()          # taken bare on the hot path (cheaper)
         self._cv = threading.Condition(self._lock)
         self._calls = 0
+        self._then = None      # run by the last call to leave once closing (after_drained)
 
     def enter(self) -> None:
         """A call starts (StoreClosedError once the store is closing)."""
@@ -59,10 +60,24 @@ class InFlight:
             self._calls += 1
 
     def leave(self) -> None:
+        then = None
         with self._lock:
             self._calls -= 1
             if self._calls == 0 and self._closing:
                 self._cv.notify_all()
+                then, self._then = self._then, None
+        if then is not None:
+            _run_then(then)
+
+    def after_drained(self, then: Callable[[], None]) -> None:
+        """Once closing and ``drained`` gave up: run ``then`` (free what the
+        calls in flight use) when the last of them leaves, in its thread
+        (at once when none is inside by now)."""
+        with self._lock:
+            if self._calls:
+                self._then = then
+                return
+        _run_then(then)
 
     @property
     def calls(self) -> int:
@@ -75,18 +90,30 @@ class InFlight:
         with self._lock:
             self._closing = True
 
-    def drained(self, timeout: float | None, what: str) -> bool:
+    def drained(self, timeout: float | None, what: str,
+                left_to: str = "the garbage collector") -> bool:
         """Wait (up to ``timeout`` s) for the calls in flight to leave.
         False when some are still inside then: the caller must not free what
-        they use (``what`` names the store in the warning)."""
+        they use (``what`` names the store in the warning, ``left_to`` says
+        what becomes of its devices and buffers)."""
         with self._cv:
             if self._cv.wait_for(lambda: self._calls == 0, timeout):
                 return True
             left = self._calls
         logger.warning("kvblock: %s closed with %d call(s) still using its devices after "
-                       "%.0f s; its devices and buffers are left to the garbage collector",
-                       what, left, timeout)
+                       "%.0f s; its devices and buffers are left to %s",
+                       what, left, timeout, left_to)
         return False
+
+
+def _run_then(then: Callable[[], None]) -> None:
+    """An after_drained callback, in the thread of the call that left last:
+    its failure is logged, not raised out of that call (which went through)."""
+    try:
+        then()
+    except Exception as e:
+        logger.warning("kvblock: releasing a closed store's devices after its last call "
+                       "failed: %s", e)
 
 
 _LIVE: "weakref.WeakSet[InFlight]" = weakref.WeakSet()

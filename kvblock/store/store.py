@@ -1746,10 +1746,13 @@ class KVStore(Recovery, RunReader, RunWriter):
             self.closed = True
             return
         self._inflight.shut()
-        drained = self._inflight.drained(CLOSE_WAIT_S, repr(self))
+        drained = self._inflight.drained(CLOSE_WAIT_S, repr(self),
+                                         "the last of them, released when it is done")
         if self.closed:
             if drained:     # (or waits while another close() releases them)
                 self._release_devices()
+            else:           # (closed by a failed commit: as below)
+                self._inflight.after_drained(self._release_devices)
             return
         try:
             # Not in a forked child: the parent still writes the journal (a
@@ -1779,6 +1782,11 @@ class KVStore(Recovery, RunReader, RunWriter):
             self.closed = True
             if drained:
                 self._release_devices()
+            else:
+                # Not left to the garbage collector: a Device's descriptor
+                # (its flock, its O_EXCL claim) is never closed by it, and
+                # the store could not be opened again in this process.
+                self._inflight.after_drained(self._release_devices)
 
     def _release_devices(self):
         # Each is released past one whose close raises (a kvikio close error

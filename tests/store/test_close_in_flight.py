@@ -900,3 +900,34 @@ def test_a_child_forked_while_the_parent_closes_the_engine_destroys_its_rings(st
         go.set()
         closer.join(20)
     assert store.io is None and not (mine & _uring_fds())
+
+
+def test_a_close_that_gave_up_waiting_lets_go_of_the_devices_once_the_call_is_done(
+        store_file, monkeypatch):
+    """close() waits CLOSE_WAIT_S for a call in flight, then returns leaving
+    the devices to that call.  Nothing let go of them afterwards (a Device's
+    descriptor and flock are not closed by the garbage collector): once the
+    call was done the store still could not be opened again in this
+    process (device busy) for as long as it lived.  The last call to leave
+    releases them; what it published is there at the reopen."""
+    from kvblock.store import store as store_mod
+
+    monkeypatch.setattr(store_mod, "CLOSE_WAIT_S", 0.2)
+    store = KVStore.open([store_file])
+    keys = run_keys(2, 3)
+    reached, go = _wait_in(store, "_stage_run")
+    result = {}
+    t = threading.Thread(target=lambda: result.update(n=store.put_run(keys, run_data(keys))))
+    t.start()
+    try:
+        assert reached.wait(20)
+        store.close()                       # gives up on the put after 0.2 s
+        assert store.closed and store.io is not None
+    finally:
+        go.set()
+        t.join(20)
+    assert result == {"n": 3}
+    assert store.io is None, "the devices stayed open after the last call left"
+    with KVStore.open([store_file]) as again:
+        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        assert again.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
