@@ -396,6 +396,7 @@ class _LoadJob:
         self.num_layers = g.num_layers
         self.cuda = _cuda_device(layout)
         self._plan(segs)
+        self.seg_bytes = [0] * len(segs)         # bytes read per segment (the reader's)
         self.bad_runs = []
         self.q: queue.Queue = queue.Queue()      # units read, in order
         self.free: queue.Queue = queue.Queue()   # unit buffers not in use
@@ -587,7 +588,12 @@ class _LoadJob:
             for batch in self._batches():
                 nbytes = self._read_batch(batch)
                 self.handle.bytes_read += nbytes
-                self.store.counters["bytes_read"] += nbytes
+                # The store's bytes_read counts them once the load is done,
+                # for the runs it delivered (as a get_run counts the runs it
+                # verified, not one that failed its checksum).
+                for _, u, _ in batch:
+                    for si, _, _, piece, _, _ in self.units[u]:
+                        self.seg_bytes[si] += self.ng * piece
                 for item in batch:
                     self.q.put(item)
             self.q.put(None)
@@ -682,6 +688,9 @@ class _LoadJob:
             read = sum(max(0, min(count, handle.blocks - out_at))
                        for _, _, count, out_at in self.segs)
             _count_loaded(store, handle.blocks, read, self.heads)
+            store.counters["bytes_read"] += sum(
+                n for n, (_, _, _, out_at) in zip(self.seg_bytes, self.segs)
+                if out_at < handle.blocks)
         if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup
             try:
                 store._drop_runs(self.bad_runs)

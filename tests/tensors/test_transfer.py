@@ -308,6 +308,25 @@ def test_checksum_failure_during_load_shrinks_the_prefix(path):
         assert store.lookup(a + b) == 2
 
 
+def test_a_load_counts_no_bytes_read_for_the_runs_its_checksum_failure_cut_off(path):
+    """The reader counted every unit it read in bytes_read, those of a run
+    that then failed its checksum (and of the runs after it) too: stats()
+    said bytes were read and returned that the load did not deliver, where
+    get_run counts only the runs it verified.  The load counts the bytes of
+    the runs it delivered, as get_run of that prefix does."""
+    src, a, b = _saved_with_run_b_damaged(path)
+    with KVStore.open([path]) as store:
+        g, c = store.geometry, store.counters
+        before = c["bytes_read"]
+        assert store.get_run(a, np.zeros(2 * g.block_bytes, np.uint8)) == 2
+        prefix = c["bytes_read"] - before
+        before = c["bytes_read"]
+        dst = [torch.zeros(2, 6, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, a + b, VLLMLayout(dst), [0, 1, 2, 3]).wait() == 2
+        assert c["checksum_failures"] == 1
+        assert c["bytes_read"] - before == prefix
+
+
 @pytest.mark.parametrize("dim", [D, 64], ids=["rows64", "rows256"])
 def test_hf_dynamic_cache_round_trip(path, monkeypatch, dim):
     """HF caches are (1, heads, tokens, dim): a page is a token span of every
