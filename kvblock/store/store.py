@@ -610,6 +610,12 @@ class KVStore(Recovery, RunReader, RunWriter):
                 break
             except BaseException as e:
                 if inside:
+                    if interrupted is not None and e is not interrupted:
+                        # the commit this caller led after the interrupt
+                        # failed: the interrupt is still the caller's (a
+                        # KVBlockError instead would be taken for a miss,
+                        # the Ctrl-C swallowed)
+                        raise interrupted from e
                     raise
                 # Cut (a KeyboardInterrupt) while another writer's commit
                 # held the lock: the records are queued all the same, and the
@@ -624,7 +630,11 @@ class KVStore(Recovery, RunReader, RunWriter):
                     raise
                 interrupted = e
         if entry[3] is not None:
-            raise StoreClosedError(f"metadata commit failed: {entry[3]}") from entry[3]
+            error = StoreClosedError(f"metadata commit failed: {entry[3]}")
+            error.__cause__ = entry[3]
+            if interrupted is not None:
+                raise interrupted from error    # (not swallowed as a store error)
+            raise error
         if interrupted is not None:
             raise interrupted   # the records are durable and applied
 

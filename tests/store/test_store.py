@@ -2841,3 +2841,40 @@ def test_an_interrupt_in_a_drop_of_several_commits_still_writes_every_batch(tmp_
         shutil.copyfile(path, tmp_path / "after-crash.img")
     with KVStore.open([str(tmp_path / "after-crash.img")]) as store:
         assert [k for k in runs if store.lookup(k)] == []
+
+
+@pytest.mark.parametrize("how", ["its own commit", "an earlier leader's"])
+def test_an_interrupt_while_a_put_waits_to_commit_is_raised_when_the_commit_fails(
+        tmp_path, monkeypatch, how):
+    """A KeyboardInterrupt (Ctrl-C) cut a put while it waited for the commit
+    lock; _commit sees its records through before raising it.  When that
+    commit then failed (this caller leading it, or an earlier leader's
+    failure closing the store), the commit's error was raised instead: the
+    interrupt was lost, and the integrations, which take a KVBlockError for
+    a miss and carry on, swallowed the user's Ctrl-C.  The interrupt is
+    raised, the commit's failure as its cause."""
+    from kvblock.errors import IOFailedError
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(62, 2)
+    with _format([path]) as store:
+        failure = IOFailedError("journal write failed (test)", str(path))
+        lock = _InterruptedOnce(store._commit_lock)
+        if how == "its own commit":
+            def write_journal(records):
+                raise failure
+            monkeypatch.setattr(store, "_write_journal", write_journal)
+        else:
+            real_acquire = lock.acquire
+
+            def acquire(*a, **kw):
+                if lock.armed:           # the leader ahead of this caller fails the store
+                    store._fail(failure)
+                return real_acquire(*a, **kw)
+            lock.acquire = acquire
+        store._commit_lock = lock
+        with pytest.raises(KeyboardInterrupt) as raised:
+            store.put_run(keys, run_data(keys))
+        assert isinstance(raised.value.__cause__, KVBlockError)
+        assert store.closed
