@@ -787,7 +787,10 @@ class RemoteStore(RunReader, RunWriter):
             self.counters["put_duplicate_runs"] += 1
             return n
         if too_long is not None:     # removed meanwhile: it would have to be written
-            # refused: the offer admit counted is given back
+            # refused: the offer admit counted is given back (a declined
+            # one counted first, as _give_back_offers takes it off again)
+            if verdict == "rejected":
+                self.counters["admission_rejected_runs"] += 1
             self._give_back_offers([(keys[0], verdict != "rejected")])
             raise too_long
         if verdict == "rejected":

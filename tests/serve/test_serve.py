@@ -1358,3 +1358,28 @@ def test_put_runs_duplicates_within_the_call_are_counted_by_the_server(tmp_path,
         assert r.counters["put_duplicate_runs"] == 1
         assert r.stats()["put_duplicate_runs"] == 1
         assert server.store.counters["put_duplicate_runs"] == 1
+
+
+def test_a_too_long_put_declined_by_the_server_counts_no_rejected_run_on_the_rank(tmp_path,
+                                                                                   sock,
+                                                                                   monkeypatch):
+    """put_run of a run too long for the store, found whole in it (a
+    duplicate) and then declined by the server's admit (its keys removed
+    meanwhile): StoreFullError, its offer given back.  The give-back took
+    one off the rank's admission_rejected_runs, which that path had never
+    counted (it counts a declined run only when it returns 0): the rank's
+    stats said -1."""
+    from kvblock.errors import StoreFullError
+
+    path = _store_file(tmp_path)
+    keys = run_keys(8, 2)
+    with serve_in_background([path], sock, admit_after=2) as server, RemoteStore(sock) as r:
+        def check_fits(n):
+            raise StoreFullError(f"a run of {n} blocks does not fit this store (test)")
+        monkeypatch.setattr(r, "_check_fits", check_fits)
+        monkeypatch.setattr(r, "present", lambda ks: np.ones(len(ks), dtype=bool))
+        with pytest.raises(StoreFullError):
+            r.put_run(keys, run_data(keys))                  # offer 1: declined, refused
+        assert server.store.counters["admission_rejected_runs"] == 0
+        assert r.counters["admission_rejected_runs"] == 0
+        assert r.stats()["client"]["admission_rejected_runs"] == 0
