@@ -182,6 +182,9 @@ class MappedDevices:
             self.bases[d] = view.ctypes.data
             self.sizes[d] = dev.capacity
             self.writable[d] = writable
+        # (the last device's array: an export of its map, which a failing
+        # prefault below closes)
+        view = None
         self._all = not self.reasons
         self._all_writable = bool(self.writable.all())
         self._any = len(self.reasons) < n

@@ -873,3 +873,32 @@ def test_a_failed_prefault_leaves_the_device_unmapped(shm_target, monkeypatch, c
         store.evict(all=True)
         assert store.stats()["discards"] >= 1
         assert os.stat(path).st_blocks < allocated
+
+
+def test_a_failed_prefault_at_an_engines_open_fails_nothing(engine_name, shm_target,
+                                                            monkeypatch, caplog):
+    """An engine opened with mapped reads started at once (the default;
+    store files up to PREFAULT_INLINE are mapped in on the spot, inside the
+    mappings' constructor) whose prefault fails: the failing prefault drops
+    the mappings, but the constructor still held an array over the last
+    one, so closing it raised BufferError ("cannot close exported pointers
+    exist") out of the engine's open, where the device should just be read
+    through the engine."""
+    import kvblock.io.mapped as mapped_mod
+
+    real = native.lib()
+
+    class FailingPrefault:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def kvb_mem_prefault(addr, length):
+            return -errno.EFAULT
+
+    monkeypatch.setattr(mapped_mod.native, "lib", lambda: FailingPrefault())
+    path = shm_target(8 * MIB)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(MIB) as buf:
+        assert "mapping its pages in failed" in caplog.text
+        assert not eng.mapped(0)
+        eng.read(IOBatch.single(buf.address, 0, 2 * MIB, MIB))
