@@ -224,6 +224,8 @@ class Recovery:
                 break
             for rec in records:
                 if isinstance(rec, jfmt.PutRun):
+                    if rec.run_id > MAX_RUN_ID:
+                        continue    # foreign, its id not taken (see _replayed_run)
                     self._next_run_id = max(self._next_run_id, rec.run_id + 1)
                     rec = jfmt.Reclaim(rec.region, rec.generation)
                 # (a generation only grows: an older one past the gap names

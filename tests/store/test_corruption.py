@@ -1039,3 +1039,30 @@ def test_a_put_record_whose_length_rots_to_another_put_length_is_damage(tmp_path
         report = fsck(store)
         assert any(f"{path}: the journal record at offset {put_at}" in p
                    for p in report.problems), report.problems
+
+
+def test_a_journal_put_past_a_gap_with_a_run_id_past_max_run_id_is_not_taken(tmp_path):
+    """A journal PUT with a run id past MAX_RUN_ID (what the index packs,
+    run_id << 24 | position in an int64) is foreign: not replayed, its id
+    not taken.  Past a gap (a lost commit before it) its id was still taken
+    (_removals_past_gap takes every PUT's id there), so every later put got
+    an id the index cannot hold."""
+    from kvblock.format import journal as jfmt
+    from kvblock.index.index import MAX_RUN_ID
+    from tests.store.workload import run_data, run_keys
+
+    path, store, keys, run = _open_with_one_run(tmp_path)
+    rec = jfmt.PutRun(MAX_RUN_ID + 1, run.region, run.generation, run.offset, run.keys,
+                      tuple(int(c) for c in run.checksums))
+    # the commit numbered _seq lost (zeros), the next one intact: a gap
+    data = jfmt.encode_commit([rec], store._seq + 1, jfmt.epoch(store.sb.store_uuid,
+                                                                store._generation))
+    store.io.write_bytes(0, store.sb.journal_offset + store._jhead + jfmt.BLOCK, data)
+    store._release_devices()
+    store.closed = True
+    with KVStore.open([str(path)]) as store:
+        assert store.journal_gap is not None
+        assert store._next_run_id <= MAX_RUN_ID
+        more = run_keys(2, 2)
+        assert store.put_run(more, run_data(more)) == 2
+        assert store.lookup(more) == 2
