@@ -262,6 +262,9 @@ class RemoteStore(RunReader, RunWriter):
         self.readonly = False
         self.timeout = timeout
         self._lock = threading.RLock()      # local: kvblock.tensors holds it around _segments
+        # A pin handle's release is checked and marked under this (no I/O
+        # under it): two threads releasing one handle at once release it once.
+        self._release_lock = threading.Lock()
         self._inflight = InFlight("remote store is closed; connect again")
         self._stagings = StagingBuffers()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
@@ -951,9 +954,12 @@ class RemoteStore(RunReader, RunWriter):
         a second release is a ConfigError)."""
         if not isinstance(pins, PinnedSegments):
             raise ConfigError("unpin: pass the handle pin() returned")
-        if pins.released:
-            raise ConfigError("unpin: this pin handle was released already")
-        pins.released = True
+        # Checked and marked under the lock (as KVStore.unpin): two threads
+        # releasing one handle at once would both find it unreleased.
+        with self._release_lock:
+            if pins.released:
+                raise ConfigError("unpin: this pin handle was released already")
+            pins.released = True
         self._unpin(pins)
 
     def lookup(self, keys: Sequence) -> int:
@@ -1127,10 +1133,11 @@ class RemoteStore(RunReader, RunWriter):
         gone server (its pins went with it): callers unpin in cleanup paths.
         False when the pins lapsed that way: a restarted server may have
         given their space to other runs while this process read it."""
-        pin = getattr(segs, "pin", None)
-        if pin is None:
-            return True
-        segs.pin = None
+        with self._release_lock:   # taken once: two releases would count it down twice
+            pin = getattr(segs, "pin", None)
+            if pin is None:
+                return True
+            segs.pin = None
         s = segs.session   # pin ids are the session's: never another session's
         try:
             self._call_on(s, "unpin", pin=pin)
@@ -1285,6 +1292,7 @@ def _medium_key(st) -> tuple:
 def _after_fork_in_child() -> None:
     for store in list(_LIVE):
         store._forked = True
+        store._release_lock = threading.Lock()   # another thread may have held it at the fork
         for s in list(store._sessions):
             s.gone = (f"this process was forked from the one that connected to "
                       f"{store.socket_path}: connect again here")

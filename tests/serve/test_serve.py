@@ -1383,3 +1383,57 @@ def test_a_too_long_put_declined_by_the_server_counts_no_rejected_run_on_the_ran
         assert server.store.counters["admission_rejected_runs"] == 0
         assert r.counters["admission_rejected_runs"] == 0
         assert r.stats()["client"]["admission_rejected_runs"] == 0
+
+
+def test_one_remote_handle_released_by_two_threads_at_once_is_released_once(tmp_path, sock):
+    """RemoteStore.unpin as KVStore.unpin: two threads releasing one handle
+    together both passed the released check before either set it, both
+    released it, and neither got the documented ConfigError; when both
+    reached the pin too, the session's pin count went down twice (another
+    lease's pin no longer counted: no heartbeat kept it past the lease)."""
+    from kvblock.store.client import PinnedSegments
+
+    path = _store_file(tmp_path)
+    keys = run_keys(54, 2)
+    both = threading.Barrier(2)
+
+    class Racing(PinnedSegments):
+        _released = False
+
+        @property
+        def released(self):       # the released check, held open until its set
+            seen = self._released
+            try:
+                both.wait(0.3)    # the two unpin() calls meet here, when they can
+            except threading.BrokenBarrierError:
+                pass
+            return seen
+
+        @released.setter
+        def released(self, value):
+            self._released = value
+
+    with serve_in_background([path], sock), RemoteStore(sock) as r:
+        r.put_run(keys, run_data(keys))
+        other, pinned = r.pin(keys), r.pin(keys)
+        handle = Racing(pinned)
+        handle.pin, handle.session = pinned.pin, pinned.session
+        outcomes = []
+
+        def release():
+            try:
+                r.unpin(handle)
+                outcomes.append("released")
+            except ConfigError as e:
+                outcomes.append(str(e))
+
+        threads = [threading.Thread(target=release) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert sorted(outcomes) == ["released", "unpin: this pin handle was released already"]
+        assert r._session.held == 1                       # the other lease's pin
+        assert r.stats()["pinned_regions"] == 1
+        r.unpin(other)
+        assert r._session.held == 0 and r.stats()["pinned_regions"] == 0
