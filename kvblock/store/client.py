@@ -930,7 +930,14 @@ class RemoteStore(RunReader, RunWriter):
             raise
         finally:
             s.hold(-1)
-        return self._count_committed(n if stored else 0)
+        if not _is_int(stored) or stored not in (0, n):
+            # as commit_runs' (see _put_group): any truthy answer (a part of
+            # the run, True, "0") was counted as the whole run published
+            raise ServerError(
+                f"the store server at {self.socket_path} answered commit for a run of {n} "
+                f"blocks with {str(stored)[:200]}, not the blocks published ({n}, or 0 when "
+                "a clear() overtook it); a server of another kvblock release?")
+        return self._count_committed(stored)
 
     def _count_committed(self, n: int) -> int:
         """A piece's commit answered: ``n`` blocks published, 0 when a

@@ -250,6 +250,28 @@ def test_a_commit_runs_answer_shorter_than_its_runs_is_refused(served, monkeypat
             r.put_runs([(keys, run_data(keys)) for keys in runs])
 
 
+@pytest.mark.parametrize("answer", [1, True, "0", [0], None])
+def test_a_commit_answer_not_the_runs_blocks_or_0_is_refused(served, monkeypatch, answer):
+    """commit answers the blocks published (the run's, or 0 when a clear()
+    overtook it): any truthy answer (a part of the run, True, "0", a list)
+    was counted as the whole run published and put_run answered its
+    length, whatever the server did; None as a clear.  Refused with
+    ServerError, as commit_runs' answer is."""
+    path, sock, server = served
+    real = server._op_commit
+
+    def commit(s, **request):
+        real(s, **request)
+        return answer
+    monkeypatch.setattr(server, "_op_commit", commit)
+    with RemoteStore(sock) as r:
+        keys = run_keys(1, 2)
+        with pytest.raises(ServerError, match="answered commit "):
+            r.put_run(keys, run_data(keys))
+        assert r.counters["put_runs"] == 0 and r.counters["cleared_puts"] == 0
+        assert int(server.store.regions.pins.sum()) == 0
+
+
 @pytest.mark.parametrize("answer", [{"verdict": "maybe"}, {"verdict": None}, {}, "ok"])
 def test_an_admit_answer_with_no_known_verdict_is_refused(served, monkeypatch, answer):
     """admit's verdict is "ok", "duplicate" or "rejected": another one (a
