@@ -244,12 +244,15 @@ class WriteFence:
 
 def fence_writers(files: Sequence[tuple[int, str]], timeout: float | None = None,
                   waiting_for: str = "a rank's write in flight from before this store "
-                                     "was opened", turnstile: bool = True) -> None:
+                                     "was opened", turnstile: bool = True,
+                  stop: threading.Event | None = None) -> None:
     """The owner's side: wait until no rank writes under an allocation made
     before now to the files behind ``files`` ((fd, path for messages)
     pairs).  Meanwhile no new write starts (unless ``turnstile`` is off: a
     probe that stops nobody, and that ranks writing back to back can starve).
-    Raises :class:`DeviceBusyError` after ``timeout`` (FENCE_WAIT_S) seconds.
+    Raises :class:`DeviceBusyError` after ``timeout`` (FENCE_WAIT_S) seconds,
+    or as soon as ``stop`` is set while it waits (kvblock serve told to
+    stop: SIGTERM, Ctrl-C).
 
     Each phase takes all files' locks or none: a rank may take its shared
     locks in another order (its own paths first), and holding one file
@@ -283,11 +286,18 @@ def fence_writers(files: Sequence[tuple[int, str]], timeout: float | None = None
                         f"a stopped (state T) or hung process among those that have {busy} "
                         f"open (`ps -o pid,stat,cmd -p $(fuser {busy} 2>/dev/null)`), let "
                         "it go on or kill it, and try again", busy, errno.EBUSY)
+                if stop is not None and stop.is_set():
+                    raise DeviceBusyError(
+                        f"{busy}: told to stop after {waited:.1f} s of waiting for "
+                        f"{waiting_for}; nothing was handed out", busy, errno.EBUSY)
                 if not logged and waited >= FENCE_LOG_AFTER_S:
                     logger.warning("%s: waiting for %s (up to %.0f s)", busy, waiting_for,
                                    timeout)
                     logged = True
-                time.sleep(0.002)
+                if stop is not None:
+                    stop.wait(0.002)
+                else:
+                    time.sleep(0.002)
     finally:
         for fd, _ in own:
             # Unlocked, not only closed: closing drops an OFD lock only with

@@ -217,7 +217,10 @@ class StoreServer:
         self._pid = os.getpid()               # a forked child's stop() lets go of its copy
 
     # ------------------------------------------------------------------ lifetime
-    def start(self) -> "StoreServer":
+    def start(self, stop: threading.Event | None = None) -> "StoreServer":
+        """Bind and accept.  ``stop`` (:func:`stop_signals`' event): once set,
+        the wait for ranks' writes in flight before it listens ends
+        (DeviceBusyError) instead of lasting up to FENCE_WAIT_S."""
         # Ranks of a server that died may still write under its allocations:
         # wait for them (the store's open did so on its device 0; the socket's
         # fence meets ranks that reach the device by another inode).
@@ -231,7 +234,7 @@ class StoreServer:
                 "as that user, remove the file if no server of that user runs, or choose "
                 "another --socket path", fence, errno.EACCES) from None
         try:
-            self._fence_writers()
+            self._fence_writers(stop=stop)
             self._listener = _bind(self.socket_path)
         except BaseException:
             os.close(self._fence_fd)
@@ -777,11 +780,11 @@ class StoreServer:
         self.store._unpin_writers(regions)
 
     def _fence_writers(self, timeout: float | None = None, waiting_for: str | None = None,
-                       turnstile: bool = True):
+                       turnstile: bool = True, stop: threading.Event | None = None):
         """Wait until no rank writes under an allocation made before now."""
         dev0 = self.store.io.devices[0]
         files = [(dev0.fd, dev0.path), (self._fence_fd, socket_fence_path(self.socket_path))]
-        fence_writers(files, timeout, turnstile=turnstile,
+        fence_writers(files, timeout, turnstile=turnstile, stop=stop,
                       **({"waiting_for": waiting_for} if waiting_for else {}))
 
     def _fence_files(self) -> list[int]:
@@ -1178,8 +1181,9 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
     ``socket_path``.  ``options`` go to :meth:`KVStore.open` (no
     ``host_cache_bytes``: a DRAM tier in the server would hold blocks its
     clients cannot read).  ``stop`` (:func:`stop_signals`' event) ends the
-    wait for a server stopping on ``socket_path`` to let go of the devices
-    (DeviceBusyError)."""
+    wait for a server stopping on ``socket_path`` to let go of the devices,
+    and the waits for a dead server's ranks' writes in flight (the store's
+    open, the server's start), with DeviceBusyError."""
     if options.get("host_cache_bytes"):
         raise ConfigError("a store server cannot keep a DRAM tier (its clients read the "
                           "devices themselves); give each rank its own cache instead")
@@ -1207,7 +1211,7 @@ def _open_server(devices, socket_path, idle_exit, pin_lease, hello_timeout, max_
     # look after it would otherwise be taken for some other holder.
     was_stopping = server_stopping(socket_path)
     try:
-        store = KVStore.open(list(devices), **options)
+        store = KVStore.open(list(devices), _stop=stop, **options)
     except DeviceBusyError as e:
         # held by the server stopping on this socket: free once its store is closed
         began, limit = time.monotonic(), launch.STOPPING_WAIT_S
@@ -1219,10 +1223,10 @@ def _open_server(devices, socket_path, idle_exit, pin_lease, hello_timeout, max_
                     f"{limit:g} s of waiting: let its stop finish, or stop it, then start "
                     "again)") from None
             raise
-        store = KVStore.open(list(devices), **options)
+        store = KVStore.open(list(devices), _stop=stop, **options)
     try:
         return StoreServer(store, socket_path, idle_exit=idle_exit, pin_lease=pin_lease,
-                           hello_timeout=hello_timeout, max_clients=max_clients).start()
+                           hello_timeout=hello_timeout, max_clients=max_clients).start(stop)
     except BaseException:
         store.close()
         raise

@@ -362,7 +362,8 @@ class KVStore(Recovery, RunReader, RunWriter):
 
     @classmethod
     def open(cls, devices: Sequence, *, geometry: Geometry | None = None, model=None,
-             readonly: bool = False, **options) -> "KVStore":
+             readonly: bool = False, _stop: threading.Event | None = None,
+             **options) -> "KVStore":
         """Open an existing store (devices in any order) and recover its state.
 
         ``geometry`` / ``model``, when given, must match what the store was
@@ -372,8 +373,10 @@ class KVStore(Recovery, RunReader, RunWriter):
         """
         devices = _device_list(devices, "open")
         _check_options(options, geometry)
+        # ``_stop`` (a store server's stop event): once set, the wait for a
+        # dead server's ranks' writes in flight ends (DeviceBusyError)
         return cls._open_devs(_open_devices(devices, readonly), devices, geometry=geometry,
-                              model=model, readonly=readonly, **options)
+                              model=model, readonly=readonly, _stop=_stop, **options)
 
     @classmethod
     def _open_devs(cls, devs, passed=(), **kw) -> "KVStore":
@@ -392,7 +395,8 @@ class KVStore(Recovery, RunReader, RunWriter):
 
     def _init(self, devs, *, geometry=None, model=None, verify="always", eviction="lru",
               admit_after=1, engine=None, queue_depth=32, storeio_factory=None,
-              readonly=False, host_cache_bytes=0, _prefault_now=False, _host=None):
+              readonly=False, host_cache_bytes=0, _prefault_now=False, _host=None,
+              _stop=None):
         # ``_host``: the DRAM tier format made before it wrote (this store's
         # from here on: a failed open closes it)
         self.host = _host
@@ -453,7 +457,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._recover()
         if not readonly:        # a rank of a dead server may still be writing
             dev0 = self.io.devices[0]
-            fence_writers([(dev0.fd, dev0.path)])
+            fence_writers([(dev0.fd, dev0.path)], stop=_stop)
         self.closed = False
         self.counters["recovery_us"] = int((time.perf_counter() - t0) * 1e6)
         # Only now: mapping a tmpfs store's pages in beside the recovery slowed

@@ -418,3 +418,37 @@ def test_a_rank_given_a_bytes_socket_path_starts_its_server(tmp_path):
     finally:
         rank.close()
         stop_server(rank.server_pid)
+
+
+@pytest.mark.parametrize("where", ["device", "socket"])
+def test_a_server_told_to_stop_while_it_waits_for_a_ranks_write_stops(tmp_path, monkeypatch,
+                                                                      where):
+    """A server start waits for ranks' writes in flight twice: in the
+    store's open (on device 0) and before it listens (on <socket>.fence).
+    Neither wait looked at the stop event SIGTERM / Ctrl-C set (kvblock
+    serve's), so a server told to stop went on waiting up to FENCE_WAIT_S
+    (60 s) each time.  It gives up at once, DeviceBusyError saying why."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    serve_in_background([path], sock).stop()         # makes <socket>.fence
+    held = path if where == "device" else fence_mod.socket_fence_path(sock)
+    rank = fence_mod.WriteFence([os.open(held, os.O_RDONLY)])
+    monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 10.0)
+    stop = threading.Event()
+    try:
+        with rank.writing():
+            opening = _in_thread(lambda: serve_in_background([path], sock, stop=stop))
+            time.sleep(0.2)
+            assert opening["thread"].is_alive()      # waiting for the write
+            stop.set()
+            opening["thread"].join(3)
+            stopped_in_time = not opening["thread"].is_alive()
+        opening["thread"].join(20)
+        if "out" in opening:
+            opening["out"].stop()
+        assert stopped_in_time, "the server went on waiting for the write after its stop"
+        assert isinstance(opening.get("error"), DeviceBusyError), opening
+        assert "told to stop" in str(opening["error"]) and held in str(opening["error"])
+        assert not os.path.exists(sock)
+        serve_in_background([path], sock).stop()      # nothing left behind
+    finally:
+        rank.close()
