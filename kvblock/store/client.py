@@ -996,7 +996,16 @@ class RemoteStore(RunReader, RunWriter):
         keys = normalize_keys(keys)
         if not keys:
             return np.zeros(0, dtype=bool)
-        return np.array(self._call("present", keys=encode_keys(keys)), dtype=bool)
+        flags = self._call("present", keys=encode_keys(keys))
+        if not isinstance(flags, list) or len(flags) != len(keys) or \
+                not all(type(f) is bool for f in flags):
+            # taken as it came, put_runs planned from other keys' flags (a
+            # run counted stored as a duplicate and never written)
+            raise ServerError(
+                f"the store server at {self.socket_path} answered present for {len(keys)} "
+                f"keys with {str(flags)[:200]}, not one flag (true or false) per key; a "
+                "server of another kvblock release?")
+        return np.array(flags, dtype=bool)
 
     def removed_since(self, cursor: str | None = None) -> tuple[str, list[bytes] | None]:
         """Keys the server's store removed since ``cursor`` (KVStore.removed_since;

@@ -272,6 +272,30 @@ def test_a_commit_answer_not_the_runs_blocks_or_0_is_refused(served, monkeypatch
         assert int(server.store.regions.pins.sum()) == 0
 
 
+@pytest.mark.parametrize("how", ["short", "long", "not_flags"])
+def test_a_present_answer_not_one_flag_per_key_is_refused(served, monkeypatch, how):
+    """present answers one flag per key asked: an answer of another length
+    was taken as it came (np.array), so put_runs planned from flags of
+    other keys (a run whose last key an earlier run of the call does not
+    write was counted stored, a duplicate, and never written) and
+    present() handed it on.  Refused with ServerError."""
+    path, sock, server = served
+    real = server._op_present
+
+    def present(s, keys):
+        out = real(s, keys)
+        return {"short": out[:-1], "long": out + [True], "not_flags": ["no"] * len(out)}[how]
+    monkeypatch.setattr(server, "_op_present", present)
+    with RemoteStore(sock) as r:
+        a, b = run_keys(1, 2), run_keys(2, 1)
+        with pytest.raises(ServerError, match="answered present"):
+            r.present(a)
+        # the second run's first key is the first run's: its last one decides
+        with pytest.raises(ServerError, match="answered present"):
+            r.put_runs([(a, run_data(a)), (a[:1] + b, run_data(a[:1] + b))])
+        assert r.lookup(b) == 0 and int(server.store.regions.pins.sum()) == 0
+
+
 @pytest.mark.parametrize("answer", [{"verdict": "maybe"}, {"verdict": None}, {}, "ok"])
 def test_an_admit_answer_with_no_known_verdict_is_refused(served, monkeypatch, answer):
     """admit's verdict is "ok", "duplicate" or "rejected": another one (a
