@@ -310,7 +310,7 @@ def test_readmes_quoted_tier_defaults_are_the_tiers():
     quoted = dict(re.findall(r"`(\w+)` \(default ([^;)]+)", para))
     assert {"threads", "max_run_bytes", "verify", "eviction", "queue_depth"} <= set(quoted)
     params = inspect.signature(KVBlockTierManager.__init__).parameters
-    for key, value in quoted.items():
-        default = params[key].default
-        assert (parse_size(value) if key == "max_run_bytes" else type(default)(value)) \
-            == default, f"README quotes {key} default {value}, the tier's is {default!r}"
+    for name, value in quoted.items():
+        default = params[name].default
+        assert (parse_size(value) if name == "max_run_bytes" else type(default)(value)) \
+            == default, f"README quotes {name} default {value}, the tier's is {default!r}"
