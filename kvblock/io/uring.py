@@ -21,11 +21,11 @@ _MAX_FIXED_COUNT = 64
 
 
 def probe() -> tuple[bool, str]:
-    """(available, reason): can this process create an io_uring?"""
-    try:
-        lib = native.lib()
-    except Exception as e:  # NativeLibraryError: the caller reports it
-        return False, str(e)
+    """(available, reason): can this process create an io_uring?  A native
+    core that cannot load raises NativeLibraryError: no engine runs without
+    it (the threads engine calls into it too), so it is no reason to fall
+    back to one."""
+    lib = native.lib()
     err = native.ffi.new("int *")
     ring = lib.kvb_ring_create(4, err)
     if ring == native.ffi.NULL:

@@ -194,3 +194,32 @@ def test_a_native_lib_setting_of_a_bare_file_name_loads_that_file(tmp_path, monk
     assert handle.kvb_abi_version() == native.ABI_VERSION
     with open("/proc/self/maps") as f:
         assert str(tmp_path / native.LIB_NAME) in f.read()
+
+
+@pytest.mark.parametrize("setting", [None, "auto", "threads", "uring"])
+def test_engine_report_with_a_native_core_that_cannot_load_is_that_error(setting, tmp_path,
+                                                                         monkeypatch):
+    """KVBLOCK_NATIVE_LIB naming a file that is no library: engine_report
+    said {'engine': 'threads', 'reason': 'fallback: ...'} (and an engine
+    setting of threads 'requested'), yet the threads engine needs the native
+    core too, so opening it then failed with NativeLibraryError; and
+    open_engine's uring path said EngineUnavailableError 'use
+    KVBLOCK_IO_ENGINE=threads', which fails the same way.  The report is
+    the error the open would be (the CLI's exit 10)."""
+    import kvblock.io as kio
+    from kvblock.errors import NativeLibraryError
+    from kvblock.io import native, uring
+
+    path = tmp_path / "libkvblock_io.so"
+    path.write_bytes(b"not an ELF file\n")
+    monkeypatch.delenv("KVBLOCK_IO_ENGINE", raising=False)
+    monkeypatch.setenv("KVBLOCK_NATIVE_LIB", str(path))
+    monkeypatch.setattr(native, "lib", native.lib.__wrapped__)   # uncached: loads the file named
+    kio._uring_probe.cache_clear()
+    try:
+        with pytest.raises(NativeLibraryError, match="KVBLOCK_NATIVE_LIB"):
+            kio.engine_report(setting)
+        with pytest.raises(NativeLibraryError, match="KVBLOCK_NATIVE_LIB"):
+            uring.UringEngine([])
+    finally:
+        kio._uring_probe.cache_clear()
