@@ -405,6 +405,7 @@ class _LoadJob:
         self._stages = 2                         # reader and scatter still running
         self._stages_lock = threading.Lock()
         self._reader_thread: threading.Thread | None = None
+        self._caller_work = None                 # start(): an event on the caller's stream
 
     def _plan(self, segs):
         """Cut every layer's reads into units (the same cut for every layer).
@@ -467,6 +468,11 @@ class _LoadJob:
     # stage starts first: it is what unpins and leaves, and it hears of a
     # reader that did not start through the queue.
     def start(self):
+        # The scatter thread writes the cache on its own CUDA stream: it
+        # first waits for what the caller had queued on its stream by now
+        # (with a non-default stream nothing orders the two otherwise, and
+        # the caller's earlier writes to the pages could land after the load's).
+        self._caller_work = _record_cuda(self.cuda)
         scatter = threading.Thread(target=self._scatter, name="kvblock-load-scatter",
                                    daemon=True)
         try:
@@ -617,6 +623,7 @@ class _LoadJob:
         views = None
         lapsed = False      # the pins were found lapsed before the load's end
         try:
+            _wait_cuda(self.cuda, self._caller_work)
             while True:
                 item = self.q.get()
                 if item is None:
@@ -844,6 +851,27 @@ def _settle_cuda(device) -> None:
         import torch
 
         torch.cuda.current_stream(device).synchronize()
+
+
+def _record_cuda(device):
+    """An event recorded on this thread's stream of CUDA ``device`` (None
+    for a host cache)."""
+    if device is None:
+        return None
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def _wait_cuda(device, event) -> None:
+    """Make this thread's stream of ``device`` wait for ``event`` (from
+    :func:`_record_cuda` on another thread) before the work queued next."""
+    if event is not None:
+        import torch
+
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 def _count_loaded(store, blocks: int, from_device: int, heads: int) -> None:

@@ -1256,3 +1256,67 @@ def test_a_damaged_run_whose_drop_failed_is_dropped_by_the_next_load(path, monke
         assert load_blocks(store, a + b, VLLMLayout(dst), [0, 1, 2, 3]).wait(10) == 2
         assert store.lookup(a + b) == 2, "the run stayed indexed, a hit no load returns"
         assert store.counters["checksum_failures"] == 1
+
+
+def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, monkeypatch):
+    """A background load scatters on its own thread, whose CUDA stream is
+    not the caller's: work the caller had queued on its (non-default)
+    stream before load_blocks (zeroing the pages, a previous layer's
+    copy) was not waited for, so it could land in the pages after the
+    load's writes.  The scatter thread's stream now waits for an event
+    recorded on the caller's stream when the load was started, before it
+    writes a page.  Stood in on the CPU: fake streams and events, per
+    thread, logged in order."""
+    from kvblock.tensors import transfer
+
+    log = []
+
+    class FakeStream:
+        def __init__(self, owner):
+            self.owner = owner
+
+        def synchronize(self):
+            log.append(("sync", self.owner))
+
+        def wait_event(self, event):
+            log.append(("wait", self.owner, event.recorded_on))
+
+        def wait_stream(self, other):
+            log.append(("wait", self.owner, other.owner))
+
+    streams = {}
+
+    def current_stream(device=None):
+        me = threading.current_thread().name
+        return streams.setdefault(me, FakeStream(me))
+
+    class FakeEvent:
+        def __init__(self, *a, **kw):
+            self.recorded_on = None
+
+        def record(self, stream=None):
+            self.recorded_on = (stream or current_stream()).owner
+
+    real_scatter = transfer._scatter_pages
+
+    def scatter(*args, **kw):
+        log.append(("scatter", threading.current_thread().name))
+        return real_scatter(*args, **kw)
+
+    monkeypatch.setattr(transfer, "_cuda_device", lambda layout: "cuda:0")
+    monkeypatch.setattr(transfer, "_scatter_pages", scatter)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    keys = [b"s0", b"s1"]
+    caller = threading.current_thread().name
+    with _store(path, geom()) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1])
+        dst = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, keys, VLLMLayout(dst), [2, 3]).wait(timeout=30) == 2
+    for layer in range(L):
+        assert torch.equal(dst[layer][:, 2:4].view(torch.int16), src[layer][:, :2].view(torch.int16))
+    first = next(i for i, e in enumerate(log) if e[0] == "scatter")
+    worker = log[first][1]
+    assert worker != caller, log          # a background load: the scatter is on its thread
+    assert ("wait", worker, caller) in log[:first], log
