@@ -76,20 +76,22 @@ class KvikioReader:
             raise error
 
 
-def gpu_path(store, sample_bytes: int = 64 << 20) -> str:
+def gpu_path(store, sample_bytes: int = 64 << 20, device=None) -> str:
     """"kvikio" or "host" for loads into CUDA memory from this store (cached
     while the store's verify stays as it was when chosen: a store server's
-    client following the server's default takes a restarted server's)."""
+    client following the server's default takes a restarted server's).
+    ``device``: the CUDA device the loads go to (the cache's), where both
+    paths are timed; None times them on the current device."""
     chosen = _cached(store)
     if chosen:
         return chosen
     verify = store.verify
-    chosen = _choose(store, sample_bytes)
+    chosen = _choose(store, sample_bytes, device)
     store._gpu_path_verify = verify     # (read before: a change meanwhile chooses again)
     return chosen
 
 
-def _choose(store, sample_bytes: int) -> str:
+def _choose(store, sample_bytes: int, device=None) -> str:
     """gpu_path's choice, made now (and cached on the store)."""
     forced = os.environ.get("KVBLOCK_GPU_PATH", "").strip().lower()
     if forced:
@@ -116,7 +118,7 @@ def _choose(store, sample_bytes: int) -> str:
     # (_drop_reader) under the other's kvikio load (and flip the choice).
     with _CHOOSING:
         chosen = _cached(store)
-        return chosen if chosen else _measure(store, sample_bytes)
+        return chosen if chosen else _measure(store, sample_bytes, device)
 
 
 def _cached(store) -> str | None:
@@ -139,15 +141,22 @@ def _cached(store) -> str | None:
 _CHOOSING = threading.Lock()
 
 
-def _measure(store, sample_bytes: int) -> str:
-    """gpu_path's choice by timing both paths (under _CHOOSING)."""
+def _measure(store, sample_bytes: int, device=None) -> str:
+    """gpu_path's choice by timing both paths (under _CHOOSING), on
+    ``device`` (the loads' GPU: its link and memory, not the current one's)."""
     try:
         reader = store._kvikio_reader()
     except Exception as e:  # no kvikio / no driver: host path
         store._gpu_path, store._gpu_path_reason = "host", f"kvikio unavailable: {e}"
         return "host"
     try:
-        kv_s, host_s, timed = _time_paths(store, reader, sample_bytes)
+        if device is None:
+            kv_s, host_s, timed = _time_paths(store, reader, sample_bytes)
+        else:
+            import torch
+
+            with torch.cuda.device(device):
+                kv_s, host_s, timed = _time_paths(store, reader, sample_bytes)
     except Exception as e:   # kvikio opened the devices but cannot read them (GDS refusing
         # the file, a driver error): every load would raise it; the host path reads them
         logger.warning("kvblock: a kvikio read of the store failed (%s); loads into CUDA "

@@ -373,7 +373,7 @@ def _job_class(store, layout):
     if _is_torch(sample) and sample.is_cuda:
         from kvblock.io.gpu import gpu_path
 
-        if gpu_path(store) == "kvikio":
+        if gpu_path(store, device=sample.device) == "kvikio":   # timed on the cache's GPU
             return _KvikioLoadJob
     return _LoadJob
 

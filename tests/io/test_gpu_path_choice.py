@@ -296,3 +296,47 @@ def test_the_timed_reads_are_of_bytes_no_warm_up_read_and_both_paths_are_warmed(
     finally:
         reader.close()
         store.close()
+
+
+def test_the_paths_are_timed_on_the_caches_device(monkeypatch, tmp_path):
+    """A load into a cache on cuda:1 (a rank's GPU, while the current
+    device is still cuda:0) had gpu_path time kvikio and the host copy
+    into a staging tensor on the current device: the bandwidths of another
+    GPU (its PCIe link, its NUMA node), and memory taken there.  The
+    timing runs with the cache's device current.  On the CPU: a stand-in
+    for torch.cuda.device records which device the staging tensor is
+    made under."""
+    torch = pytest.importorskip("torch")
+    from kvblock.tensors import transfer
+
+    store, reader, _ticks, _ = _timing_on_cpu(monkeypatch, tmp_path, 4 << 20)
+    current, made_on = [None], []
+    staging_empty = torch.empty            # (_timing_on_cpu's: drops device=)
+
+    def empty(*a, **k):
+        made_on.append(current[0])
+        return staging_empty(*a, **k)
+    monkeypatch.setattr(torch, "empty", empty)
+
+    class device:
+        def __init__(self, d):
+            self.d = d
+
+        def __enter__(self):
+            self.prev, current[0] = current[0], str(self.d)
+
+        def __exit__(self, *exc):
+            current[0] = self.prev
+    monkeypatch.setattr(torch.cuda, "device", device)
+
+    class CudaTensor:                      # the cache's sample, on cuda:1
+        is_cuda = True
+        device = "cuda:1"
+    CudaTensor.__module__ = "torch.stand_in"
+    layout = SimpleNamespace(sample=lambda: CudaTensor())
+    try:
+        assert transfer._job_class(store, layout) is transfer._KvikioLoadJob
+        assert made_on == ["cuda:1"], made_on
+    finally:
+        reader.close()
+        store.close()
