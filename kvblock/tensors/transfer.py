@@ -90,11 +90,17 @@ def _spans(ids: np.ndarray):
 
 
 def _copy_into(dst_np: np.ndarray, src) -> None:
-    """dst (a numpy view of host staging) <- src (numpy or torch, any device)."""
+    """dst (a numpy view of host staging) <- src (numpy, torch on any
+    device, or cupy)."""
     if _is_torch(src):
         import torch
 
         torch.from_numpy(dst_np).copy_(src)
+    elif not isinstance(src, np.ndarray) and hasattr(src, "__cuda_array_interface__") \
+            and hasattr(src, "get"):
+        # cupy refuses numpy's implicit conversion (TypeError): its host
+        # copy is explicit
+        dst_np[...] = src.get()
     else:
         dst_np[...] = src
 

@@ -1320,3 +1320,74 @@ def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, 
     worker = log[first][1]
     assert worker != caller, log          # a background load: the scatter is on its thread
     assert ("wait", worker, caller) in log[:first], log
+
+
+class _CupyLike:
+    """Stands in for a cupy array on the CPU: device memory in the ways
+    kvblock meets it (__cuda_array_interface__, .get() for a host copy,
+    indexing, views, setitem from host arrays) and, as cupy, refusing the
+    implicit conversion to numpy."""
+
+    __module__ = "cupy._core.core"
+
+    def __init__(self, a):
+        self._a = a
+
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    itemsize = property(lambda self: self._a.itemsize)
+    ndim = property(lambda self: self._a.ndim)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": self._a.shape, "typestr": self._a.dtype.str, "version": 3,
+                "data": (self._a.ctypes.data, False), "strides": self._a.strides}
+
+    def __array__(self, *a, **k):
+        raise TypeError("Implicit conversion to a NumPy array is not allowed. "
+                        "Please use `.get()` to construct a NumPy array explicitly.")
+
+    def get(self):
+        return self._a.copy()
+
+    def _unwrap(self, x):
+        if isinstance(x, _CupyLike):
+            return x._a
+        if isinstance(x, tuple):
+            return tuple(self._unwrap(i) for i in x)
+        return x
+
+    def __getitem__(self, idx):
+        return _CupyLike(self._a[self._unwrap(idx)])
+
+    def __setitem__(self, idx, value):
+        self._a[self._unwrap(idx)] = self._unwrap(value)
+
+    def view(self, dtype):
+        return _CupyLike(self._a.view(dtype))
+
+    def reshape(self, *shape):
+        return _CupyLike(self._a.reshape(*shape))
+
+    def transpose(self, *axes):
+        return _CupyLike(self._a.transpose(*axes))
+
+
+def test_a_cupy_cache_saves_and_loads(path):
+    """cupy arrays are documented cache types (kvblock.tensors); a save from
+    one copied the gathered pages into host staging with numpy's implicit
+    conversion (staging[...] = pages), which cupy refuses with TypeError:
+    every save from a cupy cache failed."""
+    g = Geometry(L, H, D, "float16", BS)
+    rng = np.random.default_rng(7)
+    src_np = [rng.standard_normal((2, 6, BS, H, D)).astype(np.float16) for _ in range(L)]
+    dst_np = [np.zeros_like(s) for s in src_np]
+    keys = [b"c0", b"c1", b"c2"]
+    with _store(path, g) as store:
+        assert save_blocks(store, keys, VLLMLayout([_CupyLike(s) for s in src_np]),
+                           [4, 0, 2]) == 3
+        assert load_blocks(store, keys, VLLMLayout([_CupyLike(d) for d in dst_np]),
+                           [1, 3, 5]).wait(timeout=30) == 3
+    for layer in range(L):
+        assert np.array_equal(dst_np[layer][:, [1, 3, 5]].view(np.int16),
+                              src_np[layer][:, [4, 0, 2]].view(np.int16))
