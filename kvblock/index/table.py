@@ -22,6 +22,13 @@ MAX_LOAD = 0.6
 # rebuild per put.  With it a rebuild's cost is at most 16 slots per key
 # inserted since.
 REBUILD_ROOM = 1 / 16
+# Once removals leave fewer live keys than this share of the slots (a
+# clear(), a large delete), the table is rebuilt at the size they need: kept
+# at its peak, it held the peak's memory and its tombstones, which every
+# probe of an absent key walks, until as many new keys rebuilt it (at the
+# peak size again).  Far enough below a rebuild's load (MAX_LOAD -
+# REBUILD_ROOM) that a shrink follows removals of a good share of the slots.
+SHRINK_LOAD = MAX_LOAD / 8
 # Up to this many keys are looked up one by one in Python (get_few): for a
 # few keys numpy's per-call cost is most of a batch lookup's time (a 2-key
 # lookup took 24 us through find(), 3 us through get_few()).
@@ -39,6 +46,7 @@ def split_keys(keys: bytes | np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 class KeyTable:
     def __init__(self, capacity: int = 1024):
         cap = 1 << max(4, int(capacity - 1).bit_length())
+        self._min_cap = cap      # a shrink goes no lower
         self._alloc(cap)
         self.live = 0
 
@@ -203,12 +211,18 @@ class KeyTable:
         gone = np.unique(slots[ok])
         self.val[gone] = TOMBSTONE
         self.live -= gone.size
+        if self.cap > self._min_cap and self.live < SHRINK_LOAD * self.cap:
+            self._rebuild(self._min_cap, self.live)
         return int(gone.size)
 
     def _grow(self, need: int):
+        self._rebuild(self.cap, need)
+
+    def _rebuild(self, cap: int, need: int):
+        """Reinsert the live keys into the smallest table of ``cap`` slots
+        times a power of two that holds ``need`` keys with room to spare."""
         live = self.val >= 0
         lo, hi, val = self.lo[live], self.hi[live], self.val[live]
-        cap = self.cap
         while need > (MAX_LOAD - REBUILD_ROOM) * cap:
             cap *= 2
         self._alloc(cap)

@@ -456,3 +456,34 @@ def test_churn_near_the_load_limit_does_not_rebuild_the_table_at_every_put(batch
     assert sum(rebuilt) <= 32 * inserted, f"{len(rebuilt)} rebuilds for {inserted} keys"
     alo, ahi = split_keys(b"".join(k(i) for i in range(oldest - 50, newest)))
     assert table.get(alo, ahi).tolist() == [-1] * 50 + list(range(oldest, newest))
+
+
+def test_the_table_shrinks_once_most_of_its_keys_are_removed():
+    """A clear() (or a large delete) removed every key, but the table kept
+    its peak capacity (4.2M slots, 117 MB, after 2M keys) and the slots as
+    tombstones, which every probe of an absent key walked (~28x slower
+    lookups), until ~500k new inserts rebuilt it, at the peak size again.
+    Once its live keys are a small share of its slots, it is rebuilt at the
+    size they need."""
+    from kvblock.index.table import KeyTable, split_keys
+
+    idx = KeyIndex()
+    fresh = KeyTable()
+    runs = [run(i, [i * 1000 + p for p in range(1000)], region=i % 4) for i in range(100)]
+    idx.add_many(runs)
+    assert len(idx) == 100_000 and idx.table.cap > 100_000
+    for r in runs[:90]:                          # a large delete: 10% left
+        idx.remove(r)
+    assert len(idx) == 10_000
+    assert idx.table.cap <= 65_536, idx.table.cap      # near what 10k keys need, not the peak
+    left = [k(i * 1000 + p) for i in range(90, 100) for p in range(1000)]
+    assert (idx.lookup(left) >= 0).all()
+    assert (idx.lookup([k(p) for p in range(1000)]) == -1).all()
+    for r in runs[90:]:                          # the rest: a clear()
+        idx.remove(r)
+    assert len(idx) == 0
+    assert idx.table.cap == fresh.cap and idx.table.nbytes == fresh.nbytes
+    assert idx.table.used == 0                   # no tombstones for probes to walk
+    assert (idx.lookup(left) == -1).all()
+    idx.add(run(500, [7, 8]))
+    assert idx.locate(k(8))[0].run_id == 500 and k(7) in idx and k(9) not in idx
