@@ -1353,43 +1353,70 @@ class KVStore(Recovery, RunReader, RunWriter):
         runs this call took out to (not those another call dropped since
         the caller found them).  ``keys``: a set to add the removed
         positions' keys to (before anything can fail)."""
-        with self._lock:
-            # once each: a run named twice (a read error's runs, one per
-            # segment; a client's list) taken out twice would count its
-            # region's live runs down twice, and an emptied-looking region
-            # is reclaimed under the runs still in it
-            runs = list({r.run_id: r for r in runs if r.run_id in self.index.runs}.values())
-            removed = sum(run.live for run in runs)
-            if count is not None:
-                self.counters[count] += len(runs)
-            if keys is not None:
-                keys.update(self.index.live_keys(runs))
-            for run in runs:
-                self._forget_run(run)
-            ticket = self._removal_begins() if runs and not self.readonly else None
-        if ticket is not None:
-            # A quarter of the journal per commit: the DROP records of a
-            # large delete (or clear, or fsck repair) could exceed a small
-            # journal, and a commit that does fails and closes the store.
-            per_commit = max(1, self.sb.journal_bytes // 4
-                             // jfmt.record_bytes(jfmt.DropRun(0)))
-            with self._removal(ticket):
-                interrupted = None
-                for at in range(0, len(runs), per_commit):
-                    try:
-                        self._commit([jfmt.DropRun(r.run_id) for r in runs[at:at + per_commit]])
-                    except BaseException as e:
-                        # A KeyboardInterrupt that _commit raised once its
-                        # records were durable: the later batches' runs are
-                        # out of the index already and need theirs too (a
-                        # crash would bring them back).  A failed commit
-                        # closed the store: nothing more is written.
-                        if self._failure is not None:
+        # A quarter of the journal per commit: the DROP records of a large
+        # delete (or clear, or fsck repair) could exceed a small journal, and
+        # a commit that does fails and closes the store.  (Sized before any
+        # run leaves the index: see below.)
+        per_commit = max(1, self.sb.journal_bytes // 4 // jfmt.record_bytes(jfmt.DropRun(0)))
+        # From the moment the runs leave the index their DROP records must
+        # be written before this returns or raises (a crash would bring them
+        # back, and the call returned for them, or a later delete() or
+        # clear() that no longer finds them did), and the removal's ticket
+        # must end (_await_removals waits for it): a KeyboardInterrupt landing
+        # anywhere in between, not only in _commit's wait for its lock,
+        # must not skip either.
+        ticket, durable, interrupted = None, False, None
+        try:
+            with self._lock:
+                # once each: a run named twice (a read error's runs, one per
+                # segment; a client's list) taken out twice would count its
+                # region's live runs down twice, and an emptied-looking region
+                # is reclaimed under the runs still in it
+                runs = list({r.run_id: r for r in runs if r.run_id in self.index.runs}.values())
+                removed = sum(run.live for run in runs)
+                if count is not None:
+                    self.counters[count] += len(runs)
+                if keys is not None:
+                    keys.update(self.index.live_keys(runs))
+                for run in runs:
+                    self._forget_run(run)
+                ticket = self._removal_begins() if runs and not self.readonly else None
+            if ticket is None:
+                return removed
+            at, cut_before = 0, False
+            while at < len(runs):
+                start, end = at, min(at + per_commit, len(runs))
+
+                def written(end=end):    # applied once the batch's records are durable
+                    nonlocal at
+                    at = end
+                try:
+                    self._commit([jfmt.DropRun(r.run_id) for r in runs[start:end]], written)
+                    cut_before = False
+                except BaseException as e:
+                    # A failed commit closed the store: nothing more is
+                    # written.  A KeyboardInterrupt that _commit raised once
+                    # the batch was durable: the later batches' runs are out
+                    # of the index already and need theirs too.  One that
+                    # landed before the batch reached _commit (building its
+                    # records, entering _commit) wrote nothing: the batch
+                    # again (a DROP replayed twice drops once).  Cut there
+                    # twice: the store fails, as _commit does when cut
+                    # twice, so that nothing relies on the records.
+                    if self._failure is not None:
+                        raise
+                    if at == start:
+                        if cut_before:
+                            self._fail(e)
                             raise
-                        interrupted = interrupted or e
-                if interrupted is not None:
-                    raise interrupted
-            self._release_empty_regions({r.region for r in runs})
+                        cut_before = True
+                    interrupted = interrupted or e
+            durable = True
+        finally:
+            self._end_removal(ticket, durable)
+        if interrupted is not None:
+            raise interrupted
+        self._release_empty_regions({r.region for r in runs})
         return removed
 
     def _removal_begins(self) -> int:
@@ -1409,15 +1436,20 @@ class KVStore(Recovery, RunReader, RunWriter):
             yield
             durable = True
         finally:
-            if ticket is not None:
-                with self._lock:
-                    self._removing.discard(ticket)
-                    # An interrupt (KeyboardInterrupt) raised by a commit
-                    # that saw its records through leaves the store open:
-                    # only a failed commit loses them.
-                    if not durable and self._failure is not None:
-                        self._removals_lost.add(ticket)
-                    self._removals_durable.notify_all()
+            self._end_removal(ticket, durable)
+
+    def _end_removal(self, ticket: int | None, durable: bool) -> None:
+        """A removal's records were committed (``durable``), or its commit
+        raised: its ticket ends, lost when the store failed."""
+        if ticket is not None:
+            with self._lock:
+                self._removing.discard(ticket)
+                # An interrupt (KeyboardInterrupt) raised by a commit
+                # that saw its records through leaves the store open:
+                # only a failed commit loses them.
+                if not durable and self._failure is not None:
+                    self._removals_lost.add(ticket)
+                self._removals_durable.notify_all()
 
     def _await_removals(self) -> None:
         """Return once every removal begun before now is durable.  A

@@ -2878,3 +2878,53 @@ def test_an_interrupt_while_a_put_waits_to_commit_is_raised_when_the_commit_fail
             store.put_run(keys, run_data(keys))
         assert isinstance(raised.value.__cause__, KVBlockError)
         assert store.closed
+
+
+def _cut_at_call(monkeypatch, module, name, call):
+    """``module.name`` (a record's constructor) raises KeyboardInterrupt at
+    its ``call``-th call: a Ctrl-C that lands while a removal builds its
+    records, after its runs left the index and before _commit queued them."""
+    calls = [0]
+
+    class Cut(getattr(module, name)):       # still the record type isinstance() asks for
+        def __new__(cls, *a, **kw):
+            calls[0] += 1
+            if calls[0] == call:
+                raise KeyboardInterrupt
+            return super().__new__(cls)
+    monkeypatch.setattr(module, name, Cut)
+
+
+@pytest.mark.parametrize("call", [1, 2], ids=["sizing its commits", "building its records"])
+def test_an_interrupt_before_a_drop_is_queued_still_writes_it(tmp_path, monkeypatch, call):
+    """A KeyboardInterrupt landing in a delete after its runs left the
+    index but before its DROP records reached _commit: while it sized its
+    commits the removal's ticket was never ended, and every later delete()
+    or clear() waited for it for good; while it built the records none was
+    written, the ticket ended as if they were durable, and a crash brought
+    the deleted runs back.  The records are written, then the interrupt
+    raised (or the delete is cut before any run left the index); a crash
+    leaves the store as the process saw it."""
+    import shutil
+
+    from kvblock.format import journal as jfmt
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    doomed, other = run_keys(70, 2), run_keys(71, 2)
+    with _format([path]) as store:
+        store.put_runs([(doomed, run_data(doomed)), (other, run_data(other))])
+        _cut_at_call(monkeypatch, jfmt, "DropRun", call)
+        with pytest.raises(KeyboardInterrupt):
+            store.delete(doomed)
+        monkeypatch.undo()
+        left = store.lookup(doomed)       # cut before anything left the index, or after
+        done = []
+        t = threading.Thread(target=lambda: done.append(store.delete(other)), daemon=True)
+        t.start()
+        t.join(10)
+        assert done == [2], "a later delete waited for the interrupted one's records"
+        # the machine dies here: no checkpoint after the deletes
+        shutil.copyfile(path, tmp_path / "after-crash.img")
+    with KVStore.open([str(tmp_path / "after-crash.img")]) as store:
+        assert store.lookup(doomed) == left and store.lookup(other) == 0
