@@ -1115,9 +1115,40 @@ class KVStore(Recovery, RunReader, RunWriter):
             ticket = self._reclaim_tickets.pop(region, None)
         try:
             with self._removal(ticket):
-                self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
-        except BaseException:
+                interrupted = None
+                while True:
+                    try:
+                        self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
+                        break
+                    except BaseException as e:
+                        # A KeyboardInterrupt that landed before the record
+                        # reached _commit (while it was built, or entering
+                        # _commit) wrote nothing, and the generation is not
+                        # set: the record again (a RECLAIM replayed twice
+                        # reclaims once; the region stays RECLAIMING
+                        # meanwhile, nothing is put there).  Cut there twice:
+                        # the store fails, as _commit does when cut twice.
+                        if self._failure is not None or \
+                                int(self.regions.generation[region]) == new_gen:
+                            raise
+                        if interrupted is not None:
+                            self._fail(e)
+                            raise
+                        interrupted = e
+                if interrupted is not None:
+                    raise interrupted     # the record is durable
+        except BaseException as e:
             if self._failure is None:
+                if int(self.regions.generation[region]) != new_gen:
+                    # No RECLAIM record durable: released, the region would
+                    # be written under a generation the journal never gave
+                    # it, and a crash would drop those runs as stale and
+                    # bring back the evicted ones on bytes overwritten
+                    # since.  Stop serving, as a failed commit does.
+                    with self._lock:
+                        self._fail(e)
+                        self._reclaimed.notify_all()
+                    raise
                 # Interrupted while it waited to commit: _commit saw the
                 # record through (durable, the generation set) before it
                 # raised; a region left RECLAIMING would be waited for by

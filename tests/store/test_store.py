@@ -2928,3 +2928,38 @@ def test_an_interrupt_before_a_drop_is_queued_still_writes_it(tmp_path, monkeypa
         shutil.copyfile(path, tmp_path / "after-crash.img")
     with KVStore.open([str(tmp_path / "after-crash.img")]) as store:
         assert store.lookup(doomed) == left and store.lookup(other) == 0
+
+
+def test_an_interrupt_before_a_reclaim_is_queued_does_not_free_the_region_unrecorded(
+        tmp_path, monkeypatch):
+    """A KeyboardInterrupt landing in evict after the region's runs left
+    the index but before its RECLAIM record reached _commit (while the
+    record was built): the except path released the region at the new
+    generation all the same, with no record written.  Runs put there since
+    carried a generation the journal never gave the region: a crash
+    dropped them as stale and brought the evicted runs back, on bytes
+    overwritten since.  The record is written, then the interrupt raised."""
+    import shutil
+
+    from kvblock.format import journal as jfmt
+
+    path = tmp_path / "store.img"
+    create_file(path, 3 * MIB)
+    with _format([path], verify="never", eviction="fifo") as store:
+        put = _fill_to_last_free_region(store, left=0)
+        _cut_at_call(monkeypatch, jfmt, "Reclaim", 1)
+        with pytest.raises(KeyboardInterrupt):
+            store.evict(store.regions.size)
+        monkeypatch.undo()
+        evicted = [k for k in put if store.lookup(k) == 0]
+        assert evicted
+        fresh = run_keys(72, 4)
+        assert store.put_run(fresh, run_data(fresh)) == 4
+        # the machine dies here: no checkpoint after the eviction
+        shutil.copyfile(path, tmp_path / "after-crash.img")
+    with KVStore.open([str(tmp_path / "after-crash.img")], verify="never") as store:
+        assert [k for k in evicted if store.lookup(k)] == []
+        assert store.lookup(fresh) == 4
+        data = run_data(fresh)
+        out = np.zeros_like(data)
+        assert store.get_run(fresh, out) == 4 and np.array_equal(out, data)
