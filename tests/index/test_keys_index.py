@@ -465,7 +465,7 @@ def test_the_table_shrinks_once_most_of_its_keys_are_removed():
     lookups), until ~500k new inserts rebuilt it, at the peak size again.
     Once its live keys are a small share of its slots, it is rebuilt at the
     size they need."""
-    from kvblock.index.table import KeyTable, split_keys
+    from kvblock.index.table import KeyTable
 
     idx = KeyIndex()
     fresh = KeyTable()
