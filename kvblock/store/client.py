@@ -1228,17 +1228,28 @@ class RemoteStore(RunReader, RunWriter):
             s.lock.release()
         _LIVE.discard(self)
         # ... once their I/O is done: until then the devices and buffers stay
-        if self._inflight.drained(CLOSE_WAIT_S, repr(self)):
-            # No I/O under any connection's pins now: the connections
-            # abandoned earlier (a call past timeout=, then a reconnect),
-            # kept open while pins were held on them, end as the last one
-            # did (their pins a caller still holds are released with them;
-            # else they stayed on the server for good with leases off).
-            for old in list(self._sessions):
-                old.close()
-            KVStore._release_devices(self)
+        if self._inflight.drained(CLOSE_WAIT_S, repr(self),
+                                  "the last of them, released when it is done"):
+            self._release_sessions_and_devices()
+        else:
+            # Not left to the garbage collector: the finalizer is detached
+            # and a Device's descriptor is never closed by it; the rank
+            # kept its devices, engine and buffers (and the server the
+            # pins of its abandoned connections) for as long as it lived.
+            self._inflight.after_drained(self._release_sessions_and_devices)
         if self._fence is not None:
             self._fence.close()
+
+    def _release_sessions_and_devices(self) -> None:
+        """close()'s end, once no call is in flight (no I/O under any
+        connection's pins now): the connections abandoned earlier (a call
+        past timeout=, then a reconnect), kept open while pins were held on
+        them, end as the last one did (their pins a caller still holds are
+        released with them; else they stayed on the server for good with
+        leases off); then this process's devices and buffers go."""
+        for old in list(self._sessions):
+            old.close()
+        KVStore._release_devices(self)
 
     def __enter__(self) -> "RemoteStore":
         return self

@@ -838,10 +838,10 @@ def test_stats_while_another_thread_closes_the_store(tmp_path, sock, monkeypatch
         waits, released = threading.Event(), threading.Event()
         drained = r._inflight.drained
 
-        def drained_seen(timeout, what):
+        def drained_seen(timeout, what, *rest):
             if r._inflight.calls:
                 waits.set()                  # close() waits for the call in flight
-            return drained(timeout, what)
+            return drained(timeout, what, *rest)
 
         release = KVStore._release_devices
 
@@ -1437,3 +1437,47 @@ def test_one_remote_handle_released_by_two_threads_at_once_is_released_once(tmp_
         assert r.stats()["pinned_regions"] == 1
         r.unpin(other)
         assert r._session.held == 0 and r.stats()["pinned_regions"] == 0
+
+
+def test_a_close_that_gave_up_waiting_lets_go_of_the_devices_once_the_call_is_done(
+        tmp_path, sock, monkeypatch):
+    """close() waits CLOSE_WAIT_S for a call in flight (a read here), then
+    returns leaving this rank's devices, engine and buffers to that call.
+    Nothing let go of them afterwards (the finalizer was detached, and a
+    Device's descriptor is not closed by the garbage collector): the rank
+    kept the device descriptors open for as long as it lived.  The last
+    call to leave releases them, as KVStore.close's."""
+    from kvblock.store import client as client_mod
+
+    monkeypatch.setattr(client_mod, "CLOSE_WAIT_S", 0.2)
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock):
+        r = RemoteStore(sock)
+        keys = run_keys(1, 2)
+        assert r.put_run(keys, run_data(keys)) == 2
+        fds = [d.fd for d in r.io.devices]
+        reached, go = threading.Event(), threading.Event()
+        segments = r._segments
+
+        def stalled(keys):
+            out = segments(keys)
+            reached.set()
+            assert go.wait(20)
+            return out
+        r._segments = stalled
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        box = {}
+        t = threading.Thread(target=lambda: box.update(n=r.get_run(keys, out)))
+        t.start()
+        try:
+            assert reached.wait(20)
+            r.close()                        # gives up on the read after 0.2 s
+            assert r.closed and r.io is not None
+        finally:
+            go.set()
+            t.join(20)
+        assert "n" in box
+        assert r.io is None, "the devices stayed open after the last call left"
+        for fd in fds:
+            with pytest.raises(OSError):
+                os.fstat(fd)
