@@ -511,10 +511,23 @@ class RemoteStore(RunReader, RunWriter):
         if not s.lock.acquire(timeout=wait):
             return False if stuck() else None
         try:
-            return int(self._call_locked(s, op, {"keys": encode_keys(normalize_keys(keys))},
-                                         timeout=timeout))
+            keys = normalize_keys(keys)
+            answer = self._call_locked(s, op, {"keys": encode_keys(keys)}, timeout=timeout)
         finally:
             s.lock.release()
+        return self._count_answer(op, answer, len(keys))
+
+    def _count_answer(self, op: str, answer, most: int | None = None) -> int:
+        """``op``'s answer, a count: a whole number from 0 (to ``most``, the
+        keys asked).  Taken as it came, a lookup past the keys asked made an
+        engine claim blocks that do not exist, and int() took True or "2"
+        (or failed bare on None): refused with ServerError."""
+        if type(answer) is int and answer >= 0 and (most is None or answer <= most):
+            return answer
+        bound = "" if most is None else f" up to the {most} keys asked"
+        raise ServerError(
+            f"the store server at {self.socket_path} answered {op} with {str(answer)[:200]}, "
+            f"not a count from 0{bound}; a server of another kvblock release?")
 
     def _call_locked(self, s: "Session", op: str, args: dict, timeout: float | None = None):
         """One request and its answer (under ``s.lock``)."""
@@ -973,7 +986,8 @@ class RemoteStore(RunReader, RunWriter):
         """Number of leading ``keys`` stored."""
         self._check_open()
         keys = normalize_keys(keys)
-        n = int(self._call("lookup", keys=encode_keys(keys)))
+        n = self._count_answer("lookup", self._call("lookup", keys=encode_keys(keys)),
+                               len(keys))
         self.counters["lookups"] += 1
         self.counters["lookup_hit_blocks"] += n
         return n
@@ -988,7 +1002,8 @@ class RemoteStore(RunReader, RunWriter):
         keys = normalize_keys(keys)
         if not keys:
             return 0
-        return int(self._call("touch", keys=encode_keys(keys)))
+        return self._count_answer("touch", self._call("touch", keys=encode_keys(keys)),
+                                  len(keys))
 
     def present(self, keys: Sequence) -> np.ndarray:
         """Per key: is it stored?  (KVStore.present, one request.)"""

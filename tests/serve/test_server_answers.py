@@ -345,3 +345,35 @@ def test_a_reconnect_to_a_server_of_another_layout_is_refused(served, monkeypatc
         monkeypatch.setattr(server, "_op_hello", hello)
         with pytest.raises(GeometryMismatchError, match="another store|layout"):
             r._new_session().close()
+
+
+@pytest.mark.parametrize("answer", ["past_keys", -1, True, "2", None, 1.5])
+def test_a_lookup_or_touch_answer_not_a_count_of_the_keys_is_refused(served, monkeypatch,
+                                                                    answer):
+    """lookup and touch answer how many of the keys asked are stored: a
+    count past the keys asked (an engine connector then claims blocks that
+    do not exist) or below 0 was taken as it came, True as 1, "2" as 2,
+    and None or a float failed as a bare TypeError or passed as an int.
+    Refused with ServerError naming the server and the answer, for
+    contains_nowait and touch_nowait too."""
+    from kvblock.errors import ServerError as Typed
+    from kvblock.store.protocol import decode_keys
+
+    path, sock, server = served
+    for op in ("_op_lookup", "_op_touch"):
+        real = getattr(server, op)
+
+        def bad(s, keys, real=real):
+            real(s, keys)
+            return len(decode_keys(keys)) + 1 if answer == "past_keys" else answer
+        monkeypatch.setattr(server, op, bad)
+    with RemoteStore(sock) as r:
+        keys = run_keys(1, 2)
+        assert r.put_run(keys, run_data(keys)) == 2
+        for call in (lambda: r.lookup(keys), lambda: r.touch(keys),
+                     lambda: r.contains(keys[0]),
+                     lambda: r.contains_nowait(keys[0], 5.0),
+                     lambda: r.touch_nowait(keys, 5.0)):
+            with pytest.raises(Typed, match=f"store server at {sock}.* answered (lookup|touch)"):
+                call()
+        assert r.counters["lookup_hit_blocks"] == 0
