@@ -1032,34 +1032,37 @@ class RemoteStore(RunReader, RunWriter):
     def delete(self, keys: Sequence) -> int:
         """Remove the runs holding any of ``keys``; returns the blocks removed."""
         self._check_open(writing=True)
-        return int(self._call("delete", keys=encode_keys(normalize_keys(keys))))
+        return self._count_answer("delete", self._call(
+            "delete", keys=encode_keys(normalize_keys(keys))))
 
     def delete_prefix(self, prefix: bytes, keep: Sequence = ()) -> int:
         """Remove the runs holding a key that begins with ``prefix``, except
         those holding any of ``keep`` (see KVStore.delete_prefix), every
         rank's; returns the blocks removed."""
         self._check_open(writing=True)
-        return int(self._call("delete_prefix", prefix=check_key_prefix(prefix).hex(),
-                              keep=encode_keys(normalize_keys(keep))))
+        return self._count_answer("delete_prefix", self._call(
+            "delete_prefix", prefix=check_key_prefix(prefix).hex(),
+            keep=encode_keys(normalize_keys(keep))))
 
     def evict(self, nbytes: int | None = None, *, all: bool = False) -> int:
         """Reclaim unpinned regions on the server (see KVStore.evict)."""
         self._check_open(writing=True)
         check_evict(nbytes, all)      # bool("no") is True: the whole shared store would go
-        return int(self._call("evict", nbytes=None if nbytes is None else int(nbytes),
-                              all=bool(all)))
+        return self._count_answer("evict", self._call(
+            "evict", nbytes=None if nbytes is None else int(nbytes), all=bool(all)))
 
     def evict_older_than(self, cutoff: float) -> int:
         """Reclaim unpinned regions sealed before ``cutoff`` on the server
         (see KVStore.evict_older_than)."""
         self._check_open(writing=True)
-        return int(self._call("evict", older_than=time_cutoff(cutoff)))
+        return self._count_answer("evict", self._call("evict",
+                                                       older_than=time_cutoff(cutoff)))
 
     def clear(self) -> int:
         """KVStore.clear() on the server: every rank's blocks are forgotten,
         those other ranks are reading included (a rank has no DRAM tier)."""
         self._check_open(writing=True)
-        return int(self._call("clear"))
+        return self._count_answer("clear", self._call("clear"))
 
     def clear_ticket(self) -> str:
         """The server's KVStore.clear_ticket(): it changes with every rank's

@@ -377,3 +377,30 @@ def test_a_lookup_or_touch_answer_not_a_count_of_the_keys_is_refused(served, mon
             with pytest.raises(Typed, match=f"store server at {sock}.* answered (lookup|touch)"):
                 call()
         assert r.counters["lookup_hit_blocks"] == 0
+
+
+@pytest.mark.parametrize("answer", [-1, None, "3", True, 1.5])
+def test_a_delete_evict_or_clear_answer_not_a_count_is_refused(served, monkeypatch, answer):
+    """delete, delete_prefix, evict, evict_older_than and clear answer a
+    count (blocks removed, regions reclaimed): int() took "3" and True as
+    counts and -1 as one, and failed on None as a bare TypeError.
+    Refused with ServerError naming the server and the answer."""
+    from kvblock.errors import ServerError as Typed
+
+    path, sock, server = served
+    for op in ("_op_delete", "_op_delete_prefix", "_op_evict", "_op_clear"):
+        real = getattr(server, op)
+
+        def bad(s, *args, real=real, **kw):
+            real(s, *args, **kw)
+            return answer
+        monkeypatch.setattr(server, op, bad)
+    with RemoteStore(sock) as r:
+        keys = run_keys(1, 2)
+        for call, op in ((lambda: r.delete(keys), "delete"),
+                         (lambda: r.delete_prefix(keys[0][:4]), "delete_prefix"),
+                         (lambda: r.evict(all=True), "evict"),
+                         (lambda: r.evict_older_than(0.0), "evict"),
+                         (lambda: r.clear(), "clear")):
+            with pytest.raises(Typed, match=f"store server at {sock} answered {op} "):
+                call()
