@@ -1027,7 +1027,18 @@ class RemoteStore(RunReader, RunWriter):
         a cursor from before a server restart answers None)."""
         self._check_open()
         r = self._call("removed", cursor=cursor)
-        return r["cursor"], None if r["keys"] is None else decode_keys(r["keys"])
+        try:
+            now, keys = r["cursor"], r["keys"]
+            if isinstance(now, str) and (keys is None or isinstance(keys, str)):
+                return now, None if keys is None else decode_keys(keys)
+        except (KeyError, TypeError, ConfigError):
+            pass
+        # a bare KeyError or TypeError (a removal watch catches KVBlockError),
+        # or a ConfigError blaming the caller's keys
+        raise ServerError(
+            f"the store server at {self.socket_path} answered removed with {str(r)[:200]}, "
+            "not a cursor (text) and the keys removed (base64 of 16-byte keys, or null); "
+            "a server of another kvblock release?")
 
     def delete(self, keys: Sequence) -> int:
         """Remove the runs holding any of ``keys``; returns the blocks removed."""

@@ -404,3 +404,22 @@ def test_a_delete_evict_or_clear_answer_not_a_count_is_refused(served, monkeypat
                          (lambda: r.clear(), "clear")):
             with pytest.raises(Typed, match=f"store server at {sock} answered {op} "):
                 call()
+
+
+@pytest.mark.parametrize("answer", ["0:1", {"cursor": "x:1"}, {"keys": []},
+                                    {"cursor": 5, "keys": []}, {"cursor": "x:1", "keys": [1]},
+                                    {"cursor": "x:1", "keys": "not base64!"}])
+def test_a_removed_answer_not_a_cursor_and_keys_is_refused(served, monkeypatch, answer):
+    """removed answers {"cursor": text, "keys": base64 keys or null}: an
+    answer of another shape failed as a bare TypeError or KeyError (a
+    removal watch such as the vLLM tier's catches KVBlockError only), a
+    cursor of another type was handed back to be sent again, and keys
+    that are not base64 were a ConfigError blaming the caller's keys.
+    Refused with ServerError naming the server and the answer."""
+    from kvblock.errors import ServerError as Typed
+
+    path, sock, server = served
+    monkeypatch.setattr(server, "_op_removed", lambda s, cursor=None: answer)
+    with RemoteStore(sock) as r:
+        with pytest.raises(Typed, match=f"store server at {sock} answered removed "):
+            r.removed_since("x:0")
