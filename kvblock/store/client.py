@@ -1091,6 +1091,10 @@ class RemoteStore(RunReader, RunWriter):
         process's own counters under ``"client"``."""
         self._check_open()
         s = self._call("stats")
+        if not isinstance(s, dict):      # (s["client"] = ... failed as a bare TypeError)
+            raise ServerError(
+                f"the store server at {self.socket_path} answered stats with {str(s)[:200]}, "
+                "not its numbers by name; a server of another kvblock release?")
         s["client"] = {k: int(v) for k, v in sorted(self.counters.items())}
         s["client"]["engine"] = self.io.engine.name
         return s

@@ -423,3 +423,18 @@ def test_a_removed_answer_not_a_cursor_and_keys_is_refused(served, monkeypatch, 
     with RemoteStore(sock) as r:
         with pytest.raises(Typed, match=f"store server at {sock} answered removed "):
             r.removed_since("x:0")
+
+
+@pytest.mark.parametrize("answer", [None, [1, 2], "stats"])
+def test_a_stats_answer_not_a_dict_is_refused(served, monkeypatch, answer):
+    """stats answers the server's numbers as an object: another answer
+    failed as a bare TypeError (s["client"] = ... on it), not the
+    ServerError a server's wrong answer raises.  ServerError naming the
+    server and the answer."""
+    from kvblock.errors import ServerError as Typed
+
+    path, sock, server = served
+    monkeypatch.setattr(server, "_op_stats", lambda s: answer)
+    with RemoteStore(sock) as r:
+        with pytest.raises(Typed, match=f"store server at {sock} answered stats "):
+            r.stats()
