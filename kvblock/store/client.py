@@ -1079,7 +1079,15 @@ class RemoteStore(RunReader, RunWriter):
         """The server's KVStore.clear_ticket(): it changes with every rank's
         clear() (and with a server restart, where a clear may have come)."""
         self._check_open()
-        return str(self._call("clear_ticket"))
+        ticket = self._call("clear_ticket")
+        if not isinstance(ticket, str) or not ticket:
+            # made text by str() ("None"), a ticket no clear had: every put
+            # given it would be refused as overtaken by a clear, silently
+            raise ServerError(
+                f"the store server at {self.socket_path} answered clear_ticket with "
+                f"{str(ticket)[:200]!r}, not a ticket (text); a server of another kvblock "
+                "release?")
+        return ticket
 
     def checkpoint(self) -> None:
         self._check_open(writing=True)

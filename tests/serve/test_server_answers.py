@@ -438,3 +438,16 @@ def test_a_stats_answer_not_a_dict_is_refused(served, monkeypatch, answer):
     with RemoteStore(sock) as r:
         with pytest.raises(Typed, match=f"store server at {sock} answered stats "):
             r.stats()
+
+
+@pytest.mark.parametrize("answer", [None, 7, ["t"], ""])
+def test_a_clear_ticket_answer_not_a_ticket_is_refused(served, monkeypatch, answer):
+    """clear_ticket answers text naming the clears so far: another answer
+    was made text by str() ("None", "7"), a ticket no clear ever had, so a
+    put given it (an engine's clears=) was refused as overtaken by a clear
+    and silently stored nothing.  Refused with ServerError."""
+    path, sock, server = served
+    monkeypatch.setattr(server, "_op_clear_ticket", lambda s: answer)
+    with RemoteStore(sock) as r:
+        with pytest.raises(ServerError, match="answered clear_ticket"):
+            r.clear_ticket()
