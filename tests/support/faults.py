@@ -6,7 +6,11 @@ issues (through :class:`kvblock.store.storeio.StoreIO`, the store's only path
 to its devices).  At the planned I/O the "machine dies":
 
 - ``torn=True``: the dying write lands only partly (first half of its entries,
-  or first half of a single entry's bytes);
+  or first half of a single entry's bytes: on 4 KiB boundaries);
+- ``torn="sectors"``: the dying write keeps a prefix of its 512-byte sectors
+  (over its entries in order; how many is seeded), ``torn="sector-subset"``:
+  each of its sectors lands or not (seeded) -- a device writes each sector
+  whole, not a write as a whole: tears inside a 4 KiB journal block;
 - ``lose_unflushed=True``: every write since the device's last flush is
   rolled back (the drive's volatile cache was lost);
 - ``lose_unflushed="random"``: each unflushed write is independently kept or
@@ -18,6 +22,7 @@ to its devices).  At the planned I/O the "machine dies":
 
 from __future__ import annotations
 
+import ctypes
 import errno
 from dataclasses import dataclass, field
 
@@ -27,6 +32,9 @@ from kvblock.errors import IOFailedError
 from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
 from kvblock.store.storeio import StoreIO
+
+
+SECTOR = 512     # what a device writes whole (torn="sectors", "sector-subset")
 
 
 class SimulatedCrash(Exception):
@@ -42,6 +50,7 @@ class CrashPlan:
     ops: int = 0
     crashed: bool = False
     undo: list = field(default_factory=list)   # (dev, offset, old bytes) since last flush
+    writes: list = field(default_factory=list)  # (I/O index, [(dev, offset, length)]) per write
 
     def factory(self):
         plan = self
@@ -100,12 +109,47 @@ class CrashingIO(StoreIO):
 
     def write(self, batch):
         dying = self._tick()
+        self.plan.writes.append((self.plan.ops, list(zip(
+            batch.devs.tolist(), batch.offsets.tolist(), batch.lens.tolist()))))
         self._save_undo(batch)
         if dying:
-            if self.plan.torn:
+            if self.plan.torn in ("sectors", "sector-subset"):
+                self._write_sectors(batch)
+            elif self.plan.torn:
                 super().write(_torn(batch))
             self._crash()
         super().write(batch)
+
+    def _write_sectors(self, batch: IOBatch):
+        """The dying write at sector granularity: each of its 512-byte
+        sectors holds the new bytes or the old ones (a prefix of them new,
+        or any subset: ``plan.torn``, seeded by ``plan.seed``).  Drawn over
+        the sectors whose bytes change (the others read the same either
+        way: a journal commit's zero padding over a journal never written)."""
+        rng = np.random.default_rng([self.plan.seed, 0x5EC7])
+        images = []
+        for dev, off, length, addr in zip(batch.devs.tolist(), batch.offsets.tolist(),
+                                          batch.lens.tolist(), batch.addrs.tolist()):
+            with HostBuffer(length, register=False) as buf:
+                super().read(IOBatch.single(buf.address, dev, off, length))
+                old = buf.array[:length].copy()
+            new = np.frombuffer(ctypes.string_at(addr, length), np.uint8)
+            images.append((dev, off, old, new))
+        changing = [(i, s) for i, (_, _, old, new) in enumerate(images)
+                    for s in range(len(old) // SECTOR)
+                    if not np.array_equal(old[s * SECTOR:(s + 1) * SECTOR],
+                                          new[s * SECTOR:(s + 1) * SECTOR])]
+        if self.plan.torn == "sectors":
+            keep = np.arange(len(changing)) < rng.integers(0, max(len(changing), 1))
+        else:
+            keep = rng.random(len(changing)) < 0.5
+        for (i, s), kept in zip(changing, keep):
+            if kept:
+                images[i][2][s * SECTOR:(s + 1) * SECTOR] = images[i][3][s * SECTOR:(s + 1) * SECTOR]
+        for dev, off, image, _ in images:
+            with HostBuffer(len(image), register=False) as buf:
+                buf.array[:len(image)] = image
+                super().write(IOBatch.single(buf.address, dev, off, len(image)))
 
     def write_hashed(self, batch, streams, seeds):
         """Hash the sources, then :meth:`write` (one counted, crashable I/O)."""
