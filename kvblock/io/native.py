@@ -111,7 +111,17 @@ def lib():
                     raise NativeLibraryError(named.format(f"cannot be loaded ({e})")) from None
                 tried.append(f"{path} ({e})")
                 continue
-            version = handle.kvb_abi_version()
+            try:
+                version = handle.kvb_abi_version()
+            except AttributeError as e:
+                # A shared library, but not kvblock's core (cffi's
+                # AttributeError names the symbol it lacks): the error
+                # README promises (exit 10), not a traceback.
+                if named:
+                    raise NativeLibraryError(named.format(
+                        f"is not kvblock's native core ({e})")) from None
+                raise NativeLibraryError(f"{path}: not kvblock's native core ({e}); rebuild "
+                                         "with `pip install -e .` (or `make install`)") from None
             if version != ABI_VERSION:
                 raise NativeLibraryError(
                     f"{path}: native ABI version {version}, this package needs {ABI_VERSION}; "

@@ -155,18 +155,34 @@ def test_a_refused_engine_setting_names_the_setting_not_the_variable(monkeypatch
     assert kio.engine_report()["reason"] == "requested (KVBLOCK_IO_ENGINE=threads)"
 
 
-@pytest.mark.parametrize("what", ["missing", "not a library"])
+def _another_shared_library() -> str:
+    """The path of a shared library this process has loaded that is not
+    kvblock's native core (the C library)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            path = line.split()[-1]
+            if "/libc.so" in path or "/libc-" in path:
+                return path
+    pytest.skip("no libc mapping found in /proc/self/maps")
+
+
+@pytest.mark.parametrize("what", ["missing", "not a library", "another library"])
 def test_a_native_lib_setting_that_cannot_be_loaded_is_an_error(what, tmp_path, monkeypatch):
     """KVBLOCK_NATIVE_LIB names the native core to load (README: from that
     file, before the one pip install built): a path that is not there, or a
     file that is no library, was passed over and the package's own core
-    loaded, so a user testing another build ran the old one, unsaid."""
+    loaded, so a user testing another build ran the old one, unsaid.  A
+    shared library that is not kvblock's (no kvb_abi_version) raised cffi's
+    AttributeError, a traceback, where README promises NativeLibraryError
+    (exit 10)."""
     from kvblock.errors import NativeLibraryError
     from kvblock.io import native
 
     path = tmp_path / "libkvblock_io.so"
     if what == "not a library":
         path.write_bytes(b"not an ELF file\n")
+    elif what == "another library":
+        path = _another_shared_library()
     monkeypatch.setenv("KVBLOCK_NATIVE_LIB", str(path))
     with pytest.raises(NativeLibraryError, match="KVBLOCK_NATIVE_LIB") as exc:
         native.lib.__wrapped__()
@@ -196,8 +212,9 @@ def test_a_native_lib_setting_of_a_bare_file_name_loads_that_file(tmp_path, monk
         assert str(tmp_path / native.LIB_NAME) in f.read()
 
 
+@pytest.mark.parametrize("what", ["not a library", "another library"])
 @pytest.mark.parametrize("setting", [None, "auto", "threads", "uring"])
-def test_engine_report_with_a_native_core_that_cannot_load_is_that_error(setting, tmp_path,
+def test_engine_report_with_a_native_core_that_cannot_load_is_that_error(setting, what, tmp_path,
                                                                          monkeypatch):
     """KVBLOCK_NATIVE_LIB naming a file that is no library: engine_report
     said {'engine': 'threads', 'reason': 'fallback: ...'} (and an engine
@@ -212,6 +229,8 @@ def test_engine_report_with_a_native_core_that_cannot_load_is_that_error(setting
 
     path = tmp_path / "libkvblock_io.so"
     path.write_bytes(b"not an ELF file\n")
+    if what == "another library":     # loads, but is not kvblock's core
+        path = _another_shared_library()
     monkeypatch.delenv("KVBLOCK_IO_ENGINE", raising=False)
     monkeypatch.setenv("KVBLOCK_NATIVE_LIB", str(path))
     monkeypatch.setattr(native, "lib", native.lib.__wrapped__)   # uncached: loads the file named
