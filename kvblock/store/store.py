@@ -1113,30 +1113,31 @@ class KVStore(Recovery, RunReader, RunWriter):
             self.regions.generation[region] = new_gen
         with self._lock:     # none when the region held no run (_release_empty_regions)
             ticket = self._reclaim_tickets.pop(region, None)
+        # The ticket ends after the failure is decided (finally, below): a
+        # delete() waiting for it must not wake to a RECLAIM never written.
+        interrupted = None
         try:
-            with self._removal(ticket):
-                interrupted = None
-                while True:
-                    try:
-                        self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
-                        break
-                    except BaseException as e:
-                        # A KeyboardInterrupt that landed before the record
-                        # reached _commit (while it was built, or entering
-                        # _commit) wrote nothing, and the generation is not
-                        # set: the record again (a RECLAIM replayed twice
-                        # reclaims once; the region stays RECLAIMING
-                        # meanwhile, nothing is put there).  Cut there twice:
-                        # the store fails, as _commit does when cut twice.
-                        if self._failure is not None or \
-                                int(self.regions.generation[region]) == new_gen:
-                            raise
-                        if interrupted is not None:
-                            self._fail(e)
-                            raise
-                        interrupted = e
-                if interrupted is not None:
-                    raise interrupted     # the record is durable
+            while True:
+                try:
+                    self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
+                    break
+                except BaseException as e:
+                    # A KeyboardInterrupt that landed before the record
+                    # reached _commit (while it was built, or entering
+                    # _commit) wrote nothing, and the generation is not
+                    # set: the record again (a RECLAIM replayed twice
+                    # reclaims once; the region stays RECLAIMING
+                    # meanwhile, nothing is put there).  Cut there twice:
+                    # the store fails, as _commit does when cut twice.
+                    if self._failure is not None or \
+                            int(self.regions.generation[region]) == new_gen:
+                        raise
+                    if interrupted is not None:
+                        self._fail(e)
+                        raise
+                    interrupted = e
+            if interrupted is not None:
+                raise interrupted     # the record is durable
         except BaseException as e:
             if self._failure is None:
                 if int(self.regions.generation[region]) != new_gen:
@@ -1158,6 +1159,8 @@ class KVStore(Recovery, RunReader, RunWriter):
                     self.regions.release(region, generation=new_gen)
                     self._reclaimed.notify_all()
             raise
+        finally:
+            self._end_removal(ticket, int(self.regions.generation[region]) == new_gen)
         try:
             dev, off = self.regions.address(region)
             if discard and self.io.discard(dev, off, self.regions.size):
@@ -1452,22 +1455,11 @@ class KVStore(Recovery, RunReader, RunWriter):
 
     def _removal_begins(self) -> int:
         """(under self._lock) runs were just taken out of the index, their
-        record not yet durable: the ticket that _removal ends."""
+        record not yet durable: the ticket that _end_removal ends."""
         ticket = self._removal_tickets
         self._removal_tickets += 1
         self._removing.add(ticket)
         return ticket
-
-    @contextlib.contextmanager
-    def _removal(self, ticket: int | None):
-        """Around the commit of a removal's records: its ticket ends with
-        it, lost when the commit fails."""
-        durable = False
-        try:
-            yield
-            durable = True
-        finally:
-            self._end_removal(ticket, durable)
 
     def _end_removal(self, ticket: int | None, durable: bool) -> None:
         """A removal's records were committed (``durable``), or its commit
