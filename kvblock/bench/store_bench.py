@@ -61,13 +61,11 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
 
 def _format_and_run(target, workload, geometry, run_blocks, seconds, engine, verify, jobs, qd,
                     progress) -> dict:
+    nbytes = run_blocks * geometry.block_bytes
+    _check_run_fits(target, geometry, run_blocks)    # before the format wipes the target
     store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
                            verify=verify, queue_depth=qd)
     try:
-        nbytes = run_blocks * geometry.block_bytes
-        if store.layout(run_blocks).run_bytes > store.sb.region_size:
-            raise ConfigError(f"a run of {run_blocks} blocks ({nbytes} bytes) exceeds the "
-                              f"{store.sb.region_size}-byte region; use fewer --run-blocks")
         src = HostBuffer(nbytes)
         src.array[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
         if workload == "save":
@@ -75,6 +73,24 @@ def _format_and_run(target, workload, geometry, run_blocks, seconds, engine, ver
         return _restore(store, src, run_blocks, seconds, jobs, progress)
     finally:
         store.close()
+
+
+def _check_run_fits(target: str, geometry: Geometry, run_blocks: int) -> None:
+    """A run of ``run_blocks`` must fit one region of the store the bench
+    formats on ``target``: refused before the format, so a refused run size
+    leaves the target as it was (a store there, given --force, stays)."""
+    from kvblock.layout.geometry import RunLayout
+    from kvblock.store.store import _plan
+
+    # opened as the format opens it: a target in use or read-only is
+    # refused as that, before its run size
+    with Device(target) as dev:
+        plan = _plan([dev], geometry, None, None)    # the format's own: its region size
+    run_bytes = RunLayout(geometry, run_blocks, plan["alignment"]).run_bytes
+    if run_bytes > plan["region_size"]:
+        raise ConfigError(f"a run of {run_blocks} blocks ({run_blocks * geometry.block_bytes} "
+                          f"bytes) exceeds the {plan['region_size']}-byte region; use fewer "
+                          "--run-blocks")
 
 
 def _check_size(target: str, size: int) -> None:

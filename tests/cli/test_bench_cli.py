@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -617,3 +618,30 @@ def test_raw_bench_on_a_tmpfs_file_runs_the_engine_it_names(shm_target, monkeypa
         assert res.exit_code == 0, res.output
         assert json.loads(res.output)["engine"] == engine
         assert engine in ran
+
+
+@pytest.mark.parametrize("workload", ["save", "restore"])
+def test_a_store_bench_refusing_its_run_size_leaves_the_target_untouched(file_target, workload):
+    """A run too large for the store's regions was refused only after the
+    target was formatted: `bench --workload save --force` over a store
+    (or over the bench's own store, which needs no --force) exited 8 and
+    the store it had been asked to run on was gone all the same."""
+    from kvblock import Geometry, KVStore
+
+    path = file_target(16 << 20)
+    geom = Geometry(2, 2, 32, "float16", 16)
+    keys = [f"precious-{i}".encode() for i in range(4)]
+    with KVStore.format([path], geom, model="an-engine's") as store:
+        store.put_run(keys, np.full(4 * geom.block_bytes, 7, np.uint8))
+    with open(path, "rb") as f:
+        before = f.read()
+    res = CliRunner().invoke(cli, ["bench", path, "--workload", workload, "--force",
+                                   "--layers", "2", "--kv-heads", "2", "--head-dim", "32",
+                                   "--dtype", "float16", "--run-blocks", "100000",
+                                   "--seconds", "0.05", "--json"])
+    assert res.exit_code == 8, res.output
+    assert "--run-blocks" in res.output
+    with open(path, "rb") as f:
+        assert f.read() == before
+    with KVStore.open([path], model="an-engine's") as store:
+        assert store.lookup(keys) == 4
