@@ -30,6 +30,11 @@ def load(path: str | Path) -> dict:
         raise ConfigError(f"{path}: not JSON ({e})") from None
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
         raise ConfigError(f"{path}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
+    # the table's header reads machine_info.node and .cpu.brand_raw
+    machine = data.get("machine_info", {})
+    if not isinstance(machine, dict) or not isinstance(machine.get("cpu", {}), dict):
+        raise ConfigError(f"{path}: machine_info (and its cpu) must be objects, as "
+                          "pytest-benchmark writes them; not a pytest-benchmark JSON file")
     for i, b in enumerate(data["benchmarks"]):
         b = b if isinstance(b, dict) else {}
         stats, info = b.get("stats"), b.get("extra_info") or {}

@@ -137,3 +137,16 @@ def test_points_whose_x_or_y_values_cannot_be_plotted_are_a_clear_error(tmp_path
     path.write_text(json.dumps(bench(("s", "64K", 2.0), ("s", "1M", 3.0))))
     res = CliRunner().invoke(cli, ["report", str(path), "--out", str(tmp_path / "p"), "--json"])
     assert res.exit_code == 0, res.output
+
+
+def test_a_machine_info_that_is_no_object_is_a_clear_error_not_a_traceback(tmp_path):
+    """machine_info (or its cpu) of another shape than pytest-benchmark's
+    object passed the checks, then the table's header ended in an
+    AttributeError traceback ('NoneType' object has no attribute 'get')."""
+    bad = tmp_path / "bench.json"
+    for machine in (None, "ci", [1], {"cpu": "x86_64"}, {"cpu": None}):
+        bad.write_text(json.dumps({**BENCH, "machine_info": machine}))
+        res = CliRunner().invoke(cli, ["report", str(bad), "--out", str(tmp_path / "p")])
+        assert res.exit_code == 8, (machine, res.output, res.exception)
+        assert res.output.startswith("kvblock: error: ") and "machine_info" in res.output, \
+            res.output
