@@ -62,7 +62,7 @@ class KVBlockGroup(click.Group):
         try:
             return super().invoke(ctx)
         except errors.KVBlockError as e:
-            click.echo(f"kvblock: error: {e}", err=True)
+            click.echo(f"kvblock: error: {_said_to(e, ctx.invoked_subcommand)}", err=True)
             sys.exit(exit_code_for(e))
         except OSError as e:   # one the code did not type: still one line, not a traceback
             if isinstance(e, BrokenPipeError) and _stdout_gone():
@@ -73,6 +73,22 @@ class KVBlockGroup(click.Group):
         except KeyboardInterrupt:
             click.echo("kvblock: interrupted", err=True)
             sys.exit(EXIT_INTERRUPTED)
+
+
+# The device's own advice for a read-only device or filesystem, which no
+# command can take that meets it: those that only read (info, ls, stats, fsck,
+# bench's reads) open the store read-only and never see the error.
+_OPEN_READ_ONLY = "; open the store read-only, or "
+
+
+def _said_to(e: errors.KVBlockError, command: str | None) -> str:
+    """``e``'s message for the operator of ``command``."""
+    text = str(e)
+    if isinstance(e, errors.ReadOnlyDeviceError) and _OPEN_READ_ONLY in text:
+        head, _, fix = text.partition(_OPEN_READ_ONLY)
+        return (f"{head}; kvblock {command or '...'} writes to it: {fix} first (kvblock "
+                "info, ls, stats and fsck read it as it is)")
+    return text
 
 
 def _stdout_gone() -> bool:

@@ -520,6 +520,29 @@ def test_read_only_device(loop_device):
         subprocess.run(["blockdev", "--setrw", dev], check=True)
 
 
+
+def test_a_read_only_device_is_not_said_to_open_read_only_to_commands_that_write(loop_device,
+                                                                                  tmp_path):
+    """Refused on a read-only device, the commands that write were told the
+    device's own advice, "open the store read-only", which none of them can
+    (the commands that read open it read-only already and never meet the
+    error): the line names the command that writes and the one fix."""
+    dev = loop_device(16 << 20)
+    formatted(dev)
+    subprocess.run(["blockdev", "--setro", dev], check=True)
+    try:
+        for args in (("format", dev, *GEOM_ARGS, "--yes", "--force"), ("evict", dev, "--all"),
+                     ("trim", dev), ("fsck", dev, "--repair"),
+                     ("serve", dev, "--socket", tmp_path / "kv.sock"),
+                     ("bench", dev, "--workload", "write", "--yes", "--force"),
+                     ("selfcheck", "--path", dev, "--yes", "--force")):
+            res = kvb(*args)
+            one_line_error(res, 17, dev, "read-only", f"blockdev --setrw {dev}",
+                           f"kvblock {args[0]} writes")
+            assert "open the store read-only" not in res.stderr, res.stderr
+    finally:
+        subprocess.run(["blockdev", "--setrw", dev], check=True)
+
 def test_a_detached_loop_device_is_said_detached_not_too_small():
     """A loop device whose store file was detached (losetup -d, a reboot) is
     0 bytes: it is a device not found (exit 3) that names the fix, not a
