@@ -39,6 +39,10 @@ class Run:
     hits: int = 0
     created: float = field(default=0.0)
     live: int = 0            # positions whose key points here (set by KeyIndex)
+    # The store's publish count when this run was published (0: recovered
+    # at open, older than any run published since): orders copies of a key
+    # in the DRAM tier (KVStore._publish_puts, HostTier.drop_older).
+    published: int = 0
 
     @property
     def nblocks(self) -> int:

@@ -24,6 +24,7 @@ from kvblock.errors import ConfigError, IOFailedError, KVBlockError
 from kvblock.format import trailer as trailerfmt
 from kvblock.format.checksum import data_seed
 from kvblock.index import Run, normalize_keys
+from kvblock.index.index import POS_BITS
 from kvblock.io import IOBatch
 from kvblock.io.engine import FEW_IOS
 from kvblock.layout.geometry import RunLayout, round_up
@@ -255,9 +256,13 @@ class RunReader(RunIO):
         at = 0 if only is None else (only[0] * g.head_groups + only[1]) * g.group_block_bytes
         # a clear() or delete() during the read keeps its blocks out
         epoch, discards = self.host.epoch, self.host.discards
-        # the run each key names before the read (see the inserts below)
+        # the run each key names before the read (see the inserts below),
+        # and when it was published (-1: none)
         with self._lock:
             named = self.index.lookup(keys)
+            runs = self.index.runs
+            published = [runs[p >> POS_BITS].published if p >= 0 else -1
+                         for p in named.tolist()]
         in_host = [k in self.host for k in keys]
         done, fetched, hits, raced, from_host = 0, [], 0, 0, []
         while done < n:
@@ -297,21 +302,25 @@ class RunReader(RunIO):
             # A put published a newer run of a key since the read began:
             # the bytes read may be the older run's, and the newer copy the
             # put gave the tier may have been pushed out before the insert.
-            self._tier_keep_newest([keys[k] for k in fetched], named[fetched])
+            self._tier_keep_newest([keys[k] for k in fetched], named[fetched],
+                                   [published[k] for k in fetched])
         return done
 
-    def _tier_keep_newest(self, keys: list[bytes], named) -> None:
+    def _tier_keep_newest(self, keys: list[bytes], named, published: list[int]) -> None:
         """After copies of ``keys`` went into the DRAM tier, taken from the
-        runs ``named`` (packed run per key): the keys that name another run
-        by now leave the tier.  Looked at after the insert (a key's run only
-        ever changes to a newer one), their reads go to the device, which
-        has the newest copy."""
+        runs ``named`` (packed run per key, ``published`` their
+        Run.published): the keys that name another run by now (or none)
+        leave the tier if their copy there is older than that run: their
+        reads go to the device, which has the newest copy.  Looked at after
+        the insert (a key's run only ever changes to a newer one).  A copy
+        as new or newer stays: this run's own (a newer put replaces or drops
+        it itself; with the run evicted it is the key's newest copy), or a
+        newer put's (its run perhaps evicted since: the only copy left)."""
         with self._lock:
             moved = self.index.lookup(keys) != named
         if moved.any():
-            with self.host.lock:
-                for j in np.flatnonzero(moved).tolist():
-                    self.host._drop_locked(keys[j])
+            at = np.flatnonzero(moved).tolist()
+            self.host.drop_older([keys[j] for j in at], [published[j] for j in at])
 
     @in_flight
     def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:

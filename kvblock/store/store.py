@@ -436,6 +436,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                            "store); open it again in this process with KVStore.open(devices)")
         self._pid = os.getpid()   # a forked child's copy leaves the metadata to the parent
         self._clears = 0       # clear() calls: a put call that saw another count is refused
+        self._publishes = 0    # publish commits (Run.published: their order)
         self._pending: list = []
         self._pending_lock = threading.Lock()
         self._stagings = StagingBuffers()
@@ -954,7 +955,10 @@ class KVStore(Recovery, RunReader, RunWriter):
             # Keys no run names any more: this run left the device (evicted,
             # dropped) between its publish and here.  A copy of an older
             # put may still be in DRAM (its run evicted before, the tier
-            # kept it): it must go, or reads get those older bytes.
+            # kept it): it must go, or reads get those older bytes.  Only
+            # a copy older than this run: a newer put's (published after
+            # this one, its run evicted since) is the key's newest copy,
+            # held nowhere else.
             unnamed = np.flatnonzero(named < 0).tolist()
             for k in mine:
                 # Asked again under the tier's lock: a newer put that
@@ -964,17 +968,21 @@ class KVStore(Recovery, RunReader, RunWriter):
                               discards=discards, replace=True,
                               current=self._names(keys[k], packed[k]))
             if mine or unnamed:
-                self._tier_keep_newest([keys[k] for k in mine + unnamed], packed[mine + unnamed])
+                self._tier_keep_newest([keys[k] for k in mine + unnamed], packed[mine + unnamed],
+                                       [run.published] * len(mine + unnamed))
         self.counters["put_runs"] += 1
         self.counters["put_blocks"] += len(keys)
         self.counters["bytes_written"] += self.layout(len(keys)).run_bytes
 
     def _names(self, key: bytes, packed):
         """For HostTier.put's ``current``: does the index still name
-        ``packed`` (a run's position) for ``key``?"""
-        def check() -> bool:
+        ``packed`` (a run's position) for ``key``?  Then the run's
+        ``published`` (the copy's age, for HostTier.drop_older), else None."""
+        def check() -> int | None:
             with self._lock:
-                return bool(self.index.lookup([key])[0] == packed)
+                if self.index.lookup([key])[0] != packed:
+                    return None
+                return self.index.runs[int(packed) >> POS_BITS].published
         return check
 
     # The three steps of a put, also used apart by the store server
@@ -1014,6 +1022,9 @@ class KVStore(Recovery, RunReader, RunWriter):
 
         def publish():
             now = time.time()
+            self._publishes += 1
+            for run in kept:
+                run.published = self._publishes
             emptied.update(self._index_runs(kept))
             for run in kept:
                 self.regions.last_access[run.region] = now

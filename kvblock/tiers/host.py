@@ -57,6 +57,9 @@ class HostTier:
         # re-put of its key is not held by the old lease.
         self.pins: dict[tuple[bytes, int], int] = {}
         self.born: dict[bytes, int] = {}   # key -> its copy's insert number
+        # key -> ``current()``'s answer for its copy: the store's publish
+        # count of the run it came from (-1: put without ``current``)
+        self.published: dict[bytes, int] = {}
         self._births = 0
         self._gone = gone
 
@@ -122,7 +125,9 @@ class HostTier:
         ``replace``: a newer copy of a key already here replaces it (a put),
         else the one here stays.  ``current``: a callable saying whether
         the block is still the key's newest copy (the store's index still
-        names the run it came from), asked under this tier's lock: a newer
+        names the run it came from): None when not, else when that run was
+        published (kept with the copy, for :meth:`drop_older`); asked
+        under this tier's lock: a newer
         put that published after the caller last looked puts its own copy
         here after this one (it waits for the lock), never before, so an
         older copy cannot replace it, not even for a moment."""
@@ -144,14 +149,18 @@ class HostTier:
                 return
             # (takes the store's lock inside this one: the store never
             # takes this lock while holding its own)
-            if current is not None and not current():
-                return
+            published = -1
+            if current is not None:
+                published = current()
+                if published is None:
+                    return
             slot = self.probation.get(key)
             if slot is None:
                 slot = self.protected.get(key)
             if slot is not None:
                 if replace:
                     self.blocks[slot] = block.reshape(-1).view(np.uint8)
+                    self.published[key] = published
                 return
             if not self.free:
                 victim = self._victim_locked()
@@ -160,6 +169,7 @@ class HostTier:
                 seg, old = victim
                 self.free.append(seg.pop(old))
                 del self.born[old]
+                del self.published[old]
                 self.evictions += 1
                 self._report([old])
             slot = self.free.pop()
@@ -167,6 +177,7 @@ class HostTier:
             self.probation[key] = slot
             self._births += 1
             self.born[key] = self._births
+            self.published[key] = published
             self.inserts += 1
 
     def _victim_locked(self):
@@ -211,6 +222,7 @@ class HostTier:
             self.probation.clear()
             self.protected.clear()
             self.born.clear()
+            self.published.clear()
             self.free = list(range(self.slots - 1, -1, -1))
             self._report(keys)
             return n
@@ -233,6 +245,15 @@ class HostTier:
             self._report(list(keys))
             return keys
 
+    def drop_older(self, keys: list[bytes], published: list[int]) -> None:
+        """Drop each of ``keys`` whose copy here came from a run published
+        before ``published[k]`` (the answers of put's ``current``; a copy
+        put without one counts as older than any): a newer copy stays."""
+        with self.lock:
+            for key, newer in zip(keys, published):
+                if key in self.born and self.published[key] < newer:
+                    self._drop_locked(key)
+
     def _drop_locked(self, key: bytes, report: bool = True) -> bool:
         slot = self.probation.pop(key, None)
         if slot is None:
@@ -240,6 +261,7 @@ class HostTier:
         if slot is not None:
             self.free.append(slot)
             del self.born[key]
+            del self.published[key]
             if report:
                 self._report([key])
         return slot is not None

@@ -695,12 +695,12 @@ def test_a_put_overtaken_by_a_newer_put_never_serves_its_older_copy_from_dram(tm
                 assert newer == [2]
             return real_put(key, block, **kw)
 
-        def read_before_the_older_put_looks_again(keys_, named):
+        def read_before_the_older_put_looks_again(keys_, named, *rest):
             if newer and not seen and keys_ == normalize_keys(keys[:1]):
                 out = np.zeros(GEOM.block_bytes, np.uint8)
                 in_thread(lambda: (store.get_run(keys[:1], out), out.copy()))
                 seen.append(newer.pop())
-            return real_keep(keys_, named)
+            return real_keep(keys_, named, *rest)
         store.host.put = put_overtaken
         store._tier_keep_newest = read_before_the_older_put_looks_again
         assert store.put_run(keys[:1], old) == 1
@@ -972,3 +972,53 @@ def test_a_block_moving_between_segments_is_still_held(tmp_path, how):
         assert store.get_run(keys[1:], out) == 1          # ks[1]: a hit, promoted
         threads[0].join(10)
         assert answers == [(2, [True, True])]
+
+
+@pytest.mark.parametrize("when", ["before_its_look", "after_its_copy"])
+def test_an_older_put_finishing_late_keeps_the_newer_puts_copy_in_dram(tmp_path, when):
+    """Two puts of a key in flight together: the newer one published after
+    the older, gave the DRAM tier its copy and returned, and its run was
+    evicted from the device (the tier keeps its blocks).  The older put,
+    finishing after it, found no run naming the key (or its own run no
+    longer naming it) and dropped the key from the tier: the newer put's
+    copy, the only one left, was lost (a miss for stored blocks)."""
+    with _old_and_new(tmp_path, 11) as (store, keys, old, new):
+        real_publish, real_unpin, real_put = store._publish_put, store._unpin_writers, \
+            store.host.put
+        older = threading.get_ident()
+        newer_waits, older_published, newer_done = (threading.Event() for _ in range(3))
+        newer = threading.Thread(target=lambda: store.put_run(keys, new) == 2 and newer_done.set())
+
+        def publish(run, clears):
+            if threading.get_ident() != older:           # the newer put: after the older
+                newer_waits.set()
+                assert older_published.wait(10)
+                return real_publish(run, clears)
+            newer.start()                                # both past their look at the index
+            assert newer_waits.wait(10)
+            return real_publish(run, clears)
+
+        def newer_returns_and_is_evicted():              # other threads, right here
+            older_published.set()
+            newer.join(10)
+            assert newer_done.is_set()
+            store.evict(all=True)
+            assert all(k in store.host for k in normalize_keys(keys))
+
+        def unpinned(regions):
+            real_unpin(regions)
+            if when == "before_its_look" and threading.get_ident() == older:
+                newer_returns_and_is_evicted()
+
+        def copied(key, block, **kw):
+            real_put(key, block, **kw)
+            if when == "after_its_copy" and threading.get_ident() == older \
+                    and key == normalize_keys(keys)[-1]:
+                newer_returns_and_is_evicted()
+        store._publish_put, store._unpin_writers, store.host.put = publish, unpinned, copied
+        assert store.put_run(keys, old) == 2
+        del store._publish_put, store._unpin_writers, store.host.put
+        assert newer_done.is_set()
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 2, "the newer put's copy left DRAM"
+        assert np.array_equal(out, new)
