@@ -310,17 +310,24 @@ class RunReader(RunIO):
         """After copies of ``keys`` went into the DRAM tier, taken from the
         runs ``named`` (packed run per key, ``published`` their
         Run.published): the keys that name another run by now (or none)
-        leave the tier if their copy there is older than that run: their
-        reads go to the device, which has the newest copy.  Looked at after
+        leave the tier if their copy there is older than that run (or, one
+        named now, than the run named now): their reads go to the device,
+        which has the newest copy.  Looked at after
         the insert (a key's run only ever changes to a newer one).  A copy
         as new or newer stays: this run's own (a newer put replaces or drops
         it itself; with the run evicted it is the key's newest copy), or a
         newer put's (its run perhaps evicted since: the only copy left)."""
         with self._lock:
-            moved = self.index.lookup(keys) != named
-        if moved.any():
-            at = np.flatnonzero(moved).tolist()
-            self.host.drop_older([keys[j] for j in at], [published[j] for j in at])
+            now = self.index.lookup(keys)
+            moved = np.flatnonzero(now != named).tolist()
+            # the age a copy must reach to stay: the run named now (a newer
+            # put's, whose own DRAM step may not have come: a copy older than
+            # it is stale), else, the run gone, the one the caller looked at
+            runs = self.index.runs
+            newer = [max(published[j], runs[int(now[j]) >> POS_BITS].published)
+                     if now[j] >= 0 else published[j] for j in moved]
+        if moved:
+            self.host.drop_older([keys[j] for j in moved], newer)
 
     @in_flight
     def read_range(self, keys: Sequence, layer: int, group: int, out) -> int:

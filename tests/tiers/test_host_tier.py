@@ -1022,3 +1022,32 @@ def test_an_older_put_finishing_late_keeps_the_newer_puts_copy_in_dram(tmp_path,
         out = np.zeros(2 * GEOM.block_bytes, np.uint8)
         assert store.get_run(keys, out) == 2, "the newer put's copy left DRAM"
         assert np.array_equal(out, new)
+
+
+def test_a_reads_newest_check_drops_a_copy_older_than_the_run_named_now(tmp_path):
+    """A read's copy went into DRAM, then a put published a newer run of
+    the key (a grown prefix) whose own DRAM step did not happen (a put's
+    thread cut between its publish and that step): the read's check after
+    its insert found the key moved and must drop the older copy, whose age
+    it compares with the run named now (the newer put's), not with the run
+    it read (equal: kept, and served in place of the newer bytes)."""
+    with _old_and_new(tmp_path, 11) as (store, keys, _, new):
+        first = normalize_keys(keys[:1])
+        store.put_run(keys[:1], run_data(keys[:1]))          # the run the read read
+        with store._lock:
+            named = store.index.lookup(first)
+            published = [store.index.runs[int(p) >> 24].published for p in named]
+        assert first[0] in store.host                         # its copy in DRAM
+        real_put, real_keep = store.host.put, store._tier_keep_newest
+        store.host.put = lambda *a, **kw: None                # the put's DRAM step skipped
+        store._tier_keep_newest = lambda *a, **kw: None
+        try:
+            assert store.put_run(keys, new) == 2              # the newer run names it now
+        finally:
+            store.host.put, store._tier_keep_newest = real_put, real_keep
+        store._tier_keep_newest(first, named, published)     # the read's check
+        g = GEOM
+        want = new.reshape(g.num_layers, g.head_groups, 2, g.group_block_bytes)[:, :, :1]
+        got = np.zeros(g.block_bytes, np.uint8)
+        assert store.get_run(keys[:1], got) == 1
+        assert np.array_equal(got, want.reshape(-1)), "the older copy was served from DRAM"
