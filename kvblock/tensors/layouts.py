@@ -220,6 +220,16 @@ class HFDynamicLayout(CacheLayout):
         self.keys = _layers(keys, "HFDynamicLayout")
         self.values = _arrays(list(values), "HFDynamicLayout values")
         self.block_tokens = _page_tokens(block_tokens, "HFDynamicLayout block_tokens")
+        # Its pages are torch views (permute, _StridedPages): a numpy or cupy
+        # array failed at the first layer_views with an AttributeError.
+        for name, ts in (("keys", self.keys), ("values", self.values)):
+            for layer, t in enumerate(ts):
+                if not _is_torch(t):
+                    raise ConfigError(
+                        f"HFDynamicLayout layer {layer} {name} are a "
+                        f"{type(t).__module__}.{type(t).__name__}, not a torch tensor; a "
+                        "Hugging Face cache holds torch tensors (for numpy pages use "
+                        "VLLMLayout or SGLangHostLayout)")
         if len(self.keys[0].shape) != 4:
             raise ConfigError(f"HFDynamicLayout: layer 0 keys have shape "
                               f"{tuple(self.keys[0].shape)}, not (1, heads, tokens, head_dim)")

@@ -1023,6 +1023,20 @@ def test_layers_that_are_no_arrays_are_clear_errors():
         HFDynamicLayout.from_cache(cache, BS)
 
 
+def test_hf_layout_of_numpy_arrays_is_a_clear_error():
+    """HFDynamicLayout took numpy (or any non-torch) arrays, then failed at
+    the first layer_views (check, save, load) with AttributeError "'numpy.
+    ndarray' object has no attribute 'permute'": its pages are torch views.
+    A DynamicCache holds torch tensors; anything else is a ConfigError up front."""
+    k = np.zeros((1, H, 2 * BS, D), np.float16)
+    with pytest.raises(ConfigError, match=r"HFDynamicLayout layer 0 keys are a numpy\.ndarray, "
+                                          r"not a torch tensor"):
+        HFDynamicLayout([k], [k], BS)
+    t = torch.zeros(1, H, 2 * BS, D, dtype=torch.float16)
+    with pytest.raises(ConfigError, match=r"HFDynamicLayout layer 1 values are a numpy"):
+        HFDynamicLayout([t, t], [t, k], BS)
+
+
 def test_a_load_counts_its_bytes_and_misses_as_other_reads_do(path):
     """A layer-wise load counted its blocks (get_blocks) but not their bytes
     (get_bytes: what the read returned, bytes_read: what it read from the
