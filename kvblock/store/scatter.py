@@ -119,7 +119,24 @@ class BlockList:
             if writable and not a.flags.writeable:
                 raise ConfigError(f"{what}: block {k} is read-only")
             arrays.append(a.reshape(-1).view(np.uint8).reshape(g.ranges, g.group_block_bytes))
-        return cls(arrays, g)
+        out = cls(arrays, g)
+        if writable and len(arrays) > 1:
+            out._check_apart(what)
+        return out
+
+    def _check_apart(self, what: str) -> None:
+        """Buffers to read into must not overlap: two blocks read into one
+        place leave one of them there, which a DRAM tier then took for
+        both keys' blocks (wrong bytes for every later read of the other)."""
+        addrs = self.addresses()
+        order = np.argsort(addrs, kind="stable")
+        sorted_addrs = addrs[order]
+        hit = np.flatnonzero(sorted_addrs[1:] < sorted_addrs[:-1]
+                             + np.uint64(self.geometry.block_bytes))
+        if hit.size:
+            j, k = sorted(int(x) for x in order[hit[0]:hit[0] + 2])
+            raise ConfigError(f"{what}: block buffers {j} and {k} overlap in memory; each key "
+                              "needs a buffer of its own to read its block into")
 
     def __len__(self) -> int:
         return len(self.arrays)

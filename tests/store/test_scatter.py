@@ -231,6 +231,35 @@ def test_bad_block_lists(small_store):
     assert store.get_run(keys2, out) == 1 and (out == 9).all()
 
 
+@pytest.mark.parametrize("overlap", [0, 64])
+def test_block_buffers_to_read_into_that_overlap_are_refused(tmp_path, overlap):
+    """get_blocks into one buffer given for two keys (or two that overlap)
+    read both blocks there, and with a DRAM tier then put that buffer into
+    the tier as each key's block: key 0's entry held key 1's bytes, and every
+    later read of key 0 returned them.  Overlapping buffers to read into are
+    a ConfigError up front, before any read."""
+    from kvblock import create_file
+
+    path = tmp_path / "s.img"
+    create_file(path, 16 * MIB)
+    bb = ALIGNED.block_bytes
+    a, b = np.full(bb, 1, np.uint8), np.full(bb, 2, np.uint8)
+    with _format(path, ALIGNED, host_cache_bytes=MIB) as store:
+        store.put_blocks([b"a"], [a])
+        store.put_blocks([b"b"], [b])
+        store.host.clear()                   # both read from the device, then tiered
+        buf = aligned_empty(2 * bb)
+        outs = [buf[:bb], buf[overlap:overlap + bb]]
+        with pytest.raises(ConfigError, match="get_blocks: block buffers 0 and 1 overlap"):
+            store.get_blocks([b"a", b"b"], outs)
+        out = aligned_empty(bb)
+        assert store.get_blocks([b"a"], [out]) == 1 and (out == 1).all()
+        assert store.get_blocks([b"b"], [out]) == 1 and (out == 2).all()
+        # buffers side by side (touching, not overlapping) are fine
+        assert store.get_blocks([b"a", b"b"], [buf[:bb], buf[bb:]]) == 2
+        assert (buf[:bb] == 1).all() and (buf[bb:] == 2).all()
+
+
 def test_present_is_per_key_and_not_a_lookup(tmp_path):
     from kvblock import create_file
 
