@@ -190,6 +190,15 @@ class IOBatch:
             raise ConfigError(f"IOBatch.contiguous: a range of {length!r} bytes in pieces of "
                               f"{io_size!r}: the length must be a whole number of bytes from "
                               "0, the piece size one from 1")
+        # as single(): cast by np.uint64, a fraction was dropped (an offset
+        # of 4096.5 read the bytes at 4096) and a negative value raised
+        # numpy's OverflowError
+        for name, value in (("address", address), ("device", dev), ("offset", offset)):
+            if not _whole(value):
+                raise _not_integer(f"{name} {value!r}")
+            if not 0 <= value < 1 << 64:
+                raise _out_of_range(None, f"{name} {value}")
+        address, offset = int(address), int(offset)
         starts = np.arange(0, length, io_size, dtype=np.uint64)
         lens = np.minimum(np.uint64(io_size), np.uint64(length) - starts)
         return cls(starts + np.uint64(address), dev, starts + np.uint64(offset), lens)

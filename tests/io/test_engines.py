@@ -924,3 +924,30 @@ def test_a_contiguous_batch_of_a_bad_piece_size_or_length_is_a_config_error():
             IOBatch.contiguous(4096, 0, 0, length, io_size)
     assert IOBatch.contiguous(4096, 0, 0, 8192, 4096).lens.tolist() == [4096, 4096]
     assert len(IOBatch.contiguous(4096, 0, 0, 0, 4096)) == 0
+
+
+def test_a_contiguous_batch_at_a_fractional_or_negative_offset_is_a_config_error(
+        engine_name, file_target):
+    """IOBatch.contiguous checked its length and piece size, but put the
+    offset and address through np.uint64 as they came: an offset of 4096.5
+    lost its fraction, so the read that any other misaligned offset is
+    refused for read the bytes at 4096 and reported success (a wrong read),
+    and a negative offset or address raised numpy's bare OverflowError."""
+    path = file_target(MIB)
+    with open(path, "r+b") as f:
+        f.write(bytes(range(256)) * 64)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(8192) as buf:
+        a = buf.address
+        with pytest.raises(ConfigError, match=r"IOBatch: offset 4096\.5 .*integer"):
+            eng.read(IOBatch.contiguous(a, 0, 4096.5, 8192, 4096))
+        with pytest.raises(ConfigError, match=r"IOBatch: address 4096\.5 .*integer"):
+            IOBatch.contiguous(4096.5, 0, 0, 8192, 4096)
+        with pytest.raises(ConfigError, match=r"IOBatch: device 0\.5 .*integer"):
+            IOBatch.contiguous(a, 0.5, 0, 8192, 4096)
+        for address, offset in [(a, -4096), (-4096, 0), (a, 1 << 64)]:
+            with pytest.raises(ConfigError, match=r"IOBatch: .*out of range"):
+                IOBatch.contiguous(address, 0, offset, 8192, 4096)
+        b = IOBatch.contiguous(a, np.int64(0), np.uint64(4096), 8192, 4096)
+        assert b.offsets.tolist() == [4096, 8192] and b.addrs.tolist() == [a, a + 4096]
+        assert IOBatch.contiguous(a, 0, 4096.0, 4096, 4096).offsets.tolist() == [4096]
