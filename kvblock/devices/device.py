@@ -558,7 +558,10 @@ class Device:
                     f"{self.path}`", self.path, errno.EROFS)
             if exclusive and self.kind == "block":
                 self._lock_loop_backing(st, busy_timeout)
-            self.info = self._probe(st)
+            # The file as opened and locked, not the stat before: a store file
+            # another start was still sizing (new_file holds its flock until
+            # then) read as the 0 bytes it had when this open first looked.
+            self.info = self._probe(os.fstat(self.fd))
             if (self.kind == "block" and self.info.capacity == 0
                     and os.major(st.st_rdev) == LOOP_MAJOR and not loop_backing(st.st_rdev)):
                 raise DeviceNotFoundError(

@@ -255,6 +255,49 @@ def test_exclusive_file_lock(file_target):
         pass
 
 
+def test_a_file_sized_while_its_open_waits_for_the_lock_has_its_new_capacity(
+        tmp_path, monkeypatch):
+    """A store file another start has just made (new_file holds its flock
+    from the O_EXCL create until posix_fallocate has sized it): an open that
+    finds it locked waits for the lock (busy_timeout) and then goes on, but
+    its capacity came from the stat taken before it opened the file, when
+    it still had 0 bytes, so the sized file read as empty (0 bytes, or
+    DeviceTooSmallError with a min_size)."""
+    import fcntl
+    import threading
+
+    path = tmp_path / "kv.img"
+    path.touch()
+    holder = os.open(path, os.O_RDWR)
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    real_flock = fcntl.flock
+    refused = threading.Event()
+
+    def flock(fd, op):
+        try:
+            return real_flock(fd, op)
+        except BlockingIOError:
+            refused.set()         # the open has looked at the file and waits
+            raise
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+    def size_and_let_go():
+        assert refused.wait(10)
+        os.ftruncate(holder, 8 * MIB)
+        real_flock(holder, fcntl.LOCK_UN)
+
+    sizer = threading.Thread(target=size_and_let_go)
+    sizer.start()
+    try:
+        with Device(path, min_size=4 * MIB, busy_timeout=10) as dev:
+            assert dev.capacity == 8 * MIB
+    finally:
+        refused.set()
+        sizer.join(10)
+        os.close(holder)
+
+
 def test_busy_names_the_process_holding_it(file_target, loop_device):
     """A device or file another process holds: the error names its pid and
     command line (an auto-started `kvblock serve` outlives its engine)."""
