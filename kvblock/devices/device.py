@@ -746,8 +746,16 @@ class Device:
                 f"(capacity {self.capacity} bytes)", self.path, errno.EINVAL, offset, length)
 
     # --- maintenance -----------------------------------------------------------
+    def _check_open(self) -> None:
+        """ConfigError once closed: the descriptor is -1 (os calls on it
+        raise a bare ValueError)."""
+        if self.fd < 0:
+            raise ConfigError(f"{self.path}: the device is closed; open it again "
+                              "(Device(path)) to use it")
+
     def flush(self) -> None:
         """Make written data durable (fdatasync: flushes the device write cache)."""
+        self._check_open()
         try:
             os.fdatasync(self.fd)
         except OSError as e:
@@ -758,6 +766,7 @@ class Device:
         """Tell the device a range is free (TRIM / punch hole).  Returns False
         when the device does not support it; the range is then left as is."""
         self.check_range(offset, length)
+        self._check_open()
         if not self.info.discard or length == 0:
             return False
         try:
@@ -779,6 +788,7 @@ class Device:
         DeviceInfo says discard (punch hole), which only its filesystem can
         confirm (ext2, vfat, older NFS refuse it): a hole is punched past
         the file's end (KEEP_SIZE: no data there, the size kept)."""
+        self._check_open()
         if not self.info.discard:
             return False
         if self.kind == "block":

@@ -13,6 +13,7 @@ import pytest
 from kvblock.devices import Device, create_file
 from kvblock.errors import (
     AlignmentError,
+    ConfigError,
     DeviceBusyError,
     DeviceError,
     DeviceNotFoundError,
@@ -296,6 +297,19 @@ def test_a_file_sized_while_its_open_waits_for_the_lock_has_its_new_capacity(
         refused.set()
         sizer.join(10)
         os.close(holder)
+
+
+def test_a_closed_devices_flush_and_discard_are_config_errors(file_target):
+    """flush(), discard() and discard_supported() on a closed Device ran
+    fdatasync, fallocate or fstat on the descriptor -1 and raised Python's
+    bare ValueError ('file descriptor cannot be a negative integer'), no
+    kvblock error and no device named."""
+    path = file_target(MIB)
+    dev = Device(path)
+    dev.close()
+    for call in (dev.flush, lambda: dev.discard(0, 4096), dev.discard_supported):
+        with pytest.raises(ConfigError, match=f"{path}: the device is closed"):
+            call()
 
 
 def test_busy_names_the_process_holding_it(file_target, loop_device):
