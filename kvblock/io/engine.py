@@ -163,6 +163,10 @@ class IOEngine:
             raise ConfigError(f"queue_depth must be an integer from 1 to {MAX_QUEUE_DEPTH} "
                               f"(I/Os in flight per batch), got {queue_depth!r} (default 32)")
         self.devices = list(devices)
+        for d in self.devices:
+            if d.fd < 0:   # (its -1 in the table: every I/O an EBADF 'device fault')
+                raise ConfigError(f"{d.path}: the device is closed; open it again "
+                                  "(Device(path)) for the engine")
         self.queue_depth = int(queue_depth)
         self.max_io = _check_max_io(max_io, self.devices)
         self.fds = np.array([d.fd for d in self.devices], dtype=np.int32)

@@ -926,6 +926,18 @@ def test_a_contiguous_batch_of_a_bad_piece_size_or_length_is_a_config_error():
     assert len(IOBatch.contiguous(4096, 0, 0, 0, 4096)) == 0
 
 
+def test_an_engine_over_a_closed_device_is_refused(engine_name, file_target):
+    """An engine opened over a Device already closed took its descriptor,
+    -1, into its table: every I/O then failed as an IOFailedError EBADF
+    with device_fault True, which a store takes for a bad sector (and drops
+    the runs it names), where the device was only closed."""
+    path = file_target(MIB)
+    dev = Device(path)
+    dev.close()
+    with pytest.raises(ConfigError, match=f"{path}: the device is closed"):
+        open_engine([dev], engine_name)
+
+
 def test_a_contiguous_batch_at_a_fractional_or_negative_offset_is_a_config_error(
         engine_name, file_target):
     """IOBatch.contiguous checked its length and piece size, but put the
