@@ -155,11 +155,14 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
         guard_overwrite(device, "the demo", force=force, yes=yes, allow_model=SALT)
     say = (lambda *a: None) if quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
 
-    # The store is formatted, and the prefix's run checked to fit it, before
-    # the model runs: a --device that is missing or too small is refused at
-    # once, not after the whole recompute.
+    # The prefix's run is checked to fit the store, and the store formatted,
+    # before the model runs: a --device that is missing or too small is
+    # refused at once, not after the whole recompute; and the run is checked
+    # against the format's own plan before the format wipes the device (a
+    # refused one keeps what it held: an earlier demo's store, or one given
+    # --force).
+    _check_run_fits(path, g, prefix // BLOCK)
     with KVStore.format([path], g, model=SALT, force=True) as store:
-        store._check_fits(prefix // BLOCK)
         say(f"building a Llama-architecture model ({MODEL_CONFIG['num_hidden_layers']} "
             f"layers, hidden {MODEL_CONFIG['hidden_size']}, random weights) and a "
             f"{tokens}-token prompt")
@@ -223,6 +226,19 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
         raise VerifyError(f"the demo's KV restored from {path} produced different tokens or "
                           f"logits than recompute: {got['tokens']} vs {want_tokens}")
     return report
+
+
+def _check_run_fits(path: str, g, nblocks: int) -> None:
+    """A run of ``nblocks`` must fit the store the demo formats on ``path``
+    (StoreFullError, as the store's put says it): refused before the format."""
+    from kvblock.devices import Device
+    from kvblock.store.store import _check_fits_plan, _plan
+
+    # opened as the format opens it: a device missing, busy or read-only is
+    # refused as that, before its size
+    with Device(path) as dev:
+        plan = _plan([dev], g, None, None)
+    _check_fits_plan(plan, g, nblocks)
 
 
 def _restore_child(path: str, tokens: int, out: str) -> None:

@@ -254,3 +254,41 @@ def test_an_empty_device_is_refused_not_taken_for_the_demo_store(monkeypatch, tm
         demo.run_demo(tokens=64, device="", quiet=True)
     with KVStore.open([str(img)], model="earlier") as store:        # untouched
         assert store.geometry == Geometry(2, 2, 64)
+
+
+@pytest.mark.parametrize("earlier", ["demo", "engine"])
+def test_a_device_too_small_for_the_run_is_refused_before_it_is_formatted(
+        monkeypatch, tmp_path, earlier):
+    """`demo --device DEV` formatted DEV before it checked that the prompt's
+    run fits the store: a device too small for the prompt was refused
+    ("does not fit") after its store was wiped -- an earlier demo's store
+    (which needs no --force), or an engine's given --force.  The run is now
+    checked against the format's own plan first: the refused command leaves
+    the device byte-identical."""
+    import numpy as np
+    from click.testing import CliRunner
+
+    from kvblock import KVStore, demo
+    from kvblock.cli.main import cli
+
+    def no_model():
+        raise AssertionError("the model was built before the store was checked")
+
+    monkeypatch.setattr(demo, "build_model", no_model)
+    path = tmp_path / "kv.img"
+    with open(path, "wb") as f:
+        f.truncate(8 << 20)                 # 31 blocks of 512 KiB do not fit
+    g = demo.geometry() if earlier == "demo" else demo.geometry().__class__(2, 2, 64)
+    model = demo.SALT if earlier == "demo" else "an-engine"
+    keys = [b"kept-0", b"kept-1"]
+    with KVStore.format([str(path)], g, model=model) as store:
+        store.put_run(keys, np.full(2 * g.block_bytes, 5, np.uint8))
+    before = path.read_bytes()
+    res = CliRunner().invoke(cli, ["demo", "--device", str(path), "--tokens", "512", "--json"]
+                             + (["--force"] if earlier == "engine" else []))
+    assert res.exit_code == 15 and res.output.startswith("kvblock: error: "), \
+        (res.exception, res.output)
+    assert "does not fit" in res.output
+    assert path.read_bytes() == before
+    with KVStore.open([str(path)], model=model) as store:
+        assert store.lookup(keys) == 2

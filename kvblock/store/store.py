@@ -555,11 +555,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         # A run fits its region, its positions the index's packing, and its
         # PUT record a quarter of the journal (a larger one would only fail
         # at its commit, after its data was written).
-        record_keys = (self.sb.journal_bytes // 4 - jfmt.PUT_RECORD_OVERHEAD
-                       - 8 * self.geometry.run_checksums) // KEY_BYTES
-        self.max_run_blocks = max(1, min(RunLayout.max_blocks(self.geometry, self.alignment,
-                                                              self.sb.region_size),
-                                         POS_MASK + 1, record_keys))
+        self.max_run_blocks = _max_run_blocks(self.geometry, self.alignment,
+                                              self.sb.region_size, self.sb.journal_bytes)
 
     # ------------------------------------------------------------------ index bookkeeping
     # (recovery itself: kvblock/store/recovery.py)
@@ -2029,6 +2026,32 @@ def time_cutoff(value) -> float:
         raise ConfigError(f"evict_older_than: the cutoff must be seconds since the epoch "
                           f"(e.g. time.time() - 3600), got an integer of "
                           f"{int(value).bit_length()} bits") from None
+
+
+def _max_run_blocks(geometry: Geometry, alignment: int, region_size: int,
+                    journal_bytes: int) -> int:
+    """The most blocks one run (one piece of a longer put) holds in a store
+    of these sizes."""
+    record_keys = (journal_bytes // 4 - jfmt.PUT_RECORD_OVERHEAD
+                   - 8 * geometry.run_checksums) // KEY_BYTES
+    return max(1, min(RunLayout.max_blocks(geometry, alignment, region_size),
+                      POS_MASK + 1, record_keys))
+
+
+def _check_fits_plan(plan: dict, geometry: Geometry, nblocks: int) -> None:
+    """The store a format with ``plan`` (_plan's) makes must hold a run of
+    ``nblocks`` blocks at once (StoreFullError, as its put would raise):
+    checked before the format, which wipes what the devices held."""
+    from types import SimpleNamespace
+
+    alignment = plan["alignment"]
+    store = SimpleNamespace(
+        geometry=geometry,
+        regions=SimpleNamespace(count=plan["region_count"], size=plan["region_size"]),
+        max_run_blocks=_max_run_blocks(geometry, alignment, plan["region_size"],
+                                       plan["journal_bytes"]),
+        layout=lambda n: RunLayout(geometry, n, alignment))
+    RunWriter._check_fits(store, nblocks)
 
 
 def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) -> dict:
