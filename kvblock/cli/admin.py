@@ -124,6 +124,53 @@ def _model_name(ctx, param, value):
     return value
 
 
+def _check_new_size(devices, geometry, region_size, size: int) -> None:
+    """The store files ``format --size`` makes must hold the store: else a
+    DeviceTooSmallError that names the --size asked and the least that does.
+    (Devices that exist are taken as large enough: one that is not is
+    refused by the format itself, by name.)"""
+    from types import SimpleNamespace
+
+    from kvblock.devices.device import FILE_BLOCK_SIZE
+    from kvblock.errors import DeviceTooSmallError
+    from kvblock.layout.geometry import RunLayout, round_up
+    from kvblock.store.store import _plan
+
+    new = [not os.path.lexists(path) for path in devices]
+    if not any(new):
+        return
+
+    def plan(nbytes: int):
+        capacity = nbytes // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE     # as a Device sees it
+        devs = [SimpleNamespace(path=os.fspath(path), block_size=FILE_BLOCK_SIZE,
+                                capacity=capacity if made else 1 << 60)
+                for path, made in zip(devices, new)]
+        try:
+            return _plan(devs, geometry, region_size, None)
+        except DeviceTooSmallError:
+            return None
+
+    if plan(size) is not None:
+        return
+    # the least whole number of blocks that holds the store
+    low, high = 0, FILE_BLOCK_SIZE
+    while plan(high) is None:
+        low, high = high, high * 2
+        if high > 1 << 60:
+            return                          # (none does: the format says why)
+    while high - low > FILE_BLOCK_SIZE:
+        mid = (low + high) // 2 // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE
+        low, high = (low, mid) if plan(mid) is not None else (mid, high)
+    least_region = round_up(RunLayout(geometry, 1, FILE_BLOCK_SIZE).run_bytes, FILE_BLOCK_SIZE)
+    regions = plan(high)["region_size"]
+    path = os.fspath(devices[new.index(True)])
+    raise DeviceTooSmallError(
+        f"{path}: --size {size} is too small for a store for {geometry.describe()}: "
+        f"{'each new file' if sum(new) > 1 else 'the new file'} needs at least {high} bytes "
+        f"(metadata and regions of {regions} bytes); give --size {high} or more"
+        + (", or a smaller --region-size" if regions > least_region else ""), path)
+
+
 @cli.command()
 @click.argument("devices", nargs=-1, required=True)
 @click.option("--layers", type=click.IntRange(1), required=True, help="Model layers.")
@@ -169,6 +216,10 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
     opened, created = [], []
     try:
         if size is not None:
+            # refused before a file is made, in the command's terms: the
+            # store's own refusal named the size rounded down to whole blocks
+            # (--size 100: "0 bytes"), or create_file's (--size 0)
+            _check_new_size(devices, geometry, region_size, size)
             for path in devices:
                 if not os.path.lexists(path):
                     created.append(new_file(path, size))

@@ -412,11 +412,11 @@ def test_format_with_size_creates_missing_store_files_only(tmp_path, file_target
     assert os.path.getsize(old) == 20 << 20
     small = tmp_path / "small.img"
     res = kvb("format", small, *GEOM_ARGS, "--size", "1M")
-    one_line_error(res, 7, str(small), "cannot hold metadata")
+    one_line_error(res, 7, str(small), "--size 1048576 is too small")
     assert not small.exists()
     small = tmp_path / "made" / "for" / "small.img"      # and the folders it made for it
     res = kvb("format", small, *GEOM_ARGS, "--size", "1M")
-    one_line_error(res, 7, str(small), "cannot hold metadata")
+    one_line_error(res, 7, str(small), "--size 1048576 is too small")
     assert not (tmp_path / "made").exists()
     kept = file_target(1 << 20)
     res = kvb("format", kept, *GEOM_ARGS, "--size", "64M")
@@ -1878,3 +1878,32 @@ def test_fsck_of_an_unusable_store_lets_go_of_the_devices_it_claimed(file_target
         assert res.returncode == 11 and "unusable" in res.stdout, (res.stdout, res.stderr)
     assert sorted(os.listdir("/proc/self/fd")) == before
     assert kvb("format", blank, *GEOM_ARGS).returncode == 0
+
+
+def test_a_size_too_small_for_a_new_store_file_says_what_was_asked_and_the_least(tmp_path):
+    """`format FILE --size 100` said "0 bytes cannot hold metadata" (the
+    size rounded down to whole 4 KiB blocks), a size nobody gave, and named
+    no size that would do; `--size 0` was answered with the library's
+    create_file message ("e.g. 1 << 30"), not in the command's terms.  Both
+    now name the --size asked and the least one that formats, before any
+    file is made."""
+    new = str(tmp_path / "new.img")
+    for asked in ("100", "0", str(1 << 20)):
+        res = kvb("format", new, "--size", asked, *GEOM_ARGS)
+        one_line_error(res, 7, f"--size {asked} ")
+        assert "create_file" not in res.stderr and ": 0 bytes" not in res.stderr
+        assert not os.path.exists(new)
+        least = int(res.stderr.split("at least ")[1].split()[0])
+        assert 1 << 20 < least < 16 << 20
+    assert kvb("format", new, "--size", str(least - 4096), *GEOM_ARGS).returncode == 7
+    assert not os.path.exists(new)
+    res = kvb("format", new, "--size", str(least), *GEOM_ARGS, "--json")
+    assert res.returncode == 0, res.stderr
+    # and with a --region-size of its own: its own least
+    os.unlink(new)
+    res = kvb("format", new, "--size", "100", "--region-size", "64K", *GEOM_ARGS)
+    one_line_error(res, 7, "--size 100 ")
+    small = int(res.stderr.split("at least ")[1].split()[0])
+    assert small < least
+    assert kvb("format", new, "--size", str(small), "--region-size", "64K",
+               *GEOM_ARGS).returncode == 0
