@@ -21,7 +21,7 @@ import numpy as np
 
 from kvblock.devices import Device
 from kvblock.devices.device import new_file, remove_made
-from kvblock.errors import ConfigError, DeviceNotFoundError, KVBlockError
+from kvblock.errors import ConfigError, DeviceNotFoundError, DeviceTooSmallError, KVBlockError
 from kvblock.layout import Geometry
 from kvblock.memory import HostBuffer
 from kvblock.store import KVStore
@@ -50,7 +50,7 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
         _check_size(target, size)
     try:
         return _format_and_run(target, workload, geometry, run_blocks, seconds, engine, verify,
-                               jobs, qd, progress)
+                               jobs, qd, progress, made)
     except BaseException:
         # a file made here goes again when the run fails (a refused format or
         # --run-blocks, Ctrl-C), as the raw workloads' does
@@ -60,9 +60,10 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
 
 
 def _format_and_run(target, workload, geometry, run_blocks, seconds, engine, verify, jobs, qd,
-                    progress) -> dict:
+                    progress, made=None) -> dict:
     nbytes = run_blocks * geometry.block_bytes
-    _check_run_fits(target, geometry, run_blocks)    # before the format wipes the target
+    # before the format wipes the target
+    _check_run_fits(target, geometry, run_blocks, made)
     store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
                            verify=verify, queue_depth=qd)
     try:
@@ -75,7 +76,7 @@ def _format_and_run(target, workload, geometry, run_blocks, seconds, engine, ver
         store.close()
 
 
-def _check_run_fits(target: str, geometry: Geometry, run_blocks: int) -> None:
+def _check_run_fits(target: str, geometry: Geometry, run_blocks: int, made=None) -> None:
     """A run of ``run_blocks`` must fit one region of the store the bench
     formats on ``target``: refused before the format, so a refused run size
     leaves the target as it was (a store there, given --force, stays)."""
@@ -85,12 +86,43 @@ def _check_run_fits(target: str, geometry: Geometry, run_blocks: int) -> None:
     # opened as the format opens it: a target in use or read-only is
     # refused as that, before its run size
     with Device(target) as dev:
-        plan = _plan([dev], geometry, None, None)    # the format's own: its region size
+        try:
+            plan = _plan([dev], geometry, None, None)    # the format's own: its region size
+        except (DeviceTooSmallError, ConfigError) as e:
+            raise _too_small(dev, geometry, made) from e
     run_bytes = RunLayout(geometry, run_blocks, plan["alignment"]).run_bytes
     if run_bytes > plan["region_size"]:
         raise ConfigError(f"a run of {run_blocks} blocks ({run_blocks * geometry.block_bytes} "
                           f"bytes) exceeds the {plan['region_size']}-byte region; use fewer "
                           "--run-blocks")
+
+
+def _too_small(dev, geometry: Geometry, made) -> KVBlockError:
+    """The store's refusal of ``dev`` in the bench's terms: its advice (a
+    smaller region_size, a larger journal_bytes) names settings the bench
+    does not take.  Its store's regions and journal follow the target's
+    size (and the model's), so the size that holds one is what to give."""
+    from types import SimpleNamespace
+
+    from kvblock.store.store import _least_capacity, _plan
+
+    def plan_at(nbytes):
+        try:
+            return _plan([SimpleNamespace(path=dev.path, capacity=nbytes,
+                                          block_size=dev.block_size)], geometry, None, None)
+        except (DeviceTooSmallError, ConfigError):
+            return None
+
+    least = _least_capacity(plan_at, dev.block_size)
+    if least is None:
+        return ConfigError(f"no target can hold a store for {geometry.describe()}: a run's "
+                           "journal record of one block is larger than a store's journal "
+                           "can be; bench a smaller model (fewer --layers or --head-groups)")
+    fix = (f"give --size {least} or more" if made else
+           f"use a larger target (or a new file, with --size {least})")
+    return DeviceTooSmallError(f"{dev.path}: {dev.capacity} bytes cannot hold a bench store "
+                               f"for {geometry.describe()}: it needs at least {least} bytes; "
+                               + fix, dev.path)
 
 
 def _check_size(target: str, size: int) -> None:

@@ -134,7 +134,7 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
     from kvblock.devices.device import FILE_BLOCK_SIZE
     from kvblock.errors import DeviceTooSmallError
     from kvblock.layout.geometry import RunLayout, round_up
-    from kvblock.store.store import _plan
+    from kvblock.store.store import _least_capacity, _plan
 
     new = [not os.path.lexists(path) for path in devices]
     if not any(new):
@@ -152,15 +152,9 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
 
     if plan(size) is not None:
         return
-    # the least whole number of blocks that holds the store
-    low, high = 0, FILE_BLOCK_SIZE
-    while plan(high) is None:
-        low, high = high, high * 2
-        if high > 1 << 60:
-            return                          # (none does: the format says why)
-    while high - low > FILE_BLOCK_SIZE:
-        mid = (low + high) // 2 // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE
-        low, high = (low, mid) if plan(mid) is not None else (mid, high)
+    high = _least_capacity(plan, FILE_BLOCK_SIZE)     # the least --size that holds the store
+    if high is None:
+        return                              # (none does: the format says why)
     least_region = round_up(RunLayout(geometry, 1, FILE_BLOCK_SIZE).run_bytes, FILE_BLOCK_SIZE)
     regions = plan(high)["region_size"]
     path = os.fspath(devices[new.index(True)])

@@ -2054,6 +2054,21 @@ def _check_fits_plan(plan: dict, geometry: Geometry, nblocks: int) -> None:
     RunWriter._check_fits(store, nblocks)
 
 
+def _least_capacity(plan_at, block: int = 4096) -> int | None:
+    """The least whole number of ``block``-byte blocks for which
+    ``plan_at(nbytes)`` (a _plan over devices of that size, None where it
+    refuses them) plans a store; None when none up to 2**60 bytes does."""
+    low, high = 0, block
+    while plan_at(high) is None:
+        low, high = high, high * 2
+        if high > 1 << 60:
+            return None
+    while high - low > block:
+        mid = (low + high) // 2 // block * block
+        low, high = (low, mid) if plan_at(mid) is not None else (mid, high)
+    return high
+
+
 def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) -> dict:
     """Where everything goes on each device."""
     for name, value in (("region_size", region_size), ("journal_bytes", journal_bytes)):

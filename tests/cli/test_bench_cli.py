@@ -645,3 +645,41 @@ def test_a_store_bench_refusing_its_run_size_leaves_the_target_untouched(file_ta
         assert f.read() == before
     with KVStore.open([path], model="an-engine's") as store:
         assert store.lookup(keys) == 4
+
+
+@pytest.mark.parametrize("case", ["new file", "existing file", "geometry"])
+def test_a_store_bench_target_too_small_names_what_the_operator_can_change(tmp_path, case):
+    """save/restore on a target too small for its store advised "a smaller
+    region_size", which bench has no option for, and a geometry whose runs
+    need a larger journal than the target's 1/128 named journal_bytes,
+    another setting bench does not take: the operator was told to change
+    what they cannot.  Now the least target size is named, and the option
+    that gives it (--size for a file the bench makes, a larger target for
+    one that exists), before anything is written."""
+    path = tmp_path / "t.img"
+    geom = ["--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--block-tokens", "16"]
+    size = ["--size", "2M"]
+    if case == "existing file":
+        with open(path, "wb") as f:
+            f.truncate(2 << 20)
+        size = []
+    elif case == "geometry":           # its one-block PUT record needs a ~2 MiB journal
+        geom = ["--layers", "1000", "--kv-heads", "64", "--head-dim", "1", "--block-tokens", "1",
+                "--head-groups", "64"]
+        size = ["--size", "64M"]
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "save", *size, *geom,
+                                   "--run-blocks", "1", "--seconds", "0.05", "--json"])
+    assert res.exit_code == 7, res.output
+    out = res.output
+    assert "region_size" not in out and "journal_bytes" not in out, out
+    least = int(out.split("at least ")[1].split()[0])
+    assert ("larger target" in out) == (case == "existing file"), out
+    assert f"--size {least}" in out
+    assert path.exists() == (case == "existing file")
+    if case == "existing file":
+        assert os.path.getsize(path) == 2 << 20
+    if case == "new file":
+        res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "save", "--size",
+                                       str(least), *geom, "--run-blocks", "1", "--seconds",
+                                       "0.05", "--json"])
+        assert res.exit_code == 0, res.output
