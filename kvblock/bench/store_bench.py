@@ -67,11 +67,11 @@ def _format_and_run(target, workload, geometry, run_blocks, seconds, engine, ver
     store = KVStore.format([target], geometry, model=BENCH_MODEL, force=True, engine=engine,
                            verify=verify, queue_depth=qd)
     try:
-        src = HostBuffer(nbytes)
-        src.array[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-        if workload == "save":
-            return _save(store, src, run_blocks, seconds, progress)
-        return _restore(store, src, run_blocks, seconds, jobs, progress)
+        with HostBuffer(nbytes) as src:
+            src.array[:] = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+            if workload == "save":
+                return _save(store, src, run_blocks, seconds, progress)
+            return _restore(store, src, run_blocks, seconds, jobs, progress)
     finally:
         store.close()
 

@@ -683,3 +683,24 @@ def test_a_store_bench_target_too_small_names_what_the_operator_can_change(tmp_p
                                        str(least), *geom, "--run-blocks", "1", "--seconds",
                                        "0.05", "--json"])
         assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("workload", ["save", "restore"])
+def test_a_store_bench_closes_the_buffers_it_makes(tmp_path, monkeypatch, workload):
+    """The run's source buffer (a page-aligned, registered HostBuffer of
+    one run) was never closed: each save/restore run left its mapping (and
+    registration) to the garbage collector."""
+    import kvblock.bench.store_bench as sb
+    from kvblock.layout import Geometry
+
+    made = []
+
+    class Tracked(sb.HostBuffer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(sb, "HostBuffer", Tracked)
+    sb.run_store_bench(str(tmp_path / "t.img"), workload, Geometry(2, 2, 32, "float16", 16),
+                       2, 0.02, size=16 << 20, jobs=1)
+    assert made and all(b.closed for b in made), [b for b in made if not b.closed]
