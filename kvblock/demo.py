@@ -161,7 +161,7 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
     # against the format's own plan before the format wipes the device (a
     # refused one keeps what it held: an earlier demo's store, or one given
     # --force).
-    _check_run_fits(path, g, prefix // BLOCK)
+    _check_run_fits(path, g, prefix // BLOCK, own=device is None)
     with KVStore.format([path], g, model=SALT, force=True) as store:
         say(f"building a Llama-architecture model ({MODEL_CONFIG['num_hidden_layers']} "
             f"layers, hidden {MODEL_CONFIG['hidden_size']}, random weights) and a "
@@ -228,16 +228,41 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
     return report
 
 
-def _check_run_fits(path: str, g, nblocks: int) -> None:
+def _check_run_fits(path: str, g, nblocks: int, own: bool = False) -> None:
     """A run of ``nblocks`` must fit the store the demo formats on ``path``
-    (StoreFullError, as the store's put says it): refused before the format."""
+    (StoreFullError, as the store's put says it): refused before the format.
+    A ``path`` too small for any store is refused with the least size that
+    holds one, and the demo's option that gives it (the store's own advice,
+    a smaller region_size, names none the demo takes)."""
+    from types import SimpleNamespace
+
     from kvblock.devices import Device
-    from kvblock.store.store import _check_fits_plan, _plan
+    from kvblock.errors import DeviceTooSmallError, StoreFullError
+    from kvblock.store.store import _check_fits_plan, _least_capacity, _plan
+
+    def plan_at(nbytes):          # a store there, that holds the run
+        try:
+            plan = _plan([SimpleNamespace(path=dev.path, capacity=nbytes,
+                                          block_size=dev.block_size)], g, None, None)
+            _check_fits_plan(plan, g, nblocks)
+            return plan
+        except (DeviceTooSmallError, StoreFullError):
+            return None
 
     # opened as the format opens it: a device missing, busy or read-only is
     # refused as that, before its size
     with Device(path) as dev:
-        plan = _plan([dev], g, None, None)
+        try:
+            plan = _plan([dev], g, None, None)
+        except DeviceTooSmallError as e:
+            least = _least_capacity(plan_at, dev.block_size)
+            if least is None:
+                raise
+            raise DeviceTooSmallError(
+                f"{dev.path}: {dev.capacity} bytes cannot hold the demo's store: it needs at "
+                f"least {least} bytes for a run of {nblocks} blocks; "
+                + (f"give --size {least} or more" if own else "use a larger --device"),
+                dev.path) from e
     _check_fits_plan(plan, g, nblocks)
 
 

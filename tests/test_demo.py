@@ -292,3 +292,40 @@ def test_a_device_too_small_for_the_run_is_refused_before_it_is_formatted(
     assert path.read_bytes() == before
     with KVStore.open([str(path)], model=model) as store:
         assert store.lookup(keys) == 2
+
+
+@pytest.mark.parametrize("target", ["device", "own file"])
+def test_a_store_too_small_for_any_store_names_what_the_demo_takes(monkeypatch, tmp_path,
+                                                                   target):
+    """A --device (or --size) too small for a store at all was refused with
+    the store's advice, "use a larger device or a smaller region_size": the
+    demo takes no region size.  It now names the least size that holds the
+    demo's store, and the option that gives it."""
+    from click.testing import CliRunner
+
+    from kvblock import demo
+    from kvblock.cli.main import cli
+
+    def no_model():
+        raise AssertionError("the model was built before the store was checked")
+
+    monkeypatch.setattr(demo, "build_model", no_model)
+    monkeypatch.chdir(tmp_path)
+    if target == "device":
+        path = tmp_path / "kv.img"
+        with open(path, "wb") as f:
+            f.truncate(2 << 20)
+        args = ["--device", str(path)]
+    else:
+        args = ["--size", "2M"]
+    res = CliRunner().invoke(cli, ["demo", *args, "--tokens", "64", "--json"])
+    assert res.exit_code == 7 and res.output.startswith("kvblock: error: "), res.output
+    assert "region_size" not in res.output
+    least = int(res.output.split("at least ")[1].split()[0])
+    assert (f"--size {least}" in res.output) == (target == "own file"), res.output
+    assert ("larger --device" in res.output) == (target == "device"), res.output
+    if target == "own file":    # the least named holds the demo's store and the prompt's run
+        built = []
+        monkeypatch.setattr(demo, "build_model", lambda: built.append(1) or 1 / 0)
+        res = CliRunner().invoke(cli, ["demo", "--size", str(least), "--tokens", "64", "--json"])
+        assert built, res.output
