@@ -86,8 +86,12 @@ def _said_to(e: errors.KVBlockError, command: str | None) -> str:
     text = str(e)
     if isinstance(e, errors.ReadOnlyDeviceError) and _OPEN_READ_ONLY in text:
         head, _, fix = text.partition(_OPEN_READ_ONLY)
-        return (f"{head}; kvblock {command or '...'} writes to it: {fix} first (kvblock "
-                "info, ls, stats and fsck read it as it is)")
+        # fsck meets it only with --repair: named as such, not among the
+        # commands that read the device as it is
+        fsck = command == "fsck"
+        return (f"{head}; kvblock {command or '...'}{' --repair' if fsck else ''} writes to "
+                f"it: {fix} first (kvblock info, ls, stats and fsck"
+                f"{' without --repair' if fsck else ''} read it as it is)")
     return text
 
 

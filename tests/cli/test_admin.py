@@ -538,10 +538,30 @@ def test_a_read_only_device_is_not_said_to_open_read_only_to_commands_that_write
                      ("selfcheck", "--path", dev, "--yes", "--force")):
             res = kvb(*args)
             one_line_error(res, 17, dev, "read-only", f"blockdev --setrw {dev}",
-                           f"kvblock {args[0]} writes")
+                           f"kvblock {args[0]}{' --repair' if args[0] == 'fsck' else ''} writes")
             assert "open the store read-only" not in res.stderr, res.stderr
     finally:
         subprocess.run(["blockdev", "--setrw", dev], check=True)
+
+def test_fsck_repair_on_a_read_only_device_is_not_told_fsck_reads_it_as_it_is():
+    """Only ``fsck --repair`` writes: its line said "kvblock fsck writes to
+    it ... (kvblock info, ls, stats and fsck read it as it is)", the command
+    that failed named among those that work."""
+    from kvblock import errors
+    from kvblock.cli.main import _said_to
+
+    dev = "/dev/loop9"
+    e = errors.ReadOnlyDeviceError(
+        f"{dev}: the device is read-only (losetup -r, blockdev --setro, or write-protected); "
+        f"open the store read-only, or `blockdev --setrw {dev}`", dev, 30)
+    line = _said_to(e, "fsck")
+    assert "kvblock fsck --repair writes to it" in line, line
+    assert f"`blockdev --setrw {dev}` first" in line, line
+    assert "fsck without --repair" in line, line
+    assert "open the store read-only" not in line, line
+    line = _said_to(e, "evict")
+    assert "kvblock evict writes to it" in line and "fsck read it as it is" in line, line
+
 
 def test_a_detached_loop_device_is_said_detached_not_too_small():
     """A loop device whose store file was detached (losetup -d, a reboot) is
