@@ -267,7 +267,8 @@ class RunReader(RunIO):
         done, fetched, hits, raced, from_host = 0, [], 0, 0, []
         while done < n:
             if in_host[done]:
-                if self.host.read_into(keys[done], block_at(dst, done), at):
+                if self.host.read_into(keys[done], block_at(dst, done), at,
+                                       since=published[done]):
                     hits += 1
                     from_host.append(keys[done])
                     done += 1

@@ -26,6 +26,7 @@ import numpy as np
 from kvblock.errors import ConfigError, IOFailedError, KVBlockError, StoreClosedError
 from kvblock.format.checksum import data_hasher
 from kvblock.index import normalize_keys
+from kvblock.index.index import POS_BITS
 from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
 from kvblock.tensors.layouts import CacheLayout, _is_torch, _StridedPages
@@ -822,9 +823,15 @@ def _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads) -> tuple[list
 def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
     """Scatter the leading blocks that sit in the host tier; returns how many."""
     g = store.geometry
+    # the runs the keys name now: a copy older than its key's is stale
+    # (HostTier._stale_locked)
+    with store._lock:
+        runs = store.index.runs
+        since = [runs[p >> POS_BITS].published if p >= 0 else -1
+                 for p in store.index.lookup(keys).tolist()]
     blocks = []
-    for key in keys:
-        block = store.host.get(key)
+    for key, published in zip(keys, since):
+        block = store.host.get(key, since=published)
         if block is None:
             break
         blocks.append(block)

@@ -73,21 +73,36 @@ class HostTier:
         with self.lock:
             return key in self.probation or key in self.protected
 
-    def get(self, key: bytes) -> np.ndarray | None:
-        """A copy of the block's bytes (counts a hit), or None."""
+    def get(self, key: bytes, since: int = -1) -> np.ndarray | None:
+        """A copy of the block's bytes (counts a hit), or None.  ``since``:
+        the publish count of the run the store names for the key (see
+        :meth:`_stale_locked`)."""
         with self.lock:
+            self._stale_locked(key, since)
             block = self._lookup_locked(key)
             return None if block is None else block.copy()
 
-    def read_into(self, key: bytes, out: np.ndarray, offset: int = 0) -> bool:
+    def read_into(self, key: bytes, out: np.ndarray, offset: int = 0,
+                  since: int = -1) -> bool:
         """The block's bytes from ``offset`` on (``out.nbytes`` of them:
-        the whole block, or one layer and head group of it) into ``out``."""
+        the whole block, or one layer and head group of it) into ``out``;
+        ``since`` as for :meth:`get`."""
         with self.lock:
+            self._stale_locked(key, since)
             block = self._lookup_locked(key)
             if block is None:
                 return False
             out[...] = block[offset:offset + out.nbytes].reshape(out.shape)
             return True
+
+    def _stale_locked(self, key: bytes, since: int) -> None:
+        """A copy of ``key`` from a run published before ``since`` (the run
+        the store names now is newer: its put's step here never came, the
+        put cut after its publish) is stale: it leaves, and the read misses
+        here (the device has the newest copy).  A copy put without
+        ``current`` has no age (-1): its caller's to keep right."""
+        if since >= 0 and key in self.born and 0 <= self.published[key] < since:
+            self._drop_locked(key)
 
     def missed(self, n: int) -> None:
         """Count ``n`` misses: blocks a read took from the device (or found

@@ -1051,3 +1051,36 @@ def test_a_reads_newest_check_drops_a_copy_older_than_the_run_named_now(tmp_path
         got = np.zeros(g.block_bytes, np.uint8)
         assert store.get_run(keys[:1], got) == 1
         assert np.array_equal(got, want.reshape(-1)), "the older copy was served from DRAM"
+
+
+@pytest.mark.parametrize("reader", ["get_run", "load_blocks"])
+def test_a_dram_copy_older_than_the_run_its_key_names_is_not_served(tmp_path, reader):
+    """A put published a newer run of a key (a grown prefix) and its DRAM
+    step never came (its thread cut between the publish and that step):
+    the older run's copy stayed in DRAM, and reads that found the key there
+    served it, though the store names the newer run.  A copy older than
+    the run named is a miss (and leaves the tier)."""
+    with _old_and_new(tmp_path, 12) as (store, keys, _, new):
+        store.put_run(keys[:1], run_data(keys[:1]))          # its copy in DRAM
+        real_put, real_keep = store.host.put, store._tier_keep_newest
+        store.host.put = lambda *a, **kw: None                # the put's DRAM step skipped
+        store._tier_keep_newest = lambda *a, **kw: None
+        try:
+            assert store.put_run(keys, new) == 2
+        finally:
+            store.host.put, store._tier_keep_newest = real_put, real_keep
+        assert normalize_keys(keys[:1])[0] in store.host     # the older copy
+
+        def read():
+            if reader == "get_run":
+                out = np.zeros(GEOM.block_bytes, np.uint8)
+                assert store.get_run(keys[:1], out) == 1
+                return out
+            torch = pytest.importorskip("torch")
+            from kvblock.tensors import VLLMLayout, load_blocks
+            cache = [torch.zeros(2, 1, 16, 2, 32, dtype=torch.float16) for _ in range(2)]
+            assert load_blocks(store, keys[:1], VLLMLayout(cache), [0]).wait() == 1
+            return torch.cat([c.reshape(-1) for c in cache]).view(torch.uint8).numpy().copy()
+        got = read()
+        store.host.clear()                                    # the device's bytes
+        assert np.array_equal(got, read()), "DRAM served the older run's copy"
