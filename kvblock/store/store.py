@@ -974,10 +974,13 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _names(self, key: bytes, packed):
         """For HostTier.put's ``current``: does the index still name
         ``packed`` (a run's position) for ``key``?  Then the run's
-        ``published`` (the copy's age, for HostTier.drop_older), else None."""
+        ``published`` (the copy's age, for HostTier.drop_older), else None.
+        ``packed`` -1 (a read that found the key nowhere when it looked, and
+        on the device after: a put published meanwhile) is never current:
+        its bytes are of a run the caller cannot date."""
         def check() -> int | None:
             with self._lock:
-                if self.index.lookup([key])[0] != packed:
+                if packed < 0 or self.index.lookup([key])[0] != packed:
                     return None
                 return self.index.runs[int(packed) >> POS_BITS].published
         return check

@@ -1084,3 +1084,26 @@ def test_a_dram_copy_older_than_the_run_its_key_names_is_not_served(tmp_path, re
         got = read()
         store.host.clear()                                    # the device's bytes
         assert np.array_equal(got, read()), "DRAM served the older run's copy"
+
+
+def test_a_read_of_a_key_put_and_evicted_while_it_read_raises_nothing(tmp_path):
+    """A read with a DRAM tier looks up the run each key names, then reads
+    the device: a key stored nowhere at the look (-1) that a put published
+    before the device read (which then found it) and eviction took again
+    before the read's DRAM insert made the insert's check (is the key still
+    named by what the read looked at?) take -1 for a run id: a bare
+    KeyError out of get_run.  The bytes read are the put's, the read counts
+    them; they stay out of DRAM (the read cannot tell how old they are)."""
+    with _old_and_new(tmp_path, 12) as (store, keys, old, _):
+        real_read = store._read
+
+        def put_read_evicted(*args):
+            assert store.put_run(keys, old) == 2         # another thread, right here
+            n = real_read(*args)
+            store.evict(all=True)                        # and the run evicted
+            return n
+        store._read = put_read_evicted
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 2 and np.array_equal(out, old)
+        del store._read
+        assert store.get_run(keys, out) == 2 and np.array_equal(out, old)   # the put's DRAM copies
