@@ -842,11 +842,9 @@ def test_a_prefault_that_fails_leaves_reads_on_the_engine_path(engine_name, shm_
             eng.read(IOBatch.single(buf.address, 0, 6 * MIB, MIB))   # past the new end
 
 
-def test_a_failed_prefault_leaves_the_device_unmapped(shm_target, monkeypatch, caplog):
-    """A prefault that fails (EFAULT: a page the file cannot back) leaves the
-    mappings unused: reads and writes take the engine's path.  The device
-    was still reported mapped (stats, ``engine.mapped``, `kvblock info`) and
-    its evictions were not trimmed, as if reads went through the mapping."""
+def _prefaults_fail(monkeypatch) -> None:
+    """Every prefault (MADV_POPULATE_READ) of the mappings fails with EFAULT
+    (a page the file cannot back); the native core's other calls are real."""
     import kvblock.io.mapped as mapped_mod
 
     real = native.lib()
@@ -860,6 +858,14 @@ def test_a_failed_prefault_leaves_the_device_unmapped(shm_target, monkeypatch, c
             return -errno.EFAULT
 
     monkeypatch.setattr(mapped_mod.native, "lib", lambda: FailingPrefault())
+
+
+def test_a_failed_prefault_leaves_the_device_unmapped(shm_target, monkeypatch, caplog):
+    """A prefault that fails (EFAULT: a page the file cannot back) leaves the
+    mappings unused: reads and writes take the engine's path.  The device
+    was still reported mapped (stats, ``engine.mapped``, `kvblock info`) and
+    its evictions were not trimmed, as if reads went through the mapping."""
+    _prefaults_fail(monkeypatch)
     path = shm_target(8 * MIB, "store.img")
     allocated = os.stat(path).st_blocks
     with KVStore.format([path], GEOM, region_size=REGION) as store:
@@ -884,19 +890,7 @@ def test_a_failed_prefault_at_an_engines_open_fails_nothing(engine_name, shm_tar
     one, so closing it raised BufferError ("cannot close exported pointers
     exist") out of the engine's open, where the device should just be read
     through the engine."""
-    import kvblock.io.mapped as mapped_mod
-
-    real = native.lib()
-
-    class FailingPrefault:
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        @staticmethod
-        def kvb_mem_prefault(addr, length):
-            return -errno.EFAULT
-
-    monkeypatch.setattr(mapped_mod.native, "lib", lambda: FailingPrefault())
+    _prefaults_fail(monkeypatch)
     path = shm_target(8 * MIB)
     with Device(path) as dev, open_engine([dev], engine_name) as eng, HostBuffer(MIB) as buf:
         assert "mapping its pages in failed" in caplog.text

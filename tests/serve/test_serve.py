@@ -21,6 +21,7 @@ from kvblock.store.client import RemoteStore, ServerError, ServerGoneError, conn
 from kvblock.store.server import serve_in_background, spawn_server
 from tests.serve.rank import deleted, marker, nblocks, run_index, started
 from tests.store.workload import GEOM, REGION, Journal, check_store, run_data, run_keys
+from tests.support.races import release_twice
 from tests.support.servers import exit_code_in_child
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1418,20 +1419,7 @@ def test_one_remote_handle_released_by_two_threads_at_once_is_released_once(tmp_
         other, pinned = r.pin(keys), r.pin(keys)
         handle = Racing(pinned)
         handle.pin, handle.session = pinned.pin, pinned.session
-        outcomes = []
-
-        def release():
-            try:
-                r.unpin(handle)
-                outcomes.append("released")
-            except ConfigError as e:
-                outcomes.append(str(e))
-
-        threads = [threading.Thread(target=release) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
+        outcomes = release_twice(r.unpin, handle)
         assert sorted(outcomes) == ["released", "unpin: this pin handle was released already"]
         assert r._session.held == 1                       # the other lease's pin
         assert r.stats()["pinned_regions"] == 1

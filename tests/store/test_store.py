@@ -31,6 +31,7 @@ from kvblock.format.checksum import meta_checksum
 from kvblock.index import normalize_keys
 from kvblock.store.fsck import fsck
 from tests.store.workload import GEOM, REGION, run_data, run_keys
+from tests.support.races import release_twice
 
 MIB = 1 << 20
 SHAPE = lambda n: (GEOM.num_layers, GEOM.head_groups, n, GEOM.group_block_bytes)  # noqa: E731
@@ -1254,20 +1255,7 @@ def test_one_handle_released_by_two_threads_at_once_is_released_once(tmp_path):
         store.put_run(keys, run_data(keys))
         handle = Racing(store.pin(keys))
         handle._store = store
-        outcomes = []
-
-        def release():
-            try:
-                store.unpin(handle)
-                outcomes.append("released")
-            except ConfigError as e:
-                outcomes.append(str(e))
-
-        threads = [threading.Thread(target=release) for _ in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(10)
+        outcomes = release_twice(store.unpin, handle)
         region = next(iter(store.index.runs.values())).region
         assert store.regions.pins[region] == 0
         assert sorted(outcomes) == ["released", "unpin: this pin handle was released already"]
