@@ -271,37 +271,77 @@ def _read_only(fd: int) -> bool:
 
 
 def holders(path: str, limit: int = 3) -> str:
-    """" (held by pid N: CMDLINE)" for processes other than this one that
-    have ``path`` open, read from /proc (what a busy-device message can
-    name; empty when none can be seen, e.g. without root).  For a block
-    device, also those that have its whole disk or one of its partitions
-    open: the kernel's claim on either makes it busy."""
+    """" (held by pid N: CMDLINE; also open in pid M: CMDLINE)" for the
+    processes other than this one that have ``path`` open, read from /proc
+    (what a busy-device message can name; empty when none can be seen,
+    e.g. without root).  For a block device, also those that have its whole
+    disk or one of its partitions open: the kernel's claim on either makes
+    it busy.
+
+    Having it open is not holding it: the ranks of a served store open its
+    devices without the claim, and with three of them they alone filled the
+    list.  The holder named first is the process whose open file holds a
+    flock on it, or on a file or device under it down a stack of loop
+    devices (the claim of a store, as Device takes it: the file's flock, a
+    loop device's backing file's); every such process is named, and up to
+    ``limit`` of the others after it, as "also open in" (and how many more).
+    Where no flock tells (a plain block device opened O_EXCL, a mount) the
+    processes are only "open in"."""
     ident = _identity(path)
     if ident is None:
         return ""
     # a block device: its own number, its whole disk's, and (by their disk)
     # its partitions'
     disk = _whole_disk(ident[1]) if ident[0] == "block" else None
-    found = []
+    # what a store over ``path`` flocks: the files (and block devices) down
+    # its stack of loop devices; a process with one of these open and locked
+    # holds the claim, though it may have no other reason to be named
+    under = set()
+    for st, *_ in _writes(path)[1:]:
+        under.add(("block", st.st_rdev) if stat.S_ISBLK(st.st_mode)
+                  else ("file", st.st_dev, st.st_ino))
+    held, opened = [], []
     for pid in filter(str.isdigit, _listdir("/proc")):
         if int(pid) == os.getpid():
             continue
+        is_open = locked = False
         for fd in _listdir(f"/proc/{pid}/fd"):
-            try:
-                other = _identity(f"/proc/{pid}/fd/{fd}")
-                if other != ident and not (
-                        disk is not None and other is not None and other[0] == "block"
-                        and (other[1] == disk or _whole_disk(other[1]) == ident[1])):
-                    continue
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-            except OSError:
+            other = _identity(f"/proc/{pid}/fd/{fd}")
+            if other is None:
                 continue
-            found.append(f"pid {pid}: {cmd[:120]}")
-            break
-        if len(found) >= limit:
-            break
-    return f" (held by {'; '.join(found)})" if found else ""
+            mine = other == ident or (
+                disk is not None and other[0] == "block"
+                and (other[1] == disk or _whole_disk(other[1]) == ident[1]))
+            if not mine and other not in under:
+                continue
+            is_open = is_open or mine
+            locked = locked or _flocked(f"/proc/{pid}/fdinfo/{fd}")
+            if locked:
+                break
+        if not (locked or is_open):
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
+        except OSError:
+            continue
+        (held if locked else opened).append(f"pid {pid}: {cmd[:120]}")
+    more = f"; and {len(opened) - limit} more" if len(opened) > limit else ""
+    others = "; ".join(opened[:limit]) + more
+    if held:
+        return f" (held by {'; '.join(held)}" + (f"; also open in {others})" if opened else ")")
+    return f" (open in {others})" if opened else ""
+
+
+def _flocked(fdinfo: str) -> bool:
+    """Does the open file behind /proc/PID/fdinfo/FD hold a flock (its
+    "lock:" lines: the locks that open file holds)?  Not a POSIX or OFD
+    lock: ranks take those (the write fence) on the device they only use."""
+    try:
+        with open(fdinfo) as f:
+            return any(line.startswith("lock:") and " FLOCK " in line for line in f)
+    except OSError:
+        return False
 
 
 def _listdir(path: str) -> list[str]:

@@ -333,6 +333,49 @@ def test_busy_names_the_process_holding_it(file_target, loop_device):
         holder.stdout.close()
 
 
+def test_busy_names_the_holder_not_processes_that_merely_have_it_open(shm_target,
+                                                                    loop_device):
+    """A store held by one process (`kvblock serve`) and opened, without the
+    claim, by three others (its ranks): the error named the first three
+    processes /proc listed with the device open, as "held by", so the ranks
+    (started first) filled it and the real holder was left out.  The holder
+    (the one with the flock: on the file, or on a loop device's backing
+    file) is named as holding it; the others only as having it open."""
+    import re
+    import sys
+
+    path, dev = shm_target(1 * MIB), loop_device(8 * MIB)
+    procs = []
+    try:
+        for _ in range(3):             # the ranks: started first, so /proc lists them first
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", "import os, sys, time\n"
+                 "fds = [os.open(p, os.O_RDWR) for p in sys.argv[1:]]\n"
+                 "print('ready', flush=True)\ntime.sleep(60)", path, dev],
+                stdout=subprocess.PIPE, text=True))
+        holder = subprocess.Popen(
+            [sys.executable, "-c", "import sys, time\nfrom kvblock.devices import Device\n"
+             "held = [Device(p) for p in sys.argv[1:]]\nprint('ready', flush=True)\n"
+             "time.sleep(60)", path, dev], stdout=subprocess.PIPE, text=True)
+        procs.append(holder)
+        for p in procs:
+            assert p.stdout.readline() == "ready\n"
+        for target in (path, dev):
+            with pytest.raises(DeviceBusyError) as e:
+                Device(target, busy_timeout=0.1)
+            msg = str(e.value)
+            assert re.search(f"held by pid {holder.pid}: [^;]*python", msg), msg
+            also = msg.find("also open in")
+            assert also > msg.find(f"held by pid {holder.pid}:"), msg
+            for rank in procs[:3]:
+                assert f"pid {rank.pid}:" in msg[also:], msg
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+            p.stdout.close()
+
+
 def test_exclusive_block_device(loop_device):
     dev_path = loop_device(8 * MIB)
     with Device(dev_path):
