@@ -87,9 +87,16 @@ def _in_use(e: DeviceBusyError, why: str, command: str) -> DeviceBusyError:
     if _held_by_kernel(e):
         return e
     return DeviceBusyError(
-        f"{str(e).split('; ')[0]}; {why}: stop the store server (kvblock serve) or the "
+        f"{_without_advice(e)}; {why}: stop the store server (kvblock serve) or the "
         f"program that holds it, then run {command} again; kvblock info and stats read a "
         "store in use", e.path, e.errno)
+
+
+def _without_advice(e: DeviceBusyError) -> str:
+    """``e``'s message without its advice, which comes after its last "; "
+    (not its first: the processes named before it, which have the device
+    open, are joined with "; " too, and a command line may hold one)."""
+    return str(e).rsplit("; ", 1)[0]
 
 
 def _writer_busy(e: DeviceBusyError, why: str, command: str) -> DeviceBusyError:
@@ -671,7 +678,7 @@ def evict(devices, socket_path, nbytes, older_than, everything, as_json):
             if _held_by_kernel(e):           # mounted: "unmount it" is the fix
                 raise
             raise DeviceBusyError(
-                f"{str(e).split('; ')[0]}; stop the program that holds it, or if a store "
+                f"{_without_advice(e)}; stop the program that holds it, or if a store "
                 "server (kvblock serve) holds it, evict through it: kvblock evict --socket "
                 "PATH ...", e.path, e.errno) from None
     with opened as store:

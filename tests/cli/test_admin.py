@@ -1013,6 +1013,34 @@ def test_trim_of_a_served_store_says_to_stop_the_server(file_target, tmp_path):
     assert kvb("trim", path, "--json").returncode == 0
 
 
+def test_a_served_store_in_use_names_every_process_that_has_it_open(file_target, tmp_path):
+    """The commands that rewrite the device's busy error kept only what came
+    before its first "; ", taken for the start of its advice: the list of
+    processes that have the device open is itself joined with "; ", so it
+    was cut after the first (the holder), its parenthesis left open and the
+    ranks beside it dropped."""
+    from kvblock.store.server import serve_in_background
+
+    path = file_target(16 << 20)
+    assert kvb("format", path, *GEOM_ARGS).returncode == 0
+    rank = subprocess.Popen(          # a process that only has it open (a rank)
+        [sys.executable, "-c", "import os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\n"
+         "print('ready', flush=True)\ntime.sleep(60)", path],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert rank.stdout.readline() == "ready\n"
+        with serve_in_background([path], str(tmp_path / "kv.sock")):
+            res = kvb("trim", path, "--json", process=True)
+            one_line_error(res, 5, path, f"held by pid {os.getpid()}",
+                           f"also open in pid {rank.pid}", "stop the store server")
+            line = res.stderr.strip().splitlines()[-1]
+            assert line.count("(") == line.count(")"), line
+    finally:
+        rank.kill()
+        rank.wait()
+        rank.stdout.close()
+
+
 def test_commands_that_write_a_served_store_do_not_say_open_it_read_only(file_target,
                                                                           tmp_path):
     """format, serve and evict on a store file a server holds: exit 5 naming
