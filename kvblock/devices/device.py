@@ -521,6 +521,9 @@ class Device:
         try:
             st = os.stat(self.path)
         except (FileNotFoundError, NotADirectoryError) as e:   # ENOTDIR: a file on the way
+            # On /dev's devtmpfs: a mistyped device name, where no store
+            # file is created (format refuses it), so no advice to make one
+            _refuse_dev(Path(self.path))
             raise DeviceNotFoundError(
                 f"{self.path}: no such device or file; check the path "
                 "(create a store file with `kvblock format FILE --size SIZE ...` or "

@@ -96,6 +96,22 @@ def test_missing_path(tmp_path):
     assert isinstance(exc.value, KVBlockError) and exc.value.errno == errno.ENOENT
 
 
+def test_a_missing_device_on_dev_is_not_told_to_create_a_store_file_there():
+    """A mistyped device name (/dev/nvme0n2 for /dev/nvme1n1): the error
+    said to create a store file with `kvblock format FILE --size SIZE`, at
+    that path, which format refuses (a store file is not made on /dev's
+    devtmpfs).  It says the device does not exist, and how to find it."""
+    if os.stat("/dev").st_dev == os.stat("/").st_dev:
+        pytest.skip("/dev is no filesystem of its own here")
+    for typo in (f"/dev/kvblock-typo-{os.getpid()}", f"/dev/disk/kvblock-typo-{os.getpid()}/n1"):
+        with pytest.raises(DeviceNotFoundError) as exc:
+            Device(typo)
+        msg = str(exc.value)
+        assert msg.startswith(f"{typo}: no such device") and "lsblk" in msg, msg
+        assert "--size" not in msg and "create_file" not in msg, msg
+        assert exc.value.errno == errno.ENOENT and exc.value.path == typo
+
+
 def test_a_path_that_cannot_be_looked_up_is_a_device_error(tmp_path):
     """A path through a file (ENOTDIR), or through a symlink loop (ELOOP):
     a typed error naming the path, not a bare OSError from os.stat."""
