@@ -550,7 +550,15 @@ class Device:
             flags |= os.O_EXCL
         try:
             self.fd = _retry_busy(lambda: os.open(self.path, flags), busy_timeout)
-        except PermissionError:
+        except PermissionError as e:
+            if e.errno == errno.EPERM and writable:
+                # Not access: an immutable or append-only file refuses a
+                # writer, root too, so "run as root" would not help.
+                raise DevicePermissionError(
+                    f"{self.path}: operation not permitted opening for read-write (EPERM): "
+                    "the file is flagged immutable or append-only (lsattr shows it; "
+                    f"`chattr -i -a {self.path}` clears it), or a security policy refuses "
+                    "it; open the store read-only", self.path, e.errno) from None
             raise DevicePermissionError(
                 f"{self.path}: permission denied opening for {'read-write' if writable else 'read'}"
                 "; run as root (raw devices) or add your user to the device's group",

@@ -112,6 +112,26 @@ def test_a_missing_device_on_dev_is_not_told_to_create_a_store_file_there():
         assert exc.value.errno == errno.ENOENT and exc.value.path == typo
 
 
+def test_an_immutable_file_is_not_told_to_run_as_root(tmp_path):
+    """A file flagged immutable (chattr +i) refuses a read-write open with
+    EPERM even to root: the error said "permission denied ... run as root"
+    (with errno EACCES), advice that cannot help.  It names the flag and
+    how to clear it, with the errno the kernel gave."""
+    path = tmp_path / "kv.img"
+    path.write_bytes(b"\0" * 4096)
+    if os.geteuid() != 0 or subprocess.run(["chattr", "+i", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("chattr +i needs root and a filesystem that keeps the flag")
+    try:
+        with pytest.raises(DevicePermissionError) as exc:
+            Device(path)
+        msg = str(exc.value)
+        assert "immutable" in msg and "chattr -i" in msg and "run as root" not in msg, msg
+        assert exc.value.errno == errno.EPERM
+    finally:
+        subprocess.run(["chattr", "-i", str(path)], check=True)
+
+
 def test_a_path_that_cannot_be_looked_up_is_a_device_error(tmp_path):
     """A path through a file (ENOTDIR), or through a symlink loop (ELOOP):
     a typed error naming the path, not a bare OSError from os.stat."""
