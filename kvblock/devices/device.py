@@ -785,8 +785,16 @@ class Device:
     # --- checks ----------------------------------------------------------------
     def check_range(self, offset: int, length: int) -> None:
         """Raise :class:`AlignmentError` / :class:`IOFailedError` for a request
-        this device cannot serve with O_DIRECT."""
+        this device cannot serve with O_DIRECT (:class:`ConfigError` for a
+        negative length)."""
         bs = self.block_size
+        if length < 0:
+            # A multiple of the block size, and offset + length inside the
+            # device: it passed below, then BLKDISCARD's struct.pack raised a
+            # bare struct.error and a file's punch hole said "unsupported".
+            raise ConfigError(
+                f"{self.path}: offset {offset} / length {length}: the length is "
+                f"negative; give a length of 0 or more bytes (a multiple of {bs})")
         if offset % bs or length % bs:
             raise AlignmentError(
                 f"{self.path}: offset {offset} / length {length} not aligned to the "

@@ -443,6 +443,21 @@ def test_check_range(file_target):
             dev.check_range(MIB, 4096)
 
 
+def test_a_negative_length_is_a_config_error(file_target, loop_device):
+    """A negative length passed check_range (a multiple of the block size,
+    and offset + length inside the device): discard(0, -4096) then raised a
+    bare struct.error packing it for BLKDISCARD on a block device and
+    returned False ("not supported") on a file.  It is a ConfigError
+    naming the device, the offset and the length."""
+    for path in (file_target(1 * MIB), loop_device(8 * MIB)):
+        with Device(path) as dev:
+            for call in (lambda: dev.check_range(0, -4096),
+                         lambda: dev.discard(0, -4096),
+                         lambda: dev.discard(8192, -4096)):
+                with pytest.raises(ConfigError, match=f"{path}: .*length -4096"):
+                    call()
+
+
 def test_discard_zeroes_file_range(file_target):
     path = file_target(1 * MIB)
     with open(path, "r+b") as f:
