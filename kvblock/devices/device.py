@@ -17,6 +17,7 @@ import functools
 import os
 import stat
 import struct
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -517,6 +518,9 @@ class Device:
         # device over a loop device, that one's backing, down the stack)
         self._backing_fds: list[int] = []
         self._pid = os.getpid()   # the process whose flocks these are (see close)
+        # The I/O engines over this device (IOEngine adds itself): closed by
+        # close() before the descriptor is (see close).
+        self._engines: "weakref.WeakSet" = weakref.WeakSet()
         _refuse_nul(self.path)
         try:
             st = os.stat(self.path)
@@ -860,6 +864,13 @@ class Device:
         return True
 
     def close(self) -> None:
+        # The engines over this device first, each once its I/O in flight is
+        # done: an engine keeps the descriptor's number in its table, and once
+        # another file took that number (the next open) its I/O went there.
+        # Closed, an engine refuses I/O (ConfigError).  (The store closes its
+        # engine first; this is for a Device closed under an open engine.)
+        for engine in list(getattr(self, "_engines", ())):
+            engine.close()
         # A flock belongs to the open file, which a forked child shares with
         # its parent: unlocking there would free the parent's claim while it
         # still writes.  A child only closes its descriptors.

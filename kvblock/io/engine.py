@@ -193,6 +193,12 @@ class IOEngine:
         # first is done (its caller then closes the devices' fds).
         self._closing = threading.RLock()
         _LIVE.add(self)
+        # Closing one of the devices closes this engine first (Device.close):
+        # its I/O would go to whatever file took the descriptor's number.
+        for d in self.devices:
+            engines = getattr(d, "_engines", None)
+            if engines is not None:
+                engines.add(self)
 
     # --- public ------------------------------------------------------------------
     def read(self, batch: IOBatch, *, qd: int | None = None, latency: bool = False) -> IOResult:

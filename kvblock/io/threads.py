@@ -22,8 +22,9 @@ class ThreadEngine(IOEngine):
     hashes_as_reads_land = False
 
     def __init__(self, devices, **kwargs):
-        super().__init__(devices, **kwargs)
         native.lib()  # fail early, with a clear error, if the library is missing
+        # (before the base registers the engine with its devices, which close it)
+        super().__init__(devices, **kwargs)
         self._pool = self._new_pool()
 
     def _new_pool(self) -> ThreadPoolExecutor:

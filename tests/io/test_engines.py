@@ -963,3 +963,49 @@ def test_a_contiguous_batch_at_a_fractional_or_negative_offset_is_a_config_error
         b = IOBatch.contiguous(a, np.int64(0), np.uint64(4096), 8192, 4096)
         assert b.offsets.tolist() == [4096, 8192] and b.addrs.tolist() == [a, a + 4096]
         assert IOBatch.contiguous(a, 0, 4096.0, 4096, 4096).offsets.tolist() == [4096]
+
+
+def test_closing_a_device_closes_the_engines_over_it(engine_name, file_target, tmp_path):
+    """A Device closed while an engine over it was still open: the engine
+    kept the descriptor's number in its table, and once another file took
+    that number its I/O went there (the threads engine's pwrite; a uring
+    ring made later, in another thread, registered it): the bytes written
+    into an unrelated file.  Closing the device closes the engines over it
+    first (waiting for their I/O in flight); their later I/O is refused."""
+    path = file_target(MIB)
+    other = tmp_path / "other"
+    other.write_bytes(b"\0" * MIB)
+    dev = Device(path)
+    eng = open_engine([dev], engine_name)
+    fd = -1
+    try:
+        with HostBuffer(4096) as buf:
+            buf.array[:] = 0xAB
+            eng.write_from(0, 0, buf.array)
+            number = dev.fd
+            dev.close()
+            fd = os.open(other, os.O_RDWR)
+            if fd != number:       # the freed number, as the next open usually gets it
+                os.dup2(fd, number)
+                os.close(fd)
+                fd = number
+            raised = []
+
+            def write():
+                try:
+                    eng.write_from(0, 0, buf.array)
+                except Exception as e:
+                    raised.append(e)
+
+            t = threading.Thread(target=write)
+            t.start()
+            t.join()
+            assert len(raised) == 1 and isinstance(raised[0], ConfigError), raised
+            assert "closed" in str(raised[0])
+    finally:
+        eng.close()
+        if fd >= 0:
+            os.close(fd)
+    assert other.read_bytes() == b"\0" * MIB
+    with open(path, "rb") as f:
+        assert f.read(4096) == b"\xab" * 4096
