@@ -154,13 +154,16 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
                 for path, made in zip(devices, new)]
         try:
             return _plan(devs, geometry, region_size, None)
-        except DeviceTooSmallError:
+        except (DeviceTooSmallError, ConfigError):   # (the journal follows the size too)
             return None
 
     if plan(size) is not None:
         return
     high = _least_capacity(plan, FILE_BLOCK_SIZE)     # the least --size that holds the store
     if high is None:
+        no_store = _no_store_holds(geometry, FILE_BLOCK_SIZE)
+        if no_store is not None:
+            raise no_store
         return                              # (none does: the format says why)
     least_region = round_up(RunLayout(geometry, 1, FILE_BLOCK_SIZE).run_bytes, FILE_BLOCK_SIZE)
     regions = plan(high)["region_size"]
@@ -170,6 +173,82 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
         f"{'each new file' if sum(new) > 1 else 'the new file'} needs at least {high} bytes "
         f"(metadata and regions of {regions} bytes); give --size {high} or more"
         + (", or a smaller --region-size" if regions > least_region else ""), path)
+
+
+def _no_store_holds(geometry, block: int) -> ConfigError | None:
+    """The refusal, in the command's terms, of a model no device holds a
+    store for (a run's journal record of one block larger than a store's
+    journal can be); None when a large enough device would hold one."""
+    from types import SimpleNamespace
+
+    from kvblock.store.store import _plan
+
+    try:
+        _plan([SimpleNamespace(path="", block_size=block, capacity=1 << 60)], geometry,
+              None, None)
+    except ConfigError:
+        return ConfigError(f"no device can hold a store for {geometry.describe()}: a run's "
+                           "journal record of one block is larger than a store's journal can "
+                           "be (64 MiB); format for a smaller model (fewer --layers or "
+                           "--head-groups)")
+    return None
+
+
+def _check_plan(devs, geometry, region_size) -> None:
+    """The store the format makes on the opened ``devs`` must fit them:
+    refused here, before the prompt, in the command's terms.  The store's
+    own refusal advises its arguments ("a smaller region_size", a too small
+    "journal_bytes", which follows the store's size): settings this
+    command does not take."""
+    from types import SimpleNamespace
+
+    from kvblock.errors import DeviceTooSmallError
+    from kvblock.layout.geometry import RunLayout, round_up
+    from kvblock.store.store import _least_capacity, _plan
+
+    try:
+        _plan(devs, geometry, region_size, None)
+        return
+    except (DeviceTooSmallError, ConfigError) as e:
+        refused = e
+    block = max(d.block_size for d in devs)
+    no_store = _no_store_holds(geometry, block)
+    if no_store is not None:
+        raise no_store from None
+
+    def plan_at(nbytes: int, region=region_size):
+        fakes = [SimpleNamespace(path=d.path, block_size=d.block_size, capacity=nbytes)
+                 for d in devs]
+        try:
+            return _plan(fakes, geometry, region, None)
+        except (DeviceTooSmallError, ConfigError):
+            return None
+
+    least = _least_capacity(plan_at, block)       # each device's least size
+    if least is None:
+        # no size holds it: the --region-size itself (a multiple of the
+        # alignment, holding one block), whatever the devices
+        raise ConfigError(str(refused).replace("region_size", "--region-size", 1)) from None
+    larger = (f"use a larger device (at least {least} bytes)" if len(devs) == 1 else
+              f"use larger devices ({least} bytes each holds the store)")
+    if isinstance(refused, DeviceTooSmallError):
+        head = str(refused).split("; use a larger device")[0]
+        alignment = max(4096, block)
+        least_region = round_up(RunLayout(geometry, 1, alignment).run_bytes, alignment)
+        try:
+            _plan(devs, geometry, least_region, None)
+            smaller = f", or a smaller --region-size (the least is {least_region})"
+        except (DeviceTooSmallError, ConfigError):
+            smaller = ""
+        raise DeviceTooSmallError(f"{head}; {larger}{smaller}", refused.path) from None
+    # the journal (1/128 of the store's space) cannot hold a run's record
+    short = min(devs, key=lambda d: d.capacity)
+    raise DeviceTooSmallError(
+        f"{short.path}: {short.capacity} bytes is too small for a store for "
+        f"{geometry.describe()}: a run's journal record of one block needs a larger journal "
+        "than a store of this size has (1/128 of its space); " + larger
+        + ", or format for a smaller model (fewer --layers or --head-groups)",
+        short.path) from None
 
 
 @cli.command()
@@ -248,6 +327,7 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
                                                 "--force to overwrite it")
             finally:
                 io.engine.close()
+        _check_plan(opened, geometry, region_size)
         total = sum(d.capacity for d in opened)
         plan = (f"format {len(opened)} device(s) ({', '.join(d.path for d in opened)}; "
                 f"{total / 2**30:.2f} GiB) as a kvblock store for {geometry.describe()}"

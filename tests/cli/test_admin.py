@@ -1955,3 +1955,45 @@ def test_a_size_too_small_for_a_new_store_file_says_what_was_asked_and_the_least
     assert small < least
     assert kvb("format", new, "--size", str(small), "--region-size", "64K",
                *GEOM_ARGS).returncode == 0
+
+
+# A model whose run's journal record of one block needs an 8 MiB journal (a
+# store's is 1/128 of its space), and one whose needs more than any (64 MiB).
+_BIG_RECORD = ["--layers", "4096", "--kv-heads", "64", "--head-dim", "8",
+               "--block-tokens", "1", "--head-groups", "64"]
+_HUGE_RECORD = ["--layers", "65536", *_BIG_RECORD[2:]]
+
+
+def test_format_of_a_device_too_small_names_what_the_operator_can_change(file_target,
+                                                                         tmp_path):
+    """`kvblock format` on an existing device too small for the store, or
+    for a model whose journal record is too large, showed the library's
+    advice: "use a larger device or a smaller region_size", or "journal_bytes
+    1048576 is too small ...", settings the command does not take.  The
+    refusal names a larger device, --region-size where a smaller one would
+    do, and a smaller model where no device would."""
+    small = file_target(4 << 20)
+    res = kvb("format", small, *GEOM_ARGS, "--region-size", "4M")
+    one_line_error(res, 7, small, "cannot hold metadata", "larger device", "--region-size")
+    assert "region_size" not in res.stderr, res.stderr
+    tiny = file_target(1 << 20)            # too small for the metadata, whatever the regions
+    res = kvb("format", tiny, *GEOM_ARGS)
+    one_line_error(res, 7, tiny, "cannot hold metadata", "larger device")
+    assert "region" not in res.stderr.split("; ", 1)[1], res.stderr
+    target = file_target(64 << 20)
+    res = kvb("format", target, *_BIG_RECORD)
+    one_line_error(res, 7, target, "larger device", "at least ")
+    assert "journal_bytes" not in res.stderr, res.stderr
+    least = int(res.stderr.split("at least ")[1].split()[0])
+    assert 64 << 20 < least < 4 << 30
+    res = kvb("format", target, *_HUGE_RECORD)
+    one_line_error(res, 8, "smaller model", "--layers")
+    assert "journal_bytes" not in res.stderr and "larger device" not in res.stderr, res.stderr
+    # a new file of a --size too small: the least --size, as for regions
+    new = str(tmp_path / "new.img")
+    res = kvb("format", new, "--size", "64M", *_BIG_RECORD)
+    one_line_error(res, 7, new, "--size 67108864 is too small", f"give --size {least} or more")
+    assert "journal_bytes" not in res.stderr and not os.path.exists(new), res.stderr
+    res = kvb("format", new, "--size", "64M", *_HUGE_RECORD)
+    one_line_error(res, 8, "smaller model")
+    assert "journal_bytes" not in res.stderr and not os.path.exists(new), res.stderr
