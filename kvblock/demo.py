@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 BLOCK = 16
 SALT = "kvblock-demo-llama"
@@ -146,6 +146,9 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
         # below, before the model runs); the file is the demo's own store,
         # formatted anew, so one left bigger by an earlier demo is cut to it.
         want = size if size is not None else kv_bytes * 2 + (256 << 20)
+        # checked at that size before the file is made or cut: a refused run
+        # leaves an earlier demo's file as it was
+        _check_run_fits(path, g, prefix // BLOCK, own=True, size=want)
         if size is not None and os.path.isfile(path) and os.path.getsize(path) > want:
             os.truncate(path, want)
         create_file(path, want)
@@ -228,15 +231,18 @@ def run_demo(tokens: int = 8192, device: str | None = None, size: int | None = N
     return report
 
 
-def _check_run_fits(path: str, g, nblocks: int, own: bool = False) -> None:
+def _check_run_fits(path: str, g, nblocks: int, own: bool = False,
+                    size: int | None = None) -> None:
     """A run of ``nblocks`` must fit the store the demo formats on ``path``
     (StoreFullError, as the store's put says it): refused before the format.
     A ``path`` too small for any store is refused with the least size that
     holds one, and the demo's option that gives it (the store's own advice,
-    a smaller region_size, names none the demo takes)."""
+    a smaller region_size, names none the demo takes).  With ``size``: the
+    demo's own file as it will be made, of that size (not opened)."""
     from types import SimpleNamespace
 
     from kvblock.devices import Device
+    from kvblock.devices.device import FILE_BLOCK_SIZE
     from kvblock.errors import DeviceTooSmallError, StoreFullError
     from kvblock.store.store import _check_fits_plan, _least_capacity, _plan
 
@@ -249,9 +255,15 @@ def _check_run_fits(path: str, g, nblocks: int, own: bool = False) -> None:
         except (DeviceTooSmallError, StoreFullError):
             return None
 
-    # opened as the format opens it: a device missing, busy or read-only is
-    # refused as that, before its size
-    with Device(path) as dev:
+    if size is not None:
+        dev = SimpleNamespace(path=path, capacity=size // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE,
+                              block_size=FILE_BLOCK_SIZE)
+        opened = nullcontext(dev)
+    else:
+        # opened as the format opens it: a device missing, busy or read-only
+        # is refused as that, before its size
+        opened = Device(path)
+    with opened as dev:
         try:
             plan = _plan([dev], g, None, None)
         except DeviceTooSmallError as e:

@@ -329,3 +329,32 @@ def test_a_store_too_small_for_any_store_names_what_the_demo_takes(monkeypatch, 
         monkeypatch.setattr(demo, "build_model", lambda: built.append(1) or 1 / 0)
         res = CliRunner().invoke(cli, ["demo", "--size", str(least), "--tokens", "64", "--json"])
         assert built, res.output
+
+
+def test_a_refused_size_leaves_the_demo_store_file_as_it_was(monkeypatch, tmp_path):
+    """Without --device, a bigger ./.kvblock/demo.img left by an earlier
+    demo was cut down to --size before the prefix's run was checked to fit
+    it: a run refused as not fitting still cut the file (and, with none
+    there, made one).  The size is checked first; a refused run changes
+    nothing."""
+    from click.testing import CliRunner
+
+    from kvblock import demo
+    from kvblock.cli.main import cli
+
+    built = []
+    monkeypatch.setattr(demo, "build_model", lambda: built.append(1) or 1 / 0)
+    monkeypatch.chdir(tmp_path)
+    img = tmp_path / ".kvblock" / "demo.img"
+    for args in (["--size", "8M", "--tokens", "512"],     # the run does not fit
+                 ["--size", "2M", "--tokens", "64"]):     # no store fits
+        res = CliRunner().invoke(cli, ["demo", *args, "--json"])
+        assert res.exit_code != 0 and res.output.startswith("kvblock: error: "), res.output
+        assert not built and not img.parent.exists(), res.output
+    img.parent.mkdir()
+    with open(img, "wb") as f:
+        f.truncate(400 << 20)               # an earlier, bigger demo's store
+    for args in (["--size", "8M", "--tokens", "512"], ["--size", "2M", "--tokens", "64"]):
+        res = CliRunner().invoke(cli, ["demo", *args, "--json"])
+        assert res.exit_code != 0 and res.output.startswith("kvblock: error: "), res.output
+        assert not built and img.stat().st_size == 400 << 20, res.output
