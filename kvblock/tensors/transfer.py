@@ -823,6 +823,14 @@ def _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads) -> tuple[list
 def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
     """Scatter the leading blocks that sit in the host tier; returns how many."""
     g = store.geometry
+    # Only the leading keys held here, and the one after (its get counts
+    # the miss _load_tiered counts on): a load alternating DRAM and device
+    # stretches calls this once a stretch with all the keys left, and
+    # looking them all up each time cost quadratic work under the lock.
+    m = 0
+    while m < len(keys) and keys[m] in store.host:
+        m += 1
+    keys = keys[:m + 1]
     # the runs the keys name now: a copy older than its key's is stale
     # (HostTier._stale_locked)
     with store._lock:
