@@ -555,6 +555,17 @@ class Device:
         try:
             self.fd = _retry_busy(lambda: os.open(self.path, flags), busy_timeout)
         except PermissionError as e:
+            if e.errno == errno.EPERM and writable and self.kind == "block":
+                # A device node's flags are not the bytes' (chattr cannot
+                # reach them through the node: its ioctl goes to the driver):
+                # what refuses a device is a container's device rules or
+                # a security policy.
+                raise DevicePermissionError(
+                    f"{self.path}: operation not permitted opening for read-write (EPERM): "
+                    "the device is refused by a container's device rules (pass it in "
+                    f"read-write: docker run --device {self.path}, or the pod's device "
+                    "plugin) or by a security policy; allow it there, or open the store "
+                    "read-only where reading is allowed", self.path, e.errno) from None
             if e.errno == errno.EPERM and writable:
                 # Not access: an immutable or append-only file refuses a
                 # writer, root too, so "run as root" would not help.

@@ -132,6 +132,31 @@ def test_an_immutable_file_is_not_told_to_run_as_root(tmp_path):
         subprocess.run(["chattr", "-i", str(path)], check=True)
 
 
+def test_a_block_device_refused_with_eperm_is_not_told_to_chattr_it(loop_device, monkeypatch):
+    """A read-write open of a block device that fails EPERM (a container's
+    device rules, docker run without --device for it; a security policy)
+    was told the *file* is flagged immutable and to `chattr -i -a` the
+    device node: chattr cannot set or clear a flag through a device node
+    (its ioctl goes to the driver), so the advice could not help.  A block
+    device's EPERM names what refuses a device."""
+    dev = loop_device(1 << 20)
+    real_open = os.open
+
+    def refused(path, flags, *a, **kw):
+        if os.fspath(path) == dev and flags & os.O_RDWR:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+        return real_open(path, flags, *a, **kw)
+    monkeypatch.setattr(os, "open", refused)
+    with pytest.raises(DevicePermissionError) as exc:
+        Device(dev)
+    msg = str(exc.value)
+    assert "chattr" not in msg and "immutable" not in msg and "run as root" not in msg, msg
+    assert "--device" in msg and msg.startswith(f"{dev}: operation not permitted"), msg
+    assert exc.value.errno == errno.EPERM
+    monkeypatch.undo()
+    Device(dev).close()
+
+
 def test_a_path_that_cannot_be_looked_up_is_a_device_error(tmp_path):
     """A path through a file (ENOTDIR), or through a symlink loop (ELOOP):
     a typed error naming the path, not a bare OSError from os.stat."""
