@@ -14,6 +14,7 @@ import contextlib
 import errno
 import fcntl
 import functools
+import logging
 import os
 import stat
 import struct
@@ -35,6 +36,8 @@ from kvblock.errors import (
     strerror,
 )
 from kvblock.units import is_whole
+
+logger = logging.getLogger(__name__)
 
 BLKGETSIZE64 = 0x80081272
 BLKROGET = 0x125E
@@ -880,8 +883,14 @@ class Device:
         # another file took that number (the next open) its I/O went there.
         # Closed, an engine refuses I/O (ConfigError).  (The store closes its
         # engine first; this is for a Device closed under an open engine.)
+        # An engine whose close fails (its owner's close already met that)
+        # does not keep the descriptor and its claim open.
         for engine in list(getattr(self, "_engines", ())):
-            engine.close()
+            try:
+                engine.close()
+            except Exception as e:
+                logger.warning("kvblock: %s: closing an I/O engine over it failed (%s); "
+                               "the device is closed all the same", self.path, e)
         # A flock belongs to the open file, which a forked child shares with
         # its parent: unlocking there would free the parent's claim while it
         # still writes.  A child only closes its descriptors.
