@@ -262,12 +262,11 @@ class HostTier:
 
     def drop_older(self, keys: list[bytes], published: list[int]) -> None:
         """Drop each of ``keys`` whose copy here came from a run published
-        before ``published[k]`` (the answers of put's ``current``; a copy
-        put without one counts as older than any): a newer copy stays."""
+        before ``published[k]`` (the answers of put's ``current``), by the
+        rule a read applies (:meth:`_stale_locked`): a newer copy stays."""
         with self.lock:
             for key, newer in zip(keys, published):
-                if key in self.born and self.published[key] < newer:
-                    self._drop_locked(key)
+                self._stale_locked(key, newer)
 
     def _drop_locked(self, key: bytes, report: bool = True) -> bool:
         slot = self.probation.pop(key, None)
