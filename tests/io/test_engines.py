@@ -1,6 +1,7 @@
 """Every engine: bytes written come back identical, across devices, batch shapes
 and threads; bad requests raise typed errors naming device, offset, length."""
 
+import contextlib
 import errno
 import os
 import threading
@@ -872,6 +873,18 @@ def test_a_split_io_that_fails_counts_as_one_failed_io(engine_name, file_target)
         assert exc.value.failed == 2
 
 
+@contextlib.contextmanager
+def _patterned_engine(file_target, engine_name):
+    """An engine over a 1 MiB file whose first 16 KiB count bytes 0-255 over
+    and over, and an 8 KiB host buffer: (engine, buffer)."""
+    path = file_target(MIB)
+    with open(path, "r+b") as f:
+        f.write(bytes(range(256)) * 64)
+    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
+            HostBuffer(8192) as buf:
+        yield eng, buf
+
+
 def test_a_fractional_offset_or_length_is_a_config_error_not_truncated(engine_name,
                                                                         file_target):
     """A float offset, length, address or device index (a division gone
@@ -880,11 +893,7 @@ def test_a_fractional_offset_or_length_is_a_config_error_not_truncated(engine_na
     other misaligned offset is refused (a string was parsed).  Each
     constructor now refuses a value that is no whole number with a
     ConfigError naming the field."""
-    path = file_target(MIB)
-    with open(path, "r+b") as f:
-        f.write(bytes(range(256)) * 64)
-    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
-            HostBuffer(8192) as buf:
+    with _patterned_engine(file_target, engine_name) as (eng, buf):
         a = buf.address
         with pytest.raises(ConfigError, match=r"IOBatch: offset 4096\.5 .*integer"):
             eng.read_into(0, 4096.5, buf.array[:4096])
@@ -945,11 +954,7 @@ def test_a_contiguous_batch_at_a_fractional_or_negative_offset_is_a_config_error
     lost its fraction, so the read that any other misaligned offset is
     refused for read the bytes at 4096 and reported success (a wrong read),
     and a negative offset or address raised numpy's bare OverflowError."""
-    path = file_target(MIB)
-    with open(path, "r+b") as f:
-        f.write(bytes(range(256)) * 64)
-    with Device(path) as dev, open_engine([dev], engine_name) as eng, \
-            HostBuffer(8192) as buf:
+    with _patterned_engine(file_target, engine_name) as (eng, buf):
         a = buf.address
         with pytest.raises(ConfigError, match=r"IOBatch: offset 4096\.5 .*integer"):
             eng.read(IOBatch.contiguous(a, 0, 4096.5, 8192, 4096))
