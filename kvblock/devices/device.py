@@ -329,7 +329,10 @@ def holders(path: str, limit: int = 3) -> str:
                 cmd = " ".join(f.read().replace(b"\0", b" ").decode(errors="replace").split())
         except OSError:
             continue
-        (held if locked else opened).append(f"pid {pid}: {cmd[:120]}")
+        # a long command line is cut, and says so: its cut may leave a
+        # parenthesis of its own open
+        cmd = cmd if len(cmd) <= 120 else cmd[:117] + "..."
+        (held if locked else opened).append(f"pid {pid}: {cmd}")
     more = f"; and {len(opened) - limit} more" if len(opened) > limit else ""
     others = "; ".join(opened[:limit]) + more
     if held:

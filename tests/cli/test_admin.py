@@ -1023,10 +1023,14 @@ def test_a_served_store_in_use_names_every_process_that_has_it_open(file_target,
 
     path = file_target(16 << 20)
     assert kvb("format", path, *GEOM_ARGS).returncode == 0
-    rank = subprocess.Popen(          # a process that only has it open (a rank)
-        [sys.executable, "-c", "import os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\n"
-         "print('ready', flush=True)\ntime.sleep(60)", path],
-        stdout=subprocess.PIPE, text=True)
+    # a process that only has it open (a rank); its code in a file, so that
+    # its command line (which the message quotes, cut at 120 characters) has
+    # no parenthesis of its own to unbalance the message's
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\n"
+                      "print('ready', flush=True)\ntime.sleep(60)\n")
+    rank = subprocess.Popen([sys.executable, str(script), path],
+                            stdout=subprocess.PIPE, text=True)
     try:
         assert rank.stdout.readline() == "ready\n"
         with serve_in_background([path], str(tmp_path / "kv.sock")):

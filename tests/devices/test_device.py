@@ -437,6 +437,30 @@ def test_busy_names_the_holder_not_processes_that_merely_have_it_open(shm_target
             p.stdout.close()
 
 
+def test_busy_cuts_a_long_command_line_and_says_so(shm_target):
+    """A holder's command line is quoted up to 120 characters; it was cut
+    there without a mark, so a cut inside its own "(...)" read as the
+    message's parenthesis left open and nothing told the line went on."""
+    import sys
+
+    path = shm_target(1 * MIB)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom kvblock.devices import Device\n"
+         "held = Device(sys.argv[1])\nprint('ready', flush=True)\ntime.sleep(60)",
+         path, "x" * 300], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "ready\n"
+        with pytest.raises(DeviceBusyError) as e:
+            Device(path, busy_timeout=0.1)
+        msg = str(e.value)
+        quoted = msg.split(f"held by pid {holder.pid}: ", 1)[1].rsplit(")", 1)[0]
+        assert len(quoted) == 120 and quoted.endswith("..."), msg
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
 def test_exclusive_block_device(loop_device):
     dev_path = loop_device(8 * MIB)
     with Device(dev_path):
