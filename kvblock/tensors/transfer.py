@@ -179,10 +179,18 @@ def _gather_and_put(store, keys, layout: CacheLayout, ids: np.ndarray) -> int:
 
 def _page_id_array(page_ids, what: str) -> np.ndarray:
     """The page ids as a 1-D int64 array (a torch tensor on any device, a
-    list, a numpy array).  Before anything takes their len(): one id or a
-    generator raised TypeError "object of type 'int' has no len()"."""
+    cupy array, a list, a numpy array).  Before anything takes their len():
+    one id or a generator raised TypeError "object of type 'int' has no
+    len()"."""
     try:
-        ids = np.asarray(page_ids.cpu() if _is_torch(page_ids) else page_ids)
+        if _is_torch(page_ids):
+            page_ids = page_ids.cpu()
+        elif not isinstance(page_ids, np.ndarray) and \
+                hasattr(page_ids, "__cuda_array_interface__") and hasattr(page_ids, "get"):
+            # cupy refuses numpy's implicit conversion (TypeError), which
+            # read as ids that are no sequence of integers: copy them over
+            page_ids = page_ids.get()
+        ids = np.asarray(page_ids)
     except (TypeError, ValueError):   # ragged lists and the like
         ids = None
     if ids is None or ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):

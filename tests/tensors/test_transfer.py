@@ -754,6 +754,25 @@ def test_save_takes_device_page_ids_as_load_does(path, monkeypatch):
                            src[layer][:, [4, 0, 2]].view(torch.int16))
 
 
+def test_save_and_load_take_cupy_page_ids(path):
+    """Page ids as a cupy array (an engine keeping its block table in
+    cupy): numpy's implicit conversion, which cupy refuses (TypeError), was
+    taken for ids that are no sequence of integers, a ConfigError saying
+    "page ids must be a 1-D sequence of integers ... got ndarray" of a 1-D
+    integer array.  They are copied to the host (``.get()``), as a CUDA
+    tensor's are (``.cpu()``).  Stood in on the CPU by _CupyLike."""
+    src = [rand(2, 6, BS, H, D) for _ in range(L)]
+    keys = [b"p0", b"p1", b"p2"]
+    ids = _CupyLike(np.array([4, 0, 2], dtype=np.int32))
+    with _store(path, geom()) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), ids) == 3
+        dst = [torch.zeros(2, 6, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, keys, VLLMLayout(dst), _CupyLike(np.array([1, 3, 5]))).wait() == 3
+    for layer in range(L):
+        assert torch.equal(dst[layer][:, [1, 3, 5]].view(torch.int16),
+                           src[layer][:, [4, 0, 2]].view(torch.int16))
+
+
 def test_sglang_page_first_direct_page_size_must_match_the_pool():
     """page_first_direct pools hold their page size in their shape: a
     page_size that differs from it would move other token counts than the
