@@ -303,6 +303,51 @@ def test_close_unpins_the_arena_it_pinned(monkeypatch):
     tier.close()                                 # twice: nothing more to undo
 
 
+def test_a_failed_pin_clears_the_cuda_error_it_left(monkeypatch):
+    """A cudaHostRegister that fails (the arena already registered, locked
+    memory over its limit) falls back to pageable memory, but left the CUDA
+    runtime's last error set: the next unrelated check on the thread
+    (torch's cudaGetLastError after each kernel launch) reported it as its
+    own.  The fallback clears it (cudaGetLastError, in the loaded runtime:
+    torch's bindings have none)."""
+    torch = pytest.importorskip("torch")
+    from kvblock.tiers import host
+
+    class FakeRuntime:                  # the libcudart the process loaded
+        last_error = 0
+
+        def cudaGetLastError(self):
+            err, self.last_error = self.last_error, 0
+            return err
+
+    lib = FakeRuntime()
+
+    class FakeCudart:                   # torch.cuda.cudart(): no cudaGetLastError
+        def cudaHostRegister(self, address, nbytes, flags):
+            lib.last_error = 712         # cudaErrorHostMemoryAlreadyRegistered
+            return 712
+
+        def cudaHostUnregister(self, address):
+            raise AssertionError("nothing was pinned")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(host, "_loaded_cudart", lambda: lib, raising=False)
+    tier = HostTier(8 * 4096, 4096)
+    try:
+        assert not tier.pinned
+        assert lib.last_error == 0, "the failed registration left CUDA's last error set"
+    finally:
+        tier.close()
+
+
+def test_the_loaded_cuda_runtime_is_none_without_one():
+    """Without a libcudart mapped (no CUDA here) there is nothing to call."""
+    from kvblock.tiers import host
+
+    assert host._loaded_cudart() is None
+
+
 def test_a_host_cache_larger_than_memory_is_a_config_error(tmp_path):
     # 1 PiB: more than any address space; mmap answers ENOMEM, which used to
     # escape as a bare OSError naming neither the setting nor the fix
