@@ -866,17 +866,38 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
     return n
 
 
+class _CupyDevice:
+    """The CUDA device of a cupy cache: its streams are cupy's (the
+    copies into it are queued on cupy's current stream, not torch's)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def stream(self):
+        import cupy
+
+        return cupy.cuda.get_current_stream(self.device.id)
+
+
 def _cuda_device(layout):
-    """The CUDA device of ``layout``'s cache; None for a host one."""
+    """The CUDA device of ``layout``'s cache (a torch device, or a
+    _CupyDevice); None for a host one."""
     sample = layout.sample()
     t = sample.t if isinstance(sample, _StridedPages) else sample
-    return t.device if _is_torch(t) and t.is_cuda else None
+    if _is_torch(t):
+        return t.device if t.is_cuda else None
+    if not isinstance(t, np.ndarray) and hasattr(t, "__cuda_array_interface__") and \
+            getattr(t, "device", None) is not None:
+        return _CupyDevice(t.device)
+    return None
 
 
 def _settle_cuda(device) -> None:
     """Wait for the copies queued on this thread's stream of CUDA
     ``device`` (nothing for None: a host cache)."""
-    if device is not None:
+    if isinstance(device, _CupyDevice):
+        device.stream().synchronize()
+    elif device is not None:
         import torch
 
         torch.cuda.current_stream(device).synchronize()
@@ -887,6 +908,12 @@ def _record_cuda(device):
     for a host cache)."""
     if device is None:
         return None
+    if isinstance(device, _CupyDevice):
+        import cupy
+
+        event = cupy.cuda.Event()
+        event.record(device.stream())
+        return event
     import torch
 
     event = torch.cuda.Event()
@@ -897,10 +924,14 @@ def _record_cuda(device):
 def _wait_cuda(device, event) -> None:
     """Make this thread's stream of ``device`` wait for ``event`` (from
     :func:`_record_cuda` on another thread) before the work queued next."""
-    if event is not None:
-        import torch
+    if event is None:
+        return
+    if isinstance(device, _CupyDevice):
+        device.stream().wait_event(event)
+        return
+    import torch
 
-        torch.cuda.current_stream(device).wait_event(event)
+    torch.cuda.current_stream(device).wait_event(event)
 
 
 def _count_loaded(store, blocks: int, from_device: int, heads: int) -> None:

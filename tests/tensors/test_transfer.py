@@ -1426,6 +1426,81 @@ def test_a_cupy_cache_saves_and_loads(path):
                               src_np[layer][:, [4, 0, 2]].view(np.int16))
 
 
+def test_a_load_into_a_cupy_cache_settles_cupys_stream(path, monkeypatch):
+    """A torch CUDA cache has each layer's copies waited for on the
+    scatter thread's stream before the layer is handed over (and the
+    caller's queued work waited for before the first write); a cupy cache
+    had neither (only torch devices were seen as CUDA): its layer was
+    handed over with cupy's copies still queued, for a consumer on another
+    stream to read before they land.  Stood in on the CPU: _CupyLike on a
+    fake device and a fake cupy module whose per-thread streams log."""
+    import sys
+    import types
+
+    from kvblock.tensors import transfer
+
+    log = []
+
+    class FakeStream:
+        def __init__(self, owner):
+            self.owner = owner
+
+        def synchronize(self):
+            log.append(("sync", self.owner))
+
+        def wait_event(self, event):
+            log.append(("wait", self.owner, event.recorded_on))
+
+    streams = {}
+
+    def get_current_stream(device_id=None):
+        assert device_id == 0
+        me = threading.current_thread().name
+        return streams.setdefault(me, FakeStream(me))
+
+    class FakeEvent:
+        recorded_on = None
+
+        def record(self, stream=None):
+            self.recorded_on = (stream or get_current_stream(0)).owner
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(get_current_stream=get_current_stream, Event=FakeEvent)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+
+    class OnDevice(_CupyLike):
+        device = types.SimpleNamespace(id=0)
+
+        def __getitem__(self, idx):
+            return OnDevice(self._a[self._unwrap(idx)])
+
+    real_scatter = transfer._scatter_pages
+
+    def scatter(*args, **kw):
+        log.append(("scatter", threading.current_thread().name))
+        return real_scatter(*args, **kw)
+
+    monkeypatch.setattr(transfer, "_scatter_pages", scatter)
+    g = Geometry(L, H, D, "float16", BS)
+    rng = np.random.default_rng(3)
+    src = [rng.standard_normal((2, 4, BS, H, D)).astype(np.float16) for _ in range(L)]
+    dst = [np.zeros_like(s) for s in src]
+    keys = [b"s0", b"s1"]
+    caller = threading.current_thread().name
+    with _store(path, g) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1])
+        assert load_blocks(store, keys, VLLMLayout([OnDevice(d) for d in dst]),
+                           [2, 3]).wait(timeout=30) == 2
+    for layer in range(L):
+        assert np.array_equal(dst[layer][:, 2:4].view(np.int16), src[layer][:, :2].view(np.int16))
+    scatters = [i for i, e in enumerate(log) if e[0] == "scatter"]
+    assert scatters, log
+    worker = log[scatters[0]][1]
+    assert worker != caller, log
+    assert ("wait", worker, caller) in log[:scatters[0]], log
+    assert ("sync", worker) in log[scatters[-1]:], "the last layer was handed over unsettled"
+
+
 def test_a_dram_stretch_looks_up_only_its_own_keys(path, monkeypatch):
     """A load from a store with a DRAM tier takes the leading stretch of
     keys held there, then a stretch from the device, then DRAM again...
