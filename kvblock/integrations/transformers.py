@@ -144,7 +144,12 @@ class _RestoringLayer(DynamicLayer):
 class _StreamingCache(DynamicCache):
     """A DynamicCache of the layout's layers only: a model of more layers
     would get a fresh, empty layer past them (the plain cache's lazy
-    growth), attending there to none of the restored prefix."""
+    growth), attending there to none of the restored prefix.  A model of
+    fewer layers never names the layers past its own: its next forward
+    (layer 0 updated again after a pass that stopped short of the last
+    layer) is refused; streaming_cache(..., config=) refuses it up front."""
+
+    _top: int | None = None     # the highest layer updated since layer 0 last was
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
@@ -152,20 +157,58 @@ class _StreamingCache(DynamicCache):
                 f"streaming_cache: the model updates layer {layer_idx}, the layout holds "
                 f"{len(self.layers)} layers: the layout is not of this model's KV (build it "
                 "with the model's layer count)")
+        if layer_idx == 0:
+            if self._top is not None and self._top < len(self.layers) - 1:
+                raise ConfigError(_layer_mismatch(self._top + 1, len(self.layers)))
+            self._top = 0
+        elif self._top is not None:
+            self._top = max(self._top, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
+def _layer_mismatch(model_layers: int, layout_layers: int) -> str:
+    return (f"streaming_cache: the model has {model_layers} layers, the layout holds "
+            f"{layout_layers}: the layout is not of this model's KV (build it with the "
+            "model's layer count: config.num_hidden_layers)")
+
+
+def _model_layers(config) -> int | None:
+    """The decoder layer count of a transformers config (or of a model's)."""
+    config = getattr(config, "config", config)      # a model: its config
+    text = getattr(config, "get_text_config", None)
+    if text is not None:
+        try:
+            config = text(decoder=True)
+        except TypeError:
+            config = text()
+    n = getattr(config, "num_hidden_layers", None)
+    return n if isinstance(n, numbers.Integral) and not isinstance(n, bool) else None
+
+
 def streaming_cache(handle: LoadHandle, layout: HFDynamicLayout,
-                    length: int | None = None) -> DynamicCache:
+                    length: int | None = None, *, config=None) -> DynamicCache:
     """A cache over ``layout``'s tensors holding ``length`` restored tokens
     (default: all of them), filled layer by layer by ``handle``.  A layer
     whose restored tokens did not all arrive (a checksum failure, an
     eviction since the lookup) raises PartialLoadError when the model
-    reaches it, instead of attending to what is not there."""
+    reaches it, instead of attending to what is not there.
+
+    ``config``: the model's config (or the model), as DynamicCache takes
+    it; a layout of another layer count is then refused here.  Without it
+    the cache learns the model's depth only from its updates: a model of
+    more layers is refused at its first update past the layout's, one of
+    fewer at its second forward (its first ran on KV not of this model)."""
     if not isinstance(layout, HFDynamicLayout):
         raise ConfigError(f"streaming_cache: the layout is a {type(layout).__name__}; a "
                           "transformers cache is built over an HFDynamicLayout's tensors "
                           "(HFDynamicLayout.empty(...), loaded into by load_blocks)")
+    if config is not None:
+        model_layers = _model_layers(config)
+        if model_layers is None:
+            raise ConfigError(f"streaming_cache: config {type(config).__name__} has no "
+                              "num_hidden_layers; pass the model's config (model.config)")
+        if model_layers != layout.num_layers:
+            raise ConfigError(_layer_mismatch(model_layers, layout.num_layers))
     length = layout.tokens if length is None else length
     # Past the tensors, the layers would later blame the missing tokens on
     # a checksum failure or an eviction (PartialLoadError).

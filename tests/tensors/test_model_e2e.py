@@ -342,6 +342,37 @@ def test_streaming_cache_of_another_models_layout_is_a_clear_error(wrong):
         continue_from(m, cache, ids, 2 * BLOCK)
 
 
+def test_streaming_cache_of_a_deeper_layout_than_the_model_is_a_clear_error():
+    """A layout of more layers than the model (another model's KV, cut for
+    4 layers, under a 3-layer model) was accepted silently: the model
+    updates only its own layers, none past them, and decoded on KV not of
+    it.  Given the model's config, streaming_cache refuses it up front;
+    without one the model's next forward (layer 0 again after a pass that
+    stopped at layer 2) is refused, naming both counts."""
+    from kvblock.errors import ConfigError
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import LoadHandle
+
+    m = model()                          # 3 layers, 2 KV heads of 16, float32
+    ids = prompt(2 * BLOCK + 3)
+
+    def cache(layers, **kw):
+        layout = HFDynamicLayout.empty(layers, 2, 3 * BLOCK, 16, BLOCK, torch.float32)
+        handle = LoadHandle(layers, 2)
+        for e in handle._events:         # the load has landed
+            e.set()
+        return streaming_cache(handle, layout, 2 * BLOCK, **kw)
+
+    for config in (m.config, m):
+        with pytest.raises(ConfigError, match="model has 3 layers, the layout holds 4"):
+            cache(4, config=config)
+    with pytest.raises(ConfigError, match="model has 3 layers, the layout holds 2"):
+        cache(2, config=m.config)
+    with pytest.raises(ConfigError, match="model has 3 layers, the layout holds 4"):
+        continue_from(m, cache(4), ids, 2 * BLOCK, steps=1)
+    continue_from(m, cache(3, config=m.config), ids, 2 * BLOCK, steps=1)  # its own: runs
+
+
 def test_streaming_cache_of_another_engines_layout_is_a_clear_error():
     """streaming_cache builds a transformers cache over an HFDynamicLayout's
     tensors; given another layout (a vLLM one, the engine's paged cache) it
