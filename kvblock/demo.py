@@ -306,8 +306,8 @@ def _restore_child(path: str, tokens: int, out: str) -> None:
         raise SystemExit(f"kvblock demo: only {n} of {len(keys)} blocks found in {path}")
     handle = load_blocks(store, keys, layout, list(range(n)))
     with layer_progress(model, "restore: load + compute layer by layer", quiet):
-        first, logits, gen = decode(model, streaming_cache(handle, layout, n * BLOCK), ids,
-                                    n * BLOCK)
+        cache = streaming_cache(handle, layout, n * BLOCK, config=model.config)
+        first, logits, gen = decode(model, cache, ids, n * BLOCK)
     blocks = handle.wait()
     load_s = handle.layer_ready_at[-1]
     store.close()

@@ -53,8 +53,8 @@ def test_ttft_restore_vs_recompute(benchmark, model, tmp_path, tokens):
         with KVStore.open([str(path)]) as store:
             n = store.lookup(keys)
             handle = load_blocks(store, keys, layout, list(range(n)))
-            f, logits, _ = demo.decode(model, streaming_cache(handle, layout, n * demo.BLOCK),
-                                       ids, n * demo.BLOCK)
+            cache = streaming_cache(handle, layout, n * demo.BLOCK, config=model.config)
+            f, logits, _ = demo.decode(model, cache, ids, n * demo.BLOCK)
             handle.wait()
         result.update(ttft=f - t, equal=bool(torch.equal(logits, want)))
 

@@ -150,6 +150,9 @@ class _StreamingCache(DynamicCache):
     layer) is refused; streaming_cache(..., config=) refuses it up front."""
 
     _top: int | None = None     # the highest layer updated since layer 0 last was
+    # Off when the model's config was checked up front: a pass may then stop
+    # short on purpose (early-exit drafting runs the first layers only).
+    _guess_depth = True
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
@@ -157,7 +160,9 @@ class _StreamingCache(DynamicCache):
                 f"streaming_cache: the model updates layer {layer_idx}, the layout holds "
                 f"{len(self.layers)} layers: the layout is not of this model's KV (build it "
                 "with the model's layer count)")
-        if layer_idx == 0:
+        if not self._guess_depth:
+            pass
+        elif layer_idx == 0:
             if self._top is not None and self._top < len(self.layers) - 1:
                 raise ConfigError(_layer_mismatch(self._top + 1, len(self.layers)))
             self._top = 0
@@ -197,7 +202,9 @@ def streaming_cache(handle: LoadHandle, layout: HFDynamicLayout,
     it; a layout of another layer count is then refused here.  Without it
     the cache learns the model's depth only from its updates: a model of
     more layers is refused at its first update past the layout's, one of
-    fewer at its second forward (its first ran on KV not of this model)."""
+    fewer at its second forward (its first ran on KV not of this model);
+    a pass that runs the first layers only on purpose (early-exit
+    drafting) then needs ``config``, which turns that guess off."""
     if not isinstance(layout, HFDynamicLayout):
         raise ConfigError(f"streaming_cache: the layout is a {type(layout).__name__}; a "
                           "transformers cache is built over an HFDynamicLayout's tensors "
@@ -218,6 +225,7 @@ def streaming_cache(handle: LoadHandle, layout: HFDynamicLayout,
                           f"layout holds (0 to its {layout.tokens} tokens); pass the tokens "
                           "restored, or a layout with room for them")
     cache = _StreamingCache()
+    cache._guess_depth = config is None
     cache.layers = [_RestoringLayer(handle, layer, layout.keys[layer], layout.values[layer],
                                     length, layout.block_tokens)
                     for layer in range(layout.num_layers)]

@@ -373,6 +373,33 @@ def test_streaming_cache_of_a_deeper_layout_than_the_model_is_a_clear_error():
     continue_from(m, cache(3, config=m.config), ids, 2 * BLOCK, steps=1)  # its own: runs
 
 
+def test_streaming_cache_given_the_config_lets_a_pass_stop_short():
+    """Early-exit drafting runs the first layers only, on the same cache:
+    without a config that reads as a model of fewer layers (refused at the
+    next pass); with the model's config checked up front, the depth is
+    known and such passes run."""
+    from kvblock.errors import ConfigError
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import LoadHandle
+
+    def cache(**kw):
+        layout = HFDynamicLayout.empty(3, 2, 3 * BLOCK, 16, BLOCK, torch.float32)
+        handle = LoadHandle(3, 2)
+        for e in handle._events:
+            e.set()
+        return streaming_cache(handle, layout, 2 * BLOCK, **kw)
+
+    kv = torch.zeros(1, 2, 1, 16)
+    guessed, given = cache(), cache(config=model().config)
+    for c in (guessed, given):
+        for layer in (0, 1):             # a pass of the first two layers (the draft's)
+            c.update(kv, kv, layer)
+    with pytest.raises(ConfigError, match="model has 2 layers, the layout holds 3"):
+        guessed.update(kv, kv, 0)
+    given.update(kv, kv, 0)              # the next pass: the depth was given
+    assert given.layers[0].keys.shape[-2] == 2 * BLOCK + 2
+
+
 def test_streaming_cache_of_another_engines_layout_is_a_clear_error():
     """streaming_cache builds a transformers cache over an HFDynamicLayout's
     tensors; given another layout (a vLLM one, the engine's paged cache) it
