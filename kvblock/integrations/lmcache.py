@@ -84,7 +84,8 @@ Pins.
     one over its chunk budget, telling no backend) they are released at the
     first lookup or put after LMCache's ``lookup_timeout_ms`` (3 s by
     default; its scheduler recomputes the request by then); an aborted
-    request's (``cancel_request``) at once.
+    request's (``cancel_request``) at once.  A load that has started keeps
+    its lookup's pins until it ends, past that deadline too.
 
 Writes are asynchronous: ``batched_submit_put_task`` hands the chunks to
 ``kvblock.writer_threads`` threads and returns their futures; a chunk is
@@ -505,7 +506,11 @@ class KVBlockStorageBackend(StoragePluginInterface):
 
     def _release_lookup(self, lookup_id: str) -> None:
         """(under the lock) the pins the async lookup ``lookup_id`` took."""
-        for kb, entry in self._lookup_pins.pop(lookup_id, (0, []))[1]:
+        self._release_pins(self._lookup_pins.pop(lookup_id, (0, []))[1])
+
+    def _release_pins(self, pins: list) -> None:
+        """(under the lock) (kvblock key, pin entry) pairs an async lookup took."""
+        for kb, entry in pins:
             if self._pins.get(kb) is entry:     # else: dropped since
                 self._unpin_entry(kb, entry)
 
@@ -734,6 +739,13 @@ class KVBlockStorageBackend(StoragePluginInterface):
     async def batched_get_non_blocking(self, lookup_id: str, keys: list[CacheEngineKey],
                                        transfer_spec: Any = None) -> list[MemoryObj]:
         loop = asyncio.get_running_loop()
+        # The load has started: its lookup's pins are no longer left to
+        # lookup_timeout_ms (_expire_lookup_pins), which ends those of a
+        # load that never came.  A load queued behind others, or reading,
+        # past the deadline would lose them under it: its chunks evicted
+        # before it read them, the load short of the hits reported.
+        with self._lock:
+            started = self._lookup_pins.pop(lookup_id, (0, []))[1]
         try:
             try:
                 load = loop.run_in_executor(self.loader, self._load_prefix, list(keys),
@@ -765,6 +777,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
             # The load of an async lookup ends its pins (LMCache unpins the
             # objects it gets, never the backend's keys).
             with self._lock:
+                self._release_pins(started)
                 self._release_lookup(lookup_id)
 
     # ------------------------------------------------------------------ pins, removal

@@ -1055,6 +1055,49 @@ def test_pins_of_a_lookup_whose_load_never_starts_are_released(file_target, engi
     assert e.plugin._pins == {} and not (store.regions.pins > 0).any()
 
 
+def test_the_pins_of_a_lookup_whose_load_started_outlast_its_deadline(file_target, engines):
+    """lookup_timeout_ms ends the pins of a lookup whose load never came.
+    A load that came but is still queued or reading at the deadline (the
+    loader threads busy with other loads) kept them only until the next
+    lookup or put: its chunks could be evicted before it read them, and it
+    came back short of the hits its lookup reported.  A started load holds
+    its lookup's pins until it ends."""
+    import threading
+
+    e = Engine([file_target()])
+    engines.append(e)
+    key = e.key(151)
+    kb = e.plugin.kvblock_key(key)
+    e.put([key], [e.chunk()])
+    loop = e.manager.loop
+    assert asyncio.run_coroutine_threadsafe(
+        e.plugin.batched_async_contains("slow", [key], pin=True), loop).result(30) == 1
+    entered, gate = threading.Event(), threading.Event()
+    real = e.plugin._load_prefix
+
+    def gated_load(keys, busy_loop):
+        entered.set()
+        assert gate.wait(30)
+        return real(keys, busy_loop)
+    e.plugin._load_prefix = gated_load
+    try:
+        load = asyncio.run_coroutine_threadsafe(
+            e.plugin.batched_get_non_blocking("slow", [key]), loop)
+        assert entered.wait(30)                     # the load has started
+        now = time.monotonic()
+        e.plugin._clock = lambda: now + e.manager.config.lookup_timeout_ms / 1000 + 1
+        e.put([e.key(152)], [e.chunk()])           # past the deadline: expiry runs
+        assert kb in e.plugin._pins, "a started load's pins were released under it"
+        assert (e.plugin.store.regions.pins > 0).any()
+    finally:
+        gate.set()
+    got = load.result(30)
+    assert [obj_bytes(o) for o in got] and len(got) == 1
+    for obj in got:
+        obj.ref_count_down()
+    assert e.plugin._pins == {} and not (e.plugin.store.regions.pins > 0).any()
+
+
 def test_a_failed_pin_keeps_the_pins_held(file_target, engines):
     """A pin that fails (a store server call timing out: answered as a
     miss) dropped the key's pin entry and released its store pin, as if
