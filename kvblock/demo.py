@@ -239,25 +239,13 @@ def _check_run_fits(path: str, g, nblocks: int, own: bool = False,
     holds one, and the demo's option that gives it (the store's own advice,
     a smaller region_size, names none the demo takes).  With ``size``: the
     demo's own file as it will be made, of that size (not opened)."""
-    from types import SimpleNamespace
-
     from kvblock.devices import Device
     from kvblock.devices.device import FILE_BLOCK_SIZE
-    from kvblock.errors import DeviceTooSmallError, StoreFullError
-    from kvblock.store.store import _check_fits_plan, _least_capacity, _plan
-
-    def plan_at(nbytes):          # a store there, that holds the run
-        try:
-            plan = _plan([SimpleNamespace(path=dev.path, capacity=nbytes,
-                                          block_size=dev.block_size)], g, None, None)
-            _check_fits_plan(plan, g, nblocks)
-            return plan
-        except (DeviceTooSmallError, StoreFullError):
-            return None
+    from kvblock.errors import DeviceTooSmallError
+    from kvblock.store.planning import StandIn, check_fits, least_size, plan_for
 
     if size is not None:
-        dev = SimpleNamespace(path=path, capacity=size // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE,
-                              block_size=FILE_BLOCK_SIZE)
+        dev = StandIn(path, FILE_BLOCK_SIZE, size // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE)
         opened = nullcontext(dev)
     else:
         # opened as the format opens it: a device missing, busy or read-only
@@ -265,9 +253,10 @@ def _check_run_fits(path: str, g, nblocks: int, own: bool = False,
         opened = Device(path)
     with opened as dev:
         try:
-            plan = _plan([dev], g, None, None)
+            plan = plan_for([dev], g)
         except DeviceTooSmallError as e:
-            least = _least_capacity(plan_at, dev.block_size)
+            # the least size of a store there that holds the run
+            least = least_size([StandIn(dev.path, dev.block_size)], g, run_blocks=nblocks)
             if least is None:
                 raise
             raise DeviceTooSmallError(
@@ -275,7 +264,7 @@ def _check_run_fits(path: str, g, nblocks: int, own: bool = False,
                 f"least {least} bytes for a run of {nblocks} blocks; "
                 + (f"give --size {least} or more" if own else "use a larger --device"),
                 dev.path) from e
-    _check_fits_plan(plan, g, nblocks)
+    check_fits(plan, g, nblocks)
 
 
 def _restore_child(path: str, tokens: int, out: str) -> None:

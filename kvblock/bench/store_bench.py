@@ -81,13 +81,13 @@ def _check_run_fits(target: str, geometry: Geometry, run_blocks: int, made=None)
     formats on ``target``: refused before the format, so a refused run size
     leaves the target as it was (a store there, given --force, stays)."""
     from kvblock.layout.geometry import RunLayout
-    from kvblock.store.store import _plan
+    from kvblock.store.planning import plan_for
 
     # opened as the format opens it: a target in use or read-only is
     # refused as that, before its run size
     with Device(target) as dev:
         try:
-            plan = _plan([dev], geometry, None, None)    # the format's own: its region size
+            plan = plan_for([dev], geometry)    # the format's own: its region size
         except (DeviceTooSmallError, ConfigError) as e:
             raise _too_small(dev, geometry, made) from e
     run_bytes = RunLayout(geometry, run_blocks, plan["alignment"]).run_bytes
@@ -102,18 +102,9 @@ def _too_small(dev, geometry: Geometry, made) -> KVBlockError:
     smaller region_size, a larger journal_bytes) names settings the bench
     does not take.  Its store's regions and journal follow the target's
     size (and the model's), so the size that holds one is what to give."""
-    from types import SimpleNamespace
+    from kvblock.store.planning import StandIn, least_size
 
-    from kvblock.store.store import _least_capacity, _plan
-
-    def plan_at(nbytes):
-        try:
-            return _plan([SimpleNamespace(path=dev.path, capacity=nbytes,
-                                          block_size=dev.block_size)], geometry, None, None)
-        except (DeviceTooSmallError, ConfigError):
-            return None
-
-    least = _least_capacity(plan_at, dev.block_size)
+    least = least_size([StandIn(dev.path, dev.block_size)], geometry)
     if least is None:
         return ConfigError(f"no target can hold a store for {geometry.describe()}: a run's "
                            "journal record of one block is larger than a store's journal "

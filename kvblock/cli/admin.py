@@ -136,37 +136,29 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
     DeviceTooSmallError that names the --size asked and the least that does.
     (Devices that exist are taken as large enough: one that is not is
     refused by the format itself, by name.)"""
-    from types import SimpleNamespace
-
     from kvblock.devices.device import FILE_BLOCK_SIZE
     from kvblock.errors import DeviceTooSmallError
     from kvblock.layout.geometry import RunLayout, round_up
-    from kvblock.store.store import _least_capacity, _plan
+    from kvblock.store.planning import MAX_SIZE, StandIn, least_size, plan_or_none
 
     new = [not os.path.lexists(path) for path in devices]
     if not any(new):
         return
-
-    def plan(nbytes: int):
-        capacity = nbytes // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE     # as a Device sees it
-        devs = [SimpleNamespace(path=os.fspath(path), block_size=FILE_BLOCK_SIZE,
-                                capacity=capacity if made else 1 << 60)
-                for path, made in zip(devices, new)]
-        try:
-            return _plan(devs, geometry, region_size, None)
-        except (DeviceTooSmallError, ConfigError):   # (the journal follows the size too)
-            return None
-
-    if plan(size) is not None:
+    # the new files at the size probed (a capacity of None), the others as
+    # large as any
+    devs = [StandIn(os.fspath(path), FILE_BLOCK_SIZE, None if made else MAX_SIZE)
+            for path, made in zip(devices, new)]
+    # (refused as too small, or as a journal too small: it follows the size too)
+    if plan_or_none(devs, geometry, region_size, size=size) is not None:
         return
-    high = _least_capacity(plan, FILE_BLOCK_SIZE)     # the least --size that holds the store
+    high = least_size(devs, geometry, region_size)     # the least --size that holds the store
     if high is None:
         no_store = _no_store_holds(geometry, FILE_BLOCK_SIZE)
         if no_store is not None:
             raise no_store
         return                              # (none does: the format says why)
     least_region = round_up(RunLayout(geometry, 1, FILE_BLOCK_SIZE).run_bytes, FILE_BLOCK_SIZE)
-    regions = plan(high)["region_size"]
+    regions = plan_or_none(devs, geometry, region_size, size=high)["region_size"]
     path = os.fspath(devices[new.index(True)])
     raise DeviceTooSmallError(
         f"{path}: --size {size} is too small for a store for {geometry.describe()}: "
@@ -179,13 +171,10 @@ def _no_store_holds(geometry, block: int) -> ConfigError | None:
     """The refusal, in the command's terms, of a model no device holds a
     store for (a run's journal record of one block larger than a store's
     journal can be); None when a large enough device would hold one."""
-    from types import SimpleNamespace
-
-    from kvblock.store.store import _plan
+    from kvblock.store.planning import MAX_SIZE, StandIn, plan_for
 
     try:
-        _plan([SimpleNamespace(path="", block_size=block, capacity=1 << 60)], geometry,
-              None, None)
+        plan_for([StandIn("", block, MAX_SIZE)], geometry)
     except ConfigError:
         return ConfigError(f"no device can hold a store for {geometry.describe()}: a run's "
                            "journal record of one block is larger than a store's journal can "
@@ -200,14 +189,12 @@ def _check_plan(devs, geometry, region_size) -> None:
     own refusal advises its arguments ("a smaller region_size", a too small
     "journal_bytes", which follows the store's size): settings this
     command does not take."""
-    from types import SimpleNamespace
-
     from kvblock.errors import DeviceTooSmallError
     from kvblock.layout.geometry import RunLayout, round_up
-    from kvblock.store.store import _least_capacity, _plan
+    from kvblock.store.planning import StandIn, least_size, plan_for, plan_or_none
 
     try:
-        _plan(devs, geometry, region_size, None)
+        plan_for(devs, geometry, region_size)
         return
     except (DeviceTooSmallError, ConfigError) as e:
         refused = e
@@ -216,15 +203,8 @@ def _check_plan(devs, geometry, region_size) -> None:
     if no_store is not None:
         raise no_store from None
 
-    def plan_at(nbytes: int, region=region_size):
-        fakes = [SimpleNamespace(path=d.path, block_size=d.block_size, capacity=nbytes)
-                 for d in devs]
-        try:
-            return _plan(fakes, geometry, region, None)
-        except (DeviceTooSmallError, ConfigError):
-            return None
-
-    least = _least_capacity(plan_at, block)       # each device's least size
+    # each device's least size
+    least = least_size([StandIn(d.path, d.block_size) for d in devs], geometry, region_size)
     if least is None:
         # no size holds it: the --region-size itself (a multiple of the
         # alignment, holding one block), whatever the devices
@@ -235,11 +215,8 @@ def _check_plan(devs, geometry, region_size) -> None:
         head = str(refused).split("; use a larger device")[0]
         alignment = max(4096, block)
         least_region = round_up(RunLayout(geometry, 1, alignment).run_bytes, alignment)
-        try:
-            _plan(devs, geometry, least_region, None)
-            smaller = f", or a smaller --region-size (the least is {least_region})"
-        except (DeviceTooSmallError, ConfigError):
-            smaller = ""
+        smaller = (f", or a smaller --region-size (the least is {least_region})"
+                   if plan_or_none(devs, geometry, least_region) is not None else "")
         raise DeviceTooSmallError(f"{head}; {larger}{smaller}", refused.path) from None
     # the journal (1/128 of the store's space) cannot hold a run's record
     short = min(devs, key=lambda d: d.capacity)

@@ -2041,37 +2041,6 @@ def _max_run_blocks(geometry: Geometry, alignment: int, region_size: int,
                       POS_MASK + 1, record_keys))
 
 
-def _check_fits_plan(plan: dict, geometry: Geometry, nblocks: int) -> None:
-    """The store a format with ``plan`` (_plan's) makes must hold a run of
-    ``nblocks`` blocks at once (StoreFullError, as its put would raise):
-    checked before the format, which wipes what the devices held."""
-    from types import SimpleNamespace
-
-    alignment = plan["alignment"]
-    store = SimpleNamespace(
-        geometry=geometry,
-        regions=SimpleNamespace(count=plan["region_count"], size=plan["region_size"]),
-        max_run_blocks=_max_run_blocks(geometry, alignment, plan["region_size"],
-                                       plan["journal_bytes"]),
-        layout=lambda n: RunLayout(geometry, n, alignment))
-    RunWriter._check_fits(store, nblocks)
-
-
-def _least_capacity(plan_at, block: int = 4096) -> int | None:
-    """The least whole number of ``block``-byte blocks for which
-    ``plan_at(nbytes)`` (a _plan over devices of that size, None where it
-    refuses them) plans a store; None when none up to 2**60 bytes does."""
-    low, high = 0, block
-    while plan_at(high) is None:
-        low, high = high, high * 2
-        if high > 1 << 60:
-            return None
-    while high - low > block:
-        mid = (low + high) // 2 // block * block
-        low, high = (low, mid) if plan_at(mid) is not None else (mid, high)
-    return high
-
-
 def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) -> dict:
     """Where everything goes on each device."""
     for name, value in (("region_size", region_size), ("journal_bytes", journal_bytes)):

@@ -314,30 +314,8 @@ class RunWriter(RunIO):
     def _check_fits(self, nblocks: int) -> None:
         """Refuse a run the store cannot hold at once: its pieces would evict
         one another (the tail pushing out the head), leaving nothing to find."""
-        g, regions = self.geometry, self.regions
-        step = self.max_run_blocks
-        if step < 1:
-            raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
-                                 f"{regions.size}-byte region")
-        full, rest = divmod(nblocks, step)
-        piece = self.layout(step).run_bytes
-        rest_bytes = self.layout(rest).run_bytes if rest else 0
-        need = full * piece + rest_bytes
-        # Pieces never straddle regions: count the regions they fill (a
-        # region's slack past its last whole piece adds up over many).
-        per_region = regions.size // piece
-        used = -(-full // per_region)
-        if rest and (not used or (full - (used - 1) * per_region) * piece + rest_bytes
-                     > regions.size):
-            used += 1
-        # Its first piece may go to the partly filled region: count one less.
-        room = max(1, regions.count - 1)
-        if used > room:
-            raise StoreFullError(
-                f"a run of {nblocks} blocks ({need} bytes on the device, in {used} regions) "
-                f"does not fit this store, which holds at most {room} regions of one run "
-                f"({regions.count} regions of {regions.size} bytes, less one); store a "
-                "shorter prefix or give the store more capacity")
+        check_run_fits(nblocks, self.geometry, self.max_run_blocks, self.regions.count,
+                       self.regions.size, self.layout)
 
     def _stage_run(self, lay: RunLayout, blocks, run_id: int, dev: int, dev_off: int,
                    later: int | bool = False):
@@ -484,3 +462,38 @@ class RunWriter(RunIO):
         if tails:
             self.io.write(tails[0] if len(tails) == 1 else IOBatch.concat(tails))
         return out
+
+
+def check_run_fits(nblocks: int, geometry, max_run_blocks: int, region_count: int,
+                   region_size: int, layout: Callable[[int], RunLayout]) -> None:
+    """Refuse (StoreFullError) a run of ``nblocks`` that a store of
+    ``region_count`` regions of ``region_size`` bytes, cutting runs into
+    pieces of at most ``max_run_blocks`` blocks laid out by ``layout(n)``,
+    cannot hold at once: its pieces would evict one another (the tail
+    pushing out the head), leaving nothing to find.  The arithmetic of
+    RunWriter._check_fits, for a store open or only planned
+    (kvblock/store/planning.py)."""
+    g = geometry
+    step = max_run_blocks
+    if step < 1:
+        raise StoreFullError(f"one block ({g.block_bytes} bytes) does not fit a "
+                             f"{region_size}-byte region")
+    full, rest = divmod(nblocks, step)
+    piece = layout(step).run_bytes
+    rest_bytes = layout(rest).run_bytes if rest else 0
+    need = full * piece + rest_bytes
+    # Pieces never straddle regions: count the regions they fill (a
+    # region's slack past its last whole piece adds up over many).
+    per_region = region_size // piece
+    used = -(-full // per_region)
+    if rest and (not used or (full - (used - 1) * per_region) * piece + rest_bytes
+                 > region_size):
+        used += 1
+    # Its first piece may go to the partly filled region: count one less.
+    room = max(1, region_count - 1)
+    if used > room:
+        raise StoreFullError(
+            f"a run of {nblocks} blocks ({need} bytes on the device, in {used} regions) "
+            f"does not fit this store, which holds at most {room} regions of one run "
+            f"({region_count} regions of {region_size} bytes, less one); store a "
+            "shorter prefix or give the store more capacity")

@@ -1,0 +1,96 @@
+"""Planning a store before its format: the plan a format would make over
+devices (real ones, or stand-ins of a size), whether a run of so many
+blocks would fit it, and the least size that holds one.
+
+The commands that format a store (``kvblock format``, the store bench, the
+demo) check these first, before the format wipes what the devices held,
+and refuse in their own terms with the least size that would do.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from kvblock.errors import ConfigError, DeviceTooSmallError, StoreFullError
+from kvblock.layout.geometry import Geometry, RunLayout
+from kvblock.store.store import _max_run_blocks, _plan
+from kvblock.store.writes import check_run_fits
+
+# the largest size least_size tries
+MAX_SIZE = 1 << 60
+
+
+class StandIn(NamedTuple):
+    """A device as a format plans it: its path, block size and capacity.
+    A capacity of None is the size probed (plan_for's ``size``)."""
+
+    path: str
+    block_size: int
+    capacity: int | None = None
+
+
+def plan_for(devices: Sequence, geometry: Geometry, region_size: int | None = None, *,
+             size: int | None = None) -> dict:
+    """The plan (KVStore.format's: where everything goes on each device) of
+    a store formatted over ``devices``, each a Device or a StandIn, with
+    ``region_size`` (None: the format's default) and the journal's default
+    size.  A StandIn of no capacity is taken as ``size`` bytes, in whole
+    blocks of its own (as a Device sees a file of that size).  Raises as the
+    format would: DeviceTooSmallError, ConfigError."""
+    devs = [d if d.capacity is not None else
+            d._replace(capacity=size // d.block_size * d.block_size) for d in devices]
+    return _plan(devs, geometry, region_size, None)
+
+
+def check_fits(plan: dict, geometry: Geometry, nblocks: int) -> None:
+    """The store a format with ``plan`` (plan_for's) makes must hold a run
+    of ``nblocks`` blocks at once: else StoreFullError, as its put would
+    raise."""
+    alignment, region_size = plan["alignment"], plan["region_size"]
+    check_run_fits(nblocks, geometry,
+                   _max_run_blocks(geometry, alignment, region_size, plan["journal_bytes"]),
+                   plan["region_count"], region_size,
+                   lambda n: RunLayout(geometry, n, alignment))
+
+
+def plan_or_none(devices: Sequence, geometry: Geometry, region_size: int | None = None, *,
+                 size: int | None = None, run_blocks: int | None = None) -> dict | None:
+    """plan_for's plan, or None where the format would refuse the devices
+    (DeviceTooSmallError, ConfigError) or, given ``run_blocks``, its store
+    could not hold a run of that many blocks at once (check_fits)."""
+    try:
+        plan = plan_for(devices, geometry, region_size, size=size)
+        if run_blocks is not None:
+            check_fits(plan, geometry, run_blocks)
+    except (DeviceTooSmallError, ConfigError, StoreFullError):
+        return None
+    return plan
+
+
+def _least_capacity(plan_at, block: int = 4096) -> int | None:
+    """The least whole number of ``block``-byte blocks for which
+    ``plan_at(nbytes)`` (a plan over devices of that size, None where it
+    refuses them) plans a store; None when none up to MAX_SIZE bytes does.
+    (Taken as monotonic: a size that plans one, any larger does too.)"""
+    low, high = 0, block
+    while plan_at(high) is None:
+        low, high = high, high * 2
+        if high > MAX_SIZE:
+            return None
+    while high - low > block:
+        mid = (low + high) // 2 // block * block
+        low, high = (low, mid) if plan_at(mid) is not None else (mid, high)
+    return high
+
+
+def least_size(devices: Sequence[StandIn], geometry: Geometry,
+               region_size: int | None = None, *, run_blocks: int | None = None) -> int | None:
+    """The least size, in whole blocks of the devices' largest block size,
+    that the stand-ins of no capacity in ``devices`` must each have for a
+    format with ``region_size`` to plan a store over them (one that holds a
+    run of ``run_blocks`` blocks, given it): None when none up to MAX_SIZE
+    bytes does."""
+    block = max(d.block_size for d in devices)
+    return _least_capacity(lambda nbytes: plan_or_none(devices, geometry, region_size,
+                                                      size=nbytes, run_blocks=run_blocks),
+                          block)
