@@ -193,7 +193,8 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
     writes a sector whole, so a crash leaves each one old or new.  Proof is
     a header of ``epoch`` numbered ``seq`` whose record lies in one sector
     (or in two, the second holding the commit's next header), or bytes other than a record or zero padding after an intact record's
-    end in its sector.  A header naming ``epoch`` is this record's even
+    end in its sector where a header of ``epoch`` shows that sector new
+    (elsewhere, bytes no header of any epoch holds).  A header naming ``epoch`` is this record's even
     where its other bytes (magic, number) rotted: within an epoch each
     journal offset is written once, and no crash or rot forges the 64-bit
     epoch hash (a commit's first record starts a sector, where a header
@@ -205,9 +206,15 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         # part in this sector is still proof where an intact record ends
         # here (pos not on a sector): the sector was written whole, as the
         # commit's next record or as its zero padding, so bytes there that
-        # no header of ``epoch`` numbered ``seq`` holds are damage.
-        return pos % SECTOR != 0 and not _header_prefix_fits(
-            bytes(data[pos:sector_end]), seq, epoch)
+        # no header of ``epoch`` numbered ``seq`` holds are damage -- where
+        # a header of ``epoch`` shows the sector new (an intact record's
+        # tail may be an earlier epoch's same bytes, see below: then only
+        # bytes no header of any epoch holds).
+        if pos % SECTOR == 0:
+            return False
+        part = bytes(data[pos:sector_end])
+        return not _header_prefix_fits(part, seq, epoch if _new_sector(data, pos, epoch)
+                                       else None)
     magic, kind, res16, length, res32, repoch, rseq, _ = _HEADER.unpack_from(data, pos)
     if repoch == epoch:
         # the header's sector was written as this record, whole: a header
@@ -234,7 +241,31 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         return end < sector_end + SECTOR and epoch_field_at(data, end) == epoch and \
             end + 24 <= sector_end + SECTOR
     # a sector that starts without this record may be one never written
-    return pos % SECTOR != 0 and not _is_zero(data[pos:sector_end])
+    if pos % SECTOR == 0 or _is_zero(data[pos:sector_end]):
+        return False
+    if _new_sector(data, pos, epoch):
+        return True
+    # An intact record's tail alone does not show its sector new: an
+    # earlier epoch may have written the same record (a run re-put after a
+    # crash: same id, keys, checksums and place) at the same offset, and a
+    # torn commit left that sector old, the old next header after the
+    # tail.  Only bytes that no header of any epoch holds are damage then;
+    # a well-formed header of another epoch there is a tear (or, alike on
+    # the device, this commit's next header with its epoch rotted).
+    return not _header_prefix_fits(bytes(data[pos:pos + _HEADER.size]), seq, None)
+
+
+def _new_sector(data, pos: int, epoch: int) -> bool:
+    """Whether the sector holding ``pos`` (an intact record ends there, not
+    on the sector's start) was written in ``epoch``: the epoch field of a
+    header of ``epoch`` lies in it before ``pos`` (the records there are
+    intact: one whose header lies in an earlier sector shows nothing)."""
+    start = pos // SECTOR * SECTOR
+    for at in range(start + (-start % 8), pos - 7, 8):
+        if at >= 16 and epoch_field_at(data, at - 16) == epoch and \
+                struct.unpack_from("<I", data, at - 16)[0] == MAGIC:
+            return True
+    return False
 
 
 def _put_length_rotted(data, pos: int, length: int, sector_end: int) -> bool:
@@ -268,10 +299,11 @@ def _whole_as(data, pos: int, kind: int, length: int) -> bool:
     return meta_checksum(header + bytes(data[pos + _HEADER.size:stop])) == crc
 
 
-def _header_prefix_fits(part: bytes, seq: int, epoch: int) -> bool:
+def _header_prefix_fits(part: bytes, seq: int, epoch: int | None) -> bool:
     """Whether ``part`` (the first bytes of a header, cut at a sector's end:
     a multiple of 8 short of the whole) is zero padding or can begin a
-    well-formed header of ``epoch`` numbered ``seq``."""
+    well-formed header of ``epoch`` numbered ``seq`` (of any epoch and
+    number where ``epoch`` is None)."""
     if part == bytes(len(part)):
         return True
     whole = part + bytes(_HEADER.size - len(part))
@@ -283,9 +315,9 @@ def _header_prefix_fits(part: bytes, seq: int, epoch: int) -> bool:
         fields.append(not res32 and (
             length == 8 if kind in (DROP_RUN, RECLAIM) else
             length % 8 == 0 and length >= _PUT.size + KEY_BYTES + 8))
-    if len(part) >= 24:
+    if len(part) >= 24 and epoch is not None:
         fields.append(repoch == epoch)
-    if len(part) >= 32:
+    if len(part) >= 32 and epoch is not None:
         fields.append(rseq == seq)
     return all(fields)
 

@@ -635,3 +635,45 @@ def test_a_record_over_two_sectors_both_written_that_rots_is_damage(rec, at):
     bad[472 + at] ^= 0x10
     recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
     assert (recs, stop) == ([first], 472) and not j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+
+
+@pytest.mark.parametrize("blocks, ranges, after", [(10, 2, 656), (31, 3, 1000)],
+                         ids=["header-in-sector", "header-crossing-sector"])
+def test_a_tear_leaving_a_sector_of_an_earlier_journal_that_held_the_same_record_is_no_damage(
+        blocks, ranges, after):
+    """A commit written again after a crash (the restarted process re-puts
+    the same run: same run id, keys, checksums, region and offset, at the
+    same journal offset in a later epoch) and torn again: its record over
+    two sectors is whole, its second sector old -- the earlier epoch's
+    bytes are this record's tail byte for byte (a record's epoch lies in
+    its header only), so its checksum passes.  What follows it in that old
+    sector is the earlier epoch's next header (another epoch, or another
+    kind of record): taken for bytes after an intact record's end in a
+    sector written whole, a genuine tear was called damage and every run
+    was dropped.  An intact record's tail alone does not show its sector
+    new; a header of this epoch there does (then rot is still damage)."""
+    old_epoch = EPOCH ^ 0x5A5A
+    first = put(1, nblocks=20, ranges=2)         # 408 bytes: rec's header in sector 0
+    rec = put(2, nblocks=blocks, ranges=ranges)
+    assert j.record_bytes(first) + 40 <= 512
+    assert j.record_bytes(first) + j.record_bytes(rec) == after
+    old, _ = journal_of([[first, rec, DropRun(7)]], epoch=old_epoch)
+    new, _ = journal_of([[first, rec, Reclaim(1, 1)]])
+    assert old[512:after] == new[512:after] and old[after:1024] != new[after:1024]
+    torn = new[:512] + old[512:]
+    recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+    assert (recs, nxt, stop) == ([first, rec], 3, after)
+    assert not j.damaged_at(torn, stop, nxt, EPOCH)
+    # Undecidable, so a tear: the new sector whose next header's epoch field
+    # rotted reads as that old sector does (a well-formed header of another
+    # epoch after an intact record's tail)
+    bad = bytearray(new)
+    bad[after + 16] ^= 0x10
+    assert not j.damaged_at(bytes(bad), after, 3, EPOCH)
+    # ... but bytes that no header of any epoch and no padding hold are
+    # damage still (an old sector holds a header there, or zeros)
+    bad = bytearray(new)
+    bad[after] ^= 0x10                          # its magic
+    if after + 40 <= 1024:
+        bad[after + 16] ^= 0x10                 # and its epoch
+    assert j.damaged_at(bytes(bad), after, 3, EPOCH)
