@@ -194,7 +194,10 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
     a header of ``epoch`` numbered ``seq`` whose record lies in one sector
     (or in two, the second holding the commit's next header), or bytes other than a record or zero padding after an intact record's
     end in its sector where a header of ``epoch`` shows that sector new
-    (elsewhere, bytes no header of any epoch holds).  A header naming ``epoch`` is this record's even
+    (elsewhere, bytes no header of any epoch holds), or a later commit
+    after a well-formed header's record (:func:`_later_commit`; without
+    one, a record over three or more sectors, or the last of its commit
+    over two, may have a sector a crash left old: a tear).  A header naming ``epoch`` is this record's even
     where its other bytes (magic, number) rotted: within an epoch each
     journal offset is written once, and no crash or rot forges the 64-bit
     epoch hash (a commit's first record starts a sector, where a header
@@ -238,8 +241,14 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         # written by this commit too (each offset once per epoch), so the
         # record is whole there and its checksum failing is damage
         end = pos + _HEADER.size + length
-        return end < sector_end + SECTOR and epoch_field_at(data, end) == epoch and \
-            end + 24 <= sector_end + SECTOR
+        if end < sector_end + SECTOR and epoch_field_at(data, end) == epoch and \
+                end + 24 <= sector_end + SECTOR:
+            return True
+        # A later commit on the device: this one was flushed whole before
+        # it was written (a record over three or more sectors, or the last
+        # of its commit, is judged so; without one it stays a tear: the
+        # crash may have left a sector of it old, which rot reads alike)
+        return _later_commit(data, end, seq, epoch)
     # a sector that starts without this record may be one never written
     if pos % SECTOR == 0 or _is_zero(data[pos:sector_end]):
         return False
@@ -266,6 +275,45 @@ def _new_sector(data, pos: int, epoch: int) -> bool:
                 struct.unpack_from("<I", data, at - 16)[0] == MAGIC:
             return True
     return False
+
+
+def _later_commit(data, end: int, seq: int, epoch: int) -> bool:
+    """Whether a commit written after the one holding record ``seq`` (its
+    header whole, saying it ends at ``end``) lies on the device: an intact
+    record of ``epoch`` numbered past ``seq`` that starts elsewhere than
+    where the one before it ends.  A commit's records lie back to back, so
+    such a record starts a later commit, and a commit's write is flushed
+    before the next one is written (within an epoch each journal offset is
+    written once: the record is this epoch's)."""
+    after = _intact_after(data, end, seq + 1, epoch)
+    for k in range(seq + 1, seq + 1 + len(after)):
+        at = after.get(k)
+        if at is None:
+            return False
+        if at[0] != end:
+            return True
+        end = at[0] + _HEADER.size + at[1]
+    return False
+
+
+def _intact_after(data, start: int, seq: int, epoch: int) -> dict[int, tuple[int, int]]:
+    """{number: (offset, payload bytes)} of the intact records of ``epoch``
+    numbered ``seq`` or later from ``start`` on (8-aligned, found as
+    :func:`records_after` finds them)."""
+    data = memoryview(data)
+    start -= start % 8
+    n = (len(data) - start) // 8
+    if n < _HEADER.size // 8:
+        return {}
+    words = np.frombuffer(data, dtype="<u8", count=n, offset=start)
+    idx = np.nonzero((words[:n - 4] & np.uint64(0xFFFFFFFF)) == np.uint64(MAGIC))[0]
+    idx = idx[(words[idx + 2] == np.uint64(epoch)) & (words[idx + 3] >= np.uint64(seq))]
+    found = {}
+    for i in idx:
+        pos, rseq = start + 8 * int(i), int(words[i + 3])
+        if rseq not in found and record_at(data, pos) == (epoch, rseq):
+            found[rseq] = (pos, header_at(data, pos)[2])
+    return found
 
 
 def _put_length_rotted(data, pos: int, length: int, sector_end: int) -> bool:

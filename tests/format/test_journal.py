@@ -677,3 +677,43 @@ def test_a_tear_leaving_a_sector_of_an_earlier_journal_that_held_the_same_record
     if after + 40 <= 1024:
         bad[after + 16] ^= 0x10                 # and its epoch
     assert j.damaged_at(bytes(bad), after, 3, EPOCH)
+
+
+@pytest.mark.parametrize("rec, at", [(Reclaim(1, 1), 40), (put(2, nblocks=60, ranges=2), 600),
+                                     (put(2, nblocks=60, ranges=2), 1000)],
+                         ids=["last-reclaim-over-two-sectors", "put-over-three-sectors-middle",
+                              "put-over-three-sectors-last"])
+def test_a_rotted_record_whose_commit_a_later_commit_follows_is_damage(rec, at):
+    """A commit's journal write is flushed before the next commit is
+    written: a later commit of this epoch on the device shows every sector
+    of the earlier one written, so a record of it failing its checksum
+    rotted, wherever its sectors lie.  A record over three or more sectors
+    (a middle one holds payload only, which a crash may leave old) or the
+    last record of its commit over two (zero padding follows, not a header
+    of this epoch) was taken for a tear: the gap it left was blamed on a
+    crash, and a rotted RECLAIM's region kept its old runs indexed.  The
+    later commit is known by the next record's place: a commit's records
+    lie back to back, so the next number starting elsewhere than where the
+    stopped record's header says it ends starts a later commit.
+
+    Without a later commit the same bytes stay a tear (undecidable: the
+    commit may be the one a crash tore, its sector left old)."""
+    first = put(1, nblocks=24, ranges=2)            # 472 bytes: rec's header ends sector 0
+    size = j.record_bytes(rec)
+    assert 472 + size > 512 and (size < 512 or 472 + size > 1024)
+    data, ends = journal_of([[first, rec], [DropRun(9)]])
+    bad = bytearray(data)
+    bad[472 + at] ^= 0x10
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, 472)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # the later commit's record damaged or absent: nothing shows it
+    gone = bytes(bad[:ends[0]]) + bytes(len(bad) - ends[0])
+    assert not j.damaged_at(gone, stop, nxt, EPOCH)
+    # a tear of the last commit, a sector of the record left old
+    data, ends = journal_of([[first, rec, DropRun(9)]])
+    for sector in range(1, -(-(472 + size) // 512)):
+        torn = data[:512 * sector] + bytes(512) + data[512 * (sector + 1):]
+        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        if stop == 472:
+            assert not j.damaged_at(torn, stop, nxt, EPOCH), sector
