@@ -282,7 +282,6 @@ class RunReader(RunIO):
             got = self._read(keys[done:end], span(dst, done, end), only, done == 0)
             if only is None:
                 fetched.extend(range(done, done + got))
-            self.counters["device_hit_blocks"] += got
             done += got
             if done < end:
                 break
@@ -379,6 +378,7 @@ class RunReader(RunIO):
             return 0
         g = self.geometry
         self.counters["get_blocks"] += done
+        self.counters["device_hit_blocks"] += done     # with a DRAM tier or not
         self.counters["get_bytes"] += done * (g.group_block_bytes if only else g.block_bytes)
         return done
 

@@ -940,9 +940,9 @@ def _count_loaded(store, blocks: int, from_device: int, heads: int) -> None:
     g = store.geometry
     store.counters["get_blocks"] += blocks
     store.counters["get_bytes"] += blocks * (g.block_bytes // g.num_kv_heads * heads)
+    store.counters["device_hit_blocks"] += from_device
     if store.host is not None:
         store.counters["host_hit_blocks"] += blocks - from_device
-        store.counters["device_hit_blocks"] += from_device
 
 
 def _raw_assign(view, ids, src, itemsize):

@@ -1152,3 +1152,23 @@ def test_a_read_of_a_key_put_and_evicted_while_it_read_raises_nothing(tmp_path):
         assert store.get_run(keys, out) == 2 and np.array_equal(out, old)
         del store._read
         assert store.get_run(keys, out) == 2 and np.array_equal(out, old)   # the put's DRAM copies
+
+
+def test_without_a_tier_every_block_read_is_a_device_hit(tmp_path):
+    """device_hit_blocks stayed 0 on a store without a DRAM tier while
+    get_blocks grew (stats and Prometheus said no block came from the
+    device): every read path counts its device blocks, tier or not."""
+    torch = pytest.importorskip("torch")
+    from kvblock.tensors import VLLMLayout, load_blocks, save_blocks
+
+    g, path, src = _layerwise_setup(tmp_path, torch)
+    keys = [f"b{i}".encode() for i in range(6)]
+    with KVStore.format([str(path)], g, region_size=1 << 20) as store:
+        save_blocks(store, keys, VLLMLayout(src), list(range(6)))
+        dst = [torch.zeros(2, 8, 16, 4, 16, dtype=torch.bfloat16) for _ in range(3)]
+        assert load_blocks(store, keys, VLLMLayout(dst), list(range(6))).wait() == 6
+        assert store.get_run(keys, np.zeros(6 * g.block_bytes, np.uint8)) == 6
+        assert store.read_range(keys, 1, 0, np.zeros(6 * g.group_block_bytes, np.uint8)) == 6
+        c = store.counters
+        assert c["get_blocks"] == 18
+        assert c["device_hit_blocks"] == 18 and c["host_hit_blocks"] == 0
