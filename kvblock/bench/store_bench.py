@@ -103,7 +103,11 @@ def _too_small(dev, geometry: Geometry, made) -> KVBlockError:
     does not take.  Its store's regions and journal follow the target's
     size (and the model's), so the size that holds one is what to give."""
     from kvblock.store.planning import StandIn, least_size
+    from kvblock.store.store import _blocks_too_small
 
+    too_small = _blocks_too_small([dev], geometry)    # no target's size would do
+    if too_small is not None:
+        return too_small
     least = least_size([StandIn(dev.path, dev.block_size)], geometry)
     if least is None:
         return ConfigError(f"no target can hold a store for {geometry.describe()}: a run's "

@@ -153,7 +153,7 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
         return
     high = least_size(devs, geometry, region_size)     # the least --size that holds the store
     if high is None:
-        no_store = _no_store_holds(geometry, FILE_BLOCK_SIZE)
+        no_store = _no_store_holds(geometry, [d.block_size for d in devs])
         if no_store is not None:
             raise no_store
         return                              # (none does: the format says why)
@@ -167,14 +167,19 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
         + (", or a smaller --region-size" if regions > least_region else ""), path)
 
 
-def _no_store_holds(geometry, block: int) -> ConfigError | None:
-    """The refusal, in the command's terms, of a model no device holds a
-    store for (a run's journal record of one block larger than a store's
-    journal can be); None when a large enough device would hold one."""
+def _no_store_holds(geometry, blocks: list[int]) -> ConfigError | None:
+    """The refusal, in the command's terms, of a model no devices of these
+    block sizes hold a store for (blocks too small for any store's
+    checkpoint, or a run's journal record of one block larger than a
+    store's journal can be); None when large enough devices would hold one."""
     from kvblock.store.planning import MAX_SIZE, StandIn, plan_for
+    from kvblock.store.store import _blocks_too_small
 
+    too_small = _blocks_too_small([StandIn("", b) for b in blocks], geometry)
+    if too_small is not None:
+        return too_small
     try:
-        plan_for([StandIn("", block, MAX_SIZE)], geometry)
+        plan_for([StandIn("", max(blocks), MAX_SIZE)], geometry)
     except ConfigError:
         return ConfigError(f"no device can hold a store for {geometry.describe()}: a run's "
                            "journal record of one block is larger than a store's journal can "
@@ -199,7 +204,7 @@ def _check_plan(devs, geometry, region_size) -> None:
     except (DeviceTooSmallError, ConfigError) as e:
         refused = e
     block = max(d.block_size for d in devs)
-    no_store = _no_store_holds(geometry, block)
+    no_store = _no_store_holds(geometry, [d.block_size for d in devs])
     if no_store is not None:
         raise no_store from None
 

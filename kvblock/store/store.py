@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -2041,8 +2041,68 @@ def _max_run_blocks(geometry: Geometry, alignment: int, region_size: int,
                       POS_MASK + 1, record_keys))
 
 
-def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) -> dict:
-    """Where everything goes on each device."""
+# the per-device size _blocks_too_small plans a store at: any device is smaller
+_PROBE_SIZE = 1 << 60
+
+
+class _Probe(NamedTuple):
+    path: str
+    block_size: int
+    capacity: int
+
+
+def _blocks_too_small(devs, geometry: Geometry) -> ConfigError | None:
+    """A ConfigError when the model's blocks are too small for a store over
+    devices of ``devs``'s block sizes, however large (a checkpoint slot keeps
+    16 bytes per block the store's space could hold, and there are two, all
+    on the first device): it names the block size, the least a store over
+    them takes and the fix.  None when a large enough device holds one."""
+    probes = [_Probe(d.path, d.block_size, _PROBE_SIZE // d.block_size * d.block_size)
+              for d in devs]
+
+    def least(probes) -> int | None:
+        def fits(block_bytes: int) -> bool:
+            try:
+                _plan(probes, geometry, None, None, block_bytes=block_bytes, probe=True)
+            except (DeviceTooSmallError, ConfigError):
+                return False
+            return True
+
+        low = geometry.block_bytes
+        if fits(low):
+            return None
+        high = 2 * low
+        while not fits(high):
+            low, high = high, 2 * high
+            if high > _PROBE_SIZE:
+                return None                 # not the blocks: no size of them plans one
+        while high - low > 1:
+            mid = (low + high) // 2
+            low, high = (low, mid) if fits(mid) else (mid, high)
+        return high
+
+    need = least(probes)
+    if need is None:
+        return None
+    over = f" over {len(devs)} devices" if len(devs) > 1 else ""
+    alone = least(probes[:1]) if len(devs) > 1 else None
+    return ConfigError(
+        f"blocks of {geometry.block_bytes} bytes ({geometry.describe()}) are too small for "
+        f"any store{over}: its checkpoint keeps 16 bytes per block its space could hold, in "
+        f"each of two slots on the first device, so the metadata outgrows any device; a store"
+        f"{over} takes blocks of at least {need} bytes"
+        + ("" if len(devs) == 1 else
+           f" (a store on one device, at least {alone})" if alone is not None else
+           " (a store on one device takes these)")
+        + ": use more tokens per block or larger heads"
+        + (", or fewer devices" if len(devs) > 1 else ""))
+
+
+def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes, *,
+          block_bytes: int | None = None, probe: bool = False) -> dict:
+    """Where everything goes on each device.  (``block_bytes``: the model's
+    blocks taken as that many bytes; ``probe``: a plan _blocks_too_small
+    makes, whose refusals are not explained.)"""
     for name, value in (("region_size", region_size), ("journal_bytes", journal_bytes)):
         if value is not None and (not is_whole(value) or value <= 0):
             raise ConfigError(f"{name} must be a positive whole number of bytes, got {value!r} "
@@ -2081,7 +2141,7 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) ->
     # one aligned range per (layer, group) and a trailer, every block at least
     # block_bytes.
     max_runs = total // min_run + 1
-    max_keys = total // geometry.block_bytes + 1
+    max_keys = total // (block_bytes or geometry.block_bytes) + 1
     max_regions = total // region_size + 1
     cp_bytes = round_up(cpfmt.HEADER_BYTES + max_regions * cpfmt.REGION_DTYPE.itemsize
                         + max_runs * (cpfmt.RUN_DTYPE.itemsize + 8 * geometry.run_checksums)
@@ -2095,6 +2155,11 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes) ->
     least = 2 if len(devs) == 1 else 1
     for i, (d, off, n) in enumerate(zip(devs, data_offsets, per_dev)):
         if n < least:
+            if i == 0 and not probe:
+                # no device of any size: the model's blocks (not the device) are too small
+                too_small = _blocks_too_small(devs, geometry)
+                if too_small is not None:
+                    raise too_small
             raise DeviceTooSmallError(
                 f"{d.path}: {d.capacity} bytes cannot hold "
                 f"{'metadata' if i == 0 else 'its superblocks'} ({off} bytes) and "

@@ -2001,3 +2001,29 @@ def test_format_of_a_device_too_small_names_what_the_operator_can_change(file_ta
     res = kvb("format", new, "--size", "64M", *_HUGE_RECORD)
     one_line_error(res, 8, "smaller model")
     assert "journal_bytes" not in res.stderr and not os.path.exists(new), res.stderr
+
+
+# Blocks of 4 bytes: a store's checkpoint keeps 16 bytes per block its space
+# could hold in each of two slots, so its metadata outgrows any device.
+_TINY_BLOCKS = ["--layers", "1", "--kv-heads", "1", "--head-dim", "1", "--dtype", "float16",
+                "--block-tokens", "1"]
+
+
+def test_format_of_a_model_of_blocks_too_small_for_any_store_says_so(tmp_path, file_target):
+    """A model of blocks under ~32 bytes was refused with exit 7 and the
+    sizes of the planner's 2**60-byte probe under an empty path (": 1152921504606846976
+    bytes cannot hold metadata ..."), neither the operator's device nor a
+    fix.  Now: exit 8, the model's block size, the least a store takes, and
+    the fix (more tokens per block or larger heads), for a new file as for
+    an existing one, before any file is made."""
+    new = str(tmp_path / "new.img")
+    existing = file_target(64 << 20)
+    for args in ([new, "--size", "1M"], [existing]):
+        res = kvb("format", *args, *_TINY_BLOCKS)
+        one_line_error(res, 8, "blocks of 4 bytes", "at least ", "tokens per block",
+                       "larger heads")
+        assert str(1 << 60) not in res.stderr and "error: :" not in res.stderr, res.stderr
+        assert "larger device" not in res.stderr, res.stderr
+        assert not os.path.exists(new)
+        least = int(res.stderr.split("at least ")[1].split()[0])
+        assert 4 < least <= 64

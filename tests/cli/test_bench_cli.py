@@ -704,3 +704,23 @@ def test_a_store_bench_closes_the_buffers_it_makes(tmp_path, monkeypatch, worklo
     sb.run_store_bench(str(tmp_path / "t.img"), workload, Geometry(2, 2, 32, "float16", 16),
                        2, 0.02, size=16 << 20, jobs=1)
     assert made and all(b.closed for b in made), [b for b in made if not b.closed]
+
+
+@pytest.mark.parametrize("workload", ["save", "restore"])
+def test_a_store_bench_of_a_model_of_blocks_too_small_for_any_store_says_so(tmp_path,
+                                                                            workload):
+    """Blocks of 4 bytes (a checkpoint keeps 32 bytes per block a store
+    could hold) were refused as "no target can hold a store ... a run's
+    journal record of one block is larger than a store's journal can be;
+    bench a smaller model": a reason that was not the one, and a fix that
+    does not help.  Now the model's block size, the least a store takes and
+    the fix (more tokens per block or larger heads); nothing is made."""
+    path = tmp_path / "t.img"
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", workload, "--size", "64M",
+                                   "--layers", "1", "--kv-heads", "1", "--head-dim", "1",
+                                   "--dtype", "float16", "--block-tokens", "1",
+                                   "--run-blocks", "1", "--seconds", "0.05", "--json"])
+    assert res.exit_code == 8, res.output
+    assert "blocks of 4 bytes" in res.output and "tokens per block" in res.output, res.output
+    assert "journal" not in res.output and str(1 << 60) not in res.output, res.output
+    assert not path.exists()

@@ -9,7 +9,7 @@ import pytest
 
 from kvblock import Geometry, KVStore, aligned_empty, create_file
 from kvblock.devices import Device
-from kvblock.errors import DeviceTooSmallError, StoreFullError
+from kvblock.errors import ConfigError, DeviceTooSmallError, StoreFullError
 from kvblock.store.planning import StandIn, check_fits, least_size, plan_for, plan_or_none
 from tests.store.workload import GEOM, run_data, run_keys
 
@@ -79,3 +79,42 @@ def test_least_size_for_a_run_holds_it_and_check_fits_refuses_as_the_put(tmp_pat
 
 def test_no_least_size_where_no_store_holds_the_model():
     assert least_size([StandIn("x", 4096)], HUGE_RECORD) is None
+
+
+# blocks of 4 bytes: a checkpoint slot keeps 16 bytes per block a store's
+# space could hold, two slots 32: more than the blocks themselves
+TINY_BLOCKS = Geometry(num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16",
+                       block_tokens=1)
+
+
+def test_a_model_of_blocks_too_small_for_any_store_is_a_config_error(tmp_path):
+    """KVStore.format of a model whose blocks are too small for any store's
+    checkpoint said the device was too small ("use a larger device"), which
+    none is: and the planner's probes reported their own 2**60-byte stand-in
+    under an empty path.  It is a ConfigError naming the model's block size,
+    the least a store takes (over these devices: the first holds the
+    metadata of all), and the fix."""
+    path = tmp_path / "store.img"
+    create_file(path, 64 << 20)
+    with pytest.raises(ConfigError) as e:
+        KVStore.format([str(path)], TINY_BLOCKS)
+    msg = str(e.value)
+    assert "blocks of 4 bytes" in msg and "tokens per block" in msg, msg
+    least = int(msg.split("at least ")[1].split()[0])
+    # the least is exact: blocks of that size plan a store, one byte less none
+    one = [StandIn("x", 4096)]
+    assert plan_for(one, Geometry(1, 1, least, "int8", 1, kv_parts=1), size=1 << 60)
+    with pytest.raises(ConfigError, match=f"blocks of {least - 1} bytes"):
+        plan_for(one, Geometry(1, 1, least - 1, "int8", 1, kv_parts=1), size=1 << 60)
+    assert least_size(one, TINY_BLOCKS) is None
+    # a stand-in's refusal names the model, not the probe
+    with pytest.raises(ConfigError) as e:
+        plan_for([StandIn("", 4096)], TINY_BLOCKS, size=1 << 60)
+    assert str(1 << 60) not in str(e.value)
+    # four devices: blocks a store of one takes, but not one of four
+    fine = Geometry(1, 1, 2 * least, "int8", 1, kv_parts=1)
+    assert least_size(one, fine) is not None
+    four = [StandIn(str(i), 4096) for i in range(4)]
+    with pytest.raises(ConfigError, match="over 4 devices") as e:
+        plan_for(four, fine, size=1 << 30)
+    assert int(str(e.value).split("at least ")[1].split()[0]) > 2 * least
