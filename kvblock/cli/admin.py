@@ -139,7 +139,7 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
     from kvblock.devices.device import FILE_BLOCK_SIZE
     from kvblock.errors import DeviceTooSmallError
     from kvblock.layout.geometry import RunLayout, round_up
-    from kvblock.store.planning import MAX_SIZE, StandIn, least_size, plan_or_none
+    from kvblock.store.planning import MAX_SIZE, StandIn, least_size, plan_for, plan_or_none
 
     new = [not os.path.lexists(path) for path in devices]
     if not any(new):
@@ -156,7 +156,12 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
         no_store = _no_store_holds(geometry, [d.block_size for d in devs])
         if no_store is not None:
             raise no_store
-        return                              # (none does: the format says why)
+        try:
+            plan_for(devs, geometry, region_size, size=size)
+        except (DeviceTooSmallError, ConfigError) as e:
+            # none does, whatever the --size: the --region-size
+            raise _region_refusal(e, geometry, region_size, FILE_BLOCK_SIZE) from None
+        return
     least_region = round_up(RunLayout(geometry, 1, FILE_BLOCK_SIZE).run_bytes, FILE_BLOCK_SIZE)
     regions = plan_or_none(devs, geometry, region_size, size=high)["region_size"]
     path = os.fspath(devices[new.index(True)])
@@ -188,6 +193,24 @@ def _no_store_holds(geometry, blocks: list[int]) -> ConfigError | None:
     return None
 
 
+def _region_refusal(refused, geometry, region_size, block: int) -> ConfigError:
+    """The format's refusal, ``refused``, of a --region-size no size of the
+    devices takes (the model being one a store holds): one not a multiple
+    of the alignment or not holding a block (its own ConfigError), or too
+    large for any device to hold two of (the DeviceTooSmallError of a
+    device, whose "a larger device" none is)."""
+    from kvblock.layout.geometry import RunLayout, round_up
+
+    if isinstance(refused, ConfigError):
+        return ConfigError(str(refused).replace("region_size", "--region-size", 1))
+    alignment = max(4096, block)
+    least_region = round_up(RunLayout(geometry, 1, alignment).run_bytes, alignment)
+    return ConfigError(f"--region-size {region_size} is too large for any device: a store "
+                       "needs two regions (one on each of several devices) besides its "
+                       f"metadata; give a smaller --region-size (the least is {least_region}), "
+                       "or none (the default follows the devices' size)")
+
+
 def _check_plan(devs, geometry, region_size) -> None:
     """The store the format makes on the opened ``devs`` must fit them:
     refused here, before the prompt, in the command's terms.  The store's
@@ -211,9 +234,7 @@ def _check_plan(devs, geometry, region_size) -> None:
     # each device's least size
     least = least_size([StandIn(d.path, d.block_size) for d in devs], geometry, region_size)
     if least is None:
-        # no size holds it: the --region-size itself (a multiple of the
-        # alignment, holding one block), whatever the devices
-        raise ConfigError(str(refused).replace("region_size", "--region-size", 1)) from None
+        raise _region_refusal(refused, geometry, region_size, block) from None
     larger = (f"use a larger device (at least {least} bytes)" if len(devs) == 1 else
               f"use larger devices ({least} bytes each holds the store)")
     if isinstance(refused, DeviceTooSmallError):

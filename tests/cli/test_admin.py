@@ -2027,3 +2027,18 @@ def test_format_of_a_model_of_blocks_too_small_for_any_store_says_so(tmp_path, f
         assert not os.path.exists(new)
         least = int(res.stderr.split("at least ")[1].split()[0])
         assert 4 < least <= 64
+
+
+def test_format_with_a_region_size_no_device_holds_two_of_names_the_region_size(tmp_path,
+                                                                                file_target):
+    """A --region-size no device up to the planner's largest holds two of
+    (512P) was refused with "use a larger device or a smaller --region-size"
+    (none is large enough), and a new file was made and removed before the
+    refusal.  Now the --region-size is named as the fix, before any file is
+    made."""
+    new = str(tmp_path / "new.img")
+    for args in ([new, "--size", "64M"], [file_target(64 << 20)]):
+        res = kvb("format", *args, "--region-size", "524288T", *GEOM_ARGS)
+        one_line_error(res, 8, "--region-size 576460752303423488 is too large", "the least is")
+        assert "larger device" not in res.stderr, res.stderr
+        assert not os.path.exists(new)
