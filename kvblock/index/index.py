@@ -227,15 +227,22 @@ class KeyIndex:
         found = self.lookup(keys) >= 0
         return int(found.size if found.all() else np.argmin(found))
 
-    def segments(self, keys: list[bytes]) -> list[tuple[Run, int, int, int]]:
+    def segments(self, keys: list[bytes], windowed: bool = False
+                 ) -> list[tuple[Run, int, int, int]]:
         """(run, first position, count, first key index) for each stretch of
-        the stored prefix of ``keys`` that is consecutive within one run."""
+        the stored prefix of ``keys`` that is consecutive within one run.
+        ``windowed``: the keys are looked up a window at a time (FEW_KEYS,
+        then four times as many each time) up to the first absent one, not
+        all at once: for a caller that asks again and again with all the
+        keys left whose stored prefixes are short (a layer-wise load
+        alternating DRAM and device stretches), which cost work quadratic
+        in the keys.  The answer is the same."""
         if len(keys) <= FEW_KEYS:
             return self._few_segments(self.table.get_few(keys))
-        packed = self.lookup(keys)
+        packed = self._stored_prefix_windowed(keys) if windowed else self.lookup(keys)
         n = int(packed.size if (packed >= 0).all() else np.argmin(packed >= 0))
-        if n == 0:
-            return []
+        if n <= FEW_KEYS:        # (numpy's per-call cost is most of it)
+            return self._few_segments(packed[:n].tolist())
         packed = packed[:n]
         # A stretch ends where the next position is not the next one of the
         # same run: a run of POS_MASK + 1 blocks packs its last position one
@@ -245,6 +252,20 @@ class KeyIndex:
         counts = np.diff(np.r_[starts, n])
         return [(self.runs[int(packed[s]) >> POS_BITS], int(packed[s]) & POS_MASK, int(c), int(s))
                 for s, c in zip(starts, counts)]
+
+    def _stored_prefix_windowed(self, keys: list[bytes]) -> np.ndarray:
+        """lookup() of ``keys`` a window at a time up to the window holding
+        the first absent key (those past it are not looked up): at most
+        four times the stored prefix's keys, plus FEW_KEYS."""
+        parts, at, size = [], 0, max(FEW_KEYS, 1)
+        while at < len(keys):
+            part = self.lookup(keys[at:at + size])
+            parts.append(part)
+            if (part < 0).any():
+                break
+            at += size
+            size *= 4
+        return np.concatenate(parts)
 
     def _few_segments(self, packed: list[int]) -> list[tuple[Run, int, int, int]]:
         """segments() of a few keys' packed values, in plain Python."""

@@ -1323,10 +1323,13 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.regions.last_access[run.region] = now
                 self.regions.hits[run.region] += 1
 
-    def _segments(self, keys: list[bytes]) -> list[tuple[Run, int, int, int]]:
+    def _segments(self, keys: list[bytes], windowed: bool = False
+                  ) -> list[tuple[Run, int, int, int]]:
         """(run, first position, count, first output block) for the stored
-        prefix of ``keys``; pins the runs' regions.  Under self._lock."""
-        segs = self.index.segments(keys)
+        prefix of ``keys``; pins the runs' regions.  Under self._lock.
+        ``windowed``: see KeyIndex.segments (a caller asking with all the
+        keys left, once per stretch)."""
+        segs = self.index.segments(keys, windowed)
         now = time.time()
         for run, _, _, _ in segs:
             run.pins += 1

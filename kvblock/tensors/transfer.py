@@ -813,8 +813,12 @@ def _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads) -> tuple[list
             pos += _load_from_host(store, keys[pos:], layout, page_ids[pos:], g0, ng, h0, heads)
             if pos == len(keys):
                 break
+            # After the first device stretch, a short stored prefix of the
+            # keys left is likely (a DRAM stretch may follow it): looked up
+            # a window at a time, not all of them once per stretch
+            # (quadratic in the stretches, under the lock).
             with store._lock:
-                found = store._segments(keys[pos:])
+                found = store._segments(keys[pos:], windowed=bool(segs))
             if not found:
                 break
             segs += [(run, p, c, out + pos) for run, p, c, out in found]

@@ -284,6 +284,33 @@ def test_few_key_segments_answer_as_the_numpy_path(picks):
         index_mod.FEW_KEYS = saved
 
 
+@settings(max_examples=60, deadline=None)
+@given(present=st.lists(st.booleans(), min_size=1, max_size=200),
+       run_len=st.integers(1, 40))
+@example(present=[True] * 8 + [False] * 100, run_len=40)     # the second window's first
+@example(present=[True] * 200, run_len=40)                   # all stored
+@example(present=[True] * 3 + [False] + [True] * 50, run_len=7)
+def test_windowed_segments_answer_as_one_lookup(present, run_len):
+    """segments(windowed=True) (a load's device stretches, looked up a
+    window at a time) answers as segments() of all the keys at once, and
+    looks up the keys past the first absent one's window not at all."""
+    idx = KeyIndex()
+    stored = [i for i, p in enumerate(present) if p]
+    runs = [run(r + 1, stored[at:at + run_len]) for r, at in
+            enumerate(range(0, len(stored), run_len))]
+    idx.add_many(runs)
+    keys = [k(i) for i in range(len(present))]
+    looked = []
+    real = idx.lookup
+    idx.lookup = lambda ks: looked.append(len(ks)) or real(ks)
+    windowed = idx.segments(keys, windowed=True)
+    del idx.lookup
+    assert windowed == idx.segments(keys)
+    prefix = idx.prefix_length(keys)
+    if len(keys) > 8:
+        assert sum(looked) <= 4 * prefix + 8, (prefix, looked)
+
+
 def test_few_key_segments_split_at_run_ends_and_stop_at_a_miss():
     idx = KeyIndex()
     a, b = run(1, [0, 1, 2]), run(2, [3, 4])

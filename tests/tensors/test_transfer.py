@@ -1542,3 +1542,58 @@ def test_a_dram_stretch_looks_up_only_its_own_keys(path, monkeypatch):
         assert sum(looked) <= 3, f"a DRAM stretch of 1 key looked up {looked} keys"
     for layer in range(L):
         assert torch.equal(dst[layer], src[layer])
+
+
+def _interleaved_dram_and_device(store, keys, src):
+    """Store ``keys`` so that the even ones are held only in the DRAM tier
+    and the odd ones only on the device (a load alternates one-key
+    stretches of each)."""
+    n = len(keys)
+    nk = normalize_keys(keys)
+    for first in (0, 1):       # the even keys' runs, the odd keys' runs
+        ids = list(range(first, n, 2))
+        assert save_blocks(store, [keys[i] for i in ids], VLLMLayout(src), ids) == len(ids)
+    even = {i: store.host.get(nk[i]) for i in range(0, n, 2)}
+    assert store.delete([keys[i] for i in even]) == len(even)   # their runs gone...
+    for i, block in even.items():
+        store.host.put(nk[i], block)               # ...their blocks only in DRAM
+    for i in range(1, n, 2):
+        store.host.discard(nk[i])
+
+
+def test_a_device_stretch_looks_up_only_about_its_own_keys(path, monkeypatch):
+    """A load alternating DRAM and device stretches asked the index for the
+    stored prefix of all the keys left once per device stretch (_segments
+    of keys[pos:]): quadratic work under the store's lock (2K keys fully
+    interleaved: 1M keys looked up, about 2 s a load).  The keys looked up
+    in all grow with the keys loaded, not with their square; the bytes are
+    the same."""
+    from kvblock.index.table import KeyTable
+
+    g = geom()
+    n = 256
+    src = [rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"k{i}".encode() for i in range(n)]
+    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
+        _interleaved_dram_and_device(store, keys, src)
+        looked = []
+        real_get, real_few = KeyTable.get, KeyTable.get_few
+
+        def get(self, lo, hi):
+            looked.append(lo.size)
+            return real_get(self, lo, hi)
+
+        def get_few(self, ks):
+            looked.append(len(ks))
+            return real_few(self, ks)
+        monkeypatch.setattr(KeyTable, "get", get)
+        monkeypatch.setattr(KeyTable, "get_few", get_few)
+        dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait() == n
+        monkeypatch.undo()
+        assert store.stats()["host_tier_hits"] >= n // 2
+    # n / 2 device stretches: about n * n / 4 keys when each looked at all
+    # the keys left; a few per key loaded now
+    assert sum(looked) < 10 * n, f"{len(looked)} lookups of {sum(looked)} keys for {n} keys"
+    for layer in range(L):
+        assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
