@@ -1241,14 +1241,14 @@ class KVStore(Recovery, RunReader, RunWriter):
         handle, host_keys, tokens, pos = PinHandle(), [], [], 0
         try:
             while pos < len(keys):
+                # past the first block held only in DRAM, the keys left are
+                # looked up a window at a time (KeyIndex.segments), not all
+                # of them once per such block (quadratic, under the lock)
                 with self._lock:
-                    on_device = self.index.lookup(keys[pos:]) >= 0
-                    stretch = int(on_device.size if on_device.all() else np.argmin(on_device))
-                    segs = self._segments(keys[pos:pos + stretch]) if stretch else []
+                    segs = self._segments(keys[pos:], windowed=pos > 0)
                 handle.extend((run, p, c, out + pos) for run, p, c, out in segs)
-                got = sum(c for _, _, c, _ in segs)
-                pos += got
-                if got < stretch or pos == len(keys):
+                pos += sum(c for _, _, c, _ in segs)
+                if pos == len(keys):
                     break
                 token = host.pin(keys[pos])
                 if token is None:

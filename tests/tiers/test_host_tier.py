@@ -823,6 +823,49 @@ def test_pin_holds_the_whole_prefix_lookup_reports_with_a_dram_tier(tmp_path):
         assert not store.host.pins           # released: the tier may drop head again
 
 
+def test_a_pin_alternating_dram_and_device_looks_up_about_its_own_keys(tmp_path, monkeypatch):
+    """pin() with a DRAM tier looked up all the keys left once per block
+    held only in DRAM: a prefix alternating DRAM and device blocks cost
+    work quadratic in its length under the store's lock.  The keys looked
+    up in all grow with the keys pinned; the lease is the same (every
+    device block pinned there, every DRAM one in the tier)."""
+    from kvblock.index.table import KeyTable
+
+    n = 128
+    keys = run_keys(1, n)
+    dram, device = keys[0::2], keys[1::2]
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=(n + 2) * GEOM.block_bytes) as store:
+        assert store.put_run(dram, run_data(dram)) == n // 2
+        store.evict(all=True)                # the even keys live only in DRAM
+        assert store.put_run(device, run_data(device)) == n // 2
+        for k in normalize_keys(device):     # the odd keys only on the device
+            store.host.discard(k)
+        looked = []
+        real_get, real_few = KeyTable.get, KeyTable.get_few
+
+        def get(self, lo, hi):
+            looked.append(lo.size)
+            return real_get(self, lo, hi)
+
+        def get_few(self, ks):
+            looked.append(len(ks))
+            return real_few(self, ks)
+        monkeypatch.setattr(KeyTable, "get", get)
+        monkeypatch.setattr(KeyTable, "get_few", get_few)
+        pins = store.pin(keys)
+        monkeypatch.undo()
+        assert pins.host_keys == tuple(normalize_keys(dram))
+        assert [(count, at) for _, _, count, at in pins] == [(1, 2 * i + 1) for i in range(n // 2)]
+        store.unpin(pins)
+        assert not store.host.pins
+    # n / 2 DRAM blocks: about n * n / 4 keys when each looked at all the
+    # keys left; a few per key pinned now
+    assert sum(looked) < 10 * n, f"{len(looked)} lookups of {sum(looked)} keys for {n} keys"
+
+
 @contextlib.contextmanager
 def _held_only_in_dram(tmp_path, keys, tier_blocks: int):
     """A store whose DRAM tier (of ``tier_blocks`` blocks) alone holds the
