@@ -194,6 +194,17 @@ class KeyIndex:
         lo, hi = split_keys(b"".join(keys))
         return self.table.get(lo, hi)
 
+    def published_of(self, packed: np.ndarray) -> np.ndarray:
+        """Run.published of the run each of ``packed`` (lookup()'s answer)
+        names, -1 where absent: each run taken once, not once per key."""
+        out = np.full(packed.size, -1, dtype=np.int64)
+        present = packed >= 0
+        if present.any():
+            ids, which = np.unique(packed[present] >> POS_BITS, return_inverse=True)
+            out[present] = np.array([self.runs[i].published for i in ids.tolist()],
+                                    dtype=np.int64)[which]
+        return out
+
     def locate(self, key: bytes) -> tuple[Run, int] | None:
         packed = self.table.get_few([key])[0]
         if packed < 0:

@@ -260,9 +260,8 @@ class RunReader(RunIO):
         # and when it was published (-1: none)
         with self._lock:
             named = self.index.lookup(keys)
-            runs = self.index.runs
-            published = [runs[p >> POS_BITS].published if p >= 0 else -1
-                         for p in named.tolist()]
+            published = self.index.published_of(named)
+        published = published.tolist()      # (ints for the tier; past the lock)
         in_host = [k in self.host for k in keys]
         done, fetched, hits, raced, from_host = 0, [], 0, 0, []
         while done < n:

@@ -26,7 +26,6 @@ import numpy as np
 from kvblock.errors import ConfigError, IOFailedError, KVBlockError, StoreClosedError
 from kvblock.format.checksum import data_hasher
 from kvblock.index import normalize_keys
-from kvblock.index.index import POS_BITS
 from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
 from kvblock.tensors.layouts import CacheLayout, _is_torch, _StridedPages
@@ -846,9 +845,8 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
     # the runs the keys name now: a copy older than its key's is stale
     # (HostTier._stale_locked)
     with store._lock:
-        runs = store.index.runs
-        since = [runs[p >> POS_BITS].published if p >= 0 else -1
-                 for p in store.index.lookup(keys).tolist()]
+        since = store.index.published_of(store.index.lookup(keys))
+    since = since.tolist()
     blocks = []
     for key, published in zip(keys, since):
         block = store.host.get(key, since=published)

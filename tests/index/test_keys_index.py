@@ -311,6 +311,17 @@ def test_windowed_segments_answer_as_one_lookup(present, run_len):
         assert sum(looked) <= 4 * prefix + 8, (prefix, looked)
 
 
+def test_published_of_dates_each_key_by_its_run():
+    idx = KeyIndex()
+    a, b = run(1, [0, 1, 2]), run(2, [3, 4])
+    a.published, b.published = 7, 9
+    idx.add_many([a, b])
+    keys = [k(4), k(0), k(9), k(3), k(2)]
+    assert idx.published_of(idx.lookup(keys)).tolist() == [9, 7, -1, 9, 7]
+    assert idx.published_of(idx.lookup([k(9)])).tolist() == [-1]
+    assert idx.published_of(idx.lookup([])).tolist() == []
+
+
 def test_few_key_segments_split_at_run_ends_and_stop_at_a_miss():
     idx = KeyIndex()
     a, b = run(1, [0, 1, 2]), run(2, [3, 4])

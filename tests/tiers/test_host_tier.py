@@ -1215,3 +1215,49 @@ def test_without_a_tier_every_block_read_is_a_device_hit(tmp_path):
         c = store.counters
         assert c["get_blocks"] == 18
         assert c["device_hit_blocks"] == 18 and c["host_hit_blocks"] == 0
+
+
+@pytest.mark.parametrize("reader", ["get_run", "load_blocks"])
+def test_a_tiered_read_dates_its_copies_once_per_run(tmp_path, monkeypatch, reader):
+    """A read with a DRAM tier dates each copy by the run its key names
+    (Run.published), under the store's lock: it took the run of every key
+    from the index's runs one key at a time (2K keys: ~0.5 ms of Python
+    under the lock, each read).  Each run named is taken once; the bytes
+    are the same."""
+    n = 32
+    keys = run_keys(1, n)
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=(n + 2) * GEOM.block_bytes) as store:
+        for half in (keys[:n // 2], keys[n // 2:]):          # two runs, all in DRAM
+            assert store.put_run(half, run_data(half)) == n // 2
+        taken = []
+
+        class Runs(dict):
+            def __getitem__(self, run_id):
+                taken.append(run_id)
+                return super().__getitem__(run_id)
+        monkeypatch.setattr(store.index, "runs", Runs(store.index.runs))
+        if reader == "get_run":
+            out = np.zeros(n * GEOM.block_bytes, np.uint8)
+            assert store.get_run(keys, out) == n
+            got = [out.reshape(2, 2, n, -1)[:, :, :n // 2], out.reshape(2, 2, n, -1)[:, :, n // 2:]]
+        else:
+            torch = pytest.importorskip("torch")
+            from kvblock.tensors import VLLMLayout, load_blocks
+            cache = [torch.zeros(2, n, 16, 2, 32, dtype=torch.float16) for _ in range(2)]
+            assert load_blocks(store, keys, VLLMLayout(cache), list(range(n))).wait() == n
+            # (layer, kv, page, token, head, dim) back to the store's (layer,
+            # head group: one head each, block, (kv, token, dim) bytes)
+            blocks = torch.stack(cache).view(torch.uint8).numpy()
+            blocks = blocks.reshape(2, 2, n, 16, 2, 64).transpose(0, 4, 2, 1, 3, 5)
+            blocks = blocks.reshape(2, 2, n, -1)
+            got = [blocks[:, :, :n // 2], blocks[:, :, n // 2:]]
+        monkeypatch.undo()
+        assert store.stats()["host_hit_blocks"] == n
+        # each of the 2 runs: once to date its copies, once to count its
+        # hits (_host_hits_used); not once per key
+        assert len(taken) <= 4, f"{len(taken)} runs taken for {n} keys of 2 runs"
+    for part, half in zip(got, (keys[:n // 2], keys[n // 2:])):
+        assert np.array_equal(part.reshape(-1), run_data(half).reshape(-1))
