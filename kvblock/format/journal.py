@@ -201,8 +201,12 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
     where its other bytes (magic, number) rotted: within an epoch each
     journal offset is written once, and no crash or rot forges the 64-bit
     epoch hash (a commit's first record starts a sector, where a header
-    without its magic was taken for a sector never written)."""
+    without its magic was taken for a sector never written).  A header
+    naming another epoch is this record's where the record passes its
+    checksum with ``epoch`` in its place (:func:`_epoch_rotted`)."""
     data = memoryview(data)
+    if _epoch_rotted(data, pos, epoch):
+        return True
     sector_end = min((pos // SECTOR + 1) * SECTOR, len(data))
     if pos + _HEADER.size > sector_end:
         # The header crosses into a sector a crash may have left old.  Its
@@ -262,6 +266,23 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
     # a well-formed header of another epoch there is a tear (or, alike on
     # the device, this commit's next header with its epoch rotted).
     return not _header_prefix_fits(bytes(data[pos:pos + _HEADER.size]), seq, None)
+
+
+def _epoch_rotted(data, pos: int, epoch: int) -> bool:
+    """Whether the record at ``pos``, its header naming another epoch,
+    passes its checksum with ``epoch`` in place of that one: written whole
+    in ``epoch``, its epoch field rotted since.  Only where the epoch field
+    and the checksum lie in one sector (a crash leaves both old or both
+    new: an earlier epoch's record there, what a crash leaves, carries a
+    checksum over its own epoch)."""
+    if pos + _HEADER.size > len(data) or (pos + 16) // SECTOR != (pos + 39) // SECTOR:
+        return False
+    magic, kind, res16, length, res32, repoch, rseq, crc = _HEADER.unpack_from(data, pos)
+    stop = pos + _HEADER.size + length
+    if repoch == epoch or magic != MAGIC or length % 8 or stop > len(data):
+        return False
+    header = _HEADER.pack(magic, kind, res16, length, res32, epoch, rseq, 0)
+    return meta_checksum(header + bytes(data[pos + _HEADER.size:stop])) == crc
 
 
 def _new_sector(data, pos: int, epoch: int) -> bool:

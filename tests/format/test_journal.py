@@ -465,9 +465,10 @@ def test_a_commits_first_record_that_rots_in_its_header_is_damage_not_a_tear(at)
     recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
     assert (recs, nxt, stop) == (COMMITS[0], 3, ends[0])
     assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
-    # its epoch rotted: no longer tells (an older epoch's record there may
-    # be what a torn write left); a zeroed (never written) sector neither
-    bad[ends[0] + at] ^= 0x10
+    # its epoch rotted too: no longer tells (an older epoch's record there
+    # may be what a torn write left; its epoch alone rotting, the checksum
+    # tells: test_a_record_whose_epoch_field_rots_...); a zeroed (never
+    # written) sector neither
     bad[ends[0] + 16] ^= 0x10
     assert not j.damaged_at(bytes(bad), ends[0], 3, EPOCH)
     torn = data[:ends[0]] + bytes(512) + data[ends[0] + 512:]
@@ -664,12 +665,13 @@ def test_a_tear_leaving_a_sector_of_an_earlier_journal_that_held_the_same_record
     recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
     assert (recs, nxt, stop) == ([first, rec], 3, after)
     assert not j.damaged_at(torn, stop, nxt, EPOCH)
-    # Undecidable, so a tear: the new sector whose next header's epoch field
-    # rotted reads as that old sector does (a well-formed header of another
-    # epoch after an intact record's tail)
+    # The new sector whose next header's epoch field rotted reads as that
+    # old sector does (a well-formed header of another epoch after an
+    # intact record's tail): the next record's checksum tells, where its
+    # epoch field and checksum share a sector; else undecidable, a tear
     bad = bytearray(new)
     bad[after + 16] ^= 0x10
-    assert not j.damaged_at(bytes(bad), after, 3, EPOCH)
+    assert j.damaged_at(bytes(bad), after, 3, EPOCH) == (after + 40 <= 1024)
     # ... but bytes that no header of any epoch and no padding hold are
     # damage still (an old sector holds a header there, or zeros)
     bad = bytearray(new)
@@ -717,3 +719,39 @@ def test_a_rotted_record_whose_commit_a_later_commit_follows_is_damage(rec, at):
         recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
         if stop == 472:
             assert not j.damaged_at(torn, stop, nxt, EPOCH), sector
+
+
+@pytest.mark.parametrize("pos", [0, 472, 496, 4096], ids=["commit-start", "in-sector",
+                                                         "epoch-past-sector", "later-commit"])
+def test_a_record_whose_epoch_field_rots_is_damage_where_its_checksum_proves_it(pos):
+    """A record's epoch field rotting (one flipped bit) left a well-formed
+    header of another epoch: taken for an earlier epoch's record that a
+    crash left in an old sector, so a tear, and the records of later
+    commits a gap blamed on a crash -- a DROP or RECLAIM lost so brought a
+    deleted run back.  The record's checksum passing with this epoch in
+    place of its own shows it written whole in this epoch (an earlier
+    epoch's record there carries a checksum over that epoch), where the
+    epoch field and the checksum share a sector (both old or both new)."""
+    lead = {0: [], 472: [[put(1, nblocks=24, ranges=2)]], 496: [[put(1, nblocks=25, ranges=3)]],
+            4096: [[put(1)], []]}[pos]
+    commits = [c for c in lead if c]
+    commits = commits[:-1] + [commits[-1] + [DropRun(7)]] if pos % BLOCK else \
+        commits + [[DropRun(7)]]
+    data, ends = journal_of(commits + [[put(9)]])
+    replayed = [r for c in commits for r in c][:-1]
+    assert j.header_at(data, pos)[1] == len(replayed) + 1
+    bad = bytearray(data)
+    bad[pos + 16] ^= 0x04                      # the DROP's epoch field
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == (replayed, len(replayed) + 1, pos)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    if pos == 472:
+        return      # the DROP's sector holds the PUT's header: never an earlier epoch's
+    # an earlier epoch's record there (what a crash leaves in an old
+    # sector, its checksum over its own epoch) stays a tear
+    old, _ = journal_of(commits, epoch=EPOCH ^ 0x04)
+    sector = pos // 512 * 512 + (512 if pos % 512 + 16 >= 512 else 0)
+    torn = data[:sector] + old[sector:sector + 512] + data[sector + 512:ends[len(commits) - 1]]
+    torn += bytes(len(data) - len(torn))
+    recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+    assert (recs, stop) == (replayed, pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
