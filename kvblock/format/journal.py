@@ -220,8 +220,27 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         if pos % SECTOR == 0:
             return False
         part = bytes(data[pos:sector_end])
-        return not _header_prefix_fits(part, seq, epoch if _new_sector(data, pos, epoch)
-                                       else None)
+        new = _new_sector(data, pos, epoch)
+        if not _header_prefix_fits(part, seq, epoch if new else None):
+            return True
+        # Its epoch field wholly in the next sector, naming ``epoch``: that
+        # sector was written by this commit too (each offset once per
+        # epoch), so the header is whole where its first sector is new:
+        # judged as a header in one sector (the two of them)
+        if not new:
+            return False
+        if pos + 16 < sector_end:
+            # Its first sector new, its length is this record's: a header
+            # of this epoch in the sector where the record ends, or a later
+            # commit, shows the rest written too (as for a whole header)
+            end = pos + _HEADER.size + struct.unpack_from("<I", part, 8)[0]
+            if end // SECTOR == sector_end // SECTOR and end + 24 <= sector_end + SECTOR \
+                    and epoch_field_at(data, end) == epoch:
+                return True
+            return _later_commit(data, end, seq, epoch)
+        if epoch_field_at(data, pos) != epoch:
+            return False
+        sector_end = min(sector_end + SECTOR, len(data))
     magic, kind, res16, length, res32, repoch, rseq, _ = _HEADER.unpack_from(data, pos)
     if repoch == epoch:
         # the header's sector was written as this record, whole: a header

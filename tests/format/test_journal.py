@@ -536,8 +536,9 @@ def test_a_header_crossing_a_sector_that_rots_in_its_first_part_is_damage(pos, f
     assert (recs, nxt, stop) == ([first], 2, pos)
     assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
     # the header whole in its first sector, the next one left old: a tear
+    # (of the last commit: a later one shows this one flushed whole)
     for old in (bytes(512), b"\xa5" * 512):
-        torn = data[:512] + old + data[1024:]
+        torn = data[:512] + old + data[1024:ends[0]] + bytes(len(data) - ends[0])
         recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
         assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
     # the commit ended there (zero padding), the next sector of its block old
@@ -755,3 +756,58 @@ def test_a_record_whose_epoch_field_rots_is_damage_where_its_checksum_proves_it(
     torn += bytes(len(data) - len(torn))
     recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
     assert (recs, stop) == (replayed, pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
+
+
+@pytest.mark.parametrize("at", [41, 85, 100], ids=["payload-start", "keys", "checksums"])
+@pytest.mark.parametrize("later", [True, False], ids=["later-commit", "last-commit"])
+def test_a_record_whose_header_crosses_into_a_sector_its_epoch_shows_new_that_rots_is_damage(
+        at, later):
+    """A record after an intact one whose header begins 16 bytes before a
+    sector's end: its epoch field lies wholly in the next sector and names
+    this epoch, so that sector was written by this commit (each offset once
+    per epoch), and the first one too (a header of this epoch before the
+    record in it).  Its record, within those two sectors, was written whole:
+    a payload byte rotting was taken for a tear (the header's first part
+    fits one), the run lost with a gap blamed on a crash."""
+    first = put(1, nblocks=25, ranges=3)
+    assert j.record_bytes(first) == 496
+    rec = put(2, nblocks=3, ranges=2)
+    assert 496 + j.record_bytes(rec) <= 1024
+    data, ends = journal_of([[first, rec]] + ([[DropRun(9)]] if later else []))
+    bad = bytearray(data)
+    bad[496 + at] ^= 0x04
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, 496)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # the second sector left old (zeros, or an earlier epoch's bytes): a tear
+    for old in (bytes(512), b"\xa5" * 512):
+        torn = data[:512] + old + data[1024:ends[0]] + bytes(len(data) - ends[0])
+        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        assert (recs, stop) == ([first], 496) and not j.damaged_at(torn, stop, nxt, EPOCH)
+
+
+@pytest.mark.parametrize("pos", [480, 488])
+@pytest.mark.parametrize("follow", ["next-record", "later-commit"])
+def test_a_record_whose_header_crosses_a_sector_after_its_epoch_that_rots_is_damage(pos, follow):
+    """A header crossing a sector after its epoch field (its checksum in
+    the next sector, which a crash may leave old), after an intact record
+    in a new sector: its length is this record's, so the commit's next
+    header of this epoch in the sector where the record ends, or a later
+    commit, shows the record written whole; a payload byte rotting was
+    taken for a tear (a gap blamed on a crash, the run lost)."""
+    blocks, ranges = _ENDS[pos]
+    first, rec = put(1, nblocks=blocks, ranges=ranges), put(2, nblocks=3, ranges=2)
+    assert j.record_bytes(first) == pos
+    commits = [[first, rec, DropRun(5)]] if follow == "next-record" else \
+        [[first, rec], [DropRun(9)]]
+    data, ends = journal_of(commits)
+    bad = bytearray(data)
+    bad[pos + 85] ^= 0x04
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, pos)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # the second sector left old, nothing after: a tear
+    for old in (bytes(512), b"\xa5" * 512):
+        torn = data[:512] + old + data[1024:ends[0]] + bytes(len(data) - ends[0])
+        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
