@@ -75,10 +75,14 @@ def _run_raw(target, workload, bs, qd, seconds, size, engine, progress) -> RawBe
         if bs % dev.block_size:
             raise ConfigError(f"--bs {bs} is not a multiple of {dev.path}'s "
                               f"{dev.block_size}-byte block size")
-        if size and size > dev.capacity:
+        # the whole blocks of --size, as the device's capacity counts a
+        # file's: a file made here of --size 1000000 holds 999424 of them
+        # (its tail is no direct I/O's), not less than --size asked
+        usable = size // dev.block_size * dev.block_size if size else None
+        if usable and usable > dev.capacity:
             raise ConfigError(f"--size {size} is larger than {dev.path} ({dev.capacity} "
                               "bytes); give at most its size, or none")
-        span = (size or dev.capacity) // bs * bs
+        span = (usable if size else dev.capacity) // bs * bs
         if span < bs:
             used = f"--size {size}" if size else f"{dev.capacity} bytes"
             raise ConfigError(f"{dev.path}: {used}, smaller than one {bs}-byte I/O; give a "

@@ -42,6 +42,24 @@ def test_bench_creates_file_with_size(tmp_path):
     assert os.path.getsize(path) == 8 << 20
 
 
+def test_bench_runs_on_a_file_it_creates_of_a_size_not_a_whole_block(tmp_path):
+    """--size 1000000 (a decimal MB) for a new TARGET was refused as "larger
+    than new.img (999424 bytes); give at most its size": the size of the
+    file the bench itself had just made of --size, less its partial block.
+    The tail past the last whole block is what no direct I/O reaches."""
+    path = tmp_path / "new.img"
+    res = CliRunner().invoke(cli, ["bench", str(path), "--workload", "randwrite", "--bs", "4K",
+                                   "--size", "1000000", "--seconds", "0.1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["bytes"] > 0 and os.path.getsize(path) == 1000000
+    # a size under one block is too small for one I/O, not larger than the file
+    res = CliRunner().invoke(cli, ["bench", str(tmp_path / "tiny.img"), "--size", "1000",
+                                   "--bs", "4K", "--seconds", "0.1"])
+    assert res.exit_code == 8, res.output
+    assert "--size 1000, smaller than one 4096-byte I/O" in res.output
+    assert "larger than" not in res.output and not (tmp_path / "tiny.img").exists()
+
+
 @pytest.mark.parametrize("workload", ["read", "save", "restore"])
 def test_bench_missing_target_exit_code(tmp_path, workload):
     """A missing target is exit 3 (README: device not found) whatever the
