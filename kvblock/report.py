@@ -20,6 +20,10 @@ from kvblock.errors import ConfigError
 
 
 def load(path: str | Path) -> dict:
+    # a device (/dev/zero, a disk given by mistake) would be read without end
+    if Path(path).is_char_device() or Path(path).is_block_device():
+        raise ConfigError(f"{path}: a device, not a pytest-benchmark JSON file; write one "
+                          "with `pytest perf/ --benchmark-only --benchmark-json BENCH.json`")
     try:
         # bytes: JSON's own encodings, whatever the locale's
         data = json.loads(Path(path).read_bytes())

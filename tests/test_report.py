@@ -66,6 +66,13 @@ def test_report_bad_input(tmp_path):
         assert res.exit_code == 8 and "kvblock: error:" in res.output, res.output
 
 
+def test_a_device_given_for_the_json_is_refused_not_read_without_end():
+    """`kvblock report /dev/zero` read the endless device into memory."""
+    res = CliRunner().invoke(cli, ["report", "/dev/zero"])
+    assert res.exit_code == 8, (res.output, res.exception)
+    assert res.output.startswith("kvblock: error: /dev/zero: a device"), res.output
+
+
 def test_a_file_that_is_not_text_is_a_clear_error_not_a_traceback(tmp_path):
     """A binary file (a PNG given for the JSON) is no JSON: exit 8, one line."""
     bad = tmp_path / "plot.png"
