@@ -89,6 +89,13 @@ def _spans(ids: np.ndarray):
     return list(zip([0] + cuts, cuts + [ids.size]))
 
 
+def _is_cupy(x) -> bool:
+    """A cupy array (or one like it: CUDA memory with an explicit host copy,
+    ``.get()``), which numpy's implicit conversion refuses."""
+    return not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__") \
+        and hasattr(x, "get")
+
+
 def _copy_into(dst_np: np.ndarray, src) -> None:
     """dst (a numpy view of host staging) <- src (numpy, torch on any
     device, or cupy)."""
@@ -96,8 +103,7 @@ def _copy_into(dst_np: np.ndarray, src) -> None:
         import torch
 
         torch.from_numpy(dst_np).copy_(src)
-    elif not isinstance(src, np.ndarray) and hasattr(src, "__cuda_array_interface__") \
-            and hasattr(src, "get"):
+    elif _is_cupy(src):
         # cupy refuses numpy's implicit conversion (TypeError): its host
         # copy is explicit
         dst_np[...] = src.get()
@@ -184,8 +190,7 @@ def _page_id_array(page_ids, what: str) -> np.ndarray:
     try:
         if _is_torch(page_ids):
             page_ids = page_ids.cpu()
-        elif not isinstance(page_ids, np.ndarray) and \
-                hasattr(page_ids, "__cuda_array_interface__") and hasattr(page_ids, "get"):
+        elif _is_cupy(page_ids):
             # cupy refuses numpy's implicit conversion (TypeError), which
             # read as ids that are no sequence of integers: copy them over
             page_ids = page_ids.get()
@@ -888,8 +893,7 @@ def _cuda_device(layout):
     t = sample.t if isinstance(sample, _StridedPages) else sample
     if _is_torch(t):
         return t.device if t.is_cuda else None
-    if not isinstance(t, np.ndarray) and hasattr(t, "__cuda_array_interface__") and \
-            getattr(t, "device", None) is not None:
+    if _is_cupy(t) and getattr(t, "device", None) is not None:
         return _CupyDevice(t.device)
     return None
 
@@ -913,8 +917,12 @@ def _record_cuda(device):
     if isinstance(device, _CupyDevice):
         import cupy
 
-        event = cupy.cuda.Event()
-        event.record(device.stream())
+        # made on the cache's device: cupy makes an event on the current
+        # one, and CUDA records none on another device's stream (torch's
+        # event takes the stream's device)
+        with cupy.cuda.Device(device.device.id):
+            event = cupy.cuda.Event()
+            event.record(device.stream())
         return event
     import torch
 

@@ -1458,14 +1458,32 @@ def test_a_load_into_a_cupy_cache_settles_cupys_stream(path, monkeypatch):
         me = threading.current_thread().name
         return streams.setdefault(me, FakeStream(me))
 
+    current = [1]       # the caller's current device: another GPU than the cache's
+
+    class FakeDevice:
+        def __init__(self, id):
+            self.id = id
+
+        def __enter__(self):
+            self.was, current[0] = current[0], self.id
+
+        def __exit__(self, *exc):
+            current[0] = self.was
+
     class FakeEvent:
         recorded_on = None
 
+        def __init__(self):
+            self.device = current[0]
+
         def record(self, stream=None):
+            # CUDA records no event on another device's stream
+            assert self.device == 0, "event made on another device than its stream's"
             self.recorded_on = (stream or get_current_stream(0)).owner
 
     cupy = types.ModuleType("cupy")
-    cupy.cuda = types.SimpleNamespace(get_current_stream=get_current_stream, Event=FakeEvent)
+    cupy.cuda = types.SimpleNamespace(get_current_stream=get_current_stream, Event=FakeEvent,
+                                      Device=FakeDevice)
     monkeypatch.setitem(sys.modules, "cupy", cupy)
 
     class OnDevice(_CupyLike):
