@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import math
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kvblock.errors import ConfigError
-from kvblock.layout.geometry import DTYPES
+from kvblock.layout.geometry import DTYPES, Geometry
 
 GB = 1e9
 
@@ -32,18 +32,33 @@ class Plan:
     recompute_s: float | None
     speedup_single: float | None
     break_even_array_gbps: float | None  # array bandwidth at which restore == recompute
+    # The store a format makes (KVStore.format, default region size, 4 KiB
+    # blocks) that holds every session's request at once, none evicted:
+    block_tokens: int = 16
+    blocks_per_request: int = 0        # ceil(tokens / block_tokens): whole blocks
+    device_bytes: int = 0              # the least size of each device (store file)
+    region_bytes: int = 0              # its regions' size
+    region_count: int = 0              # and count, over every device
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
-         kv_parts: int = 2, tokens: int, concurrency: int = 1, devices: int = 1,
+         kv_parts: int = 2, block_tokens: int = 16, tokens: int, concurrency: int = 1,
+         devices: int = 1,
          device_gbps: float, tp: int = 1, sessions: int | None = None,
          prefill_tokens_per_s: float | None = None, model_params: float | None = None,
          gpu_tflops: float | None = None, gpus: int | None = None, mfu: float = 0.4) -> Plan:
-    """``sessions``: contexts kept in the store (default: ``concurrency``)."""
-    for name, value in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
+    """``sessions``: contexts kept in the store (default: ``concurrency``);
+    ``block_tokens``: tokens per block of the store (format's --block-tokens).
+    The device size is the least that ``devices`` store files (4 KiB blocks)
+    must each have for KVStore.format (default region size) to make a store
+    that holds ``sessions`` requests of ``tokens`` at once: ConfigError
+    when no store holds this model's blocks (as the format refuses them) or
+    none of devices up to 2**60 bytes holds the sessions."""
+    for name, value in (("layers", layers), ("block_tokens", block_tokens),
+                        ("kv_heads", kv_heads), ("head_dim", head_dim),
                         ("tokens", tokens), ("concurrency", concurrency), ("devices", devices),
                         ("tp", tp), ("sessions", sessions), ("gpus", gpus)):
         if value is not None and value < 1:
@@ -84,7 +99,42 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
     if bad:
         raise ConfigError("plan: the numbers given are out of range (a result overflows or "
                           "comes out 0); check their units")
-    return p
+    return replace(p, **_store(layers, kv_heads, head_dim, dtype, kv_parts, block_tokens,
+                               tokens, devices, sessions or concurrency))
+
+
+def _store(layers, kv_heads, head_dim, dtype, kv_parts, block_tokens, tokens, devices,
+           sessions) -> dict:
+    """The store a format makes for the plan (Plan's last fields), from the
+    format's own planning (kvblock/store/planning.py)."""
+    from kvblock.devices.device import FILE_BLOCK_SIZE
+    from kvblock.format.superblock import MAX_DEVICES
+    from kvblock.store.planning import (
+        StandIn, least_size_for_runs, no_store_holds, plan_for)
+
+    if devices > MAX_DEVICES:
+        raise ConfigError(f"plan: a store spans at most {MAX_DEVICES} devices, got {devices}")
+    try:
+        geometry = Geometry(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                            dtype=dtype, block_tokens=block_tokens, kv_parts=kv_parts)
+    except ConfigError as e:      # a count past what a store records (2**31 - 1)
+        raise ConfigError(f"plan: {e}") from None
+    nblocks = -(-tokens // block_tokens)
+    devs = [StandIn(f"device {i}", FILE_BLOCK_SIZE) for i in range(devices)]
+    refused = no_store_holds(geometry, [d.block_size for d in devs])
+    if refused is not None:
+        raise ConfigError(f"plan: {refused}")
+    size = least_size_for_runs(devs, geometry, nblocks, sessions)
+    if size is None:
+        raise ConfigError(
+            f"plan: no store over {devices} device(s) of up to 2**60 bytes each holds "
+            f"{sessions} request(s) of {tokens} tokens ({nblocks} blocks of "
+            f"{geometry.block_bytes} bytes each) at once: use more devices, fewer sessions "
+            "or shorter contexts")
+    layout = plan_for(devs, geometry, size=size)
+    return {"block_tokens": block_tokens, "blocks_per_request": nblocks,
+            "device_bytes": size, "region_bytes": layout["region_size"],
+            "region_count": layout["region_count"]}
 
 
 def _plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, devices,

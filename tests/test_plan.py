@@ -178,3 +178,116 @@ def test_plan_refuses_recompute_inputs_it_would_ignore():
                   {"prefill_tokens_per_s": 1e4, "model_params": 8e9, "gpu_tflops": 900.0}):
         with pytest.raises(ConfigError, match="model_params"):
             plan(**base, **extra)
+
+
+def _fill_planned_store(tmp_path, p, geometry, devices, sessions, less=0):
+    """Format ``devices`` store files of the plan's device size (``less``
+    bytes less) and put
+    ``sessions`` requests of its blocks one after another: the keys still
+    stored and whether each request reads back as written."""
+    import numpy as np
+
+    from kvblock import KVStore, aligned_empty, create_file
+
+    tmp_path.mkdir(exist_ok=True)
+    paths = [str(tmp_path / f"d{i}.img") for i in range(devices)]
+    for path in paths:
+        create_file(path, p.device_bytes - less)
+    n = p.blocks_per_request
+    keys = [[f"s{s}-b{j}".encode() for j in range(n)] for s in range(sessions)]
+    data = [np.random.default_rng(s).integers(0, 256, n * geometry.block_bytes, np.uint8)
+            for s in range(sessions)]
+    with KVStore.format(paths, geometry) as store:
+        if not less:
+            assert (store.regions.count, store.regions.size) == (p.region_count, p.region_bytes)
+        for k, d in zip(keys, data):
+            store.put_run(k, d)
+        stored = [store.lookup(k) for k in keys]
+        same = []
+        for k, d in zip(keys, data):
+            out = aligned_empty(d.nbytes)
+            same.append(store.get_run(k, out) == n and bytes(out) == d.tobytes())
+    return stored, same
+
+
+@pytest.mark.parametrize("devices,tokens,sessions", [(1, 1000, 6), (2, 1000, 6), (1, 4000, 3),
+                                                     (3, 700, 11)])
+def test_a_format_of_the_planned_device_size_holds_every_session(tmp_path, devices, tokens,
+                                                                  sessions):
+    """The plan's per-device figure was the KV bytes alone (sessions x
+    request / devices): a file of that size was refused by the format
+    (3,072,000 bytes cannot hold metadata and two regions) or held fewer
+    requests than planned.  The plan now gives the device size the format
+    needs, from the format's own planning, and a store of it holds every
+    session's request, bytes as written."""
+    from kvblock import Geometry
+
+    p = plan(layers=2, kv_heads=2, head_dim=32, dtype="float16", block_tokens=16,
+             tokens=tokens, sessions=sessions, devices=devices, device_gbps=1.0)
+    geometry = Geometry(num_layers=2, num_kv_heads=2, head_dim=32, dtype="float16",
+                        block_tokens=16)
+    assert p.blocks_per_request == -(-tokens // 16)
+    assert p.device_bytes * devices > p.store_capacity_bytes
+    stored, same = _fill_planned_store(tmp_path, p, geometry, devices, sessions)
+    assert stored == [p.blocks_per_request] * sessions and all(same)
+    # and it is the least: a block less, and the first requests are evicted
+    stored, _ = _fill_planned_store(tmp_path / "less", p, geometry, devices, sessions,
+                                    less=4096)
+    assert stored[0] == 0 and stored[-1] == p.blocks_per_request
+
+
+def test_plan_refuses_blocks_no_store_holds_as_the_format_does():
+    """Blocks of 4 bytes (1 layer, 1 head of 1 float16, 1 token): no store
+    of any size holds them (store._blocks_too_small), and the format says
+    so; plan gave a capacity of a few bytes.  It now refuses them with the
+    format's reason."""
+    from kvblock import Geometry
+    from kvblock.store.planning import StandIn
+    from kvblock.store.store import _blocks_too_small
+
+    tiny = dict(layers=1, kv_heads=1, head_dim=1, dtype="float16", block_tokens=1)
+    why = _blocks_too_small([StandIn("", 4096)], Geometry(
+        num_layers=1, num_kv_heads=1, head_dim=1, dtype="float16", block_tokens=1))
+    assert why is not None
+    with pytest.raises(ConfigError, match="too small for any store") as e:
+        plan(**tiny, tokens=100, device_gbps=1.0)
+    assert str(why) in str(e.value)
+    res = CliRunner().invoke(cli, ["plan", "--model-layers", "1", "--kv-heads", "1",
+                                   "--head-dim", "1", "--dtype", "float16", "--block-tokens",
+                                   "1", "--tokens", "100", "--device-gbps", "1", "--json"])
+    assert res.exit_code == 8 and "too small for any store" in res.output, res.output
+
+
+def test_plan_refuses_what_no_store_holds():
+    # a count a store cannot record, more devices than a store spans, more
+    # sessions than any devices hold
+    base = dict(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0)
+    with pytest.raises(ConfigError, match="plan: geometry: num_layers"):
+        plan(**dict(base, layers=1 << 31))
+    with pytest.raises(ConfigError, match="at most 32 devices"):
+        plan(**base, devices=33)
+    with pytest.raises(ConfigError, match="up to 2\\*\\*60 bytes"):
+        plan(**base, sessions=10 ** 13)
+
+
+def test_cli_plan_json_has_the_store_a_format_makes():
+    args = ["plan", "--model-layers", "32", "--kv-heads", "8", "--head-dim", "128",
+            "--tokens", "32768", "--sessions", "100", "--devices", "4", "--device-gbps", "6",
+            "--block-tokens", "32"]
+    res = CliRunner().invoke(cli, args + ["--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["block_tokens"] == 32 and out["blocks_per_request"] == 1024
+    assert out["device_bytes"] * 4 > out["store_capacity_bytes"]
+    from kvblock import Geometry
+    from kvblock.store.planning import StandIn, plan_for, regions_for_runs
+    g = Geometry(num_layers=32, num_kv_heads=8, head_dim=128, block_tokens=32)
+    layout = plan_for([StandIn(str(i), 4096) for i in range(4)], g, size=out["device_bytes"])
+    assert (layout["region_count"], layout["region_size"]) == (out["region_count"],
+                                                             out["region_bytes"])
+    assert regions_for_runs(layout, g, 1024, 100) <= layout["region_count"]
+    smaller = plan_for([StandIn(str(i), 4096) for i in range(4)], g,
+                       size=out["device_bytes"] - 4096)
+    assert regions_for_runs(smaller, g, 1024, 100) > smaller["region_count"]
+    table = CliRunner().invoke(cli, args)
+    assert f"{out['device_bytes']} bytes each" in table.output, table.output

@@ -140,6 +140,7 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
     from kvblock.errors import DeviceTooSmallError
     from kvblock.layout.geometry import RunLayout, round_up
     from kvblock.store.planning import MAX_SIZE, StandIn, least_size, plan_for, plan_or_none
+    from kvblock.store.planning import no_store_holds as _no_store_holds
 
     new = [not os.path.lexists(path) for path in devices]
     if not any(new):
@@ -172,27 +173,6 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
         + (", or a smaller --region-size" if regions > least_region else ""), path)
 
 
-def _no_store_holds(geometry, blocks: list[int]) -> ConfigError | None:
-    """The refusal, in the command's terms, of a model no devices of these
-    block sizes hold a store for (blocks too small for any store's
-    checkpoint, or a run's journal record of one block larger than a
-    store's journal can be); None when large enough devices would hold one."""
-    from kvblock.store.planning import MAX_SIZE, StandIn, plan_for
-    from kvblock.store.store import _blocks_too_small
-
-    too_small = _blocks_too_small([StandIn("", b) for b in blocks], geometry)
-    if too_small is not None:
-        return too_small
-    try:
-        plan_for([StandIn("", max(blocks), MAX_SIZE)], geometry)
-    except ConfigError:
-        return ConfigError(f"no device can hold a store for {geometry.describe()}: a run's "
-                           "journal record of one block is larger than a store's journal can "
-                           "be (64 MiB); format for a smaller model (fewer --layers or "
-                           "--head-groups)")
-    return None
-
-
 def _region_refusal(refused, geometry, region_size, block: int) -> ConfigError:
     """The format's refusal, ``refused``, of a --region-size no size of the
     devices takes (the model being one a store holds): one not a multiple
@@ -220,6 +200,7 @@ def _check_plan(devs, geometry, region_size) -> None:
     from kvblock.errors import DeviceTooSmallError
     from kvblock.layout.geometry import RunLayout, round_up
     from kvblock.store.planning import StandIn, least_size, plan_for, plan_or_none
+    from kvblock.store.planning import no_store_holds as _no_store_holds
 
     try:
         plan_for(devs, geometry, region_size)
@@ -816,6 +797,8 @@ def trim(devices, as_json):
 @click.option("--dtype", default="bfloat16", show_default=True)
 @click.option("--kv-parts", type=click.IntRange(1, 2), default=2, show_default=True,
               help="2 for K and V, 1 for MLA.")
+@click.option("--block-tokens", type=click.IntRange(1), default=16, show_default=True,
+              help="Tokens per block of the store (format's --block-tokens).")
 @click.option("--tokens", type=click.IntRange(1), required=True, help="Context per request.")
 @click.option("--concurrency", type=click.IntRange(1), default=1, show_default=True,
               help="Requests restoring at the same time.")
@@ -834,7 +817,7 @@ def trim(devices, as_json):
               help="Peak dense TFLOP/s of one GPU (with --model-params).")
 @click.option("--mfu", type=FiniteFloatRange(0.01, 1.0), default=0.4, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-def plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, sessions, devices,
+def plan(layers, kv_heads, head_dim, dtype, kv_parts, block_tokens, tokens, concurrency, sessions, devices,
          device_gbps, tp, prefill_tokens_per_s, model_params, gpu_tflops, mfu, as_json):
     """KV bytes per token, store capacity, restore time per request and the
     break-even against recompute, for a deployment larger than this machine."""
@@ -855,7 +838,8 @@ def plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, sessi
         raise click.UsageError(f"{why} (the recompute time: --prefill-tokens-per-s R, or "
                                "--model-params P --gpu-tflops T [--mfu F])")
     p = make_plan(layers=layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
-                  kv_parts=kv_parts, tokens=tokens, concurrency=concurrency, devices=devices,
+                  kv_parts=kv_parts, block_tokens=block_tokens, tokens=tokens,
+                  concurrency=concurrency, devices=devices,
                   device_gbps=device_gbps, tp=tp, sessions=sessions,
                   prefill_tokens_per_s=prefill_tokens_per_s, model_params=model_params,
                   gpu_tflops=gpu_tflops, mfu=mfu)
@@ -866,7 +850,11 @@ def plan(layers, kv_heads, head_dim, dtype, kv_parts, tokens, concurrency, sessi
                "KV per request": gib(p.kv_bytes_per_request),
                "KV per TP rank": gib(p.kv_bytes_per_rank),
                "store capacity": gib(p.store_capacity_bytes),
-               "per device": gib(p.store_capacity_per_device_bytes),
+               "KV per device": gib(p.store_capacity_per_device_bytes),
+               "device size (format)": f"{p.device_bytes} bytes each "
+               f"({gib(p.device_bytes)}: {p.region_count} regions of {p.region_bytes} bytes "
+               f"and metadata hold {concurrency if sessions is None else sessions} "
+               f"request(s) of {p.blocks_per_request} blocks)",
                "array bandwidth": f"{_digits(p.array_gbps, 1)} GB/s",
                "restore, one request": f"{_digits(p.restore_s_single, 3)} s",
                f"restore, {concurrency} at once":

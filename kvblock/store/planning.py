@@ -13,7 +13,7 @@ from typing import NamedTuple, Sequence
 
 from kvblock.errors import ConfigError, DeviceTooSmallError, StoreFullError
 from kvblock.layout.geometry import Geometry, RunLayout
-from kvblock.store.store import _max_run_blocks, _plan
+from kvblock.store.store import _blocks_too_small, _max_run_blocks, _plan
 from kvblock.store.writes import check_run_fits
 
 # the largest size least_size tries
@@ -94,3 +94,90 @@ def least_size(devices: Sequence[StandIn], geometry: Geometry,
     return _least_capacity(lambda nbytes: plan_or_none(devices, geometry, region_size,
                                                       size=nbytes, run_blocks=run_blocks),
                           block)
+
+
+def regions_for_runs(plan: dict, geometry: Geometry, nblocks: int, runs: int) -> int | None:
+    """The regions ``runs`` puts of ``nblocks`` blocks each take when written
+    one after another into a new store formatted with ``plan`` (plan_for's):
+    each cut into pieces of at most the store's most blocks per run, each
+    piece appended to the open region, or to a new one where it does not
+    fit (RegionAllocator.allocate).  None when one such put does not fit
+    the store at all (check_fits)."""
+    try:
+        check_fits(plan, geometry, nblocks)
+    except StoreFullError:
+        return None
+    alignment, region_size = plan["alignment"], plan["region_size"]
+    step = _max_run_blocks(geometry, alignment, region_size, plan["journal_bytes"])
+    full, rest = divmod(nblocks, step)
+    piece = RunLayout(geometry, step, alignment).run_bytes if full else 0
+    rest_bytes = RunLayout(geometry, rest, alignment).run_bytes if rest else 0
+
+    def put(fill: int) -> tuple[int, int]:
+        """(regions opened, the open region's fill after) for one put
+        starting with the open region ``fill`` bytes full."""
+        opened = 0
+        if full:
+            per_region = region_size // piece
+            room = (region_size - fill) // piece
+            if full <= room:
+                fill += full * piece
+            else:
+                left = full - room
+                opened += -(-left // per_region)
+                fill = (left - (opened - 1) * per_region) * piece
+        if rest:
+            if fill + rest_bytes > region_size:
+                opened, fill = opened + 1, 0
+            fill += rest_bytes
+        return opened, fill
+
+    # The fill at each put's start repeats: skip whole cycles of puts.
+    regions, fill, seen, done = 0, region_size, {}, 0
+    while done < runs:
+        if fill in seen:
+            at, regions_at = seen.pop(fill)
+            cycles = (runs - done) // (done - at)
+            regions += cycles * (regions - regions_at)
+            done += cycles * (done - at)
+            seen.clear()
+            if done == runs:
+                break
+        seen[fill] = (done, regions)
+        opened, fill = put(fill)
+        regions, done = regions + opened, done + 1
+    return regions
+
+
+def least_size_for_runs(devices: Sequence[StandIn], geometry: Geometry, nblocks: int,
+                        runs: int) -> int | None:
+    """The least size (as least_size's) the stand-ins in ``devices`` must
+    each have for a format with the default region size to make a store that
+    holds ``runs`` puts of ``nblocks`` blocks at once, none evicted: None
+    when none up to MAX_SIZE bytes does."""
+    def plan_at(nbytes: int) -> dict | None:
+        plan = plan_or_none(devices, geometry, size=nbytes)
+        if plan is None:
+            return None
+        need = regions_for_runs(plan, geometry, nblocks, runs)
+        return plan if need is not None and need <= plan["region_count"] else None
+
+    return _least_capacity(plan_at, max(d.block_size for d in devices))
+
+
+def no_store_holds(geometry: Geometry, blocks: list[int]) -> ConfigError | None:
+    """The refusal of a model no devices of these block sizes (one per
+    device) hold a store for, however large (blocks too small for any
+    store's checkpoint, or a run's journal record of one block larger than a
+    store's journal can be); None when large enough devices would hold one."""
+    too_small = _blocks_too_small([StandIn("", b) for b in blocks], geometry)
+    if too_small is not None:
+        return too_small
+    try:
+        plan_for([StandIn("", max(blocks), MAX_SIZE)], geometry)
+    except ConfigError:
+        return ConfigError(f"no device can hold a store for {geometry.describe()}: a run's "
+                           "journal record of one block is larger than a store's journal can "
+                           "be (64 MiB); format for a smaller model (fewer --layers or "
+                           "--head-groups)")
+    return None
