@@ -138,9 +138,8 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
     refused by the format itself, by name.)"""
     from kvblock.devices.device import FILE_BLOCK_SIZE
     from kvblock.errors import DeviceTooSmallError
-    from kvblock.layout.geometry import RunLayout, round_up
-    from kvblock.store.planning import MAX_SIZE, StandIn, least_size, plan_for, plan_or_none
-    from kvblock.store.planning import no_store_holds as _no_store_holds
+    from kvblock.store.planning import (
+        MAX_SIZE, StandIn, least_size, no_store_holds, plan_for, plan_or_none)
 
     new = [not os.path.lexists(path) for path in devices]
     if not any(new):
@@ -154,7 +153,7 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
         return
     high = least_size(devs, geometry, region_size)     # the least --size that holds the store
     if high is None:
-        no_store = _no_store_holds(geometry, [d.block_size for d in devs])
+        no_store = no_store_holds(geometry, [d.block_size for d in devs])
         if no_store is not None:
             raise no_store
         try:
@@ -163,7 +162,7 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
             # none does, whatever the --size: the --region-size
             raise _region_refusal(e, geometry, region_size, FILE_BLOCK_SIZE) from None
         return
-    least_region = round_up(RunLayout(geometry, 1, FILE_BLOCK_SIZE).run_bytes, FILE_BLOCK_SIZE)
+    least_region = _least_region(geometry, FILE_BLOCK_SIZE)
     regions = plan_or_none(devs, geometry, region_size, size=high)["region_size"]
     path = os.fspath(devices[new.index(True)])
     raise DeviceTooSmallError(
@@ -179,16 +178,22 @@ def _region_refusal(refused, geometry, region_size, block: int) -> ConfigError:
     of the alignment or not holding a block (its own ConfigError), or too
     large for any device to hold two of (the DeviceTooSmallError of a
     device, whose "a larger device" none is)."""
-    from kvblock.layout.geometry import RunLayout, round_up
-
     if isinstance(refused, ConfigError):
         return ConfigError(str(refused).replace("region_size", "--region-size", 1))
-    alignment = max(4096, block)
-    least_region = round_up(RunLayout(geometry, 1, alignment).run_bytes, alignment)
+    least_region = _least_region(geometry, block)
     return ConfigError(f"--region-size {region_size} is too large for any device: a store "
                        "needs two regions (one on each of several devices) besides its "
                        f"metadata; give a smaller --region-size (the least is {least_region}), "
                        "or none (the default follows the devices' size)")
+
+
+def _least_region(geometry, block: int) -> int:
+    """The least region size a format takes for ``geometry`` over devices
+    of ``block``-byte blocks: one block's run, in whole alignments."""
+    from kvblock.layout.geometry import RunLayout, round_up
+
+    alignment = max(4096, block)
+    return round_up(RunLayout(geometry, 1, alignment).run_bytes, alignment)
 
 
 def _check_plan(devs, geometry, region_size) -> None:
@@ -198,9 +203,8 @@ def _check_plan(devs, geometry, region_size) -> None:
     "journal_bytes", which follows the store's size): settings this
     command does not take."""
     from kvblock.errors import DeviceTooSmallError
-    from kvblock.layout.geometry import RunLayout, round_up
-    from kvblock.store.planning import StandIn, least_size, plan_for, plan_or_none
-    from kvblock.store.planning import no_store_holds as _no_store_holds
+    from kvblock.store.planning import (
+        StandIn, least_size, no_store_holds, plan_for, plan_or_none)
 
     try:
         plan_for(devs, geometry, region_size)
@@ -208,7 +212,7 @@ def _check_plan(devs, geometry, region_size) -> None:
     except (DeviceTooSmallError, ConfigError) as e:
         refused = e
     block = max(d.block_size for d in devs)
-    no_store = _no_store_holds(geometry, [d.block_size for d in devs])
+    no_store = no_store_holds(geometry, [d.block_size for d in devs])
     if no_store is not None:
         raise no_store from None
 
@@ -220,8 +224,7 @@ def _check_plan(devs, geometry, region_size) -> None:
               f"use larger devices ({least} bytes each holds the store)")
     if isinstance(refused, DeviceTooSmallError):
         head = str(refused).split("; use a larger device")[0]
-        alignment = max(4096, block)
-        least_region = round_up(RunLayout(geometry, 1, alignment).run_bytes, alignment)
+        least_region = _least_region(geometry, block)
         smaller = (f", or a smaller --region-size (the least is {least_region})"
                    if plan_or_none(devs, geometry, least_region) is not None else "")
         raise DeviceTooSmallError(f"{head}; {larger}{smaller}", refused.path) from None

@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -2044,23 +2044,17 @@ def _max_run_blocks(geometry: Geometry, alignment: int, region_size: int,
                       POS_MASK + 1, record_keys))
 
 
-# the per-device size _blocks_too_small plans a store at: any device is smaller
-_PROBE_SIZE = 1 << 60
-
-
-class _Probe(NamedTuple):
-    path: str
-    block_size: int
-    capacity: int
-
-
 def _blocks_too_small(devs, geometry: Geometry) -> ConfigError | None:
     """A ConfigError when the model's blocks are too small for a store over
     devices of ``devs``'s block sizes, however large (a checkpoint slot keeps
     16 bytes per block the store's space could hold, and there are two, all
     on the first device): it names the block size, the least a store over
     them takes and the fix.  None when a large enough device holds one."""
-    probes = [_Probe(d.path, d.block_size, _PROBE_SIZE // d.block_size * d.block_size)
+    # (planning imports this module: its names are taken here, when called)
+    from kvblock.store.planning import MAX_SIZE, StandIn
+
+    # devices of the largest size planned: any device is smaller
+    probes = [StandIn(d.path, d.block_size, MAX_SIZE // d.block_size * d.block_size)
               for d in devs]
 
     def least(probes) -> int | None:
@@ -2077,7 +2071,7 @@ def _blocks_too_small(devs, geometry: Geometry) -> ConfigError | None:
         high = 2 * low
         while not fits(high):
             low, high = high, 2 * high
-            if high > _PROBE_SIZE:
+            if high > MAX_SIZE:
                 return None                 # not the blocks: no size of them plans one
         while high - low > 1:
             mid = (low + high) // 2
