@@ -233,7 +233,14 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
             # Its first sector new, its length is this record's: a header
             # of this epoch in the sector where the record ends, or a later
             # commit, shows the rest written too (as for a whole header)
-            end = pos + _HEADER.size + struct.unpack_from("<I", part, 8)[0]
+            length = struct.unpack_from("<I", part, 8)[0]
+            # ... unless the length rotted, to another a PUT can have: its
+            # payload's counts give the length it was written with, and its
+            # checksum passing with that one shows it whole
+            if struct.unpack_from("<H", part, 4)[0] == PUT_RUN and \
+                    _put_length_rotted(data, pos, length, sector_end):
+                return True
+            end = pos + _HEADER.size + length
             if end // SECTOR == sector_end // SECTOR and end + 24 <= sector_end + SECTOR \
                     and epoch_field_at(data, end) == epoch:
                 return True

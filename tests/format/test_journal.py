@@ -811,3 +811,32 @@ def test_a_record_whose_header_crosses_a_sector_after_its_epoch_that_rots_is_dam
         torn = data[:512] + old + data[1024:ends[0]] + bytes(len(data) - ends[0])
         recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
         assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
+
+
+@pytest.mark.parametrize("pos", [480, 488])
+@pytest.mark.parametrize("bit", [(8, 6), (9, 0), (10, 3), (11, 7)],
+                         ids=["byte8", "byte9", "byte10", "byte11"])
+@pytest.mark.parametrize("later", [True, False], ids=["later-commit", "last-commit"])
+def test_a_put_whose_header_crosses_a_sector_and_whose_length_rots_longer_is_damage(
+        pos, bit, later):
+    """A PUT over three sectors whose header crosses a sector after its
+    epoch field, after an intact record in a new sector: its length rotting
+    to a longer one a PUT can have was taken for a tear (the rotted length
+    was trusted to find where the record ends, past any proof).  Its
+    payload's counts give the length it was written with, and the record
+    passes its checksum with that one: written whole, damaged since."""
+    blocks, ranges = _ENDS[pos]
+    first, rec = put(1, nblocks=blocks, ranges=ranges), put(2, nblocks=40, ranges=3)
+    assert j.record_bytes(first) == pos
+    data, ends = journal_of([[first, rec, DropRun(5)]] + ([[DropRun(9)]] if later else []))
+    byte, b = bit
+    bad = bytearray(data)
+    bad[pos + byte] ^= 1 << b
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, pos)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # the second sector left old (the commit the last): a tear still
+    for old in (bytes(512), b"\xa5" * 512):
+        torn = data[:512] + old + data[1024:ends[0]] + bytes(len(data) - ends[0])
+        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
