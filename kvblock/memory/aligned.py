@@ -61,7 +61,8 @@ class HostBuffer:
 
     ``.array`` is a uint8 numpy view of the whole region; :meth:`numpy` and
     :meth:`torch` return typed views without copying.  Close it (or use it as
-    a context manager) to unmap; views must not be used after that.
+    a context manager) to unmap; views taken before keep their pages mapped
+    (numpy and torch alike) until the last of them goes, no new view is given.
     """
 
     def __init__(self, nbytes: int, *, register: bool = True):
@@ -125,7 +126,14 @@ class HostBuffer:
         count, shape = self._view_count(itemsize, shape, offset)
         if count == 0:      # torch.frombuffer refuses a count of 0 (numpy gives the view)
             return torch.empty(shape if shape is not None else (0,), dtype=dtype)
-        t = torch.frombuffer(self._mm, dtype=dtype, count=count, offset=self._offset + offset)
+        # Through a numpy view, which the tensor keeps alive: it holds the
+        # mapping's buffer export, so close() leaves the pages mapped while
+        # the tensor lives, as for numpy views.  torch.frombuffer releases
+        # the export at once: close() unmapped the memory under the tensor,
+        # and a buffer mapped there later showed through it.
+        raw = np.frombuffer(self._mm, dtype=np.uint8, count=count * itemsize,
+                            offset=self._offset + offset)
+        t = torch.from_numpy(raw).view(dtype)
         return t if shape is None else t.view(*shape)
 
     def _view_count(self, itemsize: int, shape, offset: int) -> tuple[int, tuple | None]:

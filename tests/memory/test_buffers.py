@@ -119,6 +119,29 @@ def test_an_empty_view_at_the_buffers_end_is_one_for_torch_too():
         assert buf.torch(torch.int32, shape=(0, 4)).dtype == torch.int32
 
 
+def test_a_torch_view_keeps_its_memory_mapped_after_close_as_a_numpy_view_does():
+    """close() with a numpy view alive leaves the pages mapped until the view
+    goes (mmap refuses the unmap while a buffer export is held).  A torch()
+    view held no export (torch.frombuffer releases it at once): close()
+    unmapped the memory under the tensor, and the next buffer mapped at
+    that address showed through it, another buffer's bytes read and
+    written silently."""
+    torch = pytest.importorskip("torch")
+    buf = HostBuffer(1 << 16)
+    t = buf.torch(torch.int32, shape=(4, -1))
+    t[:] = 7
+    buf.close()
+    others = [HostBuffer(1 << 16) for _ in range(4)]   # where buf was, were it unmapped
+    for other in others:
+        other.array[:] = 9
+    assert bool((t == 7).all())
+    t[0, 0] = 5
+    assert all(int(other.array.max()) == 9 for other in others)
+    for other in others:
+        other.close()
+    del t
+
+
 def test_aligned_empty():
     a = aligned_empty((3, 1000), np.float16)
     assert a.ctypes.data % PAGE_SIZE == 0
