@@ -16,7 +16,9 @@ engine can use fixed-buffer I/O on it.
 
 from __future__ import annotations
 
+import math
 import mmap
+import operator
 import threading
 import weakref
 
@@ -113,7 +115,7 @@ class HostBuffer:
     def numpy(self, dtype=np.uint8, shape=None, offset: int = 0) -> np.ndarray:
         """A typed numpy view (no copy) starting ``offset`` bytes in."""
         dtype = np.dtype(dtype)
-        count, shape = self._view_count(dtype.itemsize, shape, offset)
+        count, shape, offset = self._view_count(dtype.itemsize, shape, offset)
         view = np.frombuffer(self._mm, dtype=dtype, count=count, offset=self._offset + offset)
         return view if shape is None else view.reshape(shape)
 
@@ -123,7 +125,7 @@ class HostBuffer:
 
         dtype = dtype or torch.uint8
         itemsize = torch.empty((), dtype=dtype).element_size()
-        count, shape = self._view_count(itemsize, shape, offset)
+        count, shape, offset = self._view_count(itemsize, shape, offset)
         if count == 0:      # torch.frombuffer refuses a count of 0 (numpy gives the view)
             return torch.empty(shape if shape is not None else (0,), dtype=dtype)
         # Through a numpy view, which the tensor keeps alive: it holds the
@@ -136,8 +138,8 @@ class HostBuffer:
         t = torch.from_numpy(raw).view(dtype)
         return t if shape is None else t.view(*shape)
 
-    def _view_count(self, itemsize: int, shape, offset: int) -> tuple[int, tuple | None]:
-        """(items, shape) of a view starting ``offset`` bytes in (of ``shape``,
+    def _view_count(self, itemsize: int, shape, offset: int) -> tuple[int, tuple | None, int]:
+        """(items, shape, offset as an int) of a view starting ``offset`` bytes in (of ``shape``,
         else to the end), checked to lie inside the buffer's nbytes; a -1 in
         ``shape`` is the dim that fills the rest of them (numpy's meaning: a
         negative count would be read as 'to the end of the mapping', past
@@ -145,11 +147,19 @@ class HostBuffer:
         if self._mm is None:
             raise ConfigError(f"{self!r} is closed: its memory is unmapped; take a view "
                               "before closing it, or use a new buffer")
-        offset = int(offset)
+        # whole numbers, multiplied as Python ints: np.prod wraps in int64
+        # (2**64 - 1 items counted -1, 'the whole buffer'), and int() cut
+        # 2.5 to 2 (an offset so cut was checked, then passed on as given)
+        if not is_whole(offset, index=True):
+            raise ConfigError(f"a view's offset must be a whole number of bytes, got {offset!r}")
+        offset = operator.index(offset)
         rest = (self.nbytes - offset) // itemsize
         if shape is not None:
-            shape = tuple(int(n) for n in np.atleast_1d(shape))
-            known = int(np.prod([n for n in shape if n != -1]))
+            dims = np.atleast_1d(np.asarray(shape, dtype=object)).tolist()
+            if not all(is_whole(n, index=True) for n in dims):
+                raise ConfigError(f"a view's shape must be whole numbers, got {shape!r}")
+            shape = tuple(operator.index(n) for n in dims)
+            known = math.prod(n for n in shape if n != -1)
             wild = shape.count(-1)
             if wild > 1 or any(n < -1 for n in shape) or \
                     (wild and (known == 0 or rest < 0 or rest % known)):
@@ -159,11 +169,11 @@ class HostBuffer:
                                   "buffer fills")
             if wild:
                 shape = tuple(rest // known if n == -1 else n for n in shape)
-        count = rest if shape is None else int(np.prod(shape))
+        count = rest if shape is None else math.prod(shape)
         if not 0 <= offset <= self.nbytes or offset + count * itemsize > self.nbytes:
             raise ConfigError(f"a view of {max(count, 0) * itemsize} bytes at offset {offset} "
                               f"of a {self.nbytes}-byte buffer; keep views inside the buffer")
-        return count, shape
+        return count, shape, offset
 
     def close(self) -> None:
         with self._lock:

@@ -107,6 +107,31 @@ def test_a_view_shape_with_an_inferred_dim_stays_inside_the_buffer():
                 view(shape=(-1, -1))
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(shape=(2**32 + 1, 2**32 - 1)),        # 2**64 - 1 items: -1 in int64, 'the whole buffer'
+    dict(shape=(2**32, 2**32)),                # 2**64 items: 0 in int64
+    dict(shape=(2**32 + 1, 2**32 - 1, -1)),
+    dict(shape=(2.5, 4)),                      # cut to (2, 4) silently
+    dict(shape=(True, 8)),
+    dict(offset=1.5),                          # checked as 1, then a bare TypeError
+    dict(offset="8"),
+])
+def test_a_view_shape_or_offset_that_is_no_whole_number_of_items_is_a_config_error(kwargs):
+    """Dims were multiplied in int64 (np.prod), so a shape of 2**64 - 1 items
+    was counted -1 items and passed the bounds check (numpy then raised a
+    bare 'cannot reshape' ValueError); float dims were cut to ints, and an
+    offset was checked as int(offset) but passed on as given (1.5: a
+    TypeError from np.frombuffer).  Each is now a ConfigError."""
+    torch = pytest.importorskip("torch")
+    with HostBuffer(8192) as buf:
+        for view in (buf.numpy, buf.torch):
+            with pytest.raises(ConfigError, match="shape|offset"):
+                view(**kwargs)
+        assert buf.numpy(shape=np.array([2, 4]), offset=np.int64(8)).shape == (2, 4)
+        assert tuple(buf.torch(torch.int16, shape=(np.int32(3), -1), offset=8192 - 24).shape) \
+            == (3, 4)
+
+
 def test_an_empty_view_at_the_buffers_end_is_one_for_torch_too():
     """A view of no items (offset == nbytes, or a shape with a 0) lies inside
     the buffer and numpy() gives it, but torch() raised torch.frombuffer's
