@@ -25,6 +25,7 @@ class SpareBuffers:
     def __init__(self, keep_bytes: int):
         self.keep_bytes = int(keep_bytes)
         self._idle: list[HostBuffer] = []
+        self._closed = False
         self._lock = threading.Lock()
         renew_after_fork(self)        # a forked child's close() of its copy takes it
 
@@ -40,9 +41,10 @@ class SpareBuffers:
 
     def give(self, buf: HostBuffer) -> None:
         """Keep ``buf`` for a later take (evicting the smallest idle ones to
-        stay within keep_bytes), or free it when it alone is over the limit."""
+        stay within keep_bytes), or free it when it alone is over the limit,
+        or when closed (kept then, nothing would ever free it)."""
         with self._lock:
-            if buf.nbytes <= self.keep_bytes:
+            if not self._closed and buf.nbytes <= self.keep_bytes:
                 self._idle.append(buf)
                 self._idle.sort(key=lambda b: b.nbytes)
                 drop = []
@@ -60,6 +62,7 @@ class SpareBuffers:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             idle, self._idle = self._idle, []
         for b in idle:
             b.close()
