@@ -520,8 +520,10 @@ class _LoadJob:
             t.start()
         except BaseException as e:
             self._reader_thread = None   # nothing to join: no read is in flight
-            self.store._inflight.leave()
+            # buffers back before the store's close can go on (as the
+            # reader's own end does): else it may free its spares first
             self._stage_done()
+            self.store._inflight.leave()
             self.q.put(e)
             return False
         return True
