@@ -14,7 +14,8 @@ from kvblock.errors import ConfigError
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 MAX_SIZE = (1 << 63) - 1   # off_t: no file, device or offset is larger
 _WHOLE = re.compile(r"^\s*-?[0-9]+\s*$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
+# B alone or after a unit; "iB" only after one ("64iB" is a unit lost, not 64 bytes)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:I?B)?|B)?\s*$", re.IGNORECASE)
 
 
 def is_whole(value, *, index: bool = False) -> bool:
@@ -46,7 +47,7 @@ def parse_size(text: str) -> int:
     if len(whole) > len(str(MAX_SIZE)):
         raise ValueError(f"{text!r} is too large: at most {MAX_SIZE >> 40}T")
     # 40 decimals: a cut fraction times a unit (<= 2**40) floors the same
-    size = int(Fraction(f"{whole}.{frac[:40] or 0}") * _UNITS[m.group(2).upper()])
+    size = int(Fraction(f"{whole}.{frac[:40] or 0}") * _UNITS[(m.group(2) or "").upper()])
     if size > MAX_SIZE:
         raise ValueError(f"{text!r} is too large: at most {MAX_SIZE >> 40}T")
     return size

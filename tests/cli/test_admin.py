@@ -1596,6 +1596,24 @@ def test_a_size_past_pythons_digit_limit_is_refused_as_a_size(tmp_path):
     assert not (tmp_path / "new.img").exists()
 
 
+def test_an_ib_without_its_unit_is_no_size(tmp_path):
+    """The unit's "iB" was optional on its own: "64iB" or "1 ib" (a K, M,
+    G or T lost) was taken for 64 and 1 bytes, not refused as no size."""
+    from kvblock.errors import ConfigError
+    from kvblock.units import parse_size, size_setting
+
+    for text in ("64iB", "1 ib", "4096IB"):
+        with pytest.raises(ValueError, match="is not a size"):
+            parse_size(text)
+    with pytest.raises(ConfigError, match="not a size"):
+        size_setting("512iB", "KVBlockTier", "max_run_bytes")
+    assert [parse_size(t) for t in ("64KiB", "64kib", "64KB", "64 K", "4096B", "4096 b",
+                                    "2 GiB")] == [64 << 10] * 3 + [64 << 10, 4096, 4096, 2 << 30]
+    res = kvb("format", tmp_path / "new.img", "--size", "64iB", *GEOM_ARGS)
+    assert res.returncode == 2 and "not a size" in res.stderr, res.stderr
+    assert not (tmp_path / "new.img").exists()
+
+
 def test_a_whole_number_setting_that_only_looks_numeric_is_a_config_error():
     """int_setting judged a string by str.isdigit() after stripping every
     leading '-': "--5" and "²" (digits to isdigit, not to int()) passed the
