@@ -37,6 +37,13 @@ class DeviceError(KVBlockError, OSError):
     def __str__(self) -> str:
         return self.message
 
+    def __reduce__(self):
+        # OSError's would call the class with OSError's args (errno,
+        # message), taken here for (message, path): the errno came back 0
+        # (pickled to another process, or copied).  The attributes of
+        # subclasses (IOFailedError's offset...) are in the state.
+        return type(self), (self.message, self.path, self.errno), self.__dict__
+
 
 class DeviceNotFoundError(DeviceError, FileNotFoundError):
     """The device path does not exist."""

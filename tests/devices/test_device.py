@@ -96,6 +96,32 @@ def test_missing_path(tmp_path):
     assert isinstance(exc.value, KVBlockError) and exc.value.errno == errno.ENOENT
 
 
+def test_a_device_error_keeps_its_errno_through_pickle_and_copy(tmp_path):
+    """A DeviceError sent to another process (a ProcessPoolExecutor's
+    worker, an engine's worker process) or copied came back with errno 0:
+    OSError's own reduce rebuilt it from OSError's args (errno, message)
+    taken as (message, path), and the errno was never passed again."""
+    import copy
+    import pickle
+
+    missing = tmp_path / "nope.img"
+    with pytest.raises(DeviceNotFoundError) as exc:
+        Device(missing)
+    made = [exc.value,
+            IOFailedError("read failed: EIO", "/dev/x", errno.EIO, offset=4096, length=512,
+                          failed=2),
+            DeviceError("cannot reserve 8 bytes", "/x.img", errno.ENOSPC),
+            DeviceError("no errno")]
+    for e in made:
+        for back in (pickle.loads(pickle.dumps(e)), copy.copy(e)):
+            assert type(back) is type(e)
+            assert (str(back), back.path, back.errno, back.strerror) == \
+                (str(e), e.path, e.errno, e.strerror), (e, back)
+    back = pickle.loads(pickle.dumps(made[1]))
+    assert (back.offset, back.length, back.failed, back.device_fault) == (4096, 512, 2, True)
+    assert made[0].errno == errno.ENOENT
+
+
 def test_a_missing_device_on_dev_is_not_told_to_create_a_store_file_there():
     """A mistyped device name (/dev/nvme0n2 for /dev/nvme1n1): the error
     said to create a store file with `kvblock format FILE --size SIZE`, at
