@@ -160,14 +160,13 @@ class _StreamingCache(DynamicCache):
                 f"streaming_cache: the model updates layer {layer_idx}, the layout holds "
                 f"{len(self.layers)} layers: the layout is not of this model's KV (build it "
                 "with the model's layer count)")
-        if not self._guess_depth:
-            pass
-        elif layer_idx == 0:
-            if self._top is not None and self._top < len(self.layers) - 1:
-                raise ConfigError(_layer_mismatch(self._top + 1, len(self.layers)))
-            self._top = 0
-        elif self._top is not None:
-            self._top = max(self._top, layer_idx)
+        if self._guess_depth:
+            if layer_idx == 0:
+                if self._top is not None and self._top < len(self.layers) - 1:
+                    raise ConfigError(_layer_mismatch(self._top + 1, len(self.layers)))
+                self._top = 0
+            elif self._top is not None:
+                self._top = max(self._top, layer_idx)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
