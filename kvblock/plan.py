@@ -56,7 +56,9 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
     must each have for KVStore.format (default region size) to make a store
     that holds ``sessions`` requests of ``tokens`` at once: ConfigError
     when no store holds this model's blocks (as the format refuses them) or
-    none of devices up to 2**60 bytes holds the sessions."""
+    none of devices up to 2**60 bytes holds the sessions.  (A larger device
+    gets larger default regions, which may hold fewer requests: it holds
+    them formatted with the plan's ``region_bytes`` as its region size.)"""
     for name, value in (("layers", layers), ("block_tokens", block_tokens),
                         ("kv_heads", kv_heads), ("head_dim", head_dim),
                         ("tokens", tokens), ("concurrency", concurrency), ("devices", devices),

@@ -291,3 +291,37 @@ def test_cli_plan_json_has_the_store_a_format_makes():
     assert regions_for_runs(smaller, g, 1024, 100) > smaller["region_count"]
     table = CliRunner().invoke(cli, args)
     assert f"{out['device_bytes']} bytes each" in table.output, table.output
+
+
+def test_the_planned_device_size_is_the_least_though_larger_regions_hold_fewer(tmp_path):
+    """The format's default region size grows with the devices (1/16 of the
+    store's space, in whole MiB), so a larger device may hold fewer
+    requests than a smaller one: the plan's search, taking "holds" as
+    monotonic in the size, gave 59,604,992 bytes for 9 requests of 500
+    tokens of this model, where a store file of 50,315,264 bytes (22
+    regions of 2 MiB) holds them all.  The size is now the least over every
+    region size the format picks."""
+    from kvblock import Geometry
+    from kvblock.store.planning import StandIn, plan_or_none, regions_for_runs
+
+    shape = dict(layers=8, kv_heads=2, head_dim=128, dtype="float16", block_tokens=16)
+    geometry = Geometry(num_layers=8, num_kv_heads=2, head_dim=128, dtype="float16",
+                        block_tokens=16)
+    p = plan(**shape, tokens=500, sessions=9, device_gbps=1.0)
+    smaller = 50_315_264
+    stored, same = _fill_planned_store(tmp_path, p, geometry, 1, 9,
+                                       less=p.device_bytes - smaller)
+    assert stored == [p.blocks_per_request] * 9 and all(same)
+    assert p.device_bytes <= smaller
+    stored, same = _fill_planned_store(tmp_path / "planned", p, geometry, 1, 9)
+    assert stored == [p.blocks_per_request] * 9 and all(same)
+    # no size below it holds them (every MiB down, and the 4 KiB just below)
+    devs = [StandIn("d", 4096)]
+
+    def holds(size):
+        layout = plan_or_none(devs, geometry, size=size)
+        need = None if layout is None else regions_for_runs(layout, geometry,
+                                                            p.blocks_per_request, 9)
+        return need is not None and need <= layout["region_count"]
+    assert not any(holds(size) for size in
+                   [p.device_bytes - 4096, *range(p.device_bytes // (1 << 20) << 20, 0, -(1 << 20))])

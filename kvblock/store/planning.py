@@ -18,6 +18,8 @@ from kvblock.store.writes import check_run_fits
 
 # the largest size least_size tries
 MAX_SIZE = 1 << 60
+# the format's largest default region size (before its trailers' reserve), in MiB
+_MAX_DEFAULT_REGION_MIB = 256
 
 
 class StandIn(NamedTuple):
@@ -67,16 +69,20 @@ def plan_or_none(devices: Sequence, geometry: Geometry, region_size: int | None 
     return plan
 
 
-def _least_capacity(plan_at, block: int = 4096) -> int | None:
+def _least_capacity(plan_at, block: int = 4096, *, low: int = 0,
+                    high: int | None = None) -> int | None:
     """The least whole number of ``block``-byte blocks for which
     ``plan_at(nbytes)`` (a plan over devices of that size, None where it
     refuses them) plans a store; None when none up to MAX_SIZE bytes does.
-    (Taken as monotonic: a size that plans one, any larger does too.)"""
-    low, high = 0, block
-    while plan_at(high) is None:
-        low, high = high, high * 2
-        if high > MAX_SIZE:
-            return None
+    (Taken as monotonic: a size that plans one, any larger does too.)
+    ``low``: a size known to plan none (a multiple of ``block``); ``high``:
+    one known to plan one."""
+    if high is None:
+        start, high = low, low + block
+        while plan_at(high) is None:
+            low, high = high, start + 2 * (high - start)
+            if high > MAX_SIZE:
+                return None
     while high - low > block:
         mid = (low + high) // 2 // block * block
         low, high = (low, mid) if plan_at(mid) is not None else (mid, high)
@@ -154,7 +160,14 @@ def least_size_for_runs(devices: Sequence[StandIn], geometry: Geometry, nblocks:
     """The least size (as least_size's) the stand-ins in ``devices`` must
     each have for a format with the default region size to make a store that
     holds ``runs`` puts of ``nblocks`` blocks at once, none evicted: None
-    when none up to MAX_SIZE bytes does."""
+    when none up to MAX_SIZE bytes does.
+
+    The default region size grows with the devices (1/16 of the store's
+    space in whole MiB, up to 256 MiB), and larger regions may hold fewer
+    such puts (more slack past each region's last piece): what holds is
+    monotonic only among sizes of one region size.  Each band of one
+    region size is tried in turn, from the smallest, up to its largest
+    size; the least size of the first that holds it is the answer."""
     def plan_at(nbytes: int) -> dict | None:
         plan = plan_or_none(devices, geometry, size=nbytes)
         if plan is None:
@@ -162,7 +175,16 @@ def least_size_for_runs(devices: Sequence[StandIn], geometry: Geometry, nblocks:
         need = regions_for_runs(plan, geometry, nblocks, runs)
         return plan if need is not None and need <= plan["region_count"] else None
 
-    return _least_capacity(plan_at, max(d.block_size for d in devices))
+    block = max(d.block_size for d in devices)
+    count = len(devices)
+    low = 0                     # no size up to it holds them
+    for mib in range(2, _MAX_DEFAULT_REGION_MIB + 1):
+        # the band's largest size: one block short of a store of 16 * mib MiB
+        top = -(-(16 * mib << 20) // (count * block)) * block - block
+        if top > low and plan_at(top) is not None:
+            return _least_capacity(plan_at, block, low=low, high=top)
+        low = max(low, top)
+    return _least_capacity(plan_at, block, low=low)
 
 
 def no_store_holds(geometry: Geometry, blocks: list[int]) -> ConfigError | None:
