@@ -13,13 +13,12 @@ from typing import NamedTuple, Sequence
 
 from kvblock.errors import ConfigError, DeviceTooSmallError, StoreFullError
 from kvblock.layout.geometry import Geometry, RunLayout
-from kvblock.store.store import _blocks_too_small, _max_run_blocks, _plan
+from kvblock.store.store import (
+    DEFAULT_REGION_MAX, DEFAULT_REGION_SHARE, MIB, _blocks_too_small, _max_run_blocks, _plan)
 from kvblock.store.writes import check_run_fits
 
 # the largest size least_size tries
 MAX_SIZE = 1 << 60
-# the format's largest default region size (before its trailers' reserve), in MiB
-_MAX_DEFAULT_REGION_MIB = 256
 
 
 class StandIn(NamedTuple):
@@ -178,9 +177,10 @@ def least_size_for_runs(devices: Sequence[StandIn], geometry: Geometry, nblocks:
     block = max(d.block_size for d in devices)
     count = len(devices)
     low = 0                     # no size up to it holds them
-    for mib in range(2, _MAX_DEFAULT_REGION_MIB + 1):
-        # the band's largest size: one block short of a store of 16 * mib MiB
-        top = -(-(16 * mib << 20) // (count * block)) * block - block
+    for mib in range(2, DEFAULT_REGION_MAX // MIB + 1):
+        # the band's largest size: one block short of a store whose share
+        # is ``mib`` MiB (store.py's default region size)
+        top = -(-(DEFAULT_REGION_SHARE * mib * MIB) // (count * block)) * block - block
         if top > low and plan_at(top) is not None:
             return _least_capacity(plan_at, block, low=low, high=top)
         low = max(low, top)

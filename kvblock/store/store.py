@@ -83,7 +83,10 @@ from kvblock.tiers import HostTier
 from kvblock.units import is_whole, size_setting
 
 MIB = 1 << 20
-# A default region is a round size plus 1/TRAILER_RESERVE for runs' trailers.
+# A default region is 1/DEFAULT_REGION_SHARE of the store's space in whole
+# MiB (at most DEFAULT_REGION_MAX) plus 1/TRAILER_RESERVE for runs' trailers.
+DEFAULT_REGION_SHARE = 16
+DEFAULT_REGION_MAX = 256 * MIB
 TRAILER_RESERVE = 64
 # Counters every store reports (stats(), Prometheus), zero until something happens.
 COUNTERS = (
@@ -2114,7 +2117,8 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes, *,
     total = min(d.capacity for d in devs) * len(devs)
     min_run = RunLayout(geometry, 1, alignment).run_bytes
     if region_size is None:
-        region_size = min(256 * MIB, max(MIB, total // 16 // MIB * MIB), )
+        region_size = min(DEFAULT_REGION_MAX,
+                          max(MIB, total // DEFAULT_REGION_SHARE // MIB * MIB))
         region_size = max(region_size, round_up(min_run, MIB))
         # Room for the runs' trailers: engines cut runs at round sizes (16 or
         # 64 MiB), which would tile a 256 MiB region exactly but for their
