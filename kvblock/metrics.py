@@ -15,7 +15,9 @@ SERVER_GAUGES = ("clients", "pinned_regions")
 # A DRAM host tier's (present when the store has one): its blocks come and go.
 HOST_GAUGES = ("host_blocks", "host_capacity_blocks")
 OPTIONAL_GAUGES = SERVER_GAUGES + HOST_GAUGES
-NOT_METRICS = ("server_pid", "pin_lease")   # an identity and a setting, not quantities
+# identities (the server's process, and its run: restarted, it counts from 0)
+# and a setting, not quantities
+NOT_METRICS = ("server_pid", "server_run", "pin_lease")
 
 
 class StoreCollector:

@@ -82,7 +82,10 @@ class StoreStats:
         # The store's uuid label, kept for snapshots of a store that could not
         # answer (closed, its server gone): the tier's own counters go on.
         self._labels: tuple[str] | None = None
-        self._server = None                # the store server's pid in the last snapshot
+        # The store server's (pid, run) in the last snapshot: a new run counts
+        # from zero, also under the same pid (PID 1 in a container); a server
+        # whose stats name no run is told by its pid alone.
+        self._server = None
         self._ticker = Periodic(self.refresh, interval, "kvblock-tier-stats")
 
     def refresh(self) -> None:
@@ -108,7 +111,9 @@ class StoreStats:
                 s = dict(s, **{n: client[n] for n in READ_COUNTERS if n in client})
             if "uuid" in s:
                 self._labels = (str(s["uuid"]),)
-                server = s.get("server_pid")
+                server = (s.get("server_pid"), s.get("server_run"))
+                if server == (None, None):    # an in-process store: no server
+                    server = None
                 if server != self._server:
                     if self._server is not None:
                         # A restarted server counts from zero: all it holds is new.

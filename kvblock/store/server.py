@@ -1103,7 +1103,9 @@ class StoreServer:
             pinned = int((st.regions.pins > 0).sum())
         with self._sessions_lock:      # as max_clients counts: a closing one is served no more
             clients = sum(not o.closing for o in self._sessions.values())
-        out.update({"server_pid": os.getpid(), "clients": clients,
+        # server_run: this run of the server (its counters start at zero);
+        # a restart under the same pid (PID 1 in a container) changes it
+        out.update({"server_pid": os.getpid(), "server_run": self._run_tag, "clients": clients,
                     "connections_total": self.connections_total, "pinned_regions": pinned,
                     "pin_lease": self.pin_lease, "expired_sessions": self.expired_sessions,
                     "refused_connections": self.refused_connections})

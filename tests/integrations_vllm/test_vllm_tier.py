@@ -1342,6 +1342,30 @@ def test_metrics_count_a_restarted_servers_counters_from_zero():
     assert reported["vllm:kvblock_store_store_failures"] == 2
 
 
+def test_metrics_count_a_server_restarted_under_the_same_pid_from_zero():
+    """A store server restarted under the same pid (PID 1 in a container)
+    was taken for the old one: a counter back at its old value (one
+    checkpoint, the fresh open's) stepped by 0 and the new server's count
+    was lost.  The server's stats name its run (server_run): a new run
+    counts from zero; a server whose stats name no run is told by its pid."""
+    from kvblock.integrations.vllm_metrics import StoreStats
+
+    snapshots = iter([
+        {"uuid": "u", "server_pid": 1, "server_run": "a", "checkpoints": 1, "put_runs": 4},
+        {"uuid": "u", "server_pid": 1, "server_run": "b", "checkpoints": 1, "put_runs": 4},
+        {"uuid": "u", "server_pid": 1, "server_run": "b", "checkpoints": 2, "put_runs": 5},
+    ])
+    stats = StoreStats(lambda: next(snapshots))
+    stats.close()
+    reported = {}
+    for _ in range(3):
+        stats.refresh()
+        for name, values in stats.take().data["data"].items():
+            reported[name] = reported.get(name, 0) + values[("u",)]
+    assert reported["vllm:kvblock_store_checkpoints"] == 1 + 2
+    assert reported["vllm:kvblock_store_put_runs"] == 4 + 5
+
+
 def test_metrics_of_a_served_store_count_this_replicas_reads():
     """A replica of a store shared through a server reads the devices itself:
     the server's stats never count those reads (its get_blocks, bytes_read,

@@ -878,6 +878,22 @@ def test_stats_while_another_thread_closes_the_store(tmp_path, sock, monkeypatch
             r.close()
 
 
+def test_stats_name_the_server_run(tmp_path, sock):
+    """A restarted server counts from zero; under the same pid (PID 1 in a
+    container; here two servers of one process) only its run tells it from
+    the old one: stats' server_run, the same for every call of one run."""
+    path = _store_file(tmp_path)
+    runs = []
+    for _ in range(2):
+        with serve_in_background([path], sock), RemoteStore(sock) as r:
+            first, again = r.stats(), r.stats()
+            assert first["server_pid"] == os.getpid()
+            assert isinstance(first["server_run"], str) and first["server_run"]
+            assert again["server_run"] == first["server_run"]
+            runs.append(first["server_run"])
+    assert runs[0] != runs[1]
+
+
 def test_stats_of_a_servers_closed_store_is_a_typed_error(tmp_path, sock):
     """A server whose store has closed (a metadata write failed; it is
     stopping) answered stats with {"closed": true} and its own numbers,
