@@ -727,11 +727,11 @@ class RemoteStore(RunReader, RunWriter):
         unchecked = self._check_runs_fit(items, found)
 
         def admit(keys, whole):
-            verdict, _ = self._admit(keys)
+            # a declined run is counted (here and on the server) once the
+            # plan stands: _count_rejected
+            verdict, _ = self._admit(keys, count=False)
             if verdict == "duplicate":
                 self.counters["put_duplicate_runs"] += 1
-            elif verdict == "rejected":
-                self.counters["admission_rejected_runs"] += 1
             return verdict
         out, pieces, repeats, admitted = self._plan_puts(items, found, admit, unchecked)
         # The groups after the first go to the first one's server (see _put:
@@ -798,15 +798,15 @@ class RemoteStore(RunReader, RunWriter):
             if not self.present(keys).all():
                 raise
             too_long = e
-        verdict, clears = self._admit(keys)
+        # a declined run is counted at once (by the server's admit), but for
+        # one refused whatever admit says (its offer given back, below)
+        verdict, clears = self._admit(keys, count=too_long is None)
         if verdict == "duplicate":
             self.counters["put_duplicate_runs"] += 1
             return n
         if too_long is not None:     # removed meanwhile: it would have to be written
             # refused: the offer admit counted is given back (a declined
-            # one counted first, as _give_back_offers takes it off again)
-            if verdict == "rejected":
-                self.counters["admission_rejected_runs"] += 1
+            # one counted by no counter)
             self._give_back_offers([(keys[0], verdict != "rejected")])
             raise too_long
         if verdict == "rejected":
@@ -834,12 +834,17 @@ class RemoteStore(RunReader, RunWriter):
                 self._give_back_offers([(keys[0], True)])
         return written
 
-    def _admit(self, keys: list[bytes]) -> tuple[str, str]:
+    def _admit(self, keys: list[bytes], count: bool = True) -> tuple[str, str]:
         """admit's answer for a run of ``keys``: (verdict, clear ticket).
         Another verdict than the three admit gives (a server of another
         release) would be taken for "ok", and the run written: refused with
-        ServerError, as a malformed answer is, before anything is allocated."""
-        answer = self._call("admit", keys=encode_keys(keys))
+        ServerError, as a malformed answer is, before anything is allocated.
+        ``count=False``: the server does not count a declined run (a call
+        that may still be refused counts it later: _count_rejected)."""
+        if count:
+            answer = self._call("admit", keys=encode_keys(keys))
+        else:
+            answer = self._call("admit", keys=encode_keys(keys), count=False)
         verdict = answer.get("verdict") if isinstance(answer, dict) else None
         clears = answer.get("clears") if isinstance(answer, dict) else None
         if verdict not in ("ok", "duplicate", "rejected") or not isinstance(clears, str):
@@ -854,12 +859,17 @@ class RemoteStore(RunReader, RunWriter):
         (best effort: a server gone took its offer counts with it)."""
         if not offers:
             return
-        self.counters["admission_rejected_runs"] -= sum(not a for _, a in offers)
         try:
             self._call("give_back", keys=encode_keys([k for k, _ in offers]),
                        admitted=[bool(a) for _, a in offers])
         except KVBlockError as e:
             logger.debug("kvblock: give_back to %s: %s", self.socket_path, e)
+
+    def _count_rejected(self, runs: int) -> None:
+        """put_runs' declined runs, counted on the server (its admits were
+        told count=False) and here, once the call's plan stands."""
+        self._call("count_rejected", runs=runs)
+        self.counters["admission_rejected_runs"] += runs
 
     def _abort(self, s: "Session", wids: list[int]) -> None:
         """Give back allocations on ``s`` that will not be committed."""

@@ -23,9 +23,13 @@ request at a time per connection, answered in order.
   (no space, a write error, a clear), or a put_runs the rank refuses
   after its admits, sends ``give_back`` (``keys``: the runs' first keys,
   ``admitted``: admit's answer for each, ok or rejected): the server's
-  admission forgets those offers.  A put_runs run that the call's earlier
-  runs hold whole is a duplicate no admit sees: ``count_duplicates``
-  (``runs``: how many) counts them in the server's stats.
+  admission forgets those offers (no counter changes).  A put_runs run
+  that the call's earlier runs hold whole is a duplicate no admit sees:
+  ``count_duplicates`` (``runs``: how many) counts them in the server's
+  stats.  put_runs' admits say ``count: false``: a run declined is
+  counted by ``count_rejected`` (``runs``) once the call's plan stands
+  (a call refused after its admits counts none), so that the stats'
+  admission_rejected_runs, a Prometheus counter, never goes down.
 - A read asks ``segments`` (the server pins the runs and answers their
   locations and checksums), reads and verifies locally, then ``unpin``.
 - Pins belong to the connection: when it drops (the client exits or
@@ -54,7 +58,7 @@ from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 from kvblock.index.keys import normalize_key
 
-PROTOCOL = 12  # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 13  # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
@@ -69,6 +73,9 @@ PROTOCOL = 12  # 2: "clear"; admit answers the clear count, commit carries it
 #                   hello's "journal_bytes"
 #               12: "give_back" (offers admit counted for puts that stored nothing);
 #                   "count_duplicates" (put_runs' runs its earlier runs hold)
+#               13: admit's "count" (false: a declined run is not counted
+#                   yet), "count_rejected" (put_runs' declined runs, once
+#                   its plan stands): admission_rejected_runs never falls
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

@@ -921,9 +921,15 @@ class StoreServer:
         run's ticket matches none: a clear may have come there)."""
         return f"{self._run_tag}:{self.store._clears}"
 
-    def _op_admit(self, s, keys):
+    def _op_admit(self, s, keys, count=True):
+        """``count``: false for a put_runs' run (the call may still be
+        refused, its offers given back): a declined run is counted by
+        count_rejected once the call's plan stands, so that
+        admission_rejected_runs only goes up."""
         st = self.store
         st._check_open(writing=True)
+        if type(count) is not bool:
+            raise ConfigError(f"admit: count must be true or false, got {str(count)[:40]!r}")
         keys = decode_keys(keys)
         if not keys:   # no run: an empty prefix is "stored", and would count a duplicate
             raise ConfigError("admit: keys must hold the run's keys (at least one); a put of "
@@ -935,7 +941,8 @@ class StoreServer:
                 st.counters["put_duplicate_runs"] += 1
                 return {"verdict": "duplicate", "clears": clears}
             if not st.admission.admit(keys[0]):
-                st.counters["admission_rejected_runs"] += 1
+                if count:
+                    st.counters["admission_rejected_runs"] += 1
                 return {"verdict": "rejected", "clears": clears}
         return {"verdict": "ok", "clears": clears}
 
@@ -961,6 +968,16 @@ class StoreServer:
                               f"{str(runs)[:40]!r}")
         with self.store._lock:
             self.store.counters["put_duplicate_runs"] += runs
+        return None
+
+    def _op_count_rejected(self, s, runs):
+        """put_runs' declined runs (admitted with count=false), once the
+        call's plan stands: counted as KVStore counts them."""
+        if type(runs) is not int or runs < 1:
+            raise ConfigError(f"count_rejected: runs must be a count >= 1, got "
+                              f"{str(runs)[:40]!r}")
+        with self.store._lock:
+            self.store.counters["admission_rejected_runs"] += runs
         return None
 
     def _op_allocate(self, s, nblocks):

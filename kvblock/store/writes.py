@@ -204,14 +204,17 @@ class RunWriter(RunIO):
         call after another: a run that the store (``found``: per key of every
         item, in order) and the call's earlier runs hold whole is a
         duplicate, written by none.  ``admit(keys, whole)`` answers for the
-        others ("ok", "duplicate" or "rejected", counted there; ``whole``:
-        the store holds every key).  ``unchecked``: the items
-        _check_runs_fit left to be checked here if written.  Returns (blocks
-        per item, pieces (item, keys, blocks) of at most ``max_run_blocks``,
-        and per duplicate found in earlier runs the items it depends on, and
-        the admitted items: see _give_back_unstored).  A call refused here
-        (a late _check_fits, an admit that fails) counts no offer: those
-        admit counted are given back."""
+        others ("ok", "duplicate" or "rejected"; a duplicate counted there,
+        a declined run counted here once the plan stands (_count_rejected):
+        a counter a refused call had counted and taken off again fell, which
+        Prometheus reads as a reset; ``whole``: the store holds every key).
+        ``unchecked``: the items _check_runs_fit left to be checked here if
+        written.  Returns (blocks per item, pieces (item, keys, blocks) of
+        at most ``max_run_blocks``, and per duplicate found in earlier runs
+        the items it depends on, and the admitted items: see
+        _give_back_unstored).  A call refused here (a late _check_fits, an
+        admit that fails) counts no offer: those admit counted are given
+        back, and its declined runs are counted by no counter."""
         out, pieces = [0] * len(items), []
         taken: dict[bytes, int] = {}  # keys an earlier run of this call writes: that run
         repeats = {}                  # a run found whole in earlier runs: those runs
@@ -244,6 +247,9 @@ class RunWriter(RunIO):
                 for first in range(0, n, self.max_run_blocks):
                     last = min(n, first + self.max_run_blocks)
                     pieces.append((i, keys[first:last], span(blocks, first, last)))
+            rejected = sum(not a for _, a in offers)
+            if rejected:
+                self._count_rejected(rejected)
         except BaseException:
             self._give_back_offers(offers[::-1])    # (latest first: one key offered twice)
             raise
@@ -260,7 +266,13 @@ class RunWriter(RunIO):
 
     def _give_back_offers(self, offers: list) -> None:
         """Undo offers admission counted for puts that stored nothing:
-        (first key, admitted) each, latest first."""
+        (first key, admitted) each, latest first.  No counter changes: a
+        declined offer given back was never counted (_count_rejected)."""
+        raise NotImplementedError
+
+    def _count_rejected(self, runs: int) -> None:
+        """Count ``runs`` declined runs of a put_runs whose plan stands, in
+        admission_rejected_runs (only ever up: an exported counter)."""
         raise NotImplementedError
 
     def _put_grouped(self, out: list[int], pieces: list, repeats: dict,

@@ -1364,6 +1364,37 @@ def test_put_runs_refused_by_a_rank_before_a_write_counts_no_offer_on_the_server
         assert r.put_run(second, _zeros(second)) == 0
 
 
+def test_put_runs_refused_by_a_rank_never_takes_a_declined_run_off_a_counter(tmp_path, sock):
+    """The server counted a put_runs' declined run at its admit and took it
+    off again at the give_back of the call's offers (the rank refused the
+    call after it): the server's admission_rejected_runs (and the rank's)
+    went down, which Prometheus reads as a counter reset.  A declined run is
+    counted once the call's plan stands, never taken off."""
+    from kvblock.errors import StoreFullError
+    from tests.store.test_store import NeverDown, _halves_and_whole, _zeros
+
+    path = _store_file(tmp_path, 12 << 20)
+    with serve_in_background([path], sock, admit_after=2) as server, RemoteStore(sock) as r:
+        server.store.counters = NeverDown(server.store.counters)
+        r.counters = NeverDown(r.counters)
+        first, second, _ = _halves_and_whole(r)
+        whole = second + first
+        with pytest.raises(StoreFullError, match="does not fit this store"):
+            r.put_runs([(first, _zeros(first)), (second, _zeros(second)),
+                        (whole, _zeros(whole))])
+        assert server.store.counters.fell == [] and r.counters.fell == []
+        assert server.store.counters["admission_rejected_runs"] == 0
+        assert r.counters["admission_rejected_runs"] == 0
+        # a call that stands counts its declined runs, on the server and the rank
+        assert r.put_runs([(first, _zeros(first)), (second, _zeros(second))]) == [0, 0]
+        fresh = run_keys(99, 1)
+        assert r.put_run(fresh, _zeros(fresh)) == 0         # counted by the server's admit
+        assert server.store.counters["admission_rejected_runs"] == 3
+        assert r.counters["admission_rejected_runs"] == 3
+        assert r.stats()["admission_rejected_runs"] == 3
+        assert server.store.counters.fell == [] and r.counters.fell == []
+
+
 def test_put_runs_duplicates_within_the_call_are_counted_by_the_server(tmp_path, sock):
     """A run put_runs finds whole in the call's earlier runs is a duplicate
     (as put one call after another): the rank counted it, the server's
@@ -1385,8 +1416,10 @@ def test_a_too_long_put_declined_by_the_server_counts_no_rejected_run_on_the_ran
     meanwhile): StoreFullError, its offer given back.  The give-back took
     one off the rank's admission_rejected_runs, which that path had never
     counted (it counts a declined run only when it returns 0): the rank's
-    stats said -1."""
+    stats said -1.  Nor does the server count it (it counted it at the
+    admit, and took it off at the give-back: a counter that fell)."""
     from kvblock.errors import StoreFullError
+    from tests.store.test_store import NeverDown
 
     path = _store_file(tmp_path)
     keys = run_keys(8, 2)
@@ -1395,8 +1428,10 @@ def test_a_too_long_put_declined_by_the_server_counts_no_rejected_run_on_the_ran
             raise StoreFullError(f"a run of {n} blocks does not fit this store (test)")
         monkeypatch.setattr(r, "_check_fits", check_fits)
         monkeypatch.setattr(r, "present", lambda ks: np.ones(len(ks), dtype=bool))
+        server.store.counters = NeverDown(server.store.counters)
         with pytest.raises(StoreFullError):
             r.put_run(keys, run_data(keys))                  # offer 1: declined, refused
+        assert server.store.counters.fell == []              # counted, then taken off
         assert server.store.counters["admission_rejected_runs"] == 0
         assert r.counters["admission_rejected_runs"] == 0
         assert r.stats()["client"]["admission_rejected_runs"] == 0

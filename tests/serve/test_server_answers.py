@@ -305,8 +305,8 @@ def test_an_admit_answer_with_no_known_verdict_is_refused(served, monkeypatch, a
     path, sock, server = served
     real = server._op_admit
 
-    def admit(s, keys):
-        out = real(s, keys)
+    def admit(s, keys, **kw):
+        out = real(s, keys, **kw)
         return {**out, **answer} if isinstance(answer, dict) and answer else answer
     monkeypatch.setattr(server, "_op_admit", admit)
     with RemoteStore(sock) as r:

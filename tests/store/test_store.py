@@ -7,6 +7,7 @@ import errno
 import os
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -2174,6 +2175,43 @@ def test_put_runs_refused_for_a_run_too_large_counts_no_offers(tmp_path):
         assert store.counters["admission_rejected_runs"] == 0
         assert store.put_run(small, run_data(small)) == 0      # its first offer
         assert store.put_run(small, run_data(small)) == 2
+
+
+class NeverDown(Counter):
+    """A store's counters that note every one that went down (Prometheus
+    takes a counter that falls for one that started again: rate() jumps)."""
+
+    def __init__(self, counters):
+        super().__init__(counters)
+        self.fell: list[tuple[str, int, int]] = []
+
+    def __setitem__(self, name, value):
+        if value < self.get(name, 0):
+            self.fell.append((name, self.get(name, 0), value))
+        super().__setitem__(name, value)
+
+
+def test_put_runs_refused_after_a_declined_run_counts_it_never(tmp_path):
+    """A put_runs refused after admission declined one of its runs counted
+    the run in admission_rejected_runs, then took it off again when the
+    offers were given back: the counter went down (a scrape between the two
+    saw a counter reset).  A declined run is counted once the call's plan
+    stands, never taken off."""
+    path = tmp_path / "s.img"
+    create_file(path, 12 * MIB)
+    with _format([path], admit_after=2) as store:
+        store.counters = NeverDown(store.counters)
+        first, second, _ = _halves_and_whole(store)
+        whole = second + first
+        with pytest.raises(StoreFullError, match="does not fit this store"):
+            store.put_runs([(first, _zeros(first)), (second, _zeros(second)),
+                            (whole, _zeros(whole))])
+        assert store.counters.fell == []
+        assert store.counters["admission_rejected_runs"] == 0
+        # a call that stands counts its declined runs
+        assert store.put_runs([(first, _zeros(first)), (second, _zeros(second))]) == [0, 0]
+        assert store.counters["admission_rejected_runs"] == 2
+        assert store.counters.fell == []
 
 
 def _halves_and_whole(store):
