@@ -136,7 +136,8 @@ class HostBuffer:
         raw = np.frombuffer(self._mm, dtype=np.uint8, count=count * itemsize,
                             offset=self._offset + offset)
         t = torch.from_numpy(raw).view(dtype)
-        return t if shape is None else t.view(*shape)
+        # (a tuple: view(*()) is no shape to torch, () a 0-d one)
+        return t if shape is None else t.view(shape)
 
     def _view_count(self, itemsize: int, shape, offset: int) -> tuple[int, tuple | None, int]:
         """(items, shape, offset as an int) of a view starting ``offset`` bytes in (of ``shape``,

@@ -144,6 +144,21 @@ def test_an_empty_view_at_the_buffers_end_is_one_for_torch_too():
         assert buf.torch(torch.int32, shape=(0, 4)).dtype == torch.int32
 
 
+def test_a_0_d_view_is_one_for_torch_too():
+    """shape=() is one item, as numpy() gives it (a 0-d array over the
+    buffer's bytes); torch() raised a bare TypeError from Tensor.view()
+    called with no dims."""
+    torch = pytest.importorskip("torch")
+    with HostBuffer(64) as buf:
+        buf.numpy(np.int32)[:3] = [1, 2, 3]
+        assert buf.numpy(np.int32, shape=(), offset=8)[()] == 3
+        t = buf.torch(torch.int32, shape=(), offset=4)
+        assert t.shape == () and t.item() == 2
+        t.fill_(-5)
+        assert buf.numpy(np.int32)[1] == -5
+        del t
+
+
 def test_a_torch_view_keeps_its_memory_mapped_after_close_as_a_numpy_view_does():
     """close() with a numpy view alive leaves the pages mapped until the view
     goes (mmap refuses the unmap while a buffer export is held).  A torch()
