@@ -3,6 +3,7 @@ registered with each ring, a whole batch run in one native call."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import weakref
@@ -84,12 +85,20 @@ class _RingHolder:
         self.ring = ring
 
 
-_ENGINES: "weakref.WeakSet[UringEngine]" = weakref.WeakSet()
+# The open engines, each by a key of its own: {key: weakref to it}.  Not a
+# WeakSet: _buffer_removed runs in any thread (a buffer's close, a GC
+# finalizer), and a WeakSet is iterated in Python, so an engine opened or
+# closed in another thread meanwhile raised RuntimeError ("Set changed size
+# during iteration") out of that buffer's close(), leaving it mapped.
+_ENGINES: "dict[int, weakref.ref[UringEngine]]" = {}
+_ENGINE_KEYS = itertools.count()
 
 
 def _buffer_removed() -> None:
-    for engine in list(_ENGINES):
-        engine._retire_idle_rings()
+    for ref in list(_ENGINES.values()):   # (one copy in C: no thread runs meanwhile)
+        engine = ref()
+        if engine is not None:
+            engine._retire_idle_rings()
 
 
 registry.on_remove(_buffer_removed)
@@ -108,7 +117,8 @@ class UringEngine(IOEngine):
         super().__init__(devices, **kwargs)
         self._rings: list[_Ring] = []
         self._rings_lock = threading.Lock()
-        _ENGINES.add(self)
+        self._engine_key = key = next(_ENGINE_KEYS)
+        _ENGINES[key] = weakref.ref(self, lambda _, key=key: _ENGINES.pop(key, None))
 
     def _ring(self) -> _Ring:
         """This thread's ring, its lock held (released by _release)."""
@@ -213,7 +223,7 @@ class UringEngine(IOEngine):
         with self._closing:   # a second close() returns once this one is done
             if not self.closed:
                 super().close()
-                _ENGINES.discard(self)
+                _ENGINES.pop(getattr(self, "_engine_key", None), None)
             # The rings stay on the engine until each is destroyed (a second
             # destroy does nothing): a child forked while a thread of the
             # parent was here finds its copy closed, and destroys the copies

@@ -342,6 +342,44 @@ def test_rings_of_finished_threads_are_freed(file_target):
         assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
 
 
+def test_a_buffer_closes_while_another_thread_opens_an_engine(file_target):
+    """A registered buffer's close() asks every uring engine to retire its
+    idle rings, from whatever thread closes it (or a GC finalizer's).  The
+    engines were a WeakSet, iterated in Python: an engine opened in another
+    thread meanwhile raised RuntimeError ('Set changed size during
+    iteration') out of close(), the buffer left mapped.  The other thread is
+    played by a trace function: it opens an engine between two lines of
+    whatever Python iterates during the close (where the GIL may change
+    hands)."""
+    import linecache
+    import sys
+
+    if not probe()[0]:
+        pytest.skip("io_uring unavailable")
+    opened = []
+    with Device(file_target(MIB)) as dev, open_engine([dev], "uring") as eng:
+        buf = HostBuffer(4096)
+
+        def lines(frame, event, arg):
+            # inside a loop over the engines, taking one of them
+            if event == "line" and not opened and frame.f_code.co_name == "__iter__" and \
+                    "ref()" in linecache.getline(frame.f_code.co_filename, frame.f_lineno):
+                opened.append(open_engine([dev], "uring"))   # "another thread"
+            return lines
+
+        def tracer(frame, event, arg):
+            return lines if "weakref" in frame.f_code.co_filename else None
+
+        sys.settrace(tracer)
+        try:
+            buf.close()
+        finally:
+            sys.settrace(None)
+            for other in opened:
+                other.close()
+        assert buf.closed
+
+
 def test_a_closed_engine_is_not_kept_by_a_thread_that_used_it(file_target):
     """An engine opened and closed again and again from one long-lived thread
     (an engine's main thread reopening a store) is freed each time: its
