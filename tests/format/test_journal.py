@@ -517,6 +517,16 @@ _FIELDS = {"magic": 0, "type": 4, "length": 8, "epoch": 16, "seq": 24}
 _ENDS = {480: (24, 3), 488: (24, 4), 496: (25, 3), 504: (25, 4)}   # first record: (blocks, ranges)
 
 
+def _second_sector_old_is_a_tear(data: bytes, end: int, first, stop: int) -> None:
+    """The journal ``data`` with its second sector left old (zeros, or an
+    earlier write's bytes) and nothing past ``end`` (its last commit's end)
+    reads as a tear after ``first``, stopping at ``stop``: no damage."""
+    for old in (bytes(512), b"\xa5" * 512):
+        torn = data[:512] + old + data[1024:end] + bytes(len(data) - end)
+        recs, _, nxt, at = j.scan_to(torn, 1, EPOCH)
+        assert (recs, at) == ([first], stop) and not j.damaged_at(torn, at, nxt, EPOCH)
+
+
 @pytest.mark.parametrize("pos, field", [(pos, f) for pos in _ENDS for f, at in _FIELDS.items()
                                         if at < 512 - pos])
 def test_a_header_crossing_a_sector_that_rots_in_its_first_part_is_damage(pos, field):
@@ -537,10 +547,7 @@ def test_a_header_crossing_a_sector_that_rots_in_its_first_part_is_damage(pos, f
     assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
     # the header whole in its first sector, the next one left old: a tear
     # (of the last commit: a later one shows this one flushed whole)
-    for old in (bytes(512), b"\xa5" * 512):
-        torn = data[:512] + old + data[1024:ends[0]] + bytes(len(data) - ends[0])
-        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
-        assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
+    _second_sector_old_is_a_tear(data, ends[0], first, pos)
     # the commit ended there (zero padding), the next sector of its block old
     data, ends = journal_of([[first]])
     torn = data[:512] + b"\xa5" * 512 + data[1024:]
@@ -780,10 +787,7 @@ def test_a_record_whose_header_crosses_into_a_sector_its_epoch_shows_new_that_ro
     assert (recs, nxt, stop) == ([first], 2, 496)
     assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
     # the second sector left old (zeros, or an earlier epoch's bytes): a tear
-    for old in (bytes(512), b"\xa5" * 512):
-        torn = data[:512] + old + data[1024:ends[0]] + bytes(len(data) - ends[0])
-        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
-        assert (recs, stop) == ([first], 496) and not j.damaged_at(torn, stop, nxt, EPOCH)
+    _second_sector_old_is_a_tear(data, ends[0], first, 496)
 
 
 @pytest.mark.parametrize("pos", [480, 488])
@@ -807,10 +811,7 @@ def test_a_record_whose_header_crosses_a_sector_after_its_epoch_that_rots_is_dam
     assert (recs, nxt, stop) == ([first], 2, pos)
     assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
     # the second sector left old, nothing after: a tear
-    for old in (bytes(512), b"\xa5" * 512):
-        torn = data[:512] + old + data[1024:ends[0]] + bytes(len(data) - ends[0])
-        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
-        assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
+    _second_sector_old_is_a_tear(data, ends[0], first, pos)
 
 
 @pytest.mark.parametrize("pos", [480, 488])
@@ -836,7 +837,4 @@ def test_a_put_whose_header_crosses_a_sector_and_whose_length_rots_longer_is_dam
     assert (recs, nxt, stop) == ([first], 2, pos)
     assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
     # the second sector left old (the commit the last): a tear still
-    for old in (bytes(512), b"\xa5" * 512):
-        torn = data[:512] + old + data[1024:ends[0]] + bytes(len(data) - ends[0])
-        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
-        assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
+    _second_sector_old_is_a_tear(data, ends[0], first, pos)

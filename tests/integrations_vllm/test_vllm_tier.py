@@ -1295,6 +1295,21 @@ def assert_metrics_blocks(tiers, blocks: int) -> None:
         assert values["vllm:kvblock_store_blocks"] == {(t.config_info()["kvblock_store"],): blocks}
 
 
+def _reported_over(snapshots) -> dict:
+    """What the tier's StoreStats reports, summed over one refresh per
+    snapshot (three) of the store's stats: {metric name: total}."""
+    from kvblock.integrations.vllm_metrics import StoreStats
+
+    stats = StoreStats(lambda: next(snapshots))
+    stats.close()                               # snapshots taken here
+    reported = {}
+    for _ in range(3):
+        stats.refresh()
+        for name, values in stats.take().data["data"].items():
+            reported[name] = reported.get(name, 0) + values[("u",)]
+    return reported
+
+
 def test_metrics_report_store_failures_while_the_store_is_unavailable(make_tier):
     """The tier's store_failures counter reaches vLLM's metrics when the
     store cannot answer stats() (closed after a failed metadata write, a
@@ -1323,20 +1338,12 @@ def test_metrics_count_a_restarted_servers_counters_from_zero():
     hold is all new, also when they already passed the old server's (a
     young server killed, its successor's recovery); the tier's own counter
     (store_failures) goes on."""
-    from kvblock.integrations.vllm_metrics import StoreStats
-
     snapshots = iter([
         {"uuid": "u", "server_pid": 10, "put_runs": 5, "recovery_us": 800, "store_failures": 1},
         {"uuid": "u", "server_pid": 10, "put_runs": 6, "recovery_us": 800, "store_failures": 1},
         {"uuid": "u", "server_pid": 11, "put_runs": 9, "recovery_us": 2500, "store_failures": 2},
     ])
-    stats = StoreStats(lambda: next(snapshots))
-    stats.close()                               # snapshots taken here
-    reported = {}
-    for _ in range(3):
-        stats.refresh()
-        for name, values in stats.take().data["data"].items():
-            reported[name] = reported.get(name, 0) + values[("u",)]
+    reported = _reported_over(snapshots)
     assert reported["vllm:kvblock_store_put_runs"] == 6 + 9
     assert reported["vllm:kvblock_store_recovery_us"] == 800 + 2500
     assert reported["vllm:kvblock_store_store_failures"] == 2
@@ -1348,20 +1355,12 @@ def test_metrics_count_a_server_restarted_under_the_same_pid_from_zero():
     checkpoint, the fresh open's) stepped by 0 and the new server's count
     was lost.  The server's stats name its run (server_run): a new run
     counts from zero; a server whose stats name no run is told by its pid."""
-    from kvblock.integrations.vllm_metrics import StoreStats
-
     snapshots = iter([
         {"uuid": "u", "server_pid": 1, "server_run": "a", "checkpoints": 1, "put_runs": 4},
         {"uuid": "u", "server_pid": 1, "server_run": "b", "checkpoints": 1, "put_runs": 4},
         {"uuid": "u", "server_pid": 1, "server_run": "b", "checkpoints": 2, "put_runs": 5},
     ])
-    stats = StoreStats(lambda: next(snapshots))
-    stats.close()
-    reported = {}
-    for _ in range(3):
-        stats.refresh()
-        for name, values in stats.take().data["data"].items():
-            reported[name] = reported.get(name, 0) + values[("u",)]
+    reported = _reported_over(snapshots)
     assert reported["vllm:kvblock_store_checkpoints"] == 1 + 2
     assert reported["vllm:kvblock_store_put_runs"] == 4 + 5
 
@@ -1372,20 +1371,12 @@ def test_metrics_of_a_served_store_count_this_replicas_reads():
     read_errors... stay 0), the replica's own counters (stats()["client"])
     do.  Its read counters come from there, and go on across a restart of
     the server (the replica's counters do not start again)."""
-    from kvblock.integrations.vllm_metrics import StoreStats
-
     def snap(pid, puts, gets, errors):
         return {"uuid": "u", "server_pid": pid, "put_runs": puts, "get_blocks": 0,
                 "read_errors": 0, "client": {"get_blocks": gets, "read_errors": errors,
                                              "put_runs": puts, "engine": "uring"}}
     snapshots = iter([snap(10, 2, 5, 0), snap(10, 3, 9, 1), snap(11, 1, 12, 1)])
-    stats = StoreStats(lambda: next(snapshots))
-    stats.close()
-    reported = {}
-    for _ in range(3):
-        stats.refresh()
-        for name, values in stats.take().data["data"].items():
-            reported[name] = reported.get(name, 0) + values[("u",)]
+    reported = _reported_over(snapshots)
     assert reported["vllm:kvblock_store_get_blocks"] == 12
     assert reported["vllm:kvblock_store_read_errors"] == 1
     assert reported["vllm:kvblock_store_put_runs"] == 3 + 1     # the server's, restarted

@@ -1586,7 +1586,7 @@ def test_a_device_stretch_looks_up_only_about_its_own_keys(path, monkeypatch):
     interleaved: 1M keys looked up, about 2 s a load).  The keys looked up
     in all grow with the keys loaded, not with their square; the bytes are
     the same."""
-    from kvblock.index.table import KeyTable
+    from tests.support.lookups import count_key_lookups
 
     g = geom()
     n = 256
@@ -1594,18 +1594,7 @@ def test_a_device_stretch_looks_up_only_about_its_own_keys(path, monkeypatch):
     keys = [f"k{i}".encode() for i in range(n)]
     with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
         _interleaved_dram_and_device(store, keys, src)
-        looked = []
-        real_get, real_few = KeyTable.get, KeyTable.get_few
-
-        def get(self, lo, hi):
-            looked.append(lo.size)
-            return real_get(self, lo, hi)
-
-        def get_few(self, ks):
-            looked.append(len(ks))
-            return real_few(self, ks)
-        monkeypatch.setattr(KeyTable, "get", get)
-        monkeypatch.setattr(KeyTable, "get_few", get_few)
+        looked = count_key_lookups(monkeypatch)
         dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
         assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait() == n
         monkeypatch.undo()

@@ -829,7 +829,7 @@ def test_a_pin_alternating_dram_and_device_looks_up_about_its_own_keys(tmp_path,
     work quadratic in its length under the store's lock.  The keys looked
     up in all grow with the keys pinned; the lease is the same (every
     device block pinned there, every DRAM one in the tier)."""
-    from kvblock.index.table import KeyTable
+    from tests.support.lookups import count_key_lookups
 
     n = 128
     keys = run_keys(1, n)
@@ -843,18 +843,7 @@ def test_a_pin_alternating_dram_and_device_looks_up_about_its_own_keys(tmp_path,
         assert store.put_run(device, run_data(device)) == n // 2
         for k in normalize_keys(device):     # the odd keys only on the device
             store.host.discard(k)
-        looked = []
-        real_get, real_few = KeyTable.get, KeyTable.get_few
-
-        def get(self, lo, hi):
-            looked.append(lo.size)
-            return real_get(self, lo, hi)
-
-        def get_few(self, ks):
-            looked.append(len(ks))
-            return real_few(self, ks)
-        monkeypatch.setattr(KeyTable, "get", get)
-        monkeypatch.setattr(KeyTable, "get_few", get_few)
+        looked = count_key_lookups(monkeypatch)
         pins = store.pin(keys)
         monkeypatch.undo()
         assert pins.host_keys == tuple(normalize_keys(dram))
