@@ -1267,6 +1267,22 @@ def test_two_loads_meeting_one_damaged_run_count_it_once(path, monkeypatch):
         assert store.regions.pins.sum() == 0
 
 
+class _LoggedStream:
+    """A CUDA stream stood in on the CPU: what is asked of it, in ``log``."""
+
+    def __init__(self, log: list, owner: str):
+        self.log, self.owner = log, owner
+
+    def synchronize(self):
+        self.log.append(("sync", self.owner))
+
+    def wait_event(self, event):
+        self.log.append(("wait", self.owner, event.recorded_on))
+
+    def wait_stream(self, other):
+        self.log.append(("wait", self.owner, other.owner))
+
+
 def test_a_damaged_run_whose_drop_failed_is_dropped_by_the_next_load(path, monkeypatch):
     """A load met a damaged run and could not drop it (the drop raised: a
     served store's server gone at that moment); the load stands, and the
@@ -1303,25 +1319,11 @@ def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, 
     from kvblock.tensors import transfer
 
     log = []
-
-    class FakeStream:
-        def __init__(self, owner):
-            self.owner = owner
-
-        def synchronize(self):
-            log.append(("sync", self.owner))
-
-        def wait_event(self, event):
-            log.append(("wait", self.owner, event.recorded_on))
-
-        def wait_stream(self, other):
-            log.append(("wait", self.owner, other.owner))
-
     streams = {}
 
     def current_stream(device=None):
         me = threading.current_thread().name
-        return streams.setdefault(me, FakeStream(me))
+        return streams.setdefault(me, _LoggedStream(log, me))
 
     class FakeEvent:
         def __init__(self, *a, **kw):
@@ -1440,23 +1442,12 @@ def test_a_load_into_a_cupy_cache_settles_cupys_stream(path, monkeypatch):
     from kvblock.tensors import transfer
 
     log = []
-
-    class FakeStream:
-        def __init__(self, owner):
-            self.owner = owner
-
-        def synchronize(self):
-            log.append(("sync", self.owner))
-
-        def wait_event(self, event):
-            log.append(("wait", self.owner, event.recorded_on))
-
     streams = {}
 
     def get_current_stream(device_id=None):
         assert device_id == 0
         me = threading.current_thread().name
-        return streams.setdefault(me, FakeStream(me))
+        return streams.setdefault(me, _LoggedStream(log, me))
 
     current = [1]       # the caller's current device: another GPU than the cache's
 
