@@ -31,7 +31,6 @@ import threading
 import time
 import uuid
 import weakref
-from collections import Counter
 from typing import Sequence
 
 import numpy as np
@@ -44,6 +43,7 @@ from kvblock.index import normalize_keys
 from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint
 from kvblock.memory.spares import SpareBuffers
+from kvblock.store.counters import Counters
 from kvblock.store.fence import WriteFence
 from kvblock.store.inflight import CLOSE_WAIT_S, InFlight, in_flight
 from kvblock.store.launch import ensure_server, socket_path_str, wait_for_server
@@ -268,9 +268,8 @@ class RemoteStore(RunReader, RunWriter):
         self._inflight = InFlight("remote store is closed; connect again")
         self._stagings = StagingBuffers()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
-        self.counters: Counter = Counter({name: 0 for name in COUNTERS})
-        self.counters["reconnects"] = 0
-        self.counters["fenced_writes"] = 0    # writes refused: their server was gone
+        # fenced_writes: writes refused, their server gone
+        self.counters = Counters({name: 0 for name in COUNTERS + ("reconnects", "fenced_writes")})
         self._fence: WriteFence | None = None
         self._pin_lease: float | None = None  # the server's (hello)
         self._heartbeat = True                # ping while holding pins (tests turn it off)
@@ -480,8 +479,7 @@ class RemoteStore(RunReader, RunWriter):
         n = self._call_nowait("lookup", [key], wait, timeout)
         if n is None or n is False:
             return n
-        self.counters["lookups"] += 1
-        self.counters["lookup_hit_blocks"] += n
+        self.counters.add_each(lookups=1, lookup_hit_blocks=n)
         return n == 1
 
     def touch_nowait(self, keys: Sequence, wait: float,
@@ -700,7 +698,7 @@ class RemoteStore(RunReader, RunWriter):
                 return False
             self._session = s
             self._sessions.add(s)
-        self.counters["reconnects"] += 1
+        self.counters.add("reconnects")
         return True
 
     # ------------------------------------------------------------------ byte API
@@ -731,7 +729,7 @@ class RemoteStore(RunReader, RunWriter):
             # plan stands: _count_rejected
             verdict, _ = self._admit(keys, count=False)
             if verdict == "duplicate":
-                self.counters["put_duplicate_runs"] += 1
+                self.counters.add("put_duplicate_runs")
             return verdict
         out, pieces, repeats, admitted = self._plan_puts(items, found, admit, unchecked)
         # The groups after the first go to the first one's server (see _put:
@@ -802,7 +800,7 @@ class RemoteStore(RunReader, RunWriter):
         # one refused whatever admit says (its offer given back, below)
         verdict, clears = self._admit(keys, count=too_long is None)
         if verdict == "duplicate":
-            self.counters["put_duplicate_runs"] += 1
+            self.counters.add("put_duplicate_runs")
             return n
         if too_long is not None:     # removed meanwhile: it would have to be written
             # refused: the offer admit counted is given back (a declined
@@ -810,7 +808,7 @@ class RemoteStore(RunReader, RunWriter):
             self._give_back_offers([(keys[0], verdict != "rejected")])
             raise too_long
         if verdict == "rejected":
-            self.counters["admission_rejected_runs"] += 1
+            self.counters.add("admission_rejected_runs")
             return 0
         step = self.max_run_blocks
         written = 0
@@ -869,7 +867,7 @@ class RemoteStore(RunReader, RunWriter):
         """put_runs' declined runs, counted on the server (its admits were
         told count=False) and here, once the call's plan stands."""
         self._call("count_rejected", runs=runs)
-        self.counters["admission_rejected_runs"] += runs
+        self.counters.add("admission_rejected_runs", runs)
 
     def _abort(self, s: "Session", wids: list[int]) -> None:
         """Give back allocations on ``s`` that will not be committed."""
@@ -913,7 +911,7 @@ class RemoteStore(RunReader, RunWriter):
             if self.closed:                  # close() waits only for writes under way
                 raise StoreClosedError("remote store was closed during the put")
             if s.hung_up():                  # the space may be someone else's by now
-                self.counters["fenced_writes"] += 1
+                self.counters.add("fenced_writes")
                 raise ServerGoneError(
                     f"the store server at {self.socket_path} that allocated this run's "
                     f"space ({self.io.devices[dev].path} at {dev_off}) is gone; the run "
@@ -966,11 +964,10 @@ class RemoteStore(RunReader, RunWriter):
         """A piece's commit answered: ``n`` blocks published, 0 when a
         clear() on the server overtook it; the counters; ``n``."""
         if not n:
-            self.counters["cleared_puts"] += 1
+            self.counters.add("cleared_puts")
             return 0
-        self.counters["put_runs"] += 1
-        self.counters["put_blocks"] += n
-        self.counters["bytes_written"] += self.layout(n).run_bytes
+        self.counters.add_each(put_runs=1, put_blocks=n,
+                               bytes_written=self.layout(n).run_bytes)
         return n
 
     def pin(self, keys: Sequence) -> list:
@@ -998,8 +995,7 @@ class RemoteStore(RunReader, RunWriter):
         keys = normalize_keys(keys)
         n = self._count_answer("lookup", self._call("lookup", keys=encode_keys(keys)),
                                len(keys))
-        self.counters["lookups"] += 1
-        self.counters["lookup_hit_blocks"] += n
+        self.counters.add_each(lookups=1, lookup_hit_blocks=n)
         return n
 
     def contains(self, key) -> bool:
@@ -1113,7 +1109,7 @@ class RemoteStore(RunReader, RunWriter):
             raise ServerError(
                 f"the store server at {self.socket_path} answered stats with {str(s)[:200]}, "
                 "not its numbers by name; a server of another kvblock release?")
-        s["client"] = {k: int(v) for k, v in sorted(self.counters.items())}
+        s["client"] = self.counters.snapshot()
         s["client"]["engine"] = self.io.engine.name
         return s
 

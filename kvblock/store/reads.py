@@ -161,7 +161,7 @@ class RunReader(RunIO):
             if segs:
                 counts[i] = self._read_done(segs, counts[i], None)
             else:
-                self.counters["miss_gets"] += 1
+                self.counters.add("miss_gets")
         return counts
 
     def _read_tiered_request(self, keys, dst) -> int:
@@ -288,10 +288,10 @@ class RunReader(RunIO):
         # ended the prefix (the tier's hits read_into counted)
         self.host.missed(min(done + 1, n) - hits - raced)
         # DRAM hits count as blocks read, as a device read counts its own
-        self.counters["host_hit_blocks"] += hits
+        self.counters.add("host_hit_blocks", hits)
         self._host_hits_used(from_host)
-        self.counters["get_blocks"] += hits
-        self.counters["get_bytes"] += hits * (g.group_block_bytes if only else g.block_bytes)
+        self.counters.add_each(get_blocks=hits,
+                               get_bytes=hits * (g.group_block_bytes if only else g.block_bytes))
         for k in fetched:
             # only while the key names the run read (under the tier's lock:
             # a newer put's copy is never replaced by this one, see HostTier.put)
@@ -358,7 +358,7 @@ class RunReader(RunIO):
             segs = self._segments(keys)
         if not segs:
             if count_miss:
-                self.counters["miss_gets"] += 1
+                self.counters.add("miss_gets")
             return 0
         try:
             done = self._read_segs(segs, dst, only)
@@ -373,12 +373,12 @@ class RunReader(RunIO):
         if not self._unpin(segs):
             # The pins lapsed while the bytes were read: their space may have
             # been reused meanwhile, and unverified reads would not notice.
-            self.counters["lapsed_pin_gets"] += 1
+            self.counters.add("lapsed_pin_gets")
             return 0
         g = self.geometry
-        self.counters["get_blocks"] += done
-        self.counters["device_hit_blocks"] += done     # with a DRAM tier or not
-        self.counters["get_bytes"] += done * (g.group_block_bytes if only else g.block_bytes)
+        self.counters.add_each(get_blocks=done,
+                               device_hit_blocks=done,     # with a DRAM tier or not
+                               get_bytes=done * (g.group_block_bytes if only else g.block_bytes))
         return done
 
     def _read_segs(self, segs, dst, only) -> int:
@@ -460,7 +460,7 @@ class RunReader(RunIO):
         else:
             self.io.read(batch)
         self._scatter_window(buf.array, len(idx), lo, span, pos, count, dst)
-        self.counters["bytes_read"] += span * len(idx)
+        self.counters.add("bytes_read", span * len(idx))
         return True
 
     def _scatter_window(self, buf: np.ndarray, nranges: int, lo: int, span: int, pos: int,
@@ -534,8 +534,8 @@ class RunReader(RunIO):
             return False
         if not straight:
             self._scatter_window(buf.array, nidx, lo, span, pos, count, dst)
-        self.counters["bytes_read"] += span * nidx + lay.trailer_bytes
-        self.counters["partial_verified_reads"] += 1
+        self.counters.add_each(bytes_read=span * nidx + lay.trailer_bytes,
+                               partial_verified_reads=1)
         return True
 
     def _readable_together(self, segs, dst):
@@ -599,8 +599,7 @@ class RunReader(RunIO):
             ok = self._blocks_match_trailer(run, buf.array[t:t + tb], sums[k + nb], idx, pos,
                                             count, sums[k:k + nb])
             if ok:
-                self.counters["bytes_read"] += nb * gbb + tb
-                self.counters["partial_verified_reads"] += 1
+                self.counters.add_each(bytes_read=nb * gbb + tb, partial_verified_reads=1)
             oks.append(ok)
             k, t = k + nb + 1, t + tb
         return oks
@@ -664,7 +663,7 @@ class RunReader(RunIO):
             good = int(bad[0]) // nr if bad.size else len(parts)
             if bad.size:
                 self._checksum_failure(runs[good], int(bad[0]) % nr)
-        self.counters["bytes_read"] += sum(lay.data_bytes for lay in lays[:good])
+        self.counters.add("bytes_read", sum(lay.data_bytes for lay in lays[:good]))
         return good
 
     def _read_few_images(self, parts: list, where: list, verify: bool) -> int:
@@ -700,8 +699,8 @@ class RunReader(RunIO):
                 bad = _first_difference(sums, want)
                 good = bad // nr
                 self._checksum_failure(parts[good][0], bad % nr)
-        self.counters["bytes_read"] += sum(self.layout(run.nblocks).data_bytes
-                                           for run, _ in parts[:good])
+        self.counters.add("bytes_read", sum(self.layout(run.nblocks).data_bytes
+                                            for run, _ in parts[:good]))
         return good
 
     def _verified(self, run: Run, sums: np.ndarray, want: np.ndarray, idx=None) -> bool:
@@ -745,7 +744,7 @@ class RunReader(RunIO):
             return       # its space may hold other runs now; the read is a miss
         count, drop = self._damage_found(run)
         if count:        # else counted by the read that met it first
-            self.counters["checksum_failures"] += 1
+            self.counters.add("checksum_failures")
             dev, off = self.regions.address(run.region, run.offset)
             self.last_checksum_failure = (self.io.devices[dev].path, off, run.run_id,
                                           range_index)
@@ -791,7 +790,7 @@ class RunReader(RunIO):
         An engine failure that reached no device (no path, or a broken
         ring: ``device_fault`` False) drops nothing."""
         if not error.device_fault:
-            self.counters["read_errors"] += 1
+            self.counters.add("read_errors")
             return      # the engine failed (a broken ring): the data is as it was
         hit = runs
         if len(runs) > 1 and (error.offset is None or error.failed > 1):
@@ -822,7 +821,7 @@ class RunReader(RunIO):
         found = [(run, *self._damage_found(run, "read_error")) for run in hit]
         drop = [run for run, _, dropping in found if dropping]
         if not found or any(count for _, count, _ in found):   # (none: read fine again)
-            self.counters["read_errors"] += 1
+            self.counters.add("read_errors")
             self.last_read_error = (error.path, error.offset, [r.run_id for r in hit])
             logger.warning("kvblock: %s; dropping %d run(s) that read it (%d blocks)", error,
                            len(hit), sum(r.nblocks for r in hit))

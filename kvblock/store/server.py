@@ -938,11 +938,11 @@ class StoreServer:
         clears = self._clear_ticket()
         with st._lock:
             if st.index.prefix_length(keys) == len(keys):
-                st.counters["put_duplicate_runs"] += 1
+                st.counters.add("put_duplicate_runs")
                 return {"verdict": "duplicate", "clears": clears}
             if not st.admission.admit(keys[0]):
                 if count:
-                    st.counters["admission_rejected_runs"] += 1
+                    st.counters.add("admission_rejected_runs")
                 return {"verdict": "rejected", "clears": clears}
         return {"verdict": "ok", "clears": clears}
 
@@ -967,7 +967,7 @@ class StoreServer:
             raise ConfigError(f"count_duplicates: runs must be a count >= 1, got "
                               f"{str(runs)[:40]!r}")
         with self.store._lock:
-            self.store.counters["put_duplicate_runs"] += runs
+            self.store.counters.add("put_duplicate_runs", runs)
         return None
 
     def _op_count_rejected(self, s, runs):
@@ -977,7 +977,7 @@ class StoreServer:
             raise ConfigError(f"count_rejected: runs must be a count >= 1, got "
                               f"{str(runs)[:40]!r}")
         with self.store._lock:
-            self.store.counters["admission_rejected_runs"] += runs
+            self.store.counters.add("admission_rejected_runs", runs)
         return None
 
     def _op_allocate(self, s, nblocks):
@@ -1040,9 +1040,8 @@ class StoreServer:
         for run in runs:    # none or all: a clear() refuses the whole commit
             n = run.nblocks if run.run_id in published else 0
             if n:
-                st.counters["put_runs"] += 1
-                st.counters["put_blocks"] += n
-                st.counters["bytes_written"] += st.layout(n).run_bytes
+                st.counters.add_each(put_runs=1, put_blocks=n,
+                                     bytes_written=st.layout(n).run_bytes)
             out.append(n)
         return out
 

@@ -38,7 +38,6 @@ import os
 import threading
 import time
 import uuid
-from collections import Counter
 from typing import Sequence
 
 import numpy as np
@@ -69,6 +68,7 @@ from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint, round_up
 from kvblock.memory.spares import SpareBuffers
 from kvblock.store import writes
+from kvblock.store.counters import Counters
 from kvblock.store.fence import fence_writers
 from kvblock.store.inflight import CLOSE_WAIT_S, InFlight, in_flight
 from kvblock.store.policy import EVICTION_POLICIES, VERIFY_MODES, Admission
@@ -444,7 +444,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._pending_lock = threading.Lock()
         self._stagings = StagingBuffers()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
-        self.counters: Counter = Counter({name: 0 for name in COUNTERS})
+        self.counters = Counters({name: 0 for name in COUNTERS})
         self.removals = RemovalLog()   # keys of runs evicted or dropped (removed_since)
         self.closed = True
         t0 = time.perf_counter()
@@ -572,7 +572,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             self._account_run(run)
         for run in superseded:
             self._remove_run(run)
-        self.counters["superseded_runs"] += len(superseded)
+        self.counters.add("superseded_runs", len(superseded))
         return {run.region for run in superseded}
 
     def _account_run(self, run: Run):
@@ -717,8 +717,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self.io.flush([0])
         self._jhead += len(data)
         self._seq += len(records)
-        self.counters["commits"] += 1
-        self.counters["journal_bytes"] += len(data)
+        self.counters.add_each(commits=1, journal_bytes=len(data))
 
     def _write_checkpoint(self):
         """Snapshot the index into the other slot; the journal restarts empty."""
@@ -765,7 +764,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._cp_slot = slot
         self._generation = cp.generation
         self._jhead = 0
-        self.counters["checkpoints"] += 1
+        self.counters.add("checkpoints")
 
     @in_flight
     def checkpoint(self) -> None:
@@ -817,7 +816,7 @@ class KVStore(Recovery, RunReader, RunWriter):
 
         def admit(keys, whole):
             if whole:
-                self.counters["put_duplicate_runs"] += 1
+                self.counters.add("put_duplicate_runs")
                 return "duplicate"
             with self._lock:          # its offer counts: two puts at once lose none
                 admitted = self.admission.admit(keys[0])
@@ -848,7 +847,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.admission.give_back(key, admitted)
 
     def _count_rejected(self, runs: int) -> None:
-        self.counters["admission_rejected_runs"] += runs
+        self.counters.add("admission_rejected_runs", runs)
 
     def _put_group(self, pieces: list, clears: int) -> list[tuple[int, int]]:
         """Write each piece as a run, then publish them all with one commit.
@@ -971,9 +970,8 @@ class KVStore(Recovery, RunReader, RunWriter):
             if mine or unnamed:
                 self._tier_keep_newest([keys[k] for k in mine + unnamed], packed[mine + unnamed],
                                        [run.published] * len(mine + unnamed))
-        self.counters["put_runs"] += 1
-        self.counters["put_blocks"] += len(keys)
-        self.counters["bytes_written"] += self.layout(len(keys)).run_bytes
+        self.counters.add_each(put_runs=1, put_blocks=len(keys),
+                               bytes_written=self.layout(len(keys)).run_bytes)
 
     def _names(self, key: bytes, packed):
         """For HostTier.put's ``current``: does the index still name
@@ -1034,7 +1032,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self.regions.last_access[run.region] = now
 
         self._commit(records, publish)
-        self.counters["cleared_puts"] += len(runs) - len(kept)
+        self.counters.add("cleared_puts", len(runs) - len(kept))
         self._release_unpinned(emptied)
         return {r.run_id for r in kept}
 
@@ -1106,9 +1104,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._reclaim_tickets[region] = self._removal_begins()
         if self.regions.open == region:
             self.regions.open = None
-        self.counters["evicted_regions"] += 1
-        self.counters["evicted_runs"] += len(dropped)
-        self.counters["evicted_blocks"] += blocks
+        self.counters.add_each(evicted_regions=1, evicted_runs=len(dropped),
+                               evicted_blocks=blocks)
 
     def _finish_reclaim(self, region: int, discard: bool = True) -> None:
         """Commit the region's RECLAIM record, then free it.  ``discard``:
@@ -1179,7 +1176,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         try:
             dev, off = self.regions.address(region)
             if discard and self.io.discard(dev, off, self.regions.size):
-                self.counters["discards"] += 1
+                self.counters.add("discards")
         finally:
             # Free even when the TRIM failed (its error is raised): the
             # RECLAIM record is durable, and a region left RECLAIMING would
@@ -1204,8 +1201,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             n = 0
             while n < len(keys) and (on_device[n] or keys[n] in host):
                 n += 1
-        self.counters["lookups"] += 1
-        self.counters["lookup_hit_blocks"] += n
+        self.counters.add_each(lookups=1, lookup_hit_blocks=n)
         return n
 
     def present(self, keys: Sequence) -> np.ndarray:
@@ -1427,7 +1423,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 runs = list({r.run_id: r for r in runs if r.run_id in self.index.runs}.values())
                 removed = sum(run.live for run in runs)
                 if count is not None:
-                    self.counters[count] += len(runs)
+                    self.counters.add(count, len(runs))
                 if keys is not None:
                     keys.update(self.index.live_keys(runs))
                 for run in runs:
@@ -1776,7 +1772,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                     self.regions.free.append(region)
                     self._reclaimed.notify_all()
             seen.add(region)
-        self.counters["discards"] += done
+        self.counters.add("discards", done)
         return done, len(seen)
 
     def _free_regions(self) -> int:
@@ -1819,7 +1815,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 "runs": len(self.index.runs),
                 "blocks": len(self.index),
                 "checkpoint_generation": self._generation,
-                **{k: int(v) for k, v in sorted(self.counters.items())},
+                **self.counters.snapshot(),
                 **host,
                 **({"gpu_path": self._gpu_path, "gpu_path_reason": self._gpu_path_reason}
                    if getattr(self, "_gpu_path", None) else {}),

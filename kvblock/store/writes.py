@@ -229,7 +229,7 @@ class RunWriter(RunIO):
                     continue
                 whole = bool(held.all())
                 if not whole and taken and all(h or k in taken for k, h in zip(keys, held)):
-                    self.counters["put_duplicate_runs"] += 1
+                    self.counters.add("put_duplicate_runs")
                     out[i] = n
                     repeats[i] = {taken[k] for k, h in zip(keys, held) if not h}
                     continue

@@ -346,7 +346,7 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
     handle = LoadHandle(g.num_layers, n)
     if not segs:
         if n == 0:       # nothing stored: a miss, as for the other reads
-            store.counters["miss_gets"] += 1
+            store.counters.add("miss_gets")
         _count_loaded(store, n, 0, heads)
         for e in handle._events:
             e.set()
@@ -705,7 +705,7 @@ class _LoadJob:
         if not store._unpin(self.segs) and (error is None or lapsed):
             # As a read under pins that lapsed (RunReader._read_done): a miss,
             # counted as such, and none of its blocks count as returned.
-            store.counters["lapsed_pin_gets"] += 1
+            store.counters.add("lapsed_pin_gets")
             if error is None:
                 error = StoreClosedError(PINS_LAPSED)
         if error is None:
@@ -716,9 +716,9 @@ class _LoadJob:
             read = sum(max(0, min(count, handle.blocks - out_at))
                        for _, _, count, out_at in self.segs)
             _count_loaded(store, handle.blocks, read, self.heads)
-            store.counters["bytes_read"] += sum(
+            store.counters.add("bytes_read", sum(
                 n for n, (_, _, _, out_at) in zip(self.seg_bytes, self.segs)
-                if out_at < handle.blocks)
+                if out_at < handle.blocks))
         if self.bad_runs:  # before wait() returns: a failed run is gone for the next lookup
             try:
                 store._drop_runs(self.bad_runs)
@@ -761,7 +761,7 @@ class _LoadJob:
             return       # its space may hold other runs now (the load fails: PINS_LAPSED)
         count, drop = store._damage_found(run)
         if count:        # else counted by the read or load that met it first
-            store.counters["checksum_failures"] += 1
+            store.counters.add("checksum_failures")
             dev, off = store.regions.address(run.region, run.offset)
             store.last_checksum_failure = (store.io.devices[dev].path, off, run.run_id,
                                            range_index)
@@ -950,11 +950,12 @@ def _count_loaded(store, blocks: int, from_device: int, heads: int) -> None:
     """A load returned ``blocks`` (``heads`` KV heads of each), ``from_device``
     of them read from the device and the rest copied from the DRAM tier."""
     g = store.geometry
-    store.counters["get_blocks"] += blocks
-    store.counters["get_bytes"] += blocks * (g.block_bytes // g.num_kv_heads * heads)
-    store.counters["device_hit_blocks"] += from_device
+    counts = {"get_blocks": blocks,
+              "get_bytes": blocks * (g.block_bytes // g.num_kv_heads * heads),
+              "device_hit_blocks": from_device}
     if store.host is not None:
-        store.counters["host_hit_blocks"] += blocks - from_device
+        counts["host_hit_blocks"] = blocks - from_device
+    store.counters.add_each(**counts)
 
 
 def _raw_assign(view, ids, src, itemsize):

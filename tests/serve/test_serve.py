@@ -21,7 +21,7 @@ from kvblock.store.client import RemoteStore, ServerError, ServerGoneError, conn
 from kvblock.store.server import serve_in_background, spawn_server
 from tests.serve.rank import deleted, marker, nblocks, run_index, started
 from tests.store.workload import GEOM, REGION, Journal, check_store, run_data, run_keys
-from tests.support.races import release_twice
+from tests.support.races import in_two_threads, meet_in_statement, release_twice
 from tests.support.servers import exit_code_in_child
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -1393,6 +1393,31 @@ def test_put_runs_refused_by_a_rank_never_takes_a_declined_run_off_a_counter(tmp
         assert r.counters["admission_rejected_runs"] == 3
         assert r.stats()["admission_rejected_runs"] == 3
         assert server.store.counters.fell == [] and r.counters.fell == []
+
+
+def test_puts_at_once_lose_no_count_on_the_server_or_the_rank(tmp_path, sock, monkeypatch):
+    """The server's connection threads, and a rank's threads, counted a put
+    with ``counters[name] += n``, ``n`` a Python call away (layout(): the
+    GIL may pass there): two puts at once both read the counter and wrote
+    back their own sum, one put's bytes lost (its put_runs too without a
+    GIL).  Each count is added under the counters' own lock."""
+    path = _store_file(tmp_path)
+    runs = [run_keys(1, 2), run_keys(2, 2), run_keys(3, 2), run_keys(4, 2)]
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as r1, \
+            RemoteStore(sock) as r2:
+        written = r1.layout(2).run_bytes
+        # two ranks at once: the server's two connection threads meet
+        meet_in_statement(monkeypatch, server.store, "layout", '"bytes_written"')
+        in_two_threads(lambda job: job[0].put_run(job[1], run_data(job[1])),
+                       (r1, runs[0]), (r2, runs[1]))
+        assert server.store.counters["bytes_written"] == 2 * written
+        assert r1.stats()["bytes_written"] == 2 * written
+        # two threads of one rank
+        meet_in_statement(monkeypatch, r1, "layout", '"bytes_written"')
+        in_two_threads(lambda keys: r1.put_run(keys, run_data(keys)), *runs[2:])
+        assert r1.counters["put_runs"] == 3 and r1.counters["bytes_written"] == 3 * written
+        assert r1.stats()["client"]["bytes_written"] == 3 * written
+        assert server.store.counters["bytes_written"] == 4 * written
 
 
 def test_put_runs_duplicates_within_the_call_are_counted_by_the_server(tmp_path, sock):

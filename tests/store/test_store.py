@@ -7,7 +7,6 @@ import errno
 import os
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +29,10 @@ from kvblock.errors import (
 from kvblock.format import superblock as sbfmt
 from kvblock.format.checksum import meta_checksum
 from kvblock.index import normalize_keys
+from kvblock.store.counters import Counters
 from kvblock.store.fsck import fsck
 from tests.store.workload import GEOM, REGION, run_data, run_keys
-from tests.support.races import release_twice
+from tests.support.races import in_two_threads, meet_in_statement, release_twice
 
 MIB = 1 << 20
 SHAPE = lambda n: (GEOM.num_layers, GEOM.head_groups, n, GEOM.group_block_bytes)  # noqa: E731
@@ -2177,7 +2177,7 @@ def test_put_runs_refused_for_a_run_too_large_counts_no_offers(tmp_path):
         assert store.put_run(small, run_data(small)) == 2
 
 
-class NeverDown(Counter):
+class NeverDown(Counters):
     """A store's counters that note every one that went down (Prometheus
     takes a counter that falls for one that started again: rate() jumps)."""
 
@@ -2189,6 +2189,40 @@ class NeverDown(Counter):
         if value < self.get(name, 0):
             self.fell.append((name, self.get(name, 0), value))
         super().__setitem__(name, value)
+
+
+def test_two_threads_putting_and_reading_at_once_lose_no_count(tmp_path, monkeypatch):
+    """``counters[name] += n`` from two threads at once, ``n`` a Python call
+    away (the GIL may pass to another thread there): both read the counter,
+    both wrote back their own sum, and one thread's put (its bytes written)
+    or read (its bytes read) went uncounted; a scrape in between could see
+    the counter fall.  Each count is added under the counters' own lock."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    with _format([path]) as store:
+        # 4 blocks: no padding, read straight into an aligned array
+        runs, written = [run_keys(1, 4), run_keys(2, 4)], store.layout(4).run_bytes
+
+        def put(keys):
+            assert store.put_run(keys, run_data(keys)) == 4
+
+        def get(keys):
+            out = aligned_empty(4 * GEOM.block_bytes)
+            assert store.get_run(keys, out) == 4 and np.array_equal(out, run_data(keys))
+
+        meet_in_statement(monkeypatch, store, "layout", '"bytes_written"')
+        in_two_threads(put, *runs)
+        assert store.counters["put_runs"] == 2 and store.counters["put_blocks"] == 8
+        assert store.counters["bytes_written"] == 2 * written
+        assert store.stats()["bytes_written"] == 2 * written
+        get(runs[0])
+        one = store.counters["bytes_read"]
+        assert one > 0
+        meet_in_statement(monkeypatch, store, "layout", '"bytes_read"')
+        in_two_threads(get, *runs)
+        assert store.counters["bytes_read"] == 3 * one
+        assert store.stats()["bytes_read"] == 3 * one
+        assert store.counters["get_blocks"] == 12
 
 
 def test_put_runs_refused_after_a_declined_run_counts_it_never(tmp_path):
