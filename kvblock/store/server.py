@@ -963,21 +963,18 @@ class StoreServer:
     def _op_count_duplicates(self, s, runs):
         """put_runs' runs found whole in the call's earlier runs (duplicates
         no admit saw): counted as KVStore counts them."""
-        if type(runs) is not int or runs < 1:
-            raise ConfigError(f"count_duplicates: runs must be a count >= 1, got "
-                              f"{str(runs)[:40]!r}")
-        with self.store._lock:
-            self.store.counters.add("put_duplicate_runs", runs)
-        return None
+        return self._count_runs("count_duplicates", "put_duplicate_runs", runs)
 
     def _op_count_rejected(self, s, runs):
         """put_runs' declined runs (admitted with count=false), once the
         call's plan stands: counted as KVStore counts them."""
+        return self._count_runs("count_rejected", "admission_rejected_runs", runs)
+
+    def _count_runs(self, op: str, counter: str, runs) -> None:
+        """A rank's count of ``runs`` (a whole number >= 1) added to ``counter``."""
         if type(runs) is not int or runs < 1:
-            raise ConfigError(f"count_rejected: runs must be a count >= 1, got "
-                              f"{str(runs)[:40]!r}")
-        with self.store._lock:
-            self.store.counters.add("admission_rejected_runs", runs)
+            raise ConfigError(f"{op}: runs must be a count >= 1, got {str(runs)[:40]!r}")
+        self.store.counters.add(counter, runs)
         return None
 
     def _op_allocate(self, s, nblocks):
