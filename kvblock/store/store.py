@@ -412,7 +412,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._lock = threading.RLock()
         self._reclaimed = threading.Condition(self._lock)   # a region was freed
         # Removals from the index whose records are not yet durable, by
-        # ticket (_removal_begins); those whose commit failed stay lost.
+        # ticket (_next_removal_ticket); those whose commit failed stay lost.
         self._removal_tickets = 0
         self._removing: set[int] = set()
         self._removals_lost: set[int] = set()
@@ -1101,7 +1101,9 @@ class KVStore(Recovery, RunReader, RunWriter):
         for run in dropped:
             self._forget_run(run)
         self.regions.state[region] = RECLAIMING
-        self._reclaim_tickets[region] = self._removal_begins()
+        ticket = self._next_removal_ticket()
+        self._reclaim_tickets[region] = ticket
+        self._removing.add(ticket)
         if self.regions.open == region:
             self.regions.open = None
         self.counters.add_each(evicted_regions=1, evicted_runs=len(dropped),
@@ -1413,66 +1415,142 @@ class KVStore(Recovery, RunReader, RunWriter):
         # must end (_await_removals waits for it): a KeyboardInterrupt landing
         # anywhere in between, not only in _commit's wait for its lock,
         # must not skip either.
-        ticket, durable, interrupted = None, False, None
+        ticket, durable, interrupted, chosen = None, False, None, None
         try:
-            with self._lock:
-                # once each: a run named twice (a read error's runs, one per
-                # segment; a client's list) taken out twice would count its
-                # region's live runs down twice, and an emptied-looking region
-                # is reclaimed under the runs still in it
-                runs = list({r.run_id: r for r in runs if r.run_id in self.index.runs}.values())
-                removed = sum(run.live for run in runs)
-                if count is not None:
-                    self.counters.add(count, len(runs))
-                if keys is not None:
-                    keys.update(self.index.live_keys(runs))
-                for run in runs:
-                    self._forget_run(run)
-                ticket = self._removal_begins() if runs and not self.readonly else None
-            if ticket is None:
-                return removed
-            at, cut_before = 0, False
-            while at < len(runs):
-                start, end = at, min(at + per_commit, len(runs))
-
-                def written(end=end):    # applied once the batch's records are durable
-                    nonlocal at
-                    at = end
+            try:
+                with self._lock:
+                    # once each: a run named twice (a read error's runs, one per
+                    # segment; a client's list) taken out twice would count its
+                    # region's live runs down twice, and an emptied-looking region
+                    # is reclaimed under the runs still in it
+                    chosen = list({r.run_id: r for r in runs
+                                   if r.run_id in self.index.runs}.values())
+                    removed = sum(run.live for run in chosen)
+                    if count is not None:
+                        self.counters.add(count, len(chosen))
+                    if keys is not None:
+                        keys.update(self.index.live_keys(chosen))
+                    if chosen and not self.readonly:
+                        # the ticket before any run leaves the index: held
+                        # here (not inside a callee) from the moment it counts
+                        ticket = self._next_removal_ticket()
+                        self._removing.add(ticket)
+                    for run in chosen:
+                        self._forget_run(run)
+            except BaseException as e:
+                # Cut while the runs left the index (a KeyboardInterrupt):
+                # they all leave (some are out already, one perhaps half
+                # way), and their records are written below before the
+                # interrupt is raised.  Cut before any was chosen: nothing
+                # left the index.
+                if chosen is None:
+                    raise
+                interrupted = e
                 try:
-                    self._commit([jfmt.DropRun(r.run_id) for r in runs[start:end]], written)
-                    cut_before = False
-                except BaseException as e:
-                    # A failed commit closed the store: nothing more is
-                    # written.  A KeyboardInterrupt that _commit raised once
-                    # the batch was durable: the later batches' runs are out
-                    # of the index already and need theirs too.  One that
-                    # landed before the batch reached _commit (building its
-                    # records, entering _commit) wrote nothing: the batch
-                    # again (a DROP replayed twice drops once).  Cut there
-                    # twice: the store fails, as _commit does when cut
-                    # twice, so that nothing relies on the records.
-                    if self._failure is not None:
-                        raise
-                    if at == start:
-                        if cut_before:
-                            self._fail(e)
-                            raise
-                        cut_before = True
-                    interrupted = interrupted or e
+                    with self._lock:
+                        if ticket is None and chosen and not self.readonly:
+                            ticket = self._next_removal_ticket()
+                            self._removing.add(ticket)
+                        self._forget_cut(chosen)
+                except BaseException as again:
+                    # cut again: the index is not what the journal will
+                    # say; stop serving, as a commit cut twice does
+                    self._fail(again)
+                    raise
+            if ticket is None:
+                if interrupted is not None:
+                    raise interrupted
+                return removed
+            cut = self._write_drops(chosen, per_commit)
             durable = True
+            interrupted = interrupted or cut
+        except BaseException as e:
+            interrupted = interrupted or e
+            if ticket is not None and not durable and self._failure is None:
+                # Cut on the way to the records (or out of _write_drops
+                # before its retries): all of them again (a DROP replayed
+                # twice drops once).  Cut again: the store fails.
+                try:
+                    self._write_drops(chosen, per_commit)
+                    durable = True
+                except BaseException as again:
+                    self._fail(again)
         finally:
-            self._end_removal(ticket, durable)
+            # The ticket ends even when an interrupt lands as _end_removal
+            # begins (it is idempotent): left in ``_removing``, it would
+            # make every later delete() and clear() wait for good.  Cut
+            # there twice: the store fails, which ends those waits.
+            try:
+                self._end_removal(ticket, durable)
+            except BaseException as e:
+                interrupted = interrupted or e
+                try:
+                    self._end_removal(ticket, durable)
+                except BaseException as again:
+                    self._fail(again)
+                    raise
         if interrupted is not None:
             raise interrupted
-        self._release_empty_regions({r.region for r in runs})
+        self._release_empty_regions({r.region for r in chosen})
         return removed
 
-    def _removal_begins(self) -> int:
-        """(under self._lock) runs were just taken out of the index, their
-        record not yet durable: the ticket that _end_removal ends."""
+    def _forget_cut(self, runs: list[Run]) -> None:
+        """(under self._lock) every one of ``runs`` out of the index, after
+        a KeyboardInterrupt cut their _forget_run loop: each step again is
+        harmless (Index.remove of a run gone is a no-op), and their regions'
+        live counts are counted again from the index (a run cut between its
+        removal and its count would leave its region looking used, or,
+        counted twice, empty under live runs)."""
+        for run in runs:
+            if run.run_id in self.index.runs:
+                self.removals.add(run.keys)
+            self.index.remove(run)
+        for region in {run.region for run in runs}:
+            self.regions.live[region] = len(self.index.runs_in(region))
+
+    def _write_drops(self, runs: list[Run], per_commit: int) -> None:
+        """Commit the DROP records of ``runs`` (out of the index already),
+        ``per_commit`` a commit.  A KeyboardInterrupt does not stop it: the
+        later batches' runs need theirs too; it is returned once every
+        batch is durable (for the caller to raise).  A failed commit
+        closed the store: nothing more is written."""
+        at, interrupted, stalled = 0, None, False
+        while True:
+            before = at
+            try:
+                while at < len(runs):
+                    end = min(at + per_commit, len(runs))
+
+                    def written(end=end):    # applied once the batch's records are durable
+                        nonlocal at
+                        at = end
+                    self._commit([jfmt.DropRun(r.run_id) for r in runs[at:end]], written)
+                break
+            except BaseException as e:
+                # One that landed before a batch reached _commit (building
+                # its records, entering _commit) wrote nothing: the batch
+                # again (a DROP replayed twice drops once).  Cut twice with
+                # nothing written between: the store fails, as _commit does
+                # when cut twice, so that nothing relies on the records.
+                if self._failure is not None:
+                    raise
+                interrupted = interrupted or e
+                if at == before:
+                    if stalled:
+                        self._fail(e)
+                        raise
+                    stalled = True
+                else:
+                    stalled = False
+        return interrupted
+
+    def _next_removal_ticket(self) -> int:
+        """(under self._lock) a number for a removal whose records are not
+        yet durable; the caller adds it to ``_removing`` once it holds it
+        (an interrupt between the two then leaves no ticket that nothing
+        ends), and _end_removal ends it."""
         ticket = self._removal_tickets
         self._removal_tickets += 1
-        self._removing.add(ticket)
         return ticket
 
     def _end_removal(self, ticket: int | None, durable: bool) -> None:
