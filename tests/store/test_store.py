@@ -3095,9 +3095,10 @@ def test_a_delete_interrupted_at_any_line_of_its_drop_leaves_the_store_consisten
 
     path, crashed = tmp_path / "store.img", tmp_path / "after-crash.img"
     doomed, other = run_keys(80, 2), run_keys(81, 1)
-    functions = [getattr(Store, name) for name in dir(Store) if name in {
+    # (named directly: a function renamed fails here, not silently untraced)
+    functions = [getattr(Store, name) for name in (
         "_drop_runs", "_forget_run", "_remove_run", "_forget_cut", "_write_drops",
-        "_next_removal_ticket", "_end_removal", "_removal_begins"}] + [RemovalLog.add]
+        "_next_removal_ticket", "_end_removal")] + [RemovalLog.add]
     n, fired = 0, []
     while True:
         n += 1
