@@ -12,6 +12,8 @@ TORCH   := torch==2.13.0
 PYTEST_ARGS ?=
 # Test processes (pytest-xdist), a test file to each at a time: the suite
 # took 13 min in one process on the 2-core VM. TEST_JOBS=1 runs it in one.
+# A worker that dies ends the run (--max-worker-restart=0): a replaced worker
+# left the run waiting for good after its tests (seen twice).
 TEST_JOBS ?= 2
 
 .PHONY: all demo test bench install sysdeps engines clean distclean
@@ -61,7 +63,7 @@ install: $(STAMP)
 
 # KVBLOCK_NO_SKIPS: with everything installed, a skipped test fails (tests/conftest.py).
 test: $(STAMP)
-	KVBLOCK_NO_SKIPS=1 $(PY) -m pytest $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile) $(PYTEST_ARGS)
+	KVBLOCK_NO_SKIPS=1 $(PY) -m pytest $(if $(filter-out 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile --max-worker-restart=0) $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/kvblock demo
