@@ -101,3 +101,21 @@ def test_stats_row_puts_interval_and_address_under_prometheus():
         assert res.exit_code == 2 and "--prometheus" in res.output, res.output
     before = what[:what.index("Prometheus")]
     assert "--interval" not in before, "the row ties --interval to the one-shot read"
+
+
+def test_tensors_layouts_sentence_names_only_layouts_sglang_host_layout_takes():
+    """The "KV tensors" section lists the layouts kvblock.tensors pages
+    (save_blocks / load_blocks, the transfer model test's "every layout
+    above").  It named `page_unified` among SGLangHostLayout's pools, which
+    SGLangHostLayout refuses (ConfigError): only the SGLang backend serves
+    such a pool, as a page_first_direct view of it."""
+    from kvblock.tensors import SGLangHostLayout
+
+    text = README[README.index("\nLayouts: vLLM"):]
+    text = text[:text.index("Hugging Face")]
+    named = re.findall(r"`(\w+)`", text[text.index("SGLang host"):])
+    assert {"layer_first", "page_first", "page_first_direct"} <= set(named)
+    assert set(named) <= set(SGLangHostLayout.LAYOUTS), \
+        f"README names {sorted(set(named) - set(SGLangHostLayout.LAYOUTS))} as " \
+        "kvblock.tensors SGLang layouts; SGLangHostLayout takes " \
+        f"{SGLangHostLayout.LAYOUTS}"
