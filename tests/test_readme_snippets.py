@@ -119,3 +119,32 @@ def test_tensors_layouts_sentence_names_only_layouts_sglang_host_layout_takes():
         f"README names {sorted(set(named) - set(SGLangHostLayout.LAYOUTS))} as " \
         "kvblock.tensors SGLang layouts; SGLangHostLayout takes " \
         f"{SGLangHostLayout.LAYOUTS}"
+
+
+def test_readme_says_what_a_put_of_keys_all_stored_does(tmp_path):
+    """README said a key stored again names the newest copy, with no
+    exception: but a run whose keys the store holds all already is a
+    duplicate, written by none (stats()["put_duplicate_runs"]), and its
+    keys keep naming the stored copy, whatever bytes the second put
+    carried.  The user who stores other KV under the same keys (a weight
+    update without a clear()) must read that in the README."""
+    import numpy as np
+
+    from kvblock import Geometry, KVStore, chain_keys, create_file
+
+    geom = Geometry(num_layers=2, num_kv_heads=1, head_dim=64, dtype="bfloat16", block_tokens=16)
+    path = str(tmp_path / "kv.img")
+    create_file(path, 64 << 20)
+    keys = chain_keys(list(range(32)), geom.block_tokens)
+    first = np.full(len(keys) * geom.block_bytes, 1, np.uint8)
+    with KVStore.format([path], geom) as store:
+        assert store.put_run(keys, first) == len(keys)
+        assert store.put_run(keys, np.full_like(first, 2)) == len(keys)
+        out = np.empty_like(first)
+        assert store.get_run(keys, out) == len(keys)
+        assert np.array_equal(out, first)              # the stored copy, not the second put's
+        assert store.stats()["put_duplicate_runs"] == 1
+    bullet = README[README.index("- A key stored again"):]
+    bullet = bullet[:bullet.index("\n- ")]
+    assert "put_duplicate_runs" in bullet, \
+        "README's bullet on keys stored again says nothing of a put of keys all stored"
