@@ -123,7 +123,9 @@ def _store(layers, kv_heads, head_dim, dtype, kv_parts, block_tokens, tokens, de
         raise ConfigError(f"plan: {e}") from None
     nblocks = -(-tokens // block_tokens)
     devs = [StandIn(f"device {i}", FILE_BLOCK_SIZE) for i in range(devices)]
-    refused = no_store_holds(geometry, [d.block_size for d in devs])
+    # (plan's own options: its layers are --model-layers, one head group)
+    refused = no_store_holds(geometry, [d.block_size for d in devs],
+                             smaller="plan for a smaller model (fewer --model-layers)")
     if refused is not None:
         raise ConfigError(f"plan: {refused}")
     size = least_size_for_runs(devs, geometry, nblocks, sessions)

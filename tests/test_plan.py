@@ -325,3 +325,17 @@ def test_the_planned_device_size_is_the_least_though_larger_regions_hold_fewer(t
         return need is not None and need <= layout["region_count"]
     assert not any(holds(size) for size in
                    [p.device_bytes - 4096, *range(p.device_bytes // (1 << 20) << 20, 0, -(1 << 20))])
+
+
+def test_plan_refusing_a_model_no_journal_holds_names_its_own_options():
+    """A model whose one-block journal record outgrows any store's journal
+    (3,000,000 layers) was refused by kvblock plan with the format's fix,
+    "fewer --layers or --head-groups": options plan does not have (its
+    layers are --model-layers, and it plans one head group)."""
+    res = CliRunner().invoke(cli, ["plan", "--model-layers", "3000000", "--kv-heads", "1",
+                                   "--head-dim", "1", "--tokens", "16", "--device-gbps", "1"])
+    assert res.exit_code == 8, res.output
+    assert "journal record of one block" in res.output, res.output
+    assert "--model-layers" in res.output, res.output
+    assert "--head-groups" not in res.output and "--layers" not in res.output.replace(
+        "--model-layers", ""), res.output

@@ -187,11 +187,14 @@ def least_size_for_runs(devices: Sequence[StandIn], geometry: Geometry, nblocks:
     return _least_capacity(plan_at, block, low=low)
 
 
-def no_store_holds(geometry: Geometry, blocks: list[int]) -> ConfigError | None:
+def no_store_holds(geometry: Geometry, blocks: list[int], *,
+                   smaller: str = "format for a smaller model (fewer --layers or "
+                                  "--head-groups)") -> ConfigError | None:
     """The refusal of a model no devices of these block sizes (one per
     device) hold a store for, however large (blocks too small for any
     store's checkpoint, or a run's journal record of one block larger than a
-    store's journal can be); None when large enough devices would hold one."""
+    store's journal can be); None when large enough devices would hold one.
+    ``smaller``: the fix for the latter, in the caller's options."""
     too_small = _blocks_too_small([StandIn("", b) for b in blocks], geometry)
     if too_small is not None:
         return too_small
@@ -200,6 +203,5 @@ def no_store_holds(geometry: Geometry, blocks: list[int]) -> ConfigError | None:
     except ConfigError:
         return ConfigError(f"no device can hold a store for {geometry.describe()}: a run's "
                            "journal record of one block is larger than a store's journal can "
-                           "be (64 MiB); format for a smaller model (fewer --layers or "
-                           "--head-groups)")
+                           f"be (64 MiB); {smaller}")
     return None
