@@ -13,6 +13,7 @@ place, while later layers are still being read.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -643,7 +644,13 @@ class _LoadJob:
         hashers: dict = {}
         views = None
         lapsed = False      # the pins were found lapsed before the load's end
+        # cupy works on the thread's current device, 0 on a new thread: a
+        # cupy cache on another GPU is written with its device current
+        # (torch follows each tensor's device).  Entered inside the try: a
+        # failure there fails the load, as any other of this stage's.
+        on_device = contextlib.ExitStack()
         try:
+            on_device.enter_context(_on_device(self.cuda))
             _wait_cuda(self.cuda, self._caller_work)
             while True:
                 item = self.q.get()
@@ -691,6 +698,7 @@ class _LoadJob:
                 self._reader_thread.join()
         else:
             error = None
+        on_device.close()
         self._stage_done()
         if isinstance(error, IOFailedError):   # an unreadable run is gone too
             # (before the unpin: _read_failed may read the runs again, each
@@ -886,6 +894,16 @@ class _CupyDevice:
         import cupy
 
         return cupy.cuda.get_current_stream(self.device.id)
+
+
+def _on_device(device):
+    """A context making the cupy cache's CUDA ``device`` (_cuda_device's)
+    this thread's current one; nothing for a torch or host cache."""
+    if isinstance(device, _CupyDevice):
+        import cupy
+
+        return cupy.cuda.Device(device.device.id)
+    return contextlib.nullcontext()
 
 
 def _cuda_device(layout):

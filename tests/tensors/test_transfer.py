@@ -1510,6 +1510,81 @@ def test_a_load_into_a_cupy_cache_settles_cupys_stream(path, monkeypatch):
     assert ("sync", worker) in log[scatters[-1]:], "the last layer was handed over unsettled"
 
 
+def test_a_load_into_a_cupy_cache_on_another_gpu_scatters_on_that_gpu(path, monkeypatch):
+    """cupy launches a kernel (a setitem's scatter, the host copy it makes)
+    on the thread's current device, and a thread starts on device 0: the
+    load's scatter thread wrote a cupy cache on GPU 1 from device 0 (cupy
+    refuses that without peer access; with it, the copies were queued on
+    device 0's stream while the layer was settled on device 1's, handed
+    over before they landed).  The scatter thread now makes the cache's
+    device current.  Stood in on the CPU: a per-thread current device,
+    and a cupy-like cache on device 1 that refuses a write from another."""
+    import sys
+    import types
+
+    from kvblock.tensors import transfer
+
+    local = threading.local()            # CUDA's current device: per thread, 0 at first
+    current = lambda: getattr(local, "device", 0)    # noqa: E731
+    writes = []
+
+    class FakeDevice:
+        def __init__(self, id):
+            self.id = id
+
+        def __enter__(self):
+            self.was, local.device = current(), self.id
+
+        def __exit__(self, *exc):
+            local.device = self.was
+
+    class FakeStream:
+        def synchronize(self):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    class FakeEvent:
+        def record(self, stream=None):
+            pass
+
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(get_current_stream=lambda device_id=None: FakeStream(),
+                                      Event=FakeEvent, Device=FakeDevice)
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+
+    class OnGpu1(_CupyLike):
+        device = types.SimpleNamespace(id=1)
+
+        def __getitem__(self, idx):
+            return OnGpu1(self._a[self._unwrap(idx)])
+
+        def __setitem__(self, idx, value):
+            writes.append(current())
+            if current() != 1:
+                raise ValueError(f"The device where the array resides (1) is different "
+                                 f"from the current device ({current()}).")
+            super().__setitem__(idx, value)
+
+        def view(self, dtype):
+            return OnGpu1(self._a.view(dtype))
+
+    g = Geometry(L, H, D, "float16", BS)
+    rng = np.random.default_rng(5)
+    src = [rng.standard_normal((2, 4, BS, H, D)).astype(np.float16) for _ in range(L)]
+    dst = [np.zeros_like(s) for s in src]
+    keys = [b"g0", b"g1"]
+    with _store(path, g) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1])
+        with FakeDevice(1):              # the caller works on GPU 1, as its cache
+            assert load_blocks(store, keys, VLLMLayout([OnGpu1(d) for d in dst]),
+                               [2, 3]).wait(timeout=30) == 2
+    assert writes and set(writes) == {1}, writes
+    for layer in range(L):
+        assert np.array_equal(dst[layer][:, 2:4].view(np.int16), src[layer][:, :2].view(np.int16))
+
+
 def test_a_dram_stretch_looks_up_only_its_own_keys(path, monkeypatch):
     """A load from a store with a DRAM tier takes the leading stretch of
     keys held there, then a stretch from the device, then DRAM again...
