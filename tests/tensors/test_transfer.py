@@ -1522,7 +1522,6 @@ def test_a_load_into_a_cupy_cache_on_another_gpu_scatters_on_that_gpu(path, monk
     import sys
     import types
 
-    from kvblock.tensors import transfer
 
     local = threading.local()            # CUDA's current device: per thread, 0 at first
     current = lambda: getattr(local, "device", 0)    # noqa: E731
