@@ -220,7 +220,10 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         if pos % SECTOR == 0:
             return False
         part = bytes(data[pos:sector_end])
-        new = _new_sector(data, pos, epoch)
+        # (the header's own epoch field, where it lies in this sector and
+        # names ``epoch``, shows the sector new as one before it would)
+        new = _new_sector(data, pos, epoch) or (
+            pos + 24 <= sector_end and epoch_field_at(data, pos) == epoch)
         if not _header_prefix_fits(part, seq, epoch if new else None):
             return True
         # Its epoch field wholly in the next sector, naming ``epoch``: that

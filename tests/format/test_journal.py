@@ -838,3 +838,43 @@ def test_a_put_whose_header_crosses_a_sector_and_whose_length_rots_longer_is_dam
     assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
     # the second sector left old (the commit the last): a tear still
     _second_sector_old_is_a_tear(data, ends[0], first, pos)
+
+
+# A first record whose header lies in an earlier sector than its end (57 or
+# 58 blocks): the sector where it ends holds only its payload, nothing
+# before the next header there shows that sector written in this epoch.
+_LONG_FIRST = {992: (57, 1), 1000: (57, 2), 1008: (58, 1), 1016: (58, 2)}
+
+
+@pytest.mark.parametrize("pos", [992, 1000])
+@pytest.mark.parametrize("rec", [DropRun(7), put(2, nblocks=3, ranges=2)], ids=["drop", "put"])
+@pytest.mark.parametrize("at", [24, 32, 40, 44], ids=["seq", "checksum", "payload", "payload+4"])
+def test_a_header_crossing_a_sector_after_its_own_epoch_field_shows_that_sector_new(pos, rec, at):
+    """A header that crosses a sector after its epoch field, the record
+    before it long (its header in an earlier sector): the header's own
+    epoch field, in the first sector and naming this epoch, shows that
+    sector written by this commit -- only fields before the header were
+    looked at, so its bytes there (its number) and, with a later commit on
+    the device, the rest of the record rotting were taken for a tear: the
+    later commits a gap blamed on a crash, a rotted DROP's run (a delete()
+    acknowledged) indexed again."""
+    blocks, ranges = _LONG_FIRST[pos]
+    first = put(1, nblocks=blocks, ranges=ranges)
+    assert j.record_bytes(first) == pos and pos % 512 + 24 <= 512 < pos % 512 + 40
+    for later in (True, False):
+        data, ends = journal_of([[first, rec]] + ([[DropRun(9)]] if later else []))
+        bad = bytearray(data)
+        bad[pos + at] ^= 0x04
+        recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+        assert (recs, nxt, stop) == ([first], 2, pos)
+        # its number in the sector its epoch shows new (992): damage even
+        # in the last commit; what lies in the next sector, where a later
+        # commit shows that sector written too
+        in_first = pos % 512 + at + 8 <= 512
+        assert j.damaged_at(bytes(bad), stop, nxt, EPOCH) == (later or in_first), later
+    # the sector after the header's epoch left old by a crash: a tear
+    for old in (bytes(512), b"\xa5" * 512):
+        torn = data[:1024] + old + data[1536:ends[0]] + bytes(len(data) - ends[0])
+        recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
+
