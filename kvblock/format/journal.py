@@ -231,7 +231,17 @@ def damaged_at(data: bytes | memoryview, pos: int, seq: int, epoch: int) -> bool
         # epoch), so the header is whole where its first sector is new:
         # judged as a header in one sector (the two of them)
         if not new:
-            return False
+            # This sector perhaps old (an earlier epoch's same record tail,
+            # see below), but an epoch field of ``epoch`` in the next one
+            # shows that one written by this commit: the header's fields
+            # there are as written, numbered ``seq`` (the record after the
+            # one replay read last: each offset once per epoch), its
+            # reserved word zero
+            if pos + 16 < sector_end or epoch_field_at(data, pos) != epoch:
+                return False
+            rseq = struct.unpack_from("<Q", data, pos + 24)[0]
+            res32 = struct.unpack_from("<I", data, pos + 12)[0] if pos + 12 >= sector_end else 0
+            return rseq != seq or res32 != 0
         if pos + 16 < sector_end:
             # Its first sector new, its length is this record's: a header
             # of this epoch in the sector where the record ends, or a later

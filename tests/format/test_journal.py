@@ -878,3 +878,34 @@ def test_a_header_crossing_a_sector_after_its_own_epoch_field_shows_that_sector_
         recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
         assert (recs, stop) == ([first], pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
 
+
+
+@pytest.mark.parametrize("pos", [1008, 1016])
+@pytest.mark.parametrize("rec", [DropRun(7), put(2, nblocks=3, ranges=2)], ids=["drop", "put"])
+def test_a_header_whose_epoch_field_lies_in_the_next_sector_and_whose_number_rots_is_damage(
+        pos, rec):
+    """A header crossing a sector before its epoch field, the record before
+    it long (nothing in the first sector shows it new): its epoch field
+    names this epoch, so the next sector was written by this commit, the
+    header's number there with it -- the record following the one replay
+    read last, numbered next (each journal offset is written once per
+    epoch).  Its number rotting was taken for a tear: the run (or the
+    DROP: a deleted run back) and every later commit lost to a gap blamed
+    on a crash."""
+    blocks, ranges = _LONG_FIRST[pos]
+    first = put(1, nblocks=blocks, ranges=ranges)
+    assert j.record_bytes(first) == pos and pos % 512 + 16 >= 512
+    data, ends = journal_of([[first, rec], [DropRun(9)]])
+    bad = bytearray(data)
+    bad[pos + 24] ^= 0x04                       # its number, in the next sector
+    recs, end, nxt, stop = j.scan_to(bytes(bad), 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, pos)
+    assert j.damaged_at(bytes(bad), stop, nxt, EPOCH)
+    # a crash that left the first sector an earlier epoch's (the same run
+    # re-put there, another record after it) and the next one new: its
+    # number is the one expected, a tear
+    old, _ = journal_of([[first, Reclaim(3, 3), DropRun(4)]], epoch=EPOCH ^ 0x5A5A)
+    assert old[512:pos] == data[512:pos] and old[pos:1024] != data[pos:1024]
+    torn = data[:512] + old[512:1024] + data[1024:ends[0]] + bytes(len(data) - ends[0])
+    recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+    assert (recs, nxt, stop) == ([first], 2, pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
