@@ -147,9 +147,18 @@ class _StreamingCache(DynamicCache):
     growth), attending there to none of the restored prefix.  A model of
     fewer layers never names the layers past its own: its next forward
     (layer 0 updated again after a pass that stopped short of the last
-    layer) is refused; streaming_cache(..., config=) refuses it up front."""
+    layer) is refused; streaming_cache(..., config=) refuses it up front.
+
+    A forward that raises in one of the cache's updates (Ctrl-C while a
+    layer waits for its KV, a PartialLoadError) leaves no trace: the layers
+    it updated are cut back to their length before it, so the same forward
+    can be run again.  One that raises in the model's own code after an
+    update, which the cache does not see, left its tokens in the layers it
+    reached only: the next forward is refused, saying so."""
 
     _top: int | None = None     # the highest layer updated since layer 0 last was
+    _known_depth = False        # a forward reached the last layer: the model has its depth
+    _before: dict | None = None  # layer: its length before this forward updated it
     # Off when the model's config was checked up front: a pass may then stop
     # short on purpose (early-exit drafting runs the first layers only).
     _guess_depth = True
@@ -160,14 +169,38 @@ class _StreamingCache(DynamicCache):
                 f"streaming_cache: the model updates layer {layer_idx}, the layout holds "
                 f"{len(self.layers)} layers: the layout is not of this model's KV (build it "
                 "with the model's layer count)")
-        if self._guess_depth:
-            if layer_idx == 0:
-                if self._top is not None and self._top < len(self.layers) - 1:
-                    raise ConfigError(_layer_mismatch(self._top + 1, len(self.layers)))
-                self._top = 0
-            elif self._top is not None:
-                self._top = max(self._top, layer_idx)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        last = len(self.layers) - 1
+        if layer_idx == 0:
+            if self._guess_depth and self._top is not None and self._top < last:
+                raise ConfigError(_stopped_short(self._top, len(self.layers),
+                                                 self._known_depth))
+            self._top, self._before = 0, {}
+        elif self._top is not None:
+            self._top = max(self._top, layer_idx)
+        if self._top == last:
+            self._known_depth = True
+        if self._before is not None:
+            self._before.setdefault(layer_idx, self.layers[layer_idx].length)
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        except BaseException:
+            # This forward fails: what it wrote is taken back, and its
+            # stop short of the last layer says nothing of the model's depth.
+            for layer, length in (self._before or {}).items():
+                self.layers[layer].crop(min(0, length - self.layers[layer].length))
+            self._top = self._before = None
+            raise
+
+
+def _stopped_short(top: int, layout_layers: int, known_depth: bool) -> str:
+    """Why a forward after one that stopped after layer ``top`` is refused."""
+    raised = (f"the last forward stopped after layer {top} of the layout's {layout_layers}: "
+              f"it raised there, its tokens are in layers 0 to {top} only, and the cache "
+              "cannot continue from it (build a new streaming_cache)")
+    if known_depth:       # an earlier forward ran every layer
+        return f"streaming_cache: {raised}"
+    return (f"{_layer_mismatch(top + 1, layout_layers)}; or {raised}; pass config= to "
+            "have the layout checked up front")
 
 
 def _layer_mismatch(model_layers: int, layout_layers: int) -> str:

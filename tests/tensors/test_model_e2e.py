@@ -411,3 +411,83 @@ def test_streaming_cache_of_another_engines_layout_is_a_clear_error():
     layout = VLLMLayout([torch.zeros(2, 4, BLOCK, 2, 8)], "NHD")
     with pytest.raises(ConfigError, match="HFDynamicLayout"):
         streaming_cache(LoadHandle(1, 1), layout, BLOCK)
+
+
+def _landed_cache(layers=3, handle=None, **kw):
+    """A streaming cache over an empty 3-layer layout whose load has landed."""
+    from kvblock.integrations.transformers import streaming_cache
+    from kvblock.tensors import LoadHandle
+
+    layout = HFDynamicLayout.empty(layers, 2, 3 * BLOCK, 16, BLOCK, torch.float32)
+    handle = handle or LoadHandle(layers, 2)
+    for e in handle._events:
+        e.set()
+    return streaming_cache(handle, layout, 2 * BLOCK, **kw)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_streaming_cache_runs_a_retry_after_a_forward_interrupted_in_a_layers_wait(error):
+    """A forward interrupted while layer 1 waited for its KV (Ctrl-C during
+    the restore; any error there) had updated layer 0 only: the retry (layer
+    0 again) was refused as a model of 1 layer under a layout of 3.  The
+    cache takes back what the failed forward wrote: the retry runs, with
+    the logits of a cache that never saw the failed forward."""
+    from kvblock.tensors import LoadHandle
+
+    class Interrupted(LoadHandle):
+        fired = False
+
+        def wait_layer(self, layer, timeout=None):
+            if layer == 1 and not self.fired:
+                self.fired = True
+                raise error("interrupted (test)")
+            return super().wait_layer(layer, timeout)
+
+    m = model()
+    ids = prompt(2 * BLOCK + 3)
+    cache = _landed_cache(handle=Interrupted(3, 2))
+    with pytest.raises(error, match="interrupted"):
+        continue_from(m, cache, ids, 2 * BLOCK, steps=0)
+    assert [layer.length for layer in cache.layers] == [2 * BLOCK] * 3
+    got = continue_from(m, cache, ids, 2 * BLOCK, steps=2)
+    want = continue_from(m, _landed_cache(), ids, 2 * BLOCK, steps=2)
+    assert got[1] == want[1] and torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("after_a_whole_forward", [False, True])
+def test_streaming_cache_does_not_blame_the_layout_for_a_forward_that_raised(
+        after_a_whole_forward):
+    """A forward that raised in the model's own code in layer 1 (past the
+    cache's update there) left layers 0 and 1 holding its tokens.  Its
+    retry was refused as "the model has 2 layers, the layout holds 3: the
+    layout is not of this model's KV", though the layout is: once a forward
+    reached the last layer the depth is known, and the cache says the last
+    forward stopped partway (its tokens in some layers only), not that the
+    layout is wrong; before any whole forward it names both causes."""
+    from kvblock.errors import ConfigError
+
+    m = model()
+    ids = prompt(2 * BLOCK + 3)
+    cache = _landed_cache()
+    start = 2 * BLOCK
+    if after_a_whole_forward:
+        continue_from(m, cache, ids, start, steps=0)
+        ids, start = torch.cat([ids, ids[:, -1:]], dim=1), ids.shape[1]
+    fired = []
+
+    def boom(module, args, out):
+        if not fired:
+            fired.append(1)
+            raise RuntimeError("boom (test)")
+    hook = m.model.layers[1].register_forward_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            continue_from(m, cache, ids, start, steps=0)
+    finally:
+        hook.remove()
+    with pytest.raises(ConfigError) as e:
+        continue_from(m, cache, ids, start, steps=0)
+    assert "raised" in str(e.value)
+    if after_a_whole_forward:
+        assert "not of this model" not in str(e.value)
+        assert "layout holds" not in str(e.value)
