@@ -281,6 +281,8 @@ class RemoteStore(RunReader, RunWriter):
         self._reconnect_lock = threading.Lock()
         self._reconnector: threading.Thread | None = None
         self._forked = False
+        # a put_runs' session, per thread: every call it makes goes there (_put_many)
+        self._bound = threading.local()
         self._pid = os.getpid()    # a forked child's copy: see close()
         self._refused: str | None = None   # the server serves another store: no reconnect
         self._refused_at = 0.0             # ... until REFUSED_RETRY_S after this
@@ -461,7 +463,8 @@ class RemoteStore(RunReader, RunWriter):
         return self._session.lock
 
     def _call(self, op: str, **args):
-        return self._call_on(self._current(), op, **args)
+        s = getattr(self._bound, "session", None)    # this thread's put_runs' server
+        return self._call_on(s if s is not None else self._current(), op, **args)
 
     def _call_on(self, s: "Session", op: str, **args):
         """One request on session ``s`` (a pin or an allocation is released
@@ -710,6 +713,20 @@ class RemoteStore(RunReader, RunWriter):
         unused; the server's admit names the clear count.)"""
         if len(items) == 1:
             return [self._put(*items[0])]
+        # Every call of a put_runs goes to one server: its admits (told
+        # count=False) and the count_rejected of the runs they declined, the
+        # offers given back, its commits.  A count sent after a restart (and
+        # reconnect) was counted by the new server, which decided none of
+        # them; the old server gone, the call raises ServerGoneError, as a
+        # put whose server dies between its pieces.
+        self._bound.session = self._current()
+        try:
+            return self._put_many_on(items, self._bound.session)
+        finally:
+            self._bound.session = None
+
+    def _put_many_on(self, items: list, s: "Session") -> list[int]:
+        """put_runs of several items, every call on session ``s``."""
         # The clear ticket before the present below, not the first admit's:
         # the plan is made from present's answer, and a clear() between it
         # and the first admit published runs planned on the keys the clear
@@ -732,10 +749,10 @@ class RemoteStore(RunReader, RunWriter):
                 self.counters.add("put_duplicate_runs")
             return verdict
         out, pieces, repeats, admitted = self._plan_puts(items, found, admit, unchecked)
-        # The groups after the first go to the first one's server (see _put:
-        # a reconnect between two groups would refuse the later ones as
-        # cleared while a run's pieces in the earlier ones stay published).
-        on = [None]
+        # The groups go to the admits' server (see _put: a reconnect between
+        # two groups would refuse the later ones as cleared while a run's
+        # pieces in the earlier ones stay published).
+        on = [s]
         try:
             if repeats:     # duplicates no admit saw: the server's stats count them too
                 self._call("count_duplicates", runs=len(repeats))

@@ -1294,3 +1294,30 @@ def test_a_server_in_a_removed_working_directory_serves_absolute_device_paths(
         assert rank.put_run(keys, run_data(keys)) == 2
         out = np.zeros_like(run_data(keys))
         assert rank.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+
+
+@pytest.mark.parametrize("restart_before", ["_count_rejected", "_admit"])
+def test_a_new_server_counts_no_rejection_it_did_not_decide(tmp_path, restart_before):
+    """put_runs' admits say count=false and the rank counts the declined
+    runs with count_rejected once its plan stands.  A restart (and
+    reconnect) between the admits and count_rejected, or between two
+    admits, sent the count to the new server: its admission_rejected_runs
+    counted runs the old server declined, which it never saw.  The call's
+    admits and its count go to one server: the call raises ServerGoneError
+    (as a put whose server died midway) and the new server counts nothing."""
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    box = [serve_in_background([path], sock, admit_after=2)]
+    r = RemoteStore(sock, reconnect=True)
+    try:
+        a, b = run_keys(1, 2), run_keys(2, 2)
+        _restart_between(r, box, path, sock, restart_before,
+                         at=1 if restart_before == "_count_rejected" else 2)
+        with pytest.raises(ServerGoneError):
+            r.put_runs([(a, run_data(a)), (b, run_data(b))])
+        delattr(r, restart_before)
+        assert box[0].store.counters["admission_rejected_runs"] == 0
+        assert r.stats()["admission_rejected_runs"] == 0
+    finally:
+        r.close()
+        box[0].stop()
