@@ -1,7 +1,11 @@
 """Prometheus metrics of a store (prometheus_client custom collector).
 
-Counters are named ``kvblock_store_<counter>_total``; gauges
-``kvblock_store_<gauge>``; every sample carries the store uuid as a label.
+Counters are named ``kvblock_store_<counter>_total``, each with its
+``_created`` sample (when its count started from zero: a store server's
+run, or the in-process store's open), so that a restart shows as a reset
+even when the counters climbed past their old values before the next
+scrape; gauges ``kvblock_store_<gauge>``; every sample carries the store
+uuid as a label.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ HOST_GAUGES = ("host_blocks", "host_capacity_blocks")
 OPTIONAL_GAUGES = SERVER_GAUGES + HOST_GAUGES
 # identities (the server's process, and its run: restarted, it counts from 0)
 # and a setting, not quantities
-NOT_METRICS = ("server_pid", "server_run", "pin_lease")
+NOT_METRICS = ("server_pid", "server_run", "server_started", "pin_lease")
 
 
 class StoreCollector:
@@ -30,6 +34,9 @@ class StoreCollector:
 
     def __init__(self, source, counters: bool = True):
         self.source = source.stats if hasattr(source, "stats") else source
+        # an in-process store's counters: created at its open (a store
+        # server's stats name its run's start instead)
+        self._counters = getattr(source, "counters", None)
         self.counters = counters
 
     def collect(self):
@@ -42,11 +49,15 @@ class StoreCollector:
             yield g
         if not self.counters:
             return
+        created = s.get("server_started")
+        if not isinstance(created, (int, float)) or isinstance(created, bool):
+            # (a server's stats without it: no time rather than this process's)
+            created = None if "server_pid" in s else getattr(self._counters, "created", None)
         for name, value in s.items():
             if name in GAUGES or name in OPTIONAL_GAUGES or name in NOT_METRICS or \
                     not isinstance(value, int) or isinstance(value, bool):
                 continue
             c = CounterMetricFamily(f"kvblock_store_{name}", f"kvblock store {name}",
                                     labels=labels)
-            c.add_metric([s["uuid"]], value)
+            c.add_metric([s["uuid"]], value, created=created)
             yield c

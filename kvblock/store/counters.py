@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
 from collections import Counter
 
@@ -31,6 +32,8 @@ class Counters(Counter):
 
     def __init__(self, *args, **kwargs):
         self._lock = threading.Lock()
+        # when they started from zero (Prometheus: each counter's _created)
+        self.created = time.time()
         super().__init__(*args, **kwargs)
         _LIVE[id(self)] = self
 

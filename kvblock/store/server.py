@@ -200,6 +200,9 @@ class StoreServer:
         # starts at 0 on every open, so a put admitted by an earlier run (a
         # clear may have come after it there) never matches a count here
         self._run_tag = os.urandom(8).hex()
+        # when this run's counters started from zero: the store's at its open, the
+        # server's own here (exported as each counter's Prometheus _created)
+        self._started = min(time.time(), getattr(store.counters, "created", float("inf")))
         self._listener: socket.socket | None = None
         self._socket_ino: int | None = None
         self._stopping = False
@@ -1116,9 +1119,10 @@ class StoreServer:
             pinned = int((st.regions.pins > 0).sum())
         with self._sessions_lock:      # as max_clients counts: a closing one is served no more
             clients = sum(not o.closing for o in self._sessions.values())
-        # server_run: this run of the server (its counters start at zero);
-        # a restart under the same pid (PID 1 in a container) changes it
-        out.update({"server_pid": os.getpid(), "server_run": self._run_tag, "clients": clients,
+        # server_run: this run of the server (its counters start at zero, at
+        # server_started); a restart under the same pid (PID 1 in a container) changes it
+        out.update({"server_pid": os.getpid(), "server_run": self._run_tag,
+                    "server_started": self._started, "clients": clients,
                     "connections_total": self.connections_total, "pinned_regions": pinned,
                     "pin_lease": self.pin_lease, "expired_sessions": self.expired_sessions,
                     "refused_connections": self.refused_connections})

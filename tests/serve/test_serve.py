@@ -894,6 +894,56 @@ def test_stats_name_the_server_run(tmp_path, sock):
     assert runs[0] != runs[1]
 
 
+def test_prometheus_counters_name_the_server_runs_start(tmp_path, sock):
+    """A restarted server counts from zero; one whose counters climbed past
+    their old values before the next scrape looked to Prometheus like no
+    reset (the exported counters had no ``_created`` sample: prometheus_client
+    exports one per counter, our collector passed none).  Each counter now
+    carries its server run's start as its created time: a new run, a later one."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from kvblock.metrics import StoreCollector
+
+    path = _store_file(tmp_path)
+    created = []
+    for i in range(2):
+        began = time.time()
+        with serve_in_background([path], sock), RemoteStore(sock) as r:
+            keys = run_keys(40 + i, 2)
+            assert r.put_run(keys, run_data(keys)) == 2
+            families = [f for f in StoreCollector(r.stats).collect() if f.type == "counter"]
+            assert families
+            times = set()
+            for f in families:
+                c = [x.value for x in f.samples if x.name == f.name + "_created"]
+                assert len(c) == 1, f.name
+                times.add(c[0])
+            assert len(times) == 1
+            t = times.pop()
+            assert began <= t <= time.time()
+            created.append(t)
+            registry = CollectorRegistry()
+            registry.register(StoreCollector(r.stats))
+            text = generate_latest(registry).decode()
+            assert "kvblock_store_put_runs_created{" in text
+            assert "kvblock_store_server_started" not in text
+    assert created[1] > created[0]
+
+
+def test_in_process_prometheus_counters_name_when_they_started(tmp_path):
+    """An in-process store's counters start at its open: their created time."""
+    from kvblock.metrics import StoreCollector
+
+    path = _store_file(tmp_path)
+    began = time.time()
+    with KVStore.open([path]) as store:
+        families = [f for f in StoreCollector(store).collect() if f.type == "counter"]
+        assert families
+        for f in families:
+            c = [x.value for x in f.samples if x.name == f.name + "_created"]
+            assert len(c) == 1 and began <= c[0] <= time.time(), f.name
+
+
 def test_stats_of_a_servers_closed_store_is_a_typed_error(tmp_path, sock):
     """A server whose store has closed (a metadata write failed; it is
     stopping) answered stats with {"closed": true} and its own numbers,
