@@ -148,3 +148,26 @@ def test_readme_says_what_a_put_of_keys_all_stored_does(tmp_path):
     bullet = bullet[:bullet.index("\n- ")]
     assert "put_duplicate_runs" in bullet, \
         "README's bullet on keys stored again says nothing of a put of keys all stored"
+
+
+def test_every_error_the_errors_section_names_imports_from_where_it_says():
+    """The Errors section names ~20 classes; only KVBlockError is in the
+    top-level package, so `from kvblock import StoreFullError` failed with
+    nothing in README to say where they are: each one named plainly must
+    be in kvblock.errors, one named with its module importable from there."""
+    import builtins
+    import importlib
+
+    import kvblock.errors
+
+    section = README[README.index("## Errors"):README.index("## Benchmarks")]
+    assert "`kvblock.errors`" in section
+    names = re.findall(r"`((?:[a-z_]+\.)*[A-Z]\w*Error)`", section)
+    assert len(names) >= 20
+    for name in names:
+        module, _, cls = name.rpartition(".")
+        if not module and hasattr(builtins, cls):      # OSError, TimeoutError, ...
+            continue
+        where = importlib.import_module(module) if module else kvblock.errors
+        assert isinstance(getattr(where, cls, None), type), f"{name} not in {where.__name__}"
+        assert issubclass(getattr(where, cls), kvblock.KVBlockError), name
