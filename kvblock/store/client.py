@@ -22,6 +22,7 @@ connects again (and starts a server, see :func:`connect`) meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -283,6 +284,10 @@ class RemoteStore(RunReader, RunWriter):
         self._forked = False
         # a put_runs' session, per thread: every call it makes goes there (_put_many)
         self._bound = threading.local()
+        # puts between their allocation and their commit's answer: close() waits for them
+        self._publishing = 0
+        self._publishing_lock = threading.Lock()
+        self._writes_cut = False     # close() stopped waiting for them: none may write now
         self._pid = os.getpid()    # a forked child's copy: see close()
         self._refused: str | None = None   # the server serves another store: no reconnect
         self._refused_at = 0.0             # ... until REFUSED_RETRY_S after this
@@ -769,26 +774,27 @@ class RemoteStore(RunReader, RunWriter):
         commit_runs.  Returns (item, blocks) per piece, 0 blocks for one a
         clear() refused.  ``on``: as _put_one's."""
         s = self._session_for(on)   # the allocations, their commit or abort: one session
-        allocs, puts, sent = [], [], False
-        try:
-            for k, (_, keys, blocks) in enumerate(pieces):
-                a = self._call_on(s, "allocate", nblocks=len(keys))
-                s.hold(1)
-                allocs.append(a)
-                self._check_allocated(a, len(keys))
-                # the last write flushes every device the group wrote
-                last = k == len(pieces) - 1
-                sums = self._write_allocated(s, a, keys, blocks, {
-                    self.regions.device_of(x["region"]) for x in allocs} if last else None)
-                puts.append([a["wid"], encode_keys(keys), [int(c) for c in sums]])
-            sent = True                          # from here the server releases the pins
-            stored = self._call_on(s, "commit_runs", puts=puts, clears=clears)
-        except BaseException:
-            if not sent:
-                self._abort(s, [_wid(a) for a in allocs])
-            raise
-        finally:
-            s.hold(-len(allocs))
+        with self._put_under_way():       # close() waits for it (see there)
+            allocs, puts, sent = [], [], False
+            try:
+                for k, (_, keys, blocks) in enumerate(pieces):
+                    a = self._call_on(s, "allocate", nblocks=len(keys))
+                    s.hold(1)
+                    allocs.append(a)
+                    self._check_allocated(a, len(keys))
+                    # the last write flushes every device the group wrote
+                    last = k == len(pieces) - 1
+                    sums = self._write_allocated(s, a, keys, blocks, {
+                        self.regions.device_of(x["region"]) for x in allocs} if last else None)
+                    puts.append([a["wid"], encode_keys(keys), [int(c) for c in sums]])
+                sent = True                          # from here the server releases the pins
+                stored = self._call_on(s, "commit_runs", puts=puts, clears=clears)
+            except BaseException:
+                if not sent:
+                    self._abort(s, [_wid(a) for a in allocs])
+                raise
+            finally:
+                s.hold(-len(allocs))
         if not isinstance(stored, list) or len(stored) != len(pieces) or not all(
                 _is_int(n) and n in (0, len(keys)) for n, (_, keys, _) in zip(stored, pieces)):
             # zip would cut a short answer to it: its runs left out counted
@@ -916,6 +922,22 @@ class RemoteStore(RunReader, RunWriter):
             f"{regions.count} regions of {regions.size} bytes; nothing was written (a "
             "server of another kvblock release?)")
 
+    @contextlib.contextmanager
+    def _put_under_way(self):
+        """A put's allocations, writes and commit: close() waits for them
+        until the commit is answered, so that what was written is published,
+        not cut off by the connection's end (a local store's close lets a
+        put in flight finish too).  StoreClosedError once close() began."""
+        with self._publishing_lock:
+            self._publishing += 1
+        try:
+            if self.closed:        # (after the count: a close from here waits for it)
+                raise StoreClosedError("remote store was closed during the put")
+            yield
+        finally:
+            with self._publishing_lock:
+                self._publishing -= 1
+
     def _write_allocated(self, s: "Session", a: dict, keys: list[bytes], blocks,
                          flush: frozenset | set | None = frozenset()) -> np.ndarray:
         """Write a run into the space ``a`` (allocate's answer on ``s``)
@@ -925,7 +947,7 @@ class RemoteStore(RunReader, RunWriter):
         dev, dev_off = self.regions.address(a["region"], a["offset"])
         batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off, later=True)
         with self._fence.writing():          # see kvblock/store/fence.py
-            if self.closed:                  # close() waits only for writes under way
+            if self._writes_cut:             # close() gave up waiting for the puts under way
                 raise StoreClosedError("remote store was closed during the put")
             if s.hung_up():                  # the space may be someone else's by now
                 self.counters.add("fenced_writes")
@@ -953,21 +975,22 @@ class RemoteStore(RunReader, RunWriter):
         earlier pieces'), or None: the current one, then set there."""
         n = len(keys)
         s = self._session_for(on)   # the allocation, its commit or abort: one session
-        a = self._call_on(s, "allocate", nblocks=n)   # the server pins the region for us
-        s.hold(1)
-        sent = False
-        try:
-            self._check_allocated(a, n)
-            sums = self._write_allocated(s, a, keys, blocks)
-            sent = True                          # from here the server releases the pin
-            stored = self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
-                                   checksums=[int(c) for c in sums], clears=clears)
-        except BaseException:
-            if not sent:
-                self._abort(s, [_wid(a)])
-            raise
-        finally:
-            s.hold(-1)
+        with self._put_under_way():       # close() waits for it (see there)
+            a = self._call_on(s, "allocate", nblocks=n)   # the server pins the region for us
+            s.hold(1)
+            sent = False
+            try:
+                self._check_allocated(a, n)
+                sums = self._write_allocated(s, a, keys, blocks)
+                sent = True                          # from here the server releases the pin
+                stored = self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
+                                       checksums=[int(c) for c in sums], clears=clears)
+            except BaseException:
+                if not sent:
+                    self._abort(s, [_wid(a)])
+                raise
+            finally:
+                s.hold(-1)
         if not _is_int(stored) or stored not in (0, n):
             # as commit_runs' (see _put_group): any truthy answer (a part of
             # the run, True, "0") was counted as the whole run published
@@ -1269,13 +1292,15 @@ class RemoteStore(RunReader, RunWriter):
             self._stop.set()
             s = self._session
         self._inflight.shut()           # later calls raise StoreClosedError
-        # A write in flight in another thread: its connection (the server's
-        # pin on its space) and this process's devices stay until it is done.
+        # A put in flight in another thread (writing, or its commit not yet
+        # answered): its connection (the server's pin on its space) and this
+        # process's devices stay until it is done.
         deadline = time.monotonic() + CLOSE_WAIT_S
-        while self._fence is not None and self._fence.writers and \
+        while ((self._fence is not None and self._fence.writers) or self._publishing) and \
                 time.monotonic() < deadline:
             time.sleep(0.005)
-        if not s.lock.acquire(timeout=CLOSE_WAIT_S):
+        self._writes_cut = True         # no write from here: the connection ends below
+        if not s.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             # A call waits for a server that does not answer (no timeout=; the
             # heartbeat's ping too, with no call of the caller's in flight):
             # end the connection under it, which wakes it (ServerGoneError).

@@ -931,3 +931,22 @@ def test_a_close_that_gave_up_waiting_lets_go_of_the_devices_once_the_call_is_do
     with KVStore.open([store_file]) as again:
         out = np.zeros(3 * GEOM.block_bytes, np.uint8)
         assert again.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["put_run", "put_runs"])
+def test_a_ranks_close_waits_for_a_put_written_and_not_yet_committed(store_file, tmp_path,
+                                                                     many):
+    """A rank's put has written its run and is about to publish it (commit)
+    when another thread closes the rank.  close() waited for the write only:
+    it then ended the connection under the commit, so the put raised
+    ServerGoneError ("remote store is closed") and its run was lost, where
+    a local store's close lets a put in flight finish."""
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock) as server:
+        rank = RemoteStore(sock)
+        items = [(run_keys(20 + i, 2), run_data(run_keys(20 + i, 2))) for i in range(2)]
+        reached, go = _wait_in(rank, "_write_allocated")     # written, commit next
+        put = (lambda: rank.put_runs(items)) if many else (lambda: rank.put_run(*items[0]))
+        assert _close_while(rank, reached, go, put) == ([2, 2] if many else 2)
+        for keys, _ in items[:2 if many else 1]:
+            assert server.store.lookup(keys) == 2
