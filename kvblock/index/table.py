@@ -209,8 +209,15 @@ class KeyTable:
         if expect is not None:
             ok &= self.val[np.where(ok, slots, 0)] == np.asarray(expect, dtype=np.int64)
         gone = np.unique(slots[ok])
-        self.val[gone] = TOMBSTONE
-        self.live -= gone.size
+        try:
+            self.val[gone] = TOMBSTONE
+            self.live -= gone.size
+        except BaseException:
+            # Cut between the two (a KeyboardInterrupt): counted from the
+            # slots, else the count stays off for good (a remove again
+            # finds the keys gone) and len() and the shrink go by it.
+            self.live = int((self.val >= 0).sum())
+            raise
         if self.cap > self._min_cap and self.live < SHRINK_LOAD * self.cap:
             self._rebuild(self._min_cap, self.live)
         return int(gone.size)
@@ -225,9 +232,15 @@ class KeyTable:
         lo, hi, val = self.lo[live], self.hi[live], self.val[live]
         while need > (MAX_LOAD - REBUILD_ROOM) * cap:
             cap *= 2
-        self._alloc(cap)
-        self.live = 0
-        self._insert_new(lo, hi, val)
+        # Built aside and swapped in at once: cut half way (a
+        # KeyboardInterrupt), the table is the old one, not an empty or
+        # half-filled one (every key not yet reinserted lost from the index).
+        new = KeyTable.__new__(KeyTable)
+        new._min_cap = self._min_cap
+        new._alloc(cap)
+        new.live = 0
+        new._insert_new(lo, hi, val)
+        self.__dict__.update(new.__dict__)
 
 
 def _home_of(lo: int, hi: int, shift: int) -> int:

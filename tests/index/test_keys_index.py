@@ -525,3 +525,66 @@ def test_the_table_shrinks_once_most_of_its_keys_are_removed():
     assert (idx.lookup(left) == -1).all()
     idx.add(run(500, [7, 8]))
     assert idx.locate(k(8))[0].run_id == 500 and k(7) in idx and k(9) not in idx
+
+
+def _interrupt_at_line(functions, n, call):
+    """Run ``call()`` with a KeyboardInterrupt raised at the ``n``-th line
+    run in ``functions``; returns where (None: fewer lines ran)."""
+    import sys
+
+    codes = {getattr(f, "__wrapped__", f).__code__ for f in functions}
+    seen = [0, None]
+
+    def line(frame, event, arg):
+        if event == "line":
+            seen[0] += 1
+            if seen[0] == n:
+                seen[1] = (frame.f_code.co_name, frame.f_lineno)
+                raise KeyboardInterrupt
+        return line
+
+    sys.settrace(lambda frame, event, arg: line if frame.f_code in codes else None)
+    try:
+        call()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+    return seen[1]
+
+
+@pytest.mark.parametrize("shrink", [False, True], ids=["remove", "remove that shrinks"])
+def test_a_remove_interrupted_at_any_line_keeps_the_table_and_its_count(shrink):
+    """A KeyboardInterrupt landing at any line of KeyTable.remove (and the
+    rebuild a shrink runs): cut between the tombstones and the live count,
+    the count stayed too high for good (a remove again finds the keys
+    gone); cut in the rebuild, the table was left empty or half filled
+    (every key not yet reinserted lost from the index).  Now the table
+    holds either the keys before or after the remove, and counts them."""
+    from kvblock.index.table import KeyTable, split_keys
+
+    n, fired = 0, []
+    while True:
+        n += 1
+        idx = KeyIndex()
+        # one large run (most of the keys when it shrinks), ten small ones
+        runs = [run(0, range(950 if shrink else 8))] + [
+            run(i, [i * 1000 + p for p in range(5)]) for i in range(1, 11)]
+        idx.add_many(runs)
+        cap = idx.table.cap
+        doomed = runs[:2]
+        where = _interrupt_at_line([KeyTable.remove, KeyTable._rebuild, KeyTable._alloc,
+                                    KeyTable._insert_new],
+                                   n, lambda: [idx.table.remove(*split_keys(r.keys),
+                                                                expect=r.packed())
+                                               for r in doomed])
+        if where is None:
+            break
+        fired.append(where)
+        t = idx.table
+        assert t.live == int((t.val >= 0).sum()), where
+        for r in runs:
+            found = idx.lookup([r.key(p) for p in range(r.nblocks)])
+            assert (found == r.packed()).all() or (r in doomed and (found == -1).all()), where
+    assert len(fired) > (20 if shrink else 8), len(fired)
+    assert not shrink or idx.table.cap < cap
