@@ -31,9 +31,12 @@ MAX_KEYS = 1 << 16     # 1 MiB of keys: a few evicted regions' worth
 class RemovalLog:
     def __init__(self, max_keys: int = MAX_KEYS):
         self._max = max_keys
-        self._runs: deque[bytes] = deque()   # removed runs' packed keys, oldest first
-        self._held = 0                       # keys in _runs
-        self._count = 0                      # keys logged since the store was opened
+        # Removed runs, oldest first: (keys logged since the store was
+        # opened, up to this run's; its packed keys).  One append logs a
+        # run (a KeyboardInterrupt cannot leave the counts and the runs
+        # apart: a run logged but not counted gave a watcher another
+        # run's keys for its own, and never the keys of the one it missed).
+        self._runs: deque[tuple[int, bytes]] = deque()
         self._epoch = os.urandom(8).hex()    # this open of the store
         self._lock = threading.Lock()
 
@@ -42,11 +45,19 @@ class RemovalLog:
         one append, whatever the run's size (it runs under the store's lock)."""
         n = len(keys) // KEY_BYTES
         with self._lock:
-            self._runs.append(keys)
-            self._held += n
-            self._count += n
-            while self._held - len(self._runs[0]) // KEY_BYTES >= self._max:
-                self._held -= len(self._runs.popleft()) // KEY_BYTES
+            self._runs.append((self._count() + n, keys))
+            while self._held() - len(self._runs[0][1]) // KEY_BYTES >= self._max:
+                self._runs.popleft()
+
+    def _count(self) -> int:
+        """(under the lock) keys logged since the store was opened."""
+        return self._runs[-1][0] if self._runs else 0
+
+    def _held(self) -> int:
+        """(under the lock) keys the log holds."""
+        if not self._runs:
+            return 0
+        return self._runs[-1][0] - self._runs[0][0] + len(self._runs[0][1]) // KEY_BYTES
 
     def since(self, cursor: str | None) -> tuple[str, list[bytes] | None]:
         """(a new cursor, the keys logged after ``cursor``), oldest first.
@@ -54,17 +65,18 @@ class RemovalLog:
         the log no longer holds them all, or the cursor is not from this
         open of the store."""
         with self._lock:
-            now = f"{self._epoch}:{self._count}"
+            count = self._count()
+            now = f"{self._epoch}:{count}"
             if cursor is None:
                 return now, []
             epoch, seen = _parse(cursor)
-            if epoch != self._epoch or seen > self._count:
+            if epoch != self._epoch or seen > count:
                 return now, None
-            missed = self._count - seen
-            if missed > self._held:
+            missed = count - seen
+            if missed > self._held():
                 return now, None
             blobs, got = [], 0
-            for blob in reversed(self._runs):       # the newest runs hold them
+            for _, blob in reversed(self._runs):    # the newest runs hold them
                 if got >= missed:
                     break
                 blobs.append(blob)

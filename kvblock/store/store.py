@@ -587,9 +587,11 @@ class KVStore(Recovery, RunReader, RunWriter):
 
     def _forget_run(self, run: Run):
         """(under self._lock) a run evicted or dropped: out of the index, its
-        keys in the removal log (a superseded run's keys stay in the store)."""
-        self._remove_run(run)
+        keys in the removal log (a superseded run's keys stay in the store).
+        Logged first: a run cut out of the index (a KeyboardInterrupt) is
+        logged already, and _forget_cut logs those still indexed."""
         self.removals.add(run.keys)
+        self._remove_run(run)
 
     # ------------------------------------------------------------------ metadata writes
     def _commit(self, records: list, apply=None) -> None:

@@ -127,3 +127,52 @@ def test_a_position_a_newer_run_took_over_is_not_logged_after_a_reopen(store_fil
         assert sorted(keys) == sorted(a + normalize_keys(newer[1:]))
     finally:
         store.close()
+
+
+def test_a_log_interrupted_at_any_line_of_add_still_answers_the_keys_logged():
+    """A KeyboardInterrupt landing at any line of RemovalLog.add (a Ctrl-C
+    while a store forgets a run): cut between the run's append and its
+    count, a watcher was handed the new run's keys in place of an older
+    run's, and never told those left.  Now the run is logged whole or not
+    at all, and since() answers exactly the runs logged after a cursor."""
+    import sys
+
+    from tests.store.test_store import _pending_interrupt_points
+
+    code = RemovalLog.add.__code__
+    # (not where CPython cannot raise one: a with block's normal exit)
+    skip = _pending_interrupt_points(code)
+    n = 0
+    while True:
+        n += 1
+        log = RemovalLog(max_keys=8)
+        runs = [normalize_keys(run_keys(i, 3)) for i in range(4)]
+        for keys in runs[:3]:
+            log.add(b"".join(keys))            # the first is trimmed at the next adds
+        cursor, _ = log.since(None)
+        seen, fired = [0], [False]
+
+        def line(frame, event, arg):
+            if event == "line" and frame.f_lasti not in skip:
+                seen[0] += 1
+                if seen[0] == n:
+                    fired[0] = True
+                    raise KeyboardInterrupt
+            return line
+        sys.settrace(lambda frame, event, arg: line if frame.f_code is code else None)
+        try:
+            log.add(b"".join(runs[3]))
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        _, after = log.since(cursor)
+        assert after in ([], runs[3]), n
+        now, _ = log.since(None)
+        epoch, count = now.split(":")
+        _, back = log.since(f"{epoch}:{int(count) - 3 - len(after)}")
+        assert back == runs[2] + after, n     # the run before, then the cut one if logged
+        if not fired[0]:
+            break
+        assert n < 50, "a log.add of a few lines"
+    assert n > 4
