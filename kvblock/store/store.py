@@ -416,7 +416,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._removal_tickets = 0
         self._removing: set[int] = set()
         self._removals_lost: set[int] = set()
-        self._reclaim_tickets: dict[int, int] = {}     # region -> its RECLAIM's ticket
+        # Regions being reclaimed -> (their removal's ticket, None when no
+        # run leaves the index; the generation their RECLAIM record gives).
+        # One tuple per reclaim (_begin_reclaim): whoever finishes it knows
+        # it by identity (_finish_steps).
+        self._reclaims: dict[int, tuple[int | None, int]] = {}
         # Free regions trim_free holds off the free list while it discards
         # them: free all the same (evict counts them, an allocation waits
         # for them rather than evict a region of live runs).
@@ -1042,74 +1046,161 @@ class KVStore(Recovery, RunReader, RunWriter):
         """Space for a run, reclaiming regions by policy when none is free.
         The region comes back pinned (a writer in flight)."""
         while True:
-            with self._lock:
+            got, emptied = None, None
+
+            def pick():
+                nonlocal got, emptied
                 was_open = self.regions.open
-                got = self.regions.allocate(nbytes, time.time())
+                taken = self.regions.allocate(nbytes, time.time())
                 # The open region sealed here may hold no run (all deleted,
                 # dropped or superseded while it was open): nothing else frees
                 # a region emptied before its seal, so it would stay counted
                 # as used, and allocations would evict live runs instead.
-                emptied = None
                 if was_open is not None and self.regions.open != was_open \
                         and self.regions.live[was_open] == 0 \
                         and self.regions.pins[was_open] == 0:
                     emptied = was_open
-                if got is not None:
-                    self.regions.pins[got[0]] += 1
-                    if emptied is None:
-                        return got
-                elif emptied is not None:
-                    self.regions.state[emptied] = RECLAIMING   # freed below, then taken
-                    victim = None
-                elif self._trimming:
+                if taken is not None:
+                    # pinned once ``got`` says so (a cut between the two
+                    # undoes the pin: nothing else changes it under the lock)
+                    pins = int(self.regions.pins[taken[0]])
+                    try:
+                        self.regions.pins[taken[0]] = pins + 1
+                        got = taken
+                    except BaseException:
+                        self.regions.pins[taken[0]] = pins
+                        raise
+                    return None      # an emptied region is freed below
+                if emptied is not None:
+                    return emptied, False        # freed, then taken
+                if self._trimming or (self.regions.state == RECLAIMING).any():
                     # The free region trim_free is discarding comes back
-                    # at once: wait for it rather than evict live runs.
+                    # at once, or another thread is freeing a region (its
+                    # RECLAIM record in flight): wait for it rather than
+                    # evict a region of live runs too (two puts racing for
+                    # the last region would empty two, where one holds both
+                    # runs), or fail.  A failed reclaim closes the store,
+                    # and the wait with it.
                     self._check_open()
                     self._reclaimed.wait(RECLAIM_WAIT_S)
-                    continue
-                else:
-                    if (self.regions.state == RECLAIMING).any():
-                        # Another thread is freeing a region (its RECLAIM record
-                        # in flight): wait for it rather than evict a region
-                        # of live runs too (two puts racing for the last
-                        # region would empty two, where one holds both runs),
-                        # or fail.  A failed reclaim closes the store, and
-                        # the wait with it.
-                        self._check_open()
-                        self._reclaimed.wait(RECLAIM_WAIT_S)
-                        continue
-                    victim = self.regions.victim(self.eviction)
-                    if victim is None:
-                        raise StoreFullError(
-                            f"store is full and every region holds pinned runs "
-                            f"({self.regions.count} regions of {self.sb.region_size} bytes); "
-                            "release pins or add capacity")
-                    self._begin_reclaim(victim)
-            if got is not None:
-                try:
-                    self._release_unpinned({emptied})
-                except BaseException:
+                    return None
+                victim = self.regions.victim(self.eviction)
+                if victim is None:
+                    raise StoreFullError(
+                        f"store is full and every region holds pinned runs "
+                        f"({self.regions.count} regions of {self.sb.region_size} bytes); "
+                        "release pins or add capacity")
+                return victim, True
+            try:
+                # The region is written again at once: no discard (see _finish_reclaim).
+                self._reclaim(pick, discard=False)
+                if got is not None:
+                    if emptied is not None:
+                        self._release_unpinned({emptied})
+                    return got
+            except BaseException:
+                if got is not None:      # (a Ctrl-C too: nobody else would unpin it)
                     self._unpin_writers([got[0]])
-                    raise
-                return got
-            # The region is written again at once: no discard (see _finish_reclaim).
-            self._finish_reclaim(emptied if emptied is not None else victim, discard=False)
+                raise
 
-    def _begin_reclaim(self, region: int) -> None:
-        """(under self._lock) take the region's runs out of the index."""
-        dropped = self.index.runs_in(region)
+    def _reclaim(self, pick, discard: bool = True) -> int | None:
+        """Reclaim the region ``pick()`` names and return it; None (nothing
+        done) when it names none.  ``pick`` runs under self._lock and
+        returns (region, evict): with ``evict`` the region's runs leave the
+        index (an eviction), else it holds none (emptied) and is only
+        freed.  ``discard``: see _finish_reclaim; a reclaim that does not
+        discard (an allocation's) takes its region at once, so it is not
+        room another call is making (``_freeing``).
+
+        From the moment pick() named a region its reclaim goes through: a
+        KeyboardInterrupt landing at any line after (its runs leaving the
+        index, the ticket, the RECLAIM record, the release) is raised once
+        the record is durable and the region free.  Stopped half way, runs
+        out of the index had no record (a crash brought them back), or the
+        region stayed RECLAIMING with its ticket pending, which every
+        allocation, evict, delete and clear then waited for.  Cut again
+        while it completes: the store fails (as a commit cut twice), which
+        ends those waits."""
+        picked, begun, dropped = None, None, []
+        try:
+            with self._lock:
+                picked = pick()
+                if picked is None:
+                    return None
+                self._begin_reclaim(*picked, freeing=discard, dropped=dropped)
+                begun = self._reclaims[picked[0]]
+            self._finish_reclaim(picked[0], discard)
+        except BaseException:
+            if picked is not None and self._failure is None:
+                self._reclaim_cut(*picked, begun, discard, dropped)
+            raise
+        return picked[0]
+
+    def _reclaim_cut(self, region: int, evict: bool, begun, freeing: bool,
+                     dropped: list) -> None:
+        """_reclaim's reclaim of ``region`` after an exception: begun
+        (``begun``, its _reclaims entry, None when _begin_reclaim was cut)
+        and finished, unless it was (a KeyboardInterrupt after the region
+        went free, a failed TRIM).  Cut again: the store fails."""
+        try:
+            if begun is None:
+                with self._lock:
+                    begun = self._begin_cut(region, evict, freeing, dropped)
+            if self._reclaims.get(region) is begun:
+                self._finish_reclaim(region, discard=False)
+        except BaseException as again:
+            with self._lock:
+                self._fail(again)
+                self._reclaimed.notify_all()
+                self._removals_durable.notify_all()
+            raise
+
+    def _begin_reclaim(self, region: int, evict: bool = True, freeing: bool = True,
+                       dropped: list | None = None) -> None:
+        """(under self._lock) the region RECLAIMING, its runs (``evict``)
+        out of the index, their removal's ticket held; ``freeing``: it
+        counts as room being made (``_freeing``).  ``dropped`` gets the
+        runs before any leaves (for _begin_cut)."""
+        runs = self.index.runs_in(region) if evict else []
+        if dropped is not None:
+            dropped.extend(runs)
         # the positions still theirs: a newer run's copy of a key stays stored
-        blocks = sum(run.live for run in dropped)
-        for run in dropped:
-            self._forget_run(run)
+        blocks = sum(run.live for run in runs)
+        ticket = self._next_removal_ticket() if evict else None
+        self._reclaims[region] = (ticket, (int(self.regions.generation[region]) + 1)
+                                  & 0xFFFFFFFF)
+        if ticket is not None:
+            self._removing.add(ticket)
         self.regions.state[region] = RECLAIMING
-        ticket = self._next_removal_ticket()
-        self._reclaim_tickets[region] = ticket
-        self._removing.add(ticket)
+        if freeing:
+            self._freeing.add(region)
         if self.regions.open == region:
             self.regions.open = None
-        self.counters.add_each(evicted_regions=1, evicted_runs=len(dropped),
-                               evicted_blocks=blocks)
+        if evict:
+            self.counters.add_each(evicted_regions=1, evicted_runs=len(runs),
+                                   evicted_blocks=blocks)
+        for run in runs:
+            self._forget_run(run)
+
+    def _begin_cut(self, region: int, evict: bool, freeing: bool, dropped: list):
+        """(under self._lock) _begin_reclaim's work after a KeyboardInterrupt
+        cut it (each step again is harmless); returns the reclaim's
+        _reclaims entry.  ``dropped``: the runs it took, when it got that far."""
+        entry = self._reclaims.get(region)
+        if entry is None:
+            entry = self._reclaims[region] = (
+                self._next_removal_ticket() if evict else None,
+                (int(self.regions.generation[region]) + 1) & 0xFFFFFFFF)
+        if entry[0] is not None:
+            self._removing.add(entry[0])
+        self.regions.state[region] = RECLAIMING
+        if freeing:
+            self._freeing.add(region)
+        if self.regions.open == region:
+            self.regions.open = None
+        runs = {run.run_id: run for run in dropped + self.index.runs_in(region)}
+        self._forget_cut(list(runs.values()))
+        return entry
 
     def _finish_reclaim(self, region: int, discard: bool = True) -> None:
         """Commit the region's RECLAIM record, then free it.  ``discard``:
@@ -1118,8 +1209,63 @@ class KVStore(Recovery, RunReader, RunWriter):
         the overwrite replaces the old data anyway, and on thin-provisioned
         targets (loop over tmpfs or a file) a TRIM punches a hole that the
         next writes must allocate again, which halved steady-state save
-        throughput (perf/store_vs_fio.py).  `kvblock trim` discards free regions."""
-        new_gen = (int(self.regions.generation[region]) + 1) & 0xFFFFFFFF
+        throughput (perf/store_vs_fio.py).  `kvblock trim` discards free regions.
+
+        A KeyboardInterrupt does not stop it half way: the steps left are
+        taken again (without the TRIM), then it is raised.  Cut twice
+        before the record is durable: the store fails, as _commit does when
+        cut twice (a region freed with no RECLAIM record durable would be
+        written under a generation the journal never gave it: a crash
+        would drop those runs as stale and bring back the evicted ones on
+        bytes overwritten since)."""
+        entry, interrupted = None, None
+        while True:
+            try:
+                if entry is None:
+                    with self._lock:
+                        entry = self._reclaims[region]
+                self._finish_steps(region, entry, discard)
+                break
+            except BaseException as e:
+                if entry is None:
+                    if interrupted is not None:
+                        self._fail_reclaim(e, region, None)
+                        raise
+                    interrupted = e
+                    continue
+                if self._failure is not None:
+                    # a failed commit closed the store: the record may not
+                    # be durable, the removal is lost
+                    self._fail_reclaim(e, region, entry)
+                    if interrupted is not None:
+                        raise interrupted from e
+                    raise
+                if self._reclaims.get(region) is not entry:
+                    raise interrupted or e       # free (a failed TRIM raises here)
+                if interrupted is not None and \
+                        int(self.regions.generation[region]) != entry[1]:
+                    self._fail_reclaim(e, region, entry)     # cut twice before the record
+                    raise
+                interrupted, discard = interrupted or e, False
+        if interrupted is not None:
+            raise interrupted
+
+    def _fail_reclaim(self, e: BaseException, region: int, entry) -> None:
+        """A reclaim whose record will not be written (or was, and the store
+        failed after): the store fails, the removal ends (lost unless the
+        record is durable), so that nothing waits for either for good."""
+        with self._lock:
+            self._fail(e)
+            self._reclaimed.notify_all()
+        if entry is not None:
+            self._end_removal(entry[0], int(self.regions.generation[region]) == entry[1])
+
+    def _finish_steps(self, region: int, entry, discard: bool) -> None:
+        """_finish_reclaim's steps, each harmless when taken again: the
+        record (unless durable: the generation is set as it becomes so),
+        the ticket's end, the TRIM, the release (once: the region is free,
+        or another reclaim's, when _reclaims no longer holds ``entry``)."""
+        ticket, new_gen = entry
 
         def new_generation():
             # As the record becomes durable, before any checkpoint can follow
@@ -1127,56 +1273,9 @@ class KVStore(Recovery, RunReader, RunWriter):
             # a checkpoint with the old generation would make replay reject
             # every run put in the region since.
             self.regions.generation[region] = new_gen
-        with self._lock:     # none when the region held no run (_release_empty_regions)
-            ticket = self._reclaim_tickets.pop(region, None)
-        # The ticket ends after the failure is decided (finally, below): a
-        # delete() waiting for it must not wake to a RECLAIM never written.
-        interrupted = None
-        try:
-            while True:
-                try:
-                    self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
-                    break
-                except BaseException as e:
-                    # A KeyboardInterrupt that landed before the record
-                    # reached _commit (while it was built, or entering
-                    # _commit) wrote nothing, and the generation is not
-                    # set: the record again (a RECLAIM replayed twice
-                    # reclaims once; the region stays RECLAIMING
-                    # meanwhile, nothing is put there).  Cut there twice:
-                    # the store fails, as _commit does when cut twice.
-                    if self._failure is not None or \
-                            int(self.regions.generation[region]) == new_gen:
-                        raise
-                    if interrupted is not None:
-                        self._fail(e)
-                        raise
-                    interrupted = e
-            if interrupted is not None:
-                raise interrupted     # the record is durable
-        except BaseException as e:
-            if self._failure is None:
-                if int(self.regions.generation[region]) != new_gen:
-                    # No RECLAIM record durable: released, the region would
-                    # be written under a generation the journal never gave
-                    # it, and a crash would drop those runs as stale and
-                    # bring back the evicted ones on bytes overwritten
-                    # since.  Stop serving, as a failed commit does.
-                    with self._lock:
-                        self._fail(e)
-                        self._reclaimed.notify_all()
-                    raise
-                # Interrupted while it waited to commit: _commit saw the
-                # record through (durable, the generation set) before it
-                # raised; a region left RECLAIMING would be waited for by
-                # every allocation.  A failed commit closed the store.
-                with self._lock:
-                    self._freeing.discard(region)
-                    self.regions.release(region, generation=new_gen)
-                    self._reclaimed.notify_all()
-            raise
-        finally:
-            self._end_removal(ticket, int(self.regions.generation[region]) == new_gen)
+        if int(self.regions.generation[region]) != new_gen:
+            self._commit([jfmt.Reclaim(region, new_gen)], new_generation)
+        self._end_removal(ticket, True)
         try:
             dev, off = self.regions.address(region)
             if discard and self.io.discard(dev, off, self.regions.size):
@@ -1186,8 +1285,11 @@ class KVStore(Recovery, RunReader, RunWriter):
             # RECLAIM record is durable, and a region left RECLAIMING would
             # be neither allocated nor reclaimed again until a reopen.
             with self._lock:
-                self._freeing.discard(region)
-                self.regions.release(region, generation=new_gen)
+                if self._reclaims.get(region) is entry:
+                    if self.regions.state[region] == RECLAIMING:
+                        self._freeing.discard(region)
+                        self.regions.release(region, generation=new_gen)
+                    del self._reclaims[region]
                 self._reclaimed.notify_all()
 
     def lookup(self, keys: Sequence) -> int:
@@ -1588,14 +1690,13 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _release_empty_regions(self, candidates) -> None:
         failed = None
         for region in candidates:
-            with self._lock:
-                if not (self.regions.live[region] == 0 and self.regions.pins[region] == 0
-                        and self.regions.state[region] == SEALED):
-                    continue
-                self.regions.state[region] = RECLAIMING
-                self._freeing.add(region)
+            def pick(region=region):
+                if self.regions.live[region] == 0 and self.regions.pins[region] == 0 \
+                        and self.regions.state[region] == SEALED:
+                    return region, False
+                return None
             try:
-                self._finish_reclaim(region)
+                self._reclaim(pick)
             except KVBlockError as e:
                 # A failed TRIM (the region is free all the same) does not
                 # stop the others: left sealed and empty, their space would
@@ -1691,41 +1792,45 @@ class KVStore(Recovery, RunReader, RunWriter):
         too, it went on as long as such puts did)."""
         self._check_open(writing=True)
         check_evict(nbytes, all)
-        reclaimed, failed, sealed_before = 0, None, None
-        while True:
-            with self._lock:
-                free_bytes = self._free_regions() * self.regions.size
-                if not all and (nbytes is None or free_bytes >= nbytes):
-                    break
-                if not all and free_bytes + len(self._freeing) * self.regions.size >= nbytes:
-                    # Another call (a delete, an eviction) is freeing the
-                    # rest: wait for it rather than evict live runs too.
-                    # A failed reclaim closes the store, and the wait with it.
-                    self._check_open()
-                    self._reclaimed.wait(RECLAIM_WAIT_S)
-                    continue
-                victim = None
-                if sealed_before is None and self.regions.open is not None:
-                    opened = self.regions.open
-                    self.regions.seal(opened)
-                    # Emptied while open (nothing frees it once sealed): its
-                    # space goes first, before any region of live runs.
-                    # Freed, not evicted (no run leaves the store): not in
-                    # evicted_regions, as when a put seals it or a delete
-                    # empties a sealed region (_release_empty_regions).
-                    if self.regions.live[opened] == 0 and self.regions.pins[opened] == 0:
-                        victim = opened
-                        self.regions.state[victim] = RECLAIMING
-                if sealed_before is None:
-                    sealed_before = self.regions.next_seal
-                if victim is None:
-                    victim = self.regions.victim(self.eviction, sealed_before)
-                    if victim is None:
-                        break
-                    self._begin_reclaim(victim)
-                self._freeing.add(victim)
+        reclaimed, failed, sealed_before, done = 0, None, None, False
+
+        def pick():
+            nonlocal sealed_before, done
+            free_bytes = self._free_regions() * self.regions.size
+            if not all and (nbytes is None or free_bytes >= nbytes):
+                done = True
+                return None
+            if not all and free_bytes + len(self._freeing) * self.regions.size >= nbytes:
+                # Another call (a delete, an eviction) is freeing the
+                # rest: wait for it rather than evict live runs too.
+                # A failed reclaim closes the store, and the wait with it.
+                self._check_open()
+                self._reclaimed.wait(RECLAIM_WAIT_S)
+                return None
+            emptied = None
+            if sealed_before is None and self.regions.open is not None:
+                opened = self.regions.open
+                self.regions.seal(opened)
+                # Emptied while open (nothing frees it once sealed): its
+                # space goes first, before any region of live runs.
+                # Freed, not evicted (no run leaves the store): not in
+                # evicted_regions, as when a put seals it or a delete
+                # empties a sealed region (_release_empty_regions).
+                if self.regions.live[opened] == 0 and self.regions.pins[opened] == 0:
+                    emptied = opened
+            if sealed_before is None:
+                sealed_before = self.regions.next_seal
+            if emptied is not None:
+                return emptied, False
+            victim = self.regions.victim(self.eviction, sealed_before)
+            if victim is None:
+                done = True
+                return None
+            return victim, True
+        while not done:
             try:
-                self._finish_reclaim(victim)
+                if self._reclaim(pick) is None:
+                    continue
             except KVBlockError as e:
                 # A failed TRIM (the region is free all the same) does not
                 # stop the others: clear() would leave their runs served.
@@ -1809,13 +1914,11 @@ class KVStore(Recovery, RunReader, RunWriter):
             # (KeyboardInterrupt) cut the loop, and allocations wait while
             # any region is RECLAIMING.  One taken meanwhile (an allocation's
             # victim, a read's pin) is left to that call.
-            with self._lock:
-                if not old(region):
-                    continue
-                self._begin_reclaim(region)
-                self._freeing.add(region)
+            def pick(region=region):
+                return (region, True) if old(region) else None
             try:
-                self._finish_reclaim(region)
+                if self._reclaim(pick) is None:
+                    continue
             except KVBlockError as e:
                 # A failed TRIM (the region is free all the same) does not
                 # stop the others; a failed RECLAIM commit closed the store.
