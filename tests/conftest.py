@@ -42,6 +42,23 @@ def _fail_skip(report) -> None:
                        "or run as root, or mark the test gpu if it needs CUDA")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """A test process killed by SIGTERM or SIGHUP dies with no report (under
+    pytest-xdist: "node down: Not properly terminated", the test it was on
+    blamed): print every thread's stack first, where pytest's faulthandler
+    prints a crash's, so that such a death says where the process was."""
+    import faulthandler
+    import signal
+
+    from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+    fd = config.stash.get(fault_handler_stderr_fd_key, None)
+    if fd is not None:
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            faulthandler.register(sig, file=fd, all_threads=True, chain=True)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     report = (yield).get_result()
