@@ -1029,6 +1029,10 @@ def test_closing_a_device_closes_the_engines_over_it(engine_name, file_target, t
             dev.close()
             fd = os.open(other, os.O_RDWR)
             if fd != number:       # the freed number, as the next open usually gets it
+                # (only while nothing else holds it: another thread's file
+                # there, dup2 would close it under that thread)
+                with pytest.raises(OSError):
+                    os.fstat(number)
                 os.dup2(fd, number)
                 os.close(fd)
                 fd = number
