@@ -831,16 +831,22 @@ def test_lookup_never_waits_for_the_store_lock(make_tier):
 
 
 @pytest.mark.parametrize("shared", [False, True])
-def test_a_busy_store_costs_the_scheduler_one_lock_wait_not_one_per_lookup(tmp_path, shared):
+def test_a_busy_store_costs_the_scheduler_one_lock_wait_not_one_per_lookup(tmp_path, shared,
+                                                                           monkeypatch):
     """vLLM's scheduler goes on looking up a request's next keys after a
     RETRY (to start their promotions).  While a worker holds the store's
     lock (a checkpoint's snapshot, an eviction's scan of the index) or a
     shared store's connection, lookups answer RETRY and only the first one
     waits for it: not LOOKUP_LOCK_WAIT_S per key of every waiting request,
     every step.  Once it is free, lookups answer (and wait) as before."""
-    from kvblock.integrations.vllm import LOOKUP_LOCK_WAIT_S
+    from kvblock.integrations import vllm as tier_mod
     from tests.support.servers import stop_server
 
+    # A wait long enough that one per lookup (n * 0.1 s) stands far above
+    # what n lookups that do not wait cost on a loaded machine: with the
+    # real 1 ms wait the bound was n * 0.5 ms, a thread switch or two.
+    LOOKUP_LOCK_WAIT_S = 0.1
+    monkeypatch.setattr(tier_mod, "LOOKUP_LOCK_WAIT_S", LOOKUP_LOCK_WAIT_S)
     pool = page_aligned_pool(8)
     config = dict(devices=[str(tmp_path / "kv.img")], size="64M", threads=2)
     if shared:
@@ -863,7 +869,7 @@ def test_a_busy_store_costs_the_scheduler_one_lock_wait_not_one_per_lookup(tmp_p
         t.start()
         try:
             assert held.wait(10)
-            n = 500
+            n = 100
             t0 = time.monotonic()
             answers = {tier.lookup(key(100 + i), CTX) for i in range(n)}
             took = time.monotonic() - t0
@@ -879,13 +885,17 @@ def test_a_busy_store_costs_the_scheduler_one_lock_wait_not_one_per_lookup(tmp_p
         if pid is not None:
             stop_server(pid)
 
-def test_a_call_stuck_on_a_shared_store_costs_lookups_one_lock_wait(tmp_path):
+def test_a_call_stuck_on_a_shared_store_costs_lookups_one_lock_wait(tmp_path, monkeypatch):
     """A worker's call to a hung store server holds the connection for up to
     its own limit (60 s).  Once it has waited past LOOKUP_ANSWER_TIMEOUT_S,
     lookups (and touches) miss at once, as after a hung lookup of its own:
     not LOOKUP_LOCK_WAIT_S each, for every waiting request, every step."""
-    from kvblock.integrations.vllm import LOOKUP_ANSWER_TIMEOUT_S, LOOKUP_LOCK_WAIT_S
+    from kvblock.integrations import vllm as tier_mod
+    from kvblock.integrations.vllm import LOOKUP_ANSWER_TIMEOUT_S
     from tests.support.servers import stop_server
+
+    LOOKUP_LOCK_WAIT_S = 0.1       # as in the test above: a wait per call stands out
+    monkeypatch.setattr(tier_mod, "LOOKUP_LOCK_WAIT_S", LOOKUP_LOCK_WAIT_S)
 
     pool = page_aligned_pool(8)
     tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
@@ -910,7 +920,7 @@ def test_a_call_stuck_on_a_shared_store_costs_lookups_one_lock_wait(tmp_path):
         t.start()
         try:
             assert held.wait(10)
-            n = 500
+            n = 100
             t0 = time.monotonic()
             answers = {tier.lookup(key(100 + i), CTX) for i in range(n)}
             for i in range(n):
