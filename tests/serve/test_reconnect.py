@@ -119,12 +119,12 @@ def test_a_hung_server_costs_one_bounded_wait(tmp_path):
     sock = str(tmp_path / "kv.sock")
     path = _store_file(tmp_path)
     server = serve_in_background([path], sock)
-    hang = threading.Event()
+    hang, unhang = threading.Event(), threading.Event()
     real = server._op_lookup
 
     def slow_lookup(s, keys):
         if hang.is_set():
-            time.sleep(1.5)
+            unhang.wait(30)     # answers only once the test has seen the timeout
         return real(s, keys)
     server._op_lookup = slow_lookup
     r = RemoteStore(sock, reconnect=True)
@@ -135,8 +135,9 @@ def test_a_hung_server_costs_one_bounded_wait(tmp_path):
         t0 = time.monotonic()
         with pytest.raises(ServerGoneError, match="did not answer lookup in time"):
             r.contains_nowait(keys[0], 0.001, timeout=0.2)
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 10       # its 0.2 s, not the server's 30 s
         hang.clear()
+        unhang.set()
         _wait_alive(r)
         assert r.contains_nowait(keys[0], 0.001, timeout=0.2) is True
     finally:
@@ -279,9 +280,10 @@ def _a_read_stuck_on_the_server(tmp_path, **client):
     sock = str(tmp_path / "kv.sock")
     server = serve_in_background([_store_file(tmp_path)], sock)
     real = server._op_segments
-    go = threading.Event()
+    go, arrived = threading.Event(), threading.Event()
 
     def stuck_segments(s, keys):
+        arrived.set()
         go.wait(20)
         return real(s, keys)
     server._op_segments = stuck_segments
@@ -291,6 +293,9 @@ def _a_read_stuck_on_the_server(tmp_path, **client):
         r.put_run(keys, run_data(keys))
         t = threading.Thread(target=lambda: r.get_run(keys, np.zeros_like(run_data(keys))))
         t.start()
+        # the call is on the server (sent, its answer awaited) before the
+        # test looks: a sleep here lost that race on a loaded machine
+        assert arrived.wait(20), "the read never reached the server"
         yield r, keys[0], go, t
     finally:
         go.set()
@@ -304,11 +309,13 @@ def test_a_lookup_behind_an_overdue_call_answers_false_at_once(tmp_path):
     server), but they waited the whole ``wait`` for the connection first:
     a caller with a longer wait paid it on every key."""
     with _a_read_stuck_on_the_server(tmp_path) as (r, key, go, t):
-        time.sleep(0.7)                     # that call is overdue for a timeout of 0.5 s
+        time.sleep(0.6)                     # that call is overdue for a timeout of 0.5 s
+        assert r.answer_overdue(0.5)
         start = time.monotonic()
         assert r.contains_nowait(key, 3.0, timeout=0.5) is False
         assert r.touch_nowait([key], 3.0, timeout=0.5) == 0
-        assert time.monotonic() - start < 1.0, "it waited for the connection"
+        # waiting for the connection would cost 3 s per call
+        assert time.monotonic() - start < 2.5, "it waited for the connection"
         go.set()
         t.join(10)
         assert r.contains_nowait(key, 3.0, timeout=0.5) is True
@@ -319,9 +326,11 @@ def test_a_lookup_does_not_wait_behind_a_stuck_call(tmp_path):
     flight, and False once that call has waited longer than its timeout (a
     hung server), not RETRY for as long as the stuck call's own limit."""
     with _a_read_stuck_on_the_server(tmp_path, reconnect=True) as (r, key, go, t):
-        time.sleep(0.1)
-        assert r.contains_nowait(key, 0.001, timeout=0.5) is None
+        # in flight (the fixture saw it reach the server), not yet overdue
+        # for a 2 s timeout, however slowly this thread was scheduled
+        assert r.contains_nowait(key, 0.001, timeout=2.0) is None
         time.sleep(0.6)
+        assert r.answer_overdue(0.5)
         assert r.contains_nowait(key, 0.001, timeout=0.5) is False
         go.set()
         t.join(10)
