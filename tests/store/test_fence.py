@@ -131,11 +131,18 @@ def test_writers_that_never_pause_cannot_starve_an_owner(target):
     try:
         for t in threads:
             t.start()
-        time.sleep(0.2)
+        deadline = time.monotonic() + 20
+        while done[0] == 0:                       # the writers are writing
+            assert time.monotonic() < deadline, "the writers never wrote"
+            time.sleep(0.01)
         fence_writers([target], timeout=5)
         before = done[0]
-        time.sleep(0.2)
-        assert done[0] > before, "the writers did not go on after the owner's turn"
+        # they go on: soon, however slowly they are scheduled (a fence that
+        # kept them out would keep them out for good)
+        deadline = time.monotonic() + 20
+        while done[0] <= before:
+            assert time.monotonic() < deadline, "the writers did not go on after the owner's turn"
+            time.sleep(0.01)
     finally:
         stop.set()
         for t in threads:
