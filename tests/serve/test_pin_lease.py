@@ -22,7 +22,9 @@ from tests.serve.test_write_fence import _allocations, _in_thread, _release_fenc
 from tests.store.workload import run_data, run_keys
 from tests.support.servers import stop_process, stop_server
 
-LEASE = 0.5
+# Pings go every LEASE/4: a lease of 0.5 s could expire a live session whose process
+# stalled ~0.4 s (two test processes and a loop device on two cores).
+LEASE = 1.0
 
 _PINNING_RANK = """
 import sys, time
