@@ -82,7 +82,7 @@ Configuration (one entry of ``secondary_tiers``)::
      "size": "64G",            # create missing files of this size
      "threads": 8, "max_run_bytes": "16M", "verify": "always",
      "eviction": "lru", "region_size": null, "engine": null, "queue_depth": 32,
-     "locality": null,         # "LOCAL" / "REMOTE": carried by KV events and info
+     "locality": null,         # "LOCAL" / "REMOTE": carried by its KV events
      "enable_kv_events": false}  # BlockStored/BlockRemoved (with vLLM's KV events on)
 
 KV events carry ``ownership="kvblock:<store uuid>"`` (the tier type, then
