@@ -761,9 +761,10 @@ class RemoteStore(RunReader, RunWriter):
         try:
             if repeats:     # duplicates no admit saw: the server's stats count them too
                 self._call("count_duplicates", runs=len(repeats))
-            out = self._put_grouped(out, pieces, repeats,
-                                    lambda group: self._put_group(group, clears, on),
-                                    self.journal_bytes)
+            with self._put_under_way():   # close() lets every group through (see there)
+                out = self._put_grouped(out, pieces, repeats,
+                                        lambda group: self._put_group(group, clears, on),
+                                        self.journal_bytes)
         finally:          # (an error: ``out`` holds what the groups before it stored)
             self._give_back_unstored(items, out, admitted)
         return out
@@ -842,14 +843,15 @@ class RemoteStore(RunReader, RunWriter):
         # gone, the put raises ServerGoneError, as when no reconnect came yet.
         on = [None]
         try:
-            for start in range(0, n, step):
-                stop = min(n, start + step)
-                stored = self._put_one(keys[start:stop], span(blocks, start, stop), clears,
-                                       on)
-                written += stored
-                if not stored:        # a clear() overtook it: its earlier pieces went too
-                    written = 0
-                    return 0
+            with self._put_under_way():   # close() lets every piece through (see there)
+                for start in range(0, n, step):
+                    stop = min(n, start + step)
+                    stored = self._put_one(keys[start:stop], span(blocks, start, stop),
+                                           clears, on)
+                    written += stored
+                    if not stored:    # a clear() overtook it: its earlier pieces went too
+                        written = 0
+                        return 0
         finally:          # not stored whole: the next offer admits it (see KVStore)
             if written < n:
                 self._give_back_offers([(keys[0], True)])
@@ -927,14 +929,22 @@ class RemoteStore(RunReader, RunWriter):
         """A put's allocations, writes and commit: close() waits for them
         until the commit is answered, so that what was written is published,
         not cut off by the connection's end (a local store's close lets a
-        put in flight finish too).  StoreClosedError once close() began."""
+        put in flight finish too).  StoreClosedError once close() began.
+        Nested (a put's pieces, or put_runs' groups, inside the whole
+        put's): the put began before close() did, and goes on to its end;
+        refused between two pieces, it raised StoreClosedError with its
+        first pieces published, where a local store's close lets it finish."""
+        depth = getattr(self._bound, "put_depth", 0)
         with self._publishing_lock:
             self._publishing += 1
+        self._bound.put_depth = depth + 1
         try:
-            if self.closed:        # (after the count: a close from here waits for it)
+            # (after the count: a close from here waits for it)
+            if self.closed and not depth:
                 raise StoreClosedError("remote store was closed during the put")
             yield
         finally:
+            self._bound.put_depth = depth
             with self._publishing_lock:
                 self._publishing -= 1
 

@@ -950,3 +950,24 @@ def test_a_ranks_close_waits_for_a_put_written_and_not_yet_committed(store_file,
         assert _close_while(rank, reached, go, put) == ([2, 2] if many else 2)
         for keys, _ in items[:2 if many else 1]:
             assert server.store.lookup(keys) == 2
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["put_run", "put_runs"])
+def test_a_ranks_close_lets_a_put_of_several_pieces_finish(store_file, tmp_path, many):
+    """A rank's put of a run longer than a region (several pieces, each
+    committed on its own) had committed its first piece when another
+    thread closed the rank: close() waited for that piece only, so the next
+    one was refused and the put raised StoreClosedError with part of the
+    run published, where a local store's close lets the whole put finish."""
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([store_file], sock) as server:
+        rank = RemoteStore(sock)
+        n = rank.max_run_blocks + 3                     # two pieces
+        keys = run_keys(30, n)
+        data = run_data(keys)
+        reached, go = _wait_in(rank, "_count_committed")   # first piece committed
+        put = (lambda: rank.put_runs([(keys, data)])) if many else \
+            (lambda: rank.put_run(keys, data))
+        assert _close_while(rank, reached, go, put) == ([n] if many else n)
+        out = np.zeros(n * GEOM.block_bytes, np.uint8)
+        assert server.store.get_run(keys, out) == n and np.array_equal(out, data)
