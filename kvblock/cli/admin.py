@@ -427,7 +427,8 @@ def info(devices, model, as_json):
 @click.option("--limit", type=click.IntRange(0), default=50, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 def ls(devices, limit, as_json):
-    """List runs: blocks (live: still served), bytes, where, age of their region (read-only).
+    """List runs: blocks (live: still served), bytes, where, age of their region, the
+    first key each still serves (read-only).
 
     No hits or pins: they live in the process that holds the store (and are
     not written down), so a read of the devices would show every one as 0."""
@@ -447,7 +448,10 @@ def ls(devices, limit, as_json):
                          "device": store.io.devices[dev].path, "offset": off,
                          "region": run.region,
                          "age_s": round(now - sealed) if sealed else None,
-                         "first_key": run.key(0).hex()})
+                         # the first key it still serves: a checkpoint zeroes
+                         # the positions a newer run took over
+                         "first_key": next(iter(store.index.live_keys([run])), b"").hex()
+                         or None})
         total = len(runs)
     if as_json:
         click.echo(_json.dumps({"runs": rows, "total_runs": total}))

@@ -169,6 +169,27 @@ def test_ls_says_how_many_of_a_runs_blocks_are_still_served(file_target):
     assert "live" in kvb("ls", path).stdout.splitlines()[2]
 
 
+def test_ls_first_key_is_the_first_key_a_run_still_serves(file_target):
+    """A run whose first position a newer run took over (its key stored
+    again) showed first_key 000...0: a checkpoint zeroes superseded
+    positions, and zero reads as a key.  ls names the first key the run
+    still serves."""
+    path = file_target(16 << 20)
+    kvb("format", path, *GEOM_ARGS, "--region-size", "256K")
+    keys = run_keys(0, 3)
+    with KVStore.open([path]) as store:
+        store.put_run(keys, run_data(keys))
+        again = keys[:1] + run_keys(9, 1)
+        store.put_run(again, run_data(again))      # takes over keys[0]
+    res = kvb("ls", path, "--json")
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)["runs"]
+    from kvblock.index import normalize_keys
+
+    assert [(r["live"], r["first_key"]) for r in rows] == \
+        [(2, normalize_keys(keys)[1].hex()), (2, normalize_keys(again)[0].hex())]
+
+
 def test_format_refuses_ext4(loop_device):
     dev = loop_device(32 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "precious", dev], check=True)
