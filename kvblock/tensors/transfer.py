@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from kvblock.errors import ConfigError, IOFailedError, KVBlockError, StoreClosedError
+from kvblock.errors import ConfigError, IOFailedError, KVBlockError, ServerGoneError
 from kvblock.format.checksum import data_hasher
 from kvblock.index import normalize_keys
 from kvblock.io import IOBatch
@@ -398,6 +398,8 @@ def _job_class(store, layout):
     return _LoadJob
 
 
+# (ServerGoneError, as every call that meets the server gone: a caller
+# retrying once the store reconnects catches that one)
 PINS_LAPSED = ("the store server went away during the load: its pins lapsed, so a "
                "restarted server may have reused the space read; treat the load as a miss")
 
@@ -684,7 +686,7 @@ class _LoadJob:
                     # read (unverified, nothing else would notice).
                     if not store._pins_hold(self.segs):
                         lapsed = True
-                        raise StoreClosedError(PINS_LAPSED)
+                        raise ServerGoneError(PINS_LAPSED)
                     handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
                     handle._events[layer].set()
         except BaseException as e:  # surfaced by wait()/wait_layer()
@@ -715,7 +717,7 @@ class _LoadJob:
             # counted as such, and none of its blocks count as returned.
             store.counters.add("lapsed_pin_gets")
             if error is None:
-                error = StoreClosedError(PINS_LAPSED)
+                error = ServerGoneError(PINS_LAPSED)
         if error is None:
             # Counted only once the pins were released and found to have
             # held.  The blocks read from the device; the rest of those

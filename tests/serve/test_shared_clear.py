@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvblock import KVStore
-from kvblock.errors import ConfigError, StoreClosedError, StoreFullError
+from kvblock.errors import ConfigError, ServerGoneError, StoreClosedError, StoreFullError
 from kvblock.store.client import RemoteStore
 from kvblock.store.server import serve_in_background, spawn_server
 from tests.store.workload import GEOM, run_data, run_keys, small_store
@@ -281,7 +281,7 @@ def test_a_layer_read_after_the_pins_lapsed_is_never_handed_over(tmp_path, verif
         finally:
             transfer._LoadJob._read_batch = real
         assert seen == {0: True, **{layer: "lapsed" for layer in range(1, g.num_layers)}}
-        with pytest.raises(StoreClosedError, match="pins lapsed"):
+        with pytest.raises(ServerGoneError, match="pins lapsed"):
             h.wait(10)
         assert reader.counters["checksum_failures"] == 0
     finally:
