@@ -828,17 +828,21 @@ class KVStore(Recovery, RunReader, RunWriter):
                 admitted = self.admission.admit(keys[0])
             return "ok" if admitted else "rejected"    # counted by _plan_puts
         out, pieces, repeats, admitted = self._plan_puts(items, found, admit, unchecked)
+        # The regions this call's writes hold pinned (writer pins), each
+        # listed as it is pinned (in _allocate); _put_one and _put_group
+        # unpin what it lists.
+        held: list[int] = []
         try:
             if len(items) == 1:
                 for i, keys, blocks in pieces:
-                    stored = self._put_one(keys, blocks, clears)
+                    stored = self._put_one(keys, blocks, clears, held)
                     out[i] += stored
                     if not stored:    # a clear() overtook it: its earlier pieces went too
                         out[i] = 0
                         break
             else:
                 out = self._put_grouped(out, pieces, repeats,
-                                        lambda group: self._put_group(group, clears),
+                                        lambda group: self._put_group(group, clears, held),
                                         self.sb.journal_bytes)
         finally:          # (an error: ``out`` holds what the pieces before it stored)
             self._give_back_unstored(items, out, admitted)
@@ -855,12 +859,13 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _count_rejected(self, runs: int) -> None:
         self.counters.add("admission_rejected_runs", runs)
 
-    def _put_group(self, pieces: list, clears: int) -> list[tuple[int, int]]:
+    def _put_group(self, pieces: list, clears: int, held: list) -> list[tuple[int, int]]:
         """Write each piece as a run, then publish them all with one commit.
         Pieces whose buffers already are their on-device image (no staging)
         are written together in one engine call after the others; a staged
         piece is written at once (the staging buffer is reused).  Returns
-        (item, blocks) per piece, 0 blocks for one a clear() refused."""
+        (item, blocks) per piece, 0 blocks for one a clear() refused.
+        ``held``: the call's writer pins (see _put_many), unpinned here."""
         written, deferred = [], []      # deferred: (run index, batch, sums, Streams or Later)
         images = [self._is_image(self.layout(len(keys)), blocks) for _, keys, blocks in pieces]
         # The images are written in one call: hashed while it runs when it is
@@ -871,10 +876,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         try:
             for (i, keys, blocks), image in zip(pieces, images):
                 if image:
-                    run, batch, sums = self._write_piece(keys, blocks, defer=True, later=later)
+                    run, batch, sums = self._write_piece(keys, blocks, held, defer=True,
+                                                         later=later)
                     deferred.append((len(written), batch, sums))
                 else:
-                    run = self._write_piece(keys, blocks)
+                    run = self._write_piece(keys, blocks, held)
                 written.append((i, keys, blocks, run))
             if deferred:
                 for k, sums in self._write_runs_together(
@@ -883,20 +889,31 @@ class KVStore(Recovery, RunReader, RunWriter):
             discards = self._host_discards()
             published = self._publish_puts([run for _, _, _, run in written], clears)
         finally:
-            self._unpin_writers([run.region for _, _, _, run in written])
+            try:
+                self._unpin_writers(held)
+            except BaseException:      # cut as it began: the list names every pin still held
+                self._unpin_writers(held)
+                raise
         for _, keys, blocks, run in written:
             if run.run_id in published:
                 self._count_put(keys, blocks, run, clears, discards)
         return [(i, len(keys) if run.run_id in published else 0)
                 for i, keys, _, run in written]
 
-    def _put_one(self, keys: list[bytes], blocks, clears: int) -> int:
-        run = self._write_piece(keys, blocks)
+    def _put_one(self, keys: list[bytes], blocks, clears: int, held: list | None = None) -> int:
+        """One piece written and published; ``held``: the call's writer
+        pins (see _put_many), unpinned here."""
+        held = [] if held is None else held
         try:
+            run = self._write_piece(keys, blocks, held)
             discards = self._host_discards()
             published = self._publish_put(run, clears)
         finally:
-            self._unpin_writers([run.region])
+            try:
+                self._unpin_writers(held)
+            except BaseException:      # cut as it began: the list names every pin still held
+                self._unpin_writers(held)
+                raise
         if not published:
             return 0
         self._count_put(keys, blocks, run, clears, discards)
@@ -920,23 +937,22 @@ class KVStore(Recovery, RunReader, RunWriter):
         removed the run before they got there)."""
         return None if self.host is None else self.host.discards
 
-    def _write_piece(self, keys: list[bytes], blocks, defer: bool = False,
+    def _write_piece(self, keys: list[bytes], blocks, held: list, defer: bool = False,
                      later: int | bool = True):
         """Allocate a run's space and write its data: the Run, not yet
-        published, its region still pinned (the caller publishes, then
-        unpins).  ``defer``: leave the write to the caller, and return (Run
-        without checksums when the write is to compute them, its IOBatch,
-        its checksums, Streams or Later).  ``later``: see _stage_run."""
+        published, its region still pinned, listed in ``held`` as it was
+        pinned (the caller publishes, then unpins what ``held`` lists, also
+        when this raises: a KeyboardInterrupt landing anywhere from the pin
+        on leaves no pin that nothing drops).  ``defer``: leave the write
+        to the caller, and return (Run without checksums when the write is
+        to compute them, its IOBatch, its checksums, Streams or Later).
+        ``later``: see _stage_run."""
         lay = self.layout(len(keys))
-        region, offset, run_id, gen = self._begin_put(lay.run_bytes)
-        try:
-            dev, dev_off = self.regions.address(region, offset)
-            batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off, later=later)
-            if not defer:
-                sums = self._write_run(batch, sums, run_id)
-        except BaseException:
-            self._unpin_writers([region])
-            raise
+        region, offset, run_id, gen = self._begin_put(lay.run_bytes, held)
+        dev, dev_off = self.regions.address(region, offset)
+        batch, sums = self._stage_run(lay, blocks, run_id, dev, dev_off, later=later)
+        if not defer:
+            sums = self._write_run(batch, sums, run_id)
         run = Run(run_id, region, gen, offset, b"".join(keys),
                   None if isinstance(sums, (Streams, Later)) else sums, created=time.time())
         return (run, batch, sums) if defer else run
@@ -995,15 +1011,29 @@ class KVStore(Recovery, RunReader, RunWriter):
 
     # The three steps of a put, also used apart by the store server
     # (kvblock/store/server.py), whose clients write the data themselves.
-    def _begin_put(self, run_bytes: int) -> tuple[int, int, int, int]:
+    def _begin_put(self, run_bytes: int, held: list | None = None) -> tuple[int, int, int, int]:
         """(region, offset, run id, region generation) for a new run; the
-        region comes back pinned (a writer in flight: the caller unpins)."""
-        region, offset = self._allocate(run_bytes)
-        with self._lock:
-            run_id = self._next_run_id
-            self._next_run_id += 1
-            gen = int(self.regions.generation[region])
-        return region, offset, run_id, gen
+        region comes back pinned (a writer in flight: the caller unpins).
+        ``held``: a list the region is added to as it is pinned, whose
+        owner unpins what it lists, also when this raises; without one,
+        an exception (a KeyboardInterrupt after _allocate returned) unpins
+        it here."""
+        pinned = [] if held is None else held
+        try:
+            region, offset = self._allocate(run_bytes, pinned)
+            with self._lock:
+                run_id = self._next_run_id
+                self._next_run_id += 1
+                gen = int(self.regions.generation[region])
+            return region, offset, run_id, gen
+        except BaseException:
+            if held is None:
+                try:
+                    self._unpin_writers(pinned)
+                except BaseException:  # cut as it began: the list names the pin still held
+                    self._unpin_writers(pinned)
+                    raise
+            raise
 
     def _publish_put(self, run: Run, clears: int) -> bool:
         """Journal the run's PUT record durably (after flushing the data), then
@@ -1042,9 +1072,13 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._release_unpinned(emptied)
         return {r.run_id for r in kept}
 
-    def _allocate(self, nbytes: int) -> tuple[int, int]:
+    def _allocate(self, nbytes: int, held: list) -> tuple[int, int]:
         """Space for a run, reclaiming regions by policy when none is free.
-        The region comes back pinned (a writer in flight)."""
+        The region comes back pinned (a writer in flight), added to ``held``
+        as it is pinned: the caller unpins what ``held`` lists (when this
+        raises too: a KeyboardInterrupt after the pin, here or in the
+        caller before its own try, left the pin held for good, the region
+        never evicted)."""
         while True:
             got, emptied = None, None
 
@@ -1061,15 +1095,17 @@ class KVStore(Recovery, RunReader, RunWriter):
                         and self.regions.pins[was_open] == 0:
                     emptied = was_open
                 if taken is not None:
-                    # pinned once ``got`` says so (a cut between the two
+                    # pinned once ``held`` lists it (a cut between the two
                     # undoes the pin: nothing else changes it under the lock)
-                    pins = int(self.regions.pins[taken[0]])
+                    pins, listed = int(self.regions.pins[taken[0]]), len(held)
                     try:
                         self.regions.pins[taken[0]] = pins + 1
-                        got = taken
+                        held.append(taken[0])
                     except BaseException:
-                        self.regions.pins[taken[0]] = pins
+                        if len(held) == listed:
+                            self.regions.pins[taken[0]] = pins
                         raise
+                    got = taken
                     return None      # an emptied region is freed below
                 if emptied is not None:
                     return emptied, False        # freed, then taken
@@ -1091,17 +1127,12 @@ class KVStore(Recovery, RunReader, RunWriter):
                         f"({self.regions.count} regions of {self.sb.region_size} bytes); "
                         "release pins or add capacity")
                 return victim, True
-            try:
-                # The region is written again at once: no discard (see _finish_reclaim).
-                self._reclaim(pick, discard=False)
-                if got is not None:
-                    if emptied is not None:
-                        self._release_unpinned({emptied})
-                    return got
-            except BaseException:
-                if got is not None:      # (a Ctrl-C too: nobody else would unpin it)
-                    self._unpin_writers([got[0]])
-                raise
+            # The region is written again at once: no discard (see _finish_reclaim).
+            self._reclaim(pick, discard=False)
+            if got is not None:
+                if emptied is not None:
+                    self._release_unpinned({emptied})
+                return got
 
     def _reclaim(self, pick, discard: bool = True) -> int | None:
         """Reclaim the region ``pick()`` names and return it; None (nothing
@@ -1467,11 +1498,27 @@ class KVStore(Recovery, RunReader, RunWriter):
         return True
 
     def _unpin_writers(self, regions) -> None:
-        """Writers done with their runs' regions (published, refused or failed)."""
-        with self._lock:
-            for region in regions:
-                self.regions.pins[region] -= 1
-        self._release_unpinned(set(regions))
+        """Writers done with their runs' regions (published, refused or
+        failed).  A list is emptied as each pin drops: a KeyboardInterrupt
+        landing in here does not stop it half way (the pins after the one
+        it cut stayed held for good: their regions never evicted, the store
+        full at last); the rest drop, then it is raised.  Cut as it
+        began: the list still names every pin, for the caller to call it
+        again."""
+        held = regions if isinstance(regions, list) else list(regions)
+        freed, interrupted = set(held), None
+        while held:
+            try:
+                with self._lock:
+                    while held:
+                        self.regions.pins[held.pop()] -= 1   # (one step: off the list as it drops)
+            except BaseException as e:
+                interrupted = interrupted or e
+        try:
+            self._release_unpinned(freed)
+        finally:
+            if interrupted is not None:
+                raise interrupted
 
     def _release_unpinned(self, regions) -> None:
         """Free the regions among ``regions`` that lost their last pin with no

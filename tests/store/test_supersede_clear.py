@@ -343,13 +343,13 @@ def test_a_clear_between_the_pieces_of_one_put_refuses_the_whole_put(tmp_path, h
         big, small = run_keys(30, store.max_run_blocks + 5), run_keys(31, 2)
         real, calls = store._begin_put, []
 
-        def begin_put(nbytes):
+        def begin_put(nbytes, held=None):
             calls.append(nbytes)
             if len(calls) == 2:            # another thread clears between the pieces
                 t = threading.Thread(target=store.clear)
                 t.start()
                 t.join(20)
-            return real(nbytes)
+            return real(nbytes, held)
         store._begin_put = begin_put
         if how == "put_run":
             got = [store.put_run(big, run_data(big))]
