@@ -59,10 +59,17 @@ class InFlight:
         with self._lock:
             self._calls += 1
 
-    def leave(self) -> None:
+    def leave(self, token: list | None = None) -> None:
+        """A call ends.  ``token``: the call's own ``[1]``, taken as it is
+        counted out, so that a leave a KeyboardInterrupt cut (as it began,
+        or before it woke a close() waiting) can be called again: it
+        counts the call out once, and wakes the waiter (see in_flight)."""
         then = None
         with self._lock:
-            self._calls -= 1
+            if token is None:
+                self._calls -= 1
+            elif token:
+                self._calls -= token.pop()      # (one step: counted out as taken)
             if self._calls == 0 and self._closing:
                 self._cv.notify_all()
                 then, self._then = self._then, None
@@ -136,10 +143,17 @@ def in_flight(method: Callable) -> Callable:
     store's InFlight (``_inflight``)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        gate = self._inflight
+        gate, token = self._inflight, [1]
         gate.enter()
         try:
             return method(self, *args, **kwargs)
         finally:
-            gate.leave()
+            try:
+                gate.leave(token)
+            except BaseException:
+                # Cut as it left (a KeyboardInterrupt): left counted, the
+                # call made close() wait CLOSE_WAIT_S, then leave the
+                # devices open and locked.  Again: it counts out once.
+                gate.leave(token)
+                raise
     return call

@@ -1530,6 +1530,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         # A call in flight: unpin() is none, and a close() meanwhile would
         # free the engine under the reclaim.  Once closing, nothing is freed
         # (an empty region is free again at the next open).
+        token = [1]
         try:
             self._inflight.enter()
         except StoreClosedError:
@@ -1543,7 +1544,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         except KVBlockError as e:    # the read or write itself went through
             logger.warning("kvblock: freeing emptied regions %s failed: %s", regions, e)
         finally:
-            self._inflight.leave()
+            try:
+                self._inflight.leave(token)
+            except BaseException:    # cut as it left: again (it counts out once)
+                self._inflight.leave(token)
+                raise
 
     def _drop_runs(self, runs: list[Run], why: str | None = None,
                    count: str | None = None, keys: set | None = None) -> int:

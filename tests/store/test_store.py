@@ -3272,11 +3272,17 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
     _put_group before the run was listed), or half way through
     _unpin_writers' loop, the region's writer pin stayed held for good:
     the region was never evicted again, and enough such cuts made every
-    put fail with StoreFullError.  Now each run is stored whole or not at
-    all, no writer pin is left, later calls return, and a crash leaves the
-    store as the process saw it."""
+    put fail with StoreFullError.  Cut as a call left the store's
+    InFlight (the in_flight wrapper's leave, _release_unpinned's), the
+    call stayed counted: close() waited CLOSE_WAIT_S (30 s), then left the
+    devices open and locked (a reopen: DeviceBusyError).  Now each run is
+    stored whole or not at all, no writer pin or call in flight is left,
+    later calls return, and a crash leaves the store as the process saw
+    it."""
     import shutil
+    from types import SimpleNamespace
 
+    from kvblock.store.inflight import InFlight
     from kvblock.store.store import KVStore as Store
 
     image, path, crashed = (Path(shm_target(1792 << 10, name)) for name in
@@ -3292,7 +3298,10 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
     functions = [getattr(Store, name) for name in (
         "put_run", "put_runs", "_put", "_put_many", "_put_grouped", "_put_group", "_put_one",
         "_write_piece", "_begin_put", "_allocate", "_publish_put", "_publish_puts",
-        "_unpin_writers")]
+        "_unpin_writers", "_release_unpinned")]
+    if call == "put_run that reclaims":     # (put_runs leaves them the same way)
+        functions += [InFlight.enter, InFlight.leave,
+                      SimpleNamespace(__code__=Store.put_run.__code__)]   # in_flight's wrapper
     n, fired = 0, []
     while True:
         n += 1
@@ -3316,6 +3325,8 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
                     and isinstance(store._failure, KeyboardInterrupt), cut.fired
                 continue
             assert list(store.regions.pins) == [0] * store.regions.count, cut.fired
+            # (else close() waits CLOSE_WAIT_S, then leaves the devices locked)
+            assert store._inflight.calls == 0, cut.fired
             assert not store._removing and not store._freeing, cut.fired
             _index_consistent(store)
             held = {tuple(k): store.lookup(k) for k in put + runs}
