@@ -339,3 +339,36 @@ def test_plan_refusing_a_model_no_journal_holds_names_its_own_options():
     assert "--model-layers" in res.output, res.output
     assert "--head-groups" not in res.output and "--layers" not in res.output.replace(
         "--model-layers", ""), res.output
+
+
+def test_the_planned_device_size_is_the_least_though_the_metadata_steps_by_a_mib(tmp_path):
+    """The first region starts at the metadata's end rounded up to a whole
+    MiB, and the checkpoint grows with the device: one 4 KiB larger can
+    start the regions a MiB later and hold one region fewer.  The search
+    took "holds" as changing once within a region size, and plan said
+    46,727,168 bytes for 2 requests of 70,000 blocks of this model, where
+    45,678,592 bytes (18 regions) already hold both (45,895,680 holds 17).
+    It is now the least size for which the format's own plan holds them."""
+    from kvblock import Geometry
+    from kvblock.store.planning import StandIn, plan_or_none, regions_for_runs
+
+    shape = dict(layers=1, kv_heads=1, head_dim=64, dtype="float16", block_tokens=1)
+    geometry = Geometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16",
+                        block_tokens=1)
+    p = plan(**shape, tokens=70000, sessions=2, device_gbps=1.0)
+    devs = [StandIn("d", 4096)]
+
+    def holds(size):
+        layout = plan_or_none(devs, geometry, size=size)
+        need = None if layout is None else regions_for_runs(layout, geometry, 70000, 2)
+        return need is not None and need <= layout["region_count"]
+    assert holds(45_678_592) and not holds(45_895_680)
+    assert p.device_bytes == 45_678_592 and (p.region_count, p.region_bytes) == (18, 2_129_920)
+    # no size below it holds them, in the format's granularity (4 KiB) over
+    # the 8 MiB below (4 regions), every MiB further down
+    assert not any(holds(size) for size in [*range(p.device_bytes - (8 << 20), p.device_bytes,
+                                                   4096),
+                                            *range(p.device_bytes >> 20 << 20, 0, -(1 << 20))])
+    # and a store file of that size holds both, bytes as written
+    stored, same = _fill_planned_store(tmp_path, p, geometry, 1, 2)
+    assert stored == [70000, 70000] and all(same)

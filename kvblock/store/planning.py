@@ -12,9 +12,10 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from kvblock.errors import ConfigError, DeviceTooSmallError, StoreFullError
-from kvblock.layout.geometry import Geometry, RunLayout
+from kvblock.layout.geometry import Geometry, RunLayout, round_up
 from kvblock.store.store import (
-    DEFAULT_REGION_MAX, DEFAULT_REGION_SHARE, MIB, _blocks_too_small, _max_run_blocks, _plan)
+    DEFAULT_REGION_MAX, DEFAULT_REGION_SHARE, JOURNAL_MAX, JOURNAL_SHARE, MIB,
+    _blocks_too_small, _max_run_blocks, _plan)
 from kvblock.store.writes import check_run_fits
 
 # the largest size least_size tries
@@ -88,6 +89,175 @@ def _least_capacity(plan_at, block: int = 4096, *, low: int = 0,
     return high
 
 
+def _least_count(holds, most: int) -> int | None:
+    """The least region count ``n`` (1 to ``most``) for which ``holds(n)``,
+    taken as monotonic in ``n``; None when not even ``most`` does."""
+    if not holds(most):
+        return None
+    low, high = 0, 1
+    while not holds(high):
+        low, high = high, min(most, 2 * high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if holds(mid) else (mid, high)
+    return high
+
+
+def _least(devices: Sequence[StandIn], geometry: Geometry, region_size: int | None,
+           need, lower=None) -> int | None:
+    """The least size (as least_size's) for which the format's plan over
+    ``devices`` has at least ``need(plan)`` regions: the least region count
+    with which a store of that plan's region size, alignment and journal
+    holds what is asked (None: none does).  None when no size up to
+    MAX_SIZE bytes does.
+
+    What a plan holds is not monotonic in the size: the default region size
+    grows with it (larger regions may hold fewer runs), the journal grows
+    (and with it the most blocks of a run's piece), and the regions start
+    after the metadata rounded up to a whole MiB, which the checkpoint's
+    growth moves a MiB later at a time (a region fewer, 4 KiB on).  Sizes
+    whose plans share a region size and a piece size (``need`` depends on
+    nothing else) make runs of sizes; in one, only the region count
+    changes, by the size less the data's offset: the least size there with
+    enough is found from where the data starts, again until it stays.
+    ``lower(region_size)``: if given, a count ``need`` is at least for any
+    plan of that region size (to pass sizes that cannot hold it quickly)."""
+    block = max(d.block_size for d in devices)
+    count = len(devices)
+    least = 2 if count == 1 else 1            # regions per device a store needs
+    most = MAX_SIZE // block * block
+
+    def layout(nbytes: int) -> dict | None:
+        """The plan at ``nbytes``, of devices too small for their regions
+        too (short); None where the format refuses it for another reason."""
+        devs = [d if d.capacity is not None else
+                d._replace(capacity=nbytes // d.block_size * d.block_size) for d in devices]
+        try:
+            return _plan(devs, geometry, region_size, None, short=True)
+        except (DeviceTooSmallError, ConfigError):
+            return None
+
+    steps: dict[tuple[int, int, int], int] = {}
+
+    def key(plan: dict) -> tuple[int, int]:
+        """What ``need`` depends on: the region size and a piece's most blocks."""
+        sizes = (plan["alignment"], plan["region_size"], plan["journal_bytes"])
+        if sizes not in steps:
+            steps[sizes] = _max_run_blocks(geometry, *sizes)
+        return plan["region_size"], steps[sizes]
+
+    def hints(size: int) -> list[int]:
+        """Sizes where the plan's key may change next, farthest first (each
+        the last size before it, as the format's defaults compute it; only
+        tried, a wrong one costs a bisection): the largest size, the end of
+        the default region size's band and of the journal's growth, its
+        next step."""
+        found = [most]
+        caps = [d.capacity if d.capacity is not None else size // d.block_size * d.block_size
+                for d in devices]
+        total = min(caps) * count
+
+        def last_below(total_at: int) -> int:
+            return -(-total_at // count // block) * block - block
+
+        if region_size is None and total // DEFAULT_REGION_SHARE < DEFAULT_REGION_MAX:
+            found.append(last_below(DEFAULT_REGION_SHARE * DEFAULT_REGION_MAX))
+            found.append(last_below(DEFAULT_REGION_SHARE * (total // DEFAULT_REGION_SHARE
+                                                            // MIB + 1) * MIB))
+        plan = layout(size)
+        if plan["journal_bytes"] < JOURNAL_MAX:
+            found.append(last_below(JOURNAL_SHARE * JOURNAL_MAX))
+            found.append(last_below(JOURNAL_SHARE * (plan["journal_bytes"] + 1)))
+        return sorted(set(found), reverse=True)
+
+    def last_of(size: int, same, beyond: int | None) -> int:
+        """The largest size whose plan is ``same`` as ``size``'s (a property
+        monotonic in the size: true up to some size, false after);
+        ``beyond``: a larger one known not to be, if any."""
+        moved = True
+        while moved:
+            moved = False
+            for h in hints(size):
+                if h <= size or (beyond is not None and h >= beyond):
+                    continue
+                if not same(layout(h)):
+                    beyond = h
+                    continue
+                if h == most or not same(layout(h + block)):
+                    return h
+                size, moved = h + block, True
+                break
+        if beyond is None:
+            step, low = block, size
+            while True:
+                high = min(most, low + step)
+                if not same(layout(high)):
+                    beyond = high
+                    break
+                if high == most:
+                    return most
+                low, step = high, 2 * step
+            size = low
+        while beyond - size > block:
+            mid = (size + beyond) // 2 // block * block
+            size, beyond = (mid, beyond) if same(layout(mid)) else (size, mid)
+        return size
+
+    if _blocks_too_small([StandIn(d.path, d.block_size) for d in devices], geometry):
+        return None                     # no size holds a store of these blocks
+    # the least size planned at all (refused but for its regions' count, as
+    # a journal too small for a run's record: that falls as the size grows)
+    size = _least_capacity(layout, block)
+    needs: dict[tuple[int, int], int | None] = {}
+    while size is not None and size <= most:
+        plan = layout(size)
+        k = key(plan)
+        region = plan["region_size"]
+        # no size of this region size holds it below the bound's regions
+        # after where the data starts here (it starts no earlier past here)
+        if lower is not None:
+            per = max(least, -(-lower(region) // count))
+            at = round_up(max(plan["data_offsets"]) + per * region, block)
+            if at > size:
+                if at > most:
+                    return None
+                if layout(at)["region_size"] == region:
+                    size = at
+                else:
+                    last = last_of(size, lambda p: p["region_size"] == region, at)
+                    size = last + block
+                continue
+        if k not in needs:
+            needs[k] = need(plan)
+        n = needs[k]
+        beyond = None
+        if n is not None:
+            per = max(least, -(-n // count))    # regions on each device
+            at = size
+            while True:
+                got = layout(at)
+                if key(got) != k:
+                    beyond = at
+                    break
+                short = [i for i, m in enumerate(got["regions_per_device"]) if m < per]
+                if not short:
+                    return at
+                size = at               # of key k, and none up to it holds it
+                if any(devices[i].capacity is not None for i in short):
+                    break               # a device of its own size: no larger size helps
+                # the least size with ``per`` regions after the data's offset
+                # there (a larger size may start them later: again)
+                at = round_up(max(got["data_offsets"][i] for i in short)
+                              + per * got["region_size"], block)
+                if at > most:
+                    return None
+        last = last_of(size, lambda p: key(p) == k, beyond)
+        if last >= most:
+            return None
+        size = last + block
+    return None
+
+
 def least_size(devices: Sequence[StandIn], geometry: Geometry,
                region_size: int | None = None, *, run_blocks: int | None = None) -> int | None:
     """The least size, in whole blocks of the devices' largest block size,
@@ -95,10 +265,25 @@ def least_size(devices: Sequence[StandIn], geometry: Geometry,
     format with ``region_size`` to plan a store over them (one that holds a
     run of ``run_blocks`` blocks, given it): None when none up to MAX_SIZE
     bytes does."""
-    block = max(d.block_size for d in devices)
-    return _least_capacity(lambda nbytes: plan_or_none(devices, geometry, region_size,
-                                                      size=nbytes, run_blocks=run_blocks),
-                          block)
+    if run_blocks is None:
+        return _least(devices, geometry, region_size, lambda plan: 0)
+    # the run's blocks fill at least so many regions
+    run = run_blocks * geometry.block_bytes
+    return _least(devices, geometry, region_size,
+                  lambda plan: _fits_count(plan, geometry, run_blocks),
+                  lambda region: -(-run // region))
+
+
+def _fits_count(plan: dict, geometry: Geometry, nblocks: int) -> int | None:
+    """The least region count with which a store of ``plan``'s layout holds
+    a run of ``nblocks`` at once (check_fits); None where none does."""
+    def holds(n: int) -> bool:
+        try:
+            check_fits(dict(plan, region_count=n), geometry, nblocks)
+        except StoreFullError:
+            return False
+        return True
+    return _least_count(holds, MAX_SIZE // plan["region_size"] + 1)
 
 
 def regions_for_runs(plan: dict, geometry: Geometry, nblocks: int, runs: int) -> int | None:
@@ -163,28 +348,19 @@ def least_size_for_runs(devices: Sequence[StandIn], geometry: Geometry, nblocks:
 
     The default region size grows with the devices (1/16 of the store's
     space in whole MiB, up to 256 MiB), and larger regions may hold fewer
-    such puts (more slack past each region's last piece): what holds is
-    monotonic only among sizes of one region size.  Each band of one
-    region size is tried in turn, from the smallest, up to its largest
-    size; the least size of the first that holds it is the answer."""
-    def plan_at(nbytes: int) -> dict | None:
-        plan = plan_or_none(devices, geometry, size=nbytes)
-        if plan is None:
+    such puts (more slack past each region's last piece); the regions start
+    a MiB later at some sizes: what holds is not monotonic in the size, and
+    _least searches every region size and data offset in turn."""
+    def need(plan: dict) -> int | None:
+        fits = _fits_count(plan, geometry, nblocks)
+        if fits is None:
             return None
-        need = regions_for_runs(plan, geometry, nblocks, runs)
-        return plan if need is not None and need <= plan["region_count"] else None
+        regions = regions_for_runs(dict(plan, region_count=fits), geometry, nblocks, runs)
+        return None if regions is None else max(fits, regions)
 
-    block = max(d.block_size for d in devices)
-    count = len(devices)
-    low = 0                     # no size up to it holds them
-    for mib in range(2, DEFAULT_REGION_MAX // MIB + 1):
-        # the band's largest size: one block short of a store whose share
-        # is ``mib`` MiB (store.py's default region size)
-        top = -(-(DEFAULT_REGION_SHARE * mib * MIB) // (count * block)) * block - block
-        if top > low and plan_at(top) is not None:
-            return _least_capacity(plan_at, block, low=low, high=top)
-        low = max(low, top)
-    return _least_capacity(plan_at, block, low=low)
+    # each region holds at most its size of the runs' blocks
+    total = runs * nblocks * geometry.block_bytes
+    return _least(devices, geometry, None, need, lambda region: -(-total // region))
 
 
 def no_store_holds(geometry: Geometry, blocks: list[int], *,

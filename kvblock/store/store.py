@@ -87,6 +87,9 @@ MIB = 1 << 20
 # MiB (at most DEFAULT_REGION_MAX) plus 1/TRAILER_RESERVE for runs' trailers.
 DEFAULT_REGION_SHARE = 16
 DEFAULT_REGION_MAX = 256 * MIB
+# The default journal: 1/JOURNAL_SHARE of the store's space, 1 MiB to JOURNAL_MAX.
+JOURNAL_SHARE = 128
+JOURNAL_MAX = 64 * MIB
 TRAILER_RESERVE = 64
 # Counters every store reports (stats(), Prometheus), zero until something happens.
 COUNTERS = (
@@ -2331,10 +2334,12 @@ def _blocks_too_small(devs, geometry: Geometry) -> ConfigError | None:
 
 
 def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes, *,
-          block_bytes: int | None = None, probe: bool = False) -> dict:
+          block_bytes: int | None = None, probe: bool = False, short: bool = False) -> dict:
     """Where everything goes on each device.  (``block_bytes``: the model's
     blocks taken as that many bytes; ``probe``: a plan _blocks_too_small
-    makes, whose refusals are not explained.)"""
+    makes, whose refusals are not explained; ``short``: the plan of devices
+    too small for their regions, returned rather than refused, for
+    planning's search of the least size.)"""
     for name, value in (("region_size", region_size), ("journal_bytes", journal_bytes)):
         if value is not None and (not is_whole(value) or value <= 0):
             raise ConfigError(f"{name} must be a positive whole number of bytes, got {value!r} "
@@ -2361,7 +2366,7 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes, *,
         raise ConfigError(f"region_size {region_size} must be a multiple of {alignment} and "
                           f"hold at least one block ({min_run} bytes for {geometry.describe()})")
     if journal_bytes is None:
-        journal_bytes = min(64 * MIB, max(MIB, total // 128))
+        journal_bytes = min(JOURNAL_MAX, max(MIB, total // JOURNAL_SHARE))
     journal_bytes = round_up(int(journal_bytes), alignment)
     # a run's PUT record may fill a quarter of the journal: one of one block, at least
     min_journal = round_up(4 * (jfmt.PUT_RECORD_OVERHEAD + 8 * geometry.run_checksums
@@ -2387,7 +2392,7 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes, *,
     # A store needs two regions; striped, each device one (the one short is named).
     least = 2 if len(devs) == 1 else 1
     for i, (d, off, n) in enumerate(zip(devs, data_offsets, per_dev)):
-        if n < least:
+        if n < least and not short:
             if i == 0 and not probe:
                 # no device of any size: the model's blocks (not the device) are too small
                 too_small = _blocks_too_small(devs, geometry)
