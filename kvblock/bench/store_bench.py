@@ -89,35 +89,55 @@ def _check_run_fits(target: str, geometry: Geometry, run_blocks: int, made=None)
         try:
             plan = plan_for([dev], geometry)    # the format's own: its region size
         except (DeviceTooSmallError, ConfigError) as e:
-            raise _too_small(dev, geometry, made) from e
-    run_bytes = RunLayout(geometry, run_blocks, plan["alignment"]).run_bytes
-    if run_bytes > plan["region_size"]:
-        raise ConfigError(f"a run of {run_blocks} blocks ({run_blocks * geometry.block_bytes} "
-                          f"bytes) exceeds the {plan['region_size']}-byte region; use fewer "
-                          "--run-blocks")
+            raise _too_small(dev, geometry, made, run_blocks) from e
+        run_bytes = RunLayout(geometry, run_blocks, plan["alignment"]).run_bytes
+        if run_bytes > plan["region_size"]:
+            # a larger target has larger regions: name its size too, where one holds the run
+            least = _least_for_run(dev, geometry, run_blocks)
+            larger = ("" if least is None else
+                      f", or give --size {least} or more" if made else
+                      f", or use a larger target (at least {least} bytes)")
+            raise ConfigError(f"a run of {run_blocks} blocks "
+                              f"({run_blocks * geometry.block_bytes} bytes) exceeds the "
+                              f"{plan['region_size']}-byte region; use fewer --run-blocks"
+                              + larger)
 
 
-def _too_small(dev, geometry: Geometry, made) -> KVBlockError:
+def _least_for_run(dev, geometry: Geometry, run_blocks: int) -> int | None:
+    """The least size of ``dev`` whose bench store's regions each hold a
+    run of ``run_blocks`` (None: no size's do)."""
+    from kvblock.store.planning import StandIn, least_size_for_region
+
+    return least_size_for_region([StandIn(dev.path, dev.block_size)], geometry, run_blocks)
+
+
+def _too_small(dev, geometry: Geometry, made, run_blocks: int) -> KVBlockError:
     """The store's refusal of ``dev`` in the bench's terms: its advice (a
     smaller region_size, a larger journal_bytes) names settings the bench
     does not take.  Its store's regions and journal follow the target's
-    size (and the model's), so the size that holds one is what to give."""
+    size (and the model's), so the size that holds one, with regions that
+    hold a run of ``run_blocks`` (as _check_run_fits asks next), is what to
+    give; where no size's regions hold such a run, fewer --run-blocks."""
     from kvblock.store.planning import StandIn, least_size
     from kvblock.store.store import _blocks_too_small
 
     too_small = _blocks_too_small([dev], geometry)    # no target's size would do
     if too_small is not None:
         return too_small
-    least = least_size([StandIn(dev.path, dev.block_size)], geometry)
-    if least is None:
+    if least_size([StandIn(dev.path, dev.block_size)], geometry) is None:
         return ConfigError(f"no target can hold a store for {geometry.describe()}: a run's "
                            "journal record of one block is larger than a store's journal "
                            "can be; bench a smaller model (fewer --layers or --head-groups)")
+    least = _least_for_run(dev, geometry, run_blocks)
+    if least is None:
+        return ConfigError(f"a run of {run_blocks} blocks ({run_blocks * geometry.block_bytes} "
+                           "bytes) is larger than the regions of a bench store of any size "
+                           f"for {geometry.describe()}; use fewer --run-blocks")
     fix = (f"give --size {least} or more" if made else
            f"use a larger target (or a new file, with --size {least})")
     return DeviceTooSmallError(f"{dev.path}: {dev.capacity} bytes cannot hold a bench store "
-                               f"for {geometry.describe()}: it needs at least {least} bytes; "
-                               + fix, dev.path)
+                               f"for {geometry.describe()} with runs of {run_blocks} blocks: it "
+                               f"needs at least {least} bytes; " + fix, dev.path)
 
 
 def _check_size(target: str, size: int) -> None:

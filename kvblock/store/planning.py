@@ -274,6 +274,21 @@ def least_size(devices: Sequence[StandIn], geometry: Geometry,
                   lambda region: -(-run // region))
 
 
+def least_size_for_region(devices: Sequence[StandIn], geometry: Geometry,
+                          run_blocks: int) -> int | None:
+    """The least size (as least_size's) for a format with the default
+    region size to make a store whose regions each hold a run of
+    ``run_blocks`` whole (the store bench's runs, never cut): None when no
+    size up to MAX_SIZE bytes does (the run is larger than the largest
+    default region)."""
+    def need(plan: dict) -> int | None:
+        if RunLayout(geometry, run_blocks, plan["alignment"]).run_bytes > plan["region_size"]:
+            return None
+        return _fits_count(plan, geometry, run_blocks)
+
+    return _least(devices, geometry, None, need)
+
+
 def _fits_count(plan: dict, geometry: Geometry, nblocks: int) -> int | None:
     """The least region count with which a store of ``plan``'s layout holds
     a run of ``nblocks`` at once (check_fits); None where none does."""

@@ -742,3 +742,27 @@ def test_a_store_bench_of_a_model_of_blocks_too_small_for_any_store_says_so(tmp_
     assert "blocks of 4 bytes" in res.output and "tokens per block" in res.output, res.output
     assert "journal" not in res.output and str(1 << 60) not in res.output, res.output
     assert not path.exists()
+
+
+def test_a_store_bench_target_too_small_names_a_size_that_holds_its_runs(tmp_path):
+    """save/restore on a new file too small for a store named the least size
+    of any store ("give --size N or more"), but at that size the next run
+    was refused for its --run-blocks ("exceeds the region; use fewer
+    --run-blocks"): the advice did not work.  The size named now holds a
+    run in one region, so the run it advises succeeds; a run no region of
+    any size holds is told to use fewer --run-blocks."""
+    path = tmp_path / "t.img"
+    geom = ["--layers", "2", "--kv-heads", "2", "--head-dim", "32", "--block-tokens", "16"]
+    run = ["--workload", "save", *geom, "--run-blocks", "400", "--seconds", "0.05", "--json"]
+    res = CliRunner().invoke(cli, ["bench", str(path), "--size", "2M", *run])
+    assert res.exit_code == 7, res.output
+    least = int(res.output.split("--size ")[1].split()[0])
+    res = CliRunner().invoke(cli, ["bench", str(path), "--size", str(least), *run])
+    assert res.exit_code == 0, res.output
+    os.unlink(path)
+    # the default model: 200 blocks (400 MiB) are more than the largest region
+    res = CliRunner().invoke(cli, ["bench", str(path), "--size", "4M", "--workload", "save",
+                                   "--run-blocks", "200", "--seconds", "0.05", "--json"])
+    assert res.exit_code in (7, 8), res.output
+    assert "fewer --run-blocks" in res.output and "give --size" not in res.output, res.output
+    assert not path.exists()
