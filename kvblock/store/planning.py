@@ -215,9 +215,10 @@ def _least(devices: Sequence[StandIn], geometry: Geometry, region_size: int | No
         region = plan["region_size"]
         # no size of this region size holds it below the bound's regions
         # after where the data starts here (it starts no earlier past here)
-        if lower is not None:
+        if lower is not None and any(d.capacity is None for d in devices):
             per = max(least, -(-lower(region) // count))
-            at = round_up(max(plan["data_offsets"]) + per * region, block)
+            at = round_up(max(off for d, off in zip(devices, plan["data_offsets"])
+                              if d.capacity is None) + per * region, block)
             if at > size:
                 if at > most:
                     return None

@@ -118,3 +118,19 @@ def test_a_model_of_blocks_too_small_for_any_store_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="over 4 devices") as e:
         plan_for(four, fine, size=1 << 30)
     assert int(str(e.value).split("at least ")[1].split()[0]) > 2 * least
+
+
+def test_least_size_for_a_run_beside_a_device_of_its_own_size_is_the_least():
+    """least_size over a new device (no capacity) beside one of its own
+    size (format --size with an existing device) and a run: its quick
+    bound took the data offset of the device of its own size (metadata and
+    all, the first device) for the new one's, and passed sizes that hold
+    the run (6,340,608 bytes said, 4,243,456 holds it)."""
+    from kvblock.store.planning import MAX_SIZE
+
+    small = Geometry(num_layers=1, num_kv_heads=1, head_dim=64, dtype="float16", block_tokens=1)
+    devs = [StandIn("old", 4096, MAX_SIZE // 4096 * 4096), StandIn("new", 4096)]
+    least = least_size(devs, small, run_blocks=20000)
+    assert plan_or_none(devs, small, size=least, run_blocks=20000) is not None
+    assert not any(plan_or_none(devs, small, size=size, run_blocks=20000) is not None
+                   for size in range(4096, least, 4096))
