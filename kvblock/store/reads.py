@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any, Sequence
@@ -37,6 +38,9 @@ from kvblock.units import is_whole
 
 logger = logging.getLogger(__name__)
 DAMAGED_RUNS_KEPT = 1024
+# A read meeting an unreadable run another read is dropping waits this long
+# at most for that drop (a journal commit) before it raises
+READ_ERROR_DROP_WAIT_S = 30.0
 # After a read of several runs that failed in more than one I/O, each run is
 # read again alone (to drop only the unreadable ones) in pieces of this size.
 PROBE_BYTES = 4 << 20
@@ -63,6 +67,9 @@ class RunReader(RunIO):
     # call, or racing reads, that meet one damaged run count and drop it once.
     _damaged_runs: OrderedDict | None = None
     _damaged_lock = threading.Lock()
+    # run id -> set once the read-error drop of that run a read began is
+    # done (dropped, or failed to): the other reads that met it raise then
+    _read_error_drops: dict | None = None
 
     @in_flight
     def get_run(self, keys: Sequence, out) -> int:
@@ -725,10 +732,18 @@ class RunReader(RunIO):
             dropping = self._damaged_runs.get(key)
             if dropping is not None:
                 self._damaged_runs[key] = True
+                if not dropping and why == "read_error":    # this one drops it now
+                    if self._read_error_drops is None:
+                        self._read_error_drops = {}
+                    self._read_error_drops[run.run_id] = threading.Event()
                 return False, not dropping
             self._damaged_runs[key] = True
             if len(self._damaged_runs) > DAMAGED_RUNS_KEPT:
                 self._damaged_runs.popitem(last=False)
+            if why == "read_error":       # (_read_failed sets it once its drop is done)
+                if self._read_error_drops is None:
+                    self._read_error_drops = {}
+                self._read_error_drops[run.run_id] = threading.Event()
         return True, True
 
     def _damage_not_dropped(self, run: Run, why: str = "checksum") -> None:
@@ -825,14 +840,31 @@ class RunReader(RunIO):
             self.last_read_error = (error.path, error.offset, [r.run_id for r in hit])
             logger.warning("kvblock: %s; dropping %d run(s) that read it (%d blocks)", error,
                            len(hit), sum(r.nblocks for r in hit))
-        if not drop:
-            return       # dropped (or being dropped) by the read that met it first
         try:
-            self._drop_runs(drop, why="read_error")
-        except KVBlockError as e:    # the read error is what the caller hears
-            for run in drop:
-                self._damage_not_dropped(run, "read_error")
-            logger.warning("kvblock: dropping runs after a read error failed: %s", e)
+            if drop:
+                try:
+                    self._drop_runs(drop, why="read_error")
+                except KVBlockError as e:    # the read error is what the caller hears
+                    for run in drop:
+                        self._damage_not_dropped(run, "read_error")
+                    logger.warning("kvblock: dropping runs after a read error failed: %s", e)
+        finally:
+            with self._damaged_lock:
+                done = [self._read_error_drops.pop(run.run_id, None) for run in drop] \
+                    if self._read_error_drops else []
+            for event in done:
+                if event is not None:
+                    event.set()
+        # Runs another read met first and is dropping: raised before that
+        # drop is done, this read's caller would read the run again (a
+        # caller skipping the key that failed) and meet the same EIO.
+        with self._damaged_lock:
+            others = [self._read_error_drops.get(run.run_id) for run, _, dropping in found
+                      if not dropping] if self._read_error_drops else []
+        deadline = time.monotonic() + READ_ERROR_DROP_WAIT_S
+        for event in others:
+            if event is not None:
+                event.wait(max(0.0, deadline - time.monotonic()))
 
 
 def _fresh_damaged_lock() -> None:

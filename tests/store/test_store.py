@@ -735,6 +735,53 @@ def test_unreadable_run_raises_and_is_dropped(store_path, verify, into):
         assert store.lookup(runs[1]) == 0 and store.lookup(runs[2]) == 2
 
 
+def test_a_read_meeting_a_run_another_read_is_dropping_raises_once_it_is_dropped(
+        store_path, monkeypatch):
+    """Two reads meet the same unreadable run; the first drops it (a journal
+    commit: slow on a disk).  The second raised IOFailedError at once, the
+    run still indexed: a caller reading again past it (the vLLM tier skips
+    the key that failed) met the same run and the same EIO, and gave the
+    whole piece up as failed after a few tries (keys of good runs after it
+    answered as misses; seen in a full run).  It now raises once the
+    other's drop is done: the run is a miss, as for the read that met it first."""
+    from tests.support.faults import BadSectors
+
+    keys = run_keys(40, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+    bad = BadSectors()
+    with KVStore.open([store_path], storeio_factory=bad.factory()) as store:
+        run = store.index.runs[next(iter(store.index.segments(normalize_keys(keys))))[0].run_id]
+        bad.add(*store.regions.address(run.region, run.offset), 4096)
+        dropping, go = threading.Event(), threading.Event()
+        real = store._drop_runs
+
+        def slow_drop(runs, why=None, **kw):
+            dropping.set()
+            assert go.wait(20)
+            return real(runs, why, **kw)
+        monkeypatch.setattr(store, "_drop_runs", slow_drop)
+        first = threading.Thread(target=lambda: pytest.raises(
+            IOFailedError, store.get_run, keys, np.zeros(2 * GEOM.block_bytes, np.uint8)))
+        first.start()
+        assert dropping.wait(20)
+        second = {}
+
+        def read_again():
+            try:
+                store.get_run(keys, np.zeros(2 * GEOM.block_bytes, np.uint8))
+            except IOFailedError:
+                second["lookup"] = store.lookup(keys)    # as it raised
+        t = threading.Thread(target=read_again)
+        t.start()
+        t.join(0.5)          # (a correct read waits for the drop: still in it)
+        go.set()
+        t.join(20)
+        first.join(20)
+        assert second == {"lookup": 0}, "raised with the run still a hit"
+        assert store.stats()["read_errors"] == 1
+
+
 def test_engine_failure_without_a_device_drops_nothing(store_path, monkeypatch):
     """An engine failure that reached no device (no path: the ring itself
     failed) says nothing about the data: it is raised, the run stays."""
