@@ -285,8 +285,7 @@ class RemoteStore(RunReader, RunWriter):
         # a put_runs' session, per thread: every call it makes goes there (_put_many)
         self._bound = threading.local()
         # puts between their allocation and their commit's answer: close() waits for them
-        self._publishing = 0
-        self._publishing_lock = threading.Lock()
+        self._publishing: set = set()    # (a token per put: _put_under_way)
         self._writes_cut = False     # close() stopped waiting for them: none may write now
         self._pid = os.getpid()    # a forked child's copy: see close()
         self._refused: str | None = None   # the server serves another store: no reconnect
@@ -935,18 +934,32 @@ class RemoteStore(RunReader, RunWriter):
         refused between two pieces, it raised StoreClosedError with its
         first pieces published, where a local store's close lets it finish."""
         depth = getattr(self._bound, "put_depth", 0)
-        with self._publishing_lock:
-            self._publishing += 1
-        self._bound.put_depth = depth + 1
+        # Counted as a token in a set, added inside the try and discarded
+        # (again, if cut) in its finally: a KeyboardInterrupt at any line
+        # leaves it counted out once.  A count raised before the try, or
+        # lowered after the finally's first line, stayed up for good where
+        # one landed there, and every later close() waited CLOSE_WAIT_S.
+        me = object()
         try:
+            self._publishing.add(me)
+            self._bound.put_depth = depth + 1
             # (after the count: a close from here waits for it)
             if self.closed and not depth:
                 raise StoreClosedError("remote store was closed during the put")
             yield
         finally:
-            self._bound.put_depth = depth
-            with self._publishing_lock:
-                self._publishing -= 1
+            try:
+                self._put_over(me, depth)
+            except BaseException:      # cut as it left: again (it counts out once)
+                self._put_over(me, depth)
+                raise
+
+    def _put_over(self, me: object, depth: int) -> None:
+        """A put (or a piece of it) counted by _put_under_way as ``me`` is
+        over: counted out, its thread's depth back to ``depth`` (both
+        idempotent: called again where a KeyboardInterrupt cut it)."""
+        self._bound.put_depth = depth
+        self._publishing.discard(me)
 
     def _write_allocated(self, s: "Session", a: dict, keys: list[bytes], blocks,
                          flush: frozenset | set | None = frozenset()) -> np.ndarray:

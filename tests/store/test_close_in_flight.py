@@ -971,3 +971,49 @@ def test_a_ranks_close_lets_a_put_of_several_pieces_finish(store_file, tmp_path,
         assert _close_while(rank, reached, go, put) == ([n] if many else n)
         out = np.zeros(n * GEOM.block_bytes, np.uint8)
         assert server.store.get_run(keys, out) == n and np.array_equal(out, data)
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["put_run", "put_runs"])
+def test_a_ranks_put_interrupted_at_any_line_of_its_count_lets_close_return(
+        store_file, tmp_path, monkeypatch, many):
+    """A KeyboardInterrupt landing at any line of a rank's put count (the
+    put under way from its allocation to its commit's answer, which close()
+    waits for): cut after the count went up and before its try, or as its
+    finally began, the put stayed counted for good, so every later close()
+    of the rank waited CLOSE_WAIT_S (30 s) for a put that no longer ran."""
+    import time
+
+    from kvblock.store import client
+    from tests.store.test_store import _LineInterrupt
+
+    monkeypatch.setattr(client, "CLOSE_WAIT_S", 2.0)
+    sock = str(tmp_path / "kv.sock")
+    functions = [RemoteStore._put_under_way, RemoteStore._put_over]
+    fired = []
+    with serve_in_background([store_file], sock):
+        n = 0
+        while True:
+            n += 1
+            rank = RemoteStore(sock)
+            items = [(run_keys(100 * n + i, 2), run_data(run_keys(100 * n + i, 2)))
+                     for i in range(2)]
+            try:
+                with _LineInterrupt(functions, n) as cut:
+                    try:
+                        if many:
+                            rank.put_runs(items)
+                        else:
+                            rank.put_run(*items[0])
+                    except KeyboardInterrupt:
+                        pass
+                keys = run_keys(100 * n + 50, 1)       # the rank still puts
+                assert rank.put_run(keys, run_data(keys)) == 1, cut.fired
+            finally:
+                began = time.monotonic()
+                rank.close()
+                took = time.monotonic() - began
+            assert took < 1.0, f"close() waited {took:.1f} s after a cut at {cut.fired}"
+            if cut.fired is None:
+                break
+            fired.append(cut.fired)
+    assert len(fired) >= 6, fired
