@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from kvblock.errors import ConfigError, IOFailedError, KVBlockError, ServerGoneError
+from kvblock.errors import (ConfigError, IOFailedError, KVBlockError, ServerGoneError,
+                             StoreClosedError)
 from kvblock.format.checksum import data_hasher
 from kvblock.index import normalize_keys
 from kvblock.io import IOBatch
@@ -404,6 +405,15 @@ PINS_LAPSED = ("the store server went away during the load: its pins lapsed, so 
                "restarted server may have reused the space read; treat the load as a miss")
 
 
+def _lapsed(store) -> Exception:
+    """The error of a load whose pins lapsed: the rank itself closed
+    (StoreClosedError: no reconnect brings it back), or its server gone."""
+    if store.closed:
+        return StoreClosedError("the store was closed during the load: its pins went with "
+                                "its connection; treat the load as a miss")
+    return ServerGoneError(PINS_LAPSED)
+
+
 class _LoadJob:
     """Reader thread -> units of (layer, pages of runs) -> scatter thread."""
 
@@ -686,7 +696,7 @@ class _LoadJob:
                     # read (unverified, nothing else would notice).
                     if not store._pins_hold(self.segs):
                         lapsed = True
-                        raise ServerGoneError(PINS_LAPSED)
+                        raise _lapsed(store)
                     handle.layer_ready_at[layer] = time.perf_counter() - handle.started_at
                     handle._events[layer].set()
         except BaseException as e:  # surfaced by wait()/wait_layer()
@@ -717,7 +727,7 @@ class _LoadJob:
             # counted as such, and none of its blocks count as returned.
             store.counters.add("lapsed_pin_gets")
             if error is None:
-                error = ServerGoneError(PINS_LAPSED)
+                error = _lapsed(store)
         if error is None:
             # Counted only once the pins were released and found to have
             # held.  The blocks read from the device; the rest of those

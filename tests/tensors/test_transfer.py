@@ -1241,6 +1241,43 @@ def test_a_load_whose_server_goes_away_between_layers_counts_a_lapse(
     assert after["lapsed_pin_gets"] == before["lapsed_pin_gets"] + 1
 
 
+def test_a_load_whose_rank_is_closed_between_layers_is_no_server_gone(
+        tmp_path, path, monkeypatch):
+    """The rank itself is closed while layer 1 is read (its pins go with its
+    connection): the load fails with StoreClosedError, not ServerGoneError
+    saying the server went away, on which a caller would wait for a
+    reconnect that a closed rank never makes."""
+    from kvblock.errors import StoreClosedError
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+    from kvblock.tensors import transfer
+
+    _store(path, geom()).close()
+    sock = str(tmp_path / "kv.sock")
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    keys = [b"p0", b"p1", b"p2", b"p3"]
+    with serve_in_background([path], sock):
+        r = RemoteStore(sock)
+        save_blocks(r, keys, VLLMLayout(src), [0, 1, 2, 3])
+        real = transfer._LoadJob._read_batch
+        closer = threading.Thread(target=r.close)
+
+        def read_batch(job, batch):
+            if batch[0][0] == 1 and batch[0][1] == 0 and closer.ident is None:
+                closer.start()                    # waits for the load's read
+                while r._session.gone is None and closer.is_alive():
+                    time.sleep(0.001)
+            return real(job, batch)
+        monkeypatch.setattr(transfer._LoadJob, "_read_batch", read_batch)
+        dst = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(r, keys, VLLMLayout(dst), [0, 1, 2, 3])
+        with pytest.raises(StoreClosedError, match="closed during the load") as e:
+            h.wait(10)
+        assert not isinstance(e.value, ServerGoneError)
+        closer.join(20)
+        assert not closer.is_alive()
+
+
 def test_two_loads_meeting_one_damaged_run_count_it_once(path, monkeypatch):
     """Two layer-wise loads in flight together both read run b, whose last
     layer is corrupt: each added a checksum failure (2 for one damaged run)
