@@ -160,7 +160,9 @@ def _heartbeat_loop(ref, stop: threading.Event) -> None:
     last = 0.0
     while True:
         store = ref()
-        if store is None or store.closed:
+        # (closed: on while close() waits for puts in flight, whose
+        # allocations a lapsed lease would give away)
+        if store is None or (store.closed and not store._publishing):
             return
         lease = store._pin_lease
         if lease and store._heartbeat and time.monotonic() - last >= lease / 4:
@@ -320,7 +322,9 @@ class RemoteStore(RunReader, RunWriter):
         # Dropped without close(): its devices and fence files go with it.
         self._finalizer = weakref.finalize(self, _close_dropped, self.io, self._fence,
                                            self._sessions)
-        threading.Thread(target=_heartbeat_loop, args=(weakref.ref(self), self._stop),
+        # (its own stop: it goes on while close() waits for puts in flight)
+        self._beat_stop = threading.Event()
+        threading.Thread(target=_heartbeat_loop, args=(weakref.ref(self), self._beat_stop),
                          name="kvblock-heartbeat", daemon=True).start()
 
     def _check_identity(self, geometry, model) -> None:
@@ -1323,6 +1327,7 @@ class RemoteStore(RunReader, RunWriter):
                 time.monotonic() < deadline:
             time.sleep(0.005)
         self._writes_cut = True         # no write from here: the connection ends below
+        self._beat_stop.set()
         if not s.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             # A call waits for a server that does not answer (no timeout=; the
             # heartbeat's ping too, with no call of the caller's in flight):
