@@ -46,12 +46,20 @@ class InFlight:
         self._calls = 0
         self._then = None      # run by the last call to leave once closing (after_drained)
 
-    def enter(self) -> None:
-        """A call starts (StoreClosedError once the store is closing)."""
+    def enter(self, token: list | None = None) -> None:
+        """A call starts (StoreClosedError once the store is closing).
+        ``token``: the call's own empty list, given a 1 as the call is
+        counted (in one step: no line or call between the two, where a
+        KeyboardInterrupt is raised), for leave(token): a caller can then enter
+        inside its try (a Ctrl-C as enter returned, the call counted, left
+        it counted for good when enter came before the try)."""
         with self._lock:
             if self._closing:
                 raise StoreClosedError(self._closed_message)
-            self._calls += 1
+            if token is None:
+                self._calls += 1
+            else:   # one line, no call in it: no Ctrl-C lands between the two
+                self._calls, token[:] = self._calls + 1, (1,)
 
     def hold(self) -> None:
         """One more for a call already inside (a load's second thread):
@@ -60,8 +68,8 @@ class InFlight:
             self._calls += 1
 
     def leave(self, token: list | None = None) -> None:
-        """A call ends.  ``token``: the call's own ``[1]``, taken as it is
-        counted out, so that a leave a KeyboardInterrupt cut (as it began,
+        """A call ends.  ``token``: the one enter(token) filled, taken as
+        it is counted out (none counted out for an empty one), so that a leave a KeyboardInterrupt cut (as it began,
         or before it woke a close() waiting) can be called again: it
         counts the call out once, and wakes the waiter (see in_flight)."""
         then = None
@@ -69,7 +77,10 @@ class InFlight:
             if token is None:
                 self._calls -= 1
             elif token:
-                self._calls -= token.pop()      # (one step: counted out as taken)
+                # Counted out and taken in one line with no call in it
+                # (CPython raises a pending KeyboardInterrupt as a call
+                # returns: ``token.pop()`` took the token, the count up).
+                self._calls, token[:] = self._calls - token[0], ()
             if self._calls == 0 and self._closing:
                 self._cv.notify_all()
                 then, self._then = self._then, None
@@ -143,9 +154,11 @@ def in_flight(method: Callable) -> Callable:
     store's InFlight (``_inflight``)."""
     @functools.wraps(method)
     def call(self, *args, **kwargs):
-        gate, token = self._inflight, [1]
-        gate.enter()
+        gate, token = self._inflight, []
         try:
+            # inside the try: a Ctrl-C as enter returns (counted) is left
+            # below; a call refused (closing) has an empty token
+            gate.enter(token)
             return method(self, *args, **kwargs)
         finally:
             try:

@@ -1533,12 +1533,12 @@ class KVStore(Recovery, RunReader, RunWriter):
         # A call in flight: unpin() is none, and a close() meanwhile would
         # free the engine under the reclaim.  Once closing, nothing is freed
         # (an empty region is free again at the next open).
-        token = [1]
+        token = []
         try:
-            self._inflight.enter()
-        except StoreClosedError:
-            return
-        try:
+            try:   # inside the try whose finally leaves: a Ctrl-C as it returns
+                self._inflight.enter(token)
+            except StoreClosedError:
+                return
             with self._lock:
                 empty = [r for r in regions if self.regions.pins[r] == 0 and
                          self.regions.live[r] == 0 and self.regions.state[r] == SEALED]

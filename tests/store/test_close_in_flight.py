@@ -1017,3 +1017,75 @@ def test_a_ranks_put_interrupted_at_any_line_of_its_count_lets_close_return(
                 break
             fired.append(cut.fired)
     assert len(fired) >= 6, fired
+
+
+class _CutAsTaken(list):
+    """A token whose element is taken off, then a KeyboardInterrupt raised
+    before the caller's next bytecode: what CPython does to a Ctrl-C
+    pending as the call taking it (list.pop) returns (it checks for
+    signals at the end of every call)."""
+    cut = False
+
+    def _cut(self):
+        if not self.cut:
+            self.cut = True
+            raise KeyboardInterrupt
+
+    def pop(self, *at):
+        value = super().pop(*at)
+        self._cut()
+        return value
+
+    def __delitem__(self, at):
+        super().__delitem__(at)
+        self._cut()
+
+    def __setitem__(self, at, value):
+        before = len(self)
+        super().__setitem__(at, value)
+        if len(self) < before:
+            self._cut()
+
+
+def test_a_leave_cut_as_it_took_its_token_counts_the_call_out():
+    """InFlight.leave(token) counted the call out as ``_calls -=
+    token.pop()``: a Ctrl-C as pop returned (where CPython raises it) left
+    the token taken and the count up, and the leave again counted nothing:
+    close() then waited CLOSE_WAIT_S and left the devices locked."""
+    from kvblock.store.inflight import InFlight
+
+    gate, token = InFlight("closed"), _CutAsTaken([1])
+    gate.enter()
+    with pytest.raises(KeyboardInterrupt):
+        gate.leave(token)
+    gate.leave(token)                 # what in_flight does when its leave is cut
+    assert gate.calls == 0
+    gate.leave(token)                 # and once more: nothing counted twice
+    assert gate.calls == 0
+
+
+def test_a_call_cut_as_it_entered_is_not_left_counted(store_file, monkeypatch):
+    """in_flight entered the store's InFlight before its try: a Ctrl-C as
+    enter() returned (where CPython raises it, counted already) left the
+    call counted for good: close() waited CLOSE_WAIT_S (30 s), then left
+    the devices open and locked (a reopen in the process: DeviceBusyError)."""
+    import kvblock.store.store as store_module
+    from kvblock.store.inflight import InFlight
+
+    monkeypatch.setattr(store_module, "CLOSE_WAIT_S", 0.5)   # a failure fails fast
+    store = KVStore.open([store_file])
+    real, cut = InFlight.enter, []
+
+    def enter(gate, *args):
+        real(gate, *args)
+        if not cut:
+            cut.append(1)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(InFlight, "enter", enter)
+    with pytest.raises(KeyboardInterrupt):
+        store.checkpoint()
+    monkeypatch.setattr(InFlight, "enter", real)
+    assert store._inflight.calls == 0
+    store.close()
+    with KVStore.open([store_file]) as again:      # the devices were let go
+        assert again.lookup(run_keys(1, 1)) == 0
