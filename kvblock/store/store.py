@@ -1513,8 +1513,14 @@ class KVStore(Recovery, RunReader, RunWriter):
         while held:
             try:
                 with self._lock:
+                    pins = self.regions.pins
                     while held:
-                        self.regions.pins[held.pop()] -= 1   # (one step: off the list as it drops)
+                        # Dropped and off the list in one line with no call
+                        # in it: CPython raises a pending KeyboardInterrupt
+                        # as a call returns, and ``pins[held.pop()] -= 1``
+                        # was cut there, the region off the list and its
+                        # pin held for good.
+                        pins[held[-1]], held[-1:] = pins[held[-1]] - 1, ()
             except BaseException as e:
                 interrupted = interrupted or e
         try:

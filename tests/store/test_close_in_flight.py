@@ -1020,10 +1020,10 @@ def test_a_ranks_put_interrupted_at_any_line_of_its_count_lets_close_return(
 
 
 class _CutAsTaken(list):
-    """A token whose element is taken off, then a KeyboardInterrupt raised
-    before the caller's next bytecode: what CPython does to a Ctrl-C
-    pending as the call taking it (list.pop) returns (it checks for
-    signals at the end of every call)."""
+    """A token (or a list of writer pins) whose element is taken off, then
+    a KeyboardInterrupt raised before the caller's next bytecode: what
+    CPython does to a Ctrl-C pending as the call taking it (list.pop)
+    returns (it checks for signals at the end of every call)."""
     cut = False
 
     def _cut(self):

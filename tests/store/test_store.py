@@ -3402,3 +3402,26 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
                     assert store.get_run(k, out) == len(k), (cut.fired, k)
                     assert np.array_equal(out, data), (cut.fired, k)
     assert len(fired) > 20, len(fired)
+
+
+def test_an_unpin_of_writers_cut_as_a_region_left_its_list_drops_the_pin(tmp_path):
+    """_unpin_writers dropped each pin as ``pins[held.pop()] -= 1``: a
+    Ctrl-C as pop returned (where CPython raises it) took the region off
+    the list with its pin still held, and the caller's unpin again (as
+    _put_one's and _put_group's finally do) found nothing to drop: the
+    region was never evicted again, and enough such cuts made every put
+    fail with StoreFullError."""
+    from tests.store.test_close_in_flight import _CutAsTaken
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    with _format([path]) as store:
+        region = store._begin_put(store.layout(2).run_bytes)[0]   # a writer's pin
+        other = store._begin_put(store.layout(2).run_bytes)[0]
+        held = _CutAsTaken([region, other])
+        with pytest.raises(KeyboardInterrupt):
+            store._unpin_writers(held)
+        store._unpin_writers(held)          # what the put's finally does when cut
+        assert held == [] and int(store.regions.pins[region]) == 0
+        store.evict(all=True)               # the region is evicted, freed
+        assert store.regions.state[region] == 0 and region in store.regions.free
