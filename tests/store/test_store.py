@@ -3222,6 +3222,29 @@ def _index_consistent(store):
     assert sum(len(v) for v in store.index.by_region.values()) == len(store.index.runs)
 
 
+def _each_cut(image, path, functions, step):
+    """(store, cut) for the n-th line of ``functions`` cut by a
+    KeyboardInterrupt (_LineInterrupt) in ``step(store)()``, n = 1, 2, ...,
+    each on a fresh copy of ``image`` at ``path`` (the store open while the
+    caller checks it), until a run that no cut reached."""
+    import shutil
+
+    n = 0
+    while True:
+        n += 1
+        shutil.copyfile(image, path)
+        with KVStore.open([str(path)], verify="never") as store:
+            call = step(store)
+            with _LineInterrupt(functions, n) as cut:
+                try:
+                    call()
+                except KeyboardInterrupt:
+                    pass
+            if cut.fired is None:
+                return
+            yield store, cut
+
+
 @pytest.mark.parametrize("call", ["evict one region", "evict all", "evict_older_than",
                                   "put that reclaims"])
 def test_a_reclaim_interrupted_at_any_line_leaves_the_store_consistent(shm_target, call):
@@ -3257,47 +3280,39 @@ def test_a_reclaim_interrupted_at_any_line_leaves_the_store_consistent(shm_targe
         "_begin_cut", "_finish_reclaim", "_fail_reclaim", "_finish_steps", "_forget_run",
         "_forget_cut", "_remove_run", "_next_removal_ticket", "_end_removal")] + [
         RemovalLog.add, KeyIndex.remove]
-    n, fired = 0, []
-    while True:
-        n += 1
-        shutil.copyfile(image, path)
-        with KVStore.open([str(path)], verify="never") as store:
-            size = store.regions.size
-            cutoff = store.regions.sealed_at[store.regions.state == 2].min() + 1e-3
-            step = {"evict one region": lambda: store.evict(size),
-                    "evict all": lambda: store.evict(all=True),
-                    "evict_older_than": lambda: store.evict_older_than(cutoff),
-                    "put that reclaims": lambda: store.put_run(fresh, run_data(fresh))}[call]
-            with _LineInterrupt(functions, n) as cut:
-                try:
-                    step()
-                except KeyboardInterrupt:
-                    pass
-            if cut.fired is None:
-                break
-            fired.append(cut.fired)
-            if store.closed:
-                # cut in an apply the commit leader runs: a commit cut there
-                # fails the store by design (reopen to recover)
-                assert cut.fired[0] == "new_generation", (cut.fired, store._failure)
-                continue
-            assert not store._removing and not store._freeing, cut.fired
-            assert list(store.regions.pins) == [0] * store.regions.count, cut.fired
-            _index_consistent(store)
-            done = []
+    def step(store):
+        size = store.regions.size
+        cutoff = store.regions.sealed_at[store.regions.state == 2].min() + 1e-3
+        return {"evict one region": lambda: store.evict(size),
+                "evict all": lambda: store.evict(all=True),
+                "evict_older_than": lambda: store.evict_older_than(cutoff),
+                "put that reclaims": lambda: store.put_run(fresh, run_data(fresh))}[call]
+    fired = []
+    for store, cut in _each_cut(image, path, functions, step):
+        size = store.regions.size
+        fired.append(cut.fired)
+        if store.closed:
+            # cut in an apply the commit leader runs: a commit cut there
+            # fails the store by design (reopen to recover)
+            assert cut.fired[0] == "new_generation", (cut.fired, store._failure)
+            continue
+        assert not store._removing and not store._freeing, cut.fired
+        assert list(store.regions.pins) == [0] * store.regions.count, cut.fired
+        _index_consistent(store)
+        done = []
 
-            def later():
-                other = run_keys(91, 4)
-                store.put_run(other, run_data(other))
-                done.append(store.delete(put[-1]))
-                done.append(store.evict(size))
-            t = threading.Thread(target=later, daemon=True)
-            t.start()
-            t.join(5)
-            assert len(done) == 2, f"a later call waited after a cut at {cut.fired}"
-            _index_consistent(store)
-            held = {tuple(k): store.lookup(k) for k in put + [fresh, run_keys(91, 4)]}
-            shutil.copyfile(path, crashed)        # the machine dies here
+        def later():
+            other = run_keys(91, 4)
+            store.put_run(other, run_data(other))
+            done.append(store.delete(put[-1]))
+            done.append(store.evict(size))
+        t = threading.Thread(target=later, daemon=True)
+        t.start()
+        t.join(5)
+        assert len(done) == 2, f"a later call waited after a cut at {cut.fired}"
+        _index_consistent(store)
+        held = {tuple(k): store.lookup(k) for k in put + [fresh, run_keys(91, 4)]}
+        shutil.copyfile(path, crashed)        # the machine dies here
         with KVStore.open([str(crashed)], verify="always") as store:
             assert {k: store.lookup(list(k)) for k in held} == held, cut.fired
             for k in (fresh, run_keys(91, 4)):    # put in space reclaimed
@@ -3349,50 +3364,41 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
     if call == "put_run that reclaims":     # (put_runs leaves them the same way)
         functions += [InFlight.enter, InFlight.leave,
                       SimpleNamespace(__code__=Store.put_run.__code__)]   # in_flight's wrapper
-    n, fired = 0, []
-    while True:
-        n += 1
-        shutil.copyfile(image, path)
-        with KVStore.open([str(path)], verify="never") as store:
-            size = store.regions.size
-            step = {"put_run that reclaims": lambda: store.put_run(runs[0], run_data(runs[0])),
-                    "put_runs": lambda: store.put_runs([(k, run_data(k)) for k in runs])}[call]
-            with _LineInterrupt(functions, n) as cut:
-                try:
-                    step()
-                except KeyboardInterrupt:
-                    pass
-            if cut.fired is None:
-                break
-            fired.append(cut.fired)
-            if store.closed:
-                # cut in the records or apply the commit leader runs: a
-                # commit cut there fails the store by design (reopen to recover)
-                assert cut.fired[0] in ("records", "publish", "<listcomp>", "<genexpr>") \
-                    and isinstance(store._failure, KeyboardInterrupt), cut.fired
-                continue
-            assert list(store.regions.pins) == [0] * store.regions.count, cut.fired
-            # (else close() waits CLOSE_WAIT_S, then leaves the devices locked)
-            assert store._inflight.calls == 0, cut.fired
-            assert not store._removing and not store._freeing, cut.fired
-            _index_consistent(store)
-            held = {tuple(k): store.lookup(k) for k in put + runs}
-            for k in runs:              # whole or not at all
-                assert held[tuple(k)] in (0, len(k)), (cut.fired, k)
-            shutil.copyfile(path, crashed)        # the machine dies here
-            done = []
+    def step(store):
+        return {"put_run that reclaims": lambda: store.put_run(runs[0], run_data(runs[0])),
+                "put_runs": lambda: store.put_runs([(k, run_data(k)) for k in runs])}[call]
+    fired = []
+    for store, cut in _each_cut(image, path, functions, step):
+        size = store.regions.size
+        fired.append(cut.fired)
+        if store.closed:
+            # cut in the records or apply the commit leader runs: a
+            # commit cut there fails the store by design (reopen to recover)
+            assert cut.fired[0] in ("records", "publish", "<listcomp>", "<genexpr>") \
+                and isinstance(store._failure, KeyboardInterrupt), cut.fired
+            continue
+        assert list(store.regions.pins) == [0] * store.regions.count, cut.fired
+        # (else close() waits CLOSE_WAIT_S, then leaves the devices locked)
+        assert store._inflight.calls == 0, cut.fired
+        assert not store._removing and not store._freeing, cut.fired
+        _index_consistent(store)
+        held = {tuple(k): store.lookup(k) for k in put + runs}
+        for k in runs:              # whole or not at all
+            assert held[tuple(k)] in (0, len(k)), (cut.fired, k)
+        shutil.copyfile(path, crashed)        # the machine dies here
+        done = []
 
-            def later():
-                done.append(store.put_run(other, run_data(other)))
-                done.append(store.delete(put[-2]))
-                done.append(store.evict(size))
-                done.append(store.clear())
-            t = threading.Thread(target=later, daemon=True)
-            t.start()
-            t.join(5)
-            assert len(done) == 4, f"a later call waited after a cut at {cut.fired}"
-            assert done[0] == 4, cut.fired
-            assert list(store.regions.pins) == [0] * store.regions.count, cut.fired
+        def later():
+            done.append(store.put_run(other, run_data(other)))
+            done.append(store.delete(put[-2]))
+            done.append(store.evict(size))
+            done.append(store.clear())
+        t = threading.Thread(target=later, daemon=True)
+        t.start()
+        t.join(5)
+        assert len(done) == 4, f"a later call waited after a cut at {cut.fired}"
+        assert done[0] == 4, cut.fired
+        assert list(store.regions.pins) == [0] * store.regions.count, cut.fired
         with KVStore.open([str(crashed)], verify="always") as store:
             assert {k: store.lookup(list(k)) for k in held} == held, cut.fired
             for k in runs:
