@@ -835,6 +835,11 @@ class RunReader(RunIO):
         # are never reused) count it and drop it once, as a checksum failure.
         found = [(run, *self._damage_found(run, "read_error")) for run in hit]
         drop = [run for run, _, dropping in found if dropping]
+        # the events _damage_found made for this read's drops (set below):
+        # once a drop failed, another read may put its own in their place
+        with self._damaged_lock:
+            mine = [(run.run_id, self._read_error_drops.get(run.run_id)) for run in drop] \
+                if self._read_error_drops else []
         if not found or any(count for _, count, _ in found):   # (none: read fine again)
             self.counters.add("read_errors")
             self.last_read_error = (error.path, error.offset, [r.run_id for r in hit])
@@ -850,9 +855,10 @@ class RunReader(RunIO):
                     logger.warning("kvblock: dropping runs after a read error failed: %s", e)
         finally:
             with self._damaged_lock:
-                done = [self._read_error_drops.pop(run.run_id, None) for run in drop] \
-                    if self._read_error_drops else []
-            for event in done:
+                for run_id, event in mine:
+                    if event is not None and self._read_error_drops.get(run_id) is event:
+                        del self._read_error_drops[run_id]
+            for _, event in mine:
                 if event is not None:
                     event.set()
         # Runs another read met first and is dropping: raised before that

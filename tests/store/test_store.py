@@ -782,6 +782,38 @@ def test_a_read_meeting_a_run_another_read_is_dropping_raises_once_it_is_dropped
         assert store.stats()["read_errors"] == 1
 
 
+def test_a_failed_read_error_drop_wakes_the_reads_waiting_for_it(store_path, monkeypatch):
+    """Read A's drop of an unreadable run fails; read B meets the run next
+    and takes the drop over (its own wait event) before A is done: A then
+    woke B's waiters, not its own, and a read waiting on A's drop waited
+    the whole 30 s."""
+    from kvblock.errors import StoreClosedError
+
+    keys = run_keys(41, 2)
+    with _format([store_path]) as store:
+        store.put_run(keys, run_data(keys))
+        run = store.index.runs[next(iter(store.index.segments(normalize_keys(keys))))[0].run_id]
+        dev, off = store.regions.address(run.region, run.offset)
+        error = IOFailedError("read failed: EIO", str(store_path), errno.EIO, off, 4096)
+        seen = {}
+
+        def failing_drop(runs, why=None, **kw):
+            seen["a"] = store._read_error_drops[run.run_id]     # what A's waiters wait on
+            raise StoreClosedError("the drop failed")
+        real_not_dropped = store._damage_not_dropped
+
+        def then_b_meets_it(r, why="checksum"):
+            real_not_dropped(r, why)
+            assert store._damage_found(r, why) == (False, True)   # B drops it now
+            seen["b"] = store._read_error_drops[r.run_id]
+        monkeypatch.setattr(store, "_drop_runs", failing_drop)
+        monkeypatch.setattr(store, "_damage_not_dropped", then_b_meets_it)
+        store._read_failed(error, [run])
+        assert seen["a"] is not seen["b"]
+        assert seen["a"].is_set(), "A's waiters were never woken"
+        assert not seen["b"].is_set() and store._read_error_drops[run.run_id] is seen["b"]
+
+
 def test_engine_failure_without_a_device_drops_nothing(store_path, monkeypatch):
     """An engine failure that reached no device (no path: the ring itself
     failed) says nothing about the data: it is raised, the run stays."""
