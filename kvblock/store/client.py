@@ -463,8 +463,19 @@ class RemoteStore(RunReader, RunWriter):
         s = self._session
         if s.gone is not None:
             self._start_reconnect()
-            raise ServerGoneError(s.gone)
+            raise self._gone_error(s)
         return s
+
+    def _gone_error(self, s: "Session") -> StoreClosedError:
+        """The error of a call that meets session ``s`` given up: where this
+        rank was closed (a close() in another thread overtook the call after
+        its open check), StoreClosedError as every later call's, not
+        ServerGoneError, on which a caller waits for a reconnect that a
+        closed rank never makes."""
+        if self.closed:
+            lost = "" if s.gone == "remote store is closed" else f" (its connection: {s.gone})"
+            return StoreClosedError(f"remote store is closed; connect again{lost}")
+        return ServerGoneError(s.gone)
 
     @property
     def _rpc_lock(self) -> threading.Lock:
@@ -541,7 +552,7 @@ class RemoteStore(RunReader, RunWriter):
     def _call_locked(self, s: "Session", op: str, args: dict, timeout: float | None = None):
         """One request and its answer (under ``s.lock``)."""
         if s.gone is not None:
-            raise ServerGoneError(s.gone)
+            raise self._gone_error(s)
         data = encode_msg({"op": op, **args})   # a ConfigError here sends nothing
         limit = self.timeout if timeout is None else (
             timeout if self.timeout is None else min(timeout, self.timeout))
@@ -1271,8 +1282,10 @@ class RemoteStore(RunReader, RunWriter):
         s = segs.session   # pin ids are the session's: never another session's
         try:
             self._call_on(s, "unpin", pin=pin)
-        except ServerGoneError:
-            return not s.peer_closed()
+        except StoreClosedError:
+            if s.gone is None:      # not a connection given up (the server's own error)
+                raise
+            return not s.peer_closed()   # (StoreClosedError where this rank was closed)
         finally:
             s.hold(-1)
         return True
@@ -1284,7 +1297,7 @@ class RemoteStore(RunReader, RunWriter):
         connection still open while it waits for a put) lets it finish, as
         it lets the read unpin; refused, the load that met the run failed
         with StoreClosedError and the run stayed.  Once close() has closed
-        the connection, _call raises ServerGoneError."""
+        the connection, _call raises StoreClosedError."""
         ids = [int(r.run_id) for r in runs]
         if ids:
             self._call("drop_runs", run_ids=ids, why=why)

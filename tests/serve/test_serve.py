@@ -1595,3 +1595,40 @@ def test_a_close_that_gave_up_waiting_lets_go_of_the_devices_once_the_call_is_do
         for fd in fds:
             with pytest.raises(OSError):
                 os.fstat(fd)
+
+
+@pytest.mark.parametrize("call", ["put_run", "put_runs", "lookup"])
+def test_a_call_overtaken_by_its_ranks_close_is_no_server_gone(tmp_path, sock, monkeypatch,
+                                                               call):
+    """Another thread closes the rank after a call passed its open check and
+    before it reached the server: the call fails with StoreClosedError
+    (the rank was closed), not ServerGoneError 'remote store is closed',
+    on which a caller waits for a reconnect a closed rank never makes."""
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock) as server:
+        r = RemoteStore(sock)
+        keys = run_keys(1, 2)
+        closer = threading.Thread(target=r.close)
+        current = RemoteStore._current
+
+        def closed_meanwhile(store):
+            if closer.ident is None:
+                closer.start()              # it waits for this call once it closed the session
+                deadline = time.monotonic() + 10
+                while r._session.gone is None:
+                    assert time.monotonic() < deadline and closer.is_alive()
+                    time.sleep(0.001)
+            return current(store)
+
+        monkeypatch.setattr(RemoteStore, "_current", closed_meanwhile)
+        with pytest.raises(StoreClosedError) as e:
+            if call == "put_run":
+                r.put_run(keys, run_data(keys))
+            elif call == "put_runs":
+                r.put_runs([(keys, run_data(keys))])
+            else:
+                r.lookup(keys)
+        assert not isinstance(e.value, ServerGoneError), repr(e.value)
+        closer.join(20)
+        assert not closer.is_alive()
+        assert server.store.lookup(keys) == 0
