@@ -472,7 +472,8 @@ class RemoteStore(RunReader, RunWriter):
         its open check), StoreClosedError as every later call's, not
         ServerGoneError, on which a caller waits for a reconnect that a
         closed rank never makes."""
-        if self.closed:
+        stop = getattr(self, "_stop", None)    # (closed by close(): not a rank still opening)
+        if self.closed and stop is not None and stop.is_set():
             lost = "" if s.gone == "remote store is closed" else f" (its connection: {s.gone})"
             return StoreClosedError(f"remote store is closed; connect again{lost}")
         return ServerGoneError(s.gone)
@@ -599,8 +600,8 @@ class RemoteStore(RunReader, RunWriter):
             s.close_when_released()
             if s is self._session:
                 self._start_reconnect()
-            if lost:
-                raise ServerGoneError(s.gone) from None
+            if lost:      # (StoreClosedError where close() ended it under the call)
+                raise self._gone_error(s) from None
             raise
         s.call_started = None
         if not reply.get("ok"):

@@ -1632,3 +1632,42 @@ def test_a_call_overtaken_by_its_ranks_close_is_no_server_gone(tmp_path, sock, m
         closer.join(20)
         assert not closer.is_alive()
         assert server.store.lookup(keys) == 0
+
+
+def test_a_call_whose_connection_close_ends_under_it_is_no_server_gone(tmp_path, sock,
+                                                                       monkeypatch):
+    """A lookup waits for an answer the server holds back; the rank is
+    closed in another thread, waits CLOSE_WAIT_S, then ends the connection
+    under the call: it raised ServerGoneError ("the store server is gone"),
+    on which a caller waits for a reconnect a closed rank never makes."""
+    from kvblock.store import client as client_mod
+
+    monkeypatch.setattr(client_mod, "CLOSE_WAIT_S", 0.3)
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock) as server:
+        arrived, go = threading.Event(), threading.Event()
+        real = server._op_lookup
+
+        def held_back(s, keys):
+            arrived.set()
+            go.wait(20)
+            return real(s, keys)
+        server._op_lookup = held_back
+        r = RemoteStore(sock)
+        box = {}
+
+        def lookup():
+            try:
+                box["n"] = r.lookup(run_keys(1, 2))
+            except BaseException as e:      # checked below
+                box["error"] = e
+        t = threading.Thread(target=lookup)
+        t.start()
+        try:
+            assert arrived.wait(20)
+            r.close()                        # ends the connection after 0.3 s
+            t.join(20)
+        finally:
+            go.set()
+        assert isinstance(box.get("error"), StoreClosedError), box
+        assert not isinstance(box["error"], ServerGoneError), repr(box["error"])
