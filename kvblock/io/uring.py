@@ -56,6 +56,7 @@ class _Ring:
         # Held by the owning thread while it uses the ring; another thread
         # destroys the ring only when it gets it (see _retire_idle_rings).
         self.lock = threading.Lock()
+        self.orphaned = False   # its holder was collected while it ran (see _forget)
 
     def sync_buffers(self) -> None:
         version, regions = registry.snapshot()
@@ -71,9 +72,26 @@ class _Ring:
         self.buffers_version = version
 
     def destroy(self) -> None:
-        handle, self.handle = self.handle, None  # one destroyer wins (thread exit vs close)
+        """(its lock held, or its thread gone) Free the ring, once."""
+        # One destroyer wins (thread exit vs close vs a retire): swapped
+        # under a lock, as two threads could otherwise both read the handle
+        # before either cleared it (the GIL switches between the two) and
+        # both free it: heap corruption, a crash later anywhere.
+        with _DESTROYING:
+            handle, self.handle = self.handle, None
         if handle is not None:
             native.lib().kvb_ring_destroy(handle)
+
+
+_DESTROYING = threading.Lock()
+
+
+def _fresh_destroying_lock() -> None:
+    global _DESTROYING
+    _DESTROYING = threading.Lock()    # (a parent's thread may have held it at the fork)
+
+
+os.register_at_fork(after_in_child=_fresh_destroying_lock)
 
 
 class _RingHolder:
@@ -148,6 +166,12 @@ class UringEngine(IOEngine):
 
     def _release(self, ring: _Ring) -> None:
         ring.lock.release()
+        if ring.orphaned and ring.lock.acquire(blocking=False):   # see _forget
+            try:
+                ring.destroy()
+            finally:
+                ring.lock.release()
+            return
         # A buffer closed while this ring ran: _retire_idle_rings found the
         # ring busy, so drop the buffer's registration here, or an idle ring
         # would keep its pages pinned until this thread's next batch.
@@ -177,7 +201,19 @@ class UringEngine(IOEngine):
                     ring.lock.release()
 
     def _forget(self, ring: _Ring) -> None:
-        ring.destroy()
+        """(a thread's ring holder collected: the thread ended, or the
+        engine closed or replaced the holder) Destroy the ring, under its
+        lock: collected while its thread still ran a batch on it (close()
+        dropping every thread's holder), it was freed under that native
+        call, or passed as NULL to the next one.  Busy: its thread destroys
+        it as it releases it (_release)."""
+        if ring.lock.acquire(blocking=False):
+            try:
+                ring.destroy()
+            finally:
+                ring.lock.release()
+        else:
+            ring.orphaned = True
         with self._rings_lock:
             if ring in self._rings:
                 self._rings.remove(ring)

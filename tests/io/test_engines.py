@@ -342,6 +342,45 @@ def test_rings_of_finished_threads_are_freed(file_target):
         assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
 
 
+def test_a_rings_holder_collected_while_its_thread_runs_a_batch_leaves_it_to_that_thread(
+        file_target, monkeypatch):
+    """A thread's ring holder is collected (the engine's close drops every
+    thread's holder) while that thread still runs a batch on the ring: the
+    finalizer destroyed the ring under the native call (freed memory under
+    it, or a NULL handle to the next call: a segfault).  It is left to the
+    thread, which destroys it as it releases it; and two destroyers racing
+    free it once."""
+    from kvblock.io import uring
+
+    if not probe()[0]:
+        pytest.skip("io_uring unavailable")
+    destroyed = []
+    real = uring.native.lib().kvb_ring_destroy
+    with Device(file_target(MIB)) as dev, HostBuffer(4096) as buf:
+        eng = open_engine([dev], "uring")
+        try:
+            eng.read(IOBatch.single(buf.address, 0, 0, 4096))
+            ring = eng._ring()                 # this thread's, its lock held (a batch runs)
+            handle = ring.handle
+
+            class Lib:                         # counts the frees
+                def __getattr__(self, name):
+                    return getattr(uring.native.lib(), name)
+
+                def kvb_ring_destroy(self, h):
+                    destroyed.append(h)
+                    return real(h)
+            monkeypatch.setattr(uring.native, "lib", lambda lib=Lib(): lib)
+            eng._forget(ring)                  # the holder's finalizer, from another path
+            assert ring.handle is handle and destroyed == [], "destroyed under its batch"
+            eng._release(ring)                 # the batch ends
+            assert ring.handle is None and destroyed == [handle]
+            ring.destroy()                     # a second destroyer: nothing more
+            assert destroyed == [handle]
+        finally:
+            eng.close()
+
+
 def test_a_buffer_closes_while_another_thread_opens_an_engine(file_target):
     """A registered buffer's close() asks every uring engine to retire its
     idle rings, from whatever thread closes it (or a GC finalizer's).  The
