@@ -465,31 +465,18 @@ def test_a_put_that_close_waits_for_keeps_its_lease(tmp_path):
     device) lost its connection meanwhile, and its commit raised
     ServerGoneError where close() had promised to let it finish.  The
     heartbeat goes on while close() waits for puts."""
-    import threading
-
     from tests.serve.test_shared_clear import _wait_in
+    from tests.store.test_close_in_flight import _close_while
 
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     with serve_in_background([path], sock, pin_lease=LEASE) as server:
         rank = RemoteStore(sock)
         keys = run_keys(3, 2)
         reached, go = _wait_in(rank, "_write_allocated")      # written, commit next
-        result = {}
 
-        def put():
-            try:
-                result["stored"] = rank.put_run(keys, run_data(keys))
-            except BaseException as e:     # reported below
-                result["error"] = e
-        t = threading.Thread(target=put)
-        t.start()
-        assert reached.wait(20)
-        closer = threading.Thread(target=rank.close)
-        closer.start()
-        time.sleep(4 * LEASE)              # close() waits; the lease would lapse unpinged
-        assert server.expired_sessions == 0
-        go.set()
-        t.join(20)
-        closer.join(20)
-        assert not closer.is_alive() and result == {"stored": 2}, result
+        def lease_time():
+            time.sleep(4 * LEASE)          # close() waits; the lease would lapse unpinged
+            assert server.expired_sessions == 0
+        assert _close_while(rank, reached, go, lambda: rank.put_run(keys, run_data(keys)),
+                            lease_time) == 2
         assert server.store.lookup(keys) == 2

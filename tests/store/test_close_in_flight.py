@@ -19,9 +19,10 @@ from tests.serve.test_shared_clear import _wait_in
 from tests.store.workload import GEOM, run_data, run_keys, small_store
 
 
-def _close_while(store, reached, go, call):
+def _close_while(store, reached, go, call, meanwhile=None):
     """Run ``call`` in a thread until it reaches its stall, close the store
-    in another, check that close waits for it; returns what call returned."""
+    in another, check that close waits for it (``meanwhile()``, if given,
+    runs before the call goes on); returns what call returned."""
     result = {}
 
     def run():
@@ -39,6 +40,8 @@ def _close_while(store, reached, go, call):
     with pytest.raises(StoreClosedError):            # the door is shut meanwhile
         store.lookup(run_keys(1, 1)) if isinstance(store, RemoteStore) else \
             store.get_run(run_keys(1, 1), np.zeros(GEOM.block_bytes, np.uint8))
+    if meanwhile is not None:
+        meanwhile()
     go.set()
     t.join(20)
     closer.join(20)
