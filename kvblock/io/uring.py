@@ -207,13 +207,12 @@ class UringEngine(IOEngine):
         dropping every thread's holder), it was freed under that native
         call, or passed as NULL to the next one.  Busy: its thread destroys
         it as it releases it (_release)."""
+        ring.orphaned = True    # (first: a _release between the two would miss it)
         if ring.lock.acquire(blocking=False):
             try:
                 ring.destroy()
             finally:
                 ring.lock.release()
-        else:
-            ring.orphaned = True
         with self._rings_lock:
             if ring in self._rings:
                 self._rings.remove(ring)
