@@ -154,7 +154,9 @@ class _StreamingCache(DynamicCache):
     it updated are cut back to their length before it, so the same forward
     can be run again.  One that raises in the model's own code after an
     update, which the cache does not see, left its tokens in the layers it
-    reached only: the next forward is refused, saying so."""
+    reached only: without config= the next forward is refused, saying so
+    (with it the per-forward check is off: build a new cache after such an
+    error)."""
 
     _top: int | None = None     # the highest layer updated since layer 0 last was
     _known_depth = False        # a forward reached the last layer: the model has its depth
