@@ -395,5 +395,5 @@ def no_store_holds(geometry: Geometry, blocks: list[int], *,
     except ConfigError:
         return ConfigError(f"no device can hold a store for {geometry.describe()}: a run's "
                            "journal record of one block is larger than a store's journal can "
-                           f"be (64 MiB); {smaller}")
+                           f"be ({JOURNAL_MAX // MIB} MiB); {smaller}")
     return None
