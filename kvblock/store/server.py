@@ -230,12 +230,28 @@ class StoreServer:
         fence = socket_fence_path(self.socket_path)
         try:
             self._fence_fd = os.open(fence, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except PermissionError:
+        except PermissionError as e:
+            if not os.path.lexists(fence):
+                # no file there: the directory is what this user may not write
+                raise DevicePermissionError(
+                    f"cannot create {fence}, the write fence beside the socket "
+                    f"{self.socket_path}: {(e.strerror or 'permission denied').lower()} in "
+                    "its directory; choose another --socket path (in a directory this user "
+                    "may write), or run kvblock serve as a user who may write there",
+                    fence, e.errno) from None
             raise DevicePermissionError(
                 f"cannot open {fence}, the write fence beside the socket {self.socket_path}: "
                 "permission denied (left by a server run as another user?); run kvblock serve "
                 "as that user, remove the file if no server of that user runs, or choose "
                 "another --socket path", fence, errno.EACCES) from None
+        except OSError as e:
+            # (a read-only filesystem, a folder that takes no files: the
+            # --socket path is wrong, as when the socket cannot be bound;
+            # not the store's read-only device, nor a device not found)
+            raise ConfigError(
+                f"cannot create {fence}, the write fence beside the socket "
+                f"{self.socket_path}: {(e.strerror or str(e)).lower()}; choose another "
+                "--socket path (in a writable directory)") from None
         try:
             self._fence_writers(stop=stop)
             self._listener = _bind(self.socket_path)

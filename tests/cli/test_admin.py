@@ -2081,3 +2081,43 @@ def test_format_with_a_region_size_no_device_holds_two_of_names_the_region_size(
         one_line_error(res, 8, "--region-size 576460752303423488 is too large", "the least is")
         assert "larger device" not in res.stderr, res.stderr
         assert not os.path.exists(new)
+
+
+def test_serve_with_a_socket_on_a_read_only_filesystem_names_the_socket_path(tmp_path):
+    """--socket in a directory where the write fence beside it cannot be
+    made (a read-only filesystem) surfaced the bare OSError, "X.sock.fence:
+    Read-only file system", as exit 17 (a read-only store, which the store
+    is not), with no fix.  It is the --socket path that is wrong: exit 8,
+    as a socket that cannot be bound, naming it and what to do."""
+    store = tmp_path / "st.img"
+    assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        res = kvb("serve", store, "--socket", ro / "kv.sock")
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    one_line_error(res, 8, str(ro / "kv.sock"), "read-only file system",
+                   "choose another --socket path")
+    assert kvb("fsck", store).returncode == 0
+
+
+def test_serve_with_a_socket_in_a_directory_that_takes_no_files_says_so(tmp_path):
+    """A --socket directory nobody may create files in (here an immutable
+    one: EPERM even for root, as EACCES is for a user in another's folder)
+    was said to hold a fence file "left by a server run as another user?":
+    there is none; the directory is what refuses."""
+    store = tmp_path / "st.img"
+    assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    if subprocess.run(["chattr", "+i", str(locked)], capture_output=True).returncode != 0:
+        pytest.skip("no immutable directories on this filesystem (chattr +i)")
+    try:
+        res = kvb("serve", store, "--socket", locked / "kv.sock")
+    finally:
+        subprocess.run(["chattr", "-i", str(locked)], check=True)
+    one_line_error(res, 4, str(locked / "kv.sock"), "in its directory",
+                   "choose another --socket path")
+    assert "another user?" not in res.stderr and not os.listdir(locked)
