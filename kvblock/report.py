@@ -32,6 +32,10 @@ def load(path: str | Path) -> dict:
                           "`pytest perf/ --benchmark-only --benchmark-json BENCH.json`") from None
     except ValueError as e:    # bad JSON, or bytes no text (UnicodeDecodeError)
         raise ConfigError(f"{path}: not JSON ({e})") from None
+    except OSError as e:       # a folder, a file this user may not read
+        raise ConfigError(f"{path}: cannot read it ({(e.strerror or str(e)).lower()}); give "
+                          "the pytest-benchmark JSON file (--benchmark-json BENCH.json)") \
+            from None
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
         raise ConfigError(f"{path}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
     # the table's header reads machine_info.node and .cpu.brand_raw
@@ -134,7 +138,12 @@ def plot(figs: dict, outdir: Path, dpi: int = 80) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    outdir.mkdir(parents=True, exist_ok=True)
+    try:
+        outdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--out {outdir}: cannot make the folder for the plots "
+                          f"({(e.strerror or str(e)).lower()}); give a folder, or a path "
+                          "where one can be made") from None
     written, used = [], set()
     for name, f in figs.items():
         fig, ax = plt.subplots(figsize=(6, 3.6))

@@ -157,3 +157,25 @@ def test_a_machine_info_that_is_no_object_is_a_clear_error_not_a_traceback(tmp_p
         assert res.exit_code == 8, (machine, res.output, res.exception)
         assert res.output.startswith("kvblock: error: ") and "machine_info" in res.output, \
             res.output
+
+
+def test_paths_that_cannot_be_read_or_written_are_bad_arguments_naming_the_option(tmp_path):
+    """A folder given for the JSON, a file for --out and a folder for
+    --markdown came out as bare OSErrors ("Is a directory", "File exists"):
+    exit 1, or 3 (device not found) for a --out under a path that cannot be
+    made, and no word of which argument was wrong.  They are bad arguments
+    (exit 8, as a JSON file that is missing), each naming its option."""
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(BENCH))
+    res = CliRunner().invoke(cli, ["report", str(tmp_path), "--out", str(tmp_path / "p")])
+    assert res.exit_code == 8, (res.output, res.exception)
+    assert res.output.startswith(f"kvblock: error: {tmp_path}: ") and "directory" in res.output
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(path)])
+    assert res.exit_code == 8, (res.output, res.exception)
+    assert res.output.startswith("kvblock: error: ") and "--out" in res.output, res.output
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(path / "under")])
+    assert res.exit_code == 8 and "--out" in res.output, (res.output, res.exception)
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(tmp_path / "p"),
+                                   "--markdown", str(tmp_path)])
+    assert res.exit_code == 8, (res.output, res.exception)
+    assert res.output.startswith("kvblock: error: ") and "--markdown" in res.output, res.output

@@ -898,8 +898,13 @@ def report(bench_json, out, md_path, as_json):
                            relative_to=os.path.dirname(os.path.abspath(md_path)) if md_path
                            else None)
     if md_path:
-        with open(md_path, "w") as f:
-            f.write(md)
+        try:
+            with open(md_path, "w") as f:
+                f.write(md)
+        except OSError as e:
+            raise ConfigError(f"--markdown {md_path}: cannot write it "
+                              f"({(e.strerror or str(e)).lower()}); give a file path in a "
+                              "writable folder") from None
     if as_json:
         click.echo(_json.dumps({"markdown": md, "plots": [str(p) for p in pngs]}))
         return
