@@ -822,9 +822,28 @@ class RemoteStore(RunReader, RunWriter):
         return [(i, self._count_committed(n)) for (i, _, _), n in zip(pieces, stored)]
 
     def _put(self, keys: list[bytes], blocks, began=None) -> int:
-        n = len(keys)
-        if n == 0:
+        if not keys:
             return 0
+        # Every call of the put goes to one server, as put_runs' (see
+        # _put_many): its admit, its pieces and the offer it gives back.  A
+        # restart (and reconnect) between the admit and the first piece sent
+        # the piece to the new server with the old one's clear ticket: the
+        # commit was refused as "cleared" (the put answered 0 and counted a
+        # clear that never came), and the offer given back reached a server
+        # that never counted it (its admission then admitted the key's next
+        # offer at once).  The old server gone, the put raises
+        # ServerGoneError, as a put whose server dies midway.
+        if getattr(self._bound, "session", None) is not None:
+            return self._put_on(keys, blocks, self._bound.session)
+        self._bound.session = self._current()
+        try:
+            return self._put_on(keys, blocks, self._bound.session)
+        finally:
+            self._bound.session = None
+
+    def _put_on(self, keys: list[bytes], blocks, s: "Session") -> int:
+        """put_run of one run, every call on session ``s``."""
+        n = len(keys)
         too_long = None
         try:
             self._check_fits(n)
@@ -856,7 +875,7 @@ class RemoteStore(RunReader, RunWriter):
         # admit's clear ticket is another server run's), and the put would
         # answer 0 while its earlier pieces stay published.  That server
         # gone, the put raises ServerGoneError, as when no reconnect came yet.
-        on = [None]
+        on = [s]
         try:
             with self._put_under_way():   # close() lets every piece through (see there)
                 for start in range(0, n, step):

@@ -1100,9 +1100,10 @@ def test_a_server_that_waited_in_vain_for_a_stopping_one_says_so(tmp_path, monke
         old.stop()
 
 
-def _restart_between(r, server_box, path, sock, method, at=2):
+def _restart_between(r, server_box, path, sock, method, at=2, **server_options):
     """Wrap ``r.<method>`` so that before its ``at``-th call the in-process
-    server is stopped, a new one started and ``r`` reconnected to it."""
+    server is stopped, a new one started (with ``server_options``) and ``r``
+    reconnected to it."""
     real, calls = getattr(r, method), []
 
     def wrapped(*args, **kw):
@@ -1110,7 +1111,7 @@ def _restart_between(r, server_box, path, sock, method, at=2):
         if len(calls) == at:
             old_session = r._session
             server_box[0].stop()
-            server_box[0] = serve_in_background([path], sock)
+            server_box[0] = serve_in_background([path], sock, **server_options)
             deadline = time.monotonic() + 20
             while r._session is old_session or not r.server_alive:
                 with contextlib.suppress(ServerGoneError):
@@ -1327,6 +1328,36 @@ def test_a_new_server_counts_no_rejection_it_did_not_decide(tmp_path, restart_be
         delattr(r, restart_before)
         assert box[0].store.counters["admission_rejected_runs"] == 0
         assert r.stats()["admission_rejected_runs"] == 0
+    finally:
+        r.close()
+        box[0].stop()
+
+
+def test_a_restart_between_a_puts_admit_and_its_write_fails_it_and_gives_back_nothing(
+        tmp_path):
+    """A single-run put admits its run, then allocates, writes and commits.
+    A restart (and reconnect) between the admit and the allocation sent the
+    rest to the new server: the commit carried the old server's clear
+    ticket, was refused, the put answered 0 and counted cleared_puts (no
+    clear came), and the offer given back reached the new server, which
+    had never counted it: it admitted the key's next offer at once (with
+    admit_after=2 the first one is declined).  The put's calls go to one
+    server, as put_runs': the put raises ServerGoneError."""
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    box = [serve_in_background([path], sock, admit_after=2)]
+    r = RemoteStore(sock, reconnect=True)
+    try:
+        a = run_keys(1, 2)
+        assert r.put_run(a, run_data(a)) == 0          # the first offer: declined
+        _restart_between(r, box, path, sock, "_put_one", at=1, admit_after=2)
+        with pytest.raises(ServerGoneError):
+            r.put_run(a, run_data(a))                  # admitted by the old server
+        del r._put_one
+        assert r.counters["cleared_puts"] == 0
+        # the new server saw no offer of it: the first one there is declined
+        assert r.put_run(a, run_data(a)) == 0
+        assert r.put_run(a, run_data(a)) == 2
     finally:
         r.close()
         box[0].stop()
