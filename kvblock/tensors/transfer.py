@@ -710,7 +710,14 @@ class _LoadJob:
                 self._reader_thread.join()
         else:
             error = None
-        on_device.close()
+        try:
+            # (cupy restoring the thread's device: a CUDA error there came
+            # out of the thread past everything below, the unpin and the
+            # handle's end: wait() never returned and the pins stayed)
+            on_device.close()
+        except BaseException as e:  # the load fails with it, unless it failed first
+            if error is None:
+                error = e
         self._stage_done()
         if isinstance(error, IOFailedError):   # an unreadable run is gone too
             # (before the unpin: _read_failed may read the runs again, each

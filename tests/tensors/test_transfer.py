@@ -1709,3 +1709,60 @@ def test_a_device_stretch_looks_up_only_about_its_own_keys(path, monkeypatch):
     assert sum(looked) < 10 * n, f"{len(looked)} lookups of {sum(looked)} keys for {n} keys"
     for layer in range(L):
         assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+
+
+@pytest.mark.parametrize("load_fails", [False, True])
+def test_a_load_whose_device_context_fails_to_exit_still_ends_and_unpins(
+        path, monkeypatch, load_fails):
+    """The scatter stage makes a cupy cache's CUDA device current for its
+    work (a context, exited after it).  Its exit (cupy restoring the
+    thread's device: a CUDA error) ran outside the stage's try: its error
+    came out of the scatter thread past _stage_done, the unpin and
+    handle._fail, so wait() never returned and the runs stayed pinned for
+    good.  The load fails with that error (or the load's own, which came
+    first), and no pin is left."""
+    from contextlib import contextmanager
+
+    from kvblock.errors import IOFailedError
+    from kvblock.tensors import transfer
+    from tests.support.faults import BadSectors
+
+    @contextmanager
+    def exit_fails(_device):
+        yield
+        raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access")
+
+    @contextmanager
+    def exit_fails_always(_device):
+        try:
+            yield
+        finally:
+            raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access")
+
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a = [f"a{i}".encode() for i in range(4)]
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+        if load_fails:
+            run = store.index.locate(normalize_keys(a)[0])[0]
+            dev, off = store.regions.address(run.region, run.offset)
+            bad = BadSectors()
+            bad.add(dev, off + store.layout(4).range_offset(1, 0), 4096)
+            bad.install(store)
+        monkeypatch.setattr(transfer, "_on_device",
+                            exit_fails_always if load_fails else exit_fails)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(store, a, VLLMLayout(dst), list(range(4)))
+        done = []
+
+        def wait():
+            try:
+                h.wait()
+            except BaseException as e:
+                done.append(e)
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        t.join(10)
+        assert done, "the load never ended"
+        assert isinstance(done[0], IOFailedError if load_fails else RuntimeError), done[0]
+        assert store.regions.pins.sum() == 0
