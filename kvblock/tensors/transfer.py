@@ -504,10 +504,12 @@ class _LoadJob:
         # first waits for what the caller had queued on its stream by now
         # (with a non-default stream nothing orders the two otherwise, and
         # the caller's earlier writes to the pages could land after the load's).
-        self._caller_work = _record_cuda(self.cuda)
-        scatter = threading.Thread(target=self._scatter, name="kvblock-load-scatter",
-                                   daemon=True)
+        # (In the try: a CUDA error recording it left the runs pinned and
+        # the load's call in flight for good.)
         try:
+            self._caller_work = _record_cuda(self.cuda)
+            scatter = threading.Thread(target=self._scatter, name="kvblock-load-scatter",
+                                       daemon=True)
             scatter.start()
         except BaseException:
             self.store._unpin(self.segs)

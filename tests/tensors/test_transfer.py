@@ -1766,3 +1766,28 @@ def test_a_load_whose_device_context_fails_to_exit_still_ends_and_unpins(
         assert done, "the load never ended"
         assert isinstance(done[0], IOFailedError if load_fails else RuntimeError), done[0]
         assert store.regions.pins.sum() == 0
+
+
+def test_a_background_load_whose_caller_stream_event_fails_leaves_no_pin_or_call(
+        path, monkeypatch):
+    """A background load first records an event on the caller's CUDA
+    stream (the scatter thread waits for it).  That record (a CUDA error)
+    ran before anything that unpins: load_blocks raised, but the runs stayed
+    pinned for good and the load's call stayed in flight (every close()
+    then waited CLOSE_WAIT_S for it).  The load raises the error and
+    leaves neither."""
+    from kvblock.tensors import transfer
+
+    def record_fails(_device):
+        raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a = [f"a{i}".encode() for i in range(4)]
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+        monkeypatch.setattr(transfer, "_record_cuda", record_fails)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(RuntimeError, match="cudaErrorLaunchFailure"):
+            load_blocks(store, a, VLLMLayout(dst), list(range(4)))
+        assert store.regions.pins.sum() == 0
+        assert store._inflight._calls == 0
