@@ -19,7 +19,7 @@ import os
 import stat
 import struct
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from kvblock.errors import (
@@ -66,7 +66,8 @@ class DeviceInfo:
     write_cache: str = ""
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        # (by its fields: reading __dict__ would make one; see layout.geometry._derive)
+        return asdict(self)
 
 
 def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False) -> Path:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import operator
 from dataclasses import asdict, dataclass
-from functools import cached_property
 
 from kvblock.errors import ConfigError
 from kvblock.units import is_whole
@@ -31,6 +30,18 @@ DTYPE_BY_CODE = {code: name for name, (code, _) in DTYPES.items()}
 
 def round_up(n: int, align: int) -> int:
     return -(-n // align) * align
+
+
+def _derive(obj, **sizes) -> None:
+    """Set a frozen layout's derived sizes as plain attributes at its
+    construction.  Not functools.cached_property: its first read makes the
+    object's __dict__, and on CPython 3.11 a GC started by that allocation
+    can run Python code (a finalizer; another thread meanwhile) whose first
+    read of the same shared layout makes a second dict over the same values
+    array, freed under it when the layout dies (a segfault in a later GC).
+    Attributes set here stay in the object's inline values: no dict."""
+    for name, value in sizes.items():
+        object.__setattr__(obj, name, value)
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,17 @@ class Geometry:
         if self.num_kv_heads % self.head_groups:
             raise ConfigError(f"geometry: {self.num_kv_heads} kv heads do not split into "
                               f"{self.head_groups} head groups; choose a divisor")
+        # The derived sizes are computed here, once, not as cached_property:
+        # see _derive.
+        group_block_bytes = (self.kv_parts * self.block_tokens * self.heads_per_group
+                             * self.head_dim * self.itemsize)
+        _derive(self,
+                # bytes of one block for one layer and one head group
+                group_block_bytes=group_block_bytes,
+                # bytes of one block over every layer and head
+                block_bytes=group_block_bytes * self.num_layers * self.head_groups,
+                # (layer, head group) ranges of a run
+                ranges=self.num_layers * self.head_groups)
 
     @property
     def itemsize(self) -> int:
@@ -81,19 +103,6 @@ class Geometry:
     def heads_per_group(self) -> int:
         return self.num_kv_heads // self.head_groups
 
-    @cached_property
-    def group_block_bytes(self) -> int:
-        """Bytes of one block for one layer and one head group."""
-        return self.kv_parts * self.block_tokens * self.heads_per_group * self.head_dim * self.itemsize
-
-    @cached_property
-    def block_bytes(self) -> int:
-        """Bytes of one block over every layer and head."""
-        return self.group_block_bytes * self.num_layers * self.head_groups
-
-    @cached_property
-    def ranges(self) -> int:
-        return self.num_layers * self.head_groups
 
     @property
     def run_checksums(self) -> int:
@@ -141,25 +150,17 @@ class RunLayout:
     nblocks: int
     alignment: int
 
-    @cached_property
-    def range_bytes(self) -> int:
-        """Bytes reserved per (layer, group) range, padded to the alignment."""
-        return round_up(self.nblocks * self.geometry.group_block_bytes, self.alignment)
-
-    @cached_property
-    def data_bytes(self) -> int:
-        """The ranges: the run's data image."""
-        return self.range_bytes * self.geometry.ranges
-
-    @cached_property
-    def trailer_bytes(self) -> int:
-        """The block digest trailer, padded to the alignment."""
-        return round_up(self.geometry.ranges * self.nblocks * 8, self.alignment)
-
-    @cached_property
-    def run_bytes(self) -> int:
-        """All the run takes on the device: data, then trailer."""
-        return self.data_bytes + self.trailer_bytes
+    def __post_init__(self):
+        g = self.geometry
+        # bytes reserved per (layer, group) range, padded to the alignment
+        range_bytes = round_up(self.nblocks * g.group_block_bytes, self.alignment)
+        # the block digest trailer, padded to the alignment
+        trailer_bytes = round_up(g.ranges * self.nblocks * 8, self.alignment)
+        _derive(self, range_bytes=range_bytes,
+                data_bytes=range_bytes * g.ranges,    # the ranges: the run's data image
+                trailer_bytes=trailer_bytes,
+                # all the run takes on the device: data, then trailer
+                run_bytes=range_bytes * g.ranges + trailer_bytes)
 
     def range_index(self, layer: int, group: int) -> int:
         return layer * self.geometry.head_groups + group

@@ -269,3 +269,47 @@ def test_model_fingerprint_refuses_a_name_that_is_not_utf8():
     with pytest.raises(ConfigError, match="not valid UTF-8"):
         model_fingerprint("caf\udce9-7B")
     assert model_fingerprint("café-7B") == model_fingerprint("café-7B".encode())
+
+
+def test_reading_a_layout_never_makes_an_instance_dict():
+    """Geometry's and RunLayout's derived sizes were functools.cached_property,
+    whose first read makes the object's __dict__.  On CPython 3.11 a GC
+    started by that dict's allocation can run Python code (a finalizer, or
+    another thread the GIL passes to meanwhile) whose first read of the same
+    shared layout makes a second dict over the same values array; the
+    layout's death frees that array under the other dict: a segfault in a
+    later GC (a test worker's silent death, seen at
+    test_serve.py::test_put_runs_refused_by_a_rank_before_a_write_counts_no_offer_on_the_server
+    in a core dump: a leaked RunLayout dict whose values were reused by a
+    string).  The sizes are computed at construction now, and no read of a
+    layout makes a dict (an object's GC referents show a materialized one)."""
+    import gc
+
+    g = Geometry(4, 2, 64, "float16", head_groups=2)
+    lay = RunLayout(g, 5, 4096)
+    for obj, names in ((g, ("itemsize", "heads_per_group", "group_block_bytes", "block_bytes",
+                            "ranges", "run_checksums")),
+                       (lay, ("range_bytes", "data_bytes", "trailer_bytes", "run_bytes"))):
+        for name in names:
+            getattr(obj, name)
+        lay.range_offset(1, 1), lay.prefix_read_bytes(2), g.describe(), hash(obj), obj == obj
+        made = [r for r in gc.get_referents(obj) if type(r) is dict]
+        assert made == [], f"reading {type(obj).__name__} made its __dict__: {made}"
+
+
+def test_derived_sizes_are_plain_attributes_equal_to_the_formulas():
+    g = Geometry(5, 4, 96, "bfloat16", block_tokens=32, head_groups=2)
+    assert g.group_block_bytes == 2 * 32 * 2 * 96 * 2
+    assert g.block_bytes == g.group_block_bytes * 5 * 2 and g.ranges == 10
+    lay = RunLayout(g, 7, 4096)
+    assert lay.range_bytes == round_up(7 * g.group_block_bytes, 4096)
+    assert lay.data_bytes == lay.range_bytes * 10
+    assert lay.trailer_bytes == round_up(10 * 7 * 8, 4096)
+    assert lay.run_bytes == lay.data_bytes + lay.trailer_bytes
+    # still frozen, compared and hashed by their fields only
+    with pytest.raises(AttributeError):
+        lay.run_bytes = 1
+    assert lay == RunLayout(g, 7, 4096) and hash(lay) == hash(RunLayout(g, 7, 4096))
+    assert g.as_dict() == {"num_layers": 5, "num_kv_heads": 4, "head_dim": 96,
+                           "dtype": "bfloat16", "block_tokens": 32, "kv_parts": 2,
+                           "head_groups": 2}
