@@ -1287,10 +1287,16 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _fail_reclaim(self, e: BaseException, region: int, entry) -> None:
         """A reclaim whose record will not be written (or was, and the store
         failed after): the store fails, the removal ends (lost unless the
-        record is durable), so that nothing waits for either for good."""
+        record is durable), so that nothing waits for either for good.
+        ``entry`` None (_finish_reclaim cut twice as it looked it up): the
+        region's entry, when it still has one (left pending, its ticket
+        kept a delete() or clear() waiting in _await_removals for good)."""
         with self._lock:
             self._fail(e)
+            if entry is None:
+                entry = self._reclaims.get(region)
             self._reclaimed.notify_all()
+            self._removals_durable.notify_all()    # (a wait on a ticket sees the failure)
         if entry is not None:
             self._end_removal(entry[0], int(self.regions.generation[region]) == entry[1])
 

@@ -3463,3 +3463,57 @@ def test_an_unpin_of_writers_cut_as_a_region_left_its_list_drops_the_pin(tmp_pat
         assert held == [] and int(store.regions.pins[region]) == 0
         store.evict(all=True)               # the region is evicted, freed
         assert store.regions.state[region] == 0 and region in store.regions.free
+
+
+def test_a_reclaim_cut_twice_as_it_looks_up_its_entry_wakes_a_waiting_delete(tmp_path):
+    """Two quick KeyboardInterrupts while _finish_reclaim looked up its
+    _reclaims entry failed the store (right: the record may never be
+    written) but left the reclaim's removal ticket pending and never woke
+    _removals_durable: a delete() already waiting in _await_removals (no
+    timeout) for that ticket waited for good.  It wakes, and is told the
+    store failed."""
+    import sys
+
+    path = tmp_path / "store.img"
+    create_file(path, 3 * MIB)
+    with _format([path], verify="never", eviction="fifo") as store:
+        _fill_to_last_free_region(store, left=0)
+        waiting = threading.Event()
+
+        class Watched(threading.Condition):
+            def wait(self, timeout=None):
+                waiting.set()
+                return super().wait(timeout)
+        store._removals_durable = Watched(store._lock)
+        done = []
+
+        def delete():
+            try:
+                done.append(store.delete(run_keys(99, 1)))
+            except KVBlockError as e:
+                done.append(e)
+        t = threading.Thread(target=delete, daemon=True)
+        cuts = [0]
+
+        class Cut(dict):       # _finish_reclaim's lookup cut twice, the delete waiting
+            def __getitem__(self, region):
+                if sys._getframe(1).f_code.co_name == "_finish_reclaim" and cuts[0] < 2:
+                    cuts[0] += 1
+                    if cuts[0] == 1:     # (the lookup holds the store's lock, once)
+                        store._lock.release()
+                        try:
+                            t.start()
+                            ok = waiting.wait(5)   # it waits for the reclaim's ticket
+                        finally:
+                            store._lock.acquire()
+                        assert ok
+                    raise KeyboardInterrupt
+                return super().__getitem__(region)
+        store._reclaims = Cut(store._reclaims)
+        with pytest.raises(KeyboardInterrupt):
+            store.evict(store.regions.size)
+        assert cuts[0] == 2
+        t.join(5)
+        assert len(done) == 1, "a delete waiting for the reclaim's ticket waited for good"
+        assert isinstance(done[0], StoreClosedError)
+        assert store.closed and not store._removing
