@@ -101,6 +101,9 @@ COUNTERS = (
     "lapsed_pin_gets", "cleared_puts", "superseded_runs", "partial_verified_reads",
 )
 RECLAIMING = 3  # region state while its RECLAIM record is being committed
+# _finish_reclaim's tries of its steps after a failure (a KeyboardInterrupt
+# each, or a step that fails every time) before it gives up and fails the store
+FINISH_TRIES = 5
 RECLAIM_WAIT_S = 0.1  # an allocation waiting for another thread's reclaim looks again
 CLEAR_DROP_BATCH = 4096  # DROP records per journal commit when clear() drops pinned runs
 logger = logging.getLogger(__name__)
@@ -1252,7 +1255,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         written under a generation the journal never gave it: a crash
         would drop those runs as stale and bring back the evicted ones on
         bytes overwritten since)."""
-        entry, interrupted = None, None
+        entry, interrupted, failures = None, None, 0
         while True:
             try:
                 if entry is None:
@@ -1261,6 +1264,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self._finish_steps(region, entry, discard)
                 break
             except BaseException as e:
+                failures += 1
                 if entry is None:
                     if interrupted is not None:
                         self._fail_reclaim(e, region, None)
@@ -1280,6 +1284,23 @@ class KVStore(Recovery, RunReader, RunWriter):
                         int(self.regions.generation[region]) != entry[1]:
                     self._fail_reclaim(e, region, entry)     # cut twice before the record
                     raise
+                if failures >= FINISH_TRIES:
+                    # A step after the record (the ticket's end, the
+                    # release) that fails each time: retried without
+                    # bound, the caller spun for good.  The store fails
+                    # (the record is durable: a reopen frees the region).
+                    error = StoreClosedError(
+                        f"reclaim of region {region} could not finish after its RECLAIM "
+                        f"record was durable ({failures} tries; last: {e!r}); reopen the "
+                        "store (KVStore.open)")
+                    error.__cause__ = e
+                    try:
+                        self._fail_reclaim(error, region, entry)
+                    except BaseException:     # (the failing step itself, again)
+                        pass
+                    if interrupted is not None and not isinstance(interrupted, Exception):
+                        raise interrupted from error   # a Ctrl-C stays the caller's
+                    raise error
                 interrupted, discard = interrupted or e, False
         if interrupted is not None:
             raise interrupted

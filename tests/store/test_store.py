@@ -3517,3 +3517,41 @@ def test_a_reclaim_cut_twice_as_it_looks_up_its_entry_wakes_a_waiting_delete(tmp
         assert len(done) == 1, "a delete waiting for the reclaim's ticket waited for good"
         assert isinstance(done[0], StoreClosedError)
         assert store.closed and not store._removing
+
+
+def test_a_reclaim_whose_step_after_its_record_keeps_failing_gives_up_typed(tmp_path):
+    """A step of _finish_reclaim that failed every time after the RECLAIM
+    record was durable (here the ticket's end) was retried without bound:
+    evict() spun, holding its caller for good.  It gives up after a few
+    tries: the store fails (its record is durable: a reopen finds the
+    region reclaimed) and a typed StoreClosedError says why."""
+    path = tmp_path / "store.img"
+    create_file(path, 3 * MIB)
+    with _format([path], verify="never", eviction="fifo") as store:
+        put = _fill_to_last_free_region(store, left=0)
+        real, raised = store._end_removal, [0]
+
+        def end_removal(ticket, durable):
+            if ticket is not None and raised[0] < 1000:
+                raised[0] += 1
+                raise RuntimeError("ticket's end failed (test)")
+            return real(ticket, durable)
+        store._end_removal = end_removal
+        got = []
+
+        def evict():
+            try:
+                store.evict(store.regions.size)
+                got.append(None)
+            except BaseException as e:
+                got.append(e)
+        t = threading.Thread(target=evict, daemon=True)
+        t.start()
+        t.join(10)
+        assert got, "evict spun"
+        assert raised[0] < 10, raised[0]
+        assert isinstance(got[0], StoreClosedError), got[0]
+        assert isinstance(got[0].__cause__, RuntimeError)
+        assert store.closed
+    with KVStore.open([str(path)], verify="never") as store:
+        assert [k for k in put if store.lookup(k) == 0]       # the region's runs stay evicted
