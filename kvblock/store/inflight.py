@@ -61,11 +61,14 @@ class InFlight:
             else:   # one line, no call in it: no Ctrl-C lands between the two
                 self._calls, token[:] = self._calls + 1, (1,)
 
-    def hold(self) -> None:
+    def hold(self, token: list | None = None) -> None:
         """One more for a call already inside (a load's second thread):
-        closing does not refuse it."""
+        closing does not refuse it.  ``token``: as enter's."""
         with self._lock:
-            self._calls += 1
+            if token is None:
+                self._calls += 1
+            else:   # one line, no call in it (see enter)
+                self._calls, token[:] = self._calls + 1, (1,)
 
     def leave(self, token: list | None = None) -> None:
         """A call ends.  ``token``: the one enter(token) filled, taken as

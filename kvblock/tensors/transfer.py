@@ -143,11 +143,25 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
     ids = _check_page_ids(layout, ids, "save")
     # Inside the store's InFlight: close() frees the staging buffer gathered
     # into below, so it waits for the gather (put_run is then refused).
-    store._inflight.enter()
-    try:
+    token = []
+    try:     # entered inside the try, left with its token (see the note below)
+        store._inflight.enter(token)
         return _gather_and_put(store, keys, layout, ids)
     finally:
-        store._inflight.leave()
+        try:
+            store._inflight.leave(token)
+        except BaseException:     # cut as it left: again (note after save_blocks)
+            store._inflight.leave(token)
+            raise
+
+
+# The store's InFlight is entered (or held) with a token, inside the try
+# whose cleanup leaves it with that token, in a try of its own: cut as it
+# leaves (a KeyboardInterrupt), it leaves again (it counts out once), then
+# the interrupt is raised.  Entered before the try or left with no token, a
+# Ctrl-C as enter returned (the call counted) or as leave began kept the
+# call counted for good: close() waited CLOSE_WAIT_S (30 s), then left the
+# devices open and locked (as in_flight's wrapper does for the store's calls).
 
 
 def _gather_and_put(store, keys, layout: CacheLayout, ids: np.ndarray) -> int:
@@ -306,22 +320,37 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
     by layer, for rank ``tp_rank`` of ``tp_size`` (the cache holds that rank's
     heads).  Returns at once with a :class:`LoadHandle` (``background=False``
     loads before returning)."""
-    store._inflight.enter()    # a close() waits for the load: left by its job, or here
+    # A close() waits for the load: left by its job, or here (with the
+    # token: see the note after save_blocks).
+    token, job = [], None
     try:
+        store._inflight.enter(token)
         handle, job = _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size)
-    except BaseException:
-        store._inflight.leave()
-        raise
-    if job is None:            # nothing to read from the device
-        store._inflight.leave()
+        if job is None:            # nothing to read from the device
+            store._inflight.leave(token)     # (cut: left again below)
+            return handle
+        job.token = token
+        # From here the job leaves the InFlight (its scatter stage, last
+        # thing) and unpins, once it owns them (``owned``, as it starts).
+        if background:
+            job.start()
+        else:
+            job.run_inline()
+            handle.wait()
         return handle
-    # From here the job leaves the InFlight (its scatter stage, last thing).
-    if background:
-        job.start()
-    else:
-        job.run_inline()
-        handle.wait()
-    return handle
+    except BaseException:
+        if job is not None and job.owned:
+            raise
+        try:
+            if job is not None:    # cut before it started: its pins go here
+                store._unpin(job.segs)
+        finally:
+            try:
+                store._inflight.leave(token)
+            except BaseException:     # cut as it left: again (note after save_blocks)
+                store._inflight.leave(token)
+                raise
+        raise
 
 
 def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
@@ -438,6 +467,9 @@ class _LoadJob:
         self._stages_lock = threading.Lock()
         self._reader_thread: threading.Thread | None = None
         self._caller_work = None                 # start(): an event on the caller's stream
+        self.token: list = []                    # load_blocks' InFlight token
+        self.owned = False       # started: the scatter stage unpins and leaves the InFlight
+        self._reader_token: list = []            # the reader's (hold)
 
     def _plan(self, segs):
         """Cut every layer's reads into units (the same cut for every layer).
@@ -507,19 +539,23 @@ class _LoadJob:
         # (In the try: a CUDA error recording it left the runs pinned and
         # the load's call in flight for good.)
         try:
+            self.owned = True    # (its start failed: unpinned and left below)
             self._caller_work = _record_cuda(self.cuda)
             scatter = threading.Thread(target=self._scatter, name="kvblock-load-scatter",
                                        daemon=True)
             scatter.start()
         except BaseException:
-            self.store._unpin(self.segs)
-            self.store._inflight.leave()
+            try:
+                self.store._unpin(self.segs)
+            finally:
+                self.store._inflight.leave(self.token)
             raise
         if not self._start_reader("kvblock-load-read"):
             scatter.join()       # it fails the load, unpins and leaves
             self.handle.wait()   # raises the reader's error
 
     def run_inline(self):
+        self.owned = True
         self._start_reader(None)
         self._scatter()
         if self._reader_thread is not None:
@@ -530,15 +566,15 @@ class _LoadJob:
         (then the error is queued for the scatter stage, which fails the load)."""
         t = self._reader_thread = threading.Thread(target=self._reader, name=name,
                                                    daemon=True)
-        self.store._inflight.hold()
-        try:
+        try:     # held inside the try, left with its token (note after save_blocks)
+            self.store._inflight.hold(self._reader_token)
             t.start()
         except BaseException as e:
             self._reader_thread = None   # nothing to join: no read is in flight
             # buffers back before the store's close can go on (as the
             # reader's own end does): else it may free its spares first
             self._stage_done()
-            self.store._inflight.leave()
+            self.store._inflight.leave(self._reader_token)
             self.q.put(e)
             return False
         return True
@@ -643,13 +679,17 @@ class _LoadJob:
             self.q.put(e)
         finally:
             self._stage_done()
-            self.store._inflight.leave()
+            self.store._inflight.leave(self._reader_token)
 
     def _scatter(self):
         try:
             self._scatter_stage()
         finally:
-            self.store._inflight.leave()
+            try:
+                self.store._inflight.leave(self.token)
+            except BaseException:     # cut as it left: again (note after save_blocks)
+                self.store._inflight.leave(self.token)
+                raise
 
     def _scatter_stage(self):
         store, g, handle = self.store, self.store.geometry, self.handle

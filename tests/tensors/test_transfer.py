@@ -1791,3 +1791,59 @@ def test_a_background_load_whose_caller_stream_event_fails_leaves_no_pin_or_call
             load_blocks(store, a, VLLMLayout(dst), list(range(4)))
         assert store.regions.pins.sum() == 0
         assert store._inflight._calls == 0
+
+
+@pytest.mark.parametrize("call", ["save_blocks", "load_blocks", "load_blocks inline",
+                                  "load_blocks of a miss"])
+def test_a_save_or_load_cut_at_any_line_leaves_no_call_in_flight(path, call):
+    """A KeyboardInterrupt at any line of save_blocks or load_blocks (and
+    the InFlight enter/leave they call; inline, the load's scatter stage's
+    leave too): they entered the store's InFlight before their try and
+    left it without a token, so a Ctrl-C as enter returned, or as leave
+    began, kept the call counted for good: close() then waited
+    CLOSE_WAIT_S (30 s) and left the devices open and locked.  No call
+    stays in flight."""
+    from kvblock.store.inflight import InFlight
+    from kvblock.tensors import transfer
+    from tests.store.test_store import _LineInterrupt
+
+    g = Geometry(L, 1, 32, "float16", BS, kv_parts=1)
+    src = [np.random.default_rng(i).standard_normal((6, BS, 32)).astype(np.float16)
+           for i in range(L)]
+    keys = [b"m0", b"m1", b"m2"]
+    with _store(path, g) as store:
+        save_blocks(store, keys, VLLMLayout(src, mla=True), [5, 0, 2])
+    functions = {"save_blocks": [transfer.save_blocks],
+                 "load_blocks": [transfer.load_blocks],
+                 "load_blocks inline": [transfer.load_blocks, transfer._LoadJob._scatter],
+                 "load_blocks of a miss": [transfer.load_blocks]}[call]
+    functions += [InFlight.enter, InFlight.leave]
+    n = 0
+    while True:
+        n += 1
+        with KVStore.open([path]) as store:
+            dst = [np.zeros_like(s) for s in src]
+            handles = []
+            with _LineInterrupt(functions, n) as cut:
+                try:
+                    if call == "save_blocks":
+                        save_blocks(store, [b"s0", b"s1"], VLLMLayout(src, mla=True), [1, 2])
+                    else:
+                        handles.append(load_blocks(
+                            store, [b"nope"] if call.endswith("miss") else keys,
+                            VLLMLayout(dst, mla=True), [1, 2, 3],
+                            background=not call.endswith("inline")))
+                except KeyboardInterrupt:
+                    pass
+            for h in handles:
+                try:
+                    h.wait(5)
+                except Exception:
+                    pass
+            deadline = time.monotonic() + 5
+            while store._inflight.calls and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert store._inflight.calls == 0, cut.fired
+            if cut.fired is None:
+                break
+    assert n > 5, n
