@@ -21,8 +21,11 @@ from kvblock.store.digests import block_digests_at
 class FsckReport:
     problems: list[str] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
-    dropped_runs: int = 0
+    dropped_runs: int = 0       # by this check's --repair (inconsistent runs)
     dropped_blocks: int = 0
+    # by the open, before any check: a damaged journal record or a stale
+    # checkpoint (what was removed is unknown, so no run is trusted)
+    dropped_at_open: int = 0
     runs_checked: int = 0
     bytes_verified: int = 0
     # filled in by check_checkpoints; present (empty) in every report, so
@@ -42,6 +45,7 @@ class FsckReport:
     def as_dict(self) -> dict:
         return {"status": self.status, "problems": self.problems, "repaired": self.repaired,
                 "dropped_runs": self.dropped_runs, "dropped_blocks": self.dropped_blocks,
+                "dropped_at_open": self.dropped_at_open,
                 "runs_checked": self.runs_checked, "bytes_verified": self.bytes_verified,
                 **self.info}
 
@@ -140,6 +144,7 @@ def check_checkpoints(store, report: FsckReport) -> None:
             "(--repair) starts a new journal")
     rotten = getattr(store, "journal_damaged", None)
     if rotten:
+        report.dropped_at_open += rotten["runs_dropped"]
         report.problems.append(
             f"{store.io.devices[0].path}: the journal record at offset {rotten['offset']} "
             f"(number {rotten['seq']}) is damaged, not torn by a crash: what it removed is "
@@ -156,6 +161,7 @@ def check_checkpoints(store, report: FsckReport) -> None:
     if (gap or foreign or rotten) and not store.readonly:   # the open wrote a new epoch
         report.repaired.append(f"{store.io.devices[0].path}: started a new journal")
     if getattr(store, "stale_checkpoint", False):
+        report.dropped_at_open += store.counters["stale_checkpoint_runs_dropped"]
         report.problems.append(
             f"{store.io.devices[0].path}: the newest checkpoint is unreadable and the journal "
             "had moved on from the older one; its "

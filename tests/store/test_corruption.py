@@ -123,6 +123,7 @@ def test_an_unreadable_newest_checkpoint_never_brings_back_reclaimed_runs(tmp_pa
     with KVStore.open([str(path)], readonly=True) as store:
         report = fsck(store)
         assert report.status == "problems" and "cannot be trusted" in report.problems[0]
+        assert report.as_dict()["dropped_at_open"] == 1 and report.dropped_runs == 0
     with KVStore.open([str(path)], verify="never") as store:
         assert store.stats()["stale_checkpoint_runs_dropped"] == 1      # X, long gone
         assert store.lookup(x) == 0 and store.stats()["runs"] == 0
@@ -593,6 +594,12 @@ def test_a_store_whose_first_journal_record_rotted_is_not_reported_clean(tmp_pat
         assert store.journal_damaged is not None
         assert not store.clean_at_open
         assert _info(store)["state"] == "dirty (0 journal records replayed)"
+        # fsck's JSON counts the runs the open dropped: dropped_runs is what
+        # --repair drops, 0 here, which a script read as nothing lost
+        from kvblock.store.fsck import fsck
+        report = fsck(store).as_dict()
+        assert report["dropped_at_open"] == store.journal_damaged["runs_dropped"] >= 1
+        assert report["dropped_runs"] == 0 and report["status"] == "problems"
 
 
 def test_a_record_torn_inside_a_sector_of_a_mapped_store_file_is_a_tear(shm_target):
