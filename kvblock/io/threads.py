@@ -4,6 +4,7 @@ O_DIRECT in C, claiming I/Os from a shared cursor; no Python per I/O."""
 
 from __future__ import annotations
 
+import threading
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 
@@ -40,8 +41,35 @@ class ThreadEngine(IOEngine):
         if min(qd, len(batch)) == 1:   # one worker: this thread (no hand-off to the pool)
             lib.kvb_pio_run(*args)
             return
-        workers = [self._pool.submit(lib.kvb_pio_run, *args) for _ in range(min(qd, len(batch)))]
+        # Every worker is counted while it is in the native call: a pool
+        # submit that raised may still have queued its worker (and one that
+        # starts after the batch is done claims nothing: the cursor is past
+        # the end), so the futures alone do not name every worker.
+        running = [0]
+        idle = threading.Condition()
+
+        def work():
+            with idle:
+                running[0] += 1
+            try:
+                return lib.kvb_pio_run(*args)
+            finally:
+                with idle:
+                    running[0] -= 1
+                    idle.notify_all()
+
+        workers = []
         try:
+            try:
+                for _ in range(min(qd, len(batch))):
+                    workers.append(self._pool.submit(work))
+            except RuntimeError:
+                # A helper that cannot start ("can't start new thread"): raised
+                # from here, the helpers started went on reading into the
+                # caller's buffers, freed or reused from then on.  The workers
+                # share the batch through the cursor: this thread takes the
+                # missing ones' place.
+                lib.kvb_pio_run(*args)
             for w in workers:
                 w.result()
         except BaseException:
@@ -51,6 +79,10 @@ class ThreadEngine(IOEngine):
             cursor[0] = len(batch)
             futures.wait(workers)
             raise
+        finally:
+            with idle:
+                while running[0]:
+                    idle.wait()
 
     def _after_fork(self) -> None:
         super()._after_fork()

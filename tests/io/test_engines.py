@@ -1095,3 +1095,60 @@ def test_closing_a_device_closes_the_engines_over_it(engine_name, file_target, t
     assert other.read_bytes() == b"\0" * MIB
     with open(path, "rb") as f:
         assert f.read(4096) == b"\xab" * 4096
+
+
+def test_a_threads_worker_that_cannot_start_leaves_no_io_running(file_target, monkeypatch):
+    """A threads batch's helper that cannot start (the pool's submit
+    raising RuntimeError "can't start new thread"): read() raised at once
+    while the helpers already started went on reading into the caller's
+    buffer, which the caller frees or reuses from then on.  The workers
+    share the batch through one cursor, so this thread takes the missing
+    helpers' place: the read completes, and returns only once no worker is
+    left in it."""
+    from kvblock.io import native
+
+    real = native.lib()
+    go = threading.Event()
+    running = []
+    lock = threading.Lock()
+
+    class Lib:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def kvb_pio_run(self, *args):
+            with lock:
+                running.append(1)
+            try:
+                go.wait(10)              # the started helper is busy as submit fails
+                return real.kvb_pio_run(*args)
+            finally:
+                with lock:
+                    running.pop()
+
+    path = file_target(4 * MIB)
+    data = np.frombuffer(bytes(range(256)) * (4 * MIB // 256), np.uint8)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    with Device(path) as dev, HostBuffer(4 * MIB) as buf, \
+            open_engine([dev], "threads", queue_depth=4) as eng:
+        buf.array[:] = 0xAA
+        real_submit = eng._pool.submit
+        calls = []
+
+        def submit(*args, **kwargs):
+            calls.append(1)
+            if len(calls) > 1:
+                threading.Timer(0.3, go.set).start()
+                raise RuntimeError("can't start new thread")
+            return real_submit(*args, **kwargs)
+
+        monkeypatch.setattr(native, "lib", lambda: Lib())
+        monkeypatch.setattr(eng._pool, "submit", submit)
+        try:
+            eng.read(IOBatch.contiguous(buf.address, 0, 0, 4 * MIB, 64 << 10))
+        finally:
+            left = len(running)
+            go.set()
+        assert left == 0, "read() returned with a worker still reading into the buffer"
+        assert np.array_equal(buf.array, data)
