@@ -13,7 +13,6 @@ import os
 import threading
 import time
 import weakref
-from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Sequence
@@ -384,20 +383,7 @@ class IOEngine:
             if not helpers:
                 self._copy_part(op, batch, 0, n, results, lat, hashing)
             else:
-                parts = [pool.submit(self._copy_part, op, batch, a, b, results, lat, hashing)
-                         for a, b in zip(cuts[1:-1], cuts[2:])]
-                try:
-                    self._copy_part(op, batch, 0, cuts[1], results, lat, hashing)
-                finally:
-                    try:
-                        for part in parts:
-                            part.result()    # (raises the first helper's error)
-                    except BaseException:
-                        # Interrupted (KeyboardInterrupt) while helpers copy into
-                        # or out of the caller's buffers and the mapping: raise
-                        # once they are done, not with them still at it.
-                        futures.wait(parts)
-                        raise
+                self._copy_shared(op, batch, cuts, results, lat, hashing, pool)
         finally:
             for _ in range(helpers):
                 slots.release()
@@ -411,6 +397,57 @@ class IOEngine:
         if bad.any():
             self._raise(op, batch, results, bad)
         return IOResult(batch.nbytes, lat)
+
+    def _copy_shared(self, op: int, batch: IOBatch, cuts: list[int], results, lat, hashing,
+                     pool: ThreadPoolExecutor) -> None:
+        """The parts of a mapped copy between ``cuts``: the first on this
+        thread, the others on helpers; returns (or raises the first error)
+        only once no part is being copied.  A helper that cannot start (the
+        pool's submit raising "can't start new thread") leaves its part, and
+        those after it, to this thread: raised from here, the helpers
+        started went on copying into (or out of) the caller's buffers and
+        the mapping, freed or unmapped from then on.  Each part runs once,
+        by whoever claims it first (a failed submit may still have queued
+        its helper)."""
+        spans = list(zip(cuts[:-1], cuts[1:]))
+        claimed = [False] * len(spans)
+        running = [0]
+        idle = threading.Condition()
+
+        def run(k: int) -> None:
+            with idle:
+                if claimed[k]:
+                    return
+                claimed[k] = True
+                running[0] += 1
+            try:
+                a, b = spans[k]
+                self._copy_part(op, batch, a, b, results, lat, hashing)
+            finally:
+                with idle:
+                    running[0] -= 1
+                    idle.notify_all()
+
+        parts = []
+        try:
+            try:
+                for k in range(1, len(spans)):
+                    parts.append(pool.submit(run, k))
+            except RuntimeError:
+                pass       # (the parts from there on are this thread's, below)
+            run(0)
+            for k in range(len(parts) + 1, len(spans)):
+                run(k)
+            for part in parts:
+                part.result()    # (raises the first helper's error)
+        finally:
+            # Also when interrupted (KeyboardInterrupt) while helpers copy:
+            # no part starts from now on, and this raises once those copying
+            # are done, not with them still at it.
+            with idle:
+                claimed[:] = [True] * len(spans)
+                while running[0]:
+                    idle.wait()
 
     @staticmethod
     def _copy_cuts(batch: IOBatch, hashing, threads: int) -> list[int]:

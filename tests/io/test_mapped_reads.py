@@ -896,3 +896,57 @@ def test_a_failed_prefault_at_an_engines_open_fails_nothing(engine_name, shm_tar
         assert "mapping its pages in failed" in caplog.text
         assert not eng.mapped(0)
         eng.read(IOBatch.single(buf.address, 0, 2 * MIB, MIB))
+
+
+def test_a_copy_helper_that_cannot_start_leaves_no_helper_copying(shm_target, monkeypatch):
+    """A large mapped read whose second helper cannot start (the pool's
+    submit raising RuntimeError "can't start new thread"): read() raised at
+    once with the first helper still copying into the caller's buffer, and
+    the engine counted the call as done (close() could unmap the file under
+    it).  The part no helper took is copied on the calling thread (once, even
+    when the failed submit queued it), and read() returns with no helper
+    copying."""
+    import kvblock.io.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "COPY_THREADS", 3)
+    monkeypatch.setattr(engine_mod, "COPY_SPLIT_BYTES", MIB)
+    path = shm_target(8 * MIB)
+    data = _filled(path, 8 * MIB, seed=11)
+    go = threading.Event()
+    copying, parts = [], []
+    copy_part = engine_mod.IOEngine._copy_part
+
+    def slow_helper(self, op, batch, a, b, *rest):
+        parts.append((a, b))
+        copying.append(1)
+        try:
+            if threading.current_thread() is not threading.main_thread():
+                go.wait(10)          # still copying when the second submit fails
+            return copy_part(self, op, batch, a, b, *rest)
+        finally:
+            copying.pop()
+
+    with Device(path) as dev, HostBuffer(8 * MIB) as buf, \
+            open_engine([dev], mapped_reads=True) as eng:
+        buf.array[:] = 0xAA
+        pool, slots = eng._copiers_pool()
+        calls = []
+
+        class Pool:
+            def submit(self, *args):
+                calls.append(1)
+                if len(calls) > 1:
+                    threading.Timer(0.3, go.set).start()
+                    raise RuntimeError("can't start new thread")
+                return pool.submit(*args)
+
+        monkeypatch.setattr(eng, "_copiers_pool", lambda: (Pool(), slots))
+        monkeypatch.setattr(engine_mod.IOEngine, "_copy_part", slow_helper)
+        try:
+            eng.read(IOBatch.contiguous(buf.address, 0, 0, 8 * MIB, MIB))
+        finally:
+            left = len(copying)
+            go.set()
+        assert left == 0, "read() returned with a helper still copying"
+        assert np.array_equal(buf.array, data)
+        assert sorted(parts)[0][0] == 0 and sum(b - a for a, b in parts) == 8
