@@ -70,7 +70,14 @@ def copy_pages(dst: np.ndarray, src: np.ndarray, dst_ids=None, src_ids=None, *,
         if ids is None:
             ids = np.arange(n, dtype=np.int64)
         else:
-            ids = np.asarray(ids, dtype=np.int64)
+            ids = np.asarray(ids)
+            # One flat list of integers, as the copy takes them: 2-d ids
+            # made more row addresses on their side than on the other, and
+            # the native copy read the shorter list past its end; a float
+            # or bool (mask) id cast to int64 named other pages than numpy's
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                return False
+            ids = ids.astype(np.int64)
             if ids.min() < 0 or ids.max() >= arr.shape[0]:
                 return False
         firsts.append(ids * arr.strides[0])

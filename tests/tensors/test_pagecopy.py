@@ -169,3 +169,41 @@ def test_repeated_destination_pages_keep_numpy_order(monkeypatch):
     assert np.array_equal(cache, want) and np.array_equal(cache[5], src[5])
     assert copy_pages(cache, src, dst_ids=np.array([1, 5, 2, 0, 7, 6]), threads=4)
     assert spy.threads == [1, 4]      # split only where no page is written twice
+
+
+@pytest.mark.parametrize("case", ["2-d dst ids", "2-d src ids", "float ids", "bool ids"])
+def test_ids_numpy_indexes_otherwise_are_left_to_numpy(monkeypatch, case):
+    """Ids that are not one flat list of integers: 2-d ids made more row
+    addresses on their side than on the other, and the native copy read
+    the shorter address array past its end (addresses out of the heap:
+    a crash, or bytes copied to or from anywhere).  Float and bool ids
+    were cast (a bool mask became pages 0 and 1).  Such ids are refused
+    (nothing written), and numpy's indexing does what it does with them."""
+    calls = []
+    real = pagecopy._lib()
+
+    class Spy:
+        def kvb_copy_rows(self, count, dst, src, *rest):
+            calls.append((count, len(dst), len(src)))
+            if count > min(len(dst), len(src)):
+                return None           # (past an array's end: not run)
+            return real.kvb_copy_rows(count, dst, src, *rest)
+
+    monkeypatch.setattr(pagecopy, "_lib", lambda: Spy())
+    dst = np.zeros((8, 512), np.int8)
+    src = pages(2, 512, dtype=np.int8)
+    dst_ids, src_ids = np.array([1, 6]), None
+    if case == "2-d dst ids":
+        dst_ids = np.array([[0, 1], [2, 3]])       # numpy: src broadcast to (2, 2, 512)
+    elif case == "2-d src ids":
+        dst, src = np.zeros((2, 512), np.int8), pages(8, 512, dtype=np.int8)
+        dst_ids, src_ids = None, np.array([[0, 1], [2, 3]])   # numpy: a shape error
+    elif case == "float ids":
+        dst_ids = np.array([1.0, 6.0])
+    else:
+        src = pages(8, 512, dtype=np.int8)
+        dst_ids = np.zeros(8, bool)
+        dst_ids[[1, 6]] = True
+    assert all(count <= min(d, s) for count, d, s in calls)
+    assert copy_pages(dst, src, dst_ids=dst_ids, src_ids=src_ids) is False
+    assert not dst.any() and not calls
