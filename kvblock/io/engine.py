@@ -298,6 +298,8 @@ class IOEngine:
         if n == 0:
             return IOResult(0, np.empty(0, np.int64) if latency else None)
         self._validate(batch)
+        if hashing is not None:   # (read_hashed's are checked; the native calls index them)
+            native.check_pieces("submit", None, batch.lens, *hashing, n=n)
         maps = self._maps     # once: close() may drop it meanwhile (_copy_mapped then refuses)
         if maps is not None:
             if maps.covers(batch.devs, writing=op == OP_WRITE):

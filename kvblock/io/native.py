@@ -158,6 +158,7 @@ class Hasher:
     __slots__ = ("handle", "_keep")
 
     def __init__(self, addrs, lens, streams, seeds, results, digests):
+        check_pieces("kvb_hasher_create", addrs, lens, streams, seeds, digests, results)
         err = ffi.new("int *")
         self._keep = (addrs, lens, streams, seeds, results, digests)
         self.handle = lib().kvb_hasher_create(
@@ -196,11 +197,40 @@ def hash_blocks_ranges(addrs, nranges: int, nblocks: int, block_len: int, pad: i
 def hash_pieces(addrs, lens, streams, seeds, digests) -> None:
     """digests[s] = XXH3-64 (seed seeds[s]) of stream s's pieces, which are
     in memory already (same numbering rules as Hasher)."""
+    check_pieces("kvb_hash_pieces", addrs, lens, streams, seeds, digests)
     ret = lib().kvb_hash_pieces(len(addrs), ptr("uint64_t *", addrs), ptr("uint64_t *", lens),
                                 ptr("uint32_t *", streams), len(seeds), ptr("uint64_t *", seeds),
                                 ptr("uint64_t *", digests))
     if ret < 0:
         raise _hasher_error("kvb_hash_pieces", len(addrs), -ret)
+
+
+_U64, _U32, _I64 = np.dtype(np.uint64), np.dtype(np.uint32), np.dtype(np.int64)
+
+
+def check_pieces(call: str, addrs, lens, streams, seeds, digests, results=None,
+                 n: int | None = None) -> None:
+    """ConfigError unless the arrays of a hashed batch fit what the native
+    hasher does with them: it reads ``lens`` and ``streams`` (and writes
+    ``results``) up to the piece count, writes ``digests`` up to the
+    stream count (``seeds``), and takes each as its C type.  One shorter
+    was read or written past its end (the heap), one of another dtype read
+    as that type, a read-only one written."""
+    n = len(addrs) if n is None else n
+    for name, arr, dtype, size, out in (
+            ("addresses", addrs, _U64, n, False), ("lengths", lens, _U64, n, False),
+            ("stream indices", streams, _U32, n, False),
+            ("seeds", seeds, _U64, None, False), ("digests", digests, _U64, len(seeds), True),
+            ("results", results, _I64, n, True)):
+        if arr is None and name in ("addresses", "results"):
+            continue
+        if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1 or \
+                (size is not None and arr.size != size) or (out and not arr.flags.writeable):
+            got = (f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray)
+                   else type(arr).__name__)
+            want = f"{size} " if size is not None else ""
+            raise ConfigError(f"{call}: the {name} must be a 1-d{' writable' if out else ''} "
+                              f"{dtype} array of {want}entries, got a {got}")
 
 
 def _hasher_error(call: str, pieces: int, code: int):

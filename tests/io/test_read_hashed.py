@@ -343,3 +343,60 @@ def test_a_native_hasher_that_cannot_be_made_is_a_typed_error(monkeypatch, file_
         monkeypatch.setattr(native, "lib", lambda: real)
         got = eng.read_hashed(batch, [0], [7])
         assert int(got[0]) == data_checksum(data[:8 * MIB], 7)
+
+
+@pytest.mark.parametrize("case", ["digests short", "results short", "lens short",
+                                  "streams int64", "digests read-only"])
+def test_native_hasher_arrays_that_do_not_fit_the_pieces_are_refused(case):
+    """The native hasher indexes every array up to the piece count (and
+    the digests up to the stream count) and writes the results and digests:
+    one shorter than that was read or written past its end (here into the
+    rest of the array it is a view of; in general the heap), a wrong dtype
+    read as another (a uint32 view of int64 stream numbers), a read-only
+    array written.  Each is refused before the native call."""
+    buf = np.arange(3 * BLOCK, dtype=np.uint64).view(np.uint8)[:3 * BLOCK].copy()
+    addrs = np.array([buf.ctypes.data + i * BLOCK for i in range(3)], np.uint64)
+    lens = np.full(3, BLOCK, np.uint64)
+    streams = np.array([0, 0, 1], np.uint32)
+    seeds = np.array([5, 6], np.uint64)
+    around = np.zeros(4, np.uint64)
+    digests = np.zeros(2, np.uint64)
+    results = np.zeros(3, np.int64)
+    if case == "digests short":
+        digests = around[:1]
+    elif case == "results short":
+        results = around.view(np.int64)[:2]
+    elif case == "lens short":
+        around[:] = BLOCK
+        lens = around[:2]
+    elif case == "streams int64":
+        streams = streams.astype(np.int64)
+    else:
+        digests.flags.writeable = False
+    before = around.copy()
+    with pytest.raises(ConfigError):
+        if case == "results short":
+            native.Hasher(addrs, lens, streams, seeds, results, digests).finish()
+        else:
+            native.hash_pieces(addrs, lens, streams, seeds, digests)
+    with pytest.raises(ConfigError):
+        native.Hasher(addrs, lens, streams, seeds, results, digests).finish()
+    assert np.array_equal(around, before) and not digests.any()
+
+
+def test_submit_refuses_hashing_arrays_that_do_not_fit_the_batch(shm_target):
+    """submit(hashing=...) hands its arrays to the native copy or hasher
+    as they are: stream numbers fewer than the batch's entries were read
+    past their end, digests fewer than the streams written past theirs."""
+    path = shm_target(4 * MIB)
+    with Device(path) as dev, open_engine([dev], mapped_reads=True) as eng, \
+            HostBuffer(2 * BLOCK) as buf:
+        assert eng.mapped(0)
+        batch = IOBatch([buf.address, buf.address + BLOCK], 0, [0, BLOCK], BLOCK)
+        around = np.zeros(3, np.uint64)
+        for streams, seeds, digests in (
+                (np.array([0], np.uint32), np.array([1, 2], np.uint64), np.zeros(2, np.uint64)),
+                (np.array([0, 1], np.uint32), np.array([1, 2], np.uint64), around[:1])):
+            with pytest.raises(ConfigError):
+                eng.submit(engine_mod.OP_READ, batch, hashing=(streams, seeds, digests))
+        assert not around.any()
