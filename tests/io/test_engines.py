@@ -396,7 +396,7 @@ def test_a_buffer_closes_while_another_thread_opens_an_engine(file_target):
     if not probe()[0]:
         pytest.skip("io_uring unavailable")
     opened = []
-    with Device(file_target(MIB)) as dev, open_engine([dev], "uring") as eng:
+    with Device(file_target(MIB)) as dev, open_engine([dev], "uring"):
         buf = HostBuffer(4096)
 
         def lines(frame, event, arg):
