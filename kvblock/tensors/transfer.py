@@ -545,8 +545,13 @@ class _LoadJob:
                                        daemon=True)
             scatter.start()
         except BaseException:
+            # (the leave whatever the unpin answers: an error there left the
+            # load's call in flight for good; the start's error is raised)
             try:
                 self.store._unpin(self.segs)
+            except Exception as e:   # noqa: BLE001
+                logger.warning("kvblock: releasing the pins of a load that did not "
+                               "start failed: %s", e)
             finally:
                 self.store._inflight.leave(self.token)
             raise
@@ -771,7 +776,18 @@ class _LoadJob:
                 store._read_failed(error, [seg[0] for seg in self.segs])
             except Exception as e:
                 logger.warning("kvblock: dropping the runs of a failed load failed: %s", e)
-        if not store._unpin(self.segs) and (error is None or lapsed):
+        try:
+            held = store._unpin(self.segs)
+        except BaseException as e:
+            # An error answered to the unpin (a store server's ServerError;
+            # a lost connection _unpin takes itself) came out of the thread
+            # before handle._fail: wait() never returned.  Whether the pins
+            # held cannot be told: the load fails with it (unless it failed
+            # first) and counts nothing.
+            held = True
+            if error is None:
+                error = e
+        if not held and (error is None or lapsed):
             # As a read under pins that lapsed (RunReader._read_done): a miss,
             # counted as such, and none of its blocks count as returned.
             store.counters.add("lapsed_pin_gets")

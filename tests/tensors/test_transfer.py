@@ -1847,3 +1847,78 @@ def test_a_save_or_load_cut_at_any_line_leaves_no_call_in_flight(path, call):
             if cut.fired is None:
                 break
     assert n > 5, n
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_load_whose_unpin_is_answered_with_an_error_still_ends(path, monkeypatch,
+                                                                 background):
+    """The scatter stage's last steps release the load's pins (a store
+    server's client: an unpin request) and then end the handle.  An error
+    answered to that unpin (a ServerError, a ConfigError: anything but a
+    connection lost, which _unpin takes itself) came out of the scatter
+    thread before handle._fail: wait() never returned.  The load fails with
+    that error (its pins cannot be told to have held), counts no blocks,
+    and leaves no call in flight."""
+    from kvblock.errors import ServerError
+
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a = [f"a{i}".encode() for i in range(4)]
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+        real = store._unpin
+
+        def unpin_answered_with_an_error(segs):
+            real(segs)
+            raise ServerError("store server: ServerError: KeyError: 7")
+        monkeypatch.setattr(store, "_unpin", unpin_answered_with_an_error)
+        before = dict(store.counters)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        done = []
+
+        def load():
+            try:
+                load_blocks(store, a, VLLMLayout(dst), list(range(4)),
+                            background=background).wait()
+            except BaseException as e:
+                done.append(e)
+        t = threading.Thread(target=load, daemon=True)
+        t.start()
+        t.join(10)
+        assert done, "the load never ended"
+        assert isinstance(done[0], ServerError), done[0]
+        assert store.counters["get_blocks"] == before["get_blocks"]
+        assert store.regions.pins.sum() == 0
+        deadline = time.monotonic() + 5
+        while store._inflight._calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert store._inflight._calls == 0
+
+
+def test_a_load_that_fails_to_start_and_whose_unpin_fails_leaves_no_call_in_flight(
+        path, monkeypatch):
+    """A background load that fails to start (its CUDA event, or its
+    thread) unpins and leaves the store's InFlight: an error answered to
+    that unpin skipped the leave, and every later close() waited
+    CLOSE_WAIT_S for a call that was gone.  The start's error is raised."""
+    from kvblock.errors import ServerError
+    from kvblock.tensors import transfer
+
+    def record_fails(_device):
+        raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
+
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a = [f"a{i}".encode() for i in range(4)]
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+        real = store._unpin
+
+        def unpin_answered_with_an_error(segs):
+            real(segs)
+            raise ServerError("store server: ServerError: KeyError: 7")
+        monkeypatch.setattr(store, "_unpin", unpin_answered_with_an_error)
+        monkeypatch.setattr(transfer, "_record_cuda", record_fails)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(RuntimeError, match="cudaErrorLaunchFailure"):
+            load_blocks(store, a, VLLMLayout(dst), list(range(4)))
+        assert store.regions.pins.sum() == 0
+        assert store._inflight._calls == 0
