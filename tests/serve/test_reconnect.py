@@ -1361,3 +1361,50 @@ def test_a_restart_between_a_puts_admit_and_its_write_fails_it_and_gives_back_no
     finally:
         r.close()
         box[0].stop()
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_an_offer_of_a_put_abandoned_after_a_timeout_is_given_back_once_reconnected(
+        tmp_path, many):
+    """A put admitted by a live server whose allocation is not answered in
+    time (timeout=): its connection is abandoned, and the offer it gives
+    back went to that connection, refused there: the server's admission
+    kept the offer used up, so after the reconnect (to the same server)
+    the key's next offer was declined again (admit_after=2: a third
+    offer to store it).  The offer is given back to that server once a
+    new connection reaches it."""
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock, admit_after=2)
+    real, hang = server._op_allocate, threading.Event()
+
+    def slow_allocate(s, **kw):
+        if hang.is_set():
+            time.sleep(1.5)
+        return real(s, **kw)
+    server._op_allocate = slow_allocate
+    r = RemoteStore(sock, reconnect=True, timeout=0.5)
+    try:
+        a, b = run_keys(1, 2), run_keys(2, 2)
+
+        def put():
+            if many:    # put_runs' own path (several runs: its give_back of the unstored)
+                return r.put_runs([(a, run_data(a)), (b, run_data(b))])[0]
+            return r.put_run(a, run_data(a))
+        assert put() == 0                        # the first offers: declined
+        hang.set()
+        with pytest.raises(ServerGoneError):
+            put()                                # admitted, then abandoned
+        hang.clear()
+        old = r._session
+        deadline = time.monotonic() + 20
+        while r._session is old or not r.server_alive:
+            with contextlib.suppress(ServerGoneError):
+                r.lookup([bytes(16)])
+            assert time.monotonic() < deadline, "no reconnect"
+            time.sleep(0.02)
+        assert r.server_pid == os.getpid()       # the same server
+        assert put() == 2                        # admitted: the offer came back
+    finally:
+        r.close()
+        server.stop()
