@@ -1152,3 +1152,50 @@ def test_a_threads_worker_that_cannot_start_leaves_no_io_running(file_target, mo
             go.set()
         assert left == 0, "read() returned with a worker still reading into the buffer"
         assert np.array_equal(buf.array, data)
+
+
+def test_a_threads_worker_queued_by_a_raising_submit_starting_late_makes_no_native_call(
+        file_target, monkeypatch):
+    """A pool submit that raised ("can't start new thread") may still have
+    queued its worker, which may start only once read() has returned and
+    the caller has freed or reused the batch's arrays: it must not enter
+    kvb_pio_run with them (the batch is closed to it)."""
+    from kvblock.io import native
+
+    real = native.lib()
+    calls = []
+
+    class Lib:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def kvb_pio_run(self, *args):
+            calls.append(threading.current_thread().name)
+            return real.kvb_pio_run(*args)
+
+    path = file_target(4 * MIB)
+    data = np.frombuffer(bytes(range(256)) * (4 * MIB // 256), np.uint8)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    with Device(path) as dev, HostBuffer(4 * MIB) as buf, \
+            open_engine([dev], "threads", queue_depth=4) as eng:
+        real_submit = eng._pool.submit
+        queued = []
+
+        def submit(fn, *args, **kwargs):
+            if queued:
+                return real_submit(fn, *args, **kwargs)
+            queued.append((fn, args, kwargs))     # queued, its thread not started
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(native, "lib", lambda: Lib())
+        monkeypatch.setattr(eng._pool, "submit", submit)
+        eng.read(IOBatch.contiguous(buf.address, 0, 0, 4 * MIB, 64 << 10))
+        assert np.array_equal(buf.array, data)
+        before = len(calls)
+        fn, args, kwargs = queued[0]
+        late = threading.Thread(target=fn, args=args, kwargs=kwargs, name="late-worker")
+        late.start()
+        late.join(10)
+        assert "late-worker" not in calls[before:], \
+            "a worker starting after read() returned entered the native call"
