@@ -1151,17 +1151,7 @@ def test_a_load_whose_probe_of_unreadable_runs_fails_still_ends_and_unpins(path,
         monkeypatch.setattr(reads, "HostBuffer", no_memory)
         dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
         h = load_blocks(store, a + b, VLLMLayout(dst), list(range(8)))
-        done = []
-
-        def wait():
-            try:
-                h.wait()
-            except BaseException as e:
-                done.append(e)
-        t = threading.Thread(target=wait, daemon=True)
-        t.start()
-        t.join(10)
-        assert done, "the load never ended"
+        done = _error_within(10, h.wait)
         assert isinstance(done[0], IOFailedError), done[0]
         assert store.regions.pins.sum() == 0
         assert store.lookup(a) == 0 and store.lookup(b) == 0
@@ -1753,17 +1743,7 @@ def test_a_load_whose_device_context_fails_to_exit_still_ends_and_unpins(
                             exit_fails_always if load_fails else exit_fails)
         dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
         h = load_blocks(store, a, VLLMLayout(dst), list(range(4)))
-        done = []
-
-        def wait():
-            try:
-                h.wait()
-            except BaseException as e:
-                done.append(e)
-        t = threading.Thread(target=wait, daemon=True)
-        t.start()
-        t.join(10)
-        assert done, "the load never ended"
+        done = _error_within(10, h.wait)
         assert isinstance(done[0], IOFailedError if load_fails else RuntimeError), done[0]
         assert store.regions.pins.sum() == 0
 
@@ -1873,18 +1853,8 @@ def test_a_load_whose_unpin_is_answered_with_an_error_still_ends(path, monkeypat
         monkeypatch.setattr(store, "_unpin", unpin_answered_with_an_error)
         before = dict(store.counters)
         dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
-        done = []
-
-        def load():
-            try:
-                load_blocks(store, a, VLLMLayout(dst), list(range(4)),
-                            background=background).wait()
-            except BaseException as e:
-                done.append(e)
-        t = threading.Thread(target=load, daemon=True)
-        t.start()
-        t.join(10)
-        assert done, "the load never ended"
+        done = _error_within(10, lambda: load_blocks(store, a, VLLMLayout(dst), list(range(4)),
+                                                     background=background).wait())
         assert isinstance(done[0], ServerError), done[0]
         assert store.counters["get_blocks"] == before["get_blocks"]
         assert store.regions.pins.sum() == 0
@@ -1922,3 +1892,20 @@ def test_a_load_that_fails_to_start_and_whose_unpin_fails_leaves_no_call_in_flig
             load_blocks(store, a, VLLMLayout(dst), list(range(4)))
         assert store.regions.pins.sum() == 0
         assert store._inflight._calls == 0
+
+
+def _error_within(seconds: float, call) -> list:
+    """[the error] ``call()`` raised in a thread of its own within
+    ``seconds`` (a load that never ends fails the test here, not the run)."""
+    done = []
+
+    def run():
+        try:
+            call()
+        except BaseException as e:
+            done.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert done, "the load never ended (or ended without an error)"
+    return done
