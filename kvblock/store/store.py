@@ -1058,6 +1058,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         def records():   # under the commit lock, where clear() counts
             if clears == self._clears:
                 kept.extend(runs)
+            else:
+                self.counters.add("cleared_puts", len(runs))
             return [jfmt.PutRun(run.run_id, run.region, run.generation, run.offset,
                                 run.keys, tuple(int(s) for s in run.checksums))
                     for run in kept]
@@ -1073,9 +1075,21 @@ class KVStore(Recovery, RunReader, RunWriter):
             for run in kept:
                 self.regions.last_access[run.region] = now
 
-        self._commit(records, publish)
-        self.counters.add("cleared_puts", len(runs) - len(kept))
-        self._release_unpinned(emptied)
+        try:
+            self._commit(records, publish)
+        finally:
+            # The regions the runs emptied (superseded every run there,
+            # none pinned) are freed also when a KeyboardInterrupt lands
+            # after the commit applied (_commit raises it once the records
+            # are durable) or as the release begins: left sealed with no
+            # run, nothing frees them until eviction reaches them, and puts
+            # evict live runs meanwhile.  (It frees each region once.)
+            try:
+                if emptied:
+                    self._release_unpinned(emptied)
+            except BaseException:
+                self._release_unpinned(emptied)
+                raise
         return {r.run_id for r in kept}
 
     def _allocate(self, nbytes: int, held: list) -> tuple[int, int]:

@@ -3254,6 +3254,16 @@ def _index_consistent(store):
     assert sum(len(v) for v in store.index.by_region.values()) == len(store.index.runs)
 
 
+def _no_empty_sealed_region(store, fired):
+    """No region sealed with no run and no pin: nothing but an eviction
+    reaching it would free it, and puts would evict live runs meanwhile."""
+    from kvblock.store.store import SEALED
+
+    r = store.regions
+    assert [k for k in range(r.count) if r.state[k] == SEALED and r.live[k] == 0
+            and r.pins[k] == 0] == [], fired
+
+
 def _each_cut(image, path, functions, step):
     """(store, cut) for the n-th line of ``functions`` cut by a
     KeyboardInterrupt (_LineInterrupt) in ``step(store)()``, n = 1, 2, ...,
@@ -3356,7 +3366,8 @@ def test_a_reclaim_interrupted_at_any_line_leaves_the_store_consistent(shm_targe
     assert len(fired) > 20, len(fired)
 
 
-@pytest.mark.parametrize("call", ["put_run that reclaims", "put_runs"])
+@pytest.mark.parametrize("call", ["put_run that reclaims", "put_runs",
+                                  "put_run superseding a region"])
 def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, call):
     """A KeyboardInterrupt landing at any line of a put (put_run into a
     full store, which must reclaim a region; put_runs of several runs in
@@ -3372,7 +3383,11 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
     devices open and locked (a reopen: DeviceBusyError).  Now each run is
     stored whole or not at all, no writer pin or call in flight is left,
     later calls return, and a crash leaves the store as the process saw
-    it."""
+    it.  Superseding every run of a sealed region (the last case), a cut
+    after its commit (the commit raising the interrupt once applied, the
+    cleared_puts count, _release_unpinned as it began) left the region
+    sealed with no run and no pin: nothing freed it until eviction reached
+    it, and puts evicted live runs meanwhile; now it is free."""
     import shutil
     from types import SimpleNamespace
 
@@ -3384,8 +3399,14 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
     put = _reclaim_sweep_image(image)        # every region sealed: a put reclaims
     if call == "put_run that reclaims":
         runs = [run_keys(92, 12)]
+    elif call == "put_run superseding a region":
+        # every position of the second region's runs (its newest copies)
+        # and one key more: both runs superseded, the region emptied
+        runs = [put[2] + put[3] + run_keys(97, 1)]
     else:                       # two groups of one commit each, a duplicate between
         runs = [run_keys(93, 12), put[-1], run_keys(95, 20)]
+    # what each run's keys find before the put (its "not at all")
+    before = [24 if call == "put_run superseding a region" else 0 for _ in runs]
     other = run_keys(96, 4)
     # (named directly: a function renamed fails here, not silently untraced;
     # the reclaim a put makes has its own sweep above)
@@ -3393,12 +3414,13 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
         "put_run", "put_runs", "_put", "_put_many", "_put_grouped", "_put_group", "_put_one",
         "_write_piece", "_begin_put", "_allocate", "_publish_put", "_publish_puts",
         "_unpin_writers", "_release_unpinned")]
-    if call == "put_run that reclaims":     # (put_runs leaves them the same way)
+    if call != "put_runs":     # (put_runs leaves them the same way)
         functions += [InFlight.enter, InFlight.leave,
                       SimpleNamespace(__code__=Store.put_run.__code__)]   # in_flight's wrapper
     def step(store):
-        return {"put_run that reclaims": lambda: store.put_run(runs[0], run_data(runs[0])),
-                "put_runs": lambda: store.put_runs([(k, run_data(k)) for k in runs])}[call]
+        if call == "put_runs":
+            return lambda: store.put_runs([(k, run_data(k)) for k in runs])
+        return lambda: store.put_run(runs[0], run_data(runs[0]))
     fired = []
     for store, cut in _each_cut(image, path, functions, step):
         size = store.regions.size
@@ -3414,9 +3436,10 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
         assert store._inflight.calls == 0, cut.fired
         assert not store._removing and not store._freeing, cut.fired
         _index_consistent(store)
+        _no_empty_sealed_region(store, cut.fired)
         held = {tuple(k): store.lookup(k) for k in put + runs}
-        for k in runs:              # whole or not at all
-            assert held[tuple(k)] in (0, len(k)), (cut.fired, k)
+        for k, was in zip(runs, before):      # whole or not at all
+            assert held[tuple(k)] in (was, len(k)), (cut.fired, k)
         shutil.copyfile(path, crashed)        # the machine dies here
         done = []
 
@@ -3434,7 +3457,7 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
         with KVStore.open([str(crashed)], verify="always") as store:
             assert {k: store.lookup(list(k)) for k in held} == held, cut.fired
             for k in runs:
-                if held[tuple(k)]:
+                if held[tuple(k)] == len(k):
                     data = run_data(k)
                     out = np.zeros_like(data)
                     assert store.get_run(k, out) == len(k), (cut.fired, k)
