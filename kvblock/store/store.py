@@ -1100,10 +1100,10 @@ class KVStore(Recovery, RunReader, RunWriter):
         caller before its own try, left the pin held for good, the region
         never evicted)."""
         while True:
-            got, emptied = None, None
+            got, emptied, was_open = None, None, None
 
             def pick():
-                nonlocal got, emptied
+                nonlocal got, emptied, was_open
                 was_open = self.regions.open
                 taken = self.regions.allocate(nbytes, time.time())
                 # The open region sealed here may hold no run (all deleted,
@@ -1148,11 +1148,23 @@ class KVStore(Recovery, RunReader, RunWriter):
                         "release pins or add capacity")
                 return victim, True
             # The region is written again at once: no discard (see _finish_reclaim).
-            self._reclaim(pick, discard=False)
-            if got is not None:
-                if emptied is not None:
-                    self._release_unpinned({emptied})
-                return got
+            try:
+                self._reclaim(pick, discard=False)
+                if got is not None:
+                    if emptied is not None:
+                        self._release_unpinned({emptied})
+                    return got
+            except BaseException:
+                # Cut (a KeyboardInterrupt) from the pick on: the open region
+                # it may have sealed empty is freed all the same (else it
+                # stays sealed with no run; _release_unpinned frees it only
+                # when so, once).
+                if was_open is not None:
+                    try:
+                        self._release_unpinned({was_open})
+                    except BaseException:
+                        self._release_unpinned({was_open})
+                raise
 
     def _reclaim(self, pick, discard: bool = True) -> int | None:
         """Reclaim the region ``pick()`` names and return it; None (nothing

@@ -3367,7 +3367,8 @@ def test_a_reclaim_interrupted_at_any_line_leaves_the_store_consistent(shm_targe
 
 
 @pytest.mark.parametrize("call", ["put_run that reclaims", "put_runs",
-                                  "put_run superseding a region"])
+                                  "put_run superseding a region",
+                                  "put_run sealing an emptied open region"])
 def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, call):
     """A KeyboardInterrupt landing at any line of a put (put_run into a
     full store, which must reclaim a region; put_runs of several runs in
@@ -3387,7 +3388,10 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
     after its commit (the commit raising the interrupt once applied, the
     cleared_puts count, _release_unpinned as it began) left the region
     sealed with no run and no pin: nothing freed it until eviction reached
-    it, and puts evicted live runs meanwhile; now it is free."""
+    it, and puts evicted live runs meanwhile; now it is free.  The same
+    for the open region every run left (deleted) that a put seals as it
+    moves on (the last case): cut from the allocation's pick on to its
+    _release_unpinned, it stayed sealed with no run."""
     import shutil
     from types import SimpleNamespace
 
@@ -3396,8 +3400,13 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
 
     image, path, crashed = (Path(shm_target(1792 << 10, name)) for name in
                             ("image.img", "store.img", "crash.img"))
-    put = _reclaim_sweep_image(image)        # every region sealed: a put reclaims
+    if call == "put_run sealing an emptied open region":
+        put = _reclaim_sweep_image(image, 1)      # two regions free
+    else:
+        put = _reclaim_sweep_image(image)        # every region sealed: a put reclaims
     if call == "put_run that reclaims":
+        runs = [run_keys(92, 12)]
+    elif call == "put_run sealing an emptied open region":
         runs = [run_keys(92, 12)]
     elif call == "put_run superseding a region":
         # every position of the second region's runs (its newest copies)
@@ -3420,6 +3429,13 @@ def test_a_put_interrupted_at_any_line_leaves_the_store_consistent(shm_target, c
     def step(store):
         if call == "put_runs":
             return lambda: store.put_runs([(k, run_data(k)) for k in runs])
+        if call == "put_run sealing an emptied open region":
+            # two runs fill the open region (no room for a third), then
+            # leave it: the put seals it empty as it takes a free region
+            gone = [run_keys(98, 12), run_keys(99, 12)]
+            store.put_runs([(k, run_data(k)) for k in gone])
+            store.delete([k for keys in gone for k in keys])
+            assert store.regions.live[store.regions.open] == 0
         return lambda: store.put_run(runs[0], run_data(runs[0]))
     fired = []
     for store, cut in _each_cut(image, path, functions, step):
