@@ -1707,9 +1707,25 @@ class KVStore(Recovery, RunReader, RunWriter):
                 except BaseException as again:
                     self._fail(again)
                     raise
+        # The regions the runs left empty are freed also when a
+        # KeyboardInterrupt cut the drop (or lands as this begins, or
+        # between two regions: again, each is freed once): left sealed with
+        # no run, their space counts used and puts evict live runs instead.
+        try:
+            if durable and not self.closed:
+                self._release_empty_regions({r.region for r in chosen})
+        except KVBlockError:
+            if interrupted is None:
+                raise
+        except BaseException as e:
+            interrupted = interrupted or e
+            try:
+                if durable and not self.closed:
+                    self._release_empty_regions({r.region for r in chosen})
+            except KVBlockError:
+                pass           # (a failed TRIM: the region is free all the same)
         if interrupted is not None:
             raise interrupted
-        self._release_empty_regions({r.region for r in chosen})
         return removed
 
     def _forget_cut(self, runs: list[Run]) -> None:
