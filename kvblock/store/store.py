@@ -1184,23 +1184,23 @@ class KVStore(Recovery, RunReader, RunWriter):
         allocation, evict, delete and clear then waited for.  Cut again
         while it completes: the store fails (as a commit cut twice), which
         ends those waits."""
-        picked, begun, dropped = None, None, []
+        picked, begun, began = None, None, {}
         try:
             with self._lock:
                 picked = pick()
                 if picked is None:
                     return None
-                self._begin_reclaim(*picked, freeing=discard, dropped=dropped)
+                self._begin_reclaim(*picked, freeing=discard, began=began)
                 begun = self._reclaims[picked[0]]
             self._finish_reclaim(picked[0], discard)
         except BaseException:
             if picked is not None and self._failure is None:
-                self._reclaim_cut(*picked, begun, discard, dropped)
+                self._reclaim_cut(*picked, begun, discard, began)
             raise
         return picked[0]
 
     def _reclaim_cut(self, region: int, evict: bool, begun, freeing: bool,
-                     dropped: list) -> None:
+                     began: dict) -> None:
         """_reclaim's reclaim of ``region`` after an exception: begun
         (``begun``, its _reclaims entry, None when _begin_reclaim was cut)
         and finished, unless it was (a KeyboardInterrupt after the region
@@ -1208,7 +1208,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         try:
             if begun is None:
                 with self._lock:
-                    begun = self._begin_cut(region, evict, freeing, dropped)
+                    begun = self._begin_cut(region, evict, freeing, began)
             if self._reclaims.get(region) is begun:
                 self._finish_reclaim(region, discard=False)
         except BaseException as again:
@@ -1219,16 +1219,22 @@ class KVStore(Recovery, RunReader, RunWriter):
             raise
 
     def _begin_reclaim(self, region: int, evict: bool = True, freeing: bool = True,
-                       dropped: list | None = None) -> None:
+                       began: dict | None = None) -> None:
         """(under self._lock) the region RECLAIMING, its runs (``evict``)
-        out of the index, their removal's ticket held; ``freeing``: it
-        counts as room being made (``_freeing``).  ``dropped`` gets the
-        runs before any leaves (for _begin_cut)."""
+        out of the index and counted, their removal's ticket held;
+        ``freeing``: it counts as room being made (``_freeing``).
+        ``began`` (for _begin_cut) gets the runs and their blocks before
+        any leaves, and "counted" once the eviction counters have them."""
+        began = {} if began is None else began
         runs = self.index.runs_in(region) if evict else []
-        if dropped is not None:
-            dropped.extend(runs)
         # the positions still theirs: a newer run's copy of a key stays stored
+        # (Run.live: 0 once out of the index)
         blocks = sum(run.live for run in runs)
+        began["runs"], began["blocks"] = runs, blocks
+        if evict:
+            # counted and noted in one statement: _begin_cut counts a
+            # reclaim cut (a KeyboardInterrupt) before it, once
+            began["counted"] = self._count_eviction(len(runs), blocks)   # (one line)
         ticket = self._next_removal_ticket() if evict else None
         self._reclaims[region] = (ticket, (int(self.regions.generation[region]) + 1)
                                   & 0xFFFFFFFF)
@@ -1239,16 +1245,24 @@ class KVStore(Recovery, RunReader, RunWriter):
             self._freeing.add(region)
         if self.regions.open == region:
             self.regions.open = None
-        if evict:
-            self.counters.add_each(evicted_regions=1, evicted_runs=len(runs),
-                                   evicted_blocks=blocks)
         for run in runs:
             self._forget_run(run)
 
-    def _begin_cut(self, region: int, evict: bool, freeing: bool, dropped: list):
+    def _count_eviction(self, runs: int, blocks: int) -> bool:
+        self.counters.add_each(evicted_regions=1, evicted_runs=runs, evicted_blocks=blocks)
+        return True
+
+    def _begin_cut(self, region: int, evict: bool, freeing: bool, began: dict):
         """(under self._lock) _begin_reclaim's work after a KeyboardInterrupt
-        cut it (each step again is harmless); returns the reclaim's
-        _reclaims entry.  ``dropped``: the runs it took, when it got that far."""
+        cut it (each step again is harmless; the count once); returns the
+        reclaim's _reclaims entry.  ``began``: _begin_reclaim's notes."""
+        if evict and not began.get("counted"):
+            if "runs" in began:
+                runs, blocks = began["runs"], began["blocks"]
+            else:        # cut before it noted them: none has left the index
+                runs = self.index.runs_in(region)
+                blocks = sum(run.live for run in runs)
+            began["counted"] = self._count_eviction(len(runs), blocks)   # (one line)
         entry = self._reclaims.get(region)
         if entry is None:
             entry = self._reclaims[region] = (
@@ -1261,7 +1275,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             self._freeing.add(region)
         if self.regions.open == region:
             self.regions.open = None
-        runs = {run.run_id: run for run in dropped + self.index.runs_in(region)}
+        runs = {run.run_id: run for run in began.get("runs", []) + self.index.runs_in(region)}
         self._forget_cut(list(runs.values()))
         return entry
 

@@ -3309,7 +3309,10 @@ def test_a_reclaim_interrupted_at_any_line_leaves_the_store_consistent(shm_targe
     pending, and every later put, delete, clear and evict waited for good.
     Now the reclaim the call began goes through, then the interrupt is
     raised: the region is free, its record durable; a later call returns;
-    a crash leaves the store as the process saw it."""
+    a crash leaves the store as the process saw it.  Cut before
+    _begin_reclaim's count, the eviction went uncounted (evicted_regions,
+    evicted_runs, evicted_blocks; _begin_cut never added them); now it is
+    counted once."""
     import shutil
 
     from kvblock.index.index import KeyIndex
@@ -3338,6 +3341,9 @@ def test_a_reclaim_interrupted_at_any_line_leaves_the_store_consistent(shm_targe
                 "evict all": lambda: store.evict(all=True),
                 "evict_older_than": lambda: store.evict_older_than(cutoff),
                 "put that reclaims": lambda: store.put_run(fresh, run_data(fresh))}[call]
+    with KVStore.open([str(image)], verify="never", readonly=True) as store:
+        stored = {run.run_id: run.live for run in store.index.runs.values()}
+        generations = store.regions.generation.copy()
     fired = []
     for store, cut in _each_cut(image, path, functions, step):
         size = store.regions.size
@@ -3347,6 +3353,12 @@ def test_a_reclaim_interrupted_at_any_line_leaves_the_store_consistent(shm_targe
             # fails the store by design (reopen to recover)
             assert cut.fired[0] == "new_generation", (cut.fired, store._failure)
             continue
+        # what left is counted, once (a cut before the count lost it)
+        gone = set(stored) - set(store.index.runs)
+        assert (store.counters["evicted_regions"], store.counters["evicted_runs"],
+                store.counters["evicted_blocks"]) == (
+            int((store.regions.generation != generations).sum()), len(gone),
+            sum(stored[r] for r in gone)), cut.fired
         assert not store._removing and not store._freeing, cut.fired
         assert list(store.regions.pins) == [0] * store.regions.count, cut.fired
         _index_consistent(store)
