@@ -1841,16 +1841,8 @@ def test_a_load_whose_unpin_is_answered_with_an_error_still_ends(path, monkeypat
     and leaves no call in flight."""
     from kvblock.errors import ServerError
 
-    src = [rand(2, 8, BS, H, D) for _ in range(L)]
-    a = [f"a{i}".encode() for i in range(4)]
     with _store(path, geom()) as store:
-        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
-        real = store._unpin
-
-        def unpin_answered_with_an_error(segs):
-            real(segs)
-            raise ServerError("store server: ServerError: KeyError: 7")
-        monkeypatch.setattr(store, "_unpin", unpin_answered_with_an_error)
+        a = _saved_with_unpin_answering_an_error(store, monkeypatch)
         before = dict(store.counters)
         dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
         done = _error_within(10, lambda: load_blocks(store, a, VLLMLayout(dst), list(range(4)),
@@ -1870,22 +1862,13 @@ def test_a_load_that_fails_to_start_and_whose_unpin_fails_leaves_no_call_in_flig
     thread) unpins and leaves the store's InFlight: an error answered to
     that unpin skipped the leave, and every later close() waited
     CLOSE_WAIT_S for a call that was gone.  The start's error is raised."""
-    from kvblock.errors import ServerError
     from kvblock.tensors import transfer
 
     def record_fails(_device):
         raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
 
-    src = [rand(2, 8, BS, H, D) for _ in range(L)]
-    a = [f"a{i}".encode() for i in range(4)]
     with _store(path, geom()) as store:
-        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
-        real = store._unpin
-
-        def unpin_answered_with_an_error(segs):
-            real(segs)
-            raise ServerError("store server: ServerError: KeyError: 7")
-        monkeypatch.setattr(store, "_unpin", unpin_answered_with_an_error)
+        a = _saved_with_unpin_answering_an_error(store, monkeypatch)
         monkeypatch.setattr(transfer, "_record_cuda", record_fails)
         dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
         with pytest.raises(RuntimeError, match="cudaErrorLaunchFailure"):
@@ -1909,3 +1892,20 @@ def _error_within(seconds: float, call) -> list:
     t.join(seconds)
     assert done, "the load never ended (or ended without an error)"
     return done
+
+
+def _saved_with_unpin_answering_an_error(store, monkeypatch) -> list:
+    """Four blocks saved in ``store``, whose unpin from now on releases the
+    pins, then raises as a store server's error answer would."""
+    from kvblock.errors import ServerError
+
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a = [f"a{i}".encode() for i in range(4)]
+    save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+    real = store._unpin
+
+    def unpin_answered_with_an_error(segs):
+        real(segs)
+        raise ServerError("store server: ServerError: KeyError: 7")
+    monkeypatch.setattr(store, "_unpin", unpin_answered_with_an_error)
+    return a
