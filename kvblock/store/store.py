@@ -1232,9 +1232,9 @@ class KVStore(Recovery, RunReader, RunWriter):
         blocks = sum(run.live for run in runs)
         began["runs"], began["blocks"] = runs, blocks
         if evict:
-            # counted and noted in one statement: _begin_cut counts a
-            # reclaim cut (a KeyboardInterrupt) before it, once
-            began["counted"] = self._count_eviction(len(runs), blocks)   # (one line)
+            # counted and noted together: _begin_cut counts a reclaim cut
+            # (a KeyboardInterrupt) before it, once
+            self._count_eviction(len(runs), blocks, began)
         ticket = self._next_removal_ticket() if evict else None
         self._reclaims[region] = (ticket, (int(self.regions.generation[region]) + 1)
                                   & 0xFFFFFFFF)
@@ -1248,9 +1248,18 @@ class KVStore(Recovery, RunReader, RunWriter):
         for run in runs:
             self._forget_run(run)
 
-    def _count_eviction(self, runs: int, blocks: int) -> bool:
-        self.counters.add_each(evicted_regions=1, evicted_runs=runs, evicted_blocks=blocks)
-        return True
+    def _count_eviction(self, runs: int, blocks: int, began: dict) -> None:
+        """The eviction counters and ``began["counted"]`` together, under
+        the counters' lock with no call between them: CPython raises a
+        pending KeyboardInterrupt as a call returns, and one as add_each()
+        returned left the counts added but not noted (_begin_cut added
+        them again)."""
+        c = self.counters
+        with c._lock:
+            c["evicted_regions"] += 1
+            c["evicted_runs"] += runs
+            c["evicted_blocks"] += blocks
+            began["counted"] = True
 
     def _begin_cut(self, region: int, evict: bool, freeing: bool, began: dict):
         """(under self._lock) _begin_reclaim's work after a KeyboardInterrupt
@@ -1262,7 +1271,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             else:        # cut before it noted them: none has left the index
                 runs = self.index.runs_in(region)
                 blocks = sum(run.live for run in runs)
-            began["counted"] = self._count_eviction(len(runs), blocks)   # (one line)
+            self._count_eviction(len(runs), blocks, began)
         entry = self._reclaims.get(region)
         if entry is None:
             entry = self._reclaims[region] = (

@@ -3615,3 +3615,37 @@ def test_a_reclaim_whose_step_after_its_record_keeps_failing_gives_up_typed(tmp_
         assert store.closed
     with KVStore.open([str(path)], verify="never") as store:
         assert [k for k in put if store.lookup(k) == 0]       # the region's runs stay evicted
+
+
+def test_an_eviction_cut_as_its_counting_returns_is_counted_once(shm_target, monkeypatch):
+    """A KeyboardInterrupt is raised as a call returns: landing as the
+    eviction counters' call returned (the counts added), the note that
+    they were counted was not set, and _begin_cut added them again (each
+    region so cut counted twice, its runs and blocks too)."""
+    import shutil
+
+    from kvblock.store.store import KVStore as Store
+
+    image, path = (Path(shm_target(1792 << 10, name)) for name in ("image.img", "store.img"))
+    _reclaim_sweep_image(image, sealed=2)
+    names = ("evicted_regions", "evicted_runs", "evicted_blocks")
+    shutil.copyfile(image, path)
+    with KVStore.open([str(path)], verify="never") as store:
+        store.evict(all=True)
+        want = [store.counters[n] for n in names]
+    assert want[0] == 2
+    real, cuts = Store._count_eviction, []
+
+    def count_then_cut(self, *args):
+        real(self, *args)
+        if not cuts:                       # the first region's, once
+            cuts.append(1)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(Store, "_count_eviction", count_then_cut)
+    shutil.copyfile(image, path)
+    with KVStore.open([str(path)], verify="never") as store:
+        with pytest.raises(KeyboardInterrupt):
+            store.evict(all=True)
+        monkeypatch.setattr(Store, "_count_eviction", real)
+        store.evict(all=True)              # the rest
+        assert [store.counters[n] for n in names] == want
