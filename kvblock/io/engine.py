@@ -493,6 +493,13 @@ class IOEngine:
         else:
             streams, seeds, digests = hashing
             s0, s1 = int(streams[a]), int(streams[b - 1]) + 1
+            if s1 > len(seeds):
+                # (the slices below would come out short: the native copy
+                # read seeds and wrote digests past the arrays' ends; the
+                # numbering inside the part is checked natively)
+                raise ConfigError(f"hashed copy: I/Os {a}..{b - 1} name streams up to "
+                                  f"{s1 - 1}, past the {len(seeds)} seed(s); number the "
+                                  "streams 0, 1, ... in I/O order, one seed per stream")
             ret = lib.kvb_mem_copy_hashed(
                 int(op == OP_WRITE), *args, p("uint32_t *", streams[a:b] - np.uint32(s0)),
                 s1 - s0, p("uint64_t *", seeds[s0:s1]), p("uint64_t *", digests[s0:s1]))

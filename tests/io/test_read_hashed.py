@@ -400,3 +400,22 @@ def test_submit_refuses_hashing_arrays_that_do_not_fit_the_batch(shm_target):
             with pytest.raises(ConfigError):
                 eng.submit(engine_mod.OP_READ, batch, hashing=(streams, seeds, digests))
         assert not around.any()
+
+
+def test_submit_refuses_stream_numbers_past_the_seeds_on_the_mapped_copy(shm_target):
+    """The mapped copy hashes each helper's part with its own streams
+    (renumbered from the part's first) and the seeds and digests sliced
+    to them: stream numbers past the seeds made those slices short (numpy
+    cuts a slice at the end), and the native copy read seeds and wrote
+    digests past the arrays (found in the final read: a digest beside
+    the array overwritten).  Refused now, nothing written."""
+    path = shm_target(4 * MIB)
+    with Device(path) as dev, open_engine([dev], mapped_reads=True) as eng, \
+            HostBuffer(2 * BLOCK) as buf:
+        assert eng.mapped(0)
+        batch = IOBatch([buf.address, buf.address + BLOCK], 0, [0, BLOCK], BLOCK)
+        seeds, digests = np.array([1, 2, 3], np.uint64), np.full(3, 12345, np.uint64)
+        with pytest.raises(ConfigError, match="stream"):
+            eng.submit(engine_mod.OP_READ, batch,
+                       hashing=(np.array([1, 2], np.uint32), seeds[:2], digests[:2]))
+        assert digests[2] == 12345
