@@ -103,7 +103,6 @@ class Geometry:
     def heads_per_group(self) -> int:
         return self.num_kv_heads // self.head_groups
 
-
     @property
     def run_checksums(self) -> int:
         """Checksums the index keeps per run: one per range, then the block

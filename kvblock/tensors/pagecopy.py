@@ -77,7 +77,7 @@ def copy_pages(dst: np.ndarray, src: np.ndarray, dst_ids=None, src_ids=None, *,
             # or bool (mask) id cast to int64 named other pages than numpy's
             if ids.ndim != 1 or ids.dtype.kind not in "iu":
                 return False
-            ids = ids.astype(np.int64)
+            ids = ids.astype(np.int64, copy=False)
             if ids.min() < 0 or ids.max() >= arr.shape[0]:
                 return False
         firsts.append(ids * arr.strides[0])
