@@ -344,6 +344,9 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
         try:
             if job is not None:    # cut before it started: its pins go here
                 store._unpin(job.segs)
+        except Exception as e:   # noqa: BLE001  (the load's own error is raised, not this)
+            logger.warning("kvblock: releasing the pins of a load that did not start "
+                           "failed: %s", e)
         finally:
             try:
                 store._inflight.leave(token)
@@ -569,9 +572,11 @@ class _LoadJob:
     def _start_reader(self, name) -> bool:
         """Start the reader stage; False when its thread could not start
         (then the error is queued for the scatter stage, which fails the load)."""
-        t = self._reader_thread = threading.Thread(target=self._reader, name=name,
-                                                   daemon=True)
         try:     # held inside the try, left with its token (note after save_blocks)
+            # (made in the try too: a Ctrl-C as the Thread was made left the
+            # scatter stage waiting for a reader that never came)
+            t = self._reader_thread = threading.Thread(target=self._reader, name=name,
+                                                       daemon=True)
             self.store._inflight.hold(self._reader_token)
             t.start()
         except BaseException as e:

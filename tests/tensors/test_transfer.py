@@ -1909,3 +1909,23 @@ def _saved_with_unpin_answering_an_error(store, monkeypatch) -> list:
         raise ServerError("store server: ServerError: KeyError: 7")
     monkeypatch.setattr(store, "_unpin", unpin_answered_with_an_error)
     return a
+
+
+def test_a_load_cut_before_its_job_starts_raises_its_own_error_over_the_unpins(
+        path, monkeypatch):
+    """A load cut between its prepare and its job's start (a Ctrl-C there)
+    unpins its runs itself: an error answered to that unpin (a store
+    server's ServerError) came out instead of the load's own error (a
+    Ctrl-C read as a miss by a caller).  The unpin's error is logged."""
+    from kvblock.tensors import transfer
+
+    def cut(self):
+        raise KeyboardInterrupt
+    with _store(path, geom()) as store:
+        a = _saved_with_unpin_answering_an_error(store, monkeypatch)
+        monkeypatch.setattr(transfer._LoadJob, "start", cut)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(KeyboardInterrupt):
+            load_blocks(store, a, VLLMLayout(dst), list(range(4)))
+        assert store.regions.pins.sum() == 0
+        assert store._inflight._calls == 0
