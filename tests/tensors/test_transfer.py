@@ -1748,23 +1748,28 @@ def test_a_load_whose_device_context_fails_to_exit_still_ends_and_unpins(
         assert store.regions.pins.sum() == 0
 
 
+@pytest.mark.parametrize("unpin_fails", [False, True], ids=["unpin answers", "unpin fails"])
 def test_a_background_load_whose_caller_stream_event_fails_leaves_no_pin_or_call(
-        path, monkeypatch):
+        path, monkeypatch, unpin_fails):
     """A background load first records an event on the caller's CUDA
     stream (the scatter thread waits for it).  That record (a CUDA error)
     ran before anything that unpins: load_blocks raised, but the runs stayed
     pinned for good and the load's call stayed in flight (every close()
     then waited CLOSE_WAIT_S for it).  The load raises the error and
-    leaves neither."""
+    leaves neither.  Also when an error is answered to that unpin: it
+    skipped the leave (the start's error is raised)."""
     from kvblock.tensors import transfer
 
     def record_fails(_device):
         raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
 
-    src = [rand(2, 8, BS, H, D) for _ in range(L)]
-    a = [f"a{i}".encode() for i in range(4)]
     with _store(path, geom()) as store:
-        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+        if unpin_fails:
+            a = _saved_with_unpin_answering_an_error(store, monkeypatch)
+        else:
+            src = [rand(2, 8, BS, H, D) for _ in range(L)]
+            a = [f"a{i}".encode() for i in range(4)]
+            save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
         monkeypatch.setattr(transfer, "_record_cuda", record_fails)
         dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
         with pytest.raises(RuntimeError, match="cudaErrorLaunchFailure"):
@@ -1853,27 +1858,6 @@ def test_a_load_whose_unpin_is_answered_with_an_error_still_ends(path, monkeypat
         deadline = time.monotonic() + 5
         while store._inflight._calls and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert store._inflight._calls == 0
-
-
-def test_a_load_that_fails_to_start_and_whose_unpin_fails_leaves_no_call_in_flight(
-        path, monkeypatch):
-    """A background load that fails to start (its CUDA event, or its
-    thread) unpins and leaves the store's InFlight: an error answered to
-    that unpin skipped the leave, and every later close() waited
-    CLOSE_WAIT_S for a call that was gone.  The start's error is raised."""
-    from kvblock.tensors import transfer
-
-    def record_fails(_device):
-        raise RuntimeError("cudaErrorLaunchFailure: unspecified launch failure")
-
-    with _store(path, geom()) as store:
-        a = _saved_with_unpin_answering_an_error(store, monkeypatch)
-        monkeypatch.setattr(transfer, "_record_cuda", record_fails)
-        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
-        with pytest.raises(RuntimeError, match="cudaErrorLaunchFailure"):
-            load_blocks(store, a, VLLMLayout(dst), list(range(4)))
-        assert store.regions.pins.sum() == 0
         assert store._inflight._calls == 0
 
 
