@@ -1126,10 +1126,7 @@ def test_a_threads_worker_that_cannot_start_leaves_no_io_running(file_target, mo
                 with lock:
                     running.pop()
 
-    path = file_target(4 * MIB)
-    data = np.frombuffer(bytes(range(256)) * (4 * MIB // 256), np.uint8)
-    with open(path, "r+b") as f:
-        f.write(data.tobytes())
+    path, data = _file_of_a_pattern(file_target, 4 * MIB)
     with Device(path) as dev, HostBuffer(4 * MIB) as buf, \
             open_engine([dev], "threads", queue_depth=4) as eng:
         buf.array[:] = 0xAA
@@ -1173,10 +1170,7 @@ def test_a_threads_worker_queued_by_a_raising_submit_starting_late_makes_no_nati
             calls.append(threading.current_thread().name)
             return real.kvb_pio_run(*args)
 
-    path = file_target(4 * MIB)
-    data = np.frombuffer(bytes(range(256)) * (4 * MIB // 256), np.uint8)
-    with open(path, "r+b") as f:
-        f.write(data.tobytes())
+    path, data = _file_of_a_pattern(file_target, 4 * MIB)
     with Device(path) as dev, HostBuffer(4 * MIB) as buf, \
             open_engine([dev], "threads", queue_depth=4) as eng:
         real_submit = eng._pool.submit
@@ -1199,3 +1193,12 @@ def test_a_threads_worker_queued_by_a_raising_submit_starting_late_makes_no_nati
         late.join(10)
         assert "late-worker" not in calls[before:], \
             "a worker starting after read() returned entered the native call"
+
+
+def _file_of_a_pattern(file_target, size: int):
+    """(path, its bytes): a file of ``size`` bytes holding 0, 1, ..., 255 over and over."""
+    path = file_target(size)
+    data = np.frombuffer(bytes(range(256)) * (size // 256), np.uint8)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    return path, data
