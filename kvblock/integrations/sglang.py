@@ -1066,6 +1066,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             return True
         if not self._ready() or values is None or len(values) != len(keys):
             return False
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            # (a None page reached v.reshape: an AttributeError out of a
+            # call that answers a bool, as set(key, None) and HiCacheFile do)
+            logger.error("kvblock: batch_set of %d pages given a page that is no tensor (%s)",
+                         len(keys), next(type(v).__name__ for v in values
+                                         if not isinstance(v, torch.Tensor)))
+            return False
         shape, axis = self._flat_shape()
         try:
             pages = torch.cat([v.reshape(shape) for v in values], dim=axis)

@@ -1495,3 +1495,22 @@ def test_a_shared_start_that_will_not_format_names_the_backends_own_setting(tmp_
         assert str(e.value).endswith('set "format": "force" in the extra config'), \
             (shared, str(e.value))
     assert not os.path.exists(sock)
+
+
+def test_flat_batch_set_of_a_missing_page_answers_false(file_target, backends):
+    """HiCacheStorage.batch_set answers a bool ("True if all operations were
+    successful, False otherwise"), as set(key, None) does and HiCacheFile's
+    batch_set does for a page it cannot take: a None (or non-tensor) value
+    among the pages is a False, with nothing stored, not an AttributeError
+    out of the backend."""
+    pool = HostPool()
+    backend = attach(pool, [file_target()])
+    backends.append(backend)
+    keys = keys_for("fn", 2)
+    flat = PoolFlat(pool)
+    assert backend.set(keys[0], None) is False
+    assert backend.batch_set(keys, [flat.page(0), None]) is False
+    assert backend.batch_set(keys, [flat.page(0), "not a page"]) is False
+    assert backend.batch_exists(keys) == 0
+    assert backend.batch_set(keys, [flat.page(0), flat.page(1)]) is True
+    assert backend.batch_exists(keys) == 2
