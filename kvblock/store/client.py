@@ -565,10 +565,12 @@ class RemoteStore(RunReader, RunWriter):
         limit = self.timeout if timeout is None else (
             timeout if self.timeout is None else min(timeout, self.timeout))
         s.call_started = time.monotonic()
+        sent = False
         try:
             s.sock.settimeout(limit)
             try:
                 s.sock.sendall(data)
+                sent = True
             except (BrokenPipeError, ConnectionResetError):
                 # a server that refused this connection (ServerBusyError)
                 # answered and closed before the request went out
@@ -586,7 +588,10 @@ class RemoteStore(RunReader, RunWriter):
             s.call_started = None
             # The request may be half sent or its answer unread: the stream
             # cannot be trusted any more, so the connection is abandoned
-            # (closed once this process's pins on it are released).
+            # (closed once this process's pins on it are released; until
+            # then the heartbeat keeps it alive, which a request cut off in
+            # the middle of its frame rules out).
+            s.torn = s.torn or not sent
             lost = isinstance(e, (OSError, ValueError))
             again = ("a new connection is being made" if self._reconnect else
                      "connect again")
@@ -617,8 +622,12 @@ class RemoteStore(RunReader, RunWriter):
 
     def _ping(self) -> bool:
         """Tell the server this process is alive, when it holds pins and no
-        call is in flight (an answer in progress is as good); whether it did."""
+        call is in flight (an answer in progress is as good); whether it did.
+        The connections abandoned after a timeout that still hold pins a
+        caller holds (kept open for them, their server perhaps alive) are
+        pinged too: their pins must not lapse under a read."""
         s = self._session
+        self._ping_abandoned()
         if s.gone is not None or s.held <= 0 or not s.lock.acquire(blocking=False):
             return False
         try:
@@ -628,6 +637,27 @@ class RemoteStore(RunReader, RunWriter):
         finally:
             s.lock.release()
         return True
+
+    def _ping_abandoned(self) -> None:
+        """Ping each connection given up on while pins are held on it (see
+        Session.keep_alive): its answers are never read, only discarded."""
+        for _ in range(3):     # (a WeakSet changed by a reconnect meanwhile: again)
+            try:
+                sessions = list(self._sessions)
+                break
+            except RuntimeError:
+                continue
+        else:
+            return
+        frame = None
+        for old in sessions:
+            if old.gone is None or old.held <= 0:
+                continue
+            if frame is None:
+                frame = encode_msg({"op": "ping"})
+            if not old.keep_alive(frame):
+                logger.debug("kvblock: could not ping an abandoned connection to %s",
+                             self.socket_path)
 
     def _check_open(self, writing: bool = False):
         if self.closed:

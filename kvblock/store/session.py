@@ -40,6 +40,9 @@ class Session:
         self._held_lock = threading.Lock()
         self._open = True
         self.call_started: float | None = None   # monotonic start of the call in flight
+        # given up on in the middle of sending a request: the server is
+        # still reading its frame, so nothing more can be sent on it
+        self.torn = False
 
     def overdue(self, timeout: float) -> bool:
         """Whether the call in flight has waited for its answer longer than
@@ -84,6 +87,34 @@ class Session:
         except (OSError, ValueError):     # closed here already
             return True
         return False
+
+    def keep_alive(self, frame: bytes) -> bool:
+        """For a session given up on (after a timeout) while pins are held
+        on it: send ``frame`` (a ping) so the server, which may live on,
+        does not take it for a stopped process's and drop its pins (the
+        runs a caller still reads could then be evicted and their space
+        handed out).  Its answers, and any other left unread, are
+        discarded: nothing on it is read as an answer again.  Whether it
+        was sent (not: its lock is held, its server's end closed, or its
+        stream torn by a request cut off in the middle)."""
+        if self.torn or not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._open or self.peer_closed():
+                return False
+            self.sock.settimeout(0)     # never used for a call again: no wait here
+            try:
+                sent = self.sock.send(frame)
+            except BlockingIOError:     # its buffer is full: the next beat tries again
+                return False
+            except OSError:             # closed meanwhile
+                return False
+            if sent != len(frame):      # (a few bytes: sent whole in practice)
+                self.torn = True
+                return False
+            return True
+        finally:
+            self.lock.release()
 
     def hung_up(self) -> bool:
         """Has the server's end closed (its process died or dropped us)?

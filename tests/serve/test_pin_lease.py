@@ -480,3 +480,38 @@ def test_a_put_that_close_waits_for_keeps_its_lease(tmp_path):
         assert _close_while(rank, reached, go, lambda: rank.put_run(keys, run_data(keys)),
                             lease_time) == 2
         assert server.store.lookup(keys) == 2
+
+
+@pytest.mark.parametrize("reconnect", [True, False])
+def test_the_pins_of_an_abandoned_connection_outlive_the_lease(tmp_path, reconnect):
+    """A call timed out (a slow server), so the connection holding a pin the
+    caller still holds was abandoned: it stays open while the pin is held,
+    and the server lives, so the pin must hold.  The heartbeat pinged only
+    the connection calls go to (the new one after a reconnect, none at all
+    without): the server dropped the abandoned one after its lease, and
+    the pinned run could be evicted and its space reused under the read."""
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    keys = run_keys(1, 2)
+    with serve_in_background([path], sock, pin_lease=LEASE) as server:
+        real_checkpoint = server.store.checkpoint
+        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
+        r = RemoteStore(sock, timeout=0.3, reconnect=reconnect)
+        try:
+            r.put_run(keys, run_data(keys))
+            pin = r.pin(keys)                 # the caller holds it on
+            with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
+                r.checkpoint()
+            if reconnect:
+                _until(lambda: r.counters["reconnects"] == 1)
+            time.sleep(3 * LEASE)
+            assert server.expired_sessions == 0, "the abandoned connection's pin lapsed"
+            assert server.store.regions.pins.sum() == 1
+            assert server.store.evict(all=True) == 0
+            if reconnect:
+                got = np.zeros_like(run_data(keys))
+                assert r.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
+            r.unpin(pin)
+            _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
+            assert server.expired_sessions == 0
+        finally:
+            r.close()
