@@ -1292,21 +1292,30 @@ class RemoteStore(RunReader, RunWriter):
         self._check_open()
         s = self._current()
         keys = normalize_keys(keys)
-        r = self._call_on(s, "segments", keys=encode_keys(keys))
-        pin = r.get("pin") if isinstance(r, dict) else None
+        # Counted before the request goes out: a connection another thread
+        # abandons (a call past timeout=) between the answer and the count
+        # was closed at once, holding none by it, and the server released
+        # the pin this read then read under (a miss, the server alive).
+        s.hold(1)
+        counted = True
         try:
-            segs = self._checked_segments(r, len(keys), s)
-        except BaseException:
-            if _is_int(pin):          # the pins the answer took: given back
-                s.hold(1)
-                segs = PinnedSegments()
-                segs.pin, segs.session = pin, s
-                self._unpin(segs)
-            raise
-        segs.pin, segs.session = r["pin"], s
-        if segs.pin is not None:
-            s.hold(1)
-        return segs
+            r = self._call_on(s, "segments", keys=encode_keys(keys))
+            pin = r.get("pin") if isinstance(r, dict) else None
+            try:
+                segs = self._checked_segments(r, len(keys), s)
+            except BaseException:
+                if _is_int(pin):          # the pins the answer took: given back
+                    segs = PinnedSegments()
+                    segs.pin, segs.session = pin, s
+                    counted = False       # _unpin counts it out
+                    self._unpin(segs)
+                raise
+            segs.pin, segs.session = r["pin"], s
+            counted = segs.pin is None    # the count is the pin's now
+            return segs
+        finally:
+            if counted:
+                s.hold(-1)
 
     def _checked_segments(self, r, nkeys: int, s: "Session") -> PinnedSegments:
         """segments' answer ``r`` for ``nkeys`` keys as PinnedSegments (no

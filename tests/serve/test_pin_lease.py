@@ -515,3 +515,44 @@ def test_the_pins_of_an_abandoned_connection_outlive_the_lease(tmp_path, reconne
             assert server.expired_sessions == 0
         finally:
             r.close()
+
+
+def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path):
+    """A read's segments answered (the server pinned its runs) and, before
+    the reader counted the pin on its connection, another thread's call
+    timed out: the connection, holding no pin by its count, was closed at
+    once, the server released the read's pins, and the read came back a
+    miss (lapsed_pin_gets) though the server lived.  The pin is counted
+    before the request goes out, so the connection stays open for it."""
+    import threading
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    keys = run_keys(1, 2)
+    with serve_in_background([path], sock, pin_lease=0) as server:
+        real_checkpoint = server.store.checkpoint
+        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
+        r = RemoteStore(sock, timeout=0.3)
+        try:
+            r.put_run(keys, run_data(keys))
+            answered, go = threading.Event(), threading.Event()
+            real = r._checked_segments
+
+            def answered_then_wait(*args):
+                answered.set()
+                assert go.wait(20)
+                return real(*args)
+            r._checked_segments = answered_then_wait
+            got = np.zeros_like(run_data(keys))
+            box = _in_thread(lambda: r.get_run(keys, got))
+            assert answered.wait(20)
+            with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
+                r.checkpoint()
+            assert server.store.regions.pins.sum() == 1, "the read's pin was released"
+            go.set()
+            box["thread"].join(20)
+            assert box.get("out") == 2, box
+            assert np.array_equal(got, run_data(keys))
+            assert r.counters["lapsed_pin_gets"] == 0
+            _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
+        finally:
+            r.close()
