@@ -20,53 +20,57 @@ from kvblock.errors import ConfigError
 
 
 def load(path: str | Path) -> dict:
+    # Errors name the argument (kvblock report BENCH_JSON), as --out's and
+    # --markdown's name theirs.
+    where = f"BENCH_JSON {path}"
     # a device (/dev/zero, a disk given by mistake) would be read without end
     if Path(path).is_char_device() or Path(path).is_block_device():
-        raise ConfigError(f"{path}: a device, not a pytest-benchmark JSON file; write one "
+        raise ConfigError(f"{where}: a device, not a pytest-benchmark JSON file; write one "
                           "with `pytest perf/ --benchmark-only --benchmark-json BENCH.json`")
     try:
         # bytes: JSON's own encodings, whatever the locale's
         data = json.loads(Path(path).read_bytes())
     except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file; write one with "
+        raise ConfigError(f"{where}: no such file; write one with "
                           "`pytest perf/ --benchmark-only --benchmark-json BENCH.json`") from None
     except ValueError as e:    # bad JSON, or bytes no text (UnicodeDecodeError)
-        raise ConfigError(f"{path}: not JSON ({e})") from None
+        raise ConfigError(f"{where}: not JSON ({e}); give the pytest-benchmark JSON file "
+                          "(--benchmark-json BENCH.json)") from None
     except OSError as e:       # a folder, a file this user may not read
-        raise ConfigError(f"{path}: cannot read it ({(e.strerror or str(e)).lower()}); give "
+        raise ConfigError(f"{where}: cannot read it ({(e.strerror or str(e)).lower()}); give "
                           "the pytest-benchmark JSON file (--benchmark-json BENCH.json)") \
             from None
     if not isinstance(data, dict) or not isinstance(data.get("benchmarks"), list):
-        raise ConfigError(f"{path}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
+        raise ConfigError(f"{where}: not a pytest-benchmark JSON file (no 'benchmarks' list)")
     # the table's header reads machine_info.node and .cpu.brand_raw
     machine = data.get("machine_info", {})
     if not isinstance(machine, dict) or not isinstance(machine.get("cpu", {}), dict):
-        raise ConfigError(f"{path}: machine_info (and its cpu) must be objects, as "
+        raise ConfigError(f"{where}: machine_info (and its cpu) must be objects, as "
                           "pytest-benchmark writes them; not a pytest-benchmark JSON file")
     for i, b in enumerate(data["benchmarks"]):
         b = b if isinstance(b, dict) else {}
         stats, info = b.get("stats"), b.get("extra_info") or {}
         if not isinstance(b.get("name"), str) or not isinstance(stats, dict) or \
                 not isinstance(stats.get("median"), (int, float)) or not isinstance(info, dict):
-            raise ConfigError(f"{path}: benchmark {i} has no name, stats.median or "
+            raise ConfigError(f"{where}: benchmark {i} has no name, stats.median or "
                               "extra_info dict; not a pytest-benchmark JSON file")
         points = info.get("points", [])
         if not isinstance(points, list):    # figures() iterates it as a list
-            raise ConfigError(f"{path}: benchmark {b['name']}: points must be a list of "
+            raise ConfigError(f"{where}: benchmark {b['name']}: points must be a list of "
                               f"points, got {type(points).__name__}")
         for p in points:
             if not isinstance(p, dict) or not {"figure", "series", "x", "y"} <= p.keys():
-                raise ConfigError(f"{path}: benchmark {b['name']}: a point needs figure, "
+                raise ConfigError(f"{where}: benchmark {b['name']}: a point needs figure, "
                                   f"series, x and y, got {p!r}")
-            where = f"{path}: benchmark {b['name']}, figure {p['figure']!r}"
+            at = f"{where}: benchmark {b['name']}, figure {p['figure']!r}"
             for field in ("figure", "series"):     # keys of figures() and plot labels
                 if not isinstance(p[field], (str, int, float)) or isinstance(p[field], bool):
-                    raise ConfigError(f"{where}: {field} must be a string or a number, "
+                    raise ConfigError(f"{at}: {field} must be a string or a number, "
                                       f"got {p[field]!r}")
             if _kind(p["x"]) is None:
-                raise ConfigError(f"{where}: x must be a number or a string, got {p['x']!r}")
+                raise ConfigError(f"{at}: x must be a number or a string, got {p['x']!r}")
             if _kind(p["y"]) != "number":
-                raise ConfigError(f"{where}: y must be a number, got {p['y']!r}")
+                raise ConfigError(f"{at}: y must be a number, got {p['y']!r}")
     # one axis: plotted as numbers or as categories, not both
     kinds: dict = defaultdict(dict)
     for b in data["benchmarks"]:
@@ -75,7 +79,7 @@ def load(path: str | Path) -> dict:
     for figure, seen in kinds.items():
         if len(seen) > 1:
             (nb, nx), (sb, sx) = seen["number"], seen["string"]
-            raise ConfigError(f"{path}: benchmark {sb}, figure {figure!r}: its x values mix "
+            raise ConfigError(f"{where}: benchmark {sb}, figure {figure!r}: its x values mix "
                               f"numbers and strings ({nx!r} in benchmark {nb}, {sx!r} in "
                               f"benchmark {sb}); give every point of a figure the same kind of x")
     return data
@@ -168,8 +172,17 @@ def plot(figs: dict, outdir: Path, dpi: int = 80) -> list[Path]:
             stem = f"{base}-{n}"
         used.add(stem)
         path = outdir / f"{stem}.png"
-        fig.savefig(path, dpi=dpi)
-        plt.close(fig)
+        try:
+            fig.savefig(path, dpi=dpi)
+        except OSError as e:
+            # (a folder in the plot's place, a read-only filesystem, no space):
+            # matplotlib's bare OSError named no option, and EROFS read as a
+            # read-only store (exit 17)
+            raise ConfigError(f"--out {outdir}: cannot write the plot {path} "
+                              f"({(e.strerror or str(e)).lower()}); give a writable folder "
+                              "(--out DIR)") from None
+        finally:
+            plt.close(fig)
         written.append(path)
     return written
 

@@ -70,7 +70,7 @@ def test_a_device_given_for_the_json_is_refused_not_read_without_end():
     """`kvblock report /dev/zero` read the endless device into memory."""
     res = CliRunner().invoke(cli, ["report", "/dev/zero"])
     assert res.exit_code == 8, (res.output, res.exception)
-    assert res.output.startswith("kvblock: error: /dev/zero: a device"), res.output
+    assert res.output.startswith("kvblock: error: BENCH_JSON /dev/zero: a device"), res.output
 
 
 def test_a_file_that_is_not_text_is_a_clear_error_not_a_traceback(tmp_path):
@@ -169,7 +169,8 @@ def test_paths_that_cannot_be_read_or_written_are_bad_arguments_naming_the_optio
     path.write_text(json.dumps(BENCH))
     res = CliRunner().invoke(cli, ["report", str(tmp_path), "--out", str(tmp_path / "p")])
     assert res.exit_code == 8, (res.output, res.exception)
-    assert res.output.startswith(f"kvblock: error: {tmp_path}: ") and "directory" in res.output
+    assert res.output.startswith(f"kvblock: error: BENCH_JSON {tmp_path}: ") and \
+        "directory" in res.output
     res = CliRunner().invoke(cli, ["report", str(path), "--out", str(path)])
     assert res.exit_code == 8, (res.output, res.exception)
     assert res.output.startswith("kvblock: error: ") and "--out" in res.output, res.output
@@ -179,3 +180,50 @@ def test_paths_that_cannot_be_read_or_written_are_bad_arguments_naming_the_optio
                                    "--markdown", str(tmp_path)])
     assert res.exit_code == 8, (res.output, res.exception)
     assert res.output.startswith("kvblock: error: ") and "--markdown" in res.output, res.output
+
+
+def test_plots_that_cannot_be_written_are_a_bad_out_folder_not_a_bare_oserror(tmp_path,
+                                                                              monkeypatch):
+    """An --out folder the plots cannot be written in (a folder in the
+    place of a plot, a read-only filesystem) ended in matplotlib's bare
+    OSError: exit 1 (17, a read-only store, for EROFS) and no word of --out.
+    It is a bad --out (exit 8) naming the path and the fix, as a folder
+    that cannot be made is."""
+    import errno
+
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(BENCH))
+    out = tmp_path / "p"
+    (out / "seq-read-vs-i-o-size.png").mkdir(parents=True)     # a folder where the plot goes
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(out)])
+    assert res.exit_code == 8, (res.output, res.exception)
+    assert res.output.startswith(f"kvblock: error: --out {out}: ") and \
+        "seq-read-vs-i-o-size.png" in res.output and "writable folder" in res.output, res.output
+    import matplotlib.figure
+
+    def refused(self, fname, *a, **k):
+        raise OSError(errno.EROFS, "Read-only file system", str(fname))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", refused)
+    res = CliRunner().invoke(cli, ["report", str(path), "--out", str(tmp_path / "q")])
+    assert res.exit_code == 8, (res.output, res.exception)
+    assert f"--out {tmp_path / 'q'}: " in res.output and "read-only file system" in res.output
+
+
+def test_a_bench_json_that_cannot_be_used_is_named_as_the_bench_json(tmp_path):
+    """load()'s errors named a path only ("x.json: not JSON (...)"), with
+    no word of which argument it was, and "not JSON" with no fix: they name
+    BENCH_JSON, as --out and --markdown name theirs, and say what to give."""
+    res = CliRunner().invoke(cli, ["report", str(tmp_path / "missing.json")])
+    assert res.exit_code == 8
+    assert res.output.startswith(f"kvblock: error: BENCH_JSON {tmp_path / 'missing.json'}: "
+                                 "no such file"), res.output
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    res = CliRunner().invoke(cli, ["report", str(bad)])
+    assert res.exit_code == 8
+    assert res.output.startswith(f"kvblock: error: BENCH_JSON {bad}: not JSON"), res.output
+    assert "--benchmark-json" in res.output, res.output
+    bad.write_text("{}")
+    res = CliRunner().invoke(cli, ["report", str(bad)])
+    assert res.exit_code == 8 and res.output.startswith(f"kvblock: error: BENCH_JSON {bad}: ")
