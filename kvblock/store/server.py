@@ -247,10 +247,24 @@ class StoreServer:
         except OSError as e:
             # (a read-only filesystem, a folder that takes no files: the
             # --socket path is wrong, as when the socket cannot be bound;
-            # not the store's read-only device, nor a device not found)
+            # not the store's read-only device, nor a device not found).
+            # Said as it is: a fence there already (an earlier server's) is
+            # one that cannot be opened, not created; a folder in its place
+            # is what to remove.
+            what = (e.strerror or str(e)).lower()
+            if isinstance(e, IsADirectoryError):
+                raise ConfigError(
+                    f"cannot open {fence}, the write fence beside the socket "
+                    f"{self.socket_path}: it is a directory, not the fence file kvblock serve "
+                    "keeps there; remove it, or choose another --socket path") from None
+            if os.path.lexists(fence):
+                raise ConfigError(
+                    f"cannot open {fence} for writing, the write fence beside the socket "
+                    f"{self.socket_path}: {what}; choose another --socket path (in a "
+                    "writable directory)") from None
             raise ConfigError(
                 f"cannot create {fence}, the write fence beside the socket "
-                f"{self.socket_path}: {(e.strerror or str(e)).lower()}; choose another "
+                f"{self.socket_path}: {what}; choose another "
                 "--socket path (in a writable directory)") from None
         try:
             self._fence_writers(stop=stop)

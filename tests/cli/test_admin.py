@@ -2121,3 +2121,31 @@ def test_serve_with_a_socket_in_a_directory_that_takes_no_files_says_so(tmp_path
     one_line_error(res, 4, str(locked / "kv.sock"), "in its directory",
                    "choose another --socket path")
     assert "another user?" not in res.stderr and not os.listdir(locked)
+
+
+def test_serve_where_the_fence_exists_but_cannot_be_opened_does_not_say_cannot_create(tmp_path):
+    """The write fence beside --socket there already (a directory of that
+    name, or the fence of an earlier server on a filesystem now read-only)
+    was said to be one the server "cannot create": it can't open it, and a
+    directory in its place is what to remove.  Exit 8 as before (the
+    --socket path is wrong), the message says what is there."""
+    store = tmp_path / "st.img"
+    assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
+    (tmp_path / "kv.sock.fence").mkdir()
+    res = kvb("serve", store, "--socket", tmp_path / "kv.sock")
+    one_line_error(res, 8, f"cannot open {tmp_path / 'kv.sock.fence'}", "a directory",
+                   "choose another --socket path")
+    assert "cannot create" not in res.stderr, res.stderr
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        (ro / "kv.sock.fence").write_bytes(b"")      # an earlier server's
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        res = kvb("serve", store, "--socket", ro / "kv.sock")
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    one_line_error(res, 8, f"cannot open {ro / 'kv.sock.fence'} for writing",
+                   "read-only file system", "choose another --socket path")
+    assert "cannot create" not in res.stderr, res.stderr
+    assert kvb("fsck", store).returncode == 0
