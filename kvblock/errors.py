@@ -65,6 +65,13 @@ class DeviceBusyError(DeviceError):
     """Another process (or store) holds the device exclusively, or it is mounted."""
 
 
+class DevicePathError(DeviceError, ConfigError):
+    """A store file cannot be made at the path given: its folder takes no
+    files (/proc), a folder on the way is a file, the path is a folder.  The
+    path is the bad argument (a ConfigError), not the device failing (still a
+    DeviceError, an OSError with .path and .errno)."""
+
+
 class AlignmentError(KVBlockError, ValueError):
     """An offset or length is not a multiple of the device's block size."""
 

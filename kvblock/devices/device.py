@@ -28,6 +28,7 @@ from kvblock.errors import (
     DeviceBusyError,
     DeviceError,
     DeviceNotFoundError,
+    DevicePathError,
     DevicePermissionError,
     DeviceTooSmallError,
     IOFailedError,
@@ -108,10 +109,15 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
         # mkdir's EEXIST (exist_ok): a folder on the way is a file.
         code = errno.ENOTDIR if isinstance(e, FileExistsError) else e.errno
         where = f" (at {e.filename})" if e.filename and os.fspath(e.filename) != str(path) else ""
-        cls = DevicePermissionError if code in (errno.EACCES, errno.EPERM) else DeviceError
+        # What is wrong is the path given (exit 8), or the filesystem is
+        # read-only (as opening a store file there says); not an I/O error.
+        cls = (DevicePermissionError if code in (errno.EACCES, errno.EPERM) else
+               ReadOnlyDeviceError if code == errno.EROFS else
+               DevicePathError if code in _BAD_PATH else DeviceError)
         raise cls(f"{path}: cannot create the store file: {strerror(code)}{where}; choose "
                   "another path (a file on a writable filesystem)"
-                  + ("; or run as a user that may write there" if cls is not DeviceError else ""),
+                  + ("; or run as a user that may write there"
+                     if cls is DevicePermissionError else ""),
                   path, code) from None
     try:
         st = os.fstat(fd)
@@ -158,6 +164,13 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
                     fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
     return path
+
+
+# create_file's errors of the path itself: a folder that takes no files
+# (/proc: ENOENT), a file on the way, a folder at the path, a name too long,
+# a loop of links
+_BAD_PATH = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG,
+                       errno.ELOOP, errno.EINVAL})
 
 
 class _MadeMeanwhile(Exception):

@@ -4,6 +4,7 @@ distinct exit codes, and the device left as it was on every refusal."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -2149,3 +2150,33 @@ def test_serve_where_the_fence_exists_but_cannot_be_opened_does_not_say_cannot_c
                    "read-only file system", "choose another --socket path")
     assert "cannot create" not in res.stderr, res.stderr
     assert kvb("fsck", store).returncode == 0
+
+
+def test_format_of_a_store_file_at_a_path_where_none_can_be_made_is_a_bad_argument(tmp_path):
+    """`kvblock format /proc/x --size 8M` (a folder that takes no files:
+    ENOENT), a folder on the way that is a file (ENOTDIR) or a folder at the
+    path (EISDIR) exited 9, an I/O error, which nothing failed: the path
+    given is wrong.  Exit 8 (bad argument), naming the path and the fix; a
+    read-only filesystem is exit 17, as opening a store file there is.
+    Still DeviceErrors (OSErrors with .path and .errno) for create_file's callers."""
+    from kvblock import errors
+    from kvblock.devices import create_file
+
+    (tmp_path / "plain").write_bytes(b"")
+    (tmp_path / "dir").mkdir()
+    for path in ("/proc/kvblock-no-such-file", tmp_path / "plain" / "kv.img", tmp_path / "dir"):
+        res = kvb("format", path, "--size", "8M", *GEOM_ARGS)
+        one_line_error(res, 8, f"{path}: cannot create the store file", "choose another path")
+    assert not os.listdir(tmp_path / "dir")
+    with pytest.raises(errors.DeviceError) as e:
+        create_file("/proc/kvblock-no-such-file", 4096)
+    assert isinstance(e.value, errors.ConfigError) and e.value.errno == errno.ENOENT
+    assert e.value.path == "/proc/kvblock-no-such-file"
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)
+    try:
+        res = kvb("format", ro / "kv.img", "--size", "8M", *GEOM_ARGS)
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+    one_line_error(res, 17, f"{ro / 'kv.img'}: cannot create the store file", "EROFS")
