@@ -84,6 +84,17 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
     if prefill_tokens_per_s is not None and model_params is not None:
         raise ConfigError("plan: give prefill_tokens_per_s or model_params with gpu_tflops, "
                           "not both (each is a recompute time)")
+    # K and V heads split over the TP ranks as the engines split them: heads
+    # / tp a rank, or past tp = heads each head on tp / heads ranks
+    # (replicated).  vLLM and SGLang refuse any other tp (8 heads at tp 3
+    # is no deployment: ranks of 3, 3 and 2 heads were planned).  MLA's
+    # latent is whole on every rank.
+    if kv_parts == 2 and (kv_heads % tp if tp <= kv_heads else tp % kv_heads):
+        raise ConfigError(
+            f"plan: {kv_heads} KV heads (--kv-heads) do not split over tp {tp} (--tp {tp}): "
+            "vLLM and SGLang give each rank kv_heads / tp heads, or, at a tp past the "
+            "heads, each head to tp / kv_heads ranks, and refuse any other tp; give a --tp "
+            f"that divides {kv_heads} or is a multiple of it")
     if dtype not in DTYPES:
         raise ConfigError(f"plan: unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     try:

@@ -29,9 +29,9 @@ def test_per_rank_bytes_past_the_head_count_and_for_mla():
     # 8 kv heads at tp 16: each rank holds one head (replicated), 1/8 not 1/16
     p = plan(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0, tp=16)
     assert p.kv_bytes_per_rank == p.kv_bytes_per_request // 8
-    # 8 heads at tp 3: ranks hold 3, 3 and 2 heads; the largest share is per rank
-    p = plan(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0, tp=3)
-    assert p.kv_bytes_per_rank == p.kv_bytes_per_request // 8 * 3
+    # 8 heads at tp 4: two heads a rank
+    p = plan(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0, tp=4)
+    assert p.kv_bytes_per_rank == p.kv_bytes_per_request // 4
     # MLA's latent is whole on every rank
     p = plan(layers=61, kv_heads=1, head_dim=576, kv_parts=1, tokens=1000, device_gbps=2.0,
              tp=8)
@@ -372,3 +372,24 @@ def test_the_planned_device_size_is_the_least_though_the_metadata_steps_by_a_mib
     # and a store file of that size holds both, bytes as written
     stored, same = _fill_planned_store(tmp_path, p, geometry, 1, 2)
     assert stored == [70000, 70000] and all(same)
+
+
+def test_kv_heads_that_do_not_split_evenly_over_tp_are_refused():
+    """8 KV heads at --tp 3 were planned as ranks of 3, 3 and 2 heads, a
+    deployment no engine runs: vLLM and SGLang split the KV heads evenly
+    over the ranks (heads % tp == 0) or, at a tp past the heads, replicate
+    each on tp / heads ranks (tp % heads == 0), and refuse any other tp.
+    A ConfigError (exit 8) naming both numbers; MLA's latent (kv_parts 1,
+    whole on every rank) takes any tp."""
+    for tp in (3, 5, 12):
+        with pytest.raises(ConfigError, match=rf"8 KV heads .*tp {tp}"):
+            plan(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0, tp=tp)
+    for tp in (1, 2, 4, 8, 16, 32):
+        plan(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0, tp=tp)
+    plan(layers=61, kv_heads=1, head_dim=576, kv_parts=1, tokens=1000, device_gbps=2.0, tp=3)
+    res = CliRunner().invoke(cli, ["plan", "--model-layers", "32", "--kv-heads", "8",
+                                   "--head-dim", "128", "--tokens", "1000",
+                                   "--device-gbps", "2", "--tp", "3"])
+    assert res.exit_code == 8, (res.output, res.exception)
+    assert res.output.startswith("kvblock: error: plan: 8 KV heads (--kv-heads)") and \
+        "--tp 3" in res.output, res.output
