@@ -288,6 +288,25 @@ def _read_only(fd: int) -> bool:
     return struct.unpack("<i", buf)[0] != 0
 
 
+LOOP_GET_STATUS64 = 0x4C05
+LO_FLAGS_READ_ONLY = 1
+
+
+def _loop_attached_read_only(fd: int, st: os.stat_result) -> str | None:
+    """The backing file of the loop device (or partition of one) open on
+    ``fd`` when it was attached read-only (losetup -r, or a file it could
+    not open for writing: LO_FLAGS_READ_ONLY); None for any other device."""
+    backing = _writes_backing(st.st_rdev)
+    if backing is None:
+        return None
+    info = bytearray(232)         # struct loop_info64; lo_flags at byte 52
+    try:
+        fcntl.ioctl(fd, LOOP_GET_STATUS64, info)
+    except OSError:
+        return None
+    return backing if struct.unpack_from("<I", info, 52)[0] & LO_FLAGS_READ_ONLY else None
+
+
 def holders(path: str, limit: int = 3) -> str:
     """" (held by pid N: CMDLINE; also open in pid M: CMDLINE)" for the
     processes other than this one that have ``path`` open, read from /proc
@@ -638,6 +657,17 @@ class Device:
                 self._refuse_busy_loop_over(st)
             if writable and self.kind == "block" and _read_only(self.fd):
                 # The kernel opens it read-write, then fails every write (EPERM).
+                backing = _loop_attached_read_only(self.fd, st)
+                if backing is not None:
+                    # blockdev --setrw clears a flag of its own, not the loop
+                    # disk's: the device stays read-only (tried on one)
+                    raise ReadOnlyDeviceError(
+                        f"{self.path}: the loop device is attached read-only (losetup -r, or "
+                        f"its file {backing} could not be opened for writing; blockdev --setrw "
+                        "leaves it so); open the store read-only, or detach it and attach the "
+                        f"file again read-write (`losetup -d {self.path}; losetup -f --show "
+                        f"--direct-io=on {backing}`, then give the device it prints)",
+                        self.path, errno.EROFS)
                 raise ReadOnlyDeviceError(
                     f"{self.path}: the device is read-only (losetup -r, blockdev --setro, or "
                     f"write-protected); open the store read-only, or `blockdev --setrw "

@@ -2180,3 +2180,27 @@ def test_format_of_a_store_file_at_a_path_where_none_can_be_made_is_a_bad_argume
     finally:
         subprocess.run(["umount", str(ro)], check=True)
     one_line_error(res, 17, f"{ro / 'kv.img'}: cannot create the store file", "EROFS")
+
+
+def test_a_loop_device_attached_read_only_is_not_told_blockdev_setrw(tmp_path):
+    """A loop device attached with losetup -r was told "`blockdev --setrw
+    DEV` first": the ioctl succeeds and the device stays read-only (the
+    kernel's read-only flag of the loop disk; checked on a real device
+    here), so the advice could not be taken.  The fix said is to detach it
+    and attach its file again read-write."""
+    ok, why = loopdev.can_make_loop_devices()
+    if not ok:
+        pytest.skip(why)
+    with loopdev.backing_file(16 << 20) as backing:
+        dev = subprocess.run(["losetup", "-r", "-f", "--show", str(backing)], check=True,
+                             capture_output=True, text=True).stdout.strip()
+        try:
+            subprocess.run(["blockdev", "--setrw", dev], check=True)   # the advice given
+            assert subprocess.run(["blockdev", "--getro", dev], capture_output=True,
+                                  text=True).stdout.strip() == "1"       # ... does nothing
+            res = kvb("format", dev, *GEOM_ARGS, "--yes")
+        finally:
+            loopdev.detach(dev)
+    one_line_error(res, 17, dev, "attached read-only", f"losetup -d {dev}",
+                   f"losetup -f --show --direct-io=on {backing}")
+    assert f"blockdev --setrw {dev}" not in res.stderr, res.stderr
