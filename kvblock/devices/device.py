@@ -195,7 +195,14 @@ def new_file(path: str | os.PathLike, size: int) -> list[str] | None:
     except _MadeMeanwhile:
         return None
     except BaseException:
-        remove_made([made, *folders])
+        # The create's error is the one to raise: a cleanup of what was
+        # never made (the file under a file: ENOTDIR; on a read-only
+        # filesystem: EROFS) raised its bare OSError in its place.
+        try:
+            remove_made([made, *folders])
+        except OSError as e:
+            if os.path.lexists(made):        # said only where something is left
+                logger.warning("kvblock: %s: not removed after the failure: %s", made, e)
         raise
     return [made, *folders]
 

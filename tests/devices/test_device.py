@@ -1338,3 +1338,19 @@ def test_a_close_that_fails_is_not_repeated_on_a_reused_number(tmp_path, monkeyp
         dev.close()
     dev.close()                            # nothing more to close
     assert calls.count(fd) == 1 and dev.closed
+
+
+def test_new_file_under_a_file_keeps_its_error_not_the_cleanups(tmp_path):
+    """new_file at a path whose folder is a file (kvblock format
+    plain/kv.img --size 8M): create_file's typed error (ENOTDIR, naming the
+    fix) was replaced by its cleanup's bare NotADirectoryError from
+    unlinking a file that was never made: exit 1, no fix (on a read-only
+    filesystem EROFS, as bare)."""
+    from kvblock.devices.device import new_file
+
+    (tmp_path / "plain").write_bytes(b"x")
+    with pytest.raises(DeviceError, match=r"plain/kv.img: cannot create the store file: "
+                                          r"ENOTDIR.*choose another path") as e:
+        new_file(tmp_path / "plain" / "kv.img", MIB)
+    assert e.value.errno == errno.ENOTDIR
+    assert (tmp_path / "plain").read_bytes() == b"x"
