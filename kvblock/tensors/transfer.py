@@ -472,6 +472,7 @@ class _LoadJob:
         self._caller_work = None                 # start(): an event on the caller's stream
         self.token: list = []                    # load_blocks' InFlight token
         self.owned = False       # started: the scatter stage unpins and leaves the InFlight
+        self._scatter_taken = False   # the scatter stage began, or its caller took it over
         self._reader_token: list = []            # the reader's (hold)
 
     def _plan(self, segs):
@@ -563,11 +564,32 @@ class _LoadJob:
             self.handle.wait()   # raises the reader's error
 
     def run_inline(self):
-        self.owned = True
-        self._start_reader(None)
-        self._scatter()
+        # Owned inside the try, which runs the scatter stage (its cleanup
+        # unpins and leaves): a Ctrl-C between taking the load over and
+        # entering the stage (as the reader was started, or as the stage
+        # was called) left the pins and the InFlight token held for good
+        # (load_blocks leaves them to an owning job).  Cut before the stage
+        # began, it runs now and fails the load with the interrupt (it
+        # waits for a reader already started, unpins once and leaves).
+        try:
+            self.owned = True
+            self._start_reader(None)
+            self._scatter()
+        except BaseException as e:
+            if self._claim_scatter():
+                self._scatter(e)
+            raise
         if self._reader_thread is not None:
             self._reader_thread.join()
+
+    def _claim_scatter(self) -> bool:
+        """Take the scatter stage for a caller that was cut before it began
+        (it then never runs: the caller runs it with the error, or releases
+        what it would); False when it began (it unpins and leaves)."""
+        # one line, no call in it (as InFlight.enter): the stage's thread
+        # and a Ctrl-C see it taken or not, never half way
+        taken, self._scatter_taken = self._scatter_taken, True
+        return not taken
 
     def _start_reader(self, name) -> bool:
         """Start the reader stage; False when its thread could not start
@@ -691,9 +713,12 @@ class _LoadJob:
             self._stage_done()
             self.store._inflight.leave(self._reader_token)
 
-    def _scatter(self):
+    def _scatter(self, error: BaseException | None = None):
+        """The scatter stage, then the load's InFlight leave.  ``error``:
+        the stage was taken by a caller cut before it began
+        (_claim_scatter): it fails the load with it."""
         try:
-            self._scatter_stage()
+            self._scatter_stage(error)
         finally:
             try:
                 self.store._inflight.leave(self.token)
@@ -701,7 +726,7 @@ class _LoadJob:
                 self.store._inflight.leave(self.token)
                 raise
 
-    def _scatter_stage(self):
+    def _scatter_stage(self, error: BaseException | None = None):
         store, g, handle = self.store, self.store.geometry, self.handle
         itemsize, gbb, ng = g.itemsize, g.group_block_bytes, self.ng
         kv, BS, Hg, D = g.kv_parts, g.block_tokens, g.heads_per_group, g.head_dim
@@ -714,6 +739,14 @@ class _LoadJob:
         # failure there fails the load, as any other of this stage's.
         on_device = contextlib.ExitStack()
         try:
+            if error is not None:
+                raise error          # its caller was cut before it began
+            # Begun here, inside the try whose cleanup unpins and leaves
+            # (one line, no call in it: see _claim_scatter); taken already,
+            # its caller was cut as it started it and released the load.
+            taken, self._scatter_taken = self._scatter_taken, True
+            if taken:
+                return
             on_device.enter_context(_on_device(self.cuda))
             _wait_cuda(self.cuda, self._caller_work)
             while True:

@@ -1913,3 +1913,40 @@ def test_a_load_cut_before_its_job_starts_raises_its_own_error_over_the_unpins(
             load_blocks(store, a, VLLMLayout(dst), list(range(4)))
         assert store.regions.pins.sum() == 0
         assert store._inflight._calls == 0
+
+
+def _saved_with_unpins_counted(store, monkeypatch) -> tuple[list, list]:
+    """Four blocks saved in ``store``, and the list each unpin appends its
+    segments to from now on."""
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a = [f"a{i}".encode() for i in range(4)]
+    save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+    real, unpins = store._unpin, []
+
+    def counted(segs):
+        unpins.append(segs)
+        return real(segs)
+    monkeypatch.setattr(store, "_unpin", counted)
+    return a, unpins
+
+
+def test_an_inline_load_cut_as_it_starts_its_reader_unpins_once_and_leaves(path, monkeypatch):
+    """run_inline took the load's pins and InFlight token over (``owned``)
+    before it entered the scatter stage, whose cleanup releases them: a
+    Ctrl-C between the two (as it called _start_reader) left both held for
+    good (load_blocks leaves them to an owning job), and close() waited
+    CLOSE_WAIT_S for the call.  The scatter stage runs, failing the load
+    with the interrupt: one unpin, no call in flight, then it is raised."""
+    from kvblock.tensors import transfer
+
+    def cut(self, name):
+        raise KeyboardInterrupt
+    with _store(path, geom()) as store:
+        a, unpins = _saved_with_unpins_counted(store, monkeypatch)
+        monkeypatch.setattr(transfer._LoadJob, "_start_reader", cut)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(KeyboardInterrupt):
+            load_blocks(store, a, VLLMLayout(dst), list(range(4)), background=False)
+        assert len(unpins) == 1
+        assert store.regions.pins.sum() == 0
+        assert store._inflight.calls == 0
