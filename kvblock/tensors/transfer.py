@@ -542,24 +542,28 @@ class _LoadJob:
         # the caller's earlier writes to the pages could land after the load's).
         # (In the try: a CUDA error recording it left the runs pinned and
         # the load's call in flight for good.)
+        # The reader is started inside the try too: a Ctrl-C once the
+        # scatter thread ran (in Thread.start's wait for it, or as the
+        # reader was started) released the pins and the token here while
+        # that stage, whose cleanup does the same, waited for good for a
+        # reader that never came (or, cut outside the try, released
+        # nothing).  A stage that began is handed the error (it fails the
+        # load, waits for a reader that started, unpins and leaves); one
+        # that did not is taken (its thread then does nothing) and run here.
         try:
             self.owned = True    # (its start failed: unpinned and left below)
             self._caller_work = _record_cuda(self.cuda)
             scatter = threading.Thread(target=self._scatter, name="kvblock-load-scatter",
                                        daemon=True)
             scatter.start()
-        except BaseException:
-            # (the leave whatever the unpin answers: an error there left the
-            # load's call in flight for good; the start's error is raised)
-            try:
-                self.store._unpin(self.segs)
-            except Exception as e:   # noqa: BLE001
-                logger.warning("kvblock: releasing the pins of a load that did not "
-                               "start failed: %s", e)
-            finally:
-                self.store._inflight.leave(self.token)
+            reading = self._start_reader("kvblock-load-read")
+        except BaseException as e:
+            if self._claim_scatter():
+                self._scatter(e)   # unpins (its error logged) and leaves; the start's is raised
+            else:
+                self.q.put(e)
             raise
-        if not self._start_reader("kvblock-load-read"):
+        if not reading:
             scatter.join()       # it fails the load, unpins and leaves
             self.handle.wait()   # raises the reader's error
 
@@ -825,6 +829,8 @@ class _LoadJob:
             held = True
             if error is None:
                 error = e
+            else:
+                logger.warning("kvblock: releasing the pins of a failed load failed: %s", e)
         if not held and (error is None or lapsed):
             # As a read under pins that lapsed (RunReader._read_done): a miss,
             # counted as such, and none of its blocks count as returned.

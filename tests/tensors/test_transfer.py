@@ -1950,3 +1950,42 @@ def test_an_inline_load_cut_as_it_starts_its_reader_unpins_once_and_leaves(path,
         assert len(unpins) == 1
         assert store.regions.pins.sum() == 0
         assert store._inflight.calls == 0
+
+
+@pytest.mark.parametrize("where", ["in the scatter thread's start", "as the reader starts"])
+def test_a_background_load_cut_once_its_scatter_thread_runs_unpins_once_and_ends(
+        path, monkeypatch, where):
+    """A Ctrl-C once the scatter thread was started: in Thread.start's wait
+    for it to run (the thread runs), or as start() went on to start the
+    reader.  The first released the pins and the token in start()'s
+    except while the scatter stage, its cleanup to do the same, waited for
+    good for a reader that never came; the second left start() outside
+    its try: pins and token held for good, the thread waiting.  Now the
+    running stage is handed the interrupt: it fails the load, unpins once,
+    leaves, and its thread ends."""
+    from kvblock.tensors import transfer
+
+    real_start, scatters = threading.Thread.start, []
+
+    def start(self):
+        real_start(self)
+        if self.name == "kvblock-load-scatter":
+            scatters.append(self)
+            if where == "in the scatter thread's start":
+                raise KeyboardInterrupt     # as Thread.start waited for it to run
+
+    def cut(self, name):
+        raise KeyboardInterrupt
+    with _store(path, geom()) as store:
+        a, unpins = _saved_with_unpins_counted(store, monkeypatch)
+        monkeypatch.setattr(threading.Thread, "start", start)
+        if where == "as the reader starts":
+            monkeypatch.setattr(transfer._LoadJob, "_start_reader", cut)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(KeyboardInterrupt):
+            load_blocks(store, a, VLLMLayout(dst), list(range(4)))
+        scatters[0].join(5)
+        assert not scatters[0].is_alive(), "the scatter stage never ended"
+        assert len(unpins) == 1
+        assert store.regions.pins.sum() == 0
+        assert store._inflight.calls == 0
