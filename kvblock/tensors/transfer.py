@@ -473,6 +473,7 @@ class _LoadJob:
         self.token: list = []                    # load_blocks' InFlight token
         self.owned = False       # started: the scatter stage unpins and leaves the InFlight
         self._scatter_taken = False   # the scatter stage began, or its caller took it over
+        self._reader_taken = False    # the reader stage began, or its starter took it over
         self._reader_token: list = []            # the reader's (hold)
 
     def _plan(self, segs):
@@ -606,14 +607,27 @@ class _LoadJob:
             self.store._inflight.hold(self._reader_token)
             t.start()
         except BaseException as e:
-            self._reader_thread = None   # nothing to join: no read is in flight
-            # buffers back before the store's close can go on (as the
-            # reader's own end does): else it may free its spares first
-            self._stage_done()
-            self.store._inflight.leave(self._reader_token)
+            # A Ctrl-C in Thread.start's wait for the thread to run: it runs.
+            # Taken for one that never started, its stage was counted done
+            # twice (the unit buffers back to the store's spares while its
+            # reads landed in them) and the scatter stage, not waiting for
+            # it, unpinned and left while they were in flight.  Taken first
+            # (it then does nothing), it is undone here; else it is waited for.
+            if self._claim_reader():
+                self._reader_thread = None   # nothing to join: no read is in flight
+                # buffers back before the store's close can go on (as the
+                # reader's own end does): else it may free its spares first
+                self._stage_done()
+                self.store._inflight.leave(self._reader_token)
             self.q.put(e)
             return False
         return True
+
+    def _claim_reader(self) -> bool:
+        """Take the reader stage for a starter whose start failed; False
+        when its thread began it (it ends itself)."""
+        taken, self._reader_taken = self._reader_taken, True   # one step (_claim_scatter)
+        return not taken
 
     def _stage_done(self):
         """Called by each stage as it ends; the last one hands the unit
@@ -698,6 +712,9 @@ class _LoadJob:
         return int(lens.sum())
 
     def _reader(self):
+        taken, self._reader_taken = self._reader_taken, True   # one step (_claim_scatter)
+        if taken:
+            return       # its starter, cut as it started it, counted it out
         try:
             for batch in self._batches():
                 nbytes = self._read_batch(batch)

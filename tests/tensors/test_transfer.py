@@ -1989,3 +1989,58 @@ def test_a_background_load_cut_once_its_scatter_thread_runs_unpins_once_and_ends
         assert len(unpins) == 1
         assert store.regions.pins.sum() == 0
         assert store._inflight.calls == 0
+
+
+def test_a_load_cut_in_its_readers_start_waits_for_its_reads(path, monkeypatch):
+    """A Ctrl-C in Thread.start's wait for the reader thread to run (it
+    runs): _start_reader took the reader for one that never started: it
+    counted its stage done and left its InFlight hold, and the scatter
+    stage, failing the load with the interrupt, did not wait for it: it
+    unpinned the runs (and handed the unit buffers back to the store's
+    spares) while the reader's reads were still landing in them, and a
+    close() could free the devices under them.  Now the load fails once
+    the reads are done: one unpin, after the reader ended."""
+    from kvblock.tensors import transfer
+
+    real_start, real_join, real_read = (threading.Thread.start, threading.Thread.join,
+                                        transfer._LoadJob._read_batch)
+    go, readers, alive_at_unpin = threading.Event(), [], []
+
+    def is_reader(t):
+        return getattr(getattr(t, "_target", None), "__func__", None) is transfer._LoadJob._reader
+
+    def start(self):
+        real_start(self)
+        if is_reader(self):
+            readers.append(self)
+            raise KeyboardInterrupt      # as Thread.start waited for it to run
+
+    def join(self, timeout=None):
+        if is_reader(self):
+            go.set()
+        return real_join(self, timeout)
+
+    def read_batch(self, batch):
+        go.wait(10)                      # a read in flight until someone waits for it
+        return real_read(self, batch)
+
+    with _store(path, geom()) as store:
+        a, unpins = _saved_with_unpins_counted(store, monkeypatch)
+        counted = store._unpin
+
+        def unpin(segs):
+            alive_at_unpin.append(readers[0].is_alive())
+            go.set()
+            return counted(segs)
+        monkeypatch.setattr(store, "_unpin", unpin)
+        monkeypatch.setattr(threading.Thread, "start", start)
+        monkeypatch.setattr(threading.Thread, "join", join)
+        monkeypatch.setattr(transfer._LoadJob, "_read_batch", read_batch)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(KeyboardInterrupt):
+            load_blocks(store, a, VLLMLayout(dst), list(range(4)))
+        real_join(readers[0], 5)
+        assert alive_at_unpin == [False]
+        assert len(unpins) == 1
+        assert store.regions.pins.sum() == 0
+        assert store._inflight.calls == 0
