@@ -559,6 +559,9 @@ class _LoadJob:
             scatter.start()
             reading = self._start_reader("kvblock-load-read")
         except BaseException as e:
+            # Released here: cut as it set ``owned`` (before the assignment),
+            # load_blocks unpinned a second time.
+            self.owned = True
             if self._claim_scatter():
                 self._scatter(e)   # unpins (its error logged) and leaves; the start's is raised
             else:
@@ -581,6 +584,7 @@ class _LoadJob:
             self._start_reader(None)
             self._scatter()
         except BaseException as e:
+            self.owned = True    # released here, not by load_blocks too (as start's)
             if self._claim_scatter():
                 self._scatter(e)
             raise

@@ -2044,3 +2044,55 @@ def test_a_load_cut_in_its_readers_start_waits_for_its_reads(path, monkeypatch):
         assert len(unpins) == 1
         assert store.regions.pins.sum() == 0
         assert store._inflight.calls == 0
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_load_cut_at_any_line_of_its_start_unpins_once_and_ends(path, background):
+    """A KeyboardInterrupt at any line of load_blocks, of its job's start
+    (start, run_inline, _start_reader, the scatter stage's entry and the
+    claims) and of the InFlight calls: the runs are unpinned exactly once
+    (cut at start()'s first line, before ``owned`` was set, start's except
+    and load_blocks both unpinned: the pins went below zero), no call
+    stays in flight, every thread of the load ends, and a handle returned
+    ends."""
+    from kvblock.store.inflight import InFlight
+    from kvblock.tensors import transfer
+    from tests.store.test_store import _LineInterrupt
+
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a = [f"a{i}".encode() for i in range(4)]
+    with _store(path, geom()) as store:
+        save_blocks(store, a, VLLMLayout(src), [0, 1, 2, 3])
+    job = transfer._LoadJob
+    functions = [transfer.load_blocks, job.start, job.run_inline, job._start_reader,
+                 job._scatter, job._claim_scatter, job._claim_reader,
+                 InFlight.enter, InFlight.leave, InFlight.hold]
+    n = 0
+    while True:
+        n += 1
+        with KVStore.open([path]) as store:
+            real, unpins = store._unpin, []
+            store._unpin = lambda segs: (unpins.append(segs), real(segs))[1]
+            dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+            handles, before = [], set(threading.enumerate())
+            with _LineInterrupt(functions, n) as cut:
+                try:
+                    handles.append(load_blocks(store, a, VLLMLayout(dst), list(range(4)),
+                                               background=background))
+                except KeyboardInterrupt:
+                    pass
+            for h in handles:
+                try:
+                    h.wait(5)
+                except KeyboardInterrupt:
+                    pass
+                assert h.done(), cut.fired
+            for t in set(threading.enumerate()) - before:
+                t.join(5)
+                assert not t.is_alive(), (cut.fired, t)
+            assert store.regions.pins.sum() == 0, cut.fired
+            assert len(unpins) <= 1, cut.fired
+            assert store._inflight.calls == 0, cut.fired
+            if cut.fired is None:
+                break
+    assert n > 10, n
