@@ -757,6 +757,7 @@ class _LoadJob:
         kv, BS, Hg, D = g.kv_parts, g.block_tokens, g.heads_per_group, g.head_dim
         hashers: dict = {}
         views = None
+        cut = None          # a Ctrl-C in the steps before the unpin (see there)
         lapsed = False      # the pins were found lapsed before the load's end
         # cupy works on the thread's current device, 0 on a new thread: a
         # cupy cache on another GPU is written with its device current
@@ -818,27 +819,35 @@ class _LoadJob:
             # done, and wait() raises only then (the caller may close next).
             if self._reader_thread is not None:
                 self._reader_thread.join()
-        else:
-            error = None
+        # (``error`` stays None otherwise: the stage was given none)
+        # Inline (run_inline), this runs in the caller's thread: a Ctrl-C
+        # in the steps before the unpin (the re-reads of _read_failed, say)
+        # came out past the unpin and left the runs pinned for good.  It is
+        # raised once they are released and the handle has ended (``cut``).
         try:
-            # (cupy restoring the thread's device: a CUDA error there came
-            # out of the thread past everything below, the unpin and the
-            # handle's end: wait() never returned and the pins stayed)
-            on_device.close()
-        except BaseException as e:  # the load fails with it, unless it failed first
+            try:
+                # (cupy restoring the thread's device: a CUDA error there came
+                # out of the thread past everything below, the unpin and the
+                # handle's end: wait() never returned and the pins stayed)
+                on_device.close()
+            except BaseException as e:  # the load fails with it, unless it failed first
+                if error is None:
+                    error = e
+            self._stage_done()
+            if isinstance(error, IOFailedError):   # an unreadable run is gone too
+                # (before the unpin: _read_failed may read the runs again, each
+                # alone, to tell which one the device failed).  Whatever befalls
+                # it, the pins go and the load fails with the device's error: an
+                # exception from here would leave both to nobody, and wait()
+                # would never return.
+                try:
+                    store._read_failed(error, [seg[0] for seg in self.segs])
+                except Exception as e:
+                    logger.warning("kvblock: dropping the runs of a failed load failed: %s", e)
+        except BaseException as e:
+            cut = e
             if error is None:
                 error = e
-        self._stage_done()
-        if isinstance(error, IOFailedError):   # an unreadable run is gone too
-            # (before the unpin: _read_failed may read the runs again, each
-            # alone, to tell which one the device failed).  Whatever befalls
-            # it, the pins go and the load fails with the device's error: an
-            # exception from here would leave both to nobody, and wait()
-            # would never return.
-            try:
-                store._read_failed(error, [seg[0] for seg in self.segs])
-            except Exception as e:
-                logger.warning("kvblock: dropping the runs of a failed load failed: %s", e)
         try:
             held = store._unpin(self.segs)
         except BaseException as e:
@@ -885,6 +894,8 @@ class _LoadJob:
             handle._fail(error)
         else:
             handle._done.set()
+        if cut is not None:
+            raise cut
 
     def _check(self, hashers, layer, si, p0, last, data) -> bool:
         """Feed a piece to its ranges' streaming checksums; at a range's last

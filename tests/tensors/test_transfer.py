@@ -2096,3 +2096,29 @@ def test_a_load_cut_at_any_line_of_its_start_unpins_once_and_ends(path, backgrou
             if cut.fired is None:
                 break
     assert n > 10, n
+
+
+def test_an_inline_load_cut_while_it_drops_its_unreadable_runs_still_unpins(path, monkeypatch):
+    """Inline, the scatter stage's last steps run in the caller's thread:
+    a Ctrl-C in the ones before the unpin (here the re-reads of
+    _read_failed, which tell which run the device failed) came out past
+    the unpin: the runs stayed pinned for good (their regions never
+    evicted).  They are unpinned once, then the interrupt is raised."""
+    from kvblock.errors import IOFailedError
+    from kvblock.tensors import transfer
+
+    def read_fails(self, batch):
+        raise IOFailedError("read failed at offset 0 on kv.img", path, 5, 0, 4096)
+
+    def cut(error, runs):
+        raise KeyboardInterrupt        # as it read the runs again
+    with _store(path, geom()) as store:
+        a, unpins = _saved_with_unpins_counted(store, monkeypatch)
+        monkeypatch.setattr(transfer._LoadJob, "_read_batch", read_fails)
+        monkeypatch.setattr(store, "_read_failed", cut)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(KeyboardInterrupt):
+            load_blocks(store, a, VLLMLayout(dst), list(range(4)), background=False)
+        assert len(unpins) == 1
+        assert store.regions.pins.sum() == 0
+        assert store._inflight.calls == 0
