@@ -819,7 +819,11 @@ class RemoteStore(RunReader, RunWriter):
                                         lambda group: self._put_group(group, clears, on),
                                         self.journal_bytes)
         finally:          # (an error: ``out`` holds what the groups before it stored)
-            self._give_back_unstored(items, out, admitted)
+            try:
+                self._give_back_unstored(items, out, admitted)
+            except BaseException:     # cut as it began: ``admitted`` names them all
+                self._give_back_unstored(items, out, admitted)
+                raise
         return out
 
     def _put_group(self, pieces: list, clears: str,
@@ -953,13 +957,18 @@ class RemoteStore(RunReader, RunWriter):
 
     def _give_back_offers(self, offers: list) -> None:
         """Give offers back to the server's admission, which counted them
-        (best effort: a server gone took its offer counts with it)."""
+        (best effort: a server gone took its offer counts with it).
+        ``offers`` is emptied before they are sent, as KVStore's (see
+        RunWriter._give_back_offers): a caller that calls again after a
+        KeyboardInterrupt sends none twice."""
         if not offers:
             return
         s = getattr(self._bound, "session", None)
+        keys, admitted = encode_keys([k for k, _ in offers]), [bool(a) for _, a in offers]
+        sent = offers[:]
+        del offers[:]       # (no call between the copy and this)
         try:
-            self._call("give_back", keys=encode_keys([k for k, _ in offers]),
-                       admitted=[bool(a) for _, a in offers])
+            self._call("give_back", keys=keys, admitted=admitted)
         except KVBlockError as e:
             logger.debug("kvblock: give_back to %s: %s", self.socket_path, e)
             # A connection abandoned after a timeout: its server may live
@@ -970,7 +979,7 @@ class RemoteStore(RunReader, RunWriter):
             if s is not None and s.gone is not None and run and self._reconnect and \
                     not self.closed:
                 with self._owed_lock:
-                    self._owed_offers.append((run, list(offers)))
+                    self._owed_offers.append((run, sent))
                     del self._owed_offers[:-OWED_OFFERS_KEPT]
 
     def _settle_owed_offers(self, s: "Session") -> None:

@@ -851,16 +851,31 @@ class KVStore(Recovery, RunReader, RunWriter):
                                         lambda group: self._put_group(group, clears, held),
                                         self.sb.journal_bytes)
         finally:          # (an error: ``out`` holds what the pieces before it stored)
-            self._give_back_unstored(items, out, admitted)
+            try:
+                self._give_back_unstored(items, out, admitted)
+            except BaseException:     # cut as it began: ``admitted`` names them all
+                self._give_back_unstored(items, out, admitted)
+                raise
         return out
 
     def _give_back_offers(self, offers: list) -> None:
         # admission_rejected_runs is not taken off: a declined offer given
         # back was never counted (_plan_puts counts them once its plan
         # stands; the server's admit, told count=False, did not either)
-        with self._lock:
-            for key, admitted in offers:
-                self.admission.give_back(key, admitted)
+        interrupted = None
+        while offers:
+            try:
+                with self._lock:
+                    while offers:
+                        # off the list first: cut as give_back returns,
+                        # the offer is not given back again
+                        key, admitted = offers[0]
+                        del offers[0]
+                        self.admission.give_back(key, admitted)
+            except BaseException as e:
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
     def _count_rejected(self, runs: int) -> None:
         self.counters.add("admission_rejected_runs", runs)

@@ -251,7 +251,12 @@ class RunWriter(RunIO):
             if rejected:
                 self._count_rejected(rejected)
         except BaseException:
-            self._give_back_offers(offers[::-1])    # (latest first: one key offered twice)
+            offers.reverse()          # latest first: one key offered twice
+            try:
+                self._give_back_offers(offers)
+            except BaseException:     # cut as it began: the list names every offer left
+                self._give_back_offers(offers)
+                raise
             raise
         return out, pieces, repeats, admitted
 
@@ -259,15 +264,28 @@ class RunWriter(RunIO):
         """The offers of ``admitted`` items that a put did not store whole
         (``out``: blocks stored per item; a clear() overtook it, or an error
         stopped it): given back, so that the next offer admits them, not
-        the admit_after-th one after it."""
-        back = [(items[i][0][0], True) for i in admitted if out[i] < len(items[i][0])]
-        if back:
-            self._give_back_offers(back[::-1])
+        the admit_after-th one after it.  ``admitted`` is emptied as
+        their offers are handed to _give_back_offers: cut (a
+        KeyboardInterrupt) before that, it names them all, for the caller
+        to call this again; after, each is given back once."""
+        back = [(items[i][0][0], True) for i in reversed(admitted)
+                if out[i] < len(items[i][0])]
+        del admitted[:]     # (no call between: nothing is raised in between)
+        try:
+            self._give_back_offers(back)
+        except BaseException:       # cut as it began: ``back`` names every offer left
+            self._give_back_offers(back)
+            raise
 
     def _give_back_offers(self, offers: list) -> None:
         """Undo offers admission counted for puts that stored nothing:
         (first key, admitted) each, latest first.  No counter changes: a
-        declined offer given back was never counted (_count_rejected)."""
+        declined offer given back was never counted (_count_rejected).
+        ``offers`` is emptied, each offer taken off it before it is given
+        back (Admission.give_back is not idempotent: a declined offer
+        given back twice counts two less): a KeyboardInterrupt landing in
+        here gives back the rest, then is raised; cut as it began, the
+        list names every offer left, for the caller to call it again."""
         raise NotImplementedError
 
     def _count_rejected(self, runs: int) -> None:

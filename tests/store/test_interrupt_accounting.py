@@ -1,0 +1,117 @@
+"""A KeyboardInterrupt (Ctrl-C) landing in a store's accounting paths:
+admission offers given back, a delete's DRAM copies, a reclaim that gives
+up.  Each interrupt is injected at a chosen call (monkeypatch), as a
+signal raised as that call returns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvblock import KVStore, create_file
+from kvblock.errors import IOFailedError
+from kvblock.index import normalize_keys
+from kvblock.store.policy import Admission
+from tests.store.workload import GEOM, REGION, run_data, run_keys
+
+MIB = 1 << 20
+
+
+def _format(paths, **kw):
+    kw.setdefault("region_size", REGION)
+    return KVStore.format([str(p) for p in paths], GEOM, **kw)
+
+
+class CountingAdmission(Admission):
+    """Admission counting the offers it admitted and those given back
+    admitted; ``cut_after``: give_back calls (1, 2, ...) that raise
+    KeyboardInterrupt once done (a Ctrl-C as the call returns)."""
+
+    def __init__(self, admit_after, cut_after=()):
+        super().__init__(admit_after)
+        self.admitted = self.given_back = self.calls = 0
+        self.cut_after = set(cut_after)
+
+    def admit(self, key):
+        ok = super().admit(key)
+        self.admitted += ok
+        return ok
+
+    def give_back(self, key, admitted):
+        super().give_back(key, admitted)
+        self.given_back += admitted
+        self.calls += 1
+        if self.calls in self.cut_after:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("cut_after", [(1,), (1, 2), "as it began"],
+                         ids=["once", "twice", "as it began"])
+def test_a_put_runs_cut_as_it_gives_back_its_offers_gives_each_back_once(
+        tmp_path, monkeypatch, cut_after):
+    """A put_runs whose writes failed gives back the offers admission
+    counted for its runs.  A KeyboardInterrupt landing as the first offer
+    was given back stopped the loop: the other runs' offers stayed used
+    up (admit_after=2: their next offer was declined again, the run took
+    two more offers to be written).  Each is given back, once."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    runs = [run_keys(80 + i, 2) for i in range(3)]
+    with _format([path], admit_after=2) as store:
+        items = [(keys, run_data(keys)) for keys in runs]
+        assert store.put_runs(items) == [0, 0, 0]     # the first offers: declined
+        counting = CountingAdmission(2, () if cut_after == "as it began" else cut_after)
+        counting._offers = store.admission._offers
+        store.admission = counting
+
+        def fail(*a, **kw):
+            raise IOFailedError("write failed (test)")
+        monkeypatch.setattr(store, "_put_group", fail)
+        if cut_after == "as it began":       # before any offer is given back
+            real, cuts = store._give_back_offers, []
+
+            def cut_as_it_begins(offers):
+                if not cuts:
+                    cuts.append(1)
+                    raise KeyboardInterrupt
+                return real(offers)
+            monkeypatch.setattr(store, "_give_back_offers", cut_as_it_begins)
+        with pytest.raises(KeyboardInterrupt):
+            store.put_runs(items)
+        monkeypatch.undo()
+        assert counting.admitted == 3 and counting.given_back == 3
+        counting.cut_after = set()
+        # each run's next offer admits it (its offer was given back, once)
+        assert store.put_runs(items) == [2, 2, 2]
+        assert counting.admitted == 6 and counting.given_back == 3
+        # offers counted == offers given back + runs stored
+        assert counting.admitted == counting.given_back + store.counters["put_runs"]
+
+
+def test_a_put_runs_refused_in_its_plan_cut_as_it_gives_back_gives_each_back_once(
+        tmp_path, monkeypatch):
+    """The plan's refusal (a run that does not fit, checked once admitted)
+    gives back every offer admit counted, declined ones too (each counts
+    one offer less when given back): cut as the first was given back, the
+    others stayed counted.  Each is given back once: the store's admission
+    is as before the call."""
+    path = tmp_path / "s.img"
+    create_file(path, 3 * MIB)
+    with _format([path], admit_after=2) as store:
+        admitted, declined = run_keys(90, 2), run_keys(91, 2)
+        huge = run_keys(93, store.regions.count * (REGION // GEOM.block_bytes))
+        assert store.put_run(admitted, run_data(admitted)) == 0     # its first offer
+        store.admission.admit(normalize_keys(huge)[0])              # likewise
+        before = dict(store.admission._offers)
+        counting = CountingAdmission(2, cut_after=(1,))
+        counting._offers = store.admission._offers
+        store.admission = counting
+        # the long run checked in the plan, once admitted (as one whose
+        # keys the call's earlier runs held, but for a run declined)
+        monkeypatch.setattr(store, "_check_runs_fit", lambda items, found: {2})
+        with pytest.raises(KeyboardInterrupt):
+            store.put_runs([(admitted, run_data(admitted)), (declined, run_data(declined)),
+                            (huge, np.zeros(len(huge) * GEOM.block_bytes, np.uint8))])
+        monkeypatch.undo()
+        assert counting.admitted == 2 and counting.calls == 3
+        assert dict(store.admission._offers) == before
