@@ -1920,25 +1920,29 @@ class KVStore(Recovery, RunReader, RunWriter):
         blocks from the DRAM tier, and what ``discard_asked(tier)`` drops
         there (the keys asked for: a copy may outlive its run); returns the
         blocks removed."""
-        failed, removed, on_device = None, 0, set()
+        failed, removed, on_device, host_only = None, 0, set(), 0
         try:
-            removed = self._drop_runs(runs, count="deleted_runs",
-                                      keys=None if self.host is None else on_device)
-        except KVBlockError as e:
-            # The runs are out of the index and their DROP records durable;
-            # only freeing a region emptied failed (its TRIM): the DRAM
-            # tier's copies must go all the same.
-            if self.closed:
-                raise
-            failed = e
-        self._await_removals()
-        host_only = 0
-        if self.host is not None:
-            # Only the keys the runs still held: a newer run's copy of one
-            # (perhaps only in DRAM now) is another put's, not deleted here.
-            for key in on_device:
-                self.host.discard(key)
-            host_only = len(discard_asked(self.host) - on_device)
+            try:
+                removed = self._drop_runs(runs, count="deleted_runs",
+                                          keys=None if self.host is None else on_device)
+            except KVBlockError as e:
+                # The runs are out of the index and their DROP records durable;
+                # only freeing a region emptied failed (its TRIM): the DRAM
+                # tier's copies must go all the same.
+                if self.closed:
+                    raise
+                failed = e
+            self._await_removals()
+        finally:
+            # Also when cut (a KeyboardInterrupt raised out of the drop,
+            # its runs out of the index, or out of the wait): the DRAM
+            # tier's copies would answer reads of the deleted keys.
+            if self.host is not None:
+                # Only the keys the runs still held: a newer run's copy of one
+                # (perhaps only in DRAM now) is another put's, not deleted here.
+                for key in on_device:
+                    self.host.discard(key)
+                host_only = len(discard_asked(self.host) - on_device)
         if failed is not None:
             raise failed
         return removed + host_only

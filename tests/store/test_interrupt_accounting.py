@@ -115,3 +115,28 @@ def test_a_put_runs_refused_in_its_plan_cut_as_it_gives_back_gives_each_back_onc
         monkeypatch.undo()
         assert counting.admitted == 2 and counting.calls == 3
         assert dict(store.admission._offers) == before
+
+
+def test_a_delete_cut_in_its_drop_leaves_no_dram_copy_to_read(tmp_path, monkeypatch):
+    """delete() cleared the DRAM tier's copies after _drop_runs: a
+    KeyboardInterrupt raised out of _drop_runs (its runs out of the index,
+    their DROP records durable) skipped it, and get_run answered the
+    deleted keys from DRAM."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(95, 3)
+    with _format([path], host_cache_bytes=16 * GEOM.block_bytes) as store:
+        assert store.put_run(keys, run_data(keys)) == 3
+        assert len(store.host) == 3, store.host.stats()
+        real = store._drop_runs
+
+        def drop_then_cut(*a, **kw):
+            real(*a, **kw)
+            raise KeyboardInterrupt
+        monkeypatch.setattr(store, "_drop_runs", drop_then_cut)
+        with pytest.raises(KeyboardInterrupt):
+            store.delete(keys)
+        monkeypatch.undo()
+        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 0
+        assert store.lookup(keys) == 0
