@@ -1329,9 +1329,17 @@ class KVStore(Recovery, RunReader, RunWriter):
                 break
             except BaseException as e:
                 failures += 1
+                # what is raised in the end: the first failure, but a
+                # KeyboardInterrupt over an ordinary error (a Ctrl-C after
+                # a failed step stays the caller's, not that error)
+                first = e if interrupted is None or (
+                    isinstance(interrupted, Exception) and not isinstance(e, Exception)) \
+                    else interrupted
                 if entry is None:
                     if interrupted is not None:
                         self._fail_reclaim(e, region, None)
+                        if first is not e:
+                            raise first from e
                         raise
                     interrupted = e
                     continue
@@ -1339,14 +1347,16 @@ class KVStore(Recovery, RunReader, RunWriter):
                     # a failed commit closed the store: the record may not
                     # be durable, the removal is lost
                     self._fail_reclaim(e, region, entry)
-                    if interrupted is not None:
-                        raise interrupted from e
+                    if first is not e:
+                        raise first from e
                     raise
                 if self._reclaims.get(region) is not entry:
-                    raise interrupted or e       # free (a failed TRIM raises here)
+                    raise first                  # free (a failed TRIM raises here)
                 if interrupted is not None and \
                         int(self.regions.generation[region]) != entry[1]:
                     self._fail_reclaim(e, region, entry)     # cut twice before the record
+                    if first is not e:
+                        raise first from e
                     raise
                 if failures >= FINISH_TRIES:
                     # A step after the record (the ticket's end, the
@@ -1362,10 +1372,10 @@ class KVStore(Recovery, RunReader, RunWriter):
                         self._fail_reclaim(error, region, entry)
                     except BaseException:     # (the failing step itself, again)
                         pass
-                    if interrupted is not None and not isinstance(interrupted, Exception):
-                        raise interrupted from error   # a Ctrl-C stays the caller's
+                    if not isinstance(first, Exception):
+                        raise first from error   # a Ctrl-C stays the caller's
                     raise error
-                interrupted, discard = interrupted or e, False
+                interrupted, discard = first, False
         if interrupted is not None:
             raise interrupted
 

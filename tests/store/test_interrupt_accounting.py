@@ -5,11 +5,13 @@ signal raised as that call returns."""
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from kvblock import KVStore, create_file
-from kvblock.errors import IOFailedError
+from kvblock.errors import IOFailedError, StoreClosedError
 from kvblock.index import normalize_keys
 from kvblock.store.policy import Admission
 from tests.store.workload import GEOM, REGION, run_data, run_keys
@@ -140,3 +142,60 @@ def test_a_delete_cut_in_its_drop_leaves_no_dram_copy_to_read(tmp_path, monkeypa
         out = np.zeros(3 * GEOM.block_bytes, np.uint8)
         assert store.get_run(keys, out) == 0
         assert store.lookup(keys) == 0
+
+
+def _fill_to_last_free_region(store):
+    put, i = [], 0
+    while store.regions.free or store.regions.open is None:
+        keys = run_keys(7000 + i, 4)
+        assert store.put_run(keys, run_data(keys)) == 4
+        put.append(keys)
+        i += 1
+    with store._lock:
+        store.regions.seal(store.regions.open)
+    return put
+
+
+@pytest.mark.parametrize("then", ["fails on", "succeeds"])
+def test_a_reclaim_step_interrupted_after_an_error_raises_the_interrupt(tmp_path, then):
+    """_finish_reclaim kept the first failure of its steps: a
+    KeyboardInterrupt after an ordinary error was raised as that error,
+    or, once it gave up after FINISH_TRIES, as StoreClosedError: the
+    caller's Ctrl-C was lost.  The KeyboardInterrupt is raised; the store
+    is as it would be without it (failed when it gave up, serving when
+    the steps finished)."""
+    path = tmp_path / "store.img"
+    create_file(path, 3 * MIB)
+    with _format([path], verify="never", eviction="fifo") as store:
+        put = _fill_to_last_free_region(store)
+        real, raised = store._end_removal, [0]
+
+        def end_removal(ticket, durable):
+            if ticket is not None and (raised[0] < 2 or then == "fails on"):
+                raised[0] += 1
+                if raised[0] == 2:
+                    raise KeyboardInterrupt
+                if raised[0] < 1000:
+                    raise RuntimeError("ticket's end failed (test)")
+            return real(ticket, durable)
+        store._end_removal = end_removal
+        got = []
+
+        def evict():
+            try:
+                store.evict(store.regions.size)
+                got.append(None)
+            except BaseException as e:
+                got.append(e)
+        t = threading.Thread(target=evict, daemon=True)
+        t.start()
+        t.join(10)
+        assert got, "evict spun"
+        assert isinstance(got[0], KeyboardInterrupt), repr(got[0])
+        if then == "fails on":
+            assert store.closed
+            assert isinstance(store._failure, StoreClosedError)
+        else:
+            assert not store.closed
+            assert [k for k in put if store.lookup(k) == 0]
+            assert not store._reclaims
