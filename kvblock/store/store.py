@@ -1572,12 +1572,22 @@ class KVStore(Recovery, RunReader, RunWriter):
         keys left, once per stretch)."""
         segs = self.index.segments(keys, windowed)
         now = time.time()
-        for run, _, _, _ in segs:
-            run.pins += 1
-            run.hits += 1
-            self.regions.pins[run.region] += 1
-            self.regions.last_access[run.region] = now
-            self.regions.hits[run.region] += 1
+        pins, taken = self.regions.pins, 0
+        try:
+            for run, _, _, _ in segs:
+                # pinned and counted in one line with no call in it (see
+                # _unpin_writers): a KeyboardInterrupt lands before or after
+                run.pins, pins[run.region], taken = run.pins + 1, pins[run.region] + 1, taken + 1
+                run.hits += 1
+                self.regions.last_access[run.region] = now
+                self.regions.hits[run.region] += 1
+        except BaseException:
+            # Cut between two runs (a KeyboardInterrupt at the loop's back
+            # jump): the caller gets no segments to unpin, so the pins
+            # taken drop here, or their regions stay pinned for good.
+            for run, _, _, _ in segs[:taken]:
+                run.pins, pins[run.region] = run.pins - 1, pins[run.region] - 1
+            raise
         return segs
 
     def _unpin(self, segs) -> bool:

@@ -5,6 +5,7 @@ signal raised as that call returns."""
 
 from __future__ import annotations
 
+import dis
 import threading
 
 import numpy as np
@@ -199,3 +200,43 @@ def test_a_reclaim_step_interrupted_after_an_error_raises_the_interrupt(tmp_path
             assert not store.closed
             assert [k for k in put if store.lookup(k) == 0]
             assert not store._reclaims
+
+
+def test_a_read_interrupted_at_any_line_of_its_pinning_leaves_no_pin_held(tmp_path):
+    """A read pins its runs' regions one run after another (_segments): a
+    KeyboardInterrupt landing between two runs (a loop's back jump, where
+    CPython raises it) left the runs pinned before it held for good (the
+    caller had no segments to unpin): their regions never evicted again.
+    The pins taken are dropped, then the interrupt raised."""
+    from kvblock.store.store import KVStore as Store
+    from tests.store.test_store import _LineInterrupt
+
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(96, 6)
+    with _format([path]) as store:
+        for at in range(0, 6, 2):                  # three runs, one read
+            assert store.put_run(keys[at:at + 2], run_data(keys[at:at + 2])) == 2
+        out = np.zeros(6 * GEOM.block_bytes, np.uint8)
+        # (no KeyboardInterrupt lands at ``return segs``: no call, no jump)
+        code = Store._segments.__code__
+        ins = list(dis.get_instructions(code))
+        returns = {a.offset for a, b in zip(ins, ins[1:])
+                   if a.opname == "LOAD_FAST" and b.opname == "RETURN_VALUE"}
+        fired, n = [], 0
+        while True:
+            n += 1
+            cut = _LineInterrupt([Store._segments], n)
+            cut.skip[code] |= returns
+            with cut:
+                try:
+                    store.get_run(keys, out)
+                except KeyboardInterrupt:
+                    pass
+            if cut.fired is None:
+                break
+            fired.append(cut.fired)
+            assert int(store.regions.pins.sum()) == 0, (cut.fired, store.regions.pins)
+            assert [r.pins for r in store.index.runs.values()] == [0, 0, 0], cut.fired
+        assert len(fired) > 10, fired
+        assert store.get_run(keys, out) == 6
