@@ -168,6 +168,15 @@ class ServerGoneError(ServerError, StoreClosedError, ConnectionError):
     gone with it; reconnect once a server runs again."""
 
 
+class ConnectionAbandonedError(ServerGoneError):
+    """A call on a shared store's connection got no answer within the
+    client's ``timeout=``, so the connection was given up (the server may
+    well live on): a request another thread had not yet sent on it (a
+    put's commit) was never sent, and the calls meet this until a new
+    connection is made (``reconnect=True``) or the store is connected
+    again."""
+
+
 class ServerBusyError(ServerError):
     """The store server refused a connection: it serves as many as its
     --max-clients allows (close idle clients, or restart the server with a

@@ -38,8 +38,8 @@ import numpy as np
 
 from kvblock import errors
 from kvblock.devices import Device, check_distinct, refuse_one_path
-from kvblock.errors import (ConfigError, KVBlockError, ServerError, ServerGoneError,
-                            StoreClosedError, StoreFullError)
+from kvblock.errors import (ConfigError, ConnectionAbandonedError, KVBlockError, ServerError,
+                            ServerGoneError, StoreClosedError, StoreFullError)
 from kvblock.index import normalize_keys
 from kvblock.io import open_engine
 from kvblock.layout.geometry import Geometry, RunLayout, model_fingerprint
@@ -483,7 +483,23 @@ class RemoteStore(RunReader, RunWriter):
         if self.closed and stop is not None and stop.is_set():
             lost = "" if s.gone == "remote store is closed" else f" (its connection: {s.gone})"
             return StoreClosedError(f"remote store is closed; connect again{lost}")
+        if s.abandoned is not None:     # given up on here: the server may live on
+            return ConnectionAbandonedError(s.gone)
         return ServerGoneError(s.gone)
+
+    def _abandoned_put_error(self, s: "Session", what: str) -> ConnectionAbandonedError:
+        """The error of a put whose connection ``s`` (the one its space was
+        allocated on, where its commit must go) another call gave up on
+        before the put's commit went out: ``what`` was not stored."""
+        again = ("a new connection is being made in the background (reconnect=True)"
+                 if self._reconnect else "connect again (reconnect=True makes a new "
+                 "connection by itself)")
+        return ConnectionAbandonedError(
+            f"{what} was not stored: the connection to the store server at "
+            f"{self.socket_path} that the put's space was allocated on was given up before "
+            f"the put's commit could go out on it, because another call on this store "
+            f"({s.abandoned}); the server may well live on, and gets the space back once "
+            f"the put lets go of it.  Retry the put once connected again: {again}")
 
     @property
     def _rpc_lock(self) -> threading.Lock:
@@ -560,7 +576,9 @@ class RemoteStore(RunReader, RunWriter):
     def _call_locked(self, s: "Session", op: str, args: dict, timeout: float | None = None):
         """One request and its answer (under ``s.lock``)."""
         if s.gone is not None:
-            raise self._gone_error(s)
+            e = self._gone_error(s)
+            e.not_sent = True       # (a put says what it did not store: _put_call_on)
+            raise e
         data = encode_msg({"op": op, **args})   # a ConfigError here sends nothing
         limit = self.timeout if timeout is None else (
             timeout if self.timeout is None else min(timeout, self.timeout))
@@ -596,6 +614,9 @@ class RemoteStore(RunReader, RunWriter):
             again = ("a new connection is being made" if self._reconnect else
                      "connect again")
             if isinstance(e, TimeoutError):
+                s.abandoned = s.abandoned or (f"{op} got no answer within timeout= "
+                                              f"({limit:g} s)" if limit is not None else
+                                              f"{op} got no answer in time")
                 s.gone = (f"the store server at {self.socket_path} did not answer "
                           f"{op} in time ({e}); this connection is abandoned: {again}")
             elif lost:
@@ -607,6 +628,7 @@ class RemoteStore(RunReader, RunWriter):
                                f"and was quiet past the server's pin lease of "
                                f"{self._pin_lease:g} s)")
             else:
+                s.abandoned = s.abandoned or f"{op} was cut off ({type(e).__name__})"
                 s.gone = (f"connection to the store server at {self.socket_path} "
                           f"was abandoned in the middle of {op} ({type(e).__name__})")
             s.close_when_released()
@@ -833,26 +855,35 @@ class RemoteStore(RunReader, RunWriter):
         clear() refused.  ``on``: as _put_one's."""
         s = self._session_for(on)   # the allocations, their commit or abort: one session
         with self._put_under_way():       # close() waits for it (see there)
-            allocs, puts, sent = [], [], False
+            allocs, puts, sent, held = [], [], False, 0
+            what = (f"this put's commit of {len(pieces)} runs "
+                    f"({sum(len(keys) for _, keys, _ in pieces)} blocks)")
             try:
                 for k, (_, keys, blocks) in enumerate(pieces):
-                    a = self._call_on(s, "allocate", nblocks=len(keys))
+                    # counted before the request goes out, as _segments' pin:
+                    # a connection another thread gives up on (a call past
+                    # timeout=) as the answer comes would be closed at once
+                    # under the allocation (the put then met it "gone")
+                    held += 1
                     s.hold(1)
+                    a = self._put_call_on(s, "allocate", {"nblocks": len(keys)}, what)
                     allocs.append(a)
                     self._check_allocated(a, len(keys))
                     # the last write flushes every device the group wrote
                     last = k == len(pieces) - 1
                     sums = self._write_allocated(s, a, keys, blocks, {
-                        self.regions.device_of(x["region"]) for x in allocs} if last else None)
+                        self.regions.device_of(x["region"]) for x in allocs} if last else None,
+                        what)
                     puts.append([a["wid"], encode_keys(keys), [int(c) for c in sums]])
                 sent = True                          # from here the server releases the pins
-                stored = self._call_on(s, "commit_runs", puts=puts, clears=clears)
+                stored = self._put_call_on(s, "commit_runs", {"puts": puts, "clears": clears},
+                                           what)
             except BaseException:
                 if not sent:
                     self._abort(s, [_wid(a) for a in allocs])
                 raise
             finally:
-                s.hold(-len(allocs))
+                s.hold(-held)
         if not isinstance(stored, list) or len(stored) != len(pieces) or not all(
                 _is_int(n) and n in (0, len(keys)) for n, (_, keys, _) in zip(stored, pieces)):
             # zip would cut a short answer to it: its runs left out counted
@@ -924,8 +955,12 @@ class RemoteStore(RunReader, RunWriter):
             with self._put_under_way():   # close() lets every piece through (see there)
                 for start in range(0, n, step):
                     stop = min(n, start + step)
+                    what = None if n <= step else (
+                        f"blocks {start} to {stop - 1} of this put's run of {n} blocks" +
+                        (f" (its first {start}, committed before, stay stored)"
+                         if start else ""))
                     stored = self._put_one(keys[start:stop], span(blocks, start, stop),
-                                           clears, on)
+                                           clears, on, what)
                     written += stored
                     if not stored:    # a clear() overtook it: its earlier pieces went too
                         written = 0
@@ -1080,10 +1115,12 @@ class RemoteStore(RunReader, RunWriter):
         self._publishing.discard(me)
 
     def _write_allocated(self, s: "Session", a: dict, keys: list[bytes], blocks,
-                         flush: frozenset | set | None = frozenset()) -> np.ndarray:
+                         flush: frozenset | set | None = frozenset(),
+                         what: str | None = None) -> np.ndarray:
         """Write a run into the space ``a`` (allocate's answer on ``s``)
         holds; its checksums.  ``flush``: devices to flush after it (data
-        before the record that publishes it), its own added; None: none."""
+        before the record that publishes it), its own added; None: none.
+        ``what``: the put's words for what it stores (its error's)."""
         lay = self.layout(len(keys))
         dev, dev_off = self.regions.address(a["region"], a["offset"])
         batch, sums = self._stage_run(lay, blocks, a["run_id"], dev, dev_off, later=True)
@@ -1096,6 +1133,9 @@ class RemoteStore(RunReader, RunWriter):
                     f"the store server at {self.socket_path} that allocated this run's "
                     f"space ({self.io.devices[dev].path} at {dev_off}) is gone; the run "
                     "was not written")
+            if s.gone is not None and s.abandoned is not None:   # its commit cannot go out
+                raise self._abandoned_put_error(s, what or f"this put's run of {len(keys)} "
+                                                "blocks")
             sums = self._write_run(batch, sums, a["run_id"])
             if flush is not None:
                 self.io.flush(sorted(flush | {dev}))
@@ -1111,21 +1151,28 @@ class RemoteStore(RunReader, RunWriter):
             on[0] = s
         return s
 
-    def _put_one(self, keys: list[bytes], blocks, clears: str, on: list | None = None) -> int:
+    def _put_one(self, keys: list[bytes], blocks, clears: str, on: list | None = None,
+                 what: str | None = None) -> int:
         """One piece of a put.  ``on[0]``: the session to put it on (the
-        earlier pieces'), or None: the current one, then set there."""
+        earlier pieces'), or None: the current one, then set there.
+        ``what``: the piece in words, for an error (default: a run of its
+        blocks)."""
         n = len(keys)
         s = self._session_for(on)   # the allocation, its commit or abort: one session
         with self._put_under_way():       # close() waits for it (see there)
-            a = self._call_on(s, "allocate", nblocks=n)   # the server pins the region for us
+            # counted before the request goes out (see _put_group)
             s.hold(1)
-            sent = False
+            sent, a = False, None
+            what = what or f"this put's run of {n} blocks"
             try:
+                # the server pins the region for us
+                a = self._put_call_on(s, "allocate", {"nblocks": n}, what)
                 self._check_allocated(a, n)
-                sums = self._write_allocated(s, a, keys, blocks)
+                sums = self._write_allocated(s, a, keys, blocks, what=what)
                 sent = True                          # from here the server releases the pin
-                stored = self._call_on(s, "commit", wid=a["wid"], keys=encode_keys(keys),
-                                       checksums=[int(c) for c in sums], clears=clears)
+                stored = self._put_call_on(s, "commit", {
+                    "wid": a["wid"], "keys": encode_keys(keys),
+                    "checksums": [int(c) for c in sums], "clears": clears}, what)
             except BaseException:
                 if not sent:
                     self._abort(s, [_wid(a)])
@@ -1140,6 +1187,19 @@ class RemoteStore(RunReader, RunWriter):
                 f"blocks with {str(stored)[:200]}, not the blocks published ({n}, or 0 when "
                 "a clear() overtook it); a server of another kvblock release?")
         return self._count_committed(stored)
+
+    def _put_call_on(self, s: "Session", op: str, args: dict, what: str):
+        """A put's ``op`` (allocate, commit, commit_runs) on ``s``, the
+        session its space is allocated on.  Where another call gave ``s``
+        up (a call past timeout=) before it went out,
+        ConnectionAbandonedError saying ``what`` was not stored, not that
+        other call's error."""
+        try:
+            return self._call_on(s, op, **args)
+        except ConnectionAbandonedError as e:
+            if not getattr(e, "not_sent", False):     # this request's own timeout
+                raise
+            raise self._abandoned_put_error(s, what) from None
 
     def _count_committed(self, n: int) -> int:
         """A piece's commit answered: ``n`` blocks published, 0 when a

@@ -43,6 +43,9 @@ class Session:
         # given up on in the middle of sending a request: the server is
         # still reading its frame, so nothing more can be sent on it
         self.torn = False
+        # given up on by this process (a call past its timeout, or one cut
+        # off by an exception), its server perhaps alive: which call, how
+        self.abandoned: str | None = None
 
     def overdue(self, timeout: float) -> bool:
         """Whether the call in flight has waited for its answer longer than

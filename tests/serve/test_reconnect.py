@@ -1408,3 +1408,82 @@ def test_an_offer_of_a_put_abandoned_after_a_timeout_is_given_back_once_reconnec
     finally:
         r.close()
         server.stop()
+
+
+@pytest.mark.parametrize("many", [False, True])
+@pytest.mark.parametrize("where", ["written", "allocated"])
+def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, many, where):
+    """A put in flight when another thread's call on the same RemoteStore
+    timed out (timeout=): the connection that allocated its space was given
+    up, so its commit could not go out.  It raised ServerGoneError saying
+    the server was gone (or what another call met), though the server
+    lived; where the timeout landed between the allocation and its count
+    on the connection, the connection was closed at once under the put.
+    Now ConnectionAbandonedError (a ServerGoneError) says what happened
+    and that a retry works; nothing is left on the server (the space goes
+    back, the offer is given back: with admit_after=2 the retry is
+    admitted), and the retry, once reconnected, stores the run."""
+    from kvblock.errors import ConnectionAbandonedError
+    from tests.serve.test_pin_lease import _until
+    from tests.serve.test_write_fence import _in_thread
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock, admit_after=2) as server:
+        real_checkpoint = server.store.checkpoint
+        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
+        r = RemoteStore(sock, timeout=0.3, reconnect=True)
+        try:
+            a, b = run_keys(1, 2), run_keys(2, 2)
+
+            def put():
+                if many:
+                    return r.put_runs([(a, run_data(a)), (b, run_data(b))])[0]
+                return r.put_run(a, run_data(a))
+            assert put() == 0                          # the first offers: declined
+            reached, go = threading.Event(), threading.Event()
+            if where == "written":                     # its commit is next
+                real = r._write_allocated
+
+                def stalled(*args, **kw):
+                    out = real(*args, **kw)
+                    reached.set()
+                    assert go.wait(20)
+                    return out
+                r._write_allocated = stalled
+            else:      # allocate answered (counted on the connection only then, once)
+                real_call_on = r._call_on
+
+                def stalled(s, op, **args):
+                    out = real_call_on(s, op, **args)
+                    if op == "allocate" and not reached.is_set():
+                        reached.set()
+                        assert go.wait(20)
+                    return out
+                r._call_on = stalled
+            box = _in_thread(put)
+            assert reached.wait(20)
+            with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
+                r.checkpoint()
+            go.set()
+            box["thread"].join(20)
+            err = box.get("error")
+            assert isinstance(err, ConnectionAbandonedError), box
+            assert isinstance(err, ServerGoneError)
+            text = str(err).lower()
+            assert "checkpoint" in text and "timeout" in text and "given up" in text, text
+            assert "not stored" in text and "retry" in text, text
+            assert "is gone" not in text, text
+            for name in ("_write_allocated", "_call_on"):
+                with contextlib.suppress(AttributeError):
+                    delattr(r, name)
+            _wait_alive(r)
+            _until(lambda: server.store.regions.pins.sum() == 0)   # the space went back
+            assert server.store.lookup(a) == 0
+            assert r.counters["put_runs"] == 0 and r.counters["cleared_puts"] == 0
+            assert put() == 2                          # admitted: the offer came back
+            assert r.lookup(a) == 2
+            assert server.store.counters["put_runs"] == (2 if many else 1)
+        finally:
+            r.close()
+
