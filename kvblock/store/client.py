@@ -160,13 +160,14 @@ def _heartbeat_loop(ref, stop: threading.Event) -> None:
     """(thread) While ``ref()`` holds pins, ping its server every quarter of
     the server's pin lease, so they are not taken for a stopped process's.
     It looks every eighth of the lease (at most every HEARTBEAT_TICK_S), so
-    a lease a reconnect brought counts at once."""
+    a lease a reconnect brought counts at once.  Until ``stop``: close()
+    sets it once the calls in flight are done (it waits for puts in flight,
+    whose allocations a lapsed lease would give away, and for reads under
+    the pins of connections abandoned after a timeout)."""
     last = 0.0
     while True:
         store = ref()
-        # (closed: on while close() waits for puts in flight, whose
-        # allocations a lapsed lease would give away)
-        if store is None or (store.closed and not store._publishing):
+        if store is None:
             return
         lease = store._pin_lease
         if lease and store._heartbeat and time.monotonic() - last >= lease / 4:
@@ -1512,7 +1513,6 @@ class RemoteStore(RunReader, RunWriter):
                 time.monotonic() < deadline:
             time.sleep(0.005)
         self._writes_cut = True         # no write from here: the connection ends below
-        self._beat_stop.set()
         if not s.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             # A call waits for a server that does not answer (no timeout=; the
             # heartbeat's ping too, with no call of the caller's in flight):
@@ -1548,7 +1548,10 @@ class RemoteStore(RunReader, RunWriter):
         past timeout=, then a reconnect), kept open while pins were held on
         them, end as the last one did (their pins a caller still holds are
         released with them; else they stayed on the server for good with
-        leases off); then this process's devices and buffers go."""
+        leases off); then this process's devices and buffers go.  The
+        heartbeat stops here, not before: until now it kept the pins of
+        those connections from lapsing under the calls close() waited for."""
+        self._beat_stop.set()
         for old in list(self._sessions):
             old.close()
         KVStore._release_devices(self)

@@ -556,3 +556,49 @@ def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path)
             _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
         finally:
             r.close()
+
+
+def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(tmp_path):
+    """close() waits (up to 30 s) for the reads in flight before it lets go
+    of the connections abandoned after a timeout (their pins are under
+    those reads), but it stopped the heartbeat first: with a lease shorter
+    than that wait, the server dropped the abandoned connection, its pins
+    lapsed, and the read came back a miss (or its run could be evicted and
+    its space reused under it) though the server lived.  The heartbeat goes
+    on until the calls in flight are done."""
+    from tests.serve.test_shared_clear import _wait_in
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    keys = run_keys(1, 2)
+    with serve_in_background([path], sock, pin_lease=LEASE) as server:
+        real_checkpoint = server.store.checkpoint
+        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
+        r = RemoteStore(sock, timeout=0.3, reconnect=True)
+        reached, go = _wait_in(r, "_segments")          # pinned, read next
+        try:
+            r.put_run(keys, run_data(keys))
+            got = np.zeros_like(run_data(keys))
+            read = _in_thread(lambda: r.get_run(keys, got))
+            assert reached.wait(20)
+            with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
+                r.checkpoint()                           # its connection: abandoned
+            # (replaced: close() ends the connection calls go to at once, and the
+            # reads on it turn into misses, as a rank closed during a read)
+            _until(lambda: r.counters["reconnects"] == 1)
+            closer = _in_thread(r.close)
+            closer["thread"].join(0.5)
+            assert closer["thread"].is_alive(), "close() did not wait for the read"
+            time.sleep(3 * LEASE)          # close() waits; the pin would lapse unpinged
+            assert server.expired_sessions == 0, "the abandoned connection's pin lapsed"
+            assert server.store.regions.pins.sum() == 1
+            go.set()
+            read["thread"].join(20)
+            closer["thread"].join(20)
+            assert not closer["thread"].is_alive() and "error" not in closer, closer
+            assert read.get("out") == 2, read
+            assert np.array_equal(got, run_data(keys))
+            assert r.counters["lapsed_pin_gets"] == 0
+            _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
+        finally:
+            go.set()
+            r.close()
