@@ -213,24 +213,34 @@ def check_pieces(call: str, addrs, lens, streams, seeds, digests, results=None,
     """ConfigError unless the arrays of a hashed batch fit what the native
     hasher does with them: it reads ``lens`` and ``streams`` (and writes
     ``results``) up to the piece count, writes ``digests`` up to the
-    stream count (``seeds``), and takes each as its C type.  One shorter
-    was read or written past its end (the heap), one of another dtype read
-    as that type, a read-only one written."""
-    n = len(addrs) if n is None else n
-    for name, arr, dtype, size, out in (
-            ("addresses", addrs, _U64, n, False), ("lengths", lens, _U64, n, False),
-            ("stream indices", streams, _U32, n, False),
-            ("seeds", seeds, _U64, None, False), ("digests", digests, _U64, len(seeds), True),
-            ("results", results, _I64, n, True)):
+    stream count (``seeds``), and takes each as its C type, through its
+    buffer.  One shorter was read or written past its end (the heap), one
+    of another dtype read as that type, a read-only one written; a strided
+    one was cffi's bare ValueError, seeds without a length (an int, a
+    generator) a bare TypeError out of len()."""
+    arrays = (("addresses", addrs, _U64, False), ("lengths", lens, _U64, False),
+              ("stream indices", streams, _U32, False), ("seeds", seeds, _U64, False),
+              ("digests", digests, _U64, True), ("results", results, _I64, True))
+    for name, arr, dtype, out in arrays:
         if arr is None and name in ("addresses", "results"):
             continue
         if not isinstance(arr, np.ndarray) or arr.dtype != dtype or arr.ndim != 1 or \
-                (size is not None and arr.size != size) or (out and not arr.flags.writeable):
-            got = (f"{arr.dtype} array of shape {arr.shape}" if isinstance(arr, np.ndarray)
+                not arr.flags.c_contiguous or (out and not arr.flags.writeable):
+            got = (f"{'non-contiguous ' if not arr.flags.c_contiguous else ''}{arr.dtype} "
+                   f"array of shape {arr.shape}" if isinstance(arr, np.ndarray)
                    else type(arr).__name__)
-            want = f"{size} " if size is not None else ""
-            raise ConfigError(f"{call}: the {name} must be a 1-d{' writable' if out else ''} "
-                              f"{dtype} array of {want}entries, got a {got}")
+            raise ConfigError(f"{call}: the {name} must be a 1-d contiguous"
+                              f"{' writable' if out else ''} {dtype} array, got a {got}; "
+                              f"pass np.ascontiguousarray(..., dtype=np.{dtype})"
+                              f"{' (a copy of a read-only one)' if out else ''}")
+    n = addrs.size if n is None else n
+    for name, arr, size in (("addresses", addrs, n), ("lengths", lens, n),
+                            ("stream indices", streams, n), ("digests", digests, seeds.size),
+                            ("results", results, n)):
+        if arr is not None and arr.size != size:
+            raise ConfigError(f"{call}: the {name} must be a 1-d {arr.dtype} array of "
+                              f"{size} entries (one per {'stream' if name == 'digests' else 'piece'}), "
+                              f"got {arr.size}")
 
 
 def _hasher_error(call: str, pieces: int, code: int):

@@ -384,6 +384,40 @@ def test_native_hasher_arrays_that_do_not_fit_the_pieces_are_refused(case):
     assert np.array_equal(around, before) and not digests.any()
 
 
+@pytest.mark.parametrize("case", ["lens strided", "addresses strided", "digests strided",
+                                  "seeds an int", "seeds a generator", "addresses a list"])
+def test_native_hasher_arrays_not_contiguous_or_unsized_are_config_errors(case):
+    """A strided (non-contiguous) array was cffi's bare ValueError ('ndarray
+    is not C-contiguous') out of ffi.from_buffer, and seeds without a
+    length (an int, a generator) a bare TypeError out of len(): each is a
+    ConfigError naming the argument and the fix, before any native call."""
+    buf = np.zeros(2 * BLOCK, np.uint8)
+    addrs = np.array([buf.ctypes.data, buf.ctypes.data + BLOCK], np.uint64)
+    lens = np.full(2, BLOCK, np.uint64)
+    streams = np.array([0, 1], np.uint32)
+    seeds = np.array([5, 6], np.uint64)
+    digests = np.zeros(2, np.uint64)
+    results = np.zeros(2, np.int64)
+    name = {"lens": "lengths"}.get(case.split()[0], case.split()[0])
+    if case == "lens strided":
+        lens = np.full(4, BLOCK, np.uint64)[::2]
+    elif case == "addresses strided":
+        addrs = np.repeat(addrs, 2)[::2]
+    elif case == "digests strided":
+        digests = np.zeros(4, np.uint64)[::2]
+    elif case == "seeds an int":
+        seeds = 5
+    elif case == "seeds a generator":
+        seeds = (s for s in (5, 6))
+    else:
+        addrs = addrs.tolist()
+    with pytest.raises(ConfigError, match=name):
+        native.hash_pieces(addrs, lens, streams, seeds, digests)
+    with pytest.raises(ConfigError, match=name):
+        native.Hasher(addrs, lens, streams, seeds, results, digests).finish()
+    assert not digests.any()
+
+
 def test_submit_refuses_hashing_arrays_that_do_not_fit_the_batch(shm_target):
     """submit(hashing=...) hands its arrays to the native copy or hasher
     as they are: stream numbers fewer than the batch's entries were read
