@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvblock.errors import ConfigError
 from kvblock.format import trailer as trailerfmt
 from kvblock.format.checksum import data_seed
 from kvblock.io import IOBatch, native
@@ -57,9 +58,22 @@ def block_addresses(batch: IOBatch, lay: RunLayout, dev_off: int) -> np.ndarray:
     offs, addrs, lens = batch.offsets[order], batch.addrs[order], batch.lens[order]
     e = np.searchsorted(offs, want, side="right") - 1
     # Every writer's batch holds whole blocks per entry (staged runs, images,
-    # BlockList pieces); a block across two entries would be a bug here.
-    assert (e >= 0).all() and (want + gbb <= offs[e] + lens[e]).all(), \
-        "a block's bytes span two write entries"
+    # BlockList pieces); a block across two entries, or outside the batch,
+    # would be a bug of its writer.  A real check, not an assert (gone under
+    # python -O: index -1 took the last entry, an address wrapped, and the
+    # native hash read the memory that named).
+    if len(batch):
+        at = np.maximum(e, 0)
+        whole = (e >= 0) & (want + gbb <= offs[at] + lens[at])
+    else:
+        whole = np.zeros(want.size, dtype=bool)
+    if not whole.all():
+        i = int(np.argmin(whole))
+        raise ConfigError(
+            f"run digests: block {i % lay.nblocks} of range {i // lay.nblocks} (device "
+            f"offset {int(want[i])}, {int(gbb)} bytes) does not lie whole in one entry of "
+            f"the write batch of {len(batch)} entries at device offset {dev_off}; the "
+            "batch must hold each of the run's blocks in one entry")
     return addrs[e] + (want - offs[e])
 
 
