@@ -7,6 +7,7 @@ the engines hand the arrays to C in one call, so Python never loops per I/O.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,30 @@ def _not_integer(what: str) -> ConfigError:
     return ConfigError(f"IOBatch: {what} is not an integer; addresses, device indices, "
                        "offsets and lengths are whole numbers (cast to one, a fraction is "
                        "dropped: use // or round to the device's blocks first)")
+
+
+_FIELDS = frozenset(("addrs", "devs", "offsets", "lens"))
+_set = object.__setattr__
+_setflags = np.ndarray.setflags       # (called so: a third of arr.flags.writeable = ...)
+_U64, _U32 = np.dtype(np.uint64), np.dtype(np.uint32)
+# IOBatch.single's fields, packed: arrays over bytes are read-only as made,
+# and cheaper than an array each from a list
+_PACK_SINGLE = struct.Struct("=QQQ").pack
+_PACK_DEV = struct.Struct("=I").pack
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    """``arr`` (a new array the batch owns) made read-only."""
+    _setflags(arr, False)
+    return arr
+
+
+def _frozen_view(arr: np.ndarray) -> np.ndarray:
+    """A read-only view of ``arr``, which may be a caller's array (left
+    writable: it is the caller's to change for its next batch)."""
+    view = arr.view()
+    _setflags(view, False)
+    return view
 
 
 def _whole(v) -> bool:
@@ -67,6 +92,14 @@ def _integers(values, name: str) -> np.ndarray:
 
 @dataclass
 class IOBatch:
+    """The fields are fixed once the batch is built: read-only arrays, which
+    cannot be replaced either (ConfigError).  The native calls index every
+    field up to the address count, as the batch was built and checked: a
+    field replaced by a shorter array, or one of another dtype, was read past
+    its end, and lengths changed in place ran I/Os past the caller's
+    buffers.  Build a new batch instead (an array it was built from stays
+    the caller's to change)."""
+
     addrs: np.ndarray    # uint64 host buffer addresses
     devs: np.ndarray     # uint32 index into the engine's device table
     offsets: np.ndarray  # uint64 byte offsets on the device
@@ -74,6 +107,14 @@ class IOBatch:
     # Objects whose memory entries point into (a write's small buffers), held
     # as long as the batch is; concat() carries them over.
     keep = None
+
+    def __setattr__(self, name, value):
+        # (the dataclass __init__ sets each field once; a field has no class
+        # attribute, so it is there only once set)
+        if name in _FIELDS and hasattr(self, name):
+            raise ConfigError(f"IOBatch: its {name} cannot be replaced: a batch's fields are "
+                              "fixed once it is built and checked; build a new IOBatch")
+        _set(self, name, value)
 
     def __post_init__(self):
         try:
@@ -84,9 +125,8 @@ class IOBatch:
     def _convert(self):
         # A signed array's negative values would wrap to near 2**64 in the cast
         # (numpy raises OverflowError for Python ints only): refuse them alike.
-        self.addrs = np.ascontiguousarray(_integers(self.addrs, "addrs"),
-                                          dtype=np.uint64).reshape(-1)
-        n = self.addrs.size
+        addrs = np.ascontiguousarray(_integers(self.addrs, "addrs"), dtype=np.uint64).reshape(-1)
+        n = addrs.size
         devs = _integers(self.devs, "devs")
         if devs.dtype != np.uint32 and devs.size and (devs.min() < 0 or devs.max() > 0xFFFFFFFF):
             raise ConfigError(f"IOBatch: device index {int(devs.min())}..{int(devs.max())} "
@@ -96,15 +136,16 @@ class IOBatch:
             if field.size != 1 and field.shape != (n,):
                 raise ConfigError(f"IOBatch: {n} addresses but {field.size} {name}: give "
                                   f"one per address, or one for all")
-        self.devs = np.ascontiguousarray(np.broadcast_to(devs.reshape(-1), (n,)),
-                                         dtype=np.uint32)
-        self.offsets = np.ascontiguousarray(_integers(self.offsets, "offsets"),
-                                            dtype=np.uint64).reshape(-1)
-        self.lens = np.ascontiguousarray(np.broadcast_to(lens.reshape(-1), (n,)),
-                                         dtype=np.uint64)
-        if self.offsets.size != n:
-            raise ConfigError(f"IOBatch: {n} addresses but {self.offsets.size} offsets: "
+        devs = np.ascontiguousarray(np.broadcast_to(devs.reshape(-1), (n,)), dtype=np.uint32)
+        offsets = np.ascontiguousarray(_integers(self.offsets, "offsets"),
+                                       dtype=np.uint64).reshape(-1)
+        lens = np.ascontiguousarray(np.broadcast_to(lens.reshape(-1), (n,)), dtype=np.uint64)
+        if offsets.size != n:
+            raise ConfigError(f"IOBatch: {n} addresses but {offsets.size} offsets: "
                               "give one offset per address")
+        for name, field in (("addrs", addrs), ("devs", devs), ("offsets", offsets),
+                            ("lens", lens)):
+            _set(self, name, _frozen_view(field))
 
     def __len__(self) -> int:
         return int(self.addrs.size)
@@ -123,17 +164,20 @@ class IOBatch:
                                 ("length", length)):
                 if not _whole(value):
                     raise _not_integer(f"{name} {value!r}")
+            address, dev, offset, length = int(address), int(dev), int(offset), int(length)
         b = object.__new__(cls)
         try:
-            if min(address, offset, length) < 0:
-                raise OverflowError   # a numpy scalar would wrap in the cast, not raise
-            b.addrs = np.array([address], dtype=np.uint64)
-            b.devs = np.array([dev], dtype=np.uint32)
-            b.offsets = np.array([offset], dtype=np.uint64)
-            b.lens = np.array([length], dtype=np.uint64)
-        except OverflowError as e:
-            raise _out_of_range(e, f"offset {offset}, length {length}, address {address}, "
+            if min(address, offset, length, dev) < 0:
+                raise struct.error
+            raw = np.frombuffer(_PACK_SINGLE(address, offset, length), _U64)
+            devs = np.frombuffer(_PACK_DEV(dev), _U32)
+        except struct.error:   # a value below 0, or past 2**64 (a device past 2**32)
+            raise _out_of_range(None, f"offset {offset}, length {length}, address {address}, "
                                 f"device {dev}") from None
+        _set(b, "addrs", raw[0:1])
+        _set(b, "devs", devs)
+        _set(b, "offsets", raw[1:2])
+        _set(b, "lens", raw[2:3])
         return b
 
     @classmethod
@@ -159,11 +203,11 @@ class IOBatch:
             raise _out_of_range(None, str(low))
         b = object.__new__(cls)
         try:
-            b.addrs = np.array(addrs, dtype=np.uint64)
-            b.devs = np.array(dev if isinstance(dev, list) else [dev] * len(addrs),
-                              dtype=np.uint32)
-            b.offsets = np.array(offsets, dtype=np.uint64)
-            b.lens = np.array(lens, dtype=np.uint64)
+            _set(b, "addrs", _frozen(np.array(addrs, dtype=np.uint64)))
+            _set(b, "devs", _frozen(np.array(dev if isinstance(dev, list) else [dev] * n,
+                                             dtype=np.uint32)))
+            _set(b, "offsets", _frozen(np.array(offsets, dtype=np.uint64)))
+            _set(b, "lens", _frozen(np.array(lens, dtype=np.uint64)))
         except OverflowError as e:
             raise _out_of_range(e) from None
         return b
@@ -172,10 +216,8 @@ class IOBatch:
     def concat(cls, batches: list["IOBatch"]) -> "IOBatch":
         """One batch of the entries of ``batches``, in order."""
         b = object.__new__(cls)
-        b.addrs = np.concatenate([x.addrs for x in batches])
-        b.devs = np.concatenate([x.devs for x in batches])
-        b.offsets = np.concatenate([x.offsets for x in batches])
-        b.lens = np.concatenate([x.lens for x in batches])
+        for name in ("addrs", "devs", "offsets", "lens"):
+            _set(b, name, _frozen(np.concatenate([getattr(x, name) for x in batches])))
         keep = [x.keep for x in batches if x.keep is not None]
         if keep:
             b.keep = keep

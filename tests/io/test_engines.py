@@ -699,6 +699,67 @@ def test_a_listed_batch_of_fields_of_different_lengths_is_refused(engine_name, f
         assert f.read() == bytes(MIB), "a refused batch wrote to the device"
 
 
+@pytest.mark.parametrize("built", ["constructor", "single", "listed", "concat", "contiguous",
+                                   "split", "staged"])
+def test_a_batchs_fields_cannot_be_changed_after_it_is_built(engine_name, file_target, built):
+    """The native calls index every field up to the address count, as the
+    batch was built and checked: a field replaced afterwards by a shorter
+    array (or one of another dtype) was read past its end (a length from
+    whatever memory followed: a write of that many bytes from the buffer),
+    one changed in place (lengths grown past the host buffer) read or
+    wrote past the caller's buffer.  Each field is fixed once built:
+    replacing one is a ConfigError, writing into one numpy's read-only
+    error, whichever way the batch was made; the batch still runs as built."""
+    path = file_target(MIB)
+    with Device(path) as dev, open_engine([dev], engine_name, max_io=4096) as eng, \
+            HostBuffer(4 * 4096) as buf:
+        buf.array[:] = 0x5A
+        addrs = [buf.address + i * 4096 for i in range(4)]
+        offs = [i * 4096 for i in range(4)]
+        if built == "constructor":
+            batch = IOBatch(np.array(addrs, np.uint64), 0, np.array(offs, np.uint64), 4096)
+        elif built == "single":
+            batch = IOBatch.single(addrs[0], 0, 0, 4096)
+        elif built == "listed":
+            batch = IOBatch.listed(addrs, 0, offs, [4096] * 4)
+        elif built == "concat":
+            batch = IOBatch.concat([IOBatch.single(a, 0, o, 4096) for a, o in zip(addrs, offs)])
+        elif built == "contiguous":
+            batch = IOBatch.contiguous(addrs[0], 0, 0, 4 * 4096, 4096)
+        elif built == "split":
+            batch, _ = IOBatch.single(addrs[0], 0, 0, 4 * 4096).split(4096)
+        else:
+            batch = eng._stage(1, IOBatch.single(addrs[0] + 1, 0, 0, 4096))[0]
+        n = len(batch)
+        before = {f: getattr(batch, f).tolist() for f in ("addrs", "devs", "offsets", "lens")}
+        for field, value in (("lens", np.array([4096], np.uint64)),
+                             ("offsets", np.zeros(n, np.uint32)),
+                             ("addrs", [buf.address] * n), ("devs", np.zeros(n, np.uint32))):
+            with pytest.raises(ConfigError, match=f"IOBatch.*{field}.*build a new"):
+                setattr(batch, field, value)
+            with pytest.raises(ValueError, match="read-only"):
+                getattr(batch, field)[0] = 1 << 20
+        assert {f: getattr(batch, f).tolist() for f in before} == before
+        batch.keep = "anything"          # (what the batch holds alive is the caller's)
+        if built != "staged":
+            eng.write(batch)
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[4 * 4096:] == bytes(MIB - 4 * 4096), "a write past the batch as built"
+
+
+def test_a_batch_built_from_a_callers_arrays_leaves_them_writable():
+    """The read-only fields are the batch's own views: the arrays a caller
+    built it from stay the caller's to change (for its next batch)."""
+    addrs = np.array([4096, 8192], np.uint64)
+    offsets = np.array([0, 4096], np.uint64)
+    batch = IOBatch(addrs, 0, offsets, 4096)
+    addrs += 4096
+    offsets[:] = 0
+    assert addrs.flags.writeable and offsets.flags.writeable
+    assert not batch.addrs.flags.writeable and not batch.offsets.flags.writeable
+
+
 @pytest.mark.parametrize("kind", ["disk", "shm"])
 def test_an_engine_used_before_a_fork_works_in_the_child(engine_name, kind, file_target,
                                                         shm_target):
