@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import itertools
 import math
 import operator
 import os
@@ -25,6 +26,7 @@ from kvblock.format.checksum import data_seed
 from kvblock.io import native
 from kvblock.io.batch import DEFAULT_MAX_IO, IOBatch
 from kvblock.io.mapped import MappedDevices
+from kvblock.memory import aligned
 from kvblock.memory.aligned import HostBuffer
 from kvblock.units import is_whole
 
@@ -118,6 +120,11 @@ class RingBroken(Exception):
 
 
 _LIVE: "weakref.WeakSet[IOEngine]" = weakref.WeakSet()
+# The same, listed from any thread (a buffer's close): {key: weakref}, not a
+# WeakSet, which is iterated in Python (an engine opened in another thread
+# meanwhile raised "Set changed size during iteration"; see uring._ENGINES).
+_BY_KEY: "dict[int, weakref.ref[IOEngine]]" = {}
+_BY_KEY_KEYS = itertools.count()
 
 
 def _after_fork_in_child() -> None:
@@ -126,6 +133,24 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _wait_for_batches_into(address: int, nbytes: int) -> None:
+    """(HostBuffer.close, before it unmaps) Wait until no batch in flight
+    in any engine reads into or writes from [address, address + nbytes)."""
+    for ref in list(_BY_KEY.values()):   # (one copy in C: no thread runs meanwhile)
+        engine = ref()
+        if engine is not None:
+            engine._wait_for_batches_into(address, address + nbytes)
+
+
+aligned.before_unmap(_wait_for_batches_into)
+
+
+def _targets(batch: IOBatch, lo: int, hi: int) -> bool:
+    """Whether an entry of ``batch`` lies (in part) in host memory [lo, hi)."""
+    addrs, lens = batch.addrs, batch.lens
+    return bool(((addrs < np.uint64(hi)) & (addrs + lens > np.uint64(lo))).any())
 
 
 MAX_IO_LIMIT = 1 << 30     # one I/O's length travels as 32 bits in io_uring
@@ -182,7 +207,16 @@ class IOEngine:
         # start_mapped_reads() on.
         self._maps = MappedDevices.open(self.devices, mapped_reads,
                                         start=not defer_mapped_reads, writes=mapped_writes)
-        self._map_users = 0            # calls copying or running I/O: close() waits for them
+        # The batches of the calls in flight (copying, running I/O, hashing
+        # or staging their bytes), by a key each: close() waits for them (it
+        # frees what they use), and so does HostBuffer.close() for those in
+        # its memory.  Entered and left without a lock (a dict's item set
+        # and del are atomic; _enter checks ``closed`` after its item is in,
+        # close() the items after setting it); who waits counts in
+        # _waiters under _map_idle, and a call leaving wakes them.
+        self._inflight: dict[int, IOBatch] = {}
+        self._keys = itertools.count()
+        self._waiters = 0
         self._map_idle = threading.Condition()
         self._copiers = None         # helper threads of large mapped copies, made on first use
         # Every thread's staging box (_stage), emptied by close(); a thread
@@ -192,6 +226,8 @@ class IOEngine:
         # first is done (its caller then closes the devices' fds).
         self._closing = threading.RLock()
         _LIVE.add(self)
+        key = next(_BY_KEY_KEYS)
+        _BY_KEY[key] = weakref.ref(self, lambda _, key=key: _BY_KEY.pop(key, None))
         # Closing one of the devices closes this engine first (Device.close):
         # its I/O would go to whatever file took the descriptor's number.
         for d in self.devices:
@@ -266,8 +302,13 @@ class IOEngine:
         if n and nbytes <= HASH_PIECE and not (maps is not None and maps.covers(batch.devs)):
             # At most one piece's worth: nothing to overlap, and a small read
             # (a 4 KiB get) would pay more for the native hasher than the hash.
-            self.read(batch, qd=qd)
-            native.hash_pieces(batch.addrs, batch.lens, streams, seeds, digests)
+            # In flight until hashed (HostBuffer.close() waits for it).
+            key = self._enter(batch)
+            try:
+                self.read(batch, qd=qd)
+                native.hash_pieces(batch.addrs, batch.lens, streams, seeds, digests)
+            finally:
+                self._leave(key)
             return digests
         self.submit(OP_READ, batch, qd=qd, hashing=(streams, seeds, digests))
         return digests
@@ -300,65 +341,98 @@ class IOEngine:
         self._validate(batch)
         if hashing is not None:   # (read_hashed's are checked; the native calls index them)
             native.check_pieces("submit", None, batch.lens, *hashing, n=n)
-        maps = self._maps     # once: close() may drop it meanwhile (_copy_mapped then refuses)
-        if maps is not None:
-            if maps.covers(batch.devs, writing=op == OP_WRITE):
-                return self._copy_mapped(op, batch, latency, hashing)
-            if op == OP_WRITE:
-                maps.last_write = time.monotonic()   # the prefault waits for a gap
-        if op == OP_WRITE and hashing is not None:   # the sources, before they are written
-            native.hash_pieces(batch.addrs, batch.lens, *hashing)
-            hashing = None
-        inline = hashing is not None and self.hashes_as_reads_land
-        max_io = min(self.max_io, HASH_PIECE) if inline else self.max_io
-        run, parent = batch.split(max_io)
-        m = len(run)
-        # Each slot starts failed: a slot the native call never writes (a
-        # broken ring whose drain could not wait for every I/O it had taken)
-        # must not hold an earlier batch's lengths, read as 'done'.
-        results = np.full(m, -errno.EIO, dtype=np.int64)
-        lat = np.empty(m, dtype=np.int64) if latency else None
-        hasher = None
-        with self._map_idle:       # close() waits for us: it frees what _run uses
+        # In flight from here until the last touch of the caller's memory
+        # (the hash after a read, the staged copy-back): close() waits for
+        # it, as HostBuffer.close() of the memory does.
+        key = next(self._keys)
+        self._inflight[key] = batch
+        try:
             if self.closed:
                 raise ConfigError(f"{self.name} engine is closed")
-            self._map_users += 1
-        try:
-            # Staging and the hasher only now: made before, a close() in
-            # between would miss the staging and the refusal leak the hasher.
-            staged = self._stage(op, run)
-            if inline and staged is None:
-                streams, seeds, digests = hashing
-                hasher = native.Hasher(run.addrs, run.lens,
-                                       streams if parent is None else streams[parent],
-                                       seeds, results, digests)
+            maps = self._maps     # (close() keeps it while a call is in flight)
+            if maps is not None:
+                if maps.covers(batch.devs, writing=op == OP_WRITE):
+                    return self._copy_mapped(op, batch, latency, hashing)
+                if op == OP_WRITE:
+                    maps.last_write = time.monotonic()   # the prefault waits for a gap
+            if op == OP_WRITE and hashing is not None:   # the sources, before they are written
+                native.hash_pieces(batch.addrs, batch.lens, *hashing)
+                hashing = None
+            inline = hashing is not None and self.hashes_as_reads_land
+            max_io = min(self.max_io, HASH_PIECE) if inline else self.max_io
+            run, parent = batch.split(max_io)
+            m = len(run)
+            # Each slot starts failed: a slot the native call never writes (a
+            # broken ring whose drain could not wait for every I/O it had taken)
+            # must not hold an earlier batch's lengths, read as 'done'.
+            results = np.full(m, -errno.EIO, dtype=np.int64)
+            lat = np.empty(m, dtype=np.int64) if latency else None
+            hasher = None
             try:
-                self._run(op, run if staged is None else staged[0],
-                          min(qd or self.queue_depth, m), results, lat, hasher)
-            except RingBroken as e:
-                self._raise_broken(run, results, e.code, parent, n)
+                # Staging and the hasher only in flight: made before, a close()
+                # in between would miss the staging and the refusal leak the hasher.
+                staged = self._stage(op, run)
+                if inline and staged is None:
+                    streams, seeds, digests = hashing
+                    hasher = native.Hasher(run.addrs, run.lens,
+                                           streams if parent is None else streams[parent],
+                                           seeds, results, digests)
+                try:
+                    self._run(op, run if staged is None else staged[0],
+                              min(qd or self.queue_depth, m), results, lat, hasher)
+                except RingBroken as e:
+                    self._raise_broken(run, results, e.code, parent, n)
+            finally:
+                if hasher is not None:
+                    hasher.finish()
+            if m == 1:
+                if results.item() != run.lens.item():
+                    self._raise(op, run, results, results != run.lens.astype(np.int64))
+            else:
+                bad = results != run.lens.astype(np.int64)
+                if bad.any():
+                    self._raise(op, run, results, bad, parent, len(batch))
+            if staged is not None and op == OP_READ:
+                staged[1]()
+            if hashing is not None and hasher is None:   # the bytes are in place: hash them now
+                native.hash_pieces(batch.addrs, batch.lens, *hashing)
         finally:
-            with self._map_idle:
-                self._map_users -= 1
-                if not self._map_users:
-                    self._map_idle.notify_all()
-            if hasher is not None:
-                hasher.finish()
-        if m == 1:
-            if results.item() != run.lens.item():
-                self._raise(op, run, results, results != run.lens.astype(np.int64))
-        else:
-            bad = results != run.lens.astype(np.int64)
-            if bad.any():
-                self._raise(op, run, results, bad, parent, len(batch))
-        if staged is not None and op == OP_READ:
-            staged[1]()
-        if hashing is not None and hasher is None:   # the bytes are in place: hash them now
-            native.hash_pieces(batch.addrs, batch.lens, *hashing)
+            self._leave(key)
         if lat is not None and parent is not None:
             # one per I/O of the batch: its slowest piece (pieces run side by side)
             lat = np.maximum.reduceat(lat, np.flatnonzero(np.diff(parent, prepend=-1)))
         return IOResult(batch.nbytes, lat)
+
+    def _enter(self, batch: IOBatch) -> int:
+        """Count ``batch`` in flight (see _inflight); its key for _leave."""
+        key = next(self._keys)
+        self._inflight[key] = batch
+        if self.closed:
+            self._leave(key)
+            raise ConfigError(f"{self.name} engine is closed")
+        return key
+
+    def _leave(self, key: int) -> None:
+        del self._inflight[key]
+        if self._waiters:
+            with self._map_idle:
+                self._map_idle.notify_all()
+
+    def _wait_for_batches_into(self, lo: int, hi: int) -> None:
+        """Wait until none of the batches in flight now has an entry in
+        host memory [lo, hi) (those submitted from now on are not waited
+        for)."""
+        if not self._inflight:
+            return
+        with self._map_idle:
+            self._waiters += 1
+            try:
+                busy = [k for k, b in list(self._inflight.items()) if _targets(b, lo, hi)]
+                while busy:
+                    self._map_idle.wait()
+                    busy = [k for k in busy if k in self._inflight]
+            finally:
+                self._waiters -= 1
 
     def _copy_mapped(self, op: int, batch: IOBatch, latency: bool, hashing) -> IOResult:
         """Copy the batch out of the devices' mappings (hashing each chunk as
@@ -367,10 +441,7 @@ class IOEngine:
         n = len(batch)
         results = np.empty(n, dtype=np.int64)
         lat = np.empty(n, dtype=np.int64) if latency else None
-        with self._map_idle:
-            if self._maps is None:
-                raise ConfigError(f"{self.name} engine is closed")
-            self._map_users += 1
+        # (in flight: submit counted it, and close() keeps the mappings meanwhile)
         helpers = 0
         try:
             # helpers busy with other callers' copies are not waited for
@@ -389,10 +460,6 @@ class IOEngine:
         finally:
             for _ in range(helpers):
                 slots.release()
-            with self._map_idle:
-                self._map_users -= 1
-                if not self._map_users:
-                    self._map_idle.notify_all()
         if n <= FEW_IOS and results.tolist() == batch.lens.tolist():
             return IOResult(sum(batch.lens.tolist()), lat)
         bad = results != batch.lens.astype(np.int64)
@@ -526,7 +593,8 @@ class IOEngine:
         which the child does not have (close() would wait for them forever),
         and so are the helper threads; locks they held stay held.  Start
         afresh."""
-        self._map_users = 0
+        self._inflight = {}
+        self._waiters = 0
         self._map_idle = threading.Condition()
         self._closing = threading.RLock()
         self._copiers = None
@@ -537,8 +605,12 @@ class IOEngine:
         with self._closing:
             self.closed = True
             with self._map_idle:   # once no call is copying or running I/O (rings, mappings)
-                while self._map_users:
-                    self._map_idle.wait()
+                self._waiters += 1
+                try:
+                    while self._inflight:
+                        self._map_idle.wait()
+                finally:
+                    self._waiters -= 1
                 maps, self._maps = self._maps, None
                 copiers, self._copiers = self._copiers, None
                 # Every thread's staging memory: a batch still between its _stage

@@ -50,6 +50,17 @@ def _huge_page_size() -> int:
 HUGE_PAGE_SIZE = _huge_page_size()
 
 
+# Called by HostBuffer.close() with (address, nbytes) before it unmaps the
+# memory: each returns once no I/O in flight reads into or writes from it
+# (kvblock.io.engine registers one, for every engine's batches).
+_before_unmap: list = []
+
+
+def before_unmap(wait) -> None:
+    """Have HostBuffer.close() call ``wait(address, nbytes)`` before it unmaps."""
+    _before_unmap.append(wait)
+
+
 def round_up(n: int, align: int) -> int:
     return (n + align - 1) // align * align
 
@@ -99,6 +110,7 @@ class HostBuffer:
             except (OSError, ValueError):
                 pass
         _prefault(self._mm, self._offset, size)
+        self._size = size
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes,
                                    offset=self._offset)
         self.address = int(self.array.ctypes.data)
@@ -177,6 +189,22 @@ class HostBuffer:
         return count, shape, offset
 
     def close(self) -> None:
+        """Unmap the memory (views taken before keep it mapped; see the class).
+
+        A batch of an engine (kvblock.io) that reads into or writes from
+        this buffer and is in flight in another thread when close() is
+        called is waited for: close() returns once it is done, then
+        unmaps, as the engines' and the store's close() wait for their
+        calls in flight.  Unmapped under it, the read failed with EFAULT at
+        best; at worst its bytes landed in (or a write or hash read from)
+        whatever memory was mapped at the address next.  A batch submitted
+        after close() has begun is the caller's error: its addresses name
+        unmapped memory.  Do not close a buffer from the thread whose batch
+        uses it (it would wait for itself)."""
+        if self._mm is None:
+            return
+        for wait in _before_unmap:
+            wait(self.address, self._size)
         with self._lock:
             if self._mm is None:
                 return

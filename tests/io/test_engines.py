@@ -2,6 +2,7 @@
 and threads; bad requests raise typed errors naming device, offset, length."""
 
 import contextlib
+import ctypes
 import errno
 import os
 import threading
@@ -576,6 +577,100 @@ def test_a_second_close_returns_only_once_the_io_in_flight_is_done(engine_name, 
             for t in (release, reader, first):
                 t.join()
         assert order == ["batch done", "second close returned"]
+
+
+@pytest.mark.parametrize("where", ["native", "mapped", "staged", "hashed"])
+def test_a_buffer_closed_while_a_batch_reads_into_it_waits_for_the_batch(
+        engine_name, file_target, shm_target, monkeypatch, where):
+    """HostBuffer.close() in one thread while another thread's engine batch
+    reads into the buffer: the memory was unmapped under the read (EFAULT
+    at best; on a mapped device, or in the staged copy-back and the hash
+    after a small read_hashed, the bytes went into, or were read from,
+    whatever was mapped there next).  close() now waits for the batches
+    in flight that target the buffer, then unmaps it; the batch completes
+    with the right bytes.  Held at each point the engine touches the
+    buffer (the native read, the mapped copy, the staged copy-back, the
+    hash after the read), the closer is seen waiting before the batch
+    goes on: no sleeps."""
+    from kvblock.format.checksum import data_checksum
+    from kvblock.io import native
+
+    path = (shm_target if where == "mapped" else file_target)(MIB)
+    data = _random(2 * 4096, 11)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    inside, go, waiting, closed = (threading.Event() for _ in range(4))
+    got, errors = [], []
+    with Device(path) as dev, open_engine([dev], engine_name,
+                                          mapped_reads=where == "mapped") as eng:
+        assert eng.mapped(0) == (where == "mapped")
+        buf = HostBuffer(2 * 4096)
+        at = buf.address + (1 if where == "staged" else 0)
+
+        def held(real, snap=True):
+            def call(*args, **kwargs):
+                inside.set()
+                assert go.wait(10)
+                if buf.closed:       # (the real call would touch unmapped memory)
+                    raise RuntimeError("the buffer was unmapped under the batch")
+                out = real(*args, **kwargs)
+                if snap:
+                    got.append(ctypes.string_at(at, 4096))
+                return out
+            return call
+
+        if where == "native":
+            monkeypatch.setattr(eng, "_run", held(eng._run))
+        elif where == "mapped":
+            monkeypatch.setattr(eng, "_copy_part", held(eng._copy_part))
+        elif where == "staged":
+            real_stage = eng._stage
+
+            def stage(*args):
+                staged = real_stage(*args)
+                return staged[0], held(staged[1])
+            monkeypatch.setattr(eng, "_stage", stage)
+        else:
+            monkeypatch.setattr(native, "hash_pieces", held(native.hash_pieces, snap=False))
+
+        class Seen(threading.Condition):
+            def wait(self, timeout=None):
+                waiting.set()
+                return super().wait(timeout)
+        eng._map_idle = Seen()
+
+        def read():
+            try:
+                batch = IOBatch.single(at, 0, 0, 4096)
+                if where == "hashed":
+                    got.append(int(eng.read_hashed(batch, [0], [7])[0]))
+                else:
+                    eng.read(batch)
+            except BaseException as e:
+                errors.append(e)
+
+        def close():
+            buf.close()
+            closed.set()
+            waiting.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        closer = threading.Thread(target=close)
+        try:
+            assert inside.wait(10)
+            closer.start()
+            assert waiting.wait(10)
+            assert not closed.is_set() and not buf.closed, \
+                "close() unmapped the buffer with a batch reading into it"
+        finally:
+            go.set()
+            reader.join()
+            if closer.is_alive() or closer.ident:
+                closer.join()
+        assert closed.is_set() and buf.closed and not errors
+        want = data_checksum(data[:4096], 7) if where == "hashed" else data[:4096].tobytes()
+        assert got == [want]
 
 
 def test_degenerate_arguments_get_typed_errors(engine_name, file_target):
