@@ -104,6 +104,9 @@ MAX_CLIENTS = 512
 ACCEPT_POLL = 0.2
 # spawn_server moves a longer log aside first (one older log is kept)
 LOG_KEEP_BYTES = 64 << 20
+# Offers admitted on one connection whose puts are not done (OPEN_OFFERS_KEPT
+# at most: a client's puts in flight, one per thread, in practice)
+OPEN_OFFERS_KEPT = 1024
 # what a client says of the runs it drops (drop_runs) -> the counter it adds to
 DROP_REASONS = {"checksum": "checksum_failures", "read_error": "read_errors"}
 
@@ -116,6 +119,10 @@ class _Session:
         self.pid: int | None = None
         self.readers: dict[int, list] = {}            # pin id -> segments
         self.writers: dict[int, tuple] = {}           # wid -> (region, run_id, offset, gen, n)
+        # offers admit admitted on this connection whose puts have neither
+        # stored their run whole nor given the offer back: the run's keys,
+        # oldest first (see _settle_offers; given back when it ends, _release)
+        self.offers: list[list[bytes]] = []
         self.thread: threading.Thread | None = None
         self.last_seen = time.monotonic()             # the last request's arrival or answer
         self.accepted = self.last_seen
@@ -751,8 +758,10 @@ class StoreServer:
         store = self.store
         readers, s.readers = list(s.readers.values()), {}
         writers, s.writers = list(s.writers.values()), {}
+        offers, s.offers = s.offers, []
         for segs in readers:
             store._unpin(segs)
+        self._give_back_open_offers(offers)
         if not writers:
             return
         regions = [region for region, *_ in writers]
@@ -763,6 +772,38 @@ class StoreServer:
                 self._dropped_writers += regions
         else:
             store._unpin_writers(regions)
+
+    def _give_back_open_offers(self, offers: list) -> None:
+        """A connection ended with offers admitted on it whose puts did not
+        store their run whole nor give the offer back (the client gave the
+        connection up after a timeout, its give_back refused there; it died;
+        its lease lapsed): given back here, as the client would have, so the
+        key's next offer (any rank's) admits it, not the admit_after-th one
+        after it.  One stored whole meanwhile (by another rank too) is left."""
+        st = self.store
+        if not offers or st.closed:
+            return
+        with st._lock:
+            back = [(keys[0], True) for keys in reversed(offers)
+                    if st.index.prefix_length(keys) < len(keys)]
+        st._give_back_offers(back)
+
+    def _settle_offers(self, s: _Session, given_back: list[bytes] = ()) -> None:
+        """The open offers on ``s`` whose puts are done: those whose first
+        key is in ``given_back`` (one each: the client gave it back) and
+        those whose run is now stored whole (a commit published it)."""
+        if not s.offers:
+            return
+        for key in given_back:
+            for i in range(len(s.offers) - 1, -1, -1):
+                if s.offers[i][0] == key:
+                    del s.offers[i]
+                    break
+        if s.offers and not given_back:
+            st = self.store
+            with st._lock:
+                s.offers = [keys for keys in s.offers
+                            if st.index.prefix_length(keys) < len(keys)]
 
     def _release_dropped_writers(self) -> None:
         with self._dropped_lock:
@@ -977,6 +1018,11 @@ class StoreServer:
                 if count:
                     st.counters.add("admission_rejected_runs")
                 return {"verdict": "rejected", "clears": clears}
+        if st.admission.admit_after > 1:   # (one offer admits: nothing to give back)
+            # open until the put stores the run or gives the offer back;
+            # the connection ending first gives it back (_release)
+            s.offers.append(keys)
+            del s.offers[:-OPEN_OFFERS_KEPT]
         return {"verdict": "ok", "clears": clears}
 
     def _op_give_back(self, s, keys, admitted):
@@ -991,6 +1037,7 @@ class StoreServer:
             raise ConfigError(f"give_back: admitted must be a list of {len(keys)} true or "
                               f"false, one per key, got {str(admitted)[:80]}")
         st._give_back_offers(list(zip(keys, admitted)))
+        self._settle_offers(s, [k for k, a in zip(keys, admitted) if a])
         return None
 
     def _op_count_duplicates(self, s, runs):
@@ -1066,6 +1113,8 @@ class StoreServer:
             published = st._publish_puts(runs, self._clear_count(clears))
         finally:
             st._unpin_writers([w[0] for w, *_ in taken if w is not None])
+        if published:
+            self._settle_offers(s)      # the offers of the runs now stored whole
         out = []
         for run in runs:    # none or all: a clear() refuses the whole commit
             n = run.nblocks if run.run_id in published else 0

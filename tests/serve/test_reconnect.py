@@ -1487,3 +1487,47 @@ def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, 
         finally:
             r.close()
 
+
+
+@pytest.mark.parametrize("many", [False, True])
+def test_an_offer_of_a_put_abandoned_without_reconnect_is_given_back_by_the_server(
+        tmp_path, many):
+    """reconnect=False: a put admitted by a live server whose allocation is
+    not answered in time (timeout=) fails (its connection abandoned), and
+    the offer it gives back is refused there.  The owed-offers path only
+    runs with reconnect=True, so the server's admission kept the offer used
+    up: the key's next offer, from a new RemoteStore, was declined again
+    (admit_after=2).  The server gives back the offers admitted on a
+    connection that ended before their puts were committed or given back."""
+    from tests.serve.test_pin_lease import _until
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock, admit_after=2) as server:
+        real, hold, release = server._op_allocate, threading.Event(), threading.Event()
+
+        def slow_allocate(s, **kw):
+            if hold.is_set():
+                release.wait(20)        # answered once the client has given up
+            return real(s, **kw)
+        server._op_allocate = slow_allocate
+        a, b = run_keys(1, 2), run_keys(2, 2)
+
+        def put(r):
+            if many:
+                return r.put_runs([(a, run_data(a)), (b, run_data(b))])[0]
+            return r.put_run(a, run_data(a))
+        with RemoteStore(sock, timeout=0.3) as r:
+            assert put(r) == 0                    # the first offers: declined
+            hold.set()
+            with pytest.raises(ServerGoneError):
+                put(r)                            # admitted, then abandoned
+            hold.clear()
+            release.set()
+        _until(lambda: server.client_count() == 0)   # the connection ended there
+        _until(lambda: server.store.regions.pins.sum() == 0)   # its space went back
+        with RemoteStore(sock) as r:
+            assert put(r) == 2                    # admitted: the offer came back
+            assert r.lookup(a) == 2
+        # a put stored, its connection ended: nothing given back for it
+        assert server.store.admission._offers.get(a[0]) is None
