@@ -184,7 +184,7 @@ def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str
         try:
             s = store._new_session()
         except ServerGoneError:
-            if store._restart is None:
+            if store._restart is None or store.closed:    # (closed: start none)
                 raise
             store._restart()           # nobody there: start a server (one rank does)
             s = store._new_session()
@@ -1707,8 +1707,32 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     if can_start:
         store._restart = functools.partial(ensure_server, socket_path, list(devices),
                                            start_timeout=start_timeout,
-                                           server_options=server_options)
+                                           server_options=server_options,
+                                           may_start=_start_guard(weakref.ref(store)))
     return store
+
+
+def _start_guard(ref):
+    """ensure_server's ``may_start`` for the reconnect of ``ref()``: the
+    server process is started under the lock close() sets ``closed`` by, so
+    a close() that came first refuses it (StoreClosedError) and one that
+    comes later waits for the start (a moment) and finds it made.  Checked
+    before that, a close() landing between the check and the start (ensure_server
+    waits for the start lock and for a server starting without it) left a
+    server nobody asked for.  (A weak reference: the store's own partial
+    must not keep it from being collected.)"""
+    @contextlib.contextmanager
+    def may_start():
+        store = ref()
+        if store is None:
+            raise StoreClosedError("remote store was collected while it reconnected: "
+                                   "no server started")
+        with store._reconnect_lock:
+            if store.closed or store._forked:
+                raise StoreClosedError("remote store was closed while it reconnected: "
+                                       "no server started")
+            yield
+    return may_start
 
 
 __all__ = ["RemoteStore", "ServerError", "ServerGoneError", "connect", "ensure_server",

@@ -48,10 +48,11 @@ STOPPING_POLL_S = 0.02
 
 
 def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.0,
-                  server_options: dict | None = None, prepare=None) -> None:
+                  server_options: dict | None = None, prepare=None, may_start=None) -> None:
     """Start a store server on ``devices`` at ``socket_path`` unless one
     answers there, under ``<socket_path>.lock`` (see
-    :func:`kvblock.store.client.connect` for how ranks race to start it)."""
+    :func:`kvblock.store.client.connect` for how ranks race to start it).
+    ``may_start``: see :func:`kvblock.store.server.spawn_server`."""
     refuse_one_path(devices)     # one path: refused by name (a server on its characters)
     socket_path = socket_path_str(socket_path)
     from kvblock.store.server import MAX_SOCKET_PATH
@@ -68,7 +69,8 @@ def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.
     # not inherit the lock and block every later start; lockf does not tell
     # this process's threads apart, so they take _START_LOCK first.
     with _START_LOCK:
-        _start_locked(socket_path, lock_path, devices, start_timeout, server_options, prepare)
+        _start_locked(socket_path, lock_path, devices, start_timeout, server_options, prepare,
+                      may_start)
 
 
 _START_LOCK = threading.Lock()
@@ -84,7 +86,7 @@ os.register_at_fork(after_in_child=_reset_start_lock)
 
 
 def _start_locked(socket_path, lock_path, devices, start_timeout, server_options,
-                  prepare) -> None:
+                  prepare, may_start=None) -> None:
     from kvblock.store.server import spawn_server
 
     try:
@@ -109,7 +111,7 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
         undo = prepare() if prepare is not None else None
         try:
             proc = spawn_server(devices, socket_path, timeout=start_timeout,
-                                **(server_options or {}))
+                                may_start=may_start, **(server_options or {}))
         except ServerError:
             # Ours failed, maybe on the devices of one that began to start
             # just after the look above (before it marked itself starting).

@@ -1340,10 +1340,12 @@ def serve_in_background(devices: Sequence, socket_path, **options) -> StoreServe
 def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
                  log_path=None, model=None, eviction=None, admit_after=None, engine=None,
                  verify=None, idle_exit=None, pin_lease=None, hello_timeout=None,
-                 max_clients=None) -> subprocess.Popen:
+                 max_clients=None, may_start=None) -> subprocess.Popen:
     """Start ``kvblock serve`` in its own process (and session) and wait until
     it accepts connections.  Its output goes to ``log_path`` (default
-    ``<socket_path>.log``).  Returns the process."""
+    ``<socket_path>.log``).  Returns the process.  ``may_start``: a context
+    manager factory entered around the process's start, which refuses it by
+    raising (a RemoteStore's reconnect: one closed meanwhile starts none)."""
     socket_path = os.fspath(socket_path)
     cmd = [sys.executable, "-m", "kvblock", "serve", *map(os.fspath, devices),
            "--socket", socket_path]
@@ -1355,10 +1357,11 @@ def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
         if value is not None:
             cmd += [flag, str(value)]
     log_path = os.fspath(log_path) if log_path else socket_path + ".log"
-    _rotate_log(log_path)
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                start_new_session=True, close_fds=True)
+    with (may_start() if may_start is not None else contextlib.nullcontext()):
+        _rotate_log(log_path)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True, close_fds=True)
     try:
         wait_for_server(socket_path, timeout, proc)
     except ServerError as e:

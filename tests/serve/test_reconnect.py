@@ -1531,3 +1531,52 @@ def test_an_offer_of_a_put_abandoned_without_reconnect_is_given_back_by_the_serv
             assert r.lookup(a) == 2
         # a put stored, its connection ended: nothing given back for it
         assert server.store.admission._offers.get(a[0]) is None
+
+
+def test_a_reconnect_starts_no_server_once_the_store_is_closed(tmp_path, monkeypatch):
+    """connect(devices, reconnect=True): the reconnect thread, finding no
+    server, starts one (ensure_server).  A close() that came while it was
+    on its way there (here: while it looked for a server starting without
+    it, the last look before the start) did not stop it: a `kvblock serve`
+    was started for a store nobody used any more, and left running.  Now
+    close() wins: no server process is started once close() has set the
+    store closed, and no session is adopted."""
+    import types
+
+    from kvblock.store import launch, server as server_module
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    r = connect(sock, [path], reconnect=True)
+    reached, go, spawned = threading.Event(), threading.Event(), []
+    real_wait = launch.wait_for_starting_server
+
+    def last_look(socket_path, timeout):
+        reached.set()                     # the thread is about to start a server
+        assert go.wait(20)
+        return real_wait(socket_path, timeout)
+
+    def popen(cmd, **kw):                 # a server process would be started here
+        spawned.append(cmd)
+        raise OSError("test: no server process")
+    monkeypatch.setattr(launch, "wait_for_starting_server", last_look)
+    monkeypatch.setattr(server_module, "subprocess",
+                        types.SimpleNamespace(Popen=popen, DEVNULL=-3))
+    try:
+        old = r._session
+        server.stop()
+        with pytest.raises(ServerGoneError):
+            r.lookup(run_keys(0, 1))      # the reconnect thread starts
+        assert reached.wait(20)
+        thread = r._reconnector
+        r.close()
+        go.set()
+        thread.join(20)
+        assert not thread.is_alive()
+        assert spawned == [], "a server was started for a closed store"
+        assert r._session is old and r.counters["reconnects"] == 0
+    finally:
+        go.set()
+        r.close()
+        server.stop()
