@@ -288,6 +288,8 @@ class RemoteStore(RunReader, RunWriter):
         self._stop = threading.Event()
         self._reconnect_lock = threading.Lock()
         self._reconnector: threading.Thread | None = None
+        # the session the reconnect thread is making (hello): close() ends it
+        self._connecting: Session | None = None
         self._forked = False
         # a put_runs' session, per thread: every call it makes goes there (_put_many)
         self._bound = threading.local()
@@ -712,6 +714,13 @@ class RemoteStore(RunReader, RunWriter):
         store (same uuid and geometry) with this protocol."""
         s = Session(open_socket(self.socket_path, self.timeout))
         self._sessions.add(s)          # a fork from here on closes it in the child
+        with self._reconnect_lock:     # close() from here on ends it (see close)
+            closed = self.closed
+            if not closed:
+                self._connecting = s
+        if closed:
+            s.close()
+            raise StoreClosedError("remote store was closed while it reconnected")
         try:
             hello = self._call_locked(s, "hello", {"protocol": PROTOCOL, "pid": os.getpid()})
             if hello.get("protocol") != PROTOCOL:
@@ -763,7 +772,10 @@ class RemoteStore(RunReader, RunWriter):
                 for fd in served[2:]:        # devices 1..: checked, not fenced on
                     os.close(fd)
                 self._fence.served(served[:2])   # this server's (a write in flight keeps the last's)
+                self._connecting = None
         except BaseException:
+            with self._reconnect_lock:   # let go of before the socket is closed
+                self._connecting = None
             s.close()
             raise
         self.server_pid, self.max_run_blocks = server_pid, max_run_blocks
@@ -1504,6 +1516,16 @@ class RemoteStore(RunReader, RunWriter):
             self.closed = True
             self._stop.set()
             s = self._session
+            # A hello the reconnect thread waits on (a hung server, no
+            # timeout=): ended, as the store's own connection is below; it
+            # waited for good, holding the store and a connection open.
+            # (Under the lock: the thread lets go of it under it, before
+            # it closes the socket.)
+            if self._connecting is not None:
+                try:
+                    self._connecting.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         self._inflight.shut()           # later calls raise StoreClosedError
         # A put in flight in another thread (writing, or its commit not yet
         # answered): its connection (the server's pin on its space) and this

@@ -1580,3 +1580,39 @@ def test_a_reconnect_starts_no_server_once_the_store_is_closed(tmp_path, monkeyp
         go.set()
         r.close()
         server.stop()
+
+
+def test_close_ends_a_reconnects_hello_a_hung_server_never_answers(tmp_path, monkeypatch):
+    """reconnect=True, no timeout=: a connection given up on (a
+    contains_nowait past its own timeout) is replaced by the reconnect
+    thread, whose hello the server (hung) never answers.  close() ended
+    the store's own connection under a call that waited, but not the one
+    the thread was saying hello on: the thread waited for good, holding
+    the store and a connection open after close().  close() now ends it."""
+    sock, path, server, r = _served(tmp_path, reconnect=True)
+    hung, in_hello = threading.Event(), threading.Event()
+    real_lookup, real_hello = server._op_lookup, server._op_hello
+
+    def hung_lookup(s, keys):
+        hung.wait(30)
+        return real_lookup(s, keys)
+
+    def hung_hello(s, **kw):
+        in_hello.set()
+        hung.wait(30)
+        return real_hello(s, **kw)
+    try:
+        monkeypatch.setattr(server, "_op_lookup", hung_lookup)
+        monkeypatch.setattr(server, "_op_hello", hung_hello)
+        with pytest.raises(ServerGoneError):
+            r.contains_nowait(run_keys(0, 1)[0], 1.0, timeout=0.2)   # given up on
+        assert in_hello.wait(20)          # the thread's hello: never answered
+        thread = r._reconnector
+        r.close()
+        thread.join(5)
+        assert not thread.is_alive(), "the reconnect thread still waits after close()"
+        assert r.counters["reconnects"] == 0
+    finally:
+        hung.set()
+        r.close()
+        server.stop()
