@@ -159,16 +159,24 @@ class RunReader(RunIO):
                     counts[i] = read[3] if ok else 0
             if whole:
                 self._read_whole_requests(whole, counts)
+            for i, segs in enumerate(pinned):
+                if segs:
+                    counts[i] = self._read_done(segs, counts[i], None)
+                else:
+                    self.counters.add("miss_gets")
         except BaseException:
+            # (a KeyboardInterrupt in the loop above, between two requests'
+            # unpins, too: the requests after it stayed pinned for good)
+            # Each request's pins go once: _unpin releases only what is left
+            # of an answer (nothing of one _read_done released).
             for segs in pinned:
                 if segs:
-                    self._unpin(segs)
+                    try:
+                        self._unpin(segs)
+                    except BaseException:    # cut as it began: again
+                        self._unpin(segs)
+                        raise
             raise
-        for i, segs in enumerate(pinned):
-            if segs:
-                counts[i] = self._read_done(segs, counts[i], None)
-            else:
-                self.counters.add("miss_gets")
         return counts
 
     def _read_tiered_request(self, keys, dst) -> int:
@@ -361,23 +369,37 @@ class RunReader(RunIO):
     def _read(self, keys, dst, only, count_miss: bool = True) -> int:
         """``count_miss``: count a read that finds nothing stored as a
         miss (False: the caller's read returned blocks from elsewhere)."""
-        with self._lock:
-            segs = self._segments(keys)
-        if not segs:
-            if count_miss:
-                self.counters.add("miss_gets")
-            return 0
+        segs = None
         try:
+            with self._lock:
+                segs = self._segments(keys)
+            if not segs:
+                if count_miss:
+                    self.counters.add("miss_gets")
+                return 0
             done = self._read_segs(segs, dst, only)
+            return self._read_done(segs, done, only)
         except BaseException:
-            self._unpin(segs)
+            # (a KeyboardInterrupt as the lock was let go, before the read's
+            # try, too: nothing released the pins).  _unpin releases what is
+            # left of them: nothing twice when _read_done's unpin ran.
+            if segs:
+                try:
+                    self._unpin(segs)
+                except BaseException:    # cut as it began: again
+                    self._unpin(segs)
+                    raise
             raise
-        return self._read_done(segs, done, only)
 
     def _read_done(self, segs, done: int, only) -> int:
         """Unpin a read's segments and count it: ``done`` blocks, or 0 when
         the pins lapsed meanwhile."""
-        if not self._unpin(segs):
+        try:
+            held = self._unpin(segs)
+        except BaseException:
+            self._unpin(segs)      # cut as it began: again (the rest, once)
+            raise
+        if not held:
             # The pins lapsed while the bytes were read: their space may have
             # been reused meanwhile, and unverified reads would not notice.
             self.counters.add("lapsed_pin_gets")

@@ -126,7 +126,16 @@ os.register_at_fork(after_in_child=_fresh_release_lock)
 LOAD_STAGING_KEEP = 128 << 20
 
 
-class PinHandle(list):
+class Segments(list):
+    """``_segments``' answer: (run, position, count, first output block)
+    tuples whose runs are pinned.  ``held``: the runs still pinned, made by
+    the first ``_unpin`` and taken off one by one as their pins drop (a
+    call cut half way, made again, releases only those left)."""
+
+    held: list | None = None
+
+
+class PinHandle(Segments):
     """What :meth:`KVStore.pin` returns: the pinned stretches, released once
     (``host_keys``: the blocks pinned in the DRAM tier, held only there,
     ``host_pins`` the tier's tokens for them;
@@ -1466,12 +1475,27 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._check_open()
         keys = normalize_keys(keys)
         host = self.host      # once: a close() in another thread sets it to None
-        if host is None:
-            with self._lock:
-                handle = PinHandle(self._segments(keys))
-        else:
-            handle = self._pin_tiered(keys, host)
-        handle.store = self
+        # A KeyboardInterrupt before the handle is returned: what it pinned
+        # is released here (else nobody could: the caller has no handle).
+        segs = handle = None
+        try:
+            if host is None:
+                with self._lock:
+                    segs = self._segments(keys)
+                handle = PinHandle(segs)
+            else:
+                handle = self._pin_tiered(keys, host)
+            handle.store = self
+        except BaseException:
+            if handle is not None:
+                self._release_handle(handle, host)
+            elif segs is not None:
+                try:
+                    self._unpin(segs)
+                except BaseException:   # cut as it began: again (releases the rest)
+                    self._unpin(segs)
+                    raise
+            raise
         return handle
 
     def _pin_tiered(self, keys: list[bytes], host: HostTier) -> PinHandle:
@@ -1480,15 +1504,20 @@ class KVStore(Recovery, RunReader, RunWriter):
         blocks held only in DRAM pinned in the tier (else the lease would
         end at the first of them)."""
         handle, host_keys, tokens, pos = PinHandle(), [], [], 0
+        pending = None       # a stretch pinned, not yet in the handle
         try:
             while pos < len(keys):
                 # past the first block held only in DRAM, the keys left are
                 # looked up a window at a time (KeyIndex.segments), not all
                 # of them once per such block (quadratic, under the lock)
                 with self._lock:
-                    segs = self._segments(keys[pos:], windowed=pos > 0)
-                handle.extend((run, p, c, out + pos) for run, p, c, out in segs)
-                pos += sum(c for _, _, c, _ in segs)
+                    pending = self._segments(keys[pos:], windowed=pos > 0)
+                shifted = [(run, p, c, out + pos) for run, p, c, out in pending]
+                n = len(handle)
+                # into the handle and off ``pending`` in one line with no
+                # call in it: a KeyboardInterrupt finds them in one of the two
+                handle[n:n], pending = shifted, None
+                pos += sum(c for _, _, c, _ in shifted)
                 if pos == len(keys):
                     break
                 token = host.pin(keys[pos])
@@ -1497,13 +1526,40 @@ class KVStore(Recovery, RunReader, RunWriter):
                 tokens.append(token)
                 host_keys.append(keys[pos])
                 pos += 1
+            handle.host_keys = tuple(host_keys)
+            handle.host_pins = tuple(tokens)
         except BaseException:
-            self._unpin(handle)
-            host.unpin(tokens)
+            try:
+                if pending is not None:
+                    try:
+                        self._unpin(pending)
+                    except BaseException:   # cut as it began: again
+                        self._unpin(pending)
+                        raise
+            finally:
+                handle.host_pins = ()
+                try:
+                    self._release_handle(handle, host)
+                finally:
+                    host.unpin(tokens)
             raise
-        handle.host_keys = tuple(host_keys)
-        handle.host_pins = tuple(tokens)
         return handle
+
+    def _release_handle(self, handle: PinHandle, host) -> None:
+        """A pin handle's pins, device and DRAM, released (each once: a
+        call cut as it began is made again)."""
+        try:
+            try:
+                self._unpin(handle)
+            except BaseException:   # cut as it began: again (releases the rest)
+                self._unpin(handle)
+                raise
+        finally:
+            # off the handle as they are taken (one line, no call): a call
+            # made again does not release them twice
+            tokens, handle.host_pins = handle.host_pins, ()
+            if tokens and host is not None:
+                host.unpin(tokens)
 
     def unpin(self, pins: list) -> None:
         """Release a handle returned by :meth:`pin` (once: a second release
@@ -1513,21 +1569,28 @@ class KVStore(Recovery, RunReader, RunWriter):
         # Checked and marked under the lock: two threads releasing one
         # handle at once would both find it unreleased and count its
         # regions' pins down twice.
-        with self._lock:
-            if pins.released:
-                raise ConfigError("unpin: this pin handle was released already")
-            if pins.store is not self:
-                # Its runs and regions are another open's: counted down here,
-                # a region's pins would go below 0, and a region whose pins are
-                # not 0 is never evicted or freed again.
-                raise ConfigError("unpin: this pin handle is from another open of the store "
-                                  "(or another store); release it on the store that pin() "
-                                  "gave it, a reopen ends that open's pins")
-            pins.released = True
-        self._unpin(pins)
         host = self.host      # once: a close() in another thread sets it to None
-        if pins.host_pins and host is not None:
-            host.unpin(pins.host_pins)
+        marked = False
+        try:
+            with self._lock:
+                if pins.released:
+                    raise ConfigError("unpin: this pin handle was released already")
+                if pins.store is not self:
+                    # Its runs and regions are another open's: counted down here,
+                    # a region's pins would go below 0, and a region whose pins are
+                    # not 0 is never evicted or freed again.
+                    raise ConfigError("unpin: this pin handle is from another open of the "
+                                      "store (or another store); release it on the store "
+                                      "that pin() gave it, a reopen ends that open's pins")
+                pins.released, marked = True, True     # one line: no call in it
+            self._release_handle(pins, host)
+        except BaseException:
+            # Marked released, the caller can no longer release it: a
+            # KeyboardInterrupt before the release (or as it began) must not
+            # skip it.  Made again, it releases only what is left.
+            if marked:
+                self._release_handle(pins, host)
+            raise
 
     def contains(self, key) -> bool:
         return self.lookup([key]) == 1
@@ -1570,7 +1633,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         prefix of ``keys``; pins the runs' regions.  Under self._lock.
         ``windowed``: see KeyIndex.segments (a caller asking with all the
         keys left, once per stretch)."""
-        segs = self.index.segments(keys, windowed)
+        segs = Segments(self.index.segments(keys, windowed))
         now = time.time()
         pins, taken = self.regions.pins, 0
         try:
@@ -1591,14 +1654,43 @@ class KVStore(Recovery, RunReader, RunWriter):
         return segs
 
     def _unpin(self, segs) -> bool:
-        """Release the pins of a ``_segments`` answer.  True: they were held
+        """Release the pins of a ``_segments`` answer (or of a list of its
+        Segments type made of them: a pin handle).  True: they were held
         all along (a store server's client says False when the server that
-        pinned them went away: what was read may since have been rewritten)."""
-        with self._lock:
-            for run, _, _, _ in segs:
-                run.pins -= 1
-                self.regions.pins[run.region] -= 1
-        self._release_unpinned({run.region for run, _, _, _ in segs})
+        pinned them went away: what was read may since have been rewritten).
+
+        Each run's pins drop once, whatever a KeyboardInterrupt cuts: each
+        run is taken off the answer's record (``held``) in the line its pins
+        drop, with no call in it; cut between two runs (the loop's back
+        jump, where the runs after it stayed pinned for good), the rest
+        drop, then it is raised.  Cut as it began, nothing dropped: the
+        caller calls it again with the same answer (a second call releases
+        what is left, nothing twice)."""
+        interrupted = None
+        while True:
+            try:
+                with self._lock:
+                    held = segs.held
+                    if held is None:
+                        # (cut as the list is made: not set, made again)
+                        held = segs.held = [seg[0] for seg in segs]
+                    pins = self.regions.pins
+                    while held:
+                        run = held[-1]
+                        # dropped and off the record in one line, no call in
+                        # it (as _unpin_writers): cut before it or after it
+                        run.pins, pins[run.region], held[-1:] = \
+                            run.pins - 1, pins[run.region] - 1, ()
+                break
+            except Exception:
+                raise
+            except BaseException as e:    # a KeyboardInterrupt: the rest go
+                interrupted = interrupted or e
+        try:
+            self._release_unpinned({seg[0].region for seg in segs})
+        finally:
+            if interrupted is not None:
+                raise interrupted
         return True
 
     def _pins_hold(self, segs) -> bool:

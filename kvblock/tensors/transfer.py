@@ -343,7 +343,11 @@ def load_blocks(store, keys, layout: CacheLayout, page_ids, *, tp_rank: int = 0,
             raise
         try:
             if job is not None:    # cut before it started: its pins go here
-                store._unpin(job.segs)
+                try:
+                    store._unpin(job.segs)
+                except BaseException:   # cut as it began: again (the rest, once)
+                    store._unpin(job.segs)
+                    raise
         except Exception as e:   # noqa: BLE001  (the load's own error is raised, not this)
             logger.warning("kvblock: releasing the pins of a load that did not start "
                            "failed: %s", e)
@@ -371,26 +375,32 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
         raise ConfigError(f"load: {len(keys)} keys but only {len(page_ids)} page ids")
     page_ids = _check_page_ids(layout, page_ids[:len(keys)], "load")
     job_class = _job_class(store, layout)      # before pinning: it may raise
-    if store.host is None:
-        with store._lock:
-            segs = store._segments(keys)
-        n = sum(c for _, _, c, _ in segs)
-    else:
-        segs, n = _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads)
-    handle = LoadHandle(g.num_layers, n)
-    if not segs:
-        if n == 0:       # nothing stored: a miss, as for the other reads
-            store.counters.add("miss_gets")
-        _count_loaded(store, n, 0, heads)
-        for e in handle._events:
-            e.set()
-        handle._done.set()
-        return handle, None
-    try:
-        return handle, job_class(store, layout, segs, page_ids, g0, ng, h0, heads, handle)
+    segs = None
+    try:        # (a KeyboardInterrupt between the pinning and the job, too)
+        if store.host is None:
+            with store._lock:
+                segs = store._segments(keys)
+            n = sum(c for _, _, c, _ in segs)
+        else:
+            segs, n = _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads)
+        handle = LoadHandle(g.num_layers, n)
+        if segs:
+            return handle, job_class(store, layout, segs, page_ids, g0, ng, h0, heads, handle)
     except BaseException:
-        store._unpin(segs)
+        if segs:
+            try:
+                store._unpin(segs)
+            except BaseException:   # cut as it began: again (the rest, once)
+                store._unpin(segs)
+                raise
         raise
+    if n == 0:       # nothing stored: a miss, as for the other reads
+        store.counters.add("miss_gets")
+    _count_loaded(store, n, 0, heads)
+    for e in handle._events:
+        e.set()
+    handle._done.set()
+    return handle, None
 
 
 def _check_writable(layout) -> None:
@@ -857,6 +867,15 @@ class _LoadJob:
             # held cannot be told: the load fails with it (unless it failed
             # first) and counts nothing.
             held = True
+            # Inline, a Ctrl-C as _unpin began released nothing: made again
+            # (it releases what is left, nothing twice), then raised.
+            try:
+                store._unpin(self.segs)
+            except BaseException as again:   # noqa: BLE001  (the first is what counts)
+                logger.warning("kvblock: releasing the pins of a load again failed: %r",
+                               again)
+            if not isinstance(e, Exception) and cut is None:
+                cut = e
             if error is None:
                 error = e
             else:
@@ -973,7 +992,10 @@ def _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads) -> tuple[list
     """With a DRAM tier: the prefix of ``keys`` as stretches in DRAM (scattered
     now) and stretches on the device (pinned segments, their output positions
     counted from the first key, for the load job); and its length."""
-    segs: list = []
+    from kvblock.store.store import Segments
+
+    segs = Segments()      # (what _unpin takes: it keeps its record on it)
+    found = None           # a stretch pinned, not yet in ``segs``
     pos = 0
     try:
         while pos < len(keys):
@@ -988,13 +1010,22 @@ def _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads) -> tuple[list
                 found = store._segments(keys[pos:], windowed=bool(segs))
             if not found:
                 break
-            segs += [(run, p, c, out + pos) for run, p, c, out in found]
-            stretch = sum(c for _, _, c, _ in found)
+            shifted = [(run, p, c, out + pos) for run, p, c, out in found]
+            n = len(segs)
+            # into ``segs`` and off ``found`` in one line with no call in
+            # it: a KeyboardInterrupt finds the stretch in one of the two
+            segs[n:n], found = shifted, None
+            stretch = sum(c for _, _, c, _ in shifted)
             store.host.missed(stretch - 1)   # the first one's miss: host.get counted it
             pos += stretch
     except BaseException:
-        if segs:
-            store._unpin(segs)
+        for pinned in (found, segs):
+            if pinned:
+                try:
+                    store._unpin(pinned)
+                except BaseException:   # cut as it began: again (the rest, once)
+                    store._unpin(pinned)
+                    raise
         raise
     return segs, pos
 

@@ -240,3 +240,108 @@ def test_a_read_interrupted_at_any_line_of_its_pinning_leaves_no_pin_held(tmp_pa
             assert [r.pins for r in store.index.runs.values()] == [0, 0, 0], cut.fired
         assert len(fired) > 10, fired
         assert store.get_run(keys, out) == 6
+
+
+def _quiet_returns(code) -> set:
+    """Offsets of ``return`` lines of locals and constants (``return segs``,
+    ``return segs, pos``): no KeyboardInterrupt lands there (no call, no
+    backward jump before them), though a line trace stops there."""
+    out, start = set(), None
+    for x in dis.get_instructions(code):
+        if x.starts_line is not None:
+            start = x.offset
+        if x.opname == "RETURN_VALUE" and start is not None:
+            out.add(start)
+        elif x.opname not in ("LOAD_FAST", "LOAD_DEREF", "LOAD_CONST", "BUILD_TUPLE"):
+            start = None
+    return out
+
+
+def _reads_cut_at_every_line(store, functions, read, min_fired=10):
+    """Run ``read()`` under a KeyboardInterrupt at each line of
+    ``functions`` in turn; after each, no region or run is pinned (and
+    none below 0).  Returns where the cuts landed."""
+    from tests.store.test_store import _LineInterrupt
+
+    fired, n = [], 0
+    while True:
+        n += 1
+        cut = _LineInterrupt(functions, n)
+        for code in cut.codes:
+            cut.skip[code] |= _quiet_returns(code)
+        with cut:
+            try:
+                read()
+            except KeyboardInterrupt:
+                pass
+        pins = store.regions.pins
+        assert int(pins.min()) >= 0, (cut.fired, pins)
+        assert int(pins.sum()) == 0, (cut.fired, pins)
+        assert all(r.pins == 0 for r in store.index.runs.values()), (
+            cut.fired, [r.pins for r in store.index.runs.values()])
+        if cut.fired is None:
+            break
+        fired.append(cut.fired)
+    assert len(fired) >= min_fired, fired
+    return fired
+
+
+@pytest.mark.parametrize("call", ["get_run", "get_runs", "pin and unpin",
+                                  "pin and unpin with a DRAM tier"])
+def test_a_read_interrupted_at_any_line_of_its_unpin_releases_each_pin_once(tmp_path, call):
+    """_unpin released a read's runs one after another: a KeyboardInterrupt
+    at its loop's back jump left the runs after it pinned for good (their
+    regions never evicted again), and one as it began (or in a caller
+    between its pinning and its try) skipped the release altogether (the
+    caller counted it done: unpin() had marked its handle released).  Each
+    run's pins now drop exactly once whatever line is cut: _unpin takes
+    each run off the segments' record as its pin drops (a call cut as it
+    began is made again, releasing only what is left)."""
+    from kvblock.store.store import KVStore as Store
+
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(97, 6)
+    tier = call.endswith("tier")
+    with _format([path], **({"host_cache_bytes": 16 * GEOM.block_bytes} if tier else {})
+                 ) as store:
+        for at in range(0, 6, 2):                  # three runs, one read
+            assert store.put_run(keys[at:at + 2], run_data(keys[at:at + 2])) == 2
+        out = np.zeros(6 * GEOM.block_bytes, np.uint8)
+        out2 = np.zeros(4 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 6
+        want, out[:] = out.copy(), 0
+        if call == "get_run":
+            functions = [Store.get_run, Store._read, Store._read_done, Store._unpin]
+
+            def read():
+                store.get_run(keys, out)
+        elif call == "get_runs":
+            functions = [Store.get_runs, Store._read_done, Store._unpin]
+
+            def read():
+                store.get_runs([(keys, out), (keys[2:], out2)])
+        else:
+            functions = [Store.pin, Store.unpin, Store._unpin, Store._release_handle]
+            if tier:
+                functions.append(Store._pin_tiered)
+
+            def read():
+                handle = None
+                try:
+                    handle = store.pin(keys)
+                    store.unpin(handle)
+                except KeyboardInterrupt:
+                    # the caller's own cleanup: a handle it got and did
+                    # not see released is released (once)
+                    if handle is not None and not handle.released:
+                        store.unpin(handle)
+                    raise
+        fired = _reads_cut_at_every_line(store, functions, read)
+        assert any(name == "_unpin" for name, _ in fired), fired
+        if tier:
+            assert any(name == "_pin_tiered" for name, _ in fired), fired
+            assert not store.host.pins, store.host.pins
+        assert store.get_run(keys, out) == 6
+        assert np.array_equal(out, want)
+

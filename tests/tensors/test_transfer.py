@@ -2072,7 +2072,14 @@ def test_a_load_cut_at_any_line_of_its_start_unpins_once_and_ends(path, backgrou
         n += 1
         with KVStore.open([path]) as store:
             real, unpins = store._unpin, []
-            store._unpin = lambda segs: (unpins.append(segs), real(segs))[1]
+
+            def counted(segs, real=real, unpins=unpins):
+                # a call made again after a cut one, with nothing left to
+                # release (``held`` emptied), is no second unpin
+                if getattr(segs, "held", None) != []:
+                    unpins.append(segs)
+                return real(segs)
+            store._unpin = counted
             dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
             handles, before = [], set(threading.enumerate())
             with _LineInterrupt(functions, n) as cut:
@@ -2122,3 +2129,63 @@ def test_an_inline_load_cut_while_it_drops_its_unreadable_runs_still_unpins(path
         assert len(unpins) == 1
         assert store.regions.pins.sum() == 0
         assert store._inflight.calls == 0
+
+
+@pytest.mark.parametrize("tier", [False, True], ids=["device", "with a DRAM tier"])
+def test_an_inline_load_cut_at_any_line_of_its_pinning_or_unpin_unpins_each_run_once(
+        path, tier):
+    """A KeyboardInterrupt at any line of an inline load's pinning
+    (_prepare_load, _load_tiered), of the scatter stage and of the store's
+    _unpin: cut between the pinning and the job's try (_prepare_load's
+    lines after _segments; _load_tiered's between a stretch's pinning and
+    its joining the list), the runs stayed pinned for good; cut in
+    _unpin's loop or as it began, the runs after the cut (or all) did.
+    Each run is unpinned once (none below zero) and the handle ends."""
+    from kvblock.store.store import KVStore as Store
+    from kvblock.tensors import transfer
+    from tests.store.test_interrupt_accounting import _quiet_returns
+    from tests.store.test_store import _LineInterrupt
+
+    src = [rand(2, 8, BS, H, D) for _ in range(L)]
+    a = [f"a{i}".encode() for i in range(4)]
+    kw = {"host_cache_bytes": 8 * geom().block_bytes} if tier else {}
+    with _store(path, geom(), **kw) as store:
+        for i in range(0, 4, 2):        # two runs
+            save_blocks(store, a[i:i + 2], VLLMLayout(src), [i, i + 1])
+        if tier:                        # a DRAM block before each device stretch
+            for k in normalize_keys([a[1], a[3]]):
+                assert store.host.discard(k)
+        functions = [transfer.load_blocks, transfer._prepare_load, transfer._load_tiered,
+                     transfer._LoadJob._scatter_stage, Store._unpin]
+        fired, n = [], 0
+        while True:
+            n += 1
+            dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+            handles, before = [], set(threading.enumerate())
+            cut = _LineInterrupt(functions, n)
+            for code in cut.codes:
+                cut.skip[code] |= _quiet_returns(code)
+            with cut:
+                try:
+                    handles.append(load_blocks(store, a, VLLMLayout(dst), list(range(4)),
+                                               background=False))
+                except KeyboardInterrupt:
+                    pass
+            for t in set(threading.enumerate()) - before:
+                t.join(5)
+                assert not t.is_alive(), (cut.fired, t)
+            assert int(store.regions.pins.min()) >= 0, (cut.fired, store.regions.pins)
+            assert int(store.regions.pins.sum()) == 0, (cut.fired, store.regions.pins)
+            assert all(r.pins == 0 for r in store.index.runs.values()), cut.fired
+            assert store._inflight.calls == 0, cut.fired
+            if cut.fired is None:
+                break
+            fired.append(cut.fired)
+        assert any(name == "_unpin" for name, _ in fired), fired
+        if tier:
+            assert any(name == "_load_tiered" for name, _ in fired), fired
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, a, VLLMLayout(dst), list(range(4))).wait() == 4
+        for s, d in zip(src, dst):
+            assert torch.equal(s[:, :4], d[:, :4])
+
