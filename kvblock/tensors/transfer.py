@@ -827,8 +827,16 @@ class _LoadJob:
                 self.free.put(b)
             # Its reads may still be in flight: the pins hold until they are
             # done, and wait() raises only then (the caller may close next).
-            if self._reader_thread is not None:
-                self._reader_thread.join()
+            # Only a reader that began is waited for: one made but not yet
+            # started (this stage failed at once, in _on_device or
+            # _wait_cuda, while start() was between making its Thread and
+            # starting it) raised RuntimeError from join(), past the unpin
+            # and the handle's end (wait() never returned).  Not begun, it
+            # sees ``abort`` (set above) before its first read, and reads
+            # nothing.
+            reader = self._reader_thread
+            if reader is not None and reader.ident is not None:
+                reader.join()
         # (``error`` stays None otherwise: the stage was given none)
         # Inline (run_inline), this runs in the caller's thread: a Ctrl-C
         # in the steps before the unpin (the re-reads of _read_failed, say)

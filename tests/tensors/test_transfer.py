@@ -2189,3 +2189,54 @@ def test_an_inline_load_cut_at_any_line_of_its_pinning_or_unpin_unpins_each_run_
         for s, d in zip(src, dst):
             assert torch.equal(s[:, :4], d[:, :4])
 
+
+def test_a_load_whose_scatter_fails_before_its_reader_started_still_ends(path, monkeypatch):
+    """start() starts the scatter thread, then makes the reader's Thread
+    and starts it.  A scatter stage that failed at once (an error in
+    _on_device or _wait_cuda) while the caller was between the two joined
+    a reader not yet started: RuntimeError ("cannot join thread before it
+    is started") came out of the stage past the unpin and the handle's
+    end: wait() never returned, the runs stayed pinned and the load's call
+    in flight.  The reader, started later, reads nothing (the load is
+    aborted); the load fails with the stage's error, unpinned once."""
+    from kvblock.tensors import transfer
+
+    with _store(path, geom()) as store:
+        a, unpins = _saved_with_unpins_counted(store, monkeypatch)
+
+        made = threading.Event()
+
+        def wait_cuda_fails(device, event):
+            made.wait(5)          # once the reader's Thread is made
+            raise RuntimeError("CUDA error: an illegal memory access (test)")
+        monkeypatch.setattr(transfer, "_wait_cuda", wait_cuda_fails)
+        real_hold, reads = store._inflight.hold, []
+
+        def hold_after_scatter_ended(token):
+            # the reader's Thread is made, not started: the scatter stage
+            # fails and ends meanwhile
+            made.set()
+            for t in threading.enumerate():
+                if t.name == "kvblock-load-scatter":
+                    t.join(5)
+                    assert not t.is_alive()
+            return real_hold(token)
+        monkeypatch.setattr(store._inflight, "hold", hold_after_scatter_ended)
+        real_read = transfer._LoadJob._read_batch
+
+        def read_batch(self, batch):
+            reads.append(batch)
+            return real_read(self, batch)
+        monkeypatch.setattr(transfer._LoadJob, "_read_batch", read_batch)
+        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        handle = load_blocks(store, a, VLLMLayout(dst), list(range(4)))
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            handle.wait(5)
+        for t in threading.enumerate():
+            if t.name.startswith("kvblock-load"):
+                t.join(5)
+                assert not t.is_alive(), t
+        assert len(unpins) == 1
+        assert reads == []
+        assert int(store.regions.pins.sum()) == 0
+        assert store._inflight.calls == 0
