@@ -834,12 +834,14 @@ class RemoteStore(RunReader, RunWriter):
         # every run checked to fit before anything changes, as KVStore's
         unchecked = self._check_runs_fit(items, found)
 
-        def admit(keys, whole):
+        def admit(keys, whole, offers):
             # a declined run is counted (here and on the server) once the
             # plan stands: _count_rejected
             verdict, _ = self._admit(keys, count=False)
             if verdict == "duplicate":
                 self.counters.add("put_duplicate_runs")
+            else:     # (the server counted it: given back if nothing is stored)
+                offers.append((keys[0], verdict != "rejected"))
             return verdict
         out, pieces, repeats, admitted = self._plan_puts(items, found, admit, unchecked)
         # The groups go to the admits' server (see _put: a reconnect between

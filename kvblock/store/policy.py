@@ -26,13 +26,29 @@ class Admission:
         self.table_size = table_size
         self._offers: OrderedDict[bytes, int] = OrderedDict()
 
-    def admit(self, key: bytes) -> bool:
+    def admit(self, key: bytes, record: list | None = None) -> bool:
+        """Count an offer of the run whose first key is ``key``; whether it
+        is admitted (to be written).  ``record``: a list the offer is added
+        to, (key, admitted), in the same step as it is counted (one line
+        with no call in it): a KeyboardInterrupt landing as this returns
+        (or in a caller before it could note the offer) finds it noted, for
+        :meth:`give_back` to undo if the put stores nothing."""
+        into = [] if record is None else record
+        n = len(into)
         if self.admit_after == 1:
+            into[n:n] = ((key, True),)        # (give_back: nothing to undo)
             return True
-        count = self._offers.pop(key, 0) + 1
+        count = self._offers.get(key, 0) + 1
         if count >= self.admit_after:
+            # Noted first, then used up: cut between the two, giving it back
+            # sets the count it had (admit_after - 1, the only count that
+            # admits on the next offer) again.
+            into[n:n] = ((key, True),)
+            del self._offers[key]
             return True
-        self._offers[key] = count
+        # counted and noted in one line, no call in it
+        self._offers[key], into[n:n] = count, ((key, False),)
+        self._offers.move_to_end(key)
         if len(self._offers) > self.table_size:
             self._offers.popitem(last=False)
         return False

@@ -835,12 +835,14 @@ class KVStore(Recovery, RunReader, RunWriter):
         # every run checked before anything changes
         unchecked = self._check_runs_fit(items, found)
 
-        def admit(keys, whole):
+        def admit(keys, whole, offers):
             if whole:
                 self.counters.add("put_duplicate_runs")
                 return "duplicate"
             with self._lock:          # its offer counts: two puts at once lose none
-                admitted = self.admission.admit(keys[0])
+                # noted in ``offers`` as it is counted: a KeyboardInterrupt
+                # as the lock is let go finds it there to be given back
+                admitted = self.admission.admit(keys[0], offers)
             return "ok" if admitted else "rejected"    # counted by _plan_puts
         out, pieces, repeats, admitted = self._plan_puts(items, found, admit, unchecked)
         # The regions this call's writes hold pinned (writer pins), each

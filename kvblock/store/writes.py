@@ -203,8 +203,10 @@ class RunWriter(RunIO):
         """put_runs' runs (keys, blocks) as pieces to write, as if put one
         call after another: a run that the store (``found``: per key of every
         item, in order) and the call's earlier runs hold whole is a
-        duplicate, written by none.  ``admit(keys, whole)`` answers for the
-        others ("ok", "duplicate" or "rejected"; a duplicate counted there,
+        duplicate, written by none.  ``admit(keys, whole, offers)`` answers for
+        the others ("ok", "duplicate" or "rejected"; a duplicate counted there,
+        an offer it counts added to ``offers`` as (first key, admitted) in
+        the step that counts it,
         a declined run counted here once the plan stands (_count_rejected):
         a counter a refused call had counted and taken off again fell, which
         Prometheus reads as a reset; ``whole``: the store holds every key).
@@ -233,11 +235,13 @@ class RunWriter(RunIO):
                     out[i] = n
                     repeats[i] = {taken[k] for k, h in zip(keys, held) if not h}
                     continue
-                verdict = admit(keys, whole)
+                # (the offer goes into ``offers`` as admit counts it: a
+                # KeyboardInterrupt as admit returned, noted here after it,
+                # left a counted offer never given back)
+                verdict = admit(keys, whole, offers)
                 if verdict == "duplicate":
                     out[i] = n
                     continue
-                offers.append((keys[0], verdict != "rejected"))
                 if verdict == "rejected":
                     continue
                 if i in unchecked:        # none of it written yet: refused whole

@@ -35,8 +35,8 @@ class CountingAdmission(Admission):
         self.admitted = self.given_back = self.calls = 0
         self.cut_after = set(cut_after)
 
-    def admit(self, key):
-        ok = super().admit(key)
+    def admit(self, key, record=None):
+        ok = super().admit(key) if record is None else super().admit(key, record)
         self.admitted += ok
         return ok
 
@@ -345,3 +345,39 @@ def test_a_read_interrupted_at_any_line_of_its_unpin_releases_each_pin_once(tmp_
         assert store.get_run(keys, out) == 6
         assert np.array_equal(out, want)
 
+
+class CutAfterAdmit(Admission):
+    """Admission whose admit raises KeyboardInterrupt once it has counted
+    the offer (a Ctrl-C as the store's ``with self._lock`` around it exits)."""
+
+    def admit(self, key, record=None):
+        if record is None:
+            super().admit(key)
+        else:
+            super().admit(key, record)
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("offer", ["declined", "admitted"])
+def test_a_put_runs_cut_as_admit_returns_gives_that_offer_back(tmp_path, offer):
+    """_plan_puts recorded an offer (to give it back if the call stored
+    nothing) only once admit had returned: a KeyboardInterrupt landing as
+    admission's count was made (the store's lock let go) skipped the
+    record, and the offer stayed counted for good (declined: one offer
+    less to go for that run; admitted: its count used up, its next offer
+    declined again).  The count and the record are one step: the offer
+    is given back, admission as before the call."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(98, 2)
+    with _format([path], admit_after=2) as store:
+        if offer == "admitted":
+            assert store.put_run(keys, run_data(keys)) == 0    # its first offer
+        before = dict(store.admission._offers)
+        cutting = CutAfterAdmit(2)
+        cutting._offers = store.admission._offers
+        store.admission = cutting
+        with pytest.raises(KeyboardInterrupt):
+            store.put_runs([(keys, run_data(keys))])
+        assert dict(cutting._offers) == before
+        assert store.lookup(keys) == 0
