@@ -551,7 +551,10 @@ class Device:
     busy_timeout : seconds to keep retrying an exclusive open that finds the
         device busy.  A process that was just killed releases its claim only
         when the kernel finishes tearing down its io_uring, a moment later;
-        a restarted server should not fail on that.
+        a restarted server should not fail on that.  A file lock that no
+        process is seen holding (no open descriptor names the file) is
+        waited for ORPHANED_LOCK_WAIT_S longer: such a teardown takes
+        seconds on a loaded machine.
     """
 
     def __init__(self, path: str | os.PathLike, *, writable: bool = True,
@@ -643,8 +646,7 @@ class Device:
         try:
             if exclusive and self.kind == "file":
                 try:
-                    _retry_busy(lambda: fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB),
-                                busy_timeout)
+                    _flock_waiting(self.fd, fcntl.LOCK_EX, self.path, busy_timeout)
                 except BlockingIOError:
                     raise DeviceBusyError(
                         f"{self.path}: file is locked by another kvblock store"
@@ -746,7 +748,7 @@ class Device:
                 return      # deleted or out of reach: nothing else can open it by name
             lock = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
             try:
-                _retry_busy(lambda: fcntl.flock(fd, lock | fcntl.LOCK_NB), busy_timeout)
+                _flock_waiting(fd, lock, backing, busy_timeout)
             except BaseException as e:
                 # Not yet in _backing_fds, which __init__ closes on failure:
                 # a Ctrl-C in the wait (or any error) would leak it, and with
@@ -1071,6 +1073,39 @@ def _retry_busy(attempt, timeout: float):
             if e.errno not in (errno.EBUSY, errno.EWOULDBLOCK) or time.monotonic() >= deadline:
                 raise
             time.sleep(0.01)
+
+
+# A process killed with a store open lets go of its file's lock only once
+# the kernel has torn down its io_uring (the ring holds the file), which it
+# finishes after the process is reaped: a moment, seconds on a loaded
+# machine.  A lock that no process is seen holding (no open file names the
+# path, this process's own included) is waited for this much longer.
+ORPHANED_LOCK_WAIT_S = 10.0
+
+
+def _flock_waiting(fd: int, op: int, path: str, busy_timeout: float) -> None:
+    """flock(fd, op), retried for ``busy_timeout`` while another open file
+    holds the lock; then, where none is seen open on ``path`` (the lock of a
+    process just killed, still going), for ORPHANED_LOCK_WAIT_S more.
+    BlockingIOError when it is still held."""
+    attempt = lambda: fcntl.flock(fd, op | fcntl.LOCK_NB)   # noqa: E731
+    try:
+        _retry_busy(attempt, busy_timeout)
+    except BlockingIOError:
+        if holders(path) or _open_here(path, fd):
+            raise
+        logger.info("kvblock: %s is locked, but no process has it open: waiting up to %g s "
+                    "for a process just killed to let go of it", path, ORPHANED_LOCK_WAIT_S)
+        _retry_busy(attempt, ORPHANED_LOCK_WAIT_S)
+
+
+def _open_here(path: str, fd: int) -> bool:
+    """Whether this process has ``path`` open on a descriptor other than
+    ``fd`` (another store of its own holds the lock: nothing to wait for)."""
+    ident = _identity(path)
+    return ident is not None and any(
+        int(other) != fd and _identity(f"/proc/self/fd/{other}") == ident
+        for other in _listdir("/proc/self/fd"))
 
 
 @functools.cache

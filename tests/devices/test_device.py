@@ -6,6 +6,7 @@ import os
 import socket
 import stat
 import subprocess
+import time
 
 import numpy as np
 import pytest
@@ -1354,3 +1355,54 @@ def test_new_file_under_a_file_keeps_its_error_not_the_cleanups(tmp_path):
         new_file(tmp_path / "plain" / "kv.img", MIB)
     assert e.value.errno == errno.ENOTDIR
     assert (tmp_path / "plain").read_bytes() == b"x"
+
+
+def test_a_lock_no_process_is_seen_holding_is_waited_for_past_busy_timeout(file_target):
+    """A process killed with a store open lets go of its file's flock only
+    once the kernel has torn down its io_uring, after the process is reaped
+    (seconds on a loaded machine: a store reopened after a SIGKILL was
+    refused, 'locked by another kvblock store' naming nobody).  Such a lock,
+    held by an open file no process has a descriptor of (here: a mapping of
+    it, its descriptor closed), is waited for past busy_timeout; one a
+    process is seen holding is not."""
+    import ctypes
+    import fcntl
+    import mmap
+    import threading
+
+    path = file_target(1 * MIB)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDWR)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    # a mapping holds the open file (and its lock) past the close, with no
+    # descriptor anywhere (Python's mmap keeps a dup: libc's here)
+    addr = libc.mmap(None, MIB, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    os.close(fd)
+    unmapped = []
+
+    def unmap():
+        if not unmapped:
+            unmapped.append(libc.munmap(addr, MIB))
+
+    let_go = threading.Timer(1.0, unmap)
+    let_go.start()
+    try:
+        t0 = time.monotonic()
+        with Device(path, busy_timeout=0.2):
+            waited = time.monotonic() - t0
+        assert waited >= 0.9, waited         # (it waited for the lock, not past it)
+    finally:
+        let_go.cancel()
+        let_go.join()
+        unmap()
+    # held by an open descriptor of this process (another store here): no wait
+    with Device(path):
+        t0 = time.monotonic()
+        with pytest.raises(DeviceBusyError, match="locked by another kvblock store"):
+            Device(path, busy_timeout=0.2)
+        assert time.monotonic() - t0 < 5
