@@ -601,20 +601,25 @@ def _store_file(tmp_path, size=8 * MIB):
 
 
 @pytest.mark.parametrize("op", ["read", "write"])
-def test_an_abandoned_connection_keeps_its_pins_until_its_io_is_done(tmp_path, sock, op):
+def test_an_abandoned_connection_keeps_its_pins_until_its_io_is_done(tmp_path, sock, op,
+                                                                    monkeypatch):
     """One thread's call times out (a slow server: here a slow checkpoint),
     so the connection is abandoned; another thread of the same process is
     in the middle of a read or write under a pin.  The pins must hold until
     that I/O is done: were they dropped at once, another rank could evict
     and rewrite the region under the read (wrong bytes) or have its own run
-    overwritten by the late write."""
+    overwritten by the late write.  (The checkpoint is answered once the
+    client has given up, and only its answer has the short timeout=: no
+    race with a loaded machine.)"""
     import threading
+
+    from tests.support.timeouts import GENEROUS_S, hold_checkpoint, short_timeout_on
 
     path = _store_file(tmp_path)
     with serve_in_background([path], sock) as server:
-        real_checkpoint = server.store.checkpoint
-        server.store.checkpoint = lambda: (time.sleep(1.0), real_checkpoint())[1]
-        a, b = RemoteStore(sock, timeout=0.3), RemoteStore(sock)
+        let_go = hold_checkpoint(server)    # until the client has given up on it
+        short_timeout_on(monkeypatch, {"checkpoint"}, 0.3)
+        a, b = RemoteStore(sock, timeout=GENEROUS_S), RemoteStore(sock)
         try:
             mine = run_keys(1, 3)
             if op == "read":
@@ -655,7 +660,7 @@ def test_an_abandoned_connection_keeps_its_pins_until_its_io_is_done(tmp_path, s
             assert in_io.wait(20)
             with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
                 a.checkpoint()
-            time.sleep(1.5)                 # the server has finished the slow request
+            let_go()                        # the server has finished the slow request
             assert server.client_count() == 2 and server.store.regions.pins.sum() == 1
             b.evict(all=True)               # cannot take the pinned region
             for i in range(200, 200 + 4 * server.store.regions.count):
@@ -676,6 +681,7 @@ def test_an_abandoned_connection_keeps_its_pins_until_its_io_is_done(tmp_path, s
                 if b.get_run(keys, got) == 3:
                     assert np.array_equal(got, run_data(keys)), f"run {i} overwritten"
         finally:
+            let_go(wait=False)
             a.close()
             b.close()
 
@@ -723,18 +729,69 @@ def test_server_edge_cases(tmp_path, sock, monkeypatch):
             r.close()
 
 
-def test_idle_exit_counts_short_connections(tmp_path, sock):
+class _AcceptLoopClock:
+    """The server module's clock, moved on by the test only (a loaded
+    machine's scheduling then makes no connection late, nor any check
+    early); counts the accept loop's reads of it, so that a test can wait
+    for the loop to have looked at the idle time again."""
+
+    def __init__(self):
+        self.now, self.reads = 1000.0, 0
+        self._lock = threading.Condition()
+
+    def monotonic(self) -> float:
+        with self._lock:
+            if threading.current_thread().name == "kvblock-serve":
+                self.reads += 1
+                self._lock.notify_all()
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            self.now += seconds
+
+    def wait_reads(self, n: int, stopped: threading.Event, timeout: float = 30.0) -> None:
+        """Until the accept loop has read the clock ``n`` more times (or
+        the server has stopped: its loop reads it no more)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            target = self.reads + n
+            while self.reads < target and not stopped.is_set():
+                assert time.monotonic() < deadline, "the accept loop did not look at the clock"
+                self._lock.wait(0.05)
+
+    def __getattr__(self, name):       # time.sleep, time.time: the real ones
+        return getattr(time, name)
+
+
+def test_idle_exit_counts_short_connections(tmp_path, sock, monkeypatch):
     """--idle-exit: a server used by short connections (opened and closed
-    between two of its checks) is not idle."""
+    between two of its checks) is not idle.  On the server's own clock
+    (moved by the test: no sleep races a loaded machine): 8 connections
+    0.3 s apart, 2.4 s in all with idle_exit=1, each followed by a full
+    idle check of the accept loop; then 1 s of no connection stops it."""
+    from kvblock.store import server as server_mod
+
+    clock = _AcceptLoopClock()
+    monkeypatch.setattr(server_mod, "time", clock)
+    monkeypatch.setattr(server_mod, "ACCEPT_POLL", 0.02)
     path = _store_file(tmp_path)
     server = serve_in_background([path], sock, idle_exit=1.0)
     try:
-        for _ in range(8):                 # 2.4 s of connections 0.3 s apart
+        for n in range(1, 9):
+            clock.advance(0.3)
             with RemoteStore(sock) as r:
                 r.lookup(run_keys(0, 1))
-            time.sleep(0.3)
-        assert not server.stopped.is_set()
-        assert server.stopped.wait(10)     # then idle: it stops
+            deadline = time.monotonic() + 30
+            while server.connections_total < n or server._sessions:   # its end seen
+                assert time.monotonic() < deadline, "the connection did not end"
+                time.sleep(0.01)
+            # two more reads: at least one whole check (sessions looked at,
+            # then the clock) began after the connection ended
+            clock.wait_reads(2, server.stopped)
+            assert not server.stopped.is_set(), f"stopped as idle after {n * 0.3:.1f} s"
+        clock.advance(1.0)
+        assert server.stopped.wait(30)     # then idle: it stops
     finally:
         server.stop()
 

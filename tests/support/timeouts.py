@@ -1,0 +1,69 @@
+"""A short client timeout= on the one call a test means to time out.
+
+A RemoteStore made with ``timeout=0.3`` puts every call under it: on a
+loaded machine (CI: xdist on two cores beside other runs) any of the
+test's ordinary calls (a put, a lookup, a reconnect's hello) can take
+longer and be abandoned, failing the test where nothing is wrong.  Make
+the store with a generous timeout= and give the short one only to the
+answers that are meant to be late (the server holds those until the
+test lets them go: an event, not a sleep racing the timeout)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from kvblock.store.client import RemoteStore
+
+# a RemoteStore's own timeout= in these tests: no ordinary call waits this long
+GENEROUS_S = 60.0
+
+
+def short_timeout_on(monkeypatch, ops, seconds: float,
+                     when: Callable[[], bool] = lambda: True) -> None:
+    """Every RemoteStore's calls of one of ``ops`` wait ``seconds`` at most
+    for their answer (as with ``timeout=seconds``), while ``when()``;
+    every other call keeps the store's own timeout=."""
+    ops = frozenset(ops)
+    real = RemoteStore._call_locked
+
+    def call_locked(self, s, op, args, timeout=None):
+        if op in ops and when():
+            timeout = seconds if timeout is None else min(timeout, seconds)
+        return real(self, s, op, args, timeout=timeout)
+    monkeypatch.setattr(RemoteStore, "_call_locked", call_locked)
+
+
+def hold_checkpoint(server, hold_s: float = 60.0) -> Callable[..., None]:
+    """The served store's checkpoint() (a slow server, for a call meant to
+    time out) waits until the returned ``let_go()``: called once the client
+    has given up, it lets the checkpoint go on and, unless ``wait=False``,
+    waits until the server has answered it (the call returned, no session
+    busy), as a sleep longer than the timeout meant to, without racing a
+    loaded machine.  Checkpoints after ``let_go()`` are not held."""
+    real = server.store.checkpoint
+    go, entered, done = threading.Event(), threading.Event(), threading.Event()
+
+    def held():
+        if not go.is_set():
+            entered.set()
+            go.wait(hold_s)
+        try:
+            return real()
+        finally:
+            if entered.is_set():
+                done.set()
+    server.store.checkpoint = held
+
+    def let_go(wait: bool = True) -> None:
+        go.set()
+        if not wait:
+            return
+        assert entered.is_set(), "no checkpoint was held"
+        assert done.wait(20), "the held checkpoint did not return"
+        deadline = time.monotonic() + 20
+        while any(s.busy for s in list(server._sessions.values())):
+            assert time.monotonic() < deadline, "the held checkpoint was not answered"
+            time.sleep(0.01)
+    return let_go
