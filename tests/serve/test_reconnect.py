@@ -21,6 +21,7 @@ from kvblock.store.server import serve_in_background
 from tests.serve.test_serve import _kill_servers_of, _store_file
 from tests.store.workload import run_data, run_keys
 from tests.support.servers import exit_code_in_child, wait_reconnected
+from tests.support.timeouts import GENEROUS_S, hold_checkpoint, short_timeout_on
 
 
 def _served(tmp_path, **client):
@@ -1365,25 +1366,32 @@ def test_a_restart_between_a_puts_admit_and_its_write_fails_it_and_gives_back_no
 
 @pytest.mark.parametrize("many", [False, True])
 def test_an_offer_of_a_put_abandoned_after_a_timeout_is_given_back_once_reconnected(
-        tmp_path, many):
+        tmp_path, many, monkeypatch):
     """A put admitted by a live server whose allocation is not answered in
     time (timeout=): its connection is abandoned, and the offer it gives
     back went to that connection, refused there: the server's admission
     kept the offer used up, so after the reconnect (to the same server)
     the key's next offer was declined again (admit_after=2: a third
     offer to store it).  The offer is given back to that server once a
-    new connection reaches it."""
+    new connection reaches it.  (No race with a loaded machine: the
+    allocation waits until the test lets it go, after the last put, so
+    the abandoned connection cannot end on the server first and give the
+    offer back there; only the allocation's answer has the short
+    timeout=, every other call a generous one.)"""
     sock = str(tmp_path / "kv.sock")
     path = _store_file(tmp_path)
     server = serve_in_background([path], sock, admit_after=2)
     real, hang = server._op_allocate, threading.Event()
+    entered, release = threading.Event(), threading.Event()
 
     def slow_allocate(s, **kw):
         if hang.is_set():
-            time.sleep(1.5)
+            entered.set()
+            release.wait(60)
         return real(s, **kw)
     server._op_allocate = slow_allocate
-    r = RemoteStore(sock, reconnect=True, timeout=0.5)
+    short_timeout_on(monkeypatch, {"allocate"}, 0.5, when=hang.is_set)   # the hung answer
+    r = RemoteStore(sock, reconnect=True, timeout=GENEROUS_S)
     try:
         a, b = run_keys(1, 2), run_keys(2, 2)
 
@@ -1393,11 +1401,12 @@ def test_an_offer_of_a_put_abandoned_after_a_timeout_is_given_back_once_reconnec
             return r.put_run(a, run_data(a))
         assert put() == 0                        # the first offers: declined
         hang.set()
-        with pytest.raises(ServerGoneError):
+        with pytest.raises(ServerGoneError, match="allocate"):
             put()                                # admitted, then abandoned
         hang.clear()
+        assert entered.is_set()                  # (its allocation was what timed out)
         old = r._session
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while r._session is old or not r.server_alive:
             with contextlib.suppress(ServerGoneError):
                 r.lookup([bytes(16)])
@@ -1406,13 +1415,15 @@ def test_an_offer_of_a_put_abandoned_after_a_timeout_is_given_back_once_reconnec
         assert r.server_pid == os.getpid()       # the same server
         assert put() == 2                        # admitted: the offer came back
     finally:
+        release.set()
         r.close()
         server.stop()
 
 
 @pytest.mark.parametrize("many", [False, True])
 @pytest.mark.parametrize("where", ["written", "allocated"])
-def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, many, where):
+def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, many, where,
+                                                                     monkeypatch):
     """A put in flight when another thread's call on the same RemoteStore
     timed out (timeout=): the connection that allocated its space was given
     up, so its commit could not go out.  It raised ServerGoneError saying
@@ -1430,9 +1441,11 @@ def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, 
     sock = str(tmp_path / "kv.sock")
     path = _store_file(tmp_path)
     with serve_in_background([path], sock, admit_after=2) as server:
-        real_checkpoint = server.store.checkpoint
-        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
-        r = RemoteStore(sock, timeout=0.3, reconnect=True)
+        # answered once the client has given up on it; only its answer has
+        # the short timeout= (no call races a loaded machine)
+        let_go = hold_checkpoint(server)
+        short_timeout_on(monkeypatch, {"checkpoint"}, 0.3)
+        r = RemoteStore(sock, timeout=GENEROUS_S, reconnect=True)
         try:
             a, b = run_keys(1, 2), run_keys(2, 2)
 
@@ -1465,6 +1478,7 @@ def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, 
             assert reached.wait(20)
             with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
                 r.checkpoint()
+            let_go()
             go.set()
             box["thread"].join(20)
             err = box.get("error")
@@ -1485,13 +1499,14 @@ def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, 
             assert r.lookup(a) == 2
             assert server.store.counters["put_runs"] == (2 if many else 1)
         finally:
+            let_go(wait=False)
             r.close()
 
 
 
 @pytest.mark.parametrize("many", [False, True])
 def test_an_offer_of_a_put_abandoned_without_reconnect_is_given_back_by_the_server(
-        tmp_path, many):
+        tmp_path, many, monkeypatch):
     """reconnect=False: a put admitted by a live server whose allocation is
     not answered in time (timeout=) fails (its connection abandoned), and
     the offer it gives back is refused there.  The owed-offers path only
@@ -1517,10 +1532,11 @@ def test_an_offer_of_a_put_abandoned_without_reconnect_is_given_back_by_the_serv
             if many:
                 return r.put_runs([(a, run_data(a)), (b, run_data(b))])[0]
             return r.put_run(a, run_data(a))
-        with RemoteStore(sock, timeout=0.3) as r:
+        short_timeout_on(monkeypatch, {"allocate"}, 0.3, when=hold.is_set)   # the held answer
+        with RemoteStore(sock, timeout=GENEROUS_S) as r:
             assert put(r) == 0                    # the first offers: declined
             hold.set()
-            with pytest.raises(ServerGoneError):
+            with pytest.raises(ServerGoneError, match="allocate"):
                 put(r)                            # admitted, then abandoned
             hold.clear()
             release.set()
