@@ -21,6 +21,7 @@ from tests.serve.test_serve import _store_file
 from tests.serve.test_write_fence import _allocations, _in_thread, _release_fenced_writer, _Stall
 from tests.store.workload import run_data, run_keys
 from tests.support.servers import stop_process, stop_server
+from tests.support.timeouts import GENEROUS_S, hold_checkpoint, short_timeout_on
 
 # Pings go every LEASE/4: a lease of 0.5 s could expire a live session whose process
 # stalled ~0.4 s (two test processes and a loop device on two cores).
@@ -312,7 +313,7 @@ def test_a_quiet_rank_is_dropped_whatever_its_descriptor_number(tmp_path):
         server.stop()
 
 
-def test_a_read_on_an_abandoned_connection_past_descriptor_1023_is_no_miss(tmp_path):
+def test_a_read_on_an_abandoned_connection_past_descriptor_1023_is_no_miss(tmp_path, monkeypatch):
     """A connection abandoned after a timeout while a read holds pins on it
     (the server lives, the pins hold): the read's bytes count.  Whether the
     server's end closed was asked with select(), which fails past
@@ -321,13 +322,13 @@ def test_a_read_on_an_abandoned_connection_past_descriptor_1023_is_no_miss(tmp_p
 
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     server = serve_in_background([path], sock)
-    real_checkpoint = server.store.checkpoint
-    server.store.checkpoint = lambda: (time.sleep(1.0), real_checkpoint())[1]
+    let_go = hold_checkpoint(server)      # answered once the client gave up
+    short_timeout_on(monkeypatch, {"checkpoint"}, 0.3)
     filler = []
     try:
         while not filler or filler[-1] < 1100:       # the next ones are past 1024
             filler.append(os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC))
-        a = RemoteStore(sock, timeout=0.3)
+        a = RemoteStore(sock, timeout=GENEROUS_S)
         try:
             ka = run_keys(1, 2)
             a.put_run(ka, run_data(ka))
@@ -349,12 +350,14 @@ def test_a_read_on_an_abandoned_connection_past_descriptor_1023_is_no_miss(tmp_p
                 pass
             else:
                 raise AssertionError("the checkpoint did not time out")
+            let_go()
             go.set()
             box["thread"].join(20)
             assert box.get("out") == 2, box
             assert np.array_equal(out, run_data(ka).reshape(-1).view(np.uint8))
             assert a.counters["lapsed_pin_gets"] == 0
         finally:
+            let_go(wait=False)
             a.close()
     finally:
         for fd in filler:
@@ -431,7 +434,7 @@ def test_a_client_holding_no_pins_is_not_dropped_for_a_slow_read(tmp_path):
             raw.close()
 
 
-def test_close_releases_the_pins_of_an_abandoned_connection(tmp_path):
+def test_close_releases_the_pins_of_an_abandoned_connection(tmp_path, monkeypatch):
     """A call timed out (a slow server), so the connection holding a pin
     the caller took was abandoned: it stays open while the pin is held
     (I/O may be under it).  close() then closed only the connection calls
@@ -441,17 +444,19 @@ def test_close_releases_the_pins_of_an_abandoned_connection(tmp_path):
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     keys = run_keys(1, 2)
     with serve_in_background([path], sock, pin_lease=0) as server:
-        real_checkpoint = server.store.checkpoint
-        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
-        r = RemoteStore(sock, timeout=0.2, reconnect=True)
+        let_go = hold_checkpoint(server)      # answered once the client gave up
+        short_timeout_on(monkeypatch, {"checkpoint"}, 0.2)
+        r = RemoteStore(sock, timeout=GENEROUS_S, reconnect=True)
         try:
             r.put_run(keys, run_data(keys))
             pin = r.pin(keys)                 # the caller never unpins
             with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
                 r.checkpoint()
+            let_go()
             _until(lambda: r.counters["reconnects"] == 1)
             assert r.lookup(keys) == 2        # the new connection serves
         finally:
+            let_go(wait=False)
             r.close()
         _until(lambda: server.client_count() == 0, timeout=5.0)
         assert server.store.regions.pins.sum() == 0
@@ -483,7 +488,7 @@ def test_a_put_that_close_waits_for_keeps_its_lease(tmp_path):
 
 
 @pytest.mark.parametrize("reconnect", [True, False])
-def test_the_pins_of_an_abandoned_connection_outlive_the_lease(tmp_path, reconnect):
+def test_the_pins_of_an_abandoned_connection_outlive_the_lease(tmp_path, reconnect, monkeypatch):
     """A call timed out (a slow server), so the connection holding a pin the
     caller still holds was abandoned: it stays open while the pin is held,
     and the server lives, so the pin must hold.  The heartbeat pinged only
@@ -493,14 +498,15 @@ def test_the_pins_of_an_abandoned_connection_outlive_the_lease(tmp_path, reconne
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     keys = run_keys(1, 2)
     with serve_in_background([path], sock, pin_lease=LEASE) as server:
-        real_checkpoint = server.store.checkpoint
-        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
-        r = RemoteStore(sock, timeout=0.3, reconnect=reconnect)
+        let_go = hold_checkpoint(server)      # answered once the client gave up
+        short_timeout_on(monkeypatch, {"checkpoint"}, 0.3)
+        r = RemoteStore(sock, timeout=GENEROUS_S, reconnect=reconnect)
         try:
             r.put_run(keys, run_data(keys))
             pin = r.pin(keys)                 # the caller holds it on
             with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
                 r.checkpoint()
+            let_go()
             if reconnect:
                 _until(lambda: r.counters["reconnects"] == 1)
             time.sleep(3 * LEASE)
@@ -514,10 +520,11 @@ def test_the_pins_of_an_abandoned_connection_outlive_the_lease(tmp_path, reconne
             _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
             assert server.expired_sessions == 0
         finally:
+            let_go(wait=False)
             r.close()
 
 
-def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path):
+def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path, monkeypatch):
     """A read's segments answered (the server pinned its runs) and, before
     the reader counted the pin on its connection, another thread's call
     timed out: the connection, holding no pin by its count, was closed at
@@ -529,9 +536,9 @@ def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path)
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     keys = run_keys(1, 2)
     with serve_in_background([path], sock, pin_lease=0) as server:
-        real_checkpoint = server.store.checkpoint
-        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
-        r = RemoteStore(sock, timeout=0.3)
+        let_go = hold_checkpoint(server)      # answered once the client gave up
+        short_timeout_on(monkeypatch, {"checkpoint"}, 0.3)
+        r = RemoteStore(sock, timeout=GENEROUS_S)
         try:
             r.put_run(keys, run_data(keys))
             answered, go = threading.Event(), threading.Event()
@@ -547,6 +554,7 @@ def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path)
             assert answered.wait(20)
             with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
                 r.checkpoint()
+            let_go()
             assert server.store.regions.pins.sum() == 1, "the read's pin was released"
             go.set()
             box["thread"].join(20)
@@ -555,10 +563,12 @@ def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path)
             assert r.counters["lapsed_pin_gets"] == 0
             _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
         finally:
+            let_go(wait=False)
             r.close()
 
 
-def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(tmp_path):
+def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(tmp_path,
+                                                                              monkeypatch):
     """close() waits (up to 30 s) for the reads in flight before it lets go
     of the connections abandoned after a timeout (their pins are under
     those reads), but it stopped the heartbeat first: with a lease shorter
@@ -571,9 +581,9 @@ def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(t
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     keys = run_keys(1, 2)
     with serve_in_background([path], sock, pin_lease=LEASE) as server:
-        real_checkpoint = server.store.checkpoint
-        server.store.checkpoint = lambda: (time.sleep(0.6), real_checkpoint())[1]
-        r = RemoteStore(sock, timeout=0.3, reconnect=True)
+        let_go = hold_checkpoint(server)      # answered once the client gave up
+        short_timeout_on(monkeypatch, {"checkpoint"}, 0.3)
+        r = RemoteStore(sock, timeout=GENEROUS_S, reconnect=True)
         reached, go = _wait_in(r, "_segments")          # pinned, read next
         try:
             r.put_run(keys, run_data(keys))
@@ -582,6 +592,7 @@ def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(t
             assert reached.wait(20)
             with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
                 r.checkpoint()                           # its connection: abandoned
+            let_go()
             # (replaced: close() ends the connection calls go to at once, and the
             # reads on it turn into misses, as a rank closed during a read)
             _until(lambda: r.counters["reconnects"] == 1)
@@ -600,5 +611,6 @@ def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(t
             assert r.counters["lapsed_pin_gets"] == 0
             _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
         finally:
+            let_go(wait=False)
             go.set()
             r.close()
