@@ -138,7 +138,8 @@ class Segments(list):
 class PinHandle(Segments):
     """What :meth:`KVStore.pin` returns: the pinned stretches, released once
     (``host_keys``: the blocks pinned in the DRAM tier, held only there,
-    ``host_pins`` the tier's tokens for them;
+    ``host_pins`` the tier's tokens for them, a list each leaves as its
+    pin drops;
     ``store``: the open store whose regions it pins)."""
 
     released = False
@@ -1505,7 +1506,11 @@ class KVStore(Recovery, RunReader, RunWriter):
         lookup() counts, its stretches on the device pinned there, its
         blocks held only in DRAM pinned in the tier (else the lease would
         end at the first of them)."""
-        handle, host_keys, tokens, pos = PinHandle(), [], [], 0
+        handle, host_keys, pos = PinHandle(), [], 0
+        # the tier's tokens: entered by host.pin in the line it counts the
+        # pin, taken off by host.unpin in the line it drops it (a call cut
+        # partway, made again, releases only what is left)
+        handle.host_pins = []
         pending = None       # a stretch pinned, not yet in the handle
         try:
             while pos < len(keys):
@@ -1522,14 +1527,11 @@ class KVStore(Recovery, RunReader, RunWriter):
                 pos += sum(c for _, _, c, _ in shifted)
                 if pos == len(keys):
                     break
-                token = host.pin(keys[pos])
-                if token is None:
+                if host.pin(keys[pos], handle.host_pins) is None:
                     break
-                tokens.append(token)
                 host_keys.append(keys[pos])
                 pos += 1
             handle.host_keys = tuple(host_keys)
-            handle.host_pins = tuple(tokens)
         except BaseException:
             try:
                 if pending is not None:
@@ -1539,11 +1541,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                         self._unpin(pending)
                         raise
             finally:
-                handle.host_pins = ()
-                try:
-                    self._release_handle(handle, host)
-                finally:
-                    host.unpin(tokens)
+                self._release_handle(handle, host)
             raise
         return handle
 
@@ -1557,11 +1555,14 @@ class KVStore(Recovery, RunReader, RunWriter):
                 self._unpin(handle)
                 raise
         finally:
-            # off the handle as they are taken (one line, no call): a call
-            # made again does not release them twice
-            tokens, handle.host_pins = handle.host_pins, ()
-            if tokens and host is not None:
-                host.unpin(tokens)
+            # (the handle's list of tokens: each leaves it as its pin drops,
+            # so a call made again does not release one twice)
+            if handle.host_pins and host is not None:
+                try:
+                    host.unpin(handle.host_pins)
+                except BaseException:   # cut as it began: again (the rest, once)
+                    host.unpin(handle.host_pins)
+                    raise
 
     def unpin(self, pins: list) -> None:
         """Release a handle returned by :meth:`pin` (once: a second release

@@ -204,29 +204,60 @@ class HostTier:
                     return seg, key
         return None
 
-    def pin(self, key: bytes) -> tuple[bytes, int] | None:
+    def pin(self, key: bytes, held: list | None = None) -> tuple[bytes, int] | None:
         """Keep ``key``'s block from eviction until :meth:`unpin` of the
         token returned (a store pin() lease); None, and nothing pinned,
         when it is not here.  delete() and clear() still remove it, and
         the pin ends with the copy it held: a later copy of the key (a
-        re-put) is not pinned by it."""
+        re-put) is not pinned by it.
+
+        ``held``: a list the token is appended to in the line its pin is
+        counted (no call in it): a KeyboardInterrupt landing as this call
+        returns (the lock's release) finds it there, for :meth:`unpin`,
+        where a token only returned would be lost with its pin."""
         with self.lock:
             born = self.born.get(key)
             if born is None:
                 return None
             token = (key, born)
-            self.pins[token] = self.pins.get(token, 0) + 1
+            count = self.pins.get(token, 0) + 1
+            if held is None:
+                self.pins[token] = count
+            else:
+                at = len(held)
+                self.pins[token], held[at:at] = count, (token,)
             return token
 
     def unpin(self, tokens) -> None:
-        """Release each of ``tokens`` (:meth:`pin`'s, once per pin)."""
-        with self.lock:
-            for token in tokens:
-                left = self.pins.get(token, 0) - 1
-                if left > 0:
-                    self.pins[token] = left
-                else:
-                    self.pins.pop(token, None)
+        """Release each of ``tokens`` (:meth:`pin`'s, once per pin).
+
+        A list is the record of the pins still held: each token leaves it
+        in the line its pin drops (no call in it), so a KeyboardInterrupt
+        landing partway (the loop's back jump) releases the rest, then is
+        raised, and a call cut as it began, made again with the same list,
+        releases only what is left (nothing twice: another lease's pin of
+        the same copy stays).  Any other iterable is copied first."""
+        held = tokens if isinstance(tokens, list) else list(tokens)
+        interrupted = None
+        while held:
+            try:
+                with self.lock:
+                    pins = self.pins
+                    while held:
+                        token = held[-1]
+                        left = pins.get(token, 0) - 1
+                        if left > 0:
+                            pins[token], held[-1:] = left, ()
+                        elif left == 0:
+                            del pins[token], held[-1]
+                        else:          # not pinned (released already): nothing drops
+                            del held[-1]
+            except Exception:
+                raise
+            except BaseException as e:     # a KeyboardInterrupt: the rest go
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
     def clear(self) -> int:
         """Drop every block; how many there were."""

@@ -381,3 +381,61 @@ def test_a_put_runs_cut_as_admit_returns_gives_that_offer_back(tmp_path, offer):
             store.put_runs([(keys, run_data(keys))])
         assert dict(cutting._offers) == before
         assert store.lookup(keys) == 0
+
+
+def test_a_pin_with_dram_blocks_interrupted_at_any_line_holds_each_tier_pin_once(tmp_path):
+    """pin() of a prefix alternating DRAM-only blocks and device runs pins
+    the DRAM ones in the tier (HostTier.pin), and unpin() releases them
+    (HostTier.unpin, one loop over the handle's tokens).  A
+    KeyboardInterrupt at that loop's back jump kept the tokens after it
+    pinned for good (_release_handle had taken them off the handle first:
+    nobody released them; those blocks never evicted again), and one as
+    HostTier.pin returned counted a pin whose token no handle got.  Each
+    token now leaves the handle's list in the line its pin drops (enters
+    it in the line its pin is counted): cut anywhere, every pin of the
+    call is released once, and another lease on the same blocks keeps
+    its own."""
+    from kvblock.store.store import KVStore as Store
+    from kvblock.tiers import HostTier
+    from tests.store.test_store import _LineInterrupt
+
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(99, 6)
+    dram, device = keys[0::2], keys[1::2]
+    with _format([path], host_cache_bytes=16 * GEOM.block_bytes) as store:
+        assert store.put_run(dram, run_data(dram)) == 3
+        store.evict(all=True)                    # the even keys: only in DRAM
+        assert store.put_run(device, run_data(device)) == 3
+        for k in normalize_keys(device):         # the odd keys: only on the device
+            store.host.discard(k)
+        other = store.pin(keys)                  # another lease, held throughout
+        assert len(other.host_keys) == 3 and len(other) == 3
+        tier_pins, region_pins = dict(store.host.pins), store.regions.pins.copy()
+        functions = [Store.pin, Store.unpin, Store._unpin, Store._release_handle,
+                     Store._pin_tiered, HostTier.pin, HostTier.unpin]
+        fired, n, cut = [], 0, _LineInterrupt(functions, 0)
+        for code in cut.codes:
+            cut.skip[code] |= _quiet_returns(code)
+        while True:
+            n += 1
+            cut.n, cut.count, cut.fired = n, 0, None
+            handle = None
+            with cut:
+                try:
+                    handle = store.pin(keys)
+                    store.unpin(handle)
+                except KeyboardInterrupt:
+                    # the caller's own cleanup: a handle it got and did
+                    # not see released is released (once)
+                    if handle is not None and not handle.released:
+                        store.unpin(handle)
+            assert store.host.pins == tier_pins, (cut.fired, store.host.pins)
+            assert np.array_equal(store.regions.pins, region_pins), cut.fired
+            if cut.fired is None:
+                break
+            fired.append(cut.fired)
+        names = {name for name, _ in fired}
+        assert {"pin", "unpin", "_pin_tiered", "_release_handle"} <= names, names
+        store.unpin(other)
+        assert not store.host.pins and int(store.regions.pins.sum()) == 0

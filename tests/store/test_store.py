@@ -3108,7 +3108,9 @@ def _pending_interrupt_points(code):
     """Offsets in ``code`` where no KeyboardInterrupt can land though a
     line trace stops there: a try: line's NOP, and a with block's normal
     exit, which CPython leaves outside the block's handler (a trace that
-    raised there would skip the lock's release, CPython's gap, not ours)."""
+    raised there would skip the lock's release, CPython's gap, not ours),
+    a ``return value`` inside the block too (its exit begins with a SWAP
+    putting the value under the exit's arguments)."""
     import dis
 
     ins = list(dis.get_instructions(code))
@@ -3118,6 +3120,8 @@ def _pending_interrupt_points(code):
         if all(x.opname == "LOAD_CONST" and x.argval is None for x in a[:3]) \
                 and a[3].opname in ("PRECALL", "CALL") and a[3].arg == 2:
             out.add(a[0].offset)
+            if i and ins[i - 1].opname == "SWAP" and ins[i - 1].arg == 2:
+                out.add(ins[i - 1].offset)
     return out
 
 
