@@ -115,7 +115,7 @@ class HostTier:
         if slot is not None:
             self.protected.move_to_end(key)
         else:
-            slot = self.probation.pop(key, None)
+            slot = self.probation.get(key)
             if slot is None:
                 self.misses += 1
                 return None
@@ -124,10 +124,30 @@ class HostTier:
         return self.blocks[slot]
 
     def _protect(self, key, slot):
-        self.protected[key] = slot
-        while len(self.protected) > self.protected_max:  # demote the coldest protected
-            old, old_slot = self.protected.popitem(last=False)
-            self.probation[old] = old_slot
+        """(under the lock) ``key`` (in probation, at ``slot``) moves to
+        protected, demoting protected's coldest beyond its share.  Each
+        move enters the block in its new segment, then takes it out of
+        the old one: a KeyboardInterrupt between the two (as a call
+        returns) finds it in both, and the moves left are made (made
+        again, a move done is skipped), then it is raised; popped first,
+        a block cut there was in neither (its slot lost for good)."""
+        interrupted = None
+        while True:
+            try:
+                if key in self.probation:
+                    self.protected[key] = slot
+                    del self.probation[key]
+                while len(self.protected) > self.protected_max:  # demote the coldest
+                    old = next(iter(self.protected))
+                    self.probation[old] = self.protected[old]
+                    del self.protected[old]
+                break
+            except Exception:
+                raise
+            except BaseException as e:
+                interrupted = interrupted or e
+        if interrupted is not None:
+            raise interrupted
 
     def put(self, key: bytes, block: np.ndarray, *, epoch: int | None = None,
             discards: int | None = None, replace: bool = False, current=None) -> None:
@@ -150,6 +170,7 @@ class HostTier:
             raise ConfigError(f"host tier: block of {block.nbytes} bytes for key "
                               f"{key.hex()}; the tier holds {self.block_bytes}-byte blocks "
                               "(the store's block_bytes)")
+        data = block.reshape(-1).view(np.uint8)   # (calls: before anything changes)
         with self.lock:
             if epoch is not None and epoch != self.epoch:
                 # A put during a clear() (its clear count moved, this epoch
@@ -174,26 +195,59 @@ class HostTier:
                 slot = self.protected.get(key)
             if slot is not None:
                 if replace:
-                    self.blocks[slot] = block.reshape(-1).view(np.uint8)
-                    self.published[key] = published
+                    # the bytes and their age in one line with no call in it
+                    self.blocks[slot], self.published[key] = data, published
                 return
+            victim = None
             if not self.free:
                 victim = self._victim_locked()
                 if victim is None:      # every block is pinned: this one stays out
                     return
-                seg, old = victim
-                self.free.append(seg.pop(old))
-                del self.born[old]
-                del self.published[old]
-                self.evictions += 1
+            self._insert_locked(key, data, published, victim)
+
+    def _insert_locked(self, key: bytes, data: np.ndarray, published: int, victim) -> None:
+        """(under the lock) ``key``'s new copy (not here) into the last free
+        slot, or (``victim``: (segment, key), evicted) into the victim's.
+
+        A KeyboardInterrupt landing between two steps (as a call returns)
+        cut put there: the slot taken left the free list and went to no
+        block (the tier one block smaller for good), or a victim's slot went
+        free with its insert number left (every later eviction looking at
+        it raised KeyError).  Each step is a line with no call in it, done
+        once (made again, a step done is skipped): cut, the steps left are
+        done, then the interrupt is raised."""
+        if victim is None:
+            seg = old = None
+            n = len(self.free)
+            slot = self.free[n - 1]
+        else:
+            seg, old = victim
+            slot = seg[old]
+        births = self._births + 1
+        counts = (births, self.inserts + 1, self.evictions + (victim is not None))
+        taken, interrupted = False, None
+        while True:
+            try:
+                if victim is None:
+                    if not taken:
+                        self.free[n - 1:], taken = (), True
+                elif old in seg:
+                    del seg[old], self.born[old], self.published[old]
+                self.blocks[slot] = data
+                self.probation[key], self.born[key], self.published[key] = \
+                    slot, births, published
+                self._births, self.inserts, self.evictions = counts
+                break
+            except Exception:
+                raise
+            except BaseException as e:    # a KeyboardInterrupt: the rest is done
+                interrupted = interrupted or e
+        try:
+            if victim is not None:
                 self._report([old])
-            slot = self.free.pop()
-            self.blocks[slot] = block.reshape(-1).view(np.uint8)
-            self.probation[key] = slot
-            self._births += 1
-            self.born[key] = self._births
-            self.published[key] = published
-            self.inserts += 1
+        finally:
+            if interrupted is not None:
+                raise interrupted
 
     def _victim_locked(self):
         """(segment, key) of the block to evict: probation's least recent
@@ -262,14 +316,12 @@ class HostTier:
     def clear(self) -> int:
         """Drop every block; how many there were."""
         with self.lock:
-            self.epoch += 1
-            n = len(self.probation) + len(self.protected)
-            keys = list(self.born)
-            self.probation.clear()
-            self.protected.clear()
-            self.born.clear()
-            self.published.clear()
-            self.free = list(range(self.slots - 1, -1, -1))
+            free = list(range(self.slots - 1, -1, -1))
+            n, keys = len(self.probation) + len(self.protected), list(self.born)
+            new, t = (self.epoch + 1, OrderedDict(), OrderedDict(), {}, {}, free), self
+            # one line with no call in it: a KeyboardInterrupt lands before
+            # it (nothing cleared) or after it (all of it)
+            t.epoch, t.probation, t.protected, t.born, t.published, t.free = new
             self._report(keys)
             return n
 
@@ -286,9 +338,23 @@ class HostTier:
             self.discards += 1
             keys = {k for seg in (self.probation, self.protected) for k in seg
                     if k.startswith(prefix) and k not in keep}
-            for key in keys:
-                self._drop_locked(key, report=False)
-            self._report(list(keys))
+            # cut between two keys (the loop's back jump), the rest drop too
+            # (a drop made again is a drop of nothing), then it is raised
+            todo, interrupted = list(keys), None
+            while todo:
+                try:
+                    while todo:
+                        self._drop_locked(todo[-1], report=False)
+                        del todo[-1]
+                except Exception:
+                    raise
+                except BaseException as e:
+                    interrupted = interrupted or e
+            try:
+                self._report(list(keys))
+            finally:
+                if interrupted is not None:
+                    raise interrupted
             return keys
 
     def drop_older(self, keys: list[bytes], published: list[int]) -> None:
@@ -300,16 +366,32 @@ class HostTier:
                 self._stale_locked(key, newer)
 
     def _drop_locked(self, key: bytes, report: bool = True) -> bool:
-        slot = self.probation.pop(key, None)
-        if slot is None:
-            slot = self.protected.pop(key, None)
-        if slot is not None:
-            self.free.append(slot)
-            del self.born[key]
-            del self.published[key]
+        """(under the lock) ``key``'s block out, its slot free.  Cut between
+        the two steps (a KeyboardInterrupt), the slot went to no one: both
+        are done (each once), then it is raised."""
+        seg = self.probation if key in self.probation else \
+            self.protected if key in self.protected else None
+        if seg is None:
+            return False
+        slot, n, freed, interrupted = seg[key], len(self.free), False, None
+        while True:
+            try:
+                if key in seg:
+                    del seg[key], self.born[key], self.published[key]
+                if not freed:
+                    self.free[n:n], freed = (slot,), True
+                break
+            except Exception:
+                raise
+            except BaseException as e:
+                interrupted = interrupted or e
+        try:
             if report:
                 self._report([key])
-        return slot is not None
+        finally:
+            if interrupted is not None:
+                raise interrupted
+        return True
 
     def _report(self, keys: list[bytes]) -> None:
         if keys and self._gone is not None:

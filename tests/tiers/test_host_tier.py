@@ -1250,3 +1250,75 @@ def test_a_tiered_read_dates_its_copies_once_per_run(tmp_path, monkeypatch, read
         assert len(taken) <= 4, f"{len(taken)} runs taken for {n} keys of 2 runs"
     for part, half in zip(got, (keys[:n // 2], keys[n // 2:])):
         assert np.array_equal(part.reshape(-1), run_data(half).reshape(-1))
+
+
+def _tier_consistent(tier, where) -> None:
+    """Every slot is free or holds one key of one segment; each key held
+    has its copy's insert number and age, and nothing else has."""
+    held = list(tier.probation.values()) + list(tier.protected.values())
+    assert sorted(held + tier.free) == list(range(tier.slots)), (where, held, tier.free)
+    keys = set(tier.probation) | set(tier.protected)
+    assert len(keys) == len(held), where
+    assert set(tier.born) == keys and set(tier.published) == keys, (where, tier.born, keys)
+
+
+def test_a_tier_call_interrupted_at_any_line_holds_each_pin_once_and_loses_no_slot():
+    """A KeyboardInterrupt landing at any line of HostTier.pin, unpin, put
+    or discard (their loops' back jumps, the calls they make).  unpin's
+    loop cut between two tokens kept the ones after it pinned for good
+    (their blocks never evicted again, and a tier all pinned takes no new
+    block); pin cut as it returned counted a pin whose token nobody got;
+    put cut as it took a slot, or as it evicted, lost the slot (the tier
+    one block smaller for good) or left the key's insert number behind
+    (every later eviction looking at it raised KeyError); discard likewise.
+    Now a token leaves the caller's list in the line its pin drops (pin:
+    enters it in the line its pin is counted), a call cut partway finishes
+    its steps, then raises, and a second unpin of the list releases only
+    what is left; another lease's pin of the same copy is never released
+    by it."""
+    from tests.store.test_store import _LineInterrupt
+
+    a, b, c, d = (bytes([i]) * 16 for i in range(4))
+    functions = [HostTier.pin, HostTier.unpin, HostTier.put, HostTier.discard,
+                 HostTier.get, HostTier.clear, HostTier._drop_locked, HostTier._victim_locked,
+                 HostTier._insert_locked, HostTier._lookup_locked, HostTier._protect]
+    fired, n, cut = [], 0, _LineInterrupt(functions, 0)
+    while True:
+        n += 1
+        cut.n, cut.count, cut.fired = n, 0, None      # (its code read once)
+        tier = HostTier(3 * 4096, 4096)
+        for i, k in enumerate((a, b, c)):
+            tier.put(k, block(i))
+        tier.get(b)                           # b protected
+        other = tier.pin(a)                   # another lease's pin of a's copy
+        held = []
+        with cut:
+            try:
+                tier.pin(a, held)
+                tier.pin(c, held)
+                tier.put(d, block(4))             # evicts b (a and c pinned)
+                tier.discard(c)
+                tier.put(c, block(5), replace=True)   # into c's freed slot
+                tier.put(d, block(6), replace=True)
+                tier.get(a)
+                tier.get(c)                       # a and c protected: b demoted
+                tier.unpin(held)
+                tier.clear()
+            except KeyboardInterrupt:
+                tier.unpin(held)              # the caller's cleanup: what is left
+        assert held == [], (cut.fired, held)
+        assert tier.pins == {other: 1}, (cut.fired, tier.pins)
+        assert [k in tier for k in (a, b, c, d)].count(True) <= 3, cut.fired
+        _tier_consistent(tier, cut.fired)
+        tier.unpin([other])
+        assert not tier.pins
+        for i in range(8):                    # every slot takes blocks again
+            tier.put(bytes([10 + i]) * 16, block(10 + i))
+        assert len(tier) == 3 and not tier.free, cut.fired
+        tier.close()
+        if cut.fired is None:
+            break
+        fired.append(cut.fired)
+    names = {name for name, _ in fired}
+    assert {"pin", "unpin", "put", "discard", "_drop_locked", "_insert_locked", "_protect",
+            "clear"} <= names, names
