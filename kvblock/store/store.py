@@ -133,6 +133,7 @@ class Segments(list):
     call cut half way, made again, releases only those left)."""
 
     held: list | None = None
+    of: list | None = None   # a record _unpin keeps for a plain list: that list
 
 
 class PinHandle(Segments):
@@ -437,6 +438,9 @@ class KVStore(Recovery, RunReader, RunWriter):
         # One tuple per reclaim (_begin_reclaim): whoever finishes it knows
         # it by identity (_finish_steps).
         self._reclaims: dict[int, tuple[int | None, int]] = {}
+        # _unpin's records for plain lists of segments (not Segments, which
+        # carry their own), by the list's id: see _unpin
+        self._unpin_records: dict[int, Segments] = {}
         # Free regions trim_free holds off the free list while it discards
         # them: free all the same (evict counts them, an allocation waits
         # for them rather than evict a region of live runs).
@@ -1668,15 +1672,26 @@ class KVStore(Recovery, RunReader, RunWriter):
         jump, where the runs after it stayed pinned for good), the rest
         drop, then it is raised.  Cut as it began, nothing dropped: the
         caller calls it again with the same answer (a second call releases
-        what is left, nothing twice)."""
-        interrupted = None
+        what is left, nothing twice).
+
+        Any other list of segments (a copy, a slice) has its record kept
+        here, by the list's id (the record holds the list: the id is not
+        another's meanwhile), until a call of it ends uncut."""
+        interrupted, record = None, segs
         while True:
             try:
                 with self._lock:
-                    held = segs.held
+                    if not isinstance(segs, Segments):
+                        record = self._unpin_records.get(id(segs))
+                        if record is None:
+                            # (cut before it is kept: made again, nothing dropped)
+                            record = Segments()
+                            record.of = segs
+                            self._unpin_records[id(segs)] = record
+                    held = record.held
                     if held is None:
                         # (cut as the list is made: not set, made again)
-                        held = segs.held = [seg[0] for seg in segs]
+                        held = record.held = [seg[0] for seg in segs]
                     pins = self.regions.pins
                     while held:
                         run = held[-1]
@@ -1694,6 +1709,10 @@ class KVStore(Recovery, RunReader, RunWriter):
         finally:
             if interrupted is not None:
                 raise interrupted
+        if record is not segs:
+            # done, uncut: no call of it comes again (cut before this line,
+            # the caller's call again releases nothing and gets here)
+            del self._unpin_records[id(segs)]
         return True
 
     def _pins_hold(self, segs) -> bool:

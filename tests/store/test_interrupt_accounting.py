@@ -439,3 +439,55 @@ def test_a_pin_with_dram_blocks_interrupted_at_any_line_holds_each_tier_pin_once
         assert {"pin", "unpin", "_pin_tiered", "_release_handle"} <= names, names
         store.unpin(other)
         assert not store.host.pins and int(store.regions.pins.sum()) == 0
+
+
+def test_unpin_takes_a_plain_list_of_segments_and_releases_each_pin_once(tmp_path):
+    """_unpin kept its record of the runs still pinned on the Segments it
+    was given (``held``) and raised AttributeError for any other list of
+    segments (a copy, a slice, a list a caller made of them): the pins
+    stayed held for good.  A plain list is taken, its record kept by the
+    store until a call ends uncut: cut at any line, a second call releases
+    only what is left, nothing twice (another read's pins of the same
+    runs stay)."""
+    from kvblock.store.store import KVStore as Store
+    from tests.store.test_store import _LineInterrupt
+
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(100, 6)
+    with _format([path]) as store:
+        for at in range(0, 6, 2):                  # three runs
+            assert store.put_run(keys[at:at + 2], run_data(keys[at:at + 2])) == 2
+        with store._lock:
+            other = store._segments(keys)          # another read's pins, held
+        region_pins = store.regions.pins.copy()
+        run_pins = [r.pins for r in store.index.runs.values()]
+        with store._lock:
+            segs = store._segments(keys)
+        assert store._unpin(list(segs)) is True    # a copy of the answer
+        with store._lock:
+            segs = store._segments(keys)
+        assert store._unpin(segs[1:] + segs[:1]) is True
+        assert np.array_equal(store.regions.pins, region_pins)
+        fired, n, cut = [], 0, _LineInterrupt([Store._unpin], 0)
+        for code in cut.codes:
+            cut.skip[code] |= _quiet_returns(code)
+        while True:
+            n += 1
+            cut.n, cut.count, cut.fired = n, 0, None
+            with store._lock:
+                plain = list(store._segments(keys))
+            with cut:
+                try:
+                    store._unpin(plain)
+                except KeyboardInterrupt:
+                    store._unpin(plain)         # cut: again (the rest, once)
+            assert np.array_equal(store.regions.pins, region_pins), (cut.fired, store.regions.pins)
+            assert [r.pins for r in store.index.runs.values()] == run_pins, cut.fired
+            if cut.fired is None:
+                break
+            fired.append(cut.fired)
+        assert len(fired) > 5, fired
+        assert not store._unpin_records          # none kept past its last call
+        store._unpin(other)
+        assert int(store.regions.pins.sum()) == 0
