@@ -2074,9 +2074,22 @@ class KVStore(Recovery, RunReader, RunWriter):
             if self.host is not None:
                 # Only the keys the runs still held: a newer run's copy of one
                 # (perhaps only in DRAM now) is another put's, not deleted here.
-                for key in on_device:
-                    self.host.discard(key)
+                # Cut in the loop (a KeyboardInterrupt), the keys after it
+                # stayed readable: the rest go (a discard made again drops
+                # nothing), then it is raised.
+                todo, cut = list(on_device), None
+                while todo:
+                    try:
+                        while todo:
+                            self.host.discard(todo[-1])
+                            del todo[-1]
+                    except Exception:
+                        raise
+                    except BaseException as e:
+                        cut = cut or e
                 host_only = len(discard_asked(self.host) - on_device)
+                if cut is not None:
+                    raise cut
         if failed is not None:
             raise failed
         return removed + host_only

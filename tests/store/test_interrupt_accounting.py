@@ -145,6 +145,35 @@ def test_a_delete_cut_in_its_drop_leaves_no_dram_copy_to_read(tmp_path, monkeypa
         assert store.lookup(keys) == 0
 
 
+
+def test_a_delete_cut_as_it_discards_its_dram_copies_discards_the_rest(tmp_path, monkeypatch):
+    """delete()'s discard of the DRAM tier's copies was one loop over the
+    keys: a KeyboardInterrupt in it (here: the first discard, cut as it
+    began) left the keys after it in DRAM, answering reads of deleted keys.
+    Every copy goes, then the interrupt is raised."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(96, 3)
+    with _format([path], host_cache_bytes=16 * GEOM.block_bytes) as store:
+        assert store.put_run(keys, run_data(keys)) == 3
+        assert len(store.host) == 3, store.host.stats()
+        real, calls = store.host.discard, []
+
+        def cut_first(key):
+            calls.append(key)
+            if len(calls) == 1:
+                raise KeyboardInterrupt
+            return real(key)
+        monkeypatch.setattr(store.host, "discard", cut_first)
+        with pytest.raises(KeyboardInterrupt):
+            store.delete(keys)
+        monkeypatch.undo()
+        assert len(store.host) == 0, store.host.stats()
+        out = np.zeros(3 * GEOM.block_bytes, np.uint8)
+        assert store.get_run(keys, out) == 0
+        assert store.lookup(keys) == 0
+
+
 def _fill_to_last_free_region(store):
     put, i = [], 0
     while store.regions.free or store.regions.open is None:
