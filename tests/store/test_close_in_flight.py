@@ -989,7 +989,9 @@ def test_a_ranks_put_interrupted_at_any_line_of_its_count_lets_close_return(
     from kvblock.store import client
     from tests.store.test_store import _LineInterrupt
 
-    monkeypatch.setattr(client, "CLOSE_WAIT_S", 2.0)
+    # (what close() must not wait for: a bound of half of it holds under
+    # any load, and a close() that waits for a put no longer running fails)
+    monkeypatch.setattr(client, "CLOSE_WAIT_S", 20.0)
     sock = str(tmp_path / "kv.sock")
     functions = [RemoteStore._put_under_way, RemoteStore._put_over]
     fired = []
@@ -1015,7 +1017,8 @@ def test_a_ranks_put_interrupted_at_any_line_of_its_count_lets_close_return(
                 began = time.monotonic()
                 rank.close()
                 took = time.monotonic() - began
-            assert took < 1.0, f"close() waited {took:.1f} s after a cut at {cut.fired}"
+            assert took < client.CLOSE_WAIT_S / 2, \
+                f"close() waited {took:.1f} s after a cut at {cut.fired}"
             if cut.fired is None:
                 break
             fired.append(cut.fired)
