@@ -326,7 +326,10 @@ def test_a_write_close_gave_up_waiting_for_keeps_its_space_until_done(tmp_path, 
         a_space, b_space = _allocations(a), _allocations(b)
         stall, box, ka = _stalled_put(a)          # inside its write, under the fence
         a.close()                                 # gives up on it after 0.3 s
-        time.sleep(0.2)                           # the server has seen the connection end
+        deadline = time.monotonic() + 20          # the server has seen the connection end
+        while server.client_count() != 1:         # (and released what it held): B's only
+            assert time.monotonic() < deadline, "A's connection did not end on the server"
+            time.sleep(0.01)
         server.store.evict(all=True)
         stored = []
         for i in range(2, 800):                   # about twice round the store
@@ -432,15 +435,26 @@ def test_a_server_told_to_stop_while_it_waits_for_a_ranks_write_stops(tmp_path, 
     serve_in_background([path], sock).stop()         # makes <socket>.fence
     held = path if where == "device" else fence_mod.socket_fence_path(sock)
     rank = fence_mod.WriteFence([os.open(held, os.O_RDONLY)])
-    monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 10.0)
+    # what a server that does not look at its stop waits: one that does
+    # stops in a small part of it, however loaded the machine
+    monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 60.0)
+
+    real_lock, fencing = fence_mod._ofd_lock, threading.Event()
+
+    def ofd_lock(fd, kind, wait, byte=fence_mod.FENCE_BYTE):
+        took = real_lock(fd, kind, wait, byte)
+        if not took:
+            fencing.set()            # an owner found the rank's write: it waits
+        return took
+    monkeypatch.setattr(fence_mod, "_ofd_lock", ofd_lock)
     stop = threading.Event()
     try:
         with rank.writing():
             opening = _in_thread(lambda: serve_in_background([path], sock, stop=stop))
-            time.sleep(0.2)
+            assert fencing.wait(30), "the server did not wait for the write"
             assert opening["thread"].is_alive()      # waiting for the write
             stop.set()
-            opening["thread"].join(3)
+            opening["thread"].join(fence_mod.FENCE_WAIT_S / 2)
             stopped_in_time = not opening["thread"].is_alive()
         opening["thread"].join(20)
         if "out" in opening:
