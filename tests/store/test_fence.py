@@ -164,15 +164,21 @@ def test_an_owner_does_not_wait_on_a_rank_that_waits_on_it(tmp_path):
     rank.served([os.open(paths[0], os.O_RDONLY)])
     owner_fds = [os.open(p, os.O_RDWR) for p in paths]
     real = fence_mod._ofd_lock
-    took_own = threading.Event()
+    took_own, owner_took_servers = threading.Event(), threading.Event()
     me = []
+    owner = threading.get_ident()
 
     def slow_after_own(fd, kind, wait, byte=fence_mod.FENCE_BYTE):
         out = real(fd, kind, wait, byte)
         if me and threading.get_ident() == me[0] and byte == fence_mod.FENCE_BYTE \
                 and kind == fence_mod.fcntl.F_RDLCK and not took_own.is_set():
             took_own.set()          # the rank holds its own file: now the owner runs
-            time.sleep(0.3)
+            # until it holds the server's file (the first it locks), however
+            # slowly it is scheduled; then the rank asks for the server's
+            assert owner_took_servers.wait(20), "the owner never locked the server's file"
+        elif threading.get_ident() == owner and out and byte == fence_mod.FENCE_BYTE \
+                and kind == fence_mod.fcntl.F_WRLCK:
+            owner_took_servers.set()
         return out
 
     def write():
@@ -184,9 +190,12 @@ def test_an_owner_does_not_wait_on_a_rank_that_waits_on_it(tmp_path):
         t = threading.Thread(target=write)
         t.start()
         assert took_own.wait(10)
+        # an owner that waited on the rank would wait its whole timeout (and
+        # fail busy); one that lets go and tries again takes a small part of it
+        timeout = 30.0
         t0 = time.monotonic()
-        fence_writers([(owner_fds[0], paths[0]), (owner_fds[1], paths[1])], timeout=5)
-        assert time.monotonic() - t0 < 3, "the owner waited on a rank that waited on it"
+        fence_writers([(owner_fds[0], paths[0]), (owner_fds[1], paths[1])], timeout=timeout)
+        assert time.monotonic() - t0 < timeout / 2, "the owner waited on a rank that waited on it"
         t.join(10)
         assert not t.is_alive()
     finally:
