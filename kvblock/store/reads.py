@@ -169,13 +169,18 @@ class RunReader(RunIO):
             # unpins, too: the requests after it stayed pinned for good)
             # Each request's pins go once: _unpin releases only what is left
             # of an answer (nothing of one _read_done released).
+            # A second Ctrl-C in one of these unpins: the requests after it
+            # are released all the same, then it is raised.
+            cut = None
             for segs in pinned:
                 if segs:
                     try:
                         self._unpin(segs)
-                    except BaseException:    # cut as it began: again
+                    except BaseException as e:    # cut as it began: again
+                        cut = cut or e
                         self._unpin(segs)
-                        raise
+            if cut is not None:
+                raise cut
             raise
         return counts
 

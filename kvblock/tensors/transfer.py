@@ -1027,13 +1027,16 @@ def _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads) -> tuple[list
             store.host.missed(stretch - 1)   # the first one's miss: host.get counted it
             pos += stretch
     except BaseException:
+        cut = None        # (a second Ctrl-C: the other stretches go all the same)
         for pinned in (found, segs):
             if pinned:
                 try:
                     store._unpin(pinned)
-                except BaseException:   # cut as it began: again (the rest, once)
+                except BaseException as e:   # cut as it began: again (the rest, once)
+                    cut = cut or e
                     store._unpin(pinned)
-                    raise
+        if cut is not None:
+            raise cut
         raise
     return segs, pos
 

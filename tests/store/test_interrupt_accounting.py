@@ -520,3 +520,36 @@ def test_unpin_takes_a_plain_list_of_segments_and_releases_each_pin_once(tmp_pat
         assert not store._unpin_records          # none kept past its last call
         store._unpin(other)
         assert int(store.regions.pins.sum()) == 0
+
+
+def test_get_runs_cut_twice_releases_every_requests_pins(tmp_path, monkeypatch):
+    """get_runs' cleanup after a KeyboardInterrupt released each request's
+    pins in turn, and a second KeyboardInterrupt (a second Ctrl-C) as one of
+    those unpins began was raised out of the loop: the requests after it
+    stayed pinned for good (their regions never evicted again).  Every
+    request's pins go, then the interrupt is raised."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    runs = [run_keys(97 + i, 2) for i in range(3)]
+    with _format([path]) as store:
+        for keys in runs:
+            assert store.put_run(keys, run_data(keys)) == 2
+        real_unpin, calls = store._unpin, []
+
+        def read_done_cut(*a, **kw):
+            raise KeyboardInterrupt          # the first Ctrl-C: into the cleanup
+
+        def unpin_cut_first(segs):
+            calls.append(len(segs))
+            if len(calls) == 1:
+                raise KeyboardInterrupt      # the second, as the first unpin began
+            return real_unpin(segs)
+        monkeypatch.setattr(store, "_read_done", read_done_cut)
+        monkeypatch.setattr(store, "_unpin", unpin_cut_first)
+        outs = [np.zeros(2 * GEOM.block_bytes, np.uint8) for _ in runs]
+        with pytest.raises(KeyboardInterrupt):
+            store.get_runs(list(zip(runs, outs)))
+        monkeypatch.undo()
+        assert int(store.regions.pins.sum()) == 0, store.regions.pins
+        assert all(store.index.locate(normalize_keys(keys)[0])[0].pins == 0 for keys in runs), \
+            "a run left pinned"
