@@ -153,6 +153,10 @@ def _targets(batch: IOBatch, lo: int, hi: int) -> bool:
     return bool(((addrs < np.uint64(hi)) & (addrs + lens > np.uint64(lo))).any())
 
 
+# The longest a wait for calls in flight to end sleeps before it looks
+# again (a call's wake-up may have been cut short by a KeyboardInterrupt)
+IDLE_POLL_S = 0.05
+
 MAX_IO_LIMIT = 1 << 30     # one I/O's length travels as 32 bits in io_uring
 MAX_QUEUE_DEPTH = 32768    # the most entries an io_uring holds (IORING_MAX_ENTRIES)
 
@@ -308,7 +312,9 @@ class IOEngine:
                 self.read(batch, qd=qd)
                 native.hash_pieces(batch.addrs, batch.lens, streams, seeds, digests)
             finally:
-                self._leave(key)
+                del self._inflight[key]     # (inline: see _leave)
+                if self._waiters:
+                    self._wake()
             return digests
         self.submit(OP_READ, batch, qd=qd, hashing=(streams, seeds, digests))
         return digests
@@ -397,7 +403,9 @@ class IOEngine:
             if hashing is not None and hasher is None:   # the bytes are in place: hash them now
                 native.hash_pieces(batch.addrs, batch.lens, *hashing)
         finally:
-            self._leave(key)
+            del self._inflight[key]     # (inline: see _leave)
+            if self._waiters:
+                self._wake()
         if lat is not None and parent is not None:
             # one per I/O of the batch: its slowest piece (pieces run side by side)
             lat = np.maximum.reduceat(lat, np.flatnonzero(np.diff(parent, prepend=-1)))
@@ -413,10 +421,17 @@ class IOEngine:
         return key
 
     def _leave(self, key: int) -> None:
+        # (The calls' finally blocks do this inline: a KeyboardInterrupt
+        # lands at a Python call's entry, and one there left the batch in
+        # flight for good, close() waiting for it for ever.  A wake-up
+        # cut short is covered by the waits' IDLE_POLL_S.)
         del self._inflight[key]
         if self._waiters:
-            with self._map_idle:
-                self._map_idle.notify_all()
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._map_idle:
+            self._map_idle.notify_all()
 
     def _wait_for_batches_into(self, lo: int, hi: int) -> None:
         """Wait until none of the batches in flight now has an entry in
@@ -427,9 +442,12 @@ class IOEngine:
         with self._map_idle:
             self._waiters += 1
             try:
-                busy = [k for k, b in list(self._inflight.items()) if _targets(b, lo, hi)]
+                # (a copy made in C: listing items makes tuples, and a GC
+                # started there runs Python code that may let another thread
+                # change the dict under the iteration)
+                busy = [k for k, b in self._inflight.copy().items() if _targets(b, lo, hi)]
                 while busy:
-                    self._map_idle.wait()
+                    self._map_idle.wait(IDLE_POLL_S)
                     busy = [k for k in busy if k in self._inflight]
             finally:
                 self._waiters -= 1
@@ -608,7 +626,7 @@ class IOEngine:
                 self._waiters += 1
                 try:
                     while self._inflight:
-                        self._map_idle.wait()
+                        self._map_idle.wait(IDLE_POLL_S)
                 finally:
                     self._waiters -= 1
                 maps, self._maps = self._maps, None
