@@ -879,8 +879,10 @@ class RemoteStore(RunReader, RunWriter):
                     # a connection another thread gives up on (a call past
                     # timeout=) as the answer comes would be closed at once
                     # under the allocation (the put then met it "gone")
-                    held += 1
+                    # (the count first: cut between the two, the session
+                    # keeps one too many, never closed under another's pin)
                     s.hold(1)
+                    held += 1
                     a = self._put_call_on(s, "allocate", {"nblocks": len(keys)}, what)
                     allocs.append(a)
                     self._check_allocated(a, len(keys))

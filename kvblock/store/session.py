@@ -87,6 +87,10 @@ class Session:
             while p.poll(0):
                 if not self.sock.recv(1 << 16):
                     return True
+        except BlockingIOError:
+            # (another thread, the heartbeat's keep_alive, drained it between
+            # the poll and the recv: open)
+            return False
         except (OSError, ValueError):     # closed here already
             return True
         return False
