@@ -170,8 +170,8 @@ class ServerGoneError(ServerError, StoreClosedError, ConnectionError):
 
 class ConnectionAbandonedError(ServerGoneError):
     """A call on a shared store's connection got no answer within the
-    client's ``timeout=``, so the connection was given up (the server may
-    well live on): a request another thread had not yet sent on it (a
+    client's ``timeout=`` (or was cut off by an exception, a Ctrl-C), so the
+    connection was given up (the server may well live on): a request another thread had not yet sent on it (a
     put's commit) was never sent, and the calls meet this until a new
     connection is made (``reconnect=True``) or the store is connected
     again."""

@@ -97,8 +97,11 @@ class IOBatch:
     field up to the address count, as the batch was built and checked: a
     field replaced by a shorter array, or one of another dtype, was read past
     its end, and lengths changed in place ran I/Os past the caller's
-    buffers.  Build a new batch instead (an array it was built from stays
-    the caller's to change)."""
+    buffers.  Build a new batch instead.  A batch built from a caller's
+    array of the fields' dtype (uint64; devs uint32) holds a read-only view
+    of it: the caller may still change that array, and the batch with it
+    (a length changed so is the caller's own I/O past its buffers): change
+    it only between submits, or build the batch from a copy."""
 
     addrs: np.ndarray    # uint64 host buffer addresses
     devs: np.ndarray     # uint32 index into the engine's device table
