@@ -6,7 +6,6 @@ signal raised as that call returns."""
 from __future__ import annotations
 
 import dis
-import threading
 
 import numpy as np
 import pytest
@@ -196,6 +195,8 @@ def test_a_reclaim_step_interrupted_after_an_error_raises_the_interrupt(tmp_path
     the steps finished)."""
     path = tmp_path / "store.img"
     create_file(path, 3 * MIB)
+    from tests.store.test_store import _evict_all_in_a_thread
+
     with _format([path], verify="never", eviction="fifo") as store:
         put = _fill_to_last_free_region(store)
         real, raised = store._end_removal, [0]
@@ -209,18 +210,7 @@ def test_a_reclaim_step_interrupted_after_an_error_raises_the_interrupt(tmp_path
                     raise RuntimeError("ticket's end failed (test)")
             return real(ticket, durable)
         store._end_removal = end_removal
-        got = []
-
-        def evict():
-            try:
-                store.evict(store.regions.size)
-                got.append(None)
-            except BaseException as e:
-                got.append(e)
-        t = threading.Thread(target=evict, daemon=True)
-        t.start()
-        t.join(10)
-        assert got, "evict spun"
+        got = _evict_all_in_a_thread(store)
         assert isinstance(got[0], KeyboardInterrupt), repr(got[0])
         if then == "fails on":
             assert store.closed

@@ -3601,18 +3601,7 @@ def test_a_reclaim_whose_step_after_its_record_keeps_failing_gives_up_typed(tmp_
                 raise RuntimeError("ticket's end failed (test)")
             return real(ticket, durable)
         store._end_removal = end_removal
-        got = []
-
-        def evict():
-            try:
-                store.evict(store.regions.size)
-                got.append(None)
-            except BaseException as e:
-                got.append(e)
-        t = threading.Thread(target=evict, daemon=True)
-        t.start()
-        t.join(10)
-        assert got, "evict spun"
+        got = _evict_all_in_a_thread(store)
         assert raised[0] < 10, raised[0]
         assert isinstance(got[0], StoreClosedError), got[0]
         assert isinstance(got[0].__cause__, RuntimeError)
@@ -3653,3 +3642,21 @@ def test_an_eviction_cut_as_its_counting_returns_is_counted_once(shm_target, mon
         monkeypatch.setattr(Store, "_count_eviction", real)
         store.evict(all=True)              # the rest
         assert [store.counters[n] for n in names] == want
+
+
+def _evict_all_in_a_thread(store) -> list:
+    """evict(every region) in a thread given 10 s: [None] or [its error]
+    (a spinning evict fails the test, not hangs it)."""
+    got = []
+
+    def evict():
+        try:
+            store.evict(store.regions.size)
+            got.append(None)
+        except BaseException as e:
+            got.append(e)
+    t = threading.Thread(target=evict, daemon=True)
+    t.start()
+    t.join(10)
+    assert got, "evict spun"
+    return got
