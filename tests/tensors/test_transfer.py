@@ -1944,12 +1944,7 @@ def test_an_inline_load_cut_as_it_starts_its_reader_unpins_once_and_leaves(path,
     with _store(path, geom()) as store:
         a, unpins = _saved_with_unpins_counted(store, monkeypatch)
         monkeypatch.setattr(transfer._LoadJob, "_start_reader", cut)
-        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
-        with pytest.raises(KeyboardInterrupt):
-            load_blocks(store, a, VLLMLayout(dst), list(range(4)), background=False)
-        assert len(unpins) == 1
-        assert store.regions.pins.sum() == 0
-        assert store._inflight.calls == 0
+        _inline_load_cut_unpins_once(store, a, unpins)
 
 
 @pytest.mark.parametrize("where", ["in the scatter thread's start", "as the reader starts"])
@@ -2123,12 +2118,7 @@ def test_an_inline_load_cut_while_it_drops_its_unreadable_runs_still_unpins(path
         a, unpins = _saved_with_unpins_counted(store, monkeypatch)
         monkeypatch.setattr(transfer._LoadJob, "_read_batch", read_fails)
         monkeypatch.setattr(store, "_read_failed", cut)
-        dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
-        with pytest.raises(KeyboardInterrupt):
-            load_blocks(store, a, VLLMLayout(dst), list(range(4)), background=False)
-        assert len(unpins) == 1
-        assert store.regions.pins.sum() == 0
-        assert store._inflight.calls == 0
+        _inline_load_cut_unpins_once(store, a, unpins)
 
 
 @pytest.mark.parametrize("tier", [False, True], ids=["device", "with a DRAM tier"])
@@ -2240,3 +2230,15 @@ def test_a_load_whose_scatter_fails_before_its_reader_started_still_ends(path, m
         assert reads == []
         assert int(store.regions.pins.sum()) == 0
         assert store._inflight.calls == 0
+
+
+def _inline_load_cut_unpins_once(store, a, unpins):
+    """An inline load_blocks of ``a``'s four blocks, cut by a
+    KeyboardInterrupt: it is raised, the runs unpinned once, no call left
+    in flight."""
+    dst = [torch.zeros(2, 8, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+    with pytest.raises(KeyboardInterrupt):
+        load_blocks(store, a, VLLMLayout(dst), list(range(4)), background=False)
+    assert len(unpins) == 1
+    assert store.regions.pins.sum() == 0
+    assert store._inflight.calls == 0
