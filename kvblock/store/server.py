@@ -715,10 +715,17 @@ class StoreServer:
                 s.conn.close()
             except OSError:
                 pass
-            self._release(s)
-            with self._sessions_lock:
-                self._sessions.pop(s.sid, None)
-                self._last_session_end = time.monotonic()
+            try:
+                self._release(s)
+            except Exception as e:  # noqa: BLE001  (the thread ends here: said, not raised)
+                logger.warning("kvblock serve: giving back the pins of the connection of "
+                               "pid %s failed: %s", s.pid, e)
+            finally:
+                # gone from the sessions whatever the release raised: left,
+                # it counted as a client for good (idle_exit never came)
+                with self._sessions_lock:
+                    self._sessions.pop(s.sid, None)
+                    self._last_session_end = time.monotonic()
 
     def _undo(self, s: _Session, result) -> None:
         """An answer that could not be sent: give back the pin it carried."""
@@ -759,19 +766,36 @@ class StoreServer:
         readers, s.readers = list(s.readers.values()), {}
         writers, s.writers = list(s.writers.values()), {}
         offers, s.offers = s.offers, []
-        for segs in readers:
-            store._unpin(segs)
-        self._give_back_open_offers(offers)
-        if not writers:
-            return
+        # Each kind is released whatever another raises (an OSError freeing
+        # an emptied region, a KeyboardInterrupt): the allocations first
+        # (handed to the write fence: a write in flight must be fenced
+        # before its space is reused), then the readers' pins, each, then
+        # the open offers; the first error is raised once all are done.
+        error = None
         regions = [region for region, *_ in writers]
-        # Whoever ended the connection: given back at once, a write still in
-        # flight would land on the space once another rank is handed it.
-        if not store.closed:
-            with self._dropped_lock:            # after the fence (_lease_loop)
-                self._dropped_writers += regions
-        else:
-            store._unpin_writers(regions)
+        if regions:
+            try:
+                # Whoever ended the connection: given back at once, a write
+                # still in flight would land on the space once another rank
+                # is handed it.
+                if not store.closed:
+                    with self._dropped_lock:            # after the fence (_lease_loop)
+                        self._dropped_writers += regions
+                else:
+                    store._unpin_writers(regions)
+            except BaseException as e:
+                error = e
+        for segs in readers:
+            try:
+                store._unpin(segs)
+            except BaseException as e:
+                error = error or e
+        try:
+            self._give_back_open_offers(offers)
+        except BaseException as e:
+            error = error or e
+        if error is not None:
+            raise error
 
     def _give_back_open_offers(self, offers: list) -> None:
         """A connection ended with offers admitted on it whose puts did not

@@ -1,0 +1,117 @@
+"""What the server gives back when a connection ends (StoreServer._release):
+every reader pin, every allocation (after the write fence), every open
+admission offer, whatever one of them raises."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from kvblock.index.keys import normalize_keys
+from kvblock.store.protocol import encode_keys, encode_msg, recv_msg
+from kvblock.store.server import _Session, serve_in_background
+from tests.serve.test_serve import _store_file
+from tests.store.workload import run_data, run_keys
+
+
+def _call(conn, op, **args):
+    conn.sendall(encode_msg({"op": op, **args}))
+    reply = recv_msg(conn)
+    assert reply["ok"], reply
+    return reply["result"]
+
+
+def _stored(st, keys):
+    """``keys`` stored on the served store itself (admit_after offers)."""
+    for _ in range(st.admission.admit_after):
+        if st.put_run(keys, run_data(keys)):
+            return
+    raise AssertionError("not stored")
+
+
+def _session_with_every_kind(server, conn):
+    """A session holding a reader pin, an allocation and an open offer;
+    returns (session, the allocation's region, the offer's key)."""
+    st = server.store
+    keys, offered = run_keys(1, 2), normalize_keys(run_keys(2, 2))
+    _stored(st, keys)
+    s = _Session(conn, 10 ** 6)
+    with st._lock:
+        s.readers[1] = st._segments(keys)
+    region, offset, run_id, gen = st._begin_put(st.layout(2).run_bytes)
+    s.writers[2] = (region, run_id, offset, gen, 2)
+    assert server._op_admit(s, encode_keys(offered))["verdict"] == "rejected"
+    assert server._op_admit(s, encode_keys(offered))["verdict"] == "ok"
+    assert s.offers == [offered]
+    assert st.admission._offers.get(offered[0]) is None      # used up
+    return s, region, offered[0]
+
+
+@pytest.mark.parametrize("failing", ["readers", "offers"])
+@pytest.mark.parametrize("error", [OSError("test: EIO"), KeyboardInterrupt()])
+def test_an_error_releasing_one_kind_of_pin_still_releases_the_others(tmp_path, failing,
+                                                                     error, monkeypatch):
+    """_release unpinned the readers and gave back the open offers before
+    it handed the allocations to the write fence: an error there (an
+    OSError freeing an emptied region, a KeyboardInterrupt) left the
+    connection's allocations pinned for good (and the offers too, when
+    the readers' unpin raised).  Every kind is released whatever another
+    raises; the error still comes out."""
+    path = _store_file(tmp_path)
+    a, b = socket.socketpair()
+    with serve_in_background([path], str(tmp_path / "kv.sock"), admit_after=2) as server, \
+            a, b:
+        st = server.store
+        s, region, offered = _session_with_every_kind(server, a)
+        if failing == "readers":
+            real = st._unpin
+
+            def unpin(segs):
+                real(segs)              # the pins dropped, then it failed
+                raise error
+            monkeypatch.setattr(st, "_unpin", unpin)
+        else:
+            def give_back(offers):
+                raise error
+            monkeypatch.setattr(st, "_give_back_offers", give_back)
+        with pytest.raises(type(error)):
+            server._release(s)
+        monkeypatch.undo()
+        assert not s.readers and not s.writers and not s.offers
+        server._release_dropped_writers()     # (no rank writes: the fence passes)
+        assert int(st.regions.pins.sum()) == 0, st.regions.pins
+        if failing == "readers":              # the offer went back too
+            assert st.admission._offers.get(offered) == st.admission.admit_after - 1
+
+
+def test_a_connection_whose_release_fails_still_leaves_the_server(tmp_path, monkeypatch):
+    """A connection's end whose release raised (here the readers' unpin:
+    an OSError freeing an emptied region) ended the session's thread with
+    the session still listed: the server counted it a client for good
+    (idle_exit never came) and its allocation stayed pinned.  Now the
+    release is said in the log, the session leaves, the space goes back."""
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock) as server:
+        st = server.store
+        keys = run_keys(1, 2)
+        _stored(st, keys)
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with conn:
+            conn.connect(sock)
+            assert _call(conn, "segments", keys=encode_keys(normalize_keys(keys)))["pin"]
+            assert _call(conn, "allocate", nblocks=2)["wid"]
+            (s,) = server._sessions.values()
+            real = st._unpin
+
+            def unpin(segs):
+                real(segs)
+                raise OSError("test: EIO")
+            monkeypatch.setattr(st, "_unpin", unpin)
+        s.thread.join(10)
+        assert not s.thread.is_alive()
+        assert server.client_count() == 0
+        monkeypatch.undo()
+        server._release_dropped_writers()     # (no rank writes: the fence passes)
+        assert int(st.regions.pins.sum()) == 0, st.regions.pins
