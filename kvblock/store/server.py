@@ -119,10 +119,13 @@ class _Session:
         self.pid: int | None = None
         self.readers: dict[int, list] = {}            # pin id -> segments
         self.writers: dict[int, tuple] = {}           # wid -> (region, run_id, offset, gen, n)
-        # offers admit admitted on this connection whose puts have neither
-        # stored their run whole nor given the offer back: the run's keys,
-        # oldest first (see _settle_offers; given back when it ends, _release)
-        self.offers: list[list[bytes]] = []
+        # offers admit counted on this connection that may still be undone:
+        # (the run's keys, admitted), oldest first.  An admitted one until
+        # its put stores the run whole or gives the offer back; a declined
+        # one of a put_runs (admit told count=False) until its call's plan
+        # stands (count_rejected) or the call gives it back.  Given back
+        # when the connection ends first (_release; see _settle_offers).
+        self.offers: list[tuple[list[bytes], bool]] = []
         self.thread: threading.Thread | None = None
         self.last_seen = time.monotonic()             # the last request's arrival or answer
         self.accepted = self.last_seen
@@ -803,31 +806,35 @@ class StoreServer:
         connection up after a timeout, its give_back refused there; it died;
         its lease lapsed): given back here, as the client would have, so the
         key's next offer (any rank's) admits it, not the admit_after-th one
-        after it.  One stored whole meanwhile (by another rank too) is left."""
+        after it.  One stored whole meanwhile (by another rank too) is left.
+        So are the declined offers of a put_runs whose plan had not stood
+        (no count_rejected came): the call counts no offer, and the key's
+        next offer is its first again, not one that admits at once."""
         st = self.store
         if not offers or st.closed:
             return
         with st._lock:
-            back = [(keys[0], True) for keys in reversed(offers)
-                    if st.index.prefix_length(keys) < len(keys)]
+            back = [(keys[0], admitted) for keys, admitted in reversed(offers)
+                    if not admitted or st.index.prefix_length(keys) < len(keys)]
         st._give_back_offers(back)
 
-    def _settle_offers(self, s: _Session, given_back: list[bytes] = ()) -> None:
-        """The open offers on ``s`` whose puts are done: those whose first
-        key is in ``given_back`` (one each: the client gave it back) and
-        those whose run is now stored whole (a commit published it)."""
+    def _settle_offers(self, s: _Session, given_back: list[tuple[bytes, bool]] = ()) -> None:
+        """The open offers on ``s`` whose puts are done: those in
+        ``given_back`` ((first key, admitted), one each: the client gave it
+        back) and the admitted ones whose run is now stored whole (a commit
+        published it)."""
         if not s.offers:
             return
-        for key in given_back:
+        for key, admitted in given_back:
             for i in range(len(s.offers) - 1, -1, -1):
-                if s.offers[i][0] == key:
+                if s.offers[i][0][0] == key and s.offers[i][1] == admitted:
                     del s.offers[i]
                     break
         if s.offers and not given_back:
             st = self.store
             with st._lock:
-                s.offers = [keys for keys in s.offers
-                            if st.index.prefix_length(keys) < len(keys)]
+                s.offers = [(keys, admitted) for keys, admitted in s.offers
+                            if not admitted or st.index.prefix_length(keys) < len(keys)]
 
     def _release_dropped_writers(self) -> None:
         with self._dropped_lock:
@@ -1041,11 +1048,17 @@ class StoreServer:
             if not st.admission.admit(keys[0]):
                 if count:
                     st.counters.add("admission_rejected_runs")
+                else:
+                    # open until the call's plan stands (count_rejected) or
+                    # it gives the offer back; the connection ending first
+                    # gives it back (_release)
+                    s.offers.append((keys, False))
+                    del s.offers[:-OPEN_OFFERS_KEPT]
                 return {"verdict": "rejected", "clears": clears}
         if st.admission.admit_after > 1:   # (one offer admits: nothing to give back)
             # open until the put stores the run or gives the offer back;
             # the connection ending first gives it back (_release)
-            s.offers.append(keys)
+            s.offers.append((keys, True))
             del s.offers[:-OPEN_OFFERS_KEPT]
         return {"verdict": "ok", "clears": clears}
 
@@ -1061,7 +1074,7 @@ class StoreServer:
             raise ConfigError(f"give_back: admitted must be a list of {len(keys)} true or "
                               f"false, one per key, got {str(admitted)[:80]}")
         st._give_back_offers(list(zip(keys, admitted)))
-        self._settle_offers(s, [k for k, a in zip(keys, admitted) if a])
+        self._settle_offers(s, list(zip(keys, admitted)))
         return None
 
     def _op_count_duplicates(self, s, runs):
@@ -1071,8 +1084,13 @@ class StoreServer:
 
     def _op_count_rejected(self, s, runs):
         """put_runs' declined runs (admitted with count=false), once the
-        call's plan stands: counted as KVStore counts them."""
-        return self._count_runs("count_rejected", "admission_rejected_runs", runs)
+        call's plan stands: counted as KVStore counts them, their offers
+        no longer given back when the connection ends (the oldest ``runs``
+        declined offers open on it)."""
+        self._count_runs("count_rejected", "admission_rejected_runs", runs)
+        for i in [i for i, (_, admitted) in enumerate(s.offers) if not admitted][:runs][::-1]:
+            del s.offers[i]
+        return None
 
     def _count_runs(self, op: str, counter: str, runs) -> None:
         """A rank's count of ``runs`` (a whole number >= 1) added to ``counter``."""

@@ -43,7 +43,7 @@ def _session_with_every_kind(server, conn):
     s.writers[2] = (region, run_id, offset, gen, 2)
     assert server._op_admit(s, encode_keys(offered))["verdict"] == "rejected"
     assert server._op_admit(s, encode_keys(offered))["verdict"] == "ok"
-    assert s.offers == [offered]
+    assert s.offers == [(offered, True)]
     assert st.admission._offers.get(offered[0]) is None      # used up
     return s, region, offered[0]
 
@@ -115,3 +115,41 @@ def test_a_connection_whose_release_fails_still_leaves_the_server(tmp_path, monk
         monkeypatch.undo()
         server._release_dropped_writers()     # (no rank writes: the fence passes)
         assert int(st.regions.pins.sum()) == 0, st.regions.pins
+
+
+@pytest.mark.parametrize("plan_stood", [False, True])
+def test_a_declined_offer_of_a_put_runs_cut_by_its_connections_end_is_given_back(
+        tmp_path, plan_stood):
+    """put_runs admits its runs told count=False: a declined run's offer
+    stays counted in the server's admission, and is counted (count_rejected)
+    once the call's plan stands, or given back (give_back) when the call is
+    refused.  A connection that ended between the two (the rank died, or
+    gave the connection up, mid-put_runs) left the offer counted, though
+    the call stood for nothing: the key's next offer, which should be its
+    first, was admitted at once (admit_after=2).  The server gives back the
+    declined offers whose call had not stood when the connection ended;
+    those counted by count_rejected stay."""
+    from kvblock.store.client import RemoteStore
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    a, b = run_keys(1, 2), run_keys(2, 2)
+    with serve_in_background([path], sock, admit_after=2) as server:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with conn:
+            conn.connect(sock)
+            for keys in (a, b):
+                answer = _call(conn, "admit", keys=encode_keys(normalize_keys(keys)),
+                               count=False)
+                assert answer["verdict"] == "rejected"
+            if plan_stood:
+                _call(conn, "count_rejected", runs=2)
+            (s,) = server._sessions.values()
+        s.thread.join(10)
+        assert server.client_count() == 0
+        with RemoteStore(sock) as r:
+            if plan_stood:      # the offers counted: these are the second ones
+                assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 2]
+            else:               # none counted: these are the first ones
+                assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [0, 0]
+                assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 2]
