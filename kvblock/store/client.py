@@ -490,19 +490,33 @@ class RemoteStore(RunReader, RunWriter):
             return ConnectionAbandonedError(s.gone)
         return ServerGoneError(s.gone)
 
-    def _abandoned_put_error(self, s: "Session", what: str) -> ConnectionAbandonedError:
-        """The error of a put whose connection ``s`` (the one its space was
-        allocated on, where its commit must go) another call gave up on
-        before the put's commit went out: ``what`` was not stored."""
+    def _abandoned_put_error(self, s: "Session", what: str, op: str = "commit",
+                             allocated: bool = True) -> ConnectionAbandonedError:
+        """The error of a put whose connection ``s`` (the one its space is
+        allocated on, where its requests must go) another call gave up on
+        before the put's ``op`` request (its commit, or an allocate) went
+        out: ``what`` was not stored.  ``allocated``: space was allocated
+        for the put on ``s`` before (an allocate's: the runs before it in
+        its group), given back; else nothing was."""
         again = ("a new connection is being made in the background (reconnect=True)"
                  if self._reconnect else "connect again (reconnect=True makes a new "
                  "connection by itself)")
+        if op == "allocate":
+            request = "the allocation of its space" if not allocated else \
+                "the allocation of its next run's space"
+            space = ("nothing was allocated for it" if not allocated else
+                     "the space allocated for its runs before is given back (the server "
+                     "gets it back once the put lets go of the connection)")
+        else:
+            request = "the put's commit"
+            space = ("the space allocated for it is given back (the server gets it back "
+                     "once the put lets go of the connection)")
         return ConnectionAbandonedError(
             f"{what} was not stored: the connection to the store server at "
-            f"{self.socket_path} that the put's space was allocated on was given up before "
-            f"the put's commit could go out on it, because another call on this store "
-            f"({s.abandoned}); the server may well live on, and gets the space back once "
-            f"the put lets go of it.  Retry the put once connected again: {again}")
+            f"{self.socket_path} that the put was using was given up before {request} "
+            f"could go out on it, because another call on this store ({s.abandoned}); "
+            f"{space}, and the server may well live on.  Retry the put once connected "
+            f"again: {again}")
 
     @property
     def _rpc_lock(self) -> threading.Lock:
@@ -883,7 +897,8 @@ class RemoteStore(RunReader, RunWriter):
                     # keeps one too many, never closed under another's pin)
                     s.hold(1)
                     held += 1
-                    a = self._put_call_on(s, "allocate", {"nblocks": len(keys)}, what)
+                    a = self._put_call_on(s, "allocate", {"nblocks": len(keys)}, what,
+                                          allocated=bool(allocs))
                     allocs.append(a)
                     self._check_allocated(a, len(keys))
                     # the last write flushes every device the group wrote
@@ -1183,7 +1198,7 @@ class RemoteStore(RunReader, RunWriter):
             what = what or f"this put's run of {n} blocks"
             try:
                 # the server pins the region for us
-                a = self._put_call_on(s, "allocate", {"nblocks": n}, what)
+                a = self._put_call_on(s, "allocate", {"nblocks": n}, what, allocated=False)
                 self._check_allocated(a, n)
                 sums = self._write_allocated(s, a, keys, blocks, what=what)
                 sent = True                          # from here the server releases the pin
@@ -1205,18 +1220,22 @@ class RemoteStore(RunReader, RunWriter):
                 "a clear() overtook it); a server of another kvblock release?")
         return self._count_committed(stored)
 
-    def _put_call_on(self, s: "Session", op: str, args: dict, what: str):
+    def _put_call_on(self, s: "Session", op: str, args: dict, what: str,
+                     allocated: bool = True):
         """A put's ``op`` (allocate, commit, commit_runs) on ``s``, the
         session its space is allocated on.  Where another call gave ``s``
         up (a call past timeout=) before it went out,
-        ConnectionAbandonedError saying ``what`` was not stored, not that
-        other call's error."""
+        ConnectionAbandonedError saying ``what`` was not stored (and, for
+        an allocate, whether the put had space allocated on ``s`` before:
+        ``allocated``), not that other call's error."""
         try:
             return self._call_on(s, op, **args)
         except ConnectionAbandonedError as e:
             if not getattr(e, "not_sent", False):     # this request's own timeout
                 raise
-            raise self._abandoned_put_error(s, what) from None
+            raise self._abandoned_put_error(
+                s, what, "allocate" if op == "allocate" else "commit",
+                allocated=allocated or op != "allocate") from None
 
     def _count_committed(self, n: int) -> int:
         """A piece's commit answered: ``n`` blocks published, 0 when a
