@@ -15,6 +15,7 @@ import select
 import socket
 import threading
 import time
+import weakref
 
 from kvblock import errors
 from kvblock.devices import Device
@@ -23,6 +24,26 @@ from kvblock.store.fence import reopen, socket_fence_path
 
 FENCE_FILES_WAIT_S = 10.0   # they follow the answer to hello at once
 BACKLOG_POLL_S = 0.01       # a connect finding the server's backlog full tries again this often
+
+# Every socket open_socket made, entered before it connects: a forked child
+# closes them all (_close_sockets_in_child).  A store's at-fork handler knows
+# only the sessions of live stores, and a connection being made (a store
+# still opening, a reconnect's socket not yet among the store's sessions)
+# was kept open in the child: the server saw it open after the parent
+# closed it, with the pins taken on it, for as long as the child lived.
+_SOCKETS: "weakref.WeakSet[socket.socket]" = weakref.WeakSet()
+
+
+def _close_sockets_in_child() -> None:
+    for sock in list(_SOCKETS):
+        try:
+            sock.close()
+        except OSError:
+            pass
+    _SOCKETS.clear()
+
+
+os.register_at_fork(after_in_child=_close_sockets_in_child)
 
 
 class Session:
@@ -212,6 +233,7 @@ def open_socket(path: str, timeout: float | None) -> socket.socket:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        _SOCKETS.add(sock)     # before it connects: a fork from here on closes it there
         try:
             sock.settimeout(timeout)
             sock.connect(path)

@@ -184,6 +184,52 @@ def test_a_forked_child_never_reconnects(tmp_path):
             r.close()
 
 
+@pytest.mark.parametrize("where", ["connect", "reconnect"])
+def test_a_fork_as_a_connection_is_made_closes_it_in_the_child(tmp_path, where, monkeypatch):
+    """A fork (another thread's) between open_socket and the session's
+    entry in the store's sessions (RemoteStore() before it is live, or a
+    reconnect's _new_session): the at-fork handler did not know the socket,
+    so the child kept a copy of the parent's connection to the server,
+    which then saw it open after the parent closed it (its pins held for
+    as long as the child lived).  The child closes every connection the
+    client made."""
+    from kvblock.store import client as client_mod
+    from tests.serve.test_pin_lease import _until
+
+    real, armed, checked = client_mod.open_socket, [False], []
+
+    def forking_open_socket(path, timeout):
+        sock = real(path, timeout)
+        if armed[0]:
+            armed[0] = False
+            fd, ino = sock.fileno(), os.fstat(sock.fileno()).st_ino
+
+            def child():
+                try:
+                    return 1 if os.fstat(fd).st_ino == ino else 0   # still open: kept
+                except OSError:
+                    return 0                                        # closed
+            checked.append(exit_code_in_child(child))
+        return sock
+    monkeypatch.setattr(client_mod, "open_socket", forking_open_socket)
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock) as server:
+        if where == "connect":
+            armed[0] = True
+            r = RemoteStore(sock)
+        else:
+            r = RemoteStore(sock)
+            armed[0] = True
+            s = r._new_session()
+            s.close()
+        try:
+            assert checked == [0], "the forked child kept the connection being made"
+        finally:
+            r.close()
+        _until(lambda: server.client_count() == 0)
+
+
 def test_socket_directories(tmp_path):
     """A socket in a missing directory: made; one that cannot be made or
     bound: a ConfigError naming the path."""
