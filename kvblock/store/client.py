@@ -1753,7 +1753,8 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
         store._restart = functools.partial(ensure_server, socket_path, list(devices),
                                            start_timeout=start_timeout,
                                            server_options=server_options,
-                                           may_start=_start_guard(weakref.ref(store)))
+                                           may_start=_start_guard(weakref.ref(store)),
+                                           stop=store._stop)   # close() ends its waits
     return store
 
 

@@ -31,7 +31,8 @@ import time
 from typing import Sequence
 
 from kvblock.devices import refuse_one_path
-from kvblock.errors import ConfigError, ServerBusyError, ServerError, ServerGoneError
+from kvblock.errors import (ConfigError, ServerBusyError, ServerError, ServerGoneError,
+                            StoreClosedError)
 from kvblock.store.fence import FENCE_BYTE, _FLOCK, _ofd_lock, socket_fence_path
 from kvblock.store.session import open_socket
 
@@ -48,11 +49,17 @@ STOPPING_POLL_S = 0.02
 
 
 def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.0,
-                  server_options: dict | None = None, prepare=None, may_start=None) -> None:
+                  server_options: dict | None = None, prepare=None, may_start=None,
+                  stop: threading.Event | None = None) -> None:
     """Start a store server on ``devices`` at ``socket_path`` unless one
     answers there, under ``<socket_path>.lock`` (see
     :func:`kvblock.store.client.connect` for how ranks race to start it).
-    ``may_start``: see :func:`kvblock.store.server.spawn_server`."""
+    ``may_start``: see :func:`kvblock.store.server.spawn_server`.
+    ``stop``: once set (a reconnecting store closed), the waits before a
+    start (this process's start lock, the lock file, a server starting
+    without it) end with StoreClosedError at their next look; else the
+    reconnect thread lingered there after close(), up to start_timeout
+    (the start lock: with no limit)."""
     refuse_one_path(devices)     # one path: refused by name (a server on its characters)
     socket_path = socket_path_str(socket_path)
     from kvblock.store.server import MAX_SOCKET_PATH
@@ -68,9 +75,33 @@ def ensure_server(socket_path, devices: Sequence, *, start_timeout: float = 600.
     # lockf, not flock: a process forked meanwhile (from another thread) must
     # not inherit the lock and block every later start; lockf does not tell
     # this process's threads apart, so they take _START_LOCK first.
-    with _START_LOCK:
+    lock = _START_LOCK
+    if stop is None:
+        lock.acquire()
+    else:
+        while not lock.acquire(timeout=START_LOCK_POLL_S):
+            _check_stop(stop)
+    try:
         _start_locked(socket_path, lock_path, devices, start_timeout, server_options, prepare,
-                      may_start)
+                      may_start, stop)
+    finally:
+        lock.release()
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    """StoreClosedError once ``stop`` is set (ensure_server's)."""
+    if stop is not None and stop.is_set():
+        raise StoreClosedError("remote store was closed while it reconnected: no server "
+                               "started")
+
+
+def _pause(stop: threading.Event | None, seconds: float) -> None:
+    """Sleep ``seconds``, ended by ``stop`` (then StoreClosedError)."""
+    if stop is None:
+        time.sleep(seconds)
+        return
+    stop.wait(seconds)
+    _check_stop(stop)
 
 
 _START_LOCK = threading.Lock()
@@ -86,7 +117,7 @@ os.register_at_fork(after_in_child=_reset_start_lock)
 
 
 def _start_locked(socket_path, lock_path, devices, start_timeout, server_options,
-                  prepare, may_start=None) -> None:
+                  prepare, may_start=None, stop=None) -> None:
     from kvblock.store.server import spawn_server
 
     try:
@@ -97,14 +128,14 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
                           "to open it read-write (same user, or remove it), or choose "
                           "another socket path") from None
     try:
-        if not _lock_or_served(fd, socket_path, lock_path, start_timeout):
+        if not _lock_or_served(fd, socket_path, lock_path, start_timeout, stop):
             return                   # another rank started it while we waited
         if _answers(socket_path, 5.0):
             return                   # ... and released the lock just now
         # A server that no rank started under this lock (an operator's, or
         # one whose starter died) may be recovering the store: a second one
         # would find the devices busy (and prepare() would too).
-        if wait_for_starting_server(socket_path, start_timeout):
+        if wait_for_starting_server(socket_path, start_timeout, stop):
             return
         # prepare() may return an undo: called (still under the lock) when
         # no server comes up, e.g. to remove the store file it made.
@@ -115,7 +146,7 @@ def _start_locked(socket_path, lock_path, devices, start_timeout, server_options
         except ServerError:
             # Ours failed, maybe on the devices of one that began to start
             # just after the look above (before it marked itself starting).
-            if wait_for_starting_server(socket_path, start_timeout) or \
+            if wait_for_starting_server(socket_path, start_timeout, stop) or \
                     _answers(socket_path, 5.0):
                 return
             _undo(undo)
@@ -143,7 +174,7 @@ def _undo(undo) -> None:
                        "start failed: %s", e)
 
 
-def _lock_or_served(fd, socket_path, lock_path, start_timeout) -> bool:
+def _lock_or_served(fd, socket_path, lock_path, start_timeout, stop=None) -> bool:
     """Take the start lock (True), or see a server answer first (False).
     Not a blocking lockf: a rank stopped while it holds the lock (SIGSTOP, a
     debugger) would hang every other rank's connect() for good."""
@@ -163,7 +194,7 @@ def _lock_or_served(fd, socket_path, lock_path, start_timeout) -> bool:
                 f"held {lock_path} for over {start_timeout:g} s (start_timeout) without it "
                 "listening: that process is stopped or stuck (find it with "
                 f"`fuser {lock_path}`); kill it, or start `kvblock serve` yourself")
-        time.sleep(START_LOCK_POLL_S)
+        _pause(stop, START_LOCK_POLL_S)
 
 
 def _answers(socket_path, timeout: float) -> bool:
@@ -290,10 +321,12 @@ def server_starting(socket_path) -> bool:
         os.close(fd)
 
 
-def wait_for_starting_server(socket_path, timeout: float) -> bool:
+def wait_for_starting_server(socket_path, timeout: float,
+                             stop: threading.Event | None = None) -> bool:
     """True once a server answers on ``socket_path``, waiting (up to
     ``timeout``) while one is starting there; False at once when none
-    answers and none is starting (or one gave up starting)."""
+    answers and none is starting (or one gave up starting).  ``stop``: see
+    ensure_server."""
     deadline = time.monotonic() + timeout
     logged = False
     while True:
@@ -311,7 +344,7 @@ def wait_for_starting_server(socket_path, timeout: float) -> bool:
             logger.info("kvblock: a store server is starting on %s; waiting for it (up to "
                         "%g s)", socket_path, timeout)
             logged = True
-        time.sleep(START_LOCK_POLL_S)
+        _pause(stop, START_LOCK_POLL_S)
 
 
 def server_stopping(socket_path) -> bool:

@@ -1716,10 +1716,10 @@ def test_a_reconnect_starts_no_server_once_the_store_is_closed(tmp_path, monkeyp
     reached, go, spawned = threading.Event(), threading.Event(), []
     real_wait = launch.wait_for_starting_server
 
-    def last_look(socket_path, timeout):
+    def last_look(socket_path, timeout, stop=None):
         reached.set()                     # the thread is about to start a server
         assert go.wait(20)
-        return real_wait(socket_path, timeout)
+        return real_wait(socket_path, timeout, stop)
 
     def popen(cmd, **kw):                 # a server process would be started here
         spawned.append(cmd)
@@ -1742,6 +1742,64 @@ def test_a_reconnect_starts_no_server_once_the_store_is_closed(tmp_path, monkeyp
         assert r._session is old and r.counters["reconnects"] == 0
     finally:
         go.set()
+        r.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("waits_for", ["a starting server", "the start lock"])
+def test_close_ends_a_reconnect_waiting_in_ensure_server(tmp_path, waits_for, monkeypatch):
+    """connect(devices, reconnect=True): the reconnect thread, finding no
+    server, went into ensure_server, which waits (up to start_timeout) for
+    a server another process is starting there, or for this process's
+    start lock another thread holds (no limit).  A close() meanwhile
+    started nothing, but the thread lingered there until that wait ended,
+    holding the store (and, in the lock file's wait, its descriptor).
+    close() now ends it at its next look."""
+    from kvblock.store import launch
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    server = serve_in_background([path], sock)
+    r = connect(sock, [path], reconnect=True, start_timeout=120)
+    waiting = threading.Event()
+    held = threading.Lock()
+    if waits_for == "a starting server":
+        def starting(socket_path):           # another process's server starts there
+            waiting.set()
+            return True
+        monkeypatch.setattr(launch, "server_starting", starting)
+    else:
+        real_lock = launch._START_LOCK
+
+        class Lock:       # another thread of this process starts a server
+            def acquire(self, blocking=True, timeout=-1):
+                waiting.set()
+                return held.acquire(blocking, timeout)
+
+            def release(self):
+                held.release()
+
+            def __enter__(self):
+                self.acquire()
+                return self
+
+            def __exit__(self, *exc):
+                self.release()
+        held.acquire()
+        monkeypatch.setattr(launch, "_START_LOCK", Lock())
+    try:
+        server.stop()
+        with pytest.raises(ServerGoneError):
+            r.lookup(run_keys(0, 1))      # the reconnect thread starts
+        assert waiting.wait(20)
+        thread = r._reconnector
+        r.close()
+        thread.join(5)
+        assert not thread.is_alive(), "the reconnect thread lingered after close()"
+    finally:
+        if waits_for == "the start lock":
+            held.release()
+            monkeypatch.setattr(launch, "_START_LOCK", real_lock)
         r.close()
         server.stop()
 
