@@ -85,6 +85,7 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
                           f"(e.g. 1 << 30 for 1 GiB), got {size!r}")
     size = int(size)
     _refuse_nul(path)
+    _refuse_folder_path(path)
     path = Path(path)
     if not os.path.exists(path):   # missing, or a link to a missing name
         _refuse_dev(path)
@@ -184,6 +185,9 @@ def new_file(path: str | os.PathLike, size: int) -> list[str] | None:
     process made the file meanwhile (it is theirs: a store they may have
     formatted and hold, which no failure here may remove)."""
     _refuse_nul(path)
+    # before realpath, which drops the slash: "made" would name the file
+    # before it, perhaps one that exists (a store), for remove_made
+    _refuse_folder_path(path)
     made = os.path.realpath(path)
     folders = []
     parent = os.path.dirname(made)
@@ -259,6 +263,35 @@ def _refuse_nul(path) -> None:
         raise DeviceNotFoundError(
             f"{p!r}: no such device or file: the path contains a NUL byte, which no file "
             "name can; check the path", p, errno.ENOENT)
+
+
+def _refuse_folder_path(path) -> None:
+    """DevicePathError for a path that ends in a slash, where no file can be
+    made: it names a folder.  pathlib drops the slash, so create_file made
+    (or took) the file before it, which the path as given then failed to
+    open (ENOTDIR): "no such device or file" of what was just made."""
+    p = os.fspath(path)
+    if not p.endswith(b"/" if isinstance(p, bytes) else "/"):
+        return
+    text = os.fsdecode(p)
+    stripped = _trailing_slash(text)
+    fix = (f"{stripped} is no folder; give {stripped}"
+           if stripped is not None and not os.path.isdir(stripped) else
+           f"give a file name (e.g. {os.path.join(text, 'kv.img')})")
+    raise DevicePathError(f"{text}: cannot create the store file: the path ends in /, which "
+                          f"names a folder; {fix}", p, errno.EISDIR)
+
+
+def _trailing_slash(path: str) -> str | None:
+    """The device or file that ``path``, given with a slash at its end,
+    names without it (None when there is none, or no slash): opened, the
+    slash fails with ENOTDIR, which said the device did not exist."""
+    if not isinstance(path, str):
+        return None
+    stripped = path.rstrip("/")
+    if stripped and stripped != path and os.path.lexists(stripped):
+        return stripped
+    return None
 
 
 def _refuse_dev(path: Path) -> None:
@@ -574,6 +607,12 @@ class Device:
         try:
             st = os.stat(self.path)
         except (FileNotFoundError, NotADirectoryError) as e:   # ENOTDIR: a file on the way
+            stripped = _trailing_slash(self.path)
+            if stripped is not None:
+                raise DeviceNotFoundError(
+                    f"{self.path}: no such device or file: the path ends in /, which names "
+                    f"a folder, and {stripped} is none; give {stripped}", self.path,
+                    e.errno) from None
             # On /dev's devtmpfs: a mistyped device name, where no store
             # file is created (format refuses it), so no advice to make one
             _refuse_dev(Path(self.path))

@@ -2201,3 +2201,34 @@ def test_a_loop_device_attached_read_only_is_not_told_blockdev_setrw(tmp_path):
     one_line_error(res, 17, dev, "attached read-only", f"losetup -d {dev}",
                    f"losetup -f --show --direct-io=on {backing}")
     assert f"blockdev --setrw {dev}" not in res.stderr, res.stderr
+
+
+def test_a_path_with_a_trailing_slash_is_a_folder_not_a_missing_device(tmp_path, loop_device):
+    """`kvblock format /var/lib/kvblock/ --size 8M` (a folder's path, a
+    slash at its end) created the file /var/lib/kvblock (pathlib drops the
+    slash), failed to open the path as given (ENOTDIR) and removed it:
+    exit 3, "no such device or file; check the path (create a store file
+    with `kvblock format FILE --size SIZE ...`)", the very command run.
+    A path no file can be made at is a bad argument (exit 8) naming the
+    slash.  And `kvblock info /dev/loopN/` said "/dev/loopN: no such
+    device (lsblk lists the block devices)" of a device that exists."""
+    from kvblock import errors
+    from kvblock.devices import create_file
+
+    folder = tmp_path / "kvblock"
+    res = kvb("format", f"{folder}/", "--size", "8M", *GEOM_ARGS)
+    one_line_error(res, 8, f"{folder}/", "ends in /", "file name")
+    assert "--size SIZE" not in res.stderr, res.stderr
+    assert not folder.exists()
+    with pytest.raises(errors.DevicePathError):
+        create_file(f"{folder}/", 4096)
+    assert not folder.exists()
+    store = tmp_path / "kv.img"                    # a file before the slash: left as it is
+    store.write_bytes(b"x" * 4096)
+    one_line_error(kvb("format", f"{store}/", "--size", "8M", *GEOM_ARGS), 8, f"give {store}")
+    assert store.read_bytes() == b"x" * 4096
+    dev = loop_device(16 << 20)
+    for cmd in ("info", "fsck"):
+        res = kvb(cmd, f"{dev}/")
+        one_line_error(res, 3, f"{dev}/", "ends in /", f"give {dev}")
+        assert "lsblk" not in res.stderr, res.stderr
