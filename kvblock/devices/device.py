@@ -254,11 +254,16 @@ def remove_made(made: list[str] | None) -> None:
 
 
 def _refuse_nul(path) -> None:
-    """DeviceNotFoundError for a path with a NUL byte in it (a stray \\u0000
-    in a config), which names no file: os.stat and open raise a bare
-    ValueError on it.  The message shows it escaped (printed, the byte is
+    """DeviceNotFoundError for an empty path, or one with a NUL byte in it
+    (a stray \\u0000 in a config), which names no file: os.stat and open
+    raise a bare ValueError on it.  The message shows it escaped (printed, the byte is
     invisible)."""
     p = os.fspath(path)
+    if not p:
+        # (an unset variable: "$DEV"): pathlib takes it for the current folder
+        raise DeviceNotFoundError(
+            "no such device or file: the device path is empty (an unset variable?); give "
+            "the device (e.g. /dev/nvme1n1) or store file", p, errno.ENOENT)
     if ("\0" if isinstance(p, str) else b"\0") in p:
         raise DeviceNotFoundError(
             f"{p!r}: no such device or file: the path contains a NUL byte, which no file "

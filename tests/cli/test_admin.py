@@ -2232,3 +2232,20 @@ def test_a_path_with_a_trailing_slash_is_a_folder_not_a_missing_device(tmp_path,
         res = kvb(cmd, f"{dev}/")
         one_line_error(res, 3, f"{dev}/", "ends in /", f"give {dev}")
         assert "lsblk" not in res.stderr, res.stderr
+
+
+def test_an_empty_device_path_is_said_empty(tmp_path):
+    """`kvblock info "$DEV"` with DEV unset said ": no such device or file;
+    check the path", naming nothing; `kvblock format "" --size 8M` the
+    same, after create_file took "" for the current folder.  Each says the
+    path is empty (exit 3, as a missing device), and nothing is made."""
+    for args in (("info", ""), ("fsck", ""), ("format", "", "--size", "8M", *GEOM_ARGS),
+                 ("bench", "", "--size", "8M", "--seconds", "0.1")):
+        res = subprocess.run([sys.executable, "-m", "kvblock", *map(str, args)],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=60,
+                             env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                 [ROOT, os.environ.get("PYTHONPATH", "")])},
+                             stdin=subprocess.DEVNULL)
+        one_line_error(res, 3, "the device path is empty")
+        assert "error: :" not in res.stderr, res.stderr
+    assert not os.listdir(tmp_path)
