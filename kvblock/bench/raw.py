@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvblock.devices import Device
-from kvblock.devices.device import new_file, remove_made
+from kvblock.devices.device import new_file, refuse_missing, remove_made
 from kvblock.errors import ConfigError
 from kvblock.io import OP_READ, OP_WRITE, IOBatch, open_engine
 from kvblock.memory import HostBuffer
@@ -56,6 +56,9 @@ def run_raw(target: str, workload: str, bs: int, qd: int, seconds: float,
     if size is not None and size <= 0:   # 0 is not "no size": refused, not the whole target
         raise ConfigError(f"--size must be positive, got {size} (leave it out to use the "
                           "whole target)")
+    if not size and not os.path.exists(target):
+        # bench's own fix (Device's says kvblock format FILE --size ...)
+        refuse_missing(target, "pass --size to create a file of that size there")
     made = new_file(target, size) if size and not os.path.exists(target) else None
     try:
         return _run_raw(target, workload, bs, qd, seconds, size, engine, progress)

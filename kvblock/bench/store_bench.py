@@ -12,7 +12,6 @@ its own is refused.
 
 from __future__ import annotations
 
-import errno
 import os
 import threading
 import time
@@ -20,8 +19,8 @@ import time
 import numpy as np
 
 from kvblock.devices import Device
-from kvblock.devices.device import new_file, remove_made
-from kvblock.errors import ConfigError, DeviceNotFoundError, DeviceTooSmallError, KVBlockError
+from kvblock.devices.device import new_file, refuse_missing, remove_made
+from kvblock.errors import ConfigError, DeviceTooSmallError, KVBlockError
 from kvblock.layout import Geometry
 from kvblock.memory import HostBuffer
 from kvblock.store import KVStore
@@ -43,8 +42,7 @@ def run_store_bench(target: str, workload: str, geometry: Geometry, run_blocks: 
         if not size:
             # the path not found, as a raw workload and every other command
             # say it (exit 3), not a bad argument
-            raise DeviceNotFoundError(f"{target}: no such device or file; pass --size to "
-                                      "create a store file there", target, errno.ENOENT)
+            refuse_missing(target, "pass --size to create a store file there")
         made = new_file(target, size)
     elif size:
         _check_size(target, size)

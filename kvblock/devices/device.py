@@ -299,6 +299,29 @@ def _trailing_slash(path: str) -> str | None:
     return None
 
 
+def _slash_refusal(path: str, stripped: str, code: int) -> DeviceNotFoundError:
+    """The error for ``path``, a device or file given with a slash at its
+    end (``stripped``: without it)."""
+    return DeviceNotFoundError(f"{path}: no such device or file: the path ends in /, which "
+                               f"names a folder, and {stripped} is none; give {stripped}",
+                               path, code)
+
+
+def refuse_missing(path: str | os.PathLike, fix: str):
+    """DeviceNotFoundError for ``path``, which does not exist, with ``fix``:
+    the way the command at hand makes one (bench's --size).  Not where that
+    way is none: a name on /dev's devtmpfs is a mistyped device, where no
+    file is made (_refuse_dev's advice), and a path with a slash at its end
+    names a folder."""
+    p = os.fspath(path)
+    _refuse_nul(p)
+    stripped = _trailing_slash(p)
+    if stripped is not None:
+        raise _slash_refusal(p, stripped, errno.ENOENT)
+    _refuse_dev(Path(p))
+    raise DeviceNotFoundError(f"{p}: no such device or file; {fix}", p, errno.ENOENT)
+
+
 def _refuse_dev(path: Path) -> None:
     """A path to create on /dev's own filesystem (devtmpfs: memory, where the
     kernel puts device nodes) is a mistyped device name (/dev/nvme0n2 for
@@ -614,10 +637,7 @@ class Device:
         except (FileNotFoundError, NotADirectoryError) as e:   # ENOTDIR: a file on the way
             stripped = _trailing_slash(self.path)
             if stripped is not None:
-                raise DeviceNotFoundError(
-                    f"{self.path}: no such device or file: the path ends in /, which names "
-                    f"a folder, and {stripped} is none; give {stripped}", self.path,
-                    e.errno) from None
+                raise _slash_refusal(self.path, stripped, e.errno) from None
             # On /dev's devtmpfs: a mistyped device name, where no store
             # file is created (format refuses it), so no advice to make one
             _refuse_dev(Path(self.path))

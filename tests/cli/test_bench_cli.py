@@ -76,6 +76,22 @@ def test_bench_missing_target_exit_code(tmp_path, workload):
     assert not (tmp_path / "missing.img").exists()
 
 
+@pytest.mark.parametrize("workload", ["read", "write", "save", "restore"])
+def test_bench_missing_target_says_the_fix_bench_takes(tmp_path, workload):
+    """A missing file: a raw workload said "create a store file with
+    `kvblock format FILE --size SIZE ...`" (bench's own fix is its --size,
+    which needs no store).  A missing /dev name (a mistyped device): a
+    store workload said "pass --size to create a store file there", which
+    --size then refused (no store file is made on /dev)."""
+    for target, fix, wrong in ((tmp_path / "missing.img", "pass --size", "kvblock format"),
+                               ("/dev/kvblock-no-such-nvme", "lsblk", "pass --size")):
+        res = CliRunner().invoke(cli, ["bench", str(target), "--workload", workload,
+                                       "--seconds", "0.1", "--yes"])
+        assert res.exit_code == 3, res.output
+        assert fix in res.stderr and wrong not in res.stderr, res.stderr
+    assert not os.listdir(tmp_path)
+
+
 def test_bench_unaligned_bs(file_target):
     res = CliRunner().invoke(cli, ["bench", file_target(1 << 20), "--bs", "1000",
                                    "--seconds", "0.1"])
