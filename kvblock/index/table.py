@@ -163,10 +163,22 @@ class KeyTable:
         else:        # all new (recovery's batch of every key): no copy of them
             overwritten = np.zeros(0, dtype=np.int64)
         del slots, present       # not held through a grow
-        if (self.used + lo.size) > MAX_LOAD * self.cap:
-            self._grow(self.live + lo.size)
-        self._insert_new(lo, hi, values)
+        try:
+            if (self.used + lo.size) > MAX_LOAD * self.cap:
+                self._grow(self.live + lo.size)
+            self._insert_new(lo, hi, values)
+        except BaseException:
+            self._recount()
+            raise
         return overwritten
+
+    def _recount(self):
+        """The live and used counts from the slots: after an insert cut
+        short (a KeyboardInterrupt between a round's keys placed and their
+        count), else len() stays short of the keys held for good (a remove
+        of them takes it below zero) and the next grow is sized by it."""
+        self.live = int((self.val >= 0).sum())
+        self.used = int((self.val != EMPTY).sum())
 
     def _put_few(self, los: list[int], his: list[int], vals: list[int]) -> np.ndarray:
         """put() of a few keys given as Python ints, one by one (a put of a
@@ -181,26 +193,34 @@ class KeyTable:
             else:
                 new.append(i)
         if new:
-            if self.used + len(new) > MAX_LOAD * self.cap:
-                self._grow(self.live + len(new))
-            # Placed as _insert_new places them (the same slots, so the same
-            # tombstones reused): in rounds, each key at a free slot claims
-            # it, the last claimant of a slot takes it, the others step on.
-            val, mask, shift = self.val, self.cap - 1, int(self.shift)
-            pending = [(i, _home_of(los[i], his[i], shift)) for i in new]
-            while pending:
-                claims = {slot: i for i, slot in pending if val.item(slot) < 0}
-                later = []
-                for i, slot in pending:
-                    if claims.get(slot) != i:
-                        later.append((i, (slot + 1) & mask))
-                        continue
-                    if val.item(slot) == EMPTY:
-                        self.used += 1       # a tombstone reused was counted already
-                    self.lo[slot], self.hi[slot], val[slot] = los[i], his[i], vals[i]
-                pending = later
-            self.live += len(new)
+            try:
+                self._insert_few(los, his, vals, new)
+            except BaseException:
+                self._recount()      # (see put())
+                raise
         return np.array(overwritten, dtype=np.int64)
+
+    def _insert_few(self, los: list[int], his: list[int], vals: list[int], new: list[int]):
+        """_put_few's insert of the keys ``new`` indexes (absent ones)."""
+        if self.used + len(new) > MAX_LOAD * self.cap:
+            self._grow(self.live + len(new))
+        # Placed as _insert_new places them (the same slots, so the same
+        # tombstones reused): in rounds, each key at a free slot claims
+        # it, the last claimant of a slot takes it, the others step on.
+        val, mask, shift = self.val, self.cap - 1, int(self.shift)
+        pending = [(i, _home_of(los[i], his[i], shift)) for i in new]
+        while pending:
+            claims = {slot: i for i, slot in pending if val.item(slot) < 0}
+            later = []
+            for i, slot in pending:
+                if claims.get(slot) != i:
+                    later.append((i, (slot + 1) & mask))
+                    continue
+                if val.item(slot) == EMPTY:
+                    self.used += 1       # a tombstone reused was counted already
+                self.lo[slot], self.hi[slot], val[slot] = los[i], his[i], vals[i]
+            pending = later
+        self.live += len(new)
 
     def _insert_new(self, lo, hi, values):
         step = BATCH_CHUNK

@@ -698,3 +698,37 @@ def test_a_large_put_holds_little_beyond_the_table():
     assert peak <= table.nbytes + 16 * n + (8 << 20), (peak >> 20, table.nbytes >> 20)
     assert (table.get(lo, hi) == values).all()
 
+
+@pytest.mark.parametrize("batch", [5, 300], ids=["few keys", "a batch"])
+def test_a_put_interrupted_at_any_line_keeps_the_table_and_its_counts(batch):
+    """A KeyboardInterrupt landing at any line of KeyTable.put (the grow it
+    runs, the insert): cut between a round's keys placed and the live count,
+    len() stayed short of the keys the table holds for good (a remove of
+    them then took it below zero), and a grow sized the new table by that
+    count.  The table holds the keys before the put, each new one with its
+    value or not at all, and counts them (its used count no lower than the
+    slots taken, on which its probes' ending rests)."""
+    from kvblock.index.table import EMPTY, KeyTable, split_keys
+
+    old = 20
+    n, fired = 0, []
+    while True:
+        n += 1
+        table = KeyTable(16)
+        lo, hi = split_keys(b"".join(k(i) for i in range(old)))
+        table.put(lo, hi, np.arange(old))
+        table.remove(lo[:3], hi[:3])                  # tombstones an insert reuses
+        nlo, nhi = split_keys(b"".join(k(i) for i in range(1000, 1000 + batch)))
+        where = _interrupt_at_line([KeyTable.put, KeyTable._put_few, KeyTable._insert_few, KeyTable._grow,
+                                    KeyTable._rebuild, KeyTable._alloc, KeyTable._insert_new,
+                                    KeyTable.find],
+                                   n, lambda: table.put(nlo, nhi, np.arange(batch) + 5000))
+        if where is None:
+            break
+        fired.append(where)
+        assert table.live == int((table.val >= 0).sum()), where
+        assert table.used >= int((table.val != EMPTY).sum()), where
+        assert table.get(lo, hi).tolist() == [-1] * 3 + list(range(3, old)), where
+        got = table.get(nlo, nhi)
+        assert ((got == np.arange(batch) + 5000) | (got == -1)).all(), where
+    assert len(fired) > 20, len(fired)
