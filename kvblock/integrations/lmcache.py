@@ -685,32 +685,40 @@ class KVBlockStorageBackend(StoragePluginInterface):
             return []
         stored = len(kbs) if found.all() else int(np.argmin(found))
         objs: list[MemoryObj] = []
-        for key in keys[:stored]:
-            obj = self.local_cpu_backend.allocate(self.chunk.shapes, self.chunk.dtypes,
-                                                  self.chunk.fmt, busy_loop=busy_loop)
-            if obj is None:
-                logger.warning("kvblock: no CPU memory for chunk %s", key.to_string())
-                break
-            objs.append(obj)
-        if not objs:
-            return []
-        n = self.chunk.nbytes
-        blocks = ([_obj_bytes(o, n) for o in objs] if not self.positions
-                  else list(aligned_empty(len(objs) * self.block_bytes).reshape(len(objs), -1)))
+        got = 0
         try:
-            got = self.store.get_blocks(kbs[:len(objs)], blocks)
-        except KVBlockError as e:
-            self._failed(f"reading chunk {keys[0].to_string()}", e)
-            got = 0
-        if self.positions:             # the bytes into the objects, positions beside
-            for obj, row in zip(objs[:got], blocks):
-                _obj_bytes(obj, n)[:] = row[:n]
-                tail = row[n:].view(np.int64)
-                count = int(tail[0])
-                obj.metadata.cached_positions = (
-                    None if count < 0 else torch.from_numpy(tail[1:1 + count].copy()))
-        for obj in objs[got:]:          # evicted or removed meanwhile, or a bad checksum
-            obj.ref_count_down()
+            for key in keys[:stored]:
+                obj = self.local_cpu_backend.allocate(self.chunk.shapes, self.chunk.dtypes,
+                                                      self.chunk.fmt, busy_loop=busy_loop)
+                if obj is None:
+                    logger.warning("kvblock: no CPU memory for chunk %s", key.to_string())
+                    break
+                objs.append(obj)
+            if not objs:
+                return []
+            n = self.chunk.nbytes
+            blocks = ([_obj_bytes(o, n) for o in objs] if not self.positions
+                      else list(aligned_empty(len(objs) * self.block_bytes)
+                                .reshape(len(objs), -1)))
+            try:
+                read = self.store.get_blocks(kbs[:len(objs)], blocks)
+            except KVBlockError as e:
+                self._failed(f"reading chunk {keys[0].to_string()}", e)
+                read = 0
+            if self.positions:             # the bytes into the objects, positions beside
+                for obj, row in zip(objs[:read], blocks):
+                    _obj_bytes(obj, n)[:] = row[:n]
+                    tail = row[n:].view(np.int64)
+                    count = int(tail[0])
+                    obj.metadata.cached_positions = (
+                        None if count < 0 else torch.from_numpy(tail[1:1 + count].copy()))
+            got = read
+        finally:
+            # evicted or removed meanwhile, or a bad checksum; all of them
+            # on any other error (a failed allocation or copy, an interrupt):
+            # each allocated object goes back to LMCache's allocator
+            for obj in objs[got:]:
+                obj.ref_count_down()
         return objs[:got]
 
     def get_blocking(self, key: CacheEngineKey) -> MemoryObj | None:

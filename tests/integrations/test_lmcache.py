@@ -743,6 +743,42 @@ def test_a_forced_remove_ends_the_lookup_pins_on_the_key(file_target, engines):
     assert e.plugin._pins == {} and not (e.plugin.store.regions.pins > 0).any()
 
 
+@pytest.mark.parametrize("where", ["read", "allocate", "interrupt"])
+def test_a_load_failing_past_its_allocations_frees_every_object(file_target, engines, where):
+    """_load_prefix allocates a MemoryObj per stored chunk, then reads into
+    them; an error other than a store failure (a RuntimeError of the read
+    or of LMCache's allocator on a later chunk, a KeyboardInterrupt) must
+    still give every allocated object back to LMCache's allocator, not
+    leak it (LMCache's CPU pool would shrink for good)."""
+    e = Engine([file_target()])
+    engines.append(e)
+    keys = [e.key(h) for h in (131, 132, 133)]
+    e.put(keys, [e.chunk() for _ in keys])
+    cpu = e.plugin.local_cpu_backend
+    real_allocate, made = cpu.allocate, []
+
+    def allocate(*args, **kwargs):
+        if where == "allocate" and len(made) == 2:
+            raise RuntimeError("allocator failed")
+        obj = real_allocate(*args, **kwargs)
+        made.append(obj)
+        return obj
+
+    def get_blocks(kbs, outs):
+        raise (KeyboardInterrupt() if where == "interrupt" else ValueError("bad copy"))
+
+    cpu.allocate = allocate
+    e.plugin.store.get_blocks = get_blocks
+    try:
+        with pytest.raises((RuntimeError, ValueError, KeyboardInterrupt)):
+            e.plugin.batched_get_blocking(keys)
+    finally:
+        del cpu.allocate
+        del e.plugin.store.get_blocks
+    assert made and [o.get_ref_count() for o in made] == [0] * len(made), \
+        "allocated objects leaked"
+
+
 def test_a_put_after_the_writers_stopped_is_dropped_cleanly(file_target, engines):
     """StorageManager.close() closes LocalCPUBackend first, and the plugin's
     hook on it stops the writer threads; a put arriving then (another
