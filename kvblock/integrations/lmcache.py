@@ -253,6 +253,15 @@ def _obj_bytes(obj: MemoryObj, nbytes: int) -> np.ndarray:
     return np.frombuffer(obj.byte_array, dtype=np.uint8, count=nbytes)
 
 
+def _free_loaded(load: Future) -> None:
+    """A load's future, done: the objects it read, none of them handed on,
+    back to LMCache's allocator."""
+    if load.cancelled() or load.exception() is not None:
+        return
+    for obj in load.result():
+        obj.ref_count_down()
+
+
 class KVBlockStorageBackend(StoragePluginInterface):
     """LMCache storage plugin over a kvblock store (see the module docstring)."""
 
@@ -756,8 +765,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
             started = self._lookup_pins.pop(lookup_id, (0, []))[1]
         try:
             try:
-                load = loop.run_in_executor(self.loader, self._load_prefix, list(keys),
-                                            False)
+                load = self.loader.submit(self._load_prefix, list(keys), False)
             except RuntimeError:
                 # The loads' threads are stopped: LocalCPUBackend's
                 # close (the hook above) or this plugin's ran first, and
@@ -765,7 +773,14 @@ class KVBlockStorageBackend(StoragePluginInterface):
                 logger.warning("kvblock: not loading %d chunks (%s...): the plugin is "
                                "closing", len(keys), keys[0].to_string() if keys else "")
                 load = None
-            objs = [] if load is None else await load
+            try:
+                objs = [] if load is None else await asyncio.wrap_future(load, loop=loop)
+            except asyncio.CancelledError:
+                # The task awaiting the load is cancelled (a prefetch given
+                # up, the loop's tasks at close): the loader thread still
+                # reads, and what it returns reaches no one.  Give it back.
+                load.add_done_callback(_free_loaded)
+                raise
             if self.layerwise and transfer_spec is None and len(objs) < len(keys):
                 # One layer of every chunk (retrieve_layer): LMCache's
                 # layer-wise connectors zip what comes back with the chunks,

@@ -779,6 +779,54 @@ def test_a_load_failing_past_its_allocations_frees_every_object(file_target, eng
         "allocated objects leaked"
 
 
+def test_a_cancelled_async_load_frees_the_objects_it_read(file_target, engines):
+    """batched_get_non_blocking awaits its load on a loader thread; when the
+    awaiting task is cancelled (the request's prefetch cancelled, the event
+    loop's tasks cancelled at close) the thread still reads and returns
+    its MemoryObjs, which nobody then receives: each must go back to
+    LMCache's allocator, not leak."""
+    import threading
+
+    e = Engine([file_target()])
+    engines.append(e)
+    keys = [e.key(h) for h in (151, 152)]
+    e.put(keys, [e.chunk() for _ in keys])
+    entered, gate, done, loaded = (threading.Event(), threading.Event(), threading.Event(),
+                                   [])
+    real_get_blocks, real_load = e.plugin.store.get_blocks, e.plugin._load_prefix
+
+    def held_get_blocks(kbs, outs):
+        entered.set()
+        assert gate.wait(30)
+        return real_get_blocks(kbs, outs)
+
+    def recorded_load(*args):
+        try:
+            objs = real_load(*args)
+            loaded.extend(objs)
+            return objs
+        finally:
+            done.set()
+    e.plugin.store.get_blocks = held_get_blocks
+    e.plugin._load_prefix = recorded_load
+    try:
+        fut = asyncio.run_coroutine_threadsafe(
+            e.plugin.batched_get_non_blocking("c", keys), e.manager.loop)
+        assert entered.wait(30)
+        fut.cancel()
+        with pytest.raises(BaseException):      # CancelledError (of either kind)
+            fut.result(30)
+    finally:
+        gate.set()
+    assert done.wait(30)
+    # (given back on the loader thread as its future completes, just after)
+    deadline = time.monotonic() + 30
+    while any(o.get_ref_count() for o in loaded) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(loaded) == 2
+    assert [o.get_ref_count() for o in loaded] == [0, 0], "the cancelled load's objects leaked"
+
+
 def test_a_put_after_the_writers_stopped_is_dropped_cleanly(file_target, engines):
     """StorageManager.close() closes LocalCPUBackend first, and the plugin's
     hook on it stops the writer threads; a put arriving then (another
