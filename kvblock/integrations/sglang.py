@@ -166,7 +166,10 @@ _OWN_KEYS = {"devices", "server", "format", "size", "namespace", "model", "max_r
 # SGLang's own keys in the same dict (the dynamic loader's, and HiCache's)
 _KNOWN_KEYS = _OWN_KEYS | {"backend_name", "module_path", "class_name", "interface_v1",
                            "prefetch_threshold", "prefetch_timeout_base",
-                           "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys"}
+                           "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys",
+                           # set by SGLang itself (unified radix cache) whenever
+                           # --file-storage-path is given: no misspelling to warn of
+                           "file_storage_path"}
 
 
 # ---------------------------------------------------------------------- helpers

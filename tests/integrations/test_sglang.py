@@ -752,9 +752,12 @@ def test_settings_typed_by_hand(file_target, backends, caplog):
     default = KVBlockHiCacheStorage(storage_config([file_target()]), {})
     assert zero.namespace == "0" and zero.prefix != default.prefix
     with caplog.at_level("WARNING", logger="kvblock.integrations.sglang"):
-        foreign = attach(pool, [file_target()], file_storage_path="/x", queue_depth="8")
+        foreign = attach(pool, [file_target()], extra_backend_tag="t", queue_depth="8",
+                         file_storage_path="/x")
     backends.append(foreign)
-    assert "['file_storage_path'] are not kvblock's" in caplog.text
+    # file_storage_path: SGLang's own (its unified radix cache adds it to
+    # the dict whenever --file-storage-path is set), not warned of
+    assert "['extra_backend_tag'] are not kvblock's" in caplog.text
     for typo, meant in (("sever", "server"), ("fromat", "format"), ("Max-Run-Bytes",
                                                                       "max_run_bytes"),
                         ("admit_afer", "admit_after")):
