@@ -135,10 +135,6 @@ RECONNECT_MAX_INTERVAL_S = 10.0
 # retried by the thread; a call this long after the refusal tries once more
 # (the operator may have restarted the right server meanwhile).
 REFUSED_RETRY_S = 10.0
-# Offers a put could not give back (its connection abandoned after a
-# timeout, the server perhaps alive): at most this many wait for a
-# connection to that server (see RemoteStore._settle_owed_offers).
-OWED_OFFERS_KEPT = 1024
 
 
 def _reconnect_loop(ref, stop: threading.Event) -> None:
@@ -293,9 +289,6 @@ class RemoteStore(RunReader, RunWriter):
         self._forked = False
         # a put_runs' session, per thread: every call it makes goes there (_put_many)
         self._bound = threading.local()
-        # (server run, offers) a put could not give back: _settle_owed_offers
-        self._owed_offers: list = []
-        self._owed_lock = threading.Lock()
         # puts between their allocation and their commit's answer: close() waits for them
         self._publishing: set = set()    # (a token per put: _put_under_way)
         self._writes_cut = False     # close() stopped waiting for them: none may write now
@@ -825,12 +818,11 @@ class RemoteStore(RunReader, RunWriter):
         # reconnect) was counted by the new server, which decided none of
         # them; the old server gone, the call raises ServerGoneError, as a
         # put whose server dies between its pieces.
-        self._bound.session, self._bound.ticket = self._current(), None
+        self._bound.session = self._current()
         try:
-            self._settle_owed_offers(self._bound.session)
             return self._put_many_on(items, self._bound.session)
         finally:
-            self._bound.session = self._bound.ticket = None
+            self._bound.session = None
 
     def _put_many_on(self, items: list, s: "Session") -> list[int]:
         """put_runs of several items, every call on session ``s``."""
@@ -839,7 +831,7 @@ class RemoteStore(RunReader, RunWriter):
         # and the first admit published runs planned on the keys the clear
         # removed (a run counted stored as a duplicate of them, not stored).
         # A clear() from here on refuses every run, as KVStore's.
-        clears = self._bound.ticket = self.clear_ticket()
+        clears = self.clear_ticket()
         # Which keys the store holds, asked once: the server's admit sees
         # none of this call's runs (they are published together, after
         # every admit), so a run held whole by the store and the call's
@@ -940,12 +932,11 @@ class RemoteStore(RunReader, RunWriter):
         # ServerGoneError, as a put whose server dies midway.
         if getattr(self._bound, "session", None) is not None:
             return self._put_on(keys, blocks, self._bound.session)
-        self._bound.session, self._bound.ticket = self._current(), None
+        self._bound.session = self._current()
         try:
-            self._settle_owed_offers(self._bound.session)
             return self._put_on(keys, blocks, self._bound.session)
         finally:
-            self._bound.session = self._bound.ticket = None
+            self._bound.session = None
 
     def _put_on(self, keys: list[bytes], blocks, s: "Session") -> int:
         """put_run of one run, every call on session ``s``."""
@@ -963,7 +954,6 @@ class RemoteStore(RunReader, RunWriter):
         # a declined run is counted at once (by the server's admit), but for
         # one refused whatever admit says (its offer given back, below)
         verdict, clears = self._admit(keys, count=too_long is None)
-        self._bound.ticket = clears       # the server that counted the offer
         if verdict == "duplicate":
             self.counters.add("put_duplicate_runs")
             return n
@@ -1024,53 +1014,30 @@ class RemoteStore(RunReader, RunWriter):
 
     def _give_back_offers(self, offers: list) -> None:
         """Give offers back to the server's admission, which counted them
-        (best effort: a server gone took its offer counts with it).
-        ``offers`` is emptied before they are sent, as KVStore's (see
-        RunWriter._give_back_offers): a caller that calls again after a
-        KeyboardInterrupt sends none twice."""
+        (best effort: a server gone took its offer counts with it), on the
+        connection their put's admits went to (``self._bound.session``)
+        or not at all.  ``offers`` is emptied before they are sent, as
+        KVStore's (see RunWriter._give_back_offers): a caller that calls
+        again after a KeyboardInterrupt sends none twice.
+
+        Never sent again, on that connection or another: the server tracks
+        the offers counted on each connection and gives back itself those
+        open when it ends.  One this could not send (the connection
+        abandoned after a timeout or a cut call) is given back there, and
+        one whose answer was lost was given back already; sent again on a
+        later connection, it was given back twice (a declined one counted
+        one offer less: another rank's offer of the key cancelled)."""
         if not offers:
             return
         s = getattr(self._bound, "session", None)
         keys, admitted = encode_keys([k for k, _ in offers]), [bool(a) for _, a in offers]
-        sent = offers[:]
-        del offers[:]       # (no call between the copy and this)
-        try:
-            self._call("give_back", keys=keys, admitted=admitted)
-        except KVBlockError as e:
-            logger.debug("kvblock: give_back to %s: %s", self.socket_path, e)
-            # A connection abandoned after a timeout: its server may live
-            # on, its admission holding the offer used up (the key's next
-            # offer declined again); given back once a connection reaches
-            # that server (a restarted one never counted it).
-            run = _server_run(getattr(self._bound, "ticket", None))
-            if s is not None and s.gone is not None and run and self._reconnect and \
-                    not self.closed:
-                with self._owed_lock:
-                    self._owed_offers.append((run, sent))
-                    del self._owed_offers[:-OWED_OFFERS_KEPT]
-
-    def _settle_owed_offers(self, s: "Session") -> None:
-        """Give the offers _give_back_offers could not give back to the
-        server of session ``s``, those its server counted (by the run its
-        clear ticket names); the others' server is gone, with its counts.
-        Before a put's admit: the key's next offer must find it given back."""
-        with self._owed_lock:
-            owed, self._owed_offers = self._owed_offers, []
-        if not owed:
+        del offers[:]       # (no call between the encoding and this)
+        if s is None:       # (no put's connection: the server gives them back at its end)
             return
         try:
-            run = _server_run(self._call_on(s, "clear_ticket"))
-            while owed:
-                if run and owed[0][0] == run:
-                    offers = owed[0][1]
-                    self._call_on(s, "give_back", keys=encode_keys([k for k, _ in offers]),
-                                  admitted=[bool(a) for _, a in offers])
-                owed.pop(0)
-        except KVBlockError as e:     # the rest waits for the next connection
+            self._call_on(s, "give_back", keys=keys, admitted=admitted)
+        except KVBlockError as e:
             logger.debug("kvblock: give_back to %s: %s", self.socket_path, e)
-            with self._owed_lock:
-                self._owed_offers[:0] = owed
-                del self._owed_offers[:-OWED_OFFERS_KEPT]
 
     def _count_rejected(self, runs: int) -> None:
         """put_runs' declined runs, counted on the server (its admits were
@@ -1616,12 +1583,6 @@ class RemoteStore(RunReader, RunWriter):
 def _is_int(value) -> bool:
     """A JSON integer (not a bool, which int takes)."""
     return type(value) is int
-
-
-def _server_run(ticket) -> str:
-    """The server run a clear ticket names ("" for none): a ticket is
-    "<server run>:<clears>" (StoreServer._clear_ticket)."""
-    return ticket.rpartition(":")[0] if isinstance(ticket, str) else ""
 
 
 def _wid(a) -> int | None:

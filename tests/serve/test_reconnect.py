@@ -17,6 +17,8 @@ import pytest
 from kvblock import KVStore
 from kvblock.errors import ConfigError
 from kvblock.store.client import PROTOCOL, RemoteStore, ServerGoneError, connect
+from kvblock.index import normalize_keys
+from kvblock.store.protocol import decode_keys
 from kvblock.store.server import serve_in_background
 from tests.serve.test_serve import _kill_servers_of, _store_file
 from tests.store.workload import run_data, run_keys
@@ -1435,12 +1437,15 @@ def test_an_offer_of_a_put_abandoned_after_a_timeout_is_given_back_once_reconnec
     back went to that connection, refused there: the server's admission
     kept the offer used up, so after the reconnect (to the same server)
     the key's next offer was declined again (admit_after=2: a third
-    offer to store it).  The offer is given back to that server once a
-    new connection reaches it.  (No race with a loaded machine: the
-    allocation waits until the test lets it go, after the last put, so
-    the abandoned connection cannot end on the server first and give the
-    offer back there; only the allocation's answer has the short
-    timeout=, every other call a generous one.)"""
+    offer to store it).  The server gives the offer back itself once the
+    abandoned connection ends there (the client no longer sends it again
+    on its new connection: given back twice, see
+    test_a_declined_offer_is_given_back_once_not_again_on_a_new_connection),
+    and given back once: the put after it is admitted, and stores the run.
+    (Only the allocation's answer has the short timeout=, every other
+    call a generous one; the allocation waits until the test lets it go.)"""
+    from tests.serve.test_pin_lease import _until
+
     sock = str(tmp_path / "kv.sock")
     path = _store_file(tmp_path)
     server = serve_in_background([path], sock, admit_after=2)
@@ -1476,11 +1481,79 @@ def test_an_offer_of_a_put_abandoned_after_a_timeout_is_given_back_once_reconnec
             assert time.monotonic() < deadline, "no reconnect"
             time.sleep(0.02)
         assert r.server_pid == os.getpid()       # the same server
+        # the abandoned connection still on the server: its offer still used up
+        assert server.store.admission._offers.get(normalize_keys(a)[0]) is None
+        release.set()                            # its allocation answered: it ends there
+        _until(lambda: server.store.admission._offers.get(normalize_keys(a)[0]) == 1)
         assert put() == 2                        # admitted: the offer came back
+        assert server.store.admission._offers.get(normalize_keys(a)[0]) is None
     finally:
         release.set()
         r.close()
         server.stop()
+
+
+@pytest.mark.parametrize("lost", ["admit", "give_back"])
+def test_a_declined_offer_is_given_back_once_not_again_on_a_new_connection(
+        tmp_path, lost, monkeypatch):
+    """A put_runs refused after its admits gives its declined offers back.
+    Where that give_back could not go out (another admit's answer lost:
+    the connection abandoned) or went out but its answer was lost, the
+    client kept the offers as owed and sent them again on its next
+    connection to the same server.  But the server had given them back
+    already: itself when the abandoned connection ended, or on the
+    give_back that reached it.  Given back twice, a declined offer counted
+    one offer less: another rank's offer of the key made meanwhile was
+    cancelled (admit_after=3: rank B's offer count fell from 1 to 0, and
+    the key needed a fourth offer to be stored).  Now each offer is given
+    back once: by the put on its connection, or by the server when that
+    connection ends."""
+    from tests.serve.test_pin_lease import _until
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock, admit_after=3) as server:
+        adm = server.store.admission
+        k, x, y = run_keys(1, 2), run_keys(2, 2), run_keys(3, 2)
+        k0, x0 = normalize_keys(k)[0], normalize_keys(x)[0]     # (as admission keeps them)
+        hold, entered, release = threading.Event(), threading.Event(), threading.Event()
+        real_admit, real_give_back = server._op_admit, server._op_give_back
+
+        def admit(s, keys, count=True):
+            if hold.is_set() and decode_keys(keys)[0] == x0:
+                if lost == "admit":          # answered once the client has given up
+                    entered.set()
+                    release.wait(20)
+                else:                        # the call is refused after its first admit
+                    raise ConfigError("test: x refused")
+            return real_admit(s, keys, count)
+
+        def give_back(s, keys, admitted):
+            out = real_give_back(s, keys, admitted)
+            if hold.is_set() and lost == "give_back":   # given back, its answer held
+                entered.set()
+                release.wait(20)
+            return out
+        server._op_admit, server._op_give_back = admit, give_back
+        short_timeout_on(monkeypatch, {lost}, 0.3, when=hold.is_set)
+        with RemoteStore(sock, timeout=GENEROUS_S, reconnect=True) as a, \
+                RemoteStore(sock, timeout=GENEROUS_S) as b:
+            hold.set()
+            with pytest.raises((ServerGoneError, ConfigError)):
+                a.put_runs([(k, run_data(k)), (x, run_data(x))])
+            assert entered.is_set()
+            hold.clear()
+            release.set()
+            # the abandoned connection ended on the server: k's declined
+            # offer given back once (there, or by the give_back that came)
+            _until(lambda: adm._offers.get(k0) is None and adm._offers.get(x0) is None)
+            assert b.put_run(k, run_data(k)) == 0      # rank B's first offer: declined
+            assert adm._offers.get(k0) == 1
+            _wait_alive(a)
+            assert a.put_run(y, run_data(y)) == 0      # a's next put on its new connection
+            assert adm._offers.get(k0) == 1, "rank B's offer was cancelled"
+            assert b.put_run(k, run_data(k)) == 0      # the second offer
+            assert b.put_run(k, run_data(k)) == 2      # the third: admitted
 
 
 @pytest.mark.parametrize("many", [False, True])
@@ -1657,9 +1730,10 @@ def test_an_offer_of_a_put_abandoned_without_reconnect_is_given_back_by_the_serv
         tmp_path, many, monkeypatch):
     """reconnect=False: a put admitted by a live server whose allocation is
     not answered in time (timeout=) fails (its connection abandoned), and
-    the offer it gives back is refused there.  The owed-offers path only
-    runs with reconnect=True, so the server's admission kept the offer used
-    up: the key's next offer, from a new RemoteStore, was declined again
+    the offer it gives back is refused there.  (The client then sent such
+    offers again only with reconnect=True, on its new connection; it no
+    longer does.)  The server's admission kept the offer used up: the
+    key's next offer, from a new RemoteStore, was declined again
     (admit_after=2).  The server gives back the offers admitted on a
     connection that ended before their puts were committed or given back."""
     from tests.serve.test_pin_lease import _until
