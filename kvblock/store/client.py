@@ -1039,10 +1039,15 @@ class RemoteStore(RunReader, RunWriter):
         except KVBlockError as e:
             logger.debug("kvblock: give_back to %s: %s", self.socket_path, e)
 
-    def _count_rejected(self, runs: int) -> None:
+    def _count_rejected(self, runs: int, keys: list[bytes] = ()) -> None:
         """put_runs' declined runs, counted on the server (its admits were
-        told count=False) and here, once the call's plan stands."""
-        self._call("count_rejected", runs=runs)
+        told count=False) and here, once the call's plan stands.  ``keys``
+        (their first keys) name the offers the server settles: another
+        thread's put_runs on the connection has its own open."""
+        if keys:
+            self._call("count_rejected", runs=runs, keys=encode_keys(keys))
+        else:
+            self._call("count_rejected", runs=runs)
         self.counters.add("admission_rejected_runs", runs)
 
     def _abort(self, s: "Session", wids: list[int]) -> None:

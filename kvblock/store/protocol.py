@@ -27,7 +27,8 @@ request at a time per connection, answered in order.
   that the call's earlier runs hold whole is a duplicate no admit sees:
   ``count_duplicates`` (``runs``: how many) counts them in the server's
   stats.  put_runs' admits say ``count: false``: a run declined is
-  counted by ``count_rejected`` (``runs``) once the call's plan stands
+  counted by ``count_rejected`` (``runs``; ``keys``: their first keys,
+  the offers the server settles) once the call's plan stands
   (a call refused after its admits counts none), so that the stats'
   admission_rejected_runs, a Prometheus counter, never goes down.
 - A read asks ``segments`` (the server pins the runs and answers their

@@ -893,7 +893,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         if interrupted is not None:
             raise interrupted
 
-    def _count_rejected(self, runs: int) -> None:
+    def _count_rejected(self, runs: int, keys: list[bytes] = ()) -> None:
         self.counters.add("admission_rejected_runs", runs)
 
     def _put_group(self, pieces: list, clears: int, held: list) -> list[tuple[int, int]]:

@@ -251,9 +251,9 @@ class RunWriter(RunIO):
                 for first in range(0, n, self.max_run_blocks):
                     last = min(n, first + self.max_run_blocks)
                     pieces.append((i, keys[first:last], span(blocks, first, last)))
-            rejected = sum(not a for _, a in offers)
+            rejected = [k for k, a in offers if not a]
             if rejected:
-                self._count_rejected(rejected)
+                self._count_rejected(len(rejected), rejected)
         except BaseException:
             offers.reverse()          # latest first: one key offered twice
             try:
@@ -292,9 +292,11 @@ class RunWriter(RunIO):
         list names every offer left, for the caller to call it again."""
         raise NotImplementedError
 
-    def _count_rejected(self, runs: int) -> None:
+    def _count_rejected(self, runs: int, keys: list[bytes] = ()) -> None:
         """Count ``runs`` declined runs of a put_runs whose plan stands, in
-        admission_rejected_runs (only ever up: an exported counter)."""
+        admission_rejected_runs (only ever up: an exported counter).
+        ``keys``: their first keys (the offers counted: a server settles
+        those, not another call's)."""
         raise NotImplementedError
 
     def _put_grouped(self, out: list[int], pieces: list, repeats: dict,

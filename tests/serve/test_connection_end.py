@@ -153,3 +153,51 @@ def test_a_declined_offer_of_a_put_runs_cut_by_its_connections_end_is_given_back
             else:               # none counted: these are the first ones
                 assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [0, 0]
                 assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 2]
+
+
+def test_count_rejected_settles_its_own_calls_declined_offers_not_another_threads(tmp_path):
+    """Two threads' put_runs on one RemoteStore share its connection.
+    count_rejected took the oldest declined offers open on the connection,
+    whichever call counted them: thread 1's declined offer of ``k`` (its
+    call not yet planned) was taken for thread 2's, whose own declined
+    offer of ``e`` stayed open.  Thread 1's call then refused, it gave
+    ``k`` back (right), and the connection's end gave ``e`` back too,
+    though thread 2's plan stood: its offer was cancelled (admit_after=3:
+    e's count fell from 1 to 0).  count_rejected now names the declined
+    runs' first keys, and the server settles those."""
+    import threading
+
+    from kvblock.errors import ConfigError
+    from kvblock.store.client import RemoteStore
+    from tests.serve.test_write_fence import _in_thread
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    k, x, d, e = (run_keys(i, 2) for i in (1, 2, 3, 4))
+    with serve_in_background([path], sock, admit_after=3) as server:
+        adm = server.store.admission
+        nk, nx, nd, ne = (normalize_keys(keys)[0] for keys in (k, x, d, e))
+        with RemoteStore(sock) as r:
+            real_admit = r._admit
+            k_counted, go = threading.Event(), threading.Event()
+
+            def admit(keys, count=True):
+                if keys[0] == nx:        # thread 1, its first run admitted: waits, then refused
+                    k_counted.set()
+                    assert go.wait(20)
+                    raise ConfigError("test: thread 1's call refused")
+                return real_admit(keys, count)
+            r._admit = admit
+            box = _in_thread(lambda: r.put_runs([(k, run_data(k)), (x, run_data(x))]))
+            assert k_counted.wait(20)
+            # thread 2 (here): both runs declined, its plan stands
+            assert r.put_runs([(d, run_data(d)), (e, run_data(e))]) == [0, 0]
+            go.set()
+            box["thread"].join(20)
+            assert isinstance(box.get("error"), ConfigError), box
+            (s,) = server._sessions.values()
+        s.thread.join(10)
+        assert server.client_count() == 0
+        assert adm._offers.get(nk) is None            # thread 1's: given back once
+        assert adm._offers.get(nd) == 1 and adm._offers.get(ne) == 1, \
+            "thread 2's declined offers (its plan stood) were given back"
