@@ -59,7 +59,7 @@ from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 from kvblock.index.keys import normalize_key
 
-PROTOCOL = 13  # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 14  # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
@@ -77,6 +77,8 @@ PROTOCOL = 13  # 2: "clear"; admit answers the clear count, commit carries it
 #               13: admit's "count" (false: a declined run is not counted
 #                   yet), "count_rejected" (put_runs' declined runs, once
 #                   its plan stands): admission_rejected_runs never falls
+#               14: count_rejected's "keys" (the declined runs' first keys:
+#                   the server settles those offers, not another thread's)
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 
