@@ -22,6 +22,7 @@ from kvblock.store.client import RemoteStore
 from kvblock.store.protocol import encode_keys, encode_msg, recv_msg
 from kvblock.store.server import serve_in_background
 from tests.store.workload import GEOM, REGION, run_data, run_keys
+from tests.support.timeouts import HelloWait
 
 MIB = 1 << 20
 
@@ -319,17 +320,18 @@ def test_a_malformed_request_is_a_config_error_naming_the_field(store_file, sock
         _still_serves(server, sock, 4)
 
 
-def test_a_connection_that_never_says_hello_is_closed(store_file, sock):
+def test_a_connection_that_never_says_hello_is_closed(store_file, sock, monkeypatch):
     """A peer that connects and says nothing (a port scanner, a hung or
     hostile process) kept a server thread and a descriptor for good, and
     enough of them starved the server.  It is closed once the hello wait
     is over; a client that said hello stays connected however long it
     keeps quiet."""
+    wait = HelloWait(monkeypatch)      # r's hello is not raced against it
     with serve_in_background([store_file], sock, hello_timeout=0.5) as server:
         r = RemoteStore(sock)
         try:
             silent = _raw(sock)
-            silent.settimeout(10)
+            wait.let_go()
             try:
                 assert silent.recv(1) == b""        # the server closed it
             finally:
@@ -338,11 +340,13 @@ def test_a_connection_that_never_says_hello_is_closed(store_file, sock):
             while server.client_count() != 1:
                 assert time.monotonic() < deadline, "the silent connection's session stayed"
                 time.sleep(0.02)
+            wait.passes(2)                          # r kept quiet past the wait, looked at
             assert r.stats()["clients"] == 1        # only r is left, and it is served
             keys = run_keys(5, 2)
             assert r.put_run(keys, run_data(keys)) == 2
         finally:
             r.close()
+        wait.hold()                 # another client's hello, not raced
         _still_serves(server, sock, 5)
 
 
@@ -418,7 +422,7 @@ def test_a_hello_taken_while_the_hello_wait_runs_out_is_answered_not_cut_off(
         def poll(self, timeout):
             self.p.poll(10_000)        # a hello waiting, however late the client sent it
             looked.set()
-            deadline = time.monotonic() + 5
+            deadline = time.monotonic() + 20
             while self.p.poll(0) and time.monotonic() < deadline:
                 time.sleep(0.005)
             return self.p.poll(0)
@@ -426,17 +430,18 @@ def test_a_hello_taken_while_the_hello_wait_runs_out_is_answered_not_cut_off(
     serve = server_mod.StoreServer._serve
 
     def starved_serve(self, s):     # runs once the hello wait is over
-        looked.wait(5)
+        looked.wait(20)
         return serve(self, s)
 
     monkeypatch.setattr(server_mod, "select",
                         types.SimpleNamespace(poll=RacingPoll, POLLIN=select_mod.POLLIN))
     monkeypatch.setattr(server_mod.StoreServer, "_serve", starved_serve)
+    wait = HelloWait(monkeypatch, held=False)
     with serve_in_background([store_file], sock, hello_timeout=0.2) as server:
         r = RemoteStore(sock)
         try:
             assert looked.is_set()
-            time.sleep(0.3)                      # the lease thread's next looks
+            wait.passes(2)          # the pass that looked is done, and the next
             keys = run_keys(8, 2)
             assert r.put_run(keys, run_data(keys)) == 2
             out = np.zeros(2 * GEOM.block_bytes, np.uint8)
@@ -444,6 +449,7 @@ def test_a_hello_taken_while_the_hello_wait_runs_out_is_answered_not_cut_off(
             assert server.client_count() == 1
         finally:
             r.close()
+        wait.hold()                 # another client's hello, not raced
         _still_serves(server, sock, 8)
 
 
@@ -580,13 +586,14 @@ def test_a_connection_whose_hello_failed_is_still_closed_by_the_hello_wait(
             raise OSError(errno.EMFILE, "Too many open files")
         return real(self)
     monkeypatch.setattr(server_mod.StoreServer, "_fence_files", fence_files)
+    wait = HelloWait(monkeypatch)      # the hello is answered before the wait runs
     with serve_in_background([store_file], sock, hello_timeout=0.3) as server:
         raw = _raw(sock)
         try:
             reply = _ask(raw, op="hello", protocol=server_mod.PROTOCOL, pid=os.getpid())
             assert reply["ok"] is False and "fence files" in reply["message"], reply
             failing[0] = False
-            raw.settimeout(10)
+            wait.let_go()
             assert raw.recv(1) == b"", "the connection stayed open past the hello wait"
         finally:
             raw.close()
@@ -594,6 +601,7 @@ def test_a_connection_whose_hello_failed_is_still_closed_by_the_hello_wait(
         while server.client_count():
             assert time.monotonic() < deadline, "its session stayed"
             time.sleep(0.02)
+        wait.hold()                 # another client's hello, not raced
         _still_serves(server, sock, 10)
 
 
@@ -743,6 +751,7 @@ def test_a_connection_saying_hello_twice_counts_once(store_file, sock):
 
 @pytest.mark.parametrize("pin_lease", [60.0, None])
 def test_a_connection_that_never_says_hello_nor_reads_its_answers_is_closed(store_file, sock,
+                                                                            monkeypatch,
                                                                             pin_lease):
     """A peer that sent requests without saying hello and took none of the
     answers kept the server's thread blocked sending one of them: the hello
@@ -752,21 +761,32 @@ def test_a_connection_that_never_says_hello_nor_reads_its_answers_is_closed(stor
     has not said hello in time is closed.  A connection that has not said
     hello and has been stuck sending one answer for the hello wait is
     closed too."""
+    # the wait runs once the connection is stuck (not while it is filled:
+    # a closed connection broke the test's send, EPIPE, on a loaded machine)
+    wait = HelloWait(monkeypatch)
     with serve_in_background([store_file], sock, hello_timeout=0.5,
                              pin_lease=pin_lease) as server:
         raw = _raw(sock)
         try:
             raw.setblocking(False)
-            req, stalled = encode_msg({"op": "stats"}), None
+            req, seen = encode_msg({"op": "stats"}), None
             deadline = time.monotonic() + 30
-            while stalled is None or time.monotonic() - stalled < 0.3:
+            while True:      # until the server's answers fill both buffers
                 assert time.monotonic() < deadline, "the server kept reading"
-                try:         # until the server's answers fill both buffers
+                try:
                     raw.send(req)
-                    stalled = None
+                    seen = None
+                    continue
                 except BlockingIOError:
-                    stalled = stalled or time.monotonic()
-                    time.sleep(0.01)
+                    pass
+                with server._sessions_lock:       # (none: not accepted yet)
+                    sending = [s.sending for s in server._sessions.values()]
+                sending = sending[0] if sending else None
+                if sending is not None and sending == seen:
+                    break    # one answer's send, still under way at a second look
+                seen = sending
+                time.sleep(0.01)
+            wait.let_go()
             deadline = time.monotonic() + 15
             while server.client_count():
                 assert time.monotonic() < deadline, \
@@ -774,4 +794,5 @@ def test_a_connection_that_never_says_hello_nor_reads_its_answers_is_closed(stor
                 time.sleep(0.05)
         finally:
             raw.close()
+        wait.hold()                 # another client's hello, not raced
         _still_serves(server, sock, 15)

@@ -67,3 +67,56 @@ def hold_checkpoint(server, hold_s: float = 60.0) -> Callable[..., None]:
             assert time.monotonic() < deadline, "the held checkpoint was not answered"
             time.sleep(0.01)
     return let_go
+
+
+class HelloWait:
+    """The served store's hello wait (the lease thread's passes that close
+    connections which have not said hello in time), held until
+    ``let_go()`` (``held=False``: not held) and again after ``hold()``,
+    and counted: a test with a short hello_timeout= opens its connections
+    and has them say hello (or not) first, then lets the wait run, so a
+    client thread not scheduled between its connect and its hello (a
+    loaded machine) is not closed for it.  ``passes(n)`` waits until ``n``
+    more passes have run (each closes every connection late by then), in
+    place of a sleep meant to let the lease thread look.  Make it before
+    the server."""
+
+    def __init__(self, monkeypatch, held: bool = True):
+        from kvblock.store import server as server_mod
+
+        self._go = not held
+        self._cond = threading.Condition()
+        self._count = self._running = 0
+        real = server_mod.StoreServer._drop_silent
+
+        def drop_silent(server, hello):
+            with self._cond:
+                if not self._go:
+                    return
+                self._running += 1
+            try:
+                real(server, hello)
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._count += 1
+                    self._cond.notify_all()
+        monkeypatch.setattr(server_mod.StoreServer, "_drop_silent", drop_silent)
+
+    def let_go(self) -> None:
+        with self._cond:
+            self._go = True
+
+    def hold(self, timeout: float = 20.0) -> None:
+        """Hold the wait again, once a pass under way is done."""
+        with self._cond:
+            self._go = False
+            assert self._cond.wait_for(lambda: not self._running, timeout), \
+                "a pass of the hello wait did not end"
+
+    def passes(self, n: int = 2, timeout: float = 20.0) -> None:
+        with self._cond:
+            assert self._go, "the hello wait is held"
+            until = self._count + n
+            assert self._cond.wait_for(lambda: self._count >= until, timeout), \
+                "the lease thread ran no pass of the hello wait"
