@@ -5,6 +5,7 @@ signal raised as that call returns."""
 
 from __future__ import annotations
 
+import contextlib
 import dis
 
 import numpy as np
@@ -305,6 +306,20 @@ def _reads_cut_at_every_line(store, functions, read, min_fired=10):
     return fired
 
 
+def _pin_and_unpin(store, keys) -> None:
+    """pin() then unpin() of ``keys``; cut by a KeyboardInterrupt, the
+    caller's own cleanup first: a handle it got and did not see released
+    is released (once)."""
+    handle = None
+    try:
+        handle = store.pin(keys)
+        store.unpin(handle)
+    except KeyboardInterrupt:
+        if handle is not None and not handle.released:
+            store.unpin(handle)
+        raise
+
+
 @pytest.mark.parametrize("call", ["get_run", "get_runs", "pin and unpin",
                                   "pin and unpin with a DRAM tier"])
 def test_a_read_interrupted_at_any_line_of_its_unpin_releases_each_pin_once(tmp_path, call):
@@ -346,16 +361,7 @@ def test_a_read_interrupted_at_any_line_of_its_unpin_releases_each_pin_once(tmp_
                 functions.append(Store._pin_tiered)
 
             def read():
-                handle = None
-                try:
-                    handle = store.pin(keys)
-                    store.unpin(handle)
-                except KeyboardInterrupt:
-                    # the caller's own cleanup: a handle it got and did
-                    # not see released is released (once)
-                    if handle is not None and not handle.released:
-                        store.unpin(handle)
-                    raise
+                _pin_and_unpin(store, keys)
         fired = _reads_cut_at_every_line(store, functions, read)
         assert any(name == "_unpin" for name, _ in fired), fired
         if tier:
@@ -439,16 +445,8 @@ def test_a_pin_with_dram_blocks_interrupted_at_any_line_holds_each_tier_pin_once
         while True:
             n += 1
             cut.n, cut.count, cut.fired = n, 0, None
-            handle = None
-            with cut:
-                try:
-                    handle = store.pin(keys)
-                    store.unpin(handle)
-                except KeyboardInterrupt:
-                    # the caller's own cleanup: a handle it got and did
-                    # not see released is released (once)
-                    if handle is not None and not handle.released:
-                        store.unpin(handle)
+            with cut, contextlib.suppress(KeyboardInterrupt):
+                _pin_and_unpin(store, keys)
             assert store.host.pins == tier_pins, (cut.fired, store.host.pins)
             assert np.array_equal(store.regions.pins, region_pins), cut.fired
             if cut.fired is None:
