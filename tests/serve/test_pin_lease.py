@@ -18,6 +18,7 @@ import pytest
 from kvblock.store.client import RemoteStore, ServerGoneError
 from kvblock.store.server import serve_in_background
 from tests.serve.test_serve import _store_file
+from tests.serve.test_shared_clear import _wait_in
 from tests.serve.test_write_fence import _allocations, _in_thread, _release_fenced_writer, _Stall
 from tests.store.workload import run_data, run_keys
 from tests.support.servers import stop_process, stop_server
@@ -52,6 +53,16 @@ def _until(what, timeout=10.0):
     while not what():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def _read_ended_whole(server, r, read, got, keys) -> None:
+    """The read in flight on ``r`` (``read``: its _in_thread box) returned
+    every block, none a lapsed miss, and its pins were given back."""
+    read["thread"].join(20)
+    assert read.get("out") == len(keys), read
+    assert np.array_equal(got, run_data(keys))
+    assert r.counters["lapsed_pin_gets"] == 0
+    _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
 
 
 def test_a_stopped_ranks_pins_lapse_and_a_live_ranks_stay(tmp_path):
@@ -318,7 +329,6 @@ def test_a_read_on_an_abandoned_connection_past_descriptor_1023_is_no_miss(tmp_p
     (the server lives, the pins hold): the read's bytes count.  Whether the
     server's end closed was asked with select(), which fails past
     descriptor 1023, and that was taken for a closed connection (a miss)."""
-    import threading
 
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     server = serve_in_background([path], sock)
@@ -332,15 +342,7 @@ def test_a_read_on_an_abandoned_connection_past_descriptor_1023_is_no_miss(tmp_p
         try:
             ka = run_keys(1, 2)
             a.put_run(ka, run_data(ka))
-            pinned, go = threading.Event(), threading.Event()
-            real = a._segments
-
-            def pinned_then_wait(keys):
-                segs = real(keys)
-                pinned.set()
-                assert go.wait(20)
-                return segs
-            a._segments = pinned_then_wait
+            pinned, go = _wait_in(a, "_segments")
             out = np.zeros(run_data(ka).nbytes, np.uint8)
             box = _in_thread(lambda: a.get_run(ka, out))
             assert pinned.wait(20)
@@ -470,7 +472,6 @@ def test_a_put_that_close_waits_for_keeps_its_lease(tmp_path):
     device) lost its connection meanwhile, and its commit raised
     ServerGoneError where close() had promised to let it finish.  The
     heartbeat goes on while close() waits for puts."""
-    from tests.serve.test_shared_clear import _wait_in
     from tests.store.test_close_in_flight import _close_while
 
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
@@ -531,8 +532,6 @@ def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path,
     once, the server released the read's pins, and the read came back a
     miss (lapsed_pin_gets) though the server lived.  The pin is counted
     before the request goes out, so the connection stays open for it."""
-    import threading
-
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     keys = run_keys(1, 2)
     with serve_in_background([path], sock, pin_lease=0) as server:
@@ -541,14 +540,7 @@ def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path,
         r = RemoteStore(sock, timeout=GENEROUS_S)
         try:
             r.put_run(keys, run_data(keys))
-            answered, go = threading.Event(), threading.Event()
-            real = r._checked_segments
-
-            def answered_then_wait(*args):
-                answered.set()
-                assert go.wait(20)
-                return real(*args)
-            r._checked_segments = answered_then_wait
+            answered, go = _wait_in(r, "_checked_segments", before=True)
             got = np.zeros_like(run_data(keys))
             box = _in_thread(lambda: r.get_run(keys, got))
             assert answered.wait(20)
@@ -557,11 +549,7 @@ def test_a_connection_abandoned_as_segments_is_answered_keeps_that_pin(tmp_path,
             let_go()
             assert server.store.regions.pins.sum() == 1, "the read's pin was released"
             go.set()
-            box["thread"].join(20)
-            assert box.get("out") == 2, box
-            assert np.array_equal(got, run_data(keys))
-            assert r.counters["lapsed_pin_gets"] == 0
-            _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
+            _read_ended_whole(server, r, box, got, keys)
         finally:
             let_go(wait=False)
             r.close()
@@ -576,8 +564,6 @@ def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(t
     lapsed, and the read came back a miss (or its run could be evicted and
     its space reused under it) though the server lived.  The heartbeat goes
     on until the calls in flight are done."""
-    from tests.serve.test_shared_clear import _wait_in
-
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     keys = run_keys(1, 2)
     with serve_in_background([path], sock, pin_lease=LEASE) as server:
@@ -606,10 +592,7 @@ def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(t
             read["thread"].join(20)
             closer["thread"].join(20)
             assert not closer["thread"].is_alive() and "error" not in closer, closer
-            assert read.get("out") == 2, read
-            assert np.array_equal(got, run_data(keys))
-            assert r.counters["lapsed_pin_gets"] == 0
-            _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
+            _read_ended_whole(server, r, read, got, keys)
         finally:
             let_go(wait=False)
             go.set()

@@ -1624,6 +1624,7 @@ def test_a_close_that_gave_up_waiting_lets_go_of_the_devices_once_the_call_is_do
     kept the device descriptors open for as long as it lived.  The last
     call to leave releases them, as KVStore.close's."""
     from kvblock.store import client as client_mod
+    from tests.serve.test_shared_clear import _wait_in
 
     monkeypatch.setattr(client_mod, "CLOSE_WAIT_S", 0.2)
     path = _store_file(tmp_path)
@@ -1632,15 +1633,7 @@ def test_a_close_that_gave_up_waiting_lets_go_of_the_devices_once_the_call_is_do
         keys = run_keys(1, 2)
         assert r.put_run(keys, run_data(keys)) == 2
         fds = [d.fd for d in r.io.devices]
-        reached, go = threading.Event(), threading.Event()
-        segments = r._segments
-
-        def stalled(keys):
-            out = segments(keys)
-            reached.set()
-            assert go.wait(20)
-            return out
-        r._segments = stalled
+        reached, go = _wait_in(r, "_segments")
         out = np.zeros(2 * GEOM.block_bytes, np.uint8)
         box = {}
         t = threading.Thread(target=lambda: box.update(n=r.get_run(keys, out)))

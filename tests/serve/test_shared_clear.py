@@ -29,15 +29,20 @@ def _read(store, keys):
     return out if store.get_run(keys, out) == len(keys) else None
 
 
-def _wait_in(store, method: str):
-    """Make ``store.<method>`` stop (after it ran) until released: (reached, go)."""
+def _wait_in(store, method: str, before: bool = False):
+    """Make ``store.<method>`` stop (after it ran; ``before``: before it
+    runs) until released: (reached, go)."""
     reached, go = threading.Event(), threading.Event()
     real = getattr(store, method)
 
     def stalled(*args, **kw):
+        if before:
+            reached.set()
+            assert go.wait(30)
         out = real(*args, **kw)
-        reached.set()
-        assert go.wait(30)
+        if not before:
+            reached.set()
+            assert go.wait(30)
         return out
     setattr(store, method, stalled)
     return reached, go
@@ -307,14 +312,7 @@ def test_a_put_admitted_before_a_clear_and_a_server_restart_publishes_nothing(st
     rank = RemoteStore(sock, reconnect=True)
     try:
         keys = run_keys(1, 4)
-        admitted, go = threading.Event(), threading.Event()
-        real = rank._put_one
-
-        def put_one(*args):
-            admitted.set()
-            assert go.wait(30)
-            return real(*args)
-        rank._put_one = put_one
+        admitted, go = _wait_in(rank, "_put_one", before=True)
         result = {}
         def put():
             try:
