@@ -139,17 +139,23 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
             fs = os.fstatvfs(fd)
             free = fs.f_bavail * fs.f_frsize
             need = size - st.st_blocks * 512
+            # A size that does not fit (DeviceTooSmallError: exit 7, as a
+            # size too small for the store), not a failed I/O: nothing failed.
             if need > free:
-                raise DeviceError(f"{path}: cannot reserve {size} bytes: {free} bytes are free "
-                                  f"on its filesystem; free space or choose a smaller size",
-                                  path, errno.ENOSPC)
+                raise DeviceTooSmallError(
+                    f"{path}: cannot reserve {size} bytes: {free} bytes are free on its "
+                    f"filesystem; {_NO_ROOM_FIX}", path, errno.ENOSPC)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     os.ftruncate(fd, st.st_size)     # give back what was reserved
-                    raise DeviceError(f"{path}: cannot reserve {size} bytes: {strerror(e.errno)}; "
-                                      "free space or choose a smaller size", path, e.errno) from e
+                    # no room after all (space went meanwhile, a quota): a
+                    # size that does not fit; anything else failed
+                    cls = (DeviceTooSmallError if e.errno in (errno.ENOSPC, errno.EDQUOT)
+                           else DeviceError)
+                    raise cls(f"{path}: cannot reserve {size} bytes: {strerror(e.errno)}; "
+                              f"{_NO_ROOM_FIX}", path, e.errno) from e
                 os.ftruncate(fd, size)
     except BaseException:
         os.close(fd)
@@ -165,6 +171,11 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
                     fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
     return path
+
+
+# create_file's advice for a size its filesystem has no room for
+_NO_ROOM_FIX = ("choose a smaller size, or put the file on another filesystem with room "
+                "for it (or free space on this one)")
 
 
 # create_file's errors of the path itself: a folder that takes no files

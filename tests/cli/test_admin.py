@@ -2249,3 +2249,34 @@ def test_an_empty_device_path_is_said_empty(tmp_path):
         one_line_error(res, 3, "the device path is empty")
         assert "error: :" not in res.stderr, res.stderr
     assert not os.listdir(tmp_path)
+
+
+@contextlib.contextmanager
+def _small_tmpfs(tmp_path, size="16m"):
+    """A folder on a tmpfs of ``size`` mounted for the test (unmounted after)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                   check=True)
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("command", [("format", *GEOM_ARGS), ("bench", "--workload", "write"),
+                                     ("bench", "--workload", "save")])
+def test_a_size_larger_than_the_filesystems_free_space_is_too_small_not_an_io_error(
+        tmp_path, command):
+    """`format FILE --size S` (and bench's --size) with S past the free
+    space of FILE's filesystem exited 9, an I/O error, though nothing
+    failed: it is a size that does not fit (exit 7, as a --size too small
+    for the store), refused naming the free space and the fixes, and no
+    file is left behind."""
+    with _small_tmpfs(tmp_path) as small:
+        new = small / "kv.img"
+        res = kvb(command[0], new, "--size", "64M", *command[1:],
+                  *(["--seconds", "0.1"] if command[0] == "bench" else []))
+        one_line_error(res, 7, str(new), "67108864 bytes", "bytes are free",
+                       "smaller size", "another filesystem")
+        assert os.listdir(small) == []
