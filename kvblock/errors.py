@@ -72,6 +72,13 @@ class DevicePathError(DeviceError, ConfigError):
     DeviceError, an OSError with .path and .errno)."""
 
 
+class SocketInUseError(DeviceBusyError, ConfigError):
+    """A store server already listens on the socket path a server was to
+    listen on: in use, as a store another process holds is (a
+    DeviceBusyError: the CLI's exit 5), and a ConfigError (the path given
+    is taken: choose another), as it was raised before."""
+
+
 class AlignmentError(KVBlockError, ValueError):
     """An offset or length is not a multiple of the device's block size."""
 

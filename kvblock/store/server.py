@@ -55,6 +55,7 @@ from kvblock.errors import (
     ProtocolMismatchError,
     ServerBusyError,
     ServerError,
+    SocketInUseError,
     StoreClosedError,
 )
 from kvblock.format import journal as jfmt
@@ -1300,8 +1301,10 @@ def _check_socket_path(path: str) -> bool:
         pass   # a timeout: a server too busy to accept at once is still a server
     finally:
         probe.close()
-    raise ConfigError(f"a store server already listens on {path}; stop it or choose "
-                      "another --socket path")
+    # busy, not a bad argument (exit 5, as the same store served on another
+    # socket is): a ConfigError still, as before
+    raise SocketInUseError(f"a store server already listens on {path}; stop it or choose "
+                           "another --socket path", path, errno.EADDRINUSE)
 
 
 def _bind(path: str) -> socket.socket:

@@ -2280,3 +2280,23 @@ def test_a_size_larger_than_the_filesystems_free_space_is_too_small_not_an_io_er
         one_line_error(res, 7, str(new), "67108864 bytes", "bytes are free",
                        "smaller size", "another filesystem")
         assert os.listdir(small) == []
+
+
+def test_serve_on_a_socket_another_server_listens_on_is_busy_not_a_bad_argument(tmp_path):
+    """`kvblock serve --socket PATH` where a store server already listens on
+    PATH exited 8 (bad argument), while the same store served on another
+    socket is exit 5 (busy, as every command on a store in use): a socket
+    in use is busy too, exit 5, and the server there is left serving."""
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+
+    served, other = tmp_path / "a.img", tmp_path / "b.img"
+    for store in (served, other):
+        assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([str(served)], sock):
+        for store in (other, served):
+            res = kvb("serve", store, "--socket", sock, process=True, timeout=30)
+            one_line_error(res, 5, f"a store server already listens on {sock}")
+        with RemoteStore(sock, timeout=10) as remote:
+            assert remote.stats()["devices"] == [str(served)]
