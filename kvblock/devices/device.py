@@ -16,6 +16,8 @@ import fcntl
 import functools
 import logging
 import os
+import re
+import shlex
 import stat
 import struct
 import weakref
@@ -705,9 +707,8 @@ class Device:
         except OSError as e:
             if e.errno == errno.EBUSY:
                 raise DeviceBusyError(
-                    f"{self.path}: device is busy (mounted, or opened exclusively by another "
-                    f"store or program{holders(self.path)}); unmount it or stop the other "
-                    "user", self.path, e.errno) from None
+                    f"{self.path}: device is busy{_busy_why(st, self.path)}", self.path,
+                    e.errno) from None
             if e.errno == errno.EROFS:
                 raise ReadOnlyDeviceError(
                     f"{self.path}: on a read-only filesystem; open the store read-only, or "
@@ -816,10 +817,12 @@ class Device:
                     fd = _retry_busy(lambda: os.open(backing, flags), busy_timeout)
             except OSError as e:
                 if e.errno == errno.EBUSY:
-                    raise DeviceBusyError(
-                        f"{self.path}: {over}, which is busy (mounted, or opened "
-                        f"exclusively by another store or program{holders(backing)}); "
-                        f"unmount it or stop the other user", self.path, e.errno) from None
+                    try:
+                        why = _busy_why(os.stat(backing), backing)
+                    except OSError:
+                        why = _busy_why(None, backing)
+                    raise DeviceBusyError(f"{self.path}: {over}, which is busy{why}",
+                                          self.path, e.errno) from None
                 return      # deleted or out of reach: nothing else can open it by name
             lock = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
             try:
@@ -889,10 +892,8 @@ class Device:
                 if e.errno != errno.EBUSY:
                     continue    # no access: nothing to tell
                 raise DeviceBusyError(
-                    f"{self.path}: {chain}, which is busy (mounted, "
-                    f"or opened exclusively by another store or program{holders(loop)}); "
-                    f"unmount it or stop the other user, then `losetup -d {loop}`",
-                    self.path, errno.EBUSY) from None
+                    f"{self.path}: {chain}, which is busy{_busy_why(lst, loop)}, then "
+                    f"`losetup -d {loop}`", self.path, errno.EBUSY) from None
             # Not busy itself, but a mounted loop device over it writes
             # through it to these bytes just the same (the kernel claims
             # only the top one).
@@ -1121,6 +1122,73 @@ def _claimed_by_kernel(rdev: int) -> bool:
     base = Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}").resolve()
     folders = [base] + [p.parent for p in base.glob("*/partition")]
     return any(_listdir(str(folder / "holders")) for folder in folders)
+
+
+def _busy_why(st: os.stat_result | None, path: str) -> str:
+    """Why block device ``path`` (``st``: its stat; None when unknown) is
+    busy and the fix, for a busy message: " (mounted at /mnt/x); unmount it
+    first (umount /mnt/x)" where it is mounted in this mount namespace, the
+    kernel device stacked on it where one is (dm/md holders), else the
+    processes that have it open (holders()) and both fixes."""
+    rdev = st.st_rdev if st is not None and stat.S_ISBLK(st.st_mode) else None
+    mounts = _mount_points(rdev) if rdev is not None else []
+    if mounts:
+        said = [point if name is None else f"{point} ({name})" for name, point in mounts]
+        shown = ", ".join(said[:3]) + (f" and {len(said) - 3} more" if len(said) > 3 else "")
+        targets = " ".join(shlex.quote(point) for _, point in mounts)
+        return f" (mounted at {shown}); unmount it first (umount {targets})"
+    stacked = _stacked_on(rdev) if rdev is not None else []
+    if stacked:
+        return (f" (held by {', '.join(stacked)}, stacked on it: LVM, dm-crypt, multipath or "
+                "md RAID); release it there first (vgchange -an, cryptsetup close, "
+                "dmsetup remove or mdadm --stop)")
+    return (f" (mounted, or opened exclusively by another store or program{holders(path)}); "
+            "unmount it or stop the other user")
+
+
+def _mount_points(rdev: int) -> list[tuple[str | None, str]]:
+    """Where block device ``rdev`` is mounted in this mount namespace, as
+    /proc/self/mountinfo says: (None, mount point), or, for a partition of
+    it or the whole disk it is a partition of (which claim it too),
+    ("/dev/NAME", mount point); [] when none is (or none can be read)."""
+    disk = _whole_disk(rdev)
+    found = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) < 5 or ":" not in fields[2]:
+                    continue
+                major, minor = map(int, fields[2].split(":"))
+                dev = os.makedev(major, minor)
+                if not major or not (dev == rdev or dev == disk != rdev
+                                     or _whole_disk(dev) == rdev):
+                    continue
+                # octal escapes (\040: a space) in the mount point
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                found.append((None if dev == rdev else _dev_name(dev), point))
+    except (OSError, ValueError):
+        return []
+    return list(dict.fromkeys(found))
+
+
+def _dev_name(rdev: int) -> str:
+    """/dev/NAME of block device ``rdev`` (its sysfs folder's name)."""
+    base = Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}").resolve()
+    return f"/dev/{base.name}" if base.name else f"device {os.major(rdev)}:{os.minor(rdev)}"
+
+
+def _stacked_on(rdev: int) -> list[str]:
+    """The dm/md devices the kernel stacked on block device ``rdev`` or a
+    partition of it (sysfs holders), each as /dev/NAME, with its mapper
+    name where it has one."""
+    base = Path(f"/sys/dev/block/{os.major(rdev)}:{os.minor(rdev)}").resolve()
+    names = []
+    for folder in [base] + [p.parent for p in base.glob("*/partition")]:
+        for name in _listdir(str(folder / "holders")):
+            mapper = _read_str(Path("/sys/block") / name / "dm" / "name")
+            names.append(f"/dev/{name}" + (f" (/dev/mapper/{mapper})" if mapper else ""))
+    return list(dict.fromkeys(names))
 
 
 def _still_at(path: str, fd: int) -> bool:

@@ -2300,3 +2300,44 @@ def test_serve_on_a_socket_another_server_listens_on_is_busy_not_a_bad_argument(
             one_line_error(res, 5, f"a store server already listens on {sock}")
         with RemoteStore(sock, timeout=10) as remote:
             assert remote.stats()["devices"] == [str(served)]
+
+
+def test_a_mounted_device_is_refused_naming_where_it_is_mounted(loop_device, tmp_path):
+    """The busy message of a mounted device said "mounted, or opened
+    exclusively by another store or program ...; unmount it" without saying
+    where, though /proc/self/mountinfo tells: it names the mount point and
+    the command that frees it, for the device itself, its backing file and
+    a second loop device over that file."""
+    with _mounted_ext4(loop_device, tmp_path) as (dev, backing):
+        mnt = str(tmp_path / "mnt")
+        for command in (("format", dev, *GEOM_ARGS, "--yes", "--force"),
+                        ("format", backing, *GEOM_ARGS, "--force"),
+                        ("fsck", dev), ("trim", dev)):
+            res = kvb(*command)
+            one_line_error(res, 5, command[1], f"mounted at {mnt}", f"umount {mnt}")
+        second = loopdev.attach(backing)
+        try:
+            res = kvb("format", second, *GEOM_ARGS, "--force", "--yes")
+            one_line_error(res, 5, second, dev, f"mounted at {mnt}", f"umount {mnt}")
+        finally:
+            loopdev.detach(second)
+
+
+def test_a_device_under_a_dm_or_md_device_is_refused_naming_it(loop_device, monkeypatch):
+    """A device the kernel holds under a dm/md device stacked on it (LVM,
+    dm-crypt, RAID: sysfs holders) names that device, not "mounted, or
+    opened by another store or program" (the holders read as sysfs gives
+    them: no device-mapper here to stack a real one)."""
+    from kvblock.devices import device
+
+    dev = loop_device(16 << 20)
+    rdev = os.stat(dev).st_rdev
+    monkeypatch.setattr(device, "_stacked_on", lambda r: ["/dev/dm-3 (/dev/mapper/vg-kv)"]
+                        if r == rdev else [])
+    fd = os.open(dev, os.O_RDONLY | os.O_EXCL)   # the kernel's claim, as a dm device's
+    try:
+        res = kvb("format", dev, *GEOM_ARGS, "--yes", "--force")
+    finally:
+        os.close(fd)
+    one_line_error(res, 5, dev, "held by /dev/dm-3 (/dev/mapper/vg-kv)", "release it there")
+    assert "mounted" not in res.stderr
