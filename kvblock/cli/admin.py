@@ -66,13 +66,16 @@ def _claim(devices, writable: bool) -> list:
 
 
 def _held_by_kernel(e: DeviceBusyError) -> bool:
-    """Is ``e``'s device a block device the kernel holds (mounted, or under
-    a dm/md device)?  Its own advice, "unmount it", is the fix then: no
-    store server or program is there to stop."""
+    """Is ``e``'s device one the kernel holds (mounted, or under a dm/md
+    device; a file under such a loop device too, as Device found it)?  Its
+    own advice, "unmount it", is the fix then: no store server or program
+    is there to stop."""
     import stat
 
     from kvblock.devices.device import _claimed_by_kernel
 
+    if getattr(e, "kernel_held", False):
+        return True
     try:
         st = os.stat(e.path)
         return stat.S_ISBLK(st.st_mode) and _claimed_by_kernel(st.st_rdev)

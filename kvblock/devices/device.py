@@ -706,9 +706,8 @@ class Device:
                 self.path, errno.EACCES) from None
         except OSError as e:
             if e.errno == errno.EBUSY:
-                raise DeviceBusyError(
-                    f"{self.path}: device is busy{_busy_why(st, self.path)}", self.path,
-                    e.errno) from None
+                raise _busy(f"{self.path}: device is busy", st, self.path, "", self.path,
+                            e.errno) from None
             if e.errno == errno.EROFS:
                 raise ReadOnlyDeviceError(
                     f"{self.path}: on a read-only filesystem; open the store read-only, or "
@@ -818,11 +817,11 @@ class Device:
             except OSError as e:
                 if e.errno == errno.EBUSY:
                     try:
-                        why = _busy_why(os.stat(backing), backing)
+                        bst = os.stat(backing)
                     except OSError:
-                        why = _busy_why(None, backing)
-                    raise DeviceBusyError(f"{self.path}: {over}, which is busy{why}",
-                                          self.path, e.errno) from None
+                        bst = None
+                    raise _busy(f"{self.path}: {over}, which is busy", bst, backing, "",
+                                self.path, e.errno) from None
                 return      # deleted or out of reach: nothing else can open it by name
             lock = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
             try:
@@ -891,9 +890,8 @@ class Device:
             except OSError as e:
                 if e.errno != errno.EBUSY:
                     continue    # no access: nothing to tell
-                raise DeviceBusyError(
-                    f"{self.path}: {chain}, which is busy{_busy_why(lst, loop)}, then "
-                    f"`losetup -d {loop}`", self.path, errno.EBUSY) from None
+                raise _busy(f"{self.path}: {chain}, which is busy", lst, loop,
+                            f", then `losetup -d {loop}`", self.path, errno.EBUSY) from None
             # Not busy itself, but a mounted loop device over it writes
             # through it to these bytes just the same (the kernel claims
             # only the top one).
@@ -1124,26 +1122,33 @@ def _claimed_by_kernel(rdev: int) -> bool:
     return any(_listdir(str(folder / "holders")) for folder in folders)
 
 
-def _busy_why(st: os.stat_result | None, path: str) -> str:
-    """Why block device ``path`` (``st``: its stat; None when unknown) is
-    busy and the fix, for a busy message: " (mounted at /mnt/x); unmount it
-    first (umount /mnt/x)" where it is mounted in this mount namespace, the
-    kernel device stacked on it where one is (dm/md holders), else the
-    processes that have it open (holders()) and both fixes."""
+def _busy(head: str, st: os.stat_result | None, busy: str, tail: str, path: str,
+          code: int) -> DeviceBusyError:
+    """DeviceBusyError "HEAD (why); fix TAIL" for ``path``, where block
+    device ``busy`` (``st``: its stat; None when unknown) is busy: where it
+    is mounted in this mount namespace (" (mounted at /mnt/x); unmount it
+    first (umount /mnt/x)"), the kernel device stacked on it (dm/md
+    holders), else the processes that have it open (holders()) and both
+    fixes.  ``kernel_held``: True when the mount or stacked device was
+    found (the fix is the kernel's, no process to stop)."""
     rdev = st.st_rdev if st is not None and stat.S_ISBLK(st.st_mode) else None
     mounts = _mount_points(rdev) if rdev is not None else []
+    stacked = _stacked_on(rdev) if rdev is not None and not mounts else []
     if mounts:
         said = [point if name is None else f"{point} ({name})" for name, point in mounts]
         shown = ", ".join(said[:3]) + (f" and {len(said) - 3} more" if len(said) > 3 else "")
         targets = " ".join(shlex.quote(point) for _, point in mounts)
-        return f" (mounted at {shown}); unmount it first (umount {targets})"
-    stacked = _stacked_on(rdev) if rdev is not None else []
-    if stacked:
-        return (f" (held by {', '.join(stacked)}, stacked on it: LVM, dm-crypt, multipath or "
-                "md RAID); release it there first (vgchange -an, cryptsetup close, "
-                "dmsetup remove or mdadm --stop)")
-    return (f" (mounted, or opened exclusively by another store or program{holders(path)}); "
-            "unmount it or stop the other user")
+        why = f" (mounted at {shown}); unmount it first (umount {targets})"
+    elif stacked:
+        why = (f" (held by {', '.join(stacked)}, stacked on it: LVM, dm-crypt, multipath or "
+               "md RAID); release it there first (vgchange -an, cryptsetup close, "
+               "dmsetup remove or mdadm --stop)")
+    else:
+        why = (f" (mounted, or opened exclusively by another store or program"
+               f"{holders(busy)}); unmount it or stop the other user")
+    e = DeviceBusyError(f"{head}{why}{tail}", path, code)
+    e.kernel_held = bool(mounts or stacked)
+    return e
 
 
 def _mount_points(rdev: int) -> list[tuple[str | None, str]]:

@@ -2341,3 +2341,16 @@ def test_a_device_under_a_dm_or_md_device_is_refused_naming_it(loop_device, monk
         os.close(fd)
     one_line_error(res, 5, dev, "held by /dev/dm-3 (/dev/mapper/vg-kv)", "release it there")
     assert "mounted" not in res.stderr
+
+
+@pytest.mark.parametrize("command", [("fsck", "--repair"), ("trim",), ("evict", "--all")])
+def test_store_commands_on_the_file_under_a_mounted_loop_device_say_to_unmount_it(
+        loop_device, tmp_path, command):
+    """fsck --repair, trim and evict on the backing file of a mounted loop
+    device replaced the device's advice (unmount it) with a store server's
+    ("stop the store server ... or evict through it"): only a block device
+    given itself was taken for one the kernel holds."""
+    with _mounted_ext4(loop_device, tmp_path) as (dev, backing):
+        res = kvb(command[0], backing, *command[1:])
+        one_line_error(res, 5, backing, f"umount {tmp_path / 'mnt'}")
+        assert "kvblock serve" not in res.stderr, res.stderr
