@@ -2354,3 +2354,23 @@ def test_store_commands_on_the_file_under_a_mounted_loop_device_say_to_unmount_i
         res = kvb(command[0], backing, *command[1:])
         one_line_error(res, 5, backing, f"umount {tmp_path / 'mnt'}")
         assert "kvblock serve" not in res.stderr, res.stderr
+
+
+def test_fsck_exit_codes_of_an_unusable_store_agree_in_readme_and_help(tmp_path):
+    """`kvblock fsck --help` lists exit 7 (device too small) for a store it
+    cannot open, as fsck of a shrunk store file exits, but README's fsck
+    row did not: the codes both list for an unusable store are the same."""
+    import re
+
+    store = tmp_path / "kv.img"
+    assert kvb("format", store, "--size", "16M", *GEOM_ARGS).returncode == 0
+    os.truncate(store, 8 << 20)
+    res = kvb("fsck", store)
+    assert res.returncode == 7 and "unusable" in res.stdout and "shrank" in res.stdout, res
+    helped = " ".join(kvb("fsck", "--help").stdout.split())
+    helped = helped.split("exit code of its error (", 1)[1].split("...)", 1)[0]
+    with open(os.path.join(ROOT, "README.md")) as f:
+        row = next(line for line in f if line.startswith("| `kvblock fsck "))
+    said = row.split("with that error's exit code (", 1)[1].split("; a path", 1)[0]
+    codes = lambda text: {int(n) for n in re.findall(r"(?<![\w-])(\d+) [a-z]", text)}  # noqa: E731
+    assert 7 in codes(helped) and codes(helped) <= codes(said), (helped, said)
