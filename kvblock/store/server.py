@@ -227,6 +227,7 @@ class StoreServer:
         self._dropped_retry = (0.0, 1.0)      # (next try, backoff), monotonic seconds
         self._halt = threading.Event()        # stop() began
         self._lease_thread: threading.Thread | None = None
+        self._tick_failures: set = set()      # (step, type, where) of lease ticks that failed
         self._accept_trouble_logged = -1e9    # monotonic time of the last such warning
         self._pid = os.getpid()               # a forked child's stop() lets go of its copy
 
@@ -521,37 +522,80 @@ class StoreServer:
 
     def _lease_loop(self):
         """Drop the connections that hold pins and have gone quiet; give back
-        dropped connections' allocations once their writes are done."""
+        dropped connections' allocations once their writes are done.
+
+        It must live as long as the server (else leases stop lapsing, the
+        allocations of dropped connections stay pinned for good, idle
+        connections are never closed): a step of a tick that fails
+        unexpectedly (a bug, a MemoryError) is logged, once per distinct
+        error, and the loop goes on.  A KeyboardInterrupt or SystemExit
+        raised in this thread (never a signal's: Python delivers those to
+        the main thread) asks it to end: the server stops, as failed,
+        rather than serve on with no lease thread."""
         lease, hello = self.pin_lease, self.hello_timeout
         tick = min([1.0, *(t / 4 for t in (lease, hello) if t)])
+        steps = [("giving back dropped connections' allocations",
+                  lambda: self._release_dropped_writers())]
+        if hello is not None:
+            steps.append(("closing connections that said no hello",
+                          lambda: self._drop_silent(hello)))
+        if lease is not None:
+            steps.append(("dropping quiet connections", lambda: self._drop_quiet(lease)))
         while not self._halt.wait(tick):
-            self._release_dropped_writers()
-            if hello is not None:
-                self._drop_silent(hello)
-            if lease is None:
-                continue
-            now = time.monotonic()
-            with self._sessions_lock:
-                quiet = [s for s in self._sessions.values() if self._quiet(s, now, lease)]
-            for s in quiet:
-                try:       # a request not read yet (a starved server): it is alive
-                    # (poll: select() refuses descriptors past 1023, many ranks)
-                    p = select.poll()
-                    p.register(s.conn, select.POLLIN)
-                    if p.poll(0):
-                        continue
-                except (OSError, ValueError):
-                    continue    # closed meanwhile: its thread releases the pins
-                if not self._claim(s, self._quiet, lease, (
-                        f"it held {len(s.readers)} read and {len(s.writers)} write "
-                        f"pins and sent nothing for {now - s.last_seen:.0f} s "
-                        f"(pin lease {lease:g} s)")):
-                    continue
-                self._note_expired(s)
+            for what, step in steps:
                 try:
-                    s.conn.shutdown(socket.SHUT_RDWR)   # its thread releases the pins
-                except OSError:
-                    pass
+                    step()
+                except Exception as e:  # noqa: BLE001  (said; the next tick tries again)
+                    self._note_tick_failure(what, e)
+                except BaseException as e:
+                    logger.error("kvblock serve: %s was interrupted (%s: %s); the lease "
+                                 "thread ends, stopping the server", what,
+                                 type(e).__name__, e, exc_info=True)
+                    self.failed = e
+                    threading.Thread(target=self.stop, daemon=True).start()
+                    return
+
+    def _note_tick_failure(self, what: str, e: BaseException) -> None:
+        """A lease tick's step failed: logged with its traceback, once per
+        distinct error (its type and where it was raised), not every tick."""
+        tb = e.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        where = (tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else None
+        key = (what, type(e), where)
+        if key in self._tick_failures:
+            logger.debug("kvblock serve: %s failed again: %s: %s", what, type(e).__name__, e)
+            return
+        if len(self._tick_failures) < 256:
+            self._tick_failures.add(key)
+        logger.error("kvblock serve: %s failed (%s: %s); the lease thread goes on (this "
+                     "error is logged once)", what, type(e).__name__, e,
+                     exc_info=(type(e), e, e.__traceback__))
+
+    def _drop_quiet(self, lease: float) -> None:
+        """Drop the connections that hold pins and sent nothing for a lease."""
+        now = time.monotonic()
+        with self._sessions_lock:
+            quiet = [s for s in self._sessions.values() if self._quiet(s, now, lease)]
+        for s in quiet:
+            try:       # a request not read yet (a starved server): it is alive
+                # (poll: select() refuses descriptors past 1023, many ranks)
+                p = select.poll()
+                p.register(s.conn, select.POLLIN)
+                if p.poll(0):
+                    continue
+            except (OSError, ValueError):
+                continue    # closed meanwhile: its thread releases the pins
+            if not self._claim(s, self._quiet, lease, (
+                    f"it held {len(s.readers)} read and {len(s.writers)} write "
+                    f"pins and sent nothing for {now - s.last_seen:.0f} s "
+                    f"(pin lease {lease:g} s)")):
+                continue
+            self._note_expired(s)
+            try:
+                s.conn.shutdown(socket.SHUT_RDWR)   # its thread releases the pins
+            except OSError:
+                pass
 
     def _drop_silent(self, hello: float) -> None:
         """Close the connections that have not said hello in time."""
@@ -842,31 +886,45 @@ class StoreServer:
             regions, self._dropped_writers = self._dropped_writers, []
         if not regions:
             return
-        next_try, backoff = self._dropped_retry
-        if not self.store.closed:
-            # OSError: the fence files are opened anew, and a server out of
-            # descriptors (EMFILE, many ranks) fails that for a while; the
-            # try failed, the lease thread must go on.
-            try:                 # a probe that stops nobody, every tick
-                self._fence_writers(0, "the writes of dropped connections", turnstile=False)
-            except (KVBlockError, OSError):
-                if time.monotonic() < next_try:
-                    with self._dropped_lock:
-                        self._dropped_writers += regions
-                    return
-                try:             # a try that holds new writes back: after a backoff
-                    self._fence_writers(DROPPED_FENCE_WAIT_S,
-                                        "the writes of dropped connections")
-                except (KVBlockError, OSError) as e:
-                    with self._dropped_lock:
-                        self._dropped_writers += regions
-                    backoff = min(2 * backoff, DROPPED_FENCE_BACKOFF_S)
-                    self._dropped_retry = (time.monotonic() + backoff, backoff)
-                    logger.warning("kvblock serve: regions %s stay pinned, next try in %.0f "
-                                   "s: %s", sorted(set(regions)), backoff, e)
-                    return
+        try:
+            fenced = self._fence_dropped_writers(regions)
+        except BaseException:
+            # (an unexpected error, not a try that failed): the regions stay
+            # queued for the next tick, not lost (pinned for good)
+            with self._dropped_lock:
+                self._dropped_writers += regions
+            raise
+        if not fenced:
+            with self._dropped_lock:
+                self._dropped_writers += regions
+            return
         self._dropped_retry = (0.0, 1.0)
         self.store._unpin_writers(regions)
+
+    def _fence_dropped_writers(self, regions: list) -> bool:
+        """Are the writes in flight under ``regions`` (dropped connections'
+        allocations) done?  False: not yet, try again later."""
+        next_try, backoff = self._dropped_retry
+        if self.store.closed:
+            return True
+        # OSError: the fence files are opened anew, and a server out of
+        # descriptors (EMFILE, many ranks) fails that for a while; the
+        # try failed, the lease thread must go on.
+        try:                 # a probe that stops nobody, every tick
+            self._fence_writers(0, "the writes of dropped connections", turnstile=False)
+        except (KVBlockError, OSError):
+            if time.monotonic() < next_try:
+                return False
+            try:             # a try that holds new writes back: after a backoff
+                self._fence_writers(DROPPED_FENCE_WAIT_S,
+                                    "the writes of dropped connections")
+            except (KVBlockError, OSError) as e:
+                backoff = min(2 * backoff, DROPPED_FENCE_BACKOFF_S)
+                self._dropped_retry = (time.monotonic() + backoff, backoff)
+                logger.warning("kvblock serve: regions %s stay pinned, next try in %.0f "
+                               "s: %s", sorted(set(regions)), backoff, e)
+                return False
+        return True
 
     def _give_back_dropped_writers(self, timeout: float) -> None:
         """(stop, the store kept open) The lease thread has ended: the

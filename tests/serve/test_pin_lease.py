@@ -597,3 +597,79 @@ def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(t
             let_go(wait=False)
             go.set()
             r.close()
+
+
+def test_a_failed_lease_tick_is_logged_once_and_the_lease_thread_goes_on(tmp_path, caplog):
+    """An unexpected error in one tick of the lease thread (a ValueError
+    from the fence, a bug: anything but KVBlockError or OSError) ended the
+    thread silently, the regions it was giving back lost with it: a dropped
+    connection's allocation stayed pinned for good and no quiet rank was
+    dropped again.  The tick is logged (once, with its traceback), the
+    regions stay queued, and later ticks give them back."""
+    import logging
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock, pin_lease=LEASE)
+    a = RemoteStore(sock, verify="never")
+    a._heartbeat = False                        # as if its process were stopped
+    real = server._fence_writers
+    left = {"n": 3}
+
+    def broken(*args, **kw):
+        if left["n"] > 0:
+            left["n"] -= 1
+            raise ValueError("a malformed region")
+        return real(*args, **kw)
+    server._fence_writers = broken
+    caplog.set_level(logging.ERROR, logger="kvblock")
+    try:
+        stall = _Stall(a, "_stage_run", after=True)   # allocated, not writing
+        ka = run_keys(1, 2)
+        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
+        assert stall.reached.wait(20)
+        assert server.store.regions.pins.sum() == 1
+        _until(lambda: server.expired_sessions == 1)
+        _until(lambda: server.store.regions.pins.sum() == 0, timeout=15)
+        assert left["n"] == 0
+        assert server._lease_thread.is_alive()
+        said = [r for r in caplog.records if "a malformed region" in r.getMessage()
+                or (r.exc_info and "a malformed region" in str(r.exc_info[1]))]
+        assert len(said) == 1, [r.getMessage() for r in caplog.records]
+        assert said[0].exc_info is not None, "logged without its traceback"
+        b = RemoteStore(sock)                   # and the lease still drops the quiet
+        b._heartbeat = False
+        try:
+            kb = run_keys(2, 1)
+            b.put_run(kb, run_data(kb))
+            assert b.pin(kb)
+            _until(lambda: server.expired_sessions == 2)
+        finally:
+            b.close()
+        stall.go.set()
+        box["thread"].join(20)
+        assert isinstance(box.get("error"), ServerGoneError), box
+    finally:
+        a.close()
+        server.stop()
+
+
+def test_a_lease_thread_told_to_exit_stops_the_server_as_failed(tmp_path, caplog):
+    """A SystemExit (or KeyboardInterrupt) raised in the lease thread asks
+    it to end: the server must not serve on with no lease thread (leases
+    never lapsing), nor end it silently: it stops, as failed, and says so."""
+    import logging
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    server = serve_in_background([path], sock, pin_lease=LEASE)
+    caplog.set_level(logging.ERROR, logger="kvblock")
+
+    def told_to_exit(lease):
+        raise SystemExit(3)
+    server._drop_quiet = told_to_exit
+    try:
+        assert server.wait(20), "the server went on without its lease thread"
+        assert isinstance(server.failed, SystemExit)
+        assert any("lease thread ends" in r.getMessage() for r in caplog.records)
+        assert not os.path.exists(sock)
+    finally:
+        server.stop()
