@@ -69,7 +69,7 @@ from kvblock.store.launch import (
     wait_for_server,
     wait_for_stopping_server,
 )
-from kvblock.store.fence import fence_writers, reopen, socket_fence_path
+from kvblock.store.fence import FENCE_WAIT_S, fence_writers, reopen, socket_fence_path
 from kvblock.store.protocol import (
     PROTOCOL,
     decode_keys,
@@ -225,6 +225,9 @@ class StoreServer:
         self._dropped_writers: list = []      # regions of dropped connections' allocations
         self._dropped_lock = threading.Lock()
         self._dropped_retry = (0.0, 1.0)      # (next try, backoff), monotonic seconds
+        # set by stop() (the store kept open) once it gave back the queue: the
+        # lease thread takes no more, a later release fences and gives back itself
+        self._dropped_late = False
         self._halt = threading.Event()        # stop() began
         self._lease_thread: threading.Thread | None = None
         self._tick_failures: set = set()      # (step, type, where) of lease ticks that failed
@@ -827,8 +830,9 @@ class StoreServer:
                 # still in flight would land on the space once another rank
                 # is handed it.
                 if not store.closed:
-                    with self._dropped_lock:            # after the fence (_lease_loop)
-                        self._dropped_writers += regions
+                    # after the fence (_lease_loop; past stop(), here)
+                    if not self._queue_dropped(regions):
+                        self._give_back_late(regions)
                 else:
                     store._unpin_writers(regions)
             except BaseException as e:
@@ -891,12 +895,12 @@ class StoreServer:
         except BaseException:
             # (an unexpected error, not a try that failed): the regions stay
             # queued for the next tick, not lost (pinned for good)
-            with self._dropped_lock:
-                self._dropped_writers += regions
+            if not self._queue_dropped(regions):
+                self._give_back_late(regions)
             raise
         if not fenced:
-            with self._dropped_lock:
-                self._dropped_writers += regions
+            if not self._queue_dropped(regions):
+                self._give_back_late(regions)
             return
         self._dropped_retry = (0.0, 1.0)
         self.store._unpin_writers(regions)
@@ -933,6 +937,9 @@ class StoreServer:
         (for up to ``timeout`` seconds; else they stay pinned, said)."""
         with self._dropped_lock:
             regions, self._dropped_writers = self._dropped_writers, []
+            # from now on nobody serves the queue: a connection whose thread
+            # stop() gave up waiting for releases later, and gives back itself
+            self._dropped_late = True
         if not regions or self.store.closed:
             return
         try:
@@ -942,6 +949,39 @@ class StoreServer:
                            sorted(set(regions)), e)
             return
         self.store._unpin_writers(regions)
+
+    def _queue_dropped(self, regions: list) -> bool:
+        """Queue dropped connections' allocations for the lease thread to
+        give back after the write fence; False once stop() has given back
+        the queue for the last time (the caller gives them back itself)."""
+        with self._dropped_lock:
+            if self._dropped_late:
+                return False
+            self._dropped_writers += regions
+            return True
+
+    def _give_back_late(self, regions: list) -> None:
+        """(after stop, the store kept open) Give back dropped allocations
+        once the writes in flight under them are done, waiting as long as a
+        new owner would (FENCE_WAIT_S: stop() has returned, this is a
+        connection's thread; else they stay pinned, said).  Fenced on store
+        device 0 alone: stop() has closed the socket's fence file, and every
+        rank this server allocated for locks device 0's inode too (the
+        descriptor hello sent it)."""
+        st = self.store
+        io = st.io           # once: a close() in another thread sets it to None
+        if st.closed or io is None:
+            st._unpin_writers(regions)     # (as _release does on a closed store)
+            return
+        dev0 = io.devices[0]
+        try:
+            fence_writers([(dev0.fd, dev0.path)], FENCE_WAIT_S,
+                          waiting_for="the writes of dropped connections")
+        except (KVBlockError, OSError) as e:
+            logger.warning("kvblock serve: stopped; regions %s stay pinned in the store: %s",
+                           sorted(set(regions)), e)
+            return
+        st._unpin_writers(regions)
 
     def _fence_writers(self, timeout: float | None = None, waiting_for: str | None = None,
                        turnstile: bool = True, stop: threading.Event | None = None):

@@ -466,3 +466,61 @@ def test_a_server_told_to_stop_while_it_waits_for_a_ranks_write_stops(tmp_path, 
         serve_in_background([path], sock).stop()      # nothing left behind
     finally:
         rank.close()
+
+
+def test_an_allocation_released_after_stop_gave_up_on_its_connection_is_given_back(tmp_path):
+    """StoreServer(close_store=False).stop() waits ``timeout`` for each
+    connection's thread; one still answering a request then (a slow call)
+    released its allocation later, onto the queue of the lease thread,
+    which had ended, after stop had given back the queue: the store the
+    caller keeps had that region pinned for good.  A release after stop
+    gives the allocation back itself, once the writes in flight are done."""
+    import socket
+
+    from kvblock.store.protocol import PROTOCOL, encode_msg, recv_msg
+    from kvblock.store.server import StoreServer
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    store = KVStore.open([path])
+    server = StoreServer(store, sock, close_store=False).start()
+    entered, go = threading.Event(), threading.Event()
+    rank_fence = None
+
+    def held_ping(s):
+        entered.set()
+        assert go.wait(30)
+    server._op_ping = held_ping
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.settimeout(20)
+    try:
+        raw.connect(sock)
+
+        def ask(**req):
+            raw.sendall(encode_msg(req))
+            return recv_msg(raw)
+        assert ask(op="hello", protocol=PROTOCOL, pid=os.getpid())["ok"]
+        _, fds, _, _ = socket.recv_fds(raw, 1, 16)
+        rank_fence = fence_mod.WriteFence()
+        rank_fence.served(fds)                        # as a rank's client does
+        assert ask(op="allocate", nblocks=1)["ok"]
+        assert store.regions.pins.sum() == 1
+        (session,) = server._sessions.values()
+        raw.sendall(encode_msg({"op": "ping"}))       # held in the server
+        assert entered.wait(20)
+        server.stop(timeout=0.3)                      # gives up on that thread
+        assert session.thread.is_alive()
+        with rank_fence.writing():                    # the rank's write in flight
+            go.set()
+            session.thread.join(0.5)
+            assert store.regions.pins.sum() == 1, "given back under a write in flight"
+        session.thread.join(20)
+        assert not session.thread.is_alive()
+        assert store.regions.pins.sum() == 0, "the allocation released after stop stayed pinned"
+    finally:
+        go.set()
+        raw.close()
+        server.stop()
+        store.close()
+        if rank_fence is not None:
+            rank_fence.close()
