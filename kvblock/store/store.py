@@ -133,7 +133,6 @@ class Segments(list):
     call cut half way, made again, releases only those left)."""
 
     held: list | None = None
-    of: list | None = None   # a record _unpin keeps for a plain list: that list
 
 
 class PinHandle(Segments):
@@ -438,9 +437,6 @@ class KVStore(Recovery, RunReader, RunWriter):
         # One tuple per reclaim (_begin_reclaim): whoever finishes it knows
         # it by identity (_finish_steps).
         self._reclaims: dict[int, tuple[int | None, int]] = {}
-        # _unpin's records for plain lists of segments (not Segments, which
-        # carry their own), by the list's id: see _unpin
-        self._unpin_records: dict[int, Segments] = {}
         # Free regions trim_free holds off the free list while it discards
         # them: free all the same (evict counts them, an allocation waits
         # for them rather than evict a region of live runs).
@@ -1674,24 +1670,25 @@ class KVStore(Recovery, RunReader, RunWriter):
         caller calls it again with the same answer (a second call releases
         what is left, nothing twice).
 
-        Any other list of segments (a copy, a slice) has its record kept
-        here, by the list's id (the record holds the list: the id is not
-        another's meanwhile), until a call of it ends uncut."""
-        interrupted, record = None, segs
+        Only a Segments (a ``_segments`` answer, a copy made as Segments, a
+        pin handle) is taken: it carries that record.  A plain list carries
+        none, so a call cut as it returned, made again, dropped every pin a
+        second time (another reader's pins taken): refused (TypeError)
+        before any pin drops."""
+        if not isinstance(segs, Segments):
+            raise TypeError(
+                f"_unpin takes the Segments that _segments answered (or a pin handle), "
+                f"not a {type(segs).__name__}: it keeps the record of the pins still held "
+                "that makes a call made again release nothing twice; pass that answer "
+                "itself, not a copy or slice of it")
+        interrupted = None
         while True:
             try:
                 with self._lock:
-                    if not isinstance(segs, Segments):
-                        record = self._unpin_records.get(id(segs))
-                        if record is None:
-                            # (cut before it is kept: made again, nothing dropped)
-                            record = Segments()
-                            record.of = segs
-                            self._unpin_records[id(segs)] = record
-                    held = record.held
+                    held = segs.held
                     if held is None:
                         # (cut as the list is made: not set, made again)
-                        held = record.held = [seg[0] for seg in segs]
+                        held = segs.held = [seg[0] for seg in segs]
                     pins = self.regions.pins
                     while held:
                         run = held[-1]
@@ -1709,10 +1706,6 @@ class KVStore(Recovery, RunReader, RunWriter):
         finally:
             if interrupted is not None:
                 raise interrupted
-        if record is not segs:
-            # done, uncut: no call of it comes again (cut before this line,
-            # the caller's call again releases nothing and gets here)
-            del self._unpin_records[id(segs)]
         return True
 
     def _pins_hold(self, segs) -> bool:

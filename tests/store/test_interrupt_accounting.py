@@ -458,33 +458,36 @@ def test_a_pin_with_dram_blocks_interrupted_at_any_line_holds_each_tier_pin_once
         assert not store.host.pins and int(store.regions.pins.sum()) == 0
 
 
-def test_unpin_takes_a_plain_list_of_segments_and_releases_each_pin_once(tmp_path):
+def test_unpin_takes_segments_made_of_an_answer_and_releases_each_pin_once(tmp_path):
     """_unpin kept its record of the runs still pinned on the Segments it
     was given (``held``) and raised AttributeError for any other list of
-    segments (a copy, a slice, a list a caller made of them): the pins
-    stayed held for good.  A plain list is taken, its record kept by the
-    store until a call ends uncut: cut at any line, a second call releases
-    only what is left, nothing twice (another read's pins of the same
-    runs stay)."""
+    segments.  Segments made of an answer's segments (a copy, reordered)
+    are taken; cut at any line, a second call releases only what is left,
+    nothing twice (another read's pins of the same runs stay).  (A plain
+    list, which carries no record, is refused: see
+    test_a_retried_unpin_never_takes_another_readers_pin.)"""
     from kvblock.store.store import KVStore as Store
+    from kvblock.store.store import Segments
     from tests.store.test_store import _LineInterrupt
 
     path = tmp_path / "s.img"
     create_file(path, 8 * MIB)
     keys = run_keys(100, 6)
+    nkeys = normalize_keys(keys)
     with _format([path]) as store:
         for at in range(0, 6, 2):                  # three runs
             assert store.put_run(keys[at:at + 2], run_data(keys[at:at + 2])) == 2
         with store._lock:
-            other = store._segments(keys)          # another read's pins, held
+            other = store._segments(nkeys)         # another read's pins, held
+        assert len(other) == 3
         region_pins = store.regions.pins.copy()
         run_pins = [r.pins for r in store.index.runs.values()]
         with store._lock:
-            segs = store._segments(keys)
-        assert store._unpin(list(segs)) is True    # a copy of the answer
+            segs = store._segments(nkeys)
+        assert store._unpin(Segments(segs)) is True    # a copy of the answer
         with store._lock:
-            segs = store._segments(keys)
-        assert store._unpin(segs[1:] + segs[:1]) is True
+            segs = store._segments(nkeys)
+        assert store._unpin(Segments(segs[1:] + segs[:1])) is True
         assert np.array_equal(store.regions.pins, region_pins)
         fired, n, cut = [], 0, _LineInterrupt([Store._unpin], 0)
         for code in cut.codes:
@@ -493,19 +496,18 @@ def test_unpin_takes_a_plain_list_of_segments_and_releases_each_pin_once(tmp_pat
             n += 1
             cut.n, cut.count, cut.fired = n, 0, None
             with store._lock:
-                plain = list(store._segments(keys))
+                copy = Segments(store._segments(nkeys))
             with cut:
                 try:
-                    store._unpin(plain)
+                    store._unpin(copy)
                 except KeyboardInterrupt:
-                    store._unpin(plain)         # cut: again (the rest, once)
+                    store._unpin(copy)          # cut: again (the rest, once)
             assert np.array_equal(store.regions.pins, region_pins), (cut.fired, store.regions.pins)
             assert [r.pins for r in store.index.runs.values()] == run_pins, cut.fired
             if cut.fired is None:
                 break
             fired.append(cut.fired)
         assert len(fired) > 5, fired
-        assert not store._unpin_records          # none kept past its last call
         store._unpin(other)
         assert int(store.regions.pins.sum()) == 0
 
@@ -541,3 +543,39 @@ def test_get_runs_cut_twice_releases_every_requests_pins(tmp_path, monkeypatch):
         assert int(store.regions.pins.sum()) == 0, store.regions.pins
         assert all(store.index.locate(normalize_keys(keys)[0])[0].pins == 0 for keys in runs), \
             "a run left pinned"
+
+
+def test_a_retried_unpin_never_takes_another_readers_pin(tmp_path):
+    """_unpin took a plain list of segments as well as a Segments answer,
+    keeping the plain list's record of pins still held in the store until
+    its call ended uncut.  A call cut by a KeyboardInterrupt as it returned
+    (its record gone) and made again by the caller, as every caller does,
+    found no record and dropped every pin a second time: another reader's
+    pins on the same runs were taken away (their regions evictable under
+    its read).  A plain list is refused (TypeError, nothing dropped); a
+    Segments answer's call made again drops nothing twice."""
+    path = tmp_path / "s.img"
+    create_file(path, 8 * MIB)
+    keys = run_keys(100, 4)
+    with _format([path]) as store:
+        for at in (0, 2):                          # two runs
+            assert store.put_run(keys[at:at + 2], run_data(keys[at:at + 2])) == 2
+        with store._lock:
+            other = store._segments(normalize_keys(keys))   # another reader's pins, held
+            mine = store._segments(normalize_keys(keys))
+        runs = [seg[0] for seg in mine]
+        assert [r.pins for r in runs] == [2, 2]
+        region_pins = store.regions.pins.copy()
+        plain = list(mine)
+        with pytest.raises(TypeError, match="Segments"):
+            store._unpin(plain)
+        with pytest.raises(TypeError, match="Segments"):
+            store._unpin(plain)                    # the caller's call again
+        assert [r.pins for r in runs] == [2, 2], "a refused call dropped pins"
+        assert np.array_equal(store.regions.pins, region_pins)
+        assert store._unpin(mine) is True
+        assert store._unpin(mine) is True          # cut as it returned: called again
+        assert [r.pins for r in runs] == [1, 1], "the other reader's pins were taken"
+        assert store._unpin(other) is True
+        assert [r.pins for r in runs] == [0, 0]
+        assert int(store.regions.pins.sum()) == 0
