@@ -71,7 +71,12 @@ the key is in flight (or while a worker has held the store's index lock for
 over a millisecond), else MISS.  A load that finds a key evicted since its lookup
 fails for that key only (``JobResult.successful_keys`` names the others);
 so does one whose run cannot be read (EIO): the store drops that run, so
-the next lookup misses instead of vLLM promoting it again every step.
+the next lookup misses instead of vLLM promoting it again every step.  A
+load that fails while the store keeps the key (an I/O engine failure that
+reached no device, a drop that failed) makes the key a MISS for the request
+that met it, until that request finishes, as vLLM's fs tier does: else
+vLLM's tiering manager would promote it again every step, and the request
+would wait for good.
 
 Configuration (one entry of ``secondary_tiers``)::
 
@@ -395,6 +400,11 @@ class KVBlockTierManager(SecondaryTierManager):
         self._inflight = 0                      # jobs submitted, result not yet queued
         # kvblock key -> (the store job writing it, its index there)
         self._storing: dict[bytes, tuple[_Job, int]] = {}
+        # req_id -> kvblock keys a load for that request failed (None: none
+        # yet); lookup() answers MISS to the request for them.  An entry per
+        # live request (on_new_request to on_request_finished), so a load
+        # failing after its request finished (an abort) leaves nothing.
+        self._missed: dict[str, set[bytes] | None] = {}
         self._stop = False
         self._closed = False
         # A lookup's wait for the store's lock (or a shared store's
@@ -456,12 +466,21 @@ class KVBlockTierManager(SecondaryTierManager):
 
     # ------------------------------------------------------------ scheduler-side API
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        with self._cond:
+            self._missed.setdefault(req_context.req_id, None)
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        with self._cond:
+            self._missed.pop(req_context.req_id, None)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         kb = self.kvblock_key(key)
         with self._cond:
             if self._closed:
+                return LookupResult.MISS
+            missed = self._missed.get(req_context.req_id)
+            if missed and kb in missed:     # its load failed for this request
                 return LookupResult.MISS
             storing = kb in self._storing
         found = self._contains_nowait(kb)
@@ -654,8 +673,10 @@ class KVBlockTierManager(SecondaryTierManager):
         success = bool(done.all()) and all(owner.ok[at] or owner.declined[at]
                                            for owner, at in job.waits)
         successful = None
-        if job.load and not success and job.ok.any():
-            successful = tuple(k for k, ok in zip(job.keys, job.ok) if ok)
+        if job.load and not success:
+            if job.ok.any():
+                successful = tuple(k for k, ok in zip(job.keys, job.ok) if ok)
+            self._note_missed(job)
         elapsed = None
         if job.started is not None:
             elapsed = (job.ended or time.monotonic()) - job.started
@@ -674,6 +695,22 @@ class KVBlockTierManager(SecondaryTierManager):
         self._inflight -= 1
         if self._inflight == 0:
             self._drained.notify_all()
+
+    def _note_missed(self, job: _Job) -> None:
+        """(under _cond) a load job failed for some keys: lookups of its
+        request miss them from now on.  vLLM's tiering manager frees the
+        slots of the keys that failed and looks them up again; one that
+        failed while the store kept it (an engine failure, a drop that
+        failed, a bug) was a HIT again, promoted again, failed again, every
+        step, and the request never went on (vLLM's fs tier marks them a
+        miss, its #49176).  Keys the store dropped or lost miss anyway."""
+        req_id = getattr(job.meta.req_context, "req_id", None)
+        if req_id not in self._missed:       # (finished meanwhile: nobody asks)
+            return
+        missed = self._missed[req_id]
+        if missed is None:
+            missed = self._missed[req_id] = set()
+        missed.update(kb for kb, ok in zip(job.kbs, job.ok) if not ok)
 
     def _contains_nowait(self, kb: bytes) -> bool | None:
         """Whether the store holds ``kb``; None when a worker has held the

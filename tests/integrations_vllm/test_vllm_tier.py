@@ -1892,3 +1892,61 @@ def test_a_shared_start_that_will_not_format_names_the_tiers_own_setting(tmp_pat
         assert str(e.value).endswith('set "format": "force" in the tier config'), \
             (shared, str(e.value))
     assert not os.path.exists(sock)
+
+
+def test_a_failed_load_the_store_kept_is_a_miss_for_its_request(store_file, monkeypatch):
+    """A promotion that fails while the store keeps the key (an I/O engine
+    failure that reached no device, a run whose drop failed, a bug) left the
+    key a HIT: vLLM's tiering manager freed the slot, looked the key up
+    again, promoted it again, failed again... every step, and the request
+    waited for good (vLLM's own fs tier marks such keys a miss for the
+    request: the livelock of vLLM #49176).  The request that met the
+    failure now misses the keys it could not load and recomputes them; a
+    request that did not meet it still promotes them, and the request's
+    record goes with on_request_finished."""
+    from kvblock.errors import IOFailedError
+
+    num_slots = 4
+    pool = page_aligned_pool(num_slots).view(torch.uint8).view(num_slots, SLOT)
+    region = MagicMock()
+    region.create_kv_memoryview.return_value = memoryview(pool.numpy())
+    primary = CPUPrimaryTierOffloadingManager(num_chunks=num_slots, mmap_region=region)
+    tier = KVBlockTierManager(make_spec(), primary.get_kv_memoryview(), "kvblock",
+                              devices=[store_file], threads=2)
+    pool[0] = torch.randint(0, 256, (SLOT,), dtype=torch.uint8)
+    tier.submit_store(job(100, [key(1)], [0]))
+    assert [r.success for r in drain(tier)] == [True]      # (before vLLM's manager sees it)
+    manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier],
+                                       tier_poll_interval_s=0)
+    try:
+        def step():
+            manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=()))
+
+        store = tier.store
+
+        def engine_down(*a, **k):
+            raise IOFailedError("io engine: submit failed")   # no device: nothing dropped
+
+        monkeypatch.setattr(store, "get_run", engine_down)
+        monkeypatch.setattr(store, "get_runs", engine_down)
+        monkeypatch.setattr(store, "get_blocks", engine_down)
+        ctx = ReqContext(req_id="a")
+        manager.on_new_request(ctx)
+        assert manager.lookup(key(1), ctx) is LookupResult.HIT_PENDING
+        step()                                        # submit_load
+        tier.drain_jobs()
+        # the failed promotion is processed here; the key must not be promoted again
+        assert manager.lookup(key(1), ctx) is LookupResult.MISS
+        step()
+        assert not manager.has_pending_work()
+        assert tier.lookup(key(1), ctx) is LookupResult.MISS
+        # another request did not meet the failure: the store still holds the key
+        other = ReqContext(req_id="b")
+        manager.on_new_request(other)
+        assert tier.lookup(key(1), other) is LookupResult.HIT
+        manager.on_request_finished(ctx)
+        manager.on_request_finished(other)
+        assert tier.lookup(key(1), ctx) is LookupResult.HIT     # its record went with it
+        step()
+    finally:
+        manager.shutdown()
