@@ -211,7 +211,24 @@ def _layout_facts(offloading_spec: Any) -> dict:
         "replicated_layout": bool(config.replicated_layout),
         "canonical_layout": bool(config.canonical_layout),
         "kv_cache_layout": config.kv_cache_layout,
+        **_canonical_format(config),
     }
+
+
+def _canonical_format(config: OffloadingConfig) -> dict:
+    """With vLLM's canonical host layout: the canonical byte format's id
+    (its version and layout family), which vLLM changes on any change of the
+    format, as its fs tier names it in its paths; a store kept across a vLLM
+    upgrade must not hand old-format slots to the new one."""
+    if not config.canonical_layout or config.kv_cache_layout is None:
+        return {}
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping
+
+    try:
+        return {"canonical_format": canonical_mapping.canonical_format_id(
+            config.kv_cache_layout)}
+    except KeyError:       # a layout this vLLM does not name: its version all the same
+        return {"canonical_format": f"v{canonical_mapping.CANONICAL_FORMAT_VERSION}"}
 
 
 def default_model(offloading_spec: Any) -> str:

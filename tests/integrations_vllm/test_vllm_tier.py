@@ -1950,3 +1950,35 @@ def test_a_failed_load_the_store_kept_is_a_miss_for_its_request(store_file, monk
         step()
     finally:
         manager.shutdown()
+
+
+def test_keys_name_the_canonical_format_version(make_tier, monkeypatch):
+    """With vLLM's canonical host layout, a slot holds pages in vLLM's
+    canonical byte format, whose version vLLM bumps on any change of it
+    (canonical_mapping.CANONICAL_FORMAT_VERSION; its fs tier names
+    canonical_format_id() in its paths).  The keys named the layout but not
+    the version: a store kept across a vLLM upgrade handed the new vLLM
+    slots in the old format as hits -- wrong KV read by the model."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import canonical_mapping
+
+    def canonical_spec():
+        spec = make_spec()
+        spec.config = dataclasses.replace(spec.config, canonical_layout=True,
+                                          kv_cache_layout="LBNHC")
+        return spec
+
+    tier, pool = make_tier(spec=canonical_spec())
+    fill_random(pool, [0])
+    tier.submit_store(job(1, [key(1)], [0]))
+    assert [r.success for r in drain(tier)] == [True]
+    assert tier.lookup(key(1), CTX) is LookupResult.HIT
+    tier.shutdown()
+    again, _ = make_tier(spec=canonical_spec(), format="never")
+    assert again.lookup(key(1), CTX) is LookupResult.HIT      # the same vLLM: the same keys
+    again.shutdown()
+    monkeypatch.setattr(canonical_mapping, "CANONICAL_FORMAT_VERSION",
+                        canonical_mapping.CANONICAL_FORMAT_VERSION + 1)
+    upgraded, _ = make_tier(spec=canonical_spec(), format="never")
+    assert upgraded.lookup(key(1), CTX) is LookupResult.MISS
