@@ -73,10 +73,36 @@ def socket_fence_path(socket_path) -> str:
     return os.fsdecode(socket_path) + ".fence"
 
 
-def reopen(fd: int, flags: int) -> int:
+def file_id(fd: int) -> tuple[int, int]:
+    """(st_dev, st_ino) of the file behind ``fd``."""
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def reopen(fd: int | None, flags: int, file: tuple[int, int] | None = None) -> int:
     """A new open file description of the file behind ``fd`` (the same
-    inode, whatever path it was opened by)."""
-    return os.open(f"/proc/self/fd/{fd}", flags | os.O_CLOEXEC)
+    inode, whatever path it was opened by).
+
+    ``file`` ((st_dev, st_ino), :func:`file_id`): the file ``fd`` was
+    known to be, for a descriptor the caller does not own for the whole
+    call (a store's, whose close() another thread may run; a server's
+    fence file, which stop() closes).  Closed meanwhile, its number may
+    already be another file's (the next open() in this process takes the
+    lowest free number): OSError EBADF then, and that other file is never
+    opened (a fence that locked it would take an unrelated file's writes
+    for the store's, or miss the store's).  The file is pinned first by
+    an O_PATH descriptor of our own (no open of its own kind: a FIFO, a
+    device's driver), checked, and reopened through that."""
+    if fd is None or fd < 0:
+        raise OSError(errno.EBADF, f"descriptor {fd} is closed")
+    pinned = os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
+    try:
+        if file is not None and file_id(pinned) != tuple(file):
+            raise OSError(errno.EBADF, f"descriptor {fd} was closed meanwhile (its number "
+                                       "is another file's now)")
+        return os.open(f"/proc/self/fd/{pinned}", flags | os.O_CLOEXEC)
+    finally:
+        os.close(pinned)
 
 
 class WriteFence:
@@ -248,7 +274,8 @@ def fence_writers(files: Sequence[tuple[int, str]], timeout: float | None = None
                   stop: threading.Event | None = None) -> None:
     """The owner's side: wait until no rank writes under an allocation made
     before now to the files behind ``files`` ((fd, path for messages)
-    pairs).  Meanwhile no new write starts (unless ``turnstile`` is off: a
+    pairs, or (fd, path, file) where the caller does not own ``fd`` for
+    the whole call: see :func:`reopen`).  Meanwhile no new write starts (unless ``turnstile`` is off: a
     probe that stops nobody, and that ranks writing back to back can starve).
     Raises :class:`DeviceBusyError` after ``timeout`` (FENCE_WAIT_S) seconds,
     or as soon as ``stop`` is set while it waits (kvblock serve told to
@@ -260,8 +287,8 @@ def fence_writers(files: Sequence[tuple[int, str]], timeout: float | None = None
     timeout = FENCE_WAIT_S if timeout is None else timeout
     own = []
     try:
-        for fd, path in files:
-            own.append((reopen(fd, os.O_RDWR), path))
+        for fd, path, *file in files:
+            own.append((reopen(fd, os.O_RDWR, *file), path))
         t0 = time.monotonic()
         logged = False
         for byte in ((TURNSTILE_BYTE, FENCE_BYTE) if turnstile else (FENCE_BYTE,)):
@@ -311,4 +338,5 @@ def fence_writers(files: Sequence[tuple[int, str]], timeout: float | None = None
             os.close(fd)
 
 
-__all__ = ["WriteFence", "fence_writers", "socket_fence_path", "FENCE_WAIT_S"]
+__all__ = ["WriteFence", "fence_writers", "socket_fence_path", "reopen", "file_id",
+           "FENCE_WAIT_S"]

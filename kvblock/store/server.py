@@ -69,7 +69,8 @@ from kvblock.store.launch import (
     wait_for_server,
     wait_for_stopping_server,
 )
-from kvblock.store.fence import FENCE_WAIT_S, fence_writers, reopen, socket_fence_path
+from kvblock.store.fence import (FENCE_WAIT_S, fence_writers, file_id, reopen,
+                                 socket_fence_path)
 from kvblock.store.protocol import (
     PROTOCOL,
     decode_keys,
@@ -190,6 +191,11 @@ class StoreServer:
         # paths (/dev/disk/by-id/... links too) go as they were given, and
         # ask for no working directory (one since removed has none).
         self._device_paths = [_absolute(d.path) for d in store.io.devices]
+        # The files the store's descriptors are, taken now, while the
+        # caller's store is open: the fence and hello reopen those by
+        # number, and a close() in another thread (close_store=False) frees
+        # the number for any open to take (see fence.reopen).
+        self._device_files = [file_id(d.fd) for d in store.io.devices]
         self.close_store = close_store
         # 0 is never, as for the lease and the hello wait (not: stop at the first poll)
         self.idle_exit = _seconds("idle_exit", idle_exit, "never")
@@ -222,6 +228,7 @@ class StoreServer:
         self._thread: threading.Thread | None = None
         self.connections_total = 0
         self._fence_fd: int | None = None     # <socket>.fence, held open while serving
+        self._fence_file: tuple[int, int] | None = None   # its (st_dev, st_ino)
         self._dropped_writers: list = []      # regions of dropped connections' allocations
         self._dropped_lock = threading.Lock()
         self._dropped_retry = (0.0, 1.0)      # (next try, backoff), monotonic seconds
@@ -282,6 +289,7 @@ class StoreServer:
                 f"{self.socket_path}: {what}; choose another "
                 "--socket path (in a writable directory)") from None
         try:
+            self._fence_file = file_id(self._fence_fd)
             self._fence_writers(stop=stop)
             self._listener = _bind(self.socket_path)
         except BaseException:
@@ -945,9 +953,10 @@ class StoreServer:
         try:
             self._fence_writers(timeout, "the writes of dropped connections")
         except (KVBlockError, OSError) as e:
-            logger.warning("kvblock serve: stopping; regions %s stay pinned in the store: %s",
-                           sorted(set(regions)), e)
-            return
+            if not self.store.closed:      # (closed meanwhile: as a closed one, below)
+                logger.warning("kvblock serve: stopping; regions %s stay pinned in the "
+                               "store: %s", sorted(set(regions)), e)
+                return
         self.store._unpin_writers(regions)
 
     def _queue_dropped(self, regions: list) -> bool:
@@ -975,19 +984,29 @@ class StoreServer:
             return
         dev0 = io.devices[0]
         try:
-            fence_writers([(dev0.fd, dev0.path)], FENCE_WAIT_S,
+            # (its descriptor the store's, which a close() in another thread
+            # may free meanwhile for another file to take: checked)
+            fence_writers([(dev0.fd, dev0.path, self._device_files[0])], FENCE_WAIT_S,
                           waiting_for="the writes of dropped connections")
         except (KVBlockError, OSError) as e:
-            logger.warning("kvblock serve: stopped; regions %s stay pinned in the store: %s",
-                           sorted(set(regions)), e)
-            return
+            if not st.closed:      # (closed meanwhile: its pins go, as on a closed store)
+                logger.warning("kvblock serve: stopped; regions %s stay pinned in the store: "
+                               "%s", sorted(set(regions)), e)
+                return
         st._unpin_writers(regions)
 
     def _fence_writers(self, timeout: float | None = None, waiting_for: str | None = None,
                        turnstile: bool = True, stop: threading.Event | None = None):
-        """Wait until no rank writes under an allocation made before now."""
-        dev0 = self.store.io.devices[0]
-        files = [(dev0.fd, dev0.path), (self._fence_fd, socket_fence_path(self.socket_path))]
+        """Wait until no rank writes under an allocation made before now.
+        The descriptors are reopened checked (fence.reopen): the store's
+        may be closed meanwhile by another thread (its close(), the server
+        keeping the store open), the fence file's by stop()."""
+        io = self.store.io   # once: a close() in another thread sets it to None
+        if io is None:
+            raise self._closed_error()
+        dev0 = io.devices[0]
+        files = [(dev0.fd, dev0.path, self._device_files[0]),
+                 (self._fence_fd, socket_fence_path(self.socket_path), self._fence_file)]
         fence_writers(files, timeout, turnstile=turnstile, stop=stop,
                       **({"waiting_for": waiting_for} if waiting_for else {}))
 
@@ -999,16 +1018,22 @@ class StoreServer:
         io = self.store.io   # once: a close() in another thread sets it to None
         if io is None:       # closed since hello's answer was made
             raise self._closed_error()
-        devices = io.devices
-        fds = [reopen(devices[0].fd, os.O_RDONLY)]
+        devices, files = io.devices, self._device_files
+        # Checked reopens (fence.reopen): a close() in another thread may
+        # free a descriptor meanwhile, its number another file's at once;
+        # that file went out as the store's device.
+        fds = []
         try:
-            fds.append(reopen(self._fence_fd, os.O_RDONLY))
+            fds.append(reopen(devices[0].fd, os.O_RDONLY, files[0]))
+            fds.append(reopen(self._fence_fd, os.O_RDONLY, self._fence_file))
             # then devices 1..: a rank checks each is the medium it writes
-            for d in devices[1:]:
-                fds.append(reopen(d.fd, os.O_RDONLY))
-        except BaseException:
+            for d, f in zip(devices[1:], files[1:]):
+                fds.append(reopen(d.fd, os.O_RDONLY, f))
+        except BaseException as e:
             for fd in fds:
                 os.close(fd)
+            if isinstance(e, OSError) and self.store.closed:
+                raise self._closed_error() from None
             raise
         return fds
 

@@ -267,11 +267,11 @@ def test_leases_outlive_a_server_short_of_descriptors(tmp_path, monkeypatch):
         short = {"left": 3}
         reopen = fence.reopen
 
-        def out_of_descriptors(fd, flags):
+        def out_of_descriptors(fd, flags, *file):
             if short["left"] > 0:
                 short["left"] -= 1
                 raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
-            return reopen(fd, flags)
+            return reopen(fd, flags, *file)
         monkeypatch.setattr(fence, "reopen", out_of_descriptors)
         stall = _Stall(a, "_stage_run", after=True)   # allocated, not writing
         ka = run_keys(1, 2)

@@ -524,3 +524,140 @@ def test_an_allocation_released_after_stop_gave_up_on_its_connection_is_given_ba
         store.close()
         if rank_fence is not None:
             rank_fence.close()
+
+
+class _NumberTaken:
+    """``module.reopen`` as it is called on ``fd`` (the first time): the
+    store is closed first (a user's close() in another thread, the server
+    keeping the store open), and an unrelated open in the same process
+    takes the descriptor number it freed (here made sure of with dup2)
+    before the real reopen runs."""
+
+    def __init__(self, monkeypatch, module, store, fd: int, decoy: str):
+        self.fired = False
+        self.fd = fd
+        real = module.reopen
+
+        def racing(n, flags, *args, **kw):
+            if not self.fired and n == fd:
+                self.fired = True
+                store.close()
+                d = os.open(decoy, os.O_RDWR | os.O_CLOEXEC)
+                if d != fd:
+                    os.dup2(d, fd)
+                    os.close(d)
+            return real(n, flags, *args, **kw)
+        monkeypatch.setattr(module, "reopen", racing)
+
+    def let_go(self):
+        if self.fired:
+            os.close(self.fd)      # the decoy's descriptor, on the number it took
+            self.fired = False
+
+
+def test_a_hello_as_the_store_closes_sends_no_other_file_as_device_0(tmp_path, monkeypatch):
+    """The server reopened its device 0 for a rank's hello by the store's
+    descriptor number: closed meanwhile (the caller's store.close(), the
+    server started with close_store=False) and the number taken by an
+    unrelated open, the rank got that file as the store's device 0 (and
+    was told the server serves "another medium, a copy of the store?").
+    It is told the store is closed, and no other file goes out."""
+    from kvblock.errors import StoreClosedError
+    from kvblock.store import server as server_mod
+    from kvblock.store.server import StoreServer
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    decoy = str(tmp_path / "unrelated.txt")
+    with open(decoy, "wb") as f:
+        f.write(b"x" * 4096)
+    store = KVStore.open([path])
+    server = StoreServer(store, sock, close_store=False).start()
+    race = _NumberTaken(monkeypatch, server_mod, store, store.io.devices[0].fd, decoy)
+    try:
+        with pytest.raises(StoreClosedError):
+            RemoteStore(sock).close()
+        assert race.fired
+    finally:
+        race.let_go()
+        server.stop()
+        store.close()
+
+
+def test_a_late_give_back_as_the_store_closes_fences_on_no_other_file(tmp_path, monkeypatch):
+    """A connection released after stop() (close_store=False) fences on
+    store device 0 by the store's descriptor number: closed meanwhile (the
+    caller's store.close()) and the number taken by an unrelated open (here
+    another store's device, a rank writing there), the fence locked that
+    file: its turnstile held that store's writers back, and it waited on
+    their writes (then said regions of this store stayed pinned).  The
+    fence locks no file but the store's own."""
+    import fcntl
+    import socket
+
+    from kvblock.store.protocol import PROTOCOL, encode_msg, recv_msg
+    from kvblock.store.server import StoreServer
+
+    sock = str(tmp_path / "kv.sock")
+    path = _store_file(tmp_path)
+    decoy = str(tmp_path / "other.img")
+    with open(decoy, "wb") as f:
+        f.write(b"\0" * 4096)
+    decoy_id = (os.stat(decoy).st_dev, os.stat(decoy).st_ino)
+    store = KVStore.open([path])
+    server = StoreServer(store, sock, close_store=False).start()
+    entered, go = threading.Event(), threading.Event()
+    locked = []
+    real_lock = fence_mod._ofd_lock
+
+    def recording_lock(fd, kind, wait, byte=fence_mod.FENCE_BYTE):
+        if kind == fcntl.F_WRLCK:     # an owner's (a rank's are shared)
+            st = os.fstat(fd)
+            locked.append((st.st_dev, st.st_ino))
+        return real_lock(fd, kind, wait, byte)
+
+    def held_ping(s):
+        entered.set()
+        assert go.wait(30)
+    server._op_ping = held_ping
+    monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 0.3)
+    monkeypatch.setattr("kvblock.store.server.FENCE_WAIT_S", 0.3)
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.settimeout(20)
+    rank_fence = other_rank = race = None
+    try:
+        raw.connect(sock)
+
+        def ask(**req):
+            raw.sendall(encode_msg(req))
+            return recv_msg(raw)
+        assert ask(op="hello", protocol=PROTOCOL, pid=os.getpid())["ok"]
+        _, fds, _, _ = socket.recv_fds(raw, 1, 16)
+        rank_fence = fence_mod.WriteFence()
+        rank_fence.served(fds)
+        assert ask(op="allocate", nblocks=1)["ok"]
+        (session,) = server._sessions.values()
+        raw.sendall(encode_msg({"op": "ping"}))       # held in the server
+        assert entered.wait(20)
+        server.stop(timeout=0.3)                      # gives up on that thread
+        assert session.thread.is_alive()
+        # another store's rank, writing on the file that takes the number
+        other_rank = fence_mod.WriteFence([os.open(decoy, os.O_RDONLY | os.O_CLOEXEC)])
+        race = _NumberTaken(monkeypatch, fence_mod, store, store.io.devices[0].fd, decoy)
+        monkeypatch.setattr(fence_mod, "_ofd_lock", recording_lock)
+        with other_rank.writing():
+            go.set()
+            session.thread.join(20)
+        assert not session.thread.is_alive()
+        assert race.fired
+        assert decoy_id not in locked, "the fence locked a file that is not the store's"
+    finally:
+        go.set()
+        raw.close()
+        if race is not None:
+            race.let_go()
+        server.stop()
+        store.close()
+        for f in (rank_fence, other_rank):
+            if f is not None:
+                f.close()
