@@ -130,8 +130,11 @@ class Session:
         try:
             if not self._open or self.peer_closed():
                 return False
-            self.sock.settimeout(0)     # never used for a call again: no wait here
             try:
+                # (in the try: a caller's thread releasing the last pin
+                # closes the session (close_when_released) without its
+                # lock, and an EBADF raised here ended the heartbeat)
+                self.sock.settimeout(0)     # never used for a call again: no wait here
                 sent = self.sock.send(frame)
             except BlockingIOError:     # its buffer is full: the next beat tries again
                 return False

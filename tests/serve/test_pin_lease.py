@@ -673,3 +673,37 @@ def test_a_lease_thread_told_to_exit_stops_the_server_as_failed(tmp_path, caplog
         assert not os.path.exists(sock)
     finally:
         server.stop()
+
+
+def test_a_ping_of_an_abandoned_connection_closed_meanwhile_is_no_error():
+    """Session.keep_alive (the heartbeat's ping of a connection given up on
+    while pins are held on it) checked the session open, then made its
+    socket non-blocking: a caller's thread releasing the last pin there
+    closes the session meanwhile (close_when_released), and settimeout on
+    the closed socket raised OSError (EBADF) out of keep_alive and out of
+    the heartbeat loop, which has no handler: the heartbeat ended, and no
+    connection of the rank was pinged again (its pins lapsed under the
+    server's lease, its puts' space given away).  Closed meanwhile, it is
+    not pinged: False, as for one closed before."""
+    import socket
+
+    from kvblock.store.protocol import encode_msg
+    from kvblock.store.session import Session
+
+    a, b = socket.socketpair()
+    s = Session(a)
+    s.hold(1)
+    s.gone = "abandoned after a timeout (test)"
+    real = s.peer_closed
+
+    def closed_meanwhile():
+        out = real()
+        s.hold(-1)       # the last pin released in another thread: the session closes
+        return out
+    s.peer_closed = closed_meanwhile
+    try:
+        assert s.keep_alive(encode_msg({"op": "ping"})) is False
+        assert a.fileno() == -1
+    finally:
+        s.close()
+        b.close()
