@@ -88,20 +88,34 @@ class Session:
         self.close()
 
     def close(self) -> None:
+        # The socket closed under _held_lock: peer_closed and keep_alive
+        # read and send on it under that lock without its call lock (a
+        # caller's thread releasing the last pin closes it from outside any
+        # call), and a descriptor closed between their taking its number
+        # and their system call is at once the next open()'s (another
+        # connection's socket: a ping sent into that stream, its answer
+        # read away).
         with self._held_lock:
             if not self._open:
                 return
             self._open = False
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+            try:
+                self.sock.close()
+            except OSError:
+                pass
 
     def peer_closed(self) -> bool:
         """For a session given up on: has the server's end closed?  Then
         the pins taken on it lapsed with it.  (One abandoned after a timeout
         stays open from here, and its pins hold, while the server lives.)
         Unread answers on it are discarded."""
+        with self._held_lock:      # not closed under it (see close)
+            return self._peer_closed()
+
+    def _peer_closed(self) -> bool:
+        """(under _held_lock)"""
+        if not self._open:
+            return True
         try:
             p = select.poll()       # not select(): a descriptor may be past 1023
             p.register(self.sock, select.POLLIN)
@@ -128,24 +142,27 @@ class Session:
         if self.torn or not self.lock.acquire(blocking=False):
             return False
         try:
-            if not self._open or self.peer_closed():
-                return False
-            try:
-                # (in the try: a caller's thread releasing the last pin
-                # closes the session (close_when_released) without its
-                # lock, and an EBADF raised here ended the heartbeat)
-                self.sock.settimeout(0)     # never used for a call again: no wait here
-                sent = self.sock.send(frame)
-            except BlockingIOError:     # its buffer is full: the next beat tries again
-                return False
-            except OSError:             # closed meanwhile
-                return False
-            if sent != len(frame):      # (a few bytes: sent whole in practice)
-                self.torn = True
-                return False
-            return True
+            with self._held_lock:      # not closed under it (see close)
+                return self._keep_alive(frame)
         finally:
             self.lock.release()
+
+    def _keep_alive(self, frame: bytes) -> bool:
+        """(under lock and _held_lock)"""
+        if not self._open or self._peer_closed():
+            return False
+        try:
+            # (in the try: an EBADF raised here ended the heartbeat)
+            self.sock.settimeout(0)     # never used for a call again: no wait here
+            sent = self.sock.send(frame)
+        except BlockingIOError:     # its buffer is full: the next beat tries again
+            return False
+        except OSError:             # closed meanwhile
+            return False
+        if sent != len(frame):      # (a few bytes: sent whole in practice)
+            self.torn = True
+            return False
+        return True
 
     def hung_up(self) -> bool:
         """Has the server's end closed (its process died or dropped us)?

@@ -694,16 +694,102 @@ def test_a_ping_of_an_abandoned_connection_closed_meanwhile_is_no_error():
     s = Session(a)
     s.hold(1)
     s.gone = "abandoned after a timeout (test)"
-    real = s.peer_closed
+    real = s._peer_closed
 
     def closed_meanwhile():
         out = real()
-        s.hold(-1)       # the last pin released in another thread: the session closes
+        a.close()        # the socket closed under the ping (close() now waits for it)
         return out
-    s.peer_closed = closed_meanwhile
+    s._peer_closed = closed_meanwhile
     try:
         assert s.keep_alive(encode_msg({"op": "ping"})) is False
-        assert a.fileno() == -1
     finally:
         s.close()
+        b.close()
+
+
+def test_an_abandoned_connection_is_not_closed_under_its_ping():
+    """Session.close() (a caller's thread releasing the last pin on an
+    abandoned connection: close_when_released) closed the socket while the
+    heartbeat's keep_alive was reading and sending on it: closed between
+    the socket's number being taken and the system call, the number could
+    be the next open()'s (another connection's socket), and the ping went
+    into that stream, or peer_closed read away that connection's bytes.
+    The socket is closed only once no ping uses it (and the ping, begun
+    first, goes out)."""
+    import socket
+    import threading
+
+    from kvblock.store.protocol import encode_msg
+    from kvblock.store.session import Session
+
+    a, b = socket.socketpair()
+    s = Session(a)
+    s.hold(1)
+    s.gone = "abandoned after a timeout (test)"
+    sending, wake = threading.Event(), threading.Event()
+    seen = {"closed_under_send": False}
+
+    class HeldSocket:
+        """The socket, its send held until close() comes or waits."""
+
+        def __getattr__(self, name):
+            return getattr(a, name)
+
+        def send(self, data):
+            sending.set()
+            assert wake.wait(30)
+            return a.send(data)
+
+        def close(self):
+            if sending.is_set() and not sent.is_set():
+                seen["closed_under_send"] = True
+                wake.set()
+            a.close()
+
+    class WaitedLock:
+        """_held_lock: one found held (by the ping) wakes the ping."""
+
+        def __init__(self):
+            self._lock = threading.Lock()
+
+        def acquire(self, blocking=True, timeout=-1):
+            if self._lock.acquire(blocking=False):
+                return True
+            if threading.current_thread() is closer:
+                wake.set()
+            return self._lock.acquire(blocking, timeout)
+
+        def release(self):
+            self._lock.release()
+
+        def __enter__(self):
+            self.acquire()
+            return self
+
+        def __exit__(self, *exc):
+            self.release()
+
+    sent = threading.Event()
+    s.sock = HeldSocket()
+    s._held_lock = WaitedLock()
+    box = {}
+
+    def ping():
+        box["pinged"] = s.keep_alive(encode_msg({"op": "ping"}))
+        sent.set()
+    pinger = threading.Thread(target=ping, daemon=True)
+    closer = threading.Thread(target=lambda: s.hold(-1), daemon=True)  # the last pin
+    try:
+        pinger.start()
+        assert sending.wait(20)
+        closer.start()
+        pinger.join(20)
+        closer.join(20)
+        assert not seen["closed_under_send"], "the socket was closed under the ping's send"
+        assert box["pinged"] is True
+        assert a.fileno() == -1, "the session was not closed after the ping"
+    finally:
+        wake.set()
+        a.close()
         b.close()
