@@ -38,7 +38,9 @@ def _session_with_every_kind(server, conn):
     _stored(st, keys)
     s = _Session(conn, 10 ** 6)
     with st._lock:
-        s.readers[1] = st._segments(keys)
+        s.readers[1] = st._segments(normalize_keys(keys))   # (the store's keys: raw, none)
+    run = s.readers[1][0][0]
+    assert len(s.readers[1]) == 1 and run.pins == 1 and st.regions.pins[run.region] == 1
     region, offset, run_id, gen = st._begin_put(st.layout(2).run_bytes)
     s.writers[2] = (region, run_id, offset, gen, 2)
     assert server._op_admit(s, encode_keys(offered))["verdict"] == "rejected"
