@@ -107,6 +107,7 @@ point does it in every vLLM process), or name this module in the tier config
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -598,15 +599,31 @@ class KVBlockTierManager(SecondaryTierManager):
             for job, _, _ in cancelled:
                 self._piece_done(job)
             self._cond.notify_all()
-        for t in self._workers:
-            t.join()
-        self._metrics.close()
-        if self._events is not None:
-            self._events.close()
+        self._close_parts()
+
+    def _close_parts(self) -> None:
+        """(``_stop`` set) join the workers, stop the metrics' and events'
+        threads, close the store and drop the array over vLLM's pool: each
+        step whatever an earlier one raised (the error reaches the caller
+        once all ran; a store's KVBlockError on close is logged)."""
+        with contextlib.ExitStack() as steps:      # (callbacks run last first)
+            steps.callback(self._drop_pool)
+            steps.callback(self._close_store)
+            if self._events is not None:
+                steps.callback(self._events.close)
+            if self._metrics is not None:
+                steps.callback(self._metrics.close)
+            for t in self._workers:
+                if t.ident is not None:            # (started)
+                    steps.callback(t.join)
+
+    def _close_store(self) -> None:
         try:
             self.store.close()
         except KVBlockError:
             logger.exception("kvblock tier: closing the store failed")
+
+    def _drop_pool(self) -> None:
         # vLLM's primary tier releases the view and unmaps the pool right
         # after the secondary tiers shut down: keep no array over it.
         self._slots = None

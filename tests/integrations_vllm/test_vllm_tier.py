@@ -1220,6 +1220,31 @@ def test_shutdown(make_tier):
     view.release()
 
 
+@pytest.mark.parametrize("failing", ["store", "metrics"])
+def test_shutdown_lets_go_of_the_pool_whatever_a_close_raises(make_tier, monkeypatch, failing):
+    """shutdown() dropped its array over vLLM's primary pool only after the
+    store's close() returned or raised a KVBlockError: anything else (a bug,
+    a MemoryError) left the tier holding a view of memory vLLM unmaps next;
+    a metrics thread whose close raised skipped the store's close too.  Each
+    step now runs whatever an earlier one raised, and the error still
+    reaches the caller."""
+    tier, pool = make_tier(threads=2)
+    store = tier.store
+    real_close = store.close if failing == "store" else tier._metrics.close
+
+    def close():
+        real_close()
+        raise RuntimeError(f"{failing} close failed")
+
+    monkeypatch.setattr(store if failing == "store" else tier._metrics, "close", close)
+    with pytest.raises(RuntimeError, match=f"{failing} close failed"):
+        tier.shutdown()
+    assert tier._slots is None                 # no view of the pool vLLM unmaps next
+    assert all(not t.is_alive() for t in tier._workers)
+    assert store.closed
+    tier.shutdown()                            # (done: the fixture's call returns at once)
+
+
 def test_reopen_keeps_blocks(make_tier, store_file):
     tier, pool = make_tier()
     fill_random(pool, range(2))
