@@ -388,6 +388,15 @@ class KVBlockTierManager(SecondaryTierManager):
         self.geometry = slot_geometry(bs)
         run_bytes = _parse_size(max_run_bytes, "max_run_bytes")
         self._slots = _pool_array(primary_kv_view, bs)
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)       # workers wait here for pieces
+        # drain_jobs waits here: a finished job wakes it, not every idle worker
+        self._drained = threading.Condition(lock)
+        self._stop = False
+        self._closed = False
+        # (what a start that fails after the store's open stops: _abandon_start)
+        self._workers: list[threading.Thread] = []
+        self._metrics = self._events = None
         try:
             self.store = self._open_store(
                 dp["dp_size"], format=format,
@@ -398,6 +407,18 @@ class KVBlockTierManager(SecondaryTierManager):
         except BaseException:
             self._slots = None      # vLLM unmaps the pool after a failed start
             raise
+        try:
+            self._start(bs, run_bytes, threads, enable_kv_events, offloading_spec, tier_type)
+        except BaseException:
+            # The store (its devices locked) and the workers started must
+            # not outlive a failed start: vLLM's retry, or the next
+            # process, would find the devices busy.
+            self._abandon_start()
+            raise
+
+    def _start(self, bs: int, run_bytes: int, threads: int, enable_kv_events: bool,
+               offloading_spec, tier_type: str) -> None:
+        """The start's steps after the store's open."""
         # A run never spans regions; runs of at most 1/8 region keep the space
         # a region cannot fit at its end small.
         self.max_run_blocks = max(1, min(run_bytes // bs, self.store.max_run_blocks // 8))
@@ -407,10 +428,6 @@ class KVBlockTierManager(SecondaryTierManager):
                            "every run is one slot; set it to a multiple of %d bytes",
                            run_bytes, bs, bs)
         self._batch_slots = max(1, min(self.max_run_blocks, BATCH_BYTES // bs))
-        lock = threading.Lock()
-        self._cond = threading.Condition(lock)       # workers wait here for pieces
-        # drain_jobs waits here: a finished job wakes it, not every idle worker
-        self._drained = threading.Condition(lock)
         self._failed = FailureLog(logger, "kvblock tier")
         self._loads: deque = deque()
         self._stores: deque = deque()
@@ -423,21 +440,32 @@ class KVBlockTierManager(SecondaryTierManager):
         # live request (on_new_request to on_request_finished), so a load
         # failing after its request finished (an abort) leaves nothing.
         self._missed: dict[str, set[bytes] | None] = {}
-        self._stop = False
-        self._closed = False
         # A lookup's wait for the store's lock (or a shared store's
         # connection) ran out, and no call has had it since: don't wait.
         self._store_busy = False
         self._metrics = StoreStats(self.stats)  # vLLM's get_stats (vllm_metrics.py)
         self._events = self._kv_events(enable_kv_events, offloading_spec, tier_type)
-        self._workers = [threading.Thread(target=self._worker, name=f"kvblock_tier_{i}",
-                                          daemon=True) for i in range(threads)]
-        for t in self._workers:
+        for i in range(threads):
+            t = threading.Thread(target=self._worker, name=f"kvblock_tier_{i}", daemon=True)
+            self._workers.append(t)
             t.start()
         logger.info("kvblock tier on %s%s: %d-byte slots, model %r, namespace %r, %d threads, "
                     "runs of up to %d slots", self.devices,
                     f" (server {self.server})" if self.server else "", bs, self.model,
                     self.namespace, threads, self.max_run_blocks)
+
+    def _abandon_start(self) -> None:
+        """(a start that failed after the store's open) stop the workers
+        started, close the store and drop the pool array; a failure of
+        these is logged (the start's own error is the one raised)."""
+        with self._cond:
+            self._closed = True
+            self._stop = True
+            self._cond.notify_all()
+        try:
+            self._close_parts()
+        except Exception:  # noqa: BLE001  (logged; the start's error goes on)
+            logger.exception("kvblock tier: cleaning up after a failed start failed")
 
     def _kv_events(self, enabled, offloading_spec, tier_type: str) -> TierEvents | None:
         """Where KV events wait for take_events: only with ``enable_kv_events``

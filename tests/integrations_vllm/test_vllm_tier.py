@@ -1245,6 +1245,51 @@ def test_shutdown_lets_go_of_the_pool_whatever_a_close_raises(make_tier, monkeyp
     tier.shutdown()                            # (done: the fixture's call returns at once)
 
 
+class _LateStepFailed(Exception):
+    """What a step of the tier's start after the store's open raises here."""
+
+
+def _tier_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kvblock_tier_")]
+
+
+@pytest.mark.parametrize("step", ["stats", "events", "last"])
+def test_a_start_that_fails_after_the_open_closes_the_store(make_tier, monkeypatch, step):
+    """Only the store's open was guarded: a step after it that raised (the
+    metrics' or events' setup, a worker thread that would not start, the
+    last log line) left the store open, its devices locked, its workers
+    running, and an array over vLLM's pool: vLLM's retry of the start (or
+    the next process) found the device busy.  Every failure after the open
+    now stops what was started and closes the store."""
+    opened = []
+    real_open = KVBlockTierManager._open_store
+
+    def open_store(self, *args, **kwargs):
+        opened.append(real_open(self, *args, **kwargs))
+        return opened[-1]
+
+    def fail(*args, **kwargs):
+        raise _LateStepFailed(step)
+
+    monkeypatch.setattr(KVBlockTierManager, "_open_store", open_store)
+    if step == "stats":
+        monkeypatch.setattr(kv_vllm, "StoreStats", fail)
+    elif step == "events":
+        monkeypatch.setattr(kv_vllm, "TierEvents", fail)
+    else:                     # after the workers started
+        monkeypatch.setattr(kv_vllm.logger, "info", fail)
+    before = set(_tier_threads())
+    with pytest.raises(_LateStepFailed):
+        make_tier(spec=events_spec(True), enable_kv_events=True)
+    monkeypatch.undo()
+    assert len(opened) == 1 and opened[0].closed
+    assert set(_tier_threads()) <= before            # no worker left running
+    again, pool = make_tier(format="never")          # the devices are free again
+    fill_random(pool, [0])
+    again.submit_store(job(1, [key(1)], [0]))
+    assert [r.success for r in drain(again)] == [True]
+
+
 def test_reopen_keeps_blocks(make_tier, store_file):
     tier, pool = make_tier()
     fill_random(pool, range(2))
