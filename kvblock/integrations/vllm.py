@@ -43,7 +43,10 @@ Keys and namespaces.
     tenant or salt, default empty) and the slot layout (dtype, tokens per
     hash, blocks per chunk, parallel sizes, KV groups, slot size), so two
     models, two tenants, or one model under two layouts never share blocks,
-    while a store can serve several of them in turn.
+    while a store can serve several of them in turn.  Slots whose bytes
+    vLLM makes the same under any parallel layout (its replicated MLA
+    layout, certified canonical pages) leave the parallel sizes out, as
+    vLLM's fs tier does: deployments sharded differently share them.
 
 Data-parallel replicas.
     Every replica (engine) builds its own tier from the same config.  The
@@ -206,7 +209,8 @@ def _layout_facts(offloading_spec: Any) -> dict:
         "dtype": config.model.dtype,
         "tokens_per_hash": config.cache.tokens_per_hash,
         "blocks_per_chunk": config.cache.blocks_per_chunk,
-        "parallel": [p.world_size, p.tp_size, p.pp_size, p.pcp_size, p.dcp_size],
+        "parallel": ("agnostic" if _parallelism_free(config) else
+                     [p.world_size, p.tp_size, p.pp_size, p.pcp_size, p.dcp_size]),
         "groups": [[g.group_id, g.tokens_per_block, list(g.layer_names)]
                    for g in config.groups],
         "replicated_layout": bool(config.replicated_layout),
@@ -214,6 +218,22 @@ def _layout_facts(offloading_spec: Any) -> dict:
         "kv_cache_layout": config.kv_cache_layout,
         **_canonical_format(config),
     }
+
+
+def _parallelism_free(config: OffloadingConfig) -> bool:
+    """Whether vLLM makes a slot's bytes the same under any parallel layout,
+    so the keys leave the parallel sizes out (as vLLM's fs tier leaves them
+    out of its paths; its tier shares such slots across deployments sharded
+    differently): the single-copy MLA layout (``replicated_layout``: the
+    slot is the latent, alike on every TP rank), or canonical pages
+    certified parallelism-agnostic (vLLM's worker refuses to start when a
+    layer is not).  Not the direct layout under ``is_parallelism_agnostic``
+    alone, which vLLM's fs tier also shares: its slot is each worker's cell
+    in rank order, a cell holding every tensor (layer) and block of that
+    worker's heads one after another, so TP 2 does not write the bytes a
+    TP-1 worker reads (wrong KV, not a miss)."""
+    return bool(config.replicated_layout) or (
+        bool(config.canonical_layout) and bool(config.parallel.is_parallelism_agnostic))
 
 
 def _canonical_format(config: OffloadingConfig) -> dict:

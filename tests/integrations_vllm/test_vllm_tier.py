@@ -2052,3 +2052,70 @@ def test_keys_name_the_canonical_format_version(make_tier, monkeypatch):
                         canonical_mapping.CANONICAL_FORMAT_VERSION + 1)
     upgraded, _ = make_tier(spec=canonical_spec(), format="never")
     assert upgraded.lookup(key(1), CTX) is LookupResult.MISS
+
+
+def _sharded_spec(tp_size: int, *, replicated=False, canonical=False, agnostic=False):
+    import dataclasses
+
+    spec = make_spec(tp_size=tp_size)
+    config = spec.config
+    spec.config = dataclasses.replace(
+        config, replicated_layout=replicated, canonical_layout=canonical,
+        kv_cache_layout="LBNHC" if canonical else None,
+        parallel=dataclasses.replace(config.parallel, is_parallelism_agnostic=agnostic))
+    return spec
+
+
+@pytest.mark.parametrize("flags, shared", [
+    # vLLM's single-copy MLA layout: the slot is the latent, the same on every TP size
+    (dict(replicated=True), True),
+    # vLLM's canonical pages: topology-free, certified per layer (fails closed)
+    (dict(canonical=True, agnostic=True), True),
+    (dict(canonical=True, replicated=True, agnostic=True), True),
+    # no flag: every layout its own keys, as before
+    (dict(), False),
+    (dict(canonical=True), False),
+    # the direct layout under is_parallelism_agnostic alone: a slot is each
+    # worker's cell in rank order, each cell its own tensors (layers) and
+    # blocks of its heads, not the bytes a TP-1 worker's cell holds: kept apart
+    (dict(agnostic=True), False),
+])
+def test_parallelism_free_slots_are_shared_across_tp_sizes(make_tier, flags, shared):
+    """The keys always named the world/TP/PP/PCP/DCP sizes: a slot whose
+    bytes vLLM makes the same under any TP size (the replicated MLA layout,
+    certified canonical pages), which vLLM's fs tier shares across
+    deployments sharded differently, missed in a kvblock store.  Those keys
+    now leave the parallel sizes out, as the fs tier's paths do; other keys
+    are unchanged (stores keep their hits)."""
+    tier, pool = make_tier(spec=_sharded_spec(2, **flags))
+    fill_random(pool, [0])
+    tier.submit_store(job(1, [key(1)], [0]))
+    assert [r.success for r in drain(tier)] == [True]
+    tier.shutdown()
+    other, pool4 = make_tier(spec=_sharded_spec(4, **flags), format="never")
+    want = LookupResult.HIT if shared else LookupResult.MISS
+    assert other.lookup(key(1), CTX) is want
+    if shared:
+        other.submit_load(job(2, [key(1)], [3], promotion=True))
+        assert [r.success for r in drain(other)] == [True]
+        assert torch.equal(pool4[3], pool[0])
+    other.shutdown()
+    # a layout whose keys named the parallel sizes before keeps its keys
+    same, _ = make_tier(spec=_sharded_spec(2, **flags), format="never")
+    assert same.lookup(key(1), CTX) is LookupResult.HIT
+
+
+def test_unflagged_keys_are_unchanged():
+    """Keys of layouts without the flags are the ones stores already hold."""
+    import json
+
+    import xxhash
+
+    spec = make_spec(tp_size=2)
+    facts = {"dtype": "bfloat16", "tokens_per_hash": 16, "blocks_per_chunk": 1,
+             "parallel": [2, 2, 1, 1, 1], "groups": [[0, 16, ["l0", "l1"]]],
+             "replicated_layout": False, "canonical_layout": False, "kv_cache_layout": None,
+             "slot_bytes": SLOT}
+    text = json.dumps(["m", "ns", facts], sort_keys=True, separators=(",", ":"))
+    assert kv_vllm.key_prefix("m", "ns", spec, SLOT) == xxhash.xxh3_128_digest(
+        b"kvblock-vllm-key-v2\0" + text.encode())
