@@ -88,10 +88,7 @@ class KeyTable:
         n, step = lo.size, BATCH_CHUNK
         slots = np.full(n, -1, dtype=np.int64)
         for at in range(0, n, step):
-            if n > step:
-                clo, chi, out = lo[at:at + step], hi[at:at + step], slots[at:at + step]
-            else:
-                clo, chi, out = lo, hi, slots
+            clo, chi, out = lo[at:at + step], hi[at:at + step], slots[at:at + step]   # views
             idx = self._home(clo, chi)
             todo = np.arange(clo.size)
             while todo.size:
@@ -225,10 +222,7 @@ class KeyTable:
     def _insert_new(self, lo, hi, values):
         step = BATCH_CHUNK
         for at in range(0, lo.size, step):
-            if lo.size > step:
-                clo, chi, cval = lo[at:at + step], hi[at:at + step], values[at:at + step]
-            else:
-                clo, chi, cval = lo, hi, values
+            clo, chi, cval = lo[at:at + step], hi[at:at + step], values[at:at + step]
             idx = self._home(clo, chi)
             todo = np.arange(clo.size)
             while todo.size:

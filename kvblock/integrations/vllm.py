@@ -455,11 +455,11 @@ class KVBlockTierManager(SecondaryTierManager):
         self._inflight = 0                      # jobs submitted, result not yet queued
         # kvblock key -> (the store job writing it, its index there)
         self._storing: dict[bytes, tuple[_Job, int]] = {}
-        # req_id -> kvblock keys a load for that request failed (None: none
-        # yet); lookup() answers MISS to the request for them.  An entry per
+        # req_id -> kvblock keys a load for that request failed; lookup()
+        # answers MISS to the request for them.  An entry per
         # live request (on_new_request to on_request_finished), so a load
         # failing after its request finished (an abort) leaves nothing.
-        self._missed: dict[str, set[bytes] | None] = {}
+        self._missed: dict[str, set[bytes]] = {}
         # A lookup's wait for the store's lock (or a shared store's
         # connection) ran out, and no call has had it since: don't wait.
         self._store_busy = False
@@ -533,7 +533,7 @@ class KVBlockTierManager(SecondaryTierManager):
     # ------------------------------------------------------------ scheduler-side API
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         with self._cond:
-            self._missed.setdefault(req_context.req_id, None)
+            self._missed.setdefault(req_context.req_id, set())
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -545,8 +545,7 @@ class KVBlockTierManager(SecondaryTierManager):
         with self._cond:
             if self._closed:
                 return LookupResult.MISS
-            missed = self._missed.get(req_context.req_id)
-            if missed and kb in missed:     # its load failed for this request
+            if kb in self._missed.get(req_context.req_id, ()):   # its load failed here
                 return LookupResult.MISS
             storing = kb in self._storing
         found = self._contains_nowait(kb)
@@ -786,12 +785,9 @@ class KVBlockTierManager(SecondaryTierManager):
         failed, a bug) was a HIT again, promoted again, failed again, every
         step, and the request never went on (vLLM's fs tier marks them a
         miss, its #49176).  Keys the store dropped or lost miss anyway."""
-        req_id = getattr(job.meta.req_context, "req_id", None)
-        if req_id not in self._missed:       # (finished meanwhile: nobody asks)
+        missed = self._missed.get(getattr(job.meta.req_context, "req_id", None))
+        if missed is None:                   # (finished meanwhile: nobody asks)
             return
-        missed = self._missed[req_id]
-        if missed is None:
-            missed = self._missed[req_id] = set()
         missed.update(kb for kb, ok in zip(job.kbs, job.ok) if not ok)
 
     def _contains_nowait(self, kb: bytes) -> bool | None:
