@@ -52,10 +52,15 @@ class KvikioReader:
 
     @property
     def mode(self) -> str:
+        # a submodule that `import kvikio` leaves unloaded (kvikio 26.10):
+        # self.kvikio.defaults raised AttributeError, failing the first load
+        # into CUDA memory of every store that times the two paths
+        import kvikio.defaults as defaults
+
         try:
-            compat = self.kvikio.defaults.is_compat_mode_preferred()
+            compat = defaults.is_compat_mode_preferred()
         except AttributeError:  # older kvikio
-            compat = bool(self.kvikio.defaults.compat_mode())
+            compat = bool(defaults.compat_mode())
         return "posix-compat" if compat else "gds"
 
     def read(self, dev: int, offset: int, dst, nbytes: int):

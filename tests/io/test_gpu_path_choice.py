@@ -340,3 +340,29 @@ def test_the_paths_are_timed_on_the_caches_device(monkeypatch, tmp_path):
     finally:
         reader.close()
         store.close()
+
+
+@pytest.mark.parametrize("api", ["is_compat_mode_preferred", "compat_mode"])
+def test_the_kvikio_mode_is_read_from_its_defaults_submodule(tmp_path, monkeypatch, api):
+    """kvikio 26.10's `import kvikio` leaves kvikio.defaults unloaded: the
+    reader's mode read kvikio.defaults as an attribute (AttributeError), so
+    the first load into CUDA memory of a store that times the two paths
+    (verify='never', no override) failed (seen on an H200).  Stood in by a
+    package laid out as kvikio's: its defaults a submodule the package does
+    not import, with the newer or the older function."""
+    import sys
+
+    from kvblock.io.gpu import KvikioReader
+
+    pkg = tmp_path / "kvikio"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("class CuFile:\n"
+                                     "    def __init__(self, path, flags): pass\n"
+                                     "    def close(self): pass\n")
+    (pkg / "defaults.py").write_text(f"def {api}():\n    return True\n")
+    for name in ("kvikio", "kvikio.defaults"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reader = KvikioReader(["/dev/a"])
+    assert reader.mode == "posix-compat"
+    reader.close()
