@@ -114,13 +114,21 @@ def _copy_into(dst_np: np.ndarray, src) -> None:
 
 
 def _as_like(host_np: np.ndarray, like):
-    """A host staging array as the cache's array type (torch: shares memory)."""
+    """A host staging array as the cache's array type (a CPU torch tensor
+    shares its memory; CUDA torch and cupy get a device copy)."""
     if _is_torch(like) or isinstance(like, _StridedPages):
         import torch
 
         t = torch.from_numpy(host_np)
         device = like.device if _is_torch(like) else like.t.device
         return t if device.type == "cpu" else t.to(device, non_blocking=False)
+    if _is_cupy(like):
+        # cupy copies no host array implicitly: a setitem from one raised
+        # ValueError, failing every load into a cupy cache (seen on an
+        # H200); copied to the thread's current device, the cache's
+        import cupy
+
+        return cupy.asarray(host_np)
     return host_np
 
 
@@ -1187,6 +1195,10 @@ def _raw_assign(view, ids, src, itemsize):
         raw_t = view.t.view(_torch_int(itemsize))
         _StridedPages(raw_t, view.bt, view.shape[0] * view.bt)[ids] = src
     else:
+        if _is_cupy(view) and not isinstance(ids, slice):
+            import cupy
+
+            ids = cupy.asarray(ids)      # a scatter's indices on the cache's device
         _raw(view, itemsize)[ids] = src
 
 

@@ -1390,8 +1390,9 @@ def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, 
 class _CupyLike:
     """Stands in for a cupy array on the CPU: device memory in the ways
     kvblock meets it (__cuda_array_interface__, .get() for a host copy,
-    indexing, views, setitem from host arrays) and, as cupy, refusing the
-    implicit conversion to numpy."""
+    indexing, views, setitem from device arrays) and, as cupy, refusing the
+    implicit conversions from and to numpy.  Tests that write one install
+    a cupy module whose asarray makes one (_cupy_module)."""
 
     __module__ = "cupy._core.core"
 
@@ -1426,6 +1427,9 @@ class _CupyLike:
         return _CupyLike(self._a[self._unwrap(idx)])
 
     def __setitem__(self, idx, value):
+        if isinstance(value, np.ndarray) and value.ndim:
+            # as cupy 14 does (seen on an H200): no implicit host copy
+            raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
         self._a[self._unwrap(idx)] = self._unwrap(value)
 
     def view(self, dtype):
@@ -1438,11 +1442,27 @@ class _CupyLike:
         return _CupyLike(self._a.transpose(*axes))
 
 
-def test_a_cupy_cache_saves_and_loads(path):
+def _cupy_module(array_class=_CupyLike, **cuda):
+    """A stand-in cupy module: asarray copies a host array into
+    ``array_class`` ("device memory"), ``cuda`` its cuda namespace."""
+    import types
+
+    cupy = types.ModuleType("cupy")
+    cupy.asarray = lambda a: array_class(np.array(a))
+    cupy.cuda = types.SimpleNamespace(**cuda)
+    return cupy
+
+
+def test_a_cupy_cache_saves_and_loads(path, monkeypatch):
     """cupy arrays are documented cache types (kvblock.tensors); a save from
     one copied the gathered pages into host staging with numpy's implicit
     conversion (staging[...] = pages), which cupy refuses with TypeError:
-    every save from a cupy cache failed."""
+    every save from a cupy cache failed.  A load scattered host staging
+    into it the same way (cache[ids] = staging), which cupy refuses with
+    ValueError: every load into one failed (seen on an H200)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy", _cupy_module())
     g = Geometry(L, H, D, "float16", BS)
     rng = np.random.default_rng(7)
     src_np = [rng.standard_normal((2, 6, BS, H, D)).astype(np.float16) for _ in range(L)]
@@ -1502,10 +1522,8 @@ def test_a_load_into_a_cupy_cache_settles_cupys_stream(path, monkeypatch):
             assert self.device == 0, "event made on another device than its stream's"
             self.recorded_on = (stream or get_current_stream(0)).owner
 
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = types.SimpleNamespace(get_current_stream=get_current_stream, Event=FakeEvent,
-                                      Device=FakeDevice)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy", _cupy_module(
+        get_current_stream=get_current_stream, Event=FakeEvent, Device=FakeDevice))
 
     class OnDevice(_CupyLike):
         device = types.SimpleNamespace(id=0)
@@ -1578,10 +1596,9 @@ def test_a_load_into_a_cupy_cache_on_another_gpu_scatters_on_that_gpu(path, monk
         def record(self, stream=None):
             pass
 
-    cupy = types.ModuleType("cupy")
-    cupy.cuda = types.SimpleNamespace(get_current_stream=lambda device_id=None: FakeStream(),
-                                      Event=FakeEvent, Device=FakeDevice)
-    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setitem(sys.modules, "cupy", _cupy_module(
+        get_current_stream=lambda device_id=None: FakeStream(), Event=FakeEvent,
+        Device=FakeDevice))
 
     class OnGpu1(_CupyLike):
         device = types.SimpleNamespace(id=1)
