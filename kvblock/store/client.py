@@ -1360,6 +1360,8 @@ class RemoteStore(RunReader, RunWriter):
                 "not its numbers by name; a server of another kvblock release?")
         s["client"] = self.counters.snapshot()
         s["client"]["engine"] = self.io.engine.name
+        if getattr(self, "_gpu_path", None):     # this rank's choice (the server reads none)
+            s["client"].update(gpu_path=self._gpu_path, gpu_path_reason=self._gpu_path_reason)
         return s
 
     # ------------------------------------------------------- internals kvblock.tensors uses

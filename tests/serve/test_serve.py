@@ -1726,3 +1726,22 @@ def test_a_call_whose_connection_close_ends_under_it_is_no_server_gone(tmp_path,
             go.set()
         assert isinstance(box.get("error"), StoreClosedError), box
         assert not isinstance(box["error"], ServerGoneError), repr(box["error"])
+
+
+def test_a_ranks_stats_name_the_gpu_path_it_chose(tmp_path, monkeypatch):
+    """A rank chooses its own path into CUDA memory (the server reads
+    none): KVStore.stats() names it, RemoteStore.stats() had it nowhere.
+    It is under "client", with its reason, once chosen."""
+    from kvblock.io.gpu import gpu_path
+
+    monkeypatch.setenv("KVBLOCK_GPU_PATH", "host")
+    sock = str(tmp_path / "kv.sock")
+    server = serve_in_background([_store_file(tmp_path)], sock)
+    try:
+        with RemoteStore(sock) as rank:
+            assert "gpu_path" not in rank.stats()["client"]       # none chosen yet
+            assert gpu_path(rank) == "host"
+            client = rank.stats()["client"]
+            assert (client["gpu_path"], client["gpu_path_reason"]) == ("host", "KVBLOCK_GPU_PATH")
+    finally:
+        server.stop()
