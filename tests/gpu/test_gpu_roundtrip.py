@@ -135,3 +135,43 @@ def test_a_corrupt_range_never_reaches_gpu_memory(path):
         for layer in range(L):
             assert torch.equal(_bits(dst[layer][:, :n]), src[layer][:, :n].view(torch.int16))
         assert store.lookup(a + b) == n           # run b dropped: the next lookup stops at a
+
+
+@pytest.mark.parametrize("path_kind", ["kvikio", "host"])
+def test_a_served_store_loads_into_cuda_on_each_rank(tmp_path, path, monkeypatch, path_kind):
+    """Ranks of one served store (kvblock serve) read the runs the server
+    published straight into their CUDA caches, each its own TP slice of
+    heads, through either GPU path (kvikio opens the devices the server
+    handed over), bytes identical."""
+    from kvblock.store.client import RemoteStore
+    from kvblock.store.server import serve_in_background
+
+    if path_kind == "kvikio":
+        pytest.importorskip("kvikio")
+    monkeypatch.setenv("KVBLOCK_GPU_PATH", path_kind)
+    g = Geometry(L, H, D, "bfloat16", BS, head_groups=2)
+    KVStore.format([str(path)], g, force=True).close()
+    sock = str(tmp_path / "kv.sock")
+    server = serve_in_background([str(path)], sock, verify="never")
+    n, tp = 16, 2
+    src = _pages(n, device="cpu")
+    keys = [f"r{i}".encode() for i in range(n)]
+    try:
+        with RemoteStore(sock) as writer:
+            assert save_blocks(writer, keys, VLLMLayout(src), list(range(n))) == n
+        per = H // tp
+        for rank in range(tp):
+            with RemoteStore(sock) as store:
+                dst = [torch.zeros(2, n, BS, per, D, dtype=torch.bfloat16, device="cuda")
+                       for _ in range(L)]
+                h = load_blocks(store, keys, VLLMLayout(dst), list(range(n)), tp_rank=rank,
+                                tp_size=tp)
+                assert h.wait() == n
+                assert store.stats()["client"]["gpu_path"] == path_kind
+                # the path the load took: the kvikio one opens the rank's reader
+                assert (getattr(store, "_kvikio", None) is not None) == (path_kind == "kvikio")
+                for layer in range(L):
+                    want = src[layer][..., rank * per:(rank + 1) * per, :]
+                    assert torch.equal(_bits(dst[layer]), want.view(torch.int16)), (rank, layer)
+    finally:
+        server.stop()
