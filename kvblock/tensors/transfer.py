@@ -437,10 +437,18 @@ UNIT_BYTES = 8 << 20
 UNIT_BUFFERS = 3
 
 
+def _sample_tensor(layout):
+    """The array behind ``layout.sample()``: a Hugging Face cache of
+    several heads pages through _StridedPages (no torch tensor: no
+    ``device`` nor ``is_cuda``), whose tensor is ``.t``."""
+    sample = layout.sample()
+    return sample.t if isinstance(sample, _StridedPages) else sample
+
+
 def _job_class(store, layout):
     """_KvikioLoadJob for a CUDA cache when kvikio is the store's GPU path,
     else _LoadJob (host staging)."""
-    sample = layout.sample()
+    sample = _sample_tensor(layout)
     if _is_torch(sample) and sample.is_cuda:
         from kvblock.io.gpu import gpu_path
 
@@ -1210,7 +1218,7 @@ class _KvikioLoadJob(_LoadJob):
     def _new_buffer(self):
         import torch
 
-        device = self.layout.sample().device
+        device = _sample_tensor(self.layout).device
         return _DeviceStaging(torch.empty(self.unit_bytes, dtype=torch.uint8, device=device))
 
     def _settle(self, buf) -> None:

@@ -553,6 +553,42 @@ def test_kvikio_job_orchestration_on_cpu(path, monkeypatch, unit_bytes):
         reader.close()
 
 
+def test_kvikio_job_loads_a_hugging_face_cache(path, monkeypatch):
+    """A Hugging Face cache of several heads pages through _StridedPages
+    (no torch tensor): the kvikio job took its staging device from
+    ``layout.sample().device``, which _StridedPages has none of
+    (AttributeError, the load failed), and _job_class never chose the
+    kvikio job for one on CUDA (it looked for a torch sample), so
+    KVBLOCK_GPU_PATH=kvikio read it through host staging.  Driven on the
+    CPU with the pread stand-in for kvikio: bytes identical."""
+    from kvblock.tensors import transfer
+
+    monkeypatch.setattr(transfer, "UNIT_BYTES", 4096)
+    monkeypatch.setattr(transfer, "_job_class", lambda store, layout: transfer._KvikioLoadJob)
+    tokens = 5 * BS
+    src = HFDynamicLayout([rand(1, H, tokens, D) for _ in range(L)],
+                          [rand(1, H, tokens, D) for _ in range(L)], BS)
+    assert isinstance(src.layer_views(0)[0], transfer._StridedPages)
+    keys = [f"h{i}".encode() for i in range(5)]
+    with _store(path, geom(), verify="never") as store:
+        assert save_blocks(store, keys, src, list(range(5))) == 5
+        reader = _PreadReader([path])
+        monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
+        dst = HFDynamicLayout.empty(L, H, tokens, D, BS, torch.bfloat16)
+        h = load_blocks(store, keys[1:], dst, [4, 0, 1, 2])     # mid-run, pages out of order
+        assert h.wait(timeout=30) == 4
+        assert reader.calls > 0
+        reader.close()
+    for layer in range(L):
+        for have, want in ((dst.keys[layer], src.keys[layer]),
+                           (dst.values[layer], src.values[layer])):
+            for page, block in ((4, 1), (0, 2), (1, 3), (2, 4)):
+                got = have[:, :, page * BS:(page + 1) * BS].view(torch.int16)
+                assert torch.equal(got, want[:, :, block * BS:(block + 1) * BS]
+                                   .view(torch.int16)), (layer, page)
+            assert not have[:, :, 3 * BS:4 * BS].any()
+
+
 def test_kvikio_staging_goes_back_to_the_reader_only_once_its_scatter_settled(path,
                                                                               monkeypatch):
     """GPU path: the scatter's copies out of a device staging buffer are
