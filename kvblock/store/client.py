@@ -1044,10 +1044,7 @@ class RemoteStore(RunReader, RunWriter):
         told count=False) and here, once the call's plan stands.  ``keys``
         (their first keys) name the offers the server settles: another
         thread's put_runs on the connection has its own open."""
-        if keys:
-            self._call("count_rejected", runs=runs, keys=encode_keys(keys))
-        else:
-            self._call("count_rejected", runs=runs)
+        self._call("count_rejected", runs=runs, keys=encode_keys(keys))
         self.counters.add("admission_rejected_runs", runs)
 
     def _abort(self, s: "Session", wids: list[int]) -> None:

@@ -1206,27 +1206,20 @@ class StoreServer:
         no admit saw): counted as KVStore counts them."""
         return self._count_runs("count_duplicates", "put_duplicate_runs", runs)
 
-    def _op_count_rejected(self, s, runs, keys=None):
+    def _op_count_rejected(self, s, runs, keys):
         """put_runs' declined runs (admitted with count=false), once the
         call's plan stands: counted as KVStore counts them, their offers
         no longer given back when the connection ends.  ``keys``: the
         declined runs' first keys, one per run: those offers are settled
         (two threads' put_runs share a connection: the oldest declined
         offers open on it may be another call's, which may still be given
-        back; taken for this call's, this call's stayed open and were given
-        back when the connection ended, though its plan stood).  Without
-        ``keys``, the oldest ``runs`` declined offers open on it."""
-        if keys is not None:
-            keys = decode_keys(keys)
-            if len(keys) != runs:
-                raise ConfigError(f"count_rejected: keys must name the {runs} declined runs' "
-                                  f"first keys, one each, got {len(keys)}")
+        back).  Required (protocol 14: every client names them; a request
+        without them is refused by _dispatch, ConfigError)."""
+        keys = decode_keys(keys)
+        if len(keys) != runs:
+            raise ConfigError(f"count_rejected: keys must name the {runs} declined runs' "
+                              f"first keys, one each, got {len(keys)}")
         self._count_runs("count_rejected", "admission_rejected_runs", runs)
-        if keys is None:
-            for i in [i for i, (_, admitted) in enumerate(s.offers)
-                      if not admitted][:runs][::-1]:
-                del s.offers[i]
-            return None
         for key in keys:
             for i, (offered, admitted) in enumerate(s.offers):
                 if not admitted and offered[0] == key:

@@ -145,7 +145,8 @@ def test_a_declined_offer_of_a_put_runs_cut_by_its_connections_end_is_given_back
                                count=False)
                 assert answer["verdict"] == "rejected"
             if plan_stood:
-                _call(conn, "count_rejected", runs=2)
+                _call(conn, "count_rejected", runs=2,
+                      keys=encode_keys([normalize_keys(k)[0] for k in (a, b)]))
             (s,) = server._sessions.values()
         s.thread.join(10)
         assert server.client_count() == 0
@@ -203,3 +204,36 @@ def test_count_rejected_settles_its_own_calls_declined_offers_not_another_thread
         assert adm._offers.get(nk) is None            # thread 1's: given back once
         assert adm._offers.get(nd) == 1 and adm._offers.get(ne) == 1, \
             "thread 2's declined offers (its plan stood) were given back"
+
+
+def _answer(conn, op, **args):
+    conn.sendall(encode_msg({"op": op, **args}))
+    return recv_msg(conn)
+
+
+def test_count_rejected_without_keys_is_refused(tmp_path):
+    """Since protocol 14 every client names the declined runs' first keys
+    in count_rejected; the keyless form (the oldest declined offers open
+    on the connection, whichever call counted them) stayed served.  A
+    request without keys is now a protocol error, answered ConfigError:
+    nothing counted, no offer settled."""
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    a, b = normalize_keys(run_keys(1, 2)), normalize_keys(run_keys(2, 2))
+    with serve_in_background([path], sock, admit_after=2) as server:
+        st = server.store
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(sock)
+            for keys in (a, b):
+                assert _call(conn, "admit", keys=encode_keys(keys),
+                             count=False)["verdict"] == "rejected"
+            (s,) = server._sessions.values()
+            reply = _answer(conn, "count_rejected", runs=2)
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            assert "'keys'" in reply["message"], reply
+            assert st.counters["admission_rejected_runs"] == 0
+            assert [(k, adm) for k, adm in s.offers] == [(a, False), (b, False)]
+            # with keys: counted, settled
+            assert _call(conn, "count_rejected", runs=2, keys=encode_keys([a[0], b[0]])) \
+                is None
+            assert st.counters["admission_rejected_runs"] == 2 and not s.offers
