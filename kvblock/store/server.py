@@ -875,23 +875,26 @@ class StoreServer:
                     if not admitted or st.index.prefix_length(keys) < len(keys)]
         st._give_back_offers(back)
 
-    def _settle_offers(self, s: _Session, given_back: list[tuple[bytes, bool]] = ()) -> None:
+    def _settle_offers(self, s: _Session, given_back: list[tuple[bytes, bool]] = ()) -> list:
         """The open offers on ``s`` whose puts are done: those in
         ``given_back`` ((first key, admitted), one each: the client gave it
         back) and the admitted ones whose run is now stored whole (a commit
-        published it)."""
+        published it).  Returns those of ``given_back`` that were open."""
+        found = []
         if not s.offers:
-            return
+            return found
         for key, admitted in given_back:
             for i in range(len(s.offers) - 1, -1, -1):
                 if s.offers[i][0][0] == key and s.offers[i][1] == admitted:
                     del s.offers[i]
+                    found.append((key, admitted))
                     break
         if s.offers and not given_back:
             st = self.store
             with st._lock:
                 s.offers = [(keys, admitted) for keys, admitted in s.offers
                             if not admitted or st.index.prefix_length(keys) < len(keys)]
+        return found
 
     def _release_dropped_writers(self) -> None:
         with self._dropped_lock:
@@ -1197,8 +1200,18 @@ class StoreServer:
                 not all(type(a) is bool for a in admitted):
             raise ConfigError(f"give_back: admitted must be a list of {len(keys)} true or "
                               f"false, one per key, got {str(admitted)[:80]}")
-        st._give_back_offers(list(zip(keys, admitted)))
-        self._settle_offers(s, list(zip(keys, admitted)))
+        if st.admission.admit_after == 1:     # no offer counted, none tracked
+            return None
+        # Only offers open on this connection: another connection's (a
+        # stray or buggy client naming them) are its own, given back by its
+        # puts or at its end; given back here too, they went back twice.
+        mine = self._settle_offers(s, list(zip(keys, admitted)))
+        st._give_back_offers(list(mine))
+        if len(mine) < len(keys):
+            raise ConfigError(f"give_back: {len(keys) - len(mine)} of the {len(keys)} offers "
+                              "named are not open on this connection (not admitted on it, "
+                              "or given back or settled already): those were not given "
+                              "back")
         return None
 
     def _op_count_duplicates(self, s, runs):

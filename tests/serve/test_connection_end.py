@@ -237,3 +237,38 @@ def test_count_rejected_without_keys_is_refused(tmp_path):
             assert _call(conn, "count_rejected", runs=2, keys=encode_keys([a[0], b[0]])) \
                 is None
             assert st.counters["admission_rejected_runs"] == 2 and not s.offers
+
+
+@pytest.mark.parametrize("admitted", [False, True])
+def test_give_back_gives_back_only_this_connections_offers(tmp_path, admitted):
+    """give_back gave back every offer it named, open on the connection or
+    not: a connection naming another's offer (a buggy or stray client)
+    cancelled it in the shared admission (a declined one counted one
+    offer less; an admitted one made the key's next offer admit at once),
+    and the owner's own give_back, or its connection's end, then gave it
+    back a second time.  Only offers open on the connection are given
+    back now; the others are refused, said in a ConfigError."""
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    k = normalize_keys(run_keys(1, 2))
+    with serve_in_background([path], sock, admit_after=3) as server:
+        adm = server.store.admission
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as a, \
+                socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as b:
+            a.connect(sock)
+            b.connect(sock)
+            verdicts = [_call(a, "admit", keys=encode_keys(k), count=False)["verdict"]
+                        for _ in range(3 if admitted else 1)]
+            assert verdicts[-1] == ("ok" if admitted else "rejected"), verdicts
+            _call(b, "ping")
+            before = dict(adm._offers)
+            reply = _answer(b, "give_back", keys=encode_keys([k[0]]), admitted=[admitted])
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            assert "not open on this connection" in reply["message"], reply
+            assert dict(adm._offers) == before, "another connection's offer was given back"
+            # its own connection gives it back
+            assert _call(a, "give_back", keys=encode_keys([k[0]]), admitted=[admitted]) is None
+            if admitted:
+                assert adm._offers.get(k[0]) == 2      # the next offer admits
+            else:
+                assert adm._offers.get(k[0]) is None   # counted no more
