@@ -30,6 +30,7 @@ import socket
 import stat
 import threading
 import time
+import traceback
 import uuid
 import weakref
 from typing import Sequence
@@ -159,19 +160,48 @@ def _heartbeat_loop(ref, stop: threading.Event) -> None:
     a lease a reconnect brought counts at once.  Until ``stop``: close()
     sets it once the calls in flight are done (it waits for puts in flight,
     whose allocations a lapsed lease would give away, and for reads under
-    the pins of connections abandoned after a timeout)."""
-    last = 0.0
+    the pins of connections abandoned after a timeout).
+
+    It must live as long as the store (else its pins lapse on a server
+    that lives): a beat that fails unexpectedly (a bug, a MemoryError) is
+    logged, once per distinct error, and the next tick tries again."""
+    last, failures = 0.0, set()
     while True:
         store = ref()
         if store is None:
             return
-        lease = store._pin_lease
-        if lease and store._heartbeat and time.monotonic() - last >= lease / 4:
-            if store._ping():
-                last = time.monotonic()
+        tick = HEARTBEAT_TICK_S
+        try:
+            lease = store._pin_lease
+            if lease:
+                tick = min(HEARTBEAT_TICK_S, lease / 8)
+            if lease and store._heartbeat and time.monotonic() - last >= lease / 4:
+                if store._ping():
+                    last = time.monotonic()
+        except Exception as e:  # noqa: BLE001  (said; the next tick tries again)
+            _note_heartbeat_failure(failures, store.socket_path, e)
         del store
-        if stop.wait(min(HEARTBEAT_TICK_S, lease / 8) if lease else HEARTBEAT_TICK_S):
+        if stop.wait(tick):
             return
+
+
+def _note_heartbeat_failure(failures: set, socket_path: str, e: BaseException) -> None:
+    """A heartbeat's unexpected error: logged with its traceback as text (a
+    record must not keep the frames, and the store with them), once per
+    distinct error (its type and where it was raised), not every tick."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    key = (type(e), (tb.tb_frame.f_code.co_filename, tb.tb_lineno) if tb is not None else None)
+    if key in failures:
+        logger.debug("kvblock: the heartbeat to %s failed again: %s: %s", socket_path,
+                     type(e).__name__, e)
+        return
+    if len(failures) < 256:
+        failures.add(key)
+    logger.error("kvblock: the heartbeat to %s failed (%s: %s); it goes on (this error is "
+                 "logged once)\n%s", socket_path, type(e).__name__, e,
+                 "".join(traceback.format_exception(e)).rstrip())
 
 
 def _reconnect_once(store: "RemoteStore", warned: str | None) -> tuple[bool, str | None]:

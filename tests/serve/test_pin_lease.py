@@ -793,3 +793,34 @@ def test_an_abandoned_connection_is_not_closed_under_its_ping():
         wake.set()
         a.close()
         b.close()
+
+
+def test_a_heartbeat_that_fails_unexpectedly_is_logged_once_and_goes_on(tmp_path, caplog):
+    """The client's heartbeat thread had no handler for an unexpected
+    error (a bug, a MemoryError): one raised by a ping ended the thread
+    silently, and the rank's pins then lapsed on the server though its
+    process lived.  It is logged, once per distinct error, and the
+    heartbeat goes on."""
+    import logging
+    import threading
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock, pin_lease=LEASE) as server, \
+            RemoteStore(sock, timeout=GENEROUS_S) as r:
+        real_ping, calls, again = r._ping, [], threading.Event()
+
+        def ping():
+            calls.append(1)
+            if len(calls) <= 2:                 # the same error twice: logged once
+                raise RuntimeError("test: a bug in the ping")
+            again.set()
+            return real_ping()
+        with caplog.at_level(logging.DEBUG, logger="kvblock"):
+            r._ping = ping
+            assert again.wait(10), "the heartbeat died with the error"
+        said = [rec for rec in caplog.records if "test: a bug in the ping" in rec.getMessage()
+                and rec.levelno >= logging.ERROR]
+        assert len(said) == 1, [rec.getMessage() for rec in caplog.records]
+        assert "heartbeat" in said[0].getMessage()
+        assert server.client_count() == 1
