@@ -167,12 +167,15 @@ class Session:
     def hung_up(self) -> bool:
         """Has the server's end closed (its process died or dropped us)?
         Reads nothing: another thread's answer may be waiting."""
-        try:
-            p = select.poll()
-            p.register(self.sock, select.POLLRDHUP)
-            events = p.poll(0)
-        except (OSError, ValueError):     # closed here already
-            return True
+        with self._held_lock:      # not closed under it (see close)
+            if not self._open:
+                return True
+            try:
+                p = select.poll()
+                p.register(self.sock, select.POLLRDHUP)
+                events = p.poll(0)
+            except (OSError, ValueError):     # closed here already
+                return True
         return any(ev & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL)
                    for _, ev in events)
 

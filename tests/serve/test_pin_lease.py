@@ -824,3 +824,89 @@ def test_a_heartbeat_that_fails_unexpectedly_is_logged_once_and_goes_on(tmp_path
         assert len(said) == 1, [rec.getMessage() for rec in caplog.records]
         assert "heartbeat" in said[0].getMessage()
         assert server.client_count() == 1
+
+
+def test_hung_up_polls_the_sessions_own_socket_not_a_number_reused(monkeypatch):
+    """Session.hung_up() (asked by a put before it writes, and by a read
+    whether its pins hold) polled the socket by its number without
+    _held_lock, which close() closes it under: a caller's thread
+    releasing the last pin on an abandoned connection could close it
+    between the number being taken and the poll, and the number was then
+    the next open()'s (another connection's socket): a session closed
+    here was answered not hung up.  It polls under the lock now (a close
+    waits for it), and a session closed first is hung up."""
+    import select
+    import socket
+    import threading
+    import types
+
+    from kvblock.store import session as session_mod
+    from kvblock.store.session import Session
+
+    a, b = socket.socketpair()
+    s = Session(a)
+    woken = threading.Event()
+    seen = {"closed_under_poll": False}
+    others = []
+
+    class WaitedLock:
+        """_held_lock: the closer finding it held wakes the poll."""
+
+        def __init__(self):
+            self._lock = threading.Lock()
+
+        def acquire(self, blocking=True, timeout=-1):
+            if self._lock.acquire(blocking=False):
+                return True
+            if threading.current_thread() is closer:
+                woken.set()
+            return self._lock.acquire(blocking, timeout)
+
+        def release(self):
+            self._lock.release()
+
+        def __enter__(self):
+            self.acquire()
+            return self
+
+        def __exit__(self, *exc):
+            self.release()
+
+    def close():
+        s.close()
+        woken.set()
+    closer = threading.Thread(target=close, daemon=True)
+
+    class Poll:
+        """select.poll, the session closed by another thread between the
+        descriptor's register and the poll (or waited for)."""
+
+        def register(self, sock, events):
+            self.fd, self.events = sock if isinstance(sock, int) else sock.fileno(), events
+
+        def poll(self, timeout=None):
+            closer.start()
+            assert woken.wait(20)
+            if a.fileno() == -1:       # closed under the poll: its number is free
+                seen["closed_under_poll"] = True
+                others.extend(socket.socketpair())      # the next open() takes it
+            real = select.poll()
+            real.register(self.fd, self.events)
+            return real.poll(timeout)
+
+    monkeypatch.setattr(session_mod, "select", types.SimpleNamespace(
+        poll=Poll, **{k: getattr(select, k) for k in dir(select) if k.startswith("POLL")}))
+    s._held_lock = WaitedLock()
+    try:
+        assert s.hung_up() is False            # its own socket, its peer there
+        closer.join(20)
+        assert not seen["closed_under_poll"], "the session's socket was closed under the poll"
+        assert a.fileno() == -1
+        monkeypatch.undo()
+        assert s.hung_up() is True             # closed here: hung up
+    finally:
+        woken.set()
+        a.close()
+        b.close()
+        for o in others:
+            o.close()
