@@ -1019,7 +1019,12 @@ class RemoteStore(RunReader, RunWriter):
                         return 0
         finally:          # not stored whole: the next offer admits it (see KVStore)
             if written < n:
-                self._give_back_offers([(keys[0], True)])
+                back = [(keys[0], True)]
+                try:
+                    self._give_back_offers(back)
+                except BaseException:   # cut before it was sent: ``back`` names it still
+                    self._give_back_offers(back)
+                    raise
         return written
 
     def _admit(self, keys: list[bytes], count: bool = True) -> tuple[str, str]:
@@ -1061,13 +1066,22 @@ class RemoteStore(RunReader, RunWriter):
             return
         s = getattr(self._bound, "session", None)
         keys, admitted = encode_keys([k for k, _ in offers]), [bool(a) for _, a in offers]
-        del offers[:]       # (no call between the encoding and this)
-        if s is None:       # (no put's connection: the server gives them back at its end)
-            return
+        pending, sending = list(offers), False
         try:
-            self._call_on(s, "give_back", keys=keys, admitted=admitted)
+            del offers[:]       # (no call between the encoding and this)
+            if s is None:       # (no put's connection: the server gives them back at its end)
+                return
+            with s.lock:        # (a Ctrl-C waiting here, another call in flight: not sent)
+                sending = True  # cut from here, the connection is abandoned (_call_locked)
+                self._call_locked(s, "give_back", {"keys": keys, "admitted": admitted})
         except KVBlockError as e:
             logger.debug("kvblock: give_back to %s: %s", self.socket_path, e)
+        except BaseException:
+            # cut before the request could go out (its lock awaited): the
+            # offers are put back, for the caller's call again to send
+            if not sending and not offers:
+                offers[:] = pending
+            raise
 
     def _count_rejected(self, runs: int, keys: list[bytes] = ()) -> None:
         """put_runs' declined runs, counted on the server (its admits were

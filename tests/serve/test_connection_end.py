@@ -272,3 +272,83 @@ def test_give_back_gives_back_only_this_connections_offers(tmp_path, admitted):
                 assert adm._offers.get(k[0]) == 2      # the next offer admits
             else:
                 assert adm._offers.get(k[0]) is None   # counted no more
+
+
+@pytest.mark.parametrize("call", ["put_runs", "put_run"])
+def test_a_ctrl_c_waiting_to_send_a_give_back_leaves_the_offers_to_give_back(tmp_path, call):
+    """The client emptied the offers it gives back before it sent them (so
+    that a caller calling again after a KeyboardInterrupt sends none
+    twice), then waited for the connection's lock (another thread's call
+    in flight): a Ctrl-C there lost them, though nothing was sent.  The
+    caller's second call found none, and the server kept them open until
+    the connection ended (a declined offer stayed counted: the key's next
+    offer admitted at once, admit_after=2; an admitted one stayed used up:
+    the key needed two offers more).  Offers not sent are put back for the
+    caller's call again (put_run's give_back is called again too)."""
+    import threading
+
+    from kvblock.errors import ConfigError
+    from kvblock.store.client import RemoteStore
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    k, x = run_keys(1, 2), run_keys(2, 2)
+    nk, nx = normalize_keys(k)[0], normalize_keys(x)[0]
+    with serve_in_background([path], sock, admit_after=2) as server:
+        adm = server.store.admission
+        with RemoteStore(sock) as r:
+            main = threading.current_thread()
+            real_lock, armed = r._session.lock, []
+
+            class CtrlCWaiting:
+                """The connection's lock; a Ctrl-C lands as the test's thread
+                waits for it, once armed."""
+
+                def acquire(self, blocking=True, timeout=-1):
+                    if armed and threading.current_thread() is main:
+                        armed.clear()
+                        raise KeyboardInterrupt
+                    return real_lock.acquire(blocking, timeout)
+
+                def release(self):
+                    real_lock.release()
+
+                def locked(self):
+                    return real_lock.locked()
+
+                def __enter__(self):
+                    self.acquire()
+                    return self
+
+                def __exit__(self, *exc):
+                    self.release()
+            r._session.lock = CtrlCWaiting()
+            real_admit = r._admit
+
+            def admit(keys, count=True):
+                if keys[0] == nx:           # the call refused after k's admit
+                    armed.append(1)         # its give_back of k's offer: Ctrl-C
+                    raise ConfigError("test: x refused")
+                return real_admit(keys, count)
+            r._admit = admit
+            if call == "put_runs":
+                with pytest.raises(KeyboardInterrupt):
+                    r.put_runs([(k, run_data(k)), (x, run_data(x))])
+                assert not armed
+                assert adm._offers.get(nk) is None, "k's declined offer was not given back"
+            else:
+                assert r.put_run(k, run_data(k)) == 0        # the first offer: declined
+                real_put_one = r._put_one
+
+                def put_one(*args, **kwargs):   # admitted, then its write fails
+                    armed.append(1)             # its give_back of k's offer: Ctrl-C
+                    raise ConfigError("test: the write failed")
+                r._put_one = put_one
+                with pytest.raises(KeyboardInterrupt):
+                    r.put_run(k, run_data(k))
+                r._put_one = real_put_one
+                assert not armed
+                assert adm._offers.get(nk) == 1, "k's admitted offer was not given back"
+            assert r.server_alive
+            (s,) = server._sessions.values()
+            assert not s.offers
