@@ -528,6 +528,11 @@ class KVBlockTierManager(SecondaryTierManager):
     # ------------------------------------------------------------ keys
     def kvblock_key(self, key: OffloadKey) -> bytes:
         """The 16-byte kvblock key of a vLLM key in this tier's namespace."""
+        if not isinstance(key, (bytes, bytearray, memoryview)):
+            # (bytes(n) of an int n is n zero bytes: int keys of one value
+            # were one kvblock key, a HIT for another key's bytes)
+            raise ConfigError(f"kvblock tier: key {key!r} is {type(key).__name__}, not "
+                              "bytes (a vLLM OffloadKey)")
         return xxhash.xxh3_128_digest(self._prefix + bytes(key))
 
     # ------------------------------------------------------------ scheduler-side API
@@ -587,8 +592,35 @@ class KVBlockTierManager(SecondaryTierManager):
                               f"slot {bad}, outside the pool's {n} slots")
         return keys, chunks, [self.kvblock_key(k) for k in keys]
 
+    def _refused(self, job_metadata: TransferJob, kind: str, e: Exception) -> None:
+        """A job _job_inputs refused (inputs vLLM never sends): logged, and
+        reported finished as failed, as vLLM's fs tier reports a failed job
+        (raised out of submit_*, the job stayed open in vLLM for good: its
+        slots pinned, its request never finalized).  A refused load's keys
+        miss for its request from now on (see _note_missed)."""
+        self._failed(f"{kind} job {job_metadata.job_id}", e)
+        with self._cond:
+            if kind == "load":
+                missed = self._missed.get(getattr(job_metadata.req_context, "req_id", None))
+                if missed is not None:
+                    for k in job_metadata.keys:
+                        with contextlib.suppress(ConfigError):
+                            missed.add(self.kvblock_key(k))
+            self._finished.append(JobResult(job_metadata.job_id, False))
+
+    def _checked_inputs(self, job_metadata: TransferJob, kind: str):
+        """_job_inputs, or None when it refused the job (reported failed)."""
+        try:
+            return self._job_inputs(job_metadata, kind)
+        except (ConfigError, TypeError, ValueError) as e:
+            self._refused(job_metadata, kind, e)
+            return None
+
     def submit_store(self, job_metadata: TransferJob) -> None:
-        keys, chunks, kbs = self._job_inputs(job_metadata, "store")
+        inputs = self._checked_inputs(job_metadata, "store")
+        if inputs is None:
+            return
+        keys, chunks, kbs = inputs
         with self._cond:
             if self._closed:
                 self._finished.append(JobResult(job_metadata.job_id, False))
@@ -609,7 +641,10 @@ class KVBlockTierManager(SecondaryTierManager):
             self._enqueue(job, self._stores)
 
     def submit_load(self, job_metadata: TransferJob) -> None:
-        keys, chunks, kbs = self._job_inputs(job_metadata, "load")
+        inputs = self._checked_inputs(job_metadata, "load")
+        if inputs is None:
+            return
+        keys, chunks, kbs = inputs
         with self._cond:
             if self._closed:
                 self._finished.append(JobResult(job_metadata.job_id, False))

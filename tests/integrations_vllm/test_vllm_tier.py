@@ -299,20 +299,59 @@ def test_load_of_missing_key_fails(make_tier):
 
 
 @pytest.mark.parametrize("bad", [-1, NUM_SLOTS])
-def test_a_job_naming_a_slot_outside_the_pool_is_refused(make_tier, bad):
+def test_a_job_naming_a_slot_outside_the_pool_is_refused(make_tier, caplog, bad):
     """A slot id past the pool shortened the slice a piece read into (the
     job "succeeded" with keys never loaded), a negative one wrapped to
-    another slot (its bytes overwritten).  A typed error names the slot."""
+    another slot (its bytes overwritten).  The job is refused: its bytes
+    untouched, an error naming the slot logged, and it is reported finished
+    as failed (raised out of submit_*, it stayed open in vLLM for good: its
+    slots pinned, the request never finalized)."""
     tier, pool = make_tier()
     fill_random(pool, [0, 1])
     tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
     assert [r.success for r in drain(tier)] == [True]
     before = pool.clone()
-    for submit in (tier.submit_load, tier.submit_store):
-        with pytest.raises(ConfigError, match=f"primary slot {bad}, outside the pool's "
-                                              f"{NUM_SLOTS} slots"):
-            submit(job(2, [key(1), key(2)], [0, bad]))
-    assert drain(tier) == [] and torch.equal(pool, before)
+    tier.on_new_request(CTX)
+    with caplog.at_level(logging.ERROR, logger="kvblock.integrations.vllm"):
+        tier.submit_load(job(2, [key(1), key(2)], [0, bad], promotion=True))
+        tier.submit_store(job(3, [key(3), key(4)], [0, bad]))
+    assert tier.has_pending_work()
+    results = drain(tier)
+    assert [(r.job_id, r.success, r.successful_keys) for r in results] == \
+        [(2, False, None), (3, False, None)]
+    assert torch.equal(pool, before)
+    assert caplog.text.count(f"primary slot {bad}, outside the pool's {NUM_SLOTS} slots") == 2
+    # the refused load's keys miss for its request (a HIT would have vLLM
+    # promote them again, refused again, every step); the store kept them
+    assert [tier.lookup(k, CTX) for k in (key(1), key(2))] == [LookupResult.MISS] * 2
+    other = ReqContext(req_id="other")
+    tier.on_new_request(other)
+    assert [tier.lookup(k, other) for k in (key(1), key(2))] == [LookupResult.HIT] * 2
+    assert [tier.lookup(k, other) for k in (key(3), key(4))] == [LookupResult.MISS] * 2
+
+
+@pytest.mark.parametrize("what", ["count", "key type"])
+def test_a_job_vllm_would_never_send_is_reported_failed(make_tier, caplog, what):
+    """Keys and chunk ids of different counts, or a key that is not bytes
+    (an int became that many zero bytes: int keys of one value were one
+    kvblock key, a HIT for another's bytes): the job is reported failed."""
+    tier, pool = make_tier()
+    fill_random(pool, [0, 1])
+    tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
+    assert [r.success for r in drain(tier)] == [True]
+    before = pool.clone()
+    keys, ids = ([key(1), key(2)], [0]) if what == "count" else ([key(1), 2], [0, 1])
+    with caplog.at_level(logging.ERROR, logger="kvblock.integrations.vllm"):
+        tier.submit_load(job(2, keys, ids, promotion=True))
+        tier.submit_store(job(3, keys, ids))
+    results = drain(tier)
+    assert [(r.job_id, r.success) for r in results] == [(2, False), (3, False)]
+    assert torch.equal(pool, before)
+    said = "2 keys but 1 chunk ids" if what == "count" else "key 2 is int, not bytes"
+    assert caplog.text.count(said) == 2, caplog.text
+    if what == "key type":
+        with pytest.raises(ConfigError, match="is int, not bytes"):
+            tier.kvblock_key(2)
 
 
 def test_partial_load_names_the_keys_it_loaded(make_tier):
