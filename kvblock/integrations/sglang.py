@@ -63,7 +63,9 @@ Keys.
     (SGLang has every rank back them up), so their keys always carry the TP
     rank; so do an MHA draft model's pages (``PoolName.DRAFT``), each rank's
     own heads: SGLang backs them up beside MLA KV from rank 0 only, so the
-    other ranks miss them rather than load rank 0's heads.
+    other ranks miss them rather than load rank 0's heads (and, as SGLang
+    takes the smallest hit of all ranks, such a model gets no L3 hit at
+    tp_size > 1: each rank warns of it when the draft pool registers).
     The store itself is fingerprinted with the model name: a device formatted
     for one model is refused for another.  An fp8 cache's host pool is uint8
     for either fp8 format (SGLang tells backends no more): name the format
@@ -753,8 +755,20 @@ class KVBlockHiCacheStorage(HiCacheStorage):
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        if _pool_key(host_pool_name) == PoolName.KV.value and self.store is None:
+        name = _pool_key(host_pool_name)
+        if name == PoolName.KV.value and self.store is None:
             self.register_mem_pool_host(host_pool)
+        c = self.storage_config
+        if c.is_mla_model and c.tp_size > 1 and name != PoolName.MAMBA.value and \
+                self._rank_sharded(name):
+            # (see _rank_sharded) SGLang backs this pool up from rank 0 only
+            # and takes the smallest hit of all ranks: the L3 never hits.
+            logger.warning(
+                "kvblock sglang backend: an MHA draft pool %r beside MLA KV at tp_size %d: "
+                "SGLang 0.5.23 backs it up from TP rank 0 only (per-rank draft backups are "
+                "Mooncake's alone), and each rank holds its own heads of it, so ranks other "
+                "than 0 miss it and the prefix with it; SGLang takes the smallest hit of all "
+                "ranks, so this model gets no L3 hit from kvblock", name, c.tp_size)
 
     def _pool(self, name):
         pools = getattr(self, "registered_pools", {}) or {}

@@ -18,6 +18,7 @@ these and the backend driven through them (flat-page calls included).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -587,13 +588,16 @@ class MHADraftPool(StatePool):
     head_num, head_dim = 2, 16
 
 
-def test_an_mha_draft_pool_beside_mla_is_not_served_another_ranks_heads(tmp_path):
+def test_an_mha_draft_pool_beside_mla_is_not_served_another_ranks_heads(tmp_path, caplog):
     """MLA main model at tp_size 2 with an MHA draft pool: SGLang 0.5.23 backs
     the draft pool up from rank 0 only (HybridCacheController.should_backup:
     rank-specific draft keys are Mooncake's alone), and every rank loads it.
     The draft's KV is TP-sharded (each rank its own heads), so rank 1 must
     miss, not load rank 0's heads as its own (it did: extra pools other than
-    Mamba were keyed without the TP rank beside MLA KV)."""
+    Mamba were keyed without the TP rank beside MLA KV).  As SGLang takes
+    the smallest hit of all ranks, such a deployment gets no L3 hit at all:
+    each rank says so when the draft pool is registered (it was silent: an
+    L3 that never hit, no reason given)."""
     from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
     dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
@@ -604,7 +608,13 @@ def test_an_mha_draft_pool_beside_mla_is_not_served_another_ranks_heads(tmp_path
         for r in range(2):
             ranks.append(attach(pools[r], [dev], tp_rank=r, tp_size=2, server=sock,
                                 size="32M"))
-            ranks[r].register_mem_host_pool_v2(drafts[r], PoolName.DRAFT)
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="kvblock.integrations.sglang"):
+                ranks[r].register_mem_host_pool_v2(drafts[r], PoolName.DRAFT)
+            said = [m.getMessage() for m in caplog.records
+                    if "MHA draft pool 'draft'" in m.getMessage()]
+            assert len(said) == 1 and "no L3 hit" in said[0] and "tp_size 2" in said[0], \
+                caplog.text
         keys = keys_for("draft", 2)
         want0 = drafts[0].buf[0].clone()
         assert ranks[0].batch_set_v1(keys, pools[0].token_indices([0, 1])) == [True] * 2
