@@ -603,7 +603,7 @@ class KVBlockTierManager(SecondaryTierManager):
             if kind == "load":
                 missed = self._missed.get(getattr(job_metadata.req_context, "req_id", None))
                 if missed is not None:
-                    for k in job_metadata.keys:
+                    for k in job_metadata.keys or ():
                         with contextlib.suppress(ConfigError):
                             missed.add(self.kvblock_key(k))
             self._finished.append(JobResult(job_metadata.job_id, False))

@@ -330,7 +330,7 @@ def test_a_job_naming_a_slot_outside_the_pool_is_refused(make_tier, caplog, bad)
     assert [tier.lookup(k, other) for k in (key(3), key(4))] == [LookupResult.MISS] * 2
 
 
-@pytest.mark.parametrize("what", ["count", "key type"])
+@pytest.mark.parametrize("what", ["count", "key type", "no keys"])
 def test_a_job_vllm_would_never_send_is_reported_failed(make_tier, caplog, what):
     """Keys and chunk ids of different counts, or a key that is not bytes
     (an int became that many zero bytes: int keys of one value were one
@@ -340,14 +340,18 @@ def test_a_job_vllm_would_never_send_is_reported_failed(make_tier, caplog, what)
     tier.submit_store(job(1, [key(1), key(2)], [0, 1]))
     assert [r.success for r in drain(tier)] == [True]
     before = pool.clone()
-    keys, ids = ([key(1), key(2)], [0]) if what == "count" else ([key(1), 2], [0, 1])
+    keys, ids = {"count": ([key(1), key(2)], [0]), "key type": ([key(1), 2], [0, 1]),
+                 "no keys": (None, [0])}[what]
+    tier.on_new_request(CTX)
     with caplog.at_level(logging.ERROR, logger="kvblock.integrations.vllm"):
-        tier.submit_load(job(2, keys, ids, promotion=True))
-        tier.submit_store(job(3, keys, ids))
+        for jid, submit in ((2, tier.submit_load), (3, tier.submit_store)):
+            submit(TransferJob(job_id=jid, keys=keys, chunk_ids=np.array(ids),
+                               is_promotion=jid == 2, req_context=CTX))
     results = drain(tier)
     assert [(r.job_id, r.success) for r in results] == [(2, False), (3, False)]
     assert torch.equal(pool, before)
-    said = "2 keys but 1 chunk ids" if what == "count" else "key 2 is int, not bytes"
+    said = {"count": "2 keys but 1 chunk ids", "key type": "key 2 is int, not bytes",
+            "no keys": "'NoneType' object is not iterable"}[what]
     assert caplog.text.count(said) == 2, caplog.text
     if what == "key type":
         with pytest.raises(ConfigError, match="is int, not bytes"):
