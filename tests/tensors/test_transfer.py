@@ -1705,7 +1705,7 @@ def test_a_dram_stretch_looks_up_only_its_own_keys(path, monkeypatch):
         assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait() == n
         # the stretch's one key and the one after, then the hit's own count
         # (_host_hits_used: the keys taken); not the 63 keys left
-        assert sum(looked) <= 3, f"a DRAM stretch of 1 key looked up {looked} keys"
+        assert 1 <= sum(looked) <= 3, f"a DRAM stretch of 1 key looked up {looked} keys"
     for layer in range(L):
         assert torch.equal(dst[layer], src[layer])
 
@@ -1749,7 +1749,9 @@ def test_a_device_stretch_looks_up_only_about_its_own_keys(path, monkeypatch):
         assert store.stats()["host_tier_hits"] >= n // 2
     # n / 2 device stretches: about n * n / 4 keys when each looked at all
     # the keys left; a few per key loaded now
-    assert sum(looked) < 10 * n, f"{len(looked)} lookups of {sum(looked)} keys for {n} keys"
+    # (at least each device key's own lookup: an empty count is no count)
+    assert n // 2 <= sum(looked) < 10 * n, \
+        f"{len(looked)} lookups of {sum(looked)} keys for {n} keys"
     for layer in range(L):
         assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
 
