@@ -22,7 +22,7 @@ from tests.serve.test_shared_clear import _wait_in
 from tests.serve.test_write_fence import _allocations, _in_thread, _release_fenced_writer, _Stall
 from tests.store.workload import run_data, run_keys
 from tests.support.servers import stop_process, stop_server
-from tests.support.timeouts import GENEROUS_S, hold_checkpoint, short_timeout_on
+from tests.support.timeouts import GENEROUS_S, QuietPasses, hold_checkpoint, short_timeout_on
 
 # Pings go every LEASE/4: a lease of 0.5 s could expire a live session whose process
 # stalled ~0.4 s (two test processes and a loop device on two cores).
@@ -498,6 +498,7 @@ def test_the_pins_of_an_abandoned_connection_outlive_the_lease(tmp_path, reconne
     the pinned run could be evicted and its space reused under the read."""
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     keys = run_keys(1, 2)
+    passes = QuietPasses(monkeypatch)
     with serve_in_background([path], sock, pin_lease=LEASE) as server:
         let_go = hold_checkpoint(server)      # answered once the client gave up
         short_timeout_on(monkeypatch, {"checkpoint"}, 0.3)
@@ -510,7 +511,9 @@ def test_the_pins_of_an_abandoned_connection_outlive_the_lease(tmp_path, reconne
             let_go()
             if reconnect:
                 _until(lambda: r.counters["reconnects"] == 1)
-            time.sleep(3 * LEASE)
+            # unpinged, the abandoned connection lapses at the lease
+            # thread's first pass a lease later: wait for a pass past that
+            passes.past(time.monotonic() + 1.5 * LEASE)
             assert server.expired_sessions == 0, "the abandoned connection's pin lapsed"
             assert server.store.regions.pins.sum() == 1
             assert server.store.evict(all=True) == 0
@@ -566,6 +569,7 @@ def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(t
     on until the calls in flight are done."""
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     keys = run_keys(1, 2)
+    passes = QuietPasses(monkeypatch)
     with serve_in_background([path], sock, pin_lease=LEASE) as server:
         let_go = hold_checkpoint(server)      # answered once the client gave up
         short_timeout_on(monkeypatch, {"checkpoint"}, 0.3)
@@ -585,7 +589,9 @@ def test_close_keeps_the_pins_of_an_abandoned_connection_while_a_read_finishes(t
             closer = _in_thread(r.close)
             closer["thread"].join(0.5)
             assert closer["thread"].is_alive(), "close() did not wait for the read"
-            time.sleep(3 * LEASE)          # close() waits; the pin would lapse unpinged
+            # close() waits; unpinged since, the pin lapses at the lease
+            # thread's first pass a lease later: wait for a pass past that
+            passes.past(time.monotonic() + 1.5 * LEASE)
             assert server.expired_sessions == 0, "the abandoned connection's pin lapsed"
             assert server.store.regions.pins.sum() == 1
             go.set()

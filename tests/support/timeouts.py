@@ -120,3 +120,35 @@ class HelloWait:
             until = self._count + n
             assert self._cond.wait_for(lambda: self._count >= until, timeout), \
                 "the lease thread ran no pass of the hello wait"
+
+
+class QuietPasses:
+    """The served store's lease passes (the lease thread's drops of the
+    connections that hold pins and have gone quiet), timed: ``past(t)``
+    waits until a pass that began after ``time.monotonic()`` was ``t`` has
+    run, in place of a sleep meant to outlast a lease (on a loaded machine
+    the sleep can end before the lease thread has looked at all, and a
+    test that a lease did not lapse then passes having checked nothing).
+    Make it before the server."""
+
+    def __init__(self, monkeypatch):
+        from kvblock.store import server as server_mod
+
+        self._cond = threading.Condition()
+        self._last = float("-inf")       # when the last pass to end began
+        real = server_mod.StoreServer._drop_quiet
+
+        def drop_quiet(server, lease):
+            began = time.monotonic()
+            try:
+                real(server, lease)
+            finally:
+                with self._cond:
+                    self._last = max(self._last, began)
+                    self._cond.notify_all()
+        monkeypatch.setattr(server_mod.StoreServer, "_drop_quiet", drop_quiet)
+
+    def past(self, t: float, timeout: float = 20.0) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._last > t, timeout), \
+                "the lease thread ran no pass of its lease drops"
