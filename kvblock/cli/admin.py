@@ -95,11 +95,23 @@ def _in_use(e: DeviceBusyError, why: str, command: str) -> DeviceBusyError:
         "store in use", e.path, e.errno)
 
 
+# How the device layer's busy messages begin their advice (after "; "):
+# "stop the other process[ or open it read-only]", "unmount it or stop the
+# other user", "unmount it first (umount MOUNT POINTS)", "release it there
+# first (...)" (kvblock.devices.device: Device, _busy).
+_ADVICE = ("; stop the other process", "; unmount it", "; release it there first")
+
+
 def _without_advice(e: DeviceBusyError) -> str:
-    """``e``'s message without its advice, which comes after its last "; "
-    (not its first: the processes named before it, which have the device
-    open, are joined with "; " too, and a command line may hold one)."""
-    return str(e).rsplit("; ", 1)[0]
+    """``e``'s message without its advice: from the last place one of the
+    device layer's advice begins (not the first "; ": the processes named
+    before it, which have the device open, are joined with "; " too, and a
+    command line may hold one; nor the last: a path named in or after the
+    advice, a mount point to unmount or a stopping server's socket, may
+    hold one).  A message with none of that advice is kept whole."""
+    msg = str(e)
+    cut = max(msg.rfind(advice) for advice in _ADVICE)
+    return msg if cut < 0 else msg[:cut]
 
 
 def _writer_busy(e: DeviceBusyError, why: str, command: str) -> DeviceBusyError:

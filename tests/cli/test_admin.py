@@ -1067,6 +1067,53 @@ def test_a_served_store_in_use_names_every_process_that_has_it_open(file_target,
         rank.stdout.close()
 
 
+def test_a_busy_message_is_cut_at_its_advice_not_in_a_path_holding_a_semicolon(tmp_path,
+                                                                               monkeypatch):
+    """The commands that put their own fix in place of a busy device's
+    advice cut its message at its last "; ", taken for the start of the
+    advice: a path named after that point holding "; " (the mount point in
+    "unmount it first (umount '/mnt/a; b')", the socket of a stopping store
+    server that serve's refusal names after the advice) was cut instead,
+    the path's end dropped and the device's advice ("open it read-only")
+    kept beside the command's.  The cut is where the advice begins."""
+    from types import SimpleNamespace
+
+    from kvblock import create_file
+    from kvblock.cli.admin import _in_use, _without_advice
+    from kvblock.devices import device as device_mod
+    from kvblock.devices.device import Device
+    from kvblock.errors import DeviceBusyError
+
+    # a block device mounted at a path holding "; ", as the device layer says it
+    monkeypatch.setattr(device_mod, "_mount_points", lambda rdev: [(None, "/mnt/a; b")])
+    blk = SimpleNamespace(st_mode=stat.S_IFBLK | 0o660, st_rdev=os.makedev(8, 0))
+    e = device_mod._busy("/dev/sdz: device is busy", blk, "/dev/sdz", "", "/dev/sdz",
+                         errno.EBUSY)
+    assert str(e).endswith("; unmount it first (umount '/mnt/a; b')"), str(e)
+    assert _without_advice(e) == "/dev/sdz: device is busy (mounted at /mnt/a; b)"
+
+    # a store file (in a folder holding "; ") locked by another store, as
+    # serve says it when a store server stopping on a socket in a folder
+    # holding "; " still held it (server.open_server)
+    folder = tmp_path / "st; ore"
+    folder.mkdir()
+    path = str(folder / "kv.img")
+    create_file(path, 1 << 20)
+    with Device(path):
+        with pytest.raises(DeviceBusyError) as held:
+            Device(path, busy_timeout=0)
+    head = f"{path}: file is locked by another kvblock store"
+    assert str(held.value) == f"{head}; stop the other process or open it read-only"
+    assert _without_advice(held.value) == head
+    sock = str(tmp_path / "run; 1" / "kv.sock")
+    stopping = DeviceBusyError(f"{held.value} (the store server stopping on {sock} still "
+                               "held them after 10 s of waiting: let its stop finish, or "
+                               "stop it, then start again)")
+    said = str(_in_use(stopping, "one process serves a store", "serve"))
+    assert said.startswith(f"{head}; one process serves a store: stop the store server"), said
+    assert "read-only" not in said, said
+
+
 def test_commands_that_write_a_served_store_do_not_say_open_it_read_only(file_target,
                                                                           tmp_path):
     """format, serve and evict on a store file a server holds: exit 5 naming
