@@ -32,7 +32,7 @@ def geom(kv_parts=2, groups=1, heads=H):
 @pytest.fixture
 def path(tmp_path):
     p = tmp_path / "kv.img"
-    create_file(p, 64 << 20)
+    create_file(p, 16 << 20)
     return str(p)
 
 
