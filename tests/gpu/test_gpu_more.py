@@ -17,6 +17,7 @@ pytestmark = [pytest.mark.gpu,
 
 from kvblock import Geometry, KVStore, create_file  # noqa: E402
 from kvblock.index import normalize_keys  # noqa: E402
+from tests.support.gpu import bits, count_reads, took, use_path  # noqa: E402
 from kvblock.tensors import (HFDynamicLayout, SGLangHostLayout, VLLMLayout,  # noqa: E402
                              load_blocks, save_blocks)
 
@@ -24,18 +25,6 @@ L, H, D, BS = 4, 8, 128, 16
 MLA_D = 576                 # DeepSeek's latent (512) + rope (64)
 DEV = "cuda"
 PATHS = ["kvikio", "host"]
-
-
-@pytest.fixture
-def path(tmp_path):
-    p = tmp_path / "kv.img"
-    create_file(p, 256 << 20)
-    return p
-
-
-def _bits(t):
-    """``t``'s raw 16-bit words on the host (bf16 NaNs compare unequal)."""
-    return t.cpu().view(torch.int16)
 
 
 def _rand(*shape, device=DEV):
@@ -46,38 +35,6 @@ def _zeros(*shape):
     return torch.zeros(*shape, dtype=torch.bfloat16, device=DEV)
 
 
-def _use_path(monkeypatch, path_kind):
-    if path_kind == "kvikio":
-        pytest.importorskip("kvikio")
-    monkeypatch.setenv("KVBLOCK_GPU_PATH", path_kind)
-
-
-def _count_reads(store, monkeypatch) -> dict:
-    """Count the reads a load makes through kvikio (and the devices they
-    read) and through the store's engine (host staging) from now on."""
-    from kvblock.io.gpu import KvikioReader
-
-    taken = {"kvikio": 0, "host": 0, "kvikio_devs": set()}
-    kvikio_read, host_read = KvikioReader.read, store.io.read
-
-    def via_kvikio(self, dev, *args, **kwargs):
-        taken["kvikio"] += 1
-        taken["kvikio_devs"].add(dev)
-        return kvikio_read(self, dev, *args, **kwargs)
-
-    def via_host(batch):
-        taken["host"] += 1
-        return host_read(batch)
-    monkeypatch.setattr(KvikioReader, "read", via_kvikio)
-    monkeypatch.setattr(store.io, "read", via_host)
-    return taken
-
-
-def _took(taken, path_kind):
-    other = "host" if path_kind == "kvikio" else "kvikio"
-    assert taken[path_kind] > 0 and taken[other] == 0, taken
-
-
 @pytest.mark.parametrize("path_kind", PATHS)
 def test_a_hugging_face_cache_on_cuda_saves_and_loads_layer_by_layer(path, monkeypatch,
                                                                      path_kind):
@@ -86,7 +43,7 @@ def test_a_hugging_face_cache_on_cuda_saves_and_loads_layer_by_layer(path, monke
     (each layer's bytes read right after its wait_layer) at the same pages
     (one strided slice copy) and in another page order (token indexing),
     through the path set; the partial page at the end stays untouched."""
-    _use_path(monkeypatch, path_kind)
+    use_path(monkeypatch, path_kind)
     n, tokens = 6, 6 * BS + 5
     src = HFDynamicLayout([_rand(1, H, tokens, D) for _ in range(L)],
                           [_rand(1, H, tokens, D) for _ in range(L)], BS)
@@ -94,7 +51,7 @@ def test_a_hugging_face_cache_on_cuda_saves_and_loads_layer_by_layer(path, monke
     with KVStore.format([str(path)], Geometry(L, H, D, "bfloat16", BS), verify="never",
                         force=True) as store:
         assert save_blocks(store, keys, src, list(range(n))) == n
-        taken = _count_reads(store, monkeypatch)
+        taken = count_reads(store, monkeypatch)
         for ids in (list(range(n)), [5, 3, 1, 0, 2, 4]):
             dst = HFDynamicLayout.empty(L, H, tokens, D, BS, torch.bfloat16, device=DEV)
             h = load_blocks(store, keys, dst, ids)
@@ -103,12 +60,12 @@ def test_a_hugging_face_cache_on_cuda_saves_and_loads_layer_by_layer(path, monke
                 for have, want in ((dst.keys[layer], src.keys[layer]),
                                    (dst.values[layer], src.values[layer])):
                     for block, page in enumerate(ids):
-                        assert torch.equal(_bits(have[:, :, page * BS:(page + 1) * BS]),
-                                           _bits(want[:, :, block * BS:(block + 1) * BS])), \
+                        assert torch.equal(bits(have[:, :, page * BS:(page + 1) * BS]),
+                                           bits(want[:, :, block * BS:(block + 1) * BS])), \
                             (ids, layer, page)
                     assert not have[:, :, n * BS:].any(), (ids, layer)
             assert h.wait(timeout=60) == n
-        _took(taken, path_kind)
+        took(taken, path_kind)
 
 
 def _sglang_pool(layout, mla, pages, zeros=False):
@@ -140,7 +97,7 @@ def test_an_sglang_pool_on_cuda_round_trips(path, monkeypatch, path_kind, layout
     page_first_direct: a layer's pages are strided views) save from some
     pages and load into others of a second pool, bytes identical, the
     pages not named untouched."""
-    _use_path(monkeypatch, path_kind)
+    use_path(monkeypatch, path_kind)
     g = Geometry(L, 1, MLA_D, "bfloat16", BS, kv_parts=1) if mla else \
         Geometry(L, H, D, "bfloat16", BS)
     pages = 8
@@ -150,14 +107,14 @@ def test_an_sglang_pool_on_cuda_round_trips(path, monkeypatch, path_kind, layout
     saved, loaded = [1, 4, 6], [7, 0, 3]
     with KVStore.format([str(path)], g, verify="never", force=True) as store:
         assert save_blocks(store, keys, SGLangHostLayout(src, layout, BS, mla=mla), saved) == 3
-        taken = _count_reads(store, monkeypatch)
+        taken = count_reads(store, monkeypatch)
         h = load_blocks(store, keys, SGLangHostLayout(dst, layout, BS, mla=mla), loaded)
         assert h.wait(timeout=60) == 3
-        _took(taken, path_kind)
+        took(taken, path_kind)
     for layer in range(L):
         for a, b in zip(saved, loaded):
-            assert torch.equal(_bits(_sglang_page(dst, layout, mla, layer, b)),
-                               _bits(_sglang_page(src, layout, mla, layer, a))), (layer, b)
+            assert torch.equal(bits(_sglang_page(dst, layout, mla, layer, b)),
+                               bits(_sglang_page(src, layout, mla, layer, a))), (layer, b)
         for page in set(range(pages)) - set(loaded):
             assert not _sglang_page(dst, layout, mla, layer, page).any(), (layer, page)
 
@@ -167,7 +124,7 @@ def test_a_vllm_mla_cache_on_cuda_round_trips_on_every_rank(path, monkeypatch, p
     """vLLM's MLA cache (blocks, block_size, latent) on CUDA: saved, then
     loaded by each of 2 TP ranks (the one latent head replicated over them)
     at other pages, bytes identical."""
-    _use_path(monkeypatch, path_kind)
+    use_path(monkeypatch, path_kind)
     g = Geometry(L, 1, MLA_D, "bfloat16", BS, kv_parts=1)
     n, pages = 5, 12
     src = [_rand(pages, BS, MLA_D) for _ in range(L)]
@@ -175,18 +132,18 @@ def test_a_vllm_mla_cache_on_cuda_round_trips_on_every_rank(path, monkeypatch, p
     saved, loaded = [0, 2, 4, 6, 8], [11, 10, 9, 3, 1]
     with KVStore.format([str(path)], g, verify="never", force=True) as store:
         assert save_blocks(store, keys, VLLMLayout(src, mla=True), saved) == n
-        taken = _count_reads(store, monkeypatch)
+        taken = count_reads(store, monkeypatch)
         for rank in range(2):
             dst = [_zeros(pages, BS, MLA_D) for _ in range(L)]
             h = load_blocks(store, keys, VLLMLayout(dst, mla=True), loaded, tp_rank=rank,
                             tp_size=2)
             assert h.wait(timeout=60) == n
             for layer in range(L):
-                assert torch.equal(_bits(dst[layer][loaded]), _bits(src[layer][saved])), \
+                assert torch.equal(bits(dst[layer][loaded]), bits(src[layer][saved])), \
                     (rank, layer)
                 others = [p for p in range(pages) if p not in loaded]
                 assert not dst[layer][others].any(), (rank, layer)
-        _took(taken, path_kind)
+        took(taken, path_kind)
 
 
 def test_dram_tier_hits_load_into_cuda_with_the_kvikio_path_set(path, monkeypatch):
@@ -195,7 +152,7 @@ def test_dram_tier_hits_load_into_cuda_with_the_kvikio_path_set(path, monkeypatc
     cache with no device read at all; with every other block dropped from
     DRAM, the load alternates DRAM and device stretches, the device's
     through kvikio.  Bytes identical both times."""
-    _use_path(monkeypatch, "kvikio")
+    use_path(monkeypatch, "kvikio")
     g = Geometry(L, H, D, "bfloat16", BS)
     n = 12
     src = [_rand(2, n, BS, H, D) for _ in range(L)]
@@ -206,28 +163,28 @@ def test_dram_tier_hits_load_into_cuda_with_the_kvikio_path_set(path, monkeypatc
         assert store.stats()["host_pinned"] is True
         assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
         assert all(k in store.host for k in normalize_keys(keys))
-        taken = _count_reads(store, monkeypatch)
+        taken = count_reads(store, monkeypatch)
         hits = store.counters["host_hit_blocks"]
         dst = [_zeros(2, n, BS, H, D) for _ in range(L)]
         assert load_blocks(store, keys, VLLMLayout(dst), ids).wait(timeout=60) == n
         assert taken["kvikio"] == 0 and taken["host"] == 0, taken
         assert store.counters["host_hit_blocks"] - hits == n
         for layer in range(L):
-            assert torch.equal(_bits(dst[layer][:, ids]), _bits(src[layer])), layer
+            assert torch.equal(bits(dst[layer][:, ids]), bits(src[layer])), layer
         for k in normalize_keys(keys)[1::2]:
             assert store.host.discard(k)
         dst = [_zeros(2, n, BS, H, D) for _ in range(L)]
         assert load_blocks(store, keys, VLLMLayout(dst), ids).wait(timeout=60) == n
-        _took(taken, "kvikio")
+        took(taken, "kvikio")
         for layer in range(L):
-            assert torch.equal(_bits(dst[layer][:, ids]), _bits(src[layer])), layer
+            assert torch.equal(bits(dst[layer][:, ids]), bits(src[layer])), layer
 
 
 def test_a_store_of_two_device_files_loads_into_cuda_through_kvikio(tmp_path, monkeypatch):
     """A store striped over two device files (regions alternate between
     them): one load of runs on both reads each file through its own
     kvikio handle, bytes identical."""
-    _use_path(monkeypatch, "kvikio")
+    use_path(monkeypatch, "kvikio")
     g = Geometry(L, H, D, "bfloat16", BS)
     paths = [tmp_path / "a.img", tmp_path / "b.img"]
     for p in paths:
@@ -244,13 +201,13 @@ def test_a_store_of_two_device_files_loads_into_cuda_through_kvikio(tmp_path, mo
         devs = {store.regions.address(run.region, run.offset)[0]
                 for run in store.index.runs.values()}
         assert devs == {0, 1}, devs          # the runs lie on both files
-        taken = _count_reads(store, monkeypatch)
+        taken = count_reads(store, monkeypatch)
         dst = [_zeros(2, n, BS, H, D) for _ in range(L)]
         assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=60) == n
-        _took(taken, "kvikio")
+        took(taken, "kvikio")
         assert taken["kvikio_devs"] == {0, 1}, taken
         for layer in range(L):
-            assert torch.equal(_bits(dst[layer]), _bits(src[layer])), layer
+            assert torch.equal(bits(dst[layer]), bits(src[layer])), layer
 
 
 @pytest.mark.parametrize("path_kind", PATHS)
@@ -259,7 +216,7 @@ def test_a_prefix_starting_mid_run_loads_into_cuda(path, monkeypatch, path_kind)
     not asked for) into a CUDA cache, at page ids given as a CUDA tensor,
     for all heads and for TP rank 1 of 2: only the blocks asked for land,
     at their pages, bytes identical; the other pages untouched."""
-    _use_path(monkeypatch, path_kind)
+    use_path(monkeypatch, path_kind)
     g = Geometry(L, H, D, "bfloat16", BS, head_groups=2)
     n, skip, pages = 12, 5, 16
     src = [_rand(2, n, BS, H, D) for _ in range(L)]
@@ -267,7 +224,7 @@ def test_a_prefix_starting_mid_run_loads_into_cuda(path, monkeypatch, path_kind)
     with KVStore.format([str(path)], g, verify="never", force=True) as store:
         assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
         assert len(store.index.runs) == 1
-        taken = _count_reads(store, monkeypatch)
+        taken = count_reads(store, monkeypatch)
         want_n = n - skip
         ids = list(range(pages - 1, pages - 1 - want_n, -1))
         for tp, rank in ((1, 0), (2, 1)):
@@ -279,7 +236,7 @@ def test_a_prefix_starting_mid_run_loads_into_cuda(path, monkeypatch, path_kind)
             assert h.wait(timeout=60) == want_n
             for layer in range(L):
                 want = src[layer][:, skip:, :, rank * per:(rank + 1) * per]
-                assert torch.equal(_bits(dst[layer][:, ids]), _bits(want)), (tp, layer)
+                assert torch.equal(bits(dst[layer][:, ids]), bits(want)), (tp, layer)
                 others = [p for p in range(pages) if p not in ids]
                 assert not dst[layer][:, others].any(), (tp, layer)
-        _took(taken, path_kind)
+        took(taken, path_kind)

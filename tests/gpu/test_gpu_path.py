@@ -13,6 +13,7 @@ pytestmark = [pytest.mark.gpu,
 
 from kvblock import Geometry, KVStore, create_file  # noqa: E402
 from kvblock.tensors import VLLMLayout, load_blocks, save_blocks  # noqa: E402
+from tests.support.gpu import count_reads, took  # noqa: E402
 
 L, H, D, BS = 4, 8, 128, 16
 
@@ -30,7 +31,7 @@ def test_load_into_cuda_cache(tmp_path, monkeypatch, path_kind, tp):
     keys = [f"g{i}".encode() for i in range(8)]
     with KVStore.format([str(store_path)], g, verify="never", force=True) as store:
         save_blocks(store, keys, VLLMLayout(src), list(range(8)))
-        taken = _count_reads(store, monkeypatch)
+        taken = count_reads(store, monkeypatch)
         per = H // tp
         for rank in range(tp):
             dst = [torch.zeros(2, 16, BS, per, D, dtype=torch.bfloat16, device="cuda")
@@ -40,34 +41,11 @@ def test_load_into_cuda_cache(tmp_path, monkeypatch, path_kind, tp):
                             tp_size=tp)
             assert h.wait() == 8
             assert store.stats()["gpu_path"] == path_kind
-            # the path the load took, not only the one chosen: a load that
-            # silently read on the host (GDS bypassed) must fail here
-            other = "host" if path_kind == "kvikio" else "kvikio"
-            assert taken[path_kind] > 0 and taken[other] == 0, taken
+            took(taken, path_kind)        # the path the load took, not only the one chosen
             for layer in range(L):
                 want = src[layer][:, :8, :, rank * per:(rank + 1) * per]
                 assert torch.equal(dst[layer][:, 8:].cpu().view(torch.int16),
                                    want.view(torch.int16))
-
-
-def _count_reads(store, monkeypatch) -> dict:
-    """Count the reads a load makes through kvikio and through the store's
-    engine (host staging) from now on: {"kvikio": n, "host": n}."""
-    from kvblock.io.gpu import KvikioReader
-
-    taken = {"kvikio": 0, "host": 0}
-    kvikio_read, host_read = KvikioReader.read, store.io.read
-
-    def via_kvikio(self, *args, **kwargs):
-        taken["kvikio"] += 1
-        return kvikio_read(self, *args, **kwargs)
-
-    def via_host(batch):
-        taken["host"] += 1
-        return host_read(batch)
-    monkeypatch.setattr(KvikioReader, "read", via_kvikio)
-    monkeypatch.setattr(store.io, "read", via_host)
-    return taken
 
 
 def test_verify_always_takes_the_host_path(tmp_path, monkeypatch):

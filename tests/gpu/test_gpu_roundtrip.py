@@ -13,24 +13,13 @@ torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-from kvblock import Geometry, KVStore, create_file  # noqa: E402
+from kvblock import Geometry, KVStore  # noqa: E402
 from kvblock.index import normalize_keys  # noqa: E402
 from kvblock.io.gpu import GPU_PATHS  # noqa: E402
 from kvblock.tensors import VLLMLayout, load_blocks, save_blocks  # noqa: E402
+from tests.support.gpu import bits  # noqa: E402
 
 L, H, D, BS = 4, 8, 128, 16
-
-
-@pytest.fixture
-def path(tmp_path):
-    p = tmp_path / "kv.img"
-    create_file(p, 256 << 20)
-    return p
-
-
-def _bits(t):
-    """``t``'s raw 16-bit words on the host (bf16 NaNs compare unequal)."""
-    return t.cpu().view(torch.int16)
 
 
 def _pages(n, order="NHD", device="cuda", fill=None):
@@ -60,13 +49,13 @@ def test_kv_saved_from_a_cuda_cache_reads_back_on_host_and_gpu(path, monkeypatch
         host = _pages(n, order, device="cpu", fill="zeros")
         assert load_blocks(store, keys, VLLMLayout(host, order), list(range(n))).wait() == n
         for layer in range(L):
-            assert torch.equal(host[layer].view(torch.int16), _bits(src[layer])), layer
+            assert torch.equal(host[layer].view(torch.int16), bits(src[layer])), layer
         dst = _pages(2 * n, order, fill="zeros")
         ids = list(range(2 * n - 1, n - 1, -1))          # reversed, in the upper half
         assert load_blocks(store, keys, VLLMLayout(dst, order), ids).wait() == n
         assert store.stats()["gpu_path"] == path_kind
         for layer in range(L):
-            assert torch.equal(_bits(dst[layer][:, ids]), _bits(src[layer])), layer
+            assert torch.equal(bits(dst[layer][:, ids]), bits(src[layer])), layer
             assert not dst[layer][:, :n].any(), layer
 
 
@@ -104,7 +93,7 @@ def test_the_store_chooses_a_gpu_path_itself_and_loads_the_same_bytes(path, monk
         assert stats["gpu_path"] in GPU_PATHS, stats
         print("chosen:", stats["gpu_path"], stats.get("gpu_path_reason"))
         for layer in range(L):
-            assert torch.equal(_bits(dst[layer]), src[layer].view(torch.int16)), layer
+            assert torch.equal(bits(dst[layer]), src[layer].view(torch.int16)), layer
 
 
 def test_a_corrupt_range_never_reaches_gpu_memory(path):
@@ -133,7 +122,7 @@ def test_a_corrupt_range_never_reaches_gpu_memory(path):
         assert load_blocks(store, a + b, VLLMLayout(dst), list(range(2 * n))).wait() == n
         assert store.counters["checksum_failures"] == 1
         for layer in range(L):
-            assert torch.equal(_bits(dst[layer][:, :n]), src[layer][:, :n].view(torch.int16))
+            assert torch.equal(bits(dst[layer][:, :n]), src[layer][:, :n].view(torch.int16))
         assert store.lookup(a + b) == n           # run b dropped: the next lookup stops at a
 
 
@@ -172,6 +161,6 @@ def test_a_served_store_loads_into_cuda_on_each_rank(tmp_path, path, monkeypatch
                 assert (getattr(store, "_kvikio", None) is not None) == (path_kind == "kvikio")
                 for layer in range(L):
                     want = src[layer][..., rank * per:(rank + 1) * per, :]
-                    assert torch.equal(_bits(dst[layer]), want.view(torch.int16)), (rank, layer)
+                    assert torch.equal(bits(dst[layer]), want.view(torch.int16)), (rank, layer)
     finally:
         server.stop()
