@@ -2297,3 +2297,64 @@ def _inline_load_cut_unpins_once(store, a, unpins):
     assert len(unpins) == 1
     assert store.regions.pins.sum() == 0
     assert store._inflight.calls == 0
+
+
+@pytest.mark.parametrize("dram", [False, True], ids=["device", "dram"])
+@pytest.mark.parametrize("groups,tp,rank", [(1, 1, 0), (2, 2, 1), (2, 1, 0)])
+@pytest.mark.parametrize("kind", ["NHD", "HND", "hf"])
+def test_a_cuda_cache_is_cut_on_the_device_from_one_copy_of_each_piece(path, monkeypatch, kind,
+                                                                      groups, tp, rank, dram):
+    """Host staging into a CUDA torch cache: each piece read (or taken
+    from the DRAM tier) goes over whole in one host-to-device copy and is
+    cut into K/V and the rank's heads there (it was cut on the host, each
+    part gathered into a new pageable array, then copied).  Stood in on
+    the CPU: a CPU torch cache taken as a CUDA one; the bytes must be the
+    host path's, for every layout, head-group split and TP rank."""
+    from kvblock.tensors import transfer
+    from kvblock.tensors.layouts import _StridedPages
+
+    copies = []
+
+    def as_cuda(views):
+        v = views[0]
+        t = v.t if isinstance(v, _StridedPages) else v
+        return t.device if transfer._is_torch(t) else None
+
+    def from_host(a, device):
+        copies.append(a.shape)
+        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+    monkeypatch.setattr(transfer, "_torch_cuda", as_cuda)
+    monkeypatch.setattr(transfer, "_torch_from_host", from_host)
+    n, per = 6, H // tp
+    keys = [f"d{i}".encode() for i in range(n)]
+    ids = [5, 0, 3, 1, 4, 2]
+    g = geom(groups=groups)
+    options = {"host_cache_bytes": (n + 2) * g.block_bytes} if dram else {}
+    with _store(path, g, **options) as store:
+        if kind == "hf":
+            src = HFDynamicLayout([rand(1, H, n * BS, D) for _ in range(L)],
+                                  [rand(1, H, n * BS, D) for _ in range(L)], BS)
+            dst = HFDynamicLayout.empty(L, per, n * BS, D, BS, torch.bfloat16)
+            want = [src.keys[layer][:, rank * per:(rank + 1) * per] for layer in range(L)]
+            have = dst.keys
+        else:
+            shape = (2, n, BS, H, D) if kind == "NHD" else (2, n, H, BS, D)
+            cache = [rand(*shape) for _ in range(L)]
+            src = VLLMLayout(cache, kind)
+            heads = slice(rank * per, (rank + 1) * per)
+            want = [c[:, :, :, heads] if kind == "NHD" else c[:, :, heads] for c in cache]
+            have = [torch.zeros_like(w) for w in want]
+            dst = VLLMLayout(have, kind)
+        assert save_blocks(store, keys, src, list(range(n))) == n
+        assert load_blocks(store, keys, dst, ids, tp_rank=rank, tp_size=tp).wait(timeout=30) == n
+    assert copies, "the device-side cut was not taken"
+    for layer in range(L):
+        if kind == "hf":
+            for block, page in enumerate(ids):
+                tok = slice(page * BS, (page + 1) * BS)
+                wtok = slice(block * BS, (block + 1) * BS)
+                assert torch.equal(have[layer][:, :, tok].view(torch.int16),
+                                   want[layer][:, :, wtok].view(torch.int16)), (layer, page)
+        else:
+            assert torch.equal(have[layer][:, ids].view(torch.int16),
+                               want[layer].view(torch.int16)), layer
