@@ -115,6 +115,7 @@ class HostBuffer:
                                    offset=self._offset)
         self.address = int(self.array.ctypes.data)
         self._registered = register
+        self._cuda_pinned = False     # page-locked with CUDA (None: it failed, not again)
         self._lock = threading.Lock()
         renew_after_fork(self)        # a forked child's close() of its copy takes it
         if register:
@@ -210,6 +211,13 @@ class HostBuffer:
                 return
             if self._registered:
                 self._unregister()     # once: a later buffer may get this address
+            if self._cuda_pinned:
+                # unmapping does not unlock: the driver would keep the pages
+                # locked, and a buffer mapped there later could not be pinned
+                from kvblock.memory.cudapin import unpin
+
+                unpin(self)
+                self._cuda_pinned = False
             self.array = None
             try:
                 self._mm.close()
@@ -218,6 +226,25 @@ class HostBuffer:
                 # the last view goes away.
                 pass
             self._mm = None
+
+    def pin_for_cuda(self) -> bool:
+        """Page-lock this buffer with CUDA (cudaHostRegister), for copies
+        to the GPU at DMA speed instead of through the driver's pageable
+        bounce buffer: once (True from then on), undone by close() before it
+        unmaps.  False when it stays pageable (no GPU, the driver refused:
+        not tried again; closed)."""
+        with self._lock:
+            if self._mm is None or self._cuda_pinned is None:
+                return False
+            if not self._cuda_pinned:
+                from kvblock.memory.cudapin import pin
+
+                self._cuda_pinned = True if pin(self) else None
+            return bool(self._cuda_pinned)
+
+    @property
+    def cuda_pinned(self) -> bool:
+        return bool(self._cuda_pinned)
 
     @property
     def closed(self) -> bool:

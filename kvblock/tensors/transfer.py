@@ -714,11 +714,15 @@ class _LoadJob:
             i += len(batch)
 
     def _new_buffer(self):
-        """A unit buffer: host memory, from the store's spares when it keeps any."""
+        """A unit buffer: host memory, from the store's spares when it keeps
+        any; page-locked with CUDA for a CUDA cache (once: the spares keep
+        it so), its copies to the GPU then at DMA speed."""
         spares = getattr(self.store, "spares", None)
-        if spares is not None:
-            return spares.take(self.unit_bytes)
-        return HostBuffer(self.unit_bytes, register=False)
+        buf = spares.take(self.unit_bytes) if spares is not None else \
+            HostBuffer(self.unit_bytes, register=False)
+        if self.cuda is not None:
+            buf.pin_for_cuda()
+        return buf
 
     def _settle(self, buf) -> None:
         """Host staging: the scatter's copies are done when it returns,

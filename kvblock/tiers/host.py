@@ -17,6 +17,7 @@ import numpy as np
 
 from kvblock.errors import ConfigError
 from kvblock.memory import HostBuffer
+from kvblock.memory.cudapin import pin as _pin, unpin as _unpin
 from kvblock.units import size_setting
 
 PROTECTED_SHARE = 0.8
@@ -412,67 +413,3 @@ class HostTier:
             _unpin(self.arena)
             self.pinned = False
         self.arena.close()
-
-
-def _pin(buf: HostBuffer) -> bool:
-    """Page-lock the arena with CUDA when a GPU is present (faster, async H2D)."""
-    try:
-        import torch
-
-        if not torch.cuda.is_available():
-            return False
-        rt = torch.cuda.cudart()
-        err = rt.cudaHostRegister(buf.address, buf.nbytes, 0)
-        if int(err) != 0:
-            # Left set, the runtime's last error would be reported by the
-            # next unrelated check on this thread (torch's after each kernel
-            # launch: "CUDA error: ... already mapped" from the model's code).
-            _clear_cuda_error(rt)
-            return False
-        return True
-    except Exception:  # no torch / no CUDA runtime: plain pageable memory
-        return False
-
-
-def _clear_cuda_error(rt) -> None:
-    """Reset the CUDA runtime's last error (cudaGetLastError) after a
-    failed call handled here.  torch's runtime bindings have no
-    cudaGetLastError: it is called in the libcudart this process loaded."""
-    clear = getattr(rt, "cudaGetLastError", None)
-    if clear is None:
-        lib = _loaded_cudart()
-        clear = getattr(lib, "cudaGetLastError", None) if lib is not None else None
-    if clear is not None:
-        try:
-            clear()
-        except Exception:  # noqa: BLE001 (nothing more to do: the fallback stands)
-            pass
-
-
-def _loaded_cudart():
-    """The CUDA runtime library already mapped into this process (ctypes),
-    or None (none mapped: a runtime linked statically, no CUDA)."""
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as f:
-            paths = [line.split(None, 5)[-1].strip() for line in f if "libcudart.so" in line]
-    except OSError:
-        return None
-    for path in paths:
-        if path.startswith("/"):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
-    return None
-
-
-def _unpin(buf: HostBuffer) -> None:
-    """Undo :func:`_pin` (before the arena is unmapped)."""
-    try:
-        import torch
-
-        torch.cuda.cudart().cudaHostUnregister(buf.address)
-    except Exception:  # the CUDA runtime is gone (interpreter exit): nothing to undo
-        pass

@@ -240,3 +240,24 @@ def test_a_prefix_starting_mid_run_loads_into_cuda(path, monkeypatch, path_kind)
                 others = [p for p in range(pages) if p not in ids]
                 assert not dst[layer][:, others].any(), (tp, layer)
         took(taken, path_kind)
+
+
+def test_host_path_staging_is_page_locked_and_reused(path, monkeypatch):
+    """The host path's unit buffers, which feed the copies into a CUDA
+    cache, are page-locked with CUDA when a load first takes them and kept
+    so in the store's spares: two loads give the same bytes, and every
+    idle staging buffer after them is pinned."""
+    use_path(monkeypatch, "host")
+    g = Geometry(L, H, D, "bfloat16", BS)
+    n = 32
+    src = [_rand(2, n, BS, H, D, device="cpu") for _ in range(L)]
+    keys = [f"pl{i}".encode() for i in range(n)]
+    with KVStore.format([str(path)], g, verify="never", force=True) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        for _ in range(2):
+            dst = [_zeros(2, n, BS, H, D) for _ in range(L)]
+            assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=60) == n
+            for layer in range(L):
+                assert torch.equal(bits(dst[layer]), src[layer].view(torch.int16)), layer
+        idle = store.spares._idle
+        assert idle and all(b.cuda_pinned for b in idle), [b.cuda_pinned for b in idle]

@@ -2358,3 +2358,84 @@ def test_a_cuda_cache_is_cut_on_the_device_from_one_copy_of_each_piece(path, mon
         else:
             assert torch.equal(have[layer][:, ids].view(torch.int16),
                                want[layer].view(torch.int16)), layer
+
+
+class _FakeCudart:
+    """torch.cuda.cudart() stood in: page-locked ranges by address."""
+
+    def __init__(self, fail=False):
+        self.registered, self.calls, self.fail = {}, [], fail
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.calls.append(("register", address))
+        if self.fail or address in self.registered:
+            return 712                   # cudaErrorHostMemoryAlreadyRegistered
+        self.registered[address] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, address):
+        self.calls.append(("unregister", address))
+        return 0 if self.registered.pop(address, None) is not None else 713
+
+
+def test_a_host_buffer_is_pinned_for_cuda_once_and_unpinned_before_unmap(monkeypatch):
+    from kvblock.memory import HostBuffer, cudapin
+
+    rt = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    buf = HostBuffer(1 << 20, register=False)
+    assert buf.pin_for_cuda() and buf.pin_for_cuda() and buf.cuda_pinned
+    assert rt.calls == [("register", buf.address)]
+    buf.close()
+    buf.close()
+    assert rt.registered == {} and rt.calls[1:] == [("unregister", buf.address)]
+    assert not buf.pin_for_cuda()                      # closed: nothing to lock
+    failing = _FakeCudart(fail=True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: failing)
+    monkeypatch.setattr(cudapin, "_loaded_cudart", lambda: None)
+    other = HostBuffer(1 << 20, register=False)
+    assert not other.pin_for_cuda() and not other.pin_for_cuda()
+    assert len(failing.calls) == 1                     # refused once: not asked again
+    other.close()
+    assert len(failing.calls) == 1                     # nothing to undo
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda-cache", "host-cache"])
+def test_staging_for_a_cuda_cache_is_pinned_once_and_kept_pinned_between_loads(
+        path, monkeypatch, cuda):
+    """The host path's unit buffers feed a CUDA cache's copies: page-locked
+    (cudaHostRegister) they go at DMA speed, pageable through the driver's
+    bounce buffer.  They are locked when a load for a CUDA cache first
+    takes them, stay so in the store's spares for the next load (not
+    registered again), and are unlocked before they are unmapped; a host
+    cache's are never locked.  Stood in on the CPU: a fake CUDA runtime and
+    the cache's device taken as a CUDA one (its stream calls no-ops)."""
+    from kvblock.tensors import transfer
+
+    rt = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(transfer, "UNIT_BYTES", 8192)
+    if cuda:
+        monkeypatch.setattr(transfer, "_cuda_device", lambda layout: "cuda-stand-in")
+        for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
+            monkeypatch.setattr(transfer, name, lambda *a: None)
+    n = 6
+    src = [rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"p{i}".encode() for i in range(n)]
+    with _store(path, geom()) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        for _ in range(2):
+            dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+            assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=30) == n
+            for layer in range(L):
+                assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+        registers = [a for op, a in rt.calls if op == "register"]
+        if cuda:
+            assert registers and len(registers) == len(set(registers)), rt.calls
+            assert set(rt.registered) == set(registers)        # kept locked in the spares
+            assert all(b.cuda_pinned for b in store.spares._idle)
+        else:
+            assert registers == []
+    assert rt.registered == {}, "a staging buffer was unmapped still page-locked"

@@ -311,7 +311,7 @@ def test_a_failed_pin_clears_the_cuda_error_it_left(monkeypatch):
     own.  The fallback clears it (cudaGetLastError, in the loaded runtime:
     torch's bindings have none)."""
     torch = pytest.importorskip("torch")
-    from kvblock.tiers import host
+    from kvblock.memory import cudapin
 
     class FakeRuntime:                  # the libcudart the process loaded
         last_error = 0
@@ -332,7 +332,7 @@ def test_a_failed_pin_clears_the_cuda_error_it_left(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
-    monkeypatch.setattr(host, "_loaded_cudart", lambda: lib, raising=False)
+    monkeypatch.setattr(cudapin, "_loaded_cudart", lambda: lib)
     tier = HostTier(8 * 4096, 4096)
     try:
         assert not tier.pinned
@@ -343,9 +343,9 @@ def test_a_failed_pin_clears_the_cuda_error_it_left(monkeypatch):
 
 def test_the_loaded_cuda_runtime_is_none_without_one():
     """Without a libcudart mapped (no CUDA here) there is nothing to call."""
-    from kvblock.tiers import host
+    from kvblock.memory import cudapin
 
-    assert host._loaded_cudart() is None
+    assert cudapin._loaded_cudart() is None
 
 
 def test_a_host_cache_larger_than_memory_is_a_config_error(tmp_path):
