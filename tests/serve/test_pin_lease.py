@@ -753,32 +753,9 @@ def test_an_abandoned_connection_is_not_closed_under_its_ping():
                 wake.set()
             a.close()
 
-    class WaitedLock:
-        """_held_lock: one found held (by the ping) wakes the ping."""
-
-        def __init__(self):
-            self._lock = threading.Lock()
-
-        def acquire(self, blocking=True, timeout=-1):
-            if self._lock.acquire(blocking=False):
-                return True
-            if threading.current_thread() is closer:
-                wake.set()
-            return self._lock.acquire(blocking, timeout)
-
-        def release(self):
-            self._lock.release()
-
-        def __enter__(self):
-            self.acquire()
-            return self
-
-        def __exit__(self, *exc):
-            self.release()
-
     sent = threading.Event()
     s.sock = HeldSocket()
-    s._held_lock = WaitedLock()
+    s._held_lock = _WakingLock(wake, lambda: threading.current_thread() is closer)
     box = {}
 
     def ping():
@@ -855,29 +832,6 @@ def test_hung_up_polls_the_sessions_own_socket_not_a_number_reused(monkeypatch):
     seen = {"closed_under_poll": False}
     others = []
 
-    class WaitedLock:
-        """_held_lock: the closer finding it held wakes the poll."""
-
-        def __init__(self):
-            self._lock = threading.Lock()
-
-        def acquire(self, blocking=True, timeout=-1):
-            if self._lock.acquire(blocking=False):
-                return True
-            if threading.current_thread() is closer:
-                woken.set()
-            return self._lock.acquire(blocking, timeout)
-
-        def release(self):
-            self._lock.release()
-
-        def __enter__(self):
-            self.acquire()
-            return self
-
-        def __exit__(self, *exc):
-            self.release()
-
     def close():
         s.close()
         woken.set()
@@ -902,7 +856,7 @@ def test_hung_up_polls_the_sessions_own_socket_not_a_number_reused(monkeypatch):
 
     monkeypatch.setattr(session_mod, "select", types.SimpleNamespace(
         poll=Poll, **{k: getattr(select, k) for k in dir(select) if k.startswith("POLL")}))
-    s._held_lock = WaitedLock()
+    s._held_lock = _WakingLock(woken, lambda: threading.current_thread() is closer)
     try:
         assert s.hung_up() is False            # its own socket, its peer there
         closer.join(20)
@@ -916,3 +870,31 @@ def test_hung_up_polls_the_sessions_own_socket_not_a_number_reused(monkeypatch):
         b.close()
         for o in others:
             o.close()
+
+
+class _WakingLock:
+    """A session's _held_lock stood in: the thread ``waker()`` names,
+    finding it held, sets ``wake`` (the holder waits for that) and then
+    waits for it: what a close meeting a ping or poll in progress does."""
+
+    def __init__(self, wake, waker):
+        import threading
+
+        self._lock, self._wake, self._waker = threading.Lock(), wake, waker
+
+    def acquire(self, blocking=True, timeout=-1):
+        if self._lock.acquire(blocking=False):
+            return True
+        if self._waker():
+            self._wake.set()
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self):
+        self._lock.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
