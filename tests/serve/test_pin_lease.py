@@ -65,8 +65,9 @@ def _read_ended_whole(server, r, read, got, keys) -> None:
     _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
 
 
-def test_a_stopped_ranks_pins_lapse_and_a_live_ranks_stay(tmp_path):
+def test_a_stopped_ranks_pins_lapse_and_a_live_ranks_stay(tmp_path, monkeypatch):
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    passes = QuietPasses(monkeypatch)
     server = serve_in_background([path], sock, pin_lease=LEASE)
     keys = run_keys(1, 2)
     proc = None
@@ -74,7 +75,9 @@ def test_a_stopped_ranks_pins_lapse_and_a_live_ranks_stay(tmp_path):
         with RemoteStore(sock) as live:
             live.put_run(keys, run_data(keys))
             pin = live.pin(keys)
-            time.sleep(4 * LEASE)               # idle, but its process pings
+            # idle, but its process pings: a lease pass that would drop it
+            # unpinged (begun 1.5 leases from now) leaves it
+            passes.past(time.monotonic() + 1.5 * LEASE)
             assert server.store.regions.pins.sum() == 1
             got = np.zeros_like(run_data(keys))
             assert live.get_run(keys, got) == 2 and np.array_equal(got, run_data(keys))
@@ -158,11 +161,14 @@ def test_a_request_the_server_has_not_read_yet_keeps_the_pins(tmp_path, monkeypa
 
     delay = threading.Event()
     real = server_mod.recv_msg
+    passes = QuietPasses(monkeypatch)
 
     def late(conn):
         if delay.is_set():
             delay.clear()
-            time.sleep(4 * LEASE)      # the next request waits unread meanwhile
+            # the next request waits unread until a lease pass has run that
+            # would have dropped the connection by its last read alone
+            passes.past(time.monotonic() + 1.5 * LEASE)
         return real(conn)
     monkeypatch.setattr(server_mod, "recv_msg", late)
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
@@ -182,8 +188,9 @@ def test_a_request_the_server_has_not_read_yet_keeps_the_pins(tmp_path, monkeypa
         server.stop()
 
 
-def test_a_shorter_lease_after_a_reconnect_is_kept_to(tmp_path):
+def test_a_shorter_lease_after_a_reconnect_is_kept_to(tmp_path, monkeypatch):
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    passes = QuietPasses(monkeypatch)
     server = serve_in_background([path], sock)          # the default lease, 60 s
     keys = run_keys(1, 2)
     try:
@@ -199,7 +206,7 @@ def test_a_shorter_lease_after_a_reconnect_is_kept_to(tmp_path):
                     return False
             _until(reconnected, timeout=20)
             r.pin(keys)
-            time.sleep(6 * LEASE)
+            passes.past(time.monotonic() + 3 * LEASE)      # 1.5 of the new 2-LEASE leases
             assert server.expired_sessions == 0, "the rank pinged at the old lease's pace"
             assert server.store.regions.pins.sum() == 1
     finally:
@@ -466,7 +473,7 @@ def test_close_releases_the_pins_of_an_abandoned_connection(tmp_path, monkeypatc
         del pin
 
 
-def test_a_put_that_close_waits_for_keeps_its_lease(tmp_path):
+def test_a_put_that_close_waits_for_keeps_its_lease(tmp_path, monkeypatch):
     """close() waits for a put in flight to commit, but it stopped the
     heartbeat at once: a put slower than the server's pin lease (a slow
     device) lost its connection meanwhile, and its commit raised
@@ -475,13 +482,15 @@ def test_a_put_that_close_waits_for_keeps_its_lease(tmp_path):
     from tests.store.test_close_in_flight import _close_while
 
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    passes = QuietPasses(monkeypatch)
     with serve_in_background([path], sock, pin_lease=LEASE) as server:
         rank = RemoteStore(sock)
         keys = run_keys(3, 2)
         reached, go = _wait_in(rank, "_write_allocated")      # written, commit next
 
         def lease_time():
-            time.sleep(4 * LEASE)          # close() waits; the lease would lapse unpinged
+            # close() waits; unpinged, the lease would lapse by this pass
+            passes.past(time.monotonic() + 1.5 * LEASE)
             assert server.expired_sessions == 0
         assert _close_while(rank, reached, go, lambda: rank.put_run(keys, run_data(keys)),
                             lease_time) == 2
