@@ -116,6 +116,7 @@ class HostBuffer:
         self.address = int(self.array.ctypes.data)
         self._registered = register
         self._cuda_pinned = False     # page-locked with CUDA (None: it failed, not again)
+        self._cuda_device = None      # the CUDA device current when it was pinned
         self._lock = threading.Lock()
         renew_after_fork(self)        # a forked child's close() of its copy takes it
         if register:
@@ -216,7 +217,7 @@ class HostBuffer:
                 # locked, and a buffer mapped there later could not be pinned
                 from kvblock.memory.cudapin import unpin
 
-                unpin(self)
+                unpin(self, self._cuda_device)
                 self._cuda_pinned = False
             self.array = None
             try:
@@ -227,19 +228,22 @@ class HostBuffer:
                 pass
             self._mm = None
 
-    def pin_for_cuda(self) -> bool:
-        """Page-lock this buffer with CUDA (cudaHostRegister), for copies
-        to the GPU at DMA speed instead of through the driver's pageable
-        bounce buffer: once (True from then on), undone by close() before it
-        unmaps.  False when it stays pageable (no GPU, the driver refused:
-        not tried again; closed)."""
+    def pin_for_cuda(self, device: int | None = None) -> bool:
+        """Page-lock this buffer with CUDA (cudaHostRegister, for every
+        GPU), for copies to the GPU at DMA speed instead of through the
+        driver's pageable bounce buffer: once (True from then on), undone by
+        close() before it unmaps.  ``device``: the CUDA device index to make
+        current for it (the GPU the copies go to; None: the thread's own).
+        False when it stays pageable (no GPU, the driver refused: not tried
+        again; closed)."""
         with self._lock:
             if self._mm is None or self._cuda_pinned is None:
                 return False
             if not self._cuda_pinned:
                 from kvblock.memory.cudapin import pin
 
-                self._cuda_pinned = True if pin(self) else None
+                self._cuda_pinned = True if pin(self, device) else None
+                self._cuda_device = device
             return bool(self._cuda_pinned)
 
     @property

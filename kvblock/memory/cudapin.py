@@ -5,23 +5,39 @@ without torch, CUDA or a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 
-def pin(buf) -> bool:
+# cudaHostRegisterPortable: page-locked for every CUDA context, not only
+# the one current at the call (without it a copy to another GPU than that
+# one goes through the driver's pageable bounce buffer still)
+_PORTABLE = 1
+
+
+def _on(torch, device):
+    """``device`` (a CUDA device index) current for the calls made in it;
+    None: the thread's current one (a new thread's is GPU 0, whose context
+    a call there makes in a process that uses another GPU)."""
+    return contextlib.nullcontext() if device is None else torch.cuda.device(device)
+
+
+def pin(buf, device: int | None = None) -> bool:
     """Page-lock HostBuffer ``buf`` with CUDA when a GPU is present (faster,
-    async host-to-device copies); False when it stays pageable."""
+    async host-to-device copies), with CUDA ``device`` current (give the
+    GPU the copies go to); False when it stays pageable."""
     try:
         import torch
 
         if not torch.cuda.is_available():
             return False
         rt = torch.cuda.cudart()
-        err = rt.cudaHostRegister(buf.address, buf.nbytes, 0)
-        if int(err) != 0:
-            # Left set, the runtime's last error would be reported by the
-            # next unrelated check on this thread (torch's after each kernel
-            # launch: "CUDA error: ... already mapped" from the model's code).
-            _clear_cuda_error(rt)
-            return False
+        with _on(torch, device):
+            err = rt.cudaHostRegister(buf.address, buf.nbytes, _PORTABLE)
+            if int(err) != 0:
+                # Left set, the runtime's last error would be reported by the
+                # next unrelated check on this thread (torch's after each kernel
+                # launch: "CUDA error: ... already mapped" from the model's code).
+                _clear_cuda_error(rt)
+                return False
         return True
     except Exception:  # no torch / no CUDA runtime: plain pageable memory
         return False
@@ -61,11 +77,13 @@ def _loaded_cudart():
     return None
 
 
-def unpin(buf) -> None:
-    """Undo :func:`pin` (before the buffer is unmapped)."""
+def unpin(buf, device: int | None = None) -> None:
+    """Undo :func:`pin` (before the buffer is unmapped), with the ``device``
+    current that it was pinned with."""
     try:
         import torch
 
-        torch.cuda.cudart().cudaHostUnregister(buf.address)
+        with _on(torch, device):
+            torch.cuda.cudart().cudaHostUnregister(buf.address)
     except Exception:  # the CUDA runtime is gone (interpreter exit): nothing to undo
         pass

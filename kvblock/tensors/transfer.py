@@ -733,7 +733,10 @@ class _LoadJob:
         buf = spares.take(self.unit_bytes) if spares is not None else \
             HostBuffer(self.unit_bytes, register=False)
         if self.cuda is not None:
-            buf.pin_for_cuda()
+            # with the cache's GPU current: this (reader) thread's own is
+            # GPU 0, whose context CUDA would make for it in a process
+            # that uses another
+            buf.pin_for_cuda(_device_index(self.cuda))
         return buf
 
     def _settle(self, buf) -> None:
@@ -1170,6 +1173,14 @@ def _cuda_device(layout):
     if _is_cupy(t) and getattr(t, "device", None) is not None:
         return _CupyDevice(t.device)
     return None
+
+
+def _device_index(device) -> int | None:
+    """The index of CUDA ``device`` (_cuda_device's), None if it has none."""
+    if isinstance(device, _CupyDevice):
+        return int(device.device.id)
+    index = getattr(device, "index", None)      # a torch.device's
+    return index if isinstance(index, int) else None
 
 
 def _settle_cuda(device) -> None:

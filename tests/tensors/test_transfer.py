@@ -2482,3 +2482,69 @@ def test_staging_for_a_cuda_cache_is_pinned_once_and_kept_pinned_between_loads(
         else:
             assert registers == []
     assert rt.registered == {}, "a staging buffer was unmapped still page-locked"
+
+
+class _FakeCudaDevice:
+    """torch.cuda.device stood in: the thread's current CUDA device (None:
+    never set, CUDA's default device 0 on a new thread)."""
+
+    current = threading.local()
+
+    def __init__(self, device):
+        self.idx = device.index if isinstance(device, torch.device) else device
+
+    def __enter__(self):
+        self.prev = getattr(self.current, "idx", None)
+        self.current.idx = self.idx
+
+    def __exit__(self, *exc):
+        self.current.idx = self.prev
+        return False
+
+
+def test_staging_for_a_cache_on_another_gpu_is_pinned_on_its_device_for_all_contexts(
+        path, monkeypatch):
+    """The unit buffers are page-locked by the reader thread, a new thread
+    whose current CUDA device is 0 whatever the cache's: with no device
+    set, cudaHostRegister made (or used) GPU 0's context in a process
+    whose cache is on GPU 1 (a TP rank's worker: hundreds of MiB of GPU
+    0 per process), and, registered without cudaHostRegisterPortable, the
+    pages counted as page-locked for GPU 0's context only: the copies to
+    GPU 1 went through the driver's bounce buffer still.  They are now
+    registered portable, with the cache's device current, and unregistered
+    with the same device current."""
+    from kvblock.tensors import transfer
+
+    calls = []
+
+    class Cudart(_FakeCudart):
+        def cudaHostRegister(self, address, nbytes, flags):
+            calls.append(("register", getattr(_FakeCudaDevice.current, "idx", None), flags))
+            return super().cudaHostRegister(address, nbytes, flags)
+
+        def cudaHostUnregister(self, address):
+            calls.append(("unregister", getattr(_FakeCudaDevice.current, "idx", None)))
+            return super().cudaHostUnregister(address)
+
+    rt = Cudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(torch.cuda, "device", _FakeCudaDevice)
+    monkeypatch.setattr(transfer, "UNIT_BYTES", 8192)
+    monkeypatch.setattr(transfer, "_cuda_device", lambda layout: torch.device("cuda", 1))
+    for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
+        monkeypatch.setattr(transfer, name, lambda *a: None)
+    n = 6
+    src = [rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"p{i}".encode() for i in range(n)]
+    with _store(path, geom()) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=30) == n
+        for layer in range(L):
+            assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+    registers = [c for c in calls if c[0] == "register"]
+    assert registers and all(c == ("register", 1, 1) for c in registers), calls
+    unregisters = [c for c in calls if c[0] == "unregister"]
+    assert unregisters == [("unregister", 1)] * len(registers), calls
+    assert rt.registered == {}
