@@ -116,7 +116,7 @@ class HostBuffer:
         self.address = int(self.array.ctypes.data)
         self._registered = register
         self._cuda_pinned = False     # page-locked with CUDA (None: it failed, not again)
-        self._cuda_device = None      # the CUDA device current when it was pinned
+        self._cuda_unpin = None       # pinned: its unregistration (a finalizer)
         self._lock = threading.Lock()
         renew_after_fork(self)        # a forked child's close() of its copy takes it
         if register:
@@ -215,9 +215,7 @@ class HostBuffer:
             if self._cuda_pinned:
                 # unmapping does not unlock: the driver would keep the pages
                 # locked, and a buffer mapped there later could not be pinned
-                from kvblock.memory.cudapin import unpin
-
-                unpin(self, self._cuda_device)
+                self._cuda_unpin()     # once (a finalizer runs once)
                 self._cuda_pinned = False
             self.array = None
             try:
@@ -240,10 +238,18 @@ class HostBuffer:
             if self._mm is None or self._cuda_pinned is None:
                 return False
             if not self._cuda_pinned:
-                from kvblock.memory.cudapin import pin
+                from kvblock.memory.cudapin import pin, unpin_at
 
                 self._cuda_pinned = True if pin(self, device) else None
-                self._cuda_device = device
+                if self._cuda_pinned:
+                    # Dropped without close() (a store collected unclosed,
+                    # its spares with it), the buffer is unregistered as it
+                    # is collected, before its memory goes (weakref
+                    # callbacks run before the instance's attributes, its
+                    # mapping among them, are cleared).  Not at exit: the
+                    # process's end unlocks everything.
+                    self._cuda_unpin = weakref.finalize(self, unpin_at, self.address, device)
+                    self._cuda_unpin.atexit = False
             return bool(self._cuda_pinned)
 
     @property

@@ -80,10 +80,16 @@ def _loaded_cudart():
 def unpin(buf, device: int | None = None) -> None:
     """Undo :func:`pin` (before the buffer is unmapped), with the ``device``
     current that it was pinned with."""
+    unpin_at(buf.address, device)
+
+
+def unpin_at(address: int, device: int | None = None) -> None:
+    """:func:`unpin` of the buffer at ``address`` (a finalizer's: no buffer
+    to hold)."""
     try:
         import torch
 
         with _on(torch, device):
-            torch.cuda.cudart().cudaHostUnregister(buf.address)
+            torch.cuda.cudart().cudaHostUnregister(address)
     except Exception:  # the CUDA runtime is gone (interpreter exit): nothing to undo
         pass

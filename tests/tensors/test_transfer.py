@@ -2548,3 +2548,51 @@ def test_staging_for_a_cache_on_another_gpu_is_pinned_on_its_device_for_all_cont
     unregisters = [c for c in calls if c[0] == "unregister"]
     assert unregisters == [("unregister", 1)] * len(registers), calls
     assert rt.registered == {}
+
+
+def _mapped(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of this process now."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def test_a_pinned_buffer_dropped_without_close_is_unpinned_before_its_unmap(monkeypatch):
+    """A page-locked staging buffer that is never closed (the spares of a
+    store collected without close(), or of a RemoteStore collected: its
+    finalizer closes its connections and devices, not its spares) was
+    unmapped by the garbage collector still registered with CUDA: the
+    driver kept its pages locked for the process's life, and a buffer
+    mapped at that address later could not be page-locked ('already
+    registered': pageable for good).  It is unregistered as it is
+    collected, while its memory is still mapped."""
+    import gc
+
+    from kvblock.memory import HostBuffer
+
+    seen = []
+
+    class Cudart(_FakeCudart):
+        def cudaHostUnregister(self, address):
+            seen.append((address, _mapped(address)))
+            return super().cudaHostUnregister(address)
+
+    rt = Cudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    buf = HostBuffer(1 << 20, register=False)
+    assert buf.pin_for_cuda()
+    address = buf.address
+    del buf
+    gc.collect()
+    assert seen == [(address, True)], seen
+    assert rt.registered == {}
+    closed = HostBuffer(1 << 20, register=False)      # closed: unregistered once, not again
+    assert closed.pin_for_cuda()
+    closed.close()
+    del closed
+    gc.collect()
+    assert len(seen) == 2 and rt.registered == {}
