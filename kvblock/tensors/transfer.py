@@ -1055,7 +1055,21 @@ def _torch_from_host(a: np.ndarray, device):
     returns)."""
     import torch
 
-    return torch.from_numpy(np.ascontiguousarray(a)).to(device, non_blocking=False)
+    if a.flags.c_contiguous:
+        return _h2d(torch.from_numpy(a), device)
+    # A piece of several head groups cut short (part of a run loaded) is
+    # one row per group in the unit buffer, each contiguous: copied row by
+    # row, each straight from the (page-locked) staging.  Gathered into a
+    # new array first, the copy went from pageable memory, through the
+    # driver's bounce buffer.
+    if a.ndim > 1 and all(row.flags.c_contiguous for row in a):
+        return torch.stack([_h2d(torch.from_numpy(row), device) for row in a])
+    return _h2d(torch.from_numpy(np.ascontiguousarray(a)), device)
+
+
+def _h2d(t, device):
+    """Host tensor ``t`` copied to CUDA ``device`` (synchronous)."""
+    return t.to(device, non_blocking=False)
 
 
 def _load_tiered(store, keys, layout, page_ids, g0, ng, h0, heads) -> tuple[list, int]:

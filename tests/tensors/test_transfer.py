@@ -2596,3 +2596,42 @@ def test_a_pinned_buffer_dropped_without_close_is_unpinned_before_its_unmap(monk
     del closed
     gc.collect()
     assert len(seen) == 2 and rt.registered == {}
+
+
+def test_pieces_for_a_cuda_cache_go_to_the_gpu_from_the_page_locked_staging(path, monkeypatch):
+    """Host staging into a CUDA cache with two head groups read at once:
+    a piece is one row per group in the unit buffer, so a piece cut short
+    (a load of part of a run) is no contiguous array; np.ascontiguousarray
+    gathered it into a new pageable array, and the copy to the GPU went
+    from there: not from the page-locked unit buffer, through the driver's
+    bounce buffer.  Each host-to-device copy's source must lie in a unit
+    buffer (stood in on the CPU: the H2D copy recorded)."""
+    from kvblock.tensors import transfer
+
+    sources = []
+
+    def as_cuda(views):
+        return torch.device("cpu")
+
+    def h2d(t, device):
+        sources.append((t.data_ptr(), t.numel() * t.element_size()))
+        return t.clone()
+
+    monkeypatch.setattr(transfer, "_torch_cuda", as_cuda)
+    monkeypatch.setattr(transfer, "_h2d", h2d, raising=False)
+    n, load = 6, 4
+    src = [rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"q{i}".encode() for i in range(n)]
+    with _store(path, geom(groups=2)) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        dst = [torch.zeros(2, load, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, keys[:load], VLLMLayout(dst),
+                           list(range(load))).wait(timeout=30) == load
+        for layer in range(L):
+            assert torch.equal(dst[layer].view(torch.int16),
+                               src[layer][:, :load].view(torch.int16)), layer
+        staging = [(b.address, b.address + b.nbytes) for b in store.spares._idle]
+    assert sources and staging
+    outside = [(p, nb) for p, nb in sources
+               if not any(lo <= p and p + nb <= hi for lo, hi in staging)]
+    assert not outside, f"{len(outside)} of {len(sources)} copies from outside the staging"
