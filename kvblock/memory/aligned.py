@@ -117,6 +117,7 @@ class HostBuffer:
         self._registered = register
         self._cuda_pinned = False     # page-locked with CUDA (None: it failed, not again)
         self._cuda_unpin = None       # pinned: its unregistration (a finalizer)
+        self.cuda_pin_refusal = None  # why pin_for_cuda left it pageable (None: it did not)
         self._lock = threading.Lock()
         renew_after_fork(self)        # a forked child's close() of its copy takes it
         if register:
@@ -233,14 +234,15 @@ class HostBuffer:
         close() before it unmaps.  ``device``: the CUDA device index to make
         current for it (the GPU the copies go to; None: the thread's own).
         False when it stays pageable (no GPU, the driver refused: not tried
-        again; closed)."""
+        again, ``cuda_pin_refusal`` says why; closed)."""
         with self._lock:
             if self._mm is None or self._cuda_pinned is None:
                 return False
             if not self._cuda_pinned:
-                from kvblock.memory.cudapin import pin, unpin_at
+                from kvblock.memory.cudapin import pin_refused, unpin_at
 
-                self._cuda_pinned = True if pin(self, device) else None
+                self.cuda_pin_refusal = pin_refused(self, device)
+                self._cuda_pinned = None if self.cuda_pin_refusal else True
                 if self._cuda_pinned:
                     # Dropped without close() (a store collected unclosed,
                     # its spares with it), the buffer is unregistered as it

@@ -24,11 +24,17 @@ def pin(buf, device: int | None = None) -> bool:
     """Page-lock HostBuffer ``buf`` with CUDA when a GPU is present (faster,
     async host-to-device copies), with CUDA ``device`` current (give the
     GPU the copies go to); False when it stays pageable."""
+    return pin_refused(buf, device) is None
+
+
+def pin_refused(buf, device: int | None = None) -> str | None:
+    """:func:`pin`, answering None when ``buf`` was page-locked, else why
+    it stays pageable (for the caller's log)."""
     try:
         import torch
 
         if not torch.cuda.is_available():
-            return False
+            return "no CUDA device"
         rt = torch.cuda.cudart()
         with _on(torch, device):
             err = rt.cudaHostRegister(buf.address, buf.nbytes, _PORTABLE)
@@ -37,10 +43,10 @@ def pin(buf, device: int | None = None) -> bool:
                 # next unrelated check on this thread (torch's after each kernel
                 # launch: "CUDA error: ... already mapped" from the model's code).
                 _clear_cuda_error(rt)
-                return False
-        return True
-    except Exception:  # no torch / no CUDA runtime: plain pageable memory
-        return False
+                return f"cudaHostRegister of {buf.nbytes} bytes answered CUDA error {int(err)}"
+        return None
+    except Exception as e:  # no torch / no CUDA runtime: plain pageable memory
+        return f"{type(e).__name__}: {e}"
 
 
 def _clear_cuda_error(rt) -> None:

@@ -736,7 +736,8 @@ class _LoadJob:
             # with the cache's GPU current: this (reader) thread's own is
             # GPU 0, whose context CUDA would make for it in a process
             # that uses another
-            buf.pin_for_cuda(_device_index(self.cuda))
+            if not buf.pin_for_cuda(_device_index(self.cuda)) and not buf.closed:
+                _log_pageable(buf.cuda_pin_refusal)
         return buf
 
     def _settle(self, buf) -> None:
@@ -1187,6 +1188,21 @@ def _cuda_device(layout):
     if _is_cupy(t) and getattr(t, "device", None) is not None:
         return _CupyDevice(t.device)
     return None
+
+
+_PAGEABLE_LOGGED = False   # a staging buffer's page-locking failed, and was logged
+
+
+def _log_pageable(why) -> None:
+    """Say once per process that the host path's staging into CUDA stays
+    pageable (the load goes on from it, slower): it was silent."""
+    global _PAGEABLE_LOGGED
+    if _PAGEABLE_LOGGED:
+        return
+    _PAGEABLE_LOGGED = True
+    logger.warning("kvblock: the host path's staging buffers could not be page-locked with "
+                   "CUDA (%s); loads into CUDA copy from pageable memory, through the "
+                   "driver's bounce buffer (slower)", why or "refused")
 
 
 def _device_index(device) -> int | None:

@@ -3,6 +3,7 @@ round trip, any tensor-parallel slice, layer-wise loads that overlap I/O."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -2482,6 +2483,46 @@ def test_staging_for_a_cuda_cache_is_pinned_once_and_kept_pinned_between_loads(
         else:
             assert registers == []
     assert rt.registered == {}, "a staging buffer was unmapped still page-locked"
+
+
+def test_staging_that_cannot_be_page_locked_loads_from_pageable_memory_logged_once(
+        path, monkeypatch, caplog):
+    """A CUDA cache's staging that the driver refuses to page-lock (locked
+    memory over its limit, the range registered by someone else) stays
+    pageable: the loads are correct, each buffer is asked once (the spares
+    keep it for the next load, not asked again), and the fallback, which
+    makes every copy to the GPU go through the driver's bounce buffer
+    (2-4x slower), is logged once with the driver's answer: it was silent,
+    the host path slow with nothing said."""
+    from kvblock.memory import cudapin
+    from kvblock.tensors import transfer
+
+    rt = _FakeCudart(fail=True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(cudapin, "_loaded_cudart", lambda: None)
+    monkeypatch.setattr(transfer, "UNIT_BYTES", 8192)
+    monkeypatch.setattr(transfer, "_PAGEABLE_LOGGED", False, raising=False)
+    monkeypatch.setattr(transfer, "_cuda_device", lambda layout: "cuda-stand-in")
+    for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
+        monkeypatch.setattr(transfer, name, lambda *a: None)
+    n = 6
+    src = [rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"p{i}".encode() for i in range(n)]
+    with _store(path, geom()) as store, caplog.at_level(logging.WARNING, logger="kvblock"):
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        for _ in range(2):
+            dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+            assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=30) == n
+            for layer in range(L):
+                assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+        registers = [a for op, a in rt.calls if op == "register"]
+        assert registers and len(registers) == len(set(registers)), rt.calls
+        assert not any(b.cuda_pinned for b in store.spares._idle)
+    logged = [r.getMessage() for r in caplog.records if "page-lock" in r.getMessage()]
+    assert len(logged) == 1, logged
+    assert "712" in logged[0] and "pageable" in logged[0], logged[0]
+    assert rt.registered == {}
 
 
 class _FakeCudaDevice:
