@@ -6,6 +6,9 @@ without torch, CUDA or a GPU."""
 from __future__ import annotations
 
 import contextlib
+import logging
+
+logger = logging.getLogger("kvblock")
 
 # cudaHostRegisterPortable: page-locked for every CUDA context, not only
 # the one current at the call (without it a copy to another GPU than that
@@ -95,7 +98,15 @@ def unpin_at(address: int, device: int | None = None) -> None:
     try:
         import torch
 
+        rt = torch.cuda.cudart()
         with _on(torch, device):
-            torch.cuda.cudart().cudaHostUnregister(address)
+            err = rt.cudaHostUnregister(address)
+            if int(err) != 0:
+                # as a refused register: left set, the runtime's last error
+                # was reported by the next unrelated check on this thread
+                _clear_cuda_error(rt)
+                logger.warning("kvblock: cudaHostUnregister of the buffer at 0x%x answered "
+                               "CUDA error %d: its pages may stay page-locked", address,
+                               int(err))
     except Exception:  # the CUDA runtime is gone (interpreter exit): nothing to undo
         pass

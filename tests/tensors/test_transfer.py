@@ -2525,6 +2525,44 @@ def test_staging_that_cannot_be_page_locked_loads_from_pageable_memory_logged_on
     assert rt.registered == {}
 
 
+def test_a_failed_unpin_clears_the_cuda_error_it_left_and_is_logged(monkeypatch, caplog):
+    """cudaHostUnregister refusing (a context gone, the range not
+    registered as thought) left the CUDA runtime's last error set, which
+    the next unrelated check on the closing thread (torch's
+    cudaGetLastError after each kernel launch) reported as its own, and
+    said nothing of the pages that may stay locked.  As a refused
+    register: the error is cleared, and the refusal logged."""
+    from kvblock.memory import HostBuffer, cudapin
+
+    class FakeRuntime:                  # the libcudart the process loaded
+        last_error = 0
+
+        def cudaGetLastError(self):
+            err, self.last_error = self.last_error, 0
+            return err
+
+    lib = FakeRuntime()
+
+    class Cudart(_FakeCudart):
+        def cudaHostUnregister(self, address):
+            self.calls.append(("unregister", address))
+            lib.last_error = 1           # cudaErrorInvalidValue
+            return 1
+
+    rt = Cudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    monkeypatch.setattr(cudapin, "_loaded_cudart", lambda: lib)
+    buf = HostBuffer(1 << 20, register=False)
+    assert buf.pin_for_cuda()
+    with caplog.at_level(logging.WARNING, logger="kvblock"):
+        buf.close()
+    assert rt.calls == [("register", buf.address), ("unregister", buf.address)]
+    assert lib.last_error == 0, "the failed unregistration left CUDA's last error set"
+    logged = [r.getMessage() for r in caplog.records if "cudaHostUnregister" in r.getMessage()]
+    assert len(logged) == 1 and "error 1" in logged[0], logged
+
+
 class _FakeCudaDevice:
     """torch.cuda.device stood in: the thread's current CUDA device (None:
     never set, CUDA's default device 0 on a new thread)."""
