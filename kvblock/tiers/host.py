@@ -17,7 +17,6 @@ import numpy as np
 
 from kvblock.errors import ConfigError
 from kvblock.memory import HostBuffer
-from kvblock.memory.cudapin import pin as _pin, unpin as _unpin
 from kvblock.units import size_setting
 
 PROTECTED_SHARE = 0.8
@@ -42,7 +41,9 @@ class HostTier:
         except ConfigError as e:   # more than the machine will map
             raise ConfigError(f"host cache of {capacity_bytes} bytes (host_cache_bytes): {e}, "
                               "or none") from None
-        self.pinned = _pin(self.arena)
+        # (its close() unlocks it before the unmap; collected unclosed, with
+        # a store dropped without close(), its finalizer does)
+        self.pinned = self.arena.pin_for_cuda()
         self.blocks = self.arena.array.reshape(self.slots, block_bytes)
         self.free = list(range(self.slots - 1, -1, -1))
         self.probation: OrderedDict[bytes, int] = OrderedDict()
@@ -406,10 +407,8 @@ class HostTier:
                     "host_pinned": self.pinned}
 
     def close(self) -> None:
-        if self.pinned:
-            # Unmapping does not unlock: the driver would keep the pages
-            # (the whole tier) locked, and an arena mapped there later could
-            # not be pinned.
-            _unpin(self.arena)
-            self.pinned = False
+        # Unmapping does not unlock: the arena's close() unregisters it from
+        # CUDA first (else the driver kept the pages, the whole tier, locked,
+        # and an arena mapped there later could not be pinned).
+        self.pinned = False
         self.arena.close()

@@ -303,6 +303,60 @@ def test_close_unpins_the_arena_it_pinned(monkeypatch):
     tier.close()                                 # twice: nothing more to undo
 
 
+def test_a_pinned_arena_dropped_without_close_is_unpinned_before_its_unmap(monkeypatch):
+    """A DRAM tier never closed (a KVStore collected without close(): it
+    holds no thread that keeps it alive) had its arena unmapped by the
+    garbage collector still registered with CUDA: the driver kept
+    host_cache_bytes of pages locked for the process's life, and an arena
+    or staging buffer mapped at that address later could not be
+    page-locked.  It is unregistered as it is collected, while still
+    mapped, and close() still unregisters it once."""
+    import gc
+
+    torch = pytest.importorskip("torch")
+    seen = []
+
+    def mapped(address):
+        with open("/proc/self/maps") as f:
+            for line in f:
+                lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+                if lo <= address < hi:
+                    return True
+        return False
+
+    class FakeCudart:
+        def __init__(self):
+            self.registered = {}
+
+        def cudaHostRegister(self, address, nbytes, flags):
+            if address in self.registered:
+                return 712
+            self.registered[address] = nbytes
+            return 0
+
+        def cudaHostUnregister(self, address):
+            seen.append((address, mapped(address)))
+            return 0 if self.registered.pop(address, None) is not None else 713
+
+    rt = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    tier = HostTier(8 * 4096, 4096)
+    assert tier.pinned
+    address = tier.arena.address
+    del tier
+    gc.collect()
+    assert seen == [(address, True)], seen
+    assert rt.registered == {}
+    closed = HostTier(8 * 4096, 4096)
+    assert closed.pinned
+    closed.close()
+    closed.close()
+    del closed
+    gc.collect()
+    assert len(seen) == 2 and seen[1][1] and rt.registered == {}, seen
+
+
 def test_a_failed_pin_clears_the_cuda_error_it_left(monkeypatch):
     """A cudaHostRegister that fails (the arena already registered, locked
     memory over its limit) falls back to pageable memory, but left the CUDA
