@@ -47,3 +47,14 @@ def took(taken: dict, path_kind: str) -> None:
     silently read on the host, GDS bypassed, fails here)."""
     other = "host" if path_kind == "kvikio" else "kvikio"
     assert taken[path_kind] > 0 and taken[other] == 0, taken
+
+
+class LoadedRuntime:
+    """The libcudart a process loaded, stood in (kvblock.memory.cudapin's
+    _loaded_cudart): only its last error, which cudaGetLastError clears."""
+
+    last_error = 0
+
+    def cudaGetLastError(self):
+        err, self.last_error = self.last_error, 0
+        return err

@@ -2422,6 +2422,31 @@ class _FakeCudart:
         return 0 if self.registered.pop(address, None) is not None else 713
 
 
+def _stand_in_cuda_loads(path, monkeypatch, device="cuda-stand-in", loads=1, seen=None):
+    """Save 6 blocks, then load them ``loads`` times into a CPU cache
+    taken as a CUDA one on ``device`` (its stream calls no-ops), bytes
+    checked each time; ``seen(store)`` runs before the store closes."""
+    from kvblock.tensors import transfer
+
+    monkeypatch.setattr(transfer, "UNIT_BYTES", 8192)
+    if device is not None:
+        monkeypatch.setattr(transfer, "_cuda_device", lambda layout: device)
+        for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
+            monkeypatch.setattr(transfer, name, lambda *a: None)
+    n = 6
+    src = [rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"p{i}".encode() for i in range(n)]
+    with _store(path, geom()) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        for _ in range(loads):
+            dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+            assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=30) == n
+            for layer in range(L):
+                assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+        if seen is not None:
+            seen(store)
+
+
 def test_a_host_buffer_is_pinned_for_cuda_once_and_unpinned_before_unmap(monkeypatch):
     from kvblock.memory import HostBuffer, cudapin
 
@@ -2455,26 +2480,11 @@ def test_staging_for_a_cuda_cache_is_pinned_once_and_kept_pinned_between_loads(
     registered again), and are unlocked before they are unmapped; a host
     cache's are never locked.  Stood in on the CPU: a fake CUDA runtime and
     the cache's device taken as a CUDA one (its stream calls no-ops)."""
-    from kvblock.tensors import transfer
-
     rt = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    monkeypatch.setattr(transfer, "UNIT_BYTES", 8192)
-    if cuda:
-        monkeypatch.setattr(transfer, "_cuda_device", lambda layout: "cuda-stand-in")
-        for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
-            monkeypatch.setattr(transfer, name, lambda *a: None)
-    n = 6
-    src = [rand(2, n, BS, H, D) for _ in range(L)]
-    keys = [f"p{i}".encode() for i in range(n)]
-    with _store(path, geom()) as store:
-        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
-        for _ in range(2):
-            dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
-            assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=30) == n
-            for layer in range(L):
-                assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+
+    def seen(store):
         registers = [a for op, a in rt.calls if op == "register"]
         if cuda:
             assert registers and len(registers) == len(set(registers)), rt.calls
@@ -2482,6 +2492,8 @@ def test_staging_for_a_cuda_cache_is_pinned_once_and_kept_pinned_between_loads(
             assert all(b.cuda_pinned for b in store.spares._idle)
         else:
             assert registers == []
+    _stand_in_cuda_loads(path, monkeypatch, "cuda-stand-in" if cuda else None, loads=2,
+                         seen=seen)
     assert rt.registered == {}, "a staging buffer was unmapped still page-locked"
 
 
@@ -2501,24 +2513,14 @@ def test_staging_that_cannot_be_page_locked_loads_from_pageable_memory_logged_on
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
     monkeypatch.setattr(cudapin, "_loaded_cudart", lambda: None)
-    monkeypatch.setattr(transfer, "UNIT_BYTES", 8192)
     monkeypatch.setattr(transfer, "_PAGEABLE_LOGGED", False, raising=False)
-    monkeypatch.setattr(transfer, "_cuda_device", lambda layout: "cuda-stand-in")
-    for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
-        monkeypatch.setattr(transfer, name, lambda *a: None)
-    n = 6
-    src = [rand(2, n, BS, H, D) for _ in range(L)]
-    keys = [f"p{i}".encode() for i in range(n)]
-    with _store(path, geom()) as store, caplog.at_level(logging.WARNING, logger="kvblock"):
-        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
-        for _ in range(2):
-            dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
-            assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=30) == n
-            for layer in range(L):
-                assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+
+    def seen(store):
         registers = [a for op, a in rt.calls if op == "register"]
         assert registers and len(registers) == len(set(registers)), rt.calls
         assert not any(b.cuda_pinned for b in store.spares._idle)
+    with caplog.at_level(logging.WARNING, logger="kvblock"):
+        _stand_in_cuda_loads(path, monkeypatch, loads=2, seen=seen)
     logged = [r.getMessage() for r in caplog.records if "page-lock" in r.getMessage()]
     assert len(logged) == 1, logged
     assert "712" in logged[0] and "pageable" in logged[0], logged[0]
@@ -2533,15 +2535,9 @@ def test_a_failed_unpin_clears_the_cuda_error_it_left_and_is_logged(monkeypatch,
     said nothing of the pages that may stay locked.  As a refused
     register: the error is cleared, and the refusal logged."""
     from kvblock.memory import HostBuffer, cudapin
+    from tests.support.gpu import LoadedRuntime
 
-    class FakeRuntime:                  # the libcudart the process loaded
-        last_error = 0
-
-        def cudaGetLastError(self):
-            err, self.last_error = self.last_error, 0
-            return err
-
-    lib = FakeRuntime()
+    lib = LoadedRuntime()
 
     class Cudart(_FakeCudart):
         def cudaHostUnregister(self, address):
@@ -2592,8 +2588,6 @@ def test_staging_for_a_cache_on_another_gpu_is_pinned_on_its_device_for_all_cont
     GPU 1 went through the driver's bounce buffer still.  They are now
     registered portable, with the cache's device current, and unregistered
     with the same device current."""
-    from kvblock.tensors import transfer
-
     calls = []
 
     class Cudart(_FakeCudart):
@@ -2609,19 +2603,7 @@ def test_staging_for_a_cache_on_another_gpu_is_pinned_on_its_device_for_all_cont
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
     monkeypatch.setattr(torch.cuda, "device", _FakeCudaDevice)
-    monkeypatch.setattr(transfer, "UNIT_BYTES", 8192)
-    monkeypatch.setattr(transfer, "_cuda_device", lambda layout: torch.device("cuda", 1))
-    for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
-        monkeypatch.setattr(transfer, name, lambda *a: None)
-    n = 6
-    src = [rand(2, n, BS, H, D) for _ in range(L)]
-    keys = [f"p{i}".encode() for i in range(n)]
-    with _store(path, geom()) as store:
-        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
-        dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
-        assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=30) == n
-        for layer in range(L):
-            assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+    _stand_in_cuda_loads(path, monkeypatch, torch.device("cuda", 1))
     registers = [c for c in calls if c[0] == "register"]
     assert registers and all(c == ("register", 1, 1) for c in registers), calls
     unregisters = [c for c in calls if c[0] == "unregister"]

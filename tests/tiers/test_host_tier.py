@@ -366,15 +366,9 @@ def test_a_failed_pin_clears_the_cuda_error_it_left(monkeypatch):
     torch's bindings have none)."""
     torch = pytest.importorskip("torch")
     from kvblock.memory import cudapin
+    from tests.support.gpu import LoadedRuntime
 
-    class FakeRuntime:                  # the libcudart the process loaded
-        last_error = 0
-
-        def cudaGetLastError(self):
-            err, self.last_error = self.last_error, 0
-            return err
-
-    lib = FakeRuntime()
+    lib = LoadedRuntime()
 
     class FakeCudart:                   # torch.cuda.cudart(): no cudaGetLastError
         def cudaHostRegister(self, address, nbytes, flags):
