@@ -1556,9 +1556,22 @@ def test_a_declined_offer_is_given_back_once_not_again_on_a_new_connection(
             assert b.put_run(k, run_data(k)) == 2      # the third: admitted
 
 
-@pytest.mark.parametrize("many", [False, True])
-@pytest.mark.parametrize("where", ["written", "allocated"])
-def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, many, where,
+# where the put stalls (its thread held until another call has timed out
+# and the connection is given up): (put_runs of two runs?, the op whose
+# answer it stalls after, how many of them) -- "write": its first run
+# written (_write_allocated returned)
+_PUT_STALLS = {
+    "admitted": (False, "admit", 1),                  # the allocate is next
+    "admitted, put_runs": (True, "admit", 2),         # the last admit answered
+    "allocated": (False, "allocate", 1),              # allocate answered: counted
+    "allocated, put_runs": (True, "allocate", 1),     # on the connection only then
+    "written": (False, "write", 1),                   # its commit is next
+    "allocated one of two": (True, "write", 1),       # the group's second allocate next
+}
+
+
+@pytest.mark.parametrize("where", list(_PUT_STALLS))
+def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, where,
                                                                      monkeypatch):
     """A put in flight when another thread's call on the same RemoteStore
     timed out (timeout=): the connection that allocated its space was given
@@ -1569,11 +1582,19 @@ def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, 
     Now ConnectionAbandonedError (a ServerGoneError) says what happened
     and that a retry works; nothing is left on the server (the space goes
     back, the offer is given back: with admit_after=2 the retry is
-    admitted), and the retry, once reconnected, stores the run."""
+    admitted), and the retry, once reconnected, stores the run.
+
+    Given up before its ALLOCATE request went out, the error said the
+    connection "the put's space was allocated on was given up before the
+    put's commit could go out", where nothing was allocated (the put was
+    only admitted), or where the runs allocated before it in its group
+    were given back.  It says which request could not go out and what
+    became of the space (nothing allocated / given back)."""
     from kvblock.errors import ConnectionAbandonedError
     from tests.serve.test_pin_lease import _until
     from tests.serve.test_write_fence import _in_thread
 
+    many, stall_after, nth = _PUT_STALLS[where]
     sock = str(tmp_path / "kv.sock")
     path = _store_file(tmp_path)
     with serve_in_background([path], sock, admit_after=2) as server:
@@ -1590,26 +1611,30 @@ def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, 
                     return r.put_runs([(a, run_data(a)), (b, run_data(b))])[0]
                 return r.put_run(a, run_data(a))
             assert put() == 0                          # the first offers: declined
-            reached, go = threading.Event(), threading.Event()
-            if where == "written":                     # its commit is next
-                real = r._write_allocated
+            reached, go, seen = threading.Event(), threading.Event(), [0]
 
-                def stalled(*args, **kw):
-                    out = real(*args, **kw)
+            def stall():
+                seen[0] += 1
+                if seen[0] == nth:
                     reached.set()
                     assert go.wait(20)
+            if stall_after == "write":
+                real = r._write_allocated
+
+                def stalled_write(*args, **kw):
+                    out = real(*args, **kw)
+                    stall()
                     return out
-                r._write_allocated = stalled
-            else:      # allocate answered (counted on the connection only then, once)
+                r._write_allocated = stalled_write
+            else:
                 real_call_on = r._call_on
 
-                def stalled(s, op, **args):
+                def stalled_call(s, op, **args):
                     out = real_call_on(s, op, **args)
-                    if op == "allocate" and not reached.is_set():
-                        reached.set()
-                        assert go.wait(20)
+                    if op == stall_after:
+                        stall()
                     return out
-                r._call_on = stalled
+                r._call_on = stalled_call
             box = _in_thread(put)
             assert reached.wait(20)
             with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
@@ -1624,93 +1649,13 @@ def test_a_put_whose_connection_another_calls_timeout_gave_up_says_so(tmp_path, 
             assert "checkpoint" in text and "timeout" in text and "given up" in text, text
             assert "not stored" in text and "retry" in text, text
             assert "is gone" not in text, text
-            for name in ("_write_allocated", "_call_on"):
-                with contextlib.suppress(AttributeError):
-                    delattr(r, name)
-            _wait_alive(r)
-            _until(lambda: server.store.regions.pins.sum() == 0)   # the space went back
-            assert server.store.lookup(a) == 0
-            assert r.counters["put_runs"] == 0 and r.counters["cleared_puts"] == 0
-            assert put() == 2                          # admitted: the offer came back
-            assert r.lookup(a) == 2
-            assert server.store.counters["put_runs"] == (2 if many else 1)
-        finally:
-            let_go(wait=False)
-            r.close()
-
-
-
-@pytest.mark.parametrize("where", ["admitted", "admitted, put_runs", "allocated one of two"])
-def test_a_put_whose_allocation_could_not_go_out_says_what_was_allocated(tmp_path, where,
-                                                                        monkeypatch):
-    """A put whose connection another thread's call gave up on (timeout=)
-    before its ALLOCATE request went out: the error said the connection
-    "the put's space was allocated on was given up before the put's commit
-    could go out", where nothing was allocated (the put was only admitted),
-    or where the runs allocated before it in its group were given back.
-    It says which request could not go out and what became of the space
-    (nothing allocated / given back), and still that a retry works; the
-    retry, once reconnected, stores the run and nothing is left pinned."""
-    from kvblock.errors import ConnectionAbandonedError
-    from tests.serve.test_pin_lease import _until
-    from tests.serve.test_write_fence import _in_thread
-
-    sock = str(tmp_path / "kv.sock")
-    path = _store_file(tmp_path)
-    many = where != "admitted"
-    with serve_in_background([path], sock, admit_after=2) as server:
-        let_go = hold_checkpoint(server)
-        short_timeout_on(monkeypatch, {"checkpoint"}, 0.3)
-        r = RemoteStore(sock, timeout=GENEROUS_S, reconnect=True)
-        try:
-            a, b = run_keys(1, 2), run_keys(2, 2)
-
-            def put():
-                if many:
-                    return r.put_runs([(a, run_data(a)), (b, run_data(b))])[0]
-                return r.put_run(a, run_data(a))
-            assert put() == 0                          # the first offers: declined
-            reached, go = threading.Event(), threading.Event()
-            if where == "allocated one of two":        # the group's second allocate is next
-                real = r._write_allocated
-
-                def stalled(*args, **kw):
-                    out = real(*args, **kw)
-                    if not reached.is_set():
-                        reached.set()
-                        assert go.wait(20)
-                    return out
-                r._write_allocated = stalled
-            else:             # the last admit answered: the allocate is next
-                real_call_on, admits = r._call_on, [0]
-
-                def stalled(s, op, **args):
-                    out = real_call_on(s, op, **args)
-                    if op == "admit":
-                        admits[0] += 1
-                        if admits[0] == (2 if many else 1):
-                            reached.set()
-                            assert go.wait(20)
-                    return out
-                r._call_on = stalled
-            box = _in_thread(put)
-            assert reached.wait(20)
-            with pytest.raises(ServerGoneError, match="did not answer checkpoint in time"):
-                r.checkpoint()
-            let_go()
-            go.set()
-            box["thread"].join(20)
-            err = box.get("error")
-            assert isinstance(err, ConnectionAbandonedError), box
-            text = str(err).lower()
-            assert "checkpoint" in text and "given up" in text, text
-            assert "not stored" in text and "retry" in text, text
-            assert "commit could go out" not in text, text
-            assert "allocat" in text and "could go out" in text, text
+            if where.startswith("admitted") or where == "allocated one of two":
+                assert "commit could go out" not in text, text
+                assert "allocat" in text and "could go out" in text, text
             if where == "allocated one of two":
                 assert "given back" in text, text
                 assert "nothing was allocated" not in text, text
-            else:
+            elif where.startswith("admitted"):
                 assert "nothing was allocated" in text, text
             for name in ("_write_allocated", "_call_on"):
                 with contextlib.suppress(AttributeError):
@@ -1718,8 +1663,10 @@ def test_a_put_whose_allocation_could_not_go_out_says_what_was_allocated(tmp_pat
             _wait_alive(r)
             _until(lambda: server.store.regions.pins.sum() == 0)   # nothing held there
             assert server.store.lookup(a) == 0
+            assert r.counters["put_runs"] == 0 and r.counters["cleared_puts"] == 0
             assert put() == 2                          # admitted: the offer came back
             assert r.lookup(a) == 2
+            assert server.store.counters["put_runs"] == (2 if many else 1)
         finally:
             let_go(wait=False)
             r.close()
