@@ -65,6 +65,36 @@ def _read_ended_whole(server, r, read, got, keys) -> None:
     _until(lambda: server.store.regions.pins.sum() == 0, timeout=5)
 
 
+def _dropped_allocation_given_back_and_leases_go_on(server, sock, a, given_back) -> None:
+    """Rank ``a`` (its heartbeat off, as if its process were stopped), its
+    put stalled between its allocation and its write: the lease drops it
+    and its allocation is given back (``given_back()`` then checks how the
+    lease thread got there), the lease still drops a quiet rank after, and
+    ``a``'s put, let go, fails."""
+    stall = _Stall(a, "_stage_run", after=True)   # allocated, not writing
+    ka = run_keys(1, 2)
+    box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
+    try:
+        assert stall.reached.wait(20)
+        assert server.store.regions.pins.sum() == 1
+        _until(lambda: server.expired_sessions == 1)
+        _until(lambda: server.store.regions.pins.sum() == 0, timeout=15)
+        given_back()
+        b = RemoteStore(sock)                   # and the lease still drops the quiet
+        b._heartbeat = False
+        try:
+            kb = run_keys(2, 1)
+            b.put_run(kb, run_data(kb))
+            assert b.pin(kb)
+            _until(lambda: server.expired_sessions == 2)
+        finally:
+            b.close()
+    finally:
+        stall.go.set()
+        box["thread"].join(20)
+    assert isinstance(box.get("error"), ServerGoneError), box
+
+
 def test_a_stopped_ranks_pins_lapse_and_a_live_ranks_stay(tmp_path, monkeypatch):
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     passes = QuietPasses(monkeypatch)
@@ -280,25 +310,10 @@ def test_leases_outlive_a_server_short_of_descriptors(tmp_path, monkeypatch):
                 raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
             return reopen(fd, flags, *file)
         monkeypatch.setattr(fence, "reopen", out_of_descriptors)
-        stall = _Stall(a, "_stage_run", after=True)   # allocated, not writing
-        ka = run_keys(1, 2)
-        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
-        assert stall.reached.wait(20)
-        _until(lambda: server.expired_sessions == 1)
-        _until(lambda: server.store.regions.pins.sum() == 0, timeout=15)
-        assert short["left"] == 0
-        b = RemoteStore(sock)                   # and the lease still drops the quiet
-        b._heartbeat = False
-        try:
-            kb = run_keys(2, 1)
-            b.put_run(kb, run_data(kb))
-            assert b.pin(kb)
-            _until(lambda: server.expired_sessions == 2)
-        finally:
-            b.close()
-        stall.go.set()
-        box["thread"].join(20)
-        assert isinstance(box.get("error"), ServerGoneError), box
+
+        def tries_failed():
+            assert short["left"] == 0
+        _dropped_allocation_given_back_and_leases_go_on(server, sock, a, tries_failed)
     finally:
         a.close()
         server.stop()
@@ -637,32 +652,17 @@ def test_a_failed_lease_tick_is_logged_once_and_the_lease_thread_goes_on(tmp_pat
         return real(*args, **kw)
     server._fence_writers = broken
     caplog.set_level(logging.ERROR, logger="kvblock")
-    try:
-        stall = _Stall(a, "_stage_run", after=True)   # allocated, not writing
-        ka = run_keys(1, 2)
-        box = _in_thread(lambda: a.put_run(ka, run_data(ka)))
-        assert stall.reached.wait(20)
-        assert server.store.regions.pins.sum() == 1
-        _until(lambda: server.expired_sessions == 1)
-        _until(lambda: server.store.regions.pins.sum() == 0, timeout=15)
+
+    def tries_failed_and_said_once():
         assert left["n"] == 0
         assert server._lease_thread.is_alive()
         said = [r for r in caplog.records if "a malformed region" in r.getMessage()
                 or (r.exc_info and "a malformed region" in str(r.exc_info[1]))]
         assert len(said) == 1, [r.getMessage() for r in caplog.records]
         assert said[0].exc_info is not None, "logged without its traceback"
-        b = RemoteStore(sock)                   # and the lease still drops the quiet
-        b._heartbeat = False
-        try:
-            kb = run_keys(2, 1)
-            b.put_run(kb, run_data(kb))
-            assert b.pin(kb)
-            _until(lambda: server.expired_sessions == 2)
-        finally:
-            b.close()
-        stall.go.set()
-        box["thread"].join(20)
-        assert isinstance(box.get("error"), ServerGoneError), box
+    try:
+        _dropped_allocation_given_back_and_leases_go_on(server, sock, a,
+                                                        tries_failed_and_said_once)
     finally:
         a.close()
         server.stop()
