@@ -475,55 +475,79 @@ def test_an_allocation_released_after_stop_gave_up_on_its_connection_is_given_ba
     which had ended, after stop had given back the queue: the store the
     caller keeps had that region pinned for good.  A release after stop
     gives the allocation back itself, once the writes in flight are done."""
-    import socket
-
-    from kvblock.store.protocol import PROTOCOL, encode_msg, recv_msg
     from kvblock.store.server import StoreServer
 
     sock = str(tmp_path / "kv.sock")
     path = _store_file(tmp_path)
     store = KVStore.open([path])
     server = StoreServer(store, sock, close_store=False).start()
-    entered, go = threading.Event(), threading.Event()
-    rank_fence = None
-
-    def held_ping(s):
-        entered.set()
-        assert go.wait(30)
-    server._op_ping = held_ping
-    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    raw.settimeout(20)
+    rank = _RankHeldAtStop(server, sock)
     try:
-        raw.connect(sock)
-
-        def ask(**req):
-            raw.sendall(encode_msg(req))
-            return recv_msg(raw)
-        assert ask(op="hello", protocol=PROTOCOL, pid=os.getpid())["ok"]
-        _, fds, _, _ = socket.recv_fds(raw, 1, 16)
-        rank_fence = fence_mod.WriteFence()
-        rank_fence.served(fds)                        # as a rank's client does
-        assert ask(op="allocate", nblocks=1)["ok"]
-        assert store.regions.pins.sum() == 1
-        (session,) = server._sessions.values()
-        raw.sendall(encode_msg({"op": "ping"}))       # held in the server
-        assert entered.wait(20)
-        server.stop(timeout=0.3)                      # gives up on that thread
-        assert session.thread.is_alive()
-        with rank_fence.writing():                    # the rank's write in flight
-            go.set()
+        session = rank.stop_gives_up()
+        with rank.fence.writing():                    # the rank's write in flight
+            rank.go.set()
             session.thread.join(0.5)
             assert store.regions.pins.sum() == 1, "given back under a write in flight"
         session.thread.join(20)
         assert not session.thread.is_alive()
         assert store.regions.pins.sum() == 0, "the allocation released after stop stayed pinned"
     finally:
-        go.set()
-        raw.close()
+        rank.close()
         server.stop()
         store.close()
-        if rank_fence is not None:
-            rank_fence.close()
+
+
+class _RankHeldAtStop:
+    """A rank's connection to ``server`` (close_store=False), spoken raw:
+    its hello said (the fence files served to ``fence`` as a rank's client
+    does) and one block allocated; ``stop_gives_up()`` then has a ping
+    held in the server (until ``go`` is set) while ``server.stop()`` gives
+    up on the connection's thread, and returns its session, whose thread
+    lives on to release the allocation after stop."""
+
+    def __init__(self, server, sock: str):
+        import socket
+
+        self.server, self.sock = server, sock
+        self.entered, self.go = threading.Event(), threading.Event()
+        self.fence = None
+        self.raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.raw.settimeout(20)
+
+    def _ask(self, **req):
+        from kvblock.store.protocol import encode_msg, recv_msg
+
+        self.raw.sendall(encode_msg(req))
+        return recv_msg(self.raw)
+
+    def stop_gives_up(self):
+        import socket
+
+        from kvblock.store.protocol import PROTOCOL, encode_msg
+
+        def held_ping(s):
+            self.entered.set()
+            assert self.go.wait(30)
+        self.server._op_ping = held_ping
+        self.raw.connect(self.sock)
+        assert self._ask(op="hello", protocol=PROTOCOL, pid=os.getpid())["ok"]
+        _, fds, _, _ = socket.recv_fds(self.raw, 1, 16)
+        self.fence = fence_mod.WriteFence()
+        self.fence.served(fds)
+        assert self._ask(op="allocate", nblocks=1)["ok"]
+        assert self.server.store.regions.pins.sum() == 1
+        (session,) = self.server._sessions.values()
+        self.raw.sendall(encode_msg({"op": "ping"}))  # held in the server
+        assert self.entered.wait(20)
+        self.server.stop(timeout=0.3)                 # gives up on that thread
+        assert session.thread.is_alive()
+        return session
+
+    def close(self) -> None:
+        self.go.set()
+        self.raw.close()
+        if self.fence is not None:
+            self.fence.close()
 
 
 class _NumberTaken:
@@ -593,9 +617,7 @@ def test_a_late_give_back_as_the_store_closes_fences_on_no_other_file(tmp_path, 
     their writes (then said regions of this store stayed pinned).  The
     fence locks no file but the store's own."""
     import fcntl
-    import socket
 
-    from kvblock.store.protocol import PROTOCOL, encode_msg, recv_msg
     from kvblock.store.server import StoreServer
 
     sock = str(tmp_path / "kv.sock")
@@ -606,7 +628,6 @@ def test_a_late_give_back_as_the_store_closes_fences_on_no_other_file(tmp_path, 
     decoy_id = (os.stat(decoy).st_dev, os.stat(decoy).st_ino)
     store = KVStore.open([path])
     server = StoreServer(store, sock, close_store=False).start()
-    entered, go = threading.Event(), threading.Event()
     locked = []
     real_lock = fence_mod._ofd_lock
 
@@ -616,48 +637,27 @@ def test_a_late_give_back_as_the_store_closes_fences_on_no_other_file(tmp_path, 
             locked.append((st.st_dev, st.st_ino))
         return real_lock(fd, kind, wait, byte)
 
-    def held_ping(s):
-        entered.set()
-        assert go.wait(30)
-    server._op_ping = held_ping
     monkeypatch.setattr(fence_mod, "FENCE_WAIT_S", 0.3)
     monkeypatch.setattr("kvblock.store.server.FENCE_WAIT_S", 0.3)
-    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    raw.settimeout(20)
-    rank_fence = other_rank = race = None
+    rank = _RankHeldAtStop(server, sock)
+    other_rank = race = None
     try:
-        raw.connect(sock)
-
-        def ask(**req):
-            raw.sendall(encode_msg(req))
-            return recv_msg(raw)
-        assert ask(op="hello", protocol=PROTOCOL, pid=os.getpid())["ok"]
-        _, fds, _, _ = socket.recv_fds(raw, 1, 16)
-        rank_fence = fence_mod.WriteFence()
-        rank_fence.served(fds)
-        assert ask(op="allocate", nblocks=1)["ok"]
-        (session,) = server._sessions.values()
-        raw.sendall(encode_msg({"op": "ping"}))       # held in the server
-        assert entered.wait(20)
-        server.stop(timeout=0.3)                      # gives up on that thread
-        assert session.thread.is_alive()
+        session = rank.stop_gives_up()
         # another store's rank, writing on the file that takes the number
         other_rank = fence_mod.WriteFence([os.open(decoy, os.O_RDONLY | os.O_CLOEXEC)])
         race = _NumberTaken(monkeypatch, fence_mod, store, store.io.devices[0].fd, decoy)
         monkeypatch.setattr(fence_mod, "_ofd_lock", recording_lock)
         with other_rank.writing():
-            go.set()
+            rank.go.set()
             session.thread.join(20)
         assert not session.thread.is_alive()
         assert race.fired
         assert decoy_id not in locked, "the fence locked a file that is not the store's"
     finally:
-        go.set()
-        raw.close()
+        rank.close()
         if race is not None:
             race.let_go()
         server.stop()
         store.close()
-        for f in (rank_fence, other_rank):
-            if f is not None:
-                f.close()
+        if other_rank is not None:
+            other_rank.close()
