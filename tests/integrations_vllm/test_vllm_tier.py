@@ -638,19 +638,26 @@ def test_touch_keeps_touched_chunks_when_the_store_evicts(tmp_path):
                               region_size=4 * (SLOT + 4096), threads=1)
     # a region holds one job: 4 one-slot runs, each with its 4 KiB trailer
     try:
-        fill_random(pool, range(4))
-        hot = [key(900 + i) for i in range(4)]
-        tier.submit_store(job(1, hot, range(4)))
-        assert drain(tier)[0].success
-        for n in range(40):                                 # 40 MiB through 16 MiB
-            tier.submit_store(job(2 + n, [key(1000 + 4 * n + i) for i in range(4)], range(4)))
-            assert drain(tier)[0].success
-            tier.touch(hot, CTX)
-        assert tier.stats()["evicted_regions"] > 0
-        assert [tier.lookup(k, CTX) for k in hot] == [LookupResult.HIT] * 4
-        assert tier.lookup(key(1000), CTX) is LookupResult.MISS
+        _touched_chunks_outlive_the_untouched(tier, pool, 40)    # 40 MiB through 16 MiB
     finally:
         tier.shutdown()
+
+
+def _touched_chunks_outlive_the_untouched(tier, pool, jobs: int) -> None:
+    """Four chunks stored, then ``jobs`` store jobs of four chunks more,
+    the first four touched after each: the store evicted, and kept the
+    touched ones, not the first chunk stored after them."""
+    fill_random(pool, range(4))
+    hot = [key(900 + i) for i in range(4)]
+    tier.submit_store(job(1, hot, range(4)))
+    assert drain(tier)[0].success
+    for n in range(jobs):
+        tier.submit_store(job(2 + n, [key(1000 + 4 * n + i) for i in range(4)], range(4)))
+        assert drain(tier)[0].success
+        tier.touch(hot, CTX)
+    assert tier.stats()["evicted_regions"] > 0
+    assert [tier.lookup(k, CTX) for k in hot] == [LookupResult.HIT] * 4
+    assert tier.lookup(key(1000), CTX) is LookupResult.MISS
 
 
 def test_touch_reaches_a_shared_store_through_its_server(tmp_path, shm_target):
@@ -666,17 +673,7 @@ def test_touch_reaches_a_shared_store_through_its_server(tmp_path, shm_target):
     pid = tier.store.server_pid
     try:
         assert tier.store.regions.count < 10
-        fill_random(pool, range(4))
-        hot = [key(900 + i) for i in range(4)]
-        tier.submit_store(job(1, hot, range(4)))
-        assert drain(tier)[0].success
-        for n in range(16):                                 # 16 MiB through 8 MiB
-            tier.submit_store(job(2 + n, [key(1000 + 4 * n + i) for i in range(4)], range(4)))
-            assert drain(tier)[0].success
-            tier.touch(hot, CTX)
-        assert tier.stats()["evicted_regions"] > 0
-        assert [tier.lookup(k, CTX) for k in hot] == [LookupResult.HIT] * 4
-        assert tier.lookup(key(1000), CTX) is LookupResult.MISS
+        _touched_chunks_outlive_the_untouched(tier, pool, 16)    # 16 MiB through 8 MiB
     finally:
         tier.shutdown()
         stop_server(pid)
