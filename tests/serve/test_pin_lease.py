@@ -126,8 +126,9 @@ def test_a_stopped_ranks_pins_lapse_and_a_live_ranks_stay(tmp_path, monkeypatch)
         server.stop()
 
 
-def test_a_dropped_ranks_write_in_flight_keeps_its_space_until_done(tmp_path):
+def test_a_dropped_ranks_write_in_flight_keeps_its_space_until_done(tmp_path, monkeypatch):
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    passes = QuietPasses(monkeypatch)
     server = serve_in_background([path], sock, pin_lease=LEASE)
     a = RemoteStore(sock, verify="never")
     a._heartbeat = False                        # as if its process were stopped
@@ -141,7 +142,9 @@ def test_a_dropped_ranks_write_in_flight_keeps_its_space_until_done(tmp_path):
             for i in range(2, 6):
                 kb = run_keys(i, 2)
                 assert b.put_run(kb, run_data(kb)) == 2
-                time.sleep(LEASE)
+                # a lease tick begun since (its give-back of the dropped
+                # connections' allocations, then its lease pass) has run
+                passes.past(time.monotonic())
             assert server.store.regions.pins.sum() == 1, "a writer's space was freed mid-write"
             stall.go.set()
             box["thread"].join(20)
@@ -432,7 +435,43 @@ def test_the_servers_other_times_are_checked_as_the_lease_is(tmp_path):
         server.stop()
 
 
-def test_a_client_holding_no_pins_is_not_dropped_for_a_slow_read(tmp_path):
+class _SendTimeouts:
+    """The served connections' sockets, their sends that took nothing for
+    SO_SNDTIMEO (a lease) counted in ``count``: a test waits for a few, in
+    place of a sleep meant to outlast the send timeout (on a loaded
+    machine the server's thread may not have met it by the sleep's end).
+    Make it before the server."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        from kvblock.store import server as server_mod
+
+        self.count, lock = 0, threading.Lock()
+        counted = self
+        real_init = server_mod._Session.__init__
+
+        class Counting:
+            def __init__(self, conn):
+                self._conn = conn
+
+            def __getattr__(self, name):
+                return getattr(self._conn, name)
+
+            def send(self, data, *flags):
+                try:
+                    return self._conn.send(data, *flags)
+                except (BlockingIOError, TimeoutError):
+                    with lock:
+                        counted.count += 1
+                    raise
+
+        def init(session, conn, sid):
+            real_init(session, Counting(conn), sid)
+        monkeypatch.setattr(server_mod._Session, "__init__", init)
+
+
+def test_a_client_holding_no_pins_is_not_dropped_for_a_slow_read(tmp_path, monkeypatch):
     """The send timeout (one lease) ended any connection whose client took
     nothing of an answer for a lease, and counted it expired, though it
     held no pins: README says the lease drops only connections holding
@@ -442,6 +481,7 @@ def test_a_client_holding_no_pins_is_not_dropped_for_a_slow_read(tmp_path):
     from kvblock.store.protocol import encode_keys, encode_msg, recv_msg
     sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
     keys = [i.to_bytes(16, "little") for i in range(1, 200_001)]   # ~1 MB of answer
+    timeouts, passes = _SendTimeouts(monkeypatch), QuietPasses(monkeypatch)
     with serve_in_background([path], sock, pin_lease=0.3, hello_timeout=0) as server:
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -449,7 +489,11 @@ def test_a_client_holding_no_pins_is_not_dropped_for_a_slow_read(tmp_path):
             raw.settimeout(30)
             raw.connect(sock)
             raw.sendall(encode_msg({"op": "present", "keys": encode_keys(keys)}))
-            time.sleep(1.5)                    # five leases without reading
+            # unread: the server's send takes nothing for a lease, three
+            # times, and a lease pass runs while it waits
+            # (or the connection ended for it: then the answer is cut short)
+            _until(lambda: timeouts.count >= 3 or server.expired_sessions, timeout=20)
+            passes.past(time.monotonic())
             answer = recv_msg(raw)
             assert answer is not None and answer["ok"], answer
             assert answer["result"] == [False] * len(keys)
