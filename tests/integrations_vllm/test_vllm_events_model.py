@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvblock.integrations.vllm import KVBlockTierManager
+from tests.integrations_vllm.conftest import store_bytes
 from tests.integrations_vllm.test_vllm_tier import (
     drain,
     events_spec,
@@ -36,6 +37,9 @@ from tests.integrations_vllm.test_vllm_tier_model import SLOT
 KEYS = 24
 SLOTS = 16
 EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "25"))
+# the tier formats the store with its default regions, which the file's
+# size sets (and, at 1/8 of one, the most slots a piece holds)
+pytestmark = store_bytes(96 << 20)
 
 key_ids = st.lists(st.integers(0, KEYS - 1), min_size=1, max_size=6, unique=True)
 steps = st.lists(st.one_of(

@@ -47,6 +47,7 @@ from kvblock import Geometry, KVStore
 from kvblock.errors import ConfigError, GeometryMismatchError, KVBlockError, NotAStoreError
 from kvblock.integrations import vllm as kv_vllm
 from kvblock.integrations.vllm import KVBlockTierManager, slot_geometry
+from tests.integrations_vllm.conftest import STORE_REGION_BYTES, store_bytes
 
 PAGE = mmap.PAGESIZE
 SLOT = 64 * PAGE            # 256 KiB slots
@@ -109,7 +110,11 @@ def make_tier(store_file):
 
     def make(pool=None, spec=None, **config):
         pool = page_aligned_pool() if pool is None else pool
-        config.setdefault("devices", [store_file])
+        if "devices" not in config:
+            config["devices"] = [store_file]
+            # (the regions, and so the pieces jobs are cut into, of the
+            # size every such test was written for, whatever the file's)
+            config.setdefault("region_size", STORE_REGION_BYTES)
         config.setdefault("threads", 4)
         tier = KVBlockTierManager(offloading_spec=spec or make_spec(),
                                   primary_kv_view=memoryview(pool.numpy()),
@@ -190,6 +195,7 @@ def test_store_load_data_integrity(make_tier, batch_size, pattern):
     assert not pool[untouched].any(), "a load wrote outside its slots"
 
 
+@store_bytes(96 << 20)    # several of its 16 MiB regions
 def test_zero_copy_paths_for_adjacent_slots(make_tier, monkeypatch):
     """Adjacent ascending slots reach put_run/get_run as views of the pool."""
     tier, pool = make_tier(region_size="16M")
@@ -217,6 +223,7 @@ def test_zero_copy_paths_for_adjacent_slots(make_tier, monkeypatch):
     assert tier.stats()["put_runs"] == 1
 
 
+@store_bytes(96 << 20)    # several of its 16 MiB regions
 def test_zero_copy_paths_for_scattered_slots(make_tier, monkeypatch):
     """Scattered slots reach put_blocks/get_blocks as views of the pool slots
     themselves, and the store does direct I/O on them (no staging)."""
@@ -412,6 +419,7 @@ def test_unreadable_run_fails_its_keys_and_becomes_a_miss(make_tier):
     assert tier.stats()["read_errors"] == 1
 
 
+@store_bytes(96 << 20)    # two of its 32 MiB regions
 @pytest.mark.parametrize("fault", [None, "eio"])
 def test_small_loads_queued_together_are_read_in_one_store_call(make_tier, monkeypatch,
                                                                 fault):
@@ -479,6 +487,7 @@ def _hold_first(store, name: str):
     return gate
 
 
+@store_bytes(96 << 20)    # two of its 32 MiB regions
 def test_small_load_batched_with_others_keeps_its_keys_before_an_unreadable_run(
         make_tier, monkeypatch):
     """A small promotion read with others in one get_runs call, whose keys
@@ -520,6 +529,7 @@ def test_small_load_batched_with_others_keeps_its_keys_before_an_unreadable_run(
     assert [tier.lookup(k, CTX) for k in keys[3:6]] == [LookupResult.HIT] + \
         [LookupResult.MISS] * 2
 
+@store_bytes(96 << 20)    # two of its 32 MiB regions
 @pytest.mark.parametrize("together", [False, True])
 def test_a_load_that_fails_midway_keeps_the_keys_it_read(make_tier, monkeypatch, together):
     """A load piece whose read fails after it has read some keys (an I/O
@@ -562,6 +572,7 @@ def test_a_load_that_fails_midway_keeps_the_keys_it_read(make_tier, monkeypatch,
     assert torch.equal(pool[24], expected[0])
 
 
+@store_bytes(96 << 20)    # two of its 32 MiB regions
 def test_small_stores_queued_together_are_written_with_one_commit(make_tier, monkeypatch):
     """Small stores queued behind one another go to the store in one put_runs
     call (one flush, one journal commit); a job whose keys are stored
@@ -595,6 +606,7 @@ def test_small_stores_queued_together_are_written_with_one_commit(make_tier, mon
     assert torch.equal(pool[:15], expected[:15]) and torch.equal(pool[15:19], expected[20:24])
 
 
+@store_bytes(96 << 20)    # two of its 32 MiB regions
 @pytest.mark.parametrize("kind", ["load", "store"])
 def test_pieces_whose_call_together_fails_go_alone(make_tier, monkeypatch, kind):
     """When the call for several small pieces fails (a bug here: any
@@ -979,6 +991,7 @@ def test_a_call_stuck_on_a_shared_store_costs_lookups_one_lock_wait(tmp_path, mo
         stop_server(pid)
 
 
+@store_bytes(96 << 20)    # several of its 16 MiB regions
 def test_load_in_another_grouping_than_the_store(make_tier):
     """Runs stored 8 slots at a time, loaded from the middle, in pieces that
     straddle runs and into scattered slots: still the same bytes."""

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from vllm.v1.kv_offload.base import LookupResult
 
 from kvblock.integrations.vllm import KVBlockTierManager
+from tests.integrations_vllm.conftest import store_bytes
 from tests.integrations_vllm.test_vllm_tier import (CTX, drain, job, key, make_spec,
                                                      page_aligned_pool)
 
@@ -31,6 +32,9 @@ SLOTS = 64
 KEYS = 40
 # A longer hunt: KVBLOCK_MODEL_EXAMPLES=1000 (about 1 minute per case).
 EXAMPLES = int(os.environ.get("KVBLOCK_MODEL_EXAMPLES", "25"))
+# the tier formats the store with its default regions, which the file's
+# size sets (and, at 1/8 of one, the most slots a piece holds)
+pytestmark = store_bytes(96 << 20)
 
 
 def slot_bytes(k: int) -> torch.Tensor:
