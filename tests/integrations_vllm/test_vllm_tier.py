@@ -1921,8 +1921,10 @@ def test_driven_by_vllms_tiering_manager(store_file):
     region = MagicMock()
     region.create_kv_memoryview.return_value = memoryview(pool.numpy())
     primary = CPUPrimaryTierOffloadingManager(num_chunks=num_slots, mmap_region=region)
+    # (the regions make_tier gives: a batch of 4 keys goes in pieces of 3
+    # slots and 1, not 4 of one slot as a 32 MiB store's defaults cut it)
     tier = KVBlockTierManager(make_spec(), primary.get_kv_memoryview(), "kvblock",
-                              devices=[store_file])
+                              devices=[store_file], region_size=STORE_REGION_BYTES)
     manager = TieringOffloadingManager(primary_tier=primary, secondary_tiers=[tier],
                                        tier_poll_interval_s=0)
 
