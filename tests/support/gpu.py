@@ -58,3 +58,13 @@ class LoadedRuntime:
     def cudaGetLastError(self):
         err, self.last_error = self.last_error, 0
         return err
+
+
+def mapped(address: int) -> bool:
+    """Whether ``address`` lies in a mapping of this process now."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False

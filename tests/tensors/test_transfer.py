@@ -2611,16 +2611,6 @@ def test_staging_for_a_cache_on_another_gpu_is_pinned_on_its_device_for_all_cont
     assert rt.registered == {}
 
 
-def _mapped(address: int) -> bool:
-    """Whether ``address`` lies in a mapping of this process now."""
-    with open("/proc/self/maps") as f:
-        for line in f:
-            lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
-            if lo <= address < hi:
-                return True
-    return False
-
-
 def test_a_pinned_buffer_dropped_without_close_is_unpinned_before_its_unmap(monkeypatch):
     """A page-locked staging buffer that is never closed (the spares of a
     store collected without close(), or of a RemoteStore collected: its
@@ -2633,12 +2623,13 @@ def test_a_pinned_buffer_dropped_without_close_is_unpinned_before_its_unmap(monk
     import gc
 
     from kvblock.memory import HostBuffer
+    from tests.support.gpu import mapped
 
     seen = []
 
     class Cudart(_FakeCudart):
         def cudaHostUnregister(self, address):
-            seen.append((address, _mapped(address)))
+            seen.append((address, mapped(address)))
             return super().cudaHostUnregister(address)
 
     rt = Cudart()

@@ -316,13 +316,7 @@ def test_a_pinned_arena_dropped_without_close_is_unpinned_before_its_unmap(monke
     torch = pytest.importorskip("torch")
     seen = []
 
-    def mapped(address):
-        with open("/proc/self/maps") as f:
-            for line in f:
-                lo, hi = (int(x, 16) for x in line.split(None, 1)[0].split("-"))
-                if lo <= address < hi:
-                    return True
-        return False
+    from tests.support.gpu import mapped
 
     class FakeCudart:
         def __init__(self):
