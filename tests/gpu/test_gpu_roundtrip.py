@@ -17,6 +17,7 @@ from kvblock import Geometry, KVStore  # noqa: E402
 from kvblock.index import normalize_keys  # noqa: E402
 from kvblock.io.gpu import GPU_PATHS  # noqa: E402
 from kvblock.tensors import VLLMLayout, load_blocks, save_blocks  # noqa: E402
+from tests.store.test_corruption import _flip  # noqa: E402
 from tests.support.gpu import bits  # noqa: E402
 
 L, H, D, BS = 4, 8, 128, 16
@@ -112,11 +113,7 @@ def test_a_corrupt_range_never_reaches_gpu_memory(path):
         lay = store.layout(n)
         _, off = store.regions.address(run_b.region, run_b.offset)
         at = off + lay.range_offset(1, 0) + store.geometry.group_block_bytes + 100
-    with open(path, "r+b") as f:
-        f.seek(at)
-        byte = f.read(1)
-        f.seek(at)
-        f.write(bytes([byte[0] ^ 0x40]))
+    _flip(path, at)
     with KVStore.open([str(path)]) as store:
         dst = _pages(3 * n, fill="zeros")
         assert load_blocks(store, a + b, VLLMLayout(dst), list(range(2 * n))).wait() == n
