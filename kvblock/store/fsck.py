@@ -158,7 +158,15 @@ def check_checkpoints(store, report: FsckReport) -> None:
             f"store cannot have written (run {foreign[0][0]}: {foreign[0][1]}): written by a bug "
             "or damaged, they were not replayed (no run of theirs is in the store); a "
             "writable open (--repair) starts a new journal")
-    if (gap or foreign or rotten) and not store.readonly:   # the open wrote a new epoch
+    reclaims = getattr(store, "journal_foreign_reclaims", [])
+    if reclaims:
+        report.problems.append(
+            f"{store.io.devices[0].path}: the journal holds {len(reclaims)} RECLAIM record(s) "
+            f"naming a region the store lacks (region {reclaims[0][0]}, generation "
+            f"{reclaims[0][1]}; the store has {store.regions.count}): written by a bug or "
+            "damaged, they were not replayed (no run was touched); a writable open "
+            "(--repair) starts a new journal")
+    if (gap or foreign or reclaims or rotten) and not store.readonly:   # the open wrote a new epoch
         report.repaired.append(f"{store.io.devices[0].path}: started a new journal")
     if getattr(store, "stale_checkpoint", False):
         report.dropped_at_open += store.counters["stale_checkpoint_runs_dropped"]

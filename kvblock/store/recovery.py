@@ -31,6 +31,8 @@ class Recovery:
         self.journal_damaged = None     # a record damaged, not torn (fsck reports it)
         # PUT records no writer of this store makes (fsck reports them)
         self.journal_foreign_puts = []
+        # RECLAIM records naming a region the store lacks (fsck reports them)
+        self.journal_foreign_reclaims = []
         # Slots that were written once but no longer decode (fsck reports
         # them; the next checkpoint goes to one of them).
         self.damaged_checkpoint_slots = []
@@ -127,6 +129,11 @@ class Recovery:
             logger.warning("kvblock: %s: %d journal PUT record(s) this store cannot have "
                            "written were not replayed (run %d: %s)", self.io.devices[0].path,
                            len(self.journal_foreign_puts), *self.journal_foreign_puts[0])
+        if self.journal_foreign_reclaims:
+            logger.warning("kvblock: %s: %d journal RECLAIM record(s) naming a region the store "
+                           "lacks (it has %d) were not replayed (region %d, generation %d)",
+                           self.io.devices[0].path, len(self.journal_foreign_reclaims),
+                           self.regions.count, *self.journal_foreign_reclaims[0])
         epoch = jfmt.epoch(sb.store_uuid, cp.generation)
         after = jfmt.records_after(journal, end, next_seq, epoch)
         if after is not None:
@@ -443,6 +450,8 @@ class Recovery:
                 # them first); _finish_layout seals it anew.
                 self.regions.seal_seq[rec.region] = 0
                 self.regions.sealed_at[rec.region] = 0
+            else:       # no writer of this store names one (a bug, or damage)
+                self.journal_foreign_reclaims.append((rec.region, rec.generation))
 
     def _finish_layout(self):
         """After recovery: regions holding runs are sealed, the rest are free."""

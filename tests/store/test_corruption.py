@@ -485,6 +485,41 @@ def test_a_foreign_journal_put_is_reported_by_fsck(tmp_path, what):
         assert store.lookup(more) == 2
 
 
+def test_a_journal_reclaim_of_a_region_the_store_lacks_is_reported_by_fsck(tmp_path, caplog):
+    """A journal RECLAIM record (checksum whole: written so by a bug, or
+    crafted) naming a region the store lacks was skipped silently by
+    replay, and fsck called the store clean.  It is still not replayed (no
+    run is touched), but replay logs it and fsck names it; a writable open
+    starts a new journal, and the store is clean."""
+    import logging
+
+    from kvblock.format import journal as jfmt
+    from kvblock.store.fsck import fsck
+
+    path, store, keys, run = _open_with_one_run(tmp_path)
+    region = store.regions.count + 3
+    data = jfmt.encode_commit([jfmt.Reclaim(region, 7)], store._seq,
+                              jfmt.epoch(store.sb.store_uuid, store._generation))
+    store.io.write_bytes(0, store.sb.journal_offset + store._jhead, data)
+    store._release_devices()
+    store.closed = True
+    with caplog.at_level(logging.WARNING, logger="kvblock.store.recovery"):
+        with KVStore.open([str(path)], readonly=True) as store:
+            assert store.stats()["runs"] == 1 and store.lookup(keys) == 2
+            report = fsck(store)
+    assert report.status == "problems" and len(report.problems) == 1, report.problems
+    assert report.problems[0].startswith(f"{path}: the journal holds 1 RECLAIM record")
+    assert f"region {region}" in report.problems[0]
+    assert any(f"region {region}" in r.getMessage() and "RECLAIM" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    with KVStore.open([str(path)]) as store:
+        report = fsck(store, repair=True)
+        assert report.status == "repaired"
+        assert report.repaired == [f"{path}: started a new journal"]
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert fsck(store).status == "clean" and store.lookup(keys) == 2
+
+
 def test_a_damaged_last_reclaim_record_does_not_serve_the_regions_old_runs(tmp_path):
     """A RECLAIM record that rots when it is the journal's last (the region
     was trimmed, or written again by puts a crash kept from committing):
