@@ -160,6 +160,12 @@ class StoreFullError(KVBlockError):
     """No space can be reclaimed: every region holds pinned runs, or the run is too large."""
 
 
+class InternalError(KVBlockError, AssertionError):
+    """kvblock was about to break one of its own invariants (a bug, not the
+    caller's or the device's doing): the step that would have acted on it
+    is refused before it changes anything.  Report it."""
+
+
 class StoreClosedError(KVBlockError):
     """The store was closed (or crashed under fault injection); reopen it."""
 

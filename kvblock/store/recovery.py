@@ -476,3 +476,9 @@ class Recovery:
                 regions.state[r] = FREE
                 regions.fill[r] = 0
                 regions.free.append(r)
+        # Freed at their old generation, though the checkpoint on the device
+        # may still place runs there (dropped by replay, or all of them after
+        # damage): safe to write only once the open's checkpoint, which no
+        # longer lists them, is durable (_write_checkpoint clears this;
+        # _allocate refuses a region before).
+        self._freed_before_checkpoint = frozenset(regions.free)

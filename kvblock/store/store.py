@@ -49,6 +49,7 @@ from kvblock.errors import (
     DeviceTooSmallError,
     FormatError,
     GeometryMismatchError,
+    InternalError,
     IOFailedError,
     KVBlockError,
     MissingDeviceError,
@@ -786,6 +787,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._cp_slot = slot
         self._generation = cp.generation
         self._jhead = 0
+        self._freed_before_checkpoint = frozenset()   # (see _finish_layout)
         self.counters.add("checkpoints")
 
     @in_flight
@@ -1131,6 +1133,7 @@ class KVStore(Recovery, RunReader, RunWriter):
 
             def pick():
                 nonlocal got, emptied, was_open
+                self._check_freed_at_open(nbytes)
                 was_open = self.regions.open
                 taken = self.regions.allocate(nbytes, time.time())
                 # The open region sealed here may hold no run (all deleted,
@@ -1192,6 +1195,27 @@ class KVStore(Recovery, RunReader, RunWriter):
                     except BaseException:
                         self._release_unpinned({was_open})
                 raise
+
+    def _check_freed_at_open(self, nbytes: int) -> None:
+        """(before an allocation of ``nbytes``) refuse to write a region
+        recovery freed while the checkpoint on the device may still place
+        runs in it at its generation: its bytes rewritten, a journal cut or
+        damaged where the records that emptied it lie would bring those
+        runs back over them.  The open's checkpoint makes them safe, so
+        this fires only where that checkpoint was skipped (a bug)."""
+        freed, regions = self._freed_before_checkpoint, self.regions
+        if not freed or not regions.free or regions.free[0] not in freed:
+            return
+        if regions.open is None or int(regions.fill[regions.open]) + nbytes > regions.size:
+            r = regions.free[0]
+            off = self.sb.checkpoint_offset + getattr(self, "_cp_slot", 0) \
+                * self.sb.checkpoint_bytes
+            raise InternalError(
+                f"{self.io.devices[0].path}: region {r} was freed by recovery at its old "
+                f"generation {int(self.regions.generation[r])}, but the open wrote no "
+                f"checkpoint after it (the one at offset {off} may still place runs there): "
+                "writing it now could bring them back over new bytes after a crash; a bug "
+                "in kvblock: report it, and reopen the store (its open writes the checkpoint)")
 
     def _reclaim(self, pick, discard: bool = True) -> int | None:
         """Reclaim the region ``pick()`` names and return it; None (nothing

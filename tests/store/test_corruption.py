@@ -520,6 +520,40 @@ def test_a_journal_reclaim_of_a_region_the_store_lacks_is_reported_by_fsck(tmp_p
         assert fsck(store).status == "clean" and store.lookup(keys) == 2
 
 
+def test_a_region_recovery_freed_is_not_written_before_the_opens_checkpoint(tmp_path,
+                                                                           monkeypatch):
+    """Recovery frees a region its replay emptied (a DROP of its last run)
+    at the region's old generation, while the checkpoint on the device
+    still places that run there at that generation: written again under
+    that checkpoint's epoch (the open's own checkpoint skipped), a journal
+    damaged or cut where the DROP lay would bring the old run back over the
+    new bytes.  Only the open's checkpoint makes the reuse safe, so an
+    allocation before it is refused with a typed error naming the region
+    (were a change to skip the checkpoint); after it the put goes through."""
+    from kvblock.errors import InternalError
+    from kvblock.store.store import KVStore as Store
+
+    path, store, keys, run = _open_with_one_run(tmp_path)
+    store.checkpoint()                        # the run is in the checkpoint
+    store.delete([keys[0]])                   # ... and its DROP in the journal
+    store._release_devices()                  # a crash: no checkpoint after it
+    store.closed = True
+    monkeypatch.setattr(Store, "_write_checkpoint", lambda self: None)
+    store = KVStore.open([str(path)])
+    monkeypatch.undo()                        # only the open's checkpoint was skipped
+    try:
+        assert store.lookup(keys) == 0
+        assert run.region in store.regions.free
+        assert int(store.regions.generation[run.region]) == run.generation
+        more = run_keys(2, 2)
+        with pytest.raises(InternalError, match=f"region {run.region} .*checkpoint"):
+            store.put_run(more, run_data(more))
+        store.checkpoint()
+        assert store.put_run(more, run_data(more)) == 2 and store.lookup(more) == 2
+    finally:
+        store.close()
+
+
 def test_a_damaged_last_reclaim_record_does_not_serve_the_regions_old_runs(tmp_path):
     """A RECLAIM record that rots when it is the journal's last (the region
     was trimmed, or written again by puts a crash kept from committing):
