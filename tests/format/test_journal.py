@@ -909,3 +909,51 @@ def test_a_header_whose_epoch_field_lies_in_the_next_sector_and_whose_number_rot
     torn = data[:512] + old[512:1024] + data[1024:ends[0]] + bytes(len(data) - ends[0])
     recs, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
     assert (recs, nxt, stop) == ([first], 2, pos) and not j.damaged_at(torn, stop, nxt, EPOCH)
+
+
+@pytest.mark.parametrize("pos", [496, 504])
+@pytest.mark.parametrize("old_kind", ["zeros", "earlier-epoch", "earlier-epoch-same-records"])
+def test_every_sector_tear_of_a_commit_with_a_three_sector_record_near_a_sectors_end(pos,
+                                                                                    old_kind):
+    """A commit whose second record is a PUT over three sectors with its
+    header 16 or 8 bytes before the first sector's end (the header crosses
+    into the next sector), and a DROP after it (at 496: its header crosses
+    the third sector's end too).  Written whole it replays whole; torn at
+    any subset of its sectors (a device writes sectors whole, in any order;
+    the others keep what an earlier write left: zeros, an earlier epoch's
+    other records, or the same records of an earlier epoch), replay yields
+    the records that read back as written, in order, up to the first that
+    does not -- never another record -- and a tear is never damage."""
+    import itertools
+
+    first = put(1, nblocks=25, ranges=3 if pos == 496 else 4)
+    big = put(2, nblocks=59, ranges=2)
+    recs = [first, big, DropRun(9)]
+    assert j.record_bytes(first) == pos and pos + j.HEADER_BYTES > 512
+    starts = [0, pos, pos + j.record_bytes(big)]
+    ends = starts[1:] + [starts[2] + j.record_bytes(recs[2])]
+    assert starts[1] // 512 == 0 and (ends[1] - 1) // 512 == 2     # over three sectors
+    new, _ = journal_of([recs])
+    assert scan(new, 1, EPOCH) == (recs, BLOCK, 4)                 # written whole
+    old = {"zeros": bytes(len(new)),
+           "earlier-epoch": journal_of([[put(7, nblocks=9), put(8, nblocks=80, ranges=3),
+                                         Reclaim(2, 5)]], epoch=EPOCH ^ 0x77)[0],
+           "earlier-epoch-same-records": journal_of([recs], epoch=EPOCH ^ 0x77)[0]}[old_kind]
+    sectors = -(-ends[-1] // 512)
+    for landed in itertools.product([False, True], repeat=sectors):
+        torn = bytearray(old)
+        for s, ok in enumerate(landed):
+            if ok:
+                torn[s * 512:(s + 1) * 512] = new[s * 512:(s + 1) * 512]
+        torn = bytes(torn)
+        whole = 0          # the records before the first that does not read back as written
+        while whole < len(recs) and \
+                torn[starts[whole]:ends[whole]] == new[starts[whole]:ends[whole]]:
+            whole += 1
+        got, end, nxt, stop = j.scan_to(torn, 1, EPOCH)
+        assert got == recs[:whole], landed
+        assert nxt == 1 + whole
+        if whole < len(recs):
+            # (or past zeros there: read as the commit's padding)
+            assert stop == starts[whole] or not any(torn[starts[whole]:stop]), landed
+            assert not j.damaged_at(torn, stop, nxt, EPOCH), landed
