@@ -545,8 +545,21 @@ class KVBlockTierManager(SecondaryTierManager):
         with self._cond:
             self._missed.pop(req_context.req_id, None)
 
+    def _scheduler_key(self, key, what: str) -> bytes | None:
+        """kvblock_key for lookup and touch, None for a key that is not
+        bytes: vLLM calls them on its scheduler thread with no try around
+        them (an exception ends the engine), so such a key is logged and is
+        a miss, as submit_store/submit_load report its job failed."""
+        try:
+            return self.kvblock_key(key)
+        except ConfigError as e:
+            self._failed(what, e)
+            return None
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        kb = self.kvblock_key(key)
+        kb = self._scheduler_key(key, "a lookup")
+        if kb is None:
+            return LookupResult.MISS
         with self._cond:
             if self._closed:
                 return LookupResult.MISS
@@ -566,7 +579,7 @@ class KVBlockTierManager(SecondaryTierManager):
         shared store's connection) stays busy, as lookup's bounded wait."""
         if self._closed:
             return
-        kbs = [self.kvblock_key(k) for k in keys]
+        kbs = [kb for kb in (self._scheduler_key(k, "a touch") for k in keys) if kb is not None]
         if not kbs:
             return
         store = self.store

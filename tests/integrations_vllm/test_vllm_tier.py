@@ -365,6 +365,33 @@ def test_a_job_vllm_would_never_send_is_reported_failed(make_tier, caplog, what)
             tier.kvblock_key(2)
 
 
+def test_a_key_that_is_not_bytes_is_a_miss_for_lookup_and_touch(make_tier, caplog,
+                                                                 monkeypatch):
+    """vLLM's tiering manager calls a secondary tier's lookup and touch on
+    its scheduler thread with no try around them: an exception there ends
+    the engine.  A key that is not bytes (vLLM sends bytes OffloadKeys) is
+    refused as submit_store and submit_load refuse it (logged, a failure of
+    that key only): lookup answers MISS, touch skips it and touches the
+    others."""
+    tier, pool = make_tier()
+    fill_random(pool, [0])
+    tier.submit_store(job(1, [key(1)], [0]))
+    assert [r.success for r in drain(tier)] == [True]
+    touched = []
+    real_touch = tier.store.touch
+    monkeypatch.setattr(tier.store, "touch", lambda kbs: (touched.append(list(kbs)),
+                                                          real_touch(kbs))[1])
+    with caplog.at_level(logging.ERROR, logger="kvblock.integrations.vllm"):
+        assert tier.lookup(7, CTX) is LookupResult.MISS
+        assert tier.lookup(key(1), CTX) is LookupResult.HIT
+        tier.touch([key(1), "k", key(2)], CTX)
+        tier.touch([None], CTX)
+    assert touched == [[tier.kvblock_key(key(1)), tier.kvblock_key(key(2))]]
+    assert caplog.text.count("key 7 is int, not bytes") == 1, caplog.text
+    assert caplog.text.count("key 'k' is str, not bytes") == 1, caplog.text
+    assert caplog.text.count("key None is NoneType, not bytes") == 1, caplog.text
+
+
 def test_partial_load_names_the_keys_it_loaded(make_tier):
     """A job with a missing key in the middle fails, loads the others and says
     which (JobResult.successful_keys, as vLLM's manager expects)."""
