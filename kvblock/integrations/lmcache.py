@@ -658,7 +658,7 @@ class KVBlockStorageBackend(StoragePluginInterface):
                                            for (key, _), block in zip(todo, blocks)])
         except KVBlockError as e:
             self._failed(f"storing {len(todo)} chunks ({todo[0][0].to_string()}...)", e)
-            got = None
+            got = self._stored_after_failure(todo)
         finally:
             for obj in all_objs:
                 obj.ref_count_down()
@@ -679,6 +679,17 @@ class KVBlockStorageBackend(StoragePluginInterface):
                     logger.warning("kvblock: on_complete_callback failed for %s: %s",
                                    key.to_string(), e)
         return sum(got)
+
+    def _stored_after_failure(self, todo) -> list[int] | None:
+        """(a put_runs that raised) per chunk of ``todo``, 1 if the store
+        holds it: put_runs keeps the groups it published before the
+        failure, and LMCache is told of every chunk persisted
+        (on_complete_callback), those too.  None when the store cannot say."""
+        try:        # uncounted, as the probes before a put
+            return self.store.present([self.kvblock_key(key) for key, _ in todo]) \
+                .astype(int).tolist()
+        except RUNTIME_FAILURES:
+            return None
 
     # ------------------------------------------------------------------ gets
     def _load_prefix(self, keys: Sequence[CacheEngineKey], busy_loop: bool) -> list[MemoryObj]:

@@ -334,6 +334,37 @@ def test_completion_callback_only_for_stored_chunks(file_target, engines):
         obj.ref_count_down()
 
 
+def test_completion_callback_for_chunks_stored_before_a_put_failed(file_target, engines):
+    """put_runs publishes its runs group by group; one that fails part way
+    keeps the groups before the failure (stored, found, loadable).  Those
+    chunks are persisted: on_complete_callback is called for them (LMCache:
+    once per key "after the backend finishes persisting the KV chunk for
+    that key"), and the put's future counts them; not for the others."""
+    from kvblock.errors import DeviceError
+
+    e = Engine([file_target()])
+    engines.append(e)
+    real = e.plugin.store.put_runs
+
+    def failing_put_runs(runs):     # the first group published, then EIO
+        runs = list(runs)
+        real(runs[:2])
+        raise DeviceError("write failed", e.plugin.devices[0], 5)
+    e.plugin.store.put_runs = failing_put_runs
+    done = []
+    keys = [e.key(h) for h in (71, 72, 73)]
+    objs = [e.chunk() for _ in keys]
+    try:
+        futures = e.plugin.batched_submit_put_task(keys, objs, on_complete_callback=done.append)
+        assert [f.result(30) for f in futures] == [2]
+        assert done == keys[:2]
+        assert [e.plugin.contains(k) for k in keys] == [True, True, False]
+        assert not any(e.plugin.exists_in_put_tasks(k) for k in keys)
+    finally:
+        for obj in objs:
+            obj.ref_count_down()
+
+
 def test_chunks_survive_a_restart(store_target, engines):
     path = store_target()
     e = Engine([path])
