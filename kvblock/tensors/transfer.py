@@ -13,6 +13,7 @@ place, while later layers are still being read.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -766,23 +767,31 @@ class _LoadJob:
         if taken:
             return       # its starter, cut as it started it, counted it out
         try:
-            for batch in self._batches():
-                nbytes = self._read_batch(batch)
-                self.handle.bytes_read += nbytes
-                # The store's bytes_read counts them once the load is done,
-                # for the runs it delivered (as a get_run counts the runs it
-                # verified, not one that failed its checksum).
-                for _, u, _ in batch:
-                    for si, _, _, piece, _, _ in self.units[u]:
-                        self.seg_bytes[si] += self.ng * piece
-                for item in batch:
-                    self.q.put(item)
+            self._read_all()
             self.q.put(None)
         except BaseException as e:  # surfaced through the handle
             self.q.put(e)
         finally:
             self._stage_done()
             self.store._inflight.leave(self._reader_token)
+
+    def _read_all(self):
+        """Read every unit, in order, handing each to the scatter stage."""
+        for batch in self._batches():
+            self._deliver(batch, self._read_batch(batch))
+
+    def _deliver(self, batch, nbytes: int) -> None:
+        """Hand (layer, unit, buffer) items just read (``nbytes`` in all) to
+        the scatter stage."""
+        self.handle.bytes_read += nbytes
+        # The store's bytes_read counts them once the load is done, for the
+        # runs it delivered (as a get_run counts the runs it verified, not
+        # one that failed its checksum).
+        for _, u, _ in batch:
+            for si, _, _, piece, _, _ in self.units[u]:
+                self.seg_bytes[si] += self.ng * piece
+        for item in batch:
+            self.q.put(item)
 
     def _scatter(self, error: BaseException | None = None):
         """The scatter stage, then the load's InFlight leave.  ``error``:
@@ -1169,13 +1178,66 @@ class _CupyDevice:
 
 
 def _on_device(device):
-    """A context making the cupy cache's CUDA ``device`` (_cuda_device's)
-    this thread's current one; nothing for a torch or host cache."""
+    """The scatter stage's context for a load into CUDA ``device``
+    (_cuda_device's): the cache's device current (cupy works on the
+    thread's current device, 0 on a new thread; torch follows each
+    tensor's) and the loads' own stream (_load_stream) current.  On the
+    legacy default stream (a new thread's current one) every copy and
+    scatter of a load waited for whatever the model had queued there
+    (layer k+1's load could not overlap layer k's compute), and the kvikio
+    path's scatters for its reads in flight (kvikio's per-thread streams
+    are blocking ones, ordered with the legacy stream).  The stage waits
+    for the caller's earlier work by an event (_wait_cuda) and settles
+    its stream before a layer is handed over (_settle_cuda).  Nothing for
+    a host cache."""
+    if device is None:
+        return contextlib.nullcontext()
     if isinstance(device, _CupyDevice):
         import cupy
 
-        return cupy.cuda.Device(device.device.id)
-    return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(cupy.cuda.Device(device.device.id))
+            stack.enter_context(_load_stream(device))
+        except BaseException:
+            stack.close()
+            raise
+        return stack
+    import torch
+
+    return torch.cuda.stream(_load_stream(device))   # (it makes its device current too)
+
+
+_LOAD_STREAMS: dict = {}
+_LOAD_STREAMS_LOCK = threading.Lock()
+
+
+def _load_stream(device):
+    """The non-blocking CUDA stream loads into ``device`` queue their
+    copies on: one per GPU (and library) for the process, made on first
+    use.  (A stream per load would leave the caching allocator a pool of
+    blocks per stream: its temporaries could not be reused by the next
+    load's.)  Loads running at once share it: each settles it per unit,
+    waiting for the other's copies too, which use the same link."""
+    if isinstance(device, _CupyDevice):
+        import cupy
+
+        key = ("cupy", int(device.device.id))
+        make = lambda: cupy.cuda.Stream(non_blocking=True)   # noqa: E731  (made on the current device)
+    else:
+        import torch
+
+        device = torch.device(device)
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = ("torch", device.index)
+        # torch's pool streams are created cudaStreamNonBlocking
+        make = lambda: torch.cuda.Stream(device)   # noqa: E731
+    with _LOAD_STREAMS_LOCK:
+        stream = _LOAD_STREAMS.get(key)
+        if stream is None:
+            stream = _LOAD_STREAMS[key] = make()
+    return stream
 
 
 def _cuda_device(layout):
@@ -1315,21 +1377,54 @@ class _KvikioLoadJob(_LoadJob):
         (its consumer may run on another stream)."""
         buf.settle()
 
-    def _read_batch(self, batch) -> int:
+    def _read_all(self):
+        """A window of units in flight: a unit's reads start as soon as a
+        staging buffer is free, and units are handed over in order as their
+        reads land.  (Read in batches waited for whole, as the host path's
+        io_uring batches are, the window fell to the one or two buffers the
+        scatter had just given back, each a couple of kvikio tasks: most of
+        kvikio's threads sat idle between batches.)  kvikio's thread pool
+        takes tasks in order, so layer 0's first unit still lands first."""
         reader = self.store._kvikio_reader()
-        # Every read started is waited for before a failure is raised (one
-        # that failed to start, or came back short): the others are still
-        # writing into the staging buffers, which the failed load frees (and
-        # unpins the runs, and lets close() go on).
-        futures, error = [], None
+        todo = collections.deque((layer, u) for layer in range(self.num_layers)
+                                 for u in range(len(self.units)))
+        flight: collections.deque = collections.deque()   # (item, its reads), oldest first
         try:
-            for layer, u, buf in batch:
-                for dev, off, at, n in self._unit_reads(layer, self.units[u]):
-                    futures.append((reader.read(dev, off, buf.array[at:at + n].t, n),
-                                    dev, off, n))
-        except BaseException as e:
-            error = e
-        for f, dev, off, n in futures:
+            while todo or flight:
+                while todo and not self.abort:
+                    # blocks for a buffer only when nothing is in flight
+                    buf = self._spare_buffer() if flight else self._next_buffer()
+                    if buf is None or self.abort:   # (abort: set while it waited)
+                        break
+                    reads: list = []
+                    flight.append(((*todo.popleft(), buf), reads))
+                    self._start_reads(reader, flight[-1][0], reads)
+                if self.abort:
+                    return       # (the reads in flight are waited for below)
+                item, reads = flight.popleft()
+                self._deliver([item], self._wait_reads(reads))
+        finally:
+            # Every read started is waited for before the reader ends (a
+            # failure raised, or the scatter stage failed): they still write
+            # into the staging buffers, which the failed load frees (and it
+            # unpins the runs, and lets close() go on).
+            for _, reads in flight:
+                self._wait_reads(reads, quiet=True)
+
+    def _start_reads(self, reader, item, reads: list) -> None:
+        """Start one unit's reads through kvikio, appending each started
+        read to ``reads`` (so a failure part way still leaves them to wait
+        for)."""
+        layer, u, buf = item
+        for dev, off, at, n in self._unit_reads(layer, self.units[u]):
+            reads.append((reader.read(dev, off, buf.array[at:at + n].t, n), dev, off, n))
+
+    def _wait_reads(self, reads, quiet: bool = False) -> int:
+        """Wait for every read in ``reads``; the bytes read.  A read that
+        failed or came back short raises once all of them are done (nothing
+        with ``quiet``: a failure is being raised already)."""
+        error = None
+        for f, dev, off, n in reads:
             try:
                 got = f.get()
             except BaseException as e:
@@ -1342,9 +1437,9 @@ class _KvikioLoadJob(_LoadJob):
                 error = IOFailedError(f"short read at offset {off} on {path}: {got} of {n} "
                                       "bytes through kvikio (end of device, or the device "
                                       "shrank)", path, errno.EIO, off, n)
-        if error is not None:
+        if error is not None and not quiet:
             raise error
-        return sum(n for *_, n in futures)
+        return sum(n for *_, n in reads)
 
 
 class _DeviceStaging:

@@ -261,3 +261,35 @@ def test_host_path_staging_is_page_locked_and_reused(path, monkeypatch):
                 assert torch.equal(bits(dst[layer]), src[layer].view(torch.int16)), layer
         idle = store.spares._idle
         assert idle and all(b.cuda_pinned for b in idle), [b.cuda_pinned for b in idle]
+
+
+def test_a_host_path_load_overlaps_work_queued_on_the_default_stream_after_it(path, monkeypatch):
+    """A layer-wise load runs beside the model: the host path's copies and
+    scatters go on the loads' own non-blocking stream.  On the legacy
+    default stream (the scatter thread's own) they waited for every kernel
+    the model queued there after the load began, so the load ended only
+    after them.  Here a kernel that spins ~2 s is queued on the default
+    stream right after load_blocks: the load is done (bytes in place)
+    while it still runs.  A warm-up load first, so the timed one allocates
+    nothing (a cudaMalloc may wait for the device).  (kvikio's POSIX
+    compat path copies on kvikio's own blocking streams, which CUDA orders
+    with the legacy stream: not asked of it here.)"""
+    use_path(monkeypatch, "host")
+    g = Geometry(L, H, D, "bfloat16", BS)
+    n = 32
+    src = [_rand(2, n, BS, H, D, device="cpu") for _ in range(L)]
+    keys = [f"ov{i}".encode() for i in range(n)]
+    with KVStore.format([str(path)], g, verify="never", force=True) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        for spin in (False, True):
+            dst = [_zeros(2, n, BS, H, D) for _ in range(L)]
+            torch.cuda.synchronize()
+            h = load_blocks(store, keys, VLLMLayout(dst), list(range(n)))
+            if spin:
+                torch.cuda._sleep(4_000_000_000)      # cycles: ~2 s at the H200's ~2 GHz
+            assert h.wait(timeout=60) == n
+            busy = spin and not torch.cuda.default_stream().query()
+            torch.cuda.synchronize()
+            for layer in range(L):
+                assert torch.equal(bits(dst[layer]), src[layer].view(torch.int16)), layer
+        assert busy, "the load ended only once the default stream's later work was done"

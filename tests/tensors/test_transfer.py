@@ -3,6 +3,7 @@ round trip, any tensor-parallel slice, layer-wise loads that overlap I/O."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -556,8 +557,10 @@ def test_kvikio_job_orchestration_on_cpu(path, monkeypatch, unit_bytes):
 
 def test_the_kvikio_job_keeps_more_units_in_flight_than_the_host_path(path, monkeypatch):
     """kvikio splits each read over its own threads and its staging is
-    device memory: its load batches up to KVIKIO_UNIT_BUFFERS - 1 units
-    (H200, KVIKIO_NTHREADS=8: 6.2 -> 9.3 GiB/s), the host path's stays at
+    device memory: its load keeps a window of up to KVIKIO_UNIT_BUFFERS
+    units' reads in flight, the oldest waited for while the others go on
+    (H200, KVIKIO_NTHREADS=8: batches of 2 -> 8 units 6.2 -> 9.3 GiB/s; the
+    window: see KVIKIO_UNIT_BUFFERS), the host path batches at most
     UNIT_BUFFERS - 1 (a few buffers that fit the CPU's cache).  Driven on
     the CPU with the pread stand-in; bytes identical."""
     from kvblock.tensors import transfer
@@ -568,31 +571,50 @@ def test_the_kvikio_job_keeps_more_units_in_flight_than_the_host_path(path, monk
     with _store(path, geom(), verify="never") as store:
         assert save_blocks(store, keys, VLLMLayout(src), list(range(24))) == 24
         reader = _PreadReader([path])
-        monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
-        for job, most in ((transfer._KvikioLoadJob, transfer.KVIKIO_UNIT_BUFFERS),
-                          (transfer._LoadJob, transfer.UNIT_BUFFERS)):
-            monkeypatch.setattr(transfer, "_job_class", lambda store, layout, job=job: job)
-            batches, made = [], []
-            read_batch, new_buffer = job._read_batch, job._new_buffer
 
-            def counted(self, batch, read_batch=read_batch):
-                batches.append(len(batch))
-                return read_batch(self, batch)
-
-            def new(self, new_buffer=new_buffer):
-                made.append(1)
-                return new_buffer(self)
-            monkeypatch.setattr(job, "_read_batch", counted)
-            monkeypatch.setattr(job, "_new_buffer", new)
+        def load(job):
+            monkeypatch.setattr(transfer, "_job_class", lambda store, layout: job)
+            monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
+            made = []
+            new_buffer = job._new_buffer
+            monkeypatch.setattr(job, "_new_buffer",
+                                lambda self: made.append(1) or new_buffer(self))
             dst = [torch.zeros(2, 24, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
             assert load_blocks(store, keys, VLLMLayout(dst), list(range(24))).wait(timeout=30) == 24
             for layer in range(L):
                 assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
-            assert max(batches) == most - 1, (job.__name__, batches)
-            assert len(made) <= most, job.__name__
-            monkeypatch.undo()
-            monkeypatch.setattr(transfer, "UNIT_BYTES", 4096)
-            monkeypatch.setattr(store, "_kvikio_reader", lambda: reader)
+            return len(made)
+
+        # kvikio: units started and not yet waited for, counted as each wait begins
+        flight, at_wait = [0], []
+        start_reads, wait_reads = transfer._KvikioLoadJob._start_reads, \
+            transfer._KvikioLoadJob._wait_reads
+
+        def started(self, *a):
+            flight[0] += 1
+            return start_reads(self, *a)
+
+        def waited(self, reads, quiet=False):
+            at_wait.append(flight[0])
+            flight[0] -= 1
+            return wait_reads(self, reads, quiet)
+        monkeypatch.setattr(transfer._KvikioLoadJob, "_start_reads", started)
+        monkeypatch.setattr(transfer._KvikioLoadJob, "_wait_reads", waited)
+        made = load(transfer._KvikioLoadJob)
+        assert len(at_wait) == L * 24 and flight[0] == 0      # every unit read, waited once
+        assert max(at_wait) == transfer.KVIKIO_UNIT_BUFFERS, at_wait
+        assert made == transfer.KVIKIO_UNIT_BUFFERS
+        monkeypatch.undo()
+
+        monkeypatch.setattr(transfer, "UNIT_BYTES", 4096)
+        batches = []
+        read_batch = transfer._LoadJob._read_batch
+        monkeypatch.setattr(transfer._LoadJob, "_read_batch",
+                            lambda self, batch: batches.append(len(batch)) or
+                            read_batch(self, batch))
+        made = load(transfer._LoadJob)
+        assert max(batches) == transfer.UNIT_BUFFERS - 1, batches
+        assert made <= transfer.UNIT_BUFFERS
         reader.close()
         assert transfer.KVIKIO_UNIT_BUFFERS > transfer.UNIT_BUFFERS
 
@@ -1418,22 +1440,41 @@ def test_a_damaged_run_whose_drop_failed_is_dropped_by_the_next_load(path, monke
 
 
 def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, monkeypatch):
-    """A background load scatters on its own thread, whose CUDA stream is
-    not the caller's: work the caller had queued on its (non-default)
-    stream before load_blocks (zeroing the pages, a previous layer's
-    copy) was not waited for, so it could land in the pages after the
-    load's writes.  The scatter thread's stream now waits for an event
-    recorded on the caller's stream when the load was started, before it
-    writes a page.  Stood in on the CPU: fake streams and events, per
-    thread, logged in order."""
+    """A background load scatters on its own thread and stream, not the
+    caller's: work the caller had queued on its stream before load_blocks
+    (zeroing the pages, a previous layer's copy) was not waited for, so it
+    could land in the pages after the load's writes.  The load's stream
+    now waits for an event recorded on the caller's stream when the load
+    was started, before it writes a page.  And the copies go on the loads'
+    own non-blocking stream, not the scatter thread's default one (the
+    legacy default stream, where they waited for all the model's work
+    queued there, and the kvikio path's scatters for kvikio's copies in
+    flight), settled before each layer is handed over.  Stood in on the
+    CPU: fake streams and events, per thread, logged in order."""
     from kvblock.tensors import transfer
 
     log = []
-    streams = {}
+    defaults = {}
+    local = threading.local()           # torch's current stream: per thread
 
     def current_stream(device=None):
         me = threading.current_thread().name
-        return streams.setdefault(me, _LoggedStream(log, me))
+        return getattr(local, "stream", None) or defaults.setdefault(me, _LoggedStream(log, me))
+
+    class FakeStream(_LoggedStream):
+        made = []
+
+        def __init__(self, device=None):
+            super().__init__(log, f"load stream {len(self.made)}")
+            self.made.append(device)
+
+    @contextlib.contextmanager
+    def stream(s):
+        was, local.stream = getattr(local, "stream", None), s
+        try:
+            yield
+        finally:
+            local.stream = was
 
     class FakeEvent:
         def __init__(self, *a, **kw):
@@ -1445,26 +1486,36 @@ def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, 
     real_scatter = transfer._scatter_pages
 
     def scatter(*args, **kw):
-        log.append(("scatter", threading.current_thread().name))
+        log.append(("scatter", current_stream().owner, threading.current_thread().name))
         return real_scatter(*args, **kw)
 
-    monkeypatch.setattr(transfer, "_cuda_device", lambda layout: "cuda:0")
+    monkeypatch.setattr(transfer, "_cuda_device", lambda layout: torch.device("cuda", 0))
     monkeypatch.setattr(transfer, "_scatter_pages", scatter)
+    monkeypatch.setattr(transfer, "_LOAD_STREAMS", {})
     monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     src = [rand(2, 4, BS, H, D) for _ in range(L)]
     keys = [b"s0", b"s1"]
     caller = threading.current_thread().name
     with _store(path, geom()) as store:
         save_blocks(store, keys, VLLMLayout(src), [0, 1])
-        dst = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
-        assert load_blocks(store, keys, VLLMLayout(dst), [2, 3]).wait(timeout=30) == 2
-    for layer in range(L):
-        assert torch.equal(dst[layer][:, 2:4].view(torch.int16), src[layer][:, :2].view(torch.int16))
-    first = next(i for i, e in enumerate(log) if e[0] == "scatter")
-    worker = log[first][1]
-    assert worker != caller, log          # a background load: the scatter is on its thread
-    assert ("wait", worker, caller) in log[:first], log
+        for _ in range(2):
+            dst = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+            h = load_blocks(store, keys, VLLMLayout(dst), [2, 3])
+            assert h.wait(timeout=30) == 2
+            for layer in range(L):
+                assert torch.equal(dst[layer][:, 2:4].view(torch.int16),
+                                   src[layer][:, :2].view(torch.int16))
+    assert FakeStream.made == [torch.device("cuda", 0)], "one loads' stream, made once"
+    scatters = [i for i, e in enumerate(log) if e[0] == "scatter"]
+    assert len(scatters) == 2 * L, log
+    assert {log[i][1] for i in scatters} == {"load stream 0"}, log   # not the thread's default
+    assert log[scatters[0]][2] != caller, log     # a background load: on its own thread
+    assert ("wait", "load stream 0", caller) in log[:scatters[0]], log
+    assert ("sync", "load stream 0") in log[scatters[-1]:], "the last layer was handed over unsettled"
+    assert not any(e[0] == "sync" and e[1] != "load stream 0" for e in log), log
 
 
 class _CupyLike:
@@ -1573,11 +1624,23 @@ def test_a_load_into_a_cupy_cache_settles_cupys_stream(path, monkeypatch):
 
     log = []
     streams = {}
+    local = threading.local()        # cupy's current stream: per thread
 
     def get_current_stream(device_id=None):
         assert device_id == 0
         me = threading.current_thread().name
-        return streams.setdefault(me, _LoggedStream(log, me))
+        return getattr(local, "stream", None) or streams.setdefault(me, _LoggedStream(log, me))
+
+    class FakeStream(_LoggedStream):
+        def __init__(self, non_blocking=False):
+            assert non_blocking and current[0] == 0, "the loads' stream: non-blocking, on GPU 0"
+            super().__init__(log, "load stream")
+
+        def __enter__(self):
+            self.was, local.stream = getattr(local, "stream", None), self
+
+        def __exit__(self, *exc):
+            local.stream = self.was
 
     current = [1]       # the caller's current device: another GPU than the cache's
 
@@ -1603,7 +1666,9 @@ def test_a_load_into_a_cupy_cache_settles_cupys_stream(path, monkeypatch):
             self.recorded_on = (stream or get_current_stream(0)).owner
 
     monkeypatch.setitem(sys.modules, "cupy", _cupy_module(
-        get_current_stream=get_current_stream, Event=FakeEvent, Device=FakeDevice))
+        get_current_stream=get_current_stream, Event=FakeEvent, Device=FakeDevice,
+        Stream=FakeStream))
+    monkeypatch.setattr(transfer, "_LOAD_STREAMS", {})
 
     class OnDevice(_CupyLike):
         device = types.SimpleNamespace(id=0)
@@ -1634,8 +1699,10 @@ def test_a_load_into_a_cupy_cache_settles_cupys_stream(path, monkeypatch):
     assert scatters, log
     worker = log[scatters[0]][1]
     assert worker != caller, log
-    assert ("wait", worker, caller) in log[:scatters[0]], log
-    assert ("sync", worker) in log[scatters[-1]:], "the last layer was handed over unsettled"
+    # on the loads' own stream (not the thread's default: the legacy stream)
+    assert ("wait", "load stream", caller) in log[:scatters[0]], log
+    assert ("sync", "load stream") in log[scatters[-1]:], "the last layer was handed over unsettled"
+    assert not any(e[0] == "sync" and e[1] != "load stream" for e in log), log
 
 
 def test_a_load_into_a_cupy_cache_on_another_gpu_scatters_on_that_gpu(path, monkeypatch):
@@ -1649,6 +1716,8 @@ def test_a_load_into_a_cupy_cache_on_another_gpu_scatters_on_that_gpu(path, monk
     and a cupy-like cache on device 1 that refuses a write from another."""
     import sys
     import types
+
+    from kvblock.tensors import transfer
 
 
     local = threading.local()            # CUDA's current device: per thread, 0 at first
@@ -1676,9 +1745,20 @@ def test_a_load_into_a_cupy_cache_on_another_gpu_scatters_on_that_gpu(path, monk
         def record(self, stream=None):
             pass
 
+    class LoadStream(FakeStream):
+        def __init__(self, non_blocking=False):
+            self.device = current()          # CUDA makes a stream on the current device
+
+        def __enter__(self):
+            pass
+
+        def __exit__(self, *exc):
+            pass
+
     monkeypatch.setitem(sys.modules, "cupy", _cupy_module(
         get_current_stream=lambda device_id=None: FakeStream(), Event=FakeEvent,
-        Device=FakeDevice))
+        Device=FakeDevice, Stream=LoadStream))
+    monkeypatch.setattr(transfer, "_LOAD_STREAMS", {})
 
     class OnGpu1(_CupyLike):
         device = types.SimpleNamespace(id=1)
@@ -1707,6 +1787,7 @@ def test_a_load_into_a_cupy_cache_on_another_gpu_scatters_on_that_gpu(path, monk
             assert load_blocks(store, keys, VLLMLayout([OnGpu1(d) for d in dst]),
                                [2, 3]).wait(timeout=30) == 2
     assert writes and set(writes) == {1}, writes
+    assert [st.device for st in transfer._LOAD_STREAMS.values()] == [1]   # the cache's GPU's
     for layer in range(L):
         assert np.array_equal(dst[layer][:, 2:4].view(np.int16), src[layer][:, :2].view(np.int16))
 
@@ -2433,6 +2514,7 @@ def _stand_in_cuda_loads(path, monkeypatch, device="cuda-stand-in", loads=1, see
         monkeypatch.setattr(transfer, "_cuda_device", lambda layout: device)
         for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
             monkeypatch.setattr(transfer, name, lambda *a: None)
+        monkeypatch.setattr(transfer, "_on_device", lambda device: contextlib.nullcontext())
     n = 6
     src = [rand(2, n, BS, H, D) for _ in range(L)]
     keys = [f"p{i}".encode() for i in range(n)]
