@@ -872,12 +872,12 @@ class RemoteStore(RunReader, RunWriter):
 
         def admit(keys, whole, offers):
             # a declined run is counted (here and on the server) once the
-            # plan stands: _count_rejected
-            verdict, _ = self._admit(keys, count=False)
+            # plan stands: _count_rejected.  The offer the server counted
+            # goes into ``offers`` (its id) as its answer comes: given back
+            # if nothing is stored.
+            verdict, _ = self._admit(keys, count=False, record=offers)
             if verdict == "duplicate":
                 self.counters.add("put_duplicate_runs")
-            else:     # (the server counted it: given back if nothing is stored)
-                offers.append((keys[0], verdict != "rejected"))
             return verdict
         out, pieces, repeats, admitted = self._plan_puts(items, found, admit, unchecked)
         # The groups go to the admits' server (see _put: a reconnect between
@@ -982,28 +982,31 @@ class RemoteStore(RunReader, RunWriter):
                 raise
             too_long = e
         # a declined run is counted at once (by the server's admit), but for
-        # one refused whatever admit says (its offer given back, below)
-        verdict, clears = self._admit(keys, count=too_long is None)
-        if verdict == "duplicate":
-            self.counters.add("put_duplicate_runs")
-            return n
-        if too_long is not None:     # removed meanwhile: it would have to be written
-            # refused: the offer admit counted is given back (a declined
-            # one counted by no counter)
-            self._give_back_offers([(keys[0], verdict != "rejected")])
-            raise too_long
-        if verdict == "rejected":
-            self.counters.add("admission_rejected_runs")
-            return 0
-        step = self.max_run_blocks
+        # one refused whatever admit says (its offer given back, below).
+        # The offer the server counted (its id) goes into ``offers`` as the
+        # answer comes: given back (finally, below) unless stored whole.
+        offers: list = []
         written = 0
-        # Once a piece is committed, the later ones go to the same server:
-        # a server a reconnect brought between two pieces refuses them (the
-        # admit's clear ticket is another server run's), and the put would
-        # answer 0 while its earlier pieces stay published.  That server
-        # gone, the put raises ServerGoneError, as when no reconnect came yet.
-        on = [s]
         try:
+            verdict, clears = self._admit(keys, count=too_long is None, record=offers)
+            if verdict == "duplicate":
+                self.counters.add("put_duplicate_runs")
+                written = n
+                return n
+            if too_long is not None:     # removed meanwhile: it would have to be written
+                # refused: the offer admit counted is given back (a declined
+                # one counted by no counter)
+                raise too_long
+            if verdict == "rejected":    # (counted by the server's admit: no offer open)
+                self.counters.add("admission_rejected_runs")
+                return 0
+            step = self.max_run_blocks
+            # Once a piece is committed, the later ones go to the same server:
+            # a server a reconnect brought between two pieces refuses them (the
+            # admit's clear ticket is another server run's), and the put would
+            # answer 0 while its earlier pieces stay published.  That server
+            # gone, the put raises ServerGoneError, as when no reconnect came yet.
+            on = [s]
             with self._put_under_way():   # close() lets every piece through (see there)
                 for start in range(0, n, step):
                     stop = min(n, start + step)
@@ -1019,25 +1022,31 @@ class RemoteStore(RunReader, RunWriter):
                         return 0
         finally:          # not stored whole: the next offer admits it (see KVStore)
             if written < n:
-                back = [(keys[0], True)]
                 try:
-                    self._give_back_offers(back)
-                except BaseException:   # cut before it was sent: ``back`` names it still
-                    self._give_back_offers(back)
+                    self._give_back_offers(offers)
+                except BaseException:   # cut before it was sent: ``offers`` names it still
+                    self._give_back_offers(offers)
                     raise
         return written
 
-    def _admit(self, keys: list[bytes], count: bool = True) -> tuple[str, str]:
+    def _admit(self, keys: list[bytes], count: bool = True,
+               record: list | None = None) -> tuple[str, str]:
         """admit's answer for a run of ``keys``: (verdict, clear ticket).
         Another verdict than the three admit gives (a server of another
         release) would be taken for "ok", and the run written: refused with
         ServerError, as a malformed answer is, before anything is allocated.
         ``count=False``: the server does not count a declined run (a call
-        that may still be refused counts it later: _count_rejected)."""
+        that may still be refused counts it later: _count_rejected).
+        ``record``: a list the offer the server counted and keeps open on
+        the connection is added to, (its id, admitted), as the answer comes
+        (for _give_back_offers and _count_rejected to name)."""
         if count:
             answer = self._call("admit", keys=encode_keys(keys))
         else:
             answer = self._call("admit", keys=encode_keys(keys), count=False)
+        offer = answer.get("offer") if isinstance(answer, dict) else None
+        if record is not None and _is_int(offer):     # (first: given back, whatever follows)
+            record.append((offer, answer.get("verdict") != "rejected"))
         verdict = answer.get("verdict") if isinstance(answer, dict) else None
         clears = answer.get("clears") if isinstance(answer, dict) else None
         if verdict not in ("ok", "duplicate", "rejected") or not isinstance(clears, str):
@@ -1065,7 +1074,7 @@ class RemoteStore(RunReader, RunWriter):
         if not offers:
             return
         s = getattr(self._bound, "session", None)
-        keys, admitted = encode_keys([k for k, _ in offers]), [bool(a) for _, a in offers]
+        ids = [offer for offer, _ in offers]    # (the server knows which it admitted)
         pending, sending = list(offers), False
         try:
             del offers[:]       # (no call between the encoding and this)
@@ -1073,7 +1082,7 @@ class RemoteStore(RunReader, RunWriter):
                 return
             with s.lock:        # (a Ctrl-C waiting here, another call in flight: not sent)
                 sending = True  # cut from here, the connection is abandoned (_call_locked)
-                self._call_locked(s, "give_back", {"keys": keys, "admitted": admitted})
+                self._call_locked(s, "give_back", {"offers": ids})
         except KVBlockError as e:
             logger.debug("kvblock: give_back to %s: %s", self.socket_path, e)
         except BaseException:
@@ -1083,12 +1092,13 @@ class RemoteStore(RunReader, RunWriter):
                 offers[:] = pending
             raise
 
-    def _count_rejected(self, runs: int, keys: list[bytes] = ()) -> None:
+    def _count_rejected(self, runs: int, keys: list = ()) -> None:
         """put_runs' declined runs, counted on the server (its admits were
         told count=False) and here, once the call's plan stands.  ``keys``
-        (their first keys) name the offers the server settles: another
-        thread's put_runs on the connection has its own open."""
-        self._call("count_rejected", runs=runs, keys=encode_keys(keys))
+        (their offer ids, admit's answers) name the offers the server
+        settles: another thread's put_runs on the connection has its own
+        open."""
+        self._call("count_rejected", runs=runs, offers=list(keys))
         self.counters.add("admission_rejected_runs", runs)
 
     def _abort(self, s: "Session", wids: list[int]) -> None:

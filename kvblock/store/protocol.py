@@ -21,13 +21,13 @@ request at a time per connection, answered in order.
   commit, so all or none of them are published; every allocation named is
   released, whatever the answer.  A put admitted that then stores nothing
   (no space, a write error, a clear), or a put_runs the rank refuses
-  after its admits, sends ``give_back`` (``keys``: the runs' first keys,
-  ``admitted``: admit's answer for each, ok or rejected): the server's
-  admission forgets those offers (no counter changes).  A put_runs run
+  after its admits, sends ``give_back`` (``offers``: the ids of the offers
+  admit counted, its answer's ``offer``; none where it answered null): the
+  server's admission forgets those offers (no counter changes).  A put_runs run
   that the call's earlier runs hold whole is a duplicate no admit sees:
   ``count_duplicates`` (``runs``: how many) counts them in the server's
   stats.  put_runs' admits say ``count: false``: a run declined is
-  counted by ``count_rejected`` (``runs``; ``keys``: their first keys,
+  counted by ``count_rejected`` (``runs``; ``offers``: their offer ids,
   the offers the server settles) once the call's plan stands
   (a call refused after its admits counts none), so that the stats'
   admission_rejected_runs, a Prometheus counter, never goes down.
@@ -59,7 +59,7 @@ from kvblock import errors
 from kvblock.errors import ConfigError, KVBlockError, ServerError
 from kvblock.index.keys import normalize_key
 
-PROTOCOL = 14  # 2: "clear"; admit answers the clear count, commit carries it
+PROTOCOL = 15  # 2: "clear"; admit answers the clear count, commit carries it
 #                3: pins are leased ("ping", hello's "pin_lease")
 #                4: the server sends its fence files after hello
 #                5: runs carry their block digest trailer's checksum (format 2)
@@ -79,6 +79,9 @@ PROTOCOL = 14  # 2: "clear"; admit answers the clear count, commit carries it
 #                   its plan stands): admission_rejected_runs never falls
 #               14: count_rejected's "keys" (the declined runs' first keys:
 #                   the server settles those offers, not another thread's)
+#               15: admit answers an "offer" id; give_back and count_rejected
+#                   name offers by it ("offers"), not by first key (two
+#                   threads' runs of one first key on one connection)
 MAX_FRAME = 256 << 20
 _LEN = struct.Struct(">I")
 

@@ -122,12 +122,14 @@ class _Session:
         self.readers: dict[int, list] = {}            # pin id -> segments
         self.writers: dict[int, tuple] = {}           # wid -> (region, run_id, offset, gen, n)
         # offers admit counted on this connection that may still be undone:
-        # (the run's keys, admitted), oldest first.  An admitted one until
-        # its put stores the run whole or gives the offer back; a declined
-        # one of a put_runs (admit told count=False) until its call's plan
-        # stands (count_rejected) or the call gives it back.  Given back
-        # when the connection ends first (_release; see _settle_offers).
-        self.offers: list[tuple[list[bytes], bool]] = []
+        # offer id (admit's answer) -> (the run's keys, admitted), oldest
+        # first.  An admitted one until its put stores the run whole or
+        # gives the offer back; a declined one of a put_runs (admit told
+        # count=False) until its call's plan stands (count_rejected) or the
+        # call gives it back.  Given back when the connection ends first
+        # (_release; see _settle_offers).  By id, not by first key: two
+        # threads' puts on one connection may offer runs of one first key.
+        self.offers: dict[int, tuple[list[bytes], bool]] = {}
         self.thread: threading.Thread | None = None
         self.last_seen = time.monotonic()             # the last request's arrival or answer
         self.accepted = self.last_seen
@@ -824,7 +826,7 @@ class StoreServer:
         store = self.store
         readers, s.readers = list(s.readers.values()), {}
         writers, s.writers = list(s.writers.values()), {}
-        offers, s.offers = s.offers, []
+        offers, s.offers = list(s.offers.values()), {}
         # Each kind is released whatever another raises (an OSError freeing
         # an emptied region, a KeyboardInterrupt): the allocations first
         # (handed to the write fence: a write in flight must be fenced
@@ -875,26 +877,15 @@ class StoreServer:
                     if not admitted or st.index.prefix_length(keys) < len(keys)]
         st._give_back_offers(back)
 
-    def _settle_offers(self, s: _Session, given_back: list[tuple[bytes, bool]] = ()) -> list:
-        """The open offers on ``s`` whose puts are done: those in
-        ``given_back`` ((first key, admitted), one each: the client gave it
-        back) and the admitted ones whose run is now stored whole (a commit
-        published it).  Returns those of ``given_back`` that were open."""
-        found = []
+    def _settle_offers(self, s: _Session) -> None:
+        """The admitted offers open on ``s`` whose run is now stored whole
+        (a commit published it): their puts are done."""
         if not s.offers:
-            return found
-        for key, admitted in given_back:
-            for i in range(len(s.offers) - 1, -1, -1):
-                if s.offers[i][0][0] == key and s.offers[i][1] == admitted:
-                    del s.offers[i]
-                    found.append((key, admitted))
-                    break
-        if s.offers and not given_back:
-            st = self.store
-            with st._lock:
-                s.offers = [(keys, admitted) for keys, admitted in s.offers
-                            if not admitted or st.index.prefix_length(keys) < len(keys)]
-        return found
+            return
+        st = self.store
+        with st._lock:
+            s.offers = {offer: (keys, admitted) for offer, (keys, admitted) in s.offers.items()
+                        if not admitted or st.index.prefix_length(keys) < len(keys)}
 
     def _release_dropped_writers(self) -> None:
         with self._dropped_lock:
@@ -1175,43 +1166,45 @@ class StoreServer:
             if not st.admission.admit(keys[0]):
                 if count:
                     st.counters.add("admission_rejected_runs")
-                else:
-                    # open until the call's plan stands (count_rejected) or
-                    # it gives the offer back; the connection ending first
-                    # gives it back (_release)
-                    s.offers.append((keys, False))
-                    del s.offers[:-OPEN_OFFERS_KEPT]
-                return {"verdict": "rejected", "clears": clears}
-        if st.admission.admit_after > 1:   # (one offer admits: nothing to give back)
-            # open until the put stores the run or gives the offer back;
-            # the connection ending first gives it back (_release)
-            s.offers.append((keys, True))
-            del s.offers[:-OPEN_OFFERS_KEPT]
-        return {"verdict": "ok", "clears": clears}
+                    return {"verdict": "rejected", "clears": clears, "offer": None}
+                # open until the call's plan stands (count_rejected) or
+                # it gives the offer back; the connection ending first
+                # gives it back (_release)
+                return {"verdict": "rejected", "clears": clears,
+                        "offer": self._open_offer(s, keys, False)}
+        if st.admission.admit_after == 1:   # (one offer admits: nothing to give back)
+            return {"verdict": "ok", "clears": clears, "offer": None}
+        # open until the put stores the run or gives the offer back;
+        # the connection ending first gives it back (_release)
+        return {"verdict": "ok", "clears": clears, "offer": self._open_offer(s, keys, True)}
 
-    def _op_give_back(self, s, keys, admitted):
+    def _open_offer(self, s: _Session, keys: list[bytes], admitted: bool) -> int:
+        """Track an offer admit counted on ``s``; its id, which give_back
+        and count_rejected name."""
+        offer = next(self._ids)
+        s.offers[offer] = (keys, admitted)
+        while len(s.offers) > OPEN_OFFERS_KEPT:
+            del s.offers[next(iter(s.offers))]
+        return offer
+
+    def _op_give_back(self, s, offers):
         """Offers admit counted for puts that stored nothing (see
-        Admission.give_back): ``keys`` the runs' first keys, ``admitted``
-        whether admit admitted each (true) or declined it (false), latest
+        Admission.give_back): ``offers`` their ids (admit's answer), latest
         first."""
         st = self.store
-        keys = decode_keys(keys)
-        if not isinstance(admitted, list) or len(admitted) != len(keys) or \
-                not all(type(a) is bool for a in admitted):
-            raise ConfigError(f"give_back: admitted must be a list of {len(keys)} true or "
-                              f"false, one per key, got {str(admitted)[:80]}")
+        _check_offers("give_back", offers)
         if st.admission.admit_after == 1:     # no offer counted, none tracked
             return None
         # Only offers open on this connection: another connection's (a
         # stray or buggy client naming them) are its own, given back by its
         # puts or at its end; given back here too, they went back twice.
-        mine = self._settle_offers(s, list(zip(keys, admitted)))
-        st._give_back_offers(list(mine))
-        if len(mine) < len(keys):
-            raise ConfigError(f"give_back: {len(keys) - len(mine)} of the {len(keys)} offers "
-                              "named are not open on this connection (not admitted on it, "
-                              "or given back or settled already): those were not given "
-                              "back")
+        mine = [s.offers.pop(offer) for offer in offers if offer in s.offers]
+        st._give_back_offers([(keys[0], admitted) for keys, admitted in mine])
+        if len(mine) < len(offers):
+            raise ConfigError(f"give_back: {len(offers) - len(mine)} of the {len(offers)} "
+                              "offers named are not open on this connection (not admitted "
+                              "on it, or given back or settled already): those were not "
+                              "given back")
         return None
 
     def _op_count_duplicates(self, s, runs):
@@ -1219,25 +1212,22 @@ class StoreServer:
         no admit saw): counted as KVStore counts them."""
         return self._count_runs("count_duplicates", "put_duplicate_runs", runs)
 
-    def _op_count_rejected(self, s, runs, keys):
+    def _op_count_rejected(self, s, runs, offers):
         """put_runs' declined runs (admitted with count=false), once the
         call's plan stands: counted as KVStore counts them, their offers
-        no longer given back when the connection ends.  ``keys``: the
-        declined runs' first keys, one per run: those offers are settled
-        (two threads' put_runs share a connection: the oldest declined
-        offers open on it may be another call's, which may still be given
-        back).  Required (protocol 14: every client names them; a request
-        without them is refused by _dispatch, ConfigError)."""
-        keys = decode_keys(keys)
-        if len(keys) != runs:
-            raise ConfigError(f"count_rejected: keys must name the {runs} declined runs' "
-                              f"first keys, one each, got {len(keys)}")
+        no longer given back when the connection ends.  ``offers``: the
+        declined runs' offer ids (admit's answer), one per run: those
+        offers are settled (two threads' put_runs share a connection: the
+        other offers open on it may be another call's, which may still be
+        given back)."""
+        _check_offers("count_rejected", offers)
+        if len(offers) != runs:
+            raise ConfigError(f"count_rejected: offers must name the {runs} declined runs' "
+                              f"offers, one each, got {len(offers)}")
         self._count_runs("count_rejected", "admission_rejected_runs", runs)
-        for key in keys:
-            for i, (offered, admitted) in enumerate(s.offers):
-                if not admitted and offered[0] == key:
-                    del s.offers[i]
-                    break
+        for offer in offers:
+            if offer in s.offers and not s.offers[offer][1]:
+                del s.offers[offer]
         return None
 
     def _count_runs(self, op: str, counter: str, runs) -> None:
@@ -1396,6 +1386,12 @@ class StoreServer:
                     "pin_lease": self.pin_lease, "expired_sessions": self.expired_sessions,
                     "refused_connections": self.refused_connections})
         return out
+
+
+def _check_offers(op: str, offers) -> None:
+    if not isinstance(offers, list) or not all(type(o) is int for o in offers):
+        raise ConfigError(f"{op}: offers must be a list of the offer ids admit answered, "
+                          f"got {str(offers)[:80]}")
 
 
 def _check_id(op: str, field: str, value) -> None:

@@ -205,16 +205,16 @@ class RunWriter(RunIO):
         item, in order) and the call's earlier runs hold whole is a
         duplicate, written by none.  ``admit(keys, whole, offers)`` answers for
         the others ("ok", "duplicate" or "rejected"; a duplicate counted there,
-        an offer it counts added to ``offers`` as (first key, admitted) in
-        the step that counts it,
+        an offer it counts added to ``offers`` as (first key, or the
+        server's offer id, admitted) in the step that counts it,
         a declined run counted here once the plan stands (_count_rejected):
         a counter a refused call had counted and taken off again fell, which
         Prometheus reads as a reset; ``whole``: the store holds every key).
         ``unchecked``: the items _check_runs_fit left to be checked here if
         written.  Returns (blocks per item, pieces (item, keys, blocks) of
         at most ``max_run_blocks``, and per duplicate found in earlier runs
-        the items it depends on, and the admitted items: see
-        _give_back_unstored).  A call refused here (a late _check_fits, an
+        the items it depends on, and the admitted items with the offer
+        admit noted for each: see _give_back_unstored).  A call refused here (a late _check_fits, an
         admit that fails) counts no offer: those admit counted are given
         back, and its declined runs are counted by no counter."""
         out, pieces = [0] * len(items), []
@@ -238,6 +238,7 @@ class RunWriter(RunIO):
                 # (the offer goes into ``offers`` as admit counts it: a
                 # KeyboardInterrupt as admit returned, noted here after it,
                 # left a counted offer never given back)
+                noted = len(offers)
                 verdict = admit(keys, whole, offers)
                 if verdict == "duplicate":
                     out[i] = n
@@ -246,7 +247,8 @@ class RunWriter(RunIO):
                     continue
                 if i in unchecked:        # none of it written yet: refused whole
                     self._check_fits(n)
-                admitted.append(i)
+                # with the offer admit noted for it (none: nothing to give back)
+                admitted.append((i, offers[-1][0] if len(offers) > noted else None))
                 taken.update(dict.fromkeys(keys, i))
                 for first in range(0, n, self.max_run_blocks):
                     last = min(n, first + self.max_run_blocks)
@@ -264,16 +266,17 @@ class RunWriter(RunIO):
             raise
         return out, pieces, repeats, admitted
 
-    def _give_back_unstored(self, items: list, out: list[int], admitted: list[int]) -> None:
-        """The offers of ``admitted`` items that a put did not store whole
+    def _give_back_unstored(self, items: list, out: list[int], admitted: list) -> None:
+        """The offers of ``admitted`` items ((item, the offer admit noted),
+        _plan_puts) that a put did not store whole
         (``out``: blocks stored per item; a clear() overtook it, or an error
         stopped it): given back, so that the next offer admits them, not
         the admit_after-th one after it.  ``admitted`` is emptied as
         their offers are handed to _give_back_offers: cut (a
         KeyboardInterrupt) before that, it names them all, for the caller
         to call this again; after, each is given back once."""
-        back = [(items[i][0][0], True) for i in reversed(admitted)
-                if out[i] < len(items[i][0])]
+        back = [(offer, True) for i, offer in reversed(admitted)
+                if offer is not None and out[i] < len(items[i][0])]
         del admitted[:]     # (no call between: nothing is raised in between)
         try:
             self._give_back_offers(back)
@@ -283,7 +286,8 @@ class RunWriter(RunIO):
 
     def _give_back_offers(self, offers: list) -> None:
         """Undo offers admission counted for puts that stored nothing:
-        (first key, admitted) each, latest first.  No counter changes: a
+        (offer, admitted) each as admit noted it (the first key; a
+        RemoteStore's: the server's offer id), latest first.  No counter changes: a
         declined offer given back was never counted (_count_rejected).
         ``offers`` is emptied, each offer taken off it before it is given
         back (Admission.give_back is not idempotent: a declined offer
@@ -295,8 +299,9 @@ class RunWriter(RunIO):
     def _count_rejected(self, runs: int, keys: list[bytes] = ()) -> None:
         """Count ``runs`` declined runs of a put_runs whose plan stands, in
         admission_rejected_runs (only ever up: an exported counter).
-        ``keys``: their first keys (the offers counted: a server settles
-        those, not another call's)."""
+        ``keys``: their offers as admit noted them (first keys; a
+        RemoteStore's: the server's offer ids, which it settles, not
+        another call's)."""
         raise NotImplementedError
 
     def _put_grouped(self, out: list[int], pieces: list, repeats: dict,

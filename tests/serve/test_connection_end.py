@@ -45,7 +45,7 @@ def _session_with_every_kind(server, conn):
     s.writers[2] = (region, run_id, offset, gen, 2)
     assert server._op_admit(s, encode_keys(offered))["verdict"] == "rejected"
     assert server._op_admit(s, encode_keys(offered))["verdict"] == "ok"
-    assert s.offers == [(offered, True)]
+    assert list(s.offers.values()) == [(offered, True)]
     assert st.admission._offers.get(offered[0]) is None      # used up
     return s, region, offered[0]
 
@@ -140,13 +140,14 @@ def test_a_declined_offer_of_a_put_runs_cut_by_its_connections_end_is_given_back
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         with conn:
             conn.connect(sock)
+            offers = []
             for keys in (a, b):
                 answer = _call(conn, "admit", keys=encode_keys(normalize_keys(keys)),
                                count=False)
                 assert answer["verdict"] == "rejected"
+                offers.append(answer["offer"])
             if plan_stood:
-                _call(conn, "count_rejected", runs=2,
-                      keys=encode_keys([normalize_keys(k)[0] for k in (a, b)]))
+                _call(conn, "count_rejected", runs=2, offers=offers)
             (s,) = server._sessions.values()
         s.thread.join(10)
         assert server.client_count() == 0
@@ -184,12 +185,12 @@ def test_count_rejected_settles_its_own_calls_declined_offers_not_another_thread
             real_admit = r._admit
             k_counted, go = threading.Event(), threading.Event()
 
-            def admit(keys, count=True):
+            def admit(keys, count=True, record=None):
                 if keys[0] == nx:        # thread 1, its first run admitted: waits, then refused
                     k_counted.set()
                     assert go.wait(20)
                     raise ConfigError("test: thread 1's call refused")
-                return real_admit(keys, count)
+                return real_admit(keys, count, record)
             r._admit = admit
             box = _in_thread(lambda: r.put_runs([(k, run_data(k)), (x, run_data(x))]))
             assert k_counted.wait(20)
@@ -212,11 +213,11 @@ def _answer(conn, op, **args):
 
 
 def test_count_rejected_without_keys_is_refused(tmp_path):
-    """Since protocol 14 every client names the declined runs' first keys
-    in count_rejected; the keyless form (the oldest declined offers open
-    on the connection, whichever call counted them) stayed served.  A
-    request without keys is now a protocol error, answered ConfigError:
-    nothing counted, no offer settled."""
+    """Since protocol 14 every client names the declined runs in
+    count_rejected (protocol 15: by their offer ids); the form naming none
+    (the oldest declined offers open on the connection, whichever call
+    counted them) stayed served.  A request naming none is now a protocol
+    error, answered ConfigError: nothing counted, no offer settled."""
     path = _store_file(tmp_path)
     sock = str(tmp_path / "kv.sock")
     a, b = normalize_keys(run_keys(1, 2)), normalize_keys(run_keys(2, 2))
@@ -224,18 +225,19 @@ def test_count_rejected_without_keys_is_refused(tmp_path):
         st = server.store
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
             conn.connect(sock)
+            offers = []
             for keys in (a, b):
-                assert _call(conn, "admit", keys=encode_keys(keys),
-                             count=False)["verdict"] == "rejected"
+                answer = _call(conn, "admit", keys=encode_keys(keys), count=False)
+                assert answer["verdict"] == "rejected"
+                offers.append(answer["offer"])
             (s,) = server._sessions.values()
             reply = _answer(conn, "count_rejected", runs=2)
             assert reply["ok"] is False and reply["error"] == "ConfigError", reply
-            assert "'keys'" in reply["message"], reply
+            assert "'offers'" in reply["message"], reply
             assert st.counters["admission_rejected_runs"] == 0
-            assert [(k, adm) for k, adm in s.offers] == [(a, False), (b, False)]
-            # with keys: counted, settled
-            assert _call(conn, "count_rejected", runs=2, keys=encode_keys([a[0], b[0]])) \
-                is None
+            assert list(s.offers.values()) == [(a, False), (b, False)]
+            # naming them: counted, settled
+            assert _call(conn, "count_rejected", runs=2, offers=offers) is None
             assert st.counters["admission_rejected_runs"] == 2 and not s.offers
 
 
@@ -257,17 +259,18 @@ def test_give_back_gives_back_only_this_connections_offers(tmp_path, admitted):
                 socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as b:
             a.connect(sock)
             b.connect(sock)
-            verdicts = [_call(a, "admit", keys=encode_keys(k), count=False)["verdict"]
-                        for _ in range(3 if admitted else 1)]
-            assert verdicts[-1] == ("ok" if admitted else "rejected"), verdicts
+            answers = [_call(a, "admit", keys=encode_keys(k), count=False)
+                       for _ in range(3 if admitted else 1)]
+            assert answers[-1]["verdict"] == ("ok" if admitted else "rejected"), answers
+            offer = answers[-1]["offer"]
             _call(b, "ping")
             before = dict(adm._offers)
-            reply = _answer(b, "give_back", keys=encode_keys([k[0]]), admitted=[admitted])
+            reply = _answer(b, "give_back", offers=[offer])
             assert reply["ok"] is False and reply["error"] == "ConfigError", reply
             assert "not open on this connection" in reply["message"], reply
             assert dict(adm._offers) == before, "another connection's offer was given back"
             # its own connection gives it back
-            assert _call(a, "give_back", keys=encode_keys([k[0]]), admitted=[admitted]) is None
+            assert _call(a, "give_back", offers=[offer]) is None
             if admitted:
                 assert adm._offers.get(k[0]) == 2      # the next offer admits
             else:
@@ -325,11 +328,11 @@ def test_a_ctrl_c_waiting_to_send_a_give_back_leaves_the_offers_to_give_back(tmp
             r._session.lock = CtrlCWaiting()
             real_admit = r._admit
 
-            def admit(keys, count=True):
+            def admit(keys, count=True, record=None):
                 if keys[0] == nx:           # the call refused after k's admit
                     armed.append(1)         # its give_back of k's offer: Ctrl-C
                     raise ConfigError("test: x refused")
-                return real_admit(keys, count)
+                return real_admit(keys, count, record)
             r._admit = admit
             if call == "put_runs":
                 with pytest.raises(KeyboardInterrupt):
@@ -352,3 +355,63 @@ def test_a_ctrl_c_waiting_to_send_a_give_back_leaves_the_offers_to_give_back(tmp
             assert r.server_alive
             (s,) = server._sessions.values()
             assert not s.offers
+
+
+def test_a_given_back_offer_settles_that_offer_not_another_of_its_first_key(tmp_path):
+    """Two threads' puts on one RemoteStore, both admitted, of runs with one
+    first key (``long`` = k0 k1 k2 and ``short`` = k0 k1).  The server
+    matched a give_back by the first key and admitted alone, latest first:
+    thread A's give_back of ``long`` (its write failed) settled thread B's
+    open offer of ``short``; B then stored ``short`` whole, and ``long``'s
+    offer, given back already, stayed open and went back a second time at
+    the connection's end: k0's next offer (after another run of k0 had used
+    the count up) was admitted at once (admit_after=2).  Offers are now
+    named by the id admit answered, and give_back settles exactly those."""
+    import threading
+
+    from kvblock.errors import ConfigError
+    from kvblock.store.client import RemoteStore
+    from tests.serve.test_write_fence import _in_thread
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    long, short, other = run_keys(1, 3), run_keys(1, 2), [run_keys(1, 1)[0], b"other-blk1"]
+    k0 = normalize_keys(long)[0]
+    with serve_in_background([path], sock, admit_after=2) as server:
+        adm = server.store.admission
+        with RemoteStore(sock) as r:
+            real_put_one = r._put_one
+            admitted = {3: threading.Event(), 2: threading.Event()}
+            go = {3: threading.Event(), 2: threading.Event()}
+
+            def put_one(keys, *args, **kwargs):     # admitted: waits, then A's fails
+                n = len(keys)
+                admitted[n].set()
+                assert go[n].wait(20)
+                if n == 3:
+                    raise ConfigError("test: A's write failed")
+                return real_put_one(keys, *args, **kwargs)
+            r._put_one = put_one
+            assert r.put_run(long, run_data(long)) == 0           # k0's first offer
+            a = _in_thread(lambda: r.put_run(long, run_data(long)))
+            assert admitted[3].wait(20)
+            assert r.put_run(short, run_data(short)) == 0         # k0 counted again
+            b = _in_thread(lambda: r.put_run(short, run_data(short)))
+            assert admitted[2].wait(20)
+            go[3].set()                       # A gives its offer back
+            a["thread"].join(20)
+            assert isinstance(a.get("error"), ConfigError), a
+            go[2].set()                       # B stores its run whole
+            b["thread"].join(20)
+            assert b.get("out") == 2, b
+            (s,) = server._sessions.values()
+            assert not s.offers, f"offers left open: {s.offers}"
+            # another run of k0 uses the count up (admitted: A gave back)
+            with RemoteStore(sock) as r2:
+                assert r2.put_run(other, run_data(other)) == 2
+                assert adm._offers.get(k0) is None
+                sessions = list(server._sessions.values())
+        for each in sessions:
+            each.thread.join(10)
+        assert server.client_count() == 0
+        assert adm._offers.get(k0) is None, "long's offer was given back a second time"

@@ -1528,8 +1528,8 @@ def test_a_declined_offer_is_given_back_once_not_again_on_a_new_connection(
                     raise ConfigError("test: x refused")
             return real_admit(s, keys, count)
 
-        def give_back(s, keys, admitted):
-            out = real_give_back(s, keys, admitted)
+        def give_back(s, offers):
+            out = real_give_back(s, offers)
             if hold.is_set() and lost == "give_back":   # given back, its answer held
                 entered.set()
                 release.wait(20)
