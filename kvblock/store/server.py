@@ -106,9 +106,11 @@ MAX_CLIENTS = 512
 ACCEPT_POLL = 0.2
 # spawn_server moves a longer log aside first (one older log is kept)
 LOG_KEEP_BYTES = 64 << 20
-# Offers admitted on one connection whose puts are not done (OPEN_OFFERS_KEPT
-# at most: a client's puts in flight, one per thread, in practice)
-OPEN_OFFERS_KEPT = 1024
+# Offers admitted on one connection whose puts are not done (a client's puts
+# in flight: a put_runs' runs, one call per thread).  One more is refused
+# (not tracked, an offer untracked could not be given back): a bound on
+# what a client that never settles its offers holds on the server.
+OPEN_OFFERS_KEPT = 1 << 16
 # what a client says of the runs it drops (drop_runs) -> the counter it adds to
 DROP_REASONS = {"checksum": "checksum_failures", "read_error": "read_errors"}
 
@@ -1157,6 +1159,12 @@ class StoreServer:
         if not keys:   # no run: an empty prefix is "stored", and would count a duplicate
             raise ConfigError("admit: keys must hold the run's keys (at least one); a put of "
                               "no keys stores nothing and needs no admit")
+        if len(s.offers) >= OPEN_OFFERS_KEPT and st.admission.admit_after > 1:
+            raise ConfigError(f"admit: this connection to the store server at "
+                              f"{self.socket_path} holds {len(s.offers)} open offers (puts "
+                              "admitted whose runs are not stored nor given back), the most "
+                              "one may hold: nothing counted; finish those puts first (a "
+                              "put_runs of fewer runs at a time)")
         # the put's pieces commit only if no clear() comes first (on this run)
         clears = self._clear_ticket()
         with st._lock:
@@ -1183,8 +1191,6 @@ class StoreServer:
         and count_rejected name."""
         offer = next(self._ids)
         s.offers[offer] = (keys, admitted)
-        while len(s.offers) > OPEN_OFFERS_KEPT:
-            del s.offers[next(iter(s.offers))]
         return offer
 
     def _op_give_back(self, s, offers):

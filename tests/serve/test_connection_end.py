@@ -415,3 +415,35 @@ def test_a_given_back_offer_settles_that_offer_not_another_of_its_first_key(tmp_
             each.thread.join(10)
         assert server.client_count() == 0
         assert adm._offers.get(k0) is None, "long's offer was given back a second time"
+
+
+def test_an_offer_past_the_open_offers_bound_is_refused_not_the_oldest_dropped(
+        tmp_path, monkeypatch):
+    """A connection's open offers past OPEN_OFFERS_KEPT dropped the oldest
+    from the server's tracking unsaid (a put_runs of more runs than the
+    bound: LMCache's puts are one-key runs): its give_back was refused
+    (logged at debug by the client) and its count stayed (a declined one:
+    the key's next offer admitted too early; an admitted one: used up),
+    and the connection's end did not give it back either.  The offer past
+    the bound is refused now (ConfigError, nothing counted); every offer
+    counted stays tracked and is given back."""
+    from kvblock.store import server as server_mod
+
+    monkeypatch.setattr(server_mod, "OPEN_OFFERS_KEPT", 2)
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    a, b, c = (normalize_keys(run_keys(i, 2)) for i in (1, 2, 3))
+    with serve_in_background([path], sock, admit_after=3) as server:
+        adm = server.store.admission
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(sock)
+            offers = [_call(conn, "admit", keys=encode_keys(keys), count=False)["offer"]
+                      for keys in (a, b)]
+            reply = _answer(conn, "admit", keys=encode_keys(c), count=False)
+            assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+            assert "open offers" in reply["message"], reply
+            assert adm._offers.get(c[0]) is None, "the refused offer was counted"
+            assert _call(conn, "give_back", offers=offers[::-1]) is None
+            assert adm._offers.get(a[0]) is None and adm._offers.get(b[0]) is None
+            # settled: room again
+            assert _call(conn, "admit", keys=encode_keys(c), count=False)["offer"]
