@@ -156,7 +156,9 @@ def _check_new_size(devices, geometry, region_size, size: int) -> None:
     from kvblock.store.planning import (
         MAX_SIZE, StandIn, least_size, no_store_holds, plan_for, plan_or_none)
 
-    new = [not os.path.lexists(path) for path in devices]
+    # (exists: a dangling symlink names a file to make, at its target, as
+    # new_file makes it)
+    new = [not os.path.exists(path) for path in devices]
     if not any(new):
         return
     # the new files at the size probed (a capacity of None), the others as
@@ -303,7 +305,7 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
             # (--size 100: "0 bytes"), or create_file's (--size 0)
             _check_new_size(devices, geometry, region_size, size)
             for path in devices:
-                if not os.path.lexists(path):
+                if not os.path.exists(path):       # (a dangling link's target too)
                     created.append(new_file(path, size))
         # After creating: a file to create named twice is then one device
         # given twice, not one busy with "another" store at its second open.

@@ -446,6 +446,26 @@ def test_format_with_size_creates_missing_store_files_only(tmp_path, file_target
     assert os.path.getsize(kept) == 1 << 20
 
 
+def test_format_with_size_creates_the_file_a_dangling_symlink_names(tmp_path):
+    """A link to a store file not made yet (a stable name an operator set
+    up) is a DEV that does not exist: --size creates the file at its target,
+    as bench --size and the integrations' size do.  format alone took the
+    link for an existing device and failed (exit 3) with the advice to
+    create the file with `kvblock format FILE --size SIZE`, what was run.
+    A format that fails removes the file it made and keeps the link."""
+    link, target = tmp_path / "kv-link.img", tmp_path / "kv.img"
+    link.symlink_to(target)
+    res = kvb("format", link, *GEOM_ARGS, "--size", "24M", "--json")
+    assert res.returncode == 0, res.stderr
+    assert os.path.islink(link) and os.path.getsize(target) == 24 << 20
+    assert json.loads(kvb("info", link, "--json").stdout)["uuid"] == json.loads(res.stdout)["uuid"]
+    small_link, small = tmp_path / "small-link.img", tmp_path / "small.img"
+    small_link.symlink_to(small)
+    one_line_error(kvb("format", small_link, *GEOM_ARGS, "--size", "1M"), 7, str(small_link),
+                   "--size 1048576 is too small")
+    assert not os.path.lexists(small) and os.path.islink(small_link)
+
+
 def test_size_never_creates_a_store_file_on_dev():
     """A mistyped device name with --size (/dev/nvme0n2 for /dev/nvme1n1) made
     a store file on /dev's devtmpfs, memory the kernel's device nodes live
