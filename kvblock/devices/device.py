@@ -93,7 +93,9 @@ def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False)
         _refuse_dev(path)
     try:
         existed = path.exists()
-        path.parent.mkdir(parents=True, exist_ok=True)
+        # The folder the file goes in: a dangling link's target's (the link's
+        # own is there already), as new_file lists what it makes
+        Path(os.path.realpath(path)).parent.mkdir(parents=True, exist_ok=True)
         if _exclusive:
             # O_EXCL fails on any symlink: create the (dangling) link's target.
             try:

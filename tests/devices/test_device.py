@@ -910,6 +910,31 @@ def test_create_file_through_a_dangling_symlink_that_fails_keeps_the_link(small_
     assert create_file(link, 1 * MIB) == link and os.path.getsize(small_fs / "kv.img") == MIB
 
 
+def test_a_dangling_symlink_into_a_missing_folder_gets_its_folders_made(tmp_path):
+    """create_file makes the folders a new store file goes in; through a
+    dangling symlink it made the link's (there already), not the target's,
+    and failed ENOENT (exit 8: "choose another path").  The target's are
+    made, and new_file's record of them is what a failed start removes."""
+    from kvblock.devices.device import new_file, remove_made
+
+    for make in (lambda link: create_file(link, MIB), lambda link: new_file(link, MIB)):
+        link, target = tmp_path / "kv.img", tmp_path / "store" / "files" / "kv.img"
+        link.symlink_to(target)
+        try:
+            made = make(link)
+            assert link.is_symlink() and os.path.getsize(target) == MIB
+        finally:
+            link.unlink()
+        if isinstance(made, list):            # new_file: the file, then its folders
+            assert made == [str(target), str(target.parent), str(target.parent.parent)]
+            remove_made(made)
+            assert not (tmp_path / "store").exists()
+        else:
+            target.unlink()
+            target.parent.rmdir()
+            target.parent.parent.rmdir()
+
+
 def test_create_file_where_it_cannot_be_made_is_a_device_error(tmp_path):
     """A store file that cannot be made (its folder is a file, the path a
     folder, the filesystem read-only) is a DeviceError naming the path, as
