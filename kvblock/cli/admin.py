@@ -967,6 +967,7 @@ def serve(devices, socket_path, model, eviction, admit_after, engine, verify, id
     """
     import json as _json
 
+    from kvblock.errors import NotAStoreError
     from kvblock.store.server import open_server, run_forever, stop_signals
 
     with stop_signals() as stop:
@@ -978,6 +979,8 @@ def serve(devices, socket_path, model, eviction, admit_after, engine, verify, id
                                  stop=stop)   # a signal ends a wait for a stopping server
         except DeviceBusyError as e:
             raise _writer_busy(e, "one process serves a store", "serve") from None
+        except NotAStoreError as e:     # what the device holds instead, as info says
+            raise _not_a_store(e) from None
         try:
             s = server.store.stats()
             ready = {"socket": socket_path, "pid": os.getpid(), "uuid": s["uuid"],

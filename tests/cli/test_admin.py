@@ -200,15 +200,22 @@ def test_format_refuses_ext4(loop_device):
     assert head(dev) == before
 
 
-def test_info_of_a_filesystem_says_what_the_device_holds(file_target):
+def test_info_of_a_filesystem_says_what_the_device_holds(file_target, tmp_path):
     """A device that holds a filesystem is no store: the read-only commands
-    say what it holds, not "not formatted" (exit 11)."""
+    say what it holds, not "not formatted" (exit 11); so do the commands
+    that open the store to write it (serve said "no kvblock superblock at
+    offset 0 (not formatted, or overwritten)"), and leave it as it was."""
     path = file_target(16 << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-L", "precious", path], check=True)
     one_line_error(kvb("info", path), 11, path, "a filesystem (ext4 labelled 'precious')")
     res = kvb("fsck", path, "--json")
     assert res.returncode == 11
     assert "a filesystem (ext4 labelled 'precious')" in json.loads(res.stdout)["problems"][0]
+    before = head(path, 16 << 20)
+    sock = tmp_path / "kv.sock"
+    for args in (("serve", path, "--socket", sock), ("evict", path, "--all"), ("trim", path)):
+        one_line_error(kvb(*args), 11, path, "a filesystem (ext4 labelled 'precious')")
+    assert head(path, 16 << 20) == before and not sock.exists()
 
 
 def _stale_fat_boot_sector(dev):
