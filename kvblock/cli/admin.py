@@ -31,7 +31,8 @@ def _store(devices, readonly=True, model=None):
 def _not_a_store(e):
     """``e`` (no kvblock superblock on a device) saying what the device holds
     instead, when blkid finds a filesystem, partition table or RAID member
-    there: "not formatted" would read as an empty device."""
+    there: "not formatted" would read as an empty device; for a device
+    blkid finds nothing on, with the fix."""
     from kvblock.devices.probe import describe, signatures
     from kvblock.errors import NotAStoreError
 
@@ -42,7 +43,9 @@ def _not_a_store(e):
     except KVBlockError:
         return e
     if not found:
-        return e
+        # blank (or holding what blkid knows no name for): the fix too
+        return NotAStoreError(f"{e}; give the store's device, or format this one (kvblock "
+                              f"format {e.path} --layers L ...)", e.path, e.offset)
     return NotAStoreError(f"{e.path}: not a kvblock store: it holds {describe(found)}; give "
                           "the store's device, or format another one", e.path, e.offset)
 

@@ -691,12 +691,18 @@ def test_format_prompt_goes_to_the_terminal_not_stdout(loop_device):
 
 def test_not_a_store_and_corrupt_superblock(loop_device, file_target):
     blank = file_target(16 << 20)
-    one_line_error(kvb("info", blank), 11, "no kvblock superblock")
+    # what to do about it too: give the store's device, or format this one
+    fix = f"give the store's device, or format this one (kvblock format {blank} "
+    for args in (("info", blank), ("ls", blank), ("stats", blank), ("trim", blank),
+                 ("serve", blank, "--socket", os.path.dirname(blank) + "/kv.sock")):
+        one_line_error(kvb(*args), 11, f"{blank}: no kvblock superblock at offset 0", fix)
     res = kvb("fsck", blank, "--json")
     assert res.returncode == 11 and json.loads(res.stdout)["status"] == "unusable"
+    assert fix in json.loads(res.stdout)["problems"][0]
     res = kvb("fsck", blank)
     assert res.returncode == 11 and "unusable" in res.stdout and "no kvblock superblock" in \
         res.stdout
+    assert head(blank, 16 << 20) == bytes(16 << 20)
     other = file_target(16 << 20)
     formatted(other)
     res = kvb("fsck", other, blank, "--json")       # the second is not that store's
