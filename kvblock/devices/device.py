@@ -737,6 +737,11 @@ class Device:
                         f"{self.path}: the file was removed while it was being opened (a "
                         "store start that made it failed); try again", self.path,
                         errno.ENOENT)
+            if writable and self.kind == "file" and _swap_over(os.fstat(self.fd)):
+                # The kernel's, as a mounted device is: it opens, and fails
+                # every write (ETXTBSY), which read as an I/O error.
+                raise _busy(f"{self.path}: file is busy", os.fstat(self.fd), self.path, "",
+                            self.path, errno.EBUSY)
             if exclusive and writable:
                 # (a block device too: a loop device over it writes its bytes,
                 # and the kernel claims only the loop device when it is mounted)
@@ -1129,18 +1134,24 @@ def _busy(head: str, st: os.stat_result | None, busy: str, tail: str, path: str,
     """DeviceBusyError "HEAD (why); fix TAIL" for ``path``, where block
     device ``busy`` (``st``: its stat; None when unknown) is busy: where it
     is mounted in this mount namespace (" (mounted at /mnt/x); unmount it
-    first (umount /mnt/x)"), the kernel device stacked on it (dm/md
-    holders), else the processes that have it open (holders()) and both
-    fixes.  ``kernel_held``: True when the mount or stacked device was
-    found (the fix is the kernel's, no process to stop)."""
+    first (umount /mnt/x)"), the swap area it is (/proc/swaps: swapoff; a
+    swap file too), the kernel device stacked on it (dm/md holders), else
+    the processes that have it open (holders()) and both fixes.
+    ``kernel_held``: True when the mount, swap or stacked device was found
+    (the fix is the kernel's, no process to stop)."""
     rdev = st.st_rdev if st is not None and stat.S_ISBLK(st.st_mode) else None
     mounts = _mount_points(rdev) if rdev is not None else []
-    stacked = _stacked_on(rdev) if rdev is not None and not mounts else []
+    swaps = _swap_over(st) if st is not None and not mounts else []
+    stacked = _stacked_on(rdev) if rdev is not None and not (mounts or swaps) else []
     if mounts:
         said = [point if name is None else f"{point} ({name})" for name, point in mounts]
         shown = ", ".join(said[:3]) + (f" and {len(said) - 3} more" if len(said) > 3 else "")
         targets = " ".join(shlex.quote(point) for _, point in mounts)
         why = f" (mounted at {shown}); unmount it first (umount {targets})"
+    elif swaps:
+        # no mount and no process: "unmount it or stop the other user" fits not
+        why = (f" (in use as swap: {', '.join(swaps)}); turn the swap off first (swapoff "
+               f"{' '.join(shlex.quote(name) for name in swaps)})")
     elif stacked:
         why = (f" (held by {', '.join(stacked)}, stacked on it: LVM, dm-crypt, multipath or "
                "md RAID); release it there first (vgchange -an, cryptsetup close, "
@@ -1149,8 +1160,31 @@ def _busy(head: str, st: os.stat_result | None, busy: str, tail: str, path: str,
         why = (f" (mounted, or opened exclusively by another store or program"
                f"{holders(busy)}); unmount it or stop the other user")
     e = DeviceBusyError(f"{head}{why}{tail}", path, code)
-    e.kernel_held = bool(mounts or stacked)
+    e.kernel_held = bool(mounts or swaps or stacked)
     return e
+
+
+def _swap_over(st: os.stat_result) -> list[str]:
+    """The swap areas in use (/proc/swaps) whose bytes are ``st``'s, or a
+    partition's of it, or its whole disk's: the kernel's, as a mount's."""
+    try:
+        with open("/proc/swaps") as f:
+            lines = f.read().splitlines()[1:]      # (a header line first)
+    except OSError:
+        return []
+    found = []
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        # octal escapes (\040: a space) in the name, as in mountinfo
+        name = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[0])
+        try:
+            if _overlap(st, os.stat(name)) is not None:
+                found.append(name)
+        except OSError:
+            continue            # a swap file deleted since ("(deleted)"): no name to stat
+    return found
 
 
 def _mount_points(rdev: int) -> list[tuple[str | None, str]]:
