@@ -1164,11 +1164,14 @@ def _busy(head: str, st: os.stat_result | None, busy: str, tail: str, path: str,
     return e
 
 
+PROC_SWAPS = "/proc/swaps"     # the kernel's list of swap areas in use
+
+
 def _swap_over(st: os.stat_result) -> list[str]:
     """The swap areas in use (/proc/swaps) whose bytes are ``st``'s, or a
     partition's of it, or its whole disk's: the kernel's, as a mount's."""
     try:
-        with open("/proc/swaps") as f:
+        with open(PROC_SWAPS) as f:
             lines = f.read().splitlines()[1:]      # (a header line first)
     except OSError:
         return []

@@ -2456,47 +2456,42 @@ def test_fsck_exit_codes_of_an_unusable_store_agree_in_readme_and_help(tmp_path)
     assert 7 in codes(helped) and codes(helped) <= codes(said), (helped, said)
 
 
-@contextlib.contextmanager
-def _swap_on(path):
-    """``path`` (a block device or a file) made swap and in use; off again
-    on the way out."""
-    subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
-    subprocess.run(["swapon", str(path)], check=True)
-    try:
-        yield
-    finally:
-        subprocess.run(["swapoff", str(path)], check=True)
-
-
-def test_a_device_or_file_in_use_as_swap_is_refused_naming_swapoff(loop_device, tmp_path):
+def test_a_device_or_file_in_use_as_swap_is_refused_naming_swapoff(loop_device, tmp_path,
+                                                                   monkeypatch):
     """An active swap area is the kernel's: a swap device was refused as
     busy with the advice "unmount it or stop the other user" (no mount, no
     process), and format --force over a swap file (which opens, the kernel
     refusing its writes) failed as an I/O error (exit 9, ETXTBSY) after
     saying it would format it.  Both are in use (exit 5), named as swap
-    with the fix (swapoff), and nothing is written."""
+    with the fix (swapoff), and nothing is written.  The kernel's swap list
+    stood in (a real swapon would lend the test's device to the kernel's
+    paging): a device held open exclusively, as the kernel holds a swap
+    device, and a file, each listed there."""
+    from kvblock.devices import device
+
     dev = loop_device(32 << 20)
-    with _swap_on(dev):
-        # the swap header (its first page): every write refused starts there,
-        # and the kernel may swap pages out behind it meanwhile
-        before = head(dev, 4096)
+    swapfile = tmp_path / "swapfile"
+    swapfile.write_bytes(b"\xa5" * (1 << 20))
+    swaps = tmp_path / "swaps"
+    swaps.write_text("Filename\tType\tSize\tUsed\tPriority\n"
+                     f"{dev}\tpartition\t32764\t0\t-2\n"
+                     f"{str(swapfile).replace(' ', chr(92) + '040')}\tfile\t1020\t0\t-3\n")
+    monkeypatch.setattr(device, "PROC_SWAPS", str(swaps))
+    before = head(dev)
+    held = os.open(dev, os.O_RDONLY | os.O_EXCL)     # as swapon holds it
+    try:
         for command in (("format", dev, *GEOM_ARGS, "--yes", "--force"),
                         ("format", loopdev.backing_of(dev), *GEOM_ARGS, "--force"),
                         ("fsck", dev, "--repair"), ("trim", dev)):
             res = kvb(*command)
             one_line_error(res, 5, command[1], f"in use as swap: {dev}", f"swapoff {dev}")
             assert "unmount it" not in res.stderr, res.stderr
-        assert head(dev, 4096) == before
-    with _mounted_ext4(loop_device, tmp_path) as (_, _backing):
-        swapfile = tmp_path / "mnt" / "swapfile"
-        subprocess.run(["fallocate", "-l", "16M", str(swapfile)], check=True)
-        os.chmod(swapfile, 0o600)
-        with _swap_on(swapfile):
-            before = head(swapfile, 4096)
-            for command in (("format", swapfile, *GEOM_ARGS, "--force"),
-                            ("bench", swapfile, "--workload", "write", "--force",
-                             "--seconds", "0.1")):
-                res = kvb(*command)
-                one_line_error(res, 5, str(swapfile), f"in use as swap: {swapfile}",
-                               f"swapoff {swapfile}")
-            assert head(swapfile, 4096) == before
+    finally:
+        os.close(held)
+    assert head(dev) == before
+    for command in (("format", swapfile, *GEOM_ARGS, "--force"),
+                    ("bench", swapfile, "--workload", "write", "--force", "--seconds", "0.1")):
+        res = kvb(*command)
+        one_line_error(res, 5, str(swapfile), f"in use as swap: {swapfile}",
+                       f"swapoff {swapfile}")
+    assert swapfile.read_bytes() == b"\xa5" * (1 << 20)
