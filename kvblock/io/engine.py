@@ -157,6 +157,14 @@ def _targets(batch: IOBatch, lo: int, hi: int) -> bool:
 # again (a call's wake-up may have been cut short by a KeyboardInterrupt)
 IDLE_POLL_S = 0.05
 
+# An I/O the kernel answered with part of its bytes (io_uring hands a partial
+# transfer back as it is; the threads engine's pread loop goes on by itself)
+# or with -EAGAIN / -EINTR (kernels before 6.x let a block device's
+# BLK_STS_AGAIN through to the CQE, liburing #766 and #1269) is issued again
+# for what is left, up to this many times, before it is reported.
+RETRY_ROUNDS = 4
+_RETRY_ERRNOS = (-errno.EAGAIN, -errno.EINTR)
+
 MAX_IO_LIMIT = 1 << 30     # one I/O's length travels as 32 bits in io_uring
 MAX_QUEUE_DEPTH = 32768    # the most entries an io_uring holds (IORING_MAX_ENTRIES)
 
@@ -374,6 +382,7 @@ class IOEngine:
             results = np.full(m, -errno.EIO, dtype=np.int64)
             lat = np.empty(m, dtype=np.int64) if latency else None
             hasher = None
+            retried = False
             try:
                 # Staging and the hasher only in flight: made before, a close()
                 # in between would miss the staging and the refusal leak the hasher.
@@ -383,9 +392,12 @@ class IOEngine:
                     hasher = native.Hasher(run.addrs, run.lens,
                                            streams if parent is None else streams[parent],
                                            seeds, results, digests)
+                target = run if staged is None else staged[0]
                 try:
-                    self._run(op, run if staged is None else staged[0],
-                              min(qd or self.queue_depth, m), results, lat, hasher)
+                    self._run(op, target, min(qd or self.queue_depth, m), results, lat, hasher)
+                    if (results.item() != run.lens.item() if m == 1
+                            else (results != run.lens.astype(np.int64)).any()):
+                        retried = self._retry(op, target, results, lat, qd or self.queue_depth)
                 except RingBroken as e:
                     self._raise_broken(run, results, e.code, parent, n)
             finally:
@@ -400,7 +412,9 @@ class IOEngine:
                     self._raise(op, run, results, bad, parent, len(batch))
             if staged is not None and op == OP_READ:
                 staged[1]()
-            if hashing is not None and hasher is None:   # the bytes are in place: hash them now
+            # The bytes are in place: hash them now (also after a retry: the
+            # native hasher took a piece that came back short for a failed stream).
+            if hashing is not None and (hasher is None or retried):
                 native.hash_pieces(batch.addrs, batch.lens, *hashing)
         finally:
             del self._inflight[key]     # (inline: see _leave)
@@ -410,6 +424,40 @@ class IOEngine:
             # one per I/O of the batch: its slowest piece (pieces run side by side)
             lat = np.maximum.reduceat(lat, np.flatnonzero(np.diff(parent, prepend=-1)))
         return IOResult(batch.nbytes, lat)
+
+    def _retry(self, op: int, b: IOBatch, results: np.ndarray, lat: np.ndarray | None,
+               qd: int) -> bool:
+        """Issue again what is left of the I/Os of ``b`` that came back short
+        (a block-aligned part transferred: O_DIRECT takes the rest from
+        there) or with -EAGAIN / -EINTR, while they make progress, at most
+        RETRY_ROUNDS times; ``results`` (and ``lat``) then count the whole
+        I/O.  An I/O that transferred nothing (the end of the device) or
+        failed otherwise is left to the caller to report.  Whether anything
+        was issued again."""
+        todo = np.arange(len(b))
+        issued = False
+        for _ in range(RETRY_ROUNDS):
+            res, lens = results[todo], b.lens[todo].astype(np.int64)
+            part = np.maximum(res, 0)
+            again = ((res > 0) & (res < lens) & (part % self._block[b.devs[todo]].astype(np.int64)
+                                                 == 0)) | np.isin(res, _RETRY_ERRNOS)
+            todo, part = todo[again], part[again].astype(np.uint64)
+            if todo.size == 0:
+                break
+            sub = IOBatch(b.addrs[todo] + part, b.devs[todo], b.offsets[todo] + part,
+                          b.lens[todo] - part)
+            got = np.full(todo.size, -errno.EIO, dtype=np.int64)
+            sub_lat = np.zeros(todo.size, dtype=np.int64) if lat is not None else None
+            issued = True
+            try:
+                self._run(op, sub, min(qd, todo.size), got, sub_lat, None)
+            finally:
+                # (also for a broken ring: its error counts what did not finish)
+                results[todo] = np.where(got >= 0, part.astype(np.int64) + got, got)
+            if lat is not None:
+                lat[todo] += sub_lat
+            todo = todo[got != 0]     # nothing more came: the end of the device
+        return issued
 
     def _enter(self, batch: IOBatch) -> int:
         """Count ``batch`` in flight (see _inflight); its key for _leave."""

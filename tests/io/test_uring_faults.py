@@ -168,3 +168,132 @@ def test_a_broken_ring_slot_never_written_is_not_taken_for_a_completed_io(
         monkeypatch.setattr(native, "lib", lambda: real)
         monkeypatch.setattr(engine_mod, "np", np)
         eng.read(batch)                     # the engine goes on with a new ring
+
+
+class _CutShort:
+    """kvb_ring_run as the kernel may answer it: the I/O at index ``short``
+    of the first ``times`` runs transfers only its first half (its length
+    handed to the real run halved: the hasher sees a piece cut short), and
+    the one at ``again`` comes back -EAGAIN (older kernels let a block
+    device's BLK_STS_AGAIN through, liburing #766 / #1269) with nothing read."""
+
+    def __init__(self, real, short=None, again=None, times=1):
+        self.real, self.short, self.again, self.times = real, short, again, times
+        self.runs = 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def kvb_ring_run(self, handle, op, n, addrs, devs, offsets, lens, qd, results, latency,
+                     hasher):
+        import ctypes
+
+        from kvblock.io import native
+
+        self.runs += 1
+        if self.runs > self.times:
+            return self.real.kvb_ring_run(handle, op, n, addrs, devs, offsets, lens, qd,
+                                          results, latency, hasher)
+        cut = native.ffi.new("uint64_t[]", [lens[i] for i in range(n)])
+        if self.short is not None and self.short < n:
+            cut[self.short] = lens[self.short] // 2
+        ret = self.real.kvb_ring_run(handle, op, n, addrs, devs, offsets, cut, qd, results,
+                                     latency, hasher)
+        if self.again is not None and self.again < n:
+            if op == 0:     # a read: nothing landed (a write's source is the caller's)
+                ctypes.memset(addrs[self.again], 0xEE, lens[self.again])
+            results[self.again] = -11                                   # -EAGAIN
+        return ret
+
+
+def _patterned(path, size, seed):
+    import numpy as np
+
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    return data
+
+
+@pytest.mark.parametrize("fault", ["short", "again", "both"])
+def test_a_read_cut_short_or_refused_for_now_is_completed(file_target, monkeypatch, fault):
+    """io_uring hands back a partial transfer, or -EAGAIN, as the kernel
+    answered it (the threads engine's pread loop completes the first).
+    Before: the batch failed with IOFailedError ("short read ... end of
+    device", or EAGAIN) and the store dropped a good run as a device
+    fault.  Now what is left of such an I/O is issued again."""
+    import numpy as np
+
+    from kvblock.devices import Device
+    from kvblock.io import IOBatch, native, open_engine
+    from kvblock.memory import HostBuffer
+
+    MIB = 1 << 20
+    path = file_target(8 * MIB)
+    data = _patterned(path, 8 * MIB, 3)
+    real = native.lib()
+    short, again = {"short": (1, None), "again": (None, 2), "both": (1, 2)}[fault]
+    proxy = _CutShort(real, short=short, again=again)
+    with Device(path) as dev, open_engine([dev], "uring", queue_depth=4) as eng, \
+            HostBuffer(4 * MIB) as buf:
+        buf.array[:] = 0xEE
+        monkeypatch.setattr(native, "lib", lambda: proxy)
+        batch = IOBatch.contiguous(buf.address, 0, MIB, 4 * MIB, MIB)
+        res = eng.read(batch, latency=True)
+        assert res.nbytes == 4 * MIB and res.latency_ns.shape == (4,)
+        assert np.array_equal(buf.array, data[MIB:5 * MIB])
+        assert proxy.runs == 2           # the batch, then what was left of it
+        # and a write cut short the same way is completed
+        proxy.runs = 0
+        written = np.random.default_rng(4).integers(0, 256, 4 * MIB, dtype=np.uint8)
+        buf.array[:] = written
+        eng.write(IOBatch.contiguous(buf.address, 0, 0, 4 * MIB, MIB))
+        assert proxy.runs == 2
+    with open(path, "rb") as f:
+        assert f.read(4 * MIB) == written.tobytes()
+
+
+def test_a_hashed_read_cut_short_is_completed_and_hashed_whole(file_target, monkeypatch):
+    """The native hasher marks a stream whose piece came back short as
+    failed (digest 0); once the rest of the piece is read the digests are
+    those of the whole bytes, not 0 (a checksum miss for a good run)."""
+    import numpy as np
+
+    from kvblock.devices import Device
+    from kvblock.format.checksum import data_checksum
+    from kvblock.io import IOBatch, native, open_engine
+    from kvblock.memory import HostBuffer
+
+    MIB = 1 << 20
+    path = file_target(8 * MIB)
+    data = _patterned(path, 8 * MIB, 5)
+    proxy = _CutShort(native.lib(), short=3)
+    with Device(path) as dev, open_engine([dev], "uring") as eng, HostBuffer(4 * MIB) as buf:
+        monkeypatch.setattr(native, "lib", lambda: proxy)
+        batch = IOBatch(np.array([buf.address, buf.address + 2 * MIB], np.uint64), 0,
+                        [0, 4 * MIB], 2 * MIB)
+        got = eng.read_hashed(batch, [0, 1], [7, 8])
+        assert proxy.runs == 2
+        assert [int(g) for g in got] == [data_checksum(data[:2 * MIB], 7),
+                                         data_checksum(data[4 * MIB:6 * MIB], 8)]
+        assert np.array_equal(buf.array[2 * MIB:], data[4 * MIB:6 * MIB])
+
+
+def test_a_read_that_stays_short_is_still_reported(file_target, monkeypatch):
+    """An I/O that keeps coming back short (or -EAGAIN) is issued again a
+    few times, then reported as before, naming device, offset and length."""
+    from kvblock.devices import Device
+    from kvblock.errors import IOFailedError
+    from kvblock.io import IOBatch, native, open_engine
+    from kvblock.memory import HostBuffer
+
+    MIB = 1 << 20
+    path = file_target(8 * MIB)
+    proxy = _CutShort(native.lib(), again=0, times=10 ** 6)
+    with Device(path) as dev, open_engine([dev], "uring") as eng, HostBuffer(MIB) as buf:
+        monkeypatch.setattr(native, "lib", lambda: proxy)
+        with pytest.raises(IOFailedError, match=rf"read of {MIB} bytes at offset {2 * MIB} "
+                                                rf"on {path} failed: EAGAIN") as e:
+            eng.read(IOBatch.single(buf.address, 0, 2 * MIB, MIB))
+        assert (e.value.offset, e.value.length, e.value.failed) == (2 * MIB, MIB, 1)
+        assert 1 < proxy.runs <= 8       # a few more tries, not for ever
