@@ -48,10 +48,16 @@ def engine_report(kind: str | None = None) -> dict:
     """Which engine :func:`open_engine` picks here, and why."""
     from_setting = bool(kind)     # as _requested: an empty setting defers to the variable
     kind = _requested(kind)
-    ok, reason = _uring_probe()
     if kind == "threads":
+        # Not probed: where io_uring_setup kills the process (a seccomp
+        # policy that does not answer ENOSYS) threads is the way to run.
+        # The native core loads, or its error is the report (as the open's).
+        from kvblock.io import native
+
+        native.lib()
         return {"engine": "threads", "reason": "requested (the engine setting)" if from_setting
                 else "requested (KVBLOCK_IO_ENGINE=threads)"}
+    ok, reason = _uring_probe()
     if kind == "uring" and not ok:
         if from_setting:
             raise EngineUnavailableError(f"the engine setting 'uring' but {reason}; set it to "

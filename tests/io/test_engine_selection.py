@@ -13,9 +13,9 @@ from kvblock.errors import ConfigError, EngineUnavailableError
 from tests.support import seccomp
 
 CHILD = r"""
-import json, sys
+import json, os, sys
 from tests.support.seccomp import block_io_uring
-block_io_uring()
+block_io_uring(kill=bool(os.environ.get("KVB_TEST_KILL_ON_URING")))
 import numpy as np
 import kvblock
 from kvblock import Device, HostBuffer, IOBatch, open_engine
@@ -54,6 +54,19 @@ def test_seccomp_blocked_io_uring_falls_back_to_threads(file_target):
     out = _child(file_target(1 << 20), KVBLOCK_IO_ENGINE="auto")
     assert out["report"]["engine"] == "threads"
     assert out["report"]["reason"] == "fallback: io_uring_setup failed: ENOSYS (Function not implemented)"
+    assert out["engine"] == "threads" and out["equal"] is True
+
+
+@pytest.mark.skipif(not seccomp.supported(), reason="seccomp filter written for Linux x86_64/arm64")
+def test_threads_asked_for_never_touches_io_uring(file_target):
+    """Where io_uring_setup kills the process (a systemd SystemCallFilter=
+    without SystemCallErrorNumber=, a sandbox's policy), KVBLOCK_IO_ENGINE=
+    threads is the way to run.  Before: engine_report() and open_engine()
+    probed io_uring all the same, to say why not, and the process died of
+    SIGSYS; now an engine asked for by name is taken without the probe."""
+    out = _child(file_target(1 << 20), KVBLOCK_IO_ENGINE="threads", KVB_TEST_KILL_ON_URING="1")
+    assert out["report"] == {"engine": "threads",
+                             "reason": "requested (KVBLOCK_IO_ENGINE=threads)"}
     assert out["engine"] == "threads" and out["equal"] is True
 
 
