@@ -2194,27 +2194,34 @@ class KVStore(Recovery, RunReader, RunWriter):
         with self._commit_lock:          # no publish decides meanwhile (_publish_puts)
             with self._lock:
                 mark = self._next_run_id       # runs before it are dropped below
-                self._clears += 1
+                # (one line: a KeyboardInterrupt finds both or neither)
+                self._clears, mine = self._clears + 1, self._clears + 1
         failed = None
         try:
-            reclaimed = self.evict(all=True)
-        except KVBlockError as e:        # a TRIM failed: every run is forgotten still
-            if self.closed:
-                raise
-            failed, reclaimed = e, 0
-        with self._lock:
-            left = [r for r in self.index.runs.values() if r.run_id < mark]
-        for at in range(0, len(left), CLEAR_DROP_BATCH):
             try:
-                self._drop_runs(left[at:at + CLEAR_DROP_BATCH])
-            except KVBlockError as e:    # a TRIM of a region emptied: the rest go all the same
+                reclaimed = self.evict(all=True)
+            except KVBlockError as e:    # a TRIM failed: every run is forgotten still
                 if self.closed:
                     raise
-                failed = failed or e
-        if self.host is not None:
-            # Last: a read that began before the runs left the index put
-            # their blocks here; reads and puts in flight see the new epoch.
-            self.host.clear()
+                failed, reclaimed = e, 0
+            with self._lock:
+                left = [r for r in self.index.runs.values() if r.run_id < mark]
+            for at in range(0, len(left), CLEAR_DROP_BATCH):
+                try:
+                    self._drop_runs(left[at:at + CLEAR_DROP_BATCH])
+                except KVBlockError as e:  # a TRIM of a region emptied: the rest go all the same
+                    if self.closed:
+                        raise
+                    failed = failed or e
+        finally:
+            if self.host is not None:
+                # Last: a read that began before the runs left the index put
+                # their blocks here; reads and puts in flight see the new
+                # epoch.  Also when cut above (a KeyboardInterrupt, an
+                # error): the clear count moved, and the tier's epoch must
+                # follow it (else no put reached DRAM again), nor may the
+                # tier serve blocks whose runs have left the device.
+                self.host.clear(epoch=mine)
         self._await_removals()
         if failed is not None:
             raise failed

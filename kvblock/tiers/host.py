@@ -315,12 +315,18 @@ class HostTier:
         if interrupted is not None:
             raise interrupted
 
-    def clear(self) -> int:
-        """Drop every block; how many there were."""
+    def clear(self, epoch: int | None = None) -> int:
+        """Drop every block; how many there were.  ``epoch``: the store's
+        clear count this clear() made (its puts pass theirs to :meth:`put`):
+        the tier's epoch becomes it unless already past it (a later clear
+        done first), not one more, so a store clear() cut short before it
+        came here leaves the two apart until the next one only; None: one
+        more."""
         with self.lock:
             free = list(range(self.slots - 1, -1, -1))
             n, keys = len(self.probation) + len(self.protected), list(self.born)
-            new, t = (self.epoch + 1, OrderedDict(), OrderedDict(), {}, {}, free), self
+            epoch = self.epoch + 1 if epoch is None else max(self.epoch, epoch)
+            new, t = (epoch, OrderedDict(), OrderedDict(), {}, {}, free), self
             # one line with no call in it: a KeyboardInterrupt lands before
             # it (nothing cleared) or after it (all of it)
             t.epoch, t.probation, t.protected, t.born, t.published, t.free = new

@@ -393,10 +393,10 @@ def test_a_put_during_a_clear_leaves_no_older_copy_in_the_dram_tier(tmp_path):
         reached, go = threading.Event(), threading.Event()
         real = store.host.clear
 
-        def held_clear():
+        def held_clear(*args, **kw):
             reached.set()
             assert go.wait(30)
-            return real()
+            return real(*args, **kw)
         store.host.clear = held_clear
         t = threading.Thread(target=store.clear)
         t.start()

@@ -1367,3 +1367,35 @@ def test_a_tier_call_interrupted_at_any_line_holds_each_pin_once_and_loses_no_sl
     names = {name for name, _ in fired}
     assert {"pin", "unpin", "put", "discard", "_drop_locked", "_insert_locked", "_protect",
             "clear"} <= names, names
+
+
+def test_a_clear_cut_short_still_empties_dram_and_later_puts_enter_it(tmp_path):
+    """clear() counts itself first (the store's clear count, which puts
+    compare with the tier's epoch), then evicts and drops the runs, then
+    empties the DRAM tier.  Cut in between (a KeyboardInterrupt, an error
+    out of the eviction) the tier kept the cleared blocks (lookup hits that
+    served pre-clear KV) and its epoch stayed one behind the clear count
+    for good: no put after it, not even after a clear() that completed,
+    ever reached DRAM again."""
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        old = run_keys(30, 2)
+        store.put_run(old, run_data(old))
+        real_evict = store.evict
+
+        def evict_then_cut(*args, **kw):
+            real_evict(*args, **kw)                  # the runs leave the device
+            raise KeyboardInterrupt
+        store.evict = evict_then_cut
+        with pytest.raises(KeyboardInterrupt):
+            store.clear()
+        del store.evict
+        assert len(store.host) == 0 and store.lookup(old) == 0, \
+            "the DRAM tier kept blocks a clear() forgot"
+        store.clear()                                # the caller's retry completes
+        keys = run_keys(31, 2)
+        assert store.put_run(keys, run_data(keys)) == 2
+        assert all(k in store.host for k in normalize_keys(keys)), \
+            "puts after the clear no longer enter the DRAM tier"
