@@ -283,7 +283,7 @@ class RunReader(RunIO):
             published = self.index.published_of(named)
         published = published.tolist()      # (ints for the tier; past the lock)
         in_host = [k in self.host for k in keys]
-        done, fetched, hits, raced, from_host = 0, [], 0, 0, []
+        done, fetched, hits, raced, from_host, device = 0, [], 0, 0, [], 0
         while done < n:
             if in_host[done]:
                 if self.host.read_into(keys[done], block_at(dst, done), at,
@@ -298,7 +298,10 @@ class RunReader(RunIO):
                 end += 1
             # A stretch stored nowhere after blocks already read ends the
             # prefix; only a read that returns nothing at all is a miss.
-            got = self._read(keys[done:end], span(dst, done, end), only, done == 0)
+            # (counted below, with the DRAM blocks, once the whole read
+            # returns: a device error in a later stretch returns none)
+            got = self._read(keys[done:end], span(dst, done, end), only, done == 0, False)
+            device += got
             if only is None:
                 fetched.extend(range(done, done + got))
             done += got
@@ -307,11 +310,12 @@ class RunReader(RunIO):
         # the tier's misses: the blocks not taken from it, and the key that
         # ended the prefix (the tier's hits read_into counted)
         self.host.missed(min(done + 1, n) - hits - raced)
-        # DRAM hits count as blocks read, as a device read counts its own
-        self.counters.add("host_hit_blocks", hits)
+        # DRAM hits count as blocks read, as the device's do
         self._host_hits_used(from_host)
-        self.counters.add_each(get_blocks=hits,
-                               get_bytes=hits * (g.group_block_bytes if only else g.block_bytes))
+        self.counters.add_each(host_hit_blocks=hits, device_hit_blocks=device,
+                               get_blocks=hits + device,
+                               get_bytes=(hits + device) * (g.group_block_bytes if only
+                                                            else g.block_bytes))
         for k in fetched:
             # only while the key names the run read (under the tier's lock:
             # a newer put's copy is never replaced by this one, see HostTier.put)
@@ -371,9 +375,11 @@ class RunReader(RunIO):
             return self._read(keys, dst, (layer, group))
         return self._read_tiered(keys, dst, (layer, group))
 
-    def _read(self, keys, dst, only, count_miss: bool = True) -> int:
+    def _read(self, keys, dst, only, count_miss: bool = True, count: bool = True) -> int:
         """``count_miss``: count a read that finds nothing stored as a
-        miss (False: the caller's read returned blocks from elsewhere)."""
+        miss (False: the caller's read returned blocks from elsewhere).
+        ``count``: count the blocks read (False: the caller counts them,
+        once its whole read returns)."""
         segs = None
         try:
             with self._lock:
@@ -383,7 +389,7 @@ class RunReader(RunIO):
                     self.counters.add("miss_gets")
                 return 0
             done = self._read_segs(segs, dst, only)
-            return self._read_done(segs, done, only)
+            return self._read_done(segs, done, only, count)
         except BaseException:
             # (a KeyboardInterrupt as the lock was let go, before the read's
             # try, too: nothing released the pins).  _unpin releases what is
@@ -396,9 +402,9 @@ class RunReader(RunIO):
                     raise
             raise
 
-    def _read_done(self, segs, done: int, only) -> int:
-        """Unpin a read's segments and count it: ``done`` blocks, or 0 when
-        the pins lapsed meanwhile."""
+    def _read_done(self, segs, done: int, only, count: bool = True) -> int:
+        """Unpin a read's segments and count it (``count``): ``done``
+        blocks, or 0 when the pins lapsed meanwhile."""
         try:
             held = self._unpin(segs)
         except BaseException:
@@ -409,6 +415,8 @@ class RunReader(RunIO):
             # been reused meanwhile, and unverified reads would not notice.
             self.counters.add("lapsed_pin_gets")
             return 0
+        if not count:
+            return done
         g = self.geometry
         self.counters.add_each(get_blocks=done,
                                device_hit_blocks=done,     # with a DRAM tier or not

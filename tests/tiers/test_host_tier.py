@@ -1399,3 +1399,45 @@ def test_a_clear_cut_short_still_empties_dram_and_later_puts_enter_it(tmp_path):
         assert store.put_run(keys, run_data(keys)) == 2
         assert all(k in store.host for k in normalize_keys(keys)), \
             "puts after the clear no longer enter the DRAM tier"
+
+
+def test_a_tiered_read_failed_by_a_device_error_counts_no_block(tmp_path):
+    """A prefix of a run on the device, a block only in DRAM, then a run on
+    the device whose read fails with a device error: get_run raises, and
+    get_runs answers 0 for the request, so none of its blocks was returned.
+    The first run's blocks had been counted in get_blocks /
+    device_hit_blocks all the same (README: get_blocks counts the blocks
+    reads returned; without a tier such a read counted none)."""
+    from kvblock.errors import IOFailedError
+
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    a, b, c = run_keys(40, 2), run_keys(41, 1), run_keys(42, 1)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        store.put_run(b, run_data(b))
+        store.evict(all=True)                        # b: only in DRAM
+        store.put_run(a, run_data(a))
+        store.put_run(c, run_data(c))
+        for k in normalize_keys(a + c):              # a and c: on the device only
+            store.host.discard(k)
+        keys = a + b + c
+        assert store.lookup(keys) == 4
+        real = store._read_segs
+
+        def fail_on_c(segs, dst, only):
+            if any(run.key(0) == normalize_keys(c)[0] for run, _, _, _ in segs):
+                raise IOFailedError("injected EIO", path=str(path), errno=5, offset=0)
+            return real(segs, dst, only)
+        store._read_segs = fail_on_c
+        names = ("get_blocks", "get_bytes", "host_hit_blocks", "device_hit_blocks")
+        before = [store.counters[n] for n in names]
+        out = np.zeros(4 * GEOM.block_bytes, np.uint8)
+        assert store.get_runs([(keys, out)]) == [0]
+        with pytest.raises(IOFailedError):
+            store.get_run(keys, out)
+        del store._read_segs
+        assert [store.counters[n] for n in names] == before, \
+            "blocks of a read that returned none were counted"
+        assert store.get_run(a, out[:2 * GEOM.block_bytes]) == 2   # a read that returns counts
+        assert store.counters["get_blocks"] == before[0] + 2
