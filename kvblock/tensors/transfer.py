@@ -1156,29 +1156,12 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
     data = np.stack(blocks).view(_NP_INT[g.itemsize]).reshape(
         n, g.num_layers, g.head_groups, g.kv_parts, g.block_tokens, g.heads_per_group,
         g.head_dim)
-    # Into a CUDA torch cache the blocks cross in a few large copies and are
-    # cut into layers, K/V and heads on the device.  (Cut on the host, each
-    # layer's strided slice was gathered into a new array and copied on its
-    # own: a third pass over the bytes on the CPU and a copy per layer.)
-    device = _torch_cuda(layout.layer_views(0))
-    step = n if device is None else max(1, HOST_HIT_COPY_BYTES // g.block_bytes)
-    for b in range(0, n, step):
-        chunk = data[b:b + step]
-        if device is not None:
-            chunk = _torch_from_host(chunk, device)     # (a slice of whole blocks: contiguous)
-        for layer in range(g.num_layers):
-            pages = chunk[:, layer, g0:g0 + ng]                     # (m, ng, kv, BS, Hg, D)
-            pages = pages.permute(1, 0, 2, 3, 4, 5) if device is not None else \
-                pages.transpose(1, 0, 2, 3, 4, 5)                  # (ng, m, kv, BS, Hg, D)
-            _scatter_pages(layout.layer_views(layer), pages, page_ids[b:b + len(chunk)], h0,
-                           heads, g.itemsize, threads=None)  # no reads in flight here
+    for layer in range(g.num_layers):
+        pages = data[:, layer, g0:g0 + ng].transpose(1, 0, 2, 3, 4, 5)  # (ng, n, kv, BS, Hg, D)
+        _scatter_pages(layout.layer_views(layer), pages, page_ids[:n], h0, heads, g.itemsize,
+                       threads=None)  # no reads in flight here
     _settle_cuda(_cuda_device(layout))   # handed over at once when all of it came from here
     return n
-
-
-# DRAM-tier hits into a CUDA cache cross in copies of about this many bytes
-# of whole blocks (device memory held meanwhile)
-HOST_HIT_COPY_BYTES = 32 << 20
 
 
 class _CupyDevice:

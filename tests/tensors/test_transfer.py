@@ -1792,44 +1792,6 @@ def test_a_load_into_a_cupy_cache_on_another_gpu_scatters_on_that_gpu(path, monk
         assert np.array_equal(dst[layer][:, 2:4].view(np.int16), src[layer][:, :2].view(np.int16))
 
 
-@pytest.mark.parametrize("groups,tp", [(1, 1), (2, 2)], ids=["one-group", "tp2-rank1"])
-def test_dram_hits_into_a_cuda_cache_cross_in_a_few_large_copies(path, monkeypatch, groups, tp):
-    """DRAM-tier hits into a CUDA torch cache: the blocks cross to the
-    device in copies of whole blocks (about HOST_HIT_COPY_BYTES each) and
-    are cut into layers, K/V and heads there.  Each layer's strided slice
-    was gathered on the host into a new array and copied on its own (a
-    copy per layer, a third pass over the bytes on the CPU).  Stood in on
-    the CPU: CPU tensors taken as CUDA ones, the host-to-device copy
-    counted; pages out of order, a chunk boundary mid-load, a TP slice."""
-    from kvblock.tensors import transfer
-
-    g = geom(groups=groups)
-    n = 6
-    src = [rand(2, n, BS, H, D) for _ in range(L)]
-    keys = [f"d{i}".encode() for i in range(n)]
-    copies = []
-    real_h2d = transfer._h2d
-
-    def h2d(t, device):
-        copies.append(t.numel() * t.element_size())
-        return real_h2d(t, device)
-    monkeypatch.setattr(transfer, "_torch_cuda", lambda views: torch.device("cpu"))
-    monkeypatch.setattr(transfer, "_h2d", h2d)
-    monkeypatch.setattr(transfer, "HOST_HIT_COPY_BYTES", 4 * g.block_bytes)
-    rank, per = tp - 1, H // tp
-    ids = [5, 0, 4, 1, 3, 2]
-    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
-        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
-        dst = [torch.zeros(2, n, BS, per, D, dtype=torch.bfloat16) for _ in range(L)]
-        h = load_blocks(store, keys, VLLMLayout(dst), ids, tp_rank=rank, tp_size=tp)
-        assert h.wait(timeout=30) == n
-        assert store.stats()["host_hit_blocks"] == n
-    assert copies == [4 * g.block_bytes, 2 * g.block_bytes], copies   # whole blocks, not layers
-    for layer in range(L):
-        want = src[layer][..., rank * per:(rank + 1) * per, :]
-        assert torch.equal(dst[layer][:, ids].view(torch.int16), want.view(torch.int16)), layer
-
-
 def test_a_dram_stretch_looks_up_only_its_own_keys(path, monkeypatch):
     """A load from a store with a DRAM tier takes the leading stretch of
     keys held there, then a stretch from the device, then DRAM again...
