@@ -1443,7 +1443,12 @@ def _bind(path: str) -> socket.socket:
     one (or anything that is not a socket) is refused.  Called with the
     store's devices claimed, so no other server of this store races here."""
     if _check_socket_path(path):
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass               # removed meanwhile
+        except OSError as e:
+            raise _stale_socket_error(path, e) from None
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.bind(path)
@@ -1457,6 +1462,24 @@ def _bind(path: str) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def _stale_socket_error(path: str, e: OSError) -> KVBlockError:
+    """A stale socket (nobody listens) this user may not remove: another
+    user's in a sticky directory such as /tmp, or one in a directory it
+    may not write.  (Was a bare OSError: the path and 'Operation not
+    permitted', no fix.)"""
+    try:
+        owner = f"owned by uid {os.lstat(path).st_uid}"
+    except OSError:
+        owner = "its owner unknown"
+    msg = (f"{path} is a stale socket (no store server listens on it: left by one that "
+           f"died; {owner}) and this user cannot remove it: "
+           f"{(e.strerror or str(e)).lower()}; remove it as its owner or root "
+           f"(rm {path}), or choose another --socket path")
+    if isinstance(e, PermissionError):
+        return DevicePermissionError(msg, path, e.errno)
+    return ConfigError(msg)
 
 
 ACCEPT_RETRY_ERRNOS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)

@@ -401,6 +401,63 @@ def test_spawn_moves_a_long_log_aside(tmp_path, sock, monkeypatch):
         assert log.read_text().count("kvblock serve: stopped (clean)") == starts, log.read_text()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a server as another user")
+def test_a_stale_socket_this_user_cannot_remove_is_refused_with_the_fix(tmp_path):
+    """A server that died left its socket in a shared sticky directory (as
+    /tmp is); the next server, run by another user, finds it stale but may
+    not remove it.  That was a bare PermissionError (`kvblock serve`: the
+    socket's path and 'Operation not permitted', exit 4, no fix); it is a
+    DevicePermissionError naming the socket, its owner and the fix."""
+    import socket as socket_mod
+    import shutil
+    import stat
+
+    from kvblock import create_file
+
+    nobody = 65534
+    base = Path("/var/tmp") / f"kvblock-stale-{os.getpid()}-{tmp_path.name}"
+    base.mkdir()                 # (tmp_path's parents are root's alone)
+    try:
+        os.chmod(base, 0o755)
+        shared, home = base / "shared", base / "home"
+        shared.mkdir()
+        os.chmod(shared, 0o1777)
+        home.mkdir(mode=0o700)
+        os.chown(home, nobody, nobody)
+        path = str(home / "kv.img")
+        create_file(path, 16 * MIB)
+        _format(path)
+        os.chown(path, nobody, nobody)
+        sock = str(shared / "kv.sock")
+        stale = socket_mod.socket(socket_mod.AF_UNIX)
+        stale.bind(sock)          # root's, left by a server that died: nobody listens
+        stale.close()
+        os.chmod(sock, 0o777)     # (so anyone may connect: found stale, not unprobed)
+        assert stat.S_ISSOCK(os.lstat(sock).st_mode)
+        code = ("import sys\n"
+                "from kvblock.errors import DevicePermissionError\n"
+                "from kvblock.store.server import open_server\n"
+                "try:\n"
+                "    open_server([sys.argv[1]], sys.argv[2]).stop()\n"
+                "except DevicePermissionError as e:\n"
+                "    print('refused:', e)\n")
+        as_nobody = ["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups"]
+        out = subprocess.run([*as_nobody, sys.executable, "-c", code, path, sock],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT,
+                             stdin=subprocess.DEVNULL)
+        assert out.returncode == 0 and out.stdout.startswith("refused:"), \
+            out.stdout + out.stderr
+        assert sock in out.stdout and "owned by uid 0" in out.stdout and \
+            "remove it" in out.stdout and "another --socket path" in out.stdout, out.stdout
+        serve = subprocess.run([*as_nobody, sys.executable, "-m", "kvblock", "serve", path,
+                                "--socket", sock], capture_output=True, text=True,
+                               timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL)
+        assert serve.returncode == 4 and "remove it" in serve.stderr, serve.stderr
+        assert os.path.exists(sock)          # left as it was
+    finally:
+        shutil.rmtree(base)
+
+
 def test_a_ranks_device_error_counts_as_a_read_error_on_the_server(tmp_path, sock):
     """A rank's read that fails with EIO drops the run on the server as a
     checksum failure does, but the server counted it as one (the drop did
