@@ -1575,8 +1575,7 @@ def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
             cmd += [flag, str(value)]
     log_path = os.fspath(log_path) if log_path else socket_path + ".log"
     with (may_start() if may_start is not None else contextlib.nullcontext()):
-        _rotate_log(log_path)
-        with open(log_path, "ab") as log:
+        with _open_log(log_path) as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
                                     start_new_session=True, close_fds=True)
     try:
@@ -1602,6 +1601,23 @@ def spawn_server(devices: Sequence, socket_path, *, timeout: float = 600.0,
             proc.wait()
         raise
     return proc
+
+
+def _open_log(path: str):
+    """The server's log, moved aside first when long (_rotate_log), open
+    for appending.  One that cannot be (a directory there, another user's
+    file) was a bare OSError out of connect()."""
+    try:
+        _rotate_log(path)
+        return open(path, "ab")
+    except OSError as e:
+        msg = (f"cannot write the store server's log {path} (or move it aside to {path}.1 "
+               f"past {LOG_KEEP_BYTES >> 20} MiB): {(e.strerror or str(e)).lower()}; remove "
+               "what is in its place or make it writable for this user, or give another "
+               "log_path (spawn_server) or socket path")
+        if isinstance(e, PermissionError):
+            raise DevicePermissionError(msg, path, e.errno) from None
+        raise ConfigError(msg) from None
 
 
 def _rotate_log(path: str) -> None:

@@ -401,6 +401,33 @@ def test_spawn_moves_a_long_log_aside(tmp_path, sock, monkeypatch):
         assert log.read_text().count("kvblock serve: stopped (clean)") == starts, log.read_text()
 
 
+@pytest.mark.parametrize("blocked", ["log", "older log"])
+def test_a_server_log_that_cannot_be_written_is_a_config_error_naming_it(tmp_path, sock,
+                                                                        monkeypatch, blocked):
+    """connect() starts a server whose output goes to <socket>.log, moved
+    to <socket>.log.1 past LOG_KEEP_BYTES.  A log that cannot be opened (a
+    directory there) or moved aside was a bare IsADirectoryError out of
+    connect(): now a ConfigError naming the log and the fix, and no server
+    is started."""
+    from kvblock.errors import KVBlockError
+    from kvblock.store import server as server_mod
+
+    path = _store_file(tmp_path)
+    if blocked == "log":
+        os.mkdir(sock + ".log")
+    else:
+        monkeypatch.setattr(server_mod, "LOG_KEEP_BYTES", 100)
+        Path(sock + ".log").write_text("old\n" * 100)
+        os.mkdir(sock + ".log.1")
+    with pytest.raises(KVBlockError) as e:
+        connect(sock, [path], start_timeout=30)
+    assert isinstance(e.value, ConfigError), repr(e.value)
+    assert sock + ".log" in str(e.value) and "log_path" in str(e.value), str(e.value)
+    assert not os.path.exists(sock)
+    with KVStore.open([path]):           # no server holds the store
+        pass
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run a server as another user")
 def test_a_stale_socket_this_user_cannot_remove_is_refused_with_the_fix(tmp_path):
     """A server that died left its socket in a shared sticky directory (as
