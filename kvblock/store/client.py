@@ -48,7 +48,8 @@ from kvblock.memory.spares import SpareBuffers
 from kvblock.store.counters import Counters
 from kvblock.store.fence import WriteFence
 from kvblock.store.inflight import CLOSE_WAIT_S, InFlight, in_flight
-from kvblock.store.launch import ensure_server, socket_path_str, wait_for_server
+from kvblock.store.launch import (ensure_server, socket_path_str, wait_for_server,
+                                  wait_for_starting_server)
 from kvblock.store.policy import VERIFY_MODES
 from kvblock.store.protocol import (
     PROTOCOL,
@@ -1742,6 +1743,8 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     ``start_timeout`` bounds the wait for the new server, which first
     recovers the store (about 0.7 s per million blocks indexed): a server
     that exits meanwhile fails the call at once with its log's tail.
+    Without ``devices`` (or with ``start=False``) a server starting there
+    is waited for as long, none is started.
 
     With ``reconnect=True`` (a client option) and ``start``, a store whose
     server is lost later starts a new one the same way (without
@@ -1757,10 +1760,13 @@ def connect(socket_path, devices: Sequence | None = None, *, start: bool = True,
     try:
         store = RemoteStore(socket_path, **client_options)
     except ServerGoneError:
-        if not can_start:
+        if can_start:
+            ensure_server(socket_path, devices, start_timeout=start_timeout,
+                          server_options=server_options, prepare=prepare)
+        # A rank that may not start one still waits (up to start_timeout)
+        # for a server starting there: it failed at once, told to start one.
+        elif not wait_for_starting_server(socket_path, start_timeout):
             raise
-        ensure_server(socket_path, devices, start_timeout=start_timeout,
-                      server_options=server_options, prepare=prepare)
         store = RemoteStore(socket_path, **client_options)
     if devices:
         try:

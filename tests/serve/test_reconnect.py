@@ -1351,6 +1351,78 @@ def test_a_rank_connecting_while_a_server_recovers_uses_it_and_starts_none(tmp_p
         _kill_servers_of(sock)
 
 
+@pytest.mark.parametrize("how", ["no devices", "start=False"])
+def test_a_rank_that_may_not_start_a_server_waits_for_one_starting(tmp_path, monkeypatch,
+                                                                   how):
+    """A rank that cannot start a server (connect() given no devices, or
+    start=False) while one is starting there (its mark held: recovering
+    the store) failed at once with ServerGoneError 'start one with kvblock
+    serve', though one was about to answer.  It waits for that server (up
+    to start_timeout), and connects once it listens."""
+    from kvblock.store import launch
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    looks = threading.Semaphore(0)
+    real = launch.server_starting
+
+    def server_starting(socket_path):
+        try:
+            return real(socket_path)
+        finally:
+            looks.release()
+    monkeypatch.setattr(launch, "server_starting", server_starting)
+    args = (([path],), {"start": False}) if how == "start=False" else ((), {})
+    result: dict = {}
+
+    def rank():
+        try:
+            result["store"] = connect(sock, *args[0], start_timeout=60, **args[1])
+        except BaseException as e:     # noqa: BLE001  (asserted on below)
+            result["error"] = e
+    mark = launch.announce_starting(sock)    # a server starting there (not listening yet)
+    server = None
+    t = threading.Thread(target=rank)
+    try:
+        t.start()
+        for _ in range(2):             # it looked at the mark twice: it waits
+            while not looks.acquire(timeout=0.05):
+                assert t.is_alive(), f"connect() did not wait: {result}"
+        assert t.is_alive(), f"connect() did not wait: {result}"
+        server = serve_in_background([path], sock)
+        launch.started(mark)
+        mark = None
+        t.join(60)
+        assert not t.is_alive() and "store" in result, result
+        with result["store"] as store:
+            assert store.server_pid == os.getpid()
+            keys = run_keys(1, 2)
+            assert store.put_run(keys, run_data(keys)) == 2
+    finally:
+        if mark is not None:
+            launch.started(mark)
+        t.join(60)
+        if result.get("store") is not None:
+            result["store"].close()
+        if server is not None:
+            server.stop()
+
+
+def test_a_rank_waiting_for_a_server_that_never_listens_is_told_so(tmp_path):
+    """The wait above is bounded by start_timeout; its error names the socket."""
+    from kvblock.errors import ServerError
+    from kvblock.store import launch
+
+    sock = str(tmp_path / "kv.sock")
+    mark = launch.announce_starting(sock)
+    try:
+        with pytest.raises(ServerError, match="has not listened after 0.2 s") as e:
+            connect(sock, start_timeout=0.2)
+        assert sock in str(e.value)
+    finally:
+        launch.started(mark)
+
+
 def test_a_server_in_a_removed_working_directory_serves_absolute_device_paths(
         tmp_path, monkeypatch):
     """hello's device paths took os.getcwd() for every path, absolute ones
