@@ -30,7 +30,8 @@ Data path (``interface_v1: 1``, the zero-copy calls).
     buffer (one read, its I/Os in flight together) and copies its pages into
     the pool in one pass.  That one copy per direction is the
     page-major -> layer-major transposition; nothing else is copied.  Runs
-    are cut at ``max_run_bytes`` (the staging memory of the calling thread).
+    are cut at ``max_run_bytes`` (the staging memory of the calling thread),
+    and runs written at what one of the store's regions holds.
     Pages already stored are not written again (one vectorised index probe
     per call) but marked as just used for LRU eviction.  Supported pool layouts: ``page_first``,
     ``page_first_direct``, ``layer_first`` and ``page_unified`` (MLA; MHA with
@@ -503,6 +504,12 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             store = self._open_own(geometry)
         self.pages, self.store = pages, store
         self.run_blocks = run_blocks
+        # A run written is at most one of the store's regions: a longer one
+        # the store takes whole or not at all, and one it cannot hold at
+        # once (a small store, max_run_bytes raised) it refuses every time
+        # (StoreFullError); SGLang's pages are keyed one by one, so shorter
+        # runs lose nothing.  (Reads have no such limit.)
+        self.write_blocks = max(1, min(run_blocks, store.max_run_blocks))
         logger.info("kvblock: SGLang L3 on %s (%s, %s layout, %d pages per run)",
                     self.devices, geometry.describe(), pages.host_layout, run_blocks)
 
@@ -611,7 +618,7 @@ class KVBlockHiCacheStorage(HiCacheStorage):
     def _write_pages(self, pages: PoolPages, kbs: list[bytes], page_ids: list[int],
                      stored: np.ndarray | None = None,
                      clears: tuple[int, str] | None = None) -> int:
-        """Store ``pages``' pages ``page_ids`` as runs of at most run_blocks
+        """Store ``pages``' pages ``page_ids`` as runs of at most write_blocks
         (kvblock.tensors.save_blocks: one vectorised gather per layer into the
         store's staging, one write per run); returns the pages the store
         wrote, not those admission declined (raises on failure), and records
@@ -625,9 +632,9 @@ class KVBlockHiCacheStorage(HiCacheStorage):
         layout = pages.cache_layout()
         clears = self._clear_mark() if clears is None else clears
         try:
-            for start in range(0, len(kbs), self.run_blocks):
-                keys = kbs[start:start + self.run_blocks]
-                ids = page_ids[start:start + self.run_blocks]
+            for start in range(0, len(kbs), self.write_blocks):
+                keys = kbs[start:start + self.write_blocks]
+                ids = page_ids[start:start + self.write_blocks]
                 if self._cleared_since(clears):
                     raise _BackupCleared
                 n = save_blocks(self.store, keys, layout, ids)
@@ -971,7 +978,8 @@ class KVBlockHiCacheStorage(HiCacheStorage):
             todo = np.nonzero(~self._pool_present(t.name, keys, backup=True))[0].tolist()
             if not todo:
                 return [True] * len(keys)
-        per_run = max(1, self.max_run_bytes // (nb * bb))
+        # (pages whose blocks fit one region: see write_blocks)
+        per_run = max(1, min(self.max_run_bytes // (nb * bb), self.write_blocks // nb))
         page = None if not load else pool.get_dummy_flat_data_page()  # the pool copies from it
         got = written = 0
         t0 = time.perf_counter()

@@ -292,6 +292,45 @@ def test_runs_are_cut_and_stored_pages_not_rewritten(file_target, backends):
     assert all(torch.equal(pool.page_bytes(20 + i), want[i]) for i in range(10))
 
 
+@pytest.mark.parametrize("call", ["v1", "flat", "v2"])
+def test_a_run_longer_than_the_store_holds_is_cut_to_fit(file_target, backends, call):
+    """max_run_bytes beyond what the store holds at once (a small store, or
+    the setting raised): the store refuses such a run whole (StoreFullError:
+    its pieces would evict one another), so every backup of that many pages
+    failed, call after call.  Runs are cut to what one region holds: the
+    backup is stored, its latest pages evicting the store's oldest."""
+    from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+
+    pool = HostPool(head_dim=1024, page_size=64, pages=24)     # 1.5 MiB pages
+    backend = attach(pool, [file_target(32 << 20)])             # 64M runs by default
+    backends.append(backend)
+    keys = keys_for("big", 20)                                  # more than it holds at once
+    if call == "v2":
+        states = StatePool(slots=20, state_bytes=3 << 20)       # 2 blocks a page
+        backend.register_mem_host_pool_v2(states, PoolName.INDEXER)
+        want = states.buf.clone()
+        out = backend.batch_set_v2([PoolTransfer(name=PoolName.INDEXER, keys=keys,
+                                                 host_indices=torch.arange(20))])
+        assert out == {"indexer": [True] * 20}
+        states.buf.zero_()
+        tail = [PoolTransfer(name=PoolName.INDEXER, keys=keys[-2:],
+                             host_indices=torch.arange(18, 20))]
+        assert backend.batch_get_v2(tail) == {"indexer": [True, True]}
+        assert torch.equal(states.buf[18:], want[18:])
+        return
+    want = [pool.page_bytes(p) for p in range(17, 20)]
+    if call == "v1":
+        assert backend.batch_set_v1(keys, pool.token_indices(range(20))) == [True] * 20
+    else:
+        pages = [pool.page_bytes(p).view(pool.dtype).reshape(-1) for p in range(20)]
+        assert backend.batch_set(keys, pages) is True
+    # the latest pages are stored (the earliest made room for them)
+    assert backend.batch_exists(keys[-3:]) == 3
+    pool.randomize(1)
+    assert backend.batch_get_v1(keys[-3:], pool.token_indices([21, 22, 23])) == [True] * 3
+    assert all(torch.equal(pool.page_bytes(21 + i), want[i]) for i in range(3))
+
+
 def test_clear_and_metrics(file_target, backends):
     pool = HostPool()
     backend = attach(pool, [file_target()])
