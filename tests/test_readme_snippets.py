@@ -83,6 +83,22 @@ def test_every_environment_variable_kvblock_reads_is_in_the_readme():
         "named in README.md, read nowhere"
 
 
+def test_every_knob_the_tests_and_benchmarks_read_is_in_the_readme():
+    """The suite's own KVBLOCK_* settings (longer hunts: more examples, more
+    kill rounds) are named in README.md too, or nobody finds the knob:
+    KVBLOCK_SERVE_KILL_ROUNDS, beside the documented KVBLOCK_KILL_ROUNDS,
+    was not."""
+    root = Path(__file__).resolve().parents[1]
+    read = set()
+    for d in ("tests", "perf"):
+        for path in (root / d).rglob("*.py"):
+            read |= set(re.findall(r"environ(?:\.get)?[(\[]\s*\"(KVBLOCK_\w+)\"",
+                                   path.read_text()))
+    assert {"KVBLOCK_KILL_ROUNDS", "KVBLOCK_MODEL_EXAMPLES"} <= read
+    documented = set(re.findall(r"KVBLOCK_[A-Z_]+[A-Z]", README))
+    assert read - documented == set(), "read by tests/ or perf/, not in README.md"
+
+
 def test_stats_row_puts_interval_and_address_under_prometheus():
     """--interval and --address shape the --prometheus exporter alone
     (without it, kvblock stats refuses them: exit 2), but README's row showed
