@@ -96,8 +96,9 @@ behind queued puts.
 
 Settings (``extra_config``)::
 
-    kvblock.devices: ["/dev/nvme1n1"]   # entries may use {worker_id} / {world_size},
-                                        # or map a worker id ("0", "1"...) to its list
+    kvblock.devices: ["/dev/nvme1n1"]   # entries may use {worker_id} / {world_size} /
+                                        # {local_worker_id}, or map a worker id ("0",
+                                        # "1"...) to its list
     kvblock.server: /run/kvblock/lm.sock  # optional: every worker shares one store on
                                         # kvblock.devices through `kvblock serve`
                                         # (started by the first worker to find none)

@@ -75,7 +75,7 @@ Keys.
 Devices.
     A kvblock store is opened exclusively, so by default every SGLang rank
     (its own process) needs its own device(s): ``devices`` entries may
-    contain ``{tp_rank}``, ``{pp_rank}``, ``{dp_rank}`` and ``{attn_cp_rank}``
+    contain ``{tp_rank}``, ``{tp_size}``, ``{pp_rank}``, ``{dp_rank}`` and ``{attn_cp_rank}``
     (e.g. ``"/dev/disk/by-id/nvme-kv-{tp_rank}"``), or ``devices`` may map a
     TP rank (as a string) to its list.  Pipeline stages share TP ranks, so
     with pp_size > 1 the paths (a dict's too) need ``{pp_rank}``.  Two ranks
