@@ -239,6 +239,19 @@ def _check_page_ids(layout: CacheLayout, page_ids, what: str) -> np.ndarray:
     return ids
 
 
+def _check_distinct(ids: np.ndarray) -> None:
+    """A load's page ids name each page once: two blocks loaded into one
+    page leave one of them lost while the load counts both (which one
+    lands depends on the pieces' order; on a GPU index_put_ defines none)."""
+    uniq, counts = np.unique(ids, return_counts=True)
+    if uniq.size < ids.size:
+        dup = uniq[counts > 1][0]
+        a, b = np.nonzero(ids == dup)[0][:2].tolist()
+        raise ConfigError(f"load: page id {int(dup)} is given for keys {a} and {b}: a page "
+                          "holds one block, so one of them would not be in the cache; pass "
+                          "one page per key")
+
+
 class LoadTimeoutError(KVBlockError, TimeoutError):
     """A load (or one of its layers) was not done within the timeout given
     to :meth:`LoadHandle.wait` / :meth:`LoadHandle.wait_layer`; it goes on."""
@@ -383,6 +396,7 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
     if len(page_ids) < len(keys):
         raise ConfigError(f"load: {len(keys)} keys but only {len(page_ids)} page ids")
     page_ids = _check_page_ids(layout, page_ids[:len(keys)], "load")
+    _check_distinct(page_ids)
     job_class = _job_class(store, layout)      # before pinning: it may raise
     segs = None
     try:        # (a KeyboardInterrupt between the pinning and the job, too)

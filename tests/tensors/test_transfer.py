@@ -181,6 +181,30 @@ def test_page_ids_outside_the_cache_are_refused(path):
         assert store.stats()["runs"] == 1
 
 
+def test_a_load_into_one_page_twice_is_refused_up_front(path):
+    """Two keys given one cache page: the load wrote both blocks into it
+    and reported both loaded, so the model attended to one block's KV at
+    the other's positions too (which block landed depended on the pieces'
+    order, and on a GPU index_put_ with repeated indices defines none).
+    Refused before anything is pinned or written; a save from one page
+    twice stays allowed (it only reads the page)."""
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    with _store(path, geom()) as store:
+        assert save_blocks(store, [b"d0", b"d1", b"d2"], VLLMLayout(src), [1, 1, 3]) == 3
+        dst = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        for ids in ([2, 2, 0], np.array([0, 2, 2], np.int32), torch.tensor([3, 0, 3])):
+            with pytest.raises(ConfigError, match=r"load: page id (2|3) is given for keys "
+                                                  r"(0 and 1|1 and 2|0 and 2)"):
+                load_blocks(store, [b"d0", b"d1", b"d2"], VLLMLayout(dst), ids)
+        assert not any(d.any() for d in dst)
+        assert store.regions.pins.sum() == 0
+        # ids past the keys are not the load's: a repeat there is no clash
+        assert load_blocks(store, [b"d0", b"d1"], VLLMLayout(dst), [2, 0, 2]).wait() == 2
+        for layer in range(L):
+            assert torch.equal(dst[layer][:, [2, 0]].view(torch.int16),
+                               src[layer][:, [1, 1]].view(torch.int16))
+
+
 def test_tp_rank_and_size_must_be_integers(path):
     """tp_size=2.0 (a number read from a JSON config) passed every check,
     pinned and read the runs, then failed in the scatter thread with numpy's
