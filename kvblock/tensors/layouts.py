@@ -87,6 +87,10 @@ class CacheLayout:
         """One of the cache's arrays (for dtype and device)."""
         return self.layer_views(0)[0]
 
+    def pages_note(self, page: int, what: str) -> str:
+        """Why ``page`` (past the cache's pages) is none, for the error."""
+        return ""
+
     def check(self, geometry, heads: int | None = None) -> None:
         """Raise ConfigError unless this cache fits ``geometry`` (``heads``: the
         heads this cache holds, fewer than the geometry's under tensor parallelism)."""
@@ -270,6 +274,20 @@ class HFDynamicLayout(CacheLayout):
         make = lambda: torch.zeros(1, heads, tokens, head_dim, dtype=dtype, device=device)  # noqa: E731
         return cls([make() for _ in range(num_layers)], [make() for _ in range(num_layers)],
                    block_tokens)
+
+    def pages_note(self, page: int, what: str) -> str:
+        # Only whole blocks are pages: a cache of 3 blocks and 5 tokens
+        # read as "page 3 is outside the cache's 3 pages", naming neither
+        # the tokens left over nor that a partial block is never stored.
+        bt, whole = self.block_tokens, self.tokens // self.block_tokens
+        rest = self.tokens - whole * bt
+        note = f" (its {self.tokens} tokens hold {whole} whole {bt}-token blocks"
+        if rest:
+            note += f"; the last {rest} tokens are a partial block, which is not stored"
+        if what == "save":
+            pages = f"pages 0-{whole - 1}" if whole else "none yet"
+            return note + f": save whole blocks only, a key per whole block ({pages}))"
+        return note + f": page {page} needs a cache of at least {(page + 1) * bt} tokens)"
 
     def layer_views(self, layer):
         out = []

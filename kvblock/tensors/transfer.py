@@ -235,7 +235,8 @@ def _check_page_ids(layout: CacheLayout, page_ids, what: str) -> np.ndarray:
     pages = layout.layer_views(0)[0].shape[0]
     if ids.size and (ids.min() < 0 or ids.max() >= pages):
         bad = int(ids[(ids < 0) | (ids >= pages)][0])
-        raise ConfigError(f"{what}: page id {bad} is outside the cache's {pages} pages")
+        note = layout.pages_note(bad, what) if bad >= 0 else ""
+        raise ConfigError(f"{what}: page id {bad} is outside the cache's {pages} pages{note}")
     return ids
 
 

@@ -384,6 +384,33 @@ def test_hf_dynamic_cache_round_trip(path, monkeypatch, dim):
             assert not d[:, :, 3 * BS:].any()     # the tail past the pages is untouched
 
 
+def test_the_partial_last_block_of_a_hf_cache_is_refused_naming_it(path):
+    """A DynamicCache of 3 blocks and 5 tokens pages only its 3 whole
+    blocks: a save of page 3 (the 5 tokens) was refused as 'page id 3 is
+    outside the cache's 3 pages', naming neither the tokens left over nor
+    that a partial block is never stored.  The error says both, and how
+    many tokens a load's cache needs for the page."""
+    g = Geometry(L, 2, 64, "float32", BS)
+    tokens = 3 * BS + 5
+    src = HFDynamicLayout([torch.randn(1, 2, tokens, 64) for _ in range(L)],
+                          [torch.randn(1, 2, tokens, 64) for _ in range(L)], BS)
+    with _store(path, g) as store:
+        with pytest.raises(ConfigError, match=rf"save: page id 3 is outside the cache's 3 pages "
+                                              rf"\(its {tokens} tokens hold 3 whole {BS}-token "
+                                              rf"blocks; the last 5 tokens are a partial block, "
+                                              rf"which is not stored"):
+            save_blocks(store, [b"h0", b"h1", b"h2", b"h3"], src, [0, 1, 2, 3])
+        assert store.lookup([b"h0"]) == 0
+        assert save_blocks(store, [b"h0", b"h1", b"h2"], src, [0, 1, 2]) == 3
+        dst = HFDynamicLayout.empty(L, 2, 2 * BS + 1, 64, BS, torch.float32)
+        with pytest.raises(ConfigError, match=rf"load: page id 2 is outside the cache's 2 pages "
+                                              rf"\(its {2 * BS + 1} tokens hold 2 whole {BS}-token "
+                                              rf"blocks; .* page 2 needs a cache of at least "
+                                              rf"{3 * BS} tokens"):
+            load_blocks(store, [b"h0", b"h1", b"h2"], dst, [0, 1, 2])
+        assert not any(t.any() for t in dst.keys + dst.values)
+
+
 def test_loads_reuse_staging_memory(path, monkeypatch):
     """Later loads take earlier ones' staging buffers (no fresh memory to map
     and touch before their first layer); a failing scatter stage still hands
