@@ -91,16 +91,28 @@ class CacheLayout:
         """Why ``page`` (past the cache's pages) is none, for the error."""
         return ""
 
-    def check(self, geometry, heads: int | None = None) -> None:
+    def check(self, geometry, heads: int | None = None, tp_size: int | None = None) -> None:
         """Raise ConfigError unless this cache fits ``geometry`` (``heads``: the
-        heads this cache holds, fewer than the geometry's under tensor parallelism)."""
+        heads this cache holds, fewer than the geometry's under tensor
+        parallelism of ``tp_size`` ranks)."""
         want = (geometry.num_layers, geometry.kv_parts, geometry.block_tokens,
                 heads or geometry.num_kv_heads, geometry.head_dim)
         have = (self.num_layers, self.kv_parts, self.block_tokens, self.heads, self.head_dim)
         if want != have:
             names = ("layers", "kv_parts", "block_tokens", "heads", "head_dim")
-            diff = ", ".join(f"{n} {h} (store: {w})" for n, h, w in zip(names, have, want)
-                             if h != w)
+            # The heads wanted are a rank's share under TP (not the store's
+            # count), and a save wants every head (not one rank's)
+            shown = [str(w) for w in want]
+            if tp_size is None:
+                if self.heads < want[3]:
+                    shown[3] += "; save_blocks takes a cache of every head, not one rank's"
+            elif want[3] != geometry.num_kv_heads:
+                shown[3] = (f"{want[3]} per rank of its {geometry.num_kv_heads} at tp_size "
+                            f"{tp_size}")
+            elif self.heads < want[3]:
+                shown[3] += "; a tensor-parallel rank's cache: pass tp_rank and tp_size"
+            diff = ", ".join(f"{n} {h} (store: {label})"
+                             for n, h, w, label in zip(names, have, want, shown) if h != w)
             raise ConfigError(f"cache layout does not match the store's geometry: {diff}")
         x = self.sample()
         itemsize = x.element_size() if hasattr(x, "element_size") else x.itemsize

@@ -390,7 +390,7 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
     store._check_open()
     g = store.geometry
     g0, ng, h0, heads = _tp_plan(g, tp_rank, tp_size)
-    layout.check(g, heads=heads)
+    layout.check(g, heads=heads, tp_size=tp_size)
     _check_writable(layout)
     keys = normalize_keys(keys)
     page_ids = _page_id_array(page_ids, "load")

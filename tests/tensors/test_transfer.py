@@ -281,6 +281,33 @@ def test_layout_mismatch_is_a_clear_error(path):
             load_blocks(store, [b"x"], VLLMLayout(bad), [0], tp_rank=4, tp_size=4)
 
 
+def test_a_heads_mismatch_under_tensor_parallelism_names_the_ranks_share(path):
+    """A load for rank 0 of tp_size 2 into a cache of all 8 heads said
+    'heads 8 (store: 4)', calling the rank's share the store's head count
+    (it holds 8); a save from one rank's 4 heads said 'heads 4 (store: 8)'
+    without saying that a save takes every head."""
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    with _store(path, geom(groups=2)) as store:
+        save_blocks(store, [b"x"], VLLMLayout(src), [0])
+        with pytest.raises(ConfigError, match=r"heads 8 \(store: 4 per rank of its 8 at "
+                                              r"tp_size 2\)"):
+            load_blocks(store, [b"x"], VLLMLayout(src), [1], tp_rank=0, tp_size=2)
+        with pytest.raises(ConfigError, match=r"heads 8 \(store: 1 per rank of its 8 at "
+                                              r"tp_size 16\)"):
+            load_blocks(store, [b"x"], VLLMLayout(src), [1], tp_rank=3, tp_size=16)
+        half = [x[:, :, :, :H // 2] for x in src]
+        with pytest.raises(ConfigError, match=r"heads 4 \(store: 8; save_blocks takes a cache "
+                                              r"of every head"):
+            save_blocks(store, [b"y"], VLLMLayout(half), [0])
+        with pytest.raises(ConfigError, match=r"heads 4 \(store: 8; a tensor-parallel rank's "
+                                              r"cache: pass tp_rank and tp_size\)"):
+            load_blocks(store, [b"x"], VLLMLayout(half), [1])
+        # the rank's share of heads matches: only head_dim is named
+        with pytest.raises(ConfigError, match=r"geometry: head_dim 32 \(store: 16\)$"):
+            load_blocks(store, [b"x"], VLLMLayout([x[..., :H // 2, :].repeat(1, 1, 1, 1, 2)
+                                                   for x in src]), [1], tp_rank=1, tp_size=2)
+
+
 def test_layerwise_load_overlaps_io(path):
     """With a slow device, layer 0 is usable long before the last layer is read."""
     from kvblock.store.storeio import StoreIO
