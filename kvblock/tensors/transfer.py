@@ -225,6 +225,10 @@ def _page_id_array(page_ids, what: str) -> np.ndarray:
     if ids is None or ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)):
         raise ConfigError(f"{what}: page ids must be a 1-D sequence of integers (one cache "
                           f"page per key, in token order), got {type(page_ids).__name__}")
+    # an unsigned id past int64 would be cast to a negative one it never was
+    if ids.dtype.kind == "u" and ids.size and ids.max() > np.iinfo(np.int64).max:
+        raise ConfigError(f"{what}: page id {int(ids.max())} is outside any cache (page ids "
+                          "are below 2**63): pass the cache's page numbers")
     return ids.astype(np.int64, copy=False)
 
 

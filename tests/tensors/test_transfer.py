@@ -205,6 +205,19 @@ def test_a_load_into_one_page_twice_is_refused_up_front(path):
                                src[layer][:, [1, 1]].view(torch.int16))
 
 
+def test_an_unsigned_page_id_past_int64_is_named_as_given(path):
+    """A uint64 page id of 2**63 or more was cast to int64 and refused as a
+    negative id the caller never passed ('page id -9223372036854775807')."""
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    with _store(path, geom()) as store:
+        with pytest.raises(ConfigError, match=r"save: page id 9223372036854775809 is outside"):
+            save_blocks(store, [b"u0", b"u1"], VLLMLayout(src),
+                        np.array([0, 2**63 + 1], np.uint64))
+        with pytest.raises(ConfigError, match=r"load: page id 18446744073709551615 is outside"):
+            load_blocks(store, [b"u0"], VLLMLayout(src), np.array([2**64 - 1], np.uint64))
+        assert store.stats()["runs"] == 0
+
+
 def test_tp_rank_and_size_must_be_integers(path):
     """tp_size=2.0 (a number read from a JSON config) passed every check,
     pinned and read the runs, then failed in the scatter thread with numpy's
