@@ -18,13 +18,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblock.index.keys import KEY_BYTES
+from kvblock.index.keys import _ZERO_STANDIN, KEY_BYTES, key_begins
 from kvblock.index.table import FEW_KEYS, KeyTable, split_keys
 
 POS_BITS = 24                      # up to 16M blocks per run
 POS_MASK = (1 << POS_BITS) - 1
 MAX_RUN_ID = (1 << (63 - POS_BITS)) - 1  # run ids are sequential: 2^39 puts
 SUPERSEDED = bytes(KEY_BYTES)      # a superseded position's key in checkpoints
+# the key 0's stand-in (keys.py) as the table holds it: (low, high) words
+_STANDIN_WORDS = tuple(int.from_bytes(_ZERO_STANDIN[at:at + 8], "little") for at in (0, 8))
 
 
 @dataclass(eq=False)
@@ -224,6 +226,10 @@ class KeyIndex:
         mask = np.uint64((1 << (8 * len(prefix))) - 1)
         want = np.uint64(int.from_bytes(prefix, "little"))
         hit = (t.val >= 0) & ((t.lo & mask) == want)
+        # the key 0 is held under a stand-in: matched as the zeros given
+        slot = t._slot_of(*_STANDIN_WORDS)
+        if slot >= 0:
+            hit[slot] = key_begins(_ZERO_STANDIN, prefix)
         ids = np.unique(t.val[hit] >> POS_BITS)
         return [self.runs[i] for i in ids.tolist()]
 

@@ -38,6 +38,12 @@ def normalize_key(key) -> bytes:
     return _ZERO_STANDIN if key == _ZERO else key
 
 
+def key_begins(key: bytes, prefix: bytes) -> bool:
+    """Does the key stored as ``key`` begin with ``prefix`` as its caller
+    gave it?  The key 0 begins with zeros, not with its stand-in's bytes."""
+    return (_ZERO if key == _ZERO_STANDIN else key).startswith(prefix)
+
+
 def normalize_keys(keys: Iterable) -> list[bytes]:
     if isinstance(keys, (bytes, bytearray, memoryview, str)):
         # one key where a sequence of keys belongs: iterating it would make

@@ -16,6 +16,7 @@ from collections import OrderedDict
 import numpy as np
 
 from kvblock.errors import ConfigError
+from kvblock.index.keys import key_begins
 from kvblock.memory import HostBuffer
 from kvblock.units import size_setting
 
@@ -345,7 +346,7 @@ class HostTier:
         with self.lock:
             self.discards += 1
             keys = {k for seg in (self.probation, self.protected) for k in seg
-                    if k.startswith(prefix) and k not in keep}
+                    if key_begins(k, prefix) and k not in keep}
             # cut between two keys (the loop's back jump), the rest drop too
             # (a drop made again is a drop of nothing), then it is raised
             todo, interrupted = list(keys), None

@@ -616,6 +616,34 @@ def test_delete_prefix_removes_one_owners_runs_and_no_others(tmp_path, how):
         assert store.stats()["runs"] == 2
 
 
+@pytest.mark.parametrize("dram", [False, True])
+def test_delete_prefix_matches_the_key_zero_as_given_not_its_stand_in(tmp_path, dram):
+    """The key 0 (16 zero bytes) is held under a stand-in (a hash: zero
+    marks a superseded position, kvblock/index/keys.py).  delete_prefix()
+    matched the stand-in's bytes: a prefix of zeros left the key 0 stored,
+    and a prefix of the stand-in's first byte (0xe5) deleted it.  Alike
+    in the DRAM tier, the key there too and only there."""
+    from kvblock.index.keys import _ZERO_STANDIN
+
+    path = _store(tmp_path)
+    zero, other = [bytes(16)], _owned(b"\x00\x07", 0, 1)
+    with KVStore.open([path], host_cache_bytes=8 * GEOM.block_bytes if dram else 0) as store:
+        for keys in (zero, other):
+            assert store.put_run(keys, run_data(keys)) == 1
+        if dram:
+            store.evict(all=True)                  # held only in DRAM now
+        assert store.lookup(zero) == 1 and store.lookup(other) == 1
+        assert store.delete_prefix(_ZERO_STANDIN[:1]) == 0
+        assert store.lookup(zero) == 1
+        assert store.delete_prefix(b"\x00\x00") == 1
+        assert store.lookup(zero) == 0 and store.lookup(other) == 1
+        assert store.put_run(zero, run_data(zero)) == 1
+        if dram:
+            store.evict(all=True)
+        assert store.delete_prefix(bytes(8)) == 1
+        assert store.lookup(zero) == 0 and store.lookup(other) == 1
+
+
 @pytest.mark.parametrize("prefix", [b"", b"123456789", "0102", None])
 def test_delete_prefix_refuses_a_prefix_it_cannot_match(tmp_path, prefix):
     path = _store(tmp_path)
