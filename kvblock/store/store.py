@@ -827,6 +827,18 @@ class KVStore(Recovery, RunReader, RunWriter):
     def _put_began(self) -> int:
         return self._clears
 
+    def _stored_whole(self, keys: list[bytes]) -> bool:
+        # the probe and the count of _put_many's duplicate (device copies
+        # only: keys held in the DRAM tier alone are written)
+        self._check_open(writing=True)
+        if not keys:
+            return False
+        with self._lock:
+            whole = bool((self.index.lookup(keys) >= 0).all())
+        if whole:
+            self.counters.add("put_duplicate_runs")
+        return whole
+
     def _put_many(self, items: list, began: int | None = None) -> list[int]:
         """put_runs after its argument checks: (keys, blocks) pairs.  One run
         alone is published piece by piece (pieces of at most a region).

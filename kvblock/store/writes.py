@@ -173,6 +173,14 @@ class RunWriter(RunIO):
             items.append((keys, self._blocks_view(keys, data)))
         return self._put_many(items, began)
 
+    def _stored_whole(self, keys: list[bytes]) -> bool:
+        """Would put_run(keys, ...) be a duplicate (the store holds every
+        key)?  Then counted as put_run counts one (put_duplicate_runs):
+        save_blocks asks first, and gathers no pages for a run that is not
+        written.  False where the store cannot tell without a put (the
+        caller then puts, which decides)."""
+        return False
+
     def _put_began(self):
         """What a put notes as it begins, before its argument checks (a
         clear() from then on refuses it): passed to _put/_put_many."""

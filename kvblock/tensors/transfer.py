@@ -176,6 +176,10 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
 def _gather_and_put(store, keys, layout: CacheLayout, ids: np.ndarray) -> int:
     """save_blocks' copy of the pages into staging and its put_run."""
     g, n = store.geometry, len(keys)
+    if store._stored_whole(keys):
+        # put_run would write nothing (a duplicate, counted there): its
+        # pages are not copied for it
+        return n
     itemsize = g.itemsize
     G, Hg, BS, D, kv = g.head_groups, g.heads_per_group, g.block_tokens, g.head_dim, g.kv_parts
     spans = _spans(ids)

@@ -2860,3 +2860,42 @@ def test_pieces_for_a_cuda_cache_go_to_the_gpu_from_the_page_locked_staging(path
     outside = [(p, nb) for p, nb in sources
                if not any(lo <= p and p + nb <= hi for lo, hi in staging)]
     assert not outside, f"{len(outside)} of {len(sources)} copies from outside the staging"
+
+
+def test_a_save_of_keys_all_stored_gathers_nothing_and_counts_as_put_run(path, monkeypatch):
+    """A save whose every key the store holds is a duplicate: put_run writes
+    nothing and counts it in put_duplicate_runs.  Its pages are not copied
+    into staging first (a re-save of a stored prefix copied all its bytes
+    for nothing); what is stored and counted is put_run's all the same."""
+    nb = 8
+    src = [rand(2, nb, BS, H, D) for _ in range(L)]
+    other = [rand(2, nb, BS, H, D) for _ in range(L)]
+    keys = [f"dup{i}".encode() for i in range(4)]
+    with _store(path, geom()) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), [0, 1, 2, 3]) == 4
+        gathers = []
+        staging = store._staging
+
+        def counted(nbytes, purpose="staging"):
+            if purpose == "gather":
+                gathers.append(nbytes)
+            return staging(nbytes, purpose)
+        monkeypatch.setattr(store, "_staging", counted)
+        before = store.stats()
+        # other KV under the stored keys: a key names one KV, the stored one
+        assert save_blocks(store, keys, VLLMLayout(other), [4, 5, 6, 7]) == 4
+        assert save_blocks(store, keys[1:3], VLLMLayout(other), [5, 6]) == 2
+        assert gathers == []
+        after = store.stats()
+        assert after["put_duplicate_runs"] == before["put_duplicate_runs"] + 2
+        for name in ("put_runs", "put_blocks", "bytes_written", "admission_rejected_runs"):
+            assert after[name] == before[name], name
+        dst = [torch.zeros_like(s) for s in src]
+        assert load_blocks(store, keys, VLLMLayout(dst), [0, 1, 2, 3]).wait() == 4
+        for layer in range(L):
+            assert torch.equal(dst[layer][:, :4].view(torch.int16),
+                               src[layer][:, :4].view(torch.int16))
+        # one key not stored: the whole run is gathered and written, as before
+        assert save_blocks(store, keys[:2] + [b"new"], VLLMLayout(other), [4, 5, 6]) == 3
+        assert len(gathers) == 1
+        assert store.stats()["put_runs"] == after["put_runs"] + 1
