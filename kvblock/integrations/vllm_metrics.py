@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Callable
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -54,6 +55,34 @@ STATS_INTERVAL_S = 1.0
 # Counted where the reads happen: a store served to replicas counts none of
 # them (each replica reads the devices itself), so a replica reports its own
 # (its RemoteStore's stats()["client"]); they go on across a server restart.
+
+# The StoreStats that reports each store's own counters (by uuid) in this
+# process: two tiers of one vLLM on one served store both see the server's
+# counters, and vLLM's tiering manager sums its tiers' counters per label
+# (the store's uuid), so each would count every put twice.  The others
+# report their own reads and store failures only.  Weak: a StoreStats let
+# go of (a tier gone without close()) hands it on.
+_OWNERS: "dict[str, weakref.ref[StoreStats]]" = {}
+_OWNERS_LOCK = threading.Lock()
+
+
+def _claim(stats: "StoreStats", uuid: str) -> bool:
+    """Whether ``stats`` reports the counters of store ``uuid``: it does
+    when no other live StoreStats does (close() gives the claim up)."""
+    with _OWNERS_LOCK:
+        ref = _OWNERS.get(uuid)
+        owner = ref() if ref is not None else None
+        if owner is None:
+            _OWNERS[uuid] = weakref.ref(stats)
+            return True
+        return owner is stats
+
+
+def _release(stats: "StoreStats") -> None:
+    with _OWNERS_LOCK:
+        for uuid, ref in list(_OWNERS.items()):
+            if ref() is stats or ref() is None:
+                del _OWNERS[uuid]
 
 
 def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
@@ -86,7 +115,10 @@ class StoreStats:
         # from zero, also under the same pid (PID 1 in a container); a server
         # whose stats name no run is told by its pid alone.
         self._server = None
-        self._ticker = Periodic(self.refresh, interval, "kvblock-tier-stats")
+        # (weakly: a thread holding self would keep a StoreStats nobody
+        # closed, and its claim on the store's counters, for good)
+        ref = weakref.ref(self)
+        self._ticker = Periodic(lambda: _refresh(ref), interval, "kvblock-tier-stats")
 
     def refresh(self) -> None:
         """Take a snapshot now (the thread's step; tests call it)."""
@@ -109,8 +141,13 @@ class StoreStats:
             client = s.get("client")
             if isinstance(client, dict):
                 s = dict(s, **{n: client[n] for n in READ_COUNTERS if n in client})
+            own = None           # the tier's own counters only: another reports the store's
             if "uuid" in s:
                 self._labels = (str(s["uuid"]),)
+                if not _claim(self, self._labels[0]):
+                    own = {"store_failures"}
+                    if isinstance(client, dict):
+                        own.update(READ_COUNTERS)
                 server = (s.get("server_pid"), s.get("server_run"))
                 if server == (None, None):    # an in-process store: no server
                     server = None
@@ -139,10 +176,21 @@ class StoreStats:
                 # whose stats name no pid).
                 step = value - last if value >= last else value
                 self._reported[name] = value
+                if own is not None and name not in own:
+                    continue            # followed, so that a claim taken later goes on from here
                 if step or first:       # the first report makes every series exist
                     stats.increase_counter(PREFIX + name, step, labels)
             return stats
 
     def close(self) -> None:
-        """Stop the snapshot thread (a bounded wait: periodic.py)."""
+        """Stop the snapshot thread (a bounded wait: periodic.py); another
+        StoreStats of the store reports its counters from now on."""
         self._ticker.stop()
+        _release(self)
+
+
+def _refresh(ref) -> None:
+    """The snapshot thread's step: refresh() of the StoreStats, while it lives."""
+    stats = ref()
+    if stats is not None:
+        stats.refresh()

@@ -1542,6 +1542,47 @@ def test_metrics_of_a_served_store_count_this_replicas_reads():
     assert reported["vllm:kvblock_store_put_runs"] == 3 + 1     # the server's, restarted
 
 
+def test_metrics_of_two_tiers_on_one_served_store_count_its_counters_once():
+    """Two kvblock tiers of one vLLM on one served store (two entries of
+    secondary_tiers naming the same "server") each reported the server's
+    store-wide counters under the store's uuid, and vLLM's tiering manager
+    sums its tiers' counters per label (OffloadingConnectorStats.aggregate):
+    every put, eviction and checksum failure of the store counted twice.
+    One tier of a process reports a store's own counters; each reports its
+    own reads (its connection's, stats()["client"]) and store failures."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+    from kvblock.integrations.vllm_metrics import StoreStats
+
+    def snap(puts, gets, failures):
+        return {"uuid": "shared", "server_pid": 10, "server_run": "r", "put_runs": puts,
+                "evicted_blocks": 2 * puts, "get_blocks": 0, "blocks": 3 * puts,
+                "store_failures": failures,
+                "client": {"get_blocks": gets, "put_runs": 0, "engine": "uring"}}
+    rounds = [(snap(4, 5, 0), snap(4, 1, 1)), (snap(6, 7, 0), snap(6, 2, 1))]
+    tiers = [StoreStats(lambda i=i: rounds[at][i]) for i in range(2)]
+    for t in tiers:
+        t.close()                                # snapshots taken here
+    totals = {}
+    for at in range(len(rounds)):
+        merged = OffloadingConnectorStats()      # as TieringOffloadingManager.get_stats
+        for t in tiers:
+            t.refresh()
+            merged.aggregate(t.take())
+        for name, values in merged.data["data"].items():
+            if merged.data["types"][name] == "counter":
+                totals[name] = totals.get(name, 0) + values[("shared",)]
+            else:
+                totals[name] = values[("shared",)]
+    assert totals["vllm:kvblock_store_put_runs"] == 6
+    assert totals["vllm:kvblock_store_evicted_blocks"] == 12
+    assert totals["vllm:kvblock_store_get_blocks"] == 7 + 2      # each tier's own reads
+    assert totals["vllm:kvblock_store_store_failures"] == 1      # each tier's own
+    assert totals["vllm:kvblock_store_blocks"] == 18
+
+
 def test_metrics_go_on_past_a_snapshot_that_raises_something_unforeseen(caplog):
     """The snapshot thread's step catches the store's own errors; anything
     else (a bug, an error no caller foresaw) ended the thread: vLLM got no
