@@ -187,3 +187,43 @@ def test_every_error_the_errors_section_names_imports_from_where_it_says():
         where = importlib.import_module(module) if module else kvblock.errors
         assert isinstance(getattr(where, cls, None), type), f"{name} not in {where.__name__}"
         assert issubclass(getattr(where, cls), kvblock.KVBlockError), name
+
+
+def test_metrics_table_names_every_metric_kvblock_exports(tmp_path):
+    """README's metrics table lists each gauge and counter kvblock exports
+    (an in-process store with a DRAM tier, and ``kvblock stats --socket
+    --prometheus`` of a store server: its own numbers; the vLLM tier's are
+    these under vLLM's prefix, and its store_failures), each as its kind,
+    and nothing else.  Operators had no list: half the counters
+    (superseded_runs, cleared_puts, journal_bytes, the server's
+    connections_total...) were named nowhere."""
+    from kvblock import KVStore
+    from kvblock.cli.admin import _server_stats
+    from kvblock.metrics import StoreCollector
+    from kvblock.store.server import serve_in_background
+    from kvblock.store.store import COUNTERS
+    from tests.store.workload import small_store
+
+    section = README[README.index("### Metrics"):]
+    section = section[:section.index("\n## ")]
+    rows = re.findall(r"^\| `(\w+)` \| (gauge|counter) \|", section, re.MULTILINE)
+    documented = dict(rows)
+    assert len(documented) == len(rows), "a metric listed twice"
+
+    exported = {"store_failures": "counter"}   # the vLLM tier's own (vllm_metrics.py)
+
+    def add(collector):
+        for family in collector.collect():
+            # (a counter named ..._total is exported as one family without it)
+            name = family.name.removeprefix("kvblock_store_")
+            if family.type == "counter" and name + "_total" in documented:
+                name += "_total"
+            exported[name] = family.type
+
+    path = small_store(tmp_path / "kv.img")
+    with KVStore.open([path], host_cache_bytes=1 << 20) as store:
+        add(StoreCollector(store))
+    with serve_in_background([path], str(tmp_path / "kv.sock")):
+        add(StoreCollector(lambda: _server_stats(str(tmp_path / "kv.sock"))))
+    assert documented == exported
+    assert {n for n, kind in documented.items() if kind == "counter"} >= set(COUNTERS)
