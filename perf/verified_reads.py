@@ -70,9 +70,14 @@ def main(argv=None) -> int:
     ap.add_argument("--pool", default="256M", help="primary pool size (slots are reused)")
     ap.add_argument("--threads", type=int, default=8, help="tier worker threads")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="threads of the script's own (untimed) torch work "
+                         "(vllm_tier_vs_fs.torch_threads says why 1)")
     ap.add_argument("--pieces", default=f"{engine_mod.HASH_PIECE >> 10}K",
                     help="hash piece sizes to try for as-they-land, comma separated")
     args = ap.parse_args(argv)
+    if args.torch_threads < 1:
+        ap.error(f"--torch-threads must be at least 1, got {args.torch_threads}")
     mode_table = modes([parse_size(p) for p in args.pieces.split(",")])
     if args.target == "loop" and os.geteuid() != 0:
         ap.error("--target loop needs root (losetup)")
@@ -116,7 +121,8 @@ def main(argv=None) -> int:
     # Under run_guarded as the other loop-device scripts: a SIGTERM or SIGHUP
     # unwinds through the finally blocks that detach the loop device (--target
     # loop) and remove the store's folder, where it killed the process on the spot.
-    rc = fio_support.run_guarded("verified_reads", body)
+    with vt.torch_threads(args.torch_threads):
+        rc = fio_support.run_guarded("verified_reads", body)
     if rc is not None:
         return rc
     print(f"{args.gib:g} GiB of {args.slot} slots on a {args.target} in {args.where}, "

@@ -129,6 +129,22 @@ def page_aligned_pool(num_slots: int, slot: int) -> torch.Tensor:
 drop_caches = fs.drop_caches      # (verified_reads.py takes it from here)
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch on ``n`` threads while the script runs, then as it was.  The
+    script's own torch work (each wave's pool written, zeroed and checked) is
+    untimed, but torch's OpenMP workers busy-wait for a few ms after each op
+    (libgomp's active wait) into the timed loads: on the 2-core VM, a core the
+    tiers and the loop device's worker lacked (1 thread: kvblock's loads 15-27%
+    faster, the fs tier's 11-19%, in one process side by side)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def plan_jobs(total_slots: int, pool_slots: int, job_slots: int, pattern: str, seed: int):
     """[(keys, chunk_ids)]: every key once; slot of key i is i % pool_slots
     (adjacent) or a fixed permutation of it (scattered)."""
@@ -332,10 +348,15 @@ def main(argv=None) -> int:
                     help="kvblock tier verify (the fs tier checks nothing)")
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds per case (order alternates); medians are printed")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="threads of the script's own (untimed) torch work; more leave "
+                         "OpenMP workers spinning into the timed loads (default 1)")
     ap.add_argument("--no-fio", action="store_true",
                     help="skip fio's read of the same device (the load column's ceiling)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.torch_threads < 1:
+        ap.error(f"--torch-threads must be at least 1, got {args.torch_threads}")
     use_fio = not args.no_fio and shutil.which("fio") is not None
     args.loop_write_cache = fs.write_cache_arg(ap, args)
     if args.kvblock_target == "loop" and os.geteuid() != 0:
@@ -374,7 +395,8 @@ def main(argv=None) -> int:
                         "dropped_caches": all(r["dropped_caches"] for r in runs)})
                 del pool, base
 
-    rc = fs.run_guarded("vllm_tier_vs_fs", body)      # detaches loop devices on SIGTERM
+    with torch_threads(args.torch_threads):
+        rc = fs.run_guarded("vllm_tier_vs_fs", body)      # detaches loop devices on SIGTERM
     if rc is not None:
         return rc
     fs_impl = "C (fs_io_C)" if fs_io._HAS_FSIO_C else "pure Python (fs_io_C unavailable)"
@@ -382,14 +404,16 @@ def main(argv=None) -> int:
         print(json.dumps({"rows": rows, "fs_io": fs_impl, "pattern": args.pattern,
                           "verify": args.verify, "kvblock_target": args.kvblock_target,
                           "loop_write_cache": args.loop_write_cache,
-                          "job_slots": args.job_slots, "threads": args.threads}, indent=2))
+                          "job_slots": args.job_slots, "threads": args.threads,
+                          "torch_threads": args.torch_threads}, indent=2))
         return 0
     print(f"{args.gib:g} GiB per case, median of {args.rounds} rounds, "
           f"jobs of {args.job_slots} slots ({args.pattern}), "
           f"kvblock on a {args.kvblock_target}"
           f"{f' ({args.loop_write_cache})' if args.loop_write_cache else ''} "
           f"threads={args.threads} "
-          f"max_run_bytes={args.max_run_bytes} verify={args.verify}, "
+          f"max_run_bytes={args.max_run_bytes} verify={args.verify} "
+          f"torch_threads={args.torch_threads}, "
           f"fs tier: 16+16 threads, I/O {fs_impl}")
     if not all(r["dropped_caches"] for r in rows):
         print("warning: could not drop the page cache (not root?): loads may hit memory")

@@ -333,6 +333,44 @@ def test_vllm_tier_scripts_tell_which_key_a_slot_was_loaded_from(script, capsys,
     assert not list(Path("/dev/shm").glob("kvblock-verified-reads-*"))
 
 
+@pytest.mark.parametrize("script", ["vllm_tier_vs_fs.py", "verified_reads.py"])
+def test_vllm_tier_scripts_time_loads_with_torch_on_one_thread(script, capsys, monkeypatch):
+    """The scripts' own torch work (each wave's pool written, zeroed and
+    checked) is untimed, but it ran on torch's default threads, whose OpenMP
+    workers busy-wait after each op (libgomp's active wait) into the timed
+    loads: on the 2-core VM a core the tiers and the loop device lacked.
+    Torch runs on --torch-threads (1) while the script runs, as it was after."""
+    import torch
+
+    from kvblock.integrations.vllm import KVBlockTierManager
+
+    seen = []
+    real = KVBlockTierManager.submit_load
+
+    def submit_load(self, job):
+        seen.append(torch.get_num_threads())
+        return real(self, job)
+
+    monkeypatch.setattr(KVBlockTierManager, "submit_load", submit_load)
+    if script == "vllm_tier_vs_fs.py":
+        args = ["--gib", "0.02", "--rounds", "1", "--slots", "256K", "--locations", "shm",
+                "--pool", "8M", "--no-fio", "--json"]
+    else:
+        args = ["--gib", "0.02", "--slot", "256K", "--rounds", "1", "--threads", "2",
+                "--target", "file", "--where", "/dev/shm", "--pool", "8M"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_script(script, args, capsys)
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+        seen.clear()
+        run_script(script, [*args, "--torch-threads", "2"], capsys)
+        assert seen and set(seen) == {2}
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_first_layer_comparison_includes_hicachefile(capsys):
     """perf/first_layer_vs_peers.py says it compares SGLang's HiCacheFile too
     (perf/sglang_vs_hicachefile.py is here), but it looked for a driver that
