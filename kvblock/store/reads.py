@@ -121,6 +121,7 @@ class RunReader(RunIO):
             return [self._read_tiered_request(keys, dst) for keys, dst in targets]
         pinned: list = []
         counts = [0] * len(targets)
+        nbytes = [0] * len(targets)     # each request's bytes read (see _read_done)
         try:
             with self._lock:
                 for keys, _ in targets:
@@ -139,29 +140,34 @@ class RunReader(RunIO):
                         whole.append((i, run, part))
                         continue
                 if segs:
+                    tally = [0]
                     try:
-                        counts[i] = self._read_segs(segs, dst, None)
+                        counts[i] = self._read_segs(segs, dst, None, tally)
+                        nbytes[i] = tally[0]
                     except IOFailedError as e:
                         if not e.device_fault:
                             raise
                         counts[i] = 0        # (the run it hit is dropped)
             if together:
                 reads = [read for _, read in together]
+                got = [0] * len(reads)
                 try:
-                    oks = self._read_blocks_together(reads)
+                    oks = self._read_blocks_together(reads, got)
                 except IOFailedError as e:
                     if not e.device_fault:
                         raise
                     unreadable: set = set()    # run ids: requests sharing one drop it once
-                    oks = [self._read_alone(read, unreadable)   # which run was it?
-                           for read in reads]
-                for (i, read), ok in zip(together, oks):
+                    got = [0] * len(reads)
+                    oks = [self._read_alone(read, unreadable, got, j)   # which run was it?
+                           for j, read in enumerate(reads)]
+                for (i, read), ok, b in zip(together, oks, got):
                     counts[i] = read[3] if ok else 0
+                    nbytes[i] = b
             if whole:
-                self._read_whole_requests(whole, counts)
+                self._read_whole_requests(whole, counts, nbytes)
             for i, segs in enumerate(pinned):
                 if segs:
-                    counts[i] = self._read_done(segs, counts[i], None)
+                    counts[i] = self._read_done(segs, counts[i], None, nbytes[i])
                 else:
                     self.counters.add("miss_gets")
         except BaseException:
@@ -194,15 +200,17 @@ class RunReader(RunIO):
                 raise
             return 0
 
-    def _read_whole_requests(self, whole: list, counts: list) -> None:
+    def _read_whole_requests(self, whole: list, counts: list, nbytes: list) -> None:
         """get_runs' requests that are one whole run each, ``whole`` holding
         (request, run, destination): in one engine call (their I/O in flight
         together), again past a run that fails its checksums (count 0), and
         one by one after a device error, so that it fails only the request
-        whose run it hit (that run is dropped)."""
+        whose run it hit (that run is dropped).  Each request's count goes
+        in ``counts``, the bytes it read in ``nbytes``."""
         while whole:
+            read = [0] * len(whole)
             try:
-                got = self._read_whole_runs([(run, part) for _, run, part in whole])
+                got = self._read_whole_runs([(run, part) for _, run, part in whole], read)
             except IOFailedError as e:
                 if not e.device_fault:
                     raise
@@ -211,26 +219,32 @@ class RunReader(RunIO):
                     if run.run_id in unreadable:
                         counts[i] = 0        # met its device error already: dropped
                         continue
+                    one = [0]
                     try:
-                        counts[i] = run.nblocks if self._read_whole_runs([(run, part)]) else 0
+                        counts[i] = run.nblocks if self._read_whole_runs([(run, part)], one) else 0
+                        nbytes[i] = one[0]
                     except IOFailedError as e1:
                         if not e1.device_fault:
                             raise
                         unreadable.add(run.run_id)
                         self._read_failed(e1, [run])
                 return
-            for i, run, _ in whole[:got]:
-                counts[i] = run.nblocks
+            for (i, run, _), b in zip(whole[:got], read):
+                counts[i], nbytes[i] = run.nblocks, b
             whole = whole[got + 1:]       # whole[got] failed its checksums: dropped, count 0
 
-    def _read_alone(self, read, unreadable: set) -> bool:
-        """One :meth:`_read_blocks_together` item on its own; False when it
+    def _read_alone(self, read, unreadable: set, tally: list, j: int) -> bool:
+        """One :meth:`_read_blocks_together` item on its own (the bytes it
+        read added to ``tally[j]``); False when it
         meets a device error (the run it hit is dropped) or its run met one
         already (``unreadable``, run ids: counted and dropped once)."""
         if read[0].run_id in unreadable:
             return False
         try:
-            return self._read_blocks_together([read])[0]
+            one = [0]
+            ok = self._read_blocks_together([read], one)[0]
+            tally[j] += one[0]
+            return ok
         except IOFailedError as e:
             if not e.device_fault:
                 raise
@@ -284,6 +298,7 @@ class RunReader(RunIO):
         published = published.tolist()      # (ints for the tier; past the lock)
         in_host = [k in self.host for k in keys]
         done, fetched, hits, raced, from_host, device = 0, [], 0, 0, [], 0
+        read = [0]      # bytes read from the devices, by stretches whose pins held
         while done < n:
             if in_host[done]:
                 if self.host.read_into(keys[done], block_at(dst, done), at,
@@ -300,7 +315,7 @@ class RunReader(RunIO):
             # prefix; only a read that returns nothing at all is a miss.
             # (counted below, with the DRAM blocks, once the whole read
             # returns: a device error in a later stretch returns none)
-            got = self._read(keys[done:end], span(dst, done, end), only, done == 0, False)
+            got = self._read(keys[done:end], span(dst, done, end), only, done == 0, read)
             device += got
             if only is None:
                 fetched.extend(range(done, done + got))
@@ -313,7 +328,7 @@ class RunReader(RunIO):
         # DRAM hits count as blocks read, as the device's do
         self._host_hits_used(from_host)
         self.counters.add_each(host_hit_blocks=hits, device_hit_blocks=device,
-                               get_blocks=hits + device,
+                               get_blocks=hits + device, bytes_read=read[0],
                                get_bytes=(hits + device) * (g.group_block_bytes if only
                                                             else g.block_bytes))
         for k in fetched:
@@ -375,11 +390,12 @@ class RunReader(RunIO):
             return self._read(keys, dst, (layer, group))
         return self._read_tiered(keys, dst, (layer, group))
 
-    def _read(self, keys, dst, only, count_miss: bool = True, count: bool = True) -> int:
+    def _read(self, keys, dst, only, count_miss: bool = True, tally: list | None = None) -> int:
         """``count_miss``: count a read that finds nothing stored as a
         miss (False: the caller's read returned blocks from elsewhere).
-        ``count``: count the blocks read (False: the caller counts them,
-        once its whole read returns)."""
+        ``tally``: None, count the blocks and bytes read; else the caller
+        counts them, once its whole read returns (the bytes read, under
+        pins that held, are added to ``tally[0]``)."""
         segs = None
         try:
             with self._lock:
@@ -388,8 +404,9 @@ class RunReader(RunIO):
                 if count_miss:
                     self.counters.add("miss_gets")
                 return 0
-            done = self._read_segs(segs, dst, only)
-            return self._read_done(segs, done, only, count)
+            read = [0]
+            done = self._read_segs(segs, dst, only, read)
+            return self._read_done(segs, done, only, read[0], tally)
         except BaseException:
             # (a KeyboardInterrupt as the lock was let go, before the read's
             # try, too: nothing released the pins).  _unpin releases what is
@@ -402,9 +419,11 @@ class RunReader(RunIO):
                     raise
             raise
 
-    def _read_done(self, segs, done: int, only, count: bool = True) -> int:
-        """Unpin a read's segments and count it (``count``): ``done``
-        blocks, or 0 when the pins lapsed meanwhile."""
+    def _read_done(self, segs, done: int, only, nbytes: int, tally: list | None = None) -> int:
+        """Unpin a read's segments and count it: ``done`` blocks and
+        ``nbytes`` read from the devices (into ``tally[0]`` for the caller
+        to count, when it is given), or 0 when the pins lapsed meanwhile
+        (the read counts nothing but the lapse: what it read is not returned)."""
         try:
             held = self._unpin(segs)
         except BaseException:
@@ -415,18 +434,19 @@ class RunReader(RunIO):
             # been reused meanwhile, and unverified reads would not notice.
             self.counters.add("lapsed_pin_gets")
             return 0
-        if not count:
+        if tally is not None:
+            tally[0] += nbytes
             return done
         g = self.geometry
-        self.counters.add_each(get_blocks=done,
+        self.counters.add_each(get_blocks=done, bytes_read=nbytes,
                                device_hit_blocks=done,     # with a DRAM tier or not
                                get_bytes=done * (g.group_block_bytes if only else g.block_bytes))
         return done
 
-    def _read_segs(self, segs, dst, only) -> int:
+    def _read_segs(self, segs, dst, only, tally: list) -> int:
         """The pinned segments ``segs`` into ``dst``; how many leading blocks
         were read and verified (raises on a device error, after dropping the
-        run it hit)."""
+        run it hit).  The bytes read for them are added to ``tally[0]``."""
         if isinstance(dst, BlockList):
             dst.addresses()          # once: the per-run views below slice it
         done, i = 0, 0
@@ -442,11 +462,13 @@ class RunReader(RunIO):
                     break
                 whole.append((run, part))
             if whole:
+                read = [0] * len(whole)
                 try:
-                    got = self._read_whole_runs(whole)
+                    got = self._read_whole_runs(whole, read)
                 except IOFailedError as e:
                     self._read_failed(e, [run for run, _ in whole])
                     raise
+                tally[0] += sum(read)
                 done += sum(run.nblocks for run, _ in whole[:got])
                 if got < len(whole):
                     break
@@ -455,7 +477,7 @@ class RunReader(RunIO):
             run, pos, count, out_at = segs[i]
             try:
                 if not self._read_segment(run, pos, count,
-                                          span(dst, out_at, out_at + count), only):
+                                          span(dst, out_at, out_at + count), only, tally):
                     break
             except IOFailedError as e:
                 self._read_failed(e, [run])
@@ -473,11 +495,12 @@ class RunReader(RunIO):
             return False
         return self._is_image(self.layout(run.nblocks), part)
 
-    def _read_segment(self, run: Run, pos: int, count: int, dst, only) -> bool:
+    def _read_segment(self, run: Run, pos: int, count: int, dst, only, tally: list) -> bool:
         """Blocks pos..pos+count of ``run`` into ``dst`` ((layers, groups,
-        count, bytes) array, or a BlockList when ``only`` is None)."""
+        count, bytes) array, or a BlockList when ``only`` is None); the
+        bytes read are added to ``tally[0]``."""
         if self._straight_into(run, pos, count, dst, only):
-            return self._read_whole_runs([(run, dst)]) == 1
+            return self._read_whole_runs([(run, dst)], tally) == 1
         g = self.geometry
         lay = self.layout(run.nblocks)
         verify = self.verify == "always"
@@ -485,7 +508,8 @@ class RunReader(RunIO):
         if verify:
             window = self._verified_window(lay, pos, count, len(idx))
             if window is not None:
-                return self._read_blocks_verified(run, lay, pos, count, dst, idx, *window)
+                return self._read_blocks_verified(run, lay, pos, count, dst, idx, *window,
+                                                  tally=tally)
             lo, span = 0, lay.range_bytes         # range checksums need whole ranges
         else:
             lo, span = self._window(lay, pos, count)
@@ -502,7 +526,7 @@ class RunReader(RunIO):
         else:
             self.io.read(batch)
         self._scatter_window(buf.array, len(idx), lo, span, pos, count, dst)
-        self.counters.add("bytes_read", span * len(idx))
+        tally[0] += span * len(idx)
         return True
 
     def _scatter_window(self, buf: np.ndarray, nranges: int, lo: int, span: int, pos: int,
@@ -535,12 +559,13 @@ class RunReader(RunIO):
         return lo, span
 
     def _read_blocks_verified(self, run: Run, lay: RunLayout, pos: int, count: int, dst,
-                              idx: list, lo: int, span: int) -> bool:
+                              idx: list, lo: int, span: int, tally: list) -> bool:
         """Blocks pos..pos+count of ``run`` (ranges ``idx``) into ``dst``,
         verified without reading whole ranges: each range's aligned window
         [lo, lo + span) and the run's block digest trailer in one batch; the
         trailer against the index's checksum, each block handed out against
-        the trailer (kvblock/format/trailer.py)."""
+        the trailer (kvblock/format/trailer.py).  The bytes read are added
+        to ``tally[0]``."""
         g = self.geometry
         gbb = g.group_block_bytes
         nidx = len(idx)
@@ -553,7 +578,7 @@ class RunReader(RunIO):
             straight = data_at % self.alignment == 0
         dev, base = self.regions.address(run.region, run.offset)
         if straight and gbb % self.alignment == 0 and self.io.engine.mapped(dev):
-            return self._read_blocks_together([(run, lay, pos, count, dst, idx)])[0]
+            return self._read_blocks_together([(run, lay, pos, count, dst, idx)], tally)[0]
         buf = self._staging((0 if straight else span * nidx) + lay.trailer_bytes)
         if not straight:
             data_at = buf.address
@@ -576,8 +601,8 @@ class RunReader(RunIO):
             return False
         if not straight:
             self._scatter_window(buf.array, nidx, lo, span, pos, count, dst)
-        self.counters.add_each(bytes_read=span * nidx + lay.trailer_bytes,
-                               partial_verified_reads=1)
+        tally[0] += span * nidx + lay.trailer_bytes
+        self.counters.add("partial_verified_reads")
         return True
 
     def _readable_together(self, segs, dst):
@@ -606,7 +631,7 @@ class RunReader(RunIO):
             return None
         return run, lay, pos, count, part, list(range(g.ranges))
 
-    def _read_blocks_together(self, reads: list) -> list[bool]:
+    def _read_blocks_together(self, reads: list, tally: list) -> list[bool]:
         """Blocks of one or more runs straight into place, in one engine
         batch; ``reads`` holds (run, layout, pos, count, dst, ranges) items,
         ``dst`` a contiguous (ranges, count) array of blocks.  Each block and
@@ -614,7 +639,8 @@ class RunReader(RunIO):
         hashed on its own: out of a mapping as it is copied, while its bytes
         are in cache, else as it lands.  Then each run's blocks are checked
         against its trailer (:meth:`_blocks_match_trailer`).  Returns, per
-        item, whether its blocks are good."""
+        item, whether its blocks are good; the bytes read for item j (when
+        good) are added to ``tally[j]``."""
         gbb = self.geometry.group_block_bytes
         buf = self._staging(sum(lay.trailer_bytes for _, lay, *_ in reads))
         addrs, devs, offsets, lens, seeds = [], [], [], [], []
@@ -636,12 +662,13 @@ class RunReader(RunIO):
                                    np.arange(n, dtype=np.uint32),
                                    np.array(seeds, np.uint64)).tolist()
         oks, k, t = [], 0, 0
-        for run, lay, pos, count, dst, idx in reads:
+        for j, (run, lay, pos, count, dst, idx) in enumerate(reads):
             nb, tb = len(idx) * count, lay.trailer_bytes
             ok = self._blocks_match_trailer(run, buf.array[t:t + tb], sums[k + nb], idx, pos,
                                             count, sums[k:k + nb])
             if ok:
-                self.counters.add_each(bytes_read=nb * gbb + tb, partial_verified_reads=1)
+                tally[j] += nb * gbb + tb
+                self.counters.add("partial_verified_reads")
             oks.append(ok)
             k, t = k + nb + 1, t + tb
         return oks
@@ -664,18 +691,19 @@ class RunReader(RunIO):
             return False
         return True
 
-    def _read_whole_runs(self, parts: list) -> int:
+    def _read_whole_runs(self, parts: list, tally: list) -> int:
         """Whole runs straight into place (``parts``: (run, destination) pairs
         that passed :meth:`_straight_into`, all BlockLists or all arrays), in
         one engine call; with verification each range is its own checksum
         stream.  Returns how many leading runs were read and verified (a bad
-        run is dropped).  Built with numpy over all the runs at once."""
+        run is dropped); the bytes read for part j (when good) are added to
+        ``tally[j]``.  Built with numpy over all the runs at once."""
         verify = self.verify == "always"
         nr = self.geometry.ranges
         runs = [run for run, _ in parts]
         where = [self.regions.address(run.region, run.offset) for run in runs]
         if len(parts) * nr <= FEW_IOS and not isinstance(parts[0][1], BlockList):
-            return self._read_few_images(parts, where, verify)
+            return self._read_few_images(parts, where, verify, tally)
         devs = np.array([d for d, _ in where], dtype=np.uint32)
         bases = np.array([b for _, b in where], dtype=np.uint64)
         lays = [self.layout(run.nblocks) for run in runs]
@@ -705,10 +733,11 @@ class RunReader(RunIO):
             good = int(bad[0]) // nr if bad.size else len(parts)
             if bad.size:
                 self._checksum_failure(runs[good], int(bad[0]) % nr)
-        self.counters.add("bytes_read", sum(lay.data_bytes for lay in lays[:good]))
+        for j, lay in enumerate(lays[:good]):
+            tally[j] += lay.data_bytes
         return good
 
-    def _read_few_images(self, parts: list, where: list, verify: bool) -> int:
+    def _read_few_images(self, parts: list, where: list, verify: bool, tally: list) -> int:
         """_read_whole_runs of a few runs' images (at most FEW_IOS ranges in
         all: an LMCache chunk, a run of a few layers) with Python ints
         instead of numpy, whose per-call cost was ~70 us of a 2 MiB get."""
@@ -741,8 +770,8 @@ class RunReader(RunIO):
                 bad = _first_difference(sums, want)
                 good = bad // nr
                 self._checksum_failure(parts[good][0], bad % nr)
-        self.counters.add("bytes_read", sum(self.layout(run.nblocks).data_bytes
-                                            for run, _ in parts[:good]))
+        for j, (run, _) in enumerate(parts[:good]):
+            tally[j] += self.layout(run.nblocks).data_bytes
         return good
 
     def _verified(self, run: Run, sums: np.ndarray, want: np.ndarray, idx=None) -> bool:

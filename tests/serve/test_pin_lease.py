@@ -951,3 +951,37 @@ class _WakingLock:
 
     def __exit__(self, *exc):
         self.release()
+
+
+@pytest.mark.parametrize("shape", ["whole", "part", "get_runs"])
+def test_a_read_whose_pins_lapse_counts_no_bytes_read(tmp_path, monkeypatch, shape):
+    """The server goes away as a read releases its pins: the read is a miss
+    (0 blocks, lapsed_pin_gets), and counts no bytes_read either (README:
+    bytes read "for reads that returned their blocks"), as load_blocks does;
+    the helpers reading each run counted them before the pins were looked at."""
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    server = serve_in_background([path], sock)
+    try:
+        keys = run_keys(1, 4)
+        with RemoteStore(sock) as r:
+            r.put_run(keys, run_data(keys))
+            real = r._unpin
+
+            def server_gone_first(segs):
+                server.stop()
+                return real(segs)
+            monkeypatch.setattr(r, "_unpin", server_gone_first)
+            before = dict(r.counters)
+            n = 4 if shape != "part" else 2
+            out = np.zeros(n * r.geometry.block_bytes, np.uint8)
+            if shape == "get_runs":
+                assert r.get_runs([(keys, out)]) == [0]
+            else:
+                assert r.get_run(keys[:n], out) == 0
+            after = dict(r.counters)
+        assert after["lapsed_pin_gets"] == before["lapsed_pin_gets"] + 1
+        assert after["get_blocks"] == before["get_blocks"]
+        assert after["bytes_read"] == before["bytes_read"]
+    finally:
+        server.stop()

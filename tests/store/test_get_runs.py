@@ -83,8 +83,8 @@ def test_answers_as_get_run_and_reads_parts_of_runs_together(filled, monkeypatch
     together = []
     real = KVStore._read_blocks_together
     monkeypatch.setattr(KVStore, "_read_blocks_together",
-                        lambda self, reads: (together.append([r[0].run_id for r in reads]),
-                                             real(self, reads))[1])
+                        lambda self, reads, *a: (together.append([r[0].run_id for r in reads]),
+                                                 real(self, reads, *a))[1])
     with store:
         reqs = _requests(keys)
         outs = [_aligned(len(k) * geom.block_bytes) for k, _ in reqs]
@@ -117,7 +117,7 @@ def test_requests_that_cannot_go_together_read_as_get_run(filled, monkeypatch, g
     reads without verification, are read one request at a time."""
     store, keys, data = filled(geom, verify=verify)
     monkeypatch.setattr(KVStore, "_read_blocks_together",
-                        lambda self, reads: pytest.fail("read together"))
+                        lambda self, reads, *a: pytest.fail("read together"))
     with store:
         reqs = _requests(keys)
         outs = [np.zeros(len(k) * geom.block_bytes, np.uint8) for k, _ in reqs]
@@ -180,7 +180,7 @@ def test_whole_runs_are_read_in_one_engine_call_and_fail_alone(filled, monkeypat
     calls = []
     real = KVStore._read_whole_runs
     monkeypatch.setattr(KVStore, "_read_whole_runs",
-                        lambda self, parts: (calls.append(len(parts)), real(self, parts))[1])
+                        lambda self, parts, *a: (calls.append(len(parts)), real(self, parts, *a))[1])
     with store:
         if fault == "checksum":
             _flip(store, _run(store, keys[1][0]), 7 * geom.group_block_bytes)

@@ -1425,12 +1425,13 @@ def test_a_tiered_read_failed_by_a_device_error_counts_no_block(tmp_path):
         assert store.lookup(keys) == 4
         real = store._read_segs
 
-        def fail_on_c(segs, dst, only):
+        def fail_on_c(segs, dst, only, *rest):
             if any(run.key(0) == normalize_keys(c)[0] for run, _, _, _ in segs):
                 raise IOFailedError("injected EIO", path=str(path), errno=5, offset=0)
-            return real(segs, dst, only)
+            return real(segs, dst, only, *rest)
         store._read_segs = fail_on_c
-        names = ("get_blocks", "get_bytes", "host_hit_blocks", "device_hit_blocks")
+        names = ("get_blocks", "get_bytes", "host_hit_blocks", "device_hit_blocks",
+                 "bytes_read")
         before = [store.counters[n] for n in names]
         out = np.zeros(4 * GEOM.block_bytes, np.uint8)
         assert store.get_runs([(keys, out)]) == [0]
