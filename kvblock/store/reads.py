@@ -299,32 +299,36 @@ class RunReader(RunIO):
         in_host = [k in self.host for k in keys]
         done, fetched, hits, raced, from_host, device = 0, [], 0, 0, [], 0
         read = [0]      # bytes read from the devices, by stretches whose pins held
-        while done < n:
-            if in_host[done]:
-                if self.host.read_into(keys[done], block_at(dst, done), at,
-                                       since=published[done]):
-                    hits += 1
-                    from_host.append(keys[done])
-                    done += 1
-                    continue
-                raced += 1      # gone meanwhile: read_into counted its miss
-            end = done + 1
-            while end < n and not in_host[end]:
-                end += 1
-            # A stretch stored nowhere after blocks already read ends the
-            # prefix; only a read that returns nothing at all is a miss.
-            # (counted below, with the DRAM blocks, once the whole read
-            # returns: a device error in a later stretch returns none)
-            got = self._read(keys[done:end], span(dst, done, end), only, done == 0, read)
-            device += got
-            if only is None:
-                fetched.extend(range(done, done + got))
-            done += got
-            if done < end:
-                break
-        # the tier's misses: the blocks not taken from it, and the key that
-        # ended the prefix (the tier's hits read_into counted)
-        self.host.missed(min(done + 1, n) - hits - raced)
+        try:
+            while done < n:
+                if in_host[done]:
+                    if self.host.read_into(keys[done], block_at(dst, done), at,
+                                           since=published[done]):
+                        hits += 1
+                        from_host.append(keys[done])
+                        done += 1
+                        continue
+                    raced += 1      # gone meanwhile: read_into counted its miss
+                end = done + 1
+                while end < n and not in_host[end]:
+                    end += 1
+                # A stretch stored nowhere after blocks already read ends the
+                # prefix; only a read that returns nothing at all is a miss.
+                # (counted below, with the DRAM blocks, once the whole read
+                # returns: a device error in a later stretch returns none)
+                got = self._read(keys[done:end], span(dst, done, end), only, done == 0, read)
+                device += got
+                if only is None:
+                    fetched.extend(range(done, done + got))
+                done += got
+                if done < end:
+                    break
+        finally:
+            # the tier's misses: the blocks not taken from it, and the key that
+            # ended the prefix (the tier's hits read_into counted), also when a
+            # device error fails the read (at the key whose stretch it hit):
+            # the tier's counters count its lookups, as read_into its hits
+            self.host.missed(min(done + 1, n) - hits - raced)
         # DRAM hits count as blocks read, as the device's do
         self._host_hits_used(from_host)
         self.counters.add_each(host_hit_blocks=hits, device_hit_blocks=device,

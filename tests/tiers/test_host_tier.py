@@ -1442,3 +1442,54 @@ def test_a_tiered_read_failed_by_a_device_error_counts_no_block(tmp_path):
             "blocks of a read that returned none were counted"
         assert store.get_run(a, out[:2 * GEOM.block_bytes]) == 2   # a read that returns counts
         assert store.counters["get_blocks"] == before[0] + 2
+
+
+def test_a_tiered_read_failed_by_a_device_error_counts_its_tier_lookups(tmp_path):
+    """host_tier_hits / host_tier_misses count the DRAM tier's lookups
+    (README), whether the read they were part of returns or not: a read of
+    a (device) + b (DRAM only) + c (device, EIO) looked b up and found it
+    (read_into counted the hit at once), and a and c up and found them not;
+    the misses were counted only once the whole read returned, so a failed
+    read counted its hit and none of its misses (the hit ratio rose)."""
+    from kvblock.errors import IOFailedError
+
+    path = tmp_path / "kv.img"
+    create_file(path, 8 << 20)
+    a, b, c = run_keys(40, 2), run_keys(41, 1), run_keys(42, 1)
+    with KVStore.format([str(path)], GEOM, region_size=REGION,
+                        host_cache_bytes=8 * GEOM.block_bytes) as store:
+        store.put_run(b, run_data(b))
+        store.evict(all=True)                        # b: only in DRAM
+        store.put_run(a, run_data(a))
+        store.put_run(c, run_data(c))
+        for k in normalize_keys(a + c):              # a and c: on the device only
+            store.host.discard(k)
+        keys = a + b + c
+        out = np.zeros(4 * GEOM.block_bytes, np.uint8)
+
+        def lookups():
+            s = store.host.stats()
+            return s["host_tier_hits"], s["host_tier_misses"]
+        before = lookups()
+        assert store.get_run(keys, out) == 4         # a read that returns
+        hits, misses = (x - y for x, y in zip(lookups(), before))
+        assert (hits, misses) == (1, 3)
+        for k in normalize_keys(a + c):              # (the read put them in the tier)
+            store.host.discard(k)
+        real = store._read_segs
+
+        def fail_on_c(segs, dst, only, *rest):
+            if any(run.key(0) == normalize_keys(c)[0] for run, _, _, _ in segs):
+                raise IOFailedError("injected EIO", path=str(path), errno=5, offset=0)
+            return real(segs, dst, only, *rest)
+        store._read_segs = fail_on_c
+        try:
+            before = lookups()
+            with pytest.raises(IOFailedError):
+                store.get_run(keys, out)
+            assert tuple(x - y for x, y in zip(lookups(), before)) == (hits, misses)
+            before = lookups()
+            assert store.get_runs([(keys, out)]) == [0]
+            assert tuple(x - y for x, y in zip(lookups(), before)) == (hits, misses)
+        finally:
+            del store._read_segs
