@@ -300,7 +300,7 @@ class RemoteStore(RunReader, RunWriter):
         # A pin handle's release is checked and marked under this (no I/O
         # under it): two threads releasing one handle at once release it once.
         self._release_lock = threading.Lock()
-        self._inflight = InFlight("remote store is closed; connect again")
+        self._inflight = InFlight(self._closed_message())
         self._stagings = StagingBuffers()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         # fenced_writes: writes refused, their server gone
@@ -509,7 +509,7 @@ class RemoteStore(RunReader, RunWriter):
         stop = getattr(self, "_stop", None)    # (closed by close(): not a rank still opening)
         if self.closed and stop is not None and stop.is_set():
             lost = "" if s.gone == "remote store is closed" else f" (its connection: {s.gone})"
-            return StoreClosedError(f"remote store is closed; connect again{lost}")
+            return StoreClosedError(self._closed_message() + lost)
         if s.abandoned is not None:     # given up on here: the server may live on
             return ConnectionAbandonedError(s.gone)
         return ServerGoneError(s.gone)
@@ -724,8 +724,14 @@ class RemoteStore(RunReader, RunWriter):
 
     def _check_open(self, writing: bool = False):
         if self.closed:
-            raise StoreClosedError("remote store is closed; connect again")
+            raise StoreClosedError(self._closed_message())
         self._current()
+
+    def _closed_message(self) -> str:
+        """A closed rank's StoreClosedError: which server (a process may
+        hold ranks of several), and the fix."""
+        return (f"remote store is closed (server socket {self.socket_path}); connect "
+                f"again: RemoteStore({self.socket_path!r})")
 
     @property
     def server_alive(self) -> bool:

@@ -1829,3 +1829,27 @@ def test_a_ranks_stats_name_the_gpu_path_it_chose(tmp_path, monkeypatch):
             assert (client["gpu_path"], client["gpu_path_reason"]) == ("host", "KVBLOCK_GPU_PATH")
     finally:
         server.stop()
+
+
+def test_a_closed_rank_names_its_socket_and_the_fix(tmp_path, sock):
+    """A closed RemoteStore's calls said "remote store is closed; connect
+    again": which store (a process holds ranks of several servers) and how
+    to connect again went unsaid.  Every way a call meets the close names
+    the server's socket and RemoteStore(socket)."""
+    path = _store_file(tmp_path)
+    with serve_in_background([path], sock):
+        r = RemoteStore(sock)
+        keys = run_keys(0, 2)
+        r.put_run(keys, run_data(keys))
+        r.close()
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+        errors = []
+        for call in (lambda: r.lookup(keys),            # _check_open
+                     lambda: r.get_run(keys, out),      # a call in flight refused
+                     lambda: r._current()):             # its connection given up
+            with pytest.raises(StoreClosedError) as e:
+                call()
+            errors.append(str(e.value))
+    for message in errors:
+        assert "remote store is closed" in message, message
+        assert sock in message and f"RemoteStore({sock!r})" in message, message
