@@ -139,7 +139,9 @@ class UringEngine(IOEngine):
         _ENGINES[key] = weakref.ref(self, lambda _, key=key: _ENGINES.pop(key, None))
 
     def _ring(self) -> _Ring:
-        """This thread's ring, its lock held (released by _release)."""
+        """This thread's ring, its lock held (released by _release; the
+        caller registers its buffers, sync_buffers, inside the try whose
+        finally releases it)."""
         holder = getattr(self._local, "holder", None)
         ring = holder.ring if holder is not None else None
         if ring is not None and ring.pid == os.getpid():
@@ -161,7 +163,6 @@ class UringEngine(IOEngine):
             ring.lock.acquire()
             with self._rings_lock:
                 self._rings.append(ring)
-        ring.sync_buffers()
         return ring
 
     def _release(self, ring: _Ring) -> None:
@@ -227,6 +228,9 @@ class UringEngine(IOEngine):
         try:
             if ring.handle is None:   # destroyed by close(): the native call would crash
                 raise ConfigError("uring engine is closed")
+            # in the try: an error registering (no memory, a Ctrl-C) left the
+            # lock held, and close() waited for it for good
+            ring.sync_buffers()
             p = native.ptr
             ret = native.lib().kvb_ring_run(
                 ring.handle, op, len(batch), p("uint64_t *", batch.addrs),

@@ -1358,3 +1358,37 @@ def _file_of_a_pattern(file_target, size: int):
     with open(path, "r+b") as f:
         f.write(data.tobytes())
     return path, data
+
+
+@pytest.mark.parametrize("ring", ["new", "reused"])
+def test_a_failure_registering_buffers_leaves_the_ring_unlocked(file_target, monkeypatch,
+                                                                ring):
+    """_ring() hands the ring over locked and registered this thread's
+    buffers after taking the lock, outside _run's try: an error there (no
+    memory for the arrays, a Ctrl-C) left the lock held, and close() then
+    waited for it for good (tested here by the lock, not by a close that
+    would hang)."""
+    from kvblock.io import uring
+
+    if not probe()[0]:
+        pytest.skip("io_uring unavailable")
+    with Device(file_target(MIB)) as dev, HostBuffer(4096) as buf:
+        eng = open_engine([dev], "uring")
+        try:
+            if ring == "reused":
+                eng.read(IOBatch.single(buf.address, 0, 0, 4096))
+
+            def no_memory(self):
+                raise MemoryError("injected")
+            monkeypatch.setattr(uring._Ring, "sync_buffers", no_memory)
+            with pytest.raises(MemoryError):
+                eng.read(IOBatch.single(buf.address, 0, 0, 4096))
+            monkeypatch.undo()
+            assert eng._rings and not any(r.lock.locked() for r in eng._rings), \
+                "a ring's lock held after a failed batch"
+            eng.read(IOBatch.single(buf.address, 0, 0, 4096))   # the thread goes on
+        finally:
+            for r in eng._rings:            # (failing: close() would wait for good)
+                if r.lock.locked():
+                    r.lock.release()
+            eng.close()
