@@ -827,3 +827,39 @@ def test_a_clear_during_a_puts_argument_checks_refuses_the_put(tmp_path, call):
         finally:
             BlockList.of = real_of
         assert got == 0 and store.lookup(keys) == 0
+
+
+def test_delete_finds_the_runs_of_its_keys_in_one_lookup(tmp_path):
+    """delete() found the runs of its keys with a Python call of
+    index.locate per key under the store's lock (half a second for 100k
+    keys: every read and put waited); one vectorised lookup finds the same
+    runs: each run holding a key asked for (its newest copy: not an older
+    run a newer one took the key from), the key 0 (stored under a stand-in),
+    keys asked twice, keys stored nowhere."""
+    with KVStore.open([_store(tmp_path)]) as store:
+        runs = [run_keys(i, 3) for i in range(6)]
+        runs[5] = [bytes(16)] + runs[5][1:]               # the key 0
+        for keys in runs:
+            store.put_run(keys, run_data(keys))
+        newer = run_keys(90, 1) + runs[1][1:2]           # takes runs[1]'s second key
+        store.put_run(newer, run_data(newer))
+        asked = (runs[0][2:] + runs[1][1:2] + [0] + runs[3] + runs[3][:1]
+                 + run_keys(99, 2))
+        with store._lock:
+            want = {hit[0].run_id for k in normalize_keys(asked)
+                    if (hit := store.index.locate(k)) is not None}
+        assert len(want) == 4                            # runs 0, 3, 5 and the newer one
+        before = set(store.index.runs)
+        looked_up = []
+        real = store.index.locate
+        store.index.locate = lambda key: (looked_up.append(key), real(key))[1]
+        try:
+            removed = store.delete(asked)
+        finally:
+            del store.index.locate
+        assert set(store.index.runs) == before - want
+        assert removed == 3 + 3 + 3 + 2                  # runs[1] keeps its other keys
+        assert store.lookup(runs[1][:1]) == 1 and store.lookup(runs[2]) == 3
+        assert store.lookup(runs[1][1:2]) == 0
+        assert looked_up == [], "delete() called index.locate once per key"
+
