@@ -451,3 +451,30 @@ def test_a_clear_ticket_answer_not_a_ticket_is_refused(served, monkeypatch, answ
     with RemoteStore(sock) as r:
         with pytest.raises(ServerError, match="answered clear_ticket"):
             r.clear_ticket()
+
+
+def test_a_lookup_decodes_its_keys_outside_the_store_lock(tmp_path, monkeypatch):
+    """_op_lookup took the store's lock around KVStore.lookup, which takes
+    it itself for the index probe (a server's store has no DRAM tier, so
+    that probe is the whole answer): the decoding and normalizing of every
+    key, and the counting, held up every other rank's reads and puts for
+    nothing.  The answer is the same."""
+    from kvblock.store import server as server_mod
+    from tests.serve.test_serve import _store_file
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock) as server:
+        held = []
+        real = server_mod.decode_keys
+
+        def decode(keys):
+            held.append(server.store._lock._is_owned())
+            return real(keys)
+        monkeypatch.setattr(server_mod, "decode_keys", decode)
+        with RemoteStore(sock) as r:
+            keys = run_keys(3, 4)
+            r.put_run(keys[:3], run_data(keys[:3]))
+            held.clear()
+            assert r.lookup(keys) == 3 and r.lookup(keys[3:]) == 0
+        assert held == [False, False], held
