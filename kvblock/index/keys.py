@@ -29,6 +29,10 @@ def normalize_key(key) -> bytes:
         key = bytes(key)
         if len(key) != KEY_BYTES:
             return xxhash.xxh3_128_digest(key)
+    elif isinstance(key, (bool, np.bool_)):
+        # (an int to Python: True was stored as the key 1)
+        raise ConfigError(f"block keys must be bytes, str or int, got bool ({key}): a flag "
+                          "passed where the keys belong; pass the block's hash or id")
     elif isinstance(key, (int, np.integer)):
         key = (int(key) & ((1 << 128) - 1)).to_bytes(KEY_BYTES, "little")
     elif isinstance(key, str):

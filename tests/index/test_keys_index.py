@@ -732,3 +732,14 @@ def test_a_put_interrupted_at_any_line_keeps_the_table_and_its_counts(batch):
         got = table.get(nlo, nhi)
         assert ((got == np.arange(batch) + 5000) | (got == -1)).all(), where
     assert len(fired) > 20, len(fired)
+
+
+@pytest.mark.parametrize("bad", [True, False, np.bool_(True)])
+def test_a_bool_key_is_config_error_not_the_key_1_or_0(bad):
+    """True passed the int check (bool is an int) and was stored as the
+    key 1 (False as the key 0): a bool key is a caller's bug (a flag passed
+    where the keys belong), refused by name, in a sequence too."""
+    with pytest.raises(ConfigError, match="bool"):
+        normalize_key(bad)
+    with pytest.raises(ConfigError, match="bool"):
+        normalize_keys([1, bad])
