@@ -121,7 +121,11 @@ class RunWriter(RunIO):
         (any dtype) of ``len(keys) * geometry.block_bytes`` bytes shaped or
         viewable as ``(num_layers, head_groups, len(keys), group_block_bytes)``.
         Returns the number of blocks written (0 when admission declined the
-        run).  Runs longer than a region are split into several runs.
+        run).  Runs longer than a region are split into several runs
+        (pieces), each published once written: a put that fails part way (a
+        device error; for a RemoteStore, its server gone) raises with the
+        pieces before it stored, a leading part of ``keys`` that ``lookup``
+        finds (putting the run again stores it whole).
         """
         self._check_open(writing=True)
         began = self._put_began()

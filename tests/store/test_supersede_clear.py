@@ -863,3 +863,33 @@ def test_delete_finds_the_runs_of_its_keys_in_one_lookup(tmp_path):
         assert store.lookup(runs[1][1:2]) == 0
         assert looked_up == [], "delete() called index.locate once per key"
 
+
+def test_a_long_put_that_fails_part_way_keeps_its_earlier_pieces(tmp_path):
+    """A run longer than a region is put as several runs (pieces), each
+    published as it is written: a device error in a later piece raises, and
+    the pieces before it stay stored and readable (put_run's docstring and
+    README say so); putting the run again stores it whole."""
+    from kvblock.errors import IOFailedError
+
+    with KVStore.open([_store(tmp_path)]) as store:
+        m = store.max_run_blocks
+        keys = run_keys(7, 2 * m + 1)
+        real, calls = store._write_piece, []
+
+        def second_fails(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 2:
+                raise IOFailedError("injected EIO", path=store.io.devices[0].path,
+                                    errno=5, offset=0)
+            return real(*args, **kwargs)
+        store._write_piece = second_fails
+        try:
+            with pytest.raises(IOFailedError):
+                store.put_run(keys, run_data(keys))
+        finally:
+            del store._write_piece
+        assert store.lookup(keys) == m
+        whole = run_data(keys).reshape(GEOM.num_layers, GEOM.head_groups, len(keys), -1)
+        assert np.array_equal(_read(store, keys[:m]), whole[:, :, :m].reshape(-1))
+        assert store.put_run(keys, run_data(keys)) == 2 * m + 1    # the retry
+        assert store.lookup(keys) == 2 * m + 1
