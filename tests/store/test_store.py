@@ -2289,7 +2289,7 @@ def test_two_threads_putting_and_reading_at_once_lose_no_count(tmp_path, monkeyp
             out = aligned_empty(4 * GEOM.block_bytes)
             assert store.get_run(keys, out) == 4 and np.array_equal(out, run_data(keys))
 
-        meet_in_statement(monkeypatch, store, "layout", '"bytes_written"')
+        meet_in_statement(monkeypatch, store, "layout", "bytes_written=")
         in_two_threads(put, *runs)
         assert store.counters["put_runs"] == 2 and store.counters["put_blocks"] == 8
         assert store.counters["bytes_written"] == 2 * written
