@@ -1362,13 +1362,18 @@ def test_a_server_out_of_descriptors_serves_again_once_some_are_free(tmp_path):
             c.settimeout(2)
             c.connect(sock)
             conns.append(c)
-        time.sleep(1.0)
+        # held open until the server has run out (a sleep ended before a
+        # server not yet scheduled had accepted any, on a loaded machine)
+        deadline = time.monotonic() + 60
+        while "cannot take a connection" not in (tmp_path / "serve.log").read_text():
+            assert server.poll() is None, "the server died"
+            assert time.monotonic() < deadline, "the server never ran out of descriptors"
+            time.sleep(0.05)
         for c in conns:
             c.close()
         with RemoteStore(sock, timeout=20) as rank:
             assert rank.lookup(keys) == 2
         assert server.poll() is None
-        assert "cannot take a connection" in (tmp_path / "serve.log").read_text()
     finally:
         server.terminate()
         server.wait(30)
