@@ -312,6 +312,16 @@ def _load_other_key_of_the_slot(monkeypatch, pool_slots: int):
     monkeypatch.setattr(KVBlockTierManager, "submit_load", submit_load)
 
 
+def _small_pool_args(script: str) -> list[str]:
+    """A short run of a vLLM tier script on /dev/shm through an 8 MiB
+    primary pool of 256 KiB slots (smaller than the data: slots reused)."""
+    if script == "vllm_tier_vs_fs.py":
+        return ["--gib", "0.02", "--rounds", "1", "--slots", "256K", "--locations", "shm",
+                "--pool", "8M", "--no-fio", "--json"]
+    return ["--gib", "0.02", "--slot", "256K", "--rounds", "1", "--threads", "2",
+            "--target", "file", "--where", "/dev/shm", "--pool", "8M"]
+
+
 @pytest.mark.parametrize("script", ["vllm_tier_vs_fs.py", "verified_reads.py"])
 def test_vllm_tier_scripts_tell_which_key_a_slot_was_loaded_from(script, capsys, monkeypatch):
     """The vLLM tier scripts reuse a primary pool smaller than the data (key i
@@ -320,12 +330,7 @@ def test_vllm_tier_scripts_tell_which_key_a_slot_was_loaded_from(script, capsys,
     slot the block of another key of that slot fails the run (it passed when
     both keys held the slot's same bytes and only the last loads were checked)."""
     _load_other_key_of_the_slot(monkeypatch, pool_slots=32)      # 8M pool of 256K slots
-    if script == "vllm_tier_vs_fs.py":
-        args = ["--gib", "0.02", "--rounds", "1", "--slots", "256K", "--locations", "shm",
-                "--pool", "8M", "--no-fio", "--json"]
-    else:
-        args = ["--gib", "0.02", "--slot", "256K", "--rounds", "1", "--threads", "2",
-                "--target", "file", "--where", "/dev/shm", "--pool", "8M"]
+    args = _small_pool_args(script)
     with pytest.raises(AssertionError, match=r"loaded for key .* holds the block of the key "
                                              r"stored from it in wave \d"):
         run_script(script, args, capsys)
@@ -352,12 +357,7 @@ def test_vllm_tier_scripts_time_loads_with_torch_on_one_thread(script, capsys, m
         return real(self, job)
 
     monkeypatch.setattr(KVBlockTierManager, "submit_load", submit_load)
-    if script == "vllm_tier_vs_fs.py":
-        args = ["--gib", "0.02", "--rounds", "1", "--slots", "256K", "--locations", "shm",
-                "--pool", "8M", "--no-fio", "--json"]
-    else:
-        args = ["--gib", "0.02", "--slot", "256K", "--rounds", "1", "--threads", "2",
-                "--target", "file", "--where", "/dev/shm", "--pool", "8M"]
+    args = _small_pool_args(script)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -1401,15 +1401,10 @@ def test_a_clear_cut_short_still_empties_dram_and_later_puts_enter_it(tmp_path):
             "puts after the clear no longer enter the DRAM tier"
 
 
-def test_a_tiered_read_failed_by_a_device_error_counts_no_block(tmp_path):
-    """A prefix of a run on the device, a block only in DRAM, then a run on
-    the device whose read fails with a device error: get_run raises, and
-    get_runs answers 0 for the request, so none of its blocks was returned.
-    The first run's blocks had been counted in get_blocks /
-    device_hit_blocks all the same (README: get_blocks counts the blocks
-    reads returned; without a tier such a read counted none)."""
-    from kvblock.errors import IOFailedError
-
+@contextlib.contextmanager
+def _device_dram_device(tmp_path):
+    """A store of a (2 blocks, on the device only), b (1, in DRAM only) and
+    c (1, on the device only): yields (store, a, b, c)."""
     path = tmp_path / "kv.img"
     create_file(path, 8 << 20)
     a, b, c = run_keys(40, 2), run_keys(41, 1), run_keys(42, 1)
@@ -1421,15 +1416,37 @@ def test_a_tiered_read_failed_by_a_device_error_counts_no_block(tmp_path):
         store.put_run(c, run_data(c))
         for k in normalize_keys(a + c):              # a and c: on the device only
             store.host.discard(k)
+        yield store, a, b, c
+
+
+def _fail_reads_of(store, keys) -> None:
+    """The store's device reads of the run holding ``keys[0]`` fail (EIO);
+    ``del store._read_segs`` undoes it."""
+    from kvblock.errors import IOFailedError
+
+    real, first = store._read_segs, normalize_keys(keys)[0]
+
+    def failing(segs, dst, only, *rest):
+        if any(run.key(0) == first for run, _, _, _ in segs):
+            raise IOFailedError("injected EIO", path=store.io.devices[0].path, errno=5,
+                                offset=0)
+        return real(segs, dst, only, *rest)
+    store._read_segs = failing
+
+
+def test_a_tiered_read_failed_by_a_device_error_counts_no_block(tmp_path):
+    """A prefix of a run on the device, a block only in DRAM, then a run on
+    the device whose read fails with a device error: get_run raises, and
+    get_runs answers 0 for the request, so none of its blocks was returned.
+    The first run's blocks had been counted in get_blocks /
+    device_hit_blocks all the same (README: get_blocks counts the blocks
+    reads returned; without a tier such a read counted none)."""
+    from kvblock.errors import IOFailedError
+
+    with _device_dram_device(tmp_path) as (store, a, b, c):
         keys = a + b + c
         assert store.lookup(keys) == 4
-        real = store._read_segs
-
-        def fail_on_c(segs, dst, only, *rest):
-            if any(run.key(0) == normalize_keys(c)[0] for run, _, _, _ in segs):
-                raise IOFailedError("injected EIO", path=str(path), errno=5, offset=0)
-            return real(segs, dst, only, *rest)
-        store._read_segs = fail_on_c
+        _fail_reads_of(store, c)
         names = ("get_blocks", "get_bytes", "host_hit_blocks", "device_hit_blocks",
                  "bytes_read")
         before = [store.counters[n] for n in names]
@@ -1453,17 +1470,7 @@ def test_a_tiered_read_failed_by_a_device_error_counts_its_tier_lookups(tmp_path
     read counted its hit and none of its misses (the hit ratio rose)."""
     from kvblock.errors import IOFailedError
 
-    path = tmp_path / "kv.img"
-    create_file(path, 8 << 20)
-    a, b, c = run_keys(40, 2), run_keys(41, 1), run_keys(42, 1)
-    with KVStore.format([str(path)], GEOM, region_size=REGION,
-                        host_cache_bytes=8 * GEOM.block_bytes) as store:
-        store.put_run(b, run_data(b))
-        store.evict(all=True)                        # b: only in DRAM
-        store.put_run(a, run_data(a))
-        store.put_run(c, run_data(c))
-        for k in normalize_keys(a + c):              # a and c: on the device only
-            store.host.discard(k)
+    with _device_dram_device(tmp_path) as (store, a, b, c):
         keys = a + b + c
         out = np.zeros(4 * GEOM.block_bytes, np.uint8)
 
@@ -1476,13 +1483,7 @@ def test_a_tiered_read_failed_by_a_device_error_counts_its_tier_lookups(tmp_path
         assert (hits, misses) == (1, 3)
         for k in normalize_keys(a + c):              # (the read put them in the tier)
             store.host.discard(k)
-        real = store._read_segs
-
-        def fail_on_c(segs, dst, only, *rest):
-            if any(run.key(0) == normalize_keys(c)[0] for run, _, _, _ in segs):
-                raise IOFailedError("injected EIO", path=str(path), errno=5, offset=0)
-            return real(segs, dst, only, *rest)
-        store._read_segs = fail_on_c
+        _fail_reads_of(store, c)
         try:
             before = lookups()
             with pytest.raises(IOFailedError):
