@@ -1231,10 +1231,18 @@ class StoreServer:
         if len(offers) != runs:
             raise ConfigError(f"count_rejected: offers must name the {runs} declined runs' "
                               f"offers, one each, got {len(offers)}")
+        # each a declined offer open on this connection, once: another id
+        # (an admitted offer's, one settled) counted a run no admit declined
+        bad = [o for o in offers if o not in s.offers or s.offers[o][1]]
+        if bad or len(set(offers)) < len(offers):
+            raise ConfigError(f"count_rejected: offers {str(bad or offers)[:80]} are not "
+                              "declined offers open on this connection, each named once "
+                              "(admitted, settled or given back already, or another "
+                              "connection's): nothing counted; name the ids admit answered "
+                              "with verdict rejected")
         self._count_runs("count_rejected", "admission_rejected_runs", runs)
         for offer in offers:
-            if offer in s.offers and not s.offers[offer][1]:
-                del s.offers[offer]
+            del s.offers[offer]
         return None
 
     def _count_runs(self, op: str, counter: str, runs) -> None:

@@ -241,6 +241,36 @@ def test_count_rejected_without_keys_is_refused(tmp_path):
             assert st.counters["admission_rejected_runs"] == 2 and not s.offers
 
 
+def test_count_rejected_refuses_ids_of_offers_not_declined_on_this_connection(tmp_path):
+    """count_rejected counted ``runs`` declined runs whatever offer ids it
+    named: the id of an admitted offer (or one not open on the
+    connection, or one named twice) counted a run as declined that no
+    admit declined, in a counter that never goes down, and left that
+    offer open.  Such a request is now refused (ConfigError): nothing
+    counted, no offer settled."""
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    a = normalize_keys(run_keys(1, 2))
+    with serve_in_background([path], sock, admit_after=2) as server:
+        st = server.store
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(sock)
+            declined = _call(conn, "admit", keys=encode_keys(a), count=False)
+            admitted = _call(conn, "admit", keys=encode_keys(a), count=False)
+            assert (declined["verdict"], admitted["verdict"]) == ("rejected", "ok")
+            (s,) = server._sessions.values()
+            for offers in ([admitted["offer"]], [declined["offer"], declined["offer"]],
+                           [declined["offer"] + 1000]):
+                reply = _answer(conn, "count_rejected", runs=len(offers), offers=offers)
+                assert reply["ok"] is False and reply["error"] == "ConfigError", reply
+                assert st.counters["admission_rejected_runs"] == 0, offers
+                assert list(s.offers.values()) == [(a, False), (a, True)], offers
+            # the declined one named: counted, settled
+            assert _call(conn, "count_rejected", runs=1, offers=[declined["offer"]]) is None
+            assert st.counters["admission_rejected_runs"] == 1
+            assert list(s.offers.values()) == [(a, True)]
+
+
 @pytest.mark.parametrize("admitted", [False, True])
 def test_give_back_gives_back_only_this_connections_offers(tmp_path, admitted):
     """give_back gave back every offer it named, open on the connection or
