@@ -1160,18 +1160,19 @@ class StoreServer:
         if not keys:   # no run: an empty prefix is "stored", and would count a duplicate
             raise ConfigError("admit: keys must hold the run's keys (at least one); a put of "
                               "no keys stores nothing and needs no admit")
-        if len(s.offers) >= OPEN_OFFERS_KEPT and st.admission.admit_after > 1:
-            raise ConfigError(f"admit: this connection to the store server at "
-                              f"{self.socket_path} holds {len(s.offers)} open offers (puts "
-                              "admitted whose runs are not stored nor given back), the most "
-                              "one may hold: nothing counted; finish those puts first (a "
-                              "put_runs of fewer runs at a time)")
         # the put's pieces commit only if no clear() comes first (on this run)
         clears = self._clear_ticket()
         with st._lock:
             if st.index.prefix_length(keys) == len(keys):
                 st.counters.add("put_duplicate_runs")
                 return {"verdict": "duplicate", "clears": clears}
+            # (after the duplicate check: a stored run opens no offer)
+            if len(s.offers) >= OPEN_OFFERS_KEPT and st.admission.admit_after > 1:
+                raise ConfigError(f"admit: this connection to the store server at "
+                                  f"{self.socket_path} holds {len(s.offers)} open offers "
+                                  "(puts admitted whose runs are not stored nor given back), "
+                                  "the most one may hold: nothing counted; finish those puts "
+                                  "first (a put_runs of fewer runs at a time)")
             if not st.admission.admit(keys[0]):
                 if count:
                     st.counters.add("admission_rejected_runs")

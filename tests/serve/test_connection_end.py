@@ -447,6 +447,28 @@ def test_a_given_back_offer_settles_that_offer_not_another_of_its_first_key(tmp_
         assert adm._offers.get(k0) is None, "long's offer was given back a second time"
 
 
+def test_an_admit_of_a_stored_run_at_the_open_offers_bound_answers_duplicate(
+        tmp_path, monkeypatch):
+    """admit refused every offer on a connection at OPEN_OFFERS_KEPT open
+    offers, a run the store holds whole too: such an admit opens no offer
+    (duplicate, nothing to give back), yet a put_runs of many runs, some
+    of them stored, failed on it with ConfigError.  It answers duplicate
+    now; only an offer that would be tracked is refused."""
+    from kvblock.store import server as server_mod
+
+    monkeypatch.setattr(server_mod, "OPEN_OFFERS_KEPT", 1)
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    a, d = normalize_keys(run_keys(1, 2)), normalize_keys(run_keys(2, 2))
+    with serve_in_background([path], sock, admit_after=2) as server:
+        _stored(server.store, d)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(sock)
+            assert _call(conn, "admit", keys=encode_keys(a), count=False)["offer"]
+            answer = _call(conn, "admit", keys=encode_keys(d), count=False)
+            assert answer["verdict"] == "duplicate", answer
+
+
 def test_an_offer_past_the_open_offers_bound_is_refused_not_the_oldest_dropped(
         tmp_path, monkeypatch):
     """A connection's open offers past OPEN_OFFERS_KEPT dropped the oldest
