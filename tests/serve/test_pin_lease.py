@@ -21,6 +21,7 @@ from tests.serve.test_serve import _store_file
 from tests.serve.test_shared_clear import _wait_in
 from tests.serve.test_write_fence import _allocations, _in_thread, _release_fenced_writer, _Stall
 from tests.store.workload import run_data, run_keys
+from tests.support.races import LockStandIn
 from tests.support.servers import stop_process, stop_server
 from tests.support.timeouts import GENEROUS_S, QuietPasses, hold_checkpoint, short_timeout_on
 
@@ -925,7 +926,7 @@ def test_hung_up_polls_the_sessions_own_socket_not_a_number_reused(monkeypatch):
             o.close()
 
 
-class _WakingLock:
+class _WakingLock(LockStandIn):
     """A session's _held_lock stood in: the thread ``waker()`` names,
     finding it held, sets ``wake`` (the holder waits for that) and then
     waits for it: what a close meeting a ping or poll in progress does."""
@@ -933,24 +934,14 @@ class _WakingLock:
     def __init__(self, wake, waker):
         import threading
 
-        self._lock, self._wake, self._waker = threading.Lock(), wake, waker
+        self.inner, self._wake, self._waker = threading.Lock(), wake, waker
 
     def acquire(self, blocking=True, timeout=-1):
-        if self._lock.acquire(blocking=False):
+        if self.inner.acquire(blocking=False):
             return True
         if self._waker():
             self._wake.set()
-        return self._lock.acquire(blocking, timeout)
-
-    def release(self):
-        self._lock.release()
-
-    def __enter__(self):
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
+        return self.inner.acquire(blocking, timeout)
 
 
 @pytest.mark.parametrize("shape", ["whole", "part", "get_runs"])

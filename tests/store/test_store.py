@@ -32,7 +32,7 @@ from kvblock.index import normalize_keys
 from kvblock.store.counters import Counters
 from kvblock.store.fsck import fsck
 from tests.store.workload import GEOM, REGION, run_data, run_keys
-from tests.support.races import in_two_threads, meet_in_statement, release_twice
+from tests.support.races import LockStandIn, in_two_threads, meet_in_statement, release_twice
 
 MIB = 1 << 20
 SHAPE = lambda n: (GEOM.num_layers, GEOM.head_groups, n, GEOM.group_block_bytes)  # noqa: E731
@@ -2908,28 +2908,18 @@ def test_a_start_whose_blank_file_is_removed_before_it_formats_fails_typed(
     assert not os.path.exists(path)
 
 
-class _InterruptedOnce:
+class _InterruptedOnce(LockStandIn):
     """A commit lock whose first acquire is cut by a KeyboardInterrupt (as
     a Ctrl-C arrives while another thread's commit holds it)."""
 
     def __init__(self, lock):
-        self._real, self.armed = lock, True
+        self.inner, self.armed = lock, True
 
     def acquire(self, *a, **kw):
         if self.armed:
             self.armed = False
             raise KeyboardInterrupt
-        return self._real.acquire(*a, **kw)
-
-    def release(self):
-        self._real.release()
-
-    def __enter__(self):
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        self.release()
+        return self.inner.acquire(*a, **kw)
 
 
 def test_an_interrupt_while_a_reclaim_waits_to_commit_leaves_no_region_reclaiming(tmp_path):

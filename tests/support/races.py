@@ -70,3 +70,21 @@ def in_two_threads(fn, *args) -> None:
     assert not any(t.is_alive() for t in threads), "a thread never returned"
     if errors:
         raise errors[0]
+
+
+class LockStandIn:
+    """A lock stood in by a test: its ``acquire`` is the subclass's (cut,
+    delayed, made to wake another thread); release and the ``with`` form
+    go to the real lock it wraps, ``self.inner``."""
+
+    inner: threading.Lock
+
+    def release(self):
+        self.inner.release()
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
