@@ -1167,6 +1167,12 @@ def _busy(head: str, st: os.stat_result | None, busy: str, tail: str, path: str,
 PROC_SWAPS = "/proc/swaps"     # the kernel's list of swap areas in use
 
 
+def _kernel_unescape(field: str) -> str:
+    """A path as /proc/swaps and mountinfo write it: octal escapes (\\040:
+    a space) for the characters that would split the line."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def _swap_over(st: os.stat_result) -> list[str]:
     """The swap areas in use (/proc/swaps) whose bytes are ``st``'s, or a
     partition's of it, or its whole disk's: the kernel's, as a mount's."""
@@ -1180,8 +1186,7 @@ def _swap_over(st: os.stat_result) -> list[str]:
         fields = line.split()
         if not fields:
             continue
-        # octal escapes (\040: a space) in the name, as in mountinfo
-        name = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[0])
+        name = _kernel_unescape(fields[0])
         try:
             if _overlap(st, os.stat(name)) is not None:
                 found.append(name)
@@ -1208,8 +1213,7 @@ def _mount_points(rdev: int) -> list[tuple[str | None, str]]:
                 if not major or not (dev == rdev or dev == disk != rdev
                                      or _whole_disk(dev) == rdev):
                     continue
-                # octal escapes (\040: a space) in the mount point
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+                point = _kernel_unescape(fields[4])
                 found.append((None if dev == rdev else _dev_name(dev), point))
     except (OSError, ValueError):
         return []
