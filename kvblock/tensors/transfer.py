@@ -1166,6 +1166,12 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
     with store._lock:
         since = store.index.published_of(store.index.lookup(keys))
     since = since.tolist()
+    device = _cuda_device(layout)
+    if device is not None and not isinstance(device, _CupyDevice):
+        n = _host_hits_into_cuda(store, keys, since, layout, page_ids, g0, ng, h0, heads,
+                                 device)
+        store._host_hits_used(keys[:n])
+        return n
     blocks = []
     for key, published in zip(keys, since):
         block = store.host.get(key, since=published)
@@ -1185,6 +1191,90 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads) -> int:
                        threads=None)  # no reads in flight here
     _settle_cuda(_cuda_device(layout))   # handed over at once when all of it came from here
     return n
+
+
+# Device staging of a DRAM-tier load into a CUDA cache: at most this many
+# bytes of blocks at a time (a long prefix is not staged whole in HBM).
+HOST_HITS_STAGING_BYTES = 256 << 20
+
+
+def _host_hits_into_cuda(store, keys, since, layout, page_ids, g0, ng, h0, heads,
+                         device) -> int:
+    """:func:`_load_from_host` into a CUDA torch cache: the leading blocks
+    of ``keys`` the DRAM tier holds, each copied straight from the tier's
+    arena (page-locked with CUDA when a GPU is present) into device
+    staging, then cut into layers, K/V and heads and scattered on the
+    device; how many.  Through HostTier.get and np.stack each block was
+    copied twice into new pageable memory first, then once more per layer
+    to be made contiguous, and sent through the driver's bounce buffer:
+    1.1-1.2 GiB/s on an H200, whatever the copies into CUDA were cut to.
+
+    Each block's copy runs under the tier's lock and is finished before it
+    is let go (HostTier.copy_out: a delete can free the slot and a put
+    reuse it at once), on a stream of its own (_hits_stream) so that it
+    waits for nothing the caller or an earlier load queued.  The scatters
+    go on the loads' stream after the caller's earlier work (an event, as
+    for a device read) and are settled before this returns."""
+    import torch
+
+    g = store.geometry
+    per = max(1, HOST_HITS_STAGING_BYTES // g.block_bytes)
+    dtype = _torch_int(g.itemsize)
+    after = _record_cuda(device)         # the caller's work queued so far
+    copier = _hits_stream(device)
+    n = 0
+    with _on_device(device):
+        loads = torch.cuda.current_stream(device)
+        _wait_cuda(device, after)
+        while n < len(keys):
+            count = min(per, len(keys) - n)
+            with torch.cuda.stream(copier):
+                staging = torch.empty((count, g.block_bytes), dtype=torch.uint8, device=device)
+                got = 0
+                for key, published in zip(keys[n:n + count], since[n:n + count]):
+                    row = staging[got]
+                    # synchronous (non_blocking=False): done before the lock goes
+                    if not store.host.copy_out(key, lambda b: row.copy_(torch.from_numpy(b)),
+                                               since=published):
+                        break
+                    got += 1
+            if got == 0:
+                break
+            # the scatters below read it on the loads' stream: not handed to
+            # another allocation (on the copier's) before they are done
+            staging.record_stream(loads)
+            data = staging[:got].view(dtype).reshape(
+                got, g.num_layers, g.head_groups, g.kv_parts, g.block_tokens,
+                g.heads_per_group, g.head_dim)
+            for layer in range(g.num_layers):
+                pages = data[:, layer, g0:g0 + ng].permute(1, 0, 2, 3, 4, 5)
+                _scatter_pages(layout.layer_views(layer), pages, page_ids[n:n + got], h0,
+                               heads, g.itemsize)
+            n += got
+            if got < count:
+                break
+        _settle_cuda(device)    # handed over at once: the loads' stream, settled
+    return n
+
+
+_HITS_STREAMS: dict = {}
+
+
+def _hits_stream(device):
+    """The non-blocking stream DRAM-tier hits are copied into CUDA
+    ``device`` on (one per GPU for the process): its copies wait for no
+    scatter, which may wait for the caller's work, while the tier's lock
+    is held."""
+    import torch
+
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _LOAD_STREAMS_LOCK:
+        stream = _HITS_STREAMS.get(device.index)
+        if stream is None:
+            stream = _HITS_STREAMS[device.index] = torch.cuda.Stream(device)
+    return stream
 
 
 class _CupyDevice:

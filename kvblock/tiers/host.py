@@ -98,6 +98,22 @@ class HostTier:
             out[...] = block[offset:offset + out.nbytes].reshape(out.shape)
             return True
 
+    def copy_out(self, key: bytes, copy, since: int = -1) -> bool:
+        """Call ``copy`` with the block's bytes in the arena (a view, good
+        only during the call: it runs under the tier's lock, and a slot
+        freed by a delete or clear is reused at once) and count a hit;
+        False, nothing called, when the block is not here.  For copies
+        that need no host copy of their own: a synchronous copy to a GPU
+        goes straight from the (page-locked) arena.  ``since`` as for
+        :meth:`get`."""
+        with self.lock:
+            self._stale_locked(key, since)
+            block = self._lookup_locked(key)
+            if block is None:
+                return False
+            copy(block)
+            return True
+
     def _stale_locked(self, key: bytes, since: int) -> None:
         """A copy of ``key`` from a run published before ``since`` (the run
         the store names now is newer: its put's step here never came, the

@@ -9,6 +9,8 @@ forced, that the load took it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -180,6 +182,45 @@ def test_dram_tier_hits_load_into_cuda_with_the_kvikio_path_set(path, monkeypatc
             assert torch.equal(bits(dst[layer][:, ids]), bits(src[layer])), layer
 
 
+@pytest.mark.parametrize("tp", [(0, 1), (1, 2)])
+def test_dram_tier_hits_go_into_cuda_from_the_arena_in_chunks(path, monkeypatch, tp):
+    """DRAM-tier hits into a CUDA cache are copied from the tier's arena
+    into device staging a few blocks at a time (the staging bound set to
+    3 blocks here: 10 hits take 4 chunks) and cut into this rank's heads
+    on the device; then with block 7 gone from DRAM, the DRAM stretch ends
+    there and the rest come from the device.  Bytes identical, the pages
+    not loaded untouched, each block counted once where it came from."""
+    from kvblock.tensors import transfer
+
+    g = Geometry(L, H, D, "bfloat16", BS)
+    monkeypatch.setattr(transfer, "HOST_HITS_STAGING_BYTES", 3 * g.block_bytes)
+    rank, size = tp
+    heads = H // size
+    mine = slice(rank * heads, (rank + 1) * heads)
+    n, pages = 10, 14
+    src = [_rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"dc{i}".encode() for i in range(n)]
+    ids = [13, 0, 5, 2, 11, 7, 1, 9, 4, 12]
+    others = [p for p in range(pages) if p not in ids]
+    with KVStore.format([str(path)], g, verify="never", force=True,
+                        host_cache_bytes=(n + 4) * g.block_bytes) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        for from_dram in (n, 7):
+            if from_dram < n:
+                assert store.host.discard(normalize_keys(keys)[from_dram])
+            hits = store.counters["host_hit_blocks"]
+            device = store.counters["device_hit_blocks"]
+            dst = [_zeros(2, pages, BS, heads, D) for _ in range(L)]
+            assert load_blocks(store, keys, VLLMLayout(dst), ids, tp_rank=rank,
+                               tp_size=size).wait(timeout=60) == n
+            assert store.counters["host_hit_blocks"] - hits == from_dram
+            assert store.counters["device_hit_blocks"] - device == n - from_dram
+            for layer in range(L):
+                assert torch.equal(bits(dst[layer][:, ids]),
+                                   bits(src[layer][..., mine, :])), (from_dram, layer)
+                assert not dst[layer][:, others].any(), (from_dram, layer)
+
+
 def test_a_store_of_two_device_files_loads_into_cuda_through_kvikio(tmp_path, monkeypatch):
     """A store striped over two device files (regions alternate between
     them): one load of runs on both reads each file through its own
@@ -242,18 +283,26 @@ def test_a_prefix_starting_mid_run_loads_into_cuda(path, monkeypatch, path_kind)
         took(taken, path_kind)
 
 
+@contextlib.contextmanager
+def _saved_for_the_host_path(path, monkeypatch, tag, n=32):
+    """A store on ``path`` holding ``n`` blocks saved from a host cache,
+    loads forced onto the host path: (store, keys, the host cache)."""
+    use_path(monkeypatch, "host")
+    src = [_rand(2, n, BS, H, D, device="cpu") for _ in range(L)]
+    keys = [f"{tag}{i}".encode() for i in range(n)]
+    with KVStore.format([str(path)], Geometry(L, H, D, "bfloat16", BS), verify="never",
+                        force=True) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        yield store, keys, src
+
+
 def test_host_path_staging_is_page_locked_and_reused(path, monkeypatch):
     """The host path's unit buffers, which feed the copies into a CUDA
     cache, are page-locked with CUDA when a load first takes them and kept
     so in the store's spares: two loads give the same bytes, and every
     idle staging buffer after them is pinned."""
-    use_path(monkeypatch, "host")
-    g = Geometry(L, H, D, "bfloat16", BS)
-    n = 32
-    src = [_rand(2, n, BS, H, D, device="cpu") for _ in range(L)]
-    keys = [f"pl{i}".encode() for i in range(n)]
-    with KVStore.format([str(path)], g, verify="never", force=True) as store:
-        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+    with _saved_for_the_host_path(path, monkeypatch, "pl") as (store, keys, src):
+        n = len(keys)
         for _ in range(2):
             dst = [_zeros(2, n, BS, H, D) for _ in range(L)]
             assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=60) == n
@@ -274,13 +323,8 @@ def test_a_host_path_load_overlaps_work_queued_on_the_default_stream_after_it(pa
     nothing (a cudaMalloc may wait for the device).  (kvikio's POSIX
     compat path copies on kvikio's own blocking streams, which CUDA orders
     with the legacy stream: not asked of it here.)"""
-    use_path(monkeypatch, "host")
-    g = Geometry(L, H, D, "bfloat16", BS)
-    n = 32
-    src = [_rand(2, n, BS, H, D, device="cpu") for _ in range(L)]
-    keys = [f"ov{i}".encode() for i in range(n)]
-    with KVStore.format([str(path)], g, verify="never", force=True) as store:
-        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+    with _saved_for_the_host_path(path, monkeypatch, "ov") as (store, keys, src):
+        n = len(keys)
         for spin in (False, True):
             dst = [_zeros(2, n, BS, H, D) for _ in range(L)]
             torch.cuda.synchronize()

@@ -49,6 +49,30 @@ def test_lru_within_segments_and_discard():
         HostTier(4096, 4096)
 
 
+def test_copy_out_hands_the_block_over_under_the_lock_and_counts_like_get():
+    """copy_out (DRAM hits copied straight into CUDA) calls its copy with
+    the block's bytes while the tier's lock is held (a slot a delete frees
+    is reused at once), counts a hit or a miss as get does, and drops a
+    copy older than the run its key names without calling the copy."""
+    tier = HostTier(4 * 4096, 4096)
+    tier.put(b"a" * 16, block(7), current=lambda: 5)
+    seen = []
+
+    def copy(b):
+        assert tier.lock.locked()
+        seen.append(b.copy())
+
+    hits, misses = tier.hits, tier.misses
+    assert tier.copy_out(b"a" * 16, copy, since=5)
+    assert len(seen) == 1 and np.array_equal(seen[0], block(7))
+    assert (tier.hits, tier.misses) == (hits + 1, misses)
+    assert not tier.copy_out(b"b" * 16, copy)
+    assert (tier.hits, tier.misses, len(seen)) == (hits + 1, misses + 1, 1)
+    assert not tier.copy_out(b"a" * 16, copy, since=6)    # a newer run names the key
+    assert len(seen) == 1 and b"a" * 16 not in tier
+    assert not tier.lock.locked()
+
+
 def test_a_block_of_the_wrong_size_is_refused_and_costs_no_slot():
     """A block that is not block_bytes long is a ConfigError naming both
     sizes, raised before anything is evicted or a slot taken: the tier still
