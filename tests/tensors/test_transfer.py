@@ -642,6 +642,17 @@ def test_kvikio_job_orchestration_on_cpu(path, monkeypatch, unit_bytes):
                 want = src[layer][:, 1:9, :, rank * per:(rank + 1) * per]
                 assert torch.equal(dst[layer][:, list(range(11, 3, -1))].view(torch.int16),
                                    want.view(torch.int16)), (tp, layer)
+        # Consecutive pages go as a slice: no index tensor made (on a GPU
+        # each was a copy to it and back, a wait for the stream per part).
+        made = []
+        ids_for = transfer._ids_for
+        monkeypatch.setattr(transfer, "_ids_for", lambda *a: made.append(a) or ids_for(*a))
+        dst = [torch.zeros(2, 12, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        assert load_blocks(store, keys[1:], VLLMLayout(dst), range(4, 12)).wait(timeout=30) == 8
+        assert not made
+        for layer in range(L):
+            assert torch.equal(dst[layer][:, 4:12].view(torch.int16),
+                               src[layer][:, 1:9].view(torch.int16)), layer
         assert reader.calls > 0
         reader.close()
 
@@ -746,13 +757,14 @@ def test_kvikio_job_loads_a_hugging_face_cache(path, monkeypatch):
             assert not have[:, :, 3 * BS:4 * BS].any()
 
 
-def test_kvikio_staging_goes_back_to_the_reader_only_once_its_scatter_settled(path,
-                                                                              monkeypatch):
+def test_kvikio_staging_is_read_into_again_only_once_its_scatter_is_done(path,
+                                                                         monkeypatch):
     """GPU path: the scatter's copies out of a device staging buffer are
     queued on the stream, and kvikio's reads are not ordered with it; so a
-    buffer is read into again only after the scatter that used it settled
-    (the stream synchronized), or the next read could overwrite pages not
-    yet copied.  Recorded on the CPU: per staging buffer, reads and settles."""
+    buffer is read into again only after the reader waited for the mark
+    (an event) the scatter that used it left after its copies, or the next
+    read could overwrite pages not yet copied.  Recorded on the CPU: per
+    staging buffer, reads, marks and waits."""
     from kvblock.tensors import transfer
 
     monkeypatch.setattr(transfer, "UNIT_BYTES", 4096)
@@ -765,8 +777,10 @@ def test_kvikio_staging_goes_back_to_the_reader_only_once_its_scatter_settled(pa
         buffers.append(buf)
         return buf
     monkeypatch.setattr(transfer._KvikioLoadJob, "_new_buffer", new_buffer)
-    monkeypatch.setattr(transfer._DeviceStaging, "settle",
-                        lambda buf: events.append(("settle", buffers.index(buf))), raising=False)
+    monkeypatch.setattr(transfer._DeviceStaging, "mark_used",
+                        lambda buf: events.append(("mark", buffers.index(buf))))
+    monkeypatch.setattr(transfer._DeviceStaging, "wait_unused",
+                        lambda buf: events.append(("wait", buffers.index(buf))))
 
     def owner(t, nbytes):
         for i, buf in enumerate(buffers):
@@ -792,7 +806,8 @@ def test_kvikio_staging_goes_back_to_the_reader_only_once_its_scatter_settled(pa
     for layer in range(L):
         assert torch.equal(dst[layer][:, :9].view(torch.int16), src[layer][:, :9].view(torch.int16))
     # A read into bytes of a buffer that an earlier read filled: the buffer
-    # was reused, and its scatter must have settled in between.
+    # was reused, and the reader must have waited, since that read, for a
+    # mark its scatter left after it.
     reused = 0
     for i, (kind, what) in enumerate(events):
         if kind != "read":
@@ -802,7 +817,10 @@ def test_kvikio_staging_goes_back_to_the_reader_only_once_its_scatter_settled(pa
                    and events[j][1][1] < hi and lo < events[j][1][2]]
         if earlier:
             reused += 1
-            assert ("settle", buf) in events[earlier[-1]:i], (i, events[:i + 1])
+            since = events[earlier[-1]:i]
+            assert ("mark", buf) in since, (i, events[:i + 1])
+            marked = since.index(("mark", buf))
+            assert ("wait", buf) in since[marked:], (i, events[:i + 1])
     assert reused, "no staging buffer was reused: the test shows nothing"
 
 
@@ -1530,34 +1548,25 @@ def test_a_damaged_run_whose_drop_failed_is_dropped_by_the_next_load(path, monke
         assert store.counters["checksum_failures"] == 1
 
 
-def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, monkeypatch):
-    """A background load scatters on its own thread and stream, not the
-    caller's: work the caller had queued on its stream before load_blocks
-    (zeroing the pages, a previous layer's copy) was not waited for, so it
-    could land in the pages after the load's writes.  The load's stream
-    now waits for an event recorded on the caller's stream when the load
-    was started, before it writes a page.  And the copies go on the loads'
-    own non-blocking stream, not the scatter thread's default one (the
-    legacy default stream, where they waited for all the model's work
-    queued there, and the kvikio path's scatters for kvikio's copies in
-    flight), settled before each layer is handed over.  Stood in on the
-    CPU: fake streams and events, per thread, logged in order."""
+def _stand_in_torch_streams(monkeypatch, log: list, fail_at: int | None = None) -> list:
+    """Loads into a CUDA cache (device 0) stood in on the CPU: torch's
+    streams and events faked per thread, what is asked of them in ``log``
+    with each scatter ("scatter", its stream, its thread); the scatter
+    number ``fail_at`` (from 0) raises OSError.  Returns the list of the
+    devices streams were made for."""
     from kvblock.tensors import transfer
 
-    log = []
-    defaults = {}
     local = threading.local()           # torch's current stream: per thread
+    defaults, made = {}, []
 
     def current_stream(device=None):
         me = threading.current_thread().name
         return getattr(local, "stream", None) or defaults.setdefault(me, _LoggedStream(log, me))
 
     class FakeStream(_LoggedStream):
-        made = []
-
         def __init__(self, device=None):
-            super().__init__(log, f"load stream {len(self.made)}")
-            self.made.append(device)
+            super().__init__(log, f"load stream {len(made)}")
+            made.append(device)
 
     @contextlib.contextmanager
     def stream(s):
@@ -1578,6 +1587,8 @@ def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, 
 
     def scatter(*args, **kw):
         log.append(("scatter", current_stream().owner, threading.current_thread().name))
+        if sum(e[0] == "scatter" for e in log) - 1 == fail_at:
+            raise OSError("a scatter failed")
         return real_scatter(*args, **kw)
 
     monkeypatch.setattr(transfer, "_cuda_device", lambda layout: torch.device("cuda", 0))
@@ -1587,6 +1598,42 @@ def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, 
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    return made
+
+
+def test_a_failed_load_into_a_cuda_cache_settles_its_stream_before_it_fails(path, monkeypatch):
+    """A load into a CUDA cache that fails part way (here its second
+    scatter raises) settles the loads' stream before wait() raises: its
+    copies still queued would land in pages the caller reuses once the
+    load failed (recomputing them), and read staging freed meanwhile."""
+    log = []
+    _stand_in_torch_streams(monkeypatch, log, fail_at=1)
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    keys = [b"f0", b"f1"]
+    with _store(path, geom()) as store:
+        save_blocks(store, keys, VLLMLayout(src), [0, 1])
+        dst = [torch.zeros(2, 4, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(store, keys, VLLMLayout(dst), [2, 3])
+        with pytest.raises(OSError, match="a scatter failed"):
+            h.wait(timeout=30)
+    failed = [i for i, e in enumerate(log) if e[0] == "scatter"][1]
+    assert ("sync", "load stream 0") in log[failed:], log
+
+
+def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, monkeypatch):
+    """A background load scatters on its own thread and stream, not the
+    caller's: work the caller had queued on its stream before load_blocks
+    (zeroing the pages, a previous layer's copy) was not waited for, so it
+    could land in the pages after the load's writes.  The load's stream
+    now waits for an event recorded on the caller's stream when the load
+    was started, before it writes a page.  And the copies go on the loads'
+    own non-blocking stream, not the scatter thread's default one (the
+    legacy default stream, where they waited for all the model's work
+    queued there, and the kvikio path's scatters for kvikio's copies in
+    flight), settled before each layer is handed over.  Stood in on the
+    CPU: fake streams and events, per thread, logged in order."""
+    log = []
+    made = _stand_in_torch_streams(monkeypatch, log)
     src = [rand(2, 4, BS, H, D) for _ in range(L)]
     keys = [b"s0", b"s1"]
     caller = threading.current_thread().name
@@ -1599,7 +1646,7 @@ def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, 
             for layer in range(L):
                 assert torch.equal(dst[layer][:, 2:4].view(torch.int16),
                                    src[layer][:, :2].view(torch.int16))
-    assert FakeStream.made == [torch.device("cuda", 0)], "one loads' stream, made once"
+    assert made == [torch.device("cuda", 0)], "one loads' stream, made once"
     scatters = [i for i, e in enumerate(log) if e[0] == "scatter"]
     assert len(scatters) == 2 * L, log
     assert {log[i][1] for i in scatters} == {"load stream 0"}, log   # not the thread's default
