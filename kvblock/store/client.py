@@ -1319,7 +1319,8 @@ class RemoteStore(RunReader, RunWriter):
                                   len(keys))
 
     def present(self, keys: Sequence) -> np.ndarray:
-        """Per key: is it stored?  (KVStore.present, one request.)"""
+        """Per key: is it stored on the device (what ranks read; a DRAM
+        tier of the server's store is not looked at)?  One request."""
         self._check_open()
         keys = normalize_keys(keys)
         if not keys:

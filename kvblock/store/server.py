@@ -1091,7 +1091,15 @@ class StoreServer:
         return self.store.lookup(decode_keys(keys))
 
     def _op_present(self, s, keys):
-        return self.store.present(decode_keys(keys)).tolist()
+        # The device's index only: ranks read the device, and put_runs plans
+        # from this as KVStore's plan does from its index.  A DRAM tier of
+        # the store (StoreServer over a caller's store) serves no rank: a
+        # key held only there counted a run as a repeat, never written.
+        st = self.store
+        st._check_open()
+        keys = decode_keys(keys)
+        with st._lock:
+            return (st.index.lookup(keys) >= 0).tolist()
 
     def _op_touch(self, s, keys):
         """An engine's hint that it is about to use ``keys`` (KVStore.touch)."""

@@ -1858,3 +1858,37 @@ def test_a_closed_rank_names_its_socket_and_the_fix(tmp_path, sock):
     for message in errors:
         assert "remote store is closed" in message, message
         assert sock in message and f"RemoteStore({sock!r})" in message, message
+
+
+def test_put_runs_through_a_server_writes_a_run_its_store_holds_only_in_dram(tmp_path, sock):
+    """A served store opened with a DRAM tier (StoreServer over the
+    caller's store) held ``b`` only there (its run evicted from the
+    device).  put_runs planned from the server's present(), which counted
+    that DRAM copy: [a, b] after [a] was taken for a repeat of the call's
+    earlier run and never written, though the ranks read only the device
+    (and KVStore's plan, from its index, writes it).  The plan now sees the
+    device: [a, b] is written, and a rank reads it back."""
+    from kvblock.index.keys import normalize_keys
+    from kvblock.store.server import StoreServer
+
+    path = _store_file(tmp_path)
+    a, b = normalize_keys([run_keys(1, 1)[0], run_keys(2, 1)[0]])
+    store = KVStore.open([path], host_cache_bytes=4 * GEOM.block_bytes)
+    server = StoreServer(store, sock, close_store=False).start()
+    try:
+        assert store.put_run([b], run_data([b])) == 1
+        store.evict(all=True)                       # b: in the DRAM tier only
+        assert store.index.lookup([b])[0] < 0 and store.present([b]).all()
+        # in one process a key held only in DRAM is written
+        assert store.put_run([b], run_data([b])) == 1 and store.index.lookup([b])[0] >= 0
+        store.evict(all=True)
+        ab = [a, b]
+        with RemoteStore(sock) as r:
+            assert r.put_runs([([a], run_data([a])), (ab, run_data(ab))]) == [1, 2]
+            assert (store.index.lookup(ab) >= 0).all(), "b was not written to the device"
+            out = np.zeros(2 * GEOM.block_bytes, dtype=np.uint8)
+            assert r.get_run(ab, out) == 2
+            assert np.array_equal(out, run_data(ab))
+    finally:
+        server.stop()
+        store.close()
