@@ -125,8 +125,8 @@ class _Session:
         self.writers: dict[int, tuple] = {}           # wid -> (region, run_id, offset, gen, n)
         # offers admit counted on this connection that may still be undone:
         # offer id (admit's answer) -> (the run's keys, admitted), oldest
-        # first.  An admitted one until its put stores the run whole or
-        # gives the offer back; a declined one of a put_runs (admit told
+        # first.  An admitted one until its put is done (its last piece
+        # committed) or gives the offer back; a declined one of a put_runs (admit told
         # count=False) until its call's plan stands (count_rejected) or the
         # call gives it back.  Given back when the connection ends first
         # (_release; see _settle_offers).  By id, not by first key: two
@@ -879,15 +879,26 @@ class StoreServer:
                     if not admitted or st.index.prefix_length(keys) < len(keys)]
         st._give_back_offers(back)
 
-    def _settle_offers(self, s: _Session) -> None:
-        """The admitted offers open on ``s`` whose run is now stored whole
-        (a commit published it): their puts are done."""
+    def _settle_offers(self, s: _Session, published: list) -> None:
+        """The admitted offers open on ``s`` whose puts are done: a commit
+        published the run's last piece (``published``: the runs it
+        published; a put's pieces commit in order, so every piece was),
+        or the run is stored whole.  By the last piece too: one evicted
+        before it (or the run before the lock below) left the offer open
+        though the put stored the run, and the connection's end gave it
+        back (the key's next offer admitted at once, unlike KVStore)."""
         if not s.offers:
             return
         st = self.store
+        step = st.max_run_blocks
+        lasts = {run.keys for run in published}
+
+        def done(keys: list[bytes]) -> bool:
+            return b"".join(keys[(len(keys) - 1) // step * step:]) in lasts or \
+                st.index.prefix_length(keys) == len(keys)
         with st._lock:
             s.offers = {offer: (keys, admitted) for offer, (keys, admitted) in s.offers.items()
-                        if not admitted or st.index.prefix_length(keys) < len(keys)}
+                        if not admitted or not done(keys)}
 
     def _release_dropped_writers(self) -> None:
         with self._dropped_lock:
@@ -1317,8 +1328,8 @@ class StoreServer:
             published = st._publish_puts(runs, self._clear_count(clears))
         finally:
             st._unpin_writers([w[0] for w, *_ in taken if w is not None])
-        if published:
-            self._settle_offers(s)      # the offers of the runs now stored whole
+        if published:               # the offers of the puts now done
+            self._settle_offers(s, [run for run in runs if run.run_id in published])
         out = []
         for run in runs:    # none or all: a clear() refuses the whole commit
             n = run.nblocks if run.run_id in published else 0

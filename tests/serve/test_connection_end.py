@@ -499,3 +499,54 @@ def test_an_offer_past_the_open_offers_bound_is_refused_not_the_oldest_dropped(
             assert adm._offers.get(a[0]) is None and adm._offers.get(b[0]) is None
             # settled: room again
             assert _call(conn, "admit", keys=encode_keys(c), count=False)["offer"]
+
+
+@pytest.mark.parametrize("how", ["put_run", "put_runs"])
+def test_an_admitted_offer_is_settled_when_its_last_piece_commits_though_a_piece_left(
+        tmp_path, how, monkeypatch):
+    """A long run admitted (admit_after=2) is put in pieces; its first
+    piece was evicted before the last one committed.  The put is done
+    (every piece published: it answers the run's blocks, and KVStore's
+    offer stays used up), but the server settled an admitted offer only
+    when its run was stored whole: it stayed open on the connection, and
+    the connection's end gave it back, so the key's next offer (its first
+    since the put) was admitted at once.  The commit of the last piece
+    settles the offer, whatever left the store meanwhile."""
+    from kvblock.store.client import RemoteStore
+
+    path = _store_file(tmp_path)
+    sock = str(tmp_path / "kv.sock")
+    with serve_in_background([path], sock, admit_after=2) as server:
+        st = server.store
+        adm = st.admission
+        m = st.max_run_blocks
+        # seven pieces: put_runs commits them in two groups (six regions
+        # of the store's 28 at most in one)
+        keys = run_keys(1, 7 * m)
+        nkeys = normalize_keys(keys)
+        other = run_keys(2, 1)                     # put_runs: a second run
+        real_publish = type(st)._publish_puts
+
+        def publish(self, runs, clears):
+            if any(r.keys.startswith(nkeys[6 * m]) for r in runs):     # the last piece
+                assert self.evict(all=True) >= 1                 # the first ones go
+                assert self.index.prefix_length(nkeys) == 0
+            return real_publish(self, runs, clears)
+
+        def put(r):
+            if how == "put_run":
+                return [r.put_run(keys, run_data(keys))]
+            return r.put_runs([(keys, run_data(keys)), (other, run_data(other))])[:1]
+        with RemoteStore(sock) as r:
+            assert put(r) == [0]                   # keys[0]'s first offer: declined
+            monkeypatch.setattr(type(st), "_publish_puts", publish)
+            assert put(r) == [7 * m]               # admitted: every piece published
+            monkeypatch.undo()
+            (s,) = server._sessions.values()
+            assert not [k for k, admitted in s.offers.values() if admitted], \
+                "the done put's offer is open on the connection"
+        s.thread.join(10)
+        assert server.client_count() == 0
+        assert adm._offers.get(nkeys[0]) is None, "the done put's offer was given back"
+        with RemoteStore(sock) as r:
+            assert put(r) == [0], "the key's next offer was admitted at once"
