@@ -257,7 +257,10 @@ class RunWriter(RunIO):
                     continue
                 if verdict == "rejected":
                     continue
-                if i in unchecked:        # none of it written yet: refused whole
+                # none of it written yet: refused whole.  ``whole`` too: one
+                # _check_runs_fit left to admit, a duplicate, that a served
+                # store's admit found removed since (present, then admit)
+                if i in unchecked or whole:
                     self._check_fits(n)
                 # with the offer admit noted for it (none: nothing to give back)
                 admitted.append((i, offers[-1][0] if len(offers) > noted else None))

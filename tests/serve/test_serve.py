@@ -1892,3 +1892,41 @@ def test_put_runs_through_a_server_writes_a_run_its_store_holds_only_in_dram(tmp
     finally:
         server.stop()
         store.close()
+
+
+def test_put_runs_refuses_a_too_long_run_removed_between_its_plan_and_its_admit(tmp_path,
+                                                                                sock, monkeypatch):
+    """put_runs checks a run fits the store only when it would be written:
+    one present() found whole (stored as shorter runs) is left to admit,
+    a duplicate.  Removed between that look and its admit (another rank's
+    delete or eviction), the server's admit answered ok and the run was
+    written unchecked: its pieces, more than the store holds at once,
+    evicted one another (the call answered its blocks stored; lookup found
+    none of them).  Refused as put_run refuses it (StoreFullError), before
+    anything is written."""
+    from kvblock.errors import StoreFullError
+    from kvblock.index.keys import normalize_keys
+    from tests.store.workload import small_store
+
+    path = small_store(tmp_path / "kv.img", 2 * MIB)
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as r:
+        m = r.max_run_blocks
+        chain = normalize_keys([f"chain-{j}".encode() for j in range(4 * m)])  # 4 regions
+        for a in range(0, len(chain), m):
+            assert r.put_run(chain[a:a + m], run_data(chain[a:a + m])) == m
+        other = run_keys(1, 1)
+        real_admit = RemoteStore._admit
+
+        def admit(self, keys, *args, **kwargs):
+            if keys == chain:               # after present(), before the server's admit
+                assert server.store.delete(chain[:1]) == m
+            return real_admit(self, keys, *args, **kwargs)
+        monkeypatch.setattr(RemoteStore, "_admit", admit)
+        with pytest.raises(StoreFullError, match=f"run of {4 * m} blocks"):
+            r.put_runs([(chain, run_data(chain)), (other, run_data(other))])
+        monkeypatch.undo()
+        assert r.lookup(other) == 0
+        for a in range(m, len(chain), m):   # the store's other runs stay, readable
+            out = np.zeros(m * GEOM.block_bytes, dtype=np.uint8)
+            assert r.get_run(chain[a:a + m], out) == m
+            assert np.array_equal(out, run_data(chain[a:a + m]))
