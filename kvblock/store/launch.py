@@ -21,6 +21,7 @@ starting a second one, which would find the devices busy and fail.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -32,7 +33,7 @@ from typing import Sequence
 
 from kvblock.devices import refuse_one_path
 from kvblock.errors import (ConfigError, ServerBusyError, ServerError, ServerGoneError,
-                            StoreClosedError)
+                            SocketInUseError, StoreClosedError)
 from kvblock.store.fence import FENCE_BYTE, _FLOCK, _ofd_lock, socket_fence_path
 from kvblock.store.session import open_socket
 
@@ -41,6 +42,11 @@ logger = logging.getLogger("kvblock")
 # Beside the write fence's bytes of <socket>.fence (ranks lock those, never this).
 STOPPING_BYTE = FENCE_BYTE + 2
 STARTING_BYTE = FENCE_BYTE + 3
+# Held by a server from its look at the socket path until it listens there
+# (or gave up): servers of other stores told the same path take it in turn.
+BINDING_BYTE = FENCE_BYTE + 4
+# The look takes at most a second (a connect): one held longer is stuck.
+BINDING_WAIT_S = 30.0
 # How long a new server waits for a stopping one to let go of the devices:
 # its stop drains each connection for up to 10 s, then checkpoints.  (A
 # server spawn_server started is killed sooner, at its start timeout.)
@@ -248,6 +254,39 @@ def wait_for_server(socket_path, timeout: float = 30.0, proc=None) -> None:
                 raise ServerError(f"no store server listening on {socket_path} after "
                                   f"{timeout} s ({e})") from None
             time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def binding(fence_fd: int, socket_path):
+    """(a server about to listen on ``socket_path``) Hold BINDING_BYTE of
+    its ``<socket>.fence`` while it looks for a server there, removes a
+    stale socket and binds: another server (of another store: this one's
+    devices are claimed) doing the same between our look and our bind
+    would have its socket unlinked by ours.  Polled, up to BINDING_WAIT_S:
+    a server stopped while it holds the lock must not hang ours."""
+    deadline = time.monotonic() + BINDING_WAIT_S
+    logged = False
+    while not _ofd_lock(fence_fd, fcntl.F_WRLCK, wait=False, byte=BINDING_BYTE):
+        fence = socket_fence_path(socket_path)
+        if time.monotonic() >= deadline:
+            raise SocketInUseError(
+                f"another store server has been taking the socket {socket_path} for over "
+                f"{BINDING_WAIT_S:g} s (it holds the lock of {fence}): it is stopped or "
+                f"stuck; find it with `fuser {fence}`, let it go on or kill it, or choose "
+                "another --socket path", socket_path, errno.EADDRINUSE)
+        if not logged:
+            logger.info("kvblock serve: another store server is taking the socket %s; "
+                        "waiting for it (up to %g s)", socket_path, BINDING_WAIT_S)
+            logged = True
+        time.sleep(STOPPING_POLL_S)
+    try:
+        yield
+    finally:
+        # unlocked, not left to the close: a child forked meanwhile shares the description
+        try:
+            _ofd_lock(fence_fd, fcntl.F_UNLCK, wait=False, byte=BINDING_BYTE)
+        except OSError:
+            pass
 
 
 def announce_stopping(fence_fd: int) -> None:

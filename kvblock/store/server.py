@@ -295,12 +295,16 @@ class StoreServer:
         try:
             self._fence_file = file_id(self._fence_fd)
             self._fence_writers(stop=stop)
-            self._listener = _bind(self.socket_path)
+            with launch.binding(self._fence_fd, self.socket_path):
+                self._listener = _bind(self.socket_path)
+                self._socket_ino = os.stat(self.socket_path).st_ino
         except BaseException:
+            if self._listener is not None:
+                self._listener.close()
+                self._listener = None
             os.close(self._fence_fd)
             self._fence_fd = None
             raise
-        self._socket_ino = os.stat(self.socket_path).st_ino
         self._thread = threading.Thread(target=self._accept_loop, name="kvblock-serve",
                                         daemon=True)
         self._thread.start()
@@ -1470,7 +1474,8 @@ def _check_socket_path(path: str) -> bool:
 def _bind(path: str) -> socket.socket:
     """Listen on ``path``; a stale socket of a dead server is replaced, a live
     one (or anything that is not a socket) is refused.  Called with the
-    store's devices claimed, so no other server of this store races here."""
+    store's devices claimed, so no other server of this store races here,
+    and under launch.binding, so no server of another store does."""
     if _check_socket_path(path):
         try:
             os.unlink(path)
