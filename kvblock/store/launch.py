@@ -34,7 +34,7 @@ from typing import Sequence
 from kvblock.devices import refuse_one_path
 from kvblock.errors import (ConfigError, ServerBusyError, ServerError, ServerGoneError,
                             SocketInUseError, StoreClosedError)
-from kvblock.store.fence import FENCE_BYTE, _FLOCK, _ofd_lock, socket_fence_path
+from kvblock.store.fence import FENCE_BYTE, _FLOCK, _ofd_lock, file_id, socket_fence_path
 from kvblock.store.session import open_socket
 
 logger = logging.getLogger("kvblock")
@@ -47,6 +47,9 @@ STARTING_BYTE = FENCE_BYTE + 3
 BINDING_BYTE = FENCE_BYTE + 4
 # The look takes at most a second (a connect): one held longer is stuck.
 BINDING_WAIT_S = 30.0
+# Held shared by every server holding <socket>.fence open (open_fence): a
+# start that made the file and failed removes it only when none does.
+HOLDING_BYTE = FENCE_BYTE + 5
 # How long a new server waits for a stopping one to let go of the devices:
 # its stop drains each connection for up to 10 s, then checkpoints.  (A
 # server spawn_server started is killed sooner, at its start timeout.)
@@ -318,34 +321,96 @@ def _stopping(fd: int, byte: int = STOPPING_BYTE) -> bool:
     return struct.unpack(_FLOCK, fcntl.fcntl(fd, fcntl.F_OFD_GETLK, arg))[0] != fcntl.F_UNLCK
 
 
-def announce_starting(socket_path) -> int | None:
-    """(a server about to open its store for ``socket_path``) Mark it
-    starting until :func:`started`; the descriptor holding the mark, or
-    None when the fence file cannot be opened or locked (the server's
-    start says why, if it matters)."""
+def open_fence(socket_path) -> tuple[int, bool]:
+    """(a server) ``<socket>.fence`` open read-write, made when missing,
+    with HOLDING_BYTE held shared while it is open; and whether this call
+    made the file.  A file removed meanwhile by a failed start
+    (:func:`close_fence`) is made anew: the one opened would be no rank's.
+    OSError as os.open raises it."""
+    path = socket_fence_path(socket_path)
+    deadline = time.monotonic() + BINDING_WAIT_S
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            made = True
+        except FileExistsError:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue                       # removed meanwhile
+            made = False
+        try:
+            # a failed start holds it exclusive only for its unlink
+            while not _ofd_lock(fd, fcntl.F_RDLCK, wait=False, byte=HOLDING_BYTE):
+                if time.monotonic() >= deadline:
+                    break                      # (stuck there: used unheld, never removed)
+                time.sleep(STOPPING_POLL_S)
+            st = os.stat(path)
+        except FileNotFoundError:
+            os.close(fd)
+            continue
+        except OSError:            # ENOLCK: held by none, so never removed (made: False)
+            return fd, False
+        except BaseException:
+            os.close(fd)
+            raise
+        if (st.st_dev, st.st_ino) == file_id(fd):
+            return fd, made
+        os.close(fd)                           # removed (and made anew) meanwhile
+
+
+def close_fence(fd: int, socket_path, remove: bool = False) -> None:
+    """Close what :func:`open_fence` opened (unlocked first: a child forked
+    meanwhile shares the description).  ``remove`` (a start that made the
+    file and failed): the file goes too, unless another server holds it
+    (it would fence on a file its ranks no longer find) or it is another
+    file now."""
     try:
-        fd = os.open(socket_fence_path(socket_path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
-                     0o644)
+        if remove and _ofd_lock(fd, fcntl.F_WRLCK, wait=False, byte=HOLDING_BYTE):
+            path = socket_fence_path(socket_path)
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) == file_id(fd):
+                os.unlink(path)
+    except OSError:
+        pass                                   # left behind: harmless, as before
+    finally:
+        try:
+            _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=HOLDING_BYTE)
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def announce_starting(socket_path) -> tuple[int, bool] | None:
+    """(a server about to open its store for ``socket_path``) Mark it
+    starting until :func:`started`; the fence file's descriptor holding the
+    mark and whether it was made here (:func:`open_fence`), or None when
+    the fence file cannot be opened (the server's start says why, if it
+    matters)."""
+    try:
+        fd, made = open_fence(socket_path)
     except OSError:
         return None
     try:
         _ofd_lock(fd, fcntl.F_WRLCK, wait=False, byte=STARTING_BYTE)
     except OSError:
         pass           # ENOLCK: ranks then start a server of their own, as before
-    return fd
+    return fd, made
 
 
-def started(fd: int | None) -> None:
+def started(starting: tuple[int, bool] | None, socket_path=None, failed: bool = False) -> None:
     """(a starting server, listening or failed) Let go of its mark
-    (unlocked first: a child forked meanwhile shares the description)."""
-    if fd is None:
+    (unlocked first: a child forked meanwhile shares the description).
+    ``failed``: a fence file this start made goes too (see close_fence)."""
+    if starting is None:
         return
+    fd, made = starting
     try:
         _ofd_lock(fd, fcntl.F_UNLCK, wait=False, byte=STARTING_BYTE)
     except OSError:
         pass
     finally:
-        os.close(fd)
+        close_fence(fd, socket_path, remove=failed and made)
 
 
 def server_starting(socket_path) -> bool:

@@ -255,7 +255,7 @@ class StoreServer:
         # fence meets ranks that reach the device by another inode).
         fence = socket_fence_path(self.socket_path)
         try:
-            self._fence_fd = os.open(fence, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self._fence_fd, made = launch.open_fence(self.socket_path)
         except PermissionError as e:
             if not os.path.lexists(fence):
                 # no file there: the directory is what this user may not write
@@ -302,7 +302,7 @@ class StoreServer:
             if self._listener is not None:
                 self._listener.close()
                 self._listener = None
-            os.close(self._fence_fd)
+            launch.close_fence(self._fence_fd, self.socket_path, remove=made)
             self._fence_fd = None
             raise
         self._thread = threading.Thread(target=self._accept_loop, name="kvblock-serve",
@@ -369,7 +369,7 @@ class StoreServer:
                 # a child forked meanwhile shares the file, and the mark)
                 if self.close_store:
                     launch.stopped(self._fence_fd)
-                os.close(self._fence_fd)
+                launch.close_fence(self._fence_fd, self.socket_path)
                 self._fence_fd = None
             self.stopped.set()
 
@@ -1546,11 +1546,14 @@ def open_server(devices: Sequence, socket_path, *, idle_exit: float | None = Non
     # Until it listens (a recovery takes seconds at millions of blocks): a
     # rank finding no server waits for this one instead of starting another.
     starting = launch.announce_starting(socket_path)
+    failed = True          # then a fence file made here goes (launch.close_fence)
     try:
-        return _open_server(devices, socket_path, idle_exit, pin_lease, hello_timeout,
-                            max_clients, stop, options)
+        server = _open_server(devices, socket_path, idle_exit, pin_lease, hello_timeout,
+                              max_clients, stop, options)
+        failed = False
+        return server
     finally:
-        launch.started(starting)
+        launch.started(starting, socket_path, failed)
 
 
 def _open_server(devices, socket_path, idle_exit, pin_lease, hello_timeout, max_clients, stop,

@@ -9,6 +9,8 @@ import socket
 import sys
 import threading
 
+import pytest
+
 import kvblock.store.server as server_mod
 from kvblock import KVStore, create_file
 from kvblock.errors import SocketInUseError
@@ -97,3 +99,35 @@ def test_two_servers_of_different_stores_never_take_each_others_socket(tmp_path,
         logging.getLogger("kvblock").removeHandler(handler)
         for server in servers.values():
             server.stop()
+
+
+def test_a_refused_start_leaves_no_fence_file_it_made(tmp_path):
+    """A start refused after it made <socket>.fence (a device that cannot
+    be opened, one another process holds) left the file behind, beside no
+    socket.  One that made it removes it; one refused by a live server
+    keeps that server's, which its ranks fence on."""
+    from kvblock.errors import KVBlockError
+
+    sock = str(tmp_path / "kv.sock")
+    fence = sock + ".fence"
+    with pytest.raises(KVBlockError) as e:
+        open_server([str(tmp_path / "missing.img")], sock)
+    assert "missing.img" in str(e.value)
+    assert not os.path.exists(fence), "the refused start left its fence file"
+    assert not os.path.exists(sock)
+
+    a, b = _store_file(tmp_path / "a.img"), _store_file(tmp_path / "b.img")
+    with KVStore.open([b]):                        # the devices refused: busy
+        with pytest.raises(KVBlockError):
+            open_server([b], sock)
+    assert not os.path.exists(fence), "the refused start left its fence file"
+
+    server = open_server([a], sock)
+    try:
+        held = os.stat(fence).st_ino
+        with pytest.raises(SocketInUseError, match="already listens"):
+            open_server([b], sock)
+        assert os.stat(fence).st_ino == held, "a live server's fence file was removed"
+    finally:
+        server.stop()
+    assert os.path.exists(fence)                   # a stopped server's stays: ranks may write
