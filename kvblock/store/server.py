@@ -417,15 +417,28 @@ class StoreServer:
 
     def _unlink_socket(self):
         with self._unlink_lock:
-            if self._listener is not None:
-                self._listener.close()
-            try:  # only our own socket: a newer server may have taken the path
-                if self._socket_ino is not None and \
-                        os.stat(self.socket_path).st_ino == self._socket_ino:
-                    os.unlink(self.socket_path)
+            # Under launch.binding from before the close: a server starting
+            # meanwhile (of another store) would find ours stale and bind
+            # its own there, maybe of our inode number, which we then removed.
+            binding = contextlib.nullcontext()
+            if self._socket_ino is not None and self._fence_fd is not None:
+                binding = launch.binding(self._fence_fd, self.socket_path)
+            try:
+                with binding:
+                    if self._listener is not None:
+                        self._listener.close()
+                    # only our own socket: a newer server may have taken the path
+                    if self._socket_ino is not None and \
+                            os.stat(self.socket_path).st_ino == self._socket_ino:
+                        os.unlink(self.socket_path)
+            except SocketInUseError as e:      # (an OSError too) left: the next server replaces it
+                logger.warning("kvblock serve: socket %s left in place: %s", self.socket_path, e)
             except OSError:
                 pass
-            self._socket_ino = None    # once: a newer server's socket may reuse the inode
+            finally:
+                if self._listener is not None:
+                    self._listener.close()
+                self._socket_ino = None    # once: a newer server's socket may reuse the inode
 
     # ------------------------------------------------------------------ connections
     def _accept_loop(self):

@@ -131,3 +131,59 @@ def test_a_refused_start_leaves_no_fence_file_it_made(tmp_path):
     finally:
         server.stop()
     assert os.path.exists(fence)                   # a stopped server's stays: ranks may write
+
+
+def test_a_stopping_server_never_removes_the_socket_of_the_next(tmp_path, monkeypatch,
+                                                                  caplog):
+    """A server that stops closes its listener, looks that the socket path
+    is still its socket, and removes it.  A server of another store starting
+    on that path between the look and the removal found the socket stale,
+    replaced it with its own (perhaps of the same inode number, the old one
+    freed), and the stopping one then removed that: the new server served
+    on a socket no rank could reach.  The look and the removal are now
+    under the lock a start takes around its own look and bind."""
+    a, b = _store_file(tmp_path / "a.img"), _store_file(tmp_path / "b.img")
+    sock = str(tmp_path / "kv.sock")
+    servers, errors = {}, {}
+    b_went = threading.Event()             # B started, failed, or waits for A
+    handler = _Seen("waiting for it", b_went)
+    logging.getLogger("kvblock").addHandler(handler)
+    caplog.set_level(logging.INFO, logger="kvblock")
+
+    def start_b():
+        try:
+            servers["B"] = open_server([b], sock)
+        except Exception as e:             # noqa: BLE001  (asserted on below)
+            errors["B"] = e
+        finally:
+            b_went.set()
+
+    real_unlink = os.unlink
+    threads = []
+
+    def unlink(path, *args, **kwargs):
+        # A's stop, between its look at the socket and its removal: B starts
+        if sys._getframe(1).f_code.co_name == "_unlink_socket" and not threads:
+            threads.append(threading.Thread(target=start_b, name="B"))
+            threads[0].start()
+            assert b_went.wait(60), "B neither started nor waited"
+        return real_unlink(path, *args, **kwargs)
+
+    server_a = open_server([a], sock)
+    try:
+        monkeypatch.setattr(os, "unlink", unlink)
+        server_a.stop()
+        monkeypatch.undo()
+        threads[0].join(120)
+        assert not threads[0].is_alive()
+        assert "B" in servers, errors
+        assert os.path.exists(sock), "the stopping server removed the next one's socket"
+        assert os.stat(sock).st_ino == servers["B"]._socket_ino
+        with socket.socket(socket.AF_UNIX) as probe:
+            probe.connect(sock)            # B answers there
+    finally:
+        monkeypatch.undo()
+        logging.getLogger("kvblock").removeHandler(handler)
+        server_a.stop()
+        for server in servers.values():
+            server.stop()
