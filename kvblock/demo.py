@@ -240,7 +240,7 @@ def _check_run_fits(path: str, g, nblocks: int, own: bool = False,
     a smaller region_size, names none the demo takes).  With ``size``: the
     demo's own file as it will be made, of that size (not opened)."""
     from kvblock.devices import Device
-    from kvblock.devices.device import FILE_BLOCK_SIZE
+    from kvblock.devices.device import FILE_BLOCK_SIZE, said_size
     from kvblock.errors import DeviceTooSmallError
     from kvblock.store.planning import StandIn, check_fits, least_size, plan_for
 
@@ -260,7 +260,7 @@ def _check_run_fits(path: str, g, nblocks: int, own: bool = False,
             if least is None:
                 raise
             raise DeviceTooSmallError(
-                f"{dev.path}: {dev.capacity} bytes cannot hold the demo's store: it needs at "
+                f"{dev.path}: {said_size(dev)} cannot hold the demo's store: it needs at "
                 f"least {least} bytes for a run of {nblocks} blocks; "
                 + (f"give --size {least} or more" if own else "use a larger --device"),
                 dev.path) from e

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvblock.bench.store_bench import VerifyError
 from kvblock.devices import Device, create_file
-from kvblock.devices.device import new_file, remove_made
+from kvblock.devices.device import new_file, remove_made, said_size
 from kvblock.errors import ConfigError, DeviceTooSmallError
 from kvblock.io import ENGINES, IOBatch, engine_report, open_engine
 from kvblock.io.uring import probe
@@ -43,7 +43,7 @@ def _check(path: str, size: int) -> dict:
     report = {"selected_engine": engine_report()["engine"], "reason": engine_report()["reason"]}
     with Device(path) as dev:
         if dev.capacity < UNIT:
-            raise DeviceTooSmallError(f"{path} has {dev.capacity} bytes; selfcheck writes whole "
+            raise DeviceTooSmallError(f"{path} has {said_size(dev)}; selfcheck writes whole "
                                       "MiB and needs at least 1 MiB: give a larger --path", path)
         if size > dev.capacity:   # checking less than asked would pass for the full check
             raise ConfigError(f"selfcheck --size {size} is larger than {path} ({dev.capacity} "

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from kvblock.devices import Device
-from kvblock.devices.device import new_file, refuse_missing, remove_made
+from kvblock.devices.device import new_file, refuse_missing, remove_made, said_size
 from kvblock.errors import ConfigError, DeviceTooSmallError, KVBlockError
 from kvblock.layout import Geometry
 from kvblock.memory import HostBuffer
@@ -133,7 +133,7 @@ def _too_small(dev, geometry: Geometry, made, run_blocks: int) -> KVBlockError:
                            f"for {geometry.describe()}; use fewer --run-blocks")
     fix = (f"give --size {least} or more" if made else
            f"use a larger target (or a new file, with --size {least})")
-    return DeviceTooSmallError(f"{dev.path}: {dev.capacity} bytes cannot hold a bench store "
+    return DeviceTooSmallError(f"{dev.path}: {said_size(dev)} cannot hold a bench store "
                                f"for {geometry.describe()} with runs of {run_blocks} blocks: it "
                                f"needs at least {least} bytes; " + fix, dev.path)
 

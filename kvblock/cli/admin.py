@@ -222,6 +222,7 @@ def _check_plan(devs, geometry, region_size) -> None:
     own refusal advises its arguments ("a smaller region_size", a too small
     "journal_bytes", which follows the store's size): settings this
     command does not take."""
+    from kvblock.devices.device import said_size
     from kvblock.errors import DeviceTooSmallError
     from kvblock.store.planning import (
         StandIn, least_size, no_store_holds, plan_for, plan_or_none)
@@ -251,7 +252,7 @@ def _check_plan(devs, geometry, region_size) -> None:
     # the journal (1/128 of the store's space) cannot hold a run's record
     short = min(devs, key=lambda d: d.capacity)
     raise DeviceTooSmallError(
-        f"{short.path}: {short.capacity} bytes is too small for a store for "
+        f"{short.path}: {said_size(short)} is too small for a store for "
         f"{geometry.describe()}: a run's journal record of one block needs a larger journal "
         "than a store of this size has (1/128 of its space); " + larger
         + ", or format for a smaller model (fewer --layers or --head-groups)",

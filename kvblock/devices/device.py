@@ -67,10 +67,24 @@ class DeviceInfo:
     # kernel completes flushes at once, as for a drive without a volatile
     # cache, like many with power-loss protection), "" where no block device says (tmpfs).
     write_cache: str = ""
+    # Bytes the device or file has: capacity is the whole blocks of them (a
+    # 1000-byte file has none).  None: as capacity.
+    size: int | None = None
 
     def as_dict(self) -> dict:
         # (by its fields: reading __dict__ would make one; see layout.geometry._derive)
         return asdict(self)
+
+
+def said_size(dev) -> str:
+    """``dev``'s size (a Device, or a plan's stand-in) for a message: its
+    capacity, and the bytes it has where they are more (whole blocks only
+    are used): a 1000-byte file is "1000 bytes (0 in whole 4096-byte
+    blocks)", not "0 bytes"."""
+    size = getattr(getattr(dev, "info", None), "size", None)
+    if size is None or size == dev.capacity:
+        return f"{dev.capacity} bytes"
+    return f"{size} bytes ({dev.capacity} in whole {dev.block_size}-byte blocks)"
 
 
 def create_file(path: str | os.PathLike, size: int, *, _exclusive: bool = False) -> Path:
@@ -777,7 +791,7 @@ class Device:
                     "and give the device it prints", self.path, errno.ENXIO)
             if self.info.capacity < min_size:
                 raise DeviceTooSmallError(
-                    f"{self.path}: {self.info.capacity} bytes, need at least {min_size}; "
+                    f"{self.path}: {said_size(self)}, need at least {min_size}; "
                     "use a larger device or grow the file", self.path, errno.ENOSPC)
         except BaseException:
             os.close(self.fd)
@@ -922,12 +936,12 @@ class Device:
                 model = (_read_str(queue.parent / "device" / "model")
                          or _read_str(queue.parent / "loop" / "backing_file"))
             return DeviceInfo(self.path, "block", capacity, lbs, pbs, discard, rotational, model,
-                              _read_str(queue / "write_cache") if queue else "")
+                              _read_str(queue / "write_cache") if queue else "", size)
         capacity = st.st_size // FILE_BLOCK_SIZE * FILE_BLOCK_SIZE
         queue = _sysfs_queue(st.st_dev) if os.major(st.st_dev) else None   # 0: tmpfs and co.
         return DeviceInfo(self.path, "file", capacity, FILE_BLOCK_SIZE,
                           max(FILE_BLOCK_SIZE, st.st_blksize), True, False, "file",
-                          _read_str(queue / "write_cache") if queue else "")
+                          _read_str(queue / "write_cache") if queue else "", st.st_size)
 
     @property
     def capacity(self) -> int:

@@ -44,6 +44,7 @@ import numpy as np
 
 from kvblock.alloc.regions import SEALED, RegionTable
 from kvblock.devices import Device, check_distinct, refuse_one_path
+from kvblock.devices.device import said_size
 from kvblock.errors import (
     ConfigError,
     DeviceTooSmallError,
@@ -549,7 +550,7 @@ class KVStore(Recovery, RunReader, RunWriter):
                 # a shrunk file or device: regions past its end would fail
                 # every read (or land on someone else's space after a resize)
                 raise DeviceTooSmallError(
-                    f"{d.path}: {d.capacity} bytes, but the store was formatted on "
+                    f"{d.path}: {said_size(d)}, but the store was formatted on "
                     f"{sb.device_bytes}; the device shrank (a truncated file?). Restore its "
                     "size (truncate -s / fallocate -l), or reformat", d.path, errno.ENOSPC)
         # Put the engine's device table in store order (device index i == engine index i).
@@ -2513,7 +2514,7 @@ def _try_superblock(io: StoreIO, dev: int, raise_errors=False):
         if not raise_errors:
             return None
         raise DeviceTooSmallError(
-            f"{path}: {io.devices[dev].capacity} bytes cannot hold a kvblock store (its "
+            f"{path}: {said_size(io.devices[dev])} cannot hold a kvblock store (its "
             f"superblocks alone take {SUPERBLOCKS_END}): not a store; a store needs a few MiB "
             "at least", path)
     copies, unreadable = [], []
@@ -2699,7 +2700,7 @@ def _plan(devs: list[Device], geometry: Geometry, region_size, journal_bytes, *,
                 if too_small is not None:
                     raise too_small
             raise DeviceTooSmallError(
-                f"{d.path}: {d.capacity} bytes cannot hold "
+                f"{d.path}: {said_size(d)} cannot hold "
                 f"{'metadata' if i == 0 else 'its superblocks'} ({off} bytes) and "
                 f"{'two' if least == 2 else 'one'} {region_size}-byte "
                 f"region{'s' if least == 2 else ''} (need about {off + least * region_size}); "

@@ -1511,6 +1511,24 @@ def test_a_device_too_small_for_superblocks_is_too_small_not_an_io_error(tmp_pat
     assert json.loads(res.stdout)["status"] == "unusable"
 
 
+@pytest.mark.parametrize("nbytes", [1000, 5000])
+def test_a_store_file_of_a_partial_block_is_said_its_real_size(tmp_path, nbytes):
+    """A store file whose size is no whole number of 4 KiB blocks (under
+    4 KiB: none) was said to be its whole blocks' size: "0 bytes" for a
+    1000-byte file, 4096 for 5000 bytes.  format and info say the size the
+    file has, and that it is too small, with the least size and the fix."""
+    small = tmp_path / "small.img"
+    small.write_bytes(b"\0" * nbytes)
+    res = kvb("format", small, *GEOM_ARGS)
+    one_line_error(res, 7, str(small), f"{nbytes} bytes", "use a larger device (at least ")
+    whole = nbytes // 4096 * 4096
+    assert f": {whole} bytes cannot" not in res.stderr, res.stderr
+    res = kvb("info", small)
+    one_line_error(res, 7, str(small), f"{nbytes} bytes", "cannot hold a kvblock store")
+    assert f": {whole} bytes cannot" not in res.stderr, res.stderr
+    assert small.stat().st_size == nbytes        # refused: left as it was
+
+
 def test_serve_refuses_a_socket_path_too_long_before_touching_the_store(tmp_path):
     store = tmp_path / "st.img"
     assert kvb("format", store, "--size", "8M", *GEOM_ARGS).returncode == 0
