@@ -338,16 +338,18 @@ def format(devices, layers, kv_heads, head_dim, dtype, block_tokens, head_groups
         _check_plan(opened, geometry, region_size)
         total = sum(d.capacity for d in opened)
         plan = (f"format {len(opened)} device(s) ({', '.join(d.path for d in opened)}; "
-                f"{total / 2**30:.2f} GiB) as a kvblock store for {geometry.describe()}"
+                f"{_digits(total / 2**30, 2)} GiB) as a kvblock store for {geometry.describe()}"
                 + (f", model {model!r}" if model else ""))
         if not as_json:
             click.echo(plan, err=True)
         smallest = min(d.capacity for d in opened)
         if smallest != max(d.capacity for d in opened):
             # regions are striped across the devices, so each holds as many
+            # (sizes as plan says them: a few MiB is not "0.00 GiB")
             click.echo(f"kvblock: note: the devices differ in size; regions stripe across "
-                       f"them, so the store uses about {smallest / 2**30:.2f} GiB of each "
-                       f"({len(opened) * smallest / 2**30:.2f} GiB in all)", err=True)
+                       f"them, so the store uses about {_digits(smallest / 2**30, 2)} GiB of "
+                       f"each ({_digits(len(opened) * smallest / 2**30, 2)} GiB in all)",
+                       err=True)
         needs_yes = any(d.kind == "block" for d in opened)
         if needs_yes and not yes:
             if not sys.stdin.isatty():

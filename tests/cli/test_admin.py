@@ -660,8 +660,23 @@ def test_devices_of_different_sizes_are_named_at_format(file_target):
     small, big = file_target(16 << 20), file_target(48 << 20)
     res = kvb("format", small, big, *GEOM_ARGS, "--json")
     assert res.returncode == 0, res.stderr
-    assert "differ in size" in res.stderr and "0.02 GiB of each" in res.stderr
+    assert "differ in size" in res.stderr and "0.0156 GiB of each" in res.stderr
     assert json.loads(res.stdout)["capacity_bytes"] <= 2 * (16 << 20)
+
+
+def test_format_says_a_small_stores_size_in_digits_not_0_00_gib(file_target):
+    """format's plan line and its note on devices of unequal sizes said a
+    store of a few MiB was "0.00 GiB" or "0.01 GiB" (two decimals of GiB), as plan once
+    did: three significant digits, as plan says them."""
+    one = file_target(8 << 20)
+    res = kvb("format", one, *GEOM_ARGS)
+    assert res.returncode == 0, res.stderr
+    assert "0.01 GiB" not in res.stderr and f"{one}; 0.00781 GiB)" in res.stderr, res.stderr
+    small, big = file_target(6 << 20), file_target(8 << 20)
+    res = kvb("format", small, big, *GEOM_ARGS)
+    assert res.returncode == 0, res.stderr
+    assert "0.01 GiB" not in res.stderr, res.stderr
+    assert "about 0.00586 GiB of each (0.0117 GiB in all)" in res.stderr, res.stderr
 
 
 def test_format_prompt_goes_to_the_terminal_not_stdout(loop_device):
