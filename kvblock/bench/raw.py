@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvblock.devices import Device
-from kvblock.devices.device import new_file, refuse_missing, remove_made
+from kvblock.devices.device import new_file, refuse_missing, remove_made, said_size
 from kvblock.errors import ConfigError
 from kvblock.io import OP_READ, OP_WRITE, IOBatch, open_engine
 from kvblock.memory import HostBuffer
@@ -83,13 +83,15 @@ def _run_raw(target, workload, bs, qd, seconds, size, engine, progress) -> RawBe
         # (its tail is no direct I/O's), not less than --size asked
         usable = size // dev.block_size * dev.block_size if size else None
         if usable and usable > dev.capacity:
-            raise ConfigError(f"--size {size} is larger than {dev.path} ({dev.capacity} "
-                              "bytes); give at most its size, or none")
+            raise ConfigError(f"--size {size} is larger than {dev.path} ({said_size(dev)}); "
+                              "give at most its size, or none")
         span = (usable if size else dev.capacity) // bs * bs
         if span < bs:
-            used = f"--size {size}" if size else f"{dev.capacity} bytes"
-            raise ConfigError(f"{dev.path}: {used}, smaller than one {bs}-byte I/O; give a "
-                              "smaller --bs" + (" or a larger --size" if size else ""))
+            used = f"--size {size}" if size else said_size(dev)
+            # (no whole block: no --bs is small enough)
+            fix = ("a larger target" if not size and dev.capacity < dev.block_size else
+                   "a smaller --bs" + (" or a larger --size" if size else ""))
+            raise ConfigError(f"{dev.path}: {used}, smaller than one {bs}-byte I/O; give {fix}")
         slots = span // bs
         rng = np.random.default_rng(0)
         # mapped_reads=False: on a file on tmpfs the I/Os would be copies

@@ -112,6 +112,25 @@ def test_a_size_smaller_than_one_io_names_the_size_not_the_whole_target(file_tar
     assert res.exit_code == 8 and "1048576 bytes, smaller than one 2097152-byte" in res.output
 
 
+def test_a_target_of_a_partial_block_is_said_its_real_size(tmp_path):
+    """A 1000-byte target was "0 bytes, smaller than one 4096-byte I/O"
+    (its whole 4 KiB blocks; "give a smaller --bs", which none is), and a
+    --size past a 5000-byte one "larger than it (4096 bytes)": the file's
+    own size is said beside them."""
+    tiny = tmp_path / "tiny.img"
+    tiny.write_bytes(b"\0" * 1000)
+    res = CliRunner().invoke(cli, ["bench", str(tiny), "--bs", "4K", "--seconds", "0.1"])
+    assert res.exit_code == 8, res.output
+    assert f"{tiny}: 1000 bytes (0 in whole 4096-byte blocks), smaller than one 4096-byte " \
+        "I/O; give a larger target" in res.output, res.output
+    odd = tmp_path / "odd.img"
+    odd.write_bytes(b"\0" * 5000)
+    res = CliRunner().invoke(cli, ["bench", str(odd), "--bs", "4K", "--size", "8K",
+                                   "--seconds", "0.1"])
+    assert res.exit_code == 8, res.output
+    assert f"larger than {odd} (5000 bytes (4096 in whole" in res.output, res.output
+
+
 def test_bad_size_argument(file_target):
     res = CliRunner().invoke(cli, ["bench", file_target(1 << 20), "--bs", "lots"])
     assert res.exit_code == 2 and "is not a size" in res.output
