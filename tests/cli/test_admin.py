@@ -1426,6 +1426,31 @@ def test_the_readmes_cli_table_has_a_row_for_every_command():
     assert rows == set(cli.commands), sorted(set(cli.commands) ^ rows)
 
 
+def test_the_readmes_cli_table_names_every_option_of_a_command():
+    """README's row of a command named no --model for info, none of serve's
+    --model, --eviction, --admit-after, --engine, --verify, nor plan's
+    --dtype, --kv-parts, --mfu: each option a command takes is in its row
+    (bench's row, whose usage ends in " ...", gives the workloads only).
+    The other way, test_readme_snippets' test_command_table_options_exist."""
+    import re
+
+    from kvblock.cli.main import cli
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    table = text.split("| command | what it does |", 1)[1].split("\n\n", 1)[0]
+    for line in table.splitlines():
+        if not line.startswith("| `kvblock "):
+            continue
+        usage = line.split("`")[1]
+        command = cli.commands[usage.split()[1]]
+        takes = {o for p in command.params for o in p.opts if o.startswith("--")}
+        if not usage.endswith(" ..."):
+            missing = takes - {"--json", "--help"} - set(re.findall(r"(?<![\w-])--[a-z][a-z-]*",
+                                                                      line))
+            assert not missing, (usage, sorted(missing))
+
+
 def test_interrupted_format_leaves_no_half_valid_superblock(file_target):
     """Crash format at every I/O: the device holds the old store untouched, no
     valid superblock, or a complete, empty new store; never a mix."""
