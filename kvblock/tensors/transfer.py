@@ -5,7 +5,7 @@ Save gathers every layer's pages into one aligned buffer in the store's order
 ``[layer][group][block][kv][token][head][dim]`` (one native row copy per layer
 and KV part, kvblock.tensors.pagecopy) and writes it as one run.  Load is a two-stage pipeline: a reader
 thread reads each layer's range(s) of every run of the prefix in units of
-about 8 MiB (one I/O batch each); a scatter thread checks each unit against
+about 8 MiB (32 MiB into a CUDA cache; one I/O batch each); a scatter thread checks each unit against
 the ranges' streaming checksums and copies its pages into the cache while the
 next unit is read.  ``LoadHandle.wait_layer(l)`` returns as soon as layer l is in
 place, while later layers are still being read.
@@ -459,12 +459,22 @@ def _check_writable(layout) -> None:
 # place before its last ones have been read.
 UNIT_BYTES = 8 << 20
 UNIT_BUFFERS = 3
+# Into a CUDA cache the pieces cross to the GPU (and are cut there) per
+# unit, and each unit costs the scatter stage a few kernel launches and the
+# reader a wait: larger units.  H200, 1 GiB of KV on /dev/shm,
+# KVIKIO_NTHREADS=8, 2026-12-04, medians of 6: kvikio path 8 MiB units
+# 18.3-19.1 GiB/s, 16 MiB 22.4, 32 MiB 23.7 (kvikio's raw preads 24-26);
+# host path 7.7-8.4 / 11.0-11.8 / 14.2-15.1.  Beside a fixed amount of
+# compute (perf/gpu_bandwidth.py's) the restore took as long with any of
+# the three (host 0.137-0.150 s / 0.139-0.145 / 0.138-0.143), and layer
+# 0 came no later (3-6 ms).  (An earlier comparison said larger units hid
+# worse: it sized the compute to each variant's own load time.)
+CUDA_UNIT_BYTES = 32 << 20
 # The kvikio path's staging is device memory, and kvikio splits each read
-# over its thread pool: more units in flight keep its threads busy.  H200,
-# 1 GiB of KV on /dev/shm, KVIKIO_NTHREADS=8 (one run each): 3 buffers
-# 6.15 GiB/s, 8 buffers 9.32, first layer 19 ms either way; with kvikio's
-# default single thread 4.4 vs 4.6.  64 MiB of GPU memory per load.
-KVIKIO_UNIT_BUFFERS = 8
+# over its thread pool: units in flight keep its threads busy (8 units of
+# 8 MiB: 9.3 GiB/s where 3 gave 6.2, before CUDA_UNIT_BYTES).  128 MiB of
+# GPU memory per load.
+KVIKIO_UNIT_BUFFERS = 4
 
 
 def _sample_tensor(layout):
@@ -541,12 +551,14 @@ class _LoadJob:
         pages we need.  Extents are cut at page boundaries that are also
         alignment boundaries into pieces ``(segment, first page, end page,
         bytes per group, last piece?, offset in the unit buffer)``; pieces are
-        packed into units of about UNIT_BYTES.
+        packed into units of about UNIT_BYTES (CUDA_UNIT_BYTES into a CUDA
+        cache).
         """
         store, ng = self.store, self.ng
         gbb, align = store.geometry.group_block_bytes, store.alignment
         step = align // math.gcd(gbb, align)          # pages per aligned cut
-        k = max(step, UNIT_BYTES // (ng * gbb) // step * step)
+        cap = UNIT_BYTES if self.cuda is None else CUDA_UNIT_BYTES
+        k = max(step, cap // (ng * gbb) // step * step)
         self.seg_info = []
         pieces = []
         for si, (run, pos, count, out_at) in enumerate(segs):
@@ -564,7 +576,7 @@ class _LoadJob:
                 p += k
         self.units, unit, at, biggest = [], [], 0, 0
         for si, p0, p1, nbytes, last in pieces:
-            if unit and at + ng * nbytes > UNIT_BYTES:
+            if unit and at + ng * nbytes > cap:
                 self.units.append(unit)
                 biggest = max(biggest, at)
                 unit, at = [], 0

@@ -2648,6 +2648,7 @@ def _stand_in_cuda_loads(path, monkeypatch, device="cuda-stand-in", loads=1, see
     from kvblock.tensors import transfer
 
     monkeypatch.setattr(transfer, "UNIT_BYTES", 8192)
+    monkeypatch.setattr(transfer, "CUDA_UNIT_BYTES", 8192)
     if device is not None:
         monkeypatch.setattr(transfer, "_cuda_device", lambda layout: device)
         for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
