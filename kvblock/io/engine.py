@@ -436,9 +436,13 @@ class IOEngine:
         was issued again."""
         todo = np.arange(len(b))
         issued = False
+        # Bytes each I/O has transferred so far: a round answered -EAGAIN /
+        # -EINTR leaves its errno in ``results``, and the next round goes on
+        # from here (not from the I/O's start, transferring its bytes twice).
+        done = np.maximum(results, 0)
         for _ in range(RETRY_ROUNDS):
             res, lens = results[todo], b.lens[todo].astype(np.int64)
-            part = np.maximum(res, 0)
+            part = done[todo]
             again = ((res > 0) & (res < lens) & (part % self._block[b.devs[todo]].astype(np.int64)
                                                  == 0)) | np.isin(res, _RETRY_ERRNOS)
             todo, part = todo[again], part[again].astype(np.uint64)
@@ -453,7 +457,8 @@ class IOEngine:
                 self._run(op, sub, min(qd, todo.size), got, sub_lat, None)
             finally:
                 # (also for a broken ring: its error counts what did not finish)
-                results[todo] = np.where(got >= 0, part.astype(np.int64) + got, got)
+                done[todo] += np.maximum(got, 0)
+                results[todo] = np.where(got >= 0, done[todo], got)
             if lat is not None:
                 lat[todo] += sub_lat
             todo = todo[got != 0]     # nothing more came: the end of the device

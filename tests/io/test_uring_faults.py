@@ -297,3 +297,57 @@ def test_a_read_that_stays_short_is_still_reported(file_target, monkeypatch):
             eng.read(IOBatch.single(buf.address, 0, 2 * MIB, MIB))
         assert (e.value.offset, e.value.length, e.value.failed) == (2 * MIB, MIB, 1)
         assert 1 < proxy.runs <= 8       # a few more tries, not for ever
+
+
+class _Scripted:
+    """kvb_ring_run answering from a script, one entry per run: "half" (each
+    I/O transfers its first half), "again" (-EAGAIN, nothing transferred) or
+    None (the real run); records each run's (offset, length) pairs."""
+
+    def __init__(self, real, script):
+        self.real, self.script, self.issued = real, list(script), []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def kvb_ring_run(self, handle, op, n, addrs, devs, offsets, lens, qd, results, latency,
+                     hasher):
+        from kvblock.io import native
+
+        self.issued.append([(offsets[i], lens[i]) for i in range(n)])
+        step = self.script.pop(0) if self.script else None
+        if step == "again":
+            for i in range(n):
+                results[i] = -11                                        # -EAGAIN
+            return 0
+        cut = lens
+        if step == "half":
+            cut = native.ffi.new("uint64_t[]", [lens[i] // 2 for i in range(n)])
+        return self.real.kvb_ring_run(handle, op, n, addrs, devs, offsets, cut, qd, results,
+                                      latency, hasher)
+
+
+def test_a_retry_refused_for_now_keeps_the_bytes_already_transferred(file_target,
+                                                                     monkeypatch):
+    """A read cut short, whose rest then comes back -EAGAIN: the round after
+    issues what is still left, from where the transfer stopped.  Before: the
+    -EAGAIN overwrote the bytes counted so far and the I/O was issued again
+    from its start (its first half transferred twice)."""
+    import numpy as np
+
+    from kvblock.devices import Device
+    from kvblock.io import IOBatch, native, open_engine
+    from kvblock.memory import HostBuffer
+
+    MIB = 1 << 20
+    path = file_target(8 * MIB)
+    data = _patterned(path, 8 * MIB, 6)
+    proxy = _Scripted(native.lib(), ["half", "again", "again"])
+    with Device(path) as dev, open_engine([dev], "uring") as eng, HostBuffer(MIB) as buf:
+        buf.array[:] = 0xEE
+        monkeypatch.setattr(native, "lib", lambda: proxy)
+        res = eng.read(IOBatch.single(buf.address, 0, 2 * MIB, MIB), latency=True)
+        assert res.nbytes == MIB
+        assert np.array_equal(buf.array, data[2 * MIB:3 * MIB])
+        half = (2 * MIB + MIB // 2, MIB // 2)
+        assert proxy.issued == [[(2 * MIB, MIB)], [half], [half], [half]]
