@@ -139,17 +139,9 @@ class UringEngine(IOEngine):
         _ENGINES[key] = weakref.ref(self, lambda _, key=key: _ENGINES.pop(key, None))
 
     def _ring(self) -> _Ring:
-        """This thread's ring, its lock held (released by _release; the
-        caller registers its buffers, sync_buffers, inside the try whose
-        finally releases it)."""
+        """This thread's ring, not locked (_run takes its lock)."""
         holder = getattr(self._local, "holder", None)
         ring = holder.ring if holder is not None else None
-        if ring is not None and ring.pid == os.getpid():
-            ring.lock.acquire()
-            if ring.handle is None and not self.closed:   # retired while idle
-                ring.lock.release()
-                self._forget(ring)
-                ring = None
         if ring is None or ring.pid != os.getpid():
             # First use on this thread, or a forked child: the parent's ring
             # (single-issuer) is not this process's to submit to.
@@ -160,13 +152,12 @@ class UringEngine(IOEngine):
             # so engines used from short-lived threads (one per load) do not
             # accumulate rings.
             weakref.finalize(holder, self._forget, ring)
-            ring.lock.acquire()
             with self._rings_lock:
                 self._rings.append(ring)
         return ring
 
     def _release(self, ring: _Ring) -> None:
-        ring.lock.release()
+        """(after _run let go of the ring's lock) What was left to its holder."""
         if ring.orphaned and ring.lock.acquire(blocking=False):   # see _forget
             try:
                 ring.destroy()
@@ -224,21 +215,35 @@ class UringEngine(IOEngine):
             return len(self._rings)
 
     def _run(self, op, batch: IOBatch, qd, results, latency, hasher) -> None:
-        ring = self._ring()
-        try:
-            if ring.handle is None:   # destroyed by close(): the native call would crash
-                raise ConfigError("uring engine is closed")
-            # in the try: an error registering (no memory, a Ctrl-C) left the
-            # lock held, and close() waited for it for good
-            ring.sync_buffers()
-            p = native.ptr
-            ret = native.lib().kvb_ring_run(
-                ring.handle, op, len(batch), p("uint64_t *", batch.addrs),
-                p("uint32_t *", batch.devs), p("uint64_t *", batch.offsets),
-                p("uint64_t *", batch.lens), qd, p("int64_t *", results), p("int64_t *", latency),
-                native.ffi.NULL if hasher is None else hasher.handle)
-        finally:
-            self._release(ring)
+        while True:
+            ring = self._ring()
+            try:
+                # The lock taken by the with statement: taken by an acquire()
+                # call before this try, a KeyboardInterrupt landing as that
+                # call returned left it held, and this thread's next batch
+                # waited on it for good.
+                with ring.lock:
+                    retired = ring.handle is None and not self.closed
+                    if not retired:
+                        if ring.handle is None:   # destroyed by close(): the native call would crash
+                            raise ConfigError("uring engine is closed")
+                        # under the with: an error registering (no memory, a Ctrl-C)
+                        # left the lock held, and close() waited for it for good
+                        ring.sync_buffers()
+                        p = native.ptr
+                        ret = native.lib().kvb_ring_run(
+                            ring.handle, op, len(batch), p("uint64_t *", batch.addrs),
+                            p("uint32_t *", batch.devs), p("uint64_t *", batch.offsets),
+                            p("uint64_t *", batch.lens), qd, p("int64_t *", results),
+                            p("int64_t *", latency),
+                            native.ffi.NULL if hasher is None else hasher.handle)
+            finally:
+                self._release(ring)
+            if not retired:
+                break
+            # retired while idle (_retire_idle_rings): a new one
+            self._forget(ring)
+            self._local.holder = None
         if ret < 0:
             # A broken ring is retired (kvb_ring_run first waited for the
             # I/Os it had taken): this thread's next batch gets a new one.

@@ -361,7 +361,8 @@ def test_a_rings_holder_collected_while_its_thread_runs_a_batch_leaves_it_to_tha
         eng = open_engine([dev], "uring")
         try:
             eng.read(IOBatch.single(buf.address, 0, 0, 4096))
-            ring = eng._ring()                 # this thread's, its lock held (a batch runs)
+            ring = eng._ring()                 # this thread's
+            ring.lock.acquire()                # held by _run's with (a batch runs)
             handle = ring.handle
 
             class Lib:                         # counts the frees
@@ -374,7 +375,8 @@ def test_a_rings_holder_collected_while_its_thread_runs_a_batch_leaves_it_to_tha
             monkeypatch.setattr(uring.native, "lib", lambda lib=Lib(): lib)
             eng._forget(ring)                  # the holder's finalizer, from another path
             assert ring.handle is handle and destroyed == [], "destroyed under its batch"
-            eng._release(ring)                 # the batch ends
+            ring.lock.release()                # the batch ends
+            eng._release(ring)
             assert ring.handle is None and destroyed == [handle]
             ring.destroy()                     # a second destroyer: nothing more
             assert destroyed == [handle]
@@ -1392,3 +1394,61 @@ def test_a_failure_registering_buffers_leaves_the_ring_unlocked(file_target, mon
                 if r.lock.locked():
                     r.lock.release()
             eng.close()
+
+
+class _InterruptedAsAcquired:
+    """A ring's lock whose first acquire() call is cut by a KeyboardInterrupt
+    as it returns, the lock taken (CPython runs a pending signal's handler
+    as a call into C returns).  The with form is the lock's own: no call
+    returns between taking the lock and entering the block."""
+
+    def __init__(self, lock):
+        self.inner, self.armed = lock, True
+
+    def acquire(self, *a, **kw):
+        got = self.inner.acquire(*a, **kw)
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return got
+
+    def release(self):
+        self.inner.release()
+
+    def __enter__(self):
+        return self.inner.__enter__()
+
+    def __exit__(self, *exc):
+        return self.inner.__exit__(*exc)
+
+
+def test_an_interrupt_as_the_ring_lock_is_taken_leaves_it_free(file_target):
+    """Before: _run took its thread's ring lock with acquire() (in _ring)
+    before the try whose finally releases it; a Ctrl-C landing there left
+    the lock held, and the thread's next batch on that ring waited on it
+    for good.  Taken by a with statement, no call returns in between."""
+    if not probe()[0]:
+        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
+    path = file_target(4 * MIB)
+    data = np.random.default_rng(11).integers(0, 256, MIB, dtype=np.uint8)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    with Device(path) as dev, open_engine([dev], "uring") as eng, HostBuffer(MIB) as buf:
+        batch = IOBatch.single(buf.address, 0, 0, MIB)
+        eng.read(batch)                          # this thread's ring
+        ring = eng._local.holder.ring
+        real = ring.lock
+        ring.lock = _InterruptedAsAcquired(real)
+        try:
+            eng.read(batch)
+        except KeyboardInterrupt:
+            pass                                 # (the lock taken by an acquire() call)
+        finally:
+            ring.lock = real
+        held = real.locked()
+        if held:
+            real.release()                       # (or the engine's close waits on it)
+        assert not held, "the ring's lock was left held"
+        buf.array[:] = 0
+        eng.read(batch)
+        assert np.array_equal(buf.array, data)
