@@ -7,6 +7,8 @@ threads|auto`` overrides the choice; :func:`io_engine` reports it.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 from functools import lru_cache
 from typing import Sequence
@@ -21,11 +23,46 @@ __all__ = ["IOBatch", "IOEngine", "IOResult", "OP_READ", "OP_WRITE", "ENGINES",
            "io_engine", "engine_report", "open_engine"]
 
 
-@lru_cache(maxsize=1)
-def _uring_probe() -> tuple[bool, str]:
-    from kvblock.io.uring import probe
+logger = logging.getLogger("kvblock")
 
-    return probe()
+# io_uring_setup failures that may pass (memory or descriptors short at that
+# moment): not kept, or one at the first open pinned every `auto` engine of
+# the process on threads for good.  A refusal that stays (ENOSYS: seccomp or
+# an old kernel; EPERM: io_uring_disabled) is kept.
+_TRANSIENT = frozenset({errno.ENOMEM, errno.EAGAIN, errno.EMFILE, errno.ENFILE, errno.EINTR})
+_said: set[str] = set()     # the passing failures logged (once each)
+
+
+class _ForNow(Exception):
+    """(inside _uring_probe) a failure not to cache."""
+
+
+@lru_cache(maxsize=1)
+def _kept_probe() -> tuple[bool, str]:
+    from kvblock.io.uring import probe_errno
+
+    ok, reason, code = probe_errno()
+    if not ok and code in _TRANSIENT:
+        raise _ForNow(reason)       # (lru_cache keeps no exception)
+    return ok, reason
+
+
+def _uring_probe() -> tuple[bool, str]:
+    try:
+        return _kept_probe()
+    except _ForNow as e:
+        reason = str(e)
+        if reason not in _said:
+            _said.add(reason)
+            logger.warning("kvblock: %s (memory or file descriptors short; before Linux "
+                           "5.12 a ring counts against ulimit -l); the `auto` I/O engine "
+                           "uses threads until io_uring can be set up again (probed at "
+                           "each engine open); KVBLOCK_IO_ENGINE=threads keeps it there",
+                           reason)
+        return False, reason
+
+
+_uring_probe.cache_clear = _kept_probe.cache_clear
 
 
 _ALIASES = {"io_uring": "uring", "iouring": "uring", "liburing": "uring"}

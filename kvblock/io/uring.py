@@ -26,13 +26,18 @@ def probe() -> tuple[bool, str]:
     core that cannot load raises NativeLibraryError: no engine runs without
     it (the threads engine calls into it too), so it is no reason to fall
     back to one."""
+    return probe_errno()[:2]
+
+
+def probe_errno() -> tuple[bool, str, int]:
+    """:func:`probe`, and the errno io_uring_setup failed with (0 if none)."""
     lib = native.lib()
     err = native.ffi.new("int *")
     ring = lib.kvb_ring_create(4, err)
     if ring == native.ffi.NULL:
-        return False, f"io_uring_setup failed: {strerror(-err[0])}"
+        return False, f"io_uring_setup failed: {strerror(-err[0])}", -err[0]
     lib.kvb_ring_destroy(ring)
-    return True, "io_uring available"
+    return True, "io_uring available", 0
 
 
 class _Ring:

@@ -255,3 +255,58 @@ def test_engine_report_with_a_native_core_that_cannot_load_is_that_error(setting
             uring.UringEngine([])
     finally:
         kio._uring_probe.cache_clear()
+
+
+def test_a_probe_that_failed_for_now_is_not_kept_for_the_process(monkeypatch, caplog):
+    """io_uring_setup failing with an error that passes (ENOMEM, EMFILE: memory
+    or descriptors short at that moment) pinned every `auto` engine of the
+    process on threads for good, unsaid: the probe's answer was cached.  Such
+    a failure is now logged (once) and probed again at the next open; one that
+    stays (ENOSYS: a seccomp policy) is still kept."""
+    import errno
+    import logging
+
+    import kvblock.io as kio
+    from kvblock.io import native
+    from kvblock.io.uring import probe
+
+    real = native.lib()
+
+    class Refusing:
+        def __init__(self, code):
+            self.code, self.calls = code, 0
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def kvb_ring_create(self, entries, err):
+            self.calls += 1
+            err[0] = -self.code
+            return native.ffi.NULL
+
+    if not probe()[0]:
+        pytest.skip(f"io_uring unavailable here: {probe()[1]}")
+    monkeypatch.delenv("KVBLOCK_IO_ENGINE", raising=False)
+    monkeypatch.setattr(kio, "_said", set())
+    kio._uring_probe.cache_clear()
+    try:
+        short = Refusing(errno.ENOMEM)
+        monkeypatch.setattr(native, "lib", lambda: short)
+        with caplog.at_level(logging.WARNING, logger="kvblock"):
+            for _ in range(2):
+                report = kio.engine_report("auto")
+                assert report == {"engine": "threads", "reason": "fallback: io_uring_setup "
+                                  "failed: ENOMEM (Cannot allocate memory)"}
+        assert short.calls == 2                       # probed again, not kept
+        said = [r.getMessage() for r in caplog.records if "io_uring" in r.getMessage()]
+        assert len(said) == 1 and "ENOMEM" in said[0] and "threads" in said[0], said
+        monkeypatch.setattr(native, "lib", lambda: real)
+        assert kio.engine_report("auto")["engine"] == "uring"    # memory back: io_uring
+        kio._uring_probe.cache_clear()
+        blocked = Refusing(errno.ENOSYS)
+        monkeypatch.setattr(native, "lib", lambda: blocked)
+        for _ in range(2):
+            assert kio.engine_report("auto")["engine"] == "threads"
+        assert blocked.calls == 1                     # a refusal that stays is kept
+    finally:
+        kio._uring_probe.cache_clear()
