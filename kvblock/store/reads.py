@@ -122,6 +122,7 @@ class RunReader(RunIO):
         pinned: list = []
         counts = [0] * len(targets)
         nbytes = [0] * len(targets)     # each request's bytes read (see _read_done)
+        partial = [0] * len(targets)    # and its partial verified reads (the same)
         try:
             with self._lock:
                 for keys, _ in targets:
@@ -140,10 +141,10 @@ class RunReader(RunIO):
                         whole.append((i, run, part))
                         continue
                 if segs:
-                    tally = [0]
+                    tally = [0, 0]
                     try:
                         counts[i] = self._read_segs(segs, dst, None, tally)
-                        nbytes[i] = tally[0]
+                        nbytes[i], partial[i] = tally
                     except IOFailedError as e:
                         if not e.device_fault:
                             raise
@@ -162,12 +163,13 @@ class RunReader(RunIO):
                            for j, read in enumerate(reads)]
                 for (i, read), ok, b in zip(together, oks, got):
                     counts[i] = read[3] if ok else 0
-                    nbytes[i] = b
+                    nbytes[i], partial[i] = b, int(ok)
             if whole:
                 self._read_whole_requests(whole, counts, nbytes)
             for i, segs in enumerate(pinned):
                 if segs:
-                    counts[i] = self._read_done(segs, counts[i], None, nbytes[i])
+                    counts[i] = self._read_done(segs, counts[i], None, nbytes[i], None,
+                                                partial[i])
                 else:
                     self.counters.add("miss_gets")
         except BaseException:
@@ -298,7 +300,9 @@ class RunReader(RunIO):
         published = published.tolist()      # (ints for the tier; past the lock)
         in_host = [k in self.host for k in keys]
         done, fetched, hits, raced, from_host, device = 0, [], 0, 0, [], 0
-        read = [0]      # bytes read from the devices, by stretches whose pins held
+        # bytes read from the devices and partial verified reads, by
+        # stretches whose pins held
+        read = [0, 0]
         try:
             while done < n:
                 if in_host[done]:
@@ -333,6 +337,7 @@ class RunReader(RunIO):
         self._host_hits_used(from_host)
         self.counters.add_each(host_hit_blocks=hits, device_hit_blocks=device,
                                get_blocks=hits + device, bytes_read=read[0],
+                               partial_verified_reads=read[1],
                                get_bytes=(hits + device) * (g.group_block_bytes if only
                                                             else g.block_bytes))
         for k in fetched:
@@ -399,7 +404,8 @@ class RunReader(RunIO):
         miss (False: the caller's read returned blocks from elsewhere).
         ``tally``: None, count the blocks and bytes read; else the caller
         counts them, once its whole read returns (the bytes read, under
-        pins that held, are added to ``tally[0]``)."""
+        pins that held, are added to ``tally[0]``, the partial verified
+        reads to ``tally[1]``)."""
         segs = None
         try:
             with self._lock:
@@ -408,9 +414,9 @@ class RunReader(RunIO):
                 if count_miss:
                     self.counters.add("miss_gets")
                 return 0
-            read = [0]
+            read = [0, 0]
             done = self._read_segs(segs, dst, only, read)
-            return self._read_done(segs, done, only, read[0], tally)
+            return self._read_done(segs, done, only, read[0], tally, read[1])
         except BaseException:
             # (a KeyboardInterrupt as the lock was let go, before the read's
             # try, too: nothing released the pins).  _unpin releases what is
@@ -423,11 +429,13 @@ class RunReader(RunIO):
                     raise
             raise
 
-    def _read_done(self, segs, done: int, only, nbytes: int, tally: list | None = None) -> int:
-        """Unpin a read's segments and count it: ``done`` blocks and
-        ``nbytes`` read from the devices (into ``tally[0]`` for the caller
-        to count, when it is given), or 0 when the pins lapsed meanwhile
-        (the read counts nothing but the lapse: what it read is not returned)."""
+    def _read_done(self, segs, done: int, only, nbytes: int, tally: list | None = None,
+                   partial: int = 0) -> int:
+        """Unpin a read's segments and count it: ``done`` blocks, ``nbytes``
+        read from the devices and ``partial`` partial verified reads (into
+        ``tally`` for the caller to count, when it is given), or 0 when the
+        pins lapsed meanwhile (the read counts nothing but the lapse: what
+        it read is not returned)."""
         try:
             held = self._unpin(segs)
         except BaseException:
@@ -440,9 +448,11 @@ class RunReader(RunIO):
             return 0
         if tally is not None:
             tally[0] += nbytes
+            tally[1] += partial
             return done
         g = self.geometry
         self.counters.add_each(get_blocks=done, bytes_read=nbytes,
+                               partial_verified_reads=partial,
                                device_hit_blocks=done,     # with a DRAM tier or not
                                get_bytes=done * (g.group_block_bytes if only else g.block_bytes))
         return done
@@ -450,7 +460,9 @@ class RunReader(RunIO):
     def _read_segs(self, segs, dst, only, tally: list) -> int:
         """The pinned segments ``segs`` into ``dst``; how many leading blocks
         were read and verified (raises on a device error, after dropping the
-        run it hit).  The bytes read for them are added to ``tally[0]``."""
+        run it hit).  The bytes read for them are added to ``tally[0]``, the
+        partial verified reads among them to ``tally[1]`` (counted by the
+        caller once the pins are known to have held)."""
         if isinstance(dst, BlockList):
             dst.addresses()          # once: the per-run views below slice it
         done, i = 0, 0
@@ -502,7 +514,8 @@ class RunReader(RunIO):
     def _read_segment(self, run: Run, pos: int, count: int, dst, only, tally: list) -> bool:
         """Blocks pos..pos+count of ``run`` into ``dst`` ((layers, groups,
         count, bytes) array, or a BlockList when ``only`` is None); the
-        bytes read are added to ``tally[0]``."""
+        bytes read are added to ``tally[0]`` (a partial verified read
+        counted in ``tally[1]``)."""
         if self._straight_into(run, pos, count, dst, only):
             return self._read_whole_runs([(run, dst)], tally) == 1
         g = self.geometry
@@ -569,7 +582,7 @@ class RunReader(RunIO):
         [lo, lo + span) and the run's block digest trailer in one batch; the
         trailer against the index's checksum, each block handed out against
         the trailer (kvblock/format/trailer.py).  The bytes read are added
-        to ``tally[0]``."""
+        to ``tally[0]``, and the read (when good) to ``tally[1]``."""
         g = self.geometry
         gbb = g.group_block_bytes
         nidx = len(idx)
@@ -582,7 +595,9 @@ class RunReader(RunIO):
             straight = data_at % self.alignment == 0
         dev, base = self.regions.address(run.region, run.offset)
         if straight and gbb % self.alignment == 0 and self.io.engine.mapped(dev):
-            return self._read_blocks_together([(run, lay, pos, count, dst, idx)], tally)[0]
+            ok = self._read_blocks_together([(run, lay, pos, count, dst, idx)], tally)[0]
+            tally[1] += ok
+            return ok
         buf = self._staging((0 if straight else span * nidx) + lay.trailer_bytes)
         if not straight:
             data_at = buf.address
@@ -606,7 +621,7 @@ class RunReader(RunIO):
         if not straight:
             self._scatter_window(buf.array, nidx, lo, span, pos, count, dst)
         tally[0] += span * nidx + lay.trailer_bytes
-        self.counters.add("partial_verified_reads")
+        tally[1] += 1
         return True
 
     def _readable_together(self, segs, dst):
@@ -643,8 +658,9 @@ class RunReader(RunIO):
         hashed on its own: out of a mapping as it is copied, while its bytes
         are in cache, else as it lands.  Then each run's blocks are checked
         against its trailer (:meth:`_blocks_match_trailer`).  Returns, per
-        item, whether its blocks are good; the bytes read for item j (when
-        good) are added to ``tally[j]``."""
+        item, whether its blocks are good (each good one a partial verified
+        read, which its caller counts once its pins held); the bytes read
+        for item j (when good) are added to ``tally[j]``."""
         gbb = self.geometry.group_block_bytes
         buf = self._staging(sum(lay.trailer_bytes for _, lay, *_ in reads))
         addrs, devs, offsets, lens, seeds = [], [], [], [], []
@@ -672,7 +688,6 @@ class RunReader(RunIO):
                                             count, sums[k:k + nb])
             if ok:
                 tally[j] += nb * gbb + tb
-                self.counters.add("partial_verified_reads")
             oks.append(ok)
             k, t = k + nb + 1, t + tb
         return oks

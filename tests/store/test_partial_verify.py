@@ -195,3 +195,46 @@ def test_windows_that_are_exactly_the_blocks_go_straight_into_an_aligned_destina
         _flip(store, run, 2 * lay.range_bytes + 21 * WHOLE_PAGES.group_block_bytes + 9)
         assert store.get_run(keys[20:22], out) == 0
         assert store.stats()["checksum_failures"] == 1
+
+
+@pytest.mark.parametrize("shape", ["get_run", "get_runs", "host_tier"])
+def test_a_partial_read_whose_pins_lapse_counts_no_partial_verified_read(target, monkeypatch,
+                                                                         shape):
+    """The pins of a read of a few blocks lapse while it reads (a store
+    server gone: its client's _unpin says False, the read returns 0 blocks
+    and counts lapsed_pin_gets): partial_verified_reads counts reads that
+    handed out their blocks, not this one.  Before: counted as the trailer
+    check passed, before the pins were looked at.  A read whose pins held
+    counts one."""
+    keys = run_keys(1, N)
+    data = run_data(keys)
+    kwargs = {"host_cache_bytes": 4 * MIB} if shape == "host_tier" else {}
+    with KVStore.format([target(32 * MIB)], GEOM, region_size=4 * MIB, **kwargs) as store:
+        assert store.put_run(keys, data) == N
+        if store.host is not None:
+            store.host.clear()          # (the put's copies: read from the device)
+        real = type(store)._unpin
+        lapse = [True]
+
+        def unpin(self, segs):
+            held = real(self, segs)
+            return held and not lapse[0]
+
+        monkeypatch.setattr(type(store), "_unpin", unpin)
+        out = np.zeros(2 * GEOM.block_bytes, np.uint8)
+
+        def read():
+            if shape == "get_runs":
+                return store.get_runs([(keys[41:43], out)])[0]
+            return store.get_run(keys[41:43], out)
+
+        before = store.stats()
+        assert read() == 0
+        after = store.stats()
+        assert after["lapsed_pin_gets"] == before["lapsed_pin_gets"] + 1
+        assert after["partial_verified_reads"] == before["partial_verified_reads"]
+        assert after["bytes_read"] == before["bytes_read"]
+        lapse[0] = False
+        assert read() == 2
+        assert np.array_equal(out, _blocks(data, GEOM, 41, 2))
+        assert store.stats()["partial_verified_reads"] == before["partial_verified_reads"] + 1
