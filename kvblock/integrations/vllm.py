@@ -139,6 +139,7 @@ from vllm.v1.kv_offload.tiering.base import (
     TransferJob,
 )
 
+from kvblock.devices.device import refuse_missing
 from kvblock.store import provision
 from kvblock.units import MIN_FILE_SIZE, flag_setting, int_setting, name_setting, size_setting
 from kvblock.errors import (
@@ -511,6 +512,13 @@ class KVBlockTierManager(SecondaryTierManager):
         return f"{tier_type}:{self.store.uuid}"
 
     def _open_store(self, dp_size: int, **options):
+        if options.get("size") is None:
+            # (the store's own advice, `kvblock format FILE --size`, makes a
+            # layered store of another model, which this tier refuses)
+            for path in self.devices:
+                if not os.path.exists(path):
+                    refuse_missing(path, 'check the path, or set "size" in the tier config '
+                                         '(e.g. "size": "64G") to create the store file there')
         if self.server is not None:
             return provision.open_shared(self.server, self.devices, self.geometry, STORE_MODEL,
                                          owner="the kvblock tier", force_hint=FORCE_HINT,

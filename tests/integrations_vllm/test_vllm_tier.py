@@ -1865,6 +1865,35 @@ def test_bad_config_is_refused(make_tier):
     assert len(tier._workers) == 2
 
 
+def test_a_missing_store_file_names_the_tiers_size_setting(tmp_path):
+    """A store file that is not there, with no "size" to create it: the
+    error named `kvblock format FILE --size SIZE` as the fix, which makes a
+    layered store of another model the tier then refuses (and needs
+    --layers...); the tier's own way is its "size" setting."""
+    from kvblock.errors import DeviceNotFoundError
+
+    missing = tmp_path / "kv.img"
+    pool = page_aligned_pool(4)
+    with pytest.raises(DeviceNotFoundError) as e:
+        KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
+                           devices=[str(missing)], threads=1)
+    said = str(e.value)
+    assert str(missing) in said and '"size"' in said and "kvblock format" not in said, said
+    assert not missing.exists()
+    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
+                              devices=[str(missing)], threads=1, size="64M")   # the fix said
+    try:
+        fill_random(pool, range(1))
+        expected = pool[0].clone()
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert drain(tier)[0].success
+        pool[0].zero_()
+        tier.submit_load(job(2, [key(1)], [0], promotion=True))
+        assert drain(tier)[0].success and torch.equal(pool[0], expected)
+    finally:
+        tier.shutdown()
+
+
 def test_names_that_are_not_strings_are_refused(make_tier):
     """"namespace" and "model" are names mixed into every key: a list, a
     map, true or 1.5 typed there was made its repr (the tenant "[1]" or
