@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblock.errors import IOFailedError, KVBlockError
+from kvblock.errors import IOFailedError, KVBlockError, ReadOnlyStoreError
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import superblock as sbfmt
 from kvblock.format import trailer as trailerfmt
@@ -287,6 +287,13 @@ def _run_data_problem(run, lay, image: np.ndarray, address: int):
 
 def fsck(store, *, repair: bool = False, deep: bool = False, progress=None) -> FsckReport:
     """Check an open store (open it writable to repair)."""
+    if repair and store.readonly:
+        # Refused before any check: a repair's writes fail on a read-only
+        # store (EBADF), a run drop only after the runs left the index.
+        raise ReadOnlyStoreError(
+            f"{store.io.devices[0].path}: fsck cannot repair a store opened read-only "
+            "(readonly=True); open it without readonly=True to repair, or check it "
+            "without repair")
     report = FsckReport()
     check_superblocks(store, report, repair)
     check_checkpoints(store, report)

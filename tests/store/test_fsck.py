@@ -439,3 +439,27 @@ def test_fsck_repair_of_two_overlapping_runs_keeps_the_one_whose_bytes_are_there
         out = np.zeros(store.geometry.block_bytes, np.uint8)
         assert store.get_run(b, out) == 1 and np.array_equal(out, run_data(b))
         assert store.lookup(a) == 0
+
+
+def test_fsck_repair_of_a_read_only_store_is_refused_before_it_checks(tmp_path):
+    """fsck(repair=True) of a store opened read-only began the check and
+    failed at its first repair with an I/O error (EBADF writing the
+    superblock copy: no word of read-only, or of the fix), and a repair
+    of overlapping runs would take them out of the index before its
+    journal write failed.  It is refused up front with ReadOnlyStoreError
+    naming the device and the fix; the store is left as it was."""
+    from kvblock.errors import ReadOnlyStoreError
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    KVStore.format([str(path)], GEOM, region_size=256 << 10).close()
+    _flip(path, 4096 + 100)                       # superblock copy B damaged
+    with KVStore.open([str(path)], readonly=True) as store:
+        with pytest.raises(ReadOnlyStoreError) as e:
+            fsck(store, repair=True)
+        assert str(path) in str(e.value) and "readonly" in str(e.value)
+        assert not store.closed
+        report = fsck(store)                      # a check without repair goes on
+        assert report.status == "problems" and len(report.problems) == 1, report.problems
+    with KVStore.open([str(path)], readonly=True) as store:
+        assert len(fsck(store).problems) == 1     # nothing was rewritten
