@@ -1253,36 +1253,49 @@ def _host_hits_into_cuda(store, keys, since, layout, page_ids, g0, ng, h0, heads
     after = _record_cuda(device)         # the caller's work queued so far
     copier = _hits_stream(device)
     n = 0
+    queued = False      # a scatter was queued on the loads' stream
     with _on_device(device):
         loads = torch.cuda.current_stream(device)
         _wait_cuda(device, after)
-        while n < len(keys):
-            count = min(per, len(keys) - n)
-            with torch.cuda.stream(copier):
-                staging = torch.empty((count, g.block_bytes), dtype=torch.uint8, device=device)
-                got = 0
-                for key, published in zip(keys[n:n + count], since[n:n + count]):
-                    row = staging[got]
-                    # synchronous (non_blocking=False): done before the lock goes
-                    if not store.host.copy_out(key, lambda b: row.copy_(torch.from_numpy(b)),
-                                               since=published):
-                        break
-                    got += 1
-            if got == 0:
-                break
-            # the scatters below read it on the loads' stream: not handed to
-            # another allocation (on the copier's) before they are done
-            staging.record_stream(loads)
-            data = staging[:got].view(dtype).reshape(
-                got, g.num_layers, g.head_groups, g.kv_parts, g.block_tokens,
-                g.heads_per_group, g.head_dim)
-            for layer in range(g.num_layers):
-                pages = data[:, layer, g0:g0 + ng].permute(1, 0, 2, 3, 4, 5)
-                _scatter_pages(layout.layer_views(layer), pages, page_ids[n:n + got], h0,
-                               heads, g.itemsize)
-            n += got
-            if got < count:
-                break
+        try:
+            while n < len(keys):
+                count = min(per, len(keys) - n)
+                with torch.cuda.stream(copier):
+                    staging = torch.empty((count, g.block_bytes), dtype=torch.uint8,
+                                          device=device)
+                    got = 0
+                    for key, published in zip(keys[n:n + count], since[n:n + count]):
+                        row = staging[got]
+                        # synchronous (non_blocking=False): done before the lock goes
+                        if not store.host.copy_out(
+                                key, lambda b: row.copy_(torch.from_numpy(b)), since=published):
+                            break
+                        got += 1
+                if got == 0:
+                    break
+                # the scatters below read it on the loads' stream: not handed to
+                # another allocation (on the copier's) before they are done
+                staging.record_stream(loads)
+                data = staging[:got].view(dtype).reshape(
+                    got, g.num_layers, g.head_groups, g.kv_parts, g.block_tokens,
+                    g.heads_per_group, g.head_dim)
+                queued = True
+                for layer in range(g.num_layers):
+                    pages = data[:, layer, g0:g0 + ng].permute(1, 0, 2, 3, 4, 5)
+                    _scatter_pages(layout.layer_views(layer), pages, page_ids[n:n + got], h0,
+                                   heads, g.itemsize)
+                n += got
+                if got < count:
+                    break
+        except BaseException:
+            # As a failed device load (_scatter_stage): the scatters queued
+            # would land in pages the caller reuses once this raises.
+            if queued:
+                try:
+                    _settle_cuda(device)
+                except BaseException as e:   # noqa: BLE001  (the load fails with its own error)
+                    logger.warning("kvblock: settling the copies of a failed load failed: %s", e)
+            raise
         _settle_cuda(device)    # handed over at once: the loads' stream, settled
     return n
 

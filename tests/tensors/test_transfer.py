@@ -1656,6 +1656,60 @@ def test_a_background_load_into_a_cuda_cache_waits_for_the_callers_stream(path, 
     assert not any(e[0] == "sync" and e[1] != "load stream 0" for e in log), log
 
 
+def _stand_in_cuda_hits(monkeypatch, log: list, fail_at: int | None = None) -> None:
+    """_stand_in_torch_streams, and DRAM-tier hits into the CUDA cache
+    (_host_hits_into_cuda) stood in too: their device staging made in CPU
+    memory, its record_stream logged; each sync logged with its thread."""
+    from kvblock.tensors import transfer
+
+    _stand_in_torch_streams(monkeypatch, log, fail_at=fail_at)
+    monkeypatch.setattr(transfer, "_HITS_STREAMS", {})
+    empty = torch.empty
+
+    def cpu_empty(*shape, device=None, **kw):
+        return empty(*shape, **kw)      # (the stand-in's "cuda" memory: the CPU's)
+    monkeypatch.setattr(torch, "empty", cpu_empty)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda t, stream: log.append(("record", stream.owner)), raising=False)
+    monkeypatch.setattr(_LoggedStream, "synchronize", lambda s: s.log.append(
+        ("sync", s.owner, threading.current_thread().name)))
+
+
+def test_a_dram_hit_load_into_a_cuda_cache_that_fails_settles_before_it_raises(
+        path, monkeypatch):
+    """DRAM-tier hits into a CUDA cache are scattered on the loads' stream
+    in load_blocks' own call: one that failed part way (a scatter raised)
+    raised with the stretch's earlier scatters still queued there, to land
+    in pages the caller reuses (recomputes) once the load failed, racing
+    its writes on its own stream.  The stream is settled before it raises
+    (as a failed device load's); the device stretch's pins are released
+    and nothing is counted as loaded.  Stood in on the CPU."""
+    from kvblock.tensors import transfer
+
+    log = []
+    # scatters: the DRAM key 0's L layers, then key 2's first, then its second fails
+    _stand_in_cuda_hits(monkeypatch, log, fail_at=L + 1)
+    g = geom()
+    n = 4
+    src = [rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"x{i}".encode() for i in range(n)]
+    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
+        _interleaved_dram_and_device(store, keys, src)   # DRAM, device, DRAM, device
+        before = store.stats()
+        dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(OSError, match="a scatter failed"):
+            load_blocks(store, keys, VLLMLayout(dst), list(range(n)))
+        assert store.regions.pins.sum() == 0
+        after = store.stats()
+        for name in ("get_blocks", "host_hit_blocks", "device_hit_blocks"):
+            assert after[name] == before[name], name
+        loads = transfer._LOAD_STREAMS[("torch", 0)].owner
+    scatters = [i for i, e in enumerate(log) if e[0] == "scatter"]
+    assert len(scatters) == L + 2 and all(log[i][1] == loads for i in scatters), log
+    assert any(e[:2] == ("sync", loads) for e in log[scatters[-1]:]), \
+        f"the failed stretch's scatters were left queued: {log}"
+
+
 class _CupyLike:
     """Stands in for a cupy array on the CPU: device memory in the ways
     kvblock meets it (__cuda_array_interface__, .get() for a host copy,
