@@ -1296,7 +1296,8 @@ def _host_hits_into_cuda(store, keys, since, layout, page_ids, g0, ng, h0, heads
                 except BaseException as e:   # noqa: BLE001  (the load fails with its own error)
                     logger.warning("kvblock: settling the copies of a failed load failed: %s", e)
             raise
-        _settle_cuda(device)    # handed over at once: the loads' stream, settled
+        if queued:   # (nothing scattered: not a wait for the caller's work queued so far)
+            _settle_cuda(device)    # handed over at once: the loads' stream, settled
     return n
 
 

@@ -1710,6 +1710,35 @@ def test_a_dram_hit_load_into_a_cuda_cache_that_fails_settles_before_it_raises(
         f"the failed stretch's scatters were left queued: {log}"
 
 
+def test_a_load_with_no_dram_hits_does_not_wait_for_the_callers_gpu_work(path, monkeypatch):
+    """With a DRAM tier, every load into a CUDA cache asks it for hits in
+    load_blocks' own call (_host_hits_into_cuda): the loads' stream waits
+    for the caller's work queued so far, and is settled before the call
+    goes on.  With no block in DRAM (the first key a miss) nothing was
+    scattered, yet the stream was settled all the same: a background
+    load_blocks blocked its caller until the model's queued GPU work was
+    done (before, a load with no hits touched no stream).  Only the load's
+    own thread settles it now.  Stood in on the CPU; bytes identical."""
+    log = []
+    _stand_in_cuda_hits(monkeypatch, log)
+    g = geom()
+    n = 4
+    src = [rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"y{i}".encode() for i in range(n)]
+    caller = threading.current_thread().name
+    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        for k in normalize_keys(keys):
+            assert store.host.discard(k)
+        dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        h = load_blocks(store, keys, VLLMLayout(dst), list(range(n)))
+        assert h.wait(timeout=30) == n
+        assert store.stats()["device_hit_blocks"] == n
+    for layer in range(L):
+        assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+    assert not [e for e in log if e[0] == "sync" and e[2] == caller], log
+
+
 class _CupyLike:
     """Stands in for a cupy array on the CPU: device memory in the ways
     kvblock meets it (__cuda_array_interface__, .get() for a host copy,
