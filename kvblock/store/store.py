@@ -124,8 +124,11 @@ os.register_at_fork(after_in_child=_fresh_release_lock)
 
 
 # Staging memory that layer-wise loads (kvblock.tensors.load_blocks) leave
-# here for the next load: up to 3 unit buffers of ~8 MiB per load in flight.
-LOAD_STAGING_KEEP = 128 << 20
+# here for the next load: up to 3 unit buffers per load in flight, of ~8 MiB
+# into a host cache and ~32 MiB (page-locked) into a CUDA one: two CUDA
+# loads' worth (a second load's dropped, the next one mapped and page-locked
+# them again).
+LOAD_STAGING_KEEP = 192 << 20
 
 
 class Segments(list):

@@ -57,7 +57,14 @@ def _ids_for(view, page_ids):
         import torch
 
         device = view.device if _is_torch(view) else view.t.device
-        return torch.as_tensor(np.asarray(page_ids, dtype=np.int64), device=device)
+        ids = torch.from_numpy(np.asarray(page_ids, dtype=np.int64))
+        if device.type == "cuda":
+            # Page-locked and copied without a wait, in order on the
+            # stream before the scatter that uses it: from pageable memory
+            # the copy waited for the stream, each unit's queued scatters
+            # included (torch keeps the page-locked copy until it is done).
+            return ids.pin_memory().to(device, non_blocking=True)
+        return ids.to(device)
     return np.asarray(page_ids, dtype=np.int64)
 
 
@@ -1493,7 +1500,10 @@ def _count_loaded(store, blocks: int, from_device: int, heads: int) -> None:
 def _raw_assign(view, ids, src, itemsize):
     """view[ids] = src, moving raw element bits (``ids``: page ids, or a
     slice of consecutive ones)."""
-    run = ids if isinstance(ids, slice) else _consecutive(ids)
+    # (ids on a GPU: made so because they are not consecutive; looked at
+    # again here, they were copied back, a wait for the stream)
+    run = ids if isinstance(ids, slice) else \
+        None if _is_torch(ids) and ids.is_cuda else _consecutive(ids)
     if run is not None and isinstance(view, _StridedPages):  # HF: one strided slice copy
         t = view.t.view(_torch_int(itemsize))[0]
         tokens = slice(run.start * view.bt, run.stop * view.bt)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -337,3 +338,27 @@ def test_a_host_path_load_overlaps_work_queued_on_the_default_stream_after_it(pa
             for layer in range(L):
                 assert torch.equal(bits(dst[layer]), src[layer].view(torch.int16)), layer
         assert busy, "the load ended only once the default stream's later work was done"
+
+
+def test_a_scatter_of_pages_in_any_order_waits_for_nothing():
+    """A unit's pages scattered into a CUDA cache at page ids in no order
+    (vLLM's block ids seldom run consecutively) queue their copies without
+    a wait for the device (torch's sync debug mode raises on one): the
+    ids went to the GPU from pageable memory (a wait for the stream) and
+    were copied back to be looked at once per KV part (another).  Bytes
+    identical."""
+    from kvblock.tensors.transfer import _scatter_pages
+
+    n, pages = 5, 12
+    ids = np.array([9, 2, 7, 0, 11])
+    src = _rand(1, n, 2, BS, H, D)                        # (groups, n, kv, BS, Hg, D)
+    views = [_zeros(pages, BS, H, D) for _ in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _scatter_pages(views, src.view(torch.int16), ids, 0, H, 2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for k, view in enumerate(views):
+        assert torch.equal(bits(view[ids]), bits(src[0, :, k])), k
+        assert not view[[p for p in range(pages) if p not in ids]].any(), k
