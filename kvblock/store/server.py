@@ -1114,9 +1114,18 @@ class StoreServer:
         return None
 
     def _op_lookup(self, s, keys):
-        # KVStore.lookup probes the index under the store's lock itself (and
-        # a server's store has no DRAM tier to look at beside it)
-        return self.store.lookup(decode_keys(keys))
+        # The device's index only, as _op_present and _op_segments: a DRAM
+        # tier of the store (StoreServer over a caller's store) serves no
+        # rank, and KVStore.lookup counting keys held only there answered
+        # more blocks than the rank's read then found.  Counted as
+        # KVStore.lookup counts.
+        st = self.store
+        st._check_open()
+        keys = decode_keys(keys)
+        with st._lock:    # the index's arrays are swapped when it grows
+            n = st.index.prefix_length(keys)
+        st.counters.add_each(lookups=1, lookup_hit_blocks=n)
+        return n
 
     def _op_present(self, s, keys):
         # The device's index only: ranks read the device, and put_runs plans

@@ -1894,6 +1894,43 @@ def test_put_runs_through_a_server_writes_a_run_its_store_holds_only_in_dram(tmp
         store.close()
 
 
+def test_a_served_lookup_counts_only_what_a_rank_can_read_of_a_store_with_dram(tmp_path,
+                                                                                sock):
+    """A StoreServer over a caller's store opened with a DRAM tier
+    answered lookup with KVStore.lookup, which counts keys held only in
+    that tier, while segments (what a rank reads) answers the device's
+    runs only: lookup said 2 blocks and get_run then read 1.  lookup now
+    answers from the device's index, as present does, and is counted on
+    the server as KVStore.lookup counts it."""
+    from kvblock.index.keys import normalize_keys
+    from kvblock.store.server import StoreServer
+
+    path = _store_file(tmp_path)
+    a, b = normalize_keys([run_keys(1, 1)[0], run_keys(2, 1)[0]])
+    store = KVStore.open([path], host_cache_bytes=4 * GEOM.block_bytes)
+    server = StoreServer(store, sock, close_store=False).start()
+    try:
+        assert store.put_run([a], run_data([a])) == 1
+        assert store.put_run([a, b], run_data([a, b])) == 2
+        store.evict(all=True)                    # both in the DRAM tier only
+        assert store.put_run([a], run_data([a])) == 1    # a on the device again
+        assert store.lookup([a, b]) == 2         # (in one process: DRAM counts)
+        before = store.stats()
+        with RemoteStore(sock) as r:
+            out = np.zeros(2 * GEOM.block_bytes, dtype=np.uint8)
+            found = r.lookup([a, b])
+            read = r.get_run([a, b], out)
+            assert found == read == 1, (found, read)
+            one = np.zeros(GEOM.block_bytes, dtype=np.uint8)
+            assert r.get_run([a], one) == 1 and np.array_equal(one, run_data([a]))
+        after = store.stats()
+        assert after["lookups"] - before["lookups"] == 1
+        assert after["lookup_hit_blocks"] - before["lookup_hit_blocks"] == 1
+    finally:
+        server.stop()
+        store.close()
+
+
 def test_put_runs_refuses_a_too_long_run_removed_between_its_plan_and_its_admit(tmp_path,
                                                                                 sock, monkeypatch):
     """put_runs checks a run fits the store only when it would be written:
