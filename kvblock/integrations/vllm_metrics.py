@@ -115,6 +115,7 @@ class StoreStats:
         # from zero, also under the same pid (PID 1 in a container); a server
         # whose stats name no run is told by its pid alone.
         self._server = None
+        self._closed = False     # close() gave the claim up: never taken again
         # (weakly: a thread holding self would keep a StoreStats nobody
         # closed, and its claim on the store's counters, for good)
         ref = weakref.ref(self)
@@ -144,7 +145,9 @@ class StoreStats:
             own = None           # the tier's own counters only: another reports the store's
             if "uuid" in s:
                 self._labels = (str(s["uuid"]),)
-                if not _claim(self, self._labels[0]):
+                # (a closed tier's snapshot still waiting claimed the
+                # counters again, for good: a live tier reported none)
+                if self._closed or not _claim(self, self._labels[0]):
                     own = {"store_failures"}
                     if isinstance(client, dict):
                         own.update(READ_COUNTERS)
@@ -186,6 +189,8 @@ class StoreStats:
         """Stop the snapshot thread (a bounded wait: periodic.py); another
         StoreStats of the store reports its counters from now on."""
         self._ticker.stop()
+        with self._lock:        # a take() under way claims before this or not at all
+            self._closed = True
         _release(self)
 
 

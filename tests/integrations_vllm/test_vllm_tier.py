@@ -1461,7 +1461,7 @@ def _reported_over(snapshots) -> dict:
     from kvblock.integrations.vllm_metrics import StoreStats
 
     stats = StoreStats(lambda: next(snapshots))
-    stats.close()                               # snapshots taken here
+    stats._ticker.stop()       # snapshots taken here (close() would give up the claim)
     reported = {}
     for _ in range(3):
         stats.refresh()
@@ -1564,7 +1564,7 @@ def test_metrics_of_two_tiers_on_one_served_store_count_its_counters_once():
     rounds = [(snap(4, 5, 0), snap(4, 1, 1)), (snap(6, 7, 0), snap(6, 2, 1))]
     tiers = [StoreStats(lambda i=i: rounds[at][i]) for i in range(2)]
     for t in tiers:
-        t.close()                                # snapshots taken here
+        t._ticker.stop()     # snapshots taken here (close() would give up the claim)
     totals = {}
     for at in range(len(rounds)):
         merged = OffloadingConnectorStats()      # as TieringOffloadingManager.get_stats
@@ -1581,6 +1581,49 @@ def test_metrics_of_two_tiers_on_one_served_store_count_its_counters_once():
     assert totals["vllm:kvblock_store_get_blocks"] == 7 + 2      # each tier's own reads
     assert totals["vllm:kvblock_store_store_failures"] == 1      # each tier's own
     assert totals["vllm:kvblock_store_blocks"] == 18
+
+
+def _served_snap(puts, failures=0, run="r"):
+    return {"uuid": "shared", "server_pid": 10, "server_run": run, "put_runs": puts,
+            "store_failures": failures, "client": {"get_blocks": 0, "engine": "uring"}}
+
+
+def _counted(stats, name="vllm:kvblock_store_put_runs"):
+    """What one take() of ``stats`` reports of counter ``name`` (0: none)."""
+    got = stats.take()
+    return 0 if got is None else got.data["data"].get(name, {}).get(("shared",), 0)
+
+
+def test_metrics_a_closed_tier_does_not_take_the_stores_counters_back():
+    """close() gave up a tier's claim on its store's counters, but its
+    next take() (a snapshot still waiting) claimed them again: the closed
+    tier held the claim for good and the live tier on the same served
+    store reported none of the store's counters from then on.  A closed
+    tier claims nothing; the live one takes over."""
+    from kvblock.integrations.vllm_metrics import StoreStats
+
+    at = [0]
+    puts = [4, 6, 9]
+    old, live = (StoreStats(lambda: _served_snap(puts[at[0]])) for _ in range(2))
+    for t in (old, live):
+        t._ticker.stop()                     # snapshots taken here (the claim kept)
+    try:
+        for t in (old, live):
+            t.refresh()
+        assert _counted(old) == 4 and _counted(live) == 0     # old holds the claim
+        at[0] = 1
+        old.refresh()
+        old.close()                          # a snapshot still waiting
+        old.take()                           # (vLLM's last collection, say)
+        live.refresh()
+        at[0] = 2
+        got = _counted(live)
+        live.refresh()
+        got += _counted(live)
+        assert got == 9 - 4, "the live tier reported none of the store's puts"
+    finally:
+        old.close()
+        live.close()
 
 
 def test_metrics_go_on_past_a_snapshot_that_raises_something_unforeseen(caplog):
