@@ -64,18 +64,26 @@ STATS_INTERVAL_S = 1.0
 # go of (a tier gone without close()) hands it on.
 _OWNERS: "dict[str, weakref.ref[StoreStats]]" = {}
 _OWNERS_LOCK = threading.Lock()
+# Per store uuid: [the server (pid, run) of the last report, {counter: value
+# reported}], the store's own counters as the claim's holder last reported
+# them.  Kept apart from any StoreStats: one taking the claim over goes on
+# from there, not from what it saw last without the claim (the counts
+# between were never reported), however the old holder went.
+_REPORTED: "dict[str, list]" = {}
 
 
-def _claim(stats: "StoreStats", uuid: str) -> bool:
-    """Whether ``stats`` reports the counters of store ``uuid``: it does
-    when no other live StoreStats does (close() gives the claim up)."""
-    with _OWNERS_LOCK:
-        ref = _OWNERS.get(uuid)
-        owner = ref() if ref is not None else None
-        if owner is None:
-            _OWNERS[uuid] = weakref.ref(stats)
-            return True
-        return owner is stats
+def _claim(stats: "StoreStats", uuid: str) -> "list | None":
+    """The record of what was reported of store ``uuid``'s counters
+    (``_REPORTED``) when ``stats`` reports them, else None: it does when no
+    other live StoreStats does (close() gives the claim up).  Under
+    _OWNERS_LOCK: the record is the holder's to advance."""
+    ref = _OWNERS.get(uuid)
+    owner = ref() if ref is not None else None
+    if owner is None:
+        _OWNERS[uuid] = weakref.ref(stats)
+    elif owner is not stats:
+        return None
+    return _REPORTED.setdefault(uuid, [None, {}])
 
 
 def _release(stats: "StoreStats") -> None:
@@ -111,10 +119,6 @@ class StoreStats:
         # The store's uuid label, kept for snapshots of a store that could not
         # answer (closed, its server gone): the tier's own counters go on.
         self._labels: tuple[str] | None = None
-        # The store server's (pid, run) in the last snapshot: a new run counts
-        # from zero, also under the same pid (PID 1 in a container); a server
-        # whose stats name no run is told by its pid alone.
-        self._server = None
         self._closed = False     # close() gave the claim up: never taken again
         # (weakly: a thread holding self would keep a StoreStats nobody
         # closed, and its claim on the store's counters, for good)
@@ -142,26 +146,13 @@ class StoreStats:
             client = s.get("client")
             if isinstance(client, dict):
                 s = dict(s, **{n: client[n] for n in READ_COUNTERS if n in client})
-            own = None           # the tier's own counters only: another reports the store's
+            # The tier's own counters; the others are the store's, reported
+            # by the StoreStats holding the claim on them.
+            own = {"store_failures"}
+            if isinstance(client, dict):
+                own.update(READ_COUNTERS)
             if "uuid" in s:
                 self._labels = (str(s["uuid"]),)
-                # (a closed tier's snapshot still waiting claimed the
-                # counters again, for good: a live tier reported none)
-                if self._closed or not _claim(self, self._labels[0]):
-                    own = {"store_failures"}
-                    if isinstance(client, dict):
-                        own.update(READ_COUNTERS)
-                server = (s.get("server_pid"), s.get("server_run"))
-                if server == (None, None):    # an in-process store: no server
-                    server = None
-                if server != self._server:
-                    if self._server is not None:
-                        # A restarted server counts from zero: all it holds is new.
-                        for name in COUNTERS:
-                            if name in self._reported and not (
-                                    isinstance(client, dict) and name in READ_COUNTERS):
-                                self._reported[name] = 0
-                    self._server = server
             elif self._labels is None:
                 return None
             stats = OffloadingConnectorStats()
@@ -170,19 +161,30 @@ class StoreStats:
                 if isinstance(s.get(name), int):
                     stats.set_gauge(PREFIX + name, s[name], labels)
             for name in TIER_COUNTERS:
-                value = s.get(name)
-                if not isinstance(value, int):
-                    continue
-                first = name not in self._reported
-                last = self._reported.get(name, 0)
-                # A counter that went down started again (a restarted server
-                # whose stats name no pid).
-                step = value - last if value >= last else value
-                self._reported[name] = value
-                if own is not None and name not in own:
-                    continue            # followed, so that a claim taken later goes on from here
-                if step or first:       # the first report makes every series exist
-                    stats.increase_counter(PREFIX + name, step, labels)
+                if name in own:
+                    _step(stats, name, s.get(name), self._reported, labels)
+            if "uuid" not in s:      # no numbers of the store's
+                return stats
+            # The store server's (pid, run): a new run counts from zero, also
+            # under the same pid (PID 1 in a container); a server whose stats
+            # name no run is told by its pid alone.
+            server = (s.get("server_pid"), s.get("server_run"))
+            if server == (None, None):    # an in-process store: no server
+                server = None
+            with _OWNERS_LOCK:
+                # (a closed tier's snapshot still waiting claimed the
+                # counters again, for good: a live tier reported none)
+                record = None if self._closed else _claim(self, labels[0])
+                if record is None:
+                    return stats
+                if server != record[0]:
+                    if record[0] is not None:
+                        # A restarted server counts from zero: all it holds is new.
+                        record[1] = dict.fromkeys(record[1], 0)
+                    record[0] = server
+                for name in TIER_COUNTERS:
+                    if name not in own:
+                        _step(stats, name, s.get(name), record[1], labels)
             return stats
 
     def close(self) -> None:
@@ -192,6 +194,22 @@ class StoreStats:
         with self._lock:        # a take() under way claims before this or not at all
             self._closed = True
         _release(self)
+
+
+def _step(stats: OffloadingConnectorStats, name: str, value, reported: dict,
+          labels: tuple) -> None:
+    """Report counter ``name``'s increase to ``value`` since ``reported``
+    (advanced to it)."""
+    if not isinstance(value, int):
+        return
+    first = name not in reported
+    last = reported.get(name, 0)
+    # A counter that went down started again (a restarted server whose
+    # stats name no pid).
+    step = value - last if value >= last else value
+    reported[name] = value
+    if step or first:       # the first report makes every series exist
+        stats.increase_counter(PREFIX + name, step, labels)
 
 
 def _refresh(ref) -> None:

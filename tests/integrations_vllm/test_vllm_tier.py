@@ -104,6 +104,16 @@ def drain(tier) -> list[JobResult]:
     return list(tier.get_finished_jobs())
 
 
+@pytest.fixture(autouse=True)
+def _fresh_metrics_records(monkeypatch):
+    """What was reported of each store's counters is kept per store uuid
+    for the process (vllm_metrics._REPORTED); tests reuse made-up uuids
+    ("u", "shared"), so each starts with none."""
+    from kvblock.integrations import vllm_metrics
+
+    monkeypatch.setattr(vllm_metrics, "_REPORTED", {})
+
+
 @pytest.fixture
 def make_tier(store_file):
     made = []
@@ -1624,6 +1634,40 @@ def test_metrics_a_closed_tier_does_not_take_the_stores_counters_back():
     finally:
         old.close()
         live.close()
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_metrics_a_tier_taking_over_the_claim_goes_on_from_the_last_report(restart):
+    """A tier without the claim on its store's counters advanced its
+    record of them: taking the claim over (the owner closed), it counted
+    from what it saw last, and the store's puts between the old owner's
+    last report and that were never reported.  The new owner goes on
+    from what was reported (counting from zero when the server restarted
+    between)."""
+    from kvblock.integrations.vllm_metrics import StoreStats
+
+    at = [0]
+    rounds = [_served_snap(4), _served_snap(6),
+              _served_snap(2, run="s") if restart else _served_snap(7)]
+    old, new = (StoreStats(lambda: rounds[at[0]]) for _ in range(2))
+    for t in (old, new):
+        t._ticker.stop()                     # snapshots taken here (the claim kept)
+    try:
+        total = 0
+        for t in (old, new):
+            t.refresh()
+            total += _counted(t)             # old claims: 4
+        at[0] = 1
+        new.refresh()                        # 6: only new looks, old closes
+        total += _counted(new)
+        old.close()
+        at[0] = 2
+        new.refresh()
+        total += _counted(new)               # new's claim now
+        assert total == (4 + 2 if restart else 7), total
+    finally:
+        old.close()
+        new.close()
 
 
 def test_metrics_go_on_past_a_snapshot_that_raises_something_unforeseen(caplog):
