@@ -1294,7 +1294,14 @@ class RemoteStore(RunReader, RunWriter):
             if pins.released:
                 raise ConfigError("unpin: this pin handle was released already")
             pins.released = True
-        self._unpin(pins)
+        try:
+            self._unpin(pins)
+        except BaseException:
+            # Marked released, the caller can no longer release it: one cut
+            # before its request went out (the pin kept) goes again, as
+            # KVStore.unpin's (releasing nothing twice).
+            self._unpin(pins)
+            raise
 
     def lookup(self, keys: Sequence) -> int:
         """Number of leading ``keys`` stored."""
@@ -1521,14 +1528,27 @@ class RemoteStore(RunReader, RunWriter):
                 return True
             segs.pin = None
         s = segs.session   # pin ids are the session's: never another session's
+        kept = False
         try:
             self._call_on(s, "unpin", pin=pin)
         except StoreClosedError:
             if s.gone is None:      # not a connection given up (the server's own error)
                 raise
             return not s.peer_closed()   # (StoreClosedError where this rank was closed)
+        except BaseException as e:
+            # Cut before the request went out (a Ctrl-C as it waited for
+            # the connection's lock): one cut in the middle gives the
+            # connection up (s.gone: the pins go as it closes), an answered
+            # error is a KVBlockError.  The server holds the pin on a live
+            # connection: kept for the caller's second try, else nothing
+            # would release it while the connection lives.
+            if s.gone is None and not isinstance(e, KVBlockError):
+                with self._release_lock:
+                    segs.pin, kept = pin, True
+            raise
         finally:
-            s.hold(-1)
+            if not kept:
+                s.hold(-1)
         return True
 
     def _drop_runs(self, runs, why: str = "checksum") -> None:

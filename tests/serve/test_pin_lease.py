@@ -976,3 +976,40 @@ def test_a_read_whose_pins_lapse_counts_no_bytes_read(tmp_path, monkeypatch, sha
         assert after["bytes_read"] == before["bytes_read"]
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("shape", ["get_run", "get_runs", "unpin"])
+def test_a_read_cut_before_its_unpin_goes_out_releases_its_pin(tmp_path, monkeypatch, shape):
+    """A Ctrl-C landing in a read's unpin before the request went out (as
+    it waited for the connection's lock, held by another thread's call):
+    _unpin had already marked the pin released, so the read's second try
+    ("cut as it began: again") released nothing, and the server held the
+    pin for as long as the connection lived (its region never evicted; a
+    live rank is never quiet for a lease).  The pin is kept for the second
+    try, which releases it."""
+    from kvblock.store.client import RemoteStore as RS
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    keys = run_keys(1, 2)
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as r:
+        r.put_run(keys, run_data(keys))
+        real, cut = RS._call_on, []
+
+        def call_on(self, s, op, **args):
+            if op == "unpin" and not cut:
+                cut.append(op)
+                raise KeyboardInterrupt     # before the lock is taken: nothing sent
+            return real(self, s, op, **args)
+        monkeypatch.setattr(RS, "_call_on", call_on)
+        out = np.zeros_like(run_data(keys))
+        with pytest.raises(KeyboardInterrupt):
+            if shape == "get_runs":
+                r.get_runs([(keys, out)])
+            elif shape == "unpin":     # an engine's pin handle (KVStore.unpin's contract)
+                r.unpin(r.pin(keys))
+            else:
+                r.get_run(keys, out)
+        assert cut
+        assert server.store.regions.pins.sum() == 0, "the read's pin was never released"
+        assert r._session.held == 0 and r.server_alive
+        assert r.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
