@@ -270,13 +270,15 @@ def test_zero_copy_paths_for_scattered_slots(make_tier, monkeypatch):
     assert torch.equal(pool[[1, 6, 3]], expected)
     pool_end = base + NUM_SLOTS * SLOT
     trailer = tier.store.layout(3).trailer_bytes
-    write, = [b for b in batches if b.nbytes == 3 * SLOT + trailer]
-    read, = [b for b in batches if b.nbytes == 3 * SLOT]
+    # (new names: the spies above still call ``write`` and ``read``, also
+    # for the store's own writes as it closes)
+    wrote, = [b for b in batches if b.nbytes == 3 * SLOT + trailer]
+    got, = [b for b in batches if b.nbytes == 3 * SLOT]
     # every data I/O comes from / lands in the pool itself; the write's last
     # I/O is the run's block digest trailer
-    assert all(base <= a < pool_end for a in write.addrs[:-1].tolist())
-    assert not base <= int(write.addrs[-1]) < pool_end and int(write.lens[-1]) == trailer
-    assert all(base <= a < pool_end for a in read.addrs.tolist())
+    assert all(base <= a < pool_end for a in wrote.addrs[:-1].tolist())
+    assert not base <= int(wrote.addrs[-1]) < pool_end and int(wrote.lens[-1]) == trailer
+    assert all(base <= a < pool_end for a in got.addrs.tolist())
 
 
 def test_many_concurrent_jobs(make_tier):
