@@ -140,7 +140,13 @@ class SuperblockConflictError(NotAStoreError):
 
 
 class UnsupportedVersionError(FormatError):
-    """The store was written by a kvblock with another on-device format version."""
+    """The store was written by a kvblock with another on-device format
+    version: ``version`` (None where not known)."""
+
+    def __init__(self, message: str, path: str | None = None, offset: int | None = None,
+                 version: int | None = None):
+        super().__init__(message, path, offset)
+        self.version = version
 
 
 class GeometryMismatchError(FormatError):

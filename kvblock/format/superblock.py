@@ -21,7 +21,9 @@ Layout (4096 bytes, little-endian; bump FORMAT_VERSION when changing it)::
 Copy A sits at byte 0, copy B at byte 4096.  A reader takes the valid copy
 with the highest sequence; both invalid means "not a kvblock device"; both
 valid but of two stores, or different at one sequence, is refused (nothing
-on the device tells which copy is its own).
+on the device tells which copy is its own); a copy of a newer format version
+beside a valid one is refused too (a newer release's upgrade of the store,
+cut short between the copies: the store is that release's).
 
 Flag bit 0 (clean) is kept in the layout but not written by this release:
 superblocks are written only by format(); whether a store was closed
@@ -153,7 +155,8 @@ class Superblock:
         if version != FORMAT_VERSION:
             raise UnsupportedVersionError(
                 f"{path}: on-device format version {version}, this kvblock reads version "
-                f"{FORMAT_VERSION}; use a matching kvblock release or reformat", path, offset)
+                f"{FORMAT_VERSION}; use a matching kvblock release or reformat", path, offset,
+                version)
         if f[2] != SIZE:
             raise NotAStoreError(f"{path}: superblock at offset {offset} has header bytes "
                                  f"{f[2]}, not {SIZE} (not a superblock this format writes)",
@@ -206,13 +209,28 @@ def _conflict(valid: list, path: str) -> SuperblockConflictError | None:
 
 def pick(copies: list[bytes], path: str) -> Superblock:
     """The newest valid copy; the error of the first copy when none is
-    valid; SuperblockConflictError when the valid copies disagree."""
+    valid; SuperblockConflictError when the valid copies disagree;
+    UnsupportedVersionError when a copy is of a newer format version."""
     valid, errors = [], []
     for data, offset in zip(copies, COPY_OFFSETS):
         try:
             valid.append((Superblock.decode(data, path, offset), offset))
         except (NotAStoreError, UnsupportedVersionError) as e:
             errors.append(e)
+    newer = [e for e in errors if isinstance(e, UnsupportedVersionError)
+             and (e.version or 0) > FORMAT_VERSION]
+    if valid and newer:
+        # A later release's in-place upgrade cut short between the copies:
+        # the store is that release's now, the older copy only its past.
+        e, (sb, at) = newer[0], valid[0]
+        raise UnsupportedVersionError(
+            f"{path}: the superblock copy at offset {e.offset} has on-device format version "
+            f"{e.version} (written by a newer kvblock release), the copy at offset {at} "
+            f"version {sb.version}, which this kvblock reads: the newer release began to "
+            "upgrade the store in place, so the store is not opened by the older copy; "
+            f"upgrade kvblock to a release that reads format version {e.version} (or "
+            "reformat the store with this one: kvblock format --force, its cached KV is lost)",
+            path, e.offset, e.version)
     if len(valid) == 2 and (conflict := _conflict(valid, path)) is not None:
         raise conflict
     if valid:

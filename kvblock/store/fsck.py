@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvblock.errors import IOFailedError, KVBlockError, ReadOnlyStoreError
+from kvblock.errors import IOFailedError, KVBlockError, ReadOnlyStoreError, UnsupportedVersionError
+from kvblock.format import FORMAT_VERSION
 from kvblock.format import checkpoint as cpfmt
 from kvblock.format import superblock as sbfmt
 from kvblock.format import trailer as trailerfmt
@@ -55,6 +56,7 @@ def check_superblocks(store, report: FsckReport, repair: bool) -> None:
     for i, dev in enumerate(io.devices):
         good = store.superblocks[i]
         for off in sbfmt.COPY_OFFSETS:
+            newer = False
             try:
                 sb = sbfmt.Superblock.decode(io.read_bytes(i, off, sbfmt.SIZE), dev.path, off)
                 ok = sb == good
@@ -62,6 +64,15 @@ def check_superblocks(store, report: FsckReport, repair: bool) -> None:
                 if not e.device_fault:
                     raise
                 ok, why = False, f"{dev.path}: superblock copy at offset {off} is unreadable ({e})"
+            except UnsupportedVersionError as e:
+                # a newer release's copy (an upgrade of it begun since the
+                # open): writing ours over it would downgrade that store
+                ok, why = False, str(e)
+                if newer := (e.version or 0) > FORMAT_VERSION:
+                    why = (f"{dev.path}: superblock copy at offset {off} has on-device format "
+                           f"version {e.version} (written by a newer kvblock release): not "
+                           "rewritten, fsck never writes an older copy over a newer one; "
+                           f"upgrade kvblock to a release that reads format version {e.version}")
             except KVBlockError as e:
                 ok, why = False, str(e)
             else:
@@ -70,7 +81,7 @@ def check_superblocks(store, report: FsckReport, repair: bool) -> None:
             if ok:
                 continue
             report.problems.append(why)
-            if repair:
+            if repair and not newer:
                 io.write_bytes(i, off, good.encode())
                 io.flush([i])
                 report.repaired.append(f"{dev.path}: rewrote superblock copy at offset {off}")

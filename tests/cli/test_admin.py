@@ -285,6 +285,46 @@ def test_format_refuses_a_store_of_another_release(file_target):
     assert head(path) == before
 
 
+def test_a_store_a_newer_release_began_to_upgrade_is_refused_and_never_downgraded(
+        file_target):
+    """Copy B of the superblock valid with a newer format version (a later
+    release upgrading the store in place, cut short between its copies)
+    and copy A of this version: the store opened by copy A and fsck
+    --repair wrote copy A over the newer copy.  The open, info and fsck
+    (with --repair too) refuse it as a newer release's (exit 12), naming
+    the device, both versions and the fix; the newer copy is left as is."""
+    import struct
+
+    from kvblock import KVStore
+    from kvblock.errors import UnsupportedVersionError
+    from kvblock.format import FORMAT_VERSION
+    from kvblock.format import superblock as sbfmt
+    from kvblock.format.checksum import meta_checksum
+
+    path = file_target(16 << 20)
+    formatted(path)
+    with open(path, "r+b") as f:
+        f.seek(sbfmt.COPY_OFFSETS[1])
+        sb = bytearray(f.read(sbfmt.SIZE))
+        struct.pack_into("<I", sb, 8, FORMAT_VERSION + 1)      # a later format
+        struct.pack_into("<Q", sb, 184, 2)                      # its sequence, past A's
+        struct.pack_into("<Q", sb, 4088, meta_checksum(bytes(sb[:4088])))
+        f.seek(sbfmt.COPY_OFFSETS[1])
+        f.write(sb)
+    before = head(path)
+    with pytest.raises(UnsupportedVersionError) as ei:
+        KVStore.open([path])
+    msg = str(ei.value)
+    assert path in msg and "upgrade kvblock" in msg
+    assert f"format version {FORMAT_VERSION + 1}" in msg and f"version {FORMAT_VERSION}" in msg
+    assert kvb("info", path).returncode == 12
+    for args in (["fsck", path], ["fsck", "--repair", path]):
+        res = kvb(*args)
+        assert res.returncode == 12, (args, res.stdout, res.stderr)
+        assert "unusable" in res.stdout and "upgrade kvblock" in res.stdout
+    assert head(path) == before
+
+
 def test_format_refuses_partition_table(loop_device):
     dev = loop_device(32 << 20)
     subprocess.run(["sfdisk", "-q", dev], input="label: gpt\n,,L\n", text=True, check=True,

@@ -262,8 +262,33 @@ def test_pick_both_unreadable_with_one_newer_version_reports_the_version():
         pick([_corrupt(_copy(3)), future], "p")
     with pytest.raises(UnsupportedVersionError):
         pick([future, bytes(4096)], "p")
-    # but a valid copy of our version wins over a future-version copy
-    assert pick([future, _copy(1)], "p").sequence == 1
+    # and a valid copy of our version beside it is not taken either (below)
+    with pytest.raises(UnsupportedVersionError):
+        pick([future, _copy(1)], "p")
+
+
+@pytest.mark.parametrize("future_at", [0, 4096])
+def test_pick_refuses_a_newer_version_copy_beside_a_valid_older_one(future_at):
+    """A copy with a valid checksum but a newer format version beside a
+    valid copy of this version is what a later release's in-place upgrade
+    cut short between the two copies leaves: the store is that release's
+    now.  pick() took the older copy silently (the open failed later as
+    "metadata corrupt", and fsck --repair wrote the older copy over the
+    newer one).  It is refused, naming the device, both copies' versions
+    and the fix (upgrade kvblock)."""
+    buf = bytearray(_copy(4))
+    struct.pack_into("<I", buf, 8, FORMAT_VERSION + 1)
+    future = rechecksum(buf)
+    copies = [future, _copy(3)] if future_at == 0 else [_copy(3), future]
+    with pytest.raises(UnsupportedVersionError) as ei:
+        pick(copies, "/dev/u")
+    msg = str(ei.value)
+    assert ei.value.path == "/dev/u" and ei.value.offset == future_at
+    assert msg.startswith("/dev/u: ")
+    assert f"offset {future_at}" in msg and f"format version {FORMAT_VERSION + 1}" in msg
+    assert f"version {FORMAT_VERSION}" in msg
+    assert "newer kvblock release" in msg and "upgrade kvblock" in msg
+    assert "reformat" not in msg.split("upgrade kvblock")[0]
 
 
 def test_copy_offsets():

@@ -463,3 +463,34 @@ def test_fsck_repair_of_a_read_only_store_is_refused_before_it_checks(tmp_path):
         assert report.status == "problems" and len(report.problems) == 1, report.problems
     with KVStore.open([str(path)], readonly=True) as store:
         assert len(fsck(store).problems) == 1     # nothing was rewritten
+
+
+def test_fsck_repair_never_writes_over_a_superblock_copy_of_a_newer_release(tmp_path):
+    """A superblock copy that turned into a newer release's (its in-place
+    upgrade began while this store was open) was "repaired" by fsck
+    --repair with the older copy: a downgrade of what that release wrote.
+    It is reported as a newer release's and left as it is."""
+    import struct
+
+    import xxhash
+
+    from kvblock.format import FORMAT_VERSION
+
+    path = tmp_path / "store.img"
+    create_file(path, 8 * MIB)
+    KVStore.format([str(path)], GEOM, region_size=256 << 10).close()
+    with KVStore.open([str(path)]) as store:
+        buf = bytearray(path.read_bytes()[4096:8192])
+        struct.pack_into("<I", buf, 8, FORMAT_VERSION + 1)
+        struct.pack_into("<Q", buf, 184, 2)
+        struct.pack_into("<Q", buf, 4088, xxhash.xxh64_intdigest(bytes(buf[:4088])))
+        with open(path, "r+b") as f:
+            f.seek(4096)
+            f.write(buf)
+        report = fsck(store, repair=True)
+        assert report.repaired == [] and len(report.problems) == 1, report
+        assert (f"{path}: superblock copy at offset 4096 has on-device format version "
+                f"{FORMAT_VERSION + 1}" in report.problems[0])
+        assert "not rewritten" in report.problems[0]
+        assert "upgrade kvblock" in report.problems[0]
+    assert path.read_bytes()[4096:8192] == bytes(buf)
