@@ -15,7 +15,7 @@ from kvblock.format.checkpoint import (HEADER_BYTES, MAGIC, REGION_DTYPE, RUN_DT
 RANGES = 3
 
 # xxh64 hex digest of sample_checkpoint().encode() (header + payload).
-# If this changes, bump FORMAT_VERSION (kvblock/format/__init__.py).
+# If this changes, bump FORMAT_VERSION (tests/format/test_format_version.py enforces it).
 GOLDEN_DIGEST = "889d7e6259f7e685"   # format version 2
 
 

@@ -19,7 +19,7 @@ DROP = DropRun(run_id=0x1122334455)
 RECL = Reclaim(region=7, generation=4)
 
 # xxh64 hex digests of encode_record(rec, seq=42, epoch=EPOCH).
-# If these change, bump FORMAT_VERSION (kvblock/format/__init__.py).
+# If these change, bump FORMAT_VERSION (tests/format/test_format_version.py enforces it).
 GOLDEN = {
     "put": "84bbfed7558e88af",
     "drop": "c95dd783707597fa",

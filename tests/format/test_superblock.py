@@ -20,7 +20,7 @@ GEOMETRY = Geometry(num_layers=62, num_kv_heads=8, head_dim=128, dtype="bfloat16
                     block_tokens=512, kv_parts=2, head_groups=8)
 
 # xxh64 hex digest of the whole 4096-byte encoding of golden_superblock().
-# If this changes, bump FORMAT_VERSION (kvblock/format/__init__.py).
+# If this changes, bump FORMAT_VERSION (tests/format/test_format_version.py enforces it).
 GOLDEN_DIGEST = "2af5dc6e94c5cb7e"   # format version 2
 
 

@@ -19,7 +19,7 @@ def test_golden_byte_layout():
     assert b[:8] == bytes([8, 7, 6, 5, 4, 3, 2, 1])
     assert struct.unpack_from("<6Q", b, 0) == (0x0102030405060708, 2, 3, 4, 5, 2**64 - 1)
     assert b[48:] == bytes(4096 - 48)
-    # if this changes, bump FORMAT_VERSION (kvblock/format/__init__.py)
+    # if this changes, bump FORMAT_VERSION (tests/format/test_format_version.py enforces it)
     assert xxhash.xxh64_hexdigest(b) == "ae2842f12e9d0407"
 
 
