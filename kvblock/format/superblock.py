@@ -153,10 +153,17 @@ class Superblock:
         f = _HEAD.unpack_from(data, 0)
         version = f[1]
         if version != FORMAT_VERSION:
+            if version > FORMAT_VERSION:
+                how = ("the store was written by a newer kvblock release: upgrade kvblock to a "
+                       f"release that reads format version {version} (or reformat the store with "
+                       "this one: kvblock format --force, its cached KV is lost)")
+            else:
+                how = ("the store was written by an older kvblock release: reformat it (kvblock "
+                       "format --force; its cached KV is lost), or use a kvblock release that "
+                       f"reads version {version}")
             raise UnsupportedVersionError(
-                f"{path}: on-device format version {version}, this kvblock reads version "
-                f"{FORMAT_VERSION}; use a matching kvblock release or reformat", path, offset,
-                version)
+                f"{path}: superblock at offset {offset} has on-device format version {version}, "
+                f"this kvblock reads version {FORMAT_VERSION}; {how}", path, offset, version)
         if f[2] != SIZE:
             raise NotAStoreError(f"{path}: superblock at offset {offset} has header bytes "
                                  f"{f[2]}, not {SIZE} (not a superblock this format writes)",

@@ -197,6 +197,31 @@ def test_wrong_version_rechecksummed_raises_unsupported_version():
     assert not isinstance(ei.value, NotAStoreError)
 
 
+@pytest.mark.parametrize("older", [True, False])
+def test_a_version_error_says_which_release_wrote_the_store_and_the_fix(older):
+    """A superblock of another format version said "use a matching kvblock
+    release or reformat": not which (older or newer), nor how, nor which
+    copy.  It names the copy's offset, whether an older or a newer release
+    wrote it, and the fix for that: reformat (or that older release), or
+    upgrade kvblock."""
+    version = FORMAT_VERSION - 1 if older else FORMAT_VERSION + 1
+    buf = bytearray(golden_superblock().encode())
+    struct.pack_into("<I", buf, 8, version)
+    with pytest.raises(UnsupportedVersionError) as ei:
+        Superblock.decode(rechecksum(buf), "/dev/nvme0n1", 4096)
+    msg = str(ei.value)
+    assert ei.value.version == version and ei.value.offset == 4096
+    assert msg.startswith(f"/dev/nvme0n1: superblock at offset 4096 has on-device format "
+                          f"version {version}, this kvblock reads version {FORMAT_VERSION}; ")
+    if older:
+        assert "written by an older kvblock release" in msg
+        assert "reformat it (kvblock format --force" in msg
+        assert f"a kvblock release that reads version {version}" in msg
+    else:
+        assert "written by a newer kvblock release" in msg
+        assert f"upgrade kvblock to a release that reads format version {version}" in msg
+
+
 def test_rechecksummed_nonsense_is_not_a_store():
     good = golden_superblock().encode()
     cases = {
