@@ -1445,19 +1445,22 @@ class RemoteStore(RunReader, RunWriter):
         counted = True
         try:
             r = self._call_on(s, "segments", keys=encode_keys(keys))
-            pin = r.get("pin") if isinstance(r, dict) else None
+            # From the answer on, one try: a Ctrl-C landing between its
+            # steps (before the pin was looked at, or once the segments were
+            # made) left the server holding the pin on a live connection,
+            # for the connection's life.
             try:
                 segs = self._checked_segments(r, len(keys), s)
+                segs.pin, segs.session, counted = r["pin"], s, r["pin"] is None
+                return segs       # (the count is the pin's now)
             except BaseException:
+                pin = r.get("pin") if isinstance(r, dict) else None
                 if _is_int(pin):          # the pins the answer took: given back
                     segs = PinnedSegments()
                     segs.pin, segs.session = pin, s
                     counted = False       # _unpin counts it out
                     self._unpin(segs)
                 raise
-            segs.pin, segs.session = r["pin"], s
-            counted = segs.pin is None    # the count is the pin's now
-            return segs
         finally:
             if counted:
                 s.hold(-1)

@@ -978,6 +978,60 @@ def test_a_read_whose_pins_lapse_counts_no_bytes_read(tmp_path, monkeypatch, sha
         server.stop()
 
 
+@pytest.mark.parametrize("where", ["answer", "made"])
+def test_a_read_cut_as_its_segments_answer_comes_releases_its_pin(tmp_path, monkeypatch,
+                                                                  where):
+    """A Ctrl-C landing as a read's segments answer came back (before its
+    pin was looked at, or once its segments were made): the server held
+    the pin on a live connection for the connection's life (its region
+    never evicted).  The read gives the pin back as it raises."""
+    from kvblock.store.client import RemoteStore as RS
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    keys = run_keys(1, 2)
+    with serve_in_background([path], sock) as server, RemoteStore(sock) as r:
+        r.put_run(keys, run_data(keys))
+        real_call, real_check, cut = RS._call_on, RS._checked_segments, []
+
+        class Answer(dict):
+            def __getitem__(self, key):      # the answer's pin first looked at
+                if key == "pin" and where == "answer" and not cut:
+                    cut.append(key)
+                    raise KeyboardInterrupt
+                return super().__getitem__(key)
+
+        class Made(list):
+            @property
+            def pin(self):
+                return None
+
+            @pin.setter
+            def pin(self, value):            # the segments made, their pin set
+                if where == "made" and not cut:
+                    cut.append(value)
+                    raise KeyboardInterrupt
+
+        def call_on(self, s, op, **args):
+            out = real_call(self, s, op, **args)
+            return Answer(out) if op == "segments" else out
+
+        def checked(self, r, nkeys, s):
+            segs = real_check(self, dict(r), nkeys, s)
+            made = Made(segs)
+            made.__dict__.update(segs.__dict__)
+            return made
+        monkeypatch.setattr(RS, "_call_on", call_on)
+        monkeypatch.setattr(RS, "_checked_segments", checked)
+        out = np.zeros_like(run_data(keys))
+        with pytest.raises(KeyboardInterrupt):
+            r.get_run(keys, out)
+        assert cut
+        assert server.store.regions.pins.sum() == 0, "the read's pin was never released"
+        assert r._session.held == 0 and r.server_alive
+        monkeypatch.undo()
+        assert r.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+
+
 @pytest.mark.parametrize("shape", ["get_run", "get_runs", "unpin"])
 def test_a_read_cut_before_its_unpin_goes_out_releases_its_pin(tmp_path, monkeypatch, shape):
     """A Ctrl-C landing in a read's unpin before the request went out (as
