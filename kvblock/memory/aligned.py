@@ -16,6 +16,7 @@ engine can use fixed-buffer I/O on it.
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import operator
@@ -109,7 +110,13 @@ class HostBuffer:
                 self._mm.madvise(_MADV_HUGEPAGE, self._offset, whole)
             except (OSError, ValueError):
                 pass
-        _prefault(self._mm, self._offset, size)
+        try:
+            _prefault(self._mm, self._offset, size)
+        except OSError as e:
+            self._mm.close()
+            raise ConfigError(f"{self.nbytes} bytes of host memory cannot be populated: "
+                              f"{e.strerror}; free memory, raise the memory limit (the "
+                              "cgroup's memory.max) or ask for less") from None
         self._size = size
         self.array = np.frombuffer(self._mm, dtype=np.uint8, count=self.nbytes,
                                    offset=self._offset)
@@ -273,9 +280,13 @@ class HostBuffer:
 
 
 def _prefault(mm: mmap.mmap, start: int, length: int) -> None:
+    """Fault the pages in; OSError(ENOMEM) when the kernel has no memory
+    for them (touched by hand then, the OOM killer would end the process)."""
     try:
         mm.madvise(_MADV_POPULATE_WRITE, start, length)
-    except (OSError, ValueError):
+    except (OSError, ValueError) as e:
+        if getattr(e, "errno", None) == errno.ENOMEM:
+            raise
         view = np.frombuffer(mm, dtype=np.uint8, count=length, offset=start)
         view[::PAGE_SIZE] = 0
 

@@ -1,3 +1,5 @@
+import errno
+import os
 import threading
 
 import numpy as np
@@ -451,3 +453,47 @@ def test_a_child_forked_while_a_thread_takes_a_pool_buffer_uses_its_copy_of_the_
         # caught inside acquire()/release() at the fork
         assert exit_code_in_child_while_held(pool._cond, child) == 0
         assert pool.free == 2
+
+
+def _populate_fails(code):
+    """An mmap.mmap whose MADV_POPULATE_WRITE answers ``code`` (a memory
+    cgroup at its limit: ENOMEM; a kernel older than 5.14: EINVAL)."""
+    import mmap
+
+    from kvblock.memory import aligned
+
+    class Map(mmap.mmap):
+        def madvise(self, option, *args):
+            if option == aligned._MADV_POPULATE_WRITE:
+                raise OSError(code, os.strerror(code))
+            return super().madvise(option, *args)
+
+    return Map
+
+
+def test_memory_the_kernel_cannot_populate_is_a_config_error(monkeypatch):
+    """MADV_POPULATE_WRITE answering ENOMEM (the process's memory cgroup at
+    its limit) was taken for 'not supported' and the pages touched one by
+    one instead: the fault the kernel had just refused, now the OOM killer's
+    (the process killed, no error).  It is a ConfigError naming the size and
+    the fix, and the buffer is neither left mapped nor registered."""
+    from kvblock.memory import aligned
+
+    monkeypatch.setattr(aligned.mmap, "mmap", _populate_fails(errno.ENOMEM))
+    before = registry.snapshot()[1]
+    with pytest.raises(ConfigError, match=r"12288 bytes of host memory cannot be "
+                                          r"populated: .*memory.*; free memory, raise "
+                                          r"the memory limit .* or ask for less"):
+        HostBuffer(3 * PAGE_SIZE)
+    assert registry.snapshot()[1] == before  # nothing registered
+
+
+def test_a_kernel_without_populate_write_still_gets_prefaulted_buffers(monkeypatch):
+    """(EINVAL: MADV_POPULATE_WRITE unknown before Linux 5.14) the pages are
+    touched by hand and the buffer works."""
+    from kvblock.memory import aligned
+
+    monkeypatch.setattr(aligned.mmap, "mmap", _populate_fails(errno.EINVAL))
+    with HostBuffer(3 * PAGE_SIZE) as buf:
+        buf.array[:] = 7
+        assert int(buf.array.sum()) == 7 * 3 * PAGE_SIZE
