@@ -578,8 +578,14 @@ class KVBlockStorageBackend(StoragePluginInterface):
         # Chunks stored already are skipped with one uncounted probe (present),
         # not a lookup per chunk: the store's lookup counters (its hit rate)
         # are the engine's lookups.
+        # Those are in use again (LMCache stored them anew): marked as just
+        # used, as LocalDiskBackend's put of a key it holds does, or LRU
+        # evicts them as chunks never used since their first put.
         try:
-            stored = self.store.present([self.kvblock_key(key) for key, _ in todo]).tolist()
+            kbs = [self.kvblock_key(key) for key, _ in todo]
+            stored = self.store.present(kbs).tolist()
+            if any(stored):
+                self.store.touch([kb for kb, done in zip(kbs, stored) if done])
         except RUNTIME_FAILURES as e:   # no store now: nothing to queue writes for
             self._failed("a put", e)
             stored = [True] * len(todo)

@@ -692,6 +692,28 @@ def test_puts_do_not_count_as_lookups(file_target, engines):
     assert (stats["lookups"], stats["lookup_hit_blocks"]) == (1, 3)
 
 
+def test_a_put_of_stored_chunks_keeps_them_under_lru(file_target, engines):
+    """A put of chunks stored already writes nothing, but they are in use
+    again (LMCache stored them anew): like LocalDiskBackend's put of a key it
+    holds (update_on_hit), the put marks them as just used, so LRU eviction
+    keeps them while chunks written once and never used again are evicted."""
+    e = Engine([file_target(4 << 20)], **{"kvblock.eviction": "lru",
+                                          "kvblock.region_size": "256K"})
+    engines.append(e)
+    hot = [e.key(h) for h in (1, 2)]
+    want = e.put(hot, [e.chunk() for _ in hot])
+    before = e.plugin.stats()["put_blocks"]
+    for i in range(40):                                 # several times the store
+        cold = [e.key(1000 + 8 * i + j) for j in range(8)]
+        e.put(cold, [e.chunk() for _ in cold])
+        e.put(hot, [e.chunk() for _ in hot])             # stored: not written again
+    stats = e.plugin.stats()
+    assert stats["evicted_regions"] >= stats["regions"]
+    assert stats["put_blocks"] - before == 40 * 8
+    assert e.plugin.batched_contains(hot) == 2
+    assert [obj_bytes(o) for o in e.plugin.batched_get_blocking(hot)] == want
+
+
 def test_a_pinned_lookup_of_one_key_counts_as_a_lookup(file_target, engines):
     """contains(key, pin=True) (LMCache's StorageManager.contains with
     pin_in_backend) is a lookup as contains(key) and batched_contains(keys,
