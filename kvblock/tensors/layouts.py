@@ -276,8 +276,29 @@ class HFDynamicLayout(CacheLayout):
 
     @classmethod
     def from_cache(cls, cache, block_tokens: int) -> "HFDynamicLayout":
-        return cls([layer.keys for layer in cache.layers],
-                   [layer.values for layer in cache.layers], block_tokens)
+        # A layer's tensors are its tokens from token 0 only when they hold
+        # as many as it has seen: a sliding-window layer past its window
+        # (or a quantized one) holds its last tokens, which would be saved
+        # as the prompt's first blocks; a static layer's tensors run past
+        # its tokens (zeros, or stale after a crop), paged as KV.
+        keys, values = [], []
+        for i, layer in enumerate(cache.layers):
+            k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+            seen = getattr(layer, "get_seq_length", None)
+            held = k.shape[-2] if getattr(k, "ndim", 0) == 4 else None
+            if held is not None and seen is not None:
+                seen = int(seen())
+                if held < seen:
+                    raise ConfigError(
+                        f"HFDynamicLayout.from_cache: layer {i} ({type(layer).__name__}) holds "
+                        f"the last {held} of its {seen} tokens, not its tokens from token 0: "
+                        "its pages would be saved as the prompt's first blocks; save from a "
+                        "DynamicCache of full-attention layers (a sliding-window or quantized "
+                        "layer cannot be paged)")
+                k, v = k[:, :, :seen], v[:, :, :seen]
+            keys.append(k)
+            values.append(v)
+        return cls(keys, values, block_tokens)
 
     @classmethod
     def empty(cls, num_layers, heads, tokens, head_dim, block_tokens, dtype, device="cpu"):

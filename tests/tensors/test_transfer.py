@@ -451,6 +451,67 @@ def test_the_partial_last_block_of_a_hf_cache_is_refused_naming_it(path):
         assert not any(t.any() for t in dst.keys + dst.values)
 
 
+def _hf_cache(layers):
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    cache.layers = layers
+    return cache
+
+
+def test_a_hf_cache_whose_layers_hold_no_prefix_from_token_0_is_refused(path):
+    """from_cache took each layer's tensors for the cache's tokens from
+    token 0: a sliding-window layer past its window holds only its last
+    tokens (every layer alike in a model of sliding layers only, so the
+    shapes agreed), and its page 0 was saved under the key of the
+    prompt's first block.  Such a layer is refused, naming it."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    g = Geometry(L, 2, 64, "float32", BS)
+    layers = []
+    for _ in range(L):
+        layer = DynamicSlidingWindowLayer(sliding_window=2 * BS + 1)
+        kv = torch.randn(1, 2, 3 * BS, 64)
+        layer.update(kv, kv.clone())
+        layers.append(layer)
+    assert layers[0].keys.shape[2] == 2 * BS     # its last 2 blocks of 3
+    with pytest.raises(ConfigError, match=rf"layer 0 \(DynamicSlidingWindowLayer\) holds the "
+                                          rf"last {2 * BS} of its {3 * BS} tokens"):
+        HFDynamicLayout.from_cache(_hf_cache(layers), BS)
+    with _store(path, g) as store:
+        assert store.lookup([b"w0"]) == 0
+
+
+def test_a_static_hf_cache_pages_only_the_tokens_it_holds(path):
+    """A StaticCache's layers are tensors of max_cache_len tokens, zeros
+    past those filled: from_cache paged all of them, and a save of a page
+    past the prompt stored zeros as KV.  Its pages are its filled tokens."""
+    from transformers.cache_utils import StaticLayer
+
+    g = Geometry(L, 2, 64, "float32", BS)
+    tokens = 2 * BS + 3
+    layers, src = [], []
+    for _ in range(L):
+        layer = StaticLayer(max_cache_len=4 * BS)
+        k, v = torch.randn(1, 2, tokens, 64), torch.randn(1, 2, tokens, 64)
+        layer.update(k, v)
+        layers.append(layer)
+        src.append((k, v))
+    layout = HFDynamicLayout.from_cache(_hf_cache(layers), BS)
+    assert layout.tokens == tokens
+    with _store(path, g) as store:
+        with pytest.raises(ConfigError, match=rf"save: page id 2 is outside the cache's 2 pages "
+                                              rf"\(its {tokens} tokens hold 2 whole"):
+            save_blocks(store, [b"s0", b"s1", b"s2"], layout, [0, 1, 2])
+        assert save_blocks(store, [b"s0", b"s1"], layout, [1, 0]) == 2
+        dst = HFDynamicLayout.empty(L, 2, 2 * BS, 64, BS, torch.float32)
+        assert load_blocks(store, [b"s0", b"s1"], dst, [0, 1]).wait() == 2
+    for layer, (k, v) in enumerate(src):
+        for got, want in ((dst.keys[layer], k), (dst.values[layer], v)):
+            assert torch.equal(got[:, :, :BS], want[:, :, BS:2 * BS])
+            assert torch.equal(got[:, :, BS:], want[:, :, :BS])
+
+
 def test_loads_reuse_staging_memory(path, monkeypatch):
     """Later loads take earlier ones' staging buffers (no fresh memory to map
     and touch before their first layer); a failing scatter stage still hands
