@@ -304,6 +304,14 @@ class HFDynamicLayout(CacheLayout):
     def empty(cls, num_layers, heads, tokens, head_dim, block_tokens, dtype, device="cpu"):
         import torch
 
+        # The store's dtype is a name (g.dtype): torch.zeros refused it
+        # with a TypeError naming neither the layout nor the fix
+        if isinstance(dtype, str):
+            name = dtype
+            dtype = getattr(torch, name.removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ConfigError(f"HFDynamicLayout.empty: dtype {name!r} is no torch dtype; "
+                                  "pass the store's (geometry.dtype) or a torch.dtype")
         make = lambda: torch.zeros(1, heads, tokens, head_dim, dtype=dtype, device=device)  # noqa: E731
         return cls([make() for _ in range(num_layers)], [make() for _ in range(num_layers)],
                    block_tokens)

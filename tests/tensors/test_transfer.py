@@ -512,6 +512,26 @@ def test_a_static_hf_cache_pages_only_the_tokens_it_holds(path):
             assert torch.equal(got[:, :, BS:], want[:, :, :BS])
 
 
+def test_hf_empty_layout_takes_the_geometrys_dtype_name(path):
+    """HFDynamicLayout.empty(..., g.dtype) (the store's dtype, a name)
+    failed in torch.zeros with a TypeError naming neither the layout nor
+    the fix.  The name is taken as the torch dtype; a name torch has no
+    dtype for is a ConfigError."""
+    g = Geometry(L, 2, 64, "bfloat16", BS)
+    src = HFDynamicLayout([rand(1, 2, 2 * BS, 64) for _ in range(L)],
+                          [rand(1, 2, 2 * BS, 64) for _ in range(L)], BS)
+    with _store(path, g) as store:
+        save_blocks(store, [b"e0", b"e1"], src, [0, 1])
+        dst = HFDynamicLayout.empty(L, 2, 2 * BS, 64, BS, g.dtype)
+        assert dst.keys[0].dtype == torch.bfloat16
+        assert load_blocks(store, [b"e0", b"e1"], dst, [1, 0]).wait() == 2
+    for layer in range(L):
+        assert torch.equal(dst.values[layer][:, :, :BS], src.values[layer][:, :, BS:])
+    with pytest.raises(ConfigError, match=r"HFDynamicLayout.empty: dtype 'bfloat17' is no "
+                                          r"torch dtype"):
+        HFDynamicLayout.empty(L, 2, 2 * BS, 64, BS, "bfloat17")
+
+
 def test_loads_reuse_staging_memory(path, monkeypatch):
     """Later loads take earlier ones' staging buffers (no fresh memory to map
     and touch before their first layer); a failing scatter stage still hands
