@@ -91,6 +91,14 @@ class CacheLayout:
         """Why ``page`` (past the cache's pages) is none, for the error."""
         return ""
 
+    def _describe(self) -> str:
+        """The layout, for errors."""
+        return f"{type(self).__name__} cache layout"
+
+    def _mismatch_hint(self, want: tuple) -> str:
+        """The likely fix of a geometry mismatch (``want``: check()'s tuple)."""
+        return ""
+
     def check(self, geometry, heads: int | None = None, tp_size: int | None = None) -> None:
         """Raise ConfigError unless this cache fits ``geometry`` (``heads``: the
         heads this cache holds, fewer than the geometry's under tensor
@@ -113,7 +121,8 @@ class CacheLayout:
                 shown[3] += "; a tensor-parallel rank's cache: pass tp_rank and tp_size"
             diff = ", ".join(f"{n} {h} (store: {label})"
                              for n, h, w, label in zip(names, have, want, shown) if h != w)
-            raise ConfigError(f"cache layout does not match the store's geometry: {diff}")
+            raise ConfigError(f"{self._describe()} does not match the store's geometry: "
+                              f"{diff}{self._mismatch_hint(want)}")
         x = self.sample()
         itemsize = x.element_size() if hasattr(x, "element_size") else x.itemsize
         if itemsize != geometry.itemsize:
@@ -164,6 +173,20 @@ class VLLMLayout(CacheLayout):
             self.kv_parts, self.head_dim = 2, shape[4]
             self.block_tokens, self.heads = (shape[2], shape[3]) if order == "NHD" \
                 else (shape[3], shape[2])
+
+    def _describe(self) -> str:
+        kind = "MLA" if self.mla else self.order
+        return f"VLLMLayout ({kind}) of shape {tuple(self.caches[0].shape)}"
+
+    def _mismatch_hint(self, want: tuple) -> str:
+        # NHD and HND swap the blocks' tokens and heads: a cache of the
+        # other order matches with them swapped
+        have = (self.num_layers, self.kv_parts, self.heads, self.block_tokens, self.head_dim)
+        if self.mla or have != want:
+            return ""
+        other = "HND" if self.order == "NHD" else "NHD"
+        return (f"; its blocks and heads are the other way round: an {other} cache? pass "
+                f"order={other!r}")
 
     def layer_views(self, layer):
         c = self.caches[layer]

@@ -294,6 +294,21 @@ def test_layout_mismatch_is_a_clear_error(path):
             load_blocks(store, [b"x"], VLLMLayout(bad), [0], tp_rank=4, tp_size=4)
 
 
+def test_a_vllm_cache_of_the_other_order_names_the_order_to_pass(path):
+    """An HND cache passed as NHD (the default) was refused as 'block_tokens
+    8 (store: 16), heads 16 (store: 8)', naming neither the layout nor that
+    its order is the other one.  The error names both and the fix."""
+    with _store(path, geom()) as store:
+        hnd = [rand(2, 4, H, BS, D) for _ in range(L)]
+        with pytest.raises(ConfigError, match=r"VLLMLayout \(NHD\) of shape \(2, 4, 8, 16, 16\) "
+                                              r"does not match the store's geometry: "
+                                              r"block_tokens 8 \(store: 16\), heads 16 \(store: "
+                                              r"8\); its blocks and heads are the other way "
+                                              r"round: an HND cache\? pass order='HND'"):
+            save_blocks(store, [b"o0"], VLLMLayout(hnd), [0])
+        assert save_blocks(store, [b"o0"], VLLMLayout(hnd, "HND"), [0]) == 1
+
+
 def test_a_heads_mismatch_under_tensor_parallelism_names_the_ranks_share(path):
     """A load for rank 0 of tp_size 2 into a cache of all 8 heads said
     'heads 8 (store: 4)', calling the rank's share the store's head count
