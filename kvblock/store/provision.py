@@ -17,6 +17,7 @@ import stat
 from kvblock.devices.device import new_file, refuse_one_path, remove_made
 from kvblock.errors import (
     ConfigError,
+    GeometryMismatchError,
     NotAStoreError,
     UnsafeTargetError,
 )
@@ -86,6 +87,13 @@ def _open_or_format(devices, geometry, model, format, region_size, owner, force_
         if format == "never":
             raise
         why = e
+    except GeometryMismatchError as e:
+        # Another model's or geometry's store (an engine restarted with
+        # another model or page size): refused, and the fix is the
+        # integration's setting, not KVStore's "format a new store".
+        raise GeometryMismatchError(f"{e}; {owner} will not format over it (its KV "
+                                    f"would be lost). Give it other devices, or {force_hint}",
+                                    e.path, e.offset) from None
     else:
         _warn_region_size(devices, store.sb.region_size, region_size, owner)
         return store

@@ -1538,6 +1538,36 @@ def test_open_or_format_will_not_format_over_a_store_it_cannot_open(tmp_path):
         open_or_format([single], GEOM, owner="tier", force_hint="set the tier's format to force")
 
 
+def test_open_or_format_refusing_another_models_store_names_the_integrations_fix(tmp_path):
+    """An engine restarted with another model or KV geometry on the devices
+    of its last run: "if-empty" refuses the store, as it must, but the error
+    was KVStore.open's, naming no fix (another model: "its KV cannot serve
+    this model") or KVStore's own ("format a new store"), not the
+    integration's setting that formats anew.  Both now end with the
+    force_hint, the device named; the store is left as it was."""
+    from kvblock.errors import GeometryMismatchError
+    from kvblock.store.provision import open_or_format
+
+    path = str(tmp_path / "kv.img")
+    keys = run_keys(1, 2)
+    with open_or_format([path], GEOM, "model-a", size=8 * MIB, region_size=REGION) as store:
+        store.put_run(keys, run_data(keys))
+    other = Geometry(num_layers=GEOM.num_layers + 1, num_kv_heads=GEOM.num_kv_heads,
+                     head_dim=GEOM.head_dim, dtype=GEOM.dtype, block_tokens=GEOM.block_tokens)
+    hint = "set the tier's format to force"
+    for geometry, model, what in ((GEOM, "model-b", "another model"),
+                                  (other, "model-a", "formatted for")):
+        with pytest.raises(GeometryMismatchError) as e:
+            open_or_format([path], geometry, model, owner="tier", force_hint=hint)
+        text = str(e.value)
+        assert text.startswith(f"{path}: ") and what in text, text
+        assert "tier will not format over it" in text and text.endswith(hint), text
+        assert e.value.path == path
+    with open_or_format([path], GEOM, "model-a", format="never") as store:
+        out = aligned_empty(2 * GEOM.block_bytes)
+        assert store.get_run(keys, out) == 2 and bytes(out) == run_data(keys).tobytes()
+
+
 def test_open_or_format_that_fails_through_a_dangling_symlink_keeps_the_link(tmp_path):
     """A store path that is a symlink to a file not made yet: size makes the
     file at the link's target; a start that failed then unlinked the path,
