@@ -807,3 +807,36 @@ def test_the_tables_name_a_slot_or_page_size_as_it_is(script):
     assert fmt(1536 << 10) == "1536 KiB"
     assert fmt(2 << 20) == "2 MiB" and fmt(256 << 10) == "256 KiB"
     assert fmt(3 * 1200) == "3600 B"
+
+
+def test_restore_vs_recompute_bench_computes_no_logits_for_the_prefix(monkeypatch, tmp_path):
+    """perf/test_restore_vs_recompute.py (make bench: README's 'TTFT, 4096-token
+    prompt ... 45x faster') prefilled the prompt without logits_to_keep, so
+    its recompute time took the LM head over every prefix position (the
+    logits no serving engine computes, thrown away), as the demo's did until
+    it was fixed: the recompute time and the ratio were inflated.  Its LM
+    head must only ever compute the last position.  Run in-process at 512
+    tokens."""
+    from kvblock import demo
+
+    rows, failed = [], []
+    build = demo.build_model
+
+    def build_and_watch():
+        model = build()
+        model.lm_head.register_forward_hook(lambda m, a, out: rows.append(out.shape[-2]))
+        return model
+
+    monkeypatch.setattr(demo, "build_model", build_and_watch)
+
+    class Failures:
+        def pytest_runtest_logreport(self, report):
+            if report.failed:
+                failed.append(report.longreprtext)
+
+    _not_an_xdist_worker(monkeypatch)
+    rc = pytest.main([f"{ROOT / 'perf' / 'test_restore_vs_recompute.py'}::"
+                      "test_ttft_restore_vs_recompute[512]", "-q", "-p", "no:cacheprovider",
+                      *NESTED, f"--basetemp={tmp_path / 'nested'}"], plugins=[Failures()])
+    assert rc == pytest.ExitCode.OK, failed
+    assert rows and max(rows) == 1, rows
