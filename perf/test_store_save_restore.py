@@ -124,13 +124,15 @@ def test_store_vs_fio(benchmark, shm_loop, workload):
         check_last()
         engine = store.io.engine.name
 
+    # fio's runs before the kept rounds: setup also ran before the warm-up
+    # round, whose time is not kept
+    fio_runs = fio_runs[-ROUNDS:]
     fio_gib_s = statistics.median(r["gib_s"] for r in fio_runs)
     kvblock_gib_s = round_bytes / benchmark.stats.stats.median / 2**30
     ratio = kvblock_gib_s / fio_gib_s
-    # Side by side: each round's kvblock time with the fio run just before it
-    # (setup also ran before the warm-up round, whose time is not kept).
+    # Side by side: each round's kvblock time with the fio run just before it.
     paired = statistics.median(round_bytes / t / 2**30 / f["gib_s"] for t, f in
-                               zip(benchmark.stats.stats.data, fio_runs[-ROUNDS:]))
+                               zip(benchmark.stats.stats.data, fio_runs))
     fig = "Store save / restore vs fio (64 MiB runs, loop over /dev/shm)"
     benchmark.extra_info.update({
         "reference": f"fio rw={fio_rw} bs={piece // MIB}M iodepth={in_flight} io_uring "
