@@ -153,20 +153,29 @@ def main(argv=None) -> int:
     logging.getLogger("lmcache").setLevel(logging.WARNING)
     total = int(args.gib * GIB)
     rows = []
-    for loc in args.locations:
-        for shape_name in args.shapes:
-            shape = SHAPES[shape_name]
-            samples = {"kvblock": [], "localdisk": []}
-            for rnd in range(args.rounds):
-                order = ("kvblock", "localdisk") if rnd % 2 == 0 else ("localdisk", "kvblock")
-                for kind in order:
-                    samples[kind].append(measure(kind, LOCATIONS[loc], shape, total,
-                                                 args.batch, seed=rnd + 1))
-            for kind, runs in samples.items():
-                rows.append({"backend": kind, "location": loc, "chunk": shape_name,
-                             "put_gibps": statistics.median(r["put_gibps"] for r in runs),
-                             "get_gibps": statistics.median(r["get_gibps"] for r in runs),
-                             "samples": runs})
+
+    def body():
+        for loc in args.locations:
+            for shape_name in args.shapes:
+                shape = SHAPES[shape_name]
+                samples = {"kvblock": [], "localdisk": []}
+                for rnd in range(args.rounds):
+                    order = ("kvblock", "localdisk") if rnd % 2 == 0 else ("localdisk", "kvblock")
+                    for kind in order:
+                        samples[kind].append(measure(kind, LOCATIONS[loc], shape, total,
+                                                     args.batch, seed=rnd + 1))
+                for kind, runs in samples.items():
+                    rows.append({"backend": kind, "location": loc, "chunk": shape_name,
+                                 "put_gibps": statistics.median(r["put_gibps"] for r in runs),
+                                 "get_gibps": statistics.median(r["get_gibps"] for r in runs),
+                                 "samples": runs})
+
+    # as the other comparisons: a SIGTERM or SIGHUP unwinds through measure's
+    # finally, which removes the store file and the chunk files, where it
+    # killed the process on the spot
+    rc = fio_support.run_guarded("lmcache_vs_localdisk", body)
+    if rc is not None:
+        return rc
     if args.json:
         print(json.dumps({"rows": rows, "batch": args.batch, "gib": args.gib}, indent=2))
         return 0

@@ -888,3 +888,35 @@ def test_fio_benches_compare_the_rounds_kept_on_both_sides(script, case, shrink,
     assert info.get("fio_p99_us", 1.0) == 1.0, info
     attached = subprocess.run(["losetup", "-a"], capture_output=True, text=True).stdout
     assert fio_support.PREFIX not in attached, attached
+
+
+_SIGTERM_LMCACHE = """
+import os, signal, sys
+sys.path.insert(0, {perf!r})
+import lmcache_vs_localdisk as script
+real = script.StorageManager.batched_put
+def batched_put(self, *a, **kw):      # a SIGTERM while the store file is there
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(self, *a, **kw)
+script.StorageManager.batched_put = batched_put
+sys.exit(script.main({args!r}))
+"""
+
+
+def test_lmcache_comparison_removes_its_store_on_sigterm():
+    """perf/lmcache_vs_localdisk.py removes its folder (kvblock's store file,
+    2 x --gib + 512 MiB: 1.5 GiB of RAM in /dev/shm by default, and
+    LocalDiskBackend's chunk files) in a finally, but ran outside
+    fio_support.run_guarded, unlike the other comparisons: a SIGTERM or
+    SIGHUP killed it on the spot and left the folder behind.  It unwinds
+    through the finally now and exits 130."""
+    args = ["--gib", "0.01", "--rounds", "1", "--shapes", "2M", "--locations", "shm"]
+    driver = _SIGTERM_LMCACHE.format(perf=str(ROOT / "perf"), args=args)
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate()
+    base = Path("/dev/shm") / f"kvblock-lmcache-bench-{proc.pid}"
+    left = base.exists()
+    subprocess.run(["rm", "-rf", str(base)], check=True)      # after a failing run
+    assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-2000:])
+    assert not left
