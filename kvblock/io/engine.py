@@ -365,7 +365,9 @@ class IOEngine:
                 raise ConfigError(f"{self.name} engine is closed")
             maps = self._maps     # (close() keeps it while a call is in flight)
             if maps is not None:
-                if maps.covers(batch.devs, writing=op == OP_WRITE):
+                # (a file cut shorter: its mapping's pages past the end are a SIGBUS)
+                if maps.covers(batch.devs, writing=op == OP_WRITE) \
+                        and not maps.cut_short(batch.devs):
                     return self._copy_mapped(op, batch, latency, hashing)
                 if op == OP_WRITE:
                     maps.last_write = time.monotonic()   # the prefault waits for a gap

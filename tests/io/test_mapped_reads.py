@@ -950,3 +950,50 @@ def test_a_copy_helper_that_cannot_start_leaves_no_helper_copying(shm_target, mo
         assert left == 0, "read() returned with a helper still copying"
         assert np.array_equal(buf.array, data)
         assert sorted(parts)[0][0] == 0 and sum(b - a for a, b in parts) == 8
+
+
+CUT_UNDER_THE_ENGINE = """
+import os, sys
+import numpy as np
+from kvblock.devices import Device
+from kvblock.errors import IOFailedError
+from kvblock.io import IOBatch, open_engine
+from kvblock.memory import HostBuffer
+path, engine = sys.argv[1], sys.argv[2]
+MIB = 1 << 20
+data = np.fromfile(path, np.uint8)
+with Device(path) as dev, open_engine([dev], engine) as eng, HostBuffer(MIB) as buf:
+    assert eng.mapped(0) and eng._maps.covers(np.zeros(1, np.uint32))
+    os.truncate(path, 4 * MIB)        # what nothing may do to an open store file
+    eng.read(IOBatch.single(buf.address, 0, 2 * MIB, MIB))       # still there
+    assert np.array_equal(buf.array, data[2 * MIB:3 * MIB])
+    try:
+        eng.read(IOBatch.single(buf.address, 0, 6 * MIB, MIB))   # past the new end
+    except IOFailedError as e:
+        print("read:", e.offset, e)
+    buf.array[:] = 7
+    eng.write(IOBatch.single(buf.address, 0, 6 * MIB, MIB))      # as pwrite: grows it
+    print("write:", os.path.getsize(path))
+"""
+
+
+def test_a_store_file_cut_shorter_under_the_engine_is_a_typed_error(engine_name, shm_target):
+    """A store file on tmpfs cut shorter (truncate) while an engine had it
+    mapped: a copy past the new end through the mapping was a SIGBUS that
+    killed the process, where pread gives a short read.  Each mapped copy
+    now checks the file still covers the mapping, and takes the engine's
+    path when it does not: a read still in the file returns its bytes, one
+    past the end is an IOFailedError naming the offset, a write lands as a
+    pwrite.  In a child process, where a SIGBUS cannot kill the test run."""
+    import subprocess
+    import sys
+
+    path = shm_target(8 * MIB)
+    _filled(path, 8 * MIB, seed=5)
+    res = subprocess.run([sys.executable, "-c", CUT_UNDER_THE_ENGINE, path, engine_name],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, (res.returncode, res.stderr[-2000:])
+    lines = res.stdout.splitlines()
+    assert lines[0].startswith(f"read: {6 * MIB} ") and path in lines[0], lines
+    assert lines[1] == f"write: {7 * MIB}", lines
+    assert "cut shorter" in res.stderr and path in res.stderr, res.stderr[-2000:]
