@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvblock.errors import ConfigError
+from kvblock.units import is_whole
 
 # Linux caps one read/write at MAX_RW_COUNT (2 GiB - 4 KiB); larger requests are
 # split.  Splitting at a few MiB also lets one big range use the whole queue.
@@ -254,9 +255,17 @@ class IOBatch:
         Returns the new batch and, when anything was cut, ``parent``: for each
         piece the index of the entry it came from (None when nothing was cut).
         """
+        if not is_whole(max_io) or not 1 <= max_io < 1 << 64:
+            # (0 or less raised numpy's OverflowError; 1.5 cut 1-byte pieces)
+            raise ConfigError(f"IOBatch.split: pieces of {max_io!r} bytes: the piece size "
+                              "must be a whole number of bytes from 1 (the engine's max_io)")
+        max_io = int(max_io)
         if len(self) == 0 or self.lens.max() <= max_io:
             return self, None
-        pieces = ((self.lens + np.uint64(max_io - 1)) // np.uint64(max_io)).astype(np.int64)
+        # ceil(len / max_io) without lens + max_io - 1, which wrapped past
+        # 2**64 (an entry cut into no piece: dropped)
+        pieces = (self.lens // np.uint64(max_io)
+                  + (self.lens % np.uint64(max_io) != 0)).astype(np.int64)
         parent = np.repeat(np.arange(len(self)), pieces)
         first = np.cumsum(pieces) - pieces
         within = (np.arange(parent.size) - first[parent]).astype(np.uint64) * np.uint64(max_io)

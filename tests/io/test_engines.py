@@ -1452,3 +1452,27 @@ def test_an_interrupt_as_the_ring_lock_is_taken_leaves_it_free(file_target):
         buf.array[:] = 0
         eng.read(batch)
         assert np.array_equal(buf.array, data)
+
+
+@pytest.mark.parametrize("max_io", [0, -4096, 1.5, 4096.0 + 0.5, "4096", None])
+def test_split_refuses_a_piece_size_that_is_no_whole_number_from_1(max_io):
+    """IOBatch.split of a piece size that is no whole number of bytes from 1
+    raised numpy's OverflowError (0, negative) or a TypeError, or cut the
+    entries into pieces of a size nobody asked for (1.5: 1-byte pieces).  A ConfigError names it."""
+    batch = IOBatch([0, MIB], 0, [0, MIB], [3 * MIB, 4096])
+    with pytest.raises(ConfigError, match=r"split.*piece"):
+        batch.split(max_io)
+
+
+def test_split_keeps_every_byte_of_an_entry_near_2_64_bytes():
+    """An entry whose length was within max_io of 2**64 was cut into no
+    piece at all (lens + max_io - 1 wrapped in uint64), so split() dropped
+    it silently: every piece now covers the entry, however long."""
+    top = 2 ** 64 - 4096
+    batch = IOBatch([0, 0], 0, [0, 0], [top, 3 * 4096])
+    pieces, parent = batch.split(1 << 62)
+    assert parent.tolist() == [0, 0, 0, 0, 1]
+    assert sum(pieces.lens[:4].tolist()) == top and pieces.lens[4] == 3 * 4096
+    assert pieces.offsets[:4].tolist() == [k << 62 for k in range(4)]
+    exact, parent = IOBatch.single(0, 0, 0, 4 * 4096).split(4096)
+    assert exact.lens.tolist() == [4096] * 4 and parent.tolist() == [0] * 4
