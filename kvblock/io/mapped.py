@@ -21,8 +21,9 @@ write path returns ENOSPC.  The store does not punch holes in mapped devices
 about holes, write through the kernel (``writes=False``).  A file cut shorter
 under a running store is the one thing a mapping turns from an error into a
 crash: a copy past the new end is a SIGBUS, where pread returned a short read.
-So each copy first checks (fstat) that the files still cover their mappings,
-and takes the engine's path when one does not (:meth:`MappedDevices.cut_short`);
+So each copy first checks (lseek to the end) that the files still cover
+their mappings, and takes the engine's path when one does not
+(:meth:`MappedDevices.cut_short`);
 only a cut made during a copy is still a SIGBUS (tmpfs files take no seals,
 a read lease none open for writing, and a write lease would stall every other
 open of the file).  A file replaced (removed, a new one made under its name)
