@@ -148,6 +148,7 @@ def save_blocks(store, keys, layout: CacheLayout, page_ids) -> int:
     with one head group per rank).
     """
     g = store.geometry
+    _check_layout(layout, "save")
     layout.check(g)
     keys = normalize_keys(keys)
     n = len(keys)
@@ -216,6 +217,16 @@ def _gather_and_put(store, keys, layout: CacheLayout, ids: np.ndarray) -> int:
                 else pages.transpose(2, 0, 1, 3, 4)
             _copy_into(staged[layer, :, :, k], pages)
     return store.put_run(keys, buf.array[:n * g.block_bytes])
+
+
+def _check_layout(layout, what: str) -> None:
+    """The engine's cache itself (a list of tensors) passed for its layout
+    failed with AttributeError "'list' object has no attribute 'check'"."""
+    if not isinstance(layout, CacheLayout):
+        raise ConfigError(f"{what}: layout must be a CacheLayout over the engine's cache, got "
+                          f"{type(layout).__name__}; wrap the cache in one, e.g. "
+                          "VLLMLayout(kv_caches), SGLangHostLayout(kv_buffer, layout, "
+                          "page_size) or HFDynamicLayout.from_cache(cache, block_tokens)")
 
 
 def _page_id_array(page_ids, what: str) -> np.ndarray:
@@ -405,6 +416,7 @@ def _prepare_load(store, keys, layout, page_ids, tp_rank, tp_size):
     store._check_open()
     g = store.geometry
     g0, ng, h0, heads = _tp_plan(g, tp_rank, tp_size)
+    _check_layout(layout, "load")
     layout.check(g, heads=heads, tp_size=tp_size)
     _check_writable(layout)
     keys = normalize_keys(keys)

@@ -294,6 +294,29 @@ def test_layout_mismatch_is_a_clear_error(path):
             load_blocks(store, [b"x"], VLLMLayout(bad), [0], tp_rank=4, tp_size=4)
 
 
+def test_a_cache_passed_where_its_layout_belongs_is_a_clear_error(path):
+    """save_blocks(store, keys, kv_caches, ids) (the engine's cache list,
+    not a layout over it) failed with AttributeError "'list' object has no
+    attribute 'check'", naming neither the argument nor the layouts; None
+    the same.  Each is a ConfigError naming the layouts, before anything
+    is put or pinned."""
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    with _store(path, geom()) as store:
+        for bad in (src, src[0], None):
+            with pytest.raises(ConfigError, match=r"save: layout must be a CacheLayout.*"
+                                                  r"VLLMLayout\(kv_caches\)"):
+                save_blocks(store, [b"c0"], bad, [0])
+            with pytest.raises(ConfigError, match=r"load: layout must be a CacheLayout.*"
+                                                  r"VLLMLayout\(kv_caches\)"):
+                load_blocks(store, [b"c0"], bad, [1])
+        assert store.lookup([b"c0"]) == 0
+        assert save_blocks(store, [b"c0"], VLLMLayout(src), [0]) == 1
+        dst = [torch.zeros_like(t) for t in src]
+        assert load_blocks(store, [b"c0"], VLLMLayout(dst), [1]).wait() == 1
+        assert all(torch.equal(d[:, 1], s[:, 0]) for d, s in zip(dst, src))
+        assert store.regions.pins.sum() == 0
+
+
 def test_a_vllm_cache_of_the_other_order_names_the_order_to_pass(path):
     """An HND cache passed as NHD (the default) was refused as 'block_tokens
     8 (store: 16), heads 16 (store: 8)', naming neither the layout nor that
