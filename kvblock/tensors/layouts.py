@@ -35,10 +35,20 @@ def _layers(caches, what: str) -> list:
         raise ConfigError(f"{what} is a {type(caches).__name__} (layer names to tensors?); "
                           "pass one cache tensor per layer, in layer order, e.g. "
                           "list(kv_caches.values())")
-    caches = list(caches)
+    caches = _as_list(caches, what)
     if not caches:
         raise ConfigError(f"{what} has no layers: pass one cache tensor per layer")
     return _arrays(caches, what)
+
+
+def _as_list(caches, what: str) -> list:
+    """``caches`` as a list: None (caches not allocated yet) failed in
+    list() with a TypeError naming neither the layout nor the fix."""
+    try:
+        return list(caches)
+    except TypeError:
+        raise ConfigError(f"{what} is {type(caches).__name__}, not a sequence of layers: pass "
+                          "one cache tensor per layer, in layer order") from None
 
 
 def _arrays(caches: list, what: str) -> list:
@@ -257,7 +267,8 @@ class HFDynamicLayout(CacheLayout):
 
     def __init__(self, keys: list, values: list, block_tokens: int):
         self.keys = _layers(keys, "HFDynamicLayout")
-        self.values = _arrays(list(values), "HFDynamicLayout values")
+        self.values = _arrays(_as_list(values, "HFDynamicLayout values"),
+                              "HFDynamicLayout values")
         self.block_tokens = _page_tokens(block_tokens, "HFDynamicLayout block_tokens")
         # Its pages are torch views (permute, _StridedPages): a numpy or cupy
         # array failed at the first layer_views with an AttributeError.

@@ -1374,6 +1374,23 @@ def test_layers_that_are_no_arrays_are_clear_errors():
         HFDynamicLayout.from_cache(cache, BS)
 
 
+def test_caches_that_are_no_sequence_of_layers_are_clear_errors():
+    """VLLMLayout(None) (caches not allocated yet) or of one number failed
+    with TypeError "'NoneType' object is not iterable" from list(), naming
+    neither the layout nor what to pass; HFDynamicLayout's values too."""
+    k = torch.zeros(1, H, 2 * BS, D, dtype=torch.bfloat16)
+    for bad in (None, 5):
+        with pytest.raises(ConfigError, match=rf"vLLM cache is {type(bad).__name__}, not a "
+                                              r"sequence of layers: pass one cache tensor "
+                                              r"per layer"):
+            VLLMLayout(bad)
+        with pytest.raises(ConfigError, match=rf"HFDynamicLayout is {type(bad).__name__}, not"):
+            HFDynamicLayout(bad, [k], BS)
+        with pytest.raises(ConfigError, match=rf"HFDynamicLayout values is "
+                                              rf"{type(bad).__name__}, not"):
+            HFDynamicLayout([k], bad, BS)
+
+
 def test_hf_layout_of_numpy_arrays_is_a_clear_error():
     """HFDynamicLayout took numpy (or any non-torch) arrays, then failed at
     the first layer_views (check, save, load) with AttributeError "'numpy.
