@@ -87,6 +87,22 @@ def int_setting(value, owner: str, name: str, minimum: int = 1) -> int:
     return number
 
 
+def timeout_setting(value, owner: str, least: str = ">= 0") -> float | None:
+    """A timeout in seconds (None: no limit), as a ConfigError naming the
+    call: text failed deep in threading or socket with a TypeError, NaN
+    waited as a poll (it compares false with 0).  ``least``: what the
+    number must be, ">= 0" or "> 0"."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float, np.integer, np.floating)) and \
+            not isinstance(value, bool) and value == value:
+        seconds = float(value)
+        if seconds > 0 or (seconds == 0 and least == ">= 0"):
+            return seconds
+    raise ConfigError(f"{owner}: timeout must be seconds (a number {least}) or None, "
+                      f"got {value!r}")
+
+
 def flag_setting(value, owner: str, name: str, default: bool = False) -> bool:
     """A true/false setting from a config (null: ``default``), as a
     ConfigError naming it when it is anything else (the string "false" is

@@ -33,7 +33,7 @@ from kvblock.io import IOBatch
 from kvblock.memory import HostBuffer
 from kvblock.tensors.layouts import CacheLayout, _is_torch, _StridedPages
 from kvblock.tensors.pagecopy import copy_pages
-from kvblock.units import is_whole
+from kvblock.units import is_whole, timeout_setting
 
 logger = logging.getLogger("kvblock")
 _NP_INT = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -307,6 +307,7 @@ class LoadHandle:
         if not is_whole(layer) or not 0 <= layer < self.num_layers:
             raise ConfigError(f"wait_layer: layer {layer} is not one of the store's "
                               f"{self.num_layers} layers (0-{self.num_layers - 1})")
+        timeout = timeout_setting(timeout, "wait_layer")
         if not self._events[layer].wait(timeout):
             raise LoadTimeoutError(f"layer {layer} not loaded within {timeout} s")
         if self._error is not None:
@@ -314,6 +315,7 @@ class LoadHandle:
         return self.blocks
 
     def wait(self, timeout: float | None = None) -> int:
+        timeout = timeout_setting(timeout, "wait")
         if not self._done.wait(timeout):
             raise LoadTimeoutError(f"load not finished within {timeout} s")
         if self._error is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 
@@ -1243,6 +1244,27 @@ def test_load_wait_timeouts_are_kvblock_errors(path, monkeypatch):
             h.wait(timeout=0.01)
         gate.set()
         assert h.wait(timeout=10) == 1
+
+
+def test_load_wait_timeouts_that_are_no_seconds_are_clear_errors(path):
+    """wait(timeout="5") (a setting read as text) failed in threading with
+    TypeError "'>' not supported between instances of 'str' and 'int'";
+    NaN waited as a poll.  Each is a ConfigError naming the call; the load
+    is unharmed and waits as asked."""
+    src = [rand(2, 4, BS, H, D) for _ in range(L)]
+    with _store(path, geom()) as store:
+        save_blocks(store, [b"s0"], VLLMLayout(src), [0])
+        dst = [torch.zeros_like(t) for t in src]
+        h = load_blocks(store, [b"s0"], VLLMLayout(dst), [1])
+        for bad in ("5", float("nan"), True, [1]):
+            with pytest.raises(ConfigError, match=r"wait: timeout must be seconds \(a number "
+                                                  rf">= 0\) or None, got {re.escape(repr(bad))}"):
+                h.wait(timeout=bad)
+            with pytest.raises(ConfigError, match=r"wait_layer: timeout must be seconds"):
+                h.wait_layer(0, timeout=bad)
+        assert h.wait_layer(0, timeout=np.float64(10)) == 1
+        assert h.wait(timeout=10) == 1
+        assert all(torch.equal(d[:, 1], s[:, 0]) for d, s in zip(dst, src))
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
