@@ -75,6 +75,7 @@ from kvblock.store.store import (
 )
 from kvblock.store.storeio import StoreIO
 from kvblock.store.writes import RunWriter
+from kvblock.units import timeout_setting
 
 logger = logging.getLogger("kvblock")
 HEARTBEAT_TICK_S = 1.0      # the heartbeat thread looks at least this often
@@ -290,6 +291,9 @@ class RemoteStore(RunReader, RunWriter):
             # as KVStore.open: compared once connected, a dict failed as an
             # AttributeError ('describe') after the devices were opened
             _not_a_geometry(geometry)
+        # text failed in the connect as a TypeError, -1 as socket's bare
+        # ValueError; 0 made the socket non-blocking (calls failed as gone)
+        timeout = timeout_setting(timeout, "RemoteStore", least="> 0")
         self.socket_path = socket_path_str(socket_path)
         self.closed = True
         self.io = None

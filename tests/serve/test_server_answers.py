@@ -233,6 +233,29 @@ def test_a_geometry_that_is_no_geometry_is_a_config_error_for_a_rank(served, geo
         assert r.geometry == GEOM
 
 
+@pytest.mark.parametrize("timeout", ["5", -1, 0, float("nan"), True])
+def test_a_client_timeout_that_is_no_seconds_is_a_config_error(served, timeout):
+    """RemoteStore(timeout="5") (connect's too: a setting read as text)
+    failed in the connect with TypeError (monotonic() + "5"), -1 with
+    socket's bare ValueError "Timeout value out of range", and 0 made the
+    socket non-blocking, so calls failed as the server going away.  Each is
+    a ConfigError naming the argument, before a connection is made."""
+    from kvblock.errors import ConfigError
+    from kvblock.store.client import connect
+
+    path, sock, server = served
+    for make in (RemoteStore, connect):
+        with pytest.raises(ConfigError, match=r"RemoteStore: timeout must be seconds \(a "
+                                              r"number > 0\) or None, got "):
+            make(sock, timeout=timeout)
+    assert server.connections_total == 0
+    keys = run_keys(1, 2)
+    with RemoteStore(sock, timeout=np.float64(30)) as r:     # a number is taken
+        assert r.put_run(keys, run_data(keys)) == 2
+        out = np.zeros_like(run_data(keys))
+        assert r.get_run(keys, out) == 2 and np.array_equal(out, run_data(keys))
+
+
 def test_a_commit_runs_answer_shorter_than_its_runs_is_refused(served, monkeypatch):
     """commit_runs answers the blocks published per run it names: an answer
     with fewer entries (a buggy or older server) was cut to it by zip, and
