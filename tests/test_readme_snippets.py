@@ -189,6 +189,20 @@ def test_every_error_the_errors_section_names_imports_from_where_it_says():
         assert issubclass(getattr(where, cls), kvblock.KVBlockError), name
 
 
+def test_the_errors_section_names_every_error_class_kvblock_errors_defines():
+    """The Errors section is the list a caller writes excepts from: classes
+    kvblock.errors defines that it did not name (ConfigError, the bad
+    argument; AlignmentError; EngineUnavailableError; UnsafeTargetError,
+    the format refused; InternalError...) could only be found in the code."""
+    import kvblock.errors
+
+    section = README[README.index("## Errors"):README.index("## Benchmarks")]
+    named = set(re.findall(r"`(?:[a-z_]+\.)*(\w+Error)`", section))
+    defined = {name for name, cls in vars(kvblock.errors).items()
+               if isinstance(cls, type) and issubclass(cls, kvblock.errors.KVBlockError)}
+    assert defined - named == set()
+
+
 def test_metrics_table_names_every_metric_kvblock_exports(tmp_path):
     """README's metrics table lists each gauge and counter kvblock exports
     (an in-process store with a DRAM tier, and ``kvblock stats --socket
