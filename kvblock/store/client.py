@@ -940,11 +940,11 @@ class RemoteStore(RunReader, RunWriter):
                         self.regions.device_of(x["region"]) for x in allocs} if last else None,
                         what)
                     puts.append([a["wid"], encode_keys(keys), [int(c) for c in sums]])
-                sent = True                          # from here the server releases the pins
+                sent = True          # from here the server releases the pins (once it goes out)
                 stored = self._put_call_on(s, "commit_runs", {"puts": puts, "clears": clears},
                                            what)
-            except BaseException:
-                if not sent:
+            except BaseException as e:
+                if not sent or self._cut_before_sent(s, e):
                     self._abort(s, [_wid(a) for a in allocs])
                 raise
             finally:
@@ -1235,12 +1235,12 @@ class RemoteStore(RunReader, RunWriter):
                 a = self._put_call_on(s, "allocate", {"nblocks": n}, what, allocated=False)
                 self._check_allocated(a, n)
                 sums = self._write_allocated(s, a, keys, blocks, what=what)
-                sent = True                          # from here the server releases the pin
+                sent = True          # from here the server releases the pin (once it goes out)
                 stored = self._put_call_on(s, "commit", {
                     "wid": a["wid"], "keys": encode_keys(keys),
                     "checksums": [int(c) for c in sums], "clears": clears}, what)
-            except BaseException:
-                if not sent:
+            except BaseException as e:
+                if not sent or self._cut_before_sent(s, e):
                     self._abort(s, [_wid(a)])
                 raise
             finally:
@@ -1253,6 +1253,17 @@ class RemoteStore(RunReader, RunWriter):
                 f"blocks with {str(stored)[:200]}, not the blocks published ({n}, or 0 when "
                 "a clear() overtook it); a server of another kvblock release?")
         return self._count_committed(stored)
+
+    @staticmethod
+    def _cut_before_sent(s: "Session", e: BaseException) -> bool:
+        """Was a commit on ``s`` that raised ``e`` cut before it went out
+        (a Ctrl-C as it waited for the connection's lock)?  One cut in the
+        middle gives the connection up (``s.gone``: its allocations go as
+        it closes), an answered error is a KVBlockError.  Else the server
+        holds the allocations on a live connection until they are aborted
+        (an abort after a commit that did go out finds its wid gone: a
+        no-op)."""
+        return s.gone is None and not isinstance(e, KVBlockError)
 
     def _put_call_on(self, s: "Session", op: str, args: dict, what: str,
                      allocated: bool = True):

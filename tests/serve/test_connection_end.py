@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 
+import numpy as np
 import pytest
 
 from kvblock.index.keys import normalize_keys
@@ -550,3 +551,44 @@ def test_an_admitted_offer_is_settled_when_its_last_piece_commits_though_a_piece
         assert adm._offers.get(nkeys[0]) is None, "the done put's offer was given back"
         with RemoteStore(sock) as r:
             assert put(r) == [0], "the key's next offer was admitted at once"
+
+
+@pytest.mark.parametrize("how", ["put_run", "put_runs"])
+def test_a_put_cut_before_its_commit_goes_out_gives_back_its_allocations(tmp_path, how,
+                                                                         monkeypatch):
+    """A Ctrl-C landing in a put as its commit waits for the connection's
+    lock (another thread's call in flight): the put had marked its
+    allocations as the server's to release ("sent") before the request went
+    out, so nothing gave them back, and the server held them pinned for as
+    long as the connection lived (a live rank is never quiet for a lease:
+    the regions were never evicted nor freed).  A commit cut before it went
+    out aborts them, as an allocation whose write failed is."""
+    from kvblock.store.client import RemoteStore as RS
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    a, b = run_keys(1, 2), run_keys(2, 3)
+    with serve_in_background([path], sock) as server, RS(sock) as r:
+        real, cut = RS._call_on, []
+
+        def call_on(self, s, op, **args):
+            if op in ("commit", "commit_runs") and not cut:
+                cut.append(op)
+                raise KeyboardInterrupt     # before the lock is taken: nothing sent
+            return real(self, s, op, **args)
+        monkeypatch.setattr(RS, "_call_on", call_on)
+        with pytest.raises(KeyboardInterrupt):
+            if how == "put_run":
+                r.put_run(a, run_data(a))
+            else:
+                r.put_runs([(a, run_data(a)), (b, run_data(b))])
+        assert cut
+        (s,) = server._sessions.values()
+        assert not s.writers, "the allocations of the cut put stay on the connection"
+        assert server.store.regions.pins.sum() == 0, "a region stays pinned"
+        assert r._session.held == 0 and r.server_alive
+        assert r.lookup(a) == 0                  # nothing published
+        # the rank goes on: put again, stored and read back whole
+        assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 3]
+        for keys in (a, b):
+            out = np.zeros_like(run_data(keys))
+            assert r.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
