@@ -241,3 +241,88 @@ def test_metrics_table_names_every_metric_kvblock_exports(tmp_path):
         add(StoreCollector(lambda: _server_stats(str(tmp_path / "kv.sock"))))
     assert documented == exported
     assert {n for n, kind in documented.items() if kind == "counter"} >= set(COUNTERS)
+
+
+def test_kv_tensors_example_runs_with_its_names_filled_in(tmp_path):
+    """The "KV tensors" example names what an engine has (its caches, page
+    ids, rank); given those, it runs as written: save from the whole cache,
+    a rank's layer-wise load of its heads, wait_layer, then wait's count."""
+    import torch
+    from kvblock import Geometry, KVStore, create_file
+
+    L, H, D, BS, T, r = 3, 4, 16, 16, 2, 1
+    create_file(tmp_path / "kv.img", 16 << 20)
+    g = Geometry(L, H, D, "bfloat16", BS, 2, T)     # two head groups: a rank's heads
+    kv_caches = [torch.randn(2, 6, BS, H, D).to(torch.bfloat16) for _ in range(L)]
+    rank_caches = [torch.zeros(2, 6, BS, H // T, D, dtype=torch.bfloat16) for _ in range(L)]
+    keys, block_ids = [b"p0", b"p1", b"p2"], [4, 0, 2]
+    with KVStore.format([str(tmp_path / "kv.img")], g, region_size=1 << 20) as store:
+        scope = dict(store=store, keys=keys, kv_caches=kv_caches, rank_caches=rank_caches,
+                     block_ids=block_ids, r=r, T=T)
+        exec(compile(python_block_after("## KV tensors"), "README.md", "exec"), scope)
+        assert scope["n"] == len(keys)
+    heads = slice(r * H // T, (r + 1) * H // T)
+    for src, dst in zip(kv_caches, rank_caches):
+        assert torch.equal(dst[:, block_ids].view(torch.int16),
+                           src[:, block_ids, :, heads].view(torch.int16))
+
+
+def test_several_processes_example_runs_against_a_store_server(tmp_path):
+    """The "Several processes, one store" example: connect() to a server on
+    the socket, the byte API and save_blocks through it, bytes read back."""
+    import torch
+    import numpy as np
+
+    from kvblock import Geometry, KVStore, create_file
+    from kvblock.store.server import serve_in_background
+
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    create_file(dev, 16 << 20)
+    g = Geometry(2, 2, 16, "bfloat16", 16)
+    KVStore.format([dev], g, region_size=1 << 20).close()
+    block = python_block_after("## Several processes, one store")
+    block = block.replace("/run/kvblock/kv.sock", sock).replace("/dev/nvme1n1", dev)
+    keys, caches_keys = [b"k0", b"k1"], [b"c0", b"c1"]
+    kv = np.random.default_rng(0).integers(0, 256, 2 * g.block_bytes, np.uint8)
+    out = np.zeros_like(kv)
+    caches = [torch.randn(2, 4, 16, 2, 16).to(torch.bfloat16) for _ in range(2)]
+    with serve_in_background([dev], sock):
+        scope = dict(keys=keys, kv=kv, out=out, caches=caches, block_ids=[3, 1])
+        # the example's save_blocks stores the caches' pages under other keys
+        block = block.replace("save_blocks(store, keys,", "save_blocks(store, caches_keys,")
+        scope["caches_keys"] = caches_keys
+        exec(compile(block, "README.md", "exec"), scope)
+        store = scope["store"]
+        try:
+            assert np.array_equal(out, kv)
+            assert store.lookup(caches_keys) == 2
+        finally:
+            store.close()
+
+
+def test_shell_examples_use_only_options_their_commands_take():
+    """Each `kvblock CMD --opt` line of README's ```sh blocks, and each
+    perf script run with options there or inline (`perf/x.py --opt`),
+    names options that command or script takes: the command table is
+    checked above, the worked examples and benchmark lines were not."""
+    from kvblock.cli.main import cli
+
+    perf = Path(__file__).resolve().parents[1] / "perf"
+    blocks = re.findall(r"```sh\n(.*?)```", README, re.DOTALL)
+    lines = [line.split("#")[0] for b in blocks for line in b.replace("\\\n", " ").splitlines()]
+    checked = 0
+    for line in lines:
+        m = re.search(r"(?:^|\s|/)kvblock (\w+) (.*)", line)
+        if m and m.group(1) in cli.commands:
+            opts = {o for p in cli.commands[m.group(1)].params for o in p.opts}
+            for opt in re.findall(r"(?<!\S)(--[a-z][\w-]*)", m.group(2)):
+                assert opt in opts, f"README runs kvblock {m.group(1)} {opt}: no such option"
+                checked += 1
+    runs = [m for line in lines for m in re.findall(r"perf/(\w+)\.py ([^#\n]*)", line)]
+    runs += re.findall(r"`(?:\.venv/bin/python )?perf/(\w+)\.py ([^`]*)`", README)
+    for script, args in runs:
+        source = (perf / f"{script}.py").read_text() + (perf / "fio_support.py").read_text()
+        for opt in re.findall(r"(?<!\S)\[?(--[a-z][\w-]*)", args):
+            assert f'"{opt}"' in source, f"README runs perf/{script}.py {opt}: no such option"
+            checked += 1
+    assert checked >= 20
