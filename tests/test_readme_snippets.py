@@ -326,3 +326,17 @@ def test_shell_examples_use_only_options_their_commands_take():
             assert f'"{opt}"' in source, f"README runs perf/{script}.py {opt}: no such option"
             checked += 1
     assert checked >= 20
+
+
+def test_readme_says_what_make_installs_as_the_makefile_does():
+    """The opening paragraph lists what `make demo` / `make test` install:
+    the Makefile's Debian packages, its torch pin and its engine wheels
+    (vLLM, SGLang, LMCache: installed by both, and named nowhere there)."""
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    opening = README[:README.index("`make demo` runs")]
+    apt = re.search(r"^APT_PKGS := (.*)$", makefile, re.MULTILINE).group(1).split()
+    torch_pin = re.search(r"^TORCH\s*:= (\S+)$", makefile, re.MULTILINE).group(1)
+    engines = re.search(r"^ENGINES := (.*)$", makefile, re.MULTILINE).group(1).split()
+    assert f"`{' '.join(apt)}`" in opening
+    for pin in [torch_pin, *engines]:
+        assert pin in opening, f"README's opening does not say make installs {pin}"
