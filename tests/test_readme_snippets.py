@@ -340,3 +340,12 @@ def test_readme_says_what_make_installs_as_the_makefile_does():
     assert f"`{' '.join(apt)}`" in opening
     for pin in [torch_pin, *engines]:
         assert pin in opening, f"README's opening does not say make installs {pin}"
+
+
+def test_readme_speaks_of_dates_not_of_the_writers_work_sessions():
+    """Measurements are dated (and name their script); "this stop",
+    "this session's code" or "today" meant something only to whoever
+    wrote them, not to a reader of the README."""
+    jargon = re.findall(r"\b(?:(?:this|last|that) stop|(?:this|second|one|same) session|"
+                        r"today|this day)\b", README, re.IGNORECASE)
+    assert jargon == []
