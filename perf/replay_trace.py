@@ -25,6 +25,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fio_support  # noqa: E402
 
 from kvblock import Geometry, KVStore, create_file  # noqa: E402
 from kvblock.cli.units import parse_size  # noqa: E402
@@ -88,7 +91,7 @@ def replay(requests, capacity: int, policy: str, admit_after: int, directory: st
             "requests_per_s": round(len(requests) / elapsed, 1), "seconds": round(elapsed, 1)}
 
 
-def main() -> None:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trace")
     ap.add_argument("--capacities", default="64M,256M")
@@ -97,22 +100,32 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N requests only")
     ap.add_argument("--dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     requests = load(args.trace, args.limit)
     unique = len({h for r in requests for h in r})
     rows = []
-    with tempfile.TemporaryDirectory(dir=args.dir) as d:
-        for cap in [parse_size(c) for c in args.capacities.split(",")]:
-            for policy in args.policies.split(","):
-                for admit in [int(a) for a in args.admit_after.split(",")]:
-                    rows.append(replay(requests, cap, policy, admit, d))
-                    if not args.json:
-                        print(json.dumps(rows[-1]), flush=True)
+
+    def body():
+        with tempfile.TemporaryDirectory(dir=args.dir) as d:
+            for cap in [parse_size(c) for c in args.capacities.split(",")]:
+                for policy in args.policies.split(","):
+                    for admit in [int(a) for a in args.admit_after.split(",")]:
+                        rows.append(replay(requests, cap, policy, admit, d))
+                        if not args.json:
+                            print(json.dumps(rows[-1]), flush=True)
+
+    # as the other perf scripts: a SIGTERM or SIGHUP unwinds through replay's
+    # finally and the folder's cleanup, which remove the store file, where it
+    # killed the process on the spot
+    rc = fio_support.run_guarded("replay_trace", body)
+    if rc is not None:
+        return rc
     summary = {"requests": len(requests), "unique_blocks": unique,
                "footprint_bytes": unique * GEOM.block_bytes,
                "ideal_hit_ratio": round(ideal(requests), 4), "runs": rows}
     print(json.dumps(summary, indent=None if args.json else 1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

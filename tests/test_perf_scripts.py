@@ -920,3 +920,44 @@ def test_lmcache_comparison_removes_its_store_on_sigterm():
     subprocess.run(["rm", "-rf", str(base)], check=True)      # after a failing run
     assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-2000:])
     assert not left
+
+
+_SIGTERM_STORE_FILE = """
+import os, signal, sys
+sys.path.insert(0, {perf!r})
+import {module} as script
+real = script.{patch}
+def stand_in(*a, **kw):      # a SIGTERM while the store file is there
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a, **kw)
+script.{patch} = stand_in
+sys.argv[1:] = {args!r}
+sys.exit(script.main())
+"""
+
+
+@pytest.mark.parametrize("script,patch", [("recovery", "KVStore.format"),
+                                          ("replay_trace", "KVStore.put_run")])
+def test_store_file_scripts_remove_their_store_on_sigterm(script, patch, tmp_path):
+    """perf/recovery.py (its store file: ~1.1 GiB in /dev/shm by default) and
+    perf/replay_trace.py (its store in a temporary folder in /dev/shm)
+    remove them in a finally, but ran outside fio_support.run_guarded: a
+    SIGTERM or SIGHUP killed them on the spot and left the files behind.
+    They unwind through the finally now and exit 130."""
+    where = tmp_path / "store"
+    where.mkdir()
+    if script == "recovery":
+        args = ["--blocks", "64", "--path", str(where / "recovery.img")]
+    else:
+        trace = tmp_path / "trace.jsonl"
+        trace.write_text("".join(json.dumps({"hash_ids": ids}) + "\n"
+                                 for ids in ([1, 2, 3], [1, 2, 4])))
+        args = [str(trace), "--capacities", "16M", "--policies", "fifo", "--admit-after", "1",
+                "--dir", str(where)]
+    driver = _SIGTERM_STORE_FILE.format(perf=str(ROOT / "perf"), module=script, patch=patch,
+                                        args=args)
+    proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True)
+    left = sorted(p.name for p in where.rglob("*"))
+    assert proc.returncode == 130 and "interrupted" in proc.stderr, \
+        (proc.returncode, proc.stderr[-2000:])
+    assert not left, left
