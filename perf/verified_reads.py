@@ -3,7 +3,7 @@
 
 Stores ``--gib`` GiB of ``--slot`` slots through kvblock's vLLM tier (the
 way perf/vllm_tier_vs_fs.py drives it), then loads them back ``--rounds``
-times in each of three modes, alternating the modes within every round:
+times in each of three modes, their order rotated round by round:
 
 - ``as-they-land``: checksums verified, the engine reads in 512 KiB pieces
   and the C core hashes each piece once it and those before it have arrived
@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     base = Path(args.where) / f"kvblock-verified-reads-{os.getpid()}"
     samples = {m: [] for m in mode_table}
     engine_name = None
+    hash_piece = engine_mod.HASH_PIECE
 
     def body():
         nonlocal engine_name
@@ -102,8 +103,11 @@ def main(argv=None) -> int:
                     vt.store_waves(tier, waves, pool, contents, 1)
                     engine = tier.store.io.engine
                     job_id = 1_000_000
-                    for _ in range(args.rounds):
-                        for mode, (verify, as_they_land, piece) in mode_table.items():
+                    names = list(mode_table)
+                    for rnd in range(args.rounds):
+                        # rotate the order so drift and leftovers hit every mode alike
+                        for mode in names[rnd % len(names):] + names[:rnd % len(names)]:
+                            verify, as_they_land, piece = mode_table[mode]
                             tier.store.verify = verify
                             engine.hashes_as_reads_land = as_they_land
                             engine_mod.HASH_PIECE = piece
@@ -115,6 +119,9 @@ def main(argv=None) -> int:
                 finally:
                     tier.shutdown()
         finally:
+            # the rotation may end on another piece size: the module's as it was
+            # (a caller may run us in-process)
+            engine_mod.HASH_PIECE = hash_piece
             view.release()
             shutil.rmtree(base, ignore_errors=True)
 
@@ -127,7 +134,7 @@ def main(argv=None) -> int:
         return rc
     print(f"{args.gib:g} GiB of {args.slot} slots on a {args.target} in {args.where}, "
           f"{args.threads} tier threads, engine {engine_name}, median of {args.rounds} "
-          "alternating rounds (GiB/s)")
+          "rotating rounds (GiB/s)")
     for mode, xs in samples.items():
         print(f"  {mode:<18} {statistics.median(xs):6.2f}   "
               f"[{', '.join(f'{x:.2f}' for x in xs)}]")

@@ -542,6 +542,31 @@ def test_partial_promotions_rotates_the_order_of_its_modes(capsys, monkeypatch):
     assert {r[0] for r in rounds} == set(module.MODES), rounds
 
 
+def test_verified_reads_rotates_the_order_of_its_modes(capsys, monkeypatch):
+    """perf/verified_reads.py ran its modes in the same order every round
+    (as-they-land first), where the other comparisons rotate or alternate
+    theirs: over three rounds each of its three modes goes first once, so
+    the machine's drift and what one load leaves in the caches do not
+    always favour the same mode."""
+    import vllm_tier_vs_fs as vt
+
+    real, order = vt.load_waves, []
+
+    def load_waves(tier, waves, pool, contents, job_id, mode):
+        order.append(mode)
+        return real(tier, waves, pool, contents, job_id, mode)
+
+    monkeypatch.setattr(vt, "load_waves", load_waves)
+    args = _small_pool_args("verified_reads.py")
+    args[args.index("--rounds") + 1] = "3"
+    run_script("verified_reads.py", args, capsys)
+    modes = ("as-they-land", "after-read", "unverified")
+    rounds = [order[i:i + 3] for i in range(0, len(order), 3)]
+    assert len(rounds) == 3 and all(sorted(r) == sorted(modes) for r in rounds), order
+    assert {r[0] for r in rounds} == set(modes), rounds
+    assert not script_leftovers()
+
+
 def test_put_hashing_reads_back_the_runs_of_both_modes(capsys, monkeypatch):
     """perf/put_hashing.py reads back (untimed) a run put in each mode, not
     only one put the store's default way: here every put of the second mode
