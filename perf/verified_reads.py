@@ -60,28 +60,40 @@ def modes(pieces: list[int]) -> dict:
     return out
 
 
+def slot_size(text: str) -> int:
+    """An argparse ``type=`` for --slot: a size, of whole 8-byte words (the
+    pool is filled as int64) and not 0 (slots per pool divide by it)."""
+    size = parse_size(fio_support.size_text(text))
+    if size < 8 or size % 8:
+        raise argparse.ArgumentTypeError(f"{text!r}: a slot is a positive multiple of 8 "
+                                         "bytes, e.g. 256K or 2M")
+    return size
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--where", default="/dev/shm", help="directory of the store file")
     ap.add_argument("--target", choices=("file", "loop"), default="file",
                     help="the store file itself, or a loop device over it (root)")
-    ap.add_argument("--slot", default="2M", help="slot size")
+    ap.add_argument("--slot", default="2M", type=slot_size, help="slot size")
     ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--pool", default="256M", help="primary pool size (slots are reused)")
+    ap.add_argument("--pool", default="256M", type=fio_support.size_text,
+                    help="primary pool size (slots are reused)")
     ap.add_argument("--threads", type=int, default=8, help="tier worker threads")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="threads of the script's own (untimed) torch work "
                          "(vllm_tier_vs_fs.torch_threads says why 1)")
     ap.add_argument("--pieces", default=f"{engine_mod.HASH_PIECE >> 10}K",
+                    type=fio_support.comma_sizes,
                     help="hash piece sizes to try for as-they-land, comma separated")
     args = ap.parse_args(argv)
     if args.torch_threads < 1:
         ap.error(f"--torch-threads must be at least 1, got {args.torch_threads}")
-    mode_table = modes([parse_size(p) for p in args.pieces.split(",")])
+    mode_table = modes(args.pieces)     # sizes checked by argparse
     if args.target == "loop" and os.geteuid() != 0:
         ap.error("--target loop needs root (losetup)")
-    slot, total = parse_size(args.slot), int(args.gib * GIB)
+    slot, total = args.slot, int(args.gib * GIB)
     pool_slots, n = max(1, min(parse_size(args.pool) // slot, total // slot)), total // slot
     pool = vt.page_aligned_pool(pool_slots, slot)
     contents = pool.clone()
@@ -132,7 +144,7 @@ def main(argv=None) -> int:
         rc = fio_support.run_guarded("verified_reads", body)
     if rc is not None:
         return rc
-    print(f"{args.gib:g} GiB of {args.slot} slots on a {args.target} in {args.where}, "
+    print(f"{args.gib:g} GiB of {vt.fmt_size(slot)} slots on a {args.target} in {args.where}, "
           f"{args.threads} tier threads, engine {engine_name}, median of {args.rounds} "
           "rotating rounds (GiB/s)")
     for mode, xs in samples.items():

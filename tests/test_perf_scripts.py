@@ -489,15 +489,23 @@ def test_an_unknown_choice_is_a_usage_error(script, option, capsys):
     ("vllm_tier_vs_fs.py", "--slots", "256K,2Q"),
     ("vllm_tier_vs_fs.py", "--slots", ","),
     ("vllm_tier_vs_fs.py", "--pool", "8Q"),
-    ("vllm_tier_vs_fs.py", "--max-run-bytes", "lots")])
+    ("vllm_tier_vs_fs.py", "--max-run-bytes", "lots"),
+    ("verified_reads.py", "--slot", "2X"),
+    ("verified_reads.py", "--slot", "0"),
+    ("verified_reads.py", "--slot", "100"),
+    ("verified_reads.py", "--pool", "8Q"),
+    ("verified_reads.py", "--pieces", "256K,2X")])
 def test_a_bad_list_or_size_is_a_usage_error(script, option, bad, capsys):
     """perf/sglang_vs_hicachefile.py and perf/put_hashing.py checked their
     comma-separated lists by hand and parsed sizes after argparse: a size
     that is none was a ValueError traceback (--overlap-from and
     --max-run-bytes only once a loop device was attached and filled), and an
     empty --targets printed an empty table and exited 0.  Each now ends in
-    argparse's usage error (exit 2) naming the option and the bad value."""
-    base = {"sglang_vs_hicachefile.py": CASES["sglang_vs_hicachefile.py"],
+    argparse's usage error (exit 2) naming the option and the bad value.
+    So do perf/verified_reads.py's --slot (also 0, a ZeroDivisionError, or
+    no multiple of 8 bytes, a RuntimeError filling the pool), --pool and
+    --pieces, parsed after argparse."""
+    base = {"verified_reads.py": _small_pool_args("verified_reads.py"),"sglang_vs_hicachefile.py": CASES["sglang_vs_hicachefile.py"],
             "vllm_tier_vs_fs.py": CASES["vllm_tier_vs_fs.py"],
             "put_hashing.py": ["--targets", "shm-file", "--run", "4M", "--gib", "0.01",
                                "--rounds", "1"]}[script]
