@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, replace
 
 from kvblock.errors import ConfigError
 from kvblock.layout.geometry import DTYPES, Geometry
+from kvblock.units import is_whole
 
 GB = 1e9
 
@@ -62,9 +63,19 @@ def plan(*, layers: int, kv_heads: int, head_dim: int, dtype: str = "bfloat16",
     for name, value in (("layers", layers), ("block_tokens", block_tokens),
                         ("kv_heads", kv_heads), ("head_dim", head_dim),
                         ("tokens", tokens), ("concurrency", concurrency), ("devices", devices),
-                        ("tp", tp), ("sessions", sessions), ("gpus", gpus)):
-        if value is not None and value < 1:
+                        ("tp", tp), ("sessions", sessions), ("gpus", gpus),
+                        ("kv_parts", kv_parts)):
+        # counts, as the CLI's ints: tokens=2.5 planned 1.0 blocks, devices=2.5
+        # was a bare TypeError from range()
+        if value is not None and not is_whole(value):
+            raise ConfigError(f"plan: {name} must be a whole number (an int), got {value!r}")
+        if value is not None and value < 1 and name != "kv_parts":
             raise ConfigError(f"plan: {name} must be >= 1, got {value}")
+    # numpy's integers as Python's: their products would wrap at 2**63
+    layers, kv_heads, head_dim, kv_parts, block_tokens, tokens, concurrency, devices, tp = map(
+        int, (layers, kv_heads, head_dim, kv_parts, block_tokens, tokens, concurrency, devices,
+              tp))
+    sessions, gpus = (None if v is None else int(v) for v in (sessions, gpus))
     if kv_parts not in (1, 2):
         raise ConfigError(f"plan: kv_parts must be 2 (K and V) or 1 (MLA latent), "
                           f"got {kv_parts!r}")

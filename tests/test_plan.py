@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -393,3 +394,23 @@ def test_kv_heads_that_do_not_split_evenly_over_tp_are_refused():
     assert res.exit_code == 8, (res.output, res.exception)
     assert res.output.startswith("kvblock: error: plan: 8 KV heads (--kv-heads)") and \
         "--tp 3" in res.output, res.output
+
+
+@pytest.mark.parametrize("name", ["tokens", "devices", "concurrency", "sessions", "tp", "gpus",
+                                  "block_tokens", "layers", "kv_heads", "head_dim", "kv_parts"])
+@pytest.mark.parametrize("bad", [2.5, 2.0, "8", True])
+def test_counts_that_are_no_whole_numbers_are_refused(name, bad):
+    """The Python API took counts the CLI's ints never are: tokens=2.5
+    planned a float block count (1.0 blocks) and 2.5 x the bytes, devices=2.5
+    failed with a bare TypeError from range(), "8" with one from '<'.  Each is
+    a ConfigError naming the argument and asking for a whole number.  A
+    numpy integer is one: planned in Python ints (the plan's counts were
+    int64s, which wrap past 2**63 and are no JSON)."""
+    base = dict(layers=32, kv_heads=8, head_dim=128, tokens=1000, device_gbps=2.0,
+                model_params=8e9, gpu_tflops=1000)
+    with pytest.raises(ConfigError, match=rf"plan: {name} must be a whole number"):
+        plan(**dict(base, **{name: bad}))
+    # numpy's integers are taken, planned as Python's (an int64 would wrap)
+    p = plan(**dict(base, **{name: np.int64(base.get(name, 2 if name == "kv_parts" else 1))}))
+    assert p.blocks_per_request == -(-1000 // p.block_tokens) and \
+        isinstance(p.blocks_per_request, int)
