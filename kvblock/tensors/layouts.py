@@ -71,12 +71,14 @@ def _page_tokens(value, name: str) -> int:
     return n
 
 
-def _split_tokens(x, page_tokens):
-    """(tokens, ...) -> (tokens // page_tokens, page_tokens, ...)."""
+def _split_tokens(x, page_tokens, what: str):
+    """(tokens, ...) -> (tokens // page_tokens, page_tokens, ...); ``what``:
+    the cache, for the error."""
     tokens = x.shape[0]
     if tokens % page_tokens:
-        raise ConfigError(f"cache holds {tokens} token slots, not a multiple of the "
-                          f"{page_tokens}-token page")
+        raise ConfigError(f"{what} holds {tokens} token slots, not a multiple of page_size "
+                          f"{page_tokens}: pass the page_size the pool was made with (SGLang's "
+                          "host pools hold whole pages)")
     return x.reshape(tokens // page_tokens, page_tokens, *x.shape[1:])
 
 
@@ -250,11 +252,12 @@ class SGLangHostLayout(CacheLayout):
 
     def layer_views(self, layer):
         views = []
+        what = f"SGLang {self.layout} pool of shape {tuple(self.buf.shape)}"
         for p in self.parts:
             if self.layout == "layer_first":
-                views.append(_split_tokens(p[layer], self.block_tokens))
+                views.append(_split_tokens(p[layer], self.block_tokens, what))
             elif self.layout == "page_first":
-                views.append(_split_tokens(p[:, layer], self.block_tokens))
+                views.append(_split_tokens(p[:, layer], self.block_tokens, what))
             else:
                 views.append(p[:, layer])
         return views

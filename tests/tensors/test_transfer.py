@@ -3188,3 +3188,20 @@ def test_a_save_of_keys_all_stored_gathers_nothing_and_counts_as_put_run(path, m
         assert save_blocks(store, keys[:2] + [b"new"], VLLMLayout(other), [4, 5, 6]) == 3
         assert len(gathers) == 1
         assert store.stats()["put_runs"] == after["put_runs"] + 1
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_sglang_pool_of_no_whole_pages_names_the_layout_and_the_fix(path, layout):
+    """An SGLang pool whose token slots are no whole number of pages was
+    refused with "cache holds N token slots, not a multiple of the P-token
+    page", naming neither the pool (its layout, its shape) nor the fix."""
+    slots = 4 * BS + 3
+    shape = (2, L, slots, H, D) if layout == "layer_first" else (2, slots, L, H, D)
+    pool = SGLangHostLayout(rand(*shape), layout, BS)
+    with _store(path, geom()) as store, pytest.raises(ConfigError) as e:
+        save_blocks(store, [b"a"], pool, [0])
+    msg = str(e.value)
+    assert f"SGLang {layout} pool of shape {shape}" in msg, msg
+    assert f"{slots} token slots" in msg and f"page_size {BS}" in msg, msg
+    assert "pass the page_size the pool was made with" in msg, msg
+
