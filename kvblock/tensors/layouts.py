@@ -298,10 +298,7 @@ class HFDynamicLayout(CacheLayout):
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             for name, t in (("keys", k), ("values", v)):
                 if tuple(t.shape) != want:
-                    raise ConfigError(
-                        f"HFDynamicLayout: layer {layer} {name} have shape {tuple(t.shape)}, "
-                        f"layer 0 keys {want}; every layer must hold the same heads and "
-                        "tokens (sliding-window layers cannot be paged with the others)")
+                    raise ConfigError(_shape_differs(layer, name, tuple(t.shape), want))
                 # check() sees layer 0's keys only: another element size would
                 # be paged with their strides, past the tensor's rows
                 if str(t.dtype) != dtype:
@@ -385,6 +382,28 @@ class HFDynamicLayout(CacheLayout):
         for layer, (k, v) in enumerate(zip(self.keys, self.values)):
             cache.update(k, v, layer)
         return cache
+
+
+def _shape_differs(layer: int, name: str, shape: tuple, want: tuple) -> str:
+    """Why an HF layer's tensors of ``shape`` cannot be paged with layer 0's
+    keys (``want``): what differs, and what kind of model has it."""
+    if len(shape) != len(want) or shape[0] != want[0]:
+        return (f"HFDynamicLayout: layer {layer} {name} have shape {shape}, layer 0 keys "
+                f"{want}; every layer's keys and values must be (1, heads, tokens, head_dim), "
+                "batch 1")
+    dims = [(n, h, w) for n, h, w in zip(("heads", "tokens", "head_dim"), shape[1:], want[1:])
+            if h != w]
+    msg = (f"HFDynamicLayout: layer {layer} {name} have shape {shape}, layer 0 keys "
+           f"{want}: " + ", ".join(f"{n} {h}, not {w}" for n, h, w in dims))
+    if [n for n, _, _ in dims] == ["tokens"]:
+        # a layer of other tokens: a sliding-window one past its window
+        return msg + ("; every layer must hold the same tokens (a sliding-window layer "
+                      "cannot be paged with the others)")
+    # values of another head size than the keys (MLA expanded), or layers
+    # of other heads: no one (heads, head_dim) describes every page
+    return msg + ("; a model whose layers, keys and values differ in heads or head size "
+                  "cannot be paged as one geometry (one heads x head_dim for every layer's "
+                  "K and V)")
 
 
 class _StridedPages:

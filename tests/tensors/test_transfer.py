@@ -3205,3 +3205,23 @@ def test_sglang_pool_of_no_whole_pages_names_the_layout_and_the_fix(path, layout
     assert f"{slots} token slots" in msg and f"page_size {BS}" in msg, msg
     assert "pass the page_size the pool was made with" in msg, msg
 
+
+def test_hf_values_of_another_head_size_say_what_differs():
+    """A model whose values have another head size than its keys (MLA
+    expanded: DeepSeek's 192-dim keys, 128-dim values) was refused as if a
+    layer were a sliding-window one.  The error says the values' head size
+    differs from the keys' and that such a cache cannot be paged as one
+    geometry; a layer of other tokens still names sliding windows."""
+    k, v = torch.zeros(1, H, 2 * BS, D), torch.zeros(1, H, 2 * BS, D // 2)
+    with pytest.raises(ConfigError) as e:
+        HFDynamicLayout([k, k], [v, v], BS)
+    msg = str(e.value)
+    assert "layer 0 values have shape (1, 8, 32, 8), layer 0 keys (1, 8, 32, 16): " \
+        "head_dim 8, not 16;" in msg, msg
+    assert "one geometry" in msg and "sliding" not in msg, msg
+    short = torch.zeros(1, H, BS, D)
+    with pytest.raises(ConfigError, match=r"layer 1 keys .*: tokens 16, not 32; .*"
+                                          r"sliding-window"):
+        HFDynamicLayout([k, short], [k, short], BS)
+    with pytest.raises(ConfigError, match=r"layer 1 keys .*: heads 4, not 8; .*one geometry"):
+        HFDynamicLayout([k, k[:, :4]], [k, k[:, :4]], BS)
