@@ -790,11 +790,20 @@ class _LoadJob:
         buf = spares.take(self.unit_bytes) if spares is not None else \
             HostBuffer(self.unit_bytes, register=False)
         if self.cuda is not None:
-            # with the cache's GPU current: this (reader) thread's own is
-            # GPU 0, whose context CUDA would make for it in a process
-            # that uses another
-            if not buf.pin_for_cuda(_device_index(self.cuda)) and not buf.closed:
-                _log_pageable(buf.cuda_pin_refusal)
+            try:
+                # with the cache's GPU current: this (reader) thread's own is
+                # GPU 0, whose context CUDA would make for it in a process
+                # that uses another
+                if not buf.pin_for_cuda(_device_index(self.cuda)) and not buf.closed:
+                    _log_pageable(buf.cuda_pin_refusal)
+            except BaseException:
+                # not in _bufs yet, which _stage_done hands back: a Ctrl-C in
+                # the page-locking (or a raising log handler) lost it for good
+                if spares is not None:
+                    spares.give(buf)
+                else:
+                    buf.close()
+                raise
         return buf
 
     def _settle(self, buf) -> None:

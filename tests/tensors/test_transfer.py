@@ -3225,3 +3225,62 @@ def test_hf_values_of_another_head_size_say_what_differs():
         HFDynamicLayout([k, short], [k, short], BS)
     with pytest.raises(ConfigError, match=r"layer 1 keys .*: heads 4, not 8; .*one geometry"):
         HFDynamicLayout([k, k[:, :4]], [k, k[:, :4]], BS)
+
+
+@pytest.mark.parametrize("where", ["pin", "log"])
+def test_a_staging_buffer_whose_page_locking_raises_goes_back_to_the_spares(
+        path, monkeypatch, where):
+    """The host path's _new_buffer takes a unit buffer from the store's
+    spares, then page-locks it for a CUDA cache (and logs a refusal): an
+    error raised there (a Ctrl-C in cudaHostRegister, a logging handler
+    that raises) left the buffer in neither the load's buffers nor the
+    spares, lost to every later load.  It goes back to the spares; the
+    load fails with the error, and the next load takes the buffer again."""
+    from kvblock.memory import HostBuffer
+    from kvblock.memory.spares import SpareBuffers
+    from kvblock.tensors import transfer
+
+    monkeypatch.setattr(transfer, "UNIT_BYTES", 8192)
+    monkeypatch.setattr(transfer, "CUDA_UNIT_BYTES", 8192)
+    monkeypatch.setattr(transfer, "_cuda_device", lambda layout: "cuda-stand-in")
+    for name in ("_record_cuda", "_wait_cuda", "_settle_cuda"):
+        monkeypatch.setattr(transfer, name, lambda *a: None)
+    monkeypatch.setattr(transfer, "_on_device", lambda device: contextlib.nullcontext())
+    taken, real_take = [], SpareBuffers.take
+
+    def take(self, nbytes):
+        taken.append(real_take(self, nbytes))
+        return taken[-1]
+
+    monkeypatch.setattr(SpareBuffers, "take", take)
+    fail = [True]
+
+    def pin_for_cuda(self, device=None):
+        if fail[0] and where == "pin":
+            raise RuntimeError("cudaHostRegister interrupted")
+        self.cuda_pin_refusal = "refused"
+        return False
+
+    def log_pageable(why):
+        if fail[0]:
+            raise RuntimeError("a logging handler raised")
+
+    monkeypatch.setattr(HostBuffer, "pin_for_cuda", pin_for_cuda)
+    monkeypatch.setattr(transfer, "_log_pageable", log_pageable)
+    n = 2
+    src = [rand(2, n, BS, H, D) for _ in range(L)]
+    keys = [f"s{i}".encode() for i in range(n)]
+    with _store(path, geom()) as store:
+        assert save_blocks(store, keys, VLLMLayout(src), list(range(n))) == n
+        dst = [torch.zeros(2, n, BS, H, D, dtype=torch.bfloat16) for _ in range(L)]
+        with pytest.raises(RuntimeError, match="interrupted|handler raised"):
+            load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=30)
+        assert taken, "no buffer was taken"
+        lost = [b for b in taken if b not in store.spares._idle and not b.closed]
+        assert not lost, (taken, store.spares._idle)
+        first, taken[:] = set(map(id, store.spares._idle)), []
+        fail[0] = False
+        assert load_blocks(store, keys, VLLMLayout(dst), list(range(n))).wait(timeout=30) == n
+        assert first & set(map(id, taken)), "the next load made a new buffer"
+    for layer in range(L):
+        assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
