@@ -176,6 +176,10 @@ LOOKUP_LOCK_WAIT_S = 0.001
 # server costs the scheduler one such wait, then lookups miss at once until
 # the tier has reconnected.
 LOOKUP_ANSWER_TIMEOUT_S = 1.0
+# How long shutdown() lets the workers finish the pieces they run; those
+# still in a store call then (a hung store server: the shared store's own
+# request timeout is 60 s) are cut, the store closed under them.
+SHUTDOWN_WAIT_S = 5.0
 # A worker that takes a load (or a store) of at most SMALL_PIECE_SLOTS
 # adjacent slots also takes the small ones of its kind queued behind it, up
 # to BATCH_BYTES in all (and max_run_bytes), and hands them to the store in
@@ -716,13 +720,37 @@ class KVBlockTierManager(SecondaryTierManager):
                 steps.callback(self._events.close)
             if self._metrics is not None:
                 steps.callback(self._metrics.close)
-            for t in self._workers:
-                if t.ident is not None:            # (started)
-                    steps.callback(t.join)
+            steps.callback(self._join_workers)
 
-    def _close_store(self) -> None:
+    def _join_workers(self) -> None:
+        """Join the workers.  Those still running after SHUTDOWN_WAIT_S
+        wait on the store (a hung store server): the store is closed under
+        their calls, which then fail (their jobs are reported failed), and
+        they are joined for good: none may outlive the pool vLLM unmaps."""
+        started = [t for t in self._workers if t.ident is not None]
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        for t in started:
+            t.join(max(0.0, deadline - time.monotonic()))
+        busy = [t.name for t in started if t.is_alive()]
+        if busy:
+            logger.warning("kvblock tier: workers %s still in a store call %g s into "
+                           "shutdown (a hung store server?): closing the store under "
+                           "them; their jobs fail", busy, SHUTDOWN_WAIT_S)
+            try:
+                self._close_store(cut=True)
+            finally:
+                for t in started:
+                    t.join()
+
+    def _close_store(self, cut: bool = False) -> None:
+        """``cut``: a shared store ends its connection under calls in
+        flight at once, not after its own wait (CLOSE_WAIT_S, 30 s): the
+        workers had theirs."""
         try:
-            self.store.close()
+            if cut and hasattr(self.store, "answer_overdue"):     # a shared store
+                self.store.close(wait=0)
+            else:
+                self.store.close()
         except KVBlockError:
             logger.exception("kvblock tier: closing the store failed")
 

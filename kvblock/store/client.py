@@ -1582,9 +1582,11 @@ class RemoteStore(RunReader, RunWriter):
             self._call("drop_runs", run_ids=ids, why=why)
 
     # ------------------------------------------------------------------ lifetime
-    def close(self) -> None:
+    def close(self, wait: float | None = None) -> None:
         """Disconnect (the server releases this connection's pins) and close
-        this process's devices.  The store itself stays with the server."""
+        this process's devices.  The store itself stays with the server.
+        ``wait``: how long puts and calls in flight in other threads may go
+        on before the connection is ended under them (default CLOSE_WAIT_S)."""
         # A forked child's copy: its sessions are closed; its locks may be
         # stale.  By the pid too: a copy the parent was closing at the fork
         # had left _LIVE, so the fork did not mark it, and its devices and
@@ -1624,7 +1626,7 @@ class RemoteStore(RunReader, RunWriter):
         # A put in flight in another thread (writing, or its commit not yet
         # answered): its connection (the server's pin on its space) and this
         # process's devices stay until it is done.
-        deadline = time.monotonic() + CLOSE_WAIT_S
+        deadline = time.monotonic() + (CLOSE_WAIT_S if wait is None else wait)
         while ((self._fence is not None and self._fence.writers) or self._publishing) and \
                 time.monotonic() < deadline:
             time.sleep(0.005)

@@ -1337,6 +1337,51 @@ def test_shutdown_lets_go_of_the_pool_whatever_a_close_raises(make_tier, monkeyp
     tier.shutdown()                            # (done: the fixture's call returns at once)
 
 
+def test_shutdown_cuts_calls_stuck_on_a_hung_shared_server(tmp_path, monkeypatch):
+    """shutdown() joined the workers with no limit before it closed the
+    store: a worker's call to a store server that never answers (stopped
+    here with SIGSTOP) held vLLM's shutdown for the shared store's own
+    request timeout (60 s).  Workers still busy after SHUTDOWN_WAIT_S are
+    cut now: the store is closed under their calls, their jobs are
+    reported failed, once each, and no worker is left running."""
+    from kvblock.integrations import vllm as tier_mod
+    from kvblock.store.provision import SHARED_CALL_TIMEOUT_S
+    from tests.support.servers import stop_process, stop_server
+
+    monkeypatch.setattr(tier_mod, "SHUTDOWN_WAIT_S", 1.0)
+    pool = page_aligned_pool(8)
+    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
+                              devices=[str(tmp_path / "kv.img")], size="64M", threads=2,
+                              server=str(tmp_path / "kv.sock"))
+    pid = tier.store.server_pid
+    try:
+        fill_random(pool, range(2))
+        tier.submit_store(job(1, [key(1)], [0]))
+        assert drain(tier)[0].success
+        stop_process(pid)
+        try:
+            tier.submit_store(job(2, [key(2)], [1]))
+            tier.submit_load(job(3, [key(1)], [2]))
+            deadline = time.monotonic() + 30      # a worker's request sent, unanswered
+            while not tier.store.answer_overdue(0):
+                assert time.monotonic() < deadline, "no worker called the stopped server"
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            tier.shutdown()
+            took = time.monotonic() - t0
+            assert took < SHARED_CALL_TIMEOUT_S / 4, f"shutdown took {took:.1f} s"
+            results = sorted((r.job_id, r.success) for r in tier.get_finished_jobs())
+            assert results == [(2, False), (3, False)]
+            assert all(not t.is_alive() for t in tier._workers)
+            assert tier.store.closed and tier._slots is None
+            assert list(tier.get_finished_jobs()) == []
+        finally:
+            os.kill(pid, signal.SIGCONT)
+    finally:
+        tier.shutdown()
+        stop_server(pid)
+
+
 class _LateStepFailed(Exception):
     """What a step of the tier's start after the store's open raises here."""
 
