@@ -57,9 +57,11 @@ Hybrid models (``*_v2`` calls).
 Keys.
     An SGLang page key (a SHA-256 chain hex string) names token content only.
     The kvblock key is ``xxh3_128(prefix || page_key)``; ``prefix`` hashes the
-    model name, ``namespace`` (tenant/salt, default empty), TP rank (MHA: each
-    rank holds its own heads; MLA pages are rank-replicated) and size, and PP
-    and attention-CP rank/size, so two models or tenants never share blocks.
+    model name, ``namespace`` (tenant/salt, default empty), TP rank and size
+    (MHA: each rank holds its own heads; MLA pages are rank-replicated, the
+    same at any TP size: their keys carry neither, so a restart at another
+    TP size hits them), and PP and attention-CP rank/size, so two models or
+    tenants never share blocks.
     Mamba state pages (hybrid models) are TP-sharded even beside MLA KV
     (SGLang has every rank back them up), so their keys always carry the TP
     rank; so do an MHA draft model's pages (``PoolName.DRAFT``), each rank's
@@ -448,11 +450,13 @@ class KVBlockHiCacheStorage(HiCacheStorage):
     def key_prefix(c: HiCacheStorageConfig, model: str, namespace: str, *,
                    per_rank: bool = False) -> bytes:
         """16 bytes mixed into every key: model, tenant and the rank's shard
-        (MLA pages leave the TP rank out unless ``per_rank``: they are the
-        same on every rank)."""
+        (MLA pages leave the TP rank and size out unless ``per_rank``: they
+        are the same on every rank at any TP size, the latent KV replicated,
+        so a restart at another TP size hits them, as HiCacheFile's keys)."""
         shared = c.is_mla_model and not per_rank
         shard = {"model": model, "namespace": namespace,
-                 "tp_rank": None if shared else c.tp_rank, "tp_size": c.tp_size,
+                 "tp_rank": None if shared else c.tp_rank,
+                 "tp_size": None if shared else c.tp_size,
                  "pp": [c.pp_rank, c.pp_size], "attn_cp": [c.attn_cp_rank, c.attn_cp_size]}
         text = json.dumps(shard, sort_keys=True, separators=(",", ":"))
         return xxhash.xxh3_128_digest(KEY_DOMAIN + text.encode())

@@ -487,6 +487,45 @@ def test_mla_ranks_share_one_store_through_a_server(tmp_path):
         assert len(store.index) == 5 + 2 * state_blocks
 
 
+@pytest.mark.parametrize("mla", [True, False], ids=["mla", "mha"])
+def test_mla_pages_outlive_a_restart_at_another_tp_size(tmp_path, mla):
+    """MLA pages are the same on every TP rank at any TP size (the latent KV
+    is replicated, not sharded; SGLang's HiCacheFile keys them without TP
+    rank and size).  Keyed with tp_size, SGLang restarted at another TP
+    size missed every page stored.  Now the MLA key leaves tp_size out: a
+    store written at tp_size 2 is read at tp_size 4, byte for byte.  MHA
+    pages hold a rank's own heads, which depend on the TP size: a miss."""
+    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
+    keys = keys_for("tp", 4)
+
+    def ranks_at(tp_size, seed):
+        pools, ranks = [], []
+        for r in (0, tp_size - 1):
+            pools.append(HostPool(mla=mla, head_dim=32, seed=seed + r))
+            ranks.append(attach(pools[-1], [dev], tp_rank=r, tp_size=tp_size, server=sock,
+                                size="32M"))
+        return pools, ranks
+
+    pools, ranks = ranks_at(2, 0)
+    try:
+        want = [pools[0].page_bytes(p) for p in range(4)]
+        assert ranks[0].batch_set_v1(keys, pools[0].token_indices(range(4))) == [True] * 4
+    finally:
+        _close_ranks(ranks)
+    pools, ranks = ranks_at(4, 10)
+    try:
+        for pool, rank in zip(pools, ranks):
+            if not mla:
+                assert rank.batch_exists(keys) == 0
+                continue
+            assert rank.batch_exists(keys) == 4
+            assert rank.batch_get_v1(keys, pool.token_indices([7, 6, 5, 4])) == [True] * 4
+            for p, w in zip([7, 6, 5, 4], want):
+                assert torch.equal(pool.page_bytes(p), w)
+    finally:
+        _close_ranks(ranks)
+
+
 def test_a_clear_by_another_rank_stops_a_backup_between_its_runs(tmp_path):
     """Shared store: rank 1 clears (after a weight update) while rank 0's
     backup is between two runs.  The backup's later runs hold KV of the old
