@@ -554,11 +554,11 @@ class RemoteStore(RunReader, RunWriter):
         s = getattr(self._bound, "session", None)    # this thread's put_runs' server
         return self._call_on(s if s is not None else self._current(), op, **args)
 
-    def _call_on(self, s: "Session", op: str, **args):
+    def _call_on(self, s: "Session", op: str, record: list | None = None, **args):
         """One request on session ``s`` (a pin or an allocation is released
-        on the session that took it)."""
+        on the session that took it).  ``record``: see _call_locked."""
         with s.lock:
-            return self._call_locked(s, op, args)
+            return self._call_locked(s, op, args, record=record)
 
     def contains_nowait(self, key, wait: float, timeout: float | None = None) -> bool | None:
         """contains(), or None when another thread's call keeps the
@@ -618,8 +618,12 @@ class RemoteStore(RunReader, RunWriter):
             f"the store server at {self.socket_path} answered {op} with {str(answer)[:200]}, "
             f"not a count from 0{bound}; a server of another kvblock release?")
 
-    def _call_locked(self, s: "Session", op: str, args: dict, timeout: float | None = None):
-        """One request and its answer (under ``s.lock``)."""
+    def _call_locked(self, s: "Session", op: str, args: dict, timeout: float | None = None,
+                     record: list | None = None):
+        """One request and its answer (under ``s.lock``).  ``record``: a
+        list the answer (an ok one's result) is added to as it is read, for
+        a caller that must act on it though a Ctrl-C lands as this returns
+        (an allocation's id, to abort it)."""
         if s.gone is not None:
             e = self._gone_error(s)
             e.not_sent = True       # (a put says what it did not store: _put_call_on)
@@ -647,6 +651,9 @@ class RemoteStore(RunReader, RunWriter):
                 reply = recv_msg(s.sock)
             if reply is None:
                 raise ConnectionError("the server closed the connection")
+            if record is not None and reply.get("ok"):
+                # in the try: cut before this line, the connection is given up
+                record.append(reply.get("result"))
         except BaseException as e:
             s.call_started = None
             # The request may be half sent or its answer unread: the stream
@@ -930,9 +937,10 @@ class RemoteStore(RunReader, RunWriter):
                     # keeps one too many, never closed under another's pin)
                     s.hold(1)
                     held += 1
+                    # each answer into ``allocs`` as it is read: a Ctrl-C as
+                    # the call returns still leaves its id for the abort
                     a = self._put_call_on(s, "allocate", {"nblocks": len(keys)}, what,
-                                          allocated=bool(allocs))
-                    allocs.append(a)
+                                          allocated=bool(allocs), record=allocs)
                     self._check_allocated(a, len(keys))
                     # the last write flushes every device the group wrote
                     last = k == len(pieces) - 1
@@ -1228,11 +1236,14 @@ class RemoteStore(RunReader, RunWriter):
         with self._put_under_way():       # close() waits for it (see there)
             # counted before the request goes out (see _put_group)
             s.hold(1)
-            sent, a = False, None
+            sent, a, got = False, None, []
             what = what or f"this put's run of {n} blocks"
             try:
-                # the server pins the region for us
-                a = self._put_call_on(s, "allocate", {"nblocks": n}, what, allocated=False)
+                # the server pins the region for us; its answer goes into
+                # ``got`` as it is read (a Ctrl-C as the call returns kept it
+                # from ``a``, and nothing aborted it: see _put_group)
+                a = self._put_call_on(s, "allocate", {"nblocks": n}, what, allocated=False,
+                                      record=got)
                 self._check_allocated(a, n)
                 sums = self._write_allocated(s, a, keys, blocks, what=what)
                 sent = True          # from here the server releases the pin (once it goes out)
@@ -1241,7 +1252,7 @@ class RemoteStore(RunReader, RunWriter):
                     "checksums": [int(c) for c in sums], "clears": clears}, what)
             except BaseException as e:
                 if not sent or self._cut_before_sent(s, e):
-                    self._abort(s, [_wid(a)])
+                    self._abort(s, [_wid(x) for x in got])
                 raise
             finally:
                 s.hold(-1)
@@ -1266,15 +1277,16 @@ class RemoteStore(RunReader, RunWriter):
         return s.gone is None and not isinstance(e, KVBlockError)
 
     def _put_call_on(self, s: "Session", op: str, args: dict, what: str,
-                     allocated: bool = True):
+                     allocated: bool = True, record: list | None = None):
         """A put's ``op`` (allocate, commit, commit_runs) on ``s``, the
         session its space is allocated on.  Where another call gave ``s``
         up (a call past timeout=) before it went out,
         ConnectionAbandonedError saying ``what`` was not stored (and, for
         an allocate, whether the put had space allocated on ``s`` before:
-        ``allocated``), not that other call's error."""
+        ``allocated``), not that other call's error.  ``record``: see
+        _call_locked."""
         try:
-            return self._call_on(s, op, **args)
+            return self._call_on(s, op, record=record, **args)
         except ConnectionAbandonedError as e:
             if not getattr(e, "not_sent", False):     # this request's own timeout
                 raise

@@ -592,3 +592,49 @@ def test_a_put_cut_before_its_commit_goes_out_gives_back_its_allocations(tmp_pat
         for keys in (a, b):
             out = np.zeros_like(run_data(keys))
             assert r.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
+
+
+@pytest.mark.parametrize("at", ["_call_locked", "_call_on"])
+@pytest.mark.parametrize("how", ["put_run", "put_runs"])
+def test_a_put_cut_as_its_allocate_returns_gives_back_the_allocation(tmp_path, how, at,
+                                                                     monkeypatch):
+    """A Ctrl-C landing as an allocate call returns (its answer read, the
+    connection not given up: after _call_locked's try, in _call_on's with
+    exit, before the put assigns the answer): the put never learnt the
+    allocation's id, so it aborted nothing, and the server held the space
+    pinned for as long as the connection lived (a live rank's lease never
+    lapses).  The answer is recorded as it is read: the put aborts it."""
+    from kvblock.store.client import RemoteStore as RS
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    a, b = run_keys(1, 2), run_keys(2, 3)
+    # put_runs: cut at its second allocate (the first one's answer is the put's)
+    cut_at = 1 if how == "put_run" else 2
+    with serve_in_background([path], sock) as server, RS(sock) as r:
+        real, allocates = getattr(RS, at), []
+
+        def call(self, s, op, *args, **kwargs):
+            out = real(self, s, op, *args, **kwargs)
+            if op == "allocate":
+                allocates.append(out)
+                if len(allocates) == cut_at:
+                    raise KeyboardInterrupt     # the answer came, the caller never saw it
+            return out
+        monkeypatch.setattr(RS, at, call)
+        with pytest.raises(KeyboardInterrupt):
+            if how == "put_run":
+                r.put_run(a, run_data(a))
+            else:
+                r.put_runs([(a, run_data(a)), (b, run_data(b))])
+        monkeypatch.undo()
+        assert len(allocates) == cut_at
+        (s,) = server._sessions.values()
+        assert not s.writers, "the cut put's allocation stays on the connection"
+        assert server.store.regions.pins.sum() == 0, "a region stays pinned"
+        assert r._session.held == 0 and r.server_alive
+        assert r.lookup(a) == 0                  # nothing published
+        # the rank goes on: put again, stored and read back whole
+        assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 3]
+        for keys in (a, b):
+            out = np.zeros_like(run_data(keys))
+            assert r.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))

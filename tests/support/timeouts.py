@@ -28,10 +28,10 @@ def short_timeout_on(monkeypatch, ops, seconds: float,
     ops = frozenset(ops)
     real = RemoteStore._call_locked
 
-    def call_locked(self, s, op, args, timeout=None):
+    def call_locked(self, s, op, args, timeout=None, **kw):
         if op in ops and when():
             timeout = seconds if timeout is None else min(timeout, seconds)
-        return real(self, s, op, args, timeout=timeout)
+        return real(self, s, op, args, timeout=timeout, **kw)
     monkeypatch.setattr(RemoteStore, "_call_locked", call_locked)
 
 
