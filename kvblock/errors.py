@@ -89,16 +89,21 @@ class IOFailedError(DeviceError):
     ``device_fault`` is False when the engine failed the I/Os without the
     device answering them (no ``path``; or a broken io_uring, whose ``path``
     still names where they were going): that says nothing about the data
-    there, so no caller takes it for a bad sector."""
+    there, so no caller takes it for a bad sector.
+
+    ``in_flight``: of the ``failed`` I/Os, those a broken io_uring could not
+    wait for (the kernel took them): they may still land, a write on the
+    space it was going to, a read in its buffer."""
 
     def __init__(self, message: str, path: str | None = None, errno: int | None = None,
                  offset: int | None = None, length: int | None = None,
-                 failed: int = 1, device_fault: bool = True):
+                 failed: int = 1, device_fault: bool = True, in_flight: int = 0):
         super().__init__(message, path, errno)
         self.offset = offset
         self.length = length
         self.failed = failed
         self.device_fault = device_fault and path is not None
+        self.in_flight = in_flight
 
 
 class EngineUnavailableError(KVBlockError, RuntimeError):

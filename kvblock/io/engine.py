@@ -164,6 +164,11 @@ IDLE_POLL_S = 0.05
 # for what is left, up to this many times, before it is reported.
 RETRY_ROUNDS = 4
 _RETRY_ERRNOS = (-errno.EAGAIN, -errno.EINTR)
+# What a result slot starts as: one still holding it (or the native hasher's
+# INT64_MIN) after a broken ring's drain stopped is an I/O the kernel took
+# and nobody waited for, still in flight.  No read or write answers it.
+UNANSWERED = -errno.EINPROGRESS
+_PENDING = np.iinfo(np.int64).min
 
 MAX_IO_LIMIT = 1 << 30     # one I/O's length travels as 32 bits in io_uring
 MAX_QUEUE_DEPTH = 32768    # the most entries an io_uring holds (IORING_MAX_ENTRIES)
@@ -381,7 +386,7 @@ class IOEngine:
             # Each slot starts failed: a slot the native call never writes (a
             # broken ring whose drain could not wait for every I/O it had taken)
             # must not hold an earlier batch's lengths, read as 'done'.
-            results = np.full(m, -errno.EIO, dtype=np.int64)
+            results = np.full(m, UNANSWERED, dtype=np.int64)
             lat = np.empty(m, dtype=np.int64) if latency else None
             hasher = None
             retried = False
@@ -401,7 +406,7 @@ class IOEngine:
                             else (results != run.lens.astype(np.int64)).any()):
                         retried = self._retry(op, target, results, lat, qd or self.queue_depth)
                 except RingBroken as e:
-                    self._raise_broken(run, results, e.code, parent, n)
+                    self._raise_broken(op, run, results, e.code, parent, n)
             finally:
                 if hasher is not None:
                     hasher.finish()
@@ -452,7 +457,7 @@ class IOEngine:
                 break
             sub = IOBatch(b.addrs[todo] + part, b.devs[todo], b.offsets[todo] + part,
                           b.lens[todo] - part)
-            got = np.full(todo.size, -errno.EIO, dtype=np.int64)
+            got = np.full(todo.size, UNANSWERED, dtype=np.int64)
             sub_lat = np.zeros(todo.size, dtype=np.int64) if lat is not None else None
             issued = True
             try:
@@ -826,23 +831,36 @@ class IOEngine:
             f"(end of device, or the device shrank){more}", path, 5, off, length, count)
 
 
-    def _raise_broken(self, b: IOBatch, results: np.ndarray, code: int,
+    def _raise_broken(self, op: int, b: IOBatch, results: np.ndarray, code: int,
                       parent: np.ndarray | None, total: int):
         """The IOFailedError for a batch the ring broke under (RingBroken):
         it names the first piece that did not finish and counts the
         caller's I/Os that did not (pieces of one I/O are one: the store
-        drops only the run an error names when ``failed`` is 1)."""
+        drops only the run an error names when ``failed`` is 1), and, as
+        ``in_flight``, those its drain could not wait for (slots never
+        answered): they may still land."""
         unfinished = np.flatnonzero(results != b.lens.astype(np.int64))
         count = int(unfinished.size if parent is None else np.unique(parent[unfinished]).size)
         i = int(unfinished[0])
         dev, off, length = int(b.devs[i]), int(b.offsets[i]), int(b.lens[i])
         path = self._path(dev)
+        waiting = np.flatnonzero((results == UNANSWERED) | (results == _PENDING))
+        in_flight = int(waiting.size if parent is None else np.unique(parent[waiting]).size)
+        late = ""
+        if in_flight:
+            j = int(waiting[0])
+            late = (f" {in_flight} of them may still be in flight (the broken ring could not "
+                    f"wait for them), the first a {_OP_NAME[op]} at offset {int(b.offsets[j])} "
+                    f"on {self._path(int(b.devs[j]))}: " +
+                    ("the space it writes must not be reused while this process lives."
+                     if op == OP_WRITE else
+                     "its buffer may still be written while this process lives."))
         raise IOFailedError(
             f"io_uring failed while running a batch of {total} I/Os: {strerror(code)}; "
             f"{count} of {total} I/Os did not finish, the first a {length}-byte I/O at "
-            f"offset {off} on {path}. This thread gets a new ring at its next batch; "
+            f"offset {off} on {path}.{late} This thread gets a new ring at its next batch; "
             "retry, or use KVBLOCK_IO_ENGINE=threads if it recurs",
-            path, code, off, length, count, device_fault=False) from None
+            path, code, off, length, count, device_fault=False, in_flight=in_flight) from None
 
 
 def _as_bytes(buffer, *, writable: bool) -> np.ndarray:

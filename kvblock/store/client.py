@@ -1210,10 +1210,31 @@ class RemoteStore(RunReader, RunWriter):
             if s.gone is not None and s.abandoned is not None:   # its commit cannot go out
                 raise self._abandoned_put_error(s, what or f"this put's run of {len(keys)} "
                                                 "blocks")
-            sums = self._write_run(batch, sums, a["run_id"])
+            try:
+                sums = self._write_run(batch, sums, a["run_id"])
+            except errors.IOFailedError as e:
+                if e.in_flight:
+                    self._left_in_flight(s)
+                raise
             if flush is not None:
                 self.io.flush(sorted(flush | {dev}))
             return sums
+
+    def _left_in_flight(self, s: "Session") -> None:
+        """(under the write fence) A write the engine could not wait for (a
+        broken io_uring's) may still land on space ``s`` allocated: this
+        process stays in the fence until it ends, so an owner's fence waits
+        for it, and ``s`` is given up, not asked to abort (an abort gives
+        the space back at once; a connection's end, after the fence)."""
+        self._fence.keep()
+        s.abandoned = s.abandoned or "a write of a put was left in flight by a broken io_uring"
+        if s.gone is None:
+            s.gone = (f"connection to the store server at {self.socket_path} was given up: "
+                      "a write under its allocation may still land (a broken io_uring could "
+                      "not wait for it); the server gives that space back once this "
+                      "process ends")
+        if s is self._session:
+            self._start_reconnect()
 
     def _session_for(self, on: list | None) -> "Session":
         """The session a put's piece goes to: ``on[0]`` (the earlier

@@ -121,6 +121,7 @@ class WriteFence:
         self._served: list[int] = []
         self._old: list[int] = []      # an earlier server's, until no write is in flight
         self._writers = 0
+        self._kept = 0                 # of them, writes left in flight (see keep)
         self._passing = 0              # writers at the turnstile (not yet counted in _writers)
         self._closing = False          # close() came while a write was in flight
         self._lock = threading.Lock()
@@ -129,8 +130,9 @@ class WriteFence:
 
     @property
     def writers(self) -> int:
-        """Threads writing under the fence now."""
-        return self._writers
+        """Threads writing under the fence now (not the writes :meth:`keep`
+        holds it for: nothing waiting for them sees them end)."""
+        return self._writers - self._kept
 
     def _fds(self) -> list[int]:
         return self._own + self._served + self._old
@@ -221,6 +223,15 @@ class WriteFence:
                         _ofd_lock(fd, fcntl.F_UNLCK, wait=False)
                 self._settle()
 
+    def keep(self) -> None:
+        """(inside :meth:`writing`) Stay a writer until this process ends: a
+        write the engine could not wait for (a broken io_uring's) may still
+        land, and the kernel drops the locks only with the process.  An
+        owner's fence then waits for it, as for a rank stopped mid-write."""
+        with self._lock:
+            self._writers += 1
+            self._kept += 1
+
     @staticmethod
     def _unlock(fds, byte: int) -> None:
         """(under _lock) Drop this process's lock on ``byte`` of ``fds``,
@@ -261,7 +272,7 @@ class WriteFence:
         """In a forked child: drop this copy of the files without locking
         (the parent's threads own the count)."""
         self._lock = threading.Lock()
-        self._writers = self._passing = 0
+        self._writers = self._kept = self._passing = 0
         fds = self._fds()
         self._own, self._served, self._old = [], [], []
         for fd in fds:

@@ -170,6 +170,81 @@ def test_a_broken_ring_slot_never_written_is_not_taken_for_a_completed_io(
         eng.read(batch)                     # the engine goes on with a new ring
 
 
+def test_a_broken_ring_says_which_writes_it_could_not_wait_for(file_target, monkeypatch):
+    """A broken ring whose drain could not wait for every I/O the kernel had
+    taken returns with those still in flight: a write may land later, on
+    space its caller gives up as failed (a served rank then aborted its
+    allocation, the server gave it back at once, and the late write landed
+    on another rank's run).  The error says how many may still land
+    (``in_flight``) and where the first goes; the ones the kernel answered
+    (even with EIO) and those that never ran are not counted."""
+    import errno
+
+    from kvblock.devices import Device
+    from kvblock.errors import IOFailedError
+    from kvblock.io import IOBatch, native, open_engine
+    from kvblock.memory import HostBuffer
+
+    KIB64 = 64 << 10
+    path = file_target(16 << 20)
+    real = native.lib()
+
+    class DrainStopped:
+        """kvb_ring_run of a write on a ring that broke: I/Os 0-1 done, 2
+        answered EIO, 3-4 taken and never reaped (slots unwritten), 5-7
+        never ran."""
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def kvb_ring_run(self, handle, op, n, addrs, devs, offsets, lens, qd, results,
+                         latency, hasher):
+            for i in range(2):
+                results[i] = lens[i]
+            results[2] = -errno.EIO
+            for i in range(5, n):
+                results[i] = -errno.ECANCELED
+            return -errno.ENXIO
+
+    with Device(path) as dev, open_engine([dev], "uring", queue_depth=8) as eng, \
+            HostBuffer(8 * KIB64) as buf:
+        batch = IOBatch.contiguous(buf.address, 0, 0, 8 * KIB64, KIB64)
+        eng.write(batch)                    # a ring for this thread, a batch done
+        monkeypatch.setattr(native, "lib", lambda: DrainStopped())
+        with pytest.raises(IOFailedError) as e:
+            eng.write(batch)
+        assert e.value.failed == 6 and e.value.in_flight == 2, str(e.value)
+        assert e.value.path == path and not e.value.device_fault
+        assert "2 of them may still be in flight" in str(e.value)
+        assert f"write at offset {3 * KIB64} on {path}" in str(e.value)
+        monkeypatch.setattr(native, "lib", lambda: real)
+        eng.write(batch)                    # the engine goes on with a new ring
+        # one the drain waited for (or that never ran) is not in flight
+        monkeypatch.setattr(native, "lib", lambda: _Drained(real))
+        with pytest.raises(IOFailedError) as e:
+            eng.write(batch)
+        assert e.value.failed == 8 and e.value.in_flight == 0, str(e.value)
+        assert "in flight" not in str(e.value)
+
+
+class _Drained:
+    """kvb_ring_run on a ring that broke and drained: every slot answered."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def kvb_ring_run(self, handle, op, n, addrs, devs, offsets, lens, qd, results, latency,
+                     hasher):
+        import errno
+
+        for i in range(n):
+            results[i] = -errno.EIO if i < 2 else -errno.ECANCELED
+        return -errno.ENXIO
+
+
 class _CutShort:
     """kvb_ring_run as the kernel may answer it: the I/O at index ``short``
     of the first ``times`` runs transfers only its first half (its length

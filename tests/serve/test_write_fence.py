@@ -661,3 +661,112 @@ def test_a_late_give_back_as_the_store_closes_fences_on_no_other_file(tmp_path, 
         store.close()
         if other_rank is not None:
             other_rank.close()
+
+
+# A rank whose io_uring breaks under its write and whose drain cannot wait
+# for the I/O the kernel took (io_uring_wait_cqe_timeout failing): the
+# native call returns with that I/O's result slot never written, the rest
+# ECANCELED.  The rank says how its put failed and waits on stdin.
+_RANK_WITH_A_WRITE_LEFT_IN_FLIGHT = """
+import errno, json, sys
+from kvblock.errors import IOFailedError
+from kvblock.io import native
+from kvblock.io.engine import OP_WRITE
+from kvblock.store.client import RemoteStore
+from tests.store.workload import run_data, run_keys
+real = native.lib()
+class Broken:
+    def __getattr__(self, name):
+        return getattr(real, name)
+    def kvb_ring_run(self, handle, op, n, addrs, devs, offsets, lens, qd, results, lat, h):
+        if op != OP_WRITE:
+            return real.kvb_ring_run(handle, op, n, addrs, devs, offsets, lens, qd, results,
+                                     lat, h)
+        for i in range(1, n):        # I/O 0 taken, never reaped: its slot left as it was
+            results[i] = -errno.ECANCELED
+        return -errno.ENXIO
+r = RemoteStore(sys.argv[1], engine="uring")
+print("ready", flush=True)
+sys.stdin.readline()
+native.lib = lambda: Broken()
+keys, s = run_keys(1, 2), r._session
+try:
+    r.put_run(keys, run_data(keys))
+    out = {"error": None}
+except IOFailedError as e:
+    out = {"error": type(e).__name__, "in_flight": e.in_flight,
+           "message": str(e),
+           "path": e.path, "given_up": s.gone is not None}
+print(json.dumps(out), flush=True)
+sys.stdin.readline()
+r.close()
+"""
+
+
+def test_a_write_a_broken_ring_could_not_wait_for_keeps_its_space_fenced(tmp_path):
+    """A rank's io_uring broke under its write and its drain could not wait
+    for an I/O the kernel had taken: the write may still land.  The rank
+    left the write fence and aborted the allocation, and the server gave
+    the space back at once (an abort is not fenced): handed to another
+    rank, the late write landed on its run.  The rank now keeps the fence
+    held for as long as it lives and gives the connection up (no abort):
+    the server gives the space back only once the fence passes, after the
+    rank's process ended."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.serve.test_serve import ROOT, _output
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    with serve_in_background([path], sock) as server:
+        p = subprocess.Popen([sys.executable, "-c", _RANK_WITH_A_WRITE_LEFT_IN_FLIGHT, sock],
+                             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+        try:
+            line = p.stdout.readline()
+            assert line == "ready\n", line + _output(p)
+            (s,) = server._sessions.values()
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            line = p.stdout.readline()
+            try:
+                said = json.loads(line)
+            except ValueError:
+                raise AssertionError(line + _output(p)) from None
+            assert said["error"] == "IOFailedError", said
+            # not aborted (given back at once): the allocation stays pinned
+            assert server.store.regions.pins.sum() == 1, "the space went back under the write"
+            assert said["in_flight"] == 1, said
+            assert said["path"] == path and path in said["message"], said
+            assert "may still be in flight" in said["message"], said
+            assert said["given_up"], "the connection of the write in flight was kept"
+            s.thread.join(10)
+            assert not s.thread.is_alive(), "the rank did not give its connection up"
+            # The connection ended: the server holds the allocation until the
+            # rank's writes are done, which its fence says they are not.
+            server._release_dropped_writers()
+            assert server.store.regions.pins.sum() == 1, "the space went back under the write"
+            with pytest.raises(DeviceBusyError):
+                fence_mod.fence_writers([(server._fence_fd, sock + ".fence")], 0,
+                                        turnstile=False)
+            p.stdin.write("exit\n")
+            p.stdin.flush()
+            assert p.wait(30) == 0, _output(p)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.stdout.close()
+            p.stdin.close()
+        # the process ended (its fence with it): the space goes back
+        deadline = time.monotonic() + 30
+        while server.store.regions.pins.sum():
+            assert time.monotonic() < deadline, "the space stays pinned after the rank ended"
+            server._release_dropped_writers()
+            time.sleep(0.01)
+        with RemoteStore(sock) as r:
+            keys = run_keys(2, 3)
+            assert r.put_run(keys, run_data(keys)) == 3
+            out = np.zeros_like(run_data(keys))
+            assert r.get_run(keys, out) == 3 and np.array_equal(out, run_data(keys))
