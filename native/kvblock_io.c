@@ -21,6 +21,11 @@
 #define KVB_MAX_BUFS 64
 #define KVB_COPY_MAX_THREADS 16
 #define KVB_NT_MIN_ROW 1024 /* rows at least this long are streamed */
+/* The most one ring I/O asks for: an SQE's length is 32 bits, so a longer
+ * one (cast down, 4 GiB asked for 0 bytes) is issued for this much and
+ * comes back short, as pread does past MAX_RW_COUNT.  A whole number of
+ * blocks of any logical block size, and at most the kernel's 2 GiB - 4 KiB. */
+#define KVB_MAX_RING_IO (1ull << 30)
 
 struct kvb_ring {
     struct io_uring ring;
@@ -166,6 +171,8 @@ static void prep_one(kvb_ring *r, struct io_uring_sqe *sqe, int op, uint64_t add
                      uint32_t dev, uint64_t off, uint64_t len)
 {
     int fd = r->fixed_files ? (int)dev : r->fds[dev];
+    if (len > KVB_MAX_RING_IO)
+        len = KVB_MAX_RING_IO;
     int bi = find_buf(r, addr, len);
     void *buf = (void *)(uintptr_t)addr;
     if (bi >= 0) {
