@@ -376,12 +376,19 @@ int64_t kvb_hash_blocks_ranges(uint64_t nranges, uint64_t nblocks, const uint64_
  * a working ring waits as long): returning before one lands would let it
  * write into a buffer the caller has reused.  The SQEs the kernel never
  * consumed (the last ones prepared) never run: ECANCELED. */
-static void ring_drain(kvb_ring *r, uint64_t done, uint64_t next, int64_t *results,
-                       struct io_uring_cqe **cqes)
+static void ring_drain(kvb_ring *r, uint64_t done, uint64_t next, const uint64_t *offsets,
+                       int64_t *results, struct io_uring_cqe **cqes)
 {
-    uint64_t taken = next - io_uring_sq_ready(&r->ring);
-    for (uint64_t i = taken; i < next; i++)
-        __atomic_store_n(&results[i], (int64_t)-ECANCELED, __ATOMIC_RELEASE);
+    /* (done counts the I/Os refused before the ring, which had no SQE: they
+     * are skipped, keeping their EINVAL, when the unconsumed are marked) */
+    unsigned unconsumed = io_uring_sq_ready(&r->ring);
+    uint64_t taken = next - unconsumed;
+    for (uint64_t i = next; unconsumed && i-- > 0;) {
+        if (offsets[i] <= (uint64_t)INT64_MAX) {
+            __atomic_store_n(&results[i], (int64_t)-ECANCELED, __ATOMIC_RELEASE);
+            unconsumed--;
+        }
+    }
     while (done < taken) {
         struct __kernel_timespec ts = {.tv_sec = 0, .tv_nsec = 100 * 1000 * 1000};
         struct io_uring_cqe *cqe;
@@ -426,8 +433,20 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
 
     while (done < n) {
         /* Fill the queue up to qd. */
-        unsigned queued = 0;
+        unsigned queued = 0, refused_now = 0;
         while (next < n && inflight + queued < qd) {
+            if (offsets[next] > (uint64_t)INT64_MAX) {
+                /* A negative offset to the kernel, and -1 means "at the
+                 * file's position" to io_uring: refused, as pread does. */
+                __atomic_store_n(&results[next], (int64_t)-EINVAL, __ATOMIC_RELEASE);
+                if (latency_ns)
+                    latency_ns[next] = 0;
+                failed++;
+                done++;
+                next++;
+                refused_now++;
+                continue;
+            }
             struct io_uring_sqe *sqe = io_uring_get_sqe(&r->ring);
             if (!sqe)
                 break;
@@ -438,13 +457,17 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
             next++;
             queued++;
         }
+        if (refused_now)
+            hasher_advance(h);
+        if (inflight + queued == 0)
+            continue;   /* (all refused so far: nothing to wait for) */
         int ret = io_uring_submit_and_wait(&r->ring, 1);
         if (ret < 0 && ret != -EINTR && ret != -EAGAIN && ret != -EBUSY) {
             /* The ring broke.  I/Os it took may still land in the caller's
              * buffers: wait for every one of them, then retire the ring.
              * The rest never ran. */
             r->broken = 1;
-            ring_drain(r, done, next, results, cqes);
+            ring_drain(r, done, next, offsets, results, cqes);
             for (uint64_t i = next; i < n; i++)
                 results[i] = -ECANCELED;
             return ret;

@@ -50,7 +50,8 @@ int kvb_ring_set_buffers(kvb_ring *ring, const uint64_t *addrs,
  * failed (then results of unfinished I/Os are -ECANCELED).  With a hasher
  * (NULL: none), completed reads are hashed as they land (below).  An I/O
  * longer than 1 GiB is issued for its first 1 GiB (an SQE's length is 32
- * bits): a short transfer, which the caller goes on from. */
+ * bits): a short transfer, which the caller goes on from.  One whose offset
+ * is past INT64_MAX is not issued: -EINVAL, as pread answers it. */
 int64_t kvb_ring_run(kvb_ring *ring, int op, uint64_t n, const uint64_t *addrs,
                      const uint32_t *devs, const uint64_t *offsets,
                      const uint64_t *lens, unsigned qd, int64_t *results,

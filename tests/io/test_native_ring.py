@@ -5,6 +5,7 @@ and the io_uring and pread paths answer alike."""
 
 from __future__ import annotations
 
+import errno
 import os
 
 import numpy as np
@@ -34,8 +35,10 @@ def small_file(tmp_path):
 
 
 def _arrays(buf, offsets, lens):
+    """Entry i reads into ``buf`` at i * 16 KiB."""
     n = len(offsets)
-    return (np.full(n, buf.ctypes.data, dtype=np.uint64), np.zeros(n, dtype=np.uint32),
+    addrs = np.arange(n, dtype=np.uint64) * np.uint64(KIB16) + np.uint64(buf.ctypes.data)
+    return (addrs, np.zeros(n, dtype=np.uint32),
             np.array(offsets, dtype=np.uint64), np.array(lens, dtype=np.uint64),
             np.full(n, -12345, dtype=np.int64))
 
@@ -82,3 +85,21 @@ def test_an_io_of_4_gib_or_more_is_not_cut_to_its_low_32_bits(small_file, run, l
     assert run(fd, buf, [0], [length]) == (0, [KIB16])
     assert np.array_equal(buf[:KIB16], data)
     assert not buf[KIB16:].any()
+
+
+@pytest.mark.parametrize("run", [ring_read, pio_read])
+def test_an_offset_past_2_63_is_refused_not_read_at_the_file_position(small_file, run):
+    """An offset of 2**64 - 1 is -1 to the kernel, which io_uring takes for
+    'the file's current position': the ring read the 4 KiB there and moved
+    the position, where pread refuses it (EINVAL).  Every offset past
+    2**63 is now refused before it is issued; the batch's other I/Os run."""
+    fd, data = small_file
+    os.lseek(fd, 8192, os.SEEK_SET)
+    buf = np.zeros(3 * KIB16, dtype=np.uint8)
+    ret, res = run(fd, buf, [2**64 - 1, 4096, 2**63], [4096, 4096, 4096])
+    assert (ret, res) == (2, [-errno.EINVAL, 4096, -errno.EINVAL])
+    assert not buf[:KIB16].any() and not buf[2 * KIB16:].any()
+    assert np.array_equal(buf[KIB16:KIB16 + 4096], data[4096:8192])
+    assert os.lseek(fd, 0, os.SEEK_CUR) == 8192
+    # a batch of nothing but refusals returns (nothing in flight to wait for)
+    assert run(fd, buf, [2**64 - 1] * 5, [4096] * 5) == (5, [-errno.EINVAL] * 5)
