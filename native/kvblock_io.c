@@ -37,6 +37,7 @@ struct kvb_ring {
     uint64_t buf_start[KVB_MAX_BUFS];
     uint64_t buf_end[KVB_MAX_BUFS];
     pid_t owner;              /* the process that made it (a forked child shares it) */
+    pid_t owner_tid;          /* the thread that made it: the only one that may run it */
     int broken;               /* a submit failed: never used again (its SQ may hold
                                * entries the kernel did not take) */
 };
@@ -84,6 +85,7 @@ kvb_ring *kvb_ring_create(unsigned entries, int *err)
     }
     r->entries = p.sq_entries;
     r->owner = getpid();
+    r->owner_tid = gettid();
     *err = 0;
     return r;
 }
@@ -109,8 +111,21 @@ void kvb_ring_destroy(kvb_ring *r)
     free(r);
 }
 
+/* Another thread's (or a forked child's) call on a ring: the kernel refuses
+ * it only where the ring is single-issuer, and only once liburing has put
+ * SQEs in the owner's queue (or, from a child, in the queue it shares with
+ * the parent); elsewhere it runs them, on a queue the owner's liburing state
+ * no longer matches.  So it is refused before anything is touched. */
+static inline int not_owner(const kvb_ring *r)
+{
+    /* (and the process: a child's thread may get a tid the owner had) */
+    return gettid() != r->owner_tid || getpid() != r->owner;
+}
+
 int kvb_ring_set_files(kvb_ring *r, const int *fds, unsigned n)
 {
+    if (not_owner(r))
+        return -EEXIST;
     if (r->fixed_files) {
         io_uring_unregister_files(&r->ring);
         r->fixed_files = 0;
@@ -134,6 +149,8 @@ int kvb_ring_set_files(kvb_ring *r, const int *fds, unsigned n)
 int kvb_ring_set_buffers(kvb_ring *r, const uint64_t *addrs, const uint64_t *lens,
                          unsigned n)
 {
+    if (not_owner(r))
+        return -EEXIST;
     if (r->nbufs) {
         io_uring_unregister_buffers(&r->ring);
         r->nbufs = 0;
@@ -414,7 +431,7 @@ int64_t kvb_ring_run(kvb_ring *r, int op, uint64_t n, const uint64_t *addrs,
                      const uint64_t *lens, unsigned qd, int64_t *results,
                      int64_t *latency_ns, kvb_hasher *h)
 {
-    int64_t refused = r->broken ? -EIO : 0;
+    int64_t refused = not_owner(r) ? -EEXIST : r->broken ? -EIO : 0;
     for (uint64_t i = 0; i < n && !refused; i++) {
         if (devs[i] >= r->nfds)
             refused = -EBADF;

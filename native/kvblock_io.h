@@ -11,8 +11,9 @@
  *
  * Threading: a kvb_ring belongs to the thread that created it (kvblock keeps
  * one ring per thread): where the kernel allows, it is created with
- * IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN, and then running
- * or registering from another thread (or a forked child) fails with -EEXIST.
+ * IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN.  Running or
+ * registering from another thread (or a forked child) fails with -EEXIST,
+ * on every kernel, and leaves the ring as it was.
  * kvb_ring_destroy may be called from any thread.  kvb_pio_run may be called
  * from many threads at once on the same batch; they share work through the
  * atomic cursor.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -43,22 +44,34 @@ def _arrays(buf, offsets, lens):
             np.full(n, -12345, dtype=np.int64))
 
 
-def ring_read(fd, buf, offsets, lens):
-    """kvb_ring_run of reads into ``buf`` on a fresh ring: (return, results)."""
-    lib, ffi, p = native.lib(), native.ffi, native.ptr
-    addrs, devs, offs, lns, res = _arrays(buf, offsets, lens)
+def new_ring(fd):
+    """A ring (made on this thread) whose device 0 is ``fd``."""
+    lib, ffi = native.lib(), native.ffi
     err = ffi.new("int *")
     ring = lib.kvb_ring_create(8, err)
     assert ring != ffi.NULL, err[0]
-    try:
-        fds = np.array([fd], dtype=np.int32)
-        lib.kvb_ring_set_files(ring, p("int *", fds), 1)
-        ret = lib.kvb_ring_run(ring, 0, len(offsets), p("uint64_t *", addrs),
-                               p("uint32_t *", devs), p("uint64_t *", offs),
-                               p("uint64_t *", lns), 4, p("int64_t *", res), ffi.NULL, ffi.NULL)
-    finally:
-        lib.kvb_ring_destroy(ring)
+    fds = np.array([fd], dtype=np.int32)
+    lib.kvb_ring_set_files(ring, native.ptr("int *", fds), 1)
+    return ring
+
+
+def run_reads(ring, buf, offsets, lens):
+    """kvb_ring_run of reads into ``buf``: (return, results)."""
+    lib, ffi, p = native.lib(), native.ffi, native.ptr
+    addrs, devs, offs, lns, res = _arrays(buf, offsets, lens)
+    ret = lib.kvb_ring_run(ring, 0, len(offsets), p("uint64_t *", addrs),
+                           p("uint32_t *", devs), p("uint64_t *", offs),
+                           p("uint64_t *", lns), 4, p("int64_t *", res), ffi.NULL, ffi.NULL)
     return ret, res.tolist()
+
+
+def ring_read(fd, buf, offsets, lens):
+    """kvb_ring_run of reads into ``buf`` on a fresh ring: (return, results)."""
+    ring = new_ring(fd)
+    try:
+        return run_reads(ring, buf, offsets, lens)
+    finally:
+        native.lib().kvb_ring_destroy(ring)
 
 
 def pio_read(fd, buf, offsets, lens):
@@ -103,3 +116,28 @@ def test_an_offset_past_2_63_is_refused_not_read_at_the_file_position(small_file
     assert os.lseek(fd, 0, os.SEEK_CUR) == 8192
     # a batch of nothing but refusals returns (nothing in flight to wait for)
     assert run(fd, buf, [2**64 - 1] * 5, [4096] * 5) == (5, [-errno.EINVAL] * 5)
+
+
+def test_a_run_from_another_thread_is_refused_and_leaves_the_ring_to_its_owner(small_file):
+    """A ring belongs to the thread that made it.  Another thread's run
+    failed (EEXIST, from a single-issuer kernel) only after putting its
+    SQEs in the owner's queue, and marked the ring broken: every later run
+    of its owner was refused (EIO).  (On kernels without SINGLE_ISSUER the
+    stray run went through, on a queue its owner's liburing state no longer
+    matched.)  Now it is refused before it touches the ring."""
+    fd, data = small_file
+    ring = new_ring(fd)
+    try:
+        buf = np.zeros(2 * KIB16, dtype=np.uint8)
+        out = []
+        stray = threading.Thread(target=lambda: out.append(
+            run_reads(ring, buf, [0, 4096], [4096, 4096])))
+        stray.start()
+        stray.join()
+        assert out == [(-errno.EEXIST, [-errno.ECANCELED] * 2)]
+        assert not buf.any()
+        assert run_reads(ring, buf, [0, 8192], [4096, 4096]) == (0, [4096, 4096])
+        assert np.array_equal(buf[:4096], data[:4096])
+        assert np.array_equal(buf[KIB16:KIB16 + 4096], data[8192:12288])
+    finally:
+        native.lib().kvb_ring_destroy(ring)
