@@ -623,7 +623,8 @@ class RemoteStore(RunReader, RunWriter):
         """One request and its answer (under ``s.lock``).  ``record``: a
         list the answer (an ok one's result) is added to as it is read, for
         a caller that must act on it though a Ctrl-C lands as this returns
-        (an allocation's id, to abort it)."""
+        (an allocation's id, to abort it; an admit's offer, to give it
+        back: an _OfferRecord, which keeps only the offer)."""
         if s.gone is not None:
             e = self._gone_error(s)
             e.not_sent = True       # (a put says what it did not store: _put_call_on)
@@ -1059,13 +1060,15 @@ class RemoteStore(RunReader, RunWriter):
         ``record``: a list the offer the server counted and keeps open on
         the connection is added to, (its id, admitted), as the answer comes
         (for _give_back_offers and _count_rejected to name)."""
+        # The offer goes into ``record`` as the answer is read (inside
+        # _call_locked's try): a Ctrl-C as the call returns, before the
+        # answer got here, left it open on a live connection until it ended
+        # (the key's next offer then taken for a repeat).
+        noted = None if record is None else _OfferRecord(record)
         if count:
-            answer = self._call("admit", keys=encode_keys(keys))
+            answer = self._call("admit", keys=encode_keys(keys), record=noted)
         else:
-            answer = self._call("admit", keys=encode_keys(keys), count=False)
-        offer = answer.get("offer") if isinstance(answer, dict) else None
-        if record is not None and _is_int(offer):     # (first: given back, whatever follows)
-            record.append((offer, answer.get("verdict") != "rejected"))
+            answer = self._call("admit", keys=encode_keys(keys), count=False, record=noted)
         verdict = answer.get("verdict") if isinstance(answer, dict) else None
         clears = answer.get("clears") if isinstance(answer, dict) else None
         if verdict not in ("ok", "duplicate", "rejected") or not isinstance(clears, str):
@@ -1722,6 +1725,22 @@ class RemoteStore(RunReader, RunWriter):
 def _is_int(value) -> bool:
     """A JSON integer (not a bool, which int takes)."""
     return type(value) is int
+
+
+class _OfferRecord:
+    """_call_locked's ``record`` for an admit: its ok answer's offer (an id
+    the server counted) goes into ``offers`` as (id, admitted), as _admit's
+    callers keep them."""
+
+    __slots__ = ("offers",)
+
+    def __init__(self, offers: list):
+        self.offers = offers
+
+    def append(self, answer) -> None:
+        offer = answer.get("offer") if isinstance(answer, dict) else None
+        if _is_int(offer):
+            self.offers.append((offer, answer.get("verdict") != "rejected"))
 
 
 def _wid(a) -> int | None:

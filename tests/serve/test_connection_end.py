@@ -638,3 +638,54 @@ def test_a_put_cut_as_its_allocate_returns_gives_back_the_allocation(tmp_path, h
         for keys in (a, b):
             out = np.zeros_like(run_data(keys))
             assert r.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
+
+
+@pytest.mark.parametrize("at", ["_call_locked", "_call_on"])
+@pytest.mark.parametrize("how", ["put_run", "put_runs"])
+def test_a_put_cut_as_its_admit_returns_gives_back_the_offer(tmp_path, how, at, monkeypatch):
+    """A Ctrl-C landing as an admit call returns (its answer read, the
+    connection not given up: after _call_locked's try, in _call_on's with
+    exit, before _admit noted the offer): the put never learnt the offer's
+    id, so it gave nothing back, and the offer stayed open on the live
+    connection until it ended: the key's next offer was taken for a repeat
+    (declined under admit_after=2, where the offer given back admits it at
+    once).  The offer is recorded as its answer is read: the put gives it
+    back."""
+    from kvblock.store.client import RemoteStore as RS
+
+    sock, path = str(tmp_path / "kv.sock"), _store_file(tmp_path)
+    a, b = run_keys(1, 2), run_keys(2, 3)
+    with serve_in_background([path], sock, admit_after=2) as server, RS(sock) as r:
+        # each run offered once: its next offer is admitted
+        assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [0, 0]
+        (s,) = server._sessions.values()
+        assert not s.offers
+        # put_runs: cut at its second admit (the first one's offer is the put's)
+        cut_at = 1 if how == "put_run" else 2
+        real, admits = getattr(RS, at), []
+
+        def call(self, s, op, *args, **kwargs):
+            out = real(self, s, op, *args, **kwargs)
+            if op == "admit":
+                admits.append(out)
+                if len(admits) == cut_at:
+                    raise KeyboardInterrupt     # the answer came, the caller never saw it
+            return out
+        monkeypatch.setattr(RS, at, call)
+        with pytest.raises(KeyboardInterrupt):
+            if how == "put_run":
+                r.put_run(a, run_data(a))
+            else:
+                r.put_runs([(a, run_data(a)), (b, run_data(b))])
+        monkeypatch.undo()
+        assert len(admits) == cut_at
+        assert not s.offers, f"offers left open on the connection: {s.offers}"
+        assert r.server_alive and list(server._sessions.values()) == [s], \
+            "the connection was given up"
+        assert r.lookup(a) == 0                  # nothing published
+        # the offers were given back: the runs are admitted at once, stored
+        # and read back whole
+        assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 3]
+        for keys in (a, b):
+            out = np.zeros_like(run_data(keys))
+            assert r.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
