@@ -467,6 +467,9 @@ class KVStore(Recovery, RunReader, RunWriter):
         self._publishes = 0    # publish commits (Run.published: their order)
         self._pending: list = []
         self._pending_lock = threading.Lock()
+        # Regions a write left in flight may still land on: pinned for good
+        # (_keep_pinned), each once.
+        self._kept_pinned: dict[int, bool] = {}
         self._stagings = StagingBuffers()
         self.spares = SpareBuffers(LOAD_STAGING_KEEP)
         self.counters = Counters({name: 0 for name in COUNTERS})
@@ -939,6 +942,10 @@ class KVStore(Recovery, RunReader, RunWriter):
                     written[deferred[k][0]][3].checksums = sums
             discards = self._host_discards()
             published = self._publish_puts([run for _, _, _, run in written], clears)
+        except IOFailedError as e:
+            if e.in_flight:
+                self._keep_pinned(held, e)
+            raise
         finally:
             try:
                 self._unpin_writers(held)
@@ -959,6 +966,10 @@ class KVStore(Recovery, RunReader, RunWriter):
             run = self._write_piece(keys, blocks, held)
             discards = self._host_discards()
             published = self._publish_put(run, clears)
+        except IOFailedError as e:
+            if e.in_flight:
+                self._keep_pinned(held, e)
+            raise
         finally:
             try:
                 self._unpin_writers(held)
@@ -969,6 +980,29 @@ class KVStore(Recovery, RunReader, RunWriter):
             return 0
         self._count_put(keys, blocks, run, clears, discards)
         return len(keys)
+
+    def _keep_pinned(self, regions: list, error: IOFailedError) -> None:
+        """A put's write a broken io_uring could not wait for may still
+        land (``error.in_flight``): the regions its call wrote (``regions``,
+        its writer pins, which one of them it was the error does not say)
+        keep one pin each while the store is open, never reclaimed: freed
+        and written again, the late write landed on a later run there.
+        Logged once per region."""
+        kept = []
+        with self._lock:
+            for r in dict.fromkeys(regions):
+                if r not in self._kept_pinned:
+                    # (one line, no call in it: a Ctrl-C finds both or neither)
+                    self.regions.pins[r], self._kept_pinned[r] = self.regions.pins[r] + 1, True
+                    kept.append(r)
+        for r in kept:
+            dev, off = self.regions.address(r)
+            logger.warning(
+                "kvblock: %s: region %d (offset %d, %d bytes) is kept pinned, never reused "
+                "while this process lives: a write to it may still be in flight (a broken "
+                "io_uring could not wait for it: %s); it is reclaimed at the store's next "
+                "open", self.io.devices[dev].path, r, off,
+                self.regions.size, error)
 
     def _dram_gone(self, keys: list[bytes]) -> None:
         """HostTier's ``gone``: blocks that left the DRAM tier.  Those the
