@@ -406,7 +406,7 @@ class IOEngine:
                             else (results != run.lens.astype(np.int64)).any()):
                         retried = self._retry(op, target, results, lat, qd or self.queue_depth)
                 except RingBroken as e:
-                    self._raise_broken(op, run, results, e.code, parent, n)
+                    self._raise_broken(op, run, results, e.code, parent, n, target)
             finally:
                 if hasher is not None:
                     hasher.finish()
@@ -787,7 +787,8 @@ class IOEngine:
             with self._map_idle:
                 self._stagings.add(box)
         staging = box.buffer
-        if staging is None or staging.nbytes < total:
+        # (not one a read left in flight may still land in: kept, never reused)
+        if staging is None or staging.nbytes < total or staging.left_in_flight:
             if staging is not None:
                 staging.close()
             staging = box.buffer = HostBuffer(total, register=False)
@@ -832,13 +833,16 @@ class IOEngine:
 
 
     def _raise_broken(self, op: int, b: IOBatch, results: np.ndarray, code: int,
-                      parent: np.ndarray | None, total: int):
+                      parent: np.ndarray | None, total: int, target: IOBatch | None = None):
         """The IOFailedError for a batch the ring broke under (RingBroken):
         it names the first piece that did not finish and counts the
         caller's I/Os that did not (pieces of one I/O are one: the store
         drops only the run an error names when ``failed`` is 1), and, as
         ``in_flight``, those its drain could not wait for (slots never
-        answered): they may still land."""
+        answered): they may still land.  The host memory such reads go to
+        (``target``'s: the engine's staging for unaligned addresses) is kept
+        mapped and out of every pool for the process's life
+        (aligned.keep_for_late_reads)."""
         unfinished = np.flatnonzero(results != b.lens.astype(np.int64))
         count = int(unfinished.size if parent is None else np.unique(parent[unfinished]).size)
         i = int(unfinished[0])
@@ -849,6 +853,11 @@ class IOEngine:
         late = ""
         if in_flight:
             j = int(waiting[0])
+            if op == OP_READ:
+                t = b if target is None else target
+                aligned.keep_for_late_reads(
+                    zip(t.addrs[waiting].tolist(), (t.addrs[waiting] + t.lens[waiting]).tolist()),
+                    f"a read at offset {int(b.offsets[j])} on {self._path(int(b.devs[j]))}")
             late = (f" {in_flight} of them may still be in flight (the broken ring could not "
                     f"wait for them), the first a {_OP_NAME[op]} at offset {int(b.offsets[j])} "
                     f"on {self._path(int(b.devs[j]))}: " +

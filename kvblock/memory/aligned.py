@@ -17,9 +17,12 @@ engine can use fixed-buffer I/O on it.
 from __future__ import annotations
 
 import errno
+import itertools
+import logging
 import math
 import mmap
 import operator
+import os
 import threading
 import weakref
 
@@ -29,6 +32,8 @@ from kvblock.errors import ConfigError
 from kvblock.memory import registry
 from kvblock.memory.forklocks import renew_after_fork
 from kvblock.units import is_whole
+
+logger = logging.getLogger("kvblock.memory")
 
 PAGE_SIZE = mmap.PAGESIZE
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels: touch pages by hand
@@ -55,6 +60,55 @@ HUGE_PAGE_SIZE = _huge_page_size()
 # memory: each returns once no I/O in flight reads into or writes from it
 # (kvblock.io.engine registers one, for every engine's batches).
 _before_unmap: list = []
+
+
+# Host memory a read may still write into, [lo, hi) each: the kernel took it
+# and a broken io_uring could not wait for it (kvblock.io.engine, its
+# IOFailedError.in_flight).  The HostBuffers there stay mapped while the
+# process lives (their mappings held here: one collected would be unmapped)
+# and say so (left_in_flight), so that no pool hands them out again.
+_LATE: list[tuple[int, int]] = []
+_KEPT: list = []
+_LATE_LOCK = threading.Lock()
+# Every HostBuffer not yet closed, by a key each (a dict of weakrefs, listed
+# from any thread with one copy in C, as kvblock.io.engine's _BY_KEY).
+_LIVE: "dict[int, weakref.ref[HostBuffer]]" = {}
+_LIVE_KEYS = itertools.count()
+
+
+def _late_lock_after_fork() -> None:
+    global _LATE_LOCK
+    _LATE_LOCK = threading.Lock()    # (one a parent's thread held at the fork stays held)
+
+
+os.register_at_fork(after_in_child=_late_lock_after_fork)
+
+
+def keep_for_late_reads(ranges, why: str) -> None:
+    """``ranges`` of host memory ([lo, hi) each) may still be written by
+    reads nobody can wait for (``why`` names the first, its device and
+    offset): never unmap the HostBuffers holding them, nor let them be
+    reused, while this process lives (a deliberate leak, logged once for
+    each)."""
+    ranges = [(int(lo), int(hi)) for lo, hi in ranges]
+    with _LATE_LOCK:
+        _LATE.extend(ranges)
+        for ref in list(_LIVE.copy().values()):
+            buf = ref()
+            mm = buf._mm if buf is not None else None
+            if mm is None or buf._kept or not _late(buf.address, buf._size):
+                continue
+            buf._kept = True
+            _KEPT.append(mm)
+            logger.warning("kvblock: host buffer at 0x%x (%d bytes) is kept mapped and "
+                           "never reused while this process lives: %s may still land in "
+                           "it (a broken io_uring could not wait for it)",
+                           buf.address, buf.nbytes, why)
+
+
+def _late(address: int, nbytes: int) -> bool:
+    """Whether a read left in flight may land in [address, address + nbytes)."""
+    return any(lo < address + nbytes and address < hi for lo, hi in _LATE)
 
 
 def before_unmap(wait) -> None:
@@ -126,6 +180,10 @@ class HostBuffer:
         self._cuda_unpin = None       # pinned: its unregistration (a finalizer)
         self.cuda_pin_refusal = None  # why pin_for_cuda left it pageable (None: it did not)
         self._lock = threading.Lock()
+        self._kept = False            # a read left in flight may land in it (keep_for_late_reads)
+        key = next(_LIVE_KEYS)
+        _LIVE[key] = weakref.ref(self, lambda _, key=key: _LIVE.pop(key, None))
+        self._live_key = key
         renew_after_fork(self)        # a forked child's close() of its copy takes it
         if register:
             registry.add(self.address, size)
@@ -226,6 +284,16 @@ class HostBuffer:
                 self._cuda_unpin()     # once (a finalizer runs once)
                 self._cuda_pinned = False
             self.array = None
+            _LIVE.pop(self._live_key, None)
+            if self._kept or (_LATE and _late(self.address, self._size)):
+                # A read left in flight may still land here: the mapping
+                # stays (held in _KEPT) for the process's life, not reused.
+                with _LATE_LOCK:
+                    if not self._kept:
+                        self._kept = True
+                        _KEPT.append(self._mm)
+                self._mm = None
+                return
             try:
                 self._mm.close()
             except BufferError:
@@ -268,6 +336,13 @@ class HostBuffer:
     @property
     def closed(self) -> bool:
         return self._mm is None
+
+    @property
+    def left_in_flight(self) -> bool:
+        """Whether a read a broken io_uring could not wait for may still land
+        in this buffer (keep_for_late_reads): a pool must not hand it out
+        again; its close() leaves it mapped."""
+        return self._kept or (bool(_LATE) and _late(self.address, self._size))
 
     def __enter__(self) -> "HostBuffer":
         return self

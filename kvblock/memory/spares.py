@@ -42,9 +42,11 @@ class SpareBuffers:
     def give(self, buf: HostBuffer) -> None:
         """Keep ``buf`` for a later take (evicting the smallest idle ones to
         stay within keep_bytes), or free it when it alone is over the limit,
-        or when closed (kept then, nothing would ever free it)."""
+        or when closed (kept then, nothing would ever free it), or when a
+        read left in flight may still land in it (its close() keeps it
+        mapped, never reused: aligned.keep_for_late_reads)."""
         with self._lock:
-            if not self._closed and buf.nbytes <= self.keep_bytes:
+            if not self._closed and buf.nbytes <= self.keep_bytes and not buf.left_in_flight:
                 self._idle.append(buf)
                 self._idle.sort(key=lambda b: b.nbytes)
                 drop = []

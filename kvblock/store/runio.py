@@ -43,7 +43,9 @@ class StagingBuffers:
         never shrunk).  StoreClosedError after close(): a buffer made then
         would stay mapped for the thread's life, none freeing it."""
         buf = getattr(self._local, purpose, None)
-        if buf is None or buf.closed or buf.nbytes < nbytes:
+        # (one a read left in flight may still land in is not handed out
+        # again: its close() keeps it mapped, aligned.keep_for_late_reads)
+        if buf is None or buf.closed or buf.nbytes < nbytes or buf.left_in_flight:
             if buf is not None:
                 buf.close()
             buf = HostBuffer(round_up(nbytes, 1 << 20))

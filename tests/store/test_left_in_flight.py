@@ -5,7 +5,9 @@ of its own) to anything else meanwhile."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import gc
 import logging
 import os
 
@@ -15,7 +17,11 @@ import pytest
 from kvblock import KVStore
 from kvblock.errors import IOFailedError
 from kvblock.io import native
-from kvblock.io.engine import OP_WRITE
+from kvblock.devices import Device
+from kvblock.io import IOBatch, open_engine
+from kvblock.io.engine import OP_READ, OP_WRITE
+from kvblock.memory import HostBuffer, aligned
+from kvblock.memory.spares import STEP, SpareBuffers
 from tests.store.workload import run_data, run_keys, small_store
 
 
@@ -23,15 +29,18 @@ class _LeftInFlight:
     """kvb_ring_run on a ring that broke under the first batch of ``op``
     once armed, its drain unable to wait for I/O 0 (taken by the kernel,
     its slot never written); the rest ECANCELED.  ``left``: (device,
-    offset, length, address) of each I/O so left."""
+    offset, length, address) of each I/O so left; ``seen``: (address,
+    length) of every I/O of ``op`` run."""
 
     def __init__(self, real, op):
-        self.real, self.op, self.left, self.armed = real, op, [], True
+        self.real, self.op, self.left, self.armed, self.seen = real, op, [], True, []
 
     def __getattr__(self, name):
         return getattr(self.real, name)
 
     def kvb_ring_run(self, handle, op, n, addrs, devs, offsets, lens, qd, results, lat, h):
+        if op == self.op:
+            self.seen += [(int(addrs[i]), int(lens[i])) for i in range(n)]
         if op != self.op or not self.armed:
             return self.real.kvb_ring_run(handle, op, n, addrs, devs, offsets, lens, qd,
                                           results, lat, h)
@@ -102,3 +111,138 @@ def test_a_put_whose_write_a_broken_ring_left_in_flight_never_gets_its_space_reu
                 assert store.get_run(keys, out) == n and np.array_equal(out, run_data(keys))
                 found += 1
         assert found
+
+
+# --- reads left in flight into buffers kvblock owns ---------------------------------------
+
+@pytest.fixture
+def late_reads(monkeypatch):
+    """The memory kept for reads left in flight, this test's only (the
+    mappings it keeps go at its end, not the process's)."""
+    monkeypatch.setattr(aligned, "_LATE", [], raising=False)
+    monkeypatch.setattr(aligned, "_KEPT", [], raising=False)
+
+
+def _mapped(address: int, nbytes: int) -> bool:
+    """Whether [address, address + nbytes) lies in one mapping of this process."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address and address + nbytes <= hi:
+                return True
+    return False
+
+
+def _land(address: int, nbytes: int) -> None:
+    """The late read lands (only where it is still mapped: else the test
+    would crash, as the kernel would write into whatever is mapped there)."""
+    assert _mapped(address, nbytes), f"0x{address:x} was unmapped under a read in flight"
+    ctypes.memset(address, 0xA5, nbytes)
+
+
+def _left_of(ring, op=OP_READ):
+    (_, _, length, address), = ring.left
+    return address, length
+
+
+def _reused(ring, address: int, length: int) -> list:
+    return [s for s in ring.seen if s[0] < address + length and address < s[0] + s[1]]
+
+
+def test_a_read_left_in_flight_keeps_the_engines_staging_buffer(
+        file_target, monkeypatch, caplog, late_reads):
+    """A read into an unaligned address goes through the engine's staging
+    buffer (one per thread): a read there that a broken io_uring could not
+    wait for may still land in it, but the thread's next read was staged
+    in the same memory (and the engine's close() unmapped it): the late
+    read's bytes were copied out to the caller as the next read's.  The
+    buffer is kept mapped and out of use while the process lives (logged)."""
+    MIB = 1 << 20
+    path = file_target(8 * MIB)
+    data = np.random.default_rng(1).integers(0, 256, MIB, dtype=np.uint8)
+    with open(path, "r+b") as f:
+        f.write(data.tobytes())
+    ring = _LeftInFlight(native.lib(), OP_READ)
+    with Device(path) as dev, HostBuffer(2 * MIB) as raw:
+        eng = open_engine([dev], "uring")
+        try:
+            view = raw.array[1:1 + MIB]           # not block-aligned: staged
+            monkeypatch.setattr(native, "lib", lambda: ring)
+            with caplog.at_level(logging.WARNING, logger="kvblock.memory"):
+                with pytest.raises(IOFailedError) as e:
+                    eng.read_into(0, 0, view)
+            assert e.value.in_flight == 1, str(e.value)
+            address, length = _left_of(ring)
+            assert not (raw.address <= address < raw.address + raw.nbytes)   # the staging
+            said = [r.getMessage() for r in caplog.records if "kept mapped" in r.getMessage()]
+            assert len(said) == 1 and path in said[0] and "offset 0" in said[0], said
+            ring.seen.clear()
+            eng.read_into(0, 0, view)
+            assert np.array_equal(view, data)
+            assert not _reused(ring, address, length), "the next read was staged there"
+            _land(address, length)                # lands now: the bytes read stay
+            assert np.array_equal(view, data)
+        finally:
+            eng.close()
+        gc.collect()
+        _land(address, length)                    # and after the engine's close
+
+
+def test_a_read_left_in_flight_keeps_the_stores_staging_buffer(tmp_path, monkeypatch,
+                                                               late_reads):
+    """A get into memory that is not the run's image reads into the
+    thread's staging buffer (StagingBuffers): one a broken ring left a
+    read in flight in was handed to the next get (the late read landing
+    before its copy out gave the caller wrong bytes wherever no checksum
+    is checked), and the store's close() unmapped it."""
+    path = small_store(tmp_path / "store.img")
+    keys = run_keys(0, 4)
+    with KVStore.open([path], engine="uring", verify="never") as store:
+        assert store.put_run(keys, run_data(keys)) == 4
+        ring = _LeftInFlight(native.lib(), OP_READ)
+        monkeypatch.setattr(native, "lib", lambda: ring)
+        out = np.zeros(run_data(keys).size + 1, np.uint8)[1:]     # not aligned: staged
+        with pytest.raises(IOFailedError) as e:
+            store.get_run(keys, out)
+        assert e.value.in_flight == 1, str(e.value)
+        address, length = _left_of(ring)
+        ring.seen.clear()
+        assert store.get_run(keys, out) == 4 and np.array_equal(out, run_data(keys))
+        assert not _reused(ring, address, length), "the next get was staged there"
+        _land(address, length)
+        assert store.get_run(keys, out) == 4 and np.array_equal(out, run_data(keys))
+    gc.collect()
+    _land(address, length)
+
+
+def test_a_spare_buffer_a_read_was_left_in_flight_in_is_not_taken_again(
+        file_target, monkeypatch, late_reads):
+    """A load's unit buffers go back to the store's SpareBuffers when it
+    ends, failed or not: one a read was left in flight in was handed to
+    the next load (its late bytes landing among that load's), and freed
+    when the spares were closed.  Not kept now, nor unmapped; a buffer
+    dropped without close() (a load without spares) stays mapped too."""
+    path = file_target(8 * STEP)
+    ring = _LeftInFlight(native.lib(), OP_READ)
+    spares = SpareBuffers(64 * STEP)
+    with Device(path) as dev, open_engine([dev], "uring") as eng:
+        monkeypatch.setattr(native, "lib", lambda: ring)
+        buf, loose = spares.take(STEP), HostBuffer(STEP, register=False)
+        batch = IOBatch([buf.address, loose.address], 0, [0, STEP], STEP)
+        ring.armed = True
+        with pytest.raises(IOFailedError) as e:
+            eng.read(batch)
+        assert e.value.in_flight == 1
+        loose_at = loose.address
+        ring.left.clear()
+        ring.armed = True
+        with pytest.raises(IOFailedError) as e:
+            eng.read(IOBatch.single(loose.address, 0, 0, STEP))
+        spares.give(buf)
+        assert spares.take(STEP) is not buf
+        del loose
+        gc.collect()
+        spares.close()
+    assert buf.closed
+    _land(buf.address, STEP)
+    _land(loose_at, STEP)
