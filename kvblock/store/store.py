@@ -79,7 +79,7 @@ from kvblock.store.recovery import Recovery
 from kvblock.store.removals import RemovalLog
 from kvblock.store.runio import StagingBuffers
 from kvblock.store.scatter import block_at
-from kvblock.store.storeio import StoreIO
+from kvblock.store.storeio import StoreIO, refuse_late_writes
 from kvblock.store.writes import Later, RunWriter, Streams
 from kvblock.tiers import HostTier
 from kvblock.units import is_whole, size_setting
@@ -330,6 +330,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             raise
         io = None
         try:
+            refuse_late_writes(devs)     # (a metadata write of this process may still land)
             io = options.get("storeio_factory", StoreIO)(   # writes only: nothing to map
                 devs, open_engine(devs, options.get("engine"), mapped_reads=False,
                                   queue_depth=options.get("queue_depth", 32)))
@@ -477,6 +478,8 @@ class KVStore(Recovery, RunReader, RunWriter):
         self.closed = True
         t0 = time.perf_counter()
         self._io_options = (engine, queue_depth, storeio_factory or StoreIO)
+        if not readonly:        # (a metadata write of this process may still land there)
+            refuse_late_writes(devs)
         self.io = self._make_io(devs)
         self._read_superblocks(devs, geometry, model)
         # Before the recovery, which writes the open's checkpoint: the tier

@@ -8,8 +8,12 @@ Everything the store reads, writes, flushes or discards goes through one
 from __future__ import annotations
 
 import contextlib
+import errno
+import os
+import stat
 import threading
 
+from kvblock.errors import DeviceBusyError, IOFailedError
 from kvblock.io import IOBatch, IOEngine
 from kvblock.io.mapped import mappable
 from kvblock.memory import HostBuffer
@@ -23,6 +27,36 @@ from kvblock.memory.aligned import round_up
 # against 17.3 reused, and 386-390 us against 364-375 per put of 2 x 256 KiB
 # into a /dev/shm store file (2-core VM).
 META_BUFFER_BYTES = 256 << 10
+
+# Devices a metadata write was left in flight on (a broken io_uring could
+# not wait for it: IOFailedError.in_flight), by identity (_identity), with
+# where it goes: it may still land, over whatever is written there later (a
+# newer journal record once the journal wraps, a newer checkpoint in its
+# slot), so no store writes them again while this process lives.
+_LATE_WRITES: dict[tuple, str] = {}
+
+
+def _identity(dev) -> tuple:
+    st = os.fstat(dev.fd)
+    return ("blk", st.st_rdev) if stat.S_ISBLK(st.st_mode) else ("file", st.st_dev, st.st_ino)
+
+
+def refuse_late_writes(devices) -> None:
+    """DeviceBusyError for the first of ``devices`` a metadata write was
+    left in flight on in this process (see _LATE_WRITES)."""
+    if not _LATE_WRITES:
+        return
+    for d in devices:
+        try:
+            said = _LATE_WRITES.get(_identity(d))
+        except OSError:       # (closed: nothing writes it)
+            continue
+        if said is not None:
+            raise DeviceBusyError(
+                f"{d.path}: {said}, which a broken io_uring could not wait for, may still "
+                "land on it (over what a store would write there now), so no store writes "
+                "this device again in this process; restart the process to open or format "
+                "it (open it with readonly=True to read it meanwhile)", d.path, errno.EBUSY)
 
 
 class StoreIO:
@@ -62,15 +96,23 @@ class StoreIO:
 
     # --- small metadata transfers ---------------------------------------------------------
     def write_bytes(self, dev: int, offset: int, data: bytes) -> None:
-        size = round_up(len(data), self.devices[dev].block_size)
-        if size > META_BUFFER_BYTES:
-            with HostBuffer(size, register=False) as buf:
-                self._write_padded(buf, dev, offset, data, size)
-            return
-        buf = getattr(self._meta, "buffer", None)
-        if buf is None:
-            buf = self._meta.buffer = HostBuffer(META_BUFFER_BYTES, register=False)
-        self._write_padded(buf, dev, offset, data, size)
+        refuse_late_writes([self.devices[dev]])
+        try:
+            size = round_up(len(data), self.devices[dev].block_size)
+            if size > META_BUFFER_BYTES:
+                with HostBuffer(size, register=False) as buf:
+                    self._write_padded(buf, dev, offset, data, size)
+                return
+            buf = getattr(self._meta, "buffer", None)
+            if buf is None:
+                buf = self._meta.buffer = HostBuffer(META_BUFFER_BYTES, register=False)
+            self._write_padded(buf, dev, offset, data, size)
+        except IOFailedError as e:
+            if e.in_flight:     # (the store closes itself: a failed metadata write)
+                with contextlib.suppress(OSError):
+                    _LATE_WRITES.setdefault(_identity(self.devices[dev]),
+                                            f"a metadata write at offset {offset}")
+            raise
 
     def _write_padded(self, buf: HostBuffer, dev: int, offset: int, data: bytes,
                       size: int) -> None:

@@ -15,14 +15,15 @@ import numpy as np
 import pytest
 
 from kvblock import KVStore
-from kvblock.errors import IOFailedError
+from kvblock.errors import DeviceBusyError, IOFailedError, KVBlockError
 from kvblock.io import native
 from kvblock.devices import Device
 from kvblock.io import IOBatch, open_engine
 from kvblock.io.engine import OP_READ, OP_WRITE
 from kvblock.memory import HostBuffer, aligned
 from kvblock.memory.spares import STEP, SpareBuffers
-from tests.store.workload import run_data, run_keys, small_store
+from kvblock.store import storeio
+from tests.store.workload import GEOM, REGION, run_data, run_keys, small_store
 
 
 class _LeftInFlight:
@@ -32,8 +33,9 @@ class _LeftInFlight:
     offset, length, address) of each I/O so left; ``seen``: (address,
     length) of every I/O of ``op`` run."""
 
-    def __init__(self, real, op):
+    def __init__(self, real, op, at=None):
         self.real, self.op, self.left, self.armed, self.seen = real, op, [], True, []
+        self.at = at       # (lo, hi): only a batch whose first I/O starts there
 
     def __getattr__(self, name):
         return getattr(self.real, name)
@@ -41,7 +43,8 @@ class _LeftInFlight:
     def kvb_ring_run(self, handle, op, n, addrs, devs, offsets, lens, qd, results, lat, h):
         if op == self.op:
             self.seen += [(int(addrs[i]), int(lens[i])) for i in range(n)]
-        if op != self.op or not self.armed:
+        if op != self.op or not self.armed or \
+                (self.at is not None and not self.at[0] <= offsets[0] < self.at[1]):
             return self.real.kvb_ring_run(handle, op, n, addrs, devs, offsets, lens, qd,
                                           results, lat, h)
         self.armed = False
@@ -246,3 +249,51 @@ def test_a_spare_buffer_a_read_was_left_in_flight_in_is_not_taken_again(
     assert buf.closed
     _land(buf.address, STEP)
     _land(loose_at, STEP)
+
+
+# --- metadata writes left in flight ----------------------------------------------------
+
+@pytest.mark.parametrize("what", ["journal", "checkpoint"])
+def test_a_metadata_write_left_in_flight_closes_the_store_and_refuses_writing_it_again(
+        tmp_path, monkeypatch, what):
+    """A journal (or checkpoint) write a broken io_uring could not wait for
+    may still land.  The store closed (a failed metadata write), but it
+    could be opened again at once in the same process: the open's recovery
+    writes a checkpoint into a slot and restarts the journal, and its
+    later records go where the late write may land (a newer record after
+    the journal wraps, a newer checkpoint in the same slot, overwritten by
+    the old bytes: acknowledged puts lost, or replayed onto the wrong
+    snapshot).  Now no store writes that device again in this process
+    (open and format refuse it, naming the device and the fix: restart
+    the process); a read-only open, which never writes, still works."""
+    monkeypatch.setattr(storeio, "_LATE_WRITES", {}, raising=False)
+    path = small_store(tmp_path / "store.img")
+    keys = run_keys(0, 4)
+    with KVStore.open([path], engine="uring") as store:
+        assert store.put_run(keys, run_data(keys)) == 4
+        sb = store.sb
+        area = ((sb.journal_offset, sb.journal_offset + sb.journal_bytes) if what == "journal"
+                else (sb.checkpoint_offset, sb.checkpoint_offset + 2 * sb.checkpoint_bytes))
+        ring = _LeftInFlight(native.lib(), OP_WRITE, at=area)
+        monkeypatch.setattr(native, "lib", lambda: ring)
+        with pytest.raises(KVBlockError) as e:
+            if what == "journal":
+                store.put_run(run_keys(1, 4), run_data(run_keys(1, 4)))
+            else:
+                store.checkpoint()
+        assert ring.left, "no metadata write was left in flight"
+        cause = e.value if isinstance(e.value, IOFailedError) else e.value.__cause__
+        assert isinstance(cause, IOFailedError) and cause.in_flight == 1, repr(e.value)
+        assert store.closed
+    monkeypatch.setattr(native, "lib", lambda: ring.real)
+    for again in (lambda: KVStore.open([path]),
+                  lambda: KVStore.format([path], GEOM, region_size=REGION,
+                                         journal_bytes=256 << 10)):
+        with pytest.raises(DeviceBusyError) as e:
+            again().close()
+        said = str(e.value)
+        assert e.value.path == path and path in said and "restart the process" in said, said
+        assert f"offset {ring.left[0][1]}" in said, said
+    with KVStore.open([path], readonly=True) as store:
+        out = np.zeros_like(run_data(keys))
+        assert store.get_run(keys, out) == 4 and np.array_equal(out, run_data(keys))
