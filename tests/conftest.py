@@ -142,3 +142,19 @@ def no_leaked_loop_devices():
     for dev in leaked:
         loopdev.detach(dev)
     assert not leaked, f"tests left loop devices attached: {leaked}"
+
+
+@pytest.fixture(autouse=True)
+def no_late_io_between_tests(monkeypatch):
+    """The process-wide records of I/Os a broken io_uring left in flight
+    (kvblock.store.storeio: devices no store writes again; kvblock.memory.
+    aligned: host memory kept mapped) are each test's own: a test that
+    provokes one would otherwise refuse a later test's store whose file
+    reuses the inode of its (deleted) store file."""
+    from kvblock.memory import aligned
+    from kvblock.store import storeio
+
+    for module, name, empty in ((storeio, "_LATE_WRITES", dict),
+                                (storeio, "_LATE_DATA_WRITES", dict),
+                                (aligned, "_LATE", list), (aligned, "_KEPT", list)):
+        monkeypatch.setattr(module, name, empty())

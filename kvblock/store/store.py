@@ -79,7 +79,7 @@ from kvblock.store.recovery import Recovery
 from kvblock.store.removals import RemovalLog
 from kvblock.store.runio import StagingBuffers
 from kvblock.store.scatter import block_at
-from kvblock.store.storeio import StoreIO, refuse_late_writes
+from kvblock.store.storeio import StoreIO, note_late_data_write, refuse_late_writes
 from kvblock.store.writes import Later, RunWriter, Streams
 from kvblock.tiers import HostTier
 from kvblock.units import is_whole, size_setting
@@ -330,7 +330,7 @@ class KVStore(Recovery, RunReader, RunWriter):
             raise
         io = None
         try:
-            refuse_late_writes(devs)     # (a metadata write of this process may still land)
+            refuse_late_writes(devs, opening=True)   # (a write of this process may still land)
             io = options.get("storeio_factory", StoreIO)(   # writes only: nothing to map
                 devs, open_engine(devs, options.get("engine"), mapped_reads=False,
                                   queue_depth=options.get("queue_depth", 32)))
@@ -479,7 +479,7 @@ class KVStore(Recovery, RunReader, RunWriter):
         t0 = time.perf_counter()
         self._io_options = (engine, queue_depth, storeio_factory or StoreIO)
         if not readonly:        # (a metadata write of this process may still land there)
-            refuse_late_writes(devs)
+            refuse_late_writes(devs, opening=True)
         self.io = self._make_io(devs)
         self._read_superblocks(devs, geometry, model)
         # Before the recovery, which writes the open's checkpoint: the tier
@@ -1000,12 +1000,15 @@ class KVStore(Recovery, RunReader, RunWriter):
                     kept.append(r)
         for r in kept:
             dev, off = self.regions.address(r)
+            # another open of the device in this process would not know it
+            note_late_data_write(self.io.devices[dev],
+                                 f"a data write in region {r} (offset {off})")
             logger.warning(
                 "kvblock: %s: region %d (offset %d, %d bytes) is kept pinned, never reused "
                 "while this process lives: a write to it may still be in flight (a broken "
-                "io_uring could not wait for it: %s); it is reclaimed at the store's next "
-                "open", self.io.devices[dev].path, r, off,
-                self.regions.size, error)
+                "io_uring could not wait for it: %s); this process opens the store no more "
+                "once it is closed, the next process's open reclaims the region",
+                self.io.devices[dev].path, r, off, self.regions.size, error)
 
     def _dram_gone(self, keys: list[bytes]) -> None:
         """HostTier's ``gone``: blocks that left the DRAM tier.  Those the

@@ -34,6 +34,10 @@ META_BUFFER_BYTES = 256 << 10
 # newer journal record once the journal wraps, a newer checkpoint in its
 # slot), so no store writes them again while this process lives.
 _LATE_WRITES: dict[tuple, str] = {}
+# Likewise data writes (a put's): the store that failed keeps their regions
+# pinned (KVStore._keep_pinned) and goes on, but another open of the device
+# in this process would know nothing of them and could hand the space out.
+_LATE_DATA_WRITES: dict[tuple, str] = {}
 
 
 def _identity(dev) -> tuple:
@@ -41,16 +45,27 @@ def _identity(dev) -> tuple:
     return ("blk", st.st_rdev) if stat.S_ISBLK(st.st_mode) else ("file", st.st_dev, st.st_ino)
 
 
-def refuse_late_writes(devices) -> None:
-    """DeviceBusyError for the first of ``devices`` a metadata write was
-    left in flight on in this process (see _LATE_WRITES)."""
-    if not _LATE_WRITES:
+def note_late_data_write(dev, what: str) -> None:
+    """A data write to ``dev`` (a Device) was left in flight: no other open
+    of it in this process (see _LATE_DATA_WRITES)."""
+    with contextlib.suppress(OSError):
+        _LATE_DATA_WRITES.setdefault(_identity(dev), what)
+
+
+def refuse_late_writes(devices, opening: bool = False) -> None:
+    """DeviceBusyError for the first of ``devices`` a metadata write (and,
+    ``opening`` a store on them, a data write) was left in flight on in
+    this process (see _LATE_WRITES)."""
+    tables = [t for t in ((_LATE_WRITES, _LATE_DATA_WRITES) if opening else (_LATE_WRITES,))
+              if t]
+    if not tables:
         return
     for d in devices:
         try:
-            said = _LATE_WRITES.get(_identity(d))
+            ident = _identity(d)
         except OSError:       # (closed: nothing writes it)
             continue
+        said = next((t[ident] for t in tables if ident in t), None)
         if said is not None:
             raise DeviceBusyError(
                 f"{d.path}: {said}, which a broken io_uring could not wait for, may still "
