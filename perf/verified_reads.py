@@ -60,22 +60,12 @@ def modes(pieces: list[int]) -> dict:
     return out
 
 
-def slot_size(text: str) -> int:
-    """An argparse ``type=`` for --slot: a size, of whole 8-byte words (the
-    pool is filled as int64) and not 0 (slots per pool divide by it)."""
-    size = parse_size(fio_support.size_text(text))
-    if size < 8 or size % 8:
-        raise argparse.ArgumentTypeError(f"{text!r}: a slot is a positive multiple of 8 "
-                                         "bytes, e.g. 256K or 2M")
-    return size
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--where", default="/dev/shm", help="directory of the store file")
     ap.add_argument("--target", choices=("file", "loop"), default="file",
                     help="the store file itself, or a loop device over it (root)")
-    ap.add_argument("--slot", default="2M", type=slot_size, help="slot size")
+    ap.add_argument("--slot", default="2M", type=vt.slot_size, help="slot size")
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--pool", default="256M", type=fio_support.size_text,
                     help="primary pool size (slots are reused)")

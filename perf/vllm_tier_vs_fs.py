@@ -325,10 +325,28 @@ def fmt_size(n: int) -> str:
     return f"{n >> 10} KiB" if n % 1024 == 0 else f"{n} B"
 
 
+def slot_size(text: str) -> int:
+    """An argparse ``type=`` for a slot size: of whole 8-byte words (the
+    pool is filled as int64) and not 0 (slots per pool divide by it)."""
+    size = parse_size(fs.size_text(text))
+    if size < 8 or size % 8:
+        raise argparse.ArgumentTypeError(f"{text!r}: a slot is a positive multiple of 8 "
+                                         "bytes, e.g. 256K or 2M")
+    return size
+
+
+def slot_sizes(text: str) -> list[int]:
+    """An argparse ``type=`` for a comma-separated list of slot sizes."""
+    got = [s.strip() for s in text.split(",") if s.strip()]
+    if not got:
+        raise argparse.ArgumentTypeError("none given: a comma-separated list of sizes")
+    return [slot_size(s) for s in got]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=0.75, help="GiB stored and loaded per case")
-    ap.add_argument("--slots", default="256K,2M", type=fs.comma_sizes,
+    ap.add_argument("--slots", default="256K,2M", type=slot_sizes,
                     help="slot sizes, comma separated")
     ap.add_argument("--locations", default="disk,shm", type=fs.comma_choices(LOCATIONS),
                     help=f"comma separated, of {sorted(LOCATIONS)}")

@@ -488,6 +488,8 @@ def test_an_unknown_choice_is_a_usage_error(script, option, capsys):
     ("put_hashing.py", "--overlap-from", "1X"),
     ("vllm_tier_vs_fs.py", "--slots", "256K,2Q"),
     ("vllm_tier_vs_fs.py", "--slots", ","),
+    ("vllm_tier_vs_fs.py", "--slots", "256K,0"),
+    ("vllm_tier_vs_fs.py", "--slots", "100"),
     ("vllm_tier_vs_fs.py", "--pool", "8Q"),
     ("vllm_tier_vs_fs.py", "--max-run-bytes", "lots"),
     ("verified_reads.py", "--slot", "2X"),
@@ -504,7 +506,8 @@ def test_a_bad_list_or_size_is_a_usage_error(script, option, bad, capsys):
     argparse's usage error (exit 2) naming the option and the bad value.
     So do perf/verified_reads.py's --slot (also 0, a ZeroDivisionError, or
     no multiple of 8 bytes, a RuntimeError filling the pool), --pool and
-    --pieces, parsed after argparse."""
+    --pieces, parsed after argparse, and perf/vllm_tier_vs_fs.py's --slots
+    (a 0 or a size of no whole 8-byte words failed deep in the run)."""
     base = {"verified_reads.py": _small_pool_args("verified_reads.py"),"sglang_vs_hicachefile.py": CASES["sglang_vs_hicachefile.py"],
             "vllm_tier_vs_fs.py": CASES["vllm_tier_vs_fs.py"],
             "put_hashing.py": ["--targets", "shm-file", "--run", "4M", "--gib", "0.01",
