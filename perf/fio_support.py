@@ -245,11 +245,13 @@ def run_fio(dev: str, rw: str, bs: int, qd: int, *, size: int, seconds: float | 
             "seconds": side["runtime"] / 1000.0, "bytes": side["io_bytes"]}
 
 
-def run_guarded(prog: str, body) -> int | None:
+def run_guarded(prog: str, body, cleaned: str = "loop devices detached") -> int | None:
     """Run ``body()`` so that Ctrl-C, SIGTERM and SIGHUP unwind through the
     finally blocks that detach loop devices (SIGINT too when a shell started us
     with it ignored), and a failing fio/losetup or a ConfigError from kvblock
     (a run larger than the store's regions) becomes one line on stderr.
+    ``cleaned`` ends that line: what body's finally blocks clean up (a script
+    with no loop device says what it removes instead).
     Returns None on success, else the exit code (130 interrupted, 2 refused
     by kvblock, 1 failed)."""
     import signal
@@ -264,17 +266,17 @@ def run_guarded(prog: str, body) -> int | None:
     try:
         body()
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted; loop devices detached", file=sys.stderr)
+        print(f"{prog}: interrupted; {cleaned}", file=sys.stderr)
         return 130
     except ConfigError as e:
         # what kvblock refuses once a device is there (a run larger than the
         # store's regions): its message is the fix, not a traceback
-        print(f"{prog}: {e}; loop devices detached", file=sys.stderr)
+        print(f"{prog}: {e}; {cleaned}", file=sys.stderr)
         return 2
     except subprocess.CalledProcessError as e:
         tail = (e.stderr or "").strip().splitlines()[-3:]
         print(f"{prog}: {e.cmd[0]} exited with status {e.returncode}"
-              f"{': ' + ' / '.join(tail) if tail else ''}; loop devices detached",
+              f"{': ' + ' / '.join(tail) if tail else ''}; {cleaned}",
               file=sys.stderr)
         return 1
     finally:

@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     # as the other comparisons: a SIGTERM or SIGHUP unwinds through measure's
     # finally, which removes the store file and the chunk files, where it
     # killed the process on the spot
-    rc = fio_support.run_guarded("lmcache_vs_localdisk", body)
+    rc = fio_support.run_guarded("lmcache_vs_localdisk", body, "store and chunk files removed")
     if rc is not None:
         return rc
     if args.json:

@@ -136,8 +136,11 @@ def main(argv=None) -> int:
             view.release()
             shutil.rmtree(base, ignore_errors=True)
 
-    rc = fio_support.run_guarded("partial_promotions", body)   # detaches the loop device
-    if rc is not None:                                          # on SIGTERM / SIGHUP too
+    # detaches the loop device on SIGTERM / SIGHUP too
+    rc = fio_support.run_guarded("partial_promotions", body,
+                                 "loop device detached" if args.target == "loop"
+                                 else "store files removed")
+    if rc is not None:
         return rc
     ms = {m: statistics.median(t) / len(partial) * 1e3 for m, t in times.items()}
     print(f"{len(partial)} jobs of {args.job_slots} x {args.slot} slots stored in {args.where} "

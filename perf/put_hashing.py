@@ -137,7 +137,9 @@ def main(argv=None) -> int:
                     path = kvblock.create_file(Path(d) / "kv.img", size)
                     rows.append({"target": t, **measure(str(path), args)})
 
-    rc = fs.run_guarded("put_hashing", body)
+    rc = fs.run_guarded("put_hashing", body,
+                        "loop devices detached" if any(t.endswith("loop") for t in targets)
+                        else "store files removed")
     if rc is not None:
         return rc
     print(f"one writer, {args.run} runs ({args.source} source), {args.gib} GiB per round, "

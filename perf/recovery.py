@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     # as the other perf scripts: a SIGTERM or SIGHUP unwinds through the
     # finally that removes the store file (~1.1 GiB of RAM in /dev/shm by
     # default), where it killed the process on the spot
-    return fio_support.run_guarded("recovery", body) or 0
+    return fio_support.run_guarded("recovery", body, "store file removed") or 0
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     # as the other perf scripts: a SIGTERM or SIGHUP unwinds through replay's
     # finally and the folder's cleanup, which remove the store file, where it
     # killed the process on the spot
-    rc = fio_support.run_guarded("replay_trace", body)
+    rc = fio_support.run_guarded("replay_trace", body, "store folder removed")
     if rc is not None:
         return rc
     summary = {"requests": len(requests), "unique_blocks": unique,

@@ -533,7 +533,9 @@ def main(argv=None) -> int:
                         "query_ms": statistics.median(r["query_s"] for r in runs) * 1e3,
                         "samples": runs})
 
-    rc = fs.run_guarded("sglang_vs_hicachefile", body)
+    rc = fs.run_guarded("sglang_vs_hicachefile", body,
+                        "loop devices detached" if args.kvblock_target == "loop"
+                        else "store files removed")
     if rc is not None:
         return rc
     log(f"done in {time.monotonic() - t_start:.0f} s")

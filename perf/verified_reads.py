@@ -131,7 +131,9 @@ def main(argv=None) -> int:
     # unwinds through the finally blocks that detach the loop device (--target
     # loop) and remove the store's folder, where it killed the process on the spot.
     with vt.torch_threads(args.torch_threads):
-        rc = fio_support.run_guarded("verified_reads", body)
+        rc = fio_support.run_guarded("verified_reads", body,
+                                     "loop device detached" if args.target == "loop"
+                                     else "store file removed")
     if rc is not None:
         return rc
     print(f"{args.gib:g} GiB of {vt.fmt_size(slot)} slots on a {args.target} in {args.where}, "

@@ -414,7 +414,9 @@ def main(argv=None) -> int:
                 del pool, base
 
     with torch_threads(args.torch_threads):
-        rc = fs.run_guarded("vllm_tier_vs_fs", body)      # detaches loop devices on SIGTERM
+        rc = fs.run_guarded("vllm_tier_vs_fs", body,      # detaches loop devices on SIGTERM
+                            "loop devices detached" if args.kvblock_target == "loop"
+                            else "store files removed")
     if rc is not None:
         return rc
     fs_impl = "C (fs_io_C)" if fs_io._HAS_FSIO_C else "pure Python (fs_io_C unavailable)"

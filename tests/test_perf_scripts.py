@@ -618,22 +618,27 @@ sys.exit(script.main({args!r}))
 """
 
 
-@pytest.mark.parametrize("script,args,left", [
+@pytest.mark.parametrize("script,args,left,cleaned", [
     ("vllm_tier_vs_fs", ["--gib", "0.02", "--rounds", "1", "--slots", "256K", "--locations",
                          "shm", "--pool", "8M", "--kvblock-target", "loop", "--no-fio"],
-     "kvblock-vllm-bench-{pid}"),
+     "kvblock-vllm-bench-{pid}", "loop devices detached"),
+    ("vllm_tier_vs_fs", ["--gib", "0.02", "--rounds", "1", "--slots", "256K", "--locations",
+                         "shm", "--pool", "8M", "--kvblock-target", "file", "--no-fio"],
+     "kvblock-vllm-bench-{pid}", "store files removed"),
     ("partial_promotions", ["--gib", "0.02", "--rounds", "1", "--job-slots", "16",
                             "--where", "/dev/shm", "--target", "loop", "--region-size", "64M"],
-     "kvblock-partial-bench-{pid}"),
+     "kvblock-partial-bench-{pid}", "loop device detached"),
     ("verified_reads", ["--gib", "0.02", "--rounds", "1", "--slot", "256K", "--pool", "8M",
                         "--threads", "2", "--where", "/dev/shm", "--target", "loop"],
-     "kvblock-verified-reads-{pid}")])
-def test_loop_scripts_detach_their_device_on_sigterm(script, args, left):
+     "kvblock-verified-reads-{pid}", "loop device detached")])
+def test_loop_scripts_detach_their_device_on_sigterm(script, args, left, cleaned):
     """perf/vllm_tier_vs_fs.py, perf/partial_promotions.py and
     perf/verified_reads.py run under fio_support.run_guarded like the other
     loop-device scripts: a SIGTERM (or SIGHUP) unwinds through the finally
     that detaches the loop device and the script exits 130, where it died on
-    the spot and left the device attached and its backing file in /dev/shm."""
+    the spot and left the device attached and its backing file in /dev/shm.
+    The line says what was cleaned up: "loop devices detached" only when
+    there were some (not for a store file, --kvblock-target file)."""
     driver = _SIGTERM_DRIVER.format(perf=str(ROOT / "perf"), module=script, args=args)
     proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -644,7 +649,8 @@ def test_loop_scripts_detach_their_device_on_sigterm(script, args, left):
     for dev in leaked:                      # clean up after a failing run
         fio_support.detach(dev)
     subprocess.run(["rm", "-rf", str(base)], check=True)
-    assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-2000:])
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    assert f"{script}: interrupted; {cleaned}\n" in err, err[-2000:]
     assert not leaked and not base.exists()
 
 
@@ -954,7 +960,10 @@ def test_lmcache_comparison_removes_its_store_on_sigterm():
     base = Path("/dev/shm") / f"kvblock-lmcache-bench-{proc.pid}"
     left = base.exists()
     subprocess.run(["rm", "-rf", str(base)], check=True)      # after a failing run
-    assert proc.returncode == 130 and "interrupted" in err, (proc.returncode, err[-2000:])
+    assert proc.returncode == 130, (proc.returncode, err[-2000:])
+    # it has no loop device to detach: the line says what it removed
+    assert "lmcache_vs_localdisk: interrupted; store and chunk files removed\n" in err, \
+        err[-2000:]
     assert not left
 
 
@@ -972,14 +981,16 @@ sys.exit(script.main())
 """
 
 
-@pytest.mark.parametrize("script,patch", [("recovery", "KVStore.format"),
-                                          ("replay_trace", "KVStore.put_run")])
-def test_store_file_scripts_remove_their_store_on_sigterm(script, patch, tmp_path):
+@pytest.mark.parametrize("script,patch,cleaned", [
+    ("recovery", "KVStore.format", "store file removed"),
+    ("replay_trace", "KVStore.put_run", "store folder removed")])
+def test_store_file_scripts_remove_their_store_on_sigterm(script, patch, cleaned, tmp_path):
     """perf/recovery.py (its store file: ~1.1 GiB in /dev/shm by default) and
     perf/replay_trace.py (its store in a temporary folder in /dev/shm)
     remove them in a finally, but ran outside fio_support.run_guarded: a
     SIGTERM or SIGHUP killed them on the spot and left the files behind.
-    They unwind through the finally now and exit 130."""
+    They unwind through the finally now and exit 130, saying what they
+    removed (not "loop devices detached": they have none)."""
     where = tmp_path / "store"
     where.mkdir()
     if script == "recovery":
@@ -994,6 +1005,6 @@ def test_store_file_scripts_remove_their_store_on_sigterm(script, patch, tmp_pat
                                         args=args)
     proc = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True)
     left = sorted(p.name for p in where.rglob("*"))
-    assert proc.returncode == 130 and "interrupted" in proc.stderr, \
-        (proc.returncode, proc.stderr[-2000:])
+    assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
+    assert f"{script}: interrupted; {cleaned}\n" in proc.stderr, proc.stderr[-2000:]
     assert not left, left
