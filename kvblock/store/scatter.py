@@ -22,11 +22,12 @@ from kvblock.io import IOBatch
 from kvblock.layout.geometry import Geometry
 
 
-def as_array(x, what: str, writable: bool = False) -> np.ndarray:
-    """A caller's buffer as a numpy array: numpy arrays and anything numpy
-    takes, and CPU torch tensors of any dtype (bfloat16, which numpy has
-    not, as bytes), contiguous ones without a copy.  A buffer to read into
-    (``writable``) must be contiguous: a copy would take the bytes."""
+def as_array(x, what: str, writable: bool = False, arg: str = "data") -> np.ndarray:
+    """A caller's buffer as a numpy array: numpy arrays, array-likes and
+    bytes-like objects, and CPU torch tensors of any dtype (bfloat16, which
+    numpy has not, as bytes), contiguous ones without a copy.  A buffer to
+    read into (``writable``) must be contiguous: a copy would take the bytes.
+    ``arg`` names the argument in errors."""
     if type(x).__module__.startswith("torch"):
         import torch
 
@@ -52,12 +53,30 @@ def as_array(x, what: str, writable: bool = False) -> np.ndarray:
             raise ConfigError(f"{what}: the {type(x).__name__} to read into is read-only; pass "
                               "a writable one (a bytearray, numpy array or tensor)")
         return _bytes_held(np.asarray(view), what)
+    if not isinstance(x, np.ndarray) and not _array_like(x):
+        # numpy makes an array of anything: a str becomes a unicode array (4
+        # bytes a character), a list of ints an int64 one; neither is KV
+        raise ConfigError(f"{what}: {arg} is a {type(x).__name__}; pass the KV bytes as a "
+                          "numeric numpy array, CPU tensor or bytes-like object (bytes, "
+                          "bytearray, memoryview)")
     try:
         arr = np.asarray(x)
     except (TypeError, ValueError) as e:     # ragged lists and the like: no byte array
         raise ConfigError(f"{what}: a {type(x).__name__} numpy cannot take as one array of "
                           f"bytes ({e})") from None
     return _bytes_held(arr, what)
+
+
+def _array_like(x) -> bool:
+    """Does ``x`` hold its bytes as an array (the buffer protocol or numpy's
+    array interfaces), not values numpy would make an array of?"""
+    if hasattr(x, "__array_interface__") or hasattr(x, "__array_struct__"):
+        return True
+    try:
+        memoryview(x)
+    except TypeError:
+        return False
+    return True
 
 
 def _bytes_held(arr: np.ndarray, what: str) -> np.ndarray:
@@ -107,7 +126,7 @@ class BlockList:
                     (b.flags.writeable or not writable):
                 arrays.append(b.reshape(shape))          # a pool slot as it is: no checks left
                 continue
-            a = as_array(b, what, writable)
+            a = as_array(b, what, writable, arg=f"block {k}")
             if a.nbytes != g.block_bytes:
                 raise ConfigError(f"{what}: block {k} holds {a.nbytes} bytes; a block is "
                                   f"{g.block_bytes} bytes ({g.describe()})")

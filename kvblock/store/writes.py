@@ -118,7 +118,9 @@ class RunWriter(RunIO):
         """Store a run of consecutive blocks.
 
         ``data`` holds the blocks' bytes in the store's layout order: an array
-        (any dtype) of ``len(keys) * geometry.block_bytes`` bytes shaped or
+        (any numeric dtype), CPU tensor or bytes-like object (bytes,
+        bytearray, memoryview; a str or a list is refused) of
+        ``len(keys) * geometry.block_bytes`` bytes shaped or
         viewable as ``(num_layers, head_groups, len(keys), group_block_bytes)``.
         Returns the number of blocks written (0 when admission declined the
         run).  Runs longer than a region are split into several runs
@@ -174,7 +176,7 @@ class RunWriter(RunIO):
                 raise ConfigError(f"put_runs: run {k} must be a (keys, data) pair")
             keys, data = run
             keys = normalize_keys(keys)
-            items.append((keys, self._blocks_view(keys, data)))
+            items.append((keys, self._blocks_view(keys, data, "put_runs")))
         return self._put_many(items, began)
 
     def _stored_whole(self, keys: list[bytes]) -> bool:
@@ -357,12 +359,12 @@ class RunWriter(RunIO):
             record += entry
         return [group for group in groups if group]
 
-    def _blocks_view(self, keys: list[bytes], data) -> np.ndarray:
+    def _blocks_view(self, keys: list[bytes], data, what: str = "put_run") -> np.ndarray:
         """put_run's data as (layers, groups, blocks, group_block_bytes) bytes."""
         g, n = self.geometry, len(keys)
-        arr = as_array(data, "put_run")
+        arr = as_array(data, what)
         if arr.nbytes != n * g.block_bytes:
-            raise ConfigError(f"put_run: {n} keys need {n * g.block_bytes} bytes of KV "
+            raise ConfigError(f"{what}: {n} keys need {n * g.block_bytes} bytes of KV "
                               f"({g.describe()}), got {arr.nbytes}")
         return np.ascontiguousarray(arr).view(np.uint8).reshape(
             g.num_layers, g.head_groups, n, g.group_block_bytes)

@@ -2563,7 +2563,7 @@ def test_a_buffer_of_python_objects_is_a_config_error(store_path):
     a TypeError ("Cannot change data-type for array of references"); a put
     or get of one is the caller's mistake, said as a ConfigError, and
     nothing is stored.  So is a ragged list numpy cannot make an array of
-    (its ValueError, not kvblock's)."""
+    (its ValueError, not kvblock's; a list is no byte buffer at all)."""
     objects = np.empty(GEOM.block_bytes // 8, dtype=object)
     assert objects.nbytes == GEOM.block_bytes
     keys = run_keys(60, 1)
@@ -2575,7 +2575,7 @@ def test_a_buffer_of_python_objects_is_a_config_error(store_path):
         with pytest.raises(ConfigError, match="Python object"):
             store.put_runs([(run_keys(61, 1), run_data(run_keys(61, 1))), (keys, objects)])
         ragged = [np.zeros(GEOM.block_bytes, np.uint8), np.zeros(3, np.uint8)]
-        with pytest.raises(ConfigError, match="numpy cannot take"):   # was numpy's ValueError
+        with pytest.raises(ConfigError, match="data is a list"):   # was numpy's ValueError
             store.put_run(run_keys(62, 2), ragged)
         assert store.lookup(keys) == 0 and store.lookup(run_keys(61, 1)) == 0
         data = run_data(keys)
@@ -2586,6 +2586,38 @@ def test_a_buffer_of_python_objects_is_a_config_error(store_path):
             store.get_blocks(keys, [objects])
         out = np.zeros_like(data)
         assert store.get_run(keys, out) == 1 and np.array_equal(out, data)
+
+
+def test_data_that_is_not_bytes_like_is_a_config_error(store_path):
+    """put_run took whatever numpy made an array of: a str became a unicode
+    array (4 bytes a character), stored as KV when its length was a quarter
+    of the run's bytes, and a list of ints an int64 array.  Neither is KV
+    bytes: put_run, put_blocks and put_runs refuse data that is no numpy
+    array, CPU tensor or bytes-like object with a ConfigError naming the
+    argument, and store nothing; bytes-like objects and numeric arrays of
+    any dtype are taken as before and read back as put."""
+    keys = run_keys(67, 1)
+    data = run_data(keys)
+    text = "k" * (GEOM.block_bytes // 4)
+    ints = [7] * (GEOM.block_bytes // 8)
+    with _format([store_path]) as store:
+        for bad, kind in ((text, "str"), (ints, "list"), (tuple(ints), "tuple")):
+            with pytest.raises(ConfigError, match=f"put_run: data is a {kind}; pass"):
+                store.put_run(keys, bad)
+            with pytest.raises(ConfigError, match=f"put_blocks: block 0 is a {kind}; pass"):
+                store.put_blocks(keys, [bad])
+            with pytest.raises(ConfigError, match=f"put_runs: data is a {kind}; pass"):
+                store.put_runs([(keys, bad)])
+        assert store.lookup(keys) == 0 and store.stats()["blocks"] == 0
+        out = np.empty_like(data)
+        for k, good in enumerate((bytes(data), bytearray(data), memoryview(data),
+                                  data.view(np.float16), data.view(np.int64))):
+            ks = run_keys(68 + k, 1)
+            assert store.put_run(ks, good) == 1
+            assert store.get_run(ks, out) == 1 and np.array_equal(out, data)
+        ks = run_keys(80, 1)
+        assert store.put_blocks(ks, [bytes(data)]) == 1
+        assert store.get_run(ks, out) == 1 and np.array_equal(out, data)
 
 
 @pytest.mark.parametrize("keys", [None, 5, 2.5, object()])
