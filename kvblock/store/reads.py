@@ -384,8 +384,11 @@ class RunReader(RunIO):
         get_run does; returns the number of leading blocks read."""
         self._check_open()
         g = self.geometry
-        if not (is_whole(layer) and is_whole(group)) or \
-                not (0 <= layer < g.num_layers and 0 <= group < g.head_groups):
+        for name, value in (("layer", layer), ("group", group)):
+            if not is_whole(value):     # "0" printed as 0 read as in range
+                raise ConfigError(f"read_range: {name} must be an int, got {value!r} "
+                                  f"({type(value).__name__})")
+        if not (0 <= layer < g.num_layers and 0 <= group < g.head_groups):
             raise ConfigError(f"read_range: layer {layer} / group {group} outside "
                               f"{g.num_layers} layers x {g.head_groups} groups")
         keys = normalize_keys(keys)

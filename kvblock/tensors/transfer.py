@@ -303,8 +303,12 @@ class LoadHandle:
         """Wait for one layer; returns the pages valid so far (may still shrink
         if a later layer fails its checksum: use :meth:`wait` for the final count)."""
         # -1 would silently wait for the last one; 2.5 index the events; a
-        # bool (an int to isinstance) wait for layer 0 or 1
-        if not is_whole(layer) or not 0 <= layer < self.num_layers:
+        # bool (an int to isinstance) wait for layer 0 or 1; "0" printed as 0
+        # would read as in range
+        if not is_whole(layer):
+            raise ConfigError(f"wait_layer: layer must be an int, got {layer!r} "
+                              f"({type(layer).__name__})")
+        if not 0 <= layer < self.num_layers:
             raise ConfigError(f"wait_layer: layer {layer} is not one of the store's "
                               f"{self.num_layers} layers (0-{self.num_layers - 1})")
         timeout = timeout_setting(timeout, "wait_layer")

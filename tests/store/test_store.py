@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -177,6 +178,14 @@ def test_read_range_is_one_layer_and_group(store_path, verify):
                 assert np.array_equal(out.reshape(3, -1), data[layer, group, :3])
         with pytest.raises(ConfigError, match="layer 2 / group 0 outside 2 layers"):
             store.read_range(keys, 2, 0, np.zeros(4 * GEOM.group_block_bytes, np.uint8))
+        # a layer or group that is no int read 'layer 0 / group 0 outside 2
+        # layers' for "0", which 0 is not: it is refused for its type
+        for layer, group, said in (("0", 0, "layer must be an int, got '0' (str)"),
+                                   (0, 0.0, "group must be an int, got 0.0 (float)"),
+                                   (True, 0, "layer must be an int, got True (bool)")):
+            with pytest.raises(ConfigError, match=re.escape(f"read_range: {said}")):
+                store.read_range(keys, layer, group,
+                                 np.zeros(4 * GEOM.group_block_bytes, np.uint8))
 
 
 def test_delete_and_reclaim_empty_region(store_path):
@@ -1185,7 +1194,7 @@ def test_bad_put_arguments(store_path):
             store.put_runs([([b"a"],)])
         with pytest.raises(ConfigError, match="byte count"):
             store.evict("10")
-        with pytest.raises(ConfigError, match="layer 0.5"):
+        with pytest.raises(ConfigError, match="layer must be an int, got 0.5"):
             store.read_range([b"a"], 0.5, 0, np.zeros(GEOM.group_block_bytes, np.uint8))
 
 

@@ -1209,14 +1209,21 @@ def test_layers_of_another_dtype_are_refused():
 
 def test_wait_layer_outside_the_store_layers_is_a_clear_error(path):
     """A bool (True, a flag passed for a layer) waited for layer 1 (False
-    for layer 0) and returned as if that was asked: refused like 0.5."""
+    for layer 0) and returned as if that was asked: refused like 0.5.  A
+    layer that is no int is refused for its type: "0" read 'layer 0 is not
+    one of the store's 2 layers (0-1)', which 0 is."""
     src = [rand(2, 4, BS, H, D) for _ in range(L)]
     with _store(path, geom()) as store:
         save_blocks(store, [b"w0"], VLLMLayout(src), [0])
         h = load_blocks(store, [b"w0"], VLLMLayout(src), [1])
-        for layer in (L, -1, 0.5, True, False, np.True_):
+        for layer in (L, -1):
             with pytest.raises(ConfigError, match=f"layer {layer} is not one of the store's "
                                                   f"{L} layers"):
+                h.wait_layer(layer)
+        for layer in ("0", 0.5, True, False, np.True_):
+            with pytest.raises(ConfigError, match=re.escape(
+                    f"wait_layer: layer must be an int, got {layer!r} "
+                    f"({type(layer).__name__})")):
                 h.wait_layer(layer)
         assert h.wait_layer(L - 1) == 1 and h.wait() == 1
 
