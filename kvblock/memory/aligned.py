@@ -316,17 +316,30 @@ class HostBuffer:
             if not self._cuda_pinned:
                 from kvblock.memory.cudapin import pin_refused, unpin_at
 
-                self.cuda_pin_refusal = pin_refused(self, device)
-                self._cuda_pinned = None if self.cuda_pin_refusal else True
-                if self._cuda_pinned:
-                    # Dropped without close() (a store collected unclosed,
-                    # its spares with it), the buffer is unregistered as it
-                    # is collected, before its memory goes (weakref
-                    # callbacks run before the instance's attributes, its
-                    # mapping among them, are cleared).  Not at exit: the
-                    # process's end unlocks everything.
-                    self._cuda_unpin = weakref.finalize(self, unpin_at, self.address, device)
-                    self._cuda_unpin.atexit = False
+                try:
+                    refusal = pin_refused(self, device)
+                    if refusal is None:
+                        # Dropped without close() (a store collected unclosed,
+                        # its spares with it), the buffer is unregistered as it
+                        # is collected, before its memory goes (weakref
+                        # callbacks run before the instance's attributes, its
+                        # mapping among them, are cleared).  Not at exit: the
+                        # process's end unlocks everything.
+                        self._cuda_unpin = weakref.finalize(self, unpin_at, self.address,
+                                                            device)
+                        self._cuda_unpin.atexit = False
+                    self.cuda_pin_refusal = refusal
+                    self._cuda_pinned = None if refusal else True
+                except BaseException:
+                    # a Ctrl-C as cudaHostRegister returns or before the
+                    # finalizer is set: nothing else would unlock the pages
+                    # (maybe never locked: then unregistering is refused, quietly)
+                    if self._cuda_unpin is not None:
+                        self._cuda_unpin.detach()
+                        self._cuda_unpin = None
+                    self._cuda_pinned = False
+                    unpin_at(self.address, device, quiet=True)
+                    raise
             return bool(self._cuda_pinned)
 
     @property

@@ -92,9 +92,10 @@ def unpin(buf, device: int | None = None) -> None:
     unpin_at(buf.address, device)
 
 
-def unpin_at(address: int, device: int | None = None) -> None:
+def unpin_at(address: int, device: int | None = None, quiet: bool = False) -> None:
     """:func:`unpin` of the buffer at ``address`` (a finalizer's: no buffer
-    to hold)."""
+    to hold).  ``quiet``: the buffer may not be pinned (an interrupted pin
+    undone), so a refusal is no news to log."""
     try:
         import torch
 
@@ -105,8 +106,9 @@ def unpin_at(address: int, device: int | None = None) -> None:
                 # as a refused register: left set, the runtime's last error
                 # was reported by the next unrelated check on this thread
                 _clear_cuda_error(rt)
-                logger.warning("kvblock: cudaHostUnregister of the buffer at 0x%x answered "
-                               "CUDA error %d: its pages may stay page-locked", address,
-                               int(err))
+                if not quiet:
+                    logger.warning("kvblock: cudaHostUnregister of the buffer at 0x%x "
+                                   "answered CUDA error %d: its pages may stay page-locked",
+                                   address, int(err))
     except Exception:  # the CUDA runtime is gone (interpreter exit): nothing to undo
         pass

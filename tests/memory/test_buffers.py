@@ -497,3 +497,50 @@ def test_a_kernel_without_populate_write_still_gets_prefaulted_buffers(monkeypat
     with HostBuffer(3 * PAGE_SIZE) as buf:
         buf.array[:] = 7
         assert int(buf.array.sum()) == 7 * 3 * PAGE_SIZE
+
+
+@pytest.mark.parametrize("where", ["register", "finalizer"])
+def test_a_ctrl_c_while_pinning_for_cuda_leaves_the_buffer_unlocked(monkeypatch, where):
+    """A KeyboardInterrupt after cudaHostRegister succeeded but before the
+    unpin finalizer was set (raised as the call returns, or while the
+    finalizer is made) left the buffer page-locked with nothing to unlock
+    it: pin_for_cuda had not marked it pinned, so close() did not
+    unregister, and no finalizer would.  It is undone before the interrupt
+    goes on; the buffer stays unpinned and can be pinned again."""
+    torch = pytest.importorskip("torch")
+    from kvblock.memory import aligned
+
+    class StandInCudart:
+        def __init__(self):
+            self.registered = {}
+
+        def cudaHostRegister(self, address, nbytes, flags):
+            self.registered[address] = nbytes
+            if where == "register" and interrupt:
+                interrupt.pop()
+                raise KeyboardInterrupt      # a Ctrl-C as the call returns
+            return 0
+
+        def cudaHostUnregister(self, address):
+            return 0 if self.registered.pop(address, None) is not None else 713
+
+    rt, interrupt = StandInCudart(), [True]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    real_finalize = aligned.weakref.finalize
+
+    def finalize(obj, func, *args):
+        if where == "finalizer" and func is not registry.remove and interrupt:
+            interrupt.pop()
+            raise KeyboardInterrupt          # a Ctrl-C before the finalizer is set
+        return real_finalize(obj, func, *args)
+
+    monkeypatch.setattr(aligned.weakref, "finalize", finalize)
+    buf = HostBuffer(1 << 20, register=False)
+    with pytest.raises(KeyboardInterrupt):
+        buf.pin_for_cuda()
+    assert rt.registered == {}, "interrupted, the buffer stayed page-locked"
+    assert not buf.cuda_pinned
+    assert buf.pin_for_cuda() and rt.registered == {buf.address: 1 << 20}   # again
+    buf.close()
+    assert rt.registered == {}
