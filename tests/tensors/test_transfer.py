@@ -2836,6 +2836,9 @@ def test_a_cuda_cache_is_cut_on_the_device_from_one_copy_of_each_piece(path, mon
         return torch.from_numpy(np.ascontiguousarray(a)).to(device)
     monkeypatch.setattr(transfer, "_torch_cuda", as_cuda)
     monkeypatch.setattr(transfer, "_torch_from_host", from_host)
+    # (DRAM hits into a host cache go straight to its pages, a real CUDA
+    # cache's never: the stand-in is kept off that path)
+    monkeypatch.setattr(transfer, "_arena_rows", lambda *a: None)
     n, per = 6, H // tp
     keys = [f"d{i}".encode() for i in range(n)]
     ids = [5, 0, 3, 1, 4, 2]
@@ -3291,3 +3294,162 @@ def test_a_staging_buffer_whose_page_locking_raises_goes_back_to_the_spares(
         assert first & set(map(id, taken)), "the next load made a new buffer"
     for layer in range(L):
         assert torch.equal(dst[layer].view(torch.int16), src[layer].view(torch.int16))
+
+
+# DRAM-tier hits into host caches: rows of 256 bytes or more (D=128 bf16:
+# one head a row), the native row copy's, for every layout and TP slice.
+DL, DH, DD, DBS = 3, 8, 128, 4
+
+
+def _dram_cache(kind, pages, heads, mla=False):
+    """(layout, its tensors' owner) of ``pages`` pages of ``heads`` heads."""
+    if kind == "hf":
+        lay = HFDynamicLayout([rand(1, heads, pages * DBS, DD) for _ in range(DL)],
+                              [rand(1, heads, pages * DBS, DD) for _ in range(DL)], DBS)
+    elif kind == "sglang":
+        lay = SGLangHostLayout(rand(2, pages * DBS, DL, heads, DD), "page_first", DBS)
+    elif kind == "mla":
+        lay = VLLMLayout([rand(pages, DBS, 2 * DD) for _ in range(DL)], mla=True)
+    else:
+        shape = (2, pages, DBS, heads, DD) if kind == "NHD" else (2, pages, heads, DBS, DD)
+        lay = VLLMLayout([rand(*shape) for _ in range(DL)], kind)
+    return lay
+
+
+def _dram_pages(lay, layer):
+    """Raw int16 numpy views (pages, tokens, heads, dim) of a layer's K/V parts."""
+    from kvblock.tensors import transfer
+
+    return [transfer._host_np(v, 2) for v in lay.layer_views(layer)]
+
+
+def _zero(lay):
+    for layer in range(DL):
+        for v in _dram_pages(lay, layer):
+            v[...] = 0
+
+
+@pytest.mark.parametrize("kind,groups,tp,rank", [
+    (kind, *split) for kind in ("NHD", "HND", "sglang", "hf")
+    for split in ((1, 1, 0), (1, 2, 1), (2, 2, 1), (2, 1, 0), (2, 4, 3), (4, 2, 1), (1, 16, 5))
+] + [("mla", 1, 1, 0), ("mla", 1, 4, 3)])    # MLA: one latent head, whole or replicated
+def test_dram_hits_into_a_host_cache_are_copied_straight_from_the_arena(path, monkeypatch,
+                                                                        kind, groups, tp, rank):
+    """DRAM-tier hits loaded into a host (CPU) cache were copied three
+    times: HostTier.get copied each block out of the arena, np.stack
+    copied them all again, then each layer's pages were scattered.  Each
+    hit now goes straight from the arena into every layer's pages (under
+    the tier's lock, HostTier.copy_out): the same bytes for every layout,
+    head-group split, TP rank and page order, the same hit counts."""
+    from kvblock.tiers import HostTier
+
+    heads = 1 if kind == "mla" else DH
+    g = Geometry(DL, heads, 2 * DD if kind == "mla" else DD, "bfloat16", DBS,
+                 1 if kind == "mla" else 2, 1 if kind == "mla" else groups)
+    per, first = (heads // tp, rank * (heads // tp)) if tp <= heads else \
+        (1, rank // (tp // heads))
+    n, ids = 6, [7, 2, 9, 0, 5, 3]
+    keys = [f"t{i}".encode() for i in range(n)]
+    src = _dram_cache(kind, n, heads)
+    dst = _dram_cache(kind, 10, per)
+    _zero(dst)
+    gets, real_get = [], HostTier.get
+
+    def get(self, *a, **kw):
+        gets.append(a)
+        return real_get(self, *a, **kw)
+
+    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
+        assert save_blocks(store, keys, src, list(range(n))) == n
+        monkeypatch.setattr(HostTier, "get", get)
+        before = store.stats()
+        assert load_blocks(store, keys, dst, ids, tp_rank=rank, tp_size=tp).wait(timeout=30) == n
+        after = store.stats()
+    for name, want in (("host_tier_hits", n), ("host_tier_misses", 0),
+                       ("device_hit_blocks", 0), ("host_hit_blocks", n)):
+        assert after[name] - before[name] == want, name
+    for layer in range(DL):
+        for s, d in zip(_dram_pages(src, layer), _dram_pages(dst, layer)):
+            assert np.array_equal(d[ids], s[:, :, first:first + per]), layer
+            assert not d[[1, 4, 6, 8]].any()         # pages not loaded stay untouched
+    assert not gets, "DRAM hits were copied out of the arena with HostTier.get"
+
+
+@pytest.mark.parametrize("end", ["on the device", "stale", "nowhere"])
+def test_a_dram_stretch_into_a_host_cache_ends_at_the_first_block_it_cannot_serve(path, end):
+    """A DRAM stretch copied straight from the arena stops at the first key
+    whose copy is not there (on the device only, or nowhere) or is older
+    than the run its key names (stale: it leaves, and is not served); the
+    blocks before it are in place, the rest come from the device (or the
+    load ends there), counted as before: a hit per DRAM block, a miss for
+    the key that ended the stretch and each device block after it."""
+    g = Geometry(DL, DH, DD, "bfloat16", DBS)
+    n, ids = 6, [7, 2, 9, 0, 5, 3]
+    keys = [f"e{i}".encode() for i in range(n)]
+    src = _dram_cache("NHD", n, DH)
+    dst = _dram_cache("NHD", 10, DH)
+    _zero(dst)
+    nk = normalize_keys(keys)
+    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
+        if end == "nowhere":
+            assert save_blocks(store, keys[:3] + keys[4:], src, [0, 1, 2, 4, 5]) == 5
+        else:
+            assert save_blocks(store, keys, src, list(range(n))) == n
+        if end == "on the device":
+            assert store.host.discard(nk[3])
+        elif end == "stale":      # a copy older than any run (publish counts start at 1)
+            store.host.put(nk[3], np.full(g.block_bytes, 0x55, np.uint8), replace=True,
+                           current=lambda: 0)
+            assert nk[3] in store.host
+        before = store.stats()
+        got = load_blocks(store, keys, dst, ids).wait(timeout=30)
+        after = store.stats()
+    loaded = 3 if end == "nowhere" else n
+    assert got == loaded
+    device = loaded - 3
+    for name, want in (("host_tier_hits", 3), ("host_tier_misses", 1 + max(0, device - 1)),
+                       ("device_hit_blocks", device), ("host_hit_blocks", 3)):
+        assert after[name] - before[name] == want, name
+    for layer in range(DL):
+        for s, d in zip(_dram_pages(src, layer), _dram_pages(dst, layer)):
+            assert np.array_equal(d[ids[:loaded]], s[:loaded]), layer
+            assert not d[[1, 4, 6, 8] + ids[loaded:]].any()
+
+
+@pytest.mark.parametrize("why", ["no native library", "layers of other strides"])
+def test_dram_hits_into_a_host_cache_without_a_row_copy_are_scattered_with_numpy(
+        path, monkeypatch, why):
+    """Where no one row copy applies (no native library, or layers whose
+    pages lie with other strides: no one plan for every layer), DRAM hits
+    take get, stack and the scatter: the same bytes and counts."""
+    from kvblock.tensors import pagecopy
+    from kvblock.tiers import HostTier
+
+    g = Geometry(DL, DH, DD, "bfloat16", DBS)
+    n, ids = 6, [7, 2, 9, 0, 5, 3]
+    keys = [f"f{i}".encode() for i in range(n)]
+    src = _dram_cache("NHD", n, DH)
+    dst = _dram_cache("NHD", 10, DH)
+    if why == "no native library":
+        monkeypatch.setattr(pagecopy, "_lib", lambda: None)
+    else:                     # layer 1: every other head_dim of a wider tensor
+        dst.caches[1] = torch.zeros(2, 10, DBS, DH, 2 * DD, dtype=torch.bfloat16)[..., ::2]
+    _zero(dst)
+    gets, real_get = [], HostTier.get
+
+    def get(self, *a, **kw):
+        gets.append(a)
+        return real_get(self, *a, **kw)
+
+    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
+        assert save_blocks(store, keys, src, list(range(n))) == n
+        monkeypatch.setattr(HostTier, "get", get)
+        before = store.stats()
+        assert load_blocks(store, keys, dst, ids).wait(timeout=30) == n
+        after = store.stats()
+    assert len(gets) == n, "the fallback was not taken"
+    assert after["host_tier_hits"] - before["host_tier_hits"] == n
+    assert after["device_hit_blocks"] == before["device_hit_blocks"]
+    for layer in range(DL):
+        for s, d in zip(_dram_pages(src, layer), _dram_pages(dst, layer)):
+            assert np.array_equal(d[ids], s), layer
