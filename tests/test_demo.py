@@ -126,17 +126,9 @@ def test_recompute_computes_no_logits_for_the_prefix(monkeypatch, tmp_path):
     1 GiB, and an LM-head matmul over all of them, 12-25% of the prefill)
     and threw them away, which inflated the recompute time and the
     speed-up."""
-    from kvblock import demo
+    from tests.support.lm_head import watch_lm_head
 
-    rows = []
-    build = demo.build_model
-
-    def build_and_watch():
-        model = build()
-        model.lm_head.register_forward_hook(lambda m, a, out: rows.append(out.shape[-2]))
-        return model
-
-    monkeypatch.setattr(demo, "build_model", build_and_watch)
+    rows = watch_lm_head(monkeypatch)
     res = _demo_with_child(monkeypatch, tmp_path,
                            lambda argv, kw: subprocess.CompletedProcess(argv, 1, None, b""))
     assert "restore process failed" in res.output, res.output   # after the recompute

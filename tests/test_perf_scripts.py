@@ -859,17 +859,9 @@ def test_restore_vs_recompute_bench_computes_no_logits_for_the_prefix(monkeypatc
     it was fixed: the recompute time and the ratio were inflated.  Its LM
     head must only ever compute the last position.  Run in-process at 512
     tokens."""
-    from kvblock import demo
+    from tests.support.lm_head import watch_lm_head
 
-    rows, failed = [], []
-    build = demo.build_model
-
-    def build_and_watch():
-        model = build()
-        model.lm_head.register_forward_hook(lambda m, a, out: rows.append(out.shape[-2]))
-        return model
-
-    monkeypatch.setattr(demo, "build_model", build_and_watch)
+    rows, failed = watch_lm_head(monkeypatch), []
 
     class Failures:
         def pytest_runtest_logreport(self, report):

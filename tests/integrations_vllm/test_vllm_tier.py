@@ -988,10 +988,7 @@ def test_a_call_stuck_on_a_shared_store_costs_lookups_one_lock_wait(tmp_path, mo
     LOOKUP_LOCK_WAIT_S = 0.1       # as in the test above: a wait per call stands out
     monkeypatch.setattr(tier_mod, "LOOKUP_LOCK_WAIT_S", LOOKUP_LOCK_WAIT_S)
 
-    pool = page_aligned_pool(8)
-    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
-                              devices=[str(tmp_path / "kv.img")], size="64M", threads=2,
-                              server=str(tmp_path / "kv.sock"))
+    pool, tier = _served_tier(tmp_path)
     pid = tier.store.server_pid
     try:
         fill_random(pool, range(1))
@@ -1349,10 +1346,7 @@ def test_shutdown_cuts_calls_stuck_on_a_hung_shared_server(tmp_path, monkeypatch
     from tests.support.servers import stop_process, stop_server
 
     monkeypatch.setattr(tier_mod, "SHUTDOWN_WAIT_S", 1.0)
-    pool = page_aligned_pool(8)
-    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
-                              devices=[str(tmp_path / "kv.img")], size="64M", threads=2,
-                              server=str(tmp_path / "kv.sock"))
+    pool, tier = _served_tier(tmp_path)
     pid = tier.store.server_pid
     try:
         fill_random(pool, range(2))
@@ -1907,10 +1901,7 @@ def test_a_hung_shared_server_costs_lookup_one_bounded_wait(tmp_path, monkeypatc
     LOOKUP_ANSWER_TIMEOUT_S = 3.0
     monkeypatch.setattr(tier_mod, "LOOKUP_ANSWER_TIMEOUT_S", LOOKUP_ANSWER_TIMEOUT_S)
 
-    dev, sock = str(tmp_path / "kv.img"), str(tmp_path / "kv.sock")
-    pool = page_aligned_pool(8)
-    tier = KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock", devices=[dev],
-                              server=sock, size="64M", threads=2)
+    pool, tier = _served_tier(tmp_path)
     pid = tier.store.server_pid
     try:
         fill_random(pool, range(2))
@@ -2405,3 +2396,13 @@ def test_unflagged_keys_are_unchanged():
     text = json.dumps(["m", "ns", facts], sort_keys=True, separators=(",", ":"))
     assert kv_vllm.key_prefix("m", "ns", spec, SLOT) == xxhash.xxh3_128_digest(
         b"kvblock-vllm-key-v2\0" + text.encode())
+
+
+def _served_tier(tmp_path):
+    """(pool, tier): a kvblock tier of 2 workers over an 8-slot pool, its
+    64 MiB store kv.img in ``tmp_path`` served by a kvblock serve it starts
+    on kv.sock there."""
+    pool = page_aligned_pool(8)
+    return pool, KVBlockTierManager(make_spec(), memoryview(pool.numpy()), "kvblock",
+                                    devices=[str(tmp_path / "kv.img")], size="64M",
+                                    threads=2, server=str(tmp_path / "kv.sock"))

@@ -582,16 +582,7 @@ def test_a_put_cut_before_its_commit_goes_out_gives_back_its_allocations(tmp_pat
             else:
                 r.put_runs([(a, run_data(a)), (b, run_data(b))])
         assert cut
-        (s,) = server._sessions.values()
-        assert not s.writers, "the allocations of the cut put stay on the connection"
-        assert server.store.regions.pins.sum() == 0, "a region stays pinned"
-        assert r._session.held == 0 and r.server_alive
-        assert r.lookup(a) == 0                  # nothing published
-        # the rank goes on: put again, stored and read back whole
-        assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 3]
-        for keys in (a, b):
-            out = np.zeros_like(run_data(keys))
-            assert r.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
+        _allocations_given_back(server, r, a, b)
 
 
 @pytest.mark.parametrize("at", ["_call_locked", "_call_on"])
@@ -611,33 +602,54 @@ def test_a_put_cut_as_its_allocate_returns_gives_back_the_allocation(tmp_path, h
     # put_runs: cut at its second allocate (the first one's answer is the put's)
     cut_at = 1 if how == "put_run" else 2
     with serve_in_background([path], sock) as server, RS(sock) as r:
-        real, allocates = getattr(RS, at), []
+        _cut_as_it_returns(monkeypatch, r, at, "allocate", cut_at, how, a, b)
+        _allocations_given_back(server, r, a, b)
 
-        def call(self, s, op, *args, **kwargs):
-            out = real(self, s, op, *args, **kwargs)
-            if op == "allocate":
-                allocates.append(out)
-                if len(allocates) == cut_at:
-                    raise KeyboardInterrupt     # the answer came, the caller never saw it
-            return out
-        monkeypatch.setattr(RS, at, call)
-        with pytest.raises(KeyboardInterrupt):
-            if how == "put_run":
-                r.put_run(a, run_data(a))
-            else:
-                r.put_runs([(a, run_data(a)), (b, run_data(b))])
-        monkeypatch.undo()
-        assert len(allocates) == cut_at
-        (s,) = server._sessions.values()
-        assert not s.writers, "the cut put's allocation stays on the connection"
-        assert server.store.regions.pins.sum() == 0, "a region stays pinned"
-        assert r._session.held == 0 and r.server_alive
-        assert r.lookup(a) == 0                  # nothing published
-        # the rank goes on: put again, stored and read back whole
-        assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 3]
-        for keys in (a, b):
-            out = np.zeros_like(run_data(keys))
-            assert r.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
+
+def _cut_as_it_returns(monkeypatch, r, at, op, cut_at, how, a, b) -> None:
+    """Run put_run(a) (``how``) or put_runs([a, b]) on RemoteStore ``r``
+    with a KeyboardInterrupt raised as its ``cut_at``-th ``op`` call
+    returns from RemoteStore method ``at`` (its answer read, the caller
+    never seeing it)."""
+    from kvblock.store.client import RemoteStore as RS
+
+    real, answers = getattr(RS, at), []
+
+    def call(self, s, name, *args, **kwargs):
+        out = real(self, s, name, *args, **kwargs)
+        if name == op:
+            answers.append(out)
+            if len(answers) == cut_at:
+                raise KeyboardInterrupt     # the answer came, the caller never saw it
+        return out
+    monkeypatch.setattr(RS, at, call)
+    with pytest.raises(KeyboardInterrupt):
+        if how == "put_run":
+            r.put_run(a, run_data(a))
+        else:
+            r.put_runs([(a, run_data(a)), (b, run_data(b))])
+    monkeypatch.undo()
+    assert len(answers) == cut_at
+
+
+def _allocations_given_back(server, r, a, b) -> None:
+    """After a cut put of ``a`` (and ``b``): the server holds no allocation
+    of it on the live connection and no region pinned, nothing was
+    published, and the rank goes on (put again, stored and read back whole)."""
+    (s,) = server._sessions.values()
+    assert not s.writers, "the allocations of the cut put stay on the connection"
+    assert server.store.regions.pins.sum() == 0, "a region stays pinned"
+    assert r._session.held == 0 and r.server_alive
+    assert r.lookup(a) == 0                  # nothing published
+    _put_and_read_back(r, a, b)
+
+
+def _put_and_read_back(r, a, b) -> None:
+    """put_runs([a, b]) on ``r`` stores both whole, and they read back."""
+    assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 3]
+    for keys in (a, b):
+        out = np.zeros_like(run_data(keys))
+        assert r.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
 
 
 @pytest.mark.parametrize("at", ["_call_locked", "_call_on"])
@@ -662,30 +674,11 @@ def test_a_put_cut_as_its_admit_returns_gives_back_the_offer(tmp_path, how, at, 
         assert not s.offers
         # put_runs: cut at its second admit (the first one's offer is the put's)
         cut_at = 1 if how == "put_run" else 2
-        real, admits = getattr(RS, at), []
-
-        def call(self, s, op, *args, **kwargs):
-            out = real(self, s, op, *args, **kwargs)
-            if op == "admit":
-                admits.append(out)
-                if len(admits) == cut_at:
-                    raise KeyboardInterrupt     # the answer came, the caller never saw it
-            return out
-        monkeypatch.setattr(RS, at, call)
-        with pytest.raises(KeyboardInterrupt):
-            if how == "put_run":
-                r.put_run(a, run_data(a))
-            else:
-                r.put_runs([(a, run_data(a)), (b, run_data(b))])
-        monkeypatch.undo()
-        assert len(admits) == cut_at
+        _cut_as_it_returns(monkeypatch, r, at, "admit", cut_at, how, a, b)
         assert not s.offers, f"offers left open on the connection: {s.offers}"
         assert r.server_alive and list(server._sessions.values()) == [s], \
             "the connection was given up"
         assert r.lookup(a) == 0                  # nothing published
         # the offers were given back: the runs are admitted at once, stored
         # and read back whole
-        assert r.put_runs([(a, run_data(a)), (b, run_data(b))]) == [2, 3]
-        for keys in (a, b):
-            out = np.zeros_like(run_data(keys))
-            assert r.get_run(keys, out) == len(keys) and np.array_equal(out, run_data(keys))
+        _put_and_read_back(r, a, b)

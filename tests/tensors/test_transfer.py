@@ -3329,6 +3329,27 @@ def _zero(lay):
             v[...] = 0
 
 
+def _dram_load(path, g, keys, src, dst, ids, monkeypatch, **load_kwargs):
+    """Save ``keys`` from ``src`` into a store whose DRAM tier holds them
+    all, then load them into ``dst`` at ``ids``, counting HostTier.get's
+    calls: (their args, stats before the load, stats after)."""
+    from kvblock.tiers import HostTier
+
+    n = len(keys)
+    gets, real_get = [], HostTier.get
+
+    def get(self, *a, **kw):
+        gets.append(a)
+        return real_get(self, *a, **kw)
+
+    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
+        assert save_blocks(store, keys, src, list(range(n))) == n
+        monkeypatch.setattr(HostTier, "get", get)
+        before = store.stats()
+        assert load_blocks(store, keys, dst, ids, **load_kwargs).wait(timeout=30) == n
+        return gets, before, store.stats()
+
+
 @pytest.mark.parametrize("kind,groups,tp,rank", [
     (kind, *split) for kind in ("NHD", "HND", "sglang", "hf")
     for split in ((1, 1, 0), (1, 2, 1), (2, 2, 1), (2, 1, 0), (2, 4, 3), (4, 2, 1), (1, 16, 5))
@@ -3341,8 +3362,6 @@ def test_dram_hits_into_a_host_cache_are_copied_straight_from_the_arena(path, mo
     hit now goes straight from the arena into every layer's pages (under
     the tier's lock, HostTier.copy_out): the same bytes for every layout,
     head-group split, TP rank and page order, the same hit counts."""
-    from kvblock.tiers import HostTier
-
     heads = 1 if kind == "mla" else DH
     g = Geometry(DL, heads, 2 * DD if kind == "mla" else DD, "bfloat16", DBS,
                  1 if kind == "mla" else 2, 1 if kind == "mla" else groups)
@@ -3353,18 +3372,8 @@ def test_dram_hits_into_a_host_cache_are_copied_straight_from_the_arena(path, mo
     src = _dram_cache(kind, n, heads)
     dst = _dram_cache(kind, 10, per)
     _zero(dst)
-    gets, real_get = [], HostTier.get
-
-    def get(self, *a, **kw):
-        gets.append(a)
-        return real_get(self, *a, **kw)
-
-    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
-        assert save_blocks(store, keys, src, list(range(n))) == n
-        monkeypatch.setattr(HostTier, "get", get)
-        before = store.stats()
-        assert load_blocks(store, keys, dst, ids, tp_rank=rank, tp_size=tp).wait(timeout=30) == n
-        after = store.stats()
+    gets, before, after = _dram_load(path, g, keys, src, dst, ids, monkeypatch,
+                                     tp_rank=rank, tp_size=tp)
     for name, want in (("host_tier_hits", n), ("host_tier_misses", 0),
                        ("device_hit_blocks", 0), ("host_hit_blocks", n)):
         assert after[name] - before[name] == want, name
@@ -3423,7 +3432,6 @@ def test_dram_hits_into_a_host_cache_without_a_row_copy_are_scattered_with_numpy
     pages lie with other strides: no one plan for every layer), DRAM hits
     take get, stack and the scatter: the same bytes and counts."""
     from kvblock.tensors import pagecopy
-    from kvblock.tiers import HostTier
 
     g = Geometry(DL, DH, DD, "bfloat16", DBS)
     n, ids = 6, [7, 2, 9, 0, 5, 3]
@@ -3435,18 +3443,7 @@ def test_dram_hits_into_a_host_cache_without_a_row_copy_are_scattered_with_numpy
     else:                     # layer 1: every other head_dim of a wider tensor
         dst.caches[1] = torch.zeros(2, 10, DBS, DH, 2 * DD, dtype=torch.bfloat16)[..., ::2]
     _zero(dst)
-    gets, real_get = [], HostTier.get
-
-    def get(self, *a, **kw):
-        gets.append(a)
-        return real_get(self, *a, **kw)
-
-    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
-        assert save_blocks(store, keys, src, list(range(n))) == n
-        monkeypatch.setattr(HostTier, "get", get)
-        before = store.stats()
-        assert load_blocks(store, keys, dst, ids).wait(timeout=30) == n
-        after = store.stats()
+    gets, before, after = _dram_load(path, g, keys, src, dst, ids, monkeypatch)
     assert len(gets) == n, "the fallback was not taken"
     assert after["host_tier_hits"] - before["host_tier_hits"] == n
     assert after["device_hit_blocks"] == before["device_hit_blocks"]
