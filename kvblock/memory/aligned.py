@@ -69,7 +69,9 @@ _before_unmap: list = []
 # and say so (left_in_flight), so that no pool hands them out again.
 _LATE: list[tuple[int, int]] = []
 _KEPT: list = []
-_LATE_LOCK = threading.Lock()
+# Reentrant: a collection while keep_for_late_reads holds it may close a
+# HostBuffer in a late range (a finalizer), whose close() takes it again.
+_LATE_LOCK = threading.RLock()
 # Every HostBuffer not yet closed, by a key each (a dict of weakrefs, listed
 # from any thread with one copy in C, as kvblock.io.engine's _BY_KEY).
 _LIVE: "dict[int, weakref.ref[HostBuffer]]" = {}
@@ -78,7 +80,7 @@ _LIVE_KEYS = itertools.count()
 
 def _late_lock_after_fork() -> None:
     global _LATE_LOCK
-    _LATE_LOCK = threading.Lock()    # (one a parent's thread held at the fork stays held)
+    _LATE_LOCK = threading.RLock()   # (one a parent's thread held at the fork stays held)
 
 
 os.register_at_fork(after_in_child=_late_lock_after_fork)
