@@ -1300,10 +1300,16 @@ def _arena_rows(g, layout, g0, ng, h0, heads) -> _ArenaRows | None:
         g.num_layers, g.head_groups, g.kv_parts, g.block_tokens, g.heads_per_group, g.head_dim)
     hg, shape, parts = g.heads_per_group, None, ([], [], [])
     page0 = np.zeros(1, np.int64)
+    pages = None
     for layer in range(g.num_layers):
         for k, view in enumerate(layout.layer_views(layer)):
             host = _host_np(view, g.itemsize)
             if host is None:
+                return None
+            # page ids are checked against layer 0's pages only: a layer of
+            # fewer would be written past its end (the scatter refuses it)
+            pages = host.shape[0] if pages is None else pages
+            if host.shape[0] < pages:
                 return None
             # the rank's heads h0:h0+heads of its groups' heads, group by group
             for gi in range(ng):

@@ -3450,3 +3450,24 @@ def test_dram_hits_into_a_host_cache_without_a_row_copy_are_scattered_with_numpy
     for layer in range(DL):
         for s, d in zip(_dram_pages(src, layer), _dram_pages(dst, layer)):
             assert np.array_equal(d[ids], s), layer
+
+
+def test_dram_hits_into_a_layer_of_fewer_pages_are_not_copied_past_its_end(path):
+    """Page ids are checked against layer 0's pages only: a layer of fewer
+    pages (a layout whose layers differ) must not have the arena's row copy
+    write past its end (into whatever memory follows it): the load fails
+    as the numpy scatter makes it, and nothing outside the layer changes."""
+    g = Geometry(DL, DH, DD, "bfloat16", DBS)
+    n, ids = 2, [1, 8]
+    keys = [f"p{i}".encode() for i in range(n)]
+    src = _dram_cache("NHD", n, DH)
+    dst = _dram_cache("NHD", 10, DH)
+    # layer 1: the first 5 pages of a 10-page tensor (the strides of layer 0's)
+    whole = torch.zeros(2, 10, DBS, DH, DD, dtype=torch.bfloat16)
+    dst.caches[1] = whole[:, :5]
+    _zero(dst)
+    with _store(path, g, host_cache_bytes=(n + 2) * g.block_bytes) as store:
+        assert save_blocks(store, keys, src, list(range(n))) == n
+        with pytest.raises(IndexError):
+            load_blocks(store, keys, dst, ids).wait(timeout=30)
+    assert not whole[:, 5:].any(), "written past layer 1's 5 pages"
