@@ -728,6 +728,12 @@ class KVBlockTierManager(SecondaryTierManager):
         their calls, which then fail (their jobs are reported failed), and
         they are joined for good: none may outlive the pool vLLM unmaps."""
         started = [t for t in self._workers if t.ident is not None]
+        if not hasattr(self.store, "answer_overdue"):
+            # a store of this process: no server to hang on, its calls end
+            # (as vLLM's fs tier, joined with no limit)
+            for t in started:
+                t.join()
+            return
         deadline = time.monotonic() + SHUTDOWN_WAIT_S
         for t in started:
             t.join(max(0.0, deadline - time.monotonic()))

@@ -1334,6 +1334,31 @@ def test_shutdown_lets_go_of_the_pool_whatever_a_close_raises(make_tier, monkeyp
     tier.shutdown()                            # (done: the fixture's call returns at once)
 
 
+def test_shutdown_lets_a_local_stores_call_finish_however_long(make_tier, monkeypatch):
+    """Only a shared store's calls are cut at shutdown (a hung server): a
+    store of this process has nothing to hang on, and a worker's call to
+    it (here one taking longer than SHUTDOWN_WAIT_S) finishes, its job
+    reported as it went, as vLLM's fs tier joins its workers."""
+    from kvblock.integrations import vllm as tier_mod
+
+    monkeypatch.setattr(tier_mod, "SHUTDOWN_WAIT_S", 0.05)
+    tier, pool = make_tier(threads=1)
+    started, real = threading.Event(), tier.store.put_runs
+
+    def slow_put_runs(*args, **kwargs):
+        started.set()
+        time.sleep(0.5)            # longer than SHUTDOWN_WAIT_S: a slow device
+        return real(*args, **kwargs)
+    monkeypatch.setattr(tier.store, "put_runs", slow_put_runs)
+    monkeypatch.setattr(tier.store, "put_run", lambda keys, data: slow_put_runs([(keys, data)])[0])
+    fill_random(pool, range(1))
+    tier.submit_store(job(1, [key(1)], [0]))
+    assert started.wait(10)
+    tier.shutdown()
+    assert [(r.job_id, r.success) for r in tier.get_finished_jobs()] == [(1, True)]
+    assert all(not t.is_alive() for t in tier._workers)
+
+
 def test_shutdown_cuts_calls_stuck_on_a_hung_shared_server(tmp_path, monkeypatch):
     """shutdown() joined the workers with no limit before it closed the
     store: a worker's call to a store server that never answers (stopped
