@@ -1291,13 +1291,13 @@ class RemoteStore(RunReader, RunWriter):
 
     @staticmethod
     def _cut_before_sent(s: "Session", e: BaseException) -> bool:
-        """Was a commit on ``s`` that raised ``e`` cut before it went out
-        (a Ctrl-C as it waited for the connection's lock)?  One cut in the
-        middle gives the connection up (``s.gone``: its allocations go as
-        it closes), an answered error is a KVBlockError.  Else the server
-        holds the allocations on a live connection until they are aborted
-        (an abort after a commit that did go out finds its wid gone: a
-        no-op)."""
+        """Was a request on ``s`` (a commit, an unpin) that raised ``e`` cut
+        before it went out (a Ctrl-C as it waited for the connection's
+        lock)?  One cut in the middle gives the connection up (``s.gone``:
+        its allocations and pins go as it closes), an answered error is a
+        KVBlockError.  Else the server holds them on a live connection
+        until they are aborted or unpinned (an abort after a commit that
+        did go out finds its wid gone: a no-op)."""
         return s.gone is None and not isinstance(e, KVBlockError)
 
     def _put_call_on(self, s: "Session", op: str, args: dict, what: str,
@@ -1590,13 +1590,10 @@ class RemoteStore(RunReader, RunWriter):
                 raise
             return not s.peer_closed()   # (StoreClosedError where this rank was closed)
         except BaseException as e:
-            # Cut before the request went out (a Ctrl-C as it waited for
-            # the connection's lock): one cut in the middle gives the
-            # connection up (s.gone: the pins go as it closes), an answered
-            # error is a KVBlockError.  The server holds the pin on a live
-            # connection: kept for the caller's second try, else nothing
-            # would release it while the connection lives.
-            if s.gone is None and not isinstance(e, KVBlockError):
+            # Cut before the request went out: the server holds the pin on
+            # a live connection, kept for the caller's second try, else
+            # nothing would release it while the connection lives.
+            if self._cut_before_sent(s, e):
                 with self._release_lock:
                     segs.pin, kept = pin, True
             raise
