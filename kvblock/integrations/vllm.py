@@ -749,11 +749,11 @@ class KVBlockTierManager(SecondaryTierManager):
                     t.join()
 
     def _close_store(self, cut: bool = False) -> None:
-        """``cut``: a shared store ends its connection under calls in
-        flight at once, not after its own wait (CLOSE_WAIT_S, 30 s): the
-        workers had theirs."""
+        """``cut`` (a shared store's, from _join_workers): its connection
+        ends under calls in flight at once, not after its own wait
+        (CLOSE_WAIT_S, 30 s): the workers had theirs."""
         try:
-            if cut and hasattr(self.store, "answer_overdue"):     # a shared store
+            if cut:
                 self.store.close(wait=0)
             else:
                 self.store.close()
