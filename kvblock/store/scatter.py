@@ -61,7 +61,7 @@ def as_array(x, what: str, writable: bool = False, arg: str = "data") -> np.ndar
                           "bytearray, memoryview)")
     try:
         arr = np.asarray(x)
-    except (TypeError, ValueError) as e:     # ragged lists and the like: no byte array
+    except (TypeError, ValueError) as e:     # an array interface numpy cannot read
         raise ConfigError(f"{what}: a {type(x).__name__} numpy cannot take as one array of "
                           f"bytes ({e})") from None
     return _bytes_held(arr, what)
