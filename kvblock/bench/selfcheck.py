@@ -46,9 +46,9 @@ def _check(path: str, size: int) -> dict:
             raise DeviceTooSmallError(f"{path} has {said_size(dev)}; selfcheck writes whole "
                                       "MiB and needs at least 1 MiB: give a larger --path", path)
         if size > dev.capacity:   # checking less than asked would pass for the full check
-            raise ConfigError(f"selfcheck --size {size} is larger than {path} ({dev.capacity} "
-                              "bytes); give at most its size, or another --path (a scratch "
-                              "file made there is of --size)")
+            raise ConfigError(f"selfcheck --size {size} is larger than {path} "
+                              f"({said_size(dev)}); give at most its size, or another --path "
+                              "(a scratch file made there is of --size)")
         span = size // UNIT * UNIT
         rng = np.random.default_rng()
         with HostBuffer(span) as src, HostBuffer(span) as dst:

@@ -801,3 +801,18 @@ def test_a_store_bench_target_too_small_names_a_size_that_holds_its_runs(tmp_pat
     assert res.exit_code in (7, 8), res.output
     assert "fewer --run-blocks" in res.output and "give --size" not in res.output, res.output
     assert not path.exists()
+
+
+def test_selfcheck_says_a_partial_block_targets_real_size(tmp_path):
+    """`selfcheck --size` past a file of 1 MiB + 1000 bytes said "larger
+    than it (1048576 bytes)" where the file has 1049576, the size asked
+    for: its own size is said beside its whole blocks, as the raw bench
+    says it."""
+    odd = tmp_path / "odd.img"
+    odd.write_bytes(b"\0" * ((1 << 20) + 1000))
+    res = CliRunner().invoke(cli, ["selfcheck", "--path", str(odd), "--size",
+                                   str((1 << 20) + 1000)])
+    assert res.exit_code == 8, res.output
+    assert f"larger than {odd} (1049576 bytes (1048576 in whole 4096-byte blocks))" \
+        in res.output, res.output
+    assert odd.read_bytes() == b"\0" * ((1 << 20) + 1000)
