@@ -143,7 +143,7 @@ def _check_size(target: str, size: int) -> None:
     existing target's cannot be honoured, so it is refused before any write."""
     with Device(target) as dev:
         if size // dev.block_size * dev.block_size != dev.capacity:
-            raise ConfigError(f"--size {size} differs from {dev.path} ({dev.capacity} bytes): "
+            raise ConfigError(f"--size {size} differs from {dev.path} ({said_size(dev)}): "
                               "save/restore format all of an existing target; give its size, "
                               "or none, or a new TARGET")
 

@@ -816,3 +816,17 @@ def test_selfcheck_says_a_partial_block_targets_real_size(tmp_path):
     assert f"larger than {odd} (1049576 bytes (1048576 in whole 4096-byte blocks))" \
         in res.output, res.output
     assert odd.read_bytes() == b"\0" * ((1 << 20) + 1000)
+
+
+def test_store_bench_size_differing_says_a_partial_block_targets_real_size(tmp_path):
+    """`bench --workload save --size 2M` over a file of 1 MiB + 1000 bytes
+    said it differs from the file "(1048576 bytes)": its whole blocks, not
+    the size ls shows.  Both are said, as the raw bench says them."""
+    odd = tmp_path / "odd.img"
+    odd.write_bytes(b"\0" * ((1 << 20) + 1000))
+    res = CliRunner().invoke(cli, ["bench", str(odd), "--workload", "save", "--size", "2M",
+                                   "--seconds", "0.1"])
+    assert res.exit_code == 8, res.output
+    assert f"differs from {odd} (1049576 bytes (1048576 in whole 4096-byte blocks))" \
+        in res.output, res.output
+    assert odd.read_bytes() == b"\0" * ((1 << 20) + 1000)
