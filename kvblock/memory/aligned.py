@@ -95,7 +95,7 @@ def keep_for_late_reads(ranges, why: str) -> None:
     ranges = [(int(lo), int(hi)) for lo, hi in ranges]
     with _LATE_LOCK:
         _LATE.extend(ranges)
-        for ref in list(_LIVE.copy().values()):
+        for ref in _LIVE.copy().values():
             buf = ref()
             mm = buf._mm if buf is not None else None
             if mm is None or buf._kept or not _late(buf.address, buf._size):
@@ -287,7 +287,7 @@ class HostBuffer:
                 self._cuda_pinned = False
             self.array = None
             _LIVE.pop(self._live_key, None)
-            if self._kept or (_LATE and _late(self.address, self._size)):
+            if self.left_in_flight:
                 # A read left in flight may still land here: the mapping
                 # stays (held in _KEPT) for the process's life, not reused.
                 with _LATE_LOCK:
