@@ -154,9 +154,8 @@ class Superblock:
         version = f[1]
         if version != FORMAT_VERSION:
             if version > FORMAT_VERSION:
-                how = ("the store was written by a newer kvblock release: upgrade kvblock to a "
-                       f"release that reads format version {version} (or reformat the store with "
-                       "this one: kvblock format --force, its cached KV is lost)")
+                how = ("the store was written by a newer kvblock release: "
+                       + _upgrade_fix(version))
             else:
                 how = ("the store was written by an older kvblock release: reformat it (kvblock "
                        "format --force; its cached KV is lost), or use a kvblock release that "
@@ -214,6 +213,12 @@ def _conflict(valid: list, path: str) -> SuperblockConflictError | None:
         path, (at, bt))
 
 
+def _upgrade_fix(version: int) -> str:
+    """The fix for a store of a newer format ``version`` (both refusals of one)."""
+    return (f"upgrade kvblock to a release that reads format version {version} (or reformat "
+            "the store with this one: kvblock format --force, its cached KV is lost)")
+
+
 def pick(copies: list[bytes], path: str) -> Superblock:
     """The newest valid copy; the error of the first copy when none is
     valid; SuperblockConflictError when the valid copies disagree;
@@ -235,9 +240,7 @@ def pick(copies: list[bytes], path: str) -> Superblock:
             f"{e.version} (written by a newer kvblock release), the copy at offset {at} "
             f"version {sb.version}, which this kvblock reads: the newer release began to "
             "upgrade the store in place, so the store is not opened by the older copy; "
-            f"upgrade kvblock to a release that reads format version {e.version} (or "
-            "reformat the store with this one: kvblock format --force, its cached KV is lost)",
-            path, e.offset, e.version)
+            + _upgrade_fix(e.version), path, e.offset, e.version)
     if len(valid) == 2 and (conflict := _conflict(valid, path)) is not None:
         raise conflict
     if valid:
