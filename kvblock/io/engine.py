@@ -833,7 +833,7 @@ class IOEngine:
 
 
     def _raise_broken(self, op: int, b: IOBatch, results: np.ndarray, code: int,
-                      parent: np.ndarray | None, total: int, target: IOBatch | None = None):
+                      parent: np.ndarray | None, total: int, target: IOBatch):
         """The IOFailedError for a batch the ring broke under (RingBroken):
         it names the first piece that did not finish and counts the
         caller's I/Os that did not (pieces of one I/O are one: the store
@@ -854,9 +854,9 @@ class IOEngine:
         if in_flight:
             j = int(waiting[0])
             if op == OP_READ:
-                t = b if target is None else target
                 aligned.keep_for_late_reads(
-                    zip(t.addrs[waiting].tolist(), (t.addrs[waiting] + t.lens[waiting]).tolist()),
+                    zip(target.addrs[waiting].tolist(),
+                        (target.addrs[waiting] + target.lens[waiting]).tolist()),
                     f"a read at offset {int(b.offsets[j])} on {self._path(int(b.devs[j]))}")
             late = (f" {in_flight} of them may still be in flight (the broken ring could not "
                     f"wait for them), the first a {_OP_NAME[op]} at offset {int(b.offsets[j])} "
