@@ -1273,14 +1273,14 @@ def _load_from_host(store, keys, layout, page_ids, g0, ng, h0, heads, arena=None
 
 class _ArenaRows:
     """A DRAM-tier block's rows into a host cache's pages: every layer, K/V
-    part and head group of the rank's heads in one native row copy, the
-    destination as for page 0 (``dst0``, moved ``dst_page`` bytes a page),
-    the source as offsets into the block (``rows``: their shape)."""
+    part and head group of the rank's heads in one native row copy.
+    ``rows.dst``: the destinations as for page 0 (int64, moved ``dst_page``
+    bytes a page); ``rows.src``: the sources as offsets into the block."""
 
-    __slots__ = ("rows", "dst0", "dst_page", "src", "lib")
+    __slots__ = ("rows", "dst_page", "lib")
 
-    def __init__(self, rows: Rows, dst0, dst_page, src, lib):
-        self.rows, self.dst0, self.dst_page, self.src, self.lib = rows, dst0, dst_page, src, lib
+    def __init__(self, rows: Rows, dst_page, lib):
+        self.rows, self.dst_page, self.lib = rows, dst_page, lib
 
 
 def _arena_rows(g, layout, g0, ng, h0, heads) -> _ArenaRows | None:
@@ -1325,7 +1325,7 @@ def _arena_rows(g, layout, g0, ng, h0, heads) -> _ArenaRows | None:
                 parts[1].append(np.full(rows.dst.size, host.strides[0], np.int64))
                 parts[2].append(rows.src.view(np.int64) - base)
     dst0, dst_page, src = (np.concatenate(p) for p in parts)
-    return _ArenaRows(Rows(dst0, src, *shape), dst0, dst_page, src, lib)
+    return _ArenaRows(Rows(dst0, src, *shape), dst_page, lib)
 
 
 def _host_hits_into_host(store, keys, since, page_ids, arena: _ArenaRows) -> int:
@@ -1338,10 +1338,10 @@ def _host_hits_into_host(store, keys, since, page_ids, arena: _ArenaRows) -> int
     n = 0
     # (only this stretch's ids: page_ids runs to the load's last key)
     for key, published, page in zip(keys, since, page_ids[:len(keys)].tolist()):
-        dst = (arena.dst0 + page * arena.dst_page).view(np.uint64)   # (outside the lock)
+        dst = (arena.rows.dst + page * arena.dst_page).view(np.uint64)   # (outside the lock)
 
         def copy(block, dst=dst):
-            src = (arena.src + block.__array_interface__["data"][0]).view(np.uint64)
+            src = (arena.rows.src + block.__array_interface__["data"][0]).view(np.uint64)
             copy_rows(arena.lib, arena.rows, dst, src)
 
         if not store.host.copy_out(key, copy, since=published):
