@@ -5,7 +5,9 @@ from kvblock.devices.device import (
     DeviceInfo,
     check_distinct,
     create_file,
+    medium_key,
     refuse_one_path,
 )
 
-__all__ = ["Device", "DeviceInfo", "check_distinct", "create_file", "refuse_one_path"]
+__all__ = ["Device", "DeviceInfo", "check_distinct", "create_file", "medium_key",
+           "refuse_one_path"]

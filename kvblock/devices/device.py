@@ -552,6 +552,25 @@ def loop_backing(rdev: int) -> str | None:
     return backing or None
 
 
+def medium_key(st: os.stat_result) -> tuple:
+    """What a device or file with this stat stores its bytes on, as a key:
+    ("file", st_dev, st_ino) of a regular file, or of the file at the
+    bottom of a stack of loop devices (a loop device is the file it is
+    over); ("blk", st_rdev) of any other block device (a partition of a
+    loop device is itself, not its disk's whole file)."""
+    seen = set()
+    while stat.S_ISBLK(st.st_mode) and st.st_rdev not in seen:
+        seen.add(st.st_rdev)
+        backing = loop_backing(st.st_rdev)
+        if backing is None:
+            break
+        try:
+            st = os.stat(backing)
+        except OSError:        # (deleted, or a path that no longer names it)
+            break
+    return ("blk", st.st_rdev) if stat.S_ISBLK(st.st_mode) else ("file", st.st_dev, st.st_ino)
+
+
 def _writes_backing(rdev: int) -> str | None:
     """The backing file block device ``rdev`` writes: a loop device's, or,
     for a partition of a loop device (losetup -P), its disk's (a partition

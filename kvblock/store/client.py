@@ -27,7 +27,6 @@ import functools
 import logging
 import os
 import socket
-import stat
 import threading
 import time
 import traceback
@@ -38,7 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from kvblock import errors
-from kvblock.devices import Device, check_distinct, refuse_one_path
+from kvblock.devices import Device, check_distinct, medium_key, refuse_one_path
 from kvblock.errors import (ConfigError, ConnectionAbandonedError, KVBlockError, ServerError,
                             ServerGoneError, StoreClosedError, StoreFullError)
 from kvblock.index import normalize_keys
@@ -1756,7 +1755,7 @@ def same_medium(fd_a: int, fd_b: int) -> bool:
     """Do two descriptors reach one medium (the same block device through
     any node, the same file through any path, or a loop device and the
     file it is over)?"""
-    return _medium_key(os.fstat(fd_a)) == _medium_key(os.fstat(fd_b))
+    return medium_key(os.fstat(fd_a)) == medium_key(os.fstat(fd_b))
 
 
 def _check_served_devices(store: "RemoteStore", devices) -> None:
@@ -1764,28 +1763,16 @@ def _check_served_devices(store: "RemoteStore", devices) -> None:
     be on them (another store's server there would otherwise be used)."""
     def key(path):
         try:
-            return _medium_key(os.stat(os.fspath(path)))
+            return medium_key(os.stat(os.fspath(path)))
         except OSError:                  # missing: not what is served
             return ("missing", os.fspath(path))
-    served = {_medium_key(os.fstat(d.fd)) for d in store.io.devices}
+    served = {medium_key(os.fstat(d.fd)) for d in store.io.devices}
     if {key(p) for p in devices} != served or len(devices) != len(served):
         raise errors.GeometryMismatchError(
             f"the store server at {store.socket_path} serves store {store.uuid} on "
             f"{', '.join(d.path for d in store.io.devices)}, not on "
             f"{', '.join(map(os.fspath, devices))}: give each store its own socket "
             "(e.g. a {dp_rank} in it too)", os.fspath(devices[0]), 0)
-
-
-def _medium_key(st) -> tuple:
-    if not stat.S_ISBLK(st.st_mode):
-        return ("file", st.st_dev, st.st_ino)
-    major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-    try:      # a loop device is the file it is over
-        with open(f"/sys/dev/block/{major}:{minor}/loop/backing_file") as f:
-            backing = os.stat(f.read().strip())
-        return ("file", backing.st_dev, backing.st_ino)
-    except OSError:
-        return ("blk", st.st_rdev)
 
 
 def _after_fork_in_child() -> None:

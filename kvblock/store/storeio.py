@@ -10,9 +10,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import stat
 import threading
 
+from kvblock.devices import medium_key
 from kvblock.errors import DeviceBusyError, IOFailedError
 from kvblock.io import IOBatch, IOEngine
 from kvblock.io.mapped import mappable
@@ -41,8 +41,9 @@ _LATE_DATA_WRITES: dict[tuple, str] = {}
 
 
 def _identity(dev) -> tuple:
-    st = os.fstat(dev.fd)
-    return ("blk", st.st_rdev) if stat.S_ISBLK(st.st_mode) else ("file", st.st_dev, st.st_ino)
+    # A loop device and the file under it are one: a write left in flight
+    # through either lands on the other.
+    return medium_key(os.fstat(dev.fd))
 
 
 def note_late_data_write(dev, what: str) -> None:

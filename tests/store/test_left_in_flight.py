@@ -309,3 +309,31 @@ def test_a_metadata_write_left_in_flight_closes_the_store_and_refuses_writing_it
     with KVStore.open([path], readonly=True) as store:
         out = np.zeros_like(run_data(keys))
         assert store.get_run(keys, out) == 4 and np.array_equal(out, run_data(keys))
+
+
+@pytest.mark.parametrize("left_on", ["loop device", "its backing file"])
+def test_a_write_left_in_flight_refuses_the_loop_device_and_its_backing_file_alike(
+        loop_device, monkeypatch, left_on):
+    """A loop device and the file under it are one medium: a write left in
+    flight through either lands on the other, so an open through the other
+    is refused too (they were told apart by st_rdev vs inode: an open of
+    the backing file went ahead after a late write through /dev/loopN)."""
+    from types import SimpleNamespace
+    from tests.support import loopdev
+
+    monkeypatch.setattr(storeio, "_LATE_WRITES", {}, raising=False)
+    monkeypatch.setattr(storeio, "_LATE_DATA_WRITES", {}, raising=False)
+    loop = loop_device(4 << 20)
+    backing = loopdev.backing_of(loop)
+    fds = [os.open(loop, os.O_RDONLY), os.open(backing, os.O_RDONLY)]
+    try:
+        on_loop, on_file = (SimpleNamespace(fd=fd, path=p) for fd, p in zip(fds, (loop, backing)))
+        left, other = (on_loop, on_file) if left_on == "loop device" else (on_file, on_loop)
+        storeio.note_late_data_write(left, "a data write in region 3")
+        storeio.refuse_late_writes([other])           # (data writes: only when opening)
+        with pytest.raises(DeviceBusyError) as e:
+            storeio.refuse_late_writes([other], opening=True)
+        assert e.value.path == other.path and "a data write in region 3" in str(e.value)
+    finally:
+        for fd in fds:
+            os.close(fd)
