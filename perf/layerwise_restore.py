@@ -177,9 +177,15 @@ class _Sink:
     preallocated (already touched) ``staging``; put_run only notes the time."""
 
     def __init__(self, g, staging):
+        from kvblock.store.inflight import InFlight
+
         self.geometry = g
         self.staging = staging
         self.done_at = None
+        self._inflight = InFlight("the sink is closed")   # save_blocks counts itself in
+
+    def _stored_whole(self, keys):
+        return False          # (save_blocks skips the gather of a run stored whole)
 
     def _staging(self, nbytes, purpose="staging"):
         if nbytes > self.staging.nbytes:

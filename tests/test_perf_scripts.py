@@ -1000,3 +1000,16 @@ def test_store_file_scripts_remove_their_store_on_sigterm(script, patch, cleaned
     assert proc.returncode == 130, (proc.returncode, proc.stderr[-2000:])
     assert f"{script}: interrupted; {cleaned}\n" in proc.stderr, proc.stderr[-2000:]
     assert not left, left
+
+
+def test_layerwise_restore_times_the_copies_alone(capsys):
+    """perf/layerwise_restore.py's gather and scatter steps (make bench's
+    gather-scatter case) drive save_blocks against a stand-in store: it
+    broke when save_blocks began to use more of the store than the stand-in
+    had (AttributeError '_inflight'), unseen until a make bench."""
+    args = ["--tokens", "256", "--layers", "4", "--targets", "shm", "--rounds", "1",
+            "--region-size", "4M", "--json"]
+    out = run_script("layerwise_restore.py", args, capsys)
+    row, = json.loads(out[out.index("["):])
+    copies = row["copy"]
+    assert copies["gather"]["gib_s"] > 0 and copies["scatter"]["gib_s"] > 0, row
