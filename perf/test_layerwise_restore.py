@@ -71,9 +71,8 @@ def saved():
 
 def _fio_read(ctx, runs):
     plan = ctx["plan"]
-    fs.drop_caches()
-    runs.append(fs.run_fio(ctx["dev"], "read", plan["io_size"], plan["in_flight"],
-                           size=ctx["size"], io_size=plan["layer_bytes"] * ctx["g"].num_layers))
+    runs.append(fs.fio_round(ctx["dev"], "read", plan["io_size"], plan["in_flight"],
+                             size=ctx["size"], io_size=plan["layer_bytes"] * ctx["g"].num_layers))
 
 
 def _common(ctx) -> dict:

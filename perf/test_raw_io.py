@@ -68,8 +68,8 @@ def test_raw_read_vs_fio(benchmark, shm_loop, workload, bs, qd):
     last: dict = {}
 
     def run_fio_first():
-        fio_runs.append(fs.run_fio(shm_loop, workload, bs, qd, size=DEVICE_BYTES,
-                                   io_size=IO_BYTES))
+        fio_runs.append(fs.fio_round(shm_loop, workload, bs, qd, size=DEVICE_BYTES,
+                                     io_size=IO_BYTES))
 
     with Device(shm_loop, writable=False, exclusive=False) as dev, \
             HostBuffer(bs * qd) as buf, open_engine([dev], queue_depth=qd) as eng:

@@ -68,9 +68,8 @@ def test_store_vs_fio(benchmark, shm_loop, workload):
     fio_runs: list[dict] = []
 
     def run_fio_first():
-        fs.drop_caches()
-        fio_runs.append(fs.run_fio(shm_loop, fio_rw, piece, in_flight, size=DEVICE_BYTES,
-                                   io_size=round_bytes))
+        fio_runs.append(fs.fio_round(shm_loop, fio_rw, piece, in_flight, size=DEVICE_BYTES,
+                                     io_size=round_bytes))
 
     # fio writes over the store between save rounds: harmless, a save only writes.
     with KVStore.format([shm_loop], g, force=True) as store, HostBuffer(run_bytes) as src, \
