@@ -49,6 +49,25 @@ def drop_caches() -> bool:
         return False
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch on ``n`` threads while a script runs, then as it was.  A
+    script's own torch work (pools written, zeroed and checked) is untimed,
+    but torch's OpenMP workers busy-wait for a few ms after each op
+    (libgomp's active wait) into the timed loads: on the 2-core VM, a core the
+    backends and the loop device's worker lacked (1 thread: kvblock's vLLM
+    tier loads 15-27% faster, the fs tier's 11-19%, in one process side by
+    side)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def fio_round(dev: str, rw: str, bs: int, qd: int, **kw) -> dict:
     """run_fio as a pytest-benchmark ``setup`` before a timed kvblock round:
     the page cache dropped before fio and again after it, so that both

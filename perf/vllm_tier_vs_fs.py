@@ -129,20 +129,7 @@ def page_aligned_pool(num_slots: int, slot: int) -> torch.Tensor:
 drop_caches = fs.drop_caches      # (verified_reads.py takes it from here)
 
 
-@contextlib.contextmanager
-def torch_threads(n: int):
-    """torch on ``n`` threads while the script runs, then as it was.  The
-    script's own torch work (each wave's pool written, zeroed and checked) is
-    untimed, but torch's OpenMP workers busy-wait for a few ms after each op
-    (libgomp's active wait) into the timed loads: on the 2-core VM, a core the
-    tiers and the loop device's worker lacked (1 thread: kvblock's loads 15-27%
-    faster, the fs tier's 11-19%, in one process side by side)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+torch_threads = fs.torch_threads    # (verified_reads.py takes it from here)
 
 
 def plan_jobs(total_slots: int, pool_slots: int, job_slots: int, pattern: str, seed: int):
