@@ -4,7 +4,7 @@ the platform supports it, KvikIO's POSIX compat path otherwise).
 KvikIO needs libcuda.so even for host buffers, so it is imported only here,
 lazily, and only when a CUDA tensor is the destination.  ``gpu_path(store)``
 decides once per store between "kvikio" (read into device memory) and "host"
-(io_uring into host memory, then one host-to-device copy per layer) by timing
+(io_uring into host memory, then a host-to-device copy per unit read) by timing
 both on the store's own data, unless KVBLOCK_GPU_PATH says which.
 """
 

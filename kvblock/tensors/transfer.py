@@ -5,7 +5,8 @@ Save gathers every layer's pages into one aligned buffer in the store's order
 ``[layer][group][block][kv][token][head][dim]`` (one native row copy per layer
 and KV part, kvblock.tensors.pagecopy) and writes it as one run.  Load is a two-stage pipeline: a reader
 thread reads each layer's range(s) of every run of the prefix in units of
-about 8 MiB (32 MiB into a CUDA cache; one I/O batch each); a scatter thread checks each unit against
+about 8 MiB (32 MiB into a CUDA cache; the first unit read alone, later ones up to two
+to an I/O batch while buffers are free); a scatter thread checks each unit against
 the ranges' streaming checksums and copies its pages into the cache while the
 next unit is read.  ``LoadHandle.wait_layer(l)`` returns as soon as layer l is in
 place, while later layers are still being read.
