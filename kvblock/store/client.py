@@ -1330,7 +1330,10 @@ class RemoteStore(RunReader, RunWriter):
     def pin(self, keys: Sequence) -> list:
         """Protect the stored prefix of ``keys`` from eviction until
         :meth:`unpin` (see KVStore.pin); the server holds the pin, and drops
-        it if this connection ends."""
+        it if this connection ends.  Release every handle with unpin() even
+        after the connection was lost (ServerGoneError): the lost
+        connection's socket stays open until its last handle is released
+        (or collected)."""
         return self._segments(normalize_keys(keys))
 
     def unpin(self, pins) -> None:
