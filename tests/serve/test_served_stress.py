@@ -550,12 +550,22 @@ def test_a_server_killed_mid_run_loses_nothing_and_serves_nothing_wrong(served, 
             pins = []
             for i, kids in enumerate(witness):
                 keys, v = [key(k) for k in kids], 90_000_000 + i
-                for _ in range(50):          # (an eviction may come between put and pin)
-                    w.put_run(keys, run_array(kids, v))
-                    pin = w.pin(keys)
-                    if sum(c for _, _, c, _ in pin) == len(kids):
-                        break
-                    w.unpin(pin)
+                # Again until it is stored and pinned whole: an eviction may
+                # come between put and pin, and the clients' pins may hold
+                # every region for a moment (StoreFullError, as they see it).
+                deadline = time.monotonic() + 60
+                while True:
+                    try:
+                        w.put_run(keys, run_array(kids, v))
+                    except StoreFullError:
+                        pass
+                    else:
+                        pin = w.pin(keys)
+                        if sum(c for _, _, c, _ in pin) == len(kids):
+                            break
+                        w.unpin(pin)
+                    assert time.monotonic() < deadline, \
+                        f"witness run {i} not stored and pinned whole in 60 s (seed {SEED})"
                 pins.append(pin)
                 for k in kids:
                     seen[k] = v
