@@ -30,6 +30,7 @@ import collections
 import itertools
 import os
 import threading
+import time
 import traceback
 
 import numpy as np
@@ -387,6 +388,12 @@ def stress(store, oracle, seed, seconds):
     for t in threads:
         t.start()
     stop.wait(seconds)
+    # On a slow machine the time may run out before every kind of call ran:
+    # on until a put_run and a get_run did (or a thread failed), not failed.
+    later = time.monotonic() + 120
+    while not failures and time.monotonic() < later and not all(
+            any(w.ops_done[op] for w in workers) for op in ("put_run", "get_run")):
+        time.sleep(0.05)
     stop.set()
     for t in threads:
         t.join(120)
