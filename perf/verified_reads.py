@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="threads of the script's own (untimed) torch work "
-                         "(vllm_tier_vs_fs.torch_threads says why 1)")
+                         "(fio_support.torch_threads says why 1)")
     ap.add_argument("--pieces", default=f"{engine_mod.HASH_PIECE >> 10}K",
                     type=fio_support.comma_sizes,
                     help="hash piece sizes to try for as-they-land, comma separated")
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     # Under run_guarded as the other loop-device scripts: a SIGTERM or SIGHUP
     # unwinds through the finally blocks that detach the loop device (--target
     # loop) and remove the store's folder, where it killed the process on the spot.
-    with vt.torch_threads(args.torch_threads):
+    with fio_support.torch_threads(args.torch_threads):
         rc = fio_support.run_guarded("verified_reads", body,
                                      "loop device detached" if args.target == "loop"
                                      else "store file removed")

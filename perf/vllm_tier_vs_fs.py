@@ -129,9 +129,6 @@ def page_aligned_pool(num_slots: int, slot: int) -> torch.Tensor:
 drop_caches = fs.drop_caches      # (verified_reads.py takes it from here)
 
 
-torch_threads = fs.torch_threads    # (verified_reads.py takes it from here)
-
-
 def plan_jobs(total_slots: int, pool_slots: int, job_slots: int, pattern: str, seed: int):
     """[(keys, chunk_ids)]: every key once; slot of key i is i % pool_slots
     (adjacent) or a fixed permutation of it (scattered)."""
@@ -400,7 +397,7 @@ def main(argv=None) -> int:
                         "dropped_caches": all(r["dropped_caches"] for r in runs)})
                 del pool, base
 
-    with torch_threads(args.torch_threads):
+    with fs.torch_threads(args.torch_threads):
         rc = fs.run_guarded("vllm_tier_vs_fs", body,      # detaches loop devices on SIGTERM
                             "loop devices detached" if args.kvblock_target == "loop"
                             else "store files removed")
