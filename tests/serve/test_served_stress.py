@@ -182,7 +182,7 @@ class Client:
         return list(range(s, s + n))
 
     # -- the oracle's records
-    def _put(self, kind, fn, kids_list, versions):
+    def _put(self, fn, kids_list, versions):
         began = time.monotonic()
         try:
             out = fn()
@@ -212,19 +212,19 @@ class Client:
     # -- operations
     def put_run(self):
         kids, v = self._kids(), self._version()
-        self._put("put_run", lambda: self.store.put_run([key(k) for k in kids],
-                                                        run_array(kids, v)), [kids], [v])
+        self._put(lambda: self.store.put_run([key(k) for k in kids], run_array(kids, v)),
+                  [kids], [v])
 
     def put_blocks(self):
         kids, v = self._kids(), self._version()
         blocks = [np.ascontiguousarray(block_bytes(k, v)) for k in kids]
-        self._put("put_blocks", lambda: self.store.put_blocks([key(k) for k in kids], blocks),
+        self._put(lambda: self.store.put_blocks([key(k) for k in kids], blocks),
                   [kids], [v])
 
     def put_runs(self):
         runs = [self._kids() for _ in range(self.rng.randint(2, 3))]
         vs = [self._version() for _ in runs]
-        self._put("put_runs", lambda: self.store.put_runs(
+        self._put(lambda: self.store.put_runs(
             [([key(k) for k in kids], run_array(kids, v)) for kids, v in zip(runs, vs)]),
             runs, vs)
 
@@ -233,8 +233,8 @@ class Client:
         pages = self.rng.sample(range(PAGES), len(kids))
         for k, p in zip(kids, pages):
             to_pages(self.cache, p, block_bytes(k, v))
-        self._put("save_blocks", lambda: save_blocks(self.store, [key(k) for k in kids],
-                                                     VLLMLayout(self.cache), pages),
+        self._put(lambda: save_blocks(self.store, [key(k) for k in kids],
+                                      VLLMLayout(self.cache), pages),
                   [kids], [v])
 
     def get_run(self):
